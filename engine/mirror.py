@@ -1,0 +1,190 @@
+"""The engine's mirror of the scheduler's running requests, and the checks that keep it honest.
+
+The scheduler decides; the mirror only follows. Each plan drops finished requests, adds new ones in
+full, and applies the running rows' deltas. Any disagreement (an unknown id, a computed-token count
+that differs, a block table too short for the scheduled tokens) raises MirrorMismatch, which the
+service turns into FAILED_PRECONDITION. No torch here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+class MirrorMismatch(Exception):
+    """A plan disagrees with what the engine holds."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    logprobs: bool = False
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+@dataclass
+class SeqState:
+    seq_id: int
+    token_ids: list[int]
+    num_prompt_tokens: int
+    sampling: SamplingParams
+    block_table: list[int]
+    num_computed_tokens: int
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+
+@dataclass
+class NewRequestData:
+    seq_id: int
+    token_ids: list[int]
+    num_prompt_tokens: int
+    sampling: SamplingParams
+    block_table: list[int]
+    num_computed_tokens: int
+    num_scheduled_tokens: int
+
+
+@dataclass
+class RunningData:
+    seq_ids: list[int]
+    num_scheduled_tokens: list[int]
+    num_computed_tokens: list[int]
+    num_new_blocks: list[int]
+    new_block_ids: list[int]
+
+
+@dataclass
+class StepPlanData:
+    step_id: int
+    finished_seq_ids: list[int]
+    new_requests: list[NewRequestData]
+    running: RunningData
+
+
+@dataclass
+class ScheduledSeq:
+    """One request's share of a step: tokens [start, start + num_scheduled_tokens)."""
+
+    seq: SeqState
+    start: int
+    num_scheduled_tokens: int
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_scheduled_tokens
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step completes the request's known tokens, so its sample is kept."""
+        return self.end >= len(self.seq.token_ids)
+
+
+@dataclass
+class StepBatch:
+    step_id: int
+    rows: list[ScheduledSeq] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(r.num_scheduled_tokens for r in self.rows)
+
+
+class Mirror:
+    def __init__(self, block_size: int, num_blocks: int):
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.seqs: dict[int, SeqState] = {}
+        self.last_step_id = 0
+
+    def apply(self, plan: StepPlanData) -> StepBatch:
+        """Bring the mirror up to date with plan and return the step's batch, in plan order.
+        On MirrorMismatch the mirror may be half-updated; the stream is then reset anyway."""
+        if plan.step_id <= self.last_step_id:
+            raise MirrorMismatch(f"step_id {plan.step_id} after {self.last_step_id}")
+        self.last_step_id = plan.step_id
+        for seq_id in plan.finished_seq_ids:
+            if self.seqs.pop(seq_id, None) is None:
+                raise MirrorMismatch(f"finished seq {seq_id} is not in the mirror")
+        batch = StepBatch(plan.step_id)
+        for new in plan.new_requests:
+            batch.rows.append(self._add(new))
+        run = plan.running
+        columns = (run.num_scheduled_tokens, run.num_computed_tokens, run.num_new_blocks)
+        if any(len(c) != len(run.seq_ids) for c in columns):
+            raise MirrorMismatch("running columns differ in length")
+        offset = 0
+        for i, seq_id in enumerate(run.seq_ids):
+            seq = self.seqs.get(seq_id)
+            if seq is None:
+                raise MirrorMismatch(f"running seq {seq_id} is not in the mirror")
+            if seq.num_computed_tokens != run.num_computed_tokens[i]:
+                raise MirrorMismatch(
+                    f"seq {seq_id}: plan says {run.num_computed_tokens[i]} computed tokens, "
+                    f"mirror has {seq.num_computed_tokens}"
+                )
+            count = run.num_new_blocks[i]
+            seq.block_table.extend(
+                self._checked_blocks(seq_id, run.new_block_ids[offset : offset + count])
+            )
+            offset += count
+            batch.rows.append(self._schedule(seq, run.num_scheduled_tokens[i]))
+        if offset != len(run.new_block_ids):
+            raise MirrorMismatch("new_block_ids longer than num_new_blocks says")
+        return batch
+
+    def _add(self, new: NewRequestData) -> ScheduledSeq:
+        if new.seq_id in self.seqs:
+            raise MirrorMismatch(f"new seq {new.seq_id} is already in the mirror")
+        if not 0 < new.num_prompt_tokens <= len(new.token_ids):
+            raise MirrorMismatch(
+                f"seq {new.seq_id}: num_prompt_tokens={new.num_prompt_tokens} with "
+                f"{len(new.token_ids)} token ids"
+            )
+        seq = SeqState(
+            new.seq_id,
+            list(new.token_ids),
+            new.num_prompt_tokens,
+            new.sampling,
+            self._checked_blocks(new.seq_id, new.block_table),
+            new.num_computed_tokens,
+        )
+        self.seqs[new.seq_id] = seq
+        return self._schedule(seq, new.num_scheduled_tokens)
+
+    def _checked_blocks(self, seq_id: int, block_ids: list[int]) -> list[int]:
+        if any(not 0 <= b < self.num_blocks for b in block_ids):
+            raise MirrorMismatch(f"seq {seq_id}: block id outside [0, {self.num_blocks})")
+        return list(block_ids)
+
+    def _schedule(self, seq: SeqState, num_scheduled: int) -> ScheduledSeq:
+        end = seq.num_computed_tokens + num_scheduled
+        if num_scheduled < 1 or end > len(seq.token_ids):
+            raise MirrorMismatch(
+                f"seq {seq.seq_id}: {num_scheduled} tokens scheduled after "
+                f"{seq.num_computed_tokens} computed, but it has {len(seq.token_ids)} tokens"
+            )
+        if len(seq.block_table) * self.block_size < end:
+            raise MirrorMismatch(
+                f"seq {seq.seq_id}: {len(seq.block_table)} blocks cannot hold {end} tokens"
+            )
+        return ScheduledSeq(seq, seq.num_computed_tokens, num_scheduled)
+
+    def commit(self, batch: StepBatch, sampled_token_ids: list[int]) -> None:
+        """One token rule, engine side: advance computed tokens; a request that reached its full
+        length appends its sampled token (it is the next step's input)."""
+        for row, token_id in zip(batch.rows, sampled_token_ids, strict=True):
+            seq = row.seq
+            complete = row.samples
+            seq.num_computed_tokens = row.end
+            if complete:
+                seq.token_ids.append(token_id)

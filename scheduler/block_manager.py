@@ -1,0 +1,169 @@
+"""Paged KV-cache block bookkeeping: block tables, reference counts and the prefix cache.
+
+Blocks hold `block_size` token slots each. A request's block table lists its blocks in token order:
+token t lives in block `block_table[t // block_size]`, row `t % block_size`.
+
+Prefix cache: once a block is full, it gets a chained content hash, hash(parent hash, its tokens),
+so two requests with the same prefix can share blocks. A block whose last user finished keeps its
+hash and its contents, sitting in the free queue until it is reused for something else (lazy
+eviction, least recently freed first). A hit is confirmed by comparing tokens, not by hash alone.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from scheduler.request import Request
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        assert num_blocks > 0 and block_size > 0
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_cnt: list[int] = [0] * num_blocks
+        # Free blocks in eviction order: the first is reused first. Values unused.
+        self.free_blocks: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+        self.hash_to_block: dict[int, int] = {}
+        # For each cached block: (its hash, its parent's hash, its tokens), to confirm hits.
+        self.block_key: dict[int, tuple[int, int, tuple[int, ...]]] = {}
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_blocks)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self.free_blocks)
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # -- prefix cache -------------------------------------------------------------------------
+
+    def _update_block_hashes(self, request: Request, num_tokens: int) -> None:
+        """Extend request.block_hashes to cover every full block among its first num_tokens."""
+        bs = self.block_size
+        hashes = request.block_hashes
+        for i in range(len(hashes), num_tokens // bs):
+            parent = hashes[-1] if hashes else 0
+            hashes.append(hash((parent, tuple(request.token_ids[i * bs : (i + 1) * bs]))))
+
+    def find_cached_blocks(self, request: Request) -> list[int]:
+        """Blocks already holding a prefix of request.token_ids, in order. Changes nothing.
+
+        At least one token is always left to compute (the step must produce logits), so at most
+        (num_tokens - 1) // block_size blocks are returned.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        self._update_block_hashes(request, max_blocks * self.block_size)
+        bs = self.block_size
+        found: list[int] = []
+        parent = 0
+        for i in range(max_blocks):
+            block_hash = request.block_hashes[i]
+            block_id = self.hash_to_block.get(block_hash)
+            if block_id is None:
+                break
+            tokens = tuple(request.token_ids[i * bs : (i + 1) * bs])
+            if self.block_key[block_id] != (block_hash, parent, tokens):
+                break
+            found.append(block_id)
+            parent = block_hash
+        return found
+
+    def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
+        """Register the full blocks among request's first num_tokens in the prefix cache."""
+        self._update_block_hashes(request, num_tokens)
+        bs = self.block_size
+        for i in range(num_tokens // bs):
+            block_id = request.block_table[i]
+            if block_id in self.block_key:
+                continue
+            block_hash = request.block_hashes[i]
+            if block_hash in self.hash_to_block:
+                continue  # same content already cached in another block; keep that one
+            parent = request.block_hashes[i - 1] if i else 0
+            tokens = tuple(request.token_ids[i * bs : (i + 1) * bs])
+            self.hash_to_block[block_hash] = block_id
+            self.block_key[block_id] = (block_hash, parent, tokens)
+
+    def _evict(self, block_id: int) -> None:
+        key = self.block_key.pop(block_id, None)
+        if key is not None and self.hash_to_block.get(key[0]) == block_id:
+            del self.hash_to_block[key[0]]
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block (after the engine lost its KV pool)."""
+        self.hash_to_block.clear()
+        self.block_key.clear()
+
+    # -- allocation ---------------------------------------------------------------------------
+
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, cached_blocks: list[int] | None = None
+    ) -> bool:
+        """Give request enough blocks for num_new_tokens beyond its computed ones.
+
+            block_table: |<- cached_blocks ->|<- held already ->|<- allocated now ->|
+            tokens:      |<- num_computed_tokens (+ cached) ->|<- num_new_tokens ->|
+
+        cached_blocks (from find_cached_blocks, only when the request holds no blocks) are shared:
+        their ref counts go up and they leave the free queue. Returns False, changing nothing, when
+        too few blocks are free. Full blocks are registered in the prefix cache.
+        """
+        cached_blocks = cached_blocks or []
+        assert not cached_blocks or not request.block_table
+        num_computed = request.num_computed_tokens + len(cached_blocks) * self.block_size
+        num_total = num_computed + num_new_tokens
+        num_needed = self.num_blocks_for(num_total) - len(request.block_table) - len(cached_blocks)
+        # Cached blocks nobody holds sit in the free queue; taking them uses up free blocks too.
+        num_reviving = sum(1 for b in cached_blocks if self.ref_cnt[b] == 0)
+        if max(num_needed, 0) + num_reviving > self.num_free_blocks:
+            return False
+        for block_id in cached_blocks:
+            if self.ref_cnt[block_id] == 0:
+                del self.free_blocks[block_id]
+            self.ref_cnt[block_id] += 1
+            request.block_table.append(block_id)
+        for _ in range(num_needed):
+            block_id, _ = self.free_blocks.popitem(last=False)
+            self._evict(block_id)
+            self.ref_cnt[block_id] = 1
+            request.block_table.append(block_id)
+        if self.enable_prefix_caching:
+            self._cache_full_blocks(request, num_total)
+        return True
+
+    def free(self, request: Request) -> None:
+        """Release request's blocks. Blocks nobody else holds go to the back of the free queue,
+        the request's last block first, so a prefix's tail is evicted before its head."""
+        for block_id in reversed(request.block_table):
+            self.ref_cnt[block_id] -= 1
+            assert self.ref_cnt[block_id] >= 0, f"block {block_id} freed twice"
+            if self.ref_cnt[block_id] == 0:
+                self.free_blocks[block_id] = None
+        request.block_table = []
+
+    def check_integrity(self, requests: list[Request] | None = None) -> None:
+        """Assert the bookkeeping is consistent. With `requests` (everyone holding blocks), also
+        check that each block's ref count equals the number of block tables listing it."""
+        assert len(self.free_blocks) + sum(1 for c in self.ref_cnt if c > 0) == self.num_blocks, (
+            "free + used != total"
+        )
+        for block_id, count in enumerate(self.ref_cnt):
+            assert count >= 0, f"block {block_id} has ref count {count}"
+            assert (count == 0) == (block_id in self.free_blocks), (
+                f"block {block_id}: ref count {count} but free={block_id in self.free_blocks}"
+            )
+        for block_hash, block_id in self.hash_to_block.items():
+            assert self.block_key[block_id][0] == block_hash, f"hash map wrong for {block_id}"
+        if requests is not None:
+            held = [0] * self.num_blocks
+            for request in requests:
+                for block_id in request.block_table:
+                    held[block_id] += 1
+            assert held == self.ref_cnt, "ref counts disagree with the block tables"

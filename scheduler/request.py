@@ -1,0 +1,83 @@
+"""A request as the scheduler tracks it, from admission to its last token."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in (
+            RequestStatus.FINISHED_STOPPED,
+            RequestStatus.FINISHED_LENGTH,
+            RequestStatus.FINISHED_ABORTED,
+        )
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Passed through to the engine untouched; the scheduler never samples."""
+
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    logprobs: bool = False
+
+
+@dataclass(eq=False)
+class Request:
+    """One generation. `token_ids` is the prompt followed by every token generated so far.
+
+        token_ids:  |<- prompt ->|<- output ->|
+        KV pool:    |<- num_computed_tokens ->|<- not yet computed ->|
+
+    `num_computed_tokens` advances when a step is planned, so a running request always has at
+    least one token left to compute: its newest sampled token, or the rest of its prompt.
+    """
+
+    request_id: str
+    seq_id: int
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    max_tokens: int
+    stop_token_ids: frozenset[int] = frozenset()
+    ignore_eos: bool = False
+    arrival_time: float = 0.0
+    token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    # Chained content hashes of the full blocks of token_ids, filled lazily by the block manager.
+    block_hashes: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    # Prompt tokens found in the prefix cache at first admission (-1 until admitted).
+    num_cached_tokens: int = -1
+    num_preemptions: int = 0
+    # What the engine's mirror holds: whether it knows this request, and how many of its blocks.
+    in_engine: bool = False
+    num_sent_blocks: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)

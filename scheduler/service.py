@@ -1,0 +1,283 @@
+"""The scheduler's gRPC service: Submit streams for the gateway, and the step loop that drives the
+engine over one bidirectional Step stream.
+
+Everything runs on one asyncio loop, so the Scheduler is only touched between awaits: a Submit or a
+cancellation can land while a step is in flight, and `update` copes (it skips requests that ended
+meanwhile). If the engine stream breaks, every running request is preempted (to be recomputed) and
+the loop reconnects; requests keep waiting, their streams open, nothing already sent is resent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from llmserve.log import get_logger
+from llmserve.net import CHANNEL_OPTIONS, SERVER_OPTIONS, serve_aio
+from protos import engine_pb2, engine_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+from scheduler.config import SchedulerConfig
+from scheduler.convert import plan_to_proto, request_from_proto, response_to_proto
+from scheduler.request import RequestStatus
+from scheduler.scheduler import AdmissionError, Scheduler, StepOutcome
+
+log = get_logger("scheduler")
+
+
+class EngineLost(Exception):
+    """The engine ended the Step stream without an error status."""
+
+
+@dataclass
+class StepTimes:
+    """Sums over all steps, milliseconds."""
+
+    schedule_ms: float = 0.0
+    update_ms: float = 0.0
+    step_rtt_ms: float = 0.0
+    engine_total_ms: float = 0.0
+    engine_forward_ms: float = 0.0
+    engine_sample_ms: float = 0.0
+
+
+class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
+    def __init__(self, config: SchedulerConfig):
+        self.config = config
+        self.scheduler: Scheduler | None = None
+        self.engine_info: engine_pb2.EngineInfo | None = None
+        self.streams: dict[int, asyncio.Queue[StepOutcome]] = {}
+        self.seq_ids = itertools.count(1)
+        self.wakeup = asyncio.Event()
+        self.ready = False
+        self.stopping = False
+        self.times = StepTimes()
+        self.num_engine_resets = 0
+        self.health = health.aio.HealthServicer()
+        self._health_update: asyncio.Future[None] | None = None
+
+    # -- gateway-facing RPCs ------------------------------------------------------------------
+
+    async def Submit(
+        self, request: scheduler_pb2.SubmitRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[scheduler_pb2.SubmitResponse]:
+        if not self.ready or self.scheduler is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "engine not ready; retry shortly")
+        assert self.scheduler is not None
+        req = request_from_proto(request, next(self.seq_ids))
+        try:
+            self.scheduler.add(req)
+        except AdmissionError as err:
+            await context.abort(grpc.StatusCode[err.code], err.message)
+        queue: asyncio.Queue[StepOutcome] = asyncio.Queue()
+        self.streams[req.seq_id] = queue
+        self.wakeup.set()
+        finished: RequestStatus | None = None
+        first = True
+        try:
+            while finished is None:
+                outcomes = [await queue.get()]
+                while not queue.empty():  # the client fell behind: send what piled up at once
+                    outcomes.append(queue.get_nowait())
+                finished = outcomes[-1].finished
+                logprobs = (
+                    [o.logprob for o in outcomes if o.token_id >= 0]
+                    if req.sampling.logprobs
+                    else []
+                )
+                yield response_to_proto(
+                    [o.token_id for o in outcomes if o.token_id >= 0],
+                    [lp if lp is not None else 0.0 for lp in logprobs],
+                    finished,
+                    req,
+                    first,
+                )
+                first = False
+        finally:
+            self.streams.pop(req.seq_id, None)
+            if finished is None and self.scheduler is not None:
+                # Cancelled by the client (or its connection died): free the blocks now.
+                self.scheduler.abort(req.seq_id)
+                self.wakeup.set()
+                log.info("request cancelled", request_id=req.request_id)
+
+    async def GetInfo(
+        self, request: scheduler_pb2.GetInfoRequest, context: grpc.aio.ServicerContext
+    ) -> scheduler_pb2.SchedulerInfo:
+        if self.scheduler is None or self.engine_info is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "engine not connected yet")
+        assert self.scheduler is not None and self.engine_info is not None
+        s = self.scheduler
+        return scheduler_pb2.SchedulerInfo(
+            model=self.engine_info.model,
+            max_model_len=s.max_model_len,
+            vocab_size=s.vocab_size,
+            eos_token_ids=sorted(s.eos_token_ids),
+            block_size=s.block_size,
+            num_blocks=s.block_manager.num_blocks,
+            max_num_seqs=self.config.max_num_seqs,
+            max_num_batched_tokens=self.config.max_num_batched_tokens,
+        )
+
+    async def GetStats(
+        self, request: scheduler_pb2.GetStatsRequest, context: grpc.aio.ServicerContext
+    ) -> scheduler_pb2.SchedulerStats:
+        msg = scheduler_pb2.SchedulerStats(
+            num_engine_resets=self.num_engine_resets, **vars(self.times)
+        )
+        s = self.scheduler
+        if s is not None:
+            c = s.counters
+            msg.num_steps = c.num_steps
+            msg.num_scheduled_tokens = c.num_scheduled_tokens
+            msg.num_preemptions = c.num_preemptions
+            msg.num_finished_requests = c.num_finished_requests
+            msg.num_prefix_cache_hit_tokens = c.num_prefix_cache_hit_tokens
+            msg.num_running = len(s.running)
+            msg.num_waiting = len(s.waiting)
+            msg.num_free_blocks = s.block_manager.num_free_blocks
+            msg.num_blocks = s.block_manager.num_blocks
+        return msg
+
+    # -- the engine side ----------------------------------------------------------------------
+
+    async def run_engine_loop(self) -> None:
+        """Connect to the engine, run steps; on any stream failure reset and reconnect."""
+        backoff = 0.2
+        async with grpc.aio.insecure_channel(
+            self.config.engine_address, options=CHANNEL_OPTIONS
+        ) as channel:
+            stub = engine_pb2_grpc.EngineStub(channel)
+            while not self.stopping:
+                try:
+                    info = await stub.Describe(engine_pb2.DescribeRequest(), timeout=5)
+                    self._on_engine_info(info)
+                    backoff = 0.2
+                    await self._step_loop(stub)
+                except grpc.aio.AioRpcError as err:
+                    if self.ready:
+                        log.warning(
+                            "engine stream lost", code=err.code().name, details=err.details()
+                        )
+                except EngineLost as err:
+                    log.warning("engine stream lost", details=str(err))
+                except Exception:
+                    log.exception("step loop failed; resetting the engine")
+                was_ready = self.ready
+                self._set_ready(False)
+                if self.scheduler is not None:
+                    # The engine's mirror and KV pool (prefix cache included) are gone either way.
+                    self.scheduler.reset_engine()
+                    self.num_engine_resets += was_ready
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 2.0)
+
+    def _on_engine_info(self, info: engine_pb2.EngineInfo) -> None:
+        max_len = info.max_model_len
+        if self.config.max_model_len:
+            max_len = min(max_len, self.config.max_model_len)
+        if self.scheduler is None:
+            self.scheduler = Scheduler(
+                self.config,
+                info.num_blocks,
+                info.block_size,
+                max_len,
+                info.vocab_size,
+                tuple(info.eos_token_ids),
+            )
+        else:
+            for request in self.scheduler.resize(info.num_blocks, info.block_size):
+                self._deliver(StepOutcome(request, -1, None, RequestStatus.FINISHED_ABORTED))
+        self.engine_info = info
+        log.info(
+            "engine connected",
+            model=info.model,
+            device=info.device,
+            dtype=info.dtype,
+            num_blocks=info.num_blocks,
+            block_size=info.block_size,
+            max_model_len=max_len,
+        )
+
+    def _set_ready(self, ready: bool) -> None:
+        self.ready = ready
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if ready
+            else (health_pb2.HealthCheckResponse.NOT_SERVING)
+        )
+        self._health_update = asyncio.ensure_future(self.health.set("", status))
+
+    async def _step_loop(self, stub: engine_pb2_grpc.EngineStub) -> None:
+        assert self.scheduler is not None
+        scheduler = self.scheduler
+        call = stub.Step()
+        self._set_ready(True)
+        try:
+            while not self.stopping:
+                if not scheduler.has_work:
+                    self.wakeup.clear()
+                    await self.wakeup.wait()
+                    continue
+                await self._one_step(scheduler, call)
+        finally:
+            call.cancel()
+
+    async def _one_step(self, scheduler: Scheduler, call: Any) -> None:
+        t0 = time.perf_counter()
+        plan = scheduler.schedule()
+        t1 = time.perf_counter()
+        if plan.is_empty:
+            self.wakeup.clear()
+            await self.wakeup.wait()
+            return
+        await call.write(plan_to_proto(plan))
+        result = await call.read()
+        t2 = time.perf_counter()
+        if result is grpc.aio.EOF:
+            raise EngineLost("engine closed the stream")
+        assert result.step_id == plan.step_id, f"result {result.step_id} for plan {plan.step_id}"
+        outcomes = scheduler.update(
+            plan, list(result.sampled_token_ids), list(result.logprobs) or None
+        )
+        for outcome in outcomes:
+            self._deliver(outcome)
+        t3 = time.perf_counter()
+        times = self.times
+        times.schedule_ms += (t1 - t0) * 1e3
+        times.step_rtt_ms += (t2 - t1) * 1e3
+        times.update_ms += (t3 - t2) * 1e3
+        times.engine_total_ms += result.total_ms
+        times.engine_forward_ms += result.forward_ms
+        times.engine_sample_ms += result.sample_ms
+
+    def _deliver(self, outcome: StepOutcome) -> None:
+        queue = self.streams.get(outcome.request.seq_id)
+        if queue is not None:
+            queue.put_nowait(outcome)
+
+    async def shutdown(self) -> None:
+        """Stop stepping; end every open stream with finish reason ABORT."""
+        self.stopping = True
+        self.wakeup.set()
+        if self.scheduler is not None:
+            for seq_id in list(self.scheduler.requests):
+                request = self.scheduler.abort(seq_id)
+                if request is not None:
+                    self._deliver(StepOutcome(request, -1, None, RequestStatus.FINISHED_ABORTED))
+
+
+async def serve(config: SchedulerConfig) -> None:
+    server = grpc.aio.server(options=SERVER_OPTIONS)
+    service = SchedulerService(config)
+    scheduler_pb2_grpc.add_SchedulerServicer_to_server(service, server)
+    health_pb2_grpc.add_HealthServicer_to_server(service.health, server)
+    await service.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+    await serve_aio(
+        server, "scheduler", config.host, config.port, service.run_engine_loop, service.shutdown
+    )
