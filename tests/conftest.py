@@ -1,0 +1,52 @@
+"""Shared fixtures. GPU tests are marked `gpu` and skip cleanly where torch sees no CUDA."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    try:
+        import torch
+
+        has_cuda = torch.cuda.is_available()
+    except ImportError:
+        has_cuda = False
+    if has_cuda:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """make(**kwargs) -> directory of a tiny random Llama (tests/factories.make_tiny_llama),
+    built once per distinct kwargs per session."""
+    from tests.factories import make_tiny_llama
+
+    cache: dict[tuple[tuple[str, Any], ...], Path] = {}
+
+    def make(**kwargs: Any) -> Path:
+        key = tuple(sorted((k, repr(v)) for k, v in kwargs.items()))
+        if key not in cache:
+            directory = tmp_path_factory.mktemp("tiny-llama")
+            cache[key] = make_tiny_llama(directory, **kwargs)
+        return cache[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def builtin_model_path() -> Path:
+    from llmserve.model_config import ModelSourceError, builtin_model_path
+
+    try:
+        return builtin_model_path()
+    except ModelSourceError as err:
+        pytest.fail(f"the built-in model must be installed for the test suite: {err}")

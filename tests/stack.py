@@ -1,0 +1,147 @@
+"""Start the real three-process stack (or gateway + scheduler over the fake engine) for a test.
+
+Each service is its own `python -m llmserve.cli ...` process on free loopback ports, exactly as
+`llmserve serve` starts them. `Stack.close()` stops them; `assert_idle()` checks that every request
+ended and every KV block is free again.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+from llmserve.client import Client
+from llmserve.net import CHANNEL_OPTIONS, wait_until_serving
+from protos import scheduler_pb2, scheduler_pb2_grpc
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Stack:
+    gateway_address: str
+    scheduler_address: str
+    engine_address: str
+    procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    engine_argv: list[str] = field(default_factory=list)
+    log_dir: Path | None = None
+
+    def client(self) -> Client:
+        return Client(self.gateway_address)
+
+    def stats(self) -> scheduler_pb2.SchedulerStats:
+        with grpc.insecure_channel(self.scheduler_address, options=CHANNEL_OPTIONS) as channel:
+            stub = scheduler_pb2_grpc.SchedulerStub(channel)
+            return stub.GetStats(scheduler_pb2.GetStatsRequest(), timeout=5)
+
+    def assert_idle(self, timeout: float = 10.0) -> scheduler_pb2.SchedulerStats:
+        """Wait until no request runs or waits and every block is free; fail otherwise."""
+        deadline = time.monotonic() + timeout
+        while True:
+            s = self.stats()
+            if s.num_running == 0 and s.num_waiting == 0 and s.num_free_blocks == s.num_blocks:
+                return s
+            if time.monotonic() > deadline:
+                raise AssertionError(
+                    f"not idle after {timeout}s: running={s.num_running} waiting={s.num_waiting} "
+                    f"free_blocks={s.num_free_blocks}/{s.num_blocks}"
+                )
+            time.sleep(0.05)
+
+    def logs(self) -> str:
+        if self.log_dir is None:
+            return ""
+        return "\n".join(
+            f"--- {p.name} ---\n{p.read_text(errors='replace')[-4000:]}"
+            for p in sorted(self.log_dir.glob("*.log"))
+        )
+
+    def start_engine(self) -> None:
+        self.procs["engine"] = _spawn("engine", self.engine_argv, self.log_dir)
+
+    def kill_engine(self) -> None:
+        proc = self.procs.pop("engine")
+        proc.kill()
+        proc.wait()
+
+    def close(self) -> None:
+        for name in ("gateway", "scheduler", "engine"):
+            proc = self.procs.get(name)
+            if proc is not None and proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def _spawn(name: str, argv: list[str], log_dir: Path | None) -> subprocess.Popen[bytes]:
+    env = dict(os.environ, PYTHONUNBUFFERED="1", LLMSERVE_LOG_LEVEL="INFO")
+    out = open(log_dir / f"{name}.log", "ab") if log_dir else subprocess.DEVNULL  # noqa: SIM115
+    return subprocess.Popen([sys.executable, "-m", "llmserve.cli", name, *argv], cwd=ROOT,
+                            env=env, stdout=out, stderr=subprocess.STDOUT)
+
+
+def start_stack(
+    model: Path | str | None = None,
+    *,
+    fake: bool = False,
+    engine_args: list[str] | None = None,
+    scheduler_args: list[str] | None = None,
+    gateway_model: Path | str | None = None,
+    log_dir: Path | None = None,
+    timeout: float = 120.0,
+) -> Stack:
+    """Start engine, scheduler and gateway; return once the gateway reports SERVING.
+
+    fake=True runs the echo engine (engine/fake.py) instead of a model; the gateway then needs
+    gateway_model for its tokenizer."""
+    ports = {name: free_port() for name in ("gateway", "scheduler", "engine")}
+    stack = Stack(
+        gateway_address=f"127.0.0.1:{ports['gateway']}",
+        scheduler_address=f"127.0.0.1:{ports['scheduler']}",
+        engine_address=f"127.0.0.1:{ports['engine']}",
+        log_dir=log_dir,
+    )
+    if log_dir:
+        log_dir.mkdir(parents=True, exist_ok=True)
+    model_args = ["--model", str(model)] if model else []
+    stack.engine_argv = [
+        "--host", "127.0.0.1", "--port", str(ports["engine"]),
+        *(["--fake"] if fake else model_args), *(engine_args or []),
+    ]
+    gateway_model = gateway_model or model
+    try:
+        stack.start_engine()
+        stack.procs["scheduler"] = _spawn("scheduler", [
+            "--host", "127.0.0.1", "--port", str(ports["scheduler"]),
+            "--engine-address", stack.engine_address, *(scheduler_args or []),
+        ], log_dir)
+        stack.procs["gateway"] = _spawn("gateway", [
+            "--host", "127.0.0.1", "--port", str(ports["gateway"]),
+            "--scheduler-address", stack.scheduler_address,
+            *(["--model", str(gateway_model)] if gateway_model else []),
+        ], log_dir)
+        if not wait_until_serving(stack.gateway_address, timeout=timeout):
+            dead = {n: p.poll() for n, p in stack.procs.items() if p.poll() is not None}
+            raise RuntimeError(f"stack did not start (exited: {dead})\n{stack.logs()}")
+    except BaseException:
+        stack.close()
+        raise
+    return stack

@@ -1,0 +1,73 @@
+"""`llmserve serve` starts the three processes and stops them on SIGTERM; the client commands
+stream, print JSON, and exit non-zero with the server's message when refused."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from llmserve.net import check_health
+from tests.stack import ROOT, free_port
+
+
+def llmserve(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "llmserve.cli", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_serve_generate_chat_and_stop(tiny_model: Callable[..., Path]) -> None:
+    model = tiny_model(num_heads=4, num_kv_heads=2)
+    ports = [free_port() for _ in range(3)]
+    serve = subprocess.Popen(
+        [sys.executable, "-m", "llmserve.cli", "serve", "--model", str(model),
+         "--host", "127.0.0.1", "--port", str(ports[0]), "--scheduler-port", str(ports[1]),
+         "--engine-port", str(ports[2]), "--num-kv-blocks", "64"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+    )
+    address = f"127.0.0.1:{ports[0]}"
+    try:
+        assert serve.stdout is not None
+        line = serve.stdout.readline()
+        assert "llmserve ready" in line, line
+
+        out = llmserve("generate", "hello there", "--address", address, "--max-tokens", "5",
+                       "--temperature", "0", "--ignore-eos", "--json")
+        assert out.returncode == 0, out.stderr
+        result = json.loads(out.stdout)
+        assert len(result["token_ids"]) == 5 and result["finish_reason"] == "length"
+        assert isinstance(result["text"], str)
+
+        out = llmserve("chat", "hi", "--address", address, "--max-tokens", "3", "--seed", "7",
+                       "--json")
+        assert out.returncode == 0, out.stderr
+        assert json.loads(out.stdout)["usage"]["completion_tokens"] <= 3
+
+        out = llmserve("generate", "hi", "--address", address, "--temperature", "-1")
+        assert out.returncode == 1
+        assert "INVALID_ARGUMENT" in out.stderr and "temperature=-1.0" in out.stderr
+
+        assert llmserve("health", "--address", address).stdout.strip() == "SERVING"
+    finally:
+        serve.send_signal(signal.SIGTERM)
+        assert serve.wait(timeout=30) == 0
+    # Every child is gone: nothing answers on any of the three ports.
+    time.sleep(0.5)
+    for port in ports:
+        assert check_health(f"127.0.0.1:{port}", timeout=1) == "UNAVAILABLE"
+
+
+def test_serve_refuses_a_missing_model(tmp_path: Path) -> None:
+    out = llmserve("serve", "--model", str(tmp_path / "nope"))
+    assert out.returncode == 2
+    assert "expected an HF directory" in out.stderr
+
+
+def test_client_reports_unreachable_server() -> None:
+    out = llmserve("generate", "hi", "--address", f"127.0.0.1:{free_port()}", "--timeout", "3")
+    assert out.returncode == 1
+    assert "UNAVAILABLE" in out.stderr or "DEADLINE_EXCEEDED" in out.stderr

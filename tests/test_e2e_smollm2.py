@@ -1,0 +1,66 @@
+"""The built-in model through the whole stack (three processes, real gRPC) against HF transformers
+loading the same GGUF in float32: greedy output equal token for token."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from llmserve.client import make_request
+from tests.stack import Stack, start_stack
+
+NEW_TOKENS = 32
+CHATS = [
+    [("user", "What is the capital of France?")],
+    [("user", "Write a haiku about the sea.")],
+    [("system", "You are a terse assistant."), ("user", "List three prime numbers.")],
+    [("user", "Explain what a GPU is in one sentence.")],
+    [("user", "Translate 'good morning' into Spanish and German.")],
+    [("user", "What is 17 * 23? Show your work.")],
+    [("user", "Give me a name for a pet turtle 🐢.")],
+    [("user", "hi"), ("assistant", "Hello! How can I help?"), ("user", "Tell me a fun fact.")],
+]
+
+
+@pytest.fixture(scope="module")
+def stack(builtin_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    s = start_stack(None, engine_args=["--kv-cache-gb", "0.5"],
+                    log_dir=tmp_path_factory.mktemp("logs"), timeout=300)
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="module")
+def hf_reference(builtin_model_path: Path) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, greedy new ids) per chat, from transformers on the same GGUF in float32."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    directory, name = str(builtin_model_path.parent), builtin_model_path.name
+    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
+    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
+    out = []
+    for chat in CHATS:
+        messages = [{"role": r, "content": c} for r, c in chat]
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                            return_dict=True)["input_ids"]
+        with torch.no_grad():
+            generated = model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS,
+                                       do_sample=False, eos_token_id=2, pad_token_id=2)
+        out.append((list(ids), generated[0, len(ids):].tolist()))
+    return out
+
+
+def test_greedy_matches_transformers(stack: Stack, hf_reference: list) -> None:
+    requests = [make_request(messages=chat, max_tokens=NEW_TOKENS, temperature=0.0)
+                for chat in CHATS]
+    with stack.client() as client, ThreadPoolExecutor(len(requests)) as pool:
+        results = list(pool.map(client.generate, requests))
+    for chat, result, (prompt_ids, expected) in zip(CHATS, results, hf_reference, strict=True):
+        assert result.prompt_tokens == len(prompt_ids), chat
+        assert result.token_ids == expected, chat
+        assert result.finish_reason == ("stop" if expected[-1] == 2 else "length")
+    stack.assert_idle()

@@ -1,0 +1,225 @@
+"""Gateway + scheduler over real gRPC, with the model-free echo engine (engine/fake.py).
+
+The echo engine returns the prompt's tokens cyclically, and the test tokenizer has one token per
+byte, so a test controls the streamed text exactly by choosing the prompt.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import pytest
+
+from llmserve.client import make_request
+from tests.factories import EOS_TOKEN_ID, TINY_VOCAB, write_byte_tokenizer
+from tests.stack import Stack, start_stack
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = tmp_path_factory.mktemp("byte-tokenizer")
+    write_byte_tokenizer(directory)
+    # The gateway reads the tokenizer from a model directory; config.json marks it as one.
+    (directory / "config.json").write_text("{}")
+    return directory
+
+
+def _fake_stack(tokenizer_dir: Path, log_dir: Path, *engine: str, scheduler: tuple = ()) -> Stack:
+    return start_stack(
+        fake=True,
+        gateway_model=tokenizer_dir,
+        engine_args=[
+            "--fake-vocab-size",
+            str(TINY_VOCAB),
+            "--fake-eos-token-id",
+            str(EOS_TOKEN_ID),
+            *engine,
+        ],
+        scheduler_args=list(scheduler),
+        log_dir=log_dir,
+    )
+
+
+@pytest.fixture(scope="module")
+def stack(tokenizer_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    s = _fake_stack(
+        tokenizer_dir,
+        tmp_path_factory.mktemp("logs"),
+        "--fake-step-delay-ms",
+        "5",
+        "--num-kv-blocks",
+        "64",
+        "--max-model-len",
+        "512",
+    )
+    yield s
+    s.close()
+
+
+def echo(prompt: str, n: int) -> str:
+    data = prompt.encode()
+    return bytes(data[i % len(data)] for i in range(n)).decode()
+
+
+def test_stream_echoes_prompt_with_whole_characters(stack: Stack) -> None:
+    prompt = "héllo 🤖 世界 ok"
+    n = len(prompt.encode()) * 2
+    chunks = []
+    with stack.client() as client:
+        for msg in client.stream(make_request(text=prompt, max_tokens=n)):
+            chunks.append(msg)
+    text = "".join(m.text for m in chunks)
+    assert text == echo(prompt, n)
+    assert all("\ufffd" not in m.text for m in chunks)
+    # A 4-byte emoji arrives as four tokens but in one chunk, never split.
+    assert any(m.text == "🤖" or "🤖" in m.text for m in chunks)
+    assert sum(len(m.token_ids) for m in chunks) == n
+    last = chunks[-1]
+    assert last.finish_reason and last.usage.completion_tokens == n
+    assert last.usage.prompt_tokens == len(prompt.encode())
+    stack.assert_idle()
+
+
+def test_stop_string_is_not_streamed_and_aborts_upstream(stack: Stack) -> None:
+    with stack.client() as client:
+        result = client.generate(
+            make_request(text="abc STOP def", max_tokens=100, stop=["STOP", "zzz"])
+        )
+    assert result.text == "abc "
+    assert result.finish_reason == "stop"
+    assert result.completion_tokens < 100
+    stack.assert_idle(timeout=2)
+
+
+def test_stop_token_id_and_eos(stack: Stack) -> None:
+    with stack.client() as client:
+        # "b" is token 98: stops there, and the stop token itself is reported.
+        result = client.generate(make_request(text="abcd", max_tokens=50, stop_token_ids=[98]))
+        assert result.token_ids == [97, 98] and result.finish_reason == "stop"
+        # The echo of an EOS token (<|im_end|> in the prompt text) ends the request...
+        result = client.generate(make_request(text="x<|im_end|>", max_tokens=50))
+        assert result.token_ids == [120, EOS_TOKEN_ID] and result.finish_reason == "stop"
+        assert result.text == "x"
+        # ...unless EOS is ignored.
+        result = client.generate(make_request(text="x<|im_end|>", max_tokens=5, ignore_eos=True))
+        assert len(result.token_ids) == 5 and result.finish_reason == "length"
+    stack.assert_idle()
+
+
+def test_cancel_frees_blocks_within_a_step(stack: Stack) -> None:
+    with stack.client() as client:
+        call = client.stub.Generate(make_request(text="cancel me " * 8, max_tokens=400))
+        for i, _ in enumerate(call):
+            if i == 3:
+                break
+        assert stack.stats().num_running == 1
+        call.cancel()
+    stack.assert_idle(timeout=1.0)
+
+
+def test_invalid_requests_refused_while_others_run(stack: Stack) -> None:
+    bad = {
+        "temperature": make_request(text="hi", temperature=-1.0),
+        "top_p": make_request(text="hi", top_p=0.0),
+        "top_k": make_request(text="hi", top_k=-2),
+        "max_tokens": make_request(text="hi", max_tokens=0),
+        "text": make_request(text=""),
+        "prompt": make_request(),
+        "role": make_request(messages=[("wizard", "hi")]),
+        "stop_token_ids": make_request(text="hi", stop_token_ids=[10_000]),
+        "remaining context": make_request(text="hi", max_tokens=10_000),
+    }
+    with stack.client() as client, ThreadPoolExecutor(1) as pool:
+        running = pool.submit(client.generate, make_request(text="steady", max_tokens=120))
+        time.sleep(0.1)
+        for field, request in bad.items():
+            with pytest.raises(grpc.RpcError) as err:
+                client.generate(request)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, field
+            assert field in err.value.details(), (field, err.value.details())
+        result = running.result(timeout=30)
+    assert result.finish_reason == "length"
+    assert result.text == echo("steady", 120)
+    stack.assert_idle()
+
+
+def test_nan_temperature_refused(stack: Stack) -> None:
+    with stack.client() as client, pytest.raises(grpc.RpcError) as err:
+        client.generate(make_request(text="hi", temperature=float("nan")))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "temperature=nan" in err.value.details()
+
+
+def test_many_concurrent_streams(stack: Stack) -> None:
+    prompts = [f"request number {i}: " + "x" * i for i in range(24)]
+    with stack.client() as client, ThreadPoolExecutor(24) as pool:
+        results = list(
+            pool.map(lambda p: client.generate(make_request(text=p, max_tokens=40)), prompts)
+        )
+    for prompt, result in zip(prompts, results, strict=True):
+        assert result.text == echo(prompt, 40)
+    stack.assert_idle()
+
+
+def test_queue_full_is_resource_exhausted(tokenizer_dir: Path, tmp_path: Path) -> None:
+    s = _fake_stack(
+        tokenizer_dir,
+        tmp_path,
+        "--fake-step-delay-ms",
+        "20",
+        scheduler=("--max-num-seqs", "1", "--max-waiting", "1"),
+    )
+    try:
+        codes: list[grpc.StatusCode | None] = []
+        lock = threading.Lock()
+
+        def one(i: int) -> None:
+            try:
+                with s.client() as client:
+                    client.generate(make_request(text=f"q{i}", max_tokens=20))
+                code = None
+            except grpc.RpcError as err:
+                code = err.code()
+                assert "queue full" in err.details()
+            with lock:
+                codes.append(code)
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert codes.count(grpc.StatusCode.RESOURCE_EXHAUSTED) >= 1
+        assert codes.count(None) >= 2
+        s.assert_idle()
+    finally:
+        s.close()
+
+
+def test_engine_crash_loses_nothing(tokenizer_dir: Path, tmp_path: Path) -> None:
+    """Kill the engine mid-generation and start a new one: every request still completes with
+    exactly the right tokens, none duplicated, none missing."""
+    s = _fake_stack(tokenizer_dir, tmp_path, "--fake-step-delay-ms", "10")
+    try:
+        prompts = [f"survivor {i} " for i in range(6)]
+        with s.client() as client, ThreadPoolExecutor(6) as pool:
+            futures = [
+                pool.submit(client.generate, make_request(text=p, max_tokens=80)) for p in prompts
+            ]
+            time.sleep(0.4)
+            s.kill_engine()
+            time.sleep(0.5)
+            s.start_engine()
+            results = [f.result(timeout=60) for f in futures]
+        for prompt, result in zip(prompts, results, strict=True):
+            assert result.text == echo(prompt, 80)
+            assert len(result.token_ids) == 80
+        stats = s.assert_idle()
+        assert stats.num_engine_resets >= 1
+    finally:
+        s.close()
