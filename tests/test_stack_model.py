@@ -132,8 +132,7 @@ def test_batch_invariance_preemption(model_dir: Path, alone: tuple, tmp_path: Pa
         s.close()
 
 
-def test_prefix_cache_hits_keep_outputs(default_stack: Stack, alone: tuple) -> None:
-    greedy, _ = alone
+def test_prefix_cache_hits_keep_outputs(default_stack: Stack) -> None:
     shared = PROMPTS[-1] * 3
     with default_stack.client() as client:
         first = client.generate(_greedy(shared))  # type: ignore[arg-type]
