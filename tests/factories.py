@@ -46,15 +46,20 @@ def write_byte_tokenizer(directory: Path) -> None:
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                                  for t in SPECIAL_TOKENS])
+    tokenizer.add_special_tokens(
+        [AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS]
+    )
     directory.mkdir(parents=True, exist_ok=True)
     tokenizer.save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(json.dumps({
-        "chat_template": CHAT_TEMPLATE,
-        "eos_token": "<|im_end|>",
-        "bos_token": None,
-    }))
+    (directory / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "chat_template": CHAT_TEMPLATE,
+                "eos_token": "<|im_end|>",
+                "bos_token": None,
+            }
+        )
+    )
 
 
 def make_tiny_llama(

@@ -94,8 +94,13 @@ class Stack:
 def _spawn(name: str, argv: list[str], log_dir: Path | None) -> subprocess.Popen[bytes]:
     env = dict(os.environ, PYTHONUNBUFFERED="1", LLMSERVE_LOG_LEVEL="INFO")
     out = open(log_dir / f"{name}.log", "ab") if log_dir else subprocess.DEVNULL  # noqa: SIM115
-    return subprocess.Popen([sys.executable, "-m", "llmserve.cli", name, *argv], cwd=ROOT,
-                            env=env, stdout=out, stderr=subprocess.STDOUT)
+    return subprocess.Popen(
+        [sys.executable, "-m", "llmserve.cli", name, *argv],
+        cwd=ROOT,
+        env=env,
+        stdout=out,
+        stderr=subprocess.STDOUT,
+    )
 
 
 def start_stack(
@@ -123,21 +128,42 @@ def start_stack(
         log_dir.mkdir(parents=True, exist_ok=True)
     model_args = ["--model", str(model)] if model else []
     stack.engine_argv = [
-        "--host", "127.0.0.1", "--port", str(ports["engine"]),
-        *(["--fake"] if fake else model_args), *(engine_args or []),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(ports["engine"]),
+        *(["--fake"] if fake else model_args),
+        *(engine_args or []),
     ]
     gateway_model = gateway_model or model
     try:
         stack.start_engine()
-        stack.procs["scheduler"] = _spawn("scheduler", [
-            "--host", "127.0.0.1", "--port", str(ports["scheduler"]),
-            "--engine-address", stack.engine_address, *(scheduler_args or []),
-        ], log_dir)
-        stack.procs["gateway"] = _spawn("gateway", [
-            "--host", "127.0.0.1", "--port", str(ports["gateway"]),
-            "--scheduler-address", stack.scheduler_address,
-            *(["--model", str(gateway_model)] if gateway_model else []),
-        ], log_dir)
+        stack.procs["scheduler"] = _spawn(
+            "scheduler",
+            [
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(ports["scheduler"]),
+                "--engine-address",
+                stack.engine_address,
+                *(scheduler_args or []),
+            ],
+            log_dir,
+        )
+        stack.procs["gateway"] = _spawn(
+            "gateway",
+            [
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(ports["gateway"]),
+                "--scheduler-address",
+                stack.scheduler_address,
+                *(["--model", str(gateway_model)] if gateway_model else []),
+            ],
+            log_dir,
+        )
         if not wait_until_serving(stack.gateway_address, timeout=timeout):
             dead = {n: p.poll() for n, p in stack.procs.items() if p.poll() is not None}
             raise RuntimeError(f"stack did not start (exited: {dead})\n{stack.logs()}")

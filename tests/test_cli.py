@@ -16,18 +16,41 @@ from tests.stack import ROOT, free_port
 
 
 def llmserve(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "llmserve.cli", *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "llmserve.cli", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def test_serve_generate_chat_and_stop(tiny_model: Callable[..., Path]) -> None:
     model = tiny_model(num_heads=4, num_kv_heads=2)
     ports = [free_port() for _ in range(3)]
     serve = subprocess.Popen(
-        [sys.executable, "-m", "llmserve.cli", "serve", "--model", str(model),
-         "--host", "127.0.0.1", "--port", str(ports[0]), "--scheduler-port", str(ports[1]),
-         "--engine-port", str(ports[2]), "--num-kv-blocks", "64"],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        [
+            sys.executable,
+            "-m",
+            "llmserve.cli",
+            "serve",
+            "--model",
+            str(model),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(ports[0]),
+            "--scheduler-port",
+            str(ports[1]),
+            "--engine-port",
+            str(ports[2]),
+            "--num-kv-blocks",
+            "64",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
     )
     address = f"127.0.0.1:{ports[0]}"
     try:
@@ -35,15 +58,26 @@ def test_serve_generate_chat_and_stop(tiny_model: Callable[..., Path]) -> None:
         line = serve.stdout.readline()
         assert "llmserve ready" in line, line
 
-        out = llmserve("generate", "hello there", "--address", address, "--max-tokens", "5",
-                       "--temperature", "0", "--ignore-eos", "--json")
+        out = llmserve(
+            "generate",
+            "hello there",
+            "--address",
+            address,
+            "--max-tokens",
+            "5",
+            "--temperature",
+            "0",
+            "--ignore-eos",
+            "--json",
+        )
         assert out.returncode == 0, out.stderr
         result = json.loads(out.stdout)
         assert len(result["token_ids"]) == 5 and result["finish_reason"] == "length"
         assert isinstance(result["text"], str)
 
-        out = llmserve("chat", "hi", "--address", address, "--max-tokens", "3", "--seed", "7",
-                       "--json")
+        out = llmserve(
+            "chat", "hi", "--address", address, "--max-tokens", "3", "--seed", "7", "--json"
+        )
         assert out.returncode == 0, out.stderr
         assert json.loads(out.stdout)["usage"]["completion_tokens"] <= 3
 

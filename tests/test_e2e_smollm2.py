@@ -27,8 +27,12 @@ CHATS = [
 
 @pytest.fixture(scope="module")
 def stack(builtin_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    s = start_stack(None, engine_args=["--kv-cache-gb", "0.5"],
-                    log_dir=tmp_path_factory.mktemp("logs"), timeout=300)
+    s = start_stack(
+        None,
+        engine_args=["--kv-cache-gb", "0.5"],
+        log_dir=tmp_path_factory.mktemp("logs"),
+        timeout=300,
+    )
     yield s
     s.close()
 
@@ -45,18 +49,25 @@ def hf_reference(builtin_model_path: Path) -> list[tuple[list[int], list[int]]]:
     out = []
     for chat in CHATS:
         messages = [{"role": r, "content": c} for r, c in chat]
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                            return_dict=True)["input_ids"]
+        ids = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=True
+        )["input_ids"]
         with torch.no_grad():
-            generated = model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS,
-                                       do_sample=False, eos_token_id=2, pad_token_id=2)
-        out.append((list(ids), generated[0, len(ids):].tolist()))
+            generated = model.generate(
+                torch.tensor([ids]),
+                max_new_tokens=NEW_TOKENS,
+                do_sample=False,
+                eos_token_id=2,
+                pad_token_id=2,
+            )
+        out.append((list(ids), generated[0, len(ids) :].tolist()))
     return out
 
 
 def test_greedy_matches_transformers(stack: Stack, hf_reference: list) -> None:
-    requests = [make_request(messages=chat, max_tokens=NEW_TOKENS, temperature=0.0)
-                for chat in CHATS]
+    requests = [
+        make_request(messages=chat, max_tokens=NEW_TOKENS, temperature=0.0) for chat in CHATS
+    ]
     with stack.client() as client, ThreadPoolExecutor(len(requests)) as pool:
         results = list(pool.map(client.generate, requests))
     for chat, result, (prompt_ids, expected) in zip(CHATS, results, hf_reference, strict=True):

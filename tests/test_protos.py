@@ -21,8 +21,11 @@ def _version(text: str) -> tuple[int, ...]:
 
 
 def test_committed_stubs_are_fresh(tmp_path: Path) -> None:
-    subprocess.run([sys.executable, str(ROOT / "scripts" / "gen_protos.py"), "--out",
-                    str(tmp_path)], check=True, capture_output=True)
+    subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "gen_protos.py"), "--out", str(tmp_path)],
+        check=True,
+        capture_output=True,
+    )
     fresh = {p.name: p.read_bytes() for p in (tmp_path / "protos").glob("*_pb2*")}
     committed = {p.name: p.read_bytes() for p in (ROOT / "protos").glob("*_pb2*")}
     assert fresh.keys() == committed.keys()
@@ -30,8 +33,9 @@ def test_committed_stubs_are_fresh(tmp_path: Path) -> None:
     assert not stale, f"stale stubs {stale}: run scripts/gen_protos.py"
 
 
-@pytest.mark.parametrize("path", sorted((ROOT / "protos").glob("*_pb2_grpc.py")),
-                         ids=lambda p: p.name)
+@pytest.mark.parametrize(
+    "path", sorted((ROOT / "protos").glob("*_pb2_grpc.py")), ids=lambda p: p.name
+)
 def test_grpc_stubs_load_under_grpcio_184(path: Path) -> None:
     match = re.search(r"GRPC_GENERATED_VERSION = '([\d.]+)'", path.read_text())
     assert match and _version(match.group(1)) <= GPU_MACHINE_GRPCIO
@@ -39,8 +43,11 @@ def test_grpc_stubs_load_under_grpcio_184(path: Path) -> None:
 
 @pytest.mark.parametrize("path", sorted((ROOT / "protos").glob("*_pb2.py")), ids=lambda p: p.name)
 def test_message_stubs_load_under_protobuf_736(path: Path) -> None:
-    match = re.search(r"ValidateProtobufRuntimeVersion\(\s*_runtime_version\.Domain\.PUBLIC,\s*"
-                      r"(\d+),\s*(\d+),\s*(\d+),", path.read_text())
+    match = re.search(
+        r"ValidateProtobufRuntimeVersion\(\s*_runtime_version\.Domain\.PUBLIC,\s*"
+        r"(\d+),\s*(\d+),\s*(\d+),",
+        path.read_text(),
+    )
     assert match
     gencode = tuple(int(x) for x in match.groups())
     assert gencode <= GPU_MACHINE_PROTOBUF and gencode[0] == GPU_MACHINE_PROTOBUF[0]
