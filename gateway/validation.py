@@ -10,6 +10,7 @@ import re
 from dataclasses import dataclass
 
 from google.protobuf import unknown_fields
+from google.protobuf.message import Message
 
 from gateway.tokenizer import ChatMessage, ChatTemplateError, Tokenizer
 from protos import api_pb2
@@ -47,30 +48,45 @@ class ValidRequest:
     logprobs: bool
 
 
+def _show(value: float) -> str:
+    """A float32 field as the client wrote it (0.1, not 0.10000000149011612)."""
+    text = f"{value:.7g}"
+    return text if any(c in text for c in ".eni") else text + ".0"
+
+
 def _check_unknown_fields(req: api_pb2.GenerateRequest) -> None:
-    numbers = [f.field_number for f in unknown_fields.UnknownFieldSet(req)]
-    if numbers:
-        raise ValidationError(
-            f"unknown field number {numbers[0]} in GenerateRequest (this server's API does not "
-            "have it; check the client's proto version)"
-        )
+    """Refuse fields this server's API does not have (a newer client's), at any depth."""
+    messages: list[tuple[str, Message]] = [("GenerateRequest", req)]
+    if req.HasField("chat"):
+        messages.append(("chat", req.chat))
+        messages += [(f"chat.messages[{i}]", m) for i, m in enumerate(req.chat.messages)]
+    for where, msg in messages:
+        numbers = [f.field_number for f in unknown_fields.UnknownFieldSet(msg)]
+        if numbers:
+            raise ValidationError(
+                f"unknown field number {numbers[0]} in {where} (this server's API does not "
+                "have it; check the client's proto version)"
+            )
 
 
 def _check_sampling(req: api_pb2.GenerateRequest) -> None:
     if req.HasField("temperature") and not (
         math.isfinite(req.temperature) and req.temperature >= 0
     ):
-        raise ValidationError(f"temperature={req.temperature} must be a finite number >= 0")
+        raise ValidationError(f"temperature={_show(req.temperature)} must be a finite number >= 0")
     if req.HasField("top_p") and not 0 < req.top_p <= 1:
-        raise ValidationError(f"top_p={req.top_p} must be in (0, 1]")
+        raise ValidationError(f"top_p={_show(req.top_p)} must be in (0, 1]")
     if req.HasField("top_k") and req.top_k < -1:
         raise ValidationError(f"top_k={req.top_k} must be >= -1 (-1 or 0 disables it)")
     if req.HasField("min_p") and not 0 <= req.min_p <= 1:
-        raise ValidationError(f"min_p={req.min_p} must be in [0, 1]")
+        raise ValidationError(f"min_p={_show(req.min_p)} must be in [0, 1]")
     if req.HasField("max_tokens") and req.max_tokens < 1:
         raise ValidationError(f"max_tokens={req.max_tokens} must be >= 1")
     if req.request_id and not _REQUEST_ID.fullmatch(req.request_id):
-        raise ValidationError("request_id must be 1-128 characters of letters, digits and . _ : -")
+        raise ValidationError(
+            f"request_id={req.request_id[:40]!r} must be 1-128 characters of letters, digits "
+            "and . _ : -"
+        )
 
 
 def _check_stops(req: api_pb2.GenerateRequest, limits: Limits) -> None:

@@ -1,0 +1,739 @@
+"""The Scheduler driven by a fake engine step: exact plans, block ids and token streams.
+
+block_size is 4 throughout. The fake engine samples token 10 + k as a request's k-th output, so
+a token's value says which output it is: a re-emitted output shows up as a repeated value.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from scheduler.config import SchedulerConfig
+from scheduler.request import Request, RequestStatus, SamplingParams
+from scheduler.scheduler import (
+    AdmissionError,
+    Scheduler,
+    StepOutcome,
+    StepPlan,
+)
+
+BS = 4
+VOCAB = 100
+EOS = 99
+
+
+def make_request(
+    seq_id: int,
+    num_prompt: int,
+    max_tokens: int,
+    *,
+    prompt: list[int] | None = None,
+    stop_token_ids: tuple[int, ...] = (),
+    ignore_eos: bool = False,
+) -> Request:
+    """A request whose prompt starts with a token unique to seq_id (so no accidental cache hits)."""
+    if prompt is None:
+        prompt = [(seq_id * 7 + i) % 90 + 1 for i in range(num_prompt)]
+    return Request(
+        f"req-{seq_id}",
+        seq_id,
+        prompt,
+        SamplingParams(),
+        max_tokens,
+        stop_token_ids=frozenset(stop_token_ids),
+        ignore_eos=ignore_eos,
+    )
+
+
+def position_token(request: Request) -> int:
+    return 10 + request.num_output_tokens
+
+
+class Harness:
+    """A scheduler plus a fake engine applying the one token rule, recording every outcome."""
+
+    def __init__(
+        self,
+        *,
+        num_blocks: int = 16,
+        max_num_batched_tokens: int = 64,
+        max_num_seqs: int = 8,
+        max_waiting: int = 16,
+        max_model_len: int = 64,
+        enable_prefix_caching: bool = True,
+    ) -> None:
+        config = SchedulerConfig(
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=max_num_seqs,
+            max_waiting=max_waiting,
+            enable_prefix_caching=enable_prefix_caching,
+        )
+        self.s = Scheduler(config, num_blocks, BS, max_model_len, VOCAB, (EOS,))
+        self.outputs: dict[int, list[int]] = {}
+        self.finished: dict[int, RequestStatus] = {}
+        self.plans: list[StepPlan] = []
+        self.last_tokens: list[int] = []
+
+    def add(self, *requests: Request) -> None:
+        for r in requests:
+            self.s.add(r)
+
+    def check(self) -> None:
+        self.s.block_manager.check_integrity(list(self.s.requests.values()))
+
+    def tokens_for(
+        self, plan: StepPlan, token_for: Callable[[Request], int] = position_token
+    ) -> list[int]:
+        return [
+            token_for(r) if r.num_computed_tokens == r.num_tokens else -1 for r in plan.requests
+        ]
+
+    def finish_step(self, plan: StepPlan, tokens: list[int]) -> list[StepOutcome]:
+        outcomes = self.s.update(plan, tokens, None)
+        for o in outcomes:
+            seq_id = o.request.seq_id
+            assert seq_id not in self.finished, f"outcome for {seq_id} after it finished"
+            self.outputs.setdefault(seq_id, []).append(o.token_id)
+            if o.finished is not None:
+                self.finished[seq_id] = o.finished
+        self.check()
+        return outcomes
+
+    def step(
+        self, token_for: Callable[[Request], int] = position_token
+    ) -> tuple[StepPlan, list[StepOutcome]]:
+        plan = self.s.schedule()
+        self.plans.append(plan)
+        self.check()
+        self.last_tokens = self.tokens_for(plan, token_for)
+        return plan, self.finish_step(plan, self.last_tokens)
+
+    def run_until_idle(self, max_steps: int = 200) -> None:
+        for _ in range(max_steps):
+            if not self.s.has_work:
+                return
+            self.step()
+        raise AssertionError("scheduler did not go idle")
+
+
+@pytest.fixture
+def make() -> Iterator[Callable[..., Harness]]:
+    harnesses: list[Harness] = []
+
+    def factory(**kwargs: object) -> Harness:
+        h = Harness(**kwargs)  # type: ignore[arg-type]
+        harnesses.append(h)
+        return h
+
+    yield factory
+    for h in harnesses:
+        h.check()
+
+
+def new_rows(plan: StepPlan) -> list[tuple[int, list[int], list[int], int, int]]:
+    return [
+        (
+            r.request.seq_id,
+            r.token_ids,
+            r.block_table,
+            r.num_computed_tokens,
+            r.num_scheduled_tokens,
+        )
+        for r in plan.new_requests
+    ]
+
+
+def running_rows(plan: StepPlan) -> list[tuple[int, int, int, list[int]]]:
+    return [
+        (r.request.seq_id, r.num_scheduled_tokens, r.num_computed_tokens, r.new_block_ids)
+        for r in plan.running
+    ]
+
+
+def outcome_rows(outcomes: list[StepOutcome]) -> list[tuple[int, int, RequestStatus | None]]:
+    return [(o.request.seq_id, o.token_id, o.finished) for o in outcomes]
+
+
+# -- batching -----------------------------------------------------------------------------------
+
+
+def test_continuous_batching_admits_while_another_decodes(make: Callable[..., Harness]) -> None:
+    h = make()
+    a = make_request(1, 5, 3)
+    h.add(a)
+    plan, outcomes = h.step()
+    assert (plan.step_id, plan.finished_seq_ids, plan.running) == (1, [], [])
+    assert new_rows(plan) == [(1, a.prompt_token_ids, [0, 1], 0, 5)]
+    assert outcome_rows(outcomes) == [(1, 10, None)]
+
+    b = make_request(2, 3, 2)
+    h.add(b)
+    plan, outcomes = h.step()
+    assert plan.step_id == 2
+    assert new_rows(plan) == [(2, b.prompt_token_ids, [2], 0, 3)]
+    assert running_rows(plan) == [(1, 1, 5, [])]
+    assert [r.seq_id for r in plan.requests] == [2, 1]  # new rows first
+    assert outcome_rows(outcomes) == [(2, 10, None), (1, 11, None)]
+
+    plan, outcomes = h.step()
+    assert plan.new_requests == []
+    assert running_rows(plan) == [(1, 1, 6, []), (2, 1, 3, [])]
+    length = RequestStatus.FINISHED_LENGTH
+    assert outcome_rows(outcomes) == [(1, 12, length), (2, 11, length)]
+    assert h.s.running == [] and h.s.requests == {}
+    assert a.token_ids == [*a.prompt_token_ids, 10, 11, 12]
+    assert b.token_ids == [*b.prompt_token_ids, 10, 11]
+
+    # The engine learns about the finished requests from the next plan, once.
+    assert h.s.has_work
+    plan, outcomes = h.step()
+    assert (plan.step_id, plan.finished_seq_ids, plan.new_requests, plan.running) == (
+        4,
+        [1, 2],
+        [],
+        [],
+    )
+    assert not plan.is_empty and outcomes == []
+    assert not h.s.has_work
+    plan = h.s.schedule()
+    assert plan.is_empty and plan.step_id == 5
+    # a's blocks went back last block first, then b's.
+    assert list(h.s.block_manager.free_blocks) == [*range(3, 16), 1, 0, 2]
+    assert h.s.counters.num_finished_requests == 2
+    assert h.s.counters.finish_reasons == {"length": 2}
+    assert h.s.counters.num_steps == 5
+    assert h.s.counters.num_scheduled_tokens == 5 + 4 + 2
+
+
+def test_chunked_prefill_mixed_with_decode(make: Callable[..., Harness]) -> None:
+    h = make(max_num_batched_tokens=8)
+    a = make_request(1, 3, 10)
+    b = make_request(2, 18, 2)
+    h.add(a)
+    plan, _ = h.step()
+    assert new_rows(plan) == [(1, a.prompt_token_ids, [0], 0, 3)]
+    h.add(b)
+
+    # a decodes 1 token, b's prompt takes the other 7 of the budget.
+    plan, outcomes = h.step()
+    assert new_rows(plan) == [(2, b.prompt_token_ids, [1, 2], 0, 7)]
+    assert running_rows(plan) == [(1, 1, 3, [])]
+    assert h.last_tokens == [-1, 11]
+    assert outcome_rows(outcomes) == [(1, 11, None)]
+    assert b.num_computed_tokens == 7 and b.num_output_tokens == 0
+
+    # a needs its second block (id 3) before b's chunk takes 4 and 5.
+    plan, outcomes = h.step()
+    assert plan.new_requests == []
+    assert running_rows(plan) == [(1, 1, 4, [3]), (2, 7, 7, [4, 5])]
+    assert outcome_rows(outcomes) == [(1, 12, None)]
+
+    # b's last 4 prompt tokens: it samples its first output.
+    plan, outcomes = h.step()
+    assert running_rows(plan) == [(1, 1, 5, []), (2, 4, 14, [6])]
+    assert outcome_rows(outcomes) == [(1, 13, None), (2, 10, None)]
+
+    plan, outcomes = h.step()
+    assert running_rows(plan) == [(1, 1, 6, []), (2, 1, 18, [])]
+    assert outcome_rows(outcomes) == [(1, 14, None), (2, 11, RequestStatus.FINISHED_LENGTH)]
+    assert [p.num_scheduled_tokens for p in h.plans] == [3, 8, 8, 5, 2]
+    assert b.token_ids == [*b.prompt_token_ids, 10, 11]
+
+    h.run_until_idle()
+    assert h.outputs == {1: list(range(10, 20)), 2: [10, 11]}
+    # Each step id once, strictly increasing; each finished id listed once.
+    assert [p.step_id for p in h.plans] == list(range(1, len(h.plans) + 1))
+    listed = [i for p in h.plans for i in p.finished_seq_ids]
+    assert listed == [2, 1]
+
+
+def test_budget_admits_a_prompt_chunk(make: Callable[..., Harness]) -> None:
+    h = make(max_num_batched_tokens=4)
+    a = make_request(1, 3, 2)
+    b = make_request(2, 5, 1)
+    c = make_request(3, 2, 1)
+    h.add(a, b, c)
+    plan, _ = h.step()
+    assert new_rows(plan) == [
+        (1, a.prompt_token_ids, [0], 0, 3),
+        (2, b.prompt_token_ids, [1], 0, 1),
+    ]
+    assert [r.seq_id for r in h.s.waiting] == [3]
+    plan, _ = h.step()
+    assert running_rows(plan) == [(1, 1, 3, []), (2, 3, 1, [])]
+    assert plan.new_requests == []  # budget spent by the running requests
+    plan, _ = h.step()
+    assert plan.finished_seq_ids == [1]
+    assert running_rows(plan) == [(2, 1, 4, [2])]
+    assert new_rows(plan) == [(3, c.prompt_token_ids, [3], 0, 2)]
+    h.run_until_idle()
+    assert h.outputs == {1: [10, 11], 2: [10], 3: [10]}
+
+
+def test_running_decodes_beyond_the_budget_wait(make: Callable[..., Harness]) -> None:
+    h = make(max_num_batched_tokens=2)
+    h.add(make_request(1, 1, 3), make_request(2, 1, 3), make_request(3, 1, 3))
+    plan, _ = h.step()
+    assert [r.seq_id for r in plan.requests] == [1, 2]
+    plan, _ = h.step()
+    assert running_rows(plan) == [(1, 1, 1, []), (2, 1, 1, [])]
+    assert [r.seq_id for r in h.s.waiting] == [3]
+    h.run_until_idle()
+    assert h.outputs == {1: [10, 11, 12], 2: [10, 11, 12], 3: [10, 11, 12]}
+
+
+def test_max_num_seqs(make: Callable[..., Harness]) -> None:
+    h = make(max_num_seqs=2)
+    reqs = [make_request(i, 2, 2) for i in (1, 2, 3)]
+    h.add(*reqs)
+    plan, _ = h.step()
+    assert [r.seq_id for r in plan.requests] == [1, 2]
+    assert [r.seq_id for r in h.s.waiting] == [3]
+    assert reqs[2].status == RequestStatus.WAITING
+    plan, outcomes = h.step()
+    assert [r.seq_id for r in plan.requests] == [1, 2]  # 3 waits: 2 running when planned
+    assert [o.finished for o in outcomes] == [RequestStatus.FINISHED_LENGTH] * 2
+    plan, _ = h.step()
+    assert plan.finished_seq_ids == [1, 2]
+    assert new_rows(plan) == [(3, reqs[2].prompt_token_ids, [2], 0, 2)]
+    h.run_until_idle()
+    assert h.outputs == {1: [10, 11], 2: [10, 11], 3: [10, 11]}
+
+
+def test_one_token_rule(make: Callable[..., Harness]) -> None:
+    h = make(max_num_batched_tokens=4)
+    a = make_request(1, 6, 2)
+    h.add(a)
+    plan = h.s.schedule()
+    assert new_rows(plan) == [(1, a.prompt_token_ids, [0], 0, 4)]
+    # Mid-prefill: whatever the engine sends is discarded.
+    assert h.s.update(plan, [55], None) == []
+    assert a.token_ids == a.prompt_token_ids
+    plan = h.s.schedule()
+    assert running_rows(plan) == [(1, 2, 4, [1])]
+    with pytest.raises(AssertionError, match="no token for req-1"):
+        h.s.update(plan, [-1], None)
+    with pytest.raises(AssertionError, match="0 tokens for 1 requests"):
+        h.s.update(plan, [], None)
+    outcomes = h.s.update(plan, [55], [-0.5])
+    assert [(o.token_id, o.logprob, o.finished) for o in outcomes] == [(55, -0.5, None)]
+    assert a.token_ids == [*a.prompt_token_ids, 55]
+
+
+# -- preemption ---------------------------------------------------------------------------------
+
+
+def test_preemption_newest_first_recomputed_without_reemitting(
+    make: Callable[..., Harness],
+) -> None:
+    h = make(num_blocks=4, max_num_seqs=2)
+    a = make_request(1, 4, 8)
+    b = make_request(2, 4, 8)
+    c = make_request(3, 2, 1)  # waits: max_num_seqs
+    h.add(a, b, c)
+    plan, _ = h.step()
+    assert new_rows(plan) == [
+        (1, a.prompt_token_ids, [0], 0, 4),
+        (2, b.prompt_token_ids, [1], 0, 4),
+    ]
+    plan, _ = h.step()
+    assert running_rows(plan) == [(1, 1, 4, [2]), (2, 1, 4, [3])]
+    for computed in (5, 6, 7):
+        plan, _ = h.step()
+        assert running_rows(plan) == [(1, 1, computed, []), (2, 1, computed, [])]
+    assert h.s.block_manager.num_free_blocks == 0
+
+    # Step 6: a (oldest) needs a third block; b (newest) is preempted and a takes b's last block.
+    plan, outcomes = h.step()
+    assert plan.step_id == 6
+    assert plan.finished_seq_ids == [2]
+    assert plan.new_requests == []
+    assert running_rows(plan) == [(1, 1, 8, [3])]
+    assert outcome_rows(outcomes) == [(1, 15, None)]
+    assert b.status == RequestStatus.WAITING
+    assert (b.block_table, b.num_computed_tokens, b.num_preemptions) == ([], 0, 1)
+    assert b.in_engine is False
+    assert list(h.s.waiting) == [b, c]  # the preempted request goes first in line
+    assert h.s.running == [a]
+    assert list(h.s.block_manager.free_blocks) == [1]
+    assert h.s.counters.num_preemptions == 1
+    b_tokens = [*b.prompt_token_ids, 10, 11, 12, 13, 14]
+    assert b.token_ids == b_tokens
+
+    # b needs 3 blocks (1 cached, still free, + 2); only 1 is free while a runs. c, behind it,
+    # is not admitted past it.
+    plan, _ = h.step()
+    assert (plan.finished_seq_ids, plan.new_requests) == ([], [])
+    assert running_rows(plan) == [(1, 1, 9, [])]
+    plan, outcomes = h.step()
+    assert outcome_rows(outcomes) == [(1, 17, RequestStatus.FINISHED_LENGTH)]
+
+    # b comes back as a new request with its generated tokens; its first block is a cache hit.
+    plan, outcomes = h.step()
+    assert plan.finished_seq_ids == [1]
+    assert new_rows(plan) == [(2, b_tokens, [1, 3, 2], 4, 5), (3, c.prompt_token_ids, [0], 0, 2)]
+    assert outcome_rows(outcomes) == [(2, 15, None), (3, 10, RequestStatus.FINISHED_LENGTH)]
+    assert b.num_cached_tokens == 0  # counted at first admission only
+    h.run_until_idle()
+    assert h.outputs == {1: list(range(10, 18)), 2: list(range(10, 18)), 3: [10]}
+    length = RequestStatus.FINISHED_LENGTH
+    assert h.finished == {1: length, 2: length, 3: length}
+    assert [i for p in h.plans for i in p.finished_seq_ids] == [2, 1, 3, 2]
+
+
+def test_preemption_picks_the_newest_of_three(make: Callable[..., Harness]) -> None:
+    h = make(num_blocks=6)
+    a, b, c = (make_request(i, 4, 12) for i in (1, 2, 3))
+    h.add(a, b, c)
+    h.step()
+    plan, _ = h.step()
+    assert running_rows(plan) == [(1, 1, 4, [3]), (2, 1, 4, [4]), (3, 1, 4, [5])]
+    for _ in range(3):
+        h.step()
+    plan, _ = h.step()
+    assert plan.finished_seq_ids == [3]
+    assert running_rows(plan) == [(1, 1, 8, [5]), (2, 1, 8, [2])]
+    assert [r.seq_id for r in h.s.waiting] == [3]
+    h.run_until_idle()
+    assert h.outputs == {i: list(range(10, 22)) for i in (1, 2, 3)}
+    assert c.num_preemptions >= 1 and a.num_preemptions == 0
+
+
+def test_request_that_needs_a_block_can_preempt_itself(make: Callable[..., Harness]) -> None:
+    h = make(num_blocks=5)
+    a, b, c = (make_request(i, 4, 8) for i in (1, 2, 3))
+    h.add(a, b, c)
+    plan, _ = h.step()
+    assert [r.block_table for r in plan.requests] == [[0], [1], [2]]
+    plan, _ = h.step()
+    # a and b take 3 and 4; c, the newest, finds none and is preempted rather than anyone else.
+    assert plan.finished_seq_ids == [3]
+    assert running_rows(plan) == [(1, 1, 4, [3]), (2, 1, 4, [4])]
+    assert list(h.s.waiting) == [c]
+    assert c.token_ids == [*c.prompt_token_ids, 10]
+    h.run_until_idle()
+    assert h.outputs == {i: list(range(10, 18)) for i in (1, 2, 3)}
+
+
+# -- abort --------------------------------------------------------------------------------------
+
+
+def test_abort_waiting_request(make: Callable[..., Harness]) -> None:
+    h = make(max_num_seqs=1)
+    a, b = make_request(1, 3, 4), make_request(2, 3, 4)
+    h.add(a, b)
+    h.step()
+    assert h.s.abort(2) is b
+    assert b.status == RequestStatus.FINISHED_ABORTED
+    assert list(h.s.waiting) == [] and 2 not in h.s.requests
+    assert h.s.abort(2) is None
+    assert h.s.abort(99) is None
+    plan, _ = h.step()
+    assert plan.finished_seq_ids == []  # the engine never knew b
+    assert h.s.counters.finish_reasons == {"abort": 1}
+
+
+def test_abort_running_request_frees_blocks_at_once(make: Callable[..., Harness]) -> None:
+    h = make()
+    a, b = make_request(1, 6, 4), make_request(2, 3, 4)
+    h.add(a, b)
+    h.step()
+    assert (a.block_table, b.block_table) == ([0, 1], [2])
+    assert h.s.abort(1) is a
+    assert a.block_table == []
+    assert h.s.block_manager.num_free_blocks == 15
+    assert list(h.s.block_manager.free_blocks)[-2:] == [1, 0]
+    assert h.s.running == [b]
+    plan, _ = h.step()
+    assert plan.finished_seq_ids == [1]
+    assert running_rows(plan) == [(2, 1, 3, [])]
+    h.run_until_idle()
+    assert h.outputs == {1: [10], 2: [10, 11, 12, 13]}
+
+
+def test_in_flight_result_of_aborted_request_is_ignored(make: Callable[..., Harness]) -> None:
+    h = make()
+    a, b = make_request(1, 3, 4), make_request(2, 3, 4)
+    h.add(a, b)
+    plan = h.s.schedule()
+    tokens = h.tokens_for(plan)
+    assert tokens == [10, 10]
+    h.s.abort(1)
+    assert h.s.block_manager.num_free_blocks == 15
+    outcomes = h.finish_step(plan, tokens)
+    assert outcome_rows(outcomes) == [(2, 10, None)]
+    assert a.token_ids == a.prompt_token_ids
+    plan, _ = h.step()
+    assert plan.finished_seq_ids == [1]
+    assert [r.seq_id for r in plan.requests] == [2]
+
+
+def test_abort_of_preempted_request_is_listed_once(make: Callable[..., Harness]) -> None:
+    h = make(num_blocks=5)
+    h.add(*(make_request(i, 4, 8) for i in (1, 2, 3)))
+    h.step()
+    h.step()  # 3 preempted
+    assert [r.seq_id for r in h.s.waiting] == [3]
+    h.s.abort(3)
+    plan, _ = h.step()
+    assert plan.finished_seq_ids == []
+    assert [i for p in h.plans for i in p.finished_seq_ids] == [3]
+
+
+# -- admission ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("request_", "message"),
+    [
+        (make_request(1, 0, 4, prompt=[]), "prompt_token_ids is empty"),
+        (
+            make_request(1, 2, 4, prompt=[5, 100]),
+            "prompt_token_ids contains 100, outside the vocabulary [0, 100)",
+        ),
+        (
+            make_request(1, 2, 4, prompt=[-1, 5]),
+            "prompt_token_ids contains -1, outside the vocabulary [0, 100)",
+        ),
+        (make_request(1, 2, 0), "max_tokens=0 must be >= 1"),
+        (make_request(1, 2, -3), "max_tokens=-3 must be >= 1"),
+        (
+            make_request(1, 40, 25),
+            "prompt (40 tokens) + max_tokens (25) = 65 exceeds max_model_len=64",
+        ),
+        (
+            make_request(1, 20, 13),
+            "prompt (20 tokens) + max_tokens (13) = 33 exceeds the KV cache's capacity of "
+            "32 tokens (8 blocks x 4)",
+        ),
+    ],
+)
+def test_admission_invalid_argument(
+    make: Callable[..., Harness], request_: Request, message: str
+) -> None:
+    h = make(num_blocks=8, max_model_len=64)
+    with pytest.raises(AdmissionError) as err:
+        h.add(request_)
+    assert err.value.code == "INVALID_ARGUMENT"
+    assert err.value.message == message
+    assert str(err.value) == message
+    assert h.s.requests == {} and list(h.s.waiting) == []
+
+
+def test_admission_limits_are_inclusive(make: Callable[..., Harness]) -> None:
+    h = make(num_blocks=8, max_model_len=40)
+    h.add(make_request(1, 20, 12))  # exactly the KV capacity
+    h.add(make_request(2, 1, 31))  # exactly the KV capacity
+    h2 = make(num_blocks=16, max_model_len=40)
+    h2.add(make_request(3, 30, 10))  # exactly max_model_len
+    h2.add(make_request(4, 1, 1, prompt=[VOCAB - 1]))
+    h2.run_until_idle()
+    assert h2.outputs == {3: list(range(10, 20)), 4: [10]}
+
+
+def test_admission_queue_full(make: Callable[..., Harness]) -> None:
+    h = make(max_waiting=2)
+    h.add(make_request(1, 2, 2), make_request(2, 2, 2))
+    with pytest.raises(AdmissionError) as err:
+        h.add(make_request(3, 2, 2))
+    assert err.value.code == "RESOURCE_EXHAUSTED"
+    assert "2 requests waiting (max_waiting=2)" in err.value.message
+    assert "retry" in err.value.message
+    assert sorted(h.s.requests) == [1, 2]
+    # Once they run, the queue has room again.
+    h.step()
+    h.add(make_request(3, 2, 2))
+    h.run_until_idle()
+    assert sorted(h.outputs) == [1, 2, 3]
+
+
+# -- stopping -----------------------------------------------------------------------------------
+
+
+def eos_at(k: int, token: int = EOS) -> Callable[[Request], int]:
+    def token_for(r: Request) -> int:
+        return token if r.num_output_tokens == k else position_token(r)
+
+    return token_for
+
+
+def test_stop_on_eos(make: Callable[..., Harness]) -> None:
+    h = make()
+    a = make_request(1, 3, 10)
+    h.add(a)
+    for _ in range(3):
+        _, outcomes = h.step(eos_at(2))
+    assert outcome_rows(outcomes) == [(1, EOS, RequestStatus.FINISHED_STOPPED)]
+    assert a.token_ids == [*a.prompt_token_ids, 10, 11, EOS]
+    assert a.status == RequestStatus.FINISHED_STOPPED
+    assert h.s.counters.finish_reasons == {"stop": 1}
+
+
+def test_ignore_eos_runs_to_max_tokens(make: Callable[..., Harness]) -> None:
+    h = make()
+    a = make_request(1, 3, 5, ignore_eos=True)
+    h.add(a)
+    for _ in range(5):
+        h.step(eos_at(2))
+    assert h.outputs == {1: [10, 11, EOS, 13, 14]}
+    assert h.finished == {1: RequestStatus.FINISHED_LENGTH}
+
+
+def test_stop_token_ids(make: Callable[..., Harness]) -> None:
+    h = make()
+    a = make_request(1, 3, 10, stop_token_ids=(42,))
+    b = make_request(2, 3, 10)
+    h.add(a, b)
+    for _ in range(2):
+        h.step(eos_at(1, token=42))
+    assert h.outputs == {1: [10, 42], 2: [10, 42]}
+    assert h.finished == {1: RequestStatus.FINISHED_STOPPED}
+    assert b.status == RequestStatus.RUNNING
+
+
+def test_stop_on_max_tokens(make: Callable[..., Harness]) -> None:
+    h = make()
+    h.add(make_request(1, 3, 1), make_request(2, 3, 4))
+    h.run_until_idle()
+    assert h.outputs == {1: [10], 2: [10, 11, 12, 13]}
+    assert h.finished == {1: RequestStatus.FINISHED_LENGTH, 2: RequestStatus.FINISHED_LENGTH}
+
+
+def test_stop_on_max_model_len(make: Callable[..., Harness]) -> None:
+    h = make(max_model_len=64)
+    a = make_request(1, 4, 20)
+    h.add(a)
+    h.s.max_model_len = 7  # e.g. a limit lowered after admission
+    h.run_until_idle()
+    assert h.outputs == {1: [10, 11, 12]}
+    assert h.finished == {1: RequestStatus.FINISHED_LENGTH}
+    assert a.num_tokens == 7
+
+
+# -- prefix cache -------------------------------------------------------------------------------
+
+
+def test_prefix_cache_hit_for_a_later_request(make: Callable[..., Harness]) -> None:
+    h = make()
+    a = make_request(1, 10, 1)
+    h.add(a)
+    plan, _ = h.step()
+    assert new_rows(plan) == [(1, a.prompt_token_ids, [0, 1, 2], 0, 10)]
+    assert a.num_cached_tokens == 0
+    b = make_request(2, 10, 2, prompt=list(a.prompt_token_ids))
+    h.add(b)
+    plan, _ = h.step()
+    assert plan.finished_seq_ids == [1]
+    assert new_rows(plan) == [(2, a.prompt_token_ids, [0, 1, 3], 8, 2)]
+    assert b.num_cached_tokens == 8
+    assert h.s.counters.num_prefix_cache_hit_tokens == 8
+    assert plan.num_scheduled_tokens == 2
+    h.run_until_idle()
+    assert h.outputs == {1: [10], 2: [10, 11]}
+
+
+def test_prefix_cache_shared_with_a_running_request(make: Callable[..., Harness]) -> None:
+    h = make()
+    a = make_request(1, 10, 5)
+    h.add(a)
+    h.step()
+    b = make_request(2, 13, 2, prompt=[*a.prompt_token_ids, 10, 5, 6])
+    h.add(b)
+    plan, _ = h.step()
+    # a's first two blocks hit (its third, tokens 8..11, was not full when b was planned).
+    assert new_rows(plan) == [(2, b.prompt_token_ids, [0, 1, 3, 4], 8, 5)]
+    assert running_rows(plan) == [(1, 1, 10, [])]
+    assert h.s.block_manager.ref_cnt[:5] == [2, 2, 1, 1, 1]
+    h.run_until_idle()
+    assert h.outputs == {1: [10, 11, 12, 13, 14], 2: [10, 11]}
+
+
+def test_prefix_cache_disabled(make: Callable[..., Harness]) -> None:
+    h = make(enable_prefix_caching=False)
+    a = make_request(1, 10, 1)
+    h.add(a)
+    h.step()
+    h.add(make_request(2, 10, 1, prompt=list(a.prompt_token_ids)))
+    plan, _ = h.step()
+    assert plan.finished_seq_ids == [1]
+    assert new_rows(plan) == [(2, a.prompt_token_ids, [3, 4, 5], 0, 10)]
+    assert h.s.block_manager.hash_to_block == {}
+    assert h.s.requests == {}
+
+
+# -- engine reset and resize --------------------------------------------------------------------
+
+
+def test_reset_engine_preempts_everything_and_forgets_the_cache(
+    make: Callable[..., Harness],
+) -> None:
+    h = make(max_num_seqs=3)
+    a, b, c, d = (
+        make_request(1, 5, 10),
+        make_request(2, 5, 10),
+        make_request(3, 2, 3),
+        make_request(4, 2, 2),
+    )
+    h.add(a, b, d, c)
+    h.step()
+    _, outcomes = h.step()
+    assert outcomes[-1].finished == RequestStatus.FINISHED_LENGTH  # d, pending for the engine
+    assert h.s.block_manager.hash_to_block != {}
+    h.s.reset_engine()
+    assert h.s.running == []
+    assert list(h.s.waiting) == [a, b, c]
+    assert all(r.status == RequestStatus.WAITING for r in (a, b, c))
+    assert [(r.num_computed_tokens, r.num_preemptions, r.in_engine) for r in (a, b)] == [
+        (0, 1, False),
+        (0, 1, False),
+    ]
+    assert h.s.block_manager.num_free_blocks == 16
+    assert h.s.block_manager.hash_to_block == {} and h.s.block_manager.block_key == {}
+    plan, _ = h.step()
+    assert plan.finished_seq_ids == []  # the restarted engine knows nobody
+    assert plan.running == []
+    assert new_rows(plan) == [
+        (1, [*a.prompt_token_ids, 10, 11], [5, 6], 0, 7),
+        (2, [*b.prompt_token_ids, 10, 11], [7, 8], 0, 7),
+        (3, c.prompt_token_ids, [9], 0, 2),
+    ]
+    h.run_until_idle()
+    assert h.outputs == {
+        1: list(range(10, 20)),
+        2: list(range(10, 20)),
+        3: [10, 11, 12],
+        4: [10, 11],
+    }
+
+
+def test_resize_aborts_what_no_longer_fits(make: Callable[..., Harness]) -> None:
+    h = make()
+    a, c = make_request(1, 5, 10), make_request(3, 4, 3)
+    h.add(a, c)
+    h.step()
+    old = h.s.block_manager
+    assert h.s.resize(16, BS) == []
+    assert h.s.block_manager is old
+    with pytest.raises(AssertionError, match="running"):
+        h.s.resize(4, 2)
+    h.s.reset_engine()
+    assert len(a.block_hashes) == 1 and len(c.block_hashes) == 1
+    assert h.s.resize(4, 2) == [a]
+    assert a.status == RequestStatus.FINISHED_ABORTED
+    assert list(h.s.waiting) == [c] and list(h.s.requests) == [3]
+    assert c.block_hashes == []
+    bm = h.s.block_manager
+    assert (bm.num_blocks, bm.block_size, h.s.block_size) == (4, 2, 2)
+    plan, _ = h.step()
+    assert plan.finished_seq_ids == []
+    assert new_rows(plan) == [(3, [*c.prompt_token_ids, 10], [0, 1, 2], 0, 5)]
+    # Rehashed per 2-token block.
+    t = c.token_ids
+    h0 = hash((0, tuple(t[0:2])))
+    assert c.block_hashes == [h0, hash((h0, tuple(t[2:4])))]
+    with pytest.raises(AdmissionError, match="capacity of 8 tokens \\(4 blocks x 2\\)"):
+        h.s.add(make_request(5, 5, 4))
+    h.run_until_idle()
+    assert h.outputs == {1: [10], 3: [10, 11, 12]}
