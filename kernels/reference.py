@@ -54,11 +54,9 @@ def _attend(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
 ) -> torch.Tensor:
     """q [B, H, Lq, D], k/v [B, Hkv, Lk, D], mask [B, 1, Lq, Lk] bool (True = visible)."""
-    group = q.shape[1] // k.shape[1]
-    if group > 1:
-        k = k.repeat_interleave(group, dim=1)
-        v = v.repeat_interleave(group, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+    )
 
 
 def paged_attention(
@@ -113,19 +111,26 @@ def _decode_attention(
     scale: float,
     out: torch.Tensor,
 ) -> None:
-    """One query per request in `rows`, batched: gather each context padded to the longest."""
+    """One query per request in `rows`, batched: gather each context padded to the longest.
+    Queries are grouped by KV head ([B, Hkv, group, D]) so K and V are never repeated."""
     device = q.device
-    block_size = k_cache.shape[1]
+    block_size, num_kv_heads, head_dim = k_cache.shape[1:]
     lens = torch.tensor([seq_lens[b] for b in rows], device=device)
     max_len = int(lens.max())
     max_blocks = (max_len + block_size - 1) // block_size
     tables = block_tables[rows, :max_blocks]
-    k = k_cache[tables].flatten(1, 2)[:, :max_len].transpose(1, 2).to(q.dtype)  # [B, Hkv, L, D]
-    v = v_cache[tables].flatten(1, 2)[:, :max_len].transpose(1, 2).to(q.dtype)
+    k = k_cache[tables].flatten(1, 2)[:, :max_len].to(q.dtype)  # [B, L, Hkv, D]
+    v = v_cache[tables].flatten(1, 2)[:, :max_len].to(q.dtype)
     token_idx = torch.tensor([cu_seqlens_q[b] for b in rows], device=device)
-    qb = q[token_idx].unsqueeze(2)  # [B, H, 1, D]
-    mask = (torch.arange(max_len, device=device)[None, :] < lens[:, None])[:, None, None, :]
-    out[token_idx] = _attend(qb, k, v, mask, scale).squeeze(2)
+    num_rows = len(rows)
+    qg = q[token_idx].view(num_rows, num_kv_heads, -1, head_dim)  # [B, Hkv, G, D]
+    scores = torch.matmul(qg, k.permute(0, 2, 3, 1)) * scale  # [B, Hkv, G, L]
+    hidden = torch.arange(max_len, device=device)[None, :] >= lens[:, None]
+    scores.masked_fill_(hidden[:, None, None, :], float("-inf"))
+    accumulate = torch.promote_types(q.dtype, torch.float32)  # fp32 for half types, else q's
+    probs = torch.softmax(scores.to(accumulate), dim=-1).to(q.dtype)
+    attn = torch.matmul(probs, v.transpose(1, 2))  # [B, Hkv, G, D]
+    out[token_idx] = attn.reshape(num_rows, -1, head_dim)
 
 
 def dense_causal_attention(
