@@ -262,9 +262,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
+    commands = {
+        name: [sys.executable, "-m", "llmserve.cli", *argv] for name, argv in _service_argv(args)
+    }
     try:
-        for name, argv in _service_argv(args):
-            cmd = [sys.executable, "-m", "llmserve.cli", *argv]
+        for name, cmd in commands.items():
             children.append((name, subprocess.Popen(cmd, start_new_session=True)))
         address = f"localhost:{args.port}"
         deadline = time.monotonic() + args.ready_timeout
@@ -279,11 +281,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
         else:
             return 0
         print(f"llmserve ready: gateway at {address} (Ctrl-C stops it)", flush=True)
+        restarts: list[float] = []
         while not stop["signal"]:
-            dead = [(n, p.returncode) for n, p in children if p.poll() is not None]
-            if dead:
-                print(f"error: {dead[0][0]} exited with {dead[0][1]}", file=sys.stderr)
-                return 1
+            for i, (name, proc) in enumerate(children):
+                if proc.poll() is None:
+                    continue
+                # The scheduler keeps every request through an engine restart; the gateway and
+                # the scheduler hold client streams, so losing either ends the stack.
+                recent = [t for t in restarts if time.monotonic() - t < 600]
+                if name != "engine" or len(recent) >= 3:
+                    print(f"error: {name} exited with {proc.returncode}", file=sys.stderr)
+                    return 1
+                print(f"engine exited with {proc.returncode}; restarting it", file=sys.stderr)
+                restarts = [*recent, time.monotonic()]
+                children[i] = (name, subprocess.Popen(commands[name], start_new_session=True))
             time.sleep(0.2)
         return 0
     finally:

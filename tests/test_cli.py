@@ -4,15 +4,31 @@ stream, print JSON, and exit non-zero with the server's message when refused."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from llmserve.net import check_health
 from tests.stack import ROOT, free_port
+
+
+def _pid_of(fragment: str) -> int:
+    """The pid of the llmserve process whose command line contains fragment."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if "llmserve.cli" in cmdline and fragment in cmdline and " serve " not in cmdline:
+            return int(entry.name)
+    raise LookupError(fragment)
 
 
 def llmserve(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
@@ -86,6 +102,28 @@ def test_serve_generate_chat_and_stop(tiny_model: Callable[..., Path]) -> None:
         assert "INVALID_ARGUMENT" in out.stderr and "temperature=-1.0" in out.stderr
 
         assert llmserve("health", "--address", address).stdout.strip() == "SERVING"
+
+        # Kill the engine mid-request: serve restarts it and the request still completes.
+        with ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(
+                llmserve,
+                "generate",
+                "survive",
+                "--address",
+                address,
+                "--max-tokens",
+                "300",
+                "--temperature",
+                "0",
+                "--ignore-eos",
+                "--json",
+                timeout=120,
+            )
+            time.sleep(1.0)
+            os.kill(_pid_of(f"--port {ports[2]}"), signal.SIGKILL)
+            out = pending.result()
+        assert out.returncode == 0, out.stderr
+        assert len(json.loads(out.stdout)["token_ids"]) == 300
     finally:
         serve.send_signal(signal.SIGTERM)
         assert serve.wait(timeout=30) == 0

@@ -1,0 +1,253 @@
+"""Issue 2's CPU benchmark: 16 concurrent streams through the whole stack vs HF transformers.
+
+    python bench/cpu_stack.py [--out bench/results/cpu_stack.json]
+
+Workload: 16 prompts of exactly 128 tokens (raw text, no template), 128 output tokens each,
+greedy, EOS ignored, sent at once to a freshly started `llmserve serve` on the built-in
+SmolLM2-135M-Instruct. Reports aggregate output tokens/s, p50/p99 time to first token and
+inter-token latency (gap between streamed chunks), and where each step's time goes. Then HF
+transformers `generate` on the same token ids, float32, at batch 1 and batch 16 (static batch),
+run while the stack is stopped so the two never share the CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from gateway.tokenizer import Tokenizer  # noqa: E402
+from llmserve.client import Client, make_request  # noqa: E402
+from llmserve.model_config import builtin_model_path  # noqa: E402
+from llmserve.net import CHANNEL_OPTIONS, wait_until_serving  # noqa: E402
+from protos import scheduler_pb2, scheduler_pb2_grpc  # noqa: E402
+from tests.stack import free_port  # noqa: E402
+
+WORDS = (
+    "the model serves many requests at once while the scheduler plans every step and the engine "
+    "runs one forward pass over prefill chunks and decode tokens together paged memory keeps "
+    "blocks for each sequence river mountain window garden music ocean silver planet bridge "
+    "story letter winter summer coffee market science history language number question answer"
+).split()
+
+
+def make_prompts(tokenizer: Tokenizer, n: int, length: int, seed: int = 0) -> list[str]:
+    """n texts that tokenize to exactly `length` tokens (BOS included if the model adds one)."""
+    rng = random.Random(seed)
+    prompts = []
+    while len(prompts) < n:
+        words = [rng.choice(WORDS) for _ in range(length * 2)]
+        ids = tokenizer.encode(" ".join(words))[:length]
+        text = tokenizer.decode(ids)
+        if len(tokenizer.encode(text)) == length:
+            prompts.append(text)
+    return prompts
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    if not ordered:
+        return float("nan")
+    k = (len(ordered) - 1) * q / 100
+    lo, hi = int(k), min(int(k) + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
+
+
+def run_stream(address: str, prompt: str, max_tokens: int, out: dict, start: threading.Event) -> None:
+    with Client(address) as client:
+        request = make_request(text=prompt, max_tokens=max_tokens, temperature=0.0,
+                               ignore_eos=True)
+        start.wait()
+        t0 = time.perf_counter()
+        times, counts = [], []
+        for msg in client.stream(request):
+            if msg.token_ids:
+                times.append(time.perf_counter())
+                counts.append(len(msg.token_ids))
+        out.update(t0=t0, times=times, counts=counts)
+
+
+def scheduler_stats(address: str) -> dict[str, float]:
+    import grpc
+    from google.protobuf.json_format import MessageToDict
+
+    with grpc.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
+        stub = scheduler_pb2_grpc.SchedulerStub(channel)
+        msg = stub.GetStats(scheduler_pb2.GetStatsRequest(), timeout=5)
+    return {k: float(v) for k, v in MessageToDict(msg, preserving_proto_field_name=True,
+                                                   always_print_fields_with_no_presence=True).items()}
+
+
+def bench_stack(prompts: list[str], max_tokens: int, threads: int) -> dict:
+    ports = [free_port() for _ in range(3)]
+    cmd = [sys.executable, "-m", "llmserve.cli", "serve", "--host", "127.0.0.1",
+           "--port", str(ports[0]), "--scheduler-port", str(ports[1]),
+           "--engine-port", str(ports[2]), "--kv-cache-gb", "1"]
+    if threads:
+        cmd += ["--num-threads", str(threads)]
+    env = dict(os.environ, LLMSERVE_LOG_LEVEL="WARNING")
+    serve = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL)
+    address = f"127.0.0.1:{ports[0]}"
+    try:
+        if not wait_until_serving(address, timeout=300):
+            raise RuntimeError("stack did not start")
+        with Client(address) as client:  # warm-up: one short request
+            client.generate(make_request(text=prompts[0], max_tokens=8, temperature=0.0))
+        scheduler_address = f"127.0.0.1:{ports[1]}"
+        before = scheduler_stats(scheduler_address)
+        results: list[dict] = [{} for _ in prompts]
+        start = threading.Event()
+        workers = [threading.Thread(target=run_stream, args=(address, p, max_tokens, r, start))
+                   for p, r in zip(prompts, results, strict=True)]
+        for w in workers:
+            w.start()
+        time.sleep(0.5)  # all channels connected
+        start.set()
+        for w in workers:
+            w.join()
+        after = scheduler_stats(scheduler_address)
+    finally:
+        serve.send_signal(signal.SIGTERM)
+        serve.wait(timeout=30)
+    t_start = min(r["t0"] for r in results)
+    t_end = max(r["times"][-1] for r in results)
+    num_tokens = sum(sum(r["counts"]) for r in results)
+    assert num_tokens == len(prompts) * max_tokens, num_tokens
+    ttft = [(r["times"][0] - r["t0"]) * 1e3 for r in results]
+    itl = [(b - a) * 1e3 for r in results for a, b in zip(r["times"], r["times"][1:])]
+    delta = {k: after[k] - before.get(k, 0.0) for k in after}
+    steps = max(delta["num_steps"], 1.0)
+    per_step = {
+        "schedule_ms": delta["schedule_ms"] / steps,
+        "grpc_hop_ms": (delta["step_rtt_ms"] - delta["engine_total_ms"]) / steps,
+        "engine_forward_ms": delta["engine_forward_ms"] / steps,
+        "engine_sample_ms": delta["engine_sample_ms"] / steps,
+        "engine_other_ms": (delta["engine_total_ms"] - delta["engine_forward_ms"]
+                            - delta["engine_sample_ms"]) / steps,
+        "update_and_stream_ms": delta["update_ms"] / steps,
+    }
+    wall = t_end - t_start
+    return {
+        "output_tokens": num_tokens,
+        "wall_s": wall,
+        "output_tokens_per_s": num_tokens / wall,
+        "ttft_ms": {"p50": percentile(ttft, 50), "p99": percentile(ttft, 99)},
+        "itl_ms": {"p50": percentile(itl, 50), "p99": percentile(itl, 99)},
+        "num_steps": delta["num_steps"],
+        "step_ms": wall * 1e3 / steps,
+        "per_step": per_step,
+    }
+
+
+def bench_hf(token_ids: list[list[int]], max_tokens: int, batch_1_requests: int) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    path = builtin_model_path()
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                 dtype=torch.float32).eval()
+
+    def generate(batch: list[list[int]]) -> float:
+        ids = torch.tensor(batch)
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                 max_new_tokens=max_tokens, min_new_tokens=max_tokens,
+                                 pad_token_id=2)
+        elapsed = time.perf_counter() - t0
+        assert out.shape[1] - ids.shape[1] == max_tokens
+        return elapsed
+
+    generate(token_ids[:1])  # warm-up
+    times_1 = [generate([ids]) for ids in token_ids[:batch_1_requests]]
+    time_16 = generate(token_ids)
+    return {
+        "batch_1": {"requests": batch_1_requests,
+                    "output_tokens_per_s": max_tokens / statistics.median(times_1),
+                    "seconds_per_request": times_1},
+        "batch_16": {"output_tokens_per_s": len(token_ids) * max_tokens / time_16,
+                     "seconds": time_16},
+    }
+
+
+def hardware() -> dict:
+    import torch
+
+    cpu = "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"cpu": cpu, "logical_cores": os.cpu_count(), "python": platform.python_version(),
+            "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+            "platform": platform.platform()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "cpu_stack.json")
+    parser.add_argument("--streams", type=int, default=16)
+    parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--output-tokens", type=int, default=128)
+    parser.add_argument("--hf-batch-1-requests", type=int, default=4)
+    parser.add_argument("--engine-threads", type=int, default=0)
+    parser.add_argument("--skip-hf", action="store_true")
+    args = parser.parse_args()
+
+    tokenizer = Tokenizer.from_model_path(builtin_model_path())
+    prompts = make_prompts(tokenizer, args.streams, args.prompt_tokens)
+    token_ids = [tokenizer.encode(p) for p in prompts]
+    stack = bench_stack(prompts, args.output_tokens, args.engine_threads)
+    hf = None if args.skip_hf else bench_hf(token_ids, args.output_tokens,
+                                             args.hf_batch_1_requests)
+    result = {
+        "benchmark": "cpu_stack",
+        "date": time.strftime("%Y-%m-%d"),
+        "hardware": hardware(),
+        "workload": {"streams": args.streams, "prompt_tokens": args.prompt_tokens,
+                     "output_tokens": args.output_tokens, "greedy": True, "ignore_eos": True,
+                     "model": "SmolLM2-135M-Instruct (GGUF Q4_1, dequantized to float32)"},
+        "llmserve": stack,
+        "hf_transformers": hf,
+    }
+    if hf:
+        result["ratios"] = {
+            "vs_hf_batch_1": stack["output_tokens_per_s"] / hf["batch_1"]["output_tokens_per_s"],
+            "vs_hf_batch_16": stack["output_tokens_per_s"] / hf["batch_16"]["output_tokens_per_s"],
+        }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+
+    s = stack
+    print(f"hardware: {result['hardware']['cpu']}, {result['hardware']['logical_cores']} cores")
+    print(f"llmserve, {args.streams} streams: {s['output_tokens_per_s']:.1f} output tok/s, "
+          f"TTFT p50/p99 {s['ttft_ms']['p50']:.0f}/{s['ttft_ms']['p99']:.0f} ms, "
+          f"ITL p50/p99 {s['itl_ms']['p50']:.1f}/{s['itl_ms']['p99']:.1f} ms")
+    print("per step (ms): " + ", ".join(f"{k} {v:.2f}" for k, v in s["per_step"].items())
+          + f"; wall {s['step_ms']:.2f}")
+    if hf:
+        print(f"HF generate: batch 1 {hf['batch_1']['output_tokens_per_s']:.1f} tok/s, "
+              f"batch 16 {hf['batch_16']['output_tokens_per_s']:.1f} tok/s")
+        r = result["ratios"]
+        print(f"ratio: {r['vs_hf_batch_1']:.2f}x HF batch 1 (goal >= 3), "
+              f"{r['vs_hf_batch_16']:.2f}x HF batch 16 (goal >= 0.8)")
+    print(f"raw JSON: {args.out}")
+
+
+if __name__ == "__main__":
+    main()
