@@ -115,6 +115,9 @@ class Mirror:
         for seq_id in plan.finished_seq_ids:
             if self.seqs.pop(seq_id, None) is None:
                 raise MirrorMismatch(f"finished seq {seq_id} is not in the mirror")
+        listed = [n.seq_id for n in plan.new_requests] + plan.running.seq_ids
+        if len(set(listed)) != len(listed):
+            raise MirrorMismatch("a seq id is listed twice in one plan")
         batch = StepBatch(plan.step_id)
         for new in plan.new_requests:
             batch.rows.append(self._add(new))
@@ -145,6 +148,11 @@ class Mirror:
     def _add(self, new: NewRequestData) -> ScheduledSeq:
         if new.seq_id in self.seqs:
             raise MirrorMismatch(f"new seq {new.seq_id} is already in the mirror")
+        if not 0 <= new.num_computed_tokens < len(new.token_ids):
+            raise MirrorMismatch(
+                f"seq {new.seq_id}: num_computed_tokens={new.num_computed_tokens} with "
+                f"{len(new.token_ids)} token ids"
+            )
         if not 0 < new.num_prompt_tokens <= len(new.token_ids):
             raise MirrorMismatch(
                 f"seq {new.seq_id}: num_prompt_tokens={new.num_prompt_tokens} with "

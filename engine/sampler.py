@@ -91,7 +91,8 @@ class Sampler:
         top_p = torch.tensor([p.top_p for p in params], device=device)
         sorted_probs = torch.softmax(sorted_logits, dim=-1)
         mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-        drop |= mass_before >= top_p[:, None]
+        # Rows without top-p keep everything: float32 sums can exceed 1.0 on big vocabularies.
+        drop |= (mass_before >= top_p[:, None]) & (top_p[:, None] < 1.0)
         min_p = torch.tensor([p.min_p for p in params], device=device)
         drop |= sorted_probs < min_p[:, None] * sorted_probs[:, :1]
         drop[:, 0] = False  # the most likely token always survives

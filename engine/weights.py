@@ -85,9 +85,9 @@ def _load_gguf(path: Path, config: ModelConfig) -> dict[str, torch.Tensor]:
         if name is None:
             continue
         data = gguf_file.tensor_array(tensor)
-        if name.endswith("q_proj.weight"):
+        if name.endswith(("q_proj.weight", "q_proj.bias")):
             data = unpermute_qk(data, config.num_heads)
-        elif name.endswith("k_proj.weight"):
+        elif name.endswith(("k_proj.weight", "k_proj.bias")):
             data = unpermute_qk(data, config.num_kv_heads)
         weights[name] = torch.from_numpy(np.ascontiguousarray(data))
     return weights

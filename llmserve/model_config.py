@@ -205,6 +205,8 @@ def _config_from_gguf(path: Path) -> ModelConfig:
         max_position_embeddings=int(get("llama.context_length", 2048)),
         tie_word_embeddings="output.weight" not in tensor_names,
         rope_scaling=scaling,
+        attention_bias="blk.0.attn_q.bias" in tensor_names,
+        mlp_bias="blk.0.ffn_up.bias" in tensor_names,
         bos_token_id=fields.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=eos_ids,
     )

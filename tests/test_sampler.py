@@ -1,0 +1,376 @@
+"""engine.sampler.Sampler: greedy, temperature, top-k / top-p / min-p, seeds, logprobs."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from engine.mirror import SamplingParams
+from engine.sampler import Sampler, seed_for
+
+CPU = torch.device("cpu")
+NUM_DRAWS = 20_000
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread() -> Iterator[None]:
+    """Small tensors: one thread is fastest, and immune to a busy machine's oversubscription."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def draw_counts(
+    logits: torch.Tensor, params: SamplingParams, num_draws: int = NUM_DRAWS, seed: int = 0
+) -> torch.Tensor:
+    """Counts per token of num_draws independent draws from one row of logits (batched: one
+    sampler call over num_draws identical rows, each with its own noise)."""
+    sampler = Sampler(CPU, seed)
+    batch = logits[None, :].expand(num_draws, -1).contiguous()
+    tokens, _ = sampler(batch, [params] * num_draws, [0] * num_draws)
+    return torch.bincount(tokens, minlength=logits.shape[0])
+
+
+def assert_frequencies(counts: torch.Tensor, probs: torch.Tensor) -> None:
+    """Each token's count within 5 standard deviations of the binomial mean; tokens with zero
+    probability never drawn."""
+    n = int(counts.sum())
+    expected = probs.double() * n
+    sd = (n * probs.double() * (1 - probs.double())).sqrt()
+    zero = probs == 0
+    assert counts[zero].sum() == 0, f"masked tokens drawn: {counts.tolist()} vs {probs.tolist()}"
+    excess = (counts.double() - expected).abs() - 5 * sd - 1
+    assert bool((excess <= 0).all()), f"counts {counts.tolist()} vs expected {expected.tolist()}"
+
+
+def filtered_probs(logits: torch.Tensor, keep: list[int], temperature: float = 1.0) -> torch.Tensor:
+    scaled = logits.double() / temperature
+    mask = torch.full_like(scaled, float("-inf"))
+    mask[keep] = 0.0
+    return torch.softmax(scaled + mask, dim=-1)
+
+
+# A small vocabulary with known, distinct probabilities (sorted order 3, 0, 5, 1, 4, 2, 6, 7).
+LOGITS = torch.log(torch.tensor([0.20, 0.10, 0.05, 0.30, 0.07, 0.15, 0.08, 0.05]))
+
+
+# ---- greedy ----------------------------------------------------------------------------------
+
+
+def test_greedy_is_argmax() -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(16, 1000)
+    tokens, logprobs = Sampler(CPU)(logits, [SamplingParams(temperature=0.0)] * 16, [0] * 16)
+    assert torch.equal(tokens, logits.argmax(dim=-1))
+    assert logprobs is None
+
+
+def test_top_k_one_is_greedy_even_with_temperature() -> None:
+    torch.manual_seed(1)
+    logits = torch.randn(64, 50)
+    params = [SamplingParams(temperature=5.0, top_k=1)] * 64
+    tokens, _ = Sampler(CPU)(logits, params, [0] * 64)
+    assert torch.equal(tokens, logits.argmax(dim=-1))
+
+
+def test_greedy_rows_stay_argmax_in_a_sampled_batch() -> None:
+    torch.manual_seed(2)
+    logits = torch.randn(40, 30)
+    params = [
+        SamplingParams(temperature=0.0) if i % 2 else SamplingParams(temperature=2.0, top_p=0.5)
+        for i in range(40)
+    ]
+    tokens, _ = Sampler(CPU)(logits, params, [0] * 40)
+    assert torch.equal(tokens[1::2], logits[1::2].argmax(dim=-1))
+
+
+# ---- temperature -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.5, 2.0])
+def test_temperature_frequencies_match_softmax(temperature: float) -> None:
+    counts = draw_counts(LOGITS, SamplingParams(temperature=temperature))
+    assert_frequencies(counts, torch.softmax(LOGITS.double() / temperature, dim=-1))
+
+
+def test_low_temperature_concentrates() -> None:
+    counts = draw_counts(LOGITS, SamplingParams(temperature=0.05), num_draws=2000)
+    # p(second) / p(first) = (0.2 / 0.3) ** 20 ~ 3e-4
+    assert counts[3] >= 1990
+
+
+# ---- filters ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("top_k", "keep"),
+    [(1, [3]), (2, [3, 0]), (3, [3, 0, 5]), (5, [3, 0, 5, 1, 6]), (8, list(range(8)))],
+)
+def test_top_k_keeps_exactly_the_k_most_likely(top_k: int, keep: list[int]) -> None:
+    counts = draw_counts(LOGITS, SamplingParams(top_k=top_k))
+    assert_frequencies(counts, filtered_probs(LOGITS, keep))
+
+
+def test_top_k_larger_than_vocab_keeps_all() -> None:
+    counts = draw_counts(LOGITS, SamplingParams(top_k=100))
+    assert_frequencies(counts, torch.softmax(LOGITS.double(), dim=-1))
+
+
+@pytest.mark.parametrize(
+    ("top_p", "keep"),
+    [
+        # sorted probs: 0.30, 0.20, 0.15, 0.10, 0.08, 0.07, 0.05, 0.05
+        # cumulative:   0.30, 0.50, 0.65, 0.75, 0.83, 0.90, 0.95, 1.00
+        (0.1, [3]),
+        (0.29, [3]),
+        (0.31, [3, 0]),
+        (0.6, [3, 0, 5]),
+        (0.7, [3, 0, 5, 1]),
+        (0.8, [3, 0, 5, 1, 6]),
+        (0.86, [3, 0, 5, 1, 6, 4]),
+    ],
+)
+def test_top_p_keeps_smallest_set_reaching_p(top_p: float, keep: list[int]) -> None:
+    counts = draw_counts(LOGITS, SamplingParams(top_p=top_p))
+    assert_frequencies(counts, filtered_probs(LOGITS, keep))
+
+
+@pytest.mark.parametrize(
+    ("min_p", "keep"),
+    [
+        (0.9, [3]),  # threshold 0.27
+        (0.6, [3, 0]),  # 0.18: 0.20 kept, 0.15 dropped
+        (0.49, [3, 0, 5]),  # 0.147: 0.15 kept
+        (0.51, [3, 0]),  # 0.153: 0.15 dropped
+        (0.3, [3, 0, 5, 1]),  # 0.09
+        (0.2, [3, 0, 5, 1, 6, 4]),  # 0.06
+        (0.1, list(range(8))),
+    ],
+)
+def test_min_p_drops_tokens_below_fraction_of_top(min_p: float, keep: list[int]) -> None:
+    counts = draw_counts(LOGITS, SamplingParams(min_p=min_p))
+    assert_frequencies(counts, filtered_probs(LOGITS, keep))
+
+
+def test_top_k_then_top_p_over_what_top_k_kept() -> None:
+    # top_k=4 keeps 0.30, 0.20, 0.15, 0.10 -> renormalized 0.40, 0.267, 0.20, 0.133
+    # top_p=0.6: 0.40 < 0.6, 0.667 reaches it -> keep two
+    counts = draw_counts(LOGITS, SamplingParams(top_k=4, top_p=0.6))
+    assert_frequencies(counts, filtered_probs(LOGITS, [3, 0]))
+
+
+def test_temperature_then_top_p() -> None:
+    # T=0.5 squares the probabilities: 0.09, 0.04, 0.0225, 0.01, ... of sum 0.1788 ->
+    # 0.503, 0.224, 0.126, ...; top_p=0.7 keeps 2 (0.503 + 0.224 = 0.727 reaches 0.7), where at
+    # T=1 it would keep 4 (0.30 + 0.20 + 0.15 = 0.65 < 0.7)
+    counts = draw_counts(LOGITS, SamplingParams(temperature=0.5, top_p=0.7))
+    assert_frequencies(counts, filtered_probs(LOGITS, [3, 0], temperature=0.5))
+
+
+def test_all_filters_combined() -> None:
+    # top_k=6 -> {3,0,5,1,6,4}; top_p=0.9 of renormalized (sum 0.90): 0.333, 0.556, 0.722,
+    # 0.833, 0.922 -> keep 5; min_p=0.3 of 0.30 = 0.09 drops 6 (0.08) -> {3, 0, 5, 1}
+    counts = draw_counts(LOGITS, SamplingParams(top_k=6, top_p=0.9, min_p=0.3))
+    assert_frequencies(counts, filtered_probs(LOGITS, [3, 0, 5, 1]))
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(top_p=1e-9),
+        SamplingParams(top_p=0.0),
+        SamplingParams(min_p=1.0),
+        SamplingParams(top_k=1, top_p=1e-9, min_p=1.0),
+        SamplingParams(temperature=1e-3, top_p=1e-6),
+    ],
+)
+def test_most_likely_token_always_survives(params: SamplingParams) -> None:
+    torch.manual_seed(3)
+    logits = torch.randn(200, 64)
+    tokens, _ = Sampler(CPU)(logits, [params] * 200, [0] * 200)
+    assert torch.equal(tokens, logits.argmax(dim=-1))
+
+
+def test_filters_are_per_row() -> None:
+    """A row without filters keeps its full distribution when its batch-mate filters."""
+    n = NUM_DRAWS
+    batch = LOGITS[None, :].expand(2 * n, -1).contiguous()
+    params = [SamplingParams(top_k=1, temperature=0.7), SamplingParams()] * n
+    tokens, _ = Sampler(CPU, 5)(batch, params, [0] * (2 * n))
+    assert bool((tokens[0::2] == 3).all())
+    assert_frequencies(torch.bincount(tokens[1::2], minlength=8), torch.softmax(LOGITS, dim=-1))
+
+
+def test_unfiltered_row_keeps_every_token_on_a_large_vocab() -> None:
+    """A row with top_p=1.0 (and no other filter) must drop nothing when a batch-mate's filter
+    sends the batch through _filter, even where float32 cumulative sums round above 1."""
+    torch.manual_seed(4)
+    vocab = 50_000
+    logits = torch.randn(4, vocab) * 3
+    params = [SamplingParams(top_k=5), SamplingParams(), SamplingParams(), SamplingParams()]
+    scaled = Sampler._filter(logits.clone(), params)
+    assert int(torch.isinf(scaled[0]).sum()) == vocab - 5
+    dropped = torch.isinf(scaled[1:]).sum(dim=-1).tolist()
+    assert dropped == [0, 0, 0], f"rows with top_p=1.0 lost {dropped} tokens"
+    assert torch.equal(scaled[1:], logits[1:])
+
+
+# ---- seeds -----------------------------------------------------------------------------------
+
+
+def test_seed_for_is_deterministic_and_spread() -> None:
+    assert seed_for(7, 3) == seed_for(7, 3)
+    values = {seed_for(s, i) for s in range(20) for i in range(20)}
+    assert len(values) == 400
+    assert all(0 <= v < 2**63 for v in values)
+
+
+def test_seeded_row_independent_of_batch_mates_and_position() -> None:
+    torch.manual_seed(5)
+    vocab = 100
+    mine = torch.randn(vocab)
+    params = SamplingParams(temperature=1.5, top_p=0.95, seed=1234)
+    alone, _ = Sampler(CPU, 0)(mine[None], [params], [7])
+
+    others = torch.randn(6, vocab)
+    for pos in range(7):
+        batch = torch.cat([others[:pos], mine[None], others[pos:]])
+        other_params = [SamplingParams(temperature=1.0, seed=i) for i in range(6)]
+        plist = [*other_params[:pos], params, *other_params[pos:]]
+        indices = [0] * pos + [7] + [3] * (6 - pos)
+        # a fresh sampler with another engine seed: seeded rows must not care
+        tokens, _ = Sampler(CPU, 99 + pos)(batch, plist, indices)
+        assert int(tokens[pos]) == int(alone[0])
+
+
+def test_seeded_rows_reproduce_a_distribution() -> None:
+    """Over many seeds, seeded draws still follow softmax(logits / T)."""
+    n = NUM_DRAWS
+    batch = LOGITS[None, :].expand(n, -1).contiguous()
+    params = [SamplingParams(temperature=1.0, seed=s) for s in range(n)]
+    tokens, _ = Sampler(CPU)(batch, params, [0] * n)
+    assert_frequencies(torch.bincount(tokens, minlength=8), torch.softmax(LOGITS, dim=-1))
+
+
+def test_same_seed_different_output_index_gives_different_draws() -> None:
+    vocab = 1000
+    logits = torch.zeros(1, vocab)  # uniform: draws are the noise's argmax
+    params = [SamplingParams(temperature=1.0, seed=42)]
+    draws = [int(Sampler(CPU)(logits, params, [i])[0][0]) for i in range(20)]
+    assert len(set(draws)) >= 18
+    again = [int(Sampler(CPU, 7)(logits, params, [i])[0][0]) for i in range(20)]
+    assert draws == again
+
+
+def test_different_seeds_give_different_draws() -> None:
+    logits = torch.zeros(1, 1000)
+    draws = {int(Sampler(CPU)(logits, [SamplingParams(seed=s)], [0])[0][0]) for s in range(20)}
+    assert len(draws) >= 18
+
+
+def test_unseeded_rows_use_the_engine_generator() -> None:
+    torch.manual_seed(6)
+    logits = torch.randn(32, 500)
+    params = [SamplingParams(temperature=1.0)] * 32
+
+    def run(seed: int) -> list[list[int]]:
+        sampler = Sampler(CPU, seed)
+        return [sampler(logits, params, [0] * 32)[0].tolist() for _ in range(3)]
+
+    first = run(11)
+    assert run(11) == first  # same engine seed -> same sequence of draws
+    assert first[0] != first[1]  # the generator advances between calls
+    assert run(12) != first
+    # the global torch RNG plays no part
+    torch.manual_seed(123)
+    a = Sampler(CPU, 11)(logits, params, [0] * 32)[0]
+    torch.manual_seed(456)
+    b = Sampler(CPU, 11)(logits, params, [0] * 32)[0]
+    assert torch.equal(a, b)
+
+
+def test_seeded_row_does_not_depend_on_engine_generator_state() -> None:
+    logits = torch.zeros(1, 1000)
+    params = [SamplingParams(seed=3)]
+    sampler = Sampler(CPU, 0)
+    first = int(sampler(logits, params, [5])[0][0])
+    for _ in range(3):
+        sampler(logits.expand(4, -1), [SamplingParams()] * 4, [0] * 4)
+    assert int(sampler(logits, params, [5])[0][0]) == first
+
+
+# ---- logprobs --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0.0, logprobs=True),
+        SamplingParams(temperature=0.7, top_k=5, logprobs=True),
+        SamplingParams(temperature=1.3, top_p=0.5, min_p=0.1, logprobs=True, seed=9),
+    ],
+)
+def test_logprobs_are_raw_log_softmax_at_the_chosen_token(params: SamplingParams) -> None:
+    torch.manual_seed(7)
+    logits = torch.randn(64, 300) * 2
+    tokens, chosen = Sampler(CPU)(logits, [params] * 64, list(range(64)))
+    assert chosen is not None
+    expected = torch.log_softmax(logits.double(), dim=-1).gather(1, tokens[:, None]).squeeze(1)
+    torch.testing.assert_close(chosen.double(), expected, rtol=0, atol=1e-5)
+
+
+def test_logprobs_only_when_someone_asks() -> None:
+    logits = torch.randn(3, 10)
+    _, chosen = Sampler(CPU)(logits, [SamplingParams()] * 3, [0] * 3)
+    assert chosen is None
+    params = [SamplingParams(), SamplingParams(logprobs=True), SamplingParams(temperature=0)]
+    tokens, chosen = Sampler(CPU)(logits, params, [0] * 3)
+    assert chosen is not None and chosen.shape == (3,)
+    assert float(chosen[1]) == pytest.approx(
+        float(torch.log_softmax(logits[1], -1)[tokens[1]]), abs=1e-6
+    )
+
+
+# ---- masked tokens ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(),
+        SamplingParams(temperature=0.3),
+        SamplingParams(top_k=3),
+        SamplingParams(top_p=0.9),
+        SamplingParams(min_p=0.05),
+        SamplingParams(seed=1),
+        SamplingParams(temperature=0.0),
+    ],
+)
+def test_masked_tokens_never_picked(params: SamplingParams) -> None:
+    n, vocab = 4000, 16
+    torch.manual_seed(8)
+    logits = torch.randn(n, vocab)
+    allowed = torch.zeros(n, vocab, dtype=torch.bool)
+    allowed[:, 2] = True
+    allowed[:, 9] = True
+    allowed[: n // 2, 13] = True
+    logits = logits.masked_fill(~allowed, float("-inf"))
+    plist = [params if params.seed is None else SamplingParams(seed=i) for i in range(n)]
+    tokens, chosen = Sampler(CPU)(logits, plist, [0] * n)
+    assert bool(allowed.gather(1, tokens[:, None]).all())
+    assert chosen is None
+
+
+def test_single_allowed_token_with_logprobs() -> None:
+    logits = torch.full((8, 32), float("-inf"))
+    logits[torch.arange(8), torch.arange(8) * 3] = torch.linspace(-50, 50, 8)
+    params = [SamplingParams(temperature=t, logprobs=True) for t in (0.0, 0.5, 1.0, 2.0)] * 2
+    tokens, chosen = Sampler(CPU)(logits, params, [0] * 8)
+    assert tokens.tolist() == [i * 3 for i in range(8)]
+    assert chosen is not None
+    assert chosen.tolist() == [0.0] * 8
+    assert not any(math.isnan(v) for v in chosen.tolist())
