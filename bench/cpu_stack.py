@@ -35,12 +35,11 @@ from llmserve.net import CHANNEL_OPTIONS, wait_until_serving  # noqa: E402
 from protos import scheduler_pb2, scheduler_pb2_grpc  # noqa: E402
 from tests.stack import free_port  # noqa: E402
 
-WORDS = (
-    "the model serves many requests at once while the scheduler plans every step and the engine "
-    "runs one forward pass over prefill chunks and decode tokens together paged memory keeps "
-    "blocks for each sequence river mountain window garden music ocean silver planet bridge "
-    "story letter winter summer coffee market science history language number question answer"
-).split()
+TEXT = """the model serves many requests at once while the scheduler plans every step and the
+engine runs one forward pass over prefill chunks and decode tokens together paged memory keeps
+blocks for each sequence river mountain window garden music ocean silver planet bridge story
+letter winter summer coffee market science history language number question answer"""
+WORDS = TEXT.split()
 
 
 def make_prompts(tokenizer: Tokenizer, n: int, length: int, seed: int = 0) -> list[str]:
@@ -65,10 +64,11 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
 
 
-def run_stream(address: str, prompt: str, max_tokens: int, out: dict, start: threading.Event) -> None:
+def run_stream(
+    address: str, prompt: str, max_tokens: int, out: dict, start: threading.Event
+) -> None:
     with Client(address) as client:
-        request = make_request(text=prompt, max_tokens=max_tokens, temperature=0.0,
-                               ignore_eos=True)
+        request = make_request(text=prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         start.wait()
         t0 = time.perf_counter()
         times, counts = [], []
@@ -86,15 +86,32 @@ def scheduler_stats(address: str) -> dict[str, float]:
     with grpc.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
         stub = scheduler_pb2_grpc.SchedulerStub(channel)
         msg = stub.GetStats(scheduler_pb2.GetStatsRequest(), timeout=5)
-    return {k: float(v) for k, v in MessageToDict(msg, preserving_proto_field_name=True,
-                                                   always_print_fields_with_no_presence=True).items()}
+    return {
+        k: float(v)
+        for k, v in MessageToDict(
+            msg, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
+        ).items()
+    }
 
 
 def bench_stack(prompts: list[str], max_tokens: int, threads: int) -> dict:
     ports = [free_port() for _ in range(3)]
-    cmd = [sys.executable, "-m", "llmserve.cli", "serve", "--host", "127.0.0.1",
-           "--port", str(ports[0]), "--scheduler-port", str(ports[1]),
-           "--engine-port", str(ports[2]), "--kv-cache-gb", "1"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "llmserve.cli",
+        "serve",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(ports[0]),
+        "--scheduler-port",
+        str(ports[1]),
+        "--engine-port",
+        str(ports[2]),
+        "--kv-cache-gb",
+        "1",
+    ]
     if threads:
         cmd += ["--num-threads", str(threads)]
     env = dict(os.environ, LLMSERVE_LOG_LEVEL="WARNING")
@@ -109,8 +126,10 @@ def bench_stack(prompts: list[str], max_tokens: int, threads: int) -> dict:
         before = scheduler_stats(scheduler_address)
         results: list[dict] = [{} for _ in prompts]
         start = threading.Event()
-        workers = [threading.Thread(target=run_stream, args=(address, p, max_tokens, r, start))
-                   for p, r in zip(prompts, results, strict=True)]
+        workers = [
+            threading.Thread(target=run_stream, args=(address, p, max_tokens, r, start))
+            for p, r in zip(prompts, results, strict=True)
+        ]
         for w in workers:
             w.start()
         time.sleep(0.5)  # all channels connected
@@ -126,7 +145,7 @@ def bench_stack(prompts: list[str], max_tokens: int, threads: int) -> dict:
     num_tokens = sum(sum(r["counts"]) for r in results)
     assert num_tokens == len(prompts) * max_tokens, num_tokens
     ttft = [(r["times"][0] - r["t0"]) * 1e3 for r in results]
-    itl = [(b - a) * 1e3 for r in results for a, b in zip(r["times"], r["times"][1:])]
+    itl = [(b - a) * 1e3 for r in results for a, b in zip(r["times"], r["times"][1:], strict=False)]
     delta = {k: after[k] - before.get(k, 0.0) for k in after}
     steps = max(delta["num_steps"], 1.0)
     per_step = {
@@ -134,8 +153,10 @@ def bench_stack(prompts: list[str], max_tokens: int, threads: int) -> dict:
         "grpc_hop_ms": (delta["step_rtt_ms"] - delta["engine_total_ms"]) / steps,
         "engine_forward_ms": delta["engine_forward_ms"] / steps,
         "engine_sample_ms": delta["engine_sample_ms"] / steps,
-        "engine_other_ms": (delta["engine_total_ms"] - delta["engine_forward_ms"]
-                            - delta["engine_sample_ms"]) / steps,
+        "engine_other_ms": (
+            delta["engine_total_ms"] - delta["engine_forward_ms"] - delta["engine_sample_ms"]
+        )
+        / steps,
         "update_and_stream_ms": delta["update_ms"] / steps,
     }
     wall = t_end - t_start
@@ -156,16 +177,22 @@ def bench_hf(token_ids: list[list[int]], max_tokens: int, batch_1_requests: int)
     from transformers import AutoModelForCausalLM
 
     path = builtin_model_path()
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                 dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    ).eval()
 
     def generate(batch: list[list[int]]) -> float:
         ids = torch.tensor(batch)
         t0 = time.perf_counter()
         with torch.no_grad():
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                 max_new_tokens=max_tokens, min_new_tokens=max_tokens,
-                                 pad_token_id=2)
+            out = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=False,
+                max_new_tokens=max_tokens,
+                min_new_tokens=max_tokens,
+                pad_token_id=2,
+            )
         elapsed = time.perf_counter() - t0
         assert out.shape[1] - ids.shape[1] == max_tokens
         return elapsed
@@ -174,11 +201,15 @@ def bench_hf(token_ids: list[list[int]], max_tokens: int, batch_1_requests: int)
     times_1 = [generate([ids]) for ids in token_ids[:batch_1_requests]]
     time_16 = generate(token_ids)
     return {
-        "batch_1": {"requests": batch_1_requests,
-                    "output_tokens_per_s": max_tokens / statistics.median(times_1),
-                    "seconds_per_request": times_1},
-        "batch_16": {"output_tokens_per_s": len(token_ids) * max_tokens / time_16,
-                     "seconds": time_16},
+        "batch_1": {
+            "requests": batch_1_requests,
+            "output_tokens_per_s": max_tokens / statistics.median(times_1),
+            "seconds_per_request": times_1,
+        },
+        "batch_16": {
+            "output_tokens_per_s": len(token_ids) * max_tokens / time_16,
+            "seconds": time_16,
+        },
     }
 
 
@@ -193,9 +224,14 @@ def hardware() -> dict:
                 break
     except OSError:
         pass
-    return {"cpu": cpu, "logical_cores": os.cpu_count(), "python": platform.python_version(),
-            "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
-            "platform": platform.platform()}
+    return {
+        "cpu": cpu,
+        "logical_cores": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "platform": platform.platform(),
+    }
 
 
 def main() -> None:
@@ -213,15 +249,19 @@ def main() -> None:
     prompts = make_prompts(tokenizer, args.streams, args.prompt_tokens)
     token_ids = [tokenizer.encode(p) for p in prompts]
     stack = bench_stack(prompts, args.output_tokens, args.engine_threads)
-    hf = None if args.skip_hf else bench_hf(token_ids, args.output_tokens,
-                                             args.hf_batch_1_requests)
+    hf = None if args.skip_hf else bench_hf(token_ids, args.output_tokens, args.hf_batch_1_requests)
     result = {
         "benchmark": "cpu_stack",
         "date": time.strftime("%Y-%m-%d"),
         "hardware": hardware(),
-        "workload": {"streams": args.streams, "prompt_tokens": args.prompt_tokens,
-                     "output_tokens": args.output_tokens, "greedy": True, "ignore_eos": True,
-                     "model": "SmolLM2-135M-Instruct (GGUF Q4_1, dequantized to float32)"},
+        "workload": {
+            "streams": args.streams,
+            "prompt_tokens": args.prompt_tokens,
+            "output_tokens": args.output_tokens,
+            "greedy": True,
+            "ignore_eos": True,
+            "model": "SmolLM2-135M-Instruct (GGUF Q4_1, dequantized to float32)",
+        },
         "llmserve": stack,
         "hf_transformers": hf,
     }
@@ -235,17 +275,26 @@ def main() -> None:
 
     s = stack
     print(f"hardware: {result['hardware']['cpu']}, {result['hardware']['logical_cores']} cores")
-    print(f"llmserve, {args.streams} streams: {s['output_tokens_per_s']:.1f} output tok/s, "
-          f"TTFT p50/p99 {s['ttft_ms']['p50']:.0f}/{s['ttft_ms']['p99']:.0f} ms, "
-          f"ITL p50/p99 {s['itl_ms']['p50']:.1f}/{s['itl_ms']['p99']:.1f} ms")
-    print("per step (ms): " + ", ".join(f"{k} {v:.2f}" for k, v in s["per_step"].items())
-          + f"; wall {s['step_ms']:.2f}")
+    print(
+        f"llmserve, {args.streams} streams: {s['output_tokens_per_s']:.1f} output tok/s, "
+        f"TTFT p50/p99 {s['ttft_ms']['p50']:.0f}/{s['ttft_ms']['p99']:.0f} ms, "
+        f"ITL p50/p99 {s['itl_ms']['p50']:.1f}/{s['itl_ms']['p99']:.1f} ms"
+    )
+    print(
+        "per step (ms): "
+        + ", ".join(f"{k} {v:.2f}" for k, v in s["per_step"].items())
+        + f"; wall {s['step_ms']:.2f}"
+    )
     if hf:
-        print(f"HF generate: batch 1 {hf['batch_1']['output_tokens_per_s']:.1f} tok/s, "
-              f"batch 16 {hf['batch_16']['output_tokens_per_s']:.1f} tok/s")
+        print(
+            f"HF generate: batch 1 {hf['batch_1']['output_tokens_per_s']:.1f} tok/s, "
+            f"batch 16 {hf['batch_16']['output_tokens_per_s']:.1f} tok/s"
+        )
         r = result["ratios"]
-        print(f"ratio: {r['vs_hf_batch_1']:.2f}x HF batch 1 (goal >= 3), "
-              f"{r['vs_hf_batch_16']:.2f}x HF batch 16 (goal >= 0.8)")
+        print(
+            f"ratio: {r['vs_hf_batch_1']:.2f}x HF batch 1 (goal >= 3), "
+            f"{r['vs_hf_batch_16']:.2f}x HF batch 16 (goal >= 0.8)"
+        )
     print(f"raw JSON: {args.out}")
 
 
