@@ -1,0 +1,540 @@
+"""Time kernels/cuda.py on the GPU against the ceilings measured there (../shared/gpu.md: 4.28 TB/s
+device copy, 780 TFLOP/s bf16 matmul) and against torch on the same data laid out contiguously.
+
+Measures (Llama-3-8B attention shape: 32 query heads, 8 KV heads, head_dim 128, bf16, blocks of 16):
+  - decode attention, batch 64-256 x contexts 1k-8k and batch 1-4 x 32k: KV bytes read / time,
+    against torch scaled_dot_product_attention (flash / efficient) on contiguous K/V (no gather
+    timed); for batch 1-4 also a sweep of the split count;
+  - prefill attention on 4k-token causal chunks (no context, and after 4k of context) against
+    torch's flash SDPA, in TFLOP/s of causal attention actually needed;
+  - store_kv against a plain device copy of the same bytes;
+  - rms_norm (+ residual), rotary embedding and silu_and_mul against kernels/reference.py.
+Each figure is the median of several replays of a CUDA graph holding back-to-back calls (so
+Python launch overhead is not timed); working sets exceed the 50 MB L2 wherever bandwidth is
+claimed. Prints a short table last and writes everything to --out as JSON.
+
+    python3 bench/kernels_bench.py [--out bench/results/kernels_h200.json] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import kernels.cuda as kc  # noqa: E402
+from kernels import reference as ref  # noqa: E402
+
+COPY_TBPS = 4.28  # ../shared/gpu.md, device-to-device copy, bytes read + written
+MATMUL_TFLOPS = 780.0  # ../shared/gpu.md, bf16 8192^3 through torch
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
+DTYPE = torch.bfloat16
+DEVICE = torch.device("cuda", 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Timing
+
+
+def time_ms(
+    fn: Callable[[], Any], target_ms: float = 3.0, replays: int = 7, graph: bool = True
+) -> dict[str, Any]:
+    """Median ms per call over `replays` replays of a CUDA graph of back-to-back calls (eager
+    with events when graph=False, for code that synchronizes, or if capture fails)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    reps = max(1, min(64, math.ceil(target_ms / max(start.elapsed_time(end), 1e-3))))
+
+    def eager() -> None:
+        for _ in range(reps):
+            fn()
+
+    method, run = "eager", eager
+    if graph:
+        try:
+            cuda_graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(cuda_graph):
+                eager()
+            method, run = "graph", cuda_graph.replay
+        except Exception as err:  # some torch backends refuse capture: time eagerly instead
+            method = f"eager ({type(err).__name__})"
+            torch.cuda.synchronize()
+
+    run()
+    samples = []
+    for _ in range(replays):
+        start.record()
+        run()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) / reps)
+    return {"ms": statistics.median(samples), "samples_ms": samples, "reps": reps, "how": method}
+
+
+def attempt(fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    try:
+        return fn()
+    except Exception as err:
+        return {"error": f"{type(err).__name__}: {err}"[:400]}
+
+
+def free() -> None:
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+
+
+# ---------------------------------------------------------------------------------------------
+# Data
+
+
+def paged_pool(
+    seq_lens: list[int], num_kv_heads: int = NUM_KV_HEADS
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random K/V pools whose sequences own shuffled blocks; int32 block tables."""
+    need = [-(-n // BLOCK_SIZE) for n in seq_lens]
+    num_blocks = sum(need)
+    shape = (num_blocks, BLOCK_SIZE, num_kv_heads, HEAD_DIM)
+    k = torch.randn(shape, dtype=DTYPE, device=DEVICE)
+    v = torch.randn(shape, dtype=DTYPE, device=DEVICE)
+    perm = torch.randperm(num_blocks, device=DEVICE, dtype=torch.int32)
+    tables = torch.zeros((len(seq_lens), max(need)), dtype=torch.int32, device=DEVICE)
+    at = 0
+    for b, n in enumerate(need):
+        tables[b, :n] = perm[at : at + n]
+        at += n
+    return k, v, tables
+
+
+def contiguous_kv(
+    k: torch.Tensor, tables: torch.Tensor, seq_len: int
+) -> torch.Tensor:  # [B, Hkv, L, D]
+    return k[tables.long()].flatten(1, 2)[:, :seq_len].transpose(1, 2).contiguous()
+
+
+# ---------------------------------------------------------------------------------------------
+# Decode
+
+
+def torch_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: Any) -> dict:
+    """SDPA over contiguous K/V [B, Hkv, L, D] with GQA; `expanded` if enable_gqa is refused."""
+    q4 = q.unsqueeze(2)  # [B, H, 1, D]
+
+    def with_gqa() -> None:
+        with torch.nn.attention.sdpa_kernel(backend):
+            F.scaled_dot_product_attention(q4, k, v, enable_gqa=True)
+
+    try:
+        result = time_ms(with_gqa)
+        result["gqa"] = "enable_gqa"
+        return result
+    except Exception:
+        group = q.shape[1] // k.shape[1]
+        ke, ve = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+
+        def expanded() -> None:
+            with torch.nn.attention.sdpa_kernel(backend):
+                F.scaled_dot_product_attention(q4, ke, ve)
+
+        result = attempt(lambda: time_ms(expanded))
+        result["gqa"] = "expanded K/V (torch refused enable_gqa)"
+        return result
+
+
+def bench_decode(batch: int, context: int, sweep: bool) -> dict[str, Any]:
+    seq_lens = [context] * batch
+    k, v, tables = paged_pool(seq_lens)
+    q = torch.randn(batch, NUM_HEADS, HEAD_DIM, dtype=DTYPE, device=DEVICE)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    out = torch.empty_like(q)
+    scale = HEAD_DIM**-0.5
+    kv_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * k.element_size()
+
+    def ours(splits: int | None) -> dict[str, Any]:
+        def call() -> None:
+            kc.paged_decode_attention(
+                q, k, v, tables, lens, scale, max_seq_len=context, num_splits=splits, out=out
+            )
+
+        r = time_ms(call)
+        r["tbps"] = kv_bytes / r["ms"] / 1e9
+        r["pct_copy"] = 100 * r["tbps"] / COPY_TBPS
+        return r
+
+    row: dict[str, Any] = {"batch": batch, "context": context, "kv_bytes": kv_bytes}
+    slots = torch.cuda.get_device_properties(DEVICE).multi_processor_count * 3
+    row["auto_splits"] = kc.decode_num_splits(batch * NUM_KV_HEADS, context, slots)
+    row["ours"] = attempt(lambda: ours(None))
+    if sweep:
+        row["sweep"] = {s: attempt(lambda s=s: ours(s)) for s in (1, 8, 16, 24, 32, 48, 64, 96)}
+    # correctness spot check against the reference on this data (one sequence)
+    expect = ref.paged_attention(
+        q[:1].float(), k, v, tables[:1].long(), [context], [0, 1], scale
+    )  # the reference gathers this sequence's rows and upcasts them
+    row["check_rel_err"] = float((out[:1].float() - expect.float()).norm() / expect.float().norm())
+    del expect
+    kk, vv = contiguous_kv(k, tables, context), contiguous_kv(v, tables, context)
+    k = v = None  # drop the pool before the contiguous copies are timed
+    free()
+    from torch.nn.attention import SDPBackend
+
+    for name, backend in (("flash", SDPBackend.FLASH_ATTENTION),
+                          ("efficient", SDPBackend.EFFICIENT_ATTENTION)):  # fmt: skip
+        r = attempt(lambda backend=backend: torch_decode(q, kk, vv, backend))
+        if "ms" in r:
+            r["tbps"] = kv_bytes / r["ms"] / 1e9
+        row[f"torch_{name}"] = r
+    kk = vv = None
+    free()
+    return row
+
+
+# ---------------------------------------------------------------------------------------------
+# Prefill
+
+
+def causal_flops(num_new: int, context: int, num_seqs: int) -> float:
+    """QK^T and PV over the keys each query actually sees: 4 * D * H * sum(context + i + 1)."""
+    pairs = num_new * context + num_new * (num_new + 1) / 2
+    return 4.0 * HEAD_DIM * NUM_HEADS * pairs * num_seqs
+
+
+def bench_prefill(num_seqs: int, num_new: int, context: int) -> dict[str, Any]:
+    seq_len = num_new + context
+    k, v, tables = paged_pool([seq_len] * num_seqs)
+    q = torch.randn(num_seqs * num_new, NUM_HEADS, HEAD_DIM, dtype=DTYPE, device=DEVICE)
+    lens = torch.full((num_seqs,), seq_len, dtype=torch.int32, device=DEVICE)
+    cu = torch.arange(0, num_seqs + 1, dtype=torch.int32, device=DEVICE) * num_new
+    out = torch.empty_like(q)
+    scale = HEAD_DIM**-0.5
+    flops = causal_flops(num_new, context, num_seqs)
+    row: dict[str, Any] = {"seqs": num_seqs, "new_tokens": num_new, "context": context}
+    for block_m in kc.PREFILL_CONFIGS:
+
+        def call(block_m: int = block_m) -> None:
+            kc.paged_prefill_attention(q, k, v, tables, lens, cu, scale, block_m=block_m, out=out)
+
+        r = attempt(lambda call=call: time_ms(call))
+        if "ms" in r:
+            r["tflops"] = flops / r["ms"] / 1e9
+        row[f"ours_block_m{block_m}"] = r
+    kk = contiguous_kv(k, tables, seq_len)
+    vv = contiguous_kv(v, tables, seq_len)
+    k = v = None  # drop the pool before the contiguous copies are timed
+    free()
+    q4 = q.view(num_seqs, num_new, NUM_HEADS, HEAD_DIM).transpose(1, 2)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention.bias import causal_lower_right
+
+    mask = None if context == 0 else causal_lower_right(num_new, seq_len)
+
+    def flash() -> None:
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            if mask is None:
+                F.scaled_dot_product_attention(q4, kk, vv, is_causal=True, enable_gqa=True)
+            else:
+                F.scaled_dot_product_attention(q4, kk, vv, attn_mask=mask, enable_gqa=True)
+
+    r = attempt(lambda: time_ms(flash))
+    if "error" in r:  # GQA refused: expand K/V (more bytes, same FLOPs)
+        group = NUM_HEADS // NUM_KV_HEADS
+        kk, vv = kk.repeat_interleave(group, 1), vv.repeat_interleave(group, 1)
+
+        def flash_expanded() -> None:
+            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                if mask is None:
+                    F.scaled_dot_product_attention(q4, kk, vv, is_causal=True)
+                else:
+                    F.scaled_dot_product_attention(q4, kk, vv, attn_mask=mask)
+
+        r = attempt(lambda: time_ms(flash_expanded))
+        r["gqa"] = "expanded K/V"
+    if "ms" in r:
+        r["tflops"] = flops / r["ms"] / 1e9
+    row["torch_flash"] = r
+    kk = vv = None
+    free()
+    return row
+
+
+# ---------------------------------------------------------------------------------------------
+# store_kv and layer ops
+
+
+def bench_store_kv(num_tokens: int) -> dict[str, Any]:
+    kv_width = NUM_KV_HEADS * HEAD_DIM
+    qkv = torch.randn(num_tokens, NUM_HEADS * HEAD_DIM + 2 * kv_width, dtype=DTYPE, device=DEVICE)
+    key = qkv[:, NUM_HEADS * HEAD_DIM : -kv_width].view(num_tokens, NUM_KV_HEADS, HEAD_DIM)
+    value = qkv[:, -kv_width:].view(num_tokens, NUM_KV_HEADS, HEAD_DIM)
+    num_blocks = 2 * num_tokens // BLOCK_SIZE
+    k = torch.zeros(num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, dtype=DTYPE, device=DEVICE)
+    v = torch.zeros_like(k)
+    slots = torch.randperm(num_blocks * BLOCK_SIZE, device=DEVICE)[:num_tokens]
+    moved = 2 * 2 * num_tokens * kv_width * 2  # K and V, read + written, 2 bytes each
+    r = time_ms(lambda: kc.store_kv(key, value, k, v, slots))
+    r["tbps"] = moved / r["ms"] / 1e9
+    r["pct_copy"] = 100 * r["tbps"] / COPY_TBPS
+    src = torch.randn(2 * num_tokens * kv_width, dtype=DTYPE, device=DEVICE)
+    dst = torch.empty_like(src)
+    c = time_ms(lambda: dst.copy_(src))
+    c["tbps"] = moved / c["ms"] / 1e9
+    r_ref = time_ms(lambda: ref.store_kv(key, value, k, v, slots), graph=False)  # it syncs
+    return {"tokens": num_tokens, "bytes": moved, "ours": r, "torch_copy_same_bytes": c,
+            "reference": r_ref}  # fmt: skip
+
+
+def bench_copy_ceiling() -> dict[str, Any]:
+    src = torch.empty(2**30, dtype=torch.float32, device=DEVICE).normal_()
+    dst = torch.empty_like(src)
+    r = time_ms(lambda: dst.copy_(src), target_ms=10, replays=5)
+    r["tbps"] = 2 * src.numel() * 4 / r["ms"] / 1e9
+    src = dst = None
+    free()
+    return r
+
+
+def bench_layer_ops(num_tokens: int = 8192) -> dict[str, Any]:
+    hidden, inter = 4096, 14336
+    x = torch.randn(num_tokens, hidden, dtype=DTYPE, device=DEVICE)
+    res = torch.randn_like(x)
+    w = torch.randn(hidden, dtype=DTYPE, device=DEVICE)
+    rows: dict[str, Any] = {}
+    rows["rms_norm_residual"] = {
+        "ours": time_ms(lambda: kc.rms_norm(x, w, 1e-5, res)),
+        "reference": time_ms(lambda: ref.rms_norm(x, w, 1e-5, res)),
+        "bytes": 4 * x.numel() * 2,
+    }
+    qkv = torch.randn(num_tokens, (NUM_HEADS + 2 * NUM_KV_HEADS) * HEAD_DIM, dtype=DTYPE,
+                      device=DEVICE)  # fmt: skip
+    q = qkv[:, : NUM_HEADS * HEAD_DIM].view(num_tokens, NUM_HEADS, HEAD_DIM)
+    pos = torch.randint(0, 8192, (num_tokens,), device=DEVICE)
+    inv = 1.0 / (500000.0 ** (torch.arange(0, HEAD_DIM, 2, device=DEVICE).float() / HEAD_DIM))
+    freqs = torch.outer(torch.arange(8192, device=DEVICE).float(), inv)
+    cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+    rows["rotary_q"] = {
+        "ours": time_ms(lambda: kc.rotary_embedding(pos, q, cache)),
+        "reference": time_ms(lambda: ref.rotary_embedding(pos, q, cache)),
+        "bytes": 2 * q.numel() * 2,
+    }
+    gu = torch.randn(num_tokens, 2 * inter, dtype=DTYPE, device=DEVICE)
+    rows["silu_and_mul"] = {
+        "ours": time_ms(lambda: kc.silu_and_mul(gu)),
+        "reference": time_ms(lambda: ref.silu_and_mul(gu)),
+        "bytes": 3 * num_tokens * inter * 2,
+    }
+    for r in rows.values():
+        r["tbps"] = r["bytes"] / r["ours"]["ms"] / 1e9
+        r["speedup"] = r["reference"]["ms"] / r["ours"]["ms"]
+    return rows
+
+
+def kernel_attributes() -> dict[str, Any]:
+    attrs = {}
+    for (spec, expr, _), kernel in kc._kernels.items():
+        attrs[f"{spec.filename}:{expr}"] = attempt(
+            lambda kernel=kernel: {
+                "num_regs": kernel.num_regs,
+                "local_size_bytes": kernel.local_size_bytes,
+                "max_dynamic_shared_size_bytes": kernel.max_dynamic_shared_size_bytes,
+            }
+        )
+    return attrs
+
+
+# ---------------------------------------------------------------------------------------------
+# Report
+
+
+def fmt(x: Any, spec: str = ".3f") -> str:
+    return format(x, spec) if isinstance(x, (int, float)) else "-"
+
+
+def summary(results: dict[str, Any]) -> str:
+    lines = [f"GPU: {results['device']}  copy ceiling used {COPY_TBPS} TB/s "
+             f"(measured here {fmt(results['copy_ceiling'].get('tbps'), '.2f')})"]  # fmt: skip
+    lines.append("decode   B   ctx   ms     TB/s  %copy  splits | flash ms  eff ms  ours/best")
+    dec_ok_large, dec_ok_small, dec_vs_torch = [], [], []
+    for r in results["decode"]:
+        o = r.get("ours", {})
+        best_ms = o.get("ms")
+        splits = r.get("auto_splits")
+        for s, sr in (r.get("sweep") or {}).items():
+            if "ms" in sr and (best_ms is None or sr["ms"] < best_ms):
+                best_ms, splits = sr["ms"], f"{s}*"
+        tf = r.get("torch_flash", {}).get("ms")
+        te = r.get("torch_efficient", {}).get("ms")
+        torch_best = min([t for t in (tf, te) if t is not None], default=None)
+        pct = 100 * r["kv_bytes"] / best_ms / 1e9 / COPY_TBPS if best_ms else None
+        ratio = best_ms / torch_best if best_ms and torch_best else None
+        (dec_ok_small if r["batch"] <= 4 else dec_ok_large).append(pct)
+        dec_vs_torch.append(ratio)
+        lines.append(
+            f"       {r['batch']:4d} {r['context']:5d} {fmt(best_ms, '.4f'):>7} "
+            f"{fmt(pct and pct * COPY_TBPS / 100, '.2f'):>5} {fmt(pct, '.0f'):>5}  "
+            f"{splits!s:>6} | {fmt(tf, '.4f'):>8} {fmt(te, '.4f'):>7}  {fmt(ratio, '.2f'):>6}"
+        )
+    lines.append(
+        "prefill  seqs new   ctx  | bm64 TFLOP/s  bm128 TFLOP/s | flash TFLOP/s  best/flash"
+    )
+    pre_ratio = []
+    for r in results["prefill"]:
+        t64 = r.get("ours_block_m64", {}).get("tflops")
+        t128 = r.get("ours_block_m128", {}).get("tflops")
+        tfl = r.get("torch_flash", {}).get("tflops")
+        best = max([t for t in (t64, t128) if t is not None], default=None)
+        ratio = best / tfl if best and tfl else None
+        if r["context"] == 0:
+            pre_ratio.append(ratio)
+        lines.append(
+            f"         {r['seqs']:4d} {r['new_tokens']:4d} {r['context']:5d} | "
+            f"{fmt(t64, '.0f'):>12}  {fmt(t128, '.0f'):>13} | {fmt(tfl, '.0f'):>13}  "
+            f"{fmt(ratio, '.2f'):>9}"
+        )
+    kv_pct = []
+    for r in results["store_kv"]:
+        o = r.get("ours", {})
+        copy_tbps = r.get("torch_copy_same_bytes", {}).get("tbps")
+        kv_pct.append(o.get("pct_copy"))
+        lines.append(
+            f"store_kv tokens {r.get('tokens')}: {fmt(o.get('ms'), '.4f')} ms "
+            f"{fmt(o.get('tbps'), '.2f')} TB/s = {fmt(o.get('pct_copy'), '.0f')}% of copy "
+            f"(torch copy of the same bytes {fmt(copy_tbps, '.2f')} TB/s)"
+        )
+    for name, r in (results.get("layer_ops") or {}).items():
+        if isinstance(r, dict) and "ours" in r:
+            lines.append(
+                f"{name}: {fmt(r['ours']['ms'], '.4f')} ms ({fmt(r['tbps'], '.2f')} TB/s), "
+                f"{fmt(r['speedup'], '.1f')}x the torch reference"
+            )
+
+    def verdict(values: list[Any], test: Callable[[float], bool]) -> str:
+        if not values or any(v is None for v in values):
+            return "INCOMPLETE"
+        return (
+            "MET"
+            if all(test(v) for v in values)
+            else f"NOT MET (worst {fmt(min(values) if test(1e9) else max(values), '.2f')})"
+        )
+
+    lines.append("targets (issue 3):")
+    lines.append(
+        f"  decode B64-256 x 1k-8k >= 80% of copy: {verdict(dec_ok_large, lambda p: p >= 80)}"
+    )
+    lines.append(
+        f"  decode B1-4 x 32k >= 60% of copy:      {verdict(dec_ok_small, lambda p: p >= 60)}"
+    )
+    lines.append(
+        f"  decode no slower than torch (ratio<=1): {verdict(dec_vs_torch, lambda r: r <= 1.0)}"
+    )
+    lines.append(
+        f"  prefill 4k >= 0.8x torch flash:         {verdict(pre_ratio, lambda r: r >= 0.8)}"
+    )
+    lines.append(f"  store_kv >= 70% of copy:                {verdict(kv_pct, lambda p: p >= 70)}")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "kernels_h200.json"))
+    parser.add_argument("--quick", action="store_true", help="fewer shapes (smoke run)")
+    parser.add_argument(
+        "--budget-s", type=float, default=600.0, help="skip the shapes left after this many seconds"
+    )
+    args = parser.parse_args()
+    if not kc.is_available():
+        print("kernels.cuda is not available here (needs CuPy and a CUDA GPU of sm_80+)")
+        return 2
+    torch.manual_seed(0)
+    t0 = time.time()
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    props = torch.cuda.get_device_properties(DEVICE)
+    results: dict[str, Any] = {
+        "device": props.name,
+        "multiprocessors": props.multi_processor_count,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "ceilings": {"copy_tbps": COPY_TBPS, "bf16_matmul_tflops": MATMUL_TFLOPS},
+        "shape": {
+            "num_heads": NUM_HEADS,
+            "num_kv_heads": NUM_KV_HEADS,
+            "head_dim": HEAD_DIM,
+            "block_size": BLOCK_SIZE,
+            "dtype": str(DTYPE),
+        },
+        "decode": [],
+        "prefill": [],
+        "store_kv": [],
+    }
+    try:
+        import cupy
+
+        results["cupy"] = cupy.__version__
+    except ImportError:
+        pass
+
+    def save() -> None:  # after every section, so a run cut short still leaves its numbers
+        results["seconds"] = time.time() - t0
+        out.write_text(json.dumps(results, indent=1, default=str))
+
+    def run(fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+        if time.time() - t0 > args.budget_s:
+            return {"skipped": f"time budget of {args.budget_s:.0f} s spent"}
+        return attempt(fn)
+
+    results["copy_ceiling"] = run(bench_copy_ceiling)
+    large = [(b, c) for b in (64, 128, 256) for c in (1024, 2048, 4096, 8192)]
+    small = [(b, 32768) for b in (1, 2, 4)]
+    if args.quick:
+        large, small = [(64, 1024), (256, 4096)], [(1, 32768)]
+    for b, c in small + large:
+        row = run(lambda b=b, c=c: bench_decode(b, c, sweep=b <= 4))
+        row.update({"batch": b, "context": c, "kv_bytes": 2 * b * c * NUM_KV_HEADS * HEAD_DIM * 2})
+        results["decode"].append(row)
+        print(f"decode B={b} ctx={c}: {row.get('ours', row)}"[:160], flush=True)
+        save()
+    for seqs, new, ctx in [(1, 4096, 0), (4, 4096, 0), (1, 4096, 4096)]:
+        row = run(lambda s=seqs, n=new, c=ctx: bench_prefill(s, n, c))
+        row.update({"seqs": seqs, "new_tokens": new, "context": ctx})
+        results["prefill"].append(row)
+        print(f"prefill {seqs}x{new}+{ctx}: {row.get('ours_block_m128', row)}"[:160], flush=True)
+        save()
+    for n in (4096, 32768):
+        results["store_kv"].append(run(lambda n=n: bench_store_kv(n)))
+    results["layer_ops"] = run(bench_layer_ops)
+    results["kernels"] = kernel_attributes()
+    results["summary"] = summary(results)
+    save()
+    print(f"\nwrote {out} ({results['seconds']:.0f} s)\n")
+    print(results["summary"])
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except Exception:
+        traceback.print_exc()
+        sys.exit(1)
