@@ -64,6 +64,34 @@ def rope_cos_sin_cache(inv_freq: torch.Tensor, max_positions: int) -> torch.Tens
     return torch.cat((freqs.cos(), freqs.sin()), dim=-1)
 
 
+class PackedLinear(nn.Module):
+    """A float32 CPU linear layer on oneDNN's pre-packed weight layout.
+
+    Plain `F.linear` repacks the weight on every call; for a decode step's few rows that costs as
+    much as the product (measured here: 0.55 vs 1.1 ms for a [16, 576] x [576, 3072] layer).
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.out_features = weight.shape[0]
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 16)
+        self.bias = None if bias is None else bias.detach().clone()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+
+def can_pack_cpu_linears() -> bool:
+    """Whether this torch build has oneDNN's packed linear ops (CPU builds usually do)."""
+    try:
+        w = torch.ones(4, 4)
+        packed = torch.ops.mkldnn._reorder_linear_weight(w, 16)
+        out = torch.ops.mkldnn._linear_pointwise(torch.ones(2, 4), packed, None, "none", [], "")
+        return bool(torch.equal(out, torch.full((2, 4), 4.0)))
+    except (AttributeError, RuntimeError):
+        return False
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
@@ -145,8 +173,19 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits [rows, vocab_size] for the given hidden rows."""
+        if isinstance(self.lm_head, PackedLinear):
+            return self.lm_head(hidden).float()
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return torch.nn.functional.linear(hidden, weight).float()
+
+    def pack_cpu_linears(self) -> None:
+        """Swap every projection (and the LM head) for a PackedLinear. CPU float32 only."""
+        for layer in self.layers:
+            for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
+                linear = getattr(layer, name)
+                setattr(layer, name, PackedLinear(linear.weight, linear.bias))
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        self.lm_head = PackedLinear(weight, None)
 
     @torch.no_grad()
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
@@ -204,4 +243,7 @@ def build_model(
     model = model.to_empty(device=device).to(dtype)
     model.cos_sin_cache = rope_cos_sin_cache(rope_inv_freq(config), max_positions).to(device)
     model.load_weights(weights)
-    return model.eval().requires_grad_(False)
+    model = model.eval().requires_grad_(False)
+    if device.type == "cpu" and dtype == torch.float32 and can_pack_cpu_linears():
+        model.pack_cpu_linears()
+    return model

@@ -46,8 +46,8 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> t
     """The first `seq_len` token rows of one request, `[seq_len, num_kv_heads, head_dim]`."""
     block_size = cache.shape[1]
     num_blocks = (seq_len + block_size - 1) // block_size
-    rows = cache[block_table[:num_blocks]].flatten(0, 1)
-    return rows[:seq_len]
+    rows = cache.flatten(1).index_select(0, block_table[:num_blocks])  # [blocks, bs * Hkv * D]
+    return rows.view(-1, *cache.shape[2:])[:seq_len]
 
 
 def _attend(
@@ -111,26 +111,30 @@ def _decode_attention(
     scale: float,
     out: torch.Tensor,
 ) -> None:
-    """One query per request in `rows`, batched: gather each context padded to the longest.
-    Queries are grouped by KV head ([B, Hkv, group, D]) so K and V are never repeated."""
+    """One query per request in `rows`, batched: gather each context padded to the longest
+    (one index_select per cache), then per KV head two strided bmm's over its query group, so K
+    and V are neither repeated for GQA nor permuted into copies."""
     device = q.device
     block_size, num_kv_heads, head_dim = k_cache.shape[1:]
+    num_rows = len(rows)
     lens = torch.tensor([seq_lens[b] for b in rows], device=device)
     max_len = int(lens.max())
     max_blocks = (max_len + block_size - 1) // block_size
-    tables = block_tables[rows, :max_blocks]
-    k = k_cache[tables].flatten(1, 2)[:, :max_len].to(q.dtype)  # [B, L, Hkv, D]
-    v = v_cache[tables].flatten(1, 2)[:, :max_len].to(q.dtype)
+    index = block_tables[rows, :max_blocks].flatten()
+    shape = (num_rows, max_blocks * block_size, num_kv_heads, head_dim)
+    k = k_cache.flatten(1).index_select(0, index).view(shape).to(q.dtype)  # [B, L, Hkv, D]
+    v = v_cache.flatten(1).index_select(0, index).view(shape).to(q.dtype)
     token_idx = torch.tensor([cu_seqlens_q[b] for b in rows], device=device)
-    num_rows = len(rows)
     qg = q[token_idx].view(num_rows, num_kv_heads, -1, head_dim)  # [B, Hkv, G, D]
-    scores = torch.matmul(qg, k.permute(0, 2, 3, 1)) * scale  # [B, Hkv, G, L]
-    hidden = torch.arange(max_len, device=device)[None, :] >= lens[:, None]
-    scores.masked_fill_(hidden[:, None, None, :], float("-inf"))
+    hidden = (torch.arange(shape[1], device=device)[None, :] >= lens[:, None])[:, None, :]
     accumulate = torch.promote_types(q.dtype, torch.float32)  # fp32 for half types, else q's
-    probs = torch.softmax(scores.to(accumulate), dim=-1).to(q.dtype)
-    attn = torch.matmul(probs, v.transpose(1, 2))  # [B, Hkv, G, D]
-    out[token_idx] = attn.reshape(num_rows, -1, head_dim)
+    attn = torch.empty_like(qg)
+    for h in range(num_kv_heads):
+        scores = torch.bmm(qg[:, h], k[:, :, h].transpose(1, 2)) * scale  # [B, G, L]
+        scores.masked_fill_(hidden, float("-inf"))
+        probs = torch.softmax(scores.to(accumulate), dim=-1).to(q.dtype)
+        attn[:, h] = torch.bmm(probs, v[:, :, h])
+    out[token_idx] = attn.view(num_rows, -1, head_dim)
 
 
 def dense_causal_attention(
