@@ -33,7 +33,7 @@ from llmserve.client import Client, make_request  # noqa: E402
 from llmserve.model_config import builtin_model_path  # noqa: E402
 from llmserve.net import CHANNEL_OPTIONS, wait_until_serving  # noqa: E402
 from protos import scheduler_pb2, scheduler_pb2_grpc  # noqa: E402
-from tests.stack import free_port  # noqa: E402
+from tests.stack import free_port, serve_command  # noqa: E402
 
 TEXT = """the model serves many requests at once while the scheduler plans every step and the
 engine runs one forward pass over prefill chunks and decode tokens together paged memory keeps
@@ -96,22 +96,7 @@ def scheduler_stats(address: str) -> dict[str, float]:
 
 def bench_stack(prompts: list[str], max_tokens: int, threads: int) -> dict:
     ports = [free_port() for _ in range(3)]
-    cmd = [
-        sys.executable,
-        "-m",
-        "llmserve.cli",
-        "serve",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(ports[0]),
-        "--scheduler-port",
-        str(ports[1]),
-        "--engine-port",
-        str(ports[2]),
-        "--kv-cache-gb",
-        "1",
-    ]
+    cmd = serve_command(ports, "--kv-cache-gb", "1")
     if threads:
         cmd += ["--num-threads", str(threads)]
     env = dict(os.environ, LLMSERVE_LOG_LEVEL="WARNING")

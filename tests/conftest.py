@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -50,3 +50,15 @@ def builtin_model_path() -> Path:
         return builtin_model_path()
     except ModelSourceError as err:
         pytest.fail(f"the built-in model must be installed for the test suite: {err}")
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread() -> Iterator[None]:
+    """For modules of small tensors: one thread is fastest, and immune to a busy machine's
+    oversubscription. Use with `pytestmark = pytest.mark.usefixtures("one_torch_thread")`."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -31,6 +31,15 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def serve_command(ports: list[int], *extra: str) -> list[str]:
+    """`llmserve serve` on loopback with the given (gateway, scheduler, engine) ports."""
+    return [
+        sys.executable, "-m", "llmserve.cli", "serve", "--host", "127.0.0.1",
+        "--port", str(ports[0]), "--scheduler-port", str(ports[1]),
+        "--engine-port", str(ports[2]), *extra,
+    ]  # fmt: skip
+
+
 @dataclass
 class Stack:
     gateway_address: str

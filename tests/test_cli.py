@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from llmserve.net import check_health
-from tests.stack import ROOT, free_port
+from tests.stack import ROOT, free_port, serve_command
 
 
 def _pid_of(fragment: str) -> int:
@@ -45,24 +45,7 @@ def test_serve_generate_chat_and_stop(tiny_model: Callable[..., Path]) -> None:
     model = tiny_model(num_heads=4, num_kv_heads=2)
     ports = [free_port() for _ in range(3)]
     serve = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "llmserve.cli",
-            "serve",
-            "--model",
-            str(model),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(ports[0]),
-            "--scheduler-port",
-            str(ports[1]),
-            "--engine-port",
-            str(ports[2]),
-            "--num-kv-blocks",
-            "64",
-        ],
+        serve_command(ports, "--model", str(model), "--num-kv-blocks", "64"),
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,

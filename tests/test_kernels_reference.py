@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
@@ -19,13 +18,7 @@ HEAD_DIM = 8
 NUM_KV_HEADS = 2
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    """Small tensors: one thread is fastest, and immune to a busy machine's oversubscription."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @dataclass

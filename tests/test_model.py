@@ -13,7 +13,7 @@ import json
 import math
 import random
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -152,13 +152,7 @@ def load(
     return get
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    """Tiny matrices: one thread is fastest, and immune to a busy machine's oversubscription."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -34,12 +34,7 @@ LLAMA3 = {
 PROMPT = [(i * 37 + 11) % TINY_VOCAB for i in range(44)]  # > 32 tokens: llama3 scaling matters
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def permute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
