@@ -16,6 +16,14 @@ CHAT_TEMPLATE = (
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 TINY_VOCAB = 256 + len(SPECIAL_TOKENS)  # one token per byte, then the specials
 EOS_TOKEN_ID = 258  # <|im_end|>
+# llama3 rope scaling with a short original context, so prompts of 33+ tokens exercise it.
+LLAMA3 = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 32,
+}
 
 
 def _bytes_to_unicode() -> dict[int, str]:

@@ -26,19 +26,12 @@ from engine.mirror import NewRequestData, RunningData, SamplingParams, StepPlanD
 from engine.model import AttentionContext, rope_cos_sin_cache, rope_inv_freq
 from engine.runner import StepOutput
 from llmserve.model_config import load_model_config
-from tests.factories import EOS_TOKEN_ID, TINY_VOCAB
+from tests.factories import EOS_TOKEN_ID, LLAMA3, TINY_VOCAB
 
 TOLERANCE = 1e-4
 BLOCK_SIZE = 8
 NUM_BLOCKS = 96
 GREEDY = SamplingParams(temperature=0.0)
-LLAMA3 = {
-    "rope_type": "llama3",
-    "factor": 8.0,
-    "low_freq_factor": 1.0,
-    "high_freq_factor": 4.0,
-    "original_max_position_embeddings": 32,
-}
 
 # name -> how to build it: ("factory", kwargs for tests.factories.make_tiny_llama),
 # ("classic", (base name, config.json edits)) or ("config", LlamaConfig overrides)

@@ -72,13 +72,17 @@ def _assert_same(expected: list[Completion], actual: list[Completion]) -> None:
         assert a.text == e.text
 
 
-def test_batch_invariance_concurrent(default_stack: Stack, alone: tuple) -> None:
+def _assert_invariant(stack: Stack, alone: tuple) -> None:
+    """All prompts at once, greedy then seeded: the same tokens as each alone."""
     greedy, seeded = alone
-    _assert_same(greedy, _run_concurrently(default_stack, [_greedy(p) for p in PROMPTS]))
+    _assert_same(greedy, _run_concurrently(stack, [_greedy(p) for p in PROMPTS]))
     _assert_same(
-        seeded,
-        _run_concurrently(default_stack, [_seeded(p, 1000 + i) for i, p in enumerate(PROMPTS)]),
+        seeded, _run_concurrently(stack, [_seeded(p, 1000 + i) for i, p in enumerate(PROMPTS)])
     )
+
+
+def test_batch_invariance_concurrent(default_stack: Stack, alone: tuple) -> None:
+    _assert_invariant(default_stack, alone)
     default_stack.assert_idle()
 
 
@@ -92,11 +96,7 @@ def test_batch_invariance_chunked_prefill(model_dir: Path, alone: tuple, tmp_pat
         log_dir=tmp_path,
     )
     try:
-        greedy, seeded = alone
-        _assert_same(greedy, _run_concurrently(s, [_greedy(p) for p in PROMPTS]))
-        _assert_same(
-            seeded, _run_concurrently(s, [_seeded(p, 1000 + i) for i, p in enumerate(PROMPTS)])
-        )
+        _assert_invariant(s, alone)
         stats = s.assert_idle()
         # Two rounds (greedy, seeded) of every prompt, at most 16 tokens a step.
         num_prompt_tokens = 2 * sum(len(p.encode()) for p in PROMPTS)
@@ -116,11 +116,7 @@ def test_batch_invariance_preemption(model_dir: Path, alone: tuple, tmp_path: Pa
         log_dir=tmp_path,
     )
     try:
-        greedy, seeded = alone
-        _assert_same(greedy, _run_concurrently(s, [_greedy(p) for p in PROMPTS]))
-        _assert_same(
-            seeded, _run_concurrently(s, [_seeded(p, 1000 + i) for i, p in enumerate(PROMPTS)])
-        )
+        _assert_invariant(s, alone)
         stats = s.assert_idle()
         assert stats.num_preemptions > 0
         # A request that can never fit the pool is refused up front, naming the limit.

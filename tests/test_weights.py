@@ -20,17 +20,10 @@ from engine.model import AttentionContext, LlamaForCausalLM, build_model
 from engine.weights import gguf_name_to_hf, load_weights, unpermute_qk
 from llmserve.gguf_file import GGUFFile
 from llmserve.model_config import ModelConfig, load_model_config, read_gguf_fields
-from tests.factories import EOS_TOKEN_ID, TINY_VOCAB
+from tests.factories import EOS_TOKEN_ID, LLAMA3, TINY_VOCAB
 
 TOLERANCE = 1e-4
 Q8_0 = gguf.GGMLQuantizationType.Q8_0
-LLAMA3 = {
-    "rope_type": "llama3",
-    "factor": 8.0,
-    "low_freq_factor": 1.0,
-    "high_freq_factor": 4.0,
-    "original_max_position_embeddings": 32,
-}
 PROMPT = [(i * 37 + 11) % TINY_VOCAB for i in range(44)]  # > 32 tokens: llama3 scaling matters
 
 
