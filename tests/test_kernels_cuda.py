@@ -16,13 +16,12 @@ from collections.abc import Sequence
 
 import pytest
 import torch
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from kernels import reference as ref
+from tests.kernel_checks import assert_close, make_pool, nan_like, reference_attention
 
 pytestmark = pytest.mark.gpu
 
-TOL = {torch.bfloat16: 1e-2, torch.float16: 5e-3}
 DEVICE = "cuda"
 
 
@@ -43,77 +42,6 @@ def _seed(request: pytest.FixtureRequest) -> None:
     seed = zlib.crc32(request.node.name.encode())
     torch.manual_seed(seed)
     random.seed(seed)
-
-
-def nan_like(t: torch.Tensor) -> torch.Tensor:
-    return torch.full_like(t, float("nan"))
-
-
-def assert_close(out: torch.Tensor, expect: torch.Tensor, dtype: torch.dtype, what: str) -> float:
-    """Per-row (first dim) relative L2 error; fails on any NaN or inf in `out`."""
-    assert out.shape == expect.shape, (out.shape, expect.shape)
-    bad = ~torch.isfinite(out)
-    assert not bool(bad.any()), f"{what}: {int(bad.sum())} non-finite outputs (unwritten or NaN)"
-    diff = (out.double() - expect.double()).flatten(1).norm(dim=1)
-    norm = expect.double().flatten(1).norm(dim=1).clamp_min(1e-30)
-    err = float((diff / norm).max())
-    assert err <= TOL[dtype], f"{what}: relative error {err:.3e} > {TOL[dtype]}"
-    return err
-
-
-# ---------------------------------------------------------------------------------------------
-# Paged pools
-
-
-def make_pool(
-    seq_lens: Sequence[int],
-    block_size: int,
-    num_kv_heads: int,
-    head_dim: int,
-    dtype: torch.dtype,
-    spare_blocks: int = 7,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A NaN-filled pool whose sequences own shuffled blocks; each sequence's first seq_len slots
-    hold random values. Table rows are padded with a block id nobody owns."""
-    need = [max(1, -(-n // block_size)) for n in seq_lens]
-    num_blocks = sum(need) + spare_blocks
-    shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    k = torch.full(shape, float("nan"), dtype=dtype, device=DEVICE)
-    v = torch.full(shape, float("nan"), dtype=dtype, device=DEVICE)
-    perm = torch.randperm(num_blocks).tolist()
-    tables = torch.full((len(seq_lens), max(need)), perm[-1], dtype=torch.int32)
-    slots: list[torch.Tensor] = []
-    at = 0
-    for b, n in enumerate(seq_lens):
-        blocks = torch.tensor(perm[at : at + need[b]])
-        at += need[b]
-        tables[b, : need[b]] = blocks
-        slots.append((blocks[:, None] * block_size + torch.arange(block_size)).flatten()[:n])
-    index = torch.cat(slots).to(DEVICE)
-    flat = (-1, num_kv_heads, head_dim)
-    k.view(flat)[index] = torch.randn(len(index), num_kv_heads, head_dim, device=DEVICE).to(dtype)
-    v.view(flat)[index] = torch.randn(len(index), num_kv_heads, head_dim, device=DEVICE).to(dtype)
-    return k, v, tables.to(DEVICE)
-
-
-def reference_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    tables: torch.Tensor,
-    seq_lens: Sequence[int],
-    cu_seqlens_q: Sequence[int],
-    precision: torch.dtype,
-) -> torch.Tensor:
-    """reference.paged_attention in `precision` on NaN-free copies (slots nobody owns -> 0; the
-    reference pads decode contexts with such slots and masks them, and 0 * NaN would be NaN)."""
-    kk = torch.nan_to_num(k.to(precision), nan=0.0)
-    vv = torch.nan_to_num(v.to(precision), nan=0.0)
-    scale = q.shape[-1] ** -0.5
-    with sdpa_kernel(SDPBackend.MATH):
-        return ref.paged_attention(
-            q.to(precision), kk, vv, tables.long(), list(seq_lens), list(cu_seqlens_q), scale
-        )
 
 
 def ragged(num: int, low: int, high: int, block_size: int) -> list[int]:
@@ -141,7 +69,7 @@ def run_decode(
     num_splits: int | None = None,
     precision: torch.dtype = torch.float64,
 ) -> float:
-    k, v, tables = make_pool(seq_lens, block_size, num_kv_heads, head_dim, dtype)
+    k, v, tables = make_pool(seq_lens, block_size, num_kv_heads, head_dim, dtype, device=DEVICE)
     num_seqs, num_heads = len(seq_lens), num_kv_heads * group
     q = torch.randn(num_seqs, num_heads, head_dim, device=DEVICE).to(dtype)
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
@@ -189,7 +117,7 @@ def test_decode_split_counts(kc, num_splits: int) -> None:
 def test_decode_odd_groups_and_empty_sequences(kc) -> None:
     run_decode(kc, torch.float16, 64, 16, 3, ragged(5, 1, 300, 16), num_kv_heads=3)  # 9 / 3
     run_decode(kc, torch.bfloat16, 128, 16, 20, ragged(3, 1, 500, 16), num_kv_heads=1)  # 2 tiles
-    k, v, tables = make_pool([0, 40], 16, 2, 128, torch.bfloat16)
+    k, v, tables = make_pool([0, 40], 16, 2, 128, torch.bfloat16, device=DEVICE)
     q = torch.randn(2, 4, 128, device=DEVICE).to(torch.bfloat16)
     lens = torch.tensor([0, 40], dtype=torch.int32, device=DEVICE)
     for splits in (1, 3):
@@ -201,7 +129,7 @@ def test_decode_odd_groups_and_empty_sequences(kc) -> None:
 def test_decode_cuda_graph(kc) -> None:
     """Captured on a side stream with fixed max_seq_len / num_splits, replayed on new queries."""
     lens = ragged(8, 1, 3000, 16)
-    k, v, tables = make_pool(lens, 16, 2, 128, torch.bfloat16)
+    k, v, tables = make_pool(lens, 16, 2, 128, torch.bfloat16, device=DEVICE)
     q = torch.randn(8, 8, 128, device=DEVICE).to(torch.bfloat16)
     seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
     out = torch.empty_like(q)
@@ -241,7 +169,7 @@ def run_prefill(
 ) -> float:
     """chunks: (new tokens, context already in the pool) per sequence."""
     seq_lens = [n + c for n, c in chunks]
-    k, v, tables = make_pool(seq_lens, block_size, num_kv_heads, head_dim, dtype)
+    k, v, tables = make_pool(seq_lens, block_size, num_kv_heads, head_dim, dtype, device=DEVICE)
     cu = [0]
     for n, _ in chunks:
         cu.append(cu[-1] + n)

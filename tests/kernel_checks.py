@@ -1,0 +1,81 @@
+"""Helpers shared by the CUDA kernel tests on the GPU (test_kernels_cuda.py) and on the CPU
+emulator (test_kernels_emulated.py): NaN-poisoned paged pools, the reference, the tolerances."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from kernels import reference as ref
+
+TOL = {torch.bfloat16: 1e-2, torch.float16: 5e-3}
+
+
+def nan_like(t: torch.Tensor) -> torch.Tensor:
+    return torch.full_like(t, float("nan"))
+
+
+def assert_close(out: torch.Tensor, expect: torch.Tensor, dtype: torch.dtype, what: str) -> float:
+    """Per-row (first dim) relative L2 error; fails on any NaN or inf in `out`."""
+    assert out.shape == expect.shape, (out.shape, expect.shape)
+    bad = ~torch.isfinite(out)
+    assert not bool(bad.any()), f"{what}: {int(bad.sum())} non-finite outputs (unwritten or NaN)"
+    diff = (out.double() - expect.double()).flatten(1).norm(dim=1)
+    norm = expect.double().flatten(1).norm(dim=1).clamp_min(1e-30)
+    err = float((diff / norm).max())
+    assert err <= TOL[dtype], f"{what}: relative error {err:.3e} > {TOL[dtype]}"
+    return err
+
+
+def make_pool(
+    seq_lens: Sequence[int],
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    spare_blocks: int = 7,
+    device: str = "cpu",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A NaN-filled pool whose sequences own shuffled blocks; each sequence's first seq_len slots
+    hold random values. Table rows (int32) are padded with a block id nobody owns."""
+    need = [max(1, -(-n // block_size)) for n in seq_lens]
+    num_blocks = sum(need) + spare_blocks
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k = torch.full(shape, float("nan"), dtype=dtype, device=device)
+    v = torch.full(shape, float("nan"), dtype=dtype, device=device)
+    perm = torch.randperm(num_blocks).tolist()
+    tables = torch.full((len(seq_lens), max(need)), perm[-1], dtype=torch.int32)
+    slots: list[torch.Tensor] = []
+    at = 0
+    for b, n in enumerate(seq_lens):
+        blocks = torch.tensor(perm[at : at + need[b]])
+        at += need[b]
+        tables[b, : need[b]] = blocks
+        slots.append((blocks[:, None] * block_size + torch.arange(block_size)).flatten()[:n])
+    index = torch.cat(slots).to(device)
+    flat = (-1, num_kv_heads, head_dim)
+    k.view(flat)[index] = torch.randn(len(index), num_kv_heads, head_dim, device=device).to(dtype)
+    v.view(flat)[index] = torch.randn(len(index), num_kv_heads, head_dim, device=device).to(dtype)
+    return k, v, tables.to(device)
+
+
+def reference_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    tables: torch.Tensor,
+    seq_lens: Sequence[int],
+    cu_seqlens_q: Sequence[int],
+    precision: torch.dtype = torch.float64,
+) -> torch.Tensor:
+    """reference.paged_attention in `precision` on NaN-free copies (slots nobody owns -> 0; the
+    reference pads decode contexts with such slots and masks them, and 0 * NaN would be NaN)."""
+    kk = torch.nan_to_num(k.to(precision), nan=0.0)
+    vv = torch.nan_to_num(v.to(precision), nan=0.0)
+    scale = q.shape[-1] ** -0.5
+    with sdpa_kernel(SDPBackend.MATH):
+        return ref.paged_attention(
+            q.to(precision), kk, vv, tables.long(), list(seq_lens), list(cu_seqlens_q), scale
+        )

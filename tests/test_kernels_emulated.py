@@ -1,0 +1,284 @@
+"""CPU checks of kernels/*.cu: the real kernel sources, compiled with g++ against the emulator in
+kernels/emu/, launched through kernels/cuda.py's real wrappers (argument checks, launch shapes,
+split-K choice, kernel arguments) and compared with kernels/reference.py.
+
+The rules of tests/test_kernels_cuda.py at tiny shapes: pools start NaN-filled and only the slots
+a sequence owns get values, outputs start NaN-filled, so a read past a sequence's end or an
+element never written shows; tolerance is the per-row relative L2 error against the reference in
+float64, <= 1e-2 for bf16 and 5e-3 for fp16. Each case is the smallest that still reaches its code
+paths (several warps, several tiles per warp, several splits or row tiles, partial last tiles and
+blocks), and asserts the launch shape that proves it. Kernels with barriers run in two emulator
+modes: late cp.async copies with low warps running ahead (a missing wait reads poisoned shared
+memory), and early copies with high warps running ahead (a stage refilled without a
+__syncthreads is overwritten while other warps still read it).
+
+Skips without g++ or off Linux. The emulator library (~8 s of g++) is cached by source hash in
+~/.cache/llmserve-emu (kernels/emu/emu.py), so only the first run after a kernel edit pays it.
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+import sys
+import zlib
+from collections.abc import Iterator, Sequence
+from types import ModuleType
+
+import pytest
+import torch
+
+from kernels import reference as ref
+from kernels.emu import emu
+from tests.kernel_checks import assert_close, make_pool, nan_like, reference_attention
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture(scope="module")
+def emulator() -> Iterator[emu.Emulator]:
+    if not sys.platform.startswith("linux"):
+        pytest.skip(f"the kernel emulator needs glibc's ucontext (Linux), not {sys.platform}")
+    if shutil.which("g++") is None:
+        pytest.skip("g++ is not on PATH: the kernel emulator compiles kernels/*.cu with it")
+    emulator = emu.Emulator(emu.build())
+    with emulator.installed():
+        yield emulator
+
+
+@pytest.fixture
+def kc(emulator: emu.Emulator, request: pytest.FixtureRequest) -> Iterator[ModuleType]:
+    """kernels.cuda launching on the emulator; seeds from the test's name, clears the launch
+    log and restores the default mode afterwards."""
+    import kernels.cuda as kcuda
+
+    seed = zlib.crc32(request.node.name.encode())
+    torch.manual_seed(seed)
+    random.seed(seed)
+    emulator.launches.clear()
+    yield kcuda
+    emulator.copies, emulator.schedule = "late", "low-first"
+
+
+def launched(emulator: emu.Emulator, name: str) -> list[emu.Launch]:
+    return [launch for launch in emulator.launches if launch.expr.startswith(name + "<")]
+
+
+# ---------------------------------------------------------------------------------------------
+# Paged attention
+
+
+def run_decode(
+    kc: ModuleType,
+    dtype: torch.dtype,
+    head_dim: int,
+    block_size: int,
+    group: int,
+    num_kv_heads: int,
+    seq_lens: Sequence[int],
+    num_splits: int | None,
+    entry: str = "decode",
+) -> None:
+    k, v, tables = make_pool(seq_lens, block_size, num_kv_heads, head_dim, dtype)
+    num_seqs, num_heads = len(seq_lens), num_kv_heads * group
+    q = torch.randn(num_seqs, num_heads, head_dim).to(dtype)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    cu = list(range(num_seqs + 1))
+    out = nan_like(q)
+    scale = head_dim**-0.5
+    if entry == "decode":
+        kc.paged_decode_attention(q, k, v, tables, lens, scale, num_splits=num_splits, out=out)
+    else:
+        kc.paged_attention(
+            q, k, v, tables, lens, torch.tensor(cu, dtype=torch.int32), scale, out=out
+        )
+    live = [b for b, n in enumerate(seq_lens) if n > 0]
+    empty = [b for b, n in enumerate(seq_lens) if n == 0]
+    assert bool((out[empty] == 0).all()), "seq_len 0 must give zeros"
+    expect = reference_attention(q, k, v, tables, seq_lens, cu)
+    assert_close(out[live], expect[live], dtype, f"decode d{head_dim} g{group} {seq_lens}")
+
+
+def run_prefill(
+    kc: ModuleType,
+    dtype: torch.dtype,
+    head_dim: int,
+    block_size: int,
+    group: int,
+    num_kv_heads: int,
+    chunks: Sequence[tuple[int, int]],
+    block_m: int | None,
+) -> None:
+    """chunks: (new tokens, context already in the pool) per sequence. block_m None: through
+    kernels.cuda.paged_attention, which dispatches."""
+    seq_lens = [n + c for n, c in chunks]
+    k, v, tables = make_pool(seq_lens, block_size, num_kv_heads, head_dim, dtype)
+    cu = [0]
+    for n, _ in chunks:
+        cu.append(cu[-1] + n)
+    q = torch.randn(cu[-1], num_kv_heads * group, head_dim).to(dtype)
+    out = nan_like(q)
+    lens_t = torch.tensor(seq_lens, dtype=torch.int32)
+    cu_t = torch.tensor(cu, dtype=torch.int32)
+    scale = head_dim**-0.5
+    if block_m is None:
+        kc.paged_attention(q, k, v, tables, lens_t, cu_t, scale, out=out)
+    else:
+        kc.paged_prefill_attention(q, k, v, tables, lens_t, cu_t, scale, block_m=block_m, out=out)
+    expect = reference_attention(q, k, v, tables, seq_lens, cu)
+    assert_close(out, expect, dtype, f"prefill d{head_dim} g{group} bm{block_m} {chunks}")
+
+
+# Emulator modes for the kernels with barriers: late copies with low warps ahead, early copies
+# with high warps ahead (see kernels/emu/emu.py).
+MODES = {"late-low": ("late", "low-first"), "early-high": ("early", "high-first")}
+
+# (dtype, head_dim, block_size, group, num_kv_heads, seq_lens, num_splits)
+DECODE_CASES = {
+    # MHA, one split: 130 tokens = 9 tiles, so warp 0 refills both stages (tiles 0, 4, 8) and
+    # every warp has work; 1, 15, 16, 17: partial and exact blocks.
+    "mha-one-split": (torch.float16, 64, 16, 1, 2, [1, 15, 130, 16, 17], 1),
+    # GQA 12 (rows 12-15 of the head tile unused), 3 splits: 200 tokens -> splits of 5, 5, 3
+    # tiles; 5 tokens -> one active split and two empty ones; 0 tokens -> zeros.
+    "gqa12-three-splits": (torch.bfloat16, 128, 32, 12, 2, [200, 5, 0, 33], 3),
+    # GQA 20: two head tiles per kv head, the second one partial; split count left to the
+    # wrappers' heuristic (one split at this size).
+    "gqa20-auto-splits": (torch.float16, 64, 16, 20, 1, [70, 40], None),
+}
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("case", list(DECODE_CASES))
+def test_decode(kc: ModuleType, emulator: emu.Emulator, case: str, mode: str) -> None:
+    dtype, head_dim, block_size, group, num_kv_heads, seq_lens, num_splits = DECODE_CASES[case]
+    emulator.copies, emulator.schedule = MODES[mode]
+    run_decode(kc, dtype, head_dim, block_size, group, num_kv_heads, seq_lens, num_splits)
+    (main,) = launched(emulator, "paged_decode_kernel")
+    assert main.grid == (num_kv_heads * -(-group // 16), len(seq_lens), num_splits or 1)
+    assert len(launched(emulator, "paged_decode_merge_kernel")) == (main.grid[2] > 1)
+
+
+# (dtype, head_dim, block_size, group, num_kv_heads, chunks of (new tokens, context), block_m)
+PREFILL_CASES = {
+    # <NW 4, MT 1, BN 64>, Q in registers: 126 + 70 tokens -> 4 key tiles (stages refilled), the
+    # first unmasked and the second ending at the first row's position + 2 (the edge of the mask
+    # skip); 70 rows -> 2 row tiles, the second partial; a decode row; a chunk without context.
+    "bm64-d64": (torch.float16, 64, 16, 1, 2, [(40, 0), (1, 30), (70, 126)], 64),
+    # <NW 4, MT 2, BN 32>, Q re-read from shared memory (MT * HD > 128): GQA 4 gives 132 rows ->
+    # 2 row tiles, the second partial; 62 + 20 tokens -> 3 key tiles, the second ending at the
+    # first row's position + 2; block_size 48 (not a power of two).
+    "bm128-d128-gqa": (torch.bfloat16, 128, 48, 4, 2, [(33, 0), (20, 62), (1, 5)], 128),
+    # <NW 4, MT 1, BN 64> at head_dim 128 (the largest shared memory, 87,040 bytes), GQA 8.
+    "bm64-d128-gqa": (torch.float16, 128, 32, 8, 1, [(9, 64), (17, 0)], 64),
+}
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("case", list(PREFILL_CASES))
+def test_prefill(kc: ModuleType, emulator: emu.Emulator, case: str, mode: str) -> None:
+    dtype, head_dim, block_size, group, num_kv_heads, chunks, block_m = PREFILL_CASES[case]
+    emulator.copies, emulator.schedule = MODES[mode]
+    run_prefill(kc, dtype, head_dim, block_size, group, num_kv_heads, chunks, block_m)
+    (launch,) = launched(emulator, "paged_prefill_kernel")
+    num_tokens = sum(n for n, _ in chunks)
+    assert launch.grid == (num_tokens * group // block_m + len(chunks), num_kv_heads, 1)
+
+
+def test_paged_attention_dispatch(kc: ModuleType, emulator: emu.Emulator) -> None:
+    """A batch of decodes goes to the decode kernel, with the split count the wrappers choose
+    (4 for 600 tokens on 132 SMs); a mixed batch to the prefill kernel at its default block_m
+    (<NW 4, MT 2, BN 32> with Q in registers at head_dim 64)."""
+    run_decode(kc, torch.bfloat16, 64, 16, 2, 2, [600, 7], None, entry="paged")
+    (main,) = launched(emulator, "paged_decode_kernel")
+    assert main.grid == (2, 2, 4)
+    run_prefill(kc, torch.float16, 64, 16, 2, 2, [(1, 50), (24, 0), (1, 9)], None)
+    (launch,) = launched(emulator, "paged_prefill_kernel")
+    assert launch.expr.endswith(", 64, 4, 2, 32>")
+
+
+# ---------------------------------------------------------------------------------------------
+# store_kv and the per-token layer ops
+
+
+@pytest.mark.parametrize(
+    ("dtype", "head_dim", "index_dtype"),
+    [(torch.float16, 64, torch.int32), (torch.bfloat16, 128, torch.int64)],
+)
+def test_store_kv(kc: ModuleType, dtype: torch.dtype, head_dim: int, index_dtype) -> None:
+    """37 tokens of strided key / value views into shuffled slots, every 5th a padding row."""
+    num_tokens, num_heads, num_kv_heads, block_size, num_blocks = 37, 4, 2, 16, 6
+    qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim).to(dtype)
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    key = qkv[:, q_size : q_size + kv_size].view(num_tokens, num_kv_heads, head_dim)
+    value = qkv[:, q_size + kv_size :].view(num_tokens, num_kv_heads, head_dim)
+    slots = torch.randperm(num_blocks * block_size)[:num_tokens]
+    slots[::5] = -1
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k = torch.randn(shape).to(dtype)
+    v = torch.randn(shape).to(dtype)
+    k_ref, v_ref = k.clone(), v.clone()
+    kc.store_kv(key, value, k, v, slots.to(index_dtype))
+    ref.store_kv(key, value, k_ref, v_ref, slots)
+    assert torch.equal(k, k_ref) and torch.equal(v, v_ref)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "hidden", "with_residual"),
+    [
+        (torch.float16, 576, True),  # 72 chunks -> 3 warps reduce through shared memory
+        (torch.bfloat16, 8320, False),  # 1040 chunks > 1024 threads: a second pass per thread
+    ],
+)
+@pytest.mark.parametrize("mode", list(MODES))
+def test_rms_norm(
+    kc: ModuleType,
+    emulator: emu.Emulator,
+    dtype: torch.dtype,
+    hidden: int,
+    with_residual: bool,
+    mode: str,
+) -> None:
+    emulator.copies, emulator.schedule = MODES[mode]
+    x = (torch.randn(3, hidden) * 3).to(dtype)
+    weight = torch.randn(hidden).to(dtype)
+    residual = torch.randn(3, hidden).to(dtype) if with_residual else None
+    out = nan_like(x)
+    res_out = nan_like(x) if with_residual else None
+    got, got_res = kc.rms_norm(x, weight, 1e-5, residual, out=out, residual_out=res_out)
+    expect, expect_res = ref.rms_norm(x, weight, 1e-5, residual)
+    assert got is out
+    assert torch.equal(got_res, expect_res), "the new residual is x + residual rounded once"
+    assert_close(got, expect, dtype, "rms_norm vs reference (same dtype)")
+    s = expect_res.double()
+    exact = weight.double() * s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-5)
+    assert_close(got, exact, dtype, "rms_norm vs float64")
+
+
+@pytest.mark.parametrize(
+    ("dtype", "head_dim", "pos_dtype"),
+    [(torch.float16, 64, torch.int64), (torch.bfloat16, 128, torch.int32)],
+)
+def test_rotary_embedding(kc: ModuleType, dtype: torch.dtype, head_dim: int, pos_dtype) -> None:
+    """Exact: the kernel rounds as the reference's float32 x1 * cos - x2 * sin does."""
+    num_tokens, num_heads, num_kv_heads, max_position = 37, 3, 1, 512
+    inv_freq = 1.0 / (500000.0 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    freqs = torch.outer(torch.arange(max_position).float(), inv_freq)
+    cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+    qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim).to(dtype)
+    q = qkv[:, : num_heads * head_dim].view(num_tokens, num_heads, head_dim)  # strided view
+    positions = torch.randint(0, max_position, (num_tokens,))
+    expect = ref.rotary_embedding(positions, q, cache)
+    got = kc.rotary_embedding(positions.to(pos_dtype), q, cache, out=nan_like(expect))
+    assert torch.equal(got, expect)
+    kc.rotary_embedding(positions.to(pos_dtype), q, cache, out=q)  # in place on the view
+    assert torch.equal(q, got)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_silu_and_mul(kc: ModuleType, dtype: torch.dtype) -> None:
+    x = (torch.randn(5, 2 * 344) * 3).to(dtype)  # 215 threads: a partial CTA
+    expect = ref.silu_and_mul(x)
+    got = kc.silu_and_mul(x, out=nan_like(expect))
+    assert_close(got, expect, dtype, "silu_and_mul vs reference")
+    gate, up = x.double().chunk(2, dim=-1)
+    assert_close(got, gate * torch.sigmoid(gate) * up, dtype, "silu_and_mul vs float64")
