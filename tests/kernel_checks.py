@@ -4,6 +4,7 @@ emulator (test_kernels_emulated.py): NaN-poisoned paged pools, the reference, th
 from __future__ import annotations
 
 from collections.abc import Sequence
+from types import ModuleType
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -79,3 +80,32 @@ def reference_attention(
         return ref.paged_attention(
             q.to(precision), kk, vv, tables.long(), list(seq_lens), list(cu_seqlens_q), scale
         )
+
+
+def check_rms_norm(
+    kc: ModuleType,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    residual: torch.Tensor | None,
+    dtype: torch.dtype,
+) -> None:
+    """kernels.cuda.rms_norm into poisoned outputs vs the reference and a float64 formula."""
+    out = nan_like(x)
+    res_out = nan_like(x) if residual is not None else None
+    got, got_res = kc.rms_norm(x, weight, 1e-5, residual, out=out, residual_out=res_out)
+    expect, expect_res = ref.rms_norm(x, weight, 1e-5, residual)
+    assert got is out
+    assert torch.equal(got_res, expect_res), "the new residual is x + residual rounded once"
+    assert_close(got, expect, dtype, "rms_norm vs reference (same dtype)")
+    s = expect_res.double()
+    exact = weight.double() * s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-5)
+    assert_close(got, exact, dtype, "rms_norm vs float64")
+
+
+def check_silu_and_mul(kc: ModuleType, x: torch.Tensor, dtype: torch.dtype) -> None:
+    """kernels.cuda.silu_and_mul into a poisoned output vs the reference and float64."""
+    expect = ref.silu_and_mul(x)
+    got = kc.silu_and_mul(x, out=nan_like(expect))
+    assert_close(got, expect, dtype, "silu_and_mul vs reference")
+    gate, up = x.double().chunk(2, dim=-1)
+    assert_close(got, gate * torch.sigmoid(gate) * up, dtype, "silu_and_mul vs float64")

@@ -18,7 +18,14 @@ import pytest
 import torch
 
 from kernels import reference as ref
-from tests.kernel_checks import assert_close, make_pool, nan_like, reference_attention
+from tests.kernel_checks import (
+    assert_close,
+    check_rms_norm,
+    check_silu_and_mul,
+    make_pool,
+    nan_like,
+    reference_attention,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -260,16 +267,7 @@ def test_rms_norm(kc, dtype, hidden, with_residual) -> None:
     x = (torch.randn(1000, hidden, device=DEVICE) * 3).to(dtype)
     weight = torch.randn(hidden, device=DEVICE).to(dtype)
     residual = torch.randn(1000, hidden, device=DEVICE).to(dtype) if with_residual else None
-    out = nan_like(x)
-    res_out = nan_like(x) if with_residual else None
-    got, got_res = kc.rms_norm(x, weight, 1e-5, residual, out=out, residual_out=res_out)
-    expect, expect_res = ref.rms_norm(x, weight, 1e-5, residual)
-    assert got is out
-    assert torch.equal(got_res, expect_res), "the new residual is x + residual rounded once"
-    assert_close(got, expect, dtype, "rms_norm vs reference (same dtype)")
-    s = expect_res.double()
-    exact = weight.double() * s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-5)
-    assert_close(got, exact, dtype, "rms_norm vs float64")
+    check_rms_norm(kc, x, weight, residual, dtype)
 
 
 @pytest.mark.parametrize("pos_dtype", [torch.int32, torch.int64])
@@ -298,8 +296,4 @@ def test_rotary_embedding(kc, dtype, head_dim, pos_dtype) -> None:
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_silu_and_mul(kc, dtype) -> None:
     x = (torch.randn(1000, 2 * 1536, device=DEVICE) * 3).to(dtype)
-    expect = ref.silu_and_mul(x)
-    got = kc.silu_and_mul(x, out=nan_like(expect))
-    assert_close(got, expect, dtype, "silu_and_mul vs reference")
-    gate, up = x.double().chunk(2, dim=-1)
-    assert_close(got, gate * torch.sigmoid(gate) * up, dtype, "silu_and_mul vs float64")
+    check_silu_and_mul(kc, x, dtype)

@@ -30,7 +30,14 @@ import torch
 
 from kernels import reference as ref
 from kernels.emu import emu
-from tests.kernel_checks import assert_close, make_pool, nan_like, reference_attention
+from tests.kernel_checks import (
+    assert_close,
+    check_rms_norm,
+    check_silu_and_mul,
+    make_pool,
+    nan_like,
+    reference_attention,
+)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -242,16 +249,7 @@ def test_rms_norm(
     x = (torch.randn(3, hidden) * 3).to(dtype)
     weight = torch.randn(hidden).to(dtype)
     residual = torch.randn(3, hidden).to(dtype) if with_residual else None
-    out = nan_like(x)
-    res_out = nan_like(x) if with_residual else None
-    got, got_res = kc.rms_norm(x, weight, 1e-5, residual, out=out, residual_out=res_out)
-    expect, expect_res = ref.rms_norm(x, weight, 1e-5, residual)
-    assert got is out
-    assert torch.equal(got_res, expect_res), "the new residual is x + residual rounded once"
-    assert_close(got, expect, dtype, "rms_norm vs reference (same dtype)")
-    s = expect_res.double()
-    exact = weight.double() * s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-5)
-    assert_close(got, exact, dtype, "rms_norm vs float64")
+    check_rms_norm(kc, x, weight, residual, dtype)
 
 
 @pytest.mark.parametrize(
@@ -277,8 +275,4 @@ def test_rotary_embedding(kc: ModuleType, dtype: torch.dtype, head_dim: int, pos
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_silu_and_mul(kc: ModuleType, dtype: torch.dtype) -> None:
     x = (torch.randn(5, 2 * 344) * 3).to(dtype)  # 215 threads: a partial CTA
-    expect = ref.silu_and_mul(x)
-    got = kc.silu_and_mul(x, out=nan_like(expect))
-    assert_close(got, expect, dtype, "silu_and_mul vs reference")
-    gate, up = x.double().chunk(2, dim=-1)
-    assert_close(got, gate * torch.sigmoid(gate) * up, dtype, "silu_and_mul vs float64")
+    check_silu_and_mul(kc, x, dtype)
