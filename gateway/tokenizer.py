@@ -3,10 +3,16 @@
 HF directories: tokenizer.json (+ tokenizer_config.json or chat_template.jinja for the template).
 GGUF files: the byte-level BPE ("gpt2") vocabulary, merges and special tokens stored in the file,
 assembled with the `tokenizers` library. No torch, no transformers.
+
+A directory holding a config.json and no tokenizer.json nor weights is a shape to serve with
+random weights (`--load-format dummy`, e.g. configs/llama-3-8b): it gets `Tokenizer.byte_level()`,
+one token per byte (ids 0-255, no special tokens, no chat template), so a prompt of n bytes is n
+tokens; generated ids of 256 and above have no text (their ids are still streamed).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 from datetime import datetime
@@ -58,14 +64,28 @@ class Tokenizer:
         self.bos_token_id = tokenizer.token_to_id(bos_token) if bos_token else None
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
         self._template: jinja2.Template | None = None
+        self._token_bytes: dict[int, bytes] = {}
 
     # -- loading --------------------------------------------------------------------------------
 
     @classmethod
     def from_model_path(cls, path: Path) -> Tokenizer:
         if path.is_dir():
+            if is_config_only(path):
+                return cls.byte_level()
             return cls._from_hf_dir(path)
         return cls._from_gguf(path)
+
+    @classmethod
+    def byte_level(cls) -> Tokenizer:
+        """Token id = byte value (0-255), no merges, no special tokens, no chat template."""
+        byte_chars = {b: c for c, b in _unicode_to_bytes().items()}
+        tokenizer = HFTokenizer(
+            models.BPE(vocab={byte_chars[b]: b for b in range(256)}, merges=[], fuse_unk=False)
+        )
+        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        tokenizer.decoder = decoders.ByteLevel()
+        return cls(tokenizer, None, None, None, add_bos_token=False)
 
     @classmethod
     def _from_hf_dir(cls, path: Path) -> Tokenizer:
@@ -157,6 +177,25 @@ class Tokenizer:
             ids.insert(0, self.bos_token_id)
         return ids
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (byte-level BPE tokens may hold part of a character;
+        other tokenizers give the token's decoded text)."""
+        data = self._token_bytes.get(token_id)
+        if data is None:
+            data = self._bytes_of(token_id)
+            self._token_bytes[token_id] = data
+        return data
+
+    def _bytes_of(self, token_id: int) -> bytes:
+        piece = self.tokenizer.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if isinstance(self.tokenizer.decoder, decoders.ByteLevel):
+            byte_values = _unicode_to_bytes()
+            if all(c in byte_values for c in piece):
+                return bytes(byte_values[c] for c in piece)
+        return self.tokenizer.decode([token_id], skip_special_tokens=False).encode()
+
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         ids = [t for t in token_ids if 0 <= t < self.vocab_size]
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
@@ -180,6 +219,30 @@ class Tokenizer:
     def encode_chat(self, messages: list[ChatMessage]) -> list[int]:
         """Token ids of the rendered template; special tokens come from the template text."""
         return self.encode(self.render_chat(messages), add_special_tokens=False)
+
+
+def is_config_only(path: Path) -> bool:
+    """An HF directory with a config.json but neither tokenizer.json nor weights."""
+    return (
+        (path / "config.json").is_file()
+        and not (path / "tokenizer.json").is_file()
+        and not any(path.glob("*.safetensors"))
+    )
+
+
+@functools.cache
+def _unicode_to_bytes() -> dict[str, int]:
+    """The inverse of GPT-2's byte -> printable character table, which byte-level BPE
+    vocabularies are written in."""
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
+    table = {chr(b): b for b in printable}
+    others = [b for b in range(256) if b not in printable]
+    table.update({chr(256 + n): b for n, b in enumerate(others)})
+    return table
 
 
 def _compile_template(source: str) -> jinja2.Template:

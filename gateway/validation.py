@@ -31,6 +31,7 @@ class Limits:
     max_prompt_chars: int = 1 << 20  # refuse before tokenizing absurd inputs
     max_stop_strings: int = 16
     max_stop_string_chars: int = 256
+    max_top_logprobs: int = 20
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,9 @@ class ValidRequest:
     stop_token_ids: list[int]
     ignore_eos: bool
     logprobs: bool
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    top_logprobs: int = 0
 
 
 def _show(value: float) -> str:
@@ -82,11 +86,24 @@ def _check_sampling(req: api_pb2.GenerateRequest) -> None:
         raise ValidationError(f"min_p={_show(req.min_p)} must be in [0, 1]")
     if req.HasField("max_tokens") and req.max_tokens < 1:
         raise ValidationError(f"max_tokens={req.max_tokens} must be >= 1")
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(req, name)
+        if req.HasField(name) and not -2 <= value <= 2:
+            raise ValidationError(f"{name}={_show(value)} must be in [-2, 2]")
     if req.request_id and not _REQUEST_ID.fullmatch(req.request_id):
         raise ValidationError(
             f"request_id={req.request_id[:40]!r} must be 1-128 characters of letters, digits "
             "and . _ : -"
         )
+
+
+def _check_logprobs(req: api_pb2.GenerateRequest, limits: Limits) -> None:
+    if not 0 <= req.top_logprobs <= limits.max_top_logprobs:
+        raise ValidationError(
+            f"top_logprobs={req.top_logprobs} must be in [0, {limits.max_top_logprobs}]"
+        )
+    if req.top_logprobs and not req.logprobs:
+        raise ValidationError(f"top_logprobs={req.top_logprobs} needs logprobs=true")
 
 
 def _check_stops(req: api_pb2.GenerateRequest, limits: Limits) -> None:
@@ -143,6 +160,7 @@ def validate(req: api_pb2.GenerateRequest, tokenizer: Tokenizer, limits: Limits)
     defaults filled in (max_tokens defaults to what is left of the context)."""
     _check_unknown_fields(req)
     _check_sampling(req)
+    _check_logprobs(req, limits)
     _check_stops(req, limits)
     prompt = _prompt_ids(req, tokenizer, limits)
     if not prompt:
@@ -177,4 +195,7 @@ def validate(req: api_pb2.GenerateRequest, tokenizer: Tokenizer, limits: Limits)
         stop_token_ids=list(req.stop_token_ids),
         ignore_eos=req.ignore_eos,
         logprobs=req.logprobs,
+        presence_penalty=req.presence_penalty,
+        frequency_penalty=req.frequency_penalty,
+        top_logprobs=req.top_logprobs,
     )

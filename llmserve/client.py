@@ -67,9 +67,11 @@ def make_request(
 
 
 class Client:
-    def __init__(self, address: str):
+    def __init__(self, address: str, api_key: str | None = None):
         self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
         self.stub = api_pb2_grpc.GenerationStub(self.channel)
+        # Sent with every call when the gateway requires a key (`llmserve gateway --api-key`).
+        self.metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
 
     def __enter__(self) -> Client:
         return self
@@ -84,7 +86,7 @@ class Client:
         self, request: api_pb2.GenerateRequest, timeout: float | None = None
     ) -> Iterator[api_pb2.GenerateResponse]:
         """The response messages as they arrive; raises grpc.RpcError on refusal."""
-        yield from self.stub.Generate(request, timeout=timeout)
+        yield from self.stub.Generate(request, timeout=timeout, metadata=self.metadata)
 
     def generate(
         self, request: api_pb2.GenerateRequest, timeout: float | None = None
@@ -95,4 +97,6 @@ class Client:
         return completion
 
     def model_info(self, timeout: float = 5.0) -> api_pb2.ModelInfo:
-        return self.stub.GetModelInfo(api_pb2.GetModelInfoRequest(), timeout=timeout)
+        return self.stub.GetModelInfo(
+            api_pb2.GetModelInfoRequest(), timeout=timeout, metadata=self.metadata
+        )

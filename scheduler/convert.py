@@ -3,9 +3,11 @@ scheduler/ touches generated messages."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from protos import common_pb2, engine_pb2, scheduler_pb2
 from scheduler.request import Request, RequestStatus, SamplingParams
-from scheduler.scheduler import StepPlan
+from scheduler.scheduler import StepOutcome, StepPlan, TopLogprobColumns
 
 FINISH_REASONS = {
     None: common_pb2.FINISH_REASON_UNSPECIFIED,
@@ -23,6 +25,9 @@ def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
         min_p=msg.min_p,
         seed=msg.seed if msg.HasField("seed") else None,
         logprobs=msg.logprobs,
+        presence_penalty=msg.presence_penalty,
+        frequency_penalty=msg.frequency_penalty,
+        top_logprobs=msg.top_logprobs,
     )
 
 
@@ -33,6 +38,9 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
         top_p=params.top_p,
         min_p=params.min_p,
         logprobs=params.logprobs,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        top_logprobs=params.top_logprobs,
     )
     if params.seed is not None:
         msg.seed = params.seed
@@ -76,16 +84,26 @@ def plan_to_proto(plan: StepPlan) -> engine_pb2.StepPlan:
     return msg
 
 
+def top_logprobs_from_proto(msg: engine_pb2.StepResult) -> TopLogprobColumns | None:
+    if not msg.num_top_logprobs:
+        return None
+    return TopLogprobColumns(msg.num_top_logprobs, list(msg.top_token_ids), list(msg.top_logprobs))
+
+
 def response_to_proto(
     token_ids: list[int],
     logprobs: list[float],
     finished: RequestStatus | None,
     request: Request,
     first: bool,
+    top_logprobs: Sequence[StepOutcome] = (),
 ) -> scheduler_pb2.SubmitResponse:
+    """top_logprobs: one outcome per token id, when the request asked for top logprobs."""
     msg = scheduler_pb2.SubmitResponse(
         token_ids=token_ids, logprobs=logprobs, finish_reason=FINISH_REASONS[finished]
     )
+    for o in top_logprobs:
+        msg.top_logprobs.add(token_ids=o.top_token_ids, logprobs=o.top_logprobs)
     if first or finished is not None:
         msg.num_prompt_tokens = request.num_prompt_tokens
         msg.num_cached_tokens = max(request.num_cached_tokens, 0)

@@ -315,3 +315,36 @@ def test_chat_template_rendered_and_tokenized(tokenizer: Tokenizer) -> None:
 def test_special_tokens_in_text_are_tokens(tokenizer: Tokenizer) -> None:
     valid = validate(request(text="<|im_start|>x"), tokenizer, LIMITS)
     assert valid.prompt_token_ids == [IM_START, ord("x")]
+
+
+# -- penalties and top logprobs -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("fields", "expected"),
+    [
+        ({"presence_penalty": 2.5}, "presence_penalty=2.5 must be in [-2, 2]"),
+        ({"presence_penalty": -2.01}, "presence_penalty=-2.01 must be in [-2, 2]"),
+        ({"frequency_penalty": math.nan}, "frequency_penalty=nan must be in [-2, 2]"),
+        ({"frequency_penalty": math.inf}, "frequency_penalty=inf must be in [-2, 2]"),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs=21 must be in [0, 20]"),
+        ({"logprobs": True, "top_logprobs": -1}, "top_logprobs=-1 must be in [0, 20]"),
+        ({"top_logprobs": 3}, "top_logprobs=3 needs logprobs=true"),
+    ],
+)
+def test_bad_penalty_or_top_logprobs(
+    tokenizer: Tokenizer, fields: dict[str, Any], expected: str
+) -> None:
+    assert error(request(**fields), tokenizer) == expected
+
+
+def test_penalties_and_top_logprobs_kept(tokenizer: Tokenizer) -> None:
+    valid = validate(
+        request(presence_penalty=-2.0, frequency_penalty=2.0, logprobs=True, top_logprobs=20),
+        tokenizer,
+        LIMITS,
+    )
+    assert (valid.presence_penalty, valid.frequency_penalty) == (-2.0, 2.0)
+    assert valid.top_logprobs == 20 and valid.logprobs
+    default = validate(request(), tokenizer, LIMITS)
+    assert (default.presence_penalty, default.frequency_penalty, default.top_logprobs) == (0, 0, 0)

@@ -1,0 +1,115 @@
+"""Fan-out: a request with n choices (or several prompts) becomes one scheduler request per choice,
+through the shared request path (gateway/core.py); their messages come back merged, in arrival
+order. The prefix cache shares the prompt's blocks between a prompt's choices.
+
+Seeds: choice 0 of a prompt keeps the request's seed (so n=1 is unchanged); choice i > 0 gets a
+seed derived from it, so choices differ and stay reproducible.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import defaultdict
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass, replace
+
+from gateway.core import GatewayCore
+from gateway.validation import ValidRequest
+from protos import api_pb2
+
+_MASK64 = (1 << 64) - 1
+
+
+@dataclass(frozen=True)
+class Choice:
+    index: int  # in the response: prompt_index * n + sample_index
+    prompt_index: int
+    sample_index: int
+    valid: ValidRequest
+    request_id: str  # the scheduler's
+
+
+def choice_seed(seed: int, sample_index: int) -> int:
+    """Sample 0 keeps the request's seed (so n=1 is unchanged); sample i > 0 draws with its own
+    seed derived from it (splitmix64), so choices differ and stay reproducible."""
+    if sample_index == 0:
+        return seed
+    z = (seed + sample_index * 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def make_choices(valids: list[ValidRequest], n: int, response_id: str) -> list[Choice]:
+    choices = []
+    for p, valid in enumerate(valids):
+        for i in range(n):
+            index = p * n + i
+            seeded = (
+                valid if valid.seed is None else replace(valid, seed=choice_seed(valid.seed, i))
+            )
+            choices.append(Choice(index, p, i, seeded, f"{response_id}-{index}"))
+    return choices
+
+
+Messages = AsyncGenerator[tuple[Choice, api_pb2.GenerateResponse], None]
+
+
+async def run_choices(
+    core: GatewayCore,
+    choices: list[Choice],
+    carrier: object = None,
+    arrival: float | None = None,
+    operation: str = "text_completion",
+) -> Messages:
+    """Every choice's messages as they arrive, until all have finished. The first error of any
+    choice is raised. However this generator ends (finished, error, closed, cancelled), no choice
+    is left running upstream. Each choice is traced as its own request (carrier: the HTTP headers,
+    for a caller's traceparent; arrival: when the HTTP request came in)."""
+    queue: asyncio.Queue[tuple[Choice, api_pb2.GenerateResponse | Exception]] = asyncio.Queue()
+
+    async def pump(choice: Choice) -> None:
+        trace = core.start_request(carrier, choice.request_id, "http", arrival)
+        trace.validated(choice.valid, None)
+        trace.operation = operation
+        try:
+            async for msg in core.generate(choice.valid, choice.request_id, trace):
+                queue.put_nowait((choice, msg))
+        except Exception as err:
+            queue.put_nowait((choice, err))
+
+    tasks = [asyncio.create_task(pump(c)) for c in choices]
+    try:
+        num_running = len(choices)
+        while num_running:
+            choice, item = await queue.get()
+            if isinstance(item, Exception):
+                raise item
+            num_running -= bool(item.finish_reason)
+            yield choice, item
+    finally:
+        for task in tasks:
+            task.cancel()  # cancels the choice's Submit call; the scheduler frees its blocks
+
+
+async def first_messages(
+    stream: Messages, num_choices: int
+) -> list[tuple[Choice, api_pb2.GenerateResponse]]:
+    """Read stream until every choice has sent a message (so it was admitted)."""
+    messages = []
+    started: set[int] = set()
+    while len(started) < num_choices:
+        choice, msg = await anext(stream)
+        messages.append((choice, msg))
+        started.add(choice.index)
+    return messages
+
+
+async def all_messages(
+    stream: Messages,
+) -> dict[int, list[api_pb2.GenerateResponse]]:
+    """Every choice's messages, by choice index."""
+    messages: dict[int, list[api_pb2.GenerateResponse]] = defaultdict(list)
+    async for choice, msg in stream:
+        messages[choice.index].append(msg)
+    return messages

@@ -1,0 +1,213 @@
+"""The request path both APIs share, the gRPC Generation service and the OpenAI-compatible HTTP
+API, in front of the same scheduler connection:
+
+    validate -> submit to the scheduler -> detokenize + stop strings -> stream text
+
+Each phase is one method. Closing or cancelling a `generate` stream (its client went away) cancels
+the Submit call upstream: the scheduler then aborts the request and frees its blocks before its
+next step. A stop string ends the request the same way, after the text before it has been sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from gateway.config import GatewayConfig
+from gateway.detokenizer import IncrementalDetokenizer
+from gateway.stop import StopStringMatcher
+from gateway.telemetry import GatewayTelemetry, RequestTelemetry
+from gateway.tokenizer import Tokenizer
+from gateway.validation import Limits, ValidationError, ValidRequest, validate
+from llmserve.log import get_logger
+from llmserve.net import CHANNEL_OPTIONS
+from protos import api_pb2, common_pb2, scheduler_pb2, scheduler_pb2_grpc
+
+log = get_logger("gateway")
+
+
+class GatewayError(Exception):
+    """A request refused or failed. `code` is the gRPC status (the design's failure vocabulary);
+    the HTTP API maps it to an HTTP status."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def new_request_id(prefix: str = "req") -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:16]}"
+
+
+def submit_request(request_id: str, v: ValidRequest) -> scheduler_pb2.SubmitRequest:
+    sampling = common_pb2.SamplingParams(
+        temperature=v.temperature,
+        top_k=v.top_k,
+        top_p=v.top_p,
+        min_p=v.min_p,
+        logprobs=v.logprobs,
+        presence_penalty=v.presence_penalty,
+        frequency_penalty=v.frequency_penalty,
+        top_logprobs=v.top_logprobs,
+    )
+    if v.seed is not None:
+        sampling.seed = v.seed
+    return scheduler_pb2.SubmitRequest(
+        request_id=request_id,
+        prompt_token_ids=v.prompt_token_ids,
+        sampling=sampling,
+        max_tokens=v.max_tokens,
+        stop_token_ids=v.stop_token_ids,
+        ignore_eos=v.ignore_eos,
+    )
+
+
+class GatewayCore:
+    def __init__(self, config: GatewayConfig, tokenizer: Tokenizer):
+        self.config = config
+        self.tokenizer = tokenizer
+        self.channel = grpc.aio.insecure_channel(config.scheduler_address, options=CHANNEL_OPTIONS)
+        self.stub = scheduler_pb2_grpc.SchedulerStub(self.channel)
+        self.info: scheduler_pb2.SchedulerInfo | None = None
+        self.limits: Limits | None = None
+        # The gRPC health service mirrors the scheduler's; `serving` is the same, for HTTP.
+        self.health = health.aio.HealthServicer()
+        self.serving = False
+        self.telemetry = GatewayTelemetry()
+
+    async def watch_scheduler(self) -> None:
+        """Learn the limits from the scheduler, then mirror its health in ours."""
+        health_stub = health_pb2_grpc.HealthStub(self.channel)
+        serving = None
+        while True:
+            try:
+                if self.info is None:
+                    self.info = await self.stub.GetInfo(scheduler_pb2.GetInfoRequest(), timeout=2)
+                    self.telemetry.model = self.info.model
+                    self.limits = Limits(
+                        max_model_len=self.info.max_model_len,
+                        vocab_size=self.info.vocab_size,
+                        kv_capacity_tokens=self.info.num_blocks * self.info.block_size,
+                    )
+                    log.info(
+                        "scheduler connected",
+                        model=self.info.model,
+                        max_model_len=self.info.max_model_len,
+                    )
+                reply = await health_stub.Check(health_pb2.HealthCheckRequest(), timeout=2)
+                status = reply.status
+            except grpc.aio.AioRpcError:
+                status = health_pb2.HealthCheckResponse.NOT_SERVING
+            if status != serving:
+                serving = status
+                self.serving = status == health_pb2.HealthCheckResponse.SERVING
+                await self.health.set("", status)
+            await asyncio.sleep(1.0)
+
+    def model_info(self) -> api_pb2.ModelInfo:
+        if self.info is None:
+            raise GatewayError(grpc.StatusCode.UNAVAILABLE, "scheduler not connected yet")
+        return api_pb2.ModelInfo(
+            model=self.info.model,
+            max_model_len=self.info.max_model_len,
+            vocab_size=self.info.vocab_size,
+            eos_token_ids=self.info.eos_token_ids,
+        )
+
+    def start_request(
+        self, carrier: object, request_id: str, api: str, start: float | None = None
+    ) -> RequestTelemetry:
+        """The request's span and timers (carrier: gRPC metadata or HTTP headers, which may hold
+        the caller's traceparent). Ended by `generate`, or by `validate` when it refuses."""
+        return self.telemetry.start(carrier, request_id, api, start)
+
+    def validate(
+        self, request: api_pb2.GenerateRequest, trace: RequestTelemetry | None = None
+    ) -> ValidRequest:
+        """The request tokenized, with defaults filled; GatewayError INVALID_ARGUMENT (naming the
+        field, value and limit) or UNAVAILABLE (no scheduler yet) otherwise."""
+        try:
+            if self.limits is None:
+                raise GatewayError(grpc.StatusCode.UNAVAILABLE, "scheduler not connected yet")
+            try:
+                valid = validate(request, self.tokenizer, self.limits)
+            except ValidationError as err:
+                raise GatewayError(grpc.StatusCode.INVALID_ARGUMENT, str(err)) from err
+        except GatewayError as err:
+            if trace is not None:
+                trace.finish(code=err.code.name, message=err.message)
+            raise
+        if trace is not None:
+            trace.validated(valid, request)
+        return valid
+
+    async def generate(
+        self, valid: ValidRequest, request_id: str, trace: RequestTelemetry | None = None
+    ) -> AsyncIterator[api_pb2.GenerateResponse]:
+        """Submit valid to the scheduler and stream its text. The last message carries the
+        finish reason and usage. Raises GatewayError with the scheduler's code when it refuses
+        (RESOURCE_EXHAUSTED: queue full) or loses the request. Ends trace (made here if None)."""
+        if trace is None:
+            trace = self.start_request(None, request_id, "grpc")
+            trace.validated(valid, None)
+        call = self.stub.Submit(submit_request(request_id, valid), metadata=trace.metadata())
+        try:
+            async for msg in self._stream(request_id, valid, call):
+                trace.on_response(msg)
+                if msg.finish_reason:
+                    trace.finish(msg.finish_reason)
+                yield msg
+        except grpc.aio.AioRpcError as err:
+            trace.finish(code=err.code().name, message=err.details() or "")
+            raise GatewayError(err.code(), err.details() or err.code().name) from err
+        except GatewayError as err:
+            trace.finish(code=err.code.name, message=err.message)
+            raise
+        finally:
+            call.cancel()
+            trace.finish(code="CANCELLED", message="client went away")  # no-op when finished
+
+    async def _stream(
+        self, request_id: str, valid: ValidRequest, call: grpc.aio.UnaryStreamCall
+    ) -> AsyncIterator[api_pb2.GenerateResponse]:
+        detok = IncrementalDetokenizer(self.tokenizer, valid.prompt_token_ids)
+        stops = StopStringMatcher(valid.stop)
+        out = api_pb2.GenerateResponse(request_id=request_id)
+        usage = api_pb2.Usage(prompt_tokens=len(valid.prompt_token_ids))
+        async for msg in call:
+            if msg.num_prompt_tokens:
+                usage.cached_prompt_tokens = msg.num_cached_tokens
+            out.token_ids.extend(msg.token_ids)
+            out.logprobs.extend(msg.logprobs)
+            out.top_logprobs.extend(msg.top_logprobs)
+            usage.completion_tokens += len(msg.token_ids)
+            text, hit = stops.feed(detok.add(list(msg.token_ids)))
+            finish = msg.finish_reason
+            if hit:
+                finish = common_pb2.FINISH_REASON_STOP
+            elif finish:
+                tail, hit = stops.feed(detok.flush())
+                text += tail if hit else tail + stops.flush()
+                if hit:
+                    finish = common_pb2.FINISH_REASON_STOP
+            if not (text or finish):
+                continue  # everything held back (partial character or possible stop string)
+            out.text = text
+            if finish:
+                out.finish_reason = finish
+                out.usage.CopyFrom(usage)
+                yield out
+                return
+            yield out
+            out = api_pb2.GenerateResponse(request_id=request_id)
+        raise GatewayError(
+            grpc.StatusCode.INTERNAL, "scheduler ended the stream without a finish reason"
+        )
+
+    async def close(self) -> None:
+        await self.channel.close()

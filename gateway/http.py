@@ -1,0 +1,417 @@
+"""The OpenAI-compatible HTTP API: FastAPI, served by uvicorn on the gateway's event loop beside
+grpc.aio, over the same request path (gateway/core.py) and the same scheduler connection.
+
+    POST /v1/completions, /v1/chat/completions   streamed (server-sent events) or not
+    GET  /v1/models, /v1/models/{id}             the served model
+    GET  /health   liveness: 200 while the process runs
+    GET  /ready    readiness: 200 once the scheduler is connected and serving, 503 before
+    GET  /openapi.json, /docs
+
+Each choice (n of them per prompt) is its own scheduler request; the prefix cache shares their
+prompt blocks. A client that disconnects, mid-stream or while waiting, cancels all of them
+upstream, and their KV blocks are free before the scheduler's next step. A stream's 200 goes out
+with the first message of every choice, so refusals still get their status: errors use OpenAI's
+body ({"error": {"message", "type", "param", "code"}}) with 400 for an invalid value, 401 for a
+missing or wrong API key, 429 (Retry-After) for a full queue, 503 (Retry-After) when not ready.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, TypeVar
+
+import grpc
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import Response, StreamingResponse
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from gateway.auth import UNAUTHENTICATED_MESSAGE, is_authorized
+from gateway.choices import (
+    Choice,
+    Messages,
+    all_messages,
+    first_messages,
+    make_choices,
+    run_choices,
+)
+from gateway.core import GatewayCore, GatewayError, new_request_id
+from gateway.openai_protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    ErrorInfo,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    chat_request,
+    completion_requests,
+    http_message,
+)
+from gateway.openai_responses import ChatFormat, CompletionFormat, ResponseFormat
+from gateway.validation import ValidationError
+from llmserve import __version__
+from llmserve.log import get_logger
+from protos import api_pb2
+
+log = get_logger("gateway")
+
+T = TypeVar("T")
+RETRY_AFTER_S = 1
+# gRPC status -> (HTTP status, OpenAI error type, OpenAI error code)
+_HTTP_STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error", None),
+    grpc.StatusCode.UNAUTHENTICATED: (401, "invalid_request_error", "invalid_api_key"),
+    grpc.StatusCode.NOT_FOUND: (404, "invalid_request_error", "not_found"),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error", "rate_limit_exceeded"),
+    grpc.StatusCode.UNAVAILABLE: (503, "server_error", "service_unavailable"),
+    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "server_error", "timeout"),
+}
+
+
+# -- errors --------------------------------------------------------------------------------------
+
+
+class ApiError(Exception):
+    """An error response in OpenAI's shape."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        kind: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
+        super().__init__(message)
+        self.status = status
+        self.body = ErrorResponse(
+            error=ErrorInfo(message=message, type=kind, param=param, code=code)
+        )
+        self.headers = headers
+
+    @classmethod
+    def from_gateway(cls, err: GatewayError, prompt_field: str) -> ApiError:
+        status, kind, code = _HTTP_STATUS.get(err.code, (500, "server_error", "internal_error"))
+        message, param = err.message, None
+        if err.code == grpc.StatusCode.INVALID_ARGUMENT:
+            message, param = http_message(err.message, prompt_field)
+        retry = {"Retry-After": str(RETRY_AFTER_S)} if status in (429, 503) else None
+        return cls(status, message, kind, param, code, retry)
+
+    def response(self) -> Response:
+        return Response(
+            self.body.model_dump_json(),
+            status_code=self.status,
+            headers=self.headers,
+            media_type="application/json",
+        )
+
+
+class ClientDisconnected(Exception):
+    """The HTTP client went away before its response was ready."""
+
+
+def _validation_error(err: RequestValidationError) -> ApiError:
+    """FastAPI's 422 as OpenAI's 400, naming the first bad field."""
+    first = err.errors()[0] if err.errors() else {}
+    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    if first.get("type") == "json_invalid":
+        return ApiError(400, f"the request body is not valid JSON: {first.get('msg')}")
+    if not loc:
+        return ApiError(400, "the request body must be a JSON object")
+    param = loc[0]
+    if first.get("type") == "missing":
+        return ApiError(400, f"{param} is required", param=param)
+    value = repr(first.get("input"))[:80]
+    where = ".".join(loc[:1] + [f"[{p}]" if p.isdigit() else p for p in loc[1:]])
+    return ApiError(400, f"{where}={value}: {first.get('msg')}", param=param)
+
+
+class ApiKeyMiddleware:
+    """Refuses /v1/ requests without `Authorization: Bearer <key>` (401) before anything else
+    reads them. Plain ASGI, so streamed responses pass through untouched."""
+
+    def __init__(self, app: ASGIApp, api_key: str):
+        self.app = app
+        self.api_key = api_key
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            headers = dict(scope["headers"])
+            authorization = headers.get(b"authorization", b"").decode("latin-1")
+            if not is_authorized(authorization, self.api_key):
+                error = ApiError(
+                    401,
+                    UNAUTHENTICATED_MESSAGE,
+                    code="invalid_api_key",
+                    headers={"WWW-Authenticate": "Bearer"},
+                )
+                await error.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+async def _disconnected(request: Request) -> None:
+    """Return when the client disconnects (the body has been read already)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """work's result; if the client disconnects first, cancel work (and with it every scheduler
+    request it holds) and raise ClientDisconnected."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        task.cancel()  # no-op when done
+    if task in done:
+        return task.result()
+    raise ClientDisconnected
+
+
+def _sse(payload: str) -> str:
+    return f"data: {payload}\n\n"
+
+
+async def sse_events(
+    fmt: ResponseFormat,
+    first: list[tuple[Choice, api_pb2.GenerateResponse]],
+    stream: Messages,
+    include_usage: bool,
+) -> AsyncIterator[str]:
+    """The event stream of a streamed response. An error after the 200 arrives as an error
+    event, which the openai SDK raises as APIError."""
+    try:
+        for payload in fmt.opening():
+            yield _sse(payload)
+        for choice, msg in first:
+            yield _sse(fmt.chunk(choice, msg))
+        async for choice, msg in stream:
+            yield _sse(fmt.chunk(choice, msg))
+        if include_usage:
+            yield _sse(fmt.usage_chunk())
+    except GatewayError as err:
+        yield _sse(ApiError.from_gateway(err, "prompt").body.model_dump_json())
+    finally:
+        await stream.aclose()
+    yield "data: [DONE]\n\n"
+
+
+# -- the app -------------------------------------------------------------------------------------
+
+
+@contextmanager
+def _as_api_errors(prompt_field: str) -> Iterator[None]:
+    try:
+        yield
+    except ValidationError as err:
+        message, param = http_message(str(err), prompt_field)
+        raise ApiError(400, message, param=param) from err
+    except GatewayError as err:
+        raise ApiError.from_gateway(err, prompt_field) from err
+
+
+async def generate_response(
+    core: GatewayCore,
+    request: Request,
+    body: CompletionRequest | ChatCompletionRequest,
+    *,
+    requests: Callable[[], list[api_pb2.GenerateRequest]],
+    make_format: Callable[[list[Choice], str], ResponseFormat],
+    prompt_field: str,
+    id_prefix: str,
+) -> Response:
+    """Validate, fan out, and answer with one response or an event stream. `requests` converts
+    body (one GenerateRequest per prompt); errors name prompt_field for the prompt."""
+    response_id = new_request_id(id_prefix)
+    arrival = time.monotonic()
+    with _as_api_errors(prompt_field):
+        try:
+            valids = [core.validate(r) for r in requests()]
+        except (ValidationError, GatewayError) as err:
+            code = err.code.name if isinstance(err, GatewayError) else "INVALID_ARGUMENT"
+            core.telemetry.rejected(code, "http", arrival)
+            raise
+        choices = make_choices(valids, body.n, response_id)
+        fmt = make_format(choices, response_id)
+        operation = "chat" if prompt_field == "messages" else "text_completion"
+        stream = run_choices(core, choices, dict(request.headers), arrival, operation)
+        headers = {"X-Request-Id": response_id}
+        try:
+            if not body.stream:
+                messages = await until_disconnected(request, all_messages(stream))
+                return Response(
+                    fmt.response(messages), headers=headers, media_type="application/json"
+                )
+            first = await until_disconnected(request, first_messages(stream, len(choices)))
+        except ClientDisconnected:
+            log.info("client disconnected", request_id=response_id)
+            return Response(status_code=499)
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
+        events = sse_events(fmt, first, stream, include_usage)
+        return StreamingResponse(events, headers=headers, media_type="text/event-stream")
+
+
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {"model": ErrorResponse} for code in (400, 401, 429, 503)
+}
+
+
+def create_app(core: GatewayCore, api_key: str | None = None) -> FastAPI:
+    app = FastAPI(
+        title="llmserve",
+        version=__version__,
+        description="OpenAI-compatible completions and chat completions.",
+    )
+    started = int(time.time())
+
+    @app.exception_handler(ApiError)
+    async def on_api_error(_: Request, err: ApiError) -> Response:
+        return err.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def on_invalid_body(_: Request, err: RequestValidationError) -> Response:
+        return _validation_error(err).response()
+
+    @app.exception_handler(HTTPException)
+    async def on_http_error(_: Request, err: HTTPException) -> Response:
+        headers = dict(err.headers) if err.headers else None
+        return ApiError(err.status_code, str(err.detail), headers=headers).response()
+
+    @app.exception_handler(Exception)
+    async def on_bug(request: Request, err: Exception) -> Response:
+        log.exception("HTTP request failed", path=request.url.path)
+        return ApiError(500, f"internal error: {type(err).__name__}", "server_error").response()
+
+    @app.post("/v1/completions", response_model=CompletionResponse, responses=_ERRORS)
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await generate_response(
+            core,
+            request,
+            body,
+            requests=lambda: completion_requests(body),
+            make_format=lambda choices, rid: CompletionFormat(core, choices, rid, body),
+            prompt_field="prompt",
+            id_prefix="cmpl",
+        )
+
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=_ERRORS)
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await generate_response(
+            core,
+            request,
+            body,
+            requests=lambda: [chat_request(body)],
+            make_format=lambda choices, rid: ChatFormat(core, choices, rid, body),
+            prompt_field="messages",
+            id_prefix="chatcmpl",
+        )
+
+    def model_card() -> ModelCard:
+        if core.info is None:
+            raise ApiError.from_gateway(
+                GatewayError(grpc.StatusCode.UNAVAILABLE, "scheduler not connected yet"), "model"
+            )
+        return ModelCard(id=core.info.model, created=started, max_model_len=core.info.max_model_len)
+
+    @app.get("/v1/models", response_model=ModelList, responses=_ERRORS)
+    async def models() -> ModelList:
+        return ModelList(data=[model_card()])
+
+    @app.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=_ERRORS)
+    async def model(model_id: str) -> ModelCard:
+        card = model_card()
+        if model_id != card.id:
+            raise ApiError(
+                404,
+                f"model {model_id!r} is not served here; this server serves {card.id!r}",
+                param="model",
+                code="model_not_found",
+            )
+        return card
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready() -> Response:
+        if core.serving:
+            return Response('{"status":"ready"}', media_type="application/json")
+        return ApiError.from_gateway(
+            GatewayError(
+                grpc.StatusCode.UNAVAILABLE, "not ready: the scheduler is not serving yet"
+            ),
+            "model",
+        ).response()
+
+    if api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    return app
+
+
+# -- the server ------------------------------------------------------------------------------------
+
+
+class _EmbeddedServer(uvicorn.Server):
+    """uvicorn without its signal handlers: the gateway's loop owns SIGTERM / SIGINT."""
+
+    @contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as err:
+        sock.close()
+        raise RuntimeError(f"gateway: cannot listen on {host}:{port} for HTTP ({err})") from err
+    return sock
+
+
+class HttpServer:
+    """The HTTP API on an already bound socket (so a taken port fails the gateway at start)."""
+
+    def __init__(self, app: FastAPI, host: str, port: int):
+        self.address = f"{host}:{port}"
+        self.socket = _bind(host, port)
+        config = uvicorn.Config(
+            app,
+            log_config=None,
+            access_log=False,
+            lifespan="off",
+            timeout_graceful_shutdown=2,
+        )
+        self.server = _EmbeddedServer(config)
+        self.stopped = asyncio.Event()
+
+    async def serve(self) -> None:
+        log.info("gateway HTTP listening", address=self.address)
+        try:
+            await self.server.serve(sockets=[self.socket])
+        finally:
+            self.stopped.set()
+
+    async def shutdown(self) -> None:
+        """Stop accepting, let open responses finish (2 s at most), return when stopped."""
+        self.server.should_exit = True
+        try:
+            await asyncio.wait_for(self.stopped.wait(), timeout=5)
+        except TimeoutError:
+            log.warning("HTTP server did not stop in time")

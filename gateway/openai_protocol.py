@@ -1,0 +1,320 @@
+"""The OpenAI API's request and response shapes (pydantic), and the conversion of requests to ours.
+
+Requests become `api_pb2.GenerateRequest`s, so they meet the same validation (gateway/validation.py)
+as gRPC ones; only what the gRPC API lacks (n, prompt lists, the legacy logprobs integer, fields we
+refuse) is checked here, with messages in the same style. Unknown fields are ignored, as OpenAI
+does. Fields OpenAI lacks but vLLM users send (top_k, min_p, ignore_eos, stop_token_ids) work too.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from gateway.validation import ValidationError
+from protos import api_pb2
+
+MAX_CHOICES = 128  # n times the number of prompts
+MAX_LOGPROBS = 20
+_INT32 = Annotated[int, Field(ge=-(2**31), le=2**31 - 1)]
+_SEED = Annotated[int, Field(ge=-(2**63), lt=2**64)]  # OpenAI's are int64; ours are uint64
+
+
+# -- requests ------------------------------------------------------------------------------------
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: bool = False
+
+
+class SamplingRequest(BaseModel):
+    """The fields both endpoints share."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None  # accepted and ignored: one model is served (GET /v1/models)
+    max_tokens: _INT32 | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: _SEED | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # Beyond OpenAI's API, as vLLM accepts them.
+    top_k: _INT32 | None = None
+    min_p: float | None = None
+    ignore_eos: bool = False
+    stop_token_ids: list[_INT32] | None = None
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: _INT32 | None = 16  # OpenAI's default for this endpoint
+    logprobs: int | None = None  # legacy: the number of most likely tokens per position
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: str
+    text: str | None = None
+
+
+class ChatMessageParam(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: str
+    content: str | list[TextPart] | None = None
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: list[ChatMessageParam]
+    max_completion_tokens: _INT32 | None = None  # wins over max_tokens
+    logprobs: bool = False
+    top_logprobs: _INT32 | None = None
+    response_format: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+
+
+# -- responses -----------------------------------------------------------------------------------
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class CompletionResponse(BaseModel):
+    """Also each streamed chunk (object "text_completion" both ways, as OpenAI does)."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChoiceLogprobs(BaseModel):
+    content: list[TokenLogprob]
+
+
+class ChatMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatMessage
+    logprobs: ChoiceLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    logprobs: ChoiceLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "llmserve"
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+# -- request conversion --------------------------------------------------------------------------
+
+
+def _check_common(body: SamplingRequest, num_prompts: int) -> None:
+    if not 1 <= body.n <= MAX_CHOICES:
+        raise ValidationError(f"n={body.n} must be in [1, {MAX_CHOICES}]")
+    if body.n * num_prompts > MAX_CHOICES:
+        raise ValidationError(
+            f"n={body.n} times {num_prompts} prompts is {body.n * num_prompts} choices; "
+            f"the limit is {MAX_CHOICES}"
+        )
+    if body.logit_bias:
+        raise ValidationError("logit_bias is not supported by this server")
+    if body.stream_options is not None and not body.stream:
+        raise ValidationError("stream_options is only allowed with stream=true")
+
+
+def _sampling_fields(body: SamplingRequest, max_tokens: int | None) -> api_pb2.GenerateRequest:
+    req = api_pb2.GenerateRequest(ignore_eos=body.ignore_eos)
+    fields = {
+        "max_tokens": max_tokens,
+        "temperature": body.temperature,
+        "top_p": body.top_p,
+        "top_k": body.top_k,
+        "min_p": body.min_p,
+        "presence_penalty": body.presence_penalty,
+        "frequency_penalty": body.frequency_penalty,
+    }
+    for name, value in fields.items():
+        if value is not None:
+            setattr(req, name, value)
+    if body.seed is not None:
+        req.seed = body.seed % 2**64
+    if body.stop is not None:
+        req.stop.extend([body.stop] if isinstance(body.stop, str) else body.stop)
+    req.stop_token_ids.extend(body.stop_token_ids or [])
+    return req
+
+
+def completion_requests(body: CompletionRequest) -> list[api_pb2.GenerateRequest]:
+    """One GenerateRequest per prompt. Raises ValidationError (HTTP 400)."""
+    prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
+    if not prompts:
+        raise ValidationError("prompt is empty")
+    if not all(isinstance(p, str) for p in prompts):
+        raise ValidationError("prompt as token ids is not supported; send text")
+    _check_common(body, len(prompts))
+    if body.echo:
+        raise ValidationError("echo is not supported by this server")
+    if body.suffix:
+        raise ValidationError("suffix is not supported by this server")
+    if body.best_of is not None and body.best_of != body.n:
+        raise ValidationError(f"best_of={body.best_of} is not supported (only best_of=n)")
+    if body.logprobs is not None and not 0 <= body.logprobs <= MAX_LOGPROBS:
+        raise ValidationError(f"logprobs={body.logprobs} must be in [0, {MAX_LOGPROBS}]")
+    requests = []
+    for prompt in prompts:
+        req = _sampling_fields(body, body.max_tokens)
+        req.text = str(prompt)
+        if body.logprobs is not None:
+            req.logprobs = True
+            req.top_logprobs = body.logprobs
+        requests.append(req)
+    return requests
+
+
+def _message_text(i: int, message: ChatMessageParam) -> str:
+    if message.content is None:
+        raise ValidationError(f"messages[{i}].content is missing")
+    if isinstance(message.content, str):
+        return message.content
+    texts = []
+    for j, part in enumerate(message.content):
+        if part.type != "text" or part.text is None:
+            raise ValidationError(
+                f"messages[{i}].content[{j}].type={part.type!r} is not supported (only 'text')"
+            )
+        texts.append(part.text)
+    return "".join(texts)
+
+
+def chat_request(body: ChatCompletionRequest) -> api_pb2.GenerateRequest:
+    """The GenerateRequest for a chat completion. Raises ValidationError (HTTP 400)."""
+    _check_common(body, 1)
+    if body.tools:
+        raise ValidationError("tools are not supported by this server")
+    kind = (body.response_format or {}).get("type", "text")
+    if kind != "text":
+        raise ValidationError(f"response_format.type={kind!r} is not supported (only 'text')")
+    max_tokens = body.max_completion_tokens
+    req = _sampling_fields(body, max_tokens if max_tokens is not None else body.max_tokens)
+    for i, m in enumerate(body.messages):
+        role = "system" if m.role == "developer" else m.role
+        req.chat.messages.add(role=role, content=_message_text(i, m))
+    if not body.messages:
+        req.chat.SetInParent()  # validation then names the empty list
+    req.logprobs = body.logprobs
+    req.top_logprobs = body.top_logprobs or 0
+    return req
+
+
+_LEADING_FIELD = re.compile(r"^[a-z_]+(?:\.[a-z_]+)*")
+_HTTP_NAMES = {"text": "prompt", "chat.messages": "messages", "chat": "messages"}
+
+
+def http_message(message: str, prompt_field: str) -> tuple[str, str | None]:
+    """A validation message in the HTTP API's field names, and the field it names (`param`)."""
+    match = _LEADING_FIELD.match(message)
+    if match is None:
+        return message, None
+    name = match.group(0)
+    http_name = _HTTP_NAMES.get(name, prompt_field if name == "prompt" else name)
+    return http_name + message[len(name) :], http_name.split(".")[0]

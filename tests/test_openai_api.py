@@ -1,0 +1,630 @@
+"""The OpenAI-compatible HTTP API, driven by the official `openai` package against the real stack
+(gateway, scheduler and the echo engine over gRPC; a tiny random Llama where sampling matters).
+
+The echo engine returns the prompt's tokens cyclically and the test tokenizer has one token per
+byte, so the expected text is known exactly. A chat prompt renders as
+"<|im_start|>user\\n{content}<|im_end|>\\n<|im_start|>assistant\\n", whose echo is
+"user\\n{content}" followed by <|im_end|>, the EOS: finish reason "stop".
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import grpc
+import httpx2
+import openai
+import pytest
+
+from gateway.choices import choice_seed
+from gateway.openai_protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    chat_request,
+    completion_requests,
+    http_message,
+)
+from gateway.validation import ValidationError
+from llmserve.client import Client, make_request
+from tests.factories import EOS_TOKEN_ID, TINY_VOCAB, write_byte_tokenizer
+from tests.stack import Stack, start_stack
+
+API_KEY = "test-key-123"
+USER = [{"role": "user", "content": "hi"}]
+
+
+def echo(prompt: str, n: int) -> str:
+    data = prompt.encode()
+    return bytes(data[i % len(data)] for i in range(n)).decode()
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = tmp_path_factory.mktemp("byte-tokenizer")
+    write_byte_tokenizer(directory)
+    (directory / "config.json").write_text("{}")
+    return directory
+
+
+def _echo_stack(tokenizer_dir: Path, log_dir: Path, *engine: str, scheduler: tuple = ()) -> Stack:
+    return start_stack(
+        fake=True,
+        gateway_model=tokenizer_dir,
+        engine_args=[
+            "--fake-vocab-size",
+            str(TINY_VOCAB),
+            "--fake-eos-token-id",
+            str(EOS_TOKEN_ID),
+            *engine,
+        ],
+        scheduler_args=list(scheduler),
+        http=True,
+        api_key=API_KEY,
+        log_dir=log_dir,
+    )
+
+
+@pytest.fixture(scope="module")
+def stack(tokenizer_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    s = _echo_stack(
+        tokenizer_dir,
+        tmp_path_factory.mktemp("logs"),
+        "--fake-step-delay-ms",
+        "5",
+        "--num-kv-blocks",
+        "64",
+        "--max-model-len",
+        "512",
+    )
+    yield s
+    s.close()
+
+
+def sdk(stack: Stack, api_key: str = API_KEY, **options: Any) -> openai.OpenAI:
+    assert stack.http_url is not None
+    return openai.OpenAI(base_url=stack.http_url, api_key=api_key, max_retries=0, **options)
+
+
+def root_url(stack: Stack, path: str) -> str:
+    assert stack.http_url is not None
+    return stack.http_url.removesuffix("/v1") + path
+
+
+# -- completions -------------------------------------------------------------------------------
+
+
+def test_completion(stack: Stack) -> None:
+    result = sdk(stack).completions.create(model="fake-echo", prompt="hello world", max_tokens=15)
+    assert result.object == "text_completion" and result.model == "fake-echo"
+    [choice] = result.choices
+    assert choice.text == echo("hello world", 15) == "hello worldhell"
+    assert choice.finish_reason == "length" and choice.index == 0 and choice.logprobs is None
+    assert result.usage is not None
+    assert (result.usage.prompt_tokens, result.usage.completion_tokens) == (11, 15)
+    assert result.usage.total_tokens == 26
+    stack.assert_idle()
+
+
+def test_completion_default_max_tokens_is_openais_16(stack: Stack) -> None:
+    result = sdk(stack).completions.create(model="fake-echo", prompt="abc")
+    assert result.choices[0].text == echo("abc", 16)
+    stack.assert_idle()
+
+
+def test_completion_stream_equals_non_stream(stack: Stack) -> None:
+    client = sdk(stack)
+    prompt = "héllo 🤖 ok "
+    whole = client.completions.create(model="fake-echo", prompt=prompt, max_tokens=30, seed=3)
+    chunks = list(
+        client.completions.create(
+            model="fake-echo",
+            prompt=prompt,
+            max_tokens=30,
+            seed=3,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == whole.choices[0].text == echo(prompt, 30)
+    assert all("\ufffd" not in c.choices[0].text for c in chunks if c.choices)
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] == "length" and not any(finishes[:-1])
+    # include_usage: one last chunk with the usage and no choices.
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == 30
+    assert chunks[-1].usage.prompt_tokens == len(prompt.encode())
+    assert all(c.usage is None for c in chunks[:-1])
+    stack.assert_idle()
+
+
+def test_n_choices_and_prompt_lists(stack: Stack) -> None:
+    result = sdk(stack).completions.create(
+        model="fake-echo", prompt=["ab", "xyz"], n=2, max_tokens=5
+    )
+    # OpenAI's order: prompt 0's n choices, then prompt 1's.
+    assert [c.index for c in result.choices] == [0, 1, 2, 3]
+    assert [c.text for c in result.choices] == ["ababa", "ababa", "xyzxy", "xyzxy"]
+    assert result.usage is not None
+    assert result.usage.prompt_tokens == 2 + 3  # each prompt once
+    assert result.usage.completion_tokens == 4 * 5
+    stack.assert_idle()
+
+
+def test_n_choices_streamed(stack: Stack) -> None:
+    chunks = list(
+        sdk(stack).completions.create(
+            model="fake-echo", prompt="stream me", n=3, max_tokens=12, stream=True
+        )
+    )
+    texts = {i: "" for i in range(3)}
+    for chunk in chunks:
+        for c in chunk.choices:
+            texts[c.index] += c.text
+    assert texts == {i: echo("stream me", 12) for i in range(3)}
+    stack.assert_idle()
+
+
+def test_stop_strings(stack: Stack) -> None:
+    client = sdk(stack)
+    result = client.completions.create(
+        model="fake-echo", prompt="abc STOP def", max_tokens=100, stop=["STOP", "zzz"]
+    )
+    assert result.choices[0].text == "abc " and result.choices[0].finish_reason == "stop"
+    assert result.usage is not None and result.usage.completion_tokens < 100
+    streamed = list(
+        client.completions.create(
+            model="fake-echo", prompt="abc STOP def", max_tokens=100, stop="STOP", stream=True
+        )
+    )
+    assert "".join(c.choices[0].text for c in streamed) == "abc "
+    assert streamed[-1].choices[0].finish_reason == "stop"
+    stack.assert_idle(timeout=2)
+
+
+def test_completion_logprobs(stack: Stack) -> None:
+    result = sdk(stack).completions.create(
+        model="fake-echo", prompt="héllo", max_tokens=6, logprobs=2
+    )
+    logprobs = result.choices[0].logprobs
+    assert logprobs is not None
+    # "é" is two byte tokens: each is part of a character, shown as OpenAI shows bytes.
+    assert logprobs.tokens == ["h", "bytes:\\xc3", "bytes:\\xa9", "l", "l", "o"]
+    assert logprobs.token_logprobs == [0.0] * 6
+    # text_offset: the character offset of each token; both bytes of "é" start at 1.
+    assert logprobs.text_offset == [0, 1, 1, 2, 3, 4]
+    # The echo engine's top-2: the token (0.0) and the next token id (-1.0).
+    assert logprobs.top_logprobs is not None
+    assert logprobs.top_logprobs[0] == {"h": 0.0, "i": -1.0}
+    assert logprobs.top_logprobs[3] == {"l": 0.0, "m": -1.0}
+    stack.assert_idle()
+
+
+# -- chat ----------------------------------------------------------------------------------------
+
+
+def test_chat(stack: Stack) -> None:
+    result = sdk(stack).chat.completions.create(
+        model="fake-echo",
+        messages=[
+            {"role": "developer", "content": "be brief"},  # OpenAI's new name for system
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "h"}, {"type": "text", "text": "i"}],
+            },
+        ],
+        max_completion_tokens=100,
+    )
+    [choice] = result.choices
+    assert result.object == "chat.completion"
+    assert choice.message.role == "assistant"
+    assert choice.message.content == "system\nbe brief"  # the echo of the rendered template
+    assert choice.finish_reason == "stop"
+    stack.assert_idle()
+
+
+def test_chat_stream_equals_non_stream(stack: Stack) -> None:
+    client = sdk(stack)
+    whole = client.chat.completions.create(model="fake-echo", messages=USER)
+    chunks = list(client.chat.completions.create(model="fake-echo", messages=USER, stream=True))
+    assert whole.choices[0].message.content == "user\nhi"
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == "user\nhi"
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    assert whole.usage is not None
+    assert whole.usage.completion_tokens == 9  # <|im_start|>, "user\nhi", <|im_end|>
+    stack.assert_idle()
+
+
+def test_chat_logprobs(stack: Stack) -> None:
+    result = sdk(stack).chat.completions.create(
+        model="fake-echo", messages=USER, logprobs=True, top_logprobs=2, n=2
+    )
+    assert len(result.choices) == 2
+    for choice in result.choices:
+        assert choice.logprobs is not None and choice.logprobs.content is not None
+        content = choice.logprobs.content
+        assert [t.token for t in content][1:8] == list("user\nhi")
+        assert content[1].bytes == [ord("u")] and content[1].logprob == 0.0
+        assert [(t.token, t.logprob) for t in content[1].top_logprobs] == [("u", 0.0), ("v", -1.0)]
+        assert content[-1].token == "<|im_end|>"
+    stack.assert_idle()
+
+
+# -- errors --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("fields", "param", "message"),
+    [
+        ({"temperature": -1}, "temperature", "temperature=-1.0 must be a finite number >= 0"),
+        ({"top_p": 1.5}, "top_p", "top_p=1.5 must be in (0, 1]"),
+        ({"presence_penalty": 2.5}, "presence_penalty", "presence_penalty=2.5 must be in [-2, 2]"),
+        ({"frequency_penalty": -3}, "frequency_penalty", "must be in [-2, 2]"),
+        ({"n": 0}, "n", "n=0 must be in [1, 128]"),
+        ({"logprobs": 21}, "logprobs", "logprobs=21 must be in [0, 20]"),
+        ({"max_tokens": 0}, "max_tokens", "max_tokens=0 must be >= 1"),
+        ({"max_tokens": 600}, "max_tokens", "max_tokens=600 exceeds the model's remaining"),
+        ({"prompt": ""}, "prompt", "prompt is empty"),
+        ({"prompt": [1, 2, 3]}, "prompt", "prompt as token ids is not supported"),
+        ({"echo": True}, "echo", "echo is not supported"),
+        ({"temperature": "hot"}, "temperature", "temperature='hot': Input should be a valid"),
+        ({"stop": [f"s{i}" for i in range(17)]}, "stop", "at most 16 are allowed"),
+        ({"logit_bias": {"5": 1.0}}, "logit_bias", "logit_bias is not supported"),
+    ],
+)
+def test_invalid_completion_is_bad_request(
+    stack: Stack, fields: dict[str, Any], param: str, message: str
+) -> None:
+    body = {"prompt": "hi", **fields}
+    with pytest.raises(openai.BadRequestError) as err:
+        sdk(stack).completions.create(model="fake-echo", **body)
+    assert err.value.status_code == 400
+    assert err.value.type == "invalid_request_error"
+    assert err.value.param == param
+    assert message in err.value.message
+
+
+@pytest.mark.parametrize(
+    ("fields", "param", "message"),
+    [
+        ({"messages": []}, "messages", "messages is empty"),
+        (
+            {"messages": [{"role": "wizard", "content": "hi"}]},
+            "messages",
+            "messages[0].role='wizard'",
+        ),
+        ({"top_logprobs": 3}, "top_logprobs", "top_logprobs=3 needs logprobs=true"),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "must be in [0, 20]"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "not supported"),
+        ({"stream_options": {"include_usage": True}}, "stream_options", "only allowed with"),
+        ({"messages": [{"role": "user"}]}, "messages", "messages[0].content is missing"),
+    ],
+)
+def test_invalid_chat_is_bad_request(
+    stack: Stack, fields: dict[str, Any], param: str, message: str
+) -> None:
+    body = {"messages": USER, **fields}
+    with pytest.raises(openai.BadRequestError) as err:
+        sdk(stack).chat.completions.create(model="fake-echo", **body)
+    assert err.value.param == param
+    assert message in err.value.message
+
+
+def test_invalid_body_is_400_not_422(stack: Stack) -> None:
+    headers = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
+    url = f"{stack.http_url}/completions"
+    reply = httpx2.post(url, content=b"{not json", headers=headers)
+    assert reply.status_code == 400
+    assert "not valid JSON" in reply.json()["error"]["message"]
+    reply = httpx2.post(url, json={"max_tokens": 3}, headers=headers)
+    assert reply.status_code == 400
+    assert reply.json()["error"] == {
+        "message": "prompt is required",
+        "type": "invalid_request_error",
+        "param": "prompt",
+        "code": None,
+    }
+    # Unknown fields are ignored, as OpenAI ignores them.
+    reply = httpx2.post(
+        url, json={"prompt": "ok", "max_tokens": 2, "frobnicate": 1}, headers=headers
+    )
+    assert reply.status_code == 200 and reply.json()["choices"][0]["text"] == "ok"
+
+
+def test_api_key_required_on_both_apis(stack: Stack) -> None:
+    with pytest.raises(openai.AuthenticationError) as err:
+        sdk(stack, api_key="wrong").completions.create(model="fake-echo", prompt="hi")
+    assert err.value.status_code == 401 and err.value.code == "invalid_api_key"
+    reply = httpx2.get(f"{stack.http_url}/models")  # no Authorization at all
+    assert reply.status_code == 401 and reply.json()["error"]["code"] == "invalid_api_key"
+    with Client(stack.gateway_address) as client, pytest.raises(grpc.RpcError) as rpc_err:
+        client.generate(make_request(text="hi", max_tokens=2))
+    assert rpc_err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    with Client(stack.gateway_address, api_key="wrong") as client, pytest.raises(grpc.RpcError):
+        client.model_info()
+    # The right key works on gRPC too; health checks need none.
+    with stack.client() as client:
+        assert client.generate(make_request(text="hi", max_tokens=2)).text == "hi"
+    assert httpx2.get(root_url(stack, "/health")).status_code == 200
+    assert httpx2.get(root_url(stack, "/ready")).json() == {"status": "ready"}
+
+
+def test_models_and_openapi(stack: Stack) -> None:
+    client = sdk(stack)
+    [model] = client.models.list().data
+    assert model.id == "fake-echo" and model.object == "model"
+    assert client.models.retrieve("fake-echo").id == "fake-echo"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4")
+    document = httpx2.get(root_url(stack, "/openapi.json")).json()
+    assert {"/v1/completions", "/v1/chat/completions", "/v1/models"} <= set(document["paths"])
+    assert "CompletionRequest" in document["components"]["schemas"]
+
+
+# -- disconnects ---------------------------------------------------------------------------------
+
+
+def test_disconnect_mid_stream_frees_blocks(stack: Stack) -> None:
+    stream = sdk(stack).completions.create(
+        model="fake-echo", prompt="cancel me " * 8, max_tokens=400, stream=True
+    )
+    for i, _ in enumerate(stream):
+        if i == 3:
+            break
+    assert stack.stats().num_running == 1
+    stream.close()  # drops the connection
+    stack.assert_idle(timeout=1.0)
+
+
+def test_disconnect_while_waiting_frees_blocks(stack: Stack) -> None:
+    """A non-streamed request whose client gives up (timeout) is aborted too, all n choices."""
+    client = sdk(stack, timeout=0.5)
+    with pytest.raises(openai.APITimeoutError):
+        client.completions.create(model="fake-echo", prompt="slow " * 8, n=3, max_tokens=400)
+    stack.assert_idle(timeout=1.0)
+
+
+# -- gRPC gets the new fields too --------------------------------------------------------------
+
+
+def test_grpc_top_logprobs_and_penalties(stack: Stack) -> None:
+    request = make_request(
+        text="abc", max_tokens=4, logprobs=True, top_logprobs=3, presence_penalty=0.5
+    )
+    with stack.client() as client:
+        messages = list(client.stream(request))
+    token_ids = [t for m in messages for t in m.token_ids]
+    tops = [t for m in messages for t in m.top_logprobs]
+    assert token_ids == [97, 98, 99, 97]
+    assert [list(t.token_ids) for t in tops] == [[t, t + 1, t + 2] for t in token_ids]
+    assert [list(t.logprobs) for t in tops] == [[0.0, -1.0, -2.0]] * 4
+    stack.assert_idle()
+
+
+# -- admission -----------------------------------------------------------------------------------
+
+
+def test_full_queue_is_429_with_retry_after(tokenizer_dir: Path, tmp_path: Path) -> None:
+    s = _echo_stack(
+        tokenizer_dir,
+        tmp_path,
+        "--fake-step-delay-ms",
+        "20",
+        scheduler=("--max-num-seqs", "1", "--max-waiting", "1"),
+    )
+    try:
+        client = sdk(s)
+
+        def one(i: int) -> object:
+            try:
+                return client.completions.create(
+                    model="fake-echo", prompt=f"q{i}", max_tokens=20, stream=i % 2 == 0
+                )
+            except openai.RateLimitError as err:
+                return err
+
+        with ThreadPoolExecutor(6) as pool:
+            results = list(pool.map(one, range(6)))
+        refused = [r for r in results if isinstance(r, openai.RateLimitError)]
+        assert refused, "no request was refused"
+        assert len(refused) < len(results), "every request was refused"
+        for err in refused:
+            assert err.status_code == 429
+            assert err.response.headers["retry-after"] == "1"
+            assert "queue full" in err.message
+        for r in results:
+            if isinstance(r, openai.Stream):
+                list(r)  # finish the streams that were admitted
+        s.assert_idle()
+    finally:
+        s.close()
+
+
+def test_not_ready_is_503(tokenizer_dir: Path, tmp_path: Path) -> None:
+    """A gateway whose scheduler is not there: alive, not ready, requests 503 with Retry-After."""
+    from tests.stack import _spawn, free_port
+
+    port = free_port()
+    argv = ["--host", "127.0.0.1", "--port", str(free_port()), "--http-port", str(port)]
+    argv += ["--scheduler-address", f"127.0.0.1:{free_port()}", "--model", str(tokenizer_dir)]
+    proc = _spawn("gateway", argv, tmp_path)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                assert httpx2.get(f"{base}/health").json() == {"status": "ok"}
+                break
+            except httpx2.TransportError:
+                assert time.monotonic() < deadline, (tmp_path / "gateway.log").read_text()
+                time.sleep(0.1)
+        ready = httpx2.get(f"{base}/ready")
+        assert ready.status_code == 503 and ready.headers["retry-after"] == "1"
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0)
+        with pytest.raises(openai.InternalServerError) as err:
+            client.completions.create(model="any", prompt="hi")
+        assert err.value.status_code == 503
+        assert "scheduler not connected" in err.value.message
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+# -- the tiny random model: real sampling ------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def model_stack(
+    tiny_model: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Stack]:
+    s = start_stack(
+        tiny_model(num_heads=4, num_kv_heads=2),
+        engine_args=["--num-kv-blocks", "128", "--num-threads", "1"],
+        http=True,
+        log_dir=tmp_path_factory.mktemp("logs"),
+    )
+    yield s
+    s.close()
+
+
+def test_streamed_text_equals_non_streamed_for_a_seed(model_stack: Stack) -> None:
+    client = sdk(model_stack)
+    fields: dict[str, Any] = {
+        "model": "any",
+        "max_tokens": 16,
+        "temperature": 1.0,
+        "seed": 1234,
+        "extra_body": {"ignore_eos": True},
+    }
+    whole = client.completions.create(prompt="the quick brown fox", **fields)
+    streamed = client.completions.create(prompt="the quick brown fox", stream=True, **fields)
+    assert "".join(c.choices[0].text for c in streamed) == whole.choices[0].text
+    chat = client.chat.completions.create(messages=USER, **fields)
+    chat_stream = client.chat.completions.create(messages=USER, stream=True, **fields)
+    text = "".join(c.choices[0].delta.content or "" for c in chat_stream if c.choices)
+    assert text == chat.choices[0].message.content
+    model_stack.assert_idle()
+
+
+def test_seeded_choices_differ_and_reproduce(model_stack: Stack) -> None:
+    client = sdk(model_stack)
+    fields: dict[str, Any] = {
+        "model": "any",
+        "prompt": "once upon a time",
+        "max_tokens": 12,
+        "temperature": 1.5,
+        "seed": 99,
+        "extra_body": {"ignore_eos": True},
+    }
+    first = [c.text for c in client.completions.create(n=3, **fields).choices]
+    again = [c.text for c in client.completions.create(n=3, **fields).choices]
+    alone = client.completions.create(**fields).choices[0].text
+    assert first == again
+    assert len(set(first)) == 3, first
+    assert first[0] == alone  # choice 0 keeps the request's own seed
+    model_stack.assert_idle()
+
+
+def test_penalties_and_top_logprobs_on_a_model(model_stack: Stack) -> None:
+    client = sdk(model_stack)
+    fields: dict[str, Any] = {
+        "model": "any",
+        "messages": USER,
+        "max_tokens": 24,
+        "temperature": 0.0,
+        "logprobs": True,
+        "top_logprobs": 5,
+        "extra_body": {"ignore_eos": True},
+    }
+    plain = client.chat.completions.create(**fields).choices[0]
+    assert plain.logprobs is not None and plain.logprobs.content is not None
+    for token in plain.logprobs.content:
+        # Greedy: the chosen token is the most likely one, with the same logprob.
+        assert len(token.top_logprobs) == 5
+        assert token.top_logprobs[0].token == token.token
+        assert token.top_logprobs[0].logprob == token.logprob
+        assert [t.logprob for t in token.top_logprobs] == sorted(
+            (t.logprob for t in token.top_logprobs), reverse=True
+        )
+    penalized = client.chat.completions.create(frequency_penalty=2.0, **fields).choices[0]
+    assert penalized.logprobs is not None and penalized.logprobs.content is not None
+    plain_tokens = [t.token for t in plain.logprobs.content]
+    penalized_tokens = [t.token for t in penalized.logprobs.content]
+    assert penalized_tokens != plain_tokens
+    # The most repeated token repeats less once each repetition costs 2 logits.
+    assert max(map(penalized_tokens.count, penalized_tokens)) < max(
+        map(plain_tokens.count, plain_tokens)
+    )
+    model_stack.assert_idle()
+
+
+# -- units: the protocol's own checks ----------------------------------------------------------
+
+
+def test_choice_seed() -> None:
+    assert choice_seed(42, 0) == 42
+    seeds = {choice_seed(42, i) for i in range(1, 100)}
+    assert len(seeds) == 99 and 42 not in seeds
+    assert all(0 <= s < 2**64 for s in seeds)
+    assert choice_seed(2**64 - 1, 5) == choice_seed(2**64 - 1, 5)
+
+
+def test_http_field_names() -> None:
+    assert http_message("text is empty", "prompt") == ("prompt is empty", "prompt")
+    assert http_message("chat.messages[1].role='x' must be", "messages") == (
+        "messages[1].role='x' must be",
+        "messages",
+    )
+    assert http_message("prompt has 70 tokens; the limit is 63", "messages")[1] == "messages"
+    assert http_message("top_p=1.5 must be in (0, 1]", "prompt")[1] == "top_p"
+
+
+def test_completion_request_conversion() -> None:
+    [req] = completion_requests(
+        CompletionRequest(prompt="hi", logprobs=3, seed=-1, stop="x", top_k=5)
+    )
+    assert req.text == "hi" and req.max_tokens == 16
+    assert req.logprobs and req.top_logprobs == 3
+    assert req.seed == 2**64 - 1  # OpenAI's int64 seeds, as our uint64
+    assert list(req.stop) == ["x"] and req.top_k == 5
+    assert not req.HasField("temperature")  # unset stays unset: the server's default
+    with pytest.raises(ValidationError, match="129 choices; the limit is 128"):
+        completion_requests(CompletionRequest(prompt=["a"] * 43, n=3))
+
+
+def test_chat_request_conversion() -> None:
+    body = ChatCompletionRequest(
+        messages=[{"role": "system", "content": "s"}, {"role": "user", "content": "u"}],
+        max_tokens=5,
+        max_completion_tokens=7,
+        response_format={"type": "text"},
+    )
+    req = chat_request(body)
+    assert [(m.role, m.content) for m in req.chat.messages] == [("system", "s"), ("user", "u")]
+    assert req.max_tokens == 7  # max_completion_tokens wins
+    body = ChatCompletionRequest(messages=USER, response_format={"type": "json_object"})
+    with pytest.raises(ValidationError, match=r"response_format\.type='json_object'"):
+        chat_request(body)
+
+
+def test_error_event_shape() -> None:
+    """An error after a stream's 200 is an event the openai SDK raises as APIError."""
+    from gateway.core import GatewayError
+    from gateway.http import ApiError
+
+    event = ApiError.from_gateway(GatewayError(grpc.StatusCode.INTERNAL, "boom"), "prompt")
+    assert json.loads(event.body.model_dump_json()) == {
+        "error": {
+            "message": "boom",
+            "type": "server_error",
+            "param": None,
+            "code": "internal_error",
+        }
+    }
+    assert event.status == 500
