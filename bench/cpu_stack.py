@@ -94,12 +94,15 @@ def scheduler_stats(address: str) -> dict[str, float]:
     }
 
 
-def bench_stack(prompts: list[str], max_tokens: int, threads: int) -> dict:
+def bench_stack(
+    prompts: list[str], max_tokens: int, threads: int, env: dict[str, str] | None = None
+) -> dict:
+    """env: extra environment for the services (bench/telemetry_overhead.py sets OTEL_*)."""
     ports = [free_port() for _ in range(3)]
     cmd = serve_command(ports, "--kv-cache-gb", "1")
     if threads:
         cmd += ["--num-threads", str(threads)]
-    env = dict(os.environ, LLMSERVE_LOG_LEVEL="WARNING")
+    env = dict(os.environ, LLMSERVE_LOG_LEVEL="WARNING", **(env or {}))
     serve = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL)
     address = f"127.0.0.1:{ports[0]}"
     try:

@@ -1,15 +1,32 @@
 """The engine's gRPC server: the Step stream and Describe, plus grpc.health.v1.
 
-Steps run one at a time under a lock. A new Step stream resets the mirror and supersedes any older
-stream (a reconnecting scheduler wins over its own dead connection)."""
+Steps run in plan order under a lock. A new Step stream resets the mirror and supersedes any
+older stream (a reconnecting scheduler wins over its own dead connection).
+
+A stream is a small pipeline, so the device need not idle between steps when the scheduler plans
+ahead (two plans in flight):
+
+    reader thread:  plans off the stream -> inbox
+    stream loop:    launch each plan as it arrives (enqueued, not waited for); send each step's
+                    result, in order, as soon as it is on the host
+    waiter thread:  waits for launched steps in order, waking the loop as each is ready
+
+so step N+1 is launched while step N's result is still being copied back and sent. On the CPU
+the real engine's step is done when launched, and its result goes out before the next plan is
+read.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import queue
 import signal
 import threading
 import time
+from collections import deque
 from collections.abc import Iterator
 from concurrent import futures
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import grpc
@@ -18,6 +35,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from engine.convert import info_to_proto, plan_from_proto, result_to_proto
 from engine.mirror import MirrorMismatch, StepPlanData
 from engine.runner import StepOutput
+from engine.telemetry import EngineTelemetry, now_ns
 from llmserve.log import get_logger
 from llmserve.net import SERVER_OPTIONS
 from protos import engine_pb2, engine_pb2_grpc
@@ -25,14 +43,69 @@ from protos import engine_pb2, engine_pb2_grpc
 log = get_logger("engine")
 
 
+class LaunchedStepLike(Protocol):
+    @property
+    def is_ready(self) -> bool: ...
+
+    def wait(self) -> None: ...
+
+
 class StepExecutor(Protocol):
-    """What the service needs of an engine (the real one, or engine.fake.FakeEngine)."""
+    """What the service needs of an engine (the real one, or engine.fake.FakeEngine): `launch`
+    enqueues a plan's step (in plan order) and `finish` waits for its output."""
 
     info: Any
 
     def reset(self) -> None: ...
 
-    def step(self, plan: StepPlanData) -> StepOutput: ...
+    def launch(self, plan: StepPlanData) -> Any: ...
+
+    def finish(self, step: Any) -> StepOutput: ...
+
+
+# Inbox items besides plans: the stream ended; a launched step may be ready.
+_END = object()
+_WAKE = object()
+
+
+@dataclass
+class _InFlight:
+    plan_msg: engine_pb2.StepPlan
+    step: LaunchedStepLike
+    t0: float
+    start_ns: int
+
+
+def _read_plans(plans: Iterator[engine_pb2.StepPlan], inbox: queue.SimpleQueue[Any]) -> None:
+    try:
+        for plan_msg in plans:
+            inbox.put(plan_msg)
+    except Exception:  # the RPC ended under us (cancelled, connection lost)
+        pass
+    finally:
+        inbox.put(_END)
+
+
+class _Waiter:
+    """A thread waiting for launched steps in launch order, waking the stream loop as each one's
+    results reach the host (waiting releases the GIL: the loop keeps launching meanwhile)."""
+
+    def __init__(self, inbox: queue.SimpleQueue[Any]):
+        self.inbox = inbox
+        self.steps: queue.SimpleQueue[LaunchedStepLike | None] = queue.SimpleQueue()
+        threading.Thread(target=self._run, name="step-waiter", daemon=True).start()
+
+    def watch(self, step: LaunchedStepLike) -> None:
+        self.steps.put(step)
+
+    def close(self) -> None:
+        self.steps.put(None)
+
+    def _run(self) -> None:
+        while (step := self.steps.get()) is not None:
+            with contextlib.suppress(Exception):  # finish() raises it again, in the stream loop
+                step.wait()
+            self.inbox.put(_WAKE)
 
 
 class EngineServicer(engine_pb2_grpc.EngineServicer):
@@ -40,6 +113,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         self.engine = engine
         self.lock = threading.Lock()
         self.active_stream = 0
+        self.telemetry = EngineTelemetry()
 
     def Describe(self, request: engine_pb2.DescribeRequest, context: Any) -> Any:
         i = self.engine.info
@@ -60,36 +134,87 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             stream = self.active_stream
             self.engine.reset()
         log.info("step stream opened", stream=stream, peer=context.peer())
-        for plan_msg in request_iterator:
-            t0 = time.perf_counter()
-            with self.lock:
-                if stream != self.active_stream:
-                    context.abort(grpc.StatusCode.ABORTED, "superseded by a newer Step stream")
-                try:
-                    output = self.engine.step(plan_from_proto(plan_msg))
-                except MirrorMismatch as err:
-                    log.error(
-                        "plan disagrees with the mirror", step_id=plan_msg.step_id, error=str(err)
-                    )
-                    context.abort(
-                        grpc.StatusCode.FAILED_PRECONDITION, f"step {plan_msg.step_id}: {err}"
-                    )
-                except Exception as err:
-                    log.exception("step failed", step_id=plan_msg.step_id)
-                    context.abort(
-                        grpc.StatusCode.INTERNAL,
-                        f"step {plan_msg.step_id} failed: {type(err).__name__}: {err}",
-                    )
-            total_ms = (time.perf_counter() - t0) * 1e3
-            yield result_to_proto(
-                plan_msg.step_id,
-                output.sampled_token_ids,
-                output.logprobs,
-                output.forward_ms,
-                output.sample_ms,
-                total_ms,
-            )
+        inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        threading.Thread(
+            target=_read_plans, args=(request_iterator, inbox), name="plan-reader", daemon=True
+        ).start()
+        waiter = _Waiter(inbox)
+        try:
+            yield from self._run_stream(stream, inbox, waiter, context)
+        finally:
+            waiter.close()
         log.info("step stream closed", stream=stream)
+
+    def _run_stream(
+        self, stream: int, inbox: queue.SimpleQueue[Any], waiter: _Waiter, context: Any
+    ) -> Iterator[engine_pb2.StepResult]:
+        """Launch plans as they come; yield results in order as soon as they are ready."""
+        in_flight: deque[_InFlight] = deque()
+        while True:
+            while in_flight and in_flight[0].step.is_ready:
+                yield self._finish(stream, in_flight.popleft(), context)
+            item = inbox.get()
+            if item is _END:
+                return
+            if item is _WAKE:
+                continue
+            launched = self._launch(stream, item, context)
+            in_flight.append(launched)
+            if not launched.step.is_ready:
+                waiter.watch(launched.step)
+
+    def _check_stream(self, stream: int, context: Any) -> None:
+        if stream != self.active_stream:
+            context.abort(grpc.StatusCode.ABORTED, "superseded by a newer Step stream")
+
+    def _launch(self, stream: int, plan_msg: engine_pb2.StepPlan, context: Any) -> _InFlight:
+        t0 = time.perf_counter()
+        start_ns = now_ns()
+        with self.lock:
+            self._check_stream(stream, context)
+            try:
+                step = self.engine.launch(plan_from_proto(plan_msg))
+            except MirrorMismatch as err:
+                log.error(
+                    "plan disagrees with the mirror", step_id=plan_msg.step_id, error=str(err)
+                )
+                context.abort(
+                    grpc.StatusCode.FAILED_PRECONDITION, f"step {plan_msg.step_id}: {err}"
+                )
+            except Exception as err:
+                self._fail(plan_msg, err, context)
+        return _InFlight(plan_msg, step, t0, start_ns)
+
+    def _finish(self, stream: int, launched: _InFlight, context: Any) -> engine_pb2.StepResult:
+        plan_msg = launched.plan_msg
+        with self.lock:
+            self._check_stream(stream, context)
+            try:
+                output = self.engine.finish(launched.step)
+            except Exception as err:
+                self._fail(plan_msg, err, context)
+        total_ms = (time.perf_counter() - launched.t0) * 1e3
+        self.telemetry.on_step(
+            plan_msg, launched.start_ns, output.forward_ms, output.sample_ms, total_ms
+        )
+        return result_to_proto(
+            plan_msg.step_id,
+            output.sampled_token_ids,
+            output.logprobs,
+            output.forward_ms,
+            output.sample_ms,
+            total_ms,
+            output.num_top_logprobs,
+            output.top_token_ids,
+            output.top_logprobs,
+        )
+
+    def _fail(self, plan_msg: engine_pb2.StepPlan, err: Exception, context: Any) -> None:
+        log.exception("step failed", step_id=plan_msg.step_id)
+        context.abort(
+            grpc.StatusCode.INTERNAL,
+            f"step {plan_msg.step_id} failed: {type(err).__name__}: {err}",
+        )
 
 
 def serve(engine: StepExecutor, host: str, port: int) -> None:

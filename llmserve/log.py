@@ -83,3 +83,10 @@ def get_logger(name: str) -> Any:
     if structlog is not None:
         return structlog.get_logger(name)
     return _StdlibLogger(name)
+
+
+def bind(**fields: Any) -> None:
+    """Attach fields (request_id, trace_id) to every line logged from the current asyncio task
+    or thread from now on. Each gRPC call runs in its own task, so this scopes them to a request."""
+    if structlog is not None:
+        structlog.contextvars.bind_contextvars(**{k: v for k, v in fields.items() if v})

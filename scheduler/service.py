@@ -4,14 +4,21 @@ engine over one bidirectional Step stream.
 Everything runs on one asyncio loop, so the Scheduler is only touched between awaits: a Submit or a
 cancellation can land while a step is in flight, and `update` copes (it skips requests that ended
 meanwhile). If the engine stream breaks, every running request is preempted (to be recomputed) and
-the loop reconnects; requests keep waiting, their streams open, nothing already sent is resent.
+the loop reconnects; requests keep waiting, their streams open, nothing already sent is resent
+(results of steps in flight are lost with the engine; their tokens are recomputed).
+
+With overlap_scheduling (the default) two steps are in flight: the loop plans and sends step N+1,
+then reads step N's result, so the engine finds N+1 waiting when it finishes N. Without it, one:
+plan, send, read, repeat.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import time
+from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -19,13 +26,19 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from llmserve.log import get_logger
+from llmserve.log import bind, get_logger
 from llmserve.net import CHANNEL_OPTIONS, SERVER_OPTIONS, serve_aio
 from protos import engine_pb2, engine_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from scheduler.config import SchedulerConfig
-from scheduler.convert import plan_to_proto, request_from_proto, response_to_proto
+from scheduler.convert import (
+    plan_to_proto,
+    request_from_proto,
+    response_to_proto,
+    top_logprobs_from_proto,
+)
 from scheduler.request import RequestStatus
-from scheduler.scheduler import AdmissionError, Scheduler, StepOutcome
+from scheduler.scheduler import AdmissionError, Scheduler, StepOutcome, StepPlan
+from scheduler.telemetry import SchedulerTelemetry
 
 log = get_logger("scheduler")
 
@@ -35,8 +48,19 @@ class EngineLost(Exception):
 
 
 @dataclass
+class SentStep:
+    """A plan sent to the engine whose result has not been read: perf_counter times of when
+    planning started and ended."""
+
+    plan: StepPlan
+    t_plan: float
+    t_planned: float
+
+
+@dataclass
 class StepTimes:
-    """Sums over all steps, milliseconds."""
+    """Sums over all steps, milliseconds. With overlap a step's round trip (plan sent -> result
+    read) includes planning and sending the next step, which run while the engine computes."""
 
     schedule_ms: float = 0.0
     update_ms: float = 0.0
@@ -57,6 +81,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self.ready = False
         self.stopping = False
         self.times = StepTimes()
+        self.telemetry = SchedulerTelemetry()
         self.num_engine_resets = 0
         self.health = health.aio.HealthServicer()
         self._health_update: asyncio.Future[None] | None = None
@@ -74,6 +99,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             self.scheduler.add(req)
         except AdmissionError as err:
             await context.abort(grpc.StatusCode[err.code], err.message)
+        trace_id = self.telemetry.on_submit(req, context.invocation_metadata())
+        bind(request_id=req.request_id, trace_id=trace_id)
         queue: asyncio.Queue[StepOutcome] = asyncio.Queue()
         self.streams[req.seq_id] = queue
         self.wakeup.set()
@@ -96,6 +123,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                     finished,
                     req,
                     first,
+                    [o for o in outcomes if o.token_id >= 0] if req.sampling.top_logprobs else [],
                 )
                 first = False
         finally:
@@ -105,6 +133,15 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 self.scheduler.abort(req.seq_id)
                 self.wakeup.set()
                 log.info("request cancelled", request_id=req.request_id)
+            status = req.status if req.status.is_finished else RequestStatus.FINISHED_ABORTED
+            self.telemetry.on_finish(req, status)
+            log.info(
+                "request finished",
+                finish_reason=status.value,
+                output_tokens=req.num_output_tokens,
+                cached_tokens=max(req.num_cached_tokens, 0),
+                preemptions=req.num_preemptions,
+            )
 
     async def GetInfo(
         self, request: scheduler_pb2.GetInfoRequest, context: grpc.aio.ServicerContext
@@ -171,8 +208,10 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 was_ready = self.ready
                 self._set_ready(False)
                 if self.scheduler is not None:
-                    # The engine's mirror and KV pool (prefix cache included) are gone either way.
+                    # The engine's mirror and KV pool (prefix cache included) are gone either way,
+                    # and so are the results of steps in flight.
                     self.scheduler.reset_engine()
+                    self.telemetry.on_engine_reset()
                     self.num_engine_resets += was_ready
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 2.0)
@@ -190,6 +229,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 info.vocab_size,
                 tuple(info.eos_token_ids),
             )
+            self.telemetry.scheduler = self.scheduler
         else:
             for request in self.scheduler.resize(info.num_blocks, info.block_size):
                 self._deliver(StepOutcome(request, -1, None, RequestStatus.FINISHED_ABORTED))
@@ -214,40 +254,81 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self._health_update = asyncio.ensure_future(self.health.set("", status))
 
     async def _step_loop(self, stub: engine_pb2_grpc.EngineStub) -> None:
+        """Keep up to 1 (or 2, overlapping) steps in flight: while there is room and work, plan
+        and send; else read the oldest step's result; with nothing in flight and nothing to
+        plan, sleep until a Submit or a cancellation wakes the loop."""
         assert self.scheduler is not None
         scheduler = self.scheduler
+        depth = 2 if self.config.overlap_scheduling else 1
+        in_flight: deque[SentStep] = deque()
         call = stub.Step()
         self._set_ready(True)
         try:
             while not self.stopping:
-                if not scheduler.has_work:
-                    self.wakeup.clear()
-                    await self.wakeup.wait()
+                if len(in_flight) < depth and scheduler.has_work:
+                    sent = await self._send_step(scheduler, call)
+                    if sent is not None:
+                        in_flight.append(sent)
+                        continue
+                if in_flight:
+                    await self._read_result(scheduler, call, in_flight.popleft())
                     continue
-                await self._one_step(scheduler, call)
+                # No await since the scheduler last had nothing to do: no wakeup is missed.
+                self.wakeup.clear()
+                await self._idle(scheduler.static_batch_wait_s())
         finally:
             call.cancel()
 
-    async def _one_step(self, scheduler: Scheduler, call: Any) -> None:
+    async def _idle(self, timeout: float | None) -> None:
+        """Sleep until woken, or until timeout (a static batch forming) has passed."""
+        if timeout is None:
+            await self.wakeup.wait()
+            return
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.wakeup.wait(), timeout)
+
+    async def _send_step(self, scheduler: Scheduler, call: Any) -> SentStep | None:
+        """Plan a step and write it to the engine; None (with no await) if the plan is empty."""
         t0 = time.perf_counter()
         plan = scheduler.schedule()
         t1 = time.perf_counter()
         if plan.is_empty:
-            self.wakeup.clear()
-            await self.wakeup.wait()
-            return
-        await call.write(plan_to_proto(plan))
+            return None
+        plan_msg = plan_to_proto(plan)
+        plan_msg.trace_context.update(self.telemetry.on_plan(plan))
+        await call.write(plan_msg)
+        return SentStep(plan, t0, t1)
+
+    async def _read_result(self, scheduler: Scheduler, call: Any, sent: SentStep) -> None:
+        """Read the result of the oldest step in flight, apply it, stream its tokens out."""
         result = await call.read()
         t2 = time.perf_counter()
         if result is grpc.aio.EOF:
             raise EngineLost("engine closed the stream")
+        plan = sent.plan
         assert result.step_id == plan.step_id, f"result {result.step_id} for plan {plan.step_id}"
         outcomes = scheduler.update(
-            plan, list(result.sampled_token_ids), list(result.logprobs) or None
+            plan,
+            list(result.sampled_token_ids),
+            list(result.logprobs) or None,
+            top_logprobs_from_proto(result),
         )
         for outcome in outcomes:
             self._deliver(outcome)
         t3 = time.perf_counter()
+        t0, t1 = sent.t_plan, sent.t_planned
+        self.telemetry.on_result(
+            plan,
+            outcomes,
+            {
+                "step_s": t3 - t0,
+                "schedule_ms": (t1 - t0) * 1e3,
+                "step_rtt_ms": (t2 - t1) * 1e3,
+                "update_ms": (t3 - t2) * 1e3,
+                "engine_forward_ms": result.forward_ms,
+                "engine_sample_ms": result.sample_ms,
+            },
+        )
         times = self.times
         times.schedule_ms += (t1 - t0) * 1e3
         times.step_rtt_ms += (t2 - t1) * 1e3

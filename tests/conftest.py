@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+# Services started by tests serve no /metrics unless a test asks (fixed default ports would
+# collide with a stack the developer is running); OTEL_* from the developer's shell is ignored.
+os.environ["LLMSERVE_METRICS_PORT"] = "0"
+for _name in [n for n in os.environ if n.startswith("OTEL_")]:
+    del os.environ[_name]
+# Nor an API key: test stacks and clients get theirs from the test.
+os.environ.pop("LLMSERVE_API_KEY", None)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -32,11 +32,13 @@ def free_port() -> int:
 
 
 def serve_command(ports: list[int], *extra: str) -> list[str]:
-    """`llmserve serve` on loopback with the given (gateway, scheduler, engine) ports."""
+    """`llmserve serve` on loopback with the given (gateway, scheduler, engine[, HTTP]) ports;
+    without an HTTP port the HTTP API is off (its fixed default would collide)."""
+    http_port = ports[3] if len(ports) > 3 else 0
     return [
         sys.executable, "-m", "llmserve.cli", "serve", "--host", "127.0.0.1",
         "--port", str(ports[0]), "--scheduler-port", str(ports[1]),
-        "--engine-port", str(ports[2]), *extra,
+        "--engine-port", str(ports[2]), "--http-port", str(http_port), *extra,
     ]  # fmt: skip
 
 
@@ -48,9 +50,12 @@ class Stack:
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     engine_argv: list[str] = field(default_factory=list)
     log_dir: Path | None = None
+    env: dict[str, str] = field(default_factory=dict)
+    http_url: str | None = None  # the OpenAI API's base URL (http://host:port/v1) when on
+    api_key: str | None = None
 
     def client(self) -> Client:
-        return Client(self.gateway_address)
+        return Client(self.gateway_address, api_key=self.api_key)
 
     def stats(self) -> scheduler_pb2.SchedulerStats:
         with grpc.insecure_channel(self.scheduler_address, options=CHANNEL_OPTIONS) as channel:
@@ -80,7 +85,7 @@ class Stack:
         )
 
     def start_engine(self) -> None:
-        self.procs["engine"] = _spawn("engine", self.engine_argv, self.log_dir)
+        self.procs["engine"] = _spawn("engine", self.engine_argv, self.log_dir, self.env)
 
     def kill_engine(self) -> None:
         proc = self.procs.pop("engine")
@@ -100,8 +105,10 @@ class Stack:
                 proc.wait()
 
 
-def _spawn(name: str, argv: list[str], log_dir: Path | None) -> subprocess.Popen[bytes]:
-    env = dict(os.environ, PYTHONUNBUFFERED="1", LLMSERVE_LOG_LEVEL="INFO")
+def _spawn(
+    name: str, argv: list[str], log_dir: Path | None, env: dict[str, str] | None = None
+) -> subprocess.Popen[bytes]:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "LLMSERVE_LOG_LEVEL": "INFO", **(env or {})}
     out = open(log_dir / f"{name}.log", "ab") if log_dir else subprocess.DEVNULL  # noqa: SIM115
     return subprocess.Popen(
         [sys.executable, "-m", "llmserve.cli", name, *argv],
@@ -118,20 +125,29 @@ def start_stack(
     fake: bool = False,
     engine_args: list[str] | None = None,
     scheduler_args: list[str] | None = None,
+    gateway_args: list[str] | None = None,
     gateway_model: Path | str | None = None,
+    env: dict[str, str] | None = None,
+    http: bool = False,
+    api_key: str | None = None,
     log_dir: Path | None = None,
     timeout: float = 120.0,
 ) -> Stack:
     """Start engine, scheduler and gateway; return once the gateway reports SERVING.
 
     fake=True runs the echo engine (engine/fake.py) instead of a model; the gateway then needs
-    gateway_model for its tokenizer."""
+    gateway_model for its tokenizer. env adds environment variables to all three. http=True
+    turns the gateway's HTTP API on (stack.http_url); api_key makes the gateway require it."""
     ports = {name: free_port() for name in ("gateway", "scheduler", "engine")}
+    ports["http"] = free_port() if http else 0
     stack = Stack(
         gateway_address=f"127.0.0.1:{ports['gateway']}",
         scheduler_address=f"127.0.0.1:{ports['scheduler']}",
         engine_address=f"127.0.0.1:{ports['engine']}",
         log_dir=log_dir,
+        env=dict(env or {}),
+        http_url=f"http://127.0.0.1:{ports['http']}/v1" if http else None,
+        api_key=api_key,
     )
     if log_dir:
         log_dir.mkdir(parents=True, exist_ok=True)
@@ -159,6 +175,7 @@ def start_stack(
                 *(scheduler_args or []),
             ],
             log_dir,
+            stack.env,
         )
         stack.procs["gateway"] = _spawn(
             "gateway",
@@ -170,8 +187,13 @@ def start_stack(
                 "--scheduler-address",
                 stack.scheduler_address,
                 *(["--model", str(gateway_model)] if gateway_model else []),
+                "--http-port",
+                str(ports["http"]),
+                *(["--api-key", api_key] if api_key else []),
+                *(gateway_args or []),
             ],
             log_dir,
+            stack.env,
         )
         if not wait_until_serving(stack.gateway_address, timeout=timeout):
             dead = {n: p.poll() for n, p in stack.procs.items() if p.poll() is not None}

@@ -1,0 +1,219 @@
+"""Issue 5's overhead check: what telemetry costs in throughput.
+
+    python bench/telemetry_overhead.py [--rounds 2] [--out bench/results/telemetry_overhead.json]
+
+Three settings, run in alternating rounds on freshly started stacks:
+  off      OTEL_SDK_DISABLED=true and no /metrics: no telemetry at all;
+  default  what a user gets with no OTEL_* set: metrics kept and served at /metrics, no traces;
+  tracing  every span exported over OTLP to a receiver in this process (sampler always on).
+Two end-to-end workloads (their run-to-run spread on a 2-core VM is several percent, more than
+the effect, so the script also times the telemetry hooks themselves, in-process, with the SDK as
+`default` configures it, and states their cost as a fraction of the CPU benchmark's step):
+  model    bench/cpu_stack.py's: built-in SmolLM2-135M on the CPU, 16 streams x 128 in / 128 out
+           (the benchmark the issue names; steps take ~200 ms, so per-step costs hide);
+  echo     the echo engine (no model, steps take well under a millisecond), 64 streams x 256
+           tokens: scheduler, gateway and gRPC only, where a per-step or per-token cost shows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from cpu_stack import bench_stack, hardware, make_prompts  # noqa: E402
+
+from gateway.tokenizer import Tokenizer  # noqa: E402
+from llmserve.client import Client, make_request  # noqa: E402
+from llmserve.model_config import builtin_model_path  # noqa: E402
+from tests.otlp import OtlpReceiver  # noqa: E402
+from tests.stack import free_port, start_stack  # noqa: E402
+
+SETTINGS = ("off", "default", "tracing")
+
+
+def settings_env(setting: str, receiver: OtlpReceiver) -> dict[str, str]:
+    if setting == "off":
+        return {"OTEL_SDK_DISABLED": "true", "LLMSERVE_METRICS_PORT": "0"}
+    if setting == "default":
+        return {}
+    return {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint, "OTEL_METRICS_EXPORTER": "none"}
+
+
+def bench_echo(env: dict[str, str], num_streams: int, num_tokens: int) -> float:
+    """Output tokens/s of num_streams concurrent echo requests through the three processes."""
+    metrics_on = env.get("LLMSERVE_METRICS_PORT") != "0"
+
+    def metrics_args() -> list[str]:
+        return ["--metrics-port", str(free_port() if metrics_on else 0)]
+
+    stack = start_stack(
+        fake=True,
+        gateway_model=builtin_model_path(),
+        engine_args=[*metrics_args(), "--fake-vocab-size", "49152"],  # SmolLM2's vocabulary
+        scheduler_args=metrics_args(),
+        gateway_args=metrics_args(),
+        env={"LLMSERVE_LOG_LEVEL": "WARNING", **env},
+    )
+    try:
+        prompt = "the quick brown fox jumps over the lazy dog " * 8
+        request = make_request(text=prompt, max_tokens=num_tokens, ignore_eos=True)
+        with Client(stack.gateway_address) as client, ThreadPoolExecutor(num_streams) as pool:
+            client.generate(make_request(text=prompt, max_tokens=8))  # warm-up
+            t0 = time.perf_counter()
+            done = list(pool.map(client.generate, [request] * num_streams))
+            wall = time.perf_counter() - t0
+        assert all(c.completion_tokens == num_tokens for c in done)
+        return num_streams * num_tokens / wall
+    finally:
+        stack.close()
+
+
+def hook_costs(num_requests: int = 16, num_tokens: int = 128) -> dict[str, float]:
+    """Microseconds spent in the telemetry hooks, with metrics on (Prometheus reader, as by
+    default) and tracing off: per scheduler step (16 decoding requests, as in the CPU benchmark),
+    per engine step, and per request in the gateway (start, validated, one message per token,
+    finish). A real Scheduler is driven with fake tokens; only the hooks are timed."""
+    from types import SimpleNamespace
+
+    from engine.telemetry import EngineTelemetry
+    from gateway.telemetry import GatewayTelemetry
+    from llmserve import telemetry
+    from protos import api_pb2
+    from scheduler.config import SchedulerConfig
+    from scheduler.convert import plan_to_proto
+    from scheduler.request import Request, SamplingParams
+    from scheduler.scheduler import Scheduler
+    from scheduler.telemetry import SchedulerTelemetry
+
+    telemetry.setup("bench", metrics_port=free_port(), metrics_host="127.0.0.1")
+    scheduler = Scheduler(SchedulerConfig(), 4096, 16, 4096, 1000, (999,))
+    sched_tel, engine_tel = SchedulerTelemetry(), EngineTelemetry()
+    sched_tel.scheduler = scheduler
+    for i in range(num_requests):
+        request = Request(f"r{i}", i + 1, list(range(128)), SamplingParams(), num_tokens)
+        scheduler.add(request)
+        sched_tel.on_submit(request, ())
+    timings = {"step_s": 0.2, "schedule_ms": 0.1, "step_rtt_ms": 200.0, "update_ms": 0.1}
+    sched_s = engine_s = 0.0
+    num_steps = 0
+    while scheduler.has_work:
+        plan = scheduler.schedule()
+        t0 = time.perf_counter()
+        sched_tel.on_plan(plan)
+        t1 = time.perf_counter()
+        msg = plan_to_proto(plan)
+        t2 = time.perf_counter()
+        engine_tel.on_step(msg, time.time_ns(), 200.0, 1.0, 202.0)
+        t3 = time.perf_counter()
+        outcomes = scheduler.update(plan, [7] * len(plan.requests), None)
+        t4 = time.perf_counter()
+        sched_tel.on_result(plan, outcomes, timings)
+        for outcome in outcomes:
+            if outcome.finished is not None:
+                sched_tel.on_finish(outcome.request, outcome.finished)
+        sched_s += (t1 - t0) + (time.perf_counter() - t4)
+        engine_s += t3 - t2
+        num_steps += 1
+    gateway_tel = GatewayTelemetry()
+    valid = SimpleNamespace(prompt_token_ids=list(range(128)), max_tokens=num_tokens)
+    message = api_pb2.GenerateResponse(token_ids=[7], text="x")
+    last = api_pb2.GenerateResponse(token_ids=[7], text="x", finish_reason=2)
+    t0 = time.perf_counter()
+    for i in range(num_requests):
+        trace = gateway_tel.start((), f"r{i}", "grpc")
+        trace.validated(valid, None)  # type: ignore[arg-type]
+        for _ in range(num_tokens - 1):
+            trace.on_response(message)
+        trace.on_response(last)
+        trace.finish(last.finish_reason)
+    gateway_s = time.perf_counter() - t0
+    return {
+        "num_steps": num_steps,
+        "scheduler_us_per_step": 1e6 * sched_s / num_steps,
+        "engine_us_per_step": 1e6 * engine_s / num_steps,
+        "gateway_us_per_request": 1e6 * gateway_s / num_requests,
+        "gateway_us_per_token": 1e6 * gateway_s / (num_requests * num_tokens),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--out", type=Path, default=ROOT / "bench" / "results" / "telemetry_overhead.json"
+    )
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--skip-model", action="store_true")
+    parser.add_argument(
+        "--hooks-only", action="store_true", help="only time the hooks (quick; JSON to --out)"
+    )
+    args = parser.parse_args()
+    receiver = OtlpReceiver().start()
+    if args.hooks_only:
+        hooks = {"benchmark": "telemetry_hooks", "hardware": hardware(), "hooks": hook_costs()}
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(hooks, indent=2) + "\n")
+        print(json.dumps(hooks["hooks"], indent=2))
+        return
+    tokenizer = Tokenizer.from_model_path(builtin_model_path())
+    prompts = make_prompts(tokenizer, 16, 128)
+    raw: dict[str, dict[str, list[float]]] = {"model": {}, "echo": {}}
+    for r in range(args.rounds):
+        for setting in SETTINGS:
+            env = settings_env(setting, receiver)
+            echo = bench_echo(env, num_streams=64, num_tokens=256)
+            raw["echo"].setdefault(setting, []).append(echo)
+            line = f"round {r} {setting:8s} echo {echo:9.1f} tok/s"
+            if not args.skip_model:
+                model = bench_stack(prompts, 128, 0, env)["output_tokens_per_s"]
+                raw["model"].setdefault(setting, []).append(model)
+                line += f"   model {model:6.2f} tok/s"
+            print(line, flush=True)
+    summary = {}
+    for workload, by_setting in raw.items():
+        if not by_setting:
+            continue
+        median = {s: statistics.median(v) for s, v in by_setting.items()}
+        summary[workload] = {
+            "tokens_per_s_median": median,
+            "cost_vs_off_pct": {
+                s: 100.0 * (1 - median[s] / median["off"]) for s in SETTINGS if s != "off"
+            },
+        }
+    hooks = hook_costs()
+    if "model" in summary:
+        # The CPU benchmark's step: wall time / steps of bench/cpu_stack.py's workload (one 16 x
+        # 128-token prefill step, then 127 decode steps), from this run's `off` medians.
+        step_s = 16 * 128 / summary["model"]["tokens_per_s_median"]["off"] / 128
+        per_step_us = (
+            hooks["scheduler_us_per_step"]
+            + hooks["engine_us_per_step"]
+            + hooks["gateway_us_per_token"] * 16
+        )
+        hooks["cpu_benchmark_step_ms"] = step_s * 1e3
+        hooks["hooks_pct_of_cpu_benchmark_step"] = 100 * per_step_us / (step_s * 1e6)
+    summary["hooks"] = hooks
+    result = {
+        "benchmark": "telemetry_overhead",
+        "hardware": hardware(),
+        "config": {"rounds": args.rounds, "settings": list(SETTINGS)},
+        "raw_tokens_per_s": raw,
+        "summary": summary,
+        "spans_received": len(receiver.spans),
+    }
+    receiver.stop()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(summary, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,434 @@
+"""What the scheduler tells OpenTelemetry: a span tree per request, a span per step, and metrics.
+
+A request's spans (children of the gateway's span when its trace context came in the metadata):
+
+    scheduler.request                      arrival -> finish (reason, tokens, steps, batch sizes)
+      scheduler.queue                      arrival -> first scheduled
+      scheduler.prefill                    per prefill chunk: its turn -> result (step id, tokens)
+      scheduler.decode                     first decode step's turn -> finish or preemption
+      scheduler.preempted                  preemption -> rescheduled (then prefill again: recompute)
+
+Each step is a root span `scheduler.step` (planned -> result) linked to the requests it served; the
+engine's `engine.step` span is its child (the context travels in the StepPlan). With overlap two
+steps are in flight, so step spans overlap; a request's phases do not: its spans for a step are
+made when the step's result arrives (results come in step order), starting at the step's turn,
+max(planned, previous step's result), and a preemption decided while planning step M ends the
+request's phase only once every step before M has reported (the engine ran them first).
+Timing spans are only made when tracing is on; the metrics below are always kept (a few dict and
+histogram updates per step).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from llmserve import telemetry
+from scheduler.request import Request, RequestStatus
+from scheduler.scheduler import NewRequestRow, RunningRow, Scheduler, StepOutcome, StepPlan
+
+
+@dataclass
+class RequestTelemetry:
+    """Per-request timestamps (monotonic seconds) and open spans."""
+
+    arrival: float
+    first_scheduled: float | None = None
+    num_steps: int = 0
+    min_batch_size: int = 0
+    max_batch_size: int = 0
+    sum_batch_size: int = 0
+    max_num_blocks: int = 0
+    root: Any = None
+    phase: Any = None  # the open queue / decode / preempted span
+    phase_name: str = ""
+
+    def saw_batch(self, batch_size: int) -> None:
+        self.num_steps += 1
+        self.sum_batch_size += batch_size
+        self.max_batch_size = max(self.max_batch_size, batch_size)
+        self.min_batch_size = min(self.min_batch_size or batch_size, batch_size)
+
+
+@dataclass
+class StepTelemetry:
+    """A step in flight (tracing only): when it was planned (wall-clock ns) and its span."""
+
+    planned_ns: int
+    span: Any
+
+
+def is_decode_row(row: NewRequestRow | RunningRow) -> bool:
+    """One token, an output token (the newest sampled one, maybe still pending), that samples."""
+    return (
+        row.num_scheduled_tokens == 1
+        and row.samples
+        and row.num_computed_tokens >= row.request.num_prompt_tokens
+    )
+
+
+class SchedulerTelemetry:
+    def __init__(self, model: str = ""):
+        self.tracer = telemetry.tracer("llmserve.scheduler")
+        self.tracing = telemetry.tracing_enabled()
+        self.requests: dict[int, RequestTelemetry] = {}
+        self.scheduler: Scheduler | None = None
+        # Steps in flight by step id (tracing only), and the last result's wall-clock time.
+        self.steps: dict[int, StepTelemetry] = {}
+        self.last_result_ns = 0
+        # Preemptions not yet shown in traces: (id of the step planned when it happened, request).
+        self.preemptions: list[tuple[int, Request]] = []
+        self.recent_tokens: deque[tuple[float, int]] = deque()
+        self._make_instruments(telemetry.meter("llmserve.scheduler"))
+
+    def _make_instruments(self, m: Any) -> None:
+        lat = list(telemetry.LATENCY_BUCKETS_S)
+        counts = list(telemetry.COUNT_BUCKETS)
+        self.queue_time = m.create_histogram(
+            "llmserve.request.queue_time",
+            unit="s",
+            description="Arrival at the scheduler to first scheduled",
+            explicit_bucket_boundaries_advisory=lat,
+        )
+        self.prefill_time = m.create_histogram(
+            "llmserve.request.prefill_time",
+            unit="s",
+            description="First scheduled to first generated token",
+            explicit_bucket_boundaries_advisory=lat,
+        )
+        self.step_duration = m.create_histogram(
+            "llmserve.scheduler.step.duration",
+            unit="s",
+            description="One iteration: plan, engine round trip, update",
+            explicit_bucket_boundaries_advisory=list(telemetry.TOKEN_LATENCY_BUCKETS_S),
+        )
+        self.batch_size = m.create_histogram(
+            "llmserve.scheduler.step.batch_size",
+            unit="{request}",
+            description="Requests in one step",
+            explicit_bucket_boundaries_advisory=counts,
+        )
+        self.step_tokens = m.create_histogram(
+            "llmserve.scheduler.step.tokens",
+            unit="{token}",
+            description="Tokens computed in one step",
+            explicit_bucket_boundaries_advisory=counts,
+        )
+        self.preemptions_counter = m.create_counter(
+            "llmserve.scheduler.preemptions",
+            unit="{preemption}",
+            description="Requests preempted (blocks freed, recomputed later)",
+        )
+        self.finished = m.create_counter(
+            "llmserve.scheduler.requests.finished",
+            unit="{request}",
+            description="Requests that ended, by finish_reason (stop, length, abort)",
+        )
+        self.prompt_tokens = m.create_counter(
+            "llmserve.scheduler.prompt_tokens",
+            unit="{token}",
+            description="Prompt tokens of requests admitted (first admission)",
+        )
+        self.generation_tokens = m.create_counter(
+            "llmserve.scheduler.generation_tokens",
+            unit="{token}",
+            description="Tokens generated",
+        )
+        self.prefix_hit_tokens = m.create_counter(
+            "llmserve.prefix_cache.hit_tokens",
+            unit="{token}",
+            description="Prompt tokens found in the prefix cache at admission",
+        )
+        self.prefix_query_tokens = m.create_counter(
+            "llmserve.prefix_cache.query_tokens",
+            unit="{token}",
+            description="Prompt tokens looked up in the prefix cache at admission",
+        )
+        m.create_observable_gauge(
+            "llmserve.scheduler.requests.running",
+            callbacks=[self._observe_running],
+            unit="{request}",
+            description="Requests holding KV blocks and stepping",
+        )
+        m.create_observable_gauge(
+            "llmserve.scheduler.requests.waiting",
+            callbacks=[self._observe_waiting],
+            unit="{request}",
+            description="Requests queued (new or preempted)",
+        )
+        m.create_observable_gauge(
+            "llmserve.kv_cache.usage",
+            callbacks=[self._observe_kv_usage],
+            unit="1",
+            description="Fraction of KV-cache blocks in use by requests",
+        )
+        m.create_observable_gauge(
+            "llmserve.kv_cache.blocks.free",
+            callbacks=[self._observe_free_blocks],
+            unit="{block}",
+            description="KV-cache blocks not held by any request",
+        )
+        m.create_observable_gauge(
+            "llmserve.scheduler.generation_throughput",
+            callbacks=[self._observe_throughput],
+            unit="{token}/s",
+            description="Tokens generated per second over the last 10 s",
+        )
+
+    # -- observable gauges --------------------------------------------------------------------
+
+    def _observation(self, value: float) -> Iterable[Any]:
+        from opentelemetry.metrics import Observation
+
+        return [Observation(value)]
+
+    def _observe_running(self, _options: Any) -> Iterable[Any]:
+        s = self.scheduler
+        return self._observation(len(s.running)) if s is not None else []
+
+    def _observe_waiting(self, _options: Any) -> Iterable[Any]:
+        s = self.scheduler
+        return self._observation(len(s.waiting)) if s is not None else []
+
+    def _observe_kv_usage(self, _options: Any) -> Iterable[Any]:
+        s = self.scheduler
+        if s is None:
+            return []
+        bm = s.block_manager
+        return self._observation(1.0 - bm.num_free_blocks / bm.num_blocks)
+
+    def _observe_free_blocks(self, _options: Any) -> Iterable[Any]:
+        s = self.scheduler
+        return self._observation(s.block_manager.num_free_blocks) if s is not None else []
+
+    def _observe_throughput(self, _options: Any) -> Iterable[Any]:
+        now = time.monotonic()
+        window = 10.0
+        while self.recent_tokens and self.recent_tokens[0][0] < now - window:
+            self.recent_tokens.popleft()
+        return self._observation(sum(n for _, n in self.recent_tokens) / window)
+
+    # -- request lifecycle --------------------------------------------------------------------
+
+    def on_submit(self, request: Request, metadata: Any) -> str | None:
+        """A request was admitted to the queue. Returns its trace id when tracing."""
+        rt = RequestTelemetry(arrival=time.monotonic())
+        self.requests[request.seq_id] = rt
+        if not self.tracing:
+            return None
+        parent = telemetry.extract(metadata)
+        rt.root = self.tracer.start_span(
+            "scheduler.request",
+            context=parent,
+            attributes={
+                "llmserve.request_id": request.request_id,
+                "llmserve.seq_id": request.seq_id,
+                "gen_ai.usage.input_tokens": request.num_prompt_tokens,
+                "gen_ai.request.max_tokens": request.max_tokens,
+            },
+        )
+        self._open_phase(rt, "scheduler.queue")
+        return telemetry.trace_id_hex(rt.root)
+
+    def _open_phase(
+        self, rt: RequestTelemetry, name: str, start_ns: int | None = None, **attributes: Any
+    ) -> None:
+        self._close_phase(rt, end_ns=start_ns)
+        rt.phase = self.tracer.start_span(
+            name,
+            context=telemetry.context_with(rt.root),
+            attributes=attributes,
+            start_time=start_ns,
+        )
+        rt.phase_name = name
+
+    def _close_phase(
+        self, rt: RequestTelemetry, end_ns: int | None = None, **attributes: Any
+    ) -> None:
+        if rt.phase is not None:
+            rt.phase.set_attributes(attributes)
+            rt.phase.end(end_time=end_ns)
+        rt.phase, rt.phase_name = None, ""
+
+    # -- steps --------------------------------------------------------------------------------
+
+    def on_plan(self, plan: StepPlan) -> dict[str, str]:
+        """After `schedule`: per-request bookkeeping, the step span. Returns the trace context
+        for the StepPlan (empty when not tracing)."""
+        now = time.monotonic()
+        self._collect_preemptions(plan.step_id)
+        rows = plan.rows
+        batch_size = len(rows)
+        for row in rows:
+            request = row.request
+            rt = self.requests.get(request.seq_id)
+            if rt is None:
+                continue
+            rt.saw_batch(batch_size)
+            rt.max_num_blocks = max(rt.max_num_blocks, len(request.block_table))
+            if rt.first_scheduled is None:
+                rt.first_scheduled = now
+                self.queue_time.record(now - rt.arrival)
+                self.prompt_tokens.add(request.num_prompt_tokens)
+                self.prefix_query_tokens.add(request.num_prompt_tokens)
+                self.prefix_hit_tokens.add(max(request.num_cached_tokens, 0))
+        self.batch_size.record(batch_size)
+        self.step_tokens.record(plan.num_scheduled_tokens)
+        context = self._trace_plan(plan) if self.tracing else {}
+        self._show_preemptions()
+        return context
+
+    def _trace_plan(self, plan: StepPlan) -> dict[str, str]:
+        """Open the step's span; a request scheduled from the queue leaves it now."""
+        rows = plan.rows
+        reqs = [self.requests.get(r.request.seq_id) for r in rows]
+        span = self.tracer.start_span(
+            "scheduler.step",
+            links=telemetry.links([rt.root for rt in reqs if rt is not None]),
+            attributes={
+                "llmserve.step_id": plan.step_id,
+                "llmserve.batch_size": len(rows),
+                "llmserve.num_scheduled_tokens": plan.num_scheduled_tokens,
+                "llmserve.num_new_requests": len(plan.new_requests),
+                "llmserve.num_finished_seq_ids": len(plan.finished_seq_ids),
+            },
+        )
+        self.steps[plan.step_id] = StepTelemetry(time.time_ns(), span)
+        for rt in reqs:
+            if rt is not None and rt.phase_name == "scheduler.queue":
+                self._close_phase(rt)
+        return telemetry.inject(span)
+
+    def on_result(
+        self, plan: StepPlan, outcomes: list[StepOutcome], timings: dict[str, float]
+    ) -> None:
+        """After `update` (results come in step order): end the step's span and make its
+        requests' spans, count tokens. (Finished requests are ended by `on_finish`, called where
+        their stream closes.)"""
+        now = time.monotonic()
+        self.step_duration.record(timings["step_s"])
+        self.generation_tokens.add(len(outcomes))
+        self.recent_tokens.append((now, len(outcomes)))
+        for outcome in outcomes:
+            rt = self.requests.get(outcome.request.seq_id)
+            if rt is None:
+                continue
+            if outcome.request.num_output_tokens == 1 and rt.first_scheduled is not None:
+                self.prefill_time.record(now - rt.first_scheduled)
+        step = self.steps.pop(plan.step_id, None)
+        if step is not None:
+            self._trace_result(plan, step, timings)
+        self._show_preemptions()
+
+    def _trace_result(self, plan: StepPlan, step: StepTelemetry, timings: dict[str, float]) -> None:
+        """Step plan's request spans, from its turn (the engine runs steps in order) to now."""
+        end_ns = time.time_ns()
+        start_ns = max(step.planned_ns, self.last_result_ns)
+        self.last_result_ns = end_ns
+        step_links = telemetry.links([step.span])
+        for row in plan.rows:
+            request = row.request
+            rt = self.requests.get(request.seq_id)
+            if rt is None or rt.root is None:
+                continue
+            if is_decode_row(row):
+                if rt.phase_name != "scheduler.decode":
+                    attributes = {"llmserve.step_id": plan.step_id}
+                    self._open_phase(rt, "scheduler.decode", start_ns, **attributes)
+                continue
+            if rt.phase_name == "scheduler.preempted":
+                self._close_phase(rt, end_ns=start_ns)
+            chunk = self.tracer.start_span(
+                "scheduler.prefill",
+                context=telemetry.context_with(rt.root),
+                links=step_links,
+                start_time=start_ns,
+                attributes={
+                    "llmserve.step_id": plan.step_id,
+                    "llmserve.num_tokens": row.num_scheduled_tokens,
+                    "llmserve.num_computed_tokens": row.num_computed_tokens,
+                    "llmserve.recompute": request.num_preemptions > 0,
+                    "llmserve.batch_size": len(plan.rows),
+                },
+            )
+            chunk.end(end_time=end_ns)
+        step.span.set_attributes({f"llmserve.{k}": v for k, v in timings.items()})
+        step.span.end(end_time=end_ns)
+
+    def on_engine_reset(self) -> None:
+        """The engine was lost with steps in flight: their results never come. End their spans
+        (marked lost) and show the preemptions that reset_engine made."""
+        for step in self.steps.values():
+            step.span.set_attribute("llmserve.lost", True)
+            step.span.end()
+        self.steps.clear()
+        self._collect_preemptions(0)
+        self._show_preemptions()
+
+    def _collect_preemptions(self, step_id: int) -> None:
+        """Take the scheduler's new preemptions (made while planning step_id; 0: outside any
+        plan) into the metric and the queue of preemptions for traces."""
+        s = self.scheduler
+        if s is None or not s.preempted:
+            return
+        self.preemptions_counter.add(len(s.preempted))
+        self.preemptions.extend((step_id, r) for r in s.preempted)
+        s.preempted.clear()
+
+    def _show_preemptions(self) -> None:
+        """Open the preempted phase of each queued preemption whose earlier steps all reported
+        (their spans came first: the engine ran those steps before the preemption)."""
+        first_in_flight = min(self.steps, default=None)
+        ready = [
+            (step_id, r)
+            for step_id, r in self.preemptions
+            if first_in_flight is None or step_id <= first_in_flight
+        ]
+        if not ready:
+            return
+        self.preemptions = [p for p in self.preemptions if p not in ready]
+        for _, request in ready:
+            rt = self.requests.get(request.seq_id)
+            if rt is None or rt.root is None:
+                continue
+            rt.root.add_event(
+                "preempted", {"llmserve.num_output_tokens": request.num_output_tokens}
+            )
+            self._open_phase(
+                rt,
+                "scheduler.preempted",
+                **{
+                    "llmserve.num_output_tokens": request.num_output_tokens,
+                    "llmserve.num_preemptions": request.num_preemptions,
+                },
+            )
+
+    def on_finish(self, request: Request, status: RequestStatus) -> None:
+        """The request ended (finished, stopped, aborted): count it, end its spans. Once per
+        request."""
+        self._collect_preemptions(0)
+        self._show_preemptions()
+        rt = self.requests.pop(request.seq_id, None)
+        self.finished.add(1, {"finish_reason": status.value})
+        if rt is None or rt.root is None:
+            return
+        self._close_phase(rt)
+        root = rt.root
+        root.add_event("finish", {"llmserve.finish_reason": status.value})
+        root.set_attributes(
+            {
+                "llmserve.finish_reason": status.value,
+                "gen_ai.usage.output_tokens": request.num_output_tokens,
+                "llmserve.num_cached_tokens": max(request.num_cached_tokens, 0),
+                "llmserve.num_preemptions": request.num_preemptions,
+                "llmserve.num_steps": rt.num_steps,
+                "llmserve.num_blocks.max": rt.max_num_blocks,
+                "llmserve.batch_size.min": rt.min_batch_size,
+                "llmserve.batch_size.max": rt.max_batch_size,
+                "llmserve.batch_size.mean": rt.sum_batch_size / max(rt.num_steps, 1),
+            }
+        )
+        root.end()
