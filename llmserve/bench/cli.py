@@ -1,0 +1,429 @@
+"""`llmserve bench`: serve (against a running gateway), offline (a local stack's maximum
+throughput), compare (two result files).
+
+llmserve bench serve [--backend grpc|openai] [--dataset-name fixed|random|sharegpt|prefix|jsonl]
+                     [--num-prompts N] [--input-len N] [--output-len N] [--request-rate R[,R...]]
+                     [--burstiness B] [--max-concurrency C[,C...]] [--goodput ttft:MS tpot:MS]
+llmserve bench offline [workload options] -- [llmserve serve options]
+llmserve bench compare A.json B.json
+
+A list of rates (or of concurrencies) is a sweep: one run each, a summary table and a plot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from llmserve.bench.arrivals import ArrivalConfig, rate_to_json
+from llmserve.bench.backends import BACKENDS, BackendError, SamplingConfig, make_backend
+from llmserve.bench.metrics import parse_goodput
+from llmserve.bench.workload import DATASETS, BenchRequest, WorkloadConfig
+
+DEFAULT_ADDRESS = "localhost:50051"
+DEFAULT_BASE_URL = "http://localhost:8000"
+
+
+# -- arguments ------------------------------------------------------------------------------------
+
+
+def _add_workload_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("workload (seeded: the same options give the same requests)")
+    g.add_argument("--dataset-name", default="fixed", choices=DATASETS)
+    g.add_argument("--num-prompts", type=int, default=100, help="requests in the workload")
+    g.add_argument(
+        "--input-len",
+        "--random-input-len",
+        type=int,
+        default=128,
+        help="prompt tokens (fixed, random; prefix: tokens after the shared prefix)",
+    )
+    g.add_argument(
+        "--output-len", "--random-output-len", type=int, default=128, help="output tokens"
+    )
+    g.add_argument(
+        "--range-ratio",
+        "--random-range-ratio",
+        type=float,
+        default=0.5,
+        help="random: lengths uniform in [len * (1 - r), len * (1 + r)]",
+    )
+    g.add_argument("--num-prefixes", type=int, default=4, help="prefix: distinct shared prefixes")
+    g.add_argument("--prefix-len", type=int, default=256, help="prefix: tokens in each prefix")
+    g.add_argument("--dataset-path", default=None, help="jsonl: the file of prompts")
+    g.add_argument(
+        "--chat", action="store_true", help="send each prompt as a user message (chat template)"
+    )
+    g.add_argument("--seed", type=int, default=0, help="seeds the workload and the arrivals")
+    g.add_argument(
+        "--tokenizer",
+        default=None,
+        help="model directory or .gguf whose tokenizer measures prompts (default: the built-in "
+        "model; for offline, the served model)",
+    )
+    g = p.add_argument_group("sampling")
+    g.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    g.add_argument(
+        "--ignore-eos",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="generate exactly each request's output length",
+    )
+    g.add_argument("--request-timeout", type=float, default=None, help="seconds per request")
+
+
+def _add_output_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("results")
+    g.add_argument(
+        "--output",
+        type=Path,
+        default=None,
+        help="result JSON (default: llmserve-bench-KIND-DATE-TIME.json here)",
+    )
+    g.add_argument("--plot", type=Path, default=None, help="latency vs throughput PNG (sweeps)")
+    g.add_argument(
+        "--save-detailed",
+        action="store_true",
+        help="also save every request's chunk times and token ids",
+    )
+    g.add_argument("--label", default="", help="free text saved with the results")
+    g.add_argument(
+        "--goodput",
+        nargs="+",
+        default=[],
+        metavar="NAME:MS",
+        help="targets for goodput, e.g. ttft:500 tpot:50 (names: ttft, tpot, e2el)",
+    )
+    g.add_argument("--num-warmups", type=int, default=1, help="requests sent before measuring")
+    g.add_argument("--no-progress", action="store_true", help="no live progress bar")
+
+
+def _add_target_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("server")
+    g.add_argument("--backend", default="grpc", choices=BACKENDS)
+    g.add_argument(
+        "--address",
+        default=os.environ.get("LLMSERVE_ADDRESS", DEFAULT_ADDRESS),
+        help="grpc: the gateway",
+    )
+    g.add_argument("--base-url", default=DEFAULT_BASE_URL, help="openai: the HTTP server")
+    g.add_argument(
+        "--model", default=None, help="openai: the model field (default: from /v1/models)"
+    )
+    g.add_argument(
+        "--api-key",
+        default=os.environ.get("LLMSERVE_API_KEY") or os.environ.get("OPENAI_API_KEY"),
+        help="sent as 'Authorization: Bearer KEY' (env LLMSERVE_API_KEY or OPENAI_API_KEY)",
+    )
+
+
+def _add_arrival_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("arrivals")
+    g.add_argument(
+        "--request-rate",
+        default="inf",
+        help="requests/s, Poisson (or gamma, see --burstiness); inf sends all at once; "
+        "a comma-separated list is a sweep",
+    )
+    g.add_argument(
+        "--burstiness", type=float, default=1.0, help="gamma shape: 1 Poisson, <1 burstier"
+    )
+    g.add_argument(
+        "--max-concurrency",
+        default=None,
+        help="requests in flight at most; a comma-separated list is a sweep",
+    )
+
+
+def add_bench_parser(sub: Any) -> None:
+    """Add `bench` and its subcommands to the `llmserve` parser's subparsers."""
+    bench = sub.add_parser("bench", help="benchmark a gateway, the engine, or compare results")
+    commands = bench.add_subparsers(dest="bench_command", required=True)
+
+    p = commands.add_parser("serve", help="replay a workload against a running gateway")
+    _add_target_args(p)
+    _add_workload_args(p)
+    _add_arrival_args(p)
+    _add_output_args(p)
+    p.set_defaults(func=cmd_serve)
+
+    p = commands.add_parser(
+        "offline",
+        help="start a local stack, send every request at once: maximum throughput",
+        description="Starts `llmserve serve` with the options after `--`, e.g. "
+        "`llmserve bench offline --num-prompts 64 -- --max-num-seqs 16`.",
+    )
+    _add_workload_args(p)
+    _add_output_args(p)
+    p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to start")
+    p.add_argument("serve_args", nargs=argparse.REMAINDER, help="-- then llmserve serve options")
+    p.set_defaults(func=cmd_offline)
+
+    p = commands.add_parser("compare", help="two result files side by side")
+    p.add_argument("a", type=Path)
+    p.add_argument("b", type=Path)
+    p.set_defaults(func=cmd_compare)
+
+
+# -- building blocks ------------------------------------------------------------------------------
+
+
+def parse_list(text: str | None, cast: type, name: str) -> list[Any]:
+    """'1,2,inf' -> [1.0, 2.0, inf]; None -> [None]."""
+    if text is None:
+        return [None]
+    try:
+        return [cast(item) for item in str(text).split(",") if item.strip()]
+    except ValueError:
+        raise ValueError(f"--{name} {text!r}: expected comma-separated numbers") from None
+
+
+def arrival_configs(args: argparse.Namespace) -> list[ArrivalConfig]:
+    """One per run: a sweep over rates or over concurrencies (not both)."""
+    rates = parse_list(args.request_rate, float, "request-rate")
+    limits = parse_list(args.max_concurrency, int, "max-concurrency")
+    if len(rates) > 1 and len(limits) > 1:
+        raise ValueError("sweep over --request-rate or over --max-concurrency, not both")
+    return [
+        ArrivalConfig(rate, args.burstiness, limit, args.seed) for rate in rates for limit in limits
+    ]
+
+
+def workload_config(args: argparse.Namespace) -> WorkloadConfig:
+    return WorkloadConfig(
+        dataset=args.dataset_name,
+        num_requests=args.num_prompts,
+        input_len=args.input_len,
+        output_len=args.output_len,
+        range_ratio=args.range_ratio,
+        num_prefixes=args.num_prefixes,
+        prefix_len=args.prefix_len,
+        path=args.dataset_path,
+        chat=args.chat,
+        seed=args.seed,
+    )
+
+
+def sampling_config(args: argparse.Namespace) -> SamplingConfig:
+    return SamplingConfig(
+        temperature=args.temperature, ignore_eos=args.ignore_eos, timeout_s=args.request_timeout
+    )
+
+
+RequestsFor = Callable[[int], list[BenchRequest]]
+
+
+def requests_maker(config: WorkloadConfig, tokenizer_path: str | None) -> RequestsFor:
+    """variant -> that variant of the workload (see build_workload), each built once. Builds
+    variant 0 now, so a bad tokenizer or data set fails here (ValueError or OSError)."""
+    from gateway.tokenizer import Tokenizer
+    from llmserve.bench.workload import build_workload
+    from llmserve.model_config import resolve_model_path
+
+    tokenizer = Tokenizer.from_model_path(resolve_model_path(tokenizer_path))
+    built: dict[int, list[BenchRequest]] = {}
+
+    def requests_for(variant: int) -> list[BenchRequest]:
+        if variant not in built:
+            built[variant] = build_workload(config, tokenizer, variant)
+        return built[variant]
+
+    requests_for(0)
+    return requests_for
+
+
+def workload_stats(requests: Sequence[BenchRequest]) -> dict[str, Any]:
+    """Mean / min / max prompt and output lengths of the workload as built."""
+    out: dict[str, Any] = {}
+    for name, values in (
+        ("prompt_tokens", [r.num_prompt_tokens for r in requests]),
+        ("output_tokens", [r.max_tokens for r in requests]),
+    ):
+        out[name] = {"mean": sum(values) / len(values), "min": min(values), "max": max(values)}
+    return out
+
+
+def default_output(kind: str) -> Path:
+    return Path(f"llmserve-bench-{kind}-{time.strftime('%Y%m%d-%H%M%S')}.json")
+
+
+def _common_config(args: argparse.Namespace, requests: Sequence[BenchRequest]) -> dict[str, Any]:
+    return {
+        "label": args.label,
+        "workload": workload_config(args).to_json(),
+        "workload_stats": workload_stats(requests),
+        "tokenizer": args.tokenizer,
+        "sampling": vars(sampling_config(args)),
+        "goodput_targets_ms": parse_goodput(args.goodput),
+        "num_warmups": args.num_warmups,
+    }
+
+
+async def _run_all(
+    backend: Any,
+    requests_for: RequestsFor,
+    arrivals: list[ArrivalConfig],
+    args: argparse.Namespace,
+    after_warm_up: Callable[[], None] | None = None,
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Describe the server, warm up (variant -1), call after_warm_up, then run i sends variant
+    i of the workload on arrivals[i]; each run's table is printed as it ends."""
+    from llmserve.bench.report import format_run, run_entry
+    from llmserve.bench.runner import progress_enabled, run_benchmark, warm_up
+
+    targets = parse_goodput(args.goodput)
+    try:
+        server = await backend.describe()
+        await warm_up(backend, requests_for(-1), args.num_warmups)
+        if after_warm_up is not None:
+            after_warm_up()
+        runs = []
+        for i, config in enumerate(arrivals):
+            records = await run_benchmark(
+                backend, requests_for(i), config, progress_enabled(args.no_progress)
+            )
+            runs.append(run_entry(config, records, targets, args.save_detailed))
+            print(format_run(runs[-1], targets), flush=True)
+    finally:
+        await backend.close()
+    return server, runs
+
+
+def _finish(document: dict[str, Any], args: argparse.Namespace, kind: str) -> None:
+    from llmserve.bench.report import format_sweep, plot_sweep, save
+
+    runs = document["runs"]
+    if len(runs) > 1:
+        print(format_sweep(runs))
+    path = args.output or default_output(kind)
+    save(document, path)
+    print(f"results: {path}")
+    if len(runs) > 1 or args.plot:
+        plot = args.plot or path.with_suffix(".png")
+        try:
+            plot_sweep(runs, plot, f"llmserve bench {kind}: {document['server'].get('model', '')}")
+        except ImportError:
+            print("no plot: matplotlib is not installed (pip install 'llmserve[bench]')")
+            return
+        print(f"plot: {plot}")
+
+
+# -- commands -------------------------------------------------------------------------------------
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from llmserve.bench.report import result_document
+
+    try:
+        arrivals = arrival_configs(args)
+        parse_goodput(args.goodput)
+        sampling = sampling_config(args)
+        requests_for = requests_maker(workload_config(args), args.tokenizer)
+    except (ValueError, OSError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    backend = make_backend(
+        args.backend,
+        address=args.address,
+        base_url=args.base_url,
+        sampling=sampling,
+        model=args.model,
+        api_key=args.api_key,
+        keep_token_ids=args.save_detailed,
+    )
+    try:
+        server, runs = asyncio.run(_run_all(backend, requests_for, arrivals, args))
+    except BackendError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("interrupted: nothing saved", file=sys.stderr)
+        return 130
+    document_config = _common_config(args, requests_for(0))
+    document_config["backend"] = args.backend
+    document_config["target"] = args.address if args.backend == "grpc" else args.base_url
+    document_config["sweep"] = [
+        {"request_rate": rate_to_json(a.request_rate), "max_concurrency": a.max_concurrency}
+        for a in arrivals
+    ]
+    _finish(result_document("serve", document_config, server, runs), args, "serve")
+    return 0
+
+
+def cmd_offline(args: argparse.Namespace) -> int:
+    from llmserve.bench.backends import GrpcBackend
+    from llmserve.bench.report import result_document
+    from llmserve.bench.server import LocalStack, parse_serve_args, stats_delta
+
+    serve_args = [a for a in args.serve_args if a != "--"] if args.serve_args else []
+    model = parse_serve_args(serve_args).model
+    try:
+        sampling = sampling_config(args)
+        parse_goodput(args.goodput)
+        requests_for = requests_maker(workload_config(args), args.tokenizer or model)
+    except (ValueError, OSError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    arrivals = [ArrivalConfig(math.inf, 1.0, None, args.seed)]
+    try:
+        stack = LocalStack.start(serve_args, args.ready_timeout)
+    except RuntimeError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    with stack:
+        backend = GrpcBackend(stack.gateway_address, sampling, args.save_detailed)
+        before: dict[str, float] = {}
+        try:
+            server, runs = asyncio.run(
+                _run_all(
+                    backend,
+                    requests_for,
+                    arrivals,
+                    args,
+                    lambda: before.update(stack.scheduler_stats()),
+                )
+            )
+        except BackendError as err:
+            print(f"error: {err}\n{stack.log_tail()}", file=sys.stderr)
+            return 1
+        except KeyboardInterrupt:
+            print("interrupted: nothing saved", file=sys.stderr)
+            return 130
+        runs[0]["scheduler_stats"] = stats_delta(before, stack.scheduler_stats())
+    server.pop("address")  # a free loopback port, different every time
+    server["serve_args"] = serve_args
+    document_config = _common_config(args, requests_for(0))
+    _print_scheduler_stats(runs[0]["scheduler_stats"])
+    _finish(result_document("offline", document_config, server, runs), args, "offline")
+    return 0
+
+
+def _print_scheduler_stats(stats: dict[str, float]) -> None:
+    """The scheduler's view of the measured run."""
+    steps = stats.get("num_steps", 0.0)
+    tokens = stats.get("num_scheduled_tokens", 0.0)
+    per_step = tokens / steps if steps else 0.0
+    print(
+        f"scheduler: {steps:.0f} steps, {tokens:.0f} tokens scheduled ({per_step:.2f} per step), "
+        f"{stats.get('num_preemptions', 0.0):.0f} preemptions"
+    )
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from llmserve.bench.compare import compare
+    from llmserve.bench.report import load
+
+    try:
+        a, b = load(args.a), load(args.b)
+    except (OSError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(compare(a, b, str(args.a), str(args.b)))
+    return 0
