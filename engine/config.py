@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+LOAD_FORMATS = ("auto", "dummy")
+OPS_BACKENDS = ("auto", "torch", "cuda")
 
 
 @dataclass(frozen=True)
@@ -19,9 +21,17 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     max_model_len: int = 0  # 0 = the model's own context length
     num_threads: int = 0  # torch CPU threads; 0 = torch's default
-    seed: int = 0  # for requests without a seed of their own
+    seed: int = 0  # for requests without a seed of their own; also seeds dummy weights
     host: str = "0.0.0.0"
     port: int = 50053
+    # auto: the checkpoint at `model` (safetensors or GGUF); dummy: seeded random weights for
+    # the config.json at `model` (engine/dummy.py)
+    load_format: str = "auto"
+    # The scheduler's limits, which size the GPU's profiling step and its CUDA graphs.
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    enforce_eager: bool = False  # no CUDA graphs for decode steps
+    ops_backend: str = "auto"  # layer ops: auto (CUDA kernels when they can run), torch, cuda
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES:
@@ -40,3 +50,11 @@ class EngineConfig:
             )
         if self.max_model_len < 0:
             raise ValueError(f"max_model_len={self.max_model_len} must be >= 0")
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format={self.load_format!r} must be one of {LOAD_FORMATS}")
+        if self.ops_backend not in OPS_BACKENDS:
+            raise ValueError(f"ops_backend={self.ops_backend!r} must be one of {OPS_BACKENDS}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs={self.max_num_seqs} must be >= 1")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= 1")

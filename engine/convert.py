@@ -20,6 +20,9 @@ def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
         min_p=msg.min_p,
         seed=msg.seed if msg.HasField("seed") else None,
         logprobs=msg.logprobs,
+        presence_penalty=msg.presence_penalty,
+        frequency_penalty=msg.frequency_penalty,
+        top_logprobs=msg.top_logprobs,
     )
 
 
@@ -54,6 +57,9 @@ def result_to_proto(
     forward_ms: float,
     sample_ms: float,
     total_ms: float,
+    num_top_logprobs: int = 0,
+    top_token_ids: list[int] | None = None,
+    top_logprobs: list[float] | None = None,
 ) -> engine_pb2.StepResult:
     return engine_pb2.StepResult(
         step_id=step_id,
@@ -62,6 +68,9 @@ def result_to_proto(
         forward_ms=forward_ms,
         sample_ms=sample_ms,
         total_ms=total_ms,
+        num_top_logprobs=num_top_logprobs,
+        top_token_ids=top_token_ids or [],
+        top_logprobs=top_logprobs or [],
     )
 
 

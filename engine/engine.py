@@ -1,18 +1,37 @@
-"""The engine proper: loads the model and the KV pool once, then executes plans one at a time."""
+"""The engine proper: loads the model and the KV pool once, then executes plans one at a time.
+
+Steps run in plan order. `launch` enqueues a step without waiting for the device, so the next
+plan can be launched while it runs (its inputs gathered from this step's tokens on the device);
+`finish` waits for a step's output. At most one launched step is left unresolved (tokens not on
+the host) when the next is launched: an older one is finished first.
+"""
 
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass
 
 import torch
 
 from engine.config import EngineConfig
+from engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from engine.kv_cache import allocate_kv_cache, bytes_per_block, layer_views
-from engine.mirror import Mirror, StepPlanData
+from engine.memory import (
+    GIB,
+    describe,
+    graph_memory_estimate,
+    kv_cache_budget,
+    num_blocks_for,
+    profile_lengths,
+    profile_step_memory,
+)
+from engine.mirror import Mirror, StepBatch, StepPlanData
 from engine.model import build_model
-from engine.runner import ModelRunner, StepOutput
+from engine.ops import select_ops
+from engine.runner import LaunchedStep, ModelRunner, StepOutput, StepTimer
 from engine.sampler import Sampler
+from engine.timeline import Timeline, make_timeline
 from engine.weights import load_weights
 from llmserve.log import get_logger
 from llmserve.model_config import ModelConfig, load_model_config, resolve_model_path
@@ -37,8 +56,10 @@ class EngineInfo:
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("--device cuda: torch sees no CUDA device")
+    if name == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError("--device cuda: torch sees no CUDA device")
+        return torch.device("cuda", torch.cuda.current_device())
     return torch.device(name)
 
 
@@ -51,18 +72,16 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 def choose_num_blocks(
     config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype, device: torch.device
 ) -> int:
-    per_block = bytes_per_block(model_config, config.block_size, dtype)
+    """The KV pool's size without profiling: --num-kv-blocks, or --kv-cache-gb on the CPU (a
+    GPU engine profiles instead: Engine._size_kv_pool)."""
     if config.num_kv_blocks:
         return config.num_kv_blocks
-    if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        # Keep (1 - utilization) of the card, and 2 GiB for activations, out of the pool.
-        budget = free - (1 - config.gpu_memory_utilization) * total - (2 << 30)
-    else:
-        budget = config.kv_cache_gb * (1 << 30)
-    num_blocks = int(budget // per_block)
+    per_block = bytes_per_block(model_config, config.block_size, dtype)
+    num_blocks = int(config.kv_cache_gb * GIB // per_block)
     if num_blocks < 1:
-        raise RuntimeError(f"no memory left for the KV pool ({per_block} bytes per block)")
+        raise RuntimeError(
+            f"kv_cache_gb={config.kv_cache_gb} holds no block ({per_block} bytes per block)"
+        )
     return num_blocks
 
 
@@ -80,21 +99,28 @@ class Engine:
         if config.max_model_len:
             max_len = min(max_len, config.max_model_len)
         self.max_model_len = max_len
-        weights = load_weights(path, self.model_config)
-        self.model = build_model(self.model_config, weights, max_len, self.dtype, self.device)
+        ops, ops_reason = select_ops(
+            config.ops_backend, self.device, self.dtype, self.model_config, config.block_size
+        )
+        dummy = config.load_format == "dummy"
+        weights = None if dummy else load_weights(path, self.model_config)
+        self.model = build_model(
+            self.model_config, weights, max_len, self.dtype, self.device,
+            dummy_seed=config.seed, ops=ops,
+        )  # fmt: skip
         del weights
-        self.num_blocks = choose_num_blocks(config, self.model_config, self.dtype, self.device)
+        load_s = time.perf_counter() - t0
+        self.num_blocks, memory = self._size_kv_pool()
         self.kv_cache = allocate_kv_cache(
             self.model_config, self.num_blocks, config.block_size, self.dtype, self.device
         )
-        self.runner = ModelRunner(
-            self.model,
-            layer_views(self.kv_cache),
-            config.block_size,
-            self.device,
-            Sampler(self.device, config.seed),
-        )
+        kv_caches = layer_views(self.kv_cache)
+        graphs, graph_info = self._capture_graphs(kv_caches)
+        self.timeline: Timeline = make_timeline(self.device)
+        self.runner = self._make_runner(kv_caches, graphs=graphs, timeline=self.timeline)
         self.mirror = Mirror(config.block_size, self.num_blocks)
+        # Launched steps whose tokens are not on the host yet, oldest first.
+        self.unresolved: deque[LaunchedStep] = deque()
         self.info = EngineInfo(
             model=self.model_config.name,
             vocab_size=self.model_config.vocab_size,
@@ -108,25 +134,147 @@ class Engine:
         log.info(
             "engine loaded",
             model=str(path),
+            load_format=config.load_format,
             device=str(self.device),
             dtype=self.info.dtype,
+            ops=ops.name,
+            ops_reason=ops_reason,
             num_blocks=self.num_blocks,
             kv_tokens=self.num_blocks * config.block_size,
+            kv_cache_gib=round(self.kv_cache.numel() * self.kv_cache.element_size() / GIB, 2),
             max_model_len=max_len,
-            load_s=round(time.perf_counter() - t0, 2),
+            load_s=round(load_s, 2),
+            total_s=round(time.perf_counter() - t0, 2),
+            **memory,
+            **graph_info,
         )
+
+    def _make_runner(
+        self,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        graphs: DecodeGraphs | None = None,
+        timeline: Timeline | None = None,
+    ) -> ModelRunner:
+        return ModelRunner(
+            self.model,
+            kv_caches,
+            self.config.block_size,
+            self.device,
+            Sampler(self.device, self.config.seed),
+            graphs=graphs,
+            timeline=timeline,
+        )
+
+    def _uses_graphs(self) -> tuple[bool, str]:
+        if self.device.type != "cuda":
+            return False, f"device {self.device.type}"
+        if self.config.enforce_eager:
+            return False, "--enforce-eager"
+        if not self.model.ops.graph_safe:
+            return False, f"ops backend {self.model.ops.name} (the CUDA kernels are needed)"
+        return True, ""
+
+    def _size_kv_pool(self) -> tuple[int, dict[str, float]]:
+        """(num_blocks, memory figures for the log). On a GPU without --num-kv-blocks: from a
+        profiling step at the scheduler's largest (engine.memory)."""
+        c = self.config
+        if self.device.type != "cuda" or c.num_kv_blocks:
+            return choose_num_blocks(c, self.model_config, self.dtype, self.device), {}
+        lengths = profile_lengths(c.max_num_batched_tokens, c.max_num_seqs, self.max_model_len)
+        profile = profile_step_memory(
+            self.model_config, self.dtype, self.device, c.block_size, lengths, self._make_runner
+        )
+        uses_graphs, _ = self._uses_graphs()
+        max_graph_batch = graph_batch_sizes(c.max_num_seqs)[-1] if uses_graphs else 0
+        graph_bytes = graph_memory_estimate(
+            profile.activation_peak_bytes, max_graph_batch, sum(lengths)
+        )
+        budget = kv_cache_budget(profile, c.gpu_memory_utilization, graph_bytes)
+        per_block = bytes_per_block(self.model_config, c.block_size, self.dtype)
+        num_blocks = num_blocks_for(budget, per_block)
+        figures = {**describe(profile), "graph_reserve_gib": round(graph_bytes / GIB, 2)}
+        if num_blocks < 1:
+            raise RuntimeError(
+                f"no GPU memory left for the KV pool at gpu_memory_utilization="
+                f"{c.gpu_memory_utilization} (GiB: {figures}); raise it or lower "
+                f"max_num_batched_tokens={c.max_num_batched_tokens}"
+            )
+        return num_blocks, figures
+
+    def _capture_graphs(
+        self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+    ) -> tuple[DecodeGraphs | None, dict[str, object]]:
+        uses_graphs, why_not = self._uses_graphs()
+        if not uses_graphs:
+            return None, {"cuda_graphs": f"off: {why_not}"}
+        t0 = time.perf_counter()
+        reserved = torch.cuda.memory_reserved(self.device)
+        sizes = graph_batch_sizes(self.config.max_num_seqs)
+        graphs = DecodeGraphs(
+            self.model,
+            kv_caches,
+            sizes,
+            max_blocks_per_seq=-(-self.max_model_len // self.config.block_size),
+            max_seq_len=self.max_model_len,
+            device=self.device,
+        )
+        graphs.capture()
+        return graphs, {
+            "cuda_graphs": f"{len(sizes)} decode batch sizes, 1..{sizes[-1]}",
+            "graph_capture_s": round(time.perf_counter() - t0, 2),
+            "graph_memory_gib": round(
+                (torch.cuda.memory_reserved(self.device) - reserved) / GIB, 2
+            ),
+        }
 
     def reset(self) -> None:
         """Forget every request (a new Step stream starts from nothing)."""
         self.mirror = Mirror(self.config.block_size, self.num_blocks)
+        self.unresolved.clear()
 
     def step(self, plan: StepPlanData) -> StepOutput:
         """Apply plan to the mirror, run it, commit the sampled tokens.
 
         Raises MirrorMismatch (mirror possibly half-updated) when the plan disagrees."""
+        return self.finish(self.launch(plan))
+
+    def launch(self, plan: StepPlanData) -> LaunchedStep:
+        """Apply plan to the mirror and enqueue its step; the mirror commits it at once, with
+        placeholders for the tokens (`finish` resolves them). Raises MirrorMismatch (mirror
+        possibly half-updated) when the plan disagrees."""
+        while len(self.unresolved) > 1:
+            self._resolve_oldest()
         batch = self.mirror.apply(plan)
+        if self.unresolved and _needs_host_tokens(batch):
+            self._resolve_oldest()
         if not batch.rows:
-            return StepOutput([], None, 0.0, 0.0)
-        output = self.runner.execute(batch)
-        self.mirror.commit(batch, output.sampled_token_ids)
-        return output
+            return _empty_step(batch)
+        step = self.runner.launch(batch, self.unresolved[-1] if self.unresolved else None)
+        self.mirror.commit_pending(batch)
+        self.unresolved.append(step)
+        return step
+
+    def finish(self, step: LaunchedStep) -> StepOutput:
+        """step's output, waiting for it (and for the steps launched before it)."""
+        while step.output is None:
+            self._resolve_oldest()
+        return step.output
+
+    def _resolve_oldest(self) -> None:
+        step = self.unresolved.popleft()
+        step.output = self.runner.collect(step)
+        self.mirror.resolve(step.batch, step.output.sampled_token_ids)
+
+
+def _needs_host_tokens(batch: StepBatch) -> bool:
+    """Whether a row reads its generated tokens' values on the host (penalties count them)
+    while one may still be a placeholder."""
+    return any(r.seq.pending_row >= 0 and r.seq.sampling.has_penalties for r in batch.rows)
+
+
+def _empty_step(batch: StepBatch) -> LaunchedStep:
+    """A step with no rows (it only dropped finished requests): nothing to run."""
+    empty = torch.empty(0, dtype=torch.long)
+    step = LaunchedStep(batch, StepTimer(empty.device, 0.0), empty, (empty, None, None, None))
+    step.output = StepOutput([], None, 0.0, 0.0)
+    return step

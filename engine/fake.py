@@ -3,15 +3,37 @@
 It mirrors requests exactly as the real engine does (same Mirror, same checks) and "samples" by
 echoing: output token i is prompt token i mod prompt length. Outputs are deterministic, batch
 invariant and survive preemption, and a test controls the text by choosing the prompt.
+Logprobs are 0.0 for the echoed token; top-k logprobs are tokens t, t+1, ... (mod the vocabulary)
+with logprobs 0, -1, -2, ...
+
+step_delay_ms models a device: each step occupies it that long, steps run back to back in launch
+order, and `launch` returns at once (as the real engine's does on a GPU) with a step whose
+result is ready when its turn on the "device" ends; `step` waits for it.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 from engine.engine import EngineInfo
 from engine.mirror import Mirror, StepPlanData
 from engine.runner import StepOutput
+
+
+@dataclass
+class FakeStep:
+    """A launched fake step: its output, ready at ready_at (time.monotonic())."""
+
+    output: StepOutput
+    ready_at: float = 0.0
+
+    @property
+    def is_ready(self) -> bool:
+        return time.monotonic() >= self.ready_at
+
+    def wait(self) -> None:
+        time.sleep(max(0.0, self.ready_at - time.monotonic()))
 
 
 class FakeEngine:
@@ -37,14 +59,30 @@ class FakeEngine:
         self.step_delay_ms = step_delay_ms
         self.mirror = Mirror(block_size, num_blocks)
         self.num_steps = 0
+        self.busy_until = 0.0  # when the "device" finishes the last launched step
 
     def reset(self) -> None:
         self.mirror = Mirror(self.info.block_size, self.info.num_blocks)
 
+    def launch(self, plan: StepPlanData) -> FakeStep:
+        """Run plan on the host at once; its result is ready step_delay_ms after the previous
+        launched step's (or now, if the device is idle)."""
+        output = self._run(plan)
+        if not self.step_delay_ms or not output.sampled_token_ids:
+            return FakeStep(output)
+        self.busy_until = max(self.busy_until, time.monotonic()) + self.step_delay_ms / 1e3
+        output.forward_ms = self.step_delay_ms
+        return FakeStep(output, self.busy_until)
+
+    def finish(self, step: FakeStep) -> StepOutput:
+        step.wait()
+        return step.output
+
     def step(self, plan: StepPlanData) -> StepOutput:
+        return self.finish(self.launch(plan))
+
+    def _run(self, plan: StepPlanData) -> StepOutput:
         batch = self.mirror.apply(plan)
-        if self.step_delay_ms:
-            time.sleep(self.step_delay_ms / 1e3)
         tokens = []
         for row in batch.rows:
             seq = row.seq
@@ -54,4 +92,12 @@ class FakeEngine:
         self.num_steps += 1
         any_logprobs = any(r.seq.sampling.logprobs for r in batch.rows)
         logprobs = [0.0 if t >= 0 else float("nan") for t in tokens] if any_logprobs else None
-        return StepOutput(tokens, logprobs, 0.0, 0.0)
+        output = StepOutput(tokens, logprobs, 0.0, 0.0)
+        k = max(r.seq.sampling.top_logprobs for r in batch.rows) if batch.rows else 0
+        if k:
+            vocab = self.info.vocab_size
+            output.num_top_logprobs = k
+            for t in tokens:
+                output.top_token_ids += [(t + j) % vocab if t >= 0 else -1 for j in range(k)]
+                output.top_logprobs += [float(-j) if t >= 0 else float("nan") for j in range(k)]
+        return output

@@ -4,11 +4,20 @@ The scheduler decides; the mirror only follows. Each plan drops finished request
 full, and applies the running rows' deltas. Any disagreement (an unknown id, a computed-token count
 that differs, a block table too short for the scheduled tokens) raises MirrorMismatch, which the
 service turns into FAILED_PRECONDITION. No torch here.
+
+Steps are committed in order, each before the next plan is applied, so the checks hold whether
+or not the scheduler planned ahead. A step may be committed before its sampled tokens reach the
+host (`commit_pending`): a sampling row appends PLACEHOLDER, noting the step and batch row that
+sampled it (the next step gathers the token from there on the device), and `resolve` writes the
+real token once it is known. Counts never wait for token values.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+# A sampled token not read back from the device yet (see commit_pending).
+PLACEHOLDER = -1
 
 
 class MirrorMismatch(Exception):
@@ -23,10 +32,17 @@ class SamplingParams:
     min_p: float = 0.0
     seed: int | None = None
     logprobs: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    top_logprobs: int = 0
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
 
 @dataclass
@@ -37,6 +53,9 @@ class SeqState:
     sampling: SamplingParams
     block_table: list[int]
     num_computed_tokens: int
+    # When token_ids[-1] is PLACEHOLDER: the step and batch row that sampled it (else 0, -1).
+    pending_step_id: int = 0
+    pending_row: int = -1
 
     @property
     def num_output_tokens(self) -> int:
@@ -78,15 +97,12 @@ class ScheduledSeq:
     seq: SeqState
     start: int
     num_scheduled_tokens: int
+    # Whether this step completes the request's tokens, so its sample is kept (one token rule).
+    samples: bool
 
     @property
     def end(self) -> int:
         return self.start + self.num_scheduled_tokens
-
-    @property
-    def samples(self) -> bool:
-        """Whether this step completes the request's known tokens, so its sample is kept."""
-        return self.end >= len(self.seq.token_ids)
 
 
 @dataclass
@@ -185,14 +201,35 @@ class Mirror:
             raise MirrorMismatch(
                 f"seq {seq.seq_id}: {len(seq.block_table)} blocks cannot hold {end} tokens"
             )
-        return ScheduledSeq(seq, seq.num_computed_tokens, num_scheduled)
+        return ScheduledSeq(seq, seq.num_computed_tokens, num_scheduled, end == len(seq.token_ids))
 
     def commit(self, batch: StepBatch, sampled_token_ids: list[int]) -> None:
         """One token rule, engine side: advance computed tokens; a request that reached its full
         length appends its sampled token (it is the next step's input)."""
         for row, token_id in zip(batch.rows, sampled_token_ids, strict=True):
             seq = row.seq
-            complete = row.samples
             seq.num_computed_tokens = row.end
-            if complete:
+            if row.samples:
                 seq.token_ids.append(token_id)
+
+    def commit_pending(self, batch: StepBatch) -> None:
+        """`commit` before the tokens are known: sampling rows append PLACEHOLDER and note where
+        the token is (batch.step_id, row index) until `resolve`."""
+        for i, row in enumerate(batch.rows):
+            seq = row.seq
+            seq.num_computed_tokens = row.end
+            if row.samples:
+                seq.token_ids.append(PLACEHOLDER)
+                seq.pending_step_id, seq.pending_row = batch.step_id, i
+
+    def resolve(self, batch: StepBatch, sampled_token_ids: list[int]) -> None:
+        """Write the tokens of a step committed with commit_pending over its placeholders (a
+        sampling row's token sits at index row.end). Requests dropped since are unaffected."""
+        for row, token_id in zip(batch.rows, sampled_token_ids, strict=True):
+            if not row.samples:
+                continue
+            seq = row.seq
+            assert seq.token_ids[row.end] == PLACEHOLDER, f"seq {seq.seq_id}: no placeholder"
+            seq.token_ids[row.end] = token_id
+            if seq.pending_step_id == batch.step_id:
+                seq.pending_step_id, seq.pending_row = 0, -1

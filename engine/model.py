@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from kernels import reference as ops
+from engine.ops import LayerOps, ReferenceOps
 from llmserve.model_config import ModelConfig
 
 
@@ -25,6 +25,11 @@ class AttentionContext:
     slot_mapping[t]: KV slot of token t; block_tables: [num_seqs, max_blocks]; seq_lens[b]: context
     length of request b including this step's tokens; cu_seqlens_q: B+1 offsets of each request's
     tokens in the flattened batch. kv_caches[layer] = (k_cache, v_cache).
+
+    The CUDA kernels (engine.ops.KernelOps) read the same metadata from the device: seq_lens_t and
+    cu_seqlens_q_t (int32), block_tables as int32, and the step's max_seqlen_q / max_seq_len, so
+    they never synchronize. KernelOps.prepare fills these from the lists; a CUDA graph's context
+    gives them as static buffers (and empty lists).
     """
 
     slot_mapping: torch.Tensor
@@ -32,6 +37,10 @@ class AttentionContext:
     seq_lens: list[int]
     cu_seqlens_q: list[int]
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+    seq_lens_t: torch.Tensor | None = None
+    cu_seqlens_q_t: torch.Tensor | None = None
+    max_seqlen_q: int = 0
+    max_seq_len: int = 0
 
 
 def rope_inv_freq(config: ModelConfig, rope_freqs: torch.Tensor | None = None) -> torch.Tensor:
@@ -119,22 +128,20 @@ class DecoderLayer(nn.Module):
         residual: torch.Tensor | None,
         cos_sin_cache: torch.Tensor,
         ctx: AttentionContext,
+        ops: LayerOps,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         hidden, residual = ops.rms_norm(hidden, self.input_norm, self.eps, residual)
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         num_tokens = hidden.shape[0]
-        q = ops.rotary_embedding(
-            positions, q.view(num_tokens, self.num_heads, self.head_dim), cos_sin_cache
-        )
-        k = ops.rotary_embedding(
-            positions, k.view(num_tokens, self.num_kv_heads, self.head_dim), cos_sin_cache
+        q, k = ops.rotary(
+            positions,
+            q.view(num_tokens, self.num_heads, self.head_dim),
+            k.view(num_tokens, self.num_kv_heads, self.head_dim),
+            cos_sin_cache,
         )
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = ctx.kv_caches[self.layer_idx]
-        ops.store_kv(k, v, k_cache, v_cache, ctx.slot_mapping)
-        attn = ops.paged_attention(
-            q, k_cache, v_cache, ctx.block_tables, ctx.seq_lens, ctx.cu_seqlens_q, self.scale
-        )
+        attn = ops.attention(q, k, v, k_cache, v_cache, ctx, self.scale)
         hidden = self.o_proj(attn.view(num_tokens, self.q_size))
         hidden, residual = ops.rms_norm(hidden, self.post_attention_norm, self.eps, residual)
         hidden = self.down_proj(ops.silu_and_mul(self.gate_up_proj(hidden)))
@@ -146,6 +153,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.max_positions = max_positions
+        self.ops: LayerOps = ReferenceOps()  # build_model may swap in engine.ops.KernelOps
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = nn.Parameter(torch.ones(config.hidden_size))
@@ -164,10 +172,12 @@ class LlamaForCausalLM(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext
     ) -> torch.Tensor:
         """Final hidden states [num_tokens, hidden_size] of a flattened batch."""
+        ops = self.ops
+        ctx = ops.prepare(ctx)
         hidden = self.embed_tokens(input_ids)
         residual = None
         for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual, self.cos_sin_cache, ctx)
+            hidden, residual = layer(positions, hidden, residual, self.cos_sin_cache, ctx, ops)
         hidden, _ = ops.rms_norm(hidden, self.norm, self.config.rms_norm_eps, residual)
         return hidden
 
@@ -232,17 +242,29 @@ class LlamaForCausalLM(nn.Module):
 
 def build_model(
     config: ModelConfig,
-    weights: dict[str, torch.Tensor],
+    weights: dict[str, torch.Tensor] | None,
     max_positions: int,
     dtype: torch.dtype,
     device: torch.device,
+    *,
+    dummy_seed: int = 0,
+    ops: LayerOps | None = None,
 ) -> LlamaForCausalLM:
-    """Allocate on the meta device, materialize on `device` in `dtype`, load weights."""
+    """Allocate on the meta device, materialize on `device` directly in `dtype` (never a float32
+    copy first), then load `weights`, or, when it is None, fill in engine.dummy's seeded values.
+    `ops`: the layer ops backend (default: kernels/reference.py)."""
     with torch.device("meta"):
         model = LlamaForCausalLM(config, max_positions)
-    model = model.to_empty(device=device).to(dtype)
+    model = model.to(dtype).to_empty(device=device)
     model.cos_sin_cache = rope_cos_sin_cache(rope_inv_freq(config), max_positions).to(device)
-    model.load_weights(weights)
+    if weights is None:
+        from engine.dummy import init_dummy_weights
+
+        init_dummy_weights(model, dummy_seed)
+    else:
+        model.load_weights(weights)
+    if ops is not None:
+        model.ops = ops
     model = model.eval().requires_grad_(False)
     if device.type == "cpu" and dtype == torch.float32 and can_pack_cpu_linears():
         model.pack_cpu_linears()

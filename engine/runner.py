@@ -1,16 +1,25 @@
 """Runs one step: builds the flattened batch and its attention metadata, runs the forward pass,
-samples the requests whose step completes their known tokens."""
+samples the requests whose step completes their known tokens.
+
+`launch` enqueues a step and returns without waiting for the device: the sampled tokens stay on
+the device, where the next step gathers its inputs from them (a request's newest token may still
+be a placeholder in the mirror), while non-blocking copies bring them to the host; `collect`
+waits for those copies and builds the StepOutput. `execute` is both at once.
+"""
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
-from engine.mirror import StepBatch
+from engine.cuda_graphs import DecodeGraphs
+from engine.mirror import PLACEHOLDER, ScheduledSeq, StepBatch
 from engine.model import AttentionContext, LlamaForCausalLM
-from engine.sampler import Sampler
+from engine.sampler import Sampler, SamplerOutput, to_device
+from engine.timeline import NullTimeline, Timeline
 
 
 @dataclass
@@ -19,6 +28,62 @@ class StepOutput:
     logprobs: list[float] | None  # NaN where not requested; None when nobody asked
     forward_ms: float
     sample_ms: float
+    # Row-major [num rows, num_top_logprobs], most likely first; -1 / NaN where the request is
+    # mid-prefill. num_top_logprobs is the batch's largest request (0: nobody asked).
+    num_top_logprobs: int = 0
+    top_token_ids: list[int] = field(default_factory=list)
+    top_logprobs: list[float] = field(default_factory=list)
+
+
+class StepTimer:
+    """Forward and sampling time of one step without synchronizing: host clocks on the CPU, CUDA
+    events on a GPU (read once the step is done)."""
+
+    def __init__(self, device: torch.device, t0: float):
+        self.cuda = device.type == "cuda"
+        self.marks: list[Any] = [t0]
+        if self.cuda:
+            self.marks = [self._event()]
+
+    def _event(self) -> Any:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def mark(self) -> None:
+        """End of the forward (the first call), then end of sampling."""
+        self.marks.append(self._event() if self.cuda else time.perf_counter())
+
+    def elapsed_ms(self) -> tuple[float, float]:
+        """(forward_ms, sample_ms), once the step is done."""
+        marks = self.marks + [self.marks[-1]] * (3 - len(self.marks))
+        if self.cuda:
+            return marks[0].elapsed_time(marks[1]), marks[1].elapsed_time(marks[2])
+        return (marks[1] - marks[0]) * 1e3, (marks[2] - marks[1]) * 1e3
+
+
+@dataclass
+class LaunchedStep:
+    """A step whose work is enqueued, maybe not done. Per batch row: `sampled` the token on the
+    device (-1 where the row does not sample), kept there for the next step's inputs; the `host`
+    tensors (tokens, logprobs, top-k ids, top-k logprobs, each None when not asked) are
+    non-blocking copies, complete once `ready` (a CUDA event; None on the CPU) is."""
+
+    batch: StepBatch
+    timer: StepTimer
+    sampled: torch.Tensor
+    host: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
+    ready: Any = None
+    output: StepOutput | None = None  # set by the engine once collected
+
+    @property
+    def is_ready(self) -> bool:
+        return self.ready is None or bool(self.ready.query())
+
+    def wait(self) -> None:
+        """Block until the host copies are complete (the GIL is released meanwhile)."""
+        if self.ready is not None:
+            self.ready.synchronize()
 
 
 class ModelRunner:
@@ -29,12 +94,19 @@ class ModelRunner:
         block_size: int,
         device: torch.device,
         sampler: Sampler,
+        *,
+        graphs: DecodeGraphs | None = None,
+        timeline: Timeline | None = None,
     ):
+        """graphs: decode-only steps that fit replay from these (engine.cuda_graphs); timeline:
+        records each step's GPU span (engine.timeline; a no-op by default)."""
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = device
         self.sampler = sampler
+        self.graphs = graphs
+        self.timeline: Timeline = timeline or NullTimeline()
 
     def _prepare(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionContext]:
         bs = self.block_size
@@ -67,32 +139,150 @@ class ModelRunner:
         )
         return tensor(input_ids), tensor(positions), ctx
 
-    @torch.inference_mode()
     def execute(self, batch: StepBatch) -> StepOutput:
+        """Run a step whose inputs are all known and wait for its output."""
+        return self.collect(self.launch(batch))
+
+    @torch.inference_mode()
+    def launch(self, batch: StepBatch, prev: LaunchedStep | None = None) -> LaunchedStep:
+        """Enqueue batch's forward and sampling; return without waiting for the device. prev is
+        the step launched before, whose sampled tokens fill this step's placeholder inputs."""
         t0 = time.perf_counter()
         input_ids, positions, ctx = self._prepare(batch)
-        hidden = self.model(input_ids, positions, ctx)
+        self._gather_placeholders(batch, input_ids, prev)
+        timer = StepTimer(self.device, t0)
+        self.timeline.begin()
+        hidden = self._forward(input_ids, positions, ctx)
         sampling_rows = [i for i, row in enumerate(batch.rows) if row.samples]
-        tokens = [-1] * len(batch.rows)
-        logprobs: list[float] | None = None
-        if not sampling_rows:
-            return StepOutput(tokens, None, (time.perf_counter() - t0) * 1e3, 0.0)
-        last = torch.tensor(
-            [ctx.cu_seqlens_q[i + 1] - 1 for i in sampling_rows], device=self.device
+        out = None
+        if sampling_rows:
+            last = to_device(
+                [ctx.cu_seqlens_q[i + 1] - 1 for i in sampling_rows], torch.long, self.device
+            )
+            logits = self.model.compute_logits(hidden[last])
+            timer.mark()
+            rows = [batch.rows[i] for i in sampling_rows]
+            out = self.sampler.sample(
+                logits,
+                [r.seq.sampling for r in rows],
+                [r.seq.num_output_tokens for r in rows],
+                _penalized_outputs(rows),
+            )
+        else:
+            timer.mark()
+        timer.mark()  # before _spread records `ready`: collect reads the timer once that is done
+        self._end_timeline(batch, ctx)
+        return self._spread(batch, timer, sampling_rows, out)
+
+    def collect(self, step: LaunchedStep) -> StepOutput:
+        """Wait for a launched step's results to reach the host; its StepOutput."""
+        step.wait()
+        tokens, logprobs, top_ids, top_lps = step.host
+        forward_ms, sample_ms = step.timer.elapsed_ms()
+        output = StepOutput(
+            tokens.tolist(),
+            logprobs.tolist() if logprobs is not None else None,
+            forward_ms,
+            sample_ms,
         )
-        logits = self.model.compute_logits(hidden[last])
+        if top_ids is not None and top_lps is not None:
+            output.num_top_logprobs = top_ids.shape[1]
+            output.top_token_ids = top_ids.flatten().tolist()
+            output.top_logprobs = top_lps.flatten().tolist()
+        return output
+
+    def _gather_placeholders(
+        self, batch: StepBatch, input_ids: torch.Tensor, prev: LaunchedStep | None
+    ) -> None:
+        """A request's newest token may be a placeholder (the previous step sampled it and its
+        result is not on the host yet): copy it from prev.sampled into input_ids on the device.
+
+            input_ids: |<- row 0's tokens ->|<- row 1's: ... PLACEHOLDER ->|<- row 2's ...
+                                                              ^ prev.sampled[seq.pending_row]
+        """
+        dst: list[int] = []
+        src: list[int] = []
+        offset = 0
+        for row in batch.rows:
+            seq = row.seq
+            position = len(seq.token_ids) - 1
+            if seq.pending_row >= 0 and row.start <= position < row.end:
+                if prev is None or seq.pending_step_id != prev.batch.step_id:
+                    raise RuntimeError(
+                        f"seq {seq.seq_id}: its token from step {seq.pending_step_id} is neither "
+                        f"known nor the previous step's"
+                    )
+                dst.append(offset + position - row.start)
+                src.append(seq.pending_row)
+            offset += row.num_scheduled_tokens
+        if dst:
+            assert prev is not None
+            index = to_device(dst + src, torch.long, self.device).view(2, -1)
+            input_ids[index[0]] = prev.sampled[index[1]]
+
+    def _spread(
+        self,
+        batch: StepBatch,
+        timer: StepTimer,
+        sampling_rows: list[int],
+        out: SamplerOutput | None,
+    ) -> LaunchedStep:
+        """The sampled rows' results over all batch rows (-1 / NaN elsewhere), on the device, and
+        their non-blocking copies to the host."""
+        n = len(batch.rows)
+        sampled = torch.full((n,), PLACEHOLDER, dtype=torch.long, device=self.device)
+        logprobs = top_ids = top_lps = None
+        if out is not None:
+            rows = to_device(sampling_rows, torch.long, self.device)
+            sampled[rows] = out.token_ids
+            if out.logprobs is not None:
+                logprobs = _full_rows(n, rows, out.logprobs, float("nan"))
+            if out.top_token_ids is not None and out.top_logprobs is not None:
+                top_ids = _full_rows(n, rows, out.top_token_ids, -1)
+                top_lps = _full_rows(n, rows, out.top_logprobs, float("nan"))
+        host = (
+            sampled.to("cpu", non_blocking=True),
+            _to_host(logprobs),
+            _to_host(top_ids),
+            _to_host(top_lps),
+        )
+        ready = None
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        t1 = time.perf_counter()
-        rows = [batch.rows[i] for i in sampling_rows]
-        sampled, chosen = self.sampler(
-            logits, [r.seq.sampling for r in rows], [r.seq.num_output_tokens for r in rows]
-        )
-        for i, token in zip(sampling_rows, sampled.tolist(), strict=True):
-            tokens[i] = token
-        if chosen is not None:
-            logprobs = [float("nan")] * len(batch.rows)
-            for i, value in zip(sampling_rows, chosen.tolist(), strict=True):
-                logprobs[i] = value
-        t2 = time.perf_counter()
-        return StepOutput(tokens, logprobs, (t1 - t0) * 1e3, (t2 - t1) * 1e3)
+            ready = torch.cuda.Event()
+            ready.record()
+        return LaunchedStep(batch, timer, sampled, host, ready)
+
+    def _forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext
+    ) -> torch.Tensor:
+        """The model's final hidden states: replayed from a CUDA graph when the step is decode-only
+        and small enough, else an eager forward."""
+        if self.graphs is not None and self.graphs.can_run(ctx):
+            return self.graphs.run(input_ids, positions, ctx)
+        return self.model(input_ids, positions, ctx)
+
+    def _end_timeline(self, batch: StepBatch, ctx: AttentionContext) -> None:
+        num_seqs = len(ctx.seq_lens)
+        num_tokens = ctx.cu_seqlens_q[-1]
+        self.timeline.end(batch.step_id, num_seqs, num_tokens, num_tokens == num_seqs)
+
+
+def _penalized_outputs(rows: list[ScheduledSeq]) -> list[list[int]]:
+    """Each row's generated tokens where it has penalties (the sampler counts them), else []."""
+    if not any(r.seq.sampling.has_penalties for r in rows):
+        return []
+    return [
+        r.seq.token_ids[r.seq.num_prompt_tokens :] if r.seq.sampling.has_penalties else []
+        for r in rows
+    ]
+
+
+def _to_host(t: torch.Tensor | None) -> torch.Tensor | None:
+    return t.to("cpu", non_blocking=True) if t is not None else None
+
+
+def _full_rows(n: int, rows: torch.Tensor, values: torch.Tensor, fill: float) -> torch.Tensor:
+    """values (one row per sampled row) placed at `rows` of an n-row tensor filled with fill."""
+    full = torch.full((n, *values.shape[1:]), fill, dtype=values.dtype, device=values.device)
+    full[rows] = values
+    return full

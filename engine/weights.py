@@ -48,7 +48,10 @@ def _load_safetensors_dir(path: Path) -> dict[str, torch.Tensor]:
 
     files = sorted(path.glob("*.safetensors"))
     if not files:
-        raise ModelSourceError(f"{path}: no *.safetensors files (other formats are not supported)")
+        raise ModelSourceError(
+            f"{path}: no *.safetensors files (other formats are not supported; "
+            "--load-format dummy gives seeded random weights for its config.json)"
+        )
     weights: dict[str, torch.Tensor] = {}
     for file in files:
         weights.update(load_file(str(file)))

@@ -5,6 +5,7 @@ llmserve gateway | scheduler | engine ...                  one service (compose 
 llmserve generate PROMPT        raw text in, streamed completion out
 llmserve chat [MESSAGE]         one user turn through the chat template (interactive if omitted)
 llmserve health [--wait S]      exit 0 when the server at --address is SERVING
+llmserve bench serve | offline | compare   measure a gateway or the engine; compare results
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from collections.abc import Sequence
 DEFAULT_GATEWAY_PORT = 50051
 DEFAULT_SCHEDULER_PORT = 50052
 DEFAULT_ENGINE_PORT = 50053
+DEFAULT_HTTP_PORT = 8000  # the gateway's OpenAI-compatible API
+DEFAULT_METRICS_PORT = 9101  # gateway; scheduler 9102, engine 9103
 
 
 # -- argument groups (shared by `serve` and the single-service commands) --------------------------
@@ -41,7 +44,40 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-gb", type=float, default=2.0, help="CPU KV pool size")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     g.add_argument("--num-threads", type=int, default=0, help="torch CPU threads (0: default)")
-    g.add_argument("--seed", type=int, default=0, help="sampling seed for unseeded requests")
+    g.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="sampling seed for unseeded requests; also seeds --load-format dummy weights",
+    )
+    g.add_argument(
+        "--load-format",
+        default="auto",
+        choices=["auto", "dummy"],
+        help="auto: the checkpoint at --model; dummy: seeded random weights for the config.json "
+        "at --model (a directory, or the file; e.g. configs/llama-3-8b)",
+    )
+    g.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="no CUDA graphs: run decode steps eagerly too",
+    )
+    g.add_argument(
+        "--ops-backend",
+        default="auto",
+        choices=["auto", "torch", "cuda"],
+        help="layer ops: auto = the CUDA kernels of kernels/ where they can run (fp16/bf16 on a "
+        "GPU), else plain torch (kernels/reference.py)",
+    )
+
+
+def _add_engine_batch_args(p: argparse.ArgumentParser) -> None:
+    """The scheduler's limits, for `llmserve engine` alone (`serve` passes its scheduler's)."""
+    g = p.add_argument_group("engine: the scheduler's limits (size the GPU profile and graphs)")
+    g.add_argument("--max-num-seqs", type=int, default=256, help="requests per step at most")
+    g.add_argument(
+        "--max-num-batched-tokens", type=int, default=2048, help="tokens per step at most"
+    )
 
 
 def _add_scheduler_args(p: argparse.ArgumentParser) -> None:
@@ -60,6 +96,66 @@ def _add_scheduler_args(p: argparse.ArgumentParser) -> None:
         help="queued requests beyond which new ones get RESOURCE_EXHAUSTED",
     )
     g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument(
+        "--scheduling-policy",
+        default="continuous",
+        choices=["continuous", "static"],
+        help="static: admit a batch only when nothing runs; finished members pad it until its "
+        "last one finishes (the baseline `llmserve bench` compares against)",
+    )
+    g.add_argument(
+        "--static-batch-wait-ms",
+        type=float,
+        default=100.0,
+        help="static policy: wait up to this long for a new batch to fill to --max-num-seqs",
+    )
+    g.add_argument(
+        "--overlap-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="plan step N+1 while the engine runs step N (two steps in flight)",
+    )
+
+
+def _metrics_arg(p: argparse.ArgumentParser, default: int, what: str) -> None:
+    env = os.environ.get("LLMSERVE_METRICS_PORT")
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=int(env) if env is not None else default,
+        help=f"serve Prometheus metrics at http://HOST:PORT/metrics ({what}; 0 turns it off; "
+        "env LLMSERVE_METRICS_PORT). Traces and OTLP metrics: the standard OTEL_* variables",
+    )
+
+
+def _start_telemetry(service: str, args: argparse.Namespace) -> None:
+    from llmserve import telemetry
+    from llmserve.log import configure
+
+    configure(service)
+    telemetry.setup(service, args.metrics_port, getattr(args, "host", "0.0.0.0"))
+
+
+def _add_http_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("OpenAI-compatible HTTP API")
+    g.add_argument(
+        "--http-port",
+        type=int,
+        default=DEFAULT_HTTP_PORT,
+        help="port of the HTTP API (/v1/completions, /v1/chat/completions, ...; default "
+        "%(default)s); 0 turns it off",
+    )
+    g.add_argument(
+        "--api-key",
+        **_api_key_option("require 'Authorization: Bearer KEY' of every HTTP and gRPC client"),
+    )
+
+
+def _api_key_option(what: str) -> dict[str, str | None]:
+    return {
+        "default": os.environ.get("LLMSERVE_API_KEY") or None,
+        "help": f"{what} (default: env LLMSERVE_API_KEY)",
+    }
 
 
 def _model_arg(p: argparse.ArgumentParser) -> None:
@@ -92,6 +188,11 @@ def _engine_config(args: argparse.Namespace, port: int, host: str):  # type: ign
         seed=args.seed,
         host=host,
         port=port,
+        load_format=args.load_format,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enforce_eager=args.enforce_eager,
+        ops_backend=args.ops_backend,
     )
 
 
@@ -99,10 +200,9 @@ def _engine_config(args: argparse.Namespace, port: int, host: str):  # type: ign
 
 
 def cmd_engine(args: argparse.Namespace) -> int:
-    from llmserve.log import configure
-
-    configure("engine")
+    _start_telemetry("engine", args)
     from engine.service import serve
+    from llmserve import telemetry
 
     if args.fake:
         from engine.fake import FakeEngine
@@ -120,6 +220,7 @@ def cmd_engine(args: argparse.Namespace) -> int:
 
         engine = Engine(_engine_config(args, args.port, args.host))
     serve(engine, args.host, args.port)
+    telemetry.shutdown()
     return 0
 
 
@@ -133,9 +234,8 @@ def _run_async(main: object) -> None:
 
 
 def cmd_scheduler(args: argparse.Namespace) -> int:
-    from llmserve.log import configure
-
-    configure("scheduler")
+    _start_telemetry("scheduler", args)
+    from llmserve import telemetry
     from scheduler.config import SchedulerConfig
     from scheduler.service import serve
 
@@ -148,22 +248,31 @@ def cmd_scheduler(args: argparse.Namespace) -> int:
         max_waiting=args.max_waiting,
         enable_prefix_caching=not args.no_prefix_caching,
         max_model_len=args.max_model_len,
+        scheduling_policy=args.scheduling_policy,
+        static_batch_wait_ms=args.static_batch_wait_ms,
+        overlap_scheduling=args.overlap_scheduling,
     )
     _run_async(serve(config))
+    telemetry.shutdown()
     return 0
 
 
 def cmd_gateway(args: argparse.Namespace) -> int:
-    from llmserve.log import configure
-
-    configure("gateway")
+    _start_telemetry("gateway", args)
     from gateway.config import GatewayConfig
     from gateway.service import serve
+    from llmserve import telemetry
 
     config = GatewayConfig(
-        model=args.model, scheduler_address=args.scheduler_address, host=args.host, port=args.port
+        model=args.model,
+        scheduler_address=args.scheduler_address,
+        host=args.host,
+        port=args.port,
+        http_port=args.http_port,
+        api_key=args.api_key,
     )
     _run_async(serve(config))
+    telemetry.shutdown()
     return 0
 
 
@@ -198,8 +307,19 @@ def _service_argv(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
         str(args.num_threads),
         "--seed",
         str(args.seed),
+        "--load-format",
+        args.load_format,
+        "--ops-backend",
+        args.ops_backend,
+        "--max-num-seqs",
+        str(args.max_num_seqs),
+        "--max-num-batched-tokens",
+        str(args.max_num_batched_tokens),
+        *(["--enforce-eager"] if args.enforce_eager else []),
         *common,
     ]
+    base = args.metrics_port
+    engine += ["--metrics-port", str(base + 2 if base > 0 else 0)]
     scheduler = [
         "scheduler",
         "--host",
@@ -214,6 +334,13 @@ def _service_argv(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
         str(args.max_num_batched_tokens),
         "--max-waiting",
         str(args.max_waiting),
+        "--scheduling-policy",
+        args.scheduling_policy,
+        "--static-batch-wait-ms",
+        str(args.static_batch_wait_ms),
+        "--overlap-scheduling" if args.overlap_scheduling else "--no-overlap-scheduling",
+        "--metrics-port",
+        str(base + 1 if base > 0 else 0),
         *common,
     ]
     if args.no_prefix_caching:
@@ -226,6 +353,10 @@ def _service_argv(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
         str(args.port),
         "--scheduler-address",
         f"{internal}:{args.scheduler_port}",
+        "--http-port",
+        str(args.http_port),
+        "--metrics-port",
+        str(base),
         *common,
     ]
     return [("engine", engine), ("scheduler", scheduler), ("gateway", gateway)]
@@ -262,6 +393,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
+    if args.api_key:
+        os.environ["LLMSERVE_API_KEY"] = args.api_key  # to the gateway, not on its command line
     commands = {
         name: [sys.executable, "-m", "llmserve.cli", *argv] for name, argv in _service_argv(args)
     }
@@ -280,7 +413,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 return 1
         else:
             return 0
-        print(f"llmserve ready: gateway at {address} (Ctrl-C stops it)", flush=True)
+        http = f", HTTP at http://localhost:{args.http_port}/v1" if args.http_port else ""
+        print(f"llmserve ready: gateway at {address}{http} (Ctrl-C stops it)", flush=True)
         restarts: list[float] = []
         while not stop["signal"]:
             for i, (name, proc) in enumerate(children):
@@ -322,6 +456,7 @@ def _add_client_args(p: argparse.ArgumentParser) -> None:
         help="print one JSON object with text, token_ids and finish_reason",
     )
     p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+    p.add_argument("--api-key", **_api_key_option("the server's API key"))
 
 
 def _sampling_fields(args: argparse.Namespace) -> dict[str, object]:
@@ -344,7 +479,7 @@ def _run_one(args: argparse.Namespace, request: object) -> tuple[int, str]:
     from llmserve.client import Client, Completion
 
     completion = Completion()
-    with Client(args.address) as client:
+    with Client(args.address, api_key=args.api_key) as client:
         try:
             for msg in client.stream(request, timeout=args.timeout):  # type: ignore[arg-type]
                 completion.add(msg)
@@ -420,6 +555,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--scheduler-port", type=int, default=DEFAULT_SCHEDULER_PORT)
     p.add_argument("--engine-port", type=int, default=DEFAULT_ENGINE_PORT)
     p.add_argument("--ready-timeout", type=float, default=600.0)
+    _add_http_args(p)
+    _metrics_arg(
+        p, DEFAULT_METRICS_PORT, "the gateway's; the scheduler's is PORT+1, the engine's PORT+2"
+    )
     _add_engine_args(p)
     _add_scheduler_args(p)
     p.set_defaults(func=cmd_serve)
@@ -429,6 +568,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--port", type=int, default=DEFAULT_ENGINE_PORT)
     _add_engine_args(p)
+    _add_engine_batch_args(p)
+    _metrics_arg(p, DEFAULT_METRICS_PORT + 2, "default %(default)s")
     p.add_argument("--fake", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--fake-vocab-size", type=int, default=512, help=argparse.SUPPRESS)
     p.add_argument(
@@ -443,6 +584,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--port", type=int, default=DEFAULT_SCHEDULER_PORT)
     p.add_argument("--engine-address", default=f"localhost:{DEFAULT_ENGINE_PORT}")
+    _metrics_arg(p, DEFAULT_METRICS_PORT + 1, "default %(default)s")
     _add_scheduler_args(p)
     p.set_defaults(func=cmd_scheduler)
 
@@ -451,6 +593,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--port", type=int, default=DEFAULT_GATEWAY_PORT)
     p.add_argument("--scheduler-address", default=f"localhost:{DEFAULT_SCHEDULER_PORT}")
+    _add_http_args(p)
+    _metrics_arg(p, DEFAULT_METRICS_PORT, "default %(default)s")
     p.set_defaults(func=cmd_gateway)
 
     p = sub.add_parser("generate", help="complete raw text (no chat template)")
@@ -468,6 +612,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--address", default=f"localhost:{DEFAULT_GATEWAY_PORT}")
     p.add_argument("--wait", type=float, default=0.0, help="poll up to this many seconds")
     p.set_defaults(func=cmd_health)
+
+    from llmserve.bench.cli import add_bench_parser
+
+    add_bench_parser(sub)
     return parser
 
 

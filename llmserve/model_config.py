@@ -42,10 +42,13 @@ def builtin_model_path() -> Path:
 
 
 def resolve_model_path(model: str | None) -> Path:
-    """None or "builtin": the built-in GGUF; otherwise an existing HF directory or .gguf file."""
+    """None or "builtin": the built-in GGUF; otherwise an existing HF directory or .gguf file.
+    The path of a config.json stands for its directory."""
     if model in (None, "", "builtin"):
         return builtin_model_path()
     path = Path(model).expanduser()
+    if path.name == "config.json" and path.is_file():
+        path = path.parent
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ModelSourceError(f"--model {path}: directory has no config.json")
@@ -53,7 +56,7 @@ def resolve_model_path(model: str | None) -> Path:
     if path.is_file() and path.suffix == ".gguf":
         return path
     raise ModelSourceError(
-        f"--model {model}: expected an HF directory with config.json or a .gguf file"
+        f"--model {model}: expected an HF directory with config.json, a config.json or a .gguf file"
     )
 
 

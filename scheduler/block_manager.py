@@ -113,7 +113,8 @@ class BlockManager:
 
         cached_blocks (from find_cached_blocks, only when the request holds no blocks) are shared:
         their ref counts go up and they leave the free queue. Returns False, changing nothing, when
-        too few blocks are free. Full blocks are registered in the prefix cache.
+        too few blocks are free. Full blocks of known tokens are registered in the prefix cache (a
+        block ending in a pending token waits for a later call, when the token is known).
         """
         cached_blocks = cached_blocks or []
         assert not cached_blocks or not request.block_table
@@ -135,7 +136,7 @@ class BlockManager:
             self.ref_cnt[block_id] = 1
             request.block_table.append(block_id)
         if self.enable_prefix_caching:
-            self._cache_full_blocks(request, num_total)
+            self._cache_full_blocks(request, min(num_total, len(request.token_ids)))
         return True
 
     def free(self, request: Request) -> None:

@@ -32,6 +32,9 @@ class SamplingParams:
     min_p: float = 0.0
     seed: int | None = None
     logprobs: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    top_logprobs: int = 0
 
 
 @dataclass(eq=False)
@@ -39,10 +42,14 @@ class Request:
     """One generation. `token_ids` is the prompt followed by every token generated so far.
 
         token_ids:  |<- prompt ->|<- output ->|
+        num_tokens: |<- token_ids ----------->|<- pending ->|
         KV pool:    |<- num_computed_tokens ->|<- not yet computed ->|
 
     `num_computed_tokens` advances when a step is planned, so a running request always has at
     least one token left to compute: its newest sampled token, or the rest of its prompt.
+    A planned step that will sample for the request adds a pending token, a placeholder for the
+    token not known yet: the next step can be planned before the result arrives (overlap), the
+    placeholder standing in as that step's input. The result replaces it with the real token.
     """
 
     request_id: str
@@ -62,6 +69,8 @@ class Request:
     # Prompt tokens found in the prefix cache at first admission (-1 until admitted).
     num_cached_tokens: int = -1
     num_preemptions: int = 0
+    # Tokens sampled by steps planned but whose results have not arrived (0, 1, or 2 with overlap).
+    num_pending_tokens: int = 0
     # What the engine's mirror holds: whether it knows this request, and how many of its blocks.
     in_engine: bool = False
     num_sent_blocks: int = 0
@@ -72,7 +81,8 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.token_ids)
+        """Known tokens plus pending ones: the length steps are planned against."""
+        return len(self.token_ids) + self.num_pending_tokens
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -80,4 +90,5 @@ class Request:
 
     @property
     def num_output_tokens(self) -> int:
+        """Generated tokens known so far (pending ones not counted)."""
         return len(self.token_ids) - len(self.prompt_token_ids)

@@ -5,10 +5,22 @@ prefill, chunked prefill, decode and prefix-cache hits are one mechanism: a step
 some tokens out of the token budget. Running requests go first (oldest first); waiting requests are
 admitted with what budget and blocks are left. When blocks run out, the newest running request is
 preempted: its blocks are freed and it waits again, to be recomputed from its tokens later.
+
+Static batching (scheduling_policy="static", the baseline continuous batching is measured
+against): a batch is formed only when nothing runs, from the first waiting requests (at most
+max_num_seqs) whose blocks fit at once with each one padded to the batch's longest output (its
+prompt + the largest max_tokens among them). The batch is admitted, prefills, decodes, and no
+other request is admitted until its last member finishes. Padding is real work, as in HF
+transformers' `generate`: a member that finishes is reported finished to its client at once, but
+keeps its slot, its blocks and a row in every step, decoding throwaway tokens that are never
+streamed (the engine cannot tell them from real ones), until the last member finishes; then all
+are freed together. A padding row stops early only at max_model_len, or when a block it needs is
+wanted by a real member (padding never causes a preemption).
 """
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -34,6 +46,10 @@ class NewRequestRow:
     block_table: list[int]
     num_computed_tokens: int
     num_scheduled_tokens: int
+    # Set by _make_plan: whether the step completes the request's tokens (its sample is kept),
+    # and the request's num_preemptions then (a result for an earlier life is ignored).
+    samples: bool = False
+    num_preemptions: int = 0
 
 
 @dataclass
@@ -42,6 +58,8 @@ class RunningRow:
     num_scheduled_tokens: int
     num_computed_tokens: int
     new_block_ids: list[int]
+    samples: bool = False  # as in NewRequestRow
+    num_preemptions: int = 0
 
 
 @dataclass
@@ -52,6 +70,10 @@ class StepPlan:
     finished_seq_ids: list[int]
     new_requests: list[NewRequestRow]
     running: list[RunningRow]
+
+    @property
+    def rows(self) -> list[NewRequestRow | RunningRow]:
+        return [*self.new_requests, *self.running]
 
     @property
     def requests(self) -> list[Request]:
@@ -76,6 +98,24 @@ class StepOutcome:
     token_id: int
     logprob: float | None
     finished: RequestStatus | None
+    # The request's top_logprobs most likely tokens at this position, when it asked.
+    top_token_ids: list[int] = field(default_factory=list)
+    top_logprobs: list[float] = field(default_factory=list)
+
+
+@dataclass
+class TopLogprobColumns:
+    """A step's top-k logprobs, k per plan row: row i is [i * k : (i + 1) * k], best first."""
+
+    k: int
+    token_ids: list[int]
+    logprobs: list[float]
+
+    def row(self, i: int, num: int) -> tuple[list[int], list[float]]:
+        """Row i's min(num, k) most likely tokens and their logprobs."""
+        start = i * self.k
+        end = start + min(num, self.k)
+        return self.token_ids[start:end], self.logprobs[start:end]
 
 
 @dataclass
@@ -111,6 +151,16 @@ class Scheduler:
         self.finished_seq_ids: list[int] = []
         self.next_step_id = 1
         self.counters = SchedulerCounters()
+        # Requests preempted since the service last drained this list (for its traces/metrics).
+        self.preempted: list[Request] = []
+        # Static batching: members of the current batch not yet admitted, and members that
+        # finished but still run as padding (seq_id -> how they finished).
+        self.batch_pending: set[int] = set()
+        self.padding: dict[int, RequestStatus] = {}
+
+    @property
+    def is_static(self) -> bool:
+        return self.config.scheduling_policy == "static"
 
     # -- admission ------------------------------------------------------------------------------
 
@@ -169,12 +219,16 @@ class Scheduler:
             self.waiting.remove(request)
         elif request.status == RequestStatus.RUNNING:
             self.running.remove(request)
+        self.padding.pop(seq_id, None)
         self._finish(request, RequestStatus.FINISHED_ABORTED)
+        if self.padding:
+            self._end_drained_batch()
         return request
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         assert status.is_finished
         request.status = status
+        request.num_pending_tokens = 0  # results still in flight for it are ignored
         self.block_manager.free(request)
         del self.requests[request.seq_id]
         if request.in_engine:
@@ -190,16 +244,21 @@ class Scheduler:
         self.block_manager.free(request)
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
+        request.num_pending_tokens = 0  # a token in flight is dropped, sampled again on recompute
         request.num_preemptions += 1
         if request.in_engine:
             self.finished_seq_ids.append(request.seq_id)
             request.in_engine = False
         self.waiting.appendleft(request)
         self.counters.num_preemptions += 1
+        self.preempted.append(request)
 
     def reset_engine(self) -> None:
         """The engine lost its mirror and KV pool (it restarted, or failed a step): preempt every
-        running request and forget the prefix cache, so all work is redone from tokens."""
+        running request and forget the prefix cache, so all work is redone from tokens.
+        Padding rows (static batching) are freed, not preempted: they have nothing left to do."""
+        for request in [r for r in self.running if r.seq_id in self.padding]:
+            self._end_padding(request)
         for request in reversed(self.running):
             self._preempt(request)
         self.running = []
@@ -234,15 +293,24 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         """Plan one step: choose requests and their token counts, allocate their blocks, preempt
         if needed. Advances each scheduled request's num_computed_tokens (the step is assumed to
-        run); the plan lists what the engine needs to know."""
+        run) and gives each request the step samples for a pending token; the plan lists what the
+        engine needs to know.
+
+        May be called again before the previous plan's `update` (overlap: at most one plan
+        outstanding then): a pending token is planned as the next step's input like a known
+        one. A request that may not need another token once its pending ones land (they reach
+        max_tokens or max_model_len) is not scheduled ahead; EOS and stop tokens cannot be
+        foreseen, so a request can be scheduled one step past its end, and that step's token is
+        dropped by `update`."""
         budget = self.config.max_num_batched_tokens
         scheduled: list[tuple[Request, int]] = []
         budget, preempted = self._schedule_running(budget, scheduled)
         if not preempted:
             self._schedule_waiting(budget, scheduled)
         plan = self._make_plan(scheduled)
-        self.counters.num_steps += 1
-        self.counters.num_scheduled_tokens += plan.num_scheduled_tokens
+        if not plan.is_empty:
+            self.counters.num_steps += 1
+            self.counters.num_scheduled_tokens += plan.num_scheduled_tokens
         return plan
 
     def _schedule_running(
@@ -252,12 +320,14 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
+            if not self._may_need_a_step(request):
+                i += 1
+                continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             assert num_new > 0, f"running request {request.request_id} has nothing to compute"
             while not self.block_manager.allocate_slots(request, num_new):
-                victim = self.running.pop()  # newest first
-                self._preempt(victim)
-                preempted = True
+                victim, was_preempted = self._evict(i)
+                preempted = preempted or was_preempted
                 if victim is request:
                     break
             else:
@@ -266,15 +336,58 @@ class Scheduler:
                 i += 1
         return budget, preempted
 
+    def _may_need_a_step(self, request: Request) -> bool:
+        """False when request's pending tokens will end it: they bring its output to max_tokens
+        or its length to max_model_len (padding rows run past max_tokens)."""
+        num_pending = request.num_pending_tokens
+        if num_pending == 0:
+            return True
+        if len(request.token_ids) + num_pending >= self.max_model_len:
+            return False
+        return (
+            request.seq_id in self.padding
+            or request.num_output_tokens + num_pending < request.max_tokens
+        )
+
+    def _evict(self, i: int) -> tuple[Request, bool]:
+        """Free blocks for running[i]: end the newest padding row not yet scheduled this step
+        (index >= i), else preempt the newest request. Returns (victim, whether preempted)."""
+        victim = next((r for r in reversed(self.running[i:]) if r.seq_id in self.padding), None)
+        if victim is not None:
+            self._end_padding(victim)
+            return victim, False
+        victim = self.running.pop()  # newest first
+        self._preempt(victim)
+        return victim, True
+
+    def static_batch_wait_s(self) -> float | None:
+        """Static batching: seconds until the forming batch starts even if not full (0: start
+        now); None when no batch is forming (continuous policy, a batch running, nobody waiting,
+        or enough waiting to fill one)."""
+        if not self.is_static or self.running or not self.waiting:
+            return None
+        if len(self.waiting) >= self.config.max_num_seqs:
+            return None
+        deadline = self.waiting[0].arrival_time + self.config.static_batch_wait_ms / 1e3
+        return max(0.0, deadline - time.monotonic())
+
     def _schedule_waiting(self, budget: int, scheduled: list[tuple[Request, int]]) -> None:
+        if self.is_static and not self.running:
+            if self.static_batch_wait_s():
+                return  # the batch is still forming
+            self.batch_pending = self._next_batch()
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
+            if self.is_static and request.seq_id not in self.batch_pending:
+                break
             cached = self.block_manager.find_cached_blocks(request)
             num_cached = len(cached) * self.block_size
             num_new = min(request.num_tokens - num_cached, budget)
             if not self.block_manager.allocate_slots(request, num_new, cached):
                 break
             self.waiting.popleft()
+            assert request.num_pending_tokens == 0, f"{request.request_id}: pending while waiting"
+            self.batch_pending.discard(request.seq_id)
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_cached
             if request.num_cached_tokens < 0:
@@ -284,66 +397,139 @@ class Scheduler:
             scheduled.append((request, num_new))
             budget -= num_new
 
+    def _next_batch(self) -> set[int]:
+        """Static batching: the seq ids of the next batch, the first waiting requests (at most
+        max_num_seqs) whose blocks all fit in the free pool when each is padded to its prompt +
+        the batch's largest max_tokens (within max_model_len). The first always fits: nothing
+        runs, and check_admissible made sure it fits the pool alone."""
+        members: list[Request] = []
+        max_new = 0
+        for request in itertools.islice(self.waiting, self.config.max_num_seqs):
+            max_new = max(max_new, request.max_tokens)
+            padded = [min(r.num_prompt_tokens + max_new, self.max_model_len) for r in members]
+            padded.append(min(request.num_prompt_tokens + max_new, self.max_model_len))
+            need = sum(self.block_manager.num_blocks_for(n) for n in padded)
+            if members and need > self.block_manager.num_free_blocks:
+                break
+            members.append(request)
+        return {r.seq_id for r in members}
+
     def _make_plan(self, scheduled: list[tuple[Request, int]]) -> StepPlan:
+        """The plan for `scheduled` (request, tokens now). Per request, as the engine will:
+
+            before: |<- num_computed_tokens ->|<- num_new ->|<- rest ->|
+            after:  |<- num_computed_tokens -------------->|<- rest ->|
+
+        and when rest is empty the step samples: a pending token joins num_tokens."""
         plan = StepPlan(self.next_step_id, self.finished_seq_ids, [], [])
         self.next_step_id += 1
         self.finished_seq_ids = []
         for request, num_new in scheduled:
+            row: NewRequestRow | RunningRow
             if not request.in_engine:
-                plan.new_requests.append(
-                    NewRequestRow(
-                        request,
-                        list(request.token_ids),
-                        list(request.block_table),
-                        request.num_computed_tokens,
-                        num_new,
-                    )
+                row = NewRequestRow(
+                    request,
+                    list(request.token_ids),
+                    list(request.block_table),
+                    request.num_computed_tokens,
+                    num_new,
                 )
+                plan.new_requests.append(row)
                 request.in_engine = True
             else:
-                plan.running.append(
-                    RunningRow(
-                        request,
-                        num_new,
-                        request.num_computed_tokens,
-                        request.block_table[request.num_sent_blocks :],
-                    )
+                row = RunningRow(
+                    request,
+                    num_new,
+                    request.num_computed_tokens,
+                    request.block_table[request.num_sent_blocks :],
                 )
+                plan.running.append(row)
             request.num_sent_blocks = len(request.block_table)
             request.num_computed_tokens += num_new
+            row.samples = request.num_computed_tokens == request.num_tokens
+            row.num_preemptions = request.num_preemptions
+            request.num_pending_tokens += row.samples
         return plan
 
     # -- results --------------------------------------------------------------------------------
 
     def update(
-        self, plan: StepPlan, sampled_token_ids: list[int], logprobs: list[float] | None
+        self,
+        plan: StepPlan,
+        sampled_token_ids: list[int],
+        logprobs: list[float] | None,
+        top_logprobs: TopLogprobColumns | None = None,
     ) -> list[StepOutcome]:
-        """Apply a step's result. One token rule: a request whose computed tokens reached its full
-        length appends the sampled token; a mid-prefill request's token is discarded. Requests
-        aborted while the step ran are skipped. Finished requests free their blocks."""
-        requests = plan.requests
-        assert len(sampled_token_ids) == len(requests), (
-            f"step {plan.step_id}: {len(sampled_token_ids)} tokens for {len(requests)} requests"
+        """Apply a step's result; results come in plan order. One token rule: a row that
+        completed its request's tokens when planned (`samples`) turns the request's oldest pending
+        token into the sampled one; a mid-prefill row's token is discarded. Rows of requests that
+        ended (finished, aborted) or were preempted since the plan are skipped: with overlap, a
+        request that finished at step N may be in step N+1 too, and that token is dropped.
+        Finished requests free their blocks."""
+        rows = plan.rows
+        assert len(sampled_token_ids) == len(rows), (
+            f"step {plan.step_id}: {len(sampled_token_ids)} tokens for {len(rows)} requests"
         )
         outcomes = []
-        for i, request in enumerate(requests):
-            if (
-                request.status != RequestStatus.RUNNING
-                or request.num_computed_tokens < request.num_tokens
-            ):
+        for i, row in enumerate(rows):
+            request = row.request
+            if not row.samples or not self._awaits(row):
                 continue
             token_id = sampled_token_ids[i]
             assert token_id >= 0, f"step {plan.step_id}: no token for {request.request_id}"
+            request.num_pending_tokens -= 1
             request.token_ids.append(token_id)
+            if request.seq_id in self.padding:
+                if len(request.token_ids) >= self.max_model_len:
+                    self._end_padding(request)
+                continue  # a padding row's tokens are thrown away
             finished = self._check_stop(request, token_id)
             if finished is not None:
-                self.running.remove(request)
-                self._finish(request, finished)
+                self._end_or_pad(request, finished)
             logprob = logprobs[i] if logprobs else None
-            outcomes.append(StepOutcome(request, token_id, logprob, finished))
+            outcome = StepOutcome(request, token_id, logprob, finished)
+            if top_logprobs is not None and request.sampling.top_logprobs:
+                outcome.top_token_ids, outcome.top_logprobs = top_logprobs.row(
+                    i, request.sampling.top_logprobs
+                )
+            outcomes.append(outcome)
+        if self.padding:
+            self._end_drained_batch()
         if not self.requests:
             self.block_manager.check_integrity([])
         return outcomes
+
+    @staticmethod
+    def _awaits(row: NewRequestRow | RunningRow) -> bool:
+        """Whether row's request still waits for this row's token: it runs, in the same life
+        (not preempted since), with a pending token."""
+        request = row.request
+        if request.status != RequestStatus.RUNNING:
+            return False
+        if request.num_preemptions != row.num_preemptions:
+            return False
+        assert request.num_pending_tokens > 0, f"{request.request_id}: a token nobody awaits"
+        return True
+
+    def _end_or_pad(self, request: Request, status: RequestStatus) -> None:
+        """request finished: free it, or (static batching) keep it running as padding until its
+        batch drains. Either way its outcome reports it finished."""
+        if self.is_static and len(request.token_ids) < self.max_model_len:
+            self.padding[request.seq_id] = status
+            return
+        self.running.remove(request)
+        self._finish(request, status)
+
+    def _end_padding(self, request: Request) -> None:
+        """Free a padding row with the status it finished with."""
+        self.running.remove(request)
+        self._finish(request, self.padding.pop(request.seq_id))
+
+    def _end_drained_batch(self) -> None:
+        """Static batching: once every running request is padding, the batch is over."""
+        if all(r.seq_id in self.padding for r in self.running):
+            for request in list(self.running):
+                self._end_padding(request)
 
     def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
         if token_id in self.eos_token_ids and not request.ignore_eos:
@@ -352,6 +538,6 @@ class Scheduler:
             return RequestStatus.FINISHED_STOPPED
         if request.num_output_tokens >= request.max_tokens:
             return RequestStatus.FINISHED_LENGTH
-        if request.num_tokens >= self.max_model_len:
+        if len(request.token_ids) >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None

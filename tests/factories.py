@@ -122,3 +122,27 @@ def make_tiny_llama(
     if with_tokenizer:
         write_byte_tokenizer(directory)
     return directory
+
+
+def hf_dummy_model(config_dir: Path, seed: int, dtype: Any, device: str) -> Any:
+    """HF transformers' LlamaForCausalLM for config_dir/config.json holding the engine's dummy
+    weights (engine/dummy.py, `--load-format dummy --seed seed`), made on `device` in `dtype`
+    (an 8B model in bf16 never exists in float32)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from engine.dummy import fill_hf_tensor_
+
+    config = LlamaConfig.from_pretrained(config_dir)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(default)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            fill_hf_tensor_(param.data, seed, name)
+    model.generation_config.eos_token_id = None  # generate exactly the asked length
+    return model.eval()

@@ -7,6 +7,7 @@ import pytest
 
 from engine.fake import FakeEngine
 from engine.mirror import (
+    PLACEHOLDER,
     Mirror,
     MirrorMismatch,
     NewRequestData,
@@ -115,6 +116,44 @@ def test_commit_mid_prefill_discards_token_then_completion_appends() -> None:
     assert seq.token_ids == [*prompt, 42, 43]
     assert seq.num_computed_tokens == 8
     assert seq.num_output_tokens == 2
+
+
+def test_commit_pending_then_resolve_in_order() -> None:
+    """Overlap: step 2 is applied and committed before step 1's token is known; the counts
+    check out against placeholders, and each step's tokens land where its rows put them."""
+    m = Mirror(BLOCK_SIZE, NUM_BLOCKS)
+    prompt = [10, 11, 12, 13, 14, 15, 16]
+    step1 = m.apply(plan(1, new=[new_req(1, prompt, [0, 1], 7), new_req(2, [5, 6], [2], 1)]))
+    m.commit_pending(step1)
+    seq = m.seqs[1]
+    assert seq.token_ids == [*prompt, PLACEHOLDER]
+    assert (seq.num_computed_tokens, seq.pending_step_id, seq.pending_row) == (7, 1, 0)
+    assert m.seqs[2].token_ids == [5, 6]  # mid-prefill: no placeholder
+
+    step2 = m.apply(plan(2, run=running([2, 1], [1, 1], [1, 7])))
+    assert [(r.start, r.end, r.samples) for r in step2.rows] == [(1, 2, True), (7, 8, True)]
+    m.commit_pending(step2)
+    assert seq.token_ids == [*prompt, PLACEHOLDER, PLACEHOLDER]
+    assert (seq.pending_step_id, seq.pending_row) == (2, 1)
+
+    m.resolve(step1, [42, -1])
+    assert seq.token_ids == [*prompt, 42, PLACEHOLDER]
+    assert (seq.pending_step_id, seq.pending_row) == (2, 1)  # still step 2's
+    m.resolve(step2, [7, 43])
+    assert seq.token_ids == [*prompt, 42, 43]
+    assert (seq.pending_step_id, seq.pending_row) == (0, -1)
+    assert m.seqs[2].token_ids == [5, 6, 7]
+
+
+def test_resolve_after_the_request_was_dropped() -> None:
+    """A request that finished (or was preempted) while its step was unresolved: resolving
+    touches only the dropped state, never a new request with the same id."""
+    m = Mirror(BLOCK_SIZE, NUM_BLOCKS)
+    step1 = m.apply(plan(1, new=[new_req(1, [1, 2, 3], [0], 3)]))
+    m.commit_pending(step1)
+    m.apply(plan(2, finished=[1], new=[new_req(1, [1, 2, 3], [4], 3)]))
+    m.resolve(step1, [9])
+    assert m.seqs[1].token_ids == [1, 2, 3]
 
 
 def test_commit_rows_in_plan_order_new_first() -> None:

@@ -7,8 +7,9 @@ import math
 import pytest
 import torch
 
+import engine.sampler
 from engine.mirror import SamplingParams
-from engine.sampler import Sampler, seed_for
+from engine.sampler import Sampler, seed_for, seeded_exponential
 
 CPU = torch.device("cpu")
 NUM_DRAWS = 20_000
@@ -294,6 +295,128 @@ def test_seeded_row_does_not_depend_on_engine_generator_state() -> None:
     for _ in range(3):
         sampler(logits.expand(4, -1), [SamplingParams()] * 4, [0] * 4)
     assert int(sampler(logits, params, [5])[0][0]) == first
+
+
+def test_one_seed_follows_the_distribution_over_its_outputs() -> None:
+    """A single seeded request's successive draws (output indices 0, 1, 2, ...) follow
+    softmax(logits / T): the use that matters, one seed and many positions."""
+    n = NUM_DRAWS
+    batch = LOGITS[None, :].expand(n, -1).contiguous()
+    params = [SamplingParams(temperature=0.8, seed=77)] * n
+    tokens, _ = Sampler(CPU)(batch, params, list(range(n)))
+    assert_frequencies(torch.bincount(tokens, minlength=8), torch.softmax(LOGITS / 0.8, dim=-1))
+
+
+@pytest.mark.parametrize(
+    ("params", "keep"),
+    [
+        (SamplingParams(top_k=3), [3, 0, 5]),
+        (SamplingParams(top_p=0.6), [3, 0, 5]),
+        (SamplingParams(min_p=0.3), [3, 0, 5, 1]),
+        (SamplingParams(top_k=6, top_p=0.9, min_p=0.3), [3, 0, 5, 1]),
+    ],
+)
+def test_seeded_rows_respect_the_filters(params: SamplingParams, keep: list[int]) -> None:
+    n = NUM_DRAWS
+    batch = LOGITS[None, :].expand(n, -1).contiguous()
+    seeded = [
+        SamplingParams(top_k=params.top_k, top_p=params.top_p, min_p=params.min_p, seed=s)
+        for s in range(n)
+    ]
+    tokens, _ = Sampler(CPU)(batch, seeded, [3] * n)
+    assert_frequencies(torch.bincount(tokens, minlength=8), filtered_probs(LOGITS, keep))
+
+
+def test_seeded_noise_is_exponential() -> None:
+    """seeded_exponential: each row is Exponential(1): mean 1, and P(E > t) = exp(-t) at several
+    t within 5 standard deviations; the 32-bit hashes behind it are uniform over 64 bins
+    (chi-square, 63 degrees of freedom, far below its 1e-6 tail of ~123)."""
+    keys = torch.tensor([seed_for(s, i) for s in range(8) for i in range(4)])
+    noise = seeded_exponential(keys, 4096).double()
+    assert noise.shape == (32, 4096) and bool((noise > 0).all())
+    n = noise.numel()
+    assert abs(float(noise.mean()) - 1.0) < 5 / math.sqrt(n)
+    for t in (0.01, 0.1, 0.5, 1.0, 2.0, 4.0):
+        p = math.exp(-t)
+        frac = float((noise > t).double().mean())
+        assert abs(frac - p) < 5 * math.sqrt(p * (1 - p) / n), t
+    u = torch.exp(-noise)  # back to (0, 1)
+    counts = torch.bincount((u * 64).long().clamp(max=63).flatten(), minlength=64).double()
+    chi2 = float(((counts - n / 64) ** 2 / (n / 64)).sum())
+    assert chi2 < 123, chi2
+
+
+def test_seeded_noise_rows_are_not_correlated() -> None:
+    """Neighbouring output indices of one seed, and neighbouring seeds, give unrelated rows."""
+    keys = torch.tensor([seed_for(5, 0), seed_for(5, 1), seed_for(6, 0)])
+    noise = seeded_exponential(keys, 20_000).double()
+    corr = torch.corrcoef(noise)
+    off_diagonal = corr[~torch.eye(3, dtype=torch.bool)]
+    assert float(off_diagonal.abs().max()) < 5 / math.sqrt(20_000)
+    # and within a row, neighbouring columns
+    row = noise[0]
+    assert abs(float(torch.corrcoef(torch.stack([row[:-1], row[1:]]))[0, 1])) < 0.04
+
+
+def test_seeded_noise_is_pinned() -> None:
+    """The noise function is part of the seed contract (the same seed gives the same text
+    across versions): a change to it must be deliberate."""
+    keys = torch.tensor([seed_for(1234, 0), seed_for(0, 0)])
+    expected = [
+        [1.62456214427948, 1.1319459676742554, 0.03730154037475586, 0.5820446014404297],
+        [0.561737596988678, 0.4007551372051239, 1.384896993637085, 4.394467353820801],
+    ]
+    torch.testing.assert_close(seeded_exponential(keys, 4), torch.tensor(expected))
+    params = [SamplingParams(seed=s) for s in (1, 2, 3)]
+    tokens, _ = Sampler(CPU)(torch.zeros(3, 1000), params, [0, 5, 9])
+    assert tokens.tolist() == [180, 480, 353]
+
+
+def test_seeded_rows_create_no_generators(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Seeded rows cost a few batched tensor ops, not a torch.Generator (and its kernel
+    launches) per row: only the engine's own generator exists."""
+    made: list[object] = []
+    real = torch.Generator
+
+    def counting(*args: object, **kwargs: object) -> torch.Generator:
+        made.append(args)
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(engine.sampler.torch, "Generator", counting)
+    sampler = Sampler(CPU, 0)
+    assert len(made) == 1
+    logits = torch.randn(64, 500)
+    params = [SamplingParams(seed=i) if i % 2 else SamplingParams() for i in range(64)]
+    sampler(logits, params, list(range(64)))
+    sampler(logits, [SamplingParams(seed=i, top_p=0.9) for i in range(64)], [0] * 64)
+    assert len(made) == 1
+
+
+def test_all_seeded_batch_equals_mixed_batch() -> None:
+    """The all-seeded shortcut (no engine noise drawn at all) and the mixed path agree."""
+    torch.manual_seed(9)
+    logits = torch.randn(6, 300)
+    seeded = [SamplingParams(temperature=1.2, seed=40 + i) for i in range(6)]
+    alone, _ = Sampler(CPU)(logits, seeded, [2] * 6)
+    mixed = logits.repeat(2, 1)
+    params = seeded + [SamplingParams(temperature=1.2)] * 6
+    together, _ = Sampler(CPU, 3)(mixed, params, [2] * 12)
+    assert torch.equal(together[:6], alone)
+
+
+@pytest.mark.gpu
+def test_seeded_noise_and_tokens_same_on_cuda() -> None:
+    cuda = torch.device("cuda")
+    keys = torch.tensor([seed_for(s, i) for s in range(16) for i in range(8)])
+    cpu_noise = seeded_exponential(keys, 32_000)
+    gpu_noise = seeded_exponential(keys.to(cuda), 32_000).cpu()
+    assert torch.equal(cpu_noise, gpu_noise)
+    torch.manual_seed(10)
+    logits = torch.randn(128, 32_000)
+    params = [SamplingParams(temperature=0.9, top_k=50, seed=s) for s in range(128)]
+    on_cpu, _ = Sampler(CPU)(logits, params, list(range(128)))
+    on_gpu, _ = Sampler(cuda)(logits.to(cuda), params, list(range(128)))
+    assert torch.equal(on_cpu, on_gpu.cpu())
 
 
 # ---- logprobs --------------------------------------------------------------------------------

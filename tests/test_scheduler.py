@@ -6,11 +6,16 @@ a token's value says which output it is: a re-emitted output shows up as a repea
 
 from __future__ import annotations
 
+import random
+from collections import deque
 from collections.abc import Callable, Iterator
 
 import pytest
 
+from engine.convert import plan_from_proto
+from engine.mirror import Mirror
 from scheduler.config import SchedulerConfig
+from scheduler.convert import plan_to_proto
 from scheduler.request import Request, RequestStatus, SamplingParams
 from scheduler.scheduler import (
     AdmissionError,
@@ -47,12 +52,22 @@ def make_request(
     )
 
 
+def output_index(request: Request) -> int:
+    """Right after planning a step that samples for request: the index of the output token that
+    step produces (its pending tokens, this one included, come after the known outputs)."""
+    return request.num_output_tokens + request.num_pending_tokens - 1
+
+
 def position_token(request: Request) -> int:
-    return 10 + request.num_output_tokens
+    return 10 + output_index(request)
 
 
 class Harness:
-    """A scheduler plus a fake engine applying the one token rule, recording every outcome."""
+    """A scheduler plus a fake engine applying the one token rule, recording every outcome.
+
+    With mirror=True every plan also goes through the real contract (protobuf both ways) into
+    the engine's Mirror, which checks each delta and applies the engine's one token rule when the
+    step is planned, as an engine that runs steps in order does."""
 
     def __init__(
         self,
@@ -63,18 +78,27 @@ class Harness:
         max_waiting: int = 16,
         max_model_len: int = 64,
         enable_prefix_caching: bool = True,
+        scheduling_policy: str = "continuous",
+        static_batch_wait_ms: float = 0.0,
+        mirror: bool = False,
     ) -> None:
         config = SchedulerConfig(
             max_num_batched_tokens=max_num_batched_tokens,
             max_num_seqs=max_num_seqs,
             max_waiting=max_waiting,
             enable_prefix_caching=enable_prefix_caching,
+            scheduling_policy=scheduling_policy,
+            static_batch_wait_ms=static_batch_wait_ms,
         )
         self.s = Scheduler(config, num_blocks, BS, max_model_len, VOCAB, (EOS,))
         self.outputs: dict[int, list[int]] = {}
         self.finished: dict[int, RequestStatus] = {}
         self.plans: list[StepPlan] = []
         self.last_tokens: list[int] = []
+        self.num_blocks = num_blocks
+        self.mirror = Mirror(BS, num_blocks) if mirror else None
+        # Overlap: planned steps whose results are not applied yet, oldest first.
+        self.in_flight: deque[tuple[StepPlan, list[int]]] = deque()
 
     def add(self, *requests: Request) -> None:
         for r in requests:
@@ -86,9 +110,7 @@ class Harness:
     def tokens_for(
         self, plan: StepPlan, token_for: Callable[[Request], int] = position_token
     ) -> list[int]:
-        return [
-            token_for(r) if r.num_computed_tokens == r.num_tokens else -1 for r in plan.requests
-        ]
+        return [token_for(r.request) if r.samples else -1 for r in plan.rows]
 
     def finish_step(self, plan: StepPlan, tokens: list[int]) -> list[StepOutcome]:
         outcomes = self.s.update(plan, tokens, None)
@@ -115,6 +137,51 @@ class Harness:
             if not self.s.has_work:
                 return
             self.step()
+        raise AssertionError("scheduler did not go idle")
+
+    # -- overlap: plan step N+1 before applying step N's result ----------------------------------
+
+    def plan(self, token_for: Callable[[Request], int] = position_token) -> StepPlan:
+        """Plan a step and put it in flight (empty plans are never sent)."""
+        plan = self.s.schedule()
+        self.check()
+        if plan.is_empty:
+            return plan
+        self.plans.append(plan)
+        tokens = self.tokens_for(plan, token_for)
+        self._engine_step(plan, tokens)
+        self.in_flight.append((plan, tokens))
+        return plan
+
+    def result(self) -> list[StepOutcome]:
+        """Apply the oldest step in flight's result."""
+        plan, tokens = self.in_flight.popleft()
+        return self.finish_step(plan, tokens)
+
+    def _engine_step(self, plan: StepPlan, tokens: list[int]) -> None:
+        if self.mirror is None:
+            return
+        batch = self.mirror.apply(plan_from_proto(plan_to_proto(plan)))
+        assert [r.samples for r in batch.rows] == [r.samples for r in plan.rows]
+        self.mirror.commit(batch, tokens)
+
+    def reset_engine(self) -> None:
+        """The engine restarts: steps in flight are lost, the mirror starts empty."""
+        self.in_flight.clear()
+        self.s.reset_engine()
+        if self.mirror is not None:
+            self.mirror = Mirror(BS, self.num_blocks)
+
+    def run_overlapped(
+        self, token_for: Callable[[Request], int] = position_token, max_steps: int = 300
+    ) -> None:
+        """The service's loop with two steps in flight: plan N+1, then apply N's result."""
+        for _ in range(max_steps):
+            if not self.s.has_work and not self.in_flight:
+                return
+            plan = self.plan(token_for)
+            if len(self.in_flight) == 2 or (plan.is_empty and self.in_flight):
+                self.result()
         raise AssertionError("scheduler did not go idle")
 
 
@@ -203,7 +270,7 @@ def test_continuous_batching_admits_while_another_decodes(make: Callable[..., Ha
     assert list(h.s.block_manager.free_blocks) == [*range(3, 16), 1, 0, 2]
     assert h.s.counters.num_finished_requests == 2
     assert h.s.counters.finish_reasons == {"length": 2}
-    assert h.s.counters.num_steps == 5
+    assert h.s.counters.num_steps == 4  # the empty plan is never sent: not a step
     assert h.s.counters.num_scheduled_tokens == 5 + 4 + 2
 
 
@@ -554,7 +621,7 @@ def test_admission_queue_full(make: Callable[..., Harness]) -> None:
 
 def eos_at(k: int, token: int = EOS) -> Callable[[Request], int]:
     def token_for(r: Request) -> int:
-        return token if r.num_output_tokens == k else position_token(r)
+        return token if output_index(r) == k else position_token(r)
 
     return token_for
 
@@ -737,3 +804,411 @@ def test_resize_aborts_what_no_longer_fits(make: Callable[..., Harness]) -> None
         h.s.add(make_request(5, 5, 4))
     h.run_until_idle()
     assert h.outputs == {1: [10], 3: [10, 11, 12]}
+
+
+# -- static batching ------------------------------------------------------------------------------
+
+
+def test_static_batch_pads_and_admits_nobody_until_it_drains(make: Callable[..., Harness]) -> None:
+    h = make(scheduling_policy="static", max_num_seqs=2)
+    a, b, c = make_request(1, 3, 1), make_request(2, 3, 3), make_request(3, 2, 2)
+    h.add(a, b, c)
+    length = RequestStatus.FINISHED_LENGTH
+    plan, outcomes = h.step()
+    assert new_rows(plan) == [
+        (1, a.prompt_token_ids, [0], 0, 3),
+        (2, b.prompt_token_ids, [1], 0, 3),
+    ]
+    # a is finished for its client at once, but stays in the batch as padding.
+    assert outcome_rows(outcomes) == [(1, 10, length), (2, 10, None)]
+    assert h.s.padding == {1: length} and h.s.running == [a, b]
+
+    # a keeps computing (its throwaway token 11 is never streamed); c is not admitted although
+    # a slot would be free under continuous batching.
+    plan, outcomes = h.step()
+    assert (plan.finished_seq_ids, plan.new_requests) == ([], [])
+    assert running_rows(plan) == [(1, 1, 3, []), (2, 1, 3, [])]
+    assert outcome_rows(outcomes) == [(2, 11, None)]
+    assert a.token_ids == [*a.prompt_token_ids, 10, 11]
+    assert list(h.s.waiting) == [c]
+
+    # The padding row grows into a new block like any request; b's last token drains the batch.
+    plan, outcomes = h.step()
+    assert running_rows(plan) == [(1, 1, 4, [2]), (2, 1, 4, [3])]
+    assert outcome_rows(outcomes) == [(2, 12, length)]
+    assert h.s.running == [] and h.s.padding == {}
+    assert h.s.block_manager.num_free_blocks == 16
+
+    # Only now the next batch: c, with both drained members listed for the engine.
+    plan, outcomes = h.step()
+    assert plan.finished_seq_ids == [1, 2]
+    assert new_rows(plan) == [(3, c.prompt_token_ids, [4], 0, 2)]
+    h.run_until_idle()
+    assert h.outputs == {1: [10], 2: [10, 11, 12], 3: [10, 11]}
+    assert h.s.counters.finish_reasons == {"length": 3}
+    assert h.s.counters.num_preemptions == 0
+
+
+def test_static_batch_waits_to_fill_up_to_its_deadline(make: Callable[..., Harness]) -> None:
+    """A new static batch starts when max_num_seqs requests wait, or when the first has waited
+    static_batch_wait_ms; until then the plan is empty and the service sleeps that long."""
+    h = make(scheduling_policy="static", max_num_seqs=3, static_batch_wait_ms=60_000)
+    a, b, c, d = (make_request(i, 3, 2) for i in range(1, 5))
+    h.add(a)
+    assert h.s.schedule().is_empty
+    wait = h.s.static_batch_wait_s()
+    assert wait is not None and 59 < wait <= 60
+    h.add(b, c, d)  # three waiting: a full batch starts at once, d waits for the next
+    assert h.s.static_batch_wait_s() is None
+    plan, _ = h.step()
+    assert [r.request.seq_id for r in plan.new_requests] == [1, 2, 3]
+    assert h.s.static_batch_wait_s() is None  # a batch is running
+    h.step()  # the batch drains (2 tokens each)
+    assert h.s.running == [] and list(h.s.waiting) == [d]
+    plan = h.s.schedule()  # d's batch is forming (the plan only tells the engine to drop 1-3) ...
+    assert (plan.finished_seq_ids, plan.new_requests, plan.running) == ([1, 2, 3], [], [])
+    d.arrival_time -= 61  # ... until its deadline has passed
+    assert h.s.static_batch_wait_s() == 0.0
+    plan, _ = h.step()
+    assert [r.request.seq_id for r in plan.new_requests] == [4]
+    h.run_until_idle()
+    h.check()
+
+
+def test_continuous_batching_admits_into_the_freed_slot(make: Callable[..., Harness]) -> None:
+    """The same requests as above without static batching: c joins at step 2."""
+    h = make(max_num_seqs=2)
+    h.add(make_request(1, 3, 1), make_request(2, 3, 3), make_request(3, 2, 2))
+    h.step()
+    plan, _ = h.step()
+    assert plan.finished_seq_ids == [1]
+    assert [r.request.seq_id for r in plan.new_requests] == [3]
+    assert running_rows(plan) == [(2, 1, 3, [])]
+
+
+def test_static_batch_fits_every_member_padded(make: Callable[..., Harness]) -> None:
+    """a (4 + 4 tokens) and b (4 + 1, padded to 4 + 4) need 2 blocks each; 3 are free, so b
+    waits for the next batch, while continuous batching runs both at once."""
+    h = make(scheduling_policy="static", num_blocks=3)
+    a, b = make_request(1, 4, 4), make_request(2, 4, 1)
+    h.add(a, b)
+    plan, _ = h.step()
+    assert new_rows(plan) == [(1, a.prompt_token_ids, [0], 0, 4)]
+    assert h.s.batch_pending == set() and list(h.s.waiting) == [b]
+    for _ in range(3):
+        plan, _ = h.step()
+        assert [r.seq_id for r in plan.requests] == [1]
+    plan, _ = h.step()
+    assert plan.finished_seq_ids == [1]
+    assert [r.request.seq_id for r in plan.new_requests] == [2]
+    h.run_until_idle()
+    assert h.outputs == {1: [10, 11, 12, 13], 2: [10]}
+
+    c = make(num_blocks=3)
+    c.add(make_request(1, 4, 4), make_request(2, 4, 1))
+    plan, _ = c.step()
+    assert [r.request.seq_id for r in plan.new_requests] == [1, 2]
+
+
+def test_static_padding_stops_at_max_model_len(make: Callable[..., Harness]) -> None:
+    h = make(scheduling_policy="static", max_model_len=8)
+    a, b = make_request(1, 5, 1), make_request(2, 4, 4)
+    h.add(a, b)
+    h.step()
+    h.step()
+    plan, outcomes = h.step()  # a's padding reaches 8 tokens: it ends; b still decodes
+    assert running_rows(plan) == [(1, 1, 6, []), (2, 1, 5, [])]
+    assert outcome_rows(outcomes) == [(2, 12, None)]
+    assert a.num_tokens == 8 and a.status == RequestStatus.FINISHED_LENGTH
+    assert h.s.running == [b] and h.s.padding == {}
+    plan, outcomes = h.step()
+    assert plan.finished_seq_ids == [1]
+    assert running_rows(plan) == [(2, 1, 6, [])]
+    assert outcome_rows(outcomes) == [(2, 13, RequestStatus.FINISHED_LENGTH)]
+    h.run_until_idle()
+    assert h.outputs == {1: [10], 2: [10, 11, 12, 13]}
+
+
+def test_static_padding_gives_its_block_up_instead_of_preempting(
+    make: Callable[..., Harness],
+) -> None:
+    """A 4-token budget splits b's prefill, so a pads longer than its reservation; when it needs
+    a fourth block there is none, and the padding row ends rather than preempt anyone."""
+    h = make(scheduling_policy="static", num_blocks=3, max_num_batched_tokens=4)
+    a, b = make_request(1, 2, 1), make_request(2, 6, 2)
+    h.add(a, b)
+    plan, outcomes = h.step()
+    assert new_rows(plan) == [
+        (1, a.prompt_token_ids, [0], 0, 2),
+        (2, b.prompt_token_ids, [1], 0, 2),
+    ]
+    assert outcome_rows(outcomes) == [(1, 10, RequestStatus.FINISHED_LENGTH)]
+    plan, _ = h.step()
+    assert running_rows(plan) == [(1, 1, 2, []), (2, 3, 2, [2])]
+    plan, outcomes = h.step()
+    assert running_rows(plan) == [(1, 1, 3, []), (2, 1, 5, [])]
+    assert outcome_rows(outcomes) == [(2, 10, None)]
+    plan, outcomes = h.step()
+    assert plan.finished_seq_ids == [1]  # a needed a block at position 4 and gave up
+    assert running_rows(plan) == [(2, 1, 6, [])]
+    assert outcome_rows(outcomes) == [(2, 11, RequestStatus.FINISHED_LENGTH)]
+    assert h.s.counters.num_preemptions == 0
+    h.run_until_idle()
+    assert h.outputs == {1: [10], 2: [10, 11]}
+
+
+def test_static_abort_and_engine_reset_end_the_padding(make: Callable[..., Harness]) -> None:
+    h = make(scheduling_policy="static")
+    a, b = make_request(1, 3, 1), make_request(2, 3, 5)
+    h.add(a, b)
+    h.step()
+    h.step()
+    assert h.s.padding == {1: RequestStatus.FINISHED_LENGTH}
+    h.s.abort(2)  # the last real member: the batch is over
+    assert h.s.running == [] and h.s.requests == {}
+    assert a.status == RequestStatus.FINISHED_LENGTH
+    assert b.status == RequestStatus.FINISHED_ABORTED
+    plan, _ = h.step()
+    assert plan.finished_seq_ids == [2, 1] and plan.requests == []
+
+    c, d = make_request(3, 3, 1), make_request(4, 3, 3)
+    h.add(c, d)
+    h.step()
+    h.s.reset_engine()  # padding is freed, the real member recomputed later
+    assert c.status == RequestStatus.FINISHED_LENGTH and c.num_preemptions == 0
+    assert list(h.s.waiting) == [d] and d.num_preemptions == 1
+    h.run_until_idle()
+    assert h.outputs[3] == [10] and h.outputs[4] == [10, 11, 12]
+
+
+def test_scheduling_policy_is_checked() -> None:
+    with pytest.raises(ValueError, match="scheduling_policy='fifo' must be one of continuous"):
+        SchedulerConfig(scheduling_policy="fifo")
+
+
+# -- overlap: step N+1 planned before step N's result --------------------------------------------
+
+
+def test_overlap_plans_ahead_on_pending_tokens(make: Callable[..., Harness]) -> None:
+    h = make(mirror=True)
+    a = make_request(1, 3, 4)
+    h.add(a)
+    plan = h.plan()
+    assert new_rows(plan) == [(1, a.prompt_token_ids, [0], 0, 3)]
+    assert plan.new_requests[0].samples
+    assert (a.num_computed_tokens, a.num_pending_tokens, a.num_tokens) == (3, 1, 4)
+
+    # Step 2 computes the placeholder for step 1's token (slot 3 of block 0) and samples again.
+    plan = h.plan()
+    assert running_rows(plan) == [(1, 1, 3, [])] and plan.running[0].samples
+    assert (a.num_computed_tokens, a.num_pending_tokens, a.num_tokens) == (4, 2, 5)
+    assert outcome_rows(h.result()) == [(1, 10, None)]
+    assert a.token_ids == [*a.prompt_token_ids, 10] and a.num_pending_tokens == 1
+
+    # Step 3's placeholder sits at position 4: its block is allocated before the token is known.
+    plan = h.plan()
+    assert running_rows(plan) == [(1, 1, 4, [1])]
+    assert a.block_table == [0, 1]
+    assert outcome_rows(h.result()) == [(1, 11, None)]
+    plan = h.plan()
+    assert running_rows(plan) == [(1, 1, 5, [])]
+    assert outcome_rows(h.result()) == [(1, 12, None)]
+
+    # Output 3 is the last (max_tokens=4) and is pending: nothing is scheduled past it.
+    assert (a.num_output_tokens, a.num_pending_tokens) == (3, 1)
+    plan = h.plan()
+    assert plan.is_empty
+    assert outcome_rows(h.result()) == [(1, 13, RequestStatus.FINISHED_LENGTH)]
+    assert a.block_table == [] and h.s.block_manager.num_free_blocks == 16
+    plan = h.plan()
+    assert plan.finished_seq_ids == [1] and plan.rows == []
+    h.result()
+    assert h.outputs == {1: [10, 11, 12, 13]}
+    assert not h.s.has_work and not h.in_flight
+    assert [p.step_id for p in h.plans] == [1, 2, 3, 4, 6]  # step 5 was empty, never sent
+    assert h.s.counters.num_steps == 5
+
+
+def test_overlap_max_tokens_one_is_never_scheduled_ahead(make: Callable[..., Harness]) -> None:
+    h = make(mirror=True)
+    a = make_request(1, 3, 1)
+    h.add(a)
+    h.plan()
+    assert h.plan().is_empty
+    assert outcome_rows(h.result()) == [(1, 10, RequestStatus.FINISHED_LENGTH)]
+    assert h.s.block_manager.num_free_blocks == 16
+
+
+def test_overlap_token_after_eos_is_dropped(make: Callable[..., Harness]) -> None:
+    """a's output 1 is EOS, unforeseeable: step 3 samples a's output 2, which is never streamed;
+    a's blocks are free when step 2's result arrives, and the engine hears of it in step 4."""
+    h = make(mirror=True)
+    a, b = make_request(1, 3, 10), make_request(2, 2, 10)
+    h.add(a, b)
+    token_for = eos_at(1)
+    h.plan(token_for)
+    h.plan(token_for)
+    assert outcome_rows(h.result()) == [(1, 10, None), (2, 10, None)]
+    plan = h.plan(token_for)  # both scheduled ahead: nobody knows a's output 1 is EOS
+    assert [r.request.seq_id for r in plan.running] == [1, 2]
+    assert outcome_rows(h.result()) == [
+        (1, EOS, RequestStatus.FINISHED_STOPPED),
+        (2, EOS, RequestStatus.FINISHED_STOPPED),
+    ]
+    assert a.block_table == [] and h.s.block_manager.num_free_blocks == 16
+    assert a.num_pending_tokens == 0
+    plan = h.plan(token_for)
+    assert plan.finished_seq_ids == [1, 2] and plan.rows == []
+    assert h.result() == []  # step 3's tokens for a and b: dropped
+    h.result()
+    assert a.token_ids == [*a.prompt_token_ids, 10, EOS]
+    assert h.outputs == {1: [10, EOS], 2: [10, EOS]}
+
+
+def test_overlap_abort_with_two_steps_in_flight(make: Callable[..., Harness]) -> None:
+    h = make(mirror=True)
+    a, b = make_request(1, 4, 10), make_request(2, 4, 10)
+    h.add(a, b)
+    h.plan()
+    h.plan()
+    h.s.abort(1)
+    assert a.block_table == [] and a.status == RequestStatus.FINISHED_ABORTED
+    assert h.s.block_manager.num_free_blocks == 14
+    assert outcome_rows(h.result()) == [(2, 10, None)]
+    plan = h.plan()
+    assert plan.finished_seq_ids == [1] and running_rows(plan) == [(2, 1, 5, [])]
+    assert outcome_rows(h.result()) == [(2, 11, None)]
+    h.run_overlapped()
+    assert h.outputs == {2: list(range(10, 20))}  # nothing of a's: aborted before its output
+
+
+def test_overlap_chunked_prefill_chunks_in_flight(make: Callable[..., Harness]) -> None:
+    """Two chunks of one prompt in flight at once: neither samples; the last chunk does, and the
+    next step decodes its placeholder."""
+    h = make(mirror=True, max_num_batched_tokens=4)
+    a = make_request(1, 10, 2)
+    h.add(a)
+    plan = h.plan()
+    assert new_rows(plan) == [(1, a.prompt_token_ids, [0], 0, 4)]
+    plan = h.plan()
+    assert running_rows(plan) == [(1, 4, 4, [1])] and not plan.running[0].samples
+    assert h.result() == []
+    plan = h.plan()
+    assert running_rows(plan) == [(1, 2, 8, [2])] and plan.running[0].samples
+    assert a.num_pending_tokens == 1
+    assert h.result() == []
+    plan = h.plan()
+    assert running_rows(plan) == [(1, 1, 10, [])]
+    assert outcome_rows(h.result()) == [(1, 10, None)]
+    assert h.plan().is_empty  # output 1 is pending and the last
+    assert outcome_rows(h.result()) == [(1, 11, RequestStatus.FINISHED_LENGTH)]
+
+
+def test_overlap_preemption_of_a_request_in_flight(make: Callable[..., Harness]) -> None:
+    """As test_preemption_newest_first_recomputed_without_reemitting, with step N+1 planned
+    before step N's result: b is preempted while its output 14 is in flight; that token is
+    dropped, and b samples output 14 again when recomputed (the same token: it depends only on
+    the output index), never streaming anything twice."""
+    h = make(num_blocks=4, max_num_seqs=2, mirror=True)
+    a = make_request(1, 4, 8)
+    b = make_request(2, 4, 8)
+    c = make_request(3, 2, 1)
+    h.add(a, b, c)
+    h.plan()
+    plan = h.plan()
+    assert running_rows(plan) == [(1, 1, 4, [2]), (2, 1, 4, [3])]
+    for computed in (5, 6, 7):
+        h.result()
+        plan = h.plan()
+        assert running_rows(plan) == [(1, 1, computed, []), (2, 1, computed, [])]
+    h.result()
+    assert (b.num_output_tokens, b.num_pending_tokens) == (4, 1)
+
+    # Step 6: a needs a third block; b, whose output 14 is in step 5, is preempted.
+    plan = h.plan()
+    assert plan.step_id == 6 and plan.finished_seq_ids == [2]
+    assert running_rows(plan) == [(1, 1, 8, [3])]
+    assert b.status == RequestStatus.WAITING
+    assert (b.block_table, b.num_computed_tokens, b.num_pending_tokens) == ([], 0, 0)
+    b_tokens = [*b.prompt_token_ids, 10, 11, 12, 13]
+    assert b.token_ids == b_tokens
+    assert outcome_rows(h.result()) == [(1, 14, None)]  # step 5: b's token dropped
+    assert b.token_ids == b_tokens and list(h.s.waiting) == [b, c]
+
+    h.run_overlapped()
+    assert h.outputs == {1: list(range(10, 18)), 2: list(range(10, 18)), 3: [10]}
+    assert b.num_preemptions == 1
+    assert [i for p in h.plans for i in p.finished_seq_ids] == [2, 1, 3, 2]
+    recompute = next(p for p in h.plans if p.new_requests and p.new_requests[0].request is b)
+    assert recompute.new_requests[0].token_ids == b_tokens
+
+
+def test_overlap_engine_reset_with_steps_in_flight(make: Callable[..., Harness]) -> None:
+    """The engine dies with two steps in flight: both results are lost, every pending token is
+    dropped, and recompute still produces every output exactly once."""
+    h = make(mirror=True)
+    reqs = [make_request(i, 3 + i, 6) for i in (1, 2, 3)]
+    h.add(*reqs)
+    h.plan()
+    h.plan()
+    h.result()
+    h.plan()
+    assert len(h.in_flight) == 2
+    assert all(r.num_pending_tokens == 2 for r in reqs)
+    h.reset_engine()
+    assert all(r.num_pending_tokens == 0 and r.status == RequestStatus.WAITING for r in reqs)
+    assert [r.num_output_tokens for r in reqs] == [1, 1, 1]
+    h.run_overlapped()
+    assert h.outputs == {i: list(range(10, 16)) for i in (1, 2, 3)}
+
+
+def _random_workload(rng: random.Random) -> list[Request]:
+    """Requests with shared prefixes (cache hits), of 1..14 prompt tokens, 1..9 outputs."""
+    prefixes = [[rng.randrange(1, 90) for _ in range(8)] for _ in range(2)]
+    requests = []
+    for seq_id in range(1, rng.randrange(3, 9)):
+        own = [rng.randrange(1, 90) for _ in range(rng.randrange(1, 7))]
+        prompt = (rng.choice(prefixes)[: rng.randrange(0, 9)] + own)[:14]
+        requests.append(make_request(seq_id, 0, rng.randrange(1, 10), prompt=prompt))
+    return requests
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_overlap_gives_the_same_outputs_as_one_step_at_a_time(seed: int) -> None:
+    """Random workloads under random limits (chunked prefill, preemption, prefix caching, static
+    batching, EOS at random outputs): planning ahead changes no output and no finish reason, the
+    engine's Mirror accepts every plan, and the block manager is consistent after every step."""
+    rng = random.Random(seed)
+    config = {
+        "num_blocks": rng.choice([6, 8, 16]),
+        "max_num_batched_tokens": rng.choice([3, 5, 16, 64]),
+        "max_num_seqs": rng.choice([2, 4, 8]),
+        "enable_prefix_caching": rng.random() < 0.7,
+        "scheduling_policy": "static" if rng.random() < 0.25 else "continuous",
+        "max_model_len": 24,
+    }
+    workload = _random_workload(rng)
+    eos_index = {r.seq_id: rng.randrange(0, 12) for r in workload}
+
+    def token_for(r: Request) -> int:
+        return EOS if output_index(r) == eos_index[r.seq_id] else position_token(r)
+
+    runs = []
+    for overlap in (False, True):
+        h = Harness(mirror=True, **config)  # type: ignore[arg-type]
+        h.add(
+            *[make_request(r.seq_id, 0, r.max_tokens, prompt=r.prompt_token_ids) for r in workload]
+        )
+        if overlap:
+            h.run_overlapped(token_for, max_steps=1000)
+        else:
+            for _ in range(1000):
+                if not h.s.has_work:
+                    break
+                h.plan(token_for)
+                if h.in_flight:
+                    h.result()
+        assert not h.s.has_work and h.s.block_manager.num_free_blocks == h.num_blocks
+        h.check()
+        runs.append((h.outputs, h.finished))
+    assert runs[0] == runs[1]

@@ -201,6 +201,30 @@ def test_queue_full_is_resource_exhausted(tokenizer_dir: Path, tmp_path: Path) -
         s.close()
 
 
+def test_one_step_in_flight_without_overlap(tokenizer_dir: Path, tmp_path: Path) -> None:
+    """--no-overlap-scheduling (one step in flight) streams the same tokens, stops included."""
+    s = _fake_stack(
+        tokenizer_dir,
+        tmp_path,
+        "--fake-step-delay-ms",
+        "2",
+        scheduler=("--no-overlap-scheduling", "--max-num-batched-tokens", "16"),
+    )
+    try:
+        prompts = [f"one at a time {i}: " + "y" * i for i in range(8)]
+        with s.client() as client, ThreadPoolExecutor(8) as pool:
+            results = list(
+                pool.map(lambda p: client.generate(make_request(text=p, max_tokens=30)), prompts)
+            )
+            stopped = client.generate(make_request(text="abcd", max_tokens=50, stop_token_ids=[99]))
+        for prompt, result in zip(prompts, results, strict=True):
+            assert result.text == echo(prompt, 30)
+        assert stopped.token_ids == [97, 98, 99] and stopped.finish_reason == "stop"
+        s.assert_idle()
+    finally:
+        s.close()
+
+
 def test_engine_crash_loses_nothing(tokenizer_dir: Path, tmp_path: Path) -> None:
     """Kill the engine mid-generation and start a new one: every request still completes with
     exactly the right tokens, none duplicated, none missing."""

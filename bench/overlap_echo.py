@@ -1,0 +1,200 @@
+"""Overlap scheduling on the CPU, measured with the echo engine (engine/fake.py): no model, so
+what is measured is the serving machinery between steps (planning, the gRPC hop, the engine
+service's pipeline), with and without `--overlap-scheduling`.
+
+    python bench/overlap_echo.py [--num-requests 8 64] [--output-len 256] [--step-delay-ms 0 5]
+
+For each batch size, step delay and setting, a fresh echo engine and scheduler (two processes, real
+gRPC on loopback; no gateway) serve --num-requests concurrent Submit streams of --prompt-len
+tokens, each generating exactly --output-len tokens (EOS ignored). The echo engine models a
+device: each step occupies it --step-delay-ms, steps back to back, launch returns at once.
+Reported per run: steps/s and output tokens/s (all requests sent -> last token), the scheduler's
+planning and update time per step, each process's CPU time per step (engine, scheduler, this
+client: one asyncio loop), and for a delay > 0 the "device" busy fraction, steps x delay / wall
+time. Raw numbers go to bench/results/overlap_echo.json. A CPU echo-engine figure, not a
+model's or a GPU's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import grpc  # noqa: E402
+
+from llmserve.net import CHANNEL_OPTIONS, wait_until_serving  # noqa: E402
+from protos import common_pb2, scheduler_pb2, scheduler_pb2_grpc  # noqa: E402
+from tests.stack import free_port  # noqa: E402
+
+
+def start(step_delay_ms: float, overlap: bool, num_requests: int) -> tuple[list[Any], str]:
+    """Echo engine + scheduler; returns (processes, scheduler address)."""
+    engine_port, scheduler_port = free_port(), free_port()
+    env = {**os.environ, "LLMSERVE_LOG_LEVEL": "WARNING", "LLMSERVE_METRICS_PORT": "0"}
+    env = {k: v for k, v in env.items() if not k.startswith("OTEL_")}
+    cli = [sys.executable, "-m", "llmserve.cli"]
+    engine = [
+        *cli, "engine", "--fake", "--host", "127.0.0.1", "--port", str(engine_port),
+        "--fake-step-delay-ms", str(step_delay_ms), "--num-kv-blocks", "4096",
+        "--max-model-len", "4096",
+    ]  # fmt: skip
+    scheduler = [
+        *cli, "scheduler", "--host", "127.0.0.1", "--port", str(scheduler_port),
+        "--engine-address", f"127.0.0.1:{engine_port}", "--max-num-seqs", str(num_requests),
+        "--overlap-scheduling" if overlap else "--no-overlap-scheduling",
+    ]  # fmt: skip
+    procs = [
+        subprocess.Popen(argv, cwd=ROOT, env=env, stderr=subprocess.DEVNULL)
+        for argv in (engine, scheduler)
+    ]
+    address = f"127.0.0.1:{scheduler_port}"
+    if not wait_until_serving(address, timeout=60):
+        stop(procs)
+        raise RuntimeError("echo engine + scheduler did not start")
+    return procs, address
+
+
+def stop(procs: list[Any]) -> None:
+    for p in procs:
+        p.terminate()
+    for p in procs:
+        p.wait(timeout=10)
+
+
+def cpu_model() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.machine()
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time a process has used so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def stream_all(
+    address: str, num_requests: int, prompt_len: int, output_len: int
+) -> list[tuple[float, float, int]]:
+    """All requests at once from one asyncio client; per request (first token time, last token
+    time, tokens)."""
+    async with grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
+        stub = scheduler_pb2_grpc.SchedulerStub(channel)
+
+        async def one(i: int) -> tuple[float, float, int]:
+            request = scheduler_pb2.SubmitRequest(
+                request_id=f"r{i}",
+                prompt_token_ids=[(i * 31 + j) % 500 + 1 for j in range(prompt_len)],
+                sampling=common_pb2.SamplingParams(temperature=0.0),
+                max_tokens=output_len,
+                ignore_eos=True,
+            )
+            n, t_first, t_last = 0, 0.0, 0.0
+            async for msg in stub.Submit(request, timeout=600):
+                now = time.perf_counter()
+                t_first = t_first or now
+                t_last = now
+                n += len(msg.token_ids)
+            return t_first, t_last, n
+
+        return await asyncio.gather(*(one(i) for i in range(num_requests)))
+
+
+def run_once(
+    address: str, pids: list[int], num_requests: int, prompt_len: int, output_len: int
+) -> dict[str, float]:
+    """One run: steps/s, tokens/s, the scheduler's time per step, each process's CPU per step."""
+    with grpc.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
+        stub = scheduler_pb2_grpc.SchedulerStub(channel)
+        before = stub.GetStats(scheduler_pb2.GetStatsRequest(), timeout=5)
+        cpu_before = [cpu_seconds(pid) for pid in [*pids, os.getpid()]]
+        t_start = time.perf_counter()
+        streams = asyncio.run(stream_all(address, num_requests, prompt_len, output_len))
+        cpu_after = [cpu_seconds(pid) for pid in [*pids, os.getpid()]]
+        after = stub.GetStats(scheduler_pb2.GetStatsRequest(), timeout=5)
+    assert [n for *_, n in streams] == [output_len] * num_requests, streams
+    wall = max(t for _, t, _ in streams) - t_start
+    steps = after.num_steps - before.num_steps
+    cpu_ms = [(b - a) * 1e3 / steps for a, b in zip(cpu_before, cpu_after, strict=True)]
+    return {
+        "wall_s": wall,
+        "num_steps": steps,
+        "steps_per_s": steps / wall,
+        "output_tok_per_s": num_requests * output_len / wall,
+        "schedule_ms_per_step": (after.schedule_ms - before.schedule_ms) / steps,
+        "update_ms_per_step": (after.update_ms - before.update_ms) / steps,
+        "step_rtt_ms_per_step": (after.step_rtt_ms - before.step_rtt_ms) / steps,
+        "cpu_ms_per_step": dict(zip(["engine", "scheduler", "client"], cpu_ms, strict=True)),
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--num-requests", type=int, nargs="+", default=[8, 64])
+    p.add_argument("--prompt-len", type=int, default=16)
+    p.add_argument("--output-len", type=int, default=256)
+    p.add_argument("--step-delay-ms", type=float, nargs="+", default=[0.0, 5.0])
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--output", default=str(ROOT / "bench/results/overlap_echo.json"))
+    args = p.parse_args()
+    results = []
+    for n, delay, overlap in itertools.product(
+        args.num_requests, args.step_delay_ms, (False, True)
+    ):
+        procs, address = start(delay, overlap, n)
+        pids = [p.pid for p in procs]
+        try:
+            run_once(address, pids, 4, args.prompt_len, 8)  # warm-up
+            runs = [
+                run_once(address, pids, n, args.prompt_len, args.output_len)
+                for _ in range(args.repeats)
+            ]
+        finally:
+            stop(procs)
+        best = max(runs, key=lambda r: r["steps_per_s"])
+        if delay:
+            best["device_busy"] = best["num_steps"] * delay / 1e3 / best["wall_s"]
+        row = {"num_requests": n, "step_delay_ms": delay, "overlap": overlap}
+        results.append({**row, **best, "runs": runs})
+        busy = f"  device busy {best['device_busy']:.0%}" if delay else ""
+        cpu = "/".join(f"{v:.1f}" for v in best["cpu_ms_per_step"].values())
+        print(
+            f"batch {n:3d}  delay {delay:4.1f} ms  overlap {'on ' if overlap else 'off'}  "
+            f"{best['steps_per_s']:6.1f} steps/s  {best['output_tok_per_s']:6.0f} tok/s  "
+            f"plan {best['schedule_ms_per_step']:.2f} ms  update "
+            f"{best['update_ms_per_step']:.2f} ms  CPU ms/step engine/scheduler/client "
+            f"{cpu}{busy}",
+            flush=True,
+        )
+    doc = {
+        "what": "echo engine (engine/fake.py) + scheduler on the CPU, no gateway, no model",
+        "command": " ".join(sys.argv),
+        "config": vars(args),
+        "machine": {
+            "cpu": cpu_model(),
+            "cores": os.cpu_count(),
+            "python": platform.python_version(),
+        },
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "results": results,
+    }
+    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.output).write_text(json.dumps(doc, indent=2) + "\n")
+    print(f"saved {args.output}")
+
+
+if __name__ == "__main__":
+    main()

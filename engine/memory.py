@@ -1,0 +1,150 @@
+"""Sizing the KV pool on a GPU from what a profiling forward at the largest step leaves:
+
+    |<------------------ total x gpu_memory_utilization ------------------>|
+    |<- weights ->|<- activation peak ->|<- graphs ->|<- non-torch ->|<- KV pool ->|
+
+The activation peak is measured (`profile_step_memory`: one step of max_num_batched_tokens
+tokens over up to max_num_seqs requests, sampled with every filter on, into a scratch pool that
+is not counted); the arithmetic (`kv_cache_budget`, `graph_memory_estimate`) is pure and tested
+on the CPU.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from engine.kv_cache import allocate_kv_cache, layer_views
+from engine.mirror import Mirror, NewRequestData, RunningData, SamplingParams, StepPlanData
+from llmserve.model_config import ModelConfig
+
+GIB = 1 << 30
+GRAPH_MARGIN_BYTES = 64 << 20
+# Every sampling feature at once, so the profile sees the sampler's largest temporaries
+# (sort, softmax, noise and penalty counts over [max_num_seqs, vocab]).
+PROFILE_SAMPLING = SamplingParams(
+    temperature=1.0,
+    top_k=50,
+    top_p=0.9,
+    min_p=0.05,
+    logprobs=True,
+    top_logprobs=20,
+    presence_penalty=0.5,
+    frequency_penalty=0.5,
+)
+
+
+@dataclass(frozen=True)
+class MemoryProfile:
+    """Device memory in bytes, read around the profiling step."""
+
+    total_bytes: int
+    free_bytes: int  # free after the step, torch's cache emptied
+    weights_bytes: int  # held by torch before the step: weights, rope table
+    activation_peak_bytes: int  # the step's peak above that, its scratch KV pool excluded
+    non_torch_bytes: int  # in use outside torch's allocator: CUDA context, CuPy modules, ...
+
+
+def profile_lengths(
+    max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int
+) -> list[int]:
+    """Prompt lengths of the profiling step: max_num_batched_tokens tokens over as few requests
+    as max_model_len allows and as many as max_num_seqs allows (the most logits rows), evenly."""
+    tokens = max_num_batched_tokens
+    num_seqs = min(max_num_seqs, tokens)
+    num_seqs = max(num_seqs, -(-tokens // max_model_len))
+    base, extra = divmod(tokens, num_seqs)
+    return [base + 1] * extra + [base] * (num_seqs - extra)
+
+
+def graph_memory_estimate(
+    activation_peak_bytes: int, max_graph_batch: int, profiled_tokens: int
+) -> int:
+    """What the decode graphs' private pool will hold: activations grow with the tokens in a
+    forward, so the profile's peak scaled down to the largest captured batch (an overestimate:
+    that peak also holds the sampler's [rows, vocab] temporaries), plus a fixed margin."""
+    if max_graph_batch <= 0:
+        return 0
+    share = min(1.0, max_graph_batch / max(profiled_tokens, 1))
+    return int(activation_peak_bytes * share) + GRAPH_MARGIN_BYTES
+
+
+def kv_cache_budget(profile: MemoryProfile, utilization: float, graph_bytes: int) -> int:
+    """Bytes the KV pool may take: utilization x total less everything else the engine keeps,
+    and never more than is free now less the room the steps and graphs will need again (another
+    process may hold memory too). 0 when nothing is left."""
+    p = profile
+    wanted = (
+        int(utilization * p.total_bytes)
+        - p.weights_bytes
+        - p.activation_peak_bytes
+        - graph_bytes
+        - p.non_torch_bytes
+    )
+    room = p.free_bytes - p.activation_peak_bytes - graph_bytes
+    return max(0, min(wanted, room))
+
+
+def num_blocks_for(budget_bytes: int, bytes_per_block: int) -> int:
+    return max(0, budget_bytes // bytes_per_block)
+
+
+def describe(profile: MemoryProfile) -> dict[str, float]:
+    """The profile in GiB, for the engine's log line."""
+    return {
+        "total_gib": round(profile.total_bytes / GIB, 2),
+        "weights_gib": round(profile.weights_bytes / GIB, 2),
+        "activation_peak_gib": round(profile.activation_peak_bytes / GIB, 2),
+        "non_torch_gib": round(profile.non_torch_bytes / GIB, 2),
+        "free_gib": round(profile.free_bytes / GIB, 2),
+    }
+
+
+def profile_plan(lengths: list[int], block_size: int, vocab_size: int) -> StepPlanData:
+    """One step admitting len(lengths) whole prompts, blocks handed out in order."""
+    new: list[NewRequestData] = []
+    next_block = 0
+    for seq_id, length in enumerate(lengths):
+        num_blocks = -(-length // block_size)
+        table = list(range(next_block, next_block + num_blocks))
+        next_block += num_blocks
+        tokens = [(seq_id * 7919 + i * 104729) % vocab_size for i in range(length)]
+        new.append(NewRequestData(seq_id, tokens, length, PROFILE_SAMPLING, table, 0, length))
+    return StepPlanData(1, [], new, RunningData([], [], [], [], []))
+
+
+@torch.inference_mode()
+def profile_step_memory(
+    model_config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    block_size: int,
+    lengths: list[int],
+    make_runner: Callable[[list[tuple[torch.Tensor, torch.Tensor]]], Any],
+) -> MemoryProfile:
+    """Run one step of prompts `lengths` through a runner (from make_runner(kv views)) on a
+    scratch KV pool just large enough, and read the device's memory around it. The scratch pool
+    and everything the step allocated are freed before returning."""
+    torch.cuda.synchronize(device)
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    weights_bytes = torch.cuda.memory_allocated(device)
+    plan = profile_plan(lengths, block_size, model_config.vocab_size)
+    num_blocks = sum(-(-n // block_size) for n in lengths)
+    scratch = allocate_kv_cache(model_config, num_blocks, block_size, dtype, device)
+    scratch_bytes = scratch.numel() * scratch.element_size()
+    runner = make_runner(layer_views(scratch))
+    runner.execute(Mirror(block_size, num_blocks).apply(plan))
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - weights_bytes - scratch_bytes
+    del runner, scratch
+    gc.collect()
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(device)
+    non_torch = max(0, (total - free) - torch.cuda.memory_reserved(device))
+    return MemoryProfile(total, free, weights_bytes, max(0, peak), non_torch)

@@ -1,0 +1,217 @@
+"""How a decoder layer's hot ops run, chosen once per model by `select_ops`:
+
+- `ReferenceOps`: kernels/reference.py in plain torch. The CPU engine's path, and float32 on a
+  GPU (the CUDA kernels are fp16 / bf16 only). Reads the step's metadata as Python lists, so it
+  synchronizes and cannot be captured in a CUDA graph.
+- `KernelOps`: kernels/cuda.py (store_kv, paged decode / varlen prefill attention, fused RMSNorm,
+  rotary, SiLU-and-mul). Reads the step's metadata as int32 device tensors, made once per step by
+  `prepare` (or given by a CUDA graph's static buffers), and never synchronizes.
+
+The layers call `ops.<op>(...)` and never ask which backend they have.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+from engine.config import OPS_BACKENDS
+from engine.sampler import to_device
+from kernels import reference as ref
+
+if TYPE_CHECKING:
+    from engine.model import AttentionContext
+    from llmserve.model_config import ModelConfig
+
+
+class LayerOps(Protocol):
+    name: str
+    graph_safe: bool  # whether a forward through these ops can be captured in a CUDA graph
+
+    def prepare(self, ctx: AttentionContext) -> AttentionContext: ...
+
+    def rms_norm(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def rotary(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        ctx: AttentionContext,
+        scale: float,
+    ) -> torch.Tensor: ...
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor: ...
+
+
+class ReferenceOps:
+    """kernels/reference.py: exactly what the CPU engine has always run."""
+
+    name = "torch"
+    graph_safe = False
+
+    def prepare(self, ctx: AttentionContext) -> AttentionContext:
+        return ctx
+
+    def rms_norm(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return ref.rms_norm(x, weight, eps, residual)
+
+    def rotary(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        q = ref.rotary_embedding(positions, q, cos_sin)
+        return q, ref.rotary_embedding(positions, k, cos_sin)
+
+    def attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        ctx: AttentionContext,
+        scale: float,
+    ) -> torch.Tensor:
+        """Store this step's K/V, then attend (reference.paged_attention)."""
+        ref.store_kv(k, v, k_cache, v_cache, ctx.slot_mapping)
+        return ref.paged_attention(
+            q, k_cache, v_cache, ctx.block_tables, ctx.seq_lens, ctx.cu_seqlens_q, scale
+        )
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        return ref.silu_and_mul(x)
+
+
+class KernelOps:
+    """kernels/cuda.py. q and k are rotated in place (they are fresh views of the qkv product)."""
+
+    name = "cuda"
+    graph_safe = True
+
+    def __init__(self) -> None:
+        import kernels.cuda as kc
+
+        self.kc = kc
+
+    def prepare(self, ctx: AttentionContext) -> AttentionContext:
+        """The step's int32 device metadata from its host lists, once per step; a context that
+        already has it (a CUDA graph's static buffers) is returned as it is.
+
+        seq_lens and cu_seqlens_q travel in one copy through pinned memory (it does not wait for
+        the kernels already queued)."""
+        if ctx.seq_lens_t is not None:
+            return ctx
+        num_seqs = len(ctx.seq_lens)
+        meta = to_device([*ctx.seq_lens, *ctx.cu_seqlens_q], torch.int32, ctx.slot_mapping.device)
+        block_tables = ctx.block_tables
+        if block_tables.dtype != torch.int32:
+            block_tables = block_tables.to(torch.int32)
+        return dataclasses.replace(
+            ctx,
+            block_tables=block_tables,
+            seq_lens_t=meta[:num_seqs],
+            cu_seqlens_q_t=meta[num_seqs:],
+            max_seqlen_q=max(b - a for a, b in itertools.pairwise(ctx.cu_seqlens_q)),
+            max_seq_len=max(ctx.seq_lens),
+        )
+
+    def rms_norm(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.kc.rms_norm(x, weight, eps, residual)
+
+    def rotary(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self.kc.rotary_embedding(positions, q, cos_sin, out=q)
+        self.kc.rotary_embedding(positions, k, cos_sin, out=k)
+        return q, k
+
+    def attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        ctx: AttentionContext,
+        scale: float,
+    ) -> torch.Tensor:
+        """store_kv, then the decode kernel (every request one query) or the varlen prefill
+        kernel (anything else), as kernels.cuda.paged_attention dispatches."""
+        assert ctx.seq_lens_t is not None and ctx.cu_seqlens_q_t is not None, "prepare() first"
+        self.kc.store_kv(k, v, k_cache, v_cache, ctx.slot_mapping)
+        return self.kc.paged_attention(
+            q,
+            k_cache,
+            v_cache,
+            ctx.block_tables,
+            ctx.seq_lens_t,
+            ctx.cu_seqlens_q_t,
+            scale,
+            max_seqlen_q=ctx.max_seqlen_q,
+            max_seq_len=ctx.max_seq_len,
+        )
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        return self.kc.silu_and_mul(x)
+
+
+def kernel_limits(config: ModelConfig, dtype: torch.dtype, block_size: int) -> str | None:
+    """Why the CUDA kernels cannot run this model (None when they can), checked without a GPU."""
+    from kernels.cuda import HEAD_DIMS
+
+    if dtype not in (torch.float16, torch.bfloat16):
+        return f"dtype {str(dtype).removeprefix('torch.')}: the CUDA kernels are fp16 / bf16 only"
+    if config.head_dim not in HEAD_DIMS:
+        return f"head_dim={config.head_dim}: the CUDA kernels support {HEAD_DIMS}"
+    if block_size % 16:
+        return f"block_size={block_size}: the decode kernel needs a multiple of 16"
+    if config.hidden_size % 8 or config.hidden_size > 24576:
+        return f"hidden_size={config.hidden_size}: rms_norm needs a multiple of 8, <= 24576"
+    if config.intermediate_size % 8:
+        return f"intermediate_size={config.intermediate_size}: silu_and_mul needs a multiple of 8"
+    return None
+
+
+def select_ops(
+    backend: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    config: ModelConfig,
+    block_size: int,
+) -> tuple[LayerOps, str]:
+    """(ops, why). backend: "torch" = ReferenceOps; "cuda" = KernelOps or a ValueError saying
+    why not; "auto" = KernelOps on a GPU whenever they can run, else ReferenceOps."""
+    if backend not in OPS_BACKENDS:
+        raise ValueError(f"ops backend {backend!r} must be one of {OPS_BACKENDS}")
+    if backend == "torch":
+        return ReferenceOps(), "asked for (--ops-backend torch)"
+    if device.type != "cuda":
+        if backend == "cuda":
+            raise ValueError(f"--ops-backend cuda needs --device cuda, not {device.type}")
+        return ReferenceOps(), f"device {device.type}"
+    why_not = kernel_limits(config, dtype, block_size)
+    if why_not is None:
+        import kernels.cuda as kc
+
+        if not kc.is_available():
+            why_not = "kernels.cuda.is_available() is False (needs CuPy and an sm_80+ GPU)"
+    if why_not is None:
+        return KernelOps(), "CUDA kernels (kernels/cuda.py)"
+    if backend == "cuda":
+        raise ValueError(f"--ops-backend cuda: {why_not}")
+    return ReferenceOps(), why_not

@@ -1,0 +1,87 @@
+"""Plays the scheduler for an Engine in tests and benchmarks: every prompt admitted whole in the
+first step, then one decode token per request per step, KV blocks handed out in order."""
+
+from __future__ import annotations
+
+from engine.engine import Engine
+from engine.mirror import NewRequestData, RunningData, SamplingParams, StepPlanData
+from engine.runner import StepOutput
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def blocks_needed(prompt_lens: list[int], num_tokens: int, block_size: int) -> int:
+    """KV blocks a Driver takes for these prompts and num_tokens new tokens each."""
+    return sum(-(-(n + num_tokens) // block_size) for n in prompt_lens)
+
+
+class Driver:
+    """`start` admits the prompts (the engine is reset first); each `decode` computes one more
+    token of every request. `generated[i]` holds request i's sampled tokens."""
+
+    def __init__(self, engine: Engine, sampling: SamplingParams = GREEDY):
+        self.engine = engine
+        self.sampling = sampling
+        self.block_size = engine.config.block_size
+        self.next_block = 0
+        self.step_id = 0
+        self.tables: list[list[int]] = []
+        self.computed: list[int] = []
+        self.generated: list[list[int]] = []
+
+    def _grow(self, seq_id: int, length: int) -> list[int]:
+        need = -(-length // self.block_size) - len(self.tables[seq_id])
+        new = list(range(self.next_block, self.next_block + max(need, 0)))
+        self.next_block += len(new)
+        self.tables[seq_id] += new
+        return new
+
+    def _step(self, new: list[NewRequestData], running: RunningData) -> StepOutput:
+        self.step_id += 1
+        out = self.engine.step(StepPlanData(self.step_id, [], new, running))
+        for i, token in enumerate(out.sampled_token_ids):
+            self.generated[i].append(token)
+        return out
+
+    def start(self, prompts: list[list[int]]) -> StepOutput:
+        self.engine.reset()
+        new = []
+        for seq_id, prompt in enumerate(prompts):
+            self.tables.append([])
+            self.generated.append([])
+            self._grow(seq_id, len(prompt))
+            table = list(self.tables[seq_id])
+            new.append(
+                NewRequestData(seq_id, prompt, len(prompt), self.sampling, table, 0, len(prompt))
+            )
+        self.computed = [len(p) for p in prompts]
+        return self._step(new, RunningData([], [], [], [], []))
+
+    def decode(self) -> StepOutput:
+        num_seqs = len(self.computed)
+        new_blocks = [self._grow(i, self.computed[i] + 1) for i in range(num_seqs)]
+        running = RunningData(
+            seq_ids=list(range(num_seqs)),
+            num_scheduled_tokens=[1] * num_seqs,
+            num_computed_tokens=list(self.computed),
+            num_new_blocks=[len(b) for b in new_blocks],
+            new_block_ids=[b for blocks in new_blocks for b in blocks],
+        )
+        out = self._step([], running)
+        self.computed = [n + 1 for n in self.computed]
+        return out
+
+
+def generate(
+    engine: Engine,
+    prompts: list[list[int]],
+    num_tokens: int,
+    sampling: SamplingParams = GREEDY,
+) -> list[list[int]]:
+    """num_tokens sampled tokens per prompt, all prompts in one batch (the first step prefills
+    them all, each later step decodes one token of each). The engine is reset first."""
+    driver = Driver(engine, sampling)
+    driver.start(prompts)
+    for _ in range(num_tokens - 1):
+        driver.decode()
+    return driver.generated

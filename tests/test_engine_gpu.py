@@ -1,0 +1,253 @@
+"""The engine on a GPU (`--device cuda`). Marked `gpu`: tests/conftest.py skips them without
+CUDA; the ones through the CUDA kernels also skip without CuPy.
+
+- float32: greedy tokens of the GPU engine (torch ops on the GPU) equal the CPU engine's, 32 new
+  tokens for a ragged batch, SmolLM2-135M shape (all 30 layers) with dummy weights;
+- bf16: top-1 of the first step's logits (every prompt position) against HF transformers on the
+  same dummy weights, at >= 99% of positions over ragged prompts;
+- CUDA-graph decode gives the tokens of eager decode; the KV pool is sized from a profiling step
+  within --gpu-memory-utilization; the step timeline records decode steps;
+- the full stack with --device cuda: batch invariance alone vs together, with chunked prefill and
+  with forced preemption (tests/test_stack_model.py's checks, through the kernels and graphs).
+
+Sized for a few minutes on an H200, NVRTC compilation of the bf16 / head_dim 64 kernels included.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.model import AttentionContext
+from tests.engine_driver import blocks_needed, generate
+from tests.factories import hf_dummy_model
+
+pytestmark = pytest.mark.gpu
+
+ROOT = Path(__file__).resolve().parent.parent
+SMOLLM2 = ROOT / "configs" / "smollm2-135m"
+SEED = 11
+
+
+@pytest.fixture(scope="module")
+def kernels() -> None:
+    pytest.importorskip("cupy")
+    import kernels.cuda as kc
+
+    if not kc.is_available():
+        pytest.skip("kernels.cuda.is_available() is False (needs CuPy and an sm_80+ GPU)")
+
+
+@pytest.fixture(autouse=True)
+def _ieee_float32() -> None:
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+
+
+def prompts_of(lengths: list[int], vocab: int, salt: int = 0) -> list[list[int]]:
+    return [[(i * 7919 + n * 104729 + salt) % vocab for i in range(n)] for n in lengths]
+
+
+def dummy_engine(model: Path, **kwargs: object) -> Engine:
+    fields: dict = {"model": str(model), "load_format": "dummy", "seed": SEED, **kwargs}
+    return Engine(EngineConfig(**fields))
+
+
+# ---- float32: the GPU engine's greedy tokens are the CPU engine's ------------------------------
+
+
+def test_fp32_greedy_tokens_equal_the_cpu_engine() -> None:
+    lengths, num_tokens = [5, 37, 64, 100], 32
+    prompts = prompts_of(lengths, 49152)
+    blocks = blocks_needed(lengths, num_tokens, 16)
+    cpu = dummy_engine(SMOLLM2, device="cpu", dtype="float32", num_kv_blocks=blocks)
+    expected = generate(cpu, prompts, num_tokens)
+    del cpu
+    gpu = dummy_engine(SMOLLM2, device="cuda", dtype="float32", num_kv_blocks=blocks)
+    assert gpu.model.ops.name == "torch"  # the CUDA kernels are fp16 / bf16 only
+    assert generate(gpu, prompts, num_tokens) == expected
+
+
+# ---- bf16: first-step logits against HF transformers --------------------------------------------
+
+
+@torch.inference_mode()
+def test_bf16_first_step_top1_agrees_with_hf(kernels: None) -> None:
+    lengths = [1, 7, 16, 33, 100, 257, 500, 1000]
+    engine = dummy_engine(
+        SMOLLM2, device="cuda", dtype="bfloat16", num_kv_blocks=blocks_needed(lengths, 0, 16)
+    )
+    assert engine.model.ops.name == "cuda"
+    vocab = engine.model_config.vocab_size
+    prompts = prompts_of(lengths, vocab, salt=3)
+    # One flattened forward over all prompts (the engine's first step), logits at every position.
+    bs, slots, tables, cu, next_block = 16, [], [], [0], 0
+    for p in prompts:
+        num_blocks = -(-len(p) // bs)
+        tables.append(list(range(next_block, next_block + num_blocks)))
+        slots += range(next_block * bs, next_block * bs + len(p))
+        next_block += num_blocks
+        cu.append(cu[-1] + len(p))
+    width = max(len(t) for t in tables)
+    device = engine.device
+    ctx = AttentionContext(
+        slot_mapping=torch.tensor(slots, device=device),
+        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], device=device),
+        seq_lens=lengths,
+        cu_seqlens_q=cu,
+        kv_caches=engine.runner.kv_caches,
+    )
+    ids = torch.tensor([t for p in prompts for t in p], device=device)
+    positions = torch.tensor([i for p in prompts for i in range(len(p))], device=device)
+    ours = engine.model.compute_logits(engine.model(ids, positions, ctx)).argmax(dim=-1)
+    del engine
+    hf = hf_dummy_model(SMOLLM2, SEED, torch.bfloat16, "cuda")
+    theirs = torch.cat([hf(torch.tensor([p], device=device)).logits[0].argmax(-1) for p in prompts])
+    agree = float((ours == theirs).float().mean())
+    print(f"bf16 top-1 agreement with HF: {agree:.4f} over {len(ours)} positions")
+    assert agree >= 0.99
+
+
+# ---- CUDA graphs, memory, timeline --------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny64(tiny_model: Callable[..., Path]) -> Path:
+    """A random Llama with head_dim 64 (what the kernels take) and well-separated top logits
+    (tests/factories: initializer_range 0.2), so greedy tokens do not flip on last bits."""
+    return tiny_model(hidden_size=256, num_heads=4, num_kv_heads=2, intermediate_size=512)
+
+
+def test_graph_decode_tokens_equal_eager(
+    kernels: None, tiny64: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    lengths, num_tokens = [3, 40, 17, 64, 9], 24  # 5 requests: padded to the graph of 8
+    prompts = prompts_of(lengths, 259)
+    common = {
+        "model": str(tiny64),
+        "device": "cuda",
+        "dtype": "bfloat16",
+        "num_kv_blocks": blocks_needed(lengths, num_tokens, 16),
+        "max_num_seqs": 8,
+    }
+    eager = Engine(EngineConfig(**common, enforce_eager=True))
+    assert eager.runner.graphs is None
+    expected = generate(eager, prompts, num_tokens)
+    del eager
+    timeline = tmp_path / "steps.jsonl"
+    monkeypatch.setenv("LLMSERVE_STEP_TIMELINE", str(timeline))
+    graphed = Engine(EngineConfig(**common))
+    graphs = graphed.runner.graphs
+    assert graphs is not None and sorted(graphs.graphs) == [1, 2, 4, 8]
+    replays = []
+    run = graphs.run
+    graphs.run = lambda *a: replays.append(1) or run(*a)  # type: ignore[method-assign]
+    assert generate(graphed, prompts, num_tokens) == expected
+    assert len(replays) == num_tokens - 1
+    graphed.timeline.close()
+    records = [json.loads(line) for line in timeline.read_text().splitlines()]
+    assert [r["decode_only"] for r in records] == [False] + [True] * (num_tokens - 1)
+    assert all(r["end_ms"] > r["start_ms"] >= 0 for r in records)
+
+
+def test_fp16_runs_through_the_kernels(kernels: None, tiny64: Path) -> None:
+    engine = Engine(
+        EngineConfig(
+            model=str(tiny64), device="cuda", dtype="float16", num_kv_blocks=32, max_num_seqs=4
+        )
+    )
+    assert engine.model.ops.name == "cuda" and engine.runner.graphs is not None
+    tokens = generate(engine, prompts_of([10, 30], 259), 8)
+    assert all(0 <= t < 259 for row in tokens for t in row)
+
+
+def test_kv_pool_sized_from_a_profiling_step(kernels: None) -> None:
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info()
+    utilization = min(0.3, (total - free) / total + 0.2)  # leave room for whatever else runs
+    engine = dummy_engine(
+        SMOLLM2,
+        device="cuda",
+        gpu_memory_utilization=utilization,
+        max_num_seqs=64,
+        max_num_batched_tokens=4096,
+    )
+    kv_bytes = engine.kv_cache.numel() * engine.kv_cache.element_size()
+    assert engine.num_blocks > 0
+    assert kv_bytes <= utilization * total
+    # the largest step still runs with the pool allocated
+    prompts = prompts_of([64] * 64, engine.model_config.vocab_size)
+    assert len(generate(engine, prompts, 2)) == 64
+
+
+# ---- the full stack on the GPU ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def stack_alone(
+    kernels: None, tiny64: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple]:
+    from tests.stack import start_stack
+    from tests.test_stack_model import PROMPTS, _greedy, _run_alone, _seeded
+
+    stack = start_stack(
+        tiny64,
+        engine_args=["--device", "cuda", "--num-kv-blocks", "256", "--max-num-seqs", "16"],
+        scheduler_args=["--max-num-seqs", "16"],
+        log_dir=tmp_path_factory.mktemp("gpu-stack"),
+    )
+    try:
+        greedy = _run_alone(stack, [_greedy(p) for p in PROMPTS])
+        seeded = _run_alone(stack, [_seeded(p, 1000 + i) for i, p in enumerate(PROMPTS)])
+        yield stack, (greedy, seeded)
+    finally:
+        stack.close()
+
+
+def test_stack_batch_invariance(stack_alone: tuple) -> None:
+    from tests.test_stack_model import _assert_invariant
+
+    stack, alone = stack_alone
+    _assert_invariant(stack, alone)
+    stack.assert_idle()
+
+
+@pytest.mark.parametrize(
+    ("engine_args", "scheduler_args"),
+    [
+        (["--num-kv-blocks", "256"], ["--max-num-batched-tokens", "16"]),  # chunked prefill
+        (["--num-kv-blocks", "12"], ["--no-prefix-caching"]),  # forced preemption
+    ],
+    ids=["chunked-prefill", "preemption"],
+)
+def test_stack_invariance_chunked_and_preempted(
+    stack_alone: tuple,
+    tiny64: Path,
+    tmp_path: Path,
+    engine_args: list[str],
+    scheduler_args: list[str],
+) -> None:
+    from tests.stack import start_stack
+    from tests.test_stack_model import _assert_invariant
+
+    stack = start_stack(
+        tiny64,
+        engine_args=["--device", "cuda", "--max-num-seqs", "16", *engine_args],
+        scheduler_args=["--max-num-seqs", "16", *scheduler_args],
+        log_dir=tmp_path,
+    )
+    try:
+        _assert_invariant(stack, stack_alone[1])
+        stats = stack.assert_idle()
+        if "12" in engine_args:
+            assert stats.num_preemptions > 0
+        else:
+            assert stats.num_scheduled_tokens <= 16 * stats.num_steps
+    finally:
+        stack.close()

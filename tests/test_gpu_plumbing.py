@@ -1,0 +1,286 @@
+"""The GPU engine's parts that run on a CPU: the KV-pool arithmetic and the profiling step's
+shape, the CUDA-graph batch sizes and padding, the step timeline's busy fraction, the choice of
+ops backend, and the model through the CUDA kernels (engine.ops.KernelOps) and through the
+decode graphs' static buffers, both on the kernel emulator (kernels/emu) against the torch ops.
+"""
+
+from __future__ import annotations
+
+import itertools
+import shutil
+import sys
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from engine.cuda_graphs import DecodeGraphs, graph_batch_sizes, is_decode_only, padded_batch_size
+from engine.kv_cache import allocate_kv_cache, layer_views
+from engine.memory import (
+    GRAPH_MARGIN_BYTES,
+    MemoryProfile,
+    graph_memory_estimate,
+    kv_cache_budget,
+    num_blocks_for,
+    profile_lengths,
+    profile_plan,
+)
+from engine.mirror import Mirror
+from engine.model import AttentionContext, LlamaForCausalLM, build_model
+from engine.ops import KernelOps, ReferenceOps, kernel_limits, select_ops
+from engine.timeline import NullTimeline, make_timeline, steady_decode_busy
+from llmserve.model_config import ModelConfig
+
+GIB = 1 << 30
+CPU = torch.device("cpu")
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+# ---- KV pool sizing ----------------------------------------------------------------------------
+
+
+def test_kv_budget_is_utilization_less_everything_else() -> None:
+    p = MemoryProfile(
+        total_bytes=140 * GIB,
+        free_bytes=120 * GIB,
+        weights_bytes=16 * GIB,
+        activation_peak_bytes=6 * GIB,
+        non_torch_bytes=1 * GIB,
+    )
+    # 0.9 * 140 = 126; 126 - 16 - 6 - 2 - 1 = 101 (free - peak - graphs = 112 is more)
+    assert kv_cache_budget(p, 0.9, 2 * GIB) == 101 * GIB
+    # another process took memory: free 100 -> 100 - 6 - 2 = 92
+    busy = MemoryProfile(140 * GIB, 100 * GIB, 16 * GIB, 6 * GIB, GIB)
+    assert kv_cache_budget(busy, 0.9, 2 * GIB) == 92 * GIB
+    assert kv_cache_budget(p, 0.1, 2 * GIB) == 0  # never negative
+    assert num_blocks_for(101 * GIB, 2 * 1024 * 1024) == 101 * 512
+    assert num_blocks_for(0, 4096) == 0
+
+
+def test_graph_memory_scales_the_peak_to_the_largest_graph() -> None:
+    assert graph_memory_estimate(8 * GIB, 0, 8192) == 0  # no graphs
+    assert graph_memory_estimate(8 * GIB, 512, 8192) == GIB // 2 + GRAPH_MARGIN_BYTES
+    assert graph_memory_estimate(GIB, 1024, 512) == GIB + GRAPH_MARGIN_BYTES  # capped at 1x
+
+
+def test_profile_step_shape() -> None:
+    assert profile_lengths(2048, 256, 4096) == [8] * 256
+    assert profile_lengths(100, 256, 4096) == [1] * 100
+    assert profile_lengths(1000, 3, 4096) == [334, 333, 333]
+    assert profile_lengths(10000, 1, 4096) == [3334, 3333, 3333]  # no longer than max_model_len
+    lengths = [5, 17, 16]
+    plan = profile_plan(lengths, 16, 100)
+    batch = Mirror(16, 4).apply(plan)  # 1 + 2 + 1 blocks, disjoint, all used
+    assert [r.num_scheduled_tokens for r in batch.rows] == lengths
+    assert [r.seq.block_table for r in batch.rows] == [[0], [1, 2], [3]]
+    assert all(r.samples and r.seq.sampling.top_p < 1 for r in batch.rows)
+
+
+# ---- CUDA graph sizes ----------------------------------------------------------------------------
+
+
+def test_graph_batch_sizes() -> None:
+    assert graph_batch_sizes(1) == [1]
+    assert graph_batch_sizes(3) == [1, 2, 3]
+    assert graph_batch_sizes(16) == [1, 2, 4, 8, 16]
+    assert graph_batch_sizes(20) == [1, 2, 4, 8, 16, 20]
+    sizes = graph_batch_sizes(1024)
+    assert sizes[:6] == [1, 2, 4, 8, 16, 24] and sizes[-1] == 1024
+    assert len(sizes) == 51 and sizes == sorted(set(sizes))
+    gaps = [b - a for a, b in itertools.pairwise(sizes[3:])]
+    assert set(gaps) == {8, 32, 64}
+    assert all(b - a <= a // 2 for a, b in itertools.pairwise(sizes[4:]))  # padding < 1/3
+
+
+def test_padding_to_the_next_size() -> None:
+    sizes = [1, 2, 4, 8, 16]
+    assert [padded_batch_size(n, sizes) for n in (1, 2, 3, 5, 8, 9, 16)] == [1, 2, 4, 8, 8, 16, 16]
+    assert padded_batch_size(17, sizes) is None
+    assert is_decode_only([5, 9], [0, 1, 2])
+    assert not is_decode_only([5, 9], [0, 1, 3])
+    assert not is_decode_only([], [0])
+
+
+# ---- step timeline -----------------------------------------------------------------------------
+
+
+def step(i: int, start: float, end: float, seqs: int = 64, decode: bool = True) -> dict:
+    return {
+        "step_id": i,
+        "num_seqs": seqs,
+        "num_tokens": seqs if decode else 4096,
+        "decode_only": decode,
+        "start_ms": start,
+        "end_ms": end,
+    }
+
+
+def test_busy_fraction_over_steady_decode_stretches() -> None:
+    # a prefill, then 12 decode steps of 9 ms busy + 1 ms gap, a prefill, 3 decodes (too short)
+    records = [step(1, 0, 50, decode=False)]
+    records += [step(2 + i, 51 + 10 * i, 60 + 10 * i) for i in range(12)]
+    records += [step(14, 200, 260, decode=False)]
+    records += [step(15 + i, 261 + 10 * i, 270 + 10 * i) for i in range(3)]
+    records += [step(30 + i, 400 + 10 * i, 409 + 10 * i, seqs=8) for i in range(20)]  # small
+    summary = steady_decode_busy(records, min_seqs=64, min_steps=8, skip=2)
+    assert (summary.num_runs, summary.num_steps) == (1, 10)
+    assert summary.busy_ms == pytest.approx(90.0)
+    assert summary.wall_ms == pytest.approx(99.0)  # 10 spans, 9 gaps
+    assert summary.busy_fraction == pytest.approx(90 / 99)
+    assert summary.mean_gap_ms == pytest.approx(1.0)
+    assert steady_decode_busy(records, min_seqs=8).num_runs == 2
+
+
+def test_timeline_is_off_without_the_variable_or_a_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("LLMSERVE_STEP_TIMELINE", raising=False)
+    assert isinstance(make_timeline(CPU), NullTimeline)
+    monkeypatch.setenv("LLMSERVE_STEP_TIMELINE", "/nonexistent/x.jsonl")
+    assert isinstance(make_timeline(CPU), NullTimeline)
+
+
+# ---- ops backend ---------------------------------------------------------------------------------
+
+
+def tiny_config(**overrides: object) -> ModelConfig:
+    fields: dict = {
+        "name": "tiny",
+        "vocab_size": 259,
+        "hidden_size": 128,
+        "intermediate_size": 128,
+        "num_layers": 2,
+        "num_heads": 2,
+        "num_kv_heads": 1,
+        "head_dim": 64,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": 256,
+        "tie_word_embeddings": False,
+    }
+    fields.update(overrides)
+    return ModelConfig(**fields)
+
+
+def test_kernel_limits_and_backend_choice() -> None:
+    config = tiny_config()
+    assert kernel_limits(config, torch.bfloat16, 16) is None
+    assert kernel_limits(config, torch.float16, 32) is None
+    assert "fp16 / bf16 only" in (kernel_limits(config, torch.float32, 16) or "")
+    assert "head_dim=32" in (kernel_limits(tiny_config(head_dim=32), torch.bfloat16, 16) or "")
+    assert "block_size=8" in (kernel_limits(config, torch.bfloat16, 8) or "")
+    ops, why = select_ops("auto", CPU, torch.float32, config, 16)
+    assert isinstance(ops, ReferenceOps) and why == "device cpu"
+    assert isinstance(select_ops("torch", CPU, torch.float32, config, 16)[0], ReferenceOps)
+    with pytest.raises(ValueError, match="needs --device cuda"):
+        select_ops("cuda", CPU, torch.bfloat16, config, 16)
+    with pytest.raises(ValueError, match="must be one of"):
+        select_ops("triton", CPU, torch.bfloat16, config, 16)
+
+
+# ---- the model through the kernels, on the emulator --------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def emulator() -> Iterator[object]:
+    if not sys.platform.startswith("linux") or shutil.which("g++") is None:
+        pytest.skip("the kernel emulator needs Linux and g++")
+    from kernels.emu import emu
+
+    emulator = emu.Emulator(emu.build())
+    with emulator.installed():
+        yield emulator
+
+
+BLOCK_SIZE = 16
+
+
+@pytest.fixture(scope="module")
+def model() -> LlamaForCausalLM:
+    return build_model(tiny_config(), None, 256, torch.bfloat16, CPU, dummy_seed=3)
+
+
+def context(
+    pool: torch.Tensor, rows: list[tuple[int, int]], tables: list[list[int]]
+) -> AttentionContext:
+    """rows: (start, end) of each request's tokens this step; tables: its blocks."""
+    slots, cu, seq_lens = [], [0], []
+    for (start, end), table in zip(rows, tables, strict=True):
+        slots += [table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(start, end)]
+        cu.append(cu[-1] + end - start)
+        seq_lens.append(end)
+    return AttentionContext(
+        slot_mapping=torch.tensor(slots),
+        block_tables=torch.tensor(tables),
+        seq_lens=seq_lens,
+        cu_seqlens_q=cu,
+        kv_caches=layer_views(pool),
+    )
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """|a - b| / |b| over whole tensors (L2); a must be finite."""
+    assert bool(torch.isfinite(a).all())
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+@torch.inference_mode()
+def test_model_through_the_kernels_matches_the_torch_ops(
+    emulator: object, model: LlamaForCausalLM
+) -> None:
+    """A ragged prefill (20 and 7 tokens), then a decode step of both: hidden states and the KV
+    pool the same through KernelOps as through ReferenceOps (bf16 both; <= 2% relative)."""
+    config = model.config
+    pools = {
+        name: allocate_kv_cache(config, 8, BLOCK_SIZE, torch.bfloat16, CPU)
+        for name in ("torch", "cuda")
+    }
+    tables = [[5, 2], [7, 0]]
+    prompts = [[(i * 31 + 7) % config.vocab_size for i in range(n)] for n in (20, 7)]
+    steps = [
+        ([*prompts[0], *prompts[1]], [*range(20), *range(7)], [(0, 20), (0, 7)]),
+        ([11, 12], [20, 7], [(20, 21), (7, 8)]),
+    ]
+    try:
+        for input_ids, positions, rows in steps:
+            out = {}
+            for name, ops in (("torch", ReferenceOps()), ("cuda", KernelOps())):
+                model.ops = ops
+                ctx = context(pools[name], rows, tables)
+                out[name] = model(torch.tensor(input_ids), torch.tensor(positions), ctx)
+            assert rel_err(out["cuda"], out["torch"]) < 2e-2, rows
+        written = pools["torch"].float().abs().sum(dim=(0, 1, 3, 4, 5)) > 0
+        assert written.tolist() == [False, False, True, False, False, True, False, True]
+        assert rel_err(pools["cuda"], pools["torch"]) < 2e-2
+    finally:
+        model.ops = ReferenceOps()
+
+
+@torch.inference_mode()
+def test_decode_graph_buffers_pad_without_touching_the_pool(
+    emulator: object, model: LlamaForCausalLM
+) -> None:
+    """Three decodes through DecodeGraphs (not captured: the same forward on the static buffers)
+    pad to the size 4; the padding row writes no slot and the rows match an eager forward."""
+    config = model.config
+    pool = allocate_kv_cache(config, 8, BLOCK_SIZE, torch.bfloat16, CPU)
+    pool.normal_()
+    model.ops = KernelOps()
+    try:
+        graphs = DecodeGraphs(model, layer_views(pool), [1, 4], 16, 256, CPU)
+        tables = [[1, 3], [6, 0], [2, 4]]
+        rows = [(17, 18), (3, 4), (30, 31)]
+        ctx = context(pool, rows, tables)
+        before = pool.clone()
+        ids, positions = torch.tensor([3, 9, 27]), torch.tensor([17, 3, 30])
+        assert graphs.can_run(ctx)
+        hidden = graphs.run(ids, positions, ctx)
+        assert hidden.shape == (3, config.hidden_size)
+        assert graphs.slot_mapping.tolist()[3] == -1 and graphs.seq_lens.tolist()[3] == 0
+        changed = (pool != before).flatten(4).any(dim=-1)  # [layers, 2, blocks, rows]
+        touched = {(b, r) for _, _, b, r in changed.nonzero().tolist()}
+        assert touched == {(3, 1), (6, 3), (4, 14)}  # slots 49, 99, 78: only the three rows
+        eager = model(ids, positions, context(pool, rows, tables))
+        assert rel_err(hidden, eager) < 1e-2
+        assert not graphs.can_run(context(pool, [(17, 19), (3, 4)], tables[:2]))  # a prefill row
+    finally:
+        model.ops = ReferenceOps()
