@@ -71,3 +71,16 @@ def one_torch_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A model directory holding only the tiny byte-level tokenizer (tests/factories.py): what
+    the gateway needs in front of the echo engine."""
+    from tests.factories import write_byte_tokenizer
+
+    directory = tmp_path_factory.mktemp("byte-tokenizer")
+    write_byte_tokenizer(directory)
+    # The gateway reads the tokenizer from a model directory; config.json marks it as one.
+    (directory / "config.json").write_text("{}")
+    return directory

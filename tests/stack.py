@@ -15,6 +15,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import grpc
 
@@ -202,3 +203,27 @@ def start_stack(
         stack.close()
         raise
     return stack
+
+
+def start_echo_stack(
+    tokenizer_dir: Path,
+    log_dir: Path | None,
+    *engine_args: str,
+    scheduler: tuple[str, ...] = (),
+    **kwargs: Any,
+) -> Stack:
+    """The echo engine (engine/fake.py) over the tiny byte vocabulary of tests/factories.py, with
+    its EOS, behind a real scheduler and gateway; kwargs go to start_stack."""
+    from tests.factories import EOS_TOKEN_ID, TINY_VOCAB
+
+    return start_stack(
+        fake=True,
+        gateway_model=tokenizer_dir,
+        engine_args=[
+            "--fake-vocab-size", str(TINY_VOCAB), "--fake-eos-token-id", str(EOS_TOKEN_ID),
+            *engine_args,
+        ],
+        scheduler_args=list(scheduler),
+        log_dir=log_dir,
+        **kwargs,
+    )  # fmt: skip

@@ -6,7 +6,6 @@ small fake SSE server, and runs against the real stack (echo engine; a tiny rand
 from __future__ import annotations
 
 import asyncio
-import inspect
 import itertools
 import json
 import math
@@ -49,8 +48,7 @@ from llmserve.bench.workload import (
     WorkloadConfig,
     build_workload,
 )
-from tests.factories import EOS_TOKEN_ID, TINY_VOCAB, write_byte_tokenizer
-from tests.stack import ROOT, Stack, free_port, start_stack
+from tests.stack import ROOT, Stack, free_port, start_echo_stack
 
 # -- statistics on synthetic timings --------------------------------------------------------------
 
@@ -506,44 +504,17 @@ def test_sse_events_join_data_lines_and_skip_comments() -> None:
 # -- against the real stack ------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    directory = tmp_path_factory.mktemp("byte-tokenizer")
-    write_byte_tokenizer(directory)
-    (directory / "config.json").write_text("{}")
-    return directory
-
-
-def _gateway_has_http() -> bool:
-    """Whether this checkout's gateway serves the OpenAI HTTP API (`--http-port`)."""
-    from llmserve.cli import build_parser
-
-    gateway = build_parser().parse_args(["gateway"])
-    return (
-        hasattr(gateway, "http_port")
-        and "gateway_args" in inspect.signature(start_stack).parameters
-    )
-
-
 HTTP_PORT: dict[str, int] = {}
 
 
 @pytest.fixture(scope="module")
 def echo_stack(tokenizer_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    """The echo engine behind a real scheduler and gateway (HTTP API too, where there is one)."""
-    http: dict[str, Any] = {}
-    if _gateway_has_http():
-        HTTP_PORT["port"] = free_port()
-        http["gateway_args"] = ["--http-port", str(HTTP_PORT["port"])]
-    s = start_stack(
-        fake=True,
-        gateway_model=tokenizer_dir,
-        engine_args=[
-            "--fake-vocab-size", str(TINY_VOCAB), "--fake-eos-token-id", str(EOS_TOKEN_ID),
-            "--fake-step-delay-ms", "2", "--num-kv-blocks", "128", "--max-model-len", "256",
-        ],
-        log_dir=tmp_path_factory.mktemp("logs"),
-        **http,
+    """The echo engine behind a real scheduler and gateway, HTTP API on."""
+    HTTP_PORT["port"] = free_port()
+    s = start_echo_stack(
+        tokenizer_dir, tmp_path_factory.mktemp("logs"),
+        "--fake-step-delay-ms", "2", "--num-kv-blocks", "128", "--max-model-len", "256",
+        gateway_args=["--http-port", str(HTTP_PORT["port"])],
     )  # fmt: skip
     yield s
     s.close()
@@ -635,8 +606,6 @@ def test_bench_serve_counts_refusals_by_status(echo_stack: Stack) -> None:
 def test_bench_serve_openai_backend_against_the_http_api(
     echo_stack: Stack, tokenizer_dir: Path, tmp_path: Path
 ) -> None:
-    if "port" not in HTTP_PORT:
-        pytest.skip("this gateway has no HTTP API")
     out = tmp_path / "http.json"
     result = llmserve(
         "bench", "serve", "--backend", "openai", "--base-url",

@@ -31,8 +31,7 @@ from gateway.openai_protocol import (
 )
 from gateway.validation import ValidationError
 from llmserve.client import Client, make_request
-from tests.factories import EOS_TOKEN_ID, TINY_VOCAB, write_byte_tokenizer
-from tests.stack import Stack, start_stack
+from tests.stack import Stack, start_echo_stack, start_stack
 
 API_KEY = "test-key-123"
 USER = [{"role": "user", "content": "hi"}]
@@ -43,29 +42,9 @@ def echo(prompt: str, n: int) -> str:
     return bytes(data[i % len(data)] for i in range(n)).decode()
 
 
-@pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    directory = tmp_path_factory.mktemp("byte-tokenizer")
-    write_byte_tokenizer(directory)
-    (directory / "config.json").write_text("{}")
-    return directory
-
-
 def _echo_stack(tokenizer_dir: Path, log_dir: Path, *engine: str, scheduler: tuple = ()) -> Stack:
-    return start_stack(
-        fake=True,
-        gateway_model=tokenizer_dir,
-        engine_args=[
-            "--fake-vocab-size",
-            str(TINY_VOCAB),
-            "--fake-eos-token-id",
-            str(EOS_TOKEN_ID),
-            *engine,
-        ],
-        scheduler_args=list(scheduler),
-        http=True,
-        api_key=API_KEY,
-        log_dir=log_dir,
+    return start_echo_stack(
+        tokenizer_dir, log_dir, *engine, scheduler=scheduler, http=True, api_key=API_KEY
     )
 
 

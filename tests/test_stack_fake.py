@@ -16,38 +16,13 @@ import grpc
 import pytest
 
 from llmserve.client import make_request
-from tests.factories import EOS_TOKEN_ID, TINY_VOCAB, write_byte_tokenizer
-from tests.stack import Stack, start_stack
-
-
-@pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    directory = tmp_path_factory.mktemp("byte-tokenizer")
-    write_byte_tokenizer(directory)
-    # The gateway reads the tokenizer from a model directory; config.json marks it as one.
-    (directory / "config.json").write_text("{}")
-    return directory
-
-
-def _fake_stack(tokenizer_dir: Path, log_dir: Path, *engine: str, scheduler: tuple = ()) -> Stack:
-    return start_stack(
-        fake=True,
-        gateway_model=tokenizer_dir,
-        engine_args=[
-            "--fake-vocab-size",
-            str(TINY_VOCAB),
-            "--fake-eos-token-id",
-            str(EOS_TOKEN_ID),
-            *engine,
-        ],
-        scheduler_args=list(scheduler),
-        log_dir=log_dir,
-    )
+from tests.factories import EOS_TOKEN_ID
+from tests.stack import Stack, start_echo_stack
 
 
 @pytest.fixture(scope="module")
 def stack(tokenizer_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    s = _fake_stack(
+    s = start_echo_stack(
         tokenizer_dir,
         tmp_path_factory.mktemp("logs"),
         "--fake-step-delay-ms",
@@ -167,7 +142,7 @@ def test_many_concurrent_streams(stack: Stack) -> None:
 
 
 def test_queue_full_is_resource_exhausted(tokenizer_dir: Path, tmp_path: Path) -> None:
-    s = _fake_stack(
+    s = start_echo_stack(
         tokenizer_dir,
         tmp_path,
         "--fake-step-delay-ms",
@@ -203,7 +178,7 @@ def test_queue_full_is_resource_exhausted(tokenizer_dir: Path, tmp_path: Path) -
 
 def test_one_step_in_flight_without_overlap(tokenizer_dir: Path, tmp_path: Path) -> None:
     """--no-overlap-scheduling (one step in flight) streams the same tokens, stops included."""
-    s = _fake_stack(
+    s = start_echo_stack(
         tokenizer_dir,
         tmp_path,
         "--fake-step-delay-ms",
@@ -228,7 +203,7 @@ def test_one_step_in_flight_without_overlap(tokenizer_dir: Path, tmp_path: Path)
 def test_engine_crash_loses_nothing(tokenizer_dir: Path, tmp_path: Path) -> None:
     """Kill the engine mid-generation and start a new one: every request still completes with
     exactly the right tokens, none duplicated, none missing."""
-    s = _fake_stack(tokenizer_dir, tmp_path, "--fake-step-delay-ms", "10")
+    s = start_echo_stack(tokenizer_dir, tmp_path, "--fake-step-delay-ms", "10")
     try:
         prompts = [f"survivor {i} " for i in range(6)]
         with s.client() as client, ThreadPoolExecutor(6) as pool:
