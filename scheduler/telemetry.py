@@ -267,8 +267,9 @@ class SchedulerTelemetry:
             rt = self.requests.get(request.seq_id)
             if rt is None:
                 continue
-            rt.saw_batch(batch_size)
-            rt.max_num_blocks = max(rt.max_num_blocks, len(request.block_table))
+            if self.tracing:  # only the request span's attributes read these
+                rt.saw_batch(batch_size)
+                rt.max_num_blocks = max(rt.max_num_blocks, len(request.block_table))
             if rt.first_scheduled is None:
                 rt.first_scheduled = now
                 self.queue_time.record(now - rt.arrival)
