@@ -21,6 +21,7 @@ RUN pip install --index-url "${TORCH_INDEX_URL}" torch \
 
 COPY pyproject.toml README.md ./
 COPY llmserve/ llmserve/
+COPY common/ common/
 COPY protos/ protos/
 COPY gateway/ gateway/
 COPY scheduler/ scheduler/

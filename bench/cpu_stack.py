@@ -28,10 +28,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from common.model_config import builtin_model_path  # noqa: E402
+from common.net import CHANNEL_OPTIONS, wait_until_serving  # noqa: E402
 from gateway.tokenizer import Tokenizer  # noqa: E402
 from llmserve.client import Client, make_request  # noqa: E402
-from llmserve.model_config import builtin_model_path  # noqa: E402
-from llmserve.net import CHANNEL_OPTIONS, wait_until_serving  # noqa: E402
 from protos import scheduler_pb2, scheduler_pb2_grpc  # noqa: E402
 from tests.stack import free_port, serve_command  # noqa: E402
 

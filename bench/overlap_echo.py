@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT))
 
 import grpc  # noqa: E402
 
-from llmserve.net import CHANNEL_OPTIONS, wait_until_serving  # noqa: E402
+from common.net import CHANNEL_OPTIONS, wait_until_serving  # noqa: E402
 from protos import common_pb2, scheduler_pb2, scheduler_pb2_grpc  # noqa: E402
 from tests.stack import free_port  # noqa: E402
 

@@ -41,6 +41,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from common.model_config import resolve_model_path  # noqa: E402
 from gateway.tokenizer import Tokenizer  # noqa: E402
 from llmserve.bench.arrivals import ArrivalConfig  # noqa: E402
 from llmserve.bench.backends import GrpcBackend, SamplingConfig  # noqa: E402
@@ -49,7 +50,6 @@ from llmserve.bench.report import git_commit, hardware, record_json  # noqa: E40
 from llmserve.bench.runner import run_benchmark, warm_up  # noqa: E402
 from llmserve.bench.server import LocalStack, stats_delta  # noqa: E402
 from llmserve.bench.workload import BenchRequest, LogNormal, exact_length_prompts  # noqa: E402
-from llmserve.model_config import resolve_model_path  # noqa: E402
 
 POLICIES = ("continuous", "static")
 SYSTEMS = (*POLICIES, "hf_generate")

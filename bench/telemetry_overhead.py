@@ -31,9 +31,9 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from cpu_stack import bench_stack, hardware, make_prompts  # noqa: E402
 
+from common.model_config import builtin_model_path  # noqa: E402
 from gateway.tokenizer import Tokenizer  # noqa: E402
 from llmserve.client import Client, make_request  # noqa: E402
-from llmserve.model_config import builtin_model_path  # noqa: E402
 from tests.otlp import OtlpReceiver  # noqa: E402
 from tests.stack import free_port, start_stack  # noqa: E402
 
@@ -84,9 +84,9 @@ def hook_costs(num_requests: int = 16, num_tokens: int = 128) -> dict[str, float
     finish). A real Scheduler is driven with fake tokens; only the hooks are timed."""
     from types import SimpleNamespace
 
+    from common import telemetry
     from engine.telemetry import EngineTelemetry
     from gateway.telemetry import GatewayTelemetry
-    from llmserve import telemetry
     from protos import api_pb2
     from scheduler.config import SchedulerConfig
     from scheduler.convert import plan_to_proto

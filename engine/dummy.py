@@ -23,8 +23,8 @@ from typing import cast
 
 import torch
 
+from common.model_config import ModelConfig
 from engine.model import LlamaForCausalLM
-from llmserve.model_config import ModelConfig
 
 WEIGHT_STD = 0.02
 NORM_STD = 0.02

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from common.log import get_logger
+from common.model_config import ModelConfig, load_model_config, resolve_model_path
 from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from engine.kv_cache import allocate_kv_cache, bytes_per_block, layer_views
@@ -33,8 +35,6 @@ from engine.runner import LaunchedStep, ModelRunner, StepOutput, StepTimer
 from engine.sampler import Sampler
 from engine.timeline import Timeline, make_timeline
 from engine.weights import load_weights
-from llmserve.log import get_logger
-from llmserve.model_config import ModelConfig, load_model_config, resolve_model_path
 
 log = get_logger("engine")
 

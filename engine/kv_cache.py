@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from llmserve.model_config import ModelConfig
+from common.model_config import ModelConfig
 
 
 def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:

@@ -18,9 +18,9 @@ from typing import Any
 
 import torch
 
+from common.model_config import ModelConfig
 from engine.kv_cache import allocate_kv_cache, layer_views
 from engine.mirror import Mirror, NewRequestData, RunningData, SamplingParams, StepPlanData
-from llmserve.model_config import ModelConfig
 
 GIB = 1 << 30
 GRAPH_MARGIN_BYTES = 64 << 20

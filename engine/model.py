@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from common.model_config import ModelConfig
 from engine.ops import LayerOps, ReferenceOps
-from llmserve.model_config import ModelConfig
 
 
 @dataclass

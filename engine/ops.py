@@ -23,8 +23,8 @@ from engine.sampler import to_device
 from kernels import reference as ref
 
 if TYPE_CHECKING:
+    from common.model_config import ModelConfig
     from engine.model import AttentionContext
-    from llmserve.model_config import ModelConfig
 
 
 class LayerOps(Protocol):

@@ -32,12 +32,12 @@ from typing import Any, Protocol
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from common.log import get_logger
+from common.net import SERVER_OPTIONS
 from engine.convert import info_to_proto, plan_from_proto, result_to_proto
 from engine.mirror import MirrorMismatch, StepPlanData
 from engine.runner import StepOutput
 from engine.telemetry import EngineTelemetry, now_ns
-from llmserve.log import get_logger
-from llmserve.net import SERVER_OPTIONS
 from protos import engine_pb2, engine_pb2_grpc
 
 log = get_logger("engine")

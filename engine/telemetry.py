@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from llmserve import telemetry
+from common import telemetry
 from protos import engine_pb2
 
 

@@ -13,8 +13,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from llmserve.gguf_file import open_gguf
-from llmserve.model_config import ModelConfig, ModelSourceError
+from common.gguf_file import open_gguf
+from common.model_config import ModelConfig, ModelSourceError
 
 _GGUF_LAYER_NAMES = {
     "attn_q": "self_attn.q_proj",

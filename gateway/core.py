@@ -17,14 +17,14 @@ from collections.abc import AsyncIterator
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from common.log import get_logger
+from common.net import CHANNEL_OPTIONS
 from gateway.config import GatewayConfig
 from gateway.detokenizer import IncrementalDetokenizer
 from gateway.stop import StopStringMatcher
 from gateway.telemetry import GatewayTelemetry, RequestTelemetry
 from gateway.tokenizer import Tokenizer
 from gateway.validation import Limits, ValidationError, ValidRequest, validate
-from llmserve.log import get_logger
-from llmserve.net import CHANNEL_OPTIONS
 from protos import api_pb2, common_pb2, scheduler_pb2, scheduler_pb2_grpc
 
 log = get_logger("gateway")

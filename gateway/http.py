@@ -32,6 +32,8 @@ from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from common import __version__
+from common.log import get_logger
 from gateway.auth import UNAUTHENTICATED_MESSAGE, is_authorized
 from gateway.choices import (
     Choice,
@@ -57,8 +59,6 @@ from gateway.openai_protocol import (
 )
 from gateway.openai_responses import ChatFormat, CompletionFormat, ResponseFormat
 from gateway.validation import ValidationError
-from llmserve import __version__
-from llmserve.log import get_logger
 from protos import api_pb2
 
 log = get_logger("gateway")

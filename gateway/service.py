@@ -14,12 +14,12 @@ from collections.abc import AsyncIterator
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from common.model_config import resolve_model_path
+from common.net import SERVER_OPTIONS, serve_aio
 from gateway.auth import ApiKeyInterceptor
 from gateway.config import GatewayConfig
 from gateway.core import GatewayCore, GatewayError, new_request_id
 from gateway.tokenizer import Tokenizer
-from llmserve.model_config import resolve_model_path
-from llmserve.net import SERVER_OPTIONS, serve_aio
 from protos import api_pb2, api_pb2_grpc
 
 

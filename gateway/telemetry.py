@@ -14,9 +14,9 @@ import os
 import time
 from typing import Any
 
+from common import telemetry
+from common.log import bind, get_logger
 from gateway.validation import ValidRequest
-from llmserve import telemetry
-from llmserve.log import bind, get_logger
 from protos import api_pb2, common_pb2
 
 log = get_logger("gateway")

@@ -24,7 +24,7 @@ import jinja2.sandbox
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
-from llmserve.model_config import ModelSourceError, read_gguf_fields
+from common.model_config import ModelSourceError, read_gguf_fields
 
 # GGUF token types (llama.cpp): 3 = control, 4 = user-defined.
 _GGUF_CONTROL, _GGUF_USER_DEFINED = 3, 4

@@ -1,4 +1,6 @@
-"""llmserve: the CLI and the small pieces every service shares (logging, model files, gRPC
-helpers). Nothing here imports torch."""
+"""llmserve: the top layer. The `llmserve` command, the Python client, the stack launcher and the
+benchmarks; it may import every service, and nothing imports it but tests and bench/."""
 
-__version__ = "0.1.0"
+from common import __version__
+
+__all__ = ["__version__"]

@@ -129,8 +129,8 @@ def _metrics_arg(p: argparse.ArgumentParser, default: int, what: str) -> None:
 
 
 def _start_telemetry(service: str, args: argparse.Namespace) -> None:
-    from llmserve import telemetry
-    from llmserve.log import configure
+    from common import telemetry
+    from common.log import configure
 
     configure(service)
     telemetry.setup(service, args.metrics_port, getattr(args, "host", "0.0.0.0"))
@@ -201,8 +201,8 @@ def _engine_config(args: argparse.Namespace, port: int, host: str):  # type: ign
 
 def cmd_engine(args: argparse.Namespace) -> int:
     _start_telemetry("engine", args)
+    from common import telemetry
     from engine.service import serve
-    from llmserve import telemetry
 
     if args.fake:
         from engine.fake import FakeEngine
@@ -235,7 +235,7 @@ def _run_async(main: object) -> None:
 
 def cmd_scheduler(args: argparse.Namespace) -> int:
     _start_telemetry("scheduler", args)
-    from llmserve import telemetry
+    from common import telemetry
     from scheduler.config import SchedulerConfig
     from scheduler.service import serve
 
@@ -259,9 +259,9 @@ def cmd_scheduler(args: argparse.Namespace) -> int:
 
 def cmd_gateway(args: argparse.Namespace) -> int:
     _start_telemetry("gateway", args)
+    from common import telemetry
     from gateway.config import GatewayConfig
     from gateway.service import serve
-    from llmserve import telemetry
 
     config = GatewayConfig(
         model=args.model,
@@ -377,8 +377,8 @@ def _stop_children(children: list[tuple[str, subprocess.Popen[bytes]]]) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from llmserve.model_config import ModelSourceError, resolve_model_path
-    from llmserve.net import wait_until_serving
+    from common.model_config import ModelSourceError, resolve_model_path
+    from common.net import wait_until_serving
 
     try:
         resolve_model_path(args.model)
@@ -530,7 +530,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 
 def cmd_health(args: argparse.Namespace) -> int:
-    from llmserve.net import check_health, wait_until_serving
+    from common.net import check_health, wait_until_serving
 
     if args.wait:
         ok = wait_until_serving(args.address, timeout=args.wait)

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from llmserve.net import CHANNEL_OPTIONS
+from common.net import CHANNEL_OPTIONS
 from protos import api_pb2, api_pb2_grpc, common_pb2
 
 FINISH_REASON_NAMES = {

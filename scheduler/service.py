@@ -26,8 +26,8 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from llmserve.log import bind, get_logger
-from llmserve.net import CHANNEL_OPTIONS, SERVER_OPTIONS, serve_aio
+from common.log import bind, get_logger
+from common.net import CHANNEL_OPTIONS, SERVER_OPTIONS, serve_aio
 from protos import engine_pb2, engine_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from scheduler.config import SchedulerConfig
 from scheduler.convert import (

@@ -26,7 +26,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from llmserve import telemetry
+from common import telemetry
 from scheduler.request import Request, RequestStatus
 from scheduler.scheduler import NewRequestRow, RunningRow, Scheduler, StepOutcome, StepPlan
 

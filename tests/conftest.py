@@ -53,7 +53,7 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
 
 @pytest.fixture(scope="session")
 def builtin_model_path() -> Path:
-    from llmserve.model_config import ModelSourceError, builtin_model_path
+    from common.model_config import ModelSourceError, builtin_model_path
 
     try:
         return builtin_model_path()

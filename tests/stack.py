@@ -19,8 +19,8 @@ from typing import Any
 
 import grpc
 
+from common.net import CHANNEL_OPTIONS, wait_until_serving
 from llmserve.client import Client
-from llmserve.net import CHANNEL_OPTIONS, wait_until_serving
 from protos import scheduler_pb2, scheduler_pb2_grpc
 
 ROOT = Path(__file__).resolve().parent.parent

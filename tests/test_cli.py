@@ -13,7 +13,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from llmserve.net import check_health
+from common.net import check_health
 from tests.stack import ROOT, free_port, serve_command
 
 

@@ -18,8 +18,8 @@ import pytest
 yaml = pytest.importorskip("yaml")
 jsonschema = pytest.importorskip("jsonschema")
 
+from common.net import wait_until_serving  # noqa: E402
 from llmserve.client import Client, make_request  # noqa: E402
-from llmserve.net import wait_until_serving  # noqa: E402
 from tests.otlp import OtlpReceiver  # noqa: E402
 from tests.stack import free_port  # noqa: E402
 

@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from common.model_config import ModelConfig, load_model_config, resolve_model_path
 from engine import dummy
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.model import AttentionContext, LlamaForCausalLM
-from llmserve.model_config import ModelConfig, load_model_config, resolve_model_path
 from tests.engine_driver import blocks_needed, generate
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -180,7 +180,7 @@ def test_dummy_engine_matches_hf_on_the_same_weights(smollm2_2l: Path, engine: E
 
 
 def test_auto_load_format_on_a_config_only_directory_says_what_to_do(smollm2_2l: Path) -> None:
-    from llmserve.model_config import ModelSourceError
+    from common.model_config import ModelSourceError
 
     with pytest.raises(ModelSourceError, match="--load-format dummy"):
         Engine(EngineConfig(model=str(smollm2_2l), device="cpu", num_kv_blocks=4))

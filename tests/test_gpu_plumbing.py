@@ -14,6 +14,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from common.model_config import ModelConfig
 from engine.cuda_graphs import DecodeGraphs, graph_batch_sizes, is_decode_only, padded_batch_size
 from engine.kv_cache import allocate_kv_cache, layer_views
 from engine.memory import (
@@ -29,7 +30,6 @@ from engine.mirror import Mirror
 from engine.model import AttentionContext, LlamaForCausalLM, build_model
 from engine.ops import KernelOps, ReferenceOps, kernel_limits, select_ops
 from engine.timeline import NullTimeline, make_timeline, steady_decode_busy
-from llmserve.model_config import ModelConfig
 
 GIB = 1 << 30
 CPU = torch.device("cpu")

@@ -20,12 +20,12 @@ from typing import Any
 import pytest
 import torch
 
+from common.model_config import load_model_config
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.mirror import NewRequestData, RunningData, SamplingParams, StepPlanData
 from engine.model import AttentionContext, rope_cos_sin_cache, rope_inv_freq
 from engine.runner import StepOutput
-from llmserve.model_config import load_model_config
 from tests.factories import EOS_TOKEN_ID, LLAMA3, TINY_VOCAB
 
 TOLERANCE = 1e-4

@@ -17,7 +17,7 @@ import pytest
 pytest.importorskip("opentelemetry.sdk")
 from prometheus_client.parser import text_string_to_metric_families
 
-from llmserve import telemetry
+from common import telemetry
 from llmserve.client import Client, Completion, make_request
 from tests.otlp import OtlpReceiver, Span
 from tests.stack import Stack, free_port, start_stack

@@ -1,6 +1,6 @@
 """GGUF loading: GGUF files written from tiny HF checkpoints the way llama.cpp's converter writes
 them (q/k rows permuted), loaded through llmserve, give HF's logits. Also the name map, the
-unpermutation, and llmserve.gguf_file against the gguf package's reader."""
+unpermutation, and common.gguf_file against the gguf package's reader."""
 
 from __future__ import annotations
 
@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 import torch
 
+from common.gguf_file import GGUFFile
+from common.model_config import ModelConfig, load_model_config, read_gguf_fields
 from engine.kv_cache import allocate_kv_cache, layer_views
 from engine.model import AttentionContext, LlamaForCausalLM, build_model
 from engine.weights import gguf_name_to_hf, load_weights, unpermute_qk
-from llmserve.gguf_file import GGUFFile
-from llmserve.model_config import ModelConfig, load_model_config, read_gguf_fields
 from tests.factories import EOS_TOKEN_ID, LLAMA3, TINY_VOCAB
 
 TOLERANCE = 1e-4
@@ -370,7 +370,7 @@ def test_unpermute_qk_row_order() -> None:
     assert unpermute_qk(np.array(stored, dtype=np.float32), 2).tolist() == list(range(8))
 
 
-# ---- llmserve.gguf_file against gguf.GGUFReader ----------------------------------------------
+# ---- common.gguf_file against gguf.GGUFReader ----------------------------------------------
 
 
 @pytest.fixture(scope="module")

