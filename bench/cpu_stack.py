@@ -17,9 +17,7 @@ import json
 import os
 import platform
 import random
-import signal
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -29,11 +27,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from common.model_config import builtin_model_path  # noqa: E402
-from common.net import CHANNEL_OPTIONS, wait_until_serving  # noqa: E402
 from gateway.tokenizer import Tokenizer  # noqa: E402
+from llmserve.bench.server import LocalStack  # noqa: E402
 from llmserve.client import Client, make_request  # noqa: E402
-from protos import scheduler_pb2, scheduler_pb2_grpc  # noqa: E402
-from tests.stack import free_port, serve_command  # noqa: E402
 
 TEXT = """the model serves many requests at once while the scheduler plans every step and the
 engine runs one forward pass over prefill chunks and decode tokens together paged memory keeps
@@ -79,39 +75,19 @@ def run_stream(
         out.update(t0=t0, times=times, counts=counts)
 
 
-def scheduler_stats(address: str) -> dict[str, float]:
-    import grpc
-    from google.protobuf.json_format import MessageToDict
-
-    with grpc.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
-        stub = scheduler_pb2_grpc.SchedulerStub(channel)
-        msg = stub.GetStats(scheduler_pb2.GetStatsRequest(), timeout=5)
-    return {
-        k: float(v)
-        for k, v in MessageToDict(
-            msg, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
-        ).items()
-    }
-
-
 def bench_stack(
     prompts: list[str], max_tokens: int, threads: int, env: dict[str, str] | None = None
 ) -> dict:
-    """env: extra environment for the services (bench/telemetry_overhead.py sets OTEL_*)."""
-    ports = [free_port() for _ in range(3)]
-    cmd = serve_command(ports, "--kv-cache-gb", "1")
-    if threads:
-        cmd += ["--num-threads", str(threads)]
-    env = dict(os.environ, LLMSERVE_LOG_LEVEL="WARNING", **(env or {}))
-    serve = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL)
-    address = f"127.0.0.1:{ports[0]}"
-    try:
-        if not wait_until_serving(address, timeout=300):
-            raise RuntimeError("stack did not start")
+    """env: extra environment for the services (bench/telemetry_overhead.py sets OTEL_*);
+    metrics are on (each service's /metrics), as in a default `llmserve serve`, unless env sets
+    LLMSERVE_METRICS_PORT=0."""
+    serve_args = ["--kv-cache-gb", "1"] + (["--num-threads", str(threads)] if threads else [])
+    metrics = (env or {}).get("LLMSERVE_METRICS_PORT") != "0"
+    with LocalStack.start(serve_args, 300, env=env, metrics=metrics) as stack:
+        address = stack.gateway_address
         with Client(address) as client:  # warm-up: one short request
             client.generate(make_request(text=prompts[0], max_tokens=8, temperature=0.0))
-        scheduler_address = f"127.0.0.1:{ports[1]}"
-        before = scheduler_stats(scheduler_address)
+        before = stack.scheduler_stats()
         results: list[dict] = [{} for _ in prompts]
         start = threading.Event()
         workers = [
@@ -124,10 +100,7 @@ def bench_stack(
         start.set()
         for w in workers:
             w.join()
-        after = scheduler_stats(scheduler_address)
-    finally:
-        serve.send_signal(signal.SIGTERM)
-        serve.wait(timeout=30)
+        after = stack.scheduler_stats()
     t_start = min(r["t0"] for r in results)
     t_end = max(r["times"][-1] for r in results)
     num_tokens = sum(sum(r["counts"]) for r in results)

@@ -172,7 +172,7 @@ def decode_step_times(shape: str, args: argparse.Namespace) -> dict[str, Any]:
 
     from engine.config import EngineConfig
     from engine.engine import Engine
-    from tests.engine_driver import Driver, blocks_needed
+    from llmserve.bench.engine_driver import Driver, blocks_needed
 
     batches = [int(b) for b in args.decode_batches.split(",")]
     context = args.input_len
@@ -234,7 +234,7 @@ def decode_step_times(shape: str, args: argparse.Namespace) -> dict[str, Any]:
 def hf_generate(shape: str, args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
-    from tests.factories import hf_dummy_model
+    from llmserve.bench.engine_driver import hf_dummy_model
 
     model = hf_dummy_model(config_dir(shape), args.seed, getattr(torch, DTYPE), DEVICE)
     vocab = model.config.vocab_size

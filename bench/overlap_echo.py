@@ -23,11 +23,9 @@ import itertools
 import json
 import os
 import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -35,42 +33,26 @@ sys.path.insert(0, str(ROOT))
 import grpc  # noqa: E402
 
 from common.net import CHANNEL_OPTIONS, wait_until_serving  # noqa: E402
+from engine.config import EngineConfig  # noqa: E402
+from engine.fake import FakeEngineConfig  # noqa: E402
+from llmserve.launcher import Stack, local_stack  # noqa: E402
 from protos import common_pb2, scheduler_pb2, scheduler_pb2_grpc  # noqa: E402
-from tests.stack import free_port  # noqa: E402
+from scheduler.config import SchedulerConfig  # noqa: E402
 
 
-def start(step_delay_ms: float, overlap: bool, num_requests: int) -> tuple[list[Any], str]:
-    """Echo engine + scheduler; returns (processes, scheduler address)."""
-    engine_port, scheduler_port = free_port(), free_port()
-    env = {**os.environ, "LLMSERVE_LOG_LEVEL": "WARNING", "LLMSERVE_METRICS_PORT": "0"}
-    env = {k: v for k, v in env.items() if not k.startswith("OTEL_")}
-    cli = [sys.executable, "-m", "llmserve.cli"]
-    engine = [
-        *cli, "engine", "--fake", "--host", "127.0.0.1", "--port", str(engine_port),
-        "--fake-step-delay-ms", str(step_delay_ms), "--num-kv-blocks", "4096",
-        "--max-model-len", "4096",
-    ]  # fmt: skip
-    scheduler = [
-        *cli, "scheduler", "--host", "127.0.0.1", "--port", str(scheduler_port),
-        "--engine-address", f"127.0.0.1:{engine_port}", "--max-num-seqs", str(num_requests),
-        "--overlap-scheduling" if overlap else "--no-overlap-scheduling",
-    ]  # fmt: skip
-    procs = [
-        subprocess.Popen(argv, cwd=ROOT, env=env, stderr=subprocess.DEVNULL)
-        for argv in (engine, scheduler)
-    ]
-    address = f"127.0.0.1:{scheduler_port}"
-    if not wait_until_serving(address, timeout=60):
-        stop(procs)
+def start(step_delay_ms: float, overlap: bool, num_requests: int) -> Stack:
+    """Echo engine + scheduler (no gateway), started and serving."""
+    stack = local_stack(
+        EngineConfig(num_kv_blocks=4096, max_model_len=4096, max_num_seqs=num_requests),
+        SchedulerConfig(overlap_scheduling=overlap),
+        fake=FakeEngineConfig(step_delay_ms=step_delay_ms),
+        env={"LLMSERVE_LOG_LEVEL": "WARNING", "OTEL_SDK_DISABLED": "true"},
+    )
+    stack.start(("engine", "scheduler"))
+    if not wait_until_serving(stack.scheduler_address, timeout=60):
+        stack.stop()
         raise RuntimeError("echo engine + scheduler did not start")
-    return procs, address
-
-
-def stop(procs: list[Any]) -> None:
-    for p in procs:
-        p.terminate()
-    for p in procs:
-        p.wait(timeout=10)
+    return stack
 
 
 def cpu_model() -> str:
@@ -154,8 +136,9 @@ def main() -> None:
     for n, delay, overlap in itertools.product(
         args.num_requests, args.step_delay_ms, (False, True)
     ):
-        procs, address = start(delay, overlap, n)
-        pids = [p.pid for p in procs]
+        stack = start(delay, overlap, n)
+        address = stack.scheduler_address
+        pids = [stack.procs[name].pid for name in ("engine", "scheduler")]
         try:
             run_once(address, pids, 4, args.prompt_len, 8)  # warm-up
             runs = [
@@ -163,7 +146,7 @@ def main() -> None:
                 for _ in range(args.repeats)
             ]
         finally:
-            stop(procs)
+            stack.stop()
         best = max(runs, key=lambda r: r["steps_per_s"])
         if delay:
             best["device_busy"] = best["num_steps"] * delay / 1e3 / best["wall_s"]

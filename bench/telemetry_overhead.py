@@ -23,6 +23,7 @@ import statistics
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -32,10 +33,12 @@ sys.path.insert(0, str(ROOT / "bench"))
 from cpu_stack import bench_stack, hardware, make_prompts  # noqa: E402
 
 from common.model_config import builtin_model_path  # noqa: E402
+from engine.fake import FakeEngineConfig  # noqa: E402
+from gateway.config import GatewayConfig  # noqa: E402
 from gateway.tokenizer import Tokenizer  # noqa: E402
+from llmserve.bench.otlp import OtlpReceiver  # noqa: E402
 from llmserve.client import Client, make_request  # noqa: E402
-from tests.otlp import OtlpReceiver  # noqa: E402
-from tests.stack import free_port, start_stack  # noqa: E402
+from llmserve.launcher import SERVICES, free_port, local_stack  # noqa: E402
 
 SETTINGS = ("off", "default", "tracing")
 
@@ -50,19 +53,16 @@ def settings_env(setting: str, receiver: OtlpReceiver) -> dict[str, str]:
 
 def bench_echo(env: dict[str, str], num_streams: int, num_tokens: int) -> float:
     """Output tokens/s of num_streams concurrent echo requests through the three processes."""
-    metrics_on = env.get("LLMSERVE_METRICS_PORT") != "0"
-
-    def metrics_args() -> list[str]:
-        return ["--metrics-port", str(free_port() if metrics_on else 0)]
-
-    stack = start_stack(
-        fake=True,
-        gateway_model=builtin_model_path(),
-        engine_args=[*metrics_args(), "--fake-vocab-size", "49152"],  # SmolLM2's vocabulary
-        scheduler_args=metrics_args(),
-        gateway_args=metrics_args(),
+    stack = local_stack(
+        gateway=GatewayConfig(model=str(builtin_model_path())),
+        fake=FakeEngineConfig(vocab_size=49152),  # SmolLM2's vocabulary
         env={"LLMSERVE_LOG_LEVEL": "WARNING", **env},
     )
+    if env.get("LLMSERVE_METRICS_PORT") != "0":  # metrics on, as by default
+        for name in SERVICES:
+            setattr(stack, name, replace(getattr(stack, name), metrics_port=free_port()))
+    stack.start()
+    stack.wait_ready(120)
     try:
         prompt = "the quick brown fox jumps over the lazy dog " * 8
         request = make_request(text=prompt, max_tokens=num_tokens, ignore_eos=True)
@@ -74,7 +74,7 @@ def bench_echo(env: dict[str, str], num_streams: int, num_tokens: int) -> float:
         assert all(c.completion_tokens == num_tokens for c in done)
         return num_streams * num_tokens / wall
     finally:
-        stack.close()
+        stack.stop()
 
 
 def hook_costs(num_requests: int = 16, num_tokens: int = 128) -> dict[str, float]:
@@ -88,16 +88,18 @@ def hook_costs(num_requests: int = 16, num_tokens: int = 128) -> dict[str, float
     from engine.telemetry import EngineTelemetry
     from gateway.telemetry import GatewayTelemetry
     from protos import api_pb2
+    from protos.common_pb2 import SamplingParams
     from scheduler.config import SchedulerConfig
     from scheduler.convert import plan_to_proto
-    from scheduler.request import Request, SamplingParams
+    from scheduler.request import Request
     from scheduler.scheduler import Scheduler
     from scheduler.telemetry import SchedulerTelemetry
 
     telemetry.setup("bench", metrics_port=free_port(), metrics_host="127.0.0.1")
-    scheduler = Scheduler(SchedulerConfig(), 4096, 16, 4096, 1000, (999,))
+    scheduler = Scheduler(
+        SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=2048), 4096, 16, 4096, 1000, (999,)
+    )
     sched_tel, engine_tel = SchedulerTelemetry(), EngineTelemetry()
-    sched_tel.scheduler = scheduler
     for i in range(num_requests):
         request = Request(f"r{i}", i + 1, list(range(128)), SamplingParams(), num_tokens)
         scheduler.add(request)
@@ -124,7 +126,10 @@ def hook_costs(num_requests: int = 16, num_tokens: int = 128) -> dict[str, float
         engine_s += t3 - t2
         num_steps += 1
     gateway_tel = GatewayTelemetry()
-    valid = SimpleNamespace(prompt_token_ids=list(range(128)), max_tokens=num_tokens)
+    valid = SimpleNamespace(
+        prompt_token_ids=list(range(128)),
+        submit=SimpleNamespace(max_tokens=num_tokens),
+    )
     message = api_pb2.GenerateResponse(token_ids=[7], text="x")
     last = api_pb2.GenerateResponse(token_ids=[7], text="x", finish_reason=2)
     t0 = time.perf_counter()

@@ -58,7 +58,8 @@ async def serve_aio(
     stop: Callable[[], Awaitable[None]],
 ) -> None:
     """Bind, start, run `start()` in the background and serve until SIGTERM / SIGINT; then run
-    `stop()` and shut the server down with a short grace period."""
+    `stop()` and shut the server down with a short grace period. If `start()` failed, its
+    exception is raised once the server has stopped."""
     import asyncio
     import signal
 
@@ -77,11 +78,15 @@ async def serve_aio(
         loop.add_signal_handler(sig, stopping.set)
     done = asyncio.create_task(stopping.wait())
     await asyncio.wait([task, done], return_when=asyncio.FIRST_COMPLETED)
-    if task.done() and task.exception() is not None:
-        log.error(f"{name} background task failed", error=repr(task.exception()))
+    failure = task.exception() if task.done() and not task.cancelled() else None
+    if failure is not None:
+        log.error(f"{name} background task failed", error=repr(failure))
     log.info(f"{name} stopping")
     await stop()
     await server.stop(grace=2)
     task.cancel()
+    done.cancel()
     await asyncio.gather(task, done, return_exceptions=True)
     log.info(f"{name} stopped")
+    if failure is not None:
+        raise failure

@@ -19,7 +19,9 @@ Without the opentelemetry packages (the engine on a bare GPU machine) everything
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 from common.log import get_logger
@@ -146,6 +148,61 @@ def tracer(name: str) -> Any:
 
 def meter(name: str) -> Any:
     return metrics.get_meter(name) if HAVE_OTEL else _NoOp()
+
+
+# -- instruments ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Metric:
+    """One instrument of a service's table. kind: "histogram" and "counter" are recorded as
+    events happen; "observed_counter" (a cumulative count) and "gauge" are read when metrics are
+    collected, through the `observe(key)` callback given to `instruments`."""
+
+    name: str
+    kind: str
+    unit: str
+    description: str
+    buckets: Sequence[float] = ()
+
+
+def instruments(
+    meter_name: str,
+    table: Mapping[str, Metric],
+    observe: Callable[[str], Iterable[tuple[float, Mapping[str, str]]]] | None = None,
+) -> Any:
+    """The table's instruments as attributes named by its keys (histograms and counters; the
+    observed ones only exist in the meter). observe(key) yields (value, attributes) pairs."""
+    m = meter(meter_name)
+    made: dict[str, Any] = {}
+    for key, spec in table.items():
+        common = {"unit": spec.unit, "description": spec.description}
+        if spec.kind == "histogram":
+            made[key] = m.create_histogram(
+                spec.name, explicit_bucket_boundaries_advisory=list(spec.buckets), **common
+            )
+        elif spec.kind == "counter":
+            made[key] = m.create_counter(spec.name, **common)
+        else:
+            assert observe is not None, f"{key}: an observed instrument needs observe"
+            create = (
+                m.create_observable_counter
+                if spec.kind == "observed_counter"
+                else m.create_observable_gauge
+            )
+            create(spec.name, callbacks=[_callback(observe, key)], **common)
+    return SimpleNamespace(**made)
+
+
+def _callback(
+    observe: Callable[[str], Iterable[tuple[float, Mapping[str, str]]]], key: str
+) -> Callable[[Any], list[Any]]:
+    def callback(_options: Any) -> list[Any]:
+        from opentelemetry.metrics import Observation
+
+        return [Observation(value, dict(attrs)) for value, attrs in observe(key)]
+
+    return callback
 
 
 # -- context propagation -------------------------------------------------------------------------

@@ -1,8 +1,11 @@
-"""The engine service's settings."""
+"""The engine service's settings; `llmserve engine` and `llmserve serve` make their flags from
+these fields (common/flags.py)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from common.flags import check_ports, setting
 
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -12,49 +15,70 @@ OPS_BACKENDS = ("auto", "torch", "cuda")
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str | None = None  # HF directory or .gguf; None = the built-in SmolLM2
-    device: str = "auto"  # auto = cuda when available
-    dtype: str = "auto"  # auto = float32 on CPU, bfloat16 on CUDA
-    block_size: int = 16
-    num_kv_blocks: int = 0  # 0 = size the pool from kv_cache_gb / free GPU memory
-    kv_cache_gb: float = 2.0  # CPU pool size
-    gpu_memory_utilization: float = 0.9
-    max_model_len: int = 0  # 0 = the model's own context length
-    num_threads: int = 0  # torch CPU threads; 0 = torch's default
-    seed: int = 0  # for requests without a seed of their own; also seeds dummy weights
-    host: str = "0.0.0.0"
-    port: int = 50053
-    # auto: the checkpoint at `model` (safetensors or GGUF); dummy: seeded random weights for
-    # the config.json at `model` (engine/dummy.py)
-    load_format: str = "auto"
-    # The scheduler's limits, which size the GPU's profiling step and its CUDA graphs.
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    enforce_eager: bool = False  # no CUDA graphs for decode steps
-    ops_backend: str = "auto"  # layer ops: auto (CUDA kernels when they can run), torch, cuda
+    model: str | None = setting(
+        None, "HF directory or .gguf file (default: the built-in SmolLM2-135M-Instruct)"
+    )
+    device: str = setting("auto", "auto = cuda when torch sees a GPU", choices=DEVICES)
+    dtype: str = setting("auto", "auto = float32 on CPU, bfloat16 on CUDA", choices=DTYPES)
+    block_size: int = setting(16, "tokens per KV block (a power of two; the CUDA kernels: 16+)")
+    num_kv_blocks: int = setting(
+        0, "KV pool size in blocks (0: from --kv-cache-gb, or free GPU memory)"
+    )
+    kv_cache_gb: float = setting(2.0, "CPU KV pool size in GiB")
+    gpu_memory_utilization: float = setting(
+        0.9, "fraction of GPU memory for weights, activations and the KV pool"
+    )
+    max_model_len: int = setting(0, "lower the model's context length (0: the model's own)")
+    num_threads: int = setting(0, "torch CPU threads (0: torch's default)")
+    seed: int = setting(
+        0, "sampling seed for unseeded requests; also seeds --load-format dummy weights"
+    )
+    host: str = setting("127.0.0.1", "bind address (0.0.0.0 exposes it)")
+    port: int = setting(50053, "gRPC port of the Step stream")
+    metrics_port: int = setting(
+        9103, "Prometheus /metrics port (0: off)", env="LLMSERVE_METRICS_PORT"
+    )
+    load_format: str = setting(
+        "auto",
+        "auto: the checkpoint at --model; dummy: seeded random weights for the config.json at "
+        "--model (a directory or the file, e.g. configs/llama-3-8b)",
+        choices=LOAD_FORMATS,
+    )
+    max_num_seqs: int = setting(
+        256, "requests per step at most (sizes the memory profile and CUDA graphs)"
+    )
+    max_num_batched_tokens: int = setting(
+        2048, "tokens per step at most, prefill chunks + decodes (sizes the memory profile)"
+    )
+    enforce_eager: bool = setting(False, "no CUDA graphs: run decode steps eagerly too")
+    ops_backend: str = setting(
+        "auto",
+        "layer ops: auto = the CUDA kernels of kernels/ where they can run (fp16/bf16 on a "
+        "GPU), else plain torch (kernels/reference.py)",
+        choices=OPS_BACKENDS,
+    )
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES:
             raise ValueError(f"device={self.device!r} must be one of {DEVICES}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r} must be one of {DTYPES}")
-        if self.block_size not in (8, 16, 32, 64):
-            raise ValueError(f"block_size={self.block_size} must be 8, 16, 32 or 64")
-        if self.num_kv_blocks < 0:
-            raise ValueError(f"num_kv_blocks={self.num_kv_blocks} must be >= 0")
+        if not (1 <= self.block_size <= 256 and self.block_size & (self.block_size - 1) == 0):
+            raise ValueError(f"block_size={self.block_size} must be a power of two <= 256")
+        for name in ("num_kv_blocks", "max_model_len", "num_threads"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
         if self.kv_cache_gb <= 0:
             raise ValueError(f"kv_cache_gb={self.kv_cache_gb} must be > 0")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(
                 f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]"
             )
-        if self.max_model_len < 0:
-            raise ValueError(f"max_model_len={self.max_model_len} must be >= 0")
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format={self.load_format!r} must be one of {LOAD_FORMATS}")
         if self.ops_backend not in OPS_BACKENDS:
             raise ValueError(f"ops_backend={self.ops_backend!r} must be one of {OPS_BACKENDS}")
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs={self.max_num_seqs} must be >= 1")
-        if self.max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= 1")
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        check_ports(self, "port", "metrics_port")

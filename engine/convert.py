@@ -1,44 +1,29 @@
-"""The engine side of the step contract: protobuf <-> the mirror's dataclasses. Nothing else in
-engine/ touches the generated stubs' messages."""
+"""The engine side of the step contract: protobuf <-> engine/contract.py's dataclasses. Nothing else
+in engine/ touches the generated stubs' messages."""
 
 from __future__ import annotations
 
-from engine.mirror import (
-    NewRequestData,
-    RunningData,
-    SamplingParams,
-    StepPlanData,
-)
+from dataclasses import asdict
+
+from engine.contract import EngineInfo, NewRequestData, RunningData, StepOutput, StepPlanData
 from protos import common_pb2, engine_pb2
 
 
-def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
-    return SamplingParams(
-        temperature=msg.temperature,
-        top_k=msg.top_k,
-        top_p=msg.top_p,
-        min_p=msg.min_p,
-        seed=msg.seed if msg.HasField("seed") else None,
-        logprobs=msg.logprobs,
-        presence_penalty=msg.presence_penalty,
-        frequency_penalty=msg.frequency_penalty,
-        top_logprobs=msg.top_logprobs,
+def _new_request(msg: engine_pb2.NewRequest) -> NewRequestData:
+    sampling = common_pb2.SamplingParams()
+    sampling.CopyFrom(msg.sampling)  # not a view: it would keep the whole plan alive
+    return NewRequestData(
+        seq_id=msg.seq_id,
+        token_ids=list(msg.token_ids),
+        num_prompt_tokens=msg.num_prompt_tokens,
+        sampling=sampling,
+        block_table=list(msg.block_table),
+        num_computed_tokens=msg.num_computed_tokens,
+        num_scheduled_tokens=msg.num_scheduled_tokens,
     )
 
 
 def plan_from_proto(msg: engine_pb2.StepPlan) -> StepPlanData:
-    new = [
-        NewRequestData(
-            seq_id=r.seq_id,
-            token_ids=list(r.token_ids),
-            num_prompt_tokens=r.num_prompt_tokens,
-            sampling=sampling_from_proto(r.sampling),
-            block_table=list(r.block_table),
-            num_computed_tokens=r.num_computed_tokens,
-            num_scheduled_tokens=r.num_scheduled_tokens,
-        )
-        for r in msg.new_requests
-    ]
     run = msg.running
     running = RunningData(
         seq_ids=list(run.seq_ids),
@@ -47,50 +32,23 @@ def plan_from_proto(msg: engine_pb2.StepPlan) -> StepPlanData:
         num_new_blocks=list(run.num_new_blocks),
         new_block_ids=list(run.new_block_ids),
     )
+    new = [_new_request(r) for r in msg.new_requests]
     return StepPlanData(msg.step_id, list(msg.finished_seq_ids), new, running)
 
 
-def result_to_proto(
-    step_id: int,
-    sampled_token_ids: list[int],
-    logprobs: list[float] | None,
-    forward_ms: float,
-    sample_ms: float,
-    total_ms: float,
-    num_top_logprobs: int = 0,
-    top_token_ids: list[int] | None = None,
-    top_logprobs: list[float] | None = None,
-) -> engine_pb2.StepResult:
+def result_to_proto(step_id: int, output: StepOutput, total_ms: float) -> engine_pb2.StepResult:
     return engine_pb2.StepResult(
         step_id=step_id,
-        sampled_token_ids=sampled_token_ids,
-        logprobs=logprobs or [],
-        forward_ms=forward_ms,
-        sample_ms=sample_ms,
+        sampled_token_ids=output.sampled_token_ids,
+        logprobs=output.logprobs or [],
+        forward_ms=output.forward_ms,
+        sample_ms=output.sample_ms,
         total_ms=total_ms,
-        num_top_logprobs=num_top_logprobs,
-        top_token_ids=top_token_ids or [],
-        top_logprobs=top_logprobs or [],
+        num_top_logprobs=output.num_top_logprobs,
+        top_token_ids=output.top_token_ids,
+        top_logprobs=output.top_logprobs,
     )
 
 
-def info_to_proto(
-    model: str,
-    vocab_size: int,
-    max_model_len: int,
-    eos_token_ids: tuple[int, ...],
-    block_size: int,
-    num_blocks: int,
-    device: str,
-    dtype: str,
-) -> engine_pb2.EngineInfo:
-    return engine_pb2.EngineInfo(
-        model=model,
-        vocab_size=vocab_size,
-        max_model_len=max_model_len,
-        eos_token_ids=list(eos_token_ids),
-        block_size=block_size,
-        num_blocks=num_blocks,
-        device=device,
-        dtype=dtype,
-    )
+def info_to_proto(info: EngineInfo) -> engine_pb2.EngineInfo:
+    return engine_pb2.EngineInfo(**asdict(info))

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass
 
 import torch
 
 from common.log import get_logger
 from common.model_config import ModelConfig, load_model_config, resolve_model_path
+from common.sampling import has_penalties
 from engine.config import EngineConfig
+from engine.contract import EngineInfo, StepOutput, StepPlanData
 from engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from engine.kv_cache import allocate_kv_cache, bytes_per_block, layer_views
 from engine.memory import (
@@ -28,10 +29,10 @@ from engine.memory import (
     profile_lengths,
     profile_step_memory,
 )
-from engine.mirror import Mirror, StepBatch, StepPlanData
+from engine.mirror import Mirror, StepBatch
 from engine.model import build_model
 from engine.ops import select_ops
-from engine.runner import LaunchedStep, ModelRunner, StepOutput, StepTimer
+from engine.runner import LaunchedStep, ModelRunner, StepTimer
 from engine.sampler import Sampler
 from engine.timeline import Timeline, make_timeline
 from engine.weights import load_weights
@@ -39,18 +40,6 @@ from engine.weights import load_weights
 log = get_logger("engine")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass(frozen=True)
-class EngineInfo:
-    model: str
-    vocab_size: int
-    max_model_len: int
-    eos_token_ids: tuple[int, ...]
-    block_size: int
-    num_blocks: int
-    device: str
-    dtype: str
 
 
 def resolve_device(name: str) -> torch.device:
@@ -130,6 +119,8 @@ class Engine:
             num_blocks=self.num_blocks,
             device=str(self.device),
             dtype=str(self.dtype).removeprefix("torch."),
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
         )
         log.info(
             "engine loaded",
@@ -269,7 +260,7 @@ class Engine:
 def _needs_host_tokens(batch: StepBatch) -> bool:
     """Whether a row reads its generated tokens' values on the host (penalties count them)
     while one may still be a placeholder."""
-    return any(r.seq.pending_row >= 0 and r.seq.sampling.has_penalties for r in batch.rows)
+    return any(r.seq.pending_row >= 0 and has_penalties(r.seq.sampling) for r in batch.rows)
 
 
 def _empty_step(batch: StepBatch) -> LaunchedStep:

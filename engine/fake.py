@@ -16,9 +16,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from engine.engine import EngineInfo
-from engine.mirror import Mirror, StepPlanData
-from engine.runner import StepOutput
+from common.flags import setting
+from engine.config import EngineConfig
+from engine.contract import EngineInfo, StepOutput, StepPlanData
+from engine.mirror import Mirror
 
 
 @dataclass
@@ -36,28 +37,36 @@ class FakeStep:
         time.sleep(max(0.0, self.ready_at - time.monotonic()))
 
 
+@dataclass(frozen=True)
+class FakeEngineConfig:
+    """The echo engine's own settings (`llmserve engine --fake ...`, tests only); the rest come
+    from EngineConfig: block_size, num_kv_blocks (0: 256), max_model_len (0: 2048), the step
+    limits and the network."""
+
+    vocab_size: int = setting(512, "the echo engine's vocabulary size")
+    eos_token_ids: tuple[int, ...] = setting((), "its EOS token ids")
+    step_delay_ms: float = setting(0.0, "how long each step occupies the pretend device")
+
+
 class FakeEngine:
-    def __init__(
-        self,
-        vocab_size: int = 512,
-        max_model_len: int = 2048,
-        block_size: int = 16,
-        num_blocks: int = 256,
-        eos_token_ids: tuple[int, ...] = (),
-        step_delay_ms: float = 0.0,
-    ):
+    def __init__(self, config: EngineConfig | None = None, fake: FakeEngineConfig | None = None):
+        config = config or EngineConfig()
+        fake = fake or FakeEngineConfig()
+        num_blocks = config.num_kv_blocks or 256
         self.info = EngineInfo(
-            "fake-echo",
-            vocab_size,
-            max_model_len,
-            eos_token_ids,
-            block_size,
-            num_blocks,
-            "cpu",
-            "none",
+            model="fake-echo",
+            vocab_size=fake.vocab_size,
+            max_model_len=config.max_model_len or 2048,
+            eos_token_ids=fake.eos_token_ids,
+            block_size=config.block_size,
+            num_blocks=num_blocks,
+            device="cpu",
+            dtype="none",
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
         )
-        self.step_delay_ms = step_delay_ms
-        self.mirror = Mirror(block_size, num_blocks)
+        self.step_delay_ms = fake.step_delay_ms
+        self.mirror = Mirror(config.block_size, num_blocks)
         self.num_steps = 0
         self.busy_until = 0.0  # when the "device" finishes the last launched step
 
@@ -90,14 +99,14 @@ class FakeEngine:
             tokens.append(seq.token_ids[index] if row.samples else -1)
         self.mirror.commit(batch, tokens)
         self.num_steps += 1
-        any_logprobs = any(r.seq.sampling.logprobs for r in batch.rows)
-        logprobs = [0.0 if t >= 0 else float("nan") for t in tokens] if any_logprobs else None
+        asked = [r.samples and r.seq.sampling.logprobs for r in batch.rows]
+        logprobs = [0.0 if a else float("nan") for a in asked] if any(asked) else None
         output = StepOutput(tokens, logprobs, 0.0, 0.0)
-        k = max(r.seq.sampling.top_logprobs for r in batch.rows) if batch.rows else 0
-        if k:
+        if any(r.seq.sampling.top_logprobs for r in batch.rows):
             vocab = self.info.vocab_size
-            output.num_top_logprobs = k
-            for t in tokens:
-                output.top_token_ids += [(t + j) % vocab if t >= 0 else -1 for j in range(k)]
-                output.top_logprobs += [float(-j) if t >= 0 else float("nan") for j in range(k)]
+            for row, t in zip(batch.rows, tokens, strict=True):
+                k = row.seq.sampling.top_logprobs if row.samples else 0
+                output.num_top_logprobs.append(k)
+                output.top_token_ids += [(t + j) % vocab for j in range(k)]
+                output.top_logprobs += [float(-j) for j in range(k)]
         return output

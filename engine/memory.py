@@ -19,8 +19,10 @@ from typing import Any
 import torch
 
 from common.model_config import ModelConfig
+from engine.contract import NewRequestData, RunningData, StepPlanData
 from engine.kv_cache import allocate_kv_cache, layer_views
-from engine.mirror import Mirror, NewRequestData, RunningData, SamplingParams, StepPlanData
+from engine.mirror import Mirror
+from protos.common_pb2 import SamplingParams
 
 GIB = 1 << 30
 GRAPH_MARGIN_BYTES = 64 << 20

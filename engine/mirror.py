@@ -16,33 +16,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from common.sampling import normalized
+from engine.contract import NewRequestData, StepPlanData
+from protos.common_pb2 import SamplingParams
+
 # A sampled token not read back from the device yet (see commit_pending).
 PLACEHOLDER = -1
 
 
 class MirrorMismatch(Exception):
     """A plan disagrees with what the engine holds."""
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    temperature: float = 1.0
-    top_k: int = -1
-    top_p: float = 1.0
-    min_p: float = 0.0
-    seed: int | None = None
-    logprobs: bool = False
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    top_logprobs: int = 0
-
-    @property
-    def is_greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
-
-    @property
-    def has_penalties(self) -> bool:
-        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
 
 @dataclass
@@ -60,34 +43,6 @@ class SeqState:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
-
-
-@dataclass
-class NewRequestData:
-    seq_id: int
-    token_ids: list[int]
-    num_prompt_tokens: int
-    sampling: SamplingParams
-    block_table: list[int]
-    num_computed_tokens: int
-    num_scheduled_tokens: int
-
-
-@dataclass
-class RunningData:
-    seq_ids: list[int]
-    num_scheduled_tokens: list[int]
-    num_computed_tokens: list[int]
-    num_new_blocks: list[int]
-    new_block_ids: list[int]
-
-
-@dataclass
-class StepPlanData:
-    step_id: int
-    finished_seq_ids: list[int]
-    new_requests: list[NewRequestData]
-    running: RunningData
 
 
 @dataclass
@@ -174,11 +129,15 @@ class Mirror:
                 f"seq {new.seq_id}: num_prompt_tokens={new.num_prompt_tokens} with "
                 f"{len(new.token_ids)} token ids"
             )
+        try:
+            sampling = normalized(new.sampling)
+        except ValueError as err:
+            raise MirrorMismatch(f"seq {new.seq_id}: {err}") from err
         seq = SeqState(
             new.seq_id,
             list(new.token_ids),
             new.num_prompt_tokens,
-            new.sampling,
+            sampling,
             self._checked_blocks(new.seq_id, new.block_table),
             new.num_computed_tokens,
         )

@@ -9,30 +9,20 @@ waits for those copies and builds the StepOutput. `execute` is both at once.
 
 from __future__ import annotations
 
+import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from common.sampling import has_penalties
+from engine.contract import StepOutput
 from engine.cuda_graphs import DecodeGraphs
 from engine.mirror import PLACEHOLDER, ScheduledSeq, StepBatch
 from engine.model import AttentionContext, LlamaForCausalLM
 from engine.sampler import Sampler, SamplerOutput, to_device
 from engine.timeline import NullTimeline, Timeline
-
-
-@dataclass
-class StepOutput:
-    sampled_token_ids: list[int]  # -1 where the request is mid-prefill
-    logprobs: list[float] | None  # NaN where not requested; None when nobody asked
-    forward_ms: float
-    sample_ms: float
-    # Row-major [num rows, num_top_logprobs], most likely first; -1 / NaN where the request is
-    # mid-prefill. num_top_logprobs is the batch's largest request (0: nobody asked).
-    num_top_logprobs: int = 0
-    top_token_ids: list[int] = field(default_factory=list)
-    top_logprobs: list[float] = field(default_factory=list)
 
 
 class StepTimer:
@@ -185,10 +175,19 @@ class ModelRunner:
             forward_ms,
             sample_ms,
         )
+        rows = step.batch.rows
+        if output.logprobs is not None:  # NaN where the request did not ask
+            asked = [r.seq.sampling.logprobs for r in rows]
+            output.logprobs = [
+                lp if a else math.nan for lp, a in zip(output.logprobs, asked, strict=True)
+            ]
         if top_ids is not None and top_lps is not None:
-            output.num_top_logprobs = top_ids.shape[1]
-            output.top_token_ids = top_ids.flatten().tolist()
-            output.top_logprobs = top_lps.flatten().tolist()
+            k = top_ids.shape[1]
+            counts = [min(r.seq.sampling.top_logprobs, k) if r.samples else 0 for r in rows]
+            output.num_top_logprobs = counts
+            ids, lps = top_ids.tolist(), top_lps.tolist()
+            output.top_token_ids = [t for row, n in zip(ids, counts, strict=True) for t in row[:n]]
+            output.top_logprobs = [lp for row, n in zip(lps, counts, strict=True) for lp in row[:n]]
         return output
 
     def _gather_placeholders(
@@ -269,10 +268,10 @@ class ModelRunner:
 
 def _penalized_outputs(rows: list[ScheduledSeq]) -> list[list[int]]:
     """Each row's generated tokens where it has penalties (the sampler counts them), else []."""
-    if not any(r.seq.sampling.has_penalties for r in rows):
+    if not any(has_penalties(r.seq.sampling) for r in rows):
         return []
     return [
-        r.seq.token_ids[r.seq.num_prompt_tokens :] if r.seq.sampling.has_penalties else []
+        r.seq.token_ids[r.seq.num_prompt_tokens :] if has_penalties(r.seq.sampling) else []
         for r in rows
     ]
 

@@ -29,7 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.mirror import SamplingParams
+from common.sampling import has_penalties, is_greedy, seed_of
+from protos.common_pb2 import SamplingParams
 
 _MASK64 = (1 << 64) - 1
 _MASK32 = (1 << 32) - 1
@@ -88,7 +89,7 @@ def apply_penalties(
     """logits [n, vocab] with each penalized row's presence and frequency penalties subtracted
     (a new tensor; logits itself is unchanged). output_token_ids[i] are row i's generated tokens;
     only penalized rows' lists are read. Rows without penalties cost nothing."""
-    rows = [i for i, p in enumerate(params) if p.has_penalties]
+    rows = [i for i, p in enumerate(params) if has_penalties(p)]
     if not rows:
         return logits
     device = logits.device
@@ -142,7 +143,7 @@ class Sampler:
         if want_top or any(p.logprobs for p in params):
             logprobs = torch.log_softmax(logits, dim=-1)
         logits = apply_penalties(logits, params, output_token_ids)
-        if all(p.is_greedy for p in params):
+        if all(is_greedy(p) for p in params):
             tokens = logits.argmax(dim=-1)
         else:
             tokens = self._sample(logits, params, output_indices)
@@ -160,7 +161,7 @@ class Sampler:
         self, logits: torch.Tensor, params: list[SamplingParams], output_indices: list[int]
     ) -> torch.Tensor:
         temperature = to_device(
-            [p.temperature if not p.is_greedy else 1.0 for p in params],
+            [p.temperature if not is_greedy(p) else 1.0 for p in params],
             torch.float32,
             logits.device,
         )
@@ -171,8 +172,8 @@ class Sampler:
         noise = self._noise(probs, params, output_indices)
         # An exact 0 from exponential_ would turn a masked token's 0/0 into NaN, which argmax picks.
         tokens = (probs / noise.clamp_(min=1e-20)).argmax(dim=-1)
-        if any(p.is_greedy for p in params):
-            greedy = to_device([p.is_greedy for p in params], torch.bool, logits.device)
+        if any(is_greedy(p) for p in params):
+            greedy = to_device([is_greedy(p) for p in params], torch.bool, logits.device)
             tokens = torch.where(greedy, logits.argmax(dim=-1), tokens)
         return tokens
 
@@ -184,9 +185,10 @@ class Sampler:
         seeded: list[int] = []
         keys: list[int] = []
         for i, p in enumerate(params):
-            if p.seed is not None and not p.is_greedy:
+            seed = seed_of(p)
+            if seed is not None and not is_greedy(p):
                 seeded.append(i)
-                keys.append(seed_for(p.seed, output_indices[i]))
+                keys.append(seed_for(seed, output_indices[i]))
         device = probs.device
         if len(seeded) == len(params):
             return seeded_exponential(to_device(keys, torch.int64, device), probs.shape[1])

@@ -34,9 +34,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from common.log import get_logger
 from common.net import SERVER_OPTIONS
+from engine.contract import EngineInfo, StepOutput, StepPlanData
 from engine.convert import info_to_proto, plan_from_proto, result_to_proto
-from engine.mirror import MirrorMismatch, StepPlanData
-from engine.runner import StepOutput
+from engine.mirror import MirrorMismatch
 from engine.telemetry import EngineTelemetry, now_ns
 from protos import engine_pb2, engine_pb2_grpc
 
@@ -54,7 +54,7 @@ class StepExecutor(Protocol):
     """What the service needs of an engine (the real one, or engine.fake.FakeEngine): `launch`
     enqueues a plan's step (in plan order) and `finish` waits for its output."""
 
-    info: Any
+    info: EngineInfo
 
     def reset(self) -> None: ...
 
@@ -116,17 +116,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         self.telemetry = EngineTelemetry()
 
     def Describe(self, request: engine_pb2.DescribeRequest, context: Any) -> Any:
-        i = self.engine.info
-        return info_to_proto(
-            i.model,
-            i.vocab_size,
-            i.max_model_len,
-            i.eos_token_ids,
-            i.block_size,
-            i.num_blocks,
-            i.device,
-            i.dtype,
-        )
+        return info_to_proto(self.engine.info)
 
     def Step(self, request_iterator: Iterator[engine_pb2.StepPlan], context: Any) -> Any:
         with self.lock:
@@ -197,17 +187,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         self.telemetry.on_step(
             plan_msg, launched.start_ns, output.forward_ms, output.sample_ms, total_ms
         )
-        return result_to_proto(
-            plan_msg.step_id,
-            output.sampled_token_ids,
-            output.logprobs,
-            output.forward_ms,
-            output.sample_ms,
-            total_ms,
-            output.num_top_logprobs,
-            output.top_token_ids,
-            output.top_logprobs,
-        )
+        return result_to_proto(plan_msg.step_id, output, total_ms)
 
     def _fail(self, plan_msg: engine_pb2.StepPlan, err: Exception, context: Any) -> None:
         log.exception("step failed", step_id=plan_msg.step_id)

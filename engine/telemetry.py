@@ -7,35 +7,30 @@ import time
 from typing import Any
 
 from common import telemetry
+from common.telemetry import Metric
 from protos import engine_pb2
+
+_BUCKETS = telemetry.TOKEN_LATENCY_BUCKETS_S
+METRICS = {
+    "forward": Metric(
+        "llmserve.engine.forward.duration", "histogram", "s", "Model forward pass of one step",
+        _BUCKETS,
+    ),
+    "sample": Metric(
+        "llmserve.engine.sample.duration", "histogram", "s", "Sampling of one step", _BUCKETS
+    ),
+    "step": Metric(
+        "llmserve.engine.step.duration", "histogram", "s",
+        "One step in the engine: plan in to result out", _BUCKETS,
+    ),
+    "tokens": Metric("llmserve.engine.tokens", "counter", "{token}", "Tokens computed"),
+}  # fmt: skip
 
 
 class EngineTelemetry:
     def __init__(self) -> None:
         self.tracer = telemetry.tracer("llmserve.engine")
-        m = telemetry.meter("llmserve.engine")
-        buckets = list(telemetry.TOKEN_LATENCY_BUCKETS_S)
-        self.forward = m.create_histogram(
-            "llmserve.engine.forward.duration",
-            unit="s",
-            description="Model forward pass of one step",
-            explicit_bucket_boundaries_advisory=buckets,
-        )
-        self.sample = m.create_histogram(
-            "llmserve.engine.sample.duration",
-            unit="s",
-            description="Sampling of one step",
-            explicit_bucket_boundaries_advisory=buckets,
-        )
-        self.step = m.create_histogram(
-            "llmserve.engine.step.duration",
-            unit="s",
-            description="One step in the engine: plan in to result out",
-            explicit_bucket_boundaries_advisory=buckets,
-        )
-        self.tokens = m.create_counter(
-            "llmserve.engine.tokens", unit="{token}", description="Tokens computed"
-        )
+        self.m = telemetry.instruments("llmserve.engine", METRICS)
 
     def on_step(
         self,
@@ -45,13 +40,13 @@ class EngineTelemetry:
         sample_ms: float,
         total_ms: float,
     ) -> None:
-        self.forward.record(forward_ms / 1e3)
-        self.sample.record(sample_ms / 1e3)
-        self.step.record(total_ms / 1e3)
+        self.m.forward.record(forward_ms / 1e3)
+        self.m.sample.record(sample_ms / 1e3)
+        self.m.step.record(total_ms / 1e3)
         num_tokens = sum(r.num_scheduled_tokens for r in plan.new_requests) + sum(
             plan.running.num_scheduled_tokens
         )
-        self.tokens.add(num_tokens)
+        self.m.tokens.add(num_tokens)
         if plan.trace_context:
             self._trace(plan, num_tokens, start_ns, forward_ms, sample_ms, total_ms)
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 
 from gateway.core import GatewayCore
 from gateway.validation import ValidRequest
-from protos import api_pb2
+from protos import api_pb2, scheduler_pb2
 
 _MASK64 = (1 << 64) - 1
 
@@ -45,11 +45,18 @@ def make_choices(valids: list[ValidRequest], n: int, response_id: str) -> list[C
     for p, valid in enumerate(valids):
         for i in range(n):
             index = p * n + i
-            seeded = (
-                valid if valid.seed is None else replace(valid, seed=choice_seed(valid.seed, i))
-            )
-            choices.append(Choice(index, p, i, seeded, f"{response_id}-{index}"))
+            choices.append(Choice(index, p, i, _seeded(valid, i), f"{response_id}-{index}"))
     return choices
+
+
+def _seeded(valid: ValidRequest, sample_index: int) -> ValidRequest:
+    """valid with choice sample_index's seed (itself when unseeded or sample 0)."""
+    if sample_index == 0 or not valid.sampling.HasField("seed"):
+        return valid
+    submit = scheduler_pb2.SubmitRequest()
+    submit.CopyFrom(valid.submit)
+    submit.sampling.seed = choice_seed(valid.sampling.seed, sample_index)
+    return replace(valid, submit=submit)
 
 
 Messages = AsyncGenerator[tuple[Choice, api_pb2.GenerateResponse], None]

@@ -1,25 +1,43 @@
-"""The gateway service's settings."""
+"""The gateway service's settings; `llmserve gateway` and `llmserve serve` make their flags from
+these fields (common/flags.py)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from common.flags import check_ports, setting
+
 
 @dataclass(frozen=True)
 class GatewayConfig:
-    model: str | None = None  # for the tokenizer and chat template; None = built-in
-    scheduler_address: str = "localhost:50052"
-    host: str = "0.0.0.0"
-    port: int = 50051  # gRPC
-    http_port: int = 8000  # the OpenAI-compatible HTTP API; 0 turns it off
+    model: str | None = setting(
+        None, "HF directory or .gguf file (default: the built-in SmolLM2-135M-Instruct)"
+    )
+    scheduler_address: str = setting("localhost:50052", "the scheduler's gRPC address")
+    host: str = setting(
+        "127.0.0.1", "bind address of the gRPC and HTTP APIs (0.0.0.0 exposes them)"
+    )
+    port: int = setting(50051, "gRPC port of the client API")
+    http_port: int = setting(
+        8000,
+        "port of the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, ...); "
+        "0 turns it off",
+    )
+    metrics_port: int = setting(
+        9101, "Prometheus /metrics port (0: off)", env="LLMSERVE_METRICS_PORT"
+    )
     # Required of every client (HTTP and gRPC) as `Authorization: Bearer <key>` when set.
-    api_key: str | None = field(default=None, repr=False)
+    api_key: str | None = field(
+        default=None,
+        repr=False,
+        metadata={
+            "help": "require 'Authorization: Bearer KEY' of every HTTP and gRPC client",
+            "env": "LLMSERVE_API_KEY",
+        },
+    )
 
     def __post_init__(self) -> None:
-        if not 0 <= self.port < 65536:
-            raise ValueError(f"port={self.port} is not a TCP port")
-        if not 0 <= self.http_port < 65536:
-            raise ValueError(f"http_port={self.http_port} is not a TCP port (0 turns HTTP off)")
+        check_ports(self, "port", "http_port", "metrics_port")
         if self.http_port and self.http_port == self.port:
             raise ValueError(f"http_port={self.http_port} is the gRPC port too")
         if self.api_key is not None and not self.api_key.strip():

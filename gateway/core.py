@@ -44,27 +44,11 @@ def new_request_id(prefix: str = "req") -> str:
     return f"{prefix}-{uuid.uuid4().hex[:16]}"
 
 
-def submit_request(request_id: str, v: ValidRequest) -> scheduler_pb2.SubmitRequest:
-    sampling = common_pb2.SamplingParams(
-        temperature=v.temperature,
-        top_k=v.top_k,
-        top_p=v.top_p,
-        min_p=v.min_p,
-        logprobs=v.logprobs,
-        presence_penalty=v.presence_penalty,
-        frequency_penalty=v.frequency_penalty,
-        top_logprobs=v.top_logprobs,
-    )
-    if v.seed is not None:
-        sampling.seed = v.seed
-    return scheduler_pb2.SubmitRequest(
-        request_id=request_id,
-        prompt_token_ids=v.prompt_token_ids,
-        sampling=sampling,
-        max_tokens=v.max_tokens,
-        stop_token_ids=v.stop_token_ids,
-        ignore_eos=v.ignore_eos,
-    )
+def submit_request(request_id: str, valid: ValidRequest) -> scheduler_pb2.SubmitRequest:
+    msg = scheduler_pb2.SubmitRequest()
+    msg.CopyFrom(valid.submit)
+    msg.request_id = request_id
+    return msg
 
 
 class GatewayCore:

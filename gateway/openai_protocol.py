@@ -208,6 +208,10 @@ class ModelList(BaseModel):
 # -- request conversion --------------------------------------------------------------------------
 
 
+# The endpoints spell these differently (completions: logprobs=k); each sets them itself.
+_LOGPROB_FIELDS = ("logprobs", "top_logprobs")
+
+
 def _check_common(body: SamplingRequest, num_prompts: int) -> None:
     if not 1 <= body.n <= MAX_CHOICES:
         raise ValidationError(f"n={body.n} must be in [1, {MAX_CHOICES}]")
@@ -223,21 +227,15 @@ def _check_common(body: SamplingRequest, num_prompts: int) -> None:
 
 
 def _sampling_fields(body: SamplingRequest, max_tokens: int | None) -> api_pb2.GenerateRequest:
+    """The GenerateRequest fields the two endpoints share. The body's fields named as in
+    common.SamplingParams go there as they are (unset ones keep the server's defaults)."""
     req = api_pb2.GenerateRequest(ignore_eos=body.ignore_eos)
-    fields = {
-        "max_tokens": max_tokens,
-        "temperature": body.temperature,
-        "top_p": body.top_p,
-        "top_k": body.top_k,
-        "min_p": body.min_p,
-        "presence_penalty": body.presence_penalty,
-        "frequency_penalty": body.frequency_penalty,
-    }
-    for name, value in fields.items():
-        if value is not None:
-            setattr(req, name, value)
-    if body.seed is not None:
-        req.seed = body.seed % 2**64
+    if max_tokens is not None:
+        req.max_tokens = max_tokens
+    for field in req.sampling.DESCRIPTOR.fields:
+        value = getattr(body, field.name, None)
+        if value is not None and field.name not in _LOGPROB_FIELDS:
+            setattr(req.sampling, field.name, value % 2**64 if field.name == "seed" else value)
     if body.stop is not None:
         req.stop.extend([body.stop] if isinstance(body.stop, str) else body.stop)
     req.stop_token_ids.extend(body.stop_token_ids or [])
@@ -265,8 +263,8 @@ def completion_requests(body: CompletionRequest) -> list[api_pb2.GenerateRequest
         req = _sampling_fields(body, body.max_tokens)
         req.text = str(prompt)
         if body.logprobs is not None:
-            req.logprobs = True
-            req.top_logprobs = body.logprobs
+            req.sampling.logprobs = True
+            req.sampling.top_logprobs = body.logprobs
         requests.append(req)
     return requests
 
@@ -301,8 +299,8 @@ def chat_request(body: ChatCompletionRequest) -> api_pb2.GenerateRequest:
         req.chat.messages.add(role=role, content=_message_text(i, m))
     if not body.messages:
         req.chat.SetInParent()  # validation then names the empty list
-    req.logprobs = body.logprobs
-    req.top_logprobs = body.top_logprobs or 0
+    req.sampling.logprobs = body.logprobs
+    req.sampling.top_logprobs = body.top_logprobs or 0
     return req
 
 
@@ -312,6 +310,7 @@ _HTTP_NAMES = {"text": "prompt", "chat.messages": "messages", "chat": "messages"
 
 def http_message(message: str, prompt_field: str) -> tuple[str, str | None]:
     """A validation message in the HTTP API's field names, and the field it names (`param`)."""
+    message = message.replace("sampling.", "")
     match = _LEADING_FIELD.match(message)
     if match is None:
         return message, None

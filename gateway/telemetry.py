@@ -16,6 +16,7 @@ from typing import Any
 
 from common import telemetry
 from common.log import bind, get_logger
+from common.telemetry import Metric
 from gateway.validation import ValidRequest
 from protos import api_pb2, common_pb2
 
@@ -28,49 +29,45 @@ FINISH_REASONS = {
 }
 
 
+_LAT = telemetry.LATENCY_BUCKETS_S
+METRICS = {
+    "ttft": Metric(
+        "gen_ai.server.time_to_first_token", "histogram", "s",
+        "Arrival at the gateway to the first generated token sent", _LAT,
+    ),
+    "tpot": Metric(
+        "gen_ai.server.time_per_output_token", "histogram", "s",
+        "(end-to-end - time to first token) / (output tokens - 1), per request",
+        telemetry.TOKEN_LATENCY_BUCKETS_S,
+    ),
+    "duration": Metric(
+        "gen_ai.server.request.duration", "histogram", "s",
+        "Arrival to the last message (end-to-end latency); error.type on failures", _LAT,
+    ),
+    "token_usage": Metric(
+        "gen_ai.client.token.usage", "histogram", "{token}",
+        "Tokens per request, by gen_ai.token.type (input, output)", telemetry.COUNT_BUCKETS,
+    ),
+    "requests": Metric(
+        "llmserve.gateway.requests", "counter", "{request}",
+        "Requests ended, by finish_reason (stop, length, abort, error) and status_code (OK or "
+        "the gRPC status)",
+    ),
+    "prompt_tokens": Metric(
+        "llmserve.gateway.prompt_tokens", "counter", "{token}", "Prompt tokens"
+    ),
+    "generation_tokens": Metric(
+        "llmserve.gateway.generation_tokens", "counter", "{token}", "Tokens generated"
+    ),
+}  # fmt: skip
+
+
 class GatewayTelemetry:
     def __init__(self) -> None:
         self.tracer = telemetry.tracer("llmserve.gateway")
         self.log_prompts = os.environ.get("LLMSERVE_LOG_PROMPTS", "") in ("1", "true", "yes")
         self.model = ""
-        m = telemetry.meter("llmserve.gateway")
-        lat = list(telemetry.LATENCY_BUCKETS_S)
-        self.ttft = m.create_histogram(
-            "gen_ai.server.time_to_first_token",
-            unit="s",
-            description="Arrival at the gateway to the first generated token sent",
-            explicit_bucket_boundaries_advisory=lat,
-        )
-        self.tpot = m.create_histogram(
-            "gen_ai.server.time_per_output_token",
-            unit="s",
-            description="(end-to-end - time to first token) / (output tokens - 1), per request",
-            explicit_bucket_boundaries_advisory=list(telemetry.TOKEN_LATENCY_BUCKETS_S),
-        )
-        self.duration = m.create_histogram(
-            "gen_ai.server.request.duration",
-            unit="s",
-            description="Arrival to the last message (end-to-end latency); error.type on failures",
-            explicit_bucket_boundaries_advisory=lat,
-        )
-        self.token_usage = m.create_histogram(
-            "gen_ai.client.token.usage",
-            unit="{token}",
-            description="Tokens per request, by gen_ai.token.type (input, output)",
-            explicit_bucket_boundaries_advisory=list(telemetry.COUNT_BUCKETS),
-        )
-        self.requests = m.create_counter(
-            "llmserve.gateway.requests",
-            unit="{request}",
-            description="Requests ended, by finish_reason (stop, length, abort, error) and "
-            "status_code (OK or the gRPC status)",
-        )
-        self.prompt_tokens = m.create_counter(
-            "llmserve.gateway.prompt_tokens", unit="{token}", description="Prompt tokens"
-        )
-        self.generation_tokens = m.create_counter(
-            "llmserve.gateway.generation_tokens", unit="{token}", description="Tokens generated"
-        )
+        self.m = telemetry.instruments("llmserve.gateway", METRICS)
 
     def start(
         self, carrier: Any, request_id: str, api: str, start: float | None = None
@@ -82,8 +79,8 @@ class GatewayTelemetry:
     def rejected(self, code: str, api: str, start: float) -> None:
         """A request refused before it had a RequestTelemetry (an invalid HTTP body)."""
         attrs = {"gen_ai.request.model": self.model, "llmserve.api": api, "error.type": code}
-        self.duration.record(time.monotonic() - start, attrs)
-        self.requests.add(1, {"finish_reason": "error", "status_code": code})
+        self.m.duration.record(time.monotonic() - start, attrs)
+        self.m.requests.add(1, {"finish_reason": "error", "status_code": code})
 
 
 class RequestTelemetry:
@@ -136,7 +133,7 @@ class RequestTelemetry:
                 {
                     "gen_ai.operation.name": self.operation,
                     "gen_ai.usage.input_tokens": self.num_prompt_tokens,
-                    "gen_ai.request.max_tokens": valid.max_tokens,
+                    "gen_ai.request.max_tokens": valid.submit.max_tokens,
                 }
             )
 
@@ -147,7 +144,7 @@ class RequestTelemetry:
     def on_response(self, msg: api_pb2.GenerateResponse) -> None:
         if msg.token_ids and self.first_token is None:
             self.first_token = time.monotonic()
-            self.owner.ttft.record(self.first_token - self.start, self.attributes)
+            self.owner.m.ttft.record(self.first_token - self.start, self.attributes)
             if self.span is not None:
                 self.span.add_event("first_token")
         self.num_output_tokens += len(msg.token_ids)
@@ -158,7 +155,7 @@ class RequestTelemetry:
             return
         self.done = True
         end = time.monotonic()
-        o = self.owner
+        o = self.owner.m
         reason = FINISH_REASONS.get(finish_reason, "error" if code != "OK" else "abort")
         attrs = {**self.attributes, "gen_ai.operation.name": self.operation}
         if code != "OK":

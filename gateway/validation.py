@@ -5,15 +5,15 @@ Each error names the field, the value and the limit, as a person would want to r
 
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass
 
 from google.protobuf import unknown_fields
 from google.protobuf.message import Message
 
+from common.sampling import SamplingError, normalized
 from gateway.tokenizer import ChatMessage, ChatTemplateError, Tokenizer
-from protos import api_pb2
+from protos import api_pb2, common_pb2, scheduler_pb2
 
 ROLES = ("system", "user", "assistant")
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
@@ -31,36 +31,28 @@ class Limits:
     max_prompt_chars: int = 1 << 20  # refuse before tokenizing absurd inputs
     max_stop_strings: int = 16
     max_stop_string_chars: int = 256
-    max_top_logprobs: int = 20
 
 
 @dataclass(frozen=True)
 class ValidRequest:
-    prompt_token_ids: list[int]
-    max_tokens: int
-    temperature: float
-    top_k: int
-    top_p: float
-    min_p: float
-    seed: int | None
+    """A request that passed validation: what the scheduler is sent (sampling params normalized,
+    defaults filled in) and the stop strings, which stay in the gateway."""
+
+    submit: scheduler_pb2.SubmitRequest
     stop: list[str]
-    stop_token_ids: list[int]
-    ignore_eos: bool
-    logprobs: bool
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    top_logprobs: int = 0
 
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return list(self.submit.prompt_token_ids)
 
-def _show(value: float) -> str:
-    """A float32 field as the client wrote it (0.1, not 0.10000000149011612)."""
-    text = f"{value:.7g}"
-    return text if any(c in text for c in ".eni") else text + ".0"
+    @property
+    def sampling(self) -> common_pb2.SamplingParams:
+        return self.submit.sampling
 
 
 def _check_unknown_fields(req: api_pb2.GenerateRequest) -> None:
     """Refuse fields this server's API does not have (a newer client's), at any depth."""
-    messages: list[tuple[str, Message]] = [("GenerateRequest", req)]
+    messages: list[tuple[str, Message]] = [("GenerateRequest", req), ("sampling", req.sampling)]
     if req.HasField("chat"):
         messages.append(("chat", req.chat))
         messages += [(f"chat.messages[{i}]", m) for i, m in enumerate(req.chat.messages)]
@@ -73,37 +65,20 @@ def _check_unknown_fields(req: api_pb2.GenerateRequest) -> None:
             )
 
 
-def _check_sampling(req: api_pb2.GenerateRequest) -> None:
-    if req.HasField("temperature") and not (
-        math.isfinite(req.temperature) and req.temperature >= 0
-    ):
-        raise ValidationError(f"temperature={_show(req.temperature)} must be a finite number >= 0")
-    if req.HasField("top_p") and not 0 < req.top_p <= 1:
-        raise ValidationError(f"top_p={_show(req.top_p)} must be in (0, 1]")
-    if req.HasField("top_k") and req.top_k < -1:
-        raise ValidationError(f"top_k={req.top_k} must be >= -1 (-1 or 0 disables it)")
-    if req.HasField("min_p") and not 0 <= req.min_p <= 1:
-        raise ValidationError(f"min_p={_show(req.min_p)} must be in [0, 1]")
+def _check_request(req: api_pb2.GenerateRequest) -> common_pb2.SamplingParams:
+    """The normalized sampling params; also checks max_tokens and request_id."""
+    try:
+        sampling = normalized(req.sampling)
+    except SamplingError as err:
+        raise ValidationError(str(err)) from err
     if req.HasField("max_tokens") and req.max_tokens < 1:
         raise ValidationError(f"max_tokens={req.max_tokens} must be >= 1")
-    for name in ("presence_penalty", "frequency_penalty"):
-        value = getattr(req, name)
-        if req.HasField(name) and not -2 <= value <= 2:
-            raise ValidationError(f"{name}={_show(value)} must be in [-2, 2]")
     if req.request_id and not _REQUEST_ID.fullmatch(req.request_id):
         raise ValidationError(
             f"request_id={req.request_id[:40]!r} must be 1-128 characters of letters, digits "
             "and . _ : -"
         )
-
-
-def _check_logprobs(req: api_pb2.GenerateRequest, limits: Limits) -> None:
-    if not 0 <= req.top_logprobs <= limits.max_top_logprobs:
-        raise ValidationError(
-            f"top_logprobs={req.top_logprobs} must be in [0, {limits.max_top_logprobs}]"
-        )
-    if req.top_logprobs and not req.logprobs:
-        raise ValidationError(f"top_logprobs={req.top_logprobs} needs logprobs=true")
+    return sampling
 
 
 def _check_stops(req: api_pb2.GenerateRequest, limits: Limits) -> None:
@@ -159,8 +134,7 @@ def validate(req: api_pb2.GenerateRequest, tokenizer: Tokenizer, limits: Limits)
     """Raise ValidationError on the first bad field; otherwise the request, tokenized, with
     defaults filled in (max_tokens defaults to what is left of the context)."""
     _check_unknown_fields(req)
-    _check_sampling(req)
-    _check_logprobs(req, limits)
+    sampling = _check_request(req)
     _check_stops(req, limits)
     prompt = _prompt_ids(req, tokenizer, limits)
     if not prompt:
@@ -183,19 +157,11 @@ def validate(req: api_pb2.GenerateRequest, tokenizer: Tokenizer, limits: Limits)
             f"max_tokens={max_tokens} exceeds the model's remaining context of {remaining} "
             f"tokens ({bound}, prompt {len(prompt)} tokens)"
         )
-    return ValidRequest(
+    submit = scheduler_pb2.SubmitRequest(
         prompt_token_ids=prompt,
+        sampling=sampling,
         max_tokens=max_tokens,
-        temperature=req.temperature if req.HasField("temperature") else 1.0,
-        top_k=req.top_k if req.HasField("top_k") else -1,
-        top_p=req.top_p if req.HasField("top_p") else 1.0,
-        min_p=req.min_p if req.HasField("min_p") else 0.0,
-        seed=req.seed if req.HasField("seed") else None,
-        stop=list(req.stop),
-        stop_token_ids=list(req.stop_token_ids),
+        stop_token_ids=req.stop_token_ids,
         ignore_eos=req.ignore_eos,
-        logprobs=req.logprobs,
-        presence_penalty=req.presence_penalty,
-        frequency_penalty=req.frequency_penalty,
-        top_logprobs=req.top_logprobs,
     )
+    return ValidRequest(submit, list(req.stop))

@@ -57,8 +57,16 @@ def make_request(
     **fields: object,
 ) -> api_pb2.GenerateRequest:
     """A GenerateRequest from a text prompt or (role, content) messages; unset fields (None)
-    keep the server's defaults."""
-    req = api_pb2.GenerateRequest(**{k: v for k, v in fields.items() if v is not None})
+    keep the server's defaults. Fields of common.SamplingParams (temperature, seed, ...) go into
+    `sampling`, the others (max_tokens, stop, ...) into the request itself."""
+    sampling_names = {f.name for f in common_pb2.SamplingParams.DESCRIPTOR.fields}
+    given = {k: v for k, v in fields.items() if v is not None}
+    req = api_pb2.GenerateRequest(
+        sampling=common_pb2.SamplingParams(
+            **{k: v for k, v in given.items() if k in sampling_names}
+        ),
+        **{k: v for k, v in given.items() if k not in sampling_names},
+    )
     if messages is not None:
         req.chat.messages.extend(api_pb2.ChatMessage(role=r, content=c) for r, c in messages)
     elif text is not None:

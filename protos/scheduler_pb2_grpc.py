@@ -69,7 +69,8 @@ class SchedulerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GetStats(self, request, context):
-        """Cumulative counters: where the time per step goes, preemptions, KV use.
+        """Cumulative counters (where the time per step goes, tokens, preemptions) and gauges (queue
+        lengths, KV use): the same snapshot the scheduler's metrics read.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -1,50 +1,77 @@
-"""The scheduler service's settings."""
+"""The scheduler service's settings; `llmserve scheduler` and `llmserve serve` make their flags
+from these fields (common/flags.py)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+
+from common.flags import check_ports, setting
 
 # "continuous": iteration-level batching, waiting requests join at every step.
-# "static": a batch is admitted only when nothing runs and runs until its last member finishes,
-# finished members padding it meanwhile (see scheduler/scheduler.py). For comparison studies.
+# "static": a batch is admitted only when nothing runs and runs until its last member finishes
+# (scheduler/static_batching.py). For comparison studies.
 SCHEDULING_POLICIES = ("continuous", "static")
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    engine_address: str = "localhost:50053"
-    host: str = "0.0.0.0"
-    port: int = 50052
-    # Tokens computed per step across all requests (prefill chunks plus decodes).
-    max_num_batched_tokens: int = 2048
-    # Requests running at once.
-    max_num_seqs: int = 256
-    # Requests queued beyond which new ones get RESOURCE_EXHAUSTED.
-    max_waiting: int = 4096
-    enable_prefix_caching: bool = True
-    # Lower the engine's context limit (0 keeps the model's).
-    max_model_len: int = 0
-    scheduling_policy: str = "continuous"
-    # Static batching only: after the first request of a new batch arrives, wait up to this long
-    # for the batch to fill to max_num_seqs before starting it (as static servers' batch delay).
-    static_batch_wait_ms: float = 100.0
-    # Keep two steps in flight: plan step N+1 (and send it) before step N's result arrives, so the
-    # engine finds its next plan waiting instead of idling through the hop and the planning.
-    overlap_scheduling: bool = True
+    engine_address: str = setting("localhost:50053", "the engine's gRPC address")
+    host: str = setting("127.0.0.1", "bind address (0.0.0.0 exposes it)")
+    port: int = setting(50052, "gRPC port for the gateway")
+    metrics_port: int = setting(
+        9102, "Prometheus /metrics port (0: off)", env="LLMSERVE_METRICS_PORT"
+    )
+    max_num_batched_tokens: int = setting(
+        0, "tokens per step, prefill chunks + decodes (0: the engine's; never more)"
+    )
+    max_num_seqs: int = setting(0, "requests running at once (0: the engine's; never more)")
+    max_waiting: int = setting(4096, "queued requests beyond which new ones get RESOURCE_EXHAUSTED")
+    enable_prefix_caching: bool = setting(
+        True, "share the KV blocks of identical prompt prefixes", flag="--prefix-caching"
+    )
+    max_model_len: int = setting(0, "lower the engine's context length (0: the engine's)")
+    scheduling_policy: str = setting(
+        "continuous",
+        "static: admit a batch only when nothing runs; finished members pad it until its last "
+        "one finishes (the baseline `llmserve bench` compares against)",
+        choices=SCHEDULING_POLICIES,
+    )
+    static_batch_wait_ms: float = setting(
+        100.0, "static policy: wait up to this long for a new batch to fill to --max-num-seqs"
+    )
+    overlap_scheduling: bool = setting(
+        True, "plan step N+1 while the engine runs step N (two steps in flight)"
+    )
 
     def __post_init__(self) -> None:
-        for name in ("max_num_batched_tokens", "max_num_seqs", "max_waiting"):
-            value = getattr(self, name)
-            if value < 1:
-                raise ValueError(f"{name}={value} must be >= 1")
+        for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
+        if self.max_waiting < 1:
+            raise ValueError(f"max_waiting={self.max_waiting} must be >= 1")
         if self.static_batch_wait_ms < 0:
             raise ValueError(f"static_batch_wait_ms={self.static_batch_wait_ms} must be >= 0")
-        if self.max_model_len < 0:
-            raise ValueError(f"max_model_len={self.max_model_len} must be >= 0")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(
                 f"scheduling_policy={self.scheduling_policy!r} must be one of "
                 f"{', '.join(SCHEDULING_POLICIES)}"
             )
-        if not 0 <= self.port < 65536:
-            raise ValueError(f"port={self.port} is not a TCP port")
+        check_ports(self, "port", "metrics_port")
+
+    def adopt(self, max_num_seqs: int, max_num_batched_tokens: int) -> SchedulerConfig:
+        """This config with the engine's step limits where it has none of its own (0). Raises
+        ValueError when one of its own is larger than the engine's: the scheduler would plan
+        steps the engine did not size its memory and CUDA graphs for."""
+        engine = {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens}
+        for name, limit in engine.items():
+            own = getattr(self, name)
+            if own > limit:
+                raise ValueError(
+                    f"{name}={own} exceeds the engine's {name}={limit}; lower it, or start "
+                    f"the engine with --{name.replace('_', '-')} {own}"
+                )
+        return replace(
+            self,
+            max_num_seqs=self.max_num_seqs or max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens or max_num_batched_tokens,
+        )

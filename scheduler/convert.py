@@ -1,12 +1,15 @@
 """The scheduler side of both contracts: protobuf <-> scheduler dataclasses. Nothing else in
-scheduler/ touches generated messages."""
+scheduler/ touches generated messages. Sampling params are never decoded: the scheduler passes
+them from Submit to the engine as they came (checked and normalized by common.sampling)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
+from common.sampling import normalized
 from protos import common_pb2, engine_pb2, scheduler_pb2
-from scheduler.request import Request, RequestStatus, SamplingParams
+from scheduler.request import Request, RequestStatus
 from scheduler.scheduler import StepOutcome, StepPlan, TopLogprobColumns
 
 FINISH_REASONS = {
@@ -17,42 +20,13 @@ FINISH_REASONS = {
 }
 
 
-def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
-    return SamplingParams(
-        temperature=msg.temperature,
-        top_k=msg.top_k,
-        top_p=msg.top_p,
-        min_p=msg.min_p,
-        seed=msg.seed if msg.HasField("seed") else None,
-        logprobs=msg.logprobs,
-        presence_penalty=msg.presence_penalty,
-        frequency_penalty=msg.frequency_penalty,
-        top_logprobs=msg.top_logprobs,
-    )
-
-
-def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
-    msg = common_pb2.SamplingParams(
-        temperature=params.temperature,
-        top_k=params.top_k,
-        top_p=params.top_p,
-        min_p=params.min_p,
-        logprobs=params.logprobs,
-        presence_penalty=params.presence_penalty,
-        frequency_penalty=params.frequency_penalty,
-        top_logprobs=params.top_logprobs,
-    )
-    if params.seed is not None:
-        msg.seed = params.seed
-    return msg
-
-
 def request_from_proto(msg: scheduler_pb2.SubmitRequest, seq_id: int) -> Request:
+    """Raises common.sampling.SamplingError (a ValueError naming the field) on bad params."""
     return Request(
         request_id=msg.request_id or f"seq-{seq_id}",
         seq_id=seq_id,
         prompt_token_ids=list(msg.prompt_token_ids),
-        sampling=sampling_from_proto(msg.sampling),
+        sampling=normalized(msg.sampling),
         max_tokens=msg.max_tokens,
         stop_token_ids=frozenset(msg.stop_token_ids),
         ignore_eos=msg.ignore_eos,
@@ -68,7 +42,7 @@ def plan_to_proto(plan: StepPlan) -> engine_pb2.StepPlan:
                 seq_id=r.seq_id,
                 token_ids=row.token_ids,
                 num_prompt_tokens=r.num_prompt_tokens,
-                sampling=sampling_to_proto(r.sampling),
+                sampling=r.sampling,
                 block_table=row.block_table,
                 num_computed_tokens=row.num_computed_tokens,
                 num_scheduled_tokens=row.num_scheduled_tokens,
@@ -87,24 +61,35 @@ def plan_to_proto(plan: StepPlan) -> engine_pb2.StepPlan:
 def top_logprobs_from_proto(msg: engine_pb2.StepResult) -> TopLogprobColumns | None:
     if not msg.num_top_logprobs:
         return None
-    return TopLogprobColumns(msg.num_top_logprobs, list(msg.top_token_ids), list(msg.top_logprobs))
+    return TopLogprobColumns(
+        list(msg.num_top_logprobs), list(msg.top_token_ids), list(msg.top_logprobs)
+    )
 
 
 def response_to_proto(
-    token_ids: list[int],
-    logprobs: list[float],
-    finished: RequestStatus | None,
-    request: Request,
-    first: bool,
-    top_logprobs: Sequence[StepOutcome] = (),
+    request: Request, outcomes: Sequence[StepOutcome], first: bool
 ) -> scheduler_pb2.SubmitResponse:
-    """top_logprobs: one outcome per token id, when the request asked for top logprobs."""
+    """One message for a request's outcomes since its last one (the last may finish it)."""
+    tokens = [o for o in outcomes if o.token_id is not None]
     msg = scheduler_pb2.SubmitResponse(
-        token_ids=token_ids, logprobs=logprobs, finish_reason=FINISH_REASONS[finished]
+        token_ids=[o.token_id for o in outcomes if o.token_id is not None],
+        logprobs=[o.logprob for o in tokens if o.logprob is not None],
+        finish_reason=FINISH_REASONS[outcomes[-1].finished],
     )
-    for o in top_logprobs:
-        msg.top_logprobs.add(token_ids=o.top_token_ids, logprobs=o.top_logprobs)
-    if first or finished is not None:
+    for o in tokens:
+        if o.top_token_ids:
+            msg.top_logprobs.add(token_ids=o.top_token_ids, logprobs=o.top_logprobs)
+    if first or outcomes[-1].finished is not None:
         msg.num_prompt_tokens = request.num_prompt_tokens
-        msg.num_cached_tokens = max(request.num_cached_tokens, 0)
+        msg.num_cached_tokens = request.num_cached_tokens or 0
+    return msg
+
+
+def stats_to_proto(stats: dict[str, Any]) -> scheduler_pb2.SchedulerStats:
+    """GetStats' message from a stats snapshot (the fields it has)."""
+    names = scheduler_pb2.SchedulerStats.DESCRIPTOR.fields_by_name
+    msg = scheduler_pb2.SchedulerStats()
+    for name, value in stats.items():
+        if name in names:
+            setattr(msg, name, type(getattr(msg, name))(value))
     return msg

@@ -5,6 +5,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from protos.common_pb2 import SamplingParams
+
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
@@ -20,21 +22,6 @@ class RequestStatus(enum.Enum):
             RequestStatus.FINISHED_LENGTH,
             RequestStatus.FINISHED_ABORTED,
         )
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """Passed through to the engine untouched; the scheduler never samples."""
-
-    temperature: float = 1.0
-    top_k: int = -1
-    top_p: float = 1.0
-    min_p: float = 0.0
-    seed: int | None = None
-    logprobs: bool = False
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    top_logprobs: int = 0
 
 
 @dataclass(eq=False)
@@ -55,6 +42,7 @@ class Request:
     request_id: str
     seq_id: int
     prompt_token_ids: list[int]
+    # Passed to the engine as it came (normalized by common.sampling); the scheduler never reads it.
     sampling: SamplingParams
     max_tokens: int
     stop_token_ids: frozenset[int] = frozenset()
@@ -66,8 +54,8 @@ class Request:
     # Chained content hashes of the full blocks of token_ids, filled lazily by the block manager.
     block_hashes: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
-    # Prompt tokens found in the prefix cache at first admission (-1 until admitted).
-    num_cached_tokens: int = -1
+    # Prompt tokens found in the prefix cache at first admission (None until admitted).
+    num_cached_tokens: int | None = None
     num_preemptions: int = 0
     # Tokens sampled by steps planned but whose results have not arrived (0, 1, or 2 with overlap).
     num_pending_tokens: int = 0

@@ -6,21 +6,14 @@ some tokens out of the token budget. Running requests go first (oldest first); w
 admitted with what budget and blocks are left. When blocks run out, the newest running request is
 preempted: its blocks are freed and it waits again, to be recomputed from its tokens later.
 
-Static batching (scheduling_policy="static", the baseline continuous batching is measured
-against): a batch is formed only when nothing runs, from the first waiting requests (at most
-max_num_seqs) whose blocks fit at once with each one padded to the batch's longest output (its
-prompt + the largest max_tokens among them). The batch is admitted, prefills, decodes, and no
-other request is admitted until its last member finishes. Padding is real work, as in HF
-transformers' `generate`: a member that finishes is reported finished to its client at once, but
-keeps its slot, its blocks and a row in every step, decoding throwaway tokens that are never
-streamed (the engine cannot tell them from real ones), until the last member finishes; then all
-are freed together. A padding row stops early only at max_model_len, or when a block it needs is
-wanted by a real member (padding never causes a preemption).
+
+Static batching, the baseline continuous batching is measured against, is a subclass with its own
+hooks (scheduler/static_batching.py).
 """
 
 from __future__ import annotations
 
-import itertools
+import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -68,8 +61,10 @@ class StepPlan:
 
     step_id: int
     finished_seq_ids: list[int]
-    new_requests: list[NewRequestRow]
-    running: list[RunningRow]
+    new_requests: list[NewRequestRow] = field(default_factory=list)
+    running: list[RunningRow] = field(default_factory=list)
+    # Requests preempted while planning this step (their ids are in finished_seq_ids).
+    preempted: list[Request] = field(default_factory=list)
 
     @property
     def rows(self) -> list[NewRequestRow | RunningRow]:
@@ -92,10 +87,11 @@ class StepPlan:
 
 @dataclass
 class StepOutcome:
-    """What a step produced for one request: its new token (if any) and whether it finished."""
+    """What a step produced for one request: its new token and whether it finished (token_id is
+    None for a request ended without a token: aborted, or dropped by a resize)."""
 
     request: Request
-    token_id: int
+    token_id: int | None
     logprob: float | None
     finished: RequestStatus | None
     # The request's top_logprobs most likely tokens at this position, when it asked.
@@ -105,30 +101,42 @@ class StepOutcome:
 
 @dataclass
 class TopLogprobColumns:
-    """A step's top-k logprobs, k per plan row: row i is [i * k : (i + 1) * k], best first."""
+    """A step's top logprobs: counts[i] entries for plan row i, row after row, best first."""
 
-    k: int
+    counts: list[int]
     token_ids: list[int]
     logprobs: list[float]
 
-    def row(self, i: int, num: int) -> tuple[list[int], list[float]]:
-        """Row i's min(num, k) most likely tokens and their logprobs."""
-        start = i * self.k
-        end = start + min(num, self.k)
-        return self.token_ids[start:end], self.logprobs[start:end]
+    def rows(self) -> list[tuple[list[int], list[float]]]:
+        """Each row's (token ids, logprobs)."""
+        out, start = [], 0
+        for n in self.counts:
+            out.append((self.token_ids[start : start + n], self.logprobs[start : start + n]))
+            start += n
+        return out
 
 
 @dataclass
 class SchedulerCounters:
+    """Cumulative counts since start; GetStats and the metrics both read them."""
+
     num_steps: int = 0
     num_scheduled_tokens: int = 0
     num_preemptions: int = 0
     num_finished_requests: int = 0
+    num_prompt_tokens: int = 0  # prompts of requests admitted for the first time
+    num_generated_tokens: int = 0
+    # Tokens looked up in the prefix cache at each admission (readmissions too), and found.
+    num_prefix_cache_query_tokens: int = 0
     num_prefix_cache_hit_tokens: int = 0
     finish_reasons: dict[str, int] = field(default_factory=dict)
 
 
 class Scheduler:
+    """Continuous batching. A subclass changes the policy through the hooks: `_may_admit` (the
+    admission gate), `_on_stopped` (what a finished request becomes), `_evict` (who gives up
+    blocks), `_is_padding` and `_append` (rows that run on without streaming)."""
+
     def __init__(
         self,
         config: SchedulerConfig,
@@ -138,6 +146,9 @@ class Scheduler:
         vocab_size: int,
         eos_token_ids: tuple[int, ...],
     ):
+        assert config.max_num_seqs > 0 and config.max_num_batched_tokens > 0, (
+            "a scheduler needs its step limits: SchedulerConfig.adopt the engine's first"
+        )
         self.config = config
         self.block_size = block_size
         self.max_model_len = max_model_len
@@ -149,18 +160,10 @@ class Scheduler:
         self.requests: dict[int, Request] = {}
         # Requests the engine mirrors that it must drop before the next plan.
         self.finished_seq_ids: list[int] = []
+        # Requests preempted since the last plan was made (they travel in the next plan).
+        self.preempted: list[Request] = []
         self.next_step_id = 1
         self.counters = SchedulerCounters()
-        # Requests preempted since the service last drained this list (for its traces/metrics).
-        self.preempted: list[Request] = []
-        # Static batching: members of the current batch not yet admitted, and members that
-        # finished but still run as padding (seq_id -> how they finished).
-        self.batch_pending: set[int] = set()
-        self.padding: dict[int, RequestStatus] = {}
-
-    @property
-    def is_static(self) -> bool:
-        return self.config.scheduling_policy == "static"
 
     # -- admission ------------------------------------------------------------------------------
 
@@ -169,37 +172,42 @@ class Scheduler:
         num_prompt = request.num_prompt_tokens
         if num_prompt == 0:
             raise AdmissionError("INVALID_ARGUMENT", "prompt_token_ids is empty")
-        bad = [t for t in request.prompt_token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise AdmissionError(
-                "INVALID_ARGUMENT",
-                f"prompt_token_ids contains {bad[0]}, "
-                f"outside the vocabulary [0, {self.vocab_size})",
-            )
+        for name, ids in (
+            ("prompt_token_ids", request.prompt_token_ids),
+            ("stop_token_ids", sorted(request.stop_token_ids)),
+        ):
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise AdmissionError(
+                    "INVALID_ARGUMENT",
+                    f"{name} contains {bad[0]}, outside the vocabulary [0, {self.vocab_size})",
+                )
         if request.max_tokens < 1:
             raise AdmissionError(
                 "INVALID_ARGUMENT", f"max_tokens={request.max_tokens} must be >= 1"
             )
-        total = num_prompt + request.max_tokens
-        if total > self.max_model_len:
-            raise AdmissionError(
-                "INVALID_ARGUMENT",
-                f"prompt ({num_prompt} tokens) + max_tokens ({request.max_tokens}) = {total} "
-                f"exceeds max_model_len={self.max_model_len}",
-            )
-        capacity = self.block_manager.num_blocks * self.block_size
-        if total > capacity:
-            raise AdmissionError(
-                "INVALID_ARGUMENT",
-                f"prompt ({num_prompt} tokens) + max_tokens ({request.max_tokens}) = {total} "
-                f"exceeds the KV cache's capacity of {capacity} tokens "
-                f"({self.block_manager.num_blocks} blocks x {self.block_size})",
-            )
+        self._check_fits(request)
         if len(self.waiting) >= self.config.max_waiting:
             raise AdmissionError(
                 "RESOURCE_EXHAUSTED",
                 f"queue full: {len(self.waiting)} requests waiting (max_waiting="
                 f"{self.config.max_waiting}); retry after a short delay",
+            )
+
+    def _check_fits(self, request: Request) -> None:
+        num_prompt = request.num_prompt_tokens
+        total = num_prompt + request.max_tokens
+        what = f"prompt ({num_prompt} tokens) + max_tokens ({request.max_tokens}) = {total}"
+        if total > self.max_model_len:
+            raise AdmissionError(
+                "INVALID_ARGUMENT", f"{what} exceeds max_model_len={self.max_model_len}"
+            )
+        capacity = self.block_manager.num_blocks * self.block_size
+        if total > capacity:
+            raise AdmissionError(
+                "INVALID_ARGUMENT",
+                f"{what} exceeds the KV cache's capacity of {capacity} tokens "
+                f"({self.block_manager.num_blocks} blocks x {self.block_size})",
             )
 
     def add(self, request: Request) -> None:
@@ -219,10 +227,7 @@ class Scheduler:
             self.waiting.remove(request)
         elif request.status == RequestStatus.RUNNING:
             self.running.remove(request)
-        self.padding.pop(seq_id, None)
         self._finish(request, RequestStatus.FINISHED_ABORTED)
-        if self.padding:
-            self._end_drained_batch()
         return request
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
@@ -253,12 +258,10 @@ class Scheduler:
         self.counters.num_preemptions += 1
         self.preempted.append(request)
 
-    def reset_engine(self) -> None:
+    def reset_engine(self) -> list[Request]:
         """The engine lost its mirror and KV pool (it restarted, or failed a step): preempt every
-        running request and forget the prefix cache, so all work is redone from tokens.
-        Padding rows (static batching) are freed, not preempted: they have nothing left to do."""
-        for request in [r for r in self.running if r.seq_id in self.padding]:
-            self._end_padding(request)
+        running request and forget the prefix cache, so all work is redone from tokens. Returns
+        the requests preempted."""
         for request in reversed(self.running):
             self._preempt(request)
         self.running = []
@@ -267,6 +270,8 @@ class Scheduler:
             request.in_engine = False
         self.block_manager.reset_prefix_cache()
         self.block_manager.check_integrity(list(self.requests.values()))
+        preempted, self.preempted = self.preempted, []
+        return preempted
 
     def resize(self, num_blocks: int, block_size: int) -> list[Request]:
         """Adopt a restarted engine's pool geometry. Only after reset_engine (nobody holds blocks).
@@ -287,6 +292,11 @@ class Scheduler:
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.finished_seq_ids)
+
+    def idle_timeout_s(self) -> float | None:
+        """How long the service may sleep with nothing to plan before planning again (None:
+        until a request arrives or ends)."""
+        return None
 
     # -- planning -------------------------------------------------------------------------------
 
@@ -345,40 +355,25 @@ class Scheduler:
         if len(request.token_ids) + num_pending >= self.max_model_len:
             return False
         return (
-            request.seq_id in self.padding
+            self._is_padding(request)
             or request.num_output_tokens + num_pending < request.max_tokens
         )
 
     def _evict(self, i: int) -> tuple[Request, bool]:
-        """Free blocks for running[i]: end the newest padding row not yet scheduled this step
-        (index >= i), else preempt the newest request. Returns (victim, whether preempted)."""
-        victim = next((r for r in reversed(self.running[i:]) if r.seq_id in self.padding), None)
-        if victim is not None:
-            self._end_padding(victim)
-            return victim, False
+        """Free blocks for running[i] (hook): preempt the newest running request. Returns (the
+        victim, whether it was preempted)."""
         victim = self.running.pop()  # newest first
         self._preempt(victim)
         return victim, True
 
-    def static_batch_wait_s(self) -> float | None:
-        """Static batching: seconds until the forming batch starts even if not full (0: start
-        now); None when no batch is forming (continuous policy, a batch running, nobody waiting,
-        or enough waiting to fill one)."""
-        if not self.is_static or self.running or not self.waiting:
-            return None
-        if len(self.waiting) >= self.config.max_num_seqs:
-            return None
-        deadline = self.waiting[0].arrival_time + self.config.static_batch_wait_ms / 1e3
-        return max(0.0, deadline - time.monotonic())
+    def _may_admit(self, request: Request) -> bool:
+        """Whether waiting request (first in line) may be admitted this step (hook)."""
+        return True
 
     def _schedule_waiting(self, budget: int, scheduled: list[tuple[Request, int]]) -> None:
-        if self.is_static and not self.running:
-            if self.static_batch_wait_s():
-                return  # the batch is still forming
-            self.batch_pending = self._next_batch()
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            if self.is_static and request.seq_id not in self.batch_pending:
+            if not self._may_admit(request):
                 break
             cached = self.block_manager.find_cached_blocks(request)
             num_cached = len(cached) * self.block_size
@@ -386,33 +381,22 @@ class Scheduler:
             if not self.block_manager.allocate_slots(request, num_new, cached):
                 break
             self.waiting.popleft()
-            assert request.num_pending_tokens == 0, f"{request.request_id}: pending while waiting"
-            self.batch_pending.discard(request.seq_id)
-            request.status = RequestStatus.RUNNING
-            request.num_computed_tokens = num_cached
-            if request.num_cached_tokens < 0:
-                request.num_cached_tokens = min(num_cached, request.num_prompt_tokens)
-            self.counters.num_prefix_cache_hit_tokens += num_cached
-            self.running.append(request)
+            self._admit(request, num_cached)
             scheduled.append((request, num_new))
             budget -= num_new
 
-    def _next_batch(self) -> set[int]:
-        """Static batching: the seq ids of the next batch, the first waiting requests (at most
-        max_num_seqs) whose blocks all fit in the free pool when each is padded to its prompt +
-        the batch's largest max_tokens (within max_model_len). The first always fits: nothing
-        runs, and check_admissible made sure it fits the pool alone."""
-        members: list[Request] = []
-        max_new = 0
-        for request in itertools.islice(self.waiting, self.config.max_num_seqs):
-            max_new = max(max_new, request.max_tokens)
-            padded = [min(r.num_prompt_tokens + max_new, self.max_model_len) for r in members]
-            padded.append(min(request.num_prompt_tokens + max_new, self.max_model_len))
-            need = sum(self.block_manager.num_blocks_for(n) for n in padded)
-            if members and need > self.block_manager.num_free_blocks:
-                break
-            members.append(request)
-        return {r.seq_id for r in members}
+    def _admit(self, request: Request, num_cached: int) -> None:
+        """request leaves the queue with num_cached tokens found in the prefix cache."""
+        assert request.num_pending_tokens == 0, f"{request.request_id}: pending while waiting"
+        request.status = RequestStatus.RUNNING
+        request.num_computed_tokens = num_cached
+        c = self.counters
+        if request.num_cached_tokens is None:  # first admission
+            request.num_cached_tokens = min(num_cached, request.num_prompt_tokens)
+            c.num_prompt_tokens += request.num_prompt_tokens
+        c.num_prefix_cache_query_tokens += request.num_tokens
+        c.num_prefix_cache_hit_tokens += num_cached
+        self.running.append(request)
 
     def _make_plan(self, scheduled: list[tuple[Request, int]]) -> StepPlan:
         """The plan for `scheduled` (request, tokens now). Per request, as the engine will:
@@ -421,9 +405,9 @@ class Scheduler:
             after:  |<- num_computed_tokens -------------->|<- rest ->|
 
         and when rest is empty the step samples: a pending token joins num_tokens."""
-        plan = StepPlan(self.next_step_id, self.finished_seq_ids, [], [])
+        plan = StepPlan(self.next_step_id, self.finished_seq_ids, preempted=self.preempted)
         self.next_step_id += 1
-        self.finished_seq_ids = []
+        self.finished_seq_ids, self.preempted = [], []
         for request, num_new in scheduled:
             row: NewRequestRow | RunningRow
             if not request.in_engine:
@@ -437,12 +421,8 @@ class Scheduler:
                 plan.new_requests.append(row)
                 request.in_engine = True
             else:
-                row = RunningRow(
-                    request,
-                    num_new,
-                    request.num_computed_tokens,
-                    request.block_table[request.num_sent_blocks :],
-                )
+                new_blocks = request.block_table[request.num_sent_blocks :]
+                row = RunningRow(request, num_new, request.num_computed_tokens, new_blocks)
                 plan.running.append(row)
             request.num_sent_blocks = len(request.block_table)
             request.num_computed_tokens += num_new
@@ -457,47 +437,51 @@ class Scheduler:
         self,
         plan: StepPlan,
         sampled_token_ids: list[int],
-        logprobs: list[float] | None,
+        logprobs: list[float] | None = None,
         top_logprobs: TopLogprobColumns | None = None,
     ) -> list[StepOutcome]:
-        """Apply a step's result; results come in plan order. One token rule: a row that
-        completed its request's tokens when planned (`samples`) turns the request's oldest pending
-        token into the sampled one; a mid-prefill row's token is discarded. Rows of requests that
-        ended (finished, aborted) or were preempted since the plan are skipped: with overlap, a
-        request that finished at step N may be in step N+1 too, and that token is dropped.
-        Finished requests free their blocks."""
+        """Apply a step's result; results come in plan order (logprobs: NaN where a request did
+        not ask). One token rule: a row that completed its request's tokens when planned
+        (`samples`) turns the request's oldest pending token into the sampled one; a mid-prefill
+        row's token is discarded. Rows of requests that ended (finished, aborted) or were
+        preempted since the plan are skipped: with overlap, a request that finished at step N
+        may be in step N+1 too, and that token is dropped. Finished requests free their blocks."""
         rows = plan.rows
         assert len(sampled_token_ids) == len(rows), (
             f"step {plan.step_id}: {len(sampled_token_ids)} tokens for {len(rows)} requests"
         )
+        top_rows = top_logprobs.rows() if top_logprobs is not None else None
         outcomes = []
         for i, row in enumerate(rows):
-            request = row.request
             if not row.samples or not self._awaits(row):
                 continue
             token_id = sampled_token_ids[i]
-            assert token_id >= 0, f"step {plan.step_id}: no token for {request.request_id}"
-            request.num_pending_tokens -= 1
-            request.token_ids.append(token_id)
-            if request.seq_id in self.padding:
-                if len(request.token_ids) >= self.max_model_len:
-                    self._end_padding(request)
-                continue  # a padding row's tokens are thrown away
-            finished = self._check_stop(request, token_id)
-            if finished is not None:
-                self._end_or_pad(request, finished)
-            logprob = logprobs[i] if logprobs else None
-            outcome = StepOutcome(request, token_id, logprob, finished)
-            if top_logprobs is not None and request.sampling.top_logprobs:
-                outcome.top_token_ids, outcome.top_logprobs = top_logprobs.row(
-                    i, request.sampling.top_logprobs
-                )
+            assert token_id >= 0, f"step {plan.step_id}: no token for {row.request.request_id}"
+            outcome = self._append(row.request, token_id)
+            if outcome is None:
+                continue
+            if logprobs and not math.isnan(logprobs[i]):
+                outcome.logprob = logprobs[i]
+            if top_rows is not None:
+                outcome.top_token_ids, outcome.top_logprobs = top_rows[i]
             outcomes.append(outcome)
-        if self.padding:
-            self._end_drained_batch()
+        self.counters.num_generated_tokens += len(outcomes)
+        self._after_update()
+        return outcomes
+
+    def _append(self, request: Request, token_id: int) -> StepOutcome | None:
+        """request's oldest pending token is token_id: its outcome (hook: None when nothing is
+        to be streamed)."""
+        request.num_pending_tokens -= 1
+        request.token_ids.append(token_id)
+        finished = self._check_stop(request, token_id)
+        if finished is not None:
+            self._on_stopped(request, finished)
+        return StepOutcome(request, token_id, None, finished)
+
+    def _after_update(self) -> None:
         if not self.requests:
             self.block_manager.check_integrity([])
-        return outcomes
 
     @staticmethod
     def _awaits(row: NewRequestRow | RunningRow) -> bool:
@@ -511,25 +495,14 @@ class Scheduler:
         assert request.num_pending_tokens > 0, f"{request.request_id}: a token nobody awaits"
         return True
 
-    def _end_or_pad(self, request: Request, status: RequestStatus) -> None:
-        """request finished: free it, or (static batching) keep it running as padding until its
-        batch drains. Either way its outcome reports it finished."""
-        if self.is_static and len(request.token_ids) < self.max_model_len:
-            self.padding[request.seq_id] = status
-            return
+    def _is_padding(self, request: Request) -> bool:
+        """Whether request runs on without streaming (hook; static batching's padding rows)."""
+        return False
+
+    def _on_stopped(self, request: Request, status: RequestStatus) -> None:
+        """request finished with status (hook): free it. Its outcome reports it finished."""
         self.running.remove(request)
         self._finish(request, status)
-
-    def _end_padding(self, request: Request) -> None:
-        """Free a padding row with the status it finished with."""
-        self.running.remove(request)
-        self._finish(request, self.padding.pop(request.seq_id))
-
-    def _end_drained_batch(self) -> None:
-        """Static batching: once every running request is padding, the batch is over."""
-        if all(r.seq_id in self.padding for r in self.running):
-            for request in list(self.running):
-                self._end_padding(request)
 
     def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
         if token_id in self.eos_token_ids and not request.ignore_eos:

@@ -28,16 +28,19 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from common.log import bind, get_logger
 from common.net import CHANNEL_OPTIONS, SERVER_OPTIONS, serve_aio
+from common.sampling import SamplingError
 from protos import engine_pb2, engine_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from scheduler.config import SchedulerConfig
 from scheduler.convert import (
     plan_to_proto,
     request_from_proto,
     response_to_proto,
+    stats_to_proto,
     top_logprobs_from_proto,
 )
-from scheduler.request import RequestStatus
+from scheduler.request import Request, RequestStatus
 from scheduler.scheduler import AdmissionError, Scheduler, StepOutcome, StepPlan
+from scheduler.static_batching import make_scheduler
 from scheduler.telemetry import SchedulerTelemetry
 
 log = get_logger("scheduler")
@@ -45,6 +48,10 @@ log = get_logger("scheduler")
 
 class EngineLost(Exception):
     """The engine ended the Step stream without an error status."""
+
+
+class EngineMismatch(Exception):
+    """The engine's limits contradict this scheduler's settings: fatal, the service stops."""
 
 
 @dataclass
@@ -81,7 +88,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self.ready = False
         self.stopping = False
         self.times = StepTimes()
-        self.telemetry = SchedulerTelemetry()
+        self.telemetry = SchedulerTelemetry(self.stats)
         self.num_engine_resets = 0
         self.health = health.aio.HealthServicer()
         self._health_update: asyncio.Future[None] | None = None
@@ -94,9 +101,11 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         if not self.ready or self.scheduler is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "engine not ready; retry shortly")
         assert self.scheduler is not None
-        req = request_from_proto(request, next(self.seq_ids))
         try:
+            req = request_from_proto(request, next(self.seq_ids))
             self.scheduler.add(req)
+        except SamplingError as err:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         except AdmissionError as err:
             await context.abort(grpc.StatusCode[err.code], err.message)
         trace_id = self.telemetry.on_submit(req, context.invocation_metadata())
@@ -112,36 +121,27 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 while not queue.empty():  # the client fell behind: send what piled up at once
                     outcomes.append(queue.get_nowait())
                 finished = outcomes[-1].finished
-                logprobs = (
-                    [o.logprob for o in outcomes if o.token_id >= 0]
-                    if req.sampling.logprobs
-                    else []
-                )
-                yield response_to_proto(
-                    [o.token_id for o in outcomes if o.token_id >= 0],
-                    [lp if lp is not None else 0.0 for lp in logprobs],
-                    finished,
-                    req,
-                    first,
-                    [o for o in outcomes if o.token_id >= 0] if req.sampling.top_logprobs else [],
-                )
+                yield response_to_proto(req, outcomes, first)
                 first = False
         finally:
-            self.streams.pop(req.seq_id, None)
-            if finished is None and self.scheduler is not None:
-                # Cancelled by the client (or its connection died): free the blocks now.
-                self.scheduler.abort(req.seq_id)
-                self.wakeup.set()
-                log.info("request cancelled", request_id=req.request_id)
-            status = req.status if req.status.is_finished else RequestStatus.FINISHED_ABORTED
-            self.telemetry.on_finish(req, status)
-            log.info(
-                "request finished",
-                finish_reason=status.value,
-                output_tokens=req.num_output_tokens,
-                cached_tokens=max(req.num_cached_tokens, 0),
-                preemptions=req.num_preemptions,
-            )
+            self._end_stream(req, finished)
+
+    def _end_stream(self, req: Request, finished: RequestStatus | None) -> None:
+        self.streams.pop(req.seq_id, None)
+        if finished is None and self.scheduler is not None:
+            # Cancelled by the client (or its connection died): free the blocks now.
+            self.scheduler.abort(req.seq_id)
+            self.wakeup.set()
+            log.info("request cancelled", request_id=req.request_id)
+        status = req.status if req.status.is_finished else RequestStatus.FINISHED_ABORTED
+        self.telemetry.on_finish(req, status)
+        log.info(
+            "request finished",
+            finish_reason=status.value,
+            output_tokens=req.num_output_tokens,
+            cached_tokens=req.num_cached_tokens or 0,
+            preemptions=req.num_preemptions,
+        )
 
     async def GetInfo(
         self, request: scheduler_pb2.GetInfoRequest, context: grpc.aio.ServicerContext
@@ -157,29 +157,31 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             eos_token_ids=sorted(s.eos_token_ids),
             block_size=s.block_size,
             num_blocks=s.block_manager.num_blocks,
-            max_num_seqs=self.config.max_num_seqs,
-            max_num_batched_tokens=self.config.max_num_batched_tokens,
+            max_num_seqs=s.config.max_num_seqs,
+            max_num_batched_tokens=s.config.max_num_batched_tokens,
         )
+
+    def stats(self) -> dict[str, Any]:
+        """One snapshot of every count and gauge: GetStats and the metrics both read it."""
+        snapshot: dict[str, Any] = {"num_engine_resets": self.num_engine_resets}
+        snapshot.update(vars(self.times))
+        s = self.scheduler
+        if s is not None:
+            snapshot.update(vars(s.counters))
+            snapshot["finish_reasons"] = dict(s.counters.finish_reasons)
+            bm = s.block_manager
+            snapshot.update(
+                num_running=len(s.running),
+                num_waiting=len(s.waiting),
+                num_free_blocks=bm.num_free_blocks,
+                num_blocks=bm.num_blocks,
+            )
+        return snapshot
 
     async def GetStats(
         self, request: scheduler_pb2.GetStatsRequest, context: grpc.aio.ServicerContext
     ) -> scheduler_pb2.SchedulerStats:
-        msg = scheduler_pb2.SchedulerStats(
-            num_engine_resets=self.num_engine_resets, **vars(self.times)
-        )
-        s = self.scheduler
-        if s is not None:
-            c = s.counters
-            msg.num_steps = c.num_steps
-            msg.num_scheduled_tokens = c.num_scheduled_tokens
-            msg.num_preemptions = c.num_preemptions
-            msg.num_finished_requests = c.num_finished_requests
-            msg.num_prefix_cache_hit_tokens = c.num_prefix_cache_hit_tokens
-            msg.num_running = len(s.running)
-            msg.num_waiting = len(s.waiting)
-            msg.num_free_blocks = s.block_manager.num_free_blocks
-            msg.num_blocks = s.block_manager.num_blocks
-        return msg
+        return stats_to_proto(self.stats())
 
     # -- the engine side ----------------------------------------------------------------------
 
@@ -196,6 +198,9 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                     self._on_engine_info(info)
                     backoff = 0.2
                     await self._step_loop(stub)
+                except EngineMismatch as err:
+                    log.error("refusing the engine", error=str(err))
+                    raise
                 except grpc.aio.AioRpcError as err:
                     if self.ready:
                         log.warning(
@@ -210,29 +215,33 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 if self.scheduler is not None:
                     # The engine's mirror and KV pool (prefix cache included) are gone either way,
                     # and so are the results of steps in flight.
-                    self.scheduler.reset_engine()
-                    self.telemetry.on_engine_reset()
+                    self.telemetry.on_engine_reset(self.scheduler.reset_engine())
                     self.num_engine_resets += was_ready
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 2.0)
 
     def _on_engine_info(self, info: engine_pb2.EngineInfo) -> None:
+        """Adopt the engine's limits (ours may be lower, never higher) and pool geometry."""
+        try:
+            config = self.config.adopt(info.max_num_seqs, info.max_num_batched_tokens)
+        except ValueError as err:
+            raise EngineMismatch(str(err)) from err
         max_len = info.max_model_len
-        if self.config.max_model_len:
-            max_len = min(max_len, self.config.max_model_len)
+        if config.max_model_len:
+            max_len = min(max_len, config.max_model_len)
         if self.scheduler is None:
-            self.scheduler = Scheduler(
-                self.config,
+            self.scheduler = make_scheduler(
+                config,
                 info.num_blocks,
                 info.block_size,
                 max_len,
                 info.vocab_size,
                 tuple(info.eos_token_ids),
             )
-            self.telemetry.scheduler = self.scheduler
         else:
+            self.scheduler.config = config
             for request in self.scheduler.resize(info.num_blocks, info.block_size):
-                self._deliver(StepOutcome(request, -1, None, RequestStatus.FINISHED_ABORTED))
+                self._deliver(StepOutcome(request, None, None, RequestStatus.FINISHED_ABORTED))
         self.engine_info = info
         log.info(
             "engine connected",
@@ -242,6 +251,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             num_blocks=info.num_blocks,
             block_size=info.block_size,
             max_model_len=max_len,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
         )
 
     def _set_ready(self, ready: bool) -> None:
@@ -275,7 +286,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                     continue
                 # No await since the scheduler last had nothing to do: no wakeup is missed.
                 self.wakeup.clear()
-                await self._idle(scheduler.static_batch_wait_s())
+                await self._idle(scheduler.idle_timeout_s())
         finally:
             call.cancel()
 
@@ -350,7 +361,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             for seq_id in list(self.scheduler.requests):
                 request = self.scheduler.abort(seq_id)
                 if request is not None:
-                    self._deliver(StepOutcome(request, -1, None, RequestStatus.FINISHED_ABORTED))
+                    self._deliver(StepOutcome(request, None, None, RequestStatus.FINISHED_ABORTED))
 
 
 async def serve(config: SchedulerConfig) -> None:

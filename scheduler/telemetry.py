@@ -22,13 +22,14 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from common import telemetry
+from common.telemetry import Metric
 from scheduler.request import Request, RequestStatus
-from scheduler.scheduler import NewRequestRow, RunningRow, Scheduler, StepOutcome, StepPlan
+from scheduler.scheduler import NewRequestRow, RunningRow, StepOutcome, StepPlan
 
 
 @dataclass
@@ -70,146 +71,111 @@ def is_decode_row(row: NewRequestRow | RunningRow) -> bool:
     )
 
 
+_LAT = telemetry.LATENCY_BUCKETS_S
+_COUNTS = telemetry.COUNT_BUCKETS
+METRICS = {
+    "queue_time": Metric(
+        "llmserve.request.queue_time", "histogram", "s",
+        "Arrival at the scheduler to first scheduled", _LAT,
+    ),
+    "prefill_time": Metric(
+        "llmserve.request.prefill_time", "histogram", "s",
+        "First scheduled to first generated token", _LAT,
+    ),
+    "step_duration": Metric(
+        "llmserve.scheduler.step.duration", "histogram", "s",
+        "One iteration: plan, engine round trip, update", telemetry.TOKEN_LATENCY_BUCKETS_S,
+    ),
+    "batch_size": Metric(
+        "llmserve.scheduler.step.batch_size", "histogram", "{request}", "Requests in one step",
+        _COUNTS,
+    ),
+    "step_tokens": Metric(
+        "llmserve.scheduler.step.tokens", "histogram", "{token}", "Tokens computed in one step",
+        _COUNTS,
+    ),
+    # Read from the stats snapshot (SchedulerService.stats), the one GetStats returns.
+    "num_preemptions": Metric(
+        "llmserve.scheduler.preemptions", "observed_counter", "{preemption}",
+        "Requests preempted (blocks freed, recomputed later)",
+    ),
+    "finish_reasons": Metric(
+        "llmserve.scheduler.requests.finished", "observed_counter", "{request}",
+        "Requests that ended, by finish_reason (stop, length, abort)",
+    ),
+    "num_prompt_tokens": Metric(
+        "llmserve.scheduler.prompt_tokens", "observed_counter", "{token}",
+        "Prompt tokens of requests admitted (first admission)",
+    ),
+    "num_generated_tokens": Metric(
+        "llmserve.scheduler.generation_tokens", "observed_counter", "{token}", "Tokens generated"
+    ),
+    "num_prefix_cache_hit_tokens": Metric(
+        "llmserve.prefix_cache.hit_tokens", "observed_counter", "{token}",
+        "Tokens found in the prefix cache at admission (readmissions after preemption too)",
+    ),
+    "num_prefix_cache_query_tokens": Metric(
+        "llmserve.prefix_cache.query_tokens", "observed_counter", "{token}",
+        "Tokens looked up in the prefix cache at admission (readmissions too)",
+    ),
+    "num_running": Metric(
+        "llmserve.scheduler.requests.running", "gauge", "{request}",
+        "Requests holding KV blocks and stepping",
+    ),
+    "num_waiting": Metric(
+        "llmserve.scheduler.requests.waiting", "gauge", "{request}",
+        "Requests queued (new or preempted)",
+    ),
+    "kv_usage": Metric(
+        "llmserve.kv_cache.usage", "gauge", "1", "Fraction of KV-cache blocks in use by requests"
+    ),
+    "num_free_blocks": Metric(
+        "llmserve.kv_cache.blocks.free", "gauge", "{block}",
+        "KV-cache blocks not held by any request",
+    ),
+    "throughput": Metric(
+        "llmserve.scheduler.generation_throughput", "gauge", "{token}/s",
+        "Tokens generated per second since the previous reading (at most 10 s back)",
+    ),
+}  # fmt: skip
+
+
 class SchedulerTelemetry:
-    def __init__(self, model: str = ""):
+    def __init__(self, stats: Callable[[], dict[str, Any]] = dict):
+        """stats: the service's stats snapshot (counts and gauges), read by the observed
+        instruments when metrics are collected."""
         self.tracer = telemetry.tracer("llmserve.scheduler")
         self.tracing = telemetry.tracing_enabled()
         self.requests: dict[int, RequestTelemetry] = {}
-        self.scheduler: Scheduler | None = None
+        self.stats = stats
         # Steps in flight by step id (tracing only), and the last result's wall-clock time.
         self.steps: dict[int, StepTelemetry] = {}
         self.last_result_ns = 0
         # Preemptions not yet shown in traces: (id of the step planned when it happened, request).
         self.preemptions: list[tuple[int, Request]] = []
-        self.recent_tokens: deque[tuple[float, int]] = deque()
-        self._make_instruments(telemetry.meter("llmserve.scheduler"))
+        # (time, generated tokens so far) at recent readings, for the throughput gauge.
+        self.readings: deque[tuple[float, float]] = deque()
+        self.m = telemetry.instruments("llmserve.scheduler", METRICS, self._observe)
 
-    def _make_instruments(self, m: Any) -> None:
-        lat = list(telemetry.LATENCY_BUCKETS_S)
-        counts = list(telemetry.COUNT_BUCKETS)
-        self.queue_time = m.create_histogram(
-            "llmserve.request.queue_time",
-            unit="s",
-            description="Arrival at the scheduler to first scheduled",
-            explicit_bucket_boundaries_advisory=lat,
-        )
-        self.prefill_time = m.create_histogram(
-            "llmserve.request.prefill_time",
-            unit="s",
-            description="First scheduled to first generated token",
-            explicit_bucket_boundaries_advisory=lat,
-        )
-        self.step_duration = m.create_histogram(
-            "llmserve.scheduler.step.duration",
-            unit="s",
-            description="One iteration: plan, engine round trip, update",
-            explicit_bucket_boundaries_advisory=list(telemetry.TOKEN_LATENCY_BUCKETS_S),
-        )
-        self.batch_size = m.create_histogram(
-            "llmserve.scheduler.step.batch_size",
-            unit="{request}",
-            description="Requests in one step",
-            explicit_bucket_boundaries_advisory=counts,
-        )
-        self.step_tokens = m.create_histogram(
-            "llmserve.scheduler.step.tokens",
-            unit="{token}",
-            description="Tokens computed in one step",
-            explicit_bucket_boundaries_advisory=counts,
-        )
-        self.preemptions_counter = m.create_counter(
-            "llmserve.scheduler.preemptions",
-            unit="{preemption}",
-            description="Requests preempted (blocks freed, recomputed later)",
-        )
-        self.finished = m.create_counter(
-            "llmserve.scheduler.requests.finished",
-            unit="{request}",
-            description="Requests that ended, by finish_reason (stop, length, abort)",
-        )
-        self.prompt_tokens = m.create_counter(
-            "llmserve.scheduler.prompt_tokens",
-            unit="{token}",
-            description="Prompt tokens of requests admitted (first admission)",
-        )
-        self.generation_tokens = m.create_counter(
-            "llmserve.scheduler.generation_tokens",
-            unit="{token}",
-            description="Tokens generated",
-        )
-        self.prefix_hit_tokens = m.create_counter(
-            "llmserve.prefix_cache.hit_tokens",
-            unit="{token}",
-            description="Prompt tokens found in the prefix cache at admission",
-        )
-        self.prefix_query_tokens = m.create_counter(
-            "llmserve.prefix_cache.query_tokens",
-            unit="{token}",
-            description="Prompt tokens looked up in the prefix cache at admission",
-        )
-        m.create_observable_gauge(
-            "llmserve.scheduler.requests.running",
-            callbacks=[self._observe_running],
-            unit="{request}",
-            description="Requests holding KV blocks and stepping",
-        )
-        m.create_observable_gauge(
-            "llmserve.scheduler.requests.waiting",
-            callbacks=[self._observe_waiting],
-            unit="{request}",
-            description="Requests queued (new or preempted)",
-        )
-        m.create_observable_gauge(
-            "llmserve.kv_cache.usage",
-            callbacks=[self._observe_kv_usage],
-            unit="1",
-            description="Fraction of KV-cache blocks in use by requests",
-        )
-        m.create_observable_gauge(
-            "llmserve.kv_cache.blocks.free",
-            callbacks=[self._observe_free_blocks],
-            unit="{block}",
-            description="KV-cache blocks not held by any request",
-        )
-        m.create_observable_gauge(
-            "llmserve.scheduler.generation_throughput",
-            callbacks=[self._observe_throughput],
-            unit="{token}/s",
-            description="Tokens generated per second over the last 10 s",
-        )
-
-    # -- observable gauges --------------------------------------------------------------------
-
-    def _observation(self, value: float) -> Iterable[Any]:
-        from opentelemetry.metrics import Observation
-
-        return [Observation(value)]
-
-    def _observe_running(self, _options: Any) -> Iterable[Any]:
-        s = self.scheduler
-        return self._observation(len(s.running)) if s is not None else []
-
-    def _observe_waiting(self, _options: Any) -> Iterable[Any]:
-        s = self.scheduler
-        return self._observation(len(s.waiting)) if s is not None else []
-
-    def _observe_kv_usage(self, _options: Any) -> Iterable[Any]:
-        s = self.scheduler
-        if s is None:
+    def _observe(self, key: str) -> list[tuple[float, dict[str, str]]]:
+        stats = self.stats()
+        if "num_blocks" not in stats:  # no engine connected yet
             return []
-        bm = s.block_manager
-        return self._observation(1.0 - bm.num_free_blocks / bm.num_blocks)
+        if key == "finish_reasons":
+            return [(n, {"finish_reason": r}) for r, n in stats["finish_reasons"].items()]
+        if key == "kv_usage":
+            return [(1.0 - stats["num_free_blocks"] / stats["num_blocks"], {})]
+        if key == "throughput":
+            return [(self._throughput(stats["num_generated_tokens"]), {})]
+        return [(stats[key], {})]
 
-    def _observe_free_blocks(self, _options: Any) -> Iterable[Any]:
-        s = self.scheduler
-        return self._observation(s.block_manager.num_free_blocks) if s is not None else []
-
-    def _observe_throughput(self, _options: Any) -> Iterable[Any]:
+    def _throughput(self, num_generated: float, window: float = 10.0) -> float:
         now = time.monotonic()
-        window = 10.0
-        while self.recent_tokens and self.recent_tokens[0][0] < now - window:
-            self.recent_tokens.popleft()
-        return self._observation(sum(n for _, n in self.recent_tokens) / window)
+        self.readings.append((now, num_generated))
+        while len(self.readings) > 2 and self.readings[1][0] < now - window:
+            self.readings.popleft()
+        (t0, n0), (t1, n1) = self.readings[0], self.readings[-1]
+        return (n1 - n0) / (t1 - t0) if t1 > t0 else 0.0
 
     # -- request lifecycle --------------------------------------------------------------------
 
@@ -259,7 +225,7 @@ class SchedulerTelemetry:
         """After `schedule`: per-request bookkeeping, the step span. Returns the trace context
         for the StepPlan (empty when not tracing)."""
         now = time.monotonic()
-        self._collect_preemptions(plan.step_id)
+        self.preemptions.extend((plan.step_id, r) for r in plan.preempted)
         rows = plan.rows
         batch_size = len(rows)
         for row in rows:
@@ -272,12 +238,9 @@ class SchedulerTelemetry:
                 rt.max_num_blocks = max(rt.max_num_blocks, len(request.block_table))
             if rt.first_scheduled is None:
                 rt.first_scheduled = now
-                self.queue_time.record(now - rt.arrival)
-                self.prompt_tokens.add(request.num_prompt_tokens)
-                self.prefix_query_tokens.add(request.num_prompt_tokens)
-                self.prefix_hit_tokens.add(max(request.num_cached_tokens, 0))
-        self.batch_size.record(batch_size)
-        self.step_tokens.record(plan.num_scheduled_tokens)
+                self.m.queue_time.record(now - rt.arrival)
+        self.m.batch_size.record(batch_size)
+        self.m.step_tokens.record(plan.num_scheduled_tokens)
         context = self._trace_plan(plan) if self.tracing else {}
         self._show_preemptions()
         return context
@@ -307,18 +270,16 @@ class SchedulerTelemetry:
         self, plan: StepPlan, outcomes: list[StepOutcome], timings: dict[str, float]
     ) -> None:
         """After `update` (results come in step order): end the step's span and make its
-        requests' spans, count tokens. (Finished requests are ended by `on_finish`, called where
-        their stream closes.)"""
+        requests' spans. (Finished requests are ended by `on_finish`, called where their stream
+        closes.)"""
         now = time.monotonic()
-        self.step_duration.record(timings["step_s"])
-        self.generation_tokens.add(len(outcomes))
-        self.recent_tokens.append((now, len(outcomes)))
+        self.m.step_duration.record(timings["step_s"])
         for outcome in outcomes:
             rt = self.requests.get(outcome.request.seq_id)
             if rt is None:
                 continue
             if outcome.request.num_output_tokens == 1 and rt.first_scheduled is not None:
-                self.prefill_time.record(now - rt.first_scheduled)
+                self.m.prefill_time.record(now - rt.first_scheduled)
         step = self.steps.pop(plan.step_id, None)
         if step is not None:
             self._trace_result(plan, step, timings)
@@ -359,25 +320,15 @@ class SchedulerTelemetry:
         step.span.set_attributes({f"llmserve.{k}": v for k, v in timings.items()})
         step.span.end(end_time=end_ns)
 
-    def on_engine_reset(self) -> None:
+    def on_engine_reset(self, preempted: list[Request]) -> None:
         """The engine was lost with steps in flight: their results never come. End their spans
         (marked lost) and show the preemptions that reset_engine made."""
         for step in self.steps.values():
             step.span.set_attribute("llmserve.lost", True)
             step.span.end()
         self.steps.clear()
-        self._collect_preemptions(0)
+        self.preemptions.extend((0, r) for r in preempted)
         self._show_preemptions()
-
-    def _collect_preemptions(self, step_id: int) -> None:
-        """Take the scheduler's new preemptions (made while planning step_id; 0: outside any
-        plan) into the metric and the queue of preemptions for traces."""
-        s = self.scheduler
-        if s is None or not s.preempted:
-            return
-        self.preemptions_counter.add(len(s.preempted))
-        self.preemptions.extend((step_id, r) for r in s.preempted)
-        s.preempted.clear()
 
     def _show_preemptions(self) -> None:
         """Open the preempted phase of each queued preemption whose earlier steps all reported
@@ -410,10 +361,8 @@ class SchedulerTelemetry:
     def on_finish(self, request: Request, status: RequestStatus) -> None:
         """The request ended (finished, stopped, aborted): count it, end its spans. Once per
         request."""
-        self._collect_preemptions(0)
         self._show_preemptions()
         rt = self.requests.pop(request.seq_id, None)
-        self.finished.add(1, {"finish_reason": status.value})
         if rt is None or rt.root is None:
             return
         self._close_phase(rt)
@@ -423,7 +372,7 @@ class SchedulerTelemetry:
             {
                 "llmserve.finish_reason": status.value,
                 "gen_ai.usage.output_tokens": request.num_output_tokens,
-                "llmserve.num_cached_tokens": max(request.num_cached_tokens, 0),
+                "llmserve.num_cached_tokens": request.num_cached_tokens or 0,
                 "llmserve.num_preemptions": request.num_preemptions,
                 "llmserve.num_steps": rt.num_steps,
                 "llmserve.num_blocks.max": rt.max_num_blocks,

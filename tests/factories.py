@@ -7,6 +7,9 @@ import json
 from pathlib import Path
 from typing import Any
 
+from common.sampling import normalized
+from protos.common_pb2 import SamplingParams
+
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
@@ -124,25 +127,7 @@ def make_tiny_llama(
     return directory
 
 
-def hf_dummy_model(config_dir: Path, seed: int, dtype: Any, device: str) -> Any:
-    """HF transformers' LlamaForCausalLM for config_dir/config.json holding the engine's dummy
-    weights (engine/dummy.py, `--load-format dummy --seed seed`), made on `device` in `dtype`
-    (an 8B model in bf16 never exists in float32)."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from engine.dummy import fill_hf_tensor_
-
-    config = LlamaConfig.from_pretrained(config_dir)
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            model = LlamaForCausalLM(config)
-    finally:
-        torch.set_default_dtype(default)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            fill_hf_tensor_(param.data, seed, name)
-    model.generation_config.eos_token_id = None  # generate exactly the asked length
-    return model.eval()
+def sampling(**fields: Any) -> SamplingParams:
+    """common.SamplingParams with the server's defaults filled in (temperature 1.0, ...), as the
+    gateway, the scheduler and the engine's mirror make them."""
+    return normalized(SamplingParams(**fields))

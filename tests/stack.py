@@ -1,70 +1,64 @@
-"""Start the real three-process stack (or gateway + scheduler over the fake engine) for a test.
-
-Each service is its own `python -m llmserve.cli ...` process on free loopback ports, exactly as
-`llmserve serve` starts them. `Stack.close()` stops them; `assert_idle()` checks that every request
-ended and every KV block is free again.
+"""Start the real three-process stack (or gateway + scheduler over the fake engine) for a test,
+through llmserve.launcher on free loopback ports, exactly as `llmserve serve` starts it.
+`Stack.close()` stops it; `assert_idle()` checks that every request ended and every KV block
+is free again.
 """
 
 from __future__ import annotations
 
-import os
-import signal
-import socket
-import subprocess
 import sys
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-import grpc
-
-from common.net import CHANNEL_OPTIONS, wait_until_serving
+from common.flags import from_flags
+from llmserve.cli import SERVICE_CONFIGS, build_parser
 from llmserve.client import Client
-from protos import scheduler_pb2, scheduler_pb2_grpc
+from llmserve.launcher import ROOT, free_port, local_stack
+from llmserve.launcher import Stack as LaunchedStack
+from protos import scheduler_pb2
 
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+__all__ = ["ROOT", "Stack", "free_port", "serve_command", "start_echo_stack", "start_stack"]
 
 
 def serve_command(ports: list[int], *extra: str) -> list[str]:
     """`llmserve serve` on loopback with the given (gateway, scheduler, engine[, HTTP]) ports;
-    without an HTTP port the HTTP API is off (its fixed default would collide)."""
+    without an HTTP port the HTTP API is off (its fixed default would collide). Metrics off."""
     http_port = ports[3] if len(ports) > 3 else 0
     return [
         sys.executable, "-m", "llmserve.cli", "serve", "--host", "127.0.0.1",
         "--port", str(ports[0]), "--scheduler-port", str(ports[1]),
-        "--engine-port", str(ports[2]), "--http-port", str(http_port), *extra,
+        "--engine-port", str(ports[2]), "--http-port", str(http_port), "--metrics-port", "0",
+        *extra,
     ]  # fmt: skip
 
 
+def service_configs(service: str, flags: list[str]) -> list[Any]:
+    """The configs `llmserve <service> FLAGS` would run with (the echo engine's too, with
+    --fake)."""
+    from engine.fake import FakeEngineConfig
+
+    args = build_parser().parse_args([service, *flags])
+    configs = [from_flags(SERVICE_CONFIGS[service], args)]
+    if getattr(args, "fake", False):
+        configs.append(from_flags(FakeEngineConfig, args, prefix="fake-"))
+    return configs
+
+
 @dataclass
-class Stack:
-    gateway_address: str
-    scheduler_address: str
-    engine_address: str
-    procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
-    engine_argv: list[str] = field(default_factory=list)
-    log_dir: Path | None = None
-    env: dict[str, str] = field(default_factory=dict)
-    http_url: str | None = None  # the OpenAI API's base URL (http://host:port/v1) when on
+class Stack(LaunchedStack):
     api_key: str | None = None
 
     def client(self) -> Client:
         return Client(self.gateway_address, api_key=self.api_key)
 
     def stats(self) -> scheduler_pb2.SchedulerStats:
-        with grpc.insecure_channel(self.scheduler_address, options=CHANNEL_OPTIONS) as channel:
-            stub = scheduler_pb2_grpc.SchedulerStub(channel)
-            return stub.GetStats(scheduler_pb2.GetStatsRequest(), timeout=5)
+        return self.scheduler_stats()
 
     def assert_idle(self, timeout: float = 10.0) -> scheduler_pb2.SchedulerStats:
         """Wait until no request runs or waits and every block is free; fail otherwise."""
+        import time
+
         deadline = time.monotonic() + timeout
         while True:
             s = self.stats()
@@ -77,47 +71,14 @@ class Stack:
                 )
             time.sleep(0.05)
 
-    def logs(self) -> str:
-        if self.log_dir is None:
-            return ""
-        return "\n".join(
-            f"--- {p.name} ---\n{p.read_text(errors='replace')[-4000:]}"
-            for p in sorted(self.log_dir.glob("*.log"))
-        )
-
     def start_engine(self) -> None:
-        self.procs["engine"] = _spawn("engine", self.engine_argv, self.log_dir, self.env)
+        self.start(("engine",))
 
     def kill_engine(self) -> None:
-        proc = self.procs.pop("engine")
-        proc.kill()
-        proc.wait()
+        self.kill("engine")
 
     def close(self) -> None:
-        for name in ("gateway", "scheduler", "engine"):
-            proc = self.procs.get(name)
-            if proc is not None and proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in self.procs.values():
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-
-
-def _spawn(
-    name: str, argv: list[str], log_dir: Path | None, env: dict[str, str] | None = None
-) -> subprocess.Popen[bytes]:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "LLMSERVE_LOG_LEVEL": "INFO", **(env or {})}
-    out = open(log_dir / f"{name}.log", "ab") if log_dir else subprocess.DEVNULL  # noqa: SIM115
-    return subprocess.Popen(
-        [sys.executable, "-m", "llmserve.cli", name, *argv],
-        cwd=ROOT,
-        env=env,
-        stdout=out,
-        stderr=subprocess.STDOUT,
-    )
+        self.stop()
 
 
 def start_stack(
@@ -137,68 +98,32 @@ def start_stack(
     """Start engine, scheduler and gateway; return once the gateway reports SERVING.
 
     fake=True runs the echo engine (engine/fake.py) instead of a model; the gateway then needs
-    gateway_model for its tokenizer. env adds environment variables to all three. http=True
-    turns the gateway's HTTP API on (stack.http_url); api_key makes the gateway require it."""
-    ports = {name: free_port() for name in ("gateway", "scheduler", "engine")}
-    ports["http"] = free_port() if http else 0
+    gateway_model for its tokenizer. *_args are each service's own command-line flags. env adds
+    environment variables to all three. http=True turns the gateway's HTTP API on
+    (stack.http_url); api_key makes the gateway require it."""
+    model_args = ["--model", str(model)] if model else []
+    engine, *fake_config = service_configs(
+        "engine", [*(["--fake"] if fake else model_args), *(engine_args or [])]
+    )
+    gateway_model = gateway_model or model
+    gateway_flags = ["--model", str(gateway_model)] if gateway_model else []
+    (gateway,) = service_configs("gateway", [*gateway_flags, *(gateway_args or [])])
+    if api_key:
+        gateway = replace(gateway, api_key=api_key)
+    (scheduler,) = service_configs("scheduler", list(scheduler_args or []))
+    base = local_stack(engine, scheduler, gateway, http=http)
     stack = Stack(
-        gateway_address=f"127.0.0.1:{ports['gateway']}",
-        scheduler_address=f"127.0.0.1:{ports['scheduler']}",
-        engine_address=f"127.0.0.1:{ports['engine']}",
+        engine=base.engine,
+        scheduler=base.scheduler,
+        gateway=base.gateway,
+        fake=fake_config[0] if fake_config else None,
         log_dir=log_dir,
-        env=dict(env or {}),
-        http_url=f"http://127.0.0.1:{ports['http']}/v1" if http else None,
+        env={"LLMSERVE_LOG_LEVEL": "INFO", **(env or {})},
         api_key=api_key,
     )
-    if log_dir:
-        log_dir.mkdir(parents=True, exist_ok=True)
-    model_args = ["--model", str(model)] if model else []
-    stack.engine_argv = [
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(ports["engine"]),
-        *(["--fake"] if fake else model_args),
-        *(engine_args or []),
-    ]
-    gateway_model = gateway_model or model
     try:
-        stack.start_engine()
-        stack.procs["scheduler"] = _spawn(
-            "scheduler",
-            [
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(ports["scheduler"]),
-                "--engine-address",
-                stack.engine_address,
-                *(scheduler_args or []),
-            ],
-            log_dir,
-            stack.env,
-        )
-        stack.procs["gateway"] = _spawn(
-            "gateway",
-            [
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(ports["gateway"]),
-                "--scheduler-address",
-                stack.scheduler_address,
-                *(["--model", str(gateway_model)] if gateway_model else []),
-                "--http-port",
-                str(ports["http"]),
-                *(["--api-key", api_key] if api_key else []),
-                *(gateway_args or []),
-            ],
-            log_dir,
-            stack.env,
-        )
-        if not wait_until_serving(stack.gateway_address, timeout=timeout):
-            dead = {n: p.poll() for n, p in stack.procs.items() if p.poll() is not None}
-            raise RuntimeError(f"stack did not start (exited: {dead})\n{stack.logs()}")
+        stack.start()
+        stack.wait_ready(timeout)
     except BaseException:
         stack.close()
         raise
@@ -220,7 +145,7 @@ def start_echo_stack(
         fake=True,
         gateway_model=tokenizer_dir,
         engine_args=[
-            "--fake-vocab-size", str(TINY_VOCAB), "--fake-eos-token-id", str(EOS_TOKEN_ID),
+            "--fake-vocab-size", str(TINY_VOCAB), "--fake-eos-token-ids", str(EOS_TOKEN_ID),
             *engine_args,
         ],
         scheduler_args=list(scheduler),

@@ -48,7 +48,7 @@ from llmserve.bench.workload import (
     WorkloadConfig,
     build_workload,
 )
-from tests.stack import ROOT, Stack, free_port, start_echo_stack
+from tests.stack import ROOT, Stack, start_echo_stack
 
 # -- statistics on synthetic timings --------------------------------------------------------------
 
@@ -504,17 +504,13 @@ def test_sse_events_join_data_lines_and_skip_comments() -> None:
 # -- against the real stack ------------------------------------------------------------------------
 
 
-HTTP_PORT: dict[str, int] = {}
-
-
 @pytest.fixture(scope="module")
 def echo_stack(tokenizer_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     """The echo engine behind a real scheduler and gateway, HTTP API on."""
-    HTTP_PORT["port"] = free_port()
     s = start_echo_stack(
         tokenizer_dir, tmp_path_factory.mktemp("logs"),
         "--fake-step-delay-ms", "2", "--num-kv-blocks", "128", "--max-model-len", "256",
-        gateway_args=["--http-port", str(HTTP_PORT["port"])],
+        http=True,
     )  # fmt: skip
     yield s
     s.close()
@@ -609,7 +605,7 @@ def test_bench_serve_openai_backend_against_the_http_api(
     out = tmp_path / "http.json"
     result = llmserve(
         "bench", "serve", "--backend", "openai", "--base-url",
-        f"http://127.0.0.1:{HTTP_PORT['port']}", "--tokenizer", str(tokenizer_dir),
+        str(echo_stack.http_url).removesuffix("/v1"), "--tokenizer", str(tokenizer_dir),
         "--dataset-name", "random", "--num-prompts", "12", "--input-len", "30",
         "--output-len", "10", "--max-concurrency", "4", "--output", str(out),
     )  # fmt: skip

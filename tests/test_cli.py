@@ -17,18 +17,19 @@ from common.net import check_health
 from tests.stack import ROOT, free_port, serve_command
 
 
-def _pid_of(fragment: str) -> int:
-    """The pid of the llmserve process whose command line contains fragment."""
+def _child_pid(parent: int, service: str) -> int:
+    """The pid of the `llmserve <service>` child process of parent."""
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except OSError:
+            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
             continue
-        if "llmserve.cli" in cmdline and fragment in cmdline and " serve " not in cmdline:
+        if ppid == parent and b"llmserve.cli" in cmdline and service.encode() in cmdline:
             return int(entry.name)
-    raise LookupError(fragment)
+    raise LookupError(f"no {service} child of {parent}")
 
 
 def llmserve(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
@@ -103,7 +104,7 @@ def test_serve_generate_chat_and_stop(tiny_model: Callable[..., Path]) -> None:
                 timeout=120,
             )
             time.sleep(1.0)
-            os.kill(_pid_of(f"--port {ports[2]}"), signal.SIGKILL)
+            os.kill(_child_pid(serve.pid, "engine"), signal.SIGKILL)
             out = pending.result()
         assert out.returncode == 0, out.stderr
         assert len(json.loads(out.stdout)["token_ids"]) == 300

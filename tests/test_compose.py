@@ -19,8 +19,8 @@ yaml = pytest.importorskip("yaml")
 jsonschema = pytest.importorskip("jsonschema")
 
 from common.net import wait_until_serving  # noqa: E402
+from llmserve.bench.otlp import OtlpReceiver  # noqa: E402
 from llmserve.client import Client, make_request  # noqa: E402
-from tests.otlp import OtlpReceiver  # noqa: E402
 from tests.stack import free_port  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -20,7 +20,7 @@ from engine import dummy
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.model import AttentionContext, LlamaForCausalLM
-from tests.engine_driver import blocks_needed, generate
+from llmserve.bench.engine_driver import blocks_needed, generate
 
 ROOT = Path(__file__).resolve().parent.parent
 SMOLLM2 = ROOT / "configs" / "smollm2-135m"
@@ -233,20 +233,23 @@ def test_config_only_model_gets_the_byte_level_tokenizer() -> None:
 
 
 def test_cli_passes_the_gpu_flags_to_the_engine() -> None:
-    from llmserve.cli import _engine_config, _service_argv, build_parser
+    from common.flags import from_json, to_json
+    from llmserve.cli import CONFIG_CLASSES, build_parser
+    from llmserve.launcher import stack_from_flags
 
     serve = build_parser().parse_args(
         ["serve", "--model", str(LLAMA3_8B), "--load-format", "dummy", "--enforce-eager",
          "--max-num-seqs", "64", "--max-num-batched-tokens", "4096", "--ops-backend", "torch"]
     )  # fmt: skip
-    engine_argv = dict(_service_argv(serve))["engine"]
-    engine_args = build_parser().parse_args(engine_argv)
-    config = _engine_config(engine_args, 1, "127.0.0.1")
+    stack = stack_from_flags(serve)
+    config = from_json(CONFIG_CLASSES, to_json(stack.engine))  # as the child reads it
+    assert config == stack.engine
     assert (config.load_format, config.enforce_eager, config.ops_backend) == (
         "dummy", True, "torch",
     )  # fmt: skip
     assert (config.max_num_seqs, config.max_num_batched_tokens) == (64, 4096)
-    defaults = _engine_config(build_parser().parse_args(["engine"]), 1, "127.0.0.1")
+    assert (stack.scheduler.max_num_seqs, stack.scheduler.max_num_batched_tokens) == (64, 4096)
+    defaults = stack_from_flags(build_parser().parse_args(["serve"])).engine
     assert defaults.load_format == "auto" and not defaults.enforce_eager
     with pytest.raises(ValueError, match="load_format"):
         EngineConfig(load_format="pt")

@@ -19,8 +19,9 @@ from engine.mirror import PLACEHOLDER
 from engine.runner import ModelRunner
 from scheduler.config import SchedulerConfig
 from scheduler.convert import plan_to_proto
-from scheduler.request import Request, SamplingParams
+from scheduler.request import Request
 from scheduler.scheduler import Scheduler
+from tests.factories import sampling
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -45,12 +46,12 @@ def engine(tiny_model: Callable[..., Path], request: pytest.FixtureRequest) -> E
 def workload() -> list[Request]:
     """Greedy, seeded (with filters), and penalized requests; prompts of 5..40 tokens."""
     samplings = [
-        SamplingParams(temperature=0.0),
-        SamplingParams(temperature=0.9, top_p=0.9, seed=7),
-        SamplingParams(temperature=1.1, top_k=20, seed=8),
-        SamplingParams(temperature=0.0, frequency_penalty=0.8, presence_penalty=0.3),
-        SamplingParams(temperature=0.7, min_p=0.05, seed=9, presence_penalty=0.5),
-        SamplingParams(temperature=0.0),
+        sampling(temperature=0.0),
+        sampling(temperature=0.9, top_p=0.9, seed=7),
+        sampling(temperature=1.1, top_k=20, seed=8),
+        sampling(temperature=0.0, frequency_penalty=0.8, presence_penalty=0.3),
+        sampling(temperature=0.7, min_p=0.05, seed=9, presence_penalty=0.5),
+        sampling(temperature=0.0),
     ]
     return [
         Request(
@@ -70,7 +71,7 @@ def serve(engine: Engine, depth: int, **config: Any) -> dict[int, list[int]]:
     engine.reset()
     info = engine.info
     s = Scheduler(
-        SchedulerConfig(**config),
+        SchedulerConfig(**config).adopt(info.max_num_seqs, info.max_num_batched_tokens),
         info.num_blocks,
         info.block_size,
         info.max_model_len,
@@ -134,7 +135,7 @@ def test_engine_resolves_before_penalties_need_token_values(engine: Engine) -> N
     token is a placeholder first finishes the step that sampled it."""
     engine.reset()
     s = Scheduler(
-        SchedulerConfig(),
+        SchedulerConfig().adopt(engine.info.max_num_seqs, engine.info.max_num_batched_tokens),
         engine.info.num_blocks,
         BLOCK_SIZE,
         engine.info.max_model_len,

@@ -5,16 +5,11 @@ from __future__ import annotations
 
 import pytest
 
+from engine.config import EngineConfig
+from engine.contract import NewRequestData, RunningData, StepPlanData
 from engine.fake import FakeEngine
-from engine.mirror import (
-    PLACEHOLDER,
-    Mirror,
-    MirrorMismatch,
-    NewRequestData,
-    RunningData,
-    SamplingParams,
-    StepPlanData,
-)
+from engine.mirror import PLACEHOLDER, Mirror, MirrorMismatch
+from tests.factories import sampling
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 16
@@ -32,7 +27,7 @@ def new_req(
         seq_id=seq_id,
         token_ids=list(token_ids),
         num_prompt_tokens=len(token_ids) if num_prompt is None else num_prompt,
-        sampling=SamplingParams(temperature=0.0),
+        sampling=sampling(temperature=0.0),
         block_table=list(block_table),
         num_computed_tokens=num_computed,
         num_scheduled_tokens=num_scheduled,
@@ -402,7 +397,7 @@ def test_bad_num_prompt_tokens(num_prompt: int, tokens: list[int]) -> None:
 
 
 def test_fake_engine_echoes_prompt_cyclically() -> None:
-    engine = FakeEngine(block_size=4, num_blocks=32)
+    engine = FakeEngine(EngineConfig(block_size=4, num_kv_blocks=32))
     prompt = [11, 12, 13]
     out = engine.step(plan(1, new=[new_req(1, prompt, [7], 3)]))
     tokens = list(out.sampled_token_ids)
@@ -422,7 +417,7 @@ def test_fake_engine_echoes_prompt_cyclically() -> None:
 
 
 def test_fake_engine_mid_prefill_and_batch() -> None:
-    engine = FakeEngine(block_size=4, num_blocks=32)
+    engine = FakeEngine(EngineConfig(block_size=4, num_kv_blocks=32))
     out = engine.step(
         plan(1, new=[new_req(1, [5, 6, 7, 8, 9], [0, 1], 2), new_req(2, [3], [2], 1)])
     )
@@ -436,21 +431,23 @@ def test_fake_engine_mid_prefill_and_batch() -> None:
 
 def test_fake_engine_resumes_after_preemption() -> None:
     """Token i is prompt[i % len(prompt)] even when generated tokens come back in token_ids."""
-    engine = FakeEngine(block_size=4, num_blocks=32)
+    engine = FakeEngine(EngineConfig(block_size=4, num_kv_blocks=32))
     out = engine.step(plan(1, new=[new_req(1, [1, 2, 3, 9, 9], [0, 1], 5, num_prompt=3)]))
     assert out.sampled_token_ids == [3]
 
 
 def test_fake_engine_logprobs_and_mismatch() -> None:
-    engine = FakeEngine(block_size=4, num_blocks=8)
+    engine = FakeEngine(EngineConfig(block_size=4, num_kv_blocks=8))
     req = new_req(1, [4, 4, 4], [0], 2)
-    req.sampling = SamplingParams(logprobs=True)
+    req.sampling = sampling(logprobs=True)
     out = engine.step(plan(1, new=[req, new_req(2, [1], [1], 1)]))
     assert out.sampled_token_ids == [-1, 1]
-    assert out.logprobs is not None
-    assert out.logprobs[0] != out.logprobs[0]  # NaN for the mid-prefill row
-    assert out.logprobs[1] == 0.0
+    assert out.logprobs is None  # the row that asked sampled nothing yet
+    out = engine.step(plan(2, run=running([1, 2], [1, 1], [2, 1])))
+    assert out.sampled_token_ids == [4, 1]
+    assert out.logprobs is not None and out.logprobs[0] == 0.0
+    assert out.logprobs[1] != out.logprobs[1]  # NaN: row 2 did not ask
     with pytest.raises(MirrorMismatch):
-        engine.step(plan(2, run=running([1], [1], [1])))
+        engine.step(plan(3, run=running([1], [1], [1])))
     engine.reset()
     assert engine.mirror.seqs == {}

@@ -22,16 +22,15 @@ import torch
 
 from common.model_config import load_model_config
 from engine.config import EngineConfig
+from engine.contract import NewRequestData, RunningData, StepOutput, StepPlanData
 from engine.engine import Engine
-from engine.mirror import NewRequestData, RunningData, SamplingParams, StepPlanData
 from engine.model import AttentionContext, rope_cos_sin_cache, rope_inv_freq
-from engine.runner import StepOutput
-from tests.factories import EOS_TOKEN_ID, LLAMA3, TINY_VOCAB
+from tests.factories import EOS_TOKEN_ID, LLAMA3, TINY_VOCAB, sampling
 
 TOLERANCE = 1e-4
 BLOCK_SIZE = 8
 NUM_BLOCKS = 96
-GREEDY = SamplingParams(temperature=0.0)
+GREEDY = sampling(temperature=0.0)
 
 # name -> how to build it: ("factory", kwargs for tests.factories.make_tiny_llama),
 # ("classic", (base name, config.json edits)) or ("config", LlamaConfig overrides)
@@ -444,8 +443,8 @@ def test_greedy_tokens_match_hf_generate(load: Callable[[str], Loaded]) -> None:
 def test_engine_logprobs_and_mid_prefill_rows(load: Callable[[str], Loaded]) -> None:
     m = load("gqa-untied")
     a, b, c = prompt(20, 50), prompt(12, 51), prompt(9, 52)
-    greedy_lp = SamplingParams(temperature=0.0, logprobs=True)
-    seeded = SamplingParams(temperature=0.8, top_k=5, seed=3, logprobs=True)
+    greedy_lp = sampling(temperature=0.0, logprobs=True)
+    seeded = sampling(temperature=0.8, top_k=5, seed=3, logprobs=True)
     plan = StepPlanData(
         1,
         [],

@@ -427,13 +427,13 @@ def test_full_queue_is_429_with_retry_after(tokenizer_dir: Path, tmp_path: Path)
 
 def test_not_ready_is_503(tokenizer_dir: Path, tmp_path: Path) -> None:
     """A gateway whose scheduler is not there: alive, not ready, requests 503 with Retry-After."""
-    from tests.stack import _spawn, free_port
+    from llmserve.launcher import local_stack
+    from tests.stack import service_configs
 
-    port = free_port()
-    argv = ["--host", "127.0.0.1", "--port", str(free_port()), "--http-port", str(port)]
-    argv += ["--scheduler-address", f"127.0.0.1:{free_port()}", "--model", str(tokenizer_dir)]
-    proc = _spawn("gateway", argv, tmp_path)
-    base = f"http://127.0.0.1:{port}"
+    (gateway,) = service_configs("gateway", ["--model", str(tokenizer_dir)])
+    alone = local_stack(gateway=gateway, http=True, log_dir=tmp_path)
+    alone.start(("gateway",))  # no scheduler behind it
+    base = str(alone.http_url).removesuffix("/v1")
     try:
         deadline = time.monotonic() + 30
         while True:
@@ -451,8 +451,7 @@ def test_not_ready_is_503(tokenizer_dir: Path, tmp_path: Path) -> None:
         assert err.value.status_code == 503
         assert "scheduler not connected" in err.value.message
     finally:
-        proc.terminate()
-        proc.wait(timeout=10)
+        alone.stop()
 
 
 # -- the tiny random model: real sampling ------------------------------------------------------
@@ -569,10 +568,11 @@ def test_completion_request_conversion() -> None:
         CompletionRequest(prompt="hi", logprobs=3, seed=-1, stop="x", top_k=5)
     )
     assert req.text == "hi" and req.max_tokens == 16
-    assert req.logprobs and req.top_logprobs == 3
-    assert req.seed == 2**64 - 1  # OpenAI's int64 seeds, as our uint64
-    assert list(req.stop) == ["x"] and req.top_k == 5
-    assert not req.HasField("temperature")  # unset stays unset: the server's default
+    p = req.sampling
+    assert p.logprobs and p.top_logprobs == 3
+    assert p.seed == 2**64 - 1  # OpenAI's int64 seeds, as our uint64
+    assert list(req.stop) == ["x"] and p.top_k == 5
+    assert not p.HasField("temperature")  # unset stays unset: the server's default
     with pytest.raises(ValidationError, match="129 choices; the limit is 128"):
         completion_requests(CompletionRequest(prompt=["a"] * 43, n=3))
 

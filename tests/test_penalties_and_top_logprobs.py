@@ -8,13 +8,16 @@ import math
 import pytest
 import torch
 
-from engine.mirror import SamplingParams
+from engine.config import EngineConfig
+from engine.convert import plan_from_proto
+from engine.fake import FakeEngine, FakeEngineConfig
 from engine.runner import _full_rows
 from engine.sampler import Sampler, apply_penalties
 from scheduler.config import SchedulerConfig
+from scheduler.convert import plan_to_proto
 from scheduler.request import Request
-from scheduler.request import SamplingParams as SchedulerSampling
 from scheduler.scheduler import Scheduler, TopLogprobColumns
+from tests.factories import sampling
 
 CPU = torch.device("cpu")
 
@@ -29,9 +32,9 @@ def test_penalties_change_exactly_the_expected_logits() -> None:
     logits = torch.randn(3, 10)
     before = logits.clone()
     params = [
-        SamplingParams(),
-        SamplingParams(frequency_penalty=0.5, presence_penalty=1.0),
-        SamplingParams(presence_penalty=-0.5),
+        sampling(),
+        sampling(frequency_penalty=0.5, presence_penalty=1.0),
+        sampling(presence_penalty=-0.5),
     ]
     outputs = [[1, 1, 1], [2, 2, 2, 5], [7, 7]]
     penalized = apply_penalties(logits, params, outputs)
@@ -45,22 +48,22 @@ def test_penalties_change_exactly_the_expected_logits() -> None:
 
 def test_no_penalties_cost_nothing() -> None:
     logits = torch.randn(4, 10)
-    params = [SamplingParams(temperature=0.5, top_k=3)] * 4
+    params = [sampling(temperature=0.5, top_k=3)] * 4
     # Not even the generated tokens are needed: an empty sequence is never indexed.
     assert apply_penalties(logits, params, ()) is logits
 
 
 def test_penalized_row_without_outputs_is_unchanged() -> None:
     logits = torch.randn(2, 10)
-    params = [SamplingParams(frequency_penalty=2.0), SamplingParams(presence_penalty=2.0)]
+    params = [sampling(frequency_penalty=2.0), sampling(presence_penalty=2.0)]
     assert torch.equal(apply_penalties(logits, params, [[], []]), logits)
 
 
 def test_penalty_moves_greedy_off_a_repeated_token() -> None:
     logits = torch.tensor([[0.0, 3.0, 2.0, 1.0]])
-    greedy = SamplingParams(temperature=0.0)
+    greedy = sampling(temperature=0.0)
     assert Sampler(CPU).sample(logits, [greedy], [0]).token_ids.tolist() == [1]
-    penalized = SamplingParams(temperature=0.0, frequency_penalty=0.6, logprobs=True)
+    penalized = sampling(temperature=0.0, frequency_penalty=0.6, logprobs=True)
     # token 1 generated twice: 3.0 - 1.2 = 1.8 < 2.0
     out = Sampler(CPU).sample(logits, [penalized], [2], [[1, 1]])
     assert out.token_ids.tolist() == [2]
@@ -73,11 +76,11 @@ def test_penalties_follow_each_row_in_a_sampled_batch() -> None:
     """A seeded, penalized row draws the same token alone and among unpenalized batch-mates."""
     torch.manual_seed(1)
     mine = torch.randn(1, 50)
-    params = SamplingParams(temperature=1.0, seed=5, presence_penalty=1.5, frequency_penalty=0.5)
+    params = sampling(temperature=1.0, seed=5, presence_penalty=1.5, frequency_penalty=0.5)
     history = [3, 3, 9, 41]
     alone = Sampler(CPU).sample(mine, [params], [4], [history]).token_ids
     batch = torch.cat([torch.randn(2, 50), mine, torch.randn(1, 50)])
-    plist = [SamplingParams(), SamplingParams(temperature=0.0), params, SamplingParams(seed=1)]
+    plist = [sampling(), sampling(temperature=0.0), params, sampling(seed=1)]
     tokens = Sampler(CPU, 7).sample(batch, plist, [0, 0, 4, 0], [[], [], history, []]).token_ids
     assert int(tokens[2]) == int(alone[0])
 
@@ -89,10 +92,10 @@ def test_top_logprobs_are_topk_of_log_softmax() -> None:
     torch.manual_seed(2)
     logits = torch.randn(4, 300) * 3
     params = [
-        SamplingParams(logprobs=True, top_logprobs=5),
-        SamplingParams(),  # asked nothing: gets the batch's k anyway, the scheduler drops it
-        SamplingParams(temperature=0.0, logprobs=True, top_logprobs=2),
-        SamplingParams(top_p=0.5, logprobs=True, top_logprobs=5, frequency_penalty=1.0),
+        sampling(logprobs=True, top_logprobs=5),
+        sampling(),  # asked nothing: gets the batch's k anyway, the scheduler drops it
+        sampling(temperature=0.0, logprobs=True, top_logprobs=2),
+        sampling(top_p=0.5, logprobs=True, top_logprobs=5, frequency_penalty=1.0),
     ]
     out = Sampler(CPU).sample(logits, params, [0, 0, 0, 3], [[], [], [], [1, 2, 3]])
     expected = torch.topk(torch.log_softmax(logits, dim=-1), 5, dim=-1)
@@ -104,13 +107,13 @@ def test_top_logprobs_are_topk_of_log_softmax() -> None:
 
 
 def test_no_top_logprobs_unless_asked() -> None:
-    out = Sampler(CPU).sample(torch.randn(2, 20), [SamplingParams(logprobs=True)] * 2, [0, 0])
+    out = Sampler(CPU).sample(torch.randn(2, 20), [sampling(logprobs=True)] * 2, [0, 0])
     assert out.top_token_ids is None and out.top_logprobs is None
     assert out.logprobs is not None
 
 
 def test_top_logprobs_larger_than_the_vocabulary() -> None:
-    out = Sampler(CPU).sample(torch.randn(1, 3), [SamplingParams(top_logprobs=20)], [0])
+    out = Sampler(CPU).sample(torch.randn(1, 3), [sampling(logprobs=True, top_logprobs=20)], [0])
     assert out.top_token_ids is not None and out.top_token_ids.shape == (1, 3)
 
 
@@ -129,22 +132,28 @@ def test_runner_spreads_top_logprobs_over_the_batch_rows() -> None:
 # -- the scheduler ---------------------------------------------------------------------------------
 
 
-def test_scheduler_gives_each_request_its_own_k() -> None:
-    scheduler = Scheduler(SchedulerConfig(), 16, 4, 64, 100, (99,))
+def test_each_request_gets_its_own_k_through_the_contract() -> None:
+    """The engine returns each row's own k (0 for a request that asked none); the scheduler
+    hands every request exactly its rows, without reading anyone's sampling params."""
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64), 16, 4, 64,
+                          100, (99,))  # fmt: skip
+    engine = FakeEngine(EngineConfig(block_size=4, num_kv_blocks=16), FakeEngineConfig(100))
     wants = [3, 0, 1]
     for seq_id, k in enumerate(wants, start=1):
-        sampling = SchedulerSampling(logprobs=bool(k), top_logprobs=k)
-        scheduler.add(Request(f"r{seq_id}", seq_id, [seq_id, 2, 3], sampling, 5))
+        params = sampling(logprobs=bool(k), top_logprobs=k)
+        scheduler.add(Request(f"r{seq_id}", seq_id, [seq_id, 2, 3], params, 5))
     plan = scheduler.schedule()
     assert [r.seq_id for r in plan.requests] == [1, 2, 3]
-    top = TopLogprobColumns(
-        3,
-        [10, 11, 12, 20, 21, 22, 30, 31, 32],
-        [-0.1, -1.1, -2.1, -0.2, -1.2, -2.2, -0.3, -1.3, -2.3],
-    )
-    outcomes = scheduler.update(plan, [10, 20, 30], [-0.1, -0.2, -0.3], top)
-    assert [(o.top_token_ids, o.top_logprobs) for o in outcomes] == [
-        ([10, 11, 12], [-0.1, -1.1, -2.1]),
-        ([], []),
-        ([30], [-0.3]),
+    result = engine.step(plan_from_proto(plan_to_proto(plan)))
+    assert result.num_top_logprobs == wants
+    logprobs = result.logprobs
+    assert logprobs is not None and math.isnan(logprobs[1])  # r2 asked for none
+    top = TopLogprobColumns(result.num_top_logprobs, result.top_token_ids, result.top_logprobs)
+    outcomes = scheduler.update(plan, result.sampled_token_ids, logprobs, top)
+    echoed = [1, 2, 3]  # the echo engine's first output is the prompt's first token
+    assert [(o.top_token_ids, o.top_logprobs, o.logprob) for o in outcomes] == [
+        ([1, 2, 3], [0.0, -1.0, -2.0], 0.0),
+        ([], [], None),
+        ([3], [0.0], 0.0),
     ]
+    assert [o.token_id for o in outcomes] == echoed

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 import engine.sampler
-from engine.mirror import SamplingParams
 from engine.sampler import Sampler, seed_for, seeded_exponential
+from protos.common_pb2 import SamplingParams
+from tests.factories import sampling
 
 CPU = torch.device("cpu")
 NUM_DRAWS = 20_000
@@ -58,7 +59,7 @@ LOGITS = torch.log(torch.tensor([0.20, 0.10, 0.05, 0.30, 0.07, 0.15, 0.08, 0.05]
 def test_greedy_is_argmax() -> None:
     torch.manual_seed(0)
     logits = torch.randn(16, 1000)
-    tokens, logprobs = Sampler(CPU)(logits, [SamplingParams(temperature=0.0)] * 16, [0] * 16)
+    tokens, logprobs = Sampler(CPU)(logits, [sampling(temperature=0.0)] * 16, [0] * 16)
     assert torch.equal(tokens, logits.argmax(dim=-1))
     assert logprobs is None
 
@@ -66,7 +67,7 @@ def test_greedy_is_argmax() -> None:
 def test_top_k_one_is_greedy_even_with_temperature() -> None:
     torch.manual_seed(1)
     logits = torch.randn(64, 50)
-    params = [SamplingParams(temperature=5.0, top_k=1)] * 64
+    params = [sampling(temperature=5.0, top_k=1)] * 64
     tokens, _ = Sampler(CPU)(logits, params, [0] * 64)
     assert torch.equal(tokens, logits.argmax(dim=-1))
 
@@ -75,7 +76,7 @@ def test_greedy_rows_stay_argmax_in_a_sampled_batch() -> None:
     torch.manual_seed(2)
     logits = torch.randn(40, 30)
     params = [
-        SamplingParams(temperature=0.0) if i % 2 else SamplingParams(temperature=2.0, top_p=0.5)
+        sampling(temperature=0.0) if i % 2 else sampling(temperature=2.0, top_p=0.5)
         for i in range(40)
     ]
     tokens, _ = Sampler(CPU)(logits, params, [0] * 40)
@@ -87,12 +88,12 @@ def test_greedy_rows_stay_argmax_in_a_sampled_batch() -> None:
 
 @pytest.mark.parametrize("temperature", [1.0, 0.5, 2.0])
 def test_temperature_frequencies_match_softmax(temperature: float) -> None:
-    counts = draw_counts(LOGITS, SamplingParams(temperature=temperature))
+    counts = draw_counts(LOGITS, sampling(temperature=temperature))
     assert_frequencies(counts, torch.softmax(LOGITS.double() / temperature, dim=-1))
 
 
 def test_low_temperature_concentrates() -> None:
-    counts = draw_counts(LOGITS, SamplingParams(temperature=0.05), num_draws=2000)
+    counts = draw_counts(LOGITS, sampling(temperature=0.05), num_draws=2000)
     # p(second) / p(first) = (0.2 / 0.3) ** 20 ~ 3e-4
     assert counts[3] >= 1990
 
@@ -105,12 +106,12 @@ def test_low_temperature_concentrates() -> None:
     [(1, [3]), (2, [3, 0]), (3, [3, 0, 5]), (5, [3, 0, 5, 1, 6]), (8, list(range(8)))],
 )
 def test_top_k_keeps_exactly_the_k_most_likely(top_k: int, keep: list[int]) -> None:
-    counts = draw_counts(LOGITS, SamplingParams(top_k=top_k))
+    counts = draw_counts(LOGITS, sampling(top_k=top_k))
     assert_frequencies(counts, filtered_probs(LOGITS, keep))
 
 
 def test_top_k_larger_than_vocab_keeps_all() -> None:
-    counts = draw_counts(LOGITS, SamplingParams(top_k=100))
+    counts = draw_counts(LOGITS, sampling(top_k=100))
     assert_frequencies(counts, torch.softmax(LOGITS.double(), dim=-1))
 
 
@@ -129,7 +130,7 @@ def test_top_k_larger_than_vocab_keeps_all() -> None:
     ],
 )
 def test_top_p_keeps_smallest_set_reaching_p(top_p: float, keep: list[int]) -> None:
-    counts = draw_counts(LOGITS, SamplingParams(top_p=top_p))
+    counts = draw_counts(LOGITS, sampling(top_p=top_p))
     assert_frequencies(counts, filtered_probs(LOGITS, keep))
 
 
@@ -146,14 +147,14 @@ def test_top_p_keeps_smallest_set_reaching_p(top_p: float, keep: list[int]) -> N
     ],
 )
 def test_min_p_drops_tokens_below_fraction_of_top(min_p: float, keep: list[int]) -> None:
-    counts = draw_counts(LOGITS, SamplingParams(min_p=min_p))
+    counts = draw_counts(LOGITS, sampling(min_p=min_p))
     assert_frequencies(counts, filtered_probs(LOGITS, keep))
 
 
 def test_top_k_then_top_p_over_what_top_k_kept() -> None:
     # top_k=4 keeps 0.30, 0.20, 0.15, 0.10 -> renormalized 0.40, 0.267, 0.20, 0.133
     # top_p=0.6: 0.40 < 0.6, 0.667 reaches it -> keep two
-    counts = draw_counts(LOGITS, SamplingParams(top_k=4, top_p=0.6))
+    counts = draw_counts(LOGITS, sampling(top_k=4, top_p=0.6))
     assert_frequencies(counts, filtered_probs(LOGITS, [3, 0]))
 
 
@@ -161,25 +162,25 @@ def test_temperature_then_top_p() -> None:
     # T=0.5 squares the probabilities: 0.09, 0.04, 0.0225, 0.01, ... of sum 0.1788 ->
     # 0.503, 0.224, 0.126, ...; top_p=0.7 keeps 2 (0.503 + 0.224 = 0.727 reaches 0.7), where at
     # T=1 it would keep 4 (0.30 + 0.20 + 0.15 = 0.65 < 0.7)
-    counts = draw_counts(LOGITS, SamplingParams(temperature=0.5, top_p=0.7))
+    counts = draw_counts(LOGITS, sampling(temperature=0.5, top_p=0.7))
     assert_frequencies(counts, filtered_probs(LOGITS, [3, 0], temperature=0.5))
 
 
 def test_all_filters_combined() -> None:
     # top_k=6 -> {3,0,5,1,6,4}; top_p=0.9 of renormalized (sum 0.90): 0.333, 0.556, 0.722,
     # 0.833, 0.922 -> keep 5; min_p=0.3 of 0.30 = 0.09 drops 6 (0.08) -> {3, 0, 5, 1}
-    counts = draw_counts(LOGITS, SamplingParams(top_k=6, top_p=0.9, min_p=0.3))
+    counts = draw_counts(LOGITS, sampling(top_k=6, top_p=0.9, min_p=0.3))
     assert_frequencies(counts, filtered_probs(LOGITS, [3, 0, 5, 1]))
 
 
 @pytest.mark.parametrize(
     "params",
     [
-        SamplingParams(top_p=1e-9),
-        SamplingParams(top_p=0.0),
-        SamplingParams(min_p=1.0),
-        SamplingParams(top_k=1, top_p=1e-9, min_p=1.0),
-        SamplingParams(temperature=1e-3, top_p=1e-6),
+        sampling(top_p=1e-9),
+        SamplingParams(temperature=1.0, top_p=0.0),  # out of range: the sampler copes
+        sampling(min_p=1.0),
+        sampling(top_k=1, top_p=1e-9, min_p=1.0),
+        sampling(temperature=1e-3, top_p=1e-6),
     ],
 )
 def test_most_likely_token_always_survives(params: SamplingParams) -> None:
@@ -193,7 +194,7 @@ def test_filters_are_per_row() -> None:
     """A row without filters keeps its full distribution when its batch-mate filters."""
     n = NUM_DRAWS
     batch = LOGITS[None, :].expand(2 * n, -1).contiguous()
-    params = [SamplingParams(top_k=1, temperature=0.7), SamplingParams()] * n
+    params = [sampling(top_k=1, temperature=0.7), sampling()] * n
     tokens, _ = Sampler(CPU, 5)(batch, params, [0] * (2 * n))
     assert bool((tokens[0::2] == 3).all())
     assert_frequencies(torch.bincount(tokens[1::2], minlength=8), torch.softmax(LOGITS, dim=-1))
@@ -205,7 +206,7 @@ def test_unfiltered_row_keeps_every_token_on_a_large_vocab() -> None:
     torch.manual_seed(4)
     vocab = 50_000
     logits = torch.randn(4, vocab) * 3
-    params = [SamplingParams(top_k=5), SamplingParams(), SamplingParams(), SamplingParams()]
+    params = [sampling(top_k=5), sampling(), sampling(), sampling()]
     scaled = Sampler._filter(logits.clone(), params)
     assert int(torch.isinf(scaled[0]).sum()) == vocab - 5
     dropped = torch.isinf(scaled[1:]).sum(dim=-1).tolist()
@@ -227,13 +228,13 @@ def test_seeded_row_independent_of_batch_mates_and_position() -> None:
     torch.manual_seed(5)
     vocab = 100
     mine = torch.randn(vocab)
-    params = SamplingParams(temperature=1.5, top_p=0.95, seed=1234)
+    params = sampling(temperature=1.5, top_p=0.95, seed=1234)
     alone, _ = Sampler(CPU, 0)(mine[None], [params], [7])
 
     others = torch.randn(6, vocab)
     for pos in range(7):
         batch = torch.cat([others[:pos], mine[None], others[pos:]])
-        other_params = [SamplingParams(temperature=1.0, seed=i) for i in range(6)]
+        other_params = [sampling(temperature=1.0, seed=i) for i in range(6)]
         plist = [*other_params[:pos], params, *other_params[pos:]]
         indices = [0] * pos + [7] + [3] * (6 - pos)
         # a fresh sampler with another engine seed: seeded rows must not care
@@ -245,7 +246,7 @@ def test_seeded_rows_reproduce_a_distribution() -> None:
     """Over many seeds, seeded draws still follow softmax(logits / T)."""
     n = NUM_DRAWS
     batch = LOGITS[None, :].expand(n, -1).contiguous()
-    params = [SamplingParams(temperature=1.0, seed=s) for s in range(n)]
+    params = [sampling(temperature=1.0, seed=s) for s in range(n)]
     tokens, _ = Sampler(CPU)(batch, params, [0] * n)
     assert_frequencies(torch.bincount(tokens, minlength=8), torch.softmax(LOGITS, dim=-1))
 
@@ -253,7 +254,7 @@ def test_seeded_rows_reproduce_a_distribution() -> None:
 def test_same_seed_different_output_index_gives_different_draws() -> None:
     vocab = 1000
     logits = torch.zeros(1, vocab)  # uniform: draws are the noise's argmax
-    params = [SamplingParams(temperature=1.0, seed=42)]
+    params = [sampling(temperature=1.0, seed=42)]
     draws = [int(Sampler(CPU)(logits, params, [i])[0][0]) for i in range(20)]
     assert len(set(draws)) >= 18
     again = [int(Sampler(CPU, 7)(logits, params, [i])[0][0]) for i in range(20)]
@@ -262,14 +263,14 @@ def test_same_seed_different_output_index_gives_different_draws() -> None:
 
 def test_different_seeds_give_different_draws() -> None:
     logits = torch.zeros(1, 1000)
-    draws = {int(Sampler(CPU)(logits, [SamplingParams(seed=s)], [0])[0][0]) for s in range(20)}
+    draws = {int(Sampler(CPU)(logits, [sampling(seed=s)], [0])[0][0]) for s in range(20)}
     assert len(draws) >= 18
 
 
 def test_unseeded_rows_use_the_engine_generator() -> None:
     torch.manual_seed(6)
     logits = torch.randn(32, 500)
-    params = [SamplingParams(temperature=1.0)] * 32
+    params = [sampling(temperature=1.0)] * 32
 
     def run(seed: int) -> list[list[int]]:
         sampler = Sampler(CPU, seed)
@@ -289,11 +290,11 @@ def test_unseeded_rows_use_the_engine_generator() -> None:
 
 def test_seeded_row_does_not_depend_on_engine_generator_state() -> None:
     logits = torch.zeros(1, 1000)
-    params = [SamplingParams(seed=3)]
+    params = [sampling(seed=3)]
     sampler = Sampler(CPU, 0)
     first = int(sampler(logits, params, [5])[0][0])
     for _ in range(3):
-        sampler(logits.expand(4, -1), [SamplingParams()] * 4, [0] * 4)
+        sampler(logits.expand(4, -1), [sampling()] * 4, [0] * 4)
     assert int(sampler(logits, params, [5])[0][0]) == first
 
 
@@ -302,7 +303,7 @@ def test_one_seed_follows_the_distribution_over_its_outputs() -> None:
     softmax(logits / T): the use that matters, one seed and many positions."""
     n = NUM_DRAWS
     batch = LOGITS[None, :].expand(n, -1).contiguous()
-    params = [SamplingParams(temperature=0.8, seed=77)] * n
+    params = [sampling(temperature=0.8, seed=77)] * n
     tokens, _ = Sampler(CPU)(batch, params, list(range(n)))
     assert_frequencies(torch.bincount(tokens, minlength=8), torch.softmax(LOGITS / 0.8, dim=-1))
 
@@ -310,17 +311,17 @@ def test_one_seed_follows_the_distribution_over_its_outputs() -> None:
 @pytest.mark.parametrize(
     ("params", "keep"),
     [
-        (SamplingParams(top_k=3), [3, 0, 5]),
-        (SamplingParams(top_p=0.6), [3, 0, 5]),
-        (SamplingParams(min_p=0.3), [3, 0, 5, 1]),
-        (SamplingParams(top_k=6, top_p=0.9, min_p=0.3), [3, 0, 5, 1]),
+        (sampling(top_k=3), [3, 0, 5]),
+        (sampling(top_p=0.6), [3, 0, 5]),
+        (sampling(min_p=0.3), [3, 0, 5, 1]),
+        (sampling(top_k=6, top_p=0.9, min_p=0.3), [3, 0, 5, 1]),
     ],
 )
 def test_seeded_rows_respect_the_filters(params: SamplingParams, keep: list[int]) -> None:
     n = NUM_DRAWS
     batch = LOGITS[None, :].expand(n, -1).contiguous()
     seeded = [
-        SamplingParams(top_k=params.top_k, top_p=params.top_p, min_p=params.min_p, seed=s)
+        sampling(top_k=params.top_k, top_p=params.top_p, min_p=params.min_p, seed=s)
         for s in range(n)
     ]
     tokens, _ = Sampler(CPU)(batch, seeded, [3] * n)
@@ -367,7 +368,7 @@ def test_seeded_noise_is_pinned() -> None:
         [0.561737596988678, 0.4007551372051239, 1.384896993637085, 4.394467353820801],
     ]
     torch.testing.assert_close(seeded_exponential(keys, 4), torch.tensor(expected))
-    params = [SamplingParams(seed=s) for s in (1, 2, 3)]
+    params = [sampling(seed=s) for s in (1, 2, 3)]
     tokens, _ = Sampler(CPU)(torch.zeros(3, 1000), params, [0, 5, 9])
     assert tokens.tolist() == [180, 480, 353]
 
@@ -386,9 +387,9 @@ def test_seeded_rows_create_no_generators(monkeypatch: pytest.MonkeyPatch) -> No
     sampler = Sampler(CPU, 0)
     assert len(made) == 1
     logits = torch.randn(64, 500)
-    params = [SamplingParams(seed=i) if i % 2 else SamplingParams() for i in range(64)]
+    params = [sampling(seed=i) if i % 2 else sampling() for i in range(64)]
     sampler(logits, params, list(range(64)))
-    sampler(logits, [SamplingParams(seed=i, top_p=0.9) for i in range(64)], [0] * 64)
+    sampler(logits, [sampling(seed=i, top_p=0.9) for i in range(64)], [0] * 64)
     assert len(made) == 1
 
 
@@ -396,10 +397,10 @@ def test_all_seeded_batch_equals_mixed_batch() -> None:
     """The all-seeded shortcut (no engine noise drawn at all) and the mixed path agree."""
     torch.manual_seed(9)
     logits = torch.randn(6, 300)
-    seeded = [SamplingParams(temperature=1.2, seed=40 + i) for i in range(6)]
+    seeded = [sampling(temperature=1.2, seed=40 + i) for i in range(6)]
     alone, _ = Sampler(CPU)(logits, seeded, [2] * 6)
     mixed = logits.repeat(2, 1)
-    params = seeded + [SamplingParams(temperature=1.2)] * 6
+    params = seeded + [sampling(temperature=1.2)] * 6
     together, _ = Sampler(CPU, 3)(mixed, params, [2] * 12)
     assert torch.equal(together[:6], alone)
 
@@ -413,7 +414,7 @@ def test_seeded_noise_and_tokens_same_on_cuda() -> None:
     assert torch.equal(cpu_noise, gpu_noise)
     torch.manual_seed(10)
     logits = torch.randn(128, 32_000)
-    params = [SamplingParams(temperature=0.9, top_k=50, seed=s) for s in range(128)]
+    params = [sampling(temperature=0.9, top_k=50, seed=s) for s in range(128)]
     on_cpu, _ = Sampler(CPU)(logits, params, list(range(128)))
     on_gpu, _ = Sampler(cuda)(logits.to(cuda), params, list(range(128)))
     assert torch.equal(on_cpu, on_gpu.cpu())
@@ -425,9 +426,9 @@ def test_seeded_noise_and_tokens_same_on_cuda() -> None:
 @pytest.mark.parametrize(
     "params",
     [
-        SamplingParams(temperature=0.0, logprobs=True),
-        SamplingParams(temperature=0.7, top_k=5, logprobs=True),
-        SamplingParams(temperature=1.3, top_p=0.5, min_p=0.1, logprobs=True, seed=9),
+        sampling(temperature=0.0, logprobs=True),
+        sampling(temperature=0.7, top_k=5, logprobs=True),
+        sampling(temperature=1.3, top_p=0.5, min_p=0.1, logprobs=True, seed=9),
     ],
 )
 def test_logprobs_are_raw_log_softmax_at_the_chosen_token(params: SamplingParams) -> None:
@@ -441,9 +442,9 @@ def test_logprobs_are_raw_log_softmax_at_the_chosen_token(params: SamplingParams
 
 def test_logprobs_only_when_someone_asks() -> None:
     logits = torch.randn(3, 10)
-    _, chosen = Sampler(CPU)(logits, [SamplingParams()] * 3, [0] * 3)
+    _, chosen = Sampler(CPU)(logits, [sampling()] * 3, [0] * 3)
     assert chosen is None
-    params = [SamplingParams(), SamplingParams(logprobs=True), SamplingParams(temperature=0)]
+    params = [sampling(), sampling(logprobs=True), sampling(temperature=0)]
     tokens, chosen = Sampler(CPU)(logits, params, [0] * 3)
     assert chosen is not None and chosen.shape == (3,)
     assert float(chosen[1]) == pytest.approx(
@@ -457,13 +458,13 @@ def test_logprobs_only_when_someone_asks() -> None:
 @pytest.mark.parametrize(
     "params",
     [
-        SamplingParams(),
-        SamplingParams(temperature=0.3),
-        SamplingParams(top_k=3),
-        SamplingParams(top_p=0.9),
-        SamplingParams(min_p=0.05),
-        SamplingParams(seed=1),
-        SamplingParams(temperature=0.0),
+        sampling(),
+        sampling(temperature=0.3),
+        sampling(top_k=3),
+        sampling(top_p=0.9),
+        sampling(min_p=0.05),
+        sampling(seed=1),
+        sampling(temperature=0.0),
     ],
 )
 def test_masked_tokens_never_picked(params: SamplingParams) -> None:
@@ -475,7 +476,7 @@ def test_masked_tokens_never_picked(params: SamplingParams) -> None:
     allowed[:, 9] = True
     allowed[: n // 2, 13] = True
     logits = logits.masked_fill(~allowed, float("-inf"))
-    plist = [params if params.seed is None else SamplingParams(seed=i) for i in range(n)]
+    plist = [params if params.seed is None else sampling(seed=i) for i in range(n)]
     tokens, chosen = Sampler(CPU)(logits, plist, [0] * n)
     assert bool(allowed.gather(1, tokens[:, None]).all())
     assert chosen is None
@@ -484,7 +485,7 @@ def test_masked_tokens_never_picked(params: SamplingParams) -> None:
 def test_single_allowed_token_with_logprobs() -> None:
     logits = torch.full((8, 32), float("-inf"))
     logits[torch.arange(8), torch.arange(8) * 3] = torch.linspace(-50, 50, 8)
-    params = [SamplingParams(temperature=t, logprobs=True) for t in (0.0, 0.5, 1.0, 2.0)] * 2
+    params = [sampling(temperature=t, logprobs=True) for t in (0.0, 0.5, 1.0, 2.0)] * 2
     tokens, chosen = Sampler(CPU)(logits, params, [0] * 8)
     assert tokens.tolist() == [i * 3 for i in range(8)]
     assert chosen is not None

@@ -16,13 +16,14 @@ from engine.convert import plan_from_proto
 from engine.mirror import Mirror
 from scheduler.config import SchedulerConfig
 from scheduler.convert import plan_to_proto
-from scheduler.request import Request, RequestStatus, SamplingParams
+from scheduler.request import Request, RequestStatus
 from scheduler.scheduler import (
     AdmissionError,
-    Scheduler,
     StepOutcome,
     StepPlan,
 )
+from scheduler.static_batching import make_scheduler
+from tests.factories import sampling
 
 BS = 4
 VOCAB = 100
@@ -45,7 +46,7 @@ def make_request(
         f"req-{seq_id}",
         seq_id,
         prompt,
-        SamplingParams(),
+        sampling(),
         max_tokens,
         stop_token_ids=frozenset(stop_token_ids),
         ignore_eos=ignore_eos,
@@ -90,7 +91,7 @@ class Harness:
             scheduling_policy=scheduling_policy,
             static_batch_wait_ms=static_batch_wait_ms,
         )
-        self.s = Scheduler(config, num_blocks, BS, max_model_len, VOCAB, (EOS,))
+        self.s = make_scheduler(config, num_blocks, BS, max_model_len, VOCAB, (EOS,))
         self.outputs: dict[int, list[int]] = {}
         self.finished: dict[int, RequestStatus] = {}
         self.plans: list[StepPlan] = []
@@ -856,19 +857,19 @@ def test_static_batch_waits_to_fill_up_to_its_deadline(make: Callable[..., Harne
     a, b, c, d = (make_request(i, 3, 2) for i in range(1, 5))
     h.add(a)
     assert h.s.schedule().is_empty
-    wait = h.s.static_batch_wait_s()
+    wait = h.s.idle_timeout_s()
     assert wait is not None and 59 < wait <= 60
     h.add(b, c, d)  # three waiting: a full batch starts at once, d waits for the next
-    assert h.s.static_batch_wait_s() is None
+    assert h.s.idle_timeout_s() is None
     plan, _ = h.step()
     assert [r.request.seq_id for r in plan.new_requests] == [1, 2, 3]
-    assert h.s.static_batch_wait_s() is None  # a batch is running
+    assert h.s.idle_timeout_s() is None  # a batch is running
     h.step()  # the batch drains (2 tokens each)
     assert h.s.running == [] and list(h.s.waiting) == [d]
     plan = h.s.schedule()  # d's batch is forming (the plan only tells the engine to drop 1-3) ...
     assert (plan.finished_seq_ids, plan.new_requests, plan.running) == ([1, 2, 3], [], [])
     d.arrival_time -= 61  # ... until its deadline has passed
-    assert h.s.static_batch_wait_s() == 0.0
+    assert h.s.idle_timeout_s() == 0.0
     plan, _ = h.step()
     assert [r.request.seq_id for r in plan.new_requests] == [4]
     h.run_until_idle()

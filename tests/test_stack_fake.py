@@ -222,3 +222,37 @@ def test_engine_crash_loses_nothing(tokenizer_dir: Path, tmp_path: Path) -> None
         assert stats.num_engine_resets >= 1
     finally:
         s.close()
+
+
+def test_scheduler_adopts_the_engine_limits_and_refuses_larger_ones(tmp_path: Path) -> None:
+    """A scheduler without limits of its own takes the engine's (which sized its memory and
+    CUDA graphs); one asking for more than the engine's refuses to run, saying which."""
+    import grpc
+
+    from common.net import CHANNEL_OPTIONS, wait_until_serving
+    from engine.config import EngineConfig
+    from engine.fake import FakeEngineConfig
+    from llmserve.launcher import local_stack
+    from protos import scheduler_pb2, scheduler_pb2_grpc
+    from scheduler.config import SchedulerConfig
+
+    engine = EngineConfig(max_num_seqs=4, max_num_batched_tokens=64)
+    for own, expected in ((SchedulerConfig(), (4, 64)), (SchedulerConfig(max_num_seqs=2), (2, 64))):
+        stack = local_stack(engine, own, fake=FakeEngineConfig(), log_dir=tmp_path / "ok")
+        stack.start(("engine", "scheduler"))
+        try:
+            assert wait_until_serving(stack.scheduler_address, timeout=60), stack.logs()
+            with grpc.insecure_channel(stack.scheduler_address, options=CHANNEL_OPTIONS) as ch:
+                info = scheduler_pb2_grpc.SchedulerStub(ch).GetInfo(scheduler_pb2.GetInfoRequest())
+            assert (info.max_num_seqs, info.max_num_batched_tokens) == expected
+        finally:
+            stack.stop()
+    bad = SchedulerConfig(max_num_seqs=8)
+    stack = local_stack(engine, bad, fake=FakeEngineConfig(), log_dir=tmp_path / "bad")
+    stack.start(("engine", "scheduler"))
+    try:
+        assert stack.procs["scheduler"].wait(timeout=60) == 1
+        log = (tmp_path / "bad" / "scheduler.log").read_text()
+        assert "max_num_seqs=8 exceeds the engine's max_num_seqs=4" in log
+    finally:
+        stack.stop()

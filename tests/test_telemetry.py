@@ -18,8 +18,8 @@ pytest.importorskip("opentelemetry.sdk")
 from prometheus_client.parser import text_string_to_metric_families
 
 from common import telemetry
+from llmserve.bench.otlp import OtlpReceiver, Span
 from llmserve.client import Client, Completion, make_request
-from tests.otlp import OtlpReceiver, Span
 from tests.stack import Stack, free_port, start_stack
 
 CALLER_TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"

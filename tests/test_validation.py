@@ -10,7 +10,8 @@ import pytest
 
 from gateway.tokenizer import Tokenizer
 from gateway.validation import Limits, ValidationError, ValidRequest, validate
-from protos import api_pb2
+from protos import api_pb2, scheduler_pb2
+from protos.common_pb2 import SamplingParams
 from tests.factories import write_byte_tokenizer
 
 LIMITS = Limits(max_model_len=64, vocab_size=259, kv_capacity_tokens=1024)
@@ -25,10 +26,13 @@ def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
 
 
 def request(**fields: Any) -> api_pb2.GenerateRequest:
-    """A GenerateRequest with a short text prompt unless the fields give a prompt."""
+    """A GenerateRequest with a short text prompt unless the fields give a prompt; sampling
+    fields (temperature, seed, ...) go into its `sampling`."""
     if "text" not in fields and "chat" not in fields and fields.pop("no_prompt", False) is False:
         fields["text"] = "hello"
-    return api_pb2.GenerateRequest(**fields)
+    names = SamplingParams.DESCRIPTOR.fields_by_name
+    sampling = SamplingParams(**{k: fields.pop(k) for k in list(fields) if k in names})
+    return api_pb2.GenerateRequest(sampling=sampling, **fields)
 
 
 def chat(*messages: tuple[str, str]) -> api_pb2.ChatPrompt:
@@ -146,7 +150,7 @@ def test_prompt_over_the_context(tokenizer: Tokenizer) -> None:
         "prompt has 64 tokens; the limit is 63 (max_model_len=64, one token left to generate)"
     )
     # 63 tokens leave exactly one to generate.
-    assert validate(request(text="x" * 63), tokenizer, LIMITS).max_tokens == 1
+    assert validate(request(text="x" * 63), tokenizer, LIMITS).submit.max_tokens == 1
 
 
 def test_prompt_over_the_kv_capacity(tokenizer: Tokenizer) -> None:
@@ -165,7 +169,9 @@ def test_max_tokens_over_the_remaining_context(tokenizer: Tokenizer) -> None:
         "max_tokens=55 exceeds the model's remaining context of 54 tokens "
         "(max_model_len=64, prompt 10 tokens)"
     )
-    assert validate(request(text="x" * 10, max_tokens=54), tokenizer, LIMITS).max_tokens == 54
+    assert (
+        validate(request(text="x" * 10, max_tokens=54), tokenizer, LIMITS).submit.max_tokens == 54
+    )
 
 
 def test_chat_prompt_over_the_context(tokenizer: Tokenizer) -> None:
@@ -234,64 +240,52 @@ def test_unknown_field_inside_a_chat_message(tokenizer: Tokenizer) -> None:
 
 def test_defaults_filled(tokenizer: Tokenizer) -> None:
     valid = validate(request(text="hello"), tokenizer, LIMITS)
-    assert valid == ValidRequest(
+    submit = scheduler_pb2.SubmitRequest(
         prompt_token_ids=list(b"hello"),
         max_tokens=64 - 5,
-        temperature=1.0,
-        top_k=-1,
-        top_p=1.0,
-        min_p=0.0,
-        seed=None,
-        stop=[],
-        stop_token_ids=[],
-        ignore_eos=False,
-        logprobs=False,
+        sampling=SamplingParams(temperature=1.0, top_p=1.0),
     )
+    assert valid == ValidRequest(submit, stop=[])
+    assert not valid.sampling.HasField("seed")
 
 
 def test_explicit_fields_kept(tokenizer: Tokenizer) -> None:
+    fields: dict[str, Any] = {
+        "temperature": 0.0, "top_k": 40, "top_p": 0.5, "min_p": 1.0, "seed": 2**64 - 1,
+        "logprobs": True,
+    }  # fmt: skip
     valid = validate(
         request(
             text="hi",
             max_tokens=7,
-            temperature=0.0,
-            top_k=40,
-            top_p=0.5,
-            min_p=1.0,
-            seed=2**64 - 1,
             stop=["\n"],
             stop_token_ids=[258, 0],
             ignore_eos=True,
-            logprobs=True,
             request_id="abc-1.2:3_x",
+            **fields,
         ),
         tokenizer,
         LIMITS,
     )
-    assert valid == ValidRequest(
+    submit = scheduler_pb2.SubmitRequest(
         prompt_token_ids=[ord("h"), ord("i")],
         max_tokens=7,
-        temperature=0.0,
-        top_k=40,
-        top_p=0.5,
-        min_p=1.0,
-        seed=2**64 - 1,
-        stop=["\n"],
+        sampling=SamplingParams(**fields),
         stop_token_ids=[258, 0],
         ignore_eos=True,
-        logprobs=True,
     )
+    assert valid == ValidRequest(submit, stop=["\n"])
 
 
 @pytest.mark.parametrize("top_k", [-1, 0])
 def test_top_k_off_values_accepted(tokenizer: Tokenizer, top_k: int) -> None:
-    assert validate(request(top_k=top_k), tokenizer, LIMITS).top_k == top_k
+    assert validate(request(top_k=top_k), tokenizer, LIMITS).sampling.top_k == top_k
 
 
 def test_seed_zero_is_not_unset(tokenizer: Tokenizer) -> None:
-    assert validate(request(seed=0), tokenizer, LIMITS).seed == 0
-    assert validate(request(seed=12345), tokenizer, LIMITS).seed == 12345
-    assert validate(request(), tokenizer, LIMITS).seed is None
+    assert validate(request(seed=0), tokenizer, LIMITS).sampling.HasField("seed")
+    assert validate(request(seed=12345), tokenizer, LIMITS).sampling.seed == 12345
+    assert not validate(request(), tokenizer, LIMITS).sampling.HasField("seed")
 
 
 def test_chat_template_rendered_and_tokenized(tokenizer: Tokenizer) -> None:
@@ -309,7 +303,7 @@ def test_chat_template_rendered_and_tokenized(tokenizer: Tokenizer) -> None:
         *b"assistant\n",
     ]
     assert valid.prompt_token_ids == expected
-    assert valid.max_tokens == 64 - len(expected)
+    assert valid.submit.max_tokens == 64 - len(expected)
 
 
 def test_special_tokens_in_text_are_tokens(tokenizer: Tokenizer) -> None:
@@ -323,13 +317,13 @@ def test_special_tokens_in_text_are_tokens(tokenizer: Tokenizer) -> None:
 @pytest.mark.parametrize(
     ("fields", "expected"),
     [
-        ({"presence_penalty": 2.5}, "presence_penalty=2.5 must be in [-2, 2]"),
-        ({"presence_penalty": -2.01}, "presence_penalty=-2.01 must be in [-2, 2]"),
-        ({"frequency_penalty": math.nan}, "frequency_penalty=nan must be in [-2, 2]"),
-        ({"frequency_penalty": math.inf}, "frequency_penalty=inf must be in [-2, 2]"),
-        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs=21 must be in [0, 20]"),
-        ({"logprobs": True, "top_logprobs": -1}, "top_logprobs=-1 must be in [0, 20]"),
-        ({"top_logprobs": 3}, "top_logprobs=3 needs logprobs=true"),
+        ({"presence_penalty": 2.5}, "sampling.presence_penalty=2.5 must be in [-2, 2]"),
+        ({"presence_penalty": -2.01}, "sampling.presence_penalty=-2.01 must be in [-2, 2]"),
+        ({"frequency_penalty": math.nan}, "sampling.frequency_penalty=nan must be in [-2, 2]"),
+        ({"frequency_penalty": math.inf}, "sampling.frequency_penalty=inf must be in [-2, 2]"),
+        ({"logprobs": True, "top_logprobs": 21}, "sampling.top_logprobs=21 must be in [0, 20]"),
+        ({"logprobs": True, "top_logprobs": -1}, "sampling.top_logprobs=-1 must be in [0, 20]"),
+        ({"top_logprobs": 3}, "sampling.top_logprobs=3 needs sampling.logprobs=true"),
     ],
 )
 def test_bad_penalty_or_top_logprobs(
@@ -344,7 +338,8 @@ def test_penalties_and_top_logprobs_kept(tokenizer: Tokenizer) -> None:
         tokenizer,
         LIMITS,
     )
-    assert (valid.presence_penalty, valid.frequency_penalty) == (-2.0, 2.0)
-    assert valid.top_logprobs == 20 and valid.logprobs
-    default = validate(request(), tokenizer, LIMITS)
-    assert (default.presence_penalty, default.frequency_penalty, default.top_logprobs) == (0, 0, 0)
+    p = valid.sampling
+    assert (p.presence_penalty, p.frequency_penalty) == (-2.0, 2.0)
+    assert p.top_logprobs == 20 and p.logprobs
+    d = validate(request(), tokenizer, LIMITS).sampling
+    assert (d.presence_penalty, d.frequency_penalty, d.top_logprobs) == (0, 0, 0)

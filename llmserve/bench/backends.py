@@ -116,10 +116,10 @@ class GrpcBackend:
     def message(self, request: BenchRequest) -> api_pb2.GenerateRequest:
         s = self.sampling
         msg = api_pb2.GenerateRequest(
-            max_tokens=request.max_tokens, temperature=s.temperature, ignore_eos=s.ignore_eos
+            max_tokens=request.max_tokens,
+            sampling=common_pb2.SamplingParams(temperature=s.temperature, seed=s.seed),
+            ignore_eos=s.ignore_eos,
         )
-        if s.seed is not None:
-            msg.seed = s.seed
         if request.messages is not None:
             msg.chat.messages.extend(
                 api_pb2.ChatMessage(role=r, content=c) for r, c in request.messages

@@ -1,0 +1,136 @@
+"""A service's settings as command-line flags, built from its frozen config dataclass, so each
+setting is written once: its name, type, default and help live on the dataclass field.
+
+    @dataclass(frozen=True)
+    class SchedulerConfig:
+        max_waiting: int = setting(4096, "queued requests beyond which ...")
+
+    add_flags(parser, SchedulerConfig)            # --max-waiting N (bools: --x / --no-x)
+    config = from_flags(SchedulerConfig, args)    # validated by the dataclass's __post_init__
+
+Field metadata: "help"; "choices"; "env" (a variable that overrides the default); "flag" (a name
+other than --field-name). A `tuple[int, ...]` field takes a list (--eos-token-ids 1 2).
+`to_json` / `from_json` carry a config whole to a child process (llmserve/launcher.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import typing
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+def _fields(cls: type) -> list[tuple[dataclasses.Field[Any], Any]]:
+    hints = typing.get_type_hints(cls)
+    return [(f, hints[f.name]) for f in dataclasses.fields(cls) if f.init]
+
+
+def _base_type(hint: Any) -> tuple[type, bool]:
+    """(the scalar type, whether it is a tuple of them) of int, float, str, bool, X | None,
+    tuple[X, ...]."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if typing.get_origin(hint) is tuple:
+        return args[0], True
+    if args:  # X | None
+        return args[0], False
+    return hint, False
+
+
+def flag_name(f: dataclasses.Field[Any], prefix: str = "") -> str:
+    return f.metadata.get("flag") or f"--{prefix}{f.name.replace('_', '-')}"
+
+
+def _dest(f: dataclasses.Field[Any], prefix: str) -> str:
+    return (prefix + f.name).replace("-", "_")
+
+
+def _default(f: dataclasses.Field[Any]) -> Any:
+    env = f.metadata.get("env")
+    if env and os.environ.get(env):
+        return os.environ[env]
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    return f.default_factory()  # type: ignore[operator]
+
+
+def add_flags(
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup,
+    cls: type,
+    *,
+    prefix: str = "",
+    exclude: tuple[str, ...] = (),
+    taken: set[str] | None = None,
+) -> None:
+    """Add a flag for each field of cls not in exclude. taken: flags already added by another
+    config (a field two services share, e.g. --model) are skipped, and the new ones recorded."""
+    for f, hint in _fields(cls):
+        name = flag_name(f, prefix)
+        if f.name in exclude or (taken is not None and name in taken):
+            continue
+        if taken is not None:
+            taken.add(name)
+        kind, many = _base_type(hint)
+        default = _default(f)
+        help_text = f.metadata.get("help", "")
+        if env := f.metadata.get("env"):
+            help_text += f" (env {env})"
+        if kind is bool:
+            parser.add_argument(
+                name,
+                action=argparse.BooleanOptionalAction,
+                default=default,
+                help=help_text,
+                dest=_dest(f, prefix),
+            )
+            continue
+        options: dict[str, Any] = {"type": kind, "default": default}
+        options["choices"] = f.metadata.get("choices")
+        if many:
+            options["nargs"] = "*"
+        if kind is not str or default is not None:
+            help_text += " (default: %(default)s)"
+        parser.add_argument(name, help=help_text or None, dest=_dest(f, prefix), **options)
+
+
+def from_flags(cls: type[T], args: argparse.Namespace, *, prefix: str = "", **overrides: Any) -> T:
+    """An instance of cls from parsed flags (fields without a flag keep their defaults)."""
+    values: dict[str, Any] = {}
+    for f, hint in _fields(cls):
+        dest = _dest(f, prefix)
+        if hasattr(args, dest):
+            value = getattr(args, dest)
+            values[f.name] = tuple(value) if _base_type(hint)[1] else value
+    values.update(overrides)
+    return cls(**values)
+
+
+def to_json(config: Any) -> str:
+    return json.dumps({"type": type(config).__name__, "fields": dataclasses.asdict(config)})
+
+
+def from_json(classes: dict[str, type], text: str) -> Any:
+    """The config to_json wrote; its type must be one of classes (by name)."""
+    data = json.loads(text)
+    cls = classes[data["type"]]
+    values = data["fields"]
+    for f, hint in _fields(cls):
+        if _base_type(hint)[1] and f.name in values:
+            values[f.name] = tuple(values[f.name])
+    return cls(**values)
+
+
+def setting(default: Any, help: str, **metadata: Any) -> Any:
+    """A config field with its flag's help text (and metadata: choices, env, flag)."""
+    return dataclasses.field(default=default, metadata={"help": help, **metadata})
+
+
+def check_ports(config: object, *names: str) -> None:
+    """Raise ValueError naming the first field of config that is not a TCP port (0 allowed)."""
+    for name in names:
+        if not 0 <= getattr(config, name) < 65536:
+            raise ValueError(f"{name}={getattr(config, name)} is not a TCP port")

@@ -1,0 +1,72 @@
+"""The engine's side of the step contract as plain data (protos/engine.proto), torch-free: what a
+plan brings (StepPlanData), what a step returns (StepOutput) and what the engine reports of itself
+(EngineInfo). engine/convert.py turns them into protobuf and back; the real engine, the fake one
+and the service all speak these."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from protos.common_pb2 import SamplingParams
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    model: str
+    vocab_size: int
+    max_model_len: int
+    eos_token_ids: tuple[int, ...]
+    block_size: int
+    num_blocks: int
+    device: str
+    dtype: str
+    # The largest step the engine is sized for (memory profile, CUDA graphs).
+    max_num_seqs: int
+    max_num_batched_tokens: int
+
+
+@dataclass
+class NewRequestData:
+    seq_id: int
+    token_ids: list[int]
+    num_prompt_tokens: int
+    sampling: SamplingParams
+    block_table: list[int]
+    num_computed_tokens: int
+    num_scheduled_tokens: int
+
+
+@dataclass
+class RunningData:
+    """Row i's new blocks are new_block_ids[sum(num_new_blocks[:i]) : sum(num_new_blocks[:i+1])]."""
+
+    seq_ids: list[int] = field(default_factory=list)
+    num_scheduled_tokens: list[int] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)
+    num_new_blocks: list[int] = field(default_factory=list)
+    new_block_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class StepPlanData:
+    step_id: int
+    finished_seq_ids: list[int]
+    new_requests: list[NewRequestData]
+    running: RunningData = field(default_factory=RunningData)
+
+
+@dataclass
+class StepOutput:
+    """One step's results, one row per plan row (new requests first, then running ones)."""
+
+    sampled_token_ids: list[int]  # -1 where the request is mid-prefill
+    # The chosen tokens' logprobs, NaN on rows that did not ask (or sampled nothing); None when
+    # no row asked.
+    logprobs: list[float] | None
+    forward_ms: float
+    sample_ms: float
+    # When a row asked for top logprobs: how many each row returns (its request's top_logprobs,
+    # 0 where it sampled nothing), and those entries, row after row, most likely first.
+    num_top_logprobs: list[int] = field(default_factory=list)
+    top_token_ids: list[int] = field(default_factory=list)
+    top_logprobs: list[float] = field(default_factory=list)

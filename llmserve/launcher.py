@@ -1,0 +1,321 @@
+"""Starts the stack's processes, one child per service (`python -m llmserve.cli <service>
+--config-stdin`), each handed its config whole through its stdin. The pipe stays open: a child
+stops when it closes, so the services die with whoever launched them, however it ended (Ctrl-C,
+SIGTERM, SIGHUP, kill -9). `llmserve serve`, `llmserve bench` and the tests all start stacks
+through `Stack`.
+
+    stack = Stack(engine=EngineConfig(...), scheduler=SchedulerConfig(...),
+                  gateway=GatewayConfig(...))
+    stack.start()
+    stack.wait_ready(timeout=600)      # the gateway answers SERVING, or StackError says why
+    ...
+    stack.stop()
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import IO, Any
+
+import grpc
+
+from common.flags import to_json
+from common.net import CHANNEL_OPTIONS, check_health
+from engine.config import EngineConfig
+from engine.fake import FakeEngineConfig
+from gateway.config import GatewayConfig
+from protos import scheduler_pb2, scheduler_pb2_grpc
+from scheduler.config import SchedulerConfig
+
+ROOT = Path(__file__).resolve().parent.parent
+SERVICES = ("engine", "scheduler", "gateway")  # start order; stopped front first
+
+
+class StackError(RuntimeError):
+    """The stack did not start (or a service died); the message says which and why."""
+
+
+def free_port() -> int:
+    return free_ports(1)[0]
+
+
+def free_ports(n: int) -> list[int]:
+    """n distinct loopback ports nothing listens on now (all held open while choosing)."""
+    with contextlib.ExitStack() as held:
+        sockets = [held.enter_context(socket.socket()) for _ in range(n)]
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [int(s.getsockname()[1]) for s in sockets]
+
+
+def port_in_use(host: str, port: int) -> bool:
+    """Whether something already listens on host:port (our child could not bind it)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
+def _local(host: str, port: int) -> str:
+    return f"{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{port}"
+
+
+@dataclass
+class Stack:
+    engine: EngineConfig
+    scheduler: SchedulerConfig
+    gateway: GatewayConfig
+    fake: FakeEngineConfig | None = None  # the echo engine instead of a model (tests)
+    log_dir: Path | None = None  # each service's output in <name>.log; None: inherited
+    env: dict[str, str] = field(default_factory=dict)
+    procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+
+    @property
+    def gateway_address(self) -> str:
+        return _local(self.gateway.host, self.gateway.port)
+
+    @property
+    def scheduler_address(self) -> str:
+        return _local(self.scheduler.host, self.scheduler.port)
+
+    @property
+    def engine_address(self) -> str:
+        return _local(self.engine.host, self.engine.port)
+
+    @property
+    def http_url(self) -> str | None:
+        port = self.gateway.http_port
+        return f"http://{_local(self.gateway.host, port)}/v1" if port else None
+
+    def configs(self, name: str) -> list[Any]:
+        if name == "engine":
+            return [self.engine] + ([self.fake] if self.fake is not None else [])
+        return [getattr(self, name)]
+
+    def ports(self) -> list[tuple[str, str, int]]:
+        """(what, host, port) of every port the stack will listen on."""
+        out = []
+        for name in SERVICES:
+            config = getattr(self, name)
+            for port_field in ("port", "http_port", "metrics_port"):
+                port = getattr(config, port_field, 0)
+                if port:
+                    out.append((f"{name} {port_field.replace('_', ' ')}", config.host, port))
+        return out
+
+    def check_ports_free(self) -> None:
+        """Raise StackError naming the first port something else already listens on."""
+        for what, host, port in self.ports():
+            if port_in_use(host, port):
+                raise StackError(
+                    f"{what} {port} is already in use on {host} (another server running?); "
+                    "stop it or choose another port"
+                )
+
+    def start(self, names: tuple[str, ...] = SERVICES) -> None:
+        for name in names:
+            self.procs[name] = self._spawn(name)
+
+    def _spawn(self, name: str) -> subprocess.Popen[bytes]:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
+        out: IO[bytes] | None = None
+        if self.log_dir is not None:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            out = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "llmserve.cli", name, "--config-stdin"],
+            cwd=ROOT,
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=out,
+            stderr=subprocess.STDOUT if out is not None else None,
+            start_new_session=True,  # Ctrl-C reaches the launcher, which stops them in order
+        )
+        if out is not None:
+            out.close()
+        assert proc.stdin is not None
+        proc.stdin.write(("\n".join(to_json(c) for c in self.configs(name)) + "\n\n").encode())
+        proc.stdin.flush()  # kept open: closing it (or our death) stops the child
+        return proc
+
+    def dead(self) -> list[tuple[str, int]]:
+        """(name, exit code) of every child that has exited."""
+        return [(n, p.returncode) for n, p in self.procs.items() if p.poll() is not None]
+
+    def wait_ready(self, timeout: float) -> None:
+        """Return once the gateway reports SERVING; raise StackError if a child dies first or
+        timeout passes (with the end of the logs when they go to files)."""
+        deadline = time.monotonic() + timeout
+        while check_health(self.gateway_address, timeout=1.0) != "SERVING":
+            dead = self.dead()
+            if dead or time.monotonic() > deadline:
+                why = f"{dead[0][0]} exited with {dead[0][1]}" if dead else "timed out"
+                raise StackError(f"the stack did not start ({why}){self._log_tail()}")
+            time.sleep(0.2)
+
+    def _log_tail(self) -> str:
+        text = self.logs()
+        return f"\n{text}" if text else ""
+
+    def logs(self, num_chars: int = 4000) -> str:
+        if self.log_dir is None:
+            return ""
+        return "\n".join(
+            f"--- {p.name} ---\n{p.read_text(errors='replace')[-num_chars:]}"
+            for p in sorted(self.log_dir.glob("*.log"))
+        )
+
+    def kill(self, name: str) -> None:
+        """SIGKILL one service and reap it."""
+        proc = self.procs.pop(name)
+        proc.kill()
+        proc.wait()
+        _close_stdin(proc)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """SIGTERM the front first (gateway, scheduler, engine); SIGKILL what lingers."""
+        running = [self.procs[n] for n in reversed(SERVICES) if n in self.procs]
+        for proc in running:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for proc in running:
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            _close_stdin(proc)
+
+    def scheduler_stats(self) -> scheduler_pb2.SchedulerStats:
+        with grpc.insecure_channel(self.scheduler_address, options=CHANNEL_OPTIONS) as channel:
+            stub = scheduler_pb2_grpc.SchedulerStub(channel)
+            return stub.GetStats(scheduler_pb2.GetStatsRequest(), timeout=10)
+
+    def __enter__(self) -> Stack:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _close_stdin(proc: subprocess.Popen[bytes]) -> None:
+    if proc.stdin is not None and not proc.stdin.closed:
+        with contextlib.suppress(BrokenPipeError):
+            proc.stdin.close()
+
+
+def _chosen(config: Any, name: str) -> int:
+    """config's port `name` when it differs from the class default (chosen), else 0."""
+    value: int = getattr(config, name)
+    return value if value != getattr(type(config)(), name) else 0
+
+
+def local_stack(
+    engine: EngineConfig | None = None,
+    scheduler: SchedulerConfig | None = None,
+    gateway: GatewayConfig | None = None,
+    *,
+    http: bool = False,
+    **kwargs: Any,
+) -> Stack:
+    """A Stack on free loopback ports (not started). The metrics and HTTP ports stay off unless
+    a config chose one (or http=True: a free one); the configs keep their other settings."""
+    engine = engine or EngineConfig()
+    scheduler = scheduler or SchedulerConfig()
+    gateway = gateway or GatewayConfig()
+    ports = free_ports(4)
+    engine_cfg = replace(
+        engine, host="127.0.0.1", port=ports[0], metrics_port=_chosen(engine, "metrics_port")
+    )
+    scheduler_cfg = replace(
+        scheduler,
+        host="127.0.0.1",
+        port=ports[1],
+        metrics_port=_chosen(scheduler, "metrics_port"),
+        engine_address=f"127.0.0.1:{engine_cfg.port}",
+    )
+    gateway_cfg = replace(
+        gateway,
+        host="127.0.0.1",
+        port=ports[2],
+        http_port=ports[3] if http else _chosen(gateway, "http_port"),
+        metrics_port=_chosen(gateway, "metrics_port"),
+        scheduler_address=f"127.0.0.1:{scheduler_cfg.port}",
+    )
+    return Stack(engine=engine_cfg, scheduler=scheduler_cfg, gateway=gateway_cfg, **kwargs)
+
+
+# -- `llmserve serve`'s flags: the three services' settings, each written once ---------------------
+
+# Set per service by serve's own flags (--host, --port, --scheduler-port, ...), not shared.
+_NETWORK = ("host", "port", "metrics_port", "engine_address", "scheduler_address")
+DEFAULT_METRICS_PORT = 9101  # gateway; scheduler +1, engine +2
+
+
+def add_serve_flags(p: Any) -> None:
+    """`llmserve serve`'s flags: its ports, then every engine, scheduler and gateway setting
+    (a setting two services share, such as --model or --max-num-seqs, is one flag)."""
+    from common.flags import add_flags
+
+    p.add_argument("--host", default="127.0.0.1", help="gateway bind address (0.0.0.0 exposes it)")
+    p.add_argument("--port", type=int, default=50051, help="gateway gRPC port")
+    p.add_argument("--scheduler-port", type=int, default=50052)
+    p.add_argument("--engine-port", type=int, default=50053)
+    env = os.environ.get("LLMSERVE_METRICS_PORT")
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=int(env) if env else DEFAULT_METRICS_PORT,
+        help="the gateway's Prometheus /metrics port; the scheduler's is PORT+1, the engine's "
+        "PORT+2; 0 turns them off (env LLMSERVE_METRICS_PORT). Traces and OTLP metrics: the "
+        "standard OTEL_* variables",
+    )
+    p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to start")
+    taken: set[str] = set()
+    for cls, title in (
+        (EngineConfig, "engine"),
+        (SchedulerConfig, "scheduler"),
+        (GatewayConfig, "gateway"),
+    ):
+        add_flags(p.add_argument_group(title), cls, exclude=_NETWORK, taken=taken)
+
+
+def stack_from_flags(args: Any, **kwargs: Any) -> Stack:
+    """The Stack `llmserve serve` starts for its parsed flags: the engine and scheduler on
+    loopback, the gateway on --host."""
+    from common.flags import from_flags
+
+    internal = "127.0.0.1"
+    metrics = [args.metrics_port + i if args.metrics_port else 0 for i in range(3)]
+    engine = from_flags(
+        EngineConfig, args, host=internal, port=args.engine_port, metrics_port=metrics[2]
+    )
+    scheduler = from_flags(
+        SchedulerConfig,
+        args,
+        host=internal,
+        port=args.scheduler_port,
+        metrics_port=metrics[1],
+        engine_address=f"{internal}:{args.engine_port}",
+    )
+    gateway = from_flags(
+        GatewayConfig,
+        args,
+        host=args.host,
+        port=args.port,
+        metrics_port=metrics[0],
+        scheduler_address=f"{internal}:{args.scheduler_port}",
+    )
+    return Stack(engine=engine, scheduler=scheduler, gateway=gateway, **kwargs)
