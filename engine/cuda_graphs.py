@@ -20,7 +20,8 @@ import bisect
 
 import torch
 
-from engine.model import AttentionContext, LlamaForCausalLM
+from engine.layers import AttentionContext
+from engine.model import LlamaForCausalLM
 from engine.sampler import to_device
 
 

@@ -24,7 +24,7 @@ from kernels import reference as ref
 
 if TYPE_CHECKING:
     from common.model_config import ModelConfig
-    from engine.model import AttentionContext
+    from engine.layers import AttentionContext
 
 
 class LayerOps(Protocol):

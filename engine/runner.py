@@ -16,8 +16,9 @@ from typing import Any
 import torch
 
 from engine.cuda_graphs import DecodeGraphs
+from engine.layers import AttentionContext
 from engine.mirror import PLACEHOLDER, ScheduledSeq, StepBatch
-from engine.model import AttentionContext, LlamaForCausalLM
+from engine.model import LlamaForCausalLM
 from engine.sampler import Sampler, SamplerOutput, to_device
 from engine.timeline import NullTimeline, Timeline
 

@@ -24,7 +24,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.engine import Engine
-from engine.model import AttentionContext
+from engine.layers import AttentionContext
 from tests.engine_driver import blocks_needed, generate
 from tests.factories import hf_dummy_model
 
