@@ -20,7 +20,8 @@ import bisect
 
 import torch
 
-from engine.model import AttentionContext, LlamaForCausalLM
+from engine.model import LlamaForCausalLM
+from engine.ops import AttentionContext
 from engine.sampler import to_device
 
 

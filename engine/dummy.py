@@ -19,11 +19,11 @@ exactly the model the engine runs.
 from __future__ import annotations
 
 import hashlib
-from typing import cast
 
 import torch
 
 from common.model_config import ModelConfig
+from engine.layers import Linear
 from engine.model import LlamaForCausalLM
 
 WEIGHT_STD = 0.02
@@ -105,38 +105,10 @@ def fill_hf_tensor_(out: torch.Tensor, seed: int, name: str) -> None:
 def hf_parameter_slices(model: LlamaForCausalLM) -> list[tuple[str, torch.Tensor]]:
     """(HF name, the view of our parameter holding it) for every tensor HF's LlamaForCausalLM
     has; fused q/k/v and gate/up are split into their HF rows. Tied embeddings appear once."""
-    cfg = model.config
-    named: list[tuple[str, torch.Tensor]] = [
-        ("model.embed_tokens.weight", model.embed_tokens.weight),
-        ("model.norm.weight", model.norm),
+    return [
+        (name, module.shard(param, shard) if isinstance(module, Linear) else param)
+        for name, module, param, shard in model.hf_tensors()
     ]
-    if model.lm_head is not None:
-        named.append(("lm_head.weight", model.lm_head.weight))
-    q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    for i, layer in enumerate(model.layers):
-        p = f"model.layers.{i}."
-        for kind in ("weight", "bias"):
-            qkv = getattr(layer.qkv_proj, kind)
-            if qkv is not None:
-                q, k, v = qkv.split([q_size, kv_size, kv_size], dim=0)
-                named += [
-                    (p + f"self_attn.{n}_proj.{kind}", t)
-                    for n, t in zip("qkv", (q, k, v), strict=True)
-                ]
-            o = getattr(layer.o_proj, kind)
-            if o is not None:
-                named.append((p + f"self_attn.o_proj.{kind}", o))
-            gate_up = getattr(layer.gate_up_proj, kind)
-            if gate_up is not None:
-                gate, up = gate_up.chunk(2, dim=0)
-                named += [(p + f"mlp.gate_proj.{kind}", gate), (p + f"mlp.up_proj.{kind}", up)]
-            down = getattr(layer.down_proj, kind)
-            if down is not None:
-                named.append((p + f"mlp.down_proj.{kind}", down))
-        named.append((p + "input_layernorm.weight", cast(torch.Tensor, layer.input_norm)))
-        norm = cast(torch.Tensor, layer.post_attention_norm)
-        named.append((p + "post_attention_layernorm.weight", norm))
-    return named
 
 
 @torch.no_grad()
@@ -149,7 +121,7 @@ def init_dummy_weights(model: LlamaForCausalLM, seed: int) -> None:
 
 def hf_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Name and shape of every tensor of HF's LlamaForCausalLM for `config` (tied embeddings:
-    no lm_head.weight), in the order hf_parameter_slices lists them."""
+    no lm_head.weight)."""
     hidden, inter = config.hidden_size, config.intermediate_size
     q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
     shapes: dict[str, tuple[int, ...]] = {

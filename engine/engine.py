@@ -30,12 +30,11 @@ from engine.memory import (
     profile_step_memory,
 )
 from engine.mirror import Mirror, StepBatch
-from engine.model import build_model
 from engine.ops import select_ops
 from engine.runner import LaunchedStep, ModelRunner, StepTimer
 from engine.sampler import Sampler
 from engine.timeline import Timeline, make_timeline
-from engine.weights import load_weights
+from engine.weights import build_model, load_weights
 
 log = get_logger("engine")
 

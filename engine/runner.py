@@ -20,7 +20,8 @@ from common.sampling import has_penalties
 from engine.contract import StepOutput
 from engine.cuda_graphs import DecodeGraphs
 from engine.mirror import PLACEHOLDER, ScheduledSeq, StepBatch
-from engine.model import AttentionContext, LlamaForCausalLM
+from engine.model import LlamaForCausalLM
+from engine.ops import AttentionContext
 from engine.sampler import Sampler, SamplerOutput, to_device
 from engine.timeline import NullTimeline, Timeline
 

@@ -1,4 +1,5 @@
-"""Weight loaders: HF directories (*.safetensors) and GGUF files, both to HF tensor names.
+"""Weights: the loaders of HF directories (*.safetensors) and GGUF files, both to HF tensor names,
+and `build_model`, which puts them (or engine/dummy.py's seeded values) into a model.
 
 GGUF tensors are dequantized to float32. llama.cpp's converter permutes the rows of attn_q and
 attn_k (it pairs rotary dimensions as (2i, 2i+1), HF pairs (i, i + d/2)); that permutation is undone
@@ -15,6 +16,10 @@ import torch
 
 from common.gguf_file import open_gguf
 from common.model_config import ModelConfig, ModelSourceError
+from engine.dummy import init_dummy_weights
+from engine.layers import can_pack_cpu_linears
+from engine.model import LlamaForCausalLM
+from engine.ops import LayerOps
 
 _GGUF_LAYER_NAMES = {
     "attn_q": "self_attn.q_proj",
@@ -94,3 +99,30 @@ def _load_gguf(path: Path, config: ModelConfig) -> dict[str, torch.Tensor]:
             data = unpermute_qk(data, config.num_kv_heads)
         weights[name] = torch.from_numpy(np.ascontiguousarray(data))
     return weights
+
+
+def build_model(
+    config: ModelConfig,
+    weights: dict[str, torch.Tensor] | None,
+    max_positions: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    *,
+    dummy_seed: int = 0,
+    ops: LayerOps | None = None,
+) -> LlamaForCausalLM:
+    """Allocate on the meta device, materialize on `device` directly in `dtype` (never a float32
+    copy first), then load `weights`, or, when it is None, fill in engine.dummy's seeded values.
+    `ops`: the layer ops backend (default: kernels/reference.py)."""
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config, max_positions, ops)
+    model = model.to(dtype).to_empty(device=device)
+    model.rotary_emb.reset()
+    if weights is None:
+        init_dummy_weights(model, dummy_seed)
+    else:
+        model.load_weights(weights)
+    model = model.eval().requires_grad_(False)
+    if device.type == "cpu" and dtype == torch.float32 and can_pack_cpu_linears():
+        model.pack_cpu_linears()
+    return model

@@ -24,7 +24,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.engine import Engine
-from engine.model import AttentionContext
+from engine.ops import AttentionContext
 from llmserve.bench.engine_driver import blocks_needed, generate, hf_dummy_model
 
 pytestmark = pytest.mark.gpu

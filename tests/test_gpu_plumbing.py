@@ -27,9 +27,10 @@ from engine.memory import (
     profile_plan,
 )
 from engine.mirror import Mirror
-from engine.model import AttentionContext, LlamaForCausalLM, build_model
-from engine.ops import KernelOps, ReferenceOps, kernel_limits, select_ops
+from engine.model import LlamaForCausalLM
+from engine.ops import AttentionContext, KernelOps, ReferenceOps, kernel_limits, select_ops
 from engine.timeline import NullTimeline, make_timeline, steady_decode_busy
+from engine.weights import build_model
 
 GIB = 1 << 30
 CPU = torch.device("cpu")
@@ -244,7 +245,7 @@ def test_model_through_the_kernels_matches_the_torch_ops(
         for input_ids, positions, rows in steps:
             out = {}
             for name, ops in (("torch", ReferenceOps()), ("cuda", KernelOps())):
-                model.ops = ops
+                model.set_ops(ops)
                 ctx = context(pools[name], rows, tables)
                 out[name] = model(torch.tensor(input_ids), torch.tensor(positions), ctx)
             assert rel_err(out["cuda"], out["torch"]) < 2e-2, rows
@@ -252,7 +253,7 @@ def test_model_through_the_kernels_matches_the_torch_ops(
         assert written.tolist() == [False, False, True, False, False, True, False, True]
         assert rel_err(pools["cuda"], pools["torch"]) < 2e-2
     finally:
-        model.ops = ReferenceOps()
+        model.set_ops(ReferenceOps())
 
 
 @torch.inference_mode()
@@ -264,7 +265,7 @@ def test_decode_graph_buffers_pad_without_touching_the_pool(
     config = model.config
     pool = allocate_kv_cache(config, 8, BLOCK_SIZE, torch.bfloat16, CPU)
     pool.normal_()
-    model.ops = KernelOps()
+    model.set_ops(KernelOps())
     try:
         graphs = DecodeGraphs(model, layer_views(pool), [1, 4], 16, 256, CPU)
         tables = [[1, 3], [6, 0], [2, 4]]
@@ -283,4 +284,4 @@ def test_decode_graph_buffers_pad_without_touching_the_pool(
         assert rel_err(hidden, eager) < 1e-2
         assert not graphs.can_run(context(pool, [(17, 19), (3, 4)], tables[:2]))  # a prefill row
     finally:
-        model.ops = ReferenceOps()
+        model.set_ops(ReferenceOps())

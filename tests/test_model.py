@@ -24,7 +24,8 @@ from common.model_config import load_model_config
 from engine.config import EngineConfig
 from engine.contract import NewRequestData, RunningData, StepOutput, StepPlanData
 from engine.engine import Engine
-from engine.model import AttentionContext, rope_cos_sin_cache, rope_inv_freq
+from engine.layers import rope_cos_sin_cache, rope_inv_freq
+from engine.ops import AttentionContext
 from tests.factories import EOS_TOKEN_ID, LLAMA3, TINY_VOCAB, sampling
 
 TOLERANCE = 1e-4
@@ -220,15 +221,15 @@ def test_chunked_prefill_all_positions(load: Callable[[str], Loaded], name: str)
 def test_rope_scaling_matters_for_these_prompts(load: Callable[[str], Loaded], name: str) -> None:
     """Guards the scaled comparisons: the same weights with unscaled RoPE give other logits."""
     m = load(name)
-    model = m.engine.model
+    rotary = m.engine.model.rotary_emb
     unscaled = dataclasses.replace(m.engine.model_config, rope_scaling=None)
-    saved = model.cos_sin_cache
-    model.cos_sin_cache = rope_cos_sin_cache(rope_inv_freq(unscaled), model.max_positions)
+    saved = rotary.cos_sin_cache
+    rotary.cos_sin_cache = rope_cos_sin_cache(rope_inv_freq(unscaled), rotary.max_positions)
     try:
         tokens = prompt(45, seed=1)
         (ours,) = forward_direct(m.engine, [(tokens, 0, len(tokens), shuffled_blocks(13)[:6])])
     finally:
-        model.cos_sin_cache = saved
+        rotary.cos_sin_cache = saved
     assert rel_err(ours, m.hf_logits(tokens)) > 1e-2
 
 

@@ -18,8 +18,9 @@ import torch
 from common.gguf_file import GGUFFile
 from common.model_config import ModelConfig, load_model_config, read_gguf_fields
 from engine.kv_cache import allocate_kv_cache, layer_views
-from engine.model import AttentionContext, LlamaForCausalLM, build_model
-from engine.weights import gguf_name_to_hf, load_weights, unpermute_qk
+from engine.model import LlamaForCausalLM
+from engine.ops import AttentionContext
+from engine.weights import build_model, gguf_name_to_hf, load_weights, unpermute_qk
 from tests.factories import EOS_TOKEN_ID, LLAMA3, TINY_VOCAB
 
 TOLERANCE = 1e-4
