@@ -1,0 +1,129 @@
+"""The layer rules, checked on the code itself:
+
+    llmserve/   CLI, client, launcher, bench: may import everything below
+    gateway/  scheduler/  engine/      the services: never each other; engine/ may use kernels/
+    common/   protos/                  the base: imports no service and nothing above it
+
+scheduler/ and gateway/ never load torch, and neither do engine/'s torch-free modules (the step
+contract, the mirror, the fake engine, the service); no two modules import each other in a loop.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("common", "protos", "kernels", "engine", "scheduler", "gateway", "llmserve")
+# What each package may import (besides itself and third-party code).
+ALLOWED = {
+    "common": {"protos"},
+    "protos": set(),
+    "kernels": set(),
+    "engine": {"common", "protos", "kernels"},
+    "scheduler": {"common", "protos"},
+    "gateway": {"common", "protos"},
+    "llmserve": set(PACKAGES),
+}
+
+
+def modules() -> dict[str, Path]:
+    found = {}
+    for package in PACKAGES:
+        for path in (ROOT / package).rglob("*.py"):
+            if "_pb2" in path.name:
+                continue
+            name = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+            found[name.removesuffix(".__init__")] = path
+    return found
+
+
+def imports(path: Path, known: dict[str, Path]) -> set[str]:
+    """The project modules path imports, at any depth (function-level imports too)."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        else:
+            continue
+        out.update(n for n in names if n in known or n.split(".")[0] in PACKAGES)
+    return out
+
+
+def graph() -> dict[str, set[str]]:
+    known = modules()
+    return {m: {d for d in imports(p, known) if d in known and d != m} for m, p in known.items()}
+
+
+def test_each_package_imports_only_the_layers_below() -> None:
+    known = modules()
+    bad = []
+    for module, path in known.items():
+        package = module.split(".")[0]
+        for dep in imports(path, known):
+            target = dep.split(".")[0]
+            if target != package and target not in ALLOWED[package]:
+                bad.append(f"{module} imports {dep}")
+    assert not bad, "\n".join(sorted(bad))
+
+
+def test_no_import_cycles() -> None:
+    """No strongly connected component of more than one module (Tarjan's algorithm)."""
+    edges = graph()
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in edges[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in edges:
+        if v not in index:
+            visit(v)
+    assert not cycles, f"modules importing each other in a loop: {cycles}"
+
+
+@pytest.mark.parametrize(
+    "module",
+    [
+        "scheduler.service",
+        "scheduler.static_batching",
+        "gateway.service",
+        "gateway.http",
+        "engine.service",
+        "engine.fake",
+        "engine.convert",
+        "llmserve.cli",
+        "llmserve.launcher",
+        "llmserve.client",
+    ],
+)
+def test_torch_free_modules_never_load_torch(module: str) -> None:
+    code = f"import sys, {module}; print('torch' in sys.modules)"
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip() == "False", f"importing {module} loads torch"
