@@ -2,7 +2,8 @@
 
 Each service is its own `python -m llmserve.cli ...` process on free loopback ports, exactly as
 `llmserve serve` starts them. `Stack.close()` stops them; `assert_idle()` checks that every request
-ended and every KV block is free again.
+ended and every KV block is free again. `StreamWatch` streams a request on a thread so a test can
+act (kill the engine) once it knows the request is mid-stream.
 """
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,8 +23,8 @@ from typing import Any
 import grpc
 
 from common.net import CHANNEL_OPTIONS, wait_until_serving
-from llmserve.client import Client
-from protos import scheduler_pb2, scheduler_pb2_grpc
+from llmserve.client import Client, Completion
+from protos import api_pb2, scheduler_pb2, scheduler_pb2_grpc
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -77,6 +80,17 @@ class Stack:
                 )
             time.sleep(0.05)
 
+    def wait_for_stats(
+        self, predicate: Callable[[scheduler_pb2.SchedulerStats], bool], timeout: float = 10.0
+    ) -> scheduler_pb2.SchedulerStats:
+        """The scheduler's stats once predicate holds for them; fail after timeout."""
+        deadline = time.monotonic() + timeout
+        while not predicate(s := self.stats()):
+            if time.monotonic() > deadline:
+                raise AssertionError(f"scheduler stats never matched in {timeout}s:\n{s}")
+            time.sleep(0.02)
+        return s
+
     def logs(self) -> str:
         if self.log_dir is None:
             return ""
@@ -104,6 +118,62 @@ class Stack:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+class StreamWatch:
+    """One request streamed on a thread of its own. The consumer sets `reached` once at_least
+    tokens have arrived (or the stream ended, so nobody waits in vain); num_tokens is how many
+    have arrived so far; result() joins and returns the completion, or raises the stream's error.
+    """
+
+    def __init__(self, client: Client, request: api_pb2.GenerateRequest, at_least: int):
+        self.at_least = at_least
+        self.reached = threading.Event()
+        self.ended = False
+        self._completion = Completion()
+        self.error: BaseException | None = None
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._consume, args=(client, request), daemon=True)
+        self._thread.start()
+
+    @property
+    def num_tokens(self) -> int:
+        with self._lock:
+            return len(self._completion.token_ids)
+
+    def _consume(self, client: Client, request: api_pb2.GenerateRequest) -> None:
+        try:
+            for msg in client.stream(request, timeout=120):
+                with self._lock:
+                    self._completion.add(msg)
+                    if len(self._completion.token_ids) >= self.at_least:
+                        self.reached.set()
+        except BaseException as err:  # handed to result()
+            self.error = err
+        finally:
+            self.ended = True
+            self.reached.set()
+
+    def result(self, timeout: float = 60.0) -> Completion:
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise AssertionError(f"stream still open after {timeout}s ({self.num_tokens} tokens)")
+        if self.error is not None:
+            raise self.error
+        return self._completion
+
+
+def wait_mid_stream(watches: Sequence[StreamWatch], timeout: float = 30.0) -> None:
+    """Return once every watched stream holds at least its at_least tokens and is still open:
+    what a test kills after is then known to land mid-generation. Fail otherwise."""
+    deadline = time.monotonic() + timeout
+    for i, w in enumerate(watches):
+        w.reached.wait(max(0.0, deadline - time.monotonic()))
+        if w.num_tokens < w.at_least or w.ended:
+            raise AssertionError(
+                f"stream {i}: {w.num_tokens} tokens (waiting for {w.at_least}), "
+                f"{'ended' if w.ended else 'still open'} after {timeout}s; error: {w.error!r}"
+            )
 
 
 def _spawn(

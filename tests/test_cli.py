@@ -8,13 +8,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from common.net import check_health
-from tests.stack import ROOT, free_port, serve_command
+from llmserve.client import Client, make_request
+from tests.stack import ROOT, Stack, StreamWatch, free_port, serve_command, wait_mid_stream
 
 
 def _pid_of(fragment: str) -> int:
@@ -86,32 +85,27 @@ def test_serve_generate_chat_and_stop(tiny_model: Callable[..., Path]) -> None:
 
         assert llmserve("health", "--address", address).stdout.strip() == "SERVING"
 
-        # Kill the engine mid-request: serve restarts it and the request still completes.
-        with ThreadPoolExecutor(1) as pool:
-            pending = pool.submit(
-                llmserve,
-                "generate",
-                "survive",
-                "--address",
-                address,
-                "--max-tokens",
-                "300",
-                "--temperature",
-                "0",
-                "--ignore-eos",
-                "--json",
-                timeout=120,
-            )
-            time.sleep(1.0)
-            os.kill(_pid_of(f"--port {ports[2]}"), signal.SIGKILL)
-            out = pending.result()
-        assert out.returncode == 0, out.stderr
-        assert len(json.loads(out.stdout)["token_ids"]) == 300
+        # Kill the engine mid-request: serve restarts it, and the request still completes with
+        # the tokens an uninterrupted run gives.
+        request = make_request(text="survive", max_tokens=120, temperature=0.0, ignore_eos=True)
+        # serve's services as a Stack, to read the scheduler's stats
+        services = Stack(address, f"127.0.0.1:{ports[1]}", f"127.0.0.1:{ports[2]}")
+        with Client(address) as client:
+            expected = client.generate(request)
+            engine_pid = _pid_of(f"--port {ports[2]}")
+            watch = StreamWatch(client, request, at_least=20)
+            wait_mid_stream([watch])
+            os.kill(engine_pid, signal.SIGKILL)
+            at_kill = watch.num_tokens
+            result = watch.result(timeout=120)
+        assert 20 <= at_kill < 120, at_kill
+        assert result.token_ids == expected.token_ids and result.finish_reason == "length"
+        assert _pid_of(f"--port {ports[2]}") != engine_pid  # a new engine served the rest
+        assert services.assert_idle().num_engine_resets == 1
     finally:
         serve.send_signal(signal.SIGTERM)
         assert serve.wait(timeout=30) == 0
-    # Every child is gone: nothing answers on any of the three ports.
-    time.sleep(0.5)
+    # Every child is gone (serve waits for them): nothing answers on any of the three ports.
     for port in ports:
         assert check_health(f"127.0.0.1:{port}", timeout=1) == "UNAVAILABLE"
 
