@@ -7,18 +7,30 @@ is free again.
 from __future__ import annotations
 
 import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from common.flags import from_flags
 from llmserve.cli import SERVICE_CONFIGS, build_parser
-from llmserve.client import Client
+from llmserve.client import Client, Completion
 from llmserve.launcher import ROOT, free_port, local_stack
 from llmserve.launcher import Stack as LaunchedStack
-from protos import scheduler_pb2
+from protos import api_pb2, scheduler_pb2
 
-__all__ = ["ROOT", "Stack", "free_port", "serve_command", "start_echo_stack", "start_stack"]
+__all__ = [
+    "ROOT",
+    "Stack",
+    "StreamWatch",
+    "free_port",
+    "serve_command",
+    "start_echo_stack",
+    "start_stack",
+    "wait_mid_stream",
+]
 
 
 def serve_command(ports: list[int], *extra: str) -> list[str]:
@@ -57,8 +69,6 @@ class Stack(LaunchedStack):
 
     def assert_idle(self, timeout: float = 10.0) -> scheduler_pb2.SchedulerStats:
         """Wait until no request runs or waits and every block is free; fail otherwise."""
-        import time
-
         deadline = time.monotonic() + timeout
         while True:
             s = self.stats()
@@ -71,6 +81,17 @@ class Stack(LaunchedStack):
                 )
             time.sleep(0.05)
 
+    def wait_for_stats(
+        self, predicate: Callable[[scheduler_pb2.SchedulerStats], bool], timeout: float = 10.0
+    ) -> scheduler_pb2.SchedulerStats:
+        """The scheduler's stats once predicate holds for them; fail after timeout."""
+        deadline = time.monotonic() + timeout
+        while not predicate(s := self.stats()):
+            if time.monotonic() > deadline:
+                raise AssertionError(f"scheduler stats never matched in {timeout}s:\n{s}")
+            time.sleep(0.02)
+        return s
+
     def start_engine(self) -> None:
         self.start(("engine",))
 
@@ -79,6 +100,62 @@ class Stack(LaunchedStack):
 
     def close(self) -> None:
         self.stop()
+
+
+class StreamWatch:
+    """One request streamed on a thread of its own. The consumer sets `reached` once at_least
+    tokens have arrived (or the stream ended, so nobody waits in vain); num_tokens is how many
+    have arrived so far; result() joins and returns the completion, or raises the stream's error.
+    """
+
+    def __init__(self, client: Client, request: api_pb2.GenerateRequest, at_least: int):
+        self.at_least = at_least
+        self.reached = threading.Event()
+        self.ended = False
+        self._completion = Completion()
+        self.error: BaseException | None = None
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._consume, args=(client, request), daemon=True)
+        self._thread.start()
+
+    @property
+    def num_tokens(self) -> int:
+        with self._lock:
+            return len(self._completion.token_ids)
+
+    def _consume(self, client: Client, request: api_pb2.GenerateRequest) -> None:
+        try:
+            for msg in client.stream(request, timeout=120):
+                with self._lock:
+                    self._completion.add(msg)
+                    if len(self._completion.token_ids) >= self.at_least:
+                        self.reached.set()
+        except BaseException as err:  # handed to result()
+            self.error = err
+        finally:
+            self.ended = True
+            self.reached.set()
+
+    def result(self, timeout: float = 60.0) -> Completion:
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise AssertionError(f"stream still open after {timeout}s ({self.num_tokens} tokens)")
+        if self.error is not None:
+            raise self.error
+        return self._completion
+
+
+def wait_mid_stream(watches: Sequence[StreamWatch], timeout: float = 30.0) -> None:
+    """Return once every watched stream holds at least its at_least tokens and is still open:
+    what a test kills after is then known to land mid-generation. Fail otherwise."""
+    deadline = time.monotonic() + timeout
+    for i, w in enumerate(watches):
+        w.reached.wait(max(0.0, deadline - time.monotonic()))
+        if w.num_tokens < w.at_least or w.ended:
+            raise AssertionError(
+                f"stream {i}: {w.num_tokens} tokens (waiting for {w.at_least}), "
+                f"{'ended' if w.ended else 'still open'} after {timeout}s; error: {w.error!r}"
+            )
 
 
 def start_stack(

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from gateway.tokenizer import ChatMessage, Tokenizer
@@ -122,7 +123,6 @@ def test_empty_and_all_failed_runs_have_no_numbers_to_invent() -> None:
 
 
 def test_percentile_is_numpys_linear_interpolation() -> None:
-    np = pytest.importorskip("numpy")
     rng = random.Random(3)
     for n in (1, 2, 7, 100):
         values = [rng.expovariate(1.0) for _ in range(n)]

@@ -8,13 +8,15 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import grpc
+
 from common.net import check_health
-from tests.stack import ROOT, free_port, serve_command
+from llmserve.client import Client, make_request
+from protos import scheduler_pb2, scheduler_pb2_grpc
+from tests.stack import ROOT, StreamWatch, free_port, serve_command, wait_mid_stream
 
 
 def _child_pid(parent: int, service: str) -> int:
@@ -30,6 +32,12 @@ def _child_pid(parent: int, service: str) -> int:
         if ppid == parent and b"llmserve.cli" in cmdline and service.encode() in cmdline:
             return int(entry.name)
     raise LookupError(f"no {service} child of {parent}")
+
+
+def _scheduler_stats(address: str) -> scheduler_pb2.SchedulerStats:
+    with grpc.insecure_channel(address) as channel:
+        stub = scheduler_pb2_grpc.SchedulerStub(channel)
+        return stub.GetStats(scheduler_pb2.GetStatsRequest(), timeout=10)
 
 
 def llmserve(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
@@ -87,32 +95,27 @@ def test_serve_generate_chat_and_stop(tiny_model: Callable[..., Path]) -> None:
 
         assert llmserve("health", "--address", address).stdout.strip() == "SERVING"
 
-        # Kill the engine mid-request: serve restarts it and the request still completes.
-        with ThreadPoolExecutor(1) as pool:
-            pending = pool.submit(
-                llmserve,
-                "generate",
-                "survive",
-                "--address",
-                address,
-                "--max-tokens",
-                "300",
-                "--temperature",
-                "0",
-                "--ignore-eos",
-                "--json",
-                timeout=120,
-            )
-            time.sleep(1.0)
-            os.kill(_child_pid(serve.pid, "engine"), signal.SIGKILL)
-            out = pending.result()
-        assert out.returncode == 0, out.stderr
-        assert len(json.loads(out.stdout)["token_ids"]) == 300
+        # Kill the engine mid-request: serve restarts it, and the request still completes with
+        # the tokens an uninterrupted run gives.
+        request = make_request(text="survive", max_tokens=120, temperature=0.0, ignore_eos=True)
+        with Client(address) as client:
+            expected = client.generate(request)
+            engine_pid = _child_pid(serve.pid, "engine")
+            watch = StreamWatch(client, request, at_least=20)
+            wait_mid_stream([watch])
+            os.kill(engine_pid, signal.SIGKILL)
+            at_kill = watch.num_tokens
+            result = watch.result(timeout=120)
+        assert 20 <= at_kill < 120, at_kill
+        assert result.token_ids == expected.token_ids and result.finish_reason == "length"
+        assert _child_pid(serve.pid, "engine") != engine_pid  # a new engine served the rest
+        stats = _scheduler_stats(f"127.0.0.1:{ports[1]}")
+        assert (stats.num_running, stats.num_waiting, stats.num_engine_resets) == (0, 0, 1)
+        assert stats.num_free_blocks == stats.num_blocks
     finally:
         serve.send_signal(signal.SIGTERM)
         assert serve.wait(timeout=30) == 0
-    # Every child is gone: nothing answers on any of the three ports.
-    time.sleep(0.5)
+    # Every child is gone (serve waits for them): nothing answers on any of the three ports.
     for port in ports:
         assert check_health(f"127.0.0.1:{port}", timeout=1) == "UNAVAILABLE"
 

@@ -1,40 +1,43 @@
-"""compose.yaml, proved without Docker: it validates against the Compose specification's schema,
-its wiring is consistent (health-ordered start-up, metrics targets, telemetry pipeline), and the
-services run exactly as its commands and environment say (CPU profile, addresses rewritten to
-loopback, the OTLP endpoint pointed at a receiver in the test) and answer a streamed request."""
+"""compose.yaml and the Dockerfile, proved without Docker. compose.yaml validates against the
+Compose specification's schema; under each profile every address a service is given reaches
+exactly one service listening there, and every llmserve command and health check is one the CLI
+accepts; the files the Dockerfile copies hold every package and import on their own; and the
+services run exactly as compose's commands and environment say (CPU profile, addresses
+rewritten to loopback, the OTLP endpoint pointed at a receiver in the test), answering a streamed
+request, their health checks and /metrics, and exporting spans."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tomllib
 import urllib.request
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
+import jsonschema
 import pytest
+import yaml
 
-yaml = pytest.importorskip("yaml")
-jsonschema = pytest.importorskip("jsonschema")
-
-from common.net import wait_until_serving  # noqa: E402
-from llmserve.bench.otlp import OtlpReceiver  # noqa: E402
-from llmserve.client import Client, make_request  # noqa: E402
-from tests.stack import free_port  # noqa: E402
+from common.net import wait_until_serving
+from llmserve.bench.otlp import OtlpReceiver
+from llmserve.cli import build_parser
+from llmserve.client import Client, make_request
+from tests.stack import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 SCHEMA = ROOT / "tests" / "data" / "compose-spec.schema.json"
-LLMSERVE = ("gateway", "scheduler", "engine", "engine-cpu")
+ADDRESS_FLAGS = {"--engine-address": "engine", "--scheduler-address": "scheduler"}
 
 
 @pytest.fixture(scope="module")
 def compose() -> dict[str, Any]:
     return yaml.safe_load((ROOT / "compose.yaml").read_text())
-
-
-def _flag(command: list[str], name: str) -> str:
-    return command[command.index(name) + 1]
 
 
 def test_compose_matches_the_specification(compose: dict[str, Any]) -> None:
@@ -49,52 +52,126 @@ def test_schema_rejects_a_typo(compose: dict[str, Any]) -> None:
         jsonschema.validate(broken, json.loads(SCHEMA.read_text()))
 
 
-def test_compose_wiring(compose: dict[str, Any]) -> None:
-    services = compose["services"]
-    assert set(LLMSERVE) | {"otel-collector", "jaeger", "prometheus"} <= set(services)
-    for name, svc in services.items():
-        for dep in svc.get("depends_on", {}):
-            assert dep in services, f"{name} depends on unknown {dep}"
-            assert not services[dep].get("profiles"), f"{name} depends on profiled {dep}"
-    # One engine per profile, both reachable as "engine"; the GPU one reserves a GPU.
-    assert services["engine"]["profiles"] == ["gpu"]
-    assert services["engine-cpu"]["profiles"] == ["cpu"]
-    for name in ("engine", "engine-cpu"):
-        assert services[name]["networks"]["default"]["aliases"] == ["engine"]
-    gpu = services["engine"]["deploy"]["resources"]["reservations"]["devices"][0]
-    assert gpu["driver"] == "nvidia" and "gpu" in gpu["capabilities"]
-    assert _flag(services["engine"]["command"], "--device") == "cuda"
-    assert _flag(services["engine-cpu"]["command"], "--device") == "cpu"
-    # Start-up follows health: every llmserve service is checked with `llmserve health` on its
-    # own port, and the gateway waits for a healthy scheduler (healthy = engine connected).
-    for name in LLMSERVE:
-        svc = services[name]
+# -- wiring: what each service is told to reach is there -------------------------------------------
+
+
+def _is_llmserve(svc: dict[str, Any]) -> bool:
+    """Built from this repository's Dockerfile, whose entry point is `llmserve`."""
+    return "build" in svc
+
+
+def _args(who: str, argv: list[str], env: dict[str, Any]) -> argparse.Namespace:
+    """argv as the llmserve CLI parses it under env (the container's environment)."""
+    with mock.patch.dict(os.environ, {k: str(v) for k, v in env.items()}, clear=True):
+        try:
+            return build_parser().parse_args(argv)
+        except SystemExit:
+            pytest.fail(f"{who}: llmserve refuses {argv}")
+
+
+def _command(name: str, svc: dict[str, Any]) -> argparse.Namespace:
+    return _args(name, svc["command"], svc.get("environment", {}))
+
+
+def _active(compose: dict[str, Any], profile: str) -> dict[str, dict[str, Any]]:
+    """The services `docker compose --profile <profile> up` starts."""
+    return {n: s for n, s in compose["services"].items() if profile in s.get("profiles", [profile])}
+
+
+def _mounted(svc: dict[str, Any], target: str) -> Path:
+    """The file of this repository mounted at target in svc's container."""
+    for volume in svc.get("volumes", []):
+        source, _, rest = volume.partition(":")
+        if rest.split(":")[0] == target:
+            path = ROOT / source
+            assert path.is_file(), f"{source} (mounted at {target}) does not exist"
+            return path
+    raise AssertionError(f"nothing is mounted at {target}")
+
+
+def _collector_config(svc: dict[str, Any]) -> dict[str, Any]:
+    (flag,) = [a for a in svc["command"] if a.startswith("--config=")]
+    return yaml.safe_load(_mounted(svc, flag.removeprefix("--config=")).read_text())
+
+
+def _endpoints(config: Any) -> list[str]:
+    """Every `endpoint` value in an OpenTelemetry collector config."""
+    if isinstance(config, dict):
+        return [
+            e
+            for k, v in config.items()
+            for e in ([v] if k == "endpoint" and isinstance(v, str) else _endpoints(v))
+        ]
+    return [e for v in config for e in _endpoints(v)] if isinstance(config, list) else []
+
+
+def _listening(name: str, svc: dict[str, Any]) -> set[int]:
+    """The ports svc really listens on: an llmserve service's as its command says (defaults
+    included), the collector's as its mounted config says, any other's as compose exposes."""
+    if _is_llmserve(svc):
+        args = _command(name, svc)
+        return {args.port, args.metrics_port, getattr(args, "http_port", 0)} - {0}
+    if name == "otel-collector":
+        bound = [e for e in _endpoints(_collector_config(svc)) if e.startswith("0.0.0.0:")]
+        return {int(e.rpartition(":")[2]) for e in bound}
+    published = [str(p).rpartition(":")[2] for p in svc.get("ports", [])]
+    return {int(p) for p in [*svc.get("expose", []), *published]}
+
+
+def _reach(active: dict[str, dict[str, Any]], who: str, address: str) -> str:
+    """The one active service that answers to address's host (its name or a network alias) and
+    listens on its port."""
+    host, _, port = address.removeprefix("http://").rpartition(":")
+    found = [
+        name
+        for name, svc in active.items()
+        if host in {name, *svc.get("networks", {}).get("default", {}).get("aliases", [])}
+        and int(port) in _listening(name, svc)
+    ]
+    assert len(found) == 1, f"{who} -> {address} reaches {found or 'no service'}"
+    return found[0]
+
+
+@pytest.mark.parametrize("profile", ["cpu", "gpu"])
+def test_every_address_reaches_one_listening_service(compose: dict[str, Any], profile: str) -> None:
+    """Under `--profile <profile>`: the scheduler reaches one engine and the gateway the
+    scheduler; OTLP goes to the collector's receiver and on to Jaeger; each health check asks its
+    own service's gRPC port; Prometheus scrapes every llmserve service's metrics port; every
+    dependency is started, and a health-gated one has a health check."""
+    active = _active(compose, profile)
+    llmserve = {n: _command(n, s) for n, s in active.items() if _is_llmserve(s)}
+    assert {a.command for a in llmserve.values()} == {"engine", "scheduler", "gateway"}
+    for name, svc in active.items():
+        for dep, spec in svc.get("depends_on", {}).items():
+            assert dep in active, f"{name} depends on {dep}, which {profile} does not start"
+            if spec["condition"] == "service_healthy":
+                assert "healthcheck" in active[dep], f"{name} waits for {dep}'s health"
+    for name, args in llmserve.items():
+        svc = active[name]
+        for flag, role in ADDRESS_FLAGS.items():
+            dest = flag.removeprefix("--").replace("-", "_")
+            if hasattr(args, dest):
+                target = _reach(active, f"{name} {flag}", getattr(args, dest))
+                assert llmserve[target].command == role, f"{name} {flag} reaches {target}"
+        otlp = svc["environment"]["OTEL_EXPORTER_OTLP_ENDPOINT"]
+        assert _reach(active, name, otlp) == "otel-collector"
         test = svc["healthcheck"]["test"]
-        assert test[:3] == ["CMD", "llmserve", "health"]
-        assert test[-1] == f"localhost:{_flag(svc['command'], '--port')}"
-    assert services["gateway"]["depends_on"]["scheduler"]["condition"] == "service_healthy"
-    assert _flag(services["scheduler"]["command"], "--engine-address") == "engine:50053"
-    assert _flag(services["gateway"]["command"], "--scheduler-address") == "scheduler:50052"
-    # Every llmserve service exports OTLP to the collector and has its own service name.
-    for name in LLMSERVE:
-        env = services[name]["environment"]
-        assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://otel-collector:4317"
-        assert env["OTEL_SERVICE_NAME"] == f"llmserve-{name.removesuffix('-cpu')}"
-
-
-def test_prometheus_scrapes_every_metrics_port(compose: dict[str, Any]) -> None:
-    services = compose["services"]
-    config = yaml.safe_load((ROOT / "deploy" / "prometheus.yml").read_text())
-    targets = {
-        t for job in config["scrape_configs"] for sc in job["static_configs"] for t in sc["targets"]
-    }
-    for name in ("gateway", "scheduler", "engine"):
-        port = _flag(services[name]["command"], "--metrics-port")
-        assert f"{name}:{port}" in targets
-        assert port in services[name]["expose"]
-    assert "otel-collector:8889" in targets
-    mounts = services["prometheus"]["volumes"]
-    assert "./deploy/prometheus.yml:/etc/prometheus/prometheus.yml:ro" in mounts
+        assert test[:2] == ["CMD", "llmserve"], f"{name}'s health check runs {test[:2]}"
+        health = _args(f"{name} health check", test[2:], svc.get("environment", {}))
+        own = f"localhost:{args.port}"
+        assert (health.command, health.address) == ("health", own), f"{name}'s health check"
+    outbound = [e for e in _endpoints(_collector_config(active["otel-collector"]))
+                if not e.startswith("0.0.0.0:")]  # fmt: skip
+    for endpoint in outbound:
+        _reach(active, "otel-collector", endpoint)
+    config = yaml.safe_load(
+        _mounted(active["prometheus"], "/etc/prometheus/prometheus.yml").read_text()
+    )
+    targets = [t for job in config["scrape_configs"] for sc in job["static_configs"]
+               for t in sc["targets"]]  # fmt: skip
+    scraped = {_reach(active, "prometheus", t): int(t.rpartition(":")[2]) for t in targets}
+    assert {n: a.metrics_port for n, a in llmserve.items()}.items() <= scraped.items()
+    assert "otel-collector" in scraped
 
 
 def test_collector_pipelines_are_complete() -> None:
@@ -104,14 +181,61 @@ def test_collector_pipelines_are_complete() -> None:
         for section in ("receivers", "processors", "exporters"):
             for name in pipeline[section]:
                 assert name in config[section], f"{kind} pipeline names undefined {name}"
-    assert config["exporters"]["otlp/jaeger"]["endpoint"] == "jaeger:4317"
 
 
-def test_dockerfile_copies_every_package() -> None:
-    text = (ROOT / "Dockerfile").read_text()
-    for package in ("llmserve", "protos", "gateway", "scheduler", "engine", "kernels"):
-        assert f"COPY {package}/ {package}/" in text
-    assert 'ENTRYPOINT ["llmserve"]' in text
+# -- the image -------------------------------------------------------------------------------------
+
+# Imports every module of the packages named, from the image's files (cwd) or what is installed
+# (sys.path); a module found anywhere else (this checkout, through the editable install) means
+# the image lacks it.
+IMPORT_ALL = """
+import importlib, os, pkgutil, sys
+packages = sys.argv[1:]
+for name in packages:
+    for info in pkgutil.walk_packages(importlib.import_module(name).__path__, name + "."):
+        importlib.import_module(info.name)
+allowed = tuple(os.path.join(os.path.abspath(p or "."), "") for p in sys.path
+                if os.path.isdir(p or "."))
+stray = sorted(n for n, m in list(sys.modules.items())
+               if os.path.isabs(getattr(m, "__file__", None) or "")
+               and not m.__file__.startswith(allowed))
+sys.exit(f"imported from outside the image: {stray}" if stray else 0)
+"""
+
+
+def _copy_as_the_dockerfile_does(dest: Path) -> None:
+    """Carry out the Dockerfile's COPY instructions from the build context (ROOT) into dest,
+    which stands for its WORKDIR."""
+    for line in (ROOT / "Dockerfile").read_text().splitlines():
+        if not line.startswith("COPY "):
+            continue
+        *sources, target = line.split()[1:]
+        assert not any(s.startswith("--") for s in sources), f"not simulated: {line}"
+        for source in sources:
+            src = ROOT / source
+            if src.is_dir():
+                ignore = shutil.ignore_patterns("__pycache__")
+                shutil.copytree(src, dest / target, ignore=ignore, dirs_exist_ok=True)
+            else:
+                (dest / target).mkdir(parents=True, exist_ok=True)
+                shutil.copy(src, dest / target / src.name)
+
+
+def test_the_image_holds_every_package(tmp_path: Path) -> None:
+    """`pip install .` in the image installs the packages pyproject.toml lists from what the
+    Dockerfile copied: each must be there, and every module in them imports from those files
+    alone."""
+    _copy_as_the_dockerfile_does(tmp_path)
+    project = tomllib.loads((tmp_path / "pyproject.toml").read_text())
+    include = project["tool"]["setuptools"]["packages"]["find"]["include"]
+    packages = sorted({p.removesuffix("*") for p in include})
+    missing = [p for p in packages if not (tmp_path / p / "__init__.py").is_file()]
+    assert not missing, f"the Dockerfile copies no {missing}"
+    result = subprocess.run(
+        [sys.executable, "-c", IMPORT_ALL, *packages],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
 
 
 # -- the services, run as compose.yaml says --------------------------------------------------------
@@ -119,8 +243,14 @@ def test_dockerfile_copies_every_package() -> None:
 
 def _rewrite(command: list[str], ports: dict[str, int], hosts: dict[str, str]) -> list[str]:
     """compose's command with host names and ports made loopback and free. ports: grpc, metrics,
-    http; hosts: "scheduler:50052" -> "127.0.0.1:<port>"."""
-    out = [hosts.get(arg, "127.0.0.1" if arg == "0.0.0.0" else arg) for arg in command]
+    http; hosts: compose's "scheduler:50052" -> "127.0.0.1:<port>", and every address flag's
+    value must be one of them."""
+    out = ["127.0.0.1" if arg == "0.0.0.0" else arg for arg in command]
+    for flag in ADDRESS_FLAGS:
+        if flag in out:
+            i = out.index(flag) + 1
+            assert out[i] in hosts, f"{flag} {out[i]} is no service's gRPC address"
+            out[i] = hosts[out[i]]
     for flag, key in (("--port", "grpc"), ("--metrics-port", "metrics"), ("--http-port", "http")):
         if flag in out:
             out[out.index(flag) + 1] = str(ports[key])
@@ -138,22 +268,25 @@ def test_services_run_as_compose_says(compose: dict[str, Any], tmp_path: Path) -
     """CPU profile: engine-cpu, scheduler, gateway from their compose commands and environment;
     a streamed request is answered, every health check and /metrics answers, spans from all
     three services reach the OTLP endpoint."""
-    services = compose["services"]
+    active = _active(compose, "cpu")
     order = ("engine-cpu", "scheduler", "gateway")
+    assert {n for n, svc in active.items() if _is_llmserve(svc)} == set(order)
     ports = {
         name: {"grpc": free_port(), "metrics": free_port(), "http": free_port()} for name in order
     }
+    grpc_port = {name: _command(name, active[name]).port for name in order}
     hosts = {
-        "engine:50053": f"127.0.0.1:{ports['engine-cpu']['grpc']}",
-        "scheduler:50052": f"127.0.0.1:{ports['scheduler']['grpc']}",
+        f"{host}:{grpc_port[name]}": f"127.0.0.1:{ports[name]['grpc']}"
+        for name in order
+        for host in [name, *active[name].get("networks", {}).get("default", {}).get("aliases", [])]
     }
     receiver = OtlpReceiver().start()
     procs: list[subprocess.Popen[bytes]] = []
     try:
         for name in order:
-            argv = _rewrite(services[name]["command"], ports[name], hosts)
+            argv = _rewrite(active[name]["command"], ports[name], hosts)
             env = dict(
-                os.environ, PYTHONUNBUFFERED="1", **_environment(services[name], receiver.endpoint)
+                os.environ, PYTHONUNBUFFERED="1", **_environment(active[name], receiver.endpoint)
             )
             log = open(tmp_path / f"{name}.log", "wb")  # noqa: SIM115
             procs.append(
@@ -171,9 +304,12 @@ def test_services_run_as_compose_says(compose: dict[str, Any], tmp_path: Path) -
             )
         assert done.completion_tokens == 4 and done.text
         for name in order:
-            test = services[name]["healthcheck"]["test"][2:]  # after CMD llmserve
-            test[-1] = f"127.0.0.1:{ports[name]['grpc']}"
-            result = subprocess.run([sys.executable, "-m", "llmserve.cli", *test], cwd=ROOT)
+            # The health check as compose runs it inside the container, aimed at the test's port.
+            check = active[name]["healthcheck"]["test"][2:]  # after CMD llmserve
+            own = f"localhost:{grpc_port[name]}"
+            assert own in check, f"{name}'s health check does not ask {own}: {check}"
+            check[check.index(own)] = f"127.0.0.1:{ports[name]['grpc']}"
+            result = subprocess.run([sys.executable, "-m", "llmserve.cli", *check], cwd=ROOT)
             assert result.returncode == 0, f"{name} health check failed"
             url = f"http://127.0.0.1:{ports[name]['metrics']}/metrics"
             body = urllib.request.urlopen(url, timeout=5).read().decode()

@@ -7,7 +7,6 @@ byte, so a test controls the streamed text exactly by choosing the prompt.
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -17,7 +16,7 @@ import pytest
 
 from llmserve.client import make_request
 from tests.factories import EOS_TOKEN_ID
-from tests.stack import Stack, start_echo_stack
+from tests.stack import Stack, StreamWatch, start_echo_stack, wait_mid_stream
 
 
 @pytest.fixture(scope="module")
@@ -109,17 +108,19 @@ def test_invalid_requests_refused_while_others_run(stack: Stack) -> None:
         "stop_token_ids": make_request(text="hi", stop_token_ids=[10_000]),
         "remaining context": make_request(text="hi", max_tokens=10_000),
     }
-    with stack.client() as client, ThreadPoolExecutor(1) as pool:
-        running = pool.submit(client.generate, make_request(text="steady", max_tokens=120))
-        time.sleep(0.1)
+    with stack.client() as client:
+        steady = StreamWatch(client, make_request(text="steady", max_tokens=400), at_least=1)
+        wait_mid_stream([steady])
         for field, request in bad.items():
             with pytest.raises(grpc.RpcError) as err:
                 client.generate(request)
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, field
             assert field in err.value.details(), (field, err.value.details())
-        result = running.result(timeout=30)
+        at_last_refusal = steady.num_tokens
+        result = steady.result(timeout=30)
+    assert at_last_refusal < 400, "the steady request ended before the refusals did"
     assert result.finish_reason == "length"
-    assert result.text == echo("steady", 120)
+    assert result.text == echo("steady", 400)
     stack.assert_idle()
 
 
@@ -201,25 +202,28 @@ def test_one_step_in_flight_without_overlap(tokenizer_dir: Path, tmp_path: Path)
 
 
 def test_engine_crash_loses_nothing(tokenizer_dir: Path, tmp_path: Path) -> None:
-    """Kill the engine mid-generation and start a new one: every request still completes with
-    exactly the right tokens, none duplicated, none missing."""
+    """Kill the engine once every request has streamed some tokens, and start a new one: every
+    request still completes with exactly the right tokens, none duplicated, none missing."""
     s = start_echo_stack(tokenizer_dir, tmp_path, "--fake-step-delay-ms", "10")
     try:
         prompts = [f"survivor {i} " for i in range(6)]
-        with s.client() as client, ThreadPoolExecutor(6) as pool:
-            futures = [
-                pool.submit(client.generate, make_request(text=p, max_tokens=80)) for p in prompts
+        with s.client() as client:
+            watches = [
+                StreamWatch(client, make_request(text=p, max_tokens=80), at_least=10)
+                for p in prompts
             ]
-            time.sleep(0.4)
+            wait_mid_stream(watches)
             s.kill_engine()
-            time.sleep(0.5)
+            at_kill = [w.num_tokens for w in watches]
+            s.wait_for_stats(lambda stats: stats.num_engine_resets == 1)  # the loss was seen
             s.start_engine()
-            results = [f.result(timeout=60) for f in futures]
+            results = [w.result(timeout=60) for w in watches]
+        assert all(10 <= n < 80 for n in at_kill), at_kill
         for prompt, result in zip(prompts, results, strict=True):
             assert result.text == echo(prompt, 80)
             assert len(result.token_ids) == 80
         stats = s.assert_idle()
-        assert stats.num_engine_resets >= 1
+        assert stats.num_engine_resets == 1
     finally:
         s.close()
 

@@ -13,8 +13,6 @@ from pathlib import Path
 
 import grpc
 import pytest
-
-pytest.importorskip("opentelemetry.sdk")
 from prometheus_client.parser import text_string_to_metric_families
 
 from common import telemetry
@@ -64,12 +62,12 @@ def traced(
         with ThreadPoolExecutor(len(PROMPTS)) as pool:
             completions = list(pool.map(run, range(len(PROMPTS))))
         assert stack.assert_idle().num_preemptions > 0
-        receiver.wait_for(
+        assert receiver.wait_for(
             lambda spans: (
                 sum(s.name == "llmserve.generate" for s in spans) == len(PROMPTS)
                 and sum(s.name == "scheduler.request" for s in spans) == len(PROMPTS)
             )
-        )
+        ), stack.logs()
     finally:
         stack.close()
     yield receiver, completions, log_dir
