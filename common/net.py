@@ -56,9 +56,11 @@ async def serve_aio(
     port: int,
     start: Callable[[], Coroutine[Any, Any, None]],
     stop: Callable[[], Awaitable[None]],
+    credentials: grpc.ServerCredentials | None = None,
 ) -> None:
     """Bind, start, run `start()` in the background and serve until SIGTERM / SIGINT; then run
-    `stop()` and shut the server down with a short grace period. If `start()` failed, its
+    `stop()` and shut the server down with a short grace period. credentials: TLS (else
+    plaintext). If `start()` failed, its
     exception is raised once the server has stopped."""
     import asyncio
     import signal
@@ -66,7 +68,11 @@ async def serve_aio(
     from common.log import get_logger
 
     log = get_logger(name)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    address = f"{host}:{port}"
+    if credentials is None:
+        bound = server.add_insecure_port(address)
+    else:
+        bound = server.add_secure_port(address, credentials)
     if bound == 0:
         raise RuntimeError(f"{name}: cannot listen on {host}:{port}")
     await server.start()

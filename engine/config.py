@@ -5,16 +5,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from common.auth import PeerSecurity
 from common.flags import check_ports, setting
 
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "dummy")
-OPS_BACKENDS = ("auto", "torch", "cuda")
+ATTENTION_BACKENDS = ("auto", "torch", "cuda")
 
 
 @dataclass(frozen=True)
-class EngineConfig:
+class EngineConfig(PeerSecurity):
     model: str | None = setting(
         None, "HF directory or .gguf file (default: the built-in SmolLM2-135M-Instruct)"
     )
@@ -51,11 +52,13 @@ class EngineConfig:
         2048, "tokens per step at most, prefill chunks + decodes (sizes the memory profile)"
     )
     enforce_eager: bool = setting(False, "no CUDA graphs: run decode steps eagerly too")
-    ops_backend: str = setting(
+    attention_backend: str = setting(
         "auto",
-        "layer ops: auto = the CUDA kernels of kernels/ where they can run (fp16/bf16 on a "
-        "GPU), else plain torch (kernels/reference.py)",
-        choices=OPS_BACKENDS,
+        "attention and layer ops: cuda = the CUDA kernels of kernels/; torch = plain torch "
+        "(kernels/reference.py), for a card or driver the kernels do not support; auto = the "
+        "kernels where they can run (fp16/bf16 on a GPU) and pass a start-up self-check, else "
+        "torch, saying why",
+        choices=ATTENTION_BACKENDS,
     )
 
     def __post_init__(self) -> None:
@@ -76,8 +79,10 @@ class EngineConfig:
             )
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format={self.load_format!r} must be one of {LOAD_FORMATS}")
-        if self.ops_backend not in OPS_BACKENDS:
-            raise ValueError(f"ops_backend={self.ops_backend!r} must be one of {OPS_BACKENDS}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"attention_backend={self.attention_backend!r} must be one of {ATTENTION_BACKENDS}"
+            )
         for name in ("max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")

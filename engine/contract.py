@@ -5,6 +5,7 @@ and the service all speak these."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from protos.common_pb2 import SamplingParams
@@ -70,3 +71,37 @@ class StepOutput:
     num_top_logprobs: list[int] = field(default_factory=list)
     top_token_ids: list[int] = field(default_factory=list)
     top_logprobs: list[float] = field(default_factory=list)
+    # Requests the engine refused (new ones it cannot run): ids and why. Their rows sample nothing.
+    refused_seq_ids: list[int] = field(default_factory=list)
+    refusal_reasons: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """A plan row the engine does not run: a new request it refused (reason), or a later row of
+    one (reason None: reported already)."""
+
+    row: int
+    seq_id: int
+    reason: str | None
+
+
+def with_refused_rows(output: StepOutput, refusals: list[Refusal]) -> StepOutput:
+    """output (one row per batch row) with the refused rows put back at their plan rows: no
+    token, NaN logprob, no top logprobs; the refusals with a reason listed."""
+    if not refusals:
+        return output
+    tokens, logprobs = list(output.sampled_token_ids), output.logprobs
+    counts = list(output.num_top_logprobs)
+    for refusal in sorted(refusals, key=lambda r: r.row):
+        tokens.insert(refusal.row, -1)
+        if logprobs is not None:
+            logprobs = [*logprobs[: refusal.row], math.nan, *logprobs[refusal.row :]]
+        if counts:
+            counts.insert(refusal.row, 0)
+    refused = [r for r in refusals if r.reason is not None]
+    return StepOutput(
+        tokens, logprobs, output.forward_ms, output.sample_ms, counts,
+        output.top_token_ids, output.top_logprobs,
+        [r.seq_id for r in refused], [r.reason or "" for r in refused],
+    )  # fmt: skip

@@ -47,6 +47,8 @@ def result_to_proto(step_id: int, output: StepOutput, total_ms: float) -> engine
         num_top_logprobs=output.num_top_logprobs,
         top_token_ids=output.top_token_ids,
         top_logprobs=output.top_logprobs,
+        refused_seq_ids=output.refused_seq_ids,
+        refusal_reasons=output.refusal_reasons,
     )
 
 

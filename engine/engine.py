@@ -17,7 +17,7 @@ from common.log import get_logger
 from common.model_config import ModelConfig, load_model_config, resolve_model_path
 from common.sampling import has_penalties
 from engine.config import EngineConfig
-from engine.contract import EngineInfo, StepOutput, StepPlanData
+from engine.contract import EngineInfo, StepOutput, StepPlanData, with_refused_rows
 from engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from engine.kv_cache import allocate_kv_cache, bytes_per_block, layer_views
 from engine.memory import (
@@ -88,8 +88,14 @@ class Engine:
             max_len = min(max_len, config.max_model_len)
         self.max_model_len = max_len
         ops, ops_reason = select_ops(
-            config.ops_backend, self.device, self.dtype, self.model_config, config.block_size
+            config.attention_backend, self.device, self.dtype, self.model_config, config.block_size
         )
+        if (
+            self.device.type == "cuda"
+            and ops.name == "torch"
+            and config.attention_backend == "auto"
+        ):
+            log.warning("attention backend: plain torch, not the CUDA kernels", why=ops_reason)
         dummy = config.load_format == "dummy"
         weights = None if dummy else load_weights(path, self.model_config)
         self.model = build_model(
@@ -106,7 +112,7 @@ class Engine:
         graphs, graph_info = self._capture_graphs(kv_caches)
         self.timeline: Timeline = make_timeline(self.device)
         self.runner = self._make_runner(kv_caches, graphs=graphs, timeline=self.timeline)
-        self.mirror = Mirror(config.block_size, self.num_blocks)
+        self.mirror = self._new_mirror()
         # Launched steps whose tokens are not on the host yet, oldest first.
         self.unresolved: deque[LaunchedStep] = deque()
         self.info = EngineInfo(
@@ -217,9 +223,12 @@ class Engine:
             ),
         }
 
+    def _new_mirror(self) -> Mirror:
+        return Mirror(self.config.block_size, self.num_blocks, self.model_config.vocab_size)
+
     def reset(self) -> None:
         """Forget every request (a new Step stream starts from nothing)."""
-        self.mirror = Mirror(self.config.block_size, self.num_blocks)
+        self.mirror = self._new_mirror()
         self.unresolved.clear()
 
     def step(self, plan: StepPlanData) -> StepOutput:
@@ -252,8 +261,9 @@ class Engine:
 
     def _resolve_oldest(self) -> None:
         step = self.unresolved.popleft()
-        step.output = self.runner.collect(step)
-        self.mirror.resolve(step.batch, step.output.sampled_token_ids)
+        output = self.runner.collect(step)
+        self.mirror.resolve(step.batch, output.sampled_token_ids)
+        step.output = with_refused_rows(output, step.batch.refusals)
 
 
 def _needs_host_tokens(batch: StepBatch) -> bool:
@@ -266,5 +276,5 @@ def _empty_step(batch: StepBatch) -> LaunchedStep:
     """A step with no rows (it only dropped finished requests): nothing to run."""
     empty = torch.empty(0, dtype=torch.long)
     step = LaunchedStep(batch, StepTimer(empty.device, 0.0), empty, (empty, None, None, None))
-    step.output = StepOutput([], None, 0.0, 0.0)
+    step.output = with_refused_rows(StepOutput([], None, 0.0, 0.0), batch.refusals)
     return step

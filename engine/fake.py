@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from common.flags import setting
 from engine.config import EngineConfig
-from engine.contract import EngineInfo, StepOutput, StepPlanData
+from engine.contract import EngineInfo, StepOutput, StepPlanData, with_refused_rows
 from engine.mirror import Mirror
 
 
@@ -66,12 +66,12 @@ class FakeEngine:
             max_num_batched_tokens=config.max_num_batched_tokens,
         )
         self.step_delay_ms = fake.step_delay_ms
-        self.mirror = Mirror(config.block_size, num_blocks)
+        self.mirror = Mirror(config.block_size, num_blocks, fake.vocab_size)
         self.num_steps = 0
         self.busy_until = 0.0  # when the "device" finishes the last launched step
 
     def reset(self) -> None:
-        self.mirror = Mirror(self.info.block_size, self.info.num_blocks)
+        self.mirror = Mirror(self.info.block_size, self.info.num_blocks, self.info.vocab_size)
 
     def launch(self, plan: StepPlanData) -> FakeStep:
         """Run plan on the host at once; its result is ready step_delay_ms after the previous
@@ -109,4 +109,4 @@ class FakeEngine:
                 output.num_top_logprobs.append(k)
                 output.top_token_ids += [(t + j) % vocab for j in range(k)]
                 output.top_logprobs += [float(-j) for j in range(k)]
-        return output
+        return with_refused_rows(output, batch.refusals)

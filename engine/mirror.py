@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from common.sampling import normalized
-from engine.contract import NewRequestData, StepPlanData
+from engine.contract import NewRequestData, Refusal, StepPlanData
 from protos.common_pb2 import SamplingParams
 
 # A sampled token not read back from the device yet (see commit_pending).
@@ -64,6 +64,7 @@ class ScheduledSeq:
 class StepBatch:
     step_id: int
     rows: list[ScheduledSeq] = field(default_factory=list)
+    refusals: list[Refusal] = field(default_factory=list)  # plan rows not in `rows`
 
     @property
     def num_tokens(self) -> int:
@@ -71,10 +72,16 @@ class StepBatch:
 
 
 class Mirror:
-    def __init__(self, block_size: int, num_blocks: int):
+    def __init__(self, block_size: int, num_blocks: int, vocab_size: int = 0):
+        """vocab_size: token ids of new requests must be below it (0: unchecked)."""
         self.block_size = block_size
         self.num_blocks = num_blocks
+        self.vocab_size = vocab_size
         self.seqs: dict[int, SeqState] = {}
+        # New requests refused for what they carry (bad sampling params, token ids outside the
+        # vocabulary), by seq id, until the scheduler lists them as finished: the step runs
+        # without them, and their later rows sample nothing.
+        self.refused: set[int] = set()
         self.last_step_id = 0
 
     def apply(self, plan: StepPlanData) -> StepBatch:
@@ -84,20 +91,31 @@ class Mirror:
             raise MirrorMismatch(f"step_id {plan.step_id} after {self.last_step_id}")
         self.last_step_id = plan.step_id
         for seq_id in plan.finished_seq_ids:
-            if self.seqs.pop(seq_id, None) is None:
+            if seq_id in self.refused:
+                self.refused.discard(seq_id)
+            elif self.seqs.pop(seq_id, None) is None:
                 raise MirrorMismatch(f"finished seq {seq_id} is not in the mirror")
         listed = [n.seq_id for n in plan.new_requests] + plan.running.seq_ids
         if len(set(listed)) != len(listed):
             raise MirrorMismatch("a seq id is listed twice in one plan")
         batch = StepBatch(plan.step_id)
-        for new in plan.new_requests:
-            batch.rows.append(self._add(new))
+        for row, new in enumerate(plan.new_requests):
+            reason = self._refusal(new)
+            if reason is None:
+                batch.rows.append(self._add(new))
+            else:
+                self.refused.add(new.seq_id)
+                batch.refusals.append(Refusal(row, new.seq_id, reason))
         run = plan.running
         columns = (run.num_scheduled_tokens, run.num_computed_tokens, run.num_new_blocks)
         if any(len(c) != len(run.seq_ids) for c in columns):
             raise MirrorMismatch("running columns differ in length")
         offset = 0
         for i, seq_id in enumerate(run.seq_ids):
+            if seq_id in self.refused:  # planned before the scheduler heard of the refusal
+                offset += run.num_new_blocks[i]
+                batch.refusals.append(Refusal(len(plan.new_requests) + i, seq_id, None))
+                continue
             seq = self.seqs.get(seq_id)
             if seq is None:
                 raise MirrorMismatch(f"running seq {seq_id} is not in the mirror")
@@ -108,7 +126,9 @@ class Mirror:
                 )
             count = run.num_new_blocks[i]
             seq.block_table.extend(
-                self._checked_blocks(seq_id, run.new_block_ids[offset : offset + count])
+                self._checked_blocks(
+                    seq_id, run.new_block_ids[offset : offset + count], seq.block_table
+                )
             )
             offset += count
             batch.rows.append(self._schedule(seq, run.num_scheduled_tokens[i]))
@@ -129,24 +149,39 @@ class Mirror:
                 f"seq {new.seq_id}: num_prompt_tokens={new.num_prompt_tokens} with "
                 f"{len(new.token_ids)} token ids"
             )
-        try:
-            sampling = normalized(new.sampling)
-        except ValueError as err:
-            raise MirrorMismatch(f"seq {new.seq_id}: {err}") from err
         seq = SeqState(
             new.seq_id,
             list(new.token_ids),
             new.num_prompt_tokens,
-            sampling,
+            normalized(new.sampling),
             self._checked_blocks(new.seq_id, new.block_table),
             new.num_computed_tokens,
         )
         self.seqs[new.seq_id] = seq
         return self._schedule(seq, new.num_scheduled_tokens)
 
-    def _checked_blocks(self, seq_id: int, block_ids: list[int]) -> list[int]:
+    def _refusal(self, new: NewRequestData) -> str | None:
+        """Why new cannot run, whatever else is in the step (None: it can): what it carries,
+        not how it was planned (a planning disagreement is a MirrorMismatch)."""
+        try:
+            normalized(new.sampling)
+        except ValueError as err:
+            return str(err)
+        if self.vocab_size:
+            bad = [t for t in new.token_ids if not 0 <= t < self.vocab_size]
+            if bad:
+                return f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})"
+        return None
+
+    def _checked_blocks(
+        self, seq_id: int, block_ids: list[int], table: list[int] | None = None
+    ) -> list[int]:
+        """block_ids, to append to seq_id's block table (table): each inside the pool, and none
+        twice in the table (a request's token slots never share a block)."""
         if any(not 0 <= b < self.num_blocks for b in block_ids):
             raise MirrorMismatch(f"seq {seq_id}: block id outside [0, {self.num_blocks})")
+        if len({*block_ids, *(table or ())}) != len(block_ids) + len(table or ()):
+            raise MirrorMismatch(f"seq {seq_id}: a block id appears twice in its block table")
         return list(block_ids)
 
     def _schedule(self, seq: SeqState, num_scheduled: int) -> ScheduledSeq:

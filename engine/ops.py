@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from engine.config import OPS_BACKENDS
+from engine.config import ATTENTION_BACKENDS
 from engine.sampler import to_device
 from kernels import reference as ref
 
@@ -220,14 +221,15 @@ def select_ops(
     block_size: int,
 ) -> tuple[LayerOps, str]:
     """(ops, why). backend: "torch" = ReferenceOps; "cuda" = KernelOps or a ValueError saying
-    why not; "auto" = KernelOps on a GPU whenever they can run, else ReferenceOps."""
-    if backend not in OPS_BACKENDS:
-        raise ValueError(f"ops backend {backend!r} must be one of {OPS_BACKENDS}")
+    why not; "auto" = KernelOps on a GPU whenever they can run and pass `self_check`, else
+    ReferenceOps (why: the reason the kernels were not used)."""
+    if backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention backend {backend!r} must be one of {ATTENTION_BACKENDS}")
     if backend == "torch":
-        return ReferenceOps(), "asked for (--ops-backend torch)"
+        return ReferenceOps(), "asked for (--attention-backend torch)"
     if device.type != "cuda":
         if backend == "cuda":
-            raise ValueError(f"--ops-backend cuda needs --device cuda, not {device.type}")
+            raise ValueError(f"--attention-backend cuda needs --device cuda, not {device.type}")
         return ReferenceOps(), f"device {device.type}"
     why_not = kernel_limits(config, dtype, block_size)
     if why_not is None:
@@ -236,7 +238,66 @@ def select_ops(
         if not kc.is_available():
             why_not = "kernels.cuda.is_available() is False (needs CuPy and an sm_80+ GPU)"
     if why_not is None:
-        return KernelOps(), "CUDA kernels (kernels/cuda.py)"
+        ops = KernelOps()
+        why_not = self_check(ops, config, dtype, device, block_size)
+        if why_not is None:
+            return ops, "CUDA kernels (kernels/cuda.py), self-check passed"
     if backend == "cuda":
-        raise ValueError(f"--ops-backend cuda: {why_not}")
-    return ReferenceOps(), why_not
+        raise ValueError(f"--attention-backend cuda: {why_not}")
+    return ReferenceOps(), f"fell back to torch: {why_not}"
+
+
+def self_check(
+    ops: LayerOps,
+    config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    block_size: int,
+) -> str | None:
+    """Run ops on a small step of this model's shapes (a prefill chunk and a decode, paged)
+    beside kernels/reference.py; why they disagree or fail (None: they agree). Catches a kernel
+    that does not compile or misbehaves on this card, before any request does."""
+    tolerance = 2e-2 if dtype in (torch.float16, torch.bfloat16) else 1e-4
+    try:
+        for name, got, want in _check_cases(ops, config, dtype, device, block_size):
+            error = (got.float() - want.float()).abs().max().item()
+            if not error <= tolerance * max(1.0, want.float().abs().max().item()):
+                return f"self-check: {name} differs from kernels/reference.py by {error:.3g}"
+    except Exception as err:  # a kernel that fails to compile or launch on this card
+        return f"self-check: {type(err).__name__}: {err}"
+    return None
+
+
+def _check_cases(
+    ops: LayerOps, config: ModelConfig, dtype: torch.dtype, device: torch.device, block_size: int
+) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
+    """(op, ops' result, the reference's) on seeded inputs: two requests, 5 prompt tokens and
+    1 decode token after 2 * block_size cached ones, over a shuffled pool."""
+    gen = torch.Generator(device="cpu").manual_seed(0)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
+
+    ref_ops = ReferenceOps()
+    heads, kv_heads, dim = config.num_heads, config.num_kv_heads, config.head_dim
+    x, w = rand(6, config.hidden_size), rand(config.hidden_size)
+    yield "rms_norm", ops.rms_norm(x, w, 1e-6, None)[0], ref_ops.rms_norm(x, w, 1e-6, None)[0]
+    gate_up = rand(6, 2 * config.intermediate_size)
+    yield "silu_and_mul", ops.silu_and_mul(gate_up), ref_ops.silu_and_mul(gate_up)
+    seq_lens, cu_seqlens_q = [5, 2 * block_size + 1], [0, 5, 6]
+    num_blocks = 8
+    order = torch.randperm(num_blocks, generator=gen)
+    tables = torch.stack([order[:4], order[4:]]).to(device)
+    slots = [int(tables[0, p // block_size]) * block_size + p % block_size for p in range(5)]
+    slots.append(int(tables[1, 2]) * block_size)  # the decode token: position 2 * block_size
+    cache = rand(2, num_blocks, block_size, kv_heads, dim)
+    q, k, v = rand(6, heads, dim), rand(6, kv_heads, dim), rand(6, kv_heads, dim)
+    outputs = []
+    for backend in (ops, ref_ops):
+        k_cache, v_cache = cache[0].clone(), cache[1].clone()
+        ctx = AttentionContext(
+            torch.tensor(slots, device=device), tables, seq_lens, cu_seqlens_q, []
+        )
+        ctx = backend.prepare(ctx)
+        outputs.append(backend.attention(q, k, v, k_cache, v_cache, ctx, dim**-0.5))
+    yield "attention", outputs[0], outputs[1]

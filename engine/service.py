@@ -1,7 +1,9 @@
 """The engine's gRPC server: the Step stream and Describe, plus grpc.health.v1.
 
-Steps run in plan order under a lock. A new Step stream resets the mirror and supersedes any
-older stream (a reconnecting scheduler wins over its own dead connection).
+Steps run in plan order under a lock. One Step stream at a time: it starts from an empty mirror,
+and a second one is refused (ALREADY_EXISTS) while it lasts; a scheduler that reconnects after
+losing its stream gets in once the engine has seen the old one end. With an internal token set,
+only callers carrying it get in at all (common/auth.py).
 
 A stream is a small pipeline, so the device need not idle between steps when the scheduler plans
 ahead (two plans in flight):
@@ -32,8 +34,10 @@ from typing import Any, Protocol
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from common.auth import peer_interceptors
 from common.log import get_logger
 from common.net import SERVER_OPTIONS
+from engine.config import EngineConfig
 from engine.contract import EngineInfo, StepOutput, StepPlanData
 from engine.convert import info_to_proto, plan_from_proto, result_to_proto
 from engine.mirror import MirrorMismatch
@@ -112,7 +116,8 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
     def __init__(self, engine: StepExecutor):
         self.engine = engine
         self.lock = threading.Lock()
-        self.active_stream = 0
+        self.active_stream = 0  # the live Step stream's number; 0 when none
+        self.num_streams = 0
         self.telemetry = EngineTelemetry()
 
     def Describe(self, request: engine_pb2.DescribeRequest, context: Any) -> Any:
@@ -120,8 +125,14 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
 
     def Step(self, request_iterator: Iterator[engine_pb2.StepPlan], context: Any) -> Any:
         with self.lock:
-            self.active_stream += 1
-            stream = self.active_stream
+            if self.active_stream:
+                log.warning("second step stream refused", peer=context.peer())
+                context.abort(
+                    grpc.StatusCode.ALREADY_EXISTS,
+                    "a scheduler already holds this engine's Step stream (one at a time)",
+                )
+            self.num_streams += 1
+            stream = self.active_stream = self.num_streams
             self.engine.reset()
         log.info("step stream opened", stream=stream, peer=context.peer())
         inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
@@ -130,38 +141,35 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         ).start()
         waiter = _Waiter(inbox)
         try:
-            yield from self._run_stream(stream, inbox, waiter, context)
+            yield from self._run_stream(inbox, waiter, context)
         finally:
             waiter.close()
+            with self.lock:
+                self.active_stream = 0
         log.info("step stream closed", stream=stream)
 
     def _run_stream(
-        self, stream: int, inbox: queue.SimpleQueue[Any], waiter: _Waiter, context: Any
+        self, inbox: queue.SimpleQueue[Any], waiter: _Waiter, context: Any
     ) -> Iterator[engine_pb2.StepResult]:
         """Launch plans as they come; yield results in order as soon as they are ready."""
         in_flight: deque[_InFlight] = deque()
         while True:
             while in_flight and in_flight[0].step.is_ready:
-                yield self._finish(stream, in_flight.popleft(), context)
+                yield self._finish(in_flight.popleft(), context)
             item = inbox.get()
             if item is _END:
                 return
             if item is _WAKE:
                 continue
-            launched = self._launch(stream, item, context)
+            launched = self._launch(item, context)
             in_flight.append(launched)
             if not launched.step.is_ready:
                 waiter.watch(launched.step)
 
-    def _check_stream(self, stream: int, context: Any) -> None:
-        if stream != self.active_stream:
-            context.abort(grpc.StatusCode.ABORTED, "superseded by a newer Step stream")
-
-    def _launch(self, stream: int, plan_msg: engine_pb2.StepPlan, context: Any) -> _InFlight:
+    def _launch(self, plan_msg: engine_pb2.StepPlan, context: Any) -> _InFlight:
         t0 = time.perf_counter()
         start_ns = now_ns()
         with self.lock:
-            self._check_stream(stream, context)
             try:
                 step = self.engine.launch(plan_from_proto(plan_msg))
             except MirrorMismatch as err:
@@ -175,10 +183,9 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                 self._fail(plan_msg, err, context)
         return _InFlight(plan_msg, step, t0, start_ns)
 
-    def _finish(self, stream: int, launched: _InFlight, context: Any) -> engine_pb2.StepResult:
+    def _finish(self, launched: _InFlight, context: Any) -> engine_pb2.StepResult:
         plan_msg = launched.plan_msg
         with self.lock:
-            self._check_stream(stream, context)
             try:
                 output = self.engine.finish(launched.step)
             except Exception as err:
@@ -197,13 +204,23 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         )
 
 
-def serve(engine: StepExecutor, host: str, port: int) -> None:
-    """Serve until SIGTERM / SIGINT."""
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=SERVER_OPTIONS)
+def serve(engine: StepExecutor, config: EngineConfig) -> None:
+    """Serve until SIGTERM / SIGINT: only to peers with the internal token (when there is one),
+    over TLS when config has a certificate."""
+    host, port = config.host, config.port
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=8),
+        options=SERVER_OPTIONS,
+        interceptors=peer_interceptors(config, aio=False),
+    )
     engine_pb2_grpc.add_EngineServicer_to_server(EngineServicer(engine), server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    credentials = config.server_credentials()
+    if credentials is None:
+        bound = server.add_insecure_port(f"{host}:{port}")
+    else:
+        bound = server.add_secure_port(f"{host}:{port}", credentials)
     if bound == 0:
         raise RuntimeError(f"engine: cannot listen on {host}:{port}")
     server.start()

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from common.auth import PeerSecurity
 from common.flags import check_ports, setting
 
 
 @dataclass(frozen=True)
-class GatewayConfig:
+class GatewayConfig(PeerSecurity):
     model: str | None = setting(
         None, "HF directory or .gguf file (default: the built-in SmolLM2-135M-Instruct)"
     )

@@ -18,7 +18,6 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from common.log import get_logger
-from common.net import CHANNEL_OPTIONS
 from gateway.config import GatewayConfig
 from gateway.detokenizer import IncrementalDetokenizer
 from gateway.stop import StopStringMatcher
@@ -55,7 +54,8 @@ class GatewayCore:
     def __init__(self, config: GatewayConfig, tokenizer: Tokenizer):
         self.config = config
         self.tokenizer = tokenizer
-        self.channel = grpc.aio.insecure_channel(config.scheduler_address, options=CHANNEL_OPTIONS)
+        self.channel = config.channel(config.scheduler_address)
+        self.peer_metadata = config.peer_metadata()
         self.stub = scheduler_pb2_grpc.SchedulerStub(self.channel)
         self.info: scheduler_pb2.SchedulerInfo | None = None
         self.limits: Limits | None = None
@@ -71,7 +71,9 @@ class GatewayCore:
         while True:
             try:
                 if self.info is None:
-                    self.info = await self.stub.GetInfo(scheduler_pb2.GetInfoRequest(), timeout=2)
+                    self.info = await self.stub.GetInfo(
+                        scheduler_pb2.GetInfoRequest(), timeout=2, metadata=self.peer_metadata
+                    )
                     self.telemetry.model = self.info.model
                     self.limits = Limits(
                         max_model_len=self.info.max_model_len,
@@ -139,7 +141,8 @@ class GatewayCore:
         if trace is None:
             trace = self.start_request(None, request_id, "grpc")
             trace.validated(valid, None)
-        call = self.stub.Submit(submit_request(request_id, valid), metadata=trace.metadata())
+        metadata = (*self.peer_metadata, *trace.metadata())
+        call = self.stub.Submit(submit_request(request_id, valid), metadata=metadata)
         try:
             async for msg in self._stream(request_id, valid, call):
                 trace.on_response(msg)

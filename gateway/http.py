@@ -33,8 +33,8 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from common import __version__
+from common.auth import UNAUTHENTICATED_MESSAGE, is_authorized
 from common.log import get_logger
-from gateway.auth import UNAUTHENTICATED_MESSAGE, is_authorized
 from gateway.choices import (
     Choice,
     Messages,

@@ -14,9 +14,9 @@ from collections.abc import AsyncIterator
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from common.auth import BearerInterceptor
 from common.model_config import resolve_model_path
 from common.net import SERVER_OPTIONS, serve_aio
-from gateway.auth import ApiKeyInterceptor
 from gateway.config import GatewayConfig
 from gateway.core import GatewayCore, GatewayError, new_request_id
 from gateway.tokenizer import Tokenizer
@@ -54,7 +54,7 @@ class GatewayService(api_pb2_grpc.GenerationServicer):
 async def serve(config: GatewayConfig) -> None:
     tokenizer = Tokenizer.from_model_path(resolve_model_path(config.model))
     core = GatewayCore(config, tokenizer)
-    interceptors = [ApiKeyInterceptor(config.api_key)] if config.api_key else []
+    interceptors = [BearerInterceptor(config.api_key)] if config.api_key else []
     server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
     api_pb2_grpc.add_GenerationServicer_to_server(GatewayService(core), server)
     health_pb2_grpc.add_HealthServicer_to_server(core.health, server)

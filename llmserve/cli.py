@@ -83,6 +83,8 @@ def run_service(name: str, configs: list[Any]) -> None:
     from common.log import configure
 
     config = configs[0]
+    if name == "gateway":
+        config.check_exposure("127.0.0.1")  # reads an @file token now: a bad path fails early
     configure(name)
     telemetry.setup(name, config.metrics_port, config.host)
     try:
@@ -103,14 +105,15 @@ def run_service(name: str, configs: list[Any]) -> None:
 def _run_engine(config: EngineConfig, fake: FakeEngineConfig | None) -> None:
     from engine.service import serve
 
+    config.check_exposure(config.host)  # before minutes of loading a model
     if fake is not None:
         from engine.fake import FakeEngine
 
-        serve(FakeEngine(config, fake), config.host, config.port)
+        serve(FakeEngine(config, fake), config)
     else:
         from engine.engine import Engine
 
-        serve(Engine(config), config.host, config.port)
+        serve(Engine(config), config)
 
 
 def cmd_service(args: argparse.Namespace) -> int:
@@ -280,6 +283,24 @@ def cmd_chat(args: argparse.Namespace) -> int:
         history.append(("assistant", text))
 
 
+def cmd_internal_token(args: argparse.Namespace) -> int:
+    """Write a fresh internal token to args.path (readable by its owner only), unless one is
+    there already: restarted services must keep sharing it."""
+    import secrets
+    from pathlib import Path
+
+    path = Path(args.path)
+    if path.exists() and path.read_text().strip():
+        print(f"{path}: kept the token already there")
+        return 0
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as out:
+        out.write(secrets.token_urlsafe(32) + "\n")
+    print(f"{path}: wrote a new token")
+    return 0
+
+
 def cmd_health(args: argparse.Namespace) -> int:
     from common.net import check_health, wait_until_serving
 
@@ -334,6 +355,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--address", default=f"localhost:{DEFAULT_GATEWAY_PORT}")
     p.add_argument("--wait", type=float, default=0.0, help="poll up to this many seconds")
     p.set_defaults(func=cmd_health)
+
+    p = sub.add_parser(
+        "internal-token",
+        help="write a token for the internal links to PATH (compose's init service; "
+        "`serve` makes its own)",
+    )
+    p.add_argument("path")
+    p.set_defaults(func=cmd_internal_token)
 
     from llmserve.bench.cli import add_bench_parser
 

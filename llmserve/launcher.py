@@ -1,7 +1,8 @@
 """Starts the stack's processes, one child per service (`python -m llmserve.cli <service>
---config-stdin`), each handed its config whole through its stdin. The pipe stays open: a child
-stops when it closes, so the services die with whoever launched them, however it ended (Ctrl-C,
-SIGTERM, SIGHUP, kill -9). `llmserve serve`, `llmserve bench` and the tests all start stacks
+--config-stdin`), each handed its config whole through its stdin (the internal token with it:
+never on a command line or in the environment). The pipe stays open: a child stops when it
+closes, so the services die with whoever launched them, however it ended (Ctrl-C, SIGTERM,
+SIGHUP, kill -9). `llmserve serve`, `llmserve bench` and the tests all start stacks
 through `Stack`.
 
     stack = Stack(engine=EngineConfig(...), scheduler=SchedulerConfig(...),
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -25,10 +27,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import IO, Any
 
-import grpc
-
 from common.flags import to_json
-from common.net import CHANNEL_OPTIONS, check_health
+from common.net import check_health
 from engine.config import EngineConfig
 from engine.fake import FakeEngineConfig
 from gateway.config import GatewayConfig
@@ -80,6 +80,15 @@ class Stack:
     log_dir: Path | None = None  # each service's output in <name>.log; None: inherited
     env: dict[str, str] = field(default_factory=dict)
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        """The internal links always carry a token: the one given, else a fresh one."""
+        given = [c.internal_token for c in (self.engine, self.scheduler, self.gateway)]
+        token = next((t for t in given if t), None) or secrets.token_urlsafe(32)
+        for name in SERVICES:
+            config = getattr(self, name)
+            if not config.internal_token:
+                setattr(self, name, replace(config, internal_token=token))
 
     @property
     def gateway_address(self) -> str:
@@ -199,9 +208,10 @@ class Stack:
             _close_stdin(proc)
 
     def scheduler_stats(self) -> scheduler_pb2.SchedulerStats:
-        with grpc.insecure_channel(self.scheduler_address, options=CHANNEL_OPTIONS) as channel:
+        with self.scheduler.channel(self.scheduler_address, aio=False) as channel:
             stub = scheduler_pb2_grpc.SchedulerStub(channel)
-            return stub.GetStats(scheduler_pb2.GetStatsRequest(), timeout=10)
+            request = scheduler_pb2.GetStatsRequest()
+            return stub.GetStats(request, timeout=10, metadata=self.scheduler.peer_metadata())
 
     def __enter__(self) -> Stack:
         return self

@@ -50,9 +50,10 @@ class EngineServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Step(self, request_iterator, context):
-        """One StepPlan down, one StepResult up, per iteration. Opening a new stream resets the engine's
-        mirror of running requests. A plan that disagrees with the mirror fails the stream with
-        FAILED_PRECONDITION.
+        """One StepPlan down, one StepResult up, per iteration. A stream starts from an empty mirror; a
+        second one is refused (ALREADY_EXISTS) while one is open. A plan that disagrees with the
+        mirror fails the stream with FAILED_PRECONDITION. Internal calls carry the stack's internal
+        token (metadata `authorization: Bearer <token>`) when it has one.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from common.auth import PeerSecurity
 from common.flags import check_ports, setting
 
 # "continuous": iteration-level batching, waiting requests join at every step.
@@ -14,7 +15,7 @@ SCHEDULING_POLICIES = ("continuous", "static")
 
 
 @dataclass(frozen=True)
-class SchedulerConfig:
+class SchedulerConfig(PeerSecurity):
     engine_address: str = setting("localhost:50053", "the engine's gRPC address")
     host: str = setting("127.0.0.1", "bind address (0.0.0.0 exposes it)")
     port: int = setting(50052, "gRPC port for the gateway")

@@ -94,6 +94,8 @@ class StepOutcome:
     token_id: int | None
     logprob: float | None
     finished: RequestStatus | None
+    # Why the request ended without finishing (the engine refused it): its stream fails with it.
+    error: str | None = None
     # The request's top_logprobs most likely tokens at this position, when it asked.
     top_token_ids: list[int] = field(default_factory=list)
     top_logprobs: list[float] = field(default_factory=list)

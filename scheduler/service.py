@@ -26,8 +26,9 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from common.auth import peer_interceptors
 from common.log import bind, get_logger
-from common.net import CHANNEL_OPTIONS, SERVER_OPTIONS, serve_aio
+from common.net import SERVER_OPTIONS, serve_aio
 from common.sampling import SamplingError
 from protos import engine_pb2, engine_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from scheduler.config import SchedulerConfig
@@ -121,6 +122,9 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 while not queue.empty():  # the client fell behind: send what piled up at once
                     outcomes.append(queue.get_nowait())
                 finished = outcomes[-1].finished
+                if outcomes[-1].error is not None:
+                    message = f"the engine refused the request: {outcomes[-1].error}"
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
                 yield response_to_proto(req, outcomes, first)
                 first = False
         finally:
@@ -188,16 +192,17 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     async def run_engine_loop(self) -> None:
         """Connect to the engine, run steps; on any stream failure reset and reconnect."""
         backoff = 0.2
-        async with grpc.aio.insecure_channel(
-            self.config.engine_address, options=CHANNEL_OPTIONS
-        ) as channel:
+        metadata = self.config.peer_metadata()
+        async with self.config.channel(self.config.engine_address) as channel:
             stub = engine_pb2_grpc.EngineStub(channel)
             while not self.stopping:
                 try:
-                    info = await stub.Describe(engine_pb2.DescribeRequest(), timeout=5)
+                    info = await stub.Describe(
+                        engine_pb2.DescribeRequest(), timeout=5, metadata=metadata
+                    )
                     self._on_engine_info(info)
                     backoff = 0.2
-                    await self._step_loop(stub)
+                    await self._step_loop(stub, metadata)
                 except EngineMismatch as err:
                     log.error("refusing the engine", error=str(err))
                     raise
@@ -264,7 +269,9 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         )
         self._health_update = asyncio.ensure_future(self.health.set("", status))
 
-    async def _step_loop(self, stub: engine_pb2_grpc.EngineStub) -> None:
+    async def _step_loop(
+        self, stub: engine_pb2_grpc.EngineStub, metadata: tuple[tuple[str, str], ...]
+    ) -> None:
         """Keep up to 1 (or 2, overlapping) steps in flight: while there is room and work, plan
         and send; else read the oldest step's result; with nothing in flight and nothing to
         plan, sleep until a Submit or a cancellation wakes the loop."""
@@ -272,7 +279,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         scheduler = self.scheduler
         depth = 2 if self.config.overlap_scheduling else 1
         in_flight: deque[SentStep] = deque()
-        call = stub.Step()
+        call = stub.Step(metadata=metadata)
         self._set_ready(True)
         try:
             while not self.stopping:
@@ -318,6 +325,11 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             raise EngineLost("engine closed the stream")
         plan = sent.plan
         assert result.step_id == plan.step_id, f"result {result.step_id} for plan {plan.step_id}"
+        for seq_id, reason in zip(result.refused_seq_ids, result.refusal_reasons, strict=True):
+            request = scheduler.abort(seq_id)  # its rows' tokens are then ignored by update
+            if request is not None:
+                log.warning("engine refused a request", request_id=request.request_id, why=reason)
+                self._deliver(StepOutcome(request, None, None, request.status, error=reason))
         outcomes = scheduler.update(
             plan,
             list(result.sampled_token_ids),
@@ -365,11 +377,20 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
 
 
 async def serve(config: SchedulerConfig) -> None:
-    server = grpc.aio.server(options=SERVER_OPTIONS)
+    """Serve until SIGTERM / SIGINT. Raises ValueError when config would expose the scheduler
+    beyond loopback to anyone (no internal token, no mutual TLS)."""
+    config.check_exposure(config.host)
+    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=peer_interceptors(config))
     service = SchedulerService(config)
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(service, server)
     health_pb2_grpc.add_HealthServicer_to_server(service.health, server)
     await service.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
     await serve_aio(
-        server, "scheduler", config.host, config.port, service.run_engine_loop, service.shutdown
+        server,
+        "scheduler",
+        config.host,
+        config.port,
+        service.run_engine_loop,
+        service.shutdown,
+        config.server_credentials(),
     )

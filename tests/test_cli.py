@@ -34,10 +34,14 @@ def _child_pid(parent: int, service: str) -> int:
     raise LookupError(f"no {service} child of {parent}")
 
 
+TOKEN = "test-internal-token"  # serve takes it from LLMSERVE_INTERNAL_TOKEN
+
+
 def _scheduler_stats(address: str) -> scheduler_pb2.SchedulerStats:
     with grpc.insecure_channel(address) as channel:
         stub = scheduler_pb2_grpc.SchedulerStub(channel)
-        return stub.GetStats(scheduler_pb2.GetStatsRequest(), timeout=10)
+        metadata = (("authorization", f"Bearer {TOKEN}"),)
+        return stub.GetStats(scheduler_pb2.GetStatsRequest(), timeout=10, metadata=metadata)
 
 
 def llmserve(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
@@ -56,6 +60,7 @@ def test_serve_generate_chat_and_stop(tiny_model: Callable[..., Path]) -> None:
     serve = subprocess.Popen(
         serve_command(ports, "--model", str(model), "--num-kv-blocks", "64"),
         cwd=ROOT,
+        env={**os.environ, "LLMSERVE_INTERNAL_TOKEN": TOKEN},
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,

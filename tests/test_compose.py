@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 from unittest import mock
 
+import grpc
 import jsonschema
 import pytest
 import yaml
@@ -28,6 +29,8 @@ from common.net import wait_until_serving
 from llmserve.bench.otlp import OtlpReceiver
 from llmserve.cli import build_parser
 from llmserve.client import Client, make_request
+from protos.scheduler_pb2 import GetInfoRequest
+from protos.scheduler_pb2_grpc import SchedulerStub
 from tests.stack import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -110,6 +113,8 @@ def _listening(name: str, svc: dict[str, Any]) -> set[int]:
     included), the collector's as its mounted config says, any other's as compose exposes."""
     if _is_llmserve(svc):
         args = _command(name, svc)
+        if args.command == "internal-token":
+            return set()
         return {args.port, args.metrics_port, getattr(args, "http_port", 0)} - {0}
     if name == "otel-collector":
         bound = [e for e in _endpoints(_collector_config(svc)) if e.startswith("0.0.0.0:")]
@@ -139,8 +144,15 @@ def test_every_address_reaches_one_listening_service(compose: dict[str, Any], pr
     own service's gRPC port; Prometheus scrapes every llmserve service's metrics port; every
     dependency is started, and a health-gated one has a health check."""
     active = _active(compose, profile)
-    llmserve = {n: _command(n, s) for n, s in active.items() if _is_llmserve(s)}
+    commands = {n: _command(n, s) for n, s in active.items() if _is_llmserve(s)}
+    llmserve = {n: a for n, a in commands.items() if a.command != "internal-token"}
     assert {a.command for a in llmserve.values()} == {"engine", "scheduler", "gateway"}
+    for name, args in llmserve.items():  # each reads the token the init service writes
+        (init,) = [n for n, a in commands.items() if a.command == "internal-token"]
+        assert args.internal_token == f"@{commands[init].path}", name
+        assert active[name]["depends_on"][init]["condition"] == "service_completed_successfully"
+        volume = commands[init].path.rpartition("/")[0]
+        assert any(v.split(":")[1] == volume for v in active[name]["volumes"]), name
     for name, svc in active.items():
         for dep, spec in svc.get("depends_on", {}).items():
             assert dep in active, f"{name} depends on {dep}, which {profile} does not start"
@@ -241,11 +253,17 @@ def test_the_image_holds_every_package(tmp_path: Path) -> None:
 # -- the services, run as compose.yaml says --------------------------------------------------------
 
 
-def _rewrite(command: list[str], ports: dict[str, int], hosts: dict[str, str]) -> list[str]:
-    """compose's command with host names and ports made loopback and free. ports: grpc, metrics,
-    http; hosts: compose's "scheduler:50052" -> "127.0.0.1:<port>", and every address flag's
-    value must be one of them."""
-    out = ["127.0.0.1" if arg == "0.0.0.0" else arg for arg in command]
+SECRETS = "/run/llmserve"  # the volume the internal-token service writes, in the containers
+
+
+def _rewrite(
+    command: list[str], ports: dict[str, int], hosts: dict[str, str], secrets: Path
+) -> list[str]:
+    """compose's command with host names and ports made loopback and free, and the secrets
+    volume a local folder. ports: grpc, metrics, http; hosts: compose's "scheduler:50052" ->
+    "127.0.0.1:<port>", and every address flag's value must be one of them."""
+    out = [arg.replace(SECRETS, str(secrets)) for arg in command]
+    out = ["127.0.0.1" if arg == "0.0.0.0" else arg for arg in out]
     for flag in ADDRESS_FLAGS:
         if flag in out:
             i = out.index(flag) + 1
@@ -270,7 +288,7 @@ def test_services_run_as_compose_says(compose: dict[str, Any], tmp_path: Path) -
     three services reach the OTLP endpoint."""
     active = _active(compose, "cpu")
     order = ("engine-cpu", "scheduler", "gateway")
-    assert {n for n, svc in active.items() if _is_llmserve(svc)} == set(order)
+    assert {n for n, svc in active.items() if _is_llmserve(svc)} == {*order, "internal-token"}
     ports = {
         name: {"grpc": free_port(), "metrics": free_port(), "http": free_port()} for name in order
     }
@@ -280,11 +298,14 @@ def test_services_run_as_compose_says(compose: dict[str, Any], tmp_path: Path) -
         for name in order
         for host in [name, *active[name].get("networks", {}).get("default", {}).get("aliases", [])]
     }
+    secrets = tmp_path / "secrets"
+    init = _rewrite(compose["services"]["internal-token"]["command"], {}, {}, secrets)
+    subprocess.run([sys.executable, "-m", "llmserve.cli", *init], cwd=ROOT, check=True)
     receiver = OtlpReceiver().start()
     procs: list[subprocess.Popen[bytes]] = []
     try:
         for name in order:
-            argv = _rewrite(active[name]["command"], ports[name], hosts)
+            argv = _rewrite(active[name]["command"], ports[name], hosts, secrets)
             env = dict(
                 os.environ, PYTHONUNBUFFERED="1", **_environment(active[name], receiver.endpoint)
             )
@@ -303,6 +324,11 @@ def test_services_run_as_compose_says(compose: dict[str, Any], tmp_path: Path) -
                 make_request(text="The capital of France is", max_tokens=4, temperature=0.0)
             )
         assert done.completion_tokens == 4 and done.text
+        # The internal links are closed to anyone without the token the init service wrote.
+        scheduler = f"127.0.0.1:{ports['scheduler']['grpc']}"
+        with grpc.insecure_channel(scheduler) as channel, pytest.raises(grpc.RpcError) as err:
+            SchedulerStub(channel).GetInfo(GetInfoRequest(), timeout=5)
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
         for name in order:
             # The health check as compose runs it inside the container, aimed at the test's port.
             check = active[name]["healthcheck"]["test"][2:]  # after CMD llmserve

@@ -241,12 +241,12 @@ def test_cli_passes_the_gpu_flags_to_the_engine() -> None:
 
     serve = build_parser().parse_args(
         ["serve", "--model", str(LLAMA3_8B), "--load-format", "dummy", "--enforce-eager",
-         "--max-num-seqs", "64", "--max-num-batched-tokens", "4096", "--ops-backend", "torch"]
+         "--max-num-seqs", "64", "--max-num-batched-tokens", "4096", "--attention-backend", "torch"]
     )  # fmt: skip
     stack = stack_from_flags(serve)
     config = from_json(CONFIG_CLASSES, to_json(stack.engine))  # as the child reads it
     assert config == stack.engine
-    assert (config.load_format, config.enforce_eager, config.ops_backend) == (
+    assert (config.load_format, config.enforce_eager, config.attention_backend) == (
         "dummy", True, "torch",
     )  # fmt: skip
     assert (config.max_num_seqs, config.max_num_batched_tokens) == (64, 4096)

@@ -10,6 +10,7 @@ import itertools
 import shutil
 import sys
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -28,7 +29,14 @@ from engine.memory import (
 )
 from engine.mirror import Mirror
 from engine.model import LlamaForCausalLM
-from engine.ops import AttentionContext, KernelOps, ReferenceOps, kernel_limits, select_ops
+from engine.ops import (
+    AttentionContext,
+    KernelOps,
+    ReferenceOps,
+    kernel_limits,
+    select_ops,
+    self_check,
+)
 from engine.timeline import NullTimeline, make_timeline, steady_decode_busy
 from engine.weights import build_model
 
@@ -178,6 +186,52 @@ def test_kernel_limits_and_backend_choice() -> None:
         select_ops("triton", CPU, torch.bfloat16, config, 16)
 
 
+class BrokenOps(ReferenceOps):
+    """An attention that returns nonsense, as a miscompiled kernel might."""
+
+    def attention(self, q: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return torch.zeros_like(q)
+
+
+class CrashingOps(ReferenceOps):
+    def rms_norm(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("CUDA error: no kernel image is available for execution")
+
+
+def test_self_check_catches_wrong_and_failing_kernels() -> None:
+    config = tiny_config()
+    assert self_check(ReferenceOps(), config, torch.float32, CPU, 16) is None
+    why = self_check(BrokenOps(), config, torch.float32, CPU, 16)
+    assert why is not None and why.startswith("self-check: attention differs")
+    why = self_check(CrashingOps(), config, torch.float32, CPU, 16)
+    assert why == "self-check: RuntimeError: CUDA error: no kernel image is available for execution"
+
+
+def test_auto_falls_back_to_torch_when_the_kernels_fail(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a GPU whose kernels fail the start-up self-check, auto serves through plain torch and
+    says why; cuda refuses to start. (A torch.device("cuda") object runs nothing here.)"""
+    import engine.ops
+    import kernels.cuda as kc
+
+    monkeypatch.setattr(kc, "is_available", lambda: True)
+    monkeypatch.setattr(engine.ops, "KernelOps", CrashingOps)
+    check_on_cpu = engine.ops.self_check  # the check itself, with its tensors on the CPU
+    monkeypatch.setattr(
+        engine.ops,
+        "self_check",
+        lambda ops, c, dtype, device, bs: check_on_cpu(ops, c, dtype, CPU, bs),
+    )
+    cuda = torch.device("cuda")
+    ops, why = select_ops("auto", cuda, torch.bfloat16, tiny_config(), 16)
+    assert isinstance(ops, ReferenceOps) and not isinstance(ops, CrashingOps)
+    assert (
+        why == "fell back to torch: self-check: RuntimeError: CUDA error: no kernel image is "
+        "available for execution"
+    )
+    with pytest.raises(ValueError, match="--attention-backend cuda: self-check: RuntimeError"):
+        select_ops("cuda", cuda, torch.bfloat16, tiny_config(), 16)
+
+
 # ---- the model through the kernels, on the emulator --------------------------------------------
 
 
@@ -222,6 +276,11 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     """|a - b| / |b| over whole tensors (L2); a must be finite."""
     assert bool(torch.isfinite(a).all())
     return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+@torch.inference_mode()
+def test_the_kernels_pass_their_self_check(emulator: object) -> None:
+    assert self_check(KernelOps(), tiny_config(), torch.bfloat16, CPU, BLOCK_SIZE) is None
 
 
 @torch.inference_mode()

@@ -247,7 +247,9 @@ def test_scheduler_adopts_the_engine_limits_and_refuses_larger_ones(tmp_path: Pa
         try:
             assert wait_until_serving(stack.scheduler_address, timeout=60), stack.logs()
             with grpc.insecure_channel(stack.scheduler_address, options=CHANNEL_OPTIONS) as ch:
-                info = scheduler_pb2_grpc.SchedulerStub(ch).GetInfo(scheduler_pb2.GetInfoRequest())
+                info = scheduler_pb2_grpc.SchedulerStub(ch).GetInfo(
+                    scheduler_pb2.GetInfoRequest(), metadata=stack.scheduler.peer_metadata()
+                )
             assert (info.max_num_seqs, info.max_num_batched_tokens) == expected
         finally:
             stack.stop()
