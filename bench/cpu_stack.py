@@ -28,6 +28,7 @@ sys.path.insert(0, str(ROOT))
 
 from common.model_config import builtin_model_path  # noqa: E402
 from gateway.tokenizer import Tokenizer  # noqa: E402
+from llmserve.bench.hf import load_model, timed_generate  # noqa: E402
 from llmserve.bench.server import LocalStack  # noqa: E402
 from llmserve.client import Client, make_request  # noqa: E402
 
@@ -134,33 +135,10 @@ def bench_stack(
 
 
 def bench_hf(token_ids: list[list[int]], max_tokens: int, batch_1_requests: int) -> dict:
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    path = builtin_model_path()
-    model = AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32
-    ).eval()
-
-    def generate(batch: list[list[int]]) -> float:
-        ids = torch.tensor(batch)
-        t0 = time.perf_counter()
-        with torch.no_grad():
-            out = model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                do_sample=False,
-                max_new_tokens=max_tokens,
-                min_new_tokens=max_tokens,
-                pad_token_id=2,
-            )
-        elapsed = time.perf_counter() - t0
-        assert out.shape[1] - ids.shape[1] == max_tokens
-        return elapsed
-
-    generate(token_ids[:1])  # warm-up
-    times_1 = [generate([ids]) for ids in token_ids[:batch_1_requests]]
-    time_16 = generate(token_ids)
+    model = load_model(builtin_model_path())
+    timed_generate(model, token_ids[:1], max_tokens)  # warm-up
+    times_1 = [timed_generate(model, [ids], max_tokens) for ids in token_ids[:batch_1_requests]]
+    time_16 = timed_generate(model, token_ids, max_tokens)
     return {
         "batch_1": {
             "requests": batch_1_requests,

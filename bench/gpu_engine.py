@@ -234,34 +234,16 @@ def decode_step_times(shape: str, args: argparse.Namespace) -> dict[str, Any]:
 def hf_generate(shape: str, args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
-    from llmserve.bench.engine_driver import hf_dummy_model
+    from llmserve.bench.hf import dummy_model, timed_generate
 
-    model = hf_dummy_model(config_dir(shape), args.seed, getattr(torch, DTYPE), DEVICE)
+    model = dummy_model(config_dir(shape), args.seed, getattr(torch, DTYPE), DEVICE)
     vocab = model.config.vocab_size
     batch, out_len = args.hf_batch, args.hf_output_len
-    ids = torch.tensor(
-        [[(i * 7919 + b * 104729) % vocab for i in range(args.input_len)] for b in range(batch)],
-        device=DEVICE,
-    )
-
-    def run(model: Any, prompt_ids: torch.Tensor, new_tokens: int) -> float:
-        _synchronize()
-        t0 = time.perf_counter()
-        with torch.inference_mode():
-            out = model.generate(
-                prompt_ids,
-                attention_mask=torch.ones_like(prompt_ids),
-                do_sample=False,
-                max_new_tokens=new_tokens,
-                min_new_tokens=new_tokens,
-                pad_token_id=0,
-            )
-        _synchronize()
-        assert out.shape[1] - prompt_ids.shape[1] == new_tokens
-        return time.perf_counter() - t0
-
-    run(model, ids[:2, :64], 4)  # warm-up
-    seconds = run(model, ids, out_len)
+    prompts = [
+        [(i * 7919 + b * 104729) % vocab for i in range(args.input_len)] for b in range(batch)
+    ]
+    timed_generate(model, [p[:64] for p in prompts[:2]], 4)  # warm-up
+    seconds = timed_generate(model, prompts, out_len)
     del model
     gc.collect()
     _empty_cuda_cache()

@@ -45,6 +45,7 @@ from common.model_config import resolve_model_path  # noqa: E402
 from gateway.tokenizer import Tokenizer  # noqa: E402
 from llmserve.bench.arrivals import ArrivalConfig  # noqa: E402
 from llmserve.bench.backends import GrpcBackend, SamplingConfig  # noqa: E402
+from llmserve.bench.hf import load_model, timed_generate  # noqa: E402
 from llmserve.bench.metrics import distribution, summarize  # noqa: E402
 from llmserve.bench.report import git_commit, hardware, record_json  # noqa: E402
 from llmserve.bench.runner import run_benchmark, warm_up  # noqa: E402
@@ -153,37 +154,6 @@ def describe(m: dict[str, Any]) -> str:
 # -- HF transformers generate ---------------------------------------------------------------------
 
 
-def load_hf_model(model_path: Path, device: str) -> Any:
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    if model_path.is_dir():
-        model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(
-            str(model_path.parent), gguf_file=model_path.name, dtype=torch.float32
-        )
-    return model.to(device).eval()
-
-
-def hf_generate(model: Any, token_ids: list[list[int]], num_new: int) -> None:
-    import torch
-
-    ids = torch.tensor(token_ids, device=model.device)
-    with torch.no_grad():
-        out = model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            do_sample=False,
-            max_new_tokens=num_new,
-            min_new_tokens=num_new,
-            pad_token_id=0,
-        )
-    if ids.is_cuda:
-        torch.cuda.synchronize()
-    assert out.shape[1] - ids.shape[1] == num_new
-
-
 def run_hf(
     model: Any, token_ids: list[list[int]], lengths: list[int], batch_size: int
 ) -> dict[str, Any]:
@@ -194,7 +164,7 @@ def run_hf(
     for first in range(0, len(token_ids), batch_size):
         batch = token_ids[first : first + batch_size]
         num_new = max(lengths[first : first + batch_size])
-        hf_generate(model, batch, num_new)
+        timed_generate(model, batch, num_new)
         e2el_ms += [(time.perf_counter() - start) * 1e3] * len(batch)
         num_computed += num_new * len(batch)
     duration = time.perf_counter() - start
@@ -358,8 +328,8 @@ def run_hf_levels(
     device: str,
 ) -> None:
     print("HF transformers generate: loading the model", flush=True)
-    model = load_hf_model(model_path, device)
-    hf_generate(model, token_ids[:1], 4)  # warm-up
+    model = load_model(model_path, device)
+    timed_generate(model, token_ids[:1], 4)  # warm-up
     for level in levels:
         level["hf_generate"] = run_hf(model, token_ids, level["output_lengths"], batch_size)
         print(f"  hf_generate {level['name']}: {describe(level['hf_generate']['metrics'])}")
