@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import math
 import random
 import statistics
@@ -47,7 +46,7 @@ from llmserve.bench.arrivals import ArrivalConfig  # noqa: E402
 from llmserve.bench.backends import GrpcBackend, SamplingConfig  # noqa: E402
 from llmserve.bench.hf import load_model, timed_generate  # noqa: E402
 from llmserve.bench.metrics import distribution, summarize  # noqa: E402
-from llmserve.bench.report import git_commit, hardware, record_json  # noqa: E402
+from llmserve.bench.report import git_commit, hardware, record_json, save  # noqa: E402
 from llmserve.bench.runner import run_benchmark, warm_up  # noqa: E402
 from llmserve.bench.server import LocalStack, stats_delta  # noqa: E402
 from llmserve.bench.workload import BenchRequest, LogNormal, exact_length_prompts  # noqa: E402
@@ -366,8 +365,7 @@ def main() -> None:
         "wall_s": time.perf_counter() - started,
         "levels": levels,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(document, indent=2, allow_nan=False) + "\n")
+    save(document, args.out)
     title = (
         f"{model_path.name}: {args.num_requests} requests x {args.prompt_tokens} prompt tokens, "
         f"batch {args.batch_size}, {document['hardware']['cpu']}"

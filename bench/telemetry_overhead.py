@@ -30,13 +30,15 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from cpu_stack import bench_stack, hardware, make_prompts  # noqa: E402
+from cpu_stack import bench_stack  # noqa: E402
 
 from common.model_config import builtin_model_path  # noqa: E402
 from engine.fake import FakeEngineConfig  # noqa: E402
 from gateway.config import GatewayConfig  # noqa: E402
 from gateway.tokenizer import Tokenizer  # noqa: E402
 from llmserve.bench.otlp import OtlpReceiver  # noqa: E402
+from llmserve.bench.report import hardware, save  # noqa: E402
+from llmserve.bench.workload import exact_length_prompts  # noqa: E402
 from llmserve.client import Client, make_request  # noqa: E402
 from llmserve.launcher import SERVICES, free_port, local_stack  # noqa: E402
 
@@ -162,14 +164,14 @@ def main() -> None:
     )
     args = parser.parse_args()
     receiver = OtlpReceiver().start()
+    machine = hardware(torch_threads=True)
     if args.hooks_only:
-        hooks = {"benchmark": "telemetry_hooks", "hardware": hardware(), "hooks": hook_costs()}
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(hooks, indent=2) + "\n")
+        hooks = {"benchmark": "telemetry_hooks", "hardware": machine, "hooks": hook_costs()}
+        save(hooks, args.out)
         print(json.dumps(hooks["hooks"], indent=2))
         return
     tokenizer = Tokenizer.from_model_path(builtin_model_path())
-    prompts = make_prompts(tokenizer, 16, 128)
+    prompts = exact_length_prompts(tokenizer, 16, 128)
     raw: dict[str, dict[str, list[float]]] = {"model": {}, "echo": {}}
     for r in range(args.rounds):
         for setting in SETTINGS:
@@ -208,15 +210,14 @@ def main() -> None:
     summary["hooks"] = hooks
     result = {
         "benchmark": "telemetry_overhead",
-        "hardware": hardware(),
+        "hardware": machine,
         "config": {"rounds": args.rounds, "settings": list(SETTINGS)},
         "raw_tokens_per_s": raw,
         "summary": summary,
         "spans_received": len(receiver.spans),
     }
     receiver.stop()
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    save(result, args.out)
     print(json.dumps(summary, indent=2))
 
 
