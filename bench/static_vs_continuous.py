@@ -45,7 +45,7 @@ from gateway.tokenizer import Tokenizer  # noqa: E402
 from llmserve.bench.arrivals import ArrivalConfig  # noqa: E402
 from llmserve.bench.backends import GrpcBackend, SamplingConfig  # noqa: E402
 from llmserve.bench.hf import load_model, timed_generate  # noqa: E402
-from llmserve.bench.metrics import distribution, summarize  # noqa: E402
+from llmserve.bench.metrics import RequestRecord, summarize  # noqa: E402
 from llmserve.bench.report import git_commit, hardware, record_json, save  # noqa: E402
 from llmserve.bench.runner import run_benchmark, warm_up  # noqa: E402
 from llmserve.bench.server import LocalStack, stats_delta  # noqa: E402
@@ -156,31 +156,26 @@ def describe(m: dict[str, Any]) -> str:
 def run_hf(
     model: Any, token_ids: list[list[int]], lengths: list[int], batch_size: int
 ) -> dict[str, Any]:
-    """Static batches in request order; each generates its longest member's length."""
+    """Static batches in request order; each generates its longest member's length. Not
+    streamed: a request's tokens come at its batch's end, with no chunk times (no TTFT)."""
+    records = [
+        RequestRecord(i, len(ids), n, chunk_num_tokens=[n])
+        for i, (ids, n) in enumerate(zip(token_ids, lengths, strict=True))
+    ]
     start = time.perf_counter()
-    e2el_ms: list[float] = []
     num_computed = 0
-    for first in range(0, len(token_ids), batch_size):
-        batch = token_ids[first : first + batch_size]
-        num_new = max(lengths[first : first + batch_size])
-        timed_generate(model, batch, num_new)
-        e2el_ms += [(time.perf_counter() - start) * 1e3] * len(batch)
+    for first in range(0, len(records), batch_size):
+        batch = records[first : first + batch_size]
+        num_new = max(r.max_tokens for r in batch)
+        timed_generate(model, token_ids[first : first + batch_size], num_new)
+        end = time.perf_counter() - start
+        for record in batch:
+            record.latency_s = end
         num_computed += num_new * len(batch)
-    duration = time.perf_counter() - start
-    num_output = sum(lengths)
     return {
-        "metrics": {
-            "num_completed": len(token_ids),
-            "num_failed": 0,
-            "duration_s": duration,
-            "total_output_tokens": num_output,
-            "request_throughput": len(token_ids) / duration,
-            "output_throughput": num_output / duration,
-            "ttft_ms": distribution([]),  # not streamed
-            "e2el_ms": distribution(e2el_ms),
-        },
+        "metrics": summarize(records),
         "num_computed_output_tokens": num_computed,
-        "padding_fraction": 1 - num_output / num_computed,
+        "padding_fraction": 1 - sum(lengths) / num_computed,
     }
 
 
