@@ -13,10 +13,6 @@ run while the stack is stopped so the two never share the CPU.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
-import random
 import statistics
 import sys
 import threading
@@ -28,36 +24,12 @@ sys.path.insert(0, str(ROOT))
 
 from common.model_config import builtin_model_path  # noqa: E402
 from gateway.tokenizer import Tokenizer  # noqa: E402
-from llmserve.bench.server import LocalStack  # noqa: E402
+from llmserve.bench.hf import load_model, timed_generate  # noqa: E402
+from llmserve.bench.metrics import percentile  # noqa: E402
+from llmserve.bench.report import hardware, save  # noqa: E402
+from llmserve.bench.server import LocalStack, stats_delta  # noqa: E402
+from llmserve.bench.workload import exact_length_prompts  # noqa: E402
 from llmserve.client import Client, make_request  # noqa: E402
-
-TEXT = """the model serves many requests at once while the scheduler plans every step and the
-engine runs one forward pass over prefill chunks and decode tokens together paged memory keeps
-blocks for each sequence river mountain window garden music ocean silver planet bridge story
-letter winter summer coffee market science history language number question answer"""
-WORDS = TEXT.split()
-
-
-def make_prompts(tokenizer: Tokenizer, n: int, length: int, seed: int = 0) -> list[str]:
-    """n texts that tokenize to exactly `length` tokens (BOS included if the model adds one)."""
-    rng = random.Random(seed)
-    prompts = []
-    while len(prompts) < n:
-        words = [rng.choice(WORDS) for _ in range(length * 2)]
-        ids = tokenizer.encode(" ".join(words))[:length]
-        text = tokenizer.decode(ids)
-        if len(tokenizer.encode(text)) == length:
-            prompts.append(text)
-    return prompts
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    if not ordered:
-        return float("nan")
-    k = (len(ordered) - 1) * q / 100
-    lo, hi = int(k), min(int(k) + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
 
 
 def run_stream(
@@ -107,7 +79,7 @@ def bench_stack(
     assert num_tokens == len(prompts) * max_tokens, num_tokens
     ttft = [(r["times"][0] - r["t0"]) * 1e3 for r in results]
     itl = [(b - a) * 1e3 for r in results for a, b in zip(r["times"], r["times"][1:], strict=False)]
-    delta = {k: after[k] - before.get(k, 0.0) for k in after}
+    delta = stats_delta(before, after)
     steps = max(delta["num_steps"], 1.0)
     per_step = {
         "schedule_ms": delta["schedule_ms"] / steps,
@@ -134,33 +106,10 @@ def bench_stack(
 
 
 def bench_hf(token_ids: list[list[int]], max_tokens: int, batch_1_requests: int) -> dict:
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    path = builtin_model_path()
-    model = AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32
-    ).eval()
-
-    def generate(batch: list[list[int]]) -> float:
-        ids = torch.tensor(batch)
-        t0 = time.perf_counter()
-        with torch.no_grad():
-            out = model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                do_sample=False,
-                max_new_tokens=max_tokens,
-                min_new_tokens=max_tokens,
-                pad_token_id=2,
-            )
-        elapsed = time.perf_counter() - t0
-        assert out.shape[1] - ids.shape[1] == max_tokens
-        return elapsed
-
-    generate(token_ids[:1])  # warm-up
-    times_1 = [generate([ids]) for ids in token_ids[:batch_1_requests]]
-    time_16 = generate(token_ids)
+    model = load_model(builtin_model_path())
+    timed_generate(model, token_ids[:1], max_tokens)  # warm-up
+    times_1 = [timed_generate(model, [ids], max_tokens) for ids in token_ids[:batch_1_requests]]
+    time_16 = timed_generate(model, token_ids, max_tokens)
     return {
         "batch_1": {
             "requests": batch_1_requests,
@@ -171,27 +120,6 @@ def bench_hf(token_ids: list[list[int]], max_tokens: int, batch_1_requests: int)
             "output_tokens_per_s": len(token_ids) * max_tokens / time_16,
             "seconds": time_16,
         },
-    }
-
-
-def hardware() -> dict:
-    import torch
-
-    cpu = "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {
-        "cpu": cpu,
-        "logical_cores": os.cpu_count(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "torch_threads": torch.get_num_threads(),
-        "platform": platform.platform(),
     }
 
 
@@ -207,14 +135,14 @@ def main() -> None:
     args = parser.parse_args()
 
     tokenizer = Tokenizer.from_model_path(builtin_model_path())
-    prompts = make_prompts(tokenizer, args.streams, args.prompt_tokens)
+    prompts = exact_length_prompts(tokenizer, args.streams, args.prompt_tokens)
     token_ids = [tokenizer.encode(p) for p in prompts]
     stack = bench_stack(prompts, args.output_tokens, args.engine_threads)
     hf = None if args.skip_hf else bench_hf(token_ids, args.output_tokens, args.hf_batch_1_requests)
     result = {
         "benchmark": "cpu_stack",
         "date": time.strftime("%Y-%m-%d"),
-        "hardware": hardware(),
+        "hardware": hardware(torch_threads=True),
         "workload": {
             "streams": args.streams,
             "prompt_tokens": args.prompt_tokens,
@@ -231,8 +159,7 @@ def main() -> None:
             "vs_hf_batch_1": stack["output_tokens_per_s"] / hf["batch_1"]["output_tokens_per_s"],
             "vs_hf_batch_16": stack["output_tokens_per_s"] / hf["batch_16"]["output_tokens_per_s"],
         }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    save(result, args.out)
 
     s = stack
     print(f"hardware: {result['hardware']['cpu']}, {result['hardware']['logical_cores']} cores")

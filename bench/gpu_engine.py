@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import os
 import platform
 import signal
@@ -152,8 +153,8 @@ def decode_floor_bytes(shape: str, batch: int, context: int) -> dict[str, int]:
 
     config = load_model_config(config_dir(shape))
     shapes = hf_tensor_shapes(config)
-    params = sum(_numel(s) for s in shapes.values())
-    embed = _numel(shapes["model.embed_tokens.weight"])
+    params = sum(math.prod(s) for s in shapes.values())
+    embed = math.prod(shapes["model.embed_tokens.weight"])
     weights = params * 2
     if not config.tie_word_embeddings:  # a lookup of `batch` rows, not the whole table
         weights -= (embed - batch * config.hidden_size) * 2
@@ -161,11 +162,12 @@ def decode_floor_bytes(shape: str, batch: int, context: int) -> dict[str, int]:
     return {"weights": weights, "kv": batch * context * kv_per_token}
 
 
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
+def synthetic_prompts(num_prompts: int, num_tokens: int, vocab_size: int) -> list[list[int]]:
+    """Fixed token ids, a different sequence for each prompt (the same for our engine and HF)."""
+    return [
+        [(i * 7919 + b * 104729) % vocab_size for i in range(num_tokens)]
+        for b in range(num_prompts)
+    ]
 
 
 def decode_step_times(shape: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -199,7 +201,7 @@ def decode_step_times(shape: str, args: argparse.Namespace) -> dict[str, Any]:
         "ops": engine.model.ops.name,
     }
     for batch in batches:
-        prompts = [[(i * 7919 + b * 104729) % vocab for i in range(context)] for b in range(batch)]
+        prompts = synthetic_prompts(batch, context, vocab)
         driver = Driver(engine)
         driver.start(prompts)
         for _ in range(5):  # warm-up
@@ -222,9 +224,6 @@ def decode_step_times(shape: str, args: argparse.Namespace) -> dict[str, Any]:
             "floor_ms": floor_ms,
             "vs_floor": median / floor_ms,
         }
-    del engine, driver
-    gc.collect()
-    _empty_cuda_cache()
     return results
 
 
@@ -234,37 +233,13 @@ def decode_step_times(shape: str, args: argparse.Namespace) -> dict[str, Any]:
 def hf_generate(shape: str, args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
-    from llmserve.bench.engine_driver import hf_dummy_model
+    from llmserve.bench.hf import dummy_model, timed_generate
 
-    model = hf_dummy_model(config_dir(shape), args.seed, getattr(torch, DTYPE), DEVICE)
-    vocab = model.config.vocab_size
+    model = dummy_model(config_dir(shape), args.seed, getattr(torch, DTYPE), DEVICE)
     batch, out_len = args.hf_batch, args.hf_output_len
-    ids = torch.tensor(
-        [[(i * 7919 + b * 104729) % vocab for i in range(args.input_len)] for b in range(batch)],
-        device=DEVICE,
-    )
-
-    def run(model: Any, prompt_ids: torch.Tensor, new_tokens: int) -> float:
-        _synchronize()
-        t0 = time.perf_counter()
-        with torch.inference_mode():
-            out = model.generate(
-                prompt_ids,
-                attention_mask=torch.ones_like(prompt_ids),
-                do_sample=False,
-                max_new_tokens=new_tokens,
-                min_new_tokens=new_tokens,
-                pad_token_id=0,
-            )
-        _synchronize()
-        assert out.shape[1] - prompt_ids.shape[1] == new_tokens
-        return time.perf_counter() - t0
-
-    run(model, ids[:2, :64], 4)  # warm-up
-    seconds = run(model, ids, out_len)
-    del model
-    gc.collect()
-    _empty_cuda_cache()
+    prompts = synthetic_prompts(batch, args.input_len, model.config.vocab_size)
+    timed_generate(model, [p[:64] for p in prompts[:2]], 4)  # warm-up
+    seconds = timed_generate(model, prompts, out_len)
     return {
         "what": f"static generate, one batch of {batch} requests, {args.input_len} prompt tokens, "
         f"{out_len} new tokens each (a subset of the offline workload), {DTYPE}, SDPA",
@@ -426,7 +401,7 @@ def main() -> int:
             result[name] = part()
         except Exception as err:  # one part failing must not lose the others
             result[name] = {"error": f"{type(err).__name__}: {err}"}
-        gc.collect()  # a failed part's engine or model must not hold the GPU for the next
+        gc.collect()  # no part's engine or model, failed or not, may hold the GPU for the next
         _empty_cuda_cache()
         print(f"[{name}: {time.perf_counter() - t0:.0f} s]", flush=True)
         # after every part, so a run stopped by a time limit keeps what it measured

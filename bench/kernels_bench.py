@@ -138,29 +138,28 @@ def contiguous_kv(
 # Decode
 
 
-def torch_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: Any) -> dict:
-    """SDPA over contiguous K/V [B, Hkv, L, D] with GQA; `expanded` if enable_gqa is refused."""
-    q4 = q.unsqueeze(2)  # [B, H, 1, D]
+def torch_sdpa(
+    q4: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: Any, **mask: Any
+) -> dict[str, Any]:
+    """torch's SDPA on `backend` over contiguous K/V [B, Hkv, L, D] with GQA, timed; with K/V
+    expanded to every query head (more bytes, same FLOPs) if torch refuses enable_gqa. mask:
+    is_causal or attn_mask, as SDPA takes them."""
+    from torch.nn.attention import sdpa_kernel
 
-    def with_gqa() -> None:
-        with torch.nn.attention.sdpa_kernel(backend):
-            F.scaled_dot_product_attention(q4, k, v, enable_gqa=True)
+    def timed(k: torch.Tensor, v: torch.Tensor, **gqa: bool) -> dict[str, Any]:
+        def call() -> None:
+            with sdpa_kernel(backend):
+                F.scaled_dot_product_attention(q4, k, v, **mask, **gqa)
 
-    try:
-        result = time_ms(with_gqa)
-        result["gqa"] = "enable_gqa"
-        return result
-    except Exception:
-        group = q.shape[1] // k.shape[1]
-        ke, ve = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        return attempt(lambda: time_ms(call))
 
-        def expanded() -> None:
-            with torch.nn.attention.sdpa_kernel(backend):
-                F.scaled_dot_product_attention(q4, ke, ve)
-
-        result = attempt(lambda: time_ms(expanded))
+    result = timed(k, v, enable_gqa=True)
+    result["gqa"] = "enable_gqa"
+    if "error" in result:
+        group = q4.shape[1] // k.shape[1]
+        result = timed(k.repeat_interleave(group, 1), v.repeat_interleave(group, 1))
         result["gqa"] = "expanded K/V (torch refused enable_gqa)"
-        return result
+    return result
 
 
 def bench_decode(batch: int, context: int, sweep: bool) -> dict[str, Any]:
@@ -202,7 +201,7 @@ def bench_decode(batch: int, context: int, sweep: bool) -> dict[str, Any]:
 
     for name, backend in (("flash", SDPBackend.FLASH_ATTENTION),
                           ("efficient", SDPBackend.EFFICIENT_ATTENTION)):  # fmt: skip
-        r = attempt(lambda backend=backend: torch_decode(q, kk, vv, backend))
+        r = attempt(lambda backend=backend: torch_sdpa(q.unsqueeze(2), kk, vv, backend))
         if "ms" in r:
             r["tbps"] = kv_bytes / r["ms"] / 1e9
         row[f"torch_{name}"] = r
@@ -245,32 +244,13 @@ def bench_prefill(num_seqs: int, num_new: int, context: int) -> dict[str, Any]:
     k = v = None  # drop the pool before the contiguous copies are timed
     free()
     q4 = q.view(num_seqs, num_new, NUM_HEADS, HEAD_DIM).transpose(1, 2)
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention import SDPBackend
     from torch.nn.attention.bias import causal_lower_right
 
-    mask = None if context == 0 else causal_lower_right(num_new, seq_len)
-
-    def flash() -> None:
-        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-            if mask is None:
-                F.scaled_dot_product_attention(q4, kk, vv, is_causal=True, enable_gqa=True)
-            else:
-                F.scaled_dot_product_attention(q4, kk, vv, attn_mask=mask, enable_gqa=True)
-
-    r = attempt(lambda: time_ms(flash))
-    if "error" in r:  # GQA refused: expand K/V (more bytes, same FLOPs)
-        group = NUM_HEADS // NUM_KV_HEADS
-        kk, vv = kk.repeat_interleave(group, 1), vv.repeat_interleave(group, 1)
-
-        def flash_expanded() -> None:
-            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-                if mask is None:
-                    F.scaled_dot_product_attention(q4, kk, vv, is_causal=True)
-                else:
-                    F.scaled_dot_product_attention(q4, kk, vv, attn_mask=mask)
-
-        r = attempt(lambda: time_ms(flash_expanded))
-        r["gqa"] = "expanded K/V"
+    causal = (
+        {"is_causal": True} if context == 0 else {"attn_mask": causal_lower_right(num_new, seq_len)}
+    )
+    r = torch_sdpa(q4, kk, vv, SDPBackend.FLASH_ATTENTION, **causal)
     if "ms" in r:
         r["tflops"] = flops / r["ms"] / 1e9
     row["torch_flash"] = r

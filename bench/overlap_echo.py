@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
-import json
 import os
 import platform
 import sys
@@ -35,6 +34,7 @@ import grpc  # noqa: E402
 from common.net import CHANNEL_OPTIONS, wait_until_serving  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.fake import FakeEngineConfig  # noqa: E402
+from llmserve.bench.report import cpu_model, save  # noqa: E402
 from llmserve.launcher import Stack, local_stack  # noqa: E402
 from protos import common_pb2, scheduler_pb2, scheduler_pb2_grpc  # noqa: E402
 from scheduler.config import SchedulerConfig  # noqa: E402
@@ -53,13 +53,6 @@ def start(step_delay_ms: float, overlap: bool, num_requests: int) -> Stack:
         stack.stop()
         raise RuntimeError("echo engine + scheduler did not start")
     return stack
-
-
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.machine()
 
 
 def cpu_seconds(pid: int) -> float:
@@ -95,18 +88,15 @@ async def stream_all(
         return await asyncio.gather(*(one(i) for i in range(num_requests)))
 
 
-def run_once(
-    address: str, pids: list[int], num_requests: int, prompt_len: int, output_len: int
-) -> dict[str, float]:
+def run_once(stack: Stack, num_requests: int, prompt_len: int, output_len: int) -> dict[str, float]:
     """One run: steps/s, tokens/s, the scheduler's time per step, each process's CPU per step."""
-    with grpc.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
-        stub = scheduler_pb2_grpc.SchedulerStub(channel)
-        before = stub.GetStats(scheduler_pb2.GetStatsRequest(), timeout=5)
-        cpu_before = [cpu_seconds(pid) for pid in [*pids, os.getpid()]]
-        t_start = time.perf_counter()
-        streams = asyncio.run(stream_all(address, num_requests, prompt_len, output_len))
-        cpu_after = [cpu_seconds(pid) for pid in [*pids, os.getpid()]]
-        after = stub.GetStats(scheduler_pb2.GetStatsRequest(), timeout=5)
+    pids = [stack.procs["engine"].pid, stack.procs["scheduler"].pid, os.getpid()]
+    before = stack.scheduler_stats()
+    cpu_before = [cpu_seconds(pid) for pid in pids]
+    t_start = time.perf_counter()
+    streams = asyncio.run(stream_all(stack.scheduler_address, num_requests, prompt_len, output_len))
+    cpu_after = [cpu_seconds(pid) for pid in pids]
+    after = stack.scheduler_stats()
     assert [n for *_, n in streams] == [output_len] * num_requests, streams
     wall = max(t for _, t, _ in streams) - t_start
     steps = after.num_steps - before.num_steps
@@ -137,13 +127,10 @@ def main() -> None:
         args.num_requests, args.step_delay_ms, (False, True)
     ):
         stack = start(delay, overlap, n)
-        address = stack.scheduler_address
-        pids = [stack.procs[name].pid for name in ("engine", "scheduler")]
         try:
-            run_once(address, pids, 4, args.prompt_len, 8)  # warm-up
+            run_once(stack, 4, args.prompt_len, 8)  # warm-up
             runs = [
-                run_once(address, pids, n, args.prompt_len, args.output_len)
-                for _ in range(args.repeats)
+                run_once(stack, n, args.prompt_len, args.output_len) for _ in range(args.repeats)
             ]
         finally:
             stack.stop()
@@ -174,8 +161,7 @@ def main() -> None:
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "results": results,
     }
-    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.output).write_text(json.dumps(doc, indent=2) + "\n")
+    save(doc, Path(args.output))
     print(f"saved {args.output}")
 
 

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import math
 import random
 import statistics
@@ -45,8 +44,9 @@ from common.model_config import resolve_model_path  # noqa: E402
 from gateway.tokenizer import Tokenizer  # noqa: E402
 from llmserve.bench.arrivals import ArrivalConfig  # noqa: E402
 from llmserve.bench.backends import GrpcBackend, SamplingConfig  # noqa: E402
-from llmserve.bench.metrics import distribution, summarize  # noqa: E402
-from llmserve.bench.report import git_commit, hardware, record_json  # noqa: E402
+from llmserve.bench.hf import load_model, timed_generate  # noqa: E402
+from llmserve.bench.metrics import RequestRecord, summarize  # noqa: E402
+from llmserve.bench.report import git_commit, hardware, record_json, save  # noqa: E402
 from llmserve.bench.runner import run_benchmark, warm_up  # noqa: E402
 from llmserve.bench.server import LocalStack, stats_delta  # noqa: E402
 from llmserve.bench.workload import BenchRequest, LogNormal, exact_length_prompts  # noqa: E402
@@ -153,65 +153,29 @@ def describe(m: dict[str, Any]) -> str:
 # -- HF transformers generate ---------------------------------------------------------------------
 
 
-def load_hf_model(model_path: Path, device: str) -> Any:
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    if model_path.is_dir():
-        model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(
-            str(model_path.parent), gguf_file=model_path.name, dtype=torch.float32
-        )
-    return model.to(device).eval()
-
-
-def hf_generate(model: Any, token_ids: list[list[int]], num_new: int) -> None:
-    import torch
-
-    ids = torch.tensor(token_ids, device=model.device)
-    with torch.no_grad():
-        out = model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            do_sample=False,
-            max_new_tokens=num_new,
-            min_new_tokens=num_new,
-            pad_token_id=0,
-        )
-    if ids.is_cuda:
-        torch.cuda.synchronize()
-    assert out.shape[1] - ids.shape[1] == num_new
-
-
 def run_hf(
     model: Any, token_ids: list[list[int]], lengths: list[int], batch_size: int
 ) -> dict[str, Any]:
-    """Static batches in request order; each generates its longest member's length."""
+    """Static batches in request order; each generates its longest member's length. Not
+    streamed: a request's tokens come at its batch's end, with no chunk times (no TTFT)."""
+    records = [
+        RequestRecord(i, len(ids), n, chunk_num_tokens=[n])
+        for i, (ids, n) in enumerate(zip(token_ids, lengths, strict=True))
+    ]
     start = time.perf_counter()
-    e2el_ms: list[float] = []
     num_computed = 0
-    for first in range(0, len(token_ids), batch_size):
-        batch = token_ids[first : first + batch_size]
-        num_new = max(lengths[first : first + batch_size])
-        hf_generate(model, batch, num_new)
-        e2el_ms += [(time.perf_counter() - start) * 1e3] * len(batch)
+    for first in range(0, len(records), batch_size):
+        batch = records[first : first + batch_size]
+        num_new = max(r.max_tokens for r in batch)
+        timed_generate(model, token_ids[first : first + batch_size], num_new)
+        end = time.perf_counter() - start
+        for record in batch:
+            record.latency_s = end
         num_computed += num_new * len(batch)
-    duration = time.perf_counter() - start
-    num_output = sum(lengths)
     return {
-        "metrics": {
-            "num_completed": len(token_ids),
-            "num_failed": 0,
-            "duration_s": duration,
-            "total_output_tokens": num_output,
-            "request_throughput": len(token_ids) / duration,
-            "output_throughput": num_output / duration,
-            "ttft_ms": distribution([]),  # not streamed
-            "e2el_ms": distribution(e2el_ms),
-        },
+        "metrics": summarize(records),
         "num_computed_output_tokens": num_computed,
-        "padding_fraction": 1 - num_output / num_computed,
+        "padding_fraction": 1 - sum(lengths) / num_computed,
     }
 
 
@@ -358,8 +322,8 @@ def run_hf_levels(
     device: str,
 ) -> None:
     print("HF transformers generate: loading the model", flush=True)
-    model = load_hf_model(model_path, device)
-    hf_generate(model, token_ids[:1], 4)  # warm-up
+    model = load_model(model_path, device)
+    timed_generate(model, token_ids[:1], 4)  # warm-up
     for level in levels:
         level["hf_generate"] = run_hf(model, token_ids, level["output_lengths"], batch_size)
         print(f"  hf_generate {level['name']}: {describe(level['hf_generate']['metrics'])}")
@@ -396,8 +360,7 @@ def main() -> None:
         "wall_s": time.perf_counter() - started,
         "levels": levels,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(document, indent=2, allow_nan=False) + "\n")
+    save(document, args.out)
     title = (
         f"{model_path.name}: {args.num_requests} requests x {args.prompt_tokens} prompt tokens, "
         f"batch {args.batch_size}, {document['hardware']['cpu']}"

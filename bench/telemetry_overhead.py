@@ -23,22 +23,23 @@ import statistics
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from cpu_stack import bench_stack, hardware, make_prompts  # noqa: E402
+from cpu_stack import bench_stack  # noqa: E402
 
 from common.model_config import builtin_model_path  # noqa: E402
 from engine.fake import FakeEngineConfig  # noqa: E402
-from gateway.config import GatewayConfig  # noqa: E402
 from gateway.tokenizer import Tokenizer  # noqa: E402
 from llmserve.bench.otlp import OtlpReceiver  # noqa: E402
+from llmserve.bench.report import hardware, save  # noqa: E402
+from llmserve.bench.server import LocalStack  # noqa: E402
+from llmserve.bench.workload import exact_length_prompts  # noqa: E402
 from llmserve.client import Client, make_request  # noqa: E402
-from llmserve.launcher import SERVICES, free_port, local_stack  # noqa: E402
+from llmserve.launcher import free_port  # noqa: E402
 
 SETTINGS = ("off", "default", "tracing")
 
@@ -53,17 +54,9 @@ def settings_env(setting: str, receiver: OtlpReceiver) -> dict[str, str]:
 
 def bench_echo(env: dict[str, str], num_streams: int, num_tokens: int) -> float:
     """Output tokens/s of num_streams concurrent echo requests through the three processes."""
-    stack = local_stack(
-        gateway=GatewayConfig(model=str(builtin_model_path())),
-        fake=FakeEngineConfig(vocab_size=49152),  # SmolLM2's vocabulary
-        env={"LLMSERVE_LOG_LEVEL": "WARNING", **env},
-    )
-    if env.get("LLMSERVE_METRICS_PORT") != "0":  # metrics on, as by default
-        for name in SERVICES:
-            setattr(stack, name, replace(getattr(stack, name), metrics_port=free_port()))
-    stack.start()
-    stack.wait_ready(120)
-    try:
+    fake = FakeEngineConfig(vocab_size=49152)  # SmolLM2's vocabulary
+    metrics = env.get("LLMSERVE_METRICS_PORT") != "0"  # metrics on, as by default
+    with LocalStack.start([], 120, env=env, metrics=metrics, fake=fake) as stack:
         prompt = "the quick brown fox jumps over the lazy dog " * 8
         request = make_request(text=prompt, max_tokens=num_tokens, ignore_eos=True)
         with Client(stack.gateway_address) as client, ThreadPoolExecutor(num_streams) as pool:
@@ -71,10 +64,8 @@ def bench_echo(env: dict[str, str], num_streams: int, num_tokens: int) -> float:
             t0 = time.perf_counter()
             done = list(pool.map(client.generate, [request] * num_streams))
             wall = time.perf_counter() - t0
-        assert all(c.completion_tokens == num_tokens for c in done)
-        return num_streams * num_tokens / wall
-    finally:
-        stack.stop()
+    assert all(c.completion_tokens == num_tokens for c in done)
+    return num_streams * num_tokens / wall
 
 
 def hook_costs(num_requests: int = 16, num_tokens: int = 128) -> dict[str, float]:
@@ -162,14 +153,14 @@ def main() -> None:
     )
     args = parser.parse_args()
     receiver = OtlpReceiver().start()
+    machine = hardware(torch_threads=True)
     if args.hooks_only:
-        hooks = {"benchmark": "telemetry_hooks", "hardware": hardware(), "hooks": hook_costs()}
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(hooks, indent=2) + "\n")
+        hooks = {"benchmark": "telemetry_hooks", "hardware": machine, "hooks": hook_costs()}
+        save(hooks, args.out)
         print(json.dumps(hooks["hooks"], indent=2))
         return
     tokenizer = Tokenizer.from_model_path(builtin_model_path())
-    prompts = make_prompts(tokenizer, 16, 128)
+    prompts = exact_length_prompts(tokenizer, 16, 128)
     raw: dict[str, dict[str, list[float]]] = {"model": {}, "echo": {}}
     for r in range(args.rounds):
         for setting in SETTINGS:
@@ -208,15 +199,14 @@ def main() -> None:
     summary["hooks"] = hooks
     result = {
         "benchmark": "telemetry_overhead",
-        "hardware": hardware(),
+        "hardware": machine,
         "config": {"rounds": args.rounds, "settings": list(SETTINGS)},
         "raw_tokens_per_s": raw,
         "summary": summary,
         "spans_received": len(receiver.spans),
     }
     receiver.stop()
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    save(result, args.out)
     print(json.dumps(summary, indent=2))
 
 

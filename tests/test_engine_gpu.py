@@ -25,7 +25,8 @@ import torch
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.ops import AttentionContext
-from llmserve.bench.engine_driver import blocks_needed, generate, hf_dummy_model
+from llmserve.bench.engine_driver import blocks_needed, generate
+from llmserve.bench.hf import dummy_model
 
 pytestmark = pytest.mark.gpu
 
@@ -106,7 +107,7 @@ def test_bf16_first_step_top1_agrees_with_hf(kernels: None) -> None:
     positions = torch.tensor([i for p in prompts for i in range(len(p))], device=device)
     ours = engine.model.compute_logits(engine.model(ids, positions, ctx)).argmax(dim=-1)
     del engine
-    hf = hf_dummy_model(SMOLLM2, SEED, torch.bfloat16, "cuda")
+    hf = dummy_model(SMOLLM2, SEED, torch.bfloat16, "cuda")
     theirs = torch.cat([hf(torch.tensor([p], device=device)).logits[0].argmax(-1) for p in prompts])
     agree = float((ours == theirs).float().mean())
     print(f"bf16 top-1 agreement with HF: {agree:.4f} over {len(ours)} positions")

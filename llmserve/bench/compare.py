@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from llmserve.bench.report import fmt
+from llmserve.bench.report import fmt, sweep_value
 
 # (label, metric key, statistic or None, True when higher is better)
 COMPARED = (
@@ -61,8 +61,7 @@ def change(a: Any, b: Any, higher_is_better: bool) -> str:
 def compare_runs(run_a: dict[str, Any], run_b: dict[str, Any]) -> list[str]:
     lines = [f"{'':<32}{'A':>12}{'B':>12}  B vs A"]
     for label, key, stat, higher in COMPARED:
-        a = run_a["metrics"][key] if stat is None else run_a["metrics"][key][stat]
-        b = run_b["metrics"][key] if stat is None else run_b["metrics"][key][stat]
+        a, b = (sweep_value(run["metrics"], key, stat) for run in (run_a, run_b))
         lines.append(f"{label:<32}{fmt(a):>12}{fmt(b):>12}  {change(a, b, higher)}")
     return lines
 

@@ -1,11 +1,8 @@
 """Drives an Engine in-process, for tests and benchmarks: `Driver` plays the scheduler (every prompt
 admitted whole in the first step, then one decode token per request per step, KV blocks handed
-out in order), and `hf_dummy_model` is HF transformers' model with the same dummy weights."""
+out in order)."""
 
 from __future__ import annotations
-
-from pathlib import Path
-from typing import Any
 
 from common.sampling import normalized
 from engine.contract import NewRequestData, RunningData, StepOutput, StepPlanData
@@ -90,27 +87,3 @@ def generate(
     for _ in range(num_tokens - 1):
         driver.decode()
     return driver.generated
-
-
-def hf_dummy_model(config_dir: Path, seed: int, dtype: Any, device: str) -> Any:
-    """HF transformers' LlamaForCausalLM for config_dir/config.json holding the engine's dummy
-    weights (engine/dummy.py, `--load-format dummy --seed seed`), made on `device` in `dtype`
-    (an 8B model in bf16 never exists in float32)."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from engine.dummy import fill_hf_tensor_
-
-    config = LlamaConfig.from_pretrained(config_dir)
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            model = LlamaForCausalLM(config)
-    finally:
-        torch.set_default_dtype(default)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            fill_hf_tensor_(param.data, seed, name)
-    model.generation_config.eos_token_id = None  # generate exactly the asked length
-    return model.eval()

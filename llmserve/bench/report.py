@@ -53,11 +53,11 @@ STATS = ("mean", "p50", "p90", "p99", "max")
 # -- the document --------------------------------------------------------------------------------
 
 
-def hardware() -> dict[str, Any]:
+def hardware(torch_threads: bool = False) -> dict[str, Any]:
     """This machine: CPU, cores, memory, GPUs (nvidia-smi), Python and torch versions. Read
-    without importing torch."""
+    without importing torch, unless torch_threads asks for the threads torch computes with."""
     info: dict[str, Any] = {
-        "cpu": _cpu_model(),
+        "cpu": cpu_model(),
         "logical_cores": os.cpu_count(),
         "memory_gb": _memory_gb(),
         "gpus": _gpus(),
@@ -69,60 +69,55 @@ def hardware() -> dict[str, Any]:
             info[package] = metadata.version(package)
         except metadata.PackageNotFoundError:
             info[package] = None
+    if torch_threads:
+        import torch
+
+        info["torch_threads"] = torch.get_num_threads()
     return info
 
 
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
+def cpu_model() -> str:
+    return _proc_field("/proc/cpuinfo", "model name") or platform.processor() or "unknown"
 
 
 def _memory_gb() -> float | None:
+    total = _proc_field("/proc/meminfo", "MemTotal")  # "16318412 kB"
+    return round(int(total.split()[0]) / 2**20, 1) if total else None
+
+
+def _proc_field(path: str, name: str) -> str | None:
+    """The value of the first `name: value` line of a /proc file; None where there is none."""
     try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal:"):
-                return round(int(line.split()[1]) / 2**20, 1)
+        for line in Path(path).read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == name:
+                return value.strip()
     except OSError:
         pass
     return None
 
 
 def _gpus() -> list[str]:
-    try:
-        out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return []
-    return [line.strip() for line in out.stdout.splitlines() if line.strip()]
+    out = _output("nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader") or ""
+    return [line.strip() for line in out.splitlines() if line.strip()]
 
 
 def git_commit() -> str | None:
     """The checkout's commit (with "-dirty" when files differ from it), or None outside one."""
+    head = _output("git", "rev-parse", "HEAD")
+    if head is None:
+        return None
+    dirty = _output("git", "status", "--porcelain", "--untracked-files=no") or ""
+    return head.strip() + ("-dirty" if dirty.strip() else "")
+
+
+def _output(*command: str) -> str | None:
+    """command's stdout, run in the checkout; None when it cannot run, fails or takes over 10 s."""
     try:
-        head = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10
-        )
-        if head.returncode != 0:
-            return None
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=10,
-        )
+        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.TimeoutExpired):
         return None
-    return head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+    return done.stdout if done.returncode == 0 else None
 
 
 def record_json(record: RequestRecord, detailed: bool) -> dict[str, Any]:

@@ -15,6 +15,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from engine.fake import FakeEngineConfig
 from llmserve.launcher import (
     SERVICES,
     Stack,
@@ -46,16 +47,19 @@ class LocalStack:
         *,
         env: dict[str, str] | None = None,
         metrics: bool = False,
+        fake: FakeEngineConfig | None = None,
     ) -> LocalStack:
         """Start the three processes and return once the gateway serves; env: extra variables
-        for them; metrics: each serves /metrics on a free port (else off). On failure, raise
-        RuntimeError (launcher.StackError) with the end of the stack's logs."""
+        for them; metrics: each serves /metrics on a free port (else off); fake: the echo engine
+        instead of the model. On failure, raise RuntimeError (launcher.StackError) with the end
+        of the stack's logs."""
         configured = stack_from_flags(parse_serve_args(serve_args))
         log_dir = Path(tempfile.mkdtemp(prefix="llmserve-bench-"))
         stack = local_stack(
             configured.engine,
             configured.scheduler,
             configured.gateway,
+            fake=fake,
             log_dir=log_dir,
             env={"LLMSERVE_LOG_LEVEL": "WARNING", **(env or {})},
         )

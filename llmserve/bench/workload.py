@@ -173,7 +173,10 @@ class PromptBuilder:
     def request(self, num_tokens: int, max_tokens: int, rng: random.Random) -> BenchRequest:
         """A request of max(num_tokens, min_tokens) prompt tokens."""
         num_tokens = max(num_tokens, self.min_tokens)
-        text = self.text(num_tokens, rng)
+        return self.wrap(self.text(num_tokens, rng), num_tokens, max_tokens)
+
+    def wrap(self, text: str, num_tokens: int, max_tokens: int) -> BenchRequest:
+        """The request for a prompt text of num_tokens tokens (as counted by `count`)."""
         if self.chat:
             return BenchRequest(num_tokens, max_tokens, messages=(("user", text),))
         return BenchRequest(num_tokens, max_tokens, text=text)
@@ -213,10 +216,7 @@ def _prefix_requests(
     requests = []
     for i in range(config.num_requests):
         text = builder.text(total, rng, prefix=prefixes[i % config.num_prefixes])
-        if config.chat:
-            requests.append(BenchRequest(total, config.output_len, messages=(("user", text),)))
-        else:
-            requests.append(BenchRequest(total, config.output_len, text=text))
+        requests.append(builder.wrap(text, total, config.output_len))
     return requests
 
 
