@@ -1,7 +1,7 @@
 """The GPU engine's parts that run on a CPU: the KV-pool arithmetic and the profiling step's
 shape, the CUDA-graph batch sizes and padding, the step timeline's busy fraction, the choice of
 ops backend, and the model through the CUDA kernels (engine.ops.KernelOps) and through the
-decode graphs' static buffers, both on the kernel emulator (kernels/emu) against the torch ops.
+decode graphs' static buffers, both on the kernel emulator (tests/kernel_emu) against the torch ops.
 """
 
 from __future__ import annotations
@@ -239,7 +239,7 @@ def test_auto_falls_back_to_torch_when_the_kernels_fail(monkeypatch: pytest.Monk
 def emulator() -> Iterator[object]:
     if not sys.platform.startswith("linux") or shutil.which("g++") is None:
         pytest.skip("the kernel emulator needs Linux and g++")
-    from kernels.emu import emu
+    from tests.kernel_emu import emu
 
     emulator = emu.Emulator(emu.build())
     with emulator.installed():

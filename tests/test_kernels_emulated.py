@@ -1,5 +1,5 @@
 """CPU checks of kernels/*.cu: the real kernel sources, compiled with g++ against the emulator in
-kernels/emu/, launched through kernels/cuda.py's real wrappers (argument checks, launch shapes,
+tests/kernel_emu/, launched through kernels/cuda.py's real wrappers (argument checks, launch shapes,
 split-K choice, kernel arguments) and compared with kernels/reference.py.
 
 The rules of tests/test_kernels_cuda.py at tiny shapes: pools start NaN-filled and only the slots
@@ -13,7 +13,7 @@ memory), and early copies with high warps running ahead (a stage refilled withou
 __syncthreads is overwritten while other warps still read it).
 
 Skips without g++ or off Linux. The emulator library (~8 s of g++) is cached by source hash in
-~/.cache/llmserve-emu (kernels/emu/emu.py), so only the first run after a kernel edit pays it.
+~/.cache/llmserve-emu (tests/kernel_emu/emu.py), so only the first run after a kernel edit pays it.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import pytest
 import torch
 
 from kernels import reference as ref
-from kernels.emu import emu
+from tests.kernel_emu import emu
 from tests.kernel_checks import (
     assert_close,
     check_rms_norm,
@@ -137,7 +137,7 @@ def run_prefill(
 
 
 # Emulator modes for the kernels with barriers: late copies with low warps ahead, early copies
-# with high warps ahead (see kernels/emu/emu.py).
+# with high warps ahead (see tests/kernel_emu/emu.py).
 MODES = {"late-low": ("late", "low-first"), "early-high": ("early", "high-first")}
 
 # (dtype, head_dim, block_size, group, num_kv_heads, seq_lens, num_splits)

@@ -1,0 +1,1 @@
+"""The CPU emulator of the CUDA kernels (tests only)."""
