@@ -15,7 +15,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.model_config import resolve_model_path
-from common.net import SERVER_OPTIONS, serve_aio
+from common.net import SERVER_OPTIONS, add_servicer, serve_aio
 from gateway.auth import ApiKeyInterceptor
 from gateway.config import GatewayConfig
 from gateway.core import GatewayCore, GatewayError, new_request_id
@@ -56,8 +56,8 @@ async def serve(config: GatewayConfig) -> None:
     core = GatewayCore(config, tokenizer)
     interceptors = [ApiKeyInterceptor(config.api_key)] if config.api_key else []
     server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
-    api_pb2_grpc.add_GenerationServicer_to_server(GatewayService(core), server)
-    health_pb2_grpc.add_HealthServicer_to_server(core.health, server)
+    add_servicer(api_pb2_grpc.add_GenerationServicer_to_server, GatewayService(core), server)
+    add_servicer(health_pb2_grpc.add_HealthServicer_to_server, core.health, server)
     await core.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
     http = None
     if config.http_port:
