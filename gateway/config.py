@@ -26,6 +26,11 @@ class GatewayConfig:
     metrics_port: int = setting(
         9101, "Prometheus /metrics port (0: off)", env="LLMSERVE_METRICS_PORT"
     )
+    served_model_name: str | None = setting(
+        None,
+        "the model id both APIs report (/v1/models, GetModelInfo) (default: the name of --model: "
+        "a GGUF file's stem, an HF directory's name, SmolLM2-135M-Instruct for the built-in one)",
+    )
     # Required of every client (HTTP and gRPC) as `Authorization: Bearer <key>` when set.
     api_key: str | None = field(
         default=None,
@@ -40,5 +45,7 @@ class GatewayConfig:
         check_ports(self, "port", "http_port", "metrics_port")
         if self.http_port and self.http_port == self.port:
             raise ValueError(f"http_port={self.http_port} is the gRPC port too")
+        if self.served_model_name is not None and not self.served_model_name.strip():
+            raise ValueError("served_model_name is empty; leave it unset for the model's name")
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("api_key is empty; leave it unset to serve without a key")

@@ -324,7 +324,7 @@ def create_app(core: GatewayCore, api_key: str | None = None) -> FastAPI:
             raise ApiError.from_gateway(
                 GatewayError(grpc.StatusCode.UNAVAILABLE, "scheduler not connected yet"), "model"
             )
-        return ModelCard(id=core.info.model, created=started, max_model_len=core.info.max_model_len)
+        return ModelCard(id=core.model_id, created=started, max_model_len=core.info.max_model_len)
 
     @app.get("/v1/models", response_model=ModelList, responses=_ERRORS)
     async def models() -> ModelList:

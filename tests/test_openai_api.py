@@ -42,9 +42,19 @@ def echo(prompt: str, n: int) -> str:
     return bytes(data[i % len(data)] for i in range(n)).decode()
 
 
+# The gateway's --served-model-name (the echo engine calls itself "fake-echo").
+SERVED_NAME = "tiny-echo"
+
+
 def _echo_stack(tokenizer_dir: Path, log_dir: Path, *engine: str, scheduler: tuple = ()) -> Stack:
     return start_echo_stack(
-        tokenizer_dir, log_dir, *engine, scheduler=scheduler, http=True, api_key=API_KEY
+        tokenizer_dir,
+        log_dir,
+        *engine,
+        scheduler=scheduler,
+        gateway_args=["--served-model-name", SERVED_NAME],
+        http=True,
+        api_key=API_KEY,
     )
 
 
@@ -79,7 +89,7 @@ def root_url(stack: Stack, path: str) -> str:
 
 def test_completion(stack: Stack) -> None:
     result = sdk(stack).completions.create(model="fake-echo", prompt="hello world", max_tokens=15)
-    assert result.object == "text_completion" and result.model == "fake-echo"
+    assert result.object == "text_completion" and result.model == SERVED_NAME
     [choice] = result.choices
     assert choice.text == echo("hello world", 15) == "hello worldhell"
     assert choice.finish_reason == "length" and choice.index == 0 and choice.logprobs is None
@@ -337,8 +347,10 @@ def test_api_key_required_on_both_apis(stack: Stack) -> None:
 def test_models_and_openapi(stack: Stack) -> None:
     client = sdk(stack)
     [model] = client.models.list().data
-    assert model.id == "fake-echo" and model.object == "model"
-    assert client.models.retrieve("fake-echo").id == "fake-echo"
+    assert model.id == SERVED_NAME and model.object == "model"
+    assert client.models.retrieve(SERVED_NAME).id == SERVED_NAME
+    with stack.client() as grpc_client:
+        assert grpc_client.model_info().model == SERVED_NAME
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("gpt-4")
     document = httpx2.get(root_url(stack, "/openapi.json")).json()
@@ -542,6 +554,16 @@ def test_penalties_and_top_logprobs_on_a_model(model_stack: Stack) -> None:
     model_stack.assert_idle()
 
 
+def test_model_id_defaults_to_the_model_directory_name(
+    model_stack: Stack, tiny_model: Callable[..., Path]
+) -> None:
+    directory = tiny_model(num_heads=4, num_kv_heads=2)
+    [model] = sdk(model_stack).models.list().data
+    assert model.id == directory.name
+    with model_stack.client() as client:
+        assert client.model_info().model == directory.name
+
+
 # -- units: the protocol's own checks ----------------------------------------------------------
 
 
@@ -607,3 +629,15 @@ def test_error_event_shape() -> None:
         }
     }
     assert event.status == 500
+
+
+def test_default_model_id(tmp_path: Path) -> None:
+    from common.model_config import default_model_id
+
+    assert default_model_id(None) == default_model_id("builtin") == "SmolLM2-135M-Instruct"
+    assert default_model_id("/models/SmolLM2-135M-Instruct.Q4_1.gguf") == (
+        "SmolLM2-135M-Instruct.Q4_1"
+    )
+    assert default_model_id("/models/Llama-3-8B/") == "Llama-3-8B"
+    assert default_model_id("/models/Llama-3-8B/config.json") == "Llama-3-8B"
+    assert default_model_id(str(tmp_path / "a" / "..")) == tmp_path.name
