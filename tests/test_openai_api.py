@@ -358,6 +358,69 @@ def test_models_and_openapi(stack: Stack) -> None:
     assert "CompletionRequest" in document["components"]["schemas"]
 
 
+# -- hostile input -------------------------------------------------------------------------------
+
+
+def post_json(stack: Stack, path: str, body: object) -> httpx2.Response:
+    """POST body as JSON text Python writes (a lone surrogate goes out as a \\ud800 escape)."""
+    headers = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
+    return httpx2.post(f"{stack.http_url}{path}", content=json.dumps(body), headers=headers)
+
+
+@pytest.mark.parametrize(
+    ("path", "fields", "message"),
+    [
+        ("/completions", {"prompt": "a\ud800b"}, "prompt is not valid Unicode: lone surrogate"),
+        ("/completions", {"prompt": ["ok", "\udcff"]}, "prompt[1] is not valid Unicode"),
+        ("/completions", {"prompt": "hi", "stop": "\ud800"}, "stop is not valid Unicode"),
+        ("/completions", {"prompt": "hi", "stop": ["x", "\udfff"]}, "stop[1] is not valid"),
+        (
+            "/chat/completions",
+            {"messages": [{"role": "user", "content": "\ud800"}]},
+            "messages[0].content is not valid Unicode",
+        ),
+        (
+            "/chat/completions",
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": "x\ud800"}]}]},
+            "messages[0].content[0].text is not valid Unicode",
+        ),
+        (
+            "/chat/completions",
+            {"messages": [{"role": "\ud800", "content": "hi"}]},
+            "messages[0].role is not valid Unicode",
+        ),
+    ],
+)
+def test_lone_surrogates_are_bad_requests(
+    stack: Stack, path: str, fields: dict[str, Any], message: str
+) -> None:
+    """JSON can escape half a UTF-16 pair; protobuf (UTF-8) cannot carry it: 400, not 500."""
+    reply = post_json(stack, path, {"max_tokens": 2, **fields})
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert error["message"].startswith(message), error
+    assert "U+D" in error["message"] and "at character" in error["message"]
+    assert error["param"] == message.split("[")[0].split(" ")[0]
+    assert error["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("seed", [-(2**63) - 1, 2**64, 2**70])
+def test_seed_out_of_range_is_bad_request(stack: Stack, seed: int) -> None:
+    reply = post_json(stack, "/completions", {"prompt": "hi", "max_tokens": 2, "seed": seed})
+    assert reply.status_code == 400
+    assert reply.json()["error"]["param"] == "seed"
+    assert reply.json()["error"]["message"] == str(err_seed(seed))
+
+
+def err_seed(seed: int) -> str:
+    """The one message for a seed out of range (common/sampling.py), as the CLI prints it too."""
+    from common.sampling import SamplingError, seed_value
+
+    with pytest.raises(SamplingError) as err:
+        seed_value(seed)
+    return str(err.value)
+
+
 # -- disconnects ---------------------------------------------------------------------------------
 
 
@@ -593,6 +656,7 @@ def test_completion_request_conversion() -> None:
     p = req.sampling
     assert p.logprobs and p.top_logprobs == 3
     assert p.seed == 2**64 - 1  # OpenAI's int64 seeds, as our uint64
+    assert make_request(text="hi", seed=-1).sampling.seed == p.seed  # one rule for both APIs
     assert list(req.stop) == ["x"] and p.top_k == 5
     assert not p.HasField("temperature")  # unset stays unset: the server's default
     with pytest.raises(ValidationError, match="129 choices; the limit is 128"):
