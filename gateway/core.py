@@ -80,6 +80,7 @@ class GatewayCore:
                         max_model_len=self.info.max_model_len,
                         vocab_size=self.info.vocab_size,
                         kv_capacity_tokens=self.info.num_blocks * self.info.block_size,
+                        max_waiting=self.info.max_waiting,
                     )
                     log.info(
                         "scheduler connected",

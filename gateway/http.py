@@ -54,7 +54,9 @@ from gateway.openai_protocol import (
     ModelCard,
     ModelList,
     chat_request,
+    check_queue,
     completion_requests,
+    field_path,
     http_message,
 )
 from gateway.openai_responses import ChatFormat, CompletionFormat, ResponseFormat
@@ -128,11 +130,10 @@ def _validation_error(err: RequestValidationError) -> ApiError:
         return ApiError(400, f"the request body is not valid JSON: {first.get('msg')}")
     if not loc:
         return ApiError(400, "the request body must be a JSON object")
-    param = loc[0]
+    param, where = loc[0], field_path(loc)
     if first.get("type") == "missing":
-        return ApiError(400, f"{param} is required", param=param)
+        return ApiError(400, f"{where} is required", param=param)
     value = repr(first.get("input"))[:80]
-    where = ".".join(loc[:1] + [f"[{p}]" if p.isdigit() else p for p in loc[1:]])
     return ApiError(400, f"{where}={value}: {first.get('msg')}", param=param)
 
 
@@ -240,6 +241,7 @@ async def generate_response(
     with _as_api_errors(prompt_field):
         try:
             valids = [core.validate(r) for r in requests()]
+            check_queue(body.n, len(valids), core.limits.max_waiting if core.limits else 0)
         except (ValidationError, GatewayError) as err:
             code = err.code.name if isinstance(err, GatewayError) else "INVALID_ARGUMENT"
             core.telemetry.rejected(code, "http", arrival)

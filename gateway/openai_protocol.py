@@ -9,6 +9,7 @@ does. Fields OpenAI lacks but vLLM users send (top_k, min_p, ignore_eos, stop_to
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -236,6 +237,22 @@ def _text(where: str, value: str) -> str:
     return value
 
 
+def check_queue(n: int, num_prompts: int, max_waiting: int) -> None:
+    """Refuse more choices than the scheduler can ever queue at once (max_waiting; 0: unknown):
+    they are submitted together, and a 429 would invite a retry that cannot succeed."""
+    total = n * num_prompts
+    if not max_waiting or total <= max_waiting:
+        return
+    if num_prompts == 1:
+        raise ValidationError(
+            f"n={n} is more than the scheduler queues at once (max_waiting={max_waiting})"
+        )
+    raise ValidationError(
+        f"n={n} times {num_prompts} prompts is {total} choices; the scheduler queues at most "
+        f"{max_waiting} (max_waiting={max_waiting})"
+    )
+
+
 def _sampling_fields(body: SamplingRequest, max_tokens: int | None) -> api_pb2.GenerateRequest:
     """The GenerateRequest fields the two endpoints share. The body's fields named as in
     common.SamplingParams go there as they are (unset ones keep the server's defaults)."""
@@ -323,6 +340,25 @@ def chat_request(body: ChatCompletionRequest) -> api_pb2.GenerateRequest:
     return req
 
 
+def field_path(loc: Sequence[int | str]) -> str:
+    """A pydantic error location as the request spells it ("messages[1].content"), without the
+    union member tags pydantic adds ("str", "list[TextPart]")."""
+    path = ""
+    for part in loc:
+        if isinstance(part, int) or (isinstance(part, str) and part.isdigit()):
+            path += f"[{part}]"
+        elif not path:
+            path = str(part)
+        elif part in _REQUEST_FIELDS:
+            path += f".{part}"
+    return path
+
+
+_REQUEST_FIELDS = frozenset(
+    name
+    for model in (ChatCompletionRequest, CompletionRequest, ChatMessageParam, TextPart)
+    for name in model.model_fields
+) | frozenset(StreamOptions.model_fields)
 _LEADING_FIELD = re.compile(r"^[a-z_]+(?:\.[a-z_]+)*")
 _HTTP_NAMES = {"text": "prompt", "chat.messages": "messages", "chat": "messages"}
 

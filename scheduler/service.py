@@ -159,6 +159,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             num_blocks=s.block_manager.num_blocks,
             max_num_seqs=s.config.max_num_seqs,
             max_num_batched_tokens=s.config.max_num_batched_tokens,
+            max_waiting=s.config.max_waiting,
         )
 
     def stats(self) -> dict[str, Any]:

@@ -293,6 +293,12 @@ def test_invalid_completion_is_bad_request(
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "not supported"),
         ({"stream_options": {"include_usage": True}}, "stream_options", "only allowed with"),
         ({"messages": [{"role": "user"}]}, "messages", "messages[0].content is missing"),
+        ({"messages": [{"content": "hi"}]}, "messages", "messages[0].role is required"),
+        (
+            {"messages": [USER[0], {"role": "user", "content": 5}]},
+            "messages",
+            "messages[1].content=5: ",
+        ),
     ],
 )
 def test_invalid_chat_is_bad_request(
@@ -495,6 +501,15 @@ def test_full_queue_is_429_with_retry_after(tokenizer_dir: Path, tmp_path: Path)
         for r in results:
             if isinstance(r, openai.Stream):
                 list(r)  # finish the streams that were admitted
+        # More choices than the queue can ever hold: retrying cannot help, so 400, not 429.
+        with pytest.raises(openai.BadRequestError) as bad:
+            client.completions.create(model="any", prompt=["a", "b"], n=1, max_tokens=2)
+        assert bad.value.param == "n"
+        assert "n=1 times 2 prompts is 2 choices; the scheduler queues at most 1" in str(
+            bad.value.message
+        )
+        with pytest.raises(openai.BadRequestError, match=r"n=2 .*max_waiting=1"):
+            client.chat.completions.create(model="any", messages=USER, n=2)
         s.assert_idle()
     finally:
         s.close()
