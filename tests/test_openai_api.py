@@ -599,6 +599,26 @@ def test_seeded_choices_differ_and_reproduce(model_stack: Stack) -> None:
     model_stack.assert_idle()
 
 
+def test_tiny_temperature_is_greedy_on_a_model(model_stack: Stack) -> None:
+    """A temperature below common.sampling.MIN_TEMPERATURE samples as greedy: the argmax tokens,
+    not a softmax of logits / 1e-38 that overflows to NaN (and then token 0 every time)."""
+    client = sdk(model_stack)
+    fields: dict[str, Any] = {
+        "model": "any",
+        "prompt": "the quick brown fox",
+        "max_tokens": 12,
+        "logprobs": 1,
+        "extra_body": {"ignore_eos": True},
+    }
+    greedy = client.completions.create(temperature=0.0, **fields).choices[0]
+    for temperature in (1e-38, 1e-30, 1e-6):
+        tiny = client.completions.create(temperature=temperature, seed=5, **fields).choices[0]
+        assert tiny.text == greedy.text, temperature
+    assert greedy.logprobs is not None
+    assert len(set(greedy.logprobs.tokens)) > 1  # not one token repeated
+    model_stack.assert_idle()
+
+
 def test_penalties_and_top_logprobs_on_a_model(model_stack: Stack) -> None:
     client = sdk(model_stack)
     fields: dict[str, Any] = {
