@@ -10,11 +10,12 @@ byte, so the expected text is known exactly. A chat prompt renders as
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 import httpx2
@@ -33,6 +34,7 @@ from gateway.validation import ValidationError
 from llmserve.client import Client, make_request
 from tests.stack import Stack, start_echo_stack, start_stack
 
+T = TypeVar("T")
 API_KEY = "test-key-123"
 USER = [{"role": "user", "content": "hi"}]
 
@@ -425,6 +427,105 @@ def err_seed(seed: int) -> str:
     with pytest.raises(SamplingError) as err:
         seed_value(seed)
     return str(err.value)
+
+
+def raw_http(stack: Stack, head: str, chunks: Iterator[bytes]) -> tuple[int, dict[str, Any]]:
+    """Send a request's head and then its body chunks on a plain socket, as slowly as the server
+    reads them; stop sending once the server answers (or closes); return (status, JSON body)."""
+    import socket
+    from urllib.parse import urlsplit
+
+    url = urlsplit(str(stack.http_url))
+    assert url.hostname is not None and url.port is not None
+    with socket.create_connection((url.hostname, url.port), timeout=30) as sock:
+        sock.sendall(head.encode("latin-1"))
+        for chunk in chunks:
+            try:
+                sock.sendall(chunk)
+            except (BrokenPipeError, ConnectionResetError):
+                break  # the server answered and closed: read what it said
+        reply = b""
+        while data := sock.recv(65536):
+            reply += data
+            head_end = reply.find(b"\r\n\r\n")
+            if head_end >= 0 and b"content-length" in reply[:head_end].lower():
+                length = int(reply[:head_end].lower().split(b"content-length: ")[1].split(b"\r")[0])
+                if len(reply) >= head_end + 4 + length:
+                    break
+    status = int(reply.split(b" ", 2)[1])
+    return status, json.loads(reply[reply.find(b"\r\n\r\n") + 4 :])
+
+
+def while_polling_health(stack: Stack, work: Callable[[], T]) -> tuple[T, float]:
+    """work's result, and the longest /health took while work ran (polled every 20 ms)."""
+    latencies: list[float] = []
+    done = threading.Event()
+
+    def poll() -> None:
+        while not done.is_set():
+            start = time.monotonic()
+            assert httpx2.get(root_url(stack, "/health"), timeout=30).status_code == 200
+            latencies.append(time.monotonic() - start)
+            done.wait(0.02)
+
+    poller = threading.Thread(target=poll)
+    poller.start()
+    try:
+        result = work()
+    finally:
+        done.set()
+        poller.join()
+    return result, max(latencies)
+
+
+def test_request_body_over_the_limit_is_413(stack: Stack) -> None:
+    """Refused from Content-Length alone (the body is never read), and while a chunked upload
+    streams in, before any JSON parsing; /health answers promptly all the while."""
+    limit = 8 << 20  # GatewayConfig.max_request_bytes' default
+    auth = f"Authorization: Bearer {API_KEY}\r\nContent-Type: application/json\r\n"
+    head = f"POST /v1/completions HTTP/1.1\r\nHost: x\r\n{auth}"
+    status, body = raw_http(stack, head + f"Content-Length: {52_000_000}\r\n\r\n", iter([]))
+    assert status == 413
+    assert body["error"]["message"] == (
+        f"the request body has 52000000 bytes; the limit is {limit} (max_request_bytes)"
+    )
+    assert body["error"]["type"] == "invalid_request_error"
+
+    def chunked(total: int, size: int = 1 << 20) -> Iterator[bytes]:
+        for data in [b'{"prompt": "'] + [b"x" * size] * (total // size):
+            yield f"{len(data):x}\r\n".encode() + data + b"\r\n"
+        yield b"0\r\n\r\n"
+
+    upload = head + "Transfer-Encoding: chunked\r\n\r\n"
+    (status, body), stall = while_polling_health(
+        stack, lambda: raw_http(stack, upload, chunked(52 << 20))
+    )
+    assert status == 413
+    assert body["error"]["message"] == (
+        f"the request body has more than {limit} bytes; the limit is {limit} (max_request_bytes)"
+    )
+    assert stall < 0.6, stall
+    # Just under the limit is parsed as usual.
+    reply = post_json(stack, "/completions", {"prompt": "x" * (limit - 100), "max_tokens": 2})
+    assert (
+        reply.status_code == 400 and "characters; the limit is" in reply.json()["error"]["message"]
+    )
+
+
+def test_long_prompt_leaves_the_event_loop_running(stack: Stack) -> None:
+    """The longest prompt allowed (1M characters) takes a second to tokenize: on a worker
+    thread, with the GIL released, while /health and other requests carry on."""
+    big = {"prompt": "hello world " * 87_381, "max_tokens": 1}
+    reply, stall = while_polling_health(stack, lambda: post_json(stack, "/completions", big))
+    assert reply.status_code == 400 and "tokens; the limit is" in reply.json()["error"]["message"]
+    assert stall < 0.6, stall
+
+
+def test_grpc_request_over_the_limit_is_refused(stack: Stack) -> None:
+    with stack.client() as client, pytest.raises(grpc.RpcError) as err:
+        client.generate(make_request(text="x" * (9 << 20), max_tokens=2))
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert str(8 << 20) in (err.value.details() or "")
 
 
 # -- disconnects ---------------------------------------------------------------------------------
