@@ -28,16 +28,39 @@ SERVER_OPTIONS = [
 ]
 
 
-def check_health(address: str, timeout: float = 2.0, service: str = "") -> str:
-    """The health status name of the server at address (SERVING, NOT_SERVING, ...), or
-    UNAVAILABLE when it cannot be reached."""
+_SCHEMES = ("dns:", "unix:", "unix-abstract:", "ipv4:", "ipv6:", "vsock:")
+
+
+def with_default_port(address: str, port: int) -> str:
+    """address with port added when it names none ("localhost" -> "localhost:50051"; gRPC
+    would otherwise dial 443). Addresses with a scheme (dns:, unix:, ...) are left as they are;
+    a bare IPv6 address gets brackets."""
+    if address.startswith(_SCHEMES):
+        return address
+    if address.startswith("["):
+        return address if "]:" in address else f"{address}:{port}"
+    if address.count(":") > 1:  # a bare IPv6 address
+        return f"[{address}]:{port}"
+    return address if ":" in address else f"{address}:{port}"
+
+
+def health_status(address: str, timeout: float = 2.0, service: str = "") -> tuple[str, str]:
+    """(status, why) of the server at address: the health status name (SERVING, NOT_SERVING,
+    ...) and "", or the gRPC code name (UNAVAILABLE, DEADLINE_EXCEEDED, ...) and the error's
+    details (connection refused, timed out, ...) when the check failed."""
     with grpc.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         try:
             reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
         except grpc.RpcError as err:
-            return err.code().name
-        return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+            return err.code().name, err.details() or ""
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status), ""
+
+
+def check_health(address: str, timeout: float = 2.0, service: str = "") -> str:
+    """The health status name of the server at address (SERVING, NOT_SERVING, ...), or
+    UNAVAILABLE when it cannot be reached."""
+    return health_status(address, timeout, service)[0]
 
 
 def wait_until_serving(address: str, timeout: float, poll: float = 0.2) -> bool:

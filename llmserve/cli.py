@@ -303,18 +303,34 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 
 def cmd_health(args: argparse.Namespace) -> int:
-    from common.net import check_health, wait_until_serving
+    """The status word on stdout (scripts read it); why it is not SERVING on stderr."""
+    from common.net import health_status, wait_until_serving, with_default_port
 
-    if args.wait:
-        ok = wait_until_serving(args.address, timeout=args.wait)
-        print("SERVING" if ok else check_health(args.address))
-        return 0 if ok else 1
-    status = check_health(args.address)
+    address = with_default_port(args.address, DEFAULT_GATEWAY_PORT)
+    if args.wait and wait_until_serving(address, timeout=args.wait):
+        status, why = "SERVING", ""
+    else:
+        status, why = health_status(address)
     print(status)
+    if why:
+        print(f"error: {address}: {why}", file=sys.stderr)
     return 0 if status == "SERVING" else 1
 
 
 # -- parser ----------------------------------------------------------------------------------------
+
+
+class _CommandParser(argparse.ArgumentParser):
+    """A subcommand's parser: arguments it does not know are its own error, shown with its own
+    usage line, not the top-level parser's (argparse leaves them to the top by default)."""
+
+    def parse_known_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        parsed, extras = super().parse_known_args(args, namespace)
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return parsed, extras
 
 
 def _add_service_parser(sub: Any, name: str, help_text: str) -> None:
@@ -331,7 +347,7 @@ def build_parser() -> argparse.ArgumentParser:
     from llmserve.launcher import add_serve_flags
 
     parser = argparse.ArgumentParser(prog="llmserve", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_CommandParser)
 
     p = sub.add_parser("serve", help="start gateway, scheduler and engine; wait; stop on Ctrl-C")
     add_serve_flags(p)

@@ -9,11 +9,12 @@ import grpc
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 
-from common.net import CHANNEL_OPTIONS
+from common.net import CHANNEL_OPTIONS, with_default_port
 from common.sampling import SamplingError, seed_value
 from common.text import invalid_text
 from protos import api_pb2, api_pb2_grpc, common_pb2
 
+DEFAULT_PORT = 50051  # the gateway's (GatewayConfig.port)
 FINISH_REASON_NAMES = {
     common_pb2.FINISH_REASON_UNSPECIFIED: None,
     common_pb2.FINISH_REASON_STOP: "stop",
@@ -128,7 +129,8 @@ def make_request(
 
 class Client:
     def __init__(self, address: str, api_key: str | None = None):
-        self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.address = with_default_port(address, DEFAULT_PORT)  # "localhost": not port 443
+        self.channel = grpc.insecure_channel(self.address, options=CHANNEL_OPTIONS)
         self.stub = api_pb2_grpc.GenerationStub(self.channel)
         # Sent with every call when the gateway requires a key (`llmserve gateway --api-key`).
         self.metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None

@@ -14,7 +14,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from common.net import check_health
+from common.net import check_health, with_default_port
 from llmserve.client import Client, RequestError, make_request
 from protos import scheduler_pb2, scheduler_pb2_grpc
 from tests.stack import ROOT, StreamWatch, free_port, serve_command, wait_mid_stream
@@ -196,3 +196,38 @@ def test_out_of_range_int_fields_name_the_field() -> None:
     out = llmserve("generate", "hi", "--max-tokens", str(2**40), "--address", "127.0.0.1:1")
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert "error: max_tokens=1099511627776 is outside the int32 range" in out.stderr
+
+
+def test_unknown_flag_shows_the_subcommands_usage() -> None:
+    out = llmserve("generate", "hi", "--max-tokenz", "3")
+    assert out.returncode == 2
+    assert out.stderr.startswith("usage: llmserve generate "), out.stderr
+    assert out.stderr.rstrip().endswith("error: unrecognized arguments: --max-tokenz 3")
+    out = llmserve("bench", "compare", "a.json", "b.json", "--frob")
+    assert out.returncode == 2
+    assert out.stderr.startswith("usage: llmserve bench compare "), out.stderr
+
+
+def test_address_without_a_port_gets_the_gateways() -> None:
+    assert with_default_port("localhost", 50051) == "localhost:50051"
+    assert with_default_port("localhost:9", 50051) == "localhost:9"
+    assert with_default_port("10.0.0.1", 50051) == "10.0.0.1:50051"
+    assert with_default_port("::1", 50051) == "[::1]:50051"
+    assert with_default_port("[::1]", 50051) == "[::1]:50051"
+    assert with_default_port("[::1]:7", 50051) == "[::1]:7"
+    assert with_default_port("unix:/tmp/gw.sock", 50051) == "unix:/tmp/gw.sock"
+    assert with_default_port("dns:///example.com", 50051) == "dns:///example.com"
+    with Client("localhost") as client:
+        assert client.address == "localhost:50051"
+
+
+def test_health_says_why_it_is_unavailable() -> None:
+    port = free_port()
+    out = llmserve("health", "--address", f"127.0.0.1:{port}")
+    assert out.returncode == 1
+    assert out.stdout.strip() == "UNAVAILABLE"
+    assert out.stderr.startswith(f"error: 127.0.0.1:{port}: "), out.stderr
+    assert "refused" in out.stderr.lower() or "failed to connect" in out.stderr.lower()
+    out = llmserve("health", "--address", "127.0.0.1", "--wait", "0.5")
+    assert out.stdout.strip() in ("UNAVAILABLE", "SERVING", "NOT_SERVING")
+    assert "127.0.0.1:50051" in out.stderr or out.stdout.strip() == "SERVING"
