@@ -528,6 +528,23 @@ def test_grpc_request_over_the_limit_is_refused(stack: Stack) -> None:
     assert str(8 << 20) in (err.value.details() or "")
 
 
+def test_gateway_log_is_json_lines_only(stack: Stack) -> None:
+    """uvicorn's own lines (server started, a request that failed) go through the same JSON
+    logging as ours: a log collector reading the stream never meets a plain-text line."""
+    import socket
+
+    host, port = root_url(stack, "").removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall(b"NOT HTTP AT ALL\r\n\r\n")  # uvicorn logs "Invalid HTTP request"
+        sock.recv(1024)
+    assert stack.log_dir is not None
+    lines = (stack.log_dir / "gateway.log").read_text().splitlines()
+    records = [json.loads(line) for line in lines]
+    uvicorn = [r for r in records if r.get("logger", "").startswith("uvicorn")]
+    assert any("Invalid HTTP request" in r["event"] for r in uvicorn), lines
+    assert all(r["service"] == "gateway" and "level" in r for r in uvicorn)
+
+
 # -- disconnects ---------------------------------------------------------------------------------
 
 
