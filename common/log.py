@@ -1,7 +1,9 @@
 """Structured logs for every service: structlog when installed, the standard library otherwise
 (the engine must start on machines without structlog).
 
-Lines are JSON when stderr is not a terminal, readable key=value lines when it is.
+Lines are JSON when stderr is not a terminal, readable key=value lines when it is. Records of
+the standard library's loggers (uvicorn's, grpc's) are rendered the same way, with a `logger`
+field, so a collector reading the stream never meets a plain-text line.
 """
 
 from __future__ import annotations
@@ -25,8 +27,8 @@ def configure(service: str) -> None:
         return
     _configured = True
     level = getattr(logging, os.environ.get("LLMSERVE_LOG_LEVEL", "INFO").upper(), logging.INFO)
-    logging.basicConfig(stream=sys.stderr, level=level, format="%(message)s")
     if structlog is None:
+        logging.basicConfig(stream=sys.stderr, level=level, format="%(message)s")
         return
     renderer: Any = (
         structlog.dev.ConsoleRenderer(colors=False)
@@ -38,15 +40,23 @@ def configure(service: str) -> None:
         event.setdefault("service", service)  # threads do not inherit contextvars
         return event
 
+    shared = [
+        structlog.contextvars.merge_contextvars,
+        add_service,
+        structlog.processors.add_log_level,
+        structlog.processors.TimeStamper(fmt="iso"),
+        structlog.processors.format_exc_info,
+    ]
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(
+        structlog.stdlib.ProcessorFormatter(
+            foreign_pre_chain=[structlog.stdlib.add_logger_name, *shared],
+            processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, renderer],
+        )
+    )
+    logging.basicConfig(level=level, handlers=[handler], force=True)
     structlog.configure(
-        processors=[
-            structlog.contextvars.merge_contextvars,
-            add_service,
-            structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso"),
-            structlog.processors.format_exc_info,
-            renderer,
-        ],
+        processors=[*shared, renderer],
         wrapper_class=structlog.make_filtering_bound_logger(level),
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=True,

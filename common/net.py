@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import inspect
+import re
 import time
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator
 from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 # Plans with long prompts can be large; keepalive pings notice a peer that died without closing.
@@ -25,16 +28,39 @@ SERVER_OPTIONS = [
 ]
 
 
-def check_health(address: str, timeout: float = 2.0, service: str = "") -> str:
-    """The health status name of the server at address (SERVING, NOT_SERVING, ...), or
-    UNAVAILABLE when it cannot be reached."""
+_SCHEMES = ("dns:", "unix:", "unix-abstract:", "ipv4:", "ipv6:", "vsock:")
+
+
+def with_default_port(address: str, port: int) -> str:
+    """address with port added when it names none ("localhost" -> "localhost:50051"; gRPC
+    would otherwise dial 443). Addresses with a scheme (dns:, unix:, ...) are left as they are;
+    a bare IPv6 address gets brackets."""
+    if address.startswith(_SCHEMES):
+        return address
+    if address.startswith("["):
+        return address if "]:" in address else f"{address}:{port}"
+    if address.count(":") > 1:  # a bare IPv6 address
+        return f"[{address}]:{port}"
+    return address if ":" in address else f"{address}:{port}"
+
+
+def health_status(address: str, timeout: float = 2.0, service: str = "") -> tuple[str, str]:
+    """(status, why) of the server at address: the health status name (SERVING, NOT_SERVING,
+    ...) and "", or the gRPC code name (UNAVAILABLE, DEADLINE_EXCEEDED, ...) and the error's
+    details (connection refused, timed out, ...) when the check failed."""
     with grpc.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         try:
             reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
         except grpc.RpcError as err:
-            return err.code().name
-        return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+            return err.code().name, err.details() or ""
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status), ""
+
+
+def check_health(address: str, timeout: float = 2.0, service: str = "") -> str:
+    """The health status name of the server at address (SERVING, NOT_SERVING, ...), or
+    UNAVAILABLE when it cannot be reached."""
+    return health_status(address, timeout, service)[0]
 
 
 def wait_until_serving(address: str, timeout: float, poll: float = 0.2) -> bool:
@@ -47,6 +73,160 @@ def wait_until_serving(address: str, timeout: float, poll: float = 0.2) -> bool:
             return True
         time.sleep(poll)
     return False
+
+
+# -- requests that do not parse ------------------------------------------------------------------
+
+_DECODE_ERROR = re.compile(r"^Error parsing message with type '[\w.]+': ")
+
+
+class _Malformed:
+    """What a checked deserializer hands the handler for bytes that do not parse."""
+
+    __slots__ = ("details",)
+
+    def __init__(self, details: str):
+        self.details = details
+
+
+def _checked_deserializer(parse: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
+    owner = getattr(parse, "__self__", None)  # GenerateRequest.FromString: the class
+    name = getattr(owner, "__name__", "message")
+
+    def deserialize(data: bytes) -> Any:
+        try:
+            return parse(data)
+        except DecodeError as err:
+            why = _DECODE_ERROR.sub("", str(err))
+            return _Malformed(f"request is not a valid {name}: {why}")
+
+    return deserialize
+
+
+def _checked_unary(behavior: Callable[..., Any]) -> Callable[..., Any]:
+    """behavior(request, context), aborting first when the request did not parse; of the same
+    kind (async generator, coroutine, plain function) as behavior, which gRPC looks at."""
+    code = grpc.StatusCode.INVALID_ARGUMENT
+    if inspect.isasyncgenfunction(behavior):
+
+        async def stream(request: Any, context: Any) -> AsyncIterator[Any]:
+            if isinstance(request, _Malformed):
+                await context.abort(code, request.details)
+            async for response in behavior(request, context):
+                yield response
+
+        return stream
+    if inspect.iscoroutinefunction(behavior):
+
+        async def unary(request: Any, context: Any) -> Any:
+            if isinstance(request, _Malformed):
+                await context.abort(code, request.details)
+            return await behavior(request, context)
+
+        return unary
+
+    def plain(request: Any, context: Any) -> Any:
+        if isinstance(request, _Malformed):
+            context.abort(code, request.details)
+        return behavior(request, context)
+
+    return plain
+
+
+def _checked_streaming(behavior: Callable[..., Any]) -> Callable[..., Any]:
+    """behavior(requests, context) whose request iterator aborts the call at the first request
+    that did not parse (handlers that read with context.read() are not covered)."""
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+    async def async_requests(requests: AsyncIterator[Any], context: Any) -> AsyncIterator[Any]:
+        async for request in requests:
+            if isinstance(request, _Malformed):
+                await context.abort(code, request.details)
+            yield request
+
+    def sync_requests(requests: Iterator[Any], context: Any) -> Iterator[Any]:
+        for request in requests:
+            if isinstance(request, _Malformed):
+                context.abort(code, request.details)
+            yield request
+
+    if inspect.isasyncgenfunction(behavior):
+
+        async def stream(requests: AsyncIterator[Any], context: Any) -> AsyncIterator[Any]:
+            async for response in behavior(async_requests(requests, context), context):
+                yield response
+
+        return stream
+    if inspect.iscoroutinefunction(behavior):
+
+        async def unary(requests: AsyncIterator[Any], context: Any) -> Any:
+            return await behavior(async_requests(requests, context), context)
+
+        return unary
+
+    def plain(requests: Iterator[Any], context: Any) -> Any:
+        return behavior(sync_requests(requests, context), context)
+
+    return plain
+
+
+def checked_handler(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    """handler, answering a request that does not parse (invalid UTF-8 in a string, a corrupt,
+    truncated or too deeply nested wire format) with INVALID_ARGUMENT "request is not a valid
+    <Message>: <why>" instead of gRPC's UNKNOWN or INTERNAL naming a Python class."""
+    parse = handler.request_deserializer
+    if parse is None:
+        return handler
+    kind = ("stream" if handler.request_streaming else "unary") + (
+        "_stream" if handler.response_streaming else "_unary"
+    )
+    wrap = _checked_streaming if handler.request_streaming else _checked_unary
+    return handler._replace(
+        request_deserializer=_checked_deserializer(parse),
+        **{kind: wrap(getattr(handler, kind))},
+    )
+
+
+class _CheckedGenericHandler(grpc.GenericRpcHandler):
+    def __init__(self, inner: grpc.GenericRpcHandler):
+        self.inner = inner
+        self.handlers: dict[str, grpc.RpcMethodHandler | None] = {}
+
+    def service(self, details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
+        method: str = details.method
+        if method not in self.handlers:
+            handler = self.inner.service(details)
+            self.handlers[method] = None if handler is None else checked_handler(handler)
+        return self.handlers[method]
+
+
+class _CheckedRegistration:
+    """The server as a generated add_*Servicer_to_server sees it: what it registers is checked
+    (checked_handler) on the way in."""
+
+    def __init__(self, server: grpc.Server | grpc.aio.Server):
+        self.server = server
+
+    def add_generic_rpc_handlers(self, handlers: tuple[grpc.GenericRpcHandler, ...]) -> None:
+        self.server.add_generic_rpc_handlers(tuple(_CheckedGenericHandler(h) for h in handlers))
+
+    def add_registered_method_handlers(
+        self, service: str, handlers: dict[str, grpc.RpcMethodHandler]
+    ) -> None:
+        checked = {method: checked_handler(h) for method, h in handlers.items()}
+        self.server.add_registered_method_handlers(service, checked)
+
+
+def add_servicer(
+    add: Callable[[Any, Any], None], servicer: Any, server: grpc.Server | grpc.aio.Server
+) -> None:
+    """add(servicer, server), `add` being a generated add_*Servicer_to_server, with every
+    method's requests checked (checked_handler): a client sending bytes that are not the
+    request message gets INVALID_ARGUMENT saying so. Sync and asyncio servers alike:
+
+        add_servicer(api_pb2_grpc.add_GenerationServicer_to_server, GatewayService(core), server)
+    """
+    add(servicer, _CheckedRegistration(server))
 
 
 async def serve_aio(

@@ -15,6 +15,9 @@ from protos import common_pb2
 SamplingParams = common_pb2.SamplingParams
 
 MAX_TOP_LOGPROBS = 20
+# OpenAI's seeds are int64, ours uint64: both ranges are accepted, a negative seed counting modulo
+# 2**64 (-1 is 2**64 - 1).
+MIN_SEED, MAX_SEED = -(2**63), 2**64 - 1
 # Temperatures below this sample as greedy: dividing logits by 1e-38 overflows to inf and the
 # softmax to NaN (vLLM draws the same line).
 MIN_TEMPERATURE = 1e-5
@@ -64,6 +67,17 @@ def _check(p: SamplingParams, prefix: str) -> None:
         raise bad("top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}]")
     if p.top_logprobs and not p.logprobs:
         raise bad("top_logprobs", f"needs {prefix}logprobs=true")
+
+
+def seed_value(seed: int) -> int:
+    """The uint64 a client's seed travels as (SamplingParams.seed). Raises SamplingError naming
+    seed and the range outside [MIN_SEED, MAX_SEED]; the HTTP API and the CLI both check here."""
+    if not MIN_SEED <= seed <= MAX_SEED:
+        raise SamplingError(
+            f"seed={seed} is outside [{MIN_SEED}, {MAX_SEED}] (an int64 or a uint64; a negative "
+            "seed counts modulo 2**64)"
+        )
+    return seed % 2**64
 
 
 def is_greedy(p: SamplingParams) -> bool:

@@ -36,7 +36,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from common.auth import peer_interceptors
 from common.log import get_logger
-from common.net import SERVER_OPTIONS
+from common.net import SERVER_OPTIONS, add_servicer
 from engine.config import EngineConfig
 from engine.contract import EngineInfo, StepOutput, StepPlanData
 from engine.convert import info_to_proto, plan_from_proto, result_to_proto
@@ -213,9 +213,9 @@ def serve(engine: StepExecutor, config: EngineConfig) -> None:
         options=SERVER_OPTIONS,
         interceptors=peer_interceptors(config, aio=False),
     )
-    engine_pb2_grpc.add_EngineServicer_to_server(EngineServicer(engine), server)
+    add_servicer(engine_pb2_grpc.add_EngineServicer_to_server, EngineServicer(engine), server)
     health_servicer = health.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    add_servicer(health_pb2_grpc.add_HealthServicer_to_server, health_servicer, server)
     credentials = config.server_credentials()
     if credentials is None:
         bound = server.add_insecure_port(f"{host}:{port}")

@@ -27,6 +27,16 @@ class GatewayConfig(PeerSecurity):
     metrics_port: int = setting(
         9101, "Prometheus /metrics port (0: off)", env="LLMSERVE_METRICS_PORT"
     )
+    served_model_name: str | None = setting(
+        None,
+        "the model id both APIs report (/v1/models, GetModelInfo) (default: the name of --model: "
+        "a GGUF file's stem, an HF directory's name, SmolLM2-135M-Instruct for the built-in one)",
+    )
+    max_request_bytes: int = setting(
+        8 << 20,
+        "largest request accepted, in bytes: a larger HTTP body is refused with 413 before it is "
+        "read or parsed, a larger gRPC message with RESOURCE_EXHAUSTED",
+    )
     # Required of every client (HTTP and gRPC) as `Authorization: Bearer <key>` when set.
     api_key: str | None = field(
         default=None,
@@ -41,5 +51,9 @@ class GatewayConfig(PeerSecurity):
         check_ports(self, "port", "http_port", "metrics_port")
         if self.http_port and self.http_port == self.port:
             raise ValueError(f"http_port={self.http_port} is the gRPC port too")
+        if self.max_request_bytes < 1024:
+            raise ValueError(f"max_request_bytes={self.max_request_bytes} must be >= 1024")
+        if self.served_model_name is not None and not self.served_model_name.strip():
+            raise ValueError("served_model_name is empty; leave it unset for the model's name")
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("api_key is empty; leave it unset to serve without a key")

@@ -18,6 +18,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from common.log import get_logger
+from common.model_config import default_model_id
 from gateway.config import GatewayConfig
 from gateway.detokenizer import IncrementalDetokenizer
 from gateway.stop import StopStringMatcher
@@ -54,6 +55,8 @@ class GatewayCore:
     def __init__(self, config: GatewayConfig, tokenizer: Tokenizer):
         self.config = config
         self.tokenizer = tokenizer
+        # What both APIs call the model (the engine's own name for it is only logged).
+        self.model_id = config.served_model_name or default_model_id(config.model)
         self.channel = config.channel(config.scheduler_address)
         self.peer_metadata = config.peer_metadata()
         self.stub = scheduler_pb2_grpc.SchedulerStub(self.channel)
@@ -63,6 +66,7 @@ class GatewayCore:
         self.health = health.aio.HealthServicer()
         self.serving = False
         self.telemetry = GatewayTelemetry()
+        self.telemetry.model = self.model_id
 
     async def watch_scheduler(self) -> None:
         """Learn the limits from the scheduler, then mirror its health in ours."""
@@ -74,15 +78,16 @@ class GatewayCore:
                     self.info = await self.stub.GetInfo(
                         scheduler_pb2.GetInfoRequest(), timeout=2, metadata=self.peer_metadata
                     )
-                    self.telemetry.model = self.info.model
                     self.limits = Limits(
                         max_model_len=self.info.max_model_len,
                         vocab_size=self.info.vocab_size,
                         kv_capacity_tokens=self.info.num_blocks * self.info.block_size,
+                        max_waiting=self.info.max_waiting,
                     )
                     log.info(
                         "scheduler connected",
-                        model=self.info.model,
+                        model=self.model_id,
+                        engine_model=self.info.model,
                         max_model_len=self.info.max_model_len,
                     )
                 reply = await health_stub.Check(health_pb2.HealthCheckRequest(), timeout=2)
@@ -99,7 +104,7 @@ class GatewayCore:
         if self.info is None:
             raise GatewayError(grpc.StatusCode.UNAVAILABLE, "scheduler not connected yet")
         return api_pb2.ModelInfo(
-            model=self.info.model,
+            model=self.model_id,
             max_model_len=self.info.max_model_len,
             vocab_size=self.info.vocab_size,
             eos_token_ids=self.info.eos_token_ids,

@@ -12,7 +12,8 @@ prompt blocks. A client that disconnects, mid-stream or while waiting, cancels a
 upstream, and their KV blocks are free before the scheduler's next step. A stream's 200 goes out
 with the first message of every choice, so refusals still get their status: errors use OpenAI's
 body ({"error": {"message", "type", "param", "code"}}) with 400 for an invalid value, 401 for a
-missing or wrong API key, 429 (Retry-After) for a full queue, 503 (Retry-After) when not ready.
+missing or wrong API key, 413 for a body over --max-request-bytes, 429 (Retry-After) for a full
+queue, 503 (Retry-After) when not ready.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from common import __version__
 from common.auth import UNAUTHENTICATED_MESSAGE, is_authorized
@@ -54,7 +55,9 @@ from gateway.openai_protocol import (
     ModelCard,
     ModelList,
     chat_request,
+    check_queue,
     completion_requests,
+    field_path,
     http_message,
 )
 from gateway.openai_responses import ChatFormat, CompletionFormat, ResponseFormat
@@ -128,11 +131,10 @@ def _validation_error(err: RequestValidationError) -> ApiError:
         return ApiError(400, f"the request body is not valid JSON: {first.get('msg')}")
     if not loc:
         return ApiError(400, "the request body must be a JSON object")
-    param = loc[0]
+    param, where = loc[0], field_path(loc)
     if first.get("type") == "missing":
-        return ApiError(400, f"{param} is required", param=param)
+        return ApiError(400, f"{where} is required", param=param)
     value = repr(first.get("input"))[:80]
-    where = ".".join(loc[:1] + [f"[{p}]" if p.isdigit() else p for p in loc[1:]])
     return ApiError(400, f"{where}={value}: {first.get('msg')}", param=param)
 
 
@@ -158,6 +160,50 @@ class ApiKeyMiddleware:
                 await error.response()(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+class BodyLimitMiddleware:
+    """Refuses a request body over max_bytes with 413 before anything parses it: at once when
+    Content-Length says so (the body is never read), otherwise as soon as the bytes received
+    pass the limit (a chunked upload). It reads the body itself and hands it on whole."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int):
+        self.app = app
+        self.max_bytes = max_bytes
+
+    def _too_large(self, size: str) -> Response:
+        message = f"the request body has {size} bytes; the limit is {self.max_bytes} "
+        return ApiError(413, message + "(max_request_bytes)").response()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope["headers"]).get(b"content-length", b"")
+        if length.isdigit() and int(length) > self.max_bytes:
+            await self._too_large(str(int(length)))(scope, receive, send)
+            return
+        chunks: list[bytes] = []
+        size = 0
+        more = True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # the client went away mid-upload
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_bytes:
+                await self._too_large(f"more than {self.max_bytes}")(scope, receive, send)
+                return
+            more = message.get("more_body", False)
+        body: list[bytes] = [b"".join(chunks)]
+
+        async def replay() -> Message:
+            if body:
+                return {"type": "http.request", "body": body.pop(), "more_body": False}
+            return await receive()  # after the body: the disconnect
+
+        await self.app(scope, replay, send)
 
 
 async def _disconnected(request: Request) -> None:
@@ -239,7 +285,9 @@ async def generate_response(
     arrival = time.monotonic()
     with _as_api_errors(prompt_field):
         try:
-            valids = [core.validate(r) for r in requests()]
+            # On a worker thread: a long prompt or chat takes a while to render and tokenize.
+            valids = await asyncio.to_thread(lambda: [core.validate(r) for r in requests()])
+            check_queue(body.n, len(valids), core.limits.max_waiting if core.limits else 0)
         except (ValidationError, GatewayError) as err:
             code = err.code.name if isinstance(err, GatewayError) else "INVALID_ARGUMENT"
             core.telemetry.rejected(code, "http", arrival)
@@ -265,7 +313,7 @@ async def generate_response(
 
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
-    code: {"model": ErrorResponse} for code in (400, 401, 429, 503)
+    code: {"model": ErrorResponse} for code in (400, 401, 413, 429, 503)
 }
 
 
@@ -324,7 +372,7 @@ def create_app(core: GatewayCore, api_key: str | None = None) -> FastAPI:
             raise ApiError.from_gateway(
                 GatewayError(grpc.StatusCode.UNAVAILABLE, "scheduler not connected yet"), "model"
             )
-        return ModelCard(id=core.info.model, created=started, max_model_len=core.info.max_model_len)
+        return ModelCard(id=core.model_id, created=started, max_model_len=core.info.max_model_len)
 
     @app.get("/v1/models", response_model=ModelList, responses=_ERRORS)
     async def models() -> ModelList:
@@ -357,7 +405,8 @@ def create_app(core: GatewayCore, api_key: str | None = None) -> FastAPI:
             "model",
         ).response()
 
-    if api_key:
+    app.add_middleware(BodyLimitMiddleware, max_bytes=core.config.max_request_bytes)
+    if api_key:  # added last, so it runs first: no key, no body read
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
     return app
 

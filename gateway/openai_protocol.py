@@ -9,17 +9,19 @@ does. Fields OpenAI lacks but vLLM users send (top_k, min_p, ignore_eos, stop_to
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from common.sampling import SamplingError, seed_value
+from common.text import invalid_text
 from gateway.validation import ValidationError
 from protos import api_pb2
 
 MAX_CHOICES = 128  # n times the number of prompts
 MAX_LOGPROBS = 20
 _INT32 = Annotated[int, Field(ge=-(2**31), le=2**31 - 1)]
-_SEED = Annotated[int, Field(ge=-(2**63), lt=2**64)]  # OpenAI's are int64; ours are uint64
 
 
 # -- requests ------------------------------------------------------------------------------------
@@ -43,7 +45,7 @@ class SamplingRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: _SEED | None = None
+    seed: int | None = None  # OpenAI's are int64, ours uint64: common.sampling.seed_value
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
@@ -226,6 +228,31 @@ def _check_common(body: SamplingRequest, num_prompts: int) -> None:
         raise ValidationError("stream_options is only allowed with stream=true")
 
 
+def _text(where: str, value: str) -> str:
+    """value, or ValidationError naming where when protobuf cannot carry it (a lone surrogate,
+    which JSON can escape: "\\ud800")."""
+    why = invalid_text(value)
+    if why is not None:
+        raise ValidationError(f"{where} is {why}")
+    return value
+
+
+def check_queue(n: int, num_prompts: int, max_waiting: int) -> None:
+    """Refuse more choices than the scheduler can ever queue at once (max_waiting; 0: unknown):
+    they are submitted together, and a 429 would invite a retry that cannot succeed."""
+    total = n * num_prompts
+    if not max_waiting or total <= max_waiting:
+        return
+    if num_prompts == 1:
+        raise ValidationError(
+            f"n={n} is more than the scheduler queues at once (max_waiting={max_waiting})"
+        )
+    raise ValidationError(
+        f"n={n} times {num_prompts} prompts is {total} choices; the scheduler queues at most "
+        f"{max_waiting} (max_waiting={max_waiting})"
+    )
+
+
 def _sampling_fields(body: SamplingRequest, max_tokens: int | None) -> api_pb2.GenerateRequest:
     """The GenerateRequest fields the two endpoints share. The body's fields named as in
     common.SamplingParams go there as they are (unset ones keep the server's defaults)."""
@@ -235,11 +262,20 @@ def _sampling_fields(body: SamplingRequest, max_tokens: int | None) -> api_pb2.G
     for field in req.sampling.DESCRIPTOR.fields:
         value = getattr(body, field.name, None)
         if value is not None and field.name not in _LOGPROB_FIELDS:
-            setattr(req.sampling, field.name, value % 2**64 if field.name == "seed" else value)
-    if body.stop is not None:
-        req.stop.extend([body.stop] if isinstance(body.stop, str) else body.stop)
+            setattr(req.sampling, field.name, _seed(value) if field.name == "seed" else value)
+    if isinstance(body.stop, str):
+        req.stop.append(_text("stop", body.stop))
+    elif body.stop is not None:
+        req.stop.extend(_text(f"stop[{i}]", s) for i, s in enumerate(body.stop))
     req.stop_token_ids.extend(body.stop_token_ids or [])
     return req
+
+
+def _seed(seed: int) -> int:
+    try:
+        return seed_value(seed)
+    except SamplingError as err:
+        raise ValidationError(str(err)) from err
 
 
 def completion_requests(body: CompletionRequest) -> list[api_pb2.GenerateRequest]:
@@ -259,9 +295,9 @@ def completion_requests(body: CompletionRequest) -> list[api_pb2.GenerateRequest
     if body.logprobs is not None and not 0 <= body.logprobs <= MAX_LOGPROBS:
         raise ValidationError(f"logprobs={body.logprobs} must be in [0, {MAX_LOGPROBS}]")
     requests = []
-    for prompt in prompts:
+    for i, prompt in enumerate(prompts):
         req = _sampling_fields(body, body.max_tokens)
-        req.text = str(prompt)
+        req.text = _text("prompt" if isinstance(body.prompt, str) else f"prompt[{i}]", str(prompt))
         if body.logprobs is not None:
             req.sampling.logprobs = True
             req.sampling.top_logprobs = body.logprobs
@@ -273,14 +309,14 @@ def _message_text(i: int, message: ChatMessageParam) -> str:
     if message.content is None:
         raise ValidationError(f"messages[{i}].content is missing")
     if isinstance(message.content, str):
-        return message.content
+        return _text(f"messages[{i}].content", message.content)
     texts = []
     for j, part in enumerate(message.content):
         if part.type != "text" or part.text is None:
             raise ValidationError(
                 f"messages[{i}].content[{j}].type={part.type!r} is not supported (only 'text')"
             )
-        texts.append(part.text)
+        texts.append(_text(f"messages[{i}].content[{j}].text", part.text))
     return "".join(texts)
 
 
@@ -295,7 +331,7 @@ def chat_request(body: ChatCompletionRequest) -> api_pb2.GenerateRequest:
     max_tokens = body.max_completion_tokens
     req = _sampling_fields(body, max_tokens if max_tokens is not None else body.max_tokens)
     for i, m in enumerate(body.messages):
-        role = "system" if m.role == "developer" else m.role
+        role = "system" if m.role == "developer" else _text(f"messages[{i}].role", m.role)
         req.chat.messages.add(role=role, content=_message_text(i, m))
     if not body.messages:
         req.chat.SetInParent()  # validation then names the empty list
@@ -304,6 +340,25 @@ def chat_request(body: ChatCompletionRequest) -> api_pb2.GenerateRequest:
     return req
 
 
+def field_path(loc: Sequence[int | str]) -> str:
+    """A pydantic error location as the request spells it ("messages[1].content"), without the
+    union member tags pydantic adds ("str", "list[TextPart]")."""
+    path = ""
+    for part in loc:
+        if isinstance(part, int) or (isinstance(part, str) and part.isdigit()):
+            path += f"[{part}]"
+        elif not path:
+            path = str(part)
+        elif part in _REQUEST_FIELDS:
+            path += f".{part}"
+    return path
+
+
+_REQUEST_FIELDS = frozenset(
+    name
+    for model in (ChatCompletionRequest, CompletionRequest, ChatMessageParam, TextPart)
+    for name in model.model_fields
+) | frozenset(StreamOptions.model_fields)
 _LEADING_FIELD = re.compile(r"^[a-z_]+(?:\.[a-z_]+)*")
 _HTTP_NAMES = {"text": "prompt", "chat.messages": "messages", "chat": "messages"}
 

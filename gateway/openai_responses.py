@@ -150,7 +150,7 @@ class ResponseFormat(ABC):
         self.choices = choices
         self.id = response_id
         self.created = int(time.time())
-        self.model = core.info.model if core.info is not None else ""
+        self.model = core.model_id
         self.counter = UsageCounter(choices)
 
     def opening(self) -> list[str]:

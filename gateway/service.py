@@ -16,7 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.auth import BearerInterceptor
 from common.model_config import resolve_model_path
-from common.net import SERVER_OPTIONS, serve_aio
+from common.net import SERVER_OPTIONS, add_servicer, serve_aio
 from gateway.config import GatewayConfig
 from gateway.core import GatewayCore, GatewayError, new_request_id
 from gateway.tokenizer import Tokenizer
@@ -44,7 +44,8 @@ class GatewayService(api_pb2_grpc.GenerationServicer):
         request_id = request.request_id or new_request_id()
         trace = self.core.start_request(context.invocation_metadata(), request_id, "grpc")
         try:
-            valid = self.core.validate(request, trace)
+            # On a worker thread: a long prompt or chat takes a while to render and tokenize.
+            valid = await asyncio.to_thread(self.core.validate, request, trace)
             async for msg in self.core.generate(valid, request_id, trace):
                 yield msg
         except GatewayError as err:
@@ -55,9 +56,12 @@ async def serve(config: GatewayConfig) -> None:
     tokenizer = Tokenizer.from_model_path(resolve_model_path(config.model))
     core = GatewayCore(config, tokenizer)
     interceptors = [BearerInterceptor(config.api_key)] if config.api_key else []
-    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
-    api_pb2_grpc.add_GenerationServicer_to_server(GatewayService(core), server)
-    health_pb2_grpc.add_HealthServicer_to_server(core.health, server)
+    # A request larger than max_request_bytes is refused (RESOURCE_EXHAUSTED) before parsing.
+    limit = "grpc.max_receive_message_length"
+    options = [o for o in SERVER_OPTIONS if o[0] != limit] + [(limit, config.max_request_bytes)]
+    server = grpc.aio.server(options=options, interceptors=interceptors)
+    add_servicer(api_pb2_grpc.add_GenerationServicer_to_server, GatewayService(core), server)
+    add_servicer(health_pb2_grpc.add_HealthServicer_to_server, core.health, server)
     await core.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
     http = None
     if config.http_port:

@@ -167,7 +167,10 @@ class Tokenizer:
     # -- use ------------------------------------------------------------------------------------
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids: list[int] = self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch releases the GIL (encode holds it: ~1 s for a 1M-character prompt), so a
+        # prompt tokenized on a worker thread leaves the gateway's event loop running.
+        [encoding] = self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)
+        ids: list[int] = encoding.ids
         if (
             add_special_tokens
             and self.add_bos_token

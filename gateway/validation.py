@@ -28,6 +28,7 @@ class Limits:
     max_model_len: int
     vocab_size: int
     kv_capacity_tokens: int  # the whole KV pool; no request can outgrow it
+    max_waiting: int = 0  # the scheduler's queue: requests that may wait at once (0: unknown)
     max_prompt_chars: int = 1 << 20  # refuse before tokenizing absurd inputs
     max_stop_strings: int = 16
     max_stop_string_chars: int = 256

@@ -188,6 +188,26 @@ def _supervise(stack: Any, stop: dict[str, int]) -> int:
 # -- client commands -------------------------------------------------------------------------------
 
 
+def _text_arg(value: str) -> str:
+    """A text argument protobuf can carry: bytes that are not UTF-8 reach us as surrogates."""
+    from common.text import invalid_text
+
+    why = invalid_text(value, from_bytes=True)
+    if why is not None:
+        raise argparse.ArgumentTypeError(why)
+    return value
+
+
+def _seed_arg(value: str) -> int:
+    from common.sampling import SamplingError, seed_value
+
+    try:
+        return seed_value(int(value))
+    except ValueError as err:  # SamplingError is one
+        why = str(err) if isinstance(err, SamplingError) else f"seed={value!r} is not an integer"
+        raise argparse.ArgumentTypeError(why) from err
+
+
 def _add_client_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--address", default=os.environ.get("LLMSERVE_ADDRESS", f"localhost:{DEFAULT_GATEWAY_PORT}")
@@ -197,8 +217,10 @@ def _add_client_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--min-p", type=float, default=None)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    p.add_argument("--seed", type=_seed_arg, default=None, help="-2**63 to 2**64 - 1")
+    p.add_argument(
+        "--stop", type=_text_arg, action="append", default=None, help="stop string (repeatable)"
+    )
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument(
         "--json",
@@ -302,18 +324,34 @@ def cmd_internal_token(args: argparse.Namespace) -> int:
 
 
 def cmd_health(args: argparse.Namespace) -> int:
-    from common.net import check_health, wait_until_serving
+    """The status word on stdout (scripts read it); why it is not SERVING on stderr."""
+    from common.net import health_status, wait_until_serving, with_default_port
 
-    if args.wait:
-        ok = wait_until_serving(args.address, timeout=args.wait)
-        print("SERVING" if ok else check_health(args.address))
-        return 0 if ok else 1
-    status = check_health(args.address)
+    address = with_default_port(args.address, DEFAULT_GATEWAY_PORT)
+    if args.wait and wait_until_serving(address, timeout=args.wait):
+        status, why = "SERVING", ""
+    else:
+        status, why = health_status(address)
     print(status)
+    if why:
+        print(f"error: {address}: {why}", file=sys.stderr)
     return 0 if status == "SERVING" else 1
 
 
 # -- parser ----------------------------------------------------------------------------------------
+
+
+class _CommandParser(argparse.ArgumentParser):
+    """A subcommand's parser: arguments it does not know are its own error, shown with its own
+    usage line, not the top-level parser's (argparse leaves them to the top by default)."""
+
+    def parse_known_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        parsed, extras = super().parse_known_args(args, namespace)
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return parsed, extras
 
 
 def _add_service_parser(sub: Any, name: str, help_text: str) -> None:
@@ -330,7 +368,7 @@ def build_parser() -> argparse.ArgumentParser:
     from llmserve.launcher import add_serve_flags
 
     parser = argparse.ArgumentParser(prog="llmserve", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_CommandParser)
 
     p = sub.add_parser("serve", help="start gateway, scheduler and engine; wait; stop on Ctrl-C")
     add_serve_flags(p)
@@ -341,13 +379,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_service_parser(sub, "gateway", "run the gateway service")
 
     p = sub.add_parser("generate", help="complete raw text (no chat template)")
-    p.add_argument("prompt")
+    p.add_argument("prompt", type=_text_arg)
     _add_client_args(p)
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("chat", help="one user turn through the chat template")
-    p.add_argument("message", nargs="?", default=None)
-    p.add_argument("--system", default=None, help="system message")
+    p.add_argument("message", nargs="?", default=None, type=_text_arg)
+    p.add_argument("--system", default=None, type=_text_arg, help="system message")
     _add_client_args(p)
     p.set_defaults(func=cmd_chat)
 
@@ -372,7 +410,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return int(args.func(args))
+    try:
+        return int(args.func(args))
+    except ValueError as err:
+        from llmserve.client import RequestError
+
+        if not isinstance(err, RequestError):
+            raise
+        print(f"error: {err}", file=sys.stderr)  # a value the request cannot carry
+        return 2
 
 
 if __name__ == "__main__":

@@ -6,10 +6,15 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import grpc
+from google.protobuf.descriptor import FieldDescriptor
+from google.protobuf.message import Message
 
-from common.net import CHANNEL_OPTIONS
+from common.net import CHANNEL_OPTIONS, with_default_port
+from common.sampling import SamplingError, seed_value
+from common.text import invalid_text
 from protos import api_pb2, api_pb2_grpc, common_pb2
 
+DEFAULT_PORT = 50051  # the gateway's (GatewayConfig.port)
 FINISH_REASON_NAMES = {
     common_pb2.FINISH_REASON_UNSPECIFIED: None,
     common_pb2.FINISH_REASON_STOP: "stop",
@@ -51,6 +56,48 @@ class Completion:
         }
 
 
+class RequestError(ValueError):
+    """A value make_request cannot send: text that is not valid Unicode, a number outside its
+    field's range. The message names the field, the value and the limit."""
+
+
+_INT32_RANGE = (-(2**31), 2**31 - 1)
+
+
+def _text(where: str, value: str) -> str:
+    # Text from the command line keeps bytes that are not UTF-8 as surrogates: name the byte.
+    why = invalid_text(value, from_bytes=True)
+    if why is not None:
+        raise RequestError(f"{where} is {why}")
+    return value
+
+
+def _checked(where: str, field: FieldDescriptor, value: object) -> object:
+    if isinstance(value, str):
+        return _text(where, value)
+    if field.type == FieldDescriptor.TYPE_INT32 and isinstance(value, int):
+        low, high = _INT32_RANGE
+        if not low <= value <= high:
+            raise RequestError(f"{where}={value} is outside the int32 range [{low}, {high}]")
+    return value
+
+
+def _set(msg: Message, name: str, value: object) -> None:
+    field = msg.DESCRIPTOR.fields_by_name.get(name)
+    if field is None:
+        raise RequestError(f"{name} is not a field of {msg.DESCRIPTOR.name}")
+    if name == "seed" and isinstance(value, int):
+        try:
+            value = seed_value(value)
+        except SamplingError as err:
+            raise RequestError(str(err)) from None
+    if isinstance(value, list | tuple):
+        values = [_checked(f"{name}[{i}]", field, v) for i, v in enumerate(value)]
+        getattr(msg, name).extend(values)
+    else:
+        setattr(msg, name, _checked(name, field, value))
+
+
 def make_request(
     text: str | None = None,
     messages: list[tuple[str, str]] | None = None,
@@ -58,25 +105,32 @@ def make_request(
 ) -> api_pb2.GenerateRequest:
     """A GenerateRequest from a text prompt or (role, content) messages; unset fields (None)
     keep the server's defaults. Fields of common.SamplingParams (temperature, seed, ...) go into
-    `sampling`, the others (max_tokens, stop, ...) into the request itself."""
+    `sampling`, the others (max_tokens, stop, ...) into the request itself. A seed may be
+    negative, as in OpenAI's API (common.sampling.seed_value). Raises RequestError naming the
+    field for a value that cannot be sent."""
     sampling_names = {f.name for f in common_pb2.SamplingParams.DESCRIPTOR.fields}
-    given = {k: v for k, v in fields.items() if v is not None}
-    req = api_pb2.GenerateRequest(
-        sampling=common_pb2.SamplingParams(
-            **{k: v for k, v in given.items() if k in sampling_names}
-        ),
-        **{k: v for k, v in given.items() if k not in sampling_names},
-    )
+    req = api_pb2.GenerateRequest()
+    req.sampling.SetInParent()
+    for name, value in fields.items():
+        if value is not None:
+            _set(req.sampling if name in sampling_names else req, name, value)
     if messages is not None:
-        req.chat.messages.extend(api_pb2.ChatMessage(role=r, content=c) for r, c in messages)
+        req.chat.messages.extend(
+            api_pb2.ChatMessage(
+                role=_text(f"messages[{i}].role", role),
+                content=_text(f"messages[{i}].content", content),
+            )
+            for i, (role, content) in enumerate(messages)
+        )
     elif text is not None:
-        req.text = text
+        req.text = _text("text", text)
     return req
 
 
 class Client:
     def __init__(self, address: str, api_key: str | None = None):
-        self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.address = with_default_port(address, DEFAULT_PORT)  # "localhost": not port 443
+        self.channel = grpc.insecure_channel(self.address, options=CHANNEL_OPTIONS)
         self.stub = api_pb2_grpc.GenerationStub(self.channel)
         # Sent with every call when the gateway requires a key (`llmserve gateway --api-key`).
         self.metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None

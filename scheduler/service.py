@@ -28,7 +28,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from common.auth import peer_interceptors
 from common.log import bind, get_logger
-from common.net import SERVER_OPTIONS, serve_aio
+from common.net import SERVER_OPTIONS, add_servicer, serve_aio
 from common.sampling import SamplingError
 from protos import engine_pb2, engine_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from scheduler.config import SchedulerConfig
@@ -163,6 +163,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             num_blocks=s.block_manager.num_blocks,
             max_num_seqs=s.config.max_num_seqs,
             max_num_batched_tokens=s.config.max_num_batched_tokens,
+            max_waiting=s.config.max_waiting,
         )
 
     def stats(self) -> dict[str, Any]:
@@ -382,8 +383,8 @@ async def serve(config: SchedulerConfig) -> None:
     config.check_exposure(config.host)
     server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=peer_interceptors(config))
     service = SchedulerService(config)
-    scheduler_pb2_grpc.add_SchedulerServicer_to_server(service, server)
-    health_pb2_grpc.add_HealthServicer_to_server(service.health, server)
+    add_servicer(scheduler_pb2_grpc.add_SchedulerServicer_to_server, service, server)
+    add_servicer(health_pb2_grpc.add_HealthServicer_to_server, service.health, server)
     await service.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
     await serve_aio(
         server,

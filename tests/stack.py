@@ -215,12 +215,15 @@ def start_echo_stack(
     **kwargs: Any,
 ) -> Stack:
     """The echo engine (engine/fake.py) over the tiny byte vocabulary of tests/factories.py, with
-    its EOS, behind a real scheduler and gateway; kwargs go to start_stack."""
+    its EOS, behind a real scheduler and gateway serving it as "fake-echo" (the engine's name;
+    gateway_args may say otherwise); kwargs go to start_stack."""
     from tests.factories import EOS_TOKEN_ID, TINY_VOCAB
 
+    gateway_args = ["--served-model-name", "fake-echo", *kwargs.pop("gateway_args", [])]
     return start_stack(
         fake=True,
         gateway_model=tokenizer_dir,
+        gateway_args=gateway_args,
         engine_args=[
             "--fake-vocab-size", str(TINY_VOCAB), "--fake-eos-token-ids", str(EOS_TOKEN_ID),
             *engine_args,

@@ -29,7 +29,6 @@ import pytest
 import torch
 
 from kernels import reference as ref
-from tests.kernel_emu import emu
 from tests.kernel_checks import (
     assert_close,
     check_rms_norm,
@@ -38,6 +37,7 @@ from tests.kernel_checks import (
     nan_like,
     reference_attention,
 )
+from tests.kernel_emu import emu
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

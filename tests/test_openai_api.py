@@ -10,11 +10,12 @@ byte, so the expected text is known exactly. A chat prompt renders as
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 import httpx2
@@ -33,6 +34,7 @@ from gateway.validation import ValidationError
 from llmserve.client import Client, make_request
 from tests.stack import Stack, start_echo_stack, start_stack
 
+T = TypeVar("T")
 API_KEY = "test-key-123"
 USER = [{"role": "user", "content": "hi"}]
 
@@ -42,9 +44,19 @@ def echo(prompt: str, n: int) -> str:
     return bytes(data[i % len(data)] for i in range(n)).decode()
 
 
+# The gateway's --served-model-name (the echo engine calls itself "fake-echo").
+SERVED_NAME = "tiny-echo"
+
+
 def _echo_stack(tokenizer_dir: Path, log_dir: Path, *engine: str, scheduler: tuple = ()) -> Stack:
     return start_echo_stack(
-        tokenizer_dir, log_dir, *engine, scheduler=scheduler, http=True, api_key=API_KEY
+        tokenizer_dir,
+        log_dir,
+        *engine,
+        scheduler=scheduler,
+        gateway_args=["--served-model-name", SERVED_NAME],
+        http=True,
+        api_key=API_KEY,
     )
 
 
@@ -79,7 +91,7 @@ def root_url(stack: Stack, path: str) -> str:
 
 def test_completion(stack: Stack) -> None:
     result = sdk(stack).completions.create(model="fake-echo", prompt="hello world", max_tokens=15)
-    assert result.object == "text_completion" and result.model == "fake-echo"
+    assert result.object == "text_completion" and result.model == SERVED_NAME
     [choice] = result.choices
     assert choice.text == echo("hello world", 15) == "hello worldhell"
     assert choice.finish_reason == "length" and choice.index == 0 and choice.logprobs is None
@@ -283,6 +295,12 @@ def test_invalid_completion_is_bad_request(
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "not supported"),
         ({"stream_options": {"include_usage": True}}, "stream_options", "only allowed with"),
         ({"messages": [{"role": "user"}]}, "messages", "messages[0].content is missing"),
+        ({"messages": [{"content": "hi"}]}, "messages", "messages[0].role is required"),
+        (
+            {"messages": [USER[0], {"role": "user", "content": 5}]},
+            "messages",
+            "messages[1].content=5: ",
+        ),
     ],
 )
 def test_invalid_chat_is_bad_request(
@@ -337,13 +355,194 @@ def test_api_key_required_on_both_apis(stack: Stack) -> None:
 def test_models_and_openapi(stack: Stack) -> None:
     client = sdk(stack)
     [model] = client.models.list().data
-    assert model.id == "fake-echo" and model.object == "model"
-    assert client.models.retrieve("fake-echo").id == "fake-echo"
+    assert model.id == SERVED_NAME and model.object == "model"
+    assert client.models.retrieve(SERVED_NAME).id == SERVED_NAME
+    with stack.client() as grpc_client:
+        assert grpc_client.model_info().model == SERVED_NAME
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("gpt-4")
     document = httpx2.get(root_url(stack, "/openapi.json")).json()
     assert {"/v1/completions", "/v1/chat/completions", "/v1/models"} <= set(document["paths"])
     assert "CompletionRequest" in document["components"]["schemas"]
+
+
+# -- hostile input -------------------------------------------------------------------------------
+
+
+def post_json(stack: Stack, path: str, body: object) -> httpx2.Response:
+    """POST body as JSON text Python writes (a lone surrogate goes out as a \\ud800 escape)."""
+    headers = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
+    return httpx2.post(f"{stack.http_url}{path}", content=json.dumps(body), headers=headers)
+
+
+@pytest.mark.parametrize(
+    ("path", "fields", "message"),
+    [
+        ("/completions", {"prompt": "a\ud800b"}, "prompt is not valid Unicode: lone surrogate"),
+        ("/completions", {"prompt": ["ok", "\udcff"]}, "prompt[1] is not valid Unicode"),
+        ("/completions", {"prompt": "hi", "stop": "\ud800"}, "stop is not valid Unicode"),
+        ("/completions", {"prompt": "hi", "stop": ["x", "\udfff"]}, "stop[1] is not valid"),
+        (
+            "/chat/completions",
+            {"messages": [{"role": "user", "content": "\ud800"}]},
+            "messages[0].content is not valid Unicode",
+        ),
+        (
+            "/chat/completions",
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": "x\ud800"}]}]},
+            "messages[0].content[0].text is not valid Unicode",
+        ),
+        (
+            "/chat/completions",
+            {"messages": [{"role": "\ud800", "content": "hi"}]},
+            "messages[0].role is not valid Unicode",
+        ),
+    ],
+)
+def test_lone_surrogates_are_bad_requests(
+    stack: Stack, path: str, fields: dict[str, Any], message: str
+) -> None:
+    """JSON can escape half a UTF-16 pair; protobuf (UTF-8) cannot carry it: 400, not 500."""
+    reply = post_json(stack, path, {"max_tokens": 2, **fields})
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert error["message"].startswith(message), error
+    assert "U+D" in error["message"] and "at character" in error["message"]
+    assert error["param"] == message.split("[")[0].split(" ")[0]
+    assert error["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("seed", [-(2**63) - 1, 2**64, 2**70])
+def test_seed_out_of_range_is_bad_request(stack: Stack, seed: int) -> None:
+    reply = post_json(stack, "/completions", {"prompt": "hi", "max_tokens": 2, "seed": seed})
+    assert reply.status_code == 400
+    assert reply.json()["error"]["param"] == "seed"
+    assert reply.json()["error"]["message"] == str(err_seed(seed))
+
+
+def err_seed(seed: int) -> str:
+    """The one message for a seed out of range (common/sampling.py), as the CLI prints it too."""
+    from common.sampling import SamplingError, seed_value
+
+    with pytest.raises(SamplingError) as err:
+        seed_value(seed)
+    return str(err.value)
+
+
+def raw_http(stack: Stack, head: str, chunks: Iterator[bytes]) -> tuple[int, dict[str, Any]]:
+    """Send a request's head and then its body chunks on a plain socket, as slowly as the server
+    reads them; stop sending once the server answers (or closes); return (status, JSON body)."""
+    import socket
+    from urllib.parse import urlsplit
+
+    url = urlsplit(str(stack.http_url))
+    assert url.hostname is not None and url.port is not None
+    with socket.create_connection((url.hostname, url.port), timeout=30) as sock:
+        sock.sendall(head.encode("latin-1"))
+        for chunk in chunks:
+            try:
+                sock.sendall(chunk)
+            except (BrokenPipeError, ConnectionResetError):
+                break  # the server answered and closed: read what it said
+        reply = b""
+        while data := sock.recv(65536):
+            reply += data
+            head_end = reply.find(b"\r\n\r\n")
+            if head_end >= 0 and b"content-length" in reply[:head_end].lower():
+                length = int(reply[:head_end].lower().split(b"content-length: ")[1].split(b"\r")[0])
+                if len(reply) >= head_end + 4 + length:
+                    break
+    status = int(reply.split(b" ", 2)[1])
+    return status, json.loads(reply[reply.find(b"\r\n\r\n") + 4 :])
+
+
+def while_polling_health(stack: Stack, work: Callable[[], T]) -> tuple[T, float]:
+    """work's result, and the longest /health took while work ran (polled every 20 ms)."""
+    latencies: list[float] = []
+    done = threading.Event()
+
+    def poll() -> None:
+        while not done.is_set():
+            start = time.monotonic()
+            assert httpx2.get(root_url(stack, "/health"), timeout=30).status_code == 200
+            latencies.append(time.monotonic() - start)
+            done.wait(0.02)
+
+    poller = threading.Thread(target=poll)
+    poller.start()
+    try:
+        result = work()
+    finally:
+        done.set()
+        poller.join()
+    return result, max(latencies)
+
+
+def test_request_body_over_the_limit_is_413(stack: Stack) -> None:
+    """Refused from Content-Length alone (the body is never read), and while a chunked upload
+    streams in, before any JSON parsing; /health answers promptly all the while."""
+    limit = 8 << 20  # GatewayConfig.max_request_bytes' default
+    auth = f"Authorization: Bearer {API_KEY}\r\nContent-Type: application/json\r\n"
+    head = f"POST /v1/completions HTTP/1.1\r\nHost: x\r\n{auth}"
+    status, body = raw_http(stack, head + f"Content-Length: {52_000_000}\r\n\r\n", iter([]))
+    assert status == 413
+    assert body["error"]["message"] == (
+        f"the request body has 52000000 bytes; the limit is {limit} (max_request_bytes)"
+    )
+    assert body["error"]["type"] == "invalid_request_error"
+
+    def chunked(total: int, size: int = 1 << 20) -> Iterator[bytes]:
+        for data in [b'{"prompt": "'] + [b"x" * size] * (total // size):
+            yield f"{len(data):x}\r\n".encode() + data + b"\r\n"
+        yield b"0\r\n\r\n"
+
+    upload = head + "Transfer-Encoding: chunked\r\n\r\n"
+    (status, body), stall = while_polling_health(
+        stack, lambda: raw_http(stack, upload, chunked(52 << 20))
+    )
+    assert status == 413
+    assert body["error"]["message"] == (
+        f"the request body has more than {limit} bytes; the limit is {limit} (max_request_bytes)"
+    )
+    assert stall < 0.6, stall
+    # Just under the limit is parsed as usual.
+    reply = post_json(stack, "/completions", {"prompt": "x" * (limit - 100), "max_tokens": 2})
+    assert (
+        reply.status_code == 400 and "characters; the limit is" in reply.json()["error"]["message"]
+    )
+
+
+def test_long_prompt_leaves_the_event_loop_running(stack: Stack) -> None:
+    """The longest prompt allowed (1M characters) takes a second to tokenize: on a worker
+    thread, with the GIL released, while /health and other requests carry on."""
+    big = {"prompt": "hello world " * 87_381, "max_tokens": 1}
+    reply, stall = while_polling_health(stack, lambda: post_json(stack, "/completions", big))
+    assert reply.status_code == 400 and "tokens; the limit is" in reply.json()["error"]["message"]
+    assert stall < 0.6, stall
+
+
+def test_grpc_request_over_the_limit_is_refused(stack: Stack) -> None:
+    with stack.client() as client, pytest.raises(grpc.RpcError) as err:
+        client.generate(make_request(text="x" * (9 << 20), max_tokens=2))
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert str(8 << 20) in (err.value.details() or "")
+
+
+def test_gateway_log_is_json_lines_only(stack: Stack) -> None:
+    """uvicorn's own lines (server started, a request that failed) go through the same JSON
+    logging as ours: a log collector reading the stream never meets a plain-text line."""
+    import socket
+
+    host, port = root_url(stack, "").removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall(b"NOT HTTP AT ALL\r\n\r\n")  # uvicorn logs "Invalid HTTP request"
+        sock.recv(1024)
+    assert stack.log_dir is not None
+    lines = (stack.log_dir / "gateway.log").read_text().splitlines()
+    records = [json.loads(line) for line in lines]
+    uvicorn = [r for r in records if r.get("logger", "").startswith("uvicorn")]
+    assert any("Invalid HTTP request" in r["event"] for r in uvicorn), lines
+    assert all(r["service"] == "gateway" and "level" in r for r in uvicorn)
 
 
 # -- disconnects ---------------------------------------------------------------------------------
@@ -420,6 +619,15 @@ def test_full_queue_is_429_with_retry_after(tokenizer_dir: Path, tmp_path: Path)
         for r in results:
             if isinstance(r, openai.Stream):
                 list(r)  # finish the streams that were admitted
+        # More choices than the queue can ever hold: retrying cannot help, so 400, not 429.
+        with pytest.raises(openai.BadRequestError) as bad:
+            client.completions.create(model="any", prompt=["a", "b"], n=1, max_tokens=2)
+        assert bad.value.param == "n"
+        assert "n=1 times 2 prompts is 2 choices; the scheduler queues at most 1" in str(
+            bad.value.message
+        )
+        with pytest.raises(openai.BadRequestError, match=r"n=2 .*max_waiting=1"):
+            client.chat.completions.create(model="any", messages=USER, n=2)
         s.assert_idle()
     finally:
         s.close()
@@ -509,6 +717,26 @@ def test_seeded_choices_differ_and_reproduce(model_stack: Stack) -> None:
     model_stack.assert_idle()
 
 
+def test_tiny_temperature_is_greedy_on_a_model(model_stack: Stack) -> None:
+    """A temperature below common.sampling.MIN_TEMPERATURE samples as greedy: the argmax tokens,
+    not a softmax of logits / 1e-38 that overflows to NaN (and then token 0 every time)."""
+    client = sdk(model_stack)
+    fields: dict[str, Any] = {
+        "model": "any",
+        "prompt": "the quick brown fox",
+        "max_tokens": 12,
+        "logprobs": 1,
+        "extra_body": {"ignore_eos": True},
+    }
+    greedy = client.completions.create(temperature=0.0, **fields).choices[0]
+    for temperature in (1e-38, 1e-30, 1e-6):
+        tiny = client.completions.create(temperature=temperature, seed=5, **fields).choices[0]
+        assert tiny.text == greedy.text, temperature
+    assert greedy.logprobs is not None
+    assert len(set(greedy.logprobs.tokens)) > 1  # not one token repeated
+    model_stack.assert_idle()
+
+
 def test_penalties_and_top_logprobs_on_a_model(model_stack: Stack) -> None:
     client = sdk(model_stack)
     fields: dict[str, Any] = {
@@ -542,6 +770,16 @@ def test_penalties_and_top_logprobs_on_a_model(model_stack: Stack) -> None:
     model_stack.assert_idle()
 
 
+def test_model_id_defaults_to_the_model_directory_name(
+    model_stack: Stack, tiny_model: Callable[..., Path]
+) -> None:
+    directory = tiny_model(num_heads=4, num_kv_heads=2)
+    [model] = sdk(model_stack).models.list().data
+    assert model.id == directory.name
+    with model_stack.client() as client:
+        assert client.model_info().model == directory.name
+
+
 # -- units: the protocol's own checks ----------------------------------------------------------
 
 
@@ -571,6 +809,7 @@ def test_completion_request_conversion() -> None:
     p = req.sampling
     assert p.logprobs and p.top_logprobs == 3
     assert p.seed == 2**64 - 1  # OpenAI's int64 seeds, as our uint64
+    assert make_request(text="hi", seed=-1).sampling.seed == p.seed  # one rule for both APIs
     assert list(req.stop) == ["x"] and p.top_k == 5
     assert not p.HasField("temperature")  # unset stays unset: the server's default
     with pytest.raises(ValidationError, match="129 choices; the limit is 128"):
@@ -607,3 +846,15 @@ def test_error_event_shape() -> None:
         }
     }
     assert event.status == 500
+
+
+def test_default_model_id(tmp_path: Path) -> None:
+    from common.model_config import default_model_id
+
+    assert default_model_id(None) == default_model_id("builtin") == "SmolLM2-135M-Instruct"
+    assert default_model_id("/models/SmolLM2-135M-Instruct.Q4_1.gguf") == (
+        "SmolLM2-135M-Instruct.Q4_1"
+    )
+    assert default_model_id("/models/Llama-3-8B/") == "Llama-3-8B"
+    assert default_model_id("/models/Llama-3-8B/config.json") == "Llama-3-8B"
+    assert default_model_id(str(tmp_path / "a" / "..")) == tmp_path.name

@@ -83,6 +83,23 @@ def test_greedy_rows_stay_argmax_in_a_sampled_batch() -> None:
     assert torch.equal(tokens[1::2], logits[1::2].argmax(dim=-1))
 
 
+@pytest.mark.parametrize("temperature", [1e-38, 1e-30, 1e-6])
+def test_tiny_positive_temperature_is_greedy(temperature: float) -> None:
+    """logits / 1e-38 overflows to inf and the softmax to NaN, whose draw is token 0 every
+    time; below common.sampling.MIN_TEMPERATURE the row is sampled as greedy instead, seeded
+    or not, alone or beside sampled rows."""
+    torch.manual_seed(3)
+    logits = torch.randn(32, 500)
+    assert bool((logits.argmax(dim=-1) != 0).all())
+    params = [
+        sampling(temperature=temperature, seed=i) if i % 2 else sampling(temperature=temperature)
+        for i in range(31)
+    ] + [sampling(temperature=1.0)]
+    tokens, _ = Sampler(CPU)(logits, params, [0] * 32)
+    assert params[0].temperature > 0  # still positive as float32 (1e-38 is subnormal)
+    assert torch.equal(tokens[:31], logits[:31].argmax(dim=-1))
+
+
 # ---- temperature -----------------------------------------------------------------------------
 
 

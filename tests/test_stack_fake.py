@@ -131,6 +131,35 @@ def test_nan_temperature_refused(stack: Stack) -> None:
     assert "temperature=nan" in err.value.details()
 
 
+GROUP_127 = b"\xfb\x07"  # start of group, field 127: unknown to GenerateRequest
+
+
+@pytest.mark.parametrize(
+    ("data", "why"),
+    [
+        (b"\x0a\x03a\xffb", "String field had bad UTF-8"),  # text = b"a\xffb"
+        (b"\x18" + b"\xff" * 11, "Wire format was corrupt"),  # max_tokens: an 11-byte varint
+        (b"\x0a\x10abc", "Wire format was corrupt"),  # text of 16 bytes, 3 sent
+        (GROUP_127 * 200_000, "Wire format was corrupt"),  # groups nested 200,000 deep
+    ],
+)
+def test_malformed_grpc_request_is_invalid_argument(stack: Stack, data: bytes, why: str) -> None:
+    """Bytes that do not parse as a GenerateRequest: INVALID_ARGUMENT saying so, not UNKNOWN
+    with a Python class name; the gateway goes on serving."""
+    with grpc.insecure_channel(stack.gateway_address) as channel:
+        generate = channel.unary_stream(
+            "/llmserve.api.v1.Generation/Generate",
+            request_serializer=lambda b: b,
+            response_deserializer=lambda b: b,
+        )
+        with pytest.raises(grpc.RpcError) as err:
+            list(generate(data, timeout=10))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details() == f"request is not a valid GenerateRequest: {why}"
+    with stack.client() as client:
+        assert client.generate(make_request(text="ok", max_tokens=2)).text == "ok"
+
+
 def test_many_concurrent_streams(stack: Stack) -> None:
     prompts = [f"request number {i}: " + "x" * i for i in range(24)]
     with stack.client() as client, ThreadPoolExecutor(24) as pool:
