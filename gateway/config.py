@@ -26,6 +26,11 @@ class GatewayConfig:
     metrics_port: int = setting(
         9101, "Prometheus /metrics port (0: off)", env="LLMSERVE_METRICS_PORT"
     )
+    instance_id: str = setting(
+        "",
+        "an id GetModelInfo reports, so whoever started this gateway can tell it from another "
+        "server on the same port (`llmserve serve` sets a random one)",
+    )
     # Required of every client (HTTP and gRPC) as `Authorization: Bearer <key>` when set.
     api_key: str | None = field(
         default=None,

@@ -101,6 +101,7 @@ class GatewayCore:
             max_model_len=self.info.max_model_len,
             vocab_size=self.info.vocab_size,
             eos_token_ids=self.info.eos_token_ids,
+            instance_id=self.config.instance_id,
         )
 
     def start_request(

@@ -1,0 +1,137 @@
+"""How the stack starts, stops, loses a process and comes back:
+
+- `llmserve serve` refuses ports already taken, and trusts only the gateway it started itself;
+  quickstart.sh fails when serve fails;
+- the children die with serve, however serve ends (SIGKILL, SIGHUP);
+- readiness follows the engine's heartbeat (a frozen engine turns /ready to 503, and back);
+- serve restarts a crashed scheduler or gateway; the open streams end with UNAVAILABLE;
+- a request the server itself ends (shutdown) is an UNAVAILABLE error, never a finish reason;
+- Ctrl-C in `llmserve chat` stops the answer and keeps the conversation.
+
+Tests that kill or stop processes wait on what they can observe (tokens streamed, a status
+seen, a process gone), never on fixed sleeps.
+"""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from llmserve.launcher import StackError, free_ports, local_stack
+from tests.stack import (
+    ROOT,
+    child_pid,
+    serve_command,
+)
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float, what: str) -> float:
+    """Seconds until predicate() held (polled every 50 ms); fail after timeout."""
+    start = time.monotonic()
+    while not predicate():
+        if time.monotonic() - start > timeout:
+            raise AssertionError(f"{what}: not within {timeout}s")
+        time.sleep(0.05)
+    return time.monotonic() - start
+
+
+def echo(prompt: str, n: int) -> str:
+    data = prompt.encode()
+    return bytes(data[i % len(data)] for i in range(n)).decode()
+
+
+def is_gone(pid: int) -> bool:
+    """No such process, or a zombie nobody has reaped yet (it runs no code, holds no port)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True
+    return state == "Z"
+
+
+class Serve:
+    """`llmserve serve` in a subprocess, on free ports, its stderr in a file."""
+
+    def __init__(self, log_dir: Path, *extra: str, http: bool = False):
+        self.ports = free_ports(4 if http else 3)
+        self.stderr_path = log_dir / "serve.err"
+        with open(self.stderr_path, "w") as err:
+            self.proc = subprocess.Popen(
+                serve_command(self.ports, *extra),
+                cwd=ROOT,
+                stdout=subprocess.PIPE,
+                stderr=err,
+                text=True,
+            )
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        assert "llmserve ready" in line, f"{line!r}\n{self.stderr()}"
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.ports[0]}"
+
+    @property
+    def http_url(self) -> str:
+        return f"http://127.0.0.1:{self.ports[3]}/v1"
+
+    def child(self, service: str) -> int:
+        return child_pid(self.proc.pid, service)
+
+    def stderr(self) -> str:
+        return self.stderr_path.read_text()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            self.proc.wait(timeout=30)
+
+
+@pytest.fixture
+def tiny(tiny_model: Callable[..., Path]) -> Path:
+    return tiny_model(num_heads=4, num_kv_heads=2)
+
+
+# -- 1. ports taken, another server on them --------------------------------------------------------
+
+
+@pytest.mark.parametrize("taken", [0, 1], ids=["gateway", "scheduler"])
+def test_serve_on_a_taken_port_exits_2_naming_it(taken: int) -> None:
+    ports = free_ports(3)
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", ports[taken]))
+        other.listen()
+        out = subprocess.run(
+            serve_command(ports), cwd=ROOT, capture_output=True, text=True, timeout=60
+        )
+    what = ("gateway", "scheduler")[taken]
+    assert out.returncode == 2, out.stderr
+    assert f"{what} port {ports[taken]} is already in use" in out.stderr
+    assert "Traceback" not in out.stderr and "ready" not in out.stdout
+
+
+def test_wait_ready_is_not_fooled_by_another_server() -> None:
+    """Another server answering SERVING on the gateway's port is not our gateway."""
+    other = grpc.server(ThreadPoolExecutor(max_workers=2))
+    servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, other)
+    servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    port = other.add_insecure_port("127.0.0.1:0")
+    other.start()
+    try:
+        stack = local_stack()
+        stack.gateway = replace(stack.gateway, port=port)
+        with pytest.raises(StackError, match=f"127.0.0.1:{port} .*another server"):
+            stack.wait_ready(timeout=10)
+    finally:
+        other.stop(grace=None)
