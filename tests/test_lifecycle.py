@@ -14,8 +14,10 @@ seen, a process gone), never on fixed sleeps.
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
+import stat
 import subprocess
 import time
 from collections.abc import Callable
@@ -135,3 +137,55 @@ def test_wait_ready_is_not_fooled_by_another_server() -> None:
             stack.wait_ready(timeout=10)
     finally:
         other.stop(grace=None)
+
+
+FAKE_LLMSERVE = """#!/usr/bin/env bash
+# A stand-in for llmserve: `serve` fails (FAKE_SERVE=fail) or prints ready and waits for
+# SIGTERM; `health` claims SERVING (as another server on the port would); `chat` answers.
+echo "$1" >>"$(dirname "$0")/calls"
+case "$1" in
+  serve)
+    if [ "${FAKE_SERVE:-}" = fail ]; then
+      echo "error: gateway port 50051 is already in use on 127.0.0.1" >&2
+      exit 2
+    fi
+    trap 'echo stopped >>"$(dirname "$0")/calls"; exit 0' TERM
+    echo "llmserve ready: gateway at 127.0.0.1:50051 (Ctrl-C stops it)"
+    while :; do sleep 0.05; done ;;
+  health) echo SERVING ;;
+  chat) echo Paris ;;
+esac
+"""
+
+
+def _fake_checkout(root: Path) -> Path:
+    """quickstart.sh in a tree of its own, with a no-op setup.sh and a fake llmserve."""
+    (root / "scripts").mkdir()
+    (root / ".venv" / "bin").mkdir(parents=True)
+    (root / "quickstart.sh").write_text((ROOT / "quickstart.sh").read_text())
+    (root / "scripts" / "setup.sh").write_text("#!/usr/bin/env bash\n")
+    (root / ".venv" / "bin" / "activate").write_text(f'PATH="{root}/.venv/bin:$PATH"\n')
+    (root / ".venv" / "bin" / "llmserve").write_text(FAKE_LLMSERVE)
+    for path in ("quickstart.sh", "scripts/setup.sh", ".venv/bin/llmserve"):
+        (root / path).chmod((root / path).stat().st_mode | stat.S_IXUSR)
+    return root / ".venv" / "bin" / "calls"
+
+
+@pytest.mark.parametrize("serve", ["fail", "ok"])
+def test_quickstart_once_exits_with_serve(tmp_path: Path, serve: str) -> None:
+    calls = _fake_checkout(tmp_path)
+    out = subprocess.run(
+        ["bash", str(tmp_path / "quickstart.sh"), "--once"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "FAKE_SERVE": serve},
+    )
+    if serve == "fail":
+        assert out.returncode == 2, out.stdout + out.stderr
+        assert "already in use" in out.stderr
+        assert "chat" not in calls.read_text()  # another server's SERVING fooled nobody
+    else:
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert "Paris" in out.stdout
+        assert calls.read_text().split() == ["serve", "chat", "stopped"]
