@@ -29,6 +29,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from common.net import check_health
 from llmserve.launcher import StackError, free_ports, local_stack
 from tests.stack import (
     ROOT,
@@ -189,3 +190,25 @@ def test_quickstart_once_exits_with_serve(tmp_path: Path, serve: str) -> None:
         assert out.returncode == 0, out.stdout + out.stderr
         assert "Paris" in out.stdout
         assert calls.read_text().split() == ["serve", "chat", "stopped"]
+
+
+# -- 2. the children die with serve ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGHUP], ids=["SIGKILL", "SIGHUP"])
+def test_children_die_with_serve(tiny: Path, tmp_path: Path, sig: signal.Signals) -> None:
+    serve = Serve(tmp_path, "--model", str(tiny), "--num-kv-blocks", "64")
+    try:
+        children = [serve.child(name) for name in ("engine", "scheduler", "gateway")]
+        os.kill(serve.proc.pid, sig)
+        code = serve.proc.wait(timeout=30)
+        took = wait_for(lambda: all(map(is_gone, children)), 10, "every child gone")
+        print(f"{sig.name}: serve exited {code}; its children were gone {took:.2f}s later")
+    finally:
+        serve.stop()
+        for pid in children:
+            if not is_gone(pid):
+                os.kill(pid, signal.SIGKILL)
+    assert code == (0 if sig == signal.SIGHUP else -signal.SIGKILL)
+    for port in serve.ports:
+        assert check_health(f"127.0.0.1:{port}", timeout=1) == "UNAVAILABLE"
