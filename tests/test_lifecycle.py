@@ -26,15 +26,21 @@ from dataclasses import replace
 from pathlib import Path
 
 import grpc
+import httpx2
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from common.net import check_health
+from llmserve.client import make_request
 from llmserve.launcher import StackError, free_ports, local_stack
 from tests.stack import (
     ROOT,
+    Stack,
+    StreamWatch,
     child_pid,
     serve_command,
+    start_echo_stack,
+    wait_mid_stream,
 )
 
 
@@ -212,3 +218,40 @@ def test_children_die_with_serve(tiny: Path, tmp_path: Path, sig: signal.Signals
     assert code == (0 if sig == signal.SIGHUP else -signal.SIGKILL)
     for port in serve.ports:
         assert check_health(f"127.0.0.1:{port}", timeout=1) == "UNAVAILABLE"
+
+
+# -- 3. readiness follows the engine's heartbeat ---------------------------------------------------
+
+
+def _ready(stack: Stack) -> int:
+    assert stack.http_url is not None
+    return httpx2.get(stack.http_url.removesuffix("/v1") + "/ready").status_code
+
+
+def test_frozen_engine_turns_readiness_off_then_on(tokenizer_dir: Path, tmp_path: Path) -> None:
+    stack = start_echo_stack(tokenizer_dir, tmp_path, "--fake-step-delay-ms", "20", http=True)
+    engine = stack.procs["engine"].pid
+    try:
+        prompt = "frozen but not lost "
+        with stack.client() as client:
+            watch = StreamWatch(client, make_request(text=prompt, max_tokens=200), at_least=10)
+            wait_mid_stream([watch])
+            os.kill(engine, signal.SIGSTOP)
+            try:
+                took = wait_for(
+                    lambda: check_health(stack.gateway_address) == "NOT_SERVING",
+                    15,
+                    "the gateway NOT_SERVING after SIGSTOP of the engine",
+                )
+                assert _ready(stack) == 503
+                print(f"readiness dropped {took:.2f}s after SIGSTOP")
+            finally:
+                os.kill(engine, signal.SIGCONT)
+            back = wait_for(lambda: _ready(stack) == 200, 15, "/ready 200 after SIGCONT")
+            print(f"readiness back {back:.2f}s after SIGCONT")
+            assert check_health(stack.gateway_address) == "SERVING"
+            result = watch.result(timeout=60)
+        assert result.text == echo(prompt, 200) and result.finish_reason == "length"
+        stack.assert_idle()
+    finally:
+        stack.close()
