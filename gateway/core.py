@@ -164,7 +164,7 @@ class GatewayCore:
         stops = StopStringMatcher(valid.stop)
         out = api_pb2.GenerateResponse(request_id=request_id)
         usage = api_pb2.Usage(prompt_tokens=len(valid.prompt_token_ids))
-        async for msg in call:
+        async for msg in _scheduler_messages(call):
             if msg.num_prompt_tokens:
                 usage.cached_prompt_tokens = msg.num_cached_tokens
             out.token_ids.extend(msg.token_ids)
@@ -196,3 +196,22 @@ class GatewayCore:
 
     async def close(self) -> None:
         await self.channel.close()
+
+
+async def _scheduler_messages(
+    call: grpc.aio.UnaryStreamCall,
+) -> AsyncIterator[scheduler_pb2.SubmitResponse]:
+    """call's messages. Losing the scheduler after the first one (it died, or the connection
+    did) is UNAVAILABLE with a message that says so; other errors pass through."""
+    received = False
+    try:
+        async for msg in call:
+            received = True
+            yield msg
+    except grpc.aio.AioRpcError as err:
+        if not received or err.code() != grpc.StatusCode.UNAVAILABLE:
+            raise
+        raise GatewayError(
+            grpc.StatusCode.UNAVAILABLE,
+            f"lost the scheduler mid-request ({err.details()}); retry",
+        ) from err

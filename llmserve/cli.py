@@ -166,18 +166,23 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _supervise(stack: Any, stop: dict[str, int]) -> int:
-    """Until a signal: restart a crashed engine (the scheduler keeps every request and recomputes
-    what was running), at most 3 times in 10 minutes; any other death ends the stack."""
+    """Until a signal: restart whichever service crashed, at most 3 restarts in 10 minutes in
+    all; one more crash ends the stack (exit 1). A new engine: the scheduler keeps every request
+    and recomputes what was running. A new scheduler: the requests it held fail UNAVAILABLE at
+    the gateway, which reconnects by itself. A new gateway: its clients reconnect."""
     restarts: list[float] = []
     while not stop["signal"]:
         for name, code in stack.dead():
             recent = [t for t in restarts if time.monotonic() - t < 600]
-            if name != "engine" or len(recent) >= 3:
-                print(f"error: {name} exited with {code}", file=sys.stderr)
+            if len(recent) >= 3:
+                print(
+                    f"error: {name} exited with {code}; 3 restarts in 10 minutes, giving up",
+                    file=sys.stderr,
+                )
                 return 1
-            print(f"engine exited with {code}; restarting it", file=sys.stderr)
+            print(f"{name} exited with {code}; restarting it", file=sys.stderr)
             restarts = [*recent, time.monotonic()]
-            stack.start(("engine",))
+            stack.restart(name)
         time.sleep(0.2)
     return 0
 

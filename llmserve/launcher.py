@@ -160,6 +160,13 @@ class Stack:
         """(name, exit code) of every child that has exited."""
         return [(n, p.returncode) for n, p in self.procs.items() if p.poll() is not None]
 
+    def restart(self, name: str) -> None:
+        """Start service name again (it died): a new child with the same config."""
+        old = self.procs.pop(name, None)
+        if old is not None:
+            _close_stdin(old)
+        self.start((name,))
+
     def wait_ready(self, timeout: float) -> None:
         """Return once our gateway reports SERVING; raise StackError if a child dies first,
         if another server answers on the gateway's port, or when timeout passes (with the end

@@ -19,19 +19,22 @@ import signal
 import socket
 import stat
 import subprocess
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import grpc
 import httpx2
+import openai
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from common.net import check_health
-from llmserve.client import make_request
+from llmserve.client import Client, make_request
 from llmserve.launcher import StackError, free_ports, local_stack
 from tests.stack import (
     ROOT,
@@ -255,3 +258,121 @@ def test_frozen_engine_turns_readiness_off_then_on(tokenizer_dir: Path, tmp_path
         stack.assert_idle()
     finally:
         stack.close()
+
+
+# -- 4. a crashed scheduler or gateway is restarted ------------------------------------------------
+
+
+class HttpStream:
+    """One streamed HTTP completion read on a thread: `started` once the first chunk is in;
+    `error` the exception the openai SDK raised, if any."""
+
+    def __init__(self, base_url: str, **body: Any):
+        self.started = threading.Event()
+        self.text = ""
+        self.error: Exception | None = None
+        sdk = openai.OpenAI(base_url=base_url, api_key="none", max_retries=0)
+        self.thread = threading.Thread(target=self._read, args=(sdk, body), daemon=True)
+        self.thread.start()
+
+    def _read(self, sdk: openai.OpenAI, body: dict[str, Any]) -> None:
+        try:
+            extra = {"ignore_eos": body.pop("ignore_eos")} if "ignore_eos" in body else None
+            stream = sdk.completions.create(model="any", stream=True, extra_body=extra, **body)
+            for chunk in stream:
+                self.text += chunk.choices[0].text if chunk.choices else ""
+                self.started.set()
+        except Exception as err:
+            self.error = err
+        finally:
+            self.started.set()
+
+    def join(self, timeout: float = 30) -> None:
+        self.thread.join(timeout)
+        assert not self.thread.is_alive(), "HTTP stream still open"
+
+
+def _long_request() -> dict[str, Any]:
+    return {"max_tokens": 900, "temperature": 0.0, "ignore_eos": True}
+
+
+def test_crashed_scheduler_and_gateway_are_restarted(tiny: Path, tmp_path: Path) -> None:
+    serve = Serve(tmp_path, "--model", str(tiny), "--num-kv-blocks", "128", http=True)
+    try:
+        with Client(serve.address) as client:
+            expected = client.generate(make_request(text="after", max_tokens=8, temperature=0.0))
+            # Kill the scheduler while a gRPC and an HTTP stream are open.
+            request = make_request(text="keep going", **_long_request())
+            watch = StreamWatch(client, request, at_least=5)
+            wait_mid_stream([watch])
+            http = HttpStream(serve.http_url, prompt="keep going", **_long_request())
+            assert http.started.wait(30) and http.error is None, http.error
+            os.kill(serve.child("scheduler"), signal.SIGKILL)
+            killed = time.monotonic()
+            with pytest.raises(grpc.RpcError) as err:
+                watch.result(timeout=30)
+            http.join()
+        code, details = err.value.code(), err.value.details()
+        assert code == grpc.StatusCode.UNAVAILABLE and "lost the scheduler" in details, details
+        assert isinstance(http.error, openai.APIError), repr(http.error)
+        assert "lost the scheduler" in http.error.message
+
+        # serve started a new scheduler; the gateway found it by itself.
+        took = wait_until_answering(serve, expected.token_ids) - killed
+        print(f"answering again {took:.2f}s after the scheduler's SIGKILL")
+        assert serve.proc.poll() is None
+        assert "scheduler exited with -9; restarting it" in serve.stderr()
+
+        gateway = serve.child("gateway")
+        os.kill(gateway, signal.SIGKILL)
+        killed = time.monotonic()
+        took = wait_until_answering(serve, expected.token_ids) - killed
+        print(f"answering again {took:.2f}s after the gateway's SIGKILL")
+        assert serve.child("gateway") != gateway
+        assert "gateway exited with -9; restarting it" in serve.stderr()
+        assert serve.proc.poll() is None
+    finally:
+        serve.stop()
+    assert serve.proc.returncode == 0
+
+
+def test_serve_gives_up_after_3_restarts_in_10_minutes() -> None:
+    """The restart budget is shared by the three services: the 4th crash ends serve (exit 1)."""
+    from llmserve.cli import _supervise
+
+    class Crashing:
+        def __init__(self) -> None:
+            self.restarted: list[str] = []
+
+        def dead(self) -> list[tuple[str, int]]:
+            return [("scheduler", -9)] if len(self.restarted) < 2 else [("gateway", -9)]
+
+        def restart(self, name: str) -> None:
+            self.restarted.append(name)
+
+    stack = Crashing()
+    assert _supervise(stack, {"signal": 0}) == 1
+    assert stack.restarted == ["scheduler", "scheduler", "gateway"]
+
+
+def wait_until_answering(serve: Serve, expected: list[int], timeout: float = 60) -> float:
+    """When (time.monotonic()) the gateway answered a request with the expected tokens again
+    (retried while it is UNAVAILABLE); the HTTP API must answer then too."""
+    start = time.monotonic()
+    request = make_request(text="after", max_tokens=8, temperature=0.0)
+    with Client(serve.address) as client:
+        while True:
+            try:
+                again = client.generate(request, timeout=10)
+                break
+            except grpc.RpcError as err:
+                assert err.code() == grpc.StatusCode.UNAVAILABLE, err
+                assert time.monotonic() - start < timeout, f"still {err.details()}"
+                time.sleep(0.1)
+    answered = time.monotonic()
+    assert again.token_ids == expected
+    sdk = openai.OpenAI(base_url=serve.http_url, api_key="none", max_retries=0)
+    http = sdk.completions.create(model="any", prompt="after", max_tokens=8, temperature=0.0)
+    assert http.choices[0].text
+    wait_for(lambda: check_health(serve.address) == "SERVING", 10, "the gateway SERVING")
+    return answered
