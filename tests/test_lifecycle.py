@@ -14,11 +14,13 @@ seen, a process gone), never on fixed sleeps.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
 import stat
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -376,3 +378,55 @@ def wait_until_answering(serve: Serve, expected: list[int], timeout: float = 60)
     assert http.choices[0].text
     wait_for(lambda: check_health(serve.address) == "SERVING", 10, "the gateway SERVING")
     return answered
+
+
+# -- 5. a request the server ends is an error ------------------------------------------------------
+
+
+class CliStream:
+    """`llmserve generate` in a subprocess; `started` once it has printed its first text."""
+
+    def __init__(self, *args: str):
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "llmserve.cli", "generate", *args],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        assert self.proc.stdout is not None
+        self.first = self.proc.stdout.read(1)  # blocks until the first text is printed
+
+
+def test_shutdown_mid_request_is_unavailable(tokenizer_dir: Path, tmp_path: Path) -> None:
+    stack = start_echo_stack(tokenizer_dir, tmp_path, "--fake-step-delay-ms", "20", http=True)
+    try:
+        long = make_request(text="abcdefgh", max_tokens=400)
+        with stack.client() as client:
+            watch = StreamWatch(client, long, at_least=5)
+            assert stack.http_url is not None
+            http = HttpStream(stack.http_url, prompt="abcdefgh", max_tokens=400)
+            cli = CliStream("abcdefgh", "--address", stack.gateway_address, "--max-tokens", "400")
+            wait_mid_stream([watch])
+            assert http.started.wait(30) and cli.first == "a"
+            stack.stop()  # SIGTERM to all three, as Ctrl-C on `llmserve serve`
+            with pytest.raises(grpc.RpcError) as err:
+                watch.result(timeout=30)
+            http.join()
+            _, cli_err = cli.proc.communicate(timeout=30)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "shutting down" in (err.value.details() or "")
+        assert isinstance(http.error, openai.APIError), repr(http.error)
+        assert "shutting down" in http.error.message
+        assert cli.proc.returncode == 1
+        assert "error: UNAVAILABLE:" in cli_err and "shutting down" in cli_err
+        assert "Traceback" not in cli_err
+    finally:
+        stack.close()
+    finished = [
+        json.loads(line)
+        for line in (tmp_path / "gateway.log").read_text().splitlines()
+        if '"request finished"' in line
+    ]
+    assert len(finished) == 3
+    assert {(r["finish_reason"], r["status_code"]) for r in finished} == {("error", "UNAVAILABLE")}
