@@ -23,11 +23,11 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import grpc
 import httpx2
@@ -430,3 +430,80 @@ def test_shutdown_mid_request_is_unavailable(tokenizer_dir: Path, tmp_path: Path
     ]
     assert len(finished) == 3
     assert {(r["finish_reason"], r["status_code"]) for r in finished} == {("error", "UNAVAILABLE")}
+
+
+# -- 6. Ctrl-C in `llmserve chat` ------------------------------------------------------------------
+
+
+class Output:
+    """A pipe read on a thread into one growing string."""
+
+    def __init__(self, pipe: IO[str]):
+        self.text = ""
+        self._changed = threading.Condition()
+        threading.Thread(target=self._read, args=(pipe,), daemon=True).start()
+
+    def _read(self, pipe: IO[str]) -> None:
+        while char := pipe.read(1):
+            with self._changed:
+                self.text += char
+                self._changed.notify_all()
+
+    def wait_for(self, predicate: Callable[[str], bool], timeout: float = 30) -> str:
+        with self._changed:
+            if not self._changed.wait_for(lambda: predicate(self.text), timeout):
+                raise AssertionError(f"output never matched in {timeout}s: {self.text!r}")
+            return self.text
+
+
+@pytest.fixture
+def chat_stack(tokenizer_dir: Path, tmp_path: Path) -> Iterator[Stack]:
+    stack = start_echo_stack(tokenizer_dir, tmp_path, "--fake-step-delay-ms", "10")
+    yield stack
+    stack.close()
+
+
+def _chat(stack: Stack) -> tuple[subprocess.Popen[str], Output, Output]:
+    address = stack.gateway_address
+    command = ["chat", "--address", address, "--max-tokens", "300", "--ignore-eos"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "llmserve.cli", *command],
+        cwd=ROOT,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdin and proc.stdout and proc.stderr
+    return proc, Output(proc.stdout), Output(proc.stderr)
+
+
+def test_chat_ctrl_c_stops_the_answer_and_keeps_the_conversation(chat_stack: Stack) -> None:
+    proc, out, err = _chat(chat_stack)
+    assert proc.stdin is not None
+    try:
+        proc.stdin.write("hello\n")
+        proc.stdin.flush()
+        out.wait_for(lambda text: len(text) > len("> ") + 20)
+        proc.send_signal(signal.SIGINT)
+        text = out.wait_for(lambda text: text.count("> ") == 2)
+        partial = text[len("> ") : -len("\n> ")]
+        assert 20 <= len(partial) < 300 and proc.poll() is None
+        assert "Traceback" not in err.wait_for(lambda text: "(stopped" in text)
+        chat_stack.assert_idle()  # the stream was cancelled: its blocks are free
+
+        # The next turn's prompt holds the partial answer: the echo engine repeats it.
+        proc.stdin.write("again\n")
+        proc.stdin.flush()
+        text = out.wait_for(lambda text: text.count("> ") == 3)
+        answer = text[len("> ") + len(partial) + len("\n> ") : -len("\n> ")]
+        assert answer.startswith(f"user\nhello\nassistant\n{partial}\nuser\nagain\nassistant\n")
+
+        # Ctrl-C at the prompt leaves quietly.
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 0
+        assert "Traceback" not in err.text
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
