@@ -20,6 +20,8 @@ CHANNEL_OPTIONS = [
     ("grpc.keepalive_timeout_ms", 5_000),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
+    # A restarted peer is found within 2 s of coming back, however long it was gone.
+    ("grpc.max_reconnect_backoff_ms", 2_000),
 ]
 SERVER_OPTIONS = [
     *CHANNEL_OPTIONS,

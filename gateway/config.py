@@ -37,6 +37,11 @@ class GatewayConfig(PeerSecurity):
         "largest request accepted, in bytes: a larger HTTP body is refused with 413 before it is "
         "read or parsed, a larger gRPC message with RESOURCE_EXHAUSTED",
     )
+    instance_id: str = setting(
+        "",
+        "an id GetModelInfo reports, so whoever started this gateway can tell it from another "
+        "server on the same port (`llmserve serve` sets a random one)",
+    )
     # Required of every client (HTTP and gRPC) as `Authorization: Bearer <key>` when set.
     api_key: str | None = field(
         default=None,

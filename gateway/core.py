@@ -6,6 +6,10 @@ API, in front of the same scheduler connection:
 Each phase is one method. Closing or cancelling a `generate` stream (its client went away) cancels
 the Submit call upstream: the scheduler then aborts the request and frees its blocks before its
 next step. A stop string ends the request the same way, after the text before it has been sent.
+
+A request the server ends itself (the scheduler's finish reason ABORT: it is shutting down, or its
+engine came back too small to hold the request) and one whose scheduler was lost mid-stream are
+UNAVAILABLE errors, which a client can retry, never a finish reason.
 """
 
 from __future__ import annotations
@@ -28,6 +32,11 @@ from gateway.validation import Limits, ValidationError, ValidRequest, validate
 from protos import api_pb2, common_pb2, scheduler_pb2, scheduler_pb2_grpc
 
 log = get_logger("gateway")
+
+SERVER_ENDED_MESSAGE = (
+    "the server ended this request before it finished (shutting down, or its engine was lost); "
+    "retry"
+)
 
 
 class GatewayError(Exception):
@@ -108,6 +117,7 @@ class GatewayCore:
             max_model_len=self.info.max_model_len,
             vocab_size=self.info.vocab_size,
             eos_token_ids=self.info.eos_token_ids,
+            instance_id=self.config.instance_id,
         )
 
     def start_request(
@@ -171,7 +181,9 @@ class GatewayCore:
         stops = StopStringMatcher(valid.stop)
         out = api_pb2.GenerateResponse(request_id=request_id)
         usage = api_pb2.Usage(prompt_tokens=len(valid.prompt_token_ids))
-        async for msg in call:
+        async for msg in _scheduler_messages(call):
+            if msg.finish_reason == common_pb2.FINISH_REASON_ABORT:
+                raise GatewayError(grpc.StatusCode.UNAVAILABLE, SERVER_ENDED_MESSAGE)
             if msg.num_prompt_tokens:
                 usage.cached_prompt_tokens = msg.num_cached_tokens
             out.token_ids.extend(msg.token_ids)
@@ -203,3 +215,22 @@ class GatewayCore:
 
     async def close(self) -> None:
         await self.channel.close()
+
+
+async def _scheduler_messages(
+    call: grpc.aio.UnaryStreamCall,
+) -> AsyncIterator[scheduler_pb2.SubmitResponse]:
+    """call's messages. Losing the scheduler after the first one (it died, or the connection
+    did) is UNAVAILABLE with a message that says so; other errors pass through."""
+    received = False
+    try:
+        async for msg in call:
+            received = True
+            yield msg
+    except grpc.aio.AioRpcError as err:
+        if not received or err.code() != grpc.StatusCode.UNAVAILABLE:
+            raise
+        raise GatewayError(
+            grpc.StatusCode.UNAVAILABLE,
+            f"lost the scheduler mid-request ({err.details()}); retry",
+        ) from err

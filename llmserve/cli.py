@@ -169,18 +169,23 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _supervise(stack: Any, stop: dict[str, int]) -> int:
-    """Until a signal: restart a crashed engine (the scheduler keeps every request and recomputes
-    what was running), at most 3 times in 10 minutes; any other death ends the stack."""
+    """Until a signal: restart whichever service crashed, at most 3 restarts in 10 minutes in
+    all; one more crash ends the stack (exit 1). A new engine: the scheduler keeps every request
+    and recomputes what was running. A new scheduler: the requests it held fail UNAVAILABLE at
+    the gateway, which reconnects by itself. A new gateway: its clients reconnect."""
     restarts: list[float] = []
     while not stop["signal"]:
         for name, code in stack.dead():
             recent = [t for t in restarts if time.monotonic() - t < 600]
-            if name != "engine" or len(recent) >= 3:
-                print(f"error: {name} exited with {code}", file=sys.stderr)
+            if len(recent) >= 3:
+                print(
+                    f"error: {name} exited with {code}; 3 restarts in 10 minutes, giving up",
+                    file=sys.stderr,
+                )
                 return 1
-            print(f"engine exited with {code}; restarting it", file=sys.stderr)
+            print(f"{name} exited with {code}; restarting it", file=sys.stderr)
             restarts = [*recent, time.monotonic()]
-            stack.start(("engine",))
+            stack.restart(name)
         time.sleep(0.2)
     return 0
 
@@ -248,24 +253,41 @@ def _sampling_fields(args: argparse.Namespace) -> dict[str, object]:
     }
 
 
+INTERRUPTED = 130  # the shell's code for a command ended by Ctrl-C
+
+
 def _run_one(args: argparse.Namespace, request: object) -> tuple[int, str]:
-    """Stream one request to stdout (or print JSON); return (exit code, full text)."""
+    """Stream one request to stdout (or print JSON); return (exit code, the text received).
+    Ctrl-C cancels the request (the server frees it) and returns INTERRUPTED."""
     import grpc
 
     from llmserve.client import Client, Completion
 
     completion = Completion()
+    interrupted = False
     with Client(args.address, api_key=args.api_key) as client:
+        call = client.start(request, timeout=args.timeout)  # type: ignore[arg-type]
+
+        def on_ctrl_c(_signum: int, _frame: object) -> None:
+            nonlocal interrupted
+            interrupted = True
+            call.cancel()  # the loop below then ends with CANCELLED, between two messages
+
+        previous = signal.signal(signal.SIGINT, on_ctrl_c)
         try:
-            for msg in client.stream(request, timeout=args.timeout):  # type: ignore[arg-type]
+            for msg in call:
                 completion.add(msg)
                 if not args.json:
                     print(msg.text, end="", flush=True)
         except grpc.RpcError as err:
             if not args.json:
-                print()
+                print(flush=True)
+            if interrupted:
+                return INTERRUPTED, completion.text
             print(f"error: {err.code().name}: {err.details()}", file=sys.stderr)
             return 1, completion.text
+        finally:
+            signal.signal(signal.SIGINT, previous)
     if args.json:
         print(json.dumps(completion.to_json(), ensure_ascii=False))
     else:
@@ -290,7 +312,21 @@ def cmd_chat(args: argparse.Namespace) -> int:
             messages=[*history, ("user", args.message)], **_sampling_fields(args)
         )
         return _run_one(args, request)[0]
-    print("chat: type a message, an empty line or Ctrl-D ends", file=sys.stderr)
+    print(
+        "chat: type a message; Ctrl-C stops an answer (what was said stays in the "
+        "conversation); an empty line, Ctrl-D or Ctrl-C at the prompt ends",
+        file=sys.stderr,
+    )
+    try:
+        return _chat_loop(args, history)
+    except KeyboardInterrupt:  # Ctrl-C at the prompt
+        print(file=sys.stderr)
+        return 0
+
+
+def _chat_loop(args: argparse.Namespace, history: list[tuple[str, str]]) -> int:
+    from llmserve.client import make_request
+
     while True:
         try:
             line = input("> ")
@@ -300,7 +336,9 @@ def cmd_chat(args: argparse.Namespace) -> int:
             return 0
         history.append(("user", line))
         code, text = _run_one(args, make_request(messages=history, **_sampling_fields(args)))
-        if code:
+        if code == INTERRUPTED:
+            print("(stopped; the partial answer stays in the conversation)", file=sys.stderr)
+        elif code:
             return code
         history.append(("assistant", text))
 

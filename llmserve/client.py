@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 from google.protobuf.descriptor import FieldDescriptor
@@ -144,11 +145,22 @@ class Client:
     def close(self) -> None:
         self.channel.close()
 
+    def start(self, request: api_pb2.GenerateRequest, timeout: float | None = None) -> Any:
+        """The Generate call: iterating it yields the response messages (grpc.RpcError on
+        refusal); cancel(), from any thread or a signal handler, ends it, and the server frees
+        the request's blocks (the iteration then raises grpc.RpcError CANCELLED)."""
+        return self.stub.Generate(request, timeout=timeout, metadata=self.metadata)
+
     def stream(
         self, request: api_pb2.GenerateRequest, timeout: float | None = None
     ) -> Iterator[api_pb2.GenerateResponse]:
-        """The response messages as they arrive; raises grpc.RpcError on refusal."""
-        yield from self.stub.Generate(request, timeout=timeout, metadata=self.metadata)
+        """The response messages as they arrive; raises grpc.RpcError on refusal. Closing the
+        iterator early cancels the request."""
+        call = self.start(request, timeout)
+        try:
+            yield from call
+        finally:
+            call.cancel()  # no-op once finished
 
     def generate(
         self, request: api_pb2.GenerateRequest, timeout: float | None = None

@@ -8,7 +8,7 @@ through `Stack`.
     stack = Stack(engine=EngineConfig(...), scheduler=SchedulerConfig(...),
                   gateway=GatewayConfig(...))
     stack.start()
-    stack.wait_ready(timeout=600)      # the gateway answers SERVING, or StackError says why
+    stack.wait_ready(timeout=600)      # our gateway answers SERVING, or StackError says why
     ...
     stack.stop()
 """
@@ -23,16 +23,19 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import IO, Any
 
+import grpc
+
 from common.flags import to_json
-from common.net import check_health
+from common.net import CHANNEL_OPTIONS, check_health
 from engine.config import EngineConfig
 from engine.fake import FakeEngineConfig
 from gateway.config import GatewayConfig
-from protos import scheduler_pb2, scheduler_pb2_grpc
+from protos import api_pb2, api_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from scheduler.config import SchedulerConfig
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -89,6 +92,10 @@ class Stack:
             config = getattr(self, name)
             if not config.internal_token:
                 setattr(self, name, replace(config, internal_token=token))
+        # wait_ready trusts only a gateway that reports this id: another server answering on
+        # the gateway's port is not ours, however healthy.
+        if not self.gateway.instance_id:
+            self.gateway = replace(self.gateway, instance_id=uuid.uuid4().hex)
 
     @property
     def gateway_address(self) -> str:
@@ -162,16 +169,51 @@ class Stack:
         """(name, exit code) of every child that has exited."""
         return [(n, p.returncode) for n, p in self.procs.items() if p.poll() is not None]
 
+    def restart(self, name: str) -> None:
+        """Start service name again (it died): a new child with the same config."""
+        old = self.procs.pop(name, None)
+        if old is not None:
+            _close_stdin(old)
+        self.start((name,))
+
     def wait_ready(self, timeout: float) -> None:
-        """Return once the gateway reports SERVING; raise StackError if a child dies first or
-        timeout passes (with the end of the logs when they go to files)."""
+        """Return once our gateway reports SERVING; raise StackError if a child dies first,
+        if another server answers on the gateway's port, or when timeout passes (with the end
+        of the logs when they go to files)."""
         deadline = time.monotonic() + timeout
-        while check_health(self.gateway_address, timeout=1.0) != "SERVING":
+        while True:
+            if check_health(self.gateway_address, timeout=1.0) == "SERVING":
+                instance_id = self._gateway_instance_id()
+                if instance_id == self.gateway.instance_id:
+                    return
+                if instance_id is not None:
+                    raise StackError(
+                        f"the gateway's port {self.gateway_address} is answered by another "
+                        "server, not the gateway this launcher started; stop it or choose "
+                        f"another port{self._log_tail()}"
+                    )
             dead = self.dead()
             if dead or time.monotonic() > deadline:
                 why = f"{dead[0][0]} exited with {dead[0][1]}" if dead else "timed out"
                 raise StackError(f"the stack did not start ({why}){self._log_tail()}")
             time.sleep(0.2)
+
+    def _gateway_instance_id(self) -> str | None:
+        """The instance id of the server on the gateway's port ("" for a server that is no
+        gateway of ours), or None when it could not be asked now."""
+        key = self.gateway.api_key
+        metadata = (("authorization", f"Bearer {key}"),) if key else None
+        with grpc.insecure_channel(self.gateway_address, options=CHANNEL_OPTIONS) as channel:
+            stub = api_pb2_grpc.GenerationStub(channel)
+            try:
+                info = stub.GetModelInfo(
+                    api_pb2.GetModelInfoRequest(), timeout=2, metadata=metadata
+                )
+            except grpc.RpcError as err:
+                if err.code() in (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.UNAUTHENTICATED):
+                    return ""
+                return None
+        return str(info.instance_id)
 
     def _log_tail(self) -> str:
         text = self.logs()
@@ -271,6 +313,7 @@ def local_stack(
 
 # Set per service by serve's own flags (--host, --port, --scheduler-port, ...), not shared.
 _NETWORK = ("host", "port", "metrics_port", "engine_address", "scheduler_address")
+_LAUNCHER = ("instance_id",)  # set by Stack itself
 DEFAULT_METRICS_PORT = 9101  # gateway; scheduler +1, engine +2
 
 
@@ -299,7 +342,7 @@ def add_serve_flags(p: Any) -> None:
         (SchedulerConfig, "scheduler"),
         (GatewayConfig, "gateway"),
     ):
-        add_flags(p.add_argument_group(title), cls, exclude=_NETWORK, taken=taken)
+        add_flags(p.add_argument_group(title), cls, exclude=_NETWORK + _LAUNCHER, taken=taken)
 
 
 def stack_from_flags(args: Any, **kwargs: Any) -> Stack:

@@ -7,6 +7,13 @@ meanwhile). If the engine stream breaks, every running request is preempted (to 
 the loop reconnects; requests keep waiting, their streams open, nothing already sent is resent
 (results of steps in flight are lost with the engine; their tokens are recomputed).
 
+The engine's heartbeat: the scheduler probes the engine's health every HEARTBEAT_S on the same
+channel (a step result counts as a reply too). After MAX_MISSED_HEARTBEATS silent probes in a row
+(a frozen or hung engine) the scheduler reports NOT_SERVING, and the gateway's readiness with it;
+the next reply turns it back. The Step stream is left alone meanwhile: an engine that resumes
+carries on where it stopped (one silent for longer than the channel's keepalive allows, 10-15 s,
+loses the stream and is reset as above).
+
 With overlap_scheduling (the default) two steps are in flight: the loop plans and sends step N+1,
 then reads step N's result, so the engine finds N+1 waiting when it finishes N. Without it, one:
 plan, send, read, repeat.
@@ -45,6 +52,9 @@ from scheduler.static_batching import make_scheduler
 from scheduler.telemetry import SchedulerTelemetry
 
 log = get_logger("scheduler")
+
+HEARTBEAT_S = 1.0  # how often the engine is probed, and how long a probe may take
+MAX_MISSED_HEARTBEATS = 3
 
 
 class EngineLost(Exception):
@@ -86,7 +96,9 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self.streams: dict[int, asyncio.Queue[StepOutcome]] = {}
         self.seq_ids = itertools.count(1)
         self.wakeup = asyncio.Event()
-        self.ready = False
+        self.ready = False  # the Step stream to the engine is open
+        self.engine_responding = True  # the engine's heartbeat (see HEARTBEAT_S)
+        self.last_result_at = 0.0  # time.monotonic() of the last step result
         self.stopping = False
         self.times = StepTimes()
         self.telemetry = SchedulerTelemetry(self.stats)
@@ -194,7 +206,10 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         """Connect to the engine, run steps; on any stream failure reset and reconnect."""
         backoff = 0.2
         metadata = self.config.peer_metadata()
-        async with self.config.channel(self.config.engine_address) as channel:
+        async with (
+            self.config.channel(self.config.engine_address) as channel,
+            self._heartbeat(channel, metadata),
+        ):
             stub = engine_pb2_grpc.EngineStub(channel)
             while not self.stopping:
                 try:
@@ -263,12 +278,60 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
 
     def _set_ready(self, ready: bool) -> None:
         self.ready = ready
+        self._update_health()
+
+    def _update_health(self) -> None:
+        """SERVING while the Step stream is open and the engine answers its heartbeat."""
+        serving = self.ready and self.engine_responding
         status = (
             health_pb2.HealthCheckResponse.SERVING
-            if ready
-            else (health_pb2.HealthCheckResponse.NOT_SERVING)
+            if serving
+            else health_pb2.HealthCheckResponse.NOT_SERVING
         )
         self._health_update = asyncio.ensure_future(self.health.set("", status))
+
+    @contextlib.asynccontextmanager
+    async def _heartbeat(
+        self, channel: grpc.aio.Channel, metadata: tuple[tuple[str, str], ...]
+    ) -> AsyncIterator[None]:
+        """Watch the engine's heartbeat over channel while the block runs."""
+        task = asyncio.create_task(self.watch_engine(channel, metadata))
+        try:
+            yield
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    async def watch_engine(
+        self, channel: grpc.aio.Channel, metadata: tuple[tuple[str, str], ...] = ()
+    ) -> None:
+        """Probe the engine's health every HEARTBEAT_S; a probe unanswered within HEARTBEAT_S
+        (with no step result meanwhile) is a missed beat. Sets engine_responding, False after
+        MAX_MISSED_HEARTBEATS missed beats in a row, True at the next answer."""
+        stub = health_pb2_grpc.HealthStub(channel)
+        missed = 0
+        while not self.stopping:
+            start = time.monotonic()
+            try:
+                reply = await stub.Check(
+                    health_pb2.HealthCheckRequest(), timeout=HEARTBEAT_S, metadata=metadata
+                )
+                answered = reply.status == health_pb2.HealthCheckResponse.SERVING
+            except grpc.aio.AioRpcError:
+                answered = False
+            missed = 0 if answered or self.last_result_at > start else missed + 1
+            self._on_heartbeat(missed < MAX_MISSED_HEARTBEATS, missed)
+            await asyncio.sleep(max(0.0, HEARTBEAT_S - (time.monotonic() - start)))
+
+    def _on_heartbeat(self, responding: bool, missed: int) -> None:
+        if responding == self.engine_responding:
+            return
+        self.engine_responding = responding
+        if self.ready and not responding:
+            log.warning("engine not answering; not ready until it does", missed_beats=missed)
+        elif self.ready:
+            log.info("engine answering again; ready")
+        self._update_health()
 
     async def _step_loop(
         self, stub: engine_pb2_grpc.EngineStub, metadata: tuple[tuple[str, str], ...]
@@ -322,6 +385,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         """Read the result of the oldest step in flight, apply it, stream its tokens out."""
         result = await call.read()
         t2 = time.perf_counter()
+        self.last_result_at = time.monotonic()
         if result is grpc.aio.EOF:
             raise EngineLost("engine closed the stream")
         plan = sent.plan

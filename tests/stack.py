@@ -25,6 +25,7 @@ __all__ = [
     "ROOT",
     "Stack",
     "StreamWatch",
+    "child_pid",
     "free_port",
     "serve_command",
     "start_echo_stack",
@@ -43,6 +44,21 @@ def serve_command(ports: list[int], *extra: str) -> list[str]:
         "--engine-port", str(ports[2]), "--http-port", str(http_port), "--metrics-port", "0",
         *extra,
     ]  # fmt: skip
+
+
+def child_pid(parent: int, service: str) -> int:
+    """The pid of the `llmserve <service>` child process of parent."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == parent and b"llmserve.cli" in cmdline and service.encode() in cmdline:
+            return int(entry.name)
+    raise LookupError(f"no {service} child of {parent}")
 
 
 def service_configs(service: str, flags: list[str]) -> list[Any]:

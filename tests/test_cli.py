@@ -17,23 +17,7 @@ import pytest
 from common.net import check_health, with_default_port
 from llmserve.client import Client, RequestError, make_request
 from protos import scheduler_pb2, scheduler_pb2_grpc
-from tests.stack import ROOT, StreamWatch, free_port, serve_command, wait_mid_stream
-
-
-def _child_pid(parent: int, service: str) -> int:
-    """The pid of the `llmserve <service>` child process of parent."""
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        if ppid == parent and b"llmserve.cli" in cmdline and service.encode() in cmdline:
-            return int(entry.name)
-    raise LookupError(f"no {service} child of {parent}")
-
+from tests.stack import ROOT, StreamWatch, child_pid, free_port, serve_command, wait_mid_stream
 
 TOKEN = "test-internal-token"  # serve takes it from LLMSERVE_INTERNAL_TOKEN
 
@@ -106,7 +90,7 @@ def test_serve_generate_chat_and_stop(tiny_model: Callable[..., Path]) -> None:
         request = make_request(text="survive", max_tokens=120, temperature=0.0, ignore_eos=True)
         with Client(address) as client:
             expected = client.generate(request)
-            engine_pid = _child_pid(serve.pid, "engine")
+            engine_pid = child_pid(serve.pid, "engine")
             watch = StreamWatch(client, request, at_least=20)
             wait_mid_stream([watch])
             os.kill(engine_pid, signal.SIGKILL)
@@ -114,7 +98,7 @@ def test_serve_generate_chat_and_stop(tiny_model: Callable[..., Path]) -> None:
             result = watch.result(timeout=120)
         assert 20 <= at_kill < 120, at_kill
         assert result.token_ids == expected.token_ids and result.finish_reason == "length"
-        assert _child_pid(serve.pid, "engine") != engine_pid  # a new engine served the rest
+        assert child_pid(serve.pid, "engine") != engine_pid  # a new engine served the rest
         stats = _scheduler_stats(f"127.0.0.1:{ports[1]}")
         assert (stats.num_running, stats.num_waiting, stats.num_engine_resets) == (0, 0, 1)
         assert stats.num_free_blocks == stats.num_blocks
