@@ -31,8 +31,11 @@ class EngineConfig(PeerSecurity):
     )
     max_model_len: int = setting(0, "lower the model's context length (0: the model's own)")
     num_threads: int = setting(0, "torch CPU threads (0: torch's default)")
-    seed: int = setting(
-        0, "sampling seed for unseeded requests; also seeds --load-format dummy weights"
+    seed: int | None = setting(
+        None,
+        "sampling seed for unseeded requests (default: a fresh one at each start, so a "
+        "restarted server does not repeat itself); also seeds --load-format dummy weights "
+        "(default 0)",
     )
     host: str = setting("127.0.0.1", "bind address (0.0.0.0 exposes it)")
     port: int = setting(50053, "gRPC port of the Step stream")

@@ -8,6 +8,7 @@ the host) when the next is launched: an older one is finished first.
 
 from __future__ import annotations
 
+import secrets
 import time
 from collections import deque
 
@@ -76,6 +77,8 @@ def choose_num_blocks(
 class Engine:
     def __init__(self, config: EngineConfig):
         self.config = config
+        # Unseeded requests draw from this; a fresh one each start unless --seed fixes it.
+        self.sampling_seed = secrets.randbits(63) if config.seed is None else config.seed
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         t0 = time.perf_counter()
@@ -100,7 +103,7 @@ class Engine:
         weights = None if dummy else load_weights(path, self.model_config)
         self.model = build_model(
             self.model_config, weights, max_len, self.dtype, self.device,
-            dummy_seed=config.seed, ops=ops,
+            dummy_seed=config.seed or 0, ops=ops,
         )  # fmt: skip
         del weights
         load_s = time.perf_counter() - t0
@@ -156,7 +159,7 @@ class Engine:
             kv_caches,
             self.config.block_size,
             self.device,
-            Sampler(self.device, self.config.seed),
+            Sampler(self.device, self.sampling_seed),
             graphs=graphs,
             timeline=timeline,
         )

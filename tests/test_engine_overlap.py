@@ -152,3 +152,15 @@ def test_engine_resolves_before_penalties_need_token_values(engine: Engine) -> N
     assert engine.mirror.seqs[4].token_ids[-2] == step1.output.sampled_token_ids[0]
     assert engine.finish(step2).sampled_token_ids[0] >= 0
     assert PLACEHOLDER not in engine.mirror.seqs[4].token_ids
+
+
+def test_unseeded_sampling_differs_between_starts(tiny_model: Callable[..., Path]) -> None:
+    """Without --seed each start draws a fresh generator seed (a restarted server does not give
+    the same first unseeded reply every time); --seed fixes it."""
+    path = str(tiny_model(num_heads=4, num_kv_heads=2))
+    fresh = {Engine(EngineConfig(model=path, device="cpu", num_kv_blocks=8)).sampling_seed
+             for _ in range(2)}  # fmt: skip
+    assert len(fresh) == 2
+    fixed = Engine(EngineConfig(model=path, device="cpu", num_kv_blocks=8, seed=5))
+    assert fixed.sampling_seed == 5
+    assert fixed.runner.sampler.generator.initial_seed() == 5
