@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import gc
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
@@ -96,13 +96,10 @@ def num_blocks_for(budget_bytes: int, bytes_per_block: int) -> int:
 
 
 def describe(profile: MemoryProfile) -> dict[str, float]:
-    """The profile in GiB, for the engine's log line."""
+    """The profile in GiB, for the engine's log line: total_gib, free_gib, ..."""
     return {
-        "total_gib": round(profile.total_bytes / GIB, 2),
-        "weights_gib": round(profile.weights_bytes / GIB, 2),
-        "activation_peak_gib": round(profile.activation_peak_bytes / GIB, 2),
-        "non_torch_gib": round(profile.non_torch_bytes / GIB, 2),
-        "free_gib": round(profile.free_bytes / GIB, 2),
+        f.name.replace("_bytes", "_gib"): round(getattr(profile, f.name) / GIB, 2)
+        for f in fields(profile)
     }
 
 
