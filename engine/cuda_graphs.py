@@ -84,10 +84,6 @@ class DecodeGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
 
-    @property
-    def max_batch_size(self) -> int:
-        return self.sizes[-1]
-
     def context(self, size: int) -> AttentionContext:
         """The attention context over the first `size` rows of the static buffers."""
         return AttentionContext(
@@ -126,7 +122,7 @@ class DecodeGraphs:
     def can_run(self, ctx: AttentionContext) -> bool:
         """Whether the step of `ctx` (host metadata from the runner) is a decode-only batch small
         enough for the captured sizes."""
-        return len(ctx.seq_lens) <= self.max_batch_size and is_decode_only(
+        return len(ctx.seq_lens) <= self.sizes[-1] and is_decode_only(
             ctx.seq_lens, ctx.cu_seqlens_q
         )
 
