@@ -142,12 +142,9 @@ class KernelOps:
             return ctx
         num_seqs = len(ctx.seq_lens)
         meta = to_device([*ctx.seq_lens, *ctx.cu_seqlens_q], torch.int32, ctx.slot_mapping.device)
-        block_tables = ctx.block_tables
-        if block_tables.dtype != torch.int32:
-            block_tables = block_tables.to(torch.int32)
         return dataclasses.replace(
             ctx,
-            block_tables=block_tables,
+            block_tables=ctx.block_tables.to(torch.int32),
             seq_lens_t=meta[:num_seqs],
             cu_seqlens_q_t=meta[num_seqs:],
             max_seqlen_q=max(b - a for a, b in itertools.pairwise(ctx.cu_seqlens_q)),
