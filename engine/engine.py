@@ -57,9 +57,7 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return _DTYPES[name]
 
 
-def choose_num_blocks(
-    config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype, device: torch.device
-) -> int:
+def choose_num_blocks(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype) -> int:
     """The KV pool's size without profiling: --num-kv-blocks, or --kv-cache-gb on the CPU (a
     GPU engine profiles instead: Engine._size_kv_pool)."""
     if config.num_kv_blocks:
@@ -84,9 +82,7 @@ class Engine:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         max_len = self.model_config.max_position_embeddings
-        if config.max_model_len:
-            max_len = min(max_len, config.max_model_len)
-        self.max_model_len = max_len
+        self.max_model_len = max_len = min(max_len, config.max_model_len or max_len)
         ops, ops_reason = select_ops(
             config.attention_backend, self.device, self.dtype, self.model_config, config.block_size
         )
@@ -175,7 +171,7 @@ class Engine:
         profiling step at the scheduler's largest (engine.memory)."""
         c = self.config
         if self.device.type != "cuda" or c.num_kv_blocks:
-            return choose_num_blocks(c, self.model_config, self.dtype, self.device), {}
+            return choose_num_blocks(c, self.model_config, self.dtype), {}
         lengths = profile_lengths(c.max_num_batched_tokens, c.max_num_seqs, self.max_model_len)
         profile = profile_step_memory(
             self.model_config, self.dtype, self.device, c.block_size, lengths, self._make_runner
