@@ -38,8 +38,6 @@ from engine.weights import build_model, load_weights
 
 log = get_logger("engine")
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
@@ -54,7 +52,7 @@ def resolve_device(name: str) -> torch.device:
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.float32 if device.type == "cpu" else torch.bfloat16
-    return _DTYPES[name]
+    return getattr(torch, name)  # one of engine.config.DTYPES
 
 
 def choose_num_blocks(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype) -> int:

@@ -45,8 +45,7 @@ class StepTimeline:
     """CUDA events around every step, written out as JSON lines once they have completed (the
     events of a step are read at a later step, or at close, so recording never synchronizes)."""
 
-    def __init__(self, path: str, device: torch.device):
-        self.device = device
+    def __init__(self, path: str):
         self.file: IO[str] = open(path, "a")  # noqa: SIM115 - held for the engine's lifetime
         self.origin = torch.cuda.Event(enable_timing=True)
         self.origin.record()
@@ -93,7 +92,7 @@ def make_timeline(device: torch.device) -> Timeline:
     path = os.environ.get(ENV_VAR)
     if not path or device.type != "cuda":
         return NullTimeline()
-    return StepTimeline(path, device)
+    return StepTimeline(path)
 
 
 @dataclass(frozen=True)
