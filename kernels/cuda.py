@@ -412,12 +412,9 @@ def paged_decode_attention(
     ctype = _CTYPES[q.dtype]
     spec = decode_spec(ctype, head_dim)
     if num_splits > 1:
-        part_acc = torch.empty(
-            (num_splits, num_seqs, num_heads, head_dim), dtype=torch.float32, device=q.device
-        )
-        part_ml = torch.empty(
-            (num_splits, num_seqs, num_heads, 2), dtype=torch.float32, device=q.device
-        )
+        parts = (num_splits, num_seqs, num_heads)
+        part_acc = torch.empty((*parts, head_dim), dtype=torch.float32, device=q.device)
+        part_ml = torch.empty((*parts, 2), dtype=torch.float32, device=q.device)
         part_args = (_ptr(part_acc), _ptr(part_ml))
     else:
         part_args = (np.uint64(0), np.uint64(0))
@@ -555,14 +552,12 @@ def rms_norm(
         _fail(op, f"hidden={hidden} must be a multiple of 8 and at most 24576")
     out = _output(op, out, (num_tokens, hidden), x)
     if residual is not None:
-        _check(op, "residual", residual, ndim=2, dtypes=(x.dtype,), device=x.device,
-               shape=(num_tokens, hidden))  # fmt: skip
-        _check_rows16(op, "residual", residual)
         if residual_out is None:
             residual_out = torch.empty_like(x, memory_format=torch.contiguous_format)
-        _check(op, "residual_out", residual_out, ndim=2, dtypes=(x.dtype,), device=x.device,
-               shape=(num_tokens, hidden))  # fmt: skip
-        _check_rows16(op, "residual_out", residual_out)
+        for name, t in (("residual", residual), ("residual_out", residual_out)):
+            _check(op, name, t, ndim=2, dtypes=(x.dtype,), device=x.device,
+                   shape=(num_tokens, hidden))  # fmt: skip
+            _check_rows16(op, name, t)
         res_args = (_ptr(residual), _i64(residual.stride(0)))
         res_out_args = (_ptr(residual_out), _i64(residual_out.stride(0)))
     else:
