@@ -106,9 +106,9 @@ class Engine:
         graphs, graph_info = self._capture_graphs(kv_caches)
         self.timeline: Timeline = make_timeline(self.device)
         self.runner = self._make_runner(kv_caches, graphs=graphs, timeline=self.timeline)
-        self.mirror = self._new_mirror()
         # Launched steps whose tokens are not on the host yet, oldest first.
         self.unresolved: deque[LaunchedStep] = deque()
+        self.reset()
         self.info = EngineInfo(
             model=self.model_config.name,
             vocab_size=self.model_config.vocab_size,
@@ -217,12 +217,9 @@ class Engine:
             ),
         }
 
-    def _new_mirror(self) -> Mirror:
-        return Mirror(self.config.block_size, self.num_blocks, self.model_config.vocab_size)
-
     def reset(self) -> None:
         """Forget every request (a new Step stream starts from nothing)."""
-        self.mirror = self._new_mirror()
+        self.mirror = Mirror(self.config.block_size, self.num_blocks, self.model_config.vocab_size)
         self.unresolved.clear()
 
     def step(self, plan: StepPlanData) -> StepOutput:
