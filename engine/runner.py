@@ -168,18 +168,12 @@ class ModelRunner:
         """Wait for a launched step's results to reach the host; its StepOutput."""
         step.wait()
         tokens, logprobs, top_ids, top_lps = step.host
-        forward_ms, sample_ms = step.timer.elapsed_ms()
-        output = StepOutput(
-            tokens.tolist(),
-            logprobs.tolist() if logprobs is not None else None,
-            forward_ms,
-            sample_ms,
-        )
         rows = step.batch.rows
-        if output.logprobs is not None:  # NaN where the request did not ask
-            asked = [r.seq.sampling.logprobs for r in rows]
+        output = StepOutput(tokens.tolist(), None, *step.timer.elapsed_ms())
+        if logprobs is not None:  # NaN where the request did not ask
             output.logprobs = [
-                lp if a else math.nan for lp, a in zip(output.logprobs, asked, strict=True)
+                lp if r.seq.sampling.logprobs else math.nan
+                for lp, r in zip(logprobs.tolist(), rows, strict=True)
             ]
         if top_ids is not None and top_lps is not None:
             k = top_ids.shape[1]
