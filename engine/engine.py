@@ -90,8 +90,7 @@ class Engine:
             and config.attention_backend == "auto"
         ):
             log.warning("attention backend: plain torch, not the CUDA kernels", why=ops_reason)
-        dummy = config.load_format == "dummy"
-        weights = None if dummy else load_weights(path, self.model_config)
+        weights = None if config.load_format == "dummy" else load_weights(path, self.model_config)
         self.model = build_model(
             self.model_config, weights, max_len, self.dtype, self.device,
             dummy_seed=config.seed, ops=ops,
