@@ -80,15 +80,9 @@ def kv_cache_budget(profile: MemoryProfile, utilization: float, graph_bytes: int
     and never more than is free now less the room the steps and graphs will need again (another
     process may hold memory too). 0 when nothing is left."""
     p = profile
-    wanted = (
-        int(utilization * p.total_bytes)
-        - p.weights_bytes
-        - p.activation_peak_bytes
-        - graph_bytes
-        - p.non_torch_bytes
-    )
-    room = p.free_bytes - p.activation_peak_bytes - graph_bytes
-    return max(0, min(wanted, room))
+    steps_and_graphs = p.activation_peak_bytes + graph_bytes
+    wanted = int(utilization * p.total_bytes) - p.weights_bytes - p.non_torch_bytes
+    return max(0, min(wanted, p.free_bytes) - steps_and_graphs)
 
 
 def num_blocks_for(budget_bytes: int, bytes_per_block: int) -> int:
