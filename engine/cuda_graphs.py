@@ -84,9 +84,9 @@ class DecodeGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
 
-    def context(self, size: int) -> AttentionContext:
-        """The attention context over the first `size` rows of the static buffers."""
-        return AttentionContext(
+    def _forward(self, size: int) -> torch.Tensor:
+        """The model over the first `size` rows of the static buffers."""
+        ctx = AttentionContext(
             slot_mapping=self.slot_mapping[:size],
             block_tables=self.block_tables[:size],
             seq_lens=[],
@@ -97,9 +97,7 @@ class DecodeGraphs:
             max_seqlen_q=1,
             max_seq_len=self.max_seq_len,
         )
-
-    def _forward(self, size: int) -> torch.Tensor:
-        return self.model(self.input_ids[:size], self.positions[:size], self.context(size))
+        return self.model(self.input_ids[:size], self.positions[:size], ctx)
 
     @torch.inference_mode()
     def capture(self) -> None:
