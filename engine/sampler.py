@@ -111,8 +111,7 @@ def apply_penalties(
 class Sampler:
     def __init__(self, device: torch.device, seed: int = 0):
         self.device = device
-        self.generator = torch.Generator(device=device)
-        self.generator.manual_seed(seed)
+        self.generator = torch.Generator(device=device).manual_seed(seed)
 
     def __call__(
         self,
