@@ -3,7 +3,7 @@ these fields (common/flags.py)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from common.auth import PeerSecurity
 from common.flags import check_ports, setting
@@ -65,10 +65,10 @@ class EngineConfig(PeerSecurity):
     )
 
     def __post_init__(self) -> None:
-        if self.device not in DEVICES:
-            raise ValueError(f"device={self.device!r} must be one of {DEVICES}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype={self.dtype!r} must be one of {DTYPES}")
+        for f in fields(self):
+            value, choices = getattr(self, f.name), f.metadata.get("choices")
+            if choices is not None and value not in choices:
+                raise ValueError(f"{f.name}={value!r} must be one of {choices}")
         if not (1 <= self.block_size <= 256 and self.block_size & (self.block_size - 1) == 0):
             raise ValueError(f"block_size={self.block_size} must be a power of two <= 256")
         for name in ("num_kv_blocks", "max_model_len", "num_threads"):
@@ -79,12 +79,6 @@ class EngineConfig(PeerSecurity):
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(
                 f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]"
-            )
-        if self.load_format not in LOAD_FORMATS:
-            raise ValueError(f"load_format={self.load_format!r} must be one of {LOAD_FORMATS}")
-        if self.attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(
-                f"attention_backend={self.attention_backend!r} must be one of {ATTENTION_BACKENDS}"
             )
         for name in ("max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:

@@ -37,19 +37,10 @@ def plan_from_proto(msg: engine_pb2.StepPlan) -> StepPlanData:
 
 
 def result_to_proto(step_id: int, output: StepOutput, total_ms: float) -> engine_pb2.StepResult:
-    return engine_pb2.StepResult(
-        step_id=step_id,
-        sampled_token_ids=output.sampled_token_ids,
-        logprobs=output.logprobs or [],
-        forward_ms=output.forward_ms,
-        sample_ms=output.sample_ms,
-        total_ms=total_ms,
-        num_top_logprobs=output.num_top_logprobs,
-        top_token_ids=output.top_token_ids,
-        top_logprobs=output.top_logprobs,
-        refused_seq_ids=output.refused_seq_ids,
-        refusal_reasons=output.refusal_reasons,
-    )
+    """output's fields under the same names (logprobs None: none sent), plus the step's id and
+    total time."""
+    fields = {**vars(output), "logprobs": output.logprobs or []}
+    return engine_pb2.StepResult(step_id=step_id, total_ms=total_ms, **fields)
 
 
 def info_to_proto(info: EngineInfo) -> engine_pb2.EngineInfo:

@@ -84,13 +84,9 @@ class DecodeGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
 
-    @property
-    def max_batch_size(self) -> int:
-        return self.sizes[-1]
-
-    def context(self, size: int) -> AttentionContext:
-        """The attention context over the first `size` rows of the static buffers."""
-        return AttentionContext(
+    def _forward(self, size: int) -> torch.Tensor:
+        """The model over the first `size` rows of the static buffers."""
+        ctx = AttentionContext(
             slot_mapping=self.slot_mapping[:size],
             block_tables=self.block_tables[:size],
             seq_lens=[],
@@ -101,9 +97,7 @@ class DecodeGraphs:
             max_seqlen_q=1,
             max_seq_len=self.max_seq_len,
         )
-
-    def _forward(self, size: int) -> torch.Tensor:
-        return self.model(self.input_ids[:size], self.positions[:size], self.context(size))
+        return self.model(self.input_ids[:size], self.positions[:size], ctx)
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -126,7 +120,7 @@ class DecodeGraphs:
     def can_run(self, ctx: AttentionContext) -> bool:
         """Whether the step of `ctx` (host metadata from the runner) is a decode-only batch small
         enough for the captured sizes."""
-        return len(ctx.seq_lens) <= self.max_batch_size and is_decode_only(
+        return len(ctx.seq_lens) <= self.sizes[-1] and is_decode_only(
             ctx.seq_lens, ctx.cu_seqlens_q
         )
 

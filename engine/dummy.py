@@ -121,36 +121,10 @@ def init_dummy_weights(model: LlamaForCausalLM, seed: int) -> None:
 
 def hf_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Name and shape of every tensor of HF's LlamaForCausalLM for `config` (tied embeddings:
-    no lm_head.weight)."""
-    hidden, inter = config.hidden_size, config.intermediate_size
-    q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-    shapes: dict[str, tuple[int, ...]] = {
-        "model.embed_tokens.weight": (config.vocab_size, hidden),
-        "model.norm.weight": (hidden,),
-    }
-    if not config.tie_word_embeddings:
-        shapes["lm_head.weight"] = (config.vocab_size, hidden)
-    for i in range(config.num_layers):
-        p = f"model.layers.{i}."
-        linears = {
-            "self_attn.q_proj": (q_size, hidden),
-            "self_attn.k_proj": (kv_size, hidden),
-            "self_attn.v_proj": (kv_size, hidden),
-            "self_attn.o_proj": (hidden, q_size),
-            "mlp.gate_proj": (inter, hidden),
-            "mlp.up_proj": (inter, hidden),
-            "mlp.down_proj": (hidden, inter),
-        }
-        for kind in ("weight", "bias"):
-            for name, shape in linears.items():
-                biased = config.attention_bias if name.startswith("self_attn") else config.mlp_bias
-                if kind == "weight":
-                    shapes[p + name + ".weight"] = shape
-                elif biased:
-                    shapes[p + name + ".bias"] = shape[:1]
-        shapes[p + "input_layernorm.weight"] = (hidden,)
-        shapes[p + "post_attention_layernorm.weight"] = (hidden,)
-    return shapes
+    no lm_head.weight), read off our model on the meta device (nothing is allocated)."""
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config, 1)
+    return {name: tuple(tensor.shape) for name, tensor in hf_parameter_slices(model)}
 
 
 def dummy_state_dict(

@@ -39,8 +39,6 @@ from engine.weights import build_model, load_weights
 
 log = get_logger("engine")
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
@@ -55,12 +53,10 @@ def resolve_device(name: str) -> torch.device:
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.float32 if device.type == "cpu" else torch.bfloat16
-    return _DTYPES[name]
+    return getattr(torch, name)  # one of engine.config.DTYPES
 
 
-def choose_num_blocks(
-    config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype, device: torch.device
-) -> int:
+def choose_num_blocks(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype) -> int:
     """The KV pool's size without profiling: --num-kv-blocks, or --kv-cache-gb on the CPU (a
     GPU engine profiles instead: Engine._size_kv_pool)."""
     if config.num_kv_blocks:
@@ -87,9 +83,7 @@ class Engine:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         max_len = self.model_config.max_position_embeddings
-        if config.max_model_len:
-            max_len = min(max_len, config.max_model_len)
-        self.max_model_len = max_len
+        self.max_model_len = max_len = min(max_len, config.max_model_len or max_len)
         ops, ops_reason = select_ops(
             config.attention_backend, self.device, self.dtype, self.model_config, config.block_size
         )
@@ -99,8 +93,7 @@ class Engine:
             and config.attention_backend == "auto"
         ):
             log.warning("attention backend: plain torch, not the CUDA kernels", why=ops_reason)
-        dummy = config.load_format == "dummy"
-        weights = None if dummy else load_weights(path, self.model_config)
+        weights = None if config.load_format == "dummy" else load_weights(path, self.model_config)
         self.model = build_model(
             self.model_config, weights, max_len, self.dtype, self.device,
             dummy_seed=config.seed or 0, ops=ops,
@@ -115,9 +108,9 @@ class Engine:
         graphs, graph_info = self._capture_graphs(kv_caches)
         self.timeline: Timeline = make_timeline(self.device)
         self.runner = self._make_runner(kv_caches, graphs=graphs, timeline=self.timeline)
-        self.mirror = self._new_mirror()
         # Launched steps whose tokens are not on the host yet, oldest first.
         self.unresolved: deque[LaunchedStep] = deque()
+        self.reset()
         self.info = EngineInfo(
             model=self.model_config.name,
             vocab_size=self.model_config.vocab_size,
@@ -178,7 +171,7 @@ class Engine:
         profiling step at the scheduler's largest (engine.memory)."""
         c = self.config
         if self.device.type != "cuda" or c.num_kv_blocks:
-            return choose_num_blocks(c, self.model_config, self.dtype, self.device), {}
+            return choose_num_blocks(c, self.model_config, self.dtype), {}
         lengths = profile_lengths(c.max_num_batched_tokens, c.max_num_seqs, self.max_model_len)
         profile = profile_step_memory(
             self.model_config, self.dtype, self.device, c.block_size, lengths, self._make_runner
@@ -226,12 +219,9 @@ class Engine:
             ),
         }
 
-    def _new_mirror(self) -> Mirror:
-        return Mirror(self.config.block_size, self.num_blocks, self.model_config.vocab_size)
-
     def reset(self) -> None:
         """Forget every request (a new Step stream starts from nothing)."""
-        self.mirror = self._new_mirror()
+        self.mirror = Mirror(self.config.block_size, self.num_blocks, self.model_config.vocab_size)
         self.unresolved.clear()
 
     def step(self, plan: StepPlanData) -> StepOutput:

@@ -92,11 +92,10 @@ class FakeEngine:
 
     def _run(self, plan: StepPlanData) -> StepOutput:
         batch = self.mirror.apply(plan)
-        tokens = []
-        for row in batch.rows:
-            seq = row.seq
-            index = seq.num_output_tokens % seq.num_prompt_tokens
-            tokens.append(seq.token_ids[index] if row.samples else -1)
+        tokens = [
+            r.seq.token_ids[r.seq.num_output_tokens % r.seq.num_prompt_tokens] if r.samples else -1
+            for r in batch.rows
+        ]
         self.mirror.commit(batch, tokens)
         self.num_steps += 1
         asked = [r.samples and r.seq.sampling.logprobs for r in batch.rows]

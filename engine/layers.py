@@ -58,7 +58,6 @@ class PackedLinear(nn.Module):
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
-        self.out_features = weight.shape[0]
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 16)
         self.bias = None if bias is None else bias.detach().clone()
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import gc
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
@@ -80,15 +80,9 @@ def kv_cache_budget(profile: MemoryProfile, utilization: float, graph_bytes: int
     and never more than is free now less the room the steps and graphs will need again (another
     process may hold memory too). 0 when nothing is left."""
     p = profile
-    wanted = (
-        int(utilization * p.total_bytes)
-        - p.weights_bytes
-        - p.activation_peak_bytes
-        - graph_bytes
-        - p.non_torch_bytes
-    )
-    room = p.free_bytes - p.activation_peak_bytes - graph_bytes
-    return max(0, min(wanted, room))
+    steps_and_graphs = p.activation_peak_bytes + graph_bytes
+    wanted = int(utilization * p.total_bytes) - p.weights_bytes - p.non_torch_bytes
+    return max(0, min(wanted, p.free_bytes) - steps_and_graphs)
 
 
 def num_blocks_for(budget_bytes: int, bytes_per_block: int) -> int:
@@ -96,13 +90,10 @@ def num_blocks_for(budget_bytes: int, bytes_per_block: int) -> int:
 
 
 def describe(profile: MemoryProfile) -> dict[str, float]:
-    """The profile in GiB, for the engine's log line."""
+    """The profile in GiB, for the engine's log line: total_gib, free_gib, ..."""
     return {
-        "total_gib": round(profile.total_bytes / GIB, 2),
-        "weights_gib": round(profile.weights_bytes / GIB, 2),
-        "activation_peak_gib": round(profile.activation_peak_bytes / GIB, 2),
-        "non_torch_gib": round(profile.non_torch_bytes / GIB, 2),
-        "free_gib": round(profile.free_bytes / GIB, 2),
+        f.name.replace("_bytes", "_gib"): round(getattr(profile, f.name) / GIB, 2)
+        for f in fields(profile)
     }
 
 

@@ -200,11 +200,8 @@ class Mirror:
     def commit(self, batch: StepBatch, sampled_token_ids: list[int]) -> None:
         """One token rule, engine side: advance computed tokens; a request that reached its full
         length appends its sampled token (it is the next step's input)."""
-        for row, token_id in zip(batch.rows, sampled_token_ids, strict=True):
-            seq = row.seq
-            seq.num_computed_tokens = row.end
-            if row.samples:
-                seq.token_ids.append(token_id)
+        self.commit_pending(batch)
+        self.resolve(batch, sampled_token_ids)
 
     def commit_pending(self, batch: StepBatch) -> None:
         """`commit` before the tokens are known: sampling rows append PLACEHOLDER and note where

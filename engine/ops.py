@@ -16,7 +16,7 @@ import dataclasses
 import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -53,19 +53,27 @@ class AttentionContext:
     max_seq_len: int = 0
 
 
-class LayerOps(Protocol):
+class LayerOps:
+    """A backend of the layers' hot ops: the functions of `lib` (kernels/reference.py or
+    kernels/cuda.py, which share their signatures), less what a subclass overrides."""
+
     name: str
     graph_safe: bool  # whether a forward through these ops can be captured in a CUDA graph
+    lib: Any
 
-    def prepare(self, ctx: AttentionContext) -> AttentionContext: ...
+    def prepare(self, ctx: AttentionContext) -> AttentionContext:
+        """ctx as `attention` reads it (once per step)."""
+        return ctx
 
     def rms_norm(
         self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.lib.rms_norm(x, weight, eps, residual)
 
     def rotary(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
 
     def attention(
         self,
@@ -76,24 +84,19 @@ class LayerOps(Protocol):
         v_cache: torch.Tensor,
         ctx: AttentionContext,
         scale: float,
-    ) -> torch.Tensor: ...
+    ) -> torch.Tensor:
+        raise NotImplementedError
 
-    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor: ...
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lib.silu_and_mul(x)
 
 
-class ReferenceOps:
+class ReferenceOps(LayerOps):
     """kernels/reference.py: exactly what the CPU engine has always run."""
 
     name = "torch"
     graph_safe = False
-
-    def prepare(self, ctx: AttentionContext) -> AttentionContext:
-        return ctx
-
-    def rms_norm(
-        self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return ref.rms_norm(x, weight, eps, residual)
+    lib = ref
 
     def rotary(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor
@@ -117,11 +120,8 @@ class ReferenceOps:
             q, k_cache, v_cache, ctx.block_tables, ctx.seq_lens, ctx.cu_seqlens_q, scale
         )
 
-    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
-        return ref.silu_and_mul(x)
 
-
-class KernelOps:
+class KernelOps(LayerOps):
     """kernels/cuda.py. q and k are rotated in place (they are fresh views of the qkv product)."""
 
     name = "cuda"
@@ -130,7 +130,7 @@ class KernelOps:
     def __init__(self) -> None:
         import kernels.cuda as kc
 
-        self.kc = kc
+        self.lib = kc
 
     def prepare(self, ctx: AttentionContext) -> AttentionContext:
         """The step's int32 device metadata from its host lists, once per step; a context that
@@ -142,28 +142,20 @@ class KernelOps:
             return ctx
         num_seqs = len(ctx.seq_lens)
         meta = to_device([*ctx.seq_lens, *ctx.cu_seqlens_q], torch.int32, ctx.slot_mapping.device)
-        block_tables = ctx.block_tables
-        if block_tables.dtype != torch.int32:
-            block_tables = block_tables.to(torch.int32)
         return dataclasses.replace(
             ctx,
-            block_tables=block_tables,
+            block_tables=ctx.block_tables.to(torch.int32),
             seq_lens_t=meta[:num_seqs],
             cu_seqlens_q_t=meta[num_seqs:],
             max_seqlen_q=max(b - a for a, b in itertools.pairwise(ctx.cu_seqlens_q)),
             max_seq_len=max(ctx.seq_lens),
         )
 
-    def rms_norm(
-        self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.kc.rms_norm(x, weight, eps, residual)
-
     def rotary(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        self.kc.rotary_embedding(positions, q, cos_sin, out=q)
-        self.kc.rotary_embedding(positions, k, cos_sin, out=k)
+        self.lib.rotary_embedding(positions, q, cos_sin, out=q)
+        self.lib.rotary_embedding(positions, k, cos_sin, out=k)
         return q, k
 
     def attention(
@@ -179,8 +171,8 @@ class KernelOps:
         """store_kv, then the decode kernel (every request one query) or the varlen prefill
         kernel (anything else), as kernels.cuda.paged_attention dispatches."""
         assert ctx.seq_lens_t is not None and ctx.cu_seqlens_q_t is not None, "prepare() first"
-        self.kc.store_kv(k, v, k_cache, v_cache, ctx.slot_mapping)
-        return self.kc.paged_attention(
+        self.lib.store_kv(k, v, k_cache, v_cache, ctx.slot_mapping)
+        return self.lib.paged_attention(
             q,
             k_cache,
             v_cache,
@@ -191,9 +183,6 @@ class KernelOps:
             max_seqlen_q=ctx.max_seqlen_q,
             max_seq_len=ctx.max_seq_len,
         )
-
-    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
-        return self.kc.silu_and_mul(x)
 
 
 def kernel_limits(config: ModelConfig, dtype: torch.dtype, block_size: int) -> str | None:

@@ -18,7 +18,7 @@ import torch
 
 from common.sampling import has_penalties
 from engine.contract import StepOutput
-from engine.cuda_graphs import DecodeGraphs
+from engine.cuda_graphs import DecodeGraphs, is_decode_only
 from engine.mirror import PLACEHOLDER, ScheduledSeq, StepBatch
 from engine.model import LlamaForCausalLM
 from engine.ops import AttentionContext
@@ -32,9 +32,7 @@ class StepTimer:
 
     def __init__(self, device: torch.device, t0: float):
         self.cuda = device.type == "cuda"
-        self.marks: list[Any] = [t0]
-        if self.cuda:
-            self.marks = [self._event()]
+        self.marks: list[Any] = [self._event() if self.cuda else t0]
 
     def _event(self) -> Any:
         event = torch.cuda.Event(enable_timing=True)
@@ -47,10 +45,10 @@ class StepTimer:
 
     def elapsed_ms(self) -> tuple[float, float]:
         """(forward_ms, sample_ms), once the step is done."""
-        marks = self.marks + [self.marks[-1]] * (3 - len(self.marks))
+        start, forward, sample = self.marks
         if self.cuda:
-            return marks[0].elapsed_time(marks[1]), marks[1].elapsed_time(marks[2])
-        return (marks[1] - marks[0]) * 1e3, (marks[2] - marks[1]) * 1e3
+            return start.elapsed_time(forward), forward.elapsed_time(sample)
+        return (forward - start) * 1e3, (sample - forward) * 1e3
 
 
 @dataclass
@@ -162,25 +160,20 @@ class ModelRunner:
         else:
             timer.mark()
         timer.mark()  # before _spread records `ready`: collect reads the timer once that is done
-        self._end_timeline(batch, ctx)
+        decode_only = is_decode_only(ctx.seq_lens, ctx.cu_seqlens_q)
+        self.timeline.end(batch.step_id, len(ctx.seq_lens), ctx.cu_seqlens_q[-1], decode_only)
         return self._spread(batch, timer, sampling_rows, out)
 
     def collect(self, step: LaunchedStep) -> StepOutput:
         """Wait for a launched step's results to reach the host; its StepOutput."""
         step.wait()
         tokens, logprobs, top_ids, top_lps = step.host
-        forward_ms, sample_ms = step.timer.elapsed_ms()
-        output = StepOutput(
-            tokens.tolist(),
-            logprobs.tolist() if logprobs is not None else None,
-            forward_ms,
-            sample_ms,
-        )
         rows = step.batch.rows
-        if output.logprobs is not None:  # NaN where the request did not ask
-            asked = [r.seq.sampling.logprobs for r in rows]
+        output = StepOutput(tokens.tolist(), None, *step.timer.elapsed_ms())
+        if logprobs is not None:  # NaN where the request did not ask
             output.logprobs = [
-                lp if a else math.nan for lp, a in zip(output.logprobs, asked, strict=True)
+                lp if r.seq.sampling.logprobs else math.nan
+                for lp, r in zip(logprobs.tolist(), rows, strict=True)
             ]
         if top_ids is not None and top_lps is not None:
             k = top_ids.shape[1]
@@ -260,11 +253,6 @@ class ModelRunner:
         if self.graphs is not None and self.graphs.can_run(ctx):
             return self.graphs.run(input_ids, positions, ctx)
         return self.model(input_ids, positions, ctx)
-
-    def _end_timeline(self, batch: StepBatch, ctx: AttentionContext) -> None:
-        num_seqs = len(ctx.seq_lens)
-        num_tokens = ctx.cu_seqlens_q[-1]
-        self.timeline.end(batch.step_id, num_seqs, num_tokens, num_tokens == num_seqs)
 
 
 def _penalized_outputs(rows: list[ScheduledSeq]) -> list[list[int]]:

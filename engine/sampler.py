@@ -111,8 +111,7 @@ def apply_penalties(
 class Sampler:
     def __init__(self, device: torch.device, seed: int = 0):
         self.device = device
-        self.generator = torch.Generator(device=device)
-        self.generator.manual_seed(seed)
+        self.generator = torch.Generator(device=device).manual_seed(seed)
 
     def __call__(
         self,
@@ -139,18 +138,15 @@ class Sampler:
         output_token_ids[i]: those tokens; read only for rows with penalties (may be empty then).
         """
         want_top = max((p.top_logprobs for p in params), default=0)
-        logprobs = None
-        if want_top or any(p.logprobs for p in params):
-            logprobs = torch.log_softmax(logits, dim=-1)
+        want_logprobs = any(p.logprobs for p in params)
+        logprobs = torch.log_softmax(logits, dim=-1) if want_top or want_logprobs else None
         logits = apply_penalties(logits, params, output_token_ids)
         if all(is_greedy(p) for p in params):
             tokens = logits.argmax(dim=-1)
         else:
             tokens = self._sample(logits, params, output_indices)
         out = SamplerOutput(tokens, None)
-        if logprobs is None:
-            return out
-        if any(p.logprobs for p in params):
+        if want_logprobs:
             out.logprobs = logprobs.gather(1, tokens[:, None]).squeeze(1)
         if want_top:
             top = logprobs.topk(min(want_top, logprobs.shape[1]), dim=-1)

@@ -21,19 +21,11 @@ import os
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import IO, Any, Protocol
+from typing import IO, Any
 
 import torch
 
 ENV_VAR = "LLMSERVE_STEP_TIMELINE"
-
-
-class Timeline(Protocol):
-    def begin(self) -> None: ...
-
-    def end(self, step_id: int, num_seqs: int, num_tokens: int, decode_only: bool) -> None: ...
-
-    def close(self) -> None: ...
 
 
 class NullTimeline:
@@ -53,8 +45,7 @@ class StepTimeline:
     """CUDA events around every step, written out as JSON lines once they have completed (the
     events of a step are read at a later step, or at close, so recording never synchronizes)."""
 
-    def __init__(self, path: str, device: torch.device):
-        self.device = device
+    def __init__(self, path: str):
         self.file: IO[str] = open(path, "a")  # noqa: SIM115 - held for the engine's lifetime
         self.origin = torch.cuda.Event(enable_timing=True)
         self.origin.record()
@@ -94,11 +85,14 @@ class StepTimeline:
         self.file.close()
 
 
+Timeline = NullTimeline | StepTimeline
+
+
 def make_timeline(device: torch.device) -> Timeline:
     path = os.environ.get(ENV_VAR)
     if not path or device.type != "cuda":
         return NullTimeline()
-    return StepTimeline(path, device)
+    return StepTimeline(path)
 
 
 @dataclass(frozen=True)
@@ -134,21 +128,15 @@ def steady_decode_busy(
         steps:  |prefill|d|d|d|d|d|d|prefill|d|d| ...
         runs:           <-skip->|<-measured->|
     """
-    runs: list[list[dict[str, Any]]] = []
-    current: list[dict[str, Any]] = []
-    last_id = None
+    runs: list[list[dict[str, Any]]] = [[]]
     for r in sorted(records, key=lambda r: r["step_id"]):
-        steady = r["decode_only"] and r["num_seqs"] >= min_seqs
-        if steady and last_id is not None and r["step_id"] == last_id + 1 and current:
-            current.append(r)
+        if not (r["decode_only"] and r["num_seqs"] >= min_seqs):
+            runs.append([])  # ends the stretch
+        elif runs[-1] and r["step_id"] == runs[-1][-1]["step_id"] + 1:
+            runs[-1].append(r)
         else:
-            if current:
-                runs.append(current)
-            current = [r] if steady else []
-        last_id = r["step_id"]
-    if current:
-        runs.append(current)
-    kept = [run[skip:] for run in runs if len(run) - skip >= min_steps]
+            runs.append([r])
+    kept = [run[skip:] for run in runs if run and len(run) - skip >= min_steps]
     busy = sum(r["end_ms"] - r["start_ms"] for run in kept for r in run)
     wall = sum(run[-1]["end_ms"] - run[0]["start_ms"] for run in kept)
     return BusySummary(len(kept), sum(len(run) for run in kept), busy, wall)

@@ -128,24 +128,11 @@ def _module(spec: ModuleSpec, device_index: int) -> Any:
         )
 
 
-_kernels: dict[tuple[ModuleSpec, str, int], Any] = {}
-
-
-def _kernel(spec: ModuleSpec, expr: str, device_index: int, smem: int) -> Any:
-    key = (spec, expr, device_index)
-    kernel = _kernels.get(key)
-    if kernel is None:
-        import cupy
-
-        with cupy.cuda.Device(device_index):
-            kernel = _module(spec, device_index).get_function(expr)
-            kernel.max_dynamic_shared_size_bytes = max(smem, DEFAULT_SMEM_LIMIT)
-        _kernels[key] = kernel
-    elif smem > kernel.max_dynamic_shared_size_bytes:
-        import cupy
-
-        with cupy.cuda.Device(device_index):
-            kernel.max_dynamic_shared_size_bytes = smem
+@cache
+def _kernel(spec: ModuleSpec, expr: str, device_index: int) -> Any:
+    """Called inside `cupy.cuda.Device(device_index)`."""
+    kernel = _module(spec, device_index).get_function(expr)
+    kernel.max_dynamic_shared_size_bytes = DEFAULT_SMEM_LIMIT
     return kernel
 
 
@@ -167,11 +154,13 @@ def _launch(
 ) -> None:
     """Launch `expr` of `spec` on torch's current stream of `device`. The one place that touches
     CuPy's launch API (the CPU emulation used while writing these kernels replaces it)."""
-    kernel = _kernel(spec, expr, device.index, smem)
-    stream = _external_stream(torch.cuda.current_stream(device).cuda_stream, device.index)
     import cupy
 
+    stream = _external_stream(torch.cuda.current_stream(device).cuda_stream, device.index)
     with cupy.cuda.Device(device.index):
+        kernel = _kernel(spec, expr, device.index)
+        if smem > kernel.max_dynamic_shared_size_bytes:
+            kernel.max_dynamic_shared_size_bytes = smem
         kernel(grid, block, args, shared_mem=smem, stream=stream)
 
 
@@ -371,11 +360,7 @@ def decode_num_splits(num_ctas: int, max_seq_len: int, slots: int) -> int:
         steps = -(-max_tiles // (4 * splits))
         return waves * (steps + 2) + (2 if splits > 1 else 0)
 
-    best = 1
-    for splits in range(2, limit + 1):
-        if cost(splits) < cost(best):
-            best = splits
-    return best
+    return min(range(1, limit + 1), key=cost)  # the fewest splits among equal costs
 
 
 def paged_decode_attention(
@@ -427,12 +412,9 @@ def paged_decode_attention(
     ctype = _CTYPES[q.dtype]
     spec = decode_spec(ctype, head_dim)
     if num_splits > 1:
-        part_acc = torch.empty(
-            (num_splits, num_seqs, num_heads, head_dim), dtype=torch.float32, device=q.device
-        )
-        part_ml = torch.empty(
-            (num_splits, num_seqs, num_heads, 2), dtype=torch.float32, device=q.device
-        )
+        parts = (num_splits, num_seqs, num_heads)
+        part_acc = torch.empty((*parts, head_dim), dtype=torch.float32, device=q.device)
+        part_ml = torch.empty((*parts, 2), dtype=torch.float32, device=q.device)
         part_args = (_ptr(part_acc), _ptr(part_ml))
     else:
         part_args = (np.uint64(0), np.uint64(0))
@@ -570,14 +552,12 @@ def rms_norm(
         _fail(op, f"hidden={hidden} must be a multiple of 8 and at most 24576")
     out = _output(op, out, (num_tokens, hidden), x)
     if residual is not None:
-        _check(op, "residual", residual, ndim=2, dtypes=(x.dtype,), device=x.device,
-               shape=(num_tokens, hidden))  # fmt: skip
-        _check_rows16(op, "residual", residual)
         if residual_out is None:
             residual_out = torch.empty_like(x, memory_format=torch.contiguous_format)
-        _check(op, "residual_out", residual_out, ndim=2, dtypes=(x.dtype,), device=x.device,
-               shape=(num_tokens, hidden))  # fmt: skip
-        _check_rows16(op, "residual_out", residual_out)
+        for name, t in (("residual", residual), ("residual_out", residual_out)):
+            _check(op, name, t, ndim=2, dtypes=(x.dtype,), device=x.device,
+                   shape=(num_tokens, hidden))  # fmt: skip
+            _check_rows16(op, name, t)
         res_args = (_ptr(residual), _i64(residual.stride(0)))
         res_out_args = (_ptr(residual_out), _i64(residual_out.stride(0)))
     else:
@@ -652,20 +632,3 @@ def silu_and_mul(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.T
     spec = layer_ops_spec(_CTYPES[x.dtype])
     _launch(spec, spec.name_expressions[1], (-(-threads // 256),), (256,), args, 0, x.device)
     return out
-
-
-__all__ = [
-    "HEAD_DIMS",
-    "ModuleSpec",
-    "all_module_specs",
-    "decode_num_splits",
-    "is_available",
-    "load_source",
-    "paged_attention",
-    "paged_decode_attention",
-    "paged_prefill_attention",
-    "rms_norm",
-    "rotary_embedding",
-    "silu_and_mul",
-    "store_kv",
-]

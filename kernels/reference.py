@@ -50,15 +50,6 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> t
     return rows.view(-1, *cache.shape[2:])[:seq_len]
 
 
-def _attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
-) -> torch.Tensor:
-    """q [B, H, Lq, D], k/v [B, Hkv, Lk, D], mask [B, 1, Lq, Lk] bool (True = visible)."""
-    return F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
-    )
-
-
 def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -79,6 +70,7 @@ def paged_attention(
     """
     out = torch.empty_like(q)
     num_seqs = len(seq_lens)
+    gqa = q.shape[1] != k_cache.shape[2]
     decode = [b for b in range(num_seqs) if cu_seqlens_q[b + 1] - cu_seqlens_q[b] == 1]
     if decode:
         _decode_attention(
@@ -96,7 +88,10 @@ def paged_attention(
         q_pos = torch.arange(seq_len - num_q, seq_len, device=q.device)
         k_pos = torch.arange(seq_len, device=q.device)
         mask = (k_pos[None, :] <= q_pos[:, None])[None, None]
-        out[start:end] = _attend(qb, k.to(q.dtype), v.to(q.dtype), mask, scale)[0].transpose(0, 1)
+        attn = F.scaled_dot_product_attention(
+            qb, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale, enable_gqa=gqa
+        )
+        out[start:end] = attn[0].transpose(0, 1)
     return out
 
 
