@@ -6,7 +6,6 @@ some tokens out of the token budget. Running requests go first (oldest first); w
 admitted with what budget and blocks are left. When blocks run out, the newest running request is
 preempted: its blocks are freed and it waits again, to be recomputed from its tokens later.
 
-
 Static batching, the baseline continuous batching is measured against, is a subclass with its own
 hooks (scheduler/static_batching.py).
 """
@@ -72,13 +71,11 @@ class StepPlan:
 
     @property
     def requests(self) -> list[Request]:
-        return [r.request for r in self.new_requests] + [r.request for r in self.running]
+        return [r.request for r in self.rows]
 
     @property
     def num_scheduled_tokens(self) -> int:
-        return sum(r.num_scheduled_tokens for r in self.new_requests) + sum(
-            r.num_scheduled_tokens for r in self.running
-        )
+        return sum(r.num_scheduled_tokens for r in self.rows)
 
     @property
     def is_empty(self) -> bool:
