@@ -357,17 +357,11 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                     continue
                 # No await since the scheduler last had nothing to do: no wakeup is missed.
                 self.wakeup.clear()
-                await self._idle(scheduler.idle_timeout_s())
+                # Sleep until woken, or until a static batch forming is due (timeout None: never).
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.wakeup.wait(), scheduler.idle_timeout_s())
         finally:
             call.cancel()
-
-    async def _idle(self, timeout: float | None) -> None:
-        """Sleep until woken, or until timeout (a static batch forming) has passed."""
-        if timeout is None:
-            await self.wakeup.wait()
-            return
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self.wakeup.wait(), timeout)
 
     async def _send_step(self, scheduler: Scheduler, call: Any) -> SentStep | None:
         """Plan a step and write it to the engine; None (with no await) if the plan is empty."""
@@ -405,25 +399,16 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             self._deliver(outcome)
         t3 = time.perf_counter()
         t0, t1 = sent.t_plan, sent.t_planned
-        self.telemetry.on_result(
-            plan,
-            outcomes,
-            {
-                "step_s": t3 - t0,
-                "schedule_ms": (t1 - t0) * 1e3,
-                "step_rtt_ms": (t2 - t1) * 1e3,
-                "update_ms": (t3 - t2) * 1e3,
-                "engine_forward_ms": result.forward_ms,
-                "engine_sample_ms": result.sample_ms,
-            },
-        )
-        times = self.times
-        times.schedule_ms += (t1 - t0) * 1e3
-        times.step_rtt_ms += (t2 - t1) * 1e3
-        times.update_ms += (t3 - t2) * 1e3
-        times.engine_total_ms += result.total_ms
-        times.engine_forward_ms += result.forward_ms
-        times.engine_sample_ms += result.sample_ms
+        timings = {
+            "schedule_ms": (t1 - t0) * 1e3,
+            "step_rtt_ms": (t2 - t1) * 1e3,
+            "update_ms": (t3 - t2) * 1e3,
+            "engine_forward_ms": result.forward_ms,
+            "engine_sample_ms": result.sample_ms,
+        }
+        self.telemetry.on_result(plan, outcomes, {"step_s": t3 - t0, **timings})
+        for name, ms in {**timings, "engine_total_ms": result.total_ms}.items():
+            setattr(self.times, name, getattr(self.times, name) + ms)
 
     def _deliver(self, outcome: StepOutcome) -> None:
         queue = self.streams.get(outcome.request.seq_id)
