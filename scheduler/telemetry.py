@@ -20,6 +20,7 @@ histogram updates per step).
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from collections.abc import Callable
@@ -211,11 +212,8 @@ class SchedulerTelemetry:
         )
         rt.phase_name = name
 
-    def _close_phase(
-        self, rt: RequestTelemetry, end_ns: int | None = None, **attributes: Any
-    ) -> None:
+    def _close_phase(self, rt: RequestTelemetry, end_ns: int | None = None) -> None:
         if rt.phase is not None:
-            rt.phase.set_attributes(attributes)
             rt.phase.end(end_time=end_ns)
         rt.phase, rt.phase_name = None, ""
 
@@ -333,30 +331,17 @@ class SchedulerTelemetry:
     def _show_preemptions(self) -> None:
         """Open the preempted phase of each queued preemption whose earlier steps all reported
         (their spans came first: the engine ran those steps before the preemption)."""
-        first_in_flight = min(self.steps, default=None)
-        ready = [
-            (step_id, r)
-            for step_id, r in self.preemptions
-            if first_in_flight is None or step_id <= first_in_flight
-        ]
-        if not ready:
-            return
-        self.preemptions = [p for p in self.preemptions if p not in ready]
-        for _, request in ready:
+        first_in_flight = min(self.steps, default=math.inf)
+        ready = [r for step_id, r in self.preemptions if step_id <= first_in_flight]
+        self.preemptions = [p for p in self.preemptions if p[0] > first_in_flight]
+        for request in ready:
             rt = self.requests.get(request.seq_id)
             if rt is None or rt.root is None:
                 continue
-            rt.root.add_event(
-                "preempted", {"llmserve.num_output_tokens": request.num_output_tokens}
-            )
-            self._open_phase(
-                rt,
-                "scheduler.preempted",
-                **{
-                    "llmserve.num_output_tokens": request.num_output_tokens,
-                    "llmserve.num_preemptions": request.num_preemptions,
-                },
-            )
+            event = {"llmserve.num_output_tokens": request.num_output_tokens}
+            rt.root.add_event("preempted", event)
+            attributes = {**event, "llmserve.num_preemptions": request.num_preemptions}
+            self._open_phase(rt, "scheduler.preempted", **attributes)
 
     def on_finish(self, request: Request, status: RequestStatus) -> None:
         """The request ended (finished, stopped, aborted): count it, end its spans. Once per
