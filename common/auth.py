@@ -22,7 +22,7 @@ from typing import Any
 
 import grpc
 
-from common.net import CHANNEL_OPTIONS
+from common.net import CHANNEL_OPTIONS, behavior_field
 
 UNAUTHENTICATED_MESSAGE = "missing or wrong API key: send 'Authorization: Bearer <key>'"
 PEER_UNAUTHENTICATED = "missing or wrong internal token: only the stack's own services may call"
@@ -127,17 +127,7 @@ def _refusal(handler: grpc.RpcMethodHandler, message: str, aio: bool) -> grpc.Rp
     def deny(_request: Any, context: grpc.ServicerContext) -> None:
         context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
 
-    make = {
-        (False, False): grpc.unary_unary_rpc_method_handler,
-        (False, True): grpc.unary_stream_rpc_method_handler,
-        (True, False): grpc.stream_unary_rpc_method_handler,
-        (True, True): grpc.stream_stream_rpc_method_handler,
-    }[(handler.request_streaming, handler.response_streaming)]
-    return make(
-        deny_async if aio else deny,
-        request_deserializer=handler.request_deserializer,
-        response_serializer=handler.response_serializer,
-    )
+    return handler._replace(**{behavior_field(handler): deny_async if aio else deny})
 
 
 def _checked(

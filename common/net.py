@@ -150,6 +150,12 @@ def _checked_behavior(behavior: Callable[..., Any], request_streaming: bool) -> 
     return plain
 
 
+def behavior_field(handler: grpc.RpcMethodHandler) -> str:
+    """The field of handler that holds its behavior: unary_unary, unary_stream, ..."""
+    request = "stream" if handler.request_streaming else "unary"
+    return request + ("_stream" if handler.response_streaming else "_unary")
+
+
 def checked_handler(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
     """handler, answering a request that does not parse (invalid UTF-8 in a string, a corrupt,
     truncated or too deeply nested wire format) with INVALID_ARGUMENT "request is not a valid
@@ -157,9 +163,7 @@ def checked_handler(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
     parse = handler.request_deserializer
     if parse is None:
         return handler
-    kind = ("stream" if handler.request_streaming else "unary") + (
-        "_stream" if handler.response_streaming else "_unary"
-    )
+    kind = behavior_field(handler)
     behavior = _checked_behavior(getattr(handler, kind), handler.request_streaming)
     return handler._replace(request_deserializer=_checked_deserializer(parse), **{kind: behavior})
 
