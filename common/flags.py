@@ -75,26 +75,19 @@ def add_flags(
         if taken is not None:
             taken.add(name)
         kind, many = _base_type(hint)
-        default = _default(f)
         help_text = f.metadata.get("help", "")
         if env := f.metadata.get("env"):
             help_text += f" (env {env})"
+        options: dict[str, Any] = {"default": _default(f), "dest": _dest(f, prefix)}
         if kind is bool:
-            parser.add_argument(
-                name,
-                action=argparse.BooleanOptionalAction,
-                default=default,
-                help=help_text,
-                dest=_dest(f, prefix),
+            options["action"] = argparse.BooleanOptionalAction
+        else:
+            options.update(
+                type=kind, choices=f.metadata.get("choices"), nargs="*" if many else None
             )
-            continue
-        options: dict[str, Any] = {"type": kind, "default": default}
-        options["choices"] = f.metadata.get("choices")
-        if many:
-            options["nargs"] = "*"
-        if kind is not str or default is not None:
-            help_text += " (default: %(default)s)"
-        parser.add_argument(name, help=help_text or None, dest=_dest(f, prefix), **options)
+            if kind is not str or options["default"] is not None:
+                help_text += " (default: %(default)s)"
+        parser.add_argument(name, help=help_text or None, **options)
 
 
 def from_flags(cls: type[T], args: argparse.Namespace, *, prefix: str = "", **overrides: Any) -> T:
