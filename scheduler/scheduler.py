@@ -185,16 +185,6 @@ class Scheduler:
             raise AdmissionError(
                 "INVALID_ARGUMENT", f"max_tokens={request.max_tokens} must be >= 1"
             )
-        self._check_fits(request)
-        if len(self.waiting) >= self.config.max_waiting:
-            raise AdmissionError(
-                "RESOURCE_EXHAUSTED",
-                f"queue full: {len(self.waiting)} requests waiting (max_waiting="
-                f"{self.config.max_waiting}); retry after a short delay",
-            )
-
-    def _check_fits(self, request: Request) -> None:
-        num_prompt = request.num_prompt_tokens
         total = num_prompt + request.max_tokens
         what = f"prompt ({num_prompt} tokens) + max_tokens ({request.max_tokens}) = {total}"
         if total > self.max_model_len:
@@ -207,6 +197,12 @@ class Scheduler:
                 "INVALID_ARGUMENT",
                 f"{what} exceeds the KV cache's capacity of {capacity} tokens "
                 f"({self.block_manager.num_blocks} blocks x {self.block_size})",
+            )
+        if len(self.waiting) >= self.config.max_waiting:
+            raise AdmissionError(
+                "RESOURCE_EXHAUSTED",
+                f"queue full: {len(self.waiting)} requests waiting (max_waiting="
+                f"{self.config.max_waiting}); retry after a short delay",
             )
 
     def add(self, request: Request) -> None:

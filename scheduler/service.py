@@ -283,11 +283,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     def _update_health(self) -> None:
         """SERVING while the Step stream is open and the engine answers its heartbeat."""
         serving = self.ready and self.engine_responding
-        status = (
-            health_pb2.HealthCheckResponse.SERVING
-            if serving
-            else health_pb2.HealthCheckResponse.NOT_SERVING
-        )
+        response = health_pb2.HealthCheckResponse
+        status = response.SERVING if serving else response.NOT_SERVING
         self._health_update = asyncio.ensure_future(self.health.set("", status))
 
     @contextlib.asynccontextmanager
