@@ -22,6 +22,7 @@ from typing import Any
 
 import grpc
 
+from common.flags import setting
 from common.net import CHANNEL_OPTIONS, behavior_field
 
 UNAUTHENTICATED_MESSAGE = "missing or wrong API key: send 'Authorization: Bearer <key>'"
@@ -57,14 +58,9 @@ class PeerSecurity:
             "env": "LLMSERVE_INTERNAL_TOKEN",
         },
     )
-    tls_cert: str | None = field(
-        default=None, metadata={"help": "PEM certificate for the internal links (TLS)"}
-    )
-    tls_key: str | None = field(default=None, metadata={"help": "PEM private key of --tls-cert"})
-    tls_ca: str | None = field(
-        default=None,
-        metadata={"help": "PEM CA that peers' certificates must chain to (mutual TLS)"},
-    )
+    tls_cert: str | None = setting(None, "PEM certificate for the internal links (TLS)")
+    tls_key: str | None = setting(None, "PEM private key of --tls-cert")
+    tls_ca: str | None = setting(None, "PEM CA that peers' certificates must chain to (mutual TLS)")
 
     def token(self) -> str | None:
         return _secret(self.internal_token)
