@@ -16,6 +16,7 @@ import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from itertools import islice
 
 from scheduler.block_manager import BlockManager
 from scheduler.config import SchedulerConfig
@@ -108,11 +109,8 @@ class TopLogprobColumns:
 
     def rows(self) -> list[tuple[list[int], list[float]]]:
         """Each row's (token ids, logprobs)."""
-        out, start = [], 0
-        for n in self.counts:
-            out.append((self.token_ids[start : start + n], self.logprobs[start : start + n]))
-            start += n
-        return out
+        token_ids, logprobs = iter(self.token_ids), iter(self.logprobs)
+        return [(list(islice(token_ids, n)), list(islice(logprobs, n))) for n in self.counts]
 
 
 @dataclass
@@ -134,7 +132,7 @@ class SchedulerCounters:
 class Scheduler:
     """Continuous batching. A subclass changes the policy through the hooks: `_may_admit` (the
     admission gate), `_on_stopped` (what a finished request becomes), `_evict` (who gives up
-    blocks), `_is_padding` and `_append` (rows that run on without streaming)."""
+    blocks), `_is_padding` and `_on_token` (rows that run on without streaming)."""
 
     def __init__(
         self,
@@ -450,9 +448,11 @@ class Scheduler:
         for i, row in enumerate(rows):
             if not row.samples or not self._awaits(row):
                 continue
-            token_id = sampled_token_ids[i]
-            assert token_id >= 0, f"step {plan.step_id}: no token for {row.request.request_id}"
-            outcome = self._append(row.request, token_id)
+            request, token_id = row.request, sampled_token_ids[i]
+            assert token_id >= 0, f"step {plan.step_id}: no token for {request.request_id}"
+            request.num_pending_tokens -= 1  # its oldest pending token is token_id
+            request.token_ids.append(token_id)
+            outcome = self._on_token(request, token_id)
             if outcome is None:
                 continue
             if logprobs and not math.isnan(logprobs[i]):
@@ -464,11 +464,9 @@ class Scheduler:
         self._after_update()
         return outcomes
 
-    def _append(self, request: Request, token_id: int) -> StepOutcome | None:
-        """request's oldest pending token is token_id: its outcome (hook: None when nothing is
-        to be streamed)."""
-        request.num_pending_tokens -= 1
-        request.token_ids.append(token_id)
+    def _on_token(self, request: Request, token_id: int) -> StepOutcome | None:
+        """request's oldest pending token turned out to be token_id, now its last: its outcome
+        (hook: None when nothing is to be streamed)."""
         finished = self._check_stop(request, token_id)
         if finished is not None:
             self._on_stopped(request, finished)
