@@ -114,8 +114,19 @@ def _authorization(details: grpc.HandlerCallDetails) -> str | None:
     return value.decode(errors="replace") if isinstance(value, bytes) else value
 
 
-def _refusal(handler: grpc.RpcMethodHandler, message: str, aio: bool) -> grpc.RpcMethodHandler:
-    """A handler of the same kind as handler that fails the call with UNAUTHENTICATED."""
+def _checked(
+    handler: grpc.RpcMethodHandler | None,
+    details: grpc.HandlerCallDetails,
+    secret: str,
+    message: str,
+    aio: bool,
+) -> grpc.RpcMethodHandler | None:
+    """handler, or for a call without the secret (but the health service's) a handler of the
+    same kind that fails it with UNAUTHENTICATED."""
+    if handler is None or details.method.startswith(_OPEN_PREFIX):
+        return handler
+    if is_authorized(_authorization(details), secret):
+        return handler
 
     async def deny_async(_request: Any, context: grpc.aio.ServicerContext) -> None:
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
@@ -124,20 +135,6 @@ def _refusal(handler: grpc.RpcMethodHandler, message: str, aio: bool) -> grpc.Rp
         context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
 
     return handler._replace(**{behavior_field(handler): deny_async if aio else deny})
-
-
-def _checked(
-    handler: grpc.RpcMethodHandler | None,
-    details: grpc.HandlerCallDetails,
-    secret: str,
-    message: str,
-    aio: bool,
-) -> grpc.RpcMethodHandler | None:
-    if handler is None or details.method.startswith(_OPEN_PREFIX):
-        return handler
-    if is_authorized(_authorization(details), secret):
-        return handler
-    return _refusal(handler, message, aio)
 
 
 class BearerInterceptor(grpc.aio.ServerInterceptor):
