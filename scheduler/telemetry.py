@@ -186,10 +186,9 @@ class SchedulerTelemetry:
         self.requests[request.seq_id] = rt
         if not self.tracing:
             return None
-        parent = telemetry.extract(metadata)
         rt.root = self.tracer.start_span(
             "scheduler.request",
-            context=parent,
+            context=telemetry.extract(metadata),
             attributes={
                 "llmserve.request_id": request.request_id,
                 "llmserve.seq_id": request.seq_id,
@@ -225,34 +224,31 @@ class SchedulerTelemetry:
         now = time.monotonic()
         self.preemptions.extend((plan.step_id, r) for r in plan.preempted)
         rows = plan.rows
-        batch_size = len(rows)
-        for row in rows:
-            request = row.request
-            rt = self.requests.get(request.seq_id)
+        reqs = [self.requests.get(row.request.seq_id) for row in rows]
+        for row, rt in zip(rows, reqs, strict=True):
             if rt is None:
                 continue
             if self.tracing:  # only the request span's attributes read these
-                rt.saw_batch(batch_size)
-                rt.max_num_blocks = max(rt.max_num_blocks, len(request.block_table))
+                rt.saw_batch(len(rows))
+                rt.max_num_blocks = max(rt.max_num_blocks, len(row.request.block_table))
             if rt.first_scheduled is None:
                 rt.first_scheduled = now
                 self.m.queue_time.record(now - rt.arrival)
-        self.m.batch_size.record(batch_size)
+        self.m.batch_size.record(len(rows))
         self.m.step_tokens.record(plan.num_scheduled_tokens)
-        context = self._trace_plan(plan) if self.tracing else {}
+        context = self._trace_plan(plan, reqs) if self.tracing else {}
         self._show_preemptions()
         return context
 
-    def _trace_plan(self, plan: StepPlan) -> dict[str, str]:
-        """Open the step's span; a request scheduled from the queue leaves it now."""
-        rows = plan.rows
-        reqs = [self.requests.get(r.request.seq_id) for r in rows]
+    def _trace_plan(self, plan: StepPlan, reqs: list[RequestTelemetry | None]) -> dict[str, str]:
+        """Open the step's span; a request scheduled from the queue leaves it now. reqs: the
+        telemetry of plan's rows' requests (None: not tracked)."""
         span = self.tracer.start_span(
             "scheduler.step",
             links=telemetry.links([rt.root for rt in reqs if rt is not None]),
             attributes={
                 "llmserve.step_id": plan.step_id,
-                "llmserve.batch_size": len(rows),
+                "llmserve.batch_size": len(reqs),
                 "llmserve.num_scheduled_tokens": plan.num_scheduled_tokens,
                 "llmserve.num_new_requests": len(plan.new_requests),
                 "llmserve.num_finished_seq_ids": len(plan.finished_seq_ids),
