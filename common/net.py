@@ -6,6 +6,7 @@ import inspect
 import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -81,13 +82,11 @@ def wait_until_serving(address: str, timeout: float, poll: float = 0.2) -> bool:
 _DECODE_ERROR = re.compile(r"^Error parsing message with type '[\w.]+': ")
 
 
+@dataclass(frozen=True, slots=True)
 class _Malformed:
     """What a checked deserializer hands the handler for bytes that do not parse."""
 
-    __slots__ = ("details",)
-
-    def __init__(self, details: str):
-        self.details = details
+    details: str
 
 
 def _checked_deserializer(parse: Callable[[bytes], Any]) -> Callable[[bytes], Any]:

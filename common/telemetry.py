@@ -181,12 +181,11 @@ def instruments(
             made[key] = m.create_counter(spec.name, **common)
         else:
             assert observe is not None, f"{key}: an observed instrument needs observe"
-            create = (
-                m.create_observable_counter
-                if spec.kind == "observed_counter"
-                else m.create_observable_gauge
-            )
-            create(spec.name, callbacks=[functools.partial(_observations, observe, key)], **common)
+            callbacks = [functools.partial(_observations, observe, key)]
+            if spec.kind == "observed_counter":
+                m.create_observable_counter(spec.name, callbacks=callbacks, **common)
+            else:
+                m.create_observable_gauge(spec.name, callbacks=callbacks, **common)
     return SimpleNamespace(**made)
 
 

@@ -247,9 +247,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             config = self.config.adopt(info.max_num_seqs, info.max_num_batched_tokens)
         except ValueError as err:
             raise EngineMismatch(str(err)) from err
-        max_len = info.max_model_len
-        if config.max_model_len:
-            max_len = min(max_len, config.max_model_len)
+        max_len = min(info.max_model_len, config.max_model_len or info.max_model_len)
         if self.scheduler is None:
             self.scheduler = make_scheduler(
                 config,
