@@ -305,9 +305,8 @@ class Scheduler:
         max_tokens or max_model_len) is not scheduled ahead; EOS and stop tokens cannot be
         foreseen, so a request can be scheduled one step past its end, and that step's token is
         dropped by `update`."""
-        budget = self.config.max_num_batched_tokens
         scheduled: list[tuple[Request, int]] = []
-        budget, preempted = self._schedule_running(budget, scheduled)
+        budget, preempted = self._schedule_running(self.config.max_num_batched_tokens, scheduled)
         if not preempted:
             self._schedule_waiting(budget, scheduled)
         plan = self._make_plan(scheduled)

@@ -180,18 +180,16 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
 
     def stats(self) -> dict[str, Any]:
         """One snapshot of every count and gauge: GetStats and the metrics both read it."""
-        snapshot: dict[str, Any] = {"num_engine_resets": self.num_engine_resets}
-        snapshot.update(vars(self.times))
+        snapshot: dict[str, Any] = {"num_engine_resets": self.num_engine_resets, **vars(self.times)}
         s = self.scheduler
         if s is not None:
             snapshot.update(vars(s.counters))
             snapshot["finish_reasons"] = dict(s.counters.finish_reasons)
-            bm = s.block_manager
             snapshot.update(
                 num_running=len(s.running),
                 num_waiting=len(s.waiting),
-                num_free_blocks=bm.num_free_blocks,
-                num_blocks=bm.num_blocks,
+                num_free_blocks=s.block_manager.num_free_blocks,
+                num_blocks=s.block_manager.num_blocks,
             )
         return snapshot
 

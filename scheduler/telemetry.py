@@ -270,9 +270,7 @@ class SchedulerTelemetry:
         self.m.step_duration.record(timings["step_s"])
         for outcome in outcomes:
             rt = self.requests.get(outcome.request.seq_id)
-            if rt is None:
-                continue
-            if outcome.request.num_output_tokens == 1 and rt.first_scheduled is not None:
+            if outcome.request.num_output_tokens == 1 and rt and rt.first_scheduled is not None:
                 self.m.prefill_time.record(now - rt.first_scheduled)
         step = self.steps.pop(plan.step_id, None)
         if step is not None:
