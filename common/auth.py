@@ -22,7 +22,8 @@ from typing import Any
 
 import grpc
 
-from common.net import CHANNEL_OPTIONS
+from common.flags import setting
+from common.net import CHANNEL_OPTIONS, behavior_field
 
 UNAUTHENTICATED_MESSAGE = "missing or wrong API key: send 'Authorization: Bearer <key>'"
 PEER_UNAUTHENTICATED = "missing or wrong internal token: only the stack's own services may call"
@@ -57,14 +58,9 @@ class PeerSecurity:
             "env": "LLMSERVE_INTERNAL_TOKEN",
         },
     )
-    tls_cert: str | None = field(
-        default=None, metadata={"help": "PEM certificate for the internal links (TLS)"}
-    )
-    tls_key: str | None = field(default=None, metadata={"help": "PEM private key of --tls-cert"})
-    tls_ca: str | None = field(
-        default=None,
-        metadata={"help": "PEM CA that peers' certificates must chain to (mutual TLS)"},
-    )
+    tls_cert: str | None = setting(None, "PEM certificate for the internal links (TLS)")
+    tls_key: str | None = setting(None, "PEM private key of --tls-cert")
+    tls_ca: str | None = setting(None, "PEM CA that peers' certificates must chain to (mutual TLS)")
 
     def token(self) -> str | None:
         return _secret(self.internal_token)
@@ -118,28 +114,6 @@ def _authorization(details: grpc.HandlerCallDetails) -> str | None:
     return value.decode(errors="replace") if isinstance(value, bytes) else value
 
 
-def _refusal(handler: grpc.RpcMethodHandler, message: str, aio: bool) -> grpc.RpcMethodHandler:
-    """A handler of the same kind as handler that fails the call with UNAUTHENTICATED."""
-
-    async def deny_async(_request: Any, context: grpc.aio.ServicerContext) -> None:
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
-
-    def deny(_request: Any, context: grpc.ServicerContext) -> None:
-        context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
-
-    make = {
-        (False, False): grpc.unary_unary_rpc_method_handler,
-        (False, True): grpc.unary_stream_rpc_method_handler,
-        (True, False): grpc.stream_unary_rpc_method_handler,
-        (True, True): grpc.stream_stream_rpc_method_handler,
-    }[(handler.request_streaming, handler.response_streaming)]
-    return make(
-        deny_async if aio else deny,
-        request_deserializer=handler.request_deserializer,
-        response_serializer=handler.response_serializer,
-    )
-
-
 def _checked(
     handler: grpc.RpcMethodHandler | None,
     details: grpc.HandlerCallDetails,
@@ -147,11 +121,20 @@ def _checked(
     message: str,
     aio: bool,
 ) -> grpc.RpcMethodHandler | None:
+    """handler, or for a call without the secret (but the health service's) a handler of the
+    same kind that fails it with UNAUTHENTICATED."""
     if handler is None or details.method.startswith(_OPEN_PREFIX):
         return handler
     if is_authorized(_authorization(details), secret):
         return handler
-    return _refusal(handler, message, aio)
+
+    async def deny_async(_request: Any, context: grpc.aio.ServicerContext) -> None:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+    def deny(_request: Any, context: grpc.ServicerContext) -> None:
+        context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+    return handler._replace(**{behavior_field(handler): deny_async if aio else deny})
 
 
 class BearerInterceptor(grpc.aio.ServerInterceptor):

@@ -75,38 +75,32 @@ def add_flags(
         if taken is not None:
             taken.add(name)
         kind, many = _base_type(hint)
-        default = _default(f)
         help_text = f.metadata.get("help", "")
         if env := f.metadata.get("env"):
             help_text += f" (env {env})"
+        options: dict[str, Any] = {"default": _default(f), "dest": _dest(f, prefix)}
         if kind is bool:
-            parser.add_argument(
-                name,
-                action=argparse.BooleanOptionalAction,
-                default=default,
-                help=help_text,
-                dest=_dest(f, prefix),
+            options["action"] = argparse.BooleanOptionalAction
+        else:
+            options.update(
+                type=kind, choices=f.metadata.get("choices"), nargs="*" if many else None
             )
-            continue
-        options: dict[str, Any] = {"type": kind, "default": default}
-        options["choices"] = f.metadata.get("choices")
-        if many:
-            options["nargs"] = "*"
-        if kind is not str or default is not None:
-            help_text += " (default: %(default)s)"
-        parser.add_argument(name, help=help_text or None, dest=_dest(f, prefix), **options)
+            if kind is not str or options["default"] is not None:
+                help_text += " (default: %(default)s)"
+        parser.add_argument(name, help=help_text or None, **options)
+
+
+def _with_tuples(cls: type, values: dict[str, Any]) -> dict[str, Any]:
+    """values with the lists given for cls's tuple fields made tuples."""
+    many = {f.name for f, hint in _fields(cls) if _base_type(hint)[1]}
+    return {name: tuple(v) if name in many else v for name, v in values.items()}
 
 
 def from_flags(cls: type[T], args: argparse.Namespace, *, prefix: str = "", **overrides: Any) -> T:
     """An instance of cls from parsed flags (fields without a flag keep their defaults)."""
-    values: dict[str, Any] = {}
-    for f, hint in _fields(cls):
-        dest = _dest(f, prefix)
-        if hasattr(args, dest):
-            value = getattr(args, dest)
-            values[f.name] = tuple(value) if _base_type(hint)[1] else value
-    values.update(overrides)
-    return cls(**values)
+    dests = {f.name: _dest(f, prefix) for f, _ in _fields(cls)}
+    values = {name: getattr(args, dest) for name, dest in dests.items() if hasattr(args, dest)}
+    return cls(**{**_with_tuples(cls, values), **overrides})
 
 
 def to_json(config: Any) -> str:
@@ -117,11 +111,7 @@ def from_json(classes: dict[str, type], text: str) -> Any:
     """The config to_json wrote; its type must be one of classes (by name)."""
     data = json.loads(text)
     cls = classes[data["type"]]
-    values = data["fields"]
-    for f, hint in _fields(cls):
-        if _base_type(hint)[1] and f.name in values:
-            values[f.name] = tuple(values[f.name])
-    return cls(**values)
+    return cls(**_with_tuples(cls, data["fields"]))
 
 
 def setting(default: Any, help: str, **metadata: Any) -> Any:

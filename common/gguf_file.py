@@ -95,9 +95,7 @@ class GGUFFile:
         if value_type == _ARRAY:
             elem_type, count = self._unpack("<IQ")
             if elem_type in _SCALARS:
-                fmt = _SCALARS[elem_type]
-                values = list(self._unpack(f"<{count}{fmt}"))
-                return values
+                return list(self._unpack(f"<{count}{_SCALARS[elem_type]}"))
             return [self._value(elem_type) for _ in range(count)]
         return self._unpack("<" + _SCALARS[value_type])[0]
 

@@ -8,6 +8,7 @@ field, so a collector reading the stream never meets a plain-text line.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import sys
@@ -69,24 +70,15 @@ class _StdlibLogger:
     def __init__(self, name: str):
         self._logger = logging.getLogger(name)
 
-    def _log(self, level: int, event: str, **kw: Any) -> None:
+    def _log(self, level: int, event: str, exc_info: bool = False, **kw: Any) -> None:
         fields = " ".join(f"{k}={v!r}" for k, v in kw.items())
-        self._logger.log(level, f"{event} {fields}".rstrip())
+        self._logger.log(level, f"{event} {fields}".rstrip(), exc_info=exc_info)
 
-    def debug(self, event: str, **kw: Any) -> None:
-        self._log(logging.DEBUG, event, **kw)
-
-    def info(self, event: str, **kw: Any) -> None:
-        self._log(logging.INFO, event, **kw)
-
-    def warning(self, event: str, **kw: Any) -> None:
-        self._log(logging.WARNING, event, **kw)
-
-    def error(self, event: str, **kw: Any) -> None:
-        self._log(logging.ERROR, event, **kw)
-
-    def exception(self, event: str, **kw: Any) -> None:
-        self._logger.exception(event + " " + " ".join(f"{k}={v!r}" for k, v in kw.items()))
+    debug = functools.partialmethod(_log, logging.DEBUG)
+    info = functools.partialmethod(_log, logging.INFO)
+    warning = functools.partialmethod(_log, logging.WARNING)
+    error = functools.partialmethod(_log, logging.ERROR)
+    exception = functools.partialmethod(_log, logging.ERROR, exc_info=True)
 
 
 def get_logger(name: str) -> Any:

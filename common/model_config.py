@@ -107,9 +107,7 @@ class ModelConfig:
 
 
 def load_model_config(path: Path) -> ModelConfig:
-    if path.is_dir():
-        return _config_from_hf_dir(path)
-    return _config_from_gguf(path)
+    return _config_from_hf_dir(path) if path.is_dir() else _config_from_gguf(path)
 
 
 def _as_tuple(value: Any) -> tuple[int, ...]:

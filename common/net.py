@@ -5,7 +5,8 @@ from __future__ import annotations
 import inspect
 import re
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -69,9 +70,8 @@ def wait_until_serving(address: str, timeout: float, poll: float = 0.2) -> bool:
     """Poll the health service until SERVING or timeout; True when serving."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if check_health(address, timeout=min(2.0, max(0.1, deadline - time.monotonic()))) == (
-            "SERVING"
-        ):
+        timeout_now = min(2.0, max(0.1, deadline - time.monotonic()))
+        if check_health(address, timeout=timeout_now) == "SERVING":
             return True
         time.sleep(poll)
     return False
@@ -82,13 +82,11 @@ def wait_until_serving(address: str, timeout: float, poll: float = 0.2) -> bool:
 _DECODE_ERROR = re.compile(r"^Error parsing message with type '[\w.]+': ")
 
 
+@dataclass(frozen=True, slots=True)
 class _Malformed:
     """What a checked deserializer hands the handler for bytes that do not parse."""
 
-    __slots__ = ("details",)
-
-    def __init__(self, details: str):
-        self.details = details
+    details: str
 
 
 def _checked_deserializer(parse: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
@@ -105,71 +103,56 @@ def _checked_deserializer(parse: Callable[[bytes], Any]) -> Callable[[bytes], An
     return deserialize
 
 
-def _checked_unary(behavior: Callable[..., Any]) -> Callable[..., Any]:
-    """behavior(request, context), aborting first when the request did not parse; of the same
-    kind (async generator, coroutine, plain function) as behavior, which gRPC looks at."""
-    code = grpc.StatusCode.INVALID_ARGUMENT
+async def _passed_async(request: Any, context: Any) -> Any:
+    """request, the call aborted with INVALID_ARGUMENT instead when it did not parse."""
+    if isinstance(request, _Malformed):
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.details)
+    return request
+
+
+def _passed(request: Any, context: Any) -> Any:
+    """_passed_async for a sync server."""
+    if isinstance(request, _Malformed):
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.details)
+    return request
+
+
+def _checked_behavior(behavior: Callable[..., Any], request_streaming: bool) -> Callable[..., Any]:
+    """behavior(request or requests, context), aborting the call at a request that did not parse
+    (handlers that read with context.read() are not covered); of the same kind (async
+    generator, coroutine, plain function) as behavior, which gRPC looks at."""
+
+    async def checked_async(arg: Any, context: Any) -> Any:
+        if request_streaming:
+            return (await _passed_async(request, context) async for request in arg)
+        return await _passed_async(arg, context)
+
     if inspect.isasyncgenfunction(behavior):
 
-        async def stream(request: Any, context: Any) -> AsyncIterator[Any]:
-            if isinstance(request, _Malformed):
-                await context.abort(code, request.details)
-            async for response in behavior(request, context):
+        async def stream(arg: Any, context: Any) -> AsyncIterator[Any]:
+            async for response in behavior(await checked_async(arg, context), context):
                 yield response
 
         return stream
     if inspect.iscoroutinefunction(behavior):
 
-        async def unary(request: Any, context: Any) -> Any:
-            if isinstance(request, _Malformed):
-                await context.abort(code, request.details)
-            return await behavior(request, context)
+        async def unary(arg: Any, context: Any) -> Any:
+            return await behavior(await checked_async(arg, context), context)
 
         return unary
 
-    def plain(request: Any, context: Any) -> Any:
-        if isinstance(request, _Malformed):
-            context.abort(code, request.details)
-        return behavior(request, context)
+    def plain(arg: Any, context: Any) -> Any:
+        if request_streaming:
+            return behavior((_passed(request, context) for request in arg), context)
+        return behavior(_passed(arg, context), context)
 
     return plain
 
 
-def _checked_streaming(behavior: Callable[..., Any]) -> Callable[..., Any]:
-    """behavior(requests, context) whose request iterator aborts the call at the first request
-    that did not parse (handlers that read with context.read() are not covered)."""
-    code = grpc.StatusCode.INVALID_ARGUMENT
-
-    async def async_requests(requests: AsyncIterator[Any], context: Any) -> AsyncIterator[Any]:
-        async for request in requests:
-            if isinstance(request, _Malformed):
-                await context.abort(code, request.details)
-            yield request
-
-    def sync_requests(requests: Iterator[Any], context: Any) -> Iterator[Any]:
-        for request in requests:
-            if isinstance(request, _Malformed):
-                context.abort(code, request.details)
-            yield request
-
-    if inspect.isasyncgenfunction(behavior):
-
-        async def stream(requests: AsyncIterator[Any], context: Any) -> AsyncIterator[Any]:
-            async for response in behavior(async_requests(requests, context), context):
-                yield response
-
-        return stream
-    if inspect.iscoroutinefunction(behavior):
-
-        async def unary(requests: AsyncIterator[Any], context: Any) -> Any:
-            return await behavior(async_requests(requests, context), context)
-
-        return unary
-
-    def plain(requests: Iterator[Any], context: Any) -> Any:
-        return behavior(sync_requests(requests, context), context)
-
-    return plain
+def behavior_field(handler: grpc.RpcMethodHandler) -> str:
+    """The field of handler that holds its behavior: unary_unary, unary_stream, ..."""
+    request = "stream" if handler.request_streaming else "unary"
+    return request + ("_stream" if handler.response_streaming else "_unary")
 
 
 def checked_handler(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
@@ -179,14 +162,9 @@ def checked_handler(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
     parse = handler.request_deserializer
     if parse is None:
         return handler
-    kind = ("stream" if handler.request_streaming else "unary") + (
-        "_stream" if handler.response_streaming else "_unary"
-    )
-    wrap = _checked_streaming if handler.request_streaming else _checked_unary
-    return handler._replace(
-        request_deserializer=_checked_deserializer(parse),
-        **{kind: wrap(getattr(handler, kind))},
-    )
+    kind = behavior_field(handler)
+    behavior = _checked_behavior(getattr(handler, kind), handler.request_streaming)
+    return handler._replace(request_deserializer=_checked_deserializer(parse), **{kind: behavior})
 
 
 class _CheckedGenericHandler(grpc.GenericRpcHandler):
@@ -242,8 +220,7 @@ async def serve_aio(
 ) -> None:
     """Bind, start, run `start()` in the background and serve until SIGTERM / SIGINT; then run
     `stop()` and shut the server down with a short grace period. credentials: TLS (else
-    plaintext). If `start()` failed, its
-    exception is raised once the server has stopped."""
+    plaintext). If `start()` failed, its exception is raised once the server has stopped."""
     import asyncio
     import signal
 

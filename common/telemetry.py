@@ -18,6 +18,7 @@ Without the opentelemetry packages (the engine on a bare GPU machine) everything
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -27,7 +28,6 @@ from typing import Any
 from common.log import get_logger
 
 try:
-    from opentelemetry import context as otel_context
     from opentelemetry import metrics, propagate, trace
 
     HAVE_OTEL = True
@@ -146,10 +146,6 @@ def tracer(name: str) -> Any:
     return trace.get_tracer(name) if HAVE_OTEL else _NoOp()
 
 
-def meter(name: str) -> Any:
-    return metrics.get_meter(name) if HAVE_OTEL else _NoOp()
-
-
 # -- instruments ---------------------------------------------------------------------------------
 
 
@@ -173,7 +169,7 @@ def instruments(
 ) -> Any:
     """The table's instruments as attributes named by its keys (histograms and counters; the
     observed ones only exist in the meter). observe(key) yields (value, attributes) pairs."""
-    m = meter(meter_name)
+    m = metrics.get_meter(meter_name) if HAVE_OTEL else _NoOp()
     made: dict[str, Any] = {}
     for key, spec in table.items():
         common = {"unit": spec.unit, "description": spec.description}
@@ -185,24 +181,20 @@ def instruments(
             made[key] = m.create_counter(spec.name, **common)
         else:
             assert observe is not None, f"{key}: an observed instrument needs observe"
-            create = (
-                m.create_observable_counter
-                if spec.kind == "observed_counter"
-                else m.create_observable_gauge
-            )
-            create(spec.name, callbacks=[_callback(observe, key)], **common)
+            callbacks = [functools.partial(_observations, observe, key)]
+            if spec.kind == "observed_counter":
+                m.create_observable_counter(spec.name, callbacks=callbacks, **common)
+            else:
+                m.create_observable_gauge(spec.name, callbacks=callbacks, **common)
     return SimpleNamespace(**made)
 
 
-def _callback(
-    observe: Callable[[str], Iterable[tuple[float, Mapping[str, str]]]], key: str
-) -> Callable[[Any], list[Any]]:
-    def callback(_options: Any) -> list[Any]:
-        from opentelemetry.metrics import Observation
+def _observations(
+    observe: Callable[[str], Iterable[tuple[float, Mapping[str, str]]]], key: str, _options: Any
+) -> list[Any]:
+    from opentelemetry.metrics import Observation
 
-        return [Observation(value, dict(attrs)) for value, attrs in observe(key)]
-
-    return callback
+    return [Observation(value, dict(attrs)) for value, attrs in observe(key)]
 
 
 # -- context propagation -------------------------------------------------------------------------
@@ -241,16 +233,8 @@ def links(spans: Sequence[Any]) -> list[Any]:
     """Links to the given spans (for a step span: the requests it served)."""
     if not HAVE_OTEL:
         return []
-    out = []
-    for span in spans:
-        ctx = span.get_span_context() if span is not None else None
-        if ctx is not None and ctx.is_valid:
-            out.append(trace.Link(ctx))
-    return out
-
-
-def current_context() -> Any:
-    return otel_context.get_current() if HAVE_OTEL else None
+    contexts = [span.get_span_context() for span in spans if span is not None]
+    return [trace.Link(ctx) for ctx in contexts if ctx.is_valid]
 
 
 def shutdown() -> None:
@@ -274,12 +258,3 @@ class _NoOp:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self
-
-    def __enter__(self) -> Any:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-    def is_recording(self) -> bool:
-        return False

@@ -50,6 +50,13 @@ class BlockManager:
             parent = hashes[-1] if hashes else 0
             hashes.append(hash((parent, tuple(request.token_ids[i * bs : (i + 1) * bs]))))
 
+    def _block_key(self, request: Request, i: int) -> tuple[int, int, tuple[int, ...]]:
+        """request's block i as the prefix cache keys it: (its hash, its parent's hash, its
+        tokens). Its hash must be known (_update_block_hashes)."""
+        bs = self.block_size
+        parent = request.block_hashes[i - 1] if i else 0
+        return request.block_hashes[i], parent, tuple(request.token_ids[i * bs : (i + 1) * bs])
+
     def find_cached_blocks(self, request: Request) -> list[int]:
         """Blocks already holding a prefix of request.token_ids, in order. Changes nothing.
 
@@ -60,36 +67,25 @@ class BlockManager:
             return []
         max_blocks = (request.num_tokens - 1) // self.block_size
         self._update_block_hashes(request, max_blocks * self.block_size)
-        bs = self.block_size
         found: list[int] = []
-        parent = 0
         for i in range(max_blocks):
-            block_hash = request.block_hashes[i]
-            block_id = self.hash_to_block.get(block_hash)
-            if block_id is None:
-                break
-            tokens = tuple(request.token_ids[i * bs : (i + 1) * bs])
-            if self.block_key[block_id] != (block_hash, parent, tokens):
+            key = self._block_key(request, i)
+            block_id = self.hash_to_block.get(key[0])
+            if block_id is None or self.block_key[block_id] != key:
                 break
             found.append(block_id)
-            parent = block_hash
         return found
 
     def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
         """Register the full blocks among request's first num_tokens in the prefix cache."""
         self._update_block_hashes(request, num_tokens)
-        bs = self.block_size
-        for i in range(num_tokens // bs):
+        for i in range(num_tokens // self.block_size):
             block_id = request.block_table[i]
-            if block_id in self.block_key:
+            # Already cached, or the same content is cached in another block: keep that one.
+            if block_id in self.block_key or request.block_hashes[i] in self.hash_to_block:
                 continue
-            block_hash = request.block_hashes[i]
-            if block_hash in self.hash_to_block:
-                continue  # same content already cached in another block; keep that one
-            parent = request.block_hashes[i - 1] if i else 0
-            tokens = tuple(request.token_ids[i * bs : (i + 1) * bs])
-            self.hash_to_block[block_hash] = block_id
-            self.block_key[block_id] = (block_hash, parent, tokens)
+            self.block_key[block_id] = key = self._block_key(request, i)
+            self.hash_to_block[key[0]] = block_id
 
     def _evict(self, block_id: int) -> None:
         key = self.block_key.pop(block_id, None)

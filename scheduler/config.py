@@ -8,9 +8,6 @@ from dataclasses import dataclass, replace
 from common.auth import PeerSecurity
 from common.flags import check_ports, setting
 
-# "continuous": iteration-level batching, waiting requests join at every step.
-# "static": a batch is admitted only when nothing runs and runs until its last member finishes
-# (scheduler/static_batching.py). For comparison studies.
 SCHEDULING_POLICIES = ("continuous", "static")
 
 

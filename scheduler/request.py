@@ -17,11 +17,7 @@ class RequestStatus(enum.Enum):
 
     @property
     def is_finished(self) -> bool:
-        return self in (
-            RequestStatus.FINISHED_STOPPED,
-            RequestStatus.FINISHED_LENGTH,
-            RequestStatus.FINISHED_ABORTED,
-        )
+        return self not in (RequestStatus.WAITING, RequestStatus.RUNNING)
 
 
 @dataclass(eq=False)

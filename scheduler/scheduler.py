@@ -6,7 +6,6 @@ some tokens out of the token budget. Running requests go first (oldest first); w
 admitted with what budget and blocks are left. When blocks run out, the newest running request is
 preempted: its blocks are freed and it waits again, to be recomputed from its tokens later.
 
-
 Static batching, the baseline continuous batching is measured against, is a subclass with its own
 hooks (scheduler/static_batching.py).
 """
@@ -17,6 +16,7 @@ import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from itertools import islice
 
 from scheduler.block_manager import BlockManager
 from scheduler.config import SchedulerConfig
@@ -72,13 +72,11 @@ class StepPlan:
 
     @property
     def requests(self) -> list[Request]:
-        return [r.request for r in self.new_requests] + [r.request for r in self.running]
+        return [r.request for r in self.rows]
 
     @property
     def num_scheduled_tokens(self) -> int:
-        return sum(r.num_scheduled_tokens for r in self.new_requests) + sum(
-            r.num_scheduled_tokens for r in self.running
-        )
+        return sum(r.num_scheduled_tokens for r in self.rows)
 
     @property
     def is_empty(self) -> bool:
@@ -111,11 +109,8 @@ class TopLogprobColumns:
 
     def rows(self) -> list[tuple[list[int], list[float]]]:
         """Each row's (token ids, logprobs)."""
-        out, start = [], 0
-        for n in self.counts:
-            out.append((self.token_ids[start : start + n], self.logprobs[start : start + n]))
-            start += n
-        return out
+        token_ids, logprobs = iter(self.token_ids), iter(self.logprobs)
+        return [(list(islice(token_ids, n)), list(islice(logprobs, n))) for n in self.counts]
 
 
 @dataclass
@@ -137,7 +132,7 @@ class SchedulerCounters:
 class Scheduler:
     """Continuous batching. A subclass changes the policy through the hooks: `_may_admit` (the
     admission gate), `_on_stopped` (what a finished request becomes), `_evict` (who gives up
-    blocks), `_is_padding` and `_append` (rows that run on without streaming)."""
+    blocks), `_is_padding` and `_on_token` (rows that run on without streaming)."""
 
     def __init__(
         self,
@@ -188,16 +183,6 @@ class Scheduler:
             raise AdmissionError(
                 "INVALID_ARGUMENT", f"max_tokens={request.max_tokens} must be >= 1"
             )
-        self._check_fits(request)
-        if len(self.waiting) >= self.config.max_waiting:
-            raise AdmissionError(
-                "RESOURCE_EXHAUSTED",
-                f"queue full: {len(self.waiting)} requests waiting (max_waiting="
-                f"{self.config.max_waiting}); retry after a short delay",
-            )
-
-    def _check_fits(self, request: Request) -> None:
-        num_prompt = request.num_prompt_tokens
         total = num_prompt + request.max_tokens
         what = f"prompt ({num_prompt} tokens) + max_tokens ({request.max_tokens}) = {total}"
         if total > self.max_model_len:
@@ -210,6 +195,12 @@ class Scheduler:
                 "INVALID_ARGUMENT",
                 f"{what} exceeds the KV cache's capacity of {capacity} tokens "
                 f"({self.block_manager.num_blocks} blocks x {self.block_size})",
+            )
+        if len(self.waiting) >= self.config.max_waiting:
+            raise AdmissionError(
+                "RESOURCE_EXHAUSTED",
+                f"queue full: {len(self.waiting)} requests waiting (max_waiting="
+                f"{self.config.max_waiting}); retry after a short delay",
             )
 
     def add(self, request: Request) -> None:
@@ -314,9 +305,8 @@ class Scheduler:
         max_tokens or max_model_len) is not scheduled ahead; EOS and stop tokens cannot be
         foreseen, so a request can be scheduled one step past its end, and that step's token is
         dropped by `update`."""
-        budget = self.config.max_num_batched_tokens
         scheduled: list[tuple[Request, int]] = []
-        budget, preempted = self._schedule_running(budget, scheduled)
+        budget, preempted = self._schedule_running(self.config.max_num_batched_tokens, scheduled)
         if not preempted:
             self._schedule_waiting(budget, scheduled)
         plan = self._make_plan(scheduled)
@@ -457,9 +447,11 @@ class Scheduler:
         for i, row in enumerate(rows):
             if not row.samples or not self._awaits(row):
                 continue
-            token_id = sampled_token_ids[i]
-            assert token_id >= 0, f"step {plan.step_id}: no token for {row.request.request_id}"
-            outcome = self._append(row.request, token_id)
+            request, token_id = row.request, sampled_token_ids[i]
+            assert token_id >= 0, f"step {plan.step_id}: no token for {request.request_id}"
+            request.num_pending_tokens -= 1  # its oldest pending token is token_id
+            request.token_ids.append(token_id)
+            outcome = self._on_token(request, token_id)
             if outcome is None:
                 continue
             if logprobs and not math.isnan(logprobs[i]):
@@ -471,11 +463,9 @@ class Scheduler:
         self._after_update()
         return outcomes
 
-    def _append(self, request: Request, token_id: int) -> StepOutcome | None:
-        """request's oldest pending token is token_id: its outcome (hook: None when nothing is
-        to be streamed)."""
-        request.num_pending_tokens -= 1
-        request.token_ids.append(token_id)
+    def _on_token(self, request: Request, token_id: int) -> StepOutcome | None:
+        """request's oldest pending token turned out to be token_id, now its last: its outcome
+        (hook: None when nothing is to be streamed)."""
         finished = self._check_stop(request, token_id)
         if finished is not None:
             self._on_stopped(request, finished)

@@ -180,18 +180,16 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
 
     def stats(self) -> dict[str, Any]:
         """One snapshot of every count and gauge: GetStats and the metrics both read it."""
-        snapshot: dict[str, Any] = {"num_engine_resets": self.num_engine_resets}
-        snapshot.update(vars(self.times))
+        snapshot: dict[str, Any] = {"num_engine_resets": self.num_engine_resets, **vars(self.times)}
         s = self.scheduler
         if s is not None:
             snapshot.update(vars(s.counters))
             snapshot["finish_reasons"] = dict(s.counters.finish_reasons)
-            bm = s.block_manager
             snapshot.update(
                 num_running=len(s.running),
                 num_waiting=len(s.waiting),
-                num_free_blocks=bm.num_free_blocks,
-                num_blocks=bm.num_blocks,
+                num_free_blocks=s.block_manager.num_free_blocks,
+                num_blocks=s.block_manager.num_blocks,
             )
         return snapshot
 
@@ -247,9 +245,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             config = self.config.adopt(info.max_num_seqs, info.max_num_batched_tokens)
         except ValueError as err:
             raise EngineMismatch(str(err)) from err
-        max_len = info.max_model_len
-        if config.max_model_len:
-            max_len = min(max_len, config.max_model_len)
+        max_len = min(info.max_model_len, config.max_model_len or info.max_model_len)
         if self.scheduler is None:
             self.scheduler = make_scheduler(
                 config,
@@ -283,11 +279,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     def _update_health(self) -> None:
         """SERVING while the Step stream is open and the engine answers its heartbeat."""
         serving = self.ready and self.engine_responding
-        status = (
-            health_pb2.HealthCheckResponse.SERVING
-            if serving
-            else health_pb2.HealthCheckResponse.NOT_SERVING
-        )
+        response = health_pb2.HealthCheckResponse
+        status = response.SERVING if serving else response.NOT_SERVING
         self._health_update = asyncio.ensure_future(self.health.set("", status))
 
     @contextlib.asynccontextmanager
@@ -357,17 +350,11 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                     continue
                 # No await since the scheduler last had nothing to do: no wakeup is missed.
                 self.wakeup.clear()
-                await self._idle(scheduler.idle_timeout_s())
+                # Sleep until woken, or until a static batch forming is due (timeout None: never).
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.wakeup.wait(), scheduler.idle_timeout_s())
         finally:
             call.cancel()
-
-    async def _idle(self, timeout: float | None) -> None:
-        """Sleep until woken, or until timeout (a static batch forming) has passed."""
-        if timeout is None:
-            await self.wakeup.wait()
-            return
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self.wakeup.wait(), timeout)
 
     async def _send_step(self, scheduler: Scheduler, call: Any) -> SentStep | None:
         """Plan a step and write it to the engine; None (with no await) if the plan is empty."""
@@ -405,25 +392,16 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             self._deliver(outcome)
         t3 = time.perf_counter()
         t0, t1 = sent.t_plan, sent.t_planned
-        self.telemetry.on_result(
-            plan,
-            outcomes,
-            {
-                "step_s": t3 - t0,
-                "schedule_ms": (t1 - t0) * 1e3,
-                "step_rtt_ms": (t2 - t1) * 1e3,
-                "update_ms": (t3 - t2) * 1e3,
-                "engine_forward_ms": result.forward_ms,
-                "engine_sample_ms": result.sample_ms,
-            },
-        )
-        times = self.times
-        times.schedule_ms += (t1 - t0) * 1e3
-        times.step_rtt_ms += (t2 - t1) * 1e3
-        times.update_ms += (t3 - t2) * 1e3
-        times.engine_total_ms += result.total_ms
-        times.engine_forward_ms += result.forward_ms
-        times.engine_sample_ms += result.sample_ms
+        timings = {
+            "schedule_ms": (t1 - t0) * 1e3,
+            "step_rtt_ms": (t2 - t1) * 1e3,
+            "update_ms": (t3 - t2) * 1e3,
+            "engine_forward_ms": result.forward_ms,
+            "engine_sample_ms": result.sample_ms,
+        }
+        self.telemetry.on_result(plan, outcomes, {"step_s": t3 - t0, **timings})
+        for name, ms in {**timings, "engine_total_ms": result.total_ms}.items():
+            setattr(self.times, name, getattr(self.times, name) + ms)
 
     def _deliver(self, outcome: StepOutcome) -> None:
         queue = self.streams.get(outcome.request.seq_id)

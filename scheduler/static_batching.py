@@ -66,12 +66,10 @@ class StaticBatchScheduler(Scheduler):
     def _is_padding(self, request: Request) -> bool:
         return request.seq_id in self.padding
 
-    def _append(self, request: Request, token_id: int) -> StepOutcome | None:
+    def _on_token(self, request: Request, token_id: int) -> StepOutcome | None:
         """A padding row's token is thrown away; the row ends at max_model_len."""
         if request.seq_id not in self.padding:
-            return super()._append(request, token_id)
-        request.num_pending_tokens -= 1
-        request.token_ids.append(token_id)
+            return super()._on_token(request, token_id)
         if len(request.token_ids) >= self.max_model_len:
             self._end_padding(request)
         return None

@@ -20,6 +20,7 @@ histogram updates per step).
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from collections.abc import Callable
@@ -185,10 +186,9 @@ class SchedulerTelemetry:
         self.requests[request.seq_id] = rt
         if not self.tracing:
             return None
-        parent = telemetry.extract(metadata)
         rt.root = self.tracer.start_span(
             "scheduler.request",
-            context=parent,
+            context=telemetry.extract(metadata),
             attributes={
                 "llmserve.request_id": request.request_id,
                 "llmserve.seq_id": request.seq_id,
@@ -211,11 +211,8 @@ class SchedulerTelemetry:
         )
         rt.phase_name = name
 
-    def _close_phase(
-        self, rt: RequestTelemetry, end_ns: int | None = None, **attributes: Any
-    ) -> None:
+    def _close_phase(self, rt: RequestTelemetry, end_ns: int | None = None) -> None:
         if rt.phase is not None:
-            rt.phase.set_attributes(attributes)
             rt.phase.end(end_time=end_ns)
         rt.phase, rt.phase_name = None, ""
 
@@ -227,34 +224,31 @@ class SchedulerTelemetry:
         now = time.monotonic()
         self.preemptions.extend((plan.step_id, r) for r in plan.preempted)
         rows = plan.rows
-        batch_size = len(rows)
-        for row in rows:
-            request = row.request
-            rt = self.requests.get(request.seq_id)
+        reqs = [self.requests.get(row.request.seq_id) for row in rows]
+        for row, rt in zip(rows, reqs, strict=True):
             if rt is None:
                 continue
             if self.tracing:  # only the request span's attributes read these
-                rt.saw_batch(batch_size)
-                rt.max_num_blocks = max(rt.max_num_blocks, len(request.block_table))
+                rt.saw_batch(len(rows))
+                rt.max_num_blocks = max(rt.max_num_blocks, len(row.request.block_table))
             if rt.first_scheduled is None:
                 rt.first_scheduled = now
                 self.m.queue_time.record(now - rt.arrival)
-        self.m.batch_size.record(batch_size)
+        self.m.batch_size.record(len(rows))
         self.m.step_tokens.record(plan.num_scheduled_tokens)
-        context = self._trace_plan(plan) if self.tracing else {}
+        context = self._trace_plan(plan, reqs) if self.tracing else {}
         self._show_preemptions()
         return context
 
-    def _trace_plan(self, plan: StepPlan) -> dict[str, str]:
-        """Open the step's span; a request scheduled from the queue leaves it now."""
-        rows = plan.rows
-        reqs = [self.requests.get(r.request.seq_id) for r in rows]
+    def _trace_plan(self, plan: StepPlan, reqs: list[RequestTelemetry | None]) -> dict[str, str]:
+        """Open the step's span; a request scheduled from the queue leaves it now. reqs: the
+        telemetry of plan's rows' requests (None: not tracked)."""
         span = self.tracer.start_span(
             "scheduler.step",
             links=telemetry.links([rt.root for rt in reqs if rt is not None]),
             attributes={
                 "llmserve.step_id": plan.step_id,
-                "llmserve.batch_size": len(rows),
+                "llmserve.batch_size": len(reqs),
                 "llmserve.num_scheduled_tokens": plan.num_scheduled_tokens,
                 "llmserve.num_new_requests": len(plan.new_requests),
                 "llmserve.num_finished_seq_ids": len(plan.finished_seq_ids),
@@ -276,9 +270,7 @@ class SchedulerTelemetry:
         self.m.step_duration.record(timings["step_s"])
         for outcome in outcomes:
             rt = self.requests.get(outcome.request.seq_id)
-            if rt is None:
-                continue
-            if outcome.request.num_output_tokens == 1 and rt.first_scheduled is not None:
+            if outcome.request.num_output_tokens == 1 and rt and rt.first_scheduled is not None:
                 self.m.prefill_time.record(now - rt.first_scheduled)
         step = self.steps.pop(plan.step_id, None)
         if step is not None:
@@ -333,30 +325,17 @@ class SchedulerTelemetry:
     def _show_preemptions(self) -> None:
         """Open the preempted phase of each queued preemption whose earlier steps all reported
         (their spans came first: the engine ran those steps before the preemption)."""
-        first_in_flight = min(self.steps, default=None)
-        ready = [
-            (step_id, r)
-            for step_id, r in self.preemptions
-            if first_in_flight is None or step_id <= first_in_flight
-        ]
-        if not ready:
-            return
-        self.preemptions = [p for p in self.preemptions if p not in ready]
-        for _, request in ready:
+        first_in_flight = min(self.steps, default=math.inf)
+        ready = [r for step_id, r in self.preemptions if step_id <= first_in_flight]
+        self.preemptions = [p for p in self.preemptions if p[0] > first_in_flight]
+        for request in ready:
             rt = self.requests.get(request.seq_id)
             if rt is None or rt.root is None:
                 continue
-            rt.root.add_event(
-                "preempted", {"llmserve.num_output_tokens": request.num_output_tokens}
-            )
-            self._open_phase(
-                rt,
-                "scheduler.preempted",
-                **{
-                    "llmserve.num_output_tokens": request.num_output_tokens,
-                    "llmserve.num_preemptions": request.num_preemptions,
-                },
-            )
+            event = {"llmserve.num_output_tokens": request.num_output_tokens}
+            rt.root.add_event("preempted", event)
+            attributes = {**event, "llmserve.num_preemptions": request.num_preemptions}
+            self._open_phase(rt, "scheduler.preempted", **attributes)
 
     def on_finish(self, request: Request, status: RequestStatus) -> None:
         """The request ended (finished, stopped, aborted): count it, end its spans. Once per
