@@ -106,10 +106,12 @@ class RequestTelemetry:
         self.validate_span: Any = None
         self.done = False
         if telemetry.tracing_enabled():
+            from opentelemetry.trace import SpanKind
+
             self.span = owner.tracer.start_span(
                 "llmserve.generate",
                 context=parent,
-                kind=_server_kind(),
+                kind=SpanKind.SERVER,
                 attributes={"llmserve.request_id": request_id, "llmserve.api": api},
             )
             self.validate_span = owner.tracer.start_span(
@@ -165,9 +167,8 @@ class RequestTelemetry:
         o.prompt_tokens.add(self.num_prompt_tokens)
         o.generation_tokens.add(self.num_output_tokens)
         if code == "OK":
-            usage = dict(attrs)
-            o.token_usage.record(self.num_prompt_tokens, {**usage, "gen_ai.token.type": "input"})
-            o.token_usage.record(self.num_output_tokens, {**usage, "gen_ai.token.type": "output"})
+            o.token_usage.record(self.num_prompt_tokens, {**attrs, "gen_ai.token.type": "input"})
+            o.token_usage.record(self.num_output_tokens, {**attrs, "gen_ai.token.type": "output"})
         if self.first_token is not None and self.num_output_tokens > 1:
             o.tpot.record((end - self.first_token) / (self.num_output_tokens - 1), attrs)
         log.info(
@@ -195,9 +196,3 @@ class RequestTelemetry:
 
             self.span.set_status(Status(StatusCode.ERROR, f"{code}: {message}"))
         self.span.end()
-
-
-def _server_kind() -> Any:
-    from opentelemetry.trace import SpanKind
-
-    return SpanKind.SERVER
