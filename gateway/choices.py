@@ -76,7 +76,7 @@ async def run_choices(
     queue: asyncio.Queue[tuple[Choice, api_pb2.GenerateResponse | Exception]] = asyncio.Queue()
 
     async def pump(choice: Choice) -> None:
-        trace = core.start_request(carrier, choice.request_id, "http", arrival)
+        trace = core.telemetry.start(carrier, choice.request_id, "http", arrival)
         trace.validated(choice.valid, None)
         trace.operation = operation
         try:

@@ -42,7 +42,7 @@ class GatewayService(api_pb2_grpc.GenerationServicer):
         self, request: api_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[api_pb2.GenerateResponse]:
         request_id = request.request_id or new_request_id()
-        trace = self.core.start_request(context.invocation_metadata(), request_id, "grpc")
+        trace = self.core.telemetry.start(context.invocation_metadata(), request_id, "grpc")
         try:
             # On a worker thread: a long prompt or chat takes a while to render and tokenize.
             valid = await asyncio.to_thread(self.core.validate, request, trace)
@@ -70,10 +70,7 @@ async def serve(config: GatewayConfig) -> None:
         http = HttpServer(create_app(core, config.api_key), config.host, config.http_port)
 
     async def start() -> None:
-        if http is None:
-            await core.watch_scheduler()
-        else:
-            await asyncio.gather(core.watch_scheduler(), http.serve())
+        await asyncio.gather(core.watch_scheduler(), *([http.serve()] if http else []))
 
     async def stop() -> None:
         await core.health.enter_graceful_shutdown()
