@@ -368,11 +368,9 @@ def create_app(core: GatewayCore, api_key: str | None = None) -> FastAPI:
         )
 
     def model_card() -> ModelCard:
-        if core.info is None:
-            raise ApiError.from_gateway(
-                GatewayError(grpc.StatusCode.UNAVAILABLE, "scheduler not connected yet"), "model"
-            )
-        return ModelCard(id=core.model_id, created=started, max_model_len=core.info.max_model_len)
+        with _as_api_errors("model"):
+            info = core.model_info()
+        return ModelCard(id=info.model, created=started, max_model_len=info.max_model_len)
 
     @app.get("/v1/models", response_model=ModelList, responses=_ERRORS)
     async def models() -> ModelList:
