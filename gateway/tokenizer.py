@@ -70,11 +70,9 @@ class Tokenizer:
 
     @classmethod
     def from_model_path(cls, path: Path) -> Tokenizer:
-        if path.is_dir():
-            if is_config_only(path):
-                return cls.byte_level()
-            return cls._from_hf_dir(path)
-        return cls._from_gguf(path)
+        if not path.is_dir():
+            return cls._from_gguf(path)
+        return cls.byte_level() if is_config_only(path) else cls._from_hf_dir(path)
 
     @classmethod
     def byte_level(cls) -> Tokenizer:
@@ -183,11 +181,9 @@ class Tokenizer:
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes one token stands for (byte-level BPE tokens may hold part of a character;
         other tokenizers give the token's decoded text)."""
-        data = self._token_bytes.get(token_id)
-        if data is None:
-            data = self._bytes_of(token_id)
-            self._token_bytes[token_id] = data
-        return data
+        if token_id not in self._token_bytes:
+            self._token_bytes[token_id] = self._bytes_of(token_id)
+        return self._token_bytes[token_id]
 
     def _bytes_of(self, token_id: int) -> bytes:
         piece = self.tokenizer.id_to_token(token_id)
@@ -252,16 +248,12 @@ def _compile_template(source: str) -> jinja2.Template:
     def raise_exception(message: str) -> None:
         raise jinja2.TemplateError(message)
 
-    def tojson(value: Any, indent: int | None = None) -> str:
-        return json.dumps(value, ensure_ascii=False, indent=indent)
-
-    def strftime_now(fmt: str) -> str:
-        return datetime.now().strftime(fmt)
-
     env = jinja2.sandbox.ImmutableSandboxedEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
     )
-    env.filters["tojson"] = tojson
+    env.filters["tojson"] = lambda value, indent=None: json.dumps(
+        value, ensure_ascii=False, indent=indent
+    )
     env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = strftime_now
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     return env.from_string(source)
