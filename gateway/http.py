@@ -275,7 +275,7 @@ async def generate_response(
     body: CompletionRequest | ChatCompletionRequest,
     *,
     requests: Callable[[], list[api_pb2.GenerateRequest]],
-    make_format: Callable[[list[Choice], str], ResponseFormat],
+    response_format: type[ResponseFormat],
     prompt_field: str,
     id_prefix: str,
 ) -> Response:
@@ -293,7 +293,7 @@ async def generate_response(
             core.telemetry.rejected(code, "http", arrival)
             raise
         choices = make_choices(valids, body.n, response_id)
-        fmt = make_format(choices, response_id)
+        fmt = response_format(core, choices, response_id, body)
         operation = "chat" if prompt_field == "messages" else "text_completion"
         stream = run_choices(core, choices, dict(request.headers), arrival, operation)
         headers = {"X-Request-Id": response_id}
@@ -350,7 +350,7 @@ def create_app(core: GatewayCore, api_key: str | None = None) -> FastAPI:
             request,
             body,
             requests=lambda: completion_requests(body),
-            make_format=lambda choices, rid: CompletionFormat(core, choices, rid, body),
+            response_format=CompletionFormat,
             prompt_field="prompt",
             id_prefix="cmpl",
         )
@@ -362,7 +362,7 @@ def create_app(core: GatewayCore, api_key: str | None = None) -> FastAPI:
             request,
             body,
             requests=lambda: [chat_request(body)],
-            make_format=lambda choices, rid: ChatFormat(core, choices, rid, body),
+            response_format=ChatFormat,
             prompt_field="messages",
             id_prefix="chatcmpl",
         )

@@ -104,40 +104,41 @@ class CompletionLogprobsBuilder:
         return out
 
 
-class UsageCounter:
-    """Usage over all choices: each prompt counted once, each choice's completion tokens."""
+class ResponseFormat(ABC):
+    """How one endpoint renders messages: as streamed chunks or as one response. Its usage is
+    over all choices: each prompt counted once, each choice's completion tokens."""
 
-    def __init__(self, choices: list[Choice]):
+    def __init__(
+        self,
+        core: GatewayCore,
+        choices: list[Choice],
+        response_id: str,
+        body: CompletionRequest | ChatCompletionRequest,
+    ):
+        self.core = core
+        self.choices = choices
+        self.body = body
+        self.id = response_id
+        self.created = int(time.time())
+        self.model = core.model_id
         prompts = {c.prompt_index: len(c.valid.prompt_token_ids) for c in choices}
         self.prompt_tokens = sum(prompts.values())
         self.completion_tokens = 0
         self.cached_tokens = 0
 
-    def add(self, choice: Choice, msg: api_pb2.GenerateResponse) -> None:
+    def _count(self, choice: Choice, msg: api_pb2.GenerateResponse) -> None:
         if msg.finish_reason:
             self.completion_tokens += msg.usage.completion_tokens
             if choice.sample_index == 0:
                 self.cached_tokens += msg.usage.cached_prompt_tokens
 
-    def usage(self) -> Usage:
+    def _usage(self) -> Usage:
         return Usage(
             prompt_tokens=self.prompt_tokens,
             completion_tokens=self.completion_tokens,
             total_tokens=self.prompt_tokens + self.completion_tokens,
             prompt_tokens_details=PromptTokensDetails(cached_tokens=self.cached_tokens),
         )
-
-
-class ResponseFormat(ABC):
-    """How one endpoint renders messages: as streamed chunks or as one response."""
-
-    def __init__(self, core: GatewayCore, choices: list[Choice], response_id: str):
-        self.core = core
-        self.choices = choices
-        self.id = response_id
-        self.created = int(time.time())
-        self.model = core.model_id
-        self.counter = UsageCounter(choices)
 
     def _json(
         self, body: type[BaseModel], choices: list[Any], usage: Usage | None, **dump: Any
@@ -168,7 +169,7 @@ class CompletionFormat(ResponseFormat):
     def __init__(
         self, core: GatewayCore, choices: list[Choice], response_id: str, body: CompletionRequest
     ):
-        super().__init__(core, choices, response_id)
+        super().__init__(core, choices, response_id, body)
         self.logprobs = {
             c.index: CompletionLogprobsBuilder(core.tokenizer, c.valid.prompt_token_ids)
             for c in choices
@@ -176,7 +177,7 @@ class CompletionFormat(ResponseFormat):
         }
 
     def _choice(self, choice: Choice, msg: api_pb2.GenerateResponse) -> CompletionChoice:
-        self.counter.add(choice, msg)
+        self._count(choice, msg)
         builder = self.logprobs.get(choice.index)
         return CompletionChoice(
             index=choice.index,
@@ -189,23 +190,15 @@ class CompletionFormat(ResponseFormat):
         return self._json(CompletionResponse, [self._choice(choice, msg)], None)
 
     def usage_chunk(self) -> str:
-        return self._json(CompletionResponse, [], self.counter.usage())
+        return self._json(CompletionResponse, [], self._usage())
 
     def response(self, messages: dict[int, list[api_pb2.GenerateResponse]]) -> str:
         choices = [self._choice(c, _merged(messages[c.index])) for c in self.choices]
-        return self._json(CompletionResponse, choices, self.counter.usage())
+        return self._json(CompletionResponse, choices, self._usage())
 
 
 class ChatFormat(ResponseFormat):
-    def __init__(
-        self,
-        core: GatewayCore,
-        choices: list[Choice],
-        response_id: str,
-        body: ChatCompletionRequest,
-    ):
-        super().__init__(core, choices, response_id)
-        self.with_logprobs = body.logprobs
+    body: ChatCompletionRequest
 
     def _chunk(self, choices: list[ChatChunkChoice], usage: Usage | None = None) -> str:
         return self._json(ChatCompletionChunk, choices, usage, exclude_none=True)
@@ -219,14 +212,14 @@ class ChatFormat(ResponseFormat):
         ]
 
     def chunk(self, choice: Choice, msg: api_pb2.GenerateResponse) -> str:
-        self.counter.add(choice, msg)
+        self._count(choice, msg)
         return self._chunk(
             [
                 ChatChunkChoice(
                     index=choice.index,
                     delta=ChatDelta(content=msg.text) if msg.text else ChatDelta(),
                     logprobs=chat_logprobs(self.core.tokenizer, msg)
-                    if self.with_logprobs
+                    if self.body.logprobs
                     else None,
                     finish_reason=finish_reason(msg),
                 )
@@ -234,24 +227,24 @@ class ChatFormat(ResponseFormat):
         )
 
     def usage_chunk(self) -> str:
-        return self._chunk([], self.counter.usage())
+        return self._chunk([], self._usage())
 
     def response(self, messages: dict[int, list[api_pb2.GenerateResponse]]) -> str:
         choices = []
         for c in self.choices:
             msg = _merged(messages[c.index])
-            self.counter.add(c, msg)
+            self._count(c, msg)
             choices.append(
                 ChatChoice(
                     index=c.index,
                     message=ChatMessage(content=msg.text),
                     logprobs=chat_logprobs(self.core.tokenizer, msg)
-                    if self.with_logprobs
+                    if self.body.logprobs
                     else None,
                     finish_reason=finish_reason(msg),
                 )
             )
-        return self._json(ChatCompletionResponse, choices, self.counter.usage())
+        return self._json(ChatCompletionResponse, choices, self._usage())
 
 
 def _merged(msgs: list[api_pb2.GenerateResponse]) -> api_pb2.GenerateResponse:
