@@ -148,8 +148,7 @@ class ApiKeyMiddleware:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"].startswith("/v1/"):
-            headers = dict(scope["headers"])
-            authorization = headers.get(b"authorization", b"").decode("latin-1")
+            authorization = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
             if not is_authorized(authorization, self.api_key):
                 error = ApiError(
                     401,
@@ -183,20 +182,18 @@ class BodyLimitMiddleware:
         if length.isdigit() and int(length) > self.max_bytes:
             await self._too_large(str(int(length)))(scope, receive, send)
             return
-        chunks: list[bytes] = []
-        size = 0
+        received = bytearray()
         more = True
         while more:
             message = await receive()
             if message["type"] != "http.request":
                 return  # the client went away mid-upload
-            chunks.append(message.get("body", b""))
-            size += len(chunks[-1])
-            if size > self.max_bytes:
+            received += message.get("body", b"")
+            if len(received) > self.max_bytes:
                 await self._too_large(f"more than {self.max_bytes}")(scope, receive, send)
                 return
             more = message.get("more_body", False)
-        body: list[bytes] = [b"".join(chunks)]
+        body = [bytes(received)]
 
         async def replay() -> Message:
             if body:
@@ -420,24 +417,18 @@ class _EmbeddedServer(uvicorn.Server):
         yield
 
 
-def _bind(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as err:
-        sock.close()
-        raise RuntimeError(f"gateway: cannot listen on {host}:{port} for HTTP ({err})") from err
-    return sock
-
-
 class HttpServer:
     """The HTTP API on an already bound socket (so a taken port fails the gateway at start)."""
 
     def __init__(self, app: FastAPI, host: str, port: int):
         self.address = f"{host}:{port}"
-        self.socket = _bind(host, port)
+        self.socket = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+        self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            self.socket.bind((host, port))
+        except OSError as err:
+            self.socket.close()
+            raise RuntimeError(f"gateway: cannot listen on {host}:{port} for HTTP ({err})") from err
         config = uvicorn.Config(
             app,
             log_config=None,
