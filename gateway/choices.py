@@ -1,9 +1,7 @@
 """Fan-out: a request with n choices (or several prompts) becomes one scheduler request per choice,
 through the shared request path (gateway/core.py); their messages come back merged, in arrival
-order. The prefix cache shares the prompt's blocks between a prompt's choices.
-
-Seeds: choice 0 of a prompt keeps the request's seed (so n=1 is unchanged); choice i > 0 gets a
-seed derived from it, so choices differ and stay reproducible.
+order. The prefix cache shares the prompt's blocks between a prompt's choices; each choice
+draws with its own seed (`choice_seed`).
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """The gateway process: the gRPC Generation service and the OpenAI-compatible HTTP API
 (gateway/http.py), both over one request path (gateway/core.py) and one scheduler connection, on
-one asyncio loop.
-
-A client's cancellation cancels the handler, whose stream cancels the Submit call upstream; the
-scheduler then aborts the request and frees its blocks before its next step.
+one asyncio loop. A client's cancellation cancels the handler, and with it the request upstream
+(gateway/core.py).
 """
 
 from __future__ import annotations
