@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
@@ -232,7 +232,6 @@ async def sse_events(
     fmt: ResponseFormat,
     first: list[tuple[Choice, api_pb2.GenerateResponse]],
     stream: Messages,
-    include_usage: bool,
 ) -> AsyncIterator[str]:
     """The event stream of a streamed response. An error after the 200 arrives as an error
     event, which the openai SDK raises as APIError."""
@@ -243,7 +242,7 @@ async def sse_events(
             yield _sse(fmt.chunk(choice, msg))
         async for choice, msg in stream:
             yield _sse(fmt.chunk(choice, msg))
-        if include_usage:
+        if fmt.body.stream_options is not None and fmt.body.stream_options.include_usage:
             yield _sse(fmt.usage_chunk())
     except GatewayError as err:
         yield _sse(ApiError.from_gateway(err, "prompt").body.model_dump_json())
@@ -267,19 +266,20 @@ def _as_api_errors(prompt_field: str) -> Iterator[None]:
 
 
 async def generate_response(
-    core: GatewayCore,
-    request: Request,
-    body: CompletionRequest | ChatCompletionRequest,
-    *,
-    requests: Callable[[], list[api_pb2.GenerateRequest]],
-    response_format: type[ResponseFormat],
-    prompt_field: str,
-    id_prefix: str,
+    core: GatewayCore, request: Request, body: CompletionRequest | ChatCompletionRequest
 ) -> Response:
-    """Validate, fan out, and answer with one response or an event stream. `requests` converts
-    body (one GenerateRequest per prompt); errors name prompt_field for the prompt."""
-    response_id = new_request_id(id_prefix)
+    """Validate, fan out, and answer with one response or an event stream: a chat completion or
+    a completion, by body's type."""
+    chat = isinstance(body, ChatCompletionRequest)
+    prompt_field = "messages" if chat else "prompt"
+    response_id = new_request_id("chatcmpl" if chat else "cmpl")
     arrival = time.monotonic()
+
+    def requests() -> list[api_pb2.GenerateRequest]:
+        if isinstance(body, ChatCompletionRequest):
+            return [chat_request(body)]
+        return completion_requests(body)
+
     with _as_api_errors(prompt_field):
         try:
             # On a worker thread: a long prompt or chat takes a while to render and tokenize.
@@ -290,8 +290,8 @@ async def generate_response(
             core.telemetry.rejected(code, "http", arrival)
             raise
         choices = make_choices(valids, body.n, response_id)
-        fmt = response_format(core, choices, response_id, body)
-        operation = "chat" if prompt_field == "messages" else "text_completion"
+        fmt = (ChatFormat if chat else CompletionFormat)(core, choices, response_id, body)
+        operation = "chat" if chat else "text_completion"
         stream = run_choices(core, choices, dict(request.headers), arrival, operation)
         headers = {"X-Request-Id": response_id}
         try:
@@ -304,8 +304,7 @@ async def generate_response(
         except ClientDisconnected:
             log.info("client disconnected", request_id=response_id)
             return Response(status_code=499)
-        include_usage = body.stream_options is not None and body.stream_options.include_usage
-        events = sse_events(fmt, first, stream, include_usage)
+        events = sse_events(fmt, first, stream)
         return StreamingResponse(events, headers=headers, media_type="text/event-stream")
 
 
@@ -342,27 +341,11 @@ def create_app(core: GatewayCore, api_key: str | None = None) -> FastAPI:
 
     @app.post("/v1/completions", response_model=CompletionResponse, responses=_ERRORS)
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        return await generate_response(
-            core,
-            request,
-            body,
-            requests=lambda: completion_requests(body),
-            response_format=CompletionFormat,
-            prompt_field="prompt",
-            id_prefix="cmpl",
-        )
+        return await generate_response(core, request, body)
 
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=_ERRORS)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        return await generate_response(
-            core,
-            request,
-            body,
-            requests=lambda: [chat_request(body)],
-            response_format=ChatFormat,
-            prompt_field="messages",
-            id_prefix="chatcmpl",
-        )
+        return await generate_response(core, request, body)
 
     def model_card() -> ModelCard:
         with _as_api_errors("model"):
