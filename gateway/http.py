@@ -376,12 +376,10 @@ def create_app(core: GatewayCore, api_key: str | None = None) -> FastAPI:
     async def ready() -> Response:
         if core.serving:
             return Response('{"status":"ready"}', media_type="application/json")
-        return ApiError.from_gateway(
-            GatewayError(
-                grpc.StatusCode.UNAVAILABLE, "not ready: the scheduler is not serving yet"
-            ),
-            "model",
-        ).response()
+        error = GatewayError(
+            grpc.StatusCode.UNAVAILABLE, "not ready: the scheduler is not serving yet"
+        )
+        return ApiError.from_gateway(error, "model").response()
 
     app.add_middleware(BodyLimitMiddleware, max_bytes=core.config.max_request_bytes)
     if api_key:  # added last, so it runs first: no key, no body read

@@ -39,10 +39,6 @@ from protos import api_pb2
 _MIN_LOGPROB = -9999.0
 
 
-def finish_reason(msg: api_pb2.GenerateResponse) -> str | None:
-    return FINISH_REASONS.get(msg.finish_reason)
-
-
 def _finite(logprob: float) -> float:
     return logprob if math.isfinite(logprob) and logprob > _MIN_LOGPROB else _MIN_LOGPROB
 
@@ -183,7 +179,7 @@ class CompletionFormat(ResponseFormat):
             index=choice.index,
             text=msg.text,
             logprobs=builder.add(msg) if builder else None,
-            finish_reason=finish_reason(msg),
+            finish_reason=FINISH_REASONS.get(msg.finish_reason),
         )
 
     def chunk(self, choice: Choice, msg: api_pb2.GenerateResponse) -> str:
@@ -221,7 +217,7 @@ class ChatFormat(ResponseFormat):
                     logprobs=chat_logprobs(self.core.tokenizer, msg)
                     if self.body.logprobs
                     else None,
-                    finish_reason=finish_reason(msg),
+                    finish_reason=FINISH_REASONS.get(msg.finish_reason),
                 )
             ]
         )
@@ -241,7 +237,7 @@ class ChatFormat(ResponseFormat):
                     logprobs=chat_logprobs(self.core.tokenizer, msg)
                     if self.body.logprobs
                     else None,
-                    finish_reason=finish_reason(msg),
+                    finish_reason=FINISH_REASONS.get(msg.finish_reason),
                 )
             )
         return self._json(ChatCompletionResponse, choices, self._usage())

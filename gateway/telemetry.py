@@ -95,7 +95,6 @@ class RequestTelemetry:
         start: float | None = None,
     ):
         self.owner = owner
-        self.request_id = request_id
         self.start = time.monotonic() if start is None else start
         self.first_token: float | None = None
         self.num_prompt_tokens = 0
