@@ -207,39 +207,28 @@ class ChatFormat(ResponseFormat):
             for c in self.choices
         ]
 
-    def chunk(self, choice: Choice, msg: api_pb2.GenerateResponse) -> str:
+    def _choice(self, choice: Choice, msg: api_pb2.GenerateResponse) -> dict[str, Any]:
+        """The fields a choice and a streamed choice share, for msg (whose usage is counted)."""
         self._count(choice, msg)
-        return self._chunk(
-            [
-                ChatChunkChoice(
-                    index=choice.index,
-                    delta=ChatDelta(content=msg.text) if msg.text else ChatDelta(),
-                    logprobs=chat_logprobs(self.core.tokenizer, msg)
-                    if self.body.logprobs
-                    else None,
-                    finish_reason=FINISH_REASONS.get(msg.finish_reason),
-                )
-            ]
-        )
+        return {
+            "index": choice.index,
+            "logprobs": chat_logprobs(self.core.tokenizer, msg) if self.body.logprobs else None,
+            "finish_reason": FINISH_REASONS.get(msg.finish_reason),
+        }
+
+    def chunk(self, choice: Choice, msg: api_pb2.GenerateResponse) -> str:
+        delta = ChatDelta(content=msg.text) if msg.text else ChatDelta()
+        return self._chunk([ChatChunkChoice(delta=delta, **self._choice(choice, msg))])
 
     def usage_chunk(self) -> str:
         return self._chunk([], self._usage())
 
     def response(self, messages: dict[int, list[api_pb2.GenerateResponse]]) -> str:
-        choices = []
-        for c in self.choices:
-            msg = _merged(messages[c.index])
-            self._count(c, msg)
-            choices.append(
-                ChatChoice(
-                    index=c.index,
-                    message=ChatMessage(content=msg.text),
-                    logprobs=chat_logprobs(self.core.tokenizer, msg)
-                    if self.body.logprobs
-                    else None,
-                    finish_reason=FINISH_REASONS.get(msg.finish_reason),
-                )
-            )
+        merged = [(c, _merged(messages[c.index])) for c in self.choices]
+        choices = [
+            ChatChoice(message=ChatMessage(content=msg.text), **self._choice(c, msg))
+            for c, msg in merged
+        ]
         return self._json(ChatCompletionResponse, choices, self._usage())
 
 
@@ -248,10 +237,6 @@ def _merged(msgs: list[api_pb2.GenerateResponse]) -> api_pb2.GenerateResponse:
     reason and usage."""
     out = api_pb2.GenerateResponse()
     for msg in msgs:
-        out.token_ids.extend(msg.token_ids)
-        out.logprobs.extend(msg.logprobs)
-        out.top_logprobs.extend(msg.top_logprobs)
+        out.MergeFrom(msg)  # token fields add up; finish reason and usage come with the last
     out.text = "".join(m.text for m in msgs)
-    out.finish_reason = msgs[-1].finish_reason
-    out.usage.CopyFrom(msgs[-1].usage)
     return out
