@@ -134,14 +134,11 @@ class GatewayCore:
         return valid
 
     async def generate(
-        self, valid: ValidRequest, request_id: str, trace: RequestTelemetry | None = None
+        self, valid: ValidRequest, request_id: str, trace: RequestTelemetry
     ) -> AsyncIterator[api_pb2.GenerateResponse]:
         """Submit valid to the scheduler and stream its text. The last message carries the
         finish reason and usage. Raises GatewayError with the scheduler's code when it refuses
-        (RESOURCE_EXHAUSTED: queue full) or loses the request. Ends trace (made here if None)."""
-        if trace is None:
-            trace = self.telemetry.start(None, request_id, "grpc")
-            trace.validated(valid, None)
+        (RESOURCE_EXHAUSTED: queue full) or loses the request. Ends trace."""
         submit = scheduler_pb2.SubmitRequest()
         submit.CopyFrom(valid.submit)
         submit.request_id = request_id
