@@ -159,15 +159,15 @@ class RequestTelemetry:
         o = self.owner.m
         reason = FINISH_REASONS.get(finish_reason, "error" if code != "OK" else "abort")
         attrs = {**self.attributes, "gen_ai.operation.name": self.operation}
-        if code != "OK":
+        if code == "OK":
+            o.token_usage.record(self.num_prompt_tokens, {**attrs, "gen_ai.token.type": "input"})
+            o.token_usage.record(self.num_output_tokens, {**attrs, "gen_ai.token.type": "output"})
+        else:
             attrs["error.type"] = code
         o.duration.record(end - self.start, attrs)
         o.requests.add(1, {"finish_reason": reason, "status_code": code})
         o.prompt_tokens.add(self.num_prompt_tokens)
         o.generation_tokens.add(self.num_output_tokens)
-        if code == "OK":
-            o.token_usage.record(self.num_prompt_tokens, {**attrs, "gen_ai.token.type": "input"})
-            o.token_usage.record(self.num_output_tokens, {**attrs, "gen_ai.token.type": "output"})
         if self.first_token is not None and self.num_output_tokens > 1:
             o.tpot.record((end - self.first_token) / (self.num_output_tokens - 1), attrs)
         log.info(
