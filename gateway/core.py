@@ -113,25 +113,15 @@ class GatewayCore:
             instance_id=self.config.instance_id,
         )
 
-    def validate(
-        self, request: api_pb2.GenerateRequest, trace: RequestTelemetry | None = None
-    ) -> ValidRequest:
+    def validate(self, request: api_pb2.GenerateRequest) -> ValidRequest:
         """The request tokenized, with defaults filled; GatewayError INVALID_ARGUMENT (naming the
         field, value and limit) or UNAVAILABLE (no scheduler yet) otherwise."""
+        if self.limits is None:
+            raise GatewayError(grpc.StatusCode.UNAVAILABLE, "scheduler not connected yet")
         try:
-            if self.limits is None:
-                raise GatewayError(grpc.StatusCode.UNAVAILABLE, "scheduler not connected yet")
-            try:
-                valid = validate(request, self.tokenizer, self.limits)
-            except ValidationError as err:
-                raise GatewayError(grpc.StatusCode.INVALID_ARGUMENT, str(err)) from err
-        except GatewayError as err:
-            if trace is not None:
-                trace.finish(code=err.code.name, message=err.message)
-            raise
-        if trace is not None:
-            trace.validated(valid, request)
-        return valid
+            return validate(request, self.tokenizer, self.limits)
+        except ValidationError as err:
+            raise GatewayError(grpc.StatusCode.INVALID_ARGUMENT, str(err)) from err
 
     async def generate(
         self, valid: ValidRequest, request_id: str, trace: RequestTelemetry

@@ -43,10 +43,12 @@ class GatewayService(api_pb2_grpc.GenerationServicer):
         trace = self.core.telemetry.start(context.invocation_metadata(), request_id, "grpc")
         try:
             # On a worker thread: a long prompt or chat takes a while to render and tokenize.
-            valid = await asyncio.to_thread(self.core.validate, request, trace)
+            valid = await asyncio.to_thread(self.core.validate, request)
+            trace.validated(valid, request)
             async for msg in self.core.generate(valid, request_id, trace):
                 yield msg
         except GatewayError as err:
+            trace.finish(code=err.code.name, message=err.message)  # no-op when generate ended it
             await context.abort(err.code, err.message)
 
 
