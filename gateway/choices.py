@@ -39,12 +39,11 @@ def choice_seed(seed: int, sample_index: int) -> int:
 
 
 def make_choices(valids: list[ValidRequest], n: int, response_id: str) -> list[Choice]:
-    choices = []
-    for p, valid in enumerate(valids):
-        for i in range(n):
-            index = p * n + i
-            choices.append(Choice(index, p, i, _seeded(valid, i), f"{response_id}-{index}"))
-    return choices
+    return [
+        Choice(p * n + i, p, i, _seeded(valid, i), f"{response_id}-{p * n + i}")
+        for p, valid in enumerate(valids)
+        for i in range(n)
+    ]
 
 
 def _seeded(valid: ValidRequest, sample_index: int) -> ValidRequest:
