@@ -6,8 +6,7 @@ assembled with the `tokenizers` library. No torch, no transformers.
 
 A directory holding a config.json and no tokenizer.json nor weights is a shape to serve with
 random weights (`--load-format dummy`, e.g. configs/llama-3-8b): it gets `Tokenizer.byte_level()`,
-one token per byte (ids 0-255, no special tokens, no chat template), so a prompt of n bytes is n
-tokens; generated ids of 256 and above have no text (their ids are still streamed).
+so a prompt of n bytes is n tokens; generated ids of 256 and above have no text (still streamed).
 """
 
 from __future__ import annotations
