@@ -122,8 +122,7 @@ class RequestTelemetry:
         """Validation passed (request: the original, for its kind and, if asked, logging)."""
         self.num_prompt_tokens = len(valid.prompt_token_ids)
         if request is not None:
-            is_chat = request.WhichOneof("prompt") == "chat"
-            self.operation = "chat" if is_chat else "text_completion"
+            self.operation = "chat" if request.WhichOneof("prompt") == "chat" else "text_completion"
             if self.owner.log_prompts:
                 log.info("prompt", prompt=request.text or str(list(request.chat.messages)))
         if self.validate_span is not None:
