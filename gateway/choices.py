@@ -60,11 +60,7 @@ Messages = AsyncGenerator[tuple[Choice, api_pb2.GenerateResponse], None]
 
 
 async def run_choices(
-    core: GatewayCore,
-    choices: list[Choice],
-    carrier: object = None,
-    arrival: float | None = None,
-    operation: str = "text_completion",
+    core: GatewayCore, choices: list[Choice], carrier: object, arrival: float, operation: str
 ) -> Messages:
     """Every choice's messages as they arrive, until all have finished. The first error of any
     choice is raised. However this generator ends (finished, error, closed, cancelled), no choice
