@@ -87,12 +87,7 @@ class RequestTelemetry:
     """One request's span and timings. `finish` ends it, once."""
 
     def __init__(
-        self,
-        owner: GatewayTelemetry,
-        parent: Any,
-        request_id: str,
-        api: str,
-        start: float | None = None,
+        self, owner: GatewayTelemetry, parent: Any, request_id: str, api: str, start: float | None
     ):
         self.owner = owner
         self.start = time.monotonic() if start is None else start
