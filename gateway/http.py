@@ -313,7 +313,7 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
 }
 
 
-def create_app(core: GatewayCore, api_key: str | None = None) -> FastAPI:
+def create_app(core: GatewayCore) -> FastAPI:
     app = FastAPI(
         title="llmserve",
         version=__version__,
@@ -382,8 +382,8 @@ def create_app(core: GatewayCore, api_key: str | None = None) -> FastAPI:
         return ApiError.from_gateway(error, "model").response()
 
     app.add_middleware(BodyLimitMiddleware, max_bytes=core.config.max_request_bytes)
-    if api_key:  # added last, so it runs first: no key, no body read
-        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    if core.config.api_key:  # added last, so it runs first: no key, no body read
+        app.add_middleware(ApiKeyMiddleware, api_key=core.config.api_key)
     return app
 
 

@@ -67,7 +67,7 @@ async def serve(config: GatewayConfig) -> None:
     if config.http_port:
         from gateway.http import HttpServer, create_app  # FastAPI takes a second to import
 
-        http = HttpServer(create_app(core, config.api_key), config.host, config.http_port)
+        http = HttpServer(create_app(core), config.host, config.http_port)
 
     async def start() -> None:
         await asyncio.gather(core.watch_scheduler(), *([http.serve()] if http else []))
