@@ -290,7 +290,8 @@ async def generate_response(
             core.telemetry.rejected(code, "http", arrival)
             raise
         choices = make_choices(valids, body.n, response_id)
-        fmt = (ChatFormat if chat else CompletionFormat)(core, choices, response_id, body)
+        format_type: type[ResponseFormat] = ChatFormat if chat else CompletionFormat
+        fmt = format_type(core, choices, response_id, body)
         operation = "chat" if chat else "text_completion"
         stream = run_choices(core, choices, dict(request.headers), arrival, operation)
         headers = {"X-Request-Id": response_id}
