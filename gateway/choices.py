@@ -1,9 +1,7 @@
 """Fan-out: a request with n choices (or several prompts) becomes one scheduler request per choice,
 through the shared request path (gateway/core.py); their messages come back merged, in arrival
-order. The prefix cache shares the prompt's blocks between a prompt's choices.
-
-Seeds: choice 0 of a prompt keeps the request's seed (so n=1 is unchanged); choice i > 0 gets a
-seed derived from it, so choices differ and stay reproducible.
+order. The prefix cache shares the prompt's blocks between a prompt's choices; each choice
+draws with its own seed (`choice_seed`).
 """
 
 from __future__ import annotations
@@ -41,12 +39,11 @@ def choice_seed(seed: int, sample_index: int) -> int:
 
 
 def make_choices(valids: list[ValidRequest], n: int, response_id: str) -> list[Choice]:
-    choices = []
-    for p, valid in enumerate(valids):
-        for i in range(n):
-            index = p * n + i
-            choices.append(Choice(index, p, i, _seeded(valid, i), f"{response_id}-{index}"))
-    return choices
+    return [
+        Choice(p * n + i, p, i, _seeded(valid, i), f"{response_id}-{p * n + i}")
+        for p, valid in enumerate(valids)
+        for i in range(n)
+    ]
 
 
 def _seeded(valid: ValidRequest, sample_index: int) -> ValidRequest:
@@ -63,11 +60,7 @@ Messages = AsyncGenerator[tuple[Choice, api_pb2.GenerateResponse], None]
 
 
 async def run_choices(
-    core: GatewayCore,
-    choices: list[Choice],
-    carrier: object = None,
-    arrival: float | None = None,
-    operation: str = "text_completion",
+    core: GatewayCore, choices: list[Choice], carrier: object, arrival: float, operation: str
 ) -> Messages:
     """Every choice's messages as they arrive, until all have finished. The first error of any
     choice is raised. However this generator ends (finished, error, closed, cancelled), no choice
@@ -76,7 +69,7 @@ async def run_choices(
     queue: asyncio.Queue[tuple[Choice, api_pb2.GenerateResponse | Exception]] = asyncio.Queue()
 
     async def pump(choice: Choice) -> None:
-        trace = core.start_request(carrier, choice.request_id, "http", arrival)
+        trace = core.telemetry.start(carrier, choice.request_id, "http", arrival)
         trace.validated(choice.valid, None)
         trace.operation = operation
         try:

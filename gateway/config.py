@@ -42,7 +42,6 @@ class GatewayConfig(PeerSecurity):
         "an id GetModelInfo reports, so whoever started this gateway can tell it from another "
         "server on the same port (`llmserve serve` sets a random one)",
     )
-    # Required of every client (HTTP and gRPC) as `Authorization: Bearer <key>` when set.
     api_key: str | None = field(
         default=None,
         repr=False,

@@ -53,13 +53,6 @@ def new_request_id(prefix: str = "req") -> str:
     return f"{prefix}-{uuid.uuid4().hex[:16]}"
 
 
-def submit_request(request_id: str, valid: ValidRequest) -> scheduler_pb2.SubmitRequest:
-    msg = scheduler_pb2.SubmitRequest()
-    msg.CopyFrom(valid.submit)
-    msg.request_id = request_id
-    return msg
-
-
 class GatewayCore:
     def __init__(self, config: GatewayConfig, tokenizer: Tokenizer):
         self.config = config
@@ -120,44 +113,26 @@ class GatewayCore:
             instance_id=self.config.instance_id,
         )
 
-    def start_request(
-        self, carrier: object, request_id: str, api: str, start: float | None = None
-    ) -> RequestTelemetry:
-        """The request's span and timers (carrier: gRPC metadata or HTTP headers, which may hold
-        the caller's traceparent). Ended by `generate`, or by `validate` when it refuses."""
-        return self.telemetry.start(carrier, request_id, api, start)
-
-    def validate(
-        self, request: api_pb2.GenerateRequest, trace: RequestTelemetry | None = None
-    ) -> ValidRequest:
+    def validate(self, request: api_pb2.GenerateRequest) -> ValidRequest:
         """The request tokenized, with defaults filled; GatewayError INVALID_ARGUMENT (naming the
         field, value and limit) or UNAVAILABLE (no scheduler yet) otherwise."""
+        if self.limits is None:
+            raise GatewayError(grpc.StatusCode.UNAVAILABLE, "scheduler not connected yet")
         try:
-            if self.limits is None:
-                raise GatewayError(grpc.StatusCode.UNAVAILABLE, "scheduler not connected yet")
-            try:
-                valid = validate(request, self.tokenizer, self.limits)
-            except ValidationError as err:
-                raise GatewayError(grpc.StatusCode.INVALID_ARGUMENT, str(err)) from err
-        except GatewayError as err:
-            if trace is not None:
-                trace.finish(code=err.code.name, message=err.message)
-            raise
-        if trace is not None:
-            trace.validated(valid, request)
-        return valid
+            return validate(request, self.tokenizer, self.limits)
+        except ValidationError as err:
+            raise GatewayError(grpc.StatusCode.INVALID_ARGUMENT, str(err)) from err
 
     async def generate(
-        self, valid: ValidRequest, request_id: str, trace: RequestTelemetry | None = None
+        self, valid: ValidRequest, request_id: str, trace: RequestTelemetry
     ) -> AsyncIterator[api_pb2.GenerateResponse]:
         """Submit valid to the scheduler and stream its text. The last message carries the
         finish reason and usage. Raises GatewayError with the scheduler's code when it refuses
-        (RESOURCE_EXHAUSTED: queue full) or loses the request. Ends trace (made here if None)."""
-        if trace is None:
-            trace = self.start_request(None, request_id, "grpc")
-            trace.validated(valid, None)
-        metadata = (*self.peer_metadata, *trace.metadata())
-        call = self.stub.Submit(submit_request(request_id, valid), metadata=metadata)
+        (RESOURCE_EXHAUSTED: queue full) or loses the request. Ends trace."""
+        submit = scheduler_pb2.SubmitRequest()
+        submit.CopyFrom(valid.submit)
+        submit.request_id = request_id
+        call = self.stub.Submit(submit, metadata=(*self.peer_metadata, *trace.metadata()))
         try:
             async for msg in self._stream(request_id, valid, call):
                 trace.on_response(msg)
@@ -191,14 +166,10 @@ class GatewayCore:
             out.top_logprobs.extend(msg.top_logprobs)
             usage.completion_tokens += len(msg.token_ids)
             text, hit = stops.feed(detok.add(list(msg.token_ids)))
-            finish = msg.finish_reason
-            if hit:
-                finish = common_pb2.FINISH_REASON_STOP
-            elif finish:
+            if not hit and msg.finish_reason:
                 tail, hit = stops.feed(detok.flush())
                 text += tail if hit else tail + stops.flush()
-                if hit:
-                    finish = common_pb2.FINISH_REASON_STOP
+            finish = common_pb2.FINISH_REASON_STOP if hit else msg.finish_reason
             if not (text or finish):
                 continue  # everything held back (partial character or possible stop string)
             out.text = text

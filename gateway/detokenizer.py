@@ -12,19 +12,15 @@ without the new tokens, and emits the difference once it no longer ends in a par
 
 from __future__ import annotations
 
-from typing import Protocol
+from gateway.tokenizer import Tokenizer
 
 REPLACEMENT_CHAR = "\ufffd"
 # Prompt tokens kept as context for the first delta (spacing of the first generated token).
 _PROMPT_CONTEXT = 4
 
 
-class Decoder(Protocol):
-    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str: ...
-
-
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Decoder, prompt_token_ids: list[int]):
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int]):
         self.tokenizer = tokenizer
         self.ids = list(prompt_token_ids[-_PROMPT_CONTEXT:])
         self.prefix_offset = 0

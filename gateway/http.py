@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
@@ -148,8 +148,7 @@ class ApiKeyMiddleware:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"].startswith("/v1/"):
-            headers = dict(scope["headers"])
-            authorization = headers.get(b"authorization", b"").decode("latin-1")
+            authorization = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
             if not is_authorized(authorization, self.api_key):
                 error = ApiError(
                     401,
@@ -183,20 +182,18 @@ class BodyLimitMiddleware:
         if length.isdigit() and int(length) > self.max_bytes:
             await self._too_large(str(int(length)))(scope, receive, send)
             return
-        chunks: list[bytes] = []
-        size = 0
+        received = bytearray()
         more = True
         while more:
             message = await receive()
             if message["type"] != "http.request":
                 return  # the client went away mid-upload
-            chunks.append(message.get("body", b""))
-            size += len(chunks[-1])
-            if size > self.max_bytes:
+            received += message.get("body", b"")
+            if len(received) > self.max_bytes:
                 await self._too_large(f"more than {self.max_bytes}")(scope, receive, send)
                 return
             more = message.get("more_body", False)
-        body: list[bytes] = [b"".join(chunks)]
+        body = [bytes(received)]
 
         async def replay() -> Message:
             if body:
@@ -235,7 +232,6 @@ async def sse_events(
     fmt: ResponseFormat,
     first: list[tuple[Choice, api_pb2.GenerateResponse]],
     stream: Messages,
-    include_usage: bool,
 ) -> AsyncIterator[str]:
     """The event stream of a streamed response. An error after the 200 arrives as an error
     event, which the openai SDK raises as APIError."""
@@ -246,7 +242,7 @@ async def sse_events(
             yield _sse(fmt.chunk(choice, msg))
         async for choice, msg in stream:
             yield _sse(fmt.chunk(choice, msg))
-        if include_usage:
+        if fmt.body.stream_options is not None and fmt.body.stream_options.include_usage:
             yield _sse(fmt.usage_chunk())
     except GatewayError as err:
         yield _sse(ApiError.from_gateway(err, "prompt").body.model_dump_json())
@@ -270,19 +266,20 @@ def _as_api_errors(prompt_field: str) -> Iterator[None]:
 
 
 async def generate_response(
-    core: GatewayCore,
-    request: Request,
-    body: CompletionRequest | ChatCompletionRequest,
-    *,
-    requests: Callable[[], list[api_pb2.GenerateRequest]],
-    make_format: Callable[[list[Choice], str], ResponseFormat],
-    prompt_field: str,
-    id_prefix: str,
+    core: GatewayCore, request: Request, body: CompletionRequest | ChatCompletionRequest
 ) -> Response:
-    """Validate, fan out, and answer with one response or an event stream. `requests` converts
-    body (one GenerateRequest per prompt); errors name prompt_field for the prompt."""
-    response_id = new_request_id(id_prefix)
+    """Validate, fan out, and answer with one response or an event stream: a chat completion or
+    a completion, by body's type."""
+    chat = isinstance(body, ChatCompletionRequest)
+    prompt_field = "messages" if chat else "prompt"
+    response_id = new_request_id("chatcmpl" if chat else "cmpl")
     arrival = time.monotonic()
+
+    def requests() -> list[api_pb2.GenerateRequest]:
+        if isinstance(body, ChatCompletionRequest):
+            return [chat_request(body)]
+        return completion_requests(body)
+
     with _as_api_errors(prompt_field):
         try:
             # On a worker thread: a long prompt or chat takes a while to render and tokenize.
@@ -293,8 +290,9 @@ async def generate_response(
             core.telemetry.rejected(code, "http", arrival)
             raise
         choices = make_choices(valids, body.n, response_id)
-        fmt = make_format(choices, response_id)
-        operation = "chat" if prompt_field == "messages" else "text_completion"
+        format_type: type[ResponseFormat] = ChatFormat if chat else CompletionFormat
+        fmt = format_type(core, choices, response_id, body)
+        operation = "chat" if chat else "text_completion"
         stream = run_choices(core, choices, dict(request.headers), arrival, operation)
         headers = {"X-Request-Id": response_id}
         try:
@@ -307,8 +305,7 @@ async def generate_response(
         except ClientDisconnected:
             log.info("client disconnected", request_id=response_id)
             return Response(status_code=499)
-        include_usage = body.stream_options is not None and body.stream_options.include_usage
-        events = sse_events(fmt, first, stream, include_usage)
+        events = sse_events(fmt, first, stream)
         return StreamingResponse(events, headers=headers, media_type="text/event-stream")
 
 
@@ -317,7 +314,7 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
 }
 
 
-def create_app(core: GatewayCore, api_key: str | None = None) -> FastAPI:
+def create_app(core: GatewayCore) -> FastAPI:
     app = FastAPI(
         title="llmserve",
         version=__version__,
@@ -345,34 +342,16 @@ def create_app(core: GatewayCore, api_key: str | None = None) -> FastAPI:
 
     @app.post("/v1/completions", response_model=CompletionResponse, responses=_ERRORS)
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        return await generate_response(
-            core,
-            request,
-            body,
-            requests=lambda: completion_requests(body),
-            make_format=lambda choices, rid: CompletionFormat(core, choices, rid, body),
-            prompt_field="prompt",
-            id_prefix="cmpl",
-        )
+        return await generate_response(core, request, body)
 
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=_ERRORS)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        return await generate_response(
-            core,
-            request,
-            body,
-            requests=lambda: [chat_request(body)],
-            make_format=lambda choices, rid: ChatFormat(core, choices, rid, body),
-            prompt_field="messages",
-            id_prefix="chatcmpl",
-        )
+        return await generate_response(core, request, body)
 
     def model_card() -> ModelCard:
-        if core.info is None:
-            raise ApiError.from_gateway(
-                GatewayError(grpc.StatusCode.UNAVAILABLE, "scheduler not connected yet"), "model"
-            )
-        return ModelCard(id=core.model_id, created=started, max_model_len=core.info.max_model_len)
+        with _as_api_errors("model"):
+            info = core.model_info()
+        return ModelCard(id=info.model, created=started, max_model_len=info.max_model_len)
 
     @app.get("/v1/models", response_model=ModelList, responses=_ERRORS)
     async def models() -> ModelList:
@@ -398,16 +377,14 @@ def create_app(core: GatewayCore, api_key: str | None = None) -> FastAPI:
     async def ready() -> Response:
         if core.serving:
             return Response('{"status":"ready"}', media_type="application/json")
-        return ApiError.from_gateway(
-            GatewayError(
-                grpc.StatusCode.UNAVAILABLE, "not ready: the scheduler is not serving yet"
-            ),
-            "model",
-        ).response()
+        error = GatewayError(
+            grpc.StatusCode.UNAVAILABLE, "not ready: the scheduler is not serving yet"
+        )
+        return ApiError.from_gateway(error, "model").response()
 
     app.add_middleware(BodyLimitMiddleware, max_bytes=core.config.max_request_bytes)
-    if api_key:  # added last, so it runs first: no key, no body read
-        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    if core.config.api_key:  # added last, so it runs first: no key, no body read
+        app.add_middleware(ApiKeyMiddleware, api_key=core.config.api_key)
     return app
 
 
@@ -422,24 +399,18 @@ class _EmbeddedServer(uvicorn.Server):
         yield
 
 
-def _bind(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as err:
-        sock.close()
-        raise RuntimeError(f"gateway: cannot listen on {host}:{port} for HTTP ({err})") from err
-    return sock
-
-
 class HttpServer:
     """The HTTP API on an already bound socket (so a taken port fails the gateway at start)."""
 
     def __init__(self, app: FastAPI, host: str, port: int):
         self.address = f"{host}:{port}"
-        self.socket = _bind(host, port)
+        self.socket = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+        self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            self.socket.bind((host, port))
+        except OSError as err:
+            self.socket.close()
+            raise RuntimeError(f"gateway: cannot listen on {host}:{port} for HTTP ({err})") from err
         config = uvicorn.Config(
             app,
             log_config=None,

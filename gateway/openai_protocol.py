@@ -12,7 +12,7 @@ import re
 from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
 
 from common.sampling import SamplingError, seed_value
 from common.text import invalid_text
@@ -28,14 +28,11 @@ _INT32 = Annotated[int, Field(ge=-(2**31), le=2**31 - 1)]
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
     include_usage: bool = False
 
 
 class SamplingRequest(BaseModel):
     """The fields both endpoints share."""
-
-    model_config = ConfigDict(extra="ignore")
 
     model: str | None = None  # accepted and ignored: one model is served (GET /v1/models)
     max_tokens: _INT32 | None = None
@@ -67,13 +64,11 @@ class CompletionRequest(SamplingRequest):
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
     type: str
     text: str | None = None
 
 
 class ChatMessageParam(BaseModel):
-    model_config = ConfigDict(extra="ignore")
     role: str
     content: str | list[TextPart] | None = None
 

@@ -6,6 +6,9 @@ from __future__ import annotations
 import math
 import time
 from abc import ABC, abstractmethod
+from typing import Any
+
+from pydantic import BaseModel
 
 from gateway.choices import Choice
 from gateway.core import GatewayCore
@@ -28,29 +31,12 @@ from gateway.openai_protocol import (
     TopLogprob,
     Usage,
 )
+from gateway.telemetry import FINISH_REASONS
 from gateway.tokenizer import Tokenizer
-from protos import api_pb2, common_pb2
+from protos import api_pb2
 
-FINISH_REASONS = {
-    common_pb2.FINISH_REASON_STOP: "stop",
-    common_pb2.FINISH_REASON_LENGTH: "length",
-    common_pb2.FINISH_REASON_ABORT: "abort",
-}
 # OpenAI's stand-in for a logprob too small to print.
 _MIN_LOGPROB = -9999.0
-
-
-def finish_reason(msg: api_pb2.GenerateResponse) -> str | None:
-    return FINISH_REASONS.get(msg.finish_reason)
-
-
-def make_usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> Usage:
-    return Usage(
-        prompt_tokens=prompt_tokens,
-        completion_tokens=completion_tokens,
-        total_tokens=prompt_tokens + completion_tokens,
-        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
-    )
 
 
 def _finite(logprob: float) -> float:
@@ -114,44 +100,49 @@ class CompletionLogprobsBuilder:
         return out
 
 
-def merge_completion_logprobs(parts: list[CompletionLogprobs]) -> CompletionLogprobs:
-    return CompletionLogprobs(
-        tokens=[t for p in parts for t in p.tokens],
-        token_logprobs=[t for p in parts for t in p.token_logprobs],
-        top_logprobs=[t for p in parts for t in p.top_logprobs],
-        text_offset=[t for p in parts for t in p.text_offset],
-    )
+class ResponseFormat(ABC):
+    """How one endpoint renders messages: as streamed chunks or as one response. Its usage is
+    over all choices: each prompt counted once, each choice's completion tokens."""
 
-
-class UsageCounter:
-    """Usage over all choices: each prompt counted once, each choice's completion tokens."""
-
-    def __init__(self, choices: list[Choice]):
+    def __init__(
+        self,
+        core: GatewayCore,
+        choices: list[Choice],
+        response_id: str,
+        body: CompletionRequest | ChatCompletionRequest,
+    ):
+        self.core = core
+        self.choices = choices
+        self.body = body
+        self.id = response_id
+        self.created = int(time.time())
+        self.model = core.model_id
         prompts = {c.prompt_index: len(c.valid.prompt_token_ids) for c in choices}
         self.prompt_tokens = sum(prompts.values())
         self.completion_tokens = 0
         self.cached_tokens = 0
 
-    def add(self, choice: Choice, msg: api_pb2.GenerateResponse) -> None:
+    def _count(self, choice: Choice, msg: api_pb2.GenerateResponse) -> None:
         if msg.finish_reason:
             self.completion_tokens += msg.usage.completion_tokens
             if choice.sample_index == 0:
                 self.cached_tokens += msg.usage.cached_prompt_tokens
 
-    def usage(self) -> Usage:
-        return make_usage(self.prompt_tokens, self.completion_tokens, self.cached_tokens)
+    def _usage(self) -> Usage:
+        return Usage(
+            prompt_tokens=self.prompt_tokens,
+            completion_tokens=self.completion_tokens,
+            total_tokens=self.prompt_tokens + self.completion_tokens,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=self.cached_tokens),
+        )
 
-
-class ResponseFormat(ABC):
-    """How one endpoint renders messages: as streamed chunks or as one response."""
-
-    def __init__(self, core: GatewayCore, choices: list[Choice], response_id: str):
-        self.core = core
-        self.choices = choices
-        self.id = response_id
-        self.created = int(time.time())
-        self.model = core.model_id
-        self.counter = UsageCounter(choices)
+    def _json(
+        self, body: type[BaseModel], choices: list[Any], usage: Usage | None, **dump: Any
+    ) -> str:
+        """body (a response or chunk class) with this response's id, time and model, as JSON."""
+        return body(
+            id=self.id, created=self.created, model=self.model, choices=choices, usage=usage
+        ).model_dump_json(**dump)
 
     def opening(self) -> list[str]:
         """Chunks before any choice's first message."""
@@ -174,7 +165,7 @@ class CompletionFormat(ResponseFormat):
     def __init__(
         self, core: GatewayCore, choices: list[Choice], response_id: str, body: CompletionRequest
     ):
-        super().__init__(core, choices, response_id)
+        super().__init__(core, choices, response_id, body)
         self.logprobs = {
             c.index: CompletionLogprobsBuilder(core.tokenizer, c.valid.prompt_token_ids)
             for c in choices
@@ -182,57 +173,31 @@ class CompletionFormat(ResponseFormat):
         }
 
     def _choice(self, choice: Choice, msg: api_pb2.GenerateResponse) -> CompletionChoice:
-        self.counter.add(choice, msg)
+        self._count(choice, msg)
         builder = self.logprobs.get(choice.index)
         return CompletionChoice(
             index=choice.index,
             text=msg.text,
             logprobs=builder.add(msg) if builder else None,
-            finish_reason=finish_reason(msg),
+            finish_reason=FINISH_REASONS.get(msg.finish_reason),
         )
 
-    def _response(self, choices: list[CompletionChoice], usage: Usage | None) -> str:
-        return CompletionResponse(
-            id=self.id, created=self.created, model=self.model, choices=choices, usage=usage
-        ).model_dump_json()
-
     def chunk(self, choice: Choice, msg: api_pb2.GenerateResponse) -> str:
-        return self._response([self._choice(choice, msg)], None)
+        return self._json(CompletionResponse, [self._choice(choice, msg)], None)
 
     def usage_chunk(self) -> str:
-        return self._response([], self.counter.usage())
+        return self._json(CompletionResponse, [], self._usage())
 
     def response(self, messages: dict[int, list[api_pb2.GenerateResponse]]) -> str:
-        choices = []
-        for c in self.choices:
-            parts = [self._choice(c, m) for m in messages[c.index]]
-            logprobs = [p.logprobs for p in parts if p.logprobs is not None]
-            choices.append(
-                CompletionChoice(
-                    index=c.index,
-                    text="".join(p.text for p in parts),
-                    logprobs=merge_completion_logprobs(logprobs) if logprobs else None,
-                    finish_reason=parts[-1].finish_reason,
-                )
-            )
-        return self._response(choices, self.counter.usage())
+        choices = [self._choice(c, _merged(messages[c.index])) for c in self.choices]
+        return self._json(CompletionResponse, choices, self._usage())
 
 
 class ChatFormat(ResponseFormat):
-    def __init__(
-        self,
-        core: GatewayCore,
-        choices: list[Choice],
-        response_id: str,
-        body: ChatCompletionRequest,
-    ):
-        super().__init__(core, choices, response_id)
-        self.with_logprobs = body.logprobs
+    body: ChatCompletionRequest
 
     def _chunk(self, choices: list[ChatChunkChoice], usage: Usage | None = None) -> str:
-        return ChatCompletionChunk(
-            id=self.id, created=self.created, model=self.model, choices=choices, usage=usage
-        ).model_dump_json(exclude_none=True)
+        return self._json(ChatCompletionChunk, choices, usage, exclude_none=True)
 
     def opening(self) -> list[str]:
         return [
@@ -242,55 +207,36 @@ class ChatFormat(ResponseFormat):
             for c in self.choices
         ]
 
+    def _choice(self, choice: Choice, msg: api_pb2.GenerateResponse) -> dict[str, Any]:
+        """The fields a choice and a streamed choice share, for msg (whose usage is counted)."""
+        self._count(choice, msg)
+        return {
+            "index": choice.index,
+            "logprobs": chat_logprobs(self.core.tokenizer, msg) if self.body.logprobs else None,
+            "finish_reason": FINISH_REASONS.get(msg.finish_reason),
+        }
+
     def chunk(self, choice: Choice, msg: api_pb2.GenerateResponse) -> str:
-        self.counter.add(choice, msg)
-        return self._chunk(
-            [
-                ChatChunkChoice(
-                    index=choice.index,
-                    delta=ChatDelta(content=msg.text) if msg.text else ChatDelta(),
-                    logprobs=chat_logprobs(self.core.tokenizer, msg)
-                    if self.with_logprobs
-                    else None,
-                    finish_reason=finish_reason(msg),
-                )
-            ]
-        )
+        delta = ChatDelta(content=msg.text) if msg.text else ChatDelta()
+        return self._chunk([ChatChunkChoice(delta=delta, **self._choice(choice, msg))])
 
     def usage_chunk(self) -> str:
-        return self._chunk([], self.counter.usage())
+        return self._chunk([], self._usage())
 
     def response(self, messages: dict[int, list[api_pb2.GenerateResponse]]) -> str:
-        choices = []
-        for c in self.choices:
-            msgs = messages[c.index]
-            for msg in msgs:
-                self.counter.add(c, msg)
-            logprobs = None
-            if self.with_logprobs:
-                logprobs = chat_logprobs(self.core.tokenizer, _all_tokens(msgs))
-            choices.append(
-                ChatChoice(
-                    index=c.index,
-                    message=ChatMessage(content="".join(m.text for m in msgs)),
-                    logprobs=logprobs,
-                    finish_reason=finish_reason(msgs[-1]),
-                )
-            )
-        return ChatCompletionResponse(
-            id=self.id,
-            created=self.created,
-            model=self.model,
-            choices=choices,
-            usage=self.counter.usage(),
-        ).model_dump_json()
+        merged = [(c, _merged(messages[c.index])) for c in self.choices]
+        choices = [
+            ChatChoice(message=ChatMessage(content=msg.text), **self._choice(c, msg))
+            for c, msg in merged
+        ]
+        return self._json(ChatCompletionResponse, choices, self._usage())
 
 
-def _all_tokens(msgs: list[api_pb2.GenerateResponse]) -> api_pb2.GenerateResponse:
-    """One message with the token fields of all msgs."""
+def _merged(msgs: list[api_pb2.GenerateResponse]) -> api_pb2.GenerateResponse:
+    """One message as if msgs had come as one: their tokens and text, the last one's finish
+    reason and usage."""
     out = api_pb2.GenerateResponse()
     for msg in msgs:
-        out.token_ids.extend(msg.token_ids)
-        out.logprobs.extend(msg.logprobs)
-        out.top_logprobs.extend(msg.top_logprobs)
+        out.MergeFrom(msg)  # token fields add up; finish reason and usage come with the last
+    out.text = "".join(m.text for m in msgs)
     return out

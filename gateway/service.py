@@ -1,9 +1,7 @@
 """The gateway process: the gRPC Generation service and the OpenAI-compatible HTTP API
 (gateway/http.py), both over one request path (gateway/core.py) and one scheduler connection, on
-one asyncio loop.
-
-A client's cancellation cancels the handler, whose stream cancels the Submit call upstream; the
-scheduler then aborts the request and frees its blocks before its next step.
+one asyncio loop. A client's cancellation cancels the handler, and with it the request upstream
+(gateway/core.py).
 """
 
 from __future__ import annotations
@@ -42,13 +40,15 @@ class GatewayService(api_pb2_grpc.GenerationServicer):
         self, request: api_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[api_pb2.GenerateResponse]:
         request_id = request.request_id or new_request_id()
-        trace = self.core.start_request(context.invocation_metadata(), request_id, "grpc")
+        trace = self.core.telemetry.start(context.invocation_metadata(), request_id, "grpc")
         try:
             # On a worker thread: a long prompt or chat takes a while to render and tokenize.
-            valid = await asyncio.to_thread(self.core.validate, request, trace)
+            valid = await asyncio.to_thread(self.core.validate, request)
+            trace.validated(valid, request)
             async for msg in self.core.generate(valid, request_id, trace):
                 yield msg
         except GatewayError as err:
+            trace.finish(code=err.code.name, message=err.message)  # no-op when generate ended it
             await context.abort(err.code, err.message)
 
 
@@ -67,13 +67,10 @@ async def serve(config: GatewayConfig) -> None:
     if config.http_port:
         from gateway.http import HttpServer, create_app  # FastAPI takes a second to import
 
-        http = HttpServer(create_app(core, config.api_key), config.host, config.http_port)
+        http = HttpServer(create_app(core), config.host, config.http_port)
 
     async def start() -> None:
-        if http is None:
-            await core.watch_scheduler()
-        else:
-            await asyncio.gather(core.watch_scheduler(), http.serve())
+        await asyncio.gather(core.watch_scheduler(), *([http.serve()] if http else []))
 
     async def stop() -> None:
         await core.health.enter_graceful_shutdown()

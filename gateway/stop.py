@@ -30,8 +30,7 @@ class StopStringMatcher:
     def _partial_suffix_len(self, text: str) -> int:
         longest = min(len(text), max(len(s) for s in self.stop) - 1)
         for k in range(longest, 0, -1):
-            tail = text[-k:]
-            if any(s.startswith(tail) for s in self.stop):
+            if any(s.startswith(text[-k:]) for s in self.stop):
                 return k
         return 0
 

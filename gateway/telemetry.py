@@ -87,15 +87,9 @@ class RequestTelemetry:
     """One request's span and timings. `finish` ends it, once."""
 
     def __init__(
-        self,
-        owner: GatewayTelemetry,
-        parent: Any,
-        request_id: str,
-        api: str,
-        start: float | None = None,
+        self, owner: GatewayTelemetry, parent: Any, request_id: str, api: str, start: float | None
     ):
         self.owner = owner
-        self.request_id = request_id
         self.start = time.monotonic() if start is None else start
         self.first_token: float | None = None
         self.num_prompt_tokens = 0
@@ -106,10 +100,12 @@ class RequestTelemetry:
         self.validate_span: Any = None
         self.done = False
         if telemetry.tracing_enabled():
+            from opentelemetry.trace import SpanKind
+
             self.span = owner.tracer.start_span(
                 "llmserve.generate",
                 context=parent,
-                kind=_server_kind(),
+                kind=SpanKind.SERVER,
                 attributes={"llmserve.request_id": request_id, "llmserve.api": api},
             )
             self.validate_span = owner.tracer.start_span(
@@ -121,8 +117,7 @@ class RequestTelemetry:
         """Validation passed (request: the original, for its kind and, if asked, logging)."""
         self.num_prompt_tokens = len(valid.prompt_token_ids)
         if request is not None:
-            is_chat = request.WhichOneof("prompt") == "chat"
-            self.operation = "chat" if is_chat else "text_completion"
+            self.operation = "chat" if request.WhichOneof("prompt") == "chat" else "text_completion"
             if self.owner.log_prompts:
                 log.info("prompt", prompt=request.text or str(list(request.chat.messages)))
         if self.validate_span is not None:
@@ -158,16 +153,15 @@ class RequestTelemetry:
         o = self.owner.m
         reason = FINISH_REASONS.get(finish_reason, "error" if code != "OK" else "abort")
         attrs = {**self.attributes, "gen_ai.operation.name": self.operation}
-        if code != "OK":
+        if code == "OK":
+            o.token_usage.record(self.num_prompt_tokens, {**attrs, "gen_ai.token.type": "input"})
+            o.token_usage.record(self.num_output_tokens, {**attrs, "gen_ai.token.type": "output"})
+        else:
             attrs["error.type"] = code
         o.duration.record(end - self.start, attrs)
         o.requests.add(1, {"finish_reason": reason, "status_code": code})
         o.prompt_tokens.add(self.num_prompt_tokens)
         o.generation_tokens.add(self.num_output_tokens)
-        if code == "OK":
-            usage = dict(attrs)
-            o.token_usage.record(self.num_prompt_tokens, {**usage, "gen_ai.token.type": "input"})
-            o.token_usage.record(self.num_output_tokens, {**usage, "gen_ai.token.type": "output"})
         if self.first_token is not None and self.num_output_tokens > 1:
             o.tpot.record((end - self.first_token) / (self.num_output_tokens - 1), attrs)
         log.info(
@@ -195,9 +189,3 @@ class RequestTelemetry:
 
             self.span.set_status(Status(StatusCode.ERROR, f"{code}: {message}"))
         self.span.end()
-
-
-def _server_kind() -> Any:
-    from opentelemetry.trace import SpanKind
-
-    return SpanKind.SERVER

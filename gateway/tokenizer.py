@@ -6,8 +6,7 @@ assembled with the `tokenizers` library. No torch, no transformers.
 
 A directory holding a config.json and no tokenizer.json nor weights is a shape to serve with
 random weights (`--load-format dummy`, e.g. configs/llama-3-8b): it gets `Tokenizer.byte_level()`,
-one token per byte (ids 0-255, no special tokens, no chat template), so a prompt of n bytes is n
-tokens; generated ids of 256 and above have no text (their ids are still streamed).
+so a prompt of n bytes is n tokens; generated ids of 256 and above have no text (still streamed).
 """
 
 from __future__ import annotations
@@ -70,11 +69,9 @@ class Tokenizer:
 
     @classmethod
     def from_model_path(cls, path: Path) -> Tokenizer:
-        if path.is_dir():
-            if is_config_only(path):
-                return cls.byte_level()
-            return cls._from_hf_dir(path)
-        return cls._from_gguf(path)
+        if not path.is_dir():
+            return cls._from_gguf(path)
+        return cls.byte_level() if is_config_only(path) else cls._from_hf_dir(path)
 
     @classmethod
     def byte_level(cls) -> Tokenizer:
@@ -183,11 +180,9 @@ class Tokenizer:
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes one token stands for (byte-level BPE tokens may hold part of a character;
         other tokenizers give the token's decoded text)."""
-        data = self._token_bytes.get(token_id)
-        if data is None:
-            data = self._bytes_of(token_id)
-            self._token_bytes[token_id] = data
-        return data
+        if token_id not in self._token_bytes:
+            self._token_bytes[token_id] = self._bytes_of(token_id)
+        return self._token_bytes[token_id]
 
     def _bytes_of(self, token_id: int) -> bytes:
         piece = self.tokenizer.id_to_token(token_id)
@@ -252,16 +247,12 @@ def _compile_template(source: str) -> jinja2.Template:
     def raise_exception(message: str) -> None:
         raise jinja2.TemplateError(message)
 
-    def tojson(value: Any, indent: int | None = None) -> str:
-        return json.dumps(value, ensure_ascii=False, indent=indent)
-
-    def strftime_now(fmt: str) -> str:
-        return datetime.now().strftime(fmt)
-
     env = jinja2.sandbox.ImmutableSandboxedEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
     )
-    env.filters["tojson"] = tojson
+    env.filters["tojson"] = lambda value, indent=None: json.dumps(
+        value, ensure_ascii=False, indent=indent
+    )
     env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = strftime_now
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     return env.from_string(source)
