@@ -70,8 +70,8 @@ async def run_choices(
 
     async def pump(choice: Choice) -> None:
         trace = core.telemetry.start(carrier, choice.request_id, "http", arrival)
+        trace.operation = operation  # before validated(): the request span records it
         trace.validated(choice.valid, None)
-        trace.operation = operation
         try:
             async for msg in core.generate(choice.valid, choice.request_id, trace):
                 queue.put_nowait((choice, msg))
