@@ -360,10 +360,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_offline(args: argparse.Namespace) -> int:
     from llmserve.bench.backends import GrpcBackend
     from llmserve.bench.report import result_document
-    from llmserve.bench.server import LocalStack, parse_serve_args, stats_delta
+    from llmserve.launcher import StackError, parse_serve_flags, serve_locally, stats_delta
 
     serve_args = [a for a in args.serve_args if a != "--"] if args.serve_args else []
-    model = parse_serve_args(serve_args).model
+    model = parse_serve_flags(serve_args).model
     try:
         sampling = sampling_config(args)
         parse_goodput(args.goodput)
@@ -373,30 +373,29 @@ def cmd_offline(args: argparse.Namespace) -> int:
         return 2
     arrivals = [ArrivalConfig(math.inf, 1.0, None, args.seed)]
     try:
-        stack = LocalStack.start(serve_args, args.ready_timeout)
-    except RuntimeError as err:
+        with serve_locally(serve_args, args.ready_timeout) as stack:
+            backend = GrpcBackend(stack.gateway_address, sampling, args.save_detailed)
+            before: list[Any] = []
+            try:
+                server, runs = asyncio.run(
+                    _run_all(
+                        backend,
+                        requests_for,
+                        arrivals,
+                        args,
+                        lambda: before.append(stack.scheduler_stats()),
+                    )
+                )
+            except BackendError as err:
+                print(f"error: {err}\n{stack.logs()}", file=sys.stderr)
+                return 1
+            except KeyboardInterrupt:
+                print("interrupted: nothing saved", file=sys.stderr)
+                return 130
+            runs[0]["scheduler_stats"] = stats_delta(before[0], stack.scheduler_stats())
+    except StackError as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
-    with stack:
-        backend = GrpcBackend(stack.gateway_address, sampling, args.save_detailed)
-        before: dict[str, float] = {}
-        try:
-            server, runs = asyncio.run(
-                _run_all(
-                    backend,
-                    requests_for,
-                    arrivals,
-                    args,
-                    lambda: before.update(stack.scheduler_stats()),
-                )
-            )
-        except BackendError as err:
-            print(f"error: {err}\n{stack.log_tail()}", file=sys.stderr)
-            return 1
-        except KeyboardInterrupt:
-            print("interrupted: nothing saved", file=sys.stderr)
-            return 130
-        runs[0]["scheduler_stats"] = stats_delta(before, stack.scheduler_stats())
     server.pop("address")  # a free loopback port, different every time
     server["serve_args"] = serve_args
     document_config = _common_config(args, requests_for(0))
