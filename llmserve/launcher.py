@@ -117,30 +117,17 @@ class Stack:
         port = self.gateway.http_port
         return f"http://{_local(self.gateway.host, port)}/v1" if port else None
 
-    def configs(self, name: str) -> list[Any]:
-        if name == "engine":
-            return [self.engine] + ([self.fake] if self.fake is not None else [])
-        return [getattr(self, name)]
-
-    def ports(self) -> list[tuple[str, str, int]]:
-        """(what, host, port) of every port the stack will listen on."""
-        out = []
+    def check_ports_free(self) -> None:
+        """Raise StackError naming the first port of the stack something else listens on."""
         for name in SERVICES:
             config = getattr(self, name)
             for port_field in ("port", "http_port", "metrics_port"):
                 port = getattr(config, port_field, 0)
-                if port:
-                    out.append((f"{name} {port_field.replace('_', ' ')}", config.host, port))
-        return out
-
-    def check_ports_free(self) -> None:
-        """Raise StackError naming the first port something else already listens on."""
-        for what, host, port in self.ports():
-            if port_in_use(host, port):
-                raise StackError(
-                    f"{what} {port} is already in use on {host} (another server running?); "
-                    "stop it or choose another port"
-                )
+                if port and port_in_use(config.host, port):
+                    raise StackError(
+                        f"{name} {port_field.replace('_', ' ')} {port} is already in use on "
+                        f"{config.host} (another server running?); stop it or choose another port"
+                    )
 
     def start(self, names: tuple[str, ...] = SERVICES) -> None:
         for name in names:
@@ -164,7 +151,9 @@ class Stack:
         if out is not None:
             out.close()
         assert proc.stdin is not None
-        proc.stdin.write(("\n".join(to_json(c) for c in self.configs(name)) + "\n\n").encode())
+        fake = [self.fake] if name == "engine" and self.fake is not None else []
+        configs = [getattr(self, name), *fake]
+        proc.stdin.write(("\n".join(to_json(c) for c in configs) + "\n\n").encode())
         proc.stdin.flush()  # kept open: closing it (or our death) stops the child
         return proc
 
