@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from llmserve.bench.arrivals import ArrivalConfig, rate_to_json
-from llmserve.bench.backends import BACKENDS, BackendError, SamplingConfig, make_backend
+from llmserve.bench.backends import BACKENDS, BackendError, GrpcBackend, SamplingConfig
 from llmserve.bench.metrics import parse_goodput
 from llmserve.bench.workload import DATASETS, BenchRequest, WorkloadConfig
 
@@ -319,6 +319,7 @@ def _finish(document: dict[str, Any], args: argparse.Namespace, kind: str) -> No
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from llmserve.bench.backends import OpenAIBackend
     from llmserve.bench.report import result_document
 
     try:
@@ -329,14 +330,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    backend = make_backend(
-        args.backend,
-        address=args.address,
-        base_url=args.base_url,
-        sampling=sampling,
-        model=args.model,
-        api_key=args.api_key,
-        keep_token_ids=args.save_detailed,
+    backend = (
+        GrpcBackend(args.address, sampling, args.save_detailed, args.api_key)
+        if args.backend == "grpc"
+        else OpenAIBackend(args.base_url, sampling, args.model, args.api_key)
     )
     try:
         server, runs = asyncio.run(_run_all(backend, requests_for, arrivals, args))
@@ -358,7 +355,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_offline(args: argparse.Namespace) -> int:
-    from llmserve.bench.backends import GrpcBackend
     from llmserve.bench.report import result_document
     from llmserve.launcher import StackError, parse_serve_flags, serve_locally, stats_delta
 
