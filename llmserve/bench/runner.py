@@ -16,11 +16,6 @@ from llmserve.bench.metrics import RequestRecord
 from llmserve.bench.workload import BenchRequest
 
 
-def progress_enabled(no_progress: bool) -> bool:
-    """A live bar only on a terminal, and not when asked for none."""
-    return not no_progress and sys.stderr.isatty()
-
-
 class _NoBar:
     def update(self, n: int = 1) -> None:
         pass
@@ -30,9 +25,9 @@ class _NoBar:
 
 
 def progress_bar(total: int, label: str, enabled: bool) -> Any:
-    """A tqdm bar of completed requests on stderr, or one that draws nothing (disabled, or no
-    tqdm installed)."""
-    if not enabled:
+    """A tqdm bar of completed requests on stderr, or one that draws nothing (disabled, stderr
+    no terminal, or no tqdm installed)."""
+    if not enabled or not sys.stderr.isatty():
         return _NoBar()
     try:
         from tqdm import tqdm
