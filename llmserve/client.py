@@ -61,9 +61,6 @@ class RequestError(ValueError):
     field's range. The message names the field, the value and the limit."""
 
 
-_INT32_RANGE = (-(2**31), 2**31 - 1)
-
-
 def _text(where: str, value: str) -> str:
     # Text from the command line keeps bytes that are not UTF-8 as surrogates: name the byte.
     why = invalid_text(value, from_bytes=True)
@@ -76,7 +73,7 @@ def _checked(where: str, int32: bool, value: object) -> object:
     if isinstance(value, str):
         return _text(where, value)
     if int32 and isinstance(value, int):
-        low, high = _INT32_RANGE
+        low, high = -(2**31), 2**31 - 1
         if not low <= value <= high:
             raise RequestError(f"{where}={value} is outside the int32 range [{low}, {high}]")
     return value

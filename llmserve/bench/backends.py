@@ -183,7 +183,6 @@ class OpenAIBackend:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     async def describe(self) -> dict[str, Any]:
-        info: dict[str, Any] = {"backend": self.name, "base_url": self.base_url}
         try:
             status, body = await http_json(f"{self.base_url}/v1/models", self._headers())
         except (OSError, EOFError) as err:
@@ -195,8 +194,7 @@ class OpenAIBackend:
                     f"{self.base_url}/v1/models answered {status} with no model; pass --model"
                 )
             self.model = str(models[0]["id"])
-        info["model"] = self.model
-        return info
+        return {"backend": self.name, "base_url": self.base_url, "model": self.model}
 
     def body(self, request: BenchRequest) -> tuple[str, dict[str, Any]]:
         """The endpoint path and the JSON body for request."""
