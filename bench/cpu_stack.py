@@ -27,9 +27,9 @@ from gateway.tokenizer import Tokenizer  # noqa: E402
 from llmserve.bench.hf import load_model, timed_generate  # noqa: E402
 from llmserve.bench.metrics import percentile  # noqa: E402
 from llmserve.bench.report import hardware, save  # noqa: E402
-from llmserve.bench.server import LocalStack, stats_delta  # noqa: E402
 from llmserve.bench.workload import exact_length_prompts  # noqa: E402
 from llmserve.client import Client, make_request  # noqa: E402
+from llmserve.launcher import serve_locally, stats_delta  # noqa: E402
 
 
 def run_stream(
@@ -55,7 +55,7 @@ def bench_stack(
     LLMSERVE_METRICS_PORT=0."""
     serve_args = ["--kv-cache-gb", "1"] + (["--num-threads", str(threads)] if threads else [])
     metrics = (env or {}).get("LLMSERVE_METRICS_PORT") != "0"
-    with LocalStack.start(serve_args, 300, env=env, metrics=metrics) as stack:
+    with serve_locally(serve_args, 300, env=env, metrics=metrics) as stack:
         address = stack.gateway_address
         with Client(address) as client:  # warm-up: one short request
             client.generate(make_request(text=prompts[0], max_tokens=8, temperature=0.0))

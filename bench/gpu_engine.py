@@ -171,6 +171,7 @@ def synthetic_prompts(num_prompts: int, num_tokens: int, vocab_size: int) -> lis
 
 
 def decode_step_times(shape: str, args: argparse.Namespace) -> dict[str, Any]:
+    import torch
 
     from engine.config import EngineConfig
     from engine.engine import Engine
@@ -208,7 +209,8 @@ def decode_step_times(shape: str, args: argparse.Namespace) -> dict[str, Any]:
             driver.decode()
         times = []
         for _ in range(steps):
-            _synchronize()
+            if DEVICE == "cuda":
+                torch.cuda.synchronize()
             t0 = time.perf_counter()
             driver.decode()  # returns sampled ids on the host: the step is complete
             times.append((time.perf_counter() - t0) * 1e3)
@@ -248,20 +250,6 @@ def hf_generate(shape: str, args: argparse.Namespace) -> dict[str, Any]:
         "seconds": seconds,
         "output_tok_s": batch * out_len / seconds,
     }
-
-
-def _synchronize() -> None:
-    import torch
-
-    if DEVICE == "cuda":
-        torch.cuda.synchronize()
-
-
-def _empty_cuda_cache() -> None:
-    import torch
-
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
 
 
 # ---- report ------------------------------------------------------------------------------------
@@ -343,6 +331,8 @@ def table(result: dict[str, Any]) -> str:
 
 
 def main() -> int:
+    import torch
+
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", required=True, choices=sorted(TARGETS))
     p.add_argument(
@@ -402,7 +392,8 @@ def main() -> int:
         except Exception as err:  # one part failing must not lose the others
             result[name] = {"error": f"{type(err).__name__}: {err}"}
         gc.collect()  # no part's engine or model, failed or not, may hold the GPU for the next
-        _empty_cuda_cache()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
         print(f"[{name}: {time.perf_counter() - t0:.0f} s]", flush=True)
         # after every part, so a run stopped by a time limit keeps what it measured
         path.write_text(json.dumps(result, indent=2, default=str) + "\n")

@@ -48,8 +48,8 @@ from llmserve.bench.hf import load_model, timed_generate  # noqa: E402
 from llmserve.bench.metrics import RequestRecord, summarize  # noqa: E402
 from llmserve.bench.report import git_commit, hardware, record_json, save  # noqa: E402
 from llmserve.bench.runner import run_benchmark, warm_up  # noqa: E402
-from llmserve.bench.server import LocalStack, stats_delta  # noqa: E402
 from llmserve.bench.workload import BenchRequest, LogNormal, exact_length_prompts  # noqa: E402
+from llmserve.launcher import serve_locally, stats_delta  # noqa: E402
 
 POLICIES = ("continuous", "static")
 SYSTEMS = (*POLICIES, "hf_generate")
@@ -123,7 +123,7 @@ def run_policy(
     if args.model:
         serve_args += ["--model", args.model]
     results: dict[str, Any] = {"serve_args": serve_args}
-    with LocalStack.start(serve_args) as stack:
+    with serve_locally(serve_args) as stack:
         backend = GrpcBackend(stack.gateway_address, SamplingConfig(), keep_token_ids=True)
 
         async def measure() -> None:

@@ -36,10 +36,9 @@ from engine.fake import FakeEngineConfig  # noqa: E402
 from gateway.tokenizer import Tokenizer  # noqa: E402
 from llmserve.bench.otlp import OtlpReceiver  # noqa: E402
 from llmserve.bench.report import hardware, save  # noqa: E402
-from llmserve.bench.server import LocalStack  # noqa: E402
 from llmserve.bench.workload import exact_length_prompts  # noqa: E402
 from llmserve.client import Client, make_request  # noqa: E402
-from llmserve.launcher import free_port  # noqa: E402
+from llmserve.launcher import free_port, serve_locally  # noqa: E402
 
 SETTINGS = ("off", "default", "tracing")
 
@@ -56,7 +55,7 @@ def bench_echo(env: dict[str, str], num_streams: int, num_tokens: int) -> float:
     """Output tokens/s of num_streams concurrent echo requests through the three processes."""
     fake = FakeEngineConfig(vocab_size=49152)  # SmolLM2's vocabulary
     metrics = env.get("LLMSERVE_METRICS_PORT") != "0"  # metrics on, as by default
-    with LocalStack.start([], 120, env=env, metrics=metrics, fake=fake) as stack:
+    with serve_locally([], 120, env=env, metrics=metrics, fake=fake) as stack:
         prompt = "the quick brown fox jumps over the lazy dog " * 8
         request = make_request(text=prompt, max_tokens=num_tokens, ignore_eos=True)
         with Client(stack.gateway_address) as client, ThreadPoolExecutor(num_streams) as pool:

@@ -58,15 +58,6 @@ def _read_parent_configs() -> list[Any]:
     return configs
 
 
-def _service_configs(name: str, args: argparse.Namespace) -> list[Any]:
-    if args.config_stdin:
-        return _read_parent_configs()
-    configs = [from_flags(SERVICE_CONFIGS[name], args)]
-    if getattr(args, "fake", False):
-        configs.append(from_flags(FakeEngineConfig, args, prefix="fake-"))
-    return configs
-
-
 def _run_async(main: Any) -> None:
     try:
         import uvloop
@@ -118,7 +109,12 @@ def _run_engine(config: EngineConfig, fake: FakeEngineConfig | None) -> None:
 
 def cmd_service(args: argparse.Namespace) -> int:
     try:
-        configs = _service_configs(args.command, args)
+        if args.config_stdin:
+            configs = _read_parent_configs()
+        else:
+            configs = [from_flags(SERVICE_CONFIGS[args.command], args)]
+            if getattr(args, "fake", False):
+                configs.append(from_flags(FakeEngineConfig, args, prefix="fake-"))
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -240,17 +236,15 @@ def _add_client_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _sampling_fields(args: argparse.Namespace) -> dict[str, object]:
-    return {
-        "max_tokens": args.max_tokens,
-        "temperature": args.temperature,
-        "top_p": args.top_p,
-        "top_k": args.top_k,
-        "min_p": args.min_p,
-        "seed": args.seed,
-        "stop": args.stop,
-        "ignore_eos": args.ignore_eos or None,
-    }
+_SAMPLING_FLAGS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop")
+
+
+def _request(args: argparse.Namespace, **prompt: Any) -> Any:
+    """The GenerateRequest for prompt (text= or messages=) with the sampling flags given."""
+    from llmserve.client import make_request
+
+    fields = {name: getattr(args, name) for name in _SAMPLING_FLAGS}
+    return make_request(**prompt, **fields, ignore_eos=args.ignore_eos or None)
 
 
 INTERRUPTED = 130  # the shell's code for a command ended by Ctrl-C
@@ -296,22 +290,15 @@ def _run_one(args: argparse.Namespace, request: object) -> tuple[int, str]:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from llmserve.client import make_request
-
-    return _run_one(args, make_request(text=args.prompt, **_sampling_fields(args)))[0]
+    return _run_one(args, _request(args, text=args.prompt))[0]
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    from llmserve.client import make_request
-
     history: list[tuple[str, str]] = []
     if args.system:
         history.append(("system", args.system))
     if args.message is not None:
-        request = make_request(
-            messages=[*history, ("user", args.message)], **_sampling_fields(args)
-        )
-        return _run_one(args, request)[0]
+        return _run_one(args, _request(args, messages=[*history, ("user", args.message)]))[0]
     print(
         "chat: type a message; Ctrl-C stops an answer (what was said stays in the "
         "conversation); an empty line, Ctrl-D or Ctrl-C at the prompt ends",
@@ -325,8 +312,6 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 
 def _chat_loop(args: argparse.Namespace, history: list[tuple[str, str]]) -> int:
-    from llmserve.client import make_request
-
     while True:
         try:
             line = input("> ")
@@ -335,7 +320,7 @@ def _chat_loop(args: argparse.Namespace, history: list[tuple[str, str]]) -> int:
         if not line.strip():
             return 0
         history.append(("user", line))
-        code, text = _run_one(args, make_request(messages=history, **_sampling_fields(args)))
+        code, text = _run_one(args, _request(args, messages=history))
         if code == INTERRUPTED:
             print("(stopped; the partial answer stays in the conversation)", file=sys.stderr)
         elif code:
@@ -412,9 +397,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_flags(p)
     p.set_defaults(func=cmd_serve)
 
-    _add_service_parser(sub, "engine", "run the engine service")
-    _add_service_parser(sub, "scheduler", "run the scheduler service")
-    _add_service_parser(sub, "gateway", "run the gateway service")
+    for name in SERVICE_CONFIGS:
+        _add_service_parser(sub, name, f"run the {name} service")
 
     p = sub.add_parser("generate", help="complete raw text (no chat template)")
     p.add_argument("prompt", type=_text_arg)

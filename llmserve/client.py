@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,12 +16,11 @@ from common.text import invalid_text
 from protos import api_pb2, api_pb2_grpc, common_pb2
 
 DEFAULT_PORT = 50051  # the gateway's (GatewayConfig.port)
-FINISH_REASON_NAMES = {
-    common_pb2.FINISH_REASON_UNSPECIFIED: None,
-    common_pb2.FINISH_REASON_STOP: "stop",
-    common_pb2.FINISH_REASON_LENGTH: "length",
-    common_pb2.FINISH_REASON_ABORT: "abort",
-}
+
+
+def finish_reason_name(value: int) -> str:
+    """FINISH_REASON_STOP -> "stop", the names the HTTP API uses."""
+    return common_pb2.FinishReason.Name(value).removeprefix("FINISH_REASON_").lower()
 
 
 @dataclass
@@ -39,7 +38,7 @@ class Completion:
         self.token_ids.extend(msg.token_ids)
         self.logprobs.extend(msg.logprobs)
         if msg.finish_reason:
-            self.finish_reason = FINISH_REASON_NAMES[msg.finish_reason]
+            self.finish_reason = finish_reason_name(msg.finish_reason)
             self.prompt_tokens = msg.usage.prompt_tokens
             self.completion_tokens = msg.usage.completion_tokens
             self.cached_prompt_tokens = msg.usage.cached_prompt_tokens
@@ -62,9 +61,6 @@ class RequestError(ValueError):
     field's range. The message names the field, the value and the limit."""
 
 
-_INT32_RANGE = (-(2**31), 2**31 - 1)
-
-
 def _text(where: str, value: str) -> str:
     # Text from the command line keeps bytes that are not UTF-8 as surrogates: name the byte.
     why = invalid_text(value, from_bytes=True)
@@ -73,11 +69,11 @@ def _text(where: str, value: str) -> str:
     return value
 
 
-def _checked(where: str, field: FieldDescriptor, value: object) -> object:
+def _checked(where: str, int32: bool, value: object) -> object:
     if isinstance(value, str):
         return _text(where, value)
-    if field.type == FieldDescriptor.TYPE_INT32 and isinstance(value, int):
-        low, high = _INT32_RANGE
+    if int32 and isinstance(value, int):
+        low, high = -(2**31), 2**31 - 1
         if not low <= value <= high:
             raise RequestError(f"{where}={value} is outside the int32 range [{low}, {high}]")
     return value
@@ -92,16 +88,17 @@ def _set(msg: Message, name: str, value: object) -> None:
             value = seed_value(value)
         except SamplingError as err:
             raise RequestError(str(err)) from None
+    int32 = field.type == FieldDescriptor.TYPE_INT32
     if isinstance(value, list | tuple):
-        values = [_checked(f"{name}[{i}]", field, v) for i, v in enumerate(value)]
+        values = [_checked(f"{name}[{i}]", int32, v) for i, v in enumerate(value)]
         getattr(msg, name).extend(values)
     else:
-        setattr(msg, name, _checked(name, field, value))
+        setattr(msg, name, _checked(name, int32, value))
 
 
 def make_request(
     text: str | None = None,
-    messages: list[tuple[str, str]] | None = None,
+    messages: Sequence[tuple[str, str]] | None = None,
     **fields: object,
 ) -> api_pb2.GenerateRequest:
     """A GenerateRequest from a text prompt or (role, content) messages; unset fields (None)

@@ -22,8 +22,10 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import IO, Any
@@ -40,6 +42,7 @@ from scheduler.config import SchedulerConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 SERVICES = ("engine", "scheduler", "gateway")  # start order; stopped front first
+CONFIG_TYPES: tuple[type[Any], ...] = (EngineConfig, SchedulerConfig, GatewayConfig)  # as SERVICES
 
 
 class StackError(RuntimeError):
@@ -114,30 +117,17 @@ class Stack:
         port = self.gateway.http_port
         return f"http://{_local(self.gateway.host, port)}/v1" if port else None
 
-    def configs(self, name: str) -> list[Any]:
-        if name == "engine":
-            return [self.engine] + ([self.fake] if self.fake is not None else [])
-        return [getattr(self, name)]
-
-    def ports(self) -> list[tuple[str, str, int]]:
-        """(what, host, port) of every port the stack will listen on."""
-        out = []
+    def check_ports_free(self) -> None:
+        """Raise StackError naming the first port of the stack something else listens on."""
         for name in SERVICES:
             config = getattr(self, name)
             for port_field in ("port", "http_port", "metrics_port"):
                 port = getattr(config, port_field, 0)
-                if port:
-                    out.append((f"{name} {port_field.replace('_', ' ')}", config.host, port))
-        return out
-
-    def check_ports_free(self) -> None:
-        """Raise StackError naming the first port something else already listens on."""
-        for what, host, port in self.ports():
-            if port_in_use(host, port):
-                raise StackError(
-                    f"{what} {port} is already in use on {host} (another server running?); "
-                    "stop it or choose another port"
-                )
+                if port and port_in_use(config.host, port):
+                    raise StackError(
+                        f"{name} {port_field.replace('_', ' ')} {port} is already in use on "
+                        f"{config.host} (another server running?); stop it or choose another port"
+                    )
 
     def start(self, names: tuple[str, ...] = SERVICES) -> None:
         for name in names:
@@ -161,7 +151,9 @@ class Stack:
         if out is not None:
             out.close()
         assert proc.stdin is not None
-        proc.stdin.write(("\n".join(to_json(c) for c in self.configs(name)) + "\n\n").encode())
+        fake = [self.fake] if name == "engine" and self.fake is not None else []
+        configs = [getattr(self, name), *fake]
+        proc.stdin.write(("\n".join(to_json(c) for c in configs) + "\n\n").encode())
         proc.stdin.flush()  # kept open: closing it (or our death) stops the child
         return proc
 
@@ -274,39 +266,87 @@ def _chosen(config: Any, name: str) -> int:
     return value if value != getattr(type(config)(), name) else 0
 
 
+def _network(host: str, ports: list[int], metrics_ports: list[int]) -> list[dict[str, Any]]:
+    """The network settings of the engine, the scheduler and the gateway (ports and metrics
+    ports in that order): the engine and the scheduler on loopback, the gateway on host."""
+    internal = "127.0.0.1"
+    engine, scheduler, gateway = (
+        {"port": p, "metrics_port": m} for p, m in zip(ports, metrics_ports, strict=True)
+    )
+    return [
+        {**engine, "host": internal},
+        {**scheduler, "host": internal, "engine_address": f"{internal}:{ports[0]}"},
+        {**gateway, "host": host, "scheduler_address": f"{internal}:{ports[1]}"},
+    ]
+
+
 def local_stack(
     engine: EngineConfig | None = None,
     scheduler: SchedulerConfig | None = None,
     gateway: GatewayConfig | None = None,
     *,
     http: bool = False,
+    metrics: bool = False,
     **kwargs: Any,
 ) -> Stack:
     """A Stack on free loopback ports (not started). The metrics and HTTP ports stay off unless
-    a config chose one (or http=True: a free one); the configs keep their other settings."""
-    engine = engine or EngineConfig()
-    scheduler = scheduler or SchedulerConfig()
-    gateway = gateway or GatewayConfig()
-    ports = free_ports(4)
-    engine_cfg = replace(
-        engine, host="127.0.0.1", port=ports[0], metrics_port=_chosen(engine, "metrics_port")
-    )
-    scheduler_cfg = replace(
-        scheduler,
-        host="127.0.0.1",
-        port=ports[1],
-        metrics_port=_chosen(scheduler, "metrics_port"),
-        engine_address=f"127.0.0.1:{engine_cfg.port}",
-    )
-    gateway_cfg = replace(
-        gateway,
-        host="127.0.0.1",
-        port=ports[2],
-        http_port=ports[3] if http else _chosen(gateway, "http_port"),
-        metrics_port=_chosen(gateway, "metrics_port"),
-        scheduler_address=f"127.0.0.1:{scheduler_cfg.port}",
-    )
-    return Stack(engine=engine_cfg, scheduler=scheduler_cfg, gateway=gateway_cfg, **kwargs)
+    a config chose one (or http=True / metrics=True: free ones); the configs keep their other
+    settings."""
+    given = (engine, scheduler, gateway)
+    configs: list[Any] = [c or cls() for c, cls in zip(given, CONFIG_TYPES, strict=True)]
+    ports = free_ports(7)
+    chosen = [
+        ports[4 + i] if metrics else _chosen(c, "metrics_port") for i, c in enumerate(configs)
+    ]
+    network = _network("127.0.0.1", ports[:3], chosen)
+    network[2]["http_port"] = ports[3] if http else _chosen(configs[2], "http_port")
+    return Stack(*(replace(c, **n) for c, n in zip(configs, network, strict=True)), **kwargs)
+
+
+@contextlib.contextmanager
+def serve_locally(
+    serve_args: list[str],
+    ready_timeout: float = 600.0,
+    *,
+    env: dict[str, str] | None = None,
+    metrics: bool = False,
+    fake: FakeEngineConfig | None = None,
+) -> Iterator[Stack]:
+    """`llmserve serve serve_args` on free loopback ports, for `bench offline` and the scripts:
+    serving inside the with block, stopped (and its logs deleted) after. env: extra variables
+    for the services; metrics: each serves /metrics on a free port (else off); fake: the echo
+    engine instead of the model. Raises StackError, with the end of the logs, when it does not
+    start; exits with serve's usage message when serve_args are bad."""
+    configured = stack_from_flags(parse_serve_flags(serve_args))
+    with tempfile.TemporaryDirectory(prefix="llmserve-bench-", ignore_cleanup_errors=True) as logs:
+        stack = local_stack(
+            configured.engine,
+            configured.scheduler,
+            configured.gateway,
+            metrics=metrics,
+            fake=fake,
+            log_dir=Path(logs),
+            env={"LLMSERVE_LOG_LEVEL": "WARNING", **(env or {})},
+        )
+        try:
+            stack.start()
+            stack.wait_ready(ready_timeout)
+            yield stack
+        finally:
+            stack.stop(timeout=30)
+
+
+def stats_delta(
+    before: scheduler_pb2.SchedulerStats, after: scheduler_pb2.SchedulerStats
+) -> dict[str, float]:
+    """The scheduler's counters accumulated between two scheduler_stats() readings, flat
+    (gauges taken from after)."""
+    gauges = {"num_running", "num_waiting", "num_free_blocks", "num_blocks"}
+    fields = [f.name for f in after.DESCRIPTOR.fields]
+    return {
+        k: float(getattr(after, k)) - (0.0 if k in gauges else float(getattr(before, k)))
+        for k in fields
+    }
 
 
 # -- `llmserve serve`'s flags: the three services' settings, each written once ---------------------
@@ -337,12 +377,17 @@ def add_serve_flags(p: Any) -> None:
     )
     p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to start")
     taken: set[str] = set()
-    for cls, title in (
-        (EngineConfig, "engine"),
-        (SchedulerConfig, "scheduler"),
-        (GatewayConfig, "gateway"),
-    ):
+    for cls, title in zip(CONFIG_TYPES, SERVICES, strict=True):
         add_flags(p.add_argument_group(title), cls, exclude=_NETWORK + _LAUNCHER, taken=taken)
+
+
+def parse_serve_flags(argv: list[str]) -> Any:
+    """`llmserve serve`'s parse of argv; exits with its usage message when they are bad."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="llmserve serve")
+    add_serve_flags(parser)
+    return parser.parse_args(argv)
 
 
 def stack_from_flags(args: Any, **kwargs: Any) -> Stack:
@@ -350,25 +395,8 @@ def stack_from_flags(args: Any, **kwargs: Any) -> Stack:
     loopback, the gateway on --host."""
     from common.flags import from_flags
 
-    internal = "127.0.0.1"
-    metrics = [args.metrics_port + i if args.metrics_port else 0 for i in range(3)]
-    engine = from_flags(
-        EngineConfig, args, host=internal, port=args.engine_port, metrics_port=metrics[2]
-    )
-    scheduler = from_flags(
-        SchedulerConfig,
-        args,
-        host=internal,
-        port=args.scheduler_port,
-        metrics_port=metrics[1],
-        engine_address=f"{internal}:{args.engine_port}",
-    )
-    gateway = from_flags(
-        GatewayConfig,
-        args,
-        host=args.host,
-        port=args.port,
-        metrics_port=metrics[0],
-        scheduler_address=f"{internal}:{args.scheduler_port}",
-    )
-    return Stack(engine=engine, scheduler=scheduler, gateway=gateway, **kwargs)
+    ports = [args.engine_port, args.scheduler_port, args.port]
+    metrics = [args.metrics_port + i if args.metrics_port else 0 for i in (2, 1, 0)]
+    network = _network(args.host, ports, metrics)
+    configs = (from_flags(cls, args, **n) for cls, n in zip(CONFIG_TYPES, network, strict=True))
+    return Stack(*configs, **kwargs)

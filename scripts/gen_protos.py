@@ -19,10 +19,6 @@ REQUIRED_GRPCIO_TOOLS = "1.84.0"
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def proto_files() -> list[Path]:
-    return sorted((ROOT / "protos").glob("*.proto"))
-
-
 def generate(out_dir: Path) -> list[Path]:
     """Run protoc on every protos/*.proto; return the files written under out_dir/protos."""
     version = metadata.version("grpcio-tools")
@@ -36,7 +32,7 @@ def generate(out_dir: Path) -> list[Path]:
 
     (out_dir / "protos").mkdir(parents=True, exist_ok=True)
     include = Path(grpc_tools.__file__).parent / "_proto"
-    sources = [str(p.relative_to(ROOT)) for p in proto_files()]
+    sources = [str(p.relative_to(ROOT)) for p in sorted((ROOT / "protos").glob("*.proto"))]
     args = [
         "protoc",
         f"-I{ROOT}",

@@ -8,7 +8,6 @@ metrics.py   pure functions from per-request timings to the reported statistics
 runner.py    drives a backend through a workload on an arrival schedule
 report.py    the result document (JSON), the printed tables and the plots
 compare.py   two result documents side by side
-server.py    a local `llmserve serve` for `bench offline` and the batching study
 hf.py        HF transformers' generate, the scripts' baseline (imports torch when called)
 cli.py       the `llmserve bench` subcommands
 

@@ -54,21 +54,13 @@ class ArrivalConfig:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> ArrivalConfig:
-        return cls(
-            rate_from_json(data["request_rate"]),
-            data["burstiness"],
-            data["max_concurrency"],
-            data["seed"],
-        )
+        rate = float(data["request_rate"])  # "inf" too
+        return cls(rate, data["burstiness"], data["max_concurrency"], data["seed"])
 
 
 def rate_to_json(rate: float) -> float | str:
     """JSON has no infinity: "inf" stands for all at once."""
     return "inf" if math.isinf(rate) else rate
-
-
-def rate_from_json(value: float | str) -> float:
-    return math.inf if value == "inf" else float(value)
 
 
 def gamma_gaps(num_gaps: int, rate: float, burstiness: float, rng: random.Random) -> list[float]:

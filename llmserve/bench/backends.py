@@ -28,7 +28,8 @@ import grpc
 from common.net import CHANNEL_OPTIONS
 from llmserve.bench.metrics import RequestRecord
 from llmserve.bench.workload import BenchRequest
-from protos import api_pb2, api_pb2_grpc, common_pb2
+from llmserve.client import finish_reason_name, make_request
+from protos import api_pb2, api_pb2_grpc
 
 BACKENDS = ("grpc", "openai")
 
@@ -113,27 +114,20 @@ class GrpcBackend:
             "vocab_size": info.vocab_size,
         }
 
-    def message(self, request: BenchRequest) -> api_pb2.GenerateRequest:
-        s = self.sampling
-        msg = api_pb2.GenerateRequest(
-            max_tokens=request.max_tokens,
-            sampling=common_pb2.SamplingParams(temperature=s.temperature, seed=s.seed),
-            ignore_eos=s.ignore_eos,
-        )
-        if request.messages is not None:
-            msg.chat.messages.extend(
-                api_pb2.ChatMessage(role=r, content=c) for r, c in request.messages
-            )
-        else:
-            msg.text = request.text or ""
-        return msg
-
     async def send(self, request: BenchRequest, record: RequestRecord, sent: float) -> None:
         if self.keep_token_ids:
             record.token_ids = []
         try:
+            message = make_request(
+                request.text,
+                request.messages,
+                max_tokens=request.max_tokens,
+                temperature=self.sampling.temperature,
+                seed=self.sampling.seed,
+                ignore_eos=self.sampling.ignore_eos,
+            )
             call = self.stub.Generate(
-                self.message(request), timeout=self.sampling.timeout_s, metadata=self.metadata
+                message, timeout=self.sampling.timeout_s, metadata=self.metadata
             )
             async for msg in call:
                 if msg.token_ids:
@@ -154,11 +148,6 @@ class GrpcBackend:
         if self.channel is not None:
             await self.channel.close()
             self.channel, self._stub = None, None
-
-
-def finish_reason_name(value: int) -> str:
-    """FINISH_REASON_STOP -> "stop", the names the HTTP API uses."""
-    return common_pb2.FinishReason.Name(value).removeprefix("FINISH_REASON_").lower()
 
 
 def _check_finished(record: RequestRecord) -> None:
@@ -194,7 +183,6 @@ class OpenAIBackend:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     async def describe(self) -> dict[str, Any]:
-        info: dict[str, Any] = {"backend": self.name, "base_url": self.base_url}
         try:
             status, body = await http_json(f"{self.base_url}/v1/models", self._headers())
         except (OSError, EOFError) as err:
@@ -206,8 +194,7 @@ class OpenAIBackend:
                     f"{self.base_url}/v1/models answered {status} with no model; pass --model"
                 )
             self.model = str(models[0]["id"])
-        info["model"] = self.model
-        return info
+        return {"backend": self.name, "base_url": self.base_url, "model": self.model}
 
     def body(self, request: BenchRequest) -> tuple[str, dict[str, Any]]:
         """The endpoint path and the JSON body for request."""
@@ -413,20 +400,3 @@ async def http_json(url: str, headers: dict[str, str]) -> tuple[int, Any]:
         return response.status, json.loads(body)
     except json.JSONDecodeError:
         return response.status, None
-
-
-def make_backend(
-    name: str,
-    *,
-    address: str,
-    base_url: str,
-    sampling: SamplingConfig,
-    model: str | None = None,
-    api_key: str | None = None,
-    keep_token_ids: bool = False,
-) -> Backend:
-    if name == "grpc":
-        return GrpcBackend(address, sampling, keep_token_ids, api_key)
-    if name == "openai":
-        return OpenAIBackend(base_url, sampling, model, api_key)
-    raise ValueError(f"backend={name!r} must be one of {', '.join(BACKENDS)}")

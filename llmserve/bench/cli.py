@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import math
 import os
 import sys
@@ -23,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from llmserve.bench.arrivals import ArrivalConfig, rate_to_json
-from llmserve.bench.backends import BACKENDS, BackendError, SamplingConfig, make_backend
+from llmserve.bench.backends import BACKENDS, BackendError, GrpcBackend, SamplingConfig
 from llmserve.bench.metrics import parse_goodput
 from llmserve.bench.workload import DATASETS, BenchRequest, WorkloadConfig
 
@@ -228,13 +229,7 @@ def requests_maker(config: WorkloadConfig, tokenizer_path: str | None) -> Reques
     from llmserve.bench.workload import build_workload
 
     tokenizer = Tokenizer.from_model_path(resolve_model_path(tokenizer_path))
-    built: dict[int, list[BenchRequest]] = {}
-
-    def requests_for(variant: int) -> list[BenchRequest]:
-        if variant not in built:
-            built[variant] = build_workload(config, tokenizer, variant)
-        return built[variant]
-
+    requests_for = functools.cache(lambda variant: build_workload(config, tokenizer, variant))
     requests_for(0)
     return requests_for
 
@@ -250,10 +245,6 @@ def workload_stats(requests: Sequence[BenchRequest]) -> dict[str, Any]:
     return out
 
 
-def default_output(kind: str) -> Path:
-    return Path(f"llmserve-bench-{kind}-{time.strftime('%Y%m%d-%H%M%S')}.json")
-
-
 def _common_config(args: argparse.Namespace, requests: Sequence[BenchRequest]) -> dict[str, Any]:
     return {
         "label": args.label,
@@ -266,34 +257,62 @@ def _common_config(args: argparse.Namespace, requests: Sequence[BenchRequest]) -
     }
 
 
-async def _run_all(
+def _bench(
+    args: argparse.Namespace,
+    kind: str,
     backend: Any,
     requests_for: RequestsFor,
     arrivals: list[ArrivalConfig],
-    args: argparse.Namespace,
-    after_warm_up: Callable[[], None] | None = None,
-) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """Describe the server, warm up (variant -1), call after_warm_up, then run i sends variant
-    i of the workload on arrivals[i]; each run's table is printed as it ends."""
-    from llmserve.bench.report import format_run, run_entry
-    from llmserve.bench.runner import progress_enabled, run_benchmark, warm_up
+    config: dict[str, Any],
+    stack: Any = None,
+    serve_args: list[str] | None = None,
+) -> int:
+    """Describe the server, warm up (variant -1), then run i sends variant i of the workload on
+    arrivals[i], each run's table printed as it ends; save the result document (config: what
+    this kind adds to the common settings) and return the exit code. stack: `offline`'s local
+    stack (started with serve_args), whose scheduler counters over the measured run go with it
+    and whose logs go with an error."""
+    from llmserve.bench.report import format_run, result_document, run_entry
+    from llmserve.bench.runner import run_benchmark, warm_up
+    from llmserve.launcher import stats_delta
 
     targets = parse_goodput(args.goodput)
+    runs: list[dict[str, Any]] = []
+    before: list[Any] = []  # offline: the scheduler's counters after the warm-up
+
+    async def run_all() -> dict[str, Any]:
+        try:
+            server: dict[str, Any] = await backend.describe()
+            await warm_up(backend, requests_for(-1), args.num_warmups)
+            if stack:
+                before.append(stack.scheduler_stats())
+            for i, arrival in enumerate(arrivals):
+                records = await run_benchmark(
+                    backend, requests_for(i), arrival, not args.no_progress
+                )
+                runs.append(run_entry(arrival, records, targets, args.save_detailed))
+                print(format_run(runs[-1], targets), flush=True)
+        finally:
+            await backend.close()
+        return server
+
     try:
-        server = await backend.describe()
-        await warm_up(backend, requests_for(-1), args.num_warmups)
-        if after_warm_up is not None:
-            after_warm_up()
-        runs = []
-        for i, config in enumerate(arrivals):
-            records = await run_benchmark(
-                backend, requests_for(i), config, progress_enabled(args.no_progress)
-            )
-            runs.append(run_entry(config, records, targets, args.save_detailed))
-            print(format_run(runs[-1], targets), flush=True)
-    finally:
-        await backend.close()
-    return server, runs
+        server = asyncio.run(run_all())
+    except BackendError as err:
+        logs = f"\n{stack.logs()}" if stack else ""
+        print(f"error: {err}{logs}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("interrupted: nothing saved", file=sys.stderr)
+        return 130
+    if stack:
+        runs[0]["scheduler_stats"] = stats_delta(before[0], stack.scheduler_stats())
+        _print_scheduler_stats(runs[0]["scheduler_stats"])
+        server.pop("address")  # a free loopback port, different every time
+        server["serve_args"] = serve_args
+    config = {**_common_config(args, requests_for(0)), **config}
+    _finish(result_document(kind, config, server, runs), args, kind)
+    return 0
 
 
 def _finish(document: dict[str, Any], args: argparse.Namespace, kind: str) -> None:
@@ -302,7 +321,7 @@ def _finish(document: dict[str, Any], args: argparse.Namespace, kind: str) -> No
     runs = document["runs"]
     if len(runs) > 1:
         print(format_sweep(runs))
-    path = args.output or default_output(kind)
+    path = args.output or Path(f"llmserve-bench-{kind}-{time.strftime('%Y%m%d-%H%M%S')}.json")
     save(document, path)
     print(f"results: {path}")
     if len(runs) > 1 or args.plot:
@@ -319,7 +338,7 @@ def _finish(document: dict[str, Any], args: argparse.Namespace, kind: str) -> No
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from llmserve.bench.report import result_document
+    from llmserve.bench.backends import OpenAIBackend
 
     try:
         arrivals = arrival_configs(args)
@@ -329,41 +348,27 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    backend = make_backend(
-        args.backend,
-        address=args.address,
-        base_url=args.base_url,
-        sampling=sampling,
-        model=args.model,
-        api_key=args.api_key,
-        keep_token_ids=args.save_detailed,
+    backend = (
+        GrpcBackend(args.address, sampling, args.save_detailed, args.api_key)
+        if args.backend == "grpc"
+        else OpenAIBackend(args.base_url, sampling, args.model, args.api_key)
     )
-    try:
-        server, runs = asyncio.run(_run_all(backend, requests_for, arrivals, args))
-    except BackendError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("interrupted: nothing saved", file=sys.stderr)
-        return 130
-    document_config = _common_config(args, requests_for(0))
-    document_config["backend"] = args.backend
-    document_config["target"] = args.address if args.backend == "grpc" else args.base_url
-    document_config["sweep"] = [
-        {"request_rate": rate_to_json(a.request_rate), "max_concurrency": a.max_concurrency}
-        for a in arrivals
-    ]
-    _finish(result_document("serve", document_config, server, runs), args, "serve")
-    return 0
+    config = {
+        "backend": args.backend,
+        "target": args.address if args.backend == "grpc" else args.base_url,
+        "sweep": [
+            {"request_rate": rate_to_json(a.request_rate), "max_concurrency": a.max_concurrency}
+            for a in arrivals
+        ],
+    }
+    return _bench(args, "serve", backend, requests_for, arrivals, config)
 
 
 def cmd_offline(args: argparse.Namespace) -> int:
-    from llmserve.bench.backends import GrpcBackend
-    from llmserve.bench.report import result_document
-    from llmserve.bench.server import LocalStack, parse_serve_args, stats_delta
+    from llmserve.launcher import StackError, parse_serve_flags, serve_locally
 
     serve_args = [a for a in args.serve_args if a != "--"] if args.serve_args else []
-    model = parse_serve_args(serve_args).model
+    model = parse_serve_flags(serve_args).model
     try:
         sampling = sampling_config(args)
         parse_goodput(args.goodput)
@@ -373,36 +378,12 @@ def cmd_offline(args: argparse.Namespace) -> int:
         return 2
     arrivals = [ArrivalConfig(math.inf, 1.0, None, args.seed)]
     try:
-        stack = LocalStack.start(serve_args, args.ready_timeout)
-    except RuntimeError as err:
+        with serve_locally(serve_args, args.ready_timeout) as stack:
+            backend = GrpcBackend(stack.gateway_address, sampling, args.save_detailed)
+            return _bench(args, "offline", backend, requests_for, arrivals, {}, stack, serve_args)
+    except StackError as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
-    with stack:
-        backend = GrpcBackend(stack.gateway_address, sampling, args.save_detailed)
-        before: dict[str, float] = {}
-        try:
-            server, runs = asyncio.run(
-                _run_all(
-                    backend,
-                    requests_for,
-                    arrivals,
-                    args,
-                    lambda: before.update(stack.scheduler_stats()),
-                )
-            )
-        except BackendError as err:
-            print(f"error: {err}\n{stack.log_tail()}", file=sys.stderr)
-            return 1
-        except KeyboardInterrupt:
-            print("interrupted: nothing saved", file=sys.stderr)
-            return 130
-        runs[0]["scheduler_stats"] = stats_delta(before, stack.scheduler_stats())
-    server.pop("address")  # a free loopback port, different every time
-    server["serve_args"] = serve_args
-    document_config = _common_config(args, requests_for(0))
-    _print_scheduler_stats(runs[0]["scheduler_stats"])
-    _finish(result_document("offline", document_config, server, runs), args, "offline")
-    return 0
 
 
 def _print_scheduler_stats(stats: dict[str, float]) -> None:

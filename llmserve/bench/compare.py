@@ -39,8 +39,7 @@ def flatten(value: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
 
 def setting_differences(a: dict[str, Any], b: dict[str, Any]) -> list[tuple[str, Any, Any]]:
     """(key, value in A, value in B) for every setting that differs."""
-    flat_a = dict(flatten({k: a.get(k) for k in SETTINGS}))
-    flat_b = dict(flatten({k: b.get(k) for k in SETTINGS}))
+    flat_a, flat_b = (dict(flatten({k: doc.get(k) for k in SETTINGS})) for doc in (a, b))
     keys = sorted(set(flat_a) | set(flat_b))
     return [(k, flat_a.get(k), flat_b.get(k)) for k in keys if flat_a.get(k) != flat_b.get(k)]
 
@@ -81,11 +80,8 @@ def compare(a: dict[str, Any], b: dict[str, Any], name_a: str, name_b: str) -> s
     if len(runs_a) != len(runs_b):
         lines.append(f"A has {len(runs_a)} runs, B has {len(runs_b)}: comparing the first ones")
     for run_a, run_b in zip(runs_a, runs_b, strict=False):
-        title = (
-            run_a["label"]
-            if run_a["label"] == run_b["label"]
-            else (f"{run_a['label']} (A) vs {run_b['label']} (B)")
-        )
+        same = run_a["label"] == run_b["label"]
+        title = run_a["label"] if same else f"{run_a['label']} (A) vs {run_b['label']} (B)"
         lines.append(f"== {title} ==")
         lines += compare_runs(run_a, run_b)
     return "\n".join(lines)

@@ -51,8 +51,7 @@ class Driver:
         for seq_id, prompt in enumerate(prompts):
             self.tables.append([])
             self.generated.append([])
-            self._grow(seq_id, len(prompt))
-            table = list(self.tables[seq_id])
+            table = self._grow(seq_id, len(prompt))  # a copy of the whole (new) table
             new.append(
                 NewRequestData(seq_id, prompt, len(prompt), self.sampling, table, 0, len(prompt))
             )

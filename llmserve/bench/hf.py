@@ -15,14 +15,10 @@ def load_model(model_path: Path, device: str = "cpu") -> Any:
     import torch
     from transformers import AutoModelForCausalLM
 
-    model: Any  # transformers' decorated .to() is typed wrongly for mypy
-    if model_path.is_dir():
-        model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(
-            str(model_path.parent), gguf_file=model_path.name, dtype=torch.float32
-        )
-    return model.to(device).eval()
+    gguf = {} if model_path.is_dir() else {"gguf_file": model_path.name}
+    directory = model_path if model_path.is_dir() else model_path.parent
+    model: Any = AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32, **gguf)
+    return model.to(device).eval()  # Any: transformers' decorated .to() is typed wrongly for mypy
 
 
 def dummy_model(config_dir: Path, seed: int, dtype: Any, device: str) -> Any:

@@ -74,11 +74,6 @@ def tpot_s(record: RequestRecord) -> float | None:
     return (record.latency_s - first) / (record.num_output_tokens - 1)
 
 
-def itls_s(record: RequestRecord) -> list[float]:
-    t = record.chunk_times_s
-    return [b - a for a, b in itertools.pairwise(t)]
-
-
 def percentile(values: Sequence[float], q: float) -> float:
     """The q-th percentile, linear between order statistics; NaN for no values."""
     ordered = sorted(values)
@@ -146,7 +141,7 @@ def summarize(
 
     ttfts = [t * 1e3 for r in done if (t := ttft_s(r)) is not None]
     tpots = [t * 1e3 for r in done if (t := tpot_s(r)) is not None]
-    itls = [gap * 1e3 for r in done for gap in itls_s(r)]
+    itls = [(b - a) * 1e3 for r in done for a, b in itertools.pairwise(r.chunk_times_s)]
     good = None
     if goodput_targets_ms:
         good = sum(meets_targets(r, goodput_targets_ms) for r in done)

@@ -50,8 +50,10 @@ class OtlpReceiver:
 
     def start(self) -> OtlpReceiver:
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-        trace_service_pb2_grpc.add_TraceServiceServicer_to_server(_Traces(self), self.server)
-        metrics_service_pb2_grpc.add_MetricsServiceServicer_to_server(_Metrics(self), self.server)
+        traces = _Export(self.add_spans, trace_service_pb2.ExportTraceServiceResponse)
+        metrics = _Export(self.add_metrics, metrics_service_pb2.ExportMetricsServiceResponse)
+        trace_service_pb2_grpc.add_TraceServiceServicer_to_server(traces, self.server)
+        metrics_service_pb2_grpc.add_MetricsServiceServicer_to_server(metrics, self.server)
         self.port = self.server.add_insecure_port("127.0.0.1:0")
         self.server.start()
         return self
@@ -84,6 +86,12 @@ class OtlpReceiver:
                             )
                         )
 
+    def add_metrics(self, request: metrics_service_pb2.ExportMetricsServiceRequest) -> None:
+        with self.lock:
+            for rm in request.resource_metrics:
+                for sm in rm.scope_metrics:
+                    self.metric_names.update(m.name for m in sm.metrics)
+
     def wait_for(self, predicate: Callable[[list[Span]], bool], timeout: float = 15.0) -> bool:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -94,22 +102,13 @@ class OtlpReceiver:
         return False
 
 
-class _Traces(trace_service_pb2_grpc.TraceServiceServicer):
-    def __init__(self, receiver: OtlpReceiver):
-        self.receiver = receiver
+@dataclass
+class _Export:
+    """The Export method of an OTLP trace or metrics service: hands each request to add."""
+
+    add: Callable[[Any], None]
+    response: Callable[[], Any]
 
     def Export(self, request: Any, context: Any) -> Any:
-        self.receiver.add_spans(request)
-        return trace_service_pb2.ExportTraceServiceResponse()
-
-
-class _Metrics(metrics_service_pb2_grpc.MetricsServiceServicer):
-    def __init__(self, receiver: OtlpReceiver):
-        self.receiver = receiver
-
-    def Export(self, request: Any, context: Any) -> Any:
-        with self.receiver.lock:
-            for rm in request.resource_metrics:
-                for sm in rm.scope_metrics:
-                    self.receiver.metric_names.update(m.name for m in sm.metrics)
-        return metrics_service_pb2.ExportMetricsServiceResponse()
+        self.add(request)
+        return self.response()

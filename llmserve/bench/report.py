@@ -216,12 +216,9 @@ def format_run(run: dict[str, Any], goodput_targets_ms: dict[str, float] | None 
     lines.append(f"{'latency (ms)':<10}" + "".join(f"{s:>12}" for s in STATS))
     for label, key in DISTRIBUTIONS:
         lines.append(f"{label:<10}" + "".join(f"{fmt(m[key][s]):>12}" for s in STATS))
-    lines.append("errors by status: " + format_errors(m["errors"]))
+    errors = ", ".join(f"{code} {count}" for code, count in m["errors"].items())
+    lines.append(f"errors by status: {errors or 'none'}")
     return "\n".join(lines)
-
-
-def format_errors(errors: dict[str, int]) -> str:
-    return ", ".join(f"{code} {count}" for code, count in errors.items()) or "none"
 
 
 SWEEP_COLUMNS = (

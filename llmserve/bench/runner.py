@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import sys
 import time
 from collections.abc import Sequence
@@ -15,11 +16,6 @@ from llmserve.bench.metrics import RequestRecord
 from llmserve.bench.workload import BenchRequest
 
 
-def progress_enabled(no_progress: bool) -> bool:
-    """A live bar only on a terminal, and not when asked for none."""
-    return not no_progress and sys.stderr.isatty()
-
-
 class _NoBar:
     def update(self, n: int = 1) -> None:
         pass
@@ -29,9 +25,9 @@ class _NoBar:
 
 
 def progress_bar(total: int, label: str, enabled: bool) -> Any:
-    """A tqdm bar of completed requests on stderr, or one that draws nothing (disabled, or no
-    tqdm installed)."""
-    if not enabled:
+    """A tqdm bar of completed requests on stderr, or one that draws nothing (disabled, stderr
+    no terminal, or no tqdm installed)."""
+    if not enabled or not sys.stderr.isatty():
         return _NoBar()
     try:
         from tqdm import tqdm
@@ -66,29 +62,24 @@ async def run_benchmark(
     one record per request, in workload order. Times are relative to the first due time."""
     offsets = arrival_offsets(len(requests), arrivals)
     limit = asyncio.Semaphore(arrivals.max_concurrency) if arrivals.max_concurrency else None
+    in_flight = limit or contextlib.nullcontext()
     records = [RequestRecord(i, r.num_prompt_tokens, r.max_tokens) for i, r in enumerate(requests)]
     bar = progress_bar(len(requests), arrivals.label, progress)
     start = time.perf_counter()
 
     async def send(i: int) -> None:
-        sent = time.perf_counter()
-        records[i].start_s = sent - start
-        await backend.send(requests[i], records[i], sent)
+        async with in_flight:
+            sent = time.perf_counter()
+            records[i].start_s = sent - start
+            await backend.send(requests[i], records[i], sent)
         bar.update(1)
-
-    async def send_when_allowed(i: int) -> None:
-        if limit is None:
-            await send(i)
-            return
-        async with limit:
-            await send(i)
 
     tasks = []
     for i, offset in enumerate(offsets):
         delay = start + offset - time.perf_counter()
         if delay > 0:
             await asyncio.sleep(delay)
-        tasks.append(asyncio.create_task(send_when_allowed(i)))
+        tasks.append(asyncio.create_task(send(i)))
     try:
         await asyncio.gather(*tasks)
     finally:

@@ -165,14 +165,10 @@ class PromptBuilder:
             return len(self.tokenizer.encode_chat([ChatMessage("user", text)]))
         return len(self.tokenizer.encode(text))
 
-    @property
-    def min_tokens(self) -> int:
-        """The shortest prompt there is: the template's own tokens (or BOS) and one more."""
-        return self.count("") + 1
-
     def request(self, num_tokens: int, max_tokens: int, rng: random.Random) -> BenchRequest:
-        """A request of max(num_tokens, min_tokens) prompt tokens."""
-        num_tokens = max(num_tokens, self.min_tokens)
+        """A request of num_tokens prompt tokens, or of the shortest prompt there is (the
+        template's own tokens, or BOS, and one more) when that is longer."""
+        num_tokens = max(num_tokens, self.count("") + 1)
         return self.wrap(self.text(num_tokens, rng), num_tokens, max_tokens)
 
     def wrap(self, text: str, num_tokens: int, max_tokens: int) -> BenchRequest:
@@ -187,7 +183,7 @@ class PromptBuilder:
         The words are cut at a token boundary; when decoding and re-encoding shifts the count
         (merges across the cut, the template's own tokens), the target is corrected and retried.
         """
-        overhead = self.count(prefix) if prefix else self.count("")
+        overhead = self.count(prefix)
         if num_tokens <= overhead and not prefix:
             raise ValueError(
                 f"a prompt of {num_tokens} tokens is shorter than the {overhead} tokens the "
@@ -213,11 +209,10 @@ def _prefix_requests(
     builder = PromptBuilder(tokenizer, config.chat)
     prefixes = [builder.text(config.prefix_len, rng) for _ in range(config.num_prefixes)]
     total = config.prefix_len + config.input_len
-    requests = []
-    for i in range(config.num_requests):
-        text = builder.text(total, rng, prefix=prefixes[i % config.num_prefixes])
-        requests.append(builder.wrap(text, total, config.output_len))
-    return requests
+    texts = [
+        builder.text(total, rng, prefixes[i % len(prefixes)]) for i in range(config.num_requests)
+    ]
+    return [builder.wrap(text, total, config.output_len) for text in texts]
 
 
 def read_jsonl(path: Path, config: WorkloadConfig, tokenizer: Tokenizer) -> list[BenchRequest]:
