@@ -29,9 +29,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import grpc  # noqa: E402
 
-from common.net import CHANNEL_OPTIONS, wait_until_serving  # noqa: E402
+from common.net import wait_until_serving  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.fake import FakeEngineConfig  # noqa: E402
 from llmserve.bench.report import cpu_model, save  # noqa: E402
@@ -62,11 +61,12 @@ def cpu_seconds(pid: int) -> float:
 
 
 async def stream_all(
-    address: str, num_requests: int, prompt_len: int, output_len: int
+    stack: Stack, num_requests: int, prompt_len: int, output_len: int
 ) -> list[tuple[float, float, int]]:
-    """All requests at once from one asyncio client; per request (first token time, last token
-    time, tokens)."""
-    async with grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
+    """All requests at once from one asyncio client (holding the stack's internal token); per
+    request (first token time, last token time, tokens)."""
+    metadata = stack.scheduler.peer_metadata()
+    async with stack.scheduler.channel(stack.scheduler_address) as channel:
         stub = scheduler_pb2_grpc.SchedulerStub(channel)
 
         async def one(i: int) -> tuple[float, float, int]:
@@ -78,7 +78,7 @@ async def stream_all(
                 ignore_eos=True,
             )
             n, t_first, t_last = 0, 0.0, 0.0
-            async for msg in stub.Submit(request, timeout=600):
+            async for msg in stub.Submit(request, timeout=600, metadata=metadata):
                 now = time.perf_counter()
                 t_first = t_first or now
                 t_last = now
@@ -94,7 +94,7 @@ def run_once(stack: Stack, num_requests: int, prompt_len: int, output_len: int) 
     before = stack.scheduler_stats()
     cpu_before = [cpu_seconds(pid) for pid in pids]
     t_start = time.perf_counter()
-    streams = asyncio.run(stream_all(stack.scheduler_address, num_requests, prompt_len, output_len))
+    streams = asyncio.run(stream_all(stack, num_requests, prompt_len, output_len))
     cpu_after = [cpu_seconds(pid) for pid in pids]
     after = stack.scheduler_stats()
     assert [n for *_, n in streams] == [output_len] * num_requests, streams

@@ -209,6 +209,25 @@ def add_servicer(
     add(servicer, _CheckedRegistration(server))
 
 
+def listen(
+    server: grpc.Server | grpc.aio.Server,
+    name: str,
+    host: str,
+    port: int,
+    credentials: grpc.ServerCredentials | None,
+) -> int:
+    """Bind server to host:port, over TLS with credentials; the port bound (port 0: a free one).
+    Raises RuntimeError naming the service when the address cannot be bound."""
+    address = f"{host}:{port}"
+    if credentials is None:
+        bound = server.add_insecure_port(address)
+    else:
+        bound = server.add_secure_port(address, credentials)
+    if bound == 0:
+        raise RuntimeError(f"{name}: cannot listen on {address}")
+    return bound
+
+
 async def serve_aio(
     server: grpc.aio.Server,
     name: str,
@@ -227,13 +246,7 @@ async def serve_aio(
     from common.log import get_logger
 
     log = get_logger(name)
-    address = f"{host}:{port}"
-    if credentials is None:
-        bound = server.add_insecure_port(address)
-    else:
-        bound = server.add_secure_port(address, credentials)
-    if bound == 0:
-        raise RuntimeError(f"{name}: cannot listen on {host}:{port}")
+    bound = listen(server, name, host, port, credentials)
     await server.start()
     log.info(f"{name} listening", address=f"{host}:{bound}")
     task = asyncio.create_task(start())

@@ -36,7 +36,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from common.auth import peer_interceptors
 from common.log import get_logger
-from common.net import SERVER_OPTIONS, add_servicer
+from common.net import SERVER_OPTIONS, add_servicer, listen
 from engine.config import EngineConfig
 from engine.contract import EngineInfo, StepOutput, StepPlanData
 from engine.convert import info_to_proto, plan_from_proto, result_to_proto
@@ -216,13 +216,7 @@ def serve(engine: StepExecutor, config: EngineConfig) -> None:
     add_servicer(engine_pb2_grpc.add_EngineServicer_to_server, EngineServicer(engine), server)
     health_servicer = health.HealthServicer()
     add_servicer(health_pb2_grpc.add_HealthServicer_to_server, health_servicer, server)
-    credentials = config.server_credentials()
-    if credentials is None:
-        bound = server.add_insecure_port(f"{host}:{port}")
-    else:
-        bound = server.add_secure_port(f"{host}:{port}", credentials)
-    if bound == 0:
-        raise RuntimeError(f"engine: cannot listen on {host}:{port}")
+    bound = listen(server, "engine", host, port, config.server_credentials())
     server.start()
     health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     log.info("engine serving", address=f"{host}:{bound}")
