@@ -57,11 +57,6 @@ def _hash32_(x: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
     return x.bitwise_xor_(torch.bitwise_right_shift(x, 16, out=scratch))
 
 
-def hash32(x: torch.Tensor) -> torch.Tensor:
-    """lowbias32 (a 32-bit integer hash) of int64 values in [0, 2^32), elementwise."""
-    return _hash32_(x.clone(), torch.empty_like(x))
-
-
 def standard_values(
     keys: tuple[int, int], start: int, count: int, device: torch.device
 ) -> torch.Tensor:
@@ -125,17 +120,3 @@ def hf_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     with torch.device("meta"):
         model = LlamaForCausalLM(config, 1)
     return {name: tuple(tensor.shape) for name, tensor in hf_parameter_slices(model)}
-
-
-def dummy_state_dict(
-    config: ModelConfig, seed: int, dtype: torch.dtype, device: torch.device
-) -> dict[str, torch.Tensor]:
-    """The dummy weights as HF-named tensors, made on `device` in `dtype`: what
-    init_dummy_weights puts into our fused model, for loading into HF's LlamaForCausalLM
-    (`load_state_dict(..., strict=False)` when the embeddings are tied)."""
-    weights: dict[str, torch.Tensor] = {}
-    for name, shape in hf_tensor_shapes(config).items():
-        tensor = torch.empty(shape, dtype=dtype, device=device)
-        fill_hf_tensor_(tensor, seed, name)
-        weights[name] = tensor
-    return weights

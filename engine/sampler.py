@@ -113,18 +113,6 @@ class Sampler:
         self.device = device
         self.generator = torch.Generator(device=device).manual_seed(seed)
 
-    def __call__(
-        self,
-        logits: torch.Tensor,
-        params: list[SamplingParams],
-        output_indices: list[int],
-        output_token_ids: Sequence[list[int]] = (),
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """logits [n, vocab] float32 -> (token ids [n] int64, chosen-token logprobs [n] or None).
-        The two results most callers need; `sample` has the rest."""
-        out = self.sample(logits, params, output_indices, output_token_ids)
-        return out.token_ids, out.logprobs
-
     def sample(
         self,
         logits: torch.Tensor,

@@ -132,23 +132,6 @@ def _decode_attention(
     out[token_idx] = attn.view(num_rows, -1, head_dim)
 
 
-def dense_causal_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
-) -> torch.Tensor:
-    """Textbook attention for one sequence, for checking the paged op: q [Lq, H, D] are the last
-    Lq positions of k/v [L, Hkv, D]. Explicit softmax, no fused kernels."""
-    num_q, num_heads, _ = q.shape
-    seq_len, num_kv_heads, _ = k.shape
-    group = num_heads // num_kv_heads
-    k = k.repeat_interleave(group, dim=1)
-    v = v.repeat_interleave(group, dim=1)
-    scores = torch.einsum("qhd,khd->hqk", q, k) * scale
-    q_pos = torch.arange(seq_len - num_q, seq_len)[:, None]
-    visible = torch.arange(seq_len)[None, :] <= q_pos
-    scores = scores.masked_fill(~visible, float("-inf"))
-    return torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), v)
-
-
 def rms_norm(
     x: torch.Tensor,
     weight: torch.Tensor,

@@ -33,10 +33,6 @@ class BlockManager:
     def num_free_blocks(self) -> int:
         return len(self.free_blocks)
 
-    @property
-    def num_used_blocks(self) -> int:
-        return self.num_blocks - len(self.free_blocks)
-
     def num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 

@@ -31,6 +31,25 @@ SEED = 7
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
+def hash32(x: torch.Tensor) -> torch.Tensor:
+    """lowbias32 (a 32-bit integer hash) of int64 values in [0, 2^32), elementwise."""
+    return dummy._hash32_(x.clone(), torch.empty_like(x))
+
+
+def dummy_state_dict(
+    config: ModelConfig, seed: int, dtype: torch.dtype, device: torch.device
+) -> dict[str, torch.Tensor]:
+    """The dummy weights as HF-named tensors, made on `device` in `dtype`: what
+    init_dummy_weights puts into our fused model, for loading into HF's LlamaForCausalLM
+    (`load_state_dict(..., strict=False)` when the embeddings are tied)."""
+    weights: dict[str, torch.Tensor] = {}
+    for name, shape in dummy.hf_tensor_shapes(config).items():
+        tensor = torch.empty(shape, dtype=dtype, device=device)
+        dummy.fill_hf_tensor_(tensor, seed, name)
+        weights[name] = tensor
+    return weights
+
+
 def write_config(directory: Path, base: Path, **overrides: object) -> Path:
     """A copy of base/config.json with some fields changed (a config-only model directory)."""
     config = json.loads((base / "config.json").read_text())
@@ -73,7 +92,7 @@ def test_integer_hash_is_lowbias32() -> None:
 
     values = [0, 1, 2, 0xFFFF, 0x10000, 0x7FFFFFFF, 0x80000000, 0xFFFFFFFF]
     values += [(i * 2654435761) & 0xFFFFFFFF for i in range(1000)]
-    assert dummy.hash32(torch.tensor(values)).tolist() == [lowbias32(v) for v in values]
+    assert hash32(torch.tensor(values)).tolist() == [lowbias32(v) for v in values]
 
 
 def test_values_are_near_normal_with_the_asked_moments() -> None:
@@ -117,7 +136,7 @@ def test_fused_slices_hold_the_hf_named_values(smollm2_2l: Path) -> None:
         model = LlamaForCausalLM(config, 16)
     model = model.to(torch.bfloat16).to_empty(device="cpu")
     dummy.init_dummy_weights(model, SEED)
-    expected = dummy.dummy_state_dict(config, SEED, torch.bfloat16, torch.device("cpu"))
+    expected = dummy_state_dict(config, SEED, torch.bfloat16, torch.device("cpu"))
     for name, tensor in dummy.hf_parameter_slices(model):
         assert torch.equal(tensor, expected[name]), name
     norm = model.layers[1].input_layernorm.weight
@@ -146,7 +165,7 @@ def test_dummy_engine_matches_hf_on_the_same_weights(smollm2_2l: Path, engine: E
 
     config = engine.model_config
     hf = HFLlama(LlamaConfig.from_pretrained(smollm2_2l)).float().eval()
-    state = dummy.dummy_state_dict(config, SEED, torch.float32, torch.device("cpu"))
+    state = dummy_state_dict(config, SEED, torch.float32, torch.device("cpu"))
     missing, unexpected = hf.load_state_dict(state, strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}
     assert hf.lm_head.weight.data_ptr() == hf.model.embed_tokens.weight.data_ptr()  # tied

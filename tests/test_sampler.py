@@ -3,17 +3,35 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import pytest
 import torch
 
 import engine.sampler
-from engine.sampler import Sampler, seed_for, seeded_exponential
+from engine import sampler as engine_sampler
+from engine.sampler import seed_for, seeded_exponential
 from protos.common_pb2 import SamplingParams
 from tests.factories import sampling
 
 CPU = torch.device("cpu")
 NUM_DRAWS = 20_000
+
+
+class Sampler(engine_sampler.Sampler):
+    """The engine's sampler, called for the two results most tests look at."""
+
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        output_indices: list[int],
+        output_token_ids: Sequence[list[int]] = (),
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """logits [n, vocab] float32 -> (token ids [n] int64, chosen-token logprobs [n] or None).
+        The two results most callers need; `sample` has the rest."""
+        out = self.sample(logits, params, output_indices, output_token_ids)
+        return out.token_ids, out.logprobs
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
