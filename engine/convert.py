@@ -6,17 +6,15 @@ from __future__ import annotations
 from dataclasses import asdict
 
 from engine.contract import EngineInfo, NewRequestData, RunningData, StepOutput, StepPlanData
-from protos import common_pb2, engine_pb2
+from protos import engine_pb2
 
 
 def _new_request(msg: engine_pb2.NewRequest) -> NewRequestData:
-    sampling = common_pb2.SamplingParams()
-    sampling.CopyFrom(msg.sampling)  # not a view: it would keep the whole plan alive
     return NewRequestData(
         seq_id=msg.seq_id,
         token_ids=list(msg.token_ids),
         num_prompt_tokens=msg.num_prompt_tokens,
-        sampling=sampling,
+        sampling=msg.sampling,  # a view for the step; the mirror keeps a normalized copy
         block_table=list(msg.block_table),
         num_computed_tokens=msg.num_computed_tokens,
         num_scheduled_tokens=msg.num_scheduled_tokens,

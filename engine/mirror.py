@@ -100,12 +100,16 @@ class Mirror:
             raise MirrorMismatch("a seq id is listed twice in one plan")
         batch = StepBatch(plan.step_id)
         for row, new in enumerate(plan.new_requests):
-            reason = self._refusal(new)
-            if reason is None:
-                batch.rows.append(self._add(new))
-            else:
+            # What a request carries (not how it was planned: that is a MirrorMismatch) can
+            # make it unrunnable; it is refused alone, whatever else is in the step.
+            try:
+                sampling = normalized(new.sampling)
+                self._check_vocabulary(new)
+            except ValueError as err:
                 self.refused.add(new.seq_id)
-                batch.refusals.append(Refusal(row, new.seq_id, reason))
+                batch.refusals.append(Refusal(row, new.seq_id, str(err)))
+                continue
+            batch.rows.append(self._add(new, sampling))
         run = plan.running
         columns = (run.num_scheduled_tokens, run.num_computed_tokens, run.num_new_blocks)
         if any(len(c) != len(run.seq_ids) for c in columns):
@@ -136,7 +140,8 @@ class Mirror:
             raise MirrorMismatch("new_block_ids longer than num_new_blocks says")
         return batch
 
-    def _add(self, new: NewRequestData) -> ScheduledSeq:
+    def _add(self, new: NewRequestData, sampling: SamplingParams) -> ScheduledSeq:
+        """new (its sampling params normalized) into the mirror; its share of the step."""
         if new.seq_id in self.seqs:
             raise MirrorMismatch(f"new seq {new.seq_id} is already in the mirror")
         if not 0 <= new.num_computed_tokens < len(new.token_ids):
@@ -153,25 +158,21 @@ class Mirror:
             new.seq_id,
             list(new.token_ids),
             new.num_prompt_tokens,
-            normalized(new.sampling),
+            sampling,
             self._checked_blocks(new.seq_id, new.block_table),
             new.num_computed_tokens,
         )
         self.seqs[new.seq_id] = seq
         return self._schedule(seq, new.num_scheduled_tokens)
 
-    def _refusal(self, new: NewRequestData) -> str | None:
-        """Why new cannot run, whatever else is in the step (None: it can): what it carries,
-        not how it was planned (a planning disagreement is a MirrorMismatch)."""
-        try:
-            normalized(new.sampling)
-        except ValueError as err:
-            return str(err)
+    def _check_vocabulary(self, new: NewRequestData) -> None:
+        """Raise ValueError when new carries a token id outside the vocabulary."""
         if self.vocab_size:
             bad = [t for t in new.token_ids if not 0 <= t < self.vocab_size]
             if bad:
-                return f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})"
-        return None
+                raise ValueError(
+                    f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})"
+                )
 
     def _checked_blocks(
         self, seq_id: int, block_ids: list[int], table: list[int] | None = None
