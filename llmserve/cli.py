@@ -74,8 +74,13 @@ def run_service(name: str, configs: list[Any]) -> None:
     from common.log import configure
 
     config = configs[0]
+    # Before anything slow (loading a model): an internal service refuses an exposed port
+    # without protection; the gateway's port is the public one, it only reads its token (a bad
+    # @PATH fails here).
     if name == "gateway":
-        config.check_exposure("127.0.0.1")  # reads an @file token now: a bad path fails early
+        config.token()
+    else:
+        config.check_exposure(config.host)
     configure(name)
     telemetry.setup(name, config.metrics_port, config.host)
     try:
@@ -96,7 +101,6 @@ def run_service(name: str, configs: list[Any]) -> None:
 def _run_engine(config: EngineConfig, fake: FakeEngineConfig | None) -> None:
     from engine.service import serve
 
-    config.check_exposure(config.host)  # before minutes of loading a model
     if fake is not None:
         from engine.fake import FakeEngine
 

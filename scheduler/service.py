@@ -420,9 +420,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
 
 
 async def serve(config: SchedulerConfig) -> None:
-    """Serve until SIGTERM / SIGINT. Raises ValueError when config would expose the scheduler
-    beyond loopback to anyone (no internal token, no mutual TLS)."""
-    config.check_exposure(config.host)
+    """Serve until SIGTERM / SIGINT (llmserve.cli.run_service has checked its exposure)."""
     server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=peer_interceptors(config))
     service = SchedulerService(config)
     add_servicer(scheduler_pb2_grpc.add_SchedulerServicer_to_server, service, server)
