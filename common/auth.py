@@ -16,7 +16,7 @@ from __future__ import annotations
 import hmac
 import ipaddress
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -49,14 +49,12 @@ def _secret(value: str | None) -> str | None:
 class PeerSecurity:
     """The internal links' settings, shared by the three services' configs (a base class)."""
 
-    internal_token: str | None = field(
-        default=None,
-        repr=False,
-        metadata={
-            "help": "the secret every internal call carries (@PATH: read it from a file); "
-            "`llmserve serve` makes one",
-            "env": "LLMSERVE_INTERNAL_TOKEN",
-        },
+    internal_token: str | None = setting(
+        None,
+        "the secret every internal call carries (@PATH: read it from a file); `llmserve serve` "
+        "makes one",
+        secret=True,
+        env="LLMSERVE_INTERNAL_TOKEN",
     )
     tls_cert: str | None = setting(None, "PEM certificate for the internal links (TLS)")
     tls_key: str | None = setting(None, "PEM private key of --tls-cert")

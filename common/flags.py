@@ -114,9 +114,10 @@ def from_json(classes: dict[str, type], text: str) -> Any:
     return cls(**_with_tuples(cls, data["fields"]))
 
 
-def setting(default: Any, help: str, **metadata: Any) -> Any:
-    """A config field with its flag's help text (and metadata: choices, env, flag)."""
-    return dataclasses.field(default=default, metadata={"help": help, **metadata})
+def setting(default: Any, help: str, *, secret: bool = False, **metadata: Any) -> Any:
+    """A config field with its flag's help text (and metadata: choices, env, flag); a secret
+    one is left out of the config's repr (and so out of logs)."""
+    return dataclasses.field(default=default, repr=not secret, metadata={"help": help, **metadata})
 
 
 def check_ports(config: object, *names: str) -> None:

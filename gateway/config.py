@@ -3,7 +3,7 @@ these fields (common/flags.py)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from common.auth import PeerSecurity
 from common.flags import check_ports, setting
@@ -42,13 +42,11 @@ class GatewayConfig(PeerSecurity):
         "an id GetModelInfo reports, so whoever started this gateway can tell it from another "
         "server on the same port (`llmserve serve` sets a random one)",
     )
-    api_key: str | None = field(
-        default=None,
-        repr=False,
-        metadata={
-            "help": "require 'Authorization: Bearer KEY' of every HTTP and gRPC client",
-            "env": "LLMSERVE_API_KEY",
-        },
+    api_key: str | None = setting(
+        None,
+        "require 'Authorization: Bearer KEY' of every HTTP and gRPC client",
+        secret=True,
+        env="LLMSERVE_API_KEY",
     )
 
     def __post_init__(self) -> None:
