@@ -1,5 +1,11 @@
 """Helpers shared by the CUDA kernel tests on the GPU (test_kernels_cuda.py) and on the CPU
-emulator (test_kernels_emulated.py): NaN-poisoned paged pools, the reference, the tolerances."""
+emulator (test_kernels_emulated.py): NaN-poisoned paged pools (fp16 / bf16, or FP8 with scales),
+the reference, the tolerances.
+
+Tolerances are on the kernel against reference.paged_attention in float64 over the same pool
+(an FP8 pool's values dequantized exactly), so they measure the kernel's own arithmetic (P and
+the output rounded to q's dtype), not FP8's quantization error: the same bounds hold for every
+cache dtype. tests/test_kernels_reference.py bounds the quantization error itself."""
 
 from __future__ import annotations
 
@@ -12,6 +18,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from kernels import reference as ref
 
 TOL = {torch.bfloat16: 1e-2, torch.float16: 5e-3}
+FP8 = torch.float8_e4m3fn
 
 
 def nan_like(t: torch.Tensor) -> torch.Tensor:
@@ -38,9 +45,12 @@ def make_pool(
     dtype: torch.dtype,
     spare_blocks: int = 7,
     device: str = "cpu",
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A NaN-filled pool whose sequences own shuffled blocks; each sequence's first seq_len slots
-    hold random values. Table rows (int32) are padded with a block id nobody owns."""
+    hold random values (standard normal K / V, stored / k_scale and / v_scale: scales other than
+    1 need an FP8 `dtype`). Table rows (int32) are padded with a block id nobody owns."""
     need = [max(1, -(-n // block_size)) for n in seq_lens]
     num_blocks = sum(need) + spare_blocks
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
@@ -57,8 +67,9 @@ def make_pool(
         slots.append((blocks[:, None] * block_size + torch.arange(block_size)).flatten()[:n])
     index = torch.cat(slots).to(device)
     flat = (-1, num_kv_heads, head_dim)
-    k.view(flat)[index] = torch.randn(len(index), num_kv_heads, head_dim, device=device).to(dtype)
-    v.view(flat)[index] = torch.randn(len(index), num_kv_heads, head_dim, device=device).to(dtype)
+    rows = (len(index), num_kv_heads, head_dim)
+    k.view(flat)[index] = ref.quantize_kv(torch.randn(rows, device=device), dtype, k_scale)
+    v.view(flat)[index] = ref.quantize_kv(torch.randn(rows, device=device), dtype, v_scale)
     return k, v, tables.to(device)
 
 
@@ -70,11 +81,14 @@ def reference_attention(
     seq_lens: Sequence[int],
     cu_seqlens_q: Sequence[int],
     precision: torch.dtype = torch.float64,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """reference.paged_attention in `precision` on NaN-free copies (slots nobody owns -> 0; the
-    reference pads decode contexts with such slots and masks them, and 0 * NaN would be NaN)."""
-    kk = torch.nan_to_num(k.to(precision), nan=0.0)
-    vv = torch.nan_to_num(v.to(precision), nan=0.0)
+    reference pads decode contexts with such slots and masks them, and 0 * NaN would be NaN). An
+    FP8 pool is dequantized first (stored * scale, exact in float64)."""
+    kk = torch.nan_to_num(k.to(precision), nan=0.0) * k_scale
+    vv = torch.nan_to_num(v.to(precision), nan=0.0) * v_scale
     scale = q.shape[-1] ** -0.5
     with sdpa_kernel(SDPBackend.MATH):
         return ref.paged_attention(
