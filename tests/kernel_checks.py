@@ -123,3 +123,57 @@ def check_silu_and_mul(kc: ModuleType, x: torch.Tensor, dtype: torch.dtype) -> N
     assert_close(got, expect, dtype, "silu_and_mul vs reference")
     gate, up = x.double().chunk(2, dim=-1)
     assert_close(got, gate * torch.sigmoid(gate) * up, dtype, "silu_and_mul vs float64")
+
+
+def every_value(dtype: torch.dtype) -> torch.Tensor:
+    """All 65,536 bit patterns of a 16-bit float type, NaNs removed (their sign is not kept)."""
+    x = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(dtype)
+    return x[~torch.isnan(x)]
+
+
+def check_store_kv_fp8_every_value(
+    kc: ModuleType, dtype: torch.dtype, index_dtype: torch.dtype, scale: float, device: str = "cpu"
+) -> None:
+    """Every fp16 / bf16 value (infinities, subnormals, ties, beyond +-448 * scale) through the
+    quantizing kernels.cuda.store_kv: the same bytes as reference.store_kv. V gets the values
+    reversed and twice the scale; every 7th token is a padding row."""
+    x = every_value(dtype)
+    x = torch.cat((x, x[: -len(x) % 128])).to(device)  # whole rows of 2 heads x 64
+    key = x.view(-1, 2, 64)
+    value = x.flip(0).view(-1, 2, 64)
+    num_tokens = key.shape[0]
+    slots = torch.randperm(num_tokens + 40)[:num_tokens].to(device)
+    slots[::7] = -1
+    shape = (-(-(num_tokens + 40) // 16), 16, 2, 64)
+    k = torch.zeros(shape, dtype=FP8, device=device)
+    v = torch.zeros(shape, dtype=FP8, device=device)
+    k_ref, v_ref = k.clone(), v.clone()
+    kc.store_kv(key, value, k, v, slots.to(index_dtype), scale, 2 * scale)
+    ref.store_kv(key, value, k_ref, v_ref, slots, scale, 2 * scale)
+    assert torch.equal(k.view(torch.uint8), k_ref.view(torch.uint8))
+    assert torch.equal(v.view(torch.uint8), v_ref.view(torch.uint8))
+
+
+def check_fp8_load_exact(
+    kc: ModuleType, dtype: torch.dtype, entry: str, device: str = "cpu"
+) -> None:
+    """Sequences of one token attend to that token alone (softmax weight exactly 1), so the
+    output is the token's V row as the kernel converted it: it must equal every finite FP8 value
+    exactly, times v_scale (a power of two here, so no rounding). entry: "decode" / "prefill"."""
+    codes = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F], dtype=torch.uint8)
+    codes = torch.cat((codes, torch.zeros(256 - len(codes), dtype=torch.uint8)))
+    num_seqs, num_kv_heads, head_dim = 2, 2, 64  # 2 x 2 x 64 = 256 slots for 254 values + 2 zeros
+    v = torch.zeros(num_seqs, 16, num_kv_heads, head_dim, dtype=FP8)
+    v[:, 0] = codes.view(num_seqs, num_kv_heads, head_dim).view(FP8)
+    k = ref.quantize_kv(torch.randn(v.shape), FP8)
+    k, v = k.to(device), v.to(device)
+    tables = torch.arange(num_seqs, dtype=torch.int32, device=device).view(num_seqs, 1)
+    q = torch.randn(num_seqs, 3 * num_kv_heads, head_dim, device=device).to(dtype)  # GQA 3
+    lens = torch.ones(num_seqs, dtype=torch.int32, device=device)
+    if entry == "decode":
+        out = kc.paged_decode_attention(q, k, v, tables, lens, 0.1, 1.0, 0.25, num_splits=1)
+    else:
+        cu = torch.arange(num_seqs + 1, dtype=torch.int32, device=device)
+        out = kc.paged_prefill_attention(q, k, v, tables, lens, cu, 0.1, 1.0, 0.25, block_m=64)
+    expect = (v[:, 0].to(torch.float64) * 0.25).repeat_interleave(3, dim=1)
+    assert torch.equal(out.to(torch.float64), expect)

@@ -39,8 +39,10 @@ from kernels import reference as ref
 from tests.kernel_checks import (
     FP8,
     assert_close,
+    check_fp8_load_exact,
     check_rms_norm,
     check_silu_and_mul,
+    check_store_kv_fp8_every_value,
     make_pool,
     nan_like,
     reference_attention,
@@ -263,36 +265,14 @@ def test_store_kv(kc: ModuleType, dtype: torch.dtype, head_dim: int, index_dtype
     assert torch.equal(k, k_ref) and torch.equal(v, v_ref)
 
 
-def every_value(dtype: torch.dtype) -> torch.Tensor:
-    """All 65,536 bit patterns of a 16-bit float type, NaNs removed (their sign is not kept)."""
-    x = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(dtype)
-    return x[~torch.isnan(x)]
-
-
 @pytest.mark.parametrize("scale", [1.0, 0.3])
 @pytest.mark.parametrize(
     ("dtype", "index_dtype"), [(torch.float16, torch.int32), (torch.bfloat16, torch.int64)]
 )
 def test_store_kv_fp8_every_value(
-    kc: ModuleType, dtype: torch.dtype, index_dtype, scale: float
+    kc: ModuleType, dtype: torch.dtype, index_dtype: torch.dtype, scale: float
 ) -> None:
-    """Every fp16 / bf16 value (infinities, subnormals, ties, beyond +-448 * scale) through the
-    quantizing store: the same bytes as reference.store_kv. V gets the values reversed and its
-    own scale."""
-    x = every_value(dtype)
-    x = torch.cat((x, x[: -len(x) % 128]))  # whole rows of 2 heads x 64
-    key = x.view(-1, 2, 64)
-    value = x.flip(0).view(-1, 2, 64)
-    num_tokens = key.shape[0]
-    slots = torch.randperm(num_tokens + 40)[:num_tokens]
-    slots[::7] = -1
-    shape = (-(-(num_tokens + 40) // 16), 16, 2, 64)
-    k, v = torch.zeros(shape, dtype=FP8), torch.zeros(shape, dtype=FP8)
-    k_ref, v_ref = k.clone(), v.clone()
-    kc.store_kv(key, value, k, v, slots.to(index_dtype), scale, 2 * scale)
-    ref.store_kv(key, value, k_ref, v_ref, slots, scale, 2 * scale)
-    assert torch.equal(k.view(torch.uint8), k_ref.view(torch.uint8))
-    assert torch.equal(v.view(torch.uint8), v_ref.view(torch.uint8))
+    check_store_kv_fp8_every_value(kc, dtype, index_dtype, scale)
 
 
 def test_store_kv_fp8_nan_stays_nan(kc: ModuleType) -> None:
@@ -305,25 +285,7 @@ def test_store_kv_fp8_nan_stays_nan(kc: ModuleType) -> None:
 @pytest.mark.parametrize("entry", ["decode", "prefill"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_fp8_load_is_exact_for_every_value(kc: ModuleType, dtype: torch.dtype, entry: str) -> None:
-    """Sequences of one token attend to that token alone (softmax weight exactly 1), so the
-    output is the token's V row as the kernel converted it: it must equal every finite FP8 value
-    exactly, times v_scale (a power of two here, so no rounding)."""
-    codes = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F], dtype=torch.uint8)
-    codes = torch.cat((codes, torch.zeros(256 - len(codes), dtype=torch.uint8)))
-    num_seqs, num_kv_heads, head_dim = 2, 2, 64  # 2 x 2 x 64 = 256 slots for 254 values + 2 zeros
-    v = torch.zeros(num_seqs, 16, num_kv_heads, head_dim, dtype=FP8)
-    v[:, 0] = codes.view(num_seqs, num_kv_heads, head_dim).view(FP8)
-    k = ref.quantize_kv(torch.randn(v.shape), FP8)
-    tables = torch.arange(num_seqs, dtype=torch.int32).view(num_seqs, 1)
-    q = torch.randn(num_seqs, 3 * num_kv_heads, head_dim).to(dtype)  # GQA 3
-    lens = torch.ones(num_seqs, dtype=torch.int32)
-    if entry == "decode":
-        out = kc.paged_decode_attention(q, k, v, tables, lens, 0.1, 1.0, 0.25, num_splits=1)
-    else:
-        cu = torch.arange(num_seqs + 1, dtype=torch.int32)
-        out = kc.paged_prefill_attention(q, k, v, tables, lens, cu, 0.1, 1.0, 0.25, block_m=64)
-    expect = (v[:, 0].to(torch.float64) * 0.25).repeat_interleave(3, dim=1)
-    assert torch.equal(out.to(torch.float64), expect)
+    check_fp8_load_exact(kc, dtype, entry)
 
 
 def test_fp8_software_conversions_are_common_cu_verbatim() -> None:
