@@ -124,7 +124,7 @@ def is_available() -> bool:
     if not torch.cuda.is_available():
         return False
     try:
-        import cupy  # noqa: F401
+        import cupy  # type: ignore[import-not-found, unused-ignore]  # noqa: F401
     except ImportError:
         return False
     return torch.cuda.get_device_capability() >= (8, 0)
@@ -136,7 +136,7 @@ def is_available() -> bool:
 
 @cache
 def _module(spec: ModuleSpec, device_index: int) -> Any:
-    import cupy
+    import cupy  # type: ignore[import-not-found, unused-ignore]
 
     with cupy.cuda.Device(device_index):
         return cupy.RawModule(
@@ -501,8 +501,8 @@ def paged_decode_attention(
             _ptr(out), _i64(out.stride(0)), _i64(out.stride(1)),
             _i32(num_seqs), _i32(num_heads), _i32(num_splits),
         )  # fmt: skip
-        grid = (num_heads, num_seqs)
-        _launch(spec, spec.name_expressions[1], grid, (head_dim,), merge_args, 0, q.device)
+        merge_grid = (num_heads, num_seqs)
+        _launch(spec, spec.name_expressions[1], merge_grid, (head_dim,), merge_args, 0, q.device)
     return out
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import random
 import zlib
 from collections.abc import Sequence
+from types import ModuleType
 
 import pytest
 import torch
@@ -42,7 +43,7 @@ FP8_SCALES = (0.5, 0.25)  # k_scale, v_scale of the FP8 pools: K / 0.5, V / 0.25
 
 
 @pytest.fixture(scope="module")
-def kc():
+def kc() -> ModuleType:
     pytest.importorskip("cupy")
     import kernels.cuda as kcuda
 
@@ -75,7 +76,7 @@ def ragged(num: int, low: int, high: int, block_size: int) -> list[int]:
 
 
 def run_decode(
-    kc,
+    kc: ModuleType,
     dtype: torch.dtype,
     head_dim: int,
     block_size: int,
@@ -113,7 +114,9 @@ def run_decode(
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_decode_grid(kc, dtype: torch.dtype, head_dim: int, block_size: int, group: int) -> None:
+def test_decode_grid(
+    kc: ModuleType, dtype: torch.dtype, head_dim: int, block_size: int, group: int
+) -> None:
     lens = ragged(9, 1, 700, block_size)
     run_decode(kc, dtype, head_dim, block_size, group, lens)  # split-K chosen for a small batch
     run_decode(kc, dtype, head_dim, block_size, group, lens, num_splits=1)
@@ -129,19 +132,28 @@ def test_decode_grid(kc, dtype: torch.dtype, head_dim: int, block_size: int, gro
         (torch.bfloat16, 128, 16, 8, 1, 32768, 32768),  # batch 1 at 32k
     ],
 )
-def test_decode_large(kc, dtype, head_dim, block_size, group, num_seqs, low, high) -> None:
+def test_decode_large(
+    kc: ModuleType,
+    dtype: torch.dtype,
+    head_dim: int,
+    block_size: int,
+    group: int,
+    num_seqs: int,
+    low: int,
+    high: int,
+) -> None:
     lens = ragged(num_seqs, low, high, block_size)
     run_decode(kc, dtype, head_dim, block_size, group, lens, precision=torch.float32)
 
 
 @pytest.mark.parametrize("num_splits", [1, 2, 5, 33, 300])
-def test_decode_split_counts(kc, num_splits: int) -> None:
+def test_decode_split_counts(kc: ModuleType, num_splits: int) -> None:
     """Any split count, including more splits than a sequence has 16-token tiles."""
     lens = [1, 15, 16, 17, 300, 2049, 5000]
     run_decode(kc, torch.bfloat16, 128, 16, 4, lens, num_splits=num_splits)
 
 
-def test_decode_odd_groups_and_empty_sequences(kc) -> None:
+def test_decode_odd_groups_and_empty_sequences(kc: ModuleType) -> None:
     run_decode(kc, torch.float16, 64, 16, 3, ragged(5, 1, 300, 16), num_kv_heads=3)  # 9 / 3
     run_decode(kc, torch.bfloat16, 128, 16, 20, ragged(3, 1, 500, 16), num_kv_heads=1)  # 2 tiles
     k, v, tables = make_pool([0, 40], 16, 2, 128, torch.bfloat16, device=DEVICE)
@@ -153,7 +165,7 @@ def test_decode_odd_groups_and_empty_sequences(kc) -> None:
         assert bool(torch.isfinite(out[1]).all())
 
 
-def test_decode_cuda_graph(kc) -> None:
+def test_decode_cuda_graph(kc: ModuleType) -> None:
     """Captured on a side stream with fixed max_seq_len / num_splits, replayed on new queries."""
     lens = ragged(8, 1, 3000, 16)
     k, v, tables = make_pool(lens, 16, 2, 128, torch.bfloat16, device=DEVICE)
@@ -183,7 +195,7 @@ def test_decode_cuda_graph(kc) -> None:
 
 
 def run_prefill(
-    kc,
+    kc: ModuleType,
     dtype: torch.dtype,
     head_dim: int,
     block_size: int,
@@ -232,7 +244,9 @@ SMALL_CHUNKS = [(1, 40), (37, 0), (64, 100), (130, 17), (5, 3)]
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_prefill_grid(kc, dtype, head_dim, block_size, group, block_m) -> None:
+def test_prefill_grid(
+    kc: ModuleType, dtype: torch.dtype, head_dim: int, block_size: int, group: int, block_m: int
+) -> None:
     chunks = SMALL_CHUNKS[:]
     random.shuffle(chunks)
     run_prefill(kc, dtype, head_dim, block_size, group, chunks, block_m=block_m)
@@ -247,7 +261,14 @@ def test_prefill_grid(kc, dtype, head_dim, block_size, group, block_m) -> None:
         (torch.float16, 64, 32, 3, [(257, 31), (512, 1024)]),  # group 3
     ],
 )
-def test_prefill_large(kc, dtype, head_dim, block_size, group, chunks) -> None:
+def test_prefill_large(
+    kc: ModuleType,
+    dtype: torch.dtype,
+    head_dim: int,
+    block_size: int,
+    group: int,
+    chunks: list[tuple[int, int]],
+) -> None:
     for block_m in (64, 128):
         run_prefill(
             kc, dtype, head_dim, block_size, group, chunks, block_m=block_m,
@@ -255,7 +276,7 @@ def test_prefill_large(kc, dtype, head_dim, block_size, group, chunks) -> None:
         )  # fmt: skip
 
 
-def test_paged_attention_mixed_batch(kc) -> None:
+def test_paged_attention_mixed_batch(kc: ModuleType) -> None:
     """Decode rows and prefill chunks in one flattened batch, as the engine schedules them."""
     chunks = [(1, random.randint(1, 2000)) for _ in range(40)] + [(900, 0), (300, 1200)]
     random.shuffle(chunks)
@@ -273,7 +294,7 @@ def test_paged_attention_mixed_batch(kc) -> None:
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_decode_fp8_grid(
-    kc, dtype: torch.dtype, head_dim: int, block_size: int, group: int
+    kc: ModuleType, dtype: torch.dtype, head_dim: int, block_size: int, group: int
 ) -> None:
     lens = ragged(9, 1, 700, block_size)
     run_decode(kc, dtype, head_dim, block_size, group, lens, fp8=True)
@@ -288,7 +309,16 @@ def test_decode_fp8_grid(
         (torch.bfloat16, 64, 16, 20, 3, 1, 500),  # GQA 20: two head tiles
     ],
 )
-def test_decode_fp8_large(kc, dtype, head_dim, block_size, group, num_seqs, low, high) -> None:
+def test_decode_fp8_large(
+    kc: ModuleType,
+    dtype: torch.dtype,
+    head_dim: int,
+    block_size: int,
+    group: int,
+    num_seqs: int,
+    low: int,
+    high: int,
+) -> None:
     lens = ragged(num_seqs, low, high, block_size)
     num_kv_heads = 1 if group == 20 else 2
     run_decode(
@@ -301,13 +331,15 @@ def test_decode_fp8_large(kc, dtype, head_dim, block_size, group, num_seqs, low,
 @pytest.mark.parametrize("group", [1, 4])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_prefill_fp8_grid(kc, dtype, head_dim, group, block_m) -> None:
+def test_prefill_fp8_grid(
+    kc: ModuleType, dtype: torch.dtype, head_dim: int, group: int, block_m: int
+) -> None:
     chunks = SMALL_CHUNKS[:]
     random.shuffle(chunks)
     run_prefill(kc, dtype, head_dim, 16, group, chunks, block_m=block_m, fp8=True)
 
 
-def test_prefill_fp8_large_and_mixed(kc) -> None:
+def test_prefill_fp8_large_and_mixed(kc: ModuleType) -> None:
     for block_m in (64, 128):
         run_prefill(
             kc, torch.bfloat16, 128, 16, 4, [(4096, 4096)], block_m=block_m,
@@ -324,20 +356,22 @@ def test_prefill_fp8_large_and_mixed(kc) -> None:
 @pytest.mark.parametrize(
     ("dtype", "index_dtype"), [(torch.float16, torch.int32), (torch.bfloat16, torch.int64)]
 )
-def test_store_kv_fp8_every_value(kc, dtype, index_dtype, scale) -> None:
+def test_store_kv_fp8_every_value(
+    kc: ModuleType, dtype: torch.dtype, index_dtype: torch.dtype, scale: float
+) -> None:
     """cvt.rn.satfinite.e4m3x2.f32 against reference.store_kv (torch's rounding), bytewise."""
     check_store_kv_fp8_every_value(kc, dtype, index_dtype, scale, device=DEVICE)
 
 
 @pytest.mark.parametrize("entry", ["decode", "prefill"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_fp8_load_is_exact_for_every_value(kc, dtype, entry) -> None:
+def test_fp8_load_is_exact_for_every_value(kc: ModuleType, dtype: torch.dtype, entry: str) -> None:
     """cvt.rn.f16x2.e4m3x2 (and on to bf16) gives every FP8 value exactly."""
     check_fp8_load_exact(kc, dtype, entry, device=DEVICE)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_fp8_pool_end_to_end(kc, dtype: torch.dtype) -> None:
+def test_fp8_pool_end_to_end(kc: ModuleType, dtype: torch.dtype) -> None:
     """The engine's path: K / V of q's dtype stored by the kernel into an FP8 pool, then decode
     and prefill over it, against float32 attention over the unquantized K / V. E4M3 rounds each
     element by up to 2^-4 relative (2.7% RMS on normal data, as tests/test_kernels_reference.py
@@ -401,7 +435,9 @@ def test_fp8_pool_end_to_end(kc, dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_store_kv(kc, dtype, head_dim, index_dtype) -> None:
+def test_store_kv(
+    kc: ModuleType, dtype: torch.dtype, head_dim: int, index_dtype: torch.dtype
+) -> None:
     num_tokens, num_heads, num_kv_heads, block_size, num_blocks = 3000, 16, 4, 16, 400
     qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, device=DEVICE)
     qkv = qkv.to(dtype)
@@ -422,7 +458,7 @@ def test_store_kv(kc, dtype, head_dim, index_dtype) -> None:
 @pytest.mark.parametrize("hidden", [576, 4096])
 @pytest.mark.parametrize("with_residual", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_rms_norm(kc, dtype, hidden, with_residual) -> None:
+def test_rms_norm(kc: ModuleType, dtype: torch.dtype, hidden: int, with_residual: bool) -> None:
     x = (torch.randn(1000, hidden, device=DEVICE) * 3).to(dtype)
     weight = torch.randn(hidden, device=DEVICE).to(dtype)
     residual = torch.randn(1000, hidden, device=DEVICE).to(dtype) if with_residual else None
@@ -432,7 +468,9 @@ def test_rms_norm(kc, dtype, hidden, with_residual) -> None:
 @pytest.mark.parametrize("pos_dtype", [torch.int32, torch.int64])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_rotary_embedding(kc, dtype, head_dim, pos_dtype) -> None:
+def test_rotary_embedding(
+    kc: ModuleType, dtype: torch.dtype, head_dim: int, pos_dtype: torch.dtype
+) -> None:
     num_tokens, num_heads, num_kv_heads = 777, 8, 2
     inv_freq = 1.0 / (500000.0 ** (torch.arange(0, head_dim, 2).float() / head_dim))
     freqs = torch.outer(torch.arange(8192).float(), inv_freq)
@@ -453,6 +491,6 @@ def test_rotary_embedding(kc, dtype, head_dim, pos_dtype) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_silu_and_mul(kc, dtype) -> None:
+def test_silu_and_mul(kc: ModuleType, dtype: torch.dtype) -> None:
     x = (torch.randn(1000, 2 * 1536, device=DEVICE) * 3).to(dtype)
     check_silu_and_mul(kc, x, dtype)

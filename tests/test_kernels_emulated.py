@@ -247,7 +247,9 @@ def test_paged_attention_dispatch(kc: ModuleType, emulator: emu.Emulator, cache:
     ("dtype", "head_dim", "index_dtype"),
     [(torch.float16, 64, torch.int32), (torch.bfloat16, 128, torch.int64)],
 )
-def test_store_kv(kc: ModuleType, dtype: torch.dtype, head_dim: int, index_dtype) -> None:
+def test_store_kv(
+    kc: ModuleType, dtype: torch.dtype, head_dim: int, index_dtype: torch.dtype
+) -> None:
     """37 tokens of strided key / value views into shuffled slots, every 5th a padding row."""
     num_tokens, num_heads, num_kv_heads, block_size, num_blocks = 37, 4, 2, 16, 6
     qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim).to(dtype)
@@ -359,7 +361,9 @@ def test_rms_norm(
     ("dtype", "head_dim", "pos_dtype"),
     [(torch.float16, 64, torch.int64), (torch.bfloat16, 128, torch.int32)],
 )
-def test_rotary_embedding(kc: ModuleType, dtype: torch.dtype, head_dim: int, pos_dtype) -> None:
+def test_rotary_embedding(
+    kc: ModuleType, dtype: torch.dtype, head_dim: int, pos_dtype: torch.dtype
+) -> None:
     """Exact: the kernel rounds as the reference's float32 x1 * cos - x2 * sin does."""
     num_tokens, num_heads, num_kv_heads, max_position = 37, 3, 1, 512
     inv_freq = 1.0 / (500000.0 ** (torch.arange(0, head_dim, 2).float() / head_dim))
