@@ -12,7 +12,7 @@
 //
 // Layout:
 //   q           [num_seqs, num_heads, HD], any sequence / head strides (even), last dim contiguous
-//   k/v_cache   [num_blocks, block_size, num_kv_heads, HD] of KV, contiguous (kernels/reference.py's
+//   k/v_cache   [num_blocks, block_size, num_kv_heads, HD] of KV, contiguous (reference.py's
 //               layout); token j of sequence b is row j % block_size of block
 //               block_tables[b, j / block_size]. block_size must be a multiple of 16 so that a
 //               16-token tile never straddles two blocks.

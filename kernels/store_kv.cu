@@ -82,7 +82,8 @@ __global__ void __launch_bounds__(256)
   const long long slot = static_cast<long long>(slot_mapping[t]);
   if (slot < 0) return;
 
-  const vec16_t k = *reinterpret_cast<const vec16_t*>(key + t * key_stride_t + h * key_stride_h + d);
+  const vec16_t k =
+      *reinterpret_cast<const vec16_t*>(key + t * key_stride_t + h * key_stride_h + d);
   const vec16_t v =
       *reinterpret_cast<const vec16_t*>(value + t * value_stride_t + h * value_stride_h + d);
   const long long dst = (slot * num_kv_heads + h) * head_dim + d;
