@@ -61,6 +61,12 @@ def quantize_kv(x: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> torc
     return x.float().clamp(-FP8_MAX, FP8_MAX).to(dtype)
 
 
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """An FP8 tensor's bytes (uint8), other tensors as they are: FP8 rows move as bytes, so no
+    gather / scatter kernel needs to support FP8 itself."""
+    return t.view(torch.uint8) if t.dtype == FP8_DTYPE else t
+
+
 def store_kv(
     key: torch.Tensor,
     value: torch.Tensor,
@@ -82,16 +88,16 @@ def store_kv(
     valid = slot_mapping >= 0
     if not bool(valid.all()):
         key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
-    flat_k[slot_mapping] = quantize_kv(key, flat_k.dtype, k_scale)
-    flat_v[slot_mapping] = quantize_kv(value, flat_v.dtype, v_scale)
+    _as_bytes(flat_k)[slot_mapping] = _as_bytes(quantize_kv(key, flat_k.dtype, k_scale))
+    _as_bytes(flat_v)[slot_mapping] = _as_bytes(quantize_kv(value, flat_v.dtype, v_scale))
 
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
     """The first `seq_len` token rows of one request, `[seq_len, num_kv_heads, head_dim]`."""
     block_size = cache.shape[1]
     num_blocks = (seq_len + block_size - 1) // block_size
-    rows = cache.flatten(1).index_select(0, block_table[:num_blocks])  # [blocks, bs * Hkv * D]
-    return rows.view(-1, *cache.shape[2:])[:seq_len]
+    rows = _as_bytes(cache).flatten(1).index_select(0, block_table[:num_blocks])
+    return rows.view(cache.dtype).view(-1, *cache.shape[2:])[:seq_len]  # [blocks * bs, Hkv, D]
 
 
 def paged_attention(
@@ -173,8 +179,10 @@ def _decode_attention(
     max_blocks = (max_len + block_size - 1) // block_size
     index = block_tables[rows, :max_blocks].flatten()
     shape = (num_rows, max_blocks * block_size, num_kv_heads, head_dim)
-    k = k_cache.flatten(1).index_select(0, index).view(shape).to(q.dtype)  # [B, L, Hkv, D]
-    v = v_cache.flatten(1).index_select(0, index).view(shape).to(q.dtype)
+    k = _as_bytes(k_cache).flatten(1).index_select(0, index)  # [B * blocks, bs * Hkv * D]
+    v = _as_bytes(v_cache).flatten(1).index_select(0, index)
+    k = k.view(k_cache.dtype).view(shape).to(q.dtype)  # [B, L, Hkv, D]
+    v = v.view(v_cache.dtype).view(shape).to(q.dtype)
     token_idx = torch.tensor([cu_seqlens_q[b] for b in rows], device=device)
     qg = q[token_idx].view(num_rows, num_kv_heads, -1, head_dim)  # [B, Hkv, G, D]
     hidden = (torch.arange(shape[1], device=device)[None, :] >= lens[:, None])[:, None, :]
