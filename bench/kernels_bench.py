@@ -5,6 +5,8 @@ Measures (Llama-3-8B attention shape: 32 query heads, 8 KV heads, head_dim 128, 
   - decode attention, batch 64-256 x contexts 1k-8k and batch 1-4 x 32k: KV bytes read / time,
     against torch scaled_dot_product_attention (flash / efficient) on contiguous K/V (no gather
     timed); for batch 1-4 also a sweep of the split count;
+  - the same decode shapes over an FP8 (e4m3) KV pool with k_scale / v_scale: FP8 bytes read /
+    time, and time against the bf16 pool's (ideally about half: half the bytes);
   - prefill attention on 4k-token causal chunks (no context, and after 4k of context) against
     torch's flash SDPA, in TFLOP/s of causal attention actually needed;
   - store_kv against a plain device copy of the same bytes;
@@ -13,7 +15,7 @@ Each figure is the median of several replays of a CUDA graph holding back-to-bac
 Python launch overhead is not timed); working sets exceed the 50 MB L2 wherever bandwidth is
 claimed. Prints a short table last and writes everything to --out as JSON.
 
-    python3 bench/kernels_bench.py [--out bench/results/kernels_h200.json] [--quick]
+    python3 bench/kernels_bench.py [--out bench/results/kernels_h200.json] [--quick] [--only fp8]
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +46,7 @@ COPY_TBPS = 4.28  # ../shared/gpu.md, device-to-device copy, bytes read + writte
 MATMUL_TFLOPS = 780.0  # ../shared/gpu.md, bf16 8192^3 through torch
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 DTYPE = torch.bfloat16
+FP8 = torch.float8_e4m3fn
 DEVICE = torch.device("cuda", 0)
 
 
@@ -146,7 +150,7 @@ def torch_sdpa(
     is_causal or attn_mask, as SDPA takes them."""
     from torch.nn.attention import sdpa_kernel
 
-    def timed(k: torch.Tensor, v: torch.Tensor, **gqa: bool) -> dict[str, Any]:
+    def timed(k: torch.Tensor, v: torch.Tensor, **gqa: Any) -> dict[str, Any]:
         def call() -> None:
             with sdpa_kernel(backend):
                 F.scaled_dot_product_attention(q4, k, v, **mask, **gqa)
@@ -187,7 +191,7 @@ def bench_decode(batch: int, context: int, sweep: bool) -> dict[str, Any]:
     row["auto_splits"] = kc.decode_num_splits(batch * NUM_KV_HEADS, context, slots)
     row["ours"] = attempt(lambda: ours(None))
     if sweep:
-        row["sweep"] = {s: attempt(lambda s=s: ours(s)) for s in (1, 8, 16, 24, 32, 48, 64, 96)}
+        row["sweep"] = {s: attempt(partial(ours, s)) for s in (1, 8, 16, 24, 32, 48, 64, 96)}
     # correctness spot check against the reference on this data (one sequence)
     expect = ref.paged_attention(
         q[:1].float(), k, v, tables[:1].long(), [context], [0, 1], scale
@@ -195,17 +199,58 @@ def bench_decode(batch: int, context: int, sweep: bool) -> dict[str, Any]:
     row["check_rel_err"] = float((out[:1].float() - expect.float()).norm() / expect.float().norm())
     del expect
     kk, vv = contiguous_kv(k, tables, context), contiguous_kv(v, tables, context)
-    k = v = None  # drop the pool before the contiguous copies are timed
+    k = v = None  # type: ignore[assignment]  # drop the pool before the contiguous copies are timed
     free()
     from torch.nn.attention import SDPBackend
 
     for name, backend in (("flash", SDPBackend.FLASH_ATTENTION),
                           ("efficient", SDPBackend.EFFICIENT_ATTENTION)):  # fmt: skip
-        r = attempt(lambda backend=backend: torch_sdpa(q.unsqueeze(2), kk, vv, backend))
+        r = attempt(partial(torch_sdpa, q.unsqueeze(2), kk, vv, backend))
         if "ms" in r:
             r["tbps"] = kv_bytes / r["ms"] / 1e9
         row[f"torch_{name}"] = r
-    kk = vv = None
+    del kk, vv
+    free()
+    return row
+
+
+def bench_decode_fp8(batch: int, context: int) -> dict[str, Any]:
+    """bench_decode's shape over an FP8 pool (K / k_scale, V / v_scale stored), auto splits."""
+    seq_lens = [context] * batch
+    k, v, tables = paged_pool(seq_lens)
+    k_scale, v_scale = 4.5 / 448, 4.5 / 448  # standard normal K / V: +-4.5 fills E4M3's range
+    k8, v8 = torch.empty_like(k, dtype=FP8), torch.empty_like(v, dtype=FP8)
+    for i in range(0, k.shape[0], 4096):  # in slices: quantize_kv's float64 temporaries are 8x
+        k8[i : i + 4096] = ref.quantize_kv(k[i : i + 4096], FP8, k_scale)
+        v8[i : i + 4096] = ref.quantize_kv(v[i : i + 4096], FP8, v_scale)
+    del k, v
+    free()
+    q = torch.randn(batch, NUM_HEADS, HEAD_DIM, dtype=DTYPE, device=DEVICE)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    out = torch.empty_like(q)
+    scale = HEAD_DIM**-0.5
+    kv_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM  # one byte per element
+
+    def call() -> None:
+        kc.paged_decode_attention(
+            q, k8, v8, tables, lens, scale, k_scale, v_scale, max_seq_len=context, out=out
+        )
+
+    row: dict[str, Any] = {"batch": batch, "context": context, "kv_bytes": kv_bytes}
+    r = attempt(lambda: time_ms(call))
+    if "ms" in r:
+        r["tbps"] = kv_bytes / r["ms"] / 1e9
+        r["pct_copy"] = 100 * r["tbps"] / COPY_TBPS
+    row["ours"] = r
+
+    def check() -> dict[str, Any]:  # the reference gathers one sequence's FP8 rows, upcasts them
+        expect = ref.paged_attention(
+            q[:1].float(), k8, v8, tables[:1].long(), [context], [0, 1], scale, k_scale, v_scale
+        )
+        return {"rel_err": float((out[:1].float() - expect).norm() / expect.norm())}
+
+    row["check"] = attempt(check)
+    k8 = v8 = None  # type: ignore[assignment]
     free()
     return row
 
@@ -235,13 +280,13 @@ def bench_prefill(num_seqs: int, num_new: int, context: int) -> dict[str, Any]:
         def call(block_m: int = block_m) -> None:
             kc.paged_prefill_attention(q, k, v, tables, lens, cu, scale, block_m=block_m, out=out)
 
-        r = attempt(lambda call=call: time_ms(call))
+        r = attempt(partial(time_ms, call))
         if "ms" in r:
             r["tflops"] = flops / r["ms"] / 1e9
         row[f"ours_block_m{block_m}"] = r
     kk = contiguous_kv(k, tables, seq_len)
     vv = contiguous_kv(v, tables, seq_len)
-    k = v = None  # drop the pool before the contiguous copies are timed
+    k = v = None  # type: ignore[assignment]  # drop the pool before the contiguous copies are timed
     free()
     q4 = q.view(num_seqs, num_new, NUM_HEADS, HEAD_DIM).transpose(1, 2)
     from torch.nn.attention import SDPBackend
@@ -254,7 +299,7 @@ def bench_prefill(num_seqs: int, num_new: int, context: int) -> dict[str, Any]:
     if "ms" in r:
         r["tflops"] = flops / r["ms"] / 1e9
     row["torch_flash"] = r
-    kk = vv = None
+    del kk, vv
     free()
     return row
 
@@ -290,7 +335,7 @@ def bench_copy_ceiling() -> dict[str, Any]:
     dst = torch.empty_like(src)
     r = time_ms(lambda: dst.copy_(src), target_ms=10, replays=5)
     r["tbps"] = 2 * src.numel() * 4 / r["ms"] / 1e9
-    src = dst = None
+    src = dst = None  # type: ignore[assignment]
     free()
     return r
 
@@ -331,15 +376,27 @@ def bench_layer_ops(num_tokens: int = 8192) -> dict[str, Any]:
 
 
 def kernel_attributes() -> dict[str, Any]:
-    attrs = {}
-    for (spec, expr, _), kernel in kc._kernels.items():
-        attrs[f"{spec.filename}:{expr}"] = attempt(
-            lambda kernel=kernel: {
-                "num_regs": kernel.num_regs,
-                "local_size_bytes": kernel.local_size_bytes,
-                "max_dynamic_shared_size_bytes": kernel.max_dynamic_shared_size_bytes,
-            }
-        )
+    """Registers, local memory and shared memory limit of the attention kernels of this shape."""
+    import cupy  # type: ignore[import-not-found, unused-ignore]
+
+    ctype = "bf16_t"
+    specs = [kc.decode_spec(ctype, HEAD_DIM), kc.prefill_spec(ctype, HEAD_DIM)]
+    specs += [kc.decode_spec(ctype, HEAD_DIM, kc.FP8_CTYPE)]
+    attrs: dict[str, Any] = {}
+    index = DEVICE.index or 0
+    with cupy.cuda.Device(index):
+        for spec in specs:
+            for expr in spec.name_expressions:
+
+                def read(spec: kc.ModuleSpec = spec, expr: str = expr) -> dict[str, Any]:
+                    kernel = kc._kernel(spec, expr, index)
+                    return {
+                        "num_regs": kernel.num_regs,
+                        "local_size_bytes": kernel.local_size_bytes,
+                        "max_dynamic_shared_size_bytes": kernel.max_dynamic_shared_size_bytes,
+                    }
+
+                attrs[f"{spec.filename}:{expr}"] = attempt(read)
     return attrs
 
 
@@ -355,7 +412,9 @@ def summary(results: dict[str, Any]) -> str:
     lines = [f"GPU: {results['device']}  copy ceiling used {COPY_TBPS} TB/s "
              f"(measured here {fmt(results['copy_ceiling'].get('tbps'), '.2f')})"]  # fmt: skip
     lines.append("decode   B   ctx   ms     TB/s  %copy  splits | flash ms  eff ms  ours/best")
-    dec_ok_large, dec_ok_small, dec_vs_torch = [], [], []
+    dec_ok_large: list[float | None] = []
+    dec_ok_small: list[float | None] = []
+    dec_vs_torch: list[float | None] = []
     for r in results["decode"]:
         o = r.get("ours", {})
         best_ms = o.get("ms")
@@ -391,6 +450,18 @@ def summary(results: dict[str, Any]) -> str:
             f"         {r['seqs']:4d} {r['new_tokens']:4d} {r['context']:5d} | "
             f"{fmt(t64, '.0f'):>12}  {fmt(t128, '.0f'):>13} | {fmt(tfl, '.0f'):>13}  "
             f"{fmt(ratio, '.2f'):>9}"
+        )
+    if results.get("decode_fp8"):
+        lines.append("decode fp8 B  ctx   ms     TB/s  %copy | bf16 pool ms  fp8/bf16")
+    bf16_ms = {(r["batch"], r["context"]): r.get("ours", {}).get("ms") for r in results["decode"]}
+    for r in results.get("decode_fp8", []):
+        ms = r.get("ours", {}).get("ms")
+        base = bf16_ms.get((r["batch"], r["context"]))
+        lines.append(
+            f"       {r['batch']:4d} {r['context']:5d} {fmt(ms, '.4f'):>7} "
+            f"{fmt(r.get('ours', {}).get('tbps'), '.2f'):>5} "
+            f"{fmt(r.get('ours', {}).get('pct_copy'), '.0f'):>5} | {fmt(base, '.4f'):>12}  "
+            f"{fmt(ms / base if ms and base else None, '.2f'):>8}"
         )
     kv_pct = []
     for r in results["store_kv"]:
@@ -442,6 +513,11 @@ def main() -> int:
     parser.add_argument(
         "--budget-s", type=float, default=600.0, help="skip the shapes left after this many seconds"
     )
+    parser.add_argument(
+        "--only",
+        choices=("fp8",),
+        help="fp8: only decode over bf16 and FP8 pools (the FP8 comparison, a few minutes less)",
+    )
     args = parser.parse_args()
     if not kc.is_available():
         print("kernels.cuda is not available here (needs CuPy and a CUDA GPU of sm_80+)")
@@ -465,11 +541,12 @@ def main() -> int:
             "dtype": str(DTYPE),
         },
         "decode": [],
+        "decode_fp8": [],
         "prefill": [],
         "store_kv": [],
     }
     try:
-        import cupy
+        import cupy  # type: ignore[import-not-found, unused-ignore]
 
         results["cupy"] = cupy.__version__
     except ImportError:
@@ -490,21 +567,30 @@ def main() -> int:
     if args.quick:
         large, small = [(64, 1024), (256, 4096)], [(1, 32768)]
     for b, c in small + large:
-        row = run(lambda b=b, c=c: bench_decode(b, c, sweep=b <= 4))
+        row = run(partial(bench_decode, b, c, sweep=b <= 4))
         row.update({"batch": b, "context": c, "kv_bytes": 2 * b * c * NUM_KV_HEADS * HEAD_DIM * 2})
         results["decode"].append(row)
         print(f"decode B={b} ctx={c}: {row.get('ours', row)}"[:160], flush=True)
         save()
-    for seqs, new, ctx in [(1, 4096, 0), (4, 4096, 0), (1, 4096, 4096)]:
-        row = run(lambda s=seqs, n=new, c=ctx: bench_prefill(s, n, c))
-        row.update({"seqs": seqs, "new_tokens": new, "context": ctx})
-        results["prefill"].append(row)
-        print(f"prefill {seqs}x{new}+{ctx}: {row.get('ours_block_m128', row)}"[:160], flush=True)
+    if args.only != "fp8":  # the FP8 pool comes last: the sections above keep the time budget
+        for seqs, new, ctx in [(1, 4096, 0), (4, 4096, 0), (1, 4096, 4096)]:
+            row = run(partial(bench_prefill, seqs, new, ctx))
+            row.update({"seqs": seqs, "new_tokens": new, "context": ctx})
+            results["prefill"].append(row)
+            print(
+                f"prefill {seqs}x{new}+{ctx}: {row.get('ours_block_m128', row)}"[:160], flush=True
+            )
+            save()
+        for n in (4096, 32768):
+            results["store_kv"].append(run(partial(bench_store_kv, n)))
+        results["layer_ops"] = run(bench_layer_ops)
+    for b, c in small + large:
+        row = run(partial(bench_decode_fp8, b, c))
+        row.update({"batch": b, "context": c, "kv_bytes": 2 * b * c * NUM_KV_HEADS * HEAD_DIM})
+        results["decode_fp8"].append(row)
+        print(f"decode fp8 B={b} ctx={c}: {row.get('ours', row)}"[:160], flush=True)
         save()
-    for n in (4096, 32768):
-        results["store_kv"].append(run(lambda n=n: bench_store_kv(n)))
-    results["layer_ops"] = run(bench_layer_ops)
-    results["kernels"] = kernel_attributes()
+    results["kernels"] = attempt(kernel_attributes)
     results["summary"] = summary(results)
     save()
     print(f"\nwrote {out} ({results['seconds']:.0f} s)\n")

@@ -6,6 +6,9 @@
 //     in inline PTX so that no CUDA header is needed (NVRTC then compiles with no include path).
 //   - cp.async (16 bytes, zero-filling when the source is out of range), ldmatrix and small
 //     vector types for 16-byte loads and stores.
+//   - fp8e4m3_t, the element of an FP8 KV pool, and its conversions: E4M3 -> fp16 / bf16 (exact)
+//     and float -> E4M3 (round to nearest even, saturating to +-448). sm_89+ uses the cvt
+//     instructions; older GPUs the integer version between the fp8-software markers.
 // Memory layout and launch shape: none of its own (device functions only; compiles to nothing).
 // Needs sm_80 or newer (cp.async, ldmatrix, bf16 mma and cvt).
 
@@ -28,6 +31,89 @@ struct alignas(16) vec16_t {
 struct alignas(8) float2_t {
   float x, y;
 };
+// 8 bytes: 8 FP8 values, the unit a thread converts to one vec16_t of fp16 / bf16.
+struct alignas(8) vec8_t {
+  unsigned int w[2];
+};
+
+// FP8 E4M3 "fn" (torch.float8_e4m3fn): sign, 4 exponent bits (bias 7), 3 mantissa bits; no
+// infinities, NaN = 0x7f / 0xff, largest finite 448, smallest subnormal 2^-9.
+struct alignas(1) fp8e4m3_t {
+  unsigned char bits;
+};
+
+// Whether a KV cache element type is FP8 (dequantized on load, scaled) or q's own type.
+template <typename KV>
+struct IsFp8 {
+  static constexpr bool value = false;
+};
+template <>
+struct IsFp8<fp8e4m3_t> {
+  static constexpr bool value = true;
+};
+
+// fp8-software-begin
+// FP8 E4M3 conversions in integer arithmetic: the path below sm_89 and, in the same words, the
+// CPU emulator's (tests/test_kernels_emulated.py checks that the two copies stay identical).
+
+// E4M3 byte -> fp16 bits, exact: every E4M3 value is a normal fp16. NaN -> NaN.
+LLMSERVE_DEVICE unsigned int e4m3_to_f16_bits(unsigned int b) {
+  const unsigned int sign = (b & 0x80u) << 8;
+  const unsigned int exponent = (b >> 3) & 0xfu, mantissa = b & 0x7u;
+  if (exponent == 0xfu && mantissa == 0x7u) return sign | 0x7e00u;
+  if (exponent != 0u) return sign | ((exponent + 8u) << 10) | (mantissa << 7);
+  if (mantissa == 0u) return sign;
+  // subnormal: mantissa * 2^-9 = 2^(p - 9) * (1 + rest / 2^p), p the leading bit's position
+  const unsigned int p = mantissa >= 4u ? 2u : (mantissa >= 2u ? 1u : 0u);
+  return sign | ((p + 6u) << 10) | ((mantissa - (1u << p)) << (10u - p));
+}
+
+// float -> E4M3 byte, rounded to nearest even; beyond +-448 (infinities too) saturates to +-448;
+// NaN -> NaN.
+LLMSERVE_DEVICE unsigned int float_to_e4m3_bits(float f) {
+  const unsigned int u = __float_as_uint(f);
+  const unsigned int sign = (u >> 24) & 0x80u;
+  const unsigned int magnitude = u & 0x7fffffffu;
+  if (magnitude > 0x7f800000u) return sign | 0x7fu;   // NaN
+  if (magnitude >= 0x43e00000u) return sign | 0x7eu;  // >= 448: saturate
+  if (magnitude < 0x3c800000u) {                      // below 2^-6: units of 2^-9
+    const unsigned int shift = 141u - (magnitude >> 23);  // units = significand >> shift
+    if (shift > 24u) return sign;                         // below half a unit
+    const unsigned int m = 0x800000u | (magnitude & 0x7fffffu);
+    unsigned int units = m >> shift;
+    const unsigned int rest = m & ((1u << shift) - 1u), half = 1u << (shift - 1u);
+    if (rest > half || (rest == half && (units & 1u))) units++;
+    return sign | units;  // 8 units is 2^-6, the smallest normal: the same bits
+  }
+  unsigned int bits = (magnitude >> 20) - (120u << 3);  // rebias the exponent 127 -> 7
+  const unsigned int rest = magnitude & 0xfffffu;       // the 20 bits dropped
+  if (rest > 0x80000u || (rest == 0x80000u && (bits & 1u))) bits++;
+  return sign | bits;  // below 448, so a carry never reaches the NaN pattern
+}
+// fp8-software-end
+
+// Two E4M3 values (bits 0-7: the lower element, bits 8-15) -> fp16x2 (lower element low).
+LLMSERVE_DEVICE unsigned int e4m3x2_to_f16x2(unsigned int two) {
+#if __CUDA_ARCH__ >= 890
+  unsigned int r;
+  asm("{ .reg .b16 t; cvt.u16.u32 t, %1; cvt.rn.f16x2.e4m3x2 %0, t; }" : "=r"(r) : "r"(two));
+  return r;
+#else
+  return e4m3_to_f16_bits(two & 0xffu) | (e4m3_to_f16_bits((two >> 8) & 0xffu) << 16);
+#endif
+}
+
+// Two floats -> two E4M3 values in bits 0-15 (`lo` in bits 0-7), rounded to nearest even and
+// saturated to +-448.
+LLMSERVE_DEVICE unsigned int float2_to_e4m3x2(float lo, float hi) {
+#if __CUDA_ARCH__ >= 890
+  unsigned short r;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
+  return r;
+#else
+  return float_to_e4m3_bits(lo) | (float_to_e4m3_bits(hi) << 8);
+#endif
+}
 
 // Finite "minus infinity" for running maxima: exp2(x - NEG_BIG) never sees inf - inf.
 #define LLMSERVE_NEG_BIG (-1.0e30f)
@@ -55,6 +141,8 @@ struct DType<f16_t> {
     asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
     return r;
   }
+  // Two E4M3 values (bits 0-15, lower element in bits 0-7) -> two f16 in one register, exact.
+  static LLMSERVE_DEVICE unsigned int from_e4m3x2(unsigned int two) { return e4m3x2_to_f16x2(two); }
   // d += a * b for one m16n8k16 tile, fp32 accumulators.
   static LLMSERVE_DEVICE void mma(float (&d)[4], const unsigned int (&a)[4], unsigned int b0,
                                   unsigned int b1) {
@@ -80,6 +168,12 @@ struct DType<bf16_t> {
     asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
     return r;
   }
+  // Through fp16 and fp32, exact (an E4M3 value has 4 significant bits).
+  static LLMSERVE_DEVICE unsigned int from_e4m3x2(unsigned int two) {
+    const unsigned int h = e4m3x2_to_f16x2(two);
+    return pack2(DType<f16_t>::to_float(static_cast<unsigned short>(h & 0xffffu)),
+                 DType<f16_t>::to_float(static_cast<unsigned short>(h >> 16)));
+  }
   static LLMSERVE_DEVICE void mma(float (&d)[4], const unsigned int (&a)[4], unsigned int b0,
                                   unsigned int b1) {
     asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
@@ -101,6 +195,17 @@ LLMSERVE_DEVICE void vec_set(vec16_t& v, int i, float f) {
   const unsigned int bits = DType<T>::from_float(f);
   unsigned int& word = v.w[i >> 1];
   word = (i & 1) ? ((word & 0x0000ffffu) | (bits << 16)) : ((word & 0xffff0000u) | bits);
+}
+
+// Eight E4M3 values -> eight T (exact), element i of the input to element i of the output.
+template <typename T>
+LLMSERVE_DEVICE vec16_t e4m3x8_to(const vec8_t& v) {
+  vec16_t r;
+  r.w[0] = DType<T>::from_e4m3x2(v.w[0] & 0xffffu);
+  r.w[1] = DType<T>::from_e4m3x2(v.w[0] >> 16);
+  r.w[2] = DType<T>::from_e4m3x2(v.w[1] & 0xffffu);
+  r.w[3] = DType<T>::from_e4m3x2(v.w[1] >> 16);
+  return r;
 }
 
 // Round a float to T and back: what storing to T and reloading would give.

@@ -13,7 +13,11 @@ common.cu is inlined into each source here rather than #included through a path.
 Importing this module needs neither CuPy nor a GPU; `is_available()` says whether the kernels can
 run. KV pool layout (the one of kernels/reference.py): one layer's k_cache / v_cache are contiguous
 `[num_blocks, block_size, num_kv_heads, head_dim]`; slot s is row s % block_size of block
-s // block_size.
+s // block_size. The pool's dtype is q's (fp16 / bf16) or torch.float8_e4m3fn: an FP8 pool holds
+K / k_scale and V / v_scale (per-layer floats, vLLM's k_scale / v_scale; see reference.py), which
+store_kv quantizes (round to nearest even, saturating to +-448) and the attention kernels convert
+back to q's dtype on load, applying the scales in fp32. Each cache dtype is its own compiled
+template instance, so the fp16 / bf16 pool's kernels do exactly what they did before FP8.
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from kernels.reference import FP8_DTYPE, check_kv_scales
 
 KERNEL_DIR = Path(__file__).resolve().parent
 # No --use_fast_math: exp2f / expf / rsqrtf / division keep their accurate forms.
@@ -39,6 +45,7 @@ DEFAULT_SMEM_LIMIT = 48 * 1024  # above this a kernel must opt in to more dynami
 LOG2E = 1.4426950408889634
 
 _CTYPES = {torch.float16: "f16_t", torch.bfloat16: "bf16_t"}
+FP8_CTYPE = "fp8e4m3_t"  # common.cu's type for a torch.float8_e4m3fn pool
 _INDEX_CTYPES = {torch.int32: "int", torch.int64: "long long"}
 # Resident CTAs per SM of paged_decode_kernel on sm_90, from `nvcc -Xptxas -v` (registers with
 # __launch_bounds__(128, 3): 168 for head_dim 128, 124 for 64) and its shared memory.
@@ -53,28 +60,35 @@ class ModuleSpec:
     name_expressions: tuple[str, ...]
 
 
-def store_kv_spec() -> ModuleSpec:
-    exprs = tuple(f"store_kv_kernel<{c}>" for c in _INDEX_CTYPES.values())
+def store_kv_spec(fp8_ctype: str | None = None) -> ModuleSpec:
+    """The plain copy (a cache of the input's dtype), or with `fp8_ctype` (the input's ctype) the
+    quantizing store into an FP8 cache."""
+    if fp8_ctype is None:
+        exprs = tuple(f"store_kv_kernel<{c}>" for c in _INDEX_CTYPES.values())
+    else:
+        exprs = tuple(f"store_kv_fp8_kernel<{fp8_ctype}, {c}>" for c in _INDEX_CTYPES.values())
     return ModuleSpec("store_kv.cu", exprs)
 
 
-def decode_spec(ctype: str, head_dim: int) -> ModuleSpec:
+def decode_spec(ctype: str, head_dim: int, cache_ctype: str | None = None) -> ModuleSpec:
+    """cache_ctype: the KV pool's element type, q's (`ctype`, the default) or FP8_CTYPE."""
     return ModuleSpec(
         "decode_attention.cu",
         (
-            f"paged_decode_kernel<{ctype}, {head_dim}>",
+            f"paged_decode_kernel<{ctype}, {cache_ctype or ctype}, {head_dim}>",
             f"paged_decode_merge_kernel<{ctype}, {head_dim}>",
         ),
     )
 
 
-def prefill_expr(ctype: str, head_dim: int, block_m: int) -> str:
+def prefill_expr(ctype: str, head_dim: int, block_m: int, cache_ctype: str | None = None) -> str:
     warps, m_tiles, keys = PREFILL_CONFIGS[block_m]
-    return f"paged_prefill_kernel<{ctype}, {head_dim}, {warps}, {m_tiles}, {keys}>"
+    kv = cache_ctype or ctype
+    return f"paged_prefill_kernel<{ctype}, {kv}, {head_dim}, {warps}, {m_tiles}, {keys}>"
 
 
-def prefill_spec(ctype: str, head_dim: int) -> ModuleSpec:
-    exprs = tuple(prefill_expr(ctype, head_dim, m) for m in PREFILL_CONFIGS)
+def prefill_spec(ctype: str, head_dim: int, cache_ctype: str | None = None) -> ModuleSpec:
+    exprs = tuple(prefill_expr(ctype, head_dim, m, cache_ctype) for m in PREFILL_CONFIGS)
     return ModuleSpec("prefill_attention.cu", exprs)
 
 
@@ -91,6 +105,10 @@ def all_module_specs() -> list[ModuleSpec]:
         specs += [decode_spec(ctype, d) for d in HEAD_DIMS]
         specs += [prefill_spec(ctype, d) for d in HEAD_DIMS]
         specs.append(layer_ops_spec(ctype))
+    for ctype in _CTYPES.values():
+        specs.append(store_kv_spec(ctype))
+        specs += [decode_spec(ctype, d, FP8_CTYPE) for d in HEAD_DIMS]
+        specs += [prefill_spec(ctype, d, FP8_CTYPE) for d in HEAD_DIMS]
     return specs
 
 
@@ -106,7 +124,7 @@ def is_available() -> bool:
     if not torch.cuda.is_available():
         return False
     try:
-        import cupy  # noqa: F401
+        import cupy  # type: ignore[import-not-found, unused-ignore]  # noqa: F401
     except ImportError:
         return False
     return torch.cuda.get_device_capability() >= (8, 0)
@@ -118,7 +136,7 @@ def is_available() -> bool:
 
 @cache
 def _module(spec: ModuleSpec, device_index: int) -> Any:
-    import cupy
+    import cupy  # type: ignore[import-not-found, unused-ignore]
 
     with cupy.cuda.Device(device_index):
         return cupy.RawModule(
@@ -244,10 +262,32 @@ def _check_contiguous(op: str, name: str, t: torch.Tensor) -> None:
 
 
 def _check_kv_cache(
-    op: str, k_cache: torch.Tensor, v_cache: torch.Tensor, dtype: torch.dtype, device: torch.device
+    op: str,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    dtype: torch.dtype,
+    device: torch.device,
+    k_scale: float,
+    v_scale: float,
+    like: str = "q",
 ) -> tuple[int, int, int, int]:
-    _check(op, "k_cache", k_cache, ndim=4, dtypes=(dtype,), device=device)
-    _check(op, "v_cache", v_cache, ndim=4, dtypes=(dtype,), device=device, shape=k_cache.shape)
+    """The pool: of `like`'s `dtype` or FP8, both halves alike, contiguous; the scales fit it.
+    Returns (num_blocks, block_size, num_kv_heads, head_dim)."""
+    if isinstance(k_cache, torch.Tensor) and k_cache.dtype not in (dtype, FP8_DTYPE):
+        _fail(
+            op,
+            f"k_cache.dtype={k_cache.dtype} does not go with {like}.dtype={dtype}: the kernels "
+            f"read a cache of {like}'s dtype or of torch.float8_e4m3fn",
+        )
+    _check(op, "k_cache", k_cache, ndim=4, dtypes=(dtype, FP8_DTYPE), device=device)
+    if v_cache.dtype != k_cache.dtype:
+        _fail(op, f"v_cache.dtype={v_cache.dtype} must equal k_cache.dtype={k_cache.dtype}")
+    _check(op, "v_cache", v_cache, ndim=4, dtypes=(k_cache.dtype,), device=device,
+           shape=k_cache.shape)  # fmt: skip
+    try:
+        check_kv_scales(k_cache.dtype, k_scale, v_scale)
+    except ValueError as err:
+        _fail(op, str(err))
     for name, pool in (("k_cache", k_cache), ("v_cache", v_cache)):
         _check_contiguous(op, name, pool)
         _check_rows16(op, name, pool)
@@ -263,11 +303,15 @@ def _check_attention_args(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     num_seqs: int,
+    k_scale: float,
+    v_scale: float,
 ) -> tuple[int, int, int, int]:
     """Returns (num_heads, num_kv_heads, head_dim, block_size)."""
     _check(op, "q", q, ndim=3, dtypes=tuple(_CTYPES))
     _check_rows16(op, "q", q)
-    _, block_size, num_kv_heads, head_dim = _check_kv_cache(op, k_cache, v_cache, q.dtype, q.device)
+    _, block_size, num_kv_heads, head_dim = _check_kv_cache(
+        op, k_cache, v_cache, q.dtype, q.device, k_scale, v_scale
+    )
     num_heads = q.shape[1]
     if q.shape[2] != head_dim:
         _fail(op, f"q.shape[2]={q.shape[2]} must equal the cache's head_dim={head_dim}")
@@ -307,16 +351,23 @@ def store_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
-    """Write rows `key[t]`, `value[t]` ([T, num_kv_heads, head_dim]) to slot `slot_mapping[t]`.
+    """Write rows `key[t]`, `value[t]` ([T, num_kv_heads, head_dim]) to slot `slot_mapping[t]`
+    (reference.store_kv).
 
-    Slot -1 marks a padding row and is skipped. Modifies k_cache and v_cache in place; the
-    key / value dtype must equal the cache's (fp16 or bf16; no conversion). Slots must lie inside
-    the pool (not checked: that would need a device sync).
+    Slot -1 marks a padding row and is skipped. Modifies k_cache and v_cache in place. key / value
+    are fp16 or bf16; the cache has their dtype (a plain copy; scales must be 1.0) or is
+    torch.float8_e4m3fn (key / k_scale and value / v_scale rounded to nearest even, saturating to
+    +-448, bit for bit as reference.quantize_kv). Slots must lie inside the pool (not checked:
+    that would need a device sync).
     """
     op = "store_kv"
     _check(op, "key", key, ndim=3, dtypes=tuple(_CTYPES))
-    _, _, num_kv_heads, head_dim = _check_kv_cache(op, k_cache, v_cache, key.dtype, key.device)
+    _, _, num_kv_heads, head_dim = _check_kv_cache(
+        op, k_cache, v_cache, key.dtype, key.device, k_scale, v_scale, like="key"
+    )
     shape = (key.shape[0], num_kv_heads, head_dim)
     _check(op, "key", key, ndim=3, dtypes=(key.dtype,), device=key.device, shape=shape)
     _check(op, "value", value, ndim=3, dtypes=(key.dtype,), device=key.device, shape=shape)
@@ -332,19 +383,30 @@ def store_kv(
     if num_tokens == 0:
         return
     threads = num_tokens * num_kv_heads * head_dim // 8
-    args = (
+    args: tuple[Any, ...] = (
         _ptr(key), _i64(key.stride(0)), _i64(key.stride(1)),
         _ptr(value), _i64(value.stride(0)), _i64(value.stride(1)),
         _ptr(k_cache), _ptr(v_cache), _ptr(slot_mapping),
         _i32(num_tokens), _i32(num_kv_heads), _i32(head_dim),
     )  # fmt: skip
-    expr = f"store_kv_kernel<{_INDEX_CTYPES[slot_mapping.dtype]}>"
-    _launch(store_kv_spec(), expr, (-(-threads // 256),), (256,), args, 0, key.device)
+    index_ctype = _INDEX_CTYPES[slot_mapping.dtype]
+    if k_cache.dtype == FP8_DTYPE:
+        ctype = _CTYPES[key.dtype]
+        spec = store_kv_spec(ctype)
+        expr = f"store_kv_fp8_kernel<{ctype}, {index_ctype}>"
+        args += (_f32(k_scale), _f32(v_scale))
+    else:
+        spec, expr = store_kv_spec(), f"store_kv_kernel<{index_ctype}>"
+    _launch(spec, expr, (-(-threads // 256),), (256,), args, 0, key.device)
 
 
-def decode_smem_bytes(head_dim: int) -> int:
-    """4 warps x 2 stages x (K + V) x 16 rows x (head_dim + 8) x 2 bytes."""
-    return 4 * 2 * 2 * DECODE_TILE * (head_dim + 8) * 2
+def decode_smem_bytes(head_dim: int, fp8: bool = False) -> int:
+    """4 warps x 2 stages x (K + V) x 16 rows x (head_dim + 8) x 2 bytes; with an FP8 cache,
+    4 warps x (2 stages x (K + V) x 16 rows x head_dim bytes + one T tile of K and V)."""
+    tile = 2 * DECODE_TILE * (head_dim + 8) * 2
+    if fp8:
+        return 4 * (2 * 2 * DECODE_TILE * head_dim + tile)
+    return 4 * 2 * tile
 
 
 @lru_cache(maxsize=4096)
@@ -370,13 +432,15 @@ def paged_decode_attention(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
     *,
     max_seq_len: int | None = None,
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query per sequence over its context in the paged pool (reference.paged_attention with
-    cu_seqlens_q = arange(num_seqs + 1)).
+    cu_seqlens_q = arange(num_seqs + 1)). The pool is q's dtype, or FP8 with k_scale / v_scale.
 
     q: [num_seqs, num_heads, head_dim]; block_tables: [num_seqs, >= ceil(seq_len / block_size)]
     int32; seq_lens: [num_seqs] int32, the context length including this step's token (already
@@ -390,7 +454,7 @@ def paged_decode_attention(
     op = "paged_decode_attention"
     num_seqs = q.shape[0] if isinstance(q, torch.Tensor) and q.dim() == 3 else -1
     num_heads, num_kv_heads, head_dim, block_size = _check_attention_args(
-        op, q, k_cache, v_cache, block_tables, seq_lens, num_seqs
+        op, q, k_cache, v_cache, block_tables, seq_lens, num_seqs, k_scale, v_scale
     )
     if seq_lens.shape[0] != num_seqs:
         _fail(op, f"seq_lens has {seq_lens.shape[0]} entries for {num_seqs} sequences")
@@ -410,7 +474,8 @@ def paged_decode_attention(
         _fail(op, f"num_splits={num_splits} must be in [1, 65535]")
 
     ctype = _CTYPES[q.dtype]
-    spec = decode_spec(ctype, head_dim)
+    fp8 = k_cache.dtype == FP8_DTYPE
+    spec = decode_spec(ctype, head_dim, FP8_CTYPE if fp8 else None)
     if num_splits > 1:
         parts = (num_splits, num_seqs, num_heads)
         part_acc = torch.empty((*parts, head_dim), dtype=torch.float32, device=q.device)
@@ -418,7 +483,7 @@ def paged_decode_attention(
         part_args = (_ptr(part_acc), _ptr(part_ml))
     else:
         part_args = (np.uint64(0), np.uint64(0))
-    smem = decode_smem_bytes(head_dim)
+    smem = decode_smem_bytes(head_dim, fp8)
     args = (
         _ptr(q), _i64(q.stride(0)), _i64(q.stride(1)),
         _ptr(k_cache), _ptr(v_cache),
@@ -426,7 +491,7 @@ def paged_decode_attention(
         _ptr(out), _i64(out.stride(0)), _i64(out.stride(1)),
         *part_args,
         _i32(num_seqs), _i32(num_heads), _i32(num_kv_heads), _i32(block_size),
-        _f32(scale * LOG2E), _i32(num_splits),
+        _f32(scale * LOG2E), _i32(num_splits), _f32(k_scale), _f32(v_scale),
     )  # fmt: skip
     grid = (num_ctas // num_seqs, num_seqs, num_splits)
     _launch(spec, spec.name_expressions[0], grid, (DECODE_THREADS,), args, smem, q.device)
@@ -436,14 +501,17 @@ def paged_decode_attention(
             _ptr(out), _i64(out.stride(0)), _i64(out.stride(1)),
             _i32(num_seqs), _i32(num_heads), _i32(num_splits),
         )  # fmt: skip
-        grid = (num_heads, num_seqs)
-        _launch(spec, spec.name_expressions[1], grid, (head_dim,), merge_args, 0, q.device)
+        merge_grid = (num_heads, num_seqs)
+        _launch(spec, spec.name_expressions[1], merge_grid, (head_dim,), merge_args, 0, q.device)
     return out
 
 
-def prefill_smem_bytes(head_dim: int, block_m: int) -> int:
-    """(Q tile of block_m rows + K and V tiles of BN keys, two stages) x (head_dim + 8) x 2 B."""
+def prefill_smem_bytes(head_dim: int, block_m: int, fp8: bool = False) -> int:
+    """(Q tile of block_m rows + K and V tiles of BN keys, two stages) x (head_dim + 8) x 2 B;
+    with an FP8 cache one K and V tile of T, plus the FP8 tiles (two stages) of head_dim bytes."""
     keys = PREFILL_CONFIGS[block_m][2]
+    if fp8:
+        return (block_m + 2 * keys) * (head_dim + 8) * 2 + 4 * keys * head_dim
     return (block_m + 4 * keys) * (head_dim + 8) * 2
 
 
@@ -455,12 +523,15 @@ def paged_prefill_attention(
     seq_lens: torch.Tensor,
     cu_seqlens_q: torch.Tensor,
     scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
     *,
     block_m: int = PREFILL_DEFAULT_BLOCK_M,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of each request's new queries over its whole context in the paged pool:
-    reference.paged_attention with device metadata.
+    reference.paged_attention with device metadata. The pool is q's dtype, or FP8 with k_scale /
+    v_scale.
 
     q: [T, num_heads, head_dim], requests one after another; cu_seqlens_q: [num_seqs + 1] int32
     offsets into q (cu_seqlens_q[-1] <= T); seq_lens: [num_seqs] int32 context lengths including
@@ -472,7 +543,7 @@ def paged_prefill_attention(
     op = "paged_prefill_attention"
     num_seqs = seq_lens.shape[0] if isinstance(seq_lens, torch.Tensor) else -1
     num_heads, num_kv_heads, head_dim, block_size = _check_attention_args(
-        op, q, k_cache, v_cache, block_tables, seq_lens, num_seqs
+        op, q, k_cache, v_cache, block_tables, seq_lens, num_seqs, k_scale, v_scale
     )
     _check(op, "cu_seqlens_q", cu_seqlens_q, ndim=1, dtypes=(torch.int32,), device=q.device)
     _check_contiguous(op, "cu_seqlens_q", cu_seqlens_q)
@@ -486,8 +557,10 @@ def paged_prefill_attention(
         return out
     group = num_heads // num_kv_heads
     grid = (num_tokens * group // block_m + num_seqs, num_kv_heads)
-    spec = prefill_spec(_CTYPES[q.dtype], head_dim)
-    expr = prefill_expr(_CTYPES[q.dtype], head_dim, block_m)
+    fp8 = k_cache.dtype == FP8_DTYPE
+    cache_ctype = FP8_CTYPE if fp8 else None
+    spec = prefill_spec(_CTYPES[q.dtype], head_dim, cache_ctype)
+    expr = prefill_expr(_CTYPES[q.dtype], head_dim, block_m, cache_ctype)
     args = (
         _ptr(q), _i64(q.stride(0)), _i64(q.stride(1)),
         _ptr(k_cache), _ptr(v_cache),
@@ -495,9 +568,9 @@ def paged_prefill_attention(
         _ptr(seq_lens), _ptr(cu_seqlens_q),
         _ptr(out), _i64(out.stride(0)), _i64(out.stride(1)),
         _i32(num_seqs), _i32(num_heads), _i32(num_kv_heads), _i32(block_size),
-        _f32(scale * LOG2E),
+        _f32(scale * LOG2E), _f32(k_scale), _f32(v_scale),
     )  # fmt: skip
-    smem = prefill_smem_bytes(head_dim, block_m)
+    smem = prefill_smem_bytes(head_dim, block_m, fp8)
     _launch(spec, expr, grid, (32 * PREFILL_CONFIGS[block_m][0],), args, smem, q.device)
     return out
 
@@ -510,6 +583,8 @@ def paged_attention(
     seq_lens: torch.Tensor,
     cu_seqlens_q: torch.Tensor,
     scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
     *,
     max_seqlen_q: int | None = None,
     max_seq_len: int | None = None,
@@ -517,16 +592,19 @@ def paged_attention(
 ) -> torch.Tensor:
     """reference.paged_attention on the GPU. A batch of decodes only (max_seqlen_q == 1, or, when
     it is not given, one query row per request, assuming every request has at least one) runs
-    the decode kernel with split-K; anything else runs the prefill kernel."""
+    the decode kernel with split-K; anything else runs the prefill kernel. The pool is q's
+    dtype, or FP8 with k_scale / v_scale."""
     num_seqs = seq_lens.shape[0]
     decode_only = max_seqlen_q == 1 if max_seqlen_q is not None else q.shape[0] == num_seqs
     if decode_only:
         return paged_decode_attention(
-            q, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len=max_seq_len, out=out
-        )
+            q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale,
+            max_seq_len=max_seq_len, out=out,
+        )  # fmt: skip
     return paged_prefill_attention(
-        q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, out=out
-    )
+        q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, k_scale, v_scale,
+        out=out,
+    )  # fmt: skip
 
 
 def rms_norm(

@@ -6,9 +6,13 @@
 // in fp32 (scores, softmax, accumulators); inputs and output in T (fp16 or bf16). A sequence with
 // seq_lens[b] <= 0 gets zeros.
 //
+// KV cache element type KV: T itself, or fp8e4m3_t (an FP8 pool; per-layer scales): K and V are
+// then stored / k_scale and / v_scale, converted to T exactly on load, and the scales are applied
+// in fp32 as softmax(scale * k_scale * q . K) @ V * v_scale. With KV = T the scales are unused.
+//
 // Layout:
 //   q           [num_seqs, num_heads, HD], any sequence / head strides (even), last dim contiguous
-//   k/v_cache   [num_blocks, block_size, num_kv_heads, HD] contiguous (kernels/reference.py's
+//   k/v_cache   [num_blocks, block_size, num_kv_heads, HD] of KV, contiguous (reference.py's
 //               layout); token j of sequence b is row j % block_size of block
 //               block_tables[b, j / block_size]. block_size must be a multiple of 16 so that a
 //               16-token tile never straddles two blocks.
@@ -26,10 +30,13 @@
 //     splits:   |<---- split 0 ---->|<---- split 1 ---->| ... |<-- split n-1 -->|
 //     warps:    w0 w1 w2 w3 w0 w1 w2 w3 ... (warp w takes every 4th tile of its split)
 //
-// paged_decode_kernel<T, HD> launch shape:
+// paged_decode_kernel<T, KV, HD> launch shape:
 //   grid  (num_kv_heads * ceil(group / 16), num_seqs, num_splits), block 128 (4 warps)
-//   dynamic shared memory 4 warps * 2 stages * (K + V) * 16 rows * (HD + 8) * 2 bytes
+//   dynamic shared memory, KV = T: 4 warps * 2 stages * (K + V) * 16 rows * (HD + 8) * 2 bytes
 //   = 512 * (HD + 8) bytes (69,632 for HD 128, above the 48 KB default: the caller raises it).
+//   KV = fp8: per warp, 2 stages * (K + V) * 16 rows * HD bytes of FP8 as copied, plus one
+//   (K + V) tile of 16 rows * (HD + 8) T that the warp converts each stage into before its MMAs:
+//   4 * (64 * HD + 64 * (HD + 8)) bytes (67,584 for HD 128).
 //   One CTA handles up to 16 query heads of one kv head (the MMA's 16 rows; rows past the group
 //   are zero and never written), so K and V are read once per kv head, whatever the GQA ratio.
 //   Each warp streams its tiles through its own two-stage cp.async pipeline and runs
@@ -58,20 +65,28 @@ __device__ __forceinline__ void decode_split_range(int seq_len, int num_splits, 
 
 // __launch_bounds__(128, 3): at most 168 registers, so that three CTAs fit on an SM (as their
 // shared memory does for HD 128); without the cap ptxas takes 214 and only two fit.
-template <typename T, int HD>
+template <typename T, typename KV, int HD>
 __global__ void __launch_bounds__(DECODE_WARPS * 32, 3)
     paged_decode_kernel(const T* __restrict__ q, long long q_stride_s, long long q_stride_h,
-                        const T* __restrict__ k_cache, const T* __restrict__ v_cache,
+                        const KV* __restrict__ k_cache, const KV* __restrict__ v_cache,
                         const int* __restrict__ block_tables, long long bt_stride,
                         const int* __restrict__ seq_lens, T* __restrict__ out,
                         long long o_stride_s, long long o_stride_h, float* __restrict__ part_acc,
                         float* __restrict__ part_ml, int num_seqs, int num_heads,
-                        int num_kv_heads, int block_size, float scale_log2, int num_splits) {
+                        int num_kv_heads, int block_size, float scale_log2, int num_splits,
+                        float k_scale, float v_scale) {
   static_assert(HD % 16 == 0, "head_dim must be a multiple of 16");
+  constexpr bool kFp8 = IsFp8<KV>::value;
+  static_assert(kFp8 || sizeof(KV) == sizeof(T), "the cache holds T or FP8");
   constexpr int ROW = HD + 8;  // smem row stride in elements: +16 bytes keeps ldmatrix conflict-free
   constexpr int CHUNKS = HD / 8;                        // 16-byte chunks per K/V row
   constexpr int STAGE = 2 * DECODE_TILE * ROW;          // one stage: K tile then V tile
   constexpr int WARP_ELEMS = 2 * STAGE;                 // two stages per warp
+  // FP8: per warp, one T tile of K and V (STAGE elements, converted from the stage just landed)
+  // and two stages of the copied bytes (rows unpadded: only the warp's own conversion reads them).
+  constexpr int FP8_CHUNKS = HD / 16;                   // 16-byte chunks per FP8 row
+  constexpr int FP8_STAGE_BYTES = 2 * DECODE_TILE * HD;
+  constexpr int FP8_WARP_BYTES = STAGE * 2 + 2 * FP8_STAGE_BYTES;
   using D = DType<T>;
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -115,7 +130,9 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32, 3)
     }
   }
 
-  T* warp_smem = smem + warp * WARP_ELEMS;
+  T* warp_smem = kFp8 ? reinterpret_cast<T*>(smem_raw + warp * FP8_WARP_BYTES)
+                      : smem + warp * WARP_ELEMS;
+  unsigned char* fp8_stages = reinterpret_cast<unsigned char*>(warp_smem + STAGE);  // FP8 only
   const int* table = block_tables + seq * bt_stride;
   const long long kv_row_stride = static_cast<long long>(num_kv_heads) * HD;
 
@@ -126,20 +143,37 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32, 3)
     const long long block = table[tok0 / block_size];
     const long long base =
         (block * block_size + tok0 % block_size) * kv_row_stride + static_cast<long long>(kvh) * HD;
-    T* sk = warp_smem + stage * STAGE;
-    T* sv = sk + DECODE_TILE * ROW;
+    if constexpr (kFp8) {
+      unsigned char* sk = fp8_stages + stage * FP8_STAGE_BYTES;
+      unsigned char* sv = sk + DECODE_TILE * HD;
 #pragma unroll
-    for (int i = 0; i < DECODE_TILE * CHUNKS / 32; ++i) {
-      const int c = i * 32 + lane;
-      const int r = c / CHUNKS;
-      const int col = (c % CHUNKS) * 8;
-      const bool valid = tok0 + r < seq_len;
-      const long long off = base + r * kv_row_stride + col;
-      cp_async_16(smem_addr(sk + r * ROW + col), valid ? k_cache + off : k_cache, valid);
-      cp_async_16(smem_addr(sv + r * ROW + col), valid ? v_cache + off : v_cache, valid);
+      for (int i = 0; i < DECODE_TILE * FP8_CHUNKS / 32; ++i) {
+        const int c = i * 32 + lane;
+        const int r = c / FP8_CHUNKS;
+        const int col = (c % FP8_CHUNKS) * 16;
+        const bool valid = tok0 + r < seq_len;
+        const long long off = base + r * kv_row_stride + col;
+        cp_async_16(smem_addr(sk + r * HD + col), valid ? k_cache + off : k_cache, valid);
+        cp_async_16(smem_addr(sv + r * HD + col), valid ? v_cache + off : v_cache, valid);
+      }
+    } else {
+      T* sk = warp_smem + stage * STAGE;
+      T* sv = sk + DECODE_TILE * ROW;
+#pragma unroll
+      for (int i = 0; i < DECODE_TILE * CHUNKS / 32; ++i) {
+        const int c = i * 32 + lane;
+        const int r = c / CHUNKS;
+        const int col = (c % CHUNKS) * 8;
+        const bool valid = tok0 + r < seq_len;
+        const long long off = base + r * kv_row_stride + col;
+        cp_async_16(smem_addr(sk + r * ROW + col), valid ? k_cache + off : k_cache, valid);
+        cp_async_16(smem_addr(sv + r * ROW + col), valid ? v_cache + off : v_cache, valid);
+      }
     }
     cp_async_commit();
   };
+  // The scores' factor: with an FP8 cache, q . K_stored * k_scale is q . K.
+  const float score_scale = kFp8 ? scale_log2 * k_scale : scale_log2;
 
   float m_lo = LLMSERVE_NEG_BIG, m_hi = LLMSERVE_NEG_BIG;  // running max (log2 units) per row
   float l_lo = 0.f, l_hi = 0.f;                            // this lane's share of the row sums
@@ -159,7 +193,25 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32, 3)
       cp_async_wait<0>();
     }
     __syncwarp();
-    const T* sk = warp_smem + (i & 1) * STAGE;
+    const T* sk;
+    if constexpr (kFp8) {
+      // Convert this stage's FP8 rows into the warp's T tile, 8 elements per lane per step.
+      // (Unrolled 4x: fully, ptxas spills at head_dim 128 under the 168-register cap.)
+      const unsigned char* src = fp8_stages + (i & 1) * FP8_STAGE_BYTES;  // K rows, then V rows
+      T* dst = warp_smem;
+#pragma unroll 4
+      for (int j = 0; j < 2 * DECODE_TILE * HD / 8 / 32; ++j) {
+        const int c = j * 32 + lane;
+        const int r = c / (HD / 8);  // rows 0-15: K, 16-31: V
+        const int col = (c % (HD / 8)) * 8;
+        const vec8_t raw = *reinterpret_cast<const vec8_t*>(src + r * HD + col);
+        *reinterpret_cast<vec16_t*>(dst + r * ROW + col) = e4m3x8_to<T>(raw);
+      }
+      __syncwarp();
+      sk = dst;
+    } else {
+      sk = warp_smem + (i & 1) * STAGE;
+    }
     const T* sv = sk + DECODE_TILE * ROW;
     const int tok0 = (first + i * DECODE_WARPS) * DECODE_TILE;
 
@@ -186,7 +238,7 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32, 3)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int tok = tok0 + nt * 8 + 2 * tig + (e & 1);
-        s[nt][e] = tok < seq_len ? s[nt][e] * scale_log2 : neg_inf();
+        s[nt][e] = tok < seq_len ? s[nt][e] * score_scale : neg_inf();
       }
     }
 
@@ -280,6 +332,7 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32, 3)
       l += scale * red_ml[(w * 16 + r) * 2 + 1];
       a += scale * red_acc[(w * 16 + r) * HD + d];
     }
+    if constexpr (kFp8) a *= v_scale;  // P @ V_stored * v_scale is P @ V
     if (num_splits == 1) {
       const float value = l > 0.f ? a / l : 0.f;
       reinterpret_cast<unsigned short*>(out + seq * o_stride_s + head * o_stride_h)[d] =

@@ -9,13 +9,18 @@
 // (mma.sync m16n8k16, fp32 accumulate); the score matrix is never materialised. One-token queries
 // (decode rows) are handled too, just less efficiently than by decode_attention.cu.
 //
+// KV cache element type KV: T itself, or fp8e4m3_t (an FP8 pool; per-layer scales): each K/V tile
+// is copied as FP8 and converted to T exactly in shared memory before the MMAs, and the scales
+// are applied in fp32 as softmax(scale * k_scale * q . K) @ V * v_scale. With KV = T they are
+// unused.
+//
 //     sequence b: |<------- context already in the pool ------->|<-- this step's n_q tokens -->|
 //                 0                                   seq_len - n_q                      seq_len
 //
 // Layout:
 //   q, out      [num_tokens, num_heads, HD]: any token / head strides (multiples of 8 elements),
 //               last dim contiguous, 16-byte aligned rows.
-//   k/v_cache   [num_blocks, block_size, num_kv_heads, HD] contiguous (kernels/reference.py's
+//   k/v_cache   [num_blocks, block_size, num_kv_heads, HD] of KV, contiguous (reference.py's
 //               layout); token j of sequence b is row j % block_size of block
 //               block_tables[b, j / block_size]; any block_size.
 //   block_tables[num_seqs, >= ceil(seq_len / block_size)] int32; seq_lens [num_seqs] int32;
@@ -27,41 +32,49 @@
 // warps owns MT m-tiles of 16 rows, so every K/V fragment read from shared memory feeds MT MMAs.
 // Key tiles of BN tokens stream through two cp.async stages.
 //
-// paged_prefill_kernel<T, HD, NW, MT, BN> launch shape:
+// paged_prefill_kernel<T, KV, HD, NW, MT, BN> launch shape:
 //   grid  (floor(num_tokens * group / BM) + num_seqs, num_kv_heads), block NW * 32 threads.
 //   Sequence b's row tiles start at CTA floor(cu_seqlens_q[b] * group / BM) + b, which leaves room
 //   for ceil(n_q * group / BM) tiles; each CTA finds its sequence by binary search and CTAs past
 //   a sequence's last tile exit at once. CTAs run in reverse order, so that the latest (longest)
 //   causal tiles start first. No host-side metadata is needed (CUDA-graph friendly).
-//   dynamic shared memory (BM + 4 * BN) * (HD + 8) * 2 bytes: the Q tile, and K and V tiles in
-//   two stages each (above 48 KB for HD 128: the caller raises the limit).
-//   Instances used by kernels/cuda.py: block_m 64 = <NW 4, MT 1, BN 64> (87,040 bytes at HD 128)
-//   and block_m 128 = <NW 4, MT 2, BN 32> (69,632 bytes at HD 128).
+//   dynamic shared memory, KV = T: (BM + 4 * BN) * (HD + 8) * 2 bytes: the Q tile, and K and V
+//   tiles in two stages each (above 48 KB for HD 128: the caller raises the limit). KV = fp8:
+//   (BM + 2 * BN) * (HD + 8) * 2 + 4 * BN * HD bytes: the Q tile, one converted K and V tile,
+//   and the FP8 K and V tiles as copied, in two stages.
+//   Instances used by kernels/cuda.py: block_m 64 = <NW 4, MT 1, BN 64> (87,040 bytes at HD 128;
+//   fp8 84,992) and block_m 128 = <NW 4, MT 2, BN 32> (69,632 bytes at HD 128; fp8 68,608).
 
 #include "common.cu"
 
-template <typename T, int HD, int NW, int MT, int BN>
+template <typename T, typename KV, int HD, int NW, int MT, int BN>
 __global__ void __launch_bounds__(NW * 32)
     paged_prefill_kernel(const T* __restrict__ q, long long q_stride_t, long long q_stride_h,
-                         const T* __restrict__ k_cache, const T* __restrict__ v_cache,
+                         const KV* __restrict__ k_cache, const KV* __restrict__ v_cache,
                          const int* __restrict__ block_tables, long long bt_stride,
                          const int* __restrict__ seq_lens, const int* __restrict__ cu_seqlens_q,
                          T* __restrict__ out, long long o_stride_t, long long o_stride_h,
                          int num_seqs, int num_heads, int num_kv_heads, int block_size,
-                         float scale_log2) {
+                         float scale_log2, float k_scale, float v_scale) {
   static_assert(HD % 16 == 0, "head_dim must be a multiple of 16");
   static_assert(BN % 16 == 0, "key tile must be a multiple of 16");
+  constexpr bool kFp8 = IsFp8<KV>::value;
+  static_assert(kFp8 || sizeof(KV) == sizeof(T), "the cache holds T or FP8");
   constexpr int BM = 16 * MT * NW;   // rows per CTA; each warp owns MT m-tiles of 16 rows
   constexpr int NT = BN / 8;         // n-tiles of 8 keys in S
   constexpr int ROW = HD + 8;        // padded smem row (elements), ldmatrix conflict-free
   constexpr int CHUNKS = HD / 8;     // 16-byte chunks per row
+  constexpr int FP8_CHUNKS = HD / 16;         // 16-byte chunks per FP8 K/V row
+  constexpr int KV_STAGES = kFp8 ? 1 : 2;     // T tiles of K (and of V) in shared memory
   constexpr int THREADS = NW * 32;
   using D = DType<T>;
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* s_q = reinterpret_cast<T*>(smem_raw);  // [BM][ROW]
-  T* s_k = s_q + BM * ROW;                  // [2][BN][ROW]
-  T* s_v = s_k + 2 * BN * ROW;              // [2][BN][ROW]
+  T* s_k = s_q + BM * ROW;                  // [KV_STAGES][BN][ROW]
+  T* s_v = s_k + KV_STAGES * BN * ROW;      // [KV_STAGES][BN][ROW]
+  // FP8 only: the copied tiles, [2 stages][K, V][BN][HD] bytes, converted into s_k / s_v.
+  unsigned char* s_fp8 = reinterpret_cast<unsigned char*>(s_v + KV_STAGES * BN * ROW);
 
   const int group = num_heads / num_kv_heads;
   const int kvh = blockIdx.y;
@@ -136,6 +149,29 @@ __global__ void __launch_bounds__(NW * 32)
     }
     cp_async_commit();
   };
+  // FP8: the same copies, into unpadded rows of the staging area (s_k / s_v hold what the
+  // previous stage converted to; the MMAs read only those).
+  auto load_kv_fp8 = [&](int kv_tile, int stage) {
+    unsigned char* sk = s_fp8 + stage * 2 * BN * HD;
+    unsigned char* sv = sk + BN * HD;
+#pragma unroll
+    for (int c = tid; c < BN * FP8_CHUNKS; c += THREADS) {
+      const int r = c / FP8_CHUNKS;
+      const int col = (c % FP8_CHUNKS) * 16;
+      const int tok = kv_tile * BN + r;
+      const bool valid = tok < n_kv;  // never read the table or pool past the needed keys
+      long long off = 0;
+      if (valid) {
+        const long long block = table[tok / block_size];
+        off = (block * block_size + tok % block_size) * kv_row_stride + head_off + col;
+      }
+      cp_async_16(smem_addr(sk + r * HD + col), k_cache + off, valid);
+      cp_async_16(smem_addr(sv + r * HD + col), v_cache + off, valid);
+    }
+    cp_async_commit();
+  };
+  // The scores' factor: with an FP8 cache, q . K_stored * k_scale is q . K.
+  const float score_scale = kFp8 ? scale_log2 * k_scale : scale_log2;
 
   // This lane's rows: gid and gid + 8 of each of its warp's m-tiles, and their query positions.
   // Rows past the end borrow the last row's position, so their arithmetic stays ordinary.
@@ -164,10 +200,12 @@ __global__ void __launch_bounds__(NW * 32)
     for (int i = 0; i < HD / 8; ++i) acc[mt][i][0] = acc[mt][i][1] = acc[mt][i][2] = acc[mt][i][3] = 0.f;
   }
 
-  load_kv(0, 0);
+  if constexpr (kFp8) load_kv_fp8(0, 0);
+  else load_kv(0, 0);
   for (int j = 0; j < num_kv_tiles; ++j) {
     if (j + 1 < num_kv_tiles) {
-      load_kv(j + 1, (j + 1) & 1);
+      if constexpr (kFp8) load_kv_fp8(j + 1, (j + 1) & 1);
+      else load_kv(j + 1, (j + 1) & 1);
       cp_async_wait<1>();  // Q and tile j have landed; tile j+1 may still be in flight
     } else {
       cp_async_wait<0>();
@@ -186,8 +224,21 @@ __global__ void __launch_bounds__(NW * 32)
       }
     }
 
-    const T* sk = s_k + (j & 1) * BN * ROW;
-    const T* sv = s_v + (j & 1) * BN * ROW;
+    if constexpr (kFp8) {
+      // Convert stage j&1's FP8 K and V rows into s_k / s_v (free: every warp finished its MMAs
+      // on the previous tile before the barrier that ends the last iteration).
+      const unsigned char* src = s_fp8 + (j & 1) * 2 * BN * HD;  // K rows, then V rows
+#pragma unroll
+      for (int c = tid; c < 2 * BN * HD / 8; c += THREADS) {
+        const int r = c / (HD / 8);  // rows [0, BN): K, [BN, 2 BN): V (s_v follows s_k)
+        const int col = (c % (HD / 8)) * 8;
+        const vec8_t raw = *reinterpret_cast<const vec8_t*>(src + r * HD + col);
+        *reinterpret_cast<vec16_t*>(s_k + r * ROW + col) = e4m3x8_to<T>(raw);
+      }
+      __syncthreads();
+    }
+    const T* sk = kFp8 ? s_k : s_k + (j & 1) * BN * ROW;
+    const T* sv = kFp8 ? s_v : s_v + (j & 1) * BN * ROW;
 
     // S = Q K^T for 16 * MT rows x BN keys; K[key][dim] gives the B fragments directly, and
     // each one serves all MT m-tiles.
@@ -228,7 +279,7 @@ __global__ void __launch_bounds__(NW * 32)
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) s[mt][nt][e] *= scale_log2;
+        for (int e = 0; e < 4; ++e) s[mt][nt][e] *= score_scale;
       }
     }
     if ((j + 1) * BN > first_pos + 1) {
@@ -309,7 +360,8 @@ __global__ void __launch_bounds__(NW * 32)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const float l = quad_sum(l_run[mt][h]);
-      const float inv = l > 0.f ? 1.f / l : 0.f;
+      float inv = l > 0.f ? 1.f / l : 0.f;
+      if constexpr (kFp8) inv *= v_scale;  // P @ V_stored * v_scale is P @ V
       const int row = row0 + (warp * MT + mt) * 16 + gid + 8 * h;
       if (row >= num_rows) continue;
       const int token = q_start + row / group;

@@ -13,12 +13,58 @@ Batch layout for attention: the step's query tokens are flattened, request after
                    0                                seq_len_b - q_b                 seq_len_b
 
 Query i of request b sits at position `seq_len_b - q_b + i` and sees keys 0..that position.
+
+KV cache dtype: the pool may have a dtype other than q's (the engine's `--kv-cache-dtype`):
+bfloat16, float16, or torch.float8_e4m3fn (FP8 E4M3, "fn": finite, no infinities; 4 exponent bits
+of bias 7, 3 mantissa bits; largest magnitude 448, smallest subnormal 2^-9; one NaN pattern). An
+FP8 pool stores x / scale, rounded to nearest even and saturated to +-448 (never NaN from a finite
+or infinite input), so values beyond +-448 * scale are clipped; attention reads x = stored *
+scale. `k_scale` and `v_scale` are per-layer floats (vLLM's names; default 1.0, which suits K/V
+whose magnitudes stay well inside +-448). A 16- or 32-bit pool stores values as they are and
+takes no scale other than 1.0.
 """
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import torch
 import torch.nn.functional as F
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
+
+
+def check_kv_scales(cache_dtype: torch.dtype, k_scale: float, v_scale: float) -> None:
+    """Scales must be finite and positive, and other than 1.0 only for an FP8 cache."""
+    for name, value in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if not (math.isfinite(value) and value > 0.0):
+            raise ValueError(f"{name}={value} must be a finite positive number")
+        if value != 1.0 and cache_dtype != FP8_DTYPE:
+            raise ValueError(
+                f"{name}={value} applies only to a float8_e4m3fn cache; a "
+                f"{str(cache_dtype).removeprefix('torch.')} cache stores values as they are "
+                "(scale 1.0)"
+            )
+
+
+def quantize_kv(x: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    """x / scale rounded to `dtype`; for FP8, saturated to +-448 (NaN stays NaN).
+
+    The division is float32's correctly rounded x / float32(scale) (computed in float64, which
+    rounds to the same float32), then one rounding to FP8, as the CUDA store kernel does."""
+    if scale != 1.0:
+        x = (x.double() / float(np.float32(scale))).float()
+    if dtype != FP8_DTYPE:
+        return x.to(dtype)
+    return x.float().clamp(-FP8_MAX, FP8_MAX).to(dtype)
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """An FP8 tensor's bytes (uint8), other tensors as they are: FP8 rows move as bytes, so no
+    gather / scatter kernel needs to support FP8 itself."""
+    return t.view(torch.uint8) if t.dtype == FP8_DTYPE else t
 
 
 def store_kv(
@@ -27,27 +73,31 @@ def store_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
-    """Write rows `key[t]`, `value[t]` ([T, num_kv_heads, head_dim]) to slot `slot_mapping[t]`.
+    """Write rows `key[t]`, `value[t]` ([T, num_kv_heads, head_dim]) to slot `slot_mapping[t]`,
+    as `quantize_kv(key, k_cache.dtype, k_scale)` (the same for value).
 
     Slot -1 marks a padding row and is skipped. Modifies k_cache and v_cache in place.
     """
+    check_kv_scales(k_cache.dtype, k_scale, v_scale)
     num_kv_heads, head_dim = k_cache.shape[-2:]
     flat_k = k_cache.view(-1, num_kv_heads, head_dim)
     flat_v = v_cache.view(-1, num_kv_heads, head_dim)
     valid = slot_mapping >= 0
     if not bool(valid.all()):
         key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
-    flat_k[slot_mapping] = key.to(flat_k.dtype)
-    flat_v[slot_mapping] = value.to(flat_v.dtype)
+    _as_bytes(flat_k)[slot_mapping] = _as_bytes(quantize_kv(key, flat_k.dtype, k_scale))
+    _as_bytes(flat_v)[slot_mapping] = _as_bytes(quantize_kv(value, flat_v.dtype, v_scale))
 
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
     """The first `seq_len` token rows of one request, `[seq_len, num_kv_heads, head_dim]`."""
     block_size = cache.shape[1]
     num_blocks = (seq_len + block_size - 1) // block_size
-    rows = cache.flatten(1).index_select(0, block_table[:num_blocks])  # [blocks, bs * Hkv * D]
-    return rows.view(-1, *cache.shape[2:])[:seq_len]
+    rows = _as_bytes(cache).flatten(1).index_select(0, block_table[:num_blocks])
+    return rows.view(cache.dtype).view(-1, *cache.shape[2:])[:seq_len]  # [blocks * bs, Hkv, D]
 
 
 def paged_attention(
@@ -58,6 +108,8 @@ def paged_attention(
     seq_lens: list[int],
     cu_seqlens_q: list[int],
     scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Causal attention of each request's new queries over its whole context in the paged pool.
 
@@ -66,15 +118,22 @@ def paged_attention(
     into q. The step's own K/V must already be stored (store_kv) before the call. Returns
     [T, num_heads, head_dim] in q's dtype. GQA when num_heads is a multiple of num_kv_heads.
 
+    The cache may have another dtype than q (FP8 with k_scale / v_scale, see the module
+    docstring): only the rows gathered for a request are upcast to q's dtype, and the scales are
+    applied as softmax(q . k * scale * k_scale) @ v * v_scale, which equals attention over
+    k * k_scale and v * v_scale without a pass over the rows.
+
     Decode rows (one query) are batched together; each longer chunk runs on its own.
     """
+    check_kv_scales(k_cache.dtype, k_scale, v_scale)
     out = torch.empty_like(q)
+    scale = scale * k_scale
     num_seqs = len(seq_lens)
     gqa = q.shape[1] != k_cache.shape[2]
     decode = [b for b in range(num_seqs) if cu_seqlens_q[b + 1] - cu_seqlens_q[b] == 1]
     if decode:
         _decode_attention(
-            q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, decode, scale, out
+            q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, decode, scale, v_scale, out
         )
     for b in range(num_seqs):
         start, end = cu_seqlens_q[b], cu_seqlens_q[b + 1]
@@ -91,6 +150,8 @@ def paged_attention(
         attn = F.scaled_dot_product_attention(
             qb, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale, enable_gqa=gqa
         )
+        if v_scale != 1.0:
+            attn = attn * v_scale
         out[start:end] = attn[0].transpose(0, 1)
     return out
 
@@ -104,6 +165,7 @@ def _decode_attention(
     cu_seqlens_q: list[int],
     rows: list[int],
     scale: float,
+    v_scale: float,
     out: torch.Tensor,
 ) -> None:
     """One query per request in `rows`, batched: gather each context padded to the longest
@@ -117,8 +179,10 @@ def _decode_attention(
     max_blocks = (max_len + block_size - 1) // block_size
     index = block_tables[rows, :max_blocks].flatten()
     shape = (num_rows, max_blocks * block_size, num_kv_heads, head_dim)
-    k = k_cache.flatten(1).index_select(0, index).view(shape).to(q.dtype)  # [B, L, Hkv, D]
-    v = v_cache.flatten(1).index_select(0, index).view(shape).to(q.dtype)
+    k = _as_bytes(k_cache).flatten(1).index_select(0, index)  # [B * blocks, bs * Hkv * D]
+    v = _as_bytes(v_cache).flatten(1).index_select(0, index)
+    k = k.view(k_cache.dtype).view(shape).to(q.dtype)  # [B, L, Hkv, D]
+    v = v.view(v_cache.dtype).view(shape).to(q.dtype)
     token_idx = torch.tensor([cu_seqlens_q[b] for b in rows], device=device)
     qg = q[token_idx].view(num_rows, num_kv_heads, -1, head_dim)  # [B, Hkv, G, D]
     hidden = (torch.arange(shape[1], device=device)[None, :] >= lens[:, None])[:, None, :]
@@ -129,6 +193,8 @@ def _decode_attention(
         scores.masked_fill_(hidden, float("-inf"))
         probs = torch.softmax(scores.to(accumulate), dim=-1).to(q.dtype)
         attn[:, h] = torch.bmm(probs, v[:, :, h])
+    if v_scale != 1.0:
+        attn *= v_scale
     out[token_idx] = attn.view(num_rows, -1, head_dim)
 
 

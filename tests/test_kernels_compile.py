@@ -161,7 +161,7 @@ def test_import_without_cupy() -> None:
         "import sys; sys.modules['cupy'] = None\n"
         "import kernels.cuda as k\n"
         "assert not k.is_available()\n"
-        "assert len(k.all_module_specs()) == 11\n"
+        "assert len(k.all_module_specs()) == 21\n"
     )
     root = Path(__file__).resolve().parents[1]
     proc = subprocess.run(
@@ -197,3 +197,7 @@ def test_decode_num_splits() -> None:
     assert kc.decode_smem_bytes(128) == 69632
     assert kc.prefill_smem_bytes(128, 64) == 87040
     assert kc.prefill_smem_bytes(128, 128) == 69632
+    # FP8 pools: the copied bytes plus one converted tile (kernels/*.cu headers)
+    assert kc.decode_smem_bytes(128, fp8=True) == 67584
+    assert kc.prefill_smem_bytes(128, 64, fp8=True) == 84992
+    assert kc.prefill_smem_bytes(128, 128, fp8=True) == 68608

@@ -4,6 +4,11 @@ values, so a read past a sequence's end shows; outputs start NaN-filled, so an e
 fails to write shows; NaN never passes. Tolerance: per-token relative error (L2 over heads x
 head_dim) <= 1e-2 for bf16, 5e-3 for fp16.
 
+FP8 KV pools (torch.float8_e4m3fn, with k_scale / v_scale): the same attention checks against
+the reference over the same pool dequantized (same tolerances: they measure the kernels'
+arithmetic), the store and the load exactly on every value through the sm_89+ cvt instructions
+(which the CPU emulator does not run), and one end-to-end bound on the quantization error.
+
 Marked `gpu`: tests/conftest.py skips them without CUDA, and they skip without CuPy.
 Sized to run in well under 2 minutes on an H200, NVRTC compilation included.
 """
@@ -13,15 +18,19 @@ from __future__ import annotations
 import random
 import zlib
 from collections.abc import Sequence
+from types import ModuleType
 
 import pytest
 import torch
 
 from kernels import reference as ref
 from tests.kernel_checks import (
+    FP8,
     assert_close,
+    check_fp8_load_exact,
     check_rms_norm,
     check_silu_and_mul,
+    check_store_kv_fp8_every_value,
     make_pool,
     nan_like,
     reference_attention,
@@ -30,10 +39,11 @@ from tests.kernel_checks import (
 pytestmark = pytest.mark.gpu
 
 DEVICE = "cuda"
+FP8_SCALES = (0.5, 0.25)  # k_scale, v_scale of the FP8 pools: K / 0.5, V / 0.25 are stored
 
 
 @pytest.fixture(scope="module")
-def kc():
+def kc() -> ModuleType:
     pytest.importorskip("cupy")
     import kernels.cuda as kcuda
 
@@ -66,7 +76,7 @@ def ragged(num: int, low: int, high: int, block_size: int) -> list[int]:
 
 
 def run_decode(
-    kc,
+    kc: ModuleType,
     dtype: torch.dtype,
     head_dim: int,
     block_size: int,
@@ -75,17 +85,28 @@ def run_decode(
     num_kv_heads: int = 2,
     num_splits: int | None = None,
     precision: torch.dtype = torch.float64,
+    fp8: bool = False,
 ) -> float:
-    k, v, tables = make_pool(seq_lens, block_size, num_kv_heads, head_dim, dtype, device=DEVICE)
+    """fp8: an FP8 pool with FP8_SCALES, else one of q's dtype."""
+    cache_dtype, (k_scale, v_scale) = (FP8, FP8_SCALES) if fp8 else (dtype, (1.0, 1.0))
+    k, v, tables = make_pool(
+        seq_lens, block_size, num_kv_heads, head_dim, cache_dtype, device=DEVICE,
+        k_scale=k_scale, v_scale=v_scale,
+    )  # fmt: skip
     num_seqs, num_heads = len(seq_lens), num_kv_heads * group
     q = torch.randn(num_seqs, num_heads, head_dim, device=DEVICE).to(dtype)
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
     out = nan_like(q)
-    kc.paged_decode_attention(q, k, v, tables, lens, head_dim**-0.5, num_splits=num_splits, out=out)
-    expect = reference_attention(q, k, v, tables, seq_lens, range(num_seqs + 1), precision).to(
-        out.device
+    kc.paged_decode_attention(
+        q, k, v, tables, lens, head_dim**-0.5, k_scale, v_scale, num_splits=num_splits, out=out
     )
-    what = f"decode {dtype} d{head_dim} bs{block_size} g{group} B{num_seqs} splits={num_splits}"
+    expect = reference_attention(
+        q, k, v, tables, seq_lens, range(num_seqs + 1), precision, k_scale, v_scale
+    ).to(out.device)
+    what = (
+        f"decode {dtype} cache {cache_dtype} d{head_dim} bs{block_size} g{group} B{num_seqs} "
+        f"splits={num_splits}"
+    )
     return assert_close(out, expect, dtype, what)
 
 
@@ -93,7 +114,9 @@ def run_decode(
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_decode_grid(kc, dtype: torch.dtype, head_dim: int, block_size: int, group: int) -> None:
+def test_decode_grid(
+    kc: ModuleType, dtype: torch.dtype, head_dim: int, block_size: int, group: int
+) -> None:
     lens = ragged(9, 1, 700, block_size)
     run_decode(kc, dtype, head_dim, block_size, group, lens)  # split-K chosen for a small batch
     run_decode(kc, dtype, head_dim, block_size, group, lens, num_splits=1)
@@ -109,19 +132,28 @@ def test_decode_grid(kc, dtype: torch.dtype, head_dim: int, block_size: int, gro
         (torch.bfloat16, 128, 16, 8, 1, 32768, 32768),  # batch 1 at 32k
     ],
 )
-def test_decode_large(kc, dtype, head_dim, block_size, group, num_seqs, low, high) -> None:
+def test_decode_large(
+    kc: ModuleType,
+    dtype: torch.dtype,
+    head_dim: int,
+    block_size: int,
+    group: int,
+    num_seqs: int,
+    low: int,
+    high: int,
+) -> None:
     lens = ragged(num_seqs, low, high, block_size)
     run_decode(kc, dtype, head_dim, block_size, group, lens, precision=torch.float32)
 
 
 @pytest.mark.parametrize("num_splits", [1, 2, 5, 33, 300])
-def test_decode_split_counts(kc, num_splits: int) -> None:
+def test_decode_split_counts(kc: ModuleType, num_splits: int) -> None:
     """Any split count, including more splits than a sequence has 16-token tiles."""
     lens = [1, 15, 16, 17, 300, 2049, 5000]
     run_decode(kc, torch.bfloat16, 128, 16, 4, lens, num_splits=num_splits)
 
 
-def test_decode_odd_groups_and_empty_sequences(kc) -> None:
+def test_decode_odd_groups_and_empty_sequences(kc: ModuleType) -> None:
     run_decode(kc, torch.float16, 64, 16, 3, ragged(5, 1, 300, 16), num_kv_heads=3)  # 9 / 3
     run_decode(kc, torch.bfloat16, 128, 16, 20, ragged(3, 1, 500, 16), num_kv_heads=1)  # 2 tiles
     k, v, tables = make_pool([0, 40], 16, 2, 128, torch.bfloat16, device=DEVICE)
@@ -133,7 +165,7 @@ def test_decode_odd_groups_and_empty_sequences(kc) -> None:
         assert bool(torch.isfinite(out[1]).all())
 
 
-def test_decode_cuda_graph(kc) -> None:
+def test_decode_cuda_graph(kc: ModuleType) -> None:
     """Captured on a side stream with fixed max_seq_len / num_splits, replayed on new queries."""
     lens = ragged(8, 1, 3000, 16)
     k, v, tables = make_pool(lens, 16, 2, 128, torch.bfloat16, device=DEVICE)
@@ -163,7 +195,7 @@ def test_decode_cuda_graph(kc) -> None:
 
 
 def run_prefill(
-    kc,
+    kc: ModuleType,
     dtype: torch.dtype,
     head_dim: int,
     block_size: int,
@@ -173,10 +205,15 @@ def run_prefill(
     block_m: int | None = None,
     precision: torch.dtype = torch.float64,
     entry: str = "prefill",
+    fp8: bool = False,
 ) -> float:
-    """chunks: (new tokens, context already in the pool) per sequence."""
+    """chunks: (new tokens, context already in the pool) per sequence. fp8: as run_decode."""
     seq_lens = [n + c for n, c in chunks]
-    k, v, tables = make_pool(seq_lens, block_size, num_kv_heads, head_dim, dtype, device=DEVICE)
+    cache_dtype, (k_scale, v_scale) = (FP8, FP8_SCALES) if fp8 else (dtype, (1.0, 1.0))
+    k, v, tables = make_pool(
+        seq_lens, block_size, num_kv_heads, head_dim, cache_dtype, device=DEVICE,
+        k_scale=k_scale, v_scale=v_scale,
+    )  # fmt: skip
     cu = [0]
     for n, _ in chunks:
         cu.append(cu[-1] + n)
@@ -185,14 +222,18 @@ def run_prefill(
     lens_t = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
     cu_t = torch.tensor(cu, dtype=torch.int32, device=DEVICE)
     scale = head_dim**-0.5
+    args = (q, k, v, tables, lens_t, cu_t, scale, k_scale, v_scale)
     if entry == "prefill":
         kwargs = {} if block_m is None else {"block_m": block_m}
-        kc.paged_prefill_attention(q, k, v, tables, lens_t, cu_t, scale, out=out, **kwargs)
+        kc.paged_prefill_attention(*args, out=out, **kwargs)
     else:
-        kc.paged_attention(q, k, v, tables, lens_t, cu_t, scale, out=out)
-    expect = reference_attention(q, k, v, tables, seq_lens, cu, precision).to(out.device)
-    what = f"prefill {dtype} d{head_dim} bs{block_size} g{group} bm{block_m} chunks={chunks[:4]}"
-    return assert_close(out, expect, dtype, what)
+        kc.paged_attention(*args, out=out)
+    expect = reference_attention(q, k, v, tables, seq_lens, cu, precision, k_scale, v_scale)
+    what = (
+        f"prefill {dtype} cache {cache_dtype} d{head_dim} bs{block_size} g{group} bm{block_m} "
+        f"chunks={chunks[:4]}"
+    )
+    return assert_close(out, expect.to(out.device), dtype, what)
 
 
 SMALL_CHUNKS = [(1, 40), (37, 0), (64, 100), (130, 17), (5, 3)]
@@ -203,7 +244,9 @@ SMALL_CHUNKS = [(1, 40), (37, 0), (64, 100), (130, 17), (5, 3)]
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_prefill_grid(kc, dtype, head_dim, block_size, group, block_m) -> None:
+def test_prefill_grid(
+    kc: ModuleType, dtype: torch.dtype, head_dim: int, block_size: int, group: int, block_m: int
+) -> None:
     chunks = SMALL_CHUNKS[:]
     random.shuffle(chunks)
     run_prefill(kc, dtype, head_dim, block_size, group, chunks, block_m=block_m)
@@ -218,7 +261,14 @@ def test_prefill_grid(kc, dtype, head_dim, block_size, group, block_m) -> None:
         (torch.float16, 64, 32, 3, [(257, 31), (512, 1024)]),  # group 3
     ],
 )
-def test_prefill_large(kc, dtype, head_dim, block_size, group, chunks) -> None:
+def test_prefill_large(
+    kc: ModuleType,
+    dtype: torch.dtype,
+    head_dim: int,
+    block_size: int,
+    group: int,
+    chunks: list[tuple[int, int]],
+) -> None:
     for block_m in (64, 128):
         run_prefill(
             kc, dtype, head_dim, block_size, group, chunks, block_m=block_m,
@@ -226,7 +276,7 @@ def test_prefill_large(kc, dtype, head_dim, block_size, group, chunks) -> None:
         )  # fmt: skip
 
 
-def test_paged_attention_mixed_batch(kc) -> None:
+def test_paged_attention_mixed_batch(kc: ModuleType) -> None:
     """Decode rows and prefill chunks in one flattened batch, as the engine schedules them."""
     chunks = [(1, random.randint(1, 2000)) for _ in range(40)] + [(900, 0), (300, 1200)]
     random.shuffle(chunks)
@@ -236,13 +286,158 @@ def test_paged_attention_mixed_batch(kc) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
+# FP8 KV pools
+
+
+@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_decode_fp8_grid(
+    kc: ModuleType, dtype: torch.dtype, head_dim: int, block_size: int, group: int
+) -> None:
+    lens = ragged(9, 1, 700, block_size)
+    run_decode(kc, dtype, head_dim, block_size, group, lens, fp8=True)
+    run_decode(kc, dtype, head_dim, block_size, group, lens, num_splits=1, fp8=True)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "head_dim", "block_size", "group", "num_seqs", "low", "high"),
+    [
+        (torch.bfloat16, 128, 16, 4, 256, 1, 2048),  # large ragged batch
+        (torch.float16, 128, 32, 8, 4, 20000, 32768),  # long contexts, split-K
+        (torch.bfloat16, 64, 16, 20, 3, 1, 500),  # GQA 20: two head tiles
+    ],
+)
+def test_decode_fp8_large(
+    kc: ModuleType,
+    dtype: torch.dtype,
+    head_dim: int,
+    block_size: int,
+    group: int,
+    num_seqs: int,
+    low: int,
+    high: int,
+) -> None:
+    lens = ragged(num_seqs, low, high, block_size)
+    num_kv_heads = 1 if group == 20 else 2
+    run_decode(
+        kc, dtype, head_dim, block_size, group, lens, num_kv_heads=num_kv_heads,
+        precision=torch.float32, fp8=True,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("block_m", [64, 128])
+@pytest.mark.parametrize("group", [1, 4])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_prefill_fp8_grid(
+    kc: ModuleType, dtype: torch.dtype, head_dim: int, group: int, block_m: int
+) -> None:
+    chunks = SMALL_CHUNKS[:]
+    random.shuffle(chunks)
+    run_prefill(kc, dtype, head_dim, 16, group, chunks, block_m=block_m, fp8=True)
+
+
+def test_prefill_fp8_large_and_mixed(kc: ModuleType) -> None:
+    for block_m in (64, 128):
+        run_prefill(
+            kc, torch.bfloat16, 128, 16, 4, [(4096, 4096)], block_m=block_m,
+            precision=torch.float32, fp8=True,
+        )  # fmt: skip
+    chunks = [(1, random.randint(1, 2000)) for _ in range(40)] + [(900, 0), (300, 1200)]
+    random.shuffle(chunks)
+    run_prefill(
+        kc, torch.float16, 128, 16, 4, chunks, precision=torch.float32, entry="paged", fp8=True
+    )
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.3])
+@pytest.mark.parametrize(
+    ("dtype", "index_dtype"), [(torch.float16, torch.int32), (torch.bfloat16, torch.int64)]
+)
+def test_store_kv_fp8_every_value(
+    kc: ModuleType, dtype: torch.dtype, index_dtype: torch.dtype, scale: float
+) -> None:
+    """cvt.rn.satfinite.e4m3x2.f32 against reference.store_kv (torch's rounding), bytewise."""
+    check_store_kv_fp8_every_value(kc, dtype, index_dtype, scale, device=DEVICE)
+
+
+@pytest.mark.parametrize("entry", ["decode", "prefill"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_fp8_load_is_exact_for_every_value(kc: ModuleType, dtype: torch.dtype, entry: str) -> None:
+    """cvt.rn.f16x2.e4m3x2 (and on to bf16) gives every FP8 value exactly."""
+    check_fp8_load_exact(kc, dtype, entry, device=DEVICE)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_fp8_pool_end_to_end(kc: ModuleType, dtype: torch.dtype) -> None:
+    """The engine's path: K / V of q's dtype stored by the kernel into an FP8 pool, then decode
+    and prefill over it, against float32 attention over the unquantized K / V. E4M3 rounds each
+    element by up to 2^-4 relative (2.7% RMS on normal data, as tests/test_kernels_reference.py
+    measures; attention carries about that to its output); a token row here is 32 heads x 128
+    dims, so its error stays near that RMS: bound 8%."""
+    num_kv_heads, group, head_dim, block_size = 8, 4, 128, 16
+    chunks = [(1, 700), (1, 33), (250, 0), (40, 300)]  # two decodes, two prefill chunks
+    seq_lens = [n + c for n, c in chunks]
+    cu = [0]
+    for n, _ in chunks:
+        cu.append(cu[-1] + n)
+    k_scale, v_scale = 4.0 / 448, 3.0 / 448  # K up to +-4, V up to +-3 fill E4M3's range
+    key = torch.randn(sum(seq_lens), num_kv_heads, head_dim, device=DEVICE).clamp(-4, 4)
+    value = (torch.randn_like(key) * 0.75).clamp(-3, 3)
+    need = [-(-n // block_size) for n in seq_lens]
+    perm = torch.randperm(sum(need) + 3).tolist()
+    tables = torch.zeros(len(chunks), max(need), dtype=torch.int32)
+    slots, at = [], 0
+    for b, n in enumerate(seq_lens):
+        tables[b, : need[b]] = torch.tensor(perm[at : at + need[b]])
+        at += need[b]
+        slots.append(
+            (tables[b, : need[b], None] * block_size + torch.arange(block_size)).flatten()[:n]
+        )
+    shape = (sum(need) + 3, block_size, num_kv_heads, head_dim)
+    k_cache = torch.full(shape, float("nan"), dtype=FP8, device=DEVICE)
+    v_cache = torch.full(shape, float("nan"), dtype=FP8, device=DEVICE)
+    slot_mapping = torch.cat(slots).to(DEVICE)
+    kc.store_kv(key.to(dtype), value.to(dtype), k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    tables = tables.to(DEVICE)
+    q = torch.randn(cu[-1], num_kv_heads * group, head_dim, device=DEVICE).to(dtype)
+    lens_t = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    cu_t = torch.tensor(cu, dtype=torch.int32, device=DEVICE)
+    scale = head_dim**-0.5
+    out = kc.paged_attention(q, k_cache, v_cache, tables, lens_t, cu_t, scale, k_scale, v_scale)
+    # and the decode kernel on the two decodes alone (rows 0 and 1 of q)
+    out[:2] = kc.paged_decode_attention(
+        q[:2], k_cache, v_cache, tables[:2], lens_t[:2], scale, k_scale, v_scale
+    )
+    starts = [0]
+    for n in seq_lens:
+        starts.append(starts[-1] + n)
+    for b in range(len(chunks)):
+        # dense attention: the request's whole context as one block of a pool of its own
+        kb = key[starts[b] : starts[b + 1]].view(1, -1, num_kv_heads, head_dim)
+        vb = value[starts[b] : starts[b + 1]].view(1, -1, num_kv_heads, head_dim)
+        table = torch.zeros(1, 1, dtype=torch.int32, device=DEVICE)
+        qb = q[cu[b] : cu[b + 1]].float()
+        dense = reference_attention(
+            qb, kb, vb, table, [seq_lens[b]], [0, cu[b + 1] - cu[b]], torch.float32
+        )
+        err = (out[cu[b] : cu[b + 1]].float() - dense).flatten(1).norm(dim=1)
+        err = err / dense.flatten(1).norm(dim=1)
+        assert float(err.max()) <= 0.08, f"fp8 pool, {dtype}, request {b}: {float(err.max()):.3e}"
+
+
+# ---------------------------------------------------------------------------------------------
 # store_kv and the per-token layer ops
 
 
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_store_kv(kc, dtype, head_dim, index_dtype) -> None:
+def test_store_kv(
+    kc: ModuleType, dtype: torch.dtype, head_dim: int, index_dtype: torch.dtype
+) -> None:
     num_tokens, num_heads, num_kv_heads, block_size, num_blocks = 3000, 16, 4, 16, 400
     qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, device=DEVICE)
     qkv = qkv.to(dtype)
@@ -263,7 +458,7 @@ def test_store_kv(kc, dtype, head_dim, index_dtype) -> None:
 @pytest.mark.parametrize("hidden", [576, 4096])
 @pytest.mark.parametrize("with_residual", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_rms_norm(kc, dtype, hidden, with_residual) -> None:
+def test_rms_norm(kc: ModuleType, dtype: torch.dtype, hidden: int, with_residual: bool) -> None:
     x = (torch.randn(1000, hidden, device=DEVICE) * 3).to(dtype)
     weight = torch.randn(hidden, device=DEVICE).to(dtype)
     residual = torch.randn(1000, hidden, device=DEVICE).to(dtype) if with_residual else None
@@ -273,7 +468,9 @@ def test_rms_norm(kc, dtype, hidden, with_residual) -> None:
 @pytest.mark.parametrize("pos_dtype", [torch.int32, torch.int64])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_rotary_embedding(kc, dtype, head_dim, pos_dtype) -> None:
+def test_rotary_embedding(
+    kc: ModuleType, dtype: torch.dtype, head_dim: int, pos_dtype: torch.dtype
+) -> None:
     num_tokens, num_heads, num_kv_heads = 777, 8, 2
     inv_freq = 1.0 / (500000.0 ** (torch.arange(0, head_dim, 2).float() / head_dim))
     freqs = torch.outer(torch.arange(8192).float(), inv_freq)
@@ -294,6 +491,6 @@ def test_rotary_embedding(kc, dtype, head_dim, pos_dtype) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_silu_and_mul(kc, dtype) -> None:
+def test_silu_and_mul(kc: ModuleType, dtype: torch.dtype) -> None:
     x = (torch.randn(1000, 2 * 1536, device=DEVICE) * 3).to(dtype)
     check_silu_and_mul(kc, x, dtype)

@@ -5,12 +5,18 @@ split-K choice, kernel arguments) and compared with kernels/reference.py.
 The rules of tests/test_kernels_cuda.py at tiny shapes: pools start NaN-filled and only the slots
 a sequence owns get values, outputs start NaN-filled, so a read past a sequence's end or an
 element never written shows; tolerance is the per-row relative L2 error against the reference in
-float64, <= 1e-2 for bf16 and 5e-3 for fp16. Each case is the smallest that still reaches its code
-paths (several warps, several tiles per warp, several splits or row tiles, partial last tiles and
-blocks), and asserts the launch shape that proves it. Kernels with barriers run in two emulator
-modes: late cp.async copies with low warps running ahead (a missing wait reads poisoned shared
-memory), and early copies with high warps running ahead (a stage refilled without a
+float64, <= 1e-2 for bf16 and 5e-3 for fp16. Each case is the smallest that still reaches its
+code paths (several warps, several tiles per warp, several splits or row tiles, partial last
+tiles and blocks), and asserts the launch shape that proves it. Kernels with barriers run in two
+emulator modes: late cp.async copies with low warps running ahead (a missing wait reads poisoned
+shared memory), and early copies with high warps running ahead (a stage refilled without a
 __syncthreads is overwritten while other warps still read it).
+
+Every attention case also runs over an FP8 pool with scales, against the reference over the same
+pool dequantized (so the tolerances are the same); FP8's conversions are checked exactly, the
+store on every fp16 and bf16 value and the load on every FP8 value. The emulator runs
+common.cu's integer conversions (its path below sm_89), not the sm_89+ cvt instructions: those
+are for tests/test_kernels_cuda.py on a GPU.
 
 Skips without g++ or off Linux. The emulator library (~8 s of g++) is cached by source hash in
 ~/.cache/llmserve-emu (tests/kernel_emu/emu.py), so only the first run after a kernel edit pays it.
@@ -23,6 +29,7 @@ import shutil
 import sys
 import zlib
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from types import ModuleType
 
 import pytest
@@ -30,9 +37,12 @@ import torch
 
 from kernels import reference as ref
 from tests.kernel_checks import (
+    FP8,
     assert_close,
+    check_fp8_load_exact,
     check_rms_norm,
     check_silu_and_mul,
+    check_store_kv_fp8_every_value,
     make_pool,
     nan_like,
     reference_attention,
@@ -85,8 +95,13 @@ def run_decode(
     seq_lens: Sequence[int],
     num_splits: int | None,
     entry: str = "decode",
+    cache: str = "same",
 ) -> None:
-    k, v, tables = make_pool(seq_lens, block_size, num_kv_heads, head_dim, dtype)
+    """cache: "same" (a pool of q's dtype) or "fp8" (FP8 with k_scale 0.5, v_scale 0.25)."""
+    cache_dtype, k_scale, v_scale = CACHES[cache] or (dtype, 1.0, 1.0)
+    k, v, tables = make_pool(
+        seq_lens, block_size, num_kv_heads, head_dim, cache_dtype, k_scale=k_scale, v_scale=v_scale
+    )
     num_seqs, num_heads = len(seq_lens), num_kv_heads * group
     q = torch.randn(num_seqs, num_heads, head_dim).to(dtype)
     lens = torch.tensor(seq_lens, dtype=torch.int32)
@@ -94,16 +109,18 @@ def run_decode(
     out = nan_like(q)
     scale = head_dim**-0.5
     if entry == "decode":
-        kc.paged_decode_attention(q, k, v, tables, lens, scale, num_splits=num_splits, out=out)
-    else:
-        kc.paged_attention(
-            q, k, v, tables, lens, torch.tensor(cu, dtype=torch.int32), scale, out=out
+        kc.paged_decode_attention(
+            q, k, v, tables, lens, scale, k_scale, v_scale, num_splits=num_splits, out=out
         )
+    else:
+        cu_t = torch.tensor(cu, dtype=torch.int32)
+        kc.paged_attention(q, k, v, tables, lens, cu_t, scale, k_scale, v_scale, out=out)
     live = [b for b, n in enumerate(seq_lens) if n > 0]
     empty = [b for b, n in enumerate(seq_lens) if n == 0]
     assert bool((out[empty] == 0).all()), "seq_len 0 must give zeros"
-    expect = reference_attention(q, k, v, tables, seq_lens, cu)
-    assert_close(out[live], expect[live], dtype, f"decode d{head_dim} g{group} {seq_lens}")
+    expect = reference_attention(q, k, v, tables, seq_lens, cu, torch.float64, k_scale, v_scale)
+    what = f"decode {cache} d{head_dim} g{group} {seq_lens}"
+    assert_close(out[live], expect[live], dtype, what)
 
 
 def run_prefill(
@@ -115,11 +132,15 @@ def run_prefill(
     num_kv_heads: int,
     chunks: Sequence[tuple[int, int]],
     block_m: int | None,
+    cache: str = "same",
 ) -> None:
     """chunks: (new tokens, context already in the pool) per sequence. block_m None: through
-    kernels.cuda.paged_attention, which dispatches."""
+    kernels.cuda.paged_attention, which dispatches. cache: as in run_decode."""
     seq_lens = [n + c for n, c in chunks]
-    k, v, tables = make_pool(seq_lens, block_size, num_kv_heads, head_dim, dtype)
+    cache_dtype, k_scale, v_scale = CACHES[cache] or (dtype, 1.0, 1.0)
+    k, v, tables = make_pool(
+        seq_lens, block_size, num_kv_heads, head_dim, cache_dtype, k_scale=k_scale, v_scale=v_scale
+    )
     cu = [0]
     for n, _ in chunks:
         cu.append(cu[-1] + n)
@@ -129,16 +150,24 @@ def run_prefill(
     cu_t = torch.tensor(cu, dtype=torch.int32)
     scale = head_dim**-0.5
     if block_m is None:
-        kc.paged_attention(q, k, v, tables, lens_t, cu_t, scale, out=out)
+        kc.paged_attention(q, k, v, tables, lens_t, cu_t, scale, k_scale, v_scale, out=out)
     else:
-        kc.paged_prefill_attention(q, k, v, tables, lens_t, cu_t, scale, block_m=block_m, out=out)
-    expect = reference_attention(q, k, v, tables, seq_lens, cu)
-    assert_close(out, expect, dtype, f"prefill d{head_dim} g{group} bm{block_m} {chunks}")
+        kc.paged_prefill_attention(
+            q, k, v, tables, lens_t, cu_t, scale, k_scale, v_scale, block_m=block_m, out=out
+        )
+    expect = reference_attention(q, k, v, tables, seq_lens, cu, torch.float64, k_scale, v_scale)
+    what = f"prefill {cache} d{head_dim} g{group} bm{block_m} {chunks}"
+    assert_close(out, expect, dtype, what)
 
 
 # Emulator modes for the kernels with barriers: late copies with low warps ahead, early copies
 # with high warps ahead (see tests/kernel_emu/emu.py).
 MODES = {"late-low": ("late", "low-first"), "early-high": ("early", "high-first")}
+# KV pools: q's dtype, or FP8 holding K / 0.5 and V / 0.25 (dtype, k_scale, v_scale).
+CACHES: dict[str, tuple[torch.dtype, float, float] | None] = {
+    "same": None,
+    "fp8": (FP8, 0.5, 0.25),
+}
 
 # (dtype, head_dim, block_size, group, num_kv_heads, seq_lens, num_splits)
 DECODE_CASES = {
@@ -154,13 +183,17 @@ DECODE_CASES = {
 }
 
 
+@pytest.mark.parametrize("cache", list(CACHES))
 @pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("case", list(DECODE_CASES))
-def test_decode(kc: ModuleType, emulator: emu.Emulator, case: str, mode: str) -> None:
+def test_decode(kc: ModuleType, emulator: emu.Emulator, case: str, mode: str, cache: str) -> None:
     dtype, head_dim, block_size, group, num_kv_heads, seq_lens, num_splits = DECODE_CASES[case]
     emulator.copies, emulator.schedule = MODES[mode]
-    run_decode(kc, dtype, head_dim, block_size, group, num_kv_heads, seq_lens, num_splits)
+    run_decode(
+        kc, dtype, head_dim, block_size, group, num_kv_heads, seq_lens, num_splits, cache=cache
+    )
     (main,) = launched(emulator, "paged_decode_kernel")
+    assert (", fp8e4m3_t, " in main.expr) == (cache == "fp8")
     assert main.grid == (num_kv_heads * -(-group // 16), len(seq_lens), num_splits or 1)
     assert len(launched(emulator, "paged_decode_merge_kernel")) == (main.grid[2] > 1)
 
@@ -180,25 +213,28 @@ PREFILL_CASES = {
 }
 
 
+@pytest.mark.parametrize("cache", list(CACHES))
 @pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("case", list(PREFILL_CASES))
-def test_prefill(kc: ModuleType, emulator: emu.Emulator, case: str, mode: str) -> None:
+def test_prefill(kc: ModuleType, emulator: emu.Emulator, case: str, mode: str, cache: str) -> None:
     dtype, head_dim, block_size, group, num_kv_heads, chunks, block_m = PREFILL_CASES[case]
     emulator.copies, emulator.schedule = MODES[mode]
-    run_prefill(kc, dtype, head_dim, block_size, group, num_kv_heads, chunks, block_m)
+    run_prefill(kc, dtype, head_dim, block_size, group, num_kv_heads, chunks, block_m, cache)
     (launch,) = launched(emulator, "paged_prefill_kernel")
+    assert (", fp8e4m3_t, " in launch.expr) == (cache == "fp8")
     num_tokens = sum(n for n, _ in chunks)
     assert launch.grid == (num_tokens * group // block_m + len(chunks), num_kv_heads, 1)
 
 
-def test_paged_attention_dispatch(kc: ModuleType, emulator: emu.Emulator) -> None:
+@pytest.mark.parametrize("cache", list(CACHES))
+def test_paged_attention_dispatch(kc: ModuleType, emulator: emu.Emulator, cache: str) -> None:
     """A batch of decodes goes to the decode kernel, with the split count the wrappers choose
     (4 for 600 tokens on 132 SMs); a mixed batch to the prefill kernel at its default block_m
-    (<NW 4, MT 2, BN 32> with Q in registers at head_dim 64)."""
-    run_decode(kc, torch.bfloat16, 64, 16, 2, 2, [600, 7], None, entry="paged")
+    (<NW 4, MT 2, BN 32> with Q in registers at head_dim 64). The scales reach both."""
+    run_decode(kc, torch.bfloat16, 64, 16, 2, 2, [600, 7], None, entry="paged", cache=cache)
     (main,) = launched(emulator, "paged_decode_kernel")
     assert main.grid == (2, 2, 4)
-    run_prefill(kc, torch.float16, 64, 16, 2, 2, [(1, 50), (24, 0), (1, 9)], None)
+    run_prefill(kc, torch.float16, 64, 16, 2, 2, [(1, 50), (24, 0), (1, 9)], None, cache)
     (launch,) = launched(emulator, "paged_prefill_kernel")
     assert launch.expr.endswith(", 64, 4, 2, 32>")
 
@@ -211,7 +247,9 @@ def test_paged_attention_dispatch(kc: ModuleType, emulator: emu.Emulator) -> Non
     ("dtype", "head_dim", "index_dtype"),
     [(torch.float16, 64, torch.int32), (torch.bfloat16, 128, torch.int64)],
 )
-def test_store_kv(kc: ModuleType, dtype: torch.dtype, head_dim: int, index_dtype) -> None:
+def test_store_kv(
+    kc: ModuleType, dtype: torch.dtype, head_dim: int, index_dtype: torch.dtype
+) -> None:
     """37 tokens of strided key / value views into shuffled slots, every 5th a padding row."""
     num_tokens, num_heads, num_kv_heads, block_size, num_blocks = 37, 4, 2, 16, 6
     qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim).to(dtype)
@@ -227,6 +265,73 @@ def test_store_kv(kc: ModuleType, dtype: torch.dtype, head_dim: int, index_dtype
     kc.store_kv(key, value, k, v, slots.to(index_dtype))
     ref.store_kv(key, value, k_ref, v_ref, slots)
     assert torch.equal(k, k_ref) and torch.equal(v, v_ref)
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.3])
+@pytest.mark.parametrize(
+    ("dtype", "index_dtype"), [(torch.float16, torch.int32), (torch.bfloat16, torch.int64)]
+)
+def test_store_kv_fp8_every_value(
+    kc: ModuleType, dtype: torch.dtype, index_dtype: torch.dtype, scale: float
+) -> None:
+    check_store_kv_fp8_every_value(kc, dtype, index_dtype, scale)
+
+
+def test_store_kv_fp8_nan_stays_nan(kc: ModuleType) -> None:
+    key = torch.full((1, 1, 64), float("nan"), dtype=torch.bfloat16)
+    k, v = torch.zeros(1, 16, 1, 64, dtype=FP8), torch.zeros(1, 16, 1, 64, dtype=FP8)
+    kc.store_kv(key, key, k, v, torch.tensor([3], dtype=torch.int32))
+    assert bool(k[0, 3].float().isnan().all()) and bool(v[0, 3].float().isnan().all())
+
+
+@pytest.mark.parametrize("entry", ["decode", "prefill"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_fp8_load_is_exact_for_every_value(kc: ModuleType, dtype: torch.dtype, entry: str) -> None:
+    check_fp8_load_exact(kc, dtype, entry)
+
+
+def test_fp8_software_conversions_are_common_cu_verbatim() -> None:
+    """The emulator's FP8 conversions are kernels/common.cu's own (its path below sm_89)."""
+
+    def block(path: Path) -> str:
+        text = path.read_text()
+        start = text.index("// fp8-software-begin")
+        return text[start : text.index("// fp8-software-end", start)]
+
+    import kernels.cuda as kcuda
+
+    assert block(kcuda.KERNEL_DIR / "common.cu") == block(emu.HEADER)
+
+
+def test_kv_cache_dtype_and_scale_checks(kc: ModuleType) -> None:
+    """A cache of q's dtype or FP8 only, both halves alike; scales other than 1 only for FP8."""
+    q = torch.zeros(2, 4, 64, dtype=torch.bfloat16)
+    tables = torch.zeros(2, 1, dtype=torch.int32)
+    lens = torch.ones(2, dtype=torch.int32)
+
+    def decode(k: torch.Tensor, v: torch.Tensor, **scales: float) -> None:
+        kc.paged_decode_attention(q, k, v, tables, lens, 0.1, **scales)
+
+    def pool(dtype: torch.dtype) -> torch.Tensor:
+        return torch.zeros(1, 16, 2, 64, dtype=dtype)
+
+    fp8, f16 = pool(FP8), pool(torch.float16)
+    with pytest.raises(ValueError, match=r"k_cache.dtype=torch.float16 does not go with q.dtype"):
+        decode(f16, f16)
+    with pytest.raises(ValueError, match=r"k_cache.dtype=torch.float32 does not go with q.dtype"):
+        decode(pool(torch.float32), pool(torch.float32))
+    with pytest.raises(ValueError, match=r"v_cache.dtype=torch.bfloat16 must equal k_cache"):
+        decode(fp8, pool(torch.bfloat16))
+    with pytest.raises(ValueError, match=r"k_scale=2\.0 applies only to a float8_e4m3fn cache"):
+        decode(pool(torch.bfloat16), pool(torch.bfloat16), k_scale=2.0)
+    with pytest.raises(ValueError, match=r"v_scale=0\.0 must be a finite positive number"):
+        decode(fp8, fp8, v_scale=0.0)
+    key = torch.zeros(3, 2, 64, dtype=torch.float16)
+    slots = torch.zeros(3, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"k_cache.dtype=torch.bfloat16 does not go with key"):
+        kc.store_kv(key, key, pool(torch.bfloat16), pool(torch.bfloat16), slots)
+    with pytest.raises(ValueError, match=r"k_scale=nan must be a finite positive number"):
+        kc.store_kv(key, key, fp8, fp8, slots, float("nan"))
 
 
 @pytest.mark.parametrize(
@@ -256,7 +361,9 @@ def test_rms_norm(
     ("dtype", "head_dim", "pos_dtype"),
     [(torch.float16, 64, torch.int64), (torch.bfloat16, 128, torch.int32)],
 )
-def test_rotary_embedding(kc: ModuleType, dtype: torch.dtype, head_dim: int, pos_dtype) -> None:
+def test_rotary_embedding(
+    kc: ModuleType, dtype: torch.dtype, head_dim: int, pos_dtype: torch.dtype
+) -> None:
     """Exact: the kernel rounds as the reference's float32 x1 * cos - x2 * sin does."""
     num_tokens, num_heads, num_kv_heads, max_position = 37, 3, 1, 512
     inv_freq = 1.0 / (500000.0 ** (torch.arange(0, head_dim, 2).float() / head_dim))

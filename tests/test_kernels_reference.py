@@ -282,6 +282,179 @@ def test_gather_kv_follows_the_block_table() -> None:
     assert out.view(-1).tolist() == [12, 13, 14, 15, 0, 1, 2, 3, 16, 17]
 
 
+# ---- KV cache dtypes: bf16 / fp16 / fp8 pools -------------------------------------------------
+
+FP8 = torch.float8_e4m3fn
+
+
+def fp8_bytes(t: torch.Tensor) -> torch.Tensor:
+    """An FP8 tensor's bytes (torch.equal has no FP8 kernel on the CPU)."""
+    return t.view(torch.uint8)
+
+
+def test_fp8_quantize_rounds_to_nearest_even_and_saturates() -> None:
+    x = torch.tensor(
+        [0.0, 1.0, 0.3, 1.0625, 1.1875, 447.0, 448.0, 464.0, 1e4, float("inf"), -1e4,
+         -float("inf"), 2**-9, 1.5 * 2**-9, 2.5 * 2**-9, 2**-11, 2**-6]
+    )  # fmt: skip
+    got = ops.quantize_kv(x, FP8).float().tolist()
+    # 0.3 -> 1.25 * 2^-2; 1.0625 and 1.1875 are ties between 1 + k/8 values -> even mantissa;
+    # 464 is a tie between 448 and 480 (not finite in E4M3): saturates; 1.5 and 2.5 * 2^-9 are
+    # subnormal ties -> 2 * 2^-9; 2^-11 underflows to 0.
+    assert got == [
+        0.0, 1.0, 0.3125, 1.0, 1.25, 448.0, 448.0, 448.0, 448.0, 448.0, -448.0,
+        -448.0, 2**-9, 2**-8, 2**-8, 0.0, 2**-6,
+    ]  # fmt: skip
+    assert bool(ops.quantize_kv(torch.tensor([float("nan")]), FP8).isnan().all())
+    # with a scale: x / scale is what is stored, so 300 / 0.5 = 600 saturates to 448
+    scaled = ops.quantize_kv(torch.tensor([300.0, 0.3, -0.75]), FP8, 0.5).float().tolist()
+    assert scaled == [448.0, 0.625, -1.5]
+
+
+def test_fp8_quantize_every_bf16_value_matches_torch_after_saturation() -> None:
+    """Every finite bf16 value: the same bytes as torch's own conversion of the clamped value
+    (round to nearest even), so the rule is torch's plus saturation, nothing home-made."""
+    x = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    x = x[torch.isfinite(x)]
+    got = fp8_bytes(ops.quantize_kv(x, FP8))
+    expect = fp8_bytes(x.float().clamp(-448, 448).to(FP8))
+    assert torch.equal(got, expect)
+    assert int(got.max()) <= 0xFE and not bool(((got & 0x7F) == 0x7F).any())  # never NaN
+
+
+def test_store_kv_fp8_quantizes_with_scales_and_skips_padding() -> None:
+    gen = torch.Generator().manual_seed(4)
+    k_cache = torch.zeros(3, 4, 2, 8, dtype=FP8)
+    v_cache = torch.zeros(3, 4, 2, 8, dtype=FP8)
+    key = torch.randn(4, 2, 8, generator=gen) * 30
+    value = torch.randn(4, 2, 8, generator=gen) * 0.01
+    key[0, 0, 0] = 1e6  # beyond 448 * k_scale: saturates
+    ops.store_kv(key, value, k_cache, v_cache, torch.tensor([5, -1, 11, -1]), 0.25, 2**-10)
+    flat_k, flat_v = fp8_bytes(k_cache).view(12, 2, 8), fp8_bytes(v_cache).view(12, 2, 8)
+    assert (flat_k != 0).flatten(1).any(-1).nonzero().view(-1).tolist() == [5, 11]
+    assert torch.equal(flat_k[11], fp8_bytes(ops.quantize_kv(key[2], FP8, 0.25)))
+    assert torch.equal(flat_v[5], fp8_bytes(ops.quantize_kv(value[0], FP8, 2**-10)))
+    assert float(k_cache.view(12, 2, 8)[5, 0, 0]) * 0.25 == 448 * 0.25
+    # read back: stored * scale is within E4M3's half ulp (2^-4 relative) of what was stored
+    back = k_cache.view(12, 2, 8)[11].float() * 0.25
+    assert bool(((back - key[2]).abs() <= key[2].abs() * 2**-4 + 2**-9 * 0.25).all())
+
+
+def test_kv_scales_are_checked() -> None:
+    bf16_cache = torch.zeros(2, 4, 1, 8, dtype=torch.bfloat16)
+    key = torch.zeros(1, 1, 8)
+    with pytest.raises(ValueError, match=r"k_scale=2\.0 applies only to a float8_e4m3fn cache"):
+        ops.store_kv(key, key, bf16_cache, bf16_cache, torch.tensor([0]), 2.0)
+    q = torch.zeros(1, 1, 8)
+    tables, cu = torch.zeros(1, 1, dtype=torch.long), [0, 1]
+    with pytest.raises(ValueError, match=r"v_scale=0\.5 applies only"):
+        ops.paged_attention(q, bf16_cache, bf16_cache, tables, [1], cu, 0.1, v_scale=0.5)
+    fp8_cache = torch.zeros(2, 4, 1, 8, dtype=FP8)
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="must be a finite positive number"):
+            ops.paged_attention(q, fp8_cache, fp8_cache, tables, [1], cu, 0.1, k_scale=bad)
+
+
+def build_batch_in(
+    case: Case, cache_dtype: torch.dtype, k_scale: float, v_scale: float, magnitude: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, list[int], list[int], list]:
+    """build_batch's batch (K, V of std `magnitude`, q float32) stored into a `cache_dtype` pool
+    with the given scales; the per-request K/V stay float32 and unquantized."""
+    q, k64, v64, tables, seq_lens, cu, per_request = build_batch(case, 16, 2, seed=11)
+    k_cache = ops.quantize_kv(k64, cache_dtype, 1.0)  # garbage slots, never read
+    v_cache = ops.quantize_kv(v64, cache_dtype, 1.0)
+    per_request = [
+        (qb.float(), kb.float() * magnitude, vb.float() * magnitude) for qb, kb, vb in per_request
+    ]
+    for b, (_, kb, vb) in enumerate(per_request):
+        slots = torch.tensor([int(tables[b, p // 16]) * 16 + p % 16 for p in range(seq_lens[b])])
+        ops.store_kv(kb, vb, k_cache, v_cache, slots, k_scale, v_scale)
+    return q.float(), k_cache, v_cache, tables, seq_lens, cu, per_request
+
+
+# (cache dtype, k_scale, v_scale, K/V magnitude). Rounding to the cache dtype moves each element
+# by at most half an ulp, 2^-4 relative for E4M3 (3 mantissa bits), 2^-9 for bf16, 2^-12 for
+# fp16; on normal data that is 2.7%, 0.17% and 0.02% RMS (relative L2 over many elements).
+# Attention carries about that to its output: V's errors average like V itself, and K's move the
+# logits by the same relative amount of q . k * scale.
+CACHE_DTYPE_CASES = {
+    "fp8": (FP8, 1.0, 1.0, 1.0),
+    "fp8-scaled": (FP8, 0.125, 0.0625, 8.0),  # K, V of std 8: 448 * scale is 7 and 3.5 std
+    "bf16": (torch.bfloat16, 1.0, 1.0, 1.0),
+    "fp16": (torch.float16, 1.0, 1.0, 1.0),
+}
+# Bounds on (relative L2 error of the whole output, worst row's): about 2x what these cases
+# measure (fp8: 0.035 and 0.106, bf16: 0.0022 and 0.0053, fp16: 0.00025 and 0.00067). A row is
+# only 2 heads x 8 dims here, so its error scatters widely around the aggregate.
+CACHE_DTYPE_TOL = {FP8: (0.08, 0.2), torch.bfloat16: (4e-3, 1e-2), torch.float16: (6e-4, 1.5e-3)}
+
+
+def relative_errors(
+    out: torch.Tensor, per_request: list, cu: list[int], scale: float
+) -> tuple[float, float]:
+    """(relative L2 error of the whole output, worst token row's) against float32 dense
+    attention over the unquantized per-request K/V."""
+    dense = torch.cat([dense_causal_attention(qb, kb, vb, scale) for qb, kb, vb in per_request])
+    diff = (out.float() - dense).flatten(1)
+    rows = diff.norm(dim=1) / dense.flatten(1).norm(dim=1)
+    return float(diff.norm() / dense.norm()), float(rows.max())
+
+
+@pytest.mark.parametrize("name", list(CACHE_DTYPE_CASES))
+def test_paged_attention_cache_dtypes_against_float32_dense(name: str) -> None:
+    cache_dtype, k_scale, v_scale, magnitude = CACHE_DTYPE_CASES[name]
+    case = Case([0, 17, 3, 100, 0, 64, 15, 150], [40, 1, 1, 7, 1, 1, 2, 50])  # "mixed"
+    q, k_cache, v_cache, tables, seq_lens, cu, per_request = build_batch_in(
+        case, cache_dtype, k_scale, v_scale, magnitude
+    )
+    scale = HEAD_DIM**-0.5 / magnitude  # logits of the same spread whatever the magnitude
+    out = ops.paged_attention(q, k_cache, v_cache, tables, seq_lens, cu, scale, k_scale, v_scale)
+    assert out.dtype == torch.float32
+    total, worst_row = relative_errors(out, per_request, cu, scale)
+    tol_total, tol_row = CACHE_DTYPE_TOL[cache_dtype]
+    assert total <= tol_total and worst_row <= tol_row, (name, total, worst_row)
+
+
+@pytest.mark.parametrize("group", [1, 4])
+def test_paged_attention_fp8_is_attention_over_the_dequantized_pool(group: int) -> None:
+    """In float64, paged attention over an FP8 pool with scales equals dense attention over
+    stored * k_scale and stored * v_scale: the scales folded into the logits and the output are
+    exact algebra. The rest of the pool holds +-448, finite (the batched decode path multiplies
+    masked padding rows by 0), so a leak would show."""
+    case = Case([5, 0, 33, 70], [1, 20, 1, 9])
+    q, k64, _, tables, seq_lens, cu, per_request = build_batch(case, 16, group, seed=group)
+    k_cache = ops.quantize_kv(k64.sign() * 448, FP8)
+    v_cache = ops.quantize_kv(-k64.sign() * 448, FP8)
+    for b, (_, kb, vb) in enumerate(per_request):
+        slots = torch.tensor([int(tables[b, p // 16]) * 16 + p % 16 for p in range(seq_lens[b])])
+        ops.store_kv(kb * 3, vb * 0.1, k_cache, v_cache, slots, 0.375, 0.01)
+    out = ops.paged_attention(q, k_cache, v_cache, tables, seq_lens, cu, 0.3, 0.375, 0.01)
+    assert out.dtype == F64 and not bool(out.isnan().any())
+    for b in range(len(seq_lens)):
+        k = ops.gather_kv(k_cache, tables[b], seq_lens[b]).double() * 0.375
+        v = ops.gather_kv(v_cache, tables[b], seq_lens[b]).double() * 0.01
+        got = out[cu[b] : cu[b + 1]]
+        dense = dense_causal_attention(q[cu[b] : cu[b + 1]], k, v, 0.3)
+        torch.testing.assert_close(got, dense, rtol=1e-12, atol=1e-12)
+
+
+def test_paged_attention_fp8_pool_with_half_precision_queries() -> None:
+    """The engine's case: bf16 / fp16 q over an FP8 pool; the output keeps q's dtype and is as
+    close to float32 dense attention as the pool's rounding allows (same bound as above, plus
+    the half-precision arithmetic, 2^-9 or 2^-12 relative per rounding, far below)."""
+    case = Case([0, 17, 3, 100, 0, 64, 15, 150], [40, 1, 1, 7, 1, 1, 2, 50])
+    q, k_cache, v_cache, tables, seq_lens, cu, per_request = build_batch_in(
+        case, FP8, 0.5, 0.25, 4.0
+    )
+    for dtype in (torch.bfloat16, torch.float16):
+        out = ops.paged_attention(
+            q.to(dtype), k_cache, v_cache, tables, seq_lens, cu, HEAD_DIM**-0.5 / 4, 0.5, 0.25
+        )
+        assert out.dtype == dtype
+        total, worst_row = relative_errors(out, per_request, cu, HEAD_DIM**-0.5 / 4)
+        assert total <= 0.08 and worst_row <= 0.2, (dtype, total, worst_row)
+
+
 # ---- rms_norm --------------------------------------------------------------------------------
 
 

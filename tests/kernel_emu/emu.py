@@ -250,11 +250,14 @@ class Emulator:
     @contextmanager
     def installed(self) -> Iterator[Emulator]:
         """Within the block, kernels.cuda launches here and accepts CPU tensors; restored after."""
-        names = ("_launch", "_require_cuda", "_num_sms")
-        saved = {name: getattr(kc, name) for name in names}
-        kc._launch = self.launch
-        kc._require_cuda = _require_cpu
-        kc._num_sms = lambda device: self.num_sms
+        hooks: dict[str, Any] = {
+            "_launch": self.launch,
+            "_require_cuda": _require_cpu,
+            "_num_sms": lambda device: self.num_sms,
+        }
+        saved = {name: getattr(kc, name) for name in hooks}
+        for name, value in hooks.items():
+            setattr(kc, name, value)
         try:
             yield self
         finally:

@@ -18,7 +18,9 @@
 //   - Dynamic shared memory starts as 0xff bytes (NaN in fp16, bf16 and fp32) in every CTA, and
 //     is followed by a guard checked when the CTA ends (a store just past its end fails).
 //   - kernels/common.cu is NOT compiled: its inline PTX is replaced by the C++ below (conversions
-//     with round-to-nearest-even, MMA in fp32 with the products summed in k order).
+//     with round-to-nearest-even, MMA in fp32 with the products summed in k order). The FP8
+//     conversions are common.cu's own integer code (its path below sm_89), copied verbatim
+//     between the fp8-software markers; the sm_89+ cvt instructions are not exercised here.
 //
 // What it does not model: timing, occupancy, register limits and __launch_bounds__, bank
 // conflicts, the memory model beyond the cp.async and barrier orderings above (plain global and
@@ -294,6 +296,11 @@ inline float __uint_as_float(unsigned i) {
   std::memcpy(&f, &i, 4);
   return f;
 }
+inline unsigned __float_as_uint(float f) {
+  unsigned i;
+  std::memcpy(&i, &f, 4);
+  return i;
+}
 // volatile keeps g++ from contracting these into a fused multiply-add.
 inline float __fmul_rn(float a, float b) {
   volatile float r = a * b;
@@ -342,8 +349,70 @@ struct alignas(16) vec16_t {
 struct alignas(8) float2_t {
   float x, y;
 };
+struct alignas(8) vec8_t {
+  unsigned int w[2];
+};
+struct alignas(1) fp8e4m3_t {
+  unsigned char bits;
+};
+template <typename KV>
+struct IsFp8 {
+  static constexpr bool value = false;
+};
+template <>
+struct IsFp8<fp8e4m3_t> {
+  static constexpr bool value = true;
+};
 
 inline float neg_inf() { return -INFINITY; }
+
+// fp8-software-begin
+// FP8 E4M3 conversions in integer arithmetic: the path below sm_89 and, in the same words, the
+// CPU emulator's (tests/test_kernels_emulated.py checks that the two copies stay identical).
+
+// E4M3 byte -> fp16 bits, exact: every E4M3 value is a normal fp16. NaN -> NaN.
+LLMSERVE_DEVICE unsigned int e4m3_to_f16_bits(unsigned int b) {
+  const unsigned int sign = (b & 0x80u) << 8;
+  const unsigned int exponent = (b >> 3) & 0xfu, mantissa = b & 0x7u;
+  if (exponent == 0xfu && mantissa == 0x7u) return sign | 0x7e00u;
+  if (exponent != 0u) return sign | ((exponent + 8u) << 10) | (mantissa << 7);
+  if (mantissa == 0u) return sign;
+  // subnormal: mantissa * 2^-9 = 2^(p - 9) * (1 + rest / 2^p), p the leading bit's position
+  const unsigned int p = mantissa >= 4u ? 2u : (mantissa >= 2u ? 1u : 0u);
+  return sign | ((p + 6u) << 10) | ((mantissa - (1u << p)) << (10u - p));
+}
+
+// float -> E4M3 byte, rounded to nearest even; beyond +-448 (infinities too) saturates to +-448;
+// NaN -> NaN.
+LLMSERVE_DEVICE unsigned int float_to_e4m3_bits(float f) {
+  const unsigned int u = __float_as_uint(f);
+  const unsigned int sign = (u >> 24) & 0x80u;
+  const unsigned int magnitude = u & 0x7fffffffu;
+  if (magnitude > 0x7f800000u) return sign | 0x7fu;   // NaN
+  if (magnitude >= 0x43e00000u) return sign | 0x7eu;  // >= 448: saturate
+  if (magnitude < 0x3c800000u) {                      // below 2^-6: units of 2^-9
+    const unsigned int shift = 141u - (magnitude >> 23);  // units = significand >> shift
+    if (shift > 24u) return sign;                         // below half a unit
+    const unsigned int m = 0x800000u | (magnitude & 0x7fffffu);
+    unsigned int units = m >> shift;
+    const unsigned int rest = m & ((1u << shift) - 1u), half = 1u << (shift - 1u);
+    if (rest > half || (rest == half && (units & 1u))) units++;
+    return sign | units;  // 8 units is 2^-6, the smallest normal: the same bits
+  }
+  unsigned int bits = (magnitude >> 20) - (120u << 3);  // rebias the exponent 127 -> 7
+  const unsigned int rest = magnitude & 0xfffffu;       // the 20 bits dropped
+  if (rest > 0x80000u || (rest == 0x80000u && (bits & 1u))) bits++;
+  return sign | bits;  // below 448, so a carry never reaches the NaN pattern
+}
+// fp8-software-end
+
+// As common.cu's code below sm_89: the software conversions above, element by element.
+inline unsigned e4m3x2_to_f16x2(unsigned two) {
+  return e4m3_to_f16_bits(two & 0xffu) | (e4m3_to_f16_bits((two >> 8) & 0xffu) << 16);
+}
+inline unsigned float2_to_e4m3x2(float lo, float hi) {
+  return float_to_e4m3_bits(lo) | (float_to_e4m3_bits(hi) << 8);
+}
 
 // fp16 <-> fp32 in integer arithmetic (no _Float16, which older g++ lack in C++).
 inline float f16_bits_to_float(unsigned short h) {
@@ -437,6 +506,7 @@ struct DType<f16_t> {
   static void mma(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
     emu::warp_mma<f16_bits_to_float>(d, a, b0, b1);
   }
+  static unsigned from_e4m3x2(unsigned two) { return e4m3x2_to_f16x2(two); }
 };
 
 template <>
@@ -448,6 +518,11 @@ struct DType<bf16_t> {
   }
   static void mma(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
     emu::warp_mma<bf16_bits_to_float>(d, a, b0, b1);
+  }
+  static unsigned from_e4m3x2(unsigned two) {
+    const unsigned h = e4m3x2_to_f16x2(two);
+    return pack2(f16_bits_to_float((unsigned short)(h & 0xffffu)),
+                 f16_bits_to_float((unsigned short)(h >> 16)));
   }
 };
 
@@ -461,6 +536,15 @@ inline void vec_set(vec16_t& v, int i, float f) {
   const unsigned int bits = DType<T>::from_float(f);
   unsigned int& word = v.w[i >> 1];
   word = (i & 1) ? ((word & 0x0000ffffu) | (bits << 16)) : ((word & 0xffff0000u) | bits);
+}
+template <typename T>
+inline vec16_t e4m3x8_to(const vec8_t& v) {
+  vec16_t r;
+  r.w[0] = DType<T>::from_e4m3x2(v.w[0] & 0xffffu);
+  r.w[1] = DType<T>::from_e4m3x2(v.w[0] >> 16);
+  r.w[2] = DType<T>::from_e4m3x2(v.w[1] & 0xffffu);
+  r.w[3] = DType<T>::from_e4m3x2(v.w[1] >> 16);
+  return r;
 }
 template <typename T>
 inline float round_to(float f) {
