@@ -7,10 +7,12 @@
 Each server in turn (never both at once) is started on free loopback ports with the same GGUF
 (default: the built-in SmolLM2-135M-Instruct), waited for, then measured by the same client,
 `llmserve bench serve --backend openai` (fixed 128-token prompts as raw text on /v1/completions,
-128 output tokens, greedy, ignore_eos), once per concurrency, and stopped:
+128 output tokens, greedy, ignore_eos), once per concurrency with a seed of its own (so no load
+resends an earlier one's prompts into a prefix cache), and stopped:
 
     llama.cpp  llama-server -m GGUF -t 2 -np 64 -cb -c 64 * (128 + 128 + 64) (every slot holds
-               a whole request with room to spare)
+               a whole request with room to spare; llama.cpp 0c1e57098 then reports
+               n_ctx_slot = 512, 32768 tokens of KV cache in all)
     llmserve   llmserve serve --device cpu --model GGUF (+ --llmserve-args, passed verbatim)
 
 While a server runs, the resident memory (RSS) of its whole process tree (llama-server; or serve,
@@ -38,7 +40,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +67,17 @@ class ServerSpec:
     base_url: str  # the OpenAI API's root, without /v1
     ready_path: str  # GET answers 200 once it serves
     env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Load:
+    """One `llmserve bench serve` run. Each load has its own workload seed: the same seed would
+    send the previous load's prompts again (and its warm-up's), hitting the prefix cache of
+    either server."""
+
+    concurrency: int
+    num_prompts: int
+    seed: int
 
 
 # -- the process tree's memory -------------------------------------------------------------------
@@ -195,7 +208,7 @@ def stop(proc: subprocess.Popen[bytes], timeout_s: float = 30.0) -> None:
 
 
 def bench_command(
-    spec: ServerSpec, concurrency: int, num_prompts: int, output: Path, args: argparse.Namespace
+    spec: ServerSpec, load: Load, output: Path, args: argparse.Namespace
 ) -> list[str]:
     """The client, the same for both servers: raw-text prompts on /v1/completions."""
     flags = {
@@ -206,10 +219,11 @@ def bench_command(
         "--input-len": str(args.input_len),
         "--output-len": str(args.output_len),
         "--temperature": "0",
-        "--num-prompts": str(num_prompts),
-        "--max-concurrency": str(concurrency),
+        "--num-prompts": str(load.num_prompts),
+        "--max-concurrency": str(load.concurrency),
+        "--seed": str(load.seed),
         "--num-warmups": str(args.num_warmups),
-        "--label": f"{spec.name} c={concurrency}",
+        "--label": f"{spec.name} c={load.concurrency}",
         "--output": str(output),
     }
     pairs = [item for pair in flags.items() for item in pair]
@@ -224,9 +238,9 @@ def bench_command(
 
 
 def run_server(
-    spec: ServerSpec, loads: list[tuple[int, int]], args: argparse.Namespace, logs: Path
+    spec: ServerSpec, loads: list[Load], args: argparse.Namespace, logs: Path
 ) -> dict[str, Any]:
-    """Start spec, measure each (concurrency, num_prompts) load, stop it; its part of the JSON."""
+    """Start spec, measure each load, stop it; its part of the JSON."""
     log = logs / f"{spec.name}.log"
     print(f"\n== {spec.name}: {shlex.join(spec.command)}", flush=True)
     with log.open("wb") as out:
@@ -243,7 +257,7 @@ def run_server(
         )
         result["idle_rss_bytes"] = tree_rss_bytes(proc.pid)
         memory.take_window_peak()
-        result["loads"] = [run_load(spec, c, n, args, logs, memory) for c, n in loads]
+        result["loads"] = [run_load(spec, load, args, logs, memory) for load in loads]
     finally:
         stop(proc)
         memory.stop()
@@ -254,22 +268,20 @@ def run_server(
 
 def run_load(
     spec: ServerSpec,
-    concurrency: int,
-    num_prompts: int,
+    load: Load,
     args: argparse.Namespace,
     logs: Path,
     memory: TreeMemory,
 ) -> dict[str, Any]:
-    """One `llmserve bench serve` run at concurrency; its result document and memory peak."""
-    output = logs / f"{spec.name}_c{concurrency}.json"
-    command = bench_command(spec, concurrency, num_prompts, output, args)
+    """One `llmserve bench serve` run; its result document and memory peak."""
+    output = logs / f"{spec.name}_c{load.concurrency}.json"
+    command = bench_command(spec, load, output, args)
     done = subprocess.run(command)
     if done.returncode != 0:
         raise RuntimeError(f"{shlex.join(command)} exited with {done.returncode}")
     document = json.loads(output.read_text())
     return {
-        "concurrency": concurrency,
-        "num_prompts": num_prompts,
+        **asdict(load),
         "bench_command": command,
         "peak_rss_bytes": memory.take_window_peak(),
         "summary": summarize(document["runs"][0]["metrics"]),
@@ -278,8 +290,9 @@ def run_load(
 
 
 def _startup_lines(log: Path) -> list[str]:
-    """What a server says about its build and threads (llama.cpp's system_info and build lines)."""
-    keep = re.compile(r"system_info|build|CPU_REPACK|n_threads|model type|file type")
+    """What a server says about its threads, slots and context (llama.cpp's; llmserve's log at
+    WARNING says nothing)."""
+    keep = re.compile(r"system_info|n_threads|n_slots|n_ctx|kv_unified|CPU_REPACK|file type")
     lines = log.read_text(errors="replace").splitlines() if log.exists() else []
     return [line for line in lines if keep.search(line)][:20]
 
@@ -419,8 +432,9 @@ def build_llamacpp() -> Path:
 # -- main -----------------------------------------------------------------------------------------
 
 
-def parse_loads(concurrency: str, num_prompts: str) -> list[tuple[int, int]]:
-    """'1,16,64' and '16,64,192' (or one count for all) -> [(1, 16), (16, 64), (64, 192)]."""
+def parse_loads(concurrency: str, num_prompts: str, seed: int = 0) -> list[Load]:
+    """'1,16,64' and '16,64,192' (or one count for all) -> loads of 1 x 16, 16 x 64 and 64 x 192
+    requests, seeded seed, seed + 1, seed + 2."""
     levels = [int(c) for c in concurrency.split(",")]
     counts = [int(n) for n in num_prompts.split(",")]
     if len(counts) == 1:
@@ -432,7 +446,7 @@ def parse_loads(concurrency: str, num_prompts: str) -> list[tuple[int, int]]:
         )
     if min(levels + counts) < 1:
         raise ValueError("--concurrency and --num-prompts must be >= 1")
-    return list(zip(levels, counts, strict=True))
+    return [Load(c, n, seed + i) for i, (c, n) in enumerate(zip(levels, counts, strict=True))]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -447,6 +461,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--seed", type=int, default=0, help="the first load's workload seed (+1 each)")
     p.add_argument("--num-warmups", type=int, default=1, help="per load, before measuring")
     p.add_argument("--llmserve-args", default="", help="extra `llmserve serve` flags, verbatim")
     p.add_argument("--llamacpp-args", default="", help="extra llama-server flags, verbatim")
@@ -461,7 +476,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     names = [n for n in args.servers.split(",") if n]
     try:
-        loads = parse_loads(args.concurrency, args.num_prompts)
+        loads = parse_loads(args.concurrency, args.num_prompts, args.seed)
         if not names or set(names) - set(SERVERS):
             raise ValueError(f"--servers {args.servers!r}: choose from {', '.join(SERVERS)}")
     except ValueError as err:
@@ -492,7 +507,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def new_document(
-    args: argparse.Namespace, loads: list[tuple[int, int]], binary: Path | None
+    args: argparse.Namespace, loads: list[Load], binary: Path | None
 ) -> dict[str, Any]:
     """The result document before any server ran: the machine, the versions, the workload."""
     versions: dict[str, Any] = {"llmserve": llmserve_version()}
@@ -510,7 +525,7 @@ def new_document(
             "output_len": args.output_len,
             "temperature": 0.0,
             "ignore_eos": True,
-            "loads": [{"concurrency": c, "num_prompts": n} for c, n in loads],
+            "loads": [asdict(load) for load in loads],
         },
         "versions": versions,
         "servers": {},

@@ -39,9 +39,14 @@ def _load(concurrency: int, tok_s: float, ttft_ms: float, rss_mib: int) -> dict[
     return {"concurrency": concurrency, "peak_rss_bytes": rss_mib * MiB, "summary": summary}
 
 
-def test_parse_loads_pairs_counts_with_concurrencies() -> None:
-    assert vs.parse_loads("1,16,64", "16,64,192") == [(1, 16), (16, 64), (64, 192)]
-    assert vs.parse_loads("1,4", "3") == [(1, 3), (4, 3)]
+def test_parse_loads_pairs_counts_with_concurrencies_and_gives_each_a_seed() -> None:
+    Load = vs.Load
+    assert vs.parse_loads("1,16,64", "16,64,192") == [
+        Load(1, 16, 0),
+        Load(16, 64, 1),
+        Load(64, 192, 2),
+    ]
+    assert vs.parse_loads("1,4", "3", seed=5) == [Load(1, 3, 5), Load(4, 3, 6)]
     with pytest.raises(ValueError, match="one per concurrency"):
         vs.parse_loads("1,16,64", "8,8")
     with pytest.raises(ValueError, match=">= 1"):
