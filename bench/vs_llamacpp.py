@@ -1,0 +1,536 @@
+"""Issue 14: `llmserve serve` against llama.cpp's `llama-server` on this CPU, one run, side by side.
+
+    python bench/vs_llamacpp.py [--gguf PATH] [--llama-server PATH] [--concurrency 1,16,64]
+        [--num-prompts 16,64,192] [--llmserve-args "--quantization int8"]
+        [--out bench/results/vs_llamacpp.json]
+
+Each server in turn (never both at once) is started on free loopback ports with the same GGUF
+(default: the built-in SmolLM2-135M-Instruct), waited for, then measured by the same client,
+`llmserve bench serve --backend openai` (fixed 128-token prompts as raw text on /v1/completions,
+128 output tokens, greedy, ignore_eos), once per concurrency with a seed of its own (so no load
+resends an earlier one's prompts into a prefix cache), and stopped:
+
+    llama.cpp  llama-server -m GGUF -t 2 -np 64 -cb -c 64 * (128 + 128 + 64) (every slot holds
+               a whole request with room to spare; llama.cpp 0c1e57098 then reports
+               n_ctx_slot = 512, 32768 tokens of KV cache in all)
+    llmserve   llmserve serve --device cpu --model GGUF (+ --llmserve-args, passed verbatim)
+
+While a server runs, the resident memory (RSS) of its whole process tree (llama-server; or serve,
+gateway, scheduler, engine and any children) is summed every 0.2 s; its peak over each load and
+over the server's whole life is kept. Shared pages count in every process that maps them, as
+`ps` counts them. llama-server is built by bench/llamacpp_build.sh unless --llama-server is given.
+
+The JSON (--out) holds the machine, both servers' versions and exact command lines, every bench
+command and its result document (per-request rows included), the memory peaks and the ratios
+llmserve / llama.cpp that the printed table shows. Run it on a quiet machine: the client shares
+the two cores with the server, the same for both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from common.model_config import builtin_model_path  # noqa: E402
+from llmserve.bench.report import git_commit, hardware  # noqa: E402
+from llmserve.launcher import free_ports  # noqa: E402
+
+SCHEMA = "llmserve-vs-llamacpp/1"
+SERVERS = ("llamacpp", "llmserve")
+CPU_FLAGS = ("avx", "avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "fma", "f16c")
+SAMPLE_INTERVAL_S = 0.2
+LLAMACPP_SLOTS = 64  # -np: requests llama-server decodes together
+
+
+@dataclass
+class ServerSpec:
+    """How to start one server and how to tell it is ready."""
+
+    name: str
+    command: list[str]
+    base_url: str  # the OpenAI API's root, without /v1
+    ready_path: str  # GET answers 200 once it serves
+    env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Load:
+    """One `llmserve bench serve` run. Each load has its own workload seed: the same seed would
+    send the previous load's prompts again (and its warm-up's), hitting the prefix cache of
+    either server."""
+
+    concurrency: int
+    num_prompts: int
+    seed: int
+
+
+# -- the process tree's memory -------------------------------------------------------------------
+
+
+def tree_pids(root: int) -> list[int]:
+    """root and all its descendants alive now (/proc/PID/task/TID/children)."""
+    pids, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        pids.append(pid)
+        try:
+            for task in os.listdir(f"/proc/{pid}/task"):
+                with open(f"/proc/{pid}/task/{task}/children") as f:
+                    todo.extend(int(child) for child in f.read().split())
+        except OSError:  # it just exited
+            continue
+    return pids
+
+
+def tree_rss_bytes(root: int) -> int:
+    """The summed RSS of root's process tree (0 once it is gone)."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    total = 0
+    for pid in tree_pids(root):
+        try:
+            with open(f"/proc/{pid}/statm") as f:
+                total += int(f.read().split()[1]) * page
+        except (OSError, IndexError, ValueError):
+            continue
+    return total
+
+
+class TreeMemory:
+    """Samples tree_rss_bytes(root) every SAMPLE_INTERVAL_S on a thread; keeps the peak over the
+    whole life (peak_bytes) and over the window since the last take_window_peak()."""
+
+    def __init__(self, root: int):
+        self.root = root
+        self.peak_bytes = 0
+        self.window_peak_bytes = 0
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            rss = tree_rss_bytes(self.root)
+            with self._lock:
+                self.peak_bytes = max(self.peak_bytes, rss)
+                self.window_peak_bytes = max(self.window_peak_bytes, rss)
+            self._stop.wait(SAMPLE_INTERVAL_S)
+
+    def take_window_peak(self) -> int:
+        """The peak since the previous call (or the start); starts a new window."""
+        with self._lock:
+            peak, self.window_peak_bytes = self.window_peak_bytes, 0
+        return peak
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+# -- the servers ----------------------------------------------------------------------------------
+
+
+def llamacpp_spec(binary: Path, args: argparse.Namespace) -> ServerSpec:
+    port = free_ports(1)[0]
+    context = LLAMACPP_SLOTS * (args.input_len + args.output_len + 64)
+    command = [str(binary), "-m", str(args.gguf), "-t", "2", "-np", str(LLAMACPP_SLOTS), "-cb"]
+    command += ["-c", str(context), "--host", "127.0.0.1", "--port", str(port)]
+    command += shlex.split(args.llamacpp_args)
+    return ServerSpec("llamacpp", command, f"http://127.0.0.1:{port}", "/health")
+
+
+def llmserve_spec(args: argparse.Namespace) -> ServerSpec:
+    grpc_port, scheduler_port, engine_port, http_port = free_ports(4)
+    command = [str(_venv_script("llmserve")), "serve", "--device", "cpu", "--model", str(args.gguf)]
+    command += ["--port", str(grpc_port), "--scheduler-port", str(scheduler_port)]
+    command += ["--engine-port", str(engine_port), "--http-port", str(http_port)]
+    command += ["--metrics-port", "0", *shlex.split(args.llmserve_args)]
+    env = {"LLMSERVE_LOG_LEVEL": "WARNING"}
+    return ServerSpec("llmserve", command, f"http://127.0.0.1:{http_port}", "/ready", env)
+
+
+def _venv_script(name: str) -> Path:
+    """The console script installed beside this Python (the repo's .venv)."""
+    return Path(sys.executable).parent / name
+
+
+def wait_ready(proc: subprocess.Popen[bytes], url: str, timeout_s: float, log: Path) -> float:
+    """Poll url until it answers 200; the seconds it took. RuntimeError (with the log's end) if
+    the server exits or the timeout passes first."""
+    start = time.perf_counter()
+    while time.perf_counter() - start < timeout_s:
+        if proc.poll() is not None:
+            raise RuntimeError(f"exited with {proc.returncode} before ready:\n{_tail(log)}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as response:
+                if response.status == 200:
+                    return time.perf_counter() - start
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"not ready after {timeout_s:.0f} s:\n{_tail(log)}")
+
+
+def _tail(log: Path, num_chars: int = 3000) -> str:
+    return log.read_text(errors="replace")[-num_chars:] if log.exists() else ""
+
+
+def stop(proc: subprocess.Popen[bytes], timeout_s: float = 30.0) -> None:
+    """SIGTERM to the server, SIGKILL if it has not exited after timeout_s. `llmserve serve`
+    stops its children either way: they exit when their stdin pipe from serve closes."""
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+# -- one server, every load -----------------------------------------------------------------------
+
+
+def bench_command(
+    spec: ServerSpec, load: Load, output: Path, args: argparse.Namespace
+) -> list[str]:
+    """The client, the same for both servers: raw-text prompts on /v1/completions."""
+    flags = {
+        "--backend": "openai",
+        "--base-url": spec.base_url,
+        "--tokenizer": str(args.gguf),
+        "--dataset-name": "fixed",
+        "--input-len": str(args.input_len),
+        "--output-len": str(args.output_len),
+        "--temperature": "0",
+        "--num-prompts": str(load.num_prompts),
+        "--max-concurrency": str(load.concurrency),
+        "--seed": str(load.seed),
+        "--num-warmups": str(args.num_warmups),
+        "--label": f"{spec.name} c={load.concurrency}",
+        "--output": str(output),
+    }
+    pairs = [item for pair in flags.items() for item in pair]
+    return [
+        str(_venv_script("llmserve")),
+        "bench",
+        "serve",
+        *pairs,
+        "--ignore-eos",
+        "--no-progress",
+    ]
+
+
+def run_server(
+    spec: ServerSpec, loads: list[Load], args: argparse.Namespace, logs: Path
+) -> dict[str, Any]:
+    """Start spec, measure each load, stop it; its part of the JSON."""
+    log = logs / f"{spec.name}.log"
+    print(f"\n== {spec.name}: {shlex.join(spec.command)}", flush=True)
+    with log.open("wb") as out:
+        env = {**os.environ, **spec.env}
+        # Its own session: a Ctrl-C here reaches only this script, whose finally stops it.
+        proc = subprocess.Popen(
+            spec.command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+    memory = TreeMemory(proc.pid)
+    result: dict[str, Any] = {"command": spec.command, "env": spec.env, "log": str(log)}
+    try:
+        result["ready_s"] = wait_ready(
+            proc, spec.base_url + spec.ready_path, args.ready_timeout, log
+        )
+        result["idle_rss_bytes"] = tree_rss_bytes(proc.pid)
+        memory.take_window_peak()
+        result["loads"] = [run_load(spec, load, args, logs, memory) for load in loads]
+    finally:
+        stop(proc)
+        memory.stop()
+    result["peak_rss_bytes"] = memory.peak_bytes
+    result["startup_log"] = _startup_lines(log)
+    return result
+
+
+def run_load(
+    spec: ServerSpec,
+    load: Load,
+    args: argparse.Namespace,
+    logs: Path,
+    memory: TreeMemory,
+) -> dict[str, Any]:
+    """One `llmserve bench serve` run; its result document and memory peak."""
+    output = logs / f"{spec.name}_c{load.concurrency}.json"
+    command = bench_command(spec, load, output, args)
+    done = subprocess.run(command)
+    if done.returncode != 0:
+        raise RuntimeError(f"{shlex.join(command)} exited with {done.returncode}")
+    document = json.loads(output.read_text())
+    return {
+        **asdict(load),
+        "bench_command": command,
+        "peak_rss_bytes": memory.take_window_peak(),
+        "summary": summarize(document["runs"][0]["metrics"]),
+        "bench": document,
+    }
+
+
+def _startup_lines(log: Path) -> list[str]:
+    """What a server says about its threads, slots and context (llama.cpp's; llmserve's log at
+    WARNING says nothing)."""
+    keep = re.compile(r"system_info|n_threads|n_slots|n_ctx|kv_unified|CPU_REPACK|file type")
+    lines = log.read_text(errors="replace").splitlines() if log.exists() else []
+    return [line for line in lines if keep.search(line)][:20]
+
+
+# -- the numbers compared -------------------------------------------------------------------------
+
+
+def summarize(metrics: dict[str, Any]) -> dict[str, Any]:
+    """The figures compared, from one bench run's metrics."""
+    return {
+        "output_tok_s": metrics["output_throughput"],
+        "ttft_p50_ms": metrics["ttft_ms"]["p50"],
+        "ttft_p99_ms": metrics["ttft_ms"]["p99"],
+        "itl_p50_ms": metrics["itl_ms"]["p50"],
+        "tpot_p50_ms": metrics["tpot_ms"]["p50"],
+        "num_completed": metrics["num_completed"],
+        "num_failed": metrics["num_failed"],
+        "num_short_outputs": metrics["num_short_outputs"],
+        "mean_prompt_tokens": (
+            metrics["total_input_tokens"] / metrics["num_completed"]
+            if metrics["num_completed"]
+            else None
+        ),
+    }
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    """a / b, or None when either is missing or b is 0."""
+    return a / b if a is not None and b else None
+
+
+def compare(llmserve: dict[str, Any], llamacpp: dict[str, Any]) -> dict[str, float | None]:
+    """llmserve / llama.cpp for one load (each: a load's summary plus its peak_rss_bytes).
+    Above 1 is better for tok/s, below 1 for TTFT and RSS."""
+    return {
+        "output_tok_s": ratio(llmserve["output_tok_s"], llamacpp["output_tok_s"]),
+        "ttft_p50": ratio(llmserve["ttft_p50_ms"], llamacpp["ttft_p50_ms"]),
+        "rss": ratio(llmserve["peak_rss_bytes"], llamacpp["peak_rss_bytes"]),
+    }
+
+
+def load_rows(servers: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per concurrency: each server's summary and peak RSS, and the ratios when both
+    servers ran it."""
+    by_load: dict[int, dict[str, Any]] = {}
+    for name, server in servers.items():
+        for load in server.get("loads", []):
+            row = by_load.setdefault(load["concurrency"], {"concurrency": load["concurrency"]})
+            row[name] = {**load["summary"], "peak_rss_bytes": load["peak_rss_bytes"]}
+    for row in by_load.values():
+        if all(name in row for name in SERVERS):
+            row["ratios"] = compare(row["llmserve"], row["llamacpp"])
+    return [by_load[c] for c in sorted(by_load)]
+
+
+TABLE_COLUMNS = (
+    ("out tok/s", "output_tok_s", 1.0),
+    ("TTFT p50", "ttft_p50_ms", 1.0),
+    ("TTFT p99", "ttft_p99_ms", 1.0),
+    ("ITL p50", "itl_p50_ms", 1.0),
+    ("RSS MiB", "peak_rss_bytes", 1 / 2**20),
+)
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    """Each load's figures for both servers (ms for latencies), then llmserve / llama.cpp."""
+    header = f"{'conc':>5} {'server':<9}" + "".join(f"{name:>11}" for name, _, _ in TABLE_COLUMNS)
+    lines = [header]
+    for row in rows:
+        for name in SERVERS:
+            values = row.get(name, {})
+            cells = [_fmt(values.get(key), scale) for _, key, scale in TABLE_COLUMNS]
+            lines.append(f"{row['concurrency']:>5} {name:<9}" + "".join(f"{c:>11}" for c in cells))
+        r = row.get("ratios")
+        if r:
+            lines.append(
+                f"{'':>5} {'ratio':<9}{_fmt_x(r['output_tok_s']):>11}{_fmt_x(r['ttft_p50']):>11}"
+                f"{'':>22}{_fmt_x(r['rss']):>11}"
+            )
+    lines.append("ratio = llmserve / llama.cpp: tok/s above 1x is better, TTFT and RSS below 1x")
+    return "\n".join(lines)
+
+
+def _fmt(value: float | None, scale: float) -> str:
+    return "-" if value is None else f"{value * scale:.1f}"
+
+
+def _fmt_x(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
+# -- provenance -----------------------------------------------------------------------------------
+
+
+def cpu_flags() -> list[str]:
+    """The SIMD flags of CPU_FLAGS this CPU has (what ggml's native build and torch can use)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return []
+    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
+    have = set(line.partition(":")[2].split())
+    return [flag for flag in CPU_FLAGS if flag in have]
+
+
+def llamacpp_version(binary: Path) -> dict[str, Any]:
+    """`llama-server --version`, and for a build from bench/llamacpp_build.sh the
+    llama-cpp-python sdist it came from and the upstream commit its CHANGELOG names."""
+    done = subprocess.run([str(binary), "--version"], capture_output=True, text=True, timeout=60)
+    info: dict[str, Any] = {"binary": str(binary), "version_output": (done.stdout + done.stderr)}
+    info["version_output"] = info["version_output"].strip()
+    sdist = binary.resolve().parents[4]  # SDIST/vendor/llama.cpp/build/bin/llama-server
+    changelog = sdist / "CHANGELOG.md"
+    if sdist.name.startswith("llama_cpp_python-") and changelog.is_file():
+        info["llama_cpp_python_sdist"] = sdist.name.removeprefix("llama_cpp_python-")
+        found = re.search(r"ggml-org/llama\.cpp@([0-9a-f]{7,40})", changelog.read_text())
+        info["llama_cpp_commit"] = found.group(1) if found else None
+    return info
+
+
+def llmserve_version() -> dict[str, Any]:
+    import llmserve
+
+    return {"version": llmserve.__version__, "git_commit": git_commit()}
+
+
+def build_llamacpp() -> Path:
+    """bench/llamacpp_build.sh (a no-op once built); the binary's path is its last line."""
+    done = subprocess.run(
+        ["bash", str(ROOT / "bench" / "llamacpp_build.sh")], stdout=subprocess.PIPE, text=True
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"bench/llamacpp_build.sh exited with {done.returncode}")
+    return Path(done.stdout.strip().splitlines()[-1])
+
+
+# -- main -----------------------------------------------------------------------------------------
+
+
+def parse_loads(concurrency: str, num_prompts: str, seed: int = 0) -> list[Load]:
+    """'1,16,64' and '16,64,192' (or one count for all) -> loads of 1 x 16, 16 x 64 and 64 x 192
+    requests, seeded seed, seed + 1, seed + 2."""
+    levels = [int(c) for c in concurrency.split(",")]
+    counts = [int(n) for n in num_prompts.split(",")]
+    if len(counts) == 1:
+        counts *= len(levels)
+    if len(counts) != len(levels):
+        raise ValueError(
+            f"--num-prompts {num_prompts!r}: give one count, or one per concurrency "
+            f"({len(levels)} in --concurrency {concurrency!r})"
+        )
+    if min(levels + counts) < 1:
+        raise ValueError("--concurrency and --num-prompts must be >= 1")
+    return [Load(c, n, seed + i) for i, (c, n) in enumerate(zip(levels, counts, strict=True))]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--gguf", type=Path, default=None, help="default: the built-in SmolLM2 GGUF")
+    p.add_argument(
+        "--llama-server", type=Path, default=None, help="default: bench/llamacpp_build.sh's"
+    )
+    p.add_argument("--concurrency", default="1,16,64", help="comma-separated loads")
+    p.add_argument(
+        "--num-prompts", default="16,64,192", help="requests per load (one per concurrency)"
+    )
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--seed", type=int, default=0, help="the first load's workload seed (+1 each)")
+    p.add_argument("--num-warmups", type=int, default=1, help="per load, before measuring")
+    p.add_argument("--llmserve-args", default="", help="extra `llmserve serve` flags, verbatim")
+    p.add_argument("--llamacpp-args", default="", help="extra llama-server flags, verbatim")
+    p.add_argument("--servers", default=",".join(SERVERS), help="which to run, in this order")
+    p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to start")
+    p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "vs_llamacpp.json")
+    p.add_argument("--log-dir", type=Path, default=None, help="server logs, bench JSON (a tmp dir)")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    names = [n for n in args.servers.split(",") if n]
+    try:
+        loads = parse_loads(args.concurrency, args.num_prompts, args.seed)
+        if not names or set(names) - set(SERVERS):
+            raise ValueError(f"--servers {args.servers!r}: choose from {', '.join(SERVERS)}")
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    args.gguf = (args.gguf or builtin_model_path()).resolve()
+    logs = args.log_dir or Path(tempfile.mkdtemp(prefix="vs-llamacpp-"))
+    logs.mkdir(parents=True, exist_ok=True)
+    binary = None
+    if "llamacpp" in names:
+        binary = (args.llama_server or build_llamacpp()).resolve()
+    document = new_document(args, loads, binary)
+    for name in names:  # one at a time; each takes its free ports just before it starts
+        if name == "llamacpp":
+            assert binary is not None
+            spec = llamacpp_spec(binary, args)
+        else:
+            spec = llmserve_spec(args)
+        document["servers"][name] = run_server(spec, loads, args, logs)
+    document["rows"] = load_rows(document["servers"])
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(document, indent=2, allow_nan=False) + "\n")
+    print("\n" + format_table(document["rows"]))
+    peaks = [f"{n} {s['peak_rss_bytes'] / 2**20:.0f}" for n, s in document["servers"].items()]
+    print(f"peak RSS over each server's whole run (MiB): {', '.join(peaks)}")
+    print(f"results: {args.out}  (server logs and bench JSON: {logs})")
+    return 0
+
+
+def new_document(
+    args: argparse.Namespace, loads: list[Load], binary: Path | None
+) -> dict[str, Any]:
+    """The result document before any server ran: the machine, the versions, the workload."""
+    versions: dict[str, Any] = {"llmserve": llmserve_version()}
+    if binary:
+        versions["llamacpp"] = llamacpp_version(binary)
+    return {
+        "schema": SCHEMA,
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "command": [sys.executable, *sys.argv],
+        "hardware": {**hardware(), "cpu_flags": cpu_flags()},
+        "gguf": str(args.gguf),
+        "workload": {
+            "dataset": "fixed",
+            "input_len": args.input_len,
+            "output_len": args.output_len,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "loads": [asdict(load) for load in loads],
+        },
+        "versions": versions,
+        "servers": {},
+    }
+
+
+if __name__ == "__main__":
+    sys.exit(main())
