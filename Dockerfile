@@ -16,6 +16,9 @@ ENV PYTHONUNBUFFERED=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 
 WORKDIR /app
+# g++ builds the CPU int8 kernel (kernels/cpu_int8.cpp) at first use of --quantization int8.
+RUN apt-get update && apt-get install -y --no-install-recommends g++ \
+    && rm -rf /var/lib/apt/lists/*
 RUN pip install --index-url "${TORCH_INDEX_URL}" torch \
     && if [ "${CUPY_PACKAGE}" != "none" ]; then pip install "${CUPY_PACKAGE}"; fi
 

@@ -12,6 +12,8 @@ DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "dummy")
 ATTENTION_BACKENDS = ("auto", "torch", "cuda")
+QUANTIZATIONS = ("auto", "none", "int8", "fp8")
+KV_CACHE_DTYPES = ("auto", "bf16", "fp16", "fp8")
 
 
 @dataclass(frozen=True)
@@ -25,7 +27,24 @@ class EngineConfig(PeerSecurity):
     num_kv_blocks: int = setting(
         0, "KV pool size in blocks (0: from --kv-cache-gb, or free GPU memory)"
     )
-    kv_cache_gb: float = setting(2.0, "CPU KV pool size in GiB")
+    kv_cache_gb: float = setting(
+        0.0,
+        "CPU KV pool size in GiB (0: room for 16 x --max-num-batched-tokens tokens of this "
+        "model, at most a quarter of the memory available at start)",
+    )
+    quantization: str = setting(
+        "auto",
+        "weights: int8 = weight-only int8 (CPU and GPU); fp8 = float8 e4m3 weights and "
+        "activations (Hopper / Ada); none = the model's dtype; auto = int8 for a GGUF stored as "
+        "Q8_0, else none",
+        choices=QUANTIZATIONS,
+    )
+    kv_cache_dtype: str = setting(
+        "auto",
+        "KV pool element type: auto = the model's dtype; bf16 / fp16 halve a float32 pool; fp8 "
+        "(e4m3, scale 1.0) halves a bf16 one",
+        choices=KV_CACHE_DTYPES,
+    )
     gpu_memory_utilization: float = setting(
         0.9, "fraction of GPU memory for weights, activations and the KV pool"
     )
@@ -74,8 +93,8 @@ class EngineConfig(PeerSecurity):
         for name in ("num_kv_blocks", "max_model_len", "num_threads"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
-        if self.kv_cache_gb <= 0:
-            raise ValueError(f"kv_cache_gb={self.kv_cache_gb} must be > 0")
+        if self.kv_cache_gb < 0:
+            raise ValueError(f"kv_cache_gb={self.kv_cache_gb} must be >= 0")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(
                 f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]"

@@ -109,7 +109,8 @@ def hf_parameter_slices(model: LlamaForCausalLM) -> list[tuple[str, torch.Tensor
 @torch.no_grad()
 def init_dummy_weights(model: LlamaForCausalLM, seed: int) -> None:
     """Fill every parameter of `model` in place (on its device, in its dtype) with the dummy
-    values of its HF tensors. Must run before `pack_cpu_linears` (packing copies the weights)."""
+    values of its HF tensors. Must run before `replace_linears` (packing or quantizing copies
+    the weights)."""
     for name, tensor in hf_parameter_slices(model):
         fill_hf_tensor_(tensor, seed, name)
 

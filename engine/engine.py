@@ -8,6 +8,9 @@ the host) when the next is launched: an older one is finished first.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import os
 import secrets
 import time
 from collections import deque
@@ -32,10 +35,11 @@ from engine.memory import (
 )
 from engine.mirror import Mirror, StepBatch
 from engine.ops import select_ops
+from engine.quant import quantization_limits
 from engine.runner import LaunchedStep, ModelRunner, StepTimer
 from engine.sampler import Sampler
 from engine.timeline import Timeline, make_timeline
-from engine.weights import build_model, load_weights
+from engine.weights import build_model, load_weights, resolve_quantization
 
 log = get_logger("engine")
 
@@ -56,18 +60,56 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return getattr(torch, name)  # one of engine.config.DTYPES
 
 
+KV_CACHE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.float8_e4m3fn}
+# The CPU pool's default: this many steps' worth of tokens (16 x 2048 by default: 64 requests of
+# 512 tokens), at most this share of the memory available at start.
+CPU_POOL_STEPS = 16
+CPU_POOL_MEMORY_SHARE = 0.25
+
+
+def resolve_kv_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
+    return dtype if name == "auto" else KV_CACHE_DTYPES[name]
+
+
+def available_memory_bytes() -> int:
+    """MemAvailable of /proc/meminfo (Linux), else the physical memory."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 def choose_num_blocks(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype) -> int:
-    """The KV pool's size without profiling: --num-kv-blocks, or --kv-cache-gb on the CPU (a
-    GPU engine profiles instead: Engine._size_kv_pool)."""
+    """The KV pool's size without profiling: --num-kv-blocks, --kv-cache-gb, or on the CPU by
+    default CPU_POOL_STEPS x max_num_batched_tokens tokens (at least one max_model_len request),
+    capped at CPU_POOL_MEMORY_SHARE of the available memory (a GPU engine profiles instead:
+    Engine._size_kv_pool). dtype: the pool's."""
     if config.num_kv_blocks:
         return config.num_kv_blocks
     per_block = bytes_per_block(model_config, config.block_size, dtype)
-    num_blocks = int(config.kv_cache_gb * GIB // per_block)
+    if config.kv_cache_gb:
+        budget = int(config.kv_cache_gb * GIB)
+    else:
+        max_len = min(model_config.max_position_embeddings, config.max_model_len or 1 << 62)
+        tokens = max(CPU_POOL_STEPS * config.max_num_batched_tokens, max_len)
+        wanted = -(-tokens // config.block_size) * per_block
+        budget = min(wanted, int(CPU_POOL_MEMORY_SHARE * available_memory_bytes()))
+    num_blocks = int(budget // per_block)
     if num_blocks < 1:
         raise RuntimeError(
             f"kv_cache_gb={config.kv_cache_gb} holds no block ({per_block} bytes per block)"
         )
     return num_blocks
+
+
+def _give_back_freed_memory() -> None:
+    """Return the heap glibc keeps after loading (a GGUF's float32 copies) to the OS."""
+    with contextlib.suppress(OSError, AttributeError):  # not glibc
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 class Engine:
@@ -82,6 +124,11 @@ class Engine:
         self.model_config = load_model_config(path)
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
+        self.kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, self.dtype)
+        self.quantization = resolve_quantization(config.quantization, path)
+        why_not = quantization_limits(self.quantization, self.device)
+        if why_not:
+            raise ValueError(why_not)
         max_len = self.model_config.max_position_embeddings
         self.max_model_len = max_len = min(max_len, config.max_model_len or max_len)
         ops, ops_reason = select_ops(
@@ -96,13 +143,15 @@ class Engine:
         weights = None if config.load_format == "dummy" else load_weights(path, self.model_config)
         self.model = build_model(
             self.model_config, weights, max_len, self.dtype, self.device,
-            dummy_seed=config.seed or 0, ops=ops,
+            dummy_seed=config.seed or 0, ops=ops, quantization=self.quantization,
         )  # fmt: skip
         del weights
+        if self.device.type == "cpu":
+            _give_back_freed_memory()
         load_s = time.perf_counter() - t0
         self.num_blocks, memory = self._size_kv_pool()
         self.kv_cache = allocate_kv_cache(
-            self.model_config, self.num_blocks, config.block_size, self.dtype, self.device
+            self.model_config, self.num_blocks, config.block_size, self.kv_dtype, self.device
         )
         kv_caches = layer_views(self.kv_cache)
         graphs, graph_info = self._capture_graphs(kv_caches)
@@ -129,6 +178,8 @@ class Engine:
             load_format=config.load_format,
             device=str(self.device),
             dtype=self.info.dtype,
+            quantization=self.quantization,
+            kv_cache_dtype=str(self.kv_dtype).removeprefix("torch."),
             ops=ops.name,
             ops_reason=ops_reason,
             num_blocks=self.num_blocks,
@@ -171,10 +222,10 @@ class Engine:
         profiling step at the scheduler's largest (engine.memory)."""
         c = self.config
         if self.device.type != "cuda" or c.num_kv_blocks:
-            return choose_num_blocks(c, self.model_config, self.dtype), {}
+            return choose_num_blocks(c, self.model_config, self.kv_dtype), {}
         lengths = profile_lengths(c.max_num_batched_tokens, c.max_num_seqs, self.max_model_len)
         profile = profile_step_memory(
-            self.model_config, self.dtype, self.device, c.block_size, lengths, self._make_runner
+            self.model_config, self.kv_dtype, self.device, c.block_size, lengths, self._make_runner
         )
         uses_graphs, _ = self._uses_graphs()
         max_graph_batch = graph_batch_sizes(c.max_num_seqs)[-1] if uses_graphs else 0
@@ -182,7 +233,7 @@ class Engine:
             profile.activation_peak_bytes, max_graph_batch, sum(lengths)
         )
         budget = kv_cache_budget(profile, c.gpu_memory_utilization, graph_bytes)
-        per_block = bytes_per_block(self.model_config, c.block_size, self.dtype)
+        per_block = bytes_per_block(self.model_config, c.block_size, self.kv_dtype)
         num_blocks = num_blocks_for(budget, per_block)
         figures = {**describe(profile), "graph_reserve_gib": round(graph_bytes / GIB, 2)}
         if num_blocks < 1:

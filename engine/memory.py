@@ -120,8 +120,8 @@ def profile_step_memory(
     make_runner: Callable[[list[tuple[torch.Tensor, torch.Tensor]]], Any],
 ) -> MemoryProfile:
     """Run one step of prompts `lengths` through a runner (from make_runner(kv views)) on a
-    scratch KV pool just large enough, and read the device's memory around it. The scratch pool
-    and everything the step allocated are freed before returning."""
+    scratch KV pool of `dtype` just large enough, and read the device's memory around it. The
+    scratch pool and everything the step allocated are freed before returning."""
     torch.cuda.synchronize(device)
     gc.collect()
     torch.cuda.empty_cache()

@@ -9,7 +9,7 @@ less the `model.` prefix, except that q/k/v and gate/up are fused into one proje
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -20,7 +20,6 @@ from engine.layers import (
     DecoderLayer,
     Linear,
     OpsModule,
-    PackedLinear,
     RMSNorm,
     RotaryEmbedding,
     default_weight_loader,
@@ -76,15 +75,18 @@ class LlamaForCausalLM(nn.Module):
             return nn.functional.linear(hidden, self.embed_tokens.weight).float()
         return self.lm_head(hidden).float()
 
-    def pack_cpu_linears(self) -> None:
-        """Swap every Linear, the LM head included, for a PackedLinear. CPU float32 only; packing
-        copies the weights, so it comes after loading them."""
+    def replace_linears(
+        self, make: Callable[[torch.Tensor, torch.Tensor | None], nn.Module]
+    ) -> None:
+        """Swap every Linear, the LM head included (a tied one reads the embedding), for
+        make(weight, bias): a PackedLinear or a quantized linear (engine/quant.py). They copy
+        the weights, so this comes after loading them."""
         for name, module in list(self.named_modules()):
             if isinstance(module, Linear):
                 parent, _, leaf = name.rpartition(".")
-                setattr(self.get_submodule(parent), leaf, PackedLinear(module.weight, module.bias))
+                setattr(self.get_submodule(parent), leaf, make(module.weight, module.bias))
         if self.lm_head is None:
-            self.lm_head = PackedLinear(self.embed_tokens.weight, None)
+            self.lm_head = make(self.embed_tokens.weight, None)
 
     def hf_tensors(self) -> Iterator[tuple[str, nn.Module, nn.Parameter, int]]:
         """(HF name, module, parameter, shard) for every tensor of HF's checkpoint, in parameter

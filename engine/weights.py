@@ -17,9 +17,10 @@ import torch
 from common.gguf_file import open_gguf
 from common.model_config import ModelConfig, ModelSourceError
 from engine.dummy import init_dummy_weights
-from engine.layers import can_pack_cpu_linears
+from engine.layers import PackedLinear, can_pack_cpu_linears
 from engine.model import LlamaForCausalLM
 from engine.ops import LayerOps
+from engine.quant import QUANTIZED_LINEARS
 
 _GGUF_LAYER_NAMES = {
     "attn_q": "self_attn.q_proj",
@@ -101,6 +102,20 @@ def _load_gguf(path: Path, config: ModelConfig) -> dict[str, torch.Tensor]:
     return weights
 
 
+Q8_0 = 8  # ggml's type id
+
+
+def resolve_quantization(name: str, path: Path) -> str:
+    """--quantization auto: int8 for a GGUF whose projections are stored as Q8_0 (its int8
+    values and block scales are kept exactly: engine.quant.grouped_int8), else none."""
+    if name != "auto":
+        return name
+    if path.is_dir():
+        return "none"
+    types = {t.ggml_type for t in open_gguf(path).tensors if t.name.endswith("attn_q.weight")}
+    return "int8" if types == {Q8_0} else "none"
+
+
 def build_model(
     config: ModelConfig,
     weights: dict[str, torch.Tensor] | None,
@@ -110,10 +125,12 @@ def build_model(
     *,
     dummy_seed: int = 0,
     ops: LayerOps | None = None,
+    quantization: str = "none",
 ) -> LlamaForCausalLM:
     """Allocate on the meta device, materialize on `device` directly in `dtype` (never a float32
     copy first), then load `weights`, or, when it is None, fill in engine.dummy's seeded values.
-    `ops`: the layer ops backend (default: kernels/reference.py)."""
+    `ops`: the layer ops backend (default: kernels/reference.py). `quantization` (int8, fp8)
+    replaces every linear layer, the LM head included, by engine/quant.py's."""
     with torch.device("meta"):
         model = LlamaForCausalLM(config, max_positions, ops)
     model = model.to(dtype).to_empty(device=device)
@@ -123,6 +140,8 @@ def build_model(
     else:
         model.load_weights(weights)
     model = model.eval().requires_grad_(False)
-    if device.type == "cpu" and dtype == torch.float32 and can_pack_cpu_linears():
-        model.pack_cpu_linears()
+    if quantization != "none":
+        model.replace_linears(QUANTIZED_LINEARS[quantization])
+    elif device.type == "cpu" and dtype == torch.float32 and can_pack_cpu_linears():
+        model.replace_linears(PackedLinear)
     return model

@@ -1,0 +1,147 @@
+"""Quantized linear layers, made from a loaded Linear's weights (they replace it, as PackedLinear
+does), and `quantize_linears`, which swaps them into a model.
+
+- `Int8Linear` (--quantization int8): weight-only int8, symmetric scales. On a CPU, one scale per
+  32 weights along K (GGUF's Q8_0 layout) and our AVX2 kernel (kernels/cpu_int8.cpp): decode
+  steps read a quarter of float32's bytes. torch's CPU int8 paths were measured and set aside:
+  `_weight_int8pack_mm` ran 3-8x slower than packed float32 on this AVX2 CPU, and fbgemm's
+  dynamic int8 GEMM (activations quantized per call) kept only 54% of SmolLM2's top-1 tokens.
+  On a GPU: one scale per output channel, torch's `_weight_int8pack_mm`.
+- `Fp8Linear` (--quantization fp8): W8A8 in float8 e4m3 through `torch._scaled_mm`, one scale per
+  output channel for the weights and one per token for the activations, computed each call. Its
+  home is Hopper (sm_89+); torch also runs it on a CPU, slowly, which the tests use.
+
+Both keep the float bias, and return the input's dtype.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+
+from common.log import get_logger
+from kernels import cpu as cpu_kernels
+
+QUANTIZATIONS = ("none", "int8", "fp8")
+FP8_MAX = 448.0  # largest finite float8 e4m3fn
+
+
+def per_channel_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float8_e4m3fn [N, K], float32 scales [N]) with weight ~= q * scale[:, None]."""
+    w = weight.detach().float()
+    scale = (w.abs().amax(dim=1) / FP8_MAX).clamp(min=1e-12)
+    return (w / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
+
+
+def int8_group(k: int) -> int:
+    """Weights per scale along K on the CPU: 32, as GGUF's Q8_0 blocks, where K allows."""
+    return 32 if k % 32 == 0 else k
+
+
+def grouped_int8(
+    weight: torch.Tensor, group: int, symmetric: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(int8 q [N, K], float32 scale and offset [N, K / group]): weight ~= q * scale + offset,
+    one scale and offset per `group` weights along K.
+
+    symmetric: offset 0, |q| <= 127; a Q8_0 GGUF tensor, dequantized, comes back as exactly its
+    own blocks. Otherwise the group's [min, max] spans all 256 levels, which holds a Q4_0 or Q4_1
+    block (16 evenly spaced values) exactly: level i lands on q = 17 i - 128."""
+    n, k = weight.shape
+    w = weight.detach().float().view(n, k // group, group)
+    if symmetric:
+        scale = (w.abs().amax(dim=2, keepdim=True) / 127.0).clamp(min=1e-12)
+        offset = torch.zeros_like(scale)
+        q = (w / scale).round().clamp(-127, 127)
+    else:
+        low, high = w.amin(dim=2, keepdim=True), w.amax(dim=2, keepdim=True)
+        scale = ((high - low) / 255.0).clamp(min=1e-12)
+        offset = low + 128.0 * scale
+        q = ((w - low) / scale).round().clamp(0, 255) - 128.0
+    return q.to(torch.int8).view(n, k), scale.view(n, -1), offset.view(n, -1)
+
+
+def _error(
+    weight: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor
+) -> float:
+    n, k = q.shape
+    approx = q.view(n, scale.shape[1], -1).float() * scale[..., None] + offset[..., None]
+    return float((approx.view(n, k) - weight.float()).abs().max())
+
+
+class Int8Linear(nn.Module):
+    """Weight-only int8. CPU: scales per 32 weights along K, kernels/cpu_int8.cpp (or its torch
+    twin where it cannot build); GPU: per-channel scales, torch's `_weight_int8pack_mm`."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.bias = None if bias is None else bias.detach().clone()
+        self.on_cpu = weight.device.type == "cpu"
+        self.group = int8_group(weight.shape[1]) if self.on_cpu else weight.shape[1]
+        if self.on_cpu:  # whichever form holds this weight more closely (exactly: Q8_0, Q4_x)
+            forms = [grouped_int8(weight, self.group, sym) for sym in (True, False)]
+            self.qweight, scale, self.offset = min(forms, key=lambda f: _error(weight, *f))
+        else:  # _weight_int8pack_mm has no offsets
+            self.qweight, scale, self.offset = grouped_int8(weight, self.group, True)
+        self.scale = scale if self.on_cpu else scale.view(-1).to(weight.dtype)
+        if self.on_cpu:
+            self.bias = None if bias is None else self.bias.float()
+            self.kernel = cpu_kernels.int8_linear
+            if self.group % 8 or cpu_kernel_missing():
+                self.kernel = cpu_kernels.int8_linear_reference
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        if self.on_cpu:
+            out = self.kernel(
+                rows.float(), self.qweight, self.scale, self.offset, self.group, self.bias
+            )
+        else:
+            out = torch._weight_int8pack_mm(rows, self.qweight, self.scale)
+            if self.bias is not None:
+                out = out + self.bias
+        return out.to(x.dtype).view(*x.shape[:-1], -1)
+
+
+class Fp8Linear(nn.Module):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        q, scale = per_channel_fp8(weight)
+        self.qweight_t = q.t()  # column-major [K, N], as _scaled_mm wants its second operand
+        self.scale = scale[None, :]
+        self.bias = None if bias is None else bias.detach().clone()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1]).float()
+        x_scale = (rows.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp(min=1e-12)
+        xq = (rows / x_scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        out_dtype = torch.bfloat16 if x.dtype == torch.float32 else x.dtype
+        out = torch._scaled_mm(
+            xq, self.qweight_t, scale_a=x_scale, scale_b=self.scale, out_dtype=out_dtype
+        )
+        if self.bias is not None:
+            out = out + self.bias
+        return out.to(x.dtype).view(*x.shape[:-1], -1)
+
+
+@functools.cache
+def cpu_kernel_missing() -> bool:
+    """Whether kernels/cpu_int8.cpp cannot run here (built on first use; said once, in the log)."""
+    why = cpu_kernels.unavailable()
+    if why is not None:
+        get_logger("engine").warning("int8 linears run in plain torch (slow)", why=why)
+    return why is not None
+
+
+QUANTIZED_LINEARS: dict[str, type[nn.Module]] = {"int8": Int8Linear, "fp8": Fp8Linear}
+
+
+def quantization_limits(method: str, device: torch.device) -> str | None:
+    """Why `method` cannot run on `device` (None when it can)."""
+    if method == "fp8" and device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        if (major, minor) < (8, 9):
+            return f"--quantization fp8 needs an sm_89+ GPU (Ada, Hopper), not sm_{major}{minor}"
+    return None
