@@ -51,6 +51,7 @@ class AttentionContext:
     cu_seqlens_q_t: torch.Tensor | None = None
     max_seqlen_q: int = 0
     max_seq_len: int = 0
+    cpu_step: Any = None  # CpuOps' per-step metadata (engine.ops._CpuStep)
 
 
 class LayerOps:
@@ -119,6 +120,107 @@ class ReferenceOps(LayerOps):
         return ref.paged_attention(
             q, k_cache, v_cache, ctx.block_tables, ctx.seq_lens, ctx.cu_seqlens_q, scale
         )
+
+
+@dataclass
+class _CpuStep:
+    """What CpuOps.prepare works out once per step for every layer's attention."""
+
+    slots: torch.Tensor  # the KV slots written this step (padding rows left out)
+    keep: torch.Tensor | None  # the rows of k / v that go to `slots` (None: all of them)
+    decode_rows: list[int]  # requests with one query this step
+    decode_tokens: torch.Tensor | None  # their query rows (None: every row, in order)
+    decode_blocks: torch.Tensor  # their block tables, flattened, to the longest context
+    decode_len: int  # the longest context, in whole blocks
+    decode_mask: torch.Tensor  # [rows, 1, 1, decode_len]: True where a key is in context
+
+
+class CpuOps(ReferenceOps):
+    """The CPU engine's ops: kernels/reference.py's math, with the step's attention metadata
+    made once per step (`prepare`) instead of in each layer, q and k rotated in one op, and a
+    decode-only step attended to in one scaled_dot_product_attention call over all heads (GQA
+    without copies) instead of two products per KV head. A step with prefill chunks goes to
+    the reference as it is."""
+
+    name = "torch-cpu"
+
+    def prepare(self, ctx: AttentionContext) -> AttentionContext:
+        slots = ctx.slot_mapping
+        valid = slots >= 0
+        keep = None if bool(valid.all()) else valid.nonzero().flatten()
+        if keep is not None:
+            slots = slots[keep]
+        rows = [
+            b
+            for b in range(len(ctx.seq_lens))
+            if ctx.cu_seqlens_q[b + 1] - ctx.cu_seqlens_q[b] == 1
+        ]
+        tokens = [ctx.cu_seqlens_q[b] for b in rows]
+        block_size = ctx.kv_caches[0][0].shape[1] if ctx.kv_caches else 1
+        lens = [ctx.seq_lens[b] for b in rows]
+        blocks = -(-max(lens, default=0) // block_size)
+        mask = torch.arange(blocks * block_size)[None, :] < torch.tensor(lens)[:, None]
+        step = _CpuStep(
+            slots,
+            keep,
+            rows,
+            None if tokens == list(range(len(ctx.seq_lens))) else torch.tensor(tokens),
+            ctx.block_tables[rows, :blocks].flatten(),
+            blocks * block_size,
+            mask[:, None, None, :],
+        )
+        return dataclasses.replace(ctx, cpu_step=step)
+
+    def rotary(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        both = ref.rotary_embedding(positions, torch.cat((q, k), dim=1), cos_sin)
+        return both[:, : q.shape[1]], both[:, q.shape[1] :]
+
+    def attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        ctx: AttentionContext,
+        scale: float,
+    ) -> torch.Tensor:
+        step = ctx.cpu_step
+        assert isinstance(step, _CpuStep), "prepare() first"
+        if step.keep is not None:
+            k, v = k[step.keep], v[step.keep]
+        for cache, new in ((k_cache, k), (v_cache, v)):
+            flat = cache.view(-1, *cache.shape[2:])
+            ref._as_bytes(flat)[step.slots] = ref._as_bytes(ref.quantize_kv(new, flat.dtype))
+        if len(step.decode_rows) == len(ctx.seq_lens):
+            return self._decode(q, k_cache, v_cache, step, scale)
+        return ref.paged_attention(  # a step with prefill chunks
+            q, k_cache, v_cache, ctx.block_tables, ctx.seq_lens, ctx.cu_seqlens_q, scale
+        )
+
+    @staticmethod
+    def _decode(
+        q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, step: _CpuStep, scale: float
+    ) -> torch.Tensor:
+        """[rows, heads, head_dim]: each decode row's one query over its context."""
+        rows, heads, dim = len(step.decode_rows), q.shape[1], q.shape[2]
+        kv = []
+        for cache in (k_cache, v_cache):
+            gathered = ref._as_bytes(cache).flatten(1).index_select(0, step.decode_blocks)
+            shape = (rows, step.decode_len, *cache.shape[2:])  # [rows, L, kv_heads, dim]
+            kv.append(gathered.view(cache.dtype).view(shape).to(q.dtype).transpose(1, 2))
+        queries = q if step.decode_tokens is None else q[step.decode_tokens]
+        attn = torch.nn.functional.scaled_dot_product_attention(
+            queries.view(rows, heads, 1, dim),
+            kv[0],
+            kv[1],
+            attn_mask=step.decode_mask,
+            scale=scale,
+            enable_gqa=heads != k_cache.shape[2],
+        )
+        return attn.view(rows, heads, dim)
 
 
 class KernelOps(LayerOps):
@@ -209,17 +311,19 @@ def select_ops(
     config: ModelConfig,
     block_size: int,
 ) -> tuple[LayerOps, str]:
-    """(ops, why). backend: "torch" = ReferenceOps; "cuda" = KernelOps or a ValueError saying
-    why not; "auto" = KernelOps on a GPU whenever they can run and pass `self_check`, else
-    ReferenceOps (why: the reason the kernels were not used)."""
+    """(ops, why). backend: "torch" = ReferenceOps (CpuOps on a CPU); "cuda" = KernelOps or a
+    ValueError saying why not; "auto" = KernelOps on a GPU whenever they can run and pass
+    `self_check`, else ReferenceOps (CpuOps on a CPU); why: the reason the kernels were not
+    used."""
     if backend not in ATTENTION_BACKENDS:
         raise ValueError(f"attention backend {backend!r} must be one of {ATTENTION_BACKENDS}")
     if backend == "torch":
-        return ReferenceOps(), "asked for (--attention-backend torch)"
+        ops = CpuOps() if device.type == "cpu" else ReferenceOps()
+        return ops, "asked for (--attention-backend torch)"
     if device.type != "cuda":
         if backend == "cuda":
             raise ValueError(f"--attention-backend cuda needs --device cuda, not {device.type}")
-        return ReferenceOps(), f"device {device.type}"
+        return CpuOps(), f"device {device.type}"
     why_not = kernel_limits(config, dtype, block_size)
     if why_not is None:
         import kernels.cuda as kc
