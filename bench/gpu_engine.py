@@ -2,8 +2,12 @@
 
     python3 bench/gpu_engine.py --shape llama-3-8b   [--out DIR] [--skip-hf] ...
     python3 bench/gpu_engine.py --shape smollm2-135m [--out DIR]
+    python3 bench/gpu_engine.py --shape llama-3-8b --quantization int8 --agreement \
+        --skip-offline --skip-hf                                          (issue 14)
 
-For configs/<shape>/config.json with `--load-format dummy` (seeded random weights), bf16:
+For configs/<shape>/config.json with `--load-format dummy` (seeded random weights), bf16 or
+`--quantization int8|fp8` / `--kv-cache-dtype fp8` (passed to the engine in 1 and 2 and used by
+4; recorded in the JSON, whose name then says the mode: gpu_engine_<shape>_int8.json):
 
 1. offline (the issue's workload): `llmserve bench offline` starts the whole stack (gateway,
    scheduler, engine; real gRPC) with `--device cuda`, sends --num-prompts requests of exactly
@@ -15,14 +19,25 @@ For configs/<shape>/config.json with `--load-format dummy` (seeded random weight
 2. decode step time at batch 1 and 8 (an Engine in this process, CUDA graphs on, contexts of
    512 tokens): the median wall time of Engine.step over --decode-steps steps, against the floor
    of the bytes a decode step must read (every weight except an untied embedding table, of which
-   only the batch's rows; plus the batch's KV) / 4.28 TB/s (../shared/gpu.md).
+   only the batch's rows; plus the batch's KV; int8 / fp8 weights and an fp8 pool at one byte an
+   element) / 4.28 TB/s (../shared/gpu.md).
 3. HF transformers: static `generate` on the same dummy weights (bf16, SDPA), one batch of
    --hf-batch requests of 512 prompt tokens generating --hf-output-len tokens each (a subset of
    the workload, sized to the time limit; said so in the output), and our offline throughput over
    HF's.
+4. agreement (`--agreement`, issue 14): the quantized engine against the bf16 one on the same
+   seeded random prompt tokens, teacher-forced (every prompt is fed to both, whatever they would
+   have sampled): the first tokens of all prompts as one prefill step, the last
+   --agreement-decode one per prompt per step (decode steps), each engine writing and reading
+   its own KV pool (an fp8 pool is exercised by both attention kernels). Top-1 agreement of the
+   next-token argmax and mean KL(bf16 || quantized) over every position. The two engines are
+   built one after the other (one 8B model on the GPU at a time), eager, with a KV pool sized
+   for the prompts. See AGREEMENT_NOTE on what random weights can and cannot say.
 
 Writes DIR/gpu_engine_<shape>.json (the offline run's full bench document beside it) and prints
 a table last. Nothing is downloaded; needs torch with CUDA, CuPy, transformers (for 3).
+`quant_summary` / `quant_table` put the quantized runs beside the bf16 one
+(bench/gpu_engine_check.sh).
 """
 
 from __future__ import annotations
@@ -50,6 +65,14 @@ TARGETS: dict[str, dict[str, float]] = {
     "llama-3-8b": {"output_tok_s": 12000.0, "decode_vs_floor": 1.4, "gpu_busy": 0.95},
     "smollm2-135m": {"output_tok_s": 50000.0, "gpu_busy": 0.85},
 }
+AGREEMENT_NOTE = (
+    "dummy (random) weights: no activation outliers, which are what costs a trained model its "
+    "tokens under int8 / fp8, so on that account these figures are an upper bound of what a "
+    "trained model keeps; but random weights also give near-flat next-token distributions "
+    "(ref_top1_prob, ref_top1_margin_median), where any rounding flips the argmax more easily. "
+    "They check the quantized paths end to end on the GPU, not a model's quality "
+    "(tests/test_quantization.py measures that on the built-in model, on the CPU)."
+)
 
 
 # A CPU dry run of this script (`--device cpu --dtype float32 --model-dir DIR`, a small
@@ -60,6 +83,29 @@ DEVICE, DTYPE = "cuda", "bfloat16"
 
 def config_dir(shape: str) -> Path:
     return MODEL_DIR or ROOT / "configs" / shape
+
+
+def mode_label(quantization: str, kv_cache_dtype: str) -> str:
+    """The run's mode in a word, empty for the model's own dtype throughout: e.g. "int8",
+    "kv-fp8", "fp8_kv-fp8". It ends the JSON file's name, so letters, digits, '-' and '_'."""
+    parts = [] if quantization in ("auto", "none") else [quantization]
+    if kv_cache_dtype != "auto":
+        parts.append(f"kv-{kv_cache_dtype}")
+    return "_".join(parts)
+
+
+def result_path(out: Path, shape: str, quantization: str, kv_cache_dtype: str) -> Path:
+    label = mode_label(quantization, kv_cache_dtype)
+    return out / f"gpu_engine_{shape}{'_' + label if label else ''}.json"
+
+
+def free_device_memory() -> None:
+    """Let go of what a dropped engine held, before the next is built."""
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 # ---- 1. offline through the stack --------------------------------------------------------------
@@ -73,6 +119,7 @@ def serve_args(shape: str, args: argparse.Namespace) -> list[str]:
         "--max-num-batched-tokens", str(args.max_num_batched_tokens),
         "--max-model-len", str(args.max_model_len),
         "--gpu-memory-utilization", str(args.gpu_memory_utilization),
+        "--quantization", args.quantization, "--kv-cache-dtype", args.kv_cache_dtype,
     ]  # fmt: skip
 
 
@@ -88,7 +135,8 @@ def run_offline(shape: str, args: argparse.Namespace) -> dict[str, Any]:
         "--input-len", str(args.input_len), "--output-len", str(args.output_len),
         "--temperature", "0", "--ignore-eos", "--seed", str(args.seed),
         "--num-warmups", "1", "--no-progress", "--output", str(document_path),
-        "--label", f"issue 4 offline, {shape}, dummy weights, bf16",
+        "--label", f"issue 4 offline, {shape}, dummy weights, "
+        f"{mode_label(args.quantization, args.kv_cache_dtype) or DTYPE}",
         "--", *serve_args(shape, args),
     ]  # fmt: skip
     env = dict(os.environ, LLMSERVE_STEP_TIMELINE=str(timeline_path))
@@ -146,19 +194,43 @@ def run_offline(shape: str, args: argparse.Namespace) -> dict[str, Any]:
 # ---- 2. decode step time against the bandwidth floor --------------------------------------------
 
 
-def decode_floor_bytes(shape: str, batch: int, context: int) -> dict[str, int]:
-    """Bytes one decode step of `batch` requests at `context` tokens each must read, bf16."""
+def decode_floor_bytes(
+    shape: str,
+    batch: int,
+    context: int,
+    dtype_bytes: int = 2,
+    linear_bytes: int | None = None,
+    kv_bytes: int | None = None,
+) -> dict[str, int]:
+    """Bytes one decode step of `batch` requests at `context` tokens each must read: every
+    weight, except that an untied embedding table is read only at the batch's rows.
+
+    dtype_bytes: per element of the model's dtype (bf16: 2); linear_bytes: per weight of the
+    linear layers, the LM head included (--quantization int8 / fp8: 1; a tied head then reads a
+    quantized copy of the table, the lookup the table's rows); kv_bytes: per KV element. Both
+    default to dtype_bytes. Quantization scales and biases are counted as weights (< 0.1%)."""
     from common.model_config import load_model_config
     from engine.dummy import hf_tensor_shapes
 
+    linear_bytes = dtype_bytes if linear_bytes is None else linear_bytes
+    kv_bytes = dtype_bytes if kv_bytes is None else kv_bytes
     config = load_model_config(config_dir(shape))
     shapes = hf_tensor_shapes(config)
-    params = sum(math.prod(s) for s in shapes.values())
-    embed = math.prod(shapes["model.embed_tokens.weight"])
-    weights = params * 2
-    if not config.tie_word_embeddings:  # a lookup of `batch` rows, not the whole table
-        weights -= (embed - batch * config.hidden_size) * 2
-    kv_per_token = config.num_layers * 2 * config.num_kv_heads * config.head_dim * 2
+    embed_name = "model.embed_tokens.weight"
+    embed = math.prod(shapes[embed_name])
+    norms = sum(math.prod(s) for n, s in shapes.items() if n.endswith("norm.weight"))
+    linear = sum(
+        math.prod(s) for n, s in shapes.items() if n != embed_name and not n.endswith("norm.weight")
+    )
+    weights = linear * linear_bytes + norms * dtype_bytes
+    lookup = batch * config.hidden_size * dtype_bytes
+    if not config.tie_word_embeddings:
+        weights += lookup
+    elif linear_bytes == dtype_bytes:  # the head reads the whole table, the lookup's rows too
+        weights += embed * dtype_bytes
+    else:
+        weights += embed * linear_bytes + lookup
+    kv_per_token = config.num_layers * 2 * config.num_kv_heads * config.head_dim * kv_bytes
     return {"weights": weights, "kv": batch * context * kv_per_token}
 
 
@@ -192,14 +264,21 @@ def decode_step_times(shape: str, args: argparse.Namespace) -> dict[str, Any]:
             max_num_seqs=max(batches),
             max_num_batched_tokens=context * max(batches),
             max_model_len=args.max_model_len,
+            quantization=args.quantization,
+            kv_cache_dtype=args.kv_cache_dtype,
         )
     )
     vocab = engine.model_config.vocab_size
+    dtype_bytes = torch.empty(0, dtype=engine.dtype).element_size()
+    linear_bytes = 1 if engine.quantization in ("int8", "fp8") else dtype_bytes
+    kv_bytes = torch.empty(0, dtype=engine.kv_dtype).element_size()
     results: dict[str, Any] = {
         "context_tokens": context,
         "steps_timed": steps,
         "cuda_graphs": engine.runner.graphs is not None,
         "ops": engine.model.ops.name,
+        "quantization": engine.quantization,
+        "kv_cache_dtype": str(engine.kv_dtype).removeprefix("torch."),
     }
     for batch in batches:
         prompts = synthetic_prompts(batch, context, vocab)
@@ -215,11 +294,14 @@ def decode_step_times(shape: str, args: argparse.Namespace) -> dict[str, Any]:
             driver.decode()  # returns sampled ids on the host: the step is complete
             times.append((time.perf_counter() - t0) * 1e3)
         mean_context = context + 5 + steps / 2
-        floor = decode_floor_bytes(shape, batch, int(mean_context))
+        floor = decode_floor_bytes(
+            shape, batch, int(mean_context), dtype_bytes, linear_bytes, kv_bytes
+        )
         floor_ms = (floor["weights"] + floor["kv"]) / COPY_BYTES_PER_S * 1e3
         median = statistics.median(times)
         results[f"batch_{batch}"] = {
             "step_ms_median": median,
+            "output_tok_s": batch / median * 1e3,
             "step_ms_p10": statistics.quantiles(times, n=10)[0],
             "step_ms_p90": statistics.quantiles(times, n=10)[-1],
             "floor_bytes": floor,
@@ -249,6 +331,183 @@ def hf_generate(shape: str, args: argparse.Namespace) -> dict[str, Any]:
         "output_len": out_len,
         "seconds": seconds,
         "output_tok_s": batch * out_len / seconds,
+    }
+
+
+# ---- 4. top-1 agreement of a quantized engine with the bf16 one (issue 14) ---------------------
+
+
+def agreement_prompts(
+    num_prompts: int, num_tokens: int, vocab_size: int, seed: int
+) -> list[list[int]]:
+    """Seeded random token ids: the same for every engine compared."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    ids: list[list[int]] = torch.randint(
+        0, vocab_size, (num_prompts, num_tokens), generator=gen
+    ).tolist()
+    return ids
+
+
+def teacher_forced_logits(engine: Any, prompts: list[list[int]], num_decode: int) -> list[Any]:
+    """Float32 logits [len(prompt), vocab] at every position of each prompt, through
+    engine.model and the engine's own KV pool (blocks handed out in order from 0, as
+    llmserve.bench.engine_driver.Driver does): all prompts but their last num_decode tokens as
+    one prefill step, then those one token per prompt per step, as decode steps. Each step
+    stores its K/V in the pool and attends over what the pool holds, so an fp8 pool is written
+    and read back by both attention paths. Needs sum(ceil(len / block_size)) <= num_blocks."""
+    import torch
+
+    from engine.ops import AttentionContext
+
+    bs = engine.config.block_size
+    lengths = [len(p) for p in prompts]
+    prefill = [n - num_decode for n in lengths]
+    if min(prefill) < 1:
+        raise ValueError(
+            f"prompts of {min(lengths)} tokens leave no prefill before {num_decode} decodes"
+        )
+    tables: list[list[int]] = []
+    for n in lengths:
+        first = sum(len(t) for t in tables)
+        tables.append(list(range(first, first + -(-n // bs))))
+    needed = sum(len(t) for t in tables)
+    if needed > engine.num_blocks:
+        raise ValueError(f"the prompts need {needed} KV blocks; the pool has {engine.num_blocks}")
+
+    def tensor(values: list[int] | list[list[int]]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=engine.device)
+
+    def forward(starts: list[int], ends: list[int]) -> list[torch.Tensor]:
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        cu_seqlens_q = [0]
+        for prompt, table, start, end in zip(prompts, tables, starts, ends, strict=True):
+            ids += prompt[start:end]
+            positions += range(start, end)
+            slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
+            cu_seqlens_q.append(cu_seqlens_q[-1] + end - start)
+        width = max(-(-end // bs) for end in ends)
+        block_tables = tensor([t[:width] + [0] * (width - len(t[:width])) for t in tables])
+        ctx = AttentionContext(
+            tensor(slots), block_tables, list(ends), cu_seqlens_q, engine.runner.kv_caches
+        )
+        hidden = engine.model(tensor(ids), tensor(positions), ctx)
+        logits = engine.model.compute_logits(hidden).float()
+        return list(logits.split([e - s for s, e in zip(starts, ends, strict=True)]))
+
+    with torch.inference_mode():
+        pieces = [[chunk] for chunk in forward([0] * len(prompts), prefill)]
+        for step in range(num_decode):
+            for piece, row in zip(
+                pieces,
+                forward([n + step for n in prefill], [n + step + 1 for n in prefill]),
+                strict=True,
+            ):
+                piece.append(row)
+        return [torch.cat(piece) for piece in pieces]
+
+
+def compare_logits(reference: list[Any], other: list[Any], num_decode: int) -> dict[str, Any]:
+    """Top-1 agreement and mean KL(reference || other) in nats over every position, and apart
+    for the prefill positions and the last num_decode (decode) positions of each prompt; how
+    peaked the reference is (mean top-1 probability, median top-1 - top-2 logit gap)."""
+    import torch
+
+    sums = {"prefill": [0, 0.0, 0], "decode": [0, 0.0, 0]}  # same, kl, positions
+    top1_prob = 0.0
+    margins: list[torch.Tensor] = []
+    for ref, got in zip(reference, other, strict=True):
+        ref_log, got_log = ref.log_softmax(-1), got.log_softmax(-1)
+        same = ref.argmax(-1) == got.argmax(-1)
+        kl = (ref_log.exp() * (ref_log - got_log)).sum(-1)
+        split = ref.shape[0] - num_decode
+        for phase, rows in (("prefill", slice(0, split)), ("decode", slice(split, None))):
+            sums[phase][0] += int(same[rows].sum())
+            sums[phase][1] += float(kl[rows].sum())
+            sums[phase][2] += int(same[rows].numel())
+        top1_prob += float(ref_log.max(-1).values.exp().sum())
+        top2 = ref.topk(2, dim=-1).values
+        margins.append((top2[:, 0] - top2[:, 1]).cpu())
+    same_all = sum(v[0] for v in sums.values())
+    kl_all = sum(v[1] for v in sums.values())
+    n = sum(v[2] for v in sums.values())
+    return {
+        "top1": same_all / n,
+        "mean_kl": kl_all / n,
+        "positions": n,
+        "by_phase": {
+            phase: {"top1": v[0] / v[2], "mean_kl": v[1] / v[2], "positions": v[2]}
+            for phase, v in sums.items()
+            if v[2]
+        },
+        "ref_top1_prob": top1_prob / n,
+        "ref_top1_margin_median": float(torch.cat(margins).median()),
+    }
+
+
+def quality_engine(
+    shape: str, args: argparse.Namespace, quantization: str, kv_cache_dtype: str, num_blocks: int
+) -> Any:
+    from engine.config import EngineConfig
+    from engine.engine import Engine
+
+    return Engine(
+        EngineConfig(
+            model=str(config_dir(shape)),
+            load_format="dummy",
+            seed=args.seed,
+            device=DEVICE,
+            dtype=DTYPE,
+            quantization=quantization,
+            kv_cache_dtype=kv_cache_dtype,
+            num_kv_blocks=num_blocks,
+            max_num_seqs=args.agreement_prompts,
+            max_num_batched_tokens=args.agreement_prompts * args.agreement_len,
+            max_model_len=args.max_model_len,
+            enforce_eager=True,  # no CUDA graphs to capture: forwards of any shape, eagerly
+        )
+    )
+
+
+def agreement(shape: str, args: argparse.Namespace) -> dict[str, Any]:
+    """The engine of --quantization / --kv-cache-dtype against the unquantized one (bf16 on a
+    GPU), teacher-forced on the same seeded random prompts; one engine on the device at a time
+    (the quantized one's logits are kept while the reference is built)."""
+    from common.model_config import load_model_config
+    from llmserve.bench.engine_driver import blocks_needed
+
+    vocab = load_model_config(config_dir(shape)).vocab_size
+    num, length, num_decode = args.agreement_prompts, args.agreement_len, args.agreement_decode
+    prompts = agreement_prompts(num, length, vocab, args.seed + 1)
+    num_blocks = blocks_needed([length] * num, 0, 16)
+    t0 = time.perf_counter()
+    engine = quality_engine(shape, args, args.quantization, args.kv_cache_dtype, num_blocks)
+    mode = {
+        "quantization": engine.quantization,
+        "kv_cache_dtype": str(engine.kv_dtype).removeprefix("torch."),
+        "ops": engine.model.ops.name,
+    }
+    other = teacher_forced_logits(engine, prompts, num_decode)
+    del engine
+    free_device_memory()
+    reference_engine = quality_engine(shape, args, "none", "auto", num_blocks)
+    reference_dtype = str(reference_engine.kv_dtype).removeprefix("torch.")
+    reference = teacher_forced_logits(reference_engine, prompts, num_decode)
+    del reference_engine
+    free_device_memory()
+    figures = compare_logits(reference, other, num_decode)
+    return {
+        "what": f"teacher-forced, {num} seeded random prompts of {length} tokens: the first "
+        f"{length - num_decode} as one prefill step, the last {num_decode} as decode steps; "
+        f"KL(reference || quantized) in nats",
+        **mode,
+        "reference": {"quantization": "none", "dtype": reference_dtype},
+        **figures,
+        "seconds": round(time.perf_counter() - t0, 1),
+        "note": AGREEMENT_NOTE,
     }
 
 
@@ -283,8 +542,11 @@ def verdict(value: float | None, target: float, higher_is_better: bool = True) -
 
 def table(result: dict[str, Any]) -> str:
     shape, targets = result["shape"], TARGETS[result["shape"]]
-    dtype = result.get("settings", {}).get("dtype", "bfloat16")
-    rows = [f"== {shape}, {dtype}, dummy weights, {result['environment'].get('gpu', '?')}"]
+    settings = result.get("settings", {})
+    dtype = settings.get("dtype", "bfloat16")
+    label = mode_label(settings.get("quantization", "auto"), settings.get("kv_cache_dtype", "auto"))
+    mode = f"{dtype}, {label}" if label else dtype
+    rows = [f"== {shape}, {mode}, dummy weights, {result['environment'].get('gpu', '?')}"]
     off = result.get("offline") or {}
     if "output_tok_s" in off:
         tok_s, target = off["output_tok_s"], targets["output_tok_s"]
@@ -314,7 +576,7 @@ def table(result: dict[str, Any]) -> str:
                 f"{value['step_ms_median']:.2f} ms vs floor {value['floor_ms']:.2f} ms = "
                 f"{value['vs_floor']:.2f}x"
             )
-            if "decode_vs_floor" in targets:
+            if "decode_vs_floor" in targets and not label:  # issue 4's targets: bf16
                 target = targets["decode_vs_floor"]
                 line += f" (target <= {target}x: {verdict(value['vs_floor'], target, False)})"
             rows.append(line)
@@ -327,11 +589,127 @@ def table(result: dict[str, Any]) -> str:
             )
     elif hf:
         rows.append(f"HF transformers: {hf.get('error')}")
+    agree = result.get("agreement") or {}
+    if "top1" in agree:
+        rows.append(f"vs {agree['reference']['dtype']}: {agreement_line(agree)}")
+    elif agree:
+        rows.append(f"agreement: {agree.get('error')}")
+    return "\n".join(rows)
+
+
+def agreement_line(agree: dict[str, Any]) -> str:
+    phases = ", ".join(f"{phase} {v['top1']:.1%}" for phase, v in agree.get("by_phase", {}).items())
+    return (
+        f"top-1 {agree['top1']:.2%} ({phases}), mean KL {agree['mean_kl']:.2e} nats over "
+        f"{agree['positions']} positions (reference top-1 prob {agree['ref_top1_prob']:.3f})"
+    )
+
+
+# ---- the quantized runs beside the bf16 one (bench/gpu_engine_check.sh) -------------------------
+
+
+def load_result(path: Path) -> dict[str, Any] | None:
+    try:
+        result: dict[str, Any] = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return result
+
+
+def decode_batches(result: dict[str, Any] | None) -> dict[str, dict[str, Any]]:
+    """{"batch_1": figures, ...} of a result's decode part ({} when it has none)."""
+    decode = (result or {}).get("decode") or {}
+    return {k: v for k, v in decode.items() if k.startswith("batch_")}
+
+
+def quant_summary(baselines: list[Path], runs: list[Path]) -> dict[str, Any]:
+    """One document for the quantized runs: the bf16 baseline (the first of `baselines` with
+    decode figures and no quantization), then each run of `runs` (gpu_engine.py JSON files, a
+    bf16 one among them is a baseline too) with its decode tok/s against the baseline's at the
+    same batch and its agreement figures."""
+    results = [(p, r) for p in runs if (r := load_result(p)) is not None]
+    baseline_path, baseline = None, None
+    for path, result in [(p, load_result(p)) for p in baselines] + results:
+        settings = (result or {}).get("settings", {})
+        label = mode_label(
+            settings.get("quantization", "auto"), settings.get("kv_cache_dtype", "auto")
+        )
+        if result is not None and not label and decode_batches(result):
+            baseline_path, baseline = path, result
+            break
+    base = decode_batches(baseline)
+    modes: dict[str, Any] = {}
+    for path, result in results:
+        settings = result.get("settings", {})
+        label = mode_label(
+            settings.get("quantization", "auto"), settings.get("kv_cache_dtype", "auto")
+        )
+        if not label:
+            continue
+        decode = {}
+        for key, figures in decode_batches(result).items():
+            row = {
+                "step_ms": figures["step_ms_median"],
+                "output_tok_s": figures.get("output_tok_s"),
+            }
+            if key in base:
+                row["bf16_step_ms"] = base[key]["step_ms_median"]
+                row["tok_s_vs_bf16"] = base[key]["step_ms_median"] / figures["step_ms_median"]
+            decode[key] = row
+        modes[label] = {
+            "file": path.name,
+            "decode": decode,
+            "decode_error": (result.get("decode") or {}).get("error"),
+            "agreement": result.get("agreement"),
+        }
+    return {
+        "benchmark": "gpu_engine_quant",
+        "shape": (baseline or (results[0][1] if results else {})).get("shape"),
+        "environment": (baseline or (results[0][1] if results else {})).get("environment"),
+        "baseline": None
+        if baseline is None
+        else {"file": str(baseline_path), "decode": decode_batches(baseline)},
+        "modes": modes,
+        "note": AGREEMENT_NOTE,
+    }
+
+
+def quant_table(summary: dict[str, Any]) -> str:
+    base = (summary.get("baseline") or {}).get("decode") or {}
+    rows = [
+        f"== {summary.get('shape')}: quantized modes vs bf16, dummy weights (decode: median step "
+        f"time, tok/s = batch / step; agreement: teacher-forced, random weights, see the note)"
+    ]
+
+    def decode_cells(decode: dict[str, Any]) -> str:
+        cells = []
+        for key, row in decode.items():
+            ms = row.get("step_ms", row.get("step_ms_median"))
+            batch = int(key.removeprefix("batch_"))
+            cell = f"b{batch} {ms:.2f} ms = {batch / ms * 1e3:,.0f} tok/s"
+            if "tok_s_vs_bf16" in row:
+                cell += f" ({row['tok_s_vs_bf16']:.2f}x)"
+            cells.append(cell)
+        return " | ".join(cells)
+
+    rows.append(f"{'bf16':<10} {decode_cells(base) if base else 'no decode baseline measured'}")
+    for label, mode in summary.get("modes", {}).items():
+        line = f"{label:<10} "
+        line += (
+            decode_cells(mode["decode"]) if mode["decode"] else f"decode: {mode['decode_error']}"
+        )
+        agree = mode.get("agreement") or {}
+        if "top1" in agree:
+            line += f" | top-1 {agree['top1']:.2%}, KL {agree['mean_kl']:.2e}"
+        elif agree:
+            line += f" | agreement: {agree.get('error')}"
+        rows.append(line)
+    rows.append(f"note: {summary.get('note', AGREEMENT_NOTE)}")
     return "\n".join(rows)
 
 
 def main() -> int:
-    import torch
+    from engine.config import KV_CACHE_DTYPES, QUANTIZATIONS
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", required=True, choices=sorted(TARGETS))
@@ -358,6 +736,26 @@ def main() -> int:
     p.add_argument("--decode-steps", type=int, default=30)
     p.add_argument("--hf-batch", type=int, default=256)
     p.add_argument("--hf-output-len", type=int, default=64)
+    p.add_argument(
+        "--quantization",
+        default="auto",
+        choices=QUANTIZATIONS,
+        help="the engine's (offline, decode, agreement); auto = none for a dummy config",
+    )
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
+    p.add_argument(
+        "--agreement",
+        action="store_true",
+        help="part 4: top-1 agreement and KL of this mode against the unquantized engine",
+    )
+    p.add_argument("--agreement-prompts", type=int, default=16)
+    p.add_argument("--agreement-len", type=int, default=256)
+    p.add_argument(
+        "--agreement-decode",
+        type=int,
+        default=16,
+        help="of each prompt's positions, run as decodes",
+    )
     p.add_argument("--skip-offline", action="store_true")
     p.add_argument("--skip-decode", action="store_true")
     p.add_argument("--skip-hf", action="store_true")
@@ -381,8 +779,9 @@ def main() -> int:
         ("offline", args.skip_offline, lambda: run_offline(args.shape, args)),
         ("decode", args.skip_decode, lambda: decode_step_times(args.shape, args)),
         ("hf", args.skip_hf, lambda: hf_generate(args.shape, args)),
+        ("agreement", not args.agreement, lambda: agreement(args.shape, args)),
     ]
-    path = args.out / f"gpu_engine_{args.shape}.json"
+    path = result_path(args.out, args.shape, args.quantization, args.kv_cache_dtype)
     for name, skip, part in parts:
         if skip:
             continue
@@ -391,9 +790,7 @@ def main() -> int:
             result[name] = part()
         except Exception as err:  # one part failing must not lose the others
             result[name] = {"error": f"{type(err).__name__}: {err}"}
-        gc.collect()  # no part's engine or model, failed or not, may hold the GPU for the next
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        free_device_memory()  # no part's engine or model, failed or not, may hold the GPU
         print(f"[{name}: {time.perf_counter() - t0:.0f} s]", flush=True)
         # after every part, so a run stopped by a time limit keeps what it measured
         path.write_text(json.dumps(result, indent=2, default=str) + "\n")

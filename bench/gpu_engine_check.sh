@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
 # Issue 4 on the GPU machine, in one call: the GPU tests (engine and kernels), bench/gpu_engine.py
 # for the Llama-3-8B and SmolLM2-135M shapes (dummy weights, bf16, the whole stack), then a short
-# kernel benchmark. Logs and JSON go to $OUT (bench/results/ when unset); the verdicts are printed
-# last. Budget: at most BUDGET_S=500 s for the stages plus ~20 s around them (about 8.5 minutes);
-# typically less.
+# kernel benchmark; then issue 14's quantized runs of the 8B shape (int8 and fp8 weights, fp8 KV:
+# decode tok/s against bf16, top-1 agreement and KL against the bf16 engine). Logs and JSON go to
+# $OUT (bench/results/ when unset); the verdicts are printed last. Budget: at most BUDGET_S=500 s
+# for the stages plus ~20 s around them (about 8.5 minutes); typically less. Each stage has a cap
+# and a stage with under 30 s of the budget left is skipped, so the quantized runs, last, get
+# what the others leave: to measure them in full, run `quant` alone (4 processes of at most 90 s
+# each, not yet timed; it then measures its own bf16 decode baseline).
 #
 #   device tool:  run(command="bash bench/gpu_engine_check.sh", carry=[".whl"], timeout_s=570)
-#   some parts:   bash bench/gpu_engine_check.sh tests|8b|smollm2|kernels ...
+#   some parts:   bash bench/gpu_engine_check.sh tests|8b|smollm2|kernels|quant ...
 #
 # Nothing is downloaded. The machine's python3 lacks grpcio-health-checking, which every service
 # imports: its wheel (19 kB, pure Python) travels in .whl/ (ignored by git), made here with
@@ -16,9 +20,10 @@
 # logging and telemetry fall back, GGUF is read by common/gguf_file.py, the HTTP API is off, the
 # benchmarks use configs/ with --load-format dummy.
 #
-# $OUT gets at most 7 files (the device tool returns 8): env.txt, tests.log, kernels_h200.json,
-# gpu_engine_<shape>.json for each shape, gpu_engine.log and raw.tgz (the offline runs' full
-# bench documents, the engine step timelines, the kernel benchmark's log, the JUnit XML).
+# $OUT gets at most 8 files (all the device tool returns): env.txt, tests.log, kernels_h200.json,
+# gpu_engine_<shape>.json for each shape, gpu_engine_llama-3-8b_quant.json (the quantized runs
+# beside bf16), gpu_engine.log and raw.tgz (the offline runs' full bench documents, the engine
+# step timelines, each quantized run's own JSON, the kernel benchmark's log, the JUnit XML).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-bench/results}"
@@ -26,7 +31,7 @@ RAW=/tmp/llmserve-gpu-check
 rm -rf "$RAW"
 mkdir -p "$OUT" "$RAW"
 export PYTHONUNBUFFERED=1 LLMSERVE_LOG_LEVEL="${LLMSERVE_LOG_LEVEL:-WARNING}"
-parts="${*:-tests 8b smollm2 kernels}"
+parts="${*:-tests 8b smollm2 kernels quant}"
 start=$(date +%s)
 elapsed() { echo $(($(date +%s) - start)); }
 
@@ -60,7 +65,7 @@ EOF
 BUDGET_S="${BUDGET_S:-500}"
 cap() { local left=$((BUDGET_S - $(elapsed))); echo $(($1 < left ? $1 : left)); }
 want() { [[ " $parts " == *" $1 "* ]] && [ "$(cap 1000)" -ge 30 ]; }
-tests_rc=skipped kernels_rc=skipped b8_rc=skipped smol_rc=skipped
+tests_rc=skipped kernels_rc=skipped b8_rc=skipped smol_rc=skipped quant_rc=skipped
 if want tests; then
     timeout "$(cap 240)" python3 -m pytest -q -m gpu tests/test_engine_gpu.py \
         tests/test_kernels_cuda.py -p no:cacheprovider --durations=8 \
@@ -86,20 +91,55 @@ if want kernels; then
     kernels_rc=$?
     tail -n 15 "$RAW/kernels_bench.log"
 fi
+if want quant; then
+    # Issue 14: one process per mode (a crash or a hang costs that mode alone), each under its
+    # own cap: decode step times at batch 1 and 8 (20 steps), then --agreement (the mode's
+    # engine and the bf16 one, one after the other, teacher-forced on the same seeded prompts).
+    # The bf16 decode baseline is this call's 8b stage's when it has one, else measured here.
+    mkdir -p "$RAW/quant"
+    quant_rc=""
+    quant() {  # quant NAME [bench/gpu_engine.py flags]
+        local name=$1 t
+        shift
+        t=$(cap 90)
+        if [ "$t" -lt 30 ]; then
+            quant_rc+=" $name:skipped"
+            return
+        fi
+        timeout "$t" python3 bench/gpu_engine.py --shape llama-3-8b --out "$RAW/quant" \
+            --skip-offline --skip-hf --decode-steps 20 "$@" 2>&1 | tee -a "$OUT/gpu_engine.log"
+        quant_rc+=" $name:${PIPESTATUS[0]}"
+    }
+    if [ "$b8_rc" = skipped ] || ! grep -qs '"step_ms_median"' "$OUT/gpu_engine_llama-3-8b.json"; then
+        quant bf16
+    fi
+    quant int8 --quantization int8 --agreement
+    quant fp8 --quantization fp8 --agreement
+    quant kv-fp8 --kv-cache-dtype fp8 --agreement
+fi
 tar -czf "$OUT/raw.tgz" -C "$(dirname "$RAW")" "$(basename "$RAW")"
 
 echo
 echo "== gpu tests: exit $tests_rc | $(tail -n 1 "$OUT/tests.log" 2>/dev/null)"
 echo "== kernel benchmark: exit $kernels_rc | engine benchmarks: 8b exit $b8_rc, smollm2 exit $smol_rc"
+echo "== quantized 8b runs: exit${quant_rc/#skipped/ skipped}"
 echo "== total $(elapsed) s | files in $OUT"
-python3 - "$OUT" <<'EOF'
+python3 - "$OUT" "$RAW" "$b8_rc" <<'EOF'
 import json, pathlib, sys
 sys.path.insert(0, ".")
-from bench.gpu_engine import table
+from bench.gpu_engine import quant_summary, quant_table, table
+out, raw = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
 for shape in ("llama-3-8b", "smollm2-135m"):
-    path = pathlib.Path(sys.argv[1]) / f"gpu_engine_{shape}.json"
+    path = out / f"gpu_engine_{shape}.json"
     if path.exists():
         print(table(json.loads(path.read_text())))
+runs = sorted((raw / "quant").glob("gpu_engine_llama-3-8b*.json"))
+if runs:
+    # the bf16 baseline: this call's 8b stage's decode, else the bf16 run among `runs`
+    baselines = [out / "gpu_engine_llama-3-8b.json"] if sys.argv[3] != "skipped" else []
+    summary = quant_summary(baselines, runs)
+    (out / "gpu_engine_llama-3-8b_quant.json").write_text(json.dumps(summary, indent=2) + "\n")
+    print(quant_table(summary))
 EOF
 [ "$tests_rc" != 0 ] && [ "$tests_rc" != skipped ] && exit 1
 exit 0

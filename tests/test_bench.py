@@ -372,6 +372,113 @@ def test_compare_reports_changes_and_setting_differences() -> None:
     assert failed.split()[2:] == ["2", "2", "same"]
 
 
+# -- bench/gpu_engine.py: the quantized runs' plumbing (issue 14), on the CPU ----------------------
+
+
+def gpu_engine_result(
+    quantization: str, kv_cache_dtype: str, step_ms: tuple[float, float], top1: float | None
+) -> dict[str, Any]:
+    result: dict[str, Any] = {
+        "benchmark": "gpu_engine",
+        "shape": "llama-3-8b",
+        "environment": {"gpu": "H200"},
+        "settings": {"quantization": quantization, "kv_cache_dtype": kv_cache_dtype},
+        "decode": {
+            "context_tokens": 512,
+            "batch_1": {"step_ms_median": step_ms[0]},
+            "batch_8": {"step_ms_median": step_ms[1]},
+        },
+    }
+    if top1 is not None:
+        result["agreement"] = {"top1": top1, "mean_kl": 0.01, "positions": 4096}
+    return result
+
+
+def test_gpu_engine_quant_summary_sets_each_mode_beside_bf16(tmp_path: Path) -> None:
+    from bench.gpu_engine import mode_label, quant_summary, quant_table, result_path
+
+    modes = [("auto", "auto"), ("none", "auto"), ("int8", "auto"), ("auto", "fp8"), ("fp8", "fp8")]
+    labels = ["", "", "int8", "kv-fp8", "fp8_kv-fp8"]
+    assert [mode_label(q, kv) for q, kv in modes] == labels
+    assert result_path(tmp_path, "llama-3-8b", "none", "auto").name == "gpu_engine_llama-3-8b.json"
+    runs = []
+    for quantization, kv, step_ms, top1 in [
+        ("auto", "auto", (10.0, 12.0), None),
+        ("int8", "auto", (5.0, 8.0), 0.99),
+        ("auto", "fp8", (10.0, 10.0), 0.995),
+    ]:
+        path = result_path(tmp_path, "llama-3-8b", quantization, kv)
+        path.write_text(json.dumps(gpu_engine_result(quantization, kv, step_ms, top1)))
+        runs.append(path)
+    broken = tmp_path / "gpu_engine_llama-3-8b_fp8.json"  # a run cut off by its timeout
+    broken.write_text(json.dumps({**gpu_engine_result("fp8", "auto", (1, 1), None),
+                                  "decode": {"error": "RuntimeError: boom"}}))  # fmt: skip
+    summary = quant_summary([tmp_path / "missing.json"], sorted([*runs, broken]))
+    assert summary["baseline"]["file"] == str(runs[0])
+    assert summary["modes"]["int8"]["decode"]["batch_1"]["tok_s_vs_bf16"] == 2.0
+    assert summary["modes"]["int8"]["decode"]["batch_8"]["tok_s_vs_bf16"] == 1.5
+    assert summary["modes"]["kv-fp8"]["agreement"]["top1"] == 0.995
+    assert summary["modes"]["fp8"]["decode"] == {}
+    text = quant_table(json.loads(json.dumps(summary)))
+    lines = {line.split()[0]: line for line in text.splitlines()}
+    assert "b1 10.00 ms = 100 tok/s" in lines["bf16"]
+    assert "b1 5.00 ms = 200 tok/s (2.00x)" in lines["int8"] and "top-1 99.00%" in lines["int8"]
+    assert "b8 10.00 ms = 800 tok/s (1.20x)" in lines["kv-fp8"]
+    assert "decode: RuntimeError: boom" in lines["fp8"]
+    assert "no activation outliers" in lines["note:"]
+
+
+def test_gpu_engine_decode_floor_counts_quantized_bytes() -> None:
+    """bf16: every weight but the untied embedding table's unread rows, as before; int8 / fp8
+    weights halve the linear layers' bytes (the LM head's too), an fp8 pool the KV bytes."""
+    from bench.gpu_engine import decode_floor_bytes
+    from common.model_config import load_model_config
+    from engine.dummy import hf_tensor_shapes
+
+    config = load_model_config(Path(__file__).parents[1] / "configs" / "llama-3-8b")
+    shapes = hf_tensor_shapes(config)
+    params = sum(math.prod(s) for s in shapes.values())
+    embed = math.prod(shapes["model.embed_tokens.weight"])
+    bf16 = decode_floor_bytes("llama-3-8b", 8, 512)
+    assert bf16["weights"] == (params - embed + 8 * config.hidden_size) * 2
+    int8 = decode_floor_bytes("llama-3-8b", 8, 512, 2, 1, 2)
+    norms = sum(math.prod(s) for n, s in shapes.items() if n.endswith("norm.weight"))
+    assert int8["weights"] == bf16["weights"] - (params - embed - norms)
+    assert int8["kv"] == bf16["kv"] == 8 * 512 * 32 * 2 * 8 * 128 * 2
+    assert decode_floor_bytes("llama-3-8b", 8, 512, 2, 2, 1)["kv"] == bf16["kv"] // 2
+
+
+def test_gpu_engine_teacher_forced_logits_are_one_prefills(tmp_path: Path) -> None:
+    """The agreement's forwards through an engine's own pool (a prefill step for all prompts,
+    then decode steps) give each prompt's logits as one whole prefill does; an engine agrees
+    with itself."""
+    import torch
+
+    from bench.gpu_engine import compare_logits, teacher_forced_logits
+    from engine.config import EngineConfig
+    from engine.engine import Engine
+    from tests.quality import prompt_logits
+
+    config = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+        "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "vocab_size": 256, "max_position_embeddings": 256,
+        "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False,
+        "bos_token_id": 1, "eos_token_id": 2, "hidden_act": "silu",
+    }  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    engine = Engine(EngineConfig(model=str(tmp_path), load_format="dummy", device="cpu",
+                                 num_kv_blocks=16, seed=0))  # fmt: skip
+    prompts = [[(7 * i + 31 * b) % 256 for i in range(20 + b)] for b in range(3)]
+    got = teacher_forced_logits(engine, prompts, 5)
+    want = [prompt_logits(engine.model, engine.model_config, p) for p in prompts]
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+    figures = compare_logits(want, got, 5)
+    assert figures["top1"] == 1.0 and figures["mean_kl"] < 1e-6
+    assert figures["positions"] == 63 and figures["by_phase"]["decode"]["positions"] == 15
+
+
 # -- the OpenAI HTTP backend against a fake server -------------------------------------------------
 
 
