@@ -86,16 +86,22 @@ class Int8Linear(nn.Module):
         else:  # _weight_int8pack_mm has no offsets
             self.qweight, scale, self.offset = grouped_int8(weight, self.group, True)
         self.scale = scale if self.on_cpu else scale.view(-1).to(weight.dtype)
+        self.symmetric = bool((self.offset == 0).all())
+        self.packed: cpu_kernels.PackedInt8 | None = None
         if self.on_cpu:
             self.bias = None if bias is None else self.bias.float()
-            self.kernel = cpu_kernels.int8_linear
-            if self.group % 8 or cpu_kernel_missing():
-                self.kernel = cpu_kernels.int8_linear_reference
+            if not cpu_kernel_missing():  # the kernel's layout replaces the plain one
+                self.packed = cpu_kernels.pack_int8(
+                    self.qweight, self.scale, self.offset, self.group
+                )
+                del self.qweight, self.scale, self.offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
-        if self.on_cpu:
-            out = self.kernel(
+        if self.packed is not None:
+            out = cpu_kernels.int8_linear(rows.float(), self.packed, self.bias)
+        elif self.on_cpu:
+            out = cpu_kernels.int8_linear_reference(
                 rows.float(), self.qweight, self.scale, self.offset, self.group, self.bias
             )
         else:

@@ -1,14 +1,16 @@
 """Our CPU kernels (kernels/cpu_int8.cpp), compiled at first use by torch's C++ extension builder
 (g++ and ninja) and cached under ~/.cache/llmserve/cpu_kernels (LLMSERVE_KERNEL_CACHE moves it).
 
-`int8_linear` has a plain-torch twin, `int8_linear_reference`, the ground truth of its tests and
-the path where the kernel cannot be built (no AVX2, no compiler).
+`int8_linear` (on weights packed by `pack_int8`) has a plain-torch twin, `int8_linear_reference`,
+the ground truth of its tests and the path where the kernel cannot be built (no AVX2, no
+compiler).
 """
 
 from __future__ import annotations
 
 import functools
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -50,17 +52,44 @@ def unavailable() -> str | None:
     return None
 
 
-def int8_linear(
-    x: torch.Tensor,
-    q: torch.Tensor,
-    scales: torch.Tensor,
-    offsets: torch.Tensor,
-    group: int,
-    bias: torch.Tensor | None,
-) -> torch.Tensor:
-    """x [M, K] float32 times W^T (+ bias), W = q * scale + offset: q int8 [N, K], scales and
-    offsets float32 [N, K / group], one of each per `group` weights along K."""
-    return _module().int8_linear(x.contiguous(), q, scales, offsets, group, bias)
+TILE_N = 16  # output channels per packed tile (cpu_int8.cpp)
+
+
+@dataclass(frozen=True)
+class PackedInt8:
+    """An int8 weight in the kernel's layout: q [N' / 16, K, 16], scales and offsets
+    [N' / 16, K / group, 16], N' = N rounded up to 16 (the padding rows are zero)."""
+
+    q: torch.Tensor
+    scales: torch.Tensor
+    offsets: torch.Tensor
+    group: int
+    out_features: int
+
+
+def pack_int8(
+    q: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, group: int
+) -> PackedInt8:
+    """q [N, K] int8 with scales and offsets [N, K / group] (W = q * scale + offset) packed."""
+    n = q.shape[0]
+    pad = -n % TILE_N
+    if pad:
+        q, scales, offsets = (
+            torch.nn.functional.pad(t, (0, 0, 0, pad)) for t in (q, scales, offsets)
+        )
+
+    def tiles(t: torch.Tensor) -> torch.Tensor:
+        return t.reshape(-1, TILE_N, t.shape[1]).transpose(1, 2).contiguous()
+
+    return PackedInt8(tiles(q), tiles(scales.float()), tiles(offsets.float()), group, n)
+
+
+def int8_linear(x: torch.Tensor, w: PackedInt8, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] float32 times W^T (+ bias [N] float32) through kernels/cpu_int8.cpp."""
+    if bias is not None and w.q.shape[0] * TILE_N != w.out_features:
+        bias = torch.nn.functional.pad(bias, (0, w.q.shape[0] * TILE_N - w.out_features))
+    y = _module().int8_linear(x.contiguous(), w.q, w.scales, w.offsets, w.group, bias)
+    return y if y.shape[1] == w.out_features else y[:, : w.out_features]
 
 
 def int8_linear_reference(
@@ -71,6 +100,7 @@ def int8_linear_reference(
     group: int,
     bias: torch.Tensor | None,
 ) -> torch.Tensor:
+    """The same product in plain torch, from the unpacked q [N, K], scales, offsets [N, K / g]."""
     n, k = q.shape
     grouped = q.view(n, k // group, group).float()
     w = (grouped * scales.view(n, -1, 1) + offsets.view(n, -1, 1)).view(n, k)
