@@ -35,8 +35,8 @@ class EngineConfig(PeerSecurity):
     quantization: str = setting(
         "auto",
         "weights: int8 = weight-only int8 (CPU and GPU); fp8 = float8 e4m3 weights and "
-        "activations (Hopper / Ada); none = the model's dtype; auto = int8 for a GGUF stored as "
-        "Q8_0, else none",
+        "activations (Hopper / Ada); none = the model's dtype; auto = int8 on a CPU for a GGUF "
+        "stored as Q4_0, Q4_1 or Q8_0 (held exactly), else none",
         choices=QUANTIZATIONS,
     )
     kv_cache_dtype: str = setting(

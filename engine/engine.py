@@ -125,7 +125,7 @@ class Engine:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, self.dtype)
-        self.quantization = resolve_quantization(config.quantization, path)
+        self.quantization = resolve_quantization(config.quantization, path, self.device)
         why_not = quantization_limits(self.quantization, self.device)
         if why_not:
             raise ValueError(why_not)

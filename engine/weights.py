@@ -102,18 +102,20 @@ def _load_gguf(path: Path, config: ModelConfig) -> dict[str, torch.Tensor]:
     return weights
 
 
-Q8_0 = 8  # ggml's type id
+# ggml type ids of the GGUF blocks the CPU's int8 form holds exactly (engine.quant.grouped_int8)
+INT8_EXACT = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0"}
 
 
-def resolve_quantization(name: str, path: Path) -> str:
-    """--quantization auto: int8 for a GGUF whose projections are stored as Q8_0 (its int8
-    values and block scales are kept exactly: engine.quant.grouped_int8), else none."""
+def resolve_quantization(name: str, path: Path, device: torch.device) -> str:
+    """--quantization auto: int8 on a CPU for a GGUF whose projections are stored as Q4_0, Q4_1
+    or Q8_0 (the int8 form holds those blocks exactly, and reads a quarter of float32's bytes),
+    else none."""
     if name != "auto":
         return name
-    if path.is_dir():
+    if path.is_dir() or device.type != "cpu":
         return "none"
     types = {t.ggml_type for t in open_gguf(path).tensors if t.name.endswith("attn_q.weight")}
-    return "int8" if types == {Q8_0} else "none"
+    return "int8" if types and types <= INT8_EXACT.keys() else "none"
 
 
 def build_model(

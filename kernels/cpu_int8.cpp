@@ -106,6 +106,31 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scales
   return y;
 }
 
+// The packed weight widened to float32 into out [N, K] (N a multiple of 16): for products of
+// many rows (prefill), where oneDNN's GEMM on the widened weight is faster than the micro-kernel.
+void int8_widen(torch::Tensor q, torch::Tensor scales, torch::Tensor offsets, int64_t group,
+                torch::Tensor out) {
+  const int64_t tiles = q.size(0), K = q.size(1), groups = K / group;
+  TORCH_CHECK(out.scalar_type() == torch::kFloat32 && out.is_contiguous() &&
+                  out.numel() == tiles * TILE_N * K,
+              "int8_widen: out must be contiguous float32 [N, K]");
+  const int8_t* qp = q.data_ptr<int8_t>();
+  const float* sp = scales.data_ptr<float>();
+  const float* op = offsets.data_ptr<float>();
+  float* wp = out.data_ptr<float>();
+  at::parallel_for(0, tiles, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      for (int64_t k = 0; k < K; ++k) {
+        const int64_t g = (t * groups + k / group) * TILE_N;
+        for (int64_t j = 0; j < TILE_N; ++j) {
+          wp[(t * TILE_N + j) * K + k] = qp[(t * K + k) * TILE_N + j] * sp[g + j] + op[g + j];
+        }
+      }
+    }
+  });
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_linear", &int8_linear, "weight-only int8 linear on packed tiles (AVX2)");
+  m.def("int8_widen", &int8_widen, "a packed int8 weight widened to float32 [N, K]");
 }

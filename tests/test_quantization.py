@@ -67,10 +67,10 @@ def test_int8_forms_hold_gguf_blocks_exactly() -> None:
 
 
 def test_auto_quantization_keeps_a_q8_0_gguf_as_int8(
-    tiny_model: Callable[..., Path], tmp_path: Path
+    tiny_model: Callable[..., Path], tmp_path: Path, builtin_model_path: Path
 ) -> None:
-    """--quantization auto: int8 for a GGUF whose projections are Q8_0 (its int8 values come
-    through unchanged), none for a float GGUF or an HF directory."""
+    """--quantization auto: int8 on a CPU for a GGUF whose projections are Q8_0 (its int8
+    values come through unchanged), none for a float GGUF, an HF directory or a GPU."""
     import numpy as np
 
     from tests.test_weights import write_gguf
@@ -84,10 +84,13 @@ def test_auto_quantization_keeps_a_q8_0_gguf_as_int8(
     q8_path, f32_path = tmp_path / "q8.gguf", tmp_path / "f32.gguf"
     stored = write_gguf(hf_dir, q8_path, quantize=names)
     write_gguf(hf_dir, f32_path)
-    assert resolve_quantization("auto", q8_path) == "int8"
-    assert resolve_quantization("auto", f32_path) == "none"
-    assert resolve_quantization("auto", hf_dir) == "none"
-    assert resolve_quantization("none", q8_path) == "none"
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    assert resolve_quantization("auto", q8_path, cpu) == "int8"
+    assert resolve_quantization("auto", q8_path, gpu) == "none"
+    assert resolve_quantization("auto", f32_path, cpu) == "none"
+    assert resolve_quantization("auto", hf_dir, cpu) == "none"
+    assert resolve_quantization("none", q8_path, cpu) == "none"
+    assert resolve_quantization("auto", builtin_model_path, cpu) == "int8"  # Q4_1
     config = load_model_config(q8_path)
     model = build_model(
         config, load_weights(q8_path, config), 64, torch.float32, torch.device("cpu"),
@@ -173,7 +176,7 @@ def test_engine_runs_each_mode(
     of top-1 tokens, so they may part ways at once)."""
     prompts = [[1, 504, 3458, 282, 4649, 314], [1, 2683, 1453, 28, 260, 3468]]
     common = dict(device="cpu", num_kv_blocks=64, max_model_len=256, seed=0)
-    base = generate(Engine(EngineConfig(**common)), prompts, 8)
+    base = generate(Engine(EngineConfig(**common, quantization="none")), prompts, 8)
     engine = Engine(
         EngineConfig(**common, quantization=quantization, kv_cache_dtype=kv_cache_dtype)
     )
