@@ -186,3 +186,32 @@ def test_engine_runs_each_mode(
     assert [len(g) for g in got] == [8, 8]
     if quantization == "int8":
         assert [g[0] for g in got] == [b[0] for b in base], (got, base)
+
+
+@pytest.mark.parametrize(("quantization", "kv_cache_dtype"), [("int8", "bf16"), ("fp8", "fp8")])
+def test_modes_through_the_whole_stack(
+    builtin_model_path: Path, tmp_path: Path, quantization: str, kv_cache_dtype: str
+) -> None:
+    """Each mode serves the built-in model through gateway, scheduler and engine, as
+    `llmserve serve --quantization Q --kv-cache-dtype K` starts it; every block comes back."""
+    from llmserve.client import make_request
+    from tests.stack import start_stack
+
+    flags = ["--quantization", quantization, "--kv-cache-dtype", kv_cache_dtype]
+    stack = start_stack(
+        None, engine_args=[*flags, "--kv-cache-gb", "0.25"], log_dir=tmp_path, timeout=300
+    )
+    try:
+        request = make_request(
+            messages=[("user", "What is the capital of France?")],
+            max_tokens=12,
+            temperature=0.0,
+            ignore_eos=True,
+        )
+        with stack.client() as client:
+            result = client.generate(request)
+        assert len(result.token_ids) == 12 and result.finish_reason == "length"
+        assert result.text.strip()
+        stack.assert_idle()
+    finally:
+        stack.close()
