@@ -1,12 +1,13 @@
 """Quantized linear layers, made from a loaded Linear's weights (they replace it, as PackedLinear
 does), and `quantize_linears`, which swaps them into a model.
 
-- `Int8Linear` (--quantization int8): weight-only int8, symmetric scales. On a CPU, one scale per
-  32 weights along K (GGUF's Q8_0 layout) and our AVX2 kernel (kernels/cpu_int8.cpp): decode
-  steps read a quarter of float32's bytes. torch's CPU int8 paths were measured and set aside:
+- `Int8Linear` (--quantization int8): weight-only int8. On a CPU: a scale and an offset per 32
+  weights along K (symmetric or not, whichever holds the weight closer: GGUF's Q8_0, Q4_0 and
+  Q4_1 blocks exactly) and our AVX2 kernel (kernels/cpu_int8.cpp), which reads 10 bytes per 32
+  weights where float32 reads 128. torch's CPU int8 paths were measured and set aside:
   `_weight_int8pack_mm` ran 3-8x slower than packed float32 on this AVX2 CPU, and fbgemm's
   dynamic int8 GEMM (activations quantized per call) kept only 54% of SmolLM2's top-1 tokens.
-  On a GPU: one scale per output channel, torch's `_weight_int8pack_mm`.
+  On a GPU: one symmetric scale per output channel, torch's `_weight_int8pack_mm`.
 - `Fp8Linear` (--quantization fp8): W8A8 in float8 e4m3 through `torch._scaled_mm`, one scale per
   output channel for the weights and one per token for the activations, computed each call. Its
   home is Hopper (sm_89+); torch also runs it on a CPU, slowly, which the tests use.

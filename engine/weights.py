@@ -108,7 +108,7 @@ INT8_EXACT = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0"}
 
 def resolve_quantization(name: str, path: Path, device: torch.device) -> str:
     """--quantization auto: int8 on a CPU for a GGUF whose projections are stored as Q4_0, Q4_1
-    or Q8_0 (the int8 form holds those blocks exactly, and reads a quarter of float32's bytes),
+    or Q8_0 (the int8 form holds those blocks exactly, and reads under a third of float32's bytes),
     else none."""
     if name != "auto":
         return name

@@ -86,7 +86,8 @@ def pack_int8(
 
 # From this many rows on, the weight is widened into a scratch matrix and multiplied by
 # torch's float32 GEMM (measured on a 2-core AVX2 CPU: 1.6-1.8x the micro-kernel's speed at 256
-# rows); below, the micro-kernel reads a quarter of the bytes.
+# rows); below, the micro-kernel reads under a third of the bytes (int8 plus a
+# scale and an offset per 32 weights).
 WIDEN_ROWS = 128
 _scratch: dict[tuple[int, int], torch.Tensor] = {}  # one per weight shape, shared by layers
 

@@ -2,11 +2,15 @@
 // q int8, one float scale and offset per group of `group` weights along K.
 //
 // The weights are packed once (kernels/cpu.py: pack_int8) in column tiles of TILE_N = 16 output
-// channels, K-major inside a tile: q [N / 16][K][16], scales and offsets [N / 16][K / group][16].
-// A GEMM micro-kernel walks one tile over up to ROWS_M = 4 rows of x: for each k it widens the
-// tile's 16 weights to float32 in two registers (scale and offset applied), broadcasts x[m][k]
-// and accumulates 4 x 2 vectors. The weights cross the memory bus as int8 (a quarter of
-// float32's bytes) and are widened once per 4 rows of x. Threads split the tiles.
+// channels, K-major inside a tile: q [N / 16][K][16], scales and offsets [N / 16][K / group][16],
+// so the weights cross the memory bus as 10 bytes per 32 (float32: 128). Threads split the tiles.
+// Per tile:
+//   - up to ROWS_M = 4 rows of x (decode): for each k, the tile's 16 weights are widened to
+//     float32 in two registers (scale and offset in one FMA), x[m][k] broadcast, 4 x 2 vectors
+//     accumulated;
+//   - more rows: the tile is widened once into a [K][16] buffer and a 6-row float32
+//     micro-kernel runs over it (kernels/cpu.py sends 128 rows and more to torch's GEMM on a
+//     widened copy instead: int8_widen).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
