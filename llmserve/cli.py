@@ -14,6 +14,7 @@ import argparse
 import asyncio
 import json
 import os
+import select
 import signal
 import sys
 import threading
@@ -315,10 +316,35 @@ def cmd_chat(args: argparse.Namespace) -> int:
         return 0
 
 
+class _PipeLines:
+    """Lines of a stdin that is not a terminal, read unbuffered in short select() waits: a
+    Ctrl-C that the kernel hands to one of gRPC's threads only sets Python's flag, and a read
+    blocked in the main thread would never see it (the chat then hung at its prompt)."""
+
+    def __init__(self) -> None:
+        self.fd = sys.stdin.fileno()
+        self.pending = b""
+
+    def read(self, prompt: str) -> str:
+        print(prompt, end="", flush=True)
+        while b"\n" not in self.pending:
+            if not select.select([self.fd], [], [], 0.2)[0]:
+                continue  # returns to the interpreter: a pending Ctrl-C raises here
+            data = os.read(self.fd, 65536)
+            if not data:
+                if not self.pending:
+                    raise EOFError
+                self.pending += b"\n"
+            self.pending += data
+        line, _, self.pending = self.pending.partition(b"\n")
+        return line.decode("utf-8", errors="replace")
+
+
 def _chat_loop(args: argparse.Namespace, history: list[tuple[str, str]]) -> int:
+    read = input if sys.stdin.isatty() else _PipeLines().read
     while True:
         try:
-            line = input("> ")
+            line = read("> ")
         except EOFError:
             return 0
         if not line.strip():
