@@ -28,6 +28,22 @@ inline __m256 widen(const int8_t* q, __m256 scale, __m256 offset) {
   return _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)), scale, offset);
 }
 
+// acc (+ bias) into y[m0 .. m0 + ROWS)[n0 .. n0 + 16) for tile t.
+template <int ROWS>
+inline void store_rows(__m256 (&acc)[ROWS][2], const float* bias, float* y, int64_t N,
+                       int64_t t, int64_t m0) {
+  const int64_t n0 = t * TILE_N;
+  for (int m = 0; m < ROWS; ++m) {
+    float* out = y + (m0 + m) * N + n0;
+    if (bias) {
+      acc[m][0] = _mm256_add_ps(acc[m][0], _mm256_loadu_ps(bias + n0));
+      acc[m][1] = _mm256_add_ps(acc[m][1], _mm256_loadu_ps(bias + n0 + 8));
+    }
+    _mm256_storeu_ps(out, acc[m][0]);
+    _mm256_storeu_ps(out + 8, acc[m][1]);
+  }
+}
+
 // y[m0 .. m0 + rows)[n0 .. n0 + 16) for tile t.
 template <int ROWS>
 void tile_rows(const float* x, const int8_t* q, const float* scales, const float* offsets,
@@ -52,16 +68,7 @@ void tile_rows(const float* x, const int8_t* q, const float* scales, const float
       }
     }
   }
-  const int64_t n0 = t * TILE_N;
-  for (int m = 0; m < ROWS; ++m) {
-    float* out = y + (m0 + m) * N + n0;
-    if (bias) {
-      acc[m][0] = _mm256_add_ps(acc[m][0], _mm256_loadu_ps(bias + n0));
-      acc[m][1] = _mm256_add_ps(acc[m][1], _mm256_loadu_ps(bias + n0 + 8));
-    }
-    _mm256_storeu_ps(out, acc[m][0]);
-    _mm256_storeu_ps(out + 8, acc[m][1]);
-  }
+  store_rows<ROWS>(acc, bias, y, N, t, m0);
 }
 
 // The same tile's weights widened once into `buf` [K][16] (scale and offset applied), then
@@ -95,16 +102,7 @@ void buffered_rows(const float* x, const float* buf, const float* bias, float* y
       acc[m][1] = _mm256_fmadd_ps(xb, w1, acc[m][1]);
     }
   }
-  const int64_t n0 = t * TILE_N;
-  for (int m = 0; m < ROWS; ++m) {
-    float* out = y + (m0 + m) * N + n0;
-    if (bias) {
-      acc[m][0] = _mm256_add_ps(acc[m][0], _mm256_loadu_ps(bias + n0));
-      acc[m][1] = _mm256_add_ps(acc[m][1], _mm256_loadu_ps(bias + n0 + 8));
-    }
-    _mm256_storeu_ps(out, acc[m][0]);
-    _mm256_storeu_ps(out + 8, acc[m][1]);
-  }
+  store_rows<ROWS>(acc, bias, y, N, t, m0);
 }
 
 constexpr int64_t BUFFERED_ROWS = 6;
