@@ -83,6 +83,27 @@ class EngineConfig(PeerSecurity):
         choices=ATTENTION_BACKENDS,
     )
 
+    tensor_parallel_size: int = setting(
+        1,
+        "engine ranks the model is split across, one per GPU (or CPU worker): attention heads, "
+        "MLP and vocabulary sharded, KV pool sharded by KV heads; must divide the KV heads",
+    )
+    pipeline_parallel_size: int = setting(
+        1,
+        "stages the layers are split into, one group of --tensor-parallel-size ranks each; the "
+        "scheduler keeps this many steps in flight",
+    )
+    nnodes: int = setting(1, "machines the engine's T x P ranks span (each runs `llmserve engine`)")
+    node_rank: int = setting(
+        0, "this machine's index among --nnodes; node 0 serves the Step stream"
+    )
+    master_addr: str = setting(
+        "127.0.0.1", "address of node 0, where the ranks meet (torch.distributed rendezvous)"
+    )
+    master_port: int = setting(
+        0, "rendezvous port on node 0 (0: a free port when --nnodes is 1, else 29500)"
+    )
+
     def __post_init__(self) -> None:
         for f in fields(self):
             value, choices = getattr(self, f.name), f.metadata.get("choices")
@@ -102,4 +123,19 @@ class EngineConfig(PeerSecurity):
         for name in ("max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
-        check_ports(self, "port", "metrics_port")
+        check_ports(self, "port", "metrics_port", "master_port")
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "nnodes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank={self.node_rank} must be in [0, nnodes={self.nnodes})")
+        if self.world_size % self.nnodes:
+            raise ValueError(
+                f"tensor_parallel_size x pipeline_parallel_size = {self.world_size} ranks do not "
+                f"split evenly over nnodes={self.nnodes}"
+            )
+
+    @property
+    def world_size(self) -> int:
+        """Engine ranks in all: tensor_parallel_size x pipeline_parallel_size."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size

@@ -19,6 +19,7 @@ exactly the model the engine runs.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterator, Mapping
 
 import torch
 
@@ -121,3 +122,23 @@ def hf_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     with torch.device("meta"):
         model = LlamaForCausalLM(config, 1)
     return {name: tuple(tensor.shape) for name, tensor in hf_parameter_slices(model)}
+
+
+class DummyWeights(Mapping[str, torch.Tensor]):
+    """The dummy values as HF tensors, each made whole (on `device`, in `dtype`) when looked up:
+    for a sharded model, which takes its slice of each (engine/weights.build_model)."""
+
+    def __init__(self, config: ModelConfig, seed: int, dtype: torch.dtype, device: torch.device):
+        self.shapes = hf_tensor_shapes(config)
+        self.seed, self.dtype, self.device = seed, dtype, device
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        out = torch.empty(self.shapes[name], dtype=self.dtype, device=self.device)
+        fill_hf_tensor_(out, self.seed, name)
+        return out
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.shapes)
+
+    def __len__(self) -> int:
+        return len(self.shapes)

@@ -35,6 +35,7 @@ from engine.memory import (
 )
 from engine.mirror import Mirror, StepBatch
 from engine.ops import select_ops
+from engine.parallel import Parallel, shard_config, whole_model
 from engine.quant import quantization_limits
 from engine.runner import LaunchedStep, ModelRunner, StepTimer
 from engine.sampler import Sampler
@@ -113,8 +114,11 @@ def _give_back_freed_memory() -> None:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, parallel: Parallel | None = None):
+        """parallel: this rank's engine group (engine.parallel), joined already, when the model
+        is split across ranks; the engine then holds its shard and runs its part of each step."""
         self.config = config
+        self.parallel = parallel
         # Unseeded requests draw from this; a fresh one each start unless --seed fixes it.
         self.sampling_seed = secrets.randbits(63) if config.seed is None else config.seed
         if config.num_threads:
@@ -122,7 +126,11 @@ class Engine:
         t0 = time.perf_counter()
         path = resolve_model_path(config.model)
         self.model_config = load_model_config(path)
-        self.device = resolve_device(config.device)
+        num_layers = self.model_config.num_layers
+        self.shard = parallel.shard if parallel is not None else whole_model(num_layers)
+        # The shape of this rank's part: its heads and layers (the whole model's without parallel).
+        self.local_config = shard_config(self.model_config, self.shard)
+        self.device = resolve_device(config.device) if parallel is None else parallel.device
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, self.dtype)
         self.quantization = resolve_quantization(config.quantization, path, self.device)
@@ -132,7 +140,7 @@ class Engine:
         max_len = self.model_config.max_position_embeddings
         self.max_model_len = max_len = min(max_len, config.max_model_len or max_len)
         ops, ops_reason = select_ops(
-            config.attention_backend, self.device, self.dtype, self.model_config, config.block_size
+            config.attention_backend, self.device, self.dtype, self.local_config, config.block_size
         )
         if (
             self.device.type == "cuda"
@@ -144,14 +152,17 @@ class Engine:
         self.model = build_model(
             self.model_config, weights, max_len, self.dtype, self.device,
             dummy_seed=config.seed or 0, ops=ops, quantization=self.quantization,
+            shard=self.shard,
         )  # fmt: skip
         del weights
         if self.device.type == "cpu":
             _give_back_freed_memory()
         load_s = time.perf_counter() - t0
         self.num_blocks, memory = self._size_kv_pool()
+        if parallel is not None:  # one block space: every rank's pool holds the same blocks
+            self.num_blocks = parallel.min_over_ranks(self.num_blocks)
         self.kv_cache = allocate_kv_cache(
-            self.model_config, self.num_blocks, config.block_size, self.kv_dtype, self.device
+            self.local_config, self.num_blocks, config.block_size, self.kv_dtype, self.device
         )
         kv_caches = layer_views(self.kv_cache)
         graphs, graph_info = self._capture_graphs(kv_caches)
@@ -206,11 +217,14 @@ class Engine:
             Sampler(self.device, self.sampling_seed),
             graphs=graphs,
             timeline=timeline,
+            parallel=self.parallel,
         )
 
     def _uses_graphs(self) -> tuple[bool, str]:
         if self.device.type != "cuda":
             return False, f"device {self.device.type}"
+        if self.parallel is not None:
+            return False, "tensor / pipeline parallel (collectives are not captured yet)"
         if self.config.enforce_eager:
             return False, "--enforce-eager"
         if not self.model.ops.graph_safe:
@@ -222,10 +236,10 @@ class Engine:
         profiling step at the scheduler's largest (engine.memory)."""
         c = self.config
         if self.device.type != "cuda" or c.num_kv_blocks:
-            return choose_num_blocks(c, self.model_config, self.kv_dtype), {}
+            return choose_num_blocks(c, self.local_config, self.kv_dtype), {}
         lengths = profile_lengths(c.max_num_batched_tokens, c.max_num_seqs, self.max_model_len)
         profile = profile_step_memory(
-            self.model_config, self.kv_dtype, self.device, c.block_size, lengths, self._make_runner
+            self.local_config, self.kv_dtype, self.device, c.block_size, lengths, self._make_runner
         )
         uses_graphs, _ = self._uses_graphs()
         max_graph_batch = graph_batch_sizes(c.max_num_seqs)[-1] if uses_graphs else 0
@@ -233,7 +247,7 @@ class Engine:
             profile.activation_peak_bytes, max_graph_batch, sum(lengths)
         )
         budget = kv_cache_budget(profile, c.gpu_memory_utilization, graph_bytes)
-        per_block = bytes_per_block(self.model_config, c.block_size, self.kv_dtype)
+        per_block = bytes_per_block(self.local_config, c.block_size, self.kv_dtype)
         num_blocks = num_blocks_for(budget, per_block)
         figures = {**describe(profile), "graph_reserve_gib": round(graph_bytes / GIB, 2)}
         if num_blocks < 1:

@@ -17,6 +17,7 @@ from torch import nn
 
 from common.model_config import ModelConfig
 from engine.ops import AttentionContext, LayerOps
+from engine.parallel import TPGroup
 
 
 def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor, shard: int = 0) -> None:
@@ -28,11 +29,26 @@ def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor, shard: int 
 
 
 class Linear(nn.Module):
-    """y = x W^T + b. W (and b) stack one HF tensor per entry of output_sizes, in rows."""
+    """y = x W^T + b. W (and b) stack one HF tensor per entry of output_sizes, in rows.
 
-    def __init__(self, input_size: int, output_sizes: list[int], bias: bool):
+    Tensor-parallel (tp.size > 1), the sizes are this rank's and the loader takes its slice of
+    each HF tensor: split="output" (column-parallel: rank r holds rows r*n .. (r+1)*n of each;
+    beyond the end, as in a padded vocabulary, zeros) or split="input" (row-parallel: columns
+    r*k .. (r+1)*k; the caller all-reduces the output, and the bias is rank 0's alone).
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        output_sizes: list[int],
+        bias: bool,
+        tp: TPGroup | None = None,
+        split: str | None = None,
+    ):
         super().__init__()
         self.output_sizes = output_sizes
+        self.tp = tp or TPGroup()
+        self.split = split if self.tp.size > 1 else None
         self.weight = nn.Parameter(torch.empty(sum(output_sizes), input_size))
         self.bias = nn.Parameter(torch.empty(sum(output_sizes))) if bias else None
 
@@ -42,10 +58,50 @@ class Linear(nn.Module):
         return param.narrow(0, start, self.output_sizes[shard])
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: int = 0) -> None:
+        if self.split == "output":
+            loaded = rank_rows(loaded, self.tp.rank, self.output_sizes[shard])
+        elif self.split == "input" and loaded.dim() == 2:
+            width = param.shape[1]
+            loaded = loaded.narrow(1, self.tp.rank * width, width)
+        elif self.split == "input" and self.tp.rank > 0:  # the bias, added once after the sum
+            loaded = torch.zeros_like(loaded)
         default_weight_loader(self.shard(param, shard), loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return nn.functional.linear(x, self.weight, self.bias)
+
+
+def rank_rows(loaded: torch.Tensor, rank: int, rows: int) -> torch.Tensor:
+    """Rows rank*rows .. (rank+1)*rows of loaded, zero-padded past its end."""
+    start = rank * rows
+    part = loaded[start : start + rows]
+    if part.shape[0] == rows:
+        return part
+    padded = loaded.new_zeros(rows, *loaded.shape[1:])
+    padded[: part.shape[0]] = part
+    return padded
+
+
+class VocabEmbedding(nn.Module):
+    """Token embeddings; tensor-parallel, each rank holds ceil(vocab / T) rows (the last one
+    zero-padded), looks up the tokens in its range and the ranks' rows are summed."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TPGroup | None = None):
+        super().__init__()
+        self.tp = tp or TPGroup()
+        self.num_rows = -(-vocab_size // self.tp.size)
+        self.weight = nn.Parameter(torch.empty(self.num_rows, hidden_size))
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: int = 0) -> None:
+        default_weight_loader(param, rank_rows(loaded, self.tp.rank, self.num_rows), shard)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return nn.functional.embedding(input_ids, self.weight)
+        local = input_ids - self.tp.rank * self.num_rows
+        mine = (local >= 0) & (local < self.num_rows)
+        rows = nn.functional.embedding(local.clamp(0, self.num_rows - 1), self.weight)
+        return self.tp.all_reduce(rows * mine.unsqueeze(-1).to(rows.dtype))
 
 
 class PackedLinear(nn.Module):
@@ -158,16 +214,27 @@ class Attention(OpsModule):
     """GQA self-attention of layer `layer_idx`: fused q/k/v projection, rotary, this step's K/V
     stored and attended to in the layer's view of the paged KV pool, output projection."""
 
-    def __init__(self, config: ModelConfig, layer_idx: int, rotary: RotaryEmbedding, ops: LayerOps):
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_idx: int,
+        rotary: RotaryEmbedding,
+        ops: LayerOps,
+        tp: TPGroup | None = None,
+    ):
+        """layer_idx: the layer's index in this rank's KV pool. tp: the heads split T ways."""
         super().__init__(ops)
+        self.tp = tp = tp or TPGroup()
         self.layer_idx = layer_idx
-        self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
+        self.num_heads = config.num_heads // tp.size
+        self.num_kv_heads = config.num_kv_heads // tp.size
         self.head_dim, self.scale = config.head_dim, config.head_dim**-0.5
-        self.q_size = config.num_heads * config.head_dim
-        self.kv_size = config.num_kv_heads * config.head_dim
+        self.q_size = self.num_heads * config.head_dim
+        self.kv_size = self.num_kv_heads * config.head_dim
         sizes = [self.q_size, self.kv_size, self.kv_size]
-        self.qkv_proj = Linear(config.hidden_size, sizes, config.attention_bias)
-        self.o_proj = Linear(self.q_size, [config.hidden_size], config.attention_bias)
+        bias = config.attention_bias
+        self.qkv_proj = Linear(config.hidden_size, sizes, bias, tp, "output")
+        self.o_proj = Linear(self.q_size, [config.hidden_size], bias, tp, "input")
         self.rotary_emb = rotary
 
     def forward(
@@ -183,30 +250,39 @@ class Attention(OpsModule):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = ctx.kv_caches[self.layer_idx]
         attn = self.ops.attention(q, k, v, k_cache, v_cache, ctx, self.scale)
-        return self.o_proj(attn.view(num_tokens, self.q_size))
+        return self.tp.all_reduce(self.o_proj(attn.view(num_tokens, self.q_size)))
 
 
 class MLP(OpsModule):
     """SwiGLU: down(silu(gate(x)) * up(x)), gate and up as one fused projection."""
 
-    def __init__(self, config: ModelConfig, ops: LayerOps):
+    def __init__(self, config: ModelConfig, ops: LayerOps, tp: TPGroup | None = None):
         super().__init__(ops)
-        inter, bias = config.intermediate_size, config.mlp_bias
-        self.gate_up_proj = Linear(config.hidden_size, [inter, inter], bias)
-        self.down_proj = Linear(inter, [config.hidden_size], bias)
+        self.tp = tp = tp or TPGroup()
+        inter, bias = config.intermediate_size // tp.size, config.mlp_bias
+        self.gate_up_proj = Linear(config.hidden_size, [inter, inter], bias, tp, "output")
+        self.down_proj = Linear(inter, [config.hidden_size], bias, tp, "input")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
+        return self.tp.all_reduce(self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x))))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int, rotary: RotaryEmbedding, ops: LayerOps):
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_idx: int,
+        rotary: RotaryEmbedding,
+        ops: LayerOps,
+        tp: TPGroup | None = None,
+    ):
+        """layer_idx: the layer's index in this rank's KV pool (its stage's layers only)."""
         super().__init__()
         eps = config.rms_norm_eps
         self.input_layernorm = RMSNorm(config.hidden_size, eps, ops)
-        self.self_attn = Attention(config, layer_idx, rotary, ops)
+        self.self_attn = Attention(config, layer_idx, rotary, ops, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, ops)
-        self.mlp = MLP(config, ops)
+        self.mlp = MLP(config, ops, tp)
 
     def forward(
         self,

@@ -22,34 +22,59 @@ from engine.layers import (
     OpsModule,
     RMSNorm,
     RotaryEmbedding,
+    VocabEmbedding,
     default_weight_loader,
 )
 from engine.ops import LayerOps, ReferenceOps
+from engine.parallel import ModelShard, whole_model
 
 # Our fused projections and the HF tensors stacked into each, in row order.
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig, max_positions: int, ops: LayerOps | None = None):
-        """ops: the layer ops backend of every module (default: kernels/reference.py)."""
+    def __init__(
+        self,
+        config: ModelConfig,
+        max_positions: int,
+        ops: LayerOps | None = None,
+        shard: ModelShard | None = None,
+    ):
+        """ops: the layer ops backend of every module (default: kernels/reference.py). shard:
+        the layers this rank holds, split across its tensor-parallel group (default: all,
+        whole); layers of other stages are empty modules, so parameter names stay HF's."""
         super().__init__()
         ops = ReferenceOps() if ops is None else ops
+        self.shard = shard = shard or whole_model(config.num_layers)
+        tp = shard.tp
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, tp)
         self.rotary_emb = RotaryEmbedding(config, max_positions, ops)
+        start = shard.layers.start
         self.layers = nn.ModuleList(
-            DecoderLayer(config, i, self.rotary_emb, ops) for i in range(config.num_layers)
+            DecoderLayer(config, i - start, self.rotary_emb, ops, tp)
+            if i in shard.layers
+            else nn.Module()
+            for i in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
-        # Tied embeddings: no head of its own (a shared Parameter would not survive to_empty).
+        # Tied embeddings: no head of its own (a shared Parameter would not survive to_empty),
+        # unless the embeddings live on another stage.
         self.lm_head: nn.Module | None = None
-        if not config.tie_word_embeddings:
-            self.lm_head = Linear(config.hidden_size, [config.vocab_size], bias=False)
+        vocab_rows = self.embed_tokens.num_rows
+        if not config.tie_word_embeddings or not shard.first:
+            self.lm_head = Linear(config.hidden_size, [vocab_rows], False, tp, "output")
+        if not shard.first:
+            del self.embed_tokens
+            self.embed_tokens = None  # type: ignore[assignment]
+        if not shard.last:
+            del self.norm
+            self.norm = None  # type: ignore[assignment]
+            self.lm_head = None
 
     @property
     def ops(self) -> LayerOps:
-        return self.norm.ops
+        return self.rotary_emb.ops
 
     def set_ops(self, ops: LayerOps) -> None:
         """Run every module through `ops` from the next forward on."""
@@ -58,22 +83,37 @@ class LlamaForCausalLM(nn.Module):
                 module.ops = ops
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        ctx: AttentionContext,
+        carried: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Final hidden states [num_tokens, hidden_size] of a flattened batch. The ops backend
-        prepares ctx once for all layers."""
+        """This rank's stage of a flattened batch, from input_ids (the first stage) or `carried`,
+        the previous stage's output. The last stage returns the final hidden states
+        [num_tokens, hidden_size]; the others stack(hidden, residual) [2, num_tokens,
+        hidden_size] for the next one. The ops backend prepares ctx once for all layers."""
         ctx = self.ops.prepare(ctx)
-        hidden = self.embed_tokens(input_ids)
         residual: torch.Tensor | None = None
-        for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual, ctx)
+        if carried is None:
+            hidden = self.embed_tokens(input_ids)
+        else:
+            hidden, residual = carried[0], carried[1]
+        for i in self.shard.layers:
+            hidden, residual = self.layers[i](positions, hidden, residual, ctx)
+        assert residual is not None, "a stage without layers"
+        if self.norm is None:
+            return torch.stack((hidden, residual))
         return self.norm(hidden, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Float32 logits [rows, vocab_size] for the given hidden rows."""
+        """Float32 logits [rows, vocab_size] for the given hidden rows (last stage; with tensor
+        parallelism every rank of the stage computes its vocabulary slice and gets them all)."""
         if self.lm_head is None:
-            return nn.functional.linear(hidden, self.embed_tokens.weight).float()
-        return self.lm_head(hidden).float()
+            logits = nn.functional.linear(hidden, self.embed_tokens.weight)
+        else:
+            logits = self.lm_head(hidden)
+        return self.shard.tp.all_gather(logits.float())[:, : self.config.vocab_size]
 
     def replace_linears(
         self, make: Callable[[torch.Tensor, torch.Tensor | None], nn.Module]
@@ -85,16 +125,21 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, Linear):
                 parent, _, leaf = name.rpartition(".")
                 setattr(self.get_submodule(parent), leaf, make(module.weight, module.bias))
-        if self.lm_head is None:
+        if self.lm_head is None and self.norm is not None:
             self.lm_head = make(self.embed_tokens.weight, None)
 
     def hf_tensors(self) -> Iterator[tuple[str, nn.Module, nn.Parameter, int]]:
-        """(HF name, module, parameter, shard) for every tensor of HF's checkpoint, in parameter
-        order: the tensor fills shard `shard` of the module's parameter (0 unless fused)."""
+        """(HF name, module, parameter, shard) for every tensor of HF's checkpoint this rank
+        holds, in parameter order: the tensor fills shard `shard` of the module's parameter (0
+        unless fused). A tied LM head on a stage without the embeddings reads them."""
+        tied = self.config.tie_word_embeddings
         for name, module in self.named_modules():
             leaf = name.rpartition(".")[2]
             stem = ("" if name == "lm_head" else "model.") + name.removesuffix(leaf)
             for kind, param in module.named_parameters(recurse=False):
+                if name == "lm_head" and tied:
+                    yield "model.embed_tokens.weight", module, param, 0
+                    continue
                 for shard, part in enumerate(FUSED.get(leaf, (leaf,))):
                     yield f"{stem}{part}.{kind}", module, param, shard
 

@@ -22,6 +22,7 @@ from engine.cuda_graphs import DecodeGraphs, is_decode_only
 from engine.mirror import PLACEHOLDER, ScheduledSeq, StepBatch
 from engine.model import LlamaForCausalLM
 from engine.ops import AttentionContext
+from engine.parallel import Parallel
 from engine.sampler import Sampler, SamplerOutput, to_device
 from engine.timeline import NullTimeline, Timeline
 
@@ -61,16 +62,27 @@ class LaunchedStep:
     batch: StepBatch
     timer: StepTimer
     sampled: torch.Tensor
-    host: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
+    host: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
     ready: Any = None
     output: StepOutput | None = None  # set by the engine once collected
+    # A rank other than the driver: the broadcast bringing the driver's tokens into `sampled`
+    # (host[0] is None: collect copies them once it is done).
+    shared: Any = None
 
     @property
     def is_ready(self) -> bool:
+        if self.shared is not None and not self.shared.is_completed():
+            return False
         return self.ready is None or bool(self.ready.query())
+
+    def wait_shared(self) -> None:
+        """Block until `sampled` holds the driver's tokens (other ranks)."""
+        if self.shared is not None:
+            self.shared.wait()
 
     def wait(self) -> None:
         """Block until the host copies are complete (the GIL is released meanwhile)."""
+        self.wait_shared()
         if self.ready is not None:
             self.ready.synchronize()
 
@@ -86,9 +98,11 @@ class ModelRunner:
         *,
         graphs: DecodeGraphs | None = None,
         timeline: Timeline | None = None,
+        parallel: Parallel | None = None,
     ):
         """graphs: decode-only steps that fit replay from these (engine.cuda_graphs); timeline:
-        records each step's GPU span (engine.timeline; a no-op by default)."""
+        records each step's GPU span (engine.timeline; a no-op by default); parallel: this
+        rank's engine group (engine.parallel), when the model is split across ranks."""
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -96,6 +110,8 @@ class ModelRunner:
         self.sampler = sampler
         self.graphs = graphs
         self.timeline: Timeline = timeline or NullTimeline()
+        self.parallel = parallel
+        self.samples_here = parallel is None or parallel.topology.is_driver
 
     def _prepare(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionContext]:
         bs = self.block_size
@@ -141,22 +157,23 @@ class ModelRunner:
         self._gather_placeholders(batch, input_ids, prev)
         timer = StepTimer(self.device, t0)
         self.timeline.begin()
-        hidden = self._forward(input_ids, positions, ctx)
+        hidden = self._run_stage(input_ids, positions, ctx)
         sampling_rows = [i for i, row in enumerate(batch.rows) if row.samples]
         out = None
-        if sampling_rows:
+        if sampling_rows and self.model.shard.last:
             last = to_device(
                 [ctx.cu_seqlens_q[i + 1] - 1 for i in sampling_rows], torch.long, self.device
             )
             logits = self.model.compute_logits(hidden[last])
             timer.mark()
-            rows = [batch.rows[i] for i in sampling_rows]
-            out = self.sampler.sample(
-                logits,
-                [r.seq.sampling for r in rows],
-                [r.seq.num_output_tokens for r in rows],
-                _penalized_outputs(rows),
-            )
+            if self.samples_here:
+                rows = [batch.rows[i] for i in sampling_rows]
+                out = self.sampler.sample(
+                    logits,
+                    [r.seq.sampling for r in rows],
+                    [r.seq.num_output_tokens for r in rows],
+                    _penalized_outputs(rows),
+                )
         else:
             timer.mark()
         timer.mark()  # before _spread records `ready`: collect reads the timer once that is done
@@ -168,6 +185,8 @@ class ModelRunner:
         """Wait for a launched step's results to reach the host; its StepOutput."""
         step.wait()
         tokens, logprobs, top_ids, top_lps = step.host
+        if tokens is None:  # a rank that did not sample: the driver's tokens
+            tokens = step.sampled.cpu()
         rows = step.batch.rows
         output = StepOutput(tokens.tolist(), None, *step.timer.elapsed_ms())
         if logprobs is not None:  # NaN where the request did not ask
@@ -210,6 +229,7 @@ class ModelRunner:
             offset += row.num_scheduled_tokens
         if dst:
             assert prev is not None
+            prev.wait_shared()
             index = to_device(dst + src, torch.long, self.device).view(2, -1)
             input_ids[index[0]] = prev.sampled[index[1]]
 
@@ -224,6 +244,10 @@ class ModelRunner:
         their non-blocking copies to the host."""
         n = len(batch.rows)
         sampled = torch.full((n,), PLACEHOLDER, dtype=torch.long, device=self.device)
+        if not self.samples_here:
+            assert self.parallel is not None
+            shared = self.parallel.share_tokens(sampled)
+            return LaunchedStep(batch, timer, sampled, (None, None, None, None), shared=shared)
         logprobs = top_ids = top_lps = None
         if out is not None:
             rows = to_device(sampling_rows, torch.long, self.device)
@@ -233,6 +257,8 @@ class ModelRunner:
             if out.top_token_ids is not None and out.top_logprobs is not None:
                 top_ids = _full_rows(n, rows, out.top_token_ids, -1)
                 top_lps = _full_rows(n, rows, out.top_logprobs, float("nan"))
+        if self.parallel is not None:
+            self.parallel.share_tokens(sampled)
         host = (
             sampled.to("cpu", non_blocking=True),
             _to_host(logprobs),
@@ -244,6 +270,28 @@ class ModelRunner:
             ready = torch.cuda.Event()
             ready.record()
         return LaunchedStep(batch, timer, sampled, host, ready)
+
+    def _run_stage(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext
+    ) -> torch.Tensor:
+        """This rank's part of the forward: after the previous stage's, before the next's
+        (pipeline parallelism), whose input it sends on; the final hidden states on the last
+        stage."""
+        shard = self.model.shard
+        if self.parallel is None or (shard.first and shard.last):
+            return self._forward(input_ids, positions, ctx)
+        carried = None
+        if not shard.first:
+            first_layer = self.model.layers[shard.layers.start]
+            carried = self.parallel.receive_activations(
+                len(input_ids),
+                self.model.config.hidden_size,
+                first_layer.input_layernorm.weight.dtype,
+            )
+        hidden = self.model(input_ids, positions, ctx, carried)
+        if not shard.last:
+            self.parallel.send_activations(hidden)
+        return hidden
 
     def _forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext

@@ -26,6 +26,7 @@ first for the cores (measured on 2 cores: a batch-1 decode step 95 ms there agai
 from __future__ import annotations
 
 import contextlib
+import os
 import queue
 import signal
 import threading
@@ -34,7 +35,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent import futures
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -48,6 +49,9 @@ from engine.convert import info_to_proto, plan_from_proto, result_to_proto
 from engine.mirror import MirrorMismatch
 from engine.telemetry import EngineTelemetry, now_ns
 from protos import engine_pb2, engine_pb2_grpc
+
+if TYPE_CHECKING:  # this module stays torch-free (the echo engine serves through it)
+    from engine.parallel import Parallel
 
 log = get_logger("engine")
 
@@ -85,14 +89,33 @@ class _InFlight:
     start_ns: int
 
 
-def _read_plans(plans: Iterator[engine_pb2.StepPlan], inbox: queue.SimpleQueue[Any]) -> None:
+def _read_plans(
+    plans: Iterator[engine_pb2.StepPlan],
+    inbox: queue.SimpleQueue[Any],
+    group: Parallel | None = None,
+) -> None:
+    """Put each plan in the inbox as it arrives; with an engine group, hand it to the other
+    ranks first (at once, so an earlier pipeline stage starts it while the driver's stage still
+    runs the step before)."""
     try:
         for plan_msg in plans:
+            if group is not None:
+                _to_ranks(group, "plan", plan_msg.SerializeToString())
             inbox.put(plan_msg)
     except Exception:  # the RPC ended under us (cancelled, connection lost)
         pass
     finally:
         inbox.put(_END)
+
+
+def _to_ranks(group: Parallel, kind: str, payload: bytes = b"") -> None:
+    """Send a control message to the group's other ranks; when that fails (a rank is gone),
+    end this process so the group restarts as one (engine/ranks.py)."""
+    try:
+        group.send_control(kind, payload)
+    except Exception:
+        log.exception("an engine rank is unreachable; ending the group")
+        os._exit(1)
 
 
 class _Waiter:
@@ -148,10 +171,18 @@ def _direct(fn: Callable[..., Any], *args: Any) -> Any:
 
 
 class EngineServicer(engine_pb2_grpc.EngineServicer):
-    def __init__(self, engine: StepExecutor, run_on: Callable[..., Any] = _direct):
-        """run_on(fn, *args): where engine calls run (serve: OwnerThread.call)."""
+    def __init__(
+        self,
+        engine: StepExecutor,
+        run_on: Callable[..., Any] = _direct,
+        group: Parallel | None = None,
+    ):
+        """run_on(fn, *args): where engine calls run (serve: OwnerThread.call). group: the
+        engine group this driver leads (engine/parallel.py): plans and resets go to every
+        rank, and a step that fails part-way ends the group (its ranks are out of step)."""
         self.engine = engine
         self.run_on = run_on
+        self.group = group
         self.lock = threading.Lock()
         self.active_stream = 0  # the live Step stream's number; 0 when none
         self.num_streams = 0
@@ -171,10 +202,15 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             self.num_streams += 1
             stream = self.active_stream = self.num_streams
             self.run_on(self.engine.reset)
+            if self.group is not None:
+                _to_ranks(self.group, "reset")
         log.info("step stream opened", stream=stream, peer=context.peer())
         inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
         threading.Thread(
-            target=_read_plans, args=(request_iterator, inbox), name="plan-reader", daemon=True
+            target=_read_plans,
+            args=(request_iterator, inbox, self.group),
+            name="plan-reader",
+            daemon=True,
         ).start()
         waiter = _Waiter(inbox)
         try:
@@ -235,15 +271,18 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
 
     def _fail(self, plan_msg: engine_pb2.StepPlan, err: Exception, context: Any) -> None:
         log.exception("step failed", step_id=plan_msg.step_id)
+        if self.group is not None:
+            log.error("the engine group's ranks are out of step; ending the group")
+            os._exit(1)
         context.abort(
             grpc.StatusCode.INTERNAL,
             f"step {plan_msg.step_id} failed: {type(err).__name__}: {err}",
         )
 
 
-def serve(engine: StepExecutor, config: EngineConfig) -> None:
+def serve(engine: StepExecutor, config: EngineConfig, group: Parallel | None = None) -> None:
     """Serve until SIGTERM / SIGINT: only to peers with the internal token (when there is one),
-    over TLS when config has a certificate."""
+    over TLS when config has a certificate. group: the engine group this process drives."""
     host, port = config.host, config.port
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=8),
@@ -251,7 +290,7 @@ def serve(engine: StepExecutor, config: EngineConfig) -> None:
         interceptors=peer_interceptors(config, aio=False),
     )
     owner = OwnerThread()
-    servicer = EngineServicer(engine, owner.call)
+    servicer = EngineServicer(engine, owner.call, group)
     add_servicer(engine_pb2_grpc.add_EngineServicer_to_server, servicer, server)
     health_servicer = health.HealthServicer()
     add_servicer(health_pb2_grpc.add_HealthServicer_to_server, health_servicer, server)

@@ -9,6 +9,7 @@ here so both sources feed the same model code.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 import numpy as np
@@ -16,10 +17,11 @@ import torch
 
 from common.gguf_file import open_gguf
 from common.model_config import ModelConfig, ModelSourceError
-from engine.dummy import init_dummy_weights
+from engine.dummy import DummyWeights, init_dummy_weights
 from engine.layers import PackedLinear, can_pack_cpu_linears
 from engine.model import LlamaForCausalLM
 from engine.ops import LayerOps
+from engine.parallel import ModelShard
 from engine.quant import QUANTIZED_LINEARS
 
 _GGUF_LAYER_NAMES = {
@@ -41,16 +43,38 @@ _GGUF_GLOBAL_NAMES = {
 }
 
 
-def load_weights(path: Path, config: ModelConfig) -> dict[str, torch.Tensor]:
+class LazyWeights(Mapping[str, torch.Tensor]):
+    """A checkpoint's tensors by HF name, each read (and for a GGUF, dequantized) when looked up
+    and not kept: a rank takes its slice of each and drops the rest, so no process ever holds
+    the whole model beside its own shard."""
+
+    def __init__(self, names: list[str], read: Callable[[str], torch.Tensor]):
+        self.names = dict.fromkeys(names)
+        self.read = read
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self.names:
+            raise KeyError(name)
+        return self.read(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+
+def load_weights(path: Path, config: ModelConfig) -> Mapping[str, torch.Tensor]:
     """All tensors of the checkpoint under HF names, on the CPU, in their stored dtype (GGUF:
-    float32). A llama3 GGUF's rope frequency divisors come back as "rope_freqs"."""
+    float32), each read when looked up. A llama3 GGUF's rope frequency divisors come back as
+    "rope_freqs"."""
     if path.is_dir():
         return _load_safetensors_dir(path)
     return _load_gguf(path, config)
 
 
-def _load_safetensors_dir(path: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
+def _load_safetensors_dir(path: Path) -> LazyWeights:
+    from safetensors import safe_open
 
     files = sorted(path.glob("*.safetensors"))
     if not files:
@@ -58,10 +82,16 @@ def _load_safetensors_dir(path: Path) -> dict[str, torch.Tensor]:
             f"{path}: no *.safetensors files (other formats are not supported; "
             "--load-format dummy gives seeded random weights for its config.json)"
         )
-    weights: dict[str, torch.Tensor] = {}
+    where: dict[str, Path] = {}
     for file in files:
-        weights.update(load_file(str(file)))
-    return weights
+        with safe_open(str(file), framework="pt") as f:
+            where.update(dict.fromkeys(f.keys(), file))
+
+    def read(name: str) -> torch.Tensor:
+        with safe_open(str(where[name]), framework="pt") as f:
+            return f.get_tensor(name)
+
+    return LazyWeights(list(where), read)
 
 
 def gguf_name_to_hf(name: str) -> str | None:
@@ -86,20 +116,23 @@ def unpermute_qk(weight: np.ndarray, num_heads: int) -> np.ndarray:
     )
 
 
-def _load_gguf(path: Path, config: ModelConfig) -> dict[str, torch.Tensor]:
+def _load_gguf(path: Path, config: ModelConfig) -> LazyWeights:
     gguf_file = open_gguf(path)
-    weights: dict[str, torch.Tensor] = {}
+    tensors = {}
     for tensor in gguf_file.tensors:
         name = gguf_name_to_hf(tensor.name)
-        if name is None:
-            continue
-        data = gguf_file.tensor_array(tensor)
+        if name is not None:
+            tensors[name] = tensor
+
+    def read(name: str) -> torch.Tensor:
+        data = gguf_file.tensor_array(tensors[name])
         if name.endswith(("q_proj.weight", "q_proj.bias")):
             data = unpermute_qk(data, config.num_heads)
         elif name.endswith(("k_proj.weight", "k_proj.bias")):
             data = unpermute_qk(data, config.num_kv_heads)
-        weights[name] = torch.from_numpy(np.ascontiguousarray(data))
-    return weights
+        return torch.from_numpy(np.ascontiguousarray(data))
+
+    return LazyWeights(list(tensors), read)
 
 
 # ggml type ids of the GGUF blocks the CPU's int8 form holds exactly (engine.quant.grouped_int8)
@@ -120,7 +153,7 @@ def resolve_quantization(name: str, path: Path, device: torch.device) -> str:
 
 def build_model(
     config: ModelConfig,
-    weights: dict[str, torch.Tensor] | None,
+    weights: Mapping[str, torch.Tensor] | None,
     max_positions: int,
     dtype: torch.dtype,
     device: torch.device,
@@ -128,17 +161,22 @@ def build_model(
     dummy_seed: int = 0,
     ops: LayerOps | None = None,
     quantization: str = "none",
+    shard: ModelShard | None = None,
 ) -> LlamaForCausalLM:
     """Allocate on the meta device, materialize on `device` directly in `dtype` (never a float32
     copy first), then load `weights`, or, when it is None, fill in engine.dummy's seeded values.
     `ops`: the layer ops backend (default: kernels/reference.py). `quantization` (int8, fp8)
-    replaces every linear layer, the LM head included, by engine/quant.py's."""
+    replaces every linear layer, the LM head included, by engine/quant.py's. `shard`: the part
+    this rank holds (default: the whole model); a sharded model takes its slice of each tensor,
+    the dummy ones included (the same values as the whole model's)."""
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, max_positions, ops)
+        model = LlamaForCausalLM(config, max_positions, ops, shard)
     model = model.to(dtype).to_empty(device=device)
     model.rotary_emb.reset()
-    if weights is None:
+    if weights is None and model.shard.is_whole:
         init_dummy_weights(model, dummy_seed)
+    elif weights is None:
+        model.load_weights(DummyWeights(config, dummy_seed, dtype, device))
     else:
         model.load_weights(weights)
     model = model.eval().requires_grad_(False)

@@ -106,6 +106,10 @@ def _run_engine(config: EngineConfig, fake: FakeEngineConfig | None) -> None:
         from engine.fake import FakeEngine
 
         serve(FakeEngine(config, fake), config)
+    elif config.world_size > 1:
+        from engine.ranks import run_node
+
+        run_node(config)
     else:
         from engine.engine import Engine
 

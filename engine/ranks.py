@@ -1,0 +1,217 @@
+"""The processes of an engine group (engine/parallel.py): `llmserve engine` with
+--tensor-parallel-size T x --pipeline-parallel-size P > 1 runs `run_node`, which starts this
+node's other ranks as child processes (`python -m engine.ranks`, handed their settings through
+stdin, as the launcher hands services theirs) and then becomes its node's first rank: on node 0
+the driver, which loads its shard and serves the Step stream (engine/service.py); on other nodes
+a rank that executes the driver's plans.
+
+    node 0:  llmserve engine ... --nnodes N --node-rank 0     ranks 0 .. k-1 (0 = driver, gRPC)
+    node R:  llmserve engine ... --nnodes N --node-rank R     ranks R*k .. (R+1)*k-1
+
+The group lives and dies as one: a node's first process ends (exit 1) when one of its children
+does, the children end when it does (their stdin closes), and a rank whose collective fails
+(a peer on another node died) exits too. Whoever supervises the processes (`llmserve serve`,
+compose, Kubernetes) starts them again; the ranks meet afresh and the scheduler recomputes the
+requests that were running.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+from dataclasses import asdict, dataclass, replace
+
+import torch
+
+from common.log import get_logger
+from common.model_config import load_model_config, resolve_model_path
+from engine.config import EngineConfig
+from engine.parallel import (
+    Parallel,
+    Topology,
+    check_parallel_sizes,
+    master_port,
+    threads_per_rank,
+)
+
+log = get_logger("engine")
+
+
+@dataclass(frozen=True)
+class RankPlace:
+    """Where one rank runs: its global rank, its index on its node, the node's rank count, and
+    the rendezvous address ("host:port" on node 0)."""
+
+    rank: int
+    local_rank: int
+    ranks_on_node: int
+    master: str
+
+
+def node_places(config: EngineConfig) -> list[RankPlace]:
+    """This node's ranks, its first one first."""
+    per_node = config.world_size // config.nnodes
+    first = config.node_rank * per_node
+    master = f"{config.master_addr}:{master_port(config.nnodes, config.master_port)}"
+    return [RankPlace(first + i, i, per_node, master) for i in range(per_node)]
+
+
+def rank_config(config: EngineConfig, place: RankPlace) -> EngineConfig:
+    """On a CPU, each rank of a node gets its share of the cores (unless --num-threads says)."""
+    if config.num_threads or config.device == "cuda":
+        return config
+    if config.device == "auto" and torch.cuda.is_available():
+        return config
+    return replace(config, num_threads=threads_per_rank(place.ranks_on_node))
+
+
+def rank_device(config: EngineConfig, place: RankPlace) -> torch.device:
+    if config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise RuntimeError("--device cuda: torch sees no CUDA device")
+        torch.cuda.set_device(place.local_rank)
+        return torch.device("cuda", place.local_rank)
+    return torch.device("cpu")
+
+
+def check_group(config: EngineConfig) -> None:
+    """Raise ValueError when the model does not split T x P ways (before any rank starts)."""
+    model_config = load_model_config(resolve_model_path(config.model))
+    why = check_parallel_sizes(
+        model_config, config.tensor_parallel_size, config.pipeline_parallel_size
+    )
+    if why:
+        raise ValueError(why)
+
+
+def join_group(config: EngineConfig, place: RankPlace) -> tuple[EngineConfig, Parallel]:
+    """Join the group as place.rank (blocks until every rank has): the rank's config and its
+    membership."""
+    config = rank_config(config, place)
+    if config.num_threads:
+        torch.set_num_threads(config.num_threads)
+    device = rank_device(config, place)
+    num_layers = load_model_config(resolve_model_path(config.model)).num_layers
+    topology = Topology(config.tensor_parallel_size, config.pipeline_parallel_size, place.rank)
+    return config, Parallel(topology, place.master, device, num_layers)
+
+
+def run_node(config: EngineConfig) -> None:
+    """Run this node's part of the engine group until SIGTERM / SIGINT (node 0: serving the
+    Step stream) or until any rank of the group dies."""
+    from engine.engine import Engine
+
+    check_group(config)
+    places = node_places(config)
+    children = [_spawn(config, place) for place in places[1:]]
+    watcher = _ChildWatcher(children, places[1:])
+    try:
+        rank_config_, parallel = join_group(config, places[0])
+        engine = Engine(rank_config_, parallel)
+        if parallel.topology.is_driver:
+            from engine.service import serve
+
+            serve(engine, config, group=parallel)
+        else:
+            run_rank(engine, parallel)
+    finally:
+        watcher.stopping = True
+        for child in children:
+            if child.stdin is not None:
+                child.stdin.close()
+
+
+def run_rank(engine: object, parallel: Parallel) -> None:
+    """A rank other than the driver: execute the driver's plans, in order, until it says stop.
+    A plan the mirror refuses is refused by the driver too (same mirror), which resets."""
+    from engine.convert import plan_from_proto
+    from engine.engine import Engine
+    from engine.mirror import MirrorMismatch
+    from protos import engine_pb2
+
+    assert isinstance(engine, Engine)
+    while True:
+        kind, payload = parallel.receive_control()
+        if kind == "plan":
+            plan = plan_from_proto(engine_pb2.StepPlan.FromString(payload))
+            try:
+                engine.launch(plan)
+            except MirrorMismatch as err:
+                log.warning("plan disagrees with the mirror", step_id=plan.step_id, error=str(err))
+        elif kind == "reset":
+            engine.reset()
+        elif kind == "stop":
+            return
+
+
+class _ChildWatcher:
+    """Ends this process (exit 1) as soon as one of its rank children exits, unless it is
+    stopping: the group restarts as one."""
+
+    def __init__(self, children: list[subprocess.Popen[bytes]], places: list[RankPlace]):
+        self.stopping = False
+        for child, place in zip(children, places, strict=True):
+            threading.Thread(
+                target=self._watch, args=(child, place), name=f"rank-{place.rank}", daemon=True
+            ).start()
+
+    def _watch(self, child: subprocess.Popen[bytes], place: RankPlace) -> None:
+        code = child.wait()
+        if self.stopping:
+            return
+        log.error(
+            "an engine rank exited; ending the group so that it restarts as one",
+            rank=place.rank,
+            exit_code=code,
+        )
+        os._exit(1)
+
+
+def _spawn(config: EngineConfig, place: RankPlace) -> subprocess.Popen[bytes]:
+    from common.flags import to_json
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "engine.ranks"],
+        stdin=subprocess.PIPE,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    assert proc.stdin is not None
+    line = json.dumps({"config": to_json(config), "place": asdict(place)})
+    proc.stdin.write(line.encode() + b"\n")
+    proc.stdin.flush()  # kept open: its end (we exited) ends the child
+    return proc
+
+
+def _child_main() -> None:
+    """A rank child: read its settings, watch stdin (EOF: the parent is gone, so are we), join
+    the group and execute plans. Any failure ends it (exit 1): the group restarts."""
+    from common.flags import from_json
+    from common.log import bind, configure
+
+    settings = json.loads(sys.stdin.readline())
+    config = from_json({"EngineConfig": EngineConfig}, settings["config"])
+    place = RankPlace(**settings["place"])
+
+    def watch() -> None:
+        sys.stdin.read()
+        os._exit(1)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+    configure("engine")
+    bind(rank=place.rank)
+    try:
+        from engine.engine import Engine
+
+        rank_config_, parallel = join_group(config, place)
+        run_rank(Engine(rank_config_, parallel), parallel)
+    except BaseException:
+        log.exception("engine rank failed", rank=place.rank)
+        os._exit(1)
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    _child_main()

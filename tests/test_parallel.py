@@ -1,0 +1,221 @@
+"""Tensor and pipeline parallelism on the CPU (gloo): sharded layers, the split of the layers
+into stages, and whole engine groups run in child processes against one engine.
+
+The group tests run the same scripted steps (prefill chunks, decodes, a prefix-cache hit, a
+preemption and its recompute) on every rank of a T x P group, as the driver's plans would
+arrive, and compare the logits the driver samples from with one engine's, within 1e-4.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import queue
+import socket
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from common.model_config import load_model_config
+from engine.config import EngineConfig
+from engine.contract import NewRequestData, RunningData, StepPlanData
+from engine.parallel import (
+    ModelShard,
+    Topology,
+    TPGroup,
+    check_parallel_sizes,
+    shard_config,
+    split_layers,
+    valid_tp_sizes,
+)
+from protos.common_pb2 import SamplingParams
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+GREEDY = SamplingParams(temperature=0.0)
+BLOCK_SIZE = 16
+TOLERANCE = 1e-4
+
+
+def test_topology_puts_the_driver_in_the_last_stage() -> None:
+    ranks = [Topology(2, 3, r) for r in range(6)]
+    assert [(t.stage, t.tp_rank) for t in ranks] == [(2, 0), (2, 1), (1, 0), (1, 1), (0, 0), (0, 1)]
+    assert [t.is_driver for t in ranks] == [True] + [False] * 5
+    assert ranks[0].stage_ranks(0) == [4, 5] and ranks[0].rank_at(1, 1) == 3
+
+
+def test_layers_split_evenly_with_the_extra_ones_first() -> None:
+    assert [split_layers(30, 4, s) for s in range(4)] == [
+        range(0, 8), range(8, 16), range(16, 23), range(23, 30)
+    ]  # fmt: skip
+    assert [split_layers(2, 2, s) for s in range(2)] == [range(0, 1), range(1, 2)]
+
+
+def test_tp_sizes_must_divide_the_kv_heads(builtin_model_path: Path) -> None:
+    config = load_model_config(builtin_model_path)  # SmolLM2: 9 heads, 3 KV heads, 30 layers
+    assert valid_tp_sizes(config) == [1, 3]
+    assert check_parallel_sizes(config, 3, 1) is None
+    why = check_parallel_sizes(config, 2, 1)
+    assert why is not None and "3 KV heads" in why and "use one of 1, 3" in why
+    why = check_parallel_sizes(config, 1, 31)
+    assert why is not None and "30 layers" in why
+
+
+def test_shard_config_is_one_ranks_share(builtin_model_path: Path) -> None:
+    config = load_model_config(builtin_model_path)
+    shard = ModelShard(TPGroup(1, 3), range(10, 20), 30)
+    local = shard_config(config, shard)
+    assert (local.num_heads, local.num_kv_heads, local.intermediate_size) == (3, 1, 512)
+    assert local.num_layers == 10 and local.hidden_size == config.hidden_size
+    assert not shard.first and not shard.last and not shard.is_whole
+
+
+def test_engine_config_checks_the_group_shape() -> None:
+    assert EngineConfig(tensor_parallel_size=2, pipeline_parallel_size=2).world_size == 4
+    with pytest.raises(ValueError, match="nnodes=3"):
+        EngineConfig(tensor_parallel_size=2, nnodes=3)
+    with pytest.raises(ValueError, match="node_rank=2"):
+        EngineConfig(tensor_parallel_size=2, nnodes=2, node_rank=2)
+    with pytest.raises(ValueError, match="tensor_parallel_size=0"):
+        EngineConfig(tensor_parallel_size=0)
+
+
+# ---- whole engine groups in child processes ---------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _new(seq_id: int, tokens: list[int], table: list[int], cached: int, now: int) -> Any:
+    return NewRequestData(seq_id, tokens, len(tokens), GREEDY, table, cached, now)
+
+
+def run_scenario(engine: Any, capture: list[torch.Tensor]) -> list[list[int]]:
+    """Steps through prefill chunks, decodes, a prefix-cache hit, a preemption and its
+    recompute, with blocks from a shuffled list; returns each step's sampled tokens (from the
+    mirror on every rank). `capture` collects the driver's logits (other ranks: nothing)."""
+    a = [(7 * i + 3) % 200 for i in range(18)]
+    b = [(11 * i + 5) % 200 for i in range(37)]
+    c = [*a[:16], 9, 8, 7]
+    tables = {1: [5, 2], 2: [7, 1, 9], 3: [5, 12]}  # c shares a's first block
+    outputs = []
+
+    def step(step_id: int, finished: list[int], new: list[Any], run: RunningData) -> None:
+        out = engine.step(StepPlanData(step_id, finished, new, run))
+        outputs.append(list(out.sampled_token_ids))
+
+    step(1, [], [_new(1, a, tables[1], 0, 18), _new(2, b, tables[2], 0, 20)], RunningData())
+    step(2, [], [], RunningData([1, 2], [1, 17], [18, 20], [0, 0], []))
+    step(3, [], [_new(3, c, tables[3], 16, 3)], RunningData([1, 2], [1, 1], [19, 37], [0, 0], []))
+    step(4, [], [], RunningData([1, 2, 3], [1, 1, 1], [20, 38, 19], [0, 0, 0], []))
+    # Preempt 2: dropped, then back as a new request with all its tokens, recomputed.
+    b_now = list(engine.mirror.seqs[2].token_ids)
+    step(5, [2], [], RunningData([1, 3], [1, 1], [21, 20], [0, 0], []))
+    step(6, [], [_new(4, b_now, [11, 4, 6], 0, len(b_now))], RunningData([1], [1], [22], [0], []))
+    step(7, [], [], RunningData([1, 3, 4], [1, 1, 1], [23, 21, len(b_now)], [0, 0, 0], []))
+    return outputs
+
+
+def _engine_config(model: Path, tp: int, pp: int, **kwargs: Any) -> EngineConfig:
+    return EngineConfig(
+        model=str(model),
+        device="cpu",
+        num_kv_blocks=16,
+        block_size=BLOCK_SIZE,
+        max_num_batched_tokens=64,
+        tensor_parallel_size=tp,
+        pipeline_parallel_size=pp,
+        num_threads=1,
+        seed=0,
+        **kwargs,
+    )
+
+
+def _capturing(engine: Any) -> list[torch.Tensor]:
+    captured: list[torch.Tensor] = []
+    original = engine.model.compute_logits
+
+    def capture(hidden: torch.Tensor) -> torch.Tensor:
+        logits = original(hidden)
+        captured.append(logits.clone())
+        return logits
+
+    engine.model.compute_logits = capture
+    return captured
+
+
+def _rank_main(config: EngineConfig, rank: int, master: str, results: Any) -> None:
+    from engine.engine import Engine
+    from engine.ranks import RankPlace, join_group
+
+    try:
+        place = RankPlace(rank, rank, config.world_size, master)
+        rank_config, parallel = join_group(config, place)
+        engine = Engine(rank_config, parallel)
+        captured = _capturing(engine)
+        outputs = run_scenario(engine, captured)
+        logits = [t.tolist() for t in captured] if parallel.topology.is_driver else []
+        results.put((rank, outputs, logits, engine.num_blocks))
+        parallel.close()
+    except BaseException as err:
+        results.put((rank, repr(err), [], 0))
+        raise
+
+
+def run_group(config: EngineConfig) -> dict[int, tuple[Any, list[Any], int]]:
+    """Run the scenario on every rank of config's group, in child processes: per rank (its
+    outputs, the driver's logits, its num_blocks)."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    master = f"127.0.0.1:{_free_port()}"
+    procs = [
+        ctx.Process(target=_rank_main, args=(config, r, master, results))
+        for r in range(config.world_size)
+    ]
+    for p in procs:
+        p.start()
+    got: dict[int, tuple[Any, list[Any], int]] = {}
+    try:
+        while len(got) < len(procs):
+            rank, outputs, logits, num_blocks = results.get(timeout=180)
+            assert not isinstance(outputs, str), f"rank {rank} failed: {outputs}"
+            got[rank] = (outputs, logits, num_blocks)
+    except queue.Empty:
+        pytest.fail(f"the group did not finish: ranks {sorted(got)} of {len(procs)} reported")
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    return got
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model: Any) -> tuple[Path, list[list[int]], list[torch.Tensor]]:
+    """One engine's outputs and logits over the scenario (the tiny model: 4 heads, 4 KV heads
+    so T = 2 and 4 both divide them; 4 layers)."""
+    from engine.engine import Engine
+
+    model = tiny_model(num_heads=4, num_kv_heads=4, num_layers=4)
+    engine = Engine(_engine_config(model, 1, 1))
+    captured = _capturing(engine)
+    return model, run_scenario(engine, captured), captured
+
+
+@pytest.mark.parametrize(("tp", "pp"), [(2, 1), (4, 1), (1, 2), (2, 2)])
+def test_group_matches_one_engine(reference: Any, tp: int, pp: int) -> None:
+    model, want_outputs, want_logits = reference
+    got = run_group(_engine_config(model, tp, pp))
+    outputs, logits, _ = got[0]
+    assert outputs == want_outputs
+    for rank, (rank_outputs, _, num_blocks) in got.items():
+        assert rank_outputs == want_outputs, f"rank {rank}'s mirror saw other tokens"
+        assert num_blocks == 16
+    assert len(logits) == len(want_logits)
+    for i, (ours, want) in enumerate(zip(logits, want_logits, strict=True)):
+        err = (torch.tensor(ours) - want).abs().max().item()
+        assert err < TOLERANCE, f"step {i + 1}: logits differ by {err:.2e} at T={tp} x P={pp}"
