@@ -20,7 +20,6 @@ and the scheduler recomputes its requests.
 from __future__ import annotations
 
 import os
-import socket
 import threading
 from dataclasses import dataclass, replace
 from datetime import timedelta
@@ -166,31 +165,21 @@ def shard_config(config: ModelConfig, shard: ModelShard) -> ModelConfig:
     )
 
 
-def master_port(nnodes: int, port: int) -> int:
-    if port:
-        return port
-    if nnodes > 1:
-        return DEFAULT_MASTER_PORT
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class Parallel:
     """This process's membership of an engine group, once joined: its topology, its stage's
     tensor-parallel group, and the channels between ranks (plans, activations, tokens)."""
 
     def __init__(
-        self, topology: Topology, master: str, device: torch.device, num_layers: int
+        self, topology: Topology, rendezvous: str, device: torch.device, num_layers: int
     ) -> None:
-        """Join the group (blocks until all world_size ranks have). master: "host:port" of the
-        rendezvous, on node 0."""
+        """Join the group (blocks until all world_size ranks have). rendezvous: where the ranks
+        meet, an init_method (tcp://node0:port, or file:///path on one node)."""
         self.topology = t = topology
         self.device = device
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(
             backend,
-            init_method=f"tcp://{master}",
+            init_method=rendezvous,
             world_size=t.world_size,
             rank=t.rank,
             timeout=STEP_TIMEOUT,

@@ -19,10 +19,13 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 
 import torch
 
@@ -30,10 +33,10 @@ from common.log import get_logger
 from common.model_config import load_model_config, resolve_model_path
 from engine.config import EngineConfig
 from engine.parallel import (
+    DEFAULT_MASTER_PORT,
     Parallel,
     Topology,
     check_parallel_sizes,
-    master_port,
     threads_per_rank,
 )
 
@@ -43,20 +46,28 @@ log = get_logger("engine")
 @dataclass(frozen=True)
 class RankPlace:
     """Where one rank runs: its global rank, its index on its node, the node's rank count, and
-    the rendezvous address ("host:port" on node 0)."""
+    the rendezvous (torch.distributed's init_method)."""
 
     rank: int
     local_rank: int
     ranks_on_node: int
-    master: str
+    rendezvous: str
 
 
 def node_places(config: EngineConfig) -> list[RankPlace]:
-    """This node's ranks, its first one first."""
+    """This node's ranks, its first one first. One node meets through a file and talks over
+    loopback (nothing listens on the network); several meet at tcp://master_addr:master_port."""
     per_node = config.world_size // config.nnodes
     first = config.node_rank * per_node
-    master = f"{config.master_addr}:{master_port(config.nnodes, config.master_port)}"
-    return [RankPlace(first + i, i, per_node, master) for i in range(per_node)]
+    if config.nnodes == 1 and not config.master_port:
+        directory = tempfile.mkdtemp(prefix="llmserve-group-")
+        rendezvous = f"file://{directory}/rendezvous"
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
+    else:
+        port = config.master_port or DEFAULT_MASTER_PORT
+        rendezvous = f"tcp://{config.master_addr}:{port}"
+    return [RankPlace(first + i, i, per_node, rendezvous) for i in range(per_node)]
 
 
 def rank_config(config: EngineConfig, place: RankPlace) -> EngineConfig:
@@ -96,7 +107,7 @@ def join_group(config: EngineConfig, place: RankPlace) -> tuple[EngineConfig, Pa
     device = rank_device(config, place)
     num_layers = load_model_config(resolve_model_path(config.model)).num_layers
     topology = Topology(config.tensor_parallel_size, config.pipeline_parallel_size, place.rank)
-    return config, Parallel(topology, place.master, device, num_layers)
+    return config, Parallel(topology, place.rendezvous, device, num_layers)
 
 
 def run_node(config: EngineConfig) -> None:
@@ -122,6 +133,8 @@ def run_node(config: EngineConfig) -> None:
         for child in children:
             if child.stdin is not None:
                 child.stdin.close()
+        if places[0].rendezvous.startswith("file://"):
+            shutil.rmtree(Path(places[0].rendezvous.removeprefix("file://")).parent, True)
 
 
 def run_rank(engine: object, parallel: Parallel) -> None:

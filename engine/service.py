@@ -304,4 +304,8 @@ def serve(engine: StepExecutor, config: EngineConfig, group: Parallel | None = N
     owner.run_until(stop)
     health_servicer.enter_graceful_shutdown()
     owner.run_until(server.stop(grace=2))  # a stream may still be in an engine call
+    if group is not None:  # other nodes' ranks end cleanly (this node's end with this process)
+        stopper = threading.Thread(target=group.send_control, args=("stop",), daemon=True)
+        stopper.start()
+        stopper.join(timeout=5)
     log.info("engine stopped")

@@ -1,16 +1,22 @@
 """The built-in model through the whole stack (three processes, real gRPC) against HF transformers
-loading the same GGUF in float32: greedy output equal token for token."""
+loading the same GGUF in float32: greedy output equal token for token; and split across three
+engine ranks (`llmserve serve --tensor-parallel-size 3 --device cpu`), the same tokens again."""
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-from llmserve.client import make_request
-from tests.stack import Stack, start_stack
+from common.net import check_health
+from llmserve.client import Client, make_request
+from tests.stack import ROOT, Stack, child_pid, free_port, serve_command, start_stack
+from tests.test_stack_parallel import rank_pids
 
 NEW_TOKENS = 32
 CHATS = [
@@ -75,3 +81,39 @@ def test_greedy_matches_transformers(stack: Stack, hf_reference: list) -> None:
         assert result.token_ids == expected, chat
         assert result.finish_reason == ("stop" if expected[-1] == 2 else "length")
     stack.assert_idle()
+
+
+def test_tensor_parallel_3_gives_the_same_tokens(
+    stack: Stack, hf_reference: list, tmp_path: Path
+) -> None:
+    """SmolLM2 (9 query heads, 3 KV heads) over three engine ranks, started as a user starts it:
+    the same greedy tokens as one engine (and so as transformers) for concurrent chats."""
+    requests = [
+        make_request(messages=chat, max_tokens=NEW_TOKENS, temperature=0.0) for chat in CHATS
+    ]
+    with stack.client() as client, ThreadPoolExecutor(len(requests)) as pool:
+        expected = list(pool.map(client.generate, requests))
+    ports = [free_port(), free_port(), free_port()]
+    log_path = tmp_path / "serve.log"
+    with log_path.open("wb") as log:
+        serve = subprocess.Popen(
+            serve_command(ports, "--tensor-parallel-size", "3", "--device", "cpu",
+                          "--kv-cache-gb", "0.25"),
+            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    try:
+        address = f"127.0.0.1:{ports[0]}"
+        deadline = time.monotonic() + 300
+        while check_health(address, timeout=1.0) != "SERVING":
+            if serve.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError(f"serve did not start:\n{log_path.read_text()[-4000:]}")
+            time.sleep(0.5)
+        assert len(rank_pids(child_pid(serve.pid, "engine"))) == 2  # ranks 1 and 2
+        with Client(address) as client, ThreadPoolExecutor(len(requests)) as pool:
+            results = list(pool.map(client.generate, requests))
+        for chat, want, got, (_, hf) in zip(CHATS, expected, results, hf_reference, strict=True):
+            assert got.token_ids == want.token_ids == hf, chat
+            assert got.text == want.text
+    finally:
+        serve.send_signal(signal.SIGTERM)
+        assert serve.wait(timeout=60) == 0
