@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Issue 4 on the GPU machine, in one call: the GPU tests (engine and kernels), bench/gpu_engine.py
+# Issue 4 on the GPU machine, in one call: the GPU tests (engine and kernels), issue 15's engine
+# group tests (a one-rank NCCL group; gloo groups on the CPUs), bench/gpu_engine.py
 # for the Llama-3-8B and SmolLM2-135M shapes (dummy weights, bf16, the whole stack), then a short
 # kernel benchmark; then issue 14's quantized runs of the 8B shape (int8 and fp8 weights, fp8 KV:
 # decode tok/s against bf16, top-1 agreement and KL against the bf16 engine). Logs and JSON go to
@@ -10,7 +11,7 @@
 # each, not yet timed; it then measures its own bf16 decode baseline).
 #
 #   device tool:  run(command="bash bench/gpu_engine_check.sh", carry=[".whl"], timeout_s=570)
-#   some parts:   bash bench/gpu_engine_check.sh tests|8b|smollm2|kernels|quant ...
+#   some parts:   bash bench/gpu_engine_check.sh tests|parallel|8b|smollm2|kernels|quant ...
 #
 # Nothing is downloaded. The machine's python3 lacks grpcio-health-checking, which every service
 # imports: its wheel (19 kB, pure Python) travels in .whl/ (ignored by git), made here with
@@ -31,7 +32,7 @@ RAW=/tmp/llmserve-gpu-check
 rm -rf "$RAW"
 mkdir -p "$OUT" "$RAW"
 export PYTHONUNBUFFERED=1 LLMSERVE_LOG_LEVEL="${LLMSERVE_LOG_LEVEL:-WARNING}"
-parts="${*:-tests 8b smollm2 kernels quant}"
+parts="${*:-tests parallel 8b smollm2 kernels quant}"
 start=$(date +%s)
 elapsed() { echo $(($(date +%s) - start)); }
 
@@ -65,12 +66,20 @@ EOF
 BUDGET_S="${BUDGET_S:-500}"
 cap() { local left=$((BUDGET_S - $(elapsed))); echo $(($1 < left ? $1 : left)); }
 want() { [[ " $parts " == *" $1 "* ]] && [ "$(cap 1000)" -ge 30 ]; }
-tests_rc=skipped kernels_rc=skipped b8_rc=skipped smol_rc=skipped quant_rc=skipped
+tests_rc=skipped parallel_rc=skipped kernels_rc=skipped b8_rc=skipped smol_rc=skipped
+quant_rc=skipped
 if want tests; then
     timeout "$(cap 240)" python3 -m pytest -q -m gpu tests/test_engine_gpu.py \
         tests/test_kernels_cuda.py -p no:cacheprovider --durations=8 \
         --junitxml="$RAW/tests.xml" 2>&1 | tee "$OUT/tests.log"
     tests_rc=${PIPESTATUS[0]}
+fi
+if want parallel; then
+    # Issue 15 on what one GPU allows: a one-rank NCCL group against a plain engine (bf16), and
+    # the gloo groups (T = 2, 4, P = 2, T = 2 x P = 2) on this machine's CPUs.
+    timeout "$(cap 150)" python3 -m pytest -q tests/test_parallel.py -p no:cacheprovider \
+        --durations=4 2>&1 | tee -a "$OUT/tests.log"
+    parallel_rc=${PIPESTATUS[0]}
 fi
 if want 8b; then
     t=$(cap 200)
@@ -120,7 +129,7 @@ fi
 tar -czf "$OUT/raw.tgz" -C "$(dirname "$RAW")" "$(basename "$RAW")"
 
 echo
-echo "== gpu tests: exit $tests_rc | $(tail -n 1 "$OUT/tests.log" 2>/dev/null)"
+echo "== gpu tests: exit $tests_rc | parallel (issue 15): exit $parallel_rc | $(tail -n 1 "$OUT/tests.log" 2>/dev/null)"
 echo "== kernel benchmark: exit $kernels_rc | engine benchmarks: 8b exit $b8_rc, smollm2 exit $smol_rc"
 echo "== quantized 8b runs: exit${quant_rc/#skipped/ skipped}"
 echo "== total $(elapsed) s | files in $OUT"
@@ -141,5 +150,7 @@ if runs:
     (out / "gpu_engine_llama-3-8b_quant.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(quant_table(summary))
 EOF
-[ "$tests_rc" != 0 ] && [ "$tests_rc" != skipped ] && exit 1
+for rc in "$tests_rc" "$parallel_rc"; do
+    [ "$rc" != 0 ] && [ "$rc" != skipped ] && exit 1
+done
 exit 0

@@ -18,14 +18,18 @@ requests that were running.
 from __future__ import annotations
 
 import json
+import multiprocessing as mp
 import os
+import queue
 import shutil
 import subprocess
 import sys
 import tempfile
 import threading
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -158,6 +162,56 @@ def run_rank(engine: object, parallel: Parallel) -> None:
             engine.reset()
         elif kind == "stop":
             return
+
+
+def run_group_locally(
+    config: EngineConfig, work: Callable[[Any, Parallel], Any], timeout: float = 300.0
+) -> list[Any]:
+    """Start config's T x P ranks as child processes of this one (one node, meeting over
+    loopback), build each rank's Engine, run work(engine, parallel) on every rank and return
+    what each returned, by rank (tests and benchmarks; `work` must be picklable: a module-level
+    function). Raises RuntimeError naming the rank that failed or did not answer."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    places = node_places(replace(config, nnodes=1, node_rank=0, master_port=0))
+    procs = [
+        ctx.Process(target=_run_work, args=(config, place, work, results), daemon=True)
+        for place in places
+    ]
+    for proc in procs:
+        proc.start()
+    got: dict[int, Any] = {}
+    try:
+        while len(got) < len(procs):
+            try:
+                rank, ok, value = results.get(timeout=timeout)
+            except queue.Empty:
+                raise RuntimeError(f"ranks {sorted(set(range(len(procs))) - set(got))} did not "
+                                   f"answer in {timeout} s") from None  # fmt: skip
+            if not ok:
+                raise RuntimeError(f"rank {rank} failed: {value}")
+            got[rank] = value
+    finally:
+        for proc in procs:
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.kill()
+        shutil.rmtree(Path(places[0].rendezvous.removeprefix("file://")).parent, True)
+    return [got[r] for r in range(len(procs))]
+
+
+def _run_work(
+    config: EngineConfig, place: RankPlace, work: Callable[[Any, Parallel], Any], results: Any
+) -> None:
+    from engine.engine import Engine
+
+    try:
+        rank_config_, parallel = join_group(config, place)
+        value = work(Engine(rank_config_, parallel), parallel)
+        results.put((place.rank, True, value))
+        parallel.close()
+    except BaseException as err:
+        results.put((place.rank, False, repr(err)))
 
 
 class _ChildWatcher:

@@ -8,9 +8,7 @@ arrive, and compare the logits the driver samples from with one engine's, within
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import queue
-import socket
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +27,7 @@ from engine.parallel import (
     split_layers,
     valid_tp_sizes,
 )
+from engine.ranks import run_group_locally
 from protos.common_pb2 import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -52,8 +51,11 @@ def test_layers_split_evenly_with_the_extra_ones_first() -> None:
     assert [split_layers(2, 2, s) for s in range(2)] == [range(0, 1), range(1, 2)]
 
 
-def test_tp_sizes_must_divide_the_kv_heads(builtin_model_path: Path) -> None:
-    config = load_model_config(builtin_model_path)  # SmolLM2: 9 heads, 3 KV heads, 30 layers
+SMOLLM2 = Path(__file__).resolve().parent.parent / "configs" / "smollm2-135m"
+
+
+def test_tp_sizes_must_divide_the_kv_heads() -> None:
+    config = load_model_config(SMOLLM2)  # 9 heads, 3 KV heads, 30 layers
     assert valid_tp_sizes(config) == [1, 3]
     assert check_parallel_sizes(config, 3, 1) is None
     why = check_parallel_sizes(config, 2, 1)
@@ -62,8 +64,8 @@ def test_tp_sizes_must_divide_the_kv_heads(builtin_model_path: Path) -> None:
     assert why is not None and "30 layers" in why
 
 
-def test_shard_config_is_one_ranks_share(builtin_model_path: Path) -> None:
-    config = load_model_config(builtin_model_path)
+def test_shard_config_is_one_ranks_share() -> None:
+    config = load_model_config(SMOLLM2)
     shard = ModelShard(TPGroup(1, 3), range(10, 20), 30)
     local = shard_config(config, shard)
     assert (local.num_heads, local.num_kv_heads, local.intermediate_size) == (3, 1, 512)
@@ -82,12 +84,6 @@ def test_engine_config_checks_the_group_shape() -> None:
 
 
 # ---- whole engine groups in child processes ---------------------------------------------------
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _new(seq_id: int, tokens: list[int], table: list[int], cached: int, now: int) -> Any:
@@ -148,50 +144,12 @@ def _capturing(engine: Any) -> list[torch.Tensor]:
     return captured
 
 
-def _rank_main(config: EngineConfig, rank: int, master: str, results: Any) -> None:
-    from engine.engine import Engine
-    from engine.ranks import RankPlace, join_group
-
-    try:
-        place = RankPlace(rank, rank, config.world_size, master)
-        rank_config, parallel = join_group(config, place)
-        engine = Engine(rank_config, parallel)
-        captured = _capturing(engine)
-        outputs = run_scenario(engine, captured)
-        logits = [t.tolist() for t in captured] if parallel.topology.is_driver else []
-        results.put((rank, outputs, logits, engine.num_blocks))
-        parallel.close()
-    except BaseException as err:
-        results.put((rank, repr(err), [], 0))
-        raise
-
-
-def run_group(config: EngineConfig) -> dict[int, tuple[Any, list[Any], int]]:
-    """Run the scenario on every rank of config's group, in child processes: per rank (its
-    outputs, the driver's logits, its num_blocks)."""
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    master = f"127.0.0.1:{_free_port()}"
-    procs = [
-        ctx.Process(target=_rank_main, args=(config, r, master, results))
-        for r in range(config.world_size)
-    ]
-    for p in procs:
-        p.start()
-    got: dict[int, tuple[Any, list[Any], int]] = {}
-    try:
-        while len(got) < len(procs):
-            rank, outputs, logits, num_blocks = results.get(timeout=180)
-            assert not isinstance(outputs, str), f"rank {rank} failed: {outputs}"
-            got[rank] = (outputs, logits, num_blocks)
-    except queue.Empty:
-        pytest.fail(f"the group did not finish: ranks {sorted(got)} of {len(procs)} reported")
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-    return got
+def _scenario_on_rank(engine: Any, parallel: Any) -> tuple[list[list[int]], list[Any], int]:
+    """On each rank: (its outputs, the driver's logits, its num_blocks)."""
+    captured = _capturing(engine)
+    outputs = run_scenario(engine, captured)
+    logits = [t.tolist() for t in captured] if parallel.topology.is_driver else []
+    return outputs, logits, engine.num_blocks
 
 
 @pytest.fixture(scope="module")
@@ -209,13 +167,32 @@ def reference(tiny_model: Any) -> tuple[Path, list[list[int]], list[torch.Tensor
 @pytest.mark.parametrize(("tp", "pp"), [(2, 1), (4, 1), (1, 2), (2, 2)])
 def test_group_matches_one_engine(reference: Any, tp: int, pp: int) -> None:
     model, want_outputs, want_logits = reference
-    got = run_group(_engine_config(model, tp, pp))
+    got = run_group_locally(_engine_config(model, tp, pp), _scenario_on_rank, timeout=180)
     outputs, logits, _ = got[0]
     assert outputs == want_outputs
-    for rank, (rank_outputs, _, num_blocks) in got.items():
+    for rank, (rank_outputs, _, num_blocks) in enumerate(got):
         assert rank_outputs == want_outputs, f"rank {rank}'s mirror saw other tokens"
         assert num_blocks == 16
     assert len(logits) == len(want_logits)
     for i, (ours, want) in enumerate(zip(logits, want_logits, strict=True)):
         err = (torch.tensor(ours) - want).abs().max().item()
         assert err < TOLERANCE, f"step {i + 1}: logits differ by {err:.2e} at T={tp} x P={pp}"
+
+
+@pytest.mark.gpu
+def test_group_of_one_on_cuda_matches_one_engine(tiny_model: Any) -> None:
+    """What one GPU allows: a group of one rank over NCCL (the driver's token broadcast and the
+    parallel runner path on CUDA) against a plain engine, bf16."""
+    from engine.engine import Engine
+
+    model = tiny_model(num_heads=4, num_kv_heads=4, num_layers=4)
+    config = replace(_engine_config(model, 1, 1), device="cuda", num_threads=0)
+    engine = Engine(config)
+    want_logits = _capturing(engine)
+    want = run_scenario(engine, want_logits)
+    del engine
+    got = run_group_locally(config, _scenario_on_rank, timeout=300)
+    outputs, logits, _ = got[0]
+    assert outputs == want
+    for ours, theirs in zip(logits, want_logits, strict=True):
+        assert (torch.tensor(ours) - theirs.float().cpu()).abs().max().item() < 2e-2

@@ -1,0 +1,176 @@
+"""Issue 15's cost of tensor parallelism on the CPU: one decode step of an engine group at
+T = 1, 2, 3 (gloo, every rank a process of this machine), and the time its all-reduces take.
+
+    python bench/tp_cpu.py [--out bench/results/tp_cpu.json] [--steps 15] [--batches 1,16,64]
+
+Two models: the built-in SmolLM2-135M (int8, 3 KV heads: T = 1 and 3 only) and a dummy
+Llama of 12 heads / 6 KV heads (hidden 768, MLP 2304, 12 layers, float32: T = 1, 2, 3). Each
+row: 128-token prompts prefilled, 3 warm-up decode steps, then --steps timed decode steps on
+the driver (median). all_reduce_ms is the driver's time inside all-reduces per step (two a
+layer and the embedding's), all_gather_ms the LM head's. Greedy tokens are recorded: a group
+that computes something else than one engine shows.
+
+On a machine with fewer cores than ranks, the ranks share them (each gets cores / T threads, at
+least one), so this measures what the split costs, not what more hardware would gain.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from engine.config import EngineConfig  # noqa: E402
+from engine.parallel import TPGroup  # noqa: E402
+from engine.ranks import run_group_locally  # noqa: E402
+from llmserve.bench.engine_driver import Driver  # noqa: E402
+from llmserve.bench.report import hardware, save  # noqa: E402
+
+PROMPT_LEN = 128
+WIDE = {  # a Llama shape that T = 1, 2 and 3 all split evenly
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "vocab_size": 49152,
+    "hidden_size": 768,
+    "intermediate_size": 2304,
+    "num_hidden_layers": 12,
+    "num_attention_heads": 12,
+    "num_key_value_heads": 6,
+    "max_position_embeddings": 2048,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": True,
+    "torch_dtype": "float32",
+}
+
+
+class _Timed:
+    """Wraps a TPGroup's all_reduce and all_gather, summing the seconds spent in each."""
+
+    def __init__(self, tp: TPGroup):
+        self.seconds = {"all_reduce": 0.0, "all_gather": 0.0}
+        self.calls = {"all_reduce": 0, "all_gather": 0}
+        for name in self.seconds:
+            setattr(tp, name, self._wrap(name, getattr(tp, name)))
+
+    def _wrap(self, name: str, op: Any) -> Any:
+        def timed(x: Any) -> Any:
+            t0 = time.perf_counter()
+            out = op(x)
+            self.seconds[name] += time.perf_counter() - t0
+            self.calls[name] += 1
+            return out
+
+        return timed
+
+    def reset(self) -> None:
+        for name in self.seconds:
+            self.seconds[name], self.calls[name] = 0.0, 0
+
+
+def time_steps(engine: Any, parallel: Any, batches: list[int], steps: int) -> list[dict[str, Any]]:
+    """On every rank: the decode steps of each batch size; the driver's timings (others: [])."""
+    timed = _Timed(parallel.tp) if parallel is not None else None
+    rows = []
+    for batch in batches:
+        driver = Driver(engine)
+        driver.start([[100 + i] * (PROMPT_LEN - 1) + [5] for i in range(batch)])
+        for _ in range(3):
+            driver.decode()
+        if timed is not None:
+            timed.reset()
+        times = []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            driver.decode()
+            times.append((time.perf_counter() - t0) * 1e3)
+        row: dict[str, Any] = {
+            "batch": batch,
+            "step_ms_median": round(statistics.median(times), 2),
+            "step_ms": [round(t, 2) for t in times],
+            "tokens_per_s": round(batch * 1e3 / statistics.median(times), 1),
+            "first_tokens": driver.generated[0][:8],
+        }
+        if timed is not None:
+            row["all_reduce_ms"] = round(timed.seconds["all_reduce"] * 1e3 / steps, 2)
+            row["all_reduces_per_step"] = timed.calls["all_reduce"] // steps
+            row["all_gather_ms"] = round(timed.seconds["all_gather"] * 1e3 / steps, 2)
+        rows.append(row)
+        engine.reset()
+    return rows if parallel is None or parallel.topology.is_driver else []
+
+
+def run(config: EngineConfig, batches: list[int], steps: int) -> list[dict[str, Any]]:
+    if config.tensor_parallel_size == 1:  # one engine, as `llmserve serve` runs it
+        from engine.engine import Engine
+
+        return time_steps(Engine(config), None, batches, steps)
+    work = functools.partial(_on_rank, batches=batches, steps=steps)
+    return run_group_locally(config, work, timeout=1800)[0]
+
+
+def _on_rank(engine: Any, parallel: Any, batches: list[int], steps: int) -> list[dict[str, Any]]:
+    return time_steps(engine, parallel, batches, steps)
+
+
+def comm_bytes(hidden: int, vocab: int, tp: int, element: int) -> dict[str, float]:
+    """Bytes each rank sends per token (ring all-reduce: 2 (T-1)/T of the tensor; all-gather:
+    (T-1)/T of the whole), per layer and for the embeddings / LM head."""
+    ring = 2 * (tp - 1) / tp
+    return {
+        "per_token_per_layer": 2 * ring * hidden * element,
+        "embedding_per_token": ring * hidden * element,
+        "lm_head_per_sampled_token": (tp - 1) / tp * vocab * 4,
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--batches", default="1,16,64")
+    p.add_argument("--steps", type=int, default=15)
+    p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "tp_cpu.json")
+    p.add_argument("--models", default="builtin,wide", help="builtin, wide or both")
+    args = p.parse_args()
+    batches = [int(b) for b in args.batches.split(",")]
+    wide_dir = Path(tempfile.mkdtemp(prefix="llmserve-wide-"))
+    (wide_dir / "config.json").write_text(json.dumps(WIDE))
+    runs = {
+        "builtin": (None, "auto", [1, 3], 576, 49152),
+        "wide": (str(wide_dir), "dummy", [1, 2, 3], WIDE["hidden_size"], WIDE["vocab_size"]),
+    }
+    results = []
+    for name in args.models.split(","):
+        model, load_format, sizes, hidden, vocab = runs[name]
+        for tp in sizes:
+            config = EngineConfig(
+                model=model, load_format=load_format, device="cpu", num_kv_blocks=1200, seed=0,
+                tensor_parallel_size=tp,
+            )  # fmt: skip
+            rows = run(config, batches, args.steps)
+            results.append({
+                "model": name, "tensor_parallel_size": tp, "rows": rows,
+                "comm_bytes": comm_bytes(hidden, vocab, tp, 4),
+            })  # fmt: skip
+            print(name, f"T={tp}", " ".join(
+                f"b{r['batch']}={r['step_ms_median']}ms"
+                + (f" (all-reduce {r['all_reduce_ms']}ms)" if "all_reduce_ms" in r else "")
+                for r in rows
+            ), flush=True)  # fmt: skip
+    save(
+        {"hardware": hardware(torch_threads=True), "steps": args.steps, "results": results},
+        args.out,
+    )
+    print(f"\nraw JSON: {args.out}")
+
+
+if __name__ == "__main__":
+    main()
