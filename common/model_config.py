@@ -106,6 +106,32 @@ class ModelConfig:
             raise ModelSourceError(f"head_dim={self.head_dim} must be even for RoPE")
 
 
+def valid_tp_sizes(config: ModelConfig) -> list[int]:
+    """Tensor-parallel sizes this model splits evenly under: divisors of its KV heads that also
+    divide its query heads and MLP width."""
+    return [
+        t
+        for t in range(1, config.num_kv_heads + 1)
+        if not (config.num_kv_heads % t or config.num_heads % t or config.intermediate_size % t)
+    ]
+
+
+def check_parallel_sizes(config: ModelConfig, tp_size: int, pp_size: int) -> str | None:
+    """Why this model cannot run at T x P (None: it can)."""
+    if tp_size not in valid_tp_sizes(config):
+        sizes = ", ".join(map(str, valid_tp_sizes(config)))
+        return (
+            f"tensor_parallel_size={tp_size} does not divide {config.name}'s "
+            f"{config.num_kv_heads} KV heads ({config.num_heads} query heads, MLP width "
+            f"{config.intermediate_size}) evenly; use one of {sizes}"
+        )
+    if pp_size > config.num_layers:
+        return (
+            f"pipeline_parallel_size={pp_size} exceeds {config.name}'s {config.num_layers} layers"
+        )
+    return None
+
+
 def load_model_config(path: Path) -> ModelConfig:
     return _config_from_hf_dir(path) if path.is_dir() else _config_from_gguf(path)
 

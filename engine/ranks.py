@@ -34,13 +34,12 @@ from typing import Any
 import torch
 
 from common.log import get_logger
-from common.model_config import load_model_config, resolve_model_path
+from common.model_config import check_parallel_sizes, load_model_config, resolve_model_path
 from engine.config import EngineConfig
 from engine.parallel import (
     DEFAULT_MASTER_PORT,
     Parallel,
     Topology,
-    check_parallel_sizes,
     threads_per_rank,
 )
 

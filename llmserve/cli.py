@@ -139,12 +139,22 @@ def cmd_service(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from common.model_config import ModelSourceError, resolve_model_path
+    from common.model_config import (
+        ModelSourceError,
+        check_parallel_sizes,
+        load_model_config,
+        resolve_model_path,
+    )
     from llmserve.launcher import StackError, stack_from_flags
 
     try:
-        resolve_model_path(args.model)
+        path = resolve_model_path(args.model)
         stack = stack_from_flags(args)
+        why = check_parallel_sizes(
+            load_model_config(path), args.tensor_parallel_size, args.pipeline_parallel_size
+        )
+        if why:
+            raise ValueError(why)
         stack.check_ports_free()
     except (ModelSourceError, ValueError, StackError) as err:
         print(f"error: {err}", file=sys.stderr)

@@ -116,6 +116,14 @@ def test_serve_refuses_a_missing_model(tmp_path: Path) -> None:
     assert "expected an HF directory" in out.stderr
 
 
+def test_serve_refuses_a_tensor_parallel_size_the_model_does_not_split_into() -> None:
+    """The built-in model has 3 KV heads: T = 2 is refused before anything starts, naming the
+    sizes that work."""
+    out = llmserve("serve", "--tensor-parallel-size", "2", "--device", "cpu")
+    assert out.returncode == 2
+    assert "tensor_parallel_size=2" in out.stderr and "use one of 1, 3" in out.stderr
+
+
 def test_client_reports_unreachable_server() -> None:
     out = llmserve("generate", "hi", "--address", f"127.0.0.1:{free_port()}", "--timeout", "3")
     assert out.returncode == 1

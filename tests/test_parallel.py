@@ -15,17 +15,15 @@ from typing import Any
 import pytest
 import torch
 
-from common.model_config import load_model_config
+from common.model_config import check_parallel_sizes, load_model_config, valid_tp_sizes
 from engine.config import EngineConfig
 from engine.contract import NewRequestData, RunningData, StepPlanData
 from engine.parallel import (
     ModelShard,
     Topology,
     TPGroup,
-    check_parallel_sizes,
     shard_config,
     split_layers,
-    valid_tp_sizes,
 )
 from engine.ranks import run_group_locally
 from protos.common_pb2 import SamplingParams
