@@ -137,7 +137,7 @@ def _reach(active: dict[str, dict[str, Any]], who: str, address: str) -> str:
     return found[0]
 
 
-@pytest.mark.parametrize("profile", ["cpu", "gpu"])
+@pytest.mark.parametrize("profile", ["cpu", "gpu", "gpu-tp"])
 def test_every_address_reaches_one_listening_service(compose: dict[str, Any], profile: str) -> None:
     """Under `--profile <profile>`: the scheduler reaches one engine and the gateway the
     scheduler; OTLP goes to the collector's receiver and on to Jaeger; each health check asks its
@@ -351,3 +351,21 @@ def test_services_run_as_compose_says(compose: dict[str, Any], tmp_path: Path) -
             except subprocess.TimeoutExpired:
                 proc.kill()
         receiver.stop()
+
+
+def test_each_gpu_engine_reserves_a_gpu_per_rank(compose: dict[str, Any]) -> None:
+    """An engine on GPUs asks compose for as many as its node runs ranks (T x P / nnodes), and
+    a tensor-parallel one has shared memory for NCCL between them."""
+    engines = {n: s for n, s in compose["services"].items() if _is_llmserve(s)}
+    checked = 0
+    for name, svc in engines.items():
+        args = _command(name, svc)
+        if args.command != "engine" or args.device != "cuda":
+            continue
+        ranks = args.tensor_parallel_size * args.pipeline_parallel_size // args.nnodes
+        (device,) = svc["deploy"]["resources"]["reservations"]["devices"]
+        assert device["count"] == ranks, f"{name}: {ranks} ranks, {device['count']} GPUs"
+        if ranks > 1:
+            assert "shm_size" in svc, f"{name}: {ranks} ranks share no memory for NCCL"
+        checked += 1
+    assert checked >= 2  # the one-GPU engine and the tensor-parallel one
