@@ -84,11 +84,14 @@ def available_memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def choose_num_blocks(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype) -> int:
+def choose_num_blocks(
+    config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype, ranks_on_node: int = 1
+) -> int:
     """The KV pool's size without profiling: --num-kv-blocks, --kv-cache-gb, or on the CPU by
     default CPU_POOL_STEPS x max_num_batched_tokens tokens (at least one max_model_len request),
-    capped at CPU_POOL_MEMORY_SHARE of the available memory (a GPU engine profiles instead:
-    Engine._size_kv_pool). dtype: the pool's."""
+    capped at CPU_POOL_MEMORY_SHARE of the available memory, shared by this node's ranks (a GPU
+    engine profiles instead: Engine._size_kv_pool). dtype: the pool's; model_config: the shape
+    of this rank's part."""
     if config.num_kv_blocks:
         return config.num_kv_blocks
     per_block = bytes_per_block(model_config, config.block_size, dtype)
@@ -98,7 +101,8 @@ def choose_num_blocks(config: EngineConfig, model_config: ModelConfig, dtype: to
         max_len = min(model_config.max_position_embeddings, config.max_model_len or 1 << 62)
         tokens = max(CPU_POOL_STEPS * config.max_num_batched_tokens, max_len)
         wanted = -(-tokens // config.block_size) * per_block
-        budget = min(wanted, int(CPU_POOL_MEMORY_SHARE * available_memory_bytes()))
+        share = CPU_POOL_MEMORY_SHARE / ranks_on_node
+        budget = min(wanted, int(share * available_memory_bytes()))
     num_blocks = int(budget // per_block)
     if num_blocks < 1:
         raise RuntimeError(
@@ -236,7 +240,8 @@ class Engine:
         profiling step at the scheduler's largest (engine.memory)."""
         c = self.config
         if self.device.type != "cuda" or c.num_kv_blocks:
-            return choose_num_blocks(c, self.local_config, self.kv_dtype), {}
+            ranks = self.parallel.ranks_on_node if self.parallel is not None else 1
+            return choose_num_blocks(c, self.local_config, self.kv_dtype, ranks), {}
         lengths = profile_lengths(c.max_num_batched_tokens, c.max_num_seqs, self.max_model_len)
         profile = profile_step_memory(
             self.local_config, self.kv_dtype, self.device, c.block_size, lengths, self._make_runner

@@ -144,12 +144,19 @@ class Parallel:
     tensor-parallel group, and the channels between ranks (plans, activations, tokens)."""
 
     def __init__(
-        self, topology: Topology, rendezvous: str, device: torch.device, num_layers: int
+        self,
+        topology: Topology,
+        rendezvous: str,
+        device: torch.device,
+        num_layers: int,
+        ranks_on_node: int = 1,
     ) -> None:
         """Join the group (blocks until all world_size ranks have). rendezvous: where the ranks
-        meet, an init_method (tcp://node0:port, or file:///path on one node)."""
+        meet, an init_method (tcp://node0:port, or file:///path on one node); ranks_on_node:
+        how many share this machine (and its memory)."""
         self.topology = t = topology
         self.device = device
+        self.ranks_on_node = ranks_on_node
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(
             backend,

@@ -110,7 +110,7 @@ def join_group(config: EngineConfig, place: RankPlace) -> tuple[EngineConfig, Pa
     device = rank_device(config, place)
     num_layers = load_model_config(resolve_model_path(config.model)).num_layers
     topology = Topology(config.tensor_parallel_size, config.pipeline_parallel_size, place.rank)
-    return config, Parallel(topology, place.rendezvous, device, num_layers)
+    return config, Parallel(topology, place.rendezvous, device, num_layers, place.ranks_on_node)
 
 
 def run_node(config: EngineConfig) -> None:
