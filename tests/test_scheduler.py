@@ -6,6 +6,7 @@ a token's value says which output it is: a re-emitted output shows up as a repea
 
 from __future__ import annotations
 
+import asyncio
 import random
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -14,6 +15,7 @@ import pytest
 
 from engine.convert import plan_from_proto
 from engine.mirror import Mirror
+from protos import engine_pb2
 from scheduler.config import SchedulerConfig
 from scheduler.convert import plan_to_proto
 from scheduler.request import Request, RequestStatus
@@ -1409,6 +1411,37 @@ def test_pipeline_size_is_checked(make: Callable[..., Harness]) -> None:
     h.s.set_pipeline_parallel_size(2)  # as the service does for a restarted engine
     h.run_pipelined()
     assert h.outputs == {1: [10, 11]}
+
+
+def test_pipeline_size_comes_from_the_engine_info() -> None:
+    """The service adopts the engine's pipeline_parallel_size (0, from an engine older than the
+    field, is 1), a restarted engine's too; static batching refuses P > 1 as a mismatch."""
+    asyncio.run(_adopt_pipeline_sizes())
+
+
+async def _adopt_pipeline_sizes() -> None:
+    from engine.contract import EngineInfo
+    from engine.convert import info_to_proto
+    from scheduler.service import EngineMismatch, SchedulerService
+
+    def info(**sizes: int) -> engine_pb2.EngineInfo:
+        return info_to_proto(
+            EngineInfo("m", VOCAB, 64, (EOS,), BS, 16, "cpu", "none", 4, 64, **sizes)
+        )
+
+    old = info()
+    old.pipeline_parallel_size = 0
+    service = SchedulerService(SchedulerConfig())
+    service._on_engine_info(old)
+    assert service.scheduler is not None and service.scheduler.pipeline_parallel_size == 1
+    service.scheduler.reset_engine()
+    new = info(tensor_parallel_size=2, pipeline_parallel_size=3)
+    assert (new.tensor_parallel_size, new.pipeline_parallel_size) == (2, 3)
+    service._on_engine_info(new)
+    assert service.scheduler.pipeline_parallel_size == 3
+    static = SchedulerService(SchedulerConfig(scheduling_policy="static"))
+    with pytest.raises(EngineMismatch, match="engine's pipeline_parallel_size=2"):
+        static._on_engine_info(info(pipeline_parallel_size=2))
 
 
 @pytest.mark.parametrize("seed", range(20))
