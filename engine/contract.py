@@ -24,6 +24,10 @@ class EngineInfo:
     # The largest step the engine is sized for (memory profile, CUDA graphs).
     max_num_seqs: int
     max_num_batched_tokens: int
+    # Ranks per pipeline stage, and stages: the scheduler keeps up to pipeline_parallel_size
+    # steps in flight, holding disjoint requests.
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
 
 
 @dataclass

@@ -42,4 +42,5 @@ def result_to_proto(step_id: int, output: StepOutput, total_ms: float) -> engine
 
 
 def info_to_proto(info: EngineInfo) -> engine_pb2.EngineInfo:
+    """info's fields under the same names (the parallel sizes included)."""
     return engine_pb2.EngineInfo(**asdict(info))

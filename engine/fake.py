@@ -9,17 +9,24 @@ with logprobs 0, -1, -2, ...
 step_delay_ms models a device: each step occupies it that long, steps run back to back in launch
 order, and `launch` returns at once (as the real engine's does on a GPU) with a step whose
 result is ready when its turn on the "device" ends; `step` waits for it.
+
+pipeline_parallel_size P models a pipeline of P stages (and is reported in EngineInfo): a step
+passes through the stages in order, each for step_delay_ms / P, and a stage takes the next step
+as soon as it is done with the last, so P steps can be in flight at once and a step's result is
+still step_delay_ms after it started. As a real pipeline needs, a plan holding a request that a
+step still in flight holds is refused (MirrorMismatch: FAILED_PRECONDITION).
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 
 from common.flags import setting
 from engine.config import EngineConfig
 from engine.contract import EngineInfo, StepOutput, StepPlanData, with_refused_rows
-from engine.mirror import Mirror
+from engine.mirror import Mirror, MirrorMismatch
 
 
 @dataclass
@@ -28,6 +35,7 @@ class FakeStep:
 
     output: StepOutput
     ready_at: float = 0.0
+    seq_ids: frozenset[int] = field(default_factory=frozenset)  # the requests it holds
 
     @property
     def is_ready(self) -> bool:
@@ -46,6 +54,13 @@ class FakeEngineConfig:
     vocab_size: int = setting(512, "the echo engine's vocabulary size")
     eos_token_ids: tuple[int, ...] = setting((), "its EOS token ids")
     step_delay_ms: float = setting(0.0, "how long each step occupies the pretend device")
+    pipeline_parallel_size: int = setting(
+        1, "pipeline stages it pretends to have (each step_delay_ms / P; P steps in flight)"
+    )
+
+    def __post_init__(self) -> None:
+        if self.pipeline_parallel_size < 1:
+            raise ValueError(f"pipeline_parallel_size={self.pipeline_parallel_size} must be >= 1")
 
 
 class FakeEngine:
@@ -64,26 +79,57 @@ class FakeEngine:
             dtype="none",
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
+            pipeline_parallel_size=fake.pipeline_parallel_size,
         )
         self.step_delay_ms = fake.step_delay_ms
         self.mirror = Mirror(config.block_size, num_blocks, fake.vocab_size)
         self.num_steps = 0
-        self.busy_until = 0.0  # when the "device" finishes the last launched step
+        # When each stage of the "device" finishes the last step launched.
+        self.busy_until = [0.0] * fake.pipeline_parallel_size
+        self.in_flight: deque[FakeStep] = deque()  # launched, not finished, oldest first
 
     def reset(self) -> None:
         self.mirror = Mirror(self.info.block_size, self.info.num_blocks, self.info.vocab_size)
+        self.in_flight.clear()
 
     def launch(self, plan: StepPlanData) -> FakeStep:
-        """Run plan on the host at once; its result is ready step_delay_ms after the previous
-        launched step's (or now, if the device is idle)."""
-        output = self._run(plan)
-        if not self.step_delay_ms or not output.sampled_token_ids:
-            return FakeStep(output)
-        self.busy_until = max(self.busy_until, time.monotonic()) + self.step_delay_ms / 1e3
-        output.forward_ms = self.step_delay_ms
-        return FakeStep(output, self.busy_until)
+        """Run plan on the host at once; its result is ready when it has passed every stage:
+
+            stage k starts it at max(stage k-1 done with it, stage k done with the last step)
+
+        (one stage: step_delay_ms after the previous launched step's result, or after now if
+        the device is idle). Raises MirrorMismatch when P > 1 and plan holds a request that a
+        step in flight holds."""
+        seq_ids = frozenset(plan.running.seq_ids) | {r.seq_id for r in plan.new_requests}
+        self._check_disjoint(plan.step_id, seq_ids)
+        step = FakeStep(self._run(plan), seq_ids=seq_ids)
+        if self.step_delay_ms and step.output.sampled_token_ids:
+            step.ready_at = time.monotonic()
+            for stage, busy_until in enumerate(self.busy_until):
+                step.ready_at = max(step.ready_at, busy_until) + self._stage_s
+                self.busy_until[stage] = step.ready_at
+            step.output.forward_ms = self.step_delay_ms
+        self.in_flight.append(step)
+        return step
+
+    @property
+    def _stage_s(self) -> float:
+        return self.step_delay_ms / 1e3 / len(self.busy_until)
+
+    def _check_disjoint(self, step_id: int, seq_ids: frozenset[int]) -> None:
+        if len(self.busy_until) == 1:
+            return
+        for step in self.in_flight:
+            if shared := sorted(step.seq_ids & seq_ids):
+                raise MirrorMismatch(
+                    f"step {step_id} holds seq {shared[0]}, which a step in flight holds "
+                    f"(pipeline_parallel_size={len(self.busy_until)} needs disjoint steps)"
+                )
 
     def finish(self, step: FakeStep) -> StepOutput:
+        """step's output once ready; steps finish in launch order."""
+        assert self.in_flight and self.in_flight[0] is step, "fake steps finish in launch order"
+        self.in_flight.popleft()
         step.wait()
         return step.output
 

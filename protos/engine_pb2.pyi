@@ -91,7 +91,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class EngineInfo(_message.Message):
-    __slots__ = ("model", "vocab_size", "max_model_len", "eos_token_ids", "block_size", "num_blocks", "device", "dtype", "max_num_seqs", "max_num_batched_tokens")
+    __slots__ = ("model", "vocab_size", "max_model_len", "eos_token_ids", "block_size", "num_blocks", "device", "dtype", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size", "pipeline_parallel_size")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -102,6 +102,8 @@ class EngineInfo(_message.Message):
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
     MAX_NUM_BATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PIPELINE_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     model: str
     vocab_size: int
     max_model_len: int
@@ -112,4 +114,6 @@ class EngineInfo(_message.Message):
     dtype: str
     max_num_seqs: int
     max_num_batched_tokens: int
-    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ...) -> None: ...
+    tensor_parallel_size: int
+    pipeline_parallel_size: int
+    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., pipeline_parallel_size: _Optional[int] = ...) -> None: ...

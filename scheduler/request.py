@@ -58,6 +58,10 @@ class Request:
     # What the engine's mirror holds: whether it knows this request, and how many of its blocks.
     in_engine: bool = False
     num_sent_blocks: int = 0
+    # Pipeline parallelism: the slot whose steps it runs in while running (None while waiting),
+    # and the id of the last step that scheduled it (0: none yet).
+    pipeline_slot: int | None = None
+    last_step_id: int = 0
 
     def __post_init__(self) -> None:
         if not self.token_ids:

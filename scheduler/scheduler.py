@@ -6,6 +6,14 @@ some tokens out of the token budget. Running requests go first (oldest first); w
 admitted with what budget and blocks are left. When blocks run out, the newest running request is
 preempted: its blocks are freed and it waits again, to be recomputed from its tokens later.
 
+Pipeline parallelism: an engine of P > 1 stages can run P steps at once, one per stage, provided
+no request is in two of them (a request's next token comes out of the last stage). Each running
+request holds a pipeline slot in [0, P): step s serves slot s % P only, and a request with a step
+in flight is not scheduled again until that step's result is in, so no placeholder token is ever
+planned on. A waiting request joins the slot of the step that admits it; admission keeps the
+slots balanced (`_slot_room`). With P == 1 every step serves every request, and overlap plans on
+pending tokens as described in `schedule`.
+
 Static batching, the baseline continuous batching is measured against, is a subclass with its own
 hooks (scheduler/static_batching.py).
 """
@@ -142,6 +150,8 @@ class Scheduler:
         max_model_len: int,
         vocab_size: int,
         eos_token_ids: tuple[int, ...],
+        *,
+        pipeline_parallel_size: int = 1,
     ):
         assert config.max_num_seqs > 0 and config.max_num_batched_tokens > 0, (
             "a scheduler needs its step limits: SchedulerConfig.adopt the engine's first"
@@ -160,7 +170,21 @@ class Scheduler:
         # Requests preempted since the last plan was made (they travel in the next plan).
         self.preempted: list[Request] = []
         self.next_step_id = 1
+        # The newest step whose result `update` applied (or whose result reset_engine lost).
+        self.last_result_step_id = 0
+        self.pipeline_parallel_size = 1
+        self.set_pipeline_parallel_size(pipeline_parallel_size)
         self.counters = SchedulerCounters()
+
+    def set_pipeline_parallel_size(self, pipeline_parallel_size: int) -> None:
+        """Plan for an engine of pipeline_parallel_size stages from the next step on. A change
+        only while nothing runs (at start, or after reset_engine): running requests hold slots.
+        Raises ValueError for a size below 1."""
+        if pipeline_parallel_size < 1:
+            raise ValueError(f"pipeline_parallel_size={pipeline_parallel_size} must be >= 1")
+        if pipeline_parallel_size != self.pipeline_parallel_size:
+            assert not self.running, "pipeline_parallel_size changed with running requests"
+        self.pipeline_parallel_size = pipeline_parallel_size
 
     # -- admission ------------------------------------------------------------------------------
 
@@ -244,6 +268,7 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_pending_tokens = 0  # a token in flight is dropped, sampled again on recompute
         request.num_preemptions += 1
+        request.pipeline_slot = None  # readmission gives it one again
         if request.in_engine:
             self.finished_seq_ids.append(request.seq_id)
             request.in_engine = False
@@ -253,12 +278,13 @@ class Scheduler:
 
     def reset_engine(self) -> list[Request]:
         """The engine lost its mirror and KV pool (it restarted, or failed a step): preempt every
-        running request and forget the prefix cache, so all work is redone from tokens. Returns
-        the requests preempted."""
+        running request and forget the prefix cache, so all work is redone from tokens. Steps in
+        flight are lost with their results. Returns the requests preempted."""
         for request in reversed(self.running):
             self._preempt(request)
         self.running = []
         self.finished_seq_ids = []
+        self.last_result_step_id = self.next_step_id - 1
         for request in self.waiting:
             request.in_engine = False
         self.block_manager.reset_prefix_cache()
@@ -304,39 +330,52 @@ class Scheduler:
         one. A request that may not need another token once its pending ones land (they reach
         max_tokens or max_model_len) is not scheduled ahead; EOS and stop tokens cannot be
         foreseen, so a request can be scheduled one step past its end, and that step's token is
-        dropped by `update`."""
-        scheduled: list[tuple[Request, int]] = []
-        budget, preempted = self._schedule_running(self.config.max_num_batched_tokens, scheduled)
-        if not preempted:
-            self._schedule_waiting(budget, scheduled)
+        dropped by `update`.
+
+        With P > 1 pipeline stages the step serves the slot of its id, and nothing is planned on
+        a pending token; any number of plans may be outstanding. A slot with nothing to run
+        whose step admits nobody is passed over: the step id moves on to the next slot's, at
+        most P - 1 times, so an empty plan means that no slot has anything to run now."""
+        scheduled = self._schedule_step()
+        for _ in range(self.pipeline_parallel_size - 1):
+            if scheduled:
+                break
+            self.next_step_id += 1  # this slot's step would be empty: the next slot's turn
+            scheduled = self._schedule_step()
         plan = self._make_plan(scheduled)
         if not plan.is_empty:
             self.counters.num_steps += 1
             self.counters.num_scheduled_tokens += plan.num_scheduled_tokens
         return plan
 
-    def _schedule_running(
-        self, budget: int, scheduled: list[tuple[Request, int]]
-    ) -> tuple[int, bool]:
-        preempted = False
+    def _schedule_step(self) -> list[tuple[Request, int]]:
+        """(request, tokens now) for the step with id next_step_id: running requests first, then
+        waiting ones, unless someone was preempted for this plan (it would be readmitted)."""
+        scheduled: list[tuple[Request, int]] = []
+        budget = self._schedule_running(self.config.max_num_batched_tokens, scheduled)
+        if not self.preempted:
+            self._schedule_waiting(budget, scheduled)
+        return scheduled
+
+    def _schedule_running(self, budget: int, scheduled: list[tuple[Request, int]]) -> int:
+        """Schedule running requests, oldest first, out of budget; returns what is left."""
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            if not self._may_need_a_step(request):
+            if not (self._may_need_a_step(request) and self._runs_now(request)):
                 i += 1
                 continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             assert num_new > 0, f"running request {request.request_id} has nothing to compute"
             while not self.block_manager.allocate_slots(request, num_new):
-                victim, was_preempted = self._evict(i)
-                preempted = preempted or was_preempted
+                victim, _ = self._evict(i)
                 if victim is request:
                     break
             else:
                 scheduled.append((request, num_new))
                 budget -= num_new
                 i += 1
-        return budget, preempted
+        return budget
 
     def _may_need_a_step(self, request: Request) -> bool:
         """False when request's pending tokens will end it: they bring its output to max_tokens
@@ -363,9 +402,10 @@ class Scheduler:
         return True
 
     def _schedule_waiting(self, budget: int, scheduled: list[tuple[Request, int]]) -> None:
+        room = self._slot_room()
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            if not self._may_admit(request):
+            if room == 0 or not self._may_admit(request) or self._in_flight(request):
                 break
             cached = self.block_manager.find_cached_blocks(request)
             num_cached = len(cached) * self.block_size
@@ -376,12 +416,14 @@ class Scheduler:
             self._admit(request, num_cached)
             scheduled.append((request, num_new))
             budget -= num_new
+            room -= 1
 
     def _admit(self, request: Request, num_cached: int) -> None:
         """request leaves the queue with num_cached tokens found in the prefix cache."""
         assert request.num_pending_tokens == 0, f"{request.request_id}: pending while waiting"
         request.status = RequestStatus.RUNNING
         request.num_computed_tokens = num_cached
+        request.pipeline_slot = self.slot
         c = self.counters
         if request.num_cached_tokens is None:  # first admission
             request.num_cached_tokens = min(num_cached, request.num_prompt_tokens)
@@ -417,11 +459,65 @@ class Scheduler:
                 row = RunningRow(request, num_new, request.num_computed_tokens, new_blocks)
                 plan.running.append(row)
             request.num_sent_blocks = len(request.block_table)
+            request.last_step_id = plan.step_id
             request.num_computed_tokens += num_new
             row.samples = request.num_computed_tokens == request.num_tokens
             row.num_preemptions = request.num_preemptions
             request.num_pending_tokens += row.samples
         return plan
+
+    # -- pipeline slots -------------------------------------------------------------------------
+
+    @property
+    def slot(self) -> int:
+        """The pipeline slot the step being planned serves: step s serves slot s % P."""
+        return self.next_step_id % self.pipeline_parallel_size
+
+    def _in_flight(self, request: Request) -> bool:
+        """With P > 1: whether a step holding request has no result yet. Always False with
+        P == 1, where steps in flight may share requests (overlap plans on pending tokens)."""
+        return self.pipeline_parallel_size > 1 and request.last_step_id > self.last_result_step_id
+
+    def _runs_now(self, request: Request) -> bool:
+        """Whether running request may be in the step being planned: with P > 1 only in its
+        slot's steps, and only once the result of its last step is in."""
+        if self.pipeline_parallel_size == 1:
+            return True
+        return request.pipeline_slot == self.slot and not self._in_flight(request)
+
+    def _slot_room(self) -> int:
+        """How many waiting requests the step being planned may admit (besides the step limits).
+
+        P == 1: no limit of its own. P > 1, the balance rule: a slot admits while it holds
+        fewer than
+
+            cap = ceil(min(running + waiting, max_num_seqs) / P)
+
+        requests, counted as the step's admission starts (it moves requests from waiting to
+        running, so the sum holds meanwhile). max_num_seqs bounds it so that a long queue does
+        not let the first slot to admit take every seat. A slot at its cap leaves the queue to
+        the others: while someone waits and fewer than max_num_seqs run, some other slot holds
+        fewer than cap (else running >= P * cap >= running + waiting), and admits at its own
+        step, at most P - 1 steps later."""
+        num_slots = self.pipeline_parallel_size
+        if num_slots == 1:
+            return len(self.waiting)
+        cap = -(-min(len(self.running) + len(self.waiting), self.config.max_num_seqs) // num_slots)
+        slot = self.slot
+        return max(0, cap - sum(r.pipeline_slot == slot for r in self.running))
+
+    def check_integrity(self) -> None:
+        """Assert the block manager's invariants and the slots': each running request holds a
+        slot in [0, P), no waiting one does, and with P > 1 none has two tokens pending."""
+        self.block_manager.check_integrity(list(self.requests.values()))
+        num_slots = self.pipeline_parallel_size
+        for r in self.running:
+            assert r.pipeline_slot is not None and 0 <= r.pipeline_slot < num_slots, (
+                f"{r.request_id}: pipeline_slot={r.pipeline_slot} with {num_slots} slots"
+            )
+            assert num_slots == 1 or r.num_pending_tokens <= 1, f"{r.request_id}: 2 pending"
+        for r in self.waiting:
+            assert r.pipeline_slot is None, f"waiting {r.request_id} holds a pipeline slot"
 
     # -- results --------------------------------------------------------------------------------
 
@@ -442,6 +538,7 @@ class Scheduler:
         assert len(sampled_token_ids) == len(rows), (
             f"step {plan.step_id}: {len(sampled_token_ids)} tokens for {len(rows)} requests"
         )
+        self.last_result_step_id = max(self.last_result_step_id, plan.step_id)
         top_rows = top_logprobs.rows() if top_logprobs is not None else None
         outcomes = []
         for i, row in enumerate(rows):

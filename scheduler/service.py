@@ -16,7 +16,8 @@ loses the stream and is reset as above).
 
 With overlap_scheduling (the default) two steps are in flight: the loop plans and sends step N+1,
 then reads step N's result, so the engine finds N+1 waiting when it finishes N. Without it, one:
-plan, send, read, repeat.
+plan, send, read, repeat. An engine of P > 1 pipeline stages gets up to max(that, P) steps in
+flight, one per stage; the Scheduler keeps them disjoint (pipeline slots, scheduler/scheduler.py).
 """
 
 from __future__ import annotations
@@ -240,25 +241,30 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 backoff = min(backoff * 2, 2.0)
 
     def _on_engine_info(self, info: engine_pb2.EngineInfo) -> None:
-        """Adopt the engine's limits (ours may be lower, never higher) and pool geometry."""
+        """Adopt the engine's limits (ours may be lower, never higher), pool geometry and
+        pipeline stages (0, from an engine older than the field: 1). Called with nothing
+        running: at start, or after reset_engine."""
+        pipeline_parallel_size = info.pipeline_parallel_size or 1
         try:
             config = self.config.adopt(info.max_num_seqs, info.max_num_batched_tokens)
-        except ValueError as err:
+            max_len = min(info.max_model_len, config.max_model_len or info.max_model_len)
+            if self.scheduler is None:
+                self.scheduler = make_scheduler(
+                    config,
+                    info.num_blocks,
+                    info.block_size,
+                    max_len,
+                    info.vocab_size,
+                    tuple(info.eos_token_ids),
+                    pipeline_parallel_size=pipeline_parallel_size,
+                )
+            else:
+                self.scheduler.config = config
+                self.scheduler.set_pipeline_parallel_size(pipeline_parallel_size)
+                for request in self.scheduler.resize(info.num_blocks, info.block_size):
+                    self._deliver(StepOutcome(request, None, None, RequestStatus.FINISHED_ABORTED))
+        except ValueError as err:  # a limit above the engine's, or a policy refusing its stages
             raise EngineMismatch(str(err)) from err
-        max_len = min(info.max_model_len, config.max_model_len or info.max_model_len)
-        if self.scheduler is None:
-            self.scheduler = make_scheduler(
-                config,
-                info.num_blocks,
-                info.block_size,
-                max_len,
-                info.vocab_size,
-                tuple(info.eos_token_ids),
-            )
-        else:
-            self.scheduler.config = config
-            for request in self.scheduler.resize(info.num_blocks, info.block_size):
-                self._deliver(StepOutcome(request, None, None, RequestStatus.FINISHED_ABORTED))
         self.engine_info = info
         log.info(
             "engine connected",
@@ -270,6 +276,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             max_model_len=max_len,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
+            tensor_parallel_size=info.tensor_parallel_size or 1,
+            pipeline_parallel_size=pipeline_parallel_size,
         )
 
     def _set_ready(self, ready: bool) -> None:
@@ -329,12 +337,13 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     async def _step_loop(
         self, stub: engine_pb2_grpc.EngineStub, metadata: tuple[tuple[str, str], ...]
     ) -> None:
-        """Keep up to 1 (or 2, overlapping) steps in flight: while there is room and work, plan
-        and send; else read the oldest step's result; with nothing in flight and nothing to
-        plan, sleep until a Submit or a cancellation wakes the loop."""
+        """Keep up to 1 step in flight (2 overlapping; P for an engine of more pipeline stages):
+        while there is room and work, plan and send; else read the oldest step's result; with
+        nothing in flight and nothing to plan, sleep until a Submit or a cancellation wakes the
+        loop."""
         assert self.scheduler is not None
         scheduler = self.scheduler
-        depth = 2 if self.config.overlap_scheduling else 1
+        depth = max(2 if self.config.overlap_scheduling else 1, scheduler.pipeline_parallel_size)
         in_flight: deque[SentStep] = deque()
         call = stub.Step(metadata=metadata)
         self._set_ready(True)

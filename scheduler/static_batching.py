@@ -10,6 +10,9 @@ throwaway tokens that are never streamed (the engine cannot tell them from real 
 last member finishes; then all are freed together. A padding row stops early only at
 max_model_len, or when a block it needs is wanted by a real member (padding never causes a
 preemption).
+
+Static batching refuses pipeline parallelism (an engine of pipeline_parallel_size > 1): it is
+a baseline, and one batch split over pipeline slots would be a different baseline.
 """
 
 from __future__ import annotations
@@ -38,6 +41,16 @@ class StaticBatchScheduler(Scheduler):
             return None
         deadline = self.waiting[0].arrival_time + self.config.static_batch_wait_ms / 1e3
         return max(0.0, deadline - time.monotonic())
+
+    def set_pipeline_parallel_size(self, pipeline_parallel_size: int) -> None:
+        """Raises ValueError for more than one pipeline stage (see the module's docstring)."""
+        if pipeline_parallel_size > 1:
+            raise ValueError(
+                f"scheduling_policy='static' does not support pipeline parallelism (the "
+                f"engine's pipeline_parallel_size={pipeline_parallel_size}); use "
+                f"--scheduling-policy continuous, or an engine of one pipeline stage"
+            )
+        super().set_pipeline_parallel_size(pipeline_parallel_size)
 
     # -- the hooks --------------------------------------------------------------------------------
 
@@ -130,7 +143,10 @@ class StaticBatchScheduler(Scheduler):
                 self._end_padding(request)
 
 
-def make_scheduler(config: SchedulerConfig, *args: Any) -> Scheduler:
-    """The scheduler for config.scheduling_policy; args as Scheduler's after the config."""
+def make_scheduler(
+    config: SchedulerConfig, *args: Any, pipeline_parallel_size: int = 1
+) -> Scheduler:
+    """The scheduler for config.scheduling_policy; args as Scheduler's after the config.
+    Raises ValueError when the policy cannot use pipeline_parallel_size."""
     cls = StaticBatchScheduler if config.scheduling_policy == "static" else Scheduler
-    return cls(config, *args)
+    return cls(config, *args, pipeline_parallel_size=pipeline_parallel_size)

@@ -7,6 +7,7 @@ byte, so a test controls the streamed text exactly by choosing the prompt.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -226,6 +227,44 @@ def test_one_step_in_flight_without_overlap(tokenizer_dir: Path, tmp_path: Path)
             assert result.text == echo(prompt, 30)
         assert stopped.token_ids == [97, 98, 99] and stopped.finish_reason == "stop"
         s.assert_idle()
+    finally:
+        s.close()
+
+
+def test_pipeline_stages_keep_two_steps_in_flight(tokenizer_dir: Path, tmp_path: Path) -> None:
+    """An echo engine of 2 pipeline stages (a 20 ms step, 10 ms a stage) behind a scheduler
+    without overlap: the scheduler still keeps 2 steps in flight, one per pipeline slot, so 8
+    requests (split over both slots) stream the same tokens as ever and take about as long as
+    one request alone; one step at a time would take twice as long. The echo engine refuses a
+    plan that shares a request with a step in flight, so no engine reset means none did."""
+    s = start_echo_stack(
+        tokenizer_dir,
+        tmp_path,
+        "--fake-step-delay-ms",
+        "20",
+        "--fake-pipeline-parallel-size",
+        "2",
+        scheduler=("--no-overlap-scheduling",),
+    )
+    try:
+        n = 40
+        prompts = [f"pipelined {i}: " for i in range(8)]
+        with s.client() as client, ThreadPoolExecutor(8) as pool:
+            t0 = time.perf_counter()
+            alone = client.generate(make_request(text="alone", max_tokens=n))
+            t1 = time.perf_counter()
+            results = list(
+                pool.map(lambda p: client.generate(make_request(text=p, max_tokens=n)), prompts)
+            )
+            t2 = time.perf_counter()
+        assert alone.text == echo("alone", n)
+        for prompt, result in zip(prompts, results, strict=True):
+            assert result.text == echo(prompt, n)
+        t_alone, t_eight = t1 - t0, t2 - t1
+        assert t_alone > n * 0.020  # a step's result comes 20 ms after it starts
+        assert t_eight < 1.4 * t_alone, f"8 requests took {t_eight:.3f} s, 1 took {t_alone:.3f} s"
+        stats = s.assert_idle()
+        assert stats.num_engine_resets == 0
     finally:
         s.close()
 
