@@ -186,6 +186,8 @@ class Engine:
             dtype=str(self.dtype).removeprefix("torch."),
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
+            tensor_parallel_size=config.tensor_parallel_size,
+            pipeline_parallel_size=config.pipeline_parallel_size,
         )
         log.info(
             "engine loaded",
