@@ -48,12 +48,18 @@ def run_stream(
 
 
 def bench_stack(
-    prompts: list[str], max_tokens: int, threads: int, env: dict[str, str] | None = None
+    prompts: list[str],
+    max_tokens: int,
+    threads: int,
+    env: dict[str, str] | None = None,
+    extra_args: list[str] | None = None,
 ) -> dict:
     """env: extra environment for the services (bench/telemetry_overhead.py sets OTEL_*);
     metrics are on (each service's /metrics), as in a default `llmserve serve`, unless env sets
-    LLMSERVE_METRICS_PORT=0."""
+    LLMSERVE_METRICS_PORT=0. extra_args: more `llmserve serve` flags (bench/tp_cpu.py's
+    engine groups)."""
     serve_args = ["--kv-cache-gb", "1"] + (["--num-threads", str(threads)] if threads else [])
+    serve_args += extra_args or []
     metrics = (env or {}).get("LLMSERVE_METRICS_PORT") != "0"
     with serve_locally(serve_args, 300, env=env, metrics=metrics) as stack:
         address = stack.gateway_address

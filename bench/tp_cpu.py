@@ -2,6 +2,7 @@
 T = 1, 2, 3 (gloo, every rank a process of this machine), and the time its all-reduces take.
 
     python bench/tp_cpu.py [--out bench/results/tp_cpu.json] [--steps 15] [--batches 1,16,64]
+                           [--models builtin,wide,stack]
 
 Two models: the built-in SmolLM2-135M (int8, 3 KV heads: T = 1 and 3 only) and a dummy
 Llama of 12 heads / 6 KV heads (hidden 768, MLP 2304, 12 layers, float32: T = 1, 2, 3). Each
@@ -9,6 +10,11 @@ row: 128-token prompts prefilled, 3 warm-up decode steps, then --steps timed dec
 the driver (median). all_reduce_ms is the driver's time inside all-reduces per step (two a
 layer and the embedding's), all_gather_ms the LM head's. Greedy tokens are recorded: a group
 that computes something else than one engine shows.
+
+`stack`: the whole stack (`llmserve serve`) on the built-in model at T = 1, T = 3 and P = 2, 16
+concurrent streams of 128-token prompts and 64 output tokens (bench/cpu_stack.py's client): the
+output tokens/s a user sees, pipelining included (with P = 2 the scheduler keeps two steps of
+different requests in flight, one per stage).
 
 On a machine with fewer cores than ranks, the ranks share them (each gets cores / T threads, at
 least one), so this measures what the split costs, not what more hardware would gain.
@@ -122,6 +128,30 @@ def _on_rank(engine: Any, parallel: Any, batches: list[int], steps: int) -> list
     return time_steps(engine, parallel, batches, steps)
 
 
+STACK_GROUPS = {
+    "T=1": [],
+    "T=3": ["--tensor-parallel-size", "3"],
+    "P=2": ["--pipeline-parallel-size", "2"],
+}
+
+
+def bench_stacks(max_tokens: int = 64, streams: int = 16) -> list[dict[str, Any]]:
+    """Each STACK_GROUPS entry through `llmserve serve`: output tokens/s, TTFT, ITL."""
+    from bench.cpu_stack import bench_stack
+    from common.model_config import builtin_model_path
+    from gateway.tokenizer import Tokenizer
+    from llmserve.bench.workload import exact_length_prompts
+
+    tokenizer = Tokenizer.from_model_path(builtin_model_path())
+    prompts = exact_length_prompts(tokenizer, streams, PROMPT_LEN)
+    rows = []
+    for name, extra in STACK_GROUPS.items():
+        result = bench_stack(prompts, max_tokens, 0, {"LLMSERVE_METRICS_PORT": "0"}, extra)
+        rows.append({"group": name, "serve_args": extra, **result})
+        print("stack", name, f"{result['output_tokens_per_s']:.1f} tok/s", flush=True)
+    return rows
+
+
 def comm_bytes(hidden: int, vocab: int, tp: int, element: int) -> dict[str, float]:
     """Bytes each rank sends per token (ring all-reduce: 2 (T-1)/T of the tensor; all-gather:
     (T-1)/T of the whole), per layer and for the embeddings / LM head."""
@@ -138,7 +168,7 @@ def main() -> None:
     p.add_argument("--batches", default="1,16,64")
     p.add_argument("--steps", type=int, default=15)
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "tp_cpu.json")
-    p.add_argument("--models", default="builtin,wide", help="builtin, wide or both")
+    p.add_argument("--models", default="builtin,wide,stack", help="of builtin, wide, stack")
     args = p.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     wide_dir = Path(tempfile.mkdtemp(prefix="llmserve-wide-"))
@@ -147,8 +177,12 @@ def main() -> None:
         "builtin": (None, "auto", [1, 3], 576, 49152),
         "wide": (str(wide_dir), "dummy", [1, 2, 3], WIDE["hidden_size"], WIDE["vocab_size"]),
     }
-    results = []
+    results: list[dict[str, Any]] = []
+    stack: list[dict[str, Any]] = []
     for name in args.models.split(","):
+        if name == "stack":
+            stack = bench_stacks()
+            continue
         model, load_format, sizes, hidden, vocab = runs[name]
         for tp in sizes:
             config = EngineConfig(
@@ -166,7 +200,12 @@ def main() -> None:
                 for r in rows
             ), flush=True)  # fmt: skip
     save(
-        {"hardware": hardware(torch_threads=True), "steps": args.steps, "results": results},
+        {
+            "hardware": hardware(torch_threads=True),
+            "steps": args.steps,
+            "results": results,
+            "stack": stack,
+        },
         args.out,
     )
     print(f"\nraw JSON: {args.out}")

@@ -26,6 +26,7 @@ __all__ = [
     "Stack",
     "StreamWatch",
     "child_pid",
+    "children",
     "free_port",
     "serve_command",
     "start_echo_stack",
@@ -46,8 +47,9 @@ def serve_command(ports: list[int], *extra: str) -> list[str]:
     ]  # fmt: skip
 
 
-def child_pid(parent: int, service: str) -> int:
-    """The pid of the `llmserve <service>` child process of parent."""
+def children(parent: int) -> list[tuple[int, list[bytes]]]:
+    """(pid, command line) of every child process of parent."""
+    found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
@@ -56,8 +58,16 @@ def child_pid(parent: int, service: str) -> int:
             ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
         except (OSError, IndexError, ValueError):
             continue
-        if ppid == parent and b"llmserve.cli" in cmdline and service.encode() in cmdline:
-            return int(entry.name)
+        if ppid == parent:
+            found.append((int(entry.name), cmdline))
+    return found
+
+
+def child_pid(parent: int, service: str) -> int:
+    """The pid of the `llmserve <service>` child process of parent."""
+    for pid, cmdline in children(parent):
+        if b"llmserve.cli" in cmdline and service.encode() in cmdline:
+            return pid
     raise LookupError(f"no {service} child of {parent}")
 
 

@@ -758,3 +758,16 @@ def test_bench_offline_static_and_continuous_give_the_same_tokens(
         ]
         assert "scheduler:" in result.stdout
     assert tokens["static"] == tokens["continuous"]
+
+
+def test_tensor_parallel_bytes_per_token_follow_the_ring_formula() -> None:
+    from bench.tp_cpu import comm_bytes
+
+    # SmolLM2 in float32 at T = 3: two all-reduces of 576 values per layer, 2 (T-1)/T each.
+    at3 = comm_bytes(576, 49152, 3, 4)
+    assert at3["per_token_per_layer"] == pytest.approx(6144)
+    assert at3["embedding_per_token"] == pytest.approx(3072)
+    assert at3["lm_head_per_sampled_token"] == pytest.approx(2 / 3 * 49152 * 4)
+    assert set(comm_bytes(576, 49152, 1, 4).values()) == {0.0}
+    # Llama-3-70B in bf16 at T = 8, as the README says.
+    assert comm_bytes(8192, 128256, 8, 2)["per_token_per_layer"] == pytest.approx(57344)

@@ -20,6 +20,7 @@ from protos import api_pb2
 from tests.stack import (
     ROOT,
     StreamWatch,
+    children,
     free_port,
     start_stack,
     wait_mid_stream,
@@ -40,18 +41,7 @@ def _generate_all(client: Client, requests: list[api_pb2.GenerateRequest]) -> li
 
 def rank_pids(engine_pid: int) -> list[int]:
     """The rank processes an engine started (`python -m engine.ranks`), by pid."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        if ppid == engine_pid and b"engine.ranks" in cmdline:
-            pids.append(int(entry.name))
-    return sorted(pids)
+    return sorted(pid for pid, cmdline in children(engine_pid) if b"engine.ranks" in cmdline)
 
 
 # ---- tiny random models ----------------------------------------------------------------------
