@@ -8,8 +8,10 @@ Two models: the built-in SmolLM2-135M (int8, 3 KV heads: T = 1 and 3 only) and a
 Llama of 12 heads / 6 KV heads (hidden 768, MLP 2304, 12 layers, float32: T = 1, 2, 3). Each
 row: 128-token prompts prefilled, 3 warm-up decode steps, then --steps timed decode steps on
 the driver (median). all_reduce_ms is the driver's time inside all-reduces per step (two a
-layer and the embedding's), all_gather_ms the LM head's. Greedy tokens are recorded: a group
-that computes something else than one engine shows.
+layer and the embedding's: the transfer and the wait for the slowest rank), all_gather_ms the
+LM head's, all_reduce_alone_us one all-reduce of the step's activations with nothing else
+running (the transfer alone). Greedy tokens are recorded: a group that computes something else
+than one engine shows.
 
 `stack`: the whole stack (`llmserve serve`) on the built-in model at T = 1, T = 3 and P = 2, 16
 concurrent streams of 128-token prompts and 64 output tokens (bench/cpu_stack.py's client): the
@@ -34,6 +36,9 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 
 from engine.config import EngineConfig  # noqa: E402
 from engine.parallel import TPGroup  # noqa: E402
@@ -110,9 +115,25 @@ def time_steps(engine: Any, parallel: Any, batches: list[int], steps: int) -> li
             row["all_reduce_ms"] = round(timed.seconds["all_reduce"] * 1e3 / steps, 2)
             row["all_reduces_per_step"] = timed.calls["all_reduce"] // steps
             row["all_gather_ms"] = round(timed.seconds["all_gather"] * 1e3 / steps, 2)
+            row["all_reduce_alone_us"] = all_reduce_alone_us(parallel, batch, engine)
         rows.append(row)
         engine.reset()
     return rows if parallel is None or parallel.topology.is_driver else []
+
+
+def all_reduce_alone_us(parallel: Any, batch: int, engine: Any, repeats: int = 50) -> float:
+    """Median microseconds of one all-reduce of a step's [batch, hidden] float32 activations
+    with nothing else running: the wire and gloo's cost, without waiting for a slower rank."""
+    x = torch.ones(batch, engine.model_config.hidden_size)
+    for _ in range(5):
+        dist.all_reduce(x, group=parallel.tp.group)
+    times = []
+    for _ in range(repeats):
+        dist.barrier(group=parallel.tp.group)
+        t0 = time.perf_counter()
+        dist.all_reduce(x, group=parallel.tp.group)
+        times.append((time.perf_counter() - t0) * 1e6)
+    return round(statistics.median(times), 1)
 
 
 def run(config: EngineConfig, batches: list[int], steps: int) -> list[dict[str, Any]]:
