@@ -142,23 +142,28 @@ def run_node(config: EngineConfig) -> None:
 
 def run_rank(engine: object, parallel: Parallel) -> None:
     """A rank other than the driver: execute the driver's plans, in order, until it says stop.
-    A plan the mirror refuses is refused by the driver too (same mirror), which resets."""
+    A plan the mirror refuses is refused by the driver too (same mirror), which ends that Step
+    stream: the plans forwarded after it, which the driver never runs, are skipped until the
+    reset that starts the next stream (running one would wait forever for the driver's part)."""
     from engine.convert import plan_from_proto
     from engine.engine import Engine
     from engine.mirror import MirrorMismatch
     from protos import engine_pb2
 
     assert isinstance(engine, Engine)
+    refused = False
     while True:
         kind, payload = parallel.receive_control()
-        if kind == "plan":
+        if kind == "plan" and not refused:
             plan = plan_from_proto(engine_pb2.StepPlan.FromString(payload))
             try:
                 engine.launch(plan)
             except MirrorMismatch as err:
                 log.warning("plan disagrees with the mirror", step_id=plan.step_id, error=str(err))
+                refused = True
         elif kind == "reset":
             engine.reset()
+            refused = False
         elif kind == "stop":
             return
 

@@ -194,3 +194,59 @@ def test_group_of_one_on_cuda_matches_one_engine(tiny_model: Any) -> None:
     assert outputs == want
     for ours, theirs in zip(logits, want_logits, strict=True):
         assert (torch.tensor(ours) - theirs.float().cpu()).abs().max().item() < 2e-2
+
+
+class _ScriptedControl:
+    """Stands in for a Parallel's control channel: hands out scripted messages."""
+
+    def __init__(self, messages: list[tuple[str, bytes]]):
+        self.messages = list(messages)
+
+    def receive_control(self) -> tuple[str, bytes]:
+        return self.messages.pop(0)
+
+
+def test_rank_skips_plans_after_a_refused_one_until_reset(tiny_model: Any) -> None:
+    """The driver ends a Step stream at a plan the mirror refuses; a rank must not run the plans
+    forwarded after it (their collectives would wait forever for the driver), until the reset
+    that opens the next stream."""
+    from engine.engine import Engine
+    from engine.ranks import run_rank
+    from protos import engine_pb2
+
+    engine = Engine(_engine_config(tiny_model(num_heads=4, num_kv_heads=4, num_layers=4), 1, 1))
+    launched: list[int] = []
+    original = engine.launch
+
+    def launch(plan: StepPlanData) -> Any:
+        launched.append(plan.step_id)
+        return original(plan)
+
+    engine.launch = launch  # type: ignore[method-assign]
+    fresh = engine_pb2.NewRequest(
+        seq_id=1, token_ids=[1, 2, 3], num_prompt_tokens=3, sampling=GREEDY, block_table=[4],
+        num_computed_tokens=0, num_scheduled_tokens=3,
+    )  # fmt: skip
+
+    def plan(step_id: int, seq_id: int = 0, computed: int = 3) -> bytes:
+        msg = engine_pb2.StepPlan(step_id=step_id)
+        if seq_id:
+            msg.running.seq_ids.append(seq_id)
+            msg.running.num_scheduled_tokens.append(1)
+            msg.running.num_computed_tokens.append(computed)
+            msg.running.num_new_blocks.append(0)
+        else:
+            msg.new_requests.append(fresh)
+        return msg.SerializeToString()
+
+    script = [
+        ("plan", plan(1)),
+        ("plan", plan(2, seq_id=99)),  # not in the mirror: refused
+        ("plan", plan(3, seq_id=1)),  # forwarded after it: skipped
+        ("reset", b""),
+        ("plan", plan(1)),
+        ("stop", b""),
+    ]
+    run_rank(engine, _ScriptedControl(script))  # type: ignore[arg-type]
+    assert launched == [1, 2, 1]
+    assert list(engine.mirror.seqs) == [1]
