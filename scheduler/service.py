@@ -55,6 +55,8 @@ log = get_logger("scheduler")
 
 HEARTBEAT_S = 1.0  # how often the engine is probed, and how long a probe may take
 MAX_MISSED_HEARTBEATS = 3
+DEFAULT_STATS_INTERVAL_MS = 250  # WatchStats' period when the caller asks for none
+MIN_STATS_INTERVAL_MS = 10
 
 
 class EngineLost(Exception):
@@ -197,6 +199,23 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self, request: scheduler_pb2.GetStatsRequest, context: grpc.aio.ServicerContext
     ) -> scheduler_pb2.SchedulerStats:
         return stats_to_proto(self.stats())
+
+    async def WatchStats(
+        self, request: scheduler_pb2.WatchStatsRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[scheduler_pb2.SchedulerStats]:
+        """GetStats' snapshot, with `ready`, now and then every interval_ms until the caller
+        cancels (or this scheduler stops: the stream then ends)."""
+        interval_ms = request.interval_ms or DEFAULT_STATS_INTERVAL_MS
+        if interval_ms < MIN_STATS_INTERVAL_MS:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"interval_ms={interval_ms} is below the minimum of {MIN_STATS_INTERVAL_MS}",
+            )
+        while not self.stopping:
+            msg = stats_to_proto(self.stats())
+            msg.ready = self.ready and self.engine_responding
+            yield msg
+            await asyncio.sleep(interval_ms / 1e3)
 
     # -- the engine side ----------------------------------------------------------------------
 
