@@ -231,6 +231,8 @@ class GatewayCore:
             vocab_size=self.info.vocab_size,
             eos_token_ids=self.info.eos_token_ids,
             instance_id=self.config.instance_id,
+            num_replicas=len(self.router.replicas),
+            num_replicas_ready=self.router.num_healthy,
         )
 
     def validate(self, request: api_pb2.GenerateRequest) -> ValidRequest:

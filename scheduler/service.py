@@ -198,7 +198,9 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     async def GetStats(
         self, request: scheduler_pb2.GetStatsRequest, context: grpc.aio.ServicerContext
     ) -> scheduler_pb2.SchedulerStats:
-        return stats_to_proto(self.stats())
+        msg = stats_to_proto(self.stats())
+        msg.ready = self.ready and self.engine_responding
+        return msg
 
     async def WatchStats(
         self, request: scheduler_pb2.WatchStatsRequest, context: grpc.aio.ServicerContext
