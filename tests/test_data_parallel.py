@@ -6,16 +6,18 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
 import pytest
 
-from llmserve.client import make_request
-from protos import scheduler_pb2
-from tests.stack import Stack, StreamWatch, start_echo_stack
+from llmserve.client import Client, make_request
+from protos import scheduler_pb2, scheduler_pb2_grpc
+from tests.stack import ROOT, Stack, StreamWatch, free_port, serve_command, start_echo_stack
 
 BLOCK_SIZE = 16  # the engine's default
 
@@ -230,3 +232,67 @@ def test_frozen_replica_is_routed_around_within_a_heartbeat(
             if name in stack.procs:
                 os.kill(stack.procs[name].pid, signal.SIGCONT)
         stack.close()
+
+
+# -- `llmserve serve --data-parallel-size 2 --device cpu` on a tiny random Llama -------------------
+
+GREEDY_PROMPTS = [f"{i} the quick brown fox " * (1 + i % 3) for i in range(6)]
+
+
+def _greedy_outputs(address: str) -> list[list[int]]:
+    """Each prompt twice, all at once (so with round-robin each reaches both replicas)."""
+    requests = [
+        make_request(text=p, max_tokens=16, temperature=0.0, ignore_eos=True)
+        for p in GREEDY_PROMPTS * 2
+    ]
+    with Client(address) as client, ThreadPoolExecutor(len(requests)) as pool:
+        return [c.token_ids for c in pool.map(client.generate, requests)]
+
+
+TOKEN = "test-internal-token"  # serve takes it from LLMSERVE_INTERNAL_TOKEN
+
+
+def _scheduler_stats(address: str) -> scheduler_pb2.SchedulerStats:
+    with grpc.insecure_channel(address) as channel:
+        stub = scheduler_pb2_grpc.SchedulerStub(channel)
+        metadata = (("authorization", f"Bearer {TOKEN}"),)
+        return stub.GetStats(scheduler_pb2.GetStatsRequest(), timeout=10, metadata=metadata)
+
+
+def test_serve_two_replicas_on_cpu_matches_one(tiny_model: Callable[..., Path]) -> None:
+    """`llmserve serve --data-parallel-size 2 --device cpu`, as a user starts it: ready with
+    both replicas, and greedy outputs token for token those of one replica (D = 1)."""
+    model = tiny_model(num_heads=4, num_kv_heads=2)
+    outputs = []
+    for size in ("1", "2"):
+        ports = [free_port() for _ in range(3)]
+        serve = subprocess.Popen(
+            serve_command(
+                ports, "--model", str(model), "--num-kv-blocks", "64", "--device", "cpu",
+                "--data-parallel-size", size, "--routing", "round-robin",
+            ),
+            cwd=ROOT,
+            env={**os.environ, "LLMSERVE_INTERNAL_TOKEN": TOKEN},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )  # fmt: skip
+        address = f"127.0.0.1:{ports[0]}"
+        try:
+            assert serve.stdout is not None
+            line = serve.stdout.readline()
+            assert "llmserve ready" in line, line
+            with Client(address) as client:
+                info = client.model_info()
+            assert (info.num_replicas, info.num_replicas_ready) == (int(size), int(size))
+            outputs.append(_greedy_outputs(address))
+            # Round-robin: the first replica (on --scheduler-port) ran half of the 12.
+            first = _scheduler_stats(f"127.0.0.1:{ports[1]}").num_finished_requests
+            assert first == (12 if size == "1" else 6)
+        finally:
+            serve.send_signal(signal.SIGTERM)
+            assert serve.wait(timeout=30) == 0
+    one, two = outputs
+    assert all(len(t) == 16 for t in one)
+    assert one[:6] == one[6:]  # deterministic alone
+    assert two == one
