@@ -35,7 +35,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from common.auth import peer_interceptors
 from common.log import bind, get_logger
-from common.net import SERVER_OPTIONS, add_servicer, serve_aio
+from common.net import LIVENESS_SERVICE, SERVER_OPTIONS, add_servicer, serve_aio
 from common.sampling import SamplingError
 from protos import engine_pb2, engine_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from scheduler.config import SchedulerConfig
@@ -447,6 +447,7 @@ async def serve(config: SchedulerConfig) -> None:
     add_servicer(scheduler_pb2_grpc.add_SchedulerServicer_to_server, service, server)
     add_servicer(health_pb2_grpc.add_HealthServicer_to_server, service.health, server)
     await service.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+    await service.health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
     await serve_aio(
         server,
         "scheduler",

@@ -15,6 +15,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from common.net import LIVENESS_SERVICE, check_health
 from llmserve.client import Client, make_request
 from protos import scheduler_pb2, scheduler_pb2_grpc
 from tests.stack import ROOT, Stack, StreamWatch, free_port, serve_command, start_echo_stack
@@ -60,6 +61,15 @@ def prefix_stack(tokenizer_dir: Path, tmp_path_factory: pytest.TempPathFactory) 
     s = start(tokenizer_dir, tmp_path_factory.mktemp("logs"), "prefix", "--fake-step-delay-ms", "2")
     yield s
     s.close()
+
+
+def test_liveness_service_answers_beside_readiness(prefix_stack: Stack) -> None:
+    """The gateway and schedulers serve LIVENESS_SERVICE (what a Kubernetes liveness probe
+    asks for) besides their readiness ("")."""
+    for address in (prefix_stack.gateway_address, *prefix_stack.scheduler_addresses):
+        assert check_health(address, service=LIVENESS_SERVICE) == "SERVING", address
+        assert check_health(address) == "SERVING", address
+    assert check_health(prefix_stack.gateway_address, service="no-such") == "NOT_FOUND"
 
 
 def test_prefix_affinity_keeps_a_shared_prefix_on_one_replica(prefix_stack: Stack) -> None:
