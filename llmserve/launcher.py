@@ -422,7 +422,7 @@ def local_stack(
         *(f"127.0.0.1:{g.scheduler.port}" for g in groups),
     )
     stack_configs = (replace(c, **n) for c, n in zip(configs, network, strict=True))
-    return Stack(*stack_configs, groups=groups, **kwargs)
+    return Stack(*stack_configs, **{**kwargs, "groups": groups})
 
 
 @contextlib.contextmanager
