@@ -155,3 +155,42 @@ def test_bad_settings_name_the_field() -> None:
         Router([A], "random")
     with pytest.raises(ValueError, match="spill_threshold=-1 must be >= 0"):
         Router([A], "prefix", spill_threshold=-1)
+
+
+# -- the gateway's scheduler addresses ------------------------------------------------------------
+
+
+def test_dns_address_stands_for_every_address_of_the_name() -> None:
+    import asyncio
+
+    from gateway.core import resolve_addresses
+
+    resolved = asyncio.run(resolve_addresses(("a:1", "dns:///localhost:50052", "b:2")))
+    assert resolved[0] == "a:1" and resolved[-1] == "b:2"
+    assert "127.0.0.1:50052" in resolved[1:-1]
+    assert set(resolved[1:-1]) <= {"127.0.0.1:50052", "[::1]:50052"}
+    assert asyncio.run(resolve_addresses(("dns:///no-such-host.invalid:1",))) == []
+
+
+def test_scheduler_addresses_are_checked_and_repeatable() -> None:
+    from common.flags import from_flags
+    from gateway.config import GatewayConfig
+    from llmserve.cli import build_parser
+
+    args = build_parser().parse_args(
+        ["gateway", "--scheduler-address", "a:1", "--scheduler-address", "dns:///b:2"]
+    )
+    assert from_flags(GatewayConfig, args).scheduler_address == ("a:1", "dns:///b:2")
+    default = from_flags(GatewayConfig, build_parser().parse_args(["gateway"]))
+    assert default.scheduler_address == ("localhost:50052",)
+    assert GatewayConfig(scheduler_address="x:3").scheduler_address == ("x:3",)  # type: ignore[arg-type]
+    for bad, message in (
+        (("a",), "scheduler_address='a' is not HOST:PORT or dns:///NAME:PORT"),
+        (("a:0",), "scheduler_address='a:0' is not HOST:PORT"),
+        (("a:1", "a:1"), r"scheduler_address=\['a:1', 'a:1'\] repeats one"),
+        ((), "scheduler_address is empty"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            GatewayConfig(scheduler_address=bad)
+    with pytest.raises(ValueError, match="routing_spill_threshold=-1 must be >= 0"):
+        GatewayConfig(routing_spill_threshold=-1)
