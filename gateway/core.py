@@ -40,6 +40,7 @@ REPLICA_SILENT_MESSAGE = "its scheduler stopped answering"
 HEARTBEAT_S = 1.0  # a replica whose stats stream is silent this long is routed around
 STATS_INTERVAL_MS = 250  # how often each scheduler pushes its stats
 DNS_REFRESH_S = 5.0  # dns:/// scheduler addresses are looked up again this often
+MISMATCH_RETRY_S = 10.0  # a replica serving something else is asked again this often
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
 SERVER_ENDED_MESSAGE = (
     "the server ended this request before it finished (shutting down, or its engine was lost); "
@@ -120,8 +121,9 @@ class GatewayCore:
     def _set_links(self, addresses: list[str]) -> None:
         """Open links to new addresses; close those no longer listed (their requests fail over
         as for a lost replica). An empty lookup keeps the links there are."""
-        if not addresses:
+        if not addresses or addresses == list(self.links):
             return
+        log.info("scheduler replicas", addresses=addresses)
         for address in [a for a in self.links if a not in addresses]:
             link = self.links.pop(address)
             self._lose(link)
@@ -135,8 +137,6 @@ class GatewayCore:
                 link.task = asyncio.create_task(self.watch_replica(link))
                 self.links[address] = link
         self.router.set_replicas(addresses)
-        if addresses != list(self.links):
-            log.info("scheduler replicas", addresses=addresses)
 
     async def _close_link(self, link: ReplicaLink) -> None:
         if link.task is not None:
@@ -162,6 +162,9 @@ class GatewayCore:
                     log.warning("scheduler replica lost", address=link.address, why=why)
             except ReplicaMismatch as err:
                 log.error("refusing a scheduler replica", address=link.address, error=str(err))
+                await asyncio.sleep(MISMATCH_RETRY_S)
+            except Exception:
+                log.exception("watching a scheduler replica failed", address=link.address)
             self._lose(link)
             await asyncio.sleep(0.5)
 

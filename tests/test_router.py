@@ -194,3 +194,26 @@ def test_scheduler_addresses_are_checked_and_repeatable() -> None:
             GatewayConfig(scheduler_address=bad)
     with pytest.raises(ValueError, match="routing_spill_threshold=-1 must be >= 0"):
         GatewayConfig(routing_spill_threshold=-1)
+
+
+def test_a_replica_serving_something_else_is_refused() -> None:
+    """The first replica's limits are the gateway's (and its block size the router's); a later
+    one must agree on model, context, vocabulary and block size."""
+    from gateway.config import GatewayConfig
+    from gateway.core import GatewayCore, ReplicaLink, ReplicaMismatch
+    from protos import scheduler_pb2
+
+    core = GatewayCore(GatewayConfig(scheduler_address=(A, B)), tokenizer=None)  # type: ignore[arg-type]
+    info = scheduler_pb2.SchedulerInfo(
+        model="m", max_model_len=512, vocab_size=100, block_size=16, num_blocks=8
+    )
+    core._adopt_info(ReplicaLink(A, None, None), info)  # type: ignore[arg-type]
+    assert core.router.block_size == 16 and core.limits is not None
+    assert core.limits.kv_capacity_tokens == 128
+    other = scheduler_pb2.SchedulerInfo()
+    other.CopyFrom(info)
+    other.block_size = 32
+    with pytest.raises(ReplicaMismatch, match="block_size=32 at b:1, but 16 at the first replica"):
+        core._adopt_info(ReplicaLink(B, None, None), other)  # type: ignore[arg-type]
+    other.block_size, other.num_blocks = 16, 4  # a smaller pool is fine
+    core._adopt_info(ReplicaLink(B, None, None), other)  # type: ignore[arg-type]
