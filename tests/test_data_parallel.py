@@ -292,6 +292,7 @@ def test_serve_two_replicas_on_cpu_matches_one(tiny_model: Callable[..., Path]) 
             assert serve.stdout is not None
             line = serve.stdout.readline()
             assert "llmserve ready" in line, line
+            assert ("2 replicas" in line) == (size == "2"), line
             with Client(address) as client:
                 info = client.model_info()
             assert (info.num_replicas, info.num_replicas_ready) == (int(size), int(size))
