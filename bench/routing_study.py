@@ -2,8 +2,8 @@
 SmolLM2-135M-Instruct) under each routing policy, on one shared-prefix workload: prefix-cache hit
 rate (summed over both replicas' schedulers), throughput and TTFT.
 
-    python bench/routing_study.py                       # writes bench/results/routing_study.json
-    python bench/routing_study.py --plot-only           # redraws the plot from the JSON
+    python bench/routing_study.py --output A.json --plot A.png
+    python bench/routing_study.py --plot-only --inputs A.json B.json --plot AB.png
 
 The workload is `llmserve bench`'s prefix data set (num_prefixes shared prefixes of prefix_len
 tokens, each request one of them + input_len tokens of its own) in a seeded random order (the
@@ -35,7 +35,6 @@ from llmserve.bench.workload import WorkloadConfig  # noqa: E402
 from llmserve.launcher import serve_locally  # noqa: E402
 
 POLICIES = ("round-robin", "least-load", "prefix")
-RESULTS = ROOT / "bench" / "results"
 COUNTERS = (
     "num_finished_requests",
     "num_prefix_cache_hit_tokens",
@@ -57,9 +56,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--num-kv-blocks", type=int, default=64, help="per replica (16 tokens each)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
-    p.add_argument("--output", type=Path, default=RESULTS / "routing_study.json")
-    p.add_argument("--plot", type=Path, default=RESULTS / "routing_study.png")
-    p.add_argument("--plot-only", action="store_true", help="redraw --plot from --output")
+    p.add_argument("--output", type=Path, default=Path("routing_study.json"))
+    p.add_argument("--plot", type=Path, default=Path("routing_study.png"))
+    p.add_argument(
+        "--plot-only", action="store_true", help="draw --plot from --inputs, one row each"
+    )
+    p.add_argument("--inputs", nargs="+", default=[], help="result JSONs for --plot-only")
     return p.parse_args()
 
 
@@ -124,32 +126,40 @@ def run_policy(policy: str, args: argparse.Namespace) -> dict[str, Any]:
     return {"policy": policy, "serve_args": serve_args, **result}
 
 
-def plot(document: dict[str, Any], path: Path) -> None:
+def plot(documents: list[dict[str, Any]], path: Path) -> None:
+    """One row of bars per document (a workload): hit rate, TTFT p50, output throughput."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    runs = document["runs"]
-    names = [r["policy"] for r in runs]
-    panels = [
-        ("prefix-cache hit rate", [r["prefix_hit_rate"] for r in runs], "{:.2f}"),
-        ("TTFT p50 (ms)", [r["metrics"]["ttft_ms"]["p50"] for r in runs], "{:.0f}"),
-        ("output throughput (tok/s)", [r["metrics"]["output_throughput"] for r in runs], "{:.1f}"),
-    ]
-    fig, axes = plt.subplots(1, 3, figsize=(11, 3.4))
-    for ax, (title, values, fmt) in zip(axes, panels, strict=True):
-        bars = ax.bar(names, values, color=["#999999", "#6a9fd8", "#2b6cb0"][: len(names)])
-        ax.set_title(title, fontsize=10)
-        for bar, value in zip(bars, values, strict=True):
-            ax.annotate(fmt.format(value), (bar.get_x() + bar.get_width() / 2, value),
-                        ha="center", va="bottom", fontsize=9)  # fmt: skip
-        ax.tick_params(axis="x", labelsize=9)
-    w = document["config"]
+    fig, rows = plt.subplots(len(documents), 3, figsize=(11, 3.1 * len(documents)), squeeze=False)
+    for document, axes in zip(documents, rows, strict=True):
+        runs = document["runs"]
+        names = [r["policy"] for r in runs]
+        panels = [
+            ("prefix-cache hit rate", [r["prefix_hit_rate"] for r in runs], "{:.2f}"),
+            ("TTFT p50 (ms)", [r["metrics"]["ttft_ms"]["p50"] for r in runs], "{:.0f}"),
+            ("output tok/s", [r["metrics"]["output_throughput"] for r in runs], "{:.1f}"),
+        ]
+        w = document["config"]
+        axes[0].set_ylabel(
+            f"{w['num_prefixes']} prefixes x {w['prefix_len']} tok,\n"
+            f"{w['num_kv_blocks']} KV blocks / replica",
+            fontsize=9,
+        )
+        for ax, (title, values, fmt) in zip(axes, panels, strict=True):
+            bars = ax.bar(names, values, color=["#999999", "#6a9fd8", "#2b6cb0"][: len(names)])
+            ax.set_title(title, fontsize=10)
+            for bar, value in zip(bars, values, strict=True):
+                ax.annotate(fmt.format(value), (bar.get_x() + bar.get_width() / 2, value),
+                            ha="center", va="bottom", fontsize=9)  # fmt: skip
+            ax.tick_params(axis="x", labelsize=9)
+    first = documents[0]
     fig.suptitle(
-        f"2 replicas on {document['hardware'].get('logical_cores')} CPU cores, SmolLM2-135M: "
-        f"{w['num_prompts']} requests over {w['num_prefixes']} prefixes of {w['prefix_len']} "
-        f"tokens, {w['request_rate']} req/s",
+        f"2 replicas (serve --data-parallel-size 2 --device cpu), SmolLM2-135M, "
+        f"{first['hardware'].get('logical_cores')}-core {first['hardware'].get('cpu')} VM; "
+        f"Poisson {first['config']['request_rate']} req/s",
         fontsize=10,
     )
     fig.tight_layout()
@@ -159,10 +169,11 @@ def plot(document: dict[str, Any], path: Path) -> None:
 def main() -> int:
     args = parse_args()
     if args.plot_only:
-        plot(json.loads(args.output.read_text()), args.plot)
+        plot([json.loads(Path(p).read_text()) for p in args.inputs], args.plot)
         return 0
     runs = [run_policy(policy, args) for policy in args.policies]
-    config = {k: v for k, v in vars(args).items() if k not in ("output", "plot", "plot_only")}
+    skip = ("output", "plot", "plot_only", "inputs")
+    config = {k: v for k, v in vars(args).items() if k not in skip}
     document = {
         "kind": "routing_study",
         "git_commit": git_commit(),
@@ -172,7 +183,7 @@ def main() -> int:
     }
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(document, indent=2) + "\n")
-    plot(document, args.plot)
+    plot([document], args.plot)
     print(f"results: {args.output}\nplot: {args.plot}")
     return 0
 
