@@ -4,11 +4,13 @@ scheduler and its engines), from what it knows without asking anyone per request
 Policies (`--routing`):
 
 - round-robin: the next replica in turn.
-- least-load: the replica with the least load (below), then the least KV use, then the first.
+- least-load: the replica with the least load (below), then the least KV use, then the fewest
+  requests routed to it so far.
 - prefix: the replica that already holds the longest prefix of the prompt's KV blocks, known by
   the chained block hashes of the prompt (common/block_hash.py, the scheduler's own rule) and a
   table of which replica each hash was last sent to; a prompt nobody holds goes to the
-  least-loaded replica. Affinity never overloads a replica: when the holder's load exceeds the
+  least-loaded replica (on a tie, the one holding the fewest blocks: new prefixes spread over
+  the replicas' caches). Affinity never overloads a replica: when the holder's load exceeds the
   least-loaded replica's by more than spill_threshold, the request spills to that one.
 
 A replica's load is the larger of the requests this gateway has in flight on it (exact, and up to
@@ -55,6 +57,7 @@ class Replica:
     reachable: bool = False  # its stats stream is alive
     num_in_flight: int = 0  # this gateway's requests on it now
     num_routed: int = 0  # requests routed to it, ever (retries count again)
+    num_blocks_held: int = 0  # affinity entries naming it: the blocks it holds, as far as we know
     reported: ReplicaLoad = field(default_factory=ReplicaLoad)
 
     @property
@@ -91,8 +94,8 @@ class Router:
         first stats; dropped ones are forgotten with their affinity entries."""
         wanted = list(dict.fromkeys(addresses))
         for address in [a for a in self.replicas if a not in wanted]:
-            del self.replicas[address]
             self._forget(address)
+            del self.replicas[address]
         self.replicas = {a: self.replicas.get(a) or Replica(a) for a in wanted}
 
     def on_stats(self, address: str, ready: bool, load: ReplicaLoad) -> None:
@@ -121,6 +124,7 @@ class Router:
     def _forget(self, address: str) -> None:
         for block_hash in [h for h, a in self.affinity.items() if a == address]:
             del self.affinity[block_hash]
+        self.replicas[address].num_blocks_held = 0
 
     @property
     def num_healthy(self) -> int:
@@ -186,10 +190,17 @@ class Router:
         for block_hash in hashes:
             holder = self.affinity.get(block_hash)
             if holder is None or holder == address or not self._is_healthy(holder):
+                self._hold(holder, -1)
+                self._hold(address, +1)
                 self.affinity[block_hash] = address
                 self.affinity.move_to_end(block_hash)
         while len(self.affinity) > self.max_affinity_entries:
-            self.affinity.popitem(last=False)
+            self._hold(self.affinity.popitem(last=False)[1], -1)
+
+    def _hold(self, address: str | None, delta: int) -> None:
+        replica = self.replicas.get(address) if address is not None else None
+        if replica is not None:
+            replica.num_blocks_held += delta
 
     def _is_healthy(self, address: str) -> bool:
         replica = self.replicas.get(address)
@@ -197,5 +208,9 @@ class Router:
 
 
 def _least_loaded(candidates: list[Replica]) -> Replica:
-    """The least load, then the least KV use, then the first listed."""
-    return min(candidates, key=lambda r: (r.load, r.reported.kv_usage))
+    """The least load, then the least KV use, then the fewest blocks held (so new prefixes
+    spread over the caches), then the fewest requests routed, then the first listed."""
+    return min(
+        candidates,
+        key=lambda r: (r.load, r.reported.kv_usage, r.num_blocks_held, r.num_routed),
+    )

@@ -217,3 +217,31 @@ def test_a_replica_serving_something_else_is_refused() -> None:
         core._adopt_info(ReplicaLink(B, None, None), other)  # type: ignore[arg-type]
     other.block_size, other.num_blocks = 16, 4  # a smaller pool is fine
     core._adopt_info(ReplicaLink(B, None, None), other)  # type: ignore[arg-type]
+
+
+def test_ties_go_to_the_replica_holding_fewer_blocks_then_fewer_requests() -> None:
+    """Idle replicas (load 0 each) share new prefixes by the blocks they hold, so the caches
+    fill evenly; least-load shares requests by the number routed."""
+    r = router("prefix")
+    owners = []
+    for first in (0, 100, 200, 300):
+        replica = r.route(prompt(first))  # 3 blocks each
+        assert replica is not None
+        owners.append(replica.address)
+        r.done(replica)  # finished: both idle again
+    assert owners == [A, B, A, B]
+    assert (r.replicas[A].num_blocks_held, r.replicas[B].num_blocks_held) == (6, 6)
+    r.on_lost(B)
+    assert (r.replicas[A].num_blocks_held, r.replicas[B].num_blocks_held) == (6, 0)
+    lru = router("prefix", max_affinity_entries=4)
+    lru.route(prompt(0))  # A: 3 blocks
+    lru.route(prompt(100))  # B: 3 blocks; A's 2 oldest forgotten
+    assert (lru.replicas[A].num_blocks_held, lru.replicas[B].num_blocks_held) == (1, 3)
+    least = router("least-load")
+    routed_to = []
+    for _ in range(4):
+        replica = least.route(prompt(0))
+        assert replica is not None
+        routed_to.append(replica.address)
+        least.done(replica)
+    assert routed_to == [A, B, A, B]
