@@ -9,7 +9,8 @@ setting is written once: its name, type, default and help live on the dataclass 
     config = from_flags(SchedulerConfig, args)    # validated by the dataclass's __post_init__
 
 Field metadata: "help"; "choices"; "env" (a variable that overrides the default); "flag" (a name
-other than --field-name). A `tuple[int, ...]` field takes a list (--eos-token-ids 1 2).
+other than --field-name); "repeat" (a tuple field whose flag is given once per value, --x A --x B,
+replacing the default). A `tuple[int, ...]` field takes a list (--eos-token-ids 1 2).
 `to_json` / `from_json` carry a config whole to a child process (llmserve/launcher.py).
 """
 
@@ -81,6 +82,10 @@ def add_flags(
         options: dict[str, Any] = {"default": _default(f), "dest": _dest(f, prefix)}
         if kind is bool:
             options["action"] = argparse.BooleanOptionalAction
+        elif many and f.metadata.get("repeat"):
+            # None until given: argparse would extend the default list rather than replace it.
+            options.update(type=kind, action="extend", nargs="+", default=None)
+            help_text += f" (repeatable; default: {' '.join(map(str, _default(f)))})"
         else:
             options.update(
                 type=kind, choices=f.metadata.get("choices"), nargs="*" if many else None
@@ -100,6 +105,11 @@ def from_flags(cls: type[T], args: argparse.Namespace, *, prefix: str = "", **ov
     """An instance of cls from parsed flags (fields without a flag keep their defaults)."""
     dests = {f.name: _dest(f, prefix) for f, _ in _fields(cls)}
     values = {name: getattr(args, dest) for name, dest in dests.items() if hasattr(args, dest)}
+    unset = [
+        f.name for f, _ in _fields(cls) if f.metadata.get("repeat") and values.get(f.name) is None
+    ]
+    for name in unset:  # a repeatable flag not given: the field's default
+        values.pop(name, None)
     return cls(**{**_with_tuples(cls, values), **overrides})
 
 

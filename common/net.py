@@ -14,6 +14,11 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 # Plans with long prompts can be large; keepalive pings notice a peer that died without closing.
+# A grpc.health.v1 service name that is SERVING for as long as the process answers at all (the
+# scheduler and the gateway: their "" status also says whether they can serve now). A liveness
+# probe asks for it, so a scheduler waiting for its engine is not restarted for it.
+LIVENESS_SERVICE = "liveness"
+
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", 256 << 20),
     ("grpc.max_receive_message_length", 256 << 20),

@@ -49,7 +49,11 @@ class EngineConfig(PeerSecurity):
         0.9, "fraction of GPU memory for weights, activations and the KV pool"
     )
     max_model_len: int = setting(0, "lower the model's context length (0: the model's own)")
-    num_threads: int = setting(0, "torch CPU threads (0: torch's default)")
+    num_threads: int = setting(
+        0,
+        "torch CPU threads, per rank of an engine group (0: torch's default; a group's ranks "
+        "share the cores)",
+    )
     seed: int | None = setting(
         None,
         "sampling seed for unseeded requests (default: a fresh one at each start, so a "

@@ -7,6 +7,9 @@ from dataclasses import dataclass
 
 from common.auth import PeerSecurity
 from common.flags import check_ports, setting
+from gateway.router import ROUTING_POLICIES
+
+DNS_PREFIX = "dns:///"  # a scheduler address that stands for every address a name resolves to
 
 
 @dataclass(frozen=True)
@@ -14,7 +17,24 @@ class GatewayConfig(PeerSecurity):
     model: str | None = setting(
         None, "HF directory or .gguf file (default: the built-in SmolLM2-135M-Instruct)"
     )
-    scheduler_address: str = setting("localhost:50052", "the scheduler's gRPC address")
+    scheduler_address: tuple[str, ...] = setting(
+        ("localhost:50052",),
+        "a scheduler's gRPC address, once per replica (a scheduler and its engines); "
+        "dns:///NAME:PORT stands for every address NAME resolves to, looked up again every "
+        "few seconds (a Kubernetes headless Service)",
+        repeat=True,
+    )
+    routing: str = setting(
+        "prefix",
+        "how a request picks its replica: prefix (the one holding its prompt's first KV "
+        "blocks, else the least loaded), least-load, round-robin",
+        choices=ROUTING_POLICIES,
+    )
+    routing_spill_threshold: int = setting(
+        8,
+        "prefix routing: a request leaves its prefix's replica for the least-loaded one when "
+        "the first has more than this many requests beyond the second",
+    )
     host: str = setting(
         "127.0.0.1", "bind address of the gRPC and HTTP APIs (0.0.0.0 exposes them)"
     )
@@ -53,9 +73,30 @@ class GatewayConfig(PeerSecurity):
         check_ports(self, "port", "http_port", "metrics_port")
         if self.http_port and self.http_port == self.port:
             raise ValueError(f"http_port={self.http_port} is the gRPC port too")
+        self._check_scheduler_addresses()
+        if self.routing not in ROUTING_POLICIES:
+            raise ValueError(
+                f"routing={self.routing!r} is not one of {', '.join(ROUTING_POLICIES)}"
+            )
+        if self.routing_spill_threshold < 0:
+            raise ValueError(f"routing_spill_threshold={self.routing_spill_threshold} must be >= 0")
         if self.max_request_bytes < 1024:
             raise ValueError(f"max_request_bytes={self.max_request_bytes} must be >= 1024")
         if self.served_model_name is not None and not self.served_model_name.strip():
             raise ValueError("served_model_name is empty; leave it unset for the model's name")
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("api_key is empty; leave it unset to serve without a key")
+
+    def _check_scheduler_addresses(self) -> None:
+        if isinstance(self.scheduler_address, str):  # one address given as a string
+            object.__setattr__(self, "scheduler_address", (self.scheduler_address,))
+        if not self.scheduler_address:
+            raise ValueError("scheduler_address is empty; give at least one scheduler")
+        for address in self.scheduler_address:
+            host, _, port = address.removeprefix(DNS_PREFIX).rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(
+                    f"scheduler_address={address!r} is not HOST:PORT or {DNS_PREFIX}NAME:PORT"
+                )
+        if len(set(self.scheduler_address)) != len(self.scheduler_address):
+            raise ValueError(f"scheduler_address={list(self.scheduler_address)} repeats one")

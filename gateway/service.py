@@ -14,7 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.auth import BearerInterceptor
 from common.model_config import resolve_model_path
-from common.net import SERVER_OPTIONS, add_servicer, serve_aio
+from common.net import LIVENESS_SERVICE, SERVER_OPTIONS, add_servicer, serve_aio
 from gateway.config import GatewayConfig
 from gateway.core import GatewayCore, GatewayError, new_request_id
 from gateway.tokenizer import Tokenizer
@@ -63,6 +63,7 @@ async def serve(config: GatewayConfig) -> None:
     add_servicer(api_pb2_grpc.add_GenerationServicer_to_server, GatewayService(core), server)
     add_servicer(health_pb2_grpc.add_HealthServicer_to_server, core.health, server)
     await core.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+    await core.health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
     http = None
     if config.http_port:
         from gateway.http import HttpServer, create_app  # FastAPI takes a second to import

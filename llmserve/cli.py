@@ -176,7 +176,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
             print(f"error: {err}", file=sys.stderr)
             return 1
         http = f", HTTP at {stack.http_url}" if stack.http_url else ""
-        print(f"llmserve ready: gateway at {stack.gateway_address}{http} (Ctrl-C stops it)")
+        num = len(stack.scheduler_addresses)
+        replicas = f", {num} replicas" if num > 1 else ""
+        print(
+            f"llmserve ready: gateway at {stack.gateway_address}{http}{replicas} (Ctrl-C stops it)"
+        )
         sys.stdout.flush()
         return _supervise(stack, stop)
     finally:

@@ -11,6 +11,11 @@ through `Stack`.
     stack.wait_ready(timeout=600)      # our gateway answers SERVING, or StackError says why
     ...
     stack.stop()
+
+With data parallelism (`--data-parallel-size D`) the Stack runs D replicas, each a scheduler and
+its engine on ports of their own (`groups` beyond the first), behind the one gateway, which
+routes between them (gateway/router.py). The first replica's services keep their names and
+ports; replica i's are `scheduler-i` and `engine-i`.
 """
 
 from __future__ import annotations
@@ -78,6 +83,16 @@ def _local(host: str, port: int) -> str:
 
 
 @dataclass
+class Group:
+    """A replica beyond the first: a scheduler, its engine, and what their environment adds
+    (the engine's GPU)."""
+
+    engine: EngineConfig
+    scheduler: SchedulerConfig
+    env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
 class Stack:
     engine: EngineConfig
     scheduler: SchedulerConfig
@@ -86,6 +101,7 @@ class Stack:
     log_dir: Path | None = None  # each service's output in <name>.log; None: inherited
     env: dict[str, str] = field(default_factory=dict)
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    groups: list[Group] = field(default_factory=list)  # replicas 1..D-1 (data parallel)
 
     def __post_init__(self) -> None:
         """The internal links always carry a token: the one given, else a fresh one."""
@@ -95,6 +111,11 @@ class Stack:
             config = getattr(self, name)
             if not config.internal_token:
                 setattr(self, name, replace(config, internal_token=token))
+        for group in self.groups:
+            for name in ("engine", "scheduler"):
+                config = getattr(group, name)
+                if not config.internal_token:
+                    setattr(group, name, replace(config, internal_token=token))
         # wait_ready trusts only a gateway that reports this id: another server answering on
         # the gateway's port is not ours, however healthy.
         if not self.gateway.instance_id:
@@ -113,14 +134,41 @@ class Stack:
         return _local(self.engine.host, self.engine.port)
 
     @property
+    def scheduler_addresses(self) -> list[str]:
+        """Every replica's scheduler, the first replica's first."""
+        schedulers = [self.scheduler, *(g.scheduler for g in self.groups)]
+        return [_local(c.host, c.port) for c in schedulers]
+
+    def service_names(self) -> tuple[str, ...]:
+        """Every service in start order: the engines, the schedulers, the gateway."""
+        replicas = range(1, len(self.groups) + 1)
+        return (
+            "engine",
+            *(f"engine-{i}" for i in replicas),
+            "scheduler",
+            *(f"scheduler-{i}" for i in replicas),
+            "gateway",
+        )
+
+    def config_of(self, name: str) -> Any:
+        """The config of service name (see service_names)."""
+        kind, _, replica = name.partition("-")
+        return getattr(self.groups[int(replica) - 1], kind) if replica else getattr(self, kind)
+
+    def replica_services(self, replica: int) -> tuple[str, str]:
+        """The (scheduler, engine) service names of replica (0 the first)."""
+        suffix = f"-{replica}" if replica else ""
+        return f"scheduler{suffix}", f"engine{suffix}"
+
+    @property
     def http_url(self) -> str | None:
         port = self.gateway.http_port
         return f"http://{_local(self.gateway.host, port)}/v1" if port else None
 
     def check_ports_free(self) -> None:
         """Raise StackError naming the first port of the stack something else listens on."""
-        for name in SERVICES:
-            config = getattr(self, name)
+        for name in self.service_names():
+            config = self.config_of(name)
             for port_field in ("port", "http_port", "metrics_port"):
                 port = getattr(config, port_field, 0)
                 if port and port_in_use(config.host, port):
@@ -129,18 +177,20 @@ class Stack:
                         f"{config.host} (another server running?); stop it or choose another port"
                     )
 
-    def start(self, names: tuple[str, ...] = SERVICES) -> None:
-        for name in names:
+    def start(self, names: tuple[str, ...] | None = None) -> None:
+        for name in names or self.service_names():
             self.procs[name] = self._spawn(name)
 
     def _spawn(self, name: str) -> subprocess.Popen[bytes]:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
+        kind, _, replica = name.partition("-")
+        group_env = self.groups[int(replica) - 1].env if replica else {}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env, **group_env}
         out: IO[bytes] | None = None
         if self.log_dir is not None:
             self.log_dir.mkdir(parents=True, exist_ok=True)
             out = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115
         proc = subprocess.Popen(
-            [sys.executable, "-m", "llmserve.cli", name, "--config-stdin"],
+            [sys.executable, "-m", "llmserve.cli", kind, "--config-stdin"],
             cwd=ROOT,
             env=env,
             stdin=subprocess.PIPE,
@@ -151,8 +201,8 @@ class Stack:
         if out is not None:
             out.close()
         assert proc.stdin is not None
-        fake = [self.fake] if name == "engine" and self.fake is not None else []
-        configs = [getattr(self, name), *fake]
+        fake = [self.fake] if kind == "engine" and self.fake is not None else []
+        configs = [self.config_of(name), *fake]
         proc.stdin.write(("\n".join(to_json(c) for c in configs) + "\n\n").encode())
         proc.stdin.flush()  # kept open: closing it (or our death) stops the child
         return proc
@@ -169,16 +219,18 @@ class Stack:
         self.start((name,))
 
     def wait_ready(self, timeout: float) -> None:
-        """Return once our gateway reports SERVING; raise StackError if a child dies first,
-        if another server answers on the gateway's port, or when timeout passes (with the end
-        of the logs when they go to files)."""
+        """Return once our gateway reports SERVING with every replica ready; raise
+        StackError if a child dies first, if another server answers on the gateway's port, or
+        when timeout passes (with the end of the logs when they go to files)."""
         deadline = time.monotonic() + timeout
         while True:
             if check_health(self.gateway_address, timeout=1.0) == "SERVING":
-                instance_id = self._gateway_instance_id()
-                if instance_id == self.gateway.instance_id:
-                    return
-                if instance_id is not None:
+                info = self._gateway_info()
+                instance_id = info.instance_id if info is not None else None
+                if info is not None and instance_id == self.gateway.instance_id:
+                    if info.num_replicas_ready == len(self.scheduler_addresses):
+                        return
+                elif instance_id is not None:
                     raise StackError(
                         f"the gateway's port {self.gateway_address} is answered by another "
                         "server, not the gateway this launcher started; stop it or choose "
@@ -190,22 +242,21 @@ class Stack:
                 raise StackError(f"the stack did not start ({why}){self._log_tail()}")
             time.sleep(0.2)
 
-    def _gateway_instance_id(self) -> str | None:
-        """The instance id of the server on the gateway's port ("" for a server that is no
-        gateway of ours), or None when it could not be asked now."""
+    def _gateway_info(self) -> api_pb2.ModelInfo | None:
+        """The ModelInfo of the server on the gateway's port (one whose instance_id is "" for a
+        server that is no gateway of ours), or None when it could not be asked now."""
         key = self.gateway.api_key
         metadata = (("authorization", f"Bearer {key}"),) if key else None
         with grpc.insecure_channel(self.gateway_address, options=CHANNEL_OPTIONS) as channel:
             stub = api_pb2_grpc.GenerationStub(channel)
             try:
-                info = stub.GetModelInfo(
+                return stub.GetModelInfo(
                     api_pb2.GetModelInfoRequest(), timeout=2, metadata=metadata
                 )
             except grpc.RpcError as err:
                 if err.code() in (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.UNAUTHENTICATED):
-                    return ""
+                    return api_pb2.ModelInfo()
                 return None
-        return str(info.instance_id)
 
     def _log_tail(self) -> str:
         text = self.logs()
@@ -228,7 +279,7 @@ class Stack:
 
     def stop(self, timeout: float = 10.0) -> None:
         """SIGTERM the front first (gateway, scheduler, engine); SIGKILL what lingers."""
-        running = [self.procs[n] for n in reversed(SERVICES) if n in self.procs]
+        running = [self.procs[n] for n in reversed(self.service_names()) if n in self.procs]
         for proc in running:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
@@ -242,10 +293,31 @@ class Stack:
             _close_stdin(proc)
 
     def scheduler_stats(self) -> scheduler_pb2.SchedulerStats:
-        with self.scheduler.channel(self.scheduler_address, aio=False) as channel:
-            stub = scheduler_pb2_grpc.SchedulerStub(channel)
-            request = scheduler_pb2.GetStatsRequest()
-            return stub.GetStats(request, timeout=10, metadata=self.scheduler.peer_metadata())
+        """The schedulers' stats summed over the replicas (one replica: its own)."""
+        replicas = self.replica_stats()
+        if len(replicas) == 1:
+            return replicas[0]
+        total = scheduler_pb2.SchedulerStats()
+        for stats in replicas:
+            for f in total.DESCRIPTOR.fields:
+                if f.name != "ready":
+                    setattr(total, f.name, getattr(total, f.name) + getattr(stats, f.name))
+        total.ready = all(stats.ready for stats in replicas)
+        return total
+
+    def replica_stats(
+        self, replicas: list[int] | None = None
+    ) -> list[scheduler_pb2.SchedulerStats]:
+        """Each replica's scheduler stats (those listed, else all), in replica order."""
+        out = []
+        addresses = self.scheduler_addresses
+        for address in [addresses[i] for i in replicas] if replicas is not None else addresses:
+            with self.scheduler.channel(address, aio=False) as channel:
+                stub = scheduler_pb2_grpc.SchedulerStub(channel)
+                request = scheduler_pb2.GetStatsRequest()
+                metadata = self.scheduler.peer_metadata()
+                out.append(stub.GetStats(request, timeout=10, metadata=metadata))
+        return out
 
     def __enter__(self) -> Stack:
         return self
@@ -280,6 +352,48 @@ def _network(host: str, ports: list[int], metrics_ports: list[int]) -> list[dict
     ]
 
 
+def _replica_groups(
+    engine: EngineConfig, scheduler: SchedulerConfig, data_parallel_size: int, ports: list[int]
+) -> list[Group]:
+    """Replicas 1..D-1 of (engine, scheduler) on loopback. ports: for each, its engine port,
+    scheduler port, engine metrics port and scheduler metrics port (0: off). Each engine gets
+    its own GPUs, one per rank of its group (T x P on this node): replica i the i-th such run
+    of CUDA_VISIBLE_DEVICES (else of GPU ids); on a CPU, unless --num-threads chose, every rank
+    of every engine (the first's too: see split_cpu) gets its share of the cores."""
+    internal = "127.0.0.1"
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")
+    per_replica = engine.world_size // engine.nnodes
+    groups = []
+    for i in range(1, data_parallel_size):
+        e, s, me, ms = ports[4 * (i - 1) : 4 * i]
+        env = {}
+        if engine.device != "cpu":
+            ids = range(i * per_replica, (i + 1) * per_replica)
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(
+                visible[j] if len(visible) > j and visible[j] else str(j) for j in ids
+            )
+        group_engine = replace(engine, host=internal, port=e, metrics_port=me)
+        group_scheduler = replace(
+            scheduler, host=internal, port=s, metrics_port=ms, engine_address=f"{internal}:{e}"
+        )
+        groups.append(Group(group_engine, group_scheduler, env))
+    return groups
+
+
+def split_cpu(engine: EngineConfig, data_parallel_size: int) -> EngineConfig:
+    """engine with the CPU's cores shared among data_parallel_size engines and their ranks (CPU
+    device, no --num-threads given: it then counts per rank); else unchanged."""
+    if engine.device != "cpu" or engine.num_threads or data_parallel_size == 1:
+        return engine
+    ranks = data_parallel_size * engine.world_size // engine.nnodes
+    return replace(engine, num_threads=max(1, (os.cpu_count() or 1) // ranks))
+
+
+def _check_data_parallel_size(data_parallel_size: int) -> None:
+    if data_parallel_size < 1:
+        raise ValueError(f"data_parallel_size={data_parallel_size} must be >= 1")
+
+
 def local_stack(
     engine: EngineConfig | None = None,
     scheduler: SchedulerConfig | None = None,
@@ -287,20 +401,34 @@ def local_stack(
     *,
     http: bool = False,
     metrics: bool = False,
+    data_parallel_size: int = 1,
     **kwargs: Any,
 ) -> Stack:
-    """A Stack on free loopback ports (not started). The metrics and HTTP ports stay off unless
-    a config chose one (or http=True / metrics=True: free ones); the configs keep their other
+    """A Stack on free loopback ports (not started), with data_parallel_size replicas. The
+    metrics and HTTP ports stay off unless a config chose one (or http=True / metrics=True:
+    free ones; replicas beyond the first: free ones or off); the configs keep their other
     settings."""
+    _check_data_parallel_size(data_parallel_size)
     given = (engine, scheduler, gateway)
     configs: list[Any] = [c or cls() for c, cls in zip(given, CONFIG_TYPES, strict=True)]
-    ports = free_ports(7)
+    configs[0] = split_cpu(configs[0], data_parallel_size)
+    num_more = data_parallel_size - 1
+    ports = free_ports(7 + 4 * num_more)
     chosen = [
         ports[4 + i] if metrics else _chosen(c, "metrics_port") for i, c in enumerate(configs)
     ]
     network = _network("127.0.0.1", ports[:3], chosen)
     network[2]["http_port"] = ports[3] if http else _chosen(configs[2], "http_port")
-    return Stack(*(replace(c, **n) for c, n in zip(configs, network, strict=True)), **kwargs)
+    more = ports[7:]
+    if not metrics:  # each replica's engine and scheduler metrics ports off
+        more = [p if i % 4 < 2 else 0 for i, p in enumerate(more)]
+    groups = _replica_groups(configs[0], configs[1], data_parallel_size, more)
+    network[2]["scheduler_address"] = (
+        network[2]["scheduler_address"],
+        *(f"127.0.0.1:{g.scheduler.port}" for g in groups),
+    )
+    stack_configs = (replace(c, **n) for c, n in zip(configs, network, strict=True))
+    return Stack(*stack_configs, **{**kwargs, "groups": groups})
 
 
 @contextlib.contextmanager
@@ -317,12 +445,14 @@ def serve_locally(
     for the services; metrics: each serves /metrics on a free port (else off); fake: the echo
     engine instead of the model. Raises StackError, with the end of the logs, when it does not
     start; exits with serve's usage message when serve_args are bad."""
-    configured = stack_from_flags(parse_serve_flags(serve_args))
+    args = parse_serve_flags(serve_args)
+    configured = stack_from_flags(args)
     with tempfile.TemporaryDirectory(prefix="llmserve-bench-", ignore_cleanup_errors=True) as logs:
         stack = local_stack(
             configured.engine,
             configured.scheduler,
             configured.gateway,
+            data_parallel_size=args.data_parallel_size,
             metrics=metrics,
             fake=fake,
             log_dir=Path(logs),
@@ -376,6 +506,15 @@ def add_serve_flags(p: Any) -> None:
         "standard OTEL_* variables",
     )
     p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to start")
+    p.add_argument(
+        "--data-parallel-size",
+        type=int,
+        default=1,
+        help="replicas, each a scheduler and its engine (its own GPU; on a CPU, cores / D "
+        "threads each), behind the one gateway, which routes between them (--routing). The "
+        "first replica's ports are --scheduler-port and --engine-port, the others' free ones; "
+        "metrics: replica i's scheduler at PORT+1+2i, its engine at PORT+2+2i",
+    )
     taken: set[str] = set()
     for cls, title in zip(CONFIG_TYPES, SERVICES, strict=True):
         add_flags(p.add_argument_group(title), cls, exclude=_NETWORK + _LAUNCHER, taken=taken)
@@ -395,8 +534,21 @@ def stack_from_flags(args: Any, **kwargs: Any) -> Stack:
     loopback, the gateway on --host."""
     from common.flags import from_flags
 
+    size = getattr(args, "data_parallel_size", 1)
+    _check_data_parallel_size(size)
     ports = [args.engine_port, args.scheduler_port, args.port]
     metrics = [args.metrics_port + i if args.metrics_port else 0 for i in (2, 1, 0)]
     network = _network(args.host, ports, metrics)
-    configs = (from_flags(cls, args, **n) for cls, n in zip(CONFIG_TYPES, network, strict=True))
-    return Stack(*configs, **kwargs)
+    engine, scheduler, gateway = (
+        from_flags(cls, args, **n) for cls, n in zip(CONFIG_TYPES, network, strict=True)
+    )
+    engine = split_cpu(engine, size)
+    more: list[int] = []
+    free = free_ports(2 * (size - 1))
+    for i in range(1, size):
+        m = [args.metrics_port + 2 + 2 * i, args.metrics_port + 1 + 2 * i]
+        more += [free[2 * i - 2], free[2 * i - 1], *(m if args.metrics_port else [0, 0])]
+    groups = _replica_groups(engine, scheduler, size, more)
+    addresses = (gateway.scheduler_address[0], *(f"127.0.0.1:{g.scheduler.port}" for g in groups))
+    gateway = replace(gateway, scheduler_address=addresses)
+    return Stack(engine, scheduler, gateway, groups=groups, **kwargs)

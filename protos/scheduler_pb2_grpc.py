@@ -49,6 +49,11 @@ class SchedulerStub:
                 request_serializer=protos_dot_scheduler__pb2.GetStatsRequest.SerializeToString,
                 response_deserializer=protos_dot_scheduler__pb2.SchedulerStats.FromString,
                 _registered_method=True)
+        self.WatchStats = channel.unary_stream(
+                '/llmserve.scheduler.v1.Scheduler/WatchStats',
+                request_serializer=protos_dot_scheduler__pb2.WatchStatsRequest.SerializeToString,
+                response_deserializer=protos_dot_scheduler__pb2.SchedulerStats.FromString,
+                _registered_method=True)
 
 
 class SchedulerServicer:
@@ -76,6 +81,15 @@ class SchedulerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WatchStats(self, request, context):
+        """The same snapshot pushed every interval_ms for as long as the call lasts, the first at once:
+        a gateway in front of several schedulers routes by it (load) and treats it as this
+        scheduler's heartbeat (silence or a broken stream: route around it).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SchedulerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -92,6 +106,11 @@ def add_SchedulerServicer_to_server(servicer, server):
             'GetStats': grpc.unary_unary_rpc_method_handler(
                     servicer.GetStats,
                     request_deserializer=protos_dot_scheduler__pb2.GetStatsRequest.FromString,
+                    response_serializer=protos_dot_scheduler__pb2.SchedulerStats.SerializeToString,
+            ),
+            'WatchStats': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchStats,
+                    request_deserializer=protos_dot_scheduler__pb2.WatchStatsRequest.FromString,
                     response_serializer=protos_dot_scheduler__pb2.SchedulerStats.SerializeToString,
             ),
     }
@@ -175,6 +194,33 @@ class Scheduler:
             target,
             '/llmserve.scheduler.v1.Scheduler/GetStats',
             protos_dot_scheduler__pb2.GetStatsRequest.SerializeToString,
+            protos_dot_scheduler__pb2.SchedulerStats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchStats(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/llmserve.scheduler.v1.Scheduler/WatchStats',
+            protos_dot_scheduler__pb2.WatchStatsRequest.SerializeToString,
             protos_dot_scheduler__pb2.SchedulerStats.FromString,
             options,
             channel_credentials,

@@ -4,15 +4,17 @@ Blocks hold `block_size` token slots each. A request's block table lists its blo
 token t lives in block `block_table[t // block_size]`, row `t % block_size`.
 
 Prefix cache: once a block is full, it gets a chained content hash, hash(parent hash, its tokens),
-so two requests with the same prefix can share blocks. A block whose last user finished keeps its
-hash and its contents, sitting in the free queue until it is reused for something else (lazy
-eviction, least recently freed first). A hit is confirmed by comparing tokens, not by hash alone.
+so two requests with the same prefix can share blocks (the rule is common/block_hash.py's, which
+the gateway's prefix routing uses too). A block whose last user finished keeps its hash and its
+contents, sitting in the free queue until it is reused for something else (lazy eviction, least
+recently freed first). A hit is confirmed by comparing tokens, not by hash alone.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 
+from common.block_hash import extend_block_hashes
 from scheduler.request import Request
 
 
@@ -40,11 +42,8 @@ class BlockManager:
 
     def _update_block_hashes(self, request: Request, num_tokens: int) -> None:
         """Extend request.block_hashes to cover every full block among its first num_tokens."""
-        bs = self.block_size
-        hashes = request.block_hashes
-        for i in range(len(hashes), num_tokens // bs):
-            parent = hashes[-1] if hashes else 0
-            hashes.append(hash((parent, tuple(request.token_ids[i * bs : (i + 1) * bs]))))
+        num_blocks = num_tokens // self.block_size
+        extend_block_hashes(request.block_hashes, request.token_ids, self.block_size, num_blocks)
 
     def _block_key(self, request: Request, i: int) -> tuple[int, int, tuple[int, ...]]:
         """request's block i as the prefix cache keys it: (its hash, its parent's hash, its

@@ -36,7 +36,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from common.auth import peer_interceptors
 from common.log import bind, get_logger
-from common.net import SERVER_OPTIONS, add_servicer, serve_aio
+from common.net import LIVENESS_SERVICE, SERVER_OPTIONS, add_servicer, serve_aio
 from common.sampling import SamplingError
 from protos import engine_pb2, engine_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from scheduler.config import SchedulerConfig
@@ -56,6 +56,8 @@ log = get_logger("scheduler")
 
 HEARTBEAT_S = 1.0  # how often the engine is probed, and how long a probe may take
 MAX_MISSED_HEARTBEATS = 3
+DEFAULT_STATS_INTERVAL_MS = 250  # WatchStats' period when the caller asks for none
+MIN_STATS_INTERVAL_MS = 10
 
 
 class EngineLost(Exception):
@@ -197,7 +199,26 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     async def GetStats(
         self, request: scheduler_pb2.GetStatsRequest, context: grpc.aio.ServicerContext
     ) -> scheduler_pb2.SchedulerStats:
-        return stats_to_proto(self.stats())
+        msg = stats_to_proto(self.stats())
+        msg.ready = self.ready and self.engine_responding
+        return msg
+
+    async def WatchStats(
+        self, request: scheduler_pb2.WatchStatsRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[scheduler_pb2.SchedulerStats]:
+        """GetStats' snapshot, with `ready`, now and then every interval_ms until the caller
+        cancels (or this scheduler stops: the stream then ends)."""
+        interval_ms = request.interval_ms or DEFAULT_STATS_INTERVAL_MS
+        if interval_ms < MIN_STATS_INTERVAL_MS:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"interval_ms={interval_ms} is below the minimum of {MIN_STATS_INTERVAL_MS}",
+            )
+        while not self.stopping:
+            msg = stats_to_proto(self.stats())
+            msg.ready = self.ready and self.engine_responding
+            yield msg
+            await asyncio.sleep(interval_ms / 1e3)
 
     # -- the engine side ----------------------------------------------------------------------
 
@@ -435,6 +456,7 @@ async def serve(config: SchedulerConfig) -> None:
     add_servicer(scheduler_pb2_grpc.add_SchedulerServicer_to_server, service, server)
     add_servicer(health_pb2_grpc.add_HealthServicer_to_server, service.health, server)
     await service.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+    await service.health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
     await serve_aio(
         server,
         "scheduler",

@@ -197,13 +197,15 @@ def start_stack(
     api_key: str | None = None,
     log_dir: Path | None = None,
     timeout: float = 120.0,
+    data_parallel_size: int = 1,
 ) -> Stack:
     """Start engine, scheduler and gateway; return once the gateway reports SERVING.
 
     fake=True runs the echo engine (engine/fake.py) instead of a model; the gateway then needs
     gateway_model for its tokenizer. *_args are each service's own command-line flags. env adds
     environment variables to all three. http=True turns the gateway's HTTP API on
-    (stack.http_url); api_key makes the gateway require it."""
+    (stack.http_url); api_key makes the gateway require it; data_parallel_size > 1 starts that
+    many replicas (scheduler + engine) behind the gateway."""
     model_args = ["--model", str(model)] if model else []
     engine, *fake_config = service_configs(
         "engine", [*(["--fake"] if fake else model_args), *(engine_args or [])]
@@ -214,11 +216,12 @@ def start_stack(
     if api_key:
         gateway = replace(gateway, api_key=api_key)
     (scheduler,) = service_configs("scheduler", list(scheduler_args or []))
-    base = local_stack(engine, scheduler, gateway, http=http)
+    base = local_stack(engine, scheduler, gateway, http=http, data_parallel_size=data_parallel_size)
     stack = Stack(
         engine=base.engine,
         scheduler=base.scheduler,
         gateway=base.gateway,
+        groups=base.groups,
         fake=fake_config[0] if fake_config else None,
         log_dir=log_dir,
         env={"LLMSERVE_LOG_LEVEL": "INFO", **(env or {})},

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
-import scheduler.block_manager as block_manager_module
+import common.block_hash
 from scheduler.block_manager import BlockManager
 from scheduler.request import Request, SamplingParams
 
@@ -277,7 +277,7 @@ def test_hash_collision_is_rejected_by_comparing_tokens(
     t: Tracker, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Every block hashes to 42: any lookup finds a block, only the stored key can tell.
-    monkeypatch.setattr(block_manager_module, "hash", lambda _: 42, raising=False)
+    monkeypatch.setattr(common.block_hash, "hash", lambda _: 42, raising=False)
     bm = t.new(8)
     a = t.request(1, tokens(0, 9))
     compute(bm, a, 9)
@@ -455,3 +455,17 @@ def test_double_free_is_caught() -> None:
     a.block_table = table
     with pytest.raises(AssertionError, match="freed twice"):
         bm.free(a)
+
+
+def test_block_hashes_are_the_rule_the_gateway_routes_by(t: Tracker) -> None:
+    """The scheduler's cached-block hashes are exactly common.block_hash's chain of the prompt's
+    full blocks, which the gateway's prefix routing computes from token ids alone."""
+    from common.block_hash import block_hashes, hash_block
+
+    bm = t.new(8)
+    a = t.request(1, tokens(0, 10))
+    compute(bm, a, 10)
+    assert a.block_hashes == block_hashes(tokens(0, 10), 4)
+    h0 = hash_block(0, [0, 1, 2, 3])
+    assert a.block_hashes == [h0, hash_block(h0, [4, 5, 6, 7])]
+    assert block_hashes(tokens(0, 10), 4, max_blocks=1) == [h0]

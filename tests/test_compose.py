@@ -38,13 +38,43 @@ SCHEMA = ROOT / "tests" / "data" / "compose-spec.schema.json"
 ADDRESS_FLAGS = {"--engine-address": "engine", "--scheduler-address": "scheduler"}
 
 
+REPLICAS = ROOT / "compose.replicas.yaml"  # `-f compose.yaml -f compose.replicas.yaml`
+
+
 @pytest.fixture(scope="module")
 def compose() -> dict[str, Any]:
     return yaml.safe_load((ROOT / "compose.yaml").read_text())
 
 
-def test_compose_matches_the_specification(compose: dict[str, Any]) -> None:
-    jsonschema.validate(compose, json.loads(SCHEMA.read_text()))
+def _merge(base: Any, override: Any) -> Any:
+    """override on top of base as compose merges files: mappings key by key, anything else
+    (a command, a volume list) replaced."""
+    if isinstance(base, dict) and isinstance(override, dict):
+        return {k: _merge(base[k], v) if k in base else v for k, v in override.items()} | {
+            k: v for k, v in base.items() if k not in override
+        }
+    return override
+
+
+def _with_replicas(compose: dict[str, Any]) -> dict[str, Any]:
+    """compose.yaml with compose.replicas.yaml on top (services that `extends` one of
+    compose.yaml's start from it)."""
+    merged = json.loads(json.dumps(compose))
+    for name, svc in yaml.safe_load(REPLICAS.read_text())["services"].items():
+        svc = dict(svc)
+        extends = svc.pop("extends", None)
+        if extends is not None:
+            assert extends["file"] == "compose.yaml"
+            base = compose["services"][extends["service"]]
+        else:
+            base = merged["services"].get(name, {})
+        merged["services"][name] = _merge(json.loads(json.dumps(base)), svc)
+    return merged
+
+
+@pytest.mark.parametrize("path", [ROOT / "compose.yaml", REPLICAS], ids=lambda p: p.name)
+def test_compose_matches_the_specification(path: Path) -> None:
+    jsonschema.validate(yaml.safe_load(path.read_text()), json.loads(SCHEMA.read_text()))
 
 
 def test_schema_rejects_a_typo(compose: dict[str, Any]) -> None:
@@ -137,13 +167,19 @@ def _reach(active: dict[str, dict[str, Any]], who: str, address: str) -> str:
     return found[0]
 
 
-@pytest.mark.parametrize("profile", ["cpu", "gpu", "gpu-tp"])
-def test_every_address_reaches_one_listening_service(compose: dict[str, Any], profile: str) -> None:
+@pytest.mark.parametrize(
+    ("profile", "replicas"),
+    [("cpu", False), ("gpu", False), ("gpu-tp", False), ("cpu", True), ("gpu", True)],
+    ids=["cpu", "gpu", "gpu-tp", "cpu+replicas", "gpu+replicas"],
+)  # compose.replicas.yaml adds a second replica to the cpu and gpu profiles
+def test_every_address_reaches_one_listening_service(
+    compose: dict[str, Any], profile: str, replicas: bool
+) -> None:
     """Under `--profile <profile>`: the scheduler reaches one engine and the gateway the
     scheduler; OTLP goes to the collector's receiver and on to Jaeger; each health check asks its
     own service's gRPC port; Prometheus scrapes every llmserve service's metrics port; every
     dependency is started, and a health-gated one has a health check."""
-    active = _active(compose, profile)
+    active = _active(_with_replicas(compose) if replicas else compose, profile)
     commands = {n: _command(n, s) for n, s in active.items() if _is_llmserve(s)}
     llmserve = {n: a for n, a in commands.items() if a.command != "internal-token"}
     assert {a.command for a in llmserve.values()} == {"engine", "scheduler", "gateway"}
@@ -158,13 +194,16 @@ def test_every_address_reaches_one_listening_service(compose: dict[str, Any], pr
             assert dep in active, f"{name} depends on {dep}, which {profile} does not start"
             if spec["condition"] == "service_healthy":
                 assert "healthcheck" in active[dep], f"{name} waits for {dep}'s health"
+    reached: dict[str, set[str]] = {}  # role -> the services some address reaches
     for name, args in llmserve.items():
         svc = active[name]
         for flag, role in ADDRESS_FLAGS.items():
             dest = flag.removeprefix("--").replace("-", "_")
-            if hasattr(args, dest):
-                target = _reach(active, f"{name} {flag}", getattr(args, dest))
+            values = getattr(args, dest, [])
+            for value in [values] if isinstance(values, str) else values:
+                target = _reach(active, f"{name} {flag}", value)
                 assert llmserve[target].command == role, f"{name} {flag} reaches {target}"
+                reached.setdefault(role, set()).add(target)
         otlp = svc["environment"]["OTEL_EXPORTER_OTLP_ENDPOINT"]
         assert _reach(active, name, otlp) == "otel-collector"
         test = svc["healthcheck"]["test"]
@@ -172,6 +211,8 @@ def test_every_address_reaches_one_listening_service(compose: dict[str, Any], pr
         health = _args(f"{name} health check", test[2:], svc.get("environment", {}))
         own = f"localhost:{args.port}"
         assert (health.command, health.address) == ("health", own), f"{name}'s health check"
+    num_replicas = 2 if replicas else 1  # each scheduler reached, each reaching its own engine
+    assert (len(reached["scheduler"]), len(reached["engine"])) == (num_replicas, num_replicas)
     outbound = [e for e in _endpoints(_collector_config(active["otel-collector"]))
                 if not e.startswith("0.0.0.0:")]  # fmt: skip
     for endpoint in outbound:

@@ -1,0 +1,43 @@
+"""The prefix cache's block hash rule, shared by the scheduler (which caches blocks by it) and the
+gateway (which routes a prompt to the replica that already holds its first blocks).
+
+A full block's hash chains its parent's: hash(parent hash, its tokens), the first block's parent
+being 0, so a hash names a block's whole prefix, not only its own tokens:
+
+    tokens:  |<- block 0 ->|<- block 1 ->|<- block 2 ->|<- partial: no hash ->|
+    hashes:   h0 = H(0, b0)  h1 = H(h0, b1)  h2 = H(h1, b2)
+
+Python's hash of a tuple of ints is the same in every process (no hash randomization for ints),
+so the gateway and the scheduler agree without sharing state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+def hash_block(parent: int, token_ids: Sequence[int]) -> int:
+    """The hash of a block of token_ids whose previous block hashed to parent (0 for none)."""
+    return hash((parent, tuple(token_ids)))
+
+
+def extend_block_hashes(
+    hashes: list[int], token_ids: Sequence[int], block_size: int, num_blocks: int
+) -> list[int]:
+    """Append to hashes (those of token_ids' first len(hashes) blocks) the hashes of its blocks up
+    to num_blocks; num_blocks must not exceed the full blocks of token_ids. Returns hashes."""
+    assert block_size > 0 and num_blocks * block_size <= len(token_ids)
+    for i in range(len(hashes), num_blocks):
+        parent = hashes[-1] if hashes else 0
+        hashes.append(hash_block(parent, token_ids[i * block_size : (i + 1) * block_size]))
+    return hashes
+
+
+def block_hashes(
+    token_ids: Sequence[int], block_size: int, max_blocks: int | None = None
+) -> list[int]:
+    """The chained hashes of token_ids' full blocks (at most max_blocks of them), in order."""
+    num_blocks = len(token_ids) // block_size
+    if max_blocks is not None:
+        num_blocks = min(num_blocks, max_blocks)
+    return extend_block_hashes([], token_ids, block_size, num_blocks)
