@@ -269,23 +269,26 @@ def test_metrics_match_what_clients_saw(metrics_stack: tuple[Stack, dict[str, in
     assert _total(sc, "llmserve_scheduler_requests_running") == 0
     assert _total(sc, "llmserve_kv_cache_usage") == 0
     assert _total(sc, "llmserve_kv_cache_blocks_free") == 64
-    # Every step the scheduler timed is one the engine ran. With overlap a step planned ahead
-    # of the last result (for a request that had just finished) may still be in flight when the
-    # scheduler turns idle: its forward and its timing land a moment later, so read both sides
-    # once they have settled.
+    # Every step the scheduler planned is one the engine ran and the scheduler timed. With
+    # overlap a step planned ahead of the last result (for a request that had just finished)
+    # may still be in flight when the scheduler turns idle: it is counted as planned at once,
+    # as run and timed a moment later, so read all sides once they have settled.
     deadline = time.monotonic() + 10
     while True:
+        planned = stack.stats()
         steps = _total(
             _scrape(ports["scheduler"]), "llmserve_scheduler_step_duration_seconds_count"
         )
         en = _scrape(ports["engine"])
         forwards = _total(en, "llmserve_engine_forward_duration_seconds_count")
-        if forwards == steps or time.monotonic() > deadline:
+        tokens = _total(en, "llmserve_engine_tokens_total")
+        settled = forwards == steps == planned.num_steps
+        if (settled and tokens == planned.num_scheduled_tokens) or time.monotonic() > deadline:
             break
         time.sleep(0.1)
     assert steps >= max(c.completion_tokens for c in done)
-    assert forwards == steps
-    assert _total(en, "llmserve_engine_tokens_total") == stack.stats().num_scheduled_tokens
+    assert forwards == steps == planned.num_steps
+    assert tokens == planned.num_scheduled_tokens
 
 
 # -- configuration -------------------------------------------------------------------------------
