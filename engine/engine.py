@@ -191,7 +191,9 @@ class Engine:
             tensor_parallel_size=config.tensor_parallel_size,
             pipeline_parallel_size=config.pipeline_parallel_size,
             speculative_method=self.proposer.name if self.proposer is not None else "",
-            num_speculative_tokens=config.num_speculative_tokens if self.proposer else 0,
+            num_speculative_tokens=config.num_speculative_tokens
+            if self.proposer is not None
+            else 0,
         )
         log.info(
             "engine loaded",
