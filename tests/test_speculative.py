@@ -390,3 +390,69 @@ def test_greedy_identity_through_the_stack(
         assert (stats.num_preemptions > 0) == (num_kv_blocks == 24)
     finally:
         stack.close()
+
+
+# -- the whole stack, the echo engine: HTTP, gRPC, stop strings, n > 1, /metrics ------------------
+
+
+def test_echo_stack_http_grpc_stop_strings_and_metrics(tokenizer_dir: Path, tmp_path: Path) -> None:
+    """The echo engine speculating (4 proposals a step, every third wrong) behind the real
+    scheduler and gateway: the OpenAI body's `disable_speculation` and gRPC's give the same
+    text, with no verification for the requests that turned it off; a stop string inside a
+    verified bundle ends the text before it; n = 2 choices each get the whole echo; the
+    scheduler's /metrics carry the acceptance counts by position and the two gauges; every
+    block is free after."""
+    import httpx2
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from llmserve.client import make_request
+    from tests.stack import free_port, start_echo_stack
+
+    port = free_port()
+    stack = start_echo_stack(
+        tokenizer_dir, tmp_path, "--fake-num-speculative-tokens", "4",
+        scheduler=("--metrics-port", str(port)), http=True,
+    )  # fmt: skip
+    try:
+        prompt = "abcdefghijklmnopqrstuvwxyz"
+        body = {"model": "x", "prompt": prompt, "max_tokens": 20, "ignore_eos": True}
+        url = f"{stack.http_url}/completions"
+        off = httpx2.post(url, json={**body, "disable_speculation": True}).json()
+        assert off["choices"][0]["text"] == prompt[:20]
+        assert stack.stats().num_spec_rows == 0
+        on = httpx2.post(url, json={**body, "n": 2}).json()
+        assert [c["text"] for c in on["choices"]] == [prompt[:20]] * 2
+        rows = stack.stats().num_spec_rows
+        assert rows > 0
+        stopped = httpx2.post(url, json={**body, "stop": ["klm"]}).json()
+        assert stopped["choices"][0]["text"] == prompt[:10]
+        with stack.client() as client:
+            request = make_request(text=prompt, max_tokens=20, ignore_eos=True)
+            assert client.generate(request).text == prompt[:20]
+            request.disable_speculation = True
+            before = stack.stats().num_spec_rows
+            assert client.generate(request).text == prompt[:20]
+            assert stack.stats().num_spec_rows == before
+        stats = stack.assert_idle()
+        metrics_body = httpx2.get(f"http://127.0.0.1:{port}/metrics").text
+        samples = {
+            (s.name, s.labels.get("position")): s.value
+            for family in text_string_to_metric_families(metrics_body)
+            for s in family.samples
+        }
+        assert samples[("llmserve_spec_decode_verifications_total", None)] == stats.num_spec_rows
+        for j, (draft, accepted) in enumerate(
+            zip(
+                stats.num_spec_draft_tokens_per_pos,
+                stats.num_spec_accepted_tokens_per_pos,
+                strict=True,
+            )
+        ):
+            assert samples[("llmserve_spec_decode_draft_tokens_total", str(j))] == draft
+            assert samples[("llmserve_spec_decode_accepted_tokens_total", str(j))] == accepted
+        rate = stats.num_spec_accepted_tokens / stats.num_spec_draft_tokens
+        assert samples[("llmserve_spec_decode_acceptance_rate", None)] == pytest.approx(rate)
+        length = 1 + stats.num_spec_accepted_tokens / stats.num_spec_rows
+        assert samples[("llmserve_spec_decode_mean_accepted_length", None)] == pytest.approx(length)
+    finally:
+        stack.close()
