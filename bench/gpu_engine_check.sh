@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Issue 4 on the GPU machine, in one call: the GPU tests (engine and kernels), issue 15's engine
+# Issue 4 on the GPU machine, in one call: the GPU tests (engine and kernels; issue 17: greedy
+# tokens with speculative decoding equal to those without), issue 15's engine
 # group tests (a one-rank NCCL group; gloo groups on the CPUs), bench/gpu_engine.py
 # for the Llama-3-8B and SmolLM2-135M shapes (dummy weights, bf16, the whole stack), then a short
 # kernel benchmark; then issue 14's quantized runs of the 8B shape (int8 and fp8 weights, fp8 KV:

@@ -14,6 +14,8 @@ LOAD_FORMATS = ("auto", "dummy")
 ATTENTION_BACKENDS = ("auto", "torch", "cuda")
 QUANTIZATIONS = ("auto", "none", "int8", "fp8")
 KV_CACHE_DTYPES = ("auto", "bf16", "fp16", "fp8")
+SPECULATIVE_METHODS = ("none", "ngram", "draft")
+MAX_SPECULATIVE_TOKENS = 16
 
 
 @dataclass(frozen=True)
@@ -86,6 +88,22 @@ class EngineConfig(PeerSecurity):
         "torch, saying why",
         choices=ATTENTION_BACKENDS,
     )
+    speculative_method: str = setting(
+        "none",
+        "speculative decoding: ngram = propose the tokens that followed the latest earlier match "
+        "of the last --ngram-max..--ngram-min tokens (prompt lookup); draft = the model's first "
+        "--draft-num-layers layers and its LM head (self-speculation); none = off. Greedy and "
+        "seeded outputs stay token for token what they are without it",
+        choices=SPECULATIVE_METHODS,
+    )
+    num_speculative_tokens: int = setting(
+        4, "with --speculative-method: tokens proposed per request and step, at most"
+    )
+    ngram_max: int = setting(4, "--speculative-method ngram: the longest n-gram matched")
+    ngram_min: int = setting(2, "--speculative-method ngram: the shortest n-gram matched")
+    draft_num_layers: int = setting(
+        0, "--speculative-method draft: the target's first layers run as the draft (0: a third)"
+    )
 
     tensor_parallel_size: int = setting(
         1,
@@ -133,10 +151,32 @@ class EngineConfig(PeerSecurity):
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         if not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"node_rank={self.node_rank} must be in [0, nnodes={self.nnodes})")
+        self._check_speculation()
         if self.world_size % self.nnodes:
             raise ValueError(
                 f"tensor_parallel_size x pipeline_parallel_size = {self.world_size} ranks do not "
                 f"split evenly over nnodes={self.nnodes}"
+            )
+
+    def _check_speculation(self) -> None:
+        if self.speculative_method == "none":
+            return
+        if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(
+                f"num_speculative_tokens={self.num_speculative_tokens} must be in "
+                f"[1, {MAX_SPECULATIVE_TOKENS}]"
+            )
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError(
+                f"ngram_min={self.ngram_min} and ngram_max={self.ngram_max} need "
+                f"1 <= ngram_min <= ngram_max"
+            )
+        if self.draft_num_layers < 0:
+            raise ValueError(f"draft_num_layers={self.draft_num_layers} must be >= 0")
+        if self.world_size > 1:
+            raise ValueError(
+                f"speculative_method={self.speculative_method!r} needs a single-rank engine; "
+                f"tensor_parallel_size x pipeline_parallel_size = {self.world_size}"
             )
 
     @property

@@ -28,6 +28,10 @@ class EngineInfo:
     # steps in flight, holding disjoint requests.
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    # Speculative decoding: how the engine proposes tokens ("" for none), and at most how many
+    # per request and step (the scheduler's lookahead slots).
+    speculative_method: str = ""
+    num_speculative_tokens: int = 0
 
 
 @dataclass
@@ -50,6 +54,8 @@ class RunningData:
     num_computed_tokens: list[int] = field(default_factory=list)
     num_new_blocks: list[int] = field(default_factory=list)
     new_block_ids: list[int] = field(default_factory=list)
+    # Speculative decoding: KV slots row i may fill with tokens the engine proposes (empty: 0).
+    num_lookahead_tokens: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -62,7 +68,10 @@ class StepPlanData:
 
 @dataclass
 class StepOutput:
-    """One step's results, one row per plan row (new requests first, then running ones)."""
+    """One step's results, per plan row (new requests first, then running ones): one token each,
+    or num_sampled_tokens[i] for row i when that is not empty (speculative decoding: the accepted
+    proposals, then the token sampled after them). Per-token columns (logprobs, top logprob
+    counts) follow sampled_token_ids."""
 
     sampled_token_ids: list[int]  # -1 where the request is mid-prefill
     # The chosen tokens' logprobs, NaN on rows that did not ask (or sampled nothing); None when
@@ -70,14 +79,26 @@ class StepOutput:
     logprobs: list[float] | None
     forward_ms: float
     sample_ms: float
-    # When a row asked for top logprobs: how many each row returns (its request's top_logprobs,
-    # 0 where it sampled nothing), and those entries, row after row, most likely first.
+    # When a row asked for top logprobs: how many each token returns (its request's top_logprobs,
+    # 0 where it sampled nothing), and those entries, token after token, most likely first.
     num_top_logprobs: list[int] = field(default_factory=list)
     top_token_ids: list[int] = field(default_factory=list)
     top_logprobs: list[float] = field(default_factory=list)
     # Requests the engine refused (new ones it cannot run): ids and why. Their rows sample nothing.
     refused_seq_ids: list[int] = field(default_factory=list)
     refusal_reasons: list[str] = field(default_factory=list)
+    # Speculative decoding, per row when any row had lookahead slots (else empty): tokens the
+    # engine proposed, and tokens the row returns (accepted proposals + 1).
+    num_draft_tokens: list[int] = field(default_factory=list)
+    num_sampled_tokens: list[int] = field(default_factory=list)
+
+    def token_offsets(self) -> list[int]:
+        """Where each row's tokens start in sampled_token_ids, and (last) their total."""
+        counts = self.num_sampled_tokens or [1] * len(self.sampled_token_ids)
+        offsets = [0]
+        for n in counts:
+            offsets.append(offsets[-1] + n)
+        return offsets
 
 
 @dataclass(frozen=True)
@@ -97,15 +118,20 @@ def with_refused_rows(output: StepOutput, refusals: list[Refusal]) -> StepOutput
         return output
     tokens, logprobs = list(output.sampled_token_ids), output.logprobs
     counts = list(output.num_top_logprobs)
+    drafts, num_sampled = list(output.num_draft_tokens), list(output.num_sampled_tokens)
     for refusal in sorted(refusals, key=lambda r: r.row):
-        tokens.insert(refusal.row, -1)
+        at = refusal.row if not num_sampled else sum(num_sampled[: refusal.row])
+        tokens.insert(at, -1)
         if logprobs is not None:
-            logprobs = [*logprobs[: refusal.row], math.nan, *logprobs[refusal.row :]]
+            logprobs = [*logprobs[:at], math.nan, *logprobs[at:]]
         if counts:
-            counts.insert(refusal.row, 0)
+            counts.insert(at, 0)
+        if num_sampled:
+            num_sampled.insert(refusal.row, 1)
+            drafts.insert(refusal.row, 0)
     refused = [r for r in refusals if r.reason is not None]
     return StepOutput(
         tokens, logprobs, output.forward_ms, output.sample_ms, counts,
         output.top_token_ids, output.top_logprobs,
-        [r.seq_id for r in refused], [r.reason or "" for r in refused],
+        [r.seq_id for r in refused], [r.reason or "" for r in refused], drafts, num_sampled,
     )  # fmt: skip

@@ -29,6 +29,7 @@ def plan_from_proto(msg: engine_pb2.StepPlan) -> StepPlanData:
         num_computed_tokens=list(run.num_computed_tokens),
         num_new_blocks=list(run.num_new_blocks),
         new_block_ids=list(run.new_block_ids),
+        num_lookahead_tokens=list(run.num_lookahead_tokens),
     )
     new = [_new_request(r) for r in msg.new_requests]
     return StepPlanData(msg.step_id, list(msg.finished_seq_ids), new, running)

@@ -36,6 +36,7 @@ from engine.memory import (
 from engine.mirror import Mirror, StepBatch
 from engine.ops import select_ops
 from engine.parallel import Parallel, shard_config, whole_model
+from engine.proposer import make_proposer
 from engine.quant import quantization_limits
 from engine.runner import LaunchedStep, ModelRunner, StepTimer
 from engine.sampler import Sampler
@@ -172,6 +173,7 @@ class Engine:
         graphs, graph_info = self._capture_graphs(kv_caches)
         self.timeline: Timeline = make_timeline(self.device)
         self.runner = self._make_runner(kv_caches, graphs=graphs, timeline=self.timeline)
+        self.proposer = make_proposer(config, self.model, kv_caches)
         # Launched steps whose tokens are not on the host yet, oldest first.
         self.unresolved: deque[LaunchedStep] = deque()
         self.reset()
@@ -188,6 +190,10 @@ class Engine:
             max_num_batched_tokens=config.max_num_batched_tokens,
             tensor_parallel_size=config.tensor_parallel_size,
             pipeline_parallel_size=config.pipeline_parallel_size,
+            speculative_method=self.proposer.name if self.proposer is not None else "",
+            num_speculative_tokens=config.num_speculative_tokens
+            if self.proposer is not None
+            else 0,
         )
         log.info(
             "engine loaded",
@@ -196,6 +202,7 @@ class Engine:
             device=str(self.device),
             dtype=self.info.dtype,
             quantization=self.quantization,
+            speculative_method=self.info.speculative_method or "none",
             kv_cache_dtype=str(self.kv_dtype).removeprefix("torch."),
             ops=ops.name,
             ops_reason=ops_reason,
@@ -309,6 +316,8 @@ class Engine:
         while len(self.unresolved) > 1:
             self._resolve_oldest()
         batch = self.mirror.apply(plan)
+        if batch.has_lookahead:
+            return self._speculate(batch)
         if self.unresolved and _needs_host_tokens(batch):
             self._resolve_oldest()
         if not batch.rows:
@@ -316,6 +325,20 @@ class Engine:
         step = self.runner.launch(batch, self.unresolved[-1] if self.unresolved else None)
         self.mirror.commit_pending(batch)
         self.unresolved.append(step)
+        return step
+
+    def _speculate(self, batch: StepBatch) -> LaunchedStep:
+        """Run a step with lookahead slots to its end: propose tokens from the requests' known
+        ones (steps before it resolved first), verify them in one forward, commit every token
+        the rows return. Nothing of it stays on the device for the next step."""
+        while self.unresolved:
+            self._resolve_oldest()
+        if self.proposer is not None:
+            self.proposer.propose(batch)
+        output, tokens = self.runner.verify(batch)
+        self.mirror.commit_tokens(batch, tokens)
+        step = _empty_step(batch)
+        step.output = with_refused_rows(output, batch.refusals)
         return step
 
     def finish(self, step: LaunchedStep) -> StepOutput:

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from common.flags import setting
 from engine.config import EngineConfig
 from engine.contract import EngineInfo, StepOutput, StepPlanData, with_refused_rows
-from engine.mirror import Mirror, MirrorMismatch
+from engine.mirror import Mirror, MirrorMismatch, ScheduledSeq
 
 
 @dataclass
@@ -57,6 +57,11 @@ class FakeEngineConfig:
     pipeline_parallel_size: int = setting(
         1, "pipeline stages it pretends to have (each step_delay_ms / P; P steps in flight)"
     )
+    num_speculative_tokens: int = setting(
+        0,
+        "speculative decoding it pretends to do: proposals per request and step (the echo, "
+        "wrong at every output index i with i % 3 == 2, so some are rejected)",
+    )
 
     def __post_init__(self) -> None:
         if self.pipeline_parallel_size < 1:
@@ -80,6 +85,8 @@ class FakeEngine:
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             pipeline_parallel_size=fake.pipeline_parallel_size,
+            speculative_method="echo" if fake.num_speculative_tokens else "",
+            num_speculative_tokens=fake.num_speculative_tokens,
         )
         self.step_delay_ms = fake.step_delay_ms
         self.mirror = Mirror(config.block_size, num_blocks, fake.vocab_size)
@@ -138,20 +145,49 @@ class FakeEngine:
 
     def _run(self, plan: StepPlanData) -> StepOutput:
         batch = self.mirror.apply(plan)
-        tokens = [
-            r.seq.token_ids[r.seq.num_output_tokens % r.seq.num_prompt_tokens] if r.samples else -1
-            for r in batch.rows
-        ]
-        self.mirror.commit(batch, tokens)
+        tokens = [_echo_tokens(r, self.info.vocab_size) for r in batch.rows]
+        if batch.has_lookahead:
+            self.mirror.commit_tokens(batch, tokens)
+        else:
+            self.mirror.commit(batch, [t[0] for t in tokens])
         self.num_steps += 1
-        asked = [r.samples and r.seq.sampling.logprobs for r in batch.rows]
+        flat = [t for row_tokens in tokens for t in row_tokens]
+        rows = [r for r, row_tokens in zip(batch.rows, tokens, strict=True) for _ in row_tokens]
+        asked = [r.samples and r.seq.sampling.logprobs for r in rows]
         logprobs = [0.0 if a else float("nan") for a in asked] if any(asked) else None
-        output = StepOutput(tokens, logprobs, 0.0, 0.0)
+        output = StepOutput(flat, logprobs, 0.0, 0.0)
+        if batch.has_lookahead:
+            output.num_draft_tokens = [len(r.draft_token_ids) for r in batch.rows]
+            output.num_sampled_tokens = [len(t) for t in tokens]
         if any(r.seq.sampling.top_logprobs for r in batch.rows):
             vocab = self.info.vocab_size
-            for row, t in zip(batch.rows, tokens, strict=True):
+            for row, t in zip(rows, flat, strict=True):
                 k = row.seq.sampling.top_logprobs if row.samples else 0
                 output.num_top_logprobs.append(k)
                 output.top_token_ids += [(t + j) % vocab for j in range(k)]
                 output.top_logprobs += [float(-j) for j in range(k)]
         return with_refused_rows(output, batch.refusals)
+
+
+def _echo_tokens(row: ScheduledSeq, vocab_size: int) -> list[int]:
+    """row's tokens: [-1] mid-prefill; else the echo (output i = prompt token i mod its length),
+    after proposing its lookahead slots' worth of it, wrong where i % 3 == 2, and accepting
+    proposals up to the first wrong one (the echo follows it, so the output is the same)."""
+    if not row.samples:
+        return [-1]
+    seq = row.seq
+
+    def echo(i: int) -> int:
+        return seq.token_ids[i % seq.num_prompt_tokens]
+
+    n = seq.num_output_tokens
+    row.draft_token_ids = [
+        echo(i) if i % 3 != 2 else (echo(i) + 1) % vocab_size
+        for i in range(n, n + row.num_lookahead_tokens)
+    ]
+    tokens = []
+    for i, proposed in enumerate(row.draft_token_ids, start=n):
+        tokens.append(echo(i))
+        if proposed != echo(i):
+            return tokens
+    return [*tokens, echo(n + len(row.draft_token_ids))]

@@ -10,6 +10,10 @@ or not the scheduler planned ahead. A step may be committed before its sampled t
 host (`commit_pending`): a sampling row appends PLACEHOLDER, noting the step and batch row that
 sampled it (the next step gathers the token from there on the device), and `resolve` writes the
 real token once it is known. Counts never wait for token values.
+
+Speculative decoding: a sampling row may come with lookahead slots, which the engine fills with
+tokens it proposes (`draft_token_ids`) and verifies in the same forward. Such a step is resolved
+before the next one is applied (`commit_tokens`): a row then appends every token it returns.
 """
 
 from __future__ import annotations
@@ -54,9 +58,14 @@ class ScheduledSeq:
     num_scheduled_tokens: int
     # Whether this step completes the request's tokens, so its sample is kept (one token rule).
     samples: bool
+    # KV slots after `end` the engine may fill with proposed tokens, and the tokens it proposed
+    # (at most that many; the proposer sets them before the step runs).
+    num_lookahead_tokens: int = 0
+    draft_token_ids: list[int] = field(default_factory=list)
 
     @property
     def end(self) -> int:
+        """The end of the known tokens this step computes (proposals come after it)."""
         return self.start + self.num_scheduled_tokens
 
 
@@ -68,7 +77,11 @@ class StepBatch:
 
     @property
     def num_tokens(self) -> int:
-        return sum(r.num_scheduled_tokens for r in self.rows)
+        return sum(r.num_scheduled_tokens + len(r.draft_token_ids) for r in self.rows)
+
+    @property
+    def has_lookahead(self) -> bool:
+        return any(r.num_lookahead_tokens for r in self.rows)
 
 
 class Mirror:
@@ -111,7 +124,8 @@ class Mirror:
                 continue
             batch.rows.append(self._add(new, sampling))
         run = plan.running
-        columns = (run.num_scheduled_tokens, run.num_computed_tokens, run.num_new_blocks)
+        lookahead = run.num_lookahead_tokens or [0] * len(run.seq_ids)
+        columns = (run.num_scheduled_tokens, run.num_computed_tokens, run.num_new_blocks, lookahead)
         if any(len(c) != len(run.seq_ids) for c in columns):
             raise MirrorMismatch("running columns differ in length")
         offset = 0
@@ -135,7 +149,7 @@ class Mirror:
                 )
             )
             offset += count
-            batch.rows.append(self._schedule(seq, run.num_scheduled_tokens[i]))
+            batch.rows.append(self._schedule(seq, run.num_scheduled_tokens[i], lookahead[i]))
         if offset != len(run.new_block_ids):
             raise MirrorMismatch("new_block_ids longer than num_new_blocks says")
         return batch
@@ -185,18 +199,25 @@ class Mirror:
             raise MirrorMismatch(f"seq {seq_id}: a block id appears twice in its block table")
         return list(block_ids)
 
-    def _schedule(self, seq: SeqState, num_scheduled: int) -> ScheduledSeq:
+    def _schedule(self, seq: SeqState, num_scheduled: int, num_lookahead: int = 0) -> ScheduledSeq:
         end = seq.num_computed_tokens + num_scheduled
         if num_scheduled < 1 or end > len(seq.token_ids):
             raise MirrorMismatch(
                 f"seq {seq.seq_id}: {num_scheduled} tokens scheduled after "
                 f"{seq.num_computed_tokens} computed, but it has {len(seq.token_ids)} tokens"
             )
-        if len(seq.block_table) * self.block_size < end:
+        samples = end == len(seq.token_ids)
+        if num_lookahead < 0 or (num_lookahead and not samples):
             raise MirrorMismatch(
-                f"seq {seq.seq_id}: {len(seq.block_table)} blocks cannot hold {end} tokens"
+                f"seq {seq.seq_id}: {num_lookahead} lookahead slots on a row that "
+                f"{'samples' if samples else 'does not sample'}"
             )
-        return ScheduledSeq(seq, seq.num_computed_tokens, num_scheduled, end == len(seq.token_ids))
+        if len(seq.block_table) * self.block_size < end + num_lookahead:
+            raise MirrorMismatch(
+                f"seq {seq.seq_id}: {len(seq.block_table)} blocks cannot hold "
+                f"{end + num_lookahead} tokens"
+            )
+        return ScheduledSeq(seq, seq.num_computed_tokens, num_scheduled, samples, num_lookahead)
 
     def commit(self, batch: StepBatch, sampled_token_ids: list[int]) -> None:
         """One token rule, engine side: advance computed tokens; a request that reached its full
@@ -225,3 +246,26 @@ class Mirror:
             seq.token_ids[row.end] = token_id
             if seq.pending_step_id == batch.step_id:
                 seq.pending_step_id, seq.pending_row = 0, -1
+
+    def commit_tokens(self, batch: StepBatch, tokens: list[list[int]]) -> None:
+        """One token rule with proposals, for a step whose tokens are known (tokens[i]: row i's,
+        its accepted proposals then the token sampled after them). A sampling row counts the
+        accepted proposals as computed and appends every token:
+
+            before: |<- computed ->|<- scheduled ->|<- proposed ---->|
+            after:  |<- computed ------------------>|<- accepted ->|+ tokens[i][-1], not computed
+
+        A row that had lookahead slots keeps only the blocks its tokens need (the scheduler
+        frees the same ones): ceil(len(token_ids) / block_size)."""
+        for row, row_tokens in zip(batch.rows, tokens, strict=True):
+            seq = row.seq
+            seq.num_computed_tokens = row.end
+            if not row.samples:
+                continue
+            assert row_tokens[:-1] == row.draft_token_ids[: len(row_tokens) - 1], (
+                f"seq {seq.seq_id}: accepted tokens differ from the proposed ones"
+            )
+            seq.num_computed_tokens += len(row_tokens) - 1
+            seq.token_ids.extend(row_tokens)
+            if row.num_lookahead_tokens:
+                del seq.block_table[-(-len(seq.token_ids) // self.block_size) :]

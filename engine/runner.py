@@ -25,6 +25,7 @@ from engine.ops import AttentionContext
 from engine.parallel import Parallel
 from engine.sampler import Sampler, SamplerOutput, to_device
 from engine.timeline import NullTimeline, Timeline
+from protos.common_pb2 import SamplingParams
 
 
 class StepTimer:
@@ -121,12 +122,14 @@ class ModelRunner:
         cu_seqlens_q = [0]
         seq_lens: list[int] = []
         for row in batch.rows:
-            seq, start, end = row.seq, row.start, row.end
+            seq, start = row.seq, row.start
+            end = row.end + len(row.draft_token_ids)  # proposed tokens follow the known ones
             table = seq.block_table
-            input_ids.extend(seq.token_ids[start:end])
+            input_ids.extend(seq.token_ids[start : row.end])
+            input_ids.extend(row.draft_token_ids)
             positions.extend(range(start, end))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            cu_seqlens_q.append(cu_seqlens_q[-1] + row.num_scheduled_tokens)
+            cu_seqlens_q.append(cu_seqlens_q[-1] + end - start)
             seq_lens.append(end)
         max_blocks = max(-(-n // bs) for n in seq_lens)
         tables = [r.seq.block_table[:max_blocks] for r in batch.rows]
@@ -180,6 +183,42 @@ class ModelRunner:
         decode_only = is_decode_only(ctx.seq_lens, ctx.cu_seqlens_q)
         self.timeline.end(batch.step_id, len(ctx.seq_lens), ctx.cu_seqlens_q[-1], decode_only)
         return self._spread(batch, timer, sampling_rows, out)
+
+    @torch.inference_mode()
+    def verify(self, batch: StepBatch) -> tuple[StepOutput, list[list[int]]]:
+        """Run a step whose sampling rows may carry proposed tokens (row.draft_token_ids) and
+        wait for it: (its output, each row's tokens). Single rank only (the engine refuses
+        speculation with parallel ranks).
+
+        A row with d proposals is sampled at its last 1 + d positions, position j as if the
+        proposals before it had been generated (output index, penalty counts); proposal j is
+        accepted while it equals the token sampled at position j, and the row returns the
+        accepted ones and the token sampled after them. For a deterministic proposal q is
+        one-hot, and this is rejection sampling (Leviathan et al.): the proposal x is kept with
+        probability p(x), and on rejection the token is drawn from p without x, renormalized,
+        i.e. from max(p - q, 0). Each token is a draw from the target's distribution given the
+        tokens before it, so greedy output is exactly that of decoding without proposals, and a
+        seeded row's draws use the same (seed, output index) keys, so its output is too."""
+        assert self.parallel is None, "speculative decoding runs on a single rank"
+        t0 = time.perf_counter()
+        input_ids, positions, ctx = self._prepare(batch)
+        timer = StepTimer(self.device, t0)
+        hidden = self._forward(input_ids, positions, ctx)
+        index: list[int] = []
+        for i, row in enumerate(batch.rows):
+            if row.samples:
+                end = ctx.cu_seqlens_q[i + 1]
+                index.extend(range(end - 1 - len(row.draft_token_ids), end))
+        out = None
+        if index:
+            logits = self.model.compute_logits(hidden[to_device(index, torch.long, self.device)])
+            timer.mark()
+            params, output_indices, outputs = _positions_to_sample(batch.rows)
+            out = self.sampler.sample(logits, params, output_indices, outputs)
+        else:
+            timer.mark()
+        timer.mark()
+        return _verified_output(batch, out, timer)
 
     def collect(self, step: LaunchedStep) -> StepOutput:
         """Wait for a launched step's results to reach the host; its StepOutput."""
@@ -311,6 +350,76 @@ def _penalized_outputs(rows: list[ScheduledSeq]) -> list[list[int]]:
         r.seq.token_ids[r.seq.num_prompt_tokens :] if has_penalties(r.seq.sampling) else []
         for r in rows
     ]
+
+
+def _positions_to_sample(
+    rows: list[ScheduledSeq],
+) -> tuple[list[SamplingParams], list[int], list[list[int]]]:
+    """The sampler's inputs for verify: per sampled position (a sampling row's last 1 + d),
+    its request's params, its output index, and its generated tokens where it has penalties
+    (the proposals before the position counted as generated)."""
+    params: list[SamplingParams] = []
+    output_indices: list[int] = []
+    outputs: list[list[int]] = []
+    for row in rows:
+        if not row.samples:
+            continue
+        seq = row.seq
+        penalized = has_penalties(seq.sampling)
+        generated = seq.token_ids[seq.num_prompt_tokens :] if penalized else []
+        for j in range(len(row.draft_token_ids) + 1):
+            params.append(seq.sampling)
+            output_indices.append(seq.num_output_tokens + j)
+            outputs.append([*generated, *row.draft_token_ids[:j]] if penalized else [])
+    return params, output_indices, outputs
+
+
+def _accepted(sampled: list[int], proposed: list[int]) -> list[int]:
+    """The tokens a row returns: sampled (one per position) up to and including the first that
+    differs from its proposal (all of them when every proposal holds)."""
+    n = 0
+    while n < len(proposed) and sampled[n] == proposed[n]:
+        n += 1
+    return sampled[: n + 1]
+
+
+def _verified_output(
+    batch: StepBatch, out: SamplerOutput | None, timer: StepTimer
+) -> tuple[StepOutput, list[list[int]]]:
+    """verify's StepOutput (tokens, logprobs and top logprobs per returned token) and each
+    row's tokens ([-1] where it samples nothing)."""
+    sampled = out.token_ids.tolist() if out is not None else []
+    lps = out.logprobs.tolist() if out is not None and out.logprobs is not None else None
+    top = out is not None and out.top_token_ids is not None and out.top_logprobs is not None
+    top_ids = out.top_token_ids.tolist() if top else []  # type: ignore[union-attr]
+    top_lps = out.top_logprobs.tolist() if top else []  # type: ignore[union-attr]
+    output = StepOutput([], [] if lps is not None else None, *timer.elapsed_ms())
+    tokens: list[list[int]] = []
+    position = 0
+    for row in batch.rows:
+        params = row.seq.sampling
+        if not row.samples:
+            row_tokens, positions = [-1], [-1]
+        else:
+            num_positions = len(row.draft_token_ids) + 1
+            row_sampled = sampled[position : position + num_positions]
+            row_tokens = _accepted(row_sampled, row.draft_token_ids)
+            positions = list(range(position, position + len(row_tokens)))
+            position += num_positions
+        tokens.append(row_tokens)
+        output.sampled_token_ids += row_tokens
+        output.num_draft_tokens.append(len(row.draft_token_ids))
+        output.num_sampled_tokens.append(len(row_tokens))
+        for p in positions:
+            if output.logprobs is not None:
+                keep = p >= 0 and params.logprobs and lps is not None
+                output.logprobs.append(lps[p] if keep else math.nan)  # type: ignore[index]
+            if top:
+                n = min(params.top_logprobs, len(top_ids[0])) if p >= 0 else 0
+                output.num_top_logprobs.append(n)
+                output.top_token_ids += top_ids[p][:n]
+                output.top_logprobs += top_lps[p][:n]
+    return output, tokens
 
 
 def _to_host(t: torch.Tensor | None) -> torch.Tensor | None:

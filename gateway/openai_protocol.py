@@ -52,6 +52,8 @@ class SamplingRequest(BaseModel):
     min_p: float | None = None
     ignore_eos: bool = False
     stop_token_ids: list[_INT32] | None = None
+    # Ours: decode this request without speculative decoding (protos/api.proto).
+    disable_speculation: bool = False
 
 
 class CompletionRequest(SamplingRequest):
@@ -251,7 +253,9 @@ def check_queue(n: int, num_prompts: int, max_waiting: int) -> None:
 def _sampling_fields(body: SamplingRequest, max_tokens: int | None) -> api_pb2.GenerateRequest:
     """The GenerateRequest fields the two endpoints share. The body's fields named as in
     common.SamplingParams go there as they are (unset ones keep the server's defaults)."""
-    req = api_pb2.GenerateRequest(ignore_eos=body.ignore_eos)
+    req = api_pb2.GenerateRequest(
+        ignore_eos=body.ignore_eos, disable_speculation=body.disable_speculation
+    )
     if max_tokens is not None:
         req.max_tokens = max_tokens
     for field in req.sampling.DESCRIPTOR.fields:

@@ -164,5 +164,6 @@ def validate(req: api_pb2.GenerateRequest, tokenizer: Tokenizer, limits: Limits)
         max_tokens=max_tokens,
         stop_token_ids=req.stop_token_ids,
         ignore_eos=req.ignore_eos,
+        disable_speculation=req.disable_speculation,
     )
     return ValidRequest(submit, list(req.stop))

@@ -247,6 +247,11 @@ def _add_client_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument(
+        "--disable-speculation",
+        action="store_true",
+        help="decode without the server's speculative decoding (same tokens, greedy or seeded)",
+    )
+    p.add_argument(
         "--json",
         action="store_true",
         help="print one JSON object with text, token_ids and finish_reason",
@@ -267,7 +272,12 @@ def _request(args: argparse.Namespace, **prompt: Any) -> Any:
     from llmserve.client import make_request
 
     fields = {name: getattr(args, name) for name in _SAMPLING_FLAGS}
-    return make_request(**prompt, **fields, ignore_eos=args.ignore_eos or None)
+    return make_request(
+        **prompt,
+        **fields,
+        ignore_eos=args.ignore_eos or None,
+        disable_speculation=args.disable_speculation or None,
+    )
 
 
 INTERRUPTED = 130  # the shell's code for a command ended by Ctrl-C

@@ -468,15 +468,20 @@ def serve_locally(
 
 def stats_delta(
     before: scheduler_pb2.SchedulerStats, after: scheduler_pb2.SchedulerStats
-) -> dict[str, float]:
+) -> dict[str, Any]:
     """The scheduler's counters accumulated between two scheduler_stats() readings, flat
-    (gauges taken from after)."""
+    (gauges taken from after; a repeated counter, such as per proposal position, as a list)."""
     gauges = {"num_running", "num_waiting", "num_free_blocks", "num_blocks"}
-    fields = [f.name for f in after.DESCRIPTOR.fields]
-    return {
-        k: float(getattr(after, k)) - (0.0 if k in gauges else float(getattr(before, k)))
-        for k in fields
-    }
+    delta: dict[str, Any] = {}
+    for descriptor in after.DESCRIPTOR.fields:
+        k = descriptor.name
+        a, b = getattr(after, k), getattr(before, k)
+        if not isinstance(a, int | float):  # a repeated field
+            b = list(b) + [0] * (len(a) - len(b))
+            delta[k] = [float(x - y) for x, y in zip(a, b, strict=False)]
+        else:
+            delta[k] = float(a) - (0.0 if k in gauges else float(b))
+    return delta
 
 
 # -- `llmserve serve`'s flags: the three services' settings, each written once ---------------------

@@ -8,20 +8,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class SubmitRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "max_tokens", "stop_token_ids", "ignore_eos")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "max_tokens", "stop_token_ids", "ignore_eos", "disable_speculation")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    DISABLE_SPECULATION_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
     max_tokens: int
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
     ignore_eos: bool
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
+    disable_speculation: bool
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., disable_speculation: _Optional[bool] = ...) -> None: ...
 
 class SubmitResponse(_message.Message):
     __slots__ = ("token_ids", "logprobs", "finish_reason", "num_prompt_tokens", "num_cached_tokens", "top_logprobs")
@@ -76,7 +78,7 @@ class WatchStatsRequest(_message.Message):
     def __init__(self, interval_ms: _Optional[int] = ...) -> None: ...
 
 class SchedulerStats(_message.Message):
-    __slots__ = ("num_steps", "num_scheduled_tokens", "num_preemptions", "num_finished_requests", "num_running", "num_waiting", "num_free_blocks", "num_blocks", "num_prefix_cache_hit_tokens", "schedule_ms", "update_ms", "step_rtt_ms", "engine_total_ms", "engine_forward_ms", "engine_sample_ms", "num_engine_resets", "num_prompt_tokens", "num_generated_tokens", "num_prefix_cache_query_tokens", "ready")
+    __slots__ = ("num_steps", "num_scheduled_tokens", "num_preemptions", "num_finished_requests", "num_running", "num_waiting", "num_free_blocks", "num_blocks", "num_prefix_cache_hit_tokens", "schedule_ms", "update_ms", "step_rtt_ms", "engine_total_ms", "engine_forward_ms", "engine_sample_ms", "num_engine_resets", "num_prompt_tokens", "num_generated_tokens", "num_prefix_cache_query_tokens", "ready", "num_spec_rows", "num_spec_draft_tokens", "num_spec_accepted_tokens", "num_spec_draft_tokens_per_pos", "num_spec_accepted_tokens_per_pos")
     NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
     NUM_SCHEDULED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
@@ -97,6 +99,11 @@ class SchedulerStats(_message.Message):
     NUM_GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_PREFIX_CACHE_QUERY_TOKENS_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
+    NUM_SPEC_ROWS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SPEC_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SPEC_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SPEC_DRAFT_TOKENS_PER_POS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SPEC_ACCEPTED_TOKENS_PER_POS_FIELD_NUMBER: _ClassVar[int]
     num_steps: int
     num_scheduled_tokens: int
     num_preemptions: int
@@ -117,4 +124,9 @@ class SchedulerStats(_message.Message):
     num_generated_tokens: int
     num_prefix_cache_query_tokens: int
     ready: bool
-    def __init__(self, num_steps: _Optional[int] = ..., num_scheduled_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_finished_requests: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_prefix_cache_hit_tokens: _Optional[int] = ..., schedule_ms: _Optional[float] = ..., update_ms: _Optional[float] = ..., step_rtt_ms: _Optional[float] = ..., engine_total_ms: _Optional[float] = ..., engine_forward_ms: _Optional[float] = ..., engine_sample_ms: _Optional[float] = ..., num_engine_resets: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., num_generated_tokens: _Optional[int] = ..., num_prefix_cache_query_tokens: _Optional[int] = ..., ready: _Optional[bool] = ...) -> None: ...
+    num_spec_rows: int
+    num_spec_draft_tokens: int
+    num_spec_accepted_tokens: int
+    num_spec_draft_tokens_per_pos: _containers.RepeatedScalarFieldContainer[int]
+    num_spec_accepted_tokens_per_pos: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, num_steps: _Optional[int] = ..., num_scheduled_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_finished_requests: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_prefix_cache_hit_tokens: _Optional[int] = ..., schedule_ms: _Optional[float] = ..., update_ms: _Optional[float] = ..., step_rtt_ms: _Optional[float] = ..., engine_total_ms: _Optional[float] = ..., engine_forward_ms: _Optional[float] = ..., engine_sample_ms: _Optional[float] = ..., num_engine_resets: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., num_generated_tokens: _Optional[int] = ..., num_prefix_cache_query_tokens: _Optional[int] = ..., ready: _Optional[bool] = ..., num_spec_rows: _Optional[int] = ..., num_spec_draft_tokens: _Optional[int] = ..., num_spec_accepted_tokens: _Optional[int] = ..., num_spec_draft_tokens_per_pos: _Optional[_Iterable[int]] = ..., num_spec_accepted_tokens_per_pos: _Optional[_Iterable[int]] = ...) -> None: ...

@@ -130,6 +130,17 @@ class BlockManager:
             self._cache_full_blocks(request, min(num_total, len(request.token_ids)))
         return True
 
+    def trim(self, request: Request, num_tokens: int) -> None:
+        """Free request's blocks beyond the first num_tokens tokens' (lookahead slots whose
+        proposals were rejected), last first. They hold no known token, so none is cached."""
+        keep = self.num_blocks_for(num_tokens)
+        for block_id in reversed(request.block_table[keep:]):
+            assert block_id not in self.block_key, f"block {block_id}: cached beyond the tokens"
+            self.ref_cnt[block_id] -= 1
+            assert self.ref_cnt[block_id] == 0, f"block {block_id}: shared beyond the tokens"
+            self.free_blocks[block_id] = None
+        del request.block_table[keep:]
+
     def free(self, request: Request) -> None:
         """Release request's blocks. Blocks nobody else holds go to the back of the free queue,
         the request's last block first, so a prefix's tail is evicted before its head."""

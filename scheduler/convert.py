@@ -30,6 +30,7 @@ def request_from_proto(msg: scheduler_pb2.SubmitRequest, seq_id: int) -> Request
         max_tokens=msg.max_tokens,
         stop_token_ids=frozenset(msg.stop_token_ids),
         ignore_eos=msg.ignore_eos,
+        disable_speculation=msg.disable_speculation,
     )
 
 
@@ -55,6 +56,8 @@ def plan_to_proto(plan: StepPlan) -> engine_pb2.StepPlan:
         run.num_computed_tokens.append(running.num_computed_tokens)
         run.num_new_blocks.append(len(running.new_block_ids))
         run.new_block_ids.extend(running.new_block_ids)
+    if any(r.num_lookahead_tokens for r in plan.running):
+        run.num_lookahead_tokens.extend(r.num_lookahead_tokens for r in plan.running)
     return msg
 
 
@@ -90,6 +93,8 @@ def stats_to_proto(stats: dict[str, Any]) -> scheduler_pb2.SchedulerStats:
     names = scheduler_pb2.SchedulerStats.DESCRIPTOR.fields_by_name
     msg = scheduler_pb2.SchedulerStats()
     for name, value in stats.items():
-        if name in names:
+        if name in names and isinstance(value, list):
+            getattr(msg, name).extend(value)
+        elif name in names:
             setattr(msg, name, type(getattr(msg, name))(value))
     return msg

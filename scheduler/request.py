@@ -62,6 +62,13 @@ class Request:
     # and the id of the last step that scheduled it (0: none yet).
     pipeline_slot: int | None = None
     last_step_id: int = 0
+    # Speculative decoding: the client turned it off; the lookahead slots the plan being made
+    # gives it; the policy's state (scheduler/speculation.py).
+    disable_speculation: bool = False
+    num_lookahead_tokens: int = 0
+    spec_acceptance: float = 1.0
+    spec_backoff_steps: int = 0
+    spec_steps_to_skip: int = 0
 
     def __post_init__(self) -> None:
         if not self.token_ids:

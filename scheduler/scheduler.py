@@ -29,6 +29,7 @@ from itertools import islice
 from scheduler.block_manager import BlockManager
 from scheduler.config import SchedulerConfig
 from scheduler.request import Request, RequestStatus
+from scheduler.speculation import SpecCounters, SpeculationPolicy
 
 
 class AdmissionError(Exception):
@@ -61,6 +62,8 @@ class RunningRow:
     new_block_ids: list[int]
     samples: bool = False  # as in NewRequestRow
     num_preemptions: int = 0
+    # Speculative decoding: KV slots after the scheduled tokens for the engine's proposals.
+    num_lookahead_tokens: int = 0
 
 
 @dataclass
@@ -135,6 +138,7 @@ class SchedulerCounters:
     num_prefix_cache_query_tokens: int = 0
     num_prefix_cache_hit_tokens: int = 0
     finish_reasons: dict[str, int] = field(default_factory=dict)
+    spec: SpecCounters = field(default_factory=SpecCounters)
 
 
 class Scheduler:
@@ -152,7 +156,11 @@ class Scheduler:
         eos_token_ids: tuple[int, ...],
         *,
         pipeline_parallel_size: int = 1,
+        num_speculative_tokens: int = 0,
     ):
+        """num_speculative_tokens: the most tokens the engine proposes per request and step
+        (speculative decoding; 0: none). With it, plan one step at a time (no overlap: a step's
+        number of tokens per request is known only from its result)."""
         assert config.max_num_seqs > 0 and config.max_num_batched_tokens > 0, (
             "a scheduler needs its step limits: SchedulerConfig.adopt the engine's first"
         )
@@ -174,7 +182,22 @@ class Scheduler:
         self.last_result_step_id = 0
         self.pipeline_parallel_size = 1
         self.set_pipeline_parallel_size(pipeline_parallel_size)
+        self.speculation = SpeculationPolicy(0)
+        self.set_num_speculative_tokens(num_speculative_tokens)
         self.counters = SchedulerCounters()
+
+    def set_num_speculative_tokens(self, num_speculative_tokens: int) -> None:
+        """Give decode steps up to num_speculative_tokens lookahead slots from the next plan on.
+        Raises ValueError with P > 1 pipeline stages (refused: a stage's step would wait for the
+        previous one's token counts) or a negative count."""
+        if num_speculative_tokens < 0:
+            raise ValueError(f"num_speculative_tokens={num_speculative_tokens} must be >= 0")
+        if num_speculative_tokens and self.pipeline_parallel_size > 1:
+            raise ValueError(
+                f"speculative decoding needs pipeline_parallel_size=1, not "
+                f"{self.pipeline_parallel_size}"
+            )
+        self.speculation = SpeculationPolicy(num_speculative_tokens)
 
     def set_pipeline_parallel_size(self, pipeline_parallel_size: int) -> None:
         """Plan for an engine of pipeline_parallel_size stages from the next step on. A change
@@ -267,6 +290,7 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
         request.num_pending_tokens = 0  # a token in flight is dropped, sampled again on recompute
+        request.num_lookahead_tokens = 0
         request.num_preemptions += 1
         request.pipeline_slot = None  # readmission gives it one again
         if request.in_engine:
@@ -367,15 +391,42 @@ class Scheduler:
                 continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             assert num_new > 0, f"running request {request.request_id} has nothing to compute"
-            while not self.block_manager.allocate_slots(request, num_new):
+            request.num_lookahead_tokens = self._lookahead(request, num_new, budget)
+            while not self._allocate_running(request, num_new):
                 victim, _ = self._evict(i)
                 if victim is request:
                     break
             else:
                 scheduled.append((request, num_new))
-                budget -= num_new
+                budget -= num_new + request.num_lookahead_tokens
                 i += 1
         return budget
+
+    def _allocate_running(self, request: Request, num_new: int) -> bool:
+        """Blocks for num_new tokens and request's lookahead slots; lookahead never costs a
+        preemption: without blocks for it, the request goes without (num_lookahead_tokens 0)."""
+        if request.num_lookahead_tokens:
+            if self.block_manager.allocate_slots(request, num_new + request.num_lookahead_tokens):
+                return True
+            request.num_lookahead_tokens = 0
+        return self.block_manager.allocate_slots(request, num_new)
+
+    def _lookahead(self, request: Request, num_new: int, budget: int) -> int:
+        """Lookahead slots for running request, scheduled num_new tokens out of budget: only
+        for a decode step on known tokens (it samples; nothing pending), and no more than its
+        max_tokens, the context and the budget leave room for (the step returns up to one
+        token more than its proposals)."""
+        if self.speculation.num_speculative_tokens == 0 or self._is_padding(request):
+            return 0
+        decodes = request.num_computed_tokens + num_new == request.num_tokens
+        if request.num_pending_tokens or not decodes:
+            return 0
+        limit = min(
+            request.max_tokens - request.num_output_tokens - 1,
+            self.max_model_len - request.num_tokens - 1,
+            budget - num_new,
+        )
+        return self.speculation.lookahead(request, limit)
 
     def _may_need_a_step(self, request: Request) -> bool:
         """False when request's pending tokens will end it: they bring its output to max_tokens
@@ -457,6 +508,10 @@ class Scheduler:
             else:
                 new_blocks = request.block_table[request.num_sent_blocks :]
                 row = RunningRow(request, num_new, request.num_computed_tokens, new_blocks)
+                row.num_lookahead_tokens, request.num_lookahead_tokens = (
+                    request.num_lookahead_tokens,
+                    0,
+                )
                 plan.running.append(row)
             request.num_sent_blocks = len(request.block_table)
             request.last_step_id = plan.step_id
@@ -527,38 +582,85 @@ class Scheduler:
         sampled_token_ids: list[int],
         logprobs: list[float] | None = None,
         top_logprobs: TopLogprobColumns | None = None,
+        num_sampled_tokens: list[int] | None = None,
+        num_draft_tokens: list[int] | None = None,
     ) -> list[StepOutcome]:
-        """Apply a step's result; results come in plan order (logprobs: NaN where a request did
-        not ask). One token rule: a row that completed its request's tokens when planned
-        (`samples`) turns the request's oldest pending token into the sampled one; a mid-prefill
-        row's token is discarded. Rows of requests that ended (finished, aborted) or were
-        preempted since the plan are skipped: with overlap, a request that finished at step N
-        may be in step N+1 too, and that token is dropped. Finished requests free their blocks."""
+        """Apply a step's result; results come in plan order, one token per row, or
+        num_sampled_tokens[i] for row i when given (speculative decoding: the proposals it
+        accepted, then the token sampled after them); logprobs and top_logprobs per token (NaN
+        where a request did not ask); num_draft_tokens: per row, the tokens the engine proposed.
+
+        One token rule: a row that completed its request's tokens when planned (`samples`)
+        turns the request's oldest pending token into its first token and appends the others;
+        the accepted proposals count as computed, the rejected ones' slots are given back (see
+        `_accept`). A mid-prefill row's token is discarded. Rows of requests that ended
+        (finished, aborted) or were preempted since the plan are skipped: with overlap, a
+        request that finished at step N may be in step N+1 too, and that token is dropped. A
+        request that stops at one of its tokens drops the ones after it. Finished requests free
+        their blocks."""
         rows = plan.rows
-        assert len(sampled_token_ids) == len(rows), (
+        counts = num_sampled_tokens or [1] * len(rows)
+        assert len(counts) == len(rows) and sum(counts) == len(sampled_token_ids), (
             f"step {plan.step_id}: {len(sampled_token_ids)} tokens for {len(rows)} requests"
+            + (f" (num_sampled_tokens={counts})" if num_sampled_tokens else "")
         )
         self.last_result_step_id = max(self.last_result_step_id, plan.step_id)
         top_rows = top_logprobs.rows() if top_logprobs is not None else None
-        outcomes = []
+        outcomes: list[StepOutcome] = []
+        start = 0
         for i, row in enumerate(rows):
+            tokens = range(start, start + counts[i])
+            start += counts[i]
             if not row.samples or not self._awaits(row):
                 continue
-            request, token_id = row.request, sampled_token_ids[i]
-            assert token_id >= 0, f"step {plan.step_id}: no token for {request.request_id}"
-            request.num_pending_tokens -= 1  # its oldest pending token is token_id
-            request.token_ids.append(token_id)
-            outcome = self._on_token(request, token_id)
-            if outcome is None:
-                continue
-            if logprobs and not math.isnan(logprobs[i]):
-                outcome.logprob = logprobs[i]
-            if top_rows is not None:
-                outcome.top_token_ids, outcome.top_logprobs = top_rows[i]
-            outcomes.append(outcome)
+            request = row.request
+            assert all(sampled_token_ids[t] >= 0 for t in tokens), (
+                f"step {plan.step_id}: no token for {request.request_id}"
+            )
+            if num_draft_tokens:
+                self._accept(row, num_draft_tokens[i], len(tokens) - 1)
+            request.num_pending_tokens -= 1  # its oldest pending token is the first one
+            for t in tokens:
+                token_id = sampled_token_ids[t]
+                request.token_ids.append(token_id)
+                outcome = self._on_token(request, token_id)
+                if outcome is None:
+                    continue
+                if logprobs and not math.isnan(logprobs[t]):
+                    outcome.logprob = logprobs[t]
+                if top_rows is not None:
+                    outcome.top_token_ids, outcome.top_logprobs = top_rows[t]
+                outcomes.append(outcome)
+                if outcome.finished is not None:
+                    break
+            if request.status == RequestStatus.RUNNING and isinstance(row, RunningRow):
+                self._give_back_lookahead(row)
         self.counters.num_generated_tokens += len(outcomes)
         self._after_update()
         return outcomes
+
+    def _accept(self, row: NewRequestRow | RunningRow, num_draft: int, num_accepted: int) -> None:
+        """row's request accepted num_accepted of num_draft proposed tokens: they were computed
+        in the step (their KV is in the lookahead slots), the rejected ones were not.
+
+            slots:  |<- computed ->|<- lookahead slots ------------>|
+            after:  |<- computed ---------------->|<- given back ->|
+                                   |<- accepted ->|
+        """
+        assert num_accepted <= num_draft <= getattr(row, "num_lookahead_tokens", 0), (
+            f"{row.request.request_id}: {num_accepted} accepted of {num_draft} proposed"
+        )
+        row.request.num_computed_tokens += num_accepted
+        self.counters.spec.add(num_draft, num_accepted)
+        self.speculation.on_result(row.request, num_draft, num_accepted)
+
+    def _give_back_lookahead(self, row: RunningRow) -> None:
+        """After a row with lookahead slots: free the blocks its request's tokens do not need
+        (the engine's mirror drops the same ones)."""
+        if row.num_lookahead_tokens:
+            request = row.request
+            self.block_manager.trim(request, len(request.token_ids))
+            request.num_sent_blocks = len(request.block_table)
 
     def _on_token(self, request: Request, token_id: int) -> StepOutcome | None:
         """request's oldest pending token turned out to be token_id, now its last: its outcome

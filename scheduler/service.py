@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import itertools
 import time
 from collections import deque
@@ -187,6 +188,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         s = self.scheduler
         if s is not None:
             snapshot.update(vars(s.counters))
+            del snapshot["spec"]
+            snapshot.update({k: copy.copy(v) for k, v in vars(s.counters.spec).items()})
             snapshot["finish_reasons"] = dict(s.counters.finish_reasons)
             snapshot.update(
                 num_running=len(s.running),
@@ -278,10 +281,12 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                     info.vocab_size,
                     tuple(info.eos_token_ids),
                     pipeline_parallel_size=pipeline_parallel_size,
+                    num_speculative_tokens=info.num_speculative_tokens,
                 )
             else:
                 self.scheduler.config = config
                 self.scheduler.set_pipeline_parallel_size(pipeline_parallel_size)
+                self.scheduler.set_num_speculative_tokens(info.num_speculative_tokens)
                 for request in self.scheduler.resize(info.num_blocks, info.block_size):
                     self._deliver(StepOutcome(request, None, None, RequestStatus.FINISHED_ABORTED))
         except ValueError as err:  # a limit above the engine's, or a policy refusing its stages
@@ -299,6 +304,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             max_num_batched_tokens=config.max_num_batched_tokens,
             tensor_parallel_size=info.tensor_parallel_size or 1,
             pipeline_parallel_size=pipeline_parallel_size,
+            speculative_method=info.speculative_method or "none",
+            num_speculative_tokens=info.num_speculative_tokens,
         )
 
     def _set_ready(self, ready: bool) -> None:
@@ -364,7 +371,10 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         loop."""
         assert self.scheduler is not None
         scheduler = self.scheduler
-        depth = max(2 if self.config.overlap_scheduling else 1, scheduler.pipeline_parallel_size)
+        # Speculation: one step at a time, since how many tokens a step adds to each request
+        # is known only from its result, and the next step's positions depend on it.
+        overlap = self.config.overlap_scheduling and not scheduler.speculation.enabled
+        depth = max(2 if overlap else 1, scheduler.pipeline_parallel_size)
         in_flight: deque[SentStep] = deque()
         call = stub.Step(metadata=metadata)
         self._set_ready(True)
@@ -417,6 +427,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             list(result.sampled_token_ids),
             list(result.logprobs) or None,
             top_logprobs_from_proto(result),
+            list(result.num_sampled_tokens) or None,
+            list(result.num_draft_tokens) or None,
         )
         for outcome in outcomes:
             self._deliver(outcome)

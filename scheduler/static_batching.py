@@ -52,6 +52,16 @@ class StaticBatchScheduler(Scheduler):
             )
         super().set_pipeline_parallel_size(pipeline_parallel_size)
 
+    def set_num_speculative_tokens(self, num_speculative_tokens: int) -> None:
+        """Raises ValueError for speculative decoding (the baseline decodes one token a step)."""
+        if num_speculative_tokens:
+            raise ValueError(
+                f"scheduling_policy='static' does not support speculative decoding (the "
+                f"engine's num_speculative_tokens={num_speculative_tokens}); use "
+                f"--scheduling-policy continuous, or an engine without --speculative-method"
+            )
+        super().set_num_speculative_tokens(num_speculative_tokens)
+
     # -- the hooks --------------------------------------------------------------------------------
 
     def _schedule_waiting(self, budget: int, scheduled: list[tuple[Request, int]]) -> None:
@@ -144,9 +154,17 @@ class StaticBatchScheduler(Scheduler):
 
 
 def make_scheduler(
-    config: SchedulerConfig, *args: Any, pipeline_parallel_size: int = 1
+    config: SchedulerConfig,
+    *args: Any,
+    pipeline_parallel_size: int = 1,
+    num_speculative_tokens: int = 0,
 ) -> Scheduler:
     """The scheduler for config.scheduling_policy; args as Scheduler's after the config.
-    Raises ValueError when the policy cannot use pipeline_parallel_size."""
+    Raises ValueError when the policy cannot use pipeline_parallel_size or speculation."""
     cls = StaticBatchScheduler if config.scheduling_policy == "static" else Scheduler
-    return cls(config, *args, pipeline_parallel_size=pipeline_parallel_size)
+    return cls(
+        config,
+        *args,
+        pipeline_parallel_size=pipeline_parallel_size,
+        num_speculative_tokens=num_speculative_tokens,
+    )

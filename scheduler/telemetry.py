@@ -138,7 +138,39 @@ METRICS = {
         "llmserve.scheduler.generation_throughput", "gauge", "{token}/s",
         "Tokens generated per second since the previous reading (at most 10 s back)",
     ),
+    "num_spec_rows": Metric(
+        "llmserve.spec_decode.verifications", "observed_counter", "{verification}",
+        "Speculative decoding: request steps that verified proposed tokens",
+    ),
+    "num_spec_draft_tokens_per_pos": Metric(
+        "llmserve.spec_decode.draft_tokens", "observed_counter", "{token}",
+        "Speculative decoding: tokens proposed, by position in the proposal (0 first)",
+    ),
+    "num_spec_accepted_tokens_per_pos": Metric(
+        "llmserve.spec_decode.accepted_tokens", "observed_counter", "{token}",
+        "Speculative decoding: proposed tokens accepted, by position in the proposal (0 first)",
+    ),
+    "spec_acceptance_rate": Metric(
+        "llmserve.spec_decode.acceptance_rate", "gauge", "1",
+        "Speculative decoding: accepted / proposed tokens since start",
+    ),
+    "spec_mean_accepted_length": Metric(
+        "llmserve.spec_decode.mean_accepted_length", "gauge", "{token}",
+        "Speculative decoding: tokens per verification since start (accepted + the one sampled)",
+    ),
 }  # fmt: skip
+
+
+def _spec_ratios(stats: dict[str, Any], key: str) -> list[tuple[float, dict[str, str]]]:
+    """The acceptance rate or the mean accepted length from the stats' counts (nothing before
+    the first verification)."""
+    rows, draft = stats.get("num_spec_rows", 0), stats.get("num_spec_draft_tokens", 0)
+    accepted = stats.get("num_spec_accepted_tokens", 0)
+    if not rows:
+        return []
+    if key == "spec_acceptance_rate":
+        return [(accepted / draft, {})]
+    return [(1.0 + accepted / rows, {})]
 
 
 class SchedulerTelemetry:
@@ -168,6 +200,10 @@ class SchedulerTelemetry:
             return [(1.0 - stats["num_free_blocks"] / stats["num_blocks"], {})]
         if key == "throughput":
             return [(self._throughput(stats["num_generated_tokens"]), {})]
+        if key.endswith("_per_pos"):
+            return [(n, {"position": str(j)}) for j, n in enumerate(stats.get(key, []))]
+        if key.startswith("spec_"):
+            return _spec_ratios(stats, key)
         return [(stats[key], {})]
 
     def _throughput(self, num_generated: float, window: float = 10.0) -> float:

@@ -22,11 +22,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from common.sampling import normalized
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.ops import AttentionContext
 from llmserve.bench.engine_driver import blocks_needed, generate
 from llmserve.bench.hf import dummy_model
+from protos.common_pb2 import SamplingParams
+from scheduler.request import Request
 
 pytestmark = pytest.mark.gpu
 
@@ -251,3 +254,30 @@ def test_stack_invariance_chunked_and_preempted(
             assert stats.num_scheduled_tokens <= 16 * stats.num_steps
     finally:
         stack.close()
+
+
+# ---- speculative decoding (issue 17): the same greedy tokens with proposals ----------------------
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_speculative_greedy_tokens_equal_plain_decoding(method: str) -> None:
+    """float32 on the GPU, through a scheduler and the real contract: greedy decoding with
+    proposals verified (n-gram, or the first 10 layers as a draft) gives the tokens decoding
+    without them gives, and every block is free after."""
+    from tests.spec_driver import drive, make_scheduler_for
+
+    prompts = [p * 3 for p in prompts_of([7, 20, 33], 49152, salt=5)]  # repeats: n-grams match
+    outputs = {}
+    for name in ("none", method):
+        engine = dummy_engine(
+            SMOLLM2, device="cuda", dtype="float32", num_kv_blocks=64, max_num_seqs=8,
+            speculative_method=name, draft_num_layers=10,
+        )  # fmt: skip
+        scheduler = make_scheduler_for(engine)
+        greedy = normalized(SamplingParams(temperature=0.0))
+        requests = [
+            Request(f"r{i}", i + 1, p, greedy, 32, ignore_eos=True) for i, p in enumerate(prompts)
+        ]
+        outputs[name] = drive(scheduler, engine, requests).outputs
+        del engine
+    assert outputs[method] == outputs["none"]

@@ -307,6 +307,7 @@ def _bench(
         return 130
     if stack:
         runs[0]["scheduler_stats"] = stats_delta(before[0], stack.scheduler_stats())
+        runs[0]["speculative_decoding"] = spec_summary(runs[0]["scheduler_stats"])
         _print_scheduler_stats(runs[0]["scheduler_stats"])
         server.pop("address")  # a free loopback port, different every time
         server["serve_args"] = serve_args
@@ -386,8 +387,8 @@ def cmd_offline(args: argparse.Namespace) -> int:
         return 1
 
 
-def _print_scheduler_stats(stats: dict[str, float]) -> None:
-    """The scheduler's view of the measured run."""
+def _print_scheduler_stats(stats: dict[str, Any]) -> None:
+    """The scheduler's view of the measured run (and its speculative decoding's, if any)."""
     steps = stats.get("num_steps", 0.0)
     tokens = stats.get("num_scheduled_tokens", 0.0)
     per_step = tokens / steps if steps else 0.0
@@ -395,6 +396,36 @@ def _print_scheduler_stats(stats: dict[str, float]) -> None:
         f"scheduler: {steps:.0f} steps, {tokens:.0f} tokens scheduled ({per_step:.2f} per step), "
         f"{stats.get('num_preemptions', 0.0):.0f} preemptions"
     )
+    spec = spec_summary(stats)
+    if spec:
+        per_pos = ", ".join(f"{rate:.2f}" for rate in spec["acceptance_per_position"])
+        print(
+            f"speculative decoding: {spec['verifications']:.0f} verifications, acceptance rate "
+            f"{spec['acceptance_rate']:.3f}, mean accepted length "
+            f"{spec['mean_accepted_length']:.2f} tokens, acceptance by position: {per_pos}"
+        )
+
+
+def spec_summary(stats: dict[str, Any]) -> dict[str, Any]:
+    """Speculative decoding's figures from the scheduler's counters ({} when nothing was
+    proposed): verifications, acceptance rate (accepted / proposed), mean accepted length
+    (tokens per verification: accepted + 1) and acceptance per proposal position."""
+    rows = stats.get("num_spec_rows", 0.0)
+    draft = stats.get("num_spec_draft_tokens", 0.0)
+    if not rows or not draft:
+        return {}
+    accepted = stats.get("num_spec_accepted_tokens", 0.0)
+    per_pos = zip(
+        stats.get("num_spec_accepted_tokens_per_pos", []),
+        stats.get("num_spec_draft_tokens_per_pos", []),
+        strict=False,
+    )
+    return {
+        "verifications": rows,
+        "acceptance_rate": accepted / draft,
+        "mean_accepted_length": 1.0 + accepted / rows,
+        "acceptance_per_position": [a / d if d else 0.0 for a, d in per_pos],
+    }
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
