@@ -141,12 +141,8 @@ def run(config: EngineConfig, batches: list[int], steps: int) -> list[dict[str, 
         from engine.engine import Engine
 
         return time_steps(Engine(config), None, batches, steps)
-    work = functools.partial(_on_rank, batches=batches, steps=steps)
+    work = functools.partial(time_steps, batches=batches, steps=steps)
     return run_group_locally(config, work, timeout=1800)[0]
-
-
-def _on_rank(engine: Any, parallel: Any, batches: list[int], steps: int) -> list[dict[str, Any]]:
-    return time_steps(engine, parallel, batches, steps)
 
 
 STACK_GROUPS = {

@@ -73,6 +73,12 @@ def node_places(config: EngineConfig) -> list[RankPlace]:
     return [RankPlace(first + i, i, per_node, rendezvous) for i in range(per_node)]
 
 
+def _remove_rendezvous(place: RankPlace) -> None:
+    """Delete the directory of a one-node group's rendezvous file (node_places made it)."""
+    if place.rendezvous.startswith("file://"):
+        shutil.rmtree(Path(place.rendezvous.removeprefix("file://")).parent, True)
+
+
 def rank_config(config: EngineConfig, place: RankPlace) -> EngineConfig:
     """On a CPU, each rank of a node gets its share of the cores (unless --num-threads says)."""
     if config.num_threads or config.device == "cuda":
@@ -136,8 +142,7 @@ def run_node(config: EngineConfig) -> None:
         for child in children:
             if child.stdin is not None:
                 child.stdin.close()
-        if places[0].rendezvous.startswith("file://"):
-            shutil.rmtree(Path(places[0].rendezvous.removeprefix("file://")).parent, True)
+        _remove_rendezvous(places[0])
 
 
 def run_rank(engine: object, parallel: Parallel) -> None:
@@ -200,7 +205,7 @@ def run_group_locally(
             proc.join(timeout=30)
             if proc.is_alive():
                 proc.kill()
-        shutil.rmtree(Path(places[0].rendezvous.removeprefix("file://")).parent, True)
+        _remove_rendezvous(places[0])
     return [got[r] for r in range(len(procs))]
 
 

@@ -10,7 +10,7 @@ from typing import Any
 from common.sampling import normalized
 from protos import common_pb2, engine_pb2, scheduler_pb2
 from scheduler.request import Request, RequestStatus
-from scheduler.scheduler import StepOutcome, StepPlan, TopLogprobColumns
+from scheduler.scheduler import Scheduler, StepOutcome, StepPlan, TopLogprobColumns
 
 FINISH_REASONS = {
     None: common_pb2.FINISH_REASON_UNSPECIFIED,
@@ -66,6 +66,21 @@ def top_logprobs_from_proto(msg: engine_pb2.StepResult) -> TopLogprobColumns | N
         return None
     return TopLogprobColumns(
         list(msg.num_top_logprobs), list(msg.top_token_ids), list(msg.top_logprobs)
+    )
+
+
+def apply_result(
+    scheduler: Scheduler, plan: StepPlan, result: engine_pb2.StepResult
+) -> list[StepOutcome]:
+    """Scheduler.update with the engine's StepResult for plan (its columns unpacked: empty
+    optional ones as None)."""
+    return scheduler.update(
+        plan,
+        list(result.sampled_token_ids),
+        list(result.logprobs) or None,
+        top_logprobs_from_proto(result),
+        list(result.num_sampled_tokens) or None,
+        list(result.num_draft_tokens) or None,
     )
 
 

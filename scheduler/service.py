@@ -42,11 +42,11 @@ from common.sampling import SamplingError
 from protos import engine_pb2, engine_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from scheduler.config import SchedulerConfig
 from scheduler.convert import (
+    apply_result,
     plan_to_proto,
     request_from_proto,
     response_to_proto,
     stats_to_proto,
-    top_logprobs_from_proto,
 )
 from scheduler.request import Request, RequestStatus
 from scheduler.scheduler import AdmissionError, Scheduler, StepOutcome, StepPlan
@@ -422,14 +422,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             if request is not None:
                 log.warning("engine refused a request", request_id=request.request_id, why=reason)
                 self._deliver(StepOutcome(request, None, None, request.status, error=reason))
-        outcomes = scheduler.update(
-            plan,
-            list(result.sampled_token_ids),
-            list(result.logprobs) or None,
-            top_logprobs_from_proto(result),
-            list(result.num_sampled_tokens) or None,
-            list(result.num_draft_tokens) or None,
-        )
+        outcomes = apply_result(scheduler, plan, result)
         for outcome in outcomes:
             self._deliver(outcome)
         t3 = time.perf_counter()

@@ -9,7 +9,7 @@ from typing import Any
 
 from engine.convert import plan_from_proto, result_to_proto
 from scheduler.config import SchedulerConfig
-from scheduler.convert import plan_to_proto, top_logprobs_from_proto
+from scheduler.convert import apply_result, plan_to_proto
 from scheduler.request import Request, RequestStatus
 from scheduler.scheduler import Scheduler
 
@@ -66,14 +66,7 @@ def drive(
         run.num_steps += 1
         output = engine.step(plan_from_proto(plan_to_proto(plan)))
         result = result_to_proto(plan.step_id, output, 0.0)
-        outcomes = scheduler.update(
-            plan,
-            list(result.sampled_token_ids),
-            list(result.logprobs) or None,
-            top_logprobs_from_proto(result),
-            list(result.num_sampled_tokens) or None,
-            list(result.num_draft_tokens) or None,
-        )
+        outcomes = apply_result(scheduler, plan, result)
         for o in outcomes:
             seq_id = o.request.seq_id
             assert seq_id not in run.finished, f"a token for {seq_id} after it finished"

@@ -136,6 +136,14 @@ def _outcomes(watches: list[StreamWatch]) -> tuple[list[int], list[tuple[grpc.St
     return done, failed
 
 
+def _wait_streaming(watches: list[StreamWatch], count: int, at_least: int = 3) -> None:
+    """Return once count of the watched streams hold at_least tokens; fail after 30 s."""
+    deadline = time.monotonic() + 30
+    while sum(w.num_tokens >= at_least for w in watches) < count:
+        assert time.monotonic() < deadline, [w.num_tokens for w in watches]
+        time.sleep(0.01)
+
+
 def test_kill_9_of_a_replica_mid_load(tokenizer_dir: Path, tmp_path: Path) -> None:
     """Replica 1's scheduler and engine SIGKILLed with requests running and queued on it: each
     request completes with its exact text (queued ones retried on replica 0), or, having
@@ -152,10 +160,7 @@ def test_kill_9_of_a_replica_mid_load(tokenizer_dir: Path, tmp_path: Path) -> No
                 for p in prompts
             ]
             # Both replicas have 2 running (the rest queued): wait for 4 streams mid-way.
-            deadline = time.monotonic() + 30
-            while sum(w.num_tokens >= 3 for w in watches) < 4:
-                assert time.monotonic() < deadline, [w.num_tokens for w in watches]
-                time.sleep(0.01)
+            _wait_streaming(watches, 4)
             streamed_at_kill = [w.num_tokens for w in watches]
             _kill_replica(stack, 1)
             done, failed = _outcomes(watches)
@@ -213,10 +218,7 @@ def test_frozen_replica_is_routed_around_within_a_heartbeat(
                 StreamWatch(client, make_request(text=p, max_tokens=80), at_least=3)
                 for p in prompts
             ]
-            deadline = time.monotonic() + 30
-            while sum(w.num_tokens >= 3 for w in watches) < 4:
-                assert time.monotonic() < deadline, [w.num_tokens for w in watches]
-                time.sleep(0.01)
+            _wait_streaming(watches, 4)
             _kill_replica(stack, 1, signal.SIGSTOP)
             stopped_at = time.monotonic()
             while not any(w.ended and w.error for w in watches):
