@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class SubmitRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "max_tokens", "stop_token_ids", "ignore_eos", "disable_speculation")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "max_tokens", "stop_token_ids", "ignore_eos", "disable_speculation", "tenant", "tenant_weight", "priority")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -16,6 +16,9 @@ class SubmitRequest(_message.Message):
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
     DISABLE_SPECULATION_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    TENANT_WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
@@ -23,7 +26,10 @@ class SubmitRequest(_message.Message):
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
     ignore_eos: bool
     disable_speculation: bool
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., disable_speculation: _Optional[bool] = ...) -> None: ...
+    tenant: str
+    tenant_weight: float
+    priority: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., disable_speculation: _Optional[bool] = ..., tenant: _Optional[str] = ..., tenant_weight: _Optional[float] = ..., priority: _Optional[int] = ...) -> None: ...
 
 class SubmitResponse(_message.Message):
     __slots__ = ("token_ids", "logprobs", "finish_reason", "num_prompt_tokens", "num_cached_tokens", "top_logprobs")
@@ -46,7 +52,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class SchedulerInfo(_message.Message):
-    __slots__ = ("model", "max_model_len", "vocab_size", "eos_token_ids", "block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens", "max_waiting")
+    __slots__ = ("model", "max_model_len", "vocab_size", "eos_token_ids", "block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens", "max_waiting", "scheduling_policy")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -56,6 +62,7 @@ class SchedulerInfo(_message.Message):
     MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
     MAX_NUM_BATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_WAITING_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULING_POLICY_FIELD_NUMBER: _ClassVar[int]
     model: str
     max_model_len: int
     vocab_size: int
@@ -65,7 +72,8 @@ class SchedulerInfo(_message.Message):
     max_num_seqs: int
     max_num_batched_tokens: int
     max_waiting: int
-    def __init__(self, model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., max_waiting: _Optional[int] = ...) -> None: ...
+    scheduling_policy: str
+    def __init__(self, model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., max_waiting: _Optional[int] = ..., scheduling_policy: _Optional[str] = ...) -> None: ...
 
 class GetStatsRequest(_message.Message):
     __slots__ = ()
@@ -78,7 +86,14 @@ class WatchStatsRequest(_message.Message):
     def __init__(self, interval_ms: _Optional[int] = ...) -> None: ...
 
 class SchedulerStats(_message.Message):
-    __slots__ = ("num_steps", "num_scheduled_tokens", "num_preemptions", "num_finished_requests", "num_running", "num_waiting", "num_free_blocks", "num_blocks", "num_prefix_cache_hit_tokens", "schedule_ms", "update_ms", "step_rtt_ms", "engine_total_ms", "engine_forward_ms", "engine_sample_ms", "num_engine_resets", "num_prompt_tokens", "num_generated_tokens", "num_prefix_cache_query_tokens", "ready", "num_spec_rows", "num_spec_draft_tokens", "num_spec_accepted_tokens", "num_spec_draft_tokens_per_pos", "num_spec_accepted_tokens_per_pos")
+    __slots__ = ("num_steps", "num_scheduled_tokens", "num_preemptions", "num_finished_requests", "num_running", "num_waiting", "num_free_blocks", "num_blocks", "num_prefix_cache_hit_tokens", "schedule_ms", "update_ms", "step_rtt_ms", "engine_total_ms", "engine_forward_ms", "engine_sample_ms", "num_engine_resets", "num_prompt_tokens", "num_generated_tokens", "num_prefix_cache_query_tokens", "ready", "num_spec_rows", "num_spec_draft_tokens", "num_spec_accepted_tokens", "num_spec_draft_tokens_per_pos", "num_spec_accepted_tokens_per_pos", "num_preemptions_by_reason", "num_preemptions_refused", "draining", "tenants")
+    class NumPreemptionsByReasonEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
     NUM_SCHEDULED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
@@ -104,6 +119,10 @@ class SchedulerStats(_message.Message):
     NUM_SPEC_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_SPEC_DRAFT_TOKENS_PER_POS_FIELD_NUMBER: _ClassVar[int]
     NUM_SPEC_ACCEPTED_TOKENS_PER_POS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PREEMPTIONS_BY_REASON_FIELD_NUMBER: _ClassVar[int]
+    NUM_PREEMPTIONS_REFUSED_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
+    TENANTS_FIELD_NUMBER: _ClassVar[int]
     num_steps: int
     num_scheduled_tokens: int
     num_preemptions: int
@@ -129,4 +148,88 @@ class SchedulerStats(_message.Message):
     num_spec_accepted_tokens: int
     num_spec_draft_tokens_per_pos: _containers.RepeatedScalarFieldContainer[int]
     num_spec_accepted_tokens_per_pos: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, num_steps: _Optional[int] = ..., num_scheduled_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_finished_requests: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_prefix_cache_hit_tokens: _Optional[int] = ..., schedule_ms: _Optional[float] = ..., update_ms: _Optional[float] = ..., step_rtt_ms: _Optional[float] = ..., engine_total_ms: _Optional[float] = ..., engine_forward_ms: _Optional[float] = ..., engine_sample_ms: _Optional[float] = ..., num_engine_resets: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., num_generated_tokens: _Optional[int] = ..., num_prefix_cache_query_tokens: _Optional[int] = ..., ready: _Optional[bool] = ..., num_spec_rows: _Optional[int] = ..., num_spec_draft_tokens: _Optional[int] = ..., num_spec_accepted_tokens: _Optional[int] = ..., num_spec_draft_tokens_per_pos: _Optional[_Iterable[int]] = ..., num_spec_accepted_tokens_per_pos: _Optional[_Iterable[int]] = ...) -> None: ...
+    num_preemptions_by_reason: _containers.ScalarMap[str, int]
+    num_preemptions_refused: int
+    draining: bool
+    tenants: _containers.RepeatedCompositeFieldContainer[TenantStats]
+    def __init__(self, num_steps: _Optional[int] = ..., num_scheduled_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_finished_requests: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_prefix_cache_hit_tokens: _Optional[int] = ..., schedule_ms: _Optional[float] = ..., update_ms: _Optional[float] = ..., step_rtt_ms: _Optional[float] = ..., engine_total_ms: _Optional[float] = ..., engine_forward_ms: _Optional[float] = ..., engine_sample_ms: _Optional[float] = ..., num_engine_resets: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., num_generated_tokens: _Optional[int] = ..., num_prefix_cache_query_tokens: _Optional[int] = ..., ready: _Optional[bool] = ..., num_spec_rows: _Optional[int] = ..., num_spec_draft_tokens: _Optional[int] = ..., num_spec_accepted_tokens: _Optional[int] = ..., num_spec_draft_tokens_per_pos: _Optional[_Iterable[int]] = ..., num_spec_accepted_tokens_per_pos: _Optional[_Iterable[int]] = ..., num_preemptions_by_reason: _Optional[_Mapping[str, int]] = ..., num_preemptions_refused: _Optional[int] = ..., draining: _Optional[bool] = ..., tenants: _Optional[_Iterable[_Union[TenantStats, _Mapping]]] = ...) -> None: ...
+
+class TenantStats(_message.Message):
+    __slots__ = ("tenant", "weight", "num_waiting", "num_running", "num_blocks", "num_prompt_tokens", "num_generated_tokens", "virtual_tokens")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
+    NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    VIRTUAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    weight: float
+    num_waiting: int
+    num_running: int
+    num_blocks: int
+    num_prompt_tokens: int
+    num_generated_tokens: int
+    virtual_tokens: float
+    def __init__(self, tenant: _Optional[str] = ..., weight: _Optional[float] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., num_generated_tokens: _Optional[int] = ..., virtual_tokens: _Optional[float] = ...) -> None: ...
+
+class ListRequestsRequest(_message.Message):
+    __slots__ = ("tenant",)
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    def __init__(self, tenant: _Optional[str] = ...) -> None: ...
+
+class RequestState(_message.Message):
+    __slots__ = ("request_id", "tenant", "state", "priority", "num_prompt_tokens", "num_output_tokens", "num_computed_tokens", "num_blocks", "num_preemptions", "age_s")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    AGE_S_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    tenant: str
+    state: str
+    priority: int
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_computed_tokens: int
+    num_blocks: int
+    num_preemptions: int
+    age_s: float
+    def __init__(self, request_id: _Optional[str] = ..., tenant: _Optional[str] = ..., state: _Optional[str] = ..., priority: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., num_output_tokens: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., age_s: _Optional[float] = ...) -> None: ...
+
+class ListRequestsResponse(_message.Message):
+    __slots__ = ("requests",)
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    requests: _containers.RepeatedCompositeFieldContainer[RequestState]
+    def __init__(self, requests: _Optional[_Iterable[_Union[RequestState, _Mapping]]] = ...) -> None: ...
+
+class AbortRequestRequest(_message.Message):
+    __slots__ = ("request_id",)
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+
+class AbortRequestResponse(_message.Message):
+    __slots__ = ("num_aborted",)
+    NUM_ABORTED_FIELD_NUMBER: _ClassVar[int]
+    num_aborted: int
+    def __init__(self, num_aborted: _Optional[int] = ...) -> None: ...
+
+class DrainRequest(_message.Message):
+    __slots__ = ("resume",)
+    RESUME_FIELD_NUMBER: _ClassVar[int]
+    resume: bool
+    def __init__(self, resume: _Optional[bool] = ...) -> None: ...
+
+class DrainResponse(_message.Message):
+    __slots__ = ("draining",)
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
+    draining: bool
+    def __init__(self, draining: _Optional[bool] = ...) -> None: ...

@@ -54,6 +54,21 @@ class SchedulerStub:
                 request_serializer=protos_dot_scheduler__pb2.WatchStatsRequest.SerializeToString,
                 response_deserializer=protos_dot_scheduler__pb2.SchedulerStats.FromString,
                 _registered_method=True)
+        self.ListRequests = channel.unary_unary(
+                '/llmserve.scheduler.v1.Scheduler/ListRequests',
+                request_serializer=protos_dot_scheduler__pb2.ListRequestsRequest.SerializeToString,
+                response_deserializer=protos_dot_scheduler__pb2.ListRequestsResponse.FromString,
+                _registered_method=True)
+        self.AbortRequest = channel.unary_unary(
+                '/llmserve.scheduler.v1.Scheduler/AbortRequest',
+                request_serializer=protos_dot_scheduler__pb2.AbortRequestRequest.SerializeToString,
+                response_deserializer=protos_dot_scheduler__pb2.AbortRequestResponse.FromString,
+                _registered_method=True)
+        self.Drain = channel.unary_unary(
+                '/llmserve.scheduler.v1.Scheduler/Drain',
+                request_serializer=protos_dot_scheduler__pb2.DrainRequest.SerializeToString,
+                response_deserializer=protos_dot_scheduler__pb2.DrainResponse.FromString,
+                _registered_method=True)
 
 
 class SchedulerServicer:
@@ -90,6 +105,31 @@ class SchedulerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListRequests(self, request, context):
+        """Operator calls (the gateway's Admin service forwards them; they are not for clients).
+        The requests this scheduler holds, waiting and running.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AbortRequest(self, request, context):
+        """Aborts one request by its request_id (every choice of it); its stream ends with
+        FINISH_REASON_ABORT and its blocks are freed before the next step.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Drain(self, request, context):
+        """Stops (or, with resume, restarts) admitting: new Submits get UNAVAILABLE, what is queued and
+        running goes on; readiness reports NOT_SERVING while draining. Returns at once; the state is in
+        SchedulerStats (draining, num_running, num_waiting).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SchedulerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -112,6 +152,21 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.WatchStats,
                     request_deserializer=protos_dot_scheduler__pb2.WatchStatsRequest.FromString,
                     response_serializer=protos_dot_scheduler__pb2.SchedulerStats.SerializeToString,
+            ),
+            'ListRequests': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListRequests,
+                    request_deserializer=protos_dot_scheduler__pb2.ListRequestsRequest.FromString,
+                    response_serializer=protos_dot_scheduler__pb2.ListRequestsResponse.SerializeToString,
+            ),
+            'AbortRequest': grpc.unary_unary_rpc_method_handler(
+                    servicer.AbortRequest,
+                    request_deserializer=protos_dot_scheduler__pb2.AbortRequestRequest.FromString,
+                    response_serializer=protos_dot_scheduler__pb2.AbortRequestResponse.SerializeToString,
+            ),
+            'Drain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Drain,
+                    request_deserializer=protos_dot_scheduler__pb2.DrainRequest.FromString,
+                    response_serializer=protos_dot_scheduler__pb2.DrainResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -222,6 +277,87 @@ class Scheduler:
             '/llmserve.scheduler.v1.Scheduler/WatchStats',
             protos_dot_scheduler__pb2.WatchStatsRequest.SerializeToString,
             protos_dot_scheduler__pb2.SchedulerStats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListRequests(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llmserve.scheduler.v1.Scheduler/ListRequests',
+            protos_dot_scheduler__pb2.ListRequestsRequest.SerializeToString,
+            protos_dot_scheduler__pb2.ListRequestsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AbortRequest(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llmserve.scheduler.v1.Scheduler/AbortRequest',
+            protos_dot_scheduler__pb2.AbortRequestRequest.SerializeToString,
+            protos_dot_scheduler__pb2.AbortRequestResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Drain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llmserve.scheduler.v1.Scheduler/Drain',
+            protos_dot_scheduler__pb2.DrainRequest.SerializeToString,
+            protos_dot_scheduler__pb2.DrainResponse.FromString,
             options,
             channel_credentials,
             insecure,
