@@ -119,15 +119,20 @@ def join_group(config: EngineConfig, place: RankPlace) -> tuple[EngineConfig, Pa
     return config, Parallel(topology, place.rendezvous, device, num_layers, place.ranks_on_node)
 
 
-def run_node(config: EngineConfig) -> None:
+def run_node(config: EngineConfig) -> int:
     """Run this node's part of the engine group until SIGTERM / SIGINT (node 0: serving the
-    Step stream) or until any rank of the group dies."""
+    Step stream) or until any rank of the group dies. Returns the exit code the process must
+    end with, through os._exit (0: it stopped as asked; 1: it failed), as a rank child does:
+    a normal interpreter exit runs the process group's C++ destructors while gloo's threads
+    still wait on peers that are gone, and those abort the process ("terminate called without
+    an active exception", SIGABRT)."""
     from engine.engine import Engine
 
     check_group(config)
     places = node_places(config)
     children = [_spawn(config, place) for place in places[1:]]
     watcher = _ChildWatcher(children, places[1:])
+    code = 1
     try:
         rank_config_, parallel = join_group(config, places[0])
         engine = Engine(rank_config_, parallel)
@@ -137,12 +142,16 @@ def run_node(config: EngineConfig) -> None:
             serve(engine, config, group=parallel)
         else:
             run_rank(engine, parallel)
+        code = 0
+    except BaseException:
+        log.exception("engine rank failed", rank=places[0].rank)
     finally:
         watcher.stopping = True
         for child in children:
             if child.stdin is not None:
                 child.stdin.close()
         _remove_rendezvous(places[0])
+    return code
 
 
 def run_rank(engine: object, parallel: Parallel) -> None:

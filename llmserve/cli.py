@@ -84,9 +84,10 @@ def run_service(name: str, configs: list[Any]) -> None:
         config.check_exposure(config.host)
     configure(name)
     telemetry.setup(name, config.metrics_port, config.host)
+    exit_code = None
     try:
         if name == "engine":
-            _run_engine(config, configs[1] if len(configs) > 1 else None)
+            exit_code = _run_engine(config, configs[1] if len(configs) > 1 else None)
         elif name == "scheduler":
             from scheduler.service import serve
 
@@ -97,9 +98,14 @@ def run_service(name: str, configs: list[Any]) -> None:
             _run_async(serve_gateway(config))
     finally:
         telemetry.shutdown()
+    if exit_code is not None:  # an engine group's node: see engine.ranks.run_node
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(exit_code)
 
 
-def _run_engine(config: EngineConfig, fake: FakeEngineConfig | None) -> None:
+def _run_engine(config: EngineConfig, fake: FakeEngineConfig | None) -> int | None:
+    """Serve until stopped; an engine group's node returns the code its process ends with."""
     from engine.service import serve
 
     if fake is not None:
@@ -109,11 +115,12 @@ def _run_engine(config: EngineConfig, fake: FakeEngineConfig | None) -> None:
     elif config.world_size > 1:
         from engine.ranks import run_node
 
-        run_node(config)
+        return run_node(config)
     else:
         from engine.engine import Engine
 
         serve(Engine(config), config)
+    return None
 
 
 def cmd_service(args: argparse.Namespace) -> int:
