@@ -39,7 +39,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from common import __version__
 from common.auth import UNAUTHENTICATED_MESSAGE
-from common.log import get_logger
+from common.log import bind, get_logger
 from gateway.choices import (
     Choice,
     Messages,
@@ -66,7 +66,7 @@ from gateway.openai_protocol import (
 )
 from gateway.openai_responses import ChatFormat, CompletionFormat, ResponseFormat
 from gateway.quotas import Admission
-from gateway.tenants import TenantTable
+from gateway.tenants import TenantTable, display_name
 from gateway.validation import ValidationError, ValidRequest
 from protos import api_pb2
 
@@ -295,6 +295,7 @@ async def generate_response(
             valids = await asyncio.to_thread(lambda: [core.validate(r) for r in requests()])
             check_queue(body.n, len(valids), core.limits.max_waiting if core.limits else 0)
             caller = core.caller(request.headers.get("authorization"), body.user or "")
+            bind(tenant=display_name(caller.tenant), key=caller.key_name)
             admission = core.admit(caller, valids, body.n)
         except (ValidationError, GatewayError) as err:
             code = err.code.name if isinstance(err, GatewayError) else "INVALID_ARGUMENT"

@@ -22,13 +22,14 @@ from common.auth import (
     denied,
     is_authorized,
 )
+from common.log import bind
 from common.model_config import resolve_model_path
 from common.net import LIVENESS_SERVICE, SERVER_OPTIONS, add_servicer, serve_aio
 from gateway.admin import AdminService
 from gateway.config import GatewayConfig
 from gateway.core import GatewayCore, GatewayError, new_request_id
 from gateway.quotas import Admission
-from gateway.tenants import TenantTable
+from gateway.tenants import TenantTable, display_name
 from gateway.tokenizer import Tokenizer
 from protos import admin_pb2_grpc, api_pb2, api_pb2_grpc
 
@@ -103,6 +104,7 @@ class GatewayService(api_pb2_grpc.GenerationServicer):
             valid = await asyncio.to_thread(self.core.validate, request)
             trace.validated(valid, request)
             caller = self.core.caller(_authorization(context), request.user)
+            bind(tenant=display_name(caller.tenant), key=caller.key_name)
             admission = self.core.admit(caller, [valid])
             async for msg in self.core.generate(valid, request_id, trace, admission):
                 yield msg

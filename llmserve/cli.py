@@ -257,6 +257,18 @@ def _add_client_args(p: argparse.ArgumentParser) -> None:
         help="decode without the server's speculative decoding (same tokens, greedy or seeded)",
     )
     p.add_argument(
+        "--user",
+        type=_text_arg,
+        default=None,
+        help="the tenant the request is for, when the server has no --api-keys",
+    )
+    p.add_argument(
+        "--priority",
+        type=int,
+        default=None,
+        help="under the scheduler's priority policy, lower runs first (default 0)",
+    )
+    p.add_argument(
         "--json",
         action="store_true",
         help="print one JSON object with text, token_ids and finish_reason",
@@ -269,7 +281,9 @@ def _add_client_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-_SAMPLING_FLAGS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop")
+_SAMPLING_FLAGS = (
+    "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "user", "priority",
+)  # fmt: skip
 
 
 def _request(args: argparse.Namespace, **prompt: Any) -> Any:

@@ -531,3 +531,31 @@ def test_make_request_carries_user_and_priority() -> None:
     request = make_request(text="x", user="u", priority=3)
     assert isinstance(request, api_pb2.GenerateRequest)
     assert (request.user, request.priority) == ("u", 3)
+
+
+def test_openapi_document_has_the_new_fields_and_the_429(setup: Setup) -> None:
+    assert setup.gateway.http_url is not None
+    document = httpx.get(f"{setup.gateway.http_url}/openapi.json").json()
+    for schema in ("CompletionRequest", "ChatCompletionRequest"):
+        fields = document["components"]["schemas"][schema]["properties"]
+        assert fields["priority"]["type"] == "integer" and "lower runs first" in str(
+            fields["priority"]
+        )
+        assert "tenant" in str(fields["user"])
+    responses = document["paths"]["/v1/completions"]["post"]["responses"]
+    assert "Retry-After" in responses["429"]["headers"]
+    assert "tokens per minute" in responses["429"]["description"]
+
+
+def test_serve_takes_the_tenant_flags_and_checks_the_file(tmp_path: Path) -> None:
+    from llmserve.launcher import parse_serve_flags, stack_from_flags
+
+    path = tmp_path / "tenants.json"
+    path.write_text(json.dumps(TENANTS))
+    args = parse_serve_flags(["--api-keys", str(path), "--admin-key", ADMIN_KEY])
+    stack = stack_from_flags(args)
+    assert (stack.gateway.api_keys, stack.gateway.admin_key) == (str(path), ADMIN_KEY)
+    path.write_text(json.dumps({"keys": [{"key": "k", "tenant": "nobody"}]}))
+    with pytest.raises(ValueError, match=r"keys\[0\].tenant='nobody' is not in tenants"):
+        stack_from_flags(args)
+    assert llmserve_main(["serve", "--api-keys", str(path)]) == 2
