@@ -301,7 +301,7 @@ def _gateway_view(entry: InFlight) -> scheduler_pb2.RequestState:
     return scheduler_pb2.RequestState(
         request_id=entry.request_id,
         tenant=entry.tenant,
-        state="running" if entry.admitted else "waiting",
+        state="running" if entry.started else "waiting",
         num_prompt_tokens=entry.num_prompt_tokens,
         num_output_tokens=entry.num_output_tokens,
         age_s=time.monotonic() - entry.start,

@@ -92,7 +92,7 @@ class InFlight:
     num_prompt_tokens: int
     start: float  # monotonic
     num_output_tokens: int = 0
-    admitted: bool = False  # a scheduler took it (sent a message)
+    started: bool = False  # a scheduler took it (it sent a message)
     replica: str = ""  # the address of the replica of its current attempt
     attempt: Attempt | None = None
     aborted: str | None = None
@@ -101,7 +101,7 @@ class InFlight:
     def num_consumed_tokens(self) -> int:
         """What it costs its tenant's tokens-per-minute quota: nothing unless a scheduler took
         it; then its prompt and what it generated."""
-        return self.num_prompt_tokens * self.admitted + self.num_output_tokens
+        return self.num_prompt_tokens * self.started + self.num_output_tokens
 
     def abort(self, why: str) -> None:
         """End the request with UNAVAILABLE why: its Submit call is cancelled (the scheduler
@@ -464,7 +464,7 @@ class GatewayCore:
         out = api_pb2.GenerateResponse(request_id=request_id)
         usage = api_pb2.Usage(prompt_tokens=len(valid.prompt_token_ids))
         async for msg in messages:
-            entry.admitted = True
+            entry.started = True
             if msg.finish_reason == common_pb2.FINISH_REASON_ABORT:
                 why = entry.aborted or SERVER_ENDED_MESSAGE
                 raise GatewayError(grpc.StatusCode.UNAVAILABLE, why)

@@ -31,6 +31,7 @@ from gateway.tenants import TenantLimits, TenantTable, display_name
 
 DURATION_EMA = 0.2  # weight of the newest request's duration in the mean
 MIN_RETRY_AFTER_S = 1
+SWEEP_EVERY = 1024  # admissions between two sweeps of idle tenants' state
 
 
 class QuotaExceeded(Exception):
@@ -64,8 +65,10 @@ class TenantUsage:
 
 
 class Quotas:
-    """The quota state of every tenant seen (a tenant without limits and nothing in flight is
-    forgotten when its last request ends)."""
+    """The quota state of every tenant seen. A tenant with nothing in flight is forgotten once
+    its state says nothing a new one would not: at once without limits, else when its bucket is
+    full again (a sweep every SWEEP_EVERY admissions), so tenants named by `user` cannot grow it
+    without bound."""
 
     def __init__(self, table: TenantTable, clock: Callable[[], float] = time.monotonic):
         self.table = table
@@ -90,6 +93,8 @@ class Quotas:
         QuotaExceeded (retry later) or TooLarge (never). Changes nothing when it raises."""
         limits = self.table.limits(tenant)
         now = self.clock()
+        if self._next_id % SWEEP_EVERY == SWEEP_EVERY - 1:
+            self._forget_idle(now)
         usage = self._refill(tenant, limits, now)
         name = display_name(tenant)
         self._check_concurrency(tenant, name, limits, usage, len(costs), now)
@@ -161,6 +166,14 @@ class Quotas:
         unlimited = not (limits.tokens_per_minute or limits.max_concurrent_requests)
         if unlimited and usage.num_in_flight == 0:
             del self.usage[admission.tenant]
+
+    def _forget_idle(self, now: float) -> None:
+        for tenant, usage in list(self.usage.items()):
+            limits = self.table.limits(tenant)
+            if usage.num_in_flight == 0:
+                level = self._refill(tenant, limits, now).level
+                if level >= limits.tokens_per_minute:
+                    del self.usage[tenant]
 
     def num_in_flight(self, tenant: str) -> int:
         usage = self.usage.get(tenant)

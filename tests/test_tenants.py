@@ -256,3 +256,23 @@ def test_a_new_limit_starts_full_and_a_lower_one_clamps() -> None:
     assert err.value.retry_after_s == 30  # 5 / (10 / 60)
     a.release()
     b.release()
+
+
+def test_idle_tenants_with_full_buckets_are_swept() -> None:
+    from gateway.quotas import SWEEP_EVERY
+
+    clock = Clock()
+    q = Quotas(TenantTable(default=TenantLimits(1.0, 60, 0)), clock)
+    q.admit("busy", [10])  # stays in flight
+    for i in range(SWEEP_EVERY - 2):
+        admission = q.admit(f"user-{i}", [10])
+        admission.use(10)
+        admission.release()  # each leaves its bucket 10 short
+    assert len(q.usage) == SWEEP_EVERY - 1
+    clock.now += 9  # 9 tokens back: not yet full
+    q.admit("one-more", [1]).release()  # the sweep runs before this admission
+    assert len(q.usage) == SWEEP_EVERY
+    clock.now += 1
+    for _ in range(SWEEP_EVERY):
+        q.admit("one-more", [1]).release()
+    assert set(q.usage) == {"busy", "one-more"}
