@@ -34,6 +34,9 @@ from gateway.tokenizer import Tokenizer
 from protos import admin_pb2_grpc, api_pb2, api_pb2_grpc
 
 ADMIN_PREFIX = "/llmserve.admin.v1.Admin/"
+# The launcher asks this with the internal token (it may hold no client key: --api-keys with
+# only SHA-256 digests) to tell the gateway it started from another server on the port.
+MODEL_INFO_METHOD = "/llmserve.api.v1.Generation/GetModelInfo"
 ADMIN_OFF_MESSAGE = "the Admin service is off: start the gateway with --admin-key"
 ADMIN_UNAUTHENTICATED = "missing or wrong admin key: send 'Authorization: Bearer <admin key>'"
 
@@ -41,11 +44,15 @@ ADMIN_UNAUTHENTICATED = "missing or wrong admin key: send 'Authorization: Bearer
 class GatewayAuthInterceptor(grpc.aio.ServerInterceptor):
     """Admin calls need the admin key (PERMISSION_DENIED when none is set: the service is off;
     UNAUTHENTICATED without it, a client key included); the health service is open; every other
-    call needs one of the client keys when any is configured (UNAUTHENTICATED)."""
+    call needs one of the client keys when any is configured (UNAUTHENTICATED); GetModelInfo
+    also takes the internal token."""
 
-    def __init__(self, tenants: TenantTable, admin_key: str | None):
+    def __init__(
+        self, tenants: TenantTable, admin_key: str | None, internal_token: str | None = None
+    ):
         self.tenants = tenants
         self.admin_key = admin_key
+        self.internal_token = internal_token
 
     async def intercept_service(
         self,
@@ -62,9 +69,12 @@ class GatewayAuthInterceptor(grpc.aio.ServerInterceptor):
             if not is_authorized(authorization, self.admin_key):
                 return denied(handler, grpc.StatusCode.UNAUTHENTICATED, ADMIN_UNAUTHENTICATED)
             return handler
-        if self.tenants.requires_key and self.tenants.find_key(authorization) is None:
-            return denied(handler, grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED_MESSAGE)
-        return handler
+        if not self.tenants.requires_key or self.tenants.find_key(authorization) is not None:
+            return handler
+        token = self.internal_token
+        if details.method == MODEL_INFO_METHOD and token and is_authorized(authorization, token):
+            return handler
+        return denied(handler, grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED_MESSAGE)
 
 
 def _authorization(context: grpc.aio.ServicerContext) -> str | None:
@@ -120,7 +130,8 @@ def make_server(core: GatewayCore) -> grpc.aio.Server:
     """The gateway's gRPC server, not yet bound: Generation, Admin and health, behind
     GatewayAuthInterceptor."""
     config = core.config
-    interceptors = [GatewayAuthInterceptor(core.tenants, config.admin_secret())]
+    auth = GatewayAuthInterceptor(core.tenants, config.admin_secret(), config.token())
+    interceptors = [auth]
     # A request larger than max_request_bytes is refused (RESOURCE_EXHAUSTED) before parsing.
     limit = "grpc.max_receive_message_length"
     options = [o for o in SERVER_OPTIONS if o[0] != limit] + [(limit, config.max_request_bytes)]

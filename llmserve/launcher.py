@@ -245,7 +245,9 @@ class Stack:
     def _gateway_info(self) -> api_pb2.ModelInfo | None:
         """The ModelInfo of the server on the gateway's port (one whose instance_id is "" for a
         server that is no gateway of ours), or None when it could not be asked now."""
-        key = self.gateway.api_key
+        # A client key, else the internal token (the gateway takes it for GetModelInfo): with
+        # --api-keys, the launcher may know no client key.
+        key = self.gateway.api_key or self.gateway.token()
         metadata = (("authorization", f"Bearer {key}"),) if key else None
         with grpc.insecure_channel(self.gateway_address, options=CHANNEL_OPTIONS) as channel:
             stub = api_pb2_grpc.GenerationStub(channel)

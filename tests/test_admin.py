@@ -559,3 +559,51 @@ def test_serve_takes_the_tenant_flags_and_checks_the_file(tmp_path: Path) -> Non
     with pytest.raises(ValueError, match=r"keys\[0\].tenant='nobody' is not in tenants"):
         stack_from_flags(args)
     assert llmserve_main(["serve", "--api-keys", str(path)]) == 2
+
+
+def test_admin_in_front_of_the_real_scheduler(tokenizer_dir: Path, tmp_path: Path) -> None:
+    """The real stack (echo engine) with --api-keys and no --api-key: the launcher still tells
+    its gateway (GetModelInfo with the internal token), the tenant's key admits, the Admin
+    service answers, and `llmserve admin` runs as a command. Whether or not the scheduler
+    already has the operator RPCs, ListRequests shows the request and Drain ends done."""
+    import subprocess
+    import sys
+
+    from tests.stack import ROOT, start_echo_stack
+
+    path = tmp_path / "tenants.json"
+    path.write_text(json.dumps(TENANTS))
+    stack = start_echo_stack(
+        tokenizer_dir,
+        tmp_path,
+        "--num-kv-blocks", "64", "--fake-step-delay-ms", "20",
+        gateway_args=["--api-keys", str(path), "--admin-key", ADMIN_KEY],
+    )  # fmt: skip
+    try:
+        channel = grpc.insecure_channel(stack.gateway_address)
+        admin = admin_pb2_grpc.AdminStub(channel)
+        metadata = (("authorization", f"Bearer {ADMIN_KEY}"),)
+        with Client(stack.gateway_address, api_key=PLAIN_KEY) as client:
+            call = client.start(make_request(text="hello", max_tokens=100, request_id="real-1"))
+            next(iter(call))
+            listed = admin.ListRequests(admin_pb2.ListRequestsRequest(), metadata=metadata)
+            assert [e.request.request_id for e in listed.requests] == ["real-1"]
+            capacity = admin.GetCapacity(admin_pb2.GetCapacityRequest(), metadata=metadata)
+            assert capacity.num_blocks == 64 and capacity.replicas[0].ready
+            done = list(admin.Drain(admin_pb2.DrainRequest(timeout_s=30), metadata=metadata))
+            assert done[-1].done and done[-1].num_aborted == 0
+            assert "".join(m.text for m in call) == echo("hello", 100)[1:]
+        out = subprocess.run(
+            [sys.executable, "-m", "llmserve.cli", "admin", "health",
+             "--address", stack.gateway_address],
+            cwd=ROOT, capture_output=True, text=True, timeout=60,
+            env={**__import__("os").environ, "LLMSERVE_ADMIN_KEY": ADMIN_KEY},
+        )  # fmt: skip
+        assert out.returncode == 1 and "draining" in out.stdout, out  # drained: not healthy
+        admin.Resume(admin_pb2.ResumeRequest(), metadata=metadata)
+        with Client(stack.gateway_address, api_key=ACME_KEY) as client:
+            assert client.generate(make_request(text="hi", max_tokens=2)).text == "hi"
+        channel.close()
+        stack.assert_idle()
+    finally:
+        stack.close()
