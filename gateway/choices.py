@@ -73,6 +73,8 @@ async def run_choices(
     is left running upstream, and admission (the request's quota reservation) is released. Each
     choice is traced as its own request (carrier: the HTTP headers, for a caller's traceparent;
     arrival: when the HTTP request came in)."""
+    if admission is not None:
+        admission.handed_over = True  # released below, however this generator ends
     queue: asyncio.Queue[tuple[Choice, api_pb2.GenerateResponse | Exception]] = asyncio.Queue()
 
     async def pump(choice: Choice) -> None:

@@ -304,8 +304,7 @@ async def generate_response(
         try:
             return await _respond(core, request, body, response_id, valids, admission, arrival)
         finally:
-            # run_choices released it, unless it never started (idempotent).
-            if not body.stream:
+            if not admission.handed_over:  # run_choices never started: it cannot release it
                 admission.release()
 
 
@@ -333,7 +332,6 @@ async def _respond(
         first = await until_disconnected(request, first_messages(stream, len(choices)))
     except ClientDisconnected:
         log.info("client disconnected", request_id=response_id)
-        admission.release()  # when the stream never started, it cannot
         return Response(status_code=499)
     events = sse_events(fmt, first, stream)
     return StreamingResponse(events, headers=headers, media_type="text/event-stream")

@@ -192,6 +192,9 @@ class Admission:
         self.num_sequences = n
         self.used = 0
         self.released = False
+        # Whoever runs the request took over releasing it (gateway/choices.py's run_choices: a
+        # generator that never starts cannot release what it was handed).
+        self.handed_over = False
 
     @property
     def unused(self) -> int:

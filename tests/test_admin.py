@@ -242,6 +242,25 @@ def test_concurrent_requests_quota(setup: Setup) -> None:
         assert client.generate(make_request(text="hi", max_tokens=1)).text == "h"
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_http_client_gone_releases_its_quota(setup: Setup, stream: bool) -> None:
+    """beta (1 at a time) disconnects while its request waits: the request ends upstream and
+    its concurrency is free again."""
+    setup.scheduler.gate.clear()
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(
+            f"{setup.gateway.http_url}/v1/completions",
+            json={"prompt": "hi", "max_tokens": 2, "stream": stream},
+            headers={"Authorization": f"Bearer {BETA_KEY}"},
+            timeout=0.5,
+        )
+    wait_until(lambda: setup.gateway.core.quotas.num_in_flight("beta") == 0)
+    wait_until(lambda: not setup.scheduler.requests)
+    setup.scheduler.gate.set()
+    with setup.client(BETA_KEY) as client:
+        assert client.generate(make_request(text="hi", max_tokens=2)).text == "hi"
+
+
 def test_refusals_are_counted_by_tenant_and_reason(setup: Setup) -> None:
     seen: list[tuple[str, str]] = []
     telemetry = setup.gateway.core.telemetry
