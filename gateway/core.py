@@ -596,7 +596,10 @@ def load_tenants(config: GatewayConfig) -> TenantTable:
         table = TenantTable.load(config.api_keys, api_key)
     else:
         table = TenantTable.single_key(api_key)
-    admin = config.admin_secret()
+    try:
+        admin = config.admin_secret()
+    except OSError as err:
+        raise TenantError(f"admin_key={config.admin_key!r} cannot be read: {err.strerror}") from err
     if admin is not None and table.find_key(f"Bearer {admin}") is not None:
         raise TenantError("admin_key is also a client key: a client key must not open Admin")
     return table

@@ -536,6 +536,16 @@ def parse_serve_flags(argv: list[str]) -> Any:
     return parser.parse_args(argv)
 
 
+def _absolute_paths(gateway: GatewayConfig) -> dict[str, str]:
+    """The gateway's file settings made absolute: its process runs in ROOT, not here."""
+    paths = {}
+    if gateway.api_keys:
+        paths["api_keys"] = str(Path(gateway.api_keys).resolve())
+    if gateway.admin_key and gateway.admin_key.startswith("@"):
+        paths["admin_key"] = "@" + str(Path(gateway.admin_key[1:]).resolve())
+    return paths
+
+
 def stack_from_flags(args: Any, **kwargs: Any) -> Stack:
     """The Stack `llmserve serve` starts for its parsed flags: the engine and scheduler on
     loopback, the gateway on --host."""
@@ -557,7 +567,7 @@ def stack_from_flags(args: Any, **kwargs: Any) -> Stack:
         more += [free[2 * i - 2], free[2 * i - 1], *(m if args.metrics_port else [0, 0])]
     groups = _replica_groups(engine, scheduler, size, more)
     addresses = (gateway.scheduler_address[0], *(f"127.0.0.1:{g.scheduler.port}" for g in groups))
-    gateway = replace(gateway, scheduler_address=addresses)
+    gateway = replace(gateway, scheduler_address=addresses, **_absolute_paths(gateway))
     from gateway.core import load_tenants
 
     load_tenants(gateway)  # a wrong --api-keys file fails here, before anything starts

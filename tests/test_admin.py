@@ -566,7 +566,9 @@ def test_openapi_document_has_the_new_fields_and_the_429(setup: Setup) -> None:
     assert "tokens per minute" in responses["429"]["description"]
 
 
-def test_serve_takes_the_tenant_flags_and_checks_the_file(tmp_path: Path) -> None:
+def test_serve_takes_the_tenant_flags_and_checks_the_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from llmserve.launcher import parse_serve_flags, stack_from_flags
 
     path = tmp_path / "tenants.json"
@@ -574,6 +576,15 @@ def test_serve_takes_the_tenant_flags_and_checks_the_file(tmp_path: Path) -> Non
     args = parse_serve_flags(["--api-keys", str(path), "--admin-key", ADMIN_KEY])
     stack = stack_from_flags(args)
     assert (stack.gateway.api_keys, stack.gateway.admin_key) == (str(path), ADMIN_KEY)
+    # Relative paths are the caller's: the gateway runs elsewhere (llmserve.launcher.ROOT).
+    monkeypatch.chdir(tmp_path)
+    args = parse_serve_flags(["--api-keys", "tenants.json", "--admin-key", "@admin.key"])
+    with pytest.raises(ValueError, match=r"admin_key='@.*admin\.key' cannot be read: No such file"):
+        stack_from_flags(args)
+    (tmp_path / "admin.key").write_text("the admin key\n")
+    stack = stack_from_flags(args)
+    assert stack.gateway.api_keys == str(path)
+    assert stack.gateway.admin_key == f"@{tmp_path / 'admin.key'}"
     path.write_text(json.dumps({"keys": [{"key": "k", "tenant": "nobody"}]}))
     with pytest.raises(ValueError, match=r"keys\[0\].tenant='nobody' is not in tenants"):
         stack_from_flags(args)
@@ -620,6 +631,13 @@ def test_admin_in_front_of_the_real_scheduler(tokenizer_dir: Path, tmp_path: Pat
         )  # fmt: skip
         assert out.returncode == 1 and "draining" in out.stdout, out  # drained: not healthy
         admin.Resume(admin_pb2.ResumeRequest(), metadata=metadata)
+        # Every Admin call is logged with who made it.
+        lines = [json.loads(line) for line in (tmp_path / "gateway.log").read_text().splitlines()]
+        calls = [line for line in lines if line["event"] == "admin call"]
+        methods = [c["method"] for c in calls]
+        assert methods == ["ListRequests", "GetCapacity", "Drain", "GetHealth", "Resume"]
+        assert calls[2]["arguments"] == {"timeout_s": 30.0} and calls[2]["key"] == "admin"
+        assert all(c["peer"].startswith("ipv4:127.0.0.1:") for c in calls)
         with Client(stack.gateway_address, api_key=ACME_KEY) as client:
             assert client.generate(make_request(text="hi", max_tokens=2)).text == "hi"
         channel.close()
