@@ -97,7 +97,9 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
                 last = i == request.max_tokens - 1
                 msg = scheduler_pb2.SubmitResponse(
                     token_ids=[prompt[i % len(prompt)]],
-                    finish_reason=common_pb2.FINISH_REASON_LENGTH if last else 0,
+                    finish_reason=common_pb2.FINISH_REASON_LENGTH
+                    if last
+                    else common_pb2.FINISH_REASON_UNSPECIFIED,
                 )
                 if i == 0:
                     msg.num_prompt_tokens = len(prompt)

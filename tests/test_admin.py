@@ -113,7 +113,7 @@ def rpc_error(call: Any) -> grpc.RpcError:
 
 
 def trailing(err: grpc.RpcError) -> dict[str, str]:
-    return dict(err.trailing_metadata() or ())  # type: ignore[attr-defined]
+    return dict(err.trailing_metadata() or ())
 
 
 def post(setup: Setup, body: dict[str, Any], key: str | None) -> httpx.Response:
@@ -261,11 +261,18 @@ def test_an_http_client_gone_releases_its_quota(setup: Setup, stream: bool) -> N
         assert client.generate(make_request(text="hi", max_tokens=2)).text == "hi"
 
 
-def test_refusals_are_counted_by_tenant_and_reason(setup: Setup) -> None:
+def test_refusals_are_counted_by_tenant_and_reason(
+    setup: Setup, monkeypatch: pytest.MonkeyPatch
+) -> None:
     seen: list[tuple[str, str]] = []
     telemetry = setup.gateway.core.telemetry
     original = telemetry.refused
-    telemetry.refused = lambda t, r: (seen.append((t, r)), original(t, r))  # type: ignore[method-assign]
+
+    def refused(tenant: str, reason: str) -> None:
+        seen.append((tenant, reason))
+        original(tenant, reason)
+
+    monkeypatch.setattr(telemetry, "refused", refused)
     with setup.client(ACME_KEY) as client:
         rpc_error(lambda: client.generate(make_request(text="hello", max_tokens=100)))
     assert seen == [("acme", "too_large")]
