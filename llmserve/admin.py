@@ -114,13 +114,14 @@ class _Admin:
     def __init__(self, args: argparse.Namespace):
         import grpc
 
+        from common.auth import read_secret
         from common.net import CHANNEL_OPTIONS, with_default_port
         from protos import admin_pb2_grpc
 
         address = with_default_port(args.address, DEFAULT_PORT)
         self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
         self.stub = admin_pb2_grpc.AdminStub(self.channel)
-        key = args.admin_key
+        key = read_secret(args.admin_key)
         self.metadata = (("authorization", f"Bearer {key}"),) if key else None
         self.timeout = getattr(args, "timeout", None)
 
@@ -223,6 +224,9 @@ def _set_weight(admin: _Admin, args: argparse.Namespace) -> int:
 def _set_quota(admin: _Admin, args: argparse.Namespace) -> int:
     from protos import admin_pb2
 
+    if args.tokens_per_minute is None and args.max_concurrent is None:
+        print("error: give --tokens-per-minute, --max-concurrent or both", file=sys.stderr)
+        return 2
     request = admin_pb2.SetQuotaRequest(tenant=args.tenant)
     if args.tokens_per_minute is not None:
         request.tokens_per_minute = args.tokens_per_minute
@@ -263,7 +267,8 @@ def add_admin_parser(sub: Any) -> None:
         c.add_argument(
             "--admin-key",
             default=os.environ.get("LLMSERVE_ADMIN_KEY") or None,
-            help="the gateway's --admin-key (default: env LLMSERVE_ADMIN_KEY)",
+            help="the gateway's --admin-key, or @PATH of a file holding it (default: env "
+            "LLMSERVE_ADMIN_KEY)",
         )
         c.add_argument("--json", action="store_true", help="print protobuf JSON")
         if deadline:

@@ -509,7 +509,7 @@ def admin_cli(setup: Setup, capsys: pytest.CaptureFixture[str], *args: str) -> t
     return code, "\n".join(lines)
 
 
-def test_admin_cli(setup: Setup, capsys: pytest.CaptureFixture[str]) -> None:
+def test_admin_cli(setup: Setup, capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     setup.scheduler.gate.clear()
     with setup.client(ACME_KEY) as client:
         call = client.start(make_request(text="hello", max_tokens=3, request_id="cli-1"))
@@ -541,6 +541,8 @@ def test_admin_cli(setup: Setup, capsys: pytest.CaptureFixture[str]) -> None:
     assert (acme["weight"], acme["tokens_per_minute"], acme["max_concurrent_requests"]) == (
         5.0, "100", 2,
     )  # fmt: skip
+    code, out = admin_cli(setup, capsys, "set-quota", "acme")
+    assert code == 2 and "give --tokens-per-minute, --max-concurrent or both" in out, out
     code, out = admin_cli(setup, capsys, "set-weight", "acme", "0")
     assert code == 1 and "weight=0.0 must be > 0" in out, out
     code, out = admin_cli(setup, capsys, "drain", "--timeout", "5")
@@ -551,6 +553,13 @@ def test_admin_cli(setup: Setup, capsys: pytest.CaptureFixture[str]) -> None:
     assert code == 0, out
     code = llmserve_main(["admin", "health", "--address", setup.gateway.address])
     assert code == 1 and "UNAUTHENTICATED" in capsys.readouterr().err
+    key_file = tmp_path / "admin.key"
+    key_file.write_text(ADMIN_KEY + "\n")
+    address = setup.gateway.address
+    assert (
+        llmserve_main(["admin", "tenants", "--address", address, "--admin-key", f"@{key_file}"])
+        == 0
+    )
 
 
 def test_make_request_carries_user_and_priority() -> None:
