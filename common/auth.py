@@ -27,7 +27,7 @@ from common.net import CHANNEL_OPTIONS, behavior_field
 
 UNAUTHENTICATED_MESSAGE = "missing or wrong API key: send 'Authorization: Bearer <key>'"
 PEER_UNAUTHENTICATED = "missing or wrong internal token: only the stack's own services may call"
-_OPEN_PREFIX = "/grpc.health.v1.Health/"
+OPEN_PREFIX = "/grpc.health.v1.Health/"
 
 
 def is_authorized(authorization: str | None, secret: str) -> bool:
@@ -38,7 +38,7 @@ def is_authorized(authorization: str | None, secret: str) -> bool:
     return scheme.lower() == "bearer" and same
 
 
-def _secret(value: str | None) -> str | None:
+def read_secret(value: str | None) -> str | None:
     """A secret given as itself or, written @PATH, as the contents of a file."""
     if value and value.startswith("@"):
         return Path(value[1:]).read_text().strip() or None
@@ -61,7 +61,7 @@ class PeerSecurity:
     tls_ca: str | None = setting(None, "PEM CA that peers' certificates must chain to (mutual TLS)")
 
     def token(self) -> str | None:
-        return _secret(self.internal_token)
+        return read_secret(self.internal_token)
 
     def peer_metadata(self) -> tuple[tuple[str, str], ...]:
         """Metadata for calls to a peer service."""
@@ -106,7 +106,7 @@ class PeerSecurity:
             )
 
 
-def _authorization(details: grpc.HandlerCallDetails) -> str | None:
+def authorization_of(details: grpc.HandlerCallDetails) -> str | None:
     metadata = details.invocation_metadata or ()
     value = next((v for k, v in metadata if k == "authorization"), None)
     return value.decode(errors="replace") if isinstance(value, bytes) else value
@@ -121,16 +121,23 @@ def _checked(
 ) -> grpc.RpcMethodHandler | None:
     """handler, or for a call without the secret (but the health service's) a handler of the
     same kind that fails it with UNAUTHENTICATED."""
-    if handler is None or details.method.startswith(_OPEN_PREFIX):
+    if handler is None or details.method.startswith(OPEN_PREFIX):
         return handler
-    if is_authorized(_authorization(details), secret):
+    if is_authorized(authorization_of(details), secret):
         return handler
+    return denied(handler, grpc.StatusCode.UNAUTHENTICATED, message, aio)
+
+
+def denied(
+    handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str, aio: bool = True
+) -> grpc.RpcMethodHandler:
+    """A handler of handler's kind that fails every call with code and message."""
 
     async def deny_async(_request: Any, context: grpc.aio.ServicerContext) -> None:
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+        await context.abort(code, message)
 
     def deny(_request: Any, context: grpc.ServicerContext) -> None:
-        context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+        context.abort(code, message)
 
     return handler._replace(**{behavior_field(handler): deny_async if aio else deny})
 

@@ -12,6 +12,7 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass, replace
 
 from gateway.core import GatewayCore
+from gateway.quotas import Admission
 from gateway.validation import ValidRequest
 from protos import api_pb2, scheduler_pb2
 
@@ -60,12 +61,20 @@ Messages = AsyncGenerator[tuple[Choice, api_pb2.GenerateResponse], None]
 
 
 async def run_choices(
-    core: GatewayCore, choices: list[Choice], carrier: object, arrival: float, operation: str
+    core: GatewayCore,
+    choices: list[Choice],
+    carrier: object,
+    arrival: float,
+    operation: str,
+    admission: Admission | None = None,
 ) -> Messages:
     """Every choice's messages as they arrive, until all have finished. The first error of any
     choice is raised. However this generator ends (finished, error, closed, cancelled), no choice
-    is left running upstream. Each choice is traced as its own request (carrier: the HTTP headers,
-    for a caller's traceparent; arrival: when the HTTP request came in)."""
+    is left running upstream, and admission (the request's quota reservation) is released. Each
+    choice is traced as its own request (carrier: the HTTP headers, for a caller's traceparent;
+    arrival: when the HTTP request came in)."""
+    if admission is not None:
+        admission.handed_over = True  # released below, however this generator ends
     queue: asyncio.Queue[tuple[Choice, api_pb2.GenerateResponse | Exception]] = asyncio.Queue()
 
     async def pump(choice: Choice) -> None:
@@ -73,7 +82,7 @@ async def run_choices(
         trace.operation = operation  # before validated(): the request span records it
         trace.validated(choice.valid, None)
         try:
-            async for msg in core.generate(choice.valid, choice.request_id, trace):
+            async for msg in core.generate(choice.valid, choice.request_id, trace, admission):
                 queue.put_nowait((choice, msg))
         except Exception as err:
             queue.put_nowait((choice, err))
@@ -90,6 +99,10 @@ async def run_choices(
     finally:
         for task in tasks:
             task.cancel()  # cancels the choice's Submit call; the scheduler frees its blocks
+        if admission is not None:
+            # Once the choices' tasks have ended: they count what they used on it.
+            await asyncio.gather(*tasks, return_exceptions=True)
+            admission.release()
 
 
 async def first_messages(

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from common.auth import PeerSecurity
+from common.auth import PeerSecurity, read_secret
 from common.flags import check_ports, setting
 from gateway.router import ROUTING_POLICIES
 
@@ -69,6 +69,23 @@ class GatewayConfig(PeerSecurity):
         env="LLMSERVE_API_KEY",
     )
 
+    api_keys: str | None = setting(
+        None,
+        "a JSON file of client keys, each naming a tenant, and the tenants' weights and quotas "
+        "(README: Tenants, quotas and the admin API); every HTTP and gRPC client then needs one "
+        "of its keys (or --api-key, the default tenant's)",
+    )
+    admin_key: str | None = setting(
+        None,
+        "the key of the gRPC Admin service ('Authorization: Bearer KEY'; @PATH: read it from a "
+        "file); without it the Admin service refuses every call",
+        secret=True,
+        env="LLMSERVE_ADMIN_KEY",
+    )
+
+    def admin_secret(self) -> str | None:
+        return read_secret(self.admin_key)
+
     def __post_init__(self) -> None:
         check_ports(self, "port", "http_port", "metrics_port")
         if self.http_port and self.http_port == self.port:
@@ -86,6 +103,12 @@ class GatewayConfig(PeerSecurity):
             raise ValueError("served_model_name is empty; leave it unset for the model's name")
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("api_key is empty; leave it unset to serve without a key")
+        if self.admin_key is not None and not self.admin_key.strip():
+            raise ValueError("admin_key is empty; leave it unset to turn the Admin service off")
+        if self.api_keys is not None and not self.api_keys.strip():
+            raise ValueError("api_keys is empty; leave it unset to serve without a tenant file")
+        if self.admin_key and not self.admin_key.startswith("@") and self.admin_key == self.api_key:
+            raise ValueError("admin_key must differ from api_key: a client key must not open Admin")
 
     def _check_scheduler_addresses(self) -> None:
         if isinstance(self.scheduler_address, str):  # one address given as a string

@@ -9,14 +9,20 @@ next step. A stop string ends the request the same way, after the text before it
 
 A request the server ends itself (the scheduler's finish reason ABORT: it is shutting down, or its
 engine came back too small to hold the request) and one whose scheduler was lost mid-stream are
-UNAVAILABLE errors, which a client can retry, never a finish reason.
+UNAVAILABLE errors, which a client can retry, never a finish reason. So is one an operator aborts
+(Admin.AbortRequest, or a Drain that timed out): it is never retried on another replica.
+
+Before any of that, `admit` names the request's tenant (gateway/tenants.py) and holds it to the
+tenant's quotas (gateway/quotas.py); a draining gateway admits nothing.
 """
 
 from __future__ import annotations
 
 import asyncio
 import socket
+import time
 import uuid
+from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 
@@ -27,9 +33,11 @@ from common.log import get_logger
 from common.model_config import default_model_id
 from gateway.config import DNS_PREFIX, GatewayConfig
 from gateway.detokenizer import IncrementalDetokenizer
+from gateway.quotas import Admission, QuotaExceeded, Quotas, TooLarge
 from gateway.router import Replica, ReplicaLoad, Router
 from gateway.stop import StopStringMatcher
 from gateway.telemetry import GatewayTelemetry, RequestTelemetry
+from gateway.tenants import DEFAULT_TENANT, Caller, TenantError, TenantTable
 from gateway.tokenizer import Tokenizer
 from gateway.validation import Limits, ValidationError, ValidRequest, validate
 from protos import api_pb2, common_pb2, scheduler_pb2, scheduler_pb2_grpc
@@ -46,16 +54,19 @@ SERVER_ENDED_MESSAGE = (
     "the server ended this request before it finished (shutting down, or its engine was lost); "
     "retry"
 )
+DRAINING_MESSAGE = "this gateway is draining (an operator's Drain) and admits nothing; retry"
+STATS_WINDOW_S = 5.0  # steps per second are measured over this much of the stats stream
 
 
 class GatewayError(Exception):
     """A request refused or failed. `code` is the gRPC status (the design's failure vocabulary);
     the HTTP API maps it to an HTTP status."""
 
-    def __init__(self, code: grpc.StatusCode, message: str):
+    def __init__(self, code: grpc.StatusCode, message: str, retry_after_s: int | None = None):
         super().__init__(message)
         self.code = code
         self.message = message
+        self.retry_after_s = retry_after_s  # over a quota: when a retry can succeed
 
 
 def new_request_id(prefix: str = "req") -> str:
@@ -69,6 +80,36 @@ class Attempt:
 
     call: grpc.aio.UnaryStreamCall
     lost: bool = False
+    aborted: str | None = None  # an operator aborted the request: why
+
+
+@dataclass(eq=False)
+class InFlight:
+    """A scheduler request (one choice) this gateway streams now."""
+
+    request_id: str
+    tenant: str
+    num_prompt_tokens: int
+    start: float  # monotonic
+    num_output_tokens: int = 0
+    started: bool = False  # a scheduler took it (it sent a message)
+    replica: str = ""  # the address of the replica of its current attempt
+    attempt: Attempt | None = None
+    aborted: str | None = None
+
+    @property
+    def num_consumed_tokens(self) -> int:
+        """What it costs its tenant's tokens-per-minute quota: nothing unless a scheduler took
+        it; then its prompt and what it generated."""
+        return self.num_prompt_tokens * self.started + self.num_output_tokens
+
+    def abort(self, why: str) -> None:
+        """End the request with UNAVAILABLE why: its Submit call is cancelled (the scheduler
+        frees it) and it is not tried elsewhere."""
+        self.aborted = why
+        if self.attempt is not None:
+            self.attempt.aborted = why
+            self.attempt.call.cancel()
 
 
 @dataclass(eq=False)
@@ -81,10 +122,28 @@ class ReplicaLink:
     info: scheduler_pb2.SchedulerInfo | None = None
     attempts: set[Attempt] = field(default_factory=set)
     task: asyncio.Task[None] | None = None
+    stats: scheduler_pb2.SchedulerStats | None = None  # the last its scheduler sent
+    # (monotonic time, num_steps) of the stats of the last STATS_WINDOW_S: steps per second.
+    steps: deque[tuple[float, int]] = field(default_factory=deque)
+
+    def on_stats(self, stats: scheduler_pb2.SchedulerStats, now: float) -> None:
+        self.stats = stats
+        self.steps.append((now, stats.num_steps))
+        while len(self.steps) > 2 and now - self.steps[1][0] >= STATS_WINDOW_S:
+            self.steps.popleft()
+
+    @property
+    def steps_per_s(self) -> float:
+        if len(self.steps) < 2 or self.steps[-1][0] <= self.steps[0][0]:
+            return 0.0
+        (t0, n0), (t1, n1) = self.steps[0], self.steps[-1]
+        return max(0, n1 - n0) / (t1 - t0)
 
 
 class GatewayCore:
-    def __init__(self, config: GatewayConfig, tokenizer: Tokenizer):
+    def __init__(
+        self, config: GatewayConfig, tokenizer: Tokenizer, tenants: TenantTable | None = None
+    ):
         self.config = config
         self.tokenizer = tokenizer
         # What both APIs call the model (the engine's own name for it is only logged).
@@ -101,6 +160,10 @@ class GatewayCore:
         self.telemetry.model = self.model_id
         self._health_update: asyncio.Future[None] | None = None
         self._closing: set[asyncio.Future[None]] = set()  # links being closed
+        self.tenants = tenants or load_tenants(config)
+        self.quotas = Quotas(self.tenants)
+        self.in_flight: set[InFlight] = set()
+        self.draining = False
 
     # -- replicas --------------------------------------------------------------------------------
 
@@ -175,6 +238,7 @@ class GatewayCore:
             messages = aiter(stream)
             while True:
                 stats = await asyncio.wait_for(anext(messages), HEARTBEAT_S)
+                link.on_stats(stats, time.monotonic())
                 self.router.on_stats(link.address, stats.ready, _load(stats))
                 self._update_health()
         except StopAsyncIteration:
@@ -212,13 +276,15 @@ class GatewayCore:
         """Route around link; cancel its requests in flight (each fails over, or fails
         UNAVAILABLE if it had streamed)."""
         self.router.on_lost(link.address)
+        link.stats = None
+        link.steps.clear()
         for attempt in list(link.attempts):
             attempt.lost = True
             attempt.call.cancel()
         self._update_health()
 
     def _update_health(self) -> None:
-        serving = self.router.num_healthy > 0
+        serving = self.router.num_healthy > 0 and not self.draining
         if serving != self.serving or self._health_update is None:
             self.serving = serving
             response = health_pb2.HealthCheckResponse
@@ -248,20 +314,86 @@ class GatewayCore:
         except ValidationError as err:
             raise GatewayError(grpc.StatusCode.INVALID_ARGUMENT, str(err)) from err
 
+    # -- tenants and admission ---------------------------------------------------------------------
+
+    def caller(self, authorization: str | None, user: str) -> Caller:
+        """Who sent a request: its key's tenant, else (no keys configured) its `user` field's.
+        GatewayError INVALID_ARGUMENT for a `user` that cannot name a tenant."""
+        try:
+            return self.tenants.resolve(authorization, user)
+        except TenantError as err:
+            raise GatewayError(grpc.StatusCode.INVALID_ARGUMENT, str(err)) from err
+
+    def admit(self, caller: Caller, valids: list[ValidRequest], n: int = 1) -> Admission:
+        """Hold caller's tenant to its quotas for valids, n sequences each (release the
+        admission when they end). GatewayError: UNAVAILABLE while draining; RESOURCE_EXHAUSTED
+        with retry_after_s over a quota now; INVALID_ARGUMENT for what no quota could ever
+        admit. Each refusal is counted by tenant and reason."""
+        if self.draining:
+            self.telemetry.refused(caller.tenant, "draining")
+            raise GatewayError(grpc.StatusCode.UNAVAILABLE, DRAINING_MESSAGE)
+        costs = [len(v.prompt_token_ids) + v.submit.max_tokens for v in valids for _ in range(n)]
+        try:
+            return self.quotas.admit(caller.tenant, costs)
+        except QuotaExceeded as err:
+            self.telemetry.refused(err.tenant, err.reason)
+            raise GatewayError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED, err.message, err.retry_after_s
+            ) from err
+        except TooLarge as err:
+            self.telemetry.refused(err.tenant, "too_large")
+            raise GatewayError(grpc.StatusCode.INVALID_ARGUMENT, err.message) from err
+
+    def find_in_flight(self, request_id: str) -> list[InFlight]:
+        """The requests in flight request_id names: the one of that id, or the choices of an
+        HTTP request (named by its response id: its choices are RESPONSE_ID-INDEX)."""
+        return [
+            e
+            for e in self.in_flight
+            if e.request_id == request_id
+            or (
+                e.request_id.startswith(request_id + "-")
+                and e.request_id[len(request_id) + 1 :].isdigit()
+            )
+        ]
+
+    @property
+    def num_admitted(self) -> int:
+        """Sequences admitted and not yet ended (an HTTP request's choices count before their
+        Submit calls start)."""
+        return sum(usage.num_in_flight for usage in self.quotas.usage.values())
+
+    def set_draining(self, draining: bool) -> None:
+        """Stop (or restart) admitting; readiness follows (NOT_SERVING while draining)."""
+        self.draining = draining
+        self._update_health()
+
+    # -- the request path --------------------------------------------------------------------------
+
     async def generate(
-        self, valid: ValidRequest, request_id: str, trace: RequestTelemetry
+        self,
+        valid: ValidRequest,
+        request_id: str,
+        trace: RequestTelemetry,
+        admission: Admission | None = None,
     ) -> AsyncIterator[api_pb2.GenerateResponse]:
         """Submit valid to a scheduler replica (the router's pick; others if it fails before
         its first token) and stream its text. The last message carries the finish reason and
         usage. Raises GatewayError with the scheduler's code when every replica refuses
         (RESOURCE_EXHAUSTED: queue full) or when the request is lost after its first token
-        (UNAVAILABLE). Ends trace."""
+        (UNAVAILABLE). Ends trace. The tokens it consumed (its prompt once a scheduler took it,
+        and what it generated) are counted on admission, which the caller releases."""
         submit = scheduler_pb2.SubmitRequest()
         submit.CopyFrom(valid.submit)
         submit.request_id = request_id
-        messages = self._routed_messages(submit, (*self.peer_metadata, *trace.metadata()))
+        submit.tenant = admission.tenant if admission is not None else DEFAULT_TENANT
+        submit.tenant_weight = self.tenants.limits(submit.tenant).weight
+        entry = InFlight(request_id, submit.tenant, len(submit.prompt_token_ids), time.monotonic())
+        self.in_flight.add(entry)
+        metadata = (*self.peer_metadata, *trace.metadata())
+        messages = self._routed_messages(submit, metadata, entry)
         try:
-            async for msg in self._stream(request_id, valid, messages):
+            async for msg in self._stream(request_id, valid, messages, entry):
                 trace.on_response(msg)
                 if msg.finish_reason:
                     trace.finish(msg.finish_reason)
@@ -273,18 +405,27 @@ class GatewayCore:
             trace.finish(code=err.code.name, message=err.message)
             raise
         finally:
+            self.in_flight.discard(entry)
+            if admission is not None:
+                admission.use(entry.num_consumed_tokens)
             await messages.aclose()  # cancels the Submit call: the scheduler frees the request
             trace.finish(code="CANCELLED", message="client went away")  # no-op when finished
 
     async def _routed_messages(
-        self, submit: scheduler_pb2.SubmitRequest, metadata: tuple[tuple[str, str], ...]
+        self,
+        submit: scheduler_pb2.SubmitRequest,
+        metadata: tuple[tuple[str, str], ...],
+        entry: InFlight,
     ) -> AsyncGenerator[scheduler_pb2.SubmitResponse, None]:
         """submit's messages from the replica the router picks. Until the first message, a
         replica that refuses (UNAVAILABLE, RESOURCE_EXHAUSTED), ends the request (ABORT) or is
-        lost is left for another, each tried once; the last refusal's code when none is left."""
+        lost is left for another, each tried once; the last refusal's code when none is left.
+        A request an operator aborted (entry.aborted) is tried nowhere else."""
         tried: set[str] = set()
         refusal: RetryElsewhere | None = None
         while True:
+            if entry.aborted:
+                raise GatewayError(grpc.StatusCode.UNAVAILABLE, entry.aborted)
             replica = self.router.route(submit.prompt_token_ids, tried)
             if replica is None:
                 raise _no_replica(refusal, len(self.router.replicas))
@@ -292,6 +433,7 @@ class GatewayCore:
             link = self.links[replica.address]
             attempt = Attempt(link.stub.Submit(submit, metadata=metadata))
             link.attempts.add(attempt)
+            entry.attempt, entry.replica = attempt, replica.address
             try:
                 async for msg in _attempt_messages(attempt):
                     yield msg
@@ -305,6 +447,7 @@ class GatewayCore:
                     why=err.message,
                 )
             finally:
+                entry.attempt = None
                 link.attempts.discard(attempt)
                 attempt.call.cancel()
                 self.router.done(replica)
@@ -314,14 +457,18 @@ class GatewayCore:
         request_id: str,
         valid: ValidRequest,
         messages: AsyncIterator[scheduler_pb2.SubmitResponse],
+        entry: InFlight,
     ) -> AsyncIterator[api_pb2.GenerateResponse]:
         detok = IncrementalDetokenizer(self.tokenizer, valid.prompt_token_ids)
         stops = StopStringMatcher(valid.stop)
         out = api_pb2.GenerateResponse(request_id=request_id)
         usage = api_pb2.Usage(prompt_tokens=len(valid.prompt_token_ids))
         async for msg in messages:
+            entry.started = True
             if msg.finish_reason == common_pb2.FINISH_REASON_ABORT:
-                raise GatewayError(grpc.StatusCode.UNAVAILABLE, SERVER_ENDED_MESSAGE)
+                why = entry.aborted or SERVER_ENDED_MESSAGE
+                raise GatewayError(grpc.StatusCode.UNAVAILABLE, why)
+            entry.num_output_tokens += len(msg.token_ids)
             if msg.num_prompt_tokens:
                 usage.cached_prompt_tokens = msg.num_cached_tokens
             out.token_ids.extend(msg.token_ids)
@@ -393,7 +540,11 @@ async def _attempt_messages(attempt: Attempt) -> AsyncIterator[scheduler_pb2.Sub
         raise GatewayError(code, f"lost the scheduler mid-request ({details}); retry") from err
     except asyncio.CancelledError:
         task = asyncio.current_task()
-        if not attempt.lost or (task is not None and task.cancelling()):
+        if task is not None and task.cancelling():
+            raise  # the client went away
+        if attempt.aborted:
+            raise GatewayError(grpc.StatusCode.UNAVAILABLE, attempt.aborted) from None
+        if not attempt.lost:
             raise  # the client went away
         if not received:
             raise RetryElsewhere(grpc.StatusCode.UNAVAILABLE, REPLICA_SILENT_MESSAGE) from None
@@ -434,3 +585,21 @@ async def resolve_addresses(addresses: tuple[str, ...]) -> list[str]:
 
 class ReplicaMismatch(Exception):
     """A replica serves something else than the first one did (model, limits, block size)."""
+
+
+def load_tenants(config: GatewayConfig) -> TenantTable:
+    """The gateway's tenant table: --api-keys FILE (with --api-key as one more key, the default
+    tenant's) or just --api-key. ValueError (TenantError) naming the field when the file is
+    wrong, or when the admin key is also a client key."""
+    api_key = config.api_key
+    if config.api_keys:
+        table = TenantTable.load(config.api_keys, api_key)
+    else:
+        table = TenantTable.single_key(api_key)
+    try:
+        admin = config.admin_secret()
+    except OSError as err:
+        raise TenantError(f"admin_key={config.admin_key!r} cannot be read: {err.strerror}") from err
+    if admin is not None and table.find_key(f"Bearer {admin}") is not None:
+        raise TenantError("admin_key is also a client key: a client key must not open Admin")
+    return table

@@ -11,9 +11,13 @@ Each choice (n of them per prompt) is its own scheduler request; the prefix cach
 prompt blocks. A client that disconnects, mid-stream or while waiting, cancels all of them
 upstream, and their KV blocks are free before the scheduler's next step. A stream's 200 goes out
 with the first message of every choice, so refusals still get their status: errors use OpenAI's
-body ({"error": {"message", "type", "param", "code"}}) with 400 for an invalid value, 401 for a
-missing or wrong API key, 413 for a body over --max-request-bytes, 429 (Retry-After) for a full
-queue, 503 (Retry-After) when not ready.
+body ({"error": {"message", "type", "param", "code"}}) with 400 for an invalid value (a request
+larger than its tenant's quota allows at all included), 401 for a missing or wrong API key, 413
+for a body over --max-request-bytes, 429 (Retry-After) for a full queue or a tenant over its
+quota (Retry-After then computed from the quota: gateway/quotas.py), 503 (Retry-After) when not
+ready or draining.
+
+With --api-keys, the key names the request's tenant; without keys, the body's `user` does.
 """
 
 from __future__ import annotations
@@ -34,8 +38,8 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from common import __version__
-from common.auth import UNAUTHENTICATED_MESSAGE, is_authorized
-from common.log import get_logger
+from common.auth import UNAUTHENTICATED_MESSAGE
+from common.log import bind, get_logger
 from gateway.choices import (
     Choice,
     Messages,
@@ -61,7 +65,9 @@ from gateway.openai_protocol import (
     http_message,
 )
 from gateway.openai_responses import ChatFormat, CompletionFormat, ResponseFormat
-from gateway.validation import ValidationError
+from gateway.quotas import Admission
+from gateway.tenants import TenantTable, display_name
+from gateway.validation import ValidationError, ValidRequest
 from protos import api_pb2
 
 log = get_logger("gateway")
@@ -107,7 +113,9 @@ class ApiError(Exception):
         message, param = err.message, None
         if err.code == grpc.StatusCode.INVALID_ARGUMENT:
             message, param = http_message(err.message, prompt_field)
-        retry = {"Retry-After": str(RETRY_AFTER_S)} if status in (429, 503) else None
+        retry = None
+        if status in (429, 503):
+            retry = {"Retry-After": str(err.retry_after_s or RETRY_AFTER_S)}
         return cls(status, message, kind, param, code, retry)
 
     def response(self) -> Response:
@@ -139,17 +147,18 @@ def _validation_error(err: RequestValidationError) -> ApiError:
 
 
 class ApiKeyMiddleware:
-    """Refuses /v1/ requests without `Authorization: Bearer <key>` (401) before anything else
-    reads them. Plain ASGI, so streamed responses pass through untouched."""
+    """Refuses /v1/ requests without `Authorization: Bearer <key>`, key being one of the
+    tenant table's (401), before anything else reads them. Plain ASGI, so streamed responses
+    pass through untouched."""
 
-    def __init__(self, app: ASGIApp, api_key: str):
+    def __init__(self, app: ASGIApp, tenants: TenantTable):
         self.app = app
-        self.api_key = api_key
+        self.tenants = tenants
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"].startswith("/v1/"):
             authorization = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
-            if not is_authorized(authorization, self.api_key):
+            if self.tenants.find_key(authorization) is None:
                 error = ApiError(
                     401,
                     UNAUTHENTICATED_MESSAGE,
@@ -285,32 +294,73 @@ async def generate_response(
             # On a worker thread: a long prompt or chat takes a while to render and tokenize.
             valids = await asyncio.to_thread(lambda: [core.validate(r) for r in requests()])
             check_queue(body.n, len(valids), core.limits.max_waiting if core.limits else 0)
+            caller = core.caller(request.headers.get("authorization"), body.user or "")
+            bind(tenant=display_name(caller.tenant), key=caller.key_name)
+            admission = core.admit(caller, valids, body.n)
         except (ValidationError, GatewayError) as err:
             code = err.code.name if isinstance(err, GatewayError) else "INVALID_ARGUMENT"
             core.telemetry.rejected(code, "http", arrival)
             raise
-        choices = make_choices(valids, body.n, response_id)
-        format_type: type[ResponseFormat] = ChatFormat if chat else CompletionFormat
-        fmt = format_type(core, choices, response_id, body)
-        operation = "chat" if chat else "text_completion"
-        stream = run_choices(core, choices, dict(request.headers), arrival, operation)
-        headers = {"X-Request-Id": response_id}
         try:
-            if not body.stream:
-                messages = await until_disconnected(request, all_messages(stream))
-                return Response(
-                    fmt.response(messages), headers=headers, media_type="application/json"
-                )
-            first = await until_disconnected(request, first_messages(stream, len(choices)))
-        except ClientDisconnected:
-            log.info("client disconnected", request_id=response_id)
-            return Response(status_code=499)
-        events = sse_events(fmt, first, stream)
-        return StreamingResponse(events, headers=headers, media_type="text/event-stream")
+            return await _respond(core, request, body, response_id, valids, admission, arrival)
+        finally:
+            if not admission.handed_over:  # run_choices never started: it cannot release it
+                admission.release()
 
 
+async def _respond(
+    core: GatewayCore,
+    request: Request,
+    body: CompletionRequest | ChatCompletionRequest,
+    response_id: str,
+    valids: list[ValidRequest],
+    admission: Admission,
+    arrival: float,
+) -> Response:
+    """The response, or the event stream, of admitted requests."""
+    chat = isinstance(body, ChatCompletionRequest)
+    choices = make_choices(valids, body.n, response_id)
+    format_type: type[ResponseFormat] = ChatFormat if chat else CompletionFormat
+    fmt = format_type(core, choices, response_id, body)
+    operation = "chat" if chat else "text_completion"
+    stream = run_choices(core, choices, dict(request.headers), arrival, operation, admission)
+    headers = {"X-Request-Id": response_id}
+    try:
+        if not body.stream:
+            messages = await until_disconnected(request, all_messages(stream))
+            return Response(fmt.response(messages), headers=headers, media_type="application/json")
+        first = await until_disconnected(request, first_messages(stream, len(choices)))
+    except ClientDisconnected:
+        log.info("client disconnected", request_id=response_id)
+        return Response(status_code=499)
+    events = sse_events(fmt, first, stream)
+    return StreamingResponse(events, headers=headers, media_type="text/event-stream")
+
+
+_RETRY_AFTER = {
+    "Retry-After": {
+        "description": "seconds to wait before retrying: for a tenant over its quota, computed "
+        "from the quota (when the tokens-per-minute bucket holds the request, or when the "
+        "tenant's oldest request is expected to end); otherwise 1",
+        "schema": {"type": "integer", "minimum": 1},
+    }
+}
 _ERRORS: dict[int | str, dict[str, Any]] = {
-    code: {"model": ErrorResponse} for code in (400, 401, 413, 429, 503)
+    400: {"model": ErrorResponse, "description": "an invalid value, named in `param`"},
+    401: {"model": ErrorResponse, "description": "a missing or wrong API key"},
+    413: {"model": ErrorResponse, "description": "a body over --max-request-bytes"},
+    429: {
+        "model": ErrorResponse,
+        "description": "the scheduler's queue is full, or the tenant is over its tokens per "
+        "minute or its concurrent requests (error.message names the tenant, the quota and its "
+        "limit)",
+        "headers": _RETRY_AFTER,
+    },
+    503: {
+        "model": ErrorResponse,
+        "description": "not ready, or draining (an operator's Drain)",
+        "headers": _RETRY_AFTER,
+    },
 }
 
 
@@ -383,8 +433,8 @@ def create_app(core: GatewayCore) -> FastAPI:
         return ApiError.from_gateway(error, "model").response()
 
     app.add_middleware(BodyLimitMiddleware, max_bytes=core.config.max_request_bytes)
-    if core.config.api_key:  # added last, so it runs first: no key, no body read
-        app.add_middleware(ApiKeyMiddleware, api_key=core.config.api_key)
+    if core.tenants.requires_key:  # added last, so it runs first: no key, no body read
+        app.add_middleware(ApiKeyMiddleware, tenants=core.tenants)
     return app
 
 

@@ -46,12 +46,21 @@ class SamplingRequest(BaseModel):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
-    user: str | None = None
+    user: str | None = Field(
+        None,
+        description="the tenant this request is for, when the server has no API keys naming "
+        "tenants (--api-keys); with keys, the key decides and this is ignored",
+    )
     # Beyond OpenAI's API, as vLLM accepts them.
     top_k: _INT32 | None = None
     min_p: float | None = None
     ignore_eos: bool = False
     stop_token_ids: list[_INT32] | None = None
+    priority: _INT32 = Field(
+        0,
+        description="under the scheduler's priority policy, lower runs first (vLLM's "
+        "convention); ties go by arrival",
+    )
     # Ours: decode this request without speculative decoding (protos/api.proto).
     disable_speculation: bool = False
 
@@ -254,7 +263,10 @@ def _sampling_fields(body: SamplingRequest, max_tokens: int | None) -> api_pb2.G
     """The GenerateRequest fields the two endpoints share. The body's fields named as in
     common.SamplingParams go there as they are (unset ones keep the server's defaults)."""
     req = api_pb2.GenerateRequest(
-        ignore_eos=body.ignore_eos, disable_speculation=body.disable_speculation
+        ignore_eos=body.ignore_eos,
+        disable_speculation=body.disable_speculation,
+        priority=body.priority,
+        user=_text("user", body.user or ""),
     )
     if max_tokens is not None:
         req.max_tokens = max_tokens

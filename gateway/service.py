@@ -1,24 +1,91 @@
 """The gateway process: the gRPC Generation service and the OpenAI-compatible HTTP API
 (gateway/http.py), both over one request path (gateway/core.py) and one scheduler connection, on
-one asyncio loop. A client's cancellation cancels the handler, and with it the request upstream
-(gateway/core.py).
+one asyncio loop, and beside them the operator's Admin service (gateway/admin.py) on the gRPC port.
+A client's cancellation cancels the handler, and with it the request upstream (gateway/core.py).
+
+Who may call what (GatewayAuthInterceptor): the health service is open; Admin needs the admin
+key; everything else needs a client key when any is configured (--api-key, --api-keys).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from common.auth import BearerInterceptor
+from common.auth import (
+    OPEN_PREFIX,
+    UNAUTHENTICATED_MESSAGE,
+    authorization_of,
+    denied,
+    is_authorized,
+)
+from common.log import bind
 from common.model_config import resolve_model_path
 from common.net import LIVENESS_SERVICE, SERVER_OPTIONS, add_servicer, serve_aio
+from gateway.admin import AdminService
 from gateway.config import GatewayConfig
 from gateway.core import GatewayCore, GatewayError, new_request_id
+from gateway.quotas import Admission
+from gateway.tenants import TenantTable, display_name
 from gateway.tokenizer import Tokenizer
-from protos import api_pb2, api_pb2_grpc
+from protos import admin_pb2_grpc, api_pb2, api_pb2_grpc
+
+ADMIN_PREFIX = "/llmserve.admin.v1.Admin/"
+# The launcher asks this with the internal token (it may hold no client key: --api-keys with
+# only SHA-256 digests) to tell the gateway it started from another server on the port.
+MODEL_INFO_METHOD = "/llmserve.api.v1.Generation/GetModelInfo"
+ADMIN_OFF_MESSAGE = "the Admin service is off: start the gateway with --admin-key"
+ADMIN_UNAUTHENTICATED = "missing or wrong admin key: send 'Authorization: Bearer <admin key>'"
+
+
+class GatewayAuthInterceptor(grpc.aio.ServerInterceptor):
+    """Admin calls need the admin key (PERMISSION_DENIED when none is set: the service is off;
+    UNAUTHENTICATED without it, a client key included); the health service is open; every other
+    call needs one of the client keys when any is configured (UNAUTHENTICATED); GetModelInfo
+    also takes the internal token."""
+
+    def __init__(
+        self, tenants: TenantTable, admin_key: str | None, internal_token: str | None = None
+    ):
+        self.tenants = tenants
+        self.admin_key = admin_key
+        self.internal_token = internal_token
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(details)
+        if handler is None or details.method.startswith(OPEN_PREFIX):
+            return handler
+        authorization = authorization_of(details)
+        if details.method.startswith(ADMIN_PREFIX):
+            if self.admin_key is None:
+                return denied(handler, grpc.StatusCode.PERMISSION_DENIED, ADMIN_OFF_MESSAGE)
+            if not is_authorized(authorization, self.admin_key):
+                return denied(handler, grpc.StatusCode.UNAUTHENTICATED, ADMIN_UNAUTHENTICATED)
+            return handler
+        if not self.tenants.requires_key or self.tenants.find_key(authorization) is not None:
+            return handler
+        token = self.internal_token
+        if details.method == MODEL_INFO_METHOD and token and is_authorized(authorization, token):
+            return handler
+        return denied(handler, grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED_MESSAGE)
+
+
+def _authorization(context: grpc.aio.ServicerContext) -> str | None:
+    return next((v for k, v in context.invocation_metadata() or () if k == "authorization"), None)
+
+
+async def abort_with(context: grpc.aio.ServicerContext, err: GatewayError) -> None:
+    """Fail the call with err's code and message; a quota's retry hint goes in the trailing
+    metadata as `retry-after` (whole seconds), as HTTP's Retry-After header."""
+    trailing = (("retry-after", str(err.retry_after_s)),) if err.retry_after_s else ()
+    await context.abort(err.code, err.message, trailing_metadata=trailing)
 
 
 class GatewayService(api_pb2_grpc.GenerationServicer):
@@ -33,7 +100,7 @@ class GatewayService(api_pb2_grpc.GenerationServicer):
         try:
             return self.core.model_info()
         except GatewayError as err:
-            await context.abort(err.code, err.message)
+            await abort_with(context, err)
             raise  # not reached: abort raises
 
     async def Generate(
@@ -41,29 +108,51 @@ class GatewayService(api_pb2_grpc.GenerationServicer):
     ) -> AsyncIterator[api_pb2.GenerateResponse]:
         request_id = request.request_id or new_request_id()
         trace = self.core.telemetry.start(context.invocation_metadata(), request_id, "grpc")
+        admission: Admission | None = None
         try:
             # On a worker thread: a long prompt or chat takes a while to render and tokenize.
             valid = await asyncio.to_thread(self.core.validate, request)
             trace.validated(valid, request)
-            async for msg in self.core.generate(valid, request_id, trace):
+            caller = self.core.caller(_authorization(context), request.user)
+            bind(tenant=display_name(caller.tenant), key=caller.key_name)
+            admission = self.core.admit(caller, [valid])
+            async for msg in self.core.generate(valid, request_id, trace, admission):
                 yield msg
         except GatewayError as err:
             trace.finish(code=err.code.name, message=err.message)  # no-op when generate ended it
-            await context.abort(err.code, err.message)
+            await abort_with(context, err)
+        finally:
+            if admission is not None:
+                admission.release()
 
 
-async def serve(config: GatewayConfig) -> None:
-    tokenizer = Tokenizer.from_model_path(resolve_model_path(config.model))
-    core = GatewayCore(config, tokenizer)
-    interceptors = [BearerInterceptor(config.api_key)] if config.api_key else []
+def make_server(core: GatewayCore) -> grpc.aio.Server:
+    """The gateway's gRPC server, not yet bound: Generation, Admin and health, behind
+    GatewayAuthInterceptor."""
+    config = core.config
+    auth = GatewayAuthInterceptor(core.tenants, config.admin_secret(), config.token())
+    interceptors = [auth]
     # A request larger than max_request_bytes is refused (RESOURCE_EXHAUSTED) before parsing.
     limit = "grpc.max_receive_message_length"
     options = [o for o in SERVER_OPTIONS if o[0] != limit] + [(limit, config.max_request_bytes)]
     server = grpc.aio.server(options=options, interceptors=interceptors)
     add_servicer(api_pb2_grpc.add_GenerationServicer_to_server, GatewayService(core), server)
     add_servicer(health_pb2_grpc.add_HealthServicer_to_server, core.health, server)
+    add_servicer(admin_pb2_grpc.add_AdminServicer_to_server, AdminService(core), server)
+    return server
+
+
+async def set_initial_health(core: GatewayCore) -> None:
+    """Alive, not ready: readiness waits for a replica (gateway/core.py)."""
     await core.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
     await core.health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
+
+
+async def serve(config: GatewayConfig) -> None:
+    tokenizer = Tokenizer.from_model_path(resolve_model_path(config.model))
+    core = GatewayCore(config, tokenizer)
+    server = make_server(core)
+    await set_initial_health(core)
     http = None
     if config.http_port:
         from gateway.http import HttpServer, create_app  # FastAPI takes a second to import

@@ -17,12 +17,13 @@ from typing import Any
 from common import telemetry
 from common.log import bind, get_logger
 from common.telemetry import Metric
+from gateway.tenants import display_name
 from gateway.validation import ValidRequest
 from protos import api_pb2, common_pb2
 
 log = get_logger("gateway")
 
-FINISH_REASONS = {
+FINISH_REASONS: dict[int, str] = {
     common_pb2.FINISH_REASON_STOP: "stop",
     common_pb2.FINISH_REASON_LENGTH: "length",
     common_pb2.FINISH_REASON_ABORT: "abort",
@@ -59,6 +60,11 @@ METRICS = {
     "generation_tokens": Metric(
         "llmserve.gateway.generation_tokens", "counter", "{token}", "Tokens generated"
     ),
+    "refused": Metric(
+        "llmserve.gateway.refused_requests", "counter", "{request}",
+        "Requests refused at admission, by tenant and reason (tokens_per_minute, "
+        "max_concurrent_requests, too_large: over a quota's limit itself, draining)",
+    ),
 }  # fmt: skip
 
 
@@ -81,6 +87,11 @@ class GatewayTelemetry:
         attrs = {"gen_ai.request.model": self.model, "llmserve.api": api, "error.type": code}
         self.m.duration.record(time.monotonic() - start, attrs)
         self.m.requests.add(1, {"finish_reason": "error", "status_code": code})
+
+    def refused(self, tenant: str, reason: str) -> None:
+        """A request refused at admission (a quota, or a draining gateway)."""
+        self.m.refused.add(1, {"tenant": display_name(tenant), "reason": reason})
+        log.info("request refused", tenant=display_name(tenant), reason=reason)
 
 
 class RequestTelemetry:

@@ -58,7 +58,8 @@ def _check_unknown_fields(req: api_pb2.GenerateRequest) -> None:
         messages.append(("chat", req.chat))
         messages += [(f"chat.messages[{i}]", m) for i, m in enumerate(req.chat.messages)]
     for where, msg in messages:
-        numbers = [f.field_number for f in unknown_fields.UnknownFieldSet(msg)]
+        fields = unknown_fields.UnknownFieldSet(msg)
+        numbers = [fields[i].field_number for i in range(len(fields))]
         if numbers:
             raise ValidationError(
                 f"unknown field number {numbers[0]} in {where} (this server's API does not "
@@ -165,5 +166,6 @@ def validate(req: api_pb2.GenerateRequest, tokenizer: Tokenizer, limits: Limits)
         stop_token_ids=req.stop_token_ids,
         ignore_eos=req.ignore_eos,
         disable_speculation=req.disable_speculation,
+        priority=req.priority,
     )
     return ValidRequest(submit, list(req.stop))

@@ -5,6 +5,8 @@ llmserve gateway | scheduler | engine ...                  one service (compose 
 llmserve generate PROMPT        raw text in, streamed completion out
 llmserve chat [MESSAGE]         one user turn through the chat template (interactive if omitted)
 llmserve health [--wait S]      exit 0 when the server at --address is SERVING
+llmserve admin drain | resume | requests | abort | capacity | tenants | set-weight | set-quota |
+    health                      operate a running gateway (its Admin service; --admin-key)
 llmserve bench serve | offline | compare   measure a gateway or the engine; compare results
 """
 
@@ -80,6 +82,9 @@ def run_service(name: str, configs: list[Any]) -> None:
     # @PATH fails here).
     if name == "gateway":
         config.token()
+        from gateway.core import load_tenants
+
+        load_tenants(config)  # a wrong --api-keys file fails before the tokenizer loads
     else:
         config.check_exposure(config.host)
     configure(name)
@@ -259,6 +264,18 @@ def _add_client_args(p: argparse.ArgumentParser) -> None:
         help="decode without the server's speculative decoding (same tokens, greedy or seeded)",
     )
     p.add_argument(
+        "--user",
+        type=_text_arg,
+        default=None,
+        help="the tenant the request is for, when the server has no --api-keys",
+    )
+    p.add_argument(
+        "--priority",
+        type=int,
+        default=None,
+        help="under the scheduler's priority policy, lower runs first (default 0)",
+    )
+    p.add_argument(
         "--json",
         action="store_true",
         help="print one JSON object with text, token_ids and finish_reason",
@@ -271,7 +288,9 @@ def _add_client_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-_SAMPLING_FLAGS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop")
+_SAMPLING_FLAGS = (
+    "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "user", "priority",
+)  # fmt: skip
 
 
 def _request(args: argparse.Namespace, **prompt: Any) -> Any:
@@ -489,8 +508,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("path")
     p.set_defaults(func=cmd_internal_token)
 
+    from llmserve.admin import add_admin_parser
     from llmserve.bench.cli import add_bench_parser
 
+    add_admin_parser(sub)
     add_bench_parser(sub)
     return parser
 

@@ -245,7 +245,9 @@ class Stack:
     def _gateway_info(self) -> api_pb2.ModelInfo | None:
         """The ModelInfo of the server on the gateway's port (one whose instance_id is "" for a
         server that is no gateway of ours), or None when it could not be asked now."""
-        key = self.gateway.api_key
+        # A client key, else the internal token (the gateway takes it for GetModelInfo): with
+        # --api-keys, the launcher may know no client key.
+        key = self.gateway.api_key or self.gateway.token()
         metadata = (("authorization", f"Bearer {key}"),) if key else None
         with grpc.insecure_channel(self.gateway_address, options=CHANNEL_OPTIONS) as channel:
             stub = api_pb2_grpc.GenerationStub(channel)
@@ -534,6 +536,16 @@ def parse_serve_flags(argv: list[str]) -> Any:
     return parser.parse_args(argv)
 
 
+def _absolute_paths(gateway: GatewayConfig) -> dict[str, str]:
+    """The gateway's file settings made absolute: its process runs in ROOT, not here."""
+    paths = {}
+    if gateway.api_keys:
+        paths["api_keys"] = str(Path(gateway.api_keys).resolve())
+    if gateway.admin_key and gateway.admin_key.startswith("@"):
+        paths["admin_key"] = "@" + str(Path(gateway.admin_key[1:]).resolve())
+    return paths
+
+
 def stack_from_flags(args: Any, **kwargs: Any) -> Stack:
     """The Stack `llmserve serve` starts for its parsed flags: the engine and scheduler on
     loopback, the gateway on --host."""
@@ -555,5 +567,8 @@ def stack_from_flags(args: Any, **kwargs: Any) -> Stack:
         more += [free[2 * i - 2], free[2 * i - 1], *(m if args.metrics_port else [0, 0])]
     groups = _replica_groups(engine, scheduler, size, more)
     addresses = (gateway.scheduler_address[0], *(f"127.0.0.1:{g.scheduler.port}" for g in groups))
-    gateway = replace(gateway, scheduler_address=addresses)
+    gateway = replace(gateway, scheduler_address=addresses, **_absolute_paths(gateway))
+    from gateway.core import load_tenants
+
+    load_tenants(gateway)  # a wrong --api-keys file fails here, before anything starts
     return Stack(engine, scheduler, gateway, groups=groups, **kwargs)
