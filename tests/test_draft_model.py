@@ -183,3 +183,64 @@ def test_short_context_draft_refused(target: Path, tmp_path: Path) -> None:
     draft = _copy_with(target, tmp_path / "draft", max_position_embeddings=64)
     with pytest.raises(ModelSourceError, match="max_position_embeddings=64 is below the engine's"):
         _engine(target, draft)
+
+
+# -- the stack, started from the CLI's flags ------------------------------------------------------
+
+
+def test_stack_with_a_draft_model(target: Path, tmp_path: Path) -> None:
+    """`--speculative-method draft --speculative-model` (the target's copy) through engine,
+    scheduler and gateway: 4 greedy requests at once give the tokens the same stack gives them
+    with speculation turned off per request, every proposal accepted, every block free after;
+    the engine's log names the draft and its pool."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from llmserve.client import make_request
+    from tests.stack import start_stack
+
+    stack = start_stack(
+        target,
+        engine_args=[
+            "--num-kv-blocks", "64", "--speculative-method", "draft",
+            "--speculative-model", str(target), "--num-speculative-tokens", "3",
+        ],
+        log_dir=tmp_path,
+    )  # fmt: skip
+    try:
+        texts = [f"draft {i}: the quick brown fox" for i in range(4)]
+
+        def generate(text: str, off: bool) -> list[int]:
+            request = make_request(
+                text=text, max_tokens=24, temperature=0.0, ignore_eos=True, disable_speculation=off
+            )
+            with stack.client() as client:
+                return list(client.generate(request).token_ids)
+
+        plain = [generate(t, True) for t in texts]
+        assert stack.stats().num_spec_rows == 0
+        with ThreadPoolExecutor(4) as pool:
+            spec = list(pool.map(lambda t: generate(t, False), texts))
+        assert spec == plain
+        stats = stack.assert_idle()
+        assert stats.num_spec_rows > 0
+        assert stats.num_spec_accepted_tokens == stats.num_spec_draft_tokens > 0
+    finally:
+        stack.close()
+    engine_log = "".join(p.read_text() for p in tmp_path.glob("*engine*"))
+    assert "draft_kv_cache_gib" in engine_log and str(target) in engine_log
+
+
+def test_serve_refuses_a_draft_of_another_vocabulary(target: Path, tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    from tests.stack import ROOT
+
+    draft = _copy_with(target, tmp_path / "draft", vocab_size=300)
+    out = subprocess.run(
+        [sys.executable, "-m", "llmserve.cli", "serve", "--model", str(target),
+         "--speculative-method", "draft", "--speculative-model", str(draft)],
+        cwd=ROOT, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 2, out.stderr
+    assert "vocab_size=300 differs from the model's vocab_size=259" in out.stderr
