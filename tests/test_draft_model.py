@@ -244,3 +244,39 @@ def test_serve_refuses_a_draft_of_another_vocabulary(target: Path, tmp_path: Pat
     )  # fmt: skip
     assert out.returncode == 2, out.stderr
     assert "vocab_size=300 differs from the model's vocab_size=259" in out.stderr
+
+
+# -- the built-in model and a draft cut from it --------------------------------------------------
+
+
+def test_builtin_model_with_a_draft_cut_by_the_script(
+    builtin_model_path: Path, tmp_path: Path
+) -> None:
+    """scripts/make_draft_model.py's draft (the built-in GGUF's first 3 layers, tokenizer and
+    Q4_1 bytes as stored) passes the token check against the built-in model, loads as int8 as
+    the target does, and greedy decoding with it gives the tokens of a request that does not
+    speculate, in the same batch."""
+    from engine.engine import Engine
+    from scripts.make_draft_model import make_draft
+
+    draft = tmp_path / "draft.gguf"
+    assert make_draft(builtin_model_path, draft, 3) == [0, 1, 2]
+    target_config, draft_config = load_model_config(builtin_model_path), load_model_config(draft)
+    assert (draft_config.num_layers, draft_config.hidden_size) == (3, target_config.hidden_size)
+    check_draft_model(builtin_model_path, target_config, draft, draft_config)
+    config = EngineConfig(
+        device="cpu", num_kv_blocks=64, seed=7, speculative_method="draft",
+        speculative_model=str(draft), num_speculative_tokens=3,
+    )  # fmt: skip
+    engine = Engine(config)
+    linear = type(engine.model.layers[0].self_attn.qkv_proj)
+    assert type(engine.draft_model.layers[0].self_attn.qkv_proj) is linear  # type: ignore[union-attr]
+    prompt = [1, 2, 3, 4, 5, 6, 7, 8] * 3
+    requests = [
+        Request(f"r{i}", i + 1, prompt, sampling(temperature=0.0), 12, disable_speculation=off)
+        for i, off in enumerate((True, False))
+    ]
+    sched = make_scheduler_for(engine)
+    run = drive(sched, engine, requests)
+    assert run.outputs[1] == run.outputs[2]
+    assert sched.counters.spec.num_spec_rows > 0
