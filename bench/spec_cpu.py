@@ -2,16 +2,18 @@
 the whole stack (`llmserve serve`), on a copy-heavy workload and a chat workload.
 
     python bench/spec_cpu.py [--out bench/results/spec_cpu.json] [--rounds 2] [--max-tokens 128]
-                             [--methods none,ngram,draft] [--num-speculative-tokens 4]
+                             [--methods none,ngram,draft,model-10] [--num-speculative-tokens 4]
 
-Each method runs in a fresh stack; the stacks take turns for --rounds rounds (none, ngram,
-draft, none, ...), so a slow spell of the machine hits every method alike. In each, after one
-warm-up request, the workloads' prompts are sent one at a time (batch 1), greedy, through the
-chat template, ending at EOS or --max-tokens: output tokens/s is the output tokens over the sum
-of the requests' end-to-end times. Greedy speculation must give the tokens decoding without it
-gives: every run's tokens are compared with the first `none` run's (`same_tokens`). The
-scheduler's counters give the acceptance rate, the mean accepted length and acceptance per
-proposal position.
+Methods: none (the baseline, first), ngram, draft (self-speculation: the model's first third of its
+layers), model-N (a separate draft model, --speculative-model, with its own KV pool: the model's
+first N layers, norm and LM head, written by scripts/make_draft_model.py into a temporary
+directory). Each method runs in a fresh stack; the stacks take turns for --rounds rounds (none,
+ngram, draft, none, ...), so a slow spell of the machine hits every method alike. In each, after
+one warm-up request, the workloads' prompts are sent one at a time (batch 1), greedy, through the
+chat template, ending at EOS or --max-tokens: output tokens/s is the output tokens over the sum of
+the requests' end-to-end times. Greedy speculation must give the tokens decoding without it gives:
+every run's tokens are compared with the first `none` run's (`same_tokens`). The scheduler's
+counters give the acceptance rate, the mean accepted length and acceptance per proposal position.
 
 Workloads: `copy` asks to repeat a given passage word for word (what prompt lookup is for);
 `chat` asks open questions whose answers copy nothing.
@@ -20,8 +22,10 @@ Workloads: `copy` asks to repeat a given passage word for word (what prompt look
 from __future__ import annotations
 
 import argparse
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -73,11 +77,27 @@ def run_prompts(address: str, prompts: list[str], max_tokens: int) -> list[dict[
     return out
 
 
-def run_method(method: str, k: int, max_tokens: int) -> dict[str, Any]:
+def serve_args_for(method: str, k: int, drafts: Path) -> list[str]:
+    """`llmserve serve`'s flags for method; a model-N's draft is written under drafts once."""
+    if method == "none":
+        return []
+    if not method.startswith("model-"):
+        return ["--speculative-method", method, "--num-speculative-tokens", str(k)]
+    from common.model_config import resolve_model_path
+    from scripts.make_draft_model import make_draft
+
+    path = drafts / f"{method}.gguf"
+    if not path.exists():
+        make_draft(resolve_model_path(None), path, int(method.removeprefix("model-")))
+    return [
+        "--speculative-method", "draft", "--speculative-model", str(path),
+        "--num-speculative-tokens", str(k),
+    ]  # fmt: skip
+
+
+def run_method(method: str, k: int, max_tokens: int, drafts: Path) -> dict[str, Any]:
     """One fresh stack speculating with method (none: without): every workload at batch 1."""
-    serve_args = ["--kv-cache-gb", "1"]
-    if method != "none":
-        serve_args += ["--speculative-method", method, "--num-speculative-tokens", str(k)]
+    serve_args = ["--kv-cache-gb", "1", *serve_args_for(method, k, drafts)]
     results: dict[str, Any] = {}
     with serve_locally(serve_args, 300, metrics=False) as stack:
         address = stack.gateway_address
@@ -110,9 +130,10 @@ def main() -> None:
     methods = args.methods.split(",")
     assert methods[0] == "none", "the first method is the baseline: none"
     runs: list[dict[str, Any]] = []
+    drafts = Path(tempfile.mkdtemp(prefix="spec-cpu-drafts-"))
     for round_index in range(args.rounds):
         for method in methods:
-            result = run_method(method, args.num_speculative_tokens, args.max_tokens)
+            result = run_method(method, args.num_speculative_tokens, args.max_tokens, drafts)
             runs.append({"round": round_index, "method": method, "workloads": result})
             print(
                 f"round {round_index} {method}: "
@@ -147,6 +168,7 @@ def main() -> None:
         "summary": summary,
         "runs": runs,
     }
+    shutil.rmtree(drafts, ignore_errors=True)
     save(document, args.out)
     for key, s in summary.items():
         rounds = ", ".join(f"{x:.2f}" for x in s["speedup_per_round"])

@@ -43,9 +43,9 @@ def builtin_model_path() -> Path:
     return path
 
 
-def resolve_model_path(model: str | None) -> Path:
+def resolve_model_path(model: str | None, flag: str = "--model") -> Path:
     """None or "builtin": the built-in GGUF; otherwise an existing HF directory or .gguf file.
-    The path of a config.json stands for its directory."""
+    The path of a config.json stands for its directory. flag: the option errors name."""
     if model in (None, "", "builtin"):
         return builtin_model_path()
     path = Path(model).expanduser()
@@ -53,12 +53,12 @@ def resolve_model_path(model: str | None) -> Path:
         path = path.parent
     if path.is_dir():
         if not (path / "config.json").is_file():
-            raise ModelSourceError(f"--model {path}: directory has no config.json")
+            raise ModelSourceError(f"{flag} {path}: directory has no config.json")
         return path
     if path.is_file() and path.suffix == ".gguf":
         return path
     raise ModelSourceError(
-        f"--model {model}: expected an HF directory with config.json, a config.json or a .gguf file"
+        f"{flag} {model}: expected an HF directory with config.json, a config.json or a .gguf file"
     )
 
 
@@ -251,3 +251,53 @@ def _config_from_gguf(path: Path) -> ModelConfig:
         bos_token_id=fields.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=eos_ids,
     )
+
+
+def tokenizer_tokens(path: Path) -> tuple[str, list[str]] | None:
+    """(where they come from, the token strings by id) of the tokenizer a model carries: a GGUF's
+    tokenizer.ggml.tokens, or an HF directory's tokenizer.json (its model's vocabulary and its
+    added tokens); None when it carries neither."""
+    if not path.is_dir():
+        tokens = open_gguf(path).fields.get("tokenizer.ggml.tokens")
+        return ("gguf", [str(t) for t in tokens]) if tokens else None
+    file = path / "tokenizer.json"
+    if not file.is_file():
+        return None
+    data = json.loads(file.read_text())
+    vocab = (data.get("model") or {}).get("vocab") or {}
+    by_id: dict[int, str] = (
+        {int(i): str(t) for t, i in vocab.items()}
+        if isinstance(vocab, dict)
+        else {i: str(entry[0]) for i, entry in enumerate(vocab)}  # Unigram: [piece, score]
+    )
+    by_id.update({int(t["id"]): str(t["content"]) for t in data.get("added_tokens") or []})
+    if not by_id:
+        return None
+    return "tokenizer.json", [by_id.get(i, "") for i in range(max(by_id) + 1)]
+
+
+def check_draft_model(
+    target_path: Path, target: ModelConfig, draft_path: Path, draft: ModelConfig
+) -> None:
+    """Raise ModelSourceError, naming both values, when the draft model at draft_path cannot
+    propose tokens for the target: another vocabulary size, or, where both carry their tokens in
+    the same form (two GGUFs, two tokenizer.json), another token at some id."""
+    if draft.vocab_size != target.vocab_size:
+        raise ModelSourceError(
+            f"speculative_model {draft_path}: vocab_size={draft.vocab_size} differs from the "
+            f"model's vocab_size={target.vocab_size} ({target_path}); a draft model must use "
+            f"the target's tokenizer"
+        )
+    target_tokens, draft_tokens = tokenizer_tokens(target_path), tokenizer_tokens(draft_path)
+    if target_tokens is None or draft_tokens is None or target_tokens[0] != draft_tokens[0]:
+        return
+    ours, theirs = target_tokens[1], draft_tokens[1]
+    for i in range(max(len(ours), len(theirs))):
+        mine = ours[i] if i < len(ours) else None
+        other = theirs[i] if i < len(theirs) else None
+        if mine != other:
+            raise ModelSourceError(
+                f"speculative_model {draft_path}: token {i} is {other!r} in its {draft_tokens[0]} "
+                f"but {mine!r} in the model's ({target_path}); a draft model must use the "
+                f"target's tokenizer"
+            )

@@ -91,9 +91,10 @@ class EngineConfig(PeerSecurity):
     speculative_method: str = setting(
         "none",
         "speculative decoding: ngram = propose the tokens that followed the latest earlier match "
-        "of the last --ngram-max..--ngram-min tokens (prompt lookup); draft = the model's first "
-        "--draft-num-layers layers and its LM head (self-speculation); none = off. Greedy and "
-        "seeded outputs stay token for token what they are without it",
+        "of the last --ngram-max..--ngram-min tokens (prompt lookup); draft = a draft model: "
+        "--speculative-model, or without it the model's first --draft-num-layers layers and its "
+        "LM head (self-speculation); none = off. Greedy and seeded outputs stay token for token "
+        "what they are without it",
         choices=SPECULATIVE_METHODS,
     )
     num_speculative_tokens: int = setting(
@@ -103,6 +104,13 @@ class EngineConfig(PeerSecurity):
     ngram_min: int = setting(2, "--speculative-method ngram: the shortest n-gram matched")
     draft_num_layers: int = setting(
         0, "--speculative-method draft: the target's first layers run as the draft (0: a third)"
+    )
+    speculative_model: str | None = setting(
+        None,
+        "--speculative-method draft: a smaller Llama-family model with the target's vocabulary "
+        "(HF directory or .gguf file, read as --model is, --load-format included), run beside "
+        "the target on its device in its dtype with a paged KV pool of its own (the KV memory "
+        "is shared between the two pools); default: self-speculation (--draft-num-layers)",
     )
 
     tensor_parallel_size: int = setting(
@@ -159,6 +167,11 @@ class EngineConfig(PeerSecurity):
             )
 
     def _check_speculation(self) -> None:
+        if self.speculative_model and self.speculative_method != "draft":
+            raise ValueError(
+                f"speculative_model={self.speculative_model!r} needs speculative_method='draft', "
+                f"not {self.speculative_method!r}"
+            )
         if self.speculative_method == "none":
             return
         if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
@@ -173,6 +186,11 @@ class EngineConfig(PeerSecurity):
             )
         if self.draft_num_layers < 0:
             raise ValueError(f"draft_num_layers={self.draft_num_layers} must be >= 0")
+        if self.speculative_model and self.draft_num_layers:
+            raise ValueError(
+                f"draft_num_layers={self.draft_num_layers} is for self-speculation; with "
+                f"speculative_model={self.speculative_model!r} the draft is that model, whole"
+            )
         if self.world_size > 1:
             raise ValueError(
                 f"speculative_method={self.speculative_method!r} needs a single-rank engine; "

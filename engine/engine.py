@@ -14,11 +14,19 @@ import os
 import secrets
 import time
 from collections import deque
+from dataclasses import replace
+from pathlib import Path
 
 import torch
 
 from common.log import get_logger
-from common.model_config import ModelConfig, load_model_config, resolve_model_path
+from common.model_config import (
+    ModelConfig,
+    ModelSourceError,
+    check_draft_model,
+    load_model_config,
+    resolve_model_path,
+)
 from common.sampling import has_penalties
 from engine.config import EngineConfig
 from engine.contract import EngineInfo, StepOutput, StepPlanData, with_refused_rows
@@ -34,6 +42,7 @@ from engine.memory import (
     profile_step_memory,
 )
 from engine.mirror import Mirror, StepBatch
+from engine.model import LlamaForCausalLM
 from engine.ops import select_ops
 from engine.parallel import Parallel, shard_config, whole_model
 from engine.proposer import make_proposer
@@ -86,16 +95,23 @@ def available_memory_bytes() -> int:
 
 
 def choose_num_blocks(
-    config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype, ranks_on_node: int = 1
+    config: EngineConfig,
+    model_config: ModelConfig,
+    dtype: torch.dtype,
+    ranks_on_node: int = 1,
+    draft_config: ModelConfig | None = None,
 ) -> int:
     """The KV pool's size without profiling: --num-kv-blocks, --kv-cache-gb, or on the CPU by
     default CPU_POOL_STEPS x max_num_batched_tokens tokens (at least one max_model_len request),
     capped at CPU_POOL_MEMORY_SHARE of the available memory, shared by this node's ranks (a GPU
     engine profiles instead: Engine._size_kv_pool). dtype: the pool's; model_config: the shape
-    of this rank's part."""
+    of this rank's part; draft_config: a draft model's, whose pool has as many blocks (the
+    memory is for both pools)."""
     if config.num_kv_blocks:
         return config.num_kv_blocks
     per_block = bytes_per_block(model_config, config.block_size, dtype)
+    if draft_config is not None:
+        per_block += bytes_per_block(draft_config, config.block_size, dtype)
     if config.kv_cache_gb:
         budget = int(config.kv_cache_gb * GIB)
     else:
@@ -144,6 +160,7 @@ class Engine:
             raise ValueError(why_not)
         max_len = self.model_config.max_position_embeddings
         self.max_model_len = max_len = min(max_len, config.max_model_len or max_len)
+        draft_source = self._draft_source(path)
         ops, ops_reason = select_ops(
             config.attention_backend, self.device, self.dtype, self.local_config, config.block_size
         )
@@ -160,6 +177,8 @@ class Engine:
             shard=self.shard,
         )  # fmt: skip
         del weights
+        self.draft_model = self._load_draft(*draft_source) if draft_source else None
+        self.draft_config = self.draft_model.config if self.draft_model is not None else None
         if self.device.type == "cpu":
             _give_back_freed_memory()
         load_s = time.perf_counter() - t0
@@ -170,10 +189,20 @@ class Engine:
             self.local_config, self.num_blocks, config.block_size, self.kv_dtype, self.device
         )
         kv_caches = layer_views(self.kv_cache)
+        # The draft model's pool: its own layers and heads, the target's blocks.
+        self.draft_kv_cache = None
+        draft_kv_caches = None
+        if self.draft_config is not None:
+            self.draft_kv_cache = allocate_kv_cache(
+                self.draft_config, self.num_blocks, config.block_size, self.kv_dtype, self.device
+            )
+            draft_kv_caches = layer_views(self.draft_kv_cache)
         graphs, graph_info = self._capture_graphs(kv_caches)
         self.timeline: Timeline = make_timeline(self.device)
         self.runner = self._make_runner(kv_caches, graphs=graphs, timeline=self.timeline)
-        self.proposer = make_proposer(config, self.model, kv_caches)
+        self.proposer = make_proposer(
+            config, self.model, kv_caches, self.draft_model, draft_kv_caches
+        )
         # Launched steps whose tokens are not on the host yet, oldest first.
         self.unresolved: deque[LaunchedStep] = deque()
         self.reset()
@@ -209,12 +238,58 @@ class Engine:
             num_blocks=self.num_blocks,
             kv_tokens=self.num_blocks * config.block_size,
             kv_cache_gib=round(self.kv_cache.numel() * self.kv_cache.element_size() / GIB, 2),
+            **self._draft_figures(),
             max_model_len=max_len,
             load_s=round(load_s, 2),
             total_s=round(time.perf_counter() - t0, 2),
             **memory,
             **graph_info,
         )
+
+    def _draft_source(self, target_path: Path) -> tuple[Path, ModelConfig] | None:
+        """The --speculative-model's path and shape, checked against the target's before any
+        weights load (ModelSourceError naming both when they cannot pair); None without one."""
+        if not self.config.speculative_model:
+            return None
+        path = resolve_model_path(self.config.speculative_model, "--speculative-model")
+        draft_config = load_model_config(path)
+        check_draft_model(target_path, self.model_config, path, draft_config)
+        if draft_config.max_position_embeddings < self.max_model_len:
+            raise ModelSourceError(
+                f"speculative_model {path}: max_position_embeddings="
+                f"{draft_config.max_position_embeddings} is below the engine's max_model_len="
+                f"{self.max_model_len}; lower --max-model-len"
+            )
+        return path, draft_config
+
+    def _load_draft(self, path: Path, draft_config: ModelConfig) -> LlamaForCausalLM:
+        """The draft model, built as the target is: same device, dtype, load format (dummy:
+        seeded as the target's) and quantization rule (auto resolved for its own file), the
+        layer ops chosen for its own shape."""
+        c = self.config
+        quantization = resolve_quantization(c.quantization, path, self.device)
+        why_not = quantization_limits(quantization, self.device)
+        if why_not:
+            raise ValueError(f"speculative_model {path}: {why_not}")
+        ops, _ = select_ops(
+            c.attention_backend, self.device, self.dtype, draft_config, c.block_size
+        )
+        weights = None if c.load_format == "dummy" else load_weights(path, draft_config)
+        return build_model(
+            draft_config, weights, self.max_model_len, self.dtype, self.device,
+            dummy_seed=c.seed or 0, ops=ops, quantization=quantization,
+        )  # fmt: skip
+
+    def _draft_figures(self) -> dict[str, object]:
+        """The draft model's entries of the engine's log line (none without one)."""
+        if self.draft_model is None or self.draft_kv_cache is None:
+            return {}
+        pool = self.draft_kv_cache
+        return {
+            "speculative_model": self.config.speculative_model,
+            "draft_num_layers": self.draft_model.config.num_layers,
+            "draft_kv_cache_gib": round(pool.numel() * pool.element_size() / GIB, 2),
+        }
 
     def _make_runner(
         self,
@@ -231,6 +306,14 @@ class Engine:
             graphs=graphs,
             timeline=timeline,
             parallel=self.parallel,
+        )
+
+    def _make_draft_runner(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> ModelRunner:
+        """A runner of the draft model, for the memory profile."""
+        assert self.draft_model is not None
+        sampler = Sampler(self.device, self.sampling_seed)
+        return ModelRunner(
+            self.draft_model, kv_caches, self.config.block_size, self.device, sampler
         )
 
     def _uses_graphs(self) -> tuple[bool, str]:
@@ -250,11 +333,22 @@ class Engine:
         c = self.config
         if self.device.type != "cuda" or c.num_kv_blocks:
             ranks = self.parallel.ranks_on_node if self.parallel is not None else 1
-            return choose_num_blocks(c, self.local_config, self.kv_dtype, ranks), {}
+            return choose_num_blocks(
+                c, self.local_config, self.kv_dtype, ranks, self.draft_config
+            ), {}
         lengths = profile_lengths(c.max_num_batched_tokens, c.max_num_seqs, self.max_model_len)
         profile = profile_step_memory(
             self.local_config, self.kv_dtype, self.device, c.block_size, lengths, self._make_runner
         )
+        if self.draft_model is not None and self.draft_config is not None:
+            # Its weights are in the profile's already; its forwards (catch-up chunks of at
+            # most max_num_batched_tokens tokens) run after the target's, not beside them.
+            draft = profile_step_memory(
+                self.draft_config, self.kv_dtype, self.device, c.block_size, lengths,
+                self._make_draft_runner,
+            )  # fmt: skip
+            peak = max(profile.activation_peak_bytes, draft.activation_peak_bytes)
+            profile = replace(profile, activation_peak_bytes=peak)
         uses_graphs, _ = self._uses_graphs()
         max_graph_batch = graph_batch_sizes(c.max_num_seqs)[-1] if uses_graphs else 0
         graph_bytes = graph_memory_estimate(
@@ -262,6 +356,8 @@ class Engine:
         )
         budget = kv_cache_budget(profile, c.gpu_memory_utilization, graph_bytes)
         per_block = bytes_per_block(self.local_config, c.block_size, self.kv_dtype)
+        if self.draft_config is not None:  # as many blocks in the draft's pool
+            per_block += bytes_per_block(self.draft_config, c.block_size, self.kv_dtype)
         num_blocks = num_blocks_for(budget, per_block)
         figures = {**describe(profile), "graph_reserve_gib": round(graph_bytes / GIB, 2)}
         if num_blocks < 1:

@@ -43,6 +43,11 @@ class SeqState:
     # When token_ids[-1] is PLACEHOLDER: the step and batch row that sampled it (else 0, -1).
     pending_step_id: int = 0
     pending_row: int = -1
+    # With a separate draft model (engine.proposer.DraftModelProposer): its own computed tokens,
+    # how many of token_ids' first tokens its KV pool holds K/V for. 0 for a request new to
+    # the engine (a prefix cache hit or a recompute included): the draft's pool is not the
+    # scheduler's, so nothing there is known to be valid.
+    num_draft_computed_tokens: int = 0
 
     @property
     def num_output_tokens(self) -> int:
@@ -256,7 +261,9 @@ class Mirror:
             after:  |<- computed ------------------>|<- accepted ->|+ tokens[i][-1], not computed
 
         A row that had lookahead slots keeps only the blocks its tokens need (the scheduler
-        frees the same ones): ceil(len(token_ids) / block_size)."""
+        frees the same ones): ceil(len(token_ids) / block_size). A draft model's computed
+        tokens are cut back to the (target's) computed ones: past them, its K/V is that of
+        rejected proposals (engine.proposer.DraftModelProposer)."""
         for row, row_tokens in zip(batch.rows, tokens, strict=True):
             seq = row.seq
             seq.num_computed_tokens = row.end
@@ -266,6 +273,10 @@ class Mirror:
                 f"seq {seq.seq_id}: accepted tokens differ from the proposed ones"
             )
             seq.num_computed_tokens += len(row_tokens) - 1
+            # A draft model's K/V after the accepted proposals is that of rejected ones.
+            seq.num_draft_computed_tokens = min(
+                seq.num_draft_computed_tokens, seq.num_computed_tokens
+            )
             seq.token_ids.extend(row_tokens)
             if row.num_lookahead_tokens:
                 del seq.block_table[-(-len(seq.token_ids) // self.block_size) :]

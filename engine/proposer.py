@@ -71,6 +71,76 @@ class NgramProposer:
                 )
 
 
+class DraftForward:
+    """Forwards of a draft: `num_layers` layers of `model` (all of them, or the first ones for
+    self-speculation), then its final norm and LM head, over `kv_caches`, outside the step's
+    own forward. Each call runs one flattened forward over segments of the batch's rows."""
+
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        block_size: int,
+        num_layers: int,
+    ):
+        assert 0 < num_layers <= model.config.num_layers
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.num_layers = num_layers
+        self.device = model.embed_tokens.weight.device
+
+    @torch.inference_mode()
+    def argmax(self, segments: list[tuple[ScheduledSeq, list[int], int]]) -> list[int]:
+        """Per segment (row, input_ids, start): input_ids at positions start, start + 1, ...
+        of row's request, attending to its K/V before start (in kv_caches, under its block
+        table) and writing theirs; the draft's argmax after the segment's last token."""
+        bs = self.block_size
+        tables = [row.seq.block_table for row, _, _ in segments]
+        max_blocks = max(len(t) for t in tables)
+        input_ids: list[int] = []
+        positions: list[int] = []
+        cu_seqlens_q = [0]
+        for _, ids, start in segments:
+            input_ids.extend(ids)
+            positions.extend(range(start, start + len(ids)))
+            cu_seqlens_q.append(len(input_ids))
+        slots: list[int] = []
+        for table, (_, ids, start) in zip(tables, segments, strict=True):
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + len(ids)))
+
+        def tensor(values: list[int] | list[list[int]]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.long, device=self.device)
+
+        ctx = AttentionContext(
+            slot_mapping=tensor(slots),
+            block_tables=tensor([t + [0] * (max_blocks - len(t)) for t in tables]),
+            seq_lens=[start + len(ids) for _, ids, start in segments],
+            cu_seqlens_q=cu_seqlens_q,
+            kv_caches=self.kv_caches,
+        )
+        model = self.model
+        ctx = model.ops.prepare(ctx)
+        positions_t = tensor(positions)
+        hidden, residual = model.embed_tokens(tensor(input_ids)), None
+        for i in range(self.num_layers):
+            hidden, residual = model.layers[i](positions_t, hidden, residual, ctx)
+        assert residual is not None
+        last = tensor([end - 1 for end in cu_seqlens_q[1:]])
+        hidden = model.norm(hidden[last], residual[last])[0]
+        return model.compute_logits(hidden).argmax(dim=-1).tolist()
+
+
+def _propose_rest(forward: DraftForward, rows: list[ScheduledSeq]) -> None:
+    """Given each row's first proposal, its others: proposal j from proposal j - 1 at position
+    len(token_ids) - 1 + j, one single-token forward for all rows per j."""
+    for j in range(1, max((r.num_lookahead_tokens for r in rows), default=0)):
+        active = [r for r in rows if j < r.num_lookahead_tokens]
+        segments = [(r, [r.draft_token_ids[-1]], len(r.seq.token_ids) - 1 + j) for r in active]
+        for row, token in zip(active, forward.argmax(segments), strict=True):
+            row.draft_token_ids.append(token)
+
+
 class DraftProposer:
     """Self-speculation: the target's first num_layers layers, then its final norm and LM head,
     as a draft model proposing greedily, one token per forward, for all rows at once.
@@ -91,63 +161,111 @@ class DraftProposer:
         block_size: int,
         num_layers: int,
     ):
-        assert 0 < num_layers <= model.config.num_layers
-        self.model = model
-        self.kv_caches = kv_caches
-        self.block_size = block_size
-        self.num_layers = num_layers
-        self.device = model.embed_tokens.weight.device
+        self.forward = DraftForward(model, kv_caches, block_size, num_layers)
 
-    @torch.inference_mode()
     def propose(self, batch: StepBatch) -> None:
         rows = [r for r in batch.rows if r.num_lookahead_tokens]
+        if not rows:
+            return
+        first = [(r, [r.seq.token_ids[-1]], len(r.seq.token_ids) - 1) for r in rows]
+        for row, token in zip(rows, self.forward.argmax(first), strict=True):
+            row.draft_token_ids = [token]
+        _propose_rest(self.forward, rows)
+
+
+class DraftModelProposer:
+    """A separate draft model (--speculative-model: smaller, the target's vocabulary) with a
+    paged KV pool of its own, proposing greedily. Its pool has the target's block geometry in
+    blocks and tokens (its own layers, KV heads and head size): a request's block table, the
+    scheduler's, addresses both pools, so the scheduler knows nothing of the draft.
+
+    Its KV is caught up lazily, only when a request speculates, so steps without lookahead
+    slots (and overlap) are untouched. Per request, seq.num_draft_computed_tokens (n) counts the
+    leading tokens whose K/V the draft's pool holds; a proposing row of L known tokens
+    (n <= L - 1: its newest token is never computed) with k lookahead slots:
+
+        token_ids:  |<- draft computed (n) ->|<- caught up ->|
+                    0                        n               L
+        catch-up:   one forward of tokens [n, L) at positions n..L-1 (writes their K/V) whose
+                    last logits give proposal d0, for position L
+        then:       d_{j-1} at position L - 1 + j gives d_j, j = 1 .. k-1 (writes K/V of
+                    d0 .. d_{k-2} at L .. L+k-2, inside the lookahead slots)
+        so:         n = L + k - 1, positions L.. holding proposals, not known tokens
+
+    After verification (engine.mirror.Mirror.commit_tokens) n = min(n, num_computed_tokens):
+    the target has computed L plus the accepted proposals, and every position before that holds
+    an accepted token, so the draft's K/V there is right, and past it is a rejected proposal's
+    (or none). A request new to the engine starts at n = 0 (the draft's K/V is not in the
+    prefix cache's bookkeeping): its whole prompt is caught up, writing into shared prefix
+    blocks of the draft's pool the values they already hold, if any. A request that decodes
+    without lookahead (disabled, backed off) keeps its n and catches up when it speculates
+    again. The catch-up forwards hold at most max_num_batched_tokens tokens each (a long prompt
+    takes several, in order), as the target's steps do."""
+
+    name = "draft"
+
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        block_size: int,
+        max_num_batched_tokens: int,
+    ):
+        self.forward = DraftForward(model, kv_caches, block_size, model.config.num_layers)
+        self.max_num_batched_tokens = max_num_batched_tokens
+
+    def propose(self, batch: StepBatch) -> None:
+        rows = [r for r in batch.rows if r.num_lookahead_tokens]
+        if not rows:
+            return
+        self._catch_up(rows)
+        _propose_rest(self.forward, rows)
         for row in rows:
-            row.draft_token_ids = []
-        for j in range(max((r.num_lookahead_tokens for r in rows), default=0)):
-            active = [r for r in rows if j < r.num_lookahead_tokens]
-            inputs = [r.draft_token_ids[-1] if j else r.seq.token_ids[-1] for r in active]
-            positions = [len(r.seq.token_ids) - 1 + j for r in active]
-            tokens = self._next_tokens(active, inputs, positions)
-            for row, token in zip(active, tokens, strict=True):
-                row.draft_token_ids.append(token)
+            row.seq.num_draft_computed_tokens = (
+                len(row.seq.token_ids) + len(row.draft_token_ids) - 1
+            )
 
-    def _next_tokens(
-        self, rows: list[ScheduledSeq], input_ids: list[int], positions: list[int]
-    ) -> list[int]:
-        """The draft's argmax after input_ids[i] at positions[i], one token per row."""
-        bs = self.block_size
-        tables = [r.seq.block_table for r in rows]
-        max_blocks = max(len(t) for t in tables)
-
-        def tensor(values: list[int] | list[list[int]]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.long, device=self.device)
-
-        slots = [t[p // bs] * bs + p % bs for t, p in zip(tables, positions, strict=True)]
-        ctx = AttentionContext(
-            slot_mapping=tensor(slots),
-            block_tables=tensor([t + [0] * (max_blocks - len(t)) for t in tables]),
-            seq_lens=[p + 1 for p in positions],
-            cu_seqlens_q=list(range(len(rows) + 1)),
-            kv_caches=self.kv_caches,
-        )
-        model = self.model
-        ctx = model.ops.prepare(ctx)
-        positions_t = tensor(positions)
-        hidden, residual = model.embed_tokens(tensor(input_ids)), None
-        for i in range(self.num_layers):
-            hidden, residual = model.layers[i](positions_t, hidden, residual, ctx)
-        hidden = model.norm(hidden, residual)[0]
-        return model.compute_logits(hidden).argmax(dim=-1).tolist()
+    def _catch_up(self, rows: list[ScheduledSeq]) -> None:
+        """Each row's tokens from its draft computed tokens to its end, in forwards of at most
+        max_num_batched_tokens tokens; a row's first proposal from its last one."""
+        pending: list[tuple[ScheduledSeq, int]] = []  # (row, next position)
+        for row in rows:
+            seq = row.seq
+            assert 0 <= seq.num_draft_computed_tokens < len(seq.token_ids), seq.seq_id
+            pending.append((row, seq.num_draft_computed_tokens))
+        budget = self.max_num_batched_tokens
+        while pending:
+            segments: list[tuple[ScheduledSeq, list[int], int]] = []
+            room = budget
+            while pending and room:
+                row, start = pending.pop(0)
+                end = min(len(row.seq.token_ids), start + room)
+                segments.append((row, row.seq.token_ids[start:end], start))
+                room -= end - start
+                if end < len(row.seq.token_ids):
+                    pending.insert(0, (row, end))
+            tokens = self.forward.argmax(segments)
+            for (row, ids, start), token in zip(segments, tokens, strict=True):
+                if start + len(ids) == len(row.seq.token_ids):
+                    row.draft_token_ids = [token]
 
 
 def make_proposer(
     config: EngineConfig,
     model: LlamaForCausalLM,
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    draft_model: LlamaForCausalLM | None = None,
+    draft_kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> Proposer | None:
-    """config's proposer (None when it does not speculate)."""
+    """config's proposer (None when it does not speculate); draft_model and its pool's layer
+    views: the --speculative-model, when there is one."""
     if config.speculative_method == "ngram":
         return NgramProposer(config.ngram_min, config.ngram_max)
+    if config.speculative_method == "draft" and draft_model is not None:
+        assert draft_kv_caches is not None
+        return DraftModelProposer(
+            draft_model, draft_kv_caches, config.block_size, config.max_num_batched_tokens
+        )
     if config.speculative_method == "draft":
         num_layers = config.draft_num_layers or max(1, model.config.num_layers // 3)
         if num_layers > model.config.num_layers:

@@ -153,6 +153,7 @@ def cmd_service(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from common.model_config import (
         ModelSourceError,
+        check_draft_model,
         check_parallel_sizes,
         load_model_config,
         resolve_model_path,
@@ -162,11 +163,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         path = resolve_model_path(args.model)
         stack = stack_from_flags(args)
+        model_config = load_model_config(path)
         why = check_parallel_sizes(
-            load_model_config(path), args.tensor_parallel_size, args.pipeline_parallel_size
+            model_config, args.tensor_parallel_size, args.pipeline_parallel_size
         )
         if why:
             raise ValueError(why)
+        if args.speculative_model:  # the engine checks it too; here, before anything starts
+            draft_path = resolve_model_path(args.speculative_model, "--speculative-model")
+            check_draft_model(path, model_config, draft_path, load_model_config(draft_path))
         stack.check_ports_free()
     except (ModelSourceError, ValueError, StackError) as err:
         print(f"error: {err}", file=sys.stderr)

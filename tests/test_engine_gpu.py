@@ -259,19 +259,23 @@ def test_stack_invariance_chunked_and_preempted(
 # ---- speculative decoding (issue 17): the same greedy tokens with proposals ----------------------
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft"])
+@pytest.mark.parametrize("method", ["ngram", "draft", "draft-model"])
 def test_speculative_greedy_tokens_equal_plain_decoding(method: str) -> None:
     """float32 on the GPU, through a scheduler and the real contract: greedy decoding with
-    proposals verified (n-gram, or the first 10 layers as a draft) gives the tokens decoding
-    without them gives, and every block is free after."""
+    proposals verified (n-gram, the first 10 layers as a draft, or a separate draft model with
+    its own KV pool: the same dummy model, so every proposal is accepted) gives the tokens
+    decoding without them gives, and every block is free after."""
     from tests.spec_driver import drive, make_scheduler_for
 
     prompts = [p * 3 for p in prompts_of([7, 20, 33], 49152, salt=5)]  # repeats: n-grams match
     outputs = {}
     for name in ("none", method):
+        speculation: dict[str, object] = {"speculative_method": name, "draft_num_layers": 10}
+        if name == "draft-model":
+            speculation = {"speculative_method": "draft", "speculative_model": str(SMOLLM2)}
         engine = dummy_engine(
             SMOLLM2, device="cuda", dtype="float32", num_kv_blocks=64, max_num_seqs=8,
-            speculative_method=name, draft_num_layers=10,
+            **speculation,
         )  # fmt: skip
         scheduler = make_scheduler_for(engine)
         greedy = normalized(SamplingParams(temperature=0.0))
@@ -279,5 +283,28 @@ def test_speculative_greedy_tokens_equal_plain_decoding(method: str) -> None:
             Request(f"r{i}", i + 1, p, greedy, 32, ignore_eos=True) for i, p in enumerate(prompts)
         ]
         outputs[name] = drive(scheduler, engine, requests).outputs
+        spec = scheduler.counters.spec
         del engine
     assert outputs[method] == outputs["none"]
+    if method == "draft-model":
+        assert spec.num_spec_accepted_tokens == spec.num_spec_draft_tokens > 0, spec
+
+
+def test_draft_model_pool_sized_from_the_profile() -> None:
+    """A draft model of the target's shape: the profiled pool holds half as many blocks (each
+    block is in both pools), the draft's pool as many as the target's."""
+    import gc
+
+    sizing = {"gpu_memory_utilization": 0.3, "max_num_seqs": 8, "max_num_batched_tokens": 512}
+    alone = dummy_engine(SMOLLM2, device="cuda", **sizing)
+    num_blocks = alone.num_blocks
+    del alone
+    gc.collect()
+    torch.cuda.empty_cache()
+    engine = dummy_engine(
+        SMOLLM2, device="cuda", speculative_method="draft", speculative_model=str(SMOLLM2),
+        **sizing,
+    )  # fmt: skip
+    assert engine.draft_kv_cache is not None
+    assert engine.draft_kv_cache.shape == engine.kv_cache.shape
+    assert 0.45 * num_blocks <= engine.num_blocks <= 0.5 * num_blocks
