@@ -191,9 +191,11 @@ def test_short_context_draft_refused(target: Path, tmp_path: Path) -> None:
 def test_stack_with_a_draft_model(target: Path, tmp_path: Path) -> None:
     """`--speculative-method draft --speculative-model` (the target's copy) through engine,
     scheduler and gateway: 4 greedy requests at once give the tokens the same stack gives them
-    with speculation turned off per request, every proposal accepted, every block free after;
-    the engine's log names the draft and its pool."""
+    with speculation turned off per request (over gRPC, then over HTTP), every proposal
+    accepted, every block free after; the engine's log names the draft and its pool."""
     from concurrent.futures import ThreadPoolExecutor
+
+    import httpx2
 
     from llmserve.client import make_request
     from tests.stack import start_stack
@@ -205,6 +207,7 @@ def test_stack_with_a_draft_model(target: Path, tmp_path: Path) -> None:
             "--speculative-model", str(target), "--num-speculative-tokens", "3",
         ],
         log_dir=tmp_path,
+        http=True,
     )  # fmt: skip
     try:
         texts = [f"draft {i}: the quick brown fox" for i in range(4)]
@@ -221,6 +224,16 @@ def test_stack_with_a_draft_model(target: Path, tmp_path: Path) -> None:
         with ThreadPoolExecutor(4) as pool:
             spec = list(pool.map(lambda t: generate(t, False), texts))
         assert spec == plain
+        # The OpenAI API speculates as gRPC does, and its per-request switch turns it off.
+        body = {"model": "x", "prompt": texts[0], "max_tokens": 24, "temperature": 0,
+                "ignore_eos": True}  # fmt: skip
+        url = f"{stack.http_url}/completions"
+        before = stack.stats().num_spec_rows
+        off = httpx2.post(url, json={**body, "disable_speculation": True}).json()
+        assert stack.stats().num_spec_rows == before
+        on = httpx2.post(url, json=body).json()
+        assert stack.stats().num_spec_rows > before
+        assert on["choices"][0]["text"] == off["choices"][0]["text"] != ""
         stats = stack.assert_idle()
         assert stats.num_spec_rows > 0
         assert stats.num_spec_accepted_tokens == stats.num_spec_draft_tokens > 0
