@@ -533,6 +533,10 @@ async def _attempt_messages(attempt: Attempt) -> AsyncIterator[scheduler_pb2.Sub
             yield msg
     except grpc.aio.AioRpcError as err:
         code, details = err.code(), err.details() or err.code().name
+        if code == grpc.StatusCode.CANCELLED and (attempt.aborted or attempt.lost):
+            # This gateway cancelled the call (the replica was lost, or an operator aborted):
+            # the cancellation surfaces as the call's status as often as a CancelledError.
+            raise _cancelled_here(attempt, received) from None
         if not received and code in RETRYABLE:
             raise RetryElsewhere(code, details) from err
         if code != grpc.StatusCode.UNAVAILABLE:
@@ -542,16 +546,22 @@ async def _attempt_messages(attempt: Attempt) -> AsyncIterator[scheduler_pb2.Sub
         task = asyncio.current_task()
         if task is not None and task.cancelling():
             raise  # the client went away
-        if attempt.aborted:
-            raise GatewayError(grpc.StatusCode.UNAVAILABLE, attempt.aborted) from None
-        if not attempt.lost:
+        if not (attempt.aborted or attempt.lost):
             raise  # the client went away
-        if not received:
-            raise RetryElsewhere(grpc.StatusCode.UNAVAILABLE, REPLICA_SILENT_MESSAGE) from None
-        raise GatewayError(
-            grpc.StatusCode.UNAVAILABLE,
-            f"lost the scheduler mid-request ({REPLICA_SILENT_MESSAGE}); retry",
-        ) from None
+        raise _cancelled_here(attempt, received) from None
+
+
+def _cancelled_here(attempt: Attempt, received: bool) -> GatewayError | RetryElsewhere:
+    """What ends an attempt this gateway cancelled: an operator's abort is final; a lost
+    replica is retried elsewhere before the first token, UNAVAILABLE after it."""
+    if attempt.aborted:
+        return GatewayError(grpc.StatusCode.UNAVAILABLE, attempt.aborted)
+    if not received:
+        return RetryElsewhere(grpc.StatusCode.UNAVAILABLE, REPLICA_SILENT_MESSAGE)
+    return GatewayError(
+        grpc.StatusCode.UNAVAILABLE,
+        f"lost the scheduler mid-request ({REPLICA_SILENT_MESSAGE}); retry",
+    )
 
 
 def _load(stats: scheduler_pb2.SchedulerStats) -> ReplicaLoad:
