@@ -1,0 +1,52 @@
+"""The fair policy (`--scheduling-policy fair`): tenants share the server in proportion to their
+weights, measured by the virtual token counter of scheduler/tenants.py (VTC, Sheng et al., OSDI'24).
+
+- Admission: the next request admitted is the first waiting one (arrival order; a preempted one
+  first) of the waiting tenant with the smallest counter. Running requests are charged before
+  admission is decided, so a tenant that is being served falls behind one that waits.
+- Work conservation: only tenants with waiting requests compete; a tenant with nothing queued
+  leaves its share to the others, and the lift (tenants.py) keeps it from banking credit.
+- Preemption for fairness (reason "fair"): a waiting request that finds no seat or no blocks may
+  preempt a running request of another tenant whose counter exceeds its own tenant's by more than
+  its own prefill would add (cost / weight). That margin means admitting it cannot make its
+  tenant the most served at once, so the two tenants do not take turns preempting each other.
+- Memory preemption (reason "memory"), and the victim of a fair one: the latest admitted running
+  request of the tenant with the largest counter (ties: the latest admitted overall).
+"""
+
+from __future__ import annotations
+
+from scheduler.request import Request
+from scheduler.scheduler import Scheduler
+
+
+class FairScheduler(Scheduler):
+    room_reason = "fair"
+
+    def _next_waiting(self) -> Request:
+        """The first waiting request of the waiting tenant with the smallest counter (ties: the
+        tenant whose first request is earliest in line)."""
+        firsts: dict[str, Request] = {}
+        for request in self.waiting:
+            firsts.setdefault(request.tenant, request)
+        tenant = min(firsts, key=self.tenants.counter)  # dicts keep line order: ties go first
+        return firsts[tenant]
+
+    def _victim_order(self) -> list[Request]:
+        """Running requests by their tenant's counter, largest first; within it, the latest
+        admitted first (running is in admission order)."""
+        order = list(enumerate(self.running))
+        order.sort(key=lambda ir: (self.tenants.counter(ir[1].tenant), ir[0]), reverse=True)
+        return [r for _, r in order]
+
+    def _room_victim(self, request: Request) -> Request | None:
+        ledger = self.tenants
+        own = ledger[request.tenant]
+        num_prefill = max(0, request.num_prompt_tokens - request.num_charged_tokens)
+        margin = (ledger.prefill_weight * num_prefill + ledger.decode_weight) / own.weight
+        candidates = [
+            r
+            for r in self._victim_order()
+            if r.tenant != request.tenant and ledger.counter(r.tenant) > own.virtual_tokens + margin
+        ]
+        return self._first_unprotected(candidates)
