@@ -54,6 +54,8 @@ class SamplingRequest(BaseModel):
     stop_token_ids: list[_INT32] | None = None
     # Ours: decode this request without speculative decoding (protos/api.proto).
     disable_speculation: bool = False
+    # vLLM's: under --scheduling-policy priority, lower runs first.
+    priority: _INT32 = 0
 
 
 class CompletionRequest(SamplingRequest):
@@ -254,7 +256,10 @@ def _sampling_fields(body: SamplingRequest, max_tokens: int | None) -> api_pb2.G
     """The GenerateRequest fields the two endpoints share. The body's fields named as in
     common.SamplingParams go there as they are (unset ones keep the server's defaults)."""
     req = api_pb2.GenerateRequest(
-        ignore_eos=body.ignore_eos, disable_speculation=body.disable_speculation
+        ignore_eos=body.ignore_eos,
+        disable_speculation=body.disable_speculation,
+        user=body.user or "",
+        priority=body.priority,
     )
     if max_tokens is not None:
         req.max_tokens = max_tokens

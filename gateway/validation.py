@@ -165,5 +165,9 @@ def validate(req: api_pb2.GenerateRequest, tokenizer: Tokenizer, limits: Limits)
         stop_token_ids=req.stop_token_ids,
         ignore_eos=req.ignore_eos,
         disable_speculation=req.disable_speculation,
+        # Until tenants are resolved from API keys (issue 18, the gateway's part): the client's
+        # `user` names the tenant, at the default weight.
+        tenant=req.user,
+        priority=req.priority,
     )
     return ValidRequest(submit, list(req.stop))
