@@ -7,9 +7,10 @@ weights, measured by the virtual token counter of scheduler/tenants.py (VTC, She
 - Work conservation: only tenants with waiting requests compete; a tenant with nothing queued
   leaves its share to the others, and the lift (tenants.py) keeps it from banking credit.
 - Preemption for fairness (reason "fair"): a waiting request that finds no seat or no blocks may
-  preempt a running request of another tenant whose counter exceeds its own tenant's by more than
-  its own prefill would add (cost / weight). That margin means admitting it cannot make its
-  tenant the most served at once, so the two tenants do not take turns preempting each other.
+  preempt a running request of another tenant whose counter is ahead of its own tenant's by at
+  least what admitting it will charge (its prefill, at least one decode token's worth, divided by
+  its tenant's weight). Admitted, its tenant is then still not ahead of the victim's, so the
+  victim's tenant cannot preempt back at once: the two do not take turns preempting each other.
 - Memory preemption (reason "memory"), and the victim of a fair one: the latest admitted running
   request of the tenant with the largest counter (ties: the latest admitted overall).
 """
@@ -43,10 +44,10 @@ class FairScheduler(Scheduler):
         ledger = self.tenants
         own = ledger[request.tenant]
         num_prefill = max(0, request.num_prompt_tokens - request.num_charged_tokens)
-        margin = (ledger.prefill_weight * num_prefill + ledger.decode_weight) / own.weight
+        cost = max(ledger.prefill_weight * num_prefill, ledger.decode_weight) / own.weight
         candidates = [
             r
             for r in self._victim_order()
-            if r.tenant != request.tenant and ledger.counter(r.tenant) > own.virtual_tokens + margin
+            if r.tenant != request.tenant and ledger.counter(r.tenant) - own.virtual_tokens >= cost
         ]
         return self._first_unprotected(candidates)

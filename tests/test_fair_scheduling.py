@@ -103,8 +103,9 @@ def test_policies_and_their_classes(make: Callable[..., Harness]) -> None:
 
 
 def test_fair_admits_the_tenant_served_least(make: Callable[..., Harness]) -> None:
-    """One seat: tenants take turns, whatever the arrival order; counters are exact."""
-    h = make("fair", max_num_seqs=1)
+    """One seat: tenants take turns, whatever the arrival order; counters are exact. (A long
+    grace keeps fair preemption out of it: admission order alone.)"""
+    h = make("fair", max_num_seqs=1, preemption_grace_steps=100)
     a = [request(i, 4, 2, "a") for i in (1, 2, 3)]
     b = [request(i, 4, 2, "b") for i in (4, 5, 6)]
     h.add(*a, *b)
@@ -211,18 +212,19 @@ def test_fcfs_service_follows_arrival_not_weights(make: Callable[..., Harness]) 
 def test_fair_preempts_the_most_served_tenant_for_a_waiting_one(
     make: Callable[..., Harness],
 ) -> None:
-    """Two seats, both a's; b arrives. Once a's counter is ahead of b's by more than b's prefill
-    would add, b takes the seat of a's latest admitted request (reason "fair")."""
+    """Two seats, both a's; b arrives. Once a's counter is ahead of b's by at least what b's
+    request will be charged (its 8-token prefill), b takes the seat of a's latest admitted
+    request (reason "fair")."""
     h = make("fair", max_num_seqs=2)
     a1, a2, a3 = (request(i, 4, 12, "a") for i in (1, 2, 3))
     h.add(a1, a2, a3)
     h.step()  # a1, a2 prefill: a = 8
-    b1 = request(4, 4, 2, "b")
+    b1 = request(4, 8, 2, "b")
     h.add(b1)  # lifted to 8
     assert h.s.tenants["b"].virtual_tokens == 8.0
-    h.step()  # a decodes two: a = 12; b needs a > 8 + (4 + 2) = 14: not yet
+    h.step()  # a decodes two: a = 12; b needs a >= 8 + 8: not yet
     assert b1.status == RequestStatus.WAITING and h.s.counters.num_preemptions == 0
-    plan, _ = h.step()  # a is at 16 as this step's decodes are charged: a2 gives b its seat
+    plan, _ = h.step()  # a is at 16 once this step's decodes are charged: a2 gives b its seat
     assert plan.finished_seq_ids == [2]
     assert [r.request.seq_id for r in plan.new_requests] == [4]
     assert running_rows(plan) == [(1, 1, 5, [])]
