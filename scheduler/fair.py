@@ -8,9 +8,12 @@ weights, measured by the virtual token counter of scheduler/tenants.py (VTC, She
   leaves its share to the others, and the lift (tenants.py) keeps it from banking credit.
 - Preemption for fairness (reason "fair"): a waiting request that finds no seat or no blocks may
   preempt a running request of another tenant whose counter is ahead of its own tenant's by at
-  least what admitting it will charge (its prefill, at least one decode token's worth, divided by
-  its tenant's weight). Admitted, its tenant is then still not ahead of the victim's, so the
-  victim's tenant cannot preempt back at once: the two do not take turns preempting each other.
+  least the prefill its admission computes (all its tokens, prefill-weighted, divided by its
+  tenant's weight; at least one decode token's worth). A new request is charged that much when
+  admitted, so its tenant is still not ahead of the victim's and the victim's tenant cannot
+  preempt back at once. A preempted request coming back is charged nothing (a recompute is free),
+  but it must still find its tenant that far behind: without that margin the two tenants' seats
+  would change hands every few steps, each time paying for a recompute.
 - Memory preemption (reason "memory"), and the victim of a fair one: the latest admitted running
   request of the tenant with the largest counter (ties: the latest admitted overall).
 """
@@ -43,8 +46,7 @@ class FairScheduler(Scheduler):
     def _room_victim(self, request: Request) -> Request | None:
         ledger = self.tenants
         own = ledger[request.tenant]
-        num_prefill = max(0, request.num_prompt_tokens - request.num_charged_tokens)
-        cost = max(ledger.prefill_weight * num_prefill, ledger.decode_weight) / own.weight
+        cost = max(ledger.prefill_weight * request.num_tokens, ledger.decode_weight) / own.weight
         candidates = [
             r
             for r in self._victim_order()
