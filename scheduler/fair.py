@@ -14,11 +14,20 @@ weights, measured by the virtual token counter of scheduler/tenants.py (VTC, She
   preempt back at once. A preempted request coming back is charged nothing (a recompute is free),
   but it must still find its tenant that far behind: without that margin the two tenants' seats
   would change hands every few steps, each time paying for a recompute.
+  And only while its tenant holds fewer seats than the victim's, weighted: (seats + 1) / weight
+  <= the victim tenant's seats / weight. Counters integrate service over time, so a tenant that
+  has caught up on seats keeps falling behind on counters for a while; preempting on the counter
+  gap alone overshoots, and the seats swing from one tenant to the other and back (measured: 166
+  preemptions in 300 steps of two equal backlogged tenants). Past seat parity, admission order
+  alone (the smallest counter first as seats free up) evens out the service, as in VTC itself,
+  which never preempts.
 - Memory preemption (reason "memory"), and the victim of a fair one: the latest admitted running
   request of the tenant with the largest counter (ties: the latest admitted overall).
 """
 
 from __future__ import annotations
+
+from collections import Counter
 
 from scheduler.request import Request
 from scheduler.scheduler import Scheduler
@@ -47,9 +56,16 @@ class FairScheduler(Scheduler):
         ledger = self.tenants
         own = ledger[request.tenant]
         cost = max(ledger.prefill_weight * request.num_tokens, ledger.decode_weight) / own.weight
+        seats = Counter(r.tenant for r in self.running)
+        own_share = (seats[request.tenant] + 1) / own.weight
+
+        def may_lose_a_seat(tenant: str) -> bool:
+            behind = ledger.counter(tenant) - own.virtual_tokens >= cost
+            return behind and own_share <= seats[tenant] / ledger[tenant].weight
+
         candidates = [
             r
             for r in self._victim_order()
-            if r.tenant != request.tenant and ledger.counter(r.tenant) - own.virtual_tokens >= cost
+            if r.tenant != request.tenant and may_lose_a_seat(r.tenant)
         ]
         return self._first_unprotected(candidates)
