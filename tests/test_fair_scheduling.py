@@ -453,3 +453,31 @@ def test_fair_seats_do_not_swing_between_backlogged_tenants(
     assert all(any(r.tenant == t for r in h.s.waiting) for t in "ab")  # backlogged throughout
     for r in list(h.s.requests):
         h.s.abort(r)
+
+
+def test_preemption_and_tenant_metrics_are_labeled(make: Callable[..., Harness]) -> None:
+    """The preemptions metric carries the reason, the tenant metrics the tenant (read from the
+    same snapshot GetStats returns)."""
+    from scheduler.telemetry import SchedulerTelemetry
+
+    h = make("fair", max_num_seqs=2)
+    h.add(*(request(i, 4, 12, "a") for i in (1, 2, 3)))
+    h.step()
+    h.add(request(4, 8, 2, "b"))
+    for _ in range(3):
+        h.step()
+    counters = h.s.counters
+    snapshot = {
+        "num_blocks": 16,
+        "num_preemptions_by_reason": dict(counters.num_preemptions_by_reason),
+        "num_preemptions_refused": counters.num_preemptions_refused,
+        "tenants": h.s.tenant_rows(),
+    }
+    telemetry = SchedulerTelemetry(lambda: snapshot)
+    assert telemetry._observe("num_preemptions") == [(1, {"reason": "fair"})]
+    assert telemetry._observe("num_preemptions_refused") == [(0, {})]
+    virtual = dict((attrs["tenant"], v) for v, attrs in telemetry._observe("tenant_virtual_tokens"))
+    assert virtual == {"a": h.s.tenants["a"].virtual_tokens, "b": h.s.tenants["b"].virtual_tokens}
+    tokens = {(a["tenant"], a["kind"]): v for v, a in telemetry._observe("tenant_tokens")}
+    assert tokens[("b", "prompt")] == 8 and tokens[("a", "generated")] > 0
+    h.run_until_idle()
