@@ -255,7 +255,11 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             assert self.scheduler is not None
             self.scheduler.abort(req.seq_id)
             self._deliver(StepOutcome(req, None, None, RequestStatus.FINISHED_ABORTED))
-            log.info("request aborted by an operator", request_id=req.request_id)
+            log.info(
+                "request aborted by an operator",
+                request_id=req.request_id,
+                trace_id=self.telemetry.trace_id(req),
+            )
         self.wakeup.set()
         return scheduler_pb2.AbortRequestResponse(num_aborted=len(found))
 
@@ -464,6 +468,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             log.info(
                 "request preempted",
                 request_id=request.request_id,
+                trace_id=self.telemetry.trace_id(request),
                 reason=request.preemption_reason,
                 tenant=request.tenant,
                 num_preemptions=request.num_preemptions,

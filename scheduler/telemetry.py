@@ -272,6 +272,12 @@ class SchedulerTelemetry:
         self._open_phase(rt, "scheduler.queue")
         return telemetry.trace_id_hex(rt.root)
 
+    def trace_id(self, request: Request) -> str | None:
+        """request's trace id (hex) while it is tracked and tracing is on, for log lines made
+        outside its own call (preemption, operator abort)."""
+        rt = self.requests.get(request.seq_id)
+        return telemetry.trace_id_hex(rt.root) if rt is not None and rt.root is not None else None
+
     def _open_phase(
         self, rt: RequestTelemetry, name: str, start_ns: int | None = None, **attributes: Any
     ) -> None:
