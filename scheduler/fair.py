@@ -52,7 +52,7 @@ class FairScheduler(Scheduler):
         order.sort(key=lambda ir: (self.tenants.counter(ir[1].tenant), ir[0]), reverse=True)
         return [r for _, r in order]
 
-    def _room_victim(self, request: Request) -> Request | None:
+    def _room_candidates(self, request: Request) -> list[Request]:
         ledger = self.tenants
         own = ledger[request.tenant]
         cost = max(ledger.prefill_weight * request.num_tokens, ledger.decode_weight) / own.weight
@@ -63,9 +63,8 @@ class FairScheduler(Scheduler):
             behind = ledger.counter(tenant) - own.virtual_tokens >= cost
             return behind and own_share <= seats[tenant] / ledger[tenant].weight
 
-        candidates = [
+        return [
             r
             for r in self._victim_order()
             if r.tenant != request.tenant and may_lose_a_seat(r.tenant)
         ]
-        return self._first_unprotected(candidates)

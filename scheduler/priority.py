@@ -5,7 +5,9 @@ first, vLLM's convention) orders the queue, ties by arrival.
   request keeps its arrival, so it goes before later ones of its priority.
 - Preemption for priority (reason "priority"): a waiting request that finds no seat or no blocks
   preempts running requests of a strictly higher priority value, the highest value first, and of
-  those the latest admitted, until it fits (protected ones are skipped: scheduler.py).
+  those the latest admitted, until it fits (protected ones are skipped: scheduler.py); and none
+  at all when short of blocks that all of them together do not hold: that would only waste
+  their work.
 - Memory preemption (reason "memory"): the running request of the highest priority value, the
   latest admitted among them, as in the fcfs policy's "newest first" within a priority.
 """
@@ -29,6 +31,5 @@ class PriorityScheduler(Scheduler):
         order.sort(key=lambda ir: (ir[1].priority, ir[0]), reverse=True)
         return [r for _, r in order]
 
-    def _room_victim(self, request: Request) -> Request | None:
-        candidates = [r for r in self._victim_order() if r.priority > request.priority]
-        return self._first_unprotected(candidates)
+    def _room_candidates(self, request: Request) -> list[Request]:
+        return [r for r in self._victim_order() if r.priority > request.priority]

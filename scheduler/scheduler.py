@@ -181,7 +181,7 @@ class SchedulerCounters:
 class Scheduler:
     """Continuous batching in arrival order (fcfs). A subclass changes the policy through the
     hooks: `_next_waiting` (admission order), `_may_admit` (the admission gate),
-    `_victim_order` (who is preempted first), `_room_victim` (whom a waiting request may
+    `_victim_order` (who is preempted first), `_room_candidates` (whom a waiting request may
     displace), `_on_stopped` (what a finished request becomes), `_evict` (who gives up blocks),
     `_is_padding` and `_on_token` (rows that run on without streaming). The fair and priority
     policies are scheduler/fair.py and scheduler/priority.py; static batching is
@@ -592,27 +592,34 @@ class Scheduler:
             refused = True
         raise AssertionError(f"{request.request_id} is not running")
 
-    def _room_victim(self, request: Request) -> Request | None:
-        """Whom waiting request, short of a seat or blocks, may preempt (hook); None: nobody.
-        fcfs: nobody (a waiting request never displaces a running one)."""
-        return None
+    def _room_candidates(self, request: Request) -> list[Request]:
+        """Whom waiting request, short of a seat or blocks, may preempt, the first to go first
+        (hook; protection aside). fcfs: nobody (a waiting request never displaces a running
+        one)."""
+        return []
 
-    def _first_unprotected(self, candidates: list[Request]) -> Request | None:
-        """The first of candidates that is not protected; None (counting a refusal when some
-        were protected) when there is none."""
-        for victim in candidates:
-            if not self._is_protected(victim):
-                return victim
-        self.counters.num_preemptions_refused += bool(candidates)
-        return None
-
-    def _make_room(self, request: Request, scheduled: list[tuple[Request, int]]) -> int | None:
-        """Preempt one running request for waiting request (`_room_victim`, reason
-        `room_reason`). Returns the budget the victim gave back (0 if it was not scheduled
-        this step), or None when there is no victim."""
-        victim = self._room_victim(request)
-        if victim is None:
+    def _make_room(
+        self,
+        request: Request,
+        scheduled: list[tuple[Request, int]],
+        num_blocks_short: int = 0,
+    ) -> int | None:
+        """Preempt one running request for waiting request: the first unprotected of its
+        `_room_candidates` (reason `room_reason`). Returns the budget the victim gave back (0 if
+        it was not scheduled this step), or None when there is no victim (a refusal is counted
+        when candidates were all protected). With num_blocks_short > 0 (blocks, not a seat),
+        nobody is preempted unless the unprotected candidates hold that many blocks of their
+        own: preempting them all would not admit request, only waste their work."""
+        candidates = [r for r in self._room_candidates(request) if not self._is_protected(r)]
+        if not candidates:
+            self.counters.num_preemptions_refused += bool(self._room_candidates(request))
             return None
+        if num_blocks_short:
+            ref_cnt = self.block_manager.ref_cnt
+            own = sum(ref_cnt[b] == 1 for r in candidates for b in r.block_table)
+            if own < num_blocks_short:
+                return None
+        victim = candidates[0]
         freed = self._unschedule(victim, scheduled)
         self.running.remove(victim)
         self._preempt(victim, self.room_reason)
@@ -651,7 +658,8 @@ class Scheduler:
             num_cached = len(cached) * self.block_size
             num_new = min(request.num_tokens - num_cached, budget)
             while not self.block_manager.allocate_slots(request, num_new, cached):
-                freed = self._make_room(request, scheduled)
+                short = self.block_manager.num_blocks_short(request, num_new, cached)
+                freed = self._make_room(request, scheduled, short)
                 if freed is None:
                     return
                 budget += freed

@@ -307,6 +307,25 @@ def test_priority_preempts_for_blocks(make: Callable[..., Harness]) -> None:
     outputs_ok(h, *lows, high)
 
 
+def test_priority_does_not_preempt_when_it_would_not_fit_anyway(
+    make: Callable[..., Harness],
+) -> None:
+    """The waiting priority-1 request needs 3 blocks; the only lower-priority running request
+    holds 1 and none is free: preempting it would waste its work and admit nobody, so it runs
+    on."""
+    h = make("priority", num_blocks=6, max_num_seqs=4)
+    p0, p5 = request(1, 16, 4, priority=0), request(2, 2, 2, priority=5)
+    h.add(p0, p5)
+    h.step()  # p0 holds 4 blocks, p5 1; 1 free
+    p1 = request(3, 12, 2, priority=1)
+    h.add(p1)
+    h.step()  # p0 takes the last free block for its decode
+    assert h.s.counters.num_preemptions == 0 and p5.num_preemptions == 0
+    assert p1.status == RequestStatus.WAITING
+    h.run_until_idle()
+    outputs_ok(h, p0, p5, p1)
+
+
 def test_priority_memory_preemption_picks_the_lowest_priority(
     make: Callable[..., Harness],
 ) -> None:
