@@ -6,9 +6,10 @@ invariant and survive preemption, and a test controls the text by choosing the p
 Logprobs are 0.0 for the echoed token; top-k logprobs are tokens t, t+1, ... (mod the vocabulary)
 with logprobs 0, -1, -2, ...
 
-step_delay_ms models a device: each step occupies it that long, steps run back to back in launch
-order, and `launch` returns at once (as the real engine's does on a GPU) with a step whose
-result is ready when its turn on the "device" ends; `step` waits for it.
+step_delay_ms (+ step_token_delay_ms per token computed) models a device: each step occupies it
+that long, steps run back to back in launch order, and `launch` returns at once (as the real
+engine's does on a GPU) with a step whose result is ready when its turn on the "device" ends;
+`step` waits for it.
 
 pipeline_parallel_size P models a pipeline of P stages (and is reported in EngineInfo): a step
 passes through the stages in order, each for step_delay_ms / P, and a stage takes the next step
@@ -54,6 +55,9 @@ class FakeEngineConfig:
     vocab_size: int = setting(512, "the echo engine's vocabulary size")
     eos_token_ids: tuple[int, ...] = setting((), "its EOS token ids")
     step_delay_ms: float = setting(0.0, "how long each step occupies the pretend device")
+    step_token_delay_ms: float = setting(
+        0.0, "and per token the step computes, on top (a CPU's step grows with its tokens)"
+    )
     pipeline_parallel_size: int = setting(
         1, "pipeline stages it pretends to have (each step_delay_ms / P; P steps in flight)"
     )
@@ -89,6 +93,7 @@ class FakeEngine:
             num_speculative_tokens=fake.num_speculative_tokens,
         )
         self.step_delay_ms = fake.step_delay_ms
+        self.step_token_delay_ms = fake.step_token_delay_ms
         self.mirror = Mirror(config.block_size, num_blocks, fake.vocab_size)
         self.num_steps = 0
         # When each stage of the "device" finishes the last step launched.
@@ -110,18 +115,18 @@ class FakeEngine:
         seq_ids = frozenset(plan.running.seq_ids) | {r.seq_id for r in plan.new_requests}
         self._check_disjoint(plan.step_id, seq_ids)
         step = FakeStep(self._run(plan), seq_ids=seq_ids)
-        if self.step_delay_ms and step.output.sampled_token_ids:
+        num_tokens = sum(plan.running.num_scheduled_tokens)
+        num_tokens += sum(r.num_scheduled_tokens for r in plan.new_requests)
+        delay_ms = self.step_delay_ms + self.step_token_delay_ms * num_tokens
+        if delay_ms and step.output.sampled_token_ids:
             step.ready_at = time.monotonic()
+            stage_s = delay_ms / 1e3 / len(self.busy_until)
             for stage, busy_until in enumerate(self.busy_until):
-                step.ready_at = max(step.ready_at, busy_until) + self._stage_s
+                step.ready_at = max(step.ready_at, busy_until) + stage_s
                 self.busy_until[stage] = step.ready_at
-            step.output.forward_ms = self.step_delay_ms
+            step.output.forward_ms = delay_ms
         self.in_flight.append(step)
         return step
-
-    @property
-    def _stage_s(self) -> float:
-        return self.step_delay_ms / 1e3 / len(self.busy_until)
 
     def _check_disjoint(self, step_id: int, seq_ids: frozenset[int]) -> None:
         if len(self.busy_until) == 1:

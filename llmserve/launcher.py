@@ -21,6 +21,7 @@ ports; replica i's are `scheduler-i` and `engine-i`.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import secrets
 import signal
@@ -303,7 +304,7 @@ class Stack:
         for stats in replicas:
             for f in total.DESCRIPTOR.fields:
                 if f.name != "ready":
-                    setattr(total, f.name, getattr(total, f.name) + getattr(stats, f.name))
+                    _add_field(total, stats, f)
         total.ready = all(stats.ready for stats in replicas)
         return total
 
@@ -572,3 +573,22 @@ def stack_from_flags(args: Any, **kwargs: Any) -> Stack:
 
     load_tenants(gateway)  # a wrong --api-keys file fails here, before anything starts
     return Stack(engine, scheduler, gateway, groups=groups, **kwargs)
+
+
+def _add_field(total: Any, stats: Any, f: Any) -> None:
+    """Add stats' field f into total's: numbers summed, bools or-ed, maps summed by key,
+    repeated numbers summed by position, repeated messages (per-tenant rows) listed after."""
+    mine, theirs = getattr(total, f.name), getattr(stats, f.name)
+    if f.message_type is not None and f.message_type.GetOptions().map_entry:
+        for key, value in theirs.items():
+            mine[key] = mine[key] + value
+    elif f.is_repeated and f.message_type is not None:
+        mine.extend(theirs)
+    elif f.is_repeated:
+        summed = [a + b for a, b in itertools.zip_longest(mine, theirs, fillvalue=0)]
+        del mine[:]
+        mine.extend(summed)
+    elif f.type == f.TYPE_BOOL:
+        setattr(total, f.name, mine or theirs)
+    else:
+        setattr(total, f.name, mine + theirs)

@@ -94,6 +94,18 @@ class BlockManager:
 
     # -- allocation ---------------------------------------------------------------------------
 
+    def num_blocks_short(
+        self, request: Request, num_new_tokens: int, cached_blocks: list[int] | None = None
+    ) -> int:
+        """How many more free blocks `allocate_slots` (same arguments) would need to succeed
+        (0: it would). Changes nothing."""
+        cached_blocks = cached_blocks or []
+        num_computed = request.num_computed_tokens + len(cached_blocks) * self.block_size
+        num_total = num_computed + num_new_tokens
+        num_needed = self.num_blocks_for(num_total) - len(request.block_table) - len(cached_blocks)
+        num_reviving = sum(1 for b in cached_blocks if self.ref_cnt[b] == 0)
+        return max(0, max(num_needed, 0) + num_reviving - self.num_free_blocks)
+
     def allocate_slots(
         self, request: Request, num_new_tokens: int, cached_blocks: list[int] | None = None
     ) -> bool:

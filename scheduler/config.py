@@ -8,7 +8,8 @@ from dataclasses import dataclass, replace
 from common.auth import PeerSecurity
 from common.flags import check_ports, setting
 
-SCHEDULING_POLICIES = ("continuous", "static")
+# "continuous" is "fcfs" under its older name (continuous batching in arrival order).
+SCHEDULING_POLICIES = ("continuous", "fcfs", "fair", "priority", "static")
 
 
 @dataclass(frozen=True)
@@ -29,10 +30,26 @@ class SchedulerConfig(PeerSecurity):
     )
     max_model_len: int = setting(0, "lower the engine's context length (0: the engine's)")
     scheduling_policy: str = setting(
-        "continuous",
-        "static: admit a batch only when nothing runs; finished members pad it until its last "
-        "one finishes (the baseline `llmserve bench` compares against)",
+        "fcfs",
+        "fcfs (alias continuous): continuous batching in arrival order; fair: admit from the "
+        "tenant that received the least weighted service (virtual token counter), preempt from "
+        "the one that received the most; priority: lower `priority` first, and a waiting "
+        "request may preempt running ones of lower priority; static: admit a batch only when "
+        "nothing runs; finished members pad it until its last one finishes (the baseline "
+        "`llmserve bench` compares against)",
         choices=SCHEDULING_POLICIES,
+    )
+    max_preemptions: int = setting(
+        0, "a request preempted this many times is not chosen as a victim again (0: no limit)"
+    )
+    preemption_grace_steps: int = setting(
+        0, "a request admitted fewer than this many steps ago is not chosen as a victim"
+    )
+    fair_prefill_weight: float = setting(
+        1.0, "fair policy: virtual tokens per prefill token (divided by the tenant's weight)"
+    )
+    fair_decode_weight: float = setting(
+        2.0, "fair policy: virtual tokens per decode token (divided by the tenant's weight)"
     )
     static_batch_wait_ms: float = setting(
         100.0, "static policy: wait up to this long for a new batch to fill to --max-num-seqs"
@@ -47,6 +64,14 @@ class SchedulerConfig(PeerSecurity):
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
         if self.max_waiting < 1:
             raise ValueError(f"max_waiting={self.max_waiting} must be >= 1")
+        for name in ("max_preemptions", "preemption_grace_steps"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
+        for name in ("fair_prefill_weight", "fair_decode_weight"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
+        if self.fair_prefill_weight + self.fair_decode_weight <= 0:
+            raise ValueError("fair_prefill_weight and fair_decode_weight are both 0")
         if self.static_batch_wait_ms < 0:
             raise ValueError(f"static_batch_wait_ms={self.static_batch_wait_ms} must be >= 0")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
@@ -55,6 +80,11 @@ class SchedulerConfig(PeerSecurity):
                 f"{', '.join(SCHEDULING_POLICIES)}"
             )
         check_ports(self, "port", "metrics_port")
+
+    @property
+    def policy(self) -> str:
+        """scheduling_policy with its alias resolved: fcfs, fair, priority or static."""
+        return "fcfs" if self.scheduling_policy == "continuous" else self.scheduling_policy
 
     def adopt(self, max_num_seqs: int, max_num_batched_tokens: int) -> SchedulerConfig:
         """This config with the engine's step limits where it has none of its own (0). Raises

@@ -10,7 +10,14 @@ from typing import Any
 from common.sampling import normalized
 from protos import common_pb2, engine_pb2, scheduler_pb2
 from scheduler.request import Request, RequestStatus
-from scheduler.scheduler import Scheduler, StepOutcome, StepPlan, TopLogprobColumns
+from scheduler.scheduler import (
+    RequestRow,
+    Scheduler,
+    StepOutcome,
+    StepPlan,
+    TenantRow,
+    TopLogprobColumns,
+)
 
 FINISH_REASONS = {
     None: common_pb2.FINISH_REASON_UNSPECIFIED,
@@ -31,6 +38,9 @@ def request_from_proto(msg: scheduler_pb2.SubmitRequest, seq_id: int) -> Request
         stop_token_ids=frozenset(msg.stop_token_ids),
         ignore_eos=msg.ignore_eos,
         disable_speculation=msg.disable_speculation,
+        tenant=msg.tenant,
+        tenant_weight=msg.tenant_weight if msg.tenant_weight > 0 else 1.0,
+        priority=msg.priority,
     )
 
 
@@ -104,12 +114,24 @@ def response_to_proto(
 
 
 def stats_to_proto(stats: dict[str, Any]) -> scheduler_pb2.SchedulerStats:
-    """GetStats' message from a stats snapshot (the fields it has)."""
+    """GetStats' message from a stats snapshot (the fields it has; `tenants`: TenantRows)."""
     names = scheduler_pb2.SchedulerStats.DESCRIPTOR.fields_by_name
     msg = scheduler_pb2.SchedulerStats()
     for name, value in stats.items():
-        if name in names and isinstance(value, list):
+        if name == "tenants":
+            msg.tenants.extend(map(tenant_to_proto, value))
+        elif name in names and isinstance(value, dict):
+            getattr(msg, name).update(value)
+        elif name in names and isinstance(value, list):
             getattr(msg, name).extend(value)
         elif name in names:
             setattr(msg, name, type(getattr(msg, name))(value))
     return msg
+
+
+def tenant_to_proto(row: TenantRow) -> scheduler_pb2.TenantStats:
+    return scheduler_pb2.TenantStats(**vars(row))
+
+
+def request_state_to_proto(row: RequestRow) -> scheduler_pb2.RequestState:
+    return scheduler_pb2.RequestState(**vars(row))

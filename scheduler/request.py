@@ -53,6 +53,17 @@ class Request:
     # Prompt tokens found in the prefix cache at first admission (None until admitted).
     num_cached_tokens: int | None = None
     num_preemptions: int = 0
+    # Who sent it, that tenant's weight under the fair policy (> 0), and its priority under the
+    # priority policy (lower runs first).
+    tenant: str = ""
+    tenant_weight: float = 1.0
+    priority: int = 0
+    # The id of the step that last admitted it (0: never admitted): preemption spares it for
+    # preemption_grace_steps steps after. Positions [0, num_charged_tokens) were charged to its
+    # tenant's virtual token counter (scheduler/tenants.py); a recompute is not charged again.
+    admitted_step_id: int = 0
+    preemption_reason: str = ""  # why it was last preempted
+    num_charged_tokens: int = 0
     # Tokens sampled by steps planned but whose results have not arrived (0, 1, or 2 with overlap).
     num_pending_tokens: int = 0
     # What the engine's mirror holds: whether it knows this request, and how many of its blocks.

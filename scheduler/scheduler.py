@@ -4,7 +4,8 @@ Every running request catches its `num_computed_tokens` up to `num_tokens` a chu
 prefill, chunked prefill, decode and prefix-cache hits are one mechanism: a step gives each request
 some tokens out of the token budget. Running requests go first (oldest first); waiting requests are
 admitted with what budget and blocks are left. When blocks run out, the newest running request is
-preempted: its blocks are freed and it waits again, to be recomputed from its tokens later.
+preempted: its blocks are freed and it waits again, to be recomputed from its tokens later. (The
+fair and priority policies change the admission order and whom preemption picks, through hooks.)
 
 Pipeline parallelism: an engine of P > 1 stages can run P steps at once, one per stage, provided
 no request is in two of them (a request's next token comes out of the last stage). Each running
@@ -30,6 +31,7 @@ from scheduler.block_manager import BlockManager
 from scheduler.config import SchedulerConfig
 from scheduler.request import Request, RequestStatus
 from scheduler.speculation import SpecCounters, SpeculationPolicy
+from scheduler.tenants import TenantLedger
 
 
 class AdmissionError(Exception):
@@ -125,12 +127,47 @@ class TopLogprobColumns:
 
 
 @dataclass
+class RequestRow:
+    """One request as ListRequests shows it (fields as scheduler.proto's RequestState)."""
+
+    request_id: str
+    tenant: str
+    state: str
+    priority: int
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_computed_tokens: int
+    num_blocks: int
+    num_preemptions: int
+    age_s: float
+
+
+@dataclass
+class TenantRow:
+    """One tenant as GetStats shows it (fields as scheduler.proto's TenantStats)."""
+
+    tenant: str
+    weight: float
+    num_waiting: int
+    num_running: int
+    num_blocks: int
+    num_prompt_tokens: int
+    num_generated_tokens: int
+    virtual_tokens: float
+
+
+@dataclass
 class SchedulerCounters:
     """Cumulative counts since start; GetStats and the metrics both read them."""
 
     num_steps: int = 0
     num_scheduled_tokens: int = 0
     num_preemptions: int = 0
+    # Why (memory, priority, fair, engine_reset); the counts sum to num_preemptions.
+    num_preemptions_by_reason: dict[str, int] = field(default_factory=dict)
+    # Preemptions wanted whose candidates were protected (max_preemptions, grace steps): at most
+    # one per decision (a block for a running request, a seat or blocks for a waiting one).
+    num_preemptions_refused: int = 0
     num_finished_requests: int = 0
     num_prompt_tokens: int = 0  # prompts of requests admitted for the first time
     num_generated_tokens: int = 0
@@ -142,9 +179,18 @@ class SchedulerCounters:
 
 
 class Scheduler:
-    """Continuous batching. A subclass changes the policy through the hooks: `_may_admit` (the
-    admission gate), `_on_stopped` (what a finished request becomes), `_evict` (who gives up
-    blocks), `_is_padding` and `_on_token` (rows that run on without streaming)."""
+    """Continuous batching in arrival order (fcfs). A subclass changes the policy through the
+    hooks: `_next_waiting` (admission order), `_may_admit` (the admission gate),
+    `_victim_order` (who is preempted first), `_room_candidates` (whom a waiting request may
+    displace), `_on_stopped` (what a finished request becomes), `_evict` (who gives up blocks),
+    `_is_padding` and `_on_token` (rows that run on without streaming). The fair and priority
+    policies are scheduler/fair.py and scheduler/priority.py; static batching is
+    scheduler/static_batching.py.
+
+    Bounded preemption, every policy: a running request preempted max_preemptions times, or
+    admitted fewer than preemption_grace_steps steps ago, is protected: no one chooses it as a
+    victim (each refusal is counted). A running request short of a block that finds only
+    protected requests ranked below it preempts itself, so a step always makes progress."""
 
     def __init__(
         self,
@@ -185,6 +231,7 @@ class Scheduler:
         self.speculation = SpeculationPolicy(0)
         self.set_num_speculative_tokens(num_speculative_tokens)
         self.counters = SchedulerCounters()
+        self.tenants = TenantLedger(config.fair_prefill_weight, config.fair_decode_weight)
 
     def set_num_speculative_tokens(self, num_speculative_tokens: int) -> None:
         """Give decode steps up to num_speculative_tokens lookahead slots from the next plan on.
@@ -256,6 +303,7 @@ class Scheduler:
         assert request.seq_id not in self.requests, f"seq_id {request.seq_id} reused"
         request.arrival_time = request.arrival_time or time.monotonic()
         self.requests[request.seq_id] = request
+        self.tenants.arrive(request.tenant, request.tenant_weight)
         self.waiting.append(request)
 
     def abort(self, seq_id: int) -> Request | None:
@@ -270,12 +318,60 @@ class Scheduler:
         self._finish(request, RequestStatus.FINISHED_ABORTED)
         return request
 
+    def find(self, request_id: str) -> list[Request]:
+        """The requests (choices) of request_id: the one of that id, and those the gateway named
+        `{request_id}-{index}` for a request of several choices (gateway/choices.py)."""
+        prefix = request_id + "-"
+        return [
+            r
+            for r in self.requests.values()
+            if r.request_id == request_id
+            or (r.request_id.startswith(prefix) and r.request_id[len(prefix) :].isdigit())
+        ]
+
+    def list_requests(self, tenant: str = "") -> list[RequestRow]:
+        """Every request held (running, then waiting in line order), or only tenant's."""
+        now = time.monotonic()
+        return [
+            RequestRow(
+                request_id=r.request_id,
+                tenant=r.tenant,
+                state=r.status.value,
+                priority=r.priority,
+                num_prompt_tokens=r.num_prompt_tokens,
+                num_output_tokens=r.num_output_tokens,
+                num_computed_tokens=r.num_computed_tokens,
+                num_blocks=len(r.block_table),
+                num_preemptions=r.num_preemptions,
+                age_s=now - r.arrival_time,
+            )
+            for r in [*self.running, *self.waiting]
+            if not tenant or r.tenant == tenant
+        ]
+
+    def tenant_rows(self) -> list[TenantRow]:
+        """Every tenant seen since start, with its queue, seats, blocks and service."""
+        rows = {
+            t.name: TenantRow(
+                t.name, t.weight, 0, 0, 0, t.num_prompt_tokens, t.num_generated_tokens,
+                t.virtual_tokens,
+            )
+            for t in self.tenants.tenants.values()
+        }  # fmt: skip
+        for r in self.waiting:
+            rows[r.tenant].num_waiting += 1
+        for r in self.running:
+            rows[r.tenant].num_running += 1
+            rows[r.tenant].num_blocks += len(r.block_table)
+        return list(rows.values())
+
     def _finish(self, request: Request, status: RequestStatus) -> None:
         assert status.is_finished
         request.status = status
         request.num_pending_tokens = 0  # results still in flight for it are ignored
         self.block_manager.free(request)
         del self.requests[request.seq_id]
+        self.tenants.leave(request.tenant)
         if request.in_engine:
             self.finished_seq_ids.append(request.seq_id)
             request.in_engine = False
@@ -283,21 +379,26 @@ class Scheduler:
         reasons = self.counters.finish_reasons
         reasons[status.value] = reasons.get(status.value, 0) + 1
 
-    def _preempt(self, request: Request) -> None:
-        """Free request's blocks and queue it first in line; it is recomputed from all its tokens
-        (prompt and output so far) when readmitted. Nothing it already produced is lost."""
+    def _preempt(self, request: Request, reason: str) -> None:
+        """Free request's blocks and queue it first in line (its policy may rank it elsewhere);
+        it is recomputed from all its tokens (prompt and output so far) when readmitted. Nothing
+        it already produced is lost. The caller has taken it out of `running`; reason is
+        counted."""
         self.block_manager.free(request)
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
         request.num_pending_tokens = 0  # a token in flight is dropped, sampled again on recompute
         request.num_lookahead_tokens = 0
         request.num_preemptions += 1
+        request.preemption_reason = reason
         request.pipeline_slot = None  # readmission gives it one again
         if request.in_engine:
             self.finished_seq_ids.append(request.seq_id)
             request.in_engine = False
         self.waiting.appendleft(request)
         self.counters.num_preemptions += 1
+        by_reason = self.counters.num_preemptions_by_reason
+        by_reason[reason] = by_reason.get(reason, 0) + 1
         self.preempted.append(request)
 
     def reset_engine(self) -> list[Request]:
@@ -305,7 +406,7 @@ class Scheduler:
         running request and forget the prefix cache, so all work is redone from tokens. Steps in
         flight are lost with their results. Returns the requests preempted."""
         for request in reversed(self.running):
-            self._preempt(request)
+            self._preempt(request, "engine_reset")
         self.running = []
         self.finished_seq_ids = []
         self.last_result_step_id = self.next_step_id - 1
@@ -393,11 +494,14 @@ class Scheduler:
             assert num_new > 0, f"running request {request.request_id} has nothing to compute"
             request.num_lookahead_tokens = self._lookahead(request, num_new, budget)
             while not self._allocate_running(request, num_new):
-                victim, _ = self._evict(i)
+                victim, freed = self._evict(i, scheduled)
                 if victim is request:
                     break
+                budget += freed  # > 0: this step had scheduled it already
+                i = self.running.index(request)  # the victim may have been before it
             else:
                 scheduled.append((request, num_new))
+                self._charge(request, num_new)
                 budget -= num_new + request.num_lookahead_tokens
                 i += 1
         return budget
@@ -441,33 +545,146 @@ class Scheduler:
             or request.num_output_tokens + num_pending < request.max_tokens
         )
 
-    def _evict(self, i: int) -> tuple[Request, bool]:
-        """Free blocks for running[i] (hook): preempt the newest running request. Returns (the
-        victim, whether it was preempted)."""
-        victim = self.running.pop()  # newest first
-        self._preempt(victim)
-        return victim, True
+    def _evict(self, i: int, scheduled: list[tuple[Request, int]]) -> tuple[Request, int]:
+        """Free blocks for running[i] (hook): preempt the policy's victim (`_memory_victim`),
+        taking it out of scheduled if this step scheduled it. Returns (the victim, the budget
+        it gave back: > 0 exactly when it was in scheduled)."""
+        victim = self._memory_victim(self.running[i])
+        freed = self._unschedule(victim, scheduled)
+        self.running.remove(victim)
+        self._preempt(victim, "memory")
+        return victim, freed
+
+    def _unschedule(self, request: Request, scheduled: list[tuple[Request, int]]) -> int:
+        """Take request out of scheduled (this step's rows so far); returns the budget it held
+        (0 when it was not there). Its blocks are the caller's to free."""
+        for k, (r, num_new) in enumerate(scheduled):
+            if r is request:
+                del scheduled[k]
+                return num_new + r.num_lookahead_tokens
+        return 0
+
+    # -- victims --------------------------------------------------------------------------------
+
+    def _victim_order(self) -> list[Request]:
+        """Running requests, the first to preempt first (hook). fcfs: the newest first."""
+        return self.running[::-1]
+
+    def _is_protected(self, request: Request) -> bool:
+        """Whether running request may not be chosen as a victim: it was preempted
+        max_preemptions times, or admitted fewer than preemption_grace_steps steps ago."""
+        config = self.config
+        if config.max_preemptions and request.num_preemptions >= config.max_preemptions:
+            return True
+        return self.next_step_id - request.admitted_step_id < config.preemption_grace_steps
+
+    def _memory_victim(self, request: Request) -> Request:
+        """Whom running request, short of a block, preempts: the first in `_victim_order` that
+        is not protected, or request itself if it comes first. A request never takes blocks
+        from one ranked above it, and the walk always ends: when everyone ranked below it is
+        protected, it gives its own blocks back (a self-preemption is the request's own
+        choice, so protection does not stop it). Skipping a protected one counts a refusal."""
+        refused = False
+        for victim in self._victim_order():
+            if victim is request or not self._is_protected(victim):
+                self.counters.num_preemptions_refused += refused
+                return victim
+            refused = True
+        raise AssertionError(f"{request.request_id} is not running")
+
+    def _room_candidates(self, request: Request) -> list[Request]:
+        """Whom waiting request, short of a seat or blocks, may preempt, the first to go first
+        (hook; protection aside). fcfs: nobody (a waiting request never displaces a running
+        one)."""
+        return []
+
+    def _make_room(
+        self,
+        request: Request,
+        scheduled: list[tuple[Request, int]],
+        num_blocks_short: int = 0,
+    ) -> int | None:
+        """Preempt one running request for waiting request: the first unprotected of its
+        `_room_candidates` (reason `room_reason`). Returns the budget the victim gave back (0 if
+        it was not scheduled this step), or None when there is no victim (a refusal is counted
+        when candidates were all protected). With num_blocks_short > 0 (blocks, not a seat),
+        nobody is preempted unless the unprotected candidates hold that many blocks of their
+        own: preempting them all would not admit request, only waste their work."""
+        candidates = [r for r in self._room_candidates(request) if not self._is_protected(r)]
+        if not candidates:
+            self.counters.num_preemptions_refused += bool(self._room_candidates(request))
+            return None
+        if num_blocks_short:
+            ref_cnt = self.block_manager.ref_cnt
+            own = sum(ref_cnt[b] == 1 for r in candidates for b in r.block_table)
+            if own < num_blocks_short:
+                return None
+        victim = candidates[0]
+        freed = self._unschedule(victim, scheduled)
+        self.running.remove(victim)
+        self._preempt(victim, self.room_reason)
+        return freed
+
+    room_reason = "policy"
+
+    # -- admission order ------------------------------------------------------------------------
+
+    def _next_waiting(self) -> Request:
+        """The waiting request to admit next (hook). fcfs: the first in line."""
+        return self.waiting[0]
 
     def _may_admit(self, request: Request) -> bool:
-        """Whether waiting request (first in line) may be admitted this step (hook)."""
+        """Whether waiting request (next in line) may be admitted this step (hook)."""
         return True
 
     def _schedule_waiting(self, budget: int, scheduled: list[tuple[Request, int]]) -> None:
+        """Admit waiting requests in the policy's order (`_next_waiting`) while budget, seats,
+        blocks and pipeline room last; stop at the first that cannot be admitted (or that was
+        preempted while planning this step). A policy that lets a waiting request displace
+        running ones (`_room_victim`) preempts for its seat and blocks first."""
         room = self._slot_room()
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting[0]
+        while self.waiting and budget > 0:
+            request = self._next_waiting()
             if room == 0 or not self._may_admit(request) or self._in_flight(request):
                 break
+            if any(r is request for r in self.preempted):
+                break
+            while len(self.running) >= self.config.max_num_seqs:
+                freed = self._make_room(request, scheduled)
+                if freed is None:
+                    return
+                budget += freed
             cached = self.block_manager.find_cached_blocks(request)
             num_cached = len(cached) * self.block_size
             num_new = min(request.num_tokens - num_cached, budget)
-            if not self.block_manager.allocate_slots(request, num_new, cached):
-                break
-            self.waiting.popleft()
+            while not self.block_manager.allocate_slots(request, num_new, cached):
+                short = self.block_manager.num_blocks_short(request, num_new, cached)
+                freed = self._make_room(request, scheduled, short)
+                if freed is None:
+                    return
+                budget += freed
+                num_new = min(request.num_tokens - num_cached, budget)
+            self._remove_waiting(request)
             self._admit(request, num_cached)
             scheduled.append((request, num_new))
+            self._charge(request, num_new)
             budget -= num_new
             room -= 1
+
+    def _remove_waiting(self, request: Request) -> None:
+        if self.waiting[0] is request:
+            self.waiting.popleft()
+        else:
+            self.waiting.remove(request)
+
+    def _charge(self, request: Request, num_new: int) -> None:
+        """request is scheduled num_new tokens now: charge its tenant for the positions never
+        charged before (scheduler/tenants.py)."""
+        start = max(request.num_computed_tokens, request.num_charged_tokens)
+        end = request.num_computed_tokens + num_new
+        if end > start:
+            self.tenants.charge(request.tenant, request.num_prompt_tokens, start, end)
+            request.num_charged_tokens = end
 
     def _admit(self, request: Request, num_cached: int) -> None:
         """request leaves the queue with num_cached tokens found in the prefix cache."""
@@ -475,6 +692,7 @@ class Scheduler:
         request.status = RequestStatus.RUNNING
         request.num_computed_tokens = num_cached
         request.pipeline_slot = self.slot
+        request.admitted_step_id = self.next_step_id
         c = self.counters
         if request.num_cached_tokens is None:  # first admission
             request.num_cached_tokens = min(num_cached, request.num_prompt_tokens)
@@ -636,6 +854,8 @@ class Scheduler:
             if request.status == RequestStatus.RUNNING and isinstance(row, RunningRow):
                 self._give_back_lookahead(row)
         self.counters.num_generated_tokens += len(outcomes)
+        for outcome in outcomes:
+            self.tenants[outcome.request.tenant].num_generated_tokens += 1
         self._after_update()
         return outcomes
 

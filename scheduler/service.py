@@ -45,6 +45,7 @@ from scheduler.convert import (
     apply_result,
     plan_to_proto,
     request_from_proto,
+    request_state_to_proto,
     response_to_proto,
     stats_to_proto,
 )
@@ -104,6 +105,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self.engine_responding = True  # the engine's heartbeat (see HEARTBEAT_S)
         self.last_result_at = 0.0  # time.monotonic() of the last step result
         self.stopping = False
+        # Drain: admit nothing new (Submit: UNAVAILABLE, readiness NOT_SERVING); the rest goes on.
+        self.draining = False
         self.times = StepTimes()
         self.telemetry = SchedulerTelemetry(self.stats)
         self.num_engine_resets = 0
@@ -115,6 +118,11 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     async def Submit(
         self, request: scheduler_pb2.SubmitRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[scheduler_pb2.SubmitResponse]:
+        if self.draining:
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE,
+                "scheduler is draining: it admits no new requests; send to another replica",
+            )
         if not self.ready or self.scheduler is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "engine not ready; retry shortly")
         assert self.scheduler is not None
@@ -180,6 +188,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             max_num_seqs=s.config.max_num_seqs,
             max_num_batched_tokens=s.config.max_num_batched_tokens,
             max_waiting=s.config.max_waiting,
+            scheduling_policy=s.config.policy,
         )
 
     def stats(self) -> dict[str, Any]:
@@ -191,7 +200,10 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             del snapshot["spec"]
             snapshot.update({k: copy.copy(v) for k, v in vars(s.counters.spec).items()})
             snapshot["finish_reasons"] = dict(s.counters.finish_reasons)
+            snapshot["num_preemptions_by_reason"] = dict(s.counters.num_preemptions_by_reason)
             snapshot.update(
+                tenants=s.tenant_rows(),
+                draining=self.draining,
                 num_running=len(s.running),
                 num_waiting=len(s.waiting),
                 num_free_blocks=s.block_manager.num_free_blocks,
@@ -203,7 +215,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self, request: scheduler_pb2.GetStatsRequest, context: grpc.aio.ServicerContext
     ) -> scheduler_pb2.SchedulerStats:
         msg = stats_to_proto(self.stats())
-        msg.ready = self.ready and self.engine_responding
+        msg.ready = self.serving
         return msg
 
     async def WatchStats(
@@ -219,9 +231,53 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             )
         while not self.stopping:
             msg = stats_to_proto(self.stats())
-            msg.ready = self.ready and self.engine_responding
+            msg.ready = self.serving
             yield msg
             await asyncio.sleep(interval_ms / 1e3)
+
+    # -- operator RPCs (the gateway's Admin service forwards them) -----------------------------
+
+    async def ListRequests(
+        self, request: scheduler_pb2.ListRequestsRequest, context: grpc.aio.ServicerContext
+    ) -> scheduler_pb2.ListRequestsResponse:
+        rows = self.scheduler.list_requests(request.tenant) if self.scheduler else []
+        return scheduler_pb2.ListRequestsResponse(requests=map(request_state_to_proto, rows))
+
+    async def AbortRequest(
+        self, request: scheduler_pb2.AbortRequestRequest, context: grpc.aio.ServicerContext
+    ) -> scheduler_pb2.AbortRequestResponse:
+        """Abort every choice of request.request_id: their streams end with ABORT now, their
+        blocks are free before the next step."""
+        if not request.request_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is empty")
+        found = self.scheduler.find(request.request_id) if self.scheduler else []
+        for req in found:
+            assert self.scheduler is not None
+            self.scheduler.abort(req.seq_id)
+            self._deliver(StepOutcome(req, None, None, RequestStatus.FINISHED_ABORTED))
+            log.info(
+                "request aborted by an operator",
+                request_id=req.request_id,
+                trace_id=self.telemetry.trace_id(req),
+            )
+        self.wakeup.set()
+        return scheduler_pb2.AbortRequestResponse(num_aborted=len(found))
+
+    async def Drain(
+        self, request: scheduler_pb2.DrainRequest, context: grpc.aio.ServicerContext
+    ) -> scheduler_pb2.DrainResponse:
+        """Stop admitting (or, with resume, admit again). Returns at once."""
+        draining = not request.resume
+        if draining != self.draining:
+            self.draining = draining
+            s = self.scheduler
+            log.info(
+                "draining" if draining else "admitting again",
+                num_running=len(s.running) if s else 0,
+                num_waiting=len(s.waiting) if s else 0,
+            )
+            self._update_health()
+        return scheduler_pb2.DrainResponse(draining=self.draining)
 
     # -- the engine side ----------------------------------------------------------------------
 
@@ -312,11 +368,16 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self.ready = ready
         self._update_health()
 
+    @property
+    def serving(self) -> bool:
+        """Whether to take new requests: the Step stream is open, the engine answers its
+        heartbeat, and this scheduler is not draining (stats' `ready`, readiness)."""
+        return self.ready and self.engine_responding and not self.draining
+
     def _update_health(self) -> None:
-        """SERVING while the Step stream is open and the engine answers its heartbeat."""
-        serving = self.ready and self.engine_responding
+        """SERVING while `serving`."""
         response = health_pb2.HealthCheckResponse
-        status = response.SERVING if serving else response.NOT_SERVING
+        status = response.SERVING if self.serving else response.NOT_SERVING
         self._health_update = asyncio.ensure_future(self.health.set("", status))
 
     @contextlib.asynccontextmanager
@@ -403,6 +464,15 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         t1 = time.perf_counter()
         if plan.is_empty:
             return None
+        for request in plan.preempted:
+            log.info(
+                "request preempted",
+                request_id=request.request_id,
+                trace_id=self.telemetry.trace_id(request),
+                reason=request.preemption_reason,
+                tenant=request.tenant,
+                num_preemptions=request.num_preemptions,
+            )
         plan_msg = plan_to_proto(plan)
         plan_msg.trace_context.update(self.telemetry.on_plan(plan))
         await call.write(plan_msg)

@@ -22,6 +22,8 @@ import time
 from typing import Any
 
 from scheduler.config import SchedulerConfig
+from scheduler.fair import FairScheduler
+from scheduler.priority import PriorityScheduler
 from scheduler.request import Request, RequestStatus
 from scheduler.scheduler import Scheduler, StepOutcome
 
@@ -48,7 +50,7 @@ class StaticBatchScheduler(Scheduler):
             raise ValueError(
                 f"scheduling_policy='static' does not support pipeline parallelism (the "
                 f"engine's pipeline_parallel_size={pipeline_parallel_size}); use "
-                f"--scheduling-policy continuous, or an engine of one pipeline stage"
+                f"--scheduling-policy fcfs, or an engine of one pipeline stage"
             )
         super().set_pipeline_parallel_size(pipeline_parallel_size)
 
@@ -58,7 +60,7 @@ class StaticBatchScheduler(Scheduler):
             raise ValueError(
                 f"scheduling_policy='static' does not support speculative decoding (the "
                 f"engine's num_speculative_tokens={num_speculative_tokens}); use "
-                f"--scheduling-policy continuous, or an engine without --speculative-method"
+                f"--scheduling-policy fcfs, or an engine without --speculative-method"
             )
         super().set_num_speculative_tokens(num_speculative_tokens)
 
@@ -97,13 +99,13 @@ class StaticBatchScheduler(Scheduler):
             self._end_padding(request)
         return None
 
-    def _evict(self, i: int) -> tuple[Request, bool]:
+    def _evict(self, i: int, scheduled: list[tuple[Request, int]]) -> tuple[Request, int]:
         """End the newest padding row not yet scheduled this step (index >= i), else preempt."""
         victim = next((r for r in reversed(self.running[i:]) if r.seq_id in self.padding), None)
         if victim is None:
-            return super()._evict(i)
+            return super()._evict(i, scheduled)
         self._end_padding(victim)
-        return victim, False
+        return victim, 0
 
     def _after_update(self) -> None:
         self._end_drained_batch()
@@ -161,7 +163,13 @@ def make_scheduler(
 ) -> Scheduler:
     """The scheduler for config.scheduling_policy; args as Scheduler's after the config.
     Raises ValueError when the policy cannot use pipeline_parallel_size or speculation."""
-    cls = StaticBatchScheduler if config.scheduling_policy == "static" else Scheduler
+    classes: dict[str, type[Scheduler]] = {
+        "fcfs": Scheduler,
+        "fair": FairScheduler,
+        "priority": PriorityScheduler,
+        "static": StaticBatchScheduler,
+    }
+    cls = classes[config.policy]
     return cls(
         config,
         *args,

@@ -98,7 +98,21 @@ METRICS = {
     # Read from the stats snapshot (SchedulerService.stats), the one GetStats returns.
     "num_preemptions": Metric(
         "llmserve.scheduler.preemptions", "observed_counter", "{preemption}",
-        "Requests preempted (blocks freed, recomputed later)",
+        "Requests preempted (blocks freed, recomputed later), by reason (memory, priority, fair, "
+        "engine_reset)",
+    ),
+    "num_preemptions_refused": Metric(
+        "llmserve.scheduler.preemptions_refused", "observed_counter", "{preemption}",
+        "Preemptions not made because every candidate was protected (max_preemptions, grace "
+        "steps)",
+    ),
+    "tenant_virtual_tokens": Metric(
+        "llmserve.scheduler.tenant.virtual_tokens", "gauge", "{token}",
+        "Each tenant's virtual token counter (weighted service received; fair policy)",
+    ),
+    "tenant_tokens": Metric(
+        "llmserve.scheduler.tenant.tokens", "observed_counter", "{token}",
+        "Tokens served per tenant, by kind (prompt: computed prefill; generated)",
     ),
     "finish_reasons": Metric(
         "llmserve.scheduler.requests.finished", "observed_counter", "{request}",
@@ -173,6 +187,22 @@ def _spec_ratios(stats: dict[str, Any], key: str) -> list[tuple[float, dict[str,
     return [(1.0 + accepted / rows, {})]
 
 
+MAX_TENANT_SERIES = 64  # tenants come from clients (`user`): bound the metrics' cardinality
+
+
+def _tenant_series(tenants: list[Any], key: str) -> list[tuple[float, dict[str, str]]]:
+    """Per-tenant series for the MAX_TENANT_SERIES tenants served most (weighted)."""
+    top = sorted(tenants, key=lambda t: t.virtual_tokens * t.weight, reverse=True)
+    top = top[:MAX_TENANT_SERIES]
+    if key == "tenant_virtual_tokens":
+        return [(t.virtual_tokens, {"tenant": t.tenant}) for t in top]
+    return [
+        (n, {"tenant": t.tenant, "kind": kind})
+        for t in top
+        for kind, n in (("prompt", t.num_prompt_tokens), ("generated", t.num_generated_tokens))
+    ]
+
+
 class SchedulerTelemetry:
     def __init__(self, stats: Callable[[], dict[str, Any]] = dict):
         """stats: the service's stats snapshot (counts and gauges), read by the observed
@@ -196,6 +226,11 @@ class SchedulerTelemetry:
             return []
         if key == "finish_reasons":
             return [(n, {"finish_reason": r}) for r, n in stats["finish_reasons"].items()]
+        if key == "num_preemptions":
+            by_reason = stats["num_preemptions_by_reason"].items()
+            return [(n, {"reason": r}) for r, n in by_reason]
+        if key.startswith("tenant_"):
+            return _tenant_series(stats["tenants"], key)
         if key == "kv_usage":
             return [(1.0 - stats["num_free_blocks"] / stats["num_blocks"], {})]
         if key == "throughput":
@@ -230,10 +265,18 @@ class SchedulerTelemetry:
                 "llmserve.seq_id": request.seq_id,
                 "gen_ai.usage.input_tokens": request.num_prompt_tokens,
                 "gen_ai.request.max_tokens": request.max_tokens,
+                "llmserve.tenant": request.tenant,
+                "llmserve.priority": request.priority,
             },
         )
         self._open_phase(rt, "scheduler.queue")
         return telemetry.trace_id_hex(rt.root)
+
+    def trace_id(self, request: Request) -> str | None:
+        """request's trace id (hex) while it is tracked and tracing is on, for log lines made
+        outside its own call (preemption, operator abort)."""
+        rt = self.requests.get(request.seq_id)
+        return telemetry.trace_id_hex(rt.root) if rt is not None and rt.root is not None else None
 
     def _open_phase(
         self, rt: RequestTelemetry, name: str, start_ns: int | None = None, **attributes: Any
@@ -368,7 +411,10 @@ class SchedulerTelemetry:
             rt = self.requests.get(request.seq_id)
             if rt is None or rt.root is None:
                 continue
-            event = {"llmserve.num_output_tokens": request.num_output_tokens}
+            event: dict[str, Any] = {
+                "llmserve.num_output_tokens": request.num_output_tokens,
+                "llmserve.preemption_reason": request.preemption_reason,
+            }
             rt.root.add_event("preempted", event)
             attributes = {**event, "llmserve.num_preemptions": request.num_preemptions}
             self._open_phase(rt, "scheduler.preempted", **attributes)

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import math
 import re
+import time
 from collections.abc import Callable, Sequence
 
 import pytest
 
 from engine.config import EngineConfig
 from engine.contract import NewRequestData, RunningData, StepPlanData
-from engine.fake import FakeEngine
+from engine.fake import FakeEngine, FakeEngineConfig
 from engine.mirror import PLACEHOLDER, Mirror, MirrorMismatch
 from tests.factories import sampling
 
@@ -463,6 +464,17 @@ def test_fake_engine_echoes_prompt_cyclically() -> None:
     assert tokens == [11, 12, 13, 11, 12, 13, 11, 12, 13]
     assert engine.mirror.seqs[1].token_ids == prompt + tokens
     assert engine.num_steps == 9
+
+
+def test_fake_engine_step_time_grows_with_its_tokens() -> None:
+    """step_delay_ms + step_token_delay_ms per token computed: 10 + 0.5 x (5 + 3) = 14 ms."""
+    fake = FakeEngineConfig(step_delay_ms=10.0, step_token_delay_ms=0.5)
+    engine = FakeEngine(EngineConfig(block_size=4, num_kv_blocks=32), fake)
+    start = time.monotonic()
+    step = engine.launch(plan(1, new=[new(1, [5, 6, 7, 8, 9], [0, 1]), new(2, [3, 4, 5], [2])]))
+    assert step.output.forward_ms == 14.0
+    assert 0.014 <= step.ready_at - start < 0.1
+    engine.finish(step)
 
 
 def test_fake_engine_mid_prefill_and_batch() -> None:
