@@ -855,7 +855,7 @@ class Scheduler:
                 self._give_back_lookahead(row)
         self.counters.num_generated_tokens += len(outcomes)
         for outcome in outcomes:
-            self.tenants[outcome.request.tenant].num_generated_tokens += 1
+            self.tenants.count_generated(outcome.request.tenant)
         self._after_update()
         return outcomes
 

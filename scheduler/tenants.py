@@ -22,11 +22,19 @@ scheduler's doing, not the tenant's, and is free; prefix-cache hits are not comp
 The lift (VTC's rule): a tenant that had no work queued or running and sends a request has its
 counter raised to the smallest counter among tenants that do have work, so credit is not banked
 while idle: a tenant returning after an hour does not lock the others out until it catches up.
+
+Tenants are named by clients (the gateway's `user` field when it has no API keys), so the ledger
+forgets idle ones beyond `max_idle` (the longest idle first): memory stays bounded whatever
+names arrive. A forgotten tenant that returns starts again from the lift, and its token totals
+in GetStats start again from 0.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
+
+MAX_IDLE_TENANTS = 4096
 
 
 @dataclass
@@ -44,10 +52,18 @@ class Tenant:
 
 
 class TenantLedger:
-    def __init__(self, prefill_weight: float = 1.0, decode_weight: float = 2.0):
+    def __init__(
+        self,
+        prefill_weight: float = 1.0,
+        decode_weight: float = 2.0,
+        max_idle: int = MAX_IDLE_TENANTS,
+    ):
         self.prefill_weight = prefill_weight
         self.decode_weight = decode_weight
+        self.max_idle = max_idle
         self.tenants: dict[str, Tenant] = {}
+        # Tenants with no request queued or running, the longest idle first.
+        self.idle: OrderedDict[str, None] = OrderedDict()
 
     def __getitem__(self, name: str) -> Tenant:
         return self.tenants[name]
@@ -67,6 +83,7 @@ class TenantLedger:
             if active:
                 tenant.virtual_tokens = max(tenant.virtual_tokens, min(active))
         tenant.num_requests += 1
+        self.idle.pop(name, None)
         return tenant
 
     def leave(self, name: str) -> None:
@@ -74,6 +91,17 @@ class TenantLedger:
         tenant = self.tenants[name]
         tenant.num_requests -= 1
         assert tenant.num_requests >= 0, f"tenant {name!r}: more requests ended than arrived"
+        if tenant.num_requests == 0:
+            self.idle[name] = None
+            while len(self.idle) > self.max_idle:
+                del self.tenants[self.idle.popitem(last=False)[0]]
+
+    def count_generated(self, name: str, num_tokens: int = 1) -> None:
+        """num_tokens were sampled and kept for a request of tenant name (which may have ended
+        in the same update, and then been forgotten)."""
+        tenant = self.tenants.get(name)
+        if tenant is not None:
+            tenant.num_generated_tokens += num_tokens
 
     def charge(self, name: str, num_prompt_tokens: int, start: int, end: int) -> None:
         """Positions [start, end) of a request of tenant name (whose prompt is num_prompt_tokens

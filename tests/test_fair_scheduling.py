@@ -161,6 +161,27 @@ def test_fair_lift_does_not_bank_idle_credit(make: Callable[..., Harness]) -> No
     h.run_until_idle()
 
 
+def test_idle_tenants_are_forgotten_beyond_the_bound(make: Callable[..., Harness]) -> None:
+    """Clients name tenants (`user`), so the ledger keeps at most max_idle idle ones, the longest
+    idle forgotten first; a tenant with work is never forgotten, and one that returns is lifted
+    as a new one is."""
+    h = make("fair", max_num_seqs=2)
+    h.s.tenants.max_idle = 2
+    busy = request(1, 4, 40, "busy")
+    h.add(busy)
+    for i, name in enumerate(("u1", "u2", "u3"), start=2):
+        h.add(request(i, 4, 2, name))
+        while any(r.tenant == name for r in h.s.running + list(h.s.waiting)):
+            h.step()
+    assert set(h.s.tenants.tenants) == {"busy", "u2", "u3"}  # u1, idle longest, forgotten
+    h.add(request(9, 4, 2, "u1"))
+    assert h.s.tenants["u1"].virtual_tokens == h.s.tenants["busy"].virtual_tokens
+    assert h.s.tenants["u1"].num_generated_tokens == 0
+    h.run_until_idle()
+    # u1 went idle (u2 forgotten), then busy did (u3 forgotten).
+    assert set(h.s.tenants.tenants) == {"u1", "busy"}
+
+
 def test_fair_is_work_conserving(make: Callable[..., Harness]) -> None:
     """A lone tenant gets every seat; an idle tenant's share goes to the busy one."""
     h = make("fair", max_num_seqs=4)
