@@ -22,12 +22,16 @@ Scenarios (seeded Poisson arrivals; every request ignores EOS and runs to its ma
   alone asks for more than the server computes, so a queue of A's requests builds up. B's TTFT
   p50/p99 per policy; a B request still waiting when the run ends counts as not served (its
   TTFT is at least the time it waited, and the p99 is "not served" if more than 1% were not).
-- fair_1_1, fair_2_1: both tenants flood (A at weight 1 or 2, B at 1), both always backlogged;
+- fair_1_1, fair_2_1: both tenants flood (A at weight 1 or 2, set at run time through the
+  gateway's Admin.SetTenantWeight; B at the default 1), both always backlogged;
   the weighted service each received (prefill + 2 x decode tokens, the counter's charge) and
   the tokens generated, over a window in the middle of the run, against the weights.
 - priority_fcfs, priority: a flood of low-priority requests (priority 1) and a trickle of
   high-priority ones (priority 0), under fcfs and under the priority policy: high-priority TTFT.
-- drain: 64 requests in flight (16 running, 48 waiting), then the scheduler's Drain RPC: time
+- alone_flat, fair_flat: alone and fair with a step time shaped like a GPU's (FLAT_STEP_MS +
+  FLAT_TOKEN_MS per token: it hardly grows with the batch), to separate the policy's delay from
+  the CPU's cost of a bigger batch.
+- drain: 64 requests in flight (16 running, 48 waiting), then the gateway's Admin.Drain: time
   until nothing runs or waits, every request finished with all its tokens, a Submit during the
   drain refused UNAVAILABLE.
 """
@@ -55,16 +59,29 @@ from engine.fake import FakeEngineConfig  # noqa: E402
 from gateway.config import GatewayConfig  # noqa: E402
 from llmserve.bench.report import git_commit, hardware, save  # noqa: E402
 from llmserve.launcher import Stack, local_stack  # noqa: E402
-from protos import api_pb2, api_pb2_grpc, common_pb2, scheduler_pb2, scheduler_pb2_grpc  # noqa: E402
+from protos import (  # noqa: E402
+    admin_pb2,
+    admin_pb2_grpc,
+    api_pb2,
+    api_pb2_grpc,
+    common_pb2,
+    scheduler_pb2,
+)
 from scheduler.config import SchedulerConfig  # noqa: E402
 from tests.factories import EOS_TOKEN_ID, TINY_VOCAB, write_byte_tokenizer  # noqa: E402
 
 SCENARIOS = (
     "alone", "fcfs", "fair", "alone_sync", "fair_sync", "fair_1_1", "fair_2_1", "priority_fcfs",
-    "priority", "drain",
+    "priority", "drain", "alone_flat", "fair_flat",
 )  # fmt: skip
 STEP_MS, TOKEN_MS = 40.0, 2.5  # the echo engine's step time: STEP_MS + TOKEN_MS per token
+# The *_flat scenarios: a step time that hardly grows with the batch, shaped like the H200's
+# measured in ../shared/gpu.md (HF generate, Llama-3-8B shape, bf16: 62 ms a step at batch 1,
+# 75 ms at batch 64, so about 0.2 ms per decode token).
+FLAT_STEP_MS, FLAT_TOKEN_MS = 62.0, 0.2
 MAX_NUM_SEQS = 16
+ADMIN_KEY = "fairness-study-admin"  # the gateway's Admin service: weights, drain
+ADMIN_METADATA = (("authorization", f"Bearer {ADMIN_KEY}"),)
 
 
 def parse_args() -> argparse.Namespace:
@@ -85,7 +102,11 @@ def parse_args() -> argparse.Namespace:
 
 
 def start_stack(
-    policy: str, args: argparse.Namespace, tokenizer: Path, overlap: bool = True
+    policy: str,
+    args: argparse.Namespace,
+    tokenizer: Path,
+    overlap: bool = True,
+    step_ms: tuple[float, float] = (STEP_MS, TOKEN_MS),
 ) -> Stack:
     engine = EngineConfig(
         num_kv_blocks=2048, max_model_len=1024, max_num_seqs=MAX_NUM_SEQS,
@@ -97,10 +118,12 @@ def start_stack(
         preemption_grace_steps=args.grace_steps,
         overlap_scheduling=overlap,
     )
-    gateway = GatewayConfig(model=str(tokenizer), served_model_name="fake-echo")
+    gateway = GatewayConfig(
+        model=str(tokenizer), served_model_name="fake-echo", admin_key=ADMIN_KEY
+    )
     fake = FakeEngineConfig(
-        vocab_size=TINY_VOCAB, eos_token_ids=(EOS_TOKEN_ID,), step_delay_ms=STEP_MS,
-        step_token_delay_ms=TOKEN_MS,
+        vocab_size=TINY_VOCAB, eos_token_ids=(EOS_TOKEN_ID,), step_delay_ms=step_ms[0],
+        step_token_delay_ms=step_ms[1],
     )  # fmt: skip
     stack = local_stack(
         engine, scheduler, gateway, fake=fake,
@@ -109,11 +132,6 @@ def start_stack(
     stack.start()
     stack.wait_ready(120)
     return stack
-
-
-def scheduler_stub(stack: Stack) -> tuple[Any, Any]:
-    channel = stack.scheduler.channel(stack.scheduler_address, aio=False)
-    return channel, scheduler_pb2_grpc.SchedulerStub(channel)
 
 
 def stats(stack: Stack) -> scheduler_pb2.SchedulerStats:
@@ -287,13 +305,15 @@ def run_two_tenants(name: str, args: argparse.Namespace, tokenizer: Path) -> dic
     alone = name.startswith("alone")
     streams = [b_stream(args)] if alone else [a_stream(args), b_stream(args)]
     overlap = not name.endswith("_sync")
-    stack = start_stack(policy, args, tokenizer, overlap)
+    step_ms = (FLAT_STEP_MS, FLAT_TOKEN_MS) if name.endswith("_flat") else (STEP_MS, TOKEN_MS)
+    stack = start_stack(policy, args, tokenizer, overlap, step_ms)
     try:
         run_s, _ = asyncio.run(drive(stack, streams, args.duration, args.seed, tail_s=10.0))
         final = stats(stack)
     finally:
         stack.stop()
     out: dict[str, Any] = {"policy": policy, "overlap_scheduling": overlap}
+    out["step_ms"] = f"{step_ms[0]} + {step_ms[1]} per token computed"
     out["run_s"] = round(run_s, 1)
     for s in streams:
         out[f"{s.tenant}_ttft"] = ttft_summary(s.sent, run_s)
@@ -319,7 +339,14 @@ def run_saturated(name: str, args: argparse.Namespace, tokenizer: Path) -> dict[
     duration = args.duration / 2
     streams = [Stream("A", 4.0, 32, 64), Stream("B", 4.0, 32, 64)]
     try:
-        _, snaps = asyncio.run(drive_direct(stack, streams, duration, args.seed, weight_a))
+        # The operator's run-time call (`llmserve admin set-weight A 2`): the gateway puts the
+        # tenant's weight on each of its requests from then on.
+        with grpc.insecure_channel(stack.gateway_address) as channel:
+            admin = admin_pb2_grpc.AdminStub(channel)
+            request = admin_pb2.SetTenantWeightRequest(tenant="A", weight=weight_a)
+            admin.SetTenantWeight(request, metadata=ADMIN_METADATA, timeout=10)
+        windows = (duration / 4, duration)
+        _, snaps = asyncio.run(drive(stack, streams, duration, args.seed, 0.5, windows))
     finally:
         stack.stop()
     t1, t2 = tenant_table(snaps["t1"]), tenant_table(snaps["t2"])
@@ -349,50 +376,6 @@ def run_saturated(name: str, args: argparse.Namespace, tokenizer: Path) -> dict[
         "within_10_percent": abs(ratio / weight_a - 1) <= 0.10,
         "scheduler": counters(snaps["t2"]),
     }
-
-
-async def drive_direct(
-    stack: Stack, streams: list[Stream], duration: float, seed: int, weight_a: float
-) -> tuple[float, dict[str, Any]]:
-    """Like drive(), but Submit to the scheduler directly, with each tenant's weight on the
-    request as the gateway will set it: tenant weights come from the API-key file, the gateway
-    side of issue 18 (another branch), and this branch's gateway passes `user` only."""
-    rng = random.Random(seed)
-    snapshots: dict[str, Any] = {}
-    metadata = stack.scheduler.peer_metadata()
-    async with stack.scheduler.channel(stack.scheduler_address) as channel:
-        stub = scheduler_pb2_grpc.SchedulerStub(channel)
-        start = time.perf_counter()
-        events = arrivals(streams, duration, seed)
-
-        async def submit(s: Stream, ids: list[int]) -> None:
-            msg = scheduler_pb2.SubmitRequest(
-                prompt_token_ids=ids, max_tokens=s.max_tokens, ignore_eos=True,
-                tenant=s.tenant, tenant_weight=weight_a if s.tenant == "A" else 1.0,
-            )  # fmt: skip
-            msg.sampling.temperature = 0.0
-            try:
-                async for _ in stub.Submit(msg, timeout=600, metadata=metadata):
-                    pass
-            except (grpc.aio.AioRpcError, asyncio.CancelledError):
-                pass
-
-        async def snapshot(name: str, at: float) -> None:
-            await asyncio.sleep(max(0.0, at - (time.perf_counter() - start)))
-            snapshots[name] = await asyncio.to_thread(stats, stack)
-
-        tasks = [
-            asyncio.create_task(snapshot(n, t)) for n, t in (("t1", duration / 4), ("t2", duration))
-        ]
-        for t, s in events:
-            await asyncio.sleep(max(0.0, t - (time.perf_counter() - start)))
-            ids = [rng.randrange(1, 250) for _ in range(s.prompt_len)]
-            tasks.append(asyncio.create_task(submit(s, ids)))
-        _, pending = await asyncio.wait(tasks, timeout=0.5)
-        for task in pending:
-            task.cancel()
-        await asyncio.gather(*pending, return_exceptions=True)
-        return time.perf_counter() - start, snapshots
 
 
 def run_priority(name: str, args: argparse.Namespace, tokenizer: Path) -> dict[str, Any]:
@@ -439,25 +422,33 @@ async def drain(stack: Stack, num: int = 64, max_tokens: int = 64) -> dict[str, 
                 break
             await asyncio.sleep(0.01)
         in_flight = {"running": s.num_running, "waiting": s.num_waiting}
-        sched_channel, sched = scheduler_stub(stack)
-        metadata = stack.scheduler.peer_metadata()
+        admin = admin_pb2_grpc.AdminStub(channel)
         t0 = time.perf_counter()
-        with sched_channel:
-            sched.Drain(scheduler_pb2.DrainRequest(), timeout=10, metadata=metadata)
+        progress = admin.Drain(admin_pb2.DrainRequest(), metadata=ADMIN_METADATA, timeout=600)
+        first = await anext(aiter(progress))  # the gateway and its schedulers admit nothing now
         refused = Sent("late", 0, 0.0, 4)
         await one(stub, Stream("late", 1.0, 8, 4), "too late", 0.0, refused)
-        while True:
-            s = await asyncio.to_thread(stats, stack)
-            if s.num_running == s.num_waiting == 0:
-                break
-            await asyncio.sleep(0.005)
+        last = first
+        async for message in progress:
+            last = message
         drained_s = time.perf_counter() - t0
         await asyncio.gather(*tasks)
+        s = await asyncio.to_thread(stats, stack)
     complete = sum(1 for x in sent if x.num_tokens == max_tokens and not x.error)
     return {
         "in_flight_at_drain": in_flight,
         "max_tokens": max_tokens,
         "drain_to_empty_s": round(drained_s, 3),
+        "drain_progress_messages_first_last": [
+            {
+                "in_flight": m.num_in_flight,
+                "elapsed_s": round(m.elapsed_s, 3),
+                "done": m.done,
+                "aborted": m.num_aborted,
+            }
+            for m in (first, last)
+        ],
+        "scheduler_after": {"running": s.num_running, "waiting": s.num_waiting},
         "requests_completed": complete,
         "requests_lost": num - complete,
         "submit_during_drain": refused.error or "accepted",
@@ -469,6 +460,7 @@ async def drain(stack: Stack, num: int = 64, max_tokens: int = 64) -> dict[str, 
 RUNNERS = {
     "alone": run_two_tenants, "fcfs": run_two_tenants, "fair": run_two_tenants,
     "alone_sync": run_two_tenants, "fair_sync": run_two_tenants,
+    "alone_flat": run_two_tenants, "fair_flat": run_two_tenants,
     "fair_1_1": run_saturated, "fair_2_1": run_saturated,
     "priority_fcfs": run_priority, "priority": run_priority, "drain": run_drain,
 }  # fmt: skip
@@ -484,7 +476,7 @@ def plot(document: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     runs = document["runs"]
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    fig, axes = plt.subplots(1, 3, figsize=(19, 4.6))
 
     def bar(ax: Any, labels: list[str], summaries: list[dict[str, Any]], title: str) -> None:
         for j, q in enumerate(("p50", "p99")):
@@ -508,6 +500,7 @@ def plot(document: dict[str, Any], path: Path) -> None:
     names = {
         "alone": "B alone", "fcfs": "A+B fcfs", "fair": "A+B fair",
         "alone_sync": "B alone\n(no overlap)", "fair_sync": "A+B fair\n(no overlap)",
+        "alone_flat": "B alone\n(GPU-like steps)", "fair_flat": "A+B fair\n(GPU-like steps)",
     }  # fmt: skip
     b_runs = [(names[k], runs[k]["B_ttft"]) for k in names if k in runs]
     if b_runs:
