@@ -474,16 +474,34 @@ def stats_delta(
 ) -> dict[str, Any]:
     """The scheduler's counters accumulated between two scheduler_stats() readings, flat
     (gauges taken from after; a repeated counter, such as per proposal position, as a list)."""
-    gauges = {"num_running", "num_waiting", "num_free_blocks", "num_blocks"}
+    gauges = {"num_running", "num_waiting", "num_free_blocks", "num_blocks", "weight"}
+    gauges |= {"ready", "draining"}
+
+    def counter(k: str, a: float, b: float) -> float:
+        return float(a) - (0.0 if k in gauges else float(b))
+
     delta: dict[str, Any] = {}
     for descriptor in after.DESCRIPTOR.fields:
         k = descriptor.name
         a, b = getattr(after, k), getattr(before, k)
-        if not isinstance(a, int | float):  # a repeated field
+        if k == "tenants":  # per tenant, by name: its counters' deltas, its gauges
+            old = {t.tenant: t for t in b}
+            rows: dict[str, dict[str, float]] = {}
+            for t in a:
+                was = old.get(t.tenant, type(t)())
+                rows[t.tenant] = {
+                    f.name: counter(f.name, getattr(t, f.name), getattr(was, f.name))
+                    for f in t.DESCRIPTOR.fields
+                    if f.name != "tenant"
+                }
+            delta[k] = rows
+        elif isinstance(a, int | float):
+            delta[k] = counter(k, a, b)
+        elif hasattr(a, "keys"):  # a map of counters (preemptions by reason)
+            delta[k] = {key: float(a[key]) - float(b.get(key, 0)) for key in a}
+        else:  # a repeated counter (per proposal position)
             b = list(b) + [0] * (len(a) - len(b))
             delta[k] = [float(x - y) for x, y in zip(a, b, strict=False)]
-        else:
-            delta[k] = float(a) - (0.0 if k in gauges else float(b))
     return delta
 
 

@@ -771,3 +771,28 @@ def test_tensor_parallel_bytes_per_token_follow_the_ring_formula() -> None:
     assert set(comm_bytes(576, 49152, 1, 4).values()) == {0.0}
     # Llama-3-70B in bf16 at T = 8, as the README says.
     assert comm_bytes(8192, 128256, 8, 2)["per_token_per_layer"] == pytest.approx(57344)
+
+
+def test_stats_delta_handles_every_field_kind() -> None:
+    """stats_delta over SchedulerStats' scalar counters and gauges, its per-position repeated
+    counters, its map of preemptions by reason and its per-tenant rows (a new tenant counts from
+    0): every field kind the message has."""
+    from llmserve.launcher import stats_delta
+    from protos import scheduler_pb2
+
+    before = scheduler_pb2.SchedulerStats(num_steps=10, num_running=3, ready=True)
+    before.num_spec_draft_tokens_per_pos.extend([4, 2])
+    before.num_preemptions_by_reason["memory"] = 1
+    before.tenants.add(tenant="a", weight=2.0, num_running=1, num_generated_tokens=5)
+    after = scheduler_pb2.SchedulerStats(num_steps=15, num_running=2, ready=True)
+    after.num_spec_draft_tokens_per_pos.extend([6, 3, 1])
+    after.num_preemptions_by_reason.update({"memory": 3, "fair": 2})
+    after.tenants.add(tenant="a", weight=2.0, num_running=2, num_generated_tokens=9)
+    after.tenants.add(tenant="b", weight=1.0, num_generated_tokens=4, virtual_tokens=8.0)
+    delta = stats_delta(before, after)
+    assert delta["num_steps"] == 5.0 and delta["num_running"] == 2.0 and delta["ready"] == 1.0
+    assert delta["num_spec_draft_tokens_per_pos"] == [2.0, 1.0, 1.0]
+    assert delta["num_preemptions_by_reason"] == {"memory": 2.0, "fair": 2.0}
+    assert delta["tenants"]["a"]["num_generated_tokens"] == 4.0
+    assert delta["tenants"]["a"]["weight"] == 2.0 and delta["tenants"]["a"]["num_running"] == 2.0
+    assert delta["tenants"]["b"]["virtual_tokens"] == 8.0
