@@ -88,7 +88,7 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=SCENARIOS)
     p.add_argument("--duration", type=float, default=40.0, help="seconds of arrivals per run")
-    p.add_argument("--b-rate", type=float, default=0.75, help="B's requests per second")
+    p.add_argument("--b-rate", type=float, default=1.0, help="B's requests per second")
     p.add_argument("--grace-steps", type=int, default=8, help="--preemption-grace-steps")
     p.add_argument("--max-preemptions", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)
@@ -546,6 +546,9 @@ def main() -> int:
                 t0 = time.perf_counter()
                 result = RUNNERS[name](name, args, tokenizer)
                 result["wall_s"] = round(time.perf_counter() - t0, 1)
+                # Per run too: a later call may run some scenarios with other settings.
+                result["settings"] = {"b_rate_per_s": args.b_rate, "duration_s": args.duration,
+                                      "seed": args.seed, "commit": git_commit()}  # fmt: skip
                 document["runs"][name] = result
                 print(name, json.dumps(result), flush=True)
         document.update(
