@@ -476,7 +476,7 @@ def plot(document: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     runs = document["runs"]
-    fig, axes = plt.subplots(1, 3, figsize=(19, 4.6))
+    fig, axes = plt.subplots(1, 3, figsize=(19, 4.6), width_ratios=(2.2, 1, 1))
 
     def bar(ax: Any, labels: list[str], summaries: list[dict[str, Any]], title: str) -> None:
         for j, q in enumerate(("p50", "p99")):
@@ -500,7 +500,7 @@ def plot(document: dict[str, Any], path: Path) -> None:
     names = {
         "alone": "B alone", "fcfs": "A+B fcfs", "fair": "A+B fair",
         "alone_sync": "B alone\n(no overlap)", "fair_sync": "A+B fair\n(no overlap)",
-        "alone_flat": "B alone\n(GPU-like steps)", "fair_flat": "A+B fair\n(GPU-like steps)",
+        "alone_flat": "B alone\n(GPU-like)", "fair_flat": "A+B fair\n(GPU-like)",
     }  # fmt: skip
     b_runs = [(names[k], runs[k]["B_ttft"]) for k in names if k in runs]
     if b_runs:
@@ -525,8 +525,8 @@ def plot(document: dict[str, Any], path: Path) -> None:
     ax.set_title("Fair: weighted service under contention")
     ax.legend()
     fig.suptitle(
-        f"llmserve scheduling policies (echo engine, {STEP_MS:g} ms + {TOKEN_MS:g} ms/token steps,"
-        f" max {MAX_NUM_SEQS} running)"
+        f"llmserve scheduling policies (echo engine, {STEP_MS:g} ms + {TOKEN_MS:g} ms/token steps;"
+        f" GPU-like: {FLAT_STEP_MS:g} ms + {FLAT_TOKEN_MS:g} ms/token; max {MAX_NUM_SEQS} running)"
     )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
