@@ -159,13 +159,17 @@ def _run(args: argparse.Namespace) -> int:
 def _drain(admin: _Admin, args: argparse.Namespace) -> int:
     from protos import admin_pb2
 
+    shown: tuple[int, float] | None = None  # (in flight, elapsed) of the last line printed
     for p in admin("Drain", admin_pb2.DrainRequest(timeout_s=args.timeout_s), stream=True):
         if args.json:
             _json(p)
         elif p.done:
             print(f"done: drained in {p.elapsed_s:.1f} s, {p.num_aborted} aborted at the timeout")
-        else:
+        elif shown is None or p.num_in_flight != shown[0] or p.elapsed_s - shown[1] >= 5.0:
+            # The server reports several times a second; a line when the count changes or
+            # every 5 s is enough to watch.
             print(f"draining: {p.num_in_flight} in flight after {p.elapsed_s:.1f} s", flush=True)
+            shown = (p.num_in_flight, p.elapsed_s)
     return 0
 
 
