@@ -8,4 +8,4 @@ scripts/setup.sh
 ruff check .
 ruff format --check .
 mypy
-python -m pytest -q "$@"
+python -m pytest -q --durations=25 "$@"
