@@ -610,9 +610,10 @@ class Scheduler:
         when candidates were all protected). With num_blocks_short > 0 (blocks, not a seat),
         nobody is preempted unless the unprotected candidates hold that many blocks of their
         own: preempting them all would not admit request, only waste their work."""
-        candidates = [r for r in self._room_candidates(request) if not self._is_protected(r)]
+        ranked = self._room_candidates(request)
+        candidates = [r for r in ranked if not self._is_protected(r)]
         if not candidates:
-            self.counters.num_preemptions_refused += bool(self._room_candidates(request))
+            self.counters.num_preemptions_refused += bool(ranked)
             return None
         if num_blocks_short:
             ref_cnt = self.block_manager.ref_cnt
@@ -641,7 +642,7 @@ class Scheduler:
         """Admit waiting requests in the policy's order (`_next_waiting`) while budget, seats,
         blocks and pipeline room last; stop at the first that cannot be admitted (or that was
         preempted while planning this step). A policy that lets a waiting request displace
-        running ones (`_room_victim`) preempts for its seat and blocks first."""
+        running ones (`_room_candidates`) preempts for its seat and blocks first."""
         room = self._slot_room()
         while self.waiting and budget > 0:
             request = self._next_waiting()
