@@ -94,17 +94,25 @@ class BlockManager:
 
     # -- allocation ---------------------------------------------------------------------------
 
+    def _blocks_needed(
+        self, request: Request, num_new_tokens: int, cached_blocks: list[int]
+    ) -> tuple[int, int, int]:
+        """For allocate_slots' arguments: (the tokens request will span, the new blocks to
+        allocate (<= 0: none), the free blocks all of it takes). Cached blocks nobody holds sit
+        in the free queue; taking them uses up free blocks too."""
+        num_computed = request.num_computed_tokens + len(cached_blocks) * self.block_size
+        num_total = num_computed + num_new_tokens
+        num_needed = self.num_blocks_for(num_total) - len(request.block_table) - len(cached_blocks)
+        num_reviving = sum(1 for b in cached_blocks if self.ref_cnt[b] == 0)
+        return num_total, num_needed, max(num_needed, 0) + num_reviving
+
     def num_blocks_short(
         self, request: Request, num_new_tokens: int, cached_blocks: list[int] | None = None
     ) -> int:
         """How many more free blocks `allocate_slots` (same arguments) would need to succeed
         (0: it would). Changes nothing."""
-        cached_blocks = cached_blocks or []
-        num_computed = request.num_computed_tokens + len(cached_blocks) * self.block_size
-        num_total = num_computed + num_new_tokens
-        num_needed = self.num_blocks_for(num_total) - len(request.block_table) - len(cached_blocks)
-        num_reviving = sum(1 for b in cached_blocks if self.ref_cnt[b] == 0)
-        return max(0, max(num_needed, 0) + num_reviving - self.num_free_blocks)
+        *_, num_taken = self._blocks_needed(request, num_new_tokens, cached_blocks or [])
+        return max(0, num_taken - self.num_free_blocks)
 
     def allocate_slots(
         self, request: Request, num_new_tokens: int, cached_blocks: list[int] | None = None
@@ -121,12 +129,10 @@ class BlockManager:
         """
         cached_blocks = cached_blocks or []
         assert not cached_blocks or not request.block_table
-        num_computed = request.num_computed_tokens + len(cached_blocks) * self.block_size
-        num_total = num_computed + num_new_tokens
-        num_needed = self.num_blocks_for(num_total) - len(request.block_table) - len(cached_blocks)
-        # Cached blocks nobody holds sit in the free queue; taking them uses up free blocks too.
-        num_reviving = sum(1 for b in cached_blocks if self.ref_cnt[b] == 0)
-        if max(num_needed, 0) + num_reviving > self.num_free_blocks:
+        num_total, num_needed, num_taken = self._blocks_needed(
+            request, num_new_tokens, cached_blocks
+        )
+        if num_taken > self.num_free_blocks:
             return False
         for block_id in cached_blocks:
             if self.ref_cnt[block_id] == 0:
