@@ -92,14 +92,6 @@ class StepOutput:
     num_draft_tokens: list[int] = field(default_factory=list)
     num_sampled_tokens: list[int] = field(default_factory=list)
 
-    def token_offsets(self) -> list[int]:
-        """Where each row's tokens start in sampled_token_ids, and (last) their total."""
-        counts = self.num_sampled_tokens or [1] * len(self.sampled_token_ids)
-        offsets = [0]
-        for n in counts:
-            offsets.append(offsets[-1] + n)
-        return offsets
-
 
 @dataclass(frozen=True)
 class Refusal:
