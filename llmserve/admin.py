@@ -23,6 +23,8 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
+DEFAULT_PORT = 50051
+
 
 def _table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     cells = [[str(c) for c in headers], *[[_cell(c) for c in row] for row in rows]]
@@ -114,10 +116,9 @@ class _Admin:
 
         from common.auth import read_secret
         from common.net import CHANNEL_OPTIONS, with_default_port
-        from llmserve.cli import DEFAULT_GATEWAY_PORT
         from protos import admin_pb2_grpc
 
-        address = with_default_port(args.address, DEFAULT_GATEWAY_PORT)
+        address = with_default_port(args.address, DEFAULT_PORT)
         self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
         self.stub = admin_pb2_grpc.AdminStub(self.channel)
         key = read_secret(args.admin_key)
@@ -255,8 +256,6 @@ Action = Callable[[_Admin, argparse.Namespace], int]
 
 def add_admin_parser(sub: Any) -> None:
     """`llmserve admin` and its commands, under the top-level parser's subparsers."""
-    from llmserve.cli import DEFAULT_GATEWAY_PORT
-
     p = sub.add_parser("admin", help="operate a running gateway (its Admin service)")
     commands = p.add_subparsers(dest="admin_command", required=True)
 
@@ -266,7 +265,7 @@ def add_admin_parser(sub: Any) -> None:
         c = commands.add_parser(name, help=help_text)
         c.add_argument(
             "--address",
-            default=os.environ.get("LLMSERVE_ADDRESS", f"localhost:{DEFAULT_GATEWAY_PORT}"),
+            default=os.environ.get("LLMSERVE_ADDRESS", f"localhost:{DEFAULT_PORT}"),
             help="the gateway's gRPC address (env LLMSERVE_ADDRESS)",
         )
         c.add_argument(
