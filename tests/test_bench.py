@@ -769,7 +769,7 @@ def test_tensor_parallel_bytes_per_token_follow_the_ring_formula() -> None:
     assert at3["embedding_per_token"] == pytest.approx(3072)
     assert at3["lm_head_per_sampled_token"] == pytest.approx(2 / 3 * 49152 * 4)
     assert set(comm_bytes(576, 49152, 1, 4).values()) == {0.0}
-    # Llama-3-70B in bf16 at T = 8, as the README says.
+    # Llama-3-70B in bf16 at T = 8, as docs/parallelism.md ("What it costs") says.
     assert comm_bytes(8192, 128256, 8, 2)["per_token_per_layer"] == pytest.approx(57344)
 
 

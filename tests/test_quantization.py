@@ -122,9 +122,9 @@ def builtin(builtin_model_path: Path) -> tuple:
 
 # mode: (quantization, kv dtype, top-1 at least, mean KL at most). Issue 14's thresholds are
 # int8 >= 98%, fp8 weights >= 97%, fp8 KV >= 98%. Two miss on this 135M model and carry the
-# bound they were measured against instead, as a guard (README, "Quantization"): fp8 KV keeps
-# 93% (94-95% with per-layer scales; its 3 mantissa bits are the limit, not the range) and fp8
-# weights 84% (test_fp8_weights_quality).
+# bound they were measured against instead, as a guard (docs/quantization.md, "Quality"): fp8
+# KV keeps 93% (94-95% with per-layer scales; its 3 mantissa bits are the limit, not the range)
+# and fp8 weights 84% (test_fp8_weights_quality).
 MODES = {
     "int8": ("int8", torch.float32, 0.98, 1e-3),
     "kv-bf16": ("none", torch.bfloat16, 0.98, 1e-3),
@@ -153,8 +153,8 @@ def test_quality_on_the_builtin_model(builtin: tuple, mode: str) -> None:
 def test_fp8_weights_quality(builtin: tuple) -> None:
     """FP8 e4m3 weights and activations (per-channel / per-token scales): measured on this
     135M model at 84% top-1, below issue 14's 97%. e4m3 keeps 3 mantissa bits, so every weight
-    moves by up to 6%; fp8 weights alone keep 90%, fp8 activations alone 96% (README). The
-    bound here guards against regressions, not the target."""
+    moves by up to 6%; fp8 weights alone keep 90%, fp8 activations alone 96%
+    (docs/quantization.md). The bound here guards against regressions, not the target."""
     config, weights, _, prompts, ref_logits = builtin
     model = build_model(
         config, weights, 1024, torch.float32, torch.device("cpu"), quantization="fp8"
