@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from common.flags import add_flags, from_flags, from_json
+from common.net import DEFAULT_GATEWAY_PORT
 from engine.config import EngineConfig
 from engine.fake import FakeEngineConfig
 from gateway.config import GatewayConfig
@@ -36,7 +37,6 @@ SERVICE_CONFIGS: dict[str, type] = {
     "gateway": GatewayConfig,
 }
 CONFIG_CLASSES = {c.__name__: c for c in (*SERVICE_CONFIGS.values(), FakeEngineConfig)}
-DEFAULT_GATEWAY_PORT = 50051
 
 
 # -- single services -------------------------------------------------------------------------------

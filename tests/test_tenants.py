@@ -276,3 +276,24 @@ def test_idle_tenants_with_full_buckets_are_swept() -> None:
     for _ in range(SWEEP_EVERY):
         q.admit("one-more", [1]).release()
     assert set(q.usage) == {"busy", "one-more"}
+
+
+def test_bearer_values_and_secrets_read_from_files(tmp_path: Path) -> None:
+    """One parse of `Authorization: Bearer TOKEN` (common.auth) serves the internal token, the
+    admin key and the client keys; a secret written @PATH is read relative to a base."""
+    from common.auth import bearer_metadata, bearer_token, is_authorized, read_secret
+
+    assert bearer_token("Bearer sk-1") == bearer_token("  bearer   sk-1 ") == "sk-1"
+    for wrong in (None, "", "Bearer", "Bearer  ", "Basic sk-1", "sk-1"):
+        assert bearer_token(wrong) is None, wrong
+    assert is_authorized("Bearer sk-1", "sk-1") and not is_authorized("Basic sk-1", "sk-1")
+    assert not is_authorized("Bearer sk-12", "sk-1") and not is_authorized(None, "sk-1")
+    assert bearer_metadata("sk-1") == (("authorization", "Bearer sk-1"),)
+    assert bearer_metadata(None) == bearer_metadata("") == ()
+    (tmp_path / "key").write_text("sk-file\n")
+    assert read_secret("@key", base=tmp_path) == "sk-file"
+    assert read_secret(f"@{tmp_path / 'key'}") == "sk-file"  # an absolute path ignores base
+    assert read_secret("sk-plain", base=tmp_path) == "sk-plain"
+    assert read_secret(None) is None and read_secret("") is None
+    with pytest.raises(OSError):
+        read_secret("@missing", base=tmp_path)
