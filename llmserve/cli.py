@@ -76,15 +76,15 @@ def run_service(name: str, configs: list[Any]) -> None:
     from common import telemetry
     from common.log import configure
 
-    config = configs[0]
+    config, tenants = configs[0], None
     # Before anything slow (loading a model): an internal service refuses an exposed port
     # without protection; the gateway's port is the public one, it only reads its token (a bad
     # @PATH fails here).
     if name == "gateway":
         config.token()
-        from gateway.core import load_tenants
+        from gateway.tenants import load_tenants
 
-        load_tenants(config)  # a wrong --api-keys file fails before the tokenizer loads
+        tenants = load_tenants(config)  # read once; a wrong file fails before the tokenizer loads
     else:
         config.check_exposure(config.host)
     configure(name)
@@ -100,7 +100,7 @@ def run_service(name: str, configs: list[Any]) -> None:
         else:
             from gateway.service import serve as serve_gateway
 
-            _run_async(serve_gateway(config))
+            _run_async(serve_gateway(config, tenants))
     finally:
         telemetry.shutdown()
     if exit_code is not None:  # an engine group's node: see engine.ranks.run_node

@@ -587,7 +587,7 @@ def stack_from_flags(args: Any, **kwargs: Any) -> Stack:
     groups = _replica_groups(engine, scheduler, size, more)
     addresses = (gateway.scheduler_address[0], *(f"127.0.0.1:{g.scheduler.port}" for g in groups))
     gateway = replace(gateway, scheduler_address=addresses, **_absolute_paths(gateway))
-    from gateway.core import load_tenants
+    from gateway.tenants import load_tenants
 
     load_tenants(gateway)  # a wrong --api-keys file fails here, before anything starts
     return Stack(engine, scheduler, gateway, groups=groups, **kwargs)

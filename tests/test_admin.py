@@ -302,8 +302,7 @@ def test_admin_needs_the_admin_key(setup: Setup, tmp_path: Path, tokenizer_dir: 
 
 
 def test_admin_key_may_not_be_a_client_key(tmp_path: Path, tokenizer_dir: Path) -> None:
-    from gateway.core import load_tenants
-    from gateway.tenants import TenantError
+    from gateway.tenants import TenantError, load_tenants
 
     path = tmp_path / "t.json"
     path.write_text(json.dumps({"keys": [{"key": "same"}]}))

@@ -297,3 +297,18 @@ def test_bearer_values_and_secrets_read_from_files(tmp_path: Path) -> None:
     assert read_secret(None) is None and read_secret("") is None
     with pytest.raises(OSError):
         read_secret("@missing", base=tmp_path)
+
+
+def test_a_key_is_found_once_by_its_digest(tmp_path: Path) -> None:
+    """find_key: one SHA-256 of the presented key, looked up among the keys by digest; caller
+    names the tenant of the key found (the interceptor's or the middleware's) without a second
+    lookup, and resolve is the two together."""
+    table = TenantTable.load(write(tmp_path, FILE), api_key="sk-single")
+    key = table.find_key(bearer("sk-acme"))
+    assert key is not None and key.sha256 == hashlib.sha256(b"sk-acme").digest()
+    assert table.keys[key.sha256] is key
+    assert table.caller(key, "ignored") == Caller("acme", "acme-prod")
+    assert table.caller(None, "alice") == Caller(DEFAULT_TENANT)  # keys: user not consulted
+    assert TenantTable.single_key(None).caller(None, "alice") == Caller("alice")
+    with pytest.raises(TenantError, match="key 'api-key' is the same secret as key 'acme-prod'"):
+        TenantTable.load(write(tmp_path, FILE), api_key="sk-acme")
