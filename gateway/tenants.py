@@ -314,6 +314,6 @@ def load_tenants(config: GatewayConfig) -> TenantTable:
         admin = config.admin_secret()
     except OSError as err:
         raise TenantError(f"admin_key={config.admin_key!r} cannot be read: {err.strerror}") from err
-    if admin is not None and table.find_key(f"Bearer {admin}") is not None:
+    if admin is not None and _digest(admin.strip()) in table.keys:
         raise TenantError("admin_key is also a client key: a client key must not open Admin")
     return table
