@@ -109,21 +109,16 @@ def _print_health(h: Any) -> int:
     return 0 if all(c.healthy for c in h.components) else 1
 
 
-def _admin(args: argparse.Namespace) -> _Admin:
-    from common.auth import read_secret
-
-    return _Admin(args.address, read_secret(args.admin_key), getattr(args, "timeout", None))
-
-
 class _Admin(GatewayChannel):
     """The Admin stub on --address, every call carrying --admin-key."""
 
-    def __init__(self, address: str, admin_key: str | None, timeout: float | None):
+    def __init__(self, args: argparse.Namespace):
+        from common.auth import read_secret
         from protos import admin_pb2_grpc
 
-        super().__init__(address, admin_key)
+        super().__init__(args.address, read_secret(args.admin_key))
         self.stub = admin_pb2_grpc.AdminStub(self.channel)
-        self.timeout = timeout
+        self.timeout = getattr(args, "timeout", None)
 
     def __call__(self, method: str, request: Any, stream: bool = False) -> Any:
         timeout = None if stream else self.timeout
@@ -146,7 +141,7 @@ def _json(message: Any) -> None:
 def _run(args: argparse.Namespace) -> int:
     import grpc
 
-    admin = _admin(args)
+    admin = _Admin(args)
     try:
         return int(args.action(admin, args))
     except grpc.RpcError as err:
