@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Self
 
 import grpc
 from google.protobuf.descriptor import FieldDescriptor
@@ -133,7 +133,7 @@ class GatewayChannel:
         self.channel = grpc.insecure_channel(self.address, options=CHANNEL_OPTIONS)
         self.metadata = bearer_metadata(key)
 
-    def __enter__(self) -> GatewayChannel:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -149,9 +149,6 @@ class Client(GatewayChannel):
     def __init__(self, address: str, api_key: str | None = None):
         super().__init__(address, api_key)
         self.stub = api_pb2_grpc.GenerationStub(self.channel)
-
-    def __enter__(self) -> Client:
-        return self
 
     def start(self, request: api_pb2.GenerateRequest, timeout: float | None = None) -> Any:
         """The Generate call: iterating it yields the response messages (grpc.RpcError on
