@@ -30,18 +30,30 @@ PEER_UNAUTHENTICATED = "missing or wrong internal token: only the stack's own se
 OPEN_PREFIX = "/grpc.health.v1.Health/"
 
 
+def bearer_token(authorization: str | None) -> str | None:
+    """The token of an `Authorization: Bearer TOKEN` value, or None."""
+    scheme, _, token = (authorization or "").strip().partition(" ")
+    return token.strip() if scheme.lower() == "bearer" and token.strip() else None
+
+
+def bearer_metadata(secret: str | None) -> tuple[tuple[str, str], ...]:
+    """The metadata of a call that presents secret (none without one)."""
+    return (("authorization", f"Bearer {secret}"),) if secret else ()
+
+
 def is_authorized(authorization: str | None, secret: str) -> bool:
     """Whether an Authorization value carries secret as its Bearer token."""
-    scheme, _, token = (authorization or "").strip().partition(" ")
+    token = bearer_token(authorization)
     # compare_digest's time depends only on the length of the secret, never on where they differ.
-    same = hmac.compare_digest(token.strip().encode(), secret.encode())
-    return scheme.lower() == "bearer" and same
+    same = hmac.compare_digest((token or "").encode(), secret.encode())
+    return token is not None and same
 
 
-def read_secret(value: str | None) -> str | None:
-    """A secret given as itself or, written @PATH, as the contents of a file."""
+def read_secret(value: str | None, base: Path = Path(".")) -> str | None:
+    """A secret given as itself or, written @PATH, as the contents of a file (a relative PATH
+    is base's). OSError when the file cannot be read."""
     if value and value.startswith("@"):
-        return Path(value[1:]).read_text().strip() or None
+        return (base / value[1:]).read_text().strip() or None
     return value or None
 
 
@@ -65,8 +77,7 @@ class PeerSecurity:
 
     def peer_metadata(self) -> tuple[tuple[str, str], ...]:
         """Metadata for calls to a peer service."""
-        token = self.token()
-        return (("authorization", f"Bearer {token}"),) if token else ()
+        return bearer_metadata(self.token())
 
     def server_credentials(self) -> grpc.ServerCredentials | None:
         """TLS credentials for this service's port (client certificates required with a CA);

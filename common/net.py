@@ -18,6 +18,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 # scheduler and the gateway: their "" status also says whether they can serve now). A liveness
 # probe asks for it, so a scheduler waiting for its engine is not restarted for it.
 LIVENESS_SERVICE = "liveness"
+# The gateway's gRPC port: its --port default, and the port a client dials when an address
+# names none.
+DEFAULT_GATEWAY_PORT = 50051
 
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", 256 << 20),

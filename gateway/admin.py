@@ -1,7 +1,7 @@
 """The operator's Admin service (protos/admin.proto) on the gateway's gRPC port, behind the admin
 key (gateway/service.py checks it). It acts on this gateway (draining, the tenant table) and
 forwards to every scheduler replica it knows (ListRequests, AbortRequest, Drain); capacity and
-health come from the stats each scheduler streams to the gateway anyway (gateway/core.py).
+health come from the stats each scheduler streams to the gateway anyway (gateway/replicas.py).
 
 A replica that cannot answer a forwarded call (down, or a scheduler without the operator RPCs:
 UNIMPLEMENTED) does not fail the call: ListRequests shows what this gateway knows of the requests
@@ -23,7 +23,9 @@ from google.protobuf.json_format import MessageToDict
 from google.protobuf.message import Message
 
 from common.log import get_logger
-from gateway.core import GatewayCore, InFlight, ReplicaLink
+from gateway.core import GatewayCore
+from gateway.replicas import ReplicaLink
+from gateway.streaming import InFlight
 from gateway.tenants import TenantError, TenantLimits, tenant_name
 from protos import admin_pb2, admin_pb2_grpc, scheduler_pb2
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from common.auth import PeerSecurity, read_secret
 from common.flags import check_ports, setting
+from common.net import DEFAULT_GATEWAY_PORT
 from gateway.router import ROUTING_POLICIES
 
 DNS_PREFIX = "dns:///"  # a scheduler address that stands for every address a name resolves to
@@ -38,7 +39,7 @@ class GatewayConfig(PeerSecurity):
     host: str = setting(
         "127.0.0.1", "bind address of the gRPC and HTTP APIs (0.0.0.0 exposes them)"
     )
-    port: int = setting(50051, "gRPC port of the client API")
+    port: int = setting(DEFAULT_GATEWAY_PORT, "gRPC port of the client API")
     http_port: int = setting(
         8000,
         "port of the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, ...); "

@@ -11,11 +11,11 @@ Each choice (n of them per prompt) is its own scheduler request; the prefix cach
 prompt blocks. A client that disconnects, mid-stream or while waiting, cancels all of them
 upstream, and their KV blocks are free before the scheduler's next step. A stream's 200 goes out
 with the first message of every choice, so refusals still get their status: errors use OpenAI's
-body ({"error": {"message", "type", "param", "code"}}) with 400 for an invalid value (a request
-larger than its tenant's quota allows at all included), 401 for a missing or wrong API key, 413
-for a body over --max-request-bytes, 429 (Retry-After) for a full queue or a tenant over its
-quota (Retry-After then computed from the quota: gateway/quotas.py), 503 (Retry-After) when not
-ready or draining.
+body ({"error": {"message", "type", "param", "code"}}: gateway/http_errors.py) with 400 for
+an invalid value (a request larger than its tenant's quota allows at all included), 401 for a
+missing or wrong API key, 413 for a body over --max-request-bytes, 429 (Retry-After) for a full
+queue or a tenant over its quota (Retry-After then computed from the quota: gateway/quotas.py),
+503 (Retry-After) when not ready or draining.
 
 With --api-keys, the key names the request's tenant; without keys, the body's `user` does.
 """
@@ -27,14 +27,12 @@ import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Iterator
 from contextlib import contextmanager
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import grpc
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
-from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from common import __version__
@@ -48,108 +46,40 @@ from gateway.choices import (
     make_choices,
     run_choices,
 )
-from gateway.core import GatewayCore, GatewayError, new_request_id
+from gateway.core import GatewayCore, new_request_id
+from gateway.errors import GatewayError
+from gateway.http_errors import ERRORS, ApiError, add_error_handlers, as_api_errors
 from gateway.openai_protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     CompletionRequest,
     CompletionResponse,
-    ErrorInfo,
-    ErrorResponse,
     ModelCard,
     ModelList,
     chat_request,
     check_queue,
     completion_requests,
-    field_path,
-    http_message,
 )
 from gateway.openai_responses import ChatFormat, CompletionFormat, ResponseFormat
 from gateway.quotas import Admission
-from gateway.tenants import TenantTable, display_name
+from gateway.tenants import ApiKey, TenantTable, display_name
 from gateway.validation import ValidationError, ValidRequest
 from protos import api_pb2
 
 log = get_logger("gateway")
 
 T = TypeVar("T")
-RETRY_AFTER_S = 1
-# gRPC status -> (HTTP status, OpenAI error type, OpenAI error code)
-_HTTP_STATUS = {
-    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error", None),
-    grpc.StatusCode.UNAUTHENTICATED: (401, "invalid_request_error", "invalid_api_key"),
-    grpc.StatusCode.NOT_FOUND: (404, "invalid_request_error", "not_found"),
-    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error", "rate_limit_exceeded"),
-    grpc.StatusCode.UNAVAILABLE: (503, "server_error", "service_unavailable"),
-    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "server_error", "timeout"),
-}
-
-
-# -- errors --------------------------------------------------------------------------------------
-
-
-class ApiError(Exception):
-    """An error response in OpenAI's shape."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        kind: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-        headers: dict[str, str] | None = None,
-    ):
-        super().__init__(message)
-        self.status = status
-        self.body = ErrorResponse(
-            error=ErrorInfo(message=message, type=kind, param=param, code=code)
-        )
-        self.headers = headers
-
-    @classmethod
-    def from_gateway(cls, err: GatewayError, prompt_field: str) -> ApiError:
-        status, kind, code = _HTTP_STATUS.get(err.code, (500, "server_error", "internal_error"))
-        message, param = err.message, None
-        if err.code == grpc.StatusCode.INVALID_ARGUMENT:
-            message, param = http_message(err.message, prompt_field)
-        retry = None
-        if status in (429, 503):
-            retry = {"Retry-After": str(err.retry_after_s or RETRY_AFTER_S)}
-        return cls(status, message, kind, param, code, retry)
-
-    def response(self) -> Response:
-        return Response(
-            self.body.model_dump_json(),
-            status_code=self.status,
-            headers=self.headers,
-            media_type="application/json",
-        )
 
 
 class ClientDisconnected(Exception):
     """The HTTP client went away before its response was ready."""
 
 
-def _validation_error(err: RequestValidationError) -> ApiError:
-    """FastAPI's 422 as OpenAI's 400, naming the first bad field."""
-    first = err.errors()[0] if err.errors() else {}
-    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
-    if first.get("type") == "json_invalid":
-        return ApiError(400, f"the request body is not valid JSON: {first.get('msg')}")
-    if not loc:
-        return ApiError(400, "the request body must be a JSON object")
-    param, where = loc[0], field_path(loc)
-    if first.get("type") == "missing":
-        return ApiError(400, f"{where} is required", param=param)
-    value = repr(first.get("input"))[:80]
-    return ApiError(400, f"{where}={value}: {first.get('msg')}", param=param)
-
-
 class ApiKeyMiddleware:
     """Refuses /v1/ requests without `Authorization: Bearer <key>`, key being one of the
-    tenant table's (401), before anything else reads them. Plain ASGI, so streamed responses
-    pass through untouched."""
+    tenant table's (401), before anything else reads them; the key found is the request's
+    `state.api_key` (presented_key). Plain ASGI, so streamed responses pass through untouched.
+    """
 
     def __init__(self, app: ASGIApp, tenants: TenantTable):
         self.app = app
@@ -158,7 +88,8 @@ class ApiKeyMiddleware:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"].startswith("/v1/"):
             authorization = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
-            if self.tenants.find_key(authorization) is None:
+            key = self.tenants.find_key(authorization)
+            if key is None:
                 error = ApiError(
                     401,
                     UNAUTHENTICATED_MESSAGE,
@@ -167,7 +98,13 @@ class ApiKeyMiddleware:
                 )
                 await error.response()(scope, receive, send)
                 return
+            scope.setdefault("state", {})["api_key"] = key
         await self.app(scope, receive, send)
+
+
+def presented_key(request: Request) -> ApiKey | None:
+    """The client key ApiKeyMiddleware found for request (None without keys configured)."""
+    return getattr(request.state, "api_key", None)
 
 
 class BodyLimitMiddleware:
@@ -263,17 +200,6 @@ async def sse_events(
 # -- the app -------------------------------------------------------------------------------------
 
 
-@contextmanager
-def _as_api_errors(prompt_field: str) -> Iterator[None]:
-    try:
-        yield
-    except ValidationError as err:
-        message, param = http_message(str(err), prompt_field)
-        raise ApiError(400, message, param=param) from err
-    except GatewayError as err:
-        raise ApiError.from_gateway(err, prompt_field) from err
-
-
 async def generate_response(
     core: GatewayCore, request: Request, body: CompletionRequest | ChatCompletionRequest
 ) -> Response:
@@ -289,12 +215,12 @@ async def generate_response(
             return [chat_request(body)]
         return completion_requests(body)
 
-    with _as_api_errors(prompt_field):
+    with as_api_errors(prompt_field):
         try:
             # On a worker thread: a long prompt or chat takes a while to render and tokenize.
             valids = await asyncio.to_thread(lambda: [core.validate(r) for r in requests()])
             check_queue(body.n, len(valids), core.limits.max_waiting if core.limits else 0)
-            caller = core.caller(request.headers.get("authorization"), body.user or "")
+            caller = core.caller(presented_key(request), body.user or "")
             bind(tenant=display_name(caller.tenant), key=caller.key_name)
             admission = core.admit(caller, valids, body.n)
         except (ValidationError, GatewayError) as err:
@@ -337,87 +263,25 @@ async def _respond(
     return StreamingResponse(events, headers=headers, media_type="text/event-stream")
 
 
-_RETRY_AFTER = {
-    "Retry-After": {
-        "description": "seconds to wait before retrying: for a tenant over its quota, computed "
-        "from the quota (when the tokens-per-minute bucket holds the request, or when the "
-        "tenant's oldest request is expected to end); otherwise 1",
-        "schema": {"type": "integer", "minimum": 1},
-    }
-}
-_ERRORS: dict[int | str, dict[str, Any]] = {
-    400: {"model": ErrorResponse, "description": "an invalid value, named in `param`"},
-    401: {"model": ErrorResponse, "description": "a missing or wrong API key"},
-    413: {"model": ErrorResponse, "description": "a body over --max-request-bytes"},
-    429: {
-        "model": ErrorResponse,
-        "description": "the scheduler's queue is full, or the tenant is over its tokens per "
-        "minute or its concurrent requests (error.message names the tenant, the quota and its "
-        "limit)",
-        "headers": _RETRY_AFTER,
-    },
-    503: {
-        "model": ErrorResponse,
-        "description": "not ready, or draining (an operator's Drain)",
-        "headers": _RETRY_AFTER,
-    },
-}
-
-
 def create_app(core: GatewayCore) -> FastAPI:
+    """The HTTP API's app: the routes over core, errors in OpenAI's shape, the body limit and
+    (with keys configured) the key check."""
     app = FastAPI(
         title="llmserve",
         version=__version__,
         description="OpenAI-compatible completions and chat completions.",
     )
-    started = int(time.time())
+    add_error_handlers(app)
 
-    @app.exception_handler(ApiError)
-    async def on_api_error(_: Request, err: ApiError) -> Response:
-        return err.response()
-
-    @app.exception_handler(RequestValidationError)
-    async def on_invalid_body(_: Request, err: RequestValidationError) -> Response:
-        return _validation_error(err).response()
-
-    @app.exception_handler(HTTPException)
-    async def on_http_error(_: Request, err: HTTPException) -> Response:
-        headers = dict(err.headers) if err.headers else None
-        return ApiError(err.status_code, str(err.detail), headers=headers).response()
-
-    @app.exception_handler(Exception)
-    async def on_bug(request: Request, err: Exception) -> Response:
-        log.exception("HTTP request failed", path=request.url.path)
-        return ApiError(500, f"internal error: {type(err).__name__}", "server_error").response()
-
-    @app.post("/v1/completions", response_model=CompletionResponse, responses=_ERRORS)
+    @app.post("/v1/completions", response_model=CompletionResponse, responses=ERRORS)
     async def completions(body: CompletionRequest, request: Request) -> Response:
         return await generate_response(core, request, body)
 
-    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=_ERRORS)
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=ERRORS)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await generate_response(core, request, body)
 
-    def model_card() -> ModelCard:
-        with _as_api_errors("model"):
-            info = core.model_info()
-        return ModelCard(id=info.model, created=started, max_model_len=info.max_model_len)
-
-    @app.get("/v1/models", response_model=ModelList, responses=_ERRORS)
-    async def models() -> ModelList:
-        return ModelList(data=[model_card()])
-
-    @app.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=_ERRORS)
-    async def model(model_id: str) -> ModelCard:
-        card = model_card()
-        if model_id != card.id:
-            raise ApiError(
-                404,
-                f"model {model_id!r} is not served here; this server serves {card.id!r}",
-                param="model",
-                code="model_not_found",
-            )
-        return card
+    _add_model_routes(app, core)
 
     @app.get("/health")
     async def health() -> dict[str, str]:
@@ -436,6 +300,32 @@ def create_app(core: GatewayCore) -> FastAPI:
     if core.tenants.requires_key:  # added last, so it runs first: no key, no body read
         app.add_middleware(ApiKeyMiddleware, tenants=core.tenants)
     return app
+
+
+def _add_model_routes(app: FastAPI, core: GatewayCore) -> None:
+    """/v1/models and /v1/models/{id}: the one model core serves."""
+    started = int(time.time())
+
+    def model_card() -> ModelCard:
+        with as_api_errors("model"):
+            info = core.model_info()
+        return ModelCard(id=info.model, created=started, max_model_len=info.max_model_len)
+
+    @app.get("/v1/models", response_model=ModelList, responses=ERRORS)
+    async def models() -> ModelList:
+        return ModelList(data=[model_card()])
+
+    @app.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=ERRORS)
+    async def model(model_id: str) -> ModelCard:
+        card = model_card()
+        if model_id != card.id:
+            raise ApiError(
+                404,
+                f"model {model_id!r} is not served here; this server serves {card.id!r}",
+                param="model",
+                code="model_not_found",
+            )
+        return card
 
 
 # -- the server ------------------------------------------------------------------------------------

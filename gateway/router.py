@@ -22,8 +22,8 @@ When none is healthy, a reachable one (its stream is alive, its engine not ready
 its scheduler answers as it would alone: UNAVAILABLE, or queueing while its engine restarts. A
 replica that goes down loses its affinity entries (its KV blocks may be gone with it).
 
-The router does no I/O: gateway/core.py feeds it stats and health, and calls `route` / `done`
-around each attempt of a request.
+The router does no I/O: gateway/replicas.py feeds it stats and health; gateway/streaming.py calls
+`route` / `done` around each attempt of a request.
 """
 
 from __future__ import annotations

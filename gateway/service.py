@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
+from contextvars import ContextVar
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -27,9 +28,10 @@ from common.model_config import resolve_model_path
 from common.net import LIVENESS_SERVICE, SERVER_OPTIONS, add_servicer, serve_aio
 from gateway.admin import AdminService
 from gateway.config import GatewayConfig
-from gateway.core import GatewayCore, GatewayError, new_request_id
+from gateway.core import GatewayCore, new_request_id
+from gateway.errors import GatewayError
 from gateway.quotas import Admission
-from gateway.tenants import TenantTable, display_name
+from gateway.tenants import ApiKey, TenantTable, display_name
 from gateway.tokenizer import Tokenizer
 from protos import admin_pb2_grpc, api_pb2, api_pb2_grpc
 
@@ -39,6 +41,10 @@ ADMIN_PREFIX = "/llmserve.admin.v1.Admin/"
 MODEL_INFO_METHOD = "/llmserve.api.v1.Generation/GetModelInfo"
 ADMIN_OFF_MESSAGE = "the Admin service is off: start the gateway with --admin-key"
 ADMIN_UNAUTHENTICATED = "missing or wrong admin key: send 'Authorization: Bearer <admin key>'"
+# The client key GatewayAuthInterceptor found for the call (None: none, or no keys configured).
+# grpc.aio runs a call's interceptors and then its handler in the one task it makes for the
+# call, so the handler reads what the interceptor set, and no other call sees it.
+presented_key: ContextVar[ApiKey | None] = ContextVar("presented_key", default=None)
 
 
 class GatewayAuthInterceptor(grpc.aio.ServerInterceptor):
@@ -69,16 +75,16 @@ class GatewayAuthInterceptor(grpc.aio.ServerInterceptor):
             if not is_authorized(authorization, self.admin_key):
                 return denied(handler, grpc.StatusCode.UNAUTHENTICATED, ADMIN_UNAUTHENTICATED)
             return handler
-        if not self.tenants.requires_key or self.tenants.find_key(authorization) is not None:
+        if not self.tenants.requires_key:
+            return handler
+        key = self.tenants.find_key(authorization)
+        if key is not None:
+            presented_key.set(key)
             return handler
         token = self.internal_token
         if details.method == MODEL_INFO_METHOD and token and is_authorized(authorization, token):
             return handler
         return denied(handler, grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED_MESSAGE)
-
-
-def _authorization(context: grpc.aio.ServicerContext) -> str | None:
-    return next((v for k, v in context.invocation_metadata() or () if k == "authorization"), None)
 
 
 async def abort_with(context: grpc.aio.ServicerContext, err: GatewayError) -> None:
@@ -113,7 +119,7 @@ class GatewayService(api_pb2_grpc.GenerationServicer):
             # On a worker thread: a long prompt or chat takes a while to render and tokenize.
             valid = await asyncio.to_thread(self.core.validate, request)
             trace.validated(valid, request)
-            caller = self.core.caller(_authorization(context), request.user)
+            caller = self.core.caller(presented_key.get(), request.user)
             bind(tenant=display_name(caller.tenant), key=caller.key_name)
             admission = self.core.admit(caller, [valid])
             async for msg in self.core.generate(valid, request_id, trace, admission):
@@ -143,14 +149,16 @@ def make_server(core: GatewayCore) -> grpc.aio.Server:
 
 
 async def set_initial_health(core: GatewayCore) -> None:
-    """Alive, not ready: readiness waits for a replica (gateway/core.py)."""
+    """Alive, not ready: readiness waits for a replica (gateway/replicas.py)."""
     await core.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
     await core.health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
 
 
-async def serve(config: GatewayConfig) -> None:
+async def serve(config: GatewayConfig, tenants: TenantTable | None = None) -> None:
+    """Serve until stopped; tenants: the table of config's tenant file when its caller has
+    read it already (else it is read here)."""
     tokenizer = Tokenizer.from_model_path(resolve_model_path(config.model))
-    core = GatewayCore(config, tokenizer)
+    core = GatewayCore(config, tokenizer, tenants)
     server = make_server(core)
     await set_initial_health(core)
     http = None

@@ -20,20 +20,27 @@ the hex SHA-256 of the key (`key_sha256`), which keeps the secret out of the fil
 `tenant` is the default tenant's. The default tenant is "" on the wire (SubmitRequest.tenant,
 the Admin API) and is spelled "default" in this file and on the command line.
 
-Keys are compared as SHA-256 digests, each with hmac.compare_digest and every key tried, so the
-time taken says nothing about which key, or how much of one, matched.
+A presented key is looked up once per request (by the gRPC interceptor or the HTTP middleware,
+which hand the key found to the request path): one SHA-256 of it, then a dict lookup by digest
+(`TenantTable.find_key`, where the reason this is safe without a constant-time compare is given).
+
+`load_tenants` reads and checks a gateway's tenant file once per process: `llmserve serve`
+checks it before anything starts; the gateway process reads it before its tokenizer loads and
+hands the table to its GatewayCore.
 """
 
 from __future__ import annotations
 
 import hashlib
-import hmac
 import json
 import math
 import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
+
+from common.auth import bearer_token, read_secret
+from gateway.config import GatewayConfig
 
 DEFAULT_TENANT = ""
 DEFAULT_NAME = "default"  # how files, the CLI and logs spell the default tenant
@@ -111,12 +118,6 @@ def _digest(secret: str) -> bytes:
     return hashlib.sha256(secret.encode()).digest()
 
 
-def bearer_token(authorization: str | None) -> str | None:
-    """The token of an `Authorization: Bearer TOKEN` value, or None."""
-    scheme, _, token = (authorization or "").strip().partition(" ")
-    return token.strip() if scheme.lower() == "bearer" and token.strip() else None
-
-
 class TenantTable:
     """The tenants' limits (changed at run time by the Admin API) and the client keys.
 
@@ -132,7 +133,7 @@ class TenantTable:
     ):
         self.default = default or TenantLimits()
         self.tenants: dict[str, TenantLimits] = dict(tenants or {})
-        self.keys: list[ApiKey] = list(keys or [])
+        self.keys: dict[bytes, ApiKey] = _by_digest(keys or [])
 
     @property
     def requires_key(self) -> bool:
@@ -144,25 +145,27 @@ class TenantTable:
         return self.tenants.get(tenant, self.default)
 
     def find_key(self, authorization: str | None) -> ApiKey | None:
-        """The key an Authorization value carries, or None. Every key is compared."""
+        """The key an Authorization value carries, or None: one digest, one dict lookup.
+
+        The lookup is not constant-time: hashing the digest into the dict and comparing it with
+        a stored one may take longer the more leading bytes they share. That reveals at most
+        something about the stored digests, never about the secrets: SHA-256 is
+        preimage-resistant, so a caller can neither steer the bytes of the digest it presents
+        nor turn a known digest into a key. The secret itself is never compared."""
         token = bearer_token(authorization)
-        digest = _digest(token or "")
-        found = None
-        for key in self.keys:
-            if hmac.compare_digest(digest, key.sha256) and token is not None:
-                found = key
-        return found
+        return self.keys.get(_digest(token)) if token is not None else None
+
+    def caller(self, key: ApiKey | None, user: str) -> Caller:
+        """The caller of a request that presented key (find_key's answer): with keys, its
+        tenant (the middleware or the interceptor has refused a request without one); without
+        keys, its `user` field's. Raises TenantError for a `user` that cannot name a tenant."""
+        if self.keys:
+            return Caller(key.tenant, key.name) if key is not None else Caller(DEFAULT_TENANT)
+        return Caller(tenant_name(user, "user"))
 
     def resolve(self, authorization: str | None, user: str) -> Caller:
-        """The caller of a request: with keys, the tenant of its key (the middleware or the
-        interceptor has refused a request without one); without keys, its `user` field.
-        Raises TenantError for a `user` that cannot name a tenant."""
-        if self.keys:
-            key = self.find_key(authorization)
-            if key is not None:
-                return Caller(key.tenant, key.name)
-            return Caller(DEFAULT_TENANT)
-        return Caller(tenant_name(user, "user"))
+        """caller() of the key an Authorization value carries."""
+        return self.caller(self.find_key(authorization), user)
 
     def set_weight(self, tenant: str, weight: float) -> TenantLimits:
         return self._set(tenant, weight=weight)
@@ -202,8 +205,8 @@ class TenantTable:
             raise TenantError(f"api_keys={str(path)!r} is not valid JSON: {err}") from err
         table = from_dict(data, base=Path(path).parent)
         if api_key:
-            table.keys.append(ApiKey(_digest(api_key), DEFAULT_TENANT, "api-key"))
-        _check_unique(table.keys)
+            keys = [*table.keys.values(), ApiKey(_digest(api_key), DEFAULT_TENANT, "api-key")]
+            table = cls(table.default, table.tenants, keys)
         return table
 
     @classmethod
@@ -249,7 +252,6 @@ def from_dict(data: Any, base: Path = Path(".")) -> TenantTable:
     if not isinstance(keys_field, list):
         raise TenantError("keys must be a JSON list of {key | key_sha256, tenant, name}")
     keys = [_key(entry, i, set(tenants), base) for i, entry in enumerate(keys_field)]
-    _check_unique(keys)
     return TenantTable(default, tenants, keys)
 
 
@@ -262,14 +264,11 @@ def _key(value: Any, i: int, tenants: set[str], base: Path) -> ApiKey:
         if field in entry and not isinstance(entry[field], str):
             raise TenantError(f"{where}.{field} must be a string")
     if "key" in entry:
-        secret = entry["key"]
-        if secret.startswith("@"):
-            path = base / secret[1:]
-            try:
-                secret = path.read_text().strip()
-            except OSError as err:
-                raise TenantError(f"{where}.key={entry['key']!r}: {err.strerror}") from err
-        if not secret.strip():
+        try:
+            secret = read_secret(entry["key"], base)
+        except OSError as err:
+            raise TenantError(f"{where}.key={entry['key']!r}: {err.strerror}") from err
+        if secret is None or not secret.strip():
             raise TenantError(f"{where}.key is empty")
         digest = _digest(secret)
     else:
@@ -286,13 +285,35 @@ def _key(value: Any, i: int, tenants: set[str], base: Path) -> ApiKey:
     return ApiKey(digest, tenant, entry.get("name") or f"{display_name(tenant)}#{i}")
 
 
-def _check_unique(keys: list[ApiKey]) -> None:
-    seen: dict[bytes, str] = {}
+def _by_digest(keys: list[ApiKey]) -> dict[bytes, ApiKey]:
+    """keys by digest; TenantError when two are the same secret or share a name."""
+    found: dict[bytes, ApiKey] = {}
     names: set[str] = set()
     for key in keys:
-        if key.sha256 in seen:
-            raise TenantError(f"key {key.name!r} is the same secret as key {seen[key.sha256]!r}")
+        if key.sha256 in found:
+            raise TenantError(
+                f"key {key.name!r} is the same secret as key {found[key.sha256].name!r}"
+            )
         if key.name in names:
             raise TenantError(f"two keys are named {key.name!r}; key names must be unique")
-        seen[key.sha256] = key.name
+        found[key.sha256] = key
         names.add(key.name)
+    return found
+
+
+def load_tenants(config: GatewayConfig) -> TenantTable:
+    """The gateway's tenant table: --api-keys FILE (with --api-key as one more key, the default
+    tenant's) or just --api-key. ValueError (TenantError) naming the field when the file is
+    wrong, or when the admin key is also a client key."""
+    api_key = config.api_key
+    if config.api_keys:
+        table = TenantTable.load(config.api_keys, api_key)
+    else:
+        table = TenantTable.single_key(api_key)
+    try:
+        admin = config.admin_secret()
+    except OSError as err:
+        raise TenantError(f"admin_key={config.admin_key!r} cannot be read: {err.strerror}") from err
+    if admin is not None and _digest(admin.strip()) in table.keys:
+        raise TenantError("admin_key is also a client key: a client key must not open Admin")
+    return table

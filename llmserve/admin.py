@@ -23,7 +23,8 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-DEFAULT_PORT = 50051
+from common.net import DEFAULT_GATEWAY_PORT
+from llmserve.client import GatewayChannel
 
 
 def _table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
@@ -108,21 +109,15 @@ def _print_health(h: Any) -> int:
     return 0 if all(c.healthy for c in h.components) else 1
 
 
-class _Admin:
+class _Admin(GatewayChannel):
     """The Admin stub on --address, every call carrying --admin-key."""
 
     def __init__(self, args: argparse.Namespace):
-        import grpc
-
         from common.auth import read_secret
-        from common.net import CHANNEL_OPTIONS, with_default_port
         from protos import admin_pb2_grpc
 
-        address = with_default_port(args.address, DEFAULT_PORT)
-        self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        super().__init__(args.address, read_secret(args.admin_key))
         self.stub = admin_pb2_grpc.AdminStub(self.channel)
-        key = read_secret(args.admin_key)
-        self.metadata = (("authorization", f"Bearer {key}"),) if key else None
         self.timeout = getattr(args, "timeout", None)
 
     def __call__(self, method: str, request: Any, stream: bool = False) -> Any:
@@ -265,7 +260,7 @@ def add_admin_parser(sub: Any) -> None:
         c = commands.add_parser(name, help=help_text)
         c.add_argument(
             "--address",
-            default=os.environ.get("LLMSERVE_ADDRESS", f"localhost:{DEFAULT_PORT}"),
+            default=os.environ.get("LLMSERVE_ADDRESS", f"localhost:{DEFAULT_GATEWAY_PORT}"),
             help="the gateway's gRPC address (env LLMSERVE_ADDRESS)",
         )
         c.add_argument(

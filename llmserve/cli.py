@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from common.flags import add_flags, from_flags, from_json
+from common.net import DEFAULT_GATEWAY_PORT
 from engine.config import EngineConfig
 from engine.fake import FakeEngineConfig
 from gateway.config import GatewayConfig
@@ -36,7 +37,6 @@ SERVICE_CONFIGS: dict[str, type] = {
     "gateway": GatewayConfig,
 }
 CONFIG_CLASSES = {c.__name__: c for c in (*SERVICE_CONFIGS.values(), FakeEngineConfig)}
-DEFAULT_GATEWAY_PORT = 50051
 
 
 # -- single services -------------------------------------------------------------------------------
@@ -76,15 +76,15 @@ def run_service(name: str, configs: list[Any]) -> None:
     from common import telemetry
     from common.log import configure
 
-    config = configs[0]
+    config, tenants = configs[0], None
     # Before anything slow (loading a model): an internal service refuses an exposed port
     # without protection; the gateway's port is the public one, it only reads its token (a bad
     # @PATH fails here).
     if name == "gateway":
         config.token()
-        from gateway.core import load_tenants
+        from gateway.tenants import load_tenants
 
-        load_tenants(config)  # a wrong --api-keys file fails before the tokenizer loads
+        tenants = load_tenants(config)  # read once; a wrong file fails before the tokenizer loads
     else:
         config.check_exposure(config.host)
     configure(name)
@@ -100,7 +100,7 @@ def run_service(name: str, configs: list[Any]) -> None:
         else:
             from gateway.service import serve as serve_gateway
 
-            _run_async(serve_gateway(config))
+            _run_async(serve_gateway(config, tenants))
     finally:
         telemetry.shutdown()
     if exit_code is not None:  # an engine group's node: see engine.ranks.run_node

@@ -4,18 +4,17 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Self
 
 import grpc
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 
-from common.net import CHANNEL_OPTIONS, with_default_port
+from common.auth import bearer_metadata
+from common.net import CHANNEL_OPTIONS, DEFAULT_GATEWAY_PORT, with_default_port
 from common.sampling import SamplingError, seed_value
 from common.text import invalid_text
 from protos import api_pb2, api_pb2_grpc, common_pb2
-
-DEFAULT_PORT = 50051  # the gateway's (GatewayConfig.port)
 
 
 def finish_reason_name(value: int) -> str:
@@ -125,15 +124,16 @@ def make_request(
     return req
 
 
-class Client:
-    def __init__(self, address: str, api_key: str | None = None):
-        self.address = with_default_port(address, DEFAULT_PORT)  # "localhost": not port 443
-        self.channel = grpc.insecure_channel(self.address, options=CHANNEL_OPTIONS)
-        self.stub = api_pb2_grpc.GenerationStub(self.channel)
-        # Sent with every call when the gateway requires a key (`llmserve gateway --api-key`).
-        self.metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
+class GatewayChannel:
+    """A blocking channel to a gateway, and the metadata each call carries: key as a Bearer
+    token, when the gateway requires one (--api-key, --api-keys; Admin's --admin-key)."""
 
-    def __enter__(self) -> Client:
+    def __init__(self, address: str, key: str | None = None):
+        self.address = with_default_port(address, DEFAULT_GATEWAY_PORT)  # "localhost": not 443
+        self.channel = grpc.insecure_channel(self.address, options=CHANNEL_OPTIONS)
+        self.metadata = bearer_metadata(key)
+
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -141,6 +141,14 @@ class Client:
 
     def close(self) -> None:
         self.channel.close()
+
+
+class Client(GatewayChannel):
+    """The Generation API of the gateway at address."""
+
+    def __init__(self, address: str, api_key: str | None = None):
+        super().__init__(address, api_key)
+        self.stub = api_pb2_grpc.GenerationStub(self.channel)
 
     def start(self, request: api_pb2.GenerateRequest, timeout: float | None = None) -> Any:
         """The Generate call: iterating it yields the response messages (grpc.RpcError on

@@ -39,7 +39,7 @@ from typing import IO, Any
 import grpc
 
 from common.flags import to_json
-from common.net import CHANNEL_OPTIONS, check_health
+from common.net import CHANNEL_OPTIONS, DEFAULT_GATEWAY_PORT, check_health
 from engine.config import EngineConfig
 from engine.fake import FakeEngineConfig
 from gateway.config import GatewayConfig
@@ -519,7 +519,7 @@ def add_serve_flags(p: Any) -> None:
     from common.flags import add_flags
 
     p.add_argument("--host", default="127.0.0.1", help="gateway bind address (0.0.0.0 exposes it)")
-    p.add_argument("--port", type=int, default=50051, help="gateway gRPC port")
+    p.add_argument("--port", type=int, default=DEFAULT_GATEWAY_PORT, help="gateway gRPC port")
     p.add_argument("--scheduler-port", type=int, default=50052)
     p.add_argument("--engine-port", type=int, default=50053)
     env = os.environ.get("LLMSERVE_METRICS_PORT")
@@ -587,7 +587,7 @@ def stack_from_flags(args: Any, **kwargs: Any) -> Stack:
     groups = _replica_groups(engine, scheduler, size, more)
     addresses = (gateway.scheduler_address[0], *(f"127.0.0.1:{g.scheduler.port}" for g in groups))
     gateway = replace(gateway, scheduler_address=addresses, **_absolute_paths(gateway))
-    from gateway.core import load_tenants
+    from gateway.tenants import load_tenants
 
     load_tenants(gateway)  # a wrong --api-keys file fails here, before anything starts
     return Stack(engine, scheduler, gateway, groups=groups, **kwargs)

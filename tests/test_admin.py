@@ -302,8 +302,7 @@ def test_admin_needs_the_admin_key(setup: Setup, tmp_path: Path, tokenizer_dir: 
 
 
 def test_admin_key_may_not_be_a_client_key(tmp_path: Path, tokenizer_dir: Path) -> None:
-    from gateway.core import load_tenants
-    from gateway.tenants import TenantError
+    from gateway.tenants import TenantError, load_tenants
 
     path = tmp_path / "t.json"
     path.write_text(json.dumps({"keys": [{"key": "same"}]}))
@@ -312,6 +311,27 @@ def test_admin_key_may_not_be_a_client_key(tmp_path: Path, tokenizer_dir: Path) 
         load_tenants(config)
     with pytest.raises(ValueError, match="admin_key must differ from api_key"):
         gateway_config(tokenizer_dir, ["127.0.0.1:1"], api_key="k", admin_key="k")
+
+
+def test_llmserve_admin_dials_like_the_client(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`llmserve admin` and the client share one channel setup (llmserve.client.GatewayChannel):
+    the gateway's default port, the key (@PATH read) as a Bearer value."""
+    from common.net import DEFAULT_GATEWAY_PORT
+    from llmserve.admin import _Admin
+    from llmserve.cli import build_parser
+
+    monkeypatch.delenv("LLMSERVE_ADDRESS", raising=False)
+    monkeypatch.delenv("LLMSERVE_ADMIN_KEY", raising=False)
+    (tmp_path / "admin.key").write_text("the admin key\n")
+    args = build_parser().parse_args(["admin", "health", "--admin-key", f"@{tmp_path}/admin.key"])
+    with _Admin(args) as admin:
+        assert admin.address == f"localhost:{DEFAULT_GATEWAY_PORT}"
+        assert admin.metadata == (("authorization", "Bearer the admin key"),)
+        assert admin.timeout == 30.0
+    with Client("localhost") as client:
+        assert (client.address, client.metadata) == (admin.address, ())
 
 
 # -- the Admin RPCs -------------------------------------------------------------------------------

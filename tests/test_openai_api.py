@@ -833,8 +833,8 @@ def test_chat_request_conversion() -> None:
 
 def test_error_event_shape() -> None:
     """An error after a stream's 200 is an event the openai SDK raises as APIError."""
-    from gateway.core import GatewayError
-    from gateway.http import ApiError
+    from gateway.errors import GatewayError
+    from gateway.http_errors import ApiError
 
     event = ApiError.from_gateway(GatewayError(grpc.StatusCode.INTERNAL, "boom"), "prompt")
     assert json.loads(event.body.model_dump_json()) == {

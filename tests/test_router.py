@@ -1,5 +1,5 @@
 """gateway/router.py: which replica each request goes to, exactly, for each policy; health and
-spilling. No gRPC: the router is fed stats and health as gateway/core.py feeds it."""
+spilling. No gRPC: the router is fed stats and health as gateway/replicas.py feeds it."""
 
 from __future__ import annotations
 
@@ -163,7 +163,7 @@ def test_bad_settings_name_the_field() -> None:
 def test_dns_address_stands_for_every_address_of_the_name() -> None:
     import asyncio
 
-    from gateway.core import resolve_addresses
+    from gateway.replicas import resolve_addresses
 
     resolved = asyncio.run(resolve_addresses(("a:1", "dns:///localhost:50052", "b:2")))
     assert resolved[0] == "a:1" and resolved[-1] == "b:2"
@@ -200,7 +200,8 @@ def test_a_replica_serving_something_else_is_refused() -> None:
     """The first replica's limits are the gateway's (and its block size the router's); a later
     one must agree on model, context, vocabulary and block size."""
     from gateway.config import GatewayConfig
-    from gateway.core import GatewayCore, ReplicaLink, ReplicaMismatch
+    from gateway.core import GatewayCore
+    from gateway.replicas import ReplicaLink, ReplicaMismatch
     from protos import scheduler_pb2
 
     core = GatewayCore(GatewayConfig(scheduler_address=(A, B)), tokenizer=None)  # type: ignore[arg-type]

@@ -276,3 +276,39 @@ def test_idle_tenants_with_full_buckets_are_swept() -> None:
     for _ in range(SWEEP_EVERY):
         q.admit("one-more", [1]).release()
     assert set(q.usage) == {"busy", "one-more"}
+
+
+def test_bearer_values_and_secrets_read_from_files(tmp_path: Path) -> None:
+    """One parse of `Authorization: Bearer TOKEN` (common.auth) serves the internal token, the
+    admin key and the client keys; a secret written @PATH is read relative to a base."""
+    from common.auth import bearer_metadata, bearer_token, is_authorized, read_secret
+
+    assert bearer_token("Bearer sk-1") == bearer_token("  bearer   sk-1 ") == "sk-1"
+    for wrong in (None, "", "Bearer", "Bearer  ", "Basic sk-1", "sk-1"):
+        assert bearer_token(wrong) is None, wrong
+    assert is_authorized("Bearer sk-1", "sk-1") and not is_authorized("Basic sk-1", "sk-1")
+    assert not is_authorized("Bearer sk-12", "sk-1") and not is_authorized(None, "sk-1")
+    assert bearer_metadata("sk-1") == (("authorization", "Bearer sk-1"),)
+    assert bearer_metadata(None) == bearer_metadata("") == ()
+    (tmp_path / "key").write_text("sk-file\n")
+    assert read_secret("@key", base=tmp_path) == "sk-file"
+    assert read_secret(f"@{tmp_path / 'key'}") == "sk-file"  # an absolute path ignores base
+    assert read_secret("sk-plain", base=tmp_path) == "sk-plain"
+    assert read_secret(None) is None and read_secret("") is None
+    with pytest.raises(OSError):
+        read_secret("@missing", base=tmp_path)
+
+
+def test_a_key_is_found_once_by_its_digest(tmp_path: Path) -> None:
+    """find_key: one SHA-256 of the presented key, looked up among the keys by digest; caller
+    names the tenant of the key found (the interceptor's or the middleware's) without a second
+    lookup, and resolve is the two together."""
+    table = TenantTable.load(write(tmp_path, FILE), api_key="sk-single")
+    key = table.find_key(bearer("sk-acme"))
+    assert key is not None and key.sha256 == hashlib.sha256(b"sk-acme").digest()
+    assert table.keys[key.sha256] is key
+    assert table.caller(key, "ignored") == Caller("acme", "acme-prod")
+    assert table.caller(None, "alice") == Caller(DEFAULT_TENANT)  # keys: user not consulted
+    assert TenantTable.single_key(None).caller(None, "alice") == Caller("alice")
+    with pytest.raises(TenantError, match="key 'api-key' is the same secret as key 'acme-prod'"):
+        TenantTable.load(write(tmp_path, FILE), api_key="sk-acme")

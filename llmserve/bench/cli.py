@@ -23,12 +23,13 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from common.net import DEFAULT_GATEWAY_PORT
 from llmserve.bench.arrivals import ArrivalConfig, rate_to_json
 from llmserve.bench.backends import BACKENDS, BackendError, GrpcBackend, SamplingConfig
 from llmserve.bench.metrics import parse_goodput
 from llmserve.bench.workload import DATASETS, BenchRequest, WorkloadConfig
 
-DEFAULT_ADDRESS = "localhost:50051"
+DEFAULT_ADDRESS = f"localhost:{DEFAULT_GATEWAY_PORT}"
 DEFAULT_BASE_URL = "http://localhost:8000"
 
 
