@@ -191,37 +191,40 @@ def generate_with_gaps(
 
 
 def seeded_scores(
-    token_ids: list[int],
-    logprobs: list[float],
-    temperature: float,
-    seed: int,
-    index: int,
-    vocab_size: int,
+    logprobs: torch.Tensor, temperature: float, seed: int, index: int
 ) -> torch.Tensor:
-    """engine/sampler.py's seeded draw is argmax over the vocabulary of logits / T - log E, E the
-    noise of (seed, output index): that score for `token_ids`, from their T = 1 logprobs (which
-    give logits / T up to a constant per row)."""
+    """engine/sampler.py's seeded draw (no top-k / top-p / min-p) is the argmax over the
+    vocabulary of logits / T - log E, E the noise of (seed, output index): that score from a
+    row's T = 1 logprobs [vocab] (which give logits / T up to a constant)."""
     from engine.sampler import seed_for, seeded_exponential
 
-    noise = seeded_exponential(torch.tensor([seed_for(seed, index)]), vocab_size)[0]
-    return torch.tensor(logprobs) / temperature - noise[torch.tensor(token_ids)].log()
+    noise = seeded_exponential(torch.tensor([seed_for(seed, index)]), logprobs.shape[0])[0]
+    return logprobs / temperature - noise.log()
 
 
 def seeded_margins(
+    token_ids: list[int],
+    logprobs: list[float],
     top_token_ids: list[list[int]],
     top_logprobs: list[list[float]],
     temperature: float,
     seed: int,
     vocab_size: int,
 ) -> list[float]:
-    """For a seeded sampled stream, at each output position: the gap between the best and the
-    second-best `seeded_scores` among the reference's top logprobs there. A run whose logits
-    differ by up to d picks another token only where this gap is below 2 d / T, so its near-tie
-    epsilon is a greedy one's / T. Tokens beyond the returned top logprobs are taken not to
-    contend (with the 20 the API returns, their probability is small)."""
+    """For a seeded stream sampled without top-k / top-p / min-p, at each output position: how
+    far the drawn token's `seeded_scores` is above every other token's, from what the API
+    returns (the drawn token's logprob and the top ones'). A token outside those has a logprob
+    <= the least of them, which bounds its score; so the margin is a lower bound, exact when the
+    runner-up is among the top logprobs. A run whose logits differ by up to d draws another
+    token only where the margin is below 2 d / T: its near-tie epsilon is a greedy one's / T."""
     margins = []
-    for index, (ids, logprobs) in enumerate(zip(top_token_ids, top_logprobs, strict=True)):
-        scores = seeded_scores(ids, logprobs, temperature, seed, index, vocab_size)
-        top = scores.topk(min(2, len(ids))).values
-        margins.append(float(top[0] - top[1]) if len(top) == 2 else float("inf"))
+    rows = zip(token_ids, logprobs, top_token_ids, top_logprobs, strict=True)
+    for index, (token, logprob, ids, tops) in enumerate(rows):
+        known = torch.full((vocab_size,), min(tops))  # the bound of tokens not returned
+        known[torch.tensor(ids)] = torch.tensor(tops)
+        known[token] = logprob
+        scores = seeded_scores(known, temperature, seed, index)
+        chosen = float(scores[token])
+        scores[token] = float("-inf")
+        margins.append(chosen - float(scores.max()))
     return margins

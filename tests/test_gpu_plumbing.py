@@ -400,25 +400,32 @@ def test_stream_comparison_stops_at_the_first_difference() -> None:
     assert agreement.mismatches == [(1, 1, 0.5)]
 
 
-def test_seeded_scores_pick_the_samplers_token() -> None:
-    """Over the whole vocabulary, the best seeded score is the token engine/sampler.py draws
-    for that seed and output index."""
+def test_seeded_margins_see_the_samplers_draw() -> None:
+    """The best seeded score over the vocabulary is the token engine/sampler.py draws for that
+    seed and output index; from the top 5 logprobs alone the margin is a lower bound of the
+    one from all of them."""
     from common.sampling import normalized
     from engine.sampler import Sampler
     from protos.common_pb2 import SamplingParams
     from tests.quality import seeded_margins, seeded_scores
 
-    vocab, seed, temperature = 50, 7, 0.9
-    logits = torch.randn(6, vocab, generator=torch.Generator().manual_seed(0))
+    vocab, seed, temperature, n = 50, 7, 0.9, 8
+    logits = torch.randn(n, vocab, generator=torch.Generator().manual_seed(0))
     params = normalized(SamplingParams(temperature=temperature, seed=seed))
-    sampled = Sampler(CPU).sample(logits, [params] * 6, list(range(6))).token_ids.tolist()
+    drawn = Sampler(CPU).sample(logits, [params] * n, list(range(n))).token_ids.tolist()
     logprobs = logits.log_softmax(-1)
-    ids = list(range(vocab))
-    for index in range(6):
-        scores = seeded_scores(ids, logprobs[index].tolist(), temperature, seed, index, vocab)
-        assert int(scores.argmax()) == sampled[index]
-    margins = seeded_margins([ids] * 6, logprobs.tolist(), temperature, seed, vocab)
-    assert all(m > 0 for m in margins)
+    for index in range(n):
+        assert (
+            int(seeded_scores(logprobs[index], temperature, seed, index).argmax()) == drawn[index]
+        )
+    chosen = [float(logprobs[i, t]) for i, t in enumerate(drawn)]
+    full = seeded_margins(drawn, chosen, [list(range(vocab))] * n, logprobs.tolist(),
+                          temperature, seed, vocab)  # fmt: skip
+    top = logprobs.topk(5, dim=-1)
+    bound = seeded_margins(drawn, chosen, top.indices.tolist(), top.values.tolist(),
+                           temperature, seed, vocab)  # fmt: skip
+    assert all(m > 0 for m in full)
+    assert all(b <= m + 1e-6 for b, m in zip(bound, full, strict=True))
 
 
 def test_generate_with_gaps_gives_generates_tokens(tiny_model: Any) -> None:
