@@ -161,9 +161,12 @@ def cells(name: str, figures: dict[str, Any]) -> str:
         return ", ".join(f"{s} {v['gbps']} GB/s = {v['pct_of_copy']}%" for s, v in figures.items())
     if name == "quant":
         return " | ".join(
-            f"{label} " + ", ".join(f"{k.removeprefix('batch_')}: {v}x" for k, v in row.items())
+            f"{label} error: {str(row['error'])[:50]}"
+            if "error" in row
+            else f"{label} "
+            + ", ".join(f"b{k.removeprefix('batch_')} {v}x" for k, v in row.items())
             for label, row in figures.items()
-        ) + (" (tok/s vs bf16, by batch)" if figures else "")
+        ) + (" (tok/s vs bf16)" if figures else "")
     parts = []
     if "output_tok_s" in figures:
         parts.append(f"{figures['output_tok_s']:,} out tok/s")

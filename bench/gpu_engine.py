@@ -834,6 +834,7 @@ def main() -> int:
             result[name] = part()
         except Exception as err:  # one part failing must not lose the others
             result[name] = {"error": f"{type(err).__name__}: {err}"}
+            print(f"[{name} FAILED: {result[name]['error']}]", flush=True)  # for the check's log
         free_device_memory()  # no part's engine or model, failed or not, may hold the GPU
         print(f"[{name}: {time.perf_counter() - t0:.0f} s]", flush=True)
         # after every part, so a run stopped by a time limit keeps what it measured

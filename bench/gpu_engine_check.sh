@@ -9,7 +9,8 @@
 #   here, first:   bash scripts/fetch_gpu_wheels.sh        (.whl/, ~4 MB, ignored by git)
 #                  PYTHON=/work/main/.venv/bin/python bash bench/gpu_engine_check.sh --dry-run
 #   device tool:   run(command="bash bench/gpu_engine_check.sh", carry=[".whl"], timeout_s=560)
-#   some stages:   bash bench/gpu_engine_check.sh 8b quant        (preflight always runs first)
+#   some stages:   run(command="bash bench/gpu_engine_check.sh 8b quant", carry=[".whl"], ...)
+#                  (the preflight always runs first)
 #
 # --dry-run (no GPU needed): prints the plan (stages, caps, their sum against BUDGET_S), fetches
 # .whl/ with scripts/fetch_gpu_wheels.sh when it is missing (exit 3 when the index cannot be
@@ -18,11 +19,12 @@
 # selection, and nvcc compile checks when nvcc is there (DRY_RUN_NVCC=0 skips them).
 # tests/test_gpu_check_dry_run.py runs it in the suite.
 #
-# Budget: the device gives 15 minutes per session, machine start (~1-2 min) included; the
-# stages' caps sum to 455 s of BUDGET_S=500 (each cap is also cut to what is left of the
-# budget; a stage with under 20 s left is skipped), so one full call is ~9 minutes and leaves
-# time to rerun a stage or two. The preflight exits 2 with one line when it fails; nothing after
-# it runs then.
+# Budget: the device gives 15 minutes per session, machine start (~1-2 min) included, and
+# starts no machine with under 4 minutes left. The stages' caps sum to 440 s, 88% of
+# BUDGET_S=500 (each cap is also cut to what is left of the budget; a stage with under 20 s
+# left is skipped), so one full call (timeout_s=560) takes at most ~11 of the 15 minutes with
+# its start, which leaves one short call for a stage or two (timeout_s <= 150). The preflight
+# exits 2 with one line when it fails; nothing after it runs then.
 #
 # $OUT (bench/results/ when unset) gets at most 8 files, all the device tool returns:
 # gpu_check.json (every stage: status, seconds, figures, a failing stage's last error lines),
@@ -38,8 +40,10 @@ BUDGET_S="${BUDGET_S:-500}"
 PY="${PYTHON:-python3}"
 
 STAGES=(preflight kernels kbench 8b tests smollm2 quant parallel)
-declare -A CAP=([preflight]=40 [kernels]=40 [kbench]=50 [8b]=100 [tests]=80 [smollm2]=30
-    [quant]=90 [parallel]=25)
+# The preflight's own work is ~30 s; its cap also covers NVRTC compiling the SmolLM2-shape
+# kernels on a fresh machine (CuPy keeps them on disk for the later stages).
+declare -A CAP=([preflight]=60 [kernels]=35 [kbench]=45 [8b]=110 [tests]=70 [smollm2]=25
+    [quant]=75 [parallel]=20)
 declare -A WHAT=(
     [preflight]="imports, one kernel + the attention self-check, graphs of batch 1 and 2"
     [kernels]="kernel correctness (tests/test_kernels_cuda.py -m gpu)"
@@ -47,7 +51,7 @@ declare -A WHAT=(
     [8b]="Llama-3-8B bf16: offline 1000 x 512/256 + decode b1/b8 (graph and eager), no HF"
     [tests]="engine GPU tests (tests/test_engine_gpu.py)"
     [smollm2]="SmolLM2-135M shape: offline only"
-    [quant]="8B int8, fp8, kv-fp8: decode b1/b8 vs bf16 (30 s each)"
+    [quant]="8B int8, fp8, kv-fp8: decode b1/b8 vs bf16 (25 s each)"
     [parallel]="tests/test_parallel.py -m gpu (one-rank NCCL group)"
 )
 GE="python3 bench/gpu_engine.py --attention-backend cuda"
@@ -55,10 +59,10 @@ PT="python3 -m pytest -q -p no:cacheprovider"
 declare -A CMDS=(
     [preflight]="python3 bench/gpu_preflight.py --json $RAW/preflight.json"
     [kernels]="$PT -m gpu tests/test_kernels_cuda.py --junitxml=$RAW/kernels.xml"
-    [kbench]="python3 bench/kernels_bench.py --out $OUT/kernels_h200.json --budget-s 35"
-    [8b]="$GE --shape llama-3-8b --out $OUT --raw $RAW --skip-hf --offline-timeout-s 60 --eager-decode"
+    [kbench]="python3 bench/kernels_bench.py --out $OUT/kernels_h200.json --budget-s 30"
+    [8b]="$GE --shape llama-3-8b --out $OUT --raw $RAW --skip-hf --offline-timeout-s 70 --eager-decode"
     [tests]="$PT -m gpu tests/test_engine_gpu.py --durations=8 --junitxml=$RAW/tests.xml"
-    [smollm2]="$GE --shape smollm2-135m --out $OUT --raw $RAW --skip-decode --skip-hf --offline-timeout-s 20"
+    [smollm2]="$GE --shape smollm2-135m --out $OUT --raw $RAW --skip-decode --skip-hf --offline-timeout-s 18"
     # one process per mode (a crash or hang costs that mode alone); the bf16 line runs only when
     # this call's 8b stage left no decode baseline
     [quant]="bf16-if-needed: $GE --shape llama-3-8b --out $RAW/quant --skip-offline --skip-hf --decode-steps 20
@@ -67,7 +71,7 @@ $GE --shape llama-3-8b --out $RAW/quant --skip-offline --skip-hf --decode-steps 
 $GE --shape llama-3-8b --out $RAW/quant --skip-offline --skip-hf --decode-steps 20 --kv-cache-dtype fp8"
     [parallel]="$PT -m gpu tests/test_parallel.py --junitxml=$RAW/parallel.xml"
 )
-QUANT_MODE_CAP=30
+QUANT_MODE_CAP=25
 
 plan() {
     local total=0
@@ -77,11 +81,11 @@ plan() {
         total=$((total + CAP[$s]))
     done
     echo "sum of caps ${total} s of BUDGET_S=${BUDGET_S} s ($((100 * total / BUDGET_S))%)"
-    [ "$total" -le $((BUDGET_S * 95 / 100)) ]
+    [ "$total" -le $((BUDGET_S * 90 / 100)) ]
 }
 
 if [ "${1:-}" = --dry-run ]; then
-    plan || { echo "dry run FAILED: the caps leave under 5% of BUDGET_S"; exit 1; }
+    plan || { echo "dry run FAILED: the caps leave under 10% of BUDGET_S"; exit 1; }
     if ! ls .whl/*.whl >/dev/null 2>&1; then
         echo "dry run: .whl/ is missing: fetching it with scripts/fetch_gpu_wheels.sh"
         PYTHON="$PY" bash scripts/fetch_gpu_wheels.sh
@@ -124,8 +128,15 @@ elapsed() { echo $(($(date +%s) - start)); }
 cap() { local left=$((BUDGET_S - $(elapsed))); echo $(($1 < left ? $1 : left)); }
 
 if ls .whl/*.whl >/dev/null 2>&1; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/llmserve-site .whl/*.whl && export PYTHONPATH="/tmp/llmserve-site:${PYTHONPATH:-}"
+    # A wheel is a zip of what site-packages holds: unpacked, not pip-installed, so neither pip
+    # nor an index is needed there (the dry run checked tags, Requires-Python and requirements).
+    rm -rf /tmp/llmserve-site
+    python3 -c 'import pathlib, sys, zipfile
+wheels = sorted(pathlib.Path(".whl").glob("*.whl"))
+for w in wheels:
+    zipfile.ZipFile(w).extractall("/tmp/llmserve-site")
+print(f"{len(wheels)} wheels from .whl/ unpacked into /tmp/llmserve-site")'
+    export PYTHONPATH="/tmp/llmserve-site:${PYTHONPATH:-}"
 else
     echo "no .whl/ here: the preflight will name what is missing (bash scripts/fetch_gpu_wheels.sh," \
         "then carry=['.whl'])"
@@ -156,7 +167,7 @@ run_stage() {
         fi
         echo "== [$s $(elapsed) s] $cmd (cap $t s)"
         t0=$(date +%s)
-        timeout -k 10 "$t" bash -c "$cmd" 2>&1 | tee -a "$RAW/$s.log"
+        timeout -k 10 "$t" bash -c "$cmd" </dev/null 2>&1 | tee -a "$RAW/$s.log"
         rc=${PIPESTATUS[0]}
         record "$s" "$i" "$rc" $(($(date +%s) - t0)) "$cmd"
     done <<<"${CMDS[$s]}"

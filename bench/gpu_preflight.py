@@ -264,19 +264,24 @@ def check_wheels(directory: Path = WHEEL_DIR) -> tuple[list[str], list[str]]:
 
 
 def import_all(modules: list[str]) -> None:
-    """Import each module; PreflightError naming the first that fails (and the wheel fix when a
-    third-party package is missing)."""
+    """Import each module; PreflightError naming the first that fails and where the fix is:
+    .whl/ for a package of GPU_WHEELS, the machine itself for one it should have, the repo."""
     sys.path.insert(0, str(ROOT))
     for name in modules:
         try:
             importlib.import_module(name)
         except Exception as err:
-            missing = getattr(err, "name", None) if isinstance(err, ImportError) else None
-            fix = (
-                WHEEL_FIX
-                if missing and missing.split(".")[0] not in _REPO_PACKAGES
-                else ("fix the import error in the repo")
-            )
+            missing = (getattr(err, "name", None) or "") if isinstance(err, ImportError) else ""
+            top = missing.split(".")[0]
+            if top in _WHEEL_MODULES:
+                fix = WHEEL_FIX
+            elif top and top not in _REPO_PACKAGES:
+                fix = (
+                    f"{top} is not in .whl/ and ../shared/gpu.md says the machine has it: "
+                    "check `python3 -c 'import " + top + "'` there"
+                )
+            else:
+                fix = "fix the import error in the repo"
             raise PreflightError(f"import {name}: {type(err).__name__}: {err} -> {fix}") from err
 
 
@@ -290,6 +295,26 @@ _REPO_PACKAGES = {
     "protos",
     "bench",
     "tests",
+}
+# top-level import names of GPU_WHEELS' packages
+_WHEEL_MODULES = {
+    "grpc_health",
+    "structlog",
+    "opentelemetry",
+    "prometheus_client",
+    "google",
+    "gguf",
+    "requests",
+    "urllib3",
+    "idna",
+    "certifi",
+    "charset_normalizer",
+    "pytest",
+    "_pytest",
+    "pluggy",
+    "iniconfig",
+    "packaging",
+    "pygments",
 }
 
 

@@ -87,5 +87,5 @@ def test_report_keeps_each_stage_and_points_at_a_failure(tmp_path: Path) -> None
     }  # fmt: skip
     assert "ValueError: boom [gpu_check.json stages.8b.error]" in table
     assert "int8 3300 GB/s = 77.1%" in table and "b1 5.0 ms MBU 80.0%" in table
-    assert "int8 1: 1.7x" in table
+    assert "int8 b1 1.7x" in table
     assert len(table) < 3000
