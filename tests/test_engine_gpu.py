@@ -131,7 +131,7 @@ def test_bf16_first_step_top1_agrees_with_hf(kernels: None) -> None:
     agreement = compare_top1(theirs, ours, BF16_HF_TOP2_EPS)
     print(f"bf16 top-1 against HF: {agreement}")
     assert not agreement.mismatches, agreement
-    assert agreement.rate >= 0.9, agreement  # near ties are rare enough to leave a real check
+    assert agreement.rate >= 0.8, agreement  # enough positions outside near ties to mean something
 
 
 # ---- CUDA graphs, memory, timeline --------------------------------------------------------------
