@@ -65,8 +65,14 @@ def pytest_line(log: Path) -> str | None:
         lines = log.read_text(errors="replace").splitlines()
     except OSError:
         return None
-    found = [x.strip("= ") for x in lines if re.search(r"\d+ (passed|failed|error)", x)]
-    return found[-1] if found else None
+    found = [x.strip("= ") for x in lines if re.search(r"\d+ (passed|failed|error|skipped)", x)]
+    if found:
+        return found[-1]
+    # cut off before pytest's summary: count the verbose per-test lines
+    counts = {w: sum(1 for x in lines if "::" in x and f" {w}" in x) for w in ("PASSED", "FAILED")}
+    if not any(counts.values()):
+        return None
+    return f"{counts['PASSED']} passed, {counts['FAILED']} failed before it was stopped"
 
 
 def bandwidth_rows(doc: Any, section: str = "") -> list[tuple[str, float, float]]:

@@ -21,7 +21,7 @@
 #
 # Budget: the device gives 15 minutes per session, machine start (~1-2 min) included, and
 # starts no machine with under 4 minutes left. The stages' caps sum to 440 s, 88% of
-# BUDGET_S=500 (each cap is also cut to what is left of the budget; a stage with under 20 s
+# BUDGET_S=500 (each cap is also cut to what is left of the budget; a stage with under 10 s
 # left is skipped), so one full call (timeout_s=560) takes at most ~11 of the 15 minutes with
 # its start, which leaves one short call for a stage or two (timeout_s <= 150). The preflight
 # exits 2 with one line when it fails; nothing after it runs then.
@@ -42,8 +42,8 @@ PY="${PYTHON:-python3}"
 STAGES=(preflight kernels kbench 8b tests smollm2 quant parallel)
 # The preflight's own work is ~30 s; its cap also covers NVRTC compiling the SmolLM2-shape
 # kernels on a fresh machine (CuPy keeps them on disk for the later stages).
-declare -A CAP=([preflight]=60 [kernels]=35 [kbench]=45 [8b]=110 [tests]=70 [smollm2]=25
-    [quant]=75 [parallel]=20)
+declare -A CAP=([preflight]=60 [kernels]=35 [kbench]=45 [8b]=100 [tests]=90 [smollm2]=20
+    [quant]=75 [parallel]=15)
 declare -A WHAT=(
     [preflight]="imports, one kernel + the attention self-check, graphs of batch 1 and 2"
     [kernels]="kernel correctness (tests/test_kernels_cuda.py -m gpu)"
@@ -60,9 +60,9 @@ declare -A CMDS=(
     [preflight]="python3 bench/gpu_preflight.py --json $RAW/preflight.json"
     [kernels]="$PT -m gpu tests/test_kernels_cuda.py --junitxml=$RAW/kernels.xml"
     [kbench]="python3 bench/kernels_bench.py --out $OUT/kernels_h200.json --budget-s 30"
-    [8b]="$GE --shape llama-3-8b --out $OUT --raw $RAW --skip-hf --offline-timeout-s 70 --eager-decode"
-    [tests]="$PT -m gpu tests/test_engine_gpu.py --durations=8 --junitxml=$RAW/tests.xml"
-    [smollm2]="$GE --shape smollm2-135m --out $OUT --raw $RAW --skip-decode --skip-hf --offline-timeout-s 18"
+    [8b]="$GE --shape llama-3-8b --out $OUT --raw $RAW --skip-hf --offline-timeout-s 65 --eager-decode"
+    [tests]="python3 -m pytest -v -p no:cacheprovider -m gpu tests/test_engine_gpu.py --durations=8 --junitxml=$RAW/tests.xml"
+    [smollm2]="$GE --shape smollm2-135m --out $OUT --raw $RAW --skip-decode --skip-hf --offline-timeout-s 14"
     # one process per mode (a crash or hang costs that mode alone); the bf16 line runs only when
     # this call's 8b stage left no decode baseline
     [quant]="bf16-if-needed: $GE --shape llama-3-8b --out $RAW/quant --skip-offline --skip-hf --decode-steps 20
@@ -161,7 +161,7 @@ run_stage() {
         fi
         t=$((stage_end - $(elapsed)))
         [ "$s" = quant ] && t=$((t < QUANT_MODE_CAP ? t : QUANT_MODE_CAP))
-        if [ "$t" -lt 20 ]; then
+        if [ "$t" -lt 10 ]; then
             record "$s" "$i" skipped 0 "$cmd"
             continue
         fi

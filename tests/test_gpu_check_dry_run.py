@@ -62,7 +62,9 @@ def test_report_keeps_each_stage_and_points_at_a_failure(tmp_path: Path) -> None
     (raw / "stages.tsv").write_text("".join("\t".join(r) + "\n" for r in rows))
     (raw / "preflight.json").write_text(json.dumps({"total_s": 12.5, "ops": "cuda"}))
     (raw / "8b.log").write_text("loading\nTraceback (most recent call last):\nValueError: boom\n")
-    (raw / "tests.log").write_text("....\n")
+    (raw / "tests.log").write_text(
+        "tests/test_engine_gpu.py::test_a PASSED [ 10%]\ntests/test_engine_gpu.py::test_b FAILED"
+    )
     (out / "kernels_h200.json").write_text(
         json.dumps({"int8": [{"gbps": 3300.0, "pct_of_copy": 77.1}], "summary": "x"})
     )
@@ -80,6 +82,7 @@ def test_report_keeps_each_stage_and_points_at_a_failure(tmp_path: Path) -> None
     assert stages["8b"]["status"] == "FAIL (exit 1)"
     assert stages["8b"]["error"][-1] == "ValueError: boom"
     assert stages["tests"]["status"] == "TIMEOUT"
+    assert stages["tests"]["figures"] == {"pytest": "1 passed, 1 failed before it was stopped"}
     assert stages["quant"]["status"] == "ok (part skipped)"
     assert stages["kbench"]["figures"] == {"int8": {"gbps": 3300, "pct_of_copy": 77.1}}
     assert stages["8b"]["figures"]["batch_1"] == {
