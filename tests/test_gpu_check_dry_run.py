@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -45,6 +46,18 @@ def test_wheel_checks_catch_what_the_machine_would_refuse(tmp_path: Path) -> Non
     assert GPU_MACHINE["grpcio"] == "1.84.0" and GPU_WHEELS["grpcio-health-checking"] == "1.84.0"
     problems, _ = check_wheels(tmp_path)  # empty: names the fix
     assert len(problems) == 1 and "fetch_gpu_wheels.sh" in problems[0]
+    # grpcio-health-checking 1.85 needs a grpcio the machine lacks: refused, and not the pin
+    wheel = tmp_path / "grpcio_health_checking-1.85.1-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as z:
+        z.writestr(
+            "grpcio_health_checking-1.85.1.dist-info/METADATA",
+            "Metadata-Version: 2.1\nName: grpcio-health-checking\nVersion: 1.85.1\n"
+            "Requires-Python: >=3.10\nRequires-Dist: grpcio>=1.85.1\n"
+            "Requires-Dist: protobuf<8.0.0,>=7.35.1\n\nbody\n",
+        )
+    problems, _ = check_wheels(tmp_path)
+    assert any("pinned to 1.84.0" in p for p in problems), problems
+    assert any("requires grpcio>=1.85.1; the GPU machine's grpcio is 1.84.0" in p for p in problems)
 
 
 def test_report_keeps_each_stage_and_points_at_a_failure(tmp_path: Path) -> None:
