@@ -79,6 +79,10 @@ AGREEMENT_NOTE = (
 # config.json) checks its plumbing; the figures only mean something on the GPU.
 MODEL_DIR: Path | None = None
 DEVICE, DTYPE = "cuda", "bfloat16"
+# Every engine here (offline stack, decode, agreement) runs with this --attention-backend: cuda on
+# a GPU, so a kernel that fails to compile or its self-check stops the engine (issue 24) rather
+# than leaving torch's figures labelled as the kernels'.
+BACKEND = "cuda"
 
 
 def config_dir(shape: str) -> Path:
@@ -120,6 +124,7 @@ def serve_args(shape: str, args: argparse.Namespace) -> list[str]:
         "--max-model-len", str(args.max_model_len),
         "--gpu-memory-utilization", str(args.gpu_memory_utilization),
         "--quantization", args.quantization, "--kv-cache-dtype", args.kv_cache_dtype,
+        "--attention-backend", BACKEND,
     ]  # fmt: skip
 
 
@@ -266,6 +271,7 @@ def decode_step_times(shape: str, args: argparse.Namespace) -> dict[str, Any]:
             max_model_len=args.max_model_len,
             quantization=args.quantization,
             kv_cache_dtype=args.kv_cache_dtype,
+            attention_backend=BACKEND,
         )
     )
     vocab = engine.model_config.vocab_size
@@ -277,6 +283,7 @@ def decode_step_times(shape: str, args: argparse.Namespace) -> dict[str, Any]:
         "steps_timed": steps,
         "cuda_graphs": engine.runner.graphs is not None,
         "ops": engine.model.ops.name,
+        "ops_reason": engine.ops_reason,
         "quantization": engine.quantization,
         "kv_cache_dtype": str(engine.kv_dtype).removeprefix("torch."),
     }
@@ -286,13 +293,14 @@ def decode_step_times(shape: str, args: argparse.Namespace) -> dict[str, Any]:
         driver.start(prompts)
         for _ in range(5):  # warm-up
             driver.decode()
-        times = []
-        for _ in range(steps):
-            if DEVICE == "cuda":
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            driver.decode()  # returns sampled ids on the host: the step is complete
-            times.append((time.perf_counter() - t0) * 1e3)
+        times = timed_decode(driver, steps)
+        eager: list[float] = []
+        if args.eager_decode and engine.runner.graphs is not None:
+            graphs, engine.runner.graphs = engine.runner.graphs, None  # the same engine, eager
+            try:
+                eager = timed_decode(driver, steps)
+            finally:
+                engine.runner.graphs = graphs
         mean_context = context + 5 + steps / 2
         floor = decode_floor_bytes(
             shape, batch, int(mean_context), dtype_bytes, linear_bytes, kv_bytes
@@ -308,7 +316,26 @@ def decode_step_times(shape: str, args: argparse.Namespace) -> dict[str, Any]:
             "floor_ms": floor_ms,
             "vs_floor": median / floor_ms,
         }
+        if eager:
+            eager_ms = statistics.median(eager)
+            results[f"batch_{batch}"]["eager_step_ms_median"] = eager_ms
+            results[f"batch_{batch}"]["graph_speedup"] = eager_ms / median
     return results
+
+
+def timed_decode(driver: Any, steps: int) -> list[float]:
+    """Wall ms of each of `steps` decode steps (each returns its sampled ids on the host, so
+    the step is complete)."""
+    import torch
+
+    times = []
+    for _ in range(steps):
+        if DEVICE == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        driver.decode()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return times
 
 
 # ---- 3. HF transformers -------------------------------------------------------------------------
@@ -467,6 +494,7 @@ def quality_engine(
             max_num_seqs=args.agreement_prompts,
             max_num_batched_tokens=args.agreement_prompts * args.agreement_len,
             max_model_len=args.max_model_len,
+            attention_backend=BACKEND,
             enforce_eager=True,  # no CUDA graphs to capture: forwards of any shape, eagerly
         )
     )
@@ -489,6 +517,7 @@ def agreement(shape: str, args: argparse.Namespace) -> dict[str, Any]:
         "quantization": engine.quantization,
         "kv_cache_dtype": str(engine.kv_dtype).removeprefix("torch."),
         "ops": engine.model.ops.name,
+        "ops_reason": engine.ops_reason,
     }
     other = teacher_forced_logits(engine, prompts, num_decode)
     del engine
@@ -759,12 +788,25 @@ def main() -> int:
     p.add_argument("--skip-offline", action="store_true")
     p.add_argument("--skip-decode", action="store_true")
     p.add_argument("--skip-hf", action="store_true")
+    p.add_argument(
+        "--eager-decode",
+        action="store_true",
+        help="part 2 also times each batch's decode without its CUDA graph (graph vs eager)",
+    )
+    p.add_argument(
+        "--attention-backend",
+        choices=("cuda", "auto", "torch"),
+        default=None,
+        help="every engine's (default: cuda with --device cuda, so a failing kernel is an "
+        "error, never a silent fallback to torch; auto elsewhere)",
+    )
     p.add_argument("--device", default="cuda", help="cpu: a dry run of the script's plumbing")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--model-dir", type=Path, default=None, help="instead of configs/SHAPE")
     args = p.parse_args()
-    global MODEL_DIR, DEVICE, DTYPE
+    global MODEL_DIR, DEVICE, DTYPE, BACKEND
     MODEL_DIR, DEVICE, DTYPE = args.model_dir, args.device, args.dtype
+    BACKEND = args.attention_backend or ("cuda" if DEVICE == "cuda" else "auto")
     args.raw = args.raw or args.out
     for directory in (args.out, args.raw):
         directory.mkdir(parents=True, exist_ok=True)
@@ -774,6 +816,8 @@ def main() -> int:
         "environment": environment(),
         "workload": f"{args.num_prompts} x {args.input_len} in / {args.output_len} out",
         "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "attention_backend": BACKEND
+        + (": the engines refuse to start without the CUDA kernels" if BACKEND == "cuda" else ""),
     }
     parts = [
         ("offline", args.skip_offline, lambda: run_offline(args.shape, args)),
@@ -790,6 +834,7 @@ def main() -> int:
             result[name] = part()
         except Exception as err:  # one part failing must not lose the others
             result[name] = {"error": f"{type(err).__name__}: {err}"}
+            print(f"[{name} FAILED: {result[name]['error']}]", flush=True)  # for the check's log
         free_device_memory()  # no part's engine or model, failed or not, may hold the GPU
         print(f"[{name}: {time.perf_counter() - t0:.0f} s]", flush=True)
         # after every part, so a run stopped by a time limit keeps what it measured

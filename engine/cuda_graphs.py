@@ -69,7 +69,9 @@ class DecodeGraphs:
         self.model = model
         self.kv_caches = kv_caches
         self.sizes = sorted(sizes)
-        self.max_seq_len = max_seq_len  # fixes the decode kernel's split count per graph
+        # With DecodeSplits on the ops (the engine's), the split count of each size is theirs,
+        # as an eager step's; else the kernel chooses from max_seq_len, fixed per graph.
+        self.max_seq_len = max_seq_len
         self.device = device
         max_bs = self.sizes[-1]
         with torch.inference_mode():
@@ -84,9 +86,10 @@ class DecodeGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
 
-    def _forward(self, size: int) -> torch.Tensor:
-        """The model over the first `size` rows of the static buffers."""
-        ctx = AttentionContext(
+    def context(self, size: int) -> AttentionContext:
+        """The attention metadata of the first `size` rows of the static buffers."""
+        decode_splits = getattr(self.model.ops, "decode_splits", None)
+        return AttentionContext(
             slot_mapping=self.slot_mapping[:size],
             block_tables=self.block_tables[:size],
             seq_lens=[],
@@ -96,7 +99,12 @@ class DecodeGraphs:
             cu_seqlens_q_t=self.cu_seqlens_q[: size + 1],
             max_seqlen_q=1,
             max_seq_len=self.max_seq_len,
+            num_splits=decode_splits(size) if decode_splits is not None else None,
         )
+
+    def _forward(self, size: int) -> torch.Tensor:
+        """The model over the first `size` rows of the static buffers."""
+        ctx = self.context(size)
         return self.model(self.input_ids[:size], self.positions[:size], ctx)
 
     @torch.inference_mode()

@@ -164,6 +164,8 @@ class Engine:
         ops, ops_reason = select_ops(
             config.attention_backend, self.device, self.dtype, self.local_config, config.block_size
         )
+        self.ops_reason = ops_reason  # recorded by the benchmarks beside their figures
+        ops.fix_decode_splits(self.local_config, max_len, graph_batch_sizes(config.max_num_seqs))
         if (
             self.device.type == "cuda"
             and ops.name == "torch"

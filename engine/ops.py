@@ -52,6 +52,9 @@ class AttentionContext:
     max_seqlen_q: int = 0
     max_seq_len: int = 0
     cpu_step: Any = None  # CpuOps' per-step metadata (engine.ops._CpuStep)
+    # The decode kernel's split-K count for a decode-only step (KernelOps with DecodeSplits);
+    # None: the kernel chooses from max_seq_len.
+    num_splits: int | None = None
 
 
 class LayerOps:
@@ -65,6 +68,12 @@ class LayerOps:
     def prepare(self, ctx: AttentionContext) -> AttentionContext:
         """ctx as `attention` reads it (once per step)."""
         return ctx
+
+    def fix_decode_splits(
+        self, config: ModelConfig, max_model_len: int, batch_sizes: list[int]
+    ) -> None:
+        """Fix how decode steps split their contexts (see DecodeSplits); a no-op for ops
+        without split-K."""
 
     def rms_norm(
         self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None
@@ -223,8 +232,47 @@ class CpuOps(ReferenceOps):
         return attn.view(rows, heads, dim)
 
 
+@dataclass(frozen=True)
+class DecodeSplits:
+    """The decode kernel's split-K count as a function of what a step holds, the same whether a
+    CUDA graph or an eager forward runs it.
+
+    The count decides which tiles of a context each split owns (kernels/decode_attention.cu:
+    tps = ceil(n_tiles / num_splits)) and so the order of the floating-point sums: two counts
+    give results that differ in the last bits. A graph fixes its count when it is captured, for
+    a padded batch size and without the step's lengths; so the count is chosen from what a
+    graph knows and an eager step can reproduce: the number of requests rounded up to the
+    graph batch sizes (`batch_sizes`, the engine's, used whether or not graphs are captured),
+    and the context capacity `max_seq_len` (the engine's max_model_len), never from the batch's
+    real longest context. kernels.cuda.decode_num_splits' cost model then picks the count for
+    that padded batch on this GPU (`slots` = resident CTAs on the whole GPU). An eager step of
+    n requests and the graph of the size n pads to launch the same count, so they compute the
+    same sums; short contexts get more, shorter splits than their own length would pick, as the
+    graphs always did.
+    """
+
+    max_seq_len: int
+    batch_sizes: tuple[int, ...]  # ascending
+    num_heads: int
+    num_kv_heads: int
+    slots: int
+
+    def padded(self, num_seqs: int) -> int:
+        """The smallest of batch_sizes holding num_seqs (num_seqs itself beyond the largest)."""
+        return next((s for s in self.batch_sizes if s >= num_seqs), num_seqs)
+
+    def count(self, num_seqs: int) -> int:
+        """The split count of a decode-only step of num_seqs requests."""
+        from kernels.cuda import decode_num_splits
+
+        group = self.num_heads // self.num_kv_heads
+        num_ctas = self.num_kv_heads * -(-group // 16) * self.padded(num_seqs)
+        return decode_num_splits(num_ctas, self.max_seq_len, self.slots)
+
+
 class KernelOps(LayerOps):
-    """kernels/cuda.py. q and k are rotated in place (they are fresh views of the qkv product)."""
+    """kernels/cuda.py. q and k are rotated in place (they are fresh views of the qkv product).
+    With `splits` set (fix_decode_splits, by the engine), decode-only steps use its count."""
 
     name = "cuda"
     graph_safe = True
@@ -233,6 +281,21 @@ class KernelOps(LayerOps):
         import kernels.cuda as kc
 
         self.lib = kc
+        self.splits: DecodeSplits | None = None
+
+    def fix_decode_splits(
+        self, config: ModelConfig, max_model_len: int, batch_sizes: list[int]
+    ) -> None:
+        """Decode steps split as DecodeSplits says for this (per-rank) model shape, capacity
+        and graph batch sizes, on the current GPU."""
+        if not torch.cuda.is_available():  # the CPU emulator's tests: no graphs to agree with
+            return
+        kc = self.lib
+        sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+        slots = sms * kc._DECODE_CTAS_PER_SM[config.head_dim]
+        self.splits = DecodeSplits(
+            max_model_len, tuple(sorted(batch_sizes)), config.num_heads, config.num_kv_heads, slots
+        )
 
     def prepare(self, ctx: AttentionContext) -> AttentionContext:
         """The step's int32 device metadata from its host lists, once per step; a context that
@@ -244,14 +307,21 @@ class KernelOps(LayerOps):
             return ctx
         num_seqs = len(ctx.seq_lens)
         meta = to_device([*ctx.seq_lens, *ctx.cu_seqlens_q], torch.int32, ctx.slot_mapping.device)
+        max_seqlen_q = max(b - a for a, b in itertools.pairwise(ctx.cu_seqlens_q))
         return dataclasses.replace(
             ctx,
             block_tables=ctx.block_tables.to(torch.int32),
             seq_lens_t=meta[:num_seqs],
             cu_seqlens_q_t=meta[num_seqs:],
-            max_seqlen_q=max(b - a for a, b in itertools.pairwise(ctx.cu_seqlens_q)),
+            max_seqlen_q=max_seqlen_q,
             max_seq_len=max(ctx.seq_lens),
+            num_splits=self.decode_splits(num_seqs) if max_seqlen_q == 1 else None,
         )
+
+    def decode_splits(self, num_seqs: int) -> int | None:
+        """The split count of a decode-only step of num_seqs requests (None: without `splits`,
+        the kernel's own choice from the batch's longest context)."""
+        return None if self.splits is None else self.splits.count(num_seqs)
 
     def rotary(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor
@@ -274,6 +344,11 @@ class KernelOps(LayerOps):
         kernel (anything else), as kernels.cuda.paged_attention dispatches."""
         assert ctx.seq_lens_t is not None and ctx.cu_seqlens_q_t is not None, "prepare() first"
         self.lib.store_kv(k, v, k_cache, v_cache, ctx.slot_mapping)
+        if ctx.num_splits is not None and ctx.max_seqlen_q == 1:
+            return self.lib.paged_decode_attention(
+                q, k_cache, v_cache, ctx.block_tables, ctx.seq_lens_t, scale,
+                num_splits=ctx.num_splits,
+            )  # fmt: skip
         return self.lib.paged_attention(
             q,
             k_cache,

@@ -158,7 +158,11 @@ def _kernel(spec: ModuleSpec, expr: str, device_index: int) -> Any:
 def _external_stream(stream_ptr: int, device_index: int) -> Any:
     import cupy
 
-    return cupy.cuda.ExternalStream(stream_ptr, device_index)
+    # CuPy 14 deprecates ExternalStream for Stream.from_external; older CuPy has only the former.
+    from_external = getattr(cupy.cuda.Stream, "from_external", None)
+    if from_external is None:
+        return cupy.cuda.ExternalStream(stream_ptr, device_index)
+    return from_external(stream_ptr, device_index)
 
 
 def _launch(

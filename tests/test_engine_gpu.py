@@ -4,11 +4,18 @@ CUDA; the ones through the CUDA kernels also skip without CuPy.
 - float32: greedy tokens of the GPU engine (torch ops on the GPU) equal the CPU engine's, 32 new
   tokens for a ragged batch, SmolLM2-135M shape (all 30 layers) with dummy weights;
 - bf16: top-1 of the first step's logits (every prompt position) against HF transformers on the
-  same dummy weights, at >= 99% of positions over ragged prompts;
+  same dummy weights, over ragged prompts;
 - CUDA-graph decode gives the tokens of eager decode; the KV pool is sized from a profiling step
   within --gpu-memory-utilization; the step timeline records decode steps;
 - the full stack with --device cuda: batch invariance alone vs together, with chunked prefill and
   with forced preemption (tests/test_stack_model.py's checks, through the kernels and graphs).
+
+Exact where the math is: float32 tokens (the CPU engine's, speculative decoding's). bf16 runs
+that sum in another order (another batch shape, HF's implementation, a prefill chunk beside
+decodes) are compared with tests/quality.py's tolerance (issue 24): a differing token counts
+only where the reference's own top-2 gap is above BF16_TOP2_EPS (BF16_HF_TOP2_EPS against HF),
+none may, and the agreement rates are printed. Every bf16 engine here runs with
+--attention-backend cuda: a kernel that fails is an error, never a torch fallback.
 
 Sized for a few minutes on an H200, NVRTC compilation of the bf16 / head_dim 64 kernels included.
 """
@@ -30,6 +37,14 @@ from llmserve.bench.engine_driver import blocks_needed, generate
 from llmserve.bench.hf import dummy_model
 from protos.common_pb2 import SamplingParams
 from scheduler.request import Request
+from tests.quality import (
+    BF16_HF_TOP2_EPS,
+    BF16_TOP2_EPS,
+    compare_streams,
+    compare_top1,
+    generate_with_gaps,
+    seeded_margins,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -84,8 +99,9 @@ def test_fp32_greedy_tokens_equal_the_cpu_engine() -> None:
 def test_bf16_first_step_top1_agrees_with_hf(kernels: None) -> None:
     lengths = [1, 7, 16, 33, 100, 257, 500, 1000]
     engine = dummy_engine(
-        SMOLLM2, device="cuda", dtype="bfloat16", num_kv_blocks=blocks_needed(lengths, 0, 16)
-    )
+        SMOLLM2, device="cuda", dtype="bfloat16", num_kv_blocks=blocks_needed(lengths, 0, 16),
+        attention_backend="cuda",
+    )  # fmt: skip
     assert engine.model.ops.name == "cuda"
     vocab = engine.model_config.vocab_size
     prompts = prompts_of(lengths, vocab, salt=3)
@@ -111,10 +127,11 @@ def test_bf16_first_step_top1_agrees_with_hf(kernels: None) -> None:
     ours = engine.model.compute_logits(engine.model(ids, positions, ctx)).argmax(dim=-1)
     del engine
     hf = dummy_model(SMOLLM2, SEED, torch.bfloat16, "cuda")
-    theirs = torch.cat([hf(torch.tensor([p], device=device)).logits[0].argmax(-1) for p in prompts])
-    agree = float((ours == theirs).float().mean())
-    print(f"bf16 top-1 agreement with HF: {agree:.4f} over {len(ours)} positions")
-    assert agree >= 0.99
+    theirs = torch.cat([hf(torch.tensor([p], device=device)).logits[0].float() for p in prompts])
+    agreement = compare_top1(theirs, ours, BF16_HF_TOP2_EPS)
+    print(f"bf16 top-1 against HF: {agreement}")
+    assert not agreement.mismatches, agreement
+    assert agreement.rate >= 0.8, agreement  # enough positions outside near ties to mean something
 
 
 # ---- CUDA graphs, memory, timeline --------------------------------------------------------------
@@ -138,10 +155,11 @@ def test_graph_decode_tokens_equal_eager(
         "dtype": "bfloat16",
         "num_kv_blocks": blocks_needed(lengths, num_tokens, 16),
         "max_num_seqs": 8,
+        "attention_backend": "cuda",
     }
     eager = Engine(EngineConfig(**common, enforce_eager=True))
     assert eager.runner.graphs is None
-    expected = generate(eager, prompts, num_tokens)
+    expected, gaps = generate_with_gaps(eager, prompts, num_tokens)
     del eager
     timeline = tmp_path / "steps.jsonl"
     monkeypatch.setenv("LLMSERVE_STEP_TIMELINE", str(timeline))
@@ -151,7 +169,12 @@ def test_graph_decode_tokens_equal_eager(
     replays = []
     run = graphs.run
     graphs.run = lambda *a: replays.append(1) or run(*a)  # type: ignore[method-assign]
-    assert generate(graphed, prompts, num_tokens) == expected
+    # The same split count (engine.ops.DecodeSplits) and kernels; cuBLAS may still tile the
+    # padded batch of 8 otherwise than the eager batch of 5.
+    agreement = compare_streams(expected, generate(graphed, prompts, num_tokens), gaps,
+                                BF16_TOP2_EPS)  # fmt: skip
+    print(f"graph vs eager decode, bf16: {agreement}")
+    assert not agreement.mismatches, agreement
     assert len(replays) == num_tokens - 1
     graphed.timeline.close()
     records = [json.loads(line) for line in timeline.read_text().splitlines()]
@@ -162,9 +185,10 @@ def test_graph_decode_tokens_equal_eager(
 def test_fp16_runs_through_the_kernels(kernels: None, tiny64: Path) -> None:
     engine = Engine(
         EngineConfig(
-            model=str(tiny64), device="cuda", dtype="float16", num_kv_blocks=32, max_num_seqs=4
+            model=str(tiny64), device="cuda", dtype="float16", num_kv_blocks=32, max_num_seqs=4,
+            attention_backend="cuda",
         )
-    )
+    )  # fmt: skip
     assert engine.model.ops.name == "cuda" and engine.runner.graphs is not None
     tokens = generate(engine, prompts_of([10, 30], 259), 8)
     assert all(0 <= t < 259 for row in tokens for t in row)
@@ -192,32 +216,110 @@ def test_kv_pool_sized_from_a_profiling_step(kernels: None) -> None:
 # ---- the full stack on the GPU ------------------------------------------------------------------
 
 
+GPU_ENGINE_ARGS = ["--device", "cuda", "--attention-backend", "cuda", "--max-num-seqs", "16"]
+SEEDED_TEMPERATURE = 0.9
+
+
+def stack_requests() -> tuple[list[object], list[object]]:
+    """tests/test_stack_model.py's prompts, greedy then seeded, asking for logprobs (the near-tie
+    tolerance reads the reference's). The seeded ones sample without top-p, which the tolerance
+    cannot see through (tests/test_stack_model.py checks top-p exactly, in float32)."""
+    from llmserve.client import make_request
+    from tests.test_stack_model import MAX_TOKENS, PROMPTS
+
+    common = {"max_tokens": MAX_TOKENS, "ignore_eos": True, "logprobs": True}
+    greedy = [make_request(text=p, temperature=0.0, top_logprobs=2, **common) for p in PROMPTS]
+    seeded = [
+        make_request(text=p, temperature=SEEDED_TEMPERATURE, seed=1000 + i, top_logprobs=20,
+                     **common)
+        for i, p in enumerate(PROMPTS)
+    ]  # fmt: skip
+    return greedy, seeded
+
+
+def run_streams(stack: object, requests: list[object], together: bool) -> list[dict]:
+    """Each request's token ids and, per token, its top logprobs' ids and values; one at a time
+    or all at once."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def collect(client: object, request: object) -> dict:
+        run: dict = {"token_ids": [], "logprobs": [], "top_ids": [], "top_logprobs": []}
+        for msg in client.stream(request):  # type: ignore[attr-defined]
+            run["token_ids"] += msg.token_ids
+            run["logprobs"] += msg.logprobs
+            run["top_ids"] += [list(t.token_ids) for t in msg.top_logprobs]
+            run["top_logprobs"] += [list(t.logprobs) for t in msg.top_logprobs]
+        return run
+
+    with stack.client() as client:  # type: ignore[attr-defined]
+        if not together:
+            return [collect(client, r) for r in requests]
+        with ThreadPoolExecutor(len(requests)) as pool:
+            return list(pool.map(lambda r: collect(client, r), requests))
+
+
+def assert_invariant_within_near_ties(stack: object, alone: tuple, vocab_size: int) -> None:
+    """All prompts at once give each prompt's tokens alone, but where the alone run's own
+    top-2 gap (greedy) or seeded-score margin (seeded; tests/quality.seeded_margins) is a near
+    tie: bf16 steps that mix prefill chunks and decodes sum in other orders than lone ones."""
+    greedy_alone, seeded_alone = alone
+    greedy, seeded = stack_requests()
+    together = run_streams(stack, greedy, together=True)
+    gaps = [[lp[0] - lp[1] for lp in r["top_logprobs"]] for r in greedy_alone]
+    agreement = compare_streams(
+        [r["token_ids"] for r in greedy_alone], [r["token_ids"] for r in together], gaps,
+        BF16_TOP2_EPS,
+    )  # fmt: skip
+    print(f"batch invariance, greedy, bf16: {agreement}")
+    assert not agreement.mismatches, agreement
+    together = run_streams(stack, seeded, together=True)
+    margins = [
+        seeded_margins(
+            r["token_ids"],
+            r["logprobs"],
+            r["top_ids"],
+            r["top_logprobs"],
+            SEEDED_TEMPERATURE,
+            1000 + i,
+            vocab_size,
+        )
+        for i, r in enumerate(seeded_alone)
+    ]
+    agreement = compare_streams(
+        [r["token_ids"] for r in seeded_alone], [r["token_ids"] for r in together], margins,
+        BF16_TOP2_EPS / SEEDED_TEMPERATURE,
+    )  # fmt: skip
+    print(f"batch invariance, seeded, bf16: {agreement}")
+    assert not agreement.mismatches, agreement
+
+
 @pytest.fixture(scope="module")
 def stack_alone(
     kernels: None, tiny64: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple]:
     from tests.stack import start_stack
-    from tests.test_stack_model import PROMPTS, _greedy, _run_alone, _seeded
 
     stack = start_stack(
         tiny64,
-        engine_args=["--device", "cuda", "--num-kv-blocks", "256", "--max-num-seqs", "16"],
+        engine_args=[*GPU_ENGINE_ARGS, "--num-kv-blocks", "256"],
         scheduler_args=["--max-num-seqs", "16"],
         log_dir=tmp_path_factory.mktemp("gpu-stack"),
     )
     try:
-        greedy = _run_alone(stack, [_greedy(p) for p in PROMPTS])
-        seeded = _run_alone(stack, [_seeded(p, 1000 + i) for i, p in enumerate(PROMPTS)])
-        yield stack, (greedy, seeded)
+        greedy, seeded = stack_requests()
+        alone = (run_streams(stack, greedy, False), run_streams(stack, seeded, False))
+        yield stack, alone
     finally:
         stack.close()
 
 
-def test_stack_batch_invariance(stack_alone: tuple) -> None:
-    from tests.test_stack_model import _assert_invariant
+def vocab_of(model: Path) -> int:
+    return int(json.loads((model / "config.json").read_text())["vocab_size"])
 
+
+def test_stack_batch_invariance(stack_alone: tuple, tiny64: Path) -> None:
     stack, alone = stack_alone
-    _assert_invariant(stack, alone)
+    assert_invariant_within_near_ties(stack, alone, vocab_of(tiny64))
     stack.assert_idle()
 
 
@@ -237,16 +339,15 @@ def test_stack_invariance_chunked_and_preempted(
     scheduler_args: list[str],
 ) -> None:
     from tests.stack import start_stack
-    from tests.test_stack_model import _assert_invariant
 
     stack = start_stack(
         tiny64,
-        engine_args=["--device", "cuda", "--max-num-seqs", "16", *engine_args],
+        engine_args=[*GPU_ENGINE_ARGS, *engine_args],
         scheduler_args=["--max-num-seqs", "16", *scheduler_args],
         log_dir=tmp_path,
     )
     try:
-        _assert_invariant(stack, stack_alone[1])
+        assert_invariant_within_near_ties(stack, stack_alone[1], vocab_of(tiny64))
         stats = stack.assert_idle()
         if "12" in engine_args:
             assert stats.num_preemptions > 0

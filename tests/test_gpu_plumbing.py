@@ -6,6 +6,7 @@ decode graphs' static buffers, both on the kernel emulator (tests/kernel_emu) ag
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import shutil
 import sys
@@ -31,6 +32,7 @@ from engine.mirror import Mirror
 from engine.model import LlamaForCausalLM
 from engine.ops import (
     AttentionContext,
+    DecodeSplits,
     KernelOps,
     ReferenceOps,
     kernel_limits,
@@ -109,6 +111,32 @@ def test_padding_to_the_next_size() -> None:
     assert is_decode_only([5, 9], [0, 1, 2])
     assert not is_decode_only([5, 9], [0, 1, 3])
     assert not is_decode_only([], [0])
+
+
+def test_graph_and_eager_decode_choose_the_same_split_count() -> None:
+    """Issue 24: the decode kernel's split-K count is DecodeSplits' for both paths, from the
+    batch padded to the graph sizes and max_model_len: an eager step of 5 requests (KernelOps.
+    prepare) and the graph of 8 it pads to (DecodeGraphs.context) launch the same count, so they
+    sum in the same order. The kernel's own choice from the eager batch's longest context (what
+    eager decode did before) differs: 1 split against 16 on these shapes."""
+    import kernels.cuda as kc
+
+    sizes = graph_batch_sizes(8)
+    ops = KernelOps()
+    ops.splits = DecodeSplits(2048, tuple(sizes), num_heads=4, num_kv_heads=2, slots=132 * 3)
+    model = type("Model", (), {"ops": ops})()
+    graphs = DecodeGraphs(model, [], sizes, 4, 2048, CPU)  # type: ignore[arg-type]
+    lengths = [3, 40, 17, 64, 9]
+    ctx = AttentionContext(
+        torch.arange(5), torch.zeros((5, 4), dtype=torch.long), lengths, list(range(6)), []
+    )
+    eager = ops.prepare(ctx)
+    graph = graphs.context(8)
+    assert eager.num_splits == graph.num_splits == 16
+    assert {ops.splits.count(n) for n in range(5, 9)} == {graph.num_splits}  # all pad to 8
+    assert kc.decode_num_splits(2 * 5, max(lengths), 132 * 3) == 1  # the old eager choice
+    prefill = ops.prepare(dataclasses.replace(ctx, cu_seqlens_q=[0, 1, 2, 3, 4, 6]))
+    assert prefill.num_splits is None  # not decode-only: the prefill kernel, no split-K
 
 
 # ---- step timeline -----------------------------------------------------------------------------
@@ -344,3 +372,74 @@ def test_decode_graph_buffers_pad_without_touching_the_pool(
         assert not graphs.can_run(context(pool, [(17, 19), (3, 4)], tables[:2]))  # a prefill row
     finally:
         model.set_ops(ReferenceOps())
+
+
+# ---- bf16 comparisons that tolerate near ties (tests/quality.py, issue 24) ---------------------
+
+
+def test_top1_comparison_counts_only_differences_above_the_gap() -> None:
+    from tests.quality import compare_top1, top2_gap
+
+    logits = torch.tensor([[2.0, 1.0, 0.0], [1.0, 1.03, 0.0], [0.0, 0.5, 3.0], [1.0, 0.0, 0.9]])
+    assert torch.allclose(top2_gap(logits), torch.tensor([1.0, 0.03, 2.5, 0.1]))
+    agreement = compare_top1(logits, torch.tensor([0, 0, 2, 2]), eps=0.0625)
+    assert (agreement.same, agreement.near_ties, agreement.positions) == (2, 1, 4)
+    assert agreement.mismatches == [(0, 3, pytest.approx(0.1))]
+    assert agreement.rate == 0.5 and "1 mismatches" in str(agreement)
+
+
+def test_stream_comparison_stops_at_the_first_difference() -> None:
+    from tests.quality import compare_streams
+
+    expected = [[1, 2, 3, 4], [5, 6, 7, 8], [9, 9, 9, 9]]
+    got = [[1, 2, 0, 0], [5, 0, 7, 8], [9, 9, 9, 9]]
+    gaps = [[1.0, 1.0, 0.01, 1.0], [1.0, 0.5, 1.0, 1.0], [1.0] * 4]
+    agreement = compare_streams(expected, got, gaps, eps=0.0625)
+    # row 0: 2 same, then a near tie (gap 0.01); row 1: 1 same, then a mismatch; row 2: 4 same
+    assert (agreement.positions, agreement.same, agreement.near_ties) == (3 + 2 + 4, 7, 1)
+    assert agreement.mismatches == [(1, 1, 0.5)]
+
+
+def test_seeded_margins_see_the_samplers_draw() -> None:
+    """The best seeded score over the vocabulary is the token engine/sampler.py draws for that
+    seed and output index; from the top 5 logprobs alone the margin is a lower bound of the
+    one from all of them."""
+    from common.sampling import normalized
+    from engine.sampler import Sampler
+    from protos.common_pb2 import SamplingParams
+    from tests.quality import seeded_margins, seeded_scores
+
+    vocab, seed, temperature, n = 50, 7, 0.9, 8
+    logits = torch.randn(n, vocab, generator=torch.Generator().manual_seed(0))
+    params = normalized(SamplingParams(temperature=temperature, seed=seed))
+    drawn = Sampler(CPU).sample(logits, [params] * n, list(range(n))).token_ids.tolist()
+    logprobs = logits.log_softmax(-1)
+    for index in range(n):
+        assert (
+            int(seeded_scores(logprobs[index], temperature, seed, index).argmax()) == drawn[index]
+        )
+    chosen = [float(logprobs[i, t]) for i, t in enumerate(drawn)]
+    full = seeded_margins(drawn, chosen, [list(range(vocab))] * n, logprobs.tolist(),
+                          temperature, seed, vocab)  # fmt: skip
+    top = logprobs.topk(5, dim=-1)
+    bound = seeded_margins(drawn, chosen, top.indices.tolist(), top.values.tolist(),
+                           temperature, seed, vocab)  # fmt: skip
+    assert all(m > 0 for m in full)
+    assert all(b <= m + 1e-6 for b, m in zip(bound, full, strict=True))
+
+
+def test_generate_with_gaps_gives_generates_tokens(tiny_model: Any) -> None:
+    from engine.config import EngineConfig
+    from engine.engine import Engine
+    from llmserve.bench.engine_driver import blocks_needed, generate
+    from tests.quality import generate_with_gaps
+
+    prompts = [[3, 4, 5], [7, 8, 9, 10, 11]]
+    engine = Engine(
+        EngineConfig(
+            model=str(tiny_model()), device="cpu", num_kv_blocks=blocks_needed([3, 5], 6, 16)
+        )
+    )
+    tokens, gaps = generate_with_gaps(engine, prompts, 6)
+    assert tokens == generate(engine, prompts, 6)
+    assert [len(g) for g in gaps] == [6, 6] and all(0 <= g < 100 for row in gaps for g in row)
