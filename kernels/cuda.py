@@ -154,15 +154,27 @@ def _kernel(spec: ModuleSpec, expr: str, device_index: int) -> Any:
     return kernel
 
 
+class _TorchStream:
+    """A raw stream handle with the CUDA stream protocol (`__cuda_stream__` -> (version 0,
+    handle)), which CuPy 14's `Stream.from_external` takes in place of a pointer."""
+
+    def __init__(self, stream_ptr: int):
+        self.stream_ptr = stream_ptr
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        return (0, self.stream_ptr)
+
+
 @lru_cache(maxsize=64)
 def _external_stream(stream_ptr: int, device_index: int) -> Any:
     import cupy
 
-    # CuPy 14 deprecates ExternalStream for Stream.from_external; older CuPy has only the former.
+    # CuPy 14 deprecates ExternalStream(ptr, device) for Stream.from_external(obj), obj being
+    # anything with the CUDA stream protocol; older CuPy has only the former.
     from_external = getattr(cupy.cuda.Stream, "from_external", None)
     if from_external is None:
         return cupy.cuda.ExternalStream(stream_ptr, device_index)
-    return from_external(stream_ptr, device_index)
+    return from_external(_TorchStream(stream_ptr))
 
 
 def _launch(

@@ -443,3 +443,29 @@ def test_generate_with_gaps_gives_generates_tokens(tiny_model: Any) -> None:
     tokens, gaps = generate_with_gaps(engine, prompts, 6)
     assert tokens == generate(engine, prompts, 6)
     assert [len(g) for g in gaps] == [6, 6] and all(0 <= g < 100 for row in gaps for g in row)
+
+
+def test_kernels_launch_on_torchs_stream_through_the_cuda_stream_protocol(monkeypatch) -> None:
+    """CuPy 14's Stream.from_external takes an object with `__cuda_stream__` (not a pointer);
+    older CuPy gets ExternalStream(ptr, device). Checked against a stand-in cupy module."""
+    import sys
+    import types
+
+    import kernels.cuda as kc
+
+    seen: list[object] = []
+    stream_cls = type("Stream", (), {"from_external": staticmethod(lambda obj: seen.append(obj))})
+    fake = types.SimpleNamespace(cuda=types.SimpleNamespace(Stream=stream_cls))
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    kc._external_stream.cache_clear()
+    kc._external_stream(0xABC0, 0)
+    assert seen[0].__cuda_stream__() == (0, 0xABC0)
+
+    old = []
+    fake.cuda = types.SimpleNamespace(
+        Stream=type("Stream", (), {}), ExternalStream=lambda ptr, dev: old.append((ptr, dev))
+    )
+    kc._external_stream.cache_clear()
+    kc._external_stream(0xABC0, 1)
+    assert old == [(0xABC0, 1)]
+    kc._external_stream.cache_clear()
