@@ -73,7 +73,7 @@ class GatewayConfig(PeerSecurity):
     api_keys: str | None = setting(
         None,
         "a JSON file of client keys, each naming a tenant, and the tenants' weights and quotas "
-        "(README: Tenants, quotas and the admin API); every HTTP and gRPC client then needs one "
+        "(docs/tenants.md); every HTTP and gRPC client then needs one "
         "of its keys (or --api-key, the default tenant's)",
     )
     admin_key: str | None = setting(

@@ -7,7 +7,7 @@ layer stays Q4_1, so the engine loads it as it loads the target).
 
 The draft keeps the first num-layers - keep-last layers and the last keep-last ones, renumbered
 0 .. num-layers - 1. It is not a trained small model: the layers were trained to feed the layers
-after them, not the LM head, so expect few accepted proposals (README, "Speculative decoding").
+after them, not the LM head, so expect few accepted proposals (docs/speculative-decoding.md).
 There is no smaller SmolLM2 with the same tokenizer on this machine and nothing is downloaded;
 a real draft (a smaller model of the same family and tokenizer) is passed as is. The file is
 generated, not committed.
