@@ -29,7 +29,8 @@ from llmserve.bench.metrics import percentile  # noqa: E402
 from llmserve.bench.report import hardware, save  # noqa: E402
 from llmserve.bench.workload import exact_length_prompts  # noqa: E402
 from llmserve.client import Client, make_request  # noqa: E402
-from llmserve.launcher import serve_locally, stats_delta  # noqa: E402
+from llmserve.serve_flags import serve_locally  # noqa: E402
+from llmserve.stats import stats_delta  # noqa: E402
 
 
 def run_stream(

@@ -58,7 +58,7 @@ from engine.config import EngineConfig  # noqa: E402
 from engine.fake import FakeEngineConfig  # noqa: E402
 from gateway.config import GatewayConfig  # noqa: E402
 from llmserve.bench.report import git_commit, hardware, save  # noqa: E402
-from llmserve.launcher import Stack, local_stack  # noqa: E402
+from llmserve.stack import Stack, local_stack  # noqa: E402
 from protos import (  # noqa: E402
     admin_pb2,
     admin_pb2_grpc,

@@ -34,7 +34,7 @@ from common.net import wait_until_serving  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.fake import FakeEngineConfig  # noqa: E402
 from llmserve.bench.report import cpu_model, save  # noqa: E402
-from llmserve.launcher import Stack, local_stack  # noqa: E402
+from llmserve.stack import Stack, local_stack  # noqa: E402
 from protos import common_pb2, scheduler_pb2, scheduler_pb2_grpc  # noqa: E402
 from scheduler.config import SchedulerConfig  # noqa: E402
 

@@ -32,7 +32,7 @@ from llmserve.bench.metrics import summarize  # noqa: E402
 from llmserve.bench.report import git_commit, hardware  # noqa: E402
 from llmserve.bench.runner import run_benchmark, warm_up  # noqa: E402
 from llmserve.bench.workload import WorkloadConfig  # noqa: E402
-from llmserve.launcher import serve_locally  # noqa: E402
+from llmserve.serve_flags import serve_locally  # noqa: E402
 
 POLICIES = ("round-robin", "least-load", "prefix")
 COUNTERS = (

@@ -36,7 +36,8 @@ sys.path.insert(0, str(ROOT))
 from llmserve.bench.cli import spec_summary  # noqa: E402
 from llmserve.bench.report import hardware, save  # noqa: E402
 from llmserve.client import Client, make_request  # noqa: E402
-from llmserve.launcher import serve_locally, stats_delta  # noqa: E402
+from llmserve.serve_flags import serve_locally  # noqa: E402
+from llmserve.stats import stats_delta  # noqa: E402
 
 PASSAGES = [
     "The river town woke slowly. Fishermen pulled their boats onto the gravel, the baker "

@@ -49,7 +49,8 @@ from llmserve.bench.metrics import RequestRecord, summarize  # noqa: E402
 from llmserve.bench.report import git_commit, hardware, record_json, save  # noqa: E402
 from llmserve.bench.runner import run_benchmark, warm_up  # noqa: E402
 from llmserve.bench.workload import BenchRequest, LogNormal, exact_length_prompts  # noqa: E402
-from llmserve.launcher import serve_locally, stats_delta  # noqa: E402
+from llmserve.serve_flags import serve_locally  # noqa: E402
+from llmserve.stats import stats_delta  # noqa: E402
 
 POLICIES = ("continuous", "static")
 SYSTEMS = (*POLICIES, "hf_generate")

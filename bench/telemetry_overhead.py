@@ -38,7 +38,8 @@ from llmserve.bench.otlp import OtlpReceiver  # noqa: E402
 from llmserve.bench.report import hardware, save  # noqa: E402
 from llmserve.bench.workload import exact_length_prompts  # noqa: E402
 from llmserve.client import Client, make_request  # noqa: E402
-from llmserve.launcher import free_port, serve_locally  # noqa: E402
+from llmserve.serve_flags import serve_locally  # noqa: E402
+from llmserve.topology import free_port  # noqa: E402
 
 SETTINGS = ("off", "default", "tracing")
 

@@ -49,7 +49,7 @@ sys.path.insert(0, str(ROOT))
 
 from common.model_config import builtin_model_path  # noqa: E402
 from llmserve.bench.report import git_commit, hardware  # noqa: E402
-from llmserve.launcher import free_ports  # noqa: E402
+from llmserve.topology import free_ports  # noqa: E402
 
 SCHEMA = "llmserve-vs-llamacpp/1"
 SERVERS = ("llamacpp", "llmserve")

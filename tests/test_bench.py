@@ -777,7 +777,7 @@ def test_stats_delta_handles_every_field_kind() -> None:
     """stats_delta over SchedulerStats' scalar counters and gauges, its per-position repeated
     counters, its map of preemptions by reason and its per-tenant rows (a new tenant counts from
     0): every field kind the message has."""
-    from llmserve.launcher import stats_delta
+    from llmserve.stats import stats_delta
     from protos import scheduler_pb2
 
     before = scheduler_pb2.SchedulerStats(num_steps=10, num_running=3, ready=True)

@@ -117,7 +117,8 @@ def test_no_import_cycles() -> None:
         "engine.fake",
         "engine.convert",
         "llmserve.cli",
-        "llmserve.launcher",
+        "llmserve.stack",
+        "llmserve.serve_flags",
         "llmserve.client",
     ],
 )

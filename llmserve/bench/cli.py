@@ -274,7 +274,7 @@ def _bench(
     and whose logs go with an error."""
     from llmserve.bench.report import format_run, result_document, run_entry
     from llmserve.bench.runner import run_benchmark, warm_up
-    from llmserve.launcher import stats_delta
+    from llmserve.stats import stats_delta
 
     targets = parse_goodput(args.goodput)
     runs: list[dict[str, Any]] = []
@@ -366,7 +366,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_offline(args: argparse.Namespace) -> int:
-    from llmserve.launcher import StackError, parse_serve_flags, serve_locally
+    from llmserve.serve_flags import parse_serve_flags, serve_locally
+    from llmserve.stack import StackError
 
     serve_args = [a for a in args.serve_args if a != "--"] if args.serve_args else []
     model = parse_serve_flags(serve_args).model
