@@ -8,7 +8,7 @@ gRPC), at batch 1 / 16 / 64, for each change that went into the CPU engine:
     cpu ops + int8                 --quantization int8 (kernels/cpu_int8.cpp)
     cpu ops + int8 + bf16 KV       --kv-cache-dtype bf16
 
-    python bench/cpu_engine_steps.py [--out bench/results/cpu_engine_steps.json]
+    python -m bench.cpu_engine_steps [--out bench/results/cpu_engine_steps.json]
 
 Each row: 128-token prompts prefilled, 3 warm-up decode steps, then the median of --steps timed
 decode steps. Greedy tokens are recorded, so a row that computes something else shows.
@@ -18,20 +18,18 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.ops import ReferenceOps
+from llmserve.bench.engine_driver import Driver
+from llmserve.bench.report import hardware, save
 
-from engine.config import EngineConfig  # noqa: E402
-from engine.engine import Engine  # noqa: E402
-from engine.ops import ReferenceOps  # noqa: E402
-from llmserve.bench.engine_driver import Driver  # noqa: E402
-from llmserve.bench.report import hardware, save  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 MODES: list[tuple[str, dict[str, Any], bool, bool]] = [
     # (name, engine config fields, reference ops, forward on another thread)

@@ -1,6 +1,6 @@
 """Issue 2's CPU benchmark: 16 concurrent streams through the whole stack vs HF transformers.
 
-    python bench/cpu_stack.py [--out bench/results/cpu_stack.json]
+    python -m bench.cpu_stack [--out bench/results/cpu_stack.json]
 
 Workload: 16 prompts of exactly 128 tokens (raw text, no template), 128 output tokens each,
 greedy, EOS ignored, sent at once to a freshly started `llmserve serve` on the built-in
@@ -14,23 +14,21 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import threading
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from common.model_config import builtin_model_path
+from gateway.tokenizer import Tokenizer
+from llmserve.bench.hf import load_model, timed_generate
+from llmserve.bench.metrics import percentile
+from llmserve.bench.report import hardware, save
+from llmserve.bench.workload import exact_length_prompts
+from llmserve.client import Client, make_request
+from llmserve.serve_flags import serve_locally
+from llmserve.stats import stats_delta
 
-from common.model_config import builtin_model_path  # noqa: E402
-from gateway.tokenizer import Tokenizer  # noqa: E402
-from llmserve.bench.hf import load_model, timed_generate  # noqa: E402
-from llmserve.bench.metrics import percentile  # noqa: E402
-from llmserve.bench.report import hardware, save  # noqa: E402
-from llmserve.bench.workload import exact_length_prompts  # noqa: E402
-from llmserve.client import Client, make_request  # noqa: E402
-from llmserve.serve_flags import serve_locally  # noqa: E402
-from llmserve.stats import stats_delta  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def run_stream(

@@ -1,7 +1,7 @@
 """Issue 15's cost of tensor parallelism on the CPU: one decode step of an engine group at
 T = 1, 2, 3 (gloo, every rank a process of this machine), and the time its all-reduces take.
 
-    python bench/tp_cpu.py [--out bench/results/tp_cpu.json] [--steps 15] [--batches 1,16,64]
+    python -m bench.tp_cpu [--out bench/results/tp_cpu.json] [--steps 15] [--batches 1,16,64]
                            [--models builtin,wide,stack]
 
 Two models: the built-in SmolLM2-135M (int8, 3 KV heads: T = 1 and 3 only) and a dummy
@@ -28,23 +28,21 @@ import argparse
 import functools
 import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+import torch
+import torch.distributed as dist
+
+from engine.config import EngineConfig
+from engine.parallel import TPGroup
+from engine.ranks import run_group_locally
+from llmserve.bench.engine_driver import Driver
+from llmserve.bench.report import hardware, save
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-from engine.config import EngineConfig  # noqa: E402
-from engine.parallel import TPGroup  # noqa: E402
-from engine.ranks import run_group_locally  # noqa: E402
-from llmserve.bench.engine_driver import Driver  # noqa: E402
-from llmserve.bench.report import hardware, save  # noqa: E402
 
 PROMPT_LEN = 128
 WIDE = {  # a Llama shape that T = 1, 2 and 3 all split evenly
