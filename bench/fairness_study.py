@@ -57,6 +57,7 @@ from gateway.config import GatewayConfig
 from llmserve.bench.byte_tokenizer import EOS_TOKEN_ID, TINY_VOCAB, write_byte_tokenizer
 from llmserve.bench.report import git_commit, hardware, save
 from llmserve.stack import Stack, local_stack
+from llmserve.stats import stats_delta
 from protos import (
     admin_pb2,
     admin_pb2_grpc,
@@ -348,18 +349,14 @@ def run_saturated(name: str, args: argparse.Namespace, tokenizer: Path) -> dict[
         _, snaps = asyncio.run(drive(stack, streams, duration, args.seed, 0.5, windows))
     finally:
         stack.stop()
-    t1, t2 = tenant_table(snaps["t1"]), tenant_table(snaps["t2"])
-
-    def delta(tenant: str, key: str) -> float:
-        return t2[tenant][key] - t1[tenant][key]
-
+    window = stats_delta(snaps["t1"], snaps["t2"])["tenants"]  # counters' deltas, weights
     served = {}
     for tenant in ("A", "B"):
-        weighted = delta(tenant, "virtual_tokens") * t2[tenant]["weight"]
+        row = window[tenant]
         served[tenant] = {
-            "weighted_service": round(weighted, 1),
-            "prompt_tokens": delta(tenant, "prompt_tokens"),
-            "generated_tokens": delta(tenant, "generated_tokens"),
+            "weighted_service": round(row["virtual_tokens"] * row["weight"], 1),
+            "prompt_tokens": int(row["num_prompt_tokens"]),
+            "generated_tokens": int(row["num_generated_tokens"]),
         }
     ratio = served["A"]["weighted_service"] / served["B"]["weighted_service"]
     gen_ratio = served["A"]["generated_tokens"] / max(1, served["B"]["generated_tokens"])

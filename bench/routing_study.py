@@ -30,6 +30,7 @@ from llmserve.bench.report import git_commit, hardware
 from llmserve.bench.runner import run_benchmark, warm_up
 from llmserve.bench.workload import WorkloadConfig
 from llmserve.serve_flags import serve_locally
+from llmserve.stats import stats_delta
 
 POLICIES = ("round-robin", "least-load", "prefix")
 COUNTERS = (
@@ -63,10 +64,9 @@ def parse_args() -> argparse.Namespace:
 
 
 def counter_deltas(before: list[Any], after: list[Any]) -> list[dict[str, int]]:
-    return [
-        {k: getattr(a, k) - getattr(b, k) for k in COUNTERS}
-        for b, a in zip(before, after, strict=True)
-    ]
+    """Each replica's COUNTERS accumulated between its two readings."""
+    deltas = [stats_delta(b, a) for b, a in zip(before, after, strict=True)]
+    return [{k: int(delta[k]) for k in COUNTERS} for delta in deltas]
 
 
 async def measure(

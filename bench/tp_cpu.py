@@ -39,7 +39,7 @@ import torch.distributed as dist
 from engine.config import EngineConfig
 from engine.parallel import TPGroup
 from engine.ranks import run_group_locally
-from llmserve.bench.engine_driver import Driver
+from llmserve.bench.engine_driver import time_decode_steps
 from llmserve.bench.report import hardware, save
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -91,24 +91,8 @@ def time_steps(engine: Any, parallel: Any, batches: list[int], steps: int) -> li
     timed = _Timed(parallel.tp) if parallel is not None else None
     rows = []
     for batch in batches:
-        driver = Driver(engine)
-        driver.start([[100 + i] * (PROMPT_LEN - 1) + [5] for i in range(batch)])
-        for _ in range(3):
-            driver.decode()
-        if timed is not None:
-            timed.reset()
-        times = []
-        for _ in range(steps):
-            t0 = time.perf_counter()
-            driver.decode()
-            times.append((time.perf_counter() - t0) * 1e3)
-        row: dict[str, Any] = {
-            "batch": batch,
-            "step_ms_median": round(statistics.median(times), 2),
-            "step_ms": [round(t, 2) for t in times],
-            "tokens_per_s": round(batch * 1e3 / statistics.median(times), 1),
-            "first_tokens": driver.generated[0][:8],
-        }
+        warmed = timed.reset if timed is not None else None
+        row = time_decode_steps(engine, batch, steps, PROMPT_LEN, warmed)
         if timed is not None:
             row["all_reduce_ms"] = round(timed.seconds["all_reduce"] * 1e3 / steps, 2)
             row["all_reduces_per_step"] = timed.calls["all_reduce"] // steps
