@@ -13,37 +13,44 @@ run while the stack is stopped so the two never share the CPU.
 from __future__ import annotations
 
 import argparse
+import asyncio
+import math
 import statistics
-import threading
 import time
 from pathlib import Path
 
 from common.model_config import builtin_model_path
 from gateway.tokenizer import Tokenizer
+from llmserve.bench.arrivals import ArrivalConfig
+from llmserve.bench.backends import GrpcBackend, SamplingConfig
 from llmserve.bench.hf import load_model, timed_generate
-from llmserve.bench.metrics import percentile
+from llmserve.bench.metrics import RequestRecord, summarize
 from llmserve.bench.report import hardware, save
-from llmserve.bench.workload import exact_length_prompts
-from llmserve.client import Client, make_request
+from llmserve.bench.runner import run_benchmark, warm_up
+from llmserve.bench.workload import BenchRequest, exact_length_prompts
 from llmserve.serve_flags import serve_locally
+from llmserve.stack import Stack
 from llmserve.stats import stats_delta
+from protos.scheduler_pb2 import SchedulerStats
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def run_stream(
-    address: str, prompt: str, max_tokens: int, out: dict, start: threading.Event
-) -> None:
-    with Client(address) as client:
-        request = make_request(text=prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-        start.wait()
-        t0 = time.perf_counter()
-        times, counts = [], []
-        for msg in client.stream(request):
-            if msg.token_ids:
-                times.append(time.perf_counter())
-                counts.append(len(msg.token_ids))
-        out.update(t0=t0, times=times, counts=counts)
+async def stream_all(
+    stack: Stack, prompts: list[str], max_tokens: int
+) -> tuple[list[RequestRecord], SchedulerStats, SchedulerStats]:
+    """One short warm-up request, then every prompt sent at once through `llmserve bench`'s
+    gRPC backend; the records and the scheduler's stats before and after."""
+    backend = GrpcBackend(stack.gateway_address, SamplingConfig(temperature=0.0, ignore_eos=True))
+    requests = [BenchRequest(0, max_tokens, text=p) for p in prompts]  # prompt lengths unused
+    try:
+        await warm_up(backend, [BenchRequest(0, 8, text=prompts[0])], 1)
+        before = await asyncio.to_thread(stack.scheduler_stats)
+        records = await run_benchmark(backend, requests, ArrivalConfig(math.inf))
+        after = await asyncio.to_thread(stack.scheduler_stats)
+    finally:
+        await backend.close()
+    return records, before, after
 
 
 def bench_stack(
@@ -61,29 +68,15 @@ def bench_stack(
     serve_args += extra_args or []
     metrics = (env or {}).get("LLMSERVE_METRICS_PORT") != "0"
     with serve_locally(serve_args, 300, env=env, metrics=metrics) as stack:
-        address = stack.gateway_address
-        with Client(address) as client:  # warm-up: one short request
-            client.generate(make_request(text=prompts[0], max_tokens=8, temperature=0.0))
-        before = stack.scheduler_stats()
-        results: list[dict] = [{} for _ in prompts]
-        start = threading.Event()
-        workers = [
-            threading.Thread(target=run_stream, args=(address, p, max_tokens, r, start))
-            for p, r in zip(prompts, results, strict=True)
-        ]
-        for w in workers:
-            w.start()
-        time.sleep(0.5)  # all channels connected
-        start.set()
-        for w in workers:
-            w.join()
-        after = stack.scheduler_stats()
-    t_start = min(r["t0"] for r in results)
-    t_end = max(r["times"][-1] for r in results)
-    num_tokens = sum(sum(r["counts"]) for r in results)
+        records, before, after = asyncio.run(stream_all(stack, prompts, max_tokens))
+    failed = [f"{r.status}: {r.error}" for r in records if not r.ok]
+    assert not failed, failed
+    t_start = min(r.start_s for r in records)
+    t_end = max(r.start_s + r.chunk_times_s[-1] for r in records)
+    num_tokens = sum(r.num_output_tokens for r in records)
     assert num_tokens == len(prompts) * max_tokens, num_tokens
-    ttft = [(r["times"][0] - r["t0"]) * 1e3 for r in results]
-    itl = [(b - a) * 1e3 for r in results for a, b in zip(r["times"], r["times"][1:], strict=False)]
+    latencies = summarize(records)
+    ttft, itl = latencies["ttft_ms"], latencies["itl_ms"]
     delta = stats_delta(before, after)
     steps = max(delta["num_steps"], 1.0)
     per_step = {
@@ -102,8 +95,8 @@ def bench_stack(
         "output_tokens": num_tokens,
         "wall_s": wall,
         "output_tokens_per_s": num_tokens / wall,
-        "ttft_ms": {"p50": percentile(ttft, 50), "p99": percentile(ttft, 99)},
-        "itl_ms": {"p50": percentile(itl, 50), "p99": percentile(itl, 99)},
+        "ttft_ms": {"p50": ttft["p50"], "p99": ttft["p99"]},
+        "itl_ms": {"p50": itl["p50"], "p99": itl["p99"]},
         "num_steps": delta["num_steps"],
         "step_ms": wall * 1e3 / steps,
         "per_step": per_step,
