@@ -796,3 +796,27 @@ def test_stats_delta_handles_every_field_kind() -> None:
     assert delta["tenants"]["a"]["num_generated_tokens"] == 4.0
     assert delta["tenants"]["a"]["weight"] == 2.0 and delta["tenants"]["a"]["num_running"] == 2.0
     assert delta["tenants"]["b"]["virtual_tokens"] == 8.0
+
+
+def test_summed_stats_adds_the_replicas_field_by_field() -> None:
+    """Stack.scheduler_stats over replicas: numbers summed, bools or-ed (ready: and-ed), maps
+    summed by key, repeated counters by position, per-tenant rows listed one after another; one
+    replica's stats are its own."""
+    from llmserve.stats import summed_stats
+    from protos import scheduler_pb2
+
+    a = scheduler_pb2.SchedulerStats(num_steps=10, num_running=3, ready=True, draining=False)
+    a.num_spec_draft_tokens_per_pos.extend([4, 2])
+    a.num_preemptions_by_reason["memory"] = 1
+    a.tenants.add(tenant="t", num_generated_tokens=5)
+    b = scheduler_pb2.SchedulerStats(num_steps=5, num_running=1, ready=False, draining=True)
+    b.num_spec_draft_tokens_per_pos.extend([1, 1, 1])
+    b.num_preemptions_by_reason.update({"memory": 2, "fair": 1})
+    b.tenants.add(tenant="t", num_generated_tokens=7)
+    total = summed_stats([a, b])
+    assert (total.num_steps, total.num_running) == (15, 4)
+    assert (total.ready, total.draining) == (False, True)
+    assert list(total.num_spec_draft_tokens_per_pos) == [5, 3, 1]
+    assert dict(total.num_preemptions_by_reason) == {"memory": 3, "fair": 1}
+    assert [t.num_generated_tokens for t in total.tenants] == [5, 7]
+    assert summed_stats([a]) is a
