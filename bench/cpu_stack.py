@@ -24,33 +24,13 @@ from gateway.tokenizer import Tokenizer
 from llmserve.bench.arrivals import ArrivalConfig
 from llmserve.bench.backends import GrpcBackend, SamplingConfig
 from llmserve.bench.hf import load_model, timed_generate
-from llmserve.bench.metrics import RequestRecord, summarize
+from llmserve.bench.metrics import summarize
 from llmserve.bench.report import hardware, save
-from llmserve.bench.runner import run_benchmark, warm_up
+from llmserve.bench.runner import measure_stack
 from llmserve.bench.workload import BenchRequest, exact_length_prompts
 from llmserve.serve_flags import serve_locally
-from llmserve.stack import Stack
-from llmserve.stats import stats_delta
-from protos.scheduler_pb2 import SchedulerStats
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-async def stream_all(
-    stack: Stack, prompts: list[str], max_tokens: int
-) -> tuple[list[RequestRecord], SchedulerStats, SchedulerStats]:
-    """One short warm-up request, then every prompt sent at once through `llmserve bench`'s
-    gRPC backend; the records and the scheduler's stats before and after."""
-    backend = GrpcBackend(stack.gateway_address, SamplingConfig(temperature=0.0, ignore_eos=True))
-    requests = [BenchRequest(0, max_tokens, text=p) for p in prompts]  # prompt lengths unused
-    try:
-        await warm_up(backend, [BenchRequest(0, 8, text=prompts[0])], 1)
-        before = await asyncio.to_thread(stack.scheduler_stats)
-        records = await run_benchmark(backend, requests, ArrivalConfig(math.inf))
-        after = await asyncio.to_thread(stack.scheduler_stats)
-    finally:
-        await backend.close()
-    return records, before, after
 
 
 def bench_stack(
@@ -66,9 +46,13 @@ def bench_stack(
     engine groups)."""
     serve_args = ["--kv-cache-gb", "1"] + (["--num-threads", str(threads)] if threads else [])
     serve_args += extra_args or []
+    requests = [BenchRequest(0, max_tokens, text=p) for p in prompts]  # prompt lengths unused
     metrics = (env or {}).get("LLMSERVE_METRICS_PORT") != "0"
     with serve_locally(serve_args, 300, env=env, metrics=metrics) as stack:
-        records, before, after = asyncio.run(stream_all(stack, prompts, max_tokens))
+        backend = GrpcBackend(stack.gateway_address, SamplingConfig(0.0, ignore_eos=True))
+        # One request of at most 16 tokens to warm up, then every prompt at once.
+        measured = measure_stack(stack, backend, requests, ArrivalConfig(math.inf), 1)
+        records, delta = asyncio.run(measured)
     failed = [f"{r.status}: {r.error}" for r in records if not r.ok]
     assert not failed, failed
     t_start = min(r.start_s for r in records)
@@ -77,7 +61,6 @@ def bench_stack(
     assert num_tokens == len(prompts) * max_tokens, num_tokens
     latencies = summarize(records)
     ttft, itl = latencies["ttft_ms"], latencies["itl_ms"]
-    delta = stats_delta(before, after)
     steps = max(delta["num_steps"], 1.0)
     per_step = {
         "schedule_ms": delta["schedule_ms"] / steps,

@@ -24,8 +24,8 @@ from typing import Any
 
 from llmserve.bench.arrivals import ArrivalConfig
 from llmserve.bench.backends import GrpcBackend, SamplingConfig
-from llmserve.bench.cli import requests_maker
 from llmserve.bench.metrics import summarize
+from llmserve.bench.options import requests_maker
 from llmserve.bench.report import git_commit, hardware
 from llmserve.bench.runner import run_benchmark, warm_up
 from llmserve.bench.workload import WorkloadConfig

@@ -820,3 +820,27 @@ def test_summed_stats_adds_the_replicas_field_by_field() -> None:
     assert dict(total.num_preemptions_by_reason) == {"memory": 3, "fair": 1}
     assert [t.num_generated_tokens for t in total.tenants] == [5, 7]
     assert summed_stats([a]) is a
+
+
+def test_ab_summary_is_each_sides_median_over_its_rounds() -> None:
+    """`llmserve bench ab`'s table: per side, the median over its rounds of each figure (a run
+    without one, such as TPOT of one-token outputs, is left out), and B / A."""
+    from llmserve.bench.ab import format_ab, side_medians
+
+    def run(side: str, tok_s: float, ttft_p50: float, tpot: float | None) -> dict[str, Any]:
+        dist = {"mean": 1.0, "p50": ttft_p50, "p90": 1.0, "p99": 2 * ttft_p50, "max": 9.0}
+        tpot_ms = {**dist, "p50": tpot} if tpot is not None else None
+        metrics = {"output_throughput": tok_s, "request_throughput": 1.0, "ttft_ms": dist,
+                   "tpot_ms": tpot_ms, "itl_ms": dist}  # fmt: skip
+        return {"side": side, "metrics": metrics}
+
+    runs = [run("a", 10.0, 100.0, 5.0), run("b", 30.0, 50.0, None), run("a", 20.0, 300.0, 7.0),
+            run("b", 40.0, 70.0, None), run("a", 90.0, 200.0, None)]  # fmt: skip
+    a, b = side_medians(runs, "a"), side_medians(runs, "b")
+    assert (a["output tok/s"], b["output tok/s"]) == (20.0, 35.0)
+    assert (a["TTFT p50 ms"], a["TTFT p99 ms"], b["TTFT p50 ms"]) == (200.0, 400.0, 60.0)
+    assert (a["TPOT p50 ms"], b["TPOT p50 ms"]) == (6.0, None)
+    lines = {line[:20].strip(): line[20:].split() for line in format_ab(runs).splitlines()}
+    assert lines["output tok/s"] == ["20.00", "35.00", "1.750"]
+    assert lines["TTFT p50 ms"] == ["200.00", "60.00", "0.300"]
+    assert lines["TPOT p50 ms"] == ["6.00", "-", "-"]
