@@ -823,24 +823,27 @@ def test_summed_stats_adds_the_replicas_field_by_field() -> None:
 
 
 def test_ab_summary_is_each_sides_median_over_its_rounds() -> None:
-    """`llmserve bench ab`'s table: per side, the median over its rounds of each figure (a run
-    without one, such as TPOT of one-token outputs, is left out), and B / A."""
+    """`llmserve bench ab`'s table: per side, the median over its rounds of each figure of the
+    sweep table (a run without one, such as TPOT of one-token outputs, is left out), and B / A."""
     from llmserve.bench.ab import format_ab, side_medians
+    from llmserve.bench.metrics import distribution
+    from llmserve.bench.report import SWEEP_COLUMNS
 
     def run(side: str, tok_s: float, ttft_p50: float, tpot: float | None) -> dict[str, Any]:
-        dist = {"mean": 1.0, "p50": ttft_p50, "p90": 1.0, "p99": 2 * ttft_p50, "max": 9.0}
-        tpot_ms = {**dist, "p50": tpot} if tpot is not None else None
-        metrics = {"output_throughput": tok_s, "request_throughput": 1.0, "ttft_ms": dist,
-                   "tpot_ms": tpot_ms, "itl_ms": dist}  # fmt: skip
+        metrics: dict[str, Any] = {key: 1.0 for _, key, stat in SWEEP_COLUMNS if stat is None}
+        metrics.update({key: distribution([1.0]) for _, key, stat in SWEEP_COLUMNS if stat})
+        metrics["output_throughput"], metrics["goodput"] = tok_s, None
+        metrics["ttft_ms"] = {**distribution([1.0]), "p50": ttft_p50, "p99": 2 * ttft_p50}
+        metrics["tpot_ms"] = distribution([tpot] if tpot is not None else [])
         return {"side": side, "metrics": metrics}
 
     runs = [run("a", 10.0, 100.0, 5.0), run("b", 30.0, 50.0, None), run("a", 20.0, 300.0, 7.0),
             run("b", 40.0, 70.0, None), run("a", 90.0, 200.0, None)]  # fmt: skip
     a, b = side_medians(runs, "a"), side_medians(runs, "b")
-    assert (a["output tok/s"], b["output tok/s"]) == (20.0, 35.0)
-    assert (a["TTFT p50 ms"], a["TTFT p99 ms"], b["TTFT p50 ms"]) == (200.0, 400.0, 60.0)
-    assert (a["TPOT p50 ms"], b["TPOT p50 ms"]) == (6.0, None)
+    assert (a["out tok/s"], b["out tok/s"]) == (20.0, 35.0)
+    assert (a["TTFT p50"], a["TTFT p99"], b["TTFT p50"]) == (200.0, 400.0, 60.0)
+    assert (a["TPOT p50"], b["TPOT p50"], a["goodput"]) == (6.0, None, None)
     lines = {line[:20].strip(): line[20:].split() for line in format_ab(runs).splitlines()}
-    assert lines["output tok/s"] == ["20.00", "35.00", "1.750"]
-    assert lines["TTFT p50 ms"] == ["200.00", "60.00", "0.300"]
-    assert lines["TPOT p50 ms"] == ["6.00", "-", "-"]
+    assert lines["out tok/s"] == ["20.00", "35.00", "1.750"]
+    assert lines["TTFT p50"] == ["200.00", "60.00", "0.300"]
+    assert lines["TPOT p50"] == ["6.00", "-", "-"]

@@ -5,7 +5,7 @@ else changes over the run (other load on the machine, clocks, caches) over both 
 
     llmserve bench ab --rounds 3 --a "--max-num-seqs 8" --b "--max-num-seqs 16" [workload options]
 
-Prints each side's median over its rounds (output throughput, TTFT, TPOT, ITL) and B against A;
+Prints each side's median over its rounds of the sweep table's figures and B against A;
 saves every run (with its side, round and scheduler counters) in one result document.
 """
 
@@ -24,16 +24,6 @@ from llmserve.bench.backends import BackendError, GrpcBackend, SamplingConfig
 from llmserve.bench.workload import BenchRequest
 
 SIDES = ("a", "b")
-# (label, metric, statistic or None): what the summary compares, higher better first.
-SUMMARY = (
-    ("output tok/s", "output_throughput", None),
-    ("request/s", "request_throughput", None),
-    ("TTFT p50 ms", "ttft_ms", "p50"),
-    ("TTFT p99 ms", "ttft_ms", "p99"),
-    ("TPOT p50 ms", "tpot_ms", "p50"),
-    ("ITL p50 ms", "itl_ms", "p50"),
-    ("ITL p99 ms", "itl_ms", "p99"),
-)
 
 
 def add_ab_args(p: argparse.ArgumentParser) -> None:
@@ -66,17 +56,15 @@ def run_side(
 
 
 def side_medians(runs: list[dict[str, Any]], side: str) -> dict[str, float | None]:
-    """side's median over its runs of each SUMMARY figure (None where no run has it)."""
+    """side's median over its runs of each figure of the sweep table (report.SWEEP_COLUMNS;
+    None where no run has it)."""
+    from llmserve.bench.report import SWEEP_COLUMNS, sweep_value
+
     out: dict[str, float | None] = {}
-    for label, metric, stat in SUMMARY:
-        values = []
-        for run in runs:
-            if run["side"] == side:
-                value = run["metrics"][metric]
-                value = value.get(stat) if stat is not None and value else value
-                if value is not None:
-                    values.append(float(value))
-        out[label] = statistics.median(values) if values else None
+    for label, key, stat in SWEEP_COLUMNS:
+        values = [sweep_value(r["metrics"], key, stat) for r in runs if r["side"] == side]
+        known = [float(v) for v in values if v is not None]
+        out[label] = statistics.median(known) if known else None
     return out
 
 
