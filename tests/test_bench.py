@@ -847,3 +847,14 @@ def test_ab_summary_is_each_sides_median_over_its_rounds() -> None:
     assert lines["out tok/s"] == ["20.00", "35.00", "1.750"]
     assert lines["TTFT p50"] == ["200.00", "60.00", "0.300"]
     assert lines["TPOT p50"] == ["6.00", "-", "-"]
+
+
+def test_bench_ab_refuses_bad_settings_before_starting_anything(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from llmserve.cli import main
+
+    assert main(["bench", "ab", "--a", "", "--b", "--max-num-seqs 4", "--rounds", "0"]) == 2
+    assert "--rounds 0 must be >= 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # serve's own usage error, for side B's options
+        main(["bench", "ab", "--a", "", "--b", "--no-such-flag"])
