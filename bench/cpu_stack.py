@@ -20,14 +20,13 @@ import time
 from pathlib import Path
 
 from common.model_config import builtin_model_path
-from gateway.tokenizer import Tokenizer
 from llmserve.bench.arrivals import ArrivalConfig
 from llmserve.bench.backends import GrpcBackend, SamplingConfig
 from llmserve.bench.hf import load_model, timed_generate
 from llmserve.bench.metrics import summarize
 from llmserve.bench.report import hardware, save
 from llmserve.bench.runner import measure_stack
-from llmserve.bench.workload import BenchRequest, exact_length_prompts
+from llmserve.bench.workload import BenchRequest, exact_length_prompt_ids
 from llmserve.serve_flags import serve_locally
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -115,9 +114,9 @@ def main() -> None:
     parser.add_argument("--skip-hf", action="store_true")
     args = parser.parse_args()
 
-    tokenizer = Tokenizer.from_model_path(builtin_model_path())
-    prompts = exact_length_prompts(tokenizer, args.streams, args.prompt_tokens)
-    token_ids = [tokenizer.encode(p) for p in prompts]
+    prompts, token_ids = exact_length_prompt_ids(
+        builtin_model_path(), args.streams, args.prompt_tokens
+    )
     stack = bench_stack(prompts, args.output_tokens, args.engine_threads)
     hf = None if args.skip_hf else bench_hf(token_ids, args.output_tokens, args.hf_batch_1_requests)
     result = {

@@ -38,14 +38,13 @@ from pathlib import Path
 from typing import Any
 
 from common.model_config import resolve_model_path
-from gateway.tokenizer import Tokenizer
 from llmserve.bench.arrivals import ArrivalConfig
 from llmserve.bench.backends import GrpcBackend, SamplingConfig
 from llmserve.bench.hf import load_model, timed_generate
 from llmserve.bench.metrics import RequestRecord, summarize
 from llmserve.bench.report import git_commit, hardware, record_json, save
 from llmserve.bench.runner import run_benchmark, warm_up
-from llmserve.bench.workload import BenchRequest, LogNormal, exact_length_prompts
+from llmserve.bench.workload import BenchRequest, LogNormal, exact_length_prompt_ids
 from llmserve.serve_flags import serve_locally
 from llmserve.stats import stats_delta
 
@@ -333,8 +332,9 @@ def main() -> None:
     args = parse_args()
     started = time.perf_counter()
     model_path = resolve_model_path(args.model)
-    tokenizer = Tokenizer.from_model_path(model_path)
-    prompts = exact_length_prompts(tokenizer, args.num_requests, args.prompt_tokens, args.seed)
+    prompts, token_ids = exact_length_prompt_ids(
+        model_path, args.num_requests, args.prompt_tokens, args.seed
+    )
     levels, workloads = build_levels(prompts, args)
     for policy in POLICIES:
         print(f"{policy} batching: starting the stack", flush=True)
@@ -345,7 +345,6 @@ def main() -> None:
         tokens = [[r["token_ids"] for r in level[p]["requests"]] for p in POLICIES]
         level["static_tokens_equal_continuous"] = tokens[0] == tokens[1]
     if not args.skip_hf:
-        token_ids = [tokenizer.encode(p) for p in prompts]
         run_hf_levels(levels, model_path, token_ids, args.batch_size, args.device)
     for level in levels:
         level["ratios"] = ratios(level)

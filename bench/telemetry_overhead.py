@@ -27,10 +27,9 @@ from pathlib import Path
 from bench.cpu_stack import bench_stack
 from common.model_config import builtin_model_path
 from engine.fake import FakeEngineConfig
-from gateway.tokenizer import Tokenizer
 from llmserve.bench.otlp import OtlpReceiver
 from llmserve.bench.report import hardware, save
-from llmserve.bench.workload import exact_length_prompts
+from llmserve.bench.workload import exact_length_prompt_ids
 from llmserve.client import Client, make_request
 from llmserve.serve_flags import serve_locally
 from llmserve.topology import free_port
@@ -155,8 +154,7 @@ def main() -> None:
         save(hooks, args.out)
         print(json.dumps(hooks["hooks"], indent=2))
         return
-    tokenizer = Tokenizer.from_model_path(builtin_model_path())
-    prompts = exact_length_prompts(tokenizer, 16, 128)
+    prompts, _ = exact_length_prompt_ids(builtin_model_path(), 16, 128)
     raw: dict[str, dict[str, list[float]]] = {"model": {}, "echo": {}}
     for r in range(args.rounds):
         for setting in SETTINGS:

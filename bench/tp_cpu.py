@@ -138,11 +138,9 @@ def bench_stacks(max_tokens: int = 64, streams: int = 16) -> list[dict[str, Any]
     """Each STACK_GROUPS entry through `llmserve serve`: output tokens/s, TTFT, ITL."""
     from bench.cpu_stack import bench_stack
     from common.model_config import builtin_model_path
-    from gateway.tokenizer import Tokenizer
-    from llmserve.bench.workload import exact_length_prompts
+    from llmserve.bench.workload import exact_length_prompt_ids
 
-    tokenizer = Tokenizer.from_model_path(builtin_model_path())
-    prompts = exact_length_prompts(tokenizer, streams, PROMPT_LEN)
+    prompts, _ = exact_length_prompt_ids(builtin_model_path(), streams, PROMPT_LEN)
     rows = []
     for name, extra in STACK_GROUPS.items():
         result = bench_stack(prompts, max_tokens, 0, {"LLMSERVE_METRICS_PORT": "0"}, extra)

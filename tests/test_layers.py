@@ -38,9 +38,6 @@ BENCH_SERVICE_IMPORTS = {
     "bench.telemetry_overhead": {"scheduler", "gateway"},  # the telemetry hooks, timed alone
     "bench.fairness_study": {"scheduler", "gateway"},  # its stack's configs
     "bench.overlap_echo": {"scheduler"},  # its stack's configs
-    "bench.cpu_stack": {"gateway"},  # the tokenizer of its exact-length prompts
-    "bench.static_vs_continuous": {"gateway"},  # the same
-    "bench.tp_cpu": {"gateway"},  # the same
 }
 
 
