@@ -8,7 +8,7 @@ gRPC), at batch 1 / 16 / 64, for each change that went into the CPU engine:
     cpu ops + int8                 --quantization int8 (kernels/cpu_int8.cpp)
     cpu ops + int8 + bf16 KV       --kv-cache-dtype bf16
 
-    python bench/cpu_engine_steps.py [--out bench/results/cpu_engine_steps.json]
+    python -m bench.cpu_engine_steps [--out bench/results/cpu_engine_steps.json]
 
 Each row: 128-token prompts prefilled, 3 warm-up decode steps, then the median of --steps timed
 decode steps. Greedy tokens are recorded, so a row that computes something else shows.
@@ -17,21 +17,17 @@ decode steps. Greedy tokens are recorded, so a row that computes something else 
 from __future__ import annotations
 
 import argparse
-import statistics
-import sys
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.ops import ReferenceOps
+from llmserve.bench.engine_driver import time_decode_steps
+from llmserve.bench.report import hardware, save
 
-from engine.config import EngineConfig  # noqa: E402
-from engine.engine import Engine  # noqa: E402
-from engine.ops import ReferenceOps  # noqa: E402
-from llmserve.bench.engine_driver import Driver  # noqa: E402
-from llmserve.bench.report import hardware, save  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 MODES: list[tuple[str, dict[str, Any], bool, bool]] = [
     # (name, engine config fields, reference ops, forward on another thread)
@@ -43,25 +39,6 @@ MODES: list[tuple[str, dict[str, Any], bool, bool]] = [
 ]
 
 
-def time_steps(engine: Engine, batch: int, steps: int) -> dict[str, Any]:
-    driver = Driver(engine)
-    driver.start([[100 + i] * 127 + [5] for i in range(batch)])
-    for _ in range(3):
-        driver.decode()
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        driver.decode()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return {
-        "batch": batch,
-        "step_ms_median": round(statistics.median(times), 2),
-        "step_ms": [round(t, 2) for t in times],
-        "tokens_per_s": round(batch * 1e3 / statistics.median(times), 1),
-        "first_tokens": driver.generated[0][:8],
-    }
-
-
 def run_mode(
     fields: dict[str, Any], reference: bool, other_thread: bool, batches: list[int], steps: int
 ) -> list[dict[str, Any]]:
@@ -69,10 +46,10 @@ def run_mode(
     if reference:
         engine.model.set_ops(ReferenceOps())
     if not other_thread:
-        return [time_steps(engine, b, steps) for b in batches]
+        return [time_decode_steps(engine, b, steps) for b in batches]
     rows: list[dict[str, Any]] = []
     worker = threading.Thread(
-        target=lambda: rows.extend(time_steps(engine, b, steps) for b in batches)
+        target=lambda: rows.extend(time_decode_steps(engine, b, steps) for b in batches)
     )
     worker.start()
     worker.join()

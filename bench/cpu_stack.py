@@ -1,6 +1,6 @@
 """Issue 2's CPU benchmark: 16 concurrent streams through the whole stack vs HF transformers.
 
-    python bench/cpu_stack.py [--out bench/results/cpu_stack.json]
+    python -m bench.cpu_stack [--out bench/results/cpu_stack.json]
 
 Workload: 16 prompts of exactly 128 tokens (raw text, no template), 128 output tokens each,
 greedy, EOS ignored, sent at once to a freshly started `llmserve serve` on the built-in
@@ -13,38 +13,23 @@ run while the stack is stopped so the two never share the CPU.
 from __future__ import annotations
 
 import argparse
+import asyncio
+import math
 import statistics
-import sys
-import threading
 import time
 from pathlib import Path
 
+from common.model_config import builtin_model_path
+from llmserve.bench.arrivals import ArrivalConfig
+from llmserve.bench.backends import GrpcBackend, SamplingConfig
+from llmserve.bench.hf import load_model, timed_generate
+from llmserve.bench.metrics import summarize
+from llmserve.bench.report import hardware, save
+from llmserve.bench.runner import measure_stack
+from llmserve.bench.workload import BenchRequest, exact_length_prompt_ids
+from llmserve.serve_flags import serve_locally
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from common.model_config import builtin_model_path  # noqa: E402
-from gateway.tokenizer import Tokenizer  # noqa: E402
-from llmserve.bench.hf import load_model, timed_generate  # noqa: E402
-from llmserve.bench.metrics import percentile  # noqa: E402
-from llmserve.bench.report import hardware, save  # noqa: E402
-from llmserve.bench.workload import exact_length_prompts  # noqa: E402
-from llmserve.client import Client, make_request  # noqa: E402
-from llmserve.launcher import serve_locally, stats_delta  # noqa: E402
-
-
-def run_stream(
-    address: str, prompt: str, max_tokens: int, out: dict, start: threading.Event
-) -> None:
-    with Client(address) as client:
-        request = make_request(text=prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-        start.wait()
-        t0 = time.perf_counter()
-        times, counts = [], []
-        for msg in client.stream(request):
-            if msg.token_ids:
-                times.append(time.perf_counter())
-                counts.append(len(msg.token_ids))
-        out.update(t0=t0, times=times, counts=counts)
 
 
 def bench_stack(
@@ -60,32 +45,21 @@ def bench_stack(
     engine groups)."""
     serve_args = ["--kv-cache-gb", "1"] + (["--num-threads", str(threads)] if threads else [])
     serve_args += extra_args or []
+    requests = [BenchRequest(0, max_tokens, text=p) for p in prompts]  # prompt lengths unused
     metrics = (env or {}).get("LLMSERVE_METRICS_PORT") != "0"
     with serve_locally(serve_args, 300, env=env, metrics=metrics) as stack:
-        address = stack.gateway_address
-        with Client(address) as client:  # warm-up: one short request
-            client.generate(make_request(text=prompts[0], max_tokens=8, temperature=0.0))
-        before = stack.scheduler_stats()
-        results: list[dict] = [{} for _ in prompts]
-        start = threading.Event()
-        workers = [
-            threading.Thread(target=run_stream, args=(address, p, max_tokens, r, start))
-            for p, r in zip(prompts, results, strict=True)
-        ]
-        for w in workers:
-            w.start()
-        time.sleep(0.5)  # all channels connected
-        start.set()
-        for w in workers:
-            w.join()
-        after = stack.scheduler_stats()
-    t_start = min(r["t0"] for r in results)
-    t_end = max(r["times"][-1] for r in results)
-    num_tokens = sum(sum(r["counts"]) for r in results)
+        backend = GrpcBackend(stack.gateway_address, SamplingConfig(0.0, ignore_eos=True))
+        # One request of at most 16 tokens to warm up, then every prompt at once.
+        measured = measure_stack(stack, backend, requests, ArrivalConfig(math.inf), 1)
+        records, delta = asyncio.run(measured)
+    failed = [f"{r.status}: {r.error}" for r in records if not r.ok]
+    assert not failed, failed
+    t_start = min(r.start_s for r in records)
+    t_end = max(r.start_s + r.chunk_times_s[-1] for r in records)
+    num_tokens = sum(r.num_output_tokens for r in records)
     assert num_tokens == len(prompts) * max_tokens, num_tokens
-    ttft = [(r["times"][0] - r["t0"]) * 1e3 for r in results]
-    itl = [(b - a) * 1e3 for r in results for a, b in zip(r["times"], r["times"][1:], strict=False)]
-    delta = stats_delta(before, after)
+    latencies = summarize(records)
+    ttft, itl = latencies["ttft_ms"], latencies["itl_ms"]
     steps = max(delta["num_steps"], 1.0)
     per_step = {
         "schedule_ms": delta["schedule_ms"] / steps,
@@ -103,8 +77,8 @@ def bench_stack(
         "output_tokens": num_tokens,
         "wall_s": wall,
         "output_tokens_per_s": num_tokens / wall,
-        "ttft_ms": {"p50": percentile(ttft, 50), "p99": percentile(ttft, 99)},
-        "itl_ms": {"p50": percentile(itl, 50), "p99": percentile(itl, 99)},
+        "ttft_ms": {"p50": ttft["p50"], "p99": ttft["p99"]},
+        "itl_ms": {"p50": itl["p50"], "p99": itl["p99"]},
         "num_steps": delta["num_steps"],
         "step_ms": wall * 1e3 / steps,
         "per_step": per_step,
@@ -140,9 +114,9 @@ def main() -> None:
     parser.add_argument("--skip-hf", action="store_true")
     args = parser.parse_args()
 
-    tokenizer = Tokenizer.from_model_path(builtin_model_path())
-    prompts = exact_length_prompts(tokenizer, args.streams, args.prompt_tokens)
-    token_ids = [tokenizer.encode(p) for p in prompts]
+    prompts, token_ids = exact_length_prompt_ids(
+        builtin_model_path(), args.streams, args.prompt_tokens
+    )
     stack = bench_stack(prompts, args.output_tokens, args.engine_threads)
     hf = None if args.skip_hf else bench_hf(token_ids, args.output_tokens, args.hf_batch_1_requests)
     result = {

@@ -1,9 +1,9 @@
 """The scheduling-policy study (issue 18): two tenants on one server, through the whole stack
 (gRPC client -> gateway -> scheduler -> engine), under --scheduling-policy fcfs, fair, priority.
 
-    python bench/fairness_study.py                          # every scenario, then the plot
-    python bench/fairness_study.py --scenarios alone fcfs   # some; merged into --output
-    python bench/fairness_study.py --plot-only
+    python -m bench.fairness_study                          # every scenario, then the plot
+    python -m bench.fairness_study --scenarios alone fcfs   # some; merged into --output
+    python -m bench.fairness_study --plot-only
 
 The engine is the echo engine (engine/fake.py) with a step time modelled on the built-in model's
 on this machine's CPU (bench/results/cpu_engine_steps.json, "cpu ops": 40 ms for a 1-token step,
@@ -49,17 +49,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+import grpc
 
-import grpc  # noqa: E402
-
-from engine.config import EngineConfig  # noqa: E402
-from engine.fake import FakeEngineConfig  # noqa: E402
-from gateway.config import GatewayConfig  # noqa: E402
-from llmserve.bench.report import git_commit, hardware, save  # noqa: E402
-from llmserve.launcher import Stack, local_stack  # noqa: E402
-from protos import (  # noqa: E402
+from engine.config import EngineConfig
+from engine.fake import FakeEngineConfig
+from gateway.config import GatewayConfig
+from llmserve.bench.byte_tokenizer import EOS_TOKEN_ID, TINY_VOCAB, write_byte_tokenizer
+from llmserve.bench.report import git_commit, hardware, save
+from llmserve.stack import Stack, local_stack
+from llmserve.stats import stats_delta
+from protos import (
     admin_pb2,
     admin_pb2_grpc,
     api_pb2,
@@ -67,8 +66,9 @@ from protos import (  # noqa: E402
     common_pb2,
     scheduler_pb2,
 )
-from scheduler.config import SchedulerConfig  # noqa: E402
-from tests.factories import EOS_TOKEN_ID, TINY_VOCAB, write_byte_tokenizer  # noqa: E402
+from scheduler.config import SchedulerConfig
+
+ROOT = Path(__file__).resolve().parent.parent
 
 SCENARIOS = (
     "alone", "fcfs", "fair", "alone_sync", "fair_sync", "fair_1_1", "fair_2_1", "priority_fcfs",
@@ -349,18 +349,14 @@ def run_saturated(name: str, args: argparse.Namespace, tokenizer: Path) -> dict[
         _, snaps = asyncio.run(drive(stack, streams, duration, args.seed, 0.5, windows))
     finally:
         stack.stop()
-    t1, t2 = tenant_table(snaps["t1"]), tenant_table(snaps["t2"])
-
-    def delta(tenant: str, key: str) -> float:
-        return t2[tenant][key] - t1[tenant][key]
-
+    window = stats_delta(snaps["t1"], snaps["t2"])["tenants"]  # counters' deltas, weights
     served = {}
     for tenant in ("A", "B"):
-        weighted = delta(tenant, "virtual_tokens") * t2[tenant]["weight"]
+        row = window[tenant]
         served[tenant] = {
-            "weighted_service": round(weighted, 1),
-            "prompt_tokens": delta(tenant, "prompt_tokens"),
-            "generated_tokens": delta(tenant, "generated_tokens"),
+            "weighted_service": round(row["virtual_tokens"] * row["weight"], 1),
+            "prompt_tokens": int(row["num_prompt_tokens"]),
+            "generated_tokens": int(row["num_generated_tokens"]),
         }
     ratio = served["A"]["weighted_service"] / served["B"]["weighted_service"]
     gen_ratio = served["A"]["generated_tokens"] / max(1, served["B"]["generated_tokens"])

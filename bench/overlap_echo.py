@@ -2,7 +2,7 @@
 what is measured is the serving machinery between steps (planning, the gRPC hop, the engine
 service's pipeline), with and without `--overlap-scheduling`.
 
-    python bench/overlap_echo.py [--num-requests 8 64] [--output-len 256] [--step-delay-ms 0 5]
+    python -m bench.overlap_echo [--num-requests 8 64] [--output-len 256] [--step-delay-ms 0 5]
 
 For each batch size, step delay and setting, a fresh echo engine and scheduler (two processes, real
 gRPC on loopback; no gateway) serve --num-requests concurrent Submit streams of --prompt-len
@@ -26,17 +26,15 @@ import sys
 import time
 from pathlib import Path
 
+from common.net import wait_until_serving
+from engine.config import EngineConfig
+from engine.fake import FakeEngineConfig
+from llmserve.bench.report import cpu_model, save
+from llmserve.stack import Stack, local_stack
+from protos import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from scheduler.config import SchedulerConfig
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-
-from common.net import wait_until_serving  # noqa: E402
-from engine.config import EngineConfig  # noqa: E402
-from engine.fake import FakeEngineConfig  # noqa: E402
-from llmserve.bench.report import cpu_model, save  # noqa: E402
-from llmserve.launcher import Stack, local_stack  # noqa: E402
-from protos import common_pb2, scheduler_pb2, scheduler_pb2_grpc  # noqa: E402
-from scheduler.config import SchedulerConfig  # noqa: E402
 
 
 def start(step_delay_ms: float, overlap: bool, num_requests: int) -> Stack:

@@ -2,8 +2,8 @@
 SmolLM2-135M-Instruct) under each routing policy, on one shared-prefix workload: prefix-cache hit
 rate (summed over both replicas' schedulers), throughput and TTFT.
 
-    python bench/routing_study.py --output A.json --plot A.png
-    python bench/routing_study.py --plot-only --inputs A.json B.json --plot AB.png
+    python -m bench.routing_study --output A.json --plot A.png
+    python -m bench.routing_study --plot-only --inputs A.json B.json --plot AB.png
 
 The workload is `llmserve bench`'s prefix data set (num_prefixes shared prefixes of prefix_len
 tokens, each request one of them + input_len tokens of its own) in a seeded random order (the
@@ -22,17 +22,15 @@ import sys
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from llmserve.bench.arrivals import ArrivalConfig  # noqa: E402
-from llmserve.bench.backends import GrpcBackend, SamplingConfig  # noqa: E402
-from llmserve.bench.cli import requests_maker  # noqa: E402
-from llmserve.bench.metrics import summarize  # noqa: E402
-from llmserve.bench.report import git_commit, hardware  # noqa: E402
-from llmserve.bench.runner import run_benchmark, warm_up  # noqa: E402
-from llmserve.bench.workload import WorkloadConfig  # noqa: E402
-from llmserve.launcher import serve_locally  # noqa: E402
+from llmserve.bench.arrivals import ArrivalConfig
+from llmserve.bench.backends import GrpcBackend, SamplingConfig
+from llmserve.bench.metrics import summarize
+from llmserve.bench.options import requests_maker
+from llmserve.bench.report import git_commit, hardware
+from llmserve.bench.runner import run_benchmark, warm_up
+from llmserve.bench.workload import WorkloadConfig
+from llmserve.serve_flags import serve_locally
+from llmserve.stats import stats_delta
 
 POLICIES = ("round-robin", "least-load", "prefix")
 COUNTERS = (
@@ -66,10 +64,9 @@ def parse_args() -> argparse.Namespace:
 
 
 def counter_deltas(before: list[Any], after: list[Any]) -> list[dict[str, int]]:
-    return [
-        {k: getattr(a, k) - getattr(b, k) for k in COUNTERS}
-        for b, a in zip(before, after, strict=True)
-    ]
+    """Each replica's COUNTERS accumulated between its two readings."""
+    deltas = [stats_delta(b, a) for b, a in zip(before, after, strict=True)]
+    return [{k: int(delta[k]) for k in COUNTERS} for delta in deltas]
 
 
 async def measure(

@@ -1,7 +1,7 @@
 """Issue 17's measurement: speculative decoding at batch 1 on the CPU, the built-in model through
 the whole stack (`llmserve serve`), on a copy-heavy workload and a chat workload.
 
-    python bench/spec_cpu.py [--out bench/results/spec_cpu.json] [--rounds 2] [--max-tokens 128]
+    python -m bench.spec_cpu [--out bench/results/spec_cpu.json] [--rounds 2] [--max-tokens 128]
                              [--methods none,ngram,draft,model-10] [--num-speculative-tokens 4]
 
 Methods: none (the baseline, first), ngram, draft (self-speculation: the model's first third of its
@@ -30,13 +30,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from llmserve.bench.cli import spec_summary
+from llmserve.bench.report import hardware, save
+from llmserve.client import Client, make_request
+from llmserve.serve_flags import serve_locally
+from llmserve.stats import stats_delta
 
-from llmserve.bench.cli import spec_summary  # noqa: E402
-from llmserve.bench.report import hardware, save  # noqa: E402
-from llmserve.client import Client, make_request  # noqa: E402
-from llmserve.launcher import serve_locally, stats_delta  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 PASSAGES = [
     "The river town woke slowly. Fishermen pulled their boats onto the gravel, the baker "

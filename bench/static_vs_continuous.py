@@ -1,8 +1,8 @@
 """Issue 6's study: static versus continuous batching on the same requests, as output lengths get
 more varied, with HF transformers' `generate` (static batching) beside them.
 
-    python bench/static_vs_continuous.py            # about 10 minutes on 2 CPU cores
-    python bench/static_vs_continuous.py --quick    # 2-3 minutes: checks the script, no result
+    python -m bench.static_vs_continuous            # about 10 minutes on 2 CPU cores
+    python -m bench.static_vs_continuous --quick    # 2-3 minutes: checks the script, no result
 
 Workload: --num-requests prompts of exactly --prompt-tokens tokens (raw text, the built-in
 SmolLM2-135M-Instruct's tokenizer), all sent at once, greedy, EOS ignored, output lengths from
@@ -37,19 +37,18 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from common.model_config import resolve_model_path
+from llmserve.bench.arrivals import ArrivalConfig
+from llmserve.bench.backends import GrpcBackend, SamplingConfig
+from llmserve.bench.hf import load_model, timed_generate
+from llmserve.bench.metrics import RequestRecord, summarize
+from llmserve.bench.report import git_commit, hardware, record_json, save
+from llmserve.bench.runner import run_benchmark, warm_up
+from llmserve.bench.workload import BenchRequest, LogNormal, exact_length_prompt_ids
+from llmserve.serve_flags import serve_locally
+from llmserve.stats import stats_delta
 
-from common.model_config import resolve_model_path  # noqa: E402
-from gateway.tokenizer import Tokenizer  # noqa: E402
-from llmserve.bench.arrivals import ArrivalConfig  # noqa: E402
-from llmserve.bench.backends import GrpcBackend, SamplingConfig  # noqa: E402
-from llmserve.bench.hf import load_model, timed_generate  # noqa: E402
-from llmserve.bench.metrics import RequestRecord, summarize  # noqa: E402
-from llmserve.bench.report import git_commit, hardware, record_json, save  # noqa: E402
-from llmserve.bench.runner import run_benchmark, warm_up  # noqa: E402
-from llmserve.bench.workload import BenchRequest, LogNormal, exact_length_prompts  # noqa: E402
-from llmserve.launcher import serve_locally, stats_delta  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 POLICIES = ("continuous", "static")
 SYSTEMS = (*POLICIES, "hf_generate")
@@ -333,8 +332,9 @@ def main() -> None:
     args = parse_args()
     started = time.perf_counter()
     model_path = resolve_model_path(args.model)
-    tokenizer = Tokenizer.from_model_path(model_path)
-    prompts = exact_length_prompts(tokenizer, args.num_requests, args.prompt_tokens, args.seed)
+    prompts, token_ids = exact_length_prompt_ids(
+        model_path, args.num_requests, args.prompt_tokens, args.seed
+    )
     levels, workloads = build_levels(prompts, args)
     for policy in POLICIES:
         print(f"{policy} batching: starting the stack", flush=True)
@@ -345,7 +345,6 @@ def main() -> None:
         tokens = [[r["token_ids"] for r in level[p]["requests"]] for p in POLICIES]
         level["static_tokens_equal_continuous"] = tokens[0] == tokens[1]
     if not args.skip_hf:
-        token_ids = [tokenizer.encode(p) for p in prompts]
         run_hf_levels(levels, model_path, token_ids, args.batch_size, args.device)
     for level in levels:
         level["ratios"] = ratios(level)
@@ -353,7 +352,7 @@ def main() -> None:
         "benchmark": "static_vs_continuous",
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "git_commit": git_commit(),
-        "command": ["python", "bench/static_vs_continuous.py", *sys.argv[1:]],
+        "command": ["python", "-m", "bench.static_vs_continuous", *sys.argv[1:]],
         "hardware": hardware(),
         "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "model": str(model_path),

@@ -1,6 +1,6 @@
 """Issue 5's overhead check: what telemetry costs in throughput.
 
-    python bench/telemetry_overhead.py [--rounds 2] [--out bench/results/telemetry_overhead.json]
+    python -m bench.telemetry_overhead [--rounds 2] [--out bench/results/telemetry_overhead.json]
 
 Three settings, run in alternating rounds on freshly started stacks:
   off      OTEL_SDK_DISABLED=true and no /metrics: no telemetry at all;
@@ -20,25 +20,21 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from bench.cpu_stack import bench_stack
+from common.model_config import builtin_model_path
+from engine.fake import FakeEngineConfig
+from llmserve.bench.otlp import OtlpReceiver
+from llmserve.bench.report import hardware, save
+from llmserve.bench.workload import exact_length_prompt_ids
+from llmserve.client import Client, make_request
+from llmserve.serve_flags import serve_locally
+from llmserve.topology import free_port
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
-
-from cpu_stack import bench_stack  # noqa: E402
-
-from common.model_config import builtin_model_path  # noqa: E402
-from engine.fake import FakeEngineConfig  # noqa: E402
-from gateway.tokenizer import Tokenizer  # noqa: E402
-from llmserve.bench.otlp import OtlpReceiver  # noqa: E402
-from llmserve.bench.report import hardware, save  # noqa: E402
-from llmserve.bench.workload import exact_length_prompts  # noqa: E402
-from llmserve.client import Client, make_request  # noqa: E402
-from llmserve.launcher import free_port, serve_locally  # noqa: E402
 
 SETTINGS = ("off", "default", "tracing")
 
@@ -158,8 +154,7 @@ def main() -> None:
         save(hooks, args.out)
         print(json.dumps(hooks["hooks"], indent=2))
         return
-    tokenizer = Tokenizer.from_model_path(builtin_model_path())
-    prompts = exact_length_prompts(tokenizer, 16, 128)
+    prompts, _ = exact_length_prompt_ids(builtin_model_path(), 16, 128)
     raw: dict[str, dict[str, list[float]]] = {"model": {}, "echo": {}}
     for r in range(args.rounds):
         for setting in SETTINGS:

@@ -1,7 +1,7 @@
 """Issue 15's cost of tensor parallelism on the CPU: one decode step of an engine group at
 T = 1, 2, 3 (gloo, every rank a process of this machine), and the time its all-reduces take.
 
-    python bench/tp_cpu.py [--out bench/results/tp_cpu.json] [--steps 15] [--batches 1,16,64]
+    python -m bench.tp_cpu [--out bench/results/tp_cpu.json] [--steps 15] [--batches 1,16,64]
                            [--models builtin,wide,stack]
 
 Two models: the built-in SmolLM2-135M (int8, 3 KV heads: T = 1 and 3 only) and a dummy
@@ -28,23 +28,21 @@ import argparse
 import functools
 import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+import torch
+import torch.distributed as dist
+
+from engine.config import EngineConfig
+from engine.parallel import TPGroup
+from engine.ranks import run_group_locally
+from llmserve.bench.engine_driver import time_decode_steps
+from llmserve.bench.report import hardware, save
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-from engine.config import EngineConfig  # noqa: E402
-from engine.parallel import TPGroup  # noqa: E402
-from engine.ranks import run_group_locally  # noqa: E402
-from llmserve.bench.engine_driver import Driver  # noqa: E402
-from llmserve.bench.report import hardware, save  # noqa: E402
 
 PROMPT_LEN = 128
 WIDE = {  # a Llama shape that T = 1, 2 and 3 all split evenly
@@ -93,24 +91,8 @@ def time_steps(engine: Any, parallel: Any, batches: list[int], steps: int) -> li
     timed = _Timed(parallel.tp) if parallel is not None else None
     rows = []
     for batch in batches:
-        driver = Driver(engine)
-        driver.start([[100 + i] * (PROMPT_LEN - 1) + [5] for i in range(batch)])
-        for _ in range(3):
-            driver.decode()
-        if timed is not None:
-            timed.reset()
-        times = []
-        for _ in range(steps):
-            t0 = time.perf_counter()
-            driver.decode()
-            times.append((time.perf_counter() - t0) * 1e3)
-        row: dict[str, Any] = {
-            "batch": batch,
-            "step_ms_median": round(statistics.median(times), 2),
-            "step_ms": [round(t, 2) for t in times],
-            "tokens_per_s": round(batch * 1e3 / statistics.median(times), 1),
-            "first_tokens": driver.generated[0][:8],
-        }
+        warmed = timed.reset if timed is not None else None
+        row = time_decode_steps(engine, batch, steps, PROMPT_LEN, warmed)
         if timed is not None:
             row["all_reduce_ms"] = round(timed.seconds["all_reduce"] * 1e3 / steps, 2)
             row["all_reduces_per_step"] = timed.calls["all_reduce"] // steps
@@ -156,11 +138,9 @@ def bench_stacks(max_tokens: int = 64, streams: int = 16) -> list[dict[str, Any]
     """Each STACK_GROUPS entry through `llmserve serve`: output tokens/s, TTFT, ITL."""
     from bench.cpu_stack import bench_stack
     from common.model_config import builtin_model_path
-    from gateway.tokenizer import Tokenizer
-    from llmserve.bench.workload import exact_length_prompts
+    from llmserve.bench.workload import exact_length_prompt_ids
 
-    tokenizer = Tokenizer.from_model_path(builtin_model_path())
-    prompts = exact_length_prompts(tokenizer, streams, PROMPT_LEN)
+    prompts, _ = exact_length_prompt_ids(builtin_model_path(), streams, PROMPT_LEN)
     rows = []
     for name, extra in STACK_GROUPS.items():
         result = bench_stack(prompts, max_tokens, 0, {"LLMSERVE_METRICS_PORT": "0"}, extra)

@@ -1,6 +1,6 @@
 """Issue 14: `llmserve serve` against llama.cpp's `llama-server` on this CPU, one run, side by side.
 
-    python bench/vs_llamacpp.py [--gguf PATH] [--llama-server PATH] [--concurrency 1,16,64]
+    python -m bench.vs_llamacpp [--gguf PATH] [--llama-server PATH] [--concurrency 1,16,64]
         [--num-prompts 16,64,192] [--llmserve-args "--quantization int8"]
         [--out bench/results/vs_llamacpp.json]
 
@@ -44,12 +44,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from common.model_config import builtin_model_path
+from llmserve.bench.report import git_commit, hardware
+from llmserve.topology import free_ports
 
-from common.model_config import builtin_model_path  # noqa: E402
-from llmserve.bench.report import git_commit, hardware  # noqa: E402
-from llmserve.launcher import free_ports  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 SCHEMA = "llmserve-vs-llamacpp/1"
 SERVERS = ("llamacpp", "llmserve")

@@ -11,7 +11,7 @@ setting is written once: its name, type, default and help live on the dataclass 
 Field metadata: "help"; "choices"; "env" (a variable that overrides the default); "flag" (a name
 other than --field-name); "repeat" (a tuple field whose flag is given once per value, --x A --x B,
 replacing the default). A `tuple[int, ...]` field takes a list (--eos-token-ids 1 2).
-`to_json` / `from_json` carry a config whole to a child process (llmserve/launcher.py).
+`to_json` / `from_json` carry a config whole to a child process (llmserve/stack.py).
 """
 
 from __future__ import annotations

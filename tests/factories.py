@@ -3,22 +3,17 @@ byte-level tokenizer for them, scheduler requests. Nothing is downloaded."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from common.sampling import normalized
+from llmserve.bench.byte_tokenizer import (  # the tests import them from here
+    EOS_TOKEN_ID,
+    TINY_VOCAB,
+    write_byte_tokenizer,
+)
 from protos.common_pb2 import SamplingParams
 
-CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
-SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-TINY_VOCAB = 256 + len(SPECIAL_TOKENS)  # one token per byte, then the specials
-EOS_TOKEN_ID = 258  # <|im_end|>
 # llama3 rope scaling with a short original context, so prompts of 33+ tokens exercise it.
 LLAMA3 = {
     "rope_type": "llama3",
@@ -27,50 +22,6 @@ LLAMA3 = {
     "high_freq_factor": 4.0,
     "original_max_position_embeddings": 32,
 }
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's printable stand-ins for the 256 byte values (what ByteLevel BPE vocabularies use)."""
-    printable = (
-        list(range(ord("!"), ord("~") + 1))
-        + list(range(ord("¡"), ord("¬") + 1))
-        + list(range(ord("®"), ord("ÿ") + 1))
-    )
-    chars = printable[:]
-    n = 0
-    for b in range(256):
-        if b not in printable:
-            printable.append(b)
-            chars.append(256 + n)
-            n += 1
-    return dict(zip(printable, (chr(c) for c in chars), strict=True))
-
-
-def write_byte_tokenizer(directory: Path) -> None:
-    """tokenizer.json (byte-level, no merges: token id = byte value) + tokenizer_config.json."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-
-    byte_chars = _bytes_to_unicode()
-    vocab = {byte_chars[b]: b for b in range(256)}
-    for i, tok in enumerate(SPECIAL_TOKENS):
-        vocab[tok] = 256 + i
-    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.add_special_tokens(
-        [AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS]
-    )
-    directory.mkdir(parents=True, exist_ok=True)
-    tokenizer.save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(
-        json.dumps(
-            {
-                "chat_template": CHAT_TEMPLATE,
-                "eos_token": "<|im_end|>",
-                "bos_token": None,
-            }
-        )
-    )
 
 
 def make_tiny_llama(

@@ -198,7 +198,7 @@ class GatewayThread:
     event loop of their own thread; `core` is the running GatewayCore."""
 
     def __init__(self, config: GatewayConfig, http: bool = False):
-        from llmserve.launcher import free_port
+        from llmserve.topology import free_port
 
         if http:
             config = replace(config, http_port=free_port())

@@ -1,5 +1,5 @@
 """Start the real three-process stack (or gateway + scheduler over the fake engine) for a test,
-through llmserve.launcher on free loopback ports, exactly as `llmserve serve` starts it.
+through llmserve.stack on free loopback ports, exactly as `llmserve serve` starts it.
 `Stack.close()` stops it; `assert_idle()` checks that every request ended and every KV block
 is free again.
 """
@@ -15,10 +15,12 @@ from pathlib import Path
 from typing import Any
 
 from common.flags import from_flags
-from llmserve.cli import SERVICE_CONFIGS, build_parser
+from llmserve.cli import build_parser
 from llmserve.client import Client, Completion
-from llmserve.launcher import ROOT, free_port, local_stack
-from llmserve.launcher import Stack as LaunchedStack
+from llmserve.services import SERVICE_CONFIGS
+from llmserve.stack import ROOT, local_stack
+from llmserve.stack import Stack as LaunchedStack
+from llmserve.topology import free_port
 from protos import api_pb2, scheduler_pb2
 
 __all__ = [

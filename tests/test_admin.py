@@ -605,14 +605,14 @@ def test_openapi_document_has_the_new_fields_and_the_429(setup: Setup) -> None:
 def test_serve_takes_the_tenant_flags_and_checks_the_file(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from llmserve.launcher import parse_serve_flags, stack_from_flags
+    from llmserve.serve_flags import parse_serve_flags, stack_from_flags
 
     path = tmp_path / "tenants.json"
     path.write_text(json.dumps(TENANTS))
     args = parse_serve_flags(["--api-keys", str(path), "--admin-key", ADMIN_KEY])
     stack = stack_from_flags(args)
     assert (stack.gateway.api_keys, stack.gateway.admin_key) == (str(path), ADMIN_KEY)
-    # Relative paths are the caller's: the gateway runs elsewhere (llmserve.launcher.ROOT).
+    # Relative paths are the caller's: the gateway runs elsewhere (llmserve.stack.ROOT).
     monkeypatch.chdir(tmp_path)
     args = parse_serve_flags(["--api-keys", "tenants.json", "--admin-key", "@admin.key"])
     with pytest.raises(ValueError, match=r"admin_key='@.*admin\.key' cannot be read: No such file"):

@@ -777,7 +777,7 @@ def test_stats_delta_handles_every_field_kind() -> None:
     """stats_delta over SchedulerStats' scalar counters and gauges, its per-position repeated
     counters, its map of preemptions by reason and its per-tenant rows (a new tenant counts from
     0): every field kind the message has."""
-    from llmserve.launcher import stats_delta
+    from llmserve.stats import stats_delta
     from protos import scheduler_pb2
 
     before = scheduler_pb2.SchedulerStats(num_steps=10, num_running=3, ready=True)
@@ -796,3 +796,65 @@ def test_stats_delta_handles_every_field_kind() -> None:
     assert delta["tenants"]["a"]["num_generated_tokens"] == 4.0
     assert delta["tenants"]["a"]["weight"] == 2.0 and delta["tenants"]["a"]["num_running"] == 2.0
     assert delta["tenants"]["b"]["virtual_tokens"] == 8.0
+
+
+def test_summed_stats_adds_the_replicas_field_by_field() -> None:
+    """Stack.scheduler_stats over replicas: numbers summed, bools or-ed (ready: and-ed), maps
+    summed by key, repeated counters by position, per-tenant rows listed one after another; one
+    replica's stats are its own."""
+    from llmserve.stats import summed_stats
+    from protos import scheduler_pb2
+
+    a = scheduler_pb2.SchedulerStats(num_steps=10, num_running=3, ready=True, draining=False)
+    a.num_spec_draft_tokens_per_pos.extend([4, 2])
+    a.num_preemptions_by_reason["memory"] = 1
+    a.tenants.add(tenant="t", num_generated_tokens=5)
+    b = scheduler_pb2.SchedulerStats(num_steps=5, num_running=1, ready=False, draining=True)
+    b.num_spec_draft_tokens_per_pos.extend([1, 1, 1])
+    b.num_preemptions_by_reason.update({"memory": 2, "fair": 1})
+    b.tenants.add(tenant="t", num_generated_tokens=7)
+    total = summed_stats([a, b])
+    assert (total.num_steps, total.num_running) == (15, 4)
+    assert (total.ready, total.draining) == (False, True)
+    assert list(total.num_spec_draft_tokens_per_pos) == [5, 3, 1]
+    assert dict(total.num_preemptions_by_reason) == {"memory": 3, "fair": 1}
+    assert [t.num_generated_tokens for t in total.tenants] == [5, 7]
+    assert summed_stats([a]) is a
+
+
+def test_ab_summary_is_each_sides_median_over_its_rounds() -> None:
+    """`llmserve bench ab`'s table: per side, the median over its rounds of each figure of the
+    sweep table (a run without one, such as TPOT of one-token outputs, is left out), and B / A."""
+    from llmserve.bench.ab import format_ab, side_medians
+    from llmserve.bench.metrics import distribution
+    from llmserve.bench.report import SWEEP_COLUMNS
+
+    def run(side: str, tok_s: float, ttft_p50: float, tpot: float | None) -> dict[str, Any]:
+        metrics: dict[str, Any] = {key: 1.0 for _, key, stat in SWEEP_COLUMNS if stat is None}
+        metrics.update({key: distribution([1.0]) for _, key, stat in SWEEP_COLUMNS if stat})
+        metrics["output_throughput"], metrics["goodput"] = tok_s, None
+        metrics["ttft_ms"] = {**distribution([1.0]), "p50": ttft_p50, "p99": 2 * ttft_p50}
+        metrics["tpot_ms"] = distribution([tpot] if tpot is not None else [])
+        return {"side": side, "metrics": metrics}
+
+    runs = [run("a", 10.0, 100.0, 5.0), run("b", 30.0, 50.0, None), run("a", 20.0, 300.0, 7.0),
+            run("b", 40.0, 70.0, None), run("a", 90.0, 200.0, None)]  # fmt: skip
+    a, b = side_medians(runs, "a"), side_medians(runs, "b")
+    assert (a["out tok/s"], b["out tok/s"]) == (20.0, 35.0)
+    assert (a["TTFT p50"], a["TTFT p99"], b["TTFT p50"]) == (200.0, 400.0, 60.0)
+    assert (a["TPOT p50"], b["TPOT p50"], a["goodput"]) == (6.0, None, None)
+    lines = {line[:20].strip(): line[20:].split() for line in format_ab(runs).splitlines()}
+    assert lines["out tok/s"] == ["20.00", "35.00", "1.750"]
+    assert lines["TTFT p50"] == ["200.00", "60.00", "0.300"]
+    assert lines["TPOT p50"] == ["6.00", "-", "-"]
+
+
+def test_bench_ab_refuses_bad_settings_before_starting_anything(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from llmserve.cli import main
+
+    assert main(["bench", "ab", "--a", "", "--b", "--max-num-seqs 4", "--rounds", "0"]) == 2
+    assert "--rounds 0 must be >= 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # serve's own usage error, for side B's options
+        main(["bench", "ab", "--a", "", "--b", "--no-such-flag"])

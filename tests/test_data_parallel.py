@@ -317,16 +317,16 @@ def test_each_replica_gets_a_gpu_per_rank_and_a_share_of_the_cores(
     """D = 3 replicas of a T = 2 engine group: replica i runs on GPUs 2i and 2i+1 (of
     CUDA_VISIBLE_DEVICES when set); on a CPU, each of the 6 ranks gets cores / 6 threads."""
     from engine.config import EngineConfig
-    from llmserve.launcher import _replica_groups, split_cpu
+    from llmserve.topology import replica_groups, split_cpu
     from scheduler.config import SchedulerConfig
 
     engine = EngineConfig(device="cuda", tensor_parallel_size=2)
     ports = list(range(40000, 40008))
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    groups = _replica_groups(engine, SchedulerConfig(), 3, ports)
+    groups = replica_groups(engine, SchedulerConfig(), 3, ports)
     assert [g.env["CUDA_VISIBLE_DEVICES"] for g in groups] == ["2,3", "4,5"]
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "7,6,5,4,3,2")
-    groups = _replica_groups(engine, SchedulerConfig(), 3, ports)
+    groups = replica_groups(engine, SchedulerConfig(), 3, ports)
     assert [g.env["CUDA_VISIBLE_DEVICES"] for g in groups] == ["5,4", "3,2"]
     monkeypatch.setattr(os, "cpu_count", lambda: 12)
     cpu = EngineConfig(device="cpu", tensor_parallel_size=2)

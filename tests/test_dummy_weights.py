@@ -255,8 +255,9 @@ def test_config_only_model_gets_the_byte_level_tokenizer() -> None:
 
 def test_cli_passes_the_gpu_flags_to_the_engine() -> None:
     from common.flags import from_json, to_json
-    from llmserve.cli import CONFIG_CLASSES, build_parser
-    from llmserve.launcher import stack_from_flags
+    from llmserve.cli import build_parser
+    from llmserve.serve_flags import stack_from_flags
+    from llmserve.services import CONFIG_CLASSES
 
     serve = build_parser().parse_args(
         ["serve", "--model", str(LLAMA3_8B), "--load-format", "dummy", "--enforce-eager",

@@ -1,11 +1,13 @@
 """The layer rules, checked on the code itself:
 
-    llmserve/   CLI, client, launcher, bench: may import everything below
+    bench/      the studies (run as `python -m bench.x`): llmserve/ and what engine/ may import
+    llmserve/   CLI, client, launcher, bench: may import everything below but bench/
     gateway/  scheduler/  engine/      the services: never each other; engine/ may use kernels/
     common/   protos/                  the base: imports no service and nothing above it
 
 scheduler/ and gateway/ never load torch, and neither do engine/'s torch-free modules (the step
-contract, the mirror, the fake engine, the service); no two modules import each other in a loop.
+contract, the mirror, the fake engine, the service); no two modules import each other in a loop;
+no product module or bench/ script imports tests/.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("common", "protos", "kernels", "engine", "scheduler", "gateway", "llmserve")
+PACKAGES = ("common", "protos", "kernels", "engine", "scheduler", "gateway", "llmserve", "bench")
 # What each package may import (besides itself and third-party code).
 ALLOWED = {
     "common": {"protos"},
@@ -27,7 +29,15 @@ ALLOWED = {
     "engine": {"common", "protos", "kernels"},
     "scheduler": {"common", "protos"},
     "gateway": {"common", "protos"},
-    "llmserve": set(PACKAGES),
+    "llmserve": set(PACKAGES) - {"bench"},
+    "bench": {"llmserve", "common", "protos", "engine", "kernels"},
+}
+# The bench/ scripts that measure a service's own code in-process, or build a stack from the
+# services' config types, and the service packages each of them may import for it.
+BENCH_SERVICE_IMPORTS = {
+    "bench.telemetry_overhead": {"scheduler", "gateway"},  # the telemetry hooks, timed alone
+    "bench.fairness_study": {"scheduler", "gateway"},  # its stack's configs
+    "bench.overlap_echo": {"scheduler"},  # its stack's configs
 }
 
 
@@ -68,8 +78,25 @@ def test_each_package_imports_only_the_layers_below() -> None:
         package = module.split(".")[0]
         for dep in imports(path, known):
             target = dep.split(".")[0]
-            if target != package and target not in ALLOWED[package]:
+            allowed = ALLOWED[package] | BENCH_SERVICE_IMPORTS.get(module, set())
+            if target != package and target not in allowed:
                 bad.append(f"{module} imports {dep}")
+    assert not bad, "\n".join(sorted(bad))
+
+
+def test_nothing_but_tests_imports_tests() -> None:
+    """tests/ is no library: a product module or a bench/ script that needs a test helper moves
+    the helper into the product (as llmserve.bench.byte_tokenizer was)."""
+    bad = []
+    for module, path in modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names = [node.module]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                continue
+            bad += [f"{module} imports {n}" for n in names if n.split(".")[0] == "tests"]
     assert not bad, "\n".join(sorted(bad))
 
 
@@ -117,7 +144,8 @@ def test_no_import_cycles() -> None:
         "engine.fake",
         "engine.convert",
         "llmserve.cli",
-        "llmserve.launcher",
+        "llmserve.stack",
+        "llmserve.serve_flags",
         "llmserve.client",
     ],
 )

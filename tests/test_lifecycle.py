@@ -37,7 +37,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from common.net import check_health
 from llmserve.client import Client, make_request
-from llmserve.launcher import StackError, free_ports, local_stack
+from llmserve.stack import StackError, local_stack
+from llmserve.topology import free_ports
 from tests.stack import (
     ROOT,
     Stack,

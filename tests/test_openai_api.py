@@ -635,7 +635,7 @@ def test_full_queue_is_429_with_retry_after(tokenizer_dir: Path, tmp_path: Path)
 
 def test_not_ready_is_503(tokenizer_dir: Path, tmp_path: Path) -> None:
     """A gateway whose scheduler is not there: alive, not ready, requests 503 with Retry-After."""
-    from llmserve.launcher import local_stack
+    from llmserve.stack import local_stack
     from tests.stack import service_configs
 
     (gateway,) = service_configs("gateway", ["--model", str(tokenizer_dir)])

@@ -23,7 +23,8 @@ from engine.contract import StepPlanData
 from engine.fake import FakeEngine, FakeEngineConfig
 from gateway.config import GatewayConfig
 from llmserve.client import make_request
-from llmserve.launcher import free_port, local_stack
+from llmserve.stack import local_stack
+from llmserve.topology import free_port
 from protos import common_pb2, engine_pb2, engine_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from scheduler.config import SchedulerConfig
 from tests.factories import EOS_TOKEN_ID, TINY_VOCAB, sampling

@@ -304,7 +304,7 @@ def test_scheduler_adopts_the_engine_limits_and_refuses_larger_ones(tmp_path: Pa
     from common.net import CHANNEL_OPTIONS, wait_until_serving
     from engine.config import EngineConfig
     from engine.fake import FakeEngineConfig
-    from llmserve.launcher import local_stack
+    from llmserve.stack import local_stack
     from protos import scheduler_pb2, scheduler_pb2_grpc
     from scheduler.config import SchedulerConfig
 

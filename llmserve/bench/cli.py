@@ -1,10 +1,11 @@
 """`llmserve bench`: serve (against a running gateway), offline (a local stack's maximum
-throughput), compare (two result files).
+throughput), ab (two server configurations in alternation), compare (two result files).
 
 llmserve bench serve [--backend grpc|openai] [--dataset-name fixed|random|sharegpt|prefix|jsonl]
                      [--num-prompts N] [--input-len N] [--output-len N] [--request-rate R[,R...]]
                      [--burstiness B] [--max-concurrency C[,C...]] [--goodput ttft:MS tpot:MS]
 llmserve bench offline [workload options] -- [llmserve serve options]
+llmserve bench ab --a "SERVE OPTIONS" --b "SERVE OPTIONS" [--rounds N] [workload options]
 llmserve bench compare A.json B.json
 
 A list of rates (or of concurrencies) is a sweep: one run each, a summary table and a plot.
@@ -14,20 +15,26 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import functools
 import math
 import os
 import sys
-import time
-from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from common.net import DEFAULT_GATEWAY_PORT
 from llmserve.bench.arrivals import ArrivalConfig, rate_to_json
-from llmserve.bench.backends import BACKENDS, BackendError, GrpcBackend, SamplingConfig
+from llmserve.bench.backends import BACKENDS, BackendError, GrpcBackend
 from llmserve.bench.metrics import parse_goodput
-from llmserve.bench.workload import DATASETS, BenchRequest, WorkloadConfig
+from llmserve.bench.options import (
+    RequestsFor,
+    arrival_configs,
+    common_config,
+    requests_maker,
+    result_path,
+    sampling_config,
+    workload_config,
+)
+from llmserve.bench.workload import DATASETS
 
 DEFAULT_ADDRESS = f"localhost:{DEFAULT_GATEWAY_PORT}"
 DEFAULT_BASE_URL = "http://localhost:8000"
@@ -168,94 +175,24 @@ def add_bench_parser(sub: Any) -> None:
     p.add_argument("serve_args", nargs=argparse.REMAINDER, help="-- then llmserve serve options")
     p.set_defaults(func=cmd_offline)
 
+    from llmserve.bench.ab import add_ab_args, cmd_ab
+
+    p = commands.add_parser(
+        "ab",
+        help="two `llmserve serve` configurations measured in alternation, round after round",
+        description="Starts a local stack with --a's options, sends the workload at once, stops "
+        "it; the same with --b's; --rounds times. E.g. `llmserve bench ab --rounds 3 --num-prompts "
+        '32 --a "--max-num-seqs 8" --b "--max-num-seqs 16"`.',
+    )
+    _add_workload_args(p)
+    _add_output_args(p)
+    add_ab_args(p)
+    p.set_defaults(func=cmd_ab)
+
     p = commands.add_parser("compare", help="two result files side by side")
     p.add_argument("a", type=Path)
     p.add_argument("b", type=Path)
     p.set_defaults(func=cmd_compare)
-
-
-# -- building blocks ------------------------------------------------------------------------------
-
-
-def parse_list(text: str | None, cast: type, name: str) -> list[Any]:
-    """'1,2,inf' -> [1.0, 2.0, inf]; None -> [None]."""
-    if text is None:
-        return [None]
-    try:
-        return [cast(item) for item in str(text).split(",") if item.strip()]
-    except ValueError:
-        raise ValueError(f"--{name} {text!r}: expected comma-separated numbers") from None
-
-
-def arrival_configs(args: argparse.Namespace) -> list[ArrivalConfig]:
-    """One per run: a sweep over rates or over concurrencies (not both)."""
-    rates = parse_list(args.request_rate, float, "request-rate")
-    limits = parse_list(args.max_concurrency, int, "max-concurrency")
-    if len(rates) > 1 and len(limits) > 1:
-        raise ValueError("sweep over --request-rate or over --max-concurrency, not both")
-    return [
-        ArrivalConfig(rate, args.burstiness, limit, args.seed) for rate in rates for limit in limits
-    ]
-
-
-def workload_config(args: argparse.Namespace) -> WorkloadConfig:
-    return WorkloadConfig(
-        dataset=args.dataset_name,
-        num_requests=args.num_prompts,
-        input_len=args.input_len,
-        output_len=args.output_len,
-        range_ratio=args.range_ratio,
-        num_prefixes=args.num_prefixes,
-        prefix_len=args.prefix_len,
-        path=args.dataset_path,
-        chat=args.chat,
-        seed=args.seed,
-    )
-
-
-def sampling_config(args: argparse.Namespace) -> SamplingConfig:
-    return SamplingConfig(
-        temperature=args.temperature, ignore_eos=args.ignore_eos, timeout_s=args.request_timeout
-    )
-
-
-RequestsFor = Callable[[int], list[BenchRequest]]
-
-
-def requests_maker(config: WorkloadConfig, tokenizer_path: str | None) -> RequestsFor:
-    """variant -> that variant of the workload (see build_workload), each built once. Builds
-    variant 0 now, so a bad tokenizer or data set fails here (ValueError or OSError)."""
-    from common.model_config import resolve_model_path
-    from gateway.tokenizer import Tokenizer
-    from llmserve.bench.workload import build_workload
-
-    tokenizer = Tokenizer.from_model_path(resolve_model_path(tokenizer_path))
-    requests_for = functools.cache(lambda variant: build_workload(config, tokenizer, variant))
-    requests_for(0)
-    return requests_for
-
-
-def workload_stats(requests: Sequence[BenchRequest]) -> dict[str, Any]:
-    """Mean / min / max prompt and output lengths of the workload as built."""
-    out: dict[str, Any] = {}
-    for name, values in (
-        ("prompt_tokens", [r.num_prompt_tokens for r in requests]),
-        ("output_tokens", [r.max_tokens for r in requests]),
-    ):
-        out[name] = {"mean": sum(values) / len(values), "min": min(values), "max": max(values)}
-    return out
-
-
-def _common_config(args: argparse.Namespace, requests: Sequence[BenchRequest]) -> dict[str, Any]:
-    return {
-        "label": args.label,
-        "workload": workload_config(args).to_json(),
-        "workload_stats": workload_stats(requests),
-        "tokenizer": args.tokenizer,
-        "sampling": vars(sampling_config(args)),
-        "goodput_targets_ms": parse_goodput(args.goodput),
-        "num_warmups": args.num_warmups,
-    }
 
 
 def _bench(
@@ -275,7 +212,7 @@ def _bench(
     and whose logs go with an error."""
     from llmserve.bench.report import format_run, result_document, run_entry
     from llmserve.bench.runner import run_benchmark, warm_up
-    from llmserve.launcher import stats_delta
+    from llmserve.stats import stats_delta
 
     targets = parse_goodput(args.goodput)
     runs: list[dict[str, Any]] = []
@@ -312,7 +249,7 @@ def _bench(
         _print_scheduler_stats(runs[0]["scheduler_stats"])
         server.pop("address")  # a free loopback port, different every time
         server["serve_args"] = serve_args
-    config = {**_common_config(args, requests_for(0)), **config}
+    config = {**common_config(args, requests_for(0)), **config}
     _finish(result_document(kind, config, server, runs), args, kind)
     return 0
 
@@ -323,7 +260,7 @@ def _finish(document: dict[str, Any], args: argparse.Namespace, kind: str) -> No
     runs = document["runs"]
     if len(runs) > 1:
         print(format_sweep(runs))
-    path = args.output or Path(f"llmserve-bench-{kind}-{time.strftime('%Y%m%d-%H%M%S')}.json")
+    path = result_path(args, kind)
     save(document, path)
     print(f"results: {path}")
     if len(runs) > 1 or args.plot:
@@ -367,7 +304,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_offline(args: argparse.Namespace) -> int:
-    from llmserve.launcher import StackError, parse_serve_flags, serve_locally
+    from llmserve.serve_flags import parse_serve_flags, serve_locally
+    from llmserve.stack import StackError
 
     serve_args = [a for a in args.serve_args if a != "--"] if args.serve_args else []
     model = parse_serve_flags(serve_args).model

@@ -4,6 +4,11 @@ out in order)."""
 
 from __future__ import annotations
 
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
 from common.sampling import normalized
 from engine.contract import NewRequestData, RunningData, StepOutput, StepPlanData
 from engine.engine import Engine
@@ -86,3 +91,35 @@ def generate(
     for _ in range(num_tokens - 1):
         driver.decode()
     return driver.generated
+
+
+def time_decode_steps(
+    engine: Engine,
+    batch: int,
+    num_steps: int,
+    prompt_len: int = 128,
+    warmed: Callable[[], None] | None = None,
+) -> dict[str, Any]:
+    """The decode step time of batch requests (prompts of prompt_len tokens, admitted whole):
+    3 decode steps to warm up (then warmed(), if given), then num_steps timed ones. Returns the
+    batch, the median and every step's milliseconds, tokens per second at the median and
+    request 0's first 8 tokens."""
+    driver = Driver(engine)
+    driver.start([[100 + i] * (prompt_len - 1) + [5] for i in range(batch)])
+    for _ in range(3):
+        driver.decode()
+    if warmed is not None:
+        warmed()
+    times = []
+    for _ in range(num_steps):
+        t0 = time.perf_counter()
+        driver.decode()
+        times.append((time.perf_counter() - t0) * 1e3)
+    median = statistics.median(times)
+    return {
+        "batch": batch,
+        "step_ms_median": round(median, 2),
+        "step_ms": [round(t, 2) for t in times],
+        "tokens_per_s": round(batch * 1e3 / median, 1),
+        "first_tokens": driver.generated[0][:8],
+    }

@@ -85,3 +85,24 @@ async def run_benchmark(
     finally:
         bar.close()
     return records
+
+
+async def measure_stack(
+    stack: Any,
+    backend: Backend,
+    requests: list[BenchRequest],
+    arrivals: ArrivalConfig,
+    num_warmups: int,
+) -> tuple[list[Any], dict[str, Any]]:
+    """Warm up, then send requests on arrivals: the records and the scheduler's counters over
+    the measured part (stats_delta). The backend is closed after."""
+    from llmserve.stats import stats_delta
+
+    try:
+        await warm_up(backend, requests, num_warmups)
+        before = await asyncio.to_thread(stack.scheduler_stats)
+        records = await run_benchmark(backend, requests, arrivals)
+        after = await asyncio.to_thread(stack.scheduler_stats)
+    finally:
+        await backend.close()
+    return records, stats_delta(before, after)

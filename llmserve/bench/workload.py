@@ -261,3 +261,13 @@ def exact_length_prompts(
     rng = random.Random(seed)
     builder = PromptBuilder(tokenizer, chat=False)
     return [builder.text(num_tokens, rng) for _ in range(num_prompts)]
+
+
+def exact_length_prompt_ids(
+    model_path: str | Path, num_prompts: int, num_tokens: int, seed: int = 0
+) -> tuple[list[str], list[list[int]]]:
+    """exact_length_prompts measured by model_path's tokenizer, and each prompt's token ids
+    (what a script sends the stack, and what it gives a reference such as HF transformers)."""
+    tokenizer = Tokenizer.from_model_path(Path(model_path))
+    prompts = exact_length_prompts(tokenizer, num_prompts, num_tokens, seed)
+    return prompts, [tokenizer.encode(p) for p in prompts]

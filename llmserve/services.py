@@ -1,0 +1,132 @@
+"""One service run in this process: `llmserve engine | scheduler | gateway` (compose runs these)
+and the children a launcher starts (`--config-stdin`: the configs arrive whole on stdin, and
+the service stops when that pipe closes)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import sys
+import threading
+import time
+from typing import Any
+
+from common.flags import from_flags, from_json
+from engine.config import EngineConfig
+from engine.fake import FakeEngineConfig
+from gateway.config import GatewayConfig
+from scheduler.config import SchedulerConfig
+
+SERVICE_CONFIGS: dict[str, type] = {
+    "engine": EngineConfig,
+    "scheduler": SchedulerConfig,
+    "gateway": GatewayConfig,
+}
+CONFIG_CLASSES = {c.__name__: c for c in (*SERVICE_CONFIGS.values(), FakeEngineConfig)}
+
+
+def _read_parent_configs() -> list[Any]:
+    """The configs a launcher wrote to our stdin (one JSON per line, then a blank line); then
+    watch the pipe: when it closes, the launcher is gone and so are we."""
+    configs = []
+    for line in sys.stdin:
+        if not line.strip():
+            break
+        configs.append(from_json(CONFIG_CLASSES, line))
+
+    def watch() -> None:
+        sys.stdin.read()  # returns at EOF: the launcher closed the pipe or died
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(15)
+        os._exit(1)  # SIGTERM did not stop us in time
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+    return configs
+
+
+def _run_async(main: Any) -> None:
+    try:
+        import uvloop
+
+        uvloop.run(main)
+    except ImportError:
+        asyncio.run(main)
+
+
+def run_service(name: str, configs: list[Any]) -> None:
+    """Run one service with its config (the engine: and the echo engine's, when faked) until
+    SIGTERM / SIGINT."""
+    from common import telemetry
+    from common.log import configure
+
+    config, tenants = configs[0], None
+    # Before anything slow (loading a model): an internal service refuses an exposed port
+    # without protection; the gateway's port is the public one, it only reads its token (a bad
+    # @PATH fails here).
+    if name == "gateway":
+        config.token()
+        from gateway.tenants import load_tenants
+
+        tenants = load_tenants(config)  # read once; a wrong file fails before the tokenizer loads
+    else:
+        config.check_exposure(config.host)
+    configure(name)
+    telemetry.setup(name, config.metrics_port, config.host)
+    exit_code = None
+    try:
+        if name == "engine":
+            exit_code = _run_engine(config, configs[1] if len(configs) > 1 else None)
+        elif name == "scheduler":
+            from scheduler.service import serve
+
+            _run_async(serve(config))
+        else:
+            from gateway.service import serve as serve_gateway
+
+            _run_async(serve_gateway(config, tenants))
+    finally:
+        telemetry.shutdown()
+    if exit_code is not None:  # an engine group's node: see engine.ranks.run_node
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(exit_code)
+
+
+def _run_engine(config: EngineConfig, fake: FakeEngineConfig | None) -> int | None:
+    """Serve until stopped; an engine group's node returns the code its process ends with."""
+    from engine.service import serve
+
+    if fake is not None:
+        from engine.fake import FakeEngine
+
+        serve(FakeEngine(config, fake), config)
+    elif config.world_size > 1:
+        from engine.ranks import run_node
+
+        return run_node(config)
+    else:
+        from engine.engine import Engine
+
+        serve(Engine(config), config)
+    return None
+
+
+def cmd_service(args: argparse.Namespace) -> int:
+    try:
+        if args.config_stdin:
+            configs = _read_parent_configs()
+        else:
+            configs = [from_flags(SERVICE_CONFIGS[args.command], args)]
+            if getattr(args, "fake", False):
+                configs.append(from_flags(FakeEngineConfig, args, prefix="fake-"))
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    try:
+        run_service(args.command, configs)
+    except Exception as err:  # the service stopped on a fatal error (already logged)
+        print(f"error: {args.command}: {err}", file=sys.stderr)
+        return 1
+    return 0

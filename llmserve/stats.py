@@ -1,0 +1,92 @@
+"""Arithmetic over the schedulers' SchedulerStats, written once for `llmserve bench`, the
+launcher's Stack and the bench/ studies: the counters accumulated between two readings
+(`stats_delta`) and the sum of several replicas' readings (`summed_stats`).
+
+A field is a counter (it only grows: steps, tokens, preemptions) unless GAUGES names it (a
+level read as it is now: running, waiting, free blocks, a tenant's weight).
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+from protos import scheduler_pb2
+
+GAUGES = frozenset(
+    {"num_running", "num_waiting", "num_free_blocks", "num_blocks", "weight", "ready", "draining"}
+)
+
+
+def _counter(name: str, after: float, before: float) -> float:
+    """after - before for a counter; after for a gauge."""
+    return float(after) - (0.0 if name in GAUGES else float(before))
+
+
+def _tenant_rows(before: Any, after: Any) -> dict[str, dict[str, float]]:
+    """Per tenant, by name: its counters' deltas and its gauges (a new tenant counts from 0)."""
+    old = {t.tenant: t for t in before}
+    rows: dict[str, dict[str, float]] = {}
+    for t in after:
+        was = old.get(t.tenant, type(t)())
+        rows[t.tenant] = {
+            f.name: _counter(f.name, getattr(t, f.name), getattr(was, f.name))
+            for f in t.DESCRIPTOR.fields
+            if f.name != "tenant"
+        }
+    return rows
+
+
+def stats_delta(
+    before: scheduler_pb2.SchedulerStats, after: scheduler_pb2.SchedulerStats
+) -> dict[str, Any]:
+    """The scheduler's counters accumulated between two scheduler_stats() readings, flat
+    (gauges taken from after; a repeated counter, such as per proposal position, as a list)."""
+    delta: dict[str, Any] = {}
+    for descriptor in after.DESCRIPTOR.fields:
+        k = descriptor.name
+        a, b = getattr(after, k), getattr(before, k)
+        if k == "tenants":  # per tenant, by name: its counters' deltas, its gauges
+            delta[k] = _tenant_rows(b, a)
+        elif isinstance(a, int | float):
+            delta[k] = _counter(k, a, b)
+        elif hasattr(a, "keys"):  # a map of counters (preemptions by reason)
+            delta[k] = {key: float(a[key]) - float(b.get(key, 0)) for key in a}
+        else:  # a repeated counter (per proposal position)
+            b = list(b) + [0] * (len(a) - len(b))
+            delta[k] = [float(x - y) for x, y in zip(a, b, strict=False)]
+    return delta
+
+
+def summed_stats(
+    replicas: list[scheduler_pb2.SchedulerStats],
+) -> scheduler_pb2.SchedulerStats:
+    """The replicas' stats summed (one replica: its own); ready only when every one is."""
+    if len(replicas) == 1:
+        return replicas[0]
+    total = scheduler_pb2.SchedulerStats()
+    for stats in replicas:
+        for f in total.DESCRIPTOR.fields:
+            if f.name != "ready":
+                _add_field(total, stats, f)
+    total.ready = all(stats.ready for stats in replicas)
+    return total
+
+
+def _add_field(total: Any, stats: Any, f: Any) -> None:
+    """Add stats' field f into total's: numbers summed, bools or-ed, maps summed by key,
+    repeated numbers summed by position, repeated messages (per-tenant rows) listed after."""
+    mine, theirs = getattr(total, f.name), getattr(stats, f.name)
+    if f.message_type is not None and f.message_type.GetOptions().map_entry:
+        for key, value in theirs.items():
+            mine[key] = mine[key] + value
+    elif f.is_repeated and f.message_type is not None:
+        mine.extend(theirs)
+    elif f.is_repeated:
+        summed = [a + b for a, b in itertools.zip_longest(mine, theirs, fillvalue=0)]
+        del mine[:]
+        mine.extend(summed)
+    elif f.type == f.TYPE_BOOL:
+        setattr(total, f.name, mine or theirs)
+    else:
+        setattr(total, f.name, mine + theirs)
