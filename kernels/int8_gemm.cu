@@ -82,6 +82,45 @@ LLMSERVE_DEVICE vec16_t load_weights_16(const signed char* p) {
 #endif
 }
 
+// One 16-k chunk of the GEMV: acc[r][i] += sum over the chunk of x[i, k] * q[r, k], the
+// weights already loaded (wv[r], packed order), x read here (L1 / L2 hits).
+template <typename T, int M, int R>
+LLMSERVE_DEVICE void int8_gemv_chunk(float (&acc)[R][M], const vec16_t (&wv)[R],
+                                     const T* const* xs, int kk) {
+  vec16_t xv[M][2];
+#pragma unroll
+  for (int i = 0; i < M; ++i) {
+    xv[i][0] = *reinterpret_cast<const vec16_t*>(xs[i] + kk);
+    xv[i][1] = *reinterpret_cast<const vec16_t*>(xs[i] + kk + 8);
+  }
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    float xf[M][4];  // k = 2j, 2j + 1, 2j + 8, 2j + 9 of this chunk
+#pragma unroll
+    for (int i = 0; i < M; ++i) {
+      const unsigned int lo = xv[i][0].w[j], hi = xv[i][1].w[j];
+      xf[i][0] = DType<T>::to_float(static_cast<unsigned short>(lo & 0xffffu));
+      xf[i][1] = DType<T>::to_float(static_cast<unsigned short>(lo >> 16));
+      xf[i][2] = DType<T>::to_float(static_cast<unsigned short>(hi & 0xffffu));
+      xf[i][3] = DType<T>::to_float(static_cast<unsigned short>(hi >> 16));
+    }
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const unsigned int flipped = wv[r].w[j] ^ 0x80808080u;
+      const float q0 = int8_at<0>(flipped), q1 = int8_at<1>(flipped);
+      const float q2 = int8_at<2>(flipped), q3 = int8_at<3>(flipped);
+#pragma unroll
+      for (int i = 0; i < M; ++i) {
+        float a = acc[r][i];
+        a = fmaf(xf[i][0], q0, a);
+        a = fmaf(xf[i][1], q1, a);
+        a = fmaf(xf[i][2], q2, a);
+        acc[r][i] = fmaf(xf[i][3], q3, a);
+      }
+    }
+  }
+}
+
 template <typename T, int M, int R>
 __global__ void __launch_bounds__(INT8_GEMV_WARPS * 32)
     int8_gemv_kernel(const T* __restrict__ x, long long x_stride, const signed char* __restrict__ w,
@@ -103,43 +142,25 @@ __global__ void __launch_bounds__(INT8_GEMV_WARPS * 32)
 #pragma unroll
     for (int i = 0; i < M; ++i) acc[r][i] = 0.f;
 
-#pragma unroll 2
-  for (int kk = lane * 16; kk < k; kk += 32 * 16) {
+  // Weight chunks in flight per lane: U x R x 16 bytes, loaded before any is used (U = 4 for
+  // M <= 2, decode proper: one round trip to memory per 4 chunks; 2 for more rows, whose x
+  // takes M x 32 bytes of registers per chunk).
+  constexpr int U = M <= 2 ? 4 : 2;
+  int kk = lane * 16;
+  for (; kk + (U - 1) * 512 < k; kk += U * 512) {
+    vec16_t wv[U][R];
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+#pragma unroll
+      for (int r = 0; r < R; ++r) wv[u][r] = load_weights_16(rows[r] + kk + u * 512);
+#pragma unroll
+    for (int u = 0; u < U; ++u) int8_gemv_chunk<T, M, R>(acc, wv[u], xs, kk + u * 512);
+  }
+  for (; kk < k; kk += 512) {  // the last < U chunks of this lane
     vec16_t wv[R];
 #pragma unroll
     for (int r = 0; r < R; ++r) wv[r] = load_weights_16(rows[r] + kk);
-    vec16_t xv[M][2];
-#pragma unroll
-    for (int i = 0; i < M; ++i) {
-      xv[i][0] = *reinterpret_cast<const vec16_t*>(xs[i] + kk);
-      xv[i][1] = *reinterpret_cast<const vec16_t*>(xs[i] + kk + 8);
-    }
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      float xf[M][4];  // k = 2j, 2j + 1, 2j + 8, 2j + 9 of this chunk
-#pragma unroll
-      for (int i = 0; i < M; ++i) {
-        const unsigned int lo = xv[i][0].w[j], hi = xv[i][1].w[j];
-        xf[i][0] = DType<T>::to_float(static_cast<unsigned short>(lo & 0xffffu));
-        xf[i][1] = DType<T>::to_float(static_cast<unsigned short>(lo >> 16));
-        xf[i][2] = DType<T>::to_float(static_cast<unsigned short>(hi & 0xffffu));
-        xf[i][3] = DType<T>::to_float(static_cast<unsigned short>(hi >> 16));
-      }
-#pragma unroll
-      for (int r = 0; r < R; ++r) {
-        const unsigned int flipped = wv[r].w[j] ^ 0x80808080u;
-        const float q0 = int8_at<0>(flipped), q1 = int8_at<1>(flipped);
-        const float q2 = int8_at<2>(flipped), q3 = int8_at<3>(flipped);
-#pragma unroll
-        for (int i = 0; i < M; ++i) {
-          float a = acc[r][i];
-          a = fmaf(xf[i][0], q0, a);
-          a = fmaf(xf[i][1], q1, a);
-          a = fmaf(xf[i][2], q2, a);
-          acc[r][i] = fmaf(xf[i][3], q3, a);
-        }
-      }
-    }
+    int8_gemv_chunk<T, M, R>(acc, wv, xs, kk);
   }
 
 #pragma unroll

@@ -28,7 +28,7 @@ import random
 import shutil
 import sys
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from types import ModuleType
 
@@ -393,10 +393,11 @@ INT8_CASES = {
     # GEMV M=1: 20 channels = 2 CTAs of 8 and a third with one warp of 2 rows and 3 idle warps;
     # K 48: lanes 3-31 have no chunk
     "gemv-1": (1, 20, 48, "auto", "int8_gemv_kernel<{}, 1, 2>", (3, 1, 1)),
-    # M=2; an odd channel count: the last warp's second row is past N
-    "gemv-2": (2, 9, 32, "auto", "int8_gemv_kernel<{}, 2, 2>", (2, 1, 1)),
-    # 3 rows on the M=4 instance (row 4 clamped, never written); K 1040: two full warp passes of
-    # 512 and a partial third
+    # M=2; an odd channel count: the last warp's second row is past N. K 2576: every lane runs
+    # the 4-chunk loop once, then lane 0 two single chunks and the others one
+    "gemv-2": (2, 9, 2576, "auto", "int8_gemv_kernel<{}, 2, 2>", (2, 1, 1)),
+    # 3 rows on the M=4 instance (row 4 clamped, never written); K 1040: every lane runs the
+    # 2-chunk loop once, and lane 0 one more chunk
     "gemv-3": (3, 17, 1040, "auto", "int8_gemv_kernel<{}, 4, 4>", (2, 1, 1)),
     "gemv-4": (4, 16, 64, "auto", "int8_gemv_kernel<{}, 4, 4>", (1, 1, 1)),
     "gemv-8": (8, 12, 528, "auto", "int8_gemv_kernel<{}, 8, 4>", (1, 1, 1)),
@@ -473,3 +474,31 @@ def test_int8_linear_checks(kc: ModuleType) -> None:
     with pytest.raises(ValueError, match=r"pack_weight: K=40 must be a multiple of 16"):
         ki.pack_weight(torch.zeros(2, 40, dtype=torch.int8))
     assert kc.int8_linear(x[:0], w, s).shape == (0, 8)  # nothing to launch
+
+
+def test_int8_bench_section_runs(
+    kc: ModuleType, emulator: emu.Emulator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """bench/int8_bench.py end to end at toy shapes on the emulator (timing faked: no GPU), so
+    the GPU session's benchmark does not fail on its own code; its rows carry the fields the GPU
+    check's summary reads."""
+    from bench import int8_bench
+
+    monkeypatch.setattr(int8_bench, "SHAPES", {"q/o": (16, 32), "down": (24, 64)})
+    monkeypatch.setattr(int8_bench, "WORKING_SET_BYTES", 2000)
+
+    def fake_time(fn: Callable[[], object]) -> dict[str, float]:
+        fn()
+        return {"ms": 0.01}
+
+    def attempt(fn: Callable[[], dict]) -> dict:
+        return fn()
+
+    rows = int8_bench.run_all(fake_time, 4.28, torch.device("cpu"), attempt, quick=True)
+    assert [(r["shape"], r["batch"]) for r in rows] == [("q/o", 1), ("q/o", 16), ("down", 1),
+                                                        ("down", 16)]  # fmt: skip
+    for r in rows:
+        assert r["rel_error_vs_fp32"] < 1e-2
+        assert {"gbps", "pct_of_copy", "us"} <= set(r["int8"]) and r["speedup_vs_bf16"] > 0
+    lines = int8_bench.summary(rows)
+    assert lines[-1] == "  int8 batch 1 >= 75% of copy (q/o, down): no"
