@@ -11,6 +11,7 @@ GEMM (64 x 128 tiles).
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from kernels import launch
@@ -32,8 +33,14 @@ GEMV_MAX_ROWS = 8
 # int8_gemv_kernel instances: rows of x it serves (M) -> output channels per warp (R)
 GEMV_CONFIGS: dict[int, int] = {1: 2, 2: 2, 4: 4, 8: 4}
 GEMV_WARPS = 4
-GEMM_TILE_M, GEMM_TILE_N = 64, 128
+GEMM_TILE_M, GEMM_TILE_N, GEMM_TILE_K = 64, 128, 32
 GEMM_THREADS = 128
+# Split-K for the GEMM when its tiles cannot fill the GPU: aim at this many CTAs per SM, with at
+# least GEMM_MIN_TILES_PER_SPLIT k tiles (of 32) per split and at most GEMM_MAX_SPLITS splits.
+GEMM_CTAS_PER_SM = 2
+GEMM_MIN_TILES_PER_SPLIT = 4
+GEMM_MAX_SPLITS = 16
+FINALIZE_THREADS = 256
 # two stages of an x tile [64][32 + 8] T and a weight tile [128][32 + 16] bytes
 GEMM_SMEM_BYTES = 2 * (GEMM_TILE_M * 40 * 2 + GEMM_TILE_N * 48)
 PATHS = ("auto", "gemv", "gemm")
@@ -43,7 +50,8 @@ _ORDER = tuple(2 * (p // 4) + (p % 2) + 8 * ((p % 4) // 2) for p in range(16))
 
 def int8_gemm_spec(ctype: str) -> ModuleSpec:
     exprs = [f"int8_gemv_kernel<{ctype}, {m}, {r}>" for m, r in GEMV_CONFIGS.items()]
-    return ModuleSpec("int8_gemm.cu", (*exprs, f"int8_gemm_kernel<{ctype}>"))
+    gemm = (f"int8_gemm_kernel<{ctype}>", f"int8_gemm_finalize_kernel<{ctype}>")
+    return ModuleSpec("int8_gemm.cu", (*exprs, *gemm))
 
 
 def module_specs() -> list[ModuleSpec]:
@@ -65,6 +73,19 @@ def unpack_weight(packed: torch.Tensor) -> torch.Tensor:
     n, k = packed.shape
     inverse = torch.argsort(torch.tensor(_ORDER, device=packed.device))
     return packed.reshape(n, k // K_MULTIPLE, K_MULTIPLE)[:, :, inverse].reshape(n, k).contiguous()
+
+
+def gemm_num_splits(num_ctas: int, k: int, num_sms: int) -> int:
+    """How many pieces the GEMM cuts K into: 1 when its `num_ctas` tiles fill GEMM_CTAS_PER_SM
+    per SM, else enough to (at most GEMM_MAX_SPLITS, each with at least GEMM_MIN_TILES_PER_SPLIT
+    k tiles), rounded so that no split is empty."""
+    num_tiles = -(-k // GEMM_TILE_K)
+    wanted = -(-GEMM_CTAS_PER_SM * num_sms // num_ctas)
+    splits = min(wanted, num_tiles // GEMM_MIN_TILES_PER_SPLIT, GEMM_MAX_SPLITS)
+    if splits <= 1:
+        return 1
+    per_split = -(-num_tiles // splits)
+    return -(-num_tiles // per_split)
 
 
 def gemv_rows(num_rows: int) -> int:
@@ -114,18 +135,45 @@ def int8_linear(
     out = _output(op, out, (num_rows, n), x)
     if num_rows == 0 or n == 0:
         return out
-    args = (
-        _ptr(x), _i64(x.stride(0)), _ptr(weight), _ptr(scales),
-        _ptr(out), _i64(out.stride(0)), _i32(num_rows), _i32(n), _i32(k),
-    )  # fmt: skip
-    spec = int8_gemm_spec(_CTYPES[x.dtype])
     if path == "gemv" or (path == "auto" and num_rows <= GEMV_MAX_ROWS):
+        args = (
+            _ptr(x), _i64(x.stride(0)), _ptr(weight), _ptr(scales),
+            _ptr(out), _i64(out.stride(0)), _i32(num_rows), _i32(n), _i32(k),
+        )  # fmt: skip
         m = gemv_rows(num_rows)
         per_cta = GEMV_WARPS * GEMV_CONFIGS[m]
         expr = f"int8_gemv_kernel<{_CTYPES[x.dtype]}, {m}, {GEMV_CONFIGS[m]}>"
+        spec = int8_gemm_spec(_CTYPES[x.dtype])
         launch._launch(spec, expr, (-(-n // per_cta),), (32 * GEMV_WARPS,), args, 0, x.device)
     else:
-        grid = (-(-num_rows // GEMM_TILE_M), -(-n // GEMM_TILE_N))
-        expr = spec.name_expressions[-1]
-        launch._launch(spec, expr, grid, (GEMM_THREADS,), args, GEMM_SMEM_BYTES, x.device)
+        _launch_gemm(x, weight, scales, out)
     return out
+
+
+def _launch_gemm(
+    x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, out: torch.Tensor
+) -> None:
+    """int8_gemm_kernel, split over K when its tiles cannot fill the GPU (then into a float32
+    workspace [splits, M, N] that int8_gemm_finalize_kernel sums in order and scales)."""
+    (num_rows, k), n = x.shape, weight.shape[0]
+    tiles = (-(-num_rows // GEMM_TILE_M), -(-n // GEMM_TILE_N))
+    splits = gemm_num_splits(tiles[0] * tiles[1], k, launch._num_sms(x.device))
+    partial = None
+    if splits > 1:
+        partial = torch.empty((splits, num_rows, n), dtype=torch.float32, device=x.device)
+    args = (
+        _ptr(x), _i64(x.stride(0)), _ptr(weight), _ptr(scales),
+        _ptr(out), _i64(out.stride(0)), np.uint64(0) if partial is None else _ptr(partial),
+        _i32(num_rows), _i32(n), _i32(k),
+    )  # fmt: skip
+    spec = int8_gemm_spec(_CTYPES[x.dtype])
+    gemm, finalize = spec.name_expressions[-2:]
+    grid = (*tiles, splits)
+    launch._launch(spec, gemm, grid, (GEMM_THREADS,), args, GEMM_SMEM_BYTES, x.device)
+    if partial is not None:
+        args = (
+            _ptr(partial), _ptr(scales), _ptr(out), _i64(out.stride(0)),
+            _i32(splits), _i32(num_rows), _i32(n),
+        )  # fmt: skip
+        blocks = -(-num_rows * n // FINALIZE_THREADS)
+        launch._launch(spec, finalize, (blocks,), (FINALIZE_THREADS,), args, 0, x.device)

@@ -32,9 +32,16 @@
 //   stages: an x tile [64][32 + 8 pad] T and a weight tile [128][32 + 16 pad] bytes (the pads
 //   make ldmatrix and the 4-byte B fragment reads conflict-free). Each B fragment is converted
 //   from int8 in registers and feeds 4 MMAs. Rows past m / n and k past k are zero-filled.
-//   Launch: grid (ceil(m / 64), ceil(n / 128)) (the m tiles of one weight tile run together, so
-//   the weight tile is read from memory once and from L2 after), block 128, dynamic shared memory
-//   GEMM_SMEM_BYTES = 2 * (64 * 40 * 2 + 128 * 48) = 22,528 bytes.
+//   Split-K over gridDim.z when the tiles alone cannot fill the GPU (decode batches of 9-64 rows:
+//   N / 128 tiles): split z sums k tiles [z * ceil(T / S), ...) of the T = ceil(k / 32) and
+//   writes its unscaled fp32 sums to partial [S, m, n]; without splits partial is null and y is
+//   written directly.
+//   Launch: grid (ceil(m / 64), ceil(n / 128), S) (the m tiles of one weight tile run together,
+//   so the weight tile is read from memory once and from L2 after), block 128, dynamic shared
+//   memory GEMM_SMEM_BYTES = 2 * (64 * 40 * 2 + 128 * 48) = 22,528 bytes.
+//
+// int8_gemm_finalize_kernel<T>: with S > 1 splits, y = T(scales * sum of the S partials, in split
+//   order: deterministic). Launch: grid ceil(m * n / 256), block 256.
 
 #include "common.cu"
 
@@ -179,8 +186,8 @@ __global__ void __launch_bounds__(INT8_GEMV_WARPS * 32)
 template <typename T>
 __global__ void __launch_bounds__(128)
     int8_gemm_kernel(const T* __restrict__ x, long long x_stride, const signed char* __restrict__ w,
-                     const float* __restrict__ scales, T* __restrict__ y, long long y_stride, int m,
-                     int n, int k) {
+                     const float* __restrict__ scales, T* __restrict__ y, long long y_stride,
+                     float* __restrict__ partial, int m, int n, int k) {
   constexpr int BM = INT8_GEMM_BM, BN = INT8_GEMM_BN, BK = INT8_GEMM_BK;
   constexpr int A_ROW = INT8_GEMM_A_ROW, B_ROW = INT8_GEMM_B_ROW;
   constexpr int A_STAGE = BM * A_ROW * 2, B_STAGE = BN * B_ROW;  // bytes
@@ -190,7 +197,10 @@ __global__ void __launch_bounds__(128)
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int m0 = blockIdx.x * BM, n0 = blockIdx.y * BN;
+  // Split-K: CTA z of gridDim.z takes k tiles [t0, t1) (the caller leaves no split empty).
   const int num_tiles = (k + BK - 1) / BK;
+  const int per_split = (num_tiles + gridDim.z - 1) / gridDim.z;
+  const int t0 = blockIdx.z * per_split, t1 = min(t0 + per_split, num_tiles);
 
   // Tile t into stage s: x is 64 rows x 4 chunks of 8 elements, w 128 rows x 2 chunks of 16
   // bytes; 256 chunks each, two per thread. k % 16 == 0, so a chunk is wholly in or out.
@@ -221,10 +231,10 @@ __global__ void __launch_bounds__(128)
 #pragma unroll
       for (int c = 0; c < 4; ++c) acc[i][j][c] = 0.f;
 
-  load_tile(0, 0);
-  for (int t = 0; t < num_tiles; ++t) {
-    const int s = t % 2;
-    if (t + 1 < num_tiles) {
+  if (t0 < t1) load_tile(t0, 0);
+  for (int t = t0; t < t1; ++t) {
+    const int s = (t - t0) % 2;
+    if (t + 1 < t1) {
       load_tile(t + 1, 1 - s);
       cp_async_wait<1>();
     } else {
@@ -257,7 +267,10 @@ __global__ void __launch_bounds__(128)
   }
 
   // Accumulator c of tile (i, j): row i * 16 + lane / 4 (+ 8 for c >= 2), column
-  // warp * 32 + j * 8 + 2 * (lane % 4) + (c & 1).
+  // warp * 32 + j * 8 + 2 * (lane % 4) + (c & 1). One split: y directly; several: this split's
+  // unscaled sums into partial[z][row][col], which int8_gemm_finalize_kernel adds up.
+  float* part =
+      partial == nullptr ? nullptr : partial + static_cast<long long>(blockIdx.z) * m * n;
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
 #pragma unroll
@@ -270,12 +283,30 @@ __global__ void __launch_bounds__(128)
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
           const int row = m0 + i * 16 + lane / 4 + 8 * half;
-          if (row < m) {
+          const float sum = acc[i][j][2 * half + c];
+          if (row >= m) continue;
+          if (part != nullptr) {
+            part[static_cast<long long>(row) * n + col] = sum;
+          } else {
             unsigned short* out = reinterpret_cast<unsigned short*>(y + row * y_stride + col);
-            *out = DType<T>::from_float(acc[i][j][2 * half + c] * scale);
+            *out = DType<T>::from_float(sum * scale);
           }
         }
       }
     }
   }
+}
+
+// y[row, col] = T(scales[col] * sum over the splits, in order, of partial[z][row][col]).
+template <typename T>
+__global__ void __launch_bounds__(256)
+    int8_gemm_finalize_kernel(const float* __restrict__ partial, const float* __restrict__ scales,
+                              T* __restrict__ y, long long y_stride, int splits, int m, int n) {
+  const long long index = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (index >= static_cast<long long>(m) * n) return;
+  const int row = static_cast<int>(index / n), col = static_cast<int>(index % n);
+  float sum = 0.f;
+  for (int z = 0; z < splits; ++z) sum += partial[z * static_cast<long long>(m) * n + index];
+  unsigned short* out = reinterpret_cast<unsigned short*>(y + row * y_stride + col);
+  *out = DType<T>::from_float(sum * scales[col]);
 }

@@ -408,6 +408,10 @@ INT8_CASES = {
     "gemm-70": (70, 24, 96, "auto", "int8_gemm_kernel<{}>", (2, 1, 1)),
     # the GEMM asked for at 2 rows (most of its tile is padding)
     "gemm-2": (2, 8, 32, "gemm", "int8_gemm_kernel<{}>", (1, 1, 1)),
+    # split-K (2 tiles fill no GPU): 16 k tiles in 4 splits of 4, then the finalize kernel
+    "gemm-split-4": (9, 130, 512, "auto", "int8_gemm_kernel<{}>", (1, 2, 4)),
+    # 13 k tiles in 3 splits of 5, 5 and 3
+    "gemm-split-3": (16, 40, 400, "auto", "int8_gemm_kernel<{}>", (1, 1, 3)),
 }
 
 
@@ -423,8 +427,10 @@ def run_int8_linear(kc: ModuleType, emulator: emu.Emulator, dtype: torch.dtype, 
     got = kc.int8_linear(x, ki.pack_weight(q), scales, out=out, path=path)
     assert got.data_ptr() == out.data_ptr()
     ctype = "bf16_t" if dtype == torch.bfloat16 else "f16_t"
-    (launch,) = emulator.launches
+    launch, *rest = emulator.launches
     assert (launch.expr, launch.grid) == (expr.format(ctype), grid)
+    finalize = [f"int8_gemm_finalize_kernel<{ctype}>"] if grid[2] > 1 else []
+    assert [later.expr for later in rest] == finalize
     assert bool(wide[:, n:].isnan().all()), "a store past N"
     expect = ref.int8_linear(x.double(), q, scales.double())
     assert_close(got, expect, dtype, f"int8_linear {case}")
@@ -439,7 +445,7 @@ def test_int8_linear(kc: ModuleType, emulator: emu.Emulator, dtype: torch.dtype,
     run_int8_linear(kc, emulator, dtype, case)
 
 
-@pytest.mark.parametrize("case", ["gemm-9", "gemm-70"])
+@pytest.mark.parametrize("case", ["gemm-9", "gemm-70", "gemm-split-3"])
 def test_int8_gemm_stage_orderings(kc: ModuleType, emulator: emu.Emulator, case: str) -> None:
     """The GEMM's two cp.async stages under the other emulator mode (early copies, high warps
     first): a stage refilled before every warp has read it shows."""
