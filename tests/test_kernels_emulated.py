@@ -506,5 +506,6 @@ def test_int8_bench_section_runs(
     for r in rows:
         assert r["rel_error_vs_fp32"] < 1e-2
         assert {"gbps", "pct_of_copy", "us"} <= set(r["int8"]) and r["speedup_vs_bf16"] > 0
+        assert (r["gbps"], r["pct_of_copy"]) == (r["int8"]["gbps"], r["int8"]["pct_of_copy"])
     lines = int8_bench.summary(rows)
     assert lines[-1] == "  int8 batch 1 >= 75% of copy (q/o, down): no"
