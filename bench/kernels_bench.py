@@ -10,21 +10,22 @@ Measures (Llama-3-8B attention shape: 32 query heads, 8 KV heads, head_dim 128, 
   - prefill attention on 4k-token causal chunks (no context, and after 4k of context) against
     torch's flash SDPA, in TFLOP/s of causal attention actually needed;
   - store_kv against a plain device copy of the same bytes;
-  - rms_norm (+ residual), rotary embedding and silu_and_mul against kernels/reference.py.
+  - rms_norm (+ residual), rotary embedding and silu_and_mul against kernels/reference.py;
+  - the weight-only int8 linear on the 8B linear shapes at batch 1-64 against bf16 through torch
+    (bench/int8_bench.py; `--only int8` runs that section alone).
 Each figure is the median of several replays of a CUDA graph holding back-to-back calls (so
 Python launch overhead is not timed); working sets exceed the 50 MB L2 wherever bandwidth is
 claimed. Prints a short table last and writes everything to --out as JSON.
 
-    python3 bench/kernels_bench.py [--out bench/results/kernels_h200.json] [--quick] [--only fp8]
+    python3 bench/kernels_bench.py [--out bench/results/kernels_h200.json] [--quick]
+        [--only fp8|int8]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import platform
-import statistics
 import sys
 import time
 import traceback
@@ -40,74 +41,16 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import kernels.cuda as kc  # noqa: E402
+from bench import int8_bench  # noqa: E402
+from bench.gpu_timing import attempt, free, time_ms  # noqa: E402
+from bench.kernels_report import COPY_TBPS, summary  # noqa: E402
 from kernels import reference as ref  # noqa: E402
 
-COPY_TBPS = 4.28  # ../shared/gpu.md, device-to-device copy, bytes read + written
 MATMUL_TFLOPS = 780.0  # ../shared/gpu.md, bf16 8192^3 through torch
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 DTYPE = torch.bfloat16
 FP8 = torch.float8_e4m3fn
 DEVICE = torch.device("cuda", 0)
-
-
-# ---------------------------------------------------------------------------------------------
-# Timing
-
-
-def time_ms(
-    fn: Callable[[], Any], target_ms: float = 3.0, replays: int = 7, graph: bool = True
-) -> dict[str, Any]:
-    """Median ms per call over `replays` replays of a CUDA graph of back-to-back calls (eager
-    with events when graph=False, for code that synchronizes, or if capture fails)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    fn()
-    end.record()
-    end.synchronize()
-    reps = max(1, min(64, math.ceil(target_ms / max(start.elapsed_time(end), 1e-3))))
-
-    def eager() -> None:
-        for _ in range(reps):
-            fn()
-
-    method, run = "eager", eager
-    if graph:
-        try:
-            cuda_graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(cuda_graph):
-                eager()
-            method, run = "graph", cuda_graph.replay
-        except Exception as err:  # some torch backends refuse capture: time eagerly instead
-            method = f"eager ({type(err).__name__})"
-            torch.cuda.synchronize()
-
-    run()
-    samples = []
-    for _ in range(replays):
-        start.record()
-        run()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) / reps)
-    return {"ms": statistics.median(samples), "samples_ms": samples, "reps": reps, "how": method}
-
-
-def attempt(fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
-    try:
-        return fn()
-    except Exception as err:
-        return {"error": f"{type(err).__name__}: {err}"[:400]}
-
-
-def free() -> None:
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -376,12 +319,13 @@ def bench_layer_ops(num_tokens: int = 8192) -> dict[str, Any]:
 
 
 def kernel_attributes() -> dict[str, Any]:
-    """Registers, local memory and shared memory limit of the attention kernels of this shape."""
+    """Registers, local memory and shared memory limit of the attention kernels of this shape
+    and of the int8 linear's."""
     import cupy  # type: ignore[import-not-found, unused-ignore]
 
     ctype = "bf16_t"
     specs = [kc.decode_spec(ctype, HEAD_DIM), kc.prefill_spec(ctype, HEAD_DIM)]
-    specs += [kc.decode_spec(ctype, HEAD_DIM, kc.FP8_CTYPE)]
+    specs += [kc.decode_spec(ctype, HEAD_DIM, kc.FP8_CTYPE), kc.int8_gemm_spec(ctype)]
     attrs: dict[str, Any] = {}
     index = DEVICE.index or 0
     with cupy.cuda.Device(index):
@@ -400,112 +344,6 @@ def kernel_attributes() -> dict[str, Any]:
     return attrs
 
 
-# ---------------------------------------------------------------------------------------------
-# Report
-
-
-def fmt(x: Any, spec: str = ".3f") -> str:
-    return format(x, spec) if isinstance(x, (int, float)) else "-"
-
-
-def summary(results: dict[str, Any]) -> str:
-    lines = [f"GPU: {results['device']}  copy ceiling used {COPY_TBPS} TB/s "
-             f"(measured here {fmt(results['copy_ceiling'].get('tbps'), '.2f')})"]  # fmt: skip
-    lines.append("decode   B   ctx   ms     TB/s  %copy  splits | flash ms  eff ms  ours/best")
-    dec_ok_large: list[float | None] = []
-    dec_ok_small: list[float | None] = []
-    dec_vs_torch: list[float | None] = []
-    for r in results["decode"]:
-        o = r.get("ours", {})
-        best_ms = o.get("ms")
-        splits = r.get("auto_splits")
-        for s, sr in (r.get("sweep") or {}).items():
-            if "ms" in sr and (best_ms is None or sr["ms"] < best_ms):
-                best_ms, splits = sr["ms"], f"{s}*"
-        tf = r.get("torch_flash", {}).get("ms")
-        te = r.get("torch_efficient", {}).get("ms")
-        torch_best = min([t for t in (tf, te) if t is not None], default=None)
-        pct = 100 * r["kv_bytes"] / best_ms / 1e9 / COPY_TBPS if best_ms else None
-        ratio = best_ms / torch_best if best_ms and torch_best else None
-        (dec_ok_small if r["batch"] <= 4 else dec_ok_large).append(pct)
-        dec_vs_torch.append(ratio)
-        lines.append(
-            f"       {r['batch']:4d} {r['context']:5d} {fmt(best_ms, '.4f'):>7} "
-            f"{fmt(pct and pct * COPY_TBPS / 100, '.2f'):>5} {fmt(pct, '.0f'):>5}  "
-            f"{splits!s:>6} | {fmt(tf, '.4f'):>8} {fmt(te, '.4f'):>7}  {fmt(ratio, '.2f'):>6}"
-        )
-    lines.append(
-        "prefill  seqs new   ctx  | bm64 TFLOP/s  bm128 TFLOP/s | flash TFLOP/s  best/flash"
-    )
-    pre_ratio = []
-    for r in results["prefill"]:
-        t64 = r.get("ours_block_m64", {}).get("tflops")
-        t128 = r.get("ours_block_m128", {}).get("tflops")
-        tfl = r.get("torch_flash", {}).get("tflops")
-        best = max([t for t in (t64, t128) if t is not None], default=None)
-        ratio = best / tfl if best and tfl else None
-        if r["context"] == 0:
-            pre_ratio.append(ratio)
-        lines.append(
-            f"         {r['seqs']:4d} {r['new_tokens']:4d} {r['context']:5d} | "
-            f"{fmt(t64, '.0f'):>12}  {fmt(t128, '.0f'):>13} | {fmt(tfl, '.0f'):>13}  "
-            f"{fmt(ratio, '.2f'):>9}"
-        )
-    if results.get("decode_fp8"):
-        lines.append("decode fp8 B  ctx   ms     TB/s  %copy | bf16 pool ms  fp8/bf16")
-    bf16_ms = {(r["batch"], r["context"]): r.get("ours", {}).get("ms") for r in results["decode"]}
-    for r in results.get("decode_fp8", []):
-        ms = r.get("ours", {}).get("ms")
-        base = bf16_ms.get((r["batch"], r["context"]))
-        lines.append(
-            f"       {r['batch']:4d} {r['context']:5d} {fmt(ms, '.4f'):>7} "
-            f"{fmt(r.get('ours', {}).get('tbps'), '.2f'):>5} "
-            f"{fmt(r.get('ours', {}).get('pct_copy'), '.0f'):>5} | {fmt(base, '.4f'):>12}  "
-            f"{fmt(ms / base if ms and base else None, '.2f'):>8}"
-        )
-    kv_pct = []
-    for r in results["store_kv"]:
-        o = r.get("ours", {})
-        copy_tbps = r.get("torch_copy_same_bytes", {}).get("tbps")
-        kv_pct.append(o.get("pct_copy"))
-        lines.append(
-            f"store_kv tokens {r.get('tokens')}: {fmt(o.get('ms'), '.4f')} ms "
-            f"{fmt(o.get('tbps'), '.2f')} TB/s = {fmt(o.get('pct_copy'), '.0f')}% of copy "
-            f"(torch copy of the same bytes {fmt(copy_tbps, '.2f')} TB/s)"
-        )
-    for name, r in (results.get("layer_ops") or {}).items():
-        if isinstance(r, dict) and "ours" in r:
-            lines.append(
-                f"{name}: {fmt(r['ours']['ms'], '.4f')} ms ({fmt(r['tbps'], '.2f')} TB/s), "
-                f"{fmt(r['speedup'], '.1f')}x the torch reference"
-            )
-
-    def verdict(values: list[Any], test: Callable[[float], bool]) -> str:
-        if not values or any(v is None for v in values):
-            return "INCOMPLETE"
-        return (
-            "MET"
-            if all(test(v) for v in values)
-            else f"NOT MET (worst {fmt(min(values) if test(1e9) else max(values), '.2f')})"
-        )
-
-    lines.append("targets (issue 3):")
-    lines.append(
-        f"  decode B64-256 x 1k-8k >= 80% of copy: {verdict(dec_ok_large, lambda p: p >= 80)}"
-    )
-    lines.append(
-        f"  decode B1-4 x 32k >= 60% of copy:      {verdict(dec_ok_small, lambda p: p >= 60)}"
-    )
-    lines.append(
-        f"  decode no slower than torch (ratio<=1): {verdict(dec_vs_torch, lambda r: r <= 1.0)}"
-    )
-    lines.append(
-        f"  prefill 4k >= 0.8x torch flash:         {verdict(pre_ratio, lambda r: r >= 0.8)}"
-    )
-    lines.append(f"  store_kv >= 70% of copy:                {verdict(kv_pct, lambda p: p >= 70)}")
-    return "\n".join(lines)
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "kernels_h200.json"))
@@ -515,8 +353,9 @@ def main() -> int:
     )
     parser.add_argument(
         "--only",
-        choices=("fp8",),
-        help="fp8: only decode over bf16 and FP8 pools (the FP8 comparison, a few minutes less)",
+        choices=("fp8", "int8"),
+        help="fp8: only decode over bf16 and FP8 pools (the FP8 comparison, a few minutes less); "
+        "int8: only the int8 linear against bf16",
     )
     args = parser.parse_args()
     if not kc.is_available():
@@ -562,6 +401,12 @@ def main() -> int:
         return attempt(fn)
 
     results["copy_ceiling"] = run(bench_copy_ceiling)
+    if args.only == "int8":
+        results["int8_linear"] = int8_bench.run_all(time_ms, COPY_TBPS, DEVICE, run, args.quick)
+        results["summary"] = "\n".join(int8_bench.summary(results["int8_linear"]))
+        save()
+        print(f"\nwrote {out}\n\n{results['summary']}")
+        return 0
     large = [(b, c) for b in (64, 128, 256) for c in (1024, 2048, 4096, 8192)]
     small = [(b, 32768) for b in (1, 2, 4)]
     if args.quick:
@@ -584,6 +429,8 @@ def main() -> int:
         for n in (4096, 32768):
             results["store_kv"].append(run(partial(bench_store_kv, n)))
         results["layer_ops"] = run(bench_layer_ops)
+        results["int8_linear"] = int8_bench.run_all(time_ms, COPY_TBPS, DEVICE, run, args.quick)
+        save()
     for b, c in small + large:
         row = run(partial(bench_decode_fp8, b, c))
         row.update({"batch": b, "context": c, "kv_bytes": 2 * b * c * NUM_KV_HEADS * HEAD_DIM})

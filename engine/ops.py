@@ -290,9 +290,8 @@ class KernelOps(LayerOps):
         and graph batch sizes, on the current GPU."""
         if not torch.cuda.is_available():  # the CPU emulator's tests: no graphs to agree with
             return
-        kc = self.lib
-        sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
-        slots = sms * kc._DECODE_CTAS_PER_SM[config.head_dim]
+        device = torch.device("cuda", torch.cuda.current_device())
+        slots = self.lib.decode_slots(device, config.head_dim)
         self.splits = DecodeSplits(
             max_model_len, tuple(sorted(batch_sizes)), config.num_heads, config.num_kv_heads, slots
         )

@@ -7,7 +7,12 @@ does), and `quantize_linears`, which swaps them into a model.
   weights where float32 reads 128. torch's CPU int8 paths were measured and set aside:
   `_weight_int8pack_mm` ran 3-8x slower than packed float32 on this AVX2 CPU, and fbgemm's
   dynamic int8 GEMM (activations quantized per call) kept only 54% of SmolLM2's top-1 tokens.
-  On a GPU: one symmetric scale per output channel, torch's `_weight_int8pack_mm`.
+  On a GPU: one symmetric scale per output channel and our kernel, kernels/int8_gemm.cu (a
+  bandwidth-bound GEMV up to 8 rows, a tensor-core GEMM above; torch's `_weight_int8pack_mm`
+  reads the weights uncoalesced, one thread per output). It is checked against
+  kernels/reference.py once per device and dtype when the first layer is built
+  (`gpu_int8_self_check`); a kernel that cannot compile or disagrees stops the engine with the
+  reason: there is no silent fallback.
 - `Fp8Linear` (--quantization fp8): W8A8 in float8 e4m3 through `torch._scaled_mm`, one scale per
   output channel for the weights and one per token for the activations, computed each call. Its
   home is Hopper (sm_89+); torch also runs it on a CPU, slowly, which the tests use.
@@ -24,6 +29,8 @@ from torch import nn
 
 from common.log import get_logger
 from kernels import cpu as cpu_kernels
+from kernels import int8 as gpu_int8
+from kernels import reference
 
 QUANTIZATIONS = ("none", "int8", "fp8")
 FP8_MAX = 448.0  # largest finite float8 e4m3fn
@@ -74,7 +81,8 @@ def _error(
 
 class Int8Linear(nn.Module):
     """Weight-only int8. CPU: scales per 32 weights along K, kernels/cpu_int8.cpp (or its torch
-    twin where it cannot build); GPU: per-channel scales, torch's `_weight_int8pack_mm`."""
+    twin where it cannot build); GPU: per-channel scales, kernels/int8_gemm.cu (K a multiple of
+    16, fp16 / bf16; a ValueError at build time otherwise, or when its self-check fails)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
@@ -84,9 +92,11 @@ class Int8Linear(nn.Module):
         if self.on_cpu:  # whichever form holds this weight more closely (exactly: Q8_0, Q4_x)
             forms = [grouped_int8(weight, self.group, sym) for sym in (True, False)]
             self.qweight, scale, self.offset = min(forms, key=lambda f: _error(weight, *f))
-        else:  # _weight_int8pack_mm has no offsets
+        else:  # the GPU kernel has no offsets
+            _require_gpu_int8(weight)
             self.qweight, scale, self.offset = grouped_int8(weight, self.group, True)
-        self.scale = scale if self.on_cpu else scale.view(-1).to(weight.dtype)
+            self.qweight = gpu_int8.pack_weight(self.qweight)
+        self.scale = scale if self.on_cpu else scale.view(-1).contiguous()
         self.symmetric = bool((self.offset == 0).all())
         self.packed: cpu_kernels.PackedInt8 | None = None
         if self.on_cpu:
@@ -106,7 +116,7 @@ class Int8Linear(nn.Module):
                 rows.float(), self.qweight, self.scale, self.offset, self.group, self.bias
             )
         else:
-            out = torch._weight_int8pack_mm(rows, self.qweight, self.scale)
+            out = gpu_int8.int8_linear(rows.contiguous(), self.qweight, self.scale)
             if self.bias is not None:
                 out = out + self.bias
         return out.to(x.dtype).view(*x.shape[:-1], -1)
@@ -142,11 +152,68 @@ def cpu_kernel_missing() -> bool:
     return why is not None
 
 
+def _require_gpu_int8(weight: torch.Tensor) -> None:
+    """Raise ValueError unless kernels/int8_gemm.cu can serve this weight on its GPU."""
+    n, k = weight.shape
+    if k % gpu_int8.K_MULTIPLE:
+        raise ValueError(
+            f"--quantization int8 on {weight.device}: a linear layer of shape [{n}, {k}] has "
+            f"K={k}; kernels/int8_gemm.cu needs a multiple of {gpu_int8.K_MULTIPLE}"
+        )
+    why = gpu_int8_self_check(weight.device, weight.dtype)
+    if why is not None:
+        raise ValueError(f"--quantization int8 on {weight.device}: {why}")
+
+
+@functools.cache
+def gpu_int8_self_check(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Run kernels/int8_gemm.cu on both its paths (1 and 5 rows: the GEMV; 80: the GEMM) beside
+    kernels/reference.py on seeded data; why it cannot serve (None: it agrees, to a relative L2
+    error of 1e-2 per row). Once per device and dtype; said in the log either way."""
+    why = _gpu_int8_problem(device, dtype)
+    log = get_logger("engine")
+    if why is None:
+        log.info("int8 linears run kernels/int8_gemm.cu, self-check passed", device=str(device))
+    else:
+        log.error("int8 linears cannot run kernels/int8_gemm.cu", device=str(device), why=why)
+    return why
+
+
+def _gpu_int8_problem(device: torch.device, dtype: torch.dtype) -> str | None:
+    if dtype not in (torch.float16, torch.bfloat16):
+        return f"kernels/int8_gemm.cu takes float16 or bfloat16 activations, not {dtype}"
+    gen = torch.Generator().manual_seed(0)
+    try:
+        q, scales = reference.quantize_int8_per_channel(torch.randn(72, 256, generator=gen))
+        packed = gpu_int8.pack_weight(q).to(device)
+        for rows in (1, 5, 80):
+            x = torch.randn(rows, 256, generator=gen).to(dtype)
+            got = gpu_int8.int8_linear(x.to(device), packed, scales.to(device)).cpu().double()
+            want = reference.int8_linear(x.double(), q, scales.double())
+            error = float(((got - want).norm(dim=1) / want.norm(dim=1)).max())
+            if not error <= 1e-2:
+                return (
+                    f"self-check: int8_linear on {rows} rows differs from "
+                    f"kernels/reference.py by {error:.3g}"
+                )
+    except Exception as err:  # a kernel that fails to compile or launch on this card
+        return f"self-check: {type(err).__name__}: {err}"
+    return None
+
+
 QUANTIZED_LINEARS: dict[str, type[nn.Module]] = {"int8": Int8Linear, "fp8": Fp8Linear}
 
 
 def quantization_limits(method: str, device: torch.device) -> str | None:
     """Why `method` cannot run on `device` (None when it can)."""
+    if method == "int8" and device.type == "cuda":
+        import kernels.cuda as kc
+
+        if not kc.is_available():
+            return (
+                "--quantization int8 on a GPU runs kernels/int8_gemm.cu, and "
+                "kernels.cuda.is_available() is False (needs CuPy and an sm_80+ GPU)"
+            )
     if method == "fp8" and device.type == "cuda":
         major, minor = torch.cuda.get_device_capability(device)
         if (major, minor) < (8, 9):

@@ -235,3 +235,21 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """SwiGLU's gate: x = [gate | up] along the last dim -> silu(gate) * up."""
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def quantize_int8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int8 q [N, K], float32 scales [N]): symmetric, one scale per output channel (row),
+    weight ~= q * scales[:, None], |q| <= 127 (the largest |weight| of a row maps to 127)."""
+    w = weight.detach().float()
+    scales = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
+    q = (w / scales[:, None]).round().clamp(-127, 127).to(torch.int8)
+    return q, scales
+
+
+def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Weight-only int8 x @ W^T: (x.float() @ q.float()^T) * scales, rounded once to x's dtype.
+
+    x: [M, K]; qweight: int8 [N, K] in plain row order (kernels/int8.py packs it for the GPU);
+    scales: float32 [N]. Returns [M, N] in x's dtype (float32 products and sums)."""
+    out = (x.float() @ qweight.float().t()) * scales.float()[None, :]
+    return out.to(x.dtype)

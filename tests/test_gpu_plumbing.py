@@ -451,7 +451,7 @@ def test_kernels_launch_on_torchs_stream_through_the_cuda_stream_protocol(monkey
     import sys
     import types
 
-    import kernels.cuda as kc
+    import kernels.launch as kc
 
     seen: list[object] = []
     stream_cls = type("Stream", (), {"from_external": staticmethod(lambda obj: seen.append(obj))})

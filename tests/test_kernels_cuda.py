@@ -494,3 +494,42 @@ def test_rotary_embedding(
 def test_silu_and_mul(kc: ModuleType, dtype: torch.dtype) -> None:
     x = (torch.randn(1000, 2 * 1536, device=DEVICE) * 3).to(dtype)
     check_silu_and_mul(kc, x, dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Weight-only int8 linear (int8_gemm.cu)
+
+INT8_SHAPES = {"q/o": (4096, 4096), "qkv": (6144, 4096), "gate_up": (28672, 4096),
+               "down": (4096, 14336)}  # fmt: skip
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 64, 333])
+@pytest.mark.parametrize("shape", list(INT8_SHAPES))
+def test_int8_linear_8b_shapes(kc: ModuleType, shape: str, rows: int) -> None:
+    """Every GEMV instance (1-8 rows) and the GEMM (9+, a partial row tile at 333) on the 8B
+    linear shapes, bf16, against the float32 product over the same int8 weights (channels of
+    different ranges), into a NaN-filled output."""
+    from kernels import int8 as ki
+
+    n, k = INT8_SHAPES[shape]
+    weight = torch.randn(n, k, device=DEVICE) * torch.rand(n, 1, device=DEVICE)
+    q, scales = ref.quantize_int8_per_channel(weight)
+    x = torch.randn(rows, k, device=DEVICE).to(torch.bfloat16)
+    out = torch.full((rows, n), float("nan"), device=DEVICE, dtype=torch.bfloat16)
+    kc.int8_linear(x, ki.pack_weight(q), scales, out=out)
+    expect = ref.int8_linear(x.float(), q, scales)
+    assert_close(out, expect, torch.bfloat16, f"int8_linear {shape} x {rows}")
+
+
+@pytest.mark.parametrize("path", ["gemv", "gemm"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_int8_linear_tails(kc: ModuleType, dtype: torch.dtype, path: str) -> None:
+    """Odd N, K a multiple of 16 but not of 32 or 512, both dtypes, both paths forced."""
+    from kernels import int8 as ki
+
+    n, k = 1001, 4112
+    q, scales = ref.quantize_int8_per_channel(torch.randn(n, k, device=DEVICE))
+    for rows in (1, 7):
+        x = torch.randn(rows, k, device=DEVICE).to(dtype)
+        got = kc.int8_linear(x, ki.pack_weight(q), scales, path=path)
+        assert_close(got, ref.int8_linear(x.float(), q, scales), dtype, f"{path} x {rows}")

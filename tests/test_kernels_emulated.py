@@ -28,7 +28,7 @@ import random
 import shutil
 import sys
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from types import ModuleType
 
@@ -383,3 +383,129 @@ def test_rotary_embedding(
 def test_silu_and_mul(kc: ModuleType, dtype: torch.dtype) -> None:
     x = (torch.randn(5, 2 * 344) * 3).to(dtype)  # 215 threads: a partial CTA
     check_silu_and_mul(kc, x, dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Weight-only int8 linear (int8_gemm.cu)
+
+# (rows of x, output channels, K, path): the instance and launch shape each case must reach
+INT8_CASES = {
+    # GEMV M=1: 20 channels = 2 CTAs of 8 and a third with one warp of 2 rows and 3 idle warps;
+    # K 48: lanes 3-31 have no chunk
+    "gemv-1": (1, 20, 48, "auto", "int8_gemv_kernel<{}, 1, 2>", (3, 1, 1)),
+    # M=2; an odd channel count: the last warp's second row is past N. K 2576: every lane runs
+    # the 4-chunk loop once, then lane 0 two single chunks and the others one
+    "gemv-2": (2, 9, 2576, "auto", "int8_gemv_kernel<{}, 2, 2>", (2, 1, 1)),
+    # 3 rows on the M=4 instance (row 4 clamped, never written); K 1040: every lane runs the
+    # 2-chunk loop once, and lane 0 one more chunk
+    "gemv-3": (3, 17, 1040, "auto", "int8_gemv_kernel<{}, 4, 4>", (2, 1, 1)),
+    "gemv-4": (4, 16, 64, "auto", "int8_gemv_kernel<{}, 4, 4>", (1, 1, 1)),
+    "gemv-8": (8, 12, 528, "auto", "int8_gemv_kernel<{}, 8, 4>", (1, 1, 1)),
+    # 9 rows: the GEMM; 2 channel tiles, the second with 2 of 128 channels; K 48: a full k tile
+    # and a half one (zero-filled 16)
+    "gemm-9": (9, 130, 48, "auto", "int8_gemm_kernel<{}>", (1, 2, 1)),
+    # 70 rows: two row tiles, the second with 6 of 64; 3 k tiles through both stages
+    "gemm-70": (70, 24, 96, "auto", "int8_gemm_kernel<{}>", (2, 1, 1)),
+    # the GEMM asked for at 2 rows (most of its tile is padding)
+    "gemm-2": (2, 8, 32, "gemm", "int8_gemm_kernel<{}>", (1, 1, 1)),
+    # split-K (2 tiles fill no GPU): 16 k tiles in 4 splits of 4, then the finalize kernel
+    "gemm-split-4": (9, 130, 512, "auto", "int8_gemm_kernel<{}>", (1, 2, 4)),
+    # 13 k tiles in 3 splits of 5, 5 and 3
+    "gemm-split-3": (16, 40, 400, "auto", "int8_gemm_kernel<{}>", (1, 1, 3)),
+}
+
+
+def run_int8_linear(kc: ModuleType, emulator: emu.Emulator, dtype: torch.dtype, case: str) -> None:
+    from kernels import int8 as ki
+
+    num_rows, n, k, path, expr, grid = INT8_CASES[case]
+    weight = torch.randn(n, k) * torch.rand(n, 1)  # channels of different ranges
+    q, scales = ref.quantize_int8_per_channel(weight)
+    x = (torch.randn(num_rows, k) * 2).to(dtype)
+    wide = torch.full((num_rows, -(-n // 8) * 8 + 8), float("nan"), dtype=dtype)
+    out = wide[:, :n]  # a strided output; the padding columns must stay NaN
+    got = kc.int8_linear(x, ki.pack_weight(q), scales, out=out, path=path)
+    assert got.data_ptr() == out.data_ptr()
+    ctype = "bf16_t" if dtype == torch.bfloat16 else "f16_t"
+    launch, *rest = emulator.launches
+    assert (launch.expr, launch.grid) == (expr.format(ctype), grid)
+    finalize = [f"int8_gemm_finalize_kernel<{ctype}>"] if grid[2] > 1 else []
+    assert [later.expr for later in rest] == finalize
+    assert bool(wide[:, n:].isnan().all()), "a store past N"
+    expect = ref.int8_linear(x.double(), q, scales.double())
+    assert_close(got, expect, dtype, f"int8_linear {case}")
+    # the reference in x's dtype rounds the same float32 sums: at most one unit in the last place
+    ulp = torch.finfo(dtype).eps * ref.int8_linear(x, q, scales).float().abs()
+    assert bool(((got.float() - ref.int8_linear(x, q, scales).float()).abs() <= ulp).all())
+
+
+@pytest.mark.parametrize("case", list(INT8_CASES))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_int8_linear(kc: ModuleType, emulator: emu.Emulator, dtype: torch.dtype, case: str) -> None:
+    run_int8_linear(kc, emulator, dtype, case)
+
+
+@pytest.mark.parametrize("case", ["gemm-9", "gemm-70", "gemm-split-3"])
+def test_int8_gemm_stage_orderings(kc: ModuleType, emulator: emu.Emulator, case: str) -> None:
+    """The GEMM's two cp.async stages under the other emulator mode (early copies, high warps
+    first): a stage refilled before every warp has read it shows."""
+    emulator.copies, emulator.schedule = MODES["early-high"]
+    run_int8_linear(kc, emulator, torch.bfloat16, case)
+
+
+def test_int8_linear_checks(kc: ModuleType) -> None:
+    from kernels import int8 as ki
+
+    x = torch.zeros(2, 32, dtype=torch.bfloat16)
+    w, s = torch.zeros(8, 32, dtype=torch.int8), torch.ones(8)
+
+    def fails(match: str, *args: torch.Tensor, **kw: object) -> None:
+        with pytest.raises(ValueError, match=match):
+            kc.int8_linear(*args, **kw)
+
+    fails(r"x.dtype=torch.float32 is not supported", x.float(), w, s)
+    fails(r"x.shape\[1\]=24 \(K\) must be a positive multiple of 16", x[:, :24], w[:, :24], s)
+    fails(r"weight.dtype=torch.uint8 is not supported; expected int8", x, w.view(torch.uint8), s)
+    fails(r"weight.shape\[1\]=16 must be 32", x, w[:, :16].contiguous(), s)
+    fails(r"weight must be contiguous", x, torch.zeros(32, 8, dtype=torch.int8).t(), s)
+    fails(r"scales.dtype=torch.bfloat16 is not supported; expected float32", x, w, s.bfloat16())
+    fails(r"scales.shape\[0\]=7 must be 8", x, w, s[:7])
+    fails(
+        r"x.stride\(0\)=33 must be a multiple of 8", torch.zeros(2, 33, dtype=x.dtype)[:, :32], w, s
+    )
+    fails(r"path='tiles' must be one of", x, w, s, path="tiles")
+    fails(r"path='gemv' serves at most 8 rows of x, got 9", torch.zeros(9, 32, dtype=x.dtype), w, s,
+          path="gemv")  # fmt: skip
+    fails(r"out.dtype=torch.float16 is not supported", x, w, s, out=torch.zeros(2, 8).half())
+    with pytest.raises(ValueError, match=r"pack_weight: K=40 must be a multiple of 16"):
+        ki.pack_weight(torch.zeros(2, 40, dtype=torch.int8))
+    assert kc.int8_linear(x[:0], w, s).shape == (0, 8)  # nothing to launch
+
+
+def test_int8_bench_section_runs(
+    kc: ModuleType, emulator: emu.Emulator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """bench/int8_bench.py end to end at toy shapes on the emulator (timing faked: no GPU), so
+    the GPU session's benchmark does not fail on its own code; its rows carry the fields the GPU
+    check's summary reads."""
+    from bench import int8_bench
+
+    monkeypatch.setattr(int8_bench, "SHAPES", {"q/o": (16, 32), "down": (24, 64)})
+    monkeypatch.setattr(int8_bench, "WORKING_SET_BYTES", 2000)
+
+    def fake_time(fn: Callable[[], object]) -> dict[str, float]:
+        fn()
+        return {"ms": 0.01}
+
+    def attempt(fn: Callable[[], dict]) -> dict:
+        return fn()
+
+    rows = int8_bench.run_all(fake_time, 4.28, torch.device("cpu"), attempt, quick=True)
+    assert [(r["shape"], r["batch"]) for r in rows] == [("q/o", 1), ("q/o", 16), ("down", 1),
+                                                        ("down", 16)]  # fmt: skip
+    for r in rows:
+        assert r["rel_error_vs_fp32"] < 1e-2
+        assert {"gbps", "pct_of_copy", "us"} <= set(r["int8"]) and r["speedup_vs_bf16"] > 0
+        assert (r["gbps"], r["pct_of_copy"]) == (r["int8"]["gbps"], r["int8"]["pct_of_copy"])
+    lines = int8_bench.summary(rows)
+    assert lines[-1] == "  int8 batch 1 >= 75% of copy (q/o, down): no"

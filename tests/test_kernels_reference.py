@@ -549,3 +549,26 @@ def test_silu_and_mul() -> None:
     torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
     # gate first, up second: swapping halves changes the result
     assert not torch.allclose(out, ops.silu_and_mul(torch.cat((up, gate), dim=-1)))
+
+
+def test_int8_per_channel_quantization_and_packing() -> None:
+    """quantize_int8_per_channel: |q| <= 127, each row's largest weight lands on +-127, and the
+    error is at most half a step per weight; kernels/int8.py's packing is a permutation within
+    groups of 16 that unpack_weight undoes."""
+    from kernels import int8 as ki
+
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(37, 64, generator=gen) * torch.rand(37, 1, generator=gen)
+    q, scales = ops.quantize_int8_per_channel(weight)
+    assert q.dtype == torch.int8 and scales.dtype == torch.float32
+    assert int(q.abs().max()) == 127 and bool((q.abs().amax(dim=1) == 127).all())
+    step = scales[:, None]
+    assert bool(((q.float() * step - weight).abs() <= step / 2 + 1e-6).all())
+    packed = ki.pack_weight(q)
+    assert torch.equal(ki.unpack_weight(packed), q)
+    assert torch.equal(packed[:, :16], q[:, [0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15]])
+    x = torch.randn(3, 64, generator=gen).to(torch.bfloat16)
+    want = (x.double() @ (q.double() * scales.double()[:, None]).t()).to(torch.bfloat16)
+    got = ops.int8_linear(x, q, scales)  # one rounding to bf16 after float32 sums
+    assert got.dtype == torch.bfloat16
+    assert bool(((got.float() - want.float()).abs() <= want.float().abs() / 128 + 1e-3).all())

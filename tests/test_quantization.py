@@ -215,3 +215,76 @@ def test_modes_through_the_whole_stack(
         stack.assert_idle()
     finally:
         stack.close()
+
+
+# ---- --quantization int8 on a GPU: kernels/int8_gemm.cu, never a silent fallback -------------
+
+
+def test_int8_on_a_gpu_needs_our_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    import kernels.cuda as kc
+    from engine.quant import quantization_limits
+
+    gpu = torch.device("cuda")
+    monkeypatch.setattr(kc, "is_available", lambda: False)
+    why = quantization_limits("int8", gpu)
+    assert why is not None and "kernels/int8_gemm.cu" in why and "is_available() is False" in why
+    assert quantization_limits("int8", torch.device("cpu")) is None
+    monkeypatch.setattr(kc, "is_available", lambda: True)
+    assert quantization_limits("int8", gpu) is None
+
+
+def test_gpu_int8_self_check_on_the_emulator(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The start-up check of the GPU int8 path, its kernel run on CPU tensors by the emulator:
+    it passes as built, and names what went wrong for a kernel that disagrees or fails."""
+    import shutil
+    import sys
+
+    import engine.quant as quant
+    from kernels import int8 as gpu_int8
+
+    if not sys.platform.startswith("linux") or shutil.which("g++") is None:
+        pytest.skip("the kernel emulator needs Linux and g++")
+    from tests.kernel_emu import emu
+
+    cpu = torch.device("cpu")
+    with emu.Emulator(emu.build()).installed():
+        assert quant._gpu_int8_problem(cpu, torch.bfloat16) is None
+        assert quant._gpu_int8_problem(cpu, torch.float16) is None
+    why = quant._gpu_int8_problem(cpu, torch.float32)
+    assert why == "kernels/int8_gemm.cu takes float16 or bfloat16 activations, not torch.float32"
+
+    def wrong(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+        return torch.ones(x.shape[0], w.shape[0], dtype=x.dtype)
+
+    monkeypatch.setattr(gpu_int8, "int8_linear", wrong)
+    why = quant._gpu_int8_problem(cpu, torch.bfloat16)
+    assert why is not None and why.startswith("self-check: int8_linear on 1 rows differs")
+
+    def crash(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("no kernel image is available for execution")
+
+    monkeypatch.setattr(gpu_int8, "int8_linear", crash)
+    why = quant._gpu_int8_problem(cpu, torch.bfloat16)
+    assert why == "self-check: RuntimeError: no kernel image is available for execution"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 200])
+def test_int8_linear_on_the_gpu(rows: int) -> None:
+    """Int8Linear on CUDA runs kernels/int8_gemm.cu: within bf16 rounding of the dequantized
+    weight's product in float32 (an 8B-shaped down projection, with a bias)."""
+    import kernels.cuda as kc
+
+    if not kc.is_available():
+        pytest.skip("kernels.cuda.is_available() is False (needs CuPy and an sm_80+ GPU)")
+    gen = torch.Generator().manual_seed(rows)
+    weight = (torch.randn(4096, 14336, generator=gen) * 0.02).to("cuda", torch.bfloat16)
+    bias = torch.randn(4096, generator=gen).to("cuda", torch.bfloat16)
+    layer = Int8Linear(weight, bias)
+    x = torch.randn(rows, 14336, generator=gen).to("cuda", torch.bfloat16)
+    q, scales = grouped_int8(weight, weight.shape[1], True)
+    dequantized = q.float() * scales.view(-1, 1)
+    want = x.float() @ dequantized.t() + bias.float()
+    got = layer(x).float()
+    error = ((got - want).norm(dim=1) / want.norm(dim=1)).max().item()
+    assert error <= 1e-2, error

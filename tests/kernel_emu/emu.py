@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from kernels import cuda as kc
+from kernels import launch as kl
 
 HEADER = Path(__file__).resolve().parent / "emu_common.h"
 CXX_FLAGS = ("-O1", "-std=c++17", "-ffp-contract=off", "-shared", "-fPIC")
@@ -171,7 +172,7 @@ def _pad3(dims: tuple[int, ...]) -> tuple[int, int, int]:
 
 
 def _require_cpu(op: str, name: str, t: torch.Tensor, device: torch.device | None) -> None:
-    """Stands in for kernels.cuda._require_cuda: the emulated kernels read host memory."""
+    """Stands in for kernels.launch._require_cuda: the emulated kernels read host memory."""
     if t.device.type != "cpu":
         kc._fail(op, f"{name} is on {t.device}; the emulator runs the kernels on CPU tensors")
     if device is not None and t.device != device:
@@ -219,7 +220,7 @@ class Emulator:
         smem: int,
         device: torch.device,
     ) -> None:
-        """kernels.cuda._launch's contract, run on the CPU before returning."""
+        """kernels.launch._launch's contract, run on the CPU before returning."""
         if expr not in spec.name_expressions or expr not in self._thunks:
             raise EmulatorError(f"{expr} is not an instance of {spec.filename} the library has")
         grid3, block3 = _pad3(grid), _pad3(block)
@@ -249,17 +250,18 @@ class Emulator:
 
     @contextmanager
     def installed(self) -> Iterator[Emulator]:
-        """Within the block, kernels.cuda launches here and accepts CPU tensors; restored after."""
+        """Within the block, kernels.cuda launches here and accepts CPU tensors; restored after.
+        (The hooks live in kernels/launch.py, where every wrapper looks them up at call time.)"""
         hooks: dict[str, Any] = {
             "_launch": self.launch,
             "_require_cuda": _require_cpu,
             "_num_sms": lambda device: self.num_sms,
         }
-        saved = {name: getattr(kc, name) for name in hooks}
+        saved = {name: getattr(kl, name) for name in hooks}
         for name, value in hooks.items():
-            setattr(kc, name, value)
+            setattr(kl, name, value)
         try:
             yield self
         finally:
             for name, value in saved.items():
-                setattr(kc, name, value)
+                setattr(kl, name, value)
