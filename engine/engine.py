@@ -31,7 +31,13 @@ from engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from engine.device import resolve_device, resolve_dtype, resolve_kv_dtype
 from engine.graph_capture import capture_graphs, uses_graphs
 from engine.kv_cache import allocate_kv_cache, layer_views
-from engine.memory import GIB, choose_num_blocks, give_back_freed_memory, profile_num_blocks
+from engine.memory import (
+    GIB,
+    PooledModel,
+    choose_num_blocks,
+    give_back_freed_memory,
+    profile_num_blocks,
+)
 from engine.mirror import Mirror, StepBatch
 from engine.model import LlamaForCausalLM
 from engine.parallel import Parallel, shard_config, whole_model
@@ -253,7 +259,7 @@ class Engine:
             return choose_num_blocks(
                 c, self.local_config, self.kv_dtype, ranks, self.draft_config
             ), {}
-        models = [
+        models: list[PooledModel] = [
             (self.local_config, partial(self._make_runner, self.model, parallel=self.parallel))
         ]
         if self.draft_model is not None and self.draft_config is not None:
