@@ -8,13 +8,10 @@ the host) when the next is launched: an older one is finished first.
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
-import os
 import secrets
 import time
 from collections import deque
-from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -31,107 +28,28 @@ from common.sampling import has_penalties
 from engine.config import EngineConfig
 from engine.contract import EngineInfo, StepOutput, StepPlanData, with_refused_rows
 from engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
-from engine.kv_cache import allocate_kv_cache, bytes_per_block, layer_views
+from engine.device import resolve_device, resolve_dtype, resolve_kv_dtype
+from engine.graph_capture import capture_graphs, uses_graphs
+from engine.kv_cache import allocate_kv_cache, layer_views
 from engine.memory import (
     GIB,
-    describe,
-    graph_memory_estimate,
-    kv_cache_budget,
-    num_blocks_for,
-    profile_lengths,
-    profile_step_memory,
+    PooledModel,
+    choose_num_blocks,
+    give_back_freed_memory,
+    profile_num_blocks,
 )
 from engine.mirror import Mirror, StepBatch
 from engine.model import LlamaForCausalLM
-from engine.ops import select_ops
 from engine.parallel import Parallel, shard_config, whole_model
 from engine.proposer import make_proposer
-from engine.quant import quantization_limits
 from engine.runner import LaunchedStep, ModelRunner, StepTimer
 from engine.sampler import Sampler
 from engine.timeline import Timeline, make_timeline
-from engine.weights import build_model, load_weights, resolve_quantization
+from engine.weights import checked_quantization, load_model
 
 log = get_logger("engine")
 
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cuda":
-        if not torch.cuda.is_available():
-            raise RuntimeError("--device cuda: torch sees no CUDA device")
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device(name)
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.float32 if device.type == "cpu" else torch.bfloat16
-    return getattr(torch, name)  # one of engine.config.DTYPES
-
-
-KV_CACHE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.float8_e4m3fn}
-# The CPU pool's default: this many steps' worth of tokens (16 x 2048 by default: 64 requests of
-# 512 tokens), at most this share of the memory available at start.
-CPU_POOL_STEPS = 16
-CPU_POOL_MEMORY_SHARE = 0.25
-
-
-def resolve_kv_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
-    return dtype if name == "auto" else KV_CACHE_DTYPES[name]
-
-
-def available_memory_bytes() -> int:
-    """MemAvailable of /proc/meminfo (Linux), else the physical memory."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
-def choose_num_blocks(
-    config: EngineConfig,
-    model_config: ModelConfig,
-    dtype: torch.dtype,
-    ranks_on_node: int = 1,
-    draft_config: ModelConfig | None = None,
-) -> int:
-    """The KV pool's size without profiling: --num-kv-blocks, --kv-cache-gb, or on the CPU by
-    default CPU_POOL_STEPS x max_num_batched_tokens tokens (at least one max_model_len request),
-    capped at CPU_POOL_MEMORY_SHARE of the available memory, shared by this node's ranks (a GPU
-    engine profiles instead: Engine._size_kv_pool). dtype: the pool's; model_config: the shape
-    of this rank's part; draft_config: a draft model's, whose pool has as many blocks (the
-    memory is for both pools)."""
-    if config.num_kv_blocks:
-        return config.num_kv_blocks
-    per_block = bytes_per_block(model_config, config.block_size, dtype)
-    if draft_config is not None:
-        per_block += bytes_per_block(draft_config, config.block_size, dtype)
-    if config.kv_cache_gb:
-        budget = int(config.kv_cache_gb * GIB)
-    else:
-        max_len = min(model_config.max_position_embeddings, config.max_model_len or 1 << 62)
-        tokens = max(CPU_POOL_STEPS * config.max_num_batched_tokens, max_len)
-        wanted = -(-tokens // config.block_size) * per_block
-        share = CPU_POOL_MEMORY_SHARE / ranks_on_node
-        budget = min(wanted, int(share * available_memory_bytes()))
-    num_blocks = int(budget // per_block)
-    if num_blocks < 1:
-        raise RuntimeError(
-            f"kv_cache_gb={config.kv_cache_gb} holds no block ({per_block} bytes per block)"
-        )
-    return num_blocks
-
-
-def _give_back_freed_memory() -> None:
-    """Return the heap glibc keeps after loading (a GGUF's float32 copies) to the OS."""
-    with contextlib.suppress(OSError, AttributeError):  # not glibc
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
+KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 
 
 class Engine:
@@ -146,6 +64,48 @@ class Engine:
             torch.set_num_threads(config.num_threads)
         t0 = time.perf_counter()
         path = resolve_model_path(config.model)
+        self._resolve_target(path)
+        draft_source = self._draft_source(path)
+        self.model, self.ops_reason = load_model(
+            config, path, self.model_config, self.quantization, self.max_model_len,
+            self.dtype, self.device, self.shard,
+        )  # fmt: skip
+        if (
+            self.device.type == "cuda"
+            and self.model.ops.name == "torch"
+            and config.attention_backend == "auto"
+        ):
+            log.warning("attention backend: plain torch, not the CUDA kernels", why=self.ops_reason)
+        self.draft_model = self._load_draft(*draft_source) if draft_source else None
+        self.draft_config = self.draft_model.config if self.draft_model is not None else None
+        if self.device.type == "cpu":
+            give_back_freed_memory()
+        load_s = time.perf_counter() - t0
+        memory = self._allocate_pools()
+        kv_caches = layer_views(self.kv_cache)
+        graphs, graph_info = capture_graphs(
+            config, self.device, self.model, parallel, self.max_model_len, kv_caches
+        )
+        self.timeline: Timeline = make_timeline(self.device)
+        self.runner = self._make_runner(
+            self.model, kv_caches, graphs=graphs, timeline=self.timeline, parallel=parallel
+        )
+        draft_kv_caches = None
+        if self.draft_kv_cache is not None:
+            draft_kv_caches = layer_views(self.draft_kv_cache)
+        self.proposer = make_proposer(
+            config, self.model, kv_caches, self.draft_model, draft_kv_caches
+        )
+        # Launched steps whose tokens are not on the host yet, oldest first.
+        self.unresolved: deque[LaunchedStep] = deque()
+        self.reset()
+        self.info = self._engine_info()
+        self._log_loaded(path, self.ops_reason, load_s, t0, memory, graph_info)
+
+    def _resolve_target(self, path: Path) -> None:
+        """The target model's shape (the whole and this rank's part), the device, the dtypes
+        and the quantization, checked before any weights load."""
+        config, parallel = self.config, self.parallel
         self.model_config = load_model_config(path)
         num_layers = self.model_config.num_layers
         self.shard = parallel.shard if parallel is not None else whole_model(num_layers)
@@ -154,64 +114,17 @@ class Engine:
         self.device = resolve_device(config.device) if parallel is None else parallel.device
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, self.dtype)
-        self.quantization = resolve_quantization(config.quantization, path, self.device)
-        why_not = quantization_limits(self.quantization, self.device)
-        if why_not:
-            raise ValueError(why_not)
+        self.quantization = checked_quantization(config.quantization, path, self.device)
         max_len = self.model_config.max_position_embeddings
-        self.max_model_len = max_len = min(max_len, config.max_model_len or max_len)
-        draft_source = self._draft_source(path)
-        ops, ops_reason = select_ops(
-            config.attention_backend, self.device, self.dtype, self.local_config, config.block_size
-        )
-        self.ops_reason = ops_reason  # recorded by the benchmarks beside their figures
-        ops.fix_decode_splits(self.local_config, max_len, graph_batch_sizes(config.max_num_seqs))
-        if (
-            self.device.type == "cuda"
-            and ops.name == "torch"
-            and config.attention_backend == "auto"
-        ):
-            log.warning("attention backend: plain torch, not the CUDA kernels", why=ops_reason)
-        weights = None if config.load_format == "dummy" else load_weights(path, self.model_config)
-        self.model = build_model(
-            self.model_config, weights, max_len, self.dtype, self.device,
-            dummy_seed=config.seed or 0, ops=ops, quantization=self.quantization,
-            shard=self.shard,
-        )  # fmt: skip
-        del weights
-        self.draft_model = self._load_draft(*draft_source) if draft_source else None
-        self.draft_config = self.draft_model.config if self.draft_model is not None else None
-        if self.device.type == "cpu":
-            _give_back_freed_memory()
-        load_s = time.perf_counter() - t0
-        self.num_blocks, memory = self._size_kv_pool()
-        if parallel is not None:  # one block space: every rank's pool holds the same blocks
-            self.num_blocks = parallel.min_over_ranks(self.num_blocks)
-        self.kv_cache = allocate_kv_cache(
-            self.local_config, self.num_blocks, config.block_size, self.kv_dtype, self.device
-        )
-        kv_caches = layer_views(self.kv_cache)
-        # The draft model's pool: its own layers and heads, the target's blocks.
-        self.draft_kv_cache = None
-        draft_kv_caches = None
-        if self.draft_config is not None:
-            self.draft_kv_cache = allocate_kv_cache(
-                self.draft_config, self.num_blocks, config.block_size, self.kv_dtype, self.device
-            )
-            draft_kv_caches = layer_views(self.draft_kv_cache)
-        graphs, graph_info = self._capture_graphs(kv_caches)
-        self.timeline: Timeline = make_timeline(self.device)
-        self.runner = self._make_runner(kv_caches, graphs=graphs, timeline=self.timeline)
-        self.proposer = make_proposer(
-            config, self.model, kv_caches, self.draft_model, draft_kv_caches
-        )
-        # Launched steps whose tokens are not on the host yet, oldest first.
-        self.unresolved: deque[LaunchedStep] = deque()
-        self.reset()
-        self.info = EngineInfo(
+        self.max_model_len = min(max_len, config.max_model_len or max_len)
+
+    def _engine_info(self) -> EngineInfo:
+        config = self.config
+        speculates = self.proposer is not None
+        return EngineInfo(
             model=self.model_config.name,
             vocab_size=self.model_config.vocab_size,
-            max_model_len=max_len,
+            max_model_len=self.max_model_len,
             eos_token_ids=self.model_config.eos_token_ids,
             block_size=config.block_size,
             num_blocks=self.num_blocks,
@@ -222,10 +135,20 @@ class Engine:
             tensor_parallel_size=config.tensor_parallel_size,
             pipeline_parallel_size=config.pipeline_parallel_size,
             speculative_method=self.proposer.name if self.proposer is not None else "",
-            num_speculative_tokens=config.num_speculative_tokens
-            if self.proposer is not None
-            else 0,
+            num_speculative_tokens=config.num_speculative_tokens if speculates else 0,
         )
+
+    def _log_loaded(
+        self,
+        path: Path,
+        ops_reason: str,
+        load_s: float,
+        t0: float,
+        memory: dict[str, float],
+        graph_info: dict[str, object],
+    ) -> None:
+        """The engine's one log line at start: what it loaded, where, and the memory it took."""
+        config = self.config
         log.info(
             "engine loaded",
             model=str(path),
@@ -235,13 +158,13 @@ class Engine:
             quantization=self.quantization,
             speculative_method=self.info.speculative_method or "none",
             kv_cache_dtype=str(self.kv_dtype).removeprefix("torch."),
-            ops=ops.name,
+            ops=self.model.ops.name,
             ops_reason=ops_reason,
             num_blocks=self.num_blocks,
             kv_tokens=self.num_blocks * config.block_size,
             kv_cache_gib=round(self.kv_cache.numel() * self.kv_cache.element_size() / GIB, 2),
             **self._draft_figures(),
-            max_model_len=max_len,
+            max_model_len=self.max_model_len,
             load_s=round(load_s, 2),
             total_s=round(time.perf_counter() - t0, 2),
             **memory,
@@ -268,19 +191,13 @@ class Engine:
         """The draft model, built as the target is: same device, dtype, load format (dummy:
         seeded as the target's) and quantization rule (auto resolved for its own file), the
         layer ops chosen for its own shape."""
-        c = self.config
-        quantization = resolve_quantization(c.quantization, path, self.device)
-        why_not = quantization_limits(quantization, self.device)
-        if why_not:
-            raise ValueError(f"speculative_model {path}: {why_not}")
-        ops, _ = select_ops(
-            c.attention_backend, self.device, self.dtype, draft_config, c.block_size
-        )
-        weights = None if c.load_format == "dummy" else load_weights(path, draft_config)
-        return build_model(
-            draft_config, weights, self.max_model_len, self.dtype, self.device,
-            dummy_seed=c.seed or 0, ops=ops, quantization=quantization,
+        what = f"speculative_model {path}: "
+        quantization = checked_quantization(self.config.quantization, path, self.device, what)
+        model, _ = load_model(
+            self.config, path, draft_config, quantization, self.max_model_len, self.dtype,
+            self.device,
         )  # fmt: skip
+        return model
 
     def _draft_figures(self) -> dict[str, object]:
         """The draft model's entries of the engine's log line (none without one)."""
@@ -295,39 +212,43 @@ class Engine:
 
     def _make_runner(
         self,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        model: LlamaForCausalLM,
+        kv_caches: KVCaches,
+        *,
         graphs: DecodeGraphs | None = None,
         timeline: Timeline | None = None,
+        parallel: Parallel | None = None,
     ) -> ModelRunner:
+        """A runner of model (the target, or the draft model for the memory profile)."""
+        sampler = Sampler(self.device, self.sampling_seed)
         return ModelRunner(
-            self.model,
+            model,
             kv_caches,
             self.config.block_size,
             self.device,
-            Sampler(self.device, self.sampling_seed),
+            sampler,
             graphs=graphs,
             timeline=timeline,
-            parallel=self.parallel,
+            parallel=parallel,
         )
 
-    def _make_draft_runner(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> ModelRunner:
-        """A runner of the draft model, for the memory profile."""
-        assert self.draft_model is not None
-        sampler = Sampler(self.device, self.sampling_seed)
-        return ModelRunner(
-            self.draft_model, kv_caches, self.config.block_size, self.device, sampler
+    def _allocate_pools(self) -> dict[str, float]:
+        """Size the KV pool (the same blocks on every rank) and allocate it, and the draft
+        model's beside it (its own layers and heads, the target's blocks); the memory figures
+        for the log."""
+        self.num_blocks, memory = self._size_kv_pool()
+        if self.parallel is not None:  # one block space: every rank's pool holds the same blocks
+            self.num_blocks = self.parallel.min_over_ranks(self.num_blocks)
+        c = self.config
+        self.kv_cache = allocate_kv_cache(
+            self.local_config, self.num_blocks, c.block_size, self.kv_dtype, self.device
         )
-
-    def _uses_graphs(self) -> tuple[bool, str]:
-        if self.device.type != "cuda":
-            return False, f"device {self.device.type}"
-        if self.parallel is not None:
-            return False, "tensor / pipeline parallel (collectives are not captured yet)"
-        if self.config.enforce_eager:
-            return False, "--enforce-eager"
-        if not self.model.ops.graph_safe:
-            return False, f"ops backend {self.model.ops.name} (the CUDA kernels are needed)"
-        return True, ""
+        self.draft_kv_cache: torch.Tensor | None = None
+        if self.draft_config is not None:
+            self.draft_kv_cache = allocate_kv_cache(
+                self.draft_config, self.num_blocks, c.block_size, self.kv_dtype, self.device
+            )
+        return memory
 
     def _size_kv_pool(self) -> tuple[int, dict[str, float]]:
         """(num_blocks, memory figures for the log). On a GPU without --num-kv-blocks: from a
@@ -338,63 +259,16 @@ class Engine:
             return choose_num_blocks(
                 c, self.local_config, self.kv_dtype, ranks, self.draft_config
             ), {}
-        lengths = profile_lengths(c.max_num_batched_tokens, c.max_num_seqs, self.max_model_len)
-        profile = profile_step_memory(
-            self.local_config, self.kv_dtype, self.device, c.block_size, lengths, self._make_runner
-        )
+        models: list[PooledModel] = [
+            (self.local_config, partial(self._make_runner, self.model, parallel=self.parallel))
+        ]
         if self.draft_model is not None and self.draft_config is not None:
-            # Its weights are in the profile's already; its forwards (catch-up chunks of at
-            # most max_num_batched_tokens tokens) run after the target's, not beside them.
-            draft = profile_step_memory(
-                self.draft_config, self.kv_dtype, self.device, c.block_size, lengths,
-                self._make_draft_runner,
-            )  # fmt: skip
-            peak = max(profile.activation_peak_bytes, draft.activation_peak_bytes)
-            profile = replace(profile, activation_peak_bytes=peak)
-        uses_graphs, _ = self._uses_graphs()
-        max_graph_batch = graph_batch_sizes(c.max_num_seqs)[-1] if uses_graphs else 0
-        graph_bytes = graph_memory_estimate(
-            profile.activation_peak_bytes, max_graph_batch, sum(lengths)
+            models.append((self.draft_config, partial(self._make_runner, self.draft_model)))
+        using, _ = uses_graphs(c, self.device, self.model, self.parallel)
+        max_graph_batch = graph_batch_sizes(c.max_num_seqs)[-1] if using else 0
+        return profile_num_blocks(
+            c, self.max_model_len, self.kv_dtype, self.device, models, max_graph_batch
         )
-        budget = kv_cache_budget(profile, c.gpu_memory_utilization, graph_bytes)
-        per_block = bytes_per_block(self.local_config, c.block_size, self.kv_dtype)
-        if self.draft_config is not None:  # as many blocks in the draft's pool
-            per_block += bytes_per_block(self.draft_config, c.block_size, self.kv_dtype)
-        num_blocks = num_blocks_for(budget, per_block)
-        figures = {**describe(profile), "graph_reserve_gib": round(graph_bytes / GIB, 2)}
-        if num_blocks < 1:
-            raise RuntimeError(
-                f"no GPU memory left for the KV pool at gpu_memory_utilization="
-                f"{c.gpu_memory_utilization} (GiB: {figures}); raise it or lower "
-                f"max_num_batched_tokens={c.max_num_batched_tokens}"
-            )
-        return num_blocks, figures
-
-    def _capture_graphs(
-        self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
-    ) -> tuple[DecodeGraphs | None, dict[str, object]]:
-        uses_graphs, why_not = self._uses_graphs()
-        if not uses_graphs:
-            return None, {"cuda_graphs": f"off: {why_not}"}
-        t0 = time.perf_counter()
-        reserved = torch.cuda.memory_reserved(self.device)
-        sizes = graph_batch_sizes(self.config.max_num_seqs)
-        graphs = DecodeGraphs(
-            self.model,
-            kv_caches,
-            sizes,
-            max_blocks_per_seq=-(-self.max_model_len // self.config.block_size),
-            max_seq_len=self.max_model_len,
-            device=self.device,
-        )
-        graphs.capture()
-        return graphs, {
-            "cuda_graphs": f"{len(sizes)} decode batch sizes, 1..{sizes[-1]}",
-            "graph_capture_s": round(time.perf_counter() - t0, 2),
-            "graph_memory_gib": round(
-                (torch.cuda.memory_reserved(self.device) - reserved) / GIB, 2
-            ),
-        }
 
     def reset(self) -> None:
         """Forget every request (a new Step stream starts from nothing)."""

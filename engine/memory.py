@@ -1,4 +1,6 @@
-"""Sizing the KV pool on a GPU from what a profiling forward at the largest step leaves:
+"""Sizing the KV pool. On a CPU (or with --num-kv-blocks / --kv-cache-gb) without profiling:
+`choose_num_blocks`. On a GPU from what a profiling forward at the largest step leaves
+(`profile_num_blocks`):
 
     |<------------------ total x gpu_memory_utilization ------------------>|
     |<- weights ->|<- activation peak ->|<- graphs ->|<- non-torch ->|<- KV pool ->|
@@ -11,21 +13,29 @@ on the CPU.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import gc
+import os
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import torch
 
 from common.model_config import ModelConfig
+from engine.config import EngineConfig
 from engine.contract import NewRequestData, RunningData, StepPlanData
-from engine.kv_cache import allocate_kv_cache, layer_views
+from engine.kv_cache import allocate_kv_cache, bytes_per_block, layer_views
 from engine.mirror import Mirror
 from protos.common_pb2 import SamplingParams
 
 GIB = 1 << 30
 GRAPH_MARGIN_BYTES = 64 << 20
+# The CPU pool's default: this many steps' worth of tokens (16 x 2048 by default: 64 requests of
+# 512 tokens), at most this share of the memory available at start.
+CPU_POOL_STEPS = 16
+CPU_POOL_MEMORY_SHARE = 0.25
 # Every sampling feature at once, so the profile sees the sampler's largest temporaries
 # (sort, softmax, noise and penalty counts over [max_num_seqs, vocab]).
 PROFILE_SAMPLING = SamplingParams(
@@ -141,3 +151,103 @@ def profile_step_memory(
     free, total = torch.cuda.mem_get_info(device)
     non_torch = max(0, (total - free) - torch.cuda.memory_reserved(device))
     return MemoryProfile(total, free, weights_bytes, max(0, peak), non_torch)
+
+
+def available_memory_bytes() -> int:
+    """MemAvailable of /proc/meminfo (Linux), else the physical memory."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def give_back_freed_memory() -> None:
+    """Return the heap glibc keeps after loading (a GGUF's float32 copies) to the OS."""
+    with contextlib.suppress(OSError, AttributeError):  # not glibc
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+def pool_bytes_per_block(
+    model_configs: list[ModelConfig], block_size: int, dtype: torch.dtype
+) -> int:
+    """Bytes one block takes in every pool: the target's and, with a draft model, the draft's
+    (its pool has as many blocks)."""
+    return sum(bytes_per_block(c, block_size, dtype) for c in model_configs)
+
+
+def choose_num_blocks(
+    config: EngineConfig,
+    model_config: ModelConfig,
+    dtype: torch.dtype,
+    ranks_on_node: int = 1,
+    draft_config: ModelConfig | None = None,
+) -> int:
+    """The KV pool's size without profiling: --num-kv-blocks, --kv-cache-gb, or on the CPU by
+    default CPU_POOL_STEPS x max_num_batched_tokens tokens (at least one max_model_len request),
+    capped at CPU_POOL_MEMORY_SHARE of the available memory, shared by this node's ranks (a GPU
+    engine profiles instead: `profile_num_blocks`). dtype: the pool's; model_config: the shape
+    of this rank's part; draft_config: a draft model's, whose pool has as many blocks (the
+    memory is for both pools)."""
+    if config.num_kv_blocks:
+        return config.num_kv_blocks
+    configs = [model_config] if draft_config is None else [model_config, draft_config]
+    per_block = pool_bytes_per_block(configs, config.block_size, dtype)
+    if config.kv_cache_gb:
+        budget = int(config.kv_cache_gb * GIB)
+    else:
+        max_len = min(model_config.max_position_embeddings, config.max_model_len or 1 << 62)
+        tokens = max(CPU_POOL_STEPS * config.max_num_batched_tokens, max_len)
+        wanted = -(-tokens // config.block_size) * per_block
+        share = CPU_POOL_MEMORY_SHARE / ranks_on_node
+        budget = min(wanted, int(share * available_memory_bytes()))
+    num_blocks = int(budget // per_block)
+    if num_blocks < 1:
+        raise RuntimeError(
+            f"kv_cache_gb={config.kv_cache_gb} holds no block ({per_block} bytes per block)"
+        )
+    return num_blocks
+
+
+# A model whose pool is sized and a runner of it over given KV layer views (for the profile).
+PooledModel = tuple[ModelConfig, Callable[[list[tuple[torch.Tensor, torch.Tensor]]], Any]]
+
+
+def profile_num_blocks(
+    config: EngineConfig,
+    max_model_len: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    models: list[PooledModel],
+    max_graph_batch: int,
+) -> tuple[int, dict[str, float]]:
+    """(num_blocks, memory figures for the log) on a GPU, from a profiling step at the
+    scheduler's largest through each of `models` (the target's part on this rank first, then a
+    draft model's, whose weights are in the target's profile already: its forwards, catch-up
+    chunks of at most max_num_batched_tokens tokens, run after the target's, not beside them).
+    dtype: the pools'; max_graph_batch: the largest decode batch captured (0: no graphs)."""
+    c = config
+    lengths = profile_lengths(c.max_num_batched_tokens, c.max_num_seqs, max_model_len)
+    profiles = [
+        profile_step_memory(model_config, dtype, device, c.block_size, lengths, make_runner)
+        for model_config, make_runner in models
+    ]
+    peak = max(p.activation_peak_bytes for p in profiles)
+    profile = replace(profiles[0], activation_peak_bytes=peak)
+    graph_bytes = graph_memory_estimate(
+        profile.activation_peak_bytes, max_graph_batch, sum(lengths)
+    )
+    budget = kv_cache_budget(profile, c.gpu_memory_utilization, graph_bytes)
+    per_block = pool_bytes_per_block([m for m, _ in models], c.block_size, dtype)
+    num_blocks = num_blocks_for(budget, per_block)
+    figures = {**describe(profile), "graph_reserve_gib": round(graph_bytes / GIB, 2)}
+    if num_blocks < 1:
+        raise RuntimeError(
+            f"no GPU memory left for the KV pool at gpu_memory_utilization="
+            f"{c.gpu_memory_utilization} (GiB: {figures}); raise it or lower "
+            f"max_num_batched_tokens={c.max_num_batched_tokens}"
+        )
+    return num_blocks, figures

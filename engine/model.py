@@ -92,19 +92,33 @@ class LlamaForCausalLM(nn.Module):
         """This rank's stage of a flattened batch, from input_ids (the first stage) or `carried`,
         the previous stage's output. The last stage returns the final hidden states
         [num_tokens, hidden_size]; the others stack(hidden, residual) [2, num_tokens,
-        hidden_size] for the next one. The ops backend prepares ctx once for all layers."""
+        hidden_size] for the next one."""
+        hidden, residual = self.run_layers(input_ids, positions, ctx, carried)
+        if self.norm is None:
+            return torch.stack((hidden, residual))
+        return self.norm(hidden, residual)[0]
+
+    def run_layers(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        ctx: AttentionContext,
+        carried: torch.Tensor | None = None,
+        layers: range | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hidden, residual) after `layers` (default: this rank's), before the final norm, from
+        input_ids' embeddings or `carried` (see forward). A draft runs the first layers only.
+        The ops backend prepares ctx once for all layers."""
         ctx = self.ops.prepare(ctx)
         residual: torch.Tensor | None = None
         if carried is None:
             hidden = self.embed_tokens(input_ids)
         else:
             hidden, residual = carried[0], carried[1]
-        for i in self.shard.layers:
+        for i in self.shard.layers if layers is None else layers:
             hidden, residual = self.layers[i](positions, hidden, residual, ctx)
         assert residual is not None, "a stage without layers"
-        if self.norm is None:
-            return torch.stack((hidden, residual))
-        return self.norm(hidden, residual)[0]
+        return hidden, residual
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits [rows, vocab_size] for the given hidden rows (last stage; with tensor

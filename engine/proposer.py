@@ -17,7 +17,8 @@ import torch
 from engine.config import EngineConfig
 from engine.mirror import ScheduledSeq, StepBatch
 from engine.model import LlamaForCausalLM
-from engine.ops import AttentionContext
+from engine.sampler import to_device
+from engine.step_inputs import Segment, flattened_inputs, padded_block_tables
 
 _TOKEN_BYTES = array("i").itemsize
 
@@ -90,54 +91,53 @@ class DraftForward:
         self.num_layers = num_layers
         self.device = model.embed_tokens.weight.device
 
+    def block_tables(self, rows: list[ScheduledSeq]) -> torch.Tensor:
+        """rows' whole block tables, padded, on the device: built once for the forwards of
+        single tokens that follow one another inside the rows' lookahead slots."""
+        tables = [row.seq.block_table for row in rows]
+        return padded_block_tables(tables, max(len(t) for t in tables), self.device)
+
     @torch.inference_mode()
-    def argmax(self, segments: list[tuple[ScheduledSeq, list[int], int]]) -> list[int]:
-        """Per segment (row, input_ids, start): input_ids at positions start, start + 1, ...
-        of row's request, attending to its K/V before start (in kv_caches, under its block
-        table) and writing theirs; the draft's argmax after the segment's last token."""
-        bs = self.block_size
-        tables = [row.seq.block_table for row, _, _ in segments]
-        max_blocks = max(len(t) for t in tables)
-        input_ids: list[int] = []
-        positions: list[int] = []
-        cu_seqlens_q = [0]
-        for _, ids, start in segments:
-            input_ids.extend(ids)
-            positions.extend(range(start, start + len(ids)))
-            cu_seqlens_q.append(len(input_ids))
-        slots: list[int] = []
-        for table, (_, ids, start) in zip(tables, segments, strict=True):
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + len(ids)))
-
-        def tensor(values: list[int] | list[list[int]]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.long, device=self.device)
-
-        ctx = AttentionContext(
-            slot_mapping=tensor(slots),
-            block_tables=tensor([t + [0] * (max_blocks - len(t)) for t in tables]),
-            seq_lens=[start + len(ids) for _, ids, start in segments],
-            cu_seqlens_q=cu_seqlens_q,
-            kv_caches=self.kv_caches,
-        )
+    def argmax(
+        self, segments: list[Segment], block_tables: torch.Tensor | None = None
+    ) -> list[int]:
+        """Per segment (engine.step_inputs): its tokens' forward, writing their K/V; the
+        draft's argmax after the segment's last token. block_tables: the segments' padded
+        tables on the device, when the caller has them."""
         model = self.model
-        ctx = model.ops.prepare(ctx)
-        positions_t = tensor(positions)
-        hidden, residual = model.embed_tokens(tensor(input_ids)), None
-        for i in range(self.num_layers):
-            hidden, residual = model.layers[i](positions_t, hidden, residual, ctx)
-        assert residual is not None
-        last = tensor([end - 1 for end in cu_seqlens_q[1:]])
+        input_ids, positions, ctx = flattened_inputs(
+            segments, self.block_size, self.kv_caches, self.device, block_tables
+        )
+        hidden, residual = model.run_layers(
+            input_ids, positions, ctx, layers=range(self.num_layers)
+        )
+        last = to_device([end - 1 for end in ctx.cu_seqlens_q[1:]], torch.long, self.device)
         hidden = model.norm(hidden[last], residual[last])[0]
         return model.compute_logits(hidden).argmax(dim=-1).tolist()
 
 
 def _propose_rest(forward: DraftForward, rows: list[ScheduledSeq]) -> None:
     """Given each row's first proposal, its others: proposal j from proposal j - 1 at position
-    len(token_ids) - 1 + j, one single-token forward for all rows per j."""
-    for j in range(1, max((r.num_lookahead_tokens for r in rows), default=0)):
-        active = [r for r in rows if j < r.num_lookahead_tokens]
-        segments = [(r, [r.draft_token_ids[-1]], len(r.seq.token_ids) - 1 + j) for r in active]
-        for row, token in zip(active, forward.argmax(segments), strict=True):
+    len(token_ids) - 1 + j, one single-token forward for all rows per j, over block tables
+    built once."""
+    num_forwards = max((r.num_lookahead_tokens for r in rows), default=0) - 1
+    if num_forwards <= 0:
+        return
+    tables = forward.block_tables(rows)
+    for j in range(1, num_forwards + 1):
+        active = [i for i, r in enumerate(rows) if j < r.num_lookahead_tokens]
+        segments = [
+            (
+                rows[i].seq.block_table,
+                [rows[i].draft_token_ids[-1]],
+                len(rows[i].seq.token_ids) - 1 + j,
+            )
+            for i in active
+        ]
+        if len(active) < len(rows):
+            tables = tables[to_device(active, torch.long, forward.device)]
+            rows = [rows[i] for i in active]
+        for row, token in zip(rows, forward.argmax(segments, tables), strict=True):
             row.draft_token_ids.append(token)
 
 
@@ -167,7 +167,7 @@ class DraftProposer:
         rows = [r for r in batch.rows if r.num_lookahead_tokens]
         if not rows:
             return
-        first = [(r, [r.seq.token_ids[-1]], len(r.seq.token_ids) - 1) for r in rows]
+        first = [(r.seq.block_table, [r.seq.token_ids[-1]], len(r.seq.token_ids) - 1) for r in rows]
         for row, token in zip(rows, self.forward.argmax(first), strict=True):
             row.draft_token_ids = [token]
         _propose_rest(self.forward, rows)
@@ -235,18 +235,19 @@ class DraftModelProposer:
             pending.append((row, seq.num_draft_computed_tokens))
         budget = self.max_num_batched_tokens
         while pending:
-            segments: list[tuple[ScheduledSeq, list[int], int]] = []
+            chunk: list[tuple[ScheduledSeq, int, int]] = []  # (row, start, end)
             room = budget
             while pending and room:
                 row, start = pending.pop(0)
                 end = min(len(row.seq.token_ids), start + room)
-                segments.append((row, row.seq.token_ids[start:end], start))
+                chunk.append((row, start, end))
                 room -= end - start
                 if end < len(row.seq.token_ids):
                     pending.insert(0, (row, end))
+            segments = [(r.seq.block_table, r.seq.token_ids[s:e], s) for r, s, e in chunk]
             tokens = self.forward.argmax(segments)
-            for (row, ids, start), token in zip(segments, tokens, strict=True):
-                if start + len(ids) == len(row.seq.token_ids):
+            for (row, _, end), token in zip(chunk, tokens, strict=True):
+                if end == len(row.seq.token_ids):
                     row.draft_token_ids = [token]
 
 

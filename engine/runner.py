@@ -24,6 +24,7 @@ from engine.model import LlamaForCausalLM
 from engine.ops import AttentionContext
 from engine.parallel import Parallel
 from engine.sampler import Sampler, SamplerOutput, to_device
+from engine.step_inputs import flattened_inputs
 from engine.timeline import NullTimeline, Timeline
 from protos.common_pb2 import SamplingParams
 
@@ -115,37 +116,12 @@ class ModelRunner:
         self.samples_here = parallel is None or parallel.topology.is_driver
 
     def _prepare(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionContext]:
-        bs = self.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        cu_seqlens_q = [0]
-        seq_lens: list[int] = []
-        for row in batch.rows:
-            seq, start = row.seq, row.start
-            end = row.end + len(row.draft_token_ids)  # proposed tokens follow the known ones
-            table = seq.block_table
-            input_ids.extend(seq.token_ids[start : row.end])
-            input_ids.extend(row.draft_token_ids)
-            positions.extend(range(start, end))
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            cu_seqlens_q.append(cu_seqlens_q[-1] + end - start)
-            seq_lens.append(end)
-        max_blocks = max(-(-n // bs) for n in seq_lens)
-        tables = [r.seq.block_table[:max_blocks] for r in batch.rows]
-        tables = [t + [0] * (max_blocks - len(t)) for t in tables]
-
-        def tensor(values: list[int] | list[list[int]]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.long).to(self.device, non_blocking=True)
-
-        ctx = AttentionContext(
-            slot_mapping=tensor(slots),
-            block_tables=tensor(tables),
-            seq_lens=seq_lens,
-            cu_seqlens_q=cu_seqlens_q,
-            kv_caches=self.kv_caches,
-        )
-        return tensor(input_ids), tensor(positions), ctx
+        """The step's flattened inputs: each row's scheduled tokens, then its proposals."""
+        segments = [
+            (r.seq.block_table, r.seq.token_ids[r.start : r.end] + r.draft_token_ids, r.start)
+            for r in batch.rows
+        ]
+        return flattened_inputs(segments, self.block_size, self.kv_caches, self.device)
 
     def execute(self, batch: StepBatch) -> StepOutput:
         """Run a step whose inputs are all known and wait for its output."""
@@ -170,13 +146,7 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[last])
             timer.mark()
             if self.samples_here:
-                rows = [batch.rows[i] for i in sampling_rows]
-                out = self.sampler.sample(
-                    logits,
-                    [r.seq.sampling for r in rows],
-                    [r.seq.num_output_tokens for r in rows],
-                    _penalized_outputs(rows),
-                )
+                out = self.sampler.sample(logits, *_sampler_inputs(batch.rows))
         else:
             timer.mark()
         timer.mark()  # before _spread records `ready`: collect reads the timer once that is done
@@ -213,8 +183,7 @@ class ModelRunner:
         if index:
             logits = self.model.compute_logits(hidden[to_device(index, torch.long, self.device)])
             timer.mark()
-            params, output_indices, outputs = _positions_to_sample(batch.rows)
-            out = self.sampler.sample(logits, params, output_indices, outputs)
+            out = self.sampler.sample(logits, *_sampler_inputs(batch.rows))
         else:
             timer.mark()
         timer.mark()
@@ -226,21 +195,12 @@ class ModelRunner:
         tokens, logprobs, top_ids, top_lps = step.host
         if tokens is None:  # a rank that did not sample: the driver's tokens
             tokens = step.sampled.cpu()
-        rows = step.batch.rows
-        output = StepOutput(tokens.tolist(), None, *step.timer.elapsed_ms())
-        if logprobs is not None:  # NaN where the request did not ask
-            output.logprobs = [
-                lp if r.seq.sampling.logprobs else math.nan
-                for lp, r in zip(logprobs.tolist(), rows, strict=True)
-            ]
+        params = [r.seq.sampling if r.samples else None for r in step.batch.rows]
+        top = None
         if top_ids is not None and top_lps is not None:
-            k = top_ids.shape[1]
-            counts = [min(r.seq.sampling.top_logprobs, k) if r.samples else 0 for r in rows]
-            output.num_top_logprobs = counts
-            ids, lps = top_ids.tolist(), top_lps.tolist()
-            output.top_token_ids = [t for row, n in zip(ids, counts, strict=True) for t in row[:n]]
-            output.top_logprobs = [lp for row, n in zip(lps, counts, strict=True) for lp in row[:n]]
-        return output
+            top = (top_ids.tolist(), top_lps.tolist())
+        logprobs_list = logprobs.tolist() if logprobs is not None else None
+        return _step_output(params, tokens.tolist(), logprobs_list, top, step.timer)
 
     def _gather_placeholders(
         self, batch: StepBatch, input_ids: torch.Tensor, prev: LaunchedStep | None
@@ -342,36 +302,54 @@ class ModelRunner:
         return self.model(input_ids, positions, ctx)
 
 
-def _penalized_outputs(rows: list[ScheduledSeq]) -> list[list[int]]:
-    """Each row's generated tokens where it has penalties (the sampler counts them), else []."""
-    if not any(has_penalties(r.seq.sampling) for r in rows):
-        return []
-    return [
-        r.seq.token_ids[r.seq.num_prompt_tokens :] if has_penalties(r.seq.sampling) else []
-        for r in rows
-    ]
-
-
-def _positions_to_sample(
+def _sampler_inputs(
     rows: list[ScheduledSeq],
 ) -> tuple[list[SamplingParams], list[int], list[list[int]]]:
-    """The sampler's inputs for verify: per sampled position (a sampling row's last 1 + d),
-    its request's params, its output index, and its generated tokens where it has penalties
-    (the proposals before the position counted as generated)."""
+    """The sampler's inputs, per sampled position (a sampling row's last 1 + d, d its proposals:
+    0 but in verify): its request's params, its output index, and, when any row has penalties,
+    its generated tokens where it has them (the proposals before the position counted as
+    generated; [] elsewhere); no lists when none has."""
     params: list[SamplingParams] = []
     output_indices: list[int] = []
     outputs: list[list[int]] = []
+    any_penalized = False
     for row in rows:
         if not row.samples:
             continue
         seq = row.seq
         penalized = has_penalties(seq.sampling)
+        any_penalized |= penalized
         generated = seq.token_ids[seq.num_prompt_tokens :] if penalized else []
         for j in range(len(row.draft_token_ids) + 1):
             params.append(seq.sampling)
             output_indices.append(seq.num_output_tokens + j)
             outputs.append([*generated, *row.draft_token_ids[:j]] if penalized else [])
-    return params, output_indices, outputs
+    return params, output_indices, outputs if any_penalized else []
+
+
+def _step_output(
+    params: list[SamplingParams | None],
+    tokens: list[int],
+    logprobs: list[float] | None,
+    top: tuple[list[list[int]], list[list[float]]] | None,
+    timer: StepTimer,
+) -> StepOutput:
+    """A StepOutput of one entry per returned token: its request's params (None where its row
+    sampled nothing: NaN logprob, no top logprobs), the token, its logprob and its top-k ids and
+    logprobs (most likely first), each kept only where the request asked."""
+    output = StepOutput(tokens, None, *timer.elapsed_ms())
+    if logprobs is not None:  # NaN where the request did not ask
+        output.logprobs = [
+            lp if p is not None and p.logprobs else math.nan
+            for lp, p in zip(logprobs, params, strict=True)
+        ]
+    if top is not None:
+        for p, ids, lps in zip(params, *top, strict=True):
+            n = min(p.top_logprobs, len(ids)) if p is not None else 0
+            output.num_top_logprobs.append(n)
+            output.top_token_ids += ids[:n]
+            output.top_logprobs += lps[:n]
+    return output
 
 
 def _accepted(sampled: list[int], proposed: list[int]) -> list[int]:
@@ -390,35 +368,35 @@ def _verified_output(
     row's tokens ([-1] where it samples nothing)."""
     sampled = out.token_ids.tolist() if out is not None else []
     lps = out.logprobs.tolist() if out is not None and out.logprobs is not None else None
-    top = out is not None and out.top_token_ids is not None and out.top_logprobs is not None
-    top_ids = out.top_token_ids.tolist() if top else []  # type: ignore[union-attr]
-    top_lps = out.top_logprobs.tolist() if top else []  # type: ignore[union-attr]
-    output = StepOutput([], [] if lps is not None else None, *timer.elapsed_ms())
+    top_ids = top_lps = None
+    if out is not None and out.top_token_ids is not None and out.top_logprobs is not None:
+        top_ids, top_lps = out.top_token_ids.tolist(), out.top_logprobs.tolist()
     tokens: list[list[int]] = []
+    positions: list[int] = []  # per returned token, its sampled position (-1: none)
     position = 0
     for row in batch.rows:
-        params = row.seq.sampling
         if not row.samples:
-            row_tokens, positions = [-1], [-1]
-        else:
-            num_positions = len(row.draft_token_ids) + 1
-            row_sampled = sampled[position : position + num_positions]
-            row_tokens = _accepted(row_sampled, row.draft_token_ids)
-            positions = list(range(position, position + len(row_tokens)))
-            position += num_positions
-        tokens.append(row_tokens)
-        output.sampled_token_ids += row_tokens
-        output.num_draft_tokens.append(len(row.draft_token_ids))
-        output.num_sampled_tokens.append(len(row_tokens))
-        for p in positions:
-            if output.logprobs is not None:
-                keep = p >= 0 and params.logprobs and lps is not None
-                output.logprobs.append(lps[p] if keep else math.nan)  # type: ignore[index]
-            if top:
-                n = min(params.top_logprobs, len(top_ids[0])) if p >= 0 else 0
-                output.num_top_logprobs.append(n)
-                output.top_token_ids += top_ids[p][:n]
-                output.top_logprobs += top_lps[p][:n]
+            tokens.append([-1])
+            positions.append(-1)
+            continue
+        num_positions = len(row.draft_token_ids) + 1
+        tokens.append(_accepted(sampled[position : position + num_positions], row.draft_token_ids))
+        positions.extend(range(position, position + len(tokens[-1])))
+        position += num_positions
+    params = [
+        row.seq.sampling if row.samples else None
+        for row, row_tokens in zip(batch.rows, tokens, strict=True)
+        for _ in row_tokens
+    ]
+    top = None
+    if top_ids is not None and top_lps is not None:
+        row_ids = [top_ids[p] if p >= 0 else [] for p in positions]
+        top = (row_ids, [top_lps[p] if p >= 0 else [] for p in positions])
+    logprobs = [lps[p] if p >= 0 else math.nan for p in positions] if lps is not None else None
+    flat = [t for row_tokens in tokens for t in row_tokens]
+    output = _step_output(params, flat, logprobs, top, timer)
+    output.num_draft_tokens = [len(row.draft_token_ids) for row in batch.rows]
+    output.num_sampled_tokens = [len(row_tokens) for row_tokens in tokens]
     return output, tokens
 
 

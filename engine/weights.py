@@ -1,5 +1,6 @@
 """Weights: the loaders of HF directories (*.safetensors) and GGUF files, both to HF tensor names,
-and `build_model`, which puts them (or engine/dummy.py's seeded values) into a model.
+and `build_model`, which puts them (or engine/dummy.py's seeded values) into a model;
+`load_model` does both for the engine's target and draft models alike.
 
 GGUF tensors are dequantized to float32. llama.cpp's converter permutes the rows of attn_q and
 attn_k (it pairs rotary dimensions as (2i, 2i+1), HF pairs (i, i + d/2)); that permutation is undone
@@ -17,12 +18,14 @@ import torch
 
 from common.gguf_file import open_gguf
 from common.model_config import ModelConfig, ModelSourceError
+from engine.config import EngineConfig
+from engine.cuda_graphs import graph_batch_sizes
 from engine.dummy import DummyWeights, init_dummy_weights
 from engine.layers import PackedLinear, can_pack_cpu_linears
 from engine.model import LlamaForCausalLM
-from engine.ops import LayerOps
-from engine.parallel import ModelShard
-from engine.quant import QUANTIZED_LINEARS
+from engine.ops import LayerOps, select_ops
+from engine.parallel import ModelShard, shard_config
+from engine.quant import QUANTIZED_LINEARS, quantization_limits
 
 _GGUF_LAYER_NAMES = {
     "attn_q": "self_attn.q_proj",
@@ -185,3 +188,40 @@ def build_model(
     elif device.type == "cpu" and dtype == torch.float32 and can_pack_cpu_linears():
         model.replace_linears(PackedLinear)
     return model
+
+
+def checked_quantization(name: str, path: Path, device: torch.device, what: str = "") -> str:
+    """resolve_quantization's answer, or ValueError (prefixed by `what`) when `device` cannot
+    run it."""
+    quantization = resolve_quantization(name, path, device)
+    why_not = quantization_limits(quantization, device)
+    if why_not:
+        raise ValueError(f"{what}{why_not}")
+    return quantization
+
+
+def load_model(
+    config: EngineConfig,
+    path: Path,
+    model_config: ModelConfig,
+    quantization: str,
+    max_positions: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    shard: ModelShard | None = None,
+) -> tuple[LlamaForCausalLM, str]:
+    """The model at `path` (its part `shard`, default the whole), built as --load-format says
+    (dummy: seeded by --seed), through the layer ops --attention-backend picks for its shape on
+    this rank; (model, why those ops)."""
+    local_config = model_config if shard is None else shard_config(model_config, shard)
+    ops, ops_reason = select_ops(
+        config.attention_backend, device, dtype, local_config, config.block_size
+    )
+    # Graph and eager decode split alike (engine.ops.DecodeSplits): fixed here, per model shape.
+    ops.fix_decode_splits(local_config, max_positions, graph_batch_sizes(config.max_num_seqs))
+    weights = None if config.load_format == "dummy" else load_weights(path, model_config)
+    model = build_model(
+        model_config, weights, max_positions, dtype, device,
+        dummy_seed=config.seed or 0, ops=ops, quantization=quantization, shard=shard,
+    )  # fmt: skip
+    return model, ops_reason

@@ -122,8 +122,8 @@ def test_seeded_temperature_same_tokens_with_a_draft(
 
 def test_draft_pool_counts_in_the_cpu_pool_size(target: Path, tiny_model: Callable[..., Path]):
     """--kv-cache-gb holds both pools: as many blocks in each, fewer than the target alone."""
-    from engine.engine import choose_num_blocks
     from engine.kv_cache import bytes_per_block
+    from engine.memory import choose_num_blocks
 
     torch = pytest.importorskip("torch")
     config = EngineConfig(kv_cache_gb=0.001, block_size=BS)
