@@ -27,6 +27,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from itertools import islice
 
+from common.choice_id import names_request
 from scheduler.block_manager import BlockManager
 from scheduler.config import SchedulerConfig
 from scheduler.request import Request, RequestStatus
@@ -321,13 +322,7 @@ class Scheduler:
     def find(self, request_id: str) -> list[Request]:
         """The requests (choices) of request_id: the one of that id, and those the gateway named
         `{request_id}-{index}` for a request of several choices (gateway/choices.py)."""
-        prefix = request_id + "-"
-        return [
-            r
-            for r in self.requests.values()
-            if r.request_id == request_id
-            or (r.request_id.startswith(prefix) and r.request_id[len(prefix) :].isdigit())
-        ]
+        return [r for r in self.requests.values() if names_request(request_id, r.request_id)]
 
     def list_requests(self, tenant: str = "") -> list[RequestRow]:
         """Every request held (running, then waiting in line order), or only tenant's."""
