@@ -9,15 +9,10 @@ from typing import Any
 
 from common.sampling import normalized
 from protos import common_pb2, engine_pb2, scheduler_pb2
+from scheduler.admin import RequestRow, TenantRow
+from scheduler.plan import StepOutcome, StepPlan, TopLogprobColumns
 from scheduler.request import Request, RequestStatus
-from scheduler.scheduler import (
-    RequestRow,
-    Scheduler,
-    StepOutcome,
-    StepPlan,
-    TenantRow,
-    TopLogprobColumns,
-)
+from scheduler.scheduler import Scheduler
 
 FINISH_REASONS = {
     None: common_pb2.FINISH_REASON_UNSPECIFIED,

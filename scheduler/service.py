@@ -49,8 +49,9 @@ from scheduler.convert import (
     response_to_proto,
     stats_to_proto,
 )
+from scheduler.plan import StepOutcome, StepPlan
 from scheduler.request import Request, RequestStatus
-from scheduler.scheduler import AdmissionError, Scheduler, StepOutcome, StepPlan
+from scheduler.scheduler import AdmissionError, Scheduler
 from scheduler.static_batching import make_scheduler
 from scheduler.telemetry import SchedulerTelemetry
 

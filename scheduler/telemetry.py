@@ -29,8 +29,8 @@ from typing import Any
 
 from common import telemetry
 from common.telemetry import Metric
+from scheduler.plan import NewRequestRow, RunningRow, StepOutcome, StepPlan
 from scheduler.request import Request, RequestStatus
-from scheduler.scheduler import NewRequestRow, RunningRow, StepOutcome, StepPlan
 
 
 @dataclass

@@ -18,12 +18,9 @@ from engine.mirror import Mirror
 from protos import engine_pb2
 from scheduler.config import SchedulerConfig
 from scheduler.convert import plan_to_proto
+from scheduler.plan import StepOutcome, StepPlan
 from scheduler.request import Request, RequestStatus
-from scheduler.scheduler import (
-    AdmissionError,
-    StepOutcome,
-    StepPlan,
-)
+from scheduler.scheduler import AdmissionError
 from scheduler.static_batching import make_scheduler
 from tests.factories import sampling
 
