@@ -24,14 +24,17 @@ class PipelineSlots(SchedulerState):
     def _in_flight(self, request: Request) -> bool:
         """With P > 1: whether a step holding request has no result yet. Always False with
         P == 1, where steps in flight may share requests (overlap plans on pending tokens)."""
-        return self.pipeline_parallel_size > 1 and request.last_step_id > self.last_result_step_id
+        return (
+            self.pipeline_parallel_size > 1
+            and request.pipeline.last_step_id > self.last_result_step_id
+        )
 
     def _runs_now(self, request: Request) -> bool:
         """Whether running request may be in the step being planned: with P > 1 only in its
         slot's steps, and only once the result of its last step is in."""
         if self.pipeline_parallel_size == 1:
             return True
-        return request.pipeline_slot == self.slot and not self._in_flight(request)
+        return request.pipeline.slot == self.slot and not self._in_flight(request)
 
     def _slot_room(self) -> int:
         """How many waiting requests the step being planned may admit (besides the step limits).
@@ -52,4 +55,4 @@ class PipelineSlots(SchedulerState):
             return len(self.waiting)
         cap = -(-min(len(self.running) + len(self.waiting), self.config.max_num_seqs) // num_slots)
         slot = self.slot
-        return max(0, cap - sum(r.pipeline_slot == slot for r in self.running))
+        return max(0, cap - sum(r.pipeline.slot == slot for r in self.running))

@@ -21,13 +21,13 @@ class Preemption(SchedulerState):
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
         request.num_pending_tokens = 0  # a token in flight is dropped, sampled again on recompute
-        request.num_lookahead_tokens = 0
+        request.spec.num_lookahead_tokens = 0
         request.num_preemptions += 1
-        request.preemption_reason = reason
-        request.pipeline_slot = None  # readmission gives it one again
-        if request.in_engine:
+        request.preemption.reason = reason
+        request.pipeline.slot = None  # readmission gives it one again
+        if request.mirror.in_engine:
             self.finished_seq_ids.append(request.seq_id)
-            request.in_engine = False
+            request.mirror.in_engine = False
         self.waiting.appendleft(request)
         self.counters.num_preemptions += 1
         by_reason = self.counters.num_preemptions_by_reason
@@ -50,7 +50,7 @@ class Preemption(SchedulerState):
         for k, (r, num_new) in enumerate(scheduled):
             if r is request:
                 del scheduled[k]
-                return num_new + r.num_lookahead_tokens
+                return num_new + r.spec.num_lookahead_tokens
         return 0
 
     def _victim_order(self) -> list[Request]:
@@ -63,7 +63,9 @@ class Preemption(SchedulerState):
         config = self.config
         if config.max_preemptions and request.num_preemptions >= config.max_preemptions:
             return True
-        return self.next_step_id - request.admitted_step_id < config.preemption_grace_steps
+        return (
+            self.next_step_id - request.preemption.admitted_step_id < config.preemption_grace_steps
+        )
 
     def _memory_victim(self, request: Request) -> Request:
         """Whom running request, short of a block, preempts: the first in `_victim_order` that

@@ -105,7 +105,7 @@ class StepResults(SchedulerState):
         if row.num_lookahead_tokens:
             request = row.request
             self.block_manager.trim(request, len(request.token_ids))
-            request.num_sent_blocks = len(request.block_table)
+            request.mirror.num_sent_blocks = len(request.block_table)
 
     def _on_token(self, request: Request, token_id: int) -> StepOutcome | None:
         """request's oldest pending token turned out to be token_id, now its last: its outcome

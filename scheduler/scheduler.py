@@ -136,7 +136,7 @@ class Scheduler(StepResults, Preemption, PipelineSlots):
         self.finished_seq_ids = []
         self.last_result_step_id = self.next_step_id - 1
         for request in self.waiting:
-            request.in_engine = False
+            request.mirror.in_engine = False
         self.block_manager.reset_prefix_cache()
         self.block_manager.check_integrity(list(self.requests.values()))
         preempted, self.preempted = self.preempted, []
@@ -213,7 +213,7 @@ class Scheduler(StepResults, Preemption, PipelineSlots):
                 continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             assert num_new > 0, f"running request {request.request_id} has nothing to compute"
-            request.num_lookahead_tokens = self._lookahead(request, num_new, budget)
+            request.spec.num_lookahead_tokens = self._lookahead(request, num_new, budget)
             while not self._allocate_running(request, num_new):
                 victim, freed = self._evict(i, scheduled)
                 if victim is request:
@@ -223,17 +223,19 @@ class Scheduler(StepResults, Preemption, PipelineSlots):
             else:
                 scheduled.append((request, num_new))
                 self._charge(request, num_new)
-                budget -= num_new + request.num_lookahead_tokens
+                budget -= num_new + request.spec.num_lookahead_tokens
                 i += 1
         return budget
 
     def _allocate_running(self, request: Request, num_new: int) -> bool:
         """Blocks for num_new tokens and request's lookahead slots; lookahead never costs a
         preemption: without blocks for it, the request goes without (num_lookahead_tokens 0)."""
-        if request.num_lookahead_tokens:
-            if self.block_manager.allocate_slots(request, num_new + request.num_lookahead_tokens):
+        if request.spec.num_lookahead_tokens:
+            if self.block_manager.allocate_slots(
+                request, num_new + request.spec.num_lookahead_tokens
+            ):
                 return True
-            request.num_lookahead_tokens = 0
+            request.spec.num_lookahead_tokens = 0
         return self.block_manager.allocate_slots(request, num_new)
 
     def _lookahead(self, request: Request, num_new: int, budget: int) -> int:
@@ -265,89 +267,6 @@ class Scheduler(StepResults, Preemption, PipelineSlots):
             self._is_padding(request)
             or request.num_output_tokens + num_pending < request.max_tokens
         )
-
-    def _evict(self, i: int, scheduled: list[tuple[Request, int]]) -> tuple[Request, int]:
-        """Free blocks for running[i] (hook): preempt the policy's victim (`_memory_victim`),
-        taking it out of scheduled if this step scheduled it. Returns (the victim, the budget
-        it gave back: > 0 exactly when it was in scheduled)."""
-        victim = self._memory_victim(self.running[i])
-        freed = self._unschedule(victim, scheduled)
-        self.running.remove(victim)
-        self._preempt(victim, "memory")
-        return victim, freed
-
-    def _unschedule(self, request: Request, scheduled: list[tuple[Request, int]]) -> int:
-        """Take request out of scheduled (this step's rows so far); returns the budget it held
-        (0 when it was not there). Its blocks are the caller's to free."""
-        for k, (r, num_new) in enumerate(scheduled):
-            if r is request:
-                del scheduled[k]
-                return num_new + r.num_lookahead_tokens
-        return 0
-
-    # -- victims --------------------------------------------------------------------------------
-
-    def _victim_order(self) -> list[Request]:
-        """Running requests, the first to preempt first (hook). fcfs: the newest first."""
-        return self.running[::-1]
-
-    def _is_protected(self, request: Request) -> bool:
-        """Whether running request may not be chosen as a victim: it was preempted
-        max_preemptions times, or admitted fewer than preemption_grace_steps steps ago."""
-        config = self.config
-        if config.max_preemptions and request.num_preemptions >= config.max_preemptions:
-            return True
-        return self.next_step_id - request.admitted_step_id < config.preemption_grace_steps
-
-    def _memory_victim(self, request: Request) -> Request:
-        """Whom running request, short of a block, preempts: the first in `_victim_order` that
-        is not protected, or request itself if it comes first. A request never takes blocks
-        from one ranked above it, and the walk always ends: when everyone ranked below it is
-        protected, it gives its own blocks back (a self-preemption is the request's own
-        choice, so protection does not stop it). Skipping a protected one counts a refusal."""
-        refused = False
-        for victim in self._victim_order():
-            if victim is request or not self._is_protected(victim):
-                self.counters.num_preemptions_refused += refused
-                return victim
-            refused = True
-        raise AssertionError(f"{request.request_id} is not running")
-
-    def _room_candidates(self, request: Request) -> list[Request]:
-        """Whom waiting request, short of a seat or blocks, may preempt, the first to go first
-        (hook; protection aside). fcfs: nobody (a waiting request never displaces a running
-        one)."""
-        return []
-
-    def _make_room(
-        self,
-        request: Request,
-        scheduled: list[tuple[Request, int]],
-        num_blocks_short: int = 0,
-    ) -> int | None:
-        """Preempt one running request for waiting request: the first unprotected of its
-        `_room_candidates` (reason `room_reason`). Returns the budget the victim gave back (0 if
-        it was not scheduled this step), or None when there is no victim (a refusal is counted
-        when candidates were all protected). With num_blocks_short > 0 (blocks, not a seat),
-        nobody is preempted unless the unprotected candidates hold that many blocks of their
-        own: preempting them all would not admit request, only waste their work."""
-        ranked = self._room_candidates(request)
-        candidates = [r for r in ranked if not self._is_protected(r)]
-        if not candidates:
-            self.counters.num_preemptions_refused += bool(ranked)
-            return None
-        if num_blocks_short:
-            ref_cnt = self.block_manager.ref_cnt
-            own = sum(ref_cnt[b] == 1 for r in candidates for b in r.block_table)
-            if own < num_blocks_short:
-                return None
-        victim = candidates[0]
-        freed = self._unschedule(victim, scheduled)
-        self.running.remove(victim)
-        self._preempt(victim, self.room_reason)
-        return freed
-
-    room_reason = "policy"
 
     # -- admission order ------------------------------------------------------------------------
 
@@ -402,19 +321,19 @@ class Scheduler(StepResults, Preemption, PipelineSlots):
     def _charge(self, request: Request, num_new: int) -> None:
         """request is scheduled num_new tokens now: charge its tenant for the positions never
         charged before (scheduler/tenants.py)."""
-        start = max(request.num_computed_tokens, request.num_charged_tokens)
+        start = max(request.num_computed_tokens, request.ledger.num_charged_tokens)
         end = request.num_computed_tokens + num_new
         if end > start:
             self.tenants.charge(request.tenant, request.num_prompt_tokens, start, end)
-            request.num_charged_tokens = end
+            request.ledger.num_charged_tokens = end
 
     def _admit(self, request: Request, num_cached: int) -> None:
         """request leaves the queue with num_cached tokens found in the prefix cache."""
         assert request.num_pending_tokens == 0, f"{request.request_id}: pending while waiting"
         request.status = RequestStatus.RUNNING
         request.num_computed_tokens = num_cached
-        request.pipeline_slot = self.slot
-        request.admitted_step_id = self.next_step_id
+        request.pipeline.slot = self.slot
+        request.preemption.admitted_step_id = self.next_step_id
         c = self.counters
         if request.num_cached_tokens is None:  # first admission
             request.num_cached_tokens = min(num_cached, request.num_prompt_tokens)
@@ -435,7 +354,7 @@ class Scheduler(StepResults, Preemption, PipelineSlots):
         self.finished_seq_ids, self.preempted = [], []
         for request, num_new in scheduled:
             row: NewRequestRow | RunningRow
-            if not request.in_engine:
+            if not request.mirror.in_engine:
                 row = NewRequestRow(
                     request,
                     list(request.token_ids),
@@ -444,17 +363,17 @@ class Scheduler(StepResults, Preemption, PipelineSlots):
                     num_new,
                 )
                 plan.new_requests.append(row)
-                request.in_engine = True
+                request.mirror.in_engine = True
             else:
-                new_blocks = request.block_table[request.num_sent_blocks :]
+                new_blocks = request.block_table[request.mirror.num_sent_blocks :]
                 row = RunningRow(request, num_new, request.num_computed_tokens, new_blocks)
-                row.num_lookahead_tokens, request.num_lookahead_tokens = (
-                    request.num_lookahead_tokens,
+                row.num_lookahead_tokens, request.spec.num_lookahead_tokens = (
+                    request.spec.num_lookahead_tokens,
                     0,
                 )
                 plan.running.append(row)
-            request.num_sent_blocks = len(request.block_table)
-            request.last_step_id = plan.step_id
+            request.mirror.num_sent_blocks = len(request.block_table)
+            request.pipeline.last_step_id = plan.step_id
             request.num_computed_tokens += num_new
             row.samples = request.num_computed_tokens == request.num_tokens
             row.num_preemptions = request.num_preemptions
@@ -467,9 +386,9 @@ class Scheduler(StepResults, Preemption, PipelineSlots):
         self.block_manager.check_integrity(list(self.requests.values()))
         num_slots = self.pipeline_parallel_size
         for r in self.running:
-            assert r.pipeline_slot is not None and 0 <= r.pipeline_slot < num_slots, (
-                f"{r.request_id}: pipeline_slot={r.pipeline_slot} with {num_slots} slots"
+            assert r.pipeline.slot is not None and 0 <= r.pipeline.slot < num_slots, (
+                f"{r.request_id}: pipeline_slot={r.pipeline.slot} with {num_slots} slots"
             )
             assert num_slots == 1 or r.num_pending_tokens <= 1, f"{r.request_id}: 2 pending"
         for r in self.waiting:
-            assert r.pipeline_slot is None, f"waiting {r.request_id} holds a pipeline slot"
+            assert r.pipeline.slot is None, f"waiting {r.request_id} holds a pipeline slot"

@@ -470,7 +470,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 "request preempted",
                 request_id=request.request_id,
                 trace_id=self.telemetry.trace_id(request),
-                reason=request.preemption_reason,
+                reason=request.preemption.reason,
                 tenant=request.tenant,
                 num_preemptions=request.num_preemptions,
             )

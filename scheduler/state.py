@@ -87,9 +87,9 @@ class SchedulerState:
         self.block_manager.free(request)
         del self.requests[request.seq_id]
         self.tenants.leave(request.tenant)
-        if request.in_engine:
+        if request.mirror.in_engine:
             self.finished_seq_ids.append(request.seq_id)
-            request.in_engine = False
+            request.mirror.in_engine = False
         self.counters.num_finished_requests += 1
         reasons = self.counters.finish_reasons
         reasons[status.value] = reasons.get(status.value, 0) + 1

@@ -413,7 +413,7 @@ class SchedulerTelemetry:
                 continue
             event: dict[str, Any] = {
                 "llmserve.num_output_tokens": request.num_output_tokens,
-                "llmserve.preemption_reason": request.preemption_reason,
+                "llmserve.preemption.reason": request.preemption.reason,
             }
             rt.root.add_event("preempted", event)
             attributes = {**event, "llmserve.num_preemptions": request.num_preemptions}
