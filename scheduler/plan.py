@@ -1,6 +1,7 @@
-"""A step as the scheduler plans it (StepPlan: rows of new and running requests) and what it
-produced (StepOutcome per request, TopLogprobColumns). scheduler/convert.py turns a plan into the
-engine's message and the engine's result into these."""
+"""A step as the scheduler plans it (StepPlan: rows of new and running requests, made by
+`make_plan` from the requests scheduled) and what it produced (StepOutcome per request,
+TopLogprobColumns). scheduler/convert.py turns a plan into the engine's message, each row field
+into the engine.proto field of its name, and the engine's result into these."""
 
 from __future__ import annotations
 
@@ -91,3 +92,47 @@ class TopLogprobColumns:
         """Each row's (token ids, logprobs)."""
         token_ids, logprobs = iter(self.token_ids), iter(self.logprobs)
         return [(list(islice(token_ids, n)), list(islice(logprobs, n))) for n in self.counts]
+
+
+def make_plan(
+    step_id: int,
+    finished_seq_ids: list[int],
+    preempted: list[Request],
+    scheduled: list[tuple[Request, int]],
+) -> StepPlan:
+    """Step step_id's plan for `scheduled` (request, tokens now): a row per request, new to the
+    engine or running (scheduler/convert.py sends each row field as the .proto field of its
+    name). Advances each request as the engine will:
+
+        before: |<- num_computed_tokens ->|<- num_new ->|<- rest ->|
+        after:  |<- num_computed_tokens -------------->|<- rest ->|
+
+    and when rest is empty the step samples: a pending token joins num_tokens."""
+    plan = StepPlan(step_id, finished_seq_ids, preempted=preempted)
+    for request, num_new in scheduled:
+        row: NewRequestRow | RunningRow
+        if not request.mirror.in_engine:
+            row = NewRequestRow(
+                request,
+                list(request.token_ids),
+                list(request.block_table),
+                request.num_computed_tokens,
+                num_new,
+            )
+            plan.new_requests.append(row)
+            request.mirror.in_engine = True
+        else:
+            new_blocks = request.block_table[request.mirror.num_sent_blocks :]
+            row = RunningRow(request, num_new, request.num_computed_tokens, new_blocks)
+            row.num_lookahead_tokens, request.spec.num_lookahead_tokens = (
+                request.spec.num_lookahead_tokens,
+                0,
+            )
+            plan.running.append(row)
+        request.mirror.num_sent_blocks = len(request.block_table)
+        request.pipeline.last_step_id = plan.step_id
+        request.num_computed_tokens += num_new
+        row.samples = request.num_computed_tokens == request.num_tokens
+        row.num_preemptions = request.num_preemptions
+        request.num_pending_tokens += row.samples
+    return plan

@@ -22,7 +22,7 @@ from common.choice_id import names_request
 from scheduler.admin import RequestRow, TenantRow, request_rows, tenant_rows
 from scheduler.block_manager import BlockManager
 from scheduler.pipeline import PipelineSlots
-from scheduler.plan import NewRequestRow, RunningRow, StepPlan
+from scheduler.plan import StepPlan, make_plan
 from scheduler.preemption import Preemption
 from scheduler.request import Request, RequestStatus
 from scheduler.results import StepResults
@@ -343,41 +343,11 @@ class Scheduler(StepResults, Preemption, PipelineSlots):
         self.running.append(request)
 
     def _make_plan(self, scheduled: list[tuple[Request, int]]) -> StepPlan:
-        """The plan for `scheduled` (request, tokens now). Per request, as the engine will:
-
-            before: |<- num_computed_tokens ->|<- num_new ->|<- rest ->|
-            after:  |<- num_computed_tokens -------------->|<- rest ->|
-
-        and when rest is empty the step samples: a pending token joins num_tokens."""
-        plan = StepPlan(self.next_step_id, self.finished_seq_ids, preempted=self.preempted)
+        """The plan for `scheduled` (request, tokens now), with the ids to drop and the
+        requests preempted since the last plan (see plan.make_plan)."""
+        plan = make_plan(self.next_step_id, self.finished_seq_ids, self.preempted, scheduled)
         self.next_step_id += 1
         self.finished_seq_ids, self.preempted = [], []
-        for request, num_new in scheduled:
-            row: NewRequestRow | RunningRow
-            if not request.mirror.in_engine:
-                row = NewRequestRow(
-                    request,
-                    list(request.token_ids),
-                    list(request.block_table),
-                    request.num_computed_tokens,
-                    num_new,
-                )
-                plan.new_requests.append(row)
-                request.mirror.in_engine = True
-            else:
-                new_blocks = request.block_table[request.mirror.num_sent_blocks :]
-                row = RunningRow(request, num_new, request.num_computed_tokens, new_blocks)
-                row.num_lookahead_tokens, request.spec.num_lookahead_tokens = (
-                    request.spec.num_lookahead_tokens,
-                    0,
-                )
-                plan.running.append(row)
-            request.mirror.num_sent_blocks = len(request.block_table)
-            request.pipeline.last_step_id = plan.step_id
-            request.num_computed_tokens += num_new
-            row.samples = request.num_computed_tokens == request.num_tokens
-            row.num_preemptions = request.num_preemptions
-            request.num_pending_tokens += row.samples
         return plan
 
     def check_integrity(self) -> None:
