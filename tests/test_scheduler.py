@@ -1419,7 +1419,8 @@ def test_pipeline_size_comes_from_the_engine_info() -> None:
 async def _adopt_pipeline_sizes() -> None:
     from engine.contract import EngineInfo
     from engine.convert import info_to_proto
-    from scheduler.service import EngineMismatch, SchedulerService
+    from scheduler.engine_loop import EngineMismatch
+    from scheduler.service import SchedulerService
 
     def info(**sizes: int) -> engine_pb2.EngineInfo:
         return info_to_proto(
