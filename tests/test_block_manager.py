@@ -137,27 +137,15 @@ def test_shared_block_is_freed_only_by_its_last_holder(t: Tracker) -> None:
     compute(bm, b, 1, cached)
     assert b.block_table == [0, 1, 3]
     assert bm.ref_cnt[:4] == [2, 2, 1, 1]
+    # Blocks held by the other request too count for neither, nor for both together.
+    assert [bm.num_owned_blocks(r) for r in ([a], [b], [a, b])] == [1, 1, 2]
     bm.free(a)
     assert list(bm.free_blocks) == [4, 5, 6, 7, 2]
     assert bm.ref_cnt[:4] == [1, 1, 0, 1]
+    assert bm.num_owned_blocks([b]) == 3
     bm.check_integrity([b])
     bm.free(b)
     assert list(bm.free_blocks) == [4, 5, 6, 7, 2, 3, 1, 0]
-
-
-def test_num_owned_blocks_counts_only_blocks_nobody_else_holds(t: Tracker) -> None:
-    bm = t.new(8)
-    prompt = tokens(0, 9)
-    a = t.request(1, prompt)
-    compute(bm, a, 9)
-    b = t.request(2, prompt)
-    compute(bm, b, 1, bm.find_cached_blocks(b))
-    assert (a.block_table, b.block_table) == ([0, 1, 2], [0, 1, 3])
-    assert (bm.num_owned_blocks([a]), bm.num_owned_blocks([b])) == (1, 1)
-    # Blocks shared between the two count for neither, even together.
-    assert bm.num_owned_blocks([a, b]) == 2
-    bm.free(a)
-    assert bm.num_owned_blocks([b]) == 3
 
 
 def test_allocate_slots_short_of_blocks_returns_false_and_changes_nothing(t: Tracker) -> None:
