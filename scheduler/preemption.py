@@ -25,9 +25,7 @@ class Preemption(SchedulerState):
         request.num_preemptions += 1
         request.preemption.reason = reason
         request.pipeline.slot = None  # readmission gives it one again
-        if request.mirror.in_engine:
-            self.finished_seq_ids.append(request.seq_id)
-            request.mirror.in_engine = False
+        self._drop_from_engine(request)
         self.waiting.appendleft(request)
         self.counters.num_preemptions += 1
         by_reason = self.counters.num_preemptions_by_reason

@@ -16,6 +16,8 @@ from scheduler.tenants import TenantLedger
 
 
 class SchedulerState:
+    """What Scheduler and its parts share (scheduler/scheduler.py documents the whole)."""
+
     def __init__(
         self,
         config: SchedulerConfig,
@@ -87,12 +89,16 @@ class SchedulerState:
         self.block_manager.free(request)
         del self.requests[request.seq_id]
         self.tenants.leave(request.tenant)
-        if request.mirror.in_engine:
-            self.finished_seq_ids.append(request.seq_id)
-            request.mirror.in_engine = False
+        self._drop_from_engine(request)
         self.counters.num_finished_requests += 1
         reasons = self.counters.finish_reasons
         reasons[status.value] = reasons.get(status.value, 0) + 1
+
+    def _drop_from_engine(self, request: Request) -> None:
+        """If the engine's mirror holds request, list it for the next plan to drop."""
+        if request.mirror.in_engine:
+            self.finished_seq_ids.append(request.seq_id)
+            request.mirror.in_engine = False
 
     @property
     def has_work(self) -> bool:
