@@ -10,7 +10,7 @@ engine as RunningData's attribute of its name (engine/contract.py).
     any other        one value per row (VALUE_COLUMNS)
 
 The core columns (CORE_COLUMNS) always hold one value per row. Any other is sent only when some
-row's value is not 0: an empty one reads as 0 per row (the engine's RunningData fills it in).
+row's value is not 0: an empty one reads as 0 per row (the engine's RunningData.column).
 """
 
 from __future__ import annotations

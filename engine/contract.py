@@ -44,17 +44,17 @@ _RUNNING_DOC = """The running rows: one column per field of engine.proto's Runni
 num_scheduled_tokens, num_computed_tokens, num_new_blocks, new_block_ids, num_lookahead_tokens,
 ...), read by the rules of common/plan_columns.py: row i's new blocks are
 new_block_ids[sum(num_new_blocks[:i]) : sum(num_new_blocks[:i+1])]; a column not given is empty,
-and an empty column other than the core ones reads as 0 per row (speculative decoding's
+and `column` reads an empty one other than the core ones as 0 per row (speculative decoding's
 num_lookahead_tokens: KV slots row i may fill with tokens the engine proposes)."""
 
 
-def _fill_optional_columns(running: RunningData) -> None:
-    """RunningData's __post_init__: an empty column other than the core ones is 0 per row."""
-    num_rows = len(running.seq_ids)
-    if num_rows:
-        for name in OPTIONAL_COLUMNS:
-            if not getattr(running, name):
-                setattr(running, name, [0] * num_rows)
+def _column(running: RunningData, name: str) -> list[int]:
+    """RunningData.column: the column name, or 0 per row when it is an optional one left empty
+    (common/plan_columns.py)."""
+    column = getattr(running, name)
+    if not column and name in OPTIONAL_COLUMNS:
+        return [0] * len(running.seq_ids)
+    return column
 
 
 # The plan's two row shapes are dataclasses made from the .proto's descriptor (fields named and
@@ -73,6 +73,7 @@ if TYPE_CHECKING:
 
         def __init__(self, *columns: list[int], **named: list[int]) -> None: ...
         def __getattr__(self, name: str) -> list[int]: ...
+        def column(self, name: str) -> list[int]: ...
 
 else:
     NewRequestData = make_dataclass(
@@ -86,7 +87,7 @@ else:
         namespace={
             "__doc__": _RUNNING_DOC,
             "__module__": __name__,
-            "__post_init__": _fill_optional_columns,
+            "column": _column,
         },
     )
     NewRequestData.FIELDS = tuple(f.name for f in fields(NewRequestData))

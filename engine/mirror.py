@@ -133,8 +133,8 @@ class Mirror:
                 continue
             batch.rows.append(self._add(new, sampling))
         run = plan.running
-        lookahead = run.num_lookahead_tokens
-        if any(len(getattr(run, c)) != len(run.seq_ids) for c in PER_ROW_COLUMNS):
+        lookahead = run.column("num_lookahead_tokens")
+        if any(len(run.column(c)) != len(run.seq_ids) for c in PER_ROW_COLUMNS):
             raise MirrorMismatch("running columns differ in length")
         offset = 0
         for i, seq_id in enumerate(run.seq_ids):

@@ -35,9 +35,11 @@ def test_running_data_reads_an_empty_optional_column_as_zeros() -> None:
     run = RunningData([4, 5], [1, 1], [7, 9], [0, 1], [3])
     assert [getattr(run, name) for name in COLUMNS[:5]] == [[4, 5], [1, 1], [7, 9], [0, 1], [3]]
     for name in COLUMNS[5:]:
-        assert name not in CORE_COLUMNS and getattr(run, name) == [0, 0]
-    assert RunningData(seq_ids=[1], num_lookahead_tokens=[2]).num_scheduled_tokens == []
-    assert RunningData().num_lookahead_tokens == []
+        assert name not in CORE_COLUMNS and getattr(run, name) == []
+        assert run.column(name) == [0, 0]
+    run.seq_ids.append(6)  # rows may be added column by column
+    assert run.column("num_lookahead_tokens") == [0, 0, 0]
+    assert RunningData(seq_ids=[1], num_lookahead_tokens=[2]).column("num_scheduled_tokens") == []
 
 
 def test_a_plan_crosses_column_for_column() -> None:
@@ -60,7 +62,7 @@ def test_a_plan_crosses_column_for_column() -> None:
     run = data.running
     assert run.seq_ids == [r.request.seq_id for r in plan.running]
     for name in VALUE_COLUMNS:
-        assert getattr(run, name) == [getattr(r, name) for r in plan.running], name
+        assert run.column(name) == [getattr(r, name) for r in plan.running], name
     assert run.num_new_blocks == [len(r.new_block_ids) for r in plan.running]
     assert run.new_block_ids == [b for r in plan.running for b in r.new_block_ids]
 
