@@ -6,9 +6,11 @@ and the service all speak these."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, make_dataclass
+from typing import TYPE_CHECKING, Any
 
-from protos.common_pb2 import SamplingParams
+from common.plan_columns import COLUMNS, OPTIONAL_COLUMNS
+from protos import engine_pb2
 
 
 @dataclass(frozen=True)
@@ -34,28 +36,62 @@ class EngineInfo:
     num_speculative_tokens: int = 0
 
 
-@dataclass
-class NewRequestData:
-    seq_id: int
-    token_ids: list[int]
-    num_prompt_tokens: int
-    sampling: SamplingParams
-    block_table: list[int]
-    num_computed_tokens: int
-    num_scheduled_tokens: int
+_NEW_REQUEST_DOC = """A new request: engine.proto's NewRequest, field for field, every one given
+(seq_id, token_ids, num_prompt_tokens, sampling, block_table, num_computed_tokens,
+num_scheduled_tokens, ...)."""
+
+_RUNNING_DOC = """The running rows: one column per field of engine.proto's RunningColumns (seq_ids,
+num_scheduled_tokens, num_computed_tokens, num_new_blocks, new_block_ids, num_lookahead_tokens,
+...), read by the rules of common/plan_columns.py: row i's new blocks are
+new_block_ids[sum(num_new_blocks[:i]) : sum(num_new_blocks[:i+1])]; a column not given is empty,
+and `column` reads an empty one other than the core ones as 0 per row (speculative decoding's
+num_lookahead_tokens: KV slots row i may fill with tokens the engine proposes)."""
 
 
-@dataclass
-class RunningData:
-    """Row i's new blocks are new_block_ids[sum(num_new_blocks[:i]) : sum(num_new_blocks[:i+1])]."""
+def _column(running: RunningData, name: str) -> list[int]:
+    """RunningData.column: the column name, or 0 per row when it is an optional one left empty
+    (common/plan_columns.py)."""
+    column = getattr(running, name)
+    if not column and name in OPTIONAL_COLUMNS:
+        return [0] * len(running.seq_ids)
+    return column
 
-    seq_ids: list[int] = field(default_factory=list)
-    num_scheduled_tokens: list[int] = field(default_factory=list)
-    num_computed_tokens: list[int] = field(default_factory=list)
-    num_new_blocks: list[int] = field(default_factory=list)
-    new_block_ids: list[int] = field(default_factory=list)
-    # Speculative decoding: KV slots row i may fill with tokens the engine proposes (empty: 0).
-    num_lookahead_tokens: list[int] = field(default_factory=list)
+
+# The plan's two row shapes are dataclasses made from the .proto's descriptor (fields named and
+# ordered as the messages'), so that a field added to the .proto needs no code here: mypy sees
+# the stand-ins below.
+if TYPE_CHECKING:
+
+    class NewRequestData:
+        FIELDS: tuple[str, ...]
+
+        def __init__(self, *values: Any, **named: Any) -> None: ...
+        def __getattr__(self, name: str) -> Any: ...
+
+    class RunningData:
+        FIELDS: tuple[str, ...]
+
+        def __init__(self, *columns: list[int], **named: list[int]) -> None: ...
+        def __getattr__(self, name: str) -> list[int]: ...
+        def column(self, name: str) -> list[int]: ...
+
+else:
+    NewRequestData = make_dataclass(
+        "NewRequestData",
+        [(f.name, Any) for f in engine_pb2.NewRequest.DESCRIPTOR.fields],
+        namespace={"__doc__": _NEW_REQUEST_DOC, "__module__": __name__},
+    )
+    RunningData = make_dataclass(
+        "RunningData",
+        [(name, list[int], field(default_factory=list)) for name in COLUMNS],
+        namespace={
+            "__doc__": _RUNNING_DOC,
+            "__module__": __name__,
+            "column": _column,
+        },
+    )
+    NewRequestData.FIELDS = tuple(f.name for f in fields(NewRequestData))
+    RunningData.FIELDS = COLUMNS
 
 
 @dataclass

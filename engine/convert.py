@@ -4,33 +4,30 @@ in engine/ touches the generated stubs' messages."""
 from __future__ import annotations
 
 from dataclasses import asdict
+from operator import attrgetter
 
 from engine.contract import EngineInfo, NewRequestData, RunningData, StepOutput, StepPlanData
 from protos import engine_pb2
 
+# NewRequest's fields, in order (all at once), and whether each is repeated (a list here).
+_new_request_values = attrgetter(*NewRequestData.FIELDS)
+_NEW_REQUEST_REPEATED = [f.is_repeated for f in engine_pb2.NewRequest.DESCRIPTOR.fields]
+_running_columns = attrgetter(*RunningData.FIELDS)
+
 
 def _new_request(msg: engine_pb2.NewRequest) -> NewRequestData:
+    """msg's fields under the same names, repeated ones as lists (sampling stays a view for the
+    step; the mirror keeps a normalized copy)."""
+    values = _new_request_values(msg)
     return NewRequestData(
-        seq_id=msg.seq_id,
-        token_ids=list(msg.token_ids),
-        num_prompt_tokens=msg.num_prompt_tokens,
-        sampling=msg.sampling,  # a view for the step; the mirror keeps a normalized copy
-        block_table=list(msg.block_table),
-        num_computed_tokens=msg.num_computed_tokens,
-        num_scheduled_tokens=msg.num_scheduled_tokens,
+        *[list(v) if rep else v for v, rep in zip(values, _NEW_REQUEST_REPEATED, strict=True)]
     )
 
 
 def plan_from_proto(msg: engine_pb2.StepPlan) -> StepPlanData:
-    run = msg.running
-    running = RunningData(
-        seq_ids=list(run.seq_ids),
-        num_scheduled_tokens=list(run.num_scheduled_tokens),
-        num_computed_tokens=list(run.num_computed_tokens),
-        num_new_blocks=list(run.num_new_blocks),
-        new_block_ids=list(run.new_block_ids),
-        num_lookahead_tokens=list(run.num_lookahead_tokens),
-    )
+    """msg as plan data, field for field (engine/contract.py; a field added to the .proto needs
+    no code here)."""
+    running = RunningData(*map(list, _running_columns(msg.running)))
     new = [_new_request(r) for r in msg.new_requests]
     return StepPlanData(msg.step_id, list(msg.finished_seq_ids), new, running)
 

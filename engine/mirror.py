@@ -20,9 +20,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from common.plan_columns import BLOCK_COUNT_COLUMN, VALUE_COLUMNS
 from common.sampling import normalized
 from engine.contract import NewRequestData, Refusal, StepPlanData
 from protos.common_pb2 import SamplingParams
+
+# The running columns of one value per row (common/plan_columns.py).
+PER_ROW_COLUMNS = (*VALUE_COLUMNS, BLOCK_COUNT_COLUMN)
 
 # A sampled token not read back from the device yet (see commit_pending).
 PLACEHOLDER = -1
@@ -129,9 +133,8 @@ class Mirror:
                 continue
             batch.rows.append(self._add(new, sampling))
         run = plan.running
-        lookahead = run.num_lookahead_tokens or [0] * len(run.seq_ids)
-        columns = (run.num_scheduled_tokens, run.num_computed_tokens, run.num_new_blocks, lookahead)
-        if any(len(c) != len(run.seq_ids) for c in columns):
+        lookahead = run.column("num_lookahead_tokens")
+        if any(len(run.column(c)) != len(run.seq_ids) for c in PER_ROW_COLUMNS):
             raise MirrorMismatch("running columns differ in length")
         offset = 0
         for i, seq_id in enumerate(run.seq_ids):

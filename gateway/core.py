@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from common.choice_id import names_request
 from common.model_config import default_model_id
 from gateway.config import GatewayConfig
 from gateway.errors import GatewayError
@@ -113,15 +114,7 @@ class GatewayCore(ReplicaLinks):
     def find_in_flight(self, request_id: str) -> list[InFlight]:
         """The requests in flight request_id names: the one of that id, or the choices of an
         HTTP request (named by its response id: its choices are RESPONSE_ID-INDEX)."""
-        return [
-            e
-            for e in self.in_flight
-            if e.request_id == request_id
-            or (
-                e.request_id.startswith(request_id + "-")
-                and e.request_id[len(request_id) + 1 :].isdigit()
-            )
-        ]
+        return [e for e in self.in_flight if names_request(request_id, e.request_id)]
 
     @property
     def num_admitted(self) -> int:

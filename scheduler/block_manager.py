@@ -114,6 +114,12 @@ class BlockManager:
         *_, num_taken = self._blocks_needed(request, num_new_tokens, cached_blocks or [])
         return max(0, num_taken - self.num_free_blocks)
 
+    def num_owned_blocks(self, requests: list[Request]) -> int:
+        """How many blocks of requests' block tables nobody else holds (ref count 1): what
+        freeing them all would give back. Changes nothing."""
+        ref_cnt = self.ref_cnt
+        return sum(ref_cnt[b] == 1 for r in requests for b in r.block_table)
+
     def allocate_slots(
         self, request: Request, num_new_tokens: int, cached_blocks: list[int] | None = None
     ) -> bool:

@@ -5,19 +5,16 @@ them from Submit to the engine as they came (checked and normalized by common.sa
 from __future__ import annotations
 
 from collections.abc import Sequence
+from operator import attrgetter
 from typing import Any
 
+from common.plan_columns import CORE_COLUMNS, VALUE_COLUMNS
 from common.sampling import normalized
 from protos import common_pb2, engine_pb2, scheduler_pb2
+from scheduler.admin import RequestRow, TenantRow
+from scheduler.plan import NewRequestRow, RunningRow, StepOutcome, StepPlan, TopLogprobColumns
 from scheduler.request import Request, RequestStatus
-from scheduler.scheduler import (
-    RequestRow,
-    Scheduler,
-    StepOutcome,
-    StepPlan,
-    TenantRow,
-    TopLogprobColumns,
-)
+from scheduler.scheduler import Scheduler
 
 FINISH_REASONS = {
     None: common_pb2.FINISH_REASON_UNSPECIFIED,
@@ -47,28 +44,43 @@ def request_from_proto(msg: scheduler_pb2.SubmitRequest, seq_id: int) -> Request
 def plan_to_proto(plan: StepPlan) -> engine_pb2.StepPlan:
     msg = engine_pb2.StepPlan(step_id=plan.step_id, finished_seq_ids=plan.finished_seq_ids)
     for row in plan.new_requests:
-        r = row.request
-        msg.new_requests.append(
-            engine_pb2.NewRequest(
-                seq_id=r.seq_id,
-                token_ids=row.token_ids,
-                num_prompt_tokens=r.num_prompt_tokens,
-                sampling=r.sampling,
-                block_table=row.block_table,
-                num_computed_tokens=row.num_computed_tokens,
-                num_scheduled_tokens=row.num_scheduled_tokens,
-            )
-        )
-    run = msg.running
-    for running in plan.running:
-        run.seq_ids.append(running.request.seq_id)
-        run.num_scheduled_tokens.append(running.num_scheduled_tokens)
-        run.num_computed_tokens.append(running.num_computed_tokens)
-        run.num_new_blocks.append(len(running.new_block_ids))
-        run.new_block_ids.extend(running.new_block_ids)
-    if any(r.num_lookahead_tokens for r in plan.running):
-        run.num_lookahead_tokens.extend(r.num_lookahead_tokens for r in plan.running)
+        msg.new_requests.add(**new_request_fields(row))
+    running_to_proto(plan.running, msg.running)
     return msg
+
+
+# NewRequest's fields, each read from the row's attribute of its name (the plan's snapshot), or
+# else from its request's.
+_NEW_REQUEST_FIELDS = [
+    (name, attrgetter(name if name in NewRequestRow.__dataclass_fields__ else f"request.{name}"))
+    for name in engine_pb2.NewRequest.DESCRIPTOR.fields_by_name
+]
+
+
+def new_request_fields(row: NewRequestRow) -> dict[str, Any]:
+    """row's NewRequest fields: each from the row's attribute of its name, or else from its
+    request's (a field added to the .proto needs no code here)."""
+    return {name: value(row) for name, value in _NEW_REQUEST_FIELDS}
+
+
+# (column, whether always sent, the row's value) for each column of one value per row.
+_VALUE_COLUMNS = [(name, name in CORE_COLUMNS, attrgetter(name)) for name in VALUE_COLUMNS]
+
+
+def running_to_proto(rows: list[RunningRow], msg: engine_pb2.RunningColumns) -> None:
+    """Fill msg's columns from rows, by common/plan_columns.py's rules: each column of one value
+    per row from the rows' attribute of its name (a column other than the core ones only when
+    some row's value is not 0), the ids from the rows' requests, the new blocks ragged."""
+    if not rows:
+        return  # an empty plan part is left unset
+    msg.seq_ids.extend([row.request.seq_id for row in rows])
+    for name, always, value in _VALUE_COLUMNS:
+        values = list(map(value, rows))
+        if always or any(values):
+            getattr(msg, name).extend(values)
+    blocks = [row.new_block_ids for row in rows]
+    msg.num_new_blocks.extend(list(map(len, blocks)))
+    msg.new_block_ids.extend([b for ids in blocks for b in ids])
 
 
 def top_logprobs_from_proto(msg: engine_pb2.StepResult) -> TopLogprobColumns | None:

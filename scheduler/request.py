@@ -20,6 +20,54 @@ class RequestStatus(enum.Enum):
         return self not in (RequestStatus.WAITING, RequestStatus.RUNNING)
 
 
+@dataclass
+class PreemptionRecord:
+    """Bounded preemption (scheduler/preemption.py): the id of the step that last admitted the
+    request (0: never admitted), which spares it for preemption_grace_steps steps after, and why
+    it was last preempted."""
+
+    admitted_step_id: int = 0
+    reason: str = ""
+
+
+@dataclass
+class LedgerEntry:
+    """The fair-share ledger (scheduler/tenants.py): positions [0, num_charged_tokens) were
+    charged to the request's tenant's virtual token counter; a recompute is not charged again."""
+
+    num_charged_tokens: int = 0
+
+
+@dataclass
+class MirrorState:
+    """What the engine's mirror holds of the request: whether it knows it, and how many of its
+    blocks."""
+
+    in_engine: bool = False
+    num_sent_blocks: int = 0
+
+
+@dataclass
+class PipelinePlace:
+    """Pipeline parallelism (scheduler/pipeline.py): the slot whose steps the request runs in
+    while running (None while waiting), and the id of the last step that scheduled it (0: none
+    yet)."""
+
+    slot: int | None = None
+    last_step_id: int = 0
+
+
+@dataclass
+class SpecState:
+    """Speculative decoding: the lookahead slots the plan being made gives the request, and the
+    back-off policy's state (scheduler/speculation.py)."""
+
+    num_lookahead_tokens: int = 0
+    acceptance: float = 1.0
+    backoff_steps: int = 0
+    steps_to_skip: int = 0
+
+
 @dataclass(eq=False)
 class Request:
     """One generation. `token_ids` is the prompt followed by every token generated so far.
@@ -58,28 +106,16 @@ class Request:
     tenant: str = ""
     tenant_weight: float = 1.0
     priority: int = 0
-    # The id of the step that last admitted it (0: never admitted): preemption spares it for
-    # preemption_grace_steps steps after. Positions [0, num_charged_tokens) were charged to its
-    # tenant's virtual token counter (scheduler/tenants.py); a recompute is not charged again.
-    admitted_step_id: int = 0
-    preemption_reason: str = ""  # why it was last preempted
-    num_charged_tokens: int = 0
     # Tokens sampled by steps planned but whose results have not arrived (0, 1, or 2 with overlap).
     num_pending_tokens: int = 0
-    # What the engine's mirror holds: whether it knows this request, and how many of its blocks.
-    in_engine: bool = False
-    num_sent_blocks: int = 0
-    # Pipeline parallelism: the slot whose steps it runs in while running (None while waiting),
-    # and the id of the last step that scheduled it (0: none yet).
-    pipeline_slot: int | None = None
-    last_step_id: int = 0
-    # Speculative decoding: the client turned it off; the lookahead slots the plan being made
-    # gives it; the policy's state (scheduler/speculation.py).
+    # The client turned speculative decoding off for it.
     disable_speculation: bool = False
-    num_lookahead_tokens: int = 0
-    spec_acceptance: float = 1.0
-    spec_backoff_steps: int = 0
-    spec_steps_to_skip: int = 0
+    # Each feature's state, in its own record.
+    preemption: PreemptionRecord = field(default_factory=PreemptionRecord)
+    ledger: LedgerEntry = field(default_factory=LedgerEntry)
+    mirror: MirrorState = field(default_factory=MirrorState)
+    pipeline: PipelinePlace = field(default_factory=PipelinePlace)
+    spec: SpecState = field(default_factory=SpecState)
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -7,13 +7,8 @@ admitted with what budget and blocks are left. When blocks run out, the newest r
 preempted: its blocks are freed and it waits again, to be recomputed from its tokens later. (The
 fair and priority policies change the admission order and whom preemption picks, through hooks.)
 
-Pipeline parallelism: an engine of P > 1 stages can run P steps at once, one per stage, provided
-no request is in two of them (a request's next token comes out of the last stage). Each running
-request holds a pipeline slot in [0, P): step s serves slot s % P only, and a request with a step
-in flight is not scheduled again until that step's result is in, so no placeholder token is ever
-planned on. A waiting request joins the slot of the step that admits it; admission keeps the
-slots balanced (`_slot_room`). With P == 1 every step serves every request, and overlap plans on
-pending tokens as described in `schedule`.
+Pipeline slots (P > 1 engine stages): scheduler/pipeline.py. Preemption's victims:
+scheduler/preemption.py. Step results: scheduler/results.py. The plan: scheduler/plan.py.
 
 Static batching, the baseline continuous batching is measured against, is a subclass with its own
 hooks (scheduler/static_batching.py).
@@ -21,17 +16,16 @@ hooks (scheduler/static_batching.py).
 
 from __future__ import annotations
 
-import math
 import time
-from collections import deque
-from dataclasses import dataclass, field
-from itertools import islice
 
+from common.choice_id import names_request
+from scheduler.admin import RequestRow, TenantRow, request_rows, tenant_rows
 from scheduler.block_manager import BlockManager
-from scheduler.config import SchedulerConfig
+from scheduler.pipeline import PipelineSlots
+from scheduler.plan import StepPlan, make_plan
+from scheduler.preemption import Preemption
 from scheduler.request import Request, RequestStatus
-from scheduler.speculation import SpecCounters, SpeculationPolicy
-from scheduler.tenants import TenantLedger
+from scheduler.results import StepResults
 
 
 class AdmissionError(Exception):
@@ -43,142 +37,7 @@ class AdmissionError(Exception):
         self.message = message
 
 
-@dataclass
-class NewRequestRow:
-    request: Request
-    token_ids: list[int]
-    block_table: list[int]
-    num_computed_tokens: int
-    num_scheduled_tokens: int
-    # Set by _make_plan: whether the step completes the request's tokens (its sample is kept),
-    # and the request's num_preemptions then (a result for an earlier life is ignored).
-    samples: bool = False
-    num_preemptions: int = 0
-
-
-@dataclass
-class RunningRow:
-    request: Request
-    num_scheduled_tokens: int
-    num_computed_tokens: int
-    new_block_ids: list[int]
-    samples: bool = False  # as in NewRequestRow
-    num_preemptions: int = 0
-    # Speculative decoding: KV slots after the scheduled tokens for the engine's proposals.
-    num_lookahead_tokens: int = 0
-
-
-@dataclass
-class StepPlan:
-    """One step for the engine. Batch order: new_requests, then running."""
-
-    step_id: int
-    finished_seq_ids: list[int]
-    new_requests: list[NewRequestRow] = field(default_factory=list)
-    running: list[RunningRow] = field(default_factory=list)
-    # Requests preempted while planning this step (their ids are in finished_seq_ids).
-    preempted: list[Request] = field(default_factory=list)
-
-    @property
-    def rows(self) -> list[NewRequestRow | RunningRow]:
-        return [*self.new_requests, *self.running]
-
-    @property
-    def requests(self) -> list[Request]:
-        return [r.request for r in self.rows]
-
-    @property
-    def num_scheduled_tokens(self) -> int:
-        return sum(r.num_scheduled_tokens for r in self.rows)
-
-    @property
-    def is_empty(self) -> bool:
-        return not (self.new_requests or self.running or self.finished_seq_ids)
-
-
-@dataclass
-class StepOutcome:
-    """What a step produced for one request: its new token and whether it finished (token_id is
-    None for a request ended without a token: aborted, or dropped by a resize)."""
-
-    request: Request
-    token_id: int | None
-    logprob: float | None
-    finished: RequestStatus | None
-    # Why the request ended without finishing (the engine refused it): its stream fails with it.
-    error: str | None = None
-    # The request's top_logprobs most likely tokens at this position, when it asked.
-    top_token_ids: list[int] = field(default_factory=list)
-    top_logprobs: list[float] = field(default_factory=list)
-
-
-@dataclass
-class TopLogprobColumns:
-    """A step's top logprobs: counts[i] entries for plan row i, row after row, best first."""
-
-    counts: list[int]
-    token_ids: list[int]
-    logprobs: list[float]
-
-    def rows(self) -> list[tuple[list[int], list[float]]]:
-        """Each row's (token ids, logprobs)."""
-        token_ids, logprobs = iter(self.token_ids), iter(self.logprobs)
-        return [(list(islice(token_ids, n)), list(islice(logprobs, n))) for n in self.counts]
-
-
-@dataclass
-class RequestRow:
-    """One request as ListRequests shows it (fields as scheduler.proto's RequestState)."""
-
-    request_id: str
-    tenant: str
-    state: str
-    priority: int
-    num_prompt_tokens: int
-    num_output_tokens: int
-    num_computed_tokens: int
-    num_blocks: int
-    num_preemptions: int
-    age_s: float
-
-
-@dataclass
-class TenantRow:
-    """One tenant as GetStats shows it (fields as scheduler.proto's TenantStats)."""
-
-    tenant: str
-    weight: float
-    num_waiting: int
-    num_running: int
-    num_blocks: int
-    num_prompt_tokens: int
-    num_generated_tokens: int
-    virtual_tokens: float
-
-
-@dataclass
-class SchedulerCounters:
-    """Cumulative counts since start; GetStats and the metrics both read them."""
-
-    num_steps: int = 0
-    num_scheduled_tokens: int = 0
-    num_preemptions: int = 0
-    # Why (memory, priority, fair, engine_reset); the counts sum to num_preemptions.
-    num_preemptions_by_reason: dict[str, int] = field(default_factory=dict)
-    # Preemptions wanted whose candidates were protected (max_preemptions, grace steps): at most
-    # one per decision (a block for a running request, a seat or blocks for a waiting one).
-    num_preemptions_refused: int = 0
-    num_finished_requests: int = 0
-    num_prompt_tokens: int = 0  # prompts of requests admitted for the first time
-    num_generated_tokens: int = 0
-    # Tokens looked up in the prefix cache at each admission (readmissions too), and found.
-    num_prefix_cache_query_tokens: int = 0
-    num_prefix_cache_hit_tokens: int = 0
-    finish_reasons: dict[str, int] = field(default_factory=dict)
-    spec: SpecCounters = field(default_factory=SpecCounters)
-
-
-class Scheduler:
+class Scheduler(StepResults, Preemption, PipelineSlots):
     """Continuous batching in arrival order (fcfs). A subclass changes the policy through the
     hooks: `_next_waiting` (admission order), `_may_admit` (the admission gate),
     `_victim_order` (who is preempted first), `_room_candidates` (whom a waiting request may
@@ -191,70 +50,6 @@ class Scheduler:
     admitted fewer than preemption_grace_steps steps ago, is protected: no one chooses it as a
     victim (each refusal is counted). A running request short of a block that finds only
     protected requests ranked below it preempts itself, so a step always makes progress."""
-
-    def __init__(
-        self,
-        config: SchedulerConfig,
-        num_blocks: int,
-        block_size: int,
-        max_model_len: int,
-        vocab_size: int,
-        eos_token_ids: tuple[int, ...],
-        *,
-        pipeline_parallel_size: int = 1,
-        num_speculative_tokens: int = 0,
-    ):
-        """num_speculative_tokens: the most tokens the engine proposes per request and step
-        (speculative decoding; 0: none). With it, plan one step at a time (no overlap: a step's
-        number of tokens per request is known only from its result)."""
-        assert config.max_num_seqs > 0 and config.max_num_batched_tokens > 0, (
-            "a scheduler needs its step limits: SchedulerConfig.adopt the engine's first"
-        )
-        self.config = config
-        self.block_size = block_size
-        self.max_model_len = max_model_len
-        self.vocab_size = vocab_size
-        self.eos_token_ids = frozenset(eos_token_ids)
-        self.block_manager = BlockManager(num_blocks, block_size, config.enable_prefix_caching)
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
-        self.requests: dict[int, Request] = {}
-        # Requests the engine mirrors that it must drop before the next plan.
-        self.finished_seq_ids: list[int] = []
-        # Requests preempted since the last plan was made (they travel in the next plan).
-        self.preempted: list[Request] = []
-        self.next_step_id = 1
-        # The newest step whose result `update` applied (or whose result reset_engine lost).
-        self.last_result_step_id = 0
-        self.pipeline_parallel_size = 1
-        self.set_pipeline_parallel_size(pipeline_parallel_size)
-        self.speculation = SpeculationPolicy(0)
-        self.set_num_speculative_tokens(num_speculative_tokens)
-        self.counters = SchedulerCounters()
-        self.tenants = TenantLedger(config.fair_prefill_weight, config.fair_decode_weight)
-
-    def set_num_speculative_tokens(self, num_speculative_tokens: int) -> None:
-        """Give decode steps up to num_speculative_tokens lookahead slots from the next plan on.
-        Raises ValueError with P > 1 pipeline stages (refused: a stage's step would wait for the
-        previous one's token counts) or a negative count."""
-        if num_speculative_tokens < 0:
-            raise ValueError(f"num_speculative_tokens={num_speculative_tokens} must be >= 0")
-        if num_speculative_tokens and self.pipeline_parallel_size > 1:
-            raise ValueError(
-                f"speculative decoding needs pipeline_parallel_size=1, not "
-                f"{self.pipeline_parallel_size}"
-            )
-        self.speculation = SpeculationPolicy(num_speculative_tokens)
-
-    def set_pipeline_parallel_size(self, pipeline_parallel_size: int) -> None:
-        """Plan for an engine of pipeline_parallel_size stages from the next step on. A change
-        only while nothing runs (at start, or after reset_engine): running requests hold slots.
-        Raises ValueError for a size below 1."""
-        if pipeline_parallel_size < 1:
-            raise ValueError(f"pipeline_parallel_size={pipeline_parallel_size} must be >= 1")
-        if pipeline_parallel_size != self.pipeline_parallel_size:
-            assert not self.running, "pipeline_parallel_size changed with running requests"
-        self.pipeline_parallel_size = pipeline_parallel_size
 
     # -- admission ------------------------------------------------------------------------------
 
@@ -321,85 +116,15 @@ class Scheduler:
     def find(self, request_id: str) -> list[Request]:
         """The requests (choices) of request_id: the one of that id, and those the gateway named
         `{request_id}-{index}` for a request of several choices (gateway/choices.py)."""
-        prefix = request_id + "-"
-        return [
-            r
-            for r in self.requests.values()
-            if r.request_id == request_id
-            or (r.request_id.startswith(prefix) and r.request_id[len(prefix) :].isdigit())
-        ]
+        return [r for r in self.requests.values() if names_request(request_id, r.request_id)]
 
     def list_requests(self, tenant: str = "") -> list[RequestRow]:
         """Every request held (running, then waiting in line order), or only tenant's."""
-        now = time.monotonic()
-        return [
-            RequestRow(
-                request_id=r.request_id,
-                tenant=r.tenant,
-                state=r.status.value,
-                priority=r.priority,
-                num_prompt_tokens=r.num_prompt_tokens,
-                num_output_tokens=r.num_output_tokens,
-                num_computed_tokens=r.num_computed_tokens,
-                num_blocks=len(r.block_table),
-                num_preemptions=r.num_preemptions,
-                age_s=now - r.arrival_time,
-            )
-            for r in [*self.running, *self.waiting]
-            if not tenant or r.tenant == tenant
-        ]
+        return request_rows([*self.running, *self.waiting], tenant)
 
     def tenant_rows(self) -> list[TenantRow]:
         """Every tenant seen since start, with its queue, seats, blocks and service."""
-        rows = {
-            t.name: TenantRow(
-                t.name, t.weight, 0, 0, 0, t.num_prompt_tokens, t.num_generated_tokens,
-                t.virtual_tokens,
-            )
-            for t in self.tenants.tenants.values()
-        }  # fmt: skip
-        for r in self.waiting:
-            rows[r.tenant].num_waiting += 1
-        for r in self.running:
-            rows[r.tenant].num_running += 1
-            rows[r.tenant].num_blocks += len(r.block_table)
-        return list(rows.values())
-
-    def _finish(self, request: Request, status: RequestStatus) -> None:
-        assert status.is_finished
-        request.status = status
-        request.num_pending_tokens = 0  # results still in flight for it are ignored
-        self.block_manager.free(request)
-        del self.requests[request.seq_id]
-        self.tenants.leave(request.tenant)
-        if request.in_engine:
-            self.finished_seq_ids.append(request.seq_id)
-            request.in_engine = False
-        self.counters.num_finished_requests += 1
-        reasons = self.counters.finish_reasons
-        reasons[status.value] = reasons.get(status.value, 0) + 1
-
-    def _preempt(self, request: Request, reason: str) -> None:
-        """Free request's blocks and queue it first in line (its policy may rank it elsewhere);
-        it is recomputed from all its tokens (prompt and output so far) when readmitted. Nothing
-        it already produced is lost. The caller has taken it out of `running`; reason is
-        counted."""
-        self.block_manager.free(request)
-        request.status = RequestStatus.WAITING
-        request.num_computed_tokens = 0
-        request.num_pending_tokens = 0  # a token in flight is dropped, sampled again on recompute
-        request.num_lookahead_tokens = 0
-        request.num_preemptions += 1
-        request.preemption_reason = reason
-        request.pipeline_slot = None  # readmission gives it one again
-        if request.in_engine:
-            self.finished_seq_ids.append(request.seq_id)
-            request.in_engine = False
-        self.waiting.appendleft(request)
-        self.counters.num_preemptions += 1
-        by_reason = self.counters.num_preemptions_by_reason
-        by_reason[reason] = by_reason.get(reason, 0) + 1
-        self.preempted.append(request)
+        return tenant_rows(self.tenants, self.waiting, self.running)
 
     def reset_engine(self) -> list[Request]:
         """The engine lost its mirror and KV pool (it restarted, or failed a step): preempt every
@@ -411,7 +136,7 @@ class Scheduler:
         self.finished_seq_ids = []
         self.last_result_step_id = self.next_step_id - 1
         for request in self.waiting:
-            request.in_engine = False
+            request.mirror.in_engine = False
         self.block_manager.reset_prefix_cache()
         self.block_manager.check_integrity(list(self.requests.values()))
         preempted, self.preempted = self.preempted, []
@@ -432,10 +157,6 @@ class Scheduler:
         for request in too_big:
             self.abort(request.seq_id)
         return too_big
-
-    @property
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.finished_seq_ids)
 
     def idle_timeout_s(self) -> float | None:
         """How long the service may sleep with nothing to plan before planning again (None:
@@ -492,7 +213,7 @@ class Scheduler:
                 continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             assert num_new > 0, f"running request {request.request_id} has nothing to compute"
-            request.num_lookahead_tokens = self._lookahead(request, num_new, budget)
+            request.spec.num_lookahead_tokens = self._lookahead(request, num_new, budget)
             while not self._allocate_running(request, num_new):
                 victim, freed = self._evict(i, scheduled)
                 if victim is request:
@@ -502,17 +223,19 @@ class Scheduler:
             else:
                 scheduled.append((request, num_new))
                 self._charge(request, num_new)
-                budget -= num_new + request.num_lookahead_tokens
+                budget -= num_new + request.spec.num_lookahead_tokens
                 i += 1
         return budget
 
     def _allocate_running(self, request: Request, num_new: int) -> bool:
         """Blocks for num_new tokens and request's lookahead slots; lookahead never costs a
         preemption: without blocks for it, the request goes without (num_lookahead_tokens 0)."""
-        if request.num_lookahead_tokens:
-            if self.block_manager.allocate_slots(request, num_new + request.num_lookahead_tokens):
+        if request.spec.num_lookahead_tokens:
+            if self.block_manager.allocate_slots(
+                request, num_new + request.spec.num_lookahead_tokens
+            ):
                 return True
-            request.num_lookahead_tokens = 0
+            request.spec.num_lookahead_tokens = 0
         return self.block_manager.allocate_slots(request, num_new)
 
     def _lookahead(self, request: Request, num_new: int, budget: int) -> int:
@@ -544,89 +267,6 @@ class Scheduler:
             self._is_padding(request)
             or request.num_output_tokens + num_pending < request.max_tokens
         )
-
-    def _evict(self, i: int, scheduled: list[tuple[Request, int]]) -> tuple[Request, int]:
-        """Free blocks for running[i] (hook): preempt the policy's victim (`_memory_victim`),
-        taking it out of scheduled if this step scheduled it. Returns (the victim, the budget
-        it gave back: > 0 exactly when it was in scheduled)."""
-        victim = self._memory_victim(self.running[i])
-        freed = self._unschedule(victim, scheduled)
-        self.running.remove(victim)
-        self._preempt(victim, "memory")
-        return victim, freed
-
-    def _unschedule(self, request: Request, scheduled: list[tuple[Request, int]]) -> int:
-        """Take request out of scheduled (this step's rows so far); returns the budget it held
-        (0 when it was not there). Its blocks are the caller's to free."""
-        for k, (r, num_new) in enumerate(scheduled):
-            if r is request:
-                del scheduled[k]
-                return num_new + r.num_lookahead_tokens
-        return 0
-
-    # -- victims --------------------------------------------------------------------------------
-
-    def _victim_order(self) -> list[Request]:
-        """Running requests, the first to preempt first (hook). fcfs: the newest first."""
-        return self.running[::-1]
-
-    def _is_protected(self, request: Request) -> bool:
-        """Whether running request may not be chosen as a victim: it was preempted
-        max_preemptions times, or admitted fewer than preemption_grace_steps steps ago."""
-        config = self.config
-        if config.max_preemptions and request.num_preemptions >= config.max_preemptions:
-            return True
-        return self.next_step_id - request.admitted_step_id < config.preemption_grace_steps
-
-    def _memory_victim(self, request: Request) -> Request:
-        """Whom running request, short of a block, preempts: the first in `_victim_order` that
-        is not protected, or request itself if it comes first. A request never takes blocks
-        from one ranked above it, and the walk always ends: when everyone ranked below it is
-        protected, it gives its own blocks back (a self-preemption is the request's own
-        choice, so protection does not stop it). Skipping a protected one counts a refusal."""
-        refused = False
-        for victim in self._victim_order():
-            if victim is request or not self._is_protected(victim):
-                self.counters.num_preemptions_refused += refused
-                return victim
-            refused = True
-        raise AssertionError(f"{request.request_id} is not running")
-
-    def _room_candidates(self, request: Request) -> list[Request]:
-        """Whom waiting request, short of a seat or blocks, may preempt, the first to go first
-        (hook; protection aside). fcfs: nobody (a waiting request never displaces a running
-        one)."""
-        return []
-
-    def _make_room(
-        self,
-        request: Request,
-        scheduled: list[tuple[Request, int]],
-        num_blocks_short: int = 0,
-    ) -> int | None:
-        """Preempt one running request for waiting request: the first unprotected of its
-        `_room_candidates` (reason `room_reason`). Returns the budget the victim gave back (0 if
-        it was not scheduled this step), or None when there is no victim (a refusal is counted
-        when candidates were all protected). With num_blocks_short > 0 (blocks, not a seat),
-        nobody is preempted unless the unprotected candidates hold that many blocks of their
-        own: preempting them all would not admit request, only waste their work."""
-        ranked = self._room_candidates(request)
-        candidates = [r for r in ranked if not self._is_protected(r)]
-        if not candidates:
-            self.counters.num_preemptions_refused += bool(ranked)
-            return None
-        if num_blocks_short:
-            ref_cnt = self.block_manager.ref_cnt
-            own = sum(ref_cnt[b] == 1 for r in candidates for b in r.block_table)
-            if own < num_blocks_short:
-                return None
-        victim = candidates[0]
-        freed = self._unschedule(victim, scheduled)
-        self.running.remove(victim)
-        self._preempt(victim, self.room_reason)
-        return freed
-
-    room_reason = "policy"
 
     # -- admission order ------------------------------------------------------------------------
 
@@ -681,19 +321,19 @@ class Scheduler:
     def _charge(self, request: Request, num_new: int) -> None:
         """request is scheduled num_new tokens now: charge its tenant for the positions never
         charged before (scheduler/tenants.py)."""
-        start = max(request.num_computed_tokens, request.num_charged_tokens)
+        start = max(request.num_computed_tokens, request.ledger.num_charged_tokens)
         end = request.num_computed_tokens + num_new
         if end > start:
             self.tenants.charge(request.tenant, request.num_prompt_tokens, start, end)
-            request.num_charged_tokens = end
+            request.ledger.num_charged_tokens = end
 
     def _admit(self, request: Request, num_cached: int) -> None:
         """request leaves the queue with num_cached tokens found in the prefix cache."""
         assert request.num_pending_tokens == 0, f"{request.request_id}: pending while waiting"
         request.status = RequestStatus.RUNNING
         request.num_computed_tokens = num_cached
-        request.pipeline_slot = self.slot
-        request.admitted_step_id = self.next_step_id
+        request.pipeline.slot = self.slot
+        request.preemption.admitted_step_id = self.next_step_id
         c = self.counters
         if request.num_cached_tokens is None:  # first admission
             request.num_cached_tokens = min(num_cached, request.num_prompt_tokens)
@@ -703,82 +343,12 @@ class Scheduler:
         self.running.append(request)
 
     def _make_plan(self, scheduled: list[tuple[Request, int]]) -> StepPlan:
-        """The plan for `scheduled` (request, tokens now). Per request, as the engine will:
-
-            before: |<- num_computed_tokens ->|<- num_new ->|<- rest ->|
-            after:  |<- num_computed_tokens -------------->|<- rest ->|
-
-        and when rest is empty the step samples: a pending token joins num_tokens."""
-        plan = StepPlan(self.next_step_id, self.finished_seq_ids, preempted=self.preempted)
+        """The plan for `scheduled` (request, tokens now), with the ids to drop and the
+        requests preempted since the last plan (see plan.make_plan)."""
+        plan = make_plan(self.next_step_id, self.finished_seq_ids, self.preempted, scheduled)
         self.next_step_id += 1
         self.finished_seq_ids, self.preempted = [], []
-        for request, num_new in scheduled:
-            row: NewRequestRow | RunningRow
-            if not request.in_engine:
-                row = NewRequestRow(
-                    request,
-                    list(request.token_ids),
-                    list(request.block_table),
-                    request.num_computed_tokens,
-                    num_new,
-                )
-                plan.new_requests.append(row)
-                request.in_engine = True
-            else:
-                new_blocks = request.block_table[request.num_sent_blocks :]
-                row = RunningRow(request, num_new, request.num_computed_tokens, new_blocks)
-                row.num_lookahead_tokens, request.num_lookahead_tokens = (
-                    request.num_lookahead_tokens,
-                    0,
-                )
-                plan.running.append(row)
-            request.num_sent_blocks = len(request.block_table)
-            request.last_step_id = plan.step_id
-            request.num_computed_tokens += num_new
-            row.samples = request.num_computed_tokens == request.num_tokens
-            row.num_preemptions = request.num_preemptions
-            request.num_pending_tokens += row.samples
         return plan
-
-    # -- pipeline slots -------------------------------------------------------------------------
-
-    @property
-    def slot(self) -> int:
-        """The pipeline slot the step being planned serves: step s serves slot s % P."""
-        return self.next_step_id % self.pipeline_parallel_size
-
-    def _in_flight(self, request: Request) -> bool:
-        """With P > 1: whether a step holding request has no result yet. Always False with
-        P == 1, where steps in flight may share requests (overlap plans on pending tokens)."""
-        return self.pipeline_parallel_size > 1 and request.last_step_id > self.last_result_step_id
-
-    def _runs_now(self, request: Request) -> bool:
-        """Whether running request may be in the step being planned: with P > 1 only in its
-        slot's steps, and only once the result of its last step is in."""
-        if self.pipeline_parallel_size == 1:
-            return True
-        return request.pipeline_slot == self.slot and not self._in_flight(request)
-
-    def _slot_room(self) -> int:
-        """How many waiting requests the step being planned may admit (besides the step limits).
-
-        P == 1: no limit of its own. P > 1, the balance rule: a slot admits while it holds
-        fewer than
-
-            cap = ceil(min(running + waiting, max_num_seqs) / P)
-
-        requests, counted as the step's admission starts (it moves requests from waiting to
-        running, so the sum holds meanwhile). max_num_seqs bounds it so that a long queue does
-        not let the first slot to admit take every seat. A slot at its cap leaves the queue to
-        the others: while someone waits and fewer than max_num_seqs run, some other slot holds
-        fewer than cap (else running >= P * cap >= running + waiting), and admits at its own
-        step, at most P - 1 steps later."""
-        num_slots = self.pipeline_parallel_size
-        if num_slots == 1:
-            return len(self.waiting)
-        cap = -(-min(len(self.running) + len(self.waiting), self.config.max_num_seqs) // num_slots)
-        slot = self.slot
-        return max(0, cap - sum(r.pipeline_slot == slot for r in self.running))
 
     def check_integrity(self) -> None:
         """Assert the block manager's invariants and the slots': each running request holds a
@@ -786,143 +356,9 @@ class Scheduler:
         self.block_manager.check_integrity(list(self.requests.values()))
         num_slots = self.pipeline_parallel_size
         for r in self.running:
-            assert r.pipeline_slot is not None and 0 <= r.pipeline_slot < num_slots, (
-                f"{r.request_id}: pipeline_slot={r.pipeline_slot} with {num_slots} slots"
+            assert r.pipeline.slot is not None and 0 <= r.pipeline.slot < num_slots, (
+                f"{r.request_id}: pipeline_slot={r.pipeline.slot} with {num_slots} slots"
             )
             assert num_slots == 1 or r.num_pending_tokens <= 1, f"{r.request_id}: 2 pending"
         for r in self.waiting:
-            assert r.pipeline_slot is None, f"waiting {r.request_id} holds a pipeline slot"
-
-    # -- results --------------------------------------------------------------------------------
-
-    def update(
-        self,
-        plan: StepPlan,
-        sampled_token_ids: list[int],
-        logprobs: list[float] | None = None,
-        top_logprobs: TopLogprobColumns | None = None,
-        num_sampled_tokens: list[int] | None = None,
-        num_draft_tokens: list[int] | None = None,
-    ) -> list[StepOutcome]:
-        """Apply a step's result; results come in plan order, one token per row, or
-        num_sampled_tokens[i] for row i when given (speculative decoding: the proposals it
-        accepted, then the token sampled after them); logprobs and top_logprobs per token (NaN
-        where a request did not ask); num_draft_tokens: per row, the tokens the engine proposed.
-
-        One token rule: a row that completed its request's tokens when planned (`samples`)
-        turns the request's oldest pending token into its first token and appends the others;
-        the accepted proposals count as computed, the rejected ones' slots are given back (see
-        `_accept`). A mid-prefill row's token is discarded. Rows of requests that ended
-        (finished, aborted) or were preempted since the plan are skipped: with overlap, a
-        request that finished at step N may be in step N+1 too, and that token is dropped. A
-        request that stops at one of its tokens drops the ones after it. Finished requests free
-        their blocks."""
-        rows = plan.rows
-        counts = num_sampled_tokens or [1] * len(rows)
-        assert len(counts) == len(rows) and sum(counts) == len(sampled_token_ids), (
-            f"step {plan.step_id}: {len(sampled_token_ids)} tokens for {len(rows)} requests"
-            + (f" (num_sampled_tokens={counts})" if num_sampled_tokens else "")
-        )
-        self.last_result_step_id = max(self.last_result_step_id, plan.step_id)
-        top_rows = top_logprobs.rows() if top_logprobs is not None else None
-        outcomes: list[StepOutcome] = []
-        start = 0
-        for i, row in enumerate(rows):
-            tokens = range(start, start + counts[i])
-            start += counts[i]
-            if not row.samples or not self._awaits(row):
-                continue
-            request = row.request
-            assert all(sampled_token_ids[t] >= 0 for t in tokens), (
-                f"step {plan.step_id}: no token for {request.request_id}"
-            )
-            if num_draft_tokens:
-                self._accept(row, num_draft_tokens[i], len(tokens) - 1)
-            request.num_pending_tokens -= 1  # its oldest pending token is the first one
-            for t in tokens:
-                token_id = sampled_token_ids[t]
-                request.token_ids.append(token_id)
-                outcome = self._on_token(request, token_id)
-                if outcome is None:
-                    continue
-                if logprobs and not math.isnan(logprobs[t]):
-                    outcome.logprob = logprobs[t]
-                if top_rows is not None:
-                    outcome.top_token_ids, outcome.top_logprobs = top_rows[t]
-                outcomes.append(outcome)
-                if outcome.finished is not None:
-                    break
-            if request.status == RequestStatus.RUNNING and isinstance(row, RunningRow):
-                self._give_back_lookahead(row)
-        self.counters.num_generated_tokens += len(outcomes)
-        for outcome in outcomes:
-            self.tenants.count_generated(outcome.request.tenant)
-        self._after_update()
-        return outcomes
-
-    def _accept(self, row: NewRequestRow | RunningRow, num_draft: int, num_accepted: int) -> None:
-        """row's request accepted num_accepted of num_draft proposed tokens: they were computed
-        in the step (their KV is in the lookahead slots), the rejected ones were not.
-
-            slots:  |<- computed ->|<- lookahead slots ------------>|
-            after:  |<- computed ---------------->|<- given back ->|
-                                   |<- accepted ->|
-        """
-        assert num_accepted <= num_draft <= getattr(row, "num_lookahead_tokens", 0), (
-            f"{row.request.request_id}: {num_accepted} accepted of {num_draft} proposed"
-        )
-        row.request.num_computed_tokens += num_accepted
-        self.counters.spec.add(num_draft, num_accepted)
-        self.speculation.on_result(row.request, num_draft, num_accepted)
-
-    def _give_back_lookahead(self, row: RunningRow) -> None:
-        """After a row with lookahead slots: free the blocks its request's tokens do not need
-        (the engine's mirror drops the same ones)."""
-        if row.num_lookahead_tokens:
-            request = row.request
-            self.block_manager.trim(request, len(request.token_ids))
-            request.num_sent_blocks = len(request.block_table)
-
-    def _on_token(self, request: Request, token_id: int) -> StepOutcome | None:
-        """request's oldest pending token turned out to be token_id, now its last: its outcome
-        (hook: None when nothing is to be streamed)."""
-        finished = self._check_stop(request, token_id)
-        if finished is not None:
-            self._on_stopped(request, finished)
-        return StepOutcome(request, token_id, None, finished)
-
-    def _after_update(self) -> None:
-        if not self.requests:
-            self.block_manager.check_integrity([])
-
-    @staticmethod
-    def _awaits(row: NewRequestRow | RunningRow) -> bool:
-        """Whether row's request still waits for this row's token: it runs, in the same life
-        (not preempted since), with a pending token."""
-        request = row.request
-        if request.status != RequestStatus.RUNNING:
-            return False
-        if request.num_preemptions != row.num_preemptions:
-            return False
-        assert request.num_pending_tokens > 0, f"{request.request_id}: a token nobody awaits"
-        return True
-
-    def _is_padding(self, request: Request) -> bool:
-        """Whether request runs on without streaming (hook; static batching's padding rows)."""
-        return False
-
-    def _on_stopped(self, request: Request, status: RequestStatus) -> None:
-        """request finished with status (hook): free it. Its outcome reports it finished."""
-        self.running.remove(request)
-        self._finish(request, status)
-
-    def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
-        if token_id in self.eos_token_ids and not request.ignore_eos:
-            return RequestStatus.FINISHED_STOPPED
-        if token_id in request.stop_token_ids:
-            return RequestStatus.FINISHED_STOPPED
-        if request.num_output_tokens >= request.max_tokens:
-            return RequestStatus.FINISHED_LENGTH
-        if len(request.token_ids) >= self.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
-        return None
+            assert r.pipeline.slot is None, f"waiting {r.request_id} holds a pipeline slot"

@@ -70,8 +70,8 @@ class SpeculationPolicy:
         the context and the step's token budget leave). A backed-off request counts the step."""
         if self.num_speculative_tokens == 0 or request.disable_speculation or limit <= 0:
             return 0
-        if request.spec_steps_to_skip > 0:
-            request.spec_steps_to_skip -= 1
+        if request.spec.steps_to_skip > 0:
+            request.spec.steps_to_skip -= 1
             return 0
         return min(self.num_speculative_tokens, limit)
 
@@ -81,11 +81,11 @@ class SpeculationPolicy:
         if num_draft == 0:
             return
         rate = num_accepted / num_draft
-        request.spec_acceptance += EMA_WEIGHT * (rate - request.spec_acceptance)
-        if request.spec_acceptance >= MIN_ACCEPTANCE:
-            request.spec_backoff_steps = 0
+        request.spec.acceptance += EMA_WEIGHT * (rate - request.spec.acceptance)
+        if request.spec.acceptance >= MIN_ACCEPTANCE:
+            request.spec.backoff_steps = 0
             return
-        backoff = min(2 * request.spec_backoff_steps or FIRST_BACKOFF_STEPS, MAX_BACKOFF_STEPS)
-        request.spec_backoff_steps = request.spec_steps_to_skip = backoff
+        backoff = min(2 * request.spec.backoff_steps or FIRST_BACKOFF_STEPS, MAX_BACKOFF_STEPS)
+        request.spec.backoff_steps = request.spec.steps_to_skip = backoff
         # A probe that does well brings it back at once.
-        request.spec_acceptance = MIN_ACCEPTANCE
+        request.spec.acceptance = MIN_ACCEPTANCE

@@ -23,9 +23,10 @@ from typing import Any
 
 from scheduler.config import SchedulerConfig
 from scheduler.fair import FairScheduler
+from scheduler.plan import StepOutcome
 from scheduler.priority import PriorityScheduler
 from scheduler.request import Request, RequestStatus
-from scheduler.scheduler import Scheduler, StepOutcome
+from scheduler.scheduler import Scheduler
 
 
 class StaticBatchScheduler(Scheduler):

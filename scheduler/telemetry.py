@@ -29,8 +29,8 @@ from typing import Any
 
 from common import telemetry
 from common.telemetry import Metric
+from scheduler.plan import NewRequestRow, RunningRow, StepOutcome, StepPlan
 from scheduler.request import Request, RequestStatus
-from scheduler.scheduler import NewRequestRow, RunningRow, StepOutcome, StepPlan
 
 
 @dataclass
@@ -413,7 +413,7 @@ class SchedulerTelemetry:
                 continue
             event: dict[str, Any] = {
                 "llmserve.num_output_tokens": request.num_output_tokens,
-                "llmserve.preemption_reason": request.preemption_reason,
+                "llmserve.preemption.reason": request.preemption.reason,
             }
             rt.root.add_event("preempted", event)
             attributes = {**event, "llmserve.num_preemptions": request.num_preemptions}

@@ -16,8 +16,9 @@ time goes: a prefill token rides in a compute-bound matrix product with many oth
 decode token costs a step's pass over the weights and a read of its whole KV history, so a
 long-output tenant is charged more per token than a long-prompt one.
 
-A position is charged once (`Request.num_charged_tokens`): a recompute after a preemption is the
-scheduler's doing, not the tenant's, and is free; prefix-cache hits are not computed and are free.
+A position is charged once (`Request.ledger.num_charged_tokens`): a recompute after a preemption
+is the scheduler's doing, not the tenant's, and is free; prefix-cache hits are not computed and are
+free.
 
 The lift (VTC's rule): a tenant that had no work queued or running and sends a request has its
 counter raised to the smallest counter among tenants that do have work, so credit is not banked

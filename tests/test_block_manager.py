@@ -137,9 +137,12 @@ def test_shared_block_is_freed_only_by_its_last_holder(t: Tracker) -> None:
     compute(bm, b, 1, cached)
     assert b.block_table == [0, 1, 3]
     assert bm.ref_cnt[:4] == [2, 2, 1, 1]
+    # Blocks held by the other request too count for neither, nor for both together.
+    assert [bm.num_owned_blocks(r) for r in ([a], [b], [a, b])] == [1, 1, 2]
     bm.free(a)
     assert list(bm.free_blocks) == [4, 5, 6, 7, 2]
     assert bm.ref_cnt[:4] == [1, 1, 0, 1]
+    assert bm.num_owned_blocks([b]) == 3
     bm.check_integrity([b])
     bm.free(b)
     assert list(bm.free_blocks) == [4, 5, 6, 7, 2, 3, 1, 0]

@@ -251,7 +251,7 @@ def test_fair_preempts_the_most_served_tenant_for_a_waiting_one(
     assert [r.request.seq_id for r in plan.new_requests] == [4]
     assert running_rows(plan) == [(1, 1, 5, [])]
     assert h.s.counters.num_preemptions_by_reason == {"fair": 1}
-    assert a2.preemption_reason == "fair" and a2.num_preemptions == 1
+    assert a2.preemption.reason == "fair" and a2.num_preemptions == 1
     assert [r.seq_id for r in h.s.waiting] == [2, 3]  # a2 first of a's again
     h.run_until_idle()
     outputs_ok(h, a1, a2, a3, b1)

@@ -15,8 +15,9 @@ from engine.runner import _full_rows
 from engine.sampler import Sampler, apply_penalties
 from scheduler.config import SchedulerConfig
 from scheduler.convert import plan_to_proto
+from scheduler.plan import TopLogprobColumns
 from scheduler.request import Request
-from scheduler.scheduler import Scheduler, TopLogprobColumns
+from scheduler.scheduler import Scheduler
 from tests.factories import sampling
 
 CPU = torch.device("cpu")

@@ -18,12 +18,9 @@ from engine.mirror import Mirror
 from protos import engine_pb2
 from scheduler.config import SchedulerConfig
 from scheduler.convert import plan_to_proto
+from scheduler.plan import StepOutcome, StepPlan
 from scheduler.request import Request, RequestStatus
-from scheduler.scheduler import (
-    AdmissionError,
-    StepOutcome,
-    StepPlan,
-)
+from scheduler.scheduler import AdmissionError
 from scheduler.static_batching import make_scheduler
 from tests.factories import sampling
 
@@ -454,7 +451,7 @@ def test_preemption_newest_first_recomputed_without_reemitting(
     assert outcome_rows(outcomes) == [(1, 15, None)]
     assert b.status == RequestStatus.WAITING
     assert (b.block_table, b.num_computed_tokens, b.num_preemptions) == ([], 0, 1)
-    assert b.in_engine is False
+    assert b.mirror.in_engine is False
     assert list(h.s.waiting) == [b, c]  # the preempted request goes first in line
     assert h.s.running == [a]
     assert list(h.s.block_manager.free_blocks) == [1]
@@ -785,7 +782,7 @@ def test_reset_engine_preempts_everything_and_forgets_the_cache(
     assert h.s.running == []
     assert list(h.s.waiting) == [a, b, c]
     assert all(r.status == RequestStatus.WAITING for r in (a, b, c))
-    assert [(r.num_computed_tokens, r.num_preemptions, r.in_engine) for r in (a, b)] == [
+    assert [(r.num_computed_tokens, r.num_preemptions, r.mirror.in_engine) for r in (a, b)] == [
         (0, 1, False),
         (0, 1, False),
     ]
@@ -1263,7 +1260,7 @@ def test_pipeline_slots_take_turns_with_disjoint_requests(
     h.add(*reqs)
     for _ in range(num_slots):
         h.plan()
-    assert [r.pipeline_slot for r in reqs] == [(i // 2 + 1) % num_slots for i in range(len(reqs))]
+    assert [r.pipeline.slot for r in reqs] == [(i // 2 + 1) % num_slots for i in range(len(reqs))]
     assert [(r.num_computed_tokens, r.num_pending_tokens) for r in reqs] == [(3, 1)] * len(reqs)
     h.run_pipelined()
     groups = [[2 * g + 1, 2 * g + 2] for g in range(num_slots)]
@@ -1293,7 +1290,7 @@ def test_pipeline_admission_balances_the_slots(make: Callable[..., Harness]) -> 
     plan, _ = h.step()  # step 3, slot 1: cap 3, slot 1 holds request 1
     assert [r.request.seq_id for r in plan.new_requests] == [5, 6]
     assert [r.seq_id for r in plan.requests] == [5, 6, 1]
-    slots = {r.seq_id: r.pipeline_slot for r in h.s.running}
+    slots = {r.seq_id: r.pipeline.slot for r in h.s.running}
     assert slots == {1: 1, 2: 0, 3: 0, 4: 0, 5: 1, 6: 1}
     h.run_until_idle()
     assert h.outputs == {i: [10, 11, 12, 13, 14] for i in range(1, 7)}
@@ -1351,12 +1348,12 @@ def test_pipeline_preempted_request_gets_a_slot_again(make: Callable[..., Harnes
     h.plan()  # step 1, slot 1: a
     h.add(b, c)
     plan = h.plan()  # step 2, slot 0: ceil(min(1 + 2, 2) / 2) = 1: b, not c
-    assert [r.seq_id for r in plan.requests] == [2] and [a.pipeline_slot, b.pipeline_slot] == [1, 0]
+    assert [r.seq_id for r in plan.requests] == [2] and [a.pipeline.slot, b.pipeline.slot] == [1, 0]
     while b.status == RequestStatus.RUNNING:
         h.result()
         plan = h.plan()
     assert (plan.step_id, plan.finished_seq_ids, running_rows(plan)) == (11, [2], [(1, 1, 8, [3])])
-    assert (b.pipeline_slot, b.num_pending_tokens, b.block_table) == (None, 0, [])
+    assert (b.pipeline.slot, b.num_pending_tokens, b.block_table) == (None, 0, [])
     b_tokens = [*b.prompt_token_ids, 10, 11, 12, 13]
     assert b.token_ids == b_tokens and list(h.s.waiting) == [b, c]
     assert h.result() == []  # step 10: b's output 14, dropped
@@ -1389,7 +1386,7 @@ def test_pipeline_engine_reset_with_steps_in_flight(make: Callable[..., Harness]
     h.reset_engine()
     assert h.s.last_result_step_id == 4
     assert list(h.s.waiting) == reqs
-    assert all(r.pipeline_slot is None and r.num_pending_tokens == 0 for r in reqs)
+    assert all(r.pipeline.slot is None and r.num_pending_tokens == 0 for r in reqs)
     plan = h.plan()  # step 5, slot 2: cap ceil(6 / 3) = 2
     assert (plan.step_id, [r.request.seq_id for r in plan.new_requests]) == (5, [1, 2])
     assert plan.new_requests[0].token_ids == [*reqs[0].prompt_token_ids, 10]
@@ -1422,7 +1419,8 @@ def test_pipeline_size_comes_from_the_engine_info() -> None:
 async def _adopt_pipeline_sizes() -> None:
     from engine.contract import EngineInfo
     from engine.convert import info_to_proto
-    from scheduler.service import EngineMismatch, SchedulerService
+    from scheduler.engine_loop import EngineMismatch
+    from scheduler.service import SchedulerService
 
     def info(**sizes: int) -> engine_pb2.EngineInfo:
         return info_to_proto(

@@ -190,7 +190,8 @@ def test_the_scheduler_fails_a_refused_request_with_its_reason() -> None:
 async def _refused_request() -> None:
     import asyncio
 
-    from scheduler.service import SchedulerService, SentStep
+    from scheduler.engine_loop import SentStep
+    from scheduler.service import SchedulerService
     from scheduler.static_batching import make_scheduler
 
     service = SchedulerService(SchedulerConfig())

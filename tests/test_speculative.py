@@ -199,7 +199,7 @@ def test_backoff_when_acceptance_is_low() -> None:
     policy.on_result(r, 4, 0)  # the probe fails: twice as long
     assert [policy.lookahead(r, 10) for _ in range(2 * FIRST_BACKOFF_STEPS + 1)] == [0] * 16 + [4]
     policy.on_result(r, 4, 3)  # the probe succeeds: back at once
-    assert r.spec_acceptance >= MIN_ACCEPTANCE
+    assert r.spec.acceptance >= MIN_ACCEPTANCE
     assert policy.lookahead(r, 10) == 4
     policy.on_result(r, 0, 0)  # nothing proposed: nothing learned
     assert policy.lookahead(r, 2) == 2
