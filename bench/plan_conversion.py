@@ -2,7 +2,7 @@
 StepPlan (scheduler/convert.py) and the message to the engine's plan data (engine/convert.py),
 on plans made by the real Scheduler. CPU only; run from the repository root:
 
-    PYTHONPATH=. python bench/plan_conversion.py [--rows 256] [--repeat 2000]
+    python -m bench.plan_conversion [--rows 256] [--repeat 2000]
 
 Prints, per plan shape, the best of 5 timings of each conversion in microseconds per step.
 """

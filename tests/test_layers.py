@@ -38,6 +38,7 @@ BENCH_SERVICE_IMPORTS = {
     "bench.telemetry_overhead": {"scheduler", "gateway"},  # the telemetry hooks, timed alone
     "bench.fairness_study": {"scheduler", "gateway"},  # its stack's configs
     "bench.overlap_echo": {"scheduler"},  # its stack's configs
+    "bench.plan_conversion": {"scheduler"},  # the scheduler's plan conversion, timed alone
 }
 
 
