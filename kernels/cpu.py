@@ -1,5 +1,6 @@
 """Our CPU kernels (kernels/cpu_int8.cpp), compiled at first use by torch's C++ extension builder
-(g++ and ninja) and cached under ~/.cache/llmserve/cpu_kernels (LLMSERVE_KERNEL_CACHE moves it).
+(g++ and ninja) and cached under ~/.cache/llmserve/cpu_kernels/<checkout> (LLMSERVE_KERNEL_CACHE
+moves it).
 
 `int8_linear` (on weights packed by `pack_int8`) has a plain-torch twin, `int8_linear_reference`,
 the ground truth of its tests and the path where the kernel cannot be built (no AVX2, no
@@ -8,7 +9,9 @@ compiler).
 
 from __future__ import annotations
 
+import fcntl
 import functools
+import hashlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,21 +27,35 @@ def cache_dir() -> Path:
     return Path(root) / "cpu_kernels"
 
 
+def build_dir() -> Path:
+    """Where this checkout's kernel is built: torch's build names the source by its absolute
+    path, so two checkouts sharing one cache would rebuild it over each other."""
+    key = hashlib.sha256(str(SOURCE).encode()).hexdigest()[:12]
+    return cache_dir() / key
+
+
 @functools.cache
 def _module() -> Any:
     from torch.utils.cpp_extension import load
 
-    build = cache_dir()
+    build = build_dir()
     build.mkdir(parents=True, exist_ok=True)
-    return load(
-        name="llmserve_cpu_int8",
-        sources=[str(SOURCE)],
-        # OpenMP for at::parallel_for; the libgomp.so.1 it binds to is torch's, already loaded.
-        extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"],
-        extra_ldflags=["-fopenmp"],
-        build_directory=str(build),
-        verbose=False,
-    )
+    # torch's builder waits, without end, while a file named `lock` exists in the directory:
+    # one left by a process killed mid-build stops every later start. Builds here are serialized
+    # by an flock instead (the kernel releases it when its holder dies), so whoever holds it may
+    # remove a `lock` file: no live builder can own one.
+    with open(build / "build.flock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        (build / "lock").unlink(missing_ok=True)
+        return load(
+            name="llmserve_cpu_int8",
+            sources=[str(SOURCE)],
+            # OpenMP for at::parallel_for; the libgomp.so.1 it binds to is torch's, already loaded.
+            extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(build),
+            verbose=False,
+        )
 
 
 def unavailable() -> str | None:

@@ -45,6 +45,21 @@ def test_int8_kernel_matches_its_torch_twin(
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
 
 
+@pytest.mark.skipif(not HAS_AVX2, reason="the int8 kernel is AVX2 code")
+def test_a_stale_build_lock_does_not_stop_the_kernel_loading() -> None:
+    """An engine killed mid-build leaves torch's `lock` file in the build directory; torch's
+    builder waits on it forever, so every later engine start hung. The load must go through."""
+    import subprocess
+    import sys
+
+    assert cpu_kernels.unavailable() is None  # built (and cached) in this process first
+    (cpu_kernels.build_dir() / "lock").write_text("")
+    code = "from kernels import cpu; assert cpu.unavailable() is None, cpu.unavailable()"
+    done = subprocess.run([sys.executable, "-c", code], timeout=120, capture_output=True)
+    assert done.returncode == 0, done.stderr.decode()[-2000:]
+    assert not (cpu_kernels.build_dir() / "lock").exists()
+
+
 def test_int8_forms_hold_gguf_blocks_exactly() -> None:
     """A Q4_1 block (d * i + m, i in 0..15) survives the asymmetric form and a Q8_0 block
     (d * q, |q| <= 127) the symmetric one, to float32 rounding; Int8Linear picks the form that
