@@ -18,7 +18,26 @@ for _name in [n for n in os.environ if n.startswith("OTEL_")]:
 os.environ.pop("LLMSERVE_API_KEY", None)
 
 
+HF_REFERENCE_HOW = (
+    "re-runs HF transformers (a minute or two) to check tests/data/hf_reference_smollm2.json: "
+    "run with `pytest --hf-reference -m hf_reference`"
+)
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--hf-reference",
+        action="store_true",
+        help="run the tests marked hf_reference (transformers re-run against tests/data)",
+    )
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not config.getoption("--hf-reference"):
+        skip_hf = pytest.mark.skip(reason=HF_REFERENCE_HOW)
+        for item in items:
+            if item.get_closest_marker("hf_reference") is not None:
+                item.add_marker(skip_hf)
     try:
         import torch
 
