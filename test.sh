@@ -8,4 +8,7 @@ scripts/setup.sh
 ruff check .
 ruff format --check .
 mypy
-python -m pytest -q --durations=25 "$@"
+# Two workers: most stack tests wait on subprocesses and sockets, so two share the 2-core VM
+# well. --dist loadscope keeps each module on one worker, so a module-scoped stack starts once.
+# `./test.sh -n 0` runs in one process; the 30 slowest tests are listed at the end.
+python -m pytest -q -n 2 --dist loadscope --durations=30 "$@"

@@ -4,21 +4,25 @@ engine ranks (`llmserve serve --tensor-parallel-size 3 --device cpu`), the same 
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import signal
 import subprocess
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
 from common.net import check_health
-from llmserve.client import Client, make_request
+from llmserve.client import Client, Completion, make_request
 from tests.stack import ROOT, Stack, child_pid, free_port, serve_command, start_stack
 from tests.test_stack_parallel import rank_pids
 
 NEW_TOKENS = 32
+HF_SCRIPT = ROOT / "scripts" / "make_hf_reference.py"
 CHATS = [
     [("user", "What is the capital of France?")],
     [("user", "Write a haiku about the sea.")],
@@ -43,39 +47,59 @@ def stack(builtin_model_path: Path, tmp_path_factory: pytest.TempPathFactory) ->
     s.close()
 
 
+def _reference_script() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("make_hf_reference", HF_SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 @pytest.fixture(scope="module")
 def hf_reference(builtin_model_path: Path) -> list[tuple[list[int], list[int]]]:
-    """(prompt ids, greedy new ids) per chat, from transformers on the same GGUF in float32."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    directory, name = str(builtin_model_path.parent), builtin_model_path.name
-    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
-    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
-    out = []
-    for chat in CHATS:
-        messages = [{"role": r, "content": c} for r, c in chat]
-        ids = tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=True, return_dict=True
-        )["input_ids"]
-        with torch.no_grad():
-            generated = model.generate(
-                torch.tensor([ids]),
-                max_new_tokens=NEW_TOKENS,
-                do_sample=False,
-                eos_token_id=2,
-                pad_token_id=2,
+    """(prompt ids, greedy new ids) per chat, from transformers on the same GGUF in float32, as
+    scripts/make_hf_reference.py stored them in tests/data (re-checked against transformers by
+    `pytest --hf-reference -m hf_reference`). A file made for another model file, transformers
+    version, chat list or token count fails here, naming the script that regenerates it."""
+    script = _reference_script()
+    stored = json.loads(script.REFERENCE_PATH.read_text())
+    regenerate = f"regenerate it: python {HF_SCRIPT.relative_to(ROOT)}"
+    key = script.reference_key(builtin_model_path)
+    for field, value in key.items():
+        if stored.get(field) != value:
+            pytest.fail(
+                f"{script.REFERENCE_PATH.name} is stale: {field} is {stored.get(field)!r} there "
+                f"but {value!r} here; {regenerate}"
             )
-        out.append((list(ids), generated[0, len(ids) :].tolist()))
-    return out
+    chats = [[tuple(turn) for turn in chat] for chat in stored["chats"]]
+    if chats != CHATS or stored["new_tokens"] != NEW_TOKENS:
+        pytest.fail(f"{script.REFERENCE_PATH.name} holds other chats or token counts; {regenerate}")
+    return [(out["prompt_ids"], out["new_ids"]) for out in stored["outputs"]]
 
 
-def test_greedy_matches_transformers(stack: Stack, hf_reference: list) -> None:
+@pytest.mark.hf_reference
+def test_stored_reference_is_what_transformers_makes(
+    builtin_model_path: Path, hf_reference: list
+) -> None:
+    """Opt-in (a minute or two): transformers run again now gives the stored tokens."""
+    fresh = _reference_script().generate(builtin_model_path, CHATS, NEW_TOKENS)
+    assert [(out["prompt_ids"], out["new_ids"]) for out in fresh["outputs"]] == hf_reference
+
+
+@pytest.fixture(scope="module")
+def single_engine_results(stack: Stack) -> list[Completion]:
+    """The stack's greedy completions of CHATS, all at once (one engine)."""
     requests = [
         make_request(messages=chat, max_tokens=NEW_TOKENS, temperature=0.0) for chat in CHATS
     ]
     with stack.client() as client, ThreadPoolExecutor(len(requests)) as pool:
-        results = list(pool.map(client.generate, requests))
+        return list(pool.map(client.generate, requests))
+
+
+def test_greedy_matches_transformers(
+    stack: Stack, single_engine_results: list[Completion], hf_reference: list
+) -> None:
+    results = single_engine_results
     for chat, result, (prompt_ids, expected) in zip(CHATS, results, hf_reference, strict=True):
         assert result.prompt_tokens == len(prompt_ids), chat
         assert result.token_ids == expected, chat
@@ -84,15 +108,14 @@ def test_greedy_matches_transformers(stack: Stack, hf_reference: list) -> None:
 
 
 def test_tensor_parallel_3_gives_the_same_tokens(
-    stack: Stack, hf_reference: list, tmp_path: Path
+    single_engine_results: list[Completion], hf_reference: list, tmp_path: Path
 ) -> None:
     """SmolLM2 (9 query heads, 3 KV heads) over three engine ranks, started as a user starts it:
     the same greedy tokens as one engine (and so as transformers) for concurrent chats."""
     requests = [
         make_request(messages=chat, max_tokens=NEW_TOKENS, temperature=0.0) for chat in CHATS
     ]
-    with stack.client() as client, ThreadPoolExecutor(len(requests)) as pool:
-        expected = list(pool.map(client.generate, requests))
+    expected = single_engine_results
     ports = [free_port(), free_port(), free_port()]
     log_path = tmp_path / "serve.log"
     with log_path.open("wb") as log:

@@ -116,7 +116,9 @@ def test_killed_rank_loses_no_request(
     long = 160
     try:
         with s.client() as client:
-            want = [client.generate(_greedy(p, long)) for p in PROMPTS[:3]]
+            # All three at once: concurrent greedy tokens are each one's alone (asserted for
+            # this group by test_group_serves_what_one_engine_does), in a third of the steps.
+            want = _generate_all(client, [_greedy(p, long) for p in PROMPTS[:3]])
             watches = [StreamWatch(client, _greedy(p, long), at_least=10) for p in PROMPTS[:3]]
             wait_mid_stream(watches, timeout=60)
             engine = s.procs["engine"]
