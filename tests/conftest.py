@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -17,16 +16,6 @@ for _name in [n for n in os.environ if n.startswith("OTEL_")]:
     del os.environ[_name]
 # Nor an API key: test stacks and clients get theirs from the test.
 os.environ.pop("LLMSERVE_API_KEY", None)
-# The CPU int8 kernel (kernels/cpu.py, used by every engine of the built-in model) is built by
-# torch's extension builder, whose build file names the source by its absolute path: checkouts
-# sharing ~/.cache/llmserve rebuild it (a minute on 2 cores) whenever another checkout built it
-# last. Each checkout's tests get a build directory of their own; its processes share it (the
-# builder's lock keeps two pytest workers or engines from building it at once).
-if "LLMSERVE_KERNEL_CACHE" not in os.environ:
-    _checkout = hashlib.sha256(str(Path(__file__).resolve().parent.parent).encode()).hexdigest()
-    os.environ["LLMSERVE_KERNEL_CACHE"] = str(
-        Path.home() / ".cache" / "llmserve" / "checkouts" / _checkout[:12]
-    )
 
 
 HF_REFERENCE_HOW = (
