@@ -2,7 +2,7 @@
 table (short enough for the device tool's 12,000-char tail), and the same in full as
 $OUT/gpu_check.json, with a failing stage's last error lines.
 
-    python3 bench/gpu_check_report.py --out OUT --raw RAW [--budget-s 500] [--elapsed-s N]
+    python3 -m bench.gpu_check_report --out OUT --raw RAW [--budget-s 500] [--elapsed-s N]
 
 Reads RAW/stages.tsv (stage, command number, exit status or "skipped", seconds, command), each
 stage's log RAW/<stage>.log, RAW/preflight.json and the JSON the stages wrote under OUT. Exit 1

@@ -1,8 +1,8 @@
 """Issue 4's GPU benchmark: the engine on one GPU, real model shapes with dummy weights.
 
-    python3 bench/gpu_engine.py --shape llama-3-8b   [--out DIR] [--skip-hf] ...
-    python3 bench/gpu_engine.py --shape smollm2-135m [--out DIR]
-    python3 bench/gpu_engine.py --shape llama-3-8b --quantization int8 --agreement \
+    python3 -m bench.gpu_engine --shape llama-3-8b   [--out DIR] [--skip-hf] ...
+    python3 -m bench.gpu_engine --shape smollm2-135m [--out DIR]
+    python3 -m bench.gpu_engine --shape llama-3-8b --quantization int8 --agreement \
         --skip-offline --skip-hf                                          (issue 14)
 
 For configs/<shape>/config.json with `--load-format dummy` (seeded random weights), bf16 or
@@ -57,7 +57,6 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 COPY_BYTES_PER_S = 4.28e12  # ../shared/gpu.md: device-to-device copy, bytes read + written
 TARGETS: dict[str, dict[str, float]] = {

@@ -54,12 +54,12 @@ declare -A WHAT=(
     [quant]="8B int8, fp8, kv-fp8: decode b1/b8 vs bf16 (25 s each)"
     [parallel]="tests/test_parallel.py -m gpu (one-rank NCCL group)"
 )
-GE="python3 bench/gpu_engine.py --attention-backend cuda"
+GE="python3 -m bench.gpu_engine --attention-backend cuda"
 PT="python3 -m pytest -q -p no:cacheprovider"
 declare -A CMDS=(
-    [preflight]="python3 bench/gpu_preflight.py --json $RAW/preflight.json"
+    [preflight]="python3 -m bench.gpu_preflight --json $RAW/preflight.json"
     [kernels]="$PT -m gpu tests/test_kernels_cuda.py --junitxml=$RAW/kernels.xml"
-    [kbench]="python3 bench/kernels_bench.py --out $OUT/kernels_h200.json --budget-s 30"
+    [kbench]="python3 -m bench.kernels_bench --out $OUT/kernels_h200.json --budget-s 30"
     [8b]="$GE --shape llama-3-8b --out $OUT --raw $RAW --skip-hf --offline-timeout-s 65 --eager-decode"
     [tests]="python3 -m pytest -v -p no:cacheprovider -m gpu tests/test_engine_gpu.py --durations=8 --junitxml=$RAW/tests.xml"
     [smollm2]="$GE --shape smollm2-135m --out $OUT --raw $RAW --skip-decode --skip-hf --offline-timeout-s 14"
@@ -195,7 +195,7 @@ if runs:
 EOF
 tar -czf "$OUT/raw.tgz" -C "$(dirname "$RAW")" "$(basename "$RAW")"
 echo
-python3 bench/gpu_check_report.py --out "$OUT" --raw "$RAW" --budget-s "$BUDGET_S" \
+python3 -m bench.gpu_check_report --out "$OUT" --raw "$RAW" --budget-s "$BUDGET_S" \
     --elapsed-s "$(elapsed)"
 report_rc=$?
 if [ "$preflight_rc" != 0 ]; then

@@ -1,10 +1,10 @@
 """The first stage of bench/gpu_engine_check.sh, and its CPU dry run.
 
-    python3 bench/gpu_preflight.py             on the GPU machine: < 30 s, exit 2 with ONE line
+    python3 -m bench.gpu_preflight             on the GPU machine: < 30 s, exit 2 with ONE line
                                                saying what is missing and how to fix it
-    python3 bench/gpu_preflight.py --dry-run   anywhere (no GPU): the CPU-checkable parts
-    python3 bench/gpu_preflight.py --pins      the wheels .whl/ must hold (fetch_gpu_wheels.sh)
-    python3 bench/gpu_preflight.py --check-wheels [DIR]
+    python3 -m bench.gpu_preflight --dry-run   anywhere (no GPU): the CPU-checkable parts
+    python3 -m bench.gpu_preflight --pins      the wheels .whl/ must hold (fetch_gpu_wheels.sh)
+    python3 -m bench.gpu_preflight --check-wheels [DIR]
 
 On the GPU (`preflight`): import every module the later stages import, compile and launch one
 kernel beside its reference, start a tiny engine (configs/smollm2-135m, dummy weights) with
@@ -429,9 +429,11 @@ def _first_line(err: BaseException) -> str:
 
 
 def help_text(script: str) -> str:
+    """script: a path, or `-m MODULE`."""
     done = subprocess.run(
-        [sys.executable, script, "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120
-    )
+        [sys.executable, *script.split(), "--help"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
     if done.returncode != 0:
         raise PreflightError(
             f"{script} --help exited {done.returncode}: {done.stderr.strip().splitlines()[-1:]}"
@@ -459,10 +461,12 @@ def check_stage_commands(plan: list[dict[str, Any]]) -> list[str]:
                         f"collects nothing or fails (exit {code})"
                     )
                 lines.append(f"{stage['name']}: pytest selection collects")
-            elif argv[0] == "python3" and argv[1].endswith(".py"):
-                script = argv[1]
+            elif argv[0] == "python3" and (argv[1].endswith(".py") or argv[1] == "-m"):
+                script, rest = (
+                    (f"-m {argv[2]}", argv[3:]) if argv[1] == "-m" else (argv[1], argv[2:])
+                )
                 helps.setdefault(script, help_text(script))
-                options = {a.split("=")[0] for a in argv[2:] if a.startswith("--")}
+                options = {a.split("=")[0] for a in rest if a.startswith("--")}
                 unknown = sorted(o for o in options if o not in helps[script])
                 if unknown:
                     raise PreflightError(

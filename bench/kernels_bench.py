@@ -17,7 +17,7 @@ Each figure is the median of several replays of a CUDA graph holding back-to-bac
 Python launch overhead is not timed); working sets exceed the 50 MB L2 wherever bandwidth is
 claimed. Prints a short table last and writes everything to --out as JSON.
 
-    python3 bench/kernels_bench.py [--out bench/results/kernels_h200.json] [--quick]
+    python3 -m bench.kernels_bench [--out bench/results/kernels_h200.json] [--quick]
         [--only fp8|int8]
 """
 
@@ -37,14 +37,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import kernels.cuda as kc
+from bench import int8_bench
+from bench.gpu_timing import attempt, free, time_ms
+from bench.kernels_report import COPY_TBPS, summary
+from kernels import reference as ref
 
-import kernels.cuda as kc  # noqa: E402
-from bench import int8_bench  # noqa: E402
-from bench.gpu_timing import attempt, free, time_ms  # noqa: E402
-from bench.kernels_report import COPY_TBPS, summary  # noqa: E402
-from kernels import reference as ref  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 MATMUL_TFLOPS = 780.0  # ../shared/gpu.md, bf16 8192^3 through torch
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16

@@ -65,12 +65,12 @@ def test_report_keeps_each_stage_and_points_at_a_failure(tmp_path: Path) -> None
     out.mkdir()
     raw.mkdir()
     rows = [
-        ("preflight", "1", "0", "12", "python3 bench/gpu_preflight.py"),
-        ("kbench", "1", "0", "40", "python3 bench/kernels_bench.py"),
-        ("8b", "1", "1", "90", "python3 bench/gpu_engine.py --shape llama-3-8b"),
+        ("preflight", "1", "0", "12", "python3 -m bench.gpu_preflight"),
+        ("kbench", "1", "0", "40", "python3 -m bench.kernels_bench"),
+        ("8b", "1", "1", "90", "python3 -m bench.gpu_engine --shape llama-3-8b"),
         ("tests", "1", "124", "80", "python3 -m pytest"),
-        ("quant", "1", "0", "25", "python3 bench/gpu_engine.py --quantization int8"),
-        ("quant", "2", "skipped", "0", "python3 bench/gpu_engine.py --quantization fp8"),
+        ("quant", "1", "0", "25", "python3 -m bench.gpu_engine --quantization int8"),
+        ("quant", "2", "skipped", "0", "python3 -m bench.gpu_engine --quantization fp8"),
     ]
     (raw / "stages.tsv").write_text("".join("\t".join(r) + "\n" for r in rows))
     (raw / "preflight.json").write_text(json.dumps({"total_s": 12.5, "ops": "cuda"}))
