@@ -1,6 +1,6 @@
 """Our CPU kernels (kernels/cpu_int8.cpp), compiled at first use by torch's C++ extension builder
-(g++ and ninja) and cached under ~/.cache/llmserve/cpu_kernels/<checkout> (LLMSERVE_KERNEL_CACHE
-moves it).
+(g++ and ninja) and cached under ~/.cache/llmserve/cpu_kernels/<hash of the source>
+(LLMSERVE_KERNEL_CACHE moves it).
 
 `int8_linear` (on weights packed by `pack_int8`) has a plain-torch twin, `int8_linear_reference`,
 the ground truth of its tests and the path where the kernel cannot be built (no AVX2, no
@@ -13,6 +13,9 @@ import fcntl
 import functools
 import hashlib
 import os
+import platform
+import shutil
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,11 +30,17 @@ def cache_dir() -> Path:
     return Path(root) / "cpu_kernels"
 
 
+CFLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp")
+
+
 def build_dir() -> Path:
-    """Where this checkout's kernel is built: torch's build names the source by its absolute
-    path, so two checkouts sharing one cache would rebuild it over each other."""
-    key = hashlib.sha256(str(SOURCE).encode()).hexdigest()[:12]
-    return cache_dir() / key
+    """Where the kernel is built: one directory per source text, flags, torch and Python. The
+    source is built from a copy inside it, because torch's build names the source by its
+    absolute path: keyed by content, checkouts of the same source share one build (a fresh clone
+    does not compile it again), and an edited source gets a directory of its own."""
+    key = hashlib.sha256(SOURCE.read_bytes())
+    key.update(" ".join((*CFLAGS, torch.__version__, sys.version, platform.machine())).encode())
+    return cache_dir() / key.hexdigest()[:16]
 
 
 @functools.cache
@@ -47,11 +56,14 @@ def _module() -> Any:
     with open(build / "build.flock", "w") as held:
         fcntl.flock(held, fcntl.LOCK_EX)
         (build / "lock").unlink(missing_ok=True)
+        source = build / SOURCE.name
+        if not source.exists():
+            shutil.copyfile(SOURCE, source)
         return load(
             name="llmserve_cpu_int8",
-            sources=[str(SOURCE)],
+            sources=[str(source)],
             # OpenMP for at::parallel_for; the libgomp.so.1 it binds to is torch's, already loaded.
-            extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"],
+            extra_cflags=list(CFLAGS),
             extra_ldflags=["-fopenmp"],
             build_directory=str(build),
             verbose=False,

@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
+import hashlib
+import json
 import os
 import re
 import shutil
@@ -27,6 +30,7 @@ import kernels.cuda as kc
 ARCHS = ("sm_90", "sm_80")
 CU_FILES = sorted(p.name for p in kc.KERNEL_DIR.glob("*.cu"))
 WORKERS = max(2, min(4, os.cpu_count() or 2))
+NVCC_CACHE = Path.home() / ".cache" / "llmserve" / "nvcc-checks"
 
 
 def _nvcc() -> str | None:
@@ -50,14 +54,31 @@ def _translation_unit(filename: str) -> str:
 
 
 def _compile(nvcc: str, filename: str, arch: str, workdir: Path) -> tuple[int, str]:
+    """nvcc's exit status and output for one translation unit, remembered under
+    ~/.cache/llmserve/nvcc-checks keyed by the unit's text, the flags and nvcc's version (the
+    same input gives the same answer; an edited kernel is compiled again)."""
     tu = workdir / f"{Path(filename).stem}_{arch}.cu"
-    tu.write_text(_translation_unit(filename))
-    cmd = [
-        nvcc, f"-arch={arch}", "-std=c++17", "--cubin", "-Werror", "all-warnings",
-        "-Xptxas", "-v", "-o", str(tu.with_suffix(".cubin")), str(tu),
-    ]  # fmt: skip
+    text = _translation_unit(filename)
+    flags = [f"-arch={arch}", "-std=c++17", "--cubin", "-Werror", "all-warnings", "-Xptxas", "-v"]
+    key = hashlib.sha256("\0".join([text, *flags, _nvcc_version(nvcc)]).encode()).hexdigest()
+    cached = NVCC_CACHE / f"{key}.json"
+    if cached.exists():
+        rc, log = json.loads(cached.read_text())
+        return rc, log
+    tu.write_text(text)
+    cmd = [nvcc, *flags, "-o", str(tu.with_suffix(".cubin")), str(tu)]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=workdir, timeout=300)
-    return proc.returncode, proc.stdout + proc.stderr
+    result = (proc.returncode, proc.stdout + proc.stderr)
+    NVCC_CACHE.mkdir(parents=True, exist_ok=True)
+    partial = cached.with_suffix(f".{os.getpid()}.tmp")
+    partial.write_text(json.dumps(result))
+    partial.replace(cached)  # whole or absent, with two workers at it
+    return result
+
+
+@functools.cache
+def _nvcc_version(nvcc: str) -> str:
+    return subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout
 
 
 @pytest.fixture(scope="module")
