@@ -34,12 +34,14 @@ CFLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp")
 
 
 def build_dir() -> Path:
-    """Where the kernel is built: one directory per source text, flags, torch and Python. The
-    source is built from a copy inside it, because torch's build names the source by its
-    absolute path: keyed by content, checkouts of the same source share one build (a fresh clone
-    does not compile it again), and an edited source gets a directory of its own."""
+    """Where the kernel is built: one directory per source text, flags, torch install and
+    Python. The source is built from a copy inside it, because torch's build names the source by
+    its absolute path: keyed by content, checkouts of the same source share one build, and an
+    edited source gets a directory of its own."""
     key = hashlib.sha256(SOURCE.read_bytes())
-    key.update(" ".join((*CFLAGS, torch.__version__, sys.version, platform.machine())).encode())
+    # torch's headers are named by path in the compile command: one build per torch install,
+    # or two virtualenvs would rebuild over each other
+    key.update(" ".join((*CFLAGS, torch.__file__, sys.version, platform.machine())).encode())
     return cache_dir() / key.hexdigest()[:16]
 
 

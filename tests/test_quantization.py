@@ -180,18 +180,26 @@ def test_fp8_weights_quality(builtin: tuple) -> None:
     assert result.mean_kl <= 0.1, result
 
 
+MODE_PROMPTS = [[1, 504, 3458, 282, 4649, 314], [1, 2683, 1453, 28, 260, 3468]]
+MODE_ENGINE = dict(device="cpu", num_kv_blocks=64, max_model_len=256, seed=0)
+
+
+@pytest.fixture(scope="module")
+def unquantized_tokens(builtin_model_path: Path) -> list[list[int]]:
+    """The unquantized engine's 8 greedy tokens for MODE_PROMPTS, made once for every mode."""
+    return generate(Engine(EngineConfig(**MODE_ENGINE, quantization="none")), MODE_PROMPTS, 8)
+
+
 @pytest.mark.parametrize(
     ("quantization", "kv_cache_dtype"), [("int8", "bf16"), ("int8", "fp8"), ("fp8", "auto")]
 )
 def test_engine_runs_each_mode(
-    builtin_model_path: Path, quantization: str, kv_cache_dtype: str
+    request: pytest.FixtureRequest, quantization: str, kv_cache_dtype: str
 ) -> None:
     """The engine builds and generates in each mode, its pool of the asked dtype; each
     request's first greedy token under int8 is the unquantized engine's (fp8 weights keep 84%
     of top-1 tokens, so they may part ways at once)."""
-    prompts = [[1, 504, 3458, 282, 4649, 314], [1, 2683, 1453, 28, 260, 3468]]
-    common = dict(device="cpu", num_kv_blocks=64, max_model_len=256, seed=0)
-    base = generate(Engine(EngineConfig(**common, quantization="none")), prompts, 8)
+    prompts, common = MODE_PROMPTS, MODE_ENGINE
     engine = Engine(
         EngineConfig(**common, quantization=quantization, kv_cache_dtype=kv_cache_dtype)
     )
@@ -200,6 +208,7 @@ def test_engine_runs_each_mode(
     got = generate(engine, prompts, 8)
     assert [len(g) for g in got] == [8, 8]
     if quantization == "int8":
+        base = request.getfixturevalue("unquantized_tokens")
         assert [g[0] for g in got] == [b[0] for b in base], (got, base)
 
 
