@@ -16,12 +16,10 @@ graph. Needs the CUDA kernels (engine.ops.KernelOps): the torch reference ops sy
 
 from __future__ import annotations
 
-import bisect
-
 import torch
 
 from engine.model import LlamaForCausalLM
-from engine.ops import AttentionContext
+from engine.ops import AttentionContext, padded_batch_size
 from engine.sampler import to_device
 
 
@@ -36,12 +34,6 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
         size += 8 if size < 256 else 32 if size < 512 else 64
         sizes.append(size)
     return [s for s in sizes if s < max_num_seqs] + [max_num_seqs]
-
-
-def padded_batch_size(num_seqs: int, sizes: list[int]) -> int | None:
-    """The smallest of `sizes` (ascending) holding num_seqs rows; None when none does."""
-    i = bisect.bisect_left(sizes, num_seqs)
-    return sizes[i] if i < len(sizes) else None
 
 
 def is_decode_only(seq_lens: list[int], cu_seqlens_q: list[int]) -> bool:

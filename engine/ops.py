@@ -12,9 +12,10 @@ The layers call `ops.<op>(...)` and never ask which backend they have.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import itertools
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -232,6 +233,12 @@ class CpuOps(ReferenceOps):
         return attn.view(rows, heads, dim)
 
 
+def padded_batch_size(num_seqs: int, sizes: Sequence[int]) -> int | None:
+    """The smallest of `sizes` (ascending) holding num_seqs rows; None when none does."""
+    i = bisect.bisect_left(sizes, num_seqs)
+    return sizes[i] if i < len(sizes) else None
+
+
 @dataclass(frozen=True)
 class DecodeSplits:
     """The decode kernel's split-K count as a function of what a step holds, the same whether a
@@ -257,16 +264,13 @@ class DecodeSplits:
     num_kv_heads: int
     slots: int
 
-    def padded(self, num_seqs: int) -> int:
-        """The smallest of batch_sizes holding num_seqs (num_seqs itself beyond the largest)."""
-        return next((s for s in self.batch_sizes if s >= num_seqs), num_seqs)
-
     def count(self, num_seqs: int) -> int:
-        """The split count of a decode-only step of num_seqs requests."""
-        from kernels.cuda import decode_num_splits
+        """The split count of a decode-only step of num_seqs requests (padded as a graph pads
+        them; num_seqs itself beyond the largest graph)."""
+        from kernels.cuda import decode_ctas_per_seq, decode_num_splits
 
-        group = self.num_heads // self.num_kv_heads
-        num_ctas = self.num_kv_heads * -(-group // 16) * self.padded(num_seqs)
+        padded = padded_batch_size(num_seqs, self.batch_sizes) or num_seqs
+        num_ctas = decode_ctas_per_seq(self.num_heads, self.num_kv_heads) * padded
         return decode_num_splits(num_ctas, self.max_seq_len, self.slots)
 
 

@@ -224,6 +224,12 @@ def decode_smem_bytes(head_dim: int, fp8: bool = False) -> int:
     return 4 * 2 * tile
 
 
+def decode_ctas_per_seq(num_heads: int, num_kv_heads: int) -> int:
+    """paged_decode_kernel's CTAs per sequence (and split): one per KV head and 16 query heads
+    of its group."""
+    return num_kv_heads * -(-(num_heads // num_kv_heads) // 16)
+
+
 def decode_slots(device: torch.device, head_dim: int) -> int:
     """CTAs of paged_decode_kernel resident on the whole GPU at once (decode_num_splits' slots)."""
     return launch._num_sms(device) * _DECODE_CTAS_PER_SM[head_dim]
@@ -278,8 +284,7 @@ def paged_decode_attention(
     out = _output(op, out, (num_seqs, num_heads, head_dim), q)
     if num_seqs == 0:
         return out
-    group = num_heads // num_kv_heads
-    num_ctas = num_kv_heads * -(-group // 16) * num_seqs
+    num_ctas = decode_ctas_per_seq(num_heads, num_kv_heads) * num_seqs
     if num_splits is None:
         if max_seq_len is None:
             max_seq_len = int(seq_lens.max())
