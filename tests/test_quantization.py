@@ -180,6 +180,29 @@ def test_fp8_weights_quality(builtin: tuple) -> None:
     assert result.mean_kl <= 0.1, result
 
 
+@pytest.mark.parametrize(("rows", "k", "n"), [(1, 64, 96), (5, 128, 40), (33, 96, 128)])
+def test_fp8_cpu_path_is_scaled_mm(rows: int, k: int, n: int) -> None:
+    """On a CPU, Fp8Linear's float32 GEMM over the widened e4m3 weight gives what
+    torch._scaled_mm gives for the same e4m3 values and scales: equal, or a bfloat16 unit in the
+    last place apart where the summation order rounds differently."""
+    from engine.quant import FP8_MAX, per_channel_fp8
+
+    gen = torch.Generator().manual_seed(rows)
+    weight, x = torch.randn(n, k, generator=gen) * 0.05, torch.randn(rows, k, generator=gen)
+    bias = torch.randn(n, generator=gen)
+    layer = Fp8Linear(weight, bias)
+    q, scale = per_channel_fp8(weight)
+    x_scale = (x.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp(min=1e-12)
+    xq = (x / x_scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    want = torch._scaled_mm(
+        xq, q.t(), scale_a=x_scale, scale_b=scale[None, :], out_dtype=torch.bfloat16
+    ).float()
+    got = layer(x)
+    ulp = want.abs().clamp(min=2**-20) * 2**-7  # bfloat16's spacing near each value
+    assert ((got - (want + bias)).abs() <= ulp).all()
+    assert (got == want + bias).float().mean() >= 0.97
+
+
 MODE_PROMPTS = [[1, 504, 3458, 282, 4649, 314], [1, 2683, 1453, 28, 260, 3468]]
 MODE_ENGINE = dict(device="cpu", num_kv_blocks=64, max_model_len=256, seed=0)
 
