@@ -9,6 +9,7 @@ ruff check .
 ruff format --check .
 mypy
 # Two workers: most stack tests wait on subprocesses and sockets, so two share the 2-core VM
-# well. --dist loadscope keeps each module on one worker, so a module-scoped stack starts once.
+# well. --dist loadgroup keeps the tests that share a module-scoped fixture (a stack) on one
+# worker, so it starts once, and spreads the rest (tests/conftest.py: group_by_shared_fixture).
 # `./test.sh -n 0` runs in one process; the 30 slowest tests are listed at the end.
-python -m pytest -q -n 2 --dist loadscope --durations=30 "$@"
+python -m pytest -q -n 2 --dist loadgroup --durations=30 "$@"

@@ -32,7 +32,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups (--dist loadgroup)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    group_by_shared_fixture(items)
     if not config.getoption("--hf-reference"):
         skip_hf = pytest.mark.skip(reason=HF_REFERENCE_HOW)
         for item in items:
@@ -51,6 +53,25 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         # The marker, not the keyword: a parameter id "gpu" is a keyword too.
         if item.get_closest_marker("gpu") is not None:
             item.add_marker(skip)
+
+
+def group_by_shared_fixture(items: list[pytest.Item]) -> None:
+    """./test.sh runs two workers with `--dist loadgroup`: a test that uses a module- or
+    class-scoped fixture of its own module (a stack, a loaded engine, a baseline) joins its
+    module's group, which one worker runs, so the fixture is made once; every other test is
+    free to go to whichever worker is idle, which keeps the two busy to the end."""
+    for item in items:
+        info = getattr(item, "_fixtureinfo", None)
+        module = item.nodeid.split("::", 1)[0]
+        if info is None:
+            continue
+        shared = any(
+            d.scope in ("module", "class") and d.baseid == module
+            for defs in info.name2fixturedefs.values()
+            for d in defs
+        )
+        if shared:
+            item.add_marker(pytest.mark.xdist_group(module))
 
 
 @pytest.fixture(scope="session")
