@@ -172,9 +172,14 @@ def build_model(
     replaces every linear layer, the LM head included, by engine/quant.py's. `shard`: the part
     this rank holds (default: the whole model); a sharded model takes its slice of each tensor,
     the dummy ones included (the same values as the whole model's)."""
-    with torch.device("meta"):
-        model = LlamaForCausalLM(config, max_positions, ops, shard)
-    model = model.to(dtype).to_empty(device=device)
+    if device.type == "cpu":  # torch.empty touches no memory; the meta device's first use costs
+        # 1.5 s of CPU importing what its decompositions need (sympy), at every start
+        with device:
+            model = LlamaForCausalLM(config, max_positions, ops, shard).to(dtype)
+    else:
+        with torch.device("meta"):
+            model = LlamaForCausalLM(config, max_positions, ops, shard)
+        model = model.to(dtype).to_empty(device=device)
     model.rotary_emb.reset()
     if weights is None and model.shard.is_whole:
         init_dummy_weights(model, dummy_seed)
