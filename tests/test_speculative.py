@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -306,16 +306,24 @@ def test_temperature_seeded_and_penalties_same_tokens_in_process(
 ) -> None:
     """Seeded sampling (top-k, top-p, penalties, logprobs) gives the same tokens and logprobs
     with proposals as without: each position draws with its (seed, output index) key."""
-    prompt = [1, 2, 3, 4, 5, 6, 7, 8] * 3
+    from gateway.tokenizer import Tokenizer
+
+    # A list to copy: the sampled tokens repeat the prompt's n-grams, so proposals are made
+    # and verified (a prompt of repeated special tokens drew none at this temperature)
+    prompt = Tokenizer.from_model_path(builtin_model_path).encode(COPY_PROMPTS[0])
     params = sampling(
         temperature=0.8, top_k=40, top_p=0.9, seed=11, frequency_penalty=0.3, logprobs=True
     )
-    runs = {}
+    runs, spec_rows = {}, {}
+    engine = _engine(builtin_model_path, "ngram")  # one engine: "none" turns it off per request
     for method in ("none", "ngram"):
-        engine = _engine(builtin_model_path, method)
         scheduler = make_scheduler_for(engine)
         r = Request("r", 1, prompt, params, 24, ignore_eos=True)
+        r.disable_speculation = method == "none"
         runs[method] = drive(scheduler, engine, [r])
+        spec_rows[method] = scheduler.counters.spec.num_spec_rows
+        engine.reset()
+    assert spec_rows["none"] == 0 and spec_rows["ngram"] > 0
     assert runs["ngram"].outputs == runs["none"].outputs
     for a, b in zip(runs["ngram"].logprobs[1], runs["none"].logprobs[1], strict=True):
         assert a == pytest.approx(b, abs=1e-4)
@@ -331,13 +339,16 @@ COPY_PROMPTS = [
 STACK_MAX_TOKENS = 16  # ngram accepts on these prompts within a few steps; 24 blocks still preempt
 
 
-def _stack_requests() -> list[object]:
+def _stack_requests(disable_speculation: bool = False) -> list[object]:
     from llmserve.client import make_request
 
     return [
-        make_request(text=p, max_tokens=STACK_MAX_TOKENS, temperature=0.0, ignore_eos=True)
+        make_request(
+            text=p, max_tokens=STACK_MAX_TOKENS, temperature=0.0, ignore_eos=True,
+            disable_speculation=disable_speculation,
+        )
         for p in COPY_PROMPTS
-    ]
+    ]  # fmt: skip
 
 
 def _generate(stack: object, requests: list[object], concurrent: bool) -> list[list[int]]:
@@ -348,51 +359,62 @@ def _generate(stack: object, requests: list[object], concurrent: bool) -> list[l
             return [list(c.token_ids) for c in pool.map(client.generate, requests)]
 
 
-@pytest.fixture(scope="module")
-def greedy_baseline(builtin_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> list:
+def _speculating_stack(model: Path, num_kv_blocks: int, log_dir: Path) -> object:
     from tests.stack import start_stack
 
-    stack = start_stack(
-        builtin_model_path,
-        engine_args=["--num-kv-blocks", "512"],
-        log_dir=tmp_path_factory.mktemp("logs"),
-    )
-    try:
-        # 16 at once, in a sixteenth of the decode steps: the test below holds speculation's
-        # tokens to these both one at a time and 16 at once (batch invariance without
-        # speculation: tests/test_stack_model.py).
-        return _generate(stack, _stack_requests(), concurrent=True)
-    finally:
-        stack.close()
-
-
-@pytest.mark.parametrize("num_kv_blocks", [512, 24])
-def test_greedy_identity_through_the_stack(
-    builtin_model_path: Path, greedy_baseline: list, num_kv_blocks: int, tmp_path: Path
-) -> None:
-    """Greedy with n-gram speculation, alone and 16 at once (with 24 blocks of 16 tokens for
-    ~50-token requests: preemptions forced): token for token what the stack gives without it;
-    proposals accepted; every block free after."""
-    from tests.stack import start_stack
-
-    stack = start_stack(
-        builtin_model_path,
+    return start_stack(
+        model,
         engine_args=[
             "--num-kv-blocks", str(num_kv_blocks), "--speculative-method", "ngram",
             "--num-speculative-tokens", "4",
         ],
-        log_dir=tmp_path,
+        log_dir=log_dir,
     )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def roomy_stack(builtin_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator:
+    """n-gram speculation with 512 blocks: room for every request at once."""
+    stack = _speculating_stack(builtin_model_path, 512, tmp_path_factory.mktemp("logs"))
+    yield stack
+    stack.close()  # type: ignore[attr-defined]
+
+
+@pytest.fixture(scope="module")
+def greedy_baseline(roomy_stack: object) -> list:
+    """The 16 prompts' greedy tokens with speculation off (each request's
+    disable_speculation: the engine's plain decode path, as a stack without speculation runs
+    it), 16 at once: the test below holds speculation's tokens to these both one at a time and
+    16 at once (batch invariance without speculation: tests/test_stack_model.py)."""
+    return _generate(roomy_stack, _stack_requests(disable_speculation=True), concurrent=True)
+
+
+@pytest.mark.parametrize("num_kv_blocks", [512, 24])
+def test_greedy_identity_through_the_stack(
+    builtin_model_path: Path,
+    roomy_stack: object,
+    greedy_baseline: list,
+    num_kv_blocks: int,
+    tmp_path: Path,
+) -> None:
+    """Greedy with n-gram speculation, alone and 16 at once (with 24 blocks of 16 tokens for
+    ~50-token requests: preemptions forced): token for token what the stack gives without it;
+    proposals accepted; every block free after."""
+    roomy = num_kv_blocks == 512
+    stack = roomy_stack if roomy else _speculating_stack(builtin_model_path, 24, tmp_path)
     try:
+        before = stack.stats()  # type: ignore[attr-defined]
+        assert before.num_spec_rows == 0  # the baseline ran without speculation
         requests = _stack_requests()
-        if num_kv_blocks == 512:
+        if roomy:
             assert _generate(stack, requests, concurrent=False) == greedy_baseline
         assert _generate(stack, requests, concurrent=True) == greedy_baseline
-        stats = stack.assert_idle()
+        stats = stack.assert_idle()  # type: ignore[attr-defined]
         assert stats.num_spec_accepted_tokens > 0
-        assert (stats.num_preemptions > 0) == (num_kv_blocks == 24)
+        assert (stats.num_preemptions > 0) == (not roomy)
     finally:
-        stack.close()
+        if not roomy:
+            stack.close()  # type: ignore[attr-defined]
 
 
 # -- the whole stack, the echo engine: HTTP, gRPC, stop strings, n > 1, /metrics ------------------
