@@ -5,7 +5,9 @@ script with chunked prefill, prefix-cache hits and preemptions; the registry's r
 
 from __future__ import annotations
 
+import dataclasses
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +23,7 @@ from scheduler.convert import apply_result, plan_to_proto
 from scheduler.request import Request
 from scheduler.scheduler import Scheduler
 from tests.factories import sampling
-from tests.family_models import FAMILY_CONFIGS, make_tiny_family
+from tests.family_models import ENGINE_SETTINGS, FAMILY_CONFIGS, make_tiny_family
 from tests.spec_driver import check_mirror
 from tests.test_model import BLOCK_SIZE, forward_direct, prompt, rel_err, shuffled_blocks
 
@@ -55,7 +57,7 @@ def load(tmp_path_factory: pytest.TempPathFactory) -> Any:
     def get(family: str) -> Loaded:
         if family not in cache:
             path = make_tiny_family(tmp_path_factory.mktemp(family), family, seed=len(cache))
-            cache[family] = Loaded(path)
+            cache[family] = Loaded(path, **ENGINE_SETTINGS.get(family, {}))
         cache[family].engine.reset()
         return cache[family]
 
@@ -166,18 +168,55 @@ def test_unserved_architecture_is_refused_naming_the_served(tmp_path: Path) -> N
         assert arch in message
 
 
-def test_the_sliding_window_matters_for_these_prompts(load: Any) -> None:
-    """Guards Mistral's comparisons: the same weights attending to whole contexts give other
-    logits (the window is shorter than the prompts)."""
-    m = load("mistral")
-    layers = [layer.self_attn for layer in m.engine.model.layers]
-    assert [a.window for a in layers] == [12, 12]
+def _set_on_attention(name: str, value: Any) -> Callable[[Any], Callable[[], None]]:
+    """A quirk switch: set `name` on every layer's attention (value(model) when callable);
+    returns the undo."""
+
+    def switch(model: Any) -> Callable[[], None]:
+        attentions = [layer.self_attn for layer in model.layers]
+        saved = [getattr(a, name) for a in attentions]
+        for attention in attentions:
+            setattr(attention, name, value(model) if callable(value) else value)
+
+        def undo() -> None:
+            for attention, old in zip(attentions, saved, strict=True):
+                setattr(attention, name, old)
+
+        return undo
+
+    return switch
+
+
+def _unscaled_rope(model: Any) -> Callable[[], None]:
+    from engine.rotary import rope_cos_sin_cache, rope_inv_freq
+
+    config = dataclasses.replace(model.config, rope_scaling=None)
+    rotary = model.rotary_emb
+    saved = rotary.cos_sin_cache
+    rotary.cos_sin_cache = rope_cos_sin_cache(rope_inv_freq(config), rotary.max_positions)
+    return lambda: setattr(rotary, "cos_sin_cache", saved)
+
+
+# A quirk of each family, switched off in the loaded model: the logits must then differ from
+# HF's, or the comparisons above would not show that the quirk is implemented.
+QUIRKS = {
+    "mistral": _set_on_attention("window", None),
+    "gemma2": _set_on_attention("softcap", None),
+    "gemma2-window": _set_on_attention("window", None),
+    "gemma3": _set_on_attention("rotary_emb", lambda model: model.rotary_emb),
+    "gemma3-window": _set_on_attention("window", None),
+    "phi3": _unscaled_rope,
+    "phi3-window": _set_on_attention("window", None),
+}
+
+
+@pytest.mark.parametrize("quirk", QUIRKS)
+def test_each_quirk_matters_for_these_prompts(load: Any, quirk: str) -> None:
+    m = load(quirk.split("-")[0])
     tokens = prompt(45, seed=1)
-    for attention in layers:
-        attention.window = None
+    undo = QUIRKS[quirk](m.engine.model)
     try:
         (ours,) = forward_direct(m.engine, [(tokens, 0, len(tokens), shuffled_blocks(11)[:6])])
     finally:
-        for attention in layers:
-            attention.window = 12
+        undo()
     assert rel_err(ours, m.hf_logits(tokens)) > 1e-2
