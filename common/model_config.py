@@ -227,7 +227,7 @@ def _config_from_gguf(path: Path) -> ModelConfig:
     fields = gguf_file.fields
     arch = fields.get("general.architecture")
     family = family_for_gguf(arch, str(path))
-    assert family.read_gguf is not None and isinstance(arch, str)
+    assert family.read_gguf is not None and isinstance(arch, str), family.name
 
     def get(key: str, default: Any = None) -> Any:
         value = fields.get(key.replace("{arch}", arch), default)
@@ -271,7 +271,7 @@ def _config_from_gguf(path: Path) -> ModelConfig:
         "bos_token_id": fields.get("tokenizer.ggml.bos_token_id"),
         "eos_token_ids": eos_ids,
     }
-    extra = family.read_gguf({**fields, "tensor_names": tensor_names}, arch)
+    extra = family.read_gguf({**fields, "tensor_names": tensor_names, "gguf_file": gguf_file}, arch)
     return ModelConfig(**{**base, **extra, "family": family.name})
 
 

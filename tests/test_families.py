@@ -54,12 +54,15 @@ class Loaded:
 def load(tmp_path_factory: pytest.TempPathFactory) -> Any:
     cache: dict[str, Loaded] = {}
 
-    def get(family: str) -> Loaded:
-        if family not in cache:
-            path = make_tiny_family(tmp_path_factory.mktemp(family), family, seed=len(cache))
-            cache[family] = Loaded(path, **ENGINE_SETTINGS.get(family, {}))
-        cache[family].engine.reset()
-        return cache[family]
+    def get(family: str, **overrides: Any) -> Loaded:
+        """The family's tiny model (overrides: config fields changed), loaded once."""
+        key = f"{family}{overrides}"
+        if key not in cache:
+            directory = tmp_path_factory.mktemp(family)
+            path = make_tiny_family(directory, family, seed=len(cache), **overrides)
+            cache[key] = Loaded(path, **ENGINE_SETTINGS.get(family, {}))
+        cache[key].engine.reset()
+        return cache[key]
 
     return get
 
@@ -220,3 +223,46 @@ def test_each_quirk_matters_for_these_prompts(load: Any, quirk: str) -> None:
     finally:
         undo()
     assert rel_err(ours, m.hf_logits(tokens)) > 1e-2
+
+
+# A GGUF has no query_pre_attn_scalar (llama.cpp scales by head_dim ** -0.5 but for Gemma's
+# 27B models): the Gemma checkpoints written to GGUF use that scalar.
+GGUF_OVERRIDES = {"gemma2": {"query_pre_attn_scalar": 32}, "gemma3": {"query_pre_attn_scalar": 32}}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_gguf_logits_match_hf(load: Any, family: str, tmp_path: Path) -> None:
+    """The same checkpoint written as llama.cpp lays out that architecture (tests/family_gguf.py),
+    loaded through our GGUF path: the same config and logits within 1e-4 of HF's at every
+    position, whole and chunked."""
+    from tests.family_gguf import write_family_gguf
+
+    m = load(family, **GGUF_OVERRIDES.get(family, {}))
+    path = write_family_gguf(m.path, tmp_path / f"{family}.gguf", family)
+    from_hf, from_gguf = load_model_config(m.path), load_model_config(path)
+    assert from_gguf.family == ("llama" if family == "mistral" else family)
+    floats = ("rms_norm_eps", "attention_scale")
+    for name in floats:
+        want = getattr(from_hf, name)
+        assert getattr(from_gguf, name) == (want and pytest.approx(want, rel=1e-6)), name
+    same = ("name", "family", "eos_token_ids", "bos_token_id", "rope_scaling", *floats)
+    assert dataclasses.replace(from_gguf, **{k: getattr(from_hf, k) for k in same}) == from_hf
+    if from_hf.rope_scaling is not None:
+        assert from_gguf.rope_scaling is not None
+        assert from_gguf.rope_scaling["rope_type"] == from_hf.rope_scaling["rope_type"]
+    engine = Engine(
+        EngineConfig(
+            model=str(path), device="cpu", num_kv_blocks=96, block_size=BLOCK_SIZE,
+            **ENGINE_SETTINGS.get(family, {}),
+        )
+    )  # fmt: skip
+    tokens = prompt(45, seed=1)
+    want = m.hf_logits(tokens)
+    (whole,) = forward_direct(engine, [(tokens, 0, len(tokens), shuffled_blocks(11)[:6])])
+    assert rel_err(whole, want) < TOLERANCE
+    table = shuffled_blocks(12)[:6]
+    chunks = [
+        forward_direct(engine, [(tokens, s, min(s + 9, len(tokens)), table)])[0]
+        for s in range(0, len(tokens), 9)
+    ]
+    assert rel_err(torch.cat(chunks), want) < TOLERANCE

@@ -66,6 +66,55 @@ def _gemma3_hf(cfg: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
+def _gguf_layer_types(fields: Mapping[str, Any], arch: str, pattern: int) -> tuple[str, ...]:
+    """Per layer from {arch}.attention.sliding_window_pattern: a list of bools (True: sliding)
+    or n (layer i sliding unless i % n == n - 1); without it, llama.cpp's n for the family."""
+    num_layers = int(fields[f"{arch}.block_count"])
+    value = fields.get(f"{arch}.attention.sliding_window_pattern", pattern)
+    sliding = (
+        [bool(v) for v in value]
+        if isinstance(value, list)
+        else [i % int(value) < int(value) - 1 for i in range(num_layers)]
+    )
+    return tuple("sliding_attention" if s else "full_attention" for s in sliding)
+
+
+def _gemma_gguf(fields: Mapping[str, Any], arch: str) -> dict[str, Any]:
+    """A GGUF has no query_pre_attn_scalar: llama.cpp scales by head_dim ** -0.5, except for the
+    27B models (46 and 62 layers), whose scalar is hidden_size / num_heads; so do we."""
+    hidden, heads = (
+        int(fields[f"{arch}.embedding_length"]),
+        int(fields[f"{arch}.attention.head_count"]),
+    )
+    layers = int(fields[f"{arch}.block_count"])
+    head_dim = int(fields.get(f"{arch}.attention.key_length") or hidden // heads)
+    scalar = hidden / heads if (arch, layers) in (("gemma2", 46), ("gemma3", 62)) else head_dim
+    window = fields.get(f"{arch}.attention.sliding_window")
+    caps = [fields.get(f"{arch}.{k}_logit_softcapping") for k in ("attn", "final")]
+    return {
+        "hidden_act": "gelu_pytorch_tanh",
+        "embed_scale": float(hidden) ** 0.5,
+        "attention_scale": float(scalar) ** -0.5,
+        "sliding_window": int(window) if window else None,
+        "layer_types": _gguf_layer_types(fields, arch, 2 if arch == "gemma2" else 6),
+        "attn_logit_softcap": float(caps[0]) if caps[0] else None,
+        "final_logit_softcap": float(caps[1]) if caps[1] else None,
+    }
+
+
+def _gemma3_gguf(fields: Mapping[str, Any], arch: str) -> dict[str, Any]:
+    local = float(fields.get(f"{arch}.rope.freq_base_swa", 10000.0))
+    return {**_gemma_gguf(fields, arch), "rope_local_theta": local}
+
+
+GEMMA_GGUF_NAMES = {
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+
 GEMMA2 = register(
     Family(
         name="gemma2",
@@ -73,6 +122,10 @@ GEMMA2 = register(
         hf_model_types=("gemma2",),
         model="engine.families.gemma:Gemma2ForCausalLM",
         read_hf=_gemma2_hf,
+        gguf_architecture="gemma2",
+        read_gguf=_gemma_gguf,
+        gguf_layer_names=GEMMA_GGUF_NAMES,
+        gguf_norms_plus_one=True,
     )
 )
 
@@ -83,5 +136,9 @@ GEMMA3 = register(
         hf_model_types=("gemma3_text",),
         model="engine.families.gemma:Gemma3ForCausalLM",
         read_hf=_gemma3_hf,
+        gguf_architecture="gemma3",
+        read_gguf=_gemma3_gguf,
+        gguf_layer_names=GEMMA_GGUF_NAMES,
+        gguf_norms_plus_one=True,
     )
 )

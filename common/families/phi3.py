@@ -21,6 +21,39 @@ def _phi3_hf(cfg: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
+def _phi3_gguf(fields: Mapping[str, Any], arch: str) -> dict[str, Any]:
+    """head_dim is hidden / heads ({arch}.rope.dimension_count is the rotated part); longrope's
+    factors are the rope_factors_short / _long tensors."""
+    hidden, heads = (
+        int(fields[f"{arch}.embedding_length"]),
+        int(fields[f"{arch}.attention.head_count"]),
+    )
+    head_dim = hidden // heads
+    rotary = int(fields.get(f"{arch}.rope.dimension_count", head_dim))
+    window = fields.get(f"{arch}.attention.sliding_window")
+    out: dict[str, Any] = {
+        "head_dim": head_dim,
+        "partial_rotary_factor": rotary / head_dim,
+        "sliding_window": int(window) if window else None,
+    }
+    if "rope_factors_short.weight" in fields["tensor_names"]:
+        gguf_file = fields["gguf_file"]
+        factors = {
+            t.name.split(".")[0].removeprefix("rope_factors_"): gguf_file.tensor_array(t).tolist()
+            for t in gguf_file.tensors
+            if t.name in ("rope_factors_short.weight", "rope_factors_long.weight")
+        }
+        original = fields.get(f"{arch}.rope.scaling.original_context_length")
+        out["rope_scaling"] = {
+            "rope_type": "longrope",
+            "short_factor": factors["short"],
+            "long_factor": factors["long"],
+            "original_max_position_embeddings": int(original or fields[f"{arch}.context_length"]),
+            "attention_factor": fields.get(f"{arch}.rope.scaling.attn_factor"),
+        }
+    return out
+
+
 PHI3 = register(
     Family(
         name="phi3",
@@ -28,5 +61,8 @@ PHI3 = register(
         hf_model_types=("phi3",),
         model="engine.families.phi3:Phi3ForCausalLM",
         read_hf=_phi3_hf,
+        gguf_architecture="phi3",
+        read_gguf=_phi3_gguf,
+        gguf_layer_names={"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
     )
 )
