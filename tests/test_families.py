@@ -266,3 +266,20 @@ def test_gguf_logits_match_hf(load: Any, family: str, tmp_path: Path) -> None:
         for s in range(0, len(tokens), 9)
     ]
     assert rel_err(torch.cat(chunks), want) < TOLERANCE
+
+
+def test_generation_defaults_fill_only_unset_fields(tmp_path: Path) -> None:
+    from common.model_config import generation_defaults
+    from common.sampling import normalized, with_defaults
+    from protos.common_pb2 import SamplingParams
+
+    (tmp_path / "generation_config.json").write_text(
+        json.dumps({"temperature": 0.6, "top_p": 0.95, "top_k": 20, "do_sample": True})
+    )
+    defaults = generation_defaults(tmp_path)
+    assert defaults == {"temperature": 0.6, "top_p": 0.95, "top_k": 20.0}
+    unset = normalized(with_defaults(SamplingParams(), defaults))
+    assert (unset.top_p, unset.top_k) == (pytest.approx(0.95), 20)
+    assert unset.temperature == pytest.approx(0.6)
+    mine = normalized(with_defaults(SamplingParams(temperature=0.0, top_k=-1), defaults))
+    assert (mine.temperature, mine.top_k, mine.top_p) == (0.0, -1, pytest.approx(0.95))
