@@ -204,7 +204,8 @@ class EngineConfig(PeerSecurity):
 
     def features(self) -> list[str]:
         """The engine features these settings use, as common.families.FEATURES names them (a
-        model family may refuse some). CUDA graphs count with --device cuda unless --enforce-eager."""
+        model family may refuse some). CUDA graphs count with --device cuda unless
+        --enforce-eager."""
         used = {
             "quantization": self.quantization not in ("none", "auto"),
             "tensor_parallel": self.tensor_parallel_size > 1,
