@@ -23,6 +23,7 @@ import torch
 
 from engine.config import ATTENTION_BACKENDS
 from engine.sampler import to_device
+from kernels import moe_reference as moe_ref
 from kernels import reference as ref
 
 if TYPE_CHECKING:
@@ -100,6 +101,18 @@ class LayerOps:
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         return self.lib.silu_and_mul(x)
+
+    def moe_experts(
+        self,
+        x: torch.Tensor,
+        weights: torch.Tensor,
+        ids: torch.Tensor,
+        w13: torch.Tensor,
+        w2: torch.Tensor,
+        first_expert: int,
+    ) -> torch.Tensor:
+        """The routed experts' weighted sum per token (kernels/moe_reference.py)."""
+        return moe_ref.moe_experts(x, weights, ids, w13, w2, first_expert)
 
 
 class ReferenceOps(LayerOps):
