@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import Tensor
 
 from engine.config import ATTENTION_BACKENDS
 from engine.sampler import to_device
@@ -103,14 +104,8 @@ class LayerOps:
         return self.lib.silu_and_mul(x)
 
     def moe_experts(
-        self,
-        x: torch.Tensor,
-        weights: torch.Tensor,
-        ids: torch.Tensor,
-        w13: torch.Tensor,
-        w2: torch.Tensor,
-        first_expert: int,
-    ) -> torch.Tensor:
+        self, x: Tensor, weights: Tensor, ids: Tensor, w13: Tensor, w2: Tensor, first_expert: int
+    ) -> Tensor:
         """The routed experts' weighted sum per token (kernels/moe_reference.py)."""
         return moe_ref.moe_experts(x, weights, ids, w13, w2, first_expert)
 
@@ -312,6 +307,12 @@ class KernelOps(LayerOps):
         self.splits = DecodeSplits(
             max_model_len, tuple(sorted(batch_sizes)), config.num_heads, config.num_kv_heads, slots
         )
+
+    def moe_experts(
+        self, x: Tensor, weights: Tensor, ids: Tensor, w13: Tensor, w2: Tensor, first_expert: int
+    ) -> Tensor:
+        """kernels/moe.cu: no sort and no host synchronization (graph-safe)."""
+        return self.lib.moe_experts(x, weights, ids, w13, w2, first_expert)
 
     def prepare(self, ctx: AttentionContext) -> AttentionContext:
         """The step's int32 device metadata from its host lists, once per step; a context that
