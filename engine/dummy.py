@@ -24,6 +24,7 @@ from collections.abc import Iterator, Mapping
 import torch
 
 from common.model_config import ModelConfig
+from engine.families import model_class
 from engine.layers import Linear
 from engine.model import LlamaForCausalLM
 
@@ -120,7 +121,7 @@ def hf_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Name and shape of every tensor of HF's LlamaForCausalLM for `config` (tied embeddings:
     no lm_head.weight), read off our model on the meta device (nothing is allocated)."""
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, 1)
+        model = model_class(config)(config, 1)
     return {name: tuple(tensor.shape) for name, tensor in hf_parameter_slices(model)}
 
 

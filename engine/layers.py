@@ -10,14 +10,17 @@ replaces Linear once the weights are loaded.
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import nn
 
 from common.model_config import ModelConfig
-from engine.ops import AttentionContext, LayerOps
+from engine.ops import AttentionContext, LayerOps, OpsModule
 from engine.parallel import TPGroup
+from engine.rotary import (  # noqa: F401 (the layers' names, as before)
+    RotaryEmbedding,
+    rope_cos_sin_cache,
+    rope_inv_freq,
+)
 
 
 def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor, shard: int = 0) -> None:
@@ -132,14 +135,6 @@ def can_pack_cpu_linears() -> bool:
         return False
 
 
-class OpsModule(nn.Module):
-    """A module whose forward runs through `self.ops` (LlamaForCausalLM.set_ops swaps it)."""
-
-    def __init__(self, ops: LayerOps):
-        super().__init__()
-        self.ops = ops
-
-
 class RMSNorm(OpsModule):
     def __init__(self, hidden_size: int, eps: float, ops: LayerOps):
         super().__init__(ops)
@@ -153,66 +148,25 @@ class RMSNorm(OpsModule):
         return self.ops.rms_norm(x, self.weight, self.eps, residual)
 
 
-def rope_inv_freq(config: ModelConfig, rope_freqs: torch.Tensor | None = None) -> torch.Tensor:
-    """Per-pair rotary frequencies, computed as HF does (float32), with llama3 / linear scaling."""
-    dim = config.head_dim
-    exponent = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
-    inv_freq = 1.0 / (config.rope_theta**exponent)
-    scaling = config.rope_scaling or {}
-    if rope_freqs is not None:  # llama3 GGUF: the divisors are stored as a tensor
-        return inv_freq / rope_freqs.float()
-    if scaling.get("rope_type") == "linear":
-        return inv_freq / float(scaling["factor"])
-    if scaling.get("rope_type") == "llama3":
-        factor = float(scaling["factor"])
-        low = float(scaling.get("low_freq_factor", 1.0))
-        high = float(scaling.get("high_freq_factor", 4.0))
-        old_len = float(scaling["original_max_position_embeddings"])
-        wavelen = 2 * math.pi / inv_freq
-        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-        smooth = (old_len / wavelen - low) / (high - low)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        medium = ~(wavelen < old_len / high) * ~(wavelen > old_len / low)
-        return torch.where(medium, smoothed, scaled)
-    return inv_freq
+class UnitOffsetRMSNorm(RMSNorm):
+    """Gemma's RMSNorm, which scales by (1 + w): the checkpoint's w is loaded as 1 + w, so the
+    forward is RMSNorm's (and runs through the same kernels)."""
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: int = 0) -> None:
+        default_weight_loader(param, loaded.float() + 1.0, shard)
 
 
-def rope_cos_sin_cache(inv_freq: torch.Tensor, max_positions: int) -> torch.Tensor:
-    """[max_positions, head_dim]: cat(cos, sin) of position * inv_freq, float32."""
-    freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
-    return torch.cat((freqs.cos(), freqs.sin()), dim=-1)
-
-
-class RotaryEmbedding(OpsModule):
-    """Rotates q and k by their positions through a cos/sin cache it owns: computed, never
-    loaded, float32 whatever the model's dtype. One instance serves every layer."""
-
-    cos_sin_cache: torch.Tensor  # [max_positions, head_dim]: cat(cos, sin)
-
-    def __init__(self, config: ModelConfig, max_positions: int, ops: LayerOps):
-        super().__init__(ops)
-        self.config = config
-        self.max_positions = max_positions
-        cache = rope_cos_sin_cache(rope_inv_freq(config), max_positions)
-        self.register_buffer("cos_sin_cache", cache, persistent=False)
-
-    def reset(self, rope_freqs: torch.Tensor | None = None) -> None:
-        """Recompute the cache on its device: after materializing the model (to_empty leaves it
-        garbage, .to(dtype) rounds it), or from a llama3 GGUF's `rope_freqs` divisors."""
-        cache = rope_cos_sin_cache(rope_inv_freq(self.config, rope_freqs), self.max_positions)
-        self.cos_sin_cache = cache.to(self.cos_sin_cache.device)
-
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q [tokens, heads, head_dim] and k [tokens, kv_heads, head_dim] rotated (KernelOps:
-        in place)."""
-        return self.ops.rotary(positions, q, k, self.cos_sin_cache)
+NormClass = type[RMSNorm]
 
 
 class Attention(OpsModule):
     """GQA self-attention of layer `layer_idx`: fused q/k/v projection, rotary, this step's K/V
-    stored and attended to in the layer's view of the paged KV pool, output projection."""
+    stored and attended to in the layer's view of the paged KV pool, output projection.
+
+    Per family (config): biases on q/k/v and o (attention_bias) or q/k/v alone (qkv_bias), the
+    softmax scale (attention_scale), soft-capped scores (attn_logit_softcap); per layer: a
+    sliding window (`window`) and an RMSNorm over each head's q and k before the rotary
+    (`qk_norm`: its class, Qwen3 and Gemma 3)."""
 
     def __init__(
         self,
@@ -221,6 +175,9 @@ class Attention(OpsModule):
         rotary: RotaryEmbedding,
         ops: LayerOps,
         tp: TPGroup | None = None,
+        *,
+        window: int | None = None,
+        qk_norm: NormClass | None = None,
     ):
         """layer_idx: the layer's index in this rank's KV pool. tp: the heads split T ways."""
         super().__init__(ops)
@@ -228,33 +185,42 @@ class Attention(OpsModule):
         self.layer_idx = layer_idx
         self.num_heads = config.num_heads // tp.size
         self.num_kv_heads = config.num_kv_heads // tp.size
-        self.head_dim, self.scale = config.head_dim, config.head_dim**-0.5
+        self.head_dim = config.head_dim
+        self.scale = config.attention_scale or config.head_dim**-0.5
+        self.window, self.softcap = window, config.attn_logit_softcap
         self.q_size = self.num_heads * config.head_dim
         self.kv_size = self.num_kv_heads * config.head_dim
         sizes = [self.q_size, self.kv_size, self.kv_size]
         bias = config.attention_bias
-        self.qkv_proj = Linear(config.hidden_size, sizes, bias, tp, "output")
+        self.qkv_proj = Linear(config.hidden_size, sizes, bias or config.qkv_bias, tp, "output")
         self.o_proj = Linear(self.q_size, [config.hidden_size], bias, tp, "input")
         self.rotary_emb = rotary
+        if qk_norm is not None:
+            self.q_norm = qk_norm(config.head_dim, config.rms_norm_eps, ops)
+            self.k_norm = qk_norm(config.head_dim, config.rms_norm_eps, ops)
+        self.qk_norm = qk_norm is not None
 
     def forward(
         self, positions: torch.Tensor, hidden: torch.Tensor, ctx: AttentionContext
     ) -> torch.Tensor:
-        num_tokens = hidden.shape[0]
+        num_tokens, dim = hidden.shape[0], self.head_dim
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q, k = self.rotary_emb(
-            positions,
-            q.view(num_tokens, self.num_heads, self.head_dim),
-            k.view(num_tokens, self.num_kv_heads, self.head_dim),
-        )
+        q, k = q.reshape(num_tokens, self.num_heads, dim), k.reshape(num_tokens, -1, dim)
+        if self.qk_norm:
+            q = self.q_norm(q.reshape(-1, dim))[0].view(num_tokens, self.num_heads, dim)
+            k = self.k_norm(k.reshape(-1, dim))[0].view(num_tokens, self.num_kv_heads, dim)
+        q, k = self.rotary_emb(positions, q, k)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = ctx.kv_caches[self.layer_idx]
-        attn = self.ops.attention(q, k, v, k_cache, v_cache, ctx, self.scale)
-        return self.tp.all_reduce(self.o_proj(attn.view(num_tokens, self.q_size)))
+        attn = self.ops.attention(
+            q, k, v, k_cache, v_cache, ctx, self.scale, window=self.window, softcap=self.softcap
+        )
+        return self.tp.all_reduce(self.o_proj(attn.reshape(num_tokens, self.q_size)))
 
 
 class MLP(OpsModule):
-    """SwiGLU: down(silu(gate(x)) * up(x)), gate and up as one fused projection."""
+    """A gated MLP: down(act(gate(x)) * up(x)), gate and up as one fused projection; act is
+    config.hidden_act, SiLU (SwiGLU) or tanh-approximated GELU (Gemma)."""
 
     def __init__(self, config: ModelConfig, ops: LayerOps, tp: TPGroup | None = None):
         super().__init__(ops)
@@ -262,12 +228,20 @@ class MLP(OpsModule):
         inter, bias = config.intermediate_size // tp.size, config.mlp_bias
         self.gate_up_proj = Linear(config.hidden_size, [inter, inter], bias, tp, "output")
         self.down_proj = Linear(inter, [config.hidden_size], bias, tp, "input")
+        if config.hidden_act not in ("silu", "gelu_pytorch_tanh"):
+            raise ValueError(f"hidden_act={config.hidden_act!r}: silu or gelu_pytorch_tanh")
+        self.gelu = config.hidden_act == "gelu_pytorch_tanh"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x))))
+        gate_up = self.gate_up_proj(x)
+        act = self.ops.gelu_tanh_and_mul(gate_up) if self.gelu else self.ops.silu_and_mul(gate_up)
+        return self.tp.all_reduce(self.down_proj(act))
 
 
 class DecoderLayer(nn.Module):
+    """Pre-norm attention and MLP with residual adds (Llama's layer). A family passes its own
+    `attention` and `mlp` modules (default: Attention and MLP for config) and norm class."""
+
     def __init__(
         self,
         config: ModelConfig,
@@ -275,14 +249,18 @@ class DecoderLayer(nn.Module):
         rotary: RotaryEmbedding,
         ops: LayerOps,
         tp: TPGroup | None = None,
+        *,
+        attention: nn.Module | None = None,
+        mlp: nn.Module | None = None,
+        norm: NormClass = RMSNorm,
     ):
         """layer_idx: the layer's index in this rank's KV pool (its stage's layers only)."""
         super().__init__()
         eps = config.rms_norm_eps
-        self.input_layernorm = RMSNorm(config.hidden_size, eps, ops)
-        self.self_attn = Attention(config, layer_idx, rotary, ops, tp)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, ops)
-        self.mlp = MLP(config, ops, tp)
+        self.input_layernorm = norm(config.hidden_size, eps, ops)
+        self.self_attn = attention or Attention(config, layer_idx, rotary, ops, tp)
+        self.post_attention_layernorm = norm(config.hidden_size, eps, ops)
+        self.mlp = mlp or MLP(config, ops, tp)
 
     def forward(
         self,
@@ -297,3 +275,31 @@ class DecoderLayer(nn.Module):
         hidden = self.self_attn(positions, hidden, ctx)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
+
+
+class SandwichDecoderLayer(DecoderLayer):
+    """Gemma 2 / 3: norms before and after both attention and MLP, the residual added after
+    the post-norms:
+
+        r = h + r;  h = post_attn_norm(attn(input_norm(r)))
+        r = h + r;  h = post_ff_norm(mlp(pre_ff_norm(r)))
+    """
+
+    def __init__(self, config: ModelConfig, *args: object, **kwargs: object) -> None:
+        super().__init__(config, *args, **kwargs)  # type: ignore[arg-type]
+        norm = type(self.input_layernorm)
+        ops, eps = self.input_layernorm.ops, config.rms_norm_eps
+        self.pre_feedforward_layernorm = norm(config.hidden_size, eps, ops)
+        self.post_feedforward_layernorm = norm(config.hidden_size, eps, ops)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        ctx: AttentionContext,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.post_attention_layernorm(self.self_attn(positions, hidden, ctx))[0]
+        hidden, residual = self.pre_feedforward_layernorm(hidden, residual)
+        return self.post_feedforward_layernorm(self.mlp(hidden))[0], residual

@@ -5,20 +5,27 @@ Covers the HF `LlamaForCausalLM` layout: GQA, RoPE (rope_theta, llama3 and linea
 SwiGLU, tied or untied embeddings, optional attention / MLP biases. Parameters are named as HF's,
 less the `model.` prefix, except that q/k/v and gate/up are fused into one projection each
 (FUSED), filled shard by shard at load time.
+
+The other families (common/families/, engine/families/) are this class with their own layers:
+a subclass overrides `make_attention`, `make_mlp` or `make_layer` (and `norm_class`), and the
+config's data (biases, windows, soft-caps, scales) does the rest. See engine/families/README.md.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 
 import torch
 from torch import nn
 
 from common.model_config import ModelConfig
 from engine.layers import (
+    MLP,
+    Attention,
     AttentionContext,
     DecoderLayer,
     Linear,
+    NormClass,
     OpsModule,
     RMSNorm,
     RotaryEmbedding,
@@ -26,13 +33,15 @@ from engine.layers import (
     default_weight_loader,
 )
 from engine.ops import LayerOps, ReferenceOps
-from engine.parallel import ModelShard, whole_model
+from engine.parallel import ModelShard, TPGroup, whole_model
 
 # Our fused projections and the HF tensors stacked into each, in row order.
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
 class LlamaForCausalLM(nn.Module):
+    norm_class: NormClass = RMSNorm  # every RMSNorm of the model (Gemma: (1 + w))
+
     def __init__(
         self,
         config: ModelConfig,
@@ -50,14 +59,16 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, tp)
         self.rotary_emb = RotaryEmbedding(config, max_positions, ops)
+        # Gemma 3's sliding layers rotate with their own base.
+        self.rotary_local: RotaryEmbedding | None = None
+        if config.rope_local_theta is not None:
+            self.rotary_local = RotaryEmbedding(config, max_positions, ops, local=True)
         start = shard.layers.start
         self.layers = nn.ModuleList(
-            DecoderLayer(config, i - start, self.rotary_emb, ops, tp)
-            if i in shard.layers
-            else nn.Module()
+            self.make_layer(config, i, i - start, ops, tp) if i in shard.layers else nn.Module()
             for i in range(config.num_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+        self.norm = self.norm_class(config.hidden_size, config.rms_norm_eps, ops)
         # Tied embeddings: no head of its own (a shared Parameter would not survive to_empty),
         # unless the embeddings live on another stage.
         self.lm_head: nn.Module | None = None
@@ -71,6 +82,36 @@ class LlamaForCausalLM(nn.Module):
             del self.norm
             self.norm = None  # type: ignore[assignment]
             self.lm_head = None
+
+    def rotary_for(self, layer: int) -> RotaryEmbedding:
+        """The rotary embedding of layer `layer` (of the whole model)."""
+        if self.rotary_local is not None and self.config.is_sliding(layer):
+            return self.rotary_local
+        return self.rotary_emb
+
+    def make_layer(
+        self, config: ModelConfig, layer: int, local: int, ops: LayerOps, tp: TPGroup
+    ) -> nn.Module:
+        """Layer `layer` of the whole model, `local` in this rank's KV pool: a DecoderLayer of
+        make_attention's and make_mlp's modules. A family overrides any of the three to declare
+        its own layers (an MoE family: make_mlp for its sparse layers)."""
+        return DecoderLayer(
+            config, local, self.rotary_for(layer), ops, tp,
+            attention=self.make_attention(config, layer, local, ops, tp),
+            mlp=self.make_mlp(config, layer, ops, tp),
+            norm=self.norm_class,
+        )  # fmt: skip
+
+    def make_attention(
+        self, config: ModelConfig, layer: int, local: int, ops: LayerOps, tp: TPGroup
+    ) -> nn.Module:
+        """Layer `layer`'s attention (its window from config)."""
+        window = config.layer_window(layer)
+        return Attention(config, local, self.rotary_for(layer), ops, tp, window=window)
+
+    def make_mlp(self, config: ModelConfig, layer: int, ops: LayerOps, tp: TPGroup) -> nn.Module:
+        """Layer `layer`'s MLP (dense: MLP)."""
+        return MLP(config, ops, tp)
 
     @property
     def ops(self) -> LayerOps:
@@ -113,6 +154,8 @@ class LlamaForCausalLM(nn.Module):
         residual: torch.Tensor | None = None
         if carried is None:
             hidden = self.embed_tokens(input_ids)
+            if self.config.embed_scale is not None:  # Gemma: rounded to the model's dtype first
+                hidden = hidden * torch.tensor(self.config.embed_scale, dtype=hidden.dtype)
         else:
             hidden, residual = carried[0], carried[1]
         for i in self.shard.layers if layers is None else layers:
@@ -127,7 +170,9 @@ class LlamaForCausalLM(nn.Module):
             logits = nn.functional.linear(hidden, self.embed_tokens.weight)
         else:
             logits = self.lm_head(hidden)
-        return self.shard.tp.all_gather(logits.float())[:, : self.config.vocab_size]
+        logits = self.shard.tp.all_gather(logits.float())[:, : self.config.vocab_size]
+        cap = self.config.final_logit_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def replace_linears(
         self, make: Callable[[torch.Tensor, torch.Tensor | None], nn.Module]
@@ -157,11 +202,17 @@ class LlamaForCausalLM(nn.Module):
                 for shard, part in enumerate(FUSED.get(leaf, (leaf,))):
                     yield f"{stem}{part}.{kind}", module, param, shard
 
+    def checkpoint_view(self, weights: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+        """The checkpoint's tensors under the names hf_tensors asks for (a family whose
+        checkpoint fuses what this model loads in parts, Phi-3, splits them here)."""
+        return weights
+
     @torch.no_grad()
-    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+    def load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
         """Copy HF-named tensors in through each module's weight_loader; a llama3 GGUF's
         `rope_freqs` recomputes the rotary cache. Raises, loading nothing, when one is missing;
         tensors the model does not use are ignored."""
+        weights = self.checkpoint_view(weights)
         targets = list(self.hf_tensors())
         missing = [name for name, *_ in targets if name not in weights]
         if missing:
@@ -170,3 +221,9 @@ class LlamaForCausalLM(nn.Module):
             getattr(module, "weight_loader", default_weight_loader)(param, weights[name], shard)
         if "rope_freqs" in weights:
             self.rotary_emb.reset(weights["rope_freqs"])
+
+    def reset_rotary(self) -> None:
+        """Recompute every rotary cache (after materializing the model)."""
+        for module in self.modules():
+            if isinstance(module, RotaryEmbedding):
+                module.reset()

@@ -12,10 +12,9 @@ The layers call `ops.<op>(...)` and never ask which backend they have.
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 import itertools
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -23,6 +22,7 @@ import torch
 from torch import Tensor
 
 from engine.config import ATTENTION_BACKENDS
+from engine.decode_splits import DecodeSplits, padded_batch_size  # noqa: F401 (re-exported)
 from engine.sampler import to_device
 from kernels import moe_reference as moe_ref
 from kernels import reference as ref
@@ -97,6 +97,9 @@ class LayerOps:
         v_cache: torch.Tensor,
         ctx: AttentionContext,
         scale: float,
+        *,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         raise NotImplementedError
 
@@ -108,6 +111,18 @@ class LayerOps:
     ) -> Tensor:
         """The routed experts' weighted sum per token (kernels/moe_reference.py)."""
         return moe_ref.moe_experts(x, weights, ids, w13, w2, first_expert)
+
+    def gelu_tanh_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """kernels/reference.py's on every backend (no CUDA kernel of its own yet)."""
+        return ref.gelu_tanh_and_mul(x)
+
+
+class OpsModule(torch.nn.Module):
+    """A module whose forward runs through `self.ops` (LlamaForCausalLM.set_ops swaps it)."""
+
+    def __init__(self, ops: LayerOps):
+        super().__init__()
+        self.ops = ops
 
 
 class ReferenceOps(LayerOps):
@@ -132,12 +147,16 @@ class ReferenceOps(LayerOps):
         v_cache: torch.Tensor,
         ctx: AttentionContext,
         scale: float,
+        *,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         """Store this step's K/V, then attend (reference.paged_attention)."""
         ref.store_kv(k, v, k_cache, v_cache, ctx.slot_mapping)
         return ref.paged_attention(
-            q, k_cache, v_cache, ctx.block_tables, ctx.seq_lens, ctx.cu_seqlens_q, scale
-        )
+            q, k_cache, v_cache, ctx.block_tables, ctx.seq_lens, ctx.cu_seqlens_q, scale,
+            window=window, softcap=softcap,
+        )  # fmt: skip
 
 
 @dataclass
@@ -151,6 +170,13 @@ class _CpuStep:
     decode_blocks: torch.Tensor  # their block tables, flattened, to the longest context
     decode_len: int  # the longest context, in whole blocks
     decode_mask: torch.Tensor  # [rows, 1, 1, decode_len]: True where a key is in context
+    decode_lens: torch.Tensor  # [rows]: their context lengths
+
+    def window_mask(self, window: int) -> torch.Tensor:
+        """decode_mask less the keys before each row's last `window` positions."""
+        k_pos = torch.arange(self.decode_len)[None, :]
+        seen = k_pos > (self.decode_lens - 1 - window)[:, None]
+        return self.decode_mask & seen[:, None, None, :]
 
 
 class CpuOps(ReferenceOps):
@@ -177,7 +203,8 @@ class CpuOps(ReferenceOps):
         block_size = ctx.kv_caches[0][0].shape[1] if ctx.kv_caches else 1
         lens = [ctx.seq_lens[b] for b in rows]
         blocks = -(-max(lens, default=0) // block_size)
-        mask = torch.arange(blocks * block_size)[None, :] < torch.tensor(lens)[:, None]
+        lens_t = torch.tensor(lens, dtype=torch.int64)
+        mask = torch.arange(blocks * block_size)[None, :] < lens_t[:, None]
         step = _CpuStep(
             slots,
             keep,
@@ -186,6 +213,7 @@ class CpuOps(ReferenceOps):
             ctx.block_tables[rows, :blocks].flatten(),
             blocks * block_size,
             mask[:, None, None, :],
+            lens_t,
         )
         return dataclasses.replace(ctx, cpu_step=step)
 
@@ -204,6 +232,9 @@ class CpuOps(ReferenceOps):
         v_cache: torch.Tensor,
         ctx: AttentionContext,
         scale: float,
+        *,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         step = ctx.cpu_step
         assert isinstance(step, _CpuStep), "prepare() first"
@@ -212,17 +243,24 @@ class CpuOps(ReferenceOps):
         for cache, new in ((k_cache, k), (v_cache, v)):
             flat = cache.view(-1, *cache.shape[2:])
             ref._as_bytes(flat)[step.slots] = ref._as_bytes(ref.quantize_kv(new, flat.dtype))
-        if len(step.decode_rows) == len(ctx.seq_lens):
-            return self._decode(q, k_cache, v_cache, step, scale)
-        return ref.paged_attention(  # a step with prefill chunks
-            q, k_cache, v_cache, ctx.block_tables, ctx.seq_lens, ctx.cu_seqlens_q, scale
-        )
+        if len(step.decode_rows) == len(ctx.seq_lens) and softcap is None:
+            return self._decode(q, k_cache, v_cache, step, scale, window)
+        return ref.paged_attention(  # a step with prefill chunks, or soft-capped scores
+            q, k_cache, v_cache, ctx.block_tables, ctx.seq_lens, ctx.cu_seqlens_q, scale,
+            window=window, softcap=softcap,
+        )  # fmt: skip
 
     @staticmethod
     def _decode(
-        q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, step: _CpuStep, scale: float
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        step: _CpuStep,
+        scale: float,
+        window: int | None,
     ) -> torch.Tensor:
-        """[rows, heads, head_dim]: each decode row's one query over its context."""
+        """[rows, heads, head_dim]: each decode row's one query over its context (its last
+        `window` positions with a sliding window)."""
         rows, heads, dim = len(step.decode_rows), q.shape[1], q.shape[2]
         kv = []
         for cache in (k_cache, v_cache):
@@ -234,52 +272,11 @@ class CpuOps(ReferenceOps):
             queries.view(rows, heads, 1, dim),
             kv[0],
             kv[1],
-            attn_mask=step.decode_mask,
+            attn_mask=step.decode_mask if window is None else step.window_mask(window),
             scale=scale,
             enable_gqa=heads != k_cache.shape[2],
         )
         return attn.view(rows, heads, dim)
-
-
-def padded_batch_size(num_seqs: int, sizes: Sequence[int]) -> int | None:
-    """The smallest of `sizes` (ascending) holding num_seqs rows; None when none does."""
-    i = bisect.bisect_left(sizes, num_seqs)
-    return sizes[i] if i < len(sizes) else None
-
-
-@dataclass(frozen=True)
-class DecodeSplits:
-    """The decode kernel's split-K count as a function of what a step holds, the same whether a
-    CUDA graph or an eager forward runs it.
-
-    The count decides which tiles of a context each split owns (kernels/decode_attention.cu:
-    tps = ceil(n_tiles / num_splits)) and so the order of the floating-point sums: two counts
-    give results that differ in the last bits. A graph fixes its count when it is captured, for
-    a padded batch size and without the step's lengths; so the count is chosen from what a
-    graph knows and an eager step can reproduce: the number of requests rounded up to the
-    graph batch sizes (`batch_sizes`, the engine's, used whether or not graphs are captured),
-    and the context capacity `max_seq_len` (the engine's max_model_len), never from the batch's
-    real longest context. kernels.cuda.decode_num_splits' cost model then picks the count for
-    that padded batch on this GPU (`slots` = resident CTAs on the whole GPU). An eager step of
-    n requests and the graph of the size n pads to launch the same count, so they compute the
-    same sums; short contexts get more, shorter splits than their own length would pick, as the
-    graphs always did.
-    """
-
-    max_seq_len: int
-    batch_sizes: tuple[int, ...]  # ascending
-    num_heads: int
-    num_kv_heads: int
-    slots: int
-
-    def count(self, num_seqs: int) -> int:
-        """The split count of a decode-only step of num_seqs requests (padded as a graph pads
-        them; num_seqs itself beyond the largest graph)."""
-        from kernels.cuda import decode_ctas_per_seq, decode_num_splits
-
-        padded = padded_batch_size(num_seqs, self.batch_sizes) or num_seqs
-        num_ctas = decode_ctas_per_seq(self.num_heads, self.num_kv_heads) * padded
-        return decode_num_splits(num_ctas, self.max_seq_len, self.slots)
 
 
 class KernelOps(LayerOps):
@@ -356,10 +353,14 @@ class KernelOps(LayerOps):
         v_cache: torch.Tensor,
         ctx: AttentionContext,
         scale: float,
+        *,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         """store_kv, then the decode kernel (every request one query) or the varlen prefill
         kernel (anything else), as kernels.cuda.paged_attention dispatches."""
         assert ctx.seq_lens_t is not None and ctx.cu_seqlens_q_t is not None, "prepare() first"
+        assert window is None and softcap is None, "kernel_limits refuses these models"
         self.lib.store_kv(k, v, k_cache, v_cache, ctx.slot_mapping)
         if ctx.num_splits is not None and ctx.max_seqlen_q == 1:
             return self.lib.paged_decode_attention(
@@ -393,6 +394,13 @@ def kernel_limits(config: ModelConfig, dtype: torch.dtype, block_size: int) -> s
         return f"hidden_size={config.hidden_size}: rms_norm needs a multiple of 8, <= 24576"
     if config.intermediate_size % 8:
         return f"intermediate_size={config.intermediate_size}: silu_and_mul needs a multiple of 8"
+    if config.sliding_window is not None:
+        return f"sliding_window={config.sliding_window}: the CUDA kernels attend to whole contexts"
+    if config.attn_logit_softcap is not None:
+        return (
+            f"attn_logit_softcapping={config.attn_logit_softcap}: the CUDA kernels do not "
+            "soft-cap attention scores"
+        )
     return None
 
 

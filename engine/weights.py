@@ -21,6 +21,7 @@ from common.model_config import ModelConfig, ModelSourceError
 from engine.config import EngineConfig
 from engine.cuda_graphs import graph_batch_sizes
 from engine.dummy import DummyWeights, init_dummy_weights
+from engine.families import model_class
 from engine.layers import PackedLinear, can_pack_cpu_linears
 from engine.model import LlamaForCausalLM
 from engine.ops import LayerOps, select_ops
@@ -173,9 +174,9 @@ def build_model(
     this rank holds (default: the whole model); a sharded model takes its slice of each tensor,
     the dummy ones included (the same values as the whole model's)."""
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, max_positions, ops, shard)
+        model = model_class(config)(config, max_positions, ops, shard)
     model = model.to(dtype).to_empty(device=device)
-    model.rotary_emb.reset()
+    model.reset_rotary()
     if weights is None and model.shard.is_whole:
         init_dummy_weights(model, dummy_seed)
     elif weights is None:

@@ -110,6 +110,8 @@ def paged_attention(
     scale: float,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of each request's new queries over its whole context in the paged pool.
 
@@ -123,18 +125,22 @@ def paged_attention(
     applied as softmax(q . k * scale * k_scale) @ v * v_scale, which equals attention over
     k * k_scale and v * v_scale without a pass over the rows.
 
+    window: a sliding window (Mistral, Gemma): the query at position p sees keys p - window + 1
+    .. p only. softcap: scores (q . k * scale) become softcap * tanh(scores / softcap) before
+    the mask and softmax (Gemma 2).
+
     Decode rows (one query) are batched together; each longer chunk runs on its own.
     """
     check_kv_scales(k_cache.dtype, k_scale, v_scale)
     out = torch.empty_like(q)
     scale = scale * k_scale
     num_seqs = len(seq_lens)
-    gqa = q.shape[1] != k_cache.shape[2]
     decode = [b for b in range(num_seqs) if cu_seqlens_q[b + 1] - cu_seqlens_q[b] == 1]
     if decode:
         _decode_attention(
-            q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, decode, scale, v_scale, out
-        )
+            q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, decode, scale, v_scale, out,
+            window, softcap,
+        )  # fmt: skip
     for b in range(num_seqs):
         start, end = cu_seqlens_q[b], cu_seqlens_q[b + 1]
         num_q = end - start
@@ -146,10 +152,10 @@ def paged_attention(
         qb = q[start:end].transpose(0, 1).unsqueeze(0)
         q_pos = torch.arange(seq_len - num_q, seq_len, device=q.device)
         k_pos = torch.arange(seq_len, device=q.device)
-        mask = (k_pos[None, :] <= q_pos[:, None])[None, None]
-        attn = F.scaled_dot_product_attention(
-            qb, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale, enable_gqa=gqa
-        )
+        mask = k_pos[None, :] <= q_pos[:, None]
+        if window is not None:
+            mask &= k_pos[None, :] > q_pos[:, None] - window
+        attn = _chunk_attention(qb, k.to(q.dtype), v.to(q.dtype), mask, scale, softcap)
         if v_scale != 1.0:
             attn = attn * v_scale
         out[start:end] = attn[0].transpose(0, 1)
@@ -167,6 +173,8 @@ def _decode_attention(
     scale: float,
     v_scale: float,
     out: torch.Tensor,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> None:
     """One query per request in `rows`, batched: gather each context padded to the longest
     (one index_select per cache), then per KV head two strided bmm's over its query group, so K
@@ -185,17 +193,47 @@ def _decode_attention(
     v = v.view(v_cache.dtype).view(shape).to(q.dtype)
     token_idx = torch.tensor([cu_seqlens_q[b] for b in rows], device=device)
     qg = q[token_idx].view(num_rows, num_kv_heads, -1, head_dim)  # [B, Hkv, G, D]
-    hidden = (torch.arange(shape[1], device=device)[None, :] >= lens[:, None])[:, None, :]
+    k_pos = torch.arange(shape[1], device=device)[None, :]
+    hidden = k_pos >= lens[:, None]
+    if window is not None:  # the query sits at lens - 1
+        hidden |= k_pos <= lens[:, None] - 1 - window
+    hidden = hidden[:, None, :]
     accumulate = torch.promote_types(q.dtype, torch.float32)  # fp32 for half types, else q's
     attn = torch.empty_like(qg)
     for h in range(num_kv_heads):
         scores = torch.bmm(qg[:, h], k[:, :, h].transpose(1, 2)) * scale  # [B, G, L]
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
         scores.masked_fill_(hidden, float("-inf"))
         probs = torch.softmax(scores.to(accumulate), dim=-1).to(q.dtype)
         attn[:, h] = torch.bmm(probs, v[:, :, h])
     if v_scale != 1.0:
         attn *= v_scale
     out[token_idx] = attn.view(num_rows, -1, head_dim)
+
+
+def _chunk_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    softcap: float | None,
+) -> torch.Tensor:
+    """One request's chunk of queries: q [1, H, Tq, D], k and v [1, Hkv, Tk, D], mask [Tq, Tk]
+    True where a key is seen. Soft-capped scores are written out (SDPA has no cap), the softmax
+    in float32."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask[None, None], scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+        )
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v)
 
 
 def rms_norm(
@@ -235,6 +273,12 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """SwiGLU's gate: x = [gate | up] along the last dim -> silu(gate) * up."""
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """Gemma's gate: x = [gate | up] along the last dim -> gelu(gate, tanh approximation) * up."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
 
 
 def quantize_int8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,32 @@
+"""The served model families (common/families/registry.py explains a family's record). Each
+module below registers its families when imported; a new family adds its module here."""
+
+from common.families import llama, qwen
+from common.families.registry import (
+    FAMILIES,
+    Family,
+    ModelSourceError,
+    UnservedModelError,
+    family_for_gguf,
+    family_for_hf,
+    register,
+    served_architectures,
+    served_gguf_architectures,
+)
+from common.families.rope import ROPE_TYPES, rope_from_hf
+
+__all__ = [
+    "FAMILIES",
+    "ROPE_TYPES",
+    "Family",
+    "ModelSourceError",
+    "UnservedModelError",
+    "family_for_gguf",
+    "family_for_hf",
+    "llama",
+    "qwen",
+    "register",
+    "rope_from_hf",
+    "served_architectures",
+    "served_gguf_architectures",
+]

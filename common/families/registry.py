@@ -1,0 +1,97 @@
+"""The model families we serve, keyed by what a checkpoint says it is: an HF config.json's
+`architectures` (or, without them, its `model_type`) and a GGUF's `general.architecture`.
+
+A family is one record here, defined in its own module beside this one (common/families/<name>.py)
+and listed in common/families/__init__.py:
+
+- `read_hf(cfg)`: the family's own ModelConfig fields from config.json, on top of those every
+  decoder has (common/model_config.py reads those); `read_gguf(fields, arch)` likewise from a
+  GGUF's metadata (None: the family has no GGUF form we read).
+- `model`: "module:Class" of its model definition in engine/families/, imported only by the
+  engine (this side never loads torch, so the scheduler, gateway and CLI can read a model's shape).
+  That class declares the family's layers from engine/layers.py (see engine/families/README.md).
+- `refuses`: engine features the family cannot use, each with the reason; the engine refuses them
+  by name at start.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class ModelSourceError(ValueError):
+    """The model path is missing, unreadable or of an unsupported kind."""
+
+
+class UnservedModelError(ModelSourceError):
+    """A checkpoint of an architecture no family serves."""
+
+
+HFReader = Callable[[Mapping[str, Any]], dict[str, Any]]
+GGUFReader = Callable[[Mapping[str, Any], str], dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    hf_architectures: tuple[str, ...]
+    hf_model_types: tuple[str, ...]
+    model: str  # "engine.families.<module>:<Class>"
+    read_hf: HFReader
+    gguf_architecture: str | None = None
+    read_gguf: GGUFReader | None = None
+    refuses: Mapping[str, str] = field(default_factory=dict)  # feature -> why
+
+
+FAMILIES: dict[str, Family] = {}
+
+
+def register(family: Family) -> Family:
+    """Add `family`; its architectures, model types and GGUF name must be new."""
+    for other in FAMILIES.values():
+        taken = (
+            set(family.hf_architectures) & set(other.hf_architectures)
+            or set(family.hf_model_types) & set(other.hf_model_types)
+            or (family.gguf_architecture and family.gguf_architecture == other.gguf_architecture)
+        )
+        assert not taken and family.name != other.name, f"{family.name} overlaps {other.name}"
+    FAMILIES[family.name] = family
+    return family
+
+
+def served_architectures() -> list[str]:
+    return sorted(a for f in FAMILIES.values() for a in f.hf_architectures)
+
+
+def served_gguf_architectures() -> list[str]:
+    return sorted(f.gguf_architecture for f in FAMILIES.values() if f.gguf_architecture)
+
+
+def family_for_hf(cfg: Mapping[str, Any], where: str) -> Family:
+    """The family of an HF config.json: the first of its `architectures` we serve, or, when it
+    lists none, its `model_type` (a config without either is read as Llama's)."""
+    archs = list(cfg.get("architectures") or [])
+    model_type = cfg.get("model_type")
+    for family in FAMILIES.values():
+        if any(a in family.hf_architectures for a in archs):
+            return family
+    if not archs:
+        for family in FAMILIES.values():
+            if (model_type or "llama") in family.hf_model_types:
+                return family
+    what = f"architectures={archs}" if archs else f"model_type={model_type!r}"
+    raise UnservedModelError(
+        f"{where}: {what} is not served; served architectures: " + ", ".join(served_architectures())
+    )
+
+
+def family_for_gguf(arch: object, where: str) -> Family:
+    for family in FAMILIES.values():
+        if family.gguf_architecture is not None and arch == family.gguf_architecture:
+            return family
+    raise UnservedModelError(
+        f"{where}: GGUF general.architecture={arch!r} is not served; served: "
+        + ", ".join(served_gguf_architectures())
+    )

@@ -1,0 +1,65 @@
+"""Tiny random checkpoints of each served non-Llama family, made by transformers from the
+family's own config class with each quirk switched on (biases, qk-norm, an explicit head_dim,
+a sliding window shorter than the test prompts, soft-capping, partial rotary, longrope), saved
+as HF directories. Nothing is downloaded."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from tests.factories import EOS_TOKEN_ID, TINY_VOCAB, write_byte_tokenizer
+
+WINDOW = 12  # shorter than every test prompt
+# Each family: (transformers config class, its fields beyond COMMON).
+FAMILY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
+    "qwen2": ("Qwen2Config", {"tie_word_embeddings": True}),
+    "qwen3": ("Qwen3Config", {"head_dim": 32, "attention_bias": True}),
+    "mistral": ("MistralConfig", {"sliding_window": WINDOW, "head_dim": 16}),
+}
+COMMON: dict[str, Any] = {
+    "vocab_size": TINY_VOCAB,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 1024,
+    "initializer_range": 0.2,
+    "rms_norm_eps": 1e-5,
+    "bos_token_id": None,
+    "eos_token_id": EOS_TOKEN_ID,
+    "pad_token_id": None,
+}
+
+
+def make_tiny_family(directory: Path, family: str, seed: int = 0, **overrides: Any) -> Path:
+    """A random-weight model of `family` saved by transformers with the byte tokenizer; biases
+    (zero at init) and norms are randomized so they matter."""
+    import torch
+    import transformers
+
+    class_name, fields = FAMILY_CONFIGS[family]
+    config = getattr(transformers, class_name)(**{**COMMON, **fields, **overrides})
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config).float()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("bias"):
+                param.copy_(torch.randn_like(param) * 0.5)
+            elif "norm" in name:
+                param.add_(torch.randn_like(param) * 0.1)
+    model.save_pretrained(directory)
+    write_byte_tokenizer(directory)
+    return directory
+
+
+def load_hf(directory: Path) -> Any:
+    """transformers' model of the directory, float32, its eager attention (the reference for
+    soft-capping and sliding windows)."""
+    import torch
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        directory, dtype=torch.float32, attn_implementation="eager"
+    ).eval()

@@ -1,0 +1,183 @@
+"""Every served non-Llama family against HF transformers on a tiny random checkpoint of its own
+config class (tests/family_models.py): logits within 1e-4 (float32) at every position of a
+whole prompt and of a chunked prefill, and at every sampled position of a scheduler-driven
+script with chunked prefill, prefix-cache hits and preemptions; the registry's refusals."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from common.model_config import ModelSourceError, load_model_config
+from engine.config import EngineConfig
+from engine.convert import plan_from_proto, result_to_proto
+from engine.engine import Engine
+from scheduler.config import SchedulerConfig
+from scheduler.convert import apply_result, plan_to_proto
+from scheduler.request import Request
+from scheduler.scheduler import Scheduler
+from tests.factories import sampling
+from tests.family_models import FAMILY_CONFIGS, make_tiny_family
+from tests.spec_driver import check_mirror
+from tests.test_model import BLOCK_SIZE, forward_direct, prompt, rel_err, shuffled_blocks
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+TOLERANCE = 1e-4
+FAMILIES = list(FAMILY_CONFIGS)
+NUM_OUT = 16
+
+
+class Loaded:
+    """One family's checkpoint, loaded by our engine and by HF."""
+
+    def __init__(self, path: Path, **engine: Any):
+        from tests.family_models import load_hf
+
+        self.path = path
+        self.hf = load_hf(path)
+        config = {"num_kv_blocks": 96, "block_size": BLOCK_SIZE, **engine}
+        self.engine = Engine(EngineConfig(model=str(path), device="cpu", **config))
+
+    @torch.no_grad()
+    def hf_logits(self, token_ids: list[int]) -> torch.Tensor:
+        return self.hf(torch.tensor([token_ids])).logits[0].float()
+
+
+@pytest.fixture(scope="module")
+def load(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    cache: dict[str, Loaded] = {}
+
+    def get(family: str) -> Loaded:
+        if family not in cache:
+            path = make_tiny_family(tmp_path_factory.mktemp(family), family, seed=len(cache))
+            cache[family] = Loaded(path)
+        cache[family].engine.reset()
+        return cache[family]
+
+    return get
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_registry_reads_the_family(load: Any, family: str) -> None:
+    config = load_model_config(load(family).path)
+    assert config.family == family
+    assert (
+        type(load(family).engine.model)
+        .__name__.lower()
+        .startswith({"qwen2": "llama", "mistral": "llama"}.get(family, family))
+    )
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_whole_prompt_and_chunks_all_positions(load: Any, family: str) -> None:
+    m = load(family)
+    tokens = prompt(45, seed=1)
+    want = m.hf_logits(tokens)
+    (whole,) = forward_direct(m.engine, [(tokens, 0, len(tokens), shuffled_blocks(11)[:6])])
+    assert rel_err(whole, want) < TOLERANCE
+    table = shuffled_blocks(12)[:6]
+    chunks = [
+        forward_direct(m.engine, [(tokens, s, min(s + 7, len(tokens)), table)])[0]
+        for s in range(0, len(tokens), 7)
+    ]
+    assert rel_err(torch.cat(chunks), want) < TOLERANCE
+
+
+def run_script(
+    engine: Engine, requests: list[Request], num_blocks: int, **config: Any
+) -> tuple[Scheduler, dict[int, list[torch.Tensor]]]:
+    """Drive the requests through a real scheduler of num_blocks blocks (protobuf both ways)
+    until idle; returns the scheduler and, per seq id, the logits rows its tokens were sampled
+    from, in order."""
+    info = engine.info
+    sched = Scheduler(
+        SchedulerConfig(**{"max_num_seqs": info.max_num_seqs, **config}),
+        num_blocks, info.block_size, info.max_model_len, info.vocab_size, info.eos_token_ids,
+    )  # fmt: skip
+    rows: dict[int, list[torch.Tensor]] = {}
+    captured: list[torch.Tensor] = []
+    model = engine.model
+    original = model.compute_logits
+    model.compute_logits = lambda h: captured.append(original(h)) or captured[-1]  # type: ignore[method-assign]
+    try:
+        for request in requests:
+            sched.add(request)
+        while sched.has_work:
+            plan = sched.schedule()
+            if plan.is_empty:
+                continue
+            captured.clear()
+            data = plan_from_proto(plan_to_proto(plan))
+            output = engine.step(data)
+            order = [r.seq_id for r in data.new_requests] + list(data.running.seq_ids)
+            logits = iter(torch.cat(captured) if captured else [])
+            for seq_id, token in zip(order, output.sampled_token_ids, strict=True):
+                if token >= 0:
+                    rows.setdefault(seq_id, []).append(next(logits))
+            apply_result(sched, plan, result_to_proto(plan.step_id, output, 0.0))
+            sched.check_integrity()
+            check_mirror(sched, engine)
+    finally:
+        del model.compute_logits
+    return sched, rows
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_scheduled_script_matches_hf(load: Any, family: str) -> None:
+    """6 requests of 30-50 tokens sharing a 16-token prefix, 16 tokens out, in 20 blocks of 8
+    with 40-token steps: chunked prefills, prefix-cache hits, preemptions and recomputes; each
+    sampled row within 1e-4 of HF's logits at that position of the request's final tokens."""
+    m = load(family)
+    shared = prompt(16, seed=3)
+    prompts = [shared + prompt(14 + 4 * i, seed=10 + i) for i in range(6)]
+    greedy = sampling(temperature=0.0)
+    requests = [
+        Request(f"r{i}", i + 1, p, greedy, NUM_OUT, ignore_eos=True)  # type: ignore[arg-type]
+        for i, p in enumerate(prompts)
+    ]
+    # The scheduler sees 20 of the engine's 96 blocks: too few for all six at once.
+    sched, rows = run_script(m.engine, requests, 20, max_num_batched_tokens=40)
+    assert sched.counters.num_preemptions > 0
+    assert sched.counters.num_prefix_cache_hit_tokens > 0
+    for request in requests:
+        got = torch.stack(rows[request.seq_id])
+        tokens = request.token_ids
+        assert len(got) == NUM_OUT == len(tokens) - len(request.prompt_token_ids)
+        start = len(request.prompt_token_ids) - 1
+        want = m.hf_logits(tokens[:-1])[start:]
+        assert rel_err(got, want) < TOLERANCE, request.request_id
+        assert got.argmax(-1).tolist() == tokens[start + 1 :]
+
+
+def test_unserved_architecture_is_refused_naming_the_served(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(
+        json.dumps({"architectures": ["FalconForCausalLM"], "model_type": "falcon"})
+    )
+    with pytest.raises(ModelSourceError) as err:
+        load_model_config(tmp_path)
+    message = str(err.value)
+    assert "architectures=['FalconForCausalLM'] is not served" in message
+    for arch in ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM"):
+        assert arch in message
+
+
+def test_the_sliding_window_matters_for_these_prompts(load: Any) -> None:
+    """Guards Mistral's comparisons: the same weights attending to whole contexts give other
+    logits (the window is shorter than the prompts)."""
+    m = load("mistral")
+    layers = [layer.self_attn for layer in m.engine.model.layers]
+    assert [a.window for a in layers] == [12, 12]
+    tokens = prompt(45, seed=1)
+    for attention in layers:
+        attention.window = None
+    try:
+        (ours,) = forward_direct(m.engine, [(tokens, 0, len(tokens), shuffled_blocks(11)[:6])])
+    finally:
+        for attention in layers:
+            attention.window = 12
+    assert rel_err(ours, m.hf_logits(tokens)) > 1e-2
