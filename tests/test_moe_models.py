@@ -1,0 +1,136 @@
+"""The mixture-of-experts families end to end in-process: tiny random Mixtral, Qwen3-MoE and
+Qwen2-MoE checkpoints (tests/moe_models.py) through the engine, logits within 1e-4 of
+transformers (float32) at every position of a whole and a chunked prompt and at every sampled
+row of a scheduler-driven script with prefix-cache hits and preemptions; expert parallelism at
+T = 2 against one engine; what the families refuse."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from common.model_config import check_parallel_sizes, load_model_config
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.moe import SparseMoeBlock
+from engine.ranks import run_group_locally
+from scheduler.request import Request
+from tests.factories import sampling
+from tests.moe_models import MOE_CONFIGS, make_tiny_moe
+from tests.test_families import Loaded, run_script
+from tests.test_model import forward_direct, prompt, rel_err, shuffled_blocks
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+TOLERANCE = 1e-4
+FAMILIES = list(MOE_CONFIGS)
+
+
+@pytest.fixture(scope="module")
+def load(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    cache: dict[str, Loaded] = {}
+
+    def get(family: str) -> Loaded:
+        if family not in cache:
+            path = make_tiny_moe(tmp_path_factory.mktemp(family), family, seed=len(cache))
+            cache[family] = Loaded(path)
+        cache[family].engine.reset()
+        return cache[family]
+
+    return get
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_registry_reads_the_experts(load: Any, family: str) -> None:
+    m = load(family)
+    config = load_model_config(m.path)
+    assert config.family == family and config.moe is not None
+    assert (config.moe.num_experts, config.moe.top_k) == (8, 2)
+    blocks = [layer.mlp for layer in m.engine.model.layers]
+    sparse = [isinstance(b, SparseMoeBlock) for b in blocks]
+    assert sparse == ([True, False] if family == "qwen3_moe" else [True, True])
+    assert (blocks[0].shared_expert is not None) == (family == "qwen2_moe")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_whole_prompt_and_chunks_all_positions(load: Any, family: str) -> None:
+    m = load(family)
+    tokens = prompt(45, seed=1)
+    want = m.hf_logits(tokens)
+    (whole,) = forward_direct(m.engine, [(tokens, 0, len(tokens), shuffled_blocks(11)[:6])])
+    assert rel_err(whole, want) < TOLERANCE
+    table = shuffled_blocks(12)[:6]
+    chunks = [
+        forward_direct(m.engine, [(tokens, s, min(s + 7, len(tokens)), table)])[0]
+        for s in range(0, len(tokens), 7)
+    ]
+    assert rel_err(torch.cat(chunks), want) < TOLERANCE
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_scheduled_script_matches_hf(load: Any, family: str) -> None:
+    """4 requests sharing a 16-token prefix, 8 tokens out, in 14 blocks of 8 with 40-token
+    steps: chunked prefills, prefix-cache hits and preemptions; every sampled row within 1e-4
+    of HF's logits at its position."""
+    m = load(family)
+    shared = prompt(16, seed=3)
+    greedy = sampling(temperature=0.0)
+    requests = [
+        Request(f"r{i}", i + 1, shared + prompt(14 + 4 * i, seed=10 + i), greedy, 8,
+                ignore_eos=True)  # type: ignore[arg-type]
+        for i in range(4)
+    ]  # fmt: skip
+    sched, rows = run_script(m.engine, requests, 14, max_num_batched_tokens=40)
+    assert sched.counters.num_preemptions > 0
+    assert sched.counters.num_prefix_cache_hit_tokens > 0
+    for request in requests:
+        got = torch.stack(rows[request.seq_id])
+        start = len(request.prompt_token_ids) - 1
+        want = m.hf_logits(request.token_ids[:-1])[start:]
+        assert rel_err(got, want) < TOLERANCE, request.request_id
+        assert got.argmax(-1).tolist() == request.token_ids[start + 1 :]
+
+
+def test_quantization_is_refused_by_name(load: Any) -> None:
+    path = load("mixtral").path
+    with pytest.raises(ValueError, match="--quantization int8 is not served for the mixtral"):
+        Engine(EngineConfig(model=str(path), device="cpu", num_kv_blocks=8, quantization="int8"))
+
+
+def test_tp_sizes_keep_at_least_one_expert_a_rank(load: Any) -> None:
+    config = load_model_config(load("qwen2_moe").path)  # 4 heads, 2 KV heads, shared 48
+    assert check_parallel_sizes(config, 2, 1) is None
+    assert config.moe is not None and config.moe.expert_range(1, 2) == range(4, 8)
+
+
+# ---- expert parallelism: T = 2 ranks (gloo, child processes) against one engine --------------
+
+
+def _scenario(engine: Any, parallel: Any) -> tuple[list[Any], list[Any], Any]:
+    from tests.test_parallel import _capturing, run_scenario
+
+    captured = _capturing(engine)
+    outputs = run_scenario(engine, captured)
+    held = [list(layer.mlp.experts.experts) for layer in engine.model.layers]
+    logits = [t.tolist() for t in captured] if parallel.topology.is_driver else []
+    return outputs, logits, held
+
+
+def test_expert_parallel_t2_matches_one_engine(load: Any) -> None:
+    """Qwen2-MoE (routed experts split 4 + 4 whole, the shared expert by columns) at T = 2:
+    the same tokens as one engine and logits within 1e-4 over test_parallel's scenario
+    (chunked prefills, decodes, a prefix-cache hit, a preemption and its recompute)."""
+    from tests.test_parallel import _capturing, _engine_config, run_scenario
+
+    path = load("qwen2_moe").path
+    one = Engine(_engine_config(path, 1, 1))
+    want_logits: list[torch.Tensor] = _capturing(one)
+    want = run_scenario(one, want_logits)
+    got = run_group_locally(_engine_config(path, 2, 1), _scenario, timeout=180)
+    assert [g[2] for g in got] == [[list(range(0, 4))] * 2, [list(range(4, 8))] * 2]
+    assert got[0][0] == got[1][0] == want
+    assert len(got[0][1]) == len(want_logits)
+    for i, (ours, ref) in enumerate(zip(got[0][1], want_logits, strict=True)):
+        assert rel_err(torch.tensor(ours), ref) < TOLERANCE, f"step {i + 1}"
