@@ -134,3 +134,27 @@ def test_expert_parallel_t2_matches_one_engine(load: Any) -> None:
     assert len(got[0][1]) == len(want_logits)
     for i, (ours, ref) in enumerate(zip(got[0][1], want_logits, strict=True)):
         assert rel_err(torch.tensor(ours), ref) < TOLERANCE, f"step {i + 1}"
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_speculation_gives_the_same_tokens(load: Any, method: str) -> None:
+    """Greedy tokens of Mixtral with speculative decoding (n-gram, or its first layer as the
+    draft) equal those without: the verify step's sparse blocks see several tokens of a
+    request at once."""
+    from tests.spec_driver import drive, make_scheduler_for
+
+    path = load("mixtral").path
+    text = prompt(12, seed=4)
+    prompts = [text * 3, prompt(20, seed=5) + text]  # repeats, so n-grams find matches
+    greedy = sampling(temperature=0.0)
+
+    def run(**spec: Any) -> dict[int, list[int]]:
+        engine = Engine(EngineConfig(model=str(path), device="cpu", num_kv_blocks=64, **spec))
+        requests = [
+            Request(f"r{i}", i + 1, p, greedy, 12, ignore_eos=True)  # type: ignore[arg-type]
+            for i, p in enumerate(prompts)
+        ]
+        return drive(make_scheduler_for(engine), engine, requests).outputs
+
+    extra = {"draft_num_layers": 1} if method == "draft" else {}
+    assert run(speculative_method=method, num_speculative_tokens=3, **extra) == run()
