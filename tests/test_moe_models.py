@@ -6,6 +6,7 @@ T = 2 against one engine; what the families refuse."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -158,3 +159,22 @@ def test_speculation_gives_the_same_tokens(load: Any, method: str) -> None:
 
     extra = {"draft_num_layers": 1} if method == "draft" else {}
     assert run(speculative_method=method, num_speculative_tokens=3, **extra) == run()
+
+
+def test_qwen3_30b_a3b_shape_has_its_published_size() -> None:
+    """configs/qwen3-30b-a3b (for --load-format dummy): the model card's 30.5 B parameters,
+    3.3 B of them active per token, counted off the meta-device model."""
+    import math
+    from dataclasses import replace
+
+    from engine.dummy import hf_tensor_shapes
+
+    config = load_model_config(Path(__file__).parents[1] / "configs" / "qwen3-30b-a3b")
+    assert config.family == "qwen3_moe" and config.moe is not None
+    # One layer's tensors counted 48 times (every layer is alike), the rest once.
+    sizes = {n: math.prod(s) for n, s in hf_tensor_shapes(replace(config, num_layers=1)).items()}
+    per_layer = config.num_layers
+    total = sum(size * (per_layer if ".layers." in n else 1) for n, size in sizes.items())
+    experts = per_layer * sum(size for n, size in sizes.items() if ".experts." in n)
+    active = total - experts + experts * config.moe.top_k // config.moe.num_experts
+    assert abs(total / 30.5e9 - 1) < 0.01 and abs(active / 3.3e9 - 1) < 0.03
