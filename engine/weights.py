@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from common.families import FAMILIES
 from common.gguf_file import open_gguf
 from common.model_config import ModelConfig, ModelSourceError
 from engine.config import EngineConfig
@@ -98,13 +99,15 @@ def _load_safetensors_dir(path: Path) -> LazyWeights:
     return LazyWeights(list(where), read)
 
 
-def gguf_name_to_hf(name: str) -> str | None:
-    """HF name for a GGUF tensor name, or None for tensors the model does not use."""
+def gguf_name_to_hf(name: str, layer_names: Mapping[str, str] | None = None) -> str | None:
+    """HF name for a GGUF tensor name, or None for tensors the model does not use. layer_names:
+    a family's names that differ from Llama's (common/families: gguf_layer_names)."""
     if name in _GGUF_GLOBAL_NAMES:
         return _GGUF_GLOBAL_NAMES[name]
+    table = {**_GGUF_LAYER_NAMES, **(layer_names or {})}
     m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", name)
-    if m and m.group(2) in _GGUF_LAYER_NAMES:
-        return f"model.layers.{m.group(1)}.{_GGUF_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    if m and m.group(2) in table:
+        return f"model.layers.{m.group(1)}.{table[m.group(2)]}.{m.group(3)}"
     return None
 
 
@@ -121,19 +124,26 @@ def unpermute_qk(weight: np.ndarray, num_heads: int) -> np.ndarray:
 
 
 def _load_gguf(path: Path, config: ModelConfig) -> LazyWeights:
+    """The GGUF's tensors under HF names. llama.cpp permutes q and k rows for the Llama
+    architecture only (the others use NeoX-style rotary, as HF does); a family whose converter
+    stores norms as 1 + w (Gemma) gets w back."""
+    family = FAMILIES[config.family]
     gguf_file = open_gguf(path)
     tensors = {}
     for tensor in gguf_file.tensors:
-        name = gguf_name_to_hf(tensor.name)
+        name = gguf_name_to_hf(tensor.name, family.gguf_layer_names)
         if name is not None:
             tensors[name] = tensor
+    permuted = family.gguf_architecture == "llama"
 
     def read(name: str) -> torch.Tensor:
         data = gguf_file.tensor_array(tensors[name])
-        if name.endswith(("q_proj.weight", "q_proj.bias")):
+        if permuted and name.endswith(("q_proj.weight", "q_proj.bias")):
             data = unpermute_qk(data, config.num_heads)
-        elif name.endswith(("k_proj.weight", "k_proj.bias")):
+        elif permuted and name.endswith(("k_proj.weight", "k_proj.bias")):
             data = unpermute_qk(data, config.num_kv_heads)
+        elif family.gguf_norms_plus_one and name.endswith("norm.weight"):
+            data = data - 1.0
         return torch.from_numpy(np.ascontiguousarray(data))
 
     return LazyWeights(list(tensors), read)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 
 import grpc
 
@@ -46,11 +46,17 @@ class GatewayCore(ReplicaLinks):
     top of them: validation, admission by tenant, and generation."""
 
     def __init__(
-        self, config: GatewayConfig, tokenizer: Tokenizer, tenants: TenantTable | None = None
+        self,
+        config: GatewayConfig,
+        tokenizer: Tokenizer,
+        tenants: TenantTable | None = None,
+        sampling_defaults: Mapping[str, float] | None = None,
     ):
         # What both APIs call the model (the engine's own name for it is only logged).
         super().__init__(config, config.served_model_name or default_model_id(config.model))
         self.tokenizer = tokenizer
+        # The model's generation_config.json sampling defaults (vLLM applies them too).
+        self.sampling_defaults = sampling_defaults or {}
         self.telemetry = GatewayTelemetry()
         self.telemetry.model = self.model_id
         self.tenants = tenants or load_tenants(config)
@@ -76,7 +82,7 @@ class GatewayCore(ReplicaLinks):
         if self.limits is None:
             raise GatewayError(grpc.StatusCode.UNAVAILABLE, "scheduler not connected yet")
         try:
-            return validate(request, self.tokenizer, self.limits)
+            return validate(request, self.tokenizer, self.limits, self.sampling_defaults)
         except ValidationError as err:
             raise GatewayError(grpc.StatusCode.INVALID_ARGUMENT, str(err)) from err
 

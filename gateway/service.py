@@ -24,7 +24,7 @@ from common.auth import (
     is_authorized,
 )
 from common.log import bind
-from common.model_config import resolve_model_path
+from common.model_config import generation_defaults, resolve_model_path
 from common.net import LIVENESS_SERVICE, SERVER_OPTIONS, add_servicer, serve_aio
 from gateway.admin import AdminService
 from gateway.config import GatewayConfig
@@ -157,8 +157,9 @@ async def set_initial_health(core: GatewayCore) -> None:
 async def serve(config: GatewayConfig, tenants: TenantTable | None = None) -> None:
     """Serve until stopped; tenants: the table of config's tenant file when its caller has
     read it already (else it is read here)."""
-    tokenizer = Tokenizer.from_model_path(resolve_model_path(config.model))
-    core = GatewayCore(config, tokenizer, tenants)
+    path = resolve_model_path(config.model)
+    tokenizer = Tokenizer.from_model_path(path)
+    core = GatewayCore(config, tokenizer, tenants, generation_defaults(path))
     server = make_server(core)
     await set_initial_health(core)
     http = None

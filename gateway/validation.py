@@ -6,12 +6,13 @@ Each error names the field, the value and the limit, as a person would want to r
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from google.protobuf import unknown_fields
 from google.protobuf.message import Message
 
-from common.sampling import SamplingError, normalized
+from common.sampling import SamplingError, normalized, with_defaults
 from gateway.tokenizer import ChatMessage, ChatTemplateError, Tokenizer
 from protos import api_pb2, common_pb2, scheduler_pb2
 
@@ -67,10 +68,13 @@ def _check_unknown_fields(req: api_pb2.GenerateRequest) -> None:
             )
 
 
-def _check_request(req: api_pb2.GenerateRequest) -> common_pb2.SamplingParams:
-    """The normalized sampling params; also checks max_tokens and request_id."""
+def _check_request(
+    req: api_pb2.GenerateRequest, defaults: Mapping[str, float]
+) -> common_pb2.SamplingParams:
+    """The normalized sampling params, the model's defaults where the request left a field
+    unset; also checks max_tokens and request_id."""
     try:
-        sampling = normalized(req.sampling)
+        sampling = normalized(with_defaults(req.sampling, defaults))
     except SamplingError as err:
         raise ValidationError(str(err)) from err
     if req.HasField("max_tokens") and req.max_tokens < 1:
@@ -132,11 +136,17 @@ def _prompt_ids(req: api_pb2.GenerateRequest, tokenizer: Tokenizer, limits: Limi
         raise ValidationError(f"chat.messages: {err}") from err
 
 
-def validate(req: api_pb2.GenerateRequest, tokenizer: Tokenizer, limits: Limits) -> ValidRequest:
+def validate(
+    req: api_pb2.GenerateRequest,
+    tokenizer: Tokenizer,
+    limits: Limits,
+    sampling_defaults: Mapping[str, float] | None = None,
+) -> ValidRequest:
     """Raise ValidationError on the first bad field; otherwise the request, tokenized, with
-    defaults filled in (max_tokens defaults to what is left of the context)."""
+    defaults filled in (max_tokens defaults to what is left of the context; sampling fields to
+    sampling_defaults, the model's generation_config.json, then common.sampling's)."""
     _check_unknown_fields(req)
-    sampling = _check_request(req)
+    sampling = _check_request(req, sampling_defaults or {})
     _check_stops(req, limits)
     prompt = _prompt_ids(req, tokenizer, limits)
     if not prompt:

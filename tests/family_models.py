@@ -11,11 +11,53 @@ from typing import Any
 from tests.factories import EOS_TOKEN_ID, TINY_VOCAB, write_byte_tokenizer
 
 WINDOW = 12  # shorter than every test prompt
+# Engine settings per family: Phi-3's longrope takes its short factors when the engine's context
+# stays within the original one (transformers: when the sequence does; the tests' all do).
+ENGINE_SETTINGS: dict[str, dict[str, Any]] = {"phi3": {"max_model_len": 128}}
 # Each family: (transformers config class, its fields beyond COMMON).
 FAMILY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen2": ("Qwen2Config", {"tie_word_embeddings": True}),
     "qwen3": ("Qwen3Config", {"head_dim": 32, "attention_bias": True}),
     "mistral": ("MistralConfig", {"sliding_window": WINDOW, "head_dim": 16}),
+    "gemma2": (
+        "Gemma2Config",
+        {
+            "head_dim": 32,
+            "query_pre_attn_scalar": 24,
+            "sliding_window": WINDOW,
+            "attn_logit_softcapping": 2.0,  # below the tiny model's raw scores: the caps bite
+            "final_logit_softcapping": 3.0,
+        },
+    ),
+    "gemma3": (
+        "Gemma3TextConfig",
+        {
+            "head_dim": 32,
+            "query_pre_attn_scalar": 24,
+            "sliding_window": WINDOW,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "rope_parameters": {
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
+            },
+        },
+    ),
+    "phi3": (
+        "Phi3Config",
+        {
+            "sliding_window": 20,
+            "max_position_embeddings": 256,
+            "original_max_position_embeddings": 128,
+            "rope_parameters": {
+                "rope_type": "longrope",
+                "rope_theta": 10000.0,
+                "partial_rotary_factor": 0.5,
+                "short_factor": [1.0 + i / 4 for i in range(4)],
+                "long_factor": [2.0 + i for i in range(4)],
+                "original_max_position_embeddings": 128,
+            },
+        },
+    ),
 }
 COMMON: dict[str, Any] = {
     "vocab_size": TINY_VOCAB,

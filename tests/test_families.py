@@ -5,7 +5,9 @@ script with chunked prefill, prefix-cache hits and preemptions; the registry's r
 
 from __future__ import annotations
 
+import dataclasses
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +23,7 @@ from scheduler.convert import apply_result, plan_to_proto
 from scheduler.request import Request
 from scheduler.scheduler import Scheduler
 from tests.factories import sampling
-from tests.family_models import FAMILY_CONFIGS, make_tiny_family
+from tests.family_models import ENGINE_SETTINGS, FAMILY_CONFIGS, make_tiny_family
 from tests.spec_driver import check_mirror
 from tests.test_model import BLOCK_SIZE, forward_direct, prompt, rel_err, shuffled_blocks
 
@@ -52,12 +54,15 @@ class Loaded:
 def load(tmp_path_factory: pytest.TempPathFactory) -> Any:
     cache: dict[str, Loaded] = {}
 
-    def get(family: str) -> Loaded:
-        if family not in cache:
-            path = make_tiny_family(tmp_path_factory.mktemp(family), family, seed=len(cache))
-            cache[family] = Loaded(path)
-        cache[family].engine.reset()
-        return cache[family]
+    def get(family: str, **overrides: Any) -> Loaded:
+        """The family's tiny model (overrides: config fields changed), loaded once."""
+        key = f"{family}{overrides}"
+        if key not in cache:
+            directory = tmp_path_factory.mktemp(family)
+            path = make_tiny_family(directory, family, seed=len(cache), **overrides)
+            cache[key] = Loaded(path, **ENGINE_SETTINGS.get(family, {}))
+        cache[key].engine.reset()
+        return cache[key]
 
     return get
 
@@ -166,18 +171,115 @@ def test_unserved_architecture_is_refused_naming_the_served(tmp_path: Path) -> N
         assert arch in message
 
 
-def test_the_sliding_window_matters_for_these_prompts(load: Any) -> None:
-    """Guards Mistral's comparisons: the same weights attending to whole contexts give other
-    logits (the window is shorter than the prompts)."""
-    m = load("mistral")
-    layers = [layer.self_attn for layer in m.engine.model.layers]
-    assert [a.window for a in layers] == [12, 12]
+def _set_on_attention(name: str, value: Any) -> Callable[[Any], Callable[[], None]]:
+    """A quirk switch: set `name` on every layer's attention (value(model) when callable);
+    returns the undo."""
+
+    def switch(model: Any) -> Callable[[], None]:
+        attentions = [layer.self_attn for layer in model.layers]
+        saved = [getattr(a, name) for a in attentions]
+        for attention in attentions:
+            setattr(attention, name, value(model) if callable(value) else value)
+
+        def undo() -> None:
+            for attention, old in zip(attentions, saved, strict=True):
+                setattr(attention, name, old)
+
+        return undo
+
+    return switch
+
+
+def _unscaled_rope(model: Any) -> Callable[[], None]:
+    from engine.rotary import rope_cos_sin_cache, rope_inv_freq
+
+    config = dataclasses.replace(model.config, rope_scaling=None)
+    rotary = model.rotary_emb
+    saved = rotary.cos_sin_cache
+    rotary.cos_sin_cache = rope_cos_sin_cache(rope_inv_freq(config), rotary.max_positions)
+    return lambda: setattr(rotary, "cos_sin_cache", saved)
+
+
+# A quirk of each family, switched off in the loaded model: the logits must then differ from
+# HF's, or the comparisons above would not show that the quirk is implemented.
+QUIRKS = {
+    "mistral": _set_on_attention("window", None),
+    "gemma2": _set_on_attention("softcap", None),
+    "gemma2-window": _set_on_attention("window", None),
+    "gemma3": _set_on_attention("rotary_emb", lambda model: model.rotary_emb),
+    "gemma3-window": _set_on_attention("window", None),
+    "phi3": _unscaled_rope,
+    "phi3-window": _set_on_attention("window", None),
+}
+
+
+@pytest.mark.parametrize("quirk", QUIRKS)
+def test_each_quirk_matters_for_these_prompts(load: Any, quirk: str) -> None:
+    m = load(quirk.split("-")[0])
     tokens = prompt(45, seed=1)
-    for attention in layers:
-        attention.window = None
+    undo = QUIRKS[quirk](m.engine.model)
     try:
         (ours,) = forward_direct(m.engine, [(tokens, 0, len(tokens), shuffled_blocks(11)[:6])])
     finally:
-        for attention in layers:
-            attention.window = 12
+        undo()
     assert rel_err(ours, m.hf_logits(tokens)) > 1e-2
+
+
+# A GGUF has no query_pre_attn_scalar (llama.cpp scales by head_dim ** -0.5 but for Gemma's
+# 27B models): the Gemma checkpoints written to GGUF use that scalar.
+GGUF_OVERRIDES = {"gemma2": {"query_pre_attn_scalar": 32}, "gemma3": {"query_pre_attn_scalar": 32}}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_gguf_logits_match_hf(load: Any, family: str, tmp_path: Path) -> None:
+    """The same checkpoint written as llama.cpp lays out that architecture (tests/family_gguf.py),
+    loaded through our GGUF path: the same config and logits within 1e-4 of HF's at every
+    position, whole and chunked."""
+    from tests.family_gguf import write_family_gguf
+
+    m = load(family, **GGUF_OVERRIDES.get(family, {}))
+    path = write_family_gguf(m.path, tmp_path / f"{family}.gguf", family)
+    from_hf, from_gguf = load_model_config(m.path), load_model_config(path)
+    assert from_gguf.family == ("llama" if family == "mistral" else family)
+    floats = ("rms_norm_eps", "attention_scale")
+    for name in floats:
+        want = getattr(from_hf, name)
+        assert getattr(from_gguf, name) == (want and pytest.approx(want, rel=1e-6)), name
+    same = ("name", "family", "eos_token_ids", "bos_token_id", "rope_scaling", *floats)
+    assert dataclasses.replace(from_gguf, **{k: getattr(from_hf, k) for k in same}) == from_hf
+    if from_hf.rope_scaling is not None:
+        assert from_gguf.rope_scaling is not None
+        assert from_gguf.rope_scaling["rope_type"] == from_hf.rope_scaling["rope_type"]
+    engine = Engine(
+        EngineConfig(
+            model=str(path), device="cpu", num_kv_blocks=96, block_size=BLOCK_SIZE,
+            **ENGINE_SETTINGS.get(family, {}),
+        )
+    )  # fmt: skip
+    tokens = prompt(45, seed=1)
+    want = m.hf_logits(tokens)
+    (whole,) = forward_direct(engine, [(tokens, 0, len(tokens), shuffled_blocks(11)[:6])])
+    assert rel_err(whole, want) < TOLERANCE
+    table = shuffled_blocks(12)[:6]
+    chunks = [
+        forward_direct(engine, [(tokens, s, min(s + 9, len(tokens)), table)])[0]
+        for s in range(0, len(tokens), 9)
+    ]
+    assert rel_err(torch.cat(chunks), want) < TOLERANCE
+
+
+def test_generation_defaults_fill_only_unset_fields(tmp_path: Path) -> None:
+    from common.model_config import generation_defaults
+    from common.sampling import normalized, with_defaults
+    from protos.common_pb2 import SamplingParams
+
+    (tmp_path / "generation_config.json").write_text(
+        json.dumps({"temperature": 0.6, "top_p": 0.95, "top_k": 20, "do_sample": True})
+    )
+    defaults = generation_defaults(tmp_path)
+    assert defaults == {"temperature": 0.6, "top_p": 0.95, "top_k": 20.0}
+    unset = normalized(with_defaults(SamplingParams(), defaults))
+    assert (unset.top_p, unset.top_k) == (pytest.approx(0.95), 20)
+    assert unset.temperature == pytest.approx(0.6)
+    mine = normalized(with_defaults(SamplingParams(temperature=0.0, top_k=-1), defaults))
+    assert (mine.temperature, mine.top_k, mine.top_p) == (0.0, -1, pytest.approx(0.95))

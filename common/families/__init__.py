@@ -1,7 +1,7 @@
 """The served model families (common/families/registry.py explains a family's record). Each
 module below registers its families when imported; a new family adds its module here."""
 
-from common.families import llama, moe, qwen
+from common.families import gemma, llama, moe, phi3, qwen
 from common.families.registry import (
     FAMILIES,
     Family,
@@ -23,8 +23,10 @@ __all__ = [
     "UnservedModelError",
     "family_for_gguf",
     "family_for_hf",
+    "gemma",
     "llama",
     "moe",
+    "phi3",
     "qwen",
     "register",
     "rope_from_hf",

@@ -11,7 +11,12 @@ LLAMA_MODEL = "engine.model:LlamaForCausalLM"
 
 
 def _llama_gguf(fields: Mapping[str, Any], arch: str) -> dict[str, Any]:
-    return {"attention_bias": "blk.0.attn_q.bias" in fields["tensor_names"]}
+    """llama.cpp converts Mistral as the Llama architecture: its window, where it is written."""
+    window = fields.get(f"{arch}.attention.sliding_window")
+    return {
+        "attention_bias": "blk.0.attn_q.bias" in fields["tensor_names"],
+        "sliding_window": int(window) if window else None,
+    }
 
 
 def _mistral_hf(cfg: Mapping[str, Any]) -> dict[str, Any]:

@@ -31,6 +31,8 @@ QWEN2 = register(
         hf_model_types=("qwen2",),
         model="engine.model:LlamaForCausalLM",
         read_hf=lambda cfg: {"qkv_bias": True, **qwen_window(cfg)},
+        gguf_architecture="qwen2",
+        read_gguf=lambda fields, arch: {"qkv_bias": True},
     )
 )
 
@@ -41,5 +43,8 @@ QWEN3 = register(
         hf_model_types=("qwen3",),
         model="engine.families.qwen3:Qwen3ForCausalLM",
         read_hf=qwen_window,
+        gguf_architecture="qwen3",
+        read_gguf=lambda fields, arch: {},
+        gguf_layer_names={"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"},
     )
 )

@@ -6,7 +6,9 @@ and listed in common/families/__init__.py:
 
 - `read_hf(cfg)`: the family's own ModelConfig fields from config.json, on top of those every
   decoder has (common/model_config.py reads those); `read_gguf(fields, arch)` likewise from a
-  GGUF's metadata (None: the family has no GGUF form we read).
+  GGUF's metadata (None: the family has no GGUF form we read; `fields` also holds
+  "tensor_names" and "gguf_file", the common.gguf_file.GGUFFile), with `gguf_layer_names` for
+  its tensor names that differ from Llama's.
 - `model`: "module:Class" of its model definition in engine/families/, imported only by the
   engine (this side never loads torch, so the scheduler, gateway and CLI can read a model's shape).
   That class declares the family's layers from engine/layers.py (see engine/families/README.md).
@@ -42,6 +44,10 @@ class Family:
     read_hf: HFReader
     gguf_architecture: str | None = None
     read_gguf: GGUFReader | None = None
+    # GGUF tensor names that differ from Llama's (engine/weights.py): "attn_qkv" -> our
+    # "self_attn.qkv_proj", ...; norms llama.cpp stores as 1 + w (Gemma's converter adds it).
+    gguf_layer_names: Mapping[str, str] = field(default_factory=dict)
+    gguf_norms_plus_one: bool = False
     refuses: Mapping[str, str] = field(default_factory=dict)  # feature -> why
 
 

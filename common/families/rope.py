@@ -23,6 +23,7 @@ def rope_from_hf(params: Any, cfg: Mapping[str, Any]) -> tuple[float, dict[str, 
         scaling = dict(cfg.get("rope_scaling") or {})
     scaling.pop("partial_rotary_factor", None)
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    rope_type = "longrope" if rope_type == "su" else rope_type  # early Phi-3 configs' name
     if rope_type == "default":
         return theta, None
     if rope_type not in ROPE_TYPES:
