@@ -74,14 +74,15 @@ class Experts(nn.Module):
         default_weight_loader(self.shard(param, shard), loaded)
 
     def hf_tensors(self, stem: str, names: tuple[str, str, str]) -> Iterator[HFTensor]:
-        """(HF name, self, parameter, shard) of each local expert's three tensors; stem: the
-        block's HF prefix ("model.layers.3.mlp.")."""
-        gate, up, down = names
-        for local, expert in enumerate(self.experts):
-            prefix = f"{stem}experts.{expert}."
-            yield f"{prefix}{gate}.weight", self, self.w13, 2 * local
-            yield f"{prefix}{up}.weight", self, self.w13, 2 * local + 1
-            yield f"{prefix}{down}.weight", self, self.w2, local
+        """(HF name, self, parameter, shard) of each local expert's three tensors, every
+        expert's gate first, then the ups, then the downs (a GGUF stacks each projection's
+        experts in one tensor: read once, sliced E times); stem: the block's HF prefix
+        ("model.layers.3.mlp.")."""
+        params = (self.w13, self.w13, self.w2)
+        for part, (name, param) in enumerate(zip(names, params, strict=True)):
+            for local, expert in enumerate(self.experts):
+                shard = local if param is self.w2 else 2 * local + part
+                yield f"{stem}experts.{expert}.{name}.weight", self, param, shard
 
 
 class SharedExpert(OpsModule):

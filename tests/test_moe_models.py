@@ -21,7 +21,7 @@ from scheduler.request import Request
 from tests.factories import sampling
 from tests.moe_models import MOE_CONFIGS, make_tiny_moe
 from tests.test_families import Loaded, run_script
-from tests.test_model import forward_direct, prompt, rel_err, shuffled_blocks
+from tests.test_model import BLOCK_SIZE, forward_direct, prompt, rel_err, shuffled_blocks
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -178,3 +178,26 @@ def test_qwen3_30b_a3b_shape_has_its_published_size() -> None:
     experts = per_layer * sum(size for n, size in sizes.items() if ".experts." in n)
     active = total - experts + experts * config.moe.top_k // config.moe.num_experts
     assert abs(total / 30.5e9 - 1) < 0.01 and abs(active / 3.3e9 - 1) < 0.03
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"])
+def test_gguf_logits_match_hf(load: Any, family: str, tmp_path: Path) -> None:
+    """The checkpoint written as llama.cpp lays out qwen3moe / qwen2moe (stacked experts,
+    tests/moe_models.write_moe_gguf): the same MoE shape as config.json's and logits within 1e-4
+    of HF's at every position."""
+    from tests.moe_models import write_moe_gguf
+
+    m = load(family)
+    path = write_moe_gguf(m.path, tmp_path / f"{family}.gguf", family)
+    from_hf, from_gguf = load_model_config(m.path), load_model_config(path)
+    assert from_gguf.family == family
+    assert from_gguf.moe is not None and from_hf.moe is not None
+    assert from_gguf.moe.dense_layers == from_hf.moe.dense_layers
+    assert from_gguf.moe == from_hf.moe
+    assert from_gguf.qkv_bias == from_hf.qkv_bias
+    engine = Engine(
+        EngineConfig(model=str(path), device="cpu", num_kv_blocks=96, block_size=BLOCK_SIZE)
+    )
+    tokens = prompt(45, seed=1)
+    (ours,) = forward_direct(engine, [(tokens, 0, len(tokens), shuffled_blocks(11)[:6])])
+    assert rel_err(ours, m.hf_logits(tokens)) < TOLERANCE

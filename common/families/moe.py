@@ -8,9 +8,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from common.families.qwen import qwen_window
+from common.families.qwen import QWEN3, qwen_window
 from common.families.registry import Family, register
-from common.moe_config import moe_from_hf
+from common.moe_config import MoEConfig, moe_from_hf
 
 MOE_REFUSES = {
     "quantization": (
@@ -18,6 +18,40 @@ MOE_REFUSES = {
         "would leave most of the weights as they are"
     ),
 }
+
+
+# llama.cpp's tensors of a sparse layer -> the names our blocks read. The routed experts are
+# stacked ([E, I, H] for gate and up, [E, H, I] for down): engine/families/moe.StackedExperts
+# hands out one expert's rows under its per-expert name.
+MOE_GGUF_NAMES = {
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+}
+
+
+def _moe_gguf(fields: Mapping[str, Any], arch: str) -> MoEConfig:
+    """The MoE shape from llama.cpp's keys: a layer without a router tensor is dense; without
+    `expert_weights_norm`, Qwen3-MoE renormalizes and Qwen2-MoE does not (llama.cpp's rule for
+    those architectures)."""
+    names = fields["tensor_names"]
+    num_layers = int(fields[f"{arch}.block_count"])
+    norm = fields.get(f"{arch}.expert_weights_norm")
+    return MoEConfig(
+        num_experts=int(fields[f"{arch}.expert_count"]),
+        top_k=int(fields[f"{arch}.expert_used_count"]),
+        intermediate_size=int(fields[f"{arch}.expert_feed_forward_length"]),
+        renormalize=bool(norm) if norm is not None else arch == "qwen3moe",
+        shared_intermediate_size=int(fields.get(f"{arch}.expert_shared_feed_forward_length") or 0),
+        dense_layers=tuple(
+            i for i in range(num_layers) if f"blk.{i}.ffn_gate_inp.weight" not in names
+        ),
+    )
 
 
 def _window(cfg: Mapping[str, Any]) -> dict[str, Any]:
@@ -44,6 +78,9 @@ QWEN3_MOE = register(
         hf_model_types=("qwen3_moe",),
         model="engine.families.moe:Qwen3MoeForCausalLM",
         read_hf=lambda cfg: {"moe": moe_from_hf(dict(cfg)), **_window(cfg)},
+        gguf_architecture="qwen3moe",
+        read_gguf=lambda fields, arch: {"moe": _moe_gguf(fields, arch)},
+        gguf_layer_names={**QWEN3.gguf_layer_names, **MOE_GGUF_NAMES},
         refuses=MOE_REFUSES,
     )
 )
@@ -59,6 +96,9 @@ QWEN2_MOE = register(
             "qkv_bias": bool(cfg.get("qkv_bias", True)),
             **qwen_window(cfg),
         },
+        gguf_architecture="qwen2moe",
+        read_gguf=lambda fields, arch: {"moe": _moe_gguf(fields, arch), "qkv_bias": True},
+        gguf_layer_names=MOE_GGUF_NAMES,
         refuses=MOE_REFUSES,
     )
 )

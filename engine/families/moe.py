@@ -4,8 +4,10 @@ stacks its experts' weights, so it names its checkpoint tensors itself (`hf_tens
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import re
+from collections.abc import Iterator, Mapping
 
+import torch
 from torch import nn
 
 from common.model_config import ModelConfig
@@ -40,6 +42,51 @@ class SparseLayers(LlamaForCausalLM):
                 yield item
         for name, block in blocks.items():
             yield from block.hf_tensors(f"model.{name}.")
+
+    def checkpoint_view(self, weights: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+        return StackedExperts(super().checkpoint_view(weights))
+
+
+class StackedExperts(Mapping[str, torch.Tensor]):
+    """A checkpoint whose experts may be stacked, as a GGUF stores them (common/families/moe.py
+    maps `ffn_gate_exps` to `mlp.experts.gate_proj`, [E, I, H]), seen under the per-expert names
+    the blocks ask for (`mlp.experts.3.gate_proj.weight` is row 3 of it). The last stacked
+    tensor read is kept, so each is read (and dequantized) once while its experts load in order.
+    A GGUF's shared-expert gate, a vector [H], comes back as HF's [1, H]."""
+
+    EXPERT = re.compile(r"(.*\.experts\.)(\d+)\.(\w+\.weight)")
+
+    def __init__(self, weights: Mapping[str, torch.Tensor]):
+        self.weights = weights
+        self.names = set(weights)
+        self.cached: tuple[str, torch.Tensor] | None = None
+
+    def stacked(self, name: str) -> tuple[str, int] | None:
+        """(the stacked tensor's name, the expert's row) for a per-expert name it covers."""
+        m = self.EXPERT.fullmatch(name)
+        if m is None or name in self.names or m[1] + m[3] not in self.names:
+            return None
+        return m[1] + m[3], int(m[2])
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        where = self.stacked(name)
+        if where is None:
+            tensor = self.weights[name]
+            if name.endswith("shared_expert_gate.weight") and tensor.dim() == 1:
+                tensor = tensor.unsqueeze(0)
+            return tensor
+        if self.cached is None or self.cached[0] != where[0]:
+            self.cached = (where[0], self.weights[where[0]])
+        return self.cached[1][where[1]]
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and (name in self.names or self.stacked(name) is not None)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.weights)
+
+    def __len__(self) -> int:
+        return len(self.weights)
 
 
 class MixtralForCausalLM(SparseLayers):
