@@ -290,7 +290,8 @@ def _config_from_gguf(path: Path) -> ModelConfig:
         "eos_token_ids": eos_ids,
     }
     extra = family.read_gguf({**fields, "tensor_names": tensor_names, "gguf_file": gguf_file}, arch)
-    return ModelConfig(**{**base, **extra, "family": family.name})
+    # A record may name another family for what it reads (llama.cpp's Llama with experts: Mixtral)
+    return ModelConfig(**{**base, "family": family.name, **extra})
 
 
 def tokenizer_tokens(path: Path) -> tuple[str, list[str]] | None:

@@ -46,44 +46,48 @@ def make_tiny_moe(directory: Path, family: str, seed: int = 0, **overrides: Any)
     return directory
 
 
-GGUF_ARCH = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe"}
+GGUF_ARCH = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama"}
 _SPARSE = {  # our HF stem inside a sparse layer -> llama.cpp's tensor (per layer)
     "mlp.gate": "ffn_gate_inp",
+    "block_sparse_moe.gate": "ffn_gate_inp",
     "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
     "mlp.shared_expert.up_proj": "ffn_up_shexp",
     "mlp.shared_expert.down_proj": "ffn_down_shexp",
     "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
 }
 _STACKED = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps"}
+_STACKED.update(w1="ffn_gate_exps", w3="ffn_up_exps", w2="ffn_down_exps")
 
 
 def write_moe_gguf(hf_dir: Path, path: Path, family: str) -> Path:
-    """hf_dir (a tiny Qwen3-MoE or Qwen2-MoE) as a float32 GGUF laid out as llama.cpp's converter
-    does: each projection's experts stacked in one tensor ([E, I, H] / [E, H, I]), the router
-    `ffn_gate_inp`, the shared expert `ffn_*_shexp` and its gate a vector `ffn_gate_inp_shexp`;
-    the expert keys (count, used count, widths, weights_norm)."""
+    """hf_dir (a tiny Qwen3-MoE, Qwen2-MoE or Mixtral) as a float32 GGUF laid out as llama.cpp's
+    converter does: each projection's experts stacked in one tensor ([E, I, H] / [E, H, I]), the
+    router `ffn_gate_inp`, the shared expert `ffn_*_shexp` and its gate a vector
+    `ffn_gate_inp_shexp`; the expert keys (count, used count, widths, weights_norm). Mixtral is
+    the Llama architecture with an expert count, its q / k rows permuted as Llama's."""
     import re
 
     import gguf
     import numpy as np
     from safetensors.numpy import load_file
 
-    from tests.family_gguf import _gguf_name, _metadata
+    from tests.family_gguf import _gguf_name, _metadata, permute_qk
 
     cfg = json.loads((hf_dir / "config.json").read_text())
     hf = load_file(str(hf_dir / "model.safetensors"))
     arch = GGUF_ARCH[family]
     w = gguf.GGUFWriter(str(path), arch)
-    _metadata(w, "qwen3" if family == "qwen3_moe" else "qwen2", cfg)
+    _metadata(w, {"qwen3_moe": "qwen3", "qwen2_moe": "qwen2"}.get(family, "mistral"), cfg)
     w.add_expert_count(cfg.get("num_experts") or cfg["num_local_experts"])
     w.add_expert_used_count(cfg["num_experts_per_tok"])
-    w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+    if family != "mixtral":  # Mixtral's experts are feed_forward_length wide
+        w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+        w.add_expert_weights_norm(bool(cfg["norm_topk_prob"]))
     if cfg.get("shared_expert_intermediate_size"):
         w.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
-    w.add_expert_weights_norm(bool(cfg["norm_topk_prob"]))
     stacks: dict[str, dict[int, np.ndarray]] = {}
     for hf_name, data in hf.items():
-        expert = re.fullmatch(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(\w+)\.weight", hf_name)
+        expert = re.fullmatch(r"model\.layers\.(\d+)\.\w+\.experts\.(\d+)\.(\w+)\.weight", hf_name)
         if expert:
             stem = f"blk.{expert[1]}.{_STACKED[expert[3]]}.weight"
             stacks.setdefault(stem, {})[int(expert[2])] = data
@@ -96,6 +100,10 @@ def write_moe_gguf(hf_dir: Path, path: Path, family: str) -> Path:
         else:
             name = _gguf_name("qwen3", hf_name)  # type: ignore[assignment]
         assert name is not None, f"no GGUF name for {hf_name}"
+        if arch == "llama" and ".attn_q." in name:
+            data = permute_qk(data, cfg["num_attention_heads"])
+        elif arch == "llama" and ".attn_k." in name:
+            data = permute_qk(data, cfg["num_key_value_heads"])
         w.add_tensor(name, np.ascontiguousarray(data, dtype=np.float32))
     for name, experts in stacks.items():
         stacked = np.stack([experts[e] for e in sorted(experts)])

@@ -180,11 +180,11 @@ def test_qwen3_30b_a3b_shape_has_its_published_size() -> None:
     assert abs(total / 30.5e9 - 1) < 0.01 and abs(active / 3.3e9 - 1) < 0.03
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_gguf_logits_match_hf(load: Any, family: str, tmp_path: Path) -> None:
-    """The checkpoint written as llama.cpp lays out qwen3moe / qwen2moe (stacked experts,
-    tests/moe_models.write_moe_gguf): the same MoE shape as config.json's and logits within 1e-4
-    of HF's at every position."""
+    """The checkpoint written as llama.cpp lays out qwen3moe / qwen2moe / Mixtral (the llama
+    architecture with experts; stacked experts, tests/moe_models.write_moe_gguf): the same MoE
+    shape as config.json's and logits within 1e-4 of HF's at every position."""
     from tests.moe_models import write_moe_gguf
 
     m = load(family)

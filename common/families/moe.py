@@ -54,6 +54,30 @@ def _moe_gguf(fields: Mapping[str, Any], arch: str) -> MoEConfig:
     )
 
 
+# Mixtral's sparse layers in a GGUF of the Llama architecture.
+MIXTRAL_GGUF_NAMES = {
+    "ffn_gate_inp": "block_sparse_moe.gate",
+    "ffn_gate_exps": "block_sparse_moe.experts.w1",
+    "ffn_up_exps": "block_sparse_moe.experts.w3",
+    "ffn_down_exps": "block_sparse_moe.experts.w2",
+}
+
+
+def mixtral_gguf(fields: Mapping[str, Any], arch: str) -> dict[str, Any]:
+    """What a Llama-architecture GGUF with `expert_count` is: Mixtral (llama.cpp converts it so),
+    every layer sparse, the experts feed_forward_length wide, top-k always renormalized."""
+    moe = moe_from_hf(
+        {
+            "architectures": ["MixtralForCausalLM"],
+            "num_hidden_layers": fields[f"{arch}.block_count"],
+            "num_local_experts": fields[f"{arch}.expert_count"],
+            "num_experts_per_tok": fields[f"{arch}.expert_used_count"],
+            "intermediate_size": fields[f"{arch}.feed_forward_length"],
+        }
+    )
+    return {"family": "mixtral", "moe": moe}
+
+
 def _window(cfg: Mapping[str, Any]) -> dict[str, Any]:
     """Mixtral and Qwen3-MoE: every layer windowed when sliding_window is set."""
     window = cfg.get("sliding_window")
@@ -67,6 +91,7 @@ MIXTRAL = register(
         hf_model_types=("mixtral",),
         model="engine.families.moe:MixtralForCausalLM",
         read_hf=lambda cfg: {"moe": moe_from_hf(dict(cfg)), **_window(cfg)},
+        gguf_layer_names=MIXTRAL_GGUF_NAMES,  # its GGUFs are Llama's (mixtral_gguf)
         refuses=MOE_REFUSES,
     )
 )
