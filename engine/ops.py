@@ -360,12 +360,11 @@ class KernelOps(LayerOps):
         """store_kv, then the decode kernel (every request one query) or the varlen prefill
         kernel (anything else), as kernels.cuda.paged_attention dispatches."""
         assert ctx.seq_lens_t is not None and ctx.cu_seqlens_q_t is not None, "prepare() first"
-        assert window is None and softcap is None, "kernel_limits refuses these models"
         self.lib.store_kv(k, v, k_cache, v_cache, ctx.slot_mapping)
         if ctx.num_splits is not None and ctx.max_seqlen_q == 1:
             return self.lib.paged_decode_attention(
                 q, k_cache, v_cache, ctx.block_tables, ctx.seq_lens_t, scale,
-                num_splits=ctx.num_splits,
+                num_splits=ctx.num_splits, window=window, softcap=softcap,
             )  # fmt: skip
         return self.lib.paged_attention(
             q,
@@ -377,6 +376,8 @@ class KernelOps(LayerOps):
             scale,
             max_seqlen_q=ctx.max_seqlen_q,
             max_seq_len=ctx.max_seq_len,
+            window=window,
+            softcap=softcap,
         )
 
 
@@ -396,13 +397,6 @@ def kernel_limits(config: ModelConfig, dtype: torch.dtype, block_size: int) -> s
         return f"intermediate_size={config.intermediate_size}: silu_and_mul needs a multiple of 8"
     if config.moe is not None and config.moe.intermediate_size % 8:
         return f"moe_intermediate_size={config.moe.intermediate_size}: moe.cu needs a multiple of 8"
-    if config.sliding_window is not None:
-        return f"sliding_window={config.sliding_window}: the CUDA kernels attend to whole contexts"
-    if config.attn_logit_softcap is not None:
-        return (
-            f"attn_logit_softcapping={config.attn_logit_softcap}: the CUDA kernels do not "
-            "soft-cap attention scores"
-        )
     return None
 
 

@@ -264,9 +264,13 @@ def paged_decode_attention(
     max_seq_len: int | None = None,
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """One query per sequence over its context in the paged pool (reference.paged_attention with
     cu_seqlens_q = arange(num_seqs + 1)). The pool is q's dtype, or FP8 with k_scale / v_scale.
+    window: a sliding window (the last `window` keys; the blocks before them are not read);
+    softcap: scores become softcap * tanh(score / softcap).
 
     q: [num_seqs, num_heads, head_dim]; block_tables: [num_seqs, >= ceil(seq_len / block_size)]
     int32; seq_lens: [num_seqs] int32, the context length including this step's token (already
@@ -303,12 +307,22 @@ def paged_decode_attention(
         *part_args,
         _i32(num_seqs), _i32(num_heads), _i32(num_kv_heads), _i32(block_size),
         _f32(scale * LOG2E), _i32(num_splits), _f32(k_scale), _f32(v_scale),
+        *_window_softcap(op, window, softcap),
     )  # fmt: skip
     grid = (num_ctas // num_seqs, num_seqs, num_splits)
     launch._launch(spec, spec.name_expressions[0], grid, (DECODE_THREADS,), args, smem, q.device)
     if num_splits > 1:
-        _launch_decode_merge(spec, part_args, seq_lens, out, num_splits)
+        _launch_decode_merge(spec, part_args, seq_lens, out, num_splits, window or 0)
     return out
+
+
+def _window_softcap(op: str, window: int | None, softcap: float | None) -> tuple[np.generic, ...]:
+    """The kernels' (window, softcap_log2) arguments: 0 for none."""
+    if window is not None and window < 1:
+        _fail(op, f"window={window} must be at least 1 (None: no window)")
+    if softcap is not None and not softcap > 0:
+        _fail(op, f"softcap={softcap} must be positive (None: no cap)")
+    return _i32(window or 0), _f32(softcap * LOG2E if softcap else 0.0)
 
 
 def _check_decode_args(
@@ -353,13 +367,14 @@ def _launch_decode_merge(
     seq_lens: torch.Tensor,
     out: torch.Tensor,
     num_splits: int,
+    window: int,
 ) -> None:
     """paged_decode_merge_kernel: combine the splits' partials into `out` [num_seqs, heads, D]."""
     num_seqs, num_heads, head_dim = out.shape
     merge_args = (
         *part_args, _ptr(seq_lens),
         _ptr(out), _i64(out.stride(0)), _i64(out.stride(1)),
-        _i32(num_seqs), _i32(num_heads), _i32(num_splits),
+        _i32(num_seqs), _i32(num_heads), _i32(num_splits), _i32(window),
     )  # fmt: skip
     expr = spec.name_expressions[1]
     launch._launch(spec, expr, (num_heads, num_seqs), (head_dim,), merge_args, 0, out.device)
@@ -387,6 +402,8 @@ def paged_prefill_attention(
     *,
     block_m: int = PREFILL_DEFAULT_BLOCK_M,
     out: torch.Tensor | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of each request's new queries over its whole context in the paged pool:
     reference.paged_attention with device metadata. The pool is q's dtype, or FP8 with k_scale /
@@ -397,7 +414,8 @@ def paged_prefill_attention(
     this step's tokens, whose K/V must already be stored; block_tables: [num_seqs, >=
     ceil(seq_len / block_size)] int32. Any block_size. Needs no host-side metadata (graph-safe).
     Returns [T, num_heads, head_dim] in q's dtype (rows past cu_seqlens_q[-1] are not written).
-    block_m: (query token, head) rows per CTA, a key of PREFILL_CONFIGS.
+    block_m: (query token, head) rows per CTA, a key of PREFILL_CONFIGS. window, softcap: as
+    paged_decode_attention's (key tiles wholly before a row tile's window are not read).
     """
     op = "paged_prefill_attention"
     num_seqs = seq_lens.shape[0] if isinstance(seq_lens, torch.Tensor) else -1
@@ -428,6 +446,7 @@ def paged_prefill_attention(
         _ptr(out), _i64(out.stride(0)), _i64(out.stride(1)),
         _i32(num_seqs), _i32(num_heads), _i32(num_kv_heads), _i32(block_size),
         _f32(scale * LOG2E), _f32(k_scale), _f32(v_scale),
+        *_window_softcap(op, window, softcap),
     )  # fmt: skip
     smem = prefill_smem_bytes(head_dim, block_m, fp8)
     launch._launch(spec, expr, grid, (32 * PREFILL_CONFIGS[block_m][0],), args, smem, q.device)
@@ -448,19 +467,21 @@ def paged_attention(
     max_seqlen_q: int | None = None,
     max_seq_len: int | None = None,
     out: torch.Tensor | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """reference.paged_attention on the GPU. A batch of decodes only (max_seqlen_q == 1, or, when
     it is not given, one query row per request, assuming every request has at least one) runs
     the decode kernel with split-K; anything else runs the prefill kernel. The pool is q's
-    dtype, or FP8 with k_scale / v_scale."""
+    dtype, or FP8 with k_scale / v_scale; window and softcap as the reference's."""
     num_seqs = seq_lens.shape[0]
     decode_only = max_seqlen_q == 1 if max_seqlen_q is not None else q.shape[0] == num_seqs
     if decode_only:
         return paged_decode_attention(
             q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale,
-            max_seq_len=max_seq_len, out=out,
+            max_seq_len=max_seq_len, out=out, window=window, softcap=softcap,
         )  # fmt: skip
     return paged_prefill_attention(
         q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, k_scale, v_scale,
-        out=out,
+        out=out, window=window, softcap=softcap,
     )  # fmt: skip

@@ -4,7 +4,9 @@
 // Computes, for sequence b and query head h (kv head h / group, group = num_heads / num_kv_heads):
 //     out[b, h, :] = softmax(scale * q[b, h, :] . K[b, j, kvh, :] for j < seq_lens[b]) @ V[b, :, kvh, :]
 // in fp32 (scores, softmax, accumulators); inputs and output in T (fp16 or bf16). A sequence with
-// seq_lens[b] <= 0 gets zeros.
+// seq_lens[b] <= 0 gets zeros. With a sliding window (window > 0) only keys j >= seq_lens[b] -
+// window count, and the tiles wholly before them are not read (their blocks may be freed);
+// with softcap_log2 > 0 (cap * log2 e) each score becomes cap * tanh(score / cap) (Gemma 2).
 //
 // KV cache element type KV: T itself, or fp8e4m3_t (an FP8 pool; per-layer scales): K and V are
 // then stored / k_scale and / v_scale, converted to T exactly on load, and the scales are applied
@@ -54,12 +56,15 @@
 #define DECODE_TILE 16
 
 // Tiles [*t0, *t1) of split `split`; the same arithmetic decides which splits the merge reads.
-__device__ __forceinline__ void decode_split_range(int seq_len, int num_splits, int split, int* t0,
-                                                   int* t1, int* num_active) {
-  const int n_tiles = (max(seq_len, 0) + DECODE_TILE - 1) / DECODE_TILE;
-  const int tps = (n_tiles + num_splits - 1) / num_splits;
-  *t0 = min(split * tps, n_tiles);
-  *t1 = min(*t0 + tps, n_tiles);
+// With a sliding window (window > 0) the splits share the tiles from the one holding the first
+// key in the window (seq_len - window) on; earlier tiles are never read.
+__device__ __forceinline__ void decode_split_range(int seq_len, int window, int num_splits,
+                                                   int split, int* t0, int* t1, int* num_active) {
+  const int first = window > 0 ? max(seq_len - window, 0) / DECODE_TILE : 0;
+  const int n_tiles = (max(seq_len, 0) + DECODE_TILE - 1) / DECODE_TILE - first;
+  const int tps = (max(n_tiles, 0) + num_splits - 1) / num_splits;
+  *t0 = first + min(split * tps, max(n_tiles, 0));
+  *t1 = min(*t0 + tps, first + max(n_tiles, 0));
   *num_active = tps > 0 ? (n_tiles + tps - 1) / tps : 0;
 }
 
@@ -74,7 +79,7 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32, 3)
                         long long o_stride_s, long long o_stride_h, float* __restrict__ part_acc,
                         float* __restrict__ part_ml, int num_seqs, int num_heads,
                         int num_kv_heads, int block_size, float scale_log2, int num_splits,
-                        float k_scale, float v_scale) {
+                        float k_scale, float v_scale, int window, float softcap_log2) {
   static_assert(HD % 16 == 0, "head_dim must be a multiple of 16");
   constexpr bool kFp8 = IsFp8<KV>::value;
   static_assert(kFp8 || sizeof(KV) == sizeof(T), "the cache holds T or FP8");
@@ -105,7 +110,8 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32, 3)
 
   const int seq_len = max(seq_lens[seq], 0);
   int t0, t1, num_active;
-  decode_split_range(seq_len, num_splits, split, &t0, &t1, &num_active);
+  decode_split_range(seq_len, window, num_splits, split, &t0, &t1, &num_active);
+  const int first_key = window > 0 ? seq_len - window : 0;  // keys before it are masked
 
   // Q as the MMA's A operand (16 rows = query heads of this tile, HD columns), kept in registers.
   // Row r is query head kvh * group + head_tile * 16 + r, valid while head_tile * 16 + r < group.
@@ -231,14 +237,18 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32, 3)
       }
     }
 
-    // Scale into log2 units and mask the tokens past the end (only the last tile has any).
+    // Scale into log2 units, soft-cap (softcap_log2 > 0: cap * tanh(score / cap), in log2
+    // units), and mask the tokens past the end (only the last tile has any) and, with a window,
+    // before its first key (only the first tile of the window has any).
     // Accumulator element e of n-tile nt: row gid (e < 2) or gid + 8, token nt*8 + 2*tig + e%2.
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int tok = tok0 + nt * 8 + 2 * tig + (e & 1);
-        s[nt][e] = tok < seq_len ? s[nt][e] * score_scale : neg_inf();
+        float x = s[nt][e] * score_scale;
+        if (softcap_log2 > 0.f) x = softcap_log2 * tanhf(x / softcap_log2);
+        s[nt][e] = tok < seq_len && tok >= first_key ? x : neg_inf();
       }
     }
 
@@ -350,12 +360,12 @@ __global__ void __launch_bounds__(HD)
     paged_decode_merge_kernel(const float* __restrict__ part_acc,
                               const float* __restrict__ part_ml, const int* __restrict__ seq_lens,
                               T* __restrict__ out, long long o_stride_s, long long o_stride_h,
-                              int num_seqs, int num_heads, int num_splits) {
+                              int num_seqs, int num_heads, int num_splits, int window) {
   const int head = blockIdx.x;
   const int seq = blockIdx.y;
   const int d = threadIdx.x;
   int t0, t1, num_active;
-  decode_split_range(seq_lens[seq], num_splits, 0, &t0, &t1, &num_active);
+  decode_split_range(seq_lens[seq], window, num_splits, 0, &t0, &t1, &num_active);
 
   const long long split_stride = static_cast<long long>(num_seqs) * num_heads;
   const long long row0 = static_cast<long long>(seq) * num_heads + head;

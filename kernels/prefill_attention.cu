@@ -8,6 +8,9 @@
 // Flash-attention style: online softmax in fp32, K/V tiles in shared memory, tensor-core MMA
 // (mma.sync m16n8k16, fp32 accumulate); the score matrix is never materialised. One-token queries
 // (decode rows) are handled too, just less efficiently than by decode_attention.cu.
+// Sliding window (window > 0): query p sees keys p - window + 1 .. p only, and a CTA skips the key
+// tiles wholly before its first row's window. softcap_log2 > 0 (cap * log2 e): each score becomes
+// cap * tanh(score / cap) before the mask (Gemma 2).
 //
 // KV cache element type KV: T itself, or fp8e4m3_t (an FP8 pool; per-layer scales): each K/V tile
 // is copied as FP8 and converted to T exactly in shared memory before the MMAs, and the scales
@@ -55,7 +58,8 @@ __global__ void __launch_bounds__(NW * 32)
                          const int* __restrict__ seq_lens, const int* __restrict__ cu_seqlens_q,
                          T* __restrict__ out, long long o_stride_t, long long o_stride_h,
                          int num_seqs, int num_heads, int num_kv_heads, int block_size,
-                         float scale_log2, float k_scale, float v_scale) {
+                         float scale_log2, float k_scale, float v_scale, int window,
+                         float softcap_log2) {
   static_assert(HD % 16 == 0, "head_dim must be a multiple of 16");
   static_assert(BN % 16 == 0, "key tile must be a multiple of 16");
   constexpr bool kFp8 = IsFp8<KV>::value;
@@ -112,6 +116,11 @@ __global__ void __launch_bounds__(NW * 32)
   const int first_pos = ctx + row0 / group;
   const int n_kv = ctx + last_row / group + 1;
   const int num_kv_tiles = (n_kv + BN - 1) / BN;
+  // With a sliding window, keys before the first row's window are never read (their blocks may
+  // be freed): the key tiles wholly before it are skipped, and the first tile's rows before it
+  // zero-filled (masked for every row).
+  const int kv_lo = window > 0 ? max(first_pos - window + 1, 0) : 0;
+  const int first_kv_tile = kv_lo / BN;
 
   // Q tile -> smem (rows past the sequence's rows are zero-filled and never written back).
 #pragma unroll
@@ -138,7 +147,7 @@ __global__ void __launch_bounds__(NW * 32)
       const int r = c / CHUNKS;
       const int col = (c % CHUNKS) * 8;
       const int tok = kv_tile * BN + r;
-      const bool valid = tok < n_kv;  // never read the table or pool past the needed keys
+      const bool valid = tok >= kv_lo && tok < n_kv;  // read only the keys needed
       long long off = 0;
       if (valid) {
         const long long block = table[tok / block_size];
@@ -159,7 +168,7 @@ __global__ void __launch_bounds__(NW * 32)
       const int r = c / FP8_CHUNKS;
       const int col = (c % FP8_CHUNKS) * 16;
       const int tok = kv_tile * BN + r;
-      const bool valid = tok < n_kv;  // never read the table or pool past the needed keys
+      const bool valid = tok >= kv_lo && tok < n_kv;  // read only the keys needed
       long long off = 0;
       if (valid) {
         const long long block = table[tok / block_size];
@@ -200,9 +209,9 @@ __global__ void __launch_bounds__(NW * 32)
     for (int i = 0; i < HD / 8; ++i) acc[mt][i][0] = acc[mt][i][1] = acc[mt][i][2] = acc[mt][i][3] = 0.f;
   }
 
-  if constexpr (kFp8) load_kv_fp8(0, 0);
-  else load_kv(0, 0);
-  for (int j = 0; j < num_kv_tiles; ++j) {
+  if constexpr (kFp8) load_kv_fp8(first_kv_tile, first_kv_tile & 1);
+  else load_kv(first_kv_tile, first_kv_tile & 1);
+  for (int j = first_kv_tile; j < num_kv_tiles; ++j) {
     if (j + 1 < num_kv_tiles) {
       if constexpr (kFp8) load_kv_fp8(j + 1, (j + 1) & 1);
       else load_kv(j + 1, (j + 1) & 1);
@@ -215,7 +224,7 @@ __global__ void __launch_bounds__(NW * 32)
     // A fragments of this warp's Q rows: matrices (rows 0-7, cols 0-7), (8-15, 0-7),
     // (0-7, 8-15), (8-15, 8-15) of each 16-column k-step.
     const T* q_row_ptr = s_q + (warp * MT * 16 + (lane & 15)) * ROW + (lane >> 4) * 8;
-    if (kQInRegs && j == 0) {
+    if (kQInRegs && j == first_kv_tile) {
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
@@ -279,10 +288,13 @@ __global__ void __launch_bounds__(NW * 32)
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) s[mt][nt][e] *= score_scale;
+        for (int e = 0; e < 4; ++e) {
+          s[mt][nt][e] *= score_scale;
+          if (softcap_log2 > 0.f) s[mt][nt][e] = softcap_log2 * tanhf(s[mt][nt][e] / softcap_log2);
+        }
       }
     }
-    if ((j + 1) * BN > first_pos + 1) {
+    if ((j + 1) * BN > first_pos + 1 || window > 0) {
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
@@ -290,7 +302,8 @@ __global__ void __launch_bounds__(NW * 32)
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
             const int key = j * BN + nt * 8 + 2 * tig + (e & 1);
-            if (key > pos[mt][e >> 1]) s[mt][nt][e] = neg_inf();
+            const int p = pos[mt][e >> 1];
+            if (key > p || (window > 0 && key <= p - window)) s[mt][nt][e] = neg_inf();
           }
         }
       }
