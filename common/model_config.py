@@ -166,10 +166,14 @@ def check_parallel_sizes(config: ModelConfig, tp_size: int, pp_size: int) -> str
     """Why this model cannot run at T x P (None: it can)."""
     if tp_size not in valid_tp_sizes(config):
         sizes = ", ".join(map(str, valid_tp_sizes(config)))
+        moe = config.moe
+        experts = "" if moe is None else f", {moe.num_experts} experts of which each rank needs one"
+        if moe is not None and moe.shared_intermediate_size:
+            experts += f", shared expert width {moe.shared_intermediate_size}"
         return (
             f"tensor_parallel_size={tp_size} does not divide {config.name}'s "
             f"{config.num_kv_heads} KV heads ({config.num_heads} query heads, MLP width "
-            f"{config.intermediate_size}) evenly; use one of {sizes}"
+            f"{config.intermediate_size}{experts}) evenly; use one of {sizes}"
         )
     if pp_size > config.num_layers:
         return (

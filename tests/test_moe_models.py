@@ -6,13 +6,14 @@ T = 2 against one engine; what the families refuse."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from common.model_config import check_parallel_sizes, load_model_config
+from common.model_config import check_parallel_sizes, load_model_config, valid_tp_sizes
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.moe import SparseMoeBlock
@@ -104,6 +105,11 @@ def test_tp_sizes_keep_at_least_one_expert_a_rank(load: Any) -> None:
     config = load_model_config(load("qwen2_moe").path)  # 4 heads, 2 KV heads, shared 48
     assert check_parallel_sizes(config, 2, 1) is None
     assert config.moe is not None and config.moe.expert_range(1, 2) == range(4, 8)
+    wide = replace(config, num_heads=16, num_kv_heads=16, intermediate_size=160)
+    moe = replace(config.moe, shared_intermediate_size=40)
+    assert valid_tp_sizes(replace(wide, moe=moe)) == [1, 2, 4, 8]  # not 16: 8 experts
+    why = check_parallel_sizes(replace(wide, moe=replace(moe, shared_intermediate_size=20)), 8, 1)
+    assert why is not None and "8 experts" in why and "shared expert width 20" in why
 
 
 # ---- expert parallelism: T = 2 ranks (gloo, child processes) against one engine --------------
@@ -165,7 +171,6 @@ def test_qwen3_30b_a3b_shape_has_its_published_size() -> None:
     """configs/qwen3-30b-a3b (for --load-format dummy): the model card's 30.5 B parameters,
     3.3 B of them active per token, counted off the meta-device model."""
     import math
-    from dataclasses import replace
 
     from engine.dummy import hf_tensor_shapes
 
