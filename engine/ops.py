@@ -473,6 +473,12 @@ def _check_cases(
     yield "rms_norm", ops.rms_norm(x, w, 1e-6, None)[0], ref_ops.rms_norm(x, w, 1e-6, None)[0]
     gate_up = rand(6, 2 * config.intermediate_size)
     yield "silu_and_mul", ops.silu_and_mul(gate_up), ref_ops.silu_and_mul(gate_up)
+    if config.moe is not None:  # experts 1 and 2 of 4 at the model's widths, top-2
+        w13 = rand(2, 2 * config.moe.intermediate_size, config.hidden_size) * 0.05
+        w2 = rand(2, config.hidden_size, config.moe.intermediate_size) * 0.05
+        route = moe_ref.route(torch.randn(6, 4, generator=gen).to(device), 2, True)
+        got, want = (o.moe_experts(x, *route, w13, w2, 1) for o in (ops, ref_ops))
+        yield "moe_experts", got, want
     seq_lens, cu_seqlens_q = [5, 2 * block_size + 1], [0, 5, 6]
     num_blocks = 8
     order = torch.randperm(num_blocks, generator=gen)

@@ -105,3 +105,26 @@ def test_moe_experts_checks(kc: ModuleType) -> None:
     with pytest.raises(ValueError, match="first_expert=-1"):
         kc.moe_experts(x, weights, ids, w13, w2, -1)
     assert kc.moe_experts(x[:0], weights[:0], ids[:0], w13, w2).shape == (0, 16)
+
+
+@torch.inference_mode()
+def test_self_check_covers_the_experts(emulator: emu.Emulator) -> None:
+    """The engine's start-up check of the CUDA ops (engine.ops.self_check) runs moe.cu for an
+    MoE model, so a kernel that fails or disagrees sends `auto` to torch before a request does."""
+    from common.moe_config import MoEConfig
+    from engine.ops import KernelOps, self_check
+    from tests.test_gpu_plumbing import tiny_config
+
+    config = tiny_config(moe=MoEConfig(num_experts=4, top_k=2, intermediate_size=32,
+                                       renormalize=True))  # fmt: skip
+    cpu = torch.device("cpu")
+    emulator.launches.clear()
+    assert self_check(KernelOps(), config, torch.bfloat16, cpu, 16) is None
+    assert any(launch.expr.startswith("moe_down_kernel<") for launch in emulator.launches)
+
+    class Broken(KernelOps):
+        def moe_experts(self, x: torch.Tensor, *args: object) -> torch.Tensor:
+            return torch.zeros_like(x)
+
+    why = self_check(Broken(), config, torch.bfloat16, cpu, 16)
+    assert why is not None and why.startswith("self-check: moe_experts differs")
