@@ -145,6 +145,13 @@ class ModelConfig:
             return False
         return not self.layer_types or self.layer_types[layer] == "sliding_attention"
 
+    @property
+    def uniform_window(self) -> int | None:
+        """The sliding window when every layer has it (then no query ever reads a key before
+        it again); None otherwise."""
+        every = all(self.is_sliding(i) for i in range(self.num_layers))
+        return self.sliding_window if every else None
+
     def layer_window(self, layer: int) -> int | None:
         """The sliding window of layer `layer` (None: it sees its whole context)."""
         return self.sliding_window if self.is_sliding(layer) else None

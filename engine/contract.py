@@ -34,6 +34,9 @@ class EngineInfo:
     # per request and step (the scheduler's lookahead slots).
     speculative_method: str = ""
     num_speculative_tokens: int = 0
+    # The window when every layer is windowed (0: none): the scheduler releases a request's
+    # blocks wholly before it.
+    sliding_window: int = 0
 
 
 _NEW_REQUEST_DOC = """A new request: engine.proto's NewRequest, field for field, every one given

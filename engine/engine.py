@@ -138,7 +138,14 @@ class Engine:
             pipeline_parallel_size=config.pipeline_parallel_size,
             speculative_method=self.proposer.name if self.proposer is not None else "",
             num_speculative_tokens=config.num_speculative_tokens if speculates else 0,
+            sliding_window=self._released_window(),
         )
+
+    def _released_window(self) -> int:
+        """The window the scheduler may release blocks out of: the model's when every layer
+        has it, unless a separate draft model (whose pool shares the block ids) reads whole
+        contexts; 0 for none."""
+        return 0 if self.draft_model else self.model_config.uniform_window or 0
 
     def _log_loaded(
         self,
@@ -274,7 +281,10 @@ class Engine:
 
     def reset(self) -> None:
         """Forget every request (a new Step stream starts from nothing)."""
-        self.mirror = Mirror(self.config.block_size, self.num_blocks, self.model_config.vocab_size)
+        self.mirror = Mirror(
+            self.config.block_size, self.num_blocks, self.model_config.vocab_size,
+            self._released_window(),
+        )  # fmt: skip
         self.unresolved.clear()
 
     def step(self, plan: StepPlanData) -> StepOutput:

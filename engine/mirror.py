@@ -94,11 +94,16 @@ class StepBatch:
 
 
 class Mirror:
-    def __init__(self, block_size: int, num_blocks: int, vocab_size: int = 0):
-        """vocab_size: token ids of new requests must be below it (0: unchecked)."""
+    def __init__(
+        self, block_size: int, num_blocks: int, vocab_size: int = 0, sliding_window: int = 0
+    ):
+        """vocab_size: token ids of new requests must be below it (0: unchecked).
+        sliding_window: the window the scheduler releases blocks out of (EngineInfo's; 0: none):
+        a released block may come back to the same request later."""
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.vocab_size = vocab_size
+        self.sliding_window = sliding_window
         self.seqs: dict[int, SeqState] = {}
         # New requests refused for what they carry (bad sampling params, token ids outside the
         # vocabulary), by seq id, until the scheduler lists them as finished: the step runs
@@ -153,7 +158,7 @@ class Mirror:
             count = run.num_new_blocks[i]
             seq.block_table.extend(
                 self._checked_blocks(
-                    seq_id, run.new_block_ids[offset : offset + count], seq.block_table
+                    seq_id, run.new_block_ids[offset : offset + count], self._held_blocks(seq)
                 )
             )
             offset += count
@@ -195,6 +200,14 @@ class Mirror:
                 raise ValueError(
                     f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})"
                 )
+
+    def _held_blocks(self, seq: SeqState) -> list[int]:
+        """seq's block table less the leading blocks wholly before its sliding window (which
+        the scheduler may have released: scheduler/block_manager.py)."""
+        if not self.sliding_window:
+            return seq.block_table
+        first_key = max(seq.num_computed_tokens - self.sliding_window + 1, 0)
+        return seq.block_table[first_key // self.block_size :]
 
     def _checked_blocks(
         self, seq_id: int, block_ids: list[int], table: list[int] | None = None

@@ -268,16 +268,13 @@ def paged_decode_attention(
     softcap: float | None = None,
 ) -> torch.Tensor:
     """One query per sequence over its context in the paged pool (reference.paged_attention with
-    cu_seqlens_q = arange(num_seqs + 1)). The pool is q's dtype, or FP8 with k_scale / v_scale.
-    window: a sliding window (the last `window` keys; the blocks before them are not read);
-    softcap: scores become softcap * tanh(score / softcap).
-
+    cu_seqlens_q = arange(num_seqs + 1), window and softcap included: the blocks wholly before
+    the window are not read). The pool is q's dtype, or FP8 with k_scale / v_scale.
     q: [num_seqs, num_heads, head_dim]; block_tables: [num_seqs, >= ceil(seq_len / block_size)]
     int32; seq_lens: [num_seqs] int32, the context length including this step's token (already
     stored). block_size must be a multiple of 16. Returns [num_seqs, num_heads, head_dim] in q's
-    dtype (written into `out` when given); a sequence with seq_len 0 gets zeros.
-
-    num_splits (split-K): chosen from max_seq_len and the GPU's size when not given. Without
+    dtype (written into `out` when given); a sequence with seq_len 0 gets zeros. num_splits
+    (split-K): chosen from max_seq_len and the GPU's size when not given. Without
     max_seq_len it is read from seq_lens, which synchronizes with the device: CUDA-graph callers
     pass both, fixed per captured batch size.
     """
@@ -407,16 +404,14 @@ def paged_prefill_attention(
 ) -> torch.Tensor:
     """Causal attention of each request's new queries over its whole context in the paged pool:
     reference.paged_attention with device metadata. The pool is q's dtype, or FP8 with k_scale /
-    v_scale.
-
-    q: [T, num_heads, head_dim], requests one after another; cu_seqlens_q: [num_seqs + 1] int32
-    offsets into q (cu_seqlens_q[-1] <= T); seq_lens: [num_seqs] int32 context lengths including
-    this step's tokens, whose K/V must already be stored; block_tables: [num_seqs, >=
-    ceil(seq_len / block_size)] int32. Any block_size. Needs no host-side metadata (graph-safe).
-    Returns [T, num_heads, head_dim] in q's dtype (rows past cu_seqlens_q[-1] are not written).
-    block_m: (query token, head) rows per CTA, a key of PREFILL_CONFIGS. window, softcap: as
-    paged_decode_attention's (key tiles wholly before a row tile's window are not read).
-    """
+    v_scale. q: [T, num_heads, head_dim], requests one after another; cu_seqlens_q:
+    [num_seqs + 1] int32 offsets into q (cu_seqlens_q[-1] <= T); seq_lens: [num_seqs] int32
+    context lengths including this step's tokens, whose K/V must already be stored;
+    block_tables: [num_seqs, >= ceil(seq_len / block_size)] int32. Any block_size. Needs no
+    host-side metadata (graph-safe). Returns [T, num_heads, head_dim] in q's dtype (rows past
+    cu_seqlens_q[-1] are not written). block_m: (query token, head) rows per CTA, a key of
+    PREFILL_CONFIGS. window, softcap: as paged_decode_attention's (key tiles wholly before a row
+    tile's window are not read)."""
     op = "paged_prefill_attention"
     num_seqs = seq_lens.shape[0] if isinstance(seq_lens, torch.Tensor) else -1
     num_heads, num_kv_heads, head_dim, block_size = _check_attention_args(

@@ -97,7 +97,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class EngineInfo(_message.Message):
-    __slots__ = ("model", "vocab_size", "max_model_len", "eos_token_ids", "block_size", "num_blocks", "device", "dtype", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size", "pipeline_parallel_size", "speculative_method", "num_speculative_tokens")
+    __slots__ = ("model", "vocab_size", "max_model_len", "eos_token_ids", "block_size", "num_blocks", "device", "dtype", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size", "pipeline_parallel_size", "speculative_method", "num_speculative_tokens", "sliding_window")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -112,6 +112,7 @@ class EngineInfo(_message.Message):
     PIPELINE_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     SPECULATIVE_METHOD_FIELD_NUMBER: _ClassVar[int]
     NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SLIDING_WINDOW_FIELD_NUMBER: _ClassVar[int]
     model: str
     vocab_size: int
     max_model_len: int
@@ -126,4 +127,5 @@ class EngineInfo(_message.Message):
     pipeline_parallel_size: int
     speculative_method: str
     num_speculative_tokens: int
-    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., pipeline_parallel_size: _Optional[int] = ..., speculative_method: _Optional[str] = ..., num_speculative_tokens: _Optional[int] = ...) -> None: ...
+    sliding_window: int
+    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., pipeline_parallel_size: _Optional[int] = ..., speculative_method: _Optional[str] = ..., num_speculative_tokens: _Optional[int] = ..., sliding_window: _Optional[int] = ...) -> None: ...

@@ -7,6 +7,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from scheduler.block_manager import held_blocks
 from scheduler.request import Request
 from scheduler.speculation import SpecCounters
 from scheduler.tenants import TenantLedger
@@ -76,7 +77,7 @@ def request_rows(requests: Iterable[Request], tenant: str = "") -> list[RequestR
             num_prompt_tokens=r.num_prompt_tokens,
             num_output_tokens=r.num_output_tokens,
             num_computed_tokens=r.num_computed_tokens,
-            num_blocks=len(r.block_table),
+            num_blocks=len(held_blocks(r)),
             num_preemptions=r.num_preemptions,
             age_s=now - r.arrival_time,
         )
@@ -101,5 +102,5 @@ def tenant_rows(
         rows[r.tenant].num_waiting += 1
     for r in running:
         rows[r.tenant].num_running += 1
-        rows[r.tenant].num_blocks += len(r.block_table)
+        rows[r.tenant].num_blocks += len(held_blocks(r))
     return list(rows.values())

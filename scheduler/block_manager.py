@@ -8,6 +8,16 @@ so two requests with the same prefix can share blocks (the rule is common/block_
 the gateway's prefix routing uses too). A block whose last user finished keeps its hash and its
 contents, sitting in the free queue until it is reused for something else (lazy eviction, least
 recently freed first). A hit is confirmed by comparing tokens, not by hash alone.
+
+Sliding window (`sliding_window`, when every layer of the model attends through one): once a
+request has computed far enough that no query of it will read a block again, the block is
+released, as a finished request's would be, while staying listed in its block table:
+
+    block_table: |<- released ->|<- held: the window's keys and what comes next ->|
+                 0     num_released_blocks                                len(block_table)
+
+The query at position p reads keys p - window + 1 .. p, and the next query sits at
+num_computed_tokens or later, so blocks wholly before num_computed_tokens - window + 1 go.
 """
 
 from __future__ import annotations
@@ -18,12 +28,24 @@ from common.block_hash import extend_block_hashes
 from scheduler.request import Request
 
 
+def held_blocks(request: Request) -> list[int]:
+    """The blocks of request's table it still holds (not released out of a sliding window)."""
+    return request.block_table[request.num_released_blocks :]
+
+
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        sliding_window: int | None = None,
+    ):
         assert num_blocks > 0 and block_size > 0
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.sliding_window = sliding_window
         self.ref_cnt: list[int] = [0] * num_blocks
         # Free blocks in eviction order: the first is reused first. Values unused.
         self.free_blocks: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
@@ -74,7 +96,9 @@ class BlockManager:
     def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
         """Register the full blocks among request's first num_tokens in the prefix cache."""
         self._update_block_hashes(request, num_tokens)
-        for i in range(num_tokens // self.block_size):
+        # Released blocks were registered while held (they were full); their ids may be
+        # someone else's now.
+        for i in range(request.num_released_blocks, num_tokens // self.block_size):
             block_id = request.block_table[i]
             # Already cached, or the same content is cached in another block: keep that one.
             if block_id in self.block_key or request.block_hashes[i] in self.hash_to_block:
@@ -118,7 +142,7 @@ class BlockManager:
         """How many blocks of requests' block tables nobody else holds (ref count 1): what
         freeing them all would give back. Changes nothing."""
         ref_cnt = self.ref_cnt
-        return sum(ref_cnt[b] == 1 for r in requests for b in r.block_table)
+        return sum(ref_cnt[b] == 1 for r in requests for b in held_blocks(r))
 
     def allocate_slots(
         self, request: Request, num_new_tokens: int, cached_blocks: list[int] | None = None
@@ -152,7 +176,21 @@ class BlockManager:
             request.block_table.append(block_id)
         if self.enable_prefix_caching:
             self._cache_full_blocks(request, min(num_total, len(request.token_ids)))
+        self._release_out_of_window(request)
         return True
+
+    def _release_out_of_window(self, request: Request) -> None:
+        """Release request's blocks that no query of it reads again (see the module docstring),
+        as `free` would; they stay listed in its block table."""
+        if self.sliding_window is None:
+            return
+        first_key = request.num_computed_tokens - self.sliding_window + 1
+        num_out = min(max(first_key, 0) // self.block_size, len(request.block_table))
+        for block_id in request.block_table[request.num_released_blocks : num_out]:
+            self.ref_cnt[block_id] -= 1
+            if self.ref_cnt[block_id] == 0:
+                self.free_blocks[block_id] = None
+        request.num_released_blocks = max(request.num_released_blocks, num_out)
 
     def trim(self, request: Request, num_tokens: int) -> None:
         """Free request's blocks beyond the first num_tokens tokens' (lookahead slots whose
@@ -168,12 +206,13 @@ class BlockManager:
     def free(self, request: Request) -> None:
         """Release request's blocks. Blocks nobody else holds go to the back of the free queue,
         the request's last block first, so a prefix's tail is evicted before its head."""
-        for block_id in reversed(request.block_table):
+        for block_id in reversed(held_blocks(request)):
             self.ref_cnt[block_id] -= 1
             assert self.ref_cnt[block_id] >= 0, f"block {block_id} freed twice"
             if self.ref_cnt[block_id] == 0:
                 self.free_blocks[block_id] = None
         request.block_table = []
+        request.num_released_blocks = 0
 
     def check_integrity(self, requests: list[Request] | None = None) -> None:
         """Assert the bookkeeping is consistent. With `requests` (everyone holding blocks), also
@@ -191,6 +230,6 @@ class BlockManager:
         if requests is not None:
             held = [0] * self.num_blocks
             for request in requests:
-                for block_id in request.block_table:
+                for block_id in held_blocks(request):
                     held[block_id] += 1
             assert held == self.ref_cnt, "ref counts disagree with the block tables"

@@ -163,6 +163,7 @@ class EngineLoop:
                     self._deliver(StepOutcome(request, None, None, RequestStatus.FINISHED_ABORTED))
         except ValueError as err:  # a limit above the engine's, or a policy refusing its stages
             raise EngineMismatch(str(err)) from err
+        self.scheduler.set_sliding_window(info.sliding_window or None)
         self.engine_info = info
         log.info(
             "engine connected",

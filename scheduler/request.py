@@ -97,6 +97,9 @@ class Request:
     block_table: list[int] = field(default_factory=list)
     # Chained content hashes of the full blocks of token_ids, filled lazily by the block manager.
     block_hashes: list[int] = field(default_factory=list)
+    # Leading block_table entries released because they fell out of a sliding window: still
+    # listed (the engine's mirror keeps them), no longer held (scheduler/block_manager.py).
+    num_released_blocks: int = 0
     status: RequestStatus = RequestStatus.WAITING
     # Prompt tokens found in the prefix cache at first admission (None until admitted).
     num_cached_tokens: int | None = None

@@ -149,7 +149,10 @@ class Scheduler(StepResults, Preemption, PipelineSlots):
             return []
         assert not self.running, "resize with running requests"
         self.block_size = block_size
-        self.block_manager = BlockManager(num_blocks, block_size, self.config.enable_prefix_caching)
+        self.block_manager = BlockManager(
+            num_blocks, block_size, self.config.enable_prefix_caching,
+            self.block_manager.sliding_window,
+        )  # fmt: skip
         for request in self.waiting:
             request.block_hashes = []  # hashed per block, so they depend on block_size
         capacity = num_blocks * block_size

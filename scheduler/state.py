@@ -59,6 +59,12 @@ class SchedulerState:
         self.counters = SchedulerCounters()
         self.tenants = TenantLedger(config.fair_prefill_weight, config.fair_decode_weight)
 
+    def set_sliding_window(self, sliding_window: int | None) -> None:
+        """Release running requests' blocks that fall out of this window (the engine's, when
+        every layer of its model has it; None: never). Only with nothing running."""
+        assert not self.running, "set_sliding_window with running requests"
+        self.block_manager.sliding_window = sliding_window or None
+
     def set_num_speculative_tokens(self, num_speculative_tokens: int) -> None:
         """Give decode steps up to num_speculative_tokens lookahead slots from the next plan on.
         Raises ValueError with P > 1 pipeline stages (refused: a stage's step would wait for the
