@@ -201,3 +201,16 @@ class EngineConfig(PeerSecurity):
     def world_size(self) -> int:
         """Engine ranks in all: tensor_parallel_size x pipeline_parallel_size."""
         return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    def features(self) -> list[str]:
+        """The engine features these settings use, as common.families.FEATURES names them (a
+        model family may refuse some). CUDA graphs count with --device cuda unless
+        --enforce-eager."""
+        used = {
+            "quantization": self.quantization not in ("none", "auto"),
+            "tensor_parallel": self.tensor_parallel_size > 1,
+            "pipeline_parallel": self.pipeline_parallel_size > 1,
+            "speculative_decoding": self.speculative_method != "none",
+            "cuda_graphs": self.device.startswith("cuda") and not self.enforce_eager,
+        }
+        return [name for name, on in used.items() if on]

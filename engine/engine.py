@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from common.families import family_refusal
 from common.log import get_logger
 from common.model_config import (
     ModelConfig,
@@ -108,6 +109,9 @@ class Engine:
         and the quantization, checked before any weights load."""
         config, parallel = self.config, self.parallel
         self.model_config = load_model_config(path)
+        why_not = family_refusal(self.model_config.family, config.features())
+        if why_not:
+            raise ModelSourceError(why_not)
         num_layers = self.model_config.num_layers
         self.shard = parallel.shard if parallel is not None else whole_model(num_layers)
         # The shape of this rank's part: its heads and layers (the whole model's without parallel).

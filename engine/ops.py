@@ -389,6 +389,8 @@ def kernel_limits(config: ModelConfig, dtype: torch.dtype, block_size: int) -> s
         return f"dtype {str(dtype).removeprefix('torch.')}: the CUDA kernels are fp16 / bf16 only"
     if config.head_dim not in HEAD_DIMS:
         return f"head_dim={config.head_dim}: the CUDA kernels support {HEAD_DIMS}"
+    if config.rotary_dim % 16:
+        return f"rotary dimension {config.rotary_dim}: the rotary kernel needs a multiple of 16"
     if block_size % 16:
         return f"block_size={block_size}: the decode kernel needs a multiple of 16"
     if config.hidden_size % 8 or config.hidden_size > 24576:

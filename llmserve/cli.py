@@ -31,6 +31,7 @@ from llmserve.services import SERVICE_CONFIGS, cmd_service
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from common.families import family_refusal
     from common.model_config import (
         ModelSourceError,
         check_draft_model,
@@ -47,7 +48,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         model_config = load_model_config(path)
         why = check_parallel_sizes(
             model_config, args.tensor_parallel_size, args.pipeline_parallel_size
-        )
+        ) or family_refusal(model_config.family, stack.engine.features())
         if why:
             raise ValueError(why)
         if args.speculative_model:  # the engine checks it too; here, before anything starts

@@ -4,11 +4,13 @@ module below registers its families when imported; a new family adds its module 
 from common.families import gemma, llama, moe, phi3, qwen
 from common.families.registry import (
     FAMILIES,
+    FEATURES,
     Family,
     ModelSourceError,
     UnservedModelError,
     family_for_gguf,
     family_for_hf,
+    family_refusal,
     register,
     served_architectures,
     served_gguf_architectures,
@@ -17,12 +19,14 @@ from common.families.rope import ROPE_TYPES, rope_from_hf
 
 __all__ = [
     "FAMILIES",
+    "FEATURES",
     "ROPE_TYPES",
     "Family",
     "ModelSourceError",
     "UnservedModelError",
     "family_for_gguf",
     "family_for_hf",
+    "family_refusal",
     "gemma",
     "llama",
     "moe",

@@ -48,7 +48,7 @@ class Family:
     # "self_attn.qkv_proj", ...; norms llama.cpp stores as 1 + w (Gemma's converter adds it).
     gguf_layer_names: Mapping[str, str] = field(default_factory=dict)
     gguf_norms_plus_one: bool = False
-    refuses: Mapping[str, str] = field(default_factory=dict)  # feature -> why
+    refuses: Mapping[str, str] = field(default_factory=dict)  # FEATURES entry -> why
 
 
 FAMILIES: dict[str, Family] = {}
@@ -91,6 +91,31 @@ def family_for_hf(cfg: Mapping[str, Any], where: str) -> Family:
     raise UnservedModelError(
         f"{where}: {what} is not served; served architectures: " + ", ".join(served_architectures())
     )
+
+
+# The engine features a family may refuse (Family.refuses' keys), as EngineConfig.features
+# names them.
+FEATURES = (
+    "quantization",
+    "tensor_parallel",
+    "pipeline_parallel",
+    "speculative_decoding",
+    "cuda_graphs",
+)
+
+
+def family_refusal(family_name: str, features: list[str]) -> str | None:
+    """Why the family cannot run with these features, naming the first it refuses (None: it
+    can)."""
+    family = FAMILIES[family_name]
+    for feature in features:
+        assert feature in FEATURES, feature
+        if feature in family.refuses:
+            return (
+                f"model family {family.name} ({', '.join(family.hf_architectures)}) does not "
+                f"support {feature}: {family.refuses[feature]}"
+            )
+    return None
 
 
 def family_for_gguf(arch: object, where: str) -> Family:
