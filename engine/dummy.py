@@ -27,6 +27,7 @@ from common.model_config import ModelConfig
 from engine.families import model_class
 from engine.layers import Linear
 from engine.model import LlamaForCausalLM
+from engine.moe import Experts
 
 WEIGHT_STD = 0.02
 NORM_STD = 0.02
@@ -103,7 +104,7 @@ def hf_parameter_slices(model: LlamaForCausalLM) -> list[tuple[str, torch.Tensor
     """(HF name, the view of our parameter holding it) for every tensor HF's LlamaForCausalLM
     has; fused q/k/v and gate/up are split into their HF rows. Tied embeddings appear once."""
     return [
-        (name, module.shard(param, shard) if isinstance(module, Linear) else param)
+        (name, module.shard(param, shard) if isinstance(module, Linear | Experts) else param)
         for name, module, param, shard in model.hf_tensors()
     ]
 

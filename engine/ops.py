@@ -19,10 +19,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import Tensor
 
 from engine.config import ATTENTION_BACKENDS
 from engine.decode_splits import DecodeSplits, padded_batch_size  # noqa: F401 (re-exported)
 from engine.sampler import to_device
+from kernels import moe_reference as moe_ref
 from kernels import reference as ref
 
 if TYPE_CHECKING:
@@ -103,6 +105,12 @@ class LayerOps:
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         return self.lib.silu_and_mul(x)
+
+    def moe_experts(
+        self, x: Tensor, weights: Tensor, ids: Tensor, w13: Tensor, w2: Tensor, first_expert: int
+    ) -> Tensor:
+        """The routed experts' weighted sum per token (kernels/moe_reference.py)."""
+        return moe_ref.moe_experts(x, weights, ids, w13, w2, first_expert)
 
     def gelu_tanh_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """kernels/reference.py's on every backend (no CUDA kernel of its own yet)."""
@@ -297,6 +305,12 @@ class KernelOps(LayerOps):
             max_model_len, tuple(sorted(batch_sizes)), config.num_heads, config.num_kv_heads, slots
         )
 
+    def moe_experts(
+        self, x: Tensor, weights: Tensor, ids: Tensor, w13: Tensor, w2: Tensor, first_expert: int
+    ) -> Tensor:
+        """kernels/moe.cu: no sort and no host synchronization (graph-safe)."""
+        return self.lib.moe_experts(x, weights, ids, w13, w2, first_expert)
+
     def prepare(self, ctx: AttentionContext) -> AttentionContext:
         """The step's int32 device metadata from its host lists, once per step; a context that
         already has it (a CUDA graph's static buffers) is returned as it is.
@@ -383,6 +397,8 @@ def kernel_limits(config: ModelConfig, dtype: torch.dtype, block_size: int) -> s
         return f"hidden_size={config.hidden_size}: rms_norm needs a multiple of 8, <= 24576"
     if config.intermediate_size % 8:
         return f"intermediate_size={config.intermediate_size}: silu_and_mul needs a multiple of 8"
+    if config.moe is not None and config.moe.intermediate_size % 8:
+        return f"moe_intermediate_size={config.moe.intermediate_size}: moe.cu needs a multiple of 8"
     return None
 
 
@@ -459,6 +475,12 @@ def _check_cases(
     yield "rms_norm", ops.rms_norm(x, w, 1e-6, None)[0], ref_ops.rms_norm(x, w, 1e-6, None)[0]
     gate_up = rand(6, 2 * config.intermediate_size)
     yield "silu_and_mul", ops.silu_and_mul(gate_up), ref_ops.silu_and_mul(gate_up)
+    if config.moe is not None:  # experts 1 and 2 of 4 at the model's widths, top-2
+        w13 = rand(2, 2 * config.moe.intermediate_size, config.hidden_size) * 0.05
+        w2 = rand(2, config.hidden_size, config.moe.intermediate_size) * 0.05
+        route = moe_ref.route(torch.randn(6, 4, generator=gen).to(device), 2, True)
+        got, want = (o.moe_experts(x, *route, w13, w2, 1) for o in (ops, ref_ops))
+        yield "moe_experts", got, want
     seq_lens, cu_seqlens_q = [5, 2 * block_size + 1], [0, 5, 6]
     num_blocks = 8
     order = torch.randperm(num_blocks, generator=gen)

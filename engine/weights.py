@@ -134,7 +134,7 @@ def _load_gguf(path: Path, config: ModelConfig) -> LazyWeights:
         name = gguf_name_to_hf(tensor.name, family.gguf_layer_names)
         if name is not None:
             tensors[name] = tensor
-    permuted = family.gguf_architecture == "llama"
+    permuted = gguf_file.fields.get("general.architecture") == "llama"  # Mixtral's too
 
     def read(name: str) -> torch.Tensor:
         data = gguf_file.tensor_array(tensors[name])

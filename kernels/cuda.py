@@ -6,7 +6,8 @@ kc.paged_attention(...)`. This module re-exports the wrappers, which live by con
 - kernels/attention.py: store_kv, paged decode (split-K, `decode_num_splits`) and paged prefill
   attention;
 - kernels/layer_ops.py: rms_norm, rotary_embedding, silu_and_mul;
-- kernels/int8.py: the weight-only int8 linear (GEMV and tensor-core GEMM).
+- kernels/int8.py: the weight-only int8 linear (GEMV and tensor-core GEMM);
+- kernels/moe.py: the routed experts of a mixture-of-experts layer.
 
 Each public function mirrors one in kernels/reference.py (the ground truth and the CPU path),
 checks shapes, strides, dtypes and devices before launching, and raises ValueError naming the
@@ -55,6 +56,7 @@ from kernels.launch import (
     load_source,
 )
 from kernels.layer_ops import layer_ops_spec, rms_norm, rotary_embedding, silu_and_mul
+from kernels.moe import moe_experts, moe_spec
 
 __all__ = [
     "DECODE_THREADS",
@@ -85,6 +87,8 @@ __all__ = [
     "is_available",
     "layer_ops_spec",
     "load_source",
+    "moe_experts",
+    "moe_spec",
     "paged_attention",
     "paged_decode_attention",
     "paged_prefill_attention",
@@ -107,6 +111,7 @@ def all_module_specs() -> list[ModuleSpec]:
         specs += [decode_spec(ctype, d) for d in HEAD_DIMS]
         specs += [prefill_spec(ctype, d) for d in HEAD_DIMS]
         specs.append(layer_ops_spec(ctype))
+        specs.append(moe_spec(ctype))
     for ctype in _CTYPES.values():
         specs.append(store_kv_spec(ctype))
         specs += [decode_spec(ctype, d, FP8_CTYPE) for d in HEAD_DIMS]

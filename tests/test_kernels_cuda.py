@@ -533,3 +533,39 @@ def test_int8_linear_tails(kc: ModuleType, dtype: torch.dtype, path: str) -> Non
         x = torch.randn(rows, k, device=DEVICE).to(dtype)
         got = kc.int8_linear(x, ki.pack_weight(q), scales, path=path)
         assert_close(got, ref.int8_linear(x.float(), q, scales), dtype, f"{path} x {rows}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Mixture-of-experts experts (moe.cu)
+
+
+@pytest.mark.parametrize("tokens", [1, 8, 64, 300])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_moe_experts_qwen3_30b_shape(kc: ModuleType, dtype: torch.dtype, tokens: int) -> None:
+    """Qwen3-30B-A3B's sparse layer (hidden 2048, 128 experts of width 768, top-8), this rank
+    holding experts 32..95 (expert parallelism at T = 4 for rank 1), into a NaN-filled output,
+    against kernels/moe_reference.py in float32 over the same rounded inputs; then captured in
+    a CUDA graph and replayed on new routing."""
+    from kernels import moe_reference as moe_ref
+
+    hidden, inter, experts, top_k, first, local = 2048, 768, 128, 8, 32, 64
+    x = torch.randn(tokens, hidden, device=DEVICE).to(dtype)
+    w13 = (torch.randn(local, 2 * inter, hidden, device=DEVICE) * hidden**-0.5).to(dtype)
+    w2 = (torch.randn(local, hidden, inter, device=DEVICE) * inter**-0.5).to(dtype)
+    weights, ids = moe_ref.route(torch.randn(tokens, experts, device=DEVICE), top_k, True)
+    out = torch.full((tokens, hidden), float("nan"), device=DEVICE, dtype=dtype)
+    kc.moe_experts(x, weights, ids, w13, w2, first, out=out)
+    want = moe_ref.moe_experts(x.float(), weights, ids, w13.float(), w2.float(), first)
+    mine = ((ids >= first) & (ids < first + local)).any(-1)
+    assert not out[~mine].any(), "a token with no local expert must come out zero"
+    assert_close(out[mine], want[mine], dtype, "moe_experts vs float32 reference")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        kc.moe_experts(x, weights, ids, w13, w2, first, out=out)
+    new_weights, new_ids = moe_ref.route(torch.randn(tokens, experts, device=DEVICE), top_k, True)
+    weights.copy_(new_weights)
+    ids.copy_(new_ids)
+    graph.replay()
+    want = moe_ref.moe_experts(x.float(), weights, ids, w13.float(), w2.float(), first)
+    mine = ((ids >= first) & (ids < first + local)).any(-1)
+    assert_close(out[mine], want[mine], dtype, "moe_experts replayed vs float32 reference")

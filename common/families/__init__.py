@@ -1,7 +1,7 @@
 """The served model families (common/families/registry.py explains a family's record). Each
 module below registers its families when imported; a new family adds its module here."""
 
-from common.families import gemma, llama, phi3, qwen
+from common.families import gemma, llama, moe, phi3, qwen
 from common.families.registry import (
     FAMILIES,
     FEATURES,
@@ -29,6 +29,7 @@ __all__ = [
     "family_refusal",
     "gemma",
     "llama",
+    "moe",
     "phi3",
     "qwen",
     "register",

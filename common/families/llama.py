@@ -13,10 +13,15 @@ LLAMA_MODEL = "engine.model:LlamaForCausalLM"
 def _llama_gguf(fields: Mapping[str, Any], arch: str) -> dict[str, Any]:
     """llama.cpp converts Mistral as the Llama architecture: its window, where it is written."""
     window = fields.get(f"{arch}.attention.sliding_window")
-    return {
+    read = {
         "attention_bias": "blk.0.attn_q.bias" in fields["tensor_names"],
         "sliding_window": int(window) if window else None,
     }
+    if fields.get(f"{arch}.expert_count"):  # and Mixtral as Llama with experts
+        from common.families.moe import mixtral_gguf
+
+        read.update(mixtral_gguf(fields, arch))
+    return read
 
 
 def _mistral_hf(cfg: Mapping[str, Any]) -> dict[str, Any]:

@@ -1,0 +1,92 @@
+"""The mixture-of-experts shape of a model, read from its HF config.json or GGUF metadata
+without torch: how many experts, how many each token uses, how their weights are combined, the
+shared expert, which layers are sparse, and the checkpoint's names for the block's tensors.
+
+    family       router rule                                   shared expert
+    Mixtral      softmax, top-k, always renormalized           none
+    Qwen3-MoE    softmax, top-k, renormalized if norm_topk_prob none
+    Qwen2-MoE    softmax, top-k, renormalized if norm_topk_prob sigmoid-gated, beside the routed
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+# HF architecture -> (the block's module name in a layer, its experts' gate / up / down names)
+HF_MOE_NAMES: dict[str, tuple[str, tuple[str, str, str]]] = {
+    "MixtralForCausalLM": ("block_sparse_moe", ("w1", "w3", "w2")),
+    "Qwen3MoeForCausalLM": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+    "Qwen2MoeForCausalLM": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+}
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """One sparse block's shape, the same in every sparse layer.
+
+    renormalize: the top-k softmax weights are divided by their sum (Mixtral always;
+    Qwen `norm_topk_prob`). shared_intermediate_size: 0 without a shared expert; with one, its
+    output is scaled by sigmoid(shared_expert_gate(x)) and added (Qwen2-MoE). dense_layers: the
+    layers that keep a dense MLP of the model's intermediate_size (Qwen's mlp_only_layers and
+    decoder_sparse_step). hf_block, hf_experts: the checkpoint's names of the block and of each
+    expert's gate, up and down projections.
+    """
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    renormalize: bool
+    shared_intermediate_size: int = 0
+    dense_layers: tuple[int, ...] = ()
+    hf_block: str = "mlp"
+    hf_experts: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+
+    def __post_init__(self) -> None:
+        if not 0 < self.top_k <= self.num_experts:
+            raise ValueError(
+                f"num_experts_per_tok={self.top_k} must be between 1 and "
+                f"num_experts={self.num_experts}"
+            )
+        if self.intermediate_size <= 0:
+            raise ValueError(f"the experts' intermediate_size={self.intermediate_size} must be > 0")
+
+    def is_sparse(self, layer: int) -> bool:
+        return layer not in self.dense_layers
+
+    def expert_range(self, rank: int, size: int) -> range:
+        """The experts rank `rank` of `size` holds under expert parallelism: contiguous, as even
+        as can be (the split is E r / T .. E (r + 1) / T)."""
+        return range(self.num_experts * rank // size, self.num_experts * (rank + 1) // size)
+
+
+def moe_from_hf(cfg: dict[str, Any]) -> MoEConfig | None:
+    """The MoE shape of an HF config.json (None for a dense architecture)."""
+    arch = (cfg.get("architectures") or [""])[0]
+    if arch not in HF_MOE_NAMES:
+        return None
+    block, experts = HF_MOE_NAMES[arch]
+    num_layers = int(cfg["num_hidden_layers"])
+    if arch == "MixtralForCausalLM":
+        return MoEConfig(
+            num_experts=int(cfg["num_local_experts"]),
+            top_k=int(cfg.get("num_experts_per_tok", 2)),
+            intermediate_size=int(cfg["intermediate_size"]),
+            renormalize=True,
+            hf_block=block,
+            hf_experts=experts,
+        )
+    step = int(cfg.get("decoder_sparse_step", 1) or 1)
+    only_mlp = {int(i) for i in cfg.get("mlp_only_layers") or []}
+    dense = tuple(i for i in range(num_layers) if i in only_mlp or (i + 1) % step)
+    shared = int(cfg.get("shared_expert_intermediate_size") or 0)
+    return MoEConfig(
+        num_experts=int(cfg.get("num_experts") or cfg["num_local_experts"]),  # v5 saves the latter
+        top_k=int(cfg["num_experts_per_tok"]),
+        intermediate_size=int(cfg["moe_intermediate_size"]),
+        renormalize=bool(cfg.get("norm_topk_prob", False)),
+        shared_intermediate_size=shared if arch == "Qwen2MoeForCausalLM" else 0,
+        dense_layers=dense,
+        hf_block=block,
+        hf_experts=experts,
+    )
