@@ -99,6 +99,10 @@ class GGUFFile:
             return [self._value(elem_type) for _ in range(count)]
         return self._unpack("<" + _SCALARS[value_type])[0]
 
+    def tensor_bytes(self, info: TensorInfo, nbytes: int) -> np.ndarray:
+        """The first `nbytes` bytes of the tensor's data as stored (a read-only uint8 view)."""
+        return np.frombuffer(self._map, dtype=np.uint8, count=nbytes, offset=info.offset)
+
     def tensor_array(self, info: TensorInfo) -> np.ndarray:
         """The tensor as float32, numpy (row-major) shape = reversed(info.shape)."""
         shape = tuple(reversed(info.shape))
