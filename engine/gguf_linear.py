@@ -4,8 +4,9 @@ reads 0.625 bytes per weight where the int8 form (engine/quant.py) reads 1.25.
 
 `replace_gguf_linears` swaps them into a loaded model: each Linear takes the file's blocks of the
 HF tensors it stacks (q, k and v; gate and up), the LM head those of the output tensor or, tied,
-of the embeddings. A layer whose tensors are stored otherwise (float, another block type, or
-parts of different types) becomes an Int8Linear instead.
+of the embeddings, which stay in their blocks too (GGUFEmbedding). A layer whose tensors are
+stored otherwise (float, another block type, or parts of different types) becomes an Int8Linear
+instead.
 """
 
 from __future__ import annotations
@@ -56,6 +57,26 @@ class GGUFLinear(nn.Module):
         return out.to(x.dtype).view(*x.shape[:-1], -1)
 
 
+class GGUFEmbedding(nn.Module):
+    """Token embeddings kept in GGUF blocks `blocks` uint8 [vocab, row_bytes]: a lookup widens
+    only the rows of the tokens asked for (a Q8_0 table of SmolLM2's 49152 x 576 is 30 MB where
+    float32 is 113; tied, the LM head reads the same blocks)."""
+
+    def __init__(self, blocks: torch.Tensor, ggml_type: int):
+        super().__init__()
+        self.blocks = blocks.contiguous()
+        self.ggml_type = ggml_type
+        self.num_rows = blocks.shape[0]
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        rows = self.blocks.index_select(0, input_ids.reshape(-1))
+        if gguf_kernel_missing():
+            out = cpu_gguf.dequantize_reference(rows, self.ggml_type)
+        else:
+            out = cpu_gguf.dequantize(rows, self.ggml_type)
+        return out.view(*input_ids.shape, -1)
+
+
 class GGUFBlocks:
     """What replace_gguf_linears reads: a GGUF tensor's blocks by HF name, (ggml type, uint8
     [rows, row_bytes]) in the model's row order, or None where it is stored unquantized or in a
@@ -78,7 +99,8 @@ def _make(
 
 def replace_gguf_linears(model: LlamaForCausalLM, source: GGUFBlocks) -> None:
     """Swap every Linear of the loaded model, the LM head included, for a GGUFLinear (an
-    Int8Linear where the file's blocks cannot serve it). A whole model only: a tensor-parallel
+    Int8Linear where the file's blocks cannot serve it), and the embeddings, where the file
+    stores them in blocks, for a GGUFEmbedding. A whole model only: a tensor-parallel
     rank's slice of K would cut blocks."""
     assert model.shard.tp.size == 1, "GGUF blocks are not split across tensor-parallel ranks"
     names: dict[int, list[str]] = {}  # id(Linear) -> the HF tensors its weight stacks, in order
@@ -90,6 +112,12 @@ def replace_gguf_linears(model: LlamaForCausalLM, source: GGUFBlocks) -> None:
             parent, _, leaf = name.rpartition(".")
             layer = _make(source, names[id(module)], module.weight, module.bias)
             setattr(model.get_submodule(parent), leaf, layer)
-    if model.lm_head is None and model.norm is not None:
-        embed = model.embed_tokens.weight
-        model.lm_head = _make(source, ["model.embed_tokens.weight"], embed, None)
+    embed = None if model.embed_tokens is None else source.blocks("model.embed_tokens.weight")
+    if model.lm_head is None and model.norm is not None:  # tied: the embeddings' blocks
+        model.lm_head = (
+            Int8Linear(model.embed_tokens.weight, None)
+            if embed is None
+            else GGUFLinear(embed[1], embed[0], None)
+        )
+    if embed is not None:
+        model.embed_tokens = GGUFEmbedding(embed[1], embed[0])  # type: ignore[assignment]

@@ -69,8 +69,10 @@ def in_features(blocks: torch.Tensor, ggml_type: int) -> int:
 ACT_BITS = 16
 
 # From this many rows on (a prefill chunk), W is widened to float32 once and multiplied by torch's
-# GEMM, which beats the integer dot products there (measured: bench/cpu_engine_steps.py).
-PREFILL_ROWS = 32
+# GEMM. Below, the dot products were as fast or faster on this 2-core AVX-512 VM (one thread, a
+# [3072, 576] Q4_1 layer: 1.2 against 21.6 ms at 16 rows, 21 against 24 at 64; a heavily shared
+# machine, so the cut is rough), as kernels/cpu.py's WIDEN_ROWS for int8.
+PREFILL_ROWS = 128
 _scratch: dict[tuple[int, int], torch.Tensor] = {}  # one per weight shape, shared by layers
 
 

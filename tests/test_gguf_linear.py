@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from common.model_config import load_model_config
-from engine.gguf_linear import GGUFLinear
+from engine.gguf_linear import GGUFEmbedding, GGUFLinear
 from engine.quant import Int8Linear
 from engine.weights import build_model, checked_quantization, load_weights, resolve_quantization
 from kernels import cpu_gguf
@@ -102,17 +102,15 @@ def test_kernel_rejects_a_row_of_the_wrong_length() -> None:
 
 @pytest.fixture(scope="module")
 def q4_1_gguf(tiny_model: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny Llama (GQA, tied embeddings) whose projections are stored as Q4_1."""
+    """A tiny Llama (GQA, an LM head of its own) whose projections and embeddings are stored as
+    Q4_1 (the head as float32)."""
     import gguf
 
     from tests.test_weights import write_gguf
 
     hf_dir = tiny_model(hidden_size=64, intermediate_size=128)
-    names = tuple(
-        f"blk.{i}.{t}.weight"
-        for i in range(2)
-        for t in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
-    )
+    projections = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+    names = (*(f"blk.{i}.{t}.weight" for i in range(2) for t in projections), "token_embd.weight")
     path = tmp_path_factory.mktemp("gguf") / "q4_1.gguf"
     write_gguf(hf_dir, path, quantize=names, quantize_type=gguf.GGMLQuantizationType.Q4_1)
     return path
@@ -120,22 +118,24 @@ def q4_1_gguf(tiny_model: Callable[..., Path], tmp_path_factory: pytest.TempPath
 
 def test_model_on_gguf_blocks_equals_the_dequantized_one(q4_1_gguf: Path) -> None:
     """Every projection a GGUFLinear on the file's Q4_1 blocks (q and k rows unpermuted, q/k/v
-    and gate/up stacked), the float32 head an Int8Linear (set back to the float one for the
-    comparison): the logits of a prompt equal the float32 model's from the same file to int16
-    activation rounding (8 rows: the kernel's dot products; 40: the widened weight)."""
+    and gate/up stacked), the embeddings a GGUFEmbedding, the float32 head an Int8Linear (set
+    back to the float one for the comparison): the logits of a prompt equal the float32 model's
+    from the same file to int16 activation rounding (8 rows: the kernel's dot products;
+    PREFILL_ROWS: the widened weight)."""
     config = load_model_config(q4_1_gguf)
     weights = load_weights(q4_1_gguf, config)
     cpu = torch.device("cpu")
-    dense = build_model(config, weights, 64, torch.float32, cpu)
-    model = build_model(config, weights, 64, torch.float32, cpu, quantization="gguf")
+    dense = build_model(config, weights, 256, torch.float32, cpu)
+    model = build_model(config, weights, 256, torch.float32, cpu, quantization="gguf")
     assert isinstance(model.layers[1].self_attn.qkv_proj, GGUFLinear)
     assert model.layers[1].mlp.gate_up_proj.ggml_type == 3
+    assert isinstance(model.embed_tokens, GGUFEmbedding)
     assert isinstance(model.lm_head, Int8Linear)  # output.weight is float32 in this file
     model.lm_head = dense.lm_head
     ids = [1, 5, 9, 2, 7, 3, 8, 4]
     want = prompt_logits(dense, config, ids)
     assert max_row_error(prompt_logits(model, config, ids), want) <= 1e-3  # 8 rows: kernel
-    long_ids = ids * 5  # PREFILL_ROWS and more: the widened weight
+    long_ids = (ids * cpu_gguf.PREFILL_ROWS)[: cpu_gguf.PREFILL_ROWS]
     assert (
         max_row_error(
             prompt_logits(model, config, long_ids), prompt_logits(dense, config, long_ids)
