@@ -280,4 +280,6 @@ def load_model(
         model_config, weights, max_positions, dtype, device,
         dummy_seed=config.seed or 0, ops=ops, quantization=quantization, shard=shard,
     )  # fmt: skip
+    if isinstance(weights, GGUFWeights):  # every tensor is copied out of the mapping by now
+        weights.file.drop_resident_pages()
     return model, ops_reason

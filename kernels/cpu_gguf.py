@@ -74,6 +74,10 @@ ACT_BITS = 16
 # machine, so the cut is rough), as kernels/cpu.py's WIDEN_ROWS for int8.
 PREFILL_ROWS = 128
 _scratch: dict[tuple[int, int], torch.Tensor] = {}  # one per weight shape, shared by layers
+# Weights larger (an LM head: SmolLM2's is 28M) always take the dot products: their float32
+# scratch would stay resident (113 MB), and their few rows per step (sampled ones) rarely reach
+# PREFILL_ROWS anyway.
+MAX_WIDENED = 1 << 23
 
 
 def gguf_linear(
@@ -88,8 +92,8 @@ def gguf_linear(
     vnni: the AVX-512 VNNI loops (default: where the CPU has them); act_bits: x quantized per
     block of 32 to int16 or int8 (default ACT_BITS)."""
     x = x.contiguous()
-    if x.shape[0] >= PREFILL_ROWS:
-        shape = (blocks.shape[0], x.shape[1])
+    shape = (blocks.shape[0], x.shape[1])
+    if x.shape[0] >= PREFILL_ROWS and shape[0] * shape[1] <= MAX_WIDENED:
         if shape not in _scratch:
             _scratch[shape] = torch.empty(shape)
         _module().gguf_dequantize(blocks, ggml_type, _scratch[shape])
