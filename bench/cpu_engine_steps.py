@@ -29,6 +29,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.ops import ReferenceOps
@@ -127,8 +129,17 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "cpu_engine_steps.json")
     p.add_argument("--modes", default="", help="comma-separated mode names (default: all)")
     p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="torch threads (0: torch's default); 1 keeps a "
+        "shared machine's descheduled OpenMP threads out of every parallel region's wait",
+    )
     p.add_argument("--rounds", type=int, default=1, help="turns each mode takes (A B A B ...)")
     args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     batches = [int(b) for b in args.batches.split(",")]
     wanted = [m.strip() for m in args.modes.split(",") if m.strip()]
     known = [name for name, *_ in MODES]
@@ -151,6 +162,7 @@ def main() -> None:
             "steps": args.steps,
             "rounds": args.rounds,
             "prompt_len": args.prompt_len,
+            "threads": torch.get_num_threads(),
             "results": results,
         },
         args.out,
