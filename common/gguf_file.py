@@ -99,6 +99,16 @@ class GGUFFile:
             return [self._value(elem_type) for _ in range(count)]
         return self._unpack("<" + _SCALARS[value_type])[0]
 
+    def drop_resident_pages(self) -> None:
+        """Unmap the pages read so far from this process (they stay in the page cache, and come
+        back on the next read): after a load, a file mapping would otherwise count in the
+        process's resident memory for as long as the reader lives."""
+        self._map.madvise(mmap.MADV_DONTNEED)
+
+    def tensor_bytes(self, info: TensorInfo, nbytes: int) -> np.ndarray:
+        """The first `nbytes` bytes of the tensor's data as stored (a read-only uint8 view)."""
+        return np.frombuffer(self._map, dtype=np.uint8, count=nbytes, offset=info.offset)
+
     def tensor_array(self, info: TensorInfo) -> np.ndarray:
         """The tensor as float32, numpy (row-major) shape = reversed(info.shape)."""
         shape = tuple(reversed(info.shape))

@@ -12,7 +12,7 @@ DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "dummy")
 ATTENTION_BACKENDS = ("auto", "torch", "cuda")
-QUANTIZATIONS = ("auto", "none", "int8", "fp8")
+QUANTIZATIONS = ("auto", "none", "gguf", "int8", "fp8")
 KV_CACHE_DTYPES = ("auto", "bf16", "fp16", "fp8")
 SPECULATIVE_METHODS = ("none", "ngram", "draft")
 MAX_SPECULATIVE_TOKENS = 16
@@ -36,9 +36,10 @@ class EngineConfig(PeerSecurity):
     )
     quantization: str = setting(
         "auto",
-        "weights: int8 = weight-only int8 (CPU and GPU); fp8 = float8 e4m3 weights and "
-        "activations (Hopper / Ada); none = the model's dtype; auto = int8 on a CPU for a GGUF "
-        "stored as Q4_0, Q4_1 or Q8_0 (held exactly), else none",
+        "weights: gguf = a GGUF's Q4_0 / Q4_1 / Q8_0 / Q4_K blocks kept as stored (CPU); int8 = "
+        "weight-only int8 (CPU and GPU); fp8 = float8 e4m3 weights and activations (Hopper / "
+        "Ada); none = the model's dtype; auto = gguf on a CPU for a GGUF stored in those blocks "
+        "(int8 for Q4_0 / Q4_1 / Q8_0 when tensor-parallel), else none",
         choices=QUANTIZATIONS,
     )
     kv_cache_dtype: str = setting(

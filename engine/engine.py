@@ -119,8 +119,13 @@ class Engine:
         self.device = resolve_device(config.device) if parallel is None else parallel.device
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, self.dtype)
-        self.quantization = checked_quantization(config.quantization, path, self.device)
-        check_features(self.model_config, self.quantization)
+        self.quantization = checked_quantization(
+            config.quantization, path, self.device, whole=self.shard.tp.size == 1,
+            dummy=config.load_format == "dummy",
+        )  # fmt: skip
+        self.quantization = check_features(
+            self.model_config, self.quantization, config.quantization
+        )
         max_len = self.model_config.max_position_embeddings
         self.max_model_len = min(max_len, config.max_model_len or max_len)
 
@@ -205,7 +210,10 @@ class Engine:
         seeded as the target's) and quantization rule (auto resolved for its own file), the
         layer ops chosen for its own shape."""
         what = f"speculative_model {path}: "
-        quantization = checked_quantization(self.config.quantization, path, self.device, what)
+        quantization = checked_quantization(
+            self.config.quantization, path, self.device, what,
+            dummy=self.config.load_format == "dummy",
+        )  # fmt: skip
         model, _ = load_model(
             self.config, path, draft_config, quantization, self.max_model_len, self.dtype,
             self.device,

@@ -89,7 +89,7 @@ class DraftForward:
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.num_layers = num_layers
-        self.device = model.embed_tokens.weight.device
+        self.device = model.rotary_emb.cos_sin_cache.device  # embeddings may be GGUF blocks
 
     def block_tables(self, rows: list[ScheduledSeq]) -> torch.Tensor:
         """rows' whole block tables, padded, on the device: built once for the forwards of

@@ -32,7 +32,6 @@ from kernels import cpu as cpu_kernels
 from kernels import int8 as gpu_int8
 from kernels import reference
 
-QUANTIZATIONS = ("none", "int8", "fp8")
 FP8_MAX = 448.0  # largest finite float8 e4m3fn
 
 

@@ -17,17 +17,19 @@ import numpy as np
 import torch
 
 from common.families import FAMILIES
-from common.gguf_file import open_gguf
+from common.gguf_file import TensorInfo, open_gguf
 from common.model_config import ModelConfig, ModelSourceError
 from engine.config import EngineConfig
 from engine.cuda_graphs import graph_batch_sizes
 from engine.dummy import DummyWeights, init_dummy_weights
 from engine.families import model_class
+from engine.gguf_linear import GGUFBlocks, gguf_kernel_missing, replace_gguf_linears
 from engine.layers import PackedLinear, can_pack_cpu_linears
 from engine.model import LlamaForCausalLM
 from engine.ops import LayerOps, select_ops
 from engine.parallel import ModelShard, shard_config
 from engine.quant import QUANTIZED_LINEARS, quantization_limits
+from kernels import cpu_gguf
 
 _GGUF_LAYER_NAMES = {
     "attn_q": "self_attn.q_proj",
@@ -123,46 +125,87 @@ def unpermute_qk(weight: np.ndarray, num_heads: int) -> np.ndarray:
     )
 
 
-def _load_gguf(path: Path, config: ModelConfig) -> LazyWeights:
-    """The GGUF's tensors under HF names. llama.cpp permutes q and k rows for the Llama
-    architecture only (the others use NeoX-style rotary, as HF does); a family whose converter
-    stores norms as 1 + w (Gemma) gets w back."""
-    family = FAMILIES[config.family]
-    gguf_file = open_gguf(path)
-    tensors = {}
-    for tensor in gguf_file.tensors:
-        name = gguf_name_to_hf(tensor.name, family.gguf_layer_names)
-        if name is not None:
-            tensors[name] = tensor
-    permuted = gguf_file.fields.get("general.architecture") == "llama"  # Mixtral's too
+class GGUFWeights(LazyWeights, GGUFBlocks):
+    """A GGUF file's tensors by HF name, dequantized to float32 when looked up; `blocks` gives a
+    quantized one's blocks as stored (for --quantization gguf), q and k rows unpermuted alike.
+    llama.cpp permutes q and k rows for the Llama architecture only (Mixtral's too; the others
+    use NeoX-style rotary, as HF does); a family whose converter stores norms as 1 + w (Gemma)
+    gets w back."""
 
-    def read(name: str) -> torch.Tensor:
-        data = gguf_file.tensor_array(tensors[name])
-        if permuted and name.endswith(("q_proj.weight", "q_proj.bias")):
-            data = unpermute_qk(data, config.num_heads)
-        elif permuted and name.endswith(("k_proj.weight", "k_proj.bias")):
-            data = unpermute_qk(data, config.num_kv_heads)
-        elif family.gguf_norms_plus_one and name.endswith("norm.weight"):
-            data = data - 1.0
+    def __init__(self, path: Path, config: ModelConfig):
+        family = FAMILIES[config.family]
+        self.file = open_gguf(path)
+        self.config = config
+        self.norms_plus_one = family.gguf_norms_plus_one
+        self.permuted = self.file.fields.get("general.architecture") == "llama"
+        self.infos: dict[str, TensorInfo] = {}
+        for tensor in self.file.tensors:
+            name = gguf_name_to_hf(tensor.name, family.gguf_layer_names)
+            if name is not None:
+                self.infos[name] = tensor
+        super().__init__(list(self.infos), self._read)
+
+    def _hf_rows(self, name: str, data: np.ndarray) -> torch.Tensor:
+        if self.permuted and name.endswith(("q_proj.weight", "q_proj.bias")):
+            data = unpermute_qk(data, self.config.num_heads)
+        elif self.permuted and name.endswith(("k_proj.weight", "k_proj.bias")):
+            data = unpermute_qk(data, self.config.num_kv_heads)
         return torch.from_numpy(np.ascontiguousarray(data))
 
-    return LazyWeights(list(tensors), read)
+    def _read(self, name: str) -> torch.Tensor:
+        data = self.file.tensor_array(self.infos[name])
+        if self.norms_plus_one and name.endswith("norm.weight"):
+            data = data - 1.0
+        return self._hf_rows(name, data)
+
+    def blocks(self, name: str) -> tuple[int, torch.Tensor] | None:
+        info = self.infos[name]
+        if info.ggml_type not in cpu_gguf.FORMATS or len(info.shape) != 2:
+            return None
+        _, elems, nbytes = cpu_gguf.FORMATS[info.ggml_type]
+        rows, row_bytes = info.shape[1], info.shape[0] // elems * nbytes
+        raw = self.file.tensor_bytes(info, rows * row_bytes).reshape(rows, row_bytes)
+        return info.ggml_type, self._hf_rows(name, raw.copy())
+
+
+def _load_gguf(path: Path, config: ModelConfig) -> LazyWeights:
+    return GGUFWeights(path, config)
 
 
 # ggml type ids of the GGUF blocks the CPU's int8 form holds exactly (engine.quant.grouped_int8)
 INT8_EXACT = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0"}
 
 
-def resolve_quantization(name: str, path: Path, device: torch.device) -> str:
-    """--quantization auto: int8 on a CPU for a GGUF whose projections are stored as Q4_0, Q4_1
-    or Q8_0 (the int8 form holds those blocks exactly, and reads under a third of float32's bytes),
+def resolve_quantization(
+    name: str, path: Path, device: torch.device, *, whole: bool = True, dummy: bool = False
+) -> str:
+    """--quantization auto on a CPU, for a GGUF whose projections are stored as:
+    - Q4_0, Q4_1, Q8_0 or Q4_K: gguf (the blocks kept as stored, kernels/cpu_gguf.cpp), where
+      the kernel builds and the model is whole (`whole`: no tensor-parallel split) and loaded
+      from the file (not `dummy`);
+    - otherwise Q4_0, Q4_1 or Q8_0: int8 (its form holds those blocks exactly);
     else none."""
     if name != "auto":
         return name
     if path.is_dir() or device.type != "cpu":
         return "none"
     types = {t.ggml_type for t in open_gguf(path).tensors if t.name.endswith("attn_q.weight")}
-    return "int8" if types and types <= INT8_EXACT.keys() else "none"
+    if not types:
+        return "none"
+    if whole and not dummy and types <= cpu_gguf.FORMATS.keys() and not gguf_kernel_missing():
+        return "gguf"
+    return "int8" if types <= INT8_EXACT.keys() else "none"
+
+
+def gguf_limits(path: Path, device: torch.device, whole: bool, dummy: bool) -> str | None:
+    """Why --quantization gguf cannot serve `path` on `device` (None when it can)."""
+    if device.type != "cpu":
+        return f"--quantization gguf runs on a CPU, not {device}"
+    if path.is_dir() or dummy:
+        return "--quantization gguf keeps a GGUF file's blocks: it needs --model FILE.gguf loaded"
+    if not whole:
+        return "--quantization gguf does not split blocks across tensor-parallel ranks"
+    return None
 
 
 def build_model(
@@ -177,10 +220,11 @@ def build_model(
     quantization: str = "none",
     shard: ModelShard | None = None,
 ) -> LlamaForCausalLM:
-    """Allocate on the meta device, materialize on `device` directly in `dtype` (never a float32
-    copy first), then load `weights`, or, when it is None, fill in engine.dummy's seeded values.
+    """Allocate (on a CPU in place; elsewhere on the meta device, materialized on `device`
+    directly in `dtype`, never a float32 copy first), then load `weights`, or, when it is None, fill in engine.dummy's seeded values.
     `ops`: the layer ops backend (default: kernels/reference.py). `quantization` (int8, fp8)
-    replaces every linear layer, the LM head included, by engine/quant.py's. `shard`: the part
+    replaces every linear layer, the LM head included, by engine/quant.py's (gguf: by
+    engine/gguf_linear.py's, from `weights`' blocks). `shard`: the part
     this rank holds (default: the whole model); a sharded model takes its slice of each tensor,
     the dummy ones included (the same values as the whole model's)."""
     cls = model_class(config)
@@ -200,18 +244,32 @@ def build_model(
     else:
         model.load_weights(weights)
     model = model.eval().requires_grad_(False)
-    if quantization != "none":
+    if quantization == "gguf":
+        assert isinstance(weights, GGUFBlocks), "--quantization gguf needs a GGUF file's weights"
+        replace_gguf_linears(model, weights)
+    elif quantization != "none":
         model.replace_linears(QUANTIZED_LINEARS[quantization])
     elif device.type == "cpu" and dtype == torch.float32 and can_pack_cpu_linears():
         model.replace_linears(PackedLinear)
     return model
 
 
-def checked_quantization(name: str, path: Path, device: torch.device, what: str = "") -> str:
+def checked_quantization(
+    name: str,
+    path: Path,
+    device: torch.device,
+    what: str = "",
+    *,
+    whole: bool = True,
+    dummy: bool = False,
+) -> str:
     """resolve_quantization's answer, or ValueError (prefixed by `what`) when `device` cannot
     run it."""
-    quantization = resolve_quantization(name, path, device)
-    why_not = quantization_limits(quantization, device)
+    quantization = resolve_quantization(name, path, device, whole=whole, dummy=dummy)
+    if quantization == "gguf":
+        why_not = gguf_limits(path, device, whole, dummy)
+    else:
+        why_not = quantization_limits(quantization, device)
     if why_not:
         raise ValueError(f"{what}{why_not}")
     return quantization
@@ -241,4 +299,6 @@ def load_model(
         model_config, weights, max_positions, dtype, device,
         dummy_seed=config.seed or 0, ops=ops, quantization=quantization, shard=shard,
     )  # fmt: skip
+    if isinstance(weights, GGUFWeights):  # every tensor is copied out of the mapping by now
+        weights.file.drop_resident_pages()
     return model, ops_reason

@@ -1,6 +1,5 @@
-"""Our CPU kernels (kernels/cpu_int8.cpp), compiled at first use by torch's C++ extension builder
-(g++ and ninja) and cached under ~/.cache/llmserve/cpu_kernels/<hash of the source>
-(LLMSERVE_KERNEL_CACHE moves it).
+"""Our CPU int8 kernel (kernels/cpu_int8.cpp), compiled at first use by torch's C++ extension
+builder and cached, keyed by its text (kernels/cpu_build.py).
 
 `int8_linear` (on weights packed by `pack_int8`) has a plain-torch twin, `int8_linear_reference`,
 the ground truth of its tests and the path where the kernel cannot be built (no AVX2, no
@@ -9,67 +8,27 @@ compiler).
 
 from __future__ import annotations
 
-import fcntl
 import functools
-import hashlib
-import os
-import platform
-import shutil
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from kernels import cpu_build
+
 SOURCE = Path(__file__).with_name("cpu_int8.cpp")
-
-
-def cache_dir() -> Path:
-    root = os.environ.get("LLMSERVE_KERNEL_CACHE") or Path.home() / ".cache" / "llmserve"
-    return Path(root) / "cpu_kernels"
-
-
 CFLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp")
 
 
 def build_dir() -> Path:
-    """Where the kernel is built: one directory per source text, flags, torch install and
-    Python. The source is built from a copy inside it, because torch's build names the source by
-    its absolute path: keyed by content, checkouts of the same source share one build, and an
-    edited source gets a directory of its own."""
-    key = hashlib.sha256(SOURCE.read_bytes())
-    # torch's headers are named by path in the compile command: one build per torch install,
-    # or two virtualenvs would rebuild over each other
-    key.update(" ".join((*CFLAGS, torch.__file__, sys.version, platform.machine())).encode())
-    return cache_dir() / key.hexdigest()[:16]
+    """Where the int8 kernel is built (kernels/cpu_build.py: keyed by its text and flags)."""
+    return cpu_build.build_dir([SOURCE], CFLAGS)
 
 
 @functools.cache
 def _module() -> Any:
-    from torch.utils.cpp_extension import load
-
-    build = build_dir()
-    build.mkdir(parents=True, exist_ok=True)
-    # torch's builder waits, without end, while a file named `lock` exists in the directory:
-    # one left by a process killed mid-build stops every later start. Builds here are serialized
-    # by an flock instead (the kernel releases it when its holder dies), so whoever holds it may
-    # remove a `lock` file: no live builder can own one.
-    with open(build / "build.flock", "w") as held:
-        fcntl.flock(held, fcntl.LOCK_EX)
-        (build / "lock").unlink(missing_ok=True)
-        source = build / SOURCE.name
-        if not source.exists():
-            shutil.copyfile(SOURCE, source)
-        return load(
-            name="llmserve_cpu_int8",
-            sources=[str(source)],
-            # OpenMP for at::parallel_for; the libgomp.so.1 it binds to is torch's, already loaded.
-            extra_cflags=list(CFLAGS),
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(build),
-            verbose=False,
-        )
+    return cpu_build.load_extension("llmserve_cpu_int8", [SOURCE], CFLAGS)
 
 
 def unavailable() -> str | None:

@@ -68,8 +68,10 @@ def write_gguf(
     quantize: tuple[str, ...] = (),
     extra_fields: Callable[[gguf.GGUFWriter], None] | None = None,
     minimal: bool = False,
+    quantize_type: gguf.GGMLQuantizationType = Q8_0,
 ) -> dict[str, np.ndarray]:
-    """Convert hf_dir to a llama GGUF at path; tensors named in quantize are stored as Q8_0.
+    """Convert hf_dir to a llama GGUF at path; tensors named in quantize are stored as
+    quantize_type (Q8_0, Q4_0 or Q4_1: those the gguf package can write).
     minimal: leave out the keys the loader can default (vocab size, head_dim, kv heads, name).
     Returns what was stored per GGUF name (quantized: the uint8 blocks)."""
     from safetensors.numpy import load_file
@@ -133,8 +135,8 @@ def write_gguf(
     for name, data in tensors.items():
         data = np.ascontiguousarray(data, dtype=np.float32)
         if name in quantize:
-            q = gguf.quants.quantize(data, Q8_0)
-            w.add_tensor(name, q, raw_dtype=Q8_0)
+            q = gguf.quants.quantize(data, quantize_type)
+            w.add_tensor(name, q, raw_dtype=quantize_type)
             stored[name] = q
         else:
             w.add_tensor(name, data)

@@ -18,12 +18,17 @@ def model_class(config: ModelConfig) -> type[LlamaForCausalLM]:
     return cls
 
 
-def check_features(config: ModelConfig, quantization: str) -> None:
-    """ValueError, naming the family and why, when the engine is asked for a feature the
-    family's record refuses (common/families/registry.Family.refuses)."""
+def check_features(config: ModelConfig, quantization: str, requested: str = "") -> str:
+    """The quantization to run: `quantization` (what `requested` resolved to), or none where
+    --quantization auto met a family that refuses quantization. ValueError, naming the family
+    and why, when the engine is asked for a feature the family's record refuses
+    (common/families/registry.Family.refuses)."""
     refuses = FAMILIES[config.family].refuses
+    if requested == "auto" and "quantization" in refuses:
+        return "none"
     if quantization != "none" and "quantization" in refuses:
         raise ValueError(
             f"--quantization {quantization} is not served for the {config.family} family "
             f"({config.name}): {refuses['quantization']}"
         )
+    return quantization
