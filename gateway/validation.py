@@ -12,6 +12,7 @@ from google.protobuf import unknown_fields
 from google.protobuf.message import Message
 
 from common.sampling import SamplingError, normalized
+from common.structured_output import ConstraintError, check_structured_output
 from gateway.tokenizer import ChatMessage, ChatTemplateError, Tokenizer
 from protos import api_pb2, common_pb2, scheduler_pb2
 
@@ -53,7 +54,11 @@ class ValidRequest:
 
 def _check_unknown_fields(req: api_pb2.GenerateRequest) -> None:
     """Refuse fields this server's API does not have (a newer client's), at any depth."""
-    messages: list[tuple[str, Message]] = [("GenerateRequest", req), ("sampling", req.sampling)]
+    messages: list[tuple[str, Message]] = [
+        ("GenerateRequest", req),
+        ("sampling", req.sampling),
+        ("sampling.structured_output", req.sampling.structured_output),
+    ]
     if req.HasField("chat"):
         messages.append(("chat", req.chat))
         messages += [(f"chat.messages[{i}]", m) for i, m in enumerate(req.chat.messages)]
@@ -71,7 +76,8 @@ def _check_request(req: api_pb2.GenerateRequest) -> common_pb2.SamplingParams:
     """The normalized sampling params; also checks max_tokens and request_id."""
     try:
         sampling = normalized(req.sampling)
-    except SamplingError as err:
+        check_structured_output(sampling.structured_output, "sampling.structured_output.")
+    except (SamplingError, ConstraintError) as err:
         raise ValidationError(str(err)) from err
     if req.HasField("max_tokens") and req.max_tokens < 1:
         raise ValidationError(f"max_tokens={req.max_tokens} must be >= 1")
