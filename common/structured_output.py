@@ -71,14 +71,15 @@ def grammar_text(kind: str, text: str) -> str:
     raise ValueError(f"unknown constraint kind {kind!r}")
 
 
-def check_structured_output(so: StructuredOutput, prefix: str) -> None:
-    """Raise ConstraintError naming `prefix + field` when so is beyond the limits or the library
-    cannot compile it (the library's reason in the message). Compiles are cached by (kind, text)."""
+def check_structured_output(so: StructuredOutput, prefix: str, field: str = "") -> None:
+    """Raise ConstraintError naming `prefix + kind` (or field, when given: the client's name for
+    it) when so is beyond the limits or the library cannot compile it (the library's reason in
+    the message). Compiles are cached by (kind, text)."""
     key = constraint_of(so)
     if key is None:
         return
     kind, text = key
-    field = f"{prefix}{kind}"
+    field = field or f"{prefix}{kind}"
     if kind == "choice":
         _check_choices(list(so.choice.choices), field)
     elif kind != "json_object":

@@ -82,15 +82,22 @@ class Grammars:
         # Built on the compile thread when the first constrained request comes (about a second
         # for a 50k vocabulary), so that engines never asked for structured output pay nothing.
         self._tokenizer: Future[LLTokenizer] | None = None
+        # The library's EOS when the model's is not in the tokenizer (see _load_tokenizer).
+        self._stand_in_eos: int | None = None
         self._cache: OrderedDict[tuple[str, str], Future[LLMatcher]] = OrderedDict()
         # Figures for GetStats and the benchmark: masks filled and their summed time.
         self.num_masks = 0
         self.mask_s = 0.0
 
     def _load_tokenizer(self, path: Path) -> LLTokenizer:
-        files = load_tokenizer_files(path)
-        eos = [t for t in self.eos_token_ids if t < self.vocab_size] or None
-        return LLTokenizer(files.tokenizer.to_str(), n_vocab=self.vocab_size, eos_token=eos)
+        tokenizer = load_tokenizer_files(path).tokenizer
+        # A shape served with random weights has the byte-level tokenizer: its EOS is past the
+        # tokenizer's ids; the masks let it through where the grammar allows nothing else.
+        size = tokenizer.get_vocab_size(with_added_tokens=True)
+        eos = [t for t in self.eos_token_ids if t < size] or None
+        loaded = LLTokenizer(tokenizer.to_str(), n_vocab=self.vocab_size, eos_token=eos)
+        self._stand_in_eos = None if eos else loaded.eos_token
+        return loaded
 
     def close(self) -> None:
         self._compile_thread.shutdown(wait=False, cancel_futures=True)
@@ -187,12 +194,16 @@ class Grammars:
             output[-1] = previous[seq.pending_row]
         new = output[state.num_consumed :]
         state.num_consumed = len(output)
-        if new and not state.matcher.consume_tokens(new):
-            log.warning(
-                "grammar refused a token", seq_id=seq.seq_id, error=state.matcher.get_error()
-            )
-            state.dead = True
-            return None
+        for token in new:
+            # A finished grammar (it took its EOS, or can take nothing more) ignores what
+            # follows: an EOS, or with overlap the token computed after one, which is dropped.
+            if state.matcher.is_stopped():
+                break
+            if not state.matcher.consume_token(token):
+                error = state.matcher.get_error()[:300]
+                log.warning("grammar refused a token", seq_id=seq.seq_id, error=error)
+                state.dead = True
+                return None
         return state.matcher
 
     def _fill_row(
@@ -223,7 +234,16 @@ class Grammars:
         return at + 1 + len(drafts)
 
     def _fill_one(self, seq: SeqState, matcher: LLMatcher, out: np.ndarray) -> None:
+        if matcher.is_stopped():  # the grammar is complete: only an EOS may follow
+            self._only_eos(out)
+            return
         matcher.unsafe_compute_mask_ptr(out.ctypes.data, out.nbytes)
+        words = out.view(np.uint32)
+        stand_in = self._stand_in_eos
+        if stand_in is not None and words[stand_in // 32] >> np.uint32(stand_in % 32) & 1:
+            # the library's EOS is not the model's (a byte-level stand-in): the model's instead
+            words[stand_in // 32] &= ~np.uint32(1 << (stand_in % 32))
+            self._allow_eos(words)
         if matcher.is_error() or not out.any():
             if not seq.grammar.dead:
                 log.warning("grammar allows no token; ending with EOS", seq_id=seq.seq_id)
@@ -232,7 +252,9 @@ class Grammars:
 
     def _only_eos(self, out: np.ndarray) -> None:
         out[:] = 0
-        words = out.view(np.uint32)
+        self._allow_eos(out.view(np.uint32))
+
+    def _allow_eos(self, words: np.ndarray) -> None:
         for token in self.eos_token_ids:
             if token < self.vocab_size:
                 words[token // 32] |= np.uint32(1 << (token % 32))

@@ -12,9 +12,9 @@ so a prompt of n bytes is n tokens; generated ids of 256 and above have no text 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 import jinja2
 import jinja2.sandbox
@@ -28,18 +28,14 @@ from common.tokenizer_files import (
     load_tokenizer_files,
     unicode_to_bytes,
 )
+from gateway.tool_prompt import ChatTurn as ChatMessage
+from gateway.tool_prompt import fallback_turns, template_messages, template_takes_tools
 
 __all__ = ["ChatMessage", "ChatTemplateError", "Tokenizer", "is_config_only"]
 
 
 class ChatTemplateError(ValueError):
     """The chat template refused the messages (e.g. roles that do not alternate)."""
-
-
-@dataclass(frozen=True)
-class ChatMessage:
-    role: str
-    content: str
 
 
 class Tokenizer:
@@ -120,25 +116,44 @@ class Tokenizer:
         ids = [t for t in token_ids if 0 <= t < self.vocab_size]
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> str:
-        """The chat template's text for messages, as HF's apply_chat_template renders it."""
+    def render_chat(
+        self,
+        messages: list[ChatMessage],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> str:
+        """The chat template's text for messages, as HF's apply_chat_template renders it. With
+        tools, or messages carrying tool calls or results: through the template when it takes
+        tools, else in the Hermes format (gateway/tool_prompt.py)."""
         if self.chat_template is None:
             raise ChatTemplateError("this model has no chat template; send a text prompt")
         if self._template is None:
             self._template = _compile_template(self.chat_template)
+        uses_tools = bool(tools) or any(m.tool_calls or m.role == "tool" for m in messages)
+        extra: dict[str, Any] = {}
+        if uses_tools and template_takes_tools(self.chat_template):
+            rendered = template_messages(messages)
+            extra["tools"] = tools or None
+        else:
+            if uses_tools:
+                messages = fallback_turns(messages, tools or [])
+            rendered = [{"role": m.role, "content": m.content} for m in messages]
         try:
             return self._template.render(
-                messages=[{"role": m.role, "content": m.content} for m in messages],
+                messages=rendered,
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token or "",
                 eos_token=self.eos_token or "",
+                **extra,
             )
         except jinja2.TemplateError as err:
             raise ChatTemplateError(f"chat template: {err}") from err
 
-    def encode_chat(self, messages: list[ChatMessage]) -> list[int]:
+    def encode_chat(
+        self, messages: list[ChatMessage], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
         """Token ids of the rendered template; special tokens come from the template text."""
-        return self.encode(self.render_chat(messages), add_special_tokens=False)
+        return self.encode(self.render_chat(messages, tools=tools), add_special_tokens=False)
 
 
 def _compile_template(source: str) -> jinja2.Template:

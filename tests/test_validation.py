@@ -113,7 +113,7 @@ def test_good_request_id(tokenizer: Tokenizer, request_id: str) -> None:
 
 def test_missing_prompt(tokenizer: Tokenizer) -> None:
     message = error(request(no_prompt=True, max_tokens=4), tokenizer)
-    assert message == "prompt is missing: set either text or chat"
+    assert message == "prompt is missing: set text, chat or token_ids"
 
 
 def test_empty_text(tokenizer: Tokenizer) -> None:
