@@ -264,3 +264,123 @@ def test_bad_constraints_are_400(
     assert err.value.status_code == 400
     assert err.value.param == param, err.value.message
     assert message in err.value.message, err.value.message
+
+
+# -- tool calling ---------------------------------------------------------------------------------
+
+WEATHER_PARAMS = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 16},
+        "unit": {"enum": ["celsius", "fahrenheit"]},
+    },
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+TIME_PARAMS = {
+    "type": "object",
+    "properties": {"zone": {"type": "string", "pattern": "^[A-Z]{3}$"}},
+    "required": ["zone"],
+    "additionalProperties": False,
+}
+TOOLS: list[Any] = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Current weather",
+                                      "parameters": WEATHER_PARAMS}},
+    {"type": "function", "function": {"name": "get_time", "description": "Time in a zone",
+                                      "parameters": TIME_PARAMS}},
+]  # fmt: skip
+PARAMS = {"get_weather": WEATHER_PARAMS, "get_time": TIME_PARAMS}
+QUESTION = [{"role": "user", "content": "What is the weather in Paris right now?"}]
+
+
+def tool_chat(stack: Stack, **fields: Any) -> Any:
+    fields = {"model": "m", "messages": QUESTION, "max_tokens": 80, "temperature": 0.0,
+              "tools": TOOLS, **fields}  # fmt: skip
+    return sdk(stack).chat.completions.create(**fields)
+
+
+def check_calls(calls: list[Any], names: set[str]) -> None:
+    assert calls
+    for call in calls:
+        assert call.type == "function" and call.id.startswith("call_")
+        assert call.function.name in names
+        jsonschema.validate(json.loads(call.function.arguments), PARAMS[call.function.name])
+
+
+@pytest.fixture(scope="module")
+def tool_replies(stack: Stack) -> dict[str, Any]:
+    """The tool requests, sent together."""
+    named = {"type": "function", "function": {"name": "get_time"}}
+    work: dict[str, Callable[[], Any]] = {
+        "required": lambda: tool_chat(stack, tool_choice="required"),
+        "single": lambda: tool_chat(stack, tool_choice="required", parallel_tool_calls=False),
+        "named": lambda: tool_chat(stack, tool_choice=named),
+        "none": lambda: tool_chat(stack, tool_choice="none", max_tokens=16),
+        "auto": lambda: tool_chat(stack),
+        "stream": lambda: list(tool_chat(stack, tool_choice="required", stream=True)),
+    }
+    with ThreadPoolExecutor(len(work)) as pool:
+        futures = {name: pool.submit(fn) for name, fn in work.items()}
+        return {name: f.result() for name, f in futures.items()}
+
+
+def test_tool_choice_required_named_single(tool_replies: dict[str, Any]) -> None:
+    for name, names in (
+        ("required", set(PARAMS)),
+        ("single", set(PARAMS)),
+        ("named", {"get_time"}),
+    ):
+        choice = tool_replies[name].choices[0]
+        assert choice.finish_reason == "tool_calls", (name, choice)
+        check_calls(choice.message.tool_calls, names)
+    assert len(tool_replies["single"].choices[0].message.tool_calls) == 1
+
+
+def test_tool_choice_none_and_auto(tool_replies: dict[str, Any]) -> None:
+    none = tool_replies["none"].choices[0]
+    assert none.message.tool_calls is None and none.message.content
+    assert none.finish_reason in ("stop", "length")
+    auto = tool_replies["auto"].choices[0]
+    if auto.message.tool_calls:  # the model's choice; whatever it said must parse
+        assert auto.finish_reason == "tool_calls"
+        for call in auto.message.tool_calls:
+            assert call.function.name in PARAMS and json.loads(call.function.arguments) is not None
+    else:
+        assert auto.message.content and auto.finish_reason in ("stop", "length")
+
+
+def test_streamed_calls_reassemble_to_the_answer(tool_replies: dict[str, Any]) -> None:
+    calls: dict[int, dict[str, str]] = {}
+    finish = None
+    for chunk in tool_replies["stream"]:
+        for choice in chunk.choices:
+            finish = choice.finish_reason or finish
+            assert not (choice.delta.content or "").strip()  # nothing of a call as text
+            for delta in choice.delta.tool_calls or []:
+                entry = calls.setdefault(delta.index, {"name": "", "arguments": ""})
+                entry["name"] += delta.function.name or ""
+                entry["arguments"] += delta.function.arguments or ""
+    whole = tool_replies["required"].choices[0].message.tool_calls
+    assert finish == "tool_calls"
+    assert [calls[i] for i in sorted(calls)] == [
+        {"name": c.function.name, "arguments": c.function.arguments} for c in whole
+    ]
+
+
+def test_tool_result_round_trip(stack: Stack, tool_replies: dict[str, Any]) -> None:
+    call = tool_replies["named"].choices[0].message.tool_calls[0]
+    messages = [
+        *QUESTION,
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": '{"time": "12:00"}'},
+    ]
+    reply = tool_chat(stack, messages=messages, tool_choice="auto", max_tokens=24)
+    assert reply.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    assert reply.usage.prompt_tokens > 40  # the tools, the call and its result were rendered
+
+
+def test_unknown_tool_choice_is_400(stack: Stack) -> None:
+    with pytest.raises(openai.BadRequestError) as err:
+        tool_chat(stack, tool_choice={"type": "function", "function": {"name": "launch"}})
+    assert err.value.param == "tool_choice"
+    assert "'launch' is not one of the tools (get_time, get_weather)" in err.value.message
