@@ -188,6 +188,17 @@ def test_grpc_structured_output(stack: Stack) -> None:
         assert "sampling.structured_output.regex does not compile" in err.value.details()
 
 
+def test_n_choices_each_valid(stack: Stack) -> None:
+    """n = 2, sampled: two scheduler requests, each with its own matcher."""
+    reply = sdk(stack).completions.create(
+        model="m", prompt="My favourite colour is", max_tokens=8, n=2, temperature=1.0, seed=5,
+        extra_body={"structured_outputs": {"regex": "(red|green|blue)( and (red|green|blue))?"}},
+    )  # fmt: skip
+    assert len(reply.choices) == 2
+    for choice in reply.choices:
+        assert re.fullmatch(r"(red|green|blue)( and (red|green|blue))?", choice.text), choice
+
+
 def test_max_tokens_mid_object_is_length(stack: Stack) -> None:
     schema = SCHEMAS["order"]
     fmt = {"type": "json_schema", "json_schema": {"name": "order", "schema": schema}}
