@@ -29,7 +29,7 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -63,7 +63,6 @@ class MaskJob:
     `result()` gives (positions, bitmask int32 [len(positions), words]) once done."""
 
     future: Future[tuple[list[int], np.ndarray]]
-    submitted: float = field(default_factory=time.perf_counter)
 
     def result(self) -> tuple[list[int], np.ndarray]:
         return self.future.result()
@@ -81,11 +80,11 @@ class Grammars:
         self.model_path = model_path
         # Built on the compile thread when the first constrained request comes (about a second
         # for a 50k vocabulary), so that engines never asked for structured output pay nothing.
-        self._tokenizer: Future[LLTokenizer] | None = None
+        self._tokenizer: LLTokenizer | None = None
         # The library's EOS when the model's is not in the tokenizer (see _load_tokenizer).
         self._stand_in_eos: int | None = None
         self._cache: OrderedDict[tuple[str, str], Future[LLMatcher]] = OrderedDict()
-        # Figures for GetStats and the benchmark: masks filled and their summed time.
+        # For bench/structured_cpu.py: the masks filled (per row and step) and their time.
         self.num_masks = 0
         self.mask_s = 0.0
 
@@ -129,11 +128,9 @@ class Grammars:
         return future
 
     def _compile(self, key: tuple[str, str]) -> LLMatcher:
-        if self._tokenizer is None:
-            self._tokenizer = Future()
-            self._tokenizer.set_result(self._load_tokenizer(self.model_path))
-        tokenizer = self._tokenizer.result()
-        return LLMatcher(tokenizer, grammar_text(*key), log_level=0)
+        if self._tokenizer is None:  # only this thread builds it
+            self._tokenizer = self._load_tokenizer(self.model_path)
+        return LLMatcher(self._tokenizer, grammar_text(*key), log_level=0)
 
     # -- masking ----------------------------------------------------------------------------------
 

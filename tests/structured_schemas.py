@@ -32,9 +32,19 @@ SCHEMAS: dict[str, dict[str, Any]] = {
     "bool_flag": _obj({"ok": {"type": "boolean"}}),
     "int_range": _obj({"score": _int(1, 10)}),
     "negative_range": _obj({"delta": _int(-50, -1)}),
-    "number_range": _obj({"price": {"type": "number", "minimum": 0, "maximum": 100}}),
+    # numbers get a multipleOf: JSON numbers have no length limit otherwise
+    "number_range": _obj(
+        {"price": {"type": "number", "minimum": 0, "maximum": 100, "multipleOf": 0.01}}
+    ),
     "exclusive_range": _obj(
-        {"ratio": {"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": 1}}
+        {
+            "ratio": {
+                "type": "number",
+                "exclusiveMinimum": 0,
+                "exclusiveMaximum": 1,
+                "multipleOf": 0.05,
+            }
+        }
     ),
     "string_pattern": _obj({"code": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{2}$"}}),
     "zip_pattern": _obj({"zip": {"type": "string", "pattern": "^[0-9]{5}$"}}),
@@ -42,7 +52,7 @@ SCHEMAS: dict[str, dict[str, Any]] = {
     "format_email": _obj({"email": {"type": "string", "format": "email", "maxLength": 30}}),
     "format_uuid": _obj({"id": {"type": "string", "format": "uuid"}}),
     "format_ipv4": _obj({"ip": {"type": "string", "format": "ipv4"}}),
-    "format_time": _obj({"at": {"type": "string", "format": "time"}}),
+    "hex_pattern": _obj({"rgb": {"type": "string", "pattern": "^#[0-9a-f]{6}$"}}),
     "min_length": _obj({"word": {"type": "string", "minLength": 3, "maxLength": 8}}),
     "array_bounds": _obj({"tags": {"type": "array", "items": _s(8), "minItems": 1, "maxItems": 3}}),
     "array_exact": _obj(
