@@ -160,13 +160,16 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--model", default=None, help="default: the built-in model")
     parser.add_argument("--load-format", default="auto")
+    # One torch thread by default: on a shared machine OpenMP's spinning barriers make two
+    # threads far slower than one (the tests' one_torch_thread fixture says the same).
+    parser.add_argument("--num-threads", type=int, default=1)
     args = parser.parse_args()
     fractions = tuple(float(f) for f in args.fractions.split(","))
     engine = Engine(
         EngineConfig(
             model=args.model, device=args.device, load_format=args.load_format,
             max_num_seqs=NUM_REQUESTS, kv_cache_gb=0.5 if args.device == "cpu" else 0.0,
-            max_model_len=1024,
+            max_model_len=1024, num_threads=args.num_threads,
         )
     )  # fmt: skip
     t0 = time.perf_counter()  # the vocabulary, once (the first constrained request's wait)
@@ -195,6 +198,7 @@ def main() -> None:
     document = {
         "what": "structured output: 16 concurrent, 128 in / 128 out",
         "device": args.device,
+        "torch_threads": args.num_threads,
         "model": args.model or "built-in SmolLM2-135M-Instruct",
         "hardware": hardware(torch_threads=True),
         "note": "a shared 2-core VM with other jobs running: absolute figures are inflated; "

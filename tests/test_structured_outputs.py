@@ -35,7 +35,7 @@ FORMATS = jsonschema.Draft202012Validator.FORMAT_CHECKER
 def stack(builtin_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     s = start_stack(
         None,
-        engine_args=["--kv-cache-gb", "0.5", "--max-num-seqs", "16"],
+        engine_args=["--kv-cache-gb", "0.5", "--max-num-seqs", "16", "--num-threads", "1"],
         http=True,
         log_dir=tmp_path_factory.mktemp("logs"),
         timeout=300,
@@ -95,8 +95,8 @@ def complete(stack: Stack, prompt: str | list[int], stream: bool, **extra: Any) 
 def workload(stack: Stack) -> dict[str, Callable[[], Outcome]]:
     """Every good request, by name: the schemas in turn through response_format (chat, not
     streamed) and structured_outputs (chat, streamed); regex, choice and grammar on
-    /v1/completions (not streamed) and on /v1/chat/completions (streamed); json_object; a
-    prompt given as token ids."""
+    /v1/completions (not streamed) and on /v1/chat/completions (streamed); a prompt given as
+    token ids."""
     work: dict[str, Callable[[], Outcome]] = {}
     for i, (name, schema) in enumerate(SCHEMAS.items()):
         fmt = {"type": "json_schema", "json_schema": {"name": name, "schema": schema}}
@@ -119,12 +119,6 @@ def workload(stack: Stack) -> dict[str, Callable[[], Outcome]]:
         work[f"{kind}/chat-stream"] = lambda s=spec, p=prompt: chat(
             stack, [{"role": "user", "content": p}], True, structured_outputs=s
         )
-    work["json_object"] = lambda: chat(
-        stack,
-        [{"role": "user", "content": "Describe a cat as a JSON object."}],
-        False,
-        response_format={"type": "json_object"},
-    )
     work["token_ids"] = lambda: complete(
         stack, [1, 504, 3458, 282], False, structured_outputs={"choice": CHOICES}
     )
@@ -169,8 +163,14 @@ def test_regex_choice_grammar(outcomes: dict[str, Outcome]) -> None:
     assert finish == "stop" and text in CHOICES
 
 
-def test_json_object(outcomes: dict[str, Outcome]) -> None:
-    text, finish = outcomes["json_object"]
+def test_json_object(stack: Stack) -> None:
+    """Any JSON object (a small model left to itself may nest without end: the prompt shows a
+    short one)."""
+    ask_short = 'Answer with this JSON object and nothing else: {"ok": true}'
+    text, finish = chat(
+        stack, [{"role": "user", "content": ask_short}], False,
+        response_format={"type": "json_object"},
+    )  # fmt: skip
     assert finish == "stop" and isinstance(json.loads(text), dict), text
 
 
@@ -264,7 +264,7 @@ def _deep(depth: int) -> dict[str, Any]:
         ),
         ({"response_format": {"type": "yaml"}}, "response_format", "must be 'text'"),
         ({"prompt": [1, 2, 10**6]}, "prompt", "prompt[2]=1000000 is outside the vocabulary"),
-        ({"prompt": ["a", [1]]}, "prompt", "mixes texts and token ids"),
+        ({"prompt": ["a", [1]]}, "prompt", "Input should be a valid string"),
     ],
 )
 def test_bad_constraints_are_400(
