@@ -292,7 +292,14 @@ def test_invalid_completion_is_bad_request(
         ),
         ({"top_logprobs": 3}, "top_logprobs", "top_logprobs=3 needs logprobs=true"),
         ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "must be in [0, 20]"),
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "not supported"),
+        (
+            {
+                "tools": [{"type": "function", "function": {"name": "f"}}],
+                "tool_choice": {"type": "function", "function": {"name": "g"}},
+            },
+            "tool_choice",
+            "tool_choice.function.name='g' is not one of the tools (f)",
+        ),
         ({"stream_options": {"include_usage": True}}, "stream_options", "only allowed with"),
         ({"messages": [{"role": "user"}]}, "messages", "messages[0].content is missing"),
         ({"messages": [{"content": "hi"}]}, "messages", "messages[0].role is required"),
