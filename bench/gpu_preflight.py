@@ -69,10 +69,10 @@ GPU_MACHINE: dict[str, str | None] = {
     "regex": None,
     "tqdm": None,
 }
-# The wheels .whl/ carries (pure Python, --no-deps), pinned: versions this repo's CI runs with,
-# grpcio-health-checking at the machine's grpcio (1.85 requires grpcio >= 1.85.1 and refuses to
-# import under 1.84). packaging, pygments and requests (+ their requirements) are there too
-# because pytest and gguf require versions the machine may not have.
+# The wheels .whl/ carries (--no-deps; pure Python but llguidance), pinned: versions this repo's
+# CI runs with, grpcio-health-checking at the machine's grpcio (1.85 requires grpcio >= 1.85.1
+# and refuses to import under 1.84). packaging, pygments and requests (+ their requirements) are
+# there too because pytest and gguf require versions the machine may not have.
 GPU_WHEELS: dict[str, str] = {
     "grpcio-health-checking": "1.84.0",
     "structlog": "26.1.0",
@@ -97,6 +97,9 @@ GPU_WHEELS: dict[str, str] = {
     "iniconfig": "2.3.1",
     "packaging": "26.4",
     "pygments": "2.21.0",
+    # Structured output's grammar matchers (engine/grammar.py): a binary abi3 wheel; 1.6.1 is the
+    # last with a manylinux_2_28 build (1.7 on need glibc 2.31); the API we use is the same.
+    "llguidance": "1.6.1",
 }
 WHEEL_FIX = "run `bash scripts/fetch_gpu_wheels.sh` and call the device tool with carry=['.whl']"
 
@@ -315,6 +318,7 @@ _WHEEL_MODULES = {
     "iniconfig",
     "packaging",
     "pygments",
+    "llguidance",
 }
 
 

@@ -1,7 +1,19 @@
 """The engine's side of the step contract as plain data (protos/engine.proto), torch-free: what a
 plan brings (StepPlanData), what a step returns (StepOutput) and what the engine reports of itself
 (EngineInfo). engine/convert.py turns them into protobuf and back; the real engine, the fake one
-and the service all speak these."""
+and the service all speak these.
+
+Structured output adds nothing to the plan's columns: the constraint travels once, in the new
+request's SamplingParams (common.proto's StructuredOutput), and the engine keeps one grammar
+matcher per request beside its mirrored tokens (engine/grammar.py). Why the engine and not the
+scheduler: with overlap the scheduler plans step N+1 before step N's tokens reach it, so a mask
+it shipped in the plan would be a step late, while the engine holds every sampled token first
+and can fill step N+1's mask on a worker thread while N+1's forward runs. Why that keeps the
+contract: a matcher follows the one token rule (it consumes the request's generated tokens up to
+the newest before each mask), so a recompute after preemption rebuilds it from the token ids the
+new request carries, a rejected speculative token is rolled back as the mirror drops it, and
+n choices, being n requests, have one each. A grammar that allows no token lets only EOS through:
+the request ends as a stop, seen by the scheduler's usual EOS rule."""
 
 from __future__ import annotations
 

@@ -31,6 +31,7 @@ from engine.contract import EngineInfo, StepOutput, StepPlanData, with_refused_r
 from engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from engine.device import resolve_device, resolve_dtype, resolve_kv_dtype
 from engine.families import check_features
+from engine.grammar import Grammars
 from engine.graph_capture import capture_graphs, uses_graphs
 from engine.kv_cache import allocate_kv_cache, layer_views
 from engine.memory import (
@@ -89,9 +90,13 @@ class Engine:
             config, self.device, self.model, parallel, self.max_model_len, kv_caches
         )
         self.timeline: Timeline = make_timeline(self.device)
-        self.runner = self._make_runner(
-            self.model, kv_caches, graphs=graphs, timeline=self.timeline, parallel=parallel
+        self.grammars = Grammars(
+            path, self.model_config.vocab_size, self.model_config.eos_token_ids
         )
+        self.runner = self._make_runner(
+            self.model, kv_caches, graphs=graphs, timeline=self.timeline, parallel=parallel,
+            grammars=self.grammars,
+        )  # fmt: skip
         draft_kv_caches = None
         if self.draft_kv_cache is not None:
             draft_kv_caches = layer_views(self.draft_kv_cache)
@@ -239,6 +244,7 @@ class Engine:
         graphs: DecodeGraphs | None = None,
         timeline: Timeline | None = None,
         parallel: Parallel | None = None,
+        grammars: Grammars | None = None,
     ) -> ModelRunner:
         """A runner of model (the target, or the draft model for the memory profile)."""
         sampler = Sampler(self.device, self.sampling_seed)
@@ -251,6 +257,7 @@ class Engine:
             graphs=graphs,
             timeline=timeline,
             parallel=parallel,
+            grammars=grammars,
         )
 
     def _allocate_pools(self) -> dict[str, float]:

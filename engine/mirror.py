@@ -19,6 +19,7 @@ before the next one is applied (`commit_tokens`): a row then appends every token
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from common.plan_columns import BLOCK_COUNT_COLUMN, VALUE_COLUMNS
 from common.sampling import normalized
@@ -52,6 +53,9 @@ class SeqState:
     # the engine (a prefix cache hit or a recompute included): the draft's pool is not the
     # scheduler's, so nothing there is known to be valid.
     num_draft_computed_tokens: int = 0
+    # Structured output: the request's grammar matcher (engine/grammar.py's RowGrammar), made
+    # when it is first scheduled; it goes with the request (a recompute starts a new one).
+    grammar: Any = None
 
     @property
     def num_output_tokens(self) -> int:

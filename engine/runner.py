@@ -19,6 +19,7 @@ import torch
 from common.sampling import has_penalties
 from engine.contract import StepOutput
 from engine.cuda_graphs import DecodeGraphs, is_decode_only
+from engine.grammar import Grammars, MaskJob
 from engine.mirror import PLACEHOLDER, ScheduledSeq, StepBatch
 from engine.model import LlamaForCausalLM
 from engine.ops import AttentionContext
@@ -101,10 +102,12 @@ class ModelRunner:
         graphs: DecodeGraphs | None = None,
         timeline: Timeline | None = None,
         parallel: Parallel | None = None,
+        grammars: Grammars | None = None,
     ):
         """graphs: decode-only steps that fit replay from these (engine.cuda_graphs); timeline:
         records each step's GPU span (engine.timeline; a no-op by default); parallel: this
-        rank's engine group (engine.parallel), when the model is split across ranks."""
+        rank's engine group (engine.parallel), when the model is split across ranks; grammars:
+        the structured-output matchers (engine.grammar), on the rank that samples."""
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -114,6 +117,7 @@ class ModelRunner:
         self.timeline: Timeline = timeline or NullTimeline()
         self.parallel = parallel
         self.samples_here = parallel is None or parallel.topology.is_driver
+        self.grammars = grammars if self.samples_here else None
 
     def _prepare(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionContext]:
         """The step's flattened inputs: each row's scheduled tokens, then its proposals."""
@@ -135,6 +139,7 @@ class ModelRunner:
         input_ids, positions, ctx = self._prepare(batch)
         self._gather_placeholders(batch, input_ids, prev)
         timer = StepTimer(self.device, t0)
+        masks = self._start_masks(batch, prev)  # filled while the forward runs
         self.timeline.begin()
         hidden = self._run_stage(input_ids, positions, ctx)
         sampling_rows = [i for i, row in enumerate(batch.rows) if row.samples]
@@ -146,6 +151,7 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[last])
             timer.mark()
             if self.samples_here:
+                apply_masks(logits, masks)
                 out = self.sampler.sample(logits, *_sampler_inputs(batch.rows))
         else:
             timer.mark()
@@ -173,6 +179,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         input_ids, positions, ctx = self._prepare(batch)
         timer = StepTimer(self.device, t0)
+        masks = self._start_masks(batch, None)
         hidden = self._forward(input_ids, positions, ctx)
         index: list[int] = []
         for i, row in enumerate(batch.rows):
@@ -183,6 +190,7 @@ class ModelRunner:
         if index:
             logits = self.model.compute_logits(hidden[to_device(index, torch.long, self.device)])
             timer.mark()
+            apply_masks(logits, masks)
             out = self.sampler.sample(logits, *_sampler_inputs(batch.rows))
         else:
             timer.mark()
@@ -201,6 +209,21 @@ class ModelRunner:
             top = (top_ids.tolist(), top_lps.tolist())
         logprobs_list = logprobs.tolist() if logprobs is not None else None
         return _step_output(params, tokens.tolist(), logprobs_list, top, step.timer)
+
+    def _start_masks(self, batch: StepBatch, prev: LaunchedStep | None) -> MaskJob | None:
+        """The structured-output masks of batch's constrained sampling positions, started on
+        the mask thread (None when no sampling row is constrained, or this rank does not
+        sample). A request whose newest token is prev's reads it from prev's host copy there."""
+        if self.grammars is None or not self.model.shard.last:
+            return None
+
+        def host_tokens() -> list[int]:
+            assert prev is not None
+            prev.wait()
+            tokens = prev.host[0]
+            return (tokens if tokens is not None else prev.sampled.cpu()).tolist()
+
+        return self.grammars.start_masks(batch.rows, host_tokens if prev is not None else None)
 
     def _gather_placeholders(
         self, batch: StepBatch, input_ids: torch.Tensor, prev: LaunchedStep | None
@@ -398,6 +421,21 @@ def _verified_output(
     output.num_draft_tokens = [len(row.draft_token_ids) for row in batch.rows]
     output.num_sampled_tokens = [len(row_tokens) for row_tokens in tokens]
     return output, tokens
+
+
+def apply_masks(logits: torch.Tensor, masks: MaskJob | None) -> None:
+    """Set to -inf, in place, the logits of tokens a constrained position's grammar does not
+    allow (masks: the step's job, waited for here; None: nothing to do). logits has one row
+    per sampled position."""
+    if masks is None:
+        return
+    positions, bitmask = masks.result()
+    device = logits.device
+    words = torch.from_numpy(bitmask).to(device, non_blocking=True)
+    shifts = torch.arange(32, dtype=torch.int32, device=device)
+    allowed = ((words[:, :, None] >> shifts) & 1).view(len(positions), -1)[:, : logits.shape[1]]
+    rows = to_device(positions, torch.long, device)
+    logits[rows] = logits[rows].masked_fill(allowed == 0, float("-inf"))
 
 
 def _to_host(t: torch.Tensor | None) -> torch.Tensor | None:

@@ -221,7 +221,8 @@ def build_model(
     shard: ModelShard | None = None,
 ) -> LlamaForCausalLM:
     """Allocate (on a CPU in place; elsewhere on the meta device, materialized on `device`
-    directly in `dtype`, never a float32 copy first), then load `weights`, or, when it is None, fill in engine.dummy's seeded values.
+    directly in `dtype`, never a float32 copy first), then load `weights`, or, when it is
+    None, fill in engine.dummy's seeded values.
     `ops`: the layer ops backend (default: kernels/reference.py). `quantization` (int8, fp8)
     replaces every linear layer, the LM head included, by engine/quant.py's (gguf: by
     engine/gguf_linear.py's, from `weights`' blocks). `shard`: the part

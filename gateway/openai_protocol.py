@@ -8,6 +8,7 @@ does. Fields OpenAI lacks but vLLM users send (top_k, min_p, ignore_eos, stop_to
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Sequence
 from typing import Annotated, Any, Literal
@@ -15,7 +16,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, Field
 
 from common.sampling import SamplingError, seed_value
-from common.text import invalid_text
+from gateway.openai_structured import structured_output, text_field
+from gateway.openai_tools import tool_plan
 from gateway.validation import ValidationError
 from protos import api_pb2
 
@@ -63,6 +65,11 @@ class SamplingRequest(BaseModel):
     )
     # Ours: decode this request without speculative decoding (protos/api.proto).
     disable_speculation: bool = False
+    # Structured output: OpenAI's response_format ({"type": "json_object"} or {"type":
+    # "json_schema", "json_schema": {"name", "schema", "strict"}}), on both endpoints as vLLM
+    # takes it, or vLLM's structured_outputs (exactly one of json, regex, choice, grammar).
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
 
 
 class CompletionRequest(SamplingRequest):
@@ -82,6 +89,10 @@ class TextPart(BaseModel):
 class ChatMessageParam(BaseModel):
     role: str
     content: str | list[TextPart] | None = None
+    # An assistant turn's calls, and a tool turn's answer to one (gateway/openai_tools.py).
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -89,9 +100,9 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: _INT32 | None = None  # wins over max_tokens
     logprobs: bool = False
     top_logprobs: _INT32 | None = None
-    response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
 
 
 # -- responses -----------------------------------------------------------------------------------
@@ -158,9 +169,27 @@ class ChoiceLogprobs(BaseModel):
     content: list[TokenLogprob]
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # a JSON object's text
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ToolCallDelta(ToolCall):
+    """A streamed call: sent whole, once it is (OpenAI's deltas may split the arguments)."""
+
+    index: int
+
+
 class ChatMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -182,6 +211,7 @@ class ChatCompletionResponse(BaseModel):
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(BaseModel):
@@ -218,6 +248,7 @@ class ModelList(BaseModel):
 
 # The endpoints spell these differently (completions: logprobs=k); each sets them itself.
 _LOGPROB_FIELDS = ("logprobs", "top_logprobs")
+_NOT_COPIED = (*_LOGPROB_FIELDS, "structured_output")
 
 
 def _check_common(body: SamplingRequest, num_prompts: int) -> None:
@@ -232,15 +263,6 @@ def _check_common(body: SamplingRequest, num_prompts: int) -> None:
         raise ValidationError("logit_bias is not supported by this server")
     if body.stream_options is not None and not body.stream:
         raise ValidationError("stream_options is only allowed with stream=true")
-
-
-def _text(where: str, value: str) -> str:
-    """value, or ValidationError naming where when protobuf cannot carry it (a lone surrogate,
-    which JSON can escape: "\\ud800")."""
-    why = invalid_text(value)
-    if why is not None:
-        raise ValidationError(f"{where} is {why}")
-    return value
 
 
 def check_queue(n: int, num_prompts: int, max_waiting: int) -> None:
@@ -266,18 +288,21 @@ def _sampling_fields(body: SamplingRequest, max_tokens: int | None) -> api_pb2.G
         ignore_eos=body.ignore_eos,
         disable_speculation=body.disable_speculation,
         priority=body.priority,
-        user=_text("user", body.user or ""),
+        user=text_field("user", body.user or ""),
     )
     if max_tokens is not None:
         req.max_tokens = max_tokens
+    structured = structured_output(body.response_format, body.structured_outputs)
+    if structured is not None:
+        req.sampling.structured_output.CopyFrom(structured)
     for field in req.sampling.DESCRIPTOR.fields:
         value = getattr(body, field.name, None)
-        if value is not None and field.name not in _LOGPROB_FIELDS:
+        if value is not None and field.name not in _NOT_COPIED:
             setattr(req.sampling, field.name, _seed(value) if field.name == "seed" else value)
     if isinstance(body.stop, str):
-        req.stop.append(_text("stop", body.stop))
+        req.stop.append(text_field("stop", body.stop))
     elif body.stop is not None:
-        req.stop.extend(_text(f"stop[{i}]", s) for i, s in enumerate(body.stop))
+        req.stop.extend(text_field(f"stop[{i}]", s) for i, s in enumerate(body.stop))
     req.stop_token_ids.extend(body.stop_token_ids or [])
     return req
 
@@ -289,13 +314,23 @@ def _seed(seed: int) -> int:
         raise ValidationError(str(err)) from err
 
 
+def _prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
+    """The prompts of a completion: text, a list of texts, one list of token ids, or a list of
+    them."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise ValidationError("prompt is empty")
+    if all(isinstance(p, int) for p in prompt):
+        return [list(prompt)]  # type: ignore[arg-type]
+    if all(isinstance(p, str) for p in prompt) or all(isinstance(p, list) for p in prompt):
+        return list(prompt)  # type: ignore[arg-type]
+    raise ValidationError("prompt mixes texts and token ids; send one kind")
+
+
 def completion_requests(body: CompletionRequest) -> list[api_pb2.GenerateRequest]:
     """One GenerateRequest per prompt. Raises ValidationError (HTTP 400)."""
-    prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
-    if not prompts:
-        raise ValidationError("prompt is empty")
-    if not all(isinstance(p, str) for p in prompts):
-        raise ValidationError("prompt as token ids is not supported; send text")
+    prompts = _prompts(body.prompt)
     _check_common(body, len(prompts))
     if body.echo:
         raise ValidationError("echo is not supported by this server")
@@ -308,7 +343,12 @@ def completion_requests(body: CompletionRequest) -> list[api_pb2.GenerateRequest
     requests = []
     for i, prompt in enumerate(prompts):
         req = _sampling_fields(body, body.max_tokens)
-        req.text = _text("prompt" if isinstance(body.prompt, str) else f"prompt[{i}]", str(prompt))
+        if isinstance(prompt, list):
+            req.token_ids.ids.extend(prompt)
+        else:
+            req.text = text_field(
+                "prompt" if isinstance(body.prompt, str) else f"prompt[{i}]", prompt
+            )
         if body.logprobs is not None:
             req.sampling.logprobs = True
             req.sampling.top_logprobs = body.logprobs
@@ -317,33 +357,44 @@ def completion_requests(body: CompletionRequest) -> list[api_pb2.GenerateRequest
 
 
 def _message_text(i: int, message: ChatMessageParam) -> str:
+    if message.content is None and message.tool_calls:
+        return ""
     if message.content is None:
         raise ValidationError(f"messages[{i}].content is missing")
     if isinstance(message.content, str):
-        return _text(f"messages[{i}].content", message.content)
+        return text_field(f"messages[{i}].content", message.content)
     texts = []
     for j, part in enumerate(message.content):
         if part.type != "text" or part.text is None:
             raise ValidationError(
                 f"messages[{i}].content[{j}].type={part.type!r} is not supported (only 'text')"
             )
-        texts.append(_text(f"messages[{i}].content[{j}].text", part.text))
+        texts.append(text_field(f"messages[{i}].content[{j}].text", part.text))
     return "".join(texts)
 
 
 def chat_request(body: ChatCompletionRequest) -> api_pb2.GenerateRequest:
     """The GenerateRequest for a chat completion. Raises ValidationError (HTTP 400)."""
     _check_common(body, 1)
-    if body.tools:
-        raise ValidationError("tools are not supported by this server")
-    kind = (body.response_format or {}).get("type", "text")
-    if kind != "text":
-        raise ValidationError(f"response_format.type={kind!r} is not supported (only 'text')")
+    plan = tool_plan(body.tools, body.tool_choice, body.parallel_tool_calls)
     max_tokens = body.max_completion_tokens
     req = _sampling_fields(body, max_tokens if max_tokens is not None else body.max_tokens)
+    if plan.constraint is not None:
+        if req.sampling.HasField("structured_output"):
+            raise ValidationError(
+                "tool_choice requires a call, which response_format / structured_outputs "
+                "would constrain too; send one"
+            )
+        req.sampling.structured_output.CopyFrom(plan.constraint)
+    if plan.tools:
+        req.chat.tools_json = json.dumps(plan.tools, ensure_ascii=False)
     for i, m in enumerate(body.messages):
-        role = "system" if m.role == "developer" else _text(f"messages[{i}].role", m.role)
-        req.chat.messages.add(role=role, content=_message_text(i, m))
+        role = "system" if m.role == "developer" else text_field(f"messages[{i}].role", m.role)
+        message = req.chat.messages.add(role=role, content=_message_text(i, m))
+        if m.tool_calls:
+            message.tool_calls_json = json.dumps(m.tool_calls, ensure_ascii=False)
+        if m.tool_call_id:
+            message.tool_call_id = text_field(f"messages[{i}].tool_call_id", m.tool_call_id)
     if not body.messages:
         req.chat.SetInParent()  # validation then names the empty list
     req.sampling.logprobs = body.logprobs
@@ -371,7 +422,12 @@ _REQUEST_FIELDS = frozenset(
     for name in model.model_fields
 ) | frozenset(StreamOptions.model_fields)
 _LEADING_FIELD = re.compile(r"^[a-z_]+(?:\.[a-z_]+)*")
-_HTTP_NAMES = {"text": "prompt", "chat.messages": "messages", "chat": "messages"}
+_HTTP_NAMES = {
+    "text": "prompt",
+    "token_ids": "prompt",
+    "chat.messages": "messages",
+    "chat": "messages",
+}
 
 
 def http_message(message: str, prompt_field: str) -> tuple[str, str | None]:

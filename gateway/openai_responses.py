@@ -28,11 +28,15 @@ from gateway.openai_protocol import (
     CompletionResponse,
     PromptTokensDetails,
     TokenLogprob,
+    ToolCall,
+    ToolCallDelta,
     TopLogprob,
     Usage,
 )
+from gateway.openai_tools import tool_plan
 from gateway.telemetry import FINISH_REASONS
 from gateway.tokenizer import Tokenizer
+from gateway.tool_prompt import CallStream, parse_tool_calls
 from protos import api_pb2
 
 # OpenAI's stand-in for a logprob too small to print.
@@ -194,7 +198,23 @@ class CompletionFormat(ResponseFormat):
 
 
 class ChatFormat(ResponseFormat):
+    """Chat completions; with tools (not tool_choice "none") the text is read for calls
+    (gateway/tool_prompt.py): streamed, a call goes out whole once its closing tag arrives, and
+    text that may begin one is held back until it does or cannot."""
+
     body: ChatCompletionRequest
+
+    def __init__(
+        self,
+        core: GatewayCore,
+        choices: list[Choice],
+        response_id: str,
+        body: ChatCompletionRequest,
+    ):
+        super().__init__(core, choices, response_id, body)
+        plan = tool_plan(body.tools, body.tool_choice, body.parallel_tool_calls)
+        self.tool_names = set(plan.names)
+        self.calls = {c.index: CallStream(self.tool_names) for c in choices if self.tool_names}
 
     def _chunk(self, choices: list[ChatChunkChoice], usage: Usage | None = None) -> str:
         return self._json(ChatCompletionChunk, choices, usage, exclude_none=True)
@@ -217,19 +237,47 @@ class ChatFormat(ResponseFormat):
         }
 
     def chunk(self, choice: Choice, msg: api_pb2.GenerateResponse) -> str:
-        delta = ChatDelta(content=msg.text) if msg.text else ChatDelta()
-        return self._chunk([ChatChunkChoice(delta=delta, **self._choice(choice, msg))])
+        fields = self._choice(choice, msg)
+        stream = self.calls.get(choice.index)
+        if stream is None:
+            delta = ChatDelta(content=msg.text) if msg.text else ChatDelta()
+            return self._chunk([ChatChunkChoice(delta=delta, **fields)])
+        first = stream.num_calls
+        text, calls = stream.add(msg.text)
+        if msg.finish_reason:
+            text += stream.finish()
+            fields["finish_reason"] = _with_calls(fields["finish_reason"], stream.num_calls)
+        delta = ChatDelta(
+            content=text or None,
+            tool_calls=[
+                ToolCallDelta(index=first + k, **call) for k, call in enumerate(calls)
+            ] or None,
+        )  # fmt: skip
+        return self._chunk([ChatChunkChoice(delta=delta, **fields)])
 
     def usage_chunk(self) -> str:
         return self._chunk([], self._usage())
 
     def response(self, messages: dict[int, list[api_pb2.GenerateResponse]]) -> str:
-        merged = [(c, _merged(messages[c.index])) for c in self.choices]
-        choices = [
-            ChatChoice(message=ChatMessage(content=msg.text), **self._choice(c, msg))
-            for c, msg in merged
-        ]
+        choices = []
+        for c in self.choices:
+            msg = _merged(messages[c.index])
+            fields = self._choice(c, msg)
+            if not self.tool_names:
+                choices.append(ChatChoice(message=ChatMessage(content=msg.text), **fields))
+                continue
+            content, calls = parse_tool_calls(msg.text, self.tool_names)
+            fields["finish_reason"] = _with_calls(fields["finish_reason"], len(calls))
+            message = ChatMessage(
+                content=content or None, tool_calls=[ToolCall(**call) for call in calls] or None
+            )
+            choices.append(ChatChoice(message=message, **fields))
         return self._json(ChatCompletionResponse, choices, self._usage())
+
+
+def _with_calls(finish_reason: str | None, num_calls: int) -> str | None:
+    """OpenAI's finish reason for an answer that made calls: "tool_calls" where it stopped."""
+    return "tool_calls" if num_calls and finish_reason == "stop" else finish_reason
 
 
 def _merged(msgs: list[api_pb2.GenerateResponse]) -> api_pb2.GenerateResponse:

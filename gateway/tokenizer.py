@@ -11,38 +11,31 @@ so a prompt of n bytes is n tokens; generated ids of 256 and above have no text 
 
 from __future__ import annotations
 
-import functools
 import json
-from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import jinja2
 import jinja2.sandbox
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders
 
-from common.model_config import ModelSourceError, read_gguf_fields
-
-# GGUF token types (llama.cpp): 3 = control, 4 = user-defined.
-_GGUF_CONTROL, _GGUF_USER_DEFINED = 3, 4
-
-# The Llama 3 pre-tokenizer split (tiktoken's cl100k pattern).
-_LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+from common.tokenizer_files import (
+    TokenizerFiles,
+    byte_level_files,
+    is_config_only,
+    load_tokenizer_files,
+    unicode_to_bytes,
 )
+from gateway.tool_prompt import ChatTurn as ChatMessage
+from gateway.tool_prompt import fallback_turns, template_messages, template_takes_tools
+
+__all__ = ["ChatMessage", "ChatTemplateError", "Tokenizer", "is_config_only"]
 
 
 class ChatTemplateError(ValueError):
     """The chat template refused the messages (e.g. roles that do not alternate)."""
-
-
-@dataclass(frozen=True)
-class ChatMessage:
-    role: str
-    content: str
 
 
 class Tokenizer:
@@ -69,96 +62,21 @@ class Tokenizer:
 
     @classmethod
     def from_model_path(cls, path: Path) -> Tokenizer:
-        if not path.is_dir():
-            return cls._from_gguf(path)
-        return cls.byte_level() if is_config_only(path) else cls._from_hf_dir(path)
+        return cls.from_files(load_tokenizer_files(path))
 
     @classmethod
     def byte_level(cls) -> Tokenizer:
         """Token id = byte value (0-255), no merges, no special tokens, no chat template."""
-        byte_chars = {b: c for c, b in _unicode_to_bytes().items()}
-        tokenizer = HFTokenizer(
-            models.BPE(vocab={byte_chars[b]: b for b in range(256)}, merges=[], fuse_unk=False)
-        )
-        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-        tokenizer.decoder = decoders.ByteLevel()
-        return cls(tokenizer, None, None, None, add_bos_token=False)
+        return cls.from_files(byte_level_files())
 
     @classmethod
-    def _from_hf_dir(cls, path: Path) -> Tokenizer:
-        tok_file = path / "tokenizer.json"
-        if not tok_file.is_file():
-            raise ModelSourceError(f"{path}: no tokenizer.json")
-        tokenizer = HFTokenizer.from_file(str(tok_file))
-        cfg: dict[str, Any] = {}
-        if (path / "tokenizer_config.json").is_file():
-            cfg = json.loads((path / "tokenizer_config.json").read_text())
-        template = cfg.get("chat_template")
-        if isinstance(template, list):  # named templates: take "default"
-            named = {t["name"]: t["template"] for t in template}
-            template = named.get("default", next(iter(named.values()), None))
-        if (path / "chat_template.jinja").is_file():
-            template = (path / "chat_template.jinja").read_text()
-
-        def token_str(value: Any) -> str | None:
-            return value.get("content") if isinstance(value, dict) else value
-
+    def from_files(cls, files: TokenizerFiles) -> Tokenizer:
         return cls(
-            tokenizer,
-            template,
-            token_str(cfg.get("bos_token")),
-            token_str(cfg.get("eos_token")),
-            add_bos_token=False,
-        )
-
-    @classmethod
-    def _from_gguf(cls, path: Path) -> Tokenizer:
-        fields = read_gguf_fields(path)
-        kind = fields.get("tokenizer.ggml.model")
-        if kind != "gpt2":
-            raise ModelSourceError(
-                f"{path}: GGUF tokenizer model {kind!r} is not supported (only byte-level BPE, "
-                "'gpt2'); serve the model from an HF directory instead"
-            )
-        tokens: list[str] = fields["tokenizer.ggml.tokens"]
-        merges = [tuple(m.split(" ", 1)) for m in fields["tokenizer.ggml.merges"]]
-        bpe = models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False)
-        tokenizer = HFTokenizer(bpe)
-        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-        pre = fields.get("tokenizer.ggml.pre", "default")
-        if pre == "smollm":
-            tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
-                [pre_tokenizers.Digits(individual_digits=True), byte_level]
-            )
-        elif pre == "llama-bpe":
-            tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
-                [
-                    pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated"),
-                    pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-                ]
-            )
-        else:
-            tokenizer.pre_tokenizer = byte_level
-        tokenizer.decoder = decoders.ByteLevel()
-        types = fields.get("tokenizer.ggml.token_type") or []
-        tokenizer.add_special_tokens(
-            [
-                AddedToken(tokens[i], special=True, normalized=False)
-                for i, t in enumerate(types)
-                if t in (_GGUF_CONTROL, _GGUF_USER_DEFINED)
-            ]
-        )
-
-        def token_at(key: str) -> str | None:
-            idx = fields.get(key)
-            return tokens[idx] if idx is not None and 0 <= idx < len(tokens) else None
-
-        return cls(
-            tokenizer,
-            fields.get("tokenizer.chat_template"),
-            token_at("tokenizer.ggml.bos_token_id"),
-            token_at("tokenizer.ggml.eos_token_id"),
-            add_bos_token=bool(fields.get("tokenizer.ggml.add_bos_token", False)),
+            files.tokenizer,
+            files.chat_template,
+            files.bos_token,
+            files.eos_token,
+            add_bos_token=files.add_bos_token,
         )
 
     # -- use ------------------------------------------------------------------------------------
@@ -189,7 +107,7 @@ class Tokenizer:
         if piece is None:
             return b""
         if isinstance(self.tokenizer.decoder, decoders.ByteLevel):
-            byte_values = _unicode_to_bytes()
+            byte_values = unicode_to_bytes()
             if all(c in byte_values for c in piece):
                 return bytes(byte_values[c] for c in piece)
         return self.tokenizer.decode([token_id], skip_special_tokens=False).encode()
@@ -198,49 +116,44 @@ class Tokenizer:
         ids = [t for t in token_ids if 0 <= t < self.vocab_size]
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> str:
-        """The chat template's text for messages, as HF's apply_chat_template renders it."""
+    def render_chat(
+        self,
+        messages: list[ChatMessage],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> str:
+        """The chat template's text for messages, as HF's apply_chat_template renders it. With
+        tools, or messages carrying tool calls or results: through the template when it takes
+        tools, else in the Hermes format (gateway/tool_prompt.py)."""
         if self.chat_template is None:
             raise ChatTemplateError("this model has no chat template; send a text prompt")
         if self._template is None:
             self._template = _compile_template(self.chat_template)
+        uses_tools = bool(tools) or any(m.tool_calls or m.role == "tool" for m in messages)
+        extra: dict[str, Any] = {}
+        if uses_tools and template_takes_tools(self.chat_template):
+            rendered = template_messages(messages)
+            extra["tools"] = tools or None
+        else:
+            if uses_tools:
+                messages = fallback_turns(messages, tools or [])
+            rendered = [{"role": m.role, "content": m.content} for m in messages]
         try:
             return self._template.render(
-                messages=[{"role": m.role, "content": m.content} for m in messages],
+                messages=rendered,
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token or "",
                 eos_token=self.eos_token or "",
+                **extra,
             )
         except jinja2.TemplateError as err:
             raise ChatTemplateError(f"chat template: {err}") from err
 
-    def encode_chat(self, messages: list[ChatMessage]) -> list[int]:
+    def encode_chat(
+        self, messages: list[ChatMessage], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
         """Token ids of the rendered template; special tokens come from the template text."""
-        return self.encode(self.render_chat(messages), add_special_tokens=False)
-
-
-def is_config_only(path: Path) -> bool:
-    """An HF directory with a config.json but neither tokenizer.json nor weights."""
-    return (
-        (path / "config.json").is_file()
-        and not (path / "tokenizer.json").is_file()
-        and not any(path.glob("*.safetensors"))
-    )
-
-
-@functools.cache
-def _unicode_to_bytes() -> dict[str, int]:
-    """The inverse of GPT-2's byte -> printable character table, which byte-level BPE
-    vocabularies are written in."""
-    printable = [
-        *range(ord("!"), ord("~") + 1),
-        *range(ord("¡"), ord("¬") + 1),
-        *range(ord("®"), ord("ÿ") + 1),
-    ]
-    table = {chr(b): b for b in printable}
-    others = [b for b in range(256) if b not in printable]
-    table.update({chr(256 + n): b for n, b in enumerate(others)})
-    return table
+        return self.encode(self.render_chat(messages, tools=tools), add_special_tokens=False)
 
 
 def _compile_template(source: str) -> jinja2.Template:

@@ -5,18 +5,21 @@ Each error names the field, the value and the limit, as a person would want to r
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from google.protobuf import unknown_fields
 from google.protobuf.message import Message
 
 from common.sampling import SamplingError, normalized, with_defaults
+from common.structured_output import ConstraintError, check_structured_output
 from gateway.tokenizer import ChatMessage, ChatTemplateError, Tokenizer
 from protos import api_pb2, common_pb2, scheduler_pb2
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 
 
@@ -54,7 +57,11 @@ class ValidRequest:
 
 def _check_unknown_fields(req: api_pb2.GenerateRequest) -> None:
     """Refuse fields this server's API does not have (a newer client's), at any depth."""
-    messages: list[tuple[str, Message]] = [("GenerateRequest", req), ("sampling", req.sampling)]
+    messages: list[tuple[str, Message]] = [
+        ("GenerateRequest", req),
+        ("sampling", req.sampling),
+        ("sampling.structured_output", req.sampling.structured_output),
+    ]
     if req.HasField("chat"):
         messages.append(("chat", req.chat))
         messages += [(f"chat.messages[{i}]", m) for i, m in enumerate(req.chat.messages)]
@@ -75,7 +82,8 @@ def _check_request(
     unset; also checks max_tokens and request_id."""
     try:
         sampling = normalized(with_defaults(req.sampling, defaults))
-    except SamplingError as err:
+        check_structured_output(sampling.structured_output, "sampling.structured_output.")
+    except (SamplingError, ConstraintError) as err:
         raise ValidationError(str(err)) from err
     if req.HasField("max_tokens") and req.max_tokens < 1:
         raise ValidationError(f"max_tokens={req.max_tokens} must be >= 1")
@@ -109,7 +117,9 @@ def _check_stops(req: api_pb2.GenerateRequest, limits: Limits) -> None:
 def _prompt_ids(req: api_pb2.GenerateRequest, tokenizer: Tokenizer, limits: Limits) -> list[int]:
     kind = req.WhichOneof("prompt")
     if kind is None:
-        raise ValidationError("prompt is missing: set either text or chat")
+        raise ValidationError("prompt is missing: set text, chat or token_ids")
+    if kind == "token_ids":
+        return _token_ids(list(req.token_ids.ids), limits)
     if kind == "text":
         if not req.text:
             raise ValidationError("text is empty")
@@ -130,10 +140,39 @@ def _prompt_ids(req: api_pb2.GenerateRequest, tokenizer: Tokenizer, limits: Limi
         raise ValidationError(
             f"chat.messages have {total} characters; the limit is {limits.max_prompt_chars}"
         )
+    turns = [
+        ChatMessage(m.role, m.content, _json_list(f"chat.messages[{i}].tool_calls_json",
+                    m.tool_calls_json), m.tool_call_id)
+        for i, m in enumerate(messages)
+    ]  # fmt: skip
+    tools = _json_list("chat.tools_json", req.chat.tools_json)
     try:
-        return tokenizer.encode_chat([ChatMessage(m.role, m.content) for m in messages])
+        return tokenizer.encode_chat(turns, tools)
     except ChatTemplateError as err:
         raise ValidationError(f"chat.messages: {err}") from err
+
+
+def _json_list(field: str, text: str) -> list[Any]:
+    if not text:
+        return []
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ValidationError(f"{field} is not JSON: {err}") from err
+    if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
+        raise ValidationError(f"{field} must be a JSON list of objects")
+    return value
+
+
+def _token_ids(ids: list[int], limits: Limits) -> list[int]:
+    if not ids:
+        raise ValidationError("token_ids is empty")
+    for i, t in enumerate(ids):
+        if not 0 <= t < limits.vocab_size:
+            raise ValidationError(
+                f"token_ids[{i}]={t} is outside the vocabulary [0, {limits.vocab_size})"
+            )
+    return ids
 
 
 def validate(

@@ -39,6 +39,7 @@ BENCH_SERVICE_IMPORTS = {
     "bench.fairness_study": {"scheduler", "gateway"},  # its stack's configs
     "bench.overlap_echo": {"scheduler"},  # its stack's configs
     "bench.plan_conversion": {"scheduler"},  # the scheduler's plan conversion, timed alone
+    "bench.structured_cpu": {"scheduler"},  # the real Scheduler driving the engine in-process
 }
 
 

@@ -262,7 +262,7 @@ def test_chat_logprobs(stack: Stack) -> None:
         ({"max_tokens": 0}, "max_tokens", "max_tokens=0 must be >= 1"),
         ({"max_tokens": 600}, "max_tokens", "max_tokens=600 exceeds the model's remaining"),
         ({"prompt": ""}, "prompt", "prompt is empty"),
-        ({"prompt": [1, 2, 3]}, "prompt", "prompt as token ids is not supported"),
+        ({"prompt": [1, 2, 9999]}, "prompt", "prompt[2]=9999 is outside the vocabulary"),
         ({"echo": True}, "echo", "echo is not supported"),
         ({"temperature": "hot"}, "temperature", "temperature='hot': Input should be a valid"),
         ({"stop": [f"s{i}" for i in range(17)]}, "stop", "at most 16 are allowed"),
@@ -292,7 +292,14 @@ def test_invalid_completion_is_bad_request(
         ),
         ({"top_logprobs": 3}, "top_logprobs", "top_logprobs=3 needs logprobs=true"),
         ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "must be in [0, 20]"),
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "not supported"),
+        (
+            {
+                "tools": [{"type": "function", "function": {"name": "f"}}],
+                "tool_choice": {"type": "function", "function": {"name": "g"}},
+            },
+            "tool_choice",
+            "tool_choice.function.name='g' is not one of the tools (f)",
+        ),
         ({"stream_options": {"include_usage": True}}, "stream_options", "only allowed with"),
         ({"messages": [{"role": "user"}]}, "messages", "messages[0].content is missing"),
         ({"messages": [{"content": "hi"}]}, "messages", "messages[0].role is required"),
@@ -827,8 +834,19 @@ def test_chat_request_conversion() -> None:
     assert [(m.role, m.content) for m in req.chat.messages] == [("system", "s"), ("user", "u")]
     assert req.max_tokens == 7  # max_completion_tokens wins
     body = ChatCompletionRequest(messages=USER, response_format={"type": "json_object"})
-    with pytest.raises(ValidationError, match=r"response_format\.type='json_object'"):
+    assert chat_request(body).sampling.structured_output.json_object
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    fmt = {"type": "json_schema", "json_schema": {"name": "a", "schema": schema, "strict": True}}
+    req = chat_request(ChatCompletionRequest(messages=USER, response_format=fmt))
+    assert json.loads(req.sampling.structured_output.json_schema) == schema
+    body = ChatCompletionRequest(messages=USER, response_format={"type": "xml"})
+    with pytest.raises(ValidationError, match=r"response_format\.type='xml' must be"):
         chat_request(body)
+    [req] = completion_requests(
+        CompletionRequest(prompt=[5, 6], structured_outputs={"choice": ["a", "b"]})
+    )
+    assert list(req.token_ids.ids) == [5, 6]
+    assert list(req.sampling.structured_output.choice.choices) == ["a", "b"]
 
 
 def test_error_event_shape() -> None:

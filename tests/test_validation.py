@@ -113,7 +113,7 @@ def test_good_request_id(tokenizer: Tokenizer, request_id: str) -> None:
 
 def test_missing_prompt(tokenizer: Tokenizer) -> None:
     message = error(request(no_prompt=True, max_tokens=4), tokenizer)
-    assert message == "prompt is missing: set either text or chat"
+    assert message == "prompt is missing: set text, chat or token_ids"
 
 
 def test_empty_text(tokenizer: Tokenizer) -> None:
@@ -133,7 +133,7 @@ def test_bad_role(tokenizer: Tokenizer) -> None:
     req = request(chat=chat(("user", "hi"), ("robot", "beep")))
     message = error(req, tokenizer)
     assert "chat.messages[1].role='robot'" in message
-    assert "('system', 'user', 'assistant')" in message
+    assert "('system', 'user', 'assistant', 'tool')" in message
 
 
 def test_text_over_the_character_limit(tokenizer: Tokenizer) -> None:
@@ -224,15 +224,15 @@ def test_unknown_field(tokenizer: Tokenizer) -> None:
 
 
 def test_unknown_field_inside_a_chat_message(tokenizer: Tokenizer) -> None:
-    # A newer client's ChatMessage field (say a `name`, number 3) is as unknown to this server as
+    # A newer client's ChatMessage field (say a `name`, number 9) is as unknown to this server as
     # a top-level one, and would be dropped just as silently.
     raw = api_pb2.ChatMessage(role="user", content="hi").SerializeToString()
-    raw += varint(3 << 3 | 2) + varint(3) + b"bob"  # field 3, length-delimited, "bob"
+    raw += varint(9 << 3 | 2) + varint(3) + b"bob"  # field 9, length-delimited, "bob"
     message_with_extra = api_pb2.ChatMessage.FromString(raw)
     req = api_pb2.GenerateRequest(chat=api_pb2.ChatPrompt(messages=[message_with_extra]))
     req = api_pb2.GenerateRequest.FromString(req.SerializeToString())
     message = error(req, tokenizer)
-    assert "unknown field number 3" in message
+    assert "unknown field number 9" in message
 
 
 # -- valid requests -----------------------------------------------------------------------------
