@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from common.model_config import ModelConfig
+from engine.lora import LoraBatch
 from engine.ops import AttentionContext, LayerOps
 from engine.parallel import TPGroup
 
@@ -241,7 +242,10 @@ class Attention(OpsModule):
         self, positions: torch.Tensor, hidden: torch.Tensor, ctx: AttentionContext
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(hidden)
+        if ctx.lora is not None:
+            ctx.lora.add(self.layer_idx, "qkv_proj", hidden, qkv)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k = self.rotary_emb(
             positions,
             q.view(num_tokens, self.num_heads, self.head_dim),
@@ -250,21 +254,36 @@ class Attention(OpsModule):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = ctx.kv_caches[self.layer_idx]
         attn = self.ops.attention(q, k, v, k_cache, v_cache, ctx, self.scale)
-        return self.tp.all_reduce(self.o_proj(attn.view(num_tokens, self.q_size)))
+        attn = attn.view(num_tokens, self.q_size)
+        out = self.o_proj(attn)
+        if ctx.lora is not None:  # before the all-reduce: a row-parallel update is partial too
+            ctx.lora.add(self.layer_idx, "o_proj", attn, out)
+        return self.tp.all_reduce(out)
 
 
 class MLP(OpsModule):
     """SwiGLU: down(silu(gate(x)) * up(x)), gate and up as one fused projection."""
 
-    def __init__(self, config: ModelConfig, ops: LayerOps, tp: TPGroup | None = None):
+    def __init__(
+        self, config: ModelConfig, ops: LayerOps, tp: TPGroup | None = None, layer_idx: int = 0
+    ):
         super().__init__(ops)
         self.tp = tp = tp or TPGroup()
+        self.layer_idx = layer_idx
         inter, bias = config.intermediate_size // tp.size, config.mlp_bias
         self.gate_up_proj = Linear(config.hidden_size, [inter, inter], bias, tp, "output")
         self.down_proj = Linear(inter, [config.hidden_size], bias, tp, "input")
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x))))
+    def forward(self, x: torch.Tensor, lora: LoraBatch | None = None) -> torch.Tensor:
+        """lora: the step's adapters (engine.lora), whose updates the two projections add."""
+        gate_up = self.gate_up_proj(x)
+        if lora is not None:
+            lora.add(self.layer_idx, "gate_up_proj", x, gate_up)
+        hidden = self.ops.silu_and_mul(gate_up)
+        out = self.down_proj(hidden)
+        if lora is not None:
+            lora.add(self.layer_idx, "down_proj", hidden, out)
+        return self.tp.all_reduce(out)
 
 
 class DecoderLayer(nn.Module):
@@ -282,7 +301,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, eps, ops)
         self.self_attn = Attention(config, layer_idx, rotary, ops, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, ops)
-        self.mlp = MLP(config, ops, tp)
+        self.mlp = MLP(config, ops, tp, layer_idx)
 
     def forward(
         self,
@@ -296,4 +315,4 @@ class DecoderLayer(nn.Module):
         hidden, residual = self.input_layernorm(hidden, residual)
         hidden = self.self_attn(positions, hidden, ctx)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        return self.mlp(hidden, ctx.lora), residual

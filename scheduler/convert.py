@@ -46,6 +46,8 @@ def plan_to_proto(plan: StepPlan) -> engine_pb2.StepPlan:
     for row in plan.new_requests:
         msg.new_requests.add(**new_request_fields(row))
     running_to_proto(plan.running, msg.running)
+    for load in plan.lora_loads:
+        msg.lora_loads.add(slot=load.slot, lora_name=load.lora_name, path=load.path)
     return msg
 
 
