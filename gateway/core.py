@@ -68,13 +68,37 @@ class GatewayCore(ReplicaLinks):
             instance_id=self.config.instance_id,
             num_replicas=len(self.router.replicas),
             num_replicas_ready=self.router.num_healthy,
+            lora_names=sorted(self.lora_names),
         )
+
+    @property
+    def lora_names(self) -> set[str]:
+        """The LoRA adapters served: those any replica's scheduler serves (its stats say)."""
+        return {name for link in self.links.values() for name in link.lora_names}
+
+    def lora_for_model(self, model: str | None) -> str:
+        """The adapter an OpenAI `model` names ("": the base model). With adapters served, a
+        name that is neither the base model's nor an adapter's is NOT_FOUND; without any, the
+        field is not checked (one model: any name means it)."""
+        adapters = self.lora_names
+        if model and model in adapters:
+            return model
+        if not model or model == self.model_id or not adapters:
+            return ""
+        raise GatewayError(grpc.StatusCode.NOT_FOUND, self._not_served(model, adapters))
+
+    def _not_served(self, model: str, adapters: set[str]) -> str:
+        served = ", ".join([self.model_id, *sorted(adapters)])
+        return f"model {model!r} is not served here; models: {served}"
 
     def validate(self, request: api_pb2.GenerateRequest) -> ValidRequest:
         """The request tokenized, with defaults filled; GatewayError INVALID_ARGUMENT (naming the
         field, value and limit) or UNAVAILABLE (no scheduler yet) otherwise."""
         if self.limits is None:
             raise GatewayError(grpc.StatusCode.UNAVAILABLE, "scheduler not connected yet")
+        name = request.lora_name
+        if name and name not in (adapters := self.lora_names):
+            raise GatewayError(grpc.StatusCode.NOT_FOUND, self._not_served(name, adapters))
         try:
             return validate(request, self.tokenizer, self.limits)
         except ValidationError as err:

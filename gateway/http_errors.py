@@ -59,6 +59,8 @@ class ApiError(Exception):
         message, param = err.message, None
         if err.code == grpc.StatusCode.INVALID_ARGUMENT:
             message, param = http_message(err.message, prompt_field)
+        elif err.code == grpc.StatusCode.NOT_FOUND and err.message.startswith("model "):
+            param, code = "model", "model_not_found"  # an adapter not served (GatewayCore)
         retry = None
         if status in (429, 503):
             retry = {"Retry-After": str(err.retry_after_s or RETRY_AFTER_S)}

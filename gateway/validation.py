@@ -167,5 +167,6 @@ def validate(req: api_pb2.GenerateRequest, tokenizer: Tokenizer, limits: Limits)
         ignore_eos=req.ignore_eos,
         disable_speculation=req.disable_speculation,
         priority=req.priority,
+        lora_name=req.lora_name,
     )
     return ValidRequest(submit, list(req.stop))

@@ -38,6 +38,7 @@ def request_from_proto(msg: scheduler_pb2.SubmitRequest, seq_id: int) -> Request
         tenant=msg.tenant,
         tenant_weight=msg.tenant_weight if msg.tenant_weight > 0 else 1.0,
         priority=msg.priority,
+        lora_name=msg.lora_name,
     )
 
 

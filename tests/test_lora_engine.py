@@ -6,6 +6,7 @@ reference; adapters refused at load by name and reason; the host cache's LRU."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 from collections.abc import Callable
@@ -64,20 +65,34 @@ def engine(base: Path, adapters: dict[str, Path]) -> Engine:
     return engine
 
 
-@torch.no_grad()
-def peft_greedy(base: Path, adapter: Path | None, prompt: list[int]) -> list[int]:
-    """transformers (+ peft with the adapter) in float32, greedy, recomputing every token."""
-    from peft import PeftModel
-    from transformers import LlamaForCausalLM
+class PeftReference:
+    """transformers + peft in float32 with every adapter loaded once: greedy tokens under one
+    adapter (or the base: None), recomputing the whole sequence for each token."""
 
-    model: Any = LlamaForCausalLM.from_pretrained(base, dtype=torch.float32)
-    if adapter is not None:
-        model = PeftModel.from_pretrained(model, adapter)
-    model.eval()
-    tokens = list(prompt)
-    for _ in range(NUM_TOKENS):
-        tokens.append(int(model(torch.tensor([tokens])).logits[0, -1].argmax()))
-    return tokens[len(prompt) :]
+    def __init__(self, base: Path, adapters: dict[str, Path]):
+        from peft import PeftModel
+        from transformers import LlamaForCausalLM
+
+        model: Any = LlamaForCausalLM.from_pretrained(base, dtype=torch.float32)
+        names = list(adapters)
+        model = PeftModel.from_pretrained(model, adapters[names[0]], adapter_name=names[0])
+        for name in names[1:]:
+            model.load_adapter(adapters[name], adapter_name=name)
+        self.model = model.eval()
+
+    @torch.no_grad()
+    def greedy(self, adapter: str | None, prompt: list[int]) -> list[int]:
+        tokens = list(prompt)
+        context: Any = contextlib.nullcontext()
+        if adapter is None:
+            context = self.model.disable_adapter()
+        else:
+            self.model.set_adapter(adapter)
+        with context:
+            for _ in range(NUM_TOKENS):
+                logits = self.model(torch.tensor([tokens])).logits[0, -1]
+                tokens.append(int(logits.argmax()))
+        return tokens[len(prompt) :]
 
 
 class GreedyDriver:
@@ -149,9 +164,10 @@ class GreedyDriver:
 @pytest.fixture(scope="module")
 def expected(base: Path, adapters: dict[str, Path]) -> dict[str | None, list[int]]:
     """transformers + peft's greedy tokens: the base for PROMPTS[0], adapter k for PROMPTS[k+1]."""
-    result = {None: peft_greedy(base, None, PROMPTS[0])}
-    for k, (name, path) in enumerate(adapters.items()):
-        result[name] = peft_greedy(base, path, PROMPTS[k + 1])
+    reference = PeftReference(base, adapters)
+    result = {None: reference.greedy(None, PROMPTS[0])}
+    for k, name in enumerate(adapters):
+        result[name] = reference.greedy(name, PROMPTS[k + 1])
     return result
 
 
