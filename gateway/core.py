@@ -29,7 +29,15 @@ from gateway.quotas import Admission, QuotaExceeded, Quotas, TooLarge
 from gateway.replicas import ReplicaLinks
 from gateway.streaming import InFlight, routed_messages, stream_text
 from gateway.telemetry import GatewayTelemetry, RequestTelemetry
-from gateway.tenants import DEFAULT_TENANT, ApiKey, Caller, TenantError, TenantTable, load_tenants
+from gateway.tenants import (
+    DEFAULT_TENANT,
+    ApiKey,
+    Caller,
+    TenantError,
+    TenantTable,
+    display_name,
+    load_tenants,
+)
 from gateway.tokenizer import Tokenizer
 from gateway.validation import ValidationError, ValidRequest, validate
 from protos import api_pb2, scheduler_pb2
@@ -123,6 +131,16 @@ class GatewayCore(ReplicaLinks):
         if self.draining:
             self.telemetry.refused(caller.tenant, "draining")
             raise GatewayError(grpc.StatusCode.UNAVAILABLE, DRAINING_MESSAGE)
+        limits = self.tenants.limits(caller.tenant)
+        for v in valids:
+            if not limits.may_use(v.submit.lora_name):
+                self.telemetry.refused(caller.tenant, "lora_adapter")
+                raise GatewayError(
+                    grpc.StatusCode.PERMISSION_DENIED,
+                    f"tenant {display_name(caller.tenant)!r} may not use adapter "
+                    f"{v.submit.lora_name!r} (its lora_adapters: "
+                    f"{', '.join(sorted(limits.lora_adapters or ()))})",
+                )
         costs = [len(v.prompt_token_ids) + v.submit.max_tokens for v in valids for _ in range(n)]
         try:
             return self.quotas.admit(caller.tenant, costs)
