@@ -7,8 +7,10 @@ reference; adapters refused at load by name and reason; the host cache's LRU."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import shutil
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -18,9 +20,14 @@ import torch
 
 from engine.config import EngineConfig
 from engine.contract import LoraLoadData, NewRequestData, RunningData, StepPlanData
+from engine.convert import plan_from_proto
 from engine.engine import Engine
 from engine.lora import LoraBatch, lora_padded, lora_segments
 from engine.lora_files import LoraError
+from scheduler.config import SchedulerConfig
+from scheduler.convert import plan_to_proto
+from scheduler.request import Request
+from scheduler.scheduler import Scheduler
 from tests.factories import TINY_VOCAB, make_lora_adapter, make_tiny_llama, sampling
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -335,3 +342,113 @@ def test_host_cache_drops_least_recently_used(
     )
     assert tokens == expected["r8-all-rslora"]
     assert list(cache)[-1] == "r8-all-rslora" and len(cache) == 3
+
+
+def _adapters_on_rank(
+    loads: list[LoraLoadData], requests: list[tuple[list[int], int]], engine: Engine, parallel: Any
+) -> list[list[int]]:
+    """On each rank of a group: the base and adapters in one batch (each rank reads the adapters
+    from their paths: the plan's loads reach every rank)."""
+    outputs, reasons = GreedyDriver(engine).run(requests, loads, chunk=5)
+    assert not reasons, reasons
+    return outputs
+
+
+def test_tensor_parallel_group_gives_each_request_its_tokens(
+    base: Path, adapters: dict[str, Path], expected: dict[str | None, list[int]]
+) -> None:
+    """T = 2 on gloo: A and B split as their base layers (B by rows for q, k, v, gate, up; A by
+    columns for o and down), the same tokens as transformers + peft on one process."""
+    from engine.ranks import run_group_locally
+
+    config = EngineConfig(
+        model=str(base), device="cpu", num_kv_blocks=64, block_size=BLOCK_SIZE,
+        tensor_parallel_size=2, num_threads=1, max_loras=3, max_lora_rank=16, max_cpu_loras=3,
+    )  # fmt: skip
+    requests = [(PROMPTS[i], i) for i in range(4)]
+    work = functools.partial(_adapters_on_rank, loads_for(adapters), requests)
+    got = run_group_locally(config, work, timeout=240)
+    want = [expected[None], *(expected[name] for name in adapters)]
+    assert got[0] == want
+    assert got[1] == want  # the other rank's mirror saw the driver's tokens
+
+
+def serve(
+    engine: Engine,
+    adapters: dict[str, Path],
+    depth: int,
+    max_loras: int,
+    num_blocks: int,
+    **config: Any,
+) -> tuple[dict[int, list[int]], Scheduler, int]:
+    """The base and each adapter's request (PROMPTS) through the real Scheduler and the engine,
+    up to `depth` steps in flight, the scheduler holding max_loras slots and num_blocks blocks
+    (fewer than the engine has: preemption), through the protobuf contract. Returns the
+    outputs by seq id, the scheduler, and how many tokens the engine proposed."""
+    engine.reset()
+    info = engine.info
+    s = Scheduler(
+        SchedulerConfig(**config).adopt(info.max_num_seqs, info.max_num_batched_tokens),
+        num_blocks, info.block_size, info.max_model_len, info.vocab_size, info.eos_token_ids,
+        num_speculative_tokens=info.num_speculative_tokens,
+    )  # fmt: skip
+    s.loras.resize(max_loras)
+    for name, path in adapters.items():
+        s.loras.register(name, str(path))
+    names = ["", *adapters]
+    for i, prompt in enumerate(PROMPTS):
+        request = Request(f"r{i}", i + 1, prompt, GREEDY, NUM_TOKENS, ignore_eos=True)
+        request.lora_name = names[i]
+        s.add(request)
+    outputs: dict[int, list[int]] = {}
+    in_flight: deque[tuple[Any, Any]] = deque()
+    num_draft_tokens = 0
+    for _ in range(2000):
+        if not s.has_work and not in_flight:
+            return outputs, s, num_draft_tokens
+        if len(in_flight) < depth and s.has_work:
+            plan = s.schedule()
+            if not plan.is_empty:
+                in_flight.append((plan, engine.launch(plan_from_proto(plan_to_proto(plan)))))
+                continue
+        plan, step = in_flight.popleft()
+        out = engine.finish(step)
+        assert not out.refused_seq_ids, out.refusal_reasons
+        num_draft_tokens += sum(out.num_draft_tokens)
+        num_sampled, num_draft = out.num_sampled_tokens or None, out.num_draft_tokens or None
+        for o in s.update(plan, out.sampled_token_ids, out.logprobs, None, num_sampled, num_draft):
+            outputs.setdefault(o.request.seq_id, []).append(o.token_id)
+        s.check_integrity()
+    raise AssertionError("did not finish")
+
+
+def test_scheduler_and_engine_chunked_preempting_overlapped(
+    engine: Engine, adapters: dict[str, Path], expected: dict[str | None, list[int]]
+) -> None:
+    """Three adapters over two slots (the scheduler rotates them), prefill in chunks of 8
+    tokens, a pool too small for all four requests (preemption, recompute under the same
+    adapter), two steps in flight: each request gets its tokens alone."""
+    want = [expected[None], *(expected[name] for name in adapters)]
+    got, scheduler, _ = serve(
+        engine, adapters, 2, max_loras=2, num_blocks=8, max_num_batched_tokens=8
+    )
+    assert [got[i + 1] for i in range(4)] == want
+    assert scheduler.counters.num_preemptions > 0
+
+
+def test_speculative_decoding_keeps_each_adapters_tokens(
+    base: Path, adapters: dict[str, Path], expected: dict[str | None, list[int]]
+) -> None:
+    """ngram speculation: proposals are verified under each row's adapter, so every request
+    gets the tokens it gets without speculation."""
+    config = EngineConfig(
+        model=str(base), device="cpu", num_kv_blocks=64, block_size=BLOCK_SIZE,
+        max_loras=3, max_lora_rank=16, speculative_method="ngram", num_speculative_tokens=3,
+        ngram_min=1,
+    )  # fmt: skip
+    engine = Engine(config)
+    for name, path in adapters.items():
+        engine.add_lora(name, str(path))
+    got, _, num_draft_tokens = serve(engine, adapters, 1, max_loras=3, num_blocks=64)
+    assert num_draft_tokens > 0, "nothing was proposed: the test shows nothing"
+    assert [got[i + 1] for i in range(4)] == [expected[None], *(expected[n] for n in adapters)]
