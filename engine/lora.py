@@ -220,7 +220,10 @@ class LoraBatch:
         b = [part[layer] for part in self.slots.b[group]]
         if self.padded:
             assert self.gather is not None and self.positions is not None
-            update = lora_padded(x, a, b, self.index_t, self.gather, self.positions, self.rank)
+            # Every slot in order: the tables as they are, without gathering a copy.
+            every = len(self.indices) == self.slots.max_loras
+            indices = None if every else self.index_t
+            update = lora_padded(x, a, b, indices, self.gather, self.positions, self.rank)
         else:
             update = lora_segments(x[self.tokens], a, b, self.segment_list, self.rank)
         out.index_add_(0, self.tokens, update)
@@ -230,20 +233,23 @@ def lora_padded(
     x: torch.Tensor,
     a: torch.Tensor,
     b: list[torch.Tensor],
-    indices: torch.Tensor,
+    indices: torch.Tensor | None,
     gather: torch.Tensor,
     positions: torch.Tensor,
     rank: int,
 ) -> torch.Tensor:
     """The update of the adapted tokens [n, sum of parts' out], padded layout (LoraBatch):
     x [tokens, in]; a [slots, parts, max_rank, in]; b[p] [slots, max_rank, out_p]; the first
-    `rank` ranks of the stack indices' slots."""
-    num_segments = indices.shape[0]
+    `rank` ranks of the stack indices' slots (None: every slot, in order)."""
+    num_segments = a.shape[0] if indices is None else indices.shape[0]
     xs = x[gather].view(num_segments, -1, x.shape[1])
-    shrink_w = a[indices, :, :rank].flatten(1, 2)  # [segments, parts * rank, in]
+    shrink_w = (a[:, :, :rank] if indices is None else a[indices, :, :rank]).flatten(1, 2)
     shrunk = torch.bmm(xs, shrink_w.transpose(1, 2))  # [segments, longest, parts * rank]
     parts = [
-        torch.bmm(shrunk[:, :, p * rank : (p + 1) * rank], bp[indices, :rank])
+        torch.bmm(
+            shrunk[:, :, p * rank : (p + 1) * rank],
+            bp[:, :rank] if indices is None else bp[indices, :rank],
+        )
         for p, bp in enumerate(b)
     ]
     expanded = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)

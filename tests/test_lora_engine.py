@@ -242,6 +242,13 @@ def test_padded_and_segment_layouts_match_per_token_reference() -> None:
     got_padded.index_add_(0, torch.tensor(flat), update)
     torch.testing.assert_close(got_segments, reference, rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(got_padded, reference, rtol=1e-5, atol=1e-4)
+    # Every slot in order (indices None): the tables are used as they are.
+    gather = torch.tensor([3, 4, 5, 6, 7, 0, 1, 0, 0, 0, 8, 0, 0, 0, 0])
+    positions = torch.tensor([5, 6, 0, 1, 2, 3, 4, 10])
+    update = lora_padded(x, a, b, None, gather, positions, max_rank)
+    got_whole = torch.zeros_like(reference)
+    got_whole.index_add_(0, torch.tensor([0, 1, 3, 4, 5, 6, 7, 8]), update)
+    torch.testing.assert_close(got_whole, reference, rtol=1e-5, atol=1e-4)
 
 
 def test_layout_choice_and_batch_rows(engine: Engine, adapters: dict[str, Path]) -> None:
