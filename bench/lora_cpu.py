@@ -36,7 +36,7 @@ from llmserve.bench.engine_driver import GREEDY
 from llmserve.bench.report import hardware, save
 
 ROOT = Path(__file__).resolve().parent.parent
-NUM_REQUESTS, PROMPT_LEN, OUTPUT_LEN, RANK = 16, 128, 128, 16
+NUM_REQUESTS, PROMPT_LEN, RANK = 16, 128, 16
 BLOCK_SIZE = 16
 TARGETS = {
     "qv": ["q_proj", "v_proj"],
@@ -65,7 +65,9 @@ def write_adapter(directory: Path, targets: list[str], seed: int) -> Path:
     return directory
 
 
-def run_batch(engine: Engine, names: list[str], step_id: int) -> tuple[float, int, list[int]]:
+def run_batch(
+    engine: Engine, names: list[str], step_id: int, output_len: int
+) -> tuple[float, int, list[int]]:
     """One batch of NUM_REQUESTS requests, request i under names[i % len(names)] (none: the
     base); (seconds, the next free step id, request 0's first tokens)."""
     engine.reset()
@@ -73,7 +75,7 @@ def run_batch(engine: Engine, names: list[str], step_id: int) -> tuple[float, in
     loads = [LoraLoadData(slot, name) for name, slot in slots.items()]
     row_slots = [slots[names[i % len(names)]] if names else 0 for i in range(NUM_REQUESTS)]
     rng = random.Random(0)
-    per_seq = -(-(PROMPT_LEN + OUTPUT_LEN) // BLOCK_SIZE)
+    per_seq = -(-(PROMPT_LEN + 128) // BLOCK_SIZE)
     new = [
         NewRequestData(
             i + 1, [rng.randrange(100, 40000) for _ in range(PROMPT_LEN)], PROMPT_LEN, GREEDY,
@@ -85,7 +87,7 @@ def run_batch(engine: Engine, names: list[str], step_id: int) -> tuple[float, in
     t0 = time.perf_counter()
     out = engine.step(StepPlanData(step_id, [], new, lora_loads=loads))
     first.append(out.sampled_token_ids[0])
-    for k in range(1, OUTPUT_LEN):
+    for k in range(1, output_len):
         running = RunningData(
             seq_ids=list(range(1, NUM_REQUESTS + 1)),
             num_scheduled_tokens=[1] * NUM_REQUESTS,
@@ -96,7 +98,7 @@ def run_batch(engine: Engine, names: list[str], step_id: int) -> tuple[float, in
         )
         out = engine.step(StepPlanData(step_id + k, [], [], running))
         first.append(out.sampled_token_ids[0])
-    return time.perf_counter() - t0, step_id + OUTPUT_LEN, first[:8]
+    return time.perf_counter() - t0, step_id + output_len, first[:8]
 
 
 def ratios(values: list[float], base: list[float]) -> list[float]:
@@ -107,12 +109,18 @@ def ratios(values: list[float], base: list[float]) -> list[float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--output-len", type=int, default=128, help="tokens per request (<= 128)")
+    parser.add_argument(
+        "--num-threads", type=int, default=0, help="torch threads (0: torch's default)"
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "bench/results/lora_cpu.json")
     args = parser.parse_args()
     config = EngineConfig(
         device="cpu", num_kv_blocks=NUM_REQUESTS * 17 + 8, block_size=BLOCK_SIZE,
         max_num_seqs=NUM_REQUESTS, max_loras=16, max_lora_rank=RANK, max_cpu_loras=32,
+        num_threads=args.num_threads,
     )  # fmt: skip
+    output_len = args.output_len
     engine = Engine(config)
     configs: list[tuple[str, list[str]]] = [("base", [])]
     with tempfile.TemporaryDirectory() as tmp:
@@ -124,14 +132,16 @@ def main() -> None:
         step_id = 1
         rows: dict[str, list[float]] = {name: [] for name, _ in configs}
         firsts: dict[str, list[int]] = {}
-        run_batch(engine, [], step_id)  # warm-up (kernel build, allocator)
-        step_id += OUTPUT_LEN
+        run_batch(engine, [], step_id, output_len)  # warm-up (kernel build, allocator)
+        step_id += output_len
         for round_index in range(args.rounds):
             for name, names in configs:
-                seconds, step_id, first = run_batch(engine, names, step_id)
-                rows[name].append(NUM_REQUESTS * OUTPUT_LEN / seconds)
+                seconds, step_id, first = run_batch(engine, names, step_id, output_len)
+                rows[name].append(NUM_REQUESTS * output_len / seconds)
                 firsts[name] = first
-                print(f"round {round_index} {name:>8}: {rows[name][-1]:7.1f} output tok/s")
+                print(
+                    f"round {round_index} {name:>8}: {rows[name][-1]:7.1f} output tok/s", flush=True
+                )
     base = rows["base"]
     results = [
         {
@@ -150,8 +160,9 @@ def main() -> None:
         "study": "lora_cpu",
         "workload": {
             "model": "built-in SmolLM2-135M-Instruct (GGUF Q4_1, int8 weights on the CPU)",
-            "num_requests": NUM_REQUESTS, "prompt_len": PROMPT_LEN, "output_len": OUTPUT_LEN,
+            "num_requests": NUM_REQUESTS, "prompt_len": PROMPT_LEN, "output_len": output_len,
             "rank": RANK, "rounds": args.rounds, "greedy": True,
+            "torch_threads": args.num_threads or "torch's default",
             "driver": "in-process engine steps (bench/lora_cpu.py), no gRPC",
         },
         "hardware": hardware(torch_threads=True),
