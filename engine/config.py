@@ -113,6 +113,16 @@ class EngineConfig(PeerSecurity):
         "the target on its device in its dtype with a paged KV pool of its own (the KV memory "
         "is shared between the two pools); default: self-speculation (--draft-num-layers)",
     )
+    max_loras: int = setting(
+        4,
+        "LoRA adapters resident on the device at once, so at most this many distinct adapters "
+        "in one step (0: no adapters); a projection's table is allocated when an adapter first "
+        "adapts it",
+    )
+    max_lora_rank: int = setting(16, "the highest LoRA rank r accepted (sizes the slot table)")
+    max_cpu_loras: int = setting(
+        16, "checked adapters kept in host memory (least recently used out), >= --max-loras"
+    )
 
     tensor_parallel_size: int = setting(
         1,
@@ -161,6 +171,7 @@ class EngineConfig(PeerSecurity):
         if not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"node_rank={self.node_rank} must be in [0, nnodes={self.nnodes})")
         self._check_speculation()
+        self._check_loras()
         if self.world_size % self.nnodes:
             raise ValueError(
                 f"tensor_parallel_size x pipeline_parallel_size = {self.world_size} ranks do not "
@@ -196,6 +207,16 @@ class EngineConfig(PeerSecurity):
             raise ValueError(
                 f"speculative_method={self.speculative_method!r} needs a single-rank engine; "
                 f"tensor_parallel_size x pipeline_parallel_size = {self.world_size}"
+            )
+
+    def _check_loras(self) -> None:
+        if self.max_loras < 0:
+            raise ValueError(f"max_loras={self.max_loras} must be >= 0")
+        if self.max_loras and not 1 <= self.max_lora_rank <= 512:
+            raise ValueError(f"max_lora_rank={self.max_lora_rank} must be in [1, 512]")
+        if self.max_cpu_loras < self.max_loras:
+            raise ValueError(
+                f"max_cpu_loras={self.max_cpu_loras} must be >= max_loras={self.max_loras}"
             )
 
     @property

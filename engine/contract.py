@@ -49,11 +49,15 @@ class EngineInfo:
     # The window when every layer is windowed (0: none): the scheduler releases a request's
     # blocks wholly before it.
     sliding_window: int = 0
+    # LoRA: device slots for adapters (at most this many distinct adapters per step; 0: none)
+    # and the highest rank accepted.
+    max_loras: int = 0
+    max_lora_rank: int = 0
 
 
-_NEW_REQUEST_DOC = """A new request: engine.proto's NewRequest, field for field, every one given
-(seq_id, token_ids, num_prompt_tokens, sampling, block_table, num_computed_tokens,
-num_scheduled_tokens, ...)."""
+_NEW_REQUEST_DOC = """A new request: engine.proto's NewRequest, field for field (seq_id, token_ids,
+num_prompt_tokens, sampling, block_table, num_computed_tokens, num_scheduled_tokens, given; then
+lora_slot, 0 by default: the base model)."""
 
 _RUNNING_DOC = """The running rows: one column per field of engine.proto's RunningColumns (seq_ids,
 num_scheduled_tokens, num_computed_tokens, num_new_blocks, new_block_ids, num_lookahead_tokens,
@@ -71,6 +75,10 @@ def _column(running: RunningData, name: str) -> list[int]:
         return [0] * len(running.seq_ids)
     return column
 
+
+# NewRequest's fields up to this number are always given; later ones (scalars: lora_slot) default
+# to the .proto's default.
+_NEW_REQUEST_REQUIRED = 7
 
 # The plan's two row shapes are dataclasses made from the .proto's descriptor (fields named and
 # ordered as the messages'), so that a field added to the .proto needs no code here: mypy sees
@@ -93,7 +101,12 @@ if TYPE_CHECKING:
 else:
     NewRequestData = make_dataclass(
         "NewRequestData",
-        [(f.name, Any) for f in engine_pb2.NewRequest.DESCRIPTOR.fields],
+        [
+            (f.name, Any)
+            if f.number <= _NEW_REQUEST_REQUIRED
+            else (f.name, Any, field(default=f.default_value))
+            for f in engine_pb2.NewRequest.DESCRIPTOR.fields
+        ],
         namespace={"__doc__": _NEW_REQUEST_DOC, "__module__": __name__},
     )
     RunningData = make_dataclass(
@@ -109,12 +122,25 @@ else:
     RunningData.FIELDS = COLUMNS
 
 
+@dataclass(frozen=True)
+class LoraLoadData:
+    """engine.proto's LoraLoad: put adapter lora_name (read from path, or from the host cache)
+    in device slot `slot` (1 .. max_loras) before the plan's rows run."""
+
+    slot: int
+    lora_name: str
+    path: str = ""
+
+
 @dataclass
 class StepPlanData:
     step_id: int
     finished_seq_ids: list[int]
     new_requests: list[NewRequestData]
     running: RunningData = field(default_factory=RunningData)
+    # LoRA: adapters placed in slots before the rows run; each row's slot is NewRequest /
+    # RunningColumns `lora_slot` (0: the base model).
+    lora_loads: list[LoraLoadData] = field(default_factory=list)
 
 
 @dataclass

@@ -26,6 +26,7 @@ from common.model_config import (
     resolve_model_path,
 )
 from common.sampling import has_penalties
+from engine.adapters import Adapters
 from engine.config import EngineConfig
 from engine.contract import EngineInfo, StepOutput, StepPlanData, with_refused_rows
 from engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
@@ -34,6 +35,7 @@ from engine.families import check_features
 from engine.grammar import Grammars
 from engine.graph_capture import capture_graphs, uses_graphs
 from engine.kv_cache import allocate_kv_cache, layer_views
+from engine.lora_files import LoraAdapter, LoraError
 from engine.memory import (
     GIB,
     PooledModel,
@@ -79,6 +81,11 @@ class Engine:
             and config.attention_backend == "auto"
         ):
             log.warning("attention backend: plain torch, not the CUDA kernels", why=self.ops_reason)
+        self.adapters = (
+            Adapters(config, self.model_config, self.shard, self.dtype, self.device)
+            if config.max_loras
+            else None
+        )
         self.draft_model = self._load_draft(*draft_source) if draft_source else None
         self.draft_config = self.draft_model.config if self.draft_model is not None else None
         if self.device.type == "cpu":
@@ -97,6 +104,7 @@ class Engine:
             self.model, kv_caches, graphs=graphs, timeline=self.timeline, parallel=parallel,
             grammars=self.grammars,
         )  # fmt: skip
+        self.runner.lora = self.adapters.slots if self.adapters is not None else None
         draft_kv_caches = None
         if self.draft_kv_cache is not None:
             draft_kv_caches = layer_views(self.draft_kv_cache)
@@ -153,6 +161,8 @@ class Engine:
             speculative_method=self.proposer.name if self.proposer is not None else "",
             num_speculative_tokens=config.num_speculative_tokens if speculates else 0,
             sliding_window=self._released_window(),
+            max_loras=config.max_loras,
+            max_lora_rank=config.max_lora_rank if config.max_loras else 0,
         )
 
     def _released_window(self) -> int:
@@ -318,7 +328,8 @@ class Engine:
         possibly half-updated) when the plan disagrees."""
         while len(self.unresolved) > 1:
             self._resolve_oldest()
-        batch = self.mirror.apply(plan)
+        failed = self._place_loras(plan)
+        batch = self.mirror.apply(plan, failed)
         if batch.has_lookahead:
             return self._speculate(batch)
         if self.unresolved and _needs_host_tokens(batch):
@@ -329,6 +340,27 @@ class Engine:
         self.mirror.commit_pending(batch)
         self.unresolved.append(step)
         return step
+
+    def _place_loras(self, plan: StepPlanData) -> dict[int, str]:
+        """The plan's adapter loads into their slots; {slot: why} for those that failed."""
+        if not plan.lora_loads:
+            return {}
+        if self.adapters is None:
+            why = "this engine serves no LoRA adapters (--max-loras 0)"
+            return {load.slot: why for load in plan.lora_loads}
+        return self.adapters.place_all(plan.lora_loads)
+
+    def add_lora(self, name: str, path: str) -> LoraAdapter:
+        """Check the adapter at path and keep it in the host cache (AddLora); LoraError naming
+        it and the reason when it cannot be served."""
+        if self.adapters is None:
+            raise LoraError(f"adapter {name}: this engine serves no LoRA adapters (--max-loras 0)")
+        return self.adapters.add(name, path)
+
+    def remove_lora(self, name: str) -> None:
+        """Drop an adapter from the host cache (RemoveLora)."""
+        if self.adapters is not None:
+            self.adapters.remove(name)
 
     def _speculate(self, batch: StepBatch) -> LaunchedStep:
         """Run a step with lookahead slots to its end: propose tokens from the requests' known

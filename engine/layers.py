@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from common.model_config import ModelConfig
+from engine.lora import LoraBatch
 from engine.ops import AttentionContext, LayerOps, OpsModule
 from engine.parallel import TPGroup
 from engine.rotary import (  # noqa: F401 (the layers' names, as before)
@@ -204,7 +205,10 @@ class Attention(OpsModule):
         self, positions: torch.Tensor, hidden: torch.Tensor, ctx: AttentionContext
     ) -> torch.Tensor:
         num_tokens, dim = hidden.shape[0], self.head_dim
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(hidden)
+        if ctx.lora is not None:
+            ctx.lora.add(self.layer_idx, "qkv_proj", hidden, qkv)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k = q.reshape(num_tokens, self.num_heads, dim), k.reshape(num_tokens, -1, dim)
         if self.qk_norm:
             q = self.q_norm(q.reshape(-1, dim))[0].view(num_tokens, self.num_heads, dim)
@@ -215,16 +219,23 @@ class Attention(OpsModule):
         attn = self.ops.attention(
             q, k, v, k_cache, v_cache, ctx, self.scale, window=self.window, softcap=self.softcap
         )
-        return self.tp.all_reduce(self.o_proj(attn.reshape(num_tokens, self.q_size)))
+        attn = attn.reshape(num_tokens, self.q_size)
+        out = self.o_proj(attn)
+        if ctx.lora is not None:  # before the all-reduce: a row-parallel update is partial too
+            ctx.lora.add(self.layer_idx, "o_proj", attn, out)
+        return self.tp.all_reduce(out)
 
 
 class MLP(OpsModule):
     """A gated MLP: down(act(gate(x)) * up(x)), gate and up as one fused projection; act is
     config.hidden_act, SiLU (SwiGLU) or tanh-approximated GELU (Gemma)."""
 
-    def __init__(self, config: ModelConfig, ops: LayerOps, tp: TPGroup | None = None):
+    def __init__(
+        self, config: ModelConfig, ops: LayerOps, tp: TPGroup | None = None, layer_idx: int = 0
+    ):
         super().__init__(ops)
         self.tp = tp = tp or TPGroup()
+        self.layer_idx = layer_idx
         inter, bias = config.intermediate_size // tp.size, config.mlp_bias
         self.gate_up_proj = Linear(config.hidden_size, [inter, inter], bias, tp, "output")
         self.down_proj = Linear(inter, [config.hidden_size], bias, tp, "input")
@@ -232,10 +243,16 @@ class MLP(OpsModule):
             raise ValueError(f"hidden_act={config.hidden_act!r}: silu or gelu_pytorch_tanh")
         self.gelu = config.hidden_act == "gelu_pytorch_tanh"
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lora: LoraBatch | None = None) -> torch.Tensor:
+        """lora: the step's adapters (engine.lora), whose updates the two projections add."""
         gate_up = self.gate_up_proj(x)
+        if lora is not None:
+            lora.add(self.layer_idx, "gate_up_proj", x, gate_up)
         act = self.ops.gelu_tanh_and_mul(gate_up) if self.gelu else self.ops.silu_and_mul(gate_up)
-        return self.tp.all_reduce(self.down_proj(act))
+        out = self.down_proj(act)
+        if lora is not None:
+            lora.add(self.layer_idx, "down_proj", act, out)
+        return self.tp.all_reduce(out)
 
 
 class DecoderLayer(nn.Module):
@@ -260,7 +277,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = norm(config.hidden_size, eps, ops)
         self.self_attn = attention or Attention(config, layer_idx, rotary, ops, tp)
         self.post_attention_layernorm = norm(config.hidden_size, eps, ops)
-        self.mlp = mlp or MLP(config, ops, tp)
+        self.mlp = mlp or MLP(config, ops, tp, layer_idx)
 
     def forward(
         self,
@@ -274,7 +291,14 @@ class DecoderLayer(nn.Module):
         hidden, residual = self.input_layernorm(hidden, residual)
         hidden = self.self_attn(positions, hidden, ctx)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        return self.run_mlp(hidden, ctx), residual
+
+    def run_mlp(self, hidden: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        """The MLP, with the step's LoRA updates where it is the dense MLP (an MoE block takes
+        none: adapters for its experts are refused at load)."""
+        if ctx.lora is not None and isinstance(self.mlp, MLP):
+            return self.mlp(hidden, ctx.lora)
+        return self.mlp(hidden)
 
 
 class SandwichDecoderLayer(DecoderLayer):
@@ -302,4 +326,4 @@ class SandwichDecoderLayer(DecoderLayer):
         hidden, residual = self.input_layernorm(hidden, residual)
         hidden = self.post_attention_layernorm(self.self_attn(positions, hidden, ctx))[0]
         hidden, residual = self.pre_feedforward_layernorm(hidden, residual)
-        return self.post_feedforward_layernorm(self.mlp(hidden))[0], residual
+        return self.post_feedforward_layernorm(self.run_mlp(hidden, ctx))[0], residual

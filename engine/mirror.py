@@ -56,6 +56,8 @@ class SeqState:
     # Structured output: the request's grammar matcher (engine/grammar.py's RowGrammar), made
     # when it is first scheduled; it goes with the request (a recompute starts a new one).
     grammar: Any = None
+    # The adapter slot it runs under this step (0: the base model); the plan names it each step.
+    lora_slot: int = 0
 
     @property
     def num_output_tokens(self) -> int:
@@ -115,8 +117,9 @@ class Mirror:
         self.refused: set[int] = set()
         self.last_step_id = 0
 
-    def apply(self, plan: StepPlanData) -> StepBatch:
+    def apply(self, plan: StepPlanData, failed_slots: dict[int, str] | None = None) -> StepBatch:
         """Bring the mirror up to date with plan and return the step's batch, in plan order.
+        failed_slots: LoRA slots whose adapter did not load, and why: their rows are refused.
         On MirrorMismatch the mirror may be half-updated; the stream is then reset anyway."""
         if plan.step_id <= self.last_step_id:
             raise MirrorMismatch(f"step_id {plan.step_id} after {self.last_step_id}")
@@ -129,6 +132,7 @@ class Mirror:
         listed = [n.seq_id for n in plan.new_requests] + plan.running.seq_ids
         if len(set(listed)) != len(listed):
             raise MirrorMismatch("a seq id is listed twice in one plan")
+        failed = failed_slots or {}
         batch = StepBatch(plan.step_id)
         for row, new in enumerate(plan.new_requests):
             # What a request carries (not how it was planned: that is a MirrorMismatch) can
@@ -136,20 +140,27 @@ class Mirror:
             try:
                 sampling = normalized(new.sampling)
                 self._check_vocabulary(new)
+                _check_lora_slot(new.lora_slot, failed)
             except ValueError as err:
                 self.refused.add(new.seq_id)
                 batch.refusals.append(Refusal(row, new.seq_id, str(err)))
                 continue
             batch.rows.append(self._add(new, sampling))
+        self._apply_running(plan, batch, failed)
+        return batch
+
+    def _apply_running(self, plan: StepPlanData, batch: StepBatch, failed: dict[int, str]) -> None:
+        """The running rows' deltas into the mirror and their rows into batch."""
         run = plan.running
-        lookahead = run.column("num_lookahead_tokens")
+        lookahead, lora_slots = run.column("num_lookahead_tokens"), run.column("lora_slot")
         if any(len(run.column(c)) != len(run.seq_ids) for c in PER_ROW_COLUMNS):
             raise MirrorMismatch("running columns differ in length")
         offset = 0
         for i, seq_id in enumerate(run.seq_ids):
+            row = len(plan.new_requests) + i
             if seq_id in self.refused:  # planned before the scheduler heard of the refusal
                 offset += run.num_new_blocks[i]
-                batch.refusals.append(Refusal(len(plan.new_requests) + i, seq_id, None))
+                batch.refusals.append(Refusal(row, seq_id, None))
                 continue
             seq = self.seqs.get(seq_id)
             if seq is None:
@@ -166,10 +177,15 @@ class Mirror:
                 )
             )
             offset += count
+            if lora_slots[i] in failed:  # its adapter did not load: it cannot run
+                self.refused.add(seq_id)
+                self.seqs.pop(seq_id)
+                batch.refusals.append(Refusal(row, seq_id, failed[lora_slots[i]]))
+                continue
+            seq.lora_slot = lora_slots[i]
             batch.rows.append(self._schedule(seq, run.num_scheduled_tokens[i], lookahead[i]))
         if offset != len(run.new_block_ids):
             raise MirrorMismatch("new_block_ids longer than num_new_blocks says")
-        return batch
 
     def _add(self, new: NewRequestData, sampling: SamplingParams) -> ScheduledSeq:
         """new (its sampling params normalized) into the mirror; its share of the step."""
@@ -192,6 +208,7 @@ class Mirror:
             sampling,
             self._checked_blocks(new.seq_id, new.block_table),
             new.num_computed_tokens,
+            lora_slot=new.lora_slot,
         )
         self.seqs[new.seq_id] = seq
         return self._schedule(seq, new.num_scheduled_tokens)
@@ -300,3 +317,9 @@ class Mirror:
             seq.token_ids.extend(row_tokens)
             if row.num_lookahead_tokens:
                 del seq.block_table[-(-len(seq.token_ids) // self.block_size) :]
+
+
+def _check_lora_slot(slot: int, failed: dict[int, str]) -> None:
+    """Raise ValueError (the request is refused) when its slot's adapter failed to load."""
+    if slot in failed:
+        raise ValueError(failed[slot])

@@ -58,6 +58,9 @@ class AttentionContext:
     # The decode kernel's split-K count for a decode-only step (KernelOps with DecodeSplits);
     # None: the kernel chooses from max_seq_len.
     num_splits: int | None = None
+    # The step's adapters (engine.lora.LoraBatch): the projections add each row's low-rank
+    # update; None when no row uses one.
+    lora: Any = None
 
 
 class LayerOps:

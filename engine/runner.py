@@ -20,6 +20,7 @@ from common.sampling import has_penalties
 from engine.contract import StepOutput
 from engine.cuda_graphs import DecodeGraphs, is_decode_only
 from engine.grammar import Grammars, MaskJob
+from engine.lora import LoraSlots
 from engine.mirror import PLACEHOLDER, ScheduledSeq, StepBatch
 from engine.model import LlamaForCausalLM
 from engine.ops import AttentionContext
@@ -103,11 +104,13 @@ class ModelRunner:
         timeline: Timeline | None = None,
         parallel: Parallel | None = None,
         grammars: Grammars | None = None,
+        lora: LoraSlots | None = None,
     ):
         """graphs: decode-only steps that fit replay from these (engine.cuda_graphs); timeline:
         records each step's GPU span (engine.timeline; a no-op by default); parallel: this
         rank's engine group (engine.parallel), when the model is split across ranks; grammars:
-        the structured-output matchers (engine.grammar), on the rank that samples."""
+        the structured-output matchers (engine.grammar), on the rank that samples; lora: the
+        adapter slots (engine.lora) rows name by seq.lora_slot."""
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -118,6 +121,7 @@ class ModelRunner:
         self.parallel = parallel
         self.samples_here = parallel is None or parallel.topology.is_driver
         self.grammars = grammars if self.samples_here else None
+        self.lora = lora
 
     def _prepare(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionContext]:
         """The step's flattened inputs: each row's scheduled tokens, then its proposals."""
@@ -125,7 +129,15 @@ class ModelRunner:
             (r.seq.block_table, r.seq.token_ids[r.start : r.end] + r.draft_token_ids, r.start)
             for r in batch.rows
         ]
-        return flattened_inputs(segments, self.block_size, self.kv_caches, self.device)
+        input_ids, positions, ctx = flattened_inputs(
+            segments, self.block_size, self.kv_caches, self.device
+        )
+        if self.lora is not None:
+            ctx.lora = self.lora.batch(
+                [r.seq.lora_slot for r in batch.rows],
+                [r.num_scheduled_tokens + len(r.draft_token_ids) for r in batch.rows],
+            )
+        return input_ids, positions, ctx
 
     def execute(self, batch: StepBatch) -> StepOutput:
         """Run a step whose inputs are all known and wait for its output."""
@@ -320,7 +332,7 @@ class ModelRunner:
     ) -> torch.Tensor:
         """The model's final hidden states: replayed from a CUDA graph when the step is decode-only
         and small enough, else an eager forward."""
-        if self.graphs is not None and self.graphs.can_run(ctx):
+        if self.graphs is not None and ctx.lora is None and self.graphs.can_run(ctx):
             return self.graphs.run(input_ids, positions, ctx)
         return self.model(input_ids, positions, ctx)
 

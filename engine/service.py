@@ -191,6 +191,29 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
     def Describe(self, request: engine_pb2.DescribeRequest, context: Any) -> Any:
         return info_to_proto(self.engine.info)
 
+    def AddLora(self, request: engine_pb2.AddLoraRequest, context: Any) -> Any:
+        """Check an adapter into the engine's host cache (engine/adapters.py): INVALID_ARGUMENT
+        naming it and the reason when it cannot be served."""
+        add = getattr(self.engine, "add_lora", None)
+        if add is None:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this engine serves no adapters")
+        with self.lock:
+            try:
+                adapter = self.run_on(add, request.lora_name, request.path)
+            except ValueError as err:  # engine.lora_files.LoraError
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+        log.info("lora added", lora_name=adapter.name, rank=adapter.rank, path=adapter.path)
+        return engine_pb2.AddLoraResponse(
+            rank=adapter.rank, target_modules=list(adapter.target_modules)
+        )
+
+    def RemoveLora(self, request: engine_pb2.RemoveLoraRequest, context: Any) -> Any:
+        remove = getattr(self.engine, "remove_lora", None)
+        if remove is not None:
+            with self.lock:
+                self.run_on(remove, request.lora_name)
+        return engine_pb2.RemoveLoraResponse()
+
     def Step(self, request_iterator: Iterator[engine_pb2.StepPlan], context: Any) -> Any:
         with self.lock:
             if self.active_stream:

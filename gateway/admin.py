@@ -141,6 +141,58 @@ class AdminService(admin_pb2_grpc.AdminServicer):
             )
         return admin_pb2.AbortRequestResponse(num_aborted=num_aborted)
 
+    # -- LoRA adapters ----------------------------------------------------------------------------
+
+    async def LoadLora(
+        self, request: scheduler_pb2.LoadLoraRequest, context: grpc.aio.ServicerContext
+    ) -> scheduler_pb2.LoadLoraResponse:
+        """Load an adapter on every replica (each engine checks it); the first refusal's code
+        and message when any refuses (the others may serve it meanwhile: loading again is
+        safe)."""
+        _logged(context, "LoadLora", request)
+        if not request.lora_name or not request.path:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "lora_name and path are needed")
+        answers = await self._ask_replicas("LoadLora", request)
+        loaded = await self._first_answer(answers, context)
+        await self._until_served(request.lora_name, True)
+        return loaded
+
+    async def UnloadLora(
+        self, request: scheduler_pb2.UnloadLoraRequest, context: grpc.aio.ServicerContext
+    ) -> scheduler_pb2.UnloadLoraResponse:
+        """Unload an adapter on every replica: new requests for it get NOT_FOUND, those
+        admitted keep it until they end (num_requests_using, summed)."""
+        _logged(context, "UnloadLora", request)
+        answers = await self._ask_replicas("UnloadLora", request)
+        done = [a for a in answers.values() if not isinstance(a, BaseException)]
+        if not done:
+            await self._first_answer(answers, context)
+        await self._until_served(request.lora_name, False)
+        return scheduler_pb2.UnloadLoraResponse(
+            num_requests_using=sum(a.num_requests_using for a in done)
+        )
+
+    async def _until_served(self, name: str, served: bool) -> None:
+        """Wait (a few stats periods at most) until this gateway's view of its replicas' adapters
+        (their stats) agrees, so that a request sent after the call sees the change."""
+        deadline = time.monotonic() + REPLICA_TIMEOUT_S
+        while (name in self.core.lora_names) != served and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+
+    async def _first_answer(
+        self, answers: dict[str, Any], context: grpc.aio.ServicerContext
+    ) -> Any:
+        """The first answer when every replica answered; else abort with the first error's code
+        and message."""
+        for answer in answers.values():
+            if isinstance(answer, grpc.aio.AioRpcError):
+                await context.abort(answer.code(), answer.details() or answer.code().name)
+            if isinstance(answer, BaseException):
+                await context.abort(grpc.StatusCode.INTERNAL, _why(answer))
+        if not answers:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "no scheduler replica")
+        return next(iter(answers.values()))
+
     # -- capacity and health ----------------------------------------------------------------------
 
     async def GetCapacity(

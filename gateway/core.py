@@ -29,7 +29,15 @@ from gateway.quotas import Admission, QuotaExceeded, Quotas, TooLarge
 from gateway.replicas import ReplicaLinks
 from gateway.streaming import InFlight, routed_messages, stream_text
 from gateway.telemetry import GatewayTelemetry, RequestTelemetry
-from gateway.tenants import DEFAULT_TENANT, ApiKey, Caller, TenantError, TenantTable, load_tenants
+from gateway.tenants import (
+    DEFAULT_TENANT,
+    ApiKey,
+    Caller,
+    TenantError,
+    TenantTable,
+    display_name,
+    load_tenants,
+)
 from gateway.tokenizer import Tokenizer
 from gateway.validation import ValidationError, ValidRequest, validate
 from protos import api_pb2, scheduler_pb2
@@ -74,13 +82,37 @@ class GatewayCore(ReplicaLinks):
             instance_id=self.config.instance_id,
             num_replicas=len(self.router.replicas),
             num_replicas_ready=self.router.num_healthy,
+            lora_names=sorted(self.lora_names),
         )
+
+    @property
+    def lora_names(self) -> set[str]:
+        """The LoRA adapters served: those any replica's scheduler serves (its stats say)."""
+        return {name for link in self.links.values() for name in link.lora_names}
+
+    def lora_for_model(self, model: str | None) -> str:
+        """The adapter an OpenAI `model` names ("": the base model). With adapters served, a
+        name that is neither the base model's nor an adapter's is NOT_FOUND; without any, the
+        field is not checked (one model: any name means it)."""
+        adapters = self.lora_names
+        if model and model in adapters:
+            return model
+        if not model or model == self.model_id or not adapters:
+            return ""
+        raise GatewayError(grpc.StatusCode.NOT_FOUND, self._not_served(model, adapters))
+
+    def _not_served(self, model: str, adapters: set[str]) -> str:
+        served = ", ".join([self.model_id, *sorted(adapters)])
+        return f"model {model!r} is not served here; models: {served}"
 
     def validate(self, request: api_pb2.GenerateRequest) -> ValidRequest:
         """The request tokenized, with defaults filled; GatewayError INVALID_ARGUMENT (naming the
         field, value and limit) or UNAVAILABLE (no scheduler yet) otherwise."""
         if self.limits is None:
             raise GatewayError(grpc.StatusCode.UNAVAILABLE, "scheduler not connected yet")
+        name = request.lora_name
+        if name and name not in (adapters := self.lora_names):
+            raise GatewayError(grpc.StatusCode.NOT_FOUND, self._not_served(name, adapters))
         try:
             return validate(request, self.tokenizer, self.limits, self.sampling_defaults)
         except ValidationError as err:
@@ -105,6 +137,16 @@ class GatewayCore(ReplicaLinks):
         if self.draining:
             self.telemetry.refused(caller.tenant, "draining")
             raise GatewayError(grpc.StatusCode.UNAVAILABLE, DRAINING_MESSAGE)
+        limits = self.tenants.limits(caller.tenant)
+        for v in valids:
+            if not limits.may_use(v.submit.lora_name):
+                self.telemetry.refused(caller.tenant, "lora_adapter")
+                raise GatewayError(
+                    grpc.StatusCode.PERMISSION_DENIED,
+                    f"tenant {display_name(caller.tenant)!r} may not use adapter "
+                    f"{v.submit.lora_name!r} (its lora_adapters: "
+                    f"{', '.join(sorted(limits.lora_adapters or ()))})",
+                )
         costs = [len(v.prompt_token_ids) + v.submit.max_tokens for v in valids for _ in range(n)]
         try:
             return self.quotas.admit(caller.tenant, costs)

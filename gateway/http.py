@@ -212,8 +212,13 @@ async def generate_response(
 
     def requests() -> list[api_pb2.GenerateRequest]:
         if isinstance(body, ChatCompletionRequest):
-            return [chat_request(body)]
-        return completion_requests(body)
+            made = [chat_request(body)]
+        else:
+            made = completion_requests(body)
+        lora_name = core.lora_for_model(body.model)
+        for r in made:
+            r.lora_name = lora_name
+        return made
 
     with as_api_errors(prompt_field):
         try:
@@ -306,26 +311,34 @@ def _add_model_routes(app: FastAPI, core: GatewayCore) -> None:
     """/v1/models and /v1/models/{id}: the one model core serves."""
     started = int(time.time())
 
-    def model_card() -> ModelCard:
+    def model_cards() -> list[ModelCard]:
+        """The base model, then each LoRA adapter served on it (its parent)."""
         with as_api_errors("model"):
             info = core.model_info()
-        return ModelCard(id=info.model, created=started, max_model_len=info.max_model_len)
+        base = ModelCard(id=info.model, created=started, max_model_len=info.max_model_len)
+        adapters = [
+            ModelCard(id=name, created=started, max_model_len=info.max_model_len, parent=base.id)
+            for name in info.lora_names
+        ]
+        return [base, *adapters]
 
     @app.get("/v1/models", response_model=ModelList, responses=ERRORS)
     async def models() -> ModelList:
-        return ModelList(data=[model_card()])
+        return ModelList(data=model_cards())
 
     @app.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=ERRORS)
     async def model(model_id: str) -> ModelCard:
-        card = model_card()
-        if model_id != card.id:
-            raise ApiError(
-                404,
-                f"model {model_id!r} is not served here; this server serves {card.id!r}",
-                param="model",
-                code="model_not_found",
-            )
-        return card
+        cards = model_cards()
+        for card in cards:
+            if card.id == model_id:
+                return card
+        served = ", ".join(c.id for c in cards)
+        raise ApiError(
+            404,
+            f"model {model_id!r} is not served here; models: {served}",
+            param="model",
+            code="model_not_found",
+        )
 
 
 # -- the server ------------------------------------------------------------------------------------

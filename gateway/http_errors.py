@@ -27,6 +27,7 @@ RETRY_AFTER_S = 1
 _HTTP_STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error", None),
     grpc.StatusCode.UNAUTHENTICATED: (401, "invalid_request_error", "invalid_api_key"),
+    grpc.StatusCode.PERMISSION_DENIED: (403, "invalid_request_error", "permission_denied"),
     grpc.StatusCode.NOT_FOUND: (404, "invalid_request_error", "not_found"),
     grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error", "rate_limit_exceeded"),
     grpc.StatusCode.UNAVAILABLE: (503, "server_error", "service_unavailable"),
@@ -59,6 +60,8 @@ class ApiError(Exception):
         message, param = err.message, None
         if err.code == grpc.StatusCode.INVALID_ARGUMENT:
             message, param = http_message(err.message, prompt_field)
+        elif err.code == grpc.StatusCode.NOT_FOUND and err.message.startswith("model "):
+            param, code = "model", "model_not_found"  # an adapter not served (GatewayCore)
         retry = None
         if status in (429, 503):
             retry = {"Retry-After": str(err.retry_after_s or RETRY_AFTER_S)}

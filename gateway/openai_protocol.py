@@ -36,7 +36,8 @@ class StreamOptions(BaseModel):
 class SamplingRequest(BaseModel):
     """The fields both endpoints share."""
 
-    model: str | None = None  # accepted and ignored: one model is served (GET /v1/models)
+    # The base model or a LoRA adapter (GET /v1/models); without adapters, any name is the base.
+    model: str | None = None
     max_tokens: _INT32 | None = None
     temperature: float | None = None
     top_p: float | None = None
@@ -236,6 +237,7 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "llmserve"
     max_model_len: int
+    parent: str | None = None  # a LoRA adapter's base model
 
 
 class ModelList(BaseModel):

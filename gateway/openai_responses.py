@@ -120,7 +120,10 @@ class ResponseFormat(ABC):
         self.body = body
         self.id = response_id
         self.created = int(time.time())
-        self.model = core.model_id
+        # The adapter the request ran under, else the base model (the name the client gave
+        # for it may be any: one model served).
+        self.model = choices[0].valid.submit.lora_name if choices else ""
+        self.model = self.model or core.model_id
         prompts = {c.prompt_index: len(c.valid.prompt_token_ids) for c in choices}
         self.prompt_tokens = sum(prompts.values())
         self.completion_tokens = 0

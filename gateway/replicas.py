@@ -64,6 +64,11 @@ class ReplicaLink:
             self.steps.popleft()
 
     @property
+    def lora_names(self) -> list[str]:
+        """The LoRA adapters its scheduler serves, as its last stats said."""
+        return list(self.stats.lora_names) if self.stats is not None else []
+
+    @property
     def steps_per_s(self) -> float:
         if len(self.steps) < 2 or self.steps[-1][0] <= self.steps[0][0]:
             return 0.0

@@ -5,7 +5,8 @@ The file (JSON; every field but `keys[].key` / `keys[].key_sha256` optional):
 
     {
       "default": {"weight": 1, "tokens_per_minute": 0, "max_concurrent_requests": 0},
-      "tenants": {"acme": {"weight": 2, "tokens_per_minute": 60000, "max_concurrent_requests": 8}},
+      "tenants": {"acme": {"weight": 2, "tokens_per_minute": 60000, "max_concurrent_requests": 8,
+                           "lora_adapters": ["acme-support", "acme-legal"]}},
       "keys": [
         {"key": "sk-acme-1", "tenant": "acme", "name": "acme-prod"},
         {"key": "@/run/secrets/acme2", "tenant": "acme"},
@@ -15,7 +16,9 @@ The file (JSON; every field but `keys[].key` / `keys[].key_sha256` optional):
     }
 
 `default` holds the limits of every tenant not listed (each such tenant has its own quotas with
-those limits); 0 means no limit. A key is given as itself, as `@PATH` (the file's contents), or as
+those limits); 0 means no limit. `lora_adapters`, when given, are the only LoRA adapters the
+tenant may run under (the base model always; another adapter is PERMISSION_DENIED, HTTP 403);
+without it, any adapter served. A key is given as itself, as `@PATH` (the file's contents), or as
 the hex SHA-256 of the key (`key_sha256`), which keeps the secret out of the file. A key without
 `tenant` is the default tenant's. The default tenant is "" on the wire (SubmitRequest.tenant,
 the Admin API) and is spelled "default" in this file and on the command line.
@@ -60,9 +63,14 @@ class TenantLimits:
     weight: float = 1.0
     tokens_per_minute: int = 0
     max_concurrent_requests: int = 0
+    # The LoRA adapters it may use (None: any served).
+    lora_adapters: frozenset[str] | None = None
 
     def __post_init__(self) -> None:
         check_limits("", vars(self))
+
+    def may_use(self, lora_name: str) -> bool:
+        return not lora_name or self.lora_adapters is None or lora_name in self.lora_adapters
 
 
 def check_limits(where: str, values: dict[str, Any]) -> None:
@@ -230,10 +238,17 @@ def _object(value: Any, where: str, allowed: tuple[str, ...]) -> dict[str, Any]:
 
 
 def _limits(value: Any, where: str, base: TenantLimits) -> TenantLimits:
-    fields = _object(value, where, _LIMIT_FIELDS)
+    fields = _object(value, where, (*_LIMIT_FIELDS, "lora_adapters"))
     merged = {name: fields.get(name, getattr(base, name)) for name in _LIMIT_FIELDS}
     check_limits(f"{where}.", merged)
-    return TenantLimits(**{**merged, "weight": float(merged["weight"])})
+    adapters = fields.get("lora_adapters", base.lora_adapters)
+    if adapters is not None:
+        if not isinstance(adapters, list | frozenset) or not all(
+            isinstance(a, str) and a for a in adapters
+        ):
+            raise TenantError(f"{where}.lora_adapters must be a list of adapter names")
+        adapters = frozenset(adapters)
+    return TenantLimits(**{**merged, "weight": float(merged["weight"])}, lora_adapters=adapters)
 
 
 def from_dict(data: Any, base: Path = Path(".")) -> TenantTable:

@@ -216,5 +216,6 @@ def validate(
         ignore_eos=req.ignore_eos,
         disable_speculation=req.disable_speculation,
         priority=req.priority,
+        lora_name=req.lora_name,
     )
     return ValidRequest(submit, list(req.stop))

@@ -21,6 +21,7 @@ import argparse
 import os
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from common.net import DEFAULT_GATEWAY_PORT
@@ -246,6 +247,31 @@ def _health(admin: _Admin, args: argparse.Namespace) -> int:
     return _print_health(response)
 
 
+def _load_lora(admin: _Admin, args: argparse.Namespace) -> int:
+    from protos import scheduler_pb2
+
+    path = str(Path(args.path).resolve()) if Path(args.path).exists() else args.path
+    request = scheduler_pb2.LoadLoraRequest(lora_name=args.name, path=path)
+    response = admin("LoadLora", request)
+    if args.json:
+        _json(response)
+    else:
+        modules = ", ".join(response.target_modules)
+        print(f"loaded {args.name}: rank {response.rank}, adapts {modules}")
+    return 0
+
+
+def _unload_lora(admin: _Admin, args: argparse.Namespace) -> int:
+    from protos import scheduler_pb2
+
+    response = admin("UnloadLora", scheduler_pb2.UnloadLoraRequest(lora_name=args.name))
+    if args.json:
+        _json(response)
+    else:
+        print(f"unloaded {args.name} ({response.num_requests_using} request(s) keep it)")
+    return 0
+
+
 Action = Callable[[_Admin, argparse.Namespace], int]
 
 
@@ -303,3 +329,8 @@ def add_admin_parser(sub: Any) -> None:
     c.add_argument("--tokens-per-minute", type=int, default=None)
     c.add_argument("--max-concurrent", type=int, default=None, help="max concurrent requests")
     command("health", _health, "the health of the gateway, each scheduler, each engine")
+    c = command("load-lora", _load_lora, "serve a LoRA adapter (a PEFT directory) under NAME")
+    c.add_argument("name")
+    c.add_argument("path")
+    c = command("unload-lora", _unload_lora, "stop admitting requests for a LoRA adapter")
+    c.add_argument("name")

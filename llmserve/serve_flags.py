@@ -96,6 +96,9 @@ def stack_from_flags(args: Any, **kwargs: Any) -> Stack:
         from_flags(cls, args, **n) for cls, n in zip(CONFIG_TYPES, network, strict=True)
     )
     engine = split_cpu(engine, size)
+    # The scheduler's process runs in ROOT, not here: adapter directories made absolute.
+    modules = [f"{name}={Path(path).resolve()}" for name, path in scheduler.lora_paths().items()]
+    scheduler = replace(scheduler, lora_modules=tuple(modules))
     more: list[int] = []
     free = free_ports(2 * (size - 1))
     for i in range(1, size):

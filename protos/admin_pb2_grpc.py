@@ -4,6 +4,7 @@ import grpc
 import warnings
 
 from protos import admin_pb2 as protos_dot_admin__pb2
+from protos import scheduler_pb2 as protos_dot_scheduler__pb2
 
 GRPC_GENERATED_VERSION = '1.84.0'
 GRPC_VERSION = grpc.__version__
@@ -79,6 +80,16 @@ class AdminStub:
                 request_serializer=protos_dot_admin__pb2.GetHealthRequest.SerializeToString,
                 response_deserializer=protos_dot_admin__pb2.Health.FromString,
                 _registered_method=True)
+        self.LoadLora = channel.unary_unary(
+                '/llmserve.admin.v1.Admin/LoadLora',
+                request_serializer=protos_dot_scheduler__pb2.LoadLoraRequest.SerializeToString,
+                response_deserializer=protos_dot_scheduler__pb2.LoadLoraResponse.FromString,
+                _registered_method=True)
+        self.UnloadLora = channel.unary_unary(
+                '/llmserve.admin.v1.Admin/UnloadLora',
+                request_serializer=protos_dot_scheduler__pb2.UnloadLoraRequest.SerializeToString,
+                response_deserializer=protos_dot_scheduler__pb2.UnloadLoraResponse.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -146,6 +157,21 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLora(self, request, context):
+        """LoRA adapters at run time, on every scheduler replica: load one (checked by each engine:
+        INVALID_ARGUMENT naming it and the reason) or unload one (new requests for it get
+        NOT_FOUND; requests already admitted keep it until they end).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLora(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -193,6 +219,16 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.GetHealth,
                     request_deserializer=protos_dot_admin__pb2.GetHealthRequest.FromString,
                     response_serializer=protos_dot_admin__pb2.Health.SerializeToString,
+            ),
+            'LoadLora': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLora,
+                    request_deserializer=protos_dot_scheduler__pb2.LoadLoraRequest.FromString,
+                    response_serializer=protos_dot_scheduler__pb2.LoadLoraResponse.SerializeToString,
+            ),
+            'UnloadLora': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLora,
+                    request_deserializer=protos_dot_scheduler__pb2.UnloadLoraRequest.FromString,
+                    response_serializer=protos_dot_scheduler__pb2.UnloadLoraResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -438,6 +474,60 @@ class Admin:
             '/llmserve.admin.v1.Admin/GetHealth',
             protos_dot_admin__pb2.GetHealthRequest.SerializeToString,
             protos_dot_admin__pb2.Health.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLora(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llmserve.admin.v1.Admin/LoadLora',
+            protos_dot_scheduler__pb2.LoadLoraRequest.SerializeToString,
+            protos_dot_scheduler__pb2.LoadLoraResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLora(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llmserve.admin.v1.Admin/UnloadLora',
+            protos_dot_scheduler__pb2.UnloadLoraRequest.SerializeToString,
+            protos_dot_scheduler__pb2.UnloadLoraResponse.FromString,
             options,
             channel_credentials,
             insecure,

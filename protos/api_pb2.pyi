@@ -34,7 +34,7 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("text", "chat", "token_ids", "max_tokens", "sampling", "stop", "stop_token_ids", "ignore_eos", "request_id", "disable_speculation", "user", "priority")
+    __slots__ = ("text", "chat", "token_ids", "max_tokens", "sampling", "stop", "stop_token_ids", "ignore_eos", "request_id", "disable_speculation", "user", "priority", "lora_name")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -47,6 +47,7 @@ class GenerateRequest(_message.Message):
     DISABLE_SPECULATION_FIELD_NUMBER: _ClassVar[int]
     USER_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     text: str
     chat: ChatPrompt
     token_ids: TokenIds
@@ -59,7 +60,8 @@ class GenerateRequest(_message.Message):
     disable_speculation: bool
     user: str
     priority: int
-    def __init__(self, text: _Optional[str] = ..., chat: _Optional[_Union[ChatPrompt, _Mapping]] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., request_id: _Optional[str] = ..., disable_speculation: _Optional[bool] = ..., user: _Optional[str] = ..., priority: _Optional[int] = ...) -> None: ...
+    lora_name: str
+    def __init__(self, text: _Optional[str] = ..., chat: _Optional[_Union[ChatPrompt, _Mapping]] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., request_id: _Optional[str] = ..., disable_speculation: _Optional[bool] = ..., user: _Optional[str] = ..., priority: _Optional[int] = ..., lora_name: _Optional[str] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "cached_prompt_tokens")
@@ -94,7 +96,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model", "max_model_len", "vocab_size", "eos_token_ids", "instance_id", "num_replicas", "num_replicas_ready")
+    __slots__ = ("model", "max_model_len", "vocab_size", "eos_token_ids", "instance_id", "num_replicas", "num_replicas_ready", "lora_names")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -102,6 +104,7 @@ class ModelInfo(_message.Message):
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_REPLICAS_FIELD_NUMBER: _ClassVar[int]
     NUM_REPLICAS_READY_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAMES_FIELD_NUMBER: _ClassVar[int]
     model: str
     max_model_len: int
     vocab_size: int
@@ -109,4 +112,5 @@ class ModelInfo(_message.Message):
     instance_id: str
     num_replicas: int
     num_replicas_ready: int
-    def __init__(self, model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., instance_id: _Optional[str] = ..., num_replicas: _Optional[int] = ..., num_replicas_ready: _Optional[int] = ...) -> None: ...
+    lora_names: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., instance_id: _Optional[str] = ..., num_replicas: _Optional[int] = ..., num_replicas_ready: _Optional[int] = ..., lora_names: _Optional[_Iterable[str]] = ...) -> None: ...

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class NewRequest(_message.Message):
-    __slots__ = ("seq_id", "token_ids", "num_prompt_tokens", "sampling", "block_table", "num_computed_tokens", "num_scheduled_tokens")
+    __slots__ = ("seq_id", "token_ids", "num_prompt_tokens", "sampling", "block_table", "num_computed_tokens", "num_scheduled_tokens", "lora_slot")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -16,6 +16,7 @@ class NewRequest(_message.Message):
     BLOCK_TABLE_FIELD_NUMBER: _ClassVar[int]
     NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_SCHEDULED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LORA_SLOT_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     num_prompt_tokens: int
@@ -23,26 +24,39 @@ class NewRequest(_message.Message):
     block_table: _containers.RepeatedScalarFieldContainer[int]
     num_computed_tokens: int
     num_scheduled_tokens: int
-    def __init__(self, seq_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_prompt_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., block_table: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., num_scheduled_tokens: _Optional[int] = ...) -> None: ...
+    lora_slot: int
+    def __init__(self, seq_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_prompt_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., block_table: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., num_scheduled_tokens: _Optional[int] = ..., lora_slot: _Optional[int] = ...) -> None: ...
 
 class RunningColumns(_message.Message):
-    __slots__ = ("seq_ids", "num_scheduled_tokens", "num_computed_tokens", "num_new_blocks", "new_block_ids", "num_lookahead_tokens")
+    __slots__ = ("seq_ids", "num_scheduled_tokens", "num_computed_tokens", "num_new_blocks", "new_block_ids", "num_lookahead_tokens", "lora_slot")
     SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_SCHEDULED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_NEW_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NEW_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_LOOKAHEAD_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LORA_SLOT_FIELD_NUMBER: _ClassVar[int]
     seq_ids: _containers.RepeatedScalarFieldContainer[int]
     num_scheduled_tokens: _containers.RepeatedScalarFieldContainer[int]
     num_computed_tokens: _containers.RepeatedScalarFieldContainer[int]
     num_new_blocks: _containers.RepeatedScalarFieldContainer[int]
     new_block_ids: _containers.RepeatedScalarFieldContainer[int]
     num_lookahead_tokens: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, seq_ids: _Optional[_Iterable[int]] = ..., num_scheduled_tokens: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[_Iterable[int]] = ..., num_new_blocks: _Optional[_Iterable[int]] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., num_lookahead_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+    lora_slot: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq_ids: _Optional[_Iterable[int]] = ..., num_scheduled_tokens: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[_Iterable[int]] = ..., num_new_blocks: _Optional[_Iterable[int]] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., num_lookahead_tokens: _Optional[_Iterable[int]] = ..., lora_slot: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class LoraLoad(_message.Message):
+    __slots__ = ("slot", "lora_name", "path")
+    SLOT_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    slot: int
+    lora_name: str
+    path: str
+    def __init__(self, slot: _Optional[int] = ..., lora_name: _Optional[str] = ..., path: _Optional[str] = ...) -> None: ...
 
 class StepPlan(_message.Message):
-    __slots__ = ("step_id", "finished_seq_ids", "new_requests", "running", "trace_context")
+    __slots__ = ("step_id", "finished_seq_ids", "new_requests", "running", "trace_context", "lora_loads")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -55,12 +69,14 @@ class StepPlan(_message.Message):
     NEW_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    LORA_LOADS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     finished_seq_ids: _containers.RepeatedScalarFieldContainer[int]
     new_requests: _containers.RepeatedCompositeFieldContainer[NewRequest]
     running: RunningColumns
     trace_context: _containers.ScalarMap[str, str]
-    def __init__(self, step_id: _Optional[int] = ..., finished_seq_ids: _Optional[_Iterable[int]] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., running: _Optional[_Union[RunningColumns, _Mapping]] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    lora_loads: _containers.RepeatedCompositeFieldContainer[LoraLoad]
+    def __init__(self, step_id: _Optional[int] = ..., finished_seq_ids: _Optional[_Iterable[int]] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., running: _Optional[_Union[RunningColumns, _Mapping]] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., lora_loads: _Optional[_Iterable[_Union[LoraLoad, _Mapping]]] = ...) -> None: ...
 
 class StepResult(_message.Message):
     __slots__ = ("step_id", "sampled_token_ids", "logprobs", "forward_ms", "sample_ms", "total_ms", "num_top_logprobs", "top_token_ids", "top_logprobs", "refused_seq_ids", "refusal_reasons", "num_draft_tokens", "num_sampled_tokens")
@@ -96,8 +112,34 @@ class DescribeRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class AddLoraRequest(_message.Message):
+    __slots__ = ("lora_name", "path")
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    lora_name: str
+    path: str
+    def __init__(self, lora_name: _Optional[str] = ..., path: _Optional[str] = ...) -> None: ...
+
+class AddLoraResponse(_message.Message):
+    __slots__ = ("rank", "target_modules")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    TARGET_MODULES_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    target_modules: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, rank: _Optional[int] = ..., target_modules: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class RemoveLoraRequest(_message.Message):
+    __slots__ = ("lora_name",)
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    lora_name: str
+    def __init__(self, lora_name: _Optional[str] = ...) -> None: ...
+
+class RemoveLoraResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class EngineInfo(_message.Message):
-    __slots__ = ("model", "vocab_size", "max_model_len", "eos_token_ids", "block_size", "num_blocks", "device", "dtype", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size", "pipeline_parallel_size", "speculative_method", "num_speculative_tokens", "sliding_window")
+    __slots__ = ("model", "vocab_size", "max_model_len", "eos_token_ids", "block_size", "num_blocks", "device", "dtype", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size", "pipeline_parallel_size", "speculative_method", "num_speculative_tokens", "sliding_window", "max_loras", "max_lora_rank")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -113,6 +155,8 @@ class EngineInfo(_message.Message):
     SPECULATIVE_METHOD_FIELD_NUMBER: _ClassVar[int]
     NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SLIDING_WINDOW_FIELD_NUMBER: _ClassVar[int]
+    MAX_LORAS_FIELD_NUMBER: _ClassVar[int]
+    MAX_LORA_RANK_FIELD_NUMBER: _ClassVar[int]
     model: str
     vocab_size: int
     max_model_len: int
@@ -128,4 +172,6 @@ class EngineInfo(_message.Message):
     speculative_method: str
     num_speculative_tokens: int
     sliding_window: int
-    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., pipeline_parallel_size: _Optional[int] = ..., speculative_method: _Optional[str] = ..., num_speculative_tokens: _Optional[int] = ..., sliding_window: _Optional[int] = ...) -> None: ...
+    max_loras: int
+    max_lora_rank: int
+    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., pipeline_parallel_size: _Optional[int] = ..., speculative_method: _Optional[str] = ..., num_speculative_tokens: _Optional[int] = ..., sliding_window: _Optional[int] = ..., max_loras: _Optional[int] = ..., max_lora_rank: _Optional[int] = ...) -> None: ...

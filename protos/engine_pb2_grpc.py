@@ -44,6 +44,16 @@ class EngineStub:
                 request_serializer=protos_dot_engine__pb2.DescribeRequest.SerializeToString,
                 response_deserializer=protos_dot_engine__pb2.EngineInfo.FromString,
                 _registered_method=True)
+        self.AddLora = channel.unary_unary(
+                '/llmserve.engine.v1.Engine/AddLora',
+                request_serializer=protos_dot_engine__pb2.AddLoraRequest.SerializeToString,
+                response_deserializer=protos_dot_engine__pb2.AddLoraResponse.FromString,
+                _registered_method=True)
+        self.RemoveLora = channel.unary_unary(
+                '/llmserve.engine.v1.Engine/RemoveLora',
+                request_serializer=protos_dot_engine__pb2.RemoveLoraRequest.SerializeToString,
+                response_deserializer=protos_dot_engine__pb2.RemoveLoraResponse.FromString,
+                _registered_method=True)
 
 
 class EngineServicer:
@@ -65,6 +75,22 @@ class EngineServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def AddLora(self, request, context):
+        """LoRA adapters: read and check one (rank, target modules, shapes for this base, a readable
+        file) into the engine's host cache, or drop it from there. A refused one is
+        INVALID_ARGUMENT naming the adapter and the reason; the engine keeps serving. Which adapter
+        sits in which device slot is the plan's (StepPlan.lora_loads), never these calls'.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RemoveLora(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EngineServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -77,6 +103,16 @@ def add_EngineServicer_to_server(servicer, server):
                     servicer.Describe,
                     request_deserializer=protos_dot_engine__pb2.DescribeRequest.FromString,
                     response_serializer=protos_dot_engine__pb2.EngineInfo.SerializeToString,
+            ),
+            'AddLora': grpc.unary_unary_rpc_method_handler(
+                    servicer.AddLora,
+                    request_deserializer=protos_dot_engine__pb2.AddLoraRequest.FromString,
+                    response_serializer=protos_dot_engine__pb2.AddLoraResponse.SerializeToString,
+            ),
+            'RemoveLora': grpc.unary_unary_rpc_method_handler(
+                    servicer.RemoveLora,
+                    request_deserializer=protos_dot_engine__pb2.RemoveLoraRequest.FromString,
+                    response_serializer=protos_dot_engine__pb2.RemoveLoraResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -133,6 +169,60 @@ class Engine:
             '/llmserve.engine.v1.Engine/Describe',
             protos_dot_engine__pb2.DescribeRequest.SerializeToString,
             protos_dot_engine__pb2.EngineInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AddLora(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llmserve.engine.v1.Engine/AddLora',
+            protos_dot_engine__pb2.AddLoraRequest.SerializeToString,
+            protos_dot_engine__pb2.AddLoraResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RemoveLora(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llmserve.engine.v1.Engine/RemoveLora',
+            protos_dot_engine__pb2.RemoveLoraRequest.SerializeToString,
+            protos_dot_engine__pb2.RemoveLoraResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from protos import common_pb2 as protos_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16protos/scheduler.proto\x12\x15llmserve.scheduler.v1\x1a\x13protos/common.proto\"\x89\x02\n\rSubmitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x34\n\x08sampling\x18\x03 \x01(\x0b\x32\".llmserve.common.v1.SamplingParams\x12\x12\n\nmax_tokens\x18\x04 \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x05 \x03(\x05\x12\x12\n\nignore_eos\x18\x06 \x01(\x08\x12\x1b\n\x13\x64isable_speculation\x18\x07 \x01(\x08\x12\x0e\n\x06tenant\x18\x08 \x01(\t\x12\x15\n\rtenant_weight\x18\t \x01(\x01\x12\x10\n\x08priority\x18\n \x01(\x05\"\xdb\x01\n\x0eSubmitResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x37\n\rfinish_reason\x18\x03 \x01(\x0e\x32 .llmserve.common.v1.FinishReason\x12\x19\n\x11num_prompt_tokens\x18\x04 \x01(\x05\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\x05\x12\x35\n\x0ctop_logprobs\x18\x06 \x03(\x0b\x32\x1f.llmserve.common.v1.TopLogprobs\"\x10\n\x0eGetInfoRequest\"\xee\x01\n\rSchedulerInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x15\n\reos_token_ids\x18\x04 \x03(\x05\x12\x12\n\nblock_size\x18\x05 \x01(\x05\x12\x12\n\nnum_blocks\x18\x06 \x01(\x05\x12\x14\n\x0cmax_num_seqs\x18\x07 \x01(\x05\x12\x1e\n\x16max_num_batched_tokens\x18\x08 \x01(\x05\x12\x13\n\x0bmax_waiting\x18\t \x01(\x05\x12\x19\n\x11scheduling_policy\x18\n \x01(\t\"\x11\n\x0fGetStatsRequest\"(\n\x11WatchStatsRequest\x12\x13\n\x0binterval_ms\x18\x01 \x01(\x05\"\xc0\x07\n\x0eSchedulerStats\x12\x11\n\tnum_steps\x18\x01 \x01(\x03\x12\x1c\n\x14num_scheduled_tokens\x18\x02 \x01(\x03\x12\x17\n\x0fnum_preemptions\x18\x03 \x01(\x03\x12\x1d\n\x15num_finished_requests\x18\x04 \x01(\x03\x12\x13\n\x0bnum_running\x18\x05 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x06 \x01(\x05\x12\x17\n\x0fnum_free_blocks\x18\x07 \x01(\x05\x12\x12\n\nnum_blocks\x18\x08 \x01(\x05\x12#\n\x1bnum_prefix_cache_hit_tokens\x18\t \x01(\x03\x12\x13\n\x0bschedule_ms\x18\n \x01(\x01\x12\x11\n\tupdate_ms\x18\x0b \x01(\x01\x12\x13\n\x0bstep_rtt_ms\x18\x0c \x01(\x01\x12\x17\n\x0f\x65ngine_total_ms\x18\r \x01(\x01\x12\x19\n\x11\x65ngine_forward_ms\x18\x0e \x01(\x01\x12\x18\n\x10\x65ngine_sample_ms\x18\x0f \x01(\x01\x12\x19\n\x11num_engine_resets\x18\x10 \x01(\x03\x12\x19\n\x11num_prompt_tokens\x18\x11 \x01(\x03\x12\x1c\n\x14num_generated_tokens\x18\x12 \x01(\x03\x12%\n\x1dnum_prefix_cache_query_tokens\x18\x13 \x01(\x03\x12\r\n\x05ready\x18\x14 \x01(\x08\x12\x15\n\rnum_spec_rows\x18\x15 \x01(\x03\x12\x1d\n\x15num_spec_draft_tokens\x18\x16 \x01(\x03\x12 \n\x18num_spec_accepted_tokens\x18\x17 \x01(\x03\x12%\n\x1dnum_spec_draft_tokens_per_pos\x18\x18 \x03(\x03\x12(\n num_spec_accepted_tokens_per_pos\x18\x19 \x03(\x03\x12\x64\n\x19num_preemptions_by_reason\x18\x1a \x03(\x0b\x32\x41.llmserve.scheduler.v1.SchedulerStats.NumPreemptionsByReasonEntry\x12\x1f\n\x17num_preemptions_refused\x18\x1b \x01(\x03\x12\x10\n\x08\x64raining\x18\x1c \x01(\x08\x12\x33\n\x07tenants\x18\x1d \x03(\x0b\x32\".llmserve.scheduler.v1.TenantStats\x1a=\n\x1bNumPreemptionsByReasonEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"\xbc\x01\n\x0bTenantStats\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x0e\n\x06weight\x18\x02 \x01(\x01\x12\x13\n\x0bnum_waiting\x18\x03 \x01(\x05\x12\x13\n\x0bnum_running\x18\x04 \x01(\x05\x12\x12\n\nnum_blocks\x18\x05 \x01(\x05\x12\x19\n\x11num_prompt_tokens\x18\x06 \x01(\x03\x12\x1c\n\x14num_generated_tokens\x18\x07 \x01(\x03\x12\x16\n\x0evirtual_tokens\x18\x08 \x01(\x01\"%\n\x13ListRequestsRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\"\xe2\x01\n\x0cRequestState\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\r\n\x05state\x18\x03 \x01(\t\x12\x10\n\x08priority\x18\x04 \x01(\x05\x12\x19\n\x11num_prompt_tokens\x18\x05 \x01(\x05\x12\x19\n\x11num_output_tokens\x18\x06 \x01(\x05\x12\x1b\n\x13num_computed_tokens\x18\x07 \x01(\x05\x12\x12\n\nnum_blocks\x18\x08 \x01(\x05\x12\x17\n\x0fnum_preemptions\x18\t \x01(\x05\x12\r\n\x05\x61ge_s\x18\n \x01(\x01\"M\n\x14ListRequestsResponse\x12\x35\n\x08requests\x18\x01 \x03(\x0b\x32#.llmserve.scheduler.v1.RequestState\")\n\x13\x41\x62ortRequestRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"+\n\x14\x41\x62ortRequestResponse\x12\x13\n\x0bnum_aborted\x18\x01 \x01(\x05\"\x1e\n\x0c\x44rainRequest\x12\x0e\n\x06resume\x18\x01 \x01(\x08\"!\n\rDrainResponse\x12\x10\n\x08\x64raining\x18\x01 \x01(\x08\x32\x9e\x05\n\tScheduler\x12W\n\x06Submit\x12$.llmserve.scheduler.v1.SubmitRequest\x1a%.llmserve.scheduler.v1.SubmitResponse0\x01\x12V\n\x07GetInfo\x12%.llmserve.scheduler.v1.GetInfoRequest\x1a$.llmserve.scheduler.v1.SchedulerInfo\x12Y\n\x08GetStats\x12&.llmserve.scheduler.v1.GetStatsRequest\x1a%.llmserve.scheduler.v1.SchedulerStats\x12_\n\nWatchStats\x12(.llmserve.scheduler.v1.WatchStatsRequest\x1a%.llmserve.scheduler.v1.SchedulerStats0\x01\x12g\n\x0cListRequests\x12*.llmserve.scheduler.v1.ListRequestsRequest\x1a+.llmserve.scheduler.v1.ListRequestsResponse\x12g\n\x0c\x41\x62ortRequest\x12*.llmserve.scheduler.v1.AbortRequestRequest\x1a+.llmserve.scheduler.v1.AbortRequestResponse\x12R\n\x05\x44rain\x12#.llmserve.scheduler.v1.DrainRequest\x1a$.llmserve.scheduler.v1.DrainResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16protos/scheduler.proto\x12\x15llmserve.scheduler.v1\x1a\x13protos/common.proto\"2\n\x0fLoadLoraRequest\x12\x11\n\tlora_name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\"8\n\x10LoadLoraResponse\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x16\n\x0etarget_modules\x18\x02 \x03(\t\"&\n\x11UnloadLoraRequest\x12\x11\n\tlora_name\x18\x01 \x01(\t\"0\n\x12UnloadLoraResponse\x12\x1a\n\x12num_requests_using\x18\x01 \x01(\x05\"\x9c\x02\n\rSubmitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x34\n\x08sampling\x18\x03 \x01(\x0b\x32\".llmserve.common.v1.SamplingParams\x12\x12\n\nmax_tokens\x18\x04 \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x05 \x03(\x05\x12\x12\n\nignore_eos\x18\x06 \x01(\x08\x12\x1b\n\x13\x64isable_speculation\x18\x07 \x01(\x08\x12\x0e\n\x06tenant\x18\x08 \x01(\t\x12\x15\n\rtenant_weight\x18\t \x01(\x01\x12\x10\n\x08priority\x18\n \x01(\x05\x12\x11\n\tlora_name\x18\x0b \x01(\t\"\xdb\x01\n\x0eSubmitResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x37\n\rfinish_reason\x18\x03 \x01(\x0e\x32 .llmserve.common.v1.FinishReason\x12\x19\n\x11num_prompt_tokens\x18\x04 \x01(\x05\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\x05\x12\x35\n\x0ctop_logprobs\x18\x06 \x03(\x0b\x32\x1f.llmserve.common.v1.TopLogprobs\"\x10\n\x0eGetInfoRequest\"\xee\x01\n\rSchedulerInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x15\n\reos_token_ids\x18\x04 \x03(\x05\x12\x12\n\nblock_size\x18\x05 \x01(\x05\x12\x12\n\nnum_blocks\x18\x06 \x01(\x05\x12\x14\n\x0cmax_num_seqs\x18\x07 \x01(\x05\x12\x1e\n\x16max_num_batched_tokens\x18\x08 \x01(\x05\x12\x13\n\x0bmax_waiting\x18\t \x01(\x05\x12\x19\n\x11scheduling_policy\x18\n \x01(\t\"\x11\n\x0fGetStatsRequest\"(\n\x11WatchStatsRequest\x12\x13\n\x0binterval_ms\x18\x01 \x01(\x05\"\xd4\x07\n\x0eSchedulerStats\x12\x11\n\tnum_steps\x18\x01 \x01(\x03\x12\x1c\n\x14num_scheduled_tokens\x18\x02 \x01(\x03\x12\x17\n\x0fnum_preemptions\x18\x03 \x01(\x03\x12\x1d\n\x15num_finished_requests\x18\x04 \x01(\x03\x12\x13\n\x0bnum_running\x18\x05 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x06 \x01(\x05\x12\x17\n\x0fnum_free_blocks\x18\x07 \x01(\x05\x12\x12\n\nnum_blocks\x18\x08 \x01(\x05\x12#\n\x1bnum_prefix_cache_hit_tokens\x18\t \x01(\x03\x12\x13\n\x0bschedule_ms\x18\n \x01(\x01\x12\x11\n\tupdate_ms\x18\x0b \x01(\x01\x12\x13\n\x0bstep_rtt_ms\x18\x0c \x01(\x01\x12\x17\n\x0f\x65ngine_total_ms\x18\r \x01(\x01\x12\x19\n\x11\x65ngine_forward_ms\x18\x0e \x01(\x01\x12\x18\n\x10\x65ngine_sample_ms\x18\x0f \x01(\x01\x12\x19\n\x11num_engine_resets\x18\x10 \x01(\x03\x12\x19\n\x11num_prompt_tokens\x18\x11 \x01(\x03\x12\x1c\n\x14num_generated_tokens\x18\x12 \x01(\x03\x12%\n\x1dnum_prefix_cache_query_tokens\x18\x13 \x01(\x03\x12\r\n\x05ready\x18\x14 \x01(\x08\x12\x15\n\rnum_spec_rows\x18\x15 \x01(\x03\x12\x1d\n\x15num_spec_draft_tokens\x18\x16 \x01(\x03\x12 \n\x18num_spec_accepted_tokens\x18\x17 \x01(\x03\x12%\n\x1dnum_spec_draft_tokens_per_pos\x18\x18 \x03(\x03\x12(\n num_spec_accepted_tokens_per_pos\x18\x19 \x03(\x03\x12\x64\n\x19num_preemptions_by_reason\x18\x1a \x03(\x0b\x32\x41.llmserve.scheduler.v1.SchedulerStats.NumPreemptionsByReasonEntry\x12\x1f\n\x17num_preemptions_refused\x18\x1b \x01(\x03\x12\x10\n\x08\x64raining\x18\x1c \x01(\x08\x12\x33\n\x07tenants\x18\x1d \x03(\x0b\x32\".llmserve.scheduler.v1.TenantStats\x12\x12\n\nlora_names\x18\x1e \x03(\t\x1a=\n\x1bNumPreemptionsByReasonEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"\xbc\x01\n\x0bTenantStats\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x0e\n\x06weight\x18\x02 \x01(\x01\x12\x13\n\x0bnum_waiting\x18\x03 \x01(\x05\x12\x13\n\x0bnum_running\x18\x04 \x01(\x05\x12\x12\n\nnum_blocks\x18\x05 \x01(\x05\x12\x19\n\x11num_prompt_tokens\x18\x06 \x01(\x03\x12\x1c\n\x14num_generated_tokens\x18\x07 \x01(\x03\x12\x16\n\x0evirtual_tokens\x18\x08 \x01(\x01\"%\n\x13ListRequestsRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\"\xe2\x01\n\x0cRequestState\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\r\n\x05state\x18\x03 \x01(\t\x12\x10\n\x08priority\x18\x04 \x01(\x05\x12\x19\n\x11num_prompt_tokens\x18\x05 \x01(\x05\x12\x19\n\x11num_output_tokens\x18\x06 \x01(\x05\x12\x1b\n\x13num_computed_tokens\x18\x07 \x01(\x05\x12\x12\n\nnum_blocks\x18\x08 \x01(\x05\x12\x17\n\x0fnum_preemptions\x18\t \x01(\x05\x12\r\n\x05\x61ge_s\x18\n \x01(\x01\"M\n\x14ListRequestsResponse\x12\x35\n\x08requests\x18\x01 \x03(\x0b\x32#.llmserve.scheduler.v1.RequestState\")\n\x13\x41\x62ortRequestRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"+\n\x14\x41\x62ortRequestResponse\x12\x13\n\x0bnum_aborted\x18\x01 \x01(\x05\"\x1e\n\x0c\x44rainRequest\x12\x0e\n\x06resume\x18\x01 \x01(\x08\"!\n\rDrainResponse\x12\x10\n\x08\x64raining\x18\x01 \x01(\x08\x32\xde\x06\n\tScheduler\x12W\n\x06Submit\x12$.llmserve.scheduler.v1.SubmitRequest\x1a%.llmserve.scheduler.v1.SubmitResponse0\x01\x12V\n\x07GetInfo\x12%.llmserve.scheduler.v1.GetInfoRequest\x1a$.llmserve.scheduler.v1.SchedulerInfo\x12Y\n\x08GetStats\x12&.llmserve.scheduler.v1.GetStatsRequest\x1a%.llmserve.scheduler.v1.SchedulerStats\x12_\n\nWatchStats\x12(.llmserve.scheduler.v1.WatchStatsRequest\x1a%.llmserve.scheduler.v1.SchedulerStats0\x01\x12g\n\x0cListRequests\x12*.llmserve.scheduler.v1.ListRequestsRequest\x1a+.llmserve.scheduler.v1.ListRequestsResponse\x12g\n\x0c\x41\x62ortRequest\x12*.llmserve.scheduler.v1.AbortRequestRequest\x1a+.llmserve.scheduler.v1.AbortRequestResponse\x12R\n\x05\x44rain\x12#.llmserve.scheduler.v1.DrainRequest\x1a$.llmserve.scheduler.v1.DrainResponse\x12[\n\x08LoadLora\x12&.llmserve.scheduler.v1.LoadLoraRequest\x1a\'.llmserve.scheduler.v1.LoadLoraResponse\x12\x61\n\nUnloadLora\x12(.llmserve.scheduler.v1.UnloadLoraRequest\x1a).llmserve.scheduler.v1.UnloadLoraResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,38 +34,46 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SCHEDULERSTATS_NUMPREEMPTIONSBYREASONENTRY']._loaded_options = None
   _globals['_SCHEDULERSTATS_NUMPREEMPTIONSBYREASONENTRY']._serialized_options = b'8\001'
-  _globals['_SUBMITREQUEST']._serialized_start=71
-  _globals['_SUBMITREQUEST']._serialized_end=336
-  _globals['_SUBMITRESPONSE']._serialized_start=339
-  _globals['_SUBMITRESPONSE']._serialized_end=558
-  _globals['_GETINFOREQUEST']._serialized_start=560
-  _globals['_GETINFOREQUEST']._serialized_end=576
-  _globals['_SCHEDULERINFO']._serialized_start=579
-  _globals['_SCHEDULERINFO']._serialized_end=817
-  _globals['_GETSTATSREQUEST']._serialized_start=819
-  _globals['_GETSTATSREQUEST']._serialized_end=836
-  _globals['_WATCHSTATSREQUEST']._serialized_start=838
-  _globals['_WATCHSTATSREQUEST']._serialized_end=878
-  _globals['_SCHEDULERSTATS']._serialized_start=881
-  _globals['_SCHEDULERSTATS']._serialized_end=1841
-  _globals['_SCHEDULERSTATS_NUMPREEMPTIONSBYREASONENTRY']._serialized_start=1780
-  _globals['_SCHEDULERSTATS_NUMPREEMPTIONSBYREASONENTRY']._serialized_end=1841
-  _globals['_TENANTSTATS']._serialized_start=1844
-  _globals['_TENANTSTATS']._serialized_end=2032
-  _globals['_LISTREQUESTSREQUEST']._serialized_start=2034
-  _globals['_LISTREQUESTSREQUEST']._serialized_end=2071
-  _globals['_REQUESTSTATE']._serialized_start=2074
-  _globals['_REQUESTSTATE']._serialized_end=2300
-  _globals['_LISTREQUESTSRESPONSE']._serialized_start=2302
-  _globals['_LISTREQUESTSRESPONSE']._serialized_end=2379
-  _globals['_ABORTREQUESTREQUEST']._serialized_start=2381
-  _globals['_ABORTREQUESTREQUEST']._serialized_end=2422
-  _globals['_ABORTREQUESTRESPONSE']._serialized_start=2424
-  _globals['_ABORTREQUESTRESPONSE']._serialized_end=2467
-  _globals['_DRAINREQUEST']._serialized_start=2469
-  _globals['_DRAINREQUEST']._serialized_end=2499
-  _globals['_DRAINRESPONSE']._serialized_start=2501
-  _globals['_DRAINRESPONSE']._serialized_end=2534
-  _globals['_SCHEDULER']._serialized_start=2537
-  _globals['_SCHEDULER']._serialized_end=3207
+  _globals['_LOADLORAREQUEST']._serialized_start=70
+  _globals['_LOADLORAREQUEST']._serialized_end=120
+  _globals['_LOADLORARESPONSE']._serialized_start=122
+  _globals['_LOADLORARESPONSE']._serialized_end=178
+  _globals['_UNLOADLORAREQUEST']._serialized_start=180
+  _globals['_UNLOADLORAREQUEST']._serialized_end=218
+  _globals['_UNLOADLORARESPONSE']._serialized_start=220
+  _globals['_UNLOADLORARESPONSE']._serialized_end=268
+  _globals['_SUBMITREQUEST']._serialized_start=271
+  _globals['_SUBMITREQUEST']._serialized_end=555
+  _globals['_SUBMITRESPONSE']._serialized_start=558
+  _globals['_SUBMITRESPONSE']._serialized_end=777
+  _globals['_GETINFOREQUEST']._serialized_start=779
+  _globals['_GETINFOREQUEST']._serialized_end=795
+  _globals['_SCHEDULERINFO']._serialized_start=798
+  _globals['_SCHEDULERINFO']._serialized_end=1036
+  _globals['_GETSTATSREQUEST']._serialized_start=1038
+  _globals['_GETSTATSREQUEST']._serialized_end=1055
+  _globals['_WATCHSTATSREQUEST']._serialized_start=1057
+  _globals['_WATCHSTATSREQUEST']._serialized_end=1097
+  _globals['_SCHEDULERSTATS']._serialized_start=1100
+  _globals['_SCHEDULERSTATS']._serialized_end=2080
+  _globals['_SCHEDULERSTATS_NUMPREEMPTIONSBYREASONENTRY']._serialized_start=2019
+  _globals['_SCHEDULERSTATS_NUMPREEMPTIONSBYREASONENTRY']._serialized_end=2080
+  _globals['_TENANTSTATS']._serialized_start=2083
+  _globals['_TENANTSTATS']._serialized_end=2271
+  _globals['_LISTREQUESTSREQUEST']._serialized_start=2273
+  _globals['_LISTREQUESTSREQUEST']._serialized_end=2310
+  _globals['_REQUESTSTATE']._serialized_start=2313
+  _globals['_REQUESTSTATE']._serialized_end=2539
+  _globals['_LISTREQUESTSRESPONSE']._serialized_start=2541
+  _globals['_LISTREQUESTSRESPONSE']._serialized_end=2618
+  _globals['_ABORTREQUESTREQUEST']._serialized_start=2620
+  _globals['_ABORTREQUESTREQUEST']._serialized_end=2661
+  _globals['_ABORTREQUESTRESPONSE']._serialized_start=2663
+  _globals['_ABORTREQUESTRESPONSE']._serialized_end=2706
+  _globals['_DRAINREQUEST']._serialized_start=2708
+  _globals['_DRAINREQUEST']._serialized_end=2738
+  _globals['_DRAINRESPONSE']._serialized_start=2740
+  _globals['_DRAINRESPONSE']._serialized_end=2773
+  _globals['_SCHEDULER']._serialized_start=2776
+  _globals['_SCHEDULER']._serialized_end=3638
 # @@protoc_insertion_point(module_scope)

@@ -7,8 +7,36 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class LoadLoraRequest(_message.Message):
+    __slots__ = ("lora_name", "path")
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    lora_name: str
+    path: str
+    def __init__(self, lora_name: _Optional[str] = ..., path: _Optional[str] = ...) -> None: ...
+
+class LoadLoraResponse(_message.Message):
+    __slots__ = ("rank", "target_modules")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    TARGET_MODULES_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    target_modules: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, rank: _Optional[int] = ..., target_modules: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class UnloadLoraRequest(_message.Message):
+    __slots__ = ("lora_name",)
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    lora_name: str
+    def __init__(self, lora_name: _Optional[str] = ...) -> None: ...
+
+class UnloadLoraResponse(_message.Message):
+    __slots__ = ("num_requests_using",)
+    NUM_REQUESTS_USING_FIELD_NUMBER: _ClassVar[int]
+    num_requests_using: int
+    def __init__(self, num_requests_using: _Optional[int] = ...) -> None: ...
+
 class SubmitRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "max_tokens", "stop_token_ids", "ignore_eos", "disable_speculation", "tenant", "tenant_weight", "priority")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "max_tokens", "stop_token_ids", "ignore_eos", "disable_speculation", "tenant", "tenant_weight", "priority", "lora_name")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -19,6 +47,7 @@ class SubmitRequest(_message.Message):
     TENANT_FIELD_NUMBER: _ClassVar[int]
     TENANT_WEIGHT_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
@@ -29,7 +58,8 @@ class SubmitRequest(_message.Message):
     tenant: str
     tenant_weight: float
     priority: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., disable_speculation: _Optional[bool] = ..., tenant: _Optional[str] = ..., tenant_weight: _Optional[float] = ..., priority: _Optional[int] = ...) -> None: ...
+    lora_name: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., disable_speculation: _Optional[bool] = ..., tenant: _Optional[str] = ..., tenant_weight: _Optional[float] = ..., priority: _Optional[int] = ..., lora_name: _Optional[str] = ...) -> None: ...
 
 class SubmitResponse(_message.Message):
     __slots__ = ("token_ids", "logprobs", "finish_reason", "num_prompt_tokens", "num_cached_tokens", "top_logprobs")
@@ -86,7 +116,7 @@ class WatchStatsRequest(_message.Message):
     def __init__(self, interval_ms: _Optional[int] = ...) -> None: ...
 
 class SchedulerStats(_message.Message):
-    __slots__ = ("num_steps", "num_scheduled_tokens", "num_preemptions", "num_finished_requests", "num_running", "num_waiting", "num_free_blocks", "num_blocks", "num_prefix_cache_hit_tokens", "schedule_ms", "update_ms", "step_rtt_ms", "engine_total_ms", "engine_forward_ms", "engine_sample_ms", "num_engine_resets", "num_prompt_tokens", "num_generated_tokens", "num_prefix_cache_query_tokens", "ready", "num_spec_rows", "num_spec_draft_tokens", "num_spec_accepted_tokens", "num_spec_draft_tokens_per_pos", "num_spec_accepted_tokens_per_pos", "num_preemptions_by_reason", "num_preemptions_refused", "draining", "tenants")
+    __slots__ = ("num_steps", "num_scheduled_tokens", "num_preemptions", "num_finished_requests", "num_running", "num_waiting", "num_free_blocks", "num_blocks", "num_prefix_cache_hit_tokens", "schedule_ms", "update_ms", "step_rtt_ms", "engine_total_ms", "engine_forward_ms", "engine_sample_ms", "num_engine_resets", "num_prompt_tokens", "num_generated_tokens", "num_prefix_cache_query_tokens", "ready", "num_spec_rows", "num_spec_draft_tokens", "num_spec_accepted_tokens", "num_spec_draft_tokens_per_pos", "num_spec_accepted_tokens_per_pos", "num_preemptions_by_reason", "num_preemptions_refused", "draining", "tenants", "lora_names")
     class NumPreemptionsByReasonEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -123,6 +153,7 @@ class SchedulerStats(_message.Message):
     NUM_PREEMPTIONS_REFUSED_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     TENANTS_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAMES_FIELD_NUMBER: _ClassVar[int]
     num_steps: int
     num_scheduled_tokens: int
     num_preemptions: int
@@ -152,7 +183,8 @@ class SchedulerStats(_message.Message):
     num_preemptions_refused: int
     draining: bool
     tenants: _containers.RepeatedCompositeFieldContainer[TenantStats]
-    def __init__(self, num_steps: _Optional[int] = ..., num_scheduled_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_finished_requests: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_prefix_cache_hit_tokens: _Optional[int] = ..., schedule_ms: _Optional[float] = ..., update_ms: _Optional[float] = ..., step_rtt_ms: _Optional[float] = ..., engine_total_ms: _Optional[float] = ..., engine_forward_ms: _Optional[float] = ..., engine_sample_ms: _Optional[float] = ..., num_engine_resets: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., num_generated_tokens: _Optional[int] = ..., num_prefix_cache_query_tokens: _Optional[int] = ..., ready: _Optional[bool] = ..., num_spec_rows: _Optional[int] = ..., num_spec_draft_tokens: _Optional[int] = ..., num_spec_accepted_tokens: _Optional[int] = ..., num_spec_draft_tokens_per_pos: _Optional[_Iterable[int]] = ..., num_spec_accepted_tokens_per_pos: _Optional[_Iterable[int]] = ..., num_preemptions_by_reason: _Optional[_Mapping[str, int]] = ..., num_preemptions_refused: _Optional[int] = ..., draining: _Optional[bool] = ..., tenants: _Optional[_Iterable[_Union[TenantStats, _Mapping]]] = ...) -> None: ...
+    lora_names: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, num_steps: _Optional[int] = ..., num_scheduled_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_finished_requests: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_prefix_cache_hit_tokens: _Optional[int] = ..., schedule_ms: _Optional[float] = ..., update_ms: _Optional[float] = ..., step_rtt_ms: _Optional[float] = ..., engine_total_ms: _Optional[float] = ..., engine_forward_ms: _Optional[float] = ..., engine_sample_ms: _Optional[float] = ..., num_engine_resets: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., num_generated_tokens: _Optional[int] = ..., num_prefix_cache_query_tokens: _Optional[int] = ..., ready: _Optional[bool] = ..., num_spec_rows: _Optional[int] = ..., num_spec_draft_tokens: _Optional[int] = ..., num_spec_accepted_tokens: _Optional[int] = ..., num_spec_draft_tokens_per_pos: _Optional[_Iterable[int]] = ..., num_spec_accepted_tokens_per_pos: _Optional[_Iterable[int]] = ..., num_preemptions_by_reason: _Optional[_Mapping[str, int]] = ..., num_preemptions_refused: _Optional[int] = ..., draining: _Optional[bool] = ..., tenants: _Optional[_Iterable[_Union[TenantStats, _Mapping]]] = ..., lora_names: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class TenantStats(_message.Message):
     __slots__ = ("tenant", "weight", "num_waiting", "num_running", "num_blocks", "num_prompt_tokens", "num_generated_tokens", "virtual_tokens")

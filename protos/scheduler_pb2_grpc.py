@@ -69,6 +69,16 @@ class SchedulerStub:
                 request_serializer=protos_dot_scheduler__pb2.DrainRequest.SerializeToString,
                 response_deserializer=protos_dot_scheduler__pb2.DrainResponse.FromString,
                 _registered_method=True)
+        self.LoadLora = channel.unary_unary(
+                '/llmserve.scheduler.v1.Scheduler/LoadLora',
+                request_serializer=protos_dot_scheduler__pb2.LoadLoraRequest.SerializeToString,
+                response_deserializer=protos_dot_scheduler__pb2.LoadLoraResponse.FromString,
+                _registered_method=True)
+        self.UnloadLora = channel.unary_unary(
+                '/llmserve.scheduler.v1.Scheduler/UnloadLora',
+                request_serializer=protos_dot_scheduler__pb2.UnloadLoraRequest.SerializeToString,
+                response_deserializer=protos_dot_scheduler__pb2.UnloadLoraResponse.FromString,
+                _registered_method=True)
 
 
 class SchedulerServicer:
@@ -130,6 +140,21 @@ class SchedulerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLora(self, request, context):
+        """LoRA adapters at run time: LoadLora has the engine read and check the adapter (a refusal is
+        INVALID_ARGUMENT naming it and the reason), then serves it under lora_name; UnloadLora
+        refuses new requests for it (NOT_FOUND) while those admitted before keep running.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLora(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SchedulerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -167,6 +192,16 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.Drain,
                     request_deserializer=protos_dot_scheduler__pb2.DrainRequest.FromString,
                     response_serializer=protos_dot_scheduler__pb2.DrainResponse.SerializeToString,
+            ),
+            'LoadLora': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLora,
+                    request_deserializer=protos_dot_scheduler__pb2.LoadLoraRequest.FromString,
+                    response_serializer=protos_dot_scheduler__pb2.LoadLoraResponse.SerializeToString,
+            ),
+            'UnloadLora': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLora,
+                    request_deserializer=protos_dot_scheduler__pb2.UnloadLoraRequest.FromString,
+                    response_serializer=protos_dot_scheduler__pb2.UnloadLoraResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -358,6 +393,60 @@ class Scheduler:
             '/llmserve.scheduler.v1.Scheduler/Drain',
             protos_dot_scheduler__pb2.DrainRequest.SerializeToString,
             protos_dot_scheduler__pb2.DrainResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLora(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llmserve.scheduler.v1.Scheduler/LoadLora',
+            protos_dot_scheduler__pb2.LoadLoraRequest.SerializeToString,
+            protos_dot_scheduler__pb2.LoadLoraResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLora(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llmserve.scheduler.v1.Scheduler/UnloadLora',
+            protos_dot_scheduler__pb2.UnloadLoraRequest.SerializeToString,
+            protos_dot_scheduler__pb2.UnloadLoraResponse.FromString,
             options,
             channel_credentials,
             insecure,

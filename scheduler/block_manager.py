@@ -65,13 +65,19 @@ class BlockManager:
     def _update_block_hashes(self, request: Request, num_tokens: int) -> None:
         """Extend request.block_hashes to cover every full block among its first num_tokens."""
         num_blocks = num_tokens // self.block_size
-        extend_block_hashes(request.block_hashes, request.token_ids, self.block_size, num_blocks)
+        extend_block_hashes(
+            request.block_hashes,
+            request.token_ids,
+            self.block_size,
+            num_blocks,
+            request.block_hash_root,
+        )
 
     def _block_key(self, request: Request, i: int) -> tuple[int, int, tuple[int, ...]]:
         """request's block i as the prefix cache keys it: (its hash, its parent's hash, its
         tokens). Its hash must be known (_update_block_hashes)."""
         bs = self.block_size
-        parent = request.block_hashes[i - 1] if i else 0
+        parent = request.block_hashes[i - 1] if i else request.block_hash_root
         return request.block_hashes[i], parent, tuple(request.token_ids[i * bs : (i + 1) * bs])
 
     def find_cached_blocks(self, request: Request) -> list[int]:

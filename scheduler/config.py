@@ -57,6 +57,13 @@ class SchedulerConfig(PeerSecurity):
     overlap_scheduling: bool = setting(
         True, "plan step N+1 while the engine runs step N (two steps in flight)"
     )
+    lora_modules: tuple[str, ...] = setting(
+        (),
+        "LoRA adapters to serve, NAME=PATH each (PEFT directories: adapter_config.json + "
+        "adapter_model.safetensors); the engine checks each when it connects, and one it refuses "
+        "is logged with the reason and not served. A request names one in the OpenAI `model` "
+        "field or GenerateRequest.lora_name",
+    )
 
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
@@ -80,6 +87,17 @@ class SchedulerConfig(PeerSecurity):
                 f"{', '.join(SCHEDULING_POLICIES)}"
             )
         check_ports(self, "port", "metrics_port")
+        self.lora_paths()
+
+    def lora_paths(self) -> dict[str, str]:
+        """lora_modules as {name: path}; ValueError naming a malformed entry."""
+        paths: dict[str, str] = {}
+        for entry in self.lora_modules:
+            name, _, path = entry.partition("=")
+            if not name or not path or name in paths:
+                raise ValueError(f"lora_modules entry {entry!r} must be NAME=PATH, each NAME once")
+            paths[name] = path
+        return paths
 
     @property
     def policy(self) -> str:

@@ -38,6 +38,7 @@ def request_from_proto(msg: scheduler_pb2.SubmitRequest, seq_id: int) -> Request
         tenant=msg.tenant,
         tenant_weight=msg.tenant_weight if msg.tenant_weight > 0 else 1.0,
         priority=msg.priority,
+        lora_name=msg.lora_name,
     )
 
 
@@ -46,6 +47,8 @@ def plan_to_proto(plan: StepPlan) -> engine_pb2.StepPlan:
     for row in plan.new_requests:
         msg.new_requests.add(**new_request_fields(row))
     running_to_proto(plan.running, msg.running)
+    for load in plan.lora_loads:
+        msg.lora_loads.add(slot=load.slot, lora_name=load.lora_name, path=load.path)
     return msg
 
 

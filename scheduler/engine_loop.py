@@ -84,6 +84,7 @@ class EngineLoop:
     config: SchedulerConfig
     scheduler: Scheduler | None
     engine_info: engine_pb2.EngineInfo | None
+    engine_stub: Any  # the connected engine's (None before the first connection)
     streams: dict[int, asyncio.Queue[StepOutcome]]
     wakeup: asyncio.Event
     ready: bool
@@ -112,6 +113,8 @@ class EngineLoop:
                         engine_pb2.DescribeRequest(), timeout=5, metadata=metadata
                     )
                     self._on_engine_info(info)
+                    self.engine_stub = stub
+                    await self._add_configured_loras()
                     backoff = 0.2
                     await self._step_loop(stub, metadata)
                 except EngineMismatch as err:
@@ -159,6 +162,8 @@ class EngineLoop:
                 self.scheduler.config = config
                 self.scheduler.set_pipeline_parallel_size(pipeline_parallel_size)
                 self.scheduler.set_num_speculative_tokens(info.num_speculative_tokens)
+            if self.scheduler.loras.max_loras != info.max_loras:
+                self.scheduler.loras.resize(info.max_loras)
                 for request in self.scheduler.resize(info.num_blocks, info.block_size):
                     self._deliver(StepOutcome(request, None, None, RequestStatus.FINISHED_ABORTED))
         except ValueError as err:  # a limit above the engine's, or a policy refusing its stages
@@ -180,6 +185,37 @@ class EngineLoop:
             speculative_method=info.speculative_method or "none",
             num_speculative_tokens=info.num_speculative_tokens,
         )
+
+    async def add_lora(self, name: str, path: str) -> engine_pb2.AddLoraResponse:
+        """Have the engine check adapter name at path (AioRpcError INVALID_ARGUMENT naming it
+        and the reason when it refuses it), then serve it."""
+        assert self.scheduler is not None and self.engine_stub is not None
+        added = await self.engine_stub.AddLora(
+            engine_pb2.AddLoraRequest(lora_name=name, path=path),
+            timeout=60,
+            metadata=self.config.peer_metadata(),
+        )
+        self.scheduler.loras.register(name, path)
+        log.info("lora loaded", lora_name=name, path=path, rank=added.rank)
+        return added
+
+    async def _add_configured_loras(self) -> None:
+        """--lora-modules not served yet (at the first connection), each checked by the
+        engine; one it refuses is logged with the reason and left out, the others serve."""
+        assert self.scheduler is not None
+        if not self.scheduler.loras.max_loras:
+            if self.config.lora_modules:
+                log.error("lora modules ignored: the engine has --max-loras 0")
+            return
+        for name, path in self.config.lora_paths().items():
+            if name in self.scheduler.loras.paths:
+                continue
+            try:
+                await self.add_lora(name, path)
+            except grpc.aio.AioRpcError as err:
+                if err.code() != grpc.StatusCode.INVALID_ARGUMENT:
+                    raise
+                log.error("lora refused", lora_name=name, path=path, why=err.details())
 
     def _set_ready(self, ready: bool) -> None:
         self.ready = ready

@@ -22,6 +22,8 @@ class NewRequestRow:
     # and the request's num_preemptions then (a result for an earlier life is ignored).
     samples: bool = False
     num_preemptions: int = 0
+    # The adapter slot it runs under (1 .. the engine's max_loras; 0: the base model).
+    lora_slot: int = 0
 
 
 @dataclass
@@ -34,6 +36,16 @@ class RunningRow:
     num_preemptions: int = 0
     # Speculative decoding: KV slots after the scheduled tokens for the engine's proposals.
     num_lookahead_tokens: int = 0
+    lora_slot: int = 0  # as in NewRequestRow; named every step
+
+
+@dataclass(frozen=True)
+class LoraLoad:
+    """engine.proto's LoraLoad: adapter lora_name (at path) into device slot `slot`."""
+
+    slot: int
+    lora_name: str
+    path: str
 
 
 @dataclass
@@ -46,6 +58,8 @@ class StepPlan:
     running: list[RunningRow] = field(default_factory=list)
     # Requests preempted while planning this step (their ids are in finished_seq_ids).
     preempted: list[Request] = field(default_factory=list)
+    # Adapters the engine places in slots before the rows run.
+    lora_loads: list[LoraLoad] = field(default_factory=list)
 
     @property
     def rows(self) -> list[NewRequestRow | RunningRow]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from common.block_hash import lora_hash_root
 from protos.common_pb2 import SamplingParams
 
 
@@ -113,6 +114,9 @@ class Request:
     num_pending_tokens: int = 0
     # The client turned speculative decoding off for it.
     disable_speculation: bool = False
+    # The LoRA adapter it runs under ("": the base model). Its prefix-cache blocks are keyed by
+    # it (common/block_hash.py: the chain starts from the adapter's root).
+    lora_name: str = ""
     # Each feature's state, in its own record.
     preemption: PreemptionRecord = field(default_factory=PreemptionRecord)
     ledger: LedgerEntry = field(default_factory=LedgerEntry)
@@ -123,6 +127,11 @@ class Request:
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def block_hash_root(self) -> int:
+        """The parent hash of its first block: 0 for the base, the adapter's root else."""
+        return lora_hash_root(self.lora_name)
 
     @property
     def num_tokens(self) -> int:

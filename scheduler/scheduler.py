@@ -85,11 +85,22 @@ class Scheduler(StepResults, Preemption, PipelineSlots):
                 f"{what} exceeds the KV cache's capacity of {capacity} tokens "
                 f"({self.block_manager.num_blocks} blocks x {self.block_size})",
             )
+        self._check_lora(request)
         if len(self.waiting) >= self.config.max_waiting:
             raise AdmissionError(
                 "RESOURCE_EXHAUSTED",
                 f"queue full: {len(self.waiting)} requests waiting (max_waiting="
                 f"{self.config.max_waiting}); retry after a short delay",
+            )
+
+    def _check_lora(self, request: Request) -> None:
+        """NOT_FOUND for an adapter that is not registered (or was unloaded)."""
+        name = request.lora_name
+        if name and not self.loras.is_servable(name):
+            known = ", ".join(sorted(n for n in self.loras.paths if self.loras.is_servable(n)))
+            raise AdmissionError(
+                "NOT_FOUND",
+                f"adapter {name!r} is not loaded (adapters: {known or 'none'})",
             )
 
     def add(self, request: Request) -> None:
@@ -138,6 +149,7 @@ class Scheduler(StepResults, Preemption, PipelineSlots):
         for request in self.waiting:
             request.mirror.in_engine = False
         self.block_manager.reset_prefix_cache()
+        self.loras.resize(self.loras.max_loras)  # an engine that lost its mirror reloads them
         self.block_manager.check_integrity(list(self.requests.values()))
         preempted, self.preempted = self.preempted, []
         return preempted
@@ -201,6 +213,8 @@ class Scheduler(StepResults, Preemption, PipelineSlots):
         """(request, tokens now) for the step with id next_step_id: running requests first, then
         waiting ones, unless someone was preempted for this plan (it would be readmitted)."""
         scheduled: list[tuple[Request, int]] = []
+        demand = [r.lora_name for r in self.running if self._runs_now(r)]
+        self.loras.begin_step(self.next_step_id, demand)
         budget = self._schedule_running(self.config.max_num_batched_tokens, scheduled)
         if not self.preempted:
             self._schedule_waiting(budget, scheduled)
@@ -211,7 +225,11 @@ class Scheduler(StepResults, Preemption, PipelineSlots):
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            if not (self._may_need_a_step(request) and self._runs_now(request)):
+            if not (
+                self._may_need_a_step(request)
+                and self._runs_now(request)
+                and self.loras.admit(request.lora_name, running=True)
+            ):
                 i += 1
                 continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
@@ -293,6 +311,8 @@ class Scheduler(StepResults, Preemption, PipelineSlots):
                 break
             if any(r is request for r in self.preempted):
                 break
+            if not self.loras.admit(request.lora_name, running=False):
+                break  # its adapter has no slot this step: it leads the line next step
             while len(self.running) >= self.config.max_num_seqs:
                 freed = self._make_room(request, scheduled)
                 if freed is None:
@@ -349,6 +369,9 @@ class Scheduler(StepResults, Preemption, PipelineSlots):
         """The plan for `scheduled` (request, tokens now), with the ids to drop and the
         requests preempted since the last plan (see plan.make_plan)."""
         plan = make_plan(self.next_step_id, self.finished_seq_ids, self.preempted, scheduled)
+        plan.lora_loads = self.loras.take_loads()
+        for row in plan.rows:
+            row.lora_slot = self.loras.slot_of(row.request.lora_name)
         self.next_step_id += 1
         self.finished_seq_ids, self.preempted = [], []
         return plan

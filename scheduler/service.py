@@ -62,6 +62,7 @@ class SchedulerService(EngineLoop, scheduler_pb2_grpc.SchedulerServicer):
         self.num_engine_resets = 0
         self.health = health.aio.HealthServicer()
         self._health_update: asyncio.Future[None] | None = None
+        self.engine_stub: Any = None
 
     # -- gateway-facing RPCs ------------------------------------------------------------------
 
@@ -158,6 +159,7 @@ class SchedulerService(EngineLoop, scheduler_pb2_grpc.SchedulerServicer):
                 num_waiting=len(s.waiting),
                 num_free_blocks=s.block_manager.num_free_blocks,
                 num_blocks=s.block_manager.num_blocks,
+                lora_names=sorted(n for n in s.loras.paths if s.loras.is_servable(n)),
             )
         return snapshot
 
@@ -186,6 +188,37 @@ class SchedulerService(EngineLoop, scheduler_pb2_grpc.SchedulerServicer):
             await asyncio.sleep(interval_ms / 1e3)
 
     # -- operator RPCs (the gateway's Admin service forwards them) -----------------------------
+
+    async def LoadLora(
+        self, request: scheduler_pb2.LoadLoraRequest, context: grpc.aio.ServicerContext
+    ) -> scheduler_pb2.LoadLoraResponse:
+        """Have the engine check the adapter, then serve it (scheduler/lora.py)."""
+        if self.scheduler is None or self.engine_stub is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "engine not connected yet")
+        assert self.scheduler is not None
+        if not self.scheduler.loras.max_loras:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "the engine serves no LoRA adapters (started with --max-loras 0)",
+            )
+        try:
+            added = await self.add_lora(request.lora_name, request.path)
+        except grpc.aio.AioRpcError as err:
+            await context.abort(err.code(), err.details() or err.code().name)
+        return scheduler_pb2.LoadLoraResponse(rank=added.rank, target_modules=added.target_modules)
+
+    async def UnloadLora(
+        self, request: scheduler_pb2.UnloadLoraRequest, context: grpc.aio.ServicerContext
+    ) -> scheduler_pb2.UnloadLoraResponse:
+        s = self.scheduler
+        name = request.lora_name
+        if s is None or not s.loras.is_servable(name):
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"adapter {name!r} is not loaded")
+        assert s is not None
+        s.loras.unregister(name)
+        using = sum(1 for r in s.requests.values() if r.lora_name == name)
+        log.info("lora unloaded", lora_name=name, num_requests_using=using)
+        return scheduler_pb2.UnloadLoraResponse(num_requests_using=using)
 
     async def ListRequests(
         self, request: scheduler_pb2.ListRequestsRequest, context: grpc.aio.ServicerContext

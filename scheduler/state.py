@@ -10,6 +10,7 @@ from collections import deque
 from scheduler.admin import SchedulerCounters
 from scheduler.block_manager import BlockManager
 from scheduler.config import SchedulerConfig
+from scheduler.lora import LoraTable
 from scheduler.request import Request, RequestStatus
 from scheduler.speculation import SpeculationPolicy
 from scheduler.tenants import TenantLedger
@@ -58,6 +59,9 @@ class SchedulerState:
         self.set_num_speculative_tokens(num_speculative_tokens)
         self.counters = SchedulerCounters()
         self.tenants = TenantLedger(config.fair_prefill_weight, config.fair_decode_weight)
+        # LoRA adapters: the registry and the engine's slot table (scheduler/lora.py); no slots
+        # until an engine reports max_loras.
+        self.loras = LoraTable()
 
     def set_sliding_window(self, sliding_window: int | None) -> None:
         """Release running requests' blocks that fall out of this window (the engine's, when

@@ -82,3 +82,38 @@ def sampling(**fields: Any) -> SamplingParams:
     """common.SamplingParams with the server's defaults filled in (temperature 1.0, ...), as the
     gateway, the scheduler and the engine's mirror make them."""
     return normalized(SamplingParams(**fields))
+
+
+def make_lora_adapter(
+    base: Path,
+    directory: Path,
+    *,
+    rank: int,
+    target_modules: list[str],
+    seed: int,
+    alpha: float | None = None,
+    use_rslora: bool = False,
+) -> Path:
+    """A PEFT LoRA adapter of the checkpoint at base, saved by peft (adapter_config.json +
+    adapter_model.safetensors), A and B random (init_lora_weights=False, scaled up so the
+    adapter changes greedy tokens)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(base, dtype=torch.float32)
+    config = LoraConfig(
+        r=rank,
+        lora_alpha=alpha if alpha is not None else 2 * rank,
+        target_modules=target_modules,
+        init_lora_weights=False,
+        use_rslora=use_rslora,
+    )
+    torch.manual_seed(seed)
+    peft_model = get_peft_model(model, config)
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_" in name:
+                param.normal_(0.0, 0.3)
+    peft_model.save_pretrained(directory)
+    return directory
