@@ -34,6 +34,10 @@ class EngineInfo:
     # per request and step (the scheduler's lookahead slots).
     speculative_method: str = ""
     num_speculative_tokens: int = 0
+    # KV offload: the host and disk tiers' slots, one block each (0: no such tier).
+    num_host_blocks: int = 0
+    num_disk_blocks: int = 0
+    kv_block_bytes: int = 0
 
 
 _NEW_REQUEST_DOC = """A new request: engine.proto's NewRequest, field for field, every one given
@@ -95,11 +99,26 @@ else:
 
 
 @dataclass
+class BlockCopiesData:
+    """engine.proto's BlockCopies: block src_ids[i] of src_tier to slot dst_ids[i] of dst_tier
+    (tiers as engine_pb2.KVTier values). A plan's batches run in list order before its forward:
+    copies out of the pool finish before the forward writes it; copies into the pool fill
+    blocks only a later plan's rows read (engine/kv_offload.py)."""
+
+    src_tier: int
+    dst_tier: int
+    src_ids: list[int]
+    dst_ids: list[int]
+
+
+@dataclass
 class StepPlanData:
     step_id: int
     finished_seq_ids: list[int]
     new_requests: list[NewRequestData]
     running: RunningData = field(default_factory=RunningData)
+    # KV offload: copies between tiers, run in order before the forward (engine/kv_offload.py).
+    kv_copies: list[BlockCopiesData] = field(default_factory=list)
 
 
 @dataclass

@@ -6,7 +6,14 @@ from __future__ import annotations
 from dataclasses import asdict
 from operator import attrgetter
 
-from engine.contract import EngineInfo, NewRequestData, RunningData, StepOutput, StepPlanData
+from engine.contract import (
+    BlockCopiesData,
+    EngineInfo,
+    NewRequestData,
+    RunningData,
+    StepOutput,
+    StepPlanData,
+)
 from protos import engine_pb2
 
 # NewRequest's fields, in order (all at once), and whether each is repeated (a list here).
@@ -29,7 +36,11 @@ def plan_from_proto(msg: engine_pb2.StepPlan) -> StepPlanData:
     no code here)."""
     running = RunningData(*map(list, _running_columns(msg.running)))
     new = [_new_request(r) for r in msg.new_requests]
-    return StepPlanData(msg.step_id, list(msg.finished_seq_ids), new, running)
+    copies = [
+        BlockCopiesData(c.src_tier, c.dst_tier, list(c.src_ids), list(c.dst_ids))
+        for c in msg.kv_copies
+    ]
+    return StepPlanData(msg.step_id, list(msg.finished_seq_ids), new, running, copies)
 
 
 def result_to_proto(step_id: int, output: StepOutput, total_ms: float) -> engine_pb2.StepResult:

@@ -154,11 +154,17 @@ class EngineLoop:
                     tuple(info.eos_token_ids),
                     pipeline_parallel_size=pipeline_parallel_size,
                     num_speculative_tokens=info.num_speculative_tokens,
+                    num_host_blocks=info.num_host_blocks,
+                    num_disk_blocks=info.num_disk_blocks,
+                    kv_block_bytes=info.kv_block_bytes,
                 )
             else:
                 self.scheduler.config = config
                 self.scheduler.set_pipeline_parallel_size(pipeline_parallel_size)
                 self.scheduler.set_num_speculative_tokens(info.num_speculative_tokens)
+                self.scheduler.set_offload_tiers(
+                    info.num_host_blocks, info.num_disk_blocks, info.kv_block_bytes
+                )
                 for request in self.scheduler.resize(info.num_blocks, info.block_size):
                     self._deliver(StepOutcome(request, None, None, RequestStatus.FINISHED_ABORTED))
         except ValueError as err:  # a limit above the engine's, or a policy refusing its stages

@@ -110,6 +110,8 @@ class Request:
     num_pending_tokens: int = 0
     # The client turned speculative decoding off for it.
     disable_speculation: bool = False
+    # KV offload: when it began waiting for its prefix to come back from a lower tier (0: not).
+    swap_in_since: float = 0.0
     # Each feature's state, in its own record.
     preemption: PreemptionRecord = field(default_factory=PreemptionRecord)
     ledger: LedgerEntry = field(default_factory=LedgerEntry)

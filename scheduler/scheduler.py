@@ -149,7 +149,12 @@ class Scheduler(StepResults, Preemption, PipelineSlots):
             return []
         assert not self.running, "resize with running requests"
         self.block_size = block_size
-        self.block_manager = BlockManager(num_blocks, block_size, self.config.enable_prefix_caching)
+        offload = self.block_manager.offload
+        self.block_manager = BlockManager(
+            num_blocks, block_size, self.config.enable_prefix_caching, offload
+        )
+        if offload is not None:
+            offload.reset()  # blocks keyed by the old block size
         for request in self.waiting:
             request.block_hashes = []  # hashed per block, so they depend on block_size
         capacity = num_blocks * block_size
@@ -296,6 +301,8 @@ class Scheduler(StepResults, Preemption, PipelineSlots):
                     return
                 budget += freed
             cached = self.block_manager.find_cached_blocks(request)
+            if self._start_swap_in(request, cached):
+                break  # it waits for its blocks to come back; the next plan admits it
             num_cached = len(cached) * self.block_size
             num_new = min(request.num_tokens - num_cached, budget)
             while not self.block_manager.allocate_slots(request, num_new, cached):
@@ -332,6 +339,7 @@ class Scheduler(StepResults, Preemption, PipelineSlots):
         assert request.num_pending_tokens == 0, f"{request.request_id}: pending while waiting"
         request.status = RequestStatus.RUNNING
         request.num_computed_tokens = num_cached
+        self._end_swap_in(request)
         request.pipeline.slot = self.slot
         request.preemption.admitted_step_id = self.next_step_id
         c = self.counters
@@ -346,6 +354,8 @@ class Scheduler(StepResults, Preemption, PipelineSlots):
         """The plan for `scheduled` (request, tokens now), with the ids to drop and the
         requests preempted since the last plan (see plan.make_plan)."""
         plan = make_plan(self.next_step_id, self.finished_seq_ids, self.preempted, scheduled)
+        if self.block_manager.offload is not None:
+            plan.kv_copies = self.block_manager.offload.take_copies()
         self.next_step_id += 1
         self.finished_seq_ids, self.preempted = [], []
         return plan

@@ -159,6 +159,8 @@ class SchedulerService(EngineLoop, scheduler_pb2_grpc.SchedulerServicer):
                 num_free_blocks=s.block_manager.num_free_blocks,
                 num_blocks=s.block_manager.num_blocks,
             )
+            if s.block_manager.offload is not None:
+                snapshot.update(s.block_manager.offload.stats())
         return snapshot
 
     async def GetStats(
