@@ -44,6 +44,17 @@ class Offloading(SchedulerState):
         request.swap_in_since = request.swap_in_since or time.monotonic()
         return True
 
+    def _release_pins(self) -> bool:
+        """Give back every block pinned for a swap-in (a running request needs blocks: they go
+        before anyone is preempted). They stay cached on the device until reused; a request
+        that waited for them finds them there, or swaps in again. False if none was pinned."""
+        pins = self.block_manager.pins
+        if not pins:
+            return False
+        for holder in list(pins):
+            self.block_manager.unpin(holder)
+        return True
+
     def _end_swap_in(self, request: Request) -> None:
         """request was admitted (it holds its blocks) or ended: drop its pins, count its wait."""
         self.block_manager.unpin(request.seq_id)

@@ -220,6 +220,8 @@ class Scheduler(StepResults, Preemption, PipelineSlots):
             assert num_new > 0, f"running request {request.request_id} has nothing to compute"
             request.spec.num_lookahead_tokens = self._lookahead(request, num_new, budget)
             while not self._allocate_running(request, num_new):
+                if self._release_pins():
+                    continue  # blocks held for swap-ins go before anyone is preempted
                 victim, freed = self._evict(i, scheduled)
                 if victim is request:
                     break

@@ -33,9 +33,10 @@ NUM_BLOCKS = 32
 NUM_PREFIXES = 16
 PREFIX_TOKENS = 4 * BLOCK_SIZE
 TIER_BLOCKS = 64
-# The prefix hit rate over the second round (hit tokens / prompt tokens looked up) a host tier
-# holding every prefix must reach; without one it is 0 (asserted).
-MIN_HIT_RATE = 0.6
+# The prefix hit rate over the second round (hit tokens / prompt tokens) each configuration
+# must reach; without a tier it is 0 (asserted). At most 16 of a prompt's 18 tokens can hit
+# (0.89: what the host tier of 64 blocks reaches); 8 host blocks over 64 on disk reach 0.72,
+# the disk's LRU having dropped some prefixes for the blocks of the requests' own tokens.
 
 
 @pytest.fixture(scope="module")
@@ -126,19 +127,25 @@ def baseline(engine: Engine) -> tuple[dict[int, list[int]], float]:
 
 
 @pytest.mark.parametrize(
-    "tiers",
-    [{"num_host_blocks": TIER_BLOCKS}, {"num_host_blocks": 8, "num_disk_blocks": TIER_BLOCKS}],
+    ("tiers", "min_hit_rate"),
+    [
+        ({"num_host_blocks": TIER_BLOCKS}, 0.85),
+        ({"num_host_blocks": 8, "num_disk_blocks": TIER_BLOCKS}, 0.7),
+    ],
     ids=["host", "host+disk"],
 )
 def test_offload_tiers_raise_hits_and_keep_greedy_tokens(
-    engine: Engine, baseline: tuple[dict[int, list[int]], float], tiers: dict[str, int]
+    engine: Engine,
+    baseline: tuple[dict[int, list[int]], float],
+    tiers: dict[str, int],
+    min_hit_rate: float,
 ) -> None:
     expected, rate_without = baseline
     assert rate_without == 0.0
     requests = round_robin_requests(2)
     outputs, s = serve(engine, requests, **tiers)
     assert outputs == expected
-    assert second_round_hit_rate(s, requests) >= MIN_HIT_RATE
+    assert second_round_hit_rate(s, requests) >= min_hit_rate
     offload = s.block_manager.offload
     assert offload is not None
     tier = "disk" if "num_disk_blocks" in tiers else "host"
@@ -193,3 +200,30 @@ def test_copies_move_whole_blocks_between_tiers(engine: Engine) -> None:
             tiers.execute([BlockCopiesData(device, host, [0], [64])])
     finally:
         pool.copy_(saved)
+
+
+@pytest.mark.gpu
+def test_gpu_copies_on_the_copy_stream_match_the_cpus(tmp_path: Path) -> None:
+    """On a GPU the copies run on a copy stream into pinned memory: the pool must end as a CPU
+    pool given the same copies does, and a forward-stream write after `execute` must not race
+    the copy out of the block it overwrites."""
+    import torch
+
+    shape = (2, 2, 8, BLOCK_SIZE, 2, 16)
+    start = torch.randn(shape)
+    pools = {"cpu": start.clone(), "cuda": start.cuda()}
+    device, host, disk = engine_pb2.KV_TIER_DEVICE, engine_pb2.KV_TIER_HOST, engine_pb2.KV_TIER_DISK
+    plans = [
+        [BlockCopiesData(device, host, [1, 2, 3], [0, 1, 2])],
+        [BlockCopiesData(host, disk, [0], [3]), BlockCopiesData(device, host, [5], [0])],
+        [BlockCopiesData(host, device, [1, 2], [1, 2]), BlockCopiesData(disk, device, [3], [3])],
+    ]
+    for name, pool in pools.items():
+        tiers = KVTiers(pool, 4, 4, str(tmp_path / name))
+        assert tiers.host.is_pinned() == (name == "cuda")
+        for copies in plans:
+            tiers.execute(copies)
+            pool[:, :, 5].add_(1.0)  # the step's forward reuses a block copied out
+        if name == "cuda":
+            torch.cuda.synchronize()
+    assert torch.equal(pools["cuda"].cpu(), pools["cpu"])

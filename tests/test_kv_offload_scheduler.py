@@ -250,3 +250,23 @@ def test_offload_counts_reach_get_stats_and_the_metrics() -> None:
     ]
     assert observe("num_swap_ins") == [(1, {})]
     assert SchedulerTelemetry(lambda: {"num_blocks": 6})._observe("num_swap_ins") == []
+
+
+def test_a_running_request_short_of_blocks_takes_pinned_ones_before_preempting() -> None:
+    """Blocks pinned for a swap-in are the first a running request short of blocks gets: the
+    pins go, nobody is preempted, and the waiting request swaps in again later."""
+    s = make(num_blocks=6, num_host=8)
+    a = [1, 2, 3, 4, 5, 6, 7, 8, 9]
+    run(s, request(1, a, max_tokens=1), request(2, list(range(20, 43)), max_tokens=1))
+    s.add(request(3, list(range(50, 65)), max_tokens=6))  # 4 blocks, a 5th at token 17
+    step(s)
+    s.add(request(4, a, max_tokens=1))
+    plan = step(s)  # 3 decodes its 16th token; 4 swaps in: the last 2 free blocks pinned
+    assert s.block_manager.pins == {4: plan.kv_copies[-1][3]}
+    assert s.block_manager.num_free_blocks == 0
+    step(s)  # 3 needs a 5th block: the pins go
+    assert s.block_manager.pins == {} and len(s.requests[3].block_table) == 5
+    run(s)
+    assert s.counters.num_preemptions == 0
+    assert s.requests == {}
+    s.check_integrity()
