@@ -1,7 +1,8 @@
 """The engine's side of the step contract as plain data (protos/engine.proto), torch-free: what a
-plan brings (StepPlanData), what a step returns (StepOutput) and what the engine reports of itself
-(EngineInfo). engine/convert.py turns them into protobuf and back; the real engine, the fake one
-and the service all speak these."""
+plan brings (StepPlanData, with its KV copies between tiers: BlockCopiesData), what a step
+returns (StepOutput) and what the engine reports of itself (EngineInfo, with its tiers' sizes).
+engine/convert.py turns them into protobuf and back; the real engine, the fake one and the
+service all speak these."""
 
 from __future__ import annotations
 
