@@ -184,7 +184,14 @@ class EngineLoop:
             pipeline_parallel_size=pipeline_parallel_size,
             speculative_method=info.speculative_method or "none",
             num_speculative_tokens=info.num_speculative_tokens,
+            kv_offload_host_blocks=info.num_host_blocks,
+            kv_offload_disk_blocks=info.num_disk_blocks,
         )
+        if config.preemption_mode == "swap" and not info.num_host_blocks:
+            log.warning(
+                "preemption_mode='swap' without a host tier: preempted requests recompute "
+                "(start the engine with --kv-offload-gb)"
+            )
 
     def _set_ready(self, ready: bool) -> None:
         self.ready = ready

@@ -32,6 +32,8 @@ class Offloading(SchedulerState):
             return False
         keys = bm.keys_after(request, len(cached))
         hits = offload.find(keys)
+        if not hits:
+            return False
         on_device = next((i for i, k in enumerate(keys) if k[0] in bm.hash_to_block), len(keys))
         room = bm.num_free_blocks - sum(1 for b in cached if bm.ref_cnt[b] == 0)
         hits = hits[: max(0, min(on_device, room))]
