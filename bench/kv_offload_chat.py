@@ -111,6 +111,11 @@ def run_chats(address: str, args: argparse.Namespace) -> list[dict[str, Any]]:
                         usage = msg.usage
                 assert usage is not None and ttft is not None
                 history.append(("assistant", text))
+                print(
+                    f"  turn {turn} chat {c}: {usage.prompt_tokens} prompt tokens, "
+                    f"{usage.cached_prompt_tokens} cached, TTFT {ttft * 1e3:.0f} ms",
+                    file=sys.stderr, flush=True,
+                )  # fmt: skip
                 rows.append({
                     "chat": c, "turn": turn, "ttft_ms": ttft * 1e3,
                     "latency_ms": (time.perf_counter() - t0) * 1e3,

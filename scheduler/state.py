@@ -48,7 +48,6 @@ class SchedulerState:
         self.vocab_size = vocab_size
         self.eos_token_ids = frozenset(eos_token_ids)
         self.block_manager = BlockManager(num_blocks, block_size, config.enable_prefix_caching)
-        self.block_manager.offload = None
         self.set_offload_tiers(num_host_blocks, num_disk_blocks, kv_block_bytes)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
