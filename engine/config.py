@@ -34,6 +34,20 @@ class EngineConfig(PeerSecurity):
         "CPU KV pool size in GiB (0: room for 16 x --max-num-batched-tokens tokens of this "
         "model, at most a quarter of the memory available at start)",
     )
+    kv_offload_gb: float = setting(
+        0.0,
+        "KV offload: a host-memory tier of this many GiB (per rank; pinned on a GPU) under the "
+        "KV pool: blocks the prefix cache evicts are copied down instead of dropped, and a "
+        "prefix hit there is copied back (0: off)",
+    )
+    kv_offload_dir: str | None = setting(
+        None,
+        "KV offload: a disk tier in a file under this directory (unlinked at once: nothing is "
+        "left behind), under the host tier: blocks the host tier evicts go there",
+    )
+    kv_offload_disk_gb: float = setting(
+        0.0, "--kv-offload-dir: the disk tier's size in GiB (0: 4 x --kv-offload-gb)"
+    )
     quantization: str = setting(
         "auto",
         "weights: gguf = a GGUF's Q4_0 / Q4_1 / Q8_0 / Q4_K blocks kept as stored (CPU); int8 = "
@@ -172,11 +186,34 @@ class EngineConfig(PeerSecurity):
             raise ValueError(f"node_rank={self.node_rank} must be in [0, nnodes={self.nnodes})")
         self._check_speculation()
         self._check_loras()
+        self._check_offload()
         if self.world_size % self.nnodes:
             raise ValueError(
                 f"tensor_parallel_size x pipeline_parallel_size = {self.world_size} ranks do not "
                 f"split evenly over nnodes={self.nnodes}"
             )
+
+    def _check_offload(self) -> None:
+        for name in ("kv_offload_gb", "kv_offload_disk_gb"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
+        if self.kv_offload_dir and not self.kv_offload_gb:
+            raise ValueError(
+                f"kv_offload_dir={self.kv_offload_dir!r} needs kv_offload_gb > 0: the disk tier "
+                "sits under the host tier"
+            )
+        if self.kv_offload_gb and self.speculative_model:
+            raise ValueError(
+                "kv_offload_gb needs a single KV pool; the draft model of "
+                f"speculative_model={self.speculative_model!r} has a second one"
+            )
+
+    @property
+    def num_kv_offload_disk_bytes(self) -> int:
+        """The disk tier's size in bytes (0 without --kv-offload-dir)."""
+        if not self.kv_offload_dir:
+            return 0
+        return int((self.kv_offload_disk_gb or 4 * self.kv_offload_gb) * (1 << 30))
 
     def _check_speculation(self) -> None:
         if self.speculative_model and self.speculative_method != "draft":

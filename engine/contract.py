@@ -1,6 +1,7 @@
 """The engine's side of the step contract as plain data (protos/engine.proto), torch-free: what a
-plan brings (StepPlanData), what a step returns (StepOutput) and what the engine reports of itself
-(EngineInfo). engine/convert.py turns them into protobuf and back; the real engine, the fake one
+plan brings (StepPlanData, with its KV copies between tiers: BlockCopiesData), what a step
+returns (StepOutput) and what the engine reports of itself (EngineInfo, with its tiers' sizes).
+engine/convert.py turns them into protobuf and back; the real engine, the fake one
 and the service all speak these.
 
 Structured output adds nothing to the plan's columns: the constraint travels once, in the new
@@ -53,6 +54,10 @@ class EngineInfo:
     # and the highest rank accepted.
     max_loras: int = 0
     max_lora_rank: int = 0
+    # KV offload: the host and disk tiers' slots, one block each (0: no such tier).
+    num_host_blocks: int = 0
+    num_disk_blocks: int = 0
+    kv_block_bytes: int = 0
 
 
 _NEW_REQUEST_DOC = """A new request: engine.proto's NewRequest, field for field (seq_id, token_ids,
@@ -133,6 +138,19 @@ class LoraLoadData:
 
 
 @dataclass
+class BlockCopiesData:
+    """engine.proto's BlockCopies: block src_ids[i] of src_tier to slot dst_ids[i] of dst_tier
+    (tiers as engine_pb2.KVTier values). A plan's batches run in list order before its forward:
+    copies out of the pool finish before the forward writes it; copies into the pool fill
+    blocks only a later plan's rows read (engine/kv_offload.py)."""
+
+    src_tier: int
+    dst_tier: int
+    src_ids: list[int]
+    dst_ids: list[int]
+
+
+@dataclass
 class StepPlanData:
     step_id: int
     finished_seq_ids: list[int]
@@ -141,6 +159,8 @@ class StepPlanData:
     # LoRA: adapters placed in slots before the rows run; each row's slot is NewRequest /
     # RunningColumns `lora_slot` (0: the base model).
     lora_loads: list[LoraLoadData] = field(default_factory=list)
+    # KV offload: copies between tiers, run in order before the forward (engine/kv_offload.py).
+    kv_copies: list[BlockCopiesData] = field(default_factory=list)
 
 
 @dataclass

@@ -7,6 +7,7 @@ from dataclasses import asdict
 from operator import attrgetter
 
 from engine.contract import (
+    BlockCopiesData,
     EngineInfo,
     LoraLoadData,
     NewRequestData,
@@ -37,7 +38,13 @@ def plan_from_proto(msg: engine_pb2.StepPlan) -> StepPlanData:
     running = RunningData(*map(list, _running_columns(msg.running)))
     new = [_new_request(r) for r in msg.new_requests]
     loads = [LoraLoadData(m.slot, m.lora_name, m.path) for m in msg.lora_loads]
-    return StepPlanData(msg.step_id, list(msg.finished_seq_ids), new, running, loads)
+    copies = [
+        BlockCopiesData(c.src_tier, c.dst_tier, list(c.src_ids), list(c.dst_ids))
+        for c in msg.kv_copies
+    ]
+    return StepPlanData(
+        msg.step_id, list(msg.finished_seq_ids), new, running, lora_loads=loads, kv_copies=copies
+    )
 
 
 def result_to_proto(step_id: int, output: StepOutput, total_ms: float) -> engine_pb2.StepResult:

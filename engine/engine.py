@@ -34,7 +34,8 @@ from engine.device import resolve_device, resolve_dtype, resolve_kv_dtype
 from engine.families import check_features
 from engine.grammar import Grammars
 from engine.graph_capture import capture_graphs, uses_graphs
-from engine.kv_cache import allocate_kv_cache, layer_views
+from engine.kv_cache import allocate_kv_cache, bytes_per_block, layer_views
+from engine.kv_offload import KVTiers
 from engine.lora_files import LoraAdapter, LoraError
 from engine.memory import (
     GIB,
@@ -43,7 +44,7 @@ from engine.memory import (
     give_back_freed_memory,
     profile_num_blocks,
 )
-from engine.mirror import Mirror, StepBatch
+from engine.mirror import Mirror, MirrorMismatch, StepBatch
 from engine.model import LlamaForCausalLM
 from engine.parallel import Parallel, shard_config, whole_model
 from engine.proposer import make_proposer
@@ -92,6 +93,7 @@ class Engine:
             give_back_freed_memory()
         load_s = time.perf_counter() - t0
         memory = self._allocate_pools()
+        self.tiers = self._allocate_tiers()
         kv_caches = layer_views(self.kv_cache)
         graphs, graph_info = capture_graphs(
             config, self.device, self.model, parallel, self.max_model_len, kv_caches
@@ -163,6 +165,9 @@ class Engine:
             sliding_window=self._released_window(),
             max_loras=config.max_loras,
             max_lora_rank=config.max_lora_rank if config.max_loras else 0,
+            num_host_blocks=self.tiers.num_host_blocks if self.tiers else 0,
+            num_disk_blocks=self.tiers.num_disk_blocks if self.tiers else 0,
+            kv_block_bytes=bytes_per_block(self.local_config, config.block_size, self.kv_dtype),
         )
 
     def _released_window(self) -> int:
@@ -196,6 +201,8 @@ class Engine:
             num_blocks=self.num_blocks,
             kv_tokens=self.num_blocks * config.block_size,
             kv_cache_gib=round(self.kv_cache.numel() * self.kv_cache.element_size() / GIB, 2),
+            kv_offload_host_blocks=self.info.num_host_blocks,
+            kv_offload_disk_blocks=self.info.num_disk_blocks,
             **self._draft_figures(),
             max_model_len=self.max_model_len,
             load_s=round(load_s, 2),
@@ -288,6 +295,24 @@ class Engine:
             )
         return memory
 
+    def _allocate_tiers(self) -> KVTiers | None:
+        """The KV offload tiers under the pool (--kv-offload-gb, --kv-offload-dir), as many
+        blocks on every rank; None without them."""
+        c = self.config
+        if not c.kv_offload_gb:
+            return None
+        per_block = bytes_per_block(self.local_config, c.block_size, self.kv_dtype)
+        num_host = int(c.kv_offload_gb * GIB) // per_block
+        num_disk = c.num_kv_offload_disk_bytes // per_block
+        if self.parallel is not None:
+            num_host = self.parallel.min_over_ranks(num_host)
+            num_disk = self.parallel.min_over_ranks(num_disk)
+        if num_host < 1:
+            raise RuntimeError(
+                f"kv_offload_gb={c.kv_offload_gb} holds no block ({per_block} bytes per block)"
+            )
+        return KVTiers(self.kv_cache, num_host, num_disk, c.kv_offload_dir)
+
     def _size_kv_pool(self) -> tuple[int, dict[str, float]]:
         """(num_blocks, memory figures for the log). On a GPU without --num-kv-blocks: from a
         profiling step at the scheduler's largest (engine.memory)."""
@@ -328,6 +353,10 @@ class Engine:
         possibly half-updated) when the plan disagrees."""
         while len(self.unresolved) > 1:
             self._resolve_oldest()
+        if self.tiers is not None:
+            self.tiers.execute(plan.kv_copies)
+        elif plan.kv_copies:
+            raise MirrorMismatch("the plan lists KV copies, but this engine has no offload tier")
         failed = self._place_loras(plan)
         batch = self.mirror.apply(plan, failed)
         if batch.has_lookahead:

@@ -1,11 +1,21 @@
 from protos import common_pb2 as _common_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class KVTier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    KV_TIER_DEVICE: _ClassVar[KVTier]
+    KV_TIER_HOST: _ClassVar[KVTier]
+    KV_TIER_DISK: _ClassVar[KVTier]
+KV_TIER_DEVICE: KVTier
+KV_TIER_HOST: KVTier
+KV_TIER_DISK: KVTier
 
 class NewRequest(_message.Message):
     __slots__ = ("seq_id", "token_ids", "num_prompt_tokens", "sampling", "block_table", "num_computed_tokens", "num_scheduled_tokens", "lora_slot")
@@ -55,8 +65,20 @@ class LoraLoad(_message.Message):
     path: str
     def __init__(self, slot: _Optional[int] = ..., lora_name: _Optional[str] = ..., path: _Optional[str] = ...) -> None: ...
 
+class BlockCopies(_message.Message):
+    __slots__ = ("src_tier", "dst_tier", "src_ids", "dst_ids")
+    SRC_TIER_FIELD_NUMBER: _ClassVar[int]
+    DST_TIER_FIELD_NUMBER: _ClassVar[int]
+    SRC_IDS_FIELD_NUMBER: _ClassVar[int]
+    DST_IDS_FIELD_NUMBER: _ClassVar[int]
+    src_tier: KVTier
+    dst_tier: KVTier
+    src_ids: _containers.RepeatedScalarFieldContainer[int]
+    dst_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, src_tier: _Optional[_Union[KVTier, str]] = ..., dst_tier: _Optional[_Union[KVTier, str]] = ..., src_ids: _Optional[_Iterable[int]] = ..., dst_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class StepPlan(_message.Message):
-    __slots__ = ("step_id", "finished_seq_ids", "new_requests", "running", "trace_context", "lora_loads")
+    __slots__ = ("step_id", "finished_seq_ids", "new_requests", "running", "trace_context", "lora_loads", "kv_copies")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -70,13 +92,15 @@ class StepPlan(_message.Message):
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     LORA_LOADS_FIELD_NUMBER: _ClassVar[int]
+    KV_COPIES_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     finished_seq_ids: _containers.RepeatedScalarFieldContainer[int]
     new_requests: _containers.RepeatedCompositeFieldContainer[NewRequest]
     running: RunningColumns
     trace_context: _containers.ScalarMap[str, str]
     lora_loads: _containers.RepeatedCompositeFieldContainer[LoraLoad]
-    def __init__(self, step_id: _Optional[int] = ..., finished_seq_ids: _Optional[_Iterable[int]] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., running: _Optional[_Union[RunningColumns, _Mapping]] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., lora_loads: _Optional[_Iterable[_Union[LoraLoad, _Mapping]]] = ...) -> None: ...
+    kv_copies: _containers.RepeatedCompositeFieldContainer[BlockCopies]
+    def __init__(self, step_id: _Optional[int] = ..., finished_seq_ids: _Optional[_Iterable[int]] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., running: _Optional[_Union[RunningColumns, _Mapping]] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., lora_loads: _Optional[_Iterable[_Union[LoraLoad, _Mapping]]] = ..., kv_copies: _Optional[_Iterable[_Union[BlockCopies, _Mapping]]] = ...) -> None: ...
 
 class StepResult(_message.Message):
     __slots__ = ("step_id", "sampled_token_ids", "logprobs", "forward_ms", "sample_ms", "total_ms", "num_top_logprobs", "top_token_ids", "top_logprobs", "refused_seq_ids", "refusal_reasons", "num_draft_tokens", "num_sampled_tokens")
@@ -139,7 +163,7 @@ class RemoveLoraResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class EngineInfo(_message.Message):
-    __slots__ = ("model", "vocab_size", "max_model_len", "eos_token_ids", "block_size", "num_blocks", "device", "dtype", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size", "pipeline_parallel_size", "speculative_method", "num_speculative_tokens", "sliding_window", "max_loras", "max_lora_rank")
+    __slots__ = ("model", "vocab_size", "max_model_len", "eos_token_ids", "block_size", "num_blocks", "device", "dtype", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size", "pipeline_parallel_size", "speculative_method", "num_speculative_tokens", "sliding_window", "max_loras", "max_lora_rank", "num_host_blocks", "num_disk_blocks", "kv_block_bytes")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -157,6 +181,9 @@ class EngineInfo(_message.Message):
     SLIDING_WINDOW_FIELD_NUMBER: _ClassVar[int]
     MAX_LORAS_FIELD_NUMBER: _ClassVar[int]
     MAX_LORA_RANK_FIELD_NUMBER: _ClassVar[int]
+    NUM_HOST_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_DISK_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
     model: str
     vocab_size: int
     max_model_len: int
@@ -174,4 +201,7 @@ class EngineInfo(_message.Message):
     sliding_window: int
     max_loras: int
     max_lora_rank: int
-    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., pipeline_parallel_size: _Optional[int] = ..., speculative_method: _Optional[str] = ..., num_speculative_tokens: _Optional[int] = ..., sliding_window: _Optional[int] = ..., max_loras: _Optional[int] = ..., max_lora_rank: _Optional[int] = ...) -> None: ...
+    num_host_blocks: int
+    num_disk_blocks: int
+    kv_block_bytes: int
+    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., pipeline_parallel_size: _Optional[int] = ..., speculative_method: _Optional[str] = ..., num_speculative_tokens: _Optional[int] = ..., sliding_window: _Optional[int] = ..., max_loras: _Optional[int] = ..., max_lora_rank: _Optional[int] = ..., num_host_blocks: _Optional[int] = ..., num_disk_blocks: _Optional[int] = ..., kv_block_bytes: _Optional[int] = ...) -> None: ...

@@ -116,8 +116,43 @@ class WatchStatsRequest(_message.Message):
     def __init__(self, interval_ms: _Optional[int] = ...) -> None: ...
 
 class SchedulerStats(_message.Message):
-    __slots__ = ("num_steps", "num_scheduled_tokens", "num_preemptions", "num_finished_requests", "num_running", "num_waiting", "num_free_blocks", "num_blocks", "num_prefix_cache_hit_tokens", "schedule_ms", "update_ms", "step_rtt_ms", "engine_total_ms", "engine_forward_ms", "engine_sample_ms", "num_engine_resets", "num_prompt_tokens", "num_generated_tokens", "num_prefix_cache_query_tokens", "ready", "num_spec_rows", "num_spec_draft_tokens", "num_spec_accepted_tokens", "num_spec_draft_tokens_per_pos", "num_spec_accepted_tokens_per_pos", "num_preemptions_by_reason", "num_preemptions_refused", "draining", "tenants", "lora_names")
+    __slots__ = ("num_steps", "num_scheduled_tokens", "num_preemptions", "num_finished_requests", "num_running", "num_waiting", "num_free_blocks", "num_blocks", "num_prefix_cache_hit_tokens", "schedule_ms", "update_ms", "step_rtt_ms", "engine_total_ms", "engine_forward_ms", "engine_sample_ms", "num_engine_resets", "num_prompt_tokens", "num_generated_tokens", "num_prefix_cache_query_tokens", "ready", "num_spec_rows", "num_spec_draft_tokens", "num_spec_accepted_tokens", "num_spec_draft_tokens_per_pos", "num_spec_accepted_tokens_per_pos", "num_preemptions_by_reason", "num_preemptions_refused", "draining", "tenants", "lora_names", "kv_offload_num_blocks", "kv_offload_hit_blocks", "kv_offload_blocks_in", "kv_offload_bytes_in", "kv_offload_dropped_blocks", "num_swap_ins", "swap_in_wait_s")
     class NumPreemptionsByReasonEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class KvOffloadNumBlocksEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class KvOffloadHitBlocksEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class KvOffloadBlocksInEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class KvOffloadBytesInEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class KvOffloadDroppedBlocksEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
@@ -154,6 +189,13 @@ class SchedulerStats(_message.Message):
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     TENANTS_FIELD_NUMBER: _ClassVar[int]
     LORA_NAMES_FIELD_NUMBER: _ClassVar[int]
+    KV_OFFLOAD_NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    KV_OFFLOAD_HIT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    KV_OFFLOAD_BLOCKS_IN_FIELD_NUMBER: _ClassVar[int]
+    KV_OFFLOAD_BYTES_IN_FIELD_NUMBER: _ClassVar[int]
+    KV_OFFLOAD_DROPPED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SWAP_INS_FIELD_NUMBER: _ClassVar[int]
+    SWAP_IN_WAIT_S_FIELD_NUMBER: _ClassVar[int]
     num_steps: int
     num_scheduled_tokens: int
     num_preemptions: int
@@ -184,7 +226,14 @@ class SchedulerStats(_message.Message):
     draining: bool
     tenants: _containers.RepeatedCompositeFieldContainer[TenantStats]
     lora_names: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, num_steps: _Optional[int] = ..., num_scheduled_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_finished_requests: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_prefix_cache_hit_tokens: _Optional[int] = ..., schedule_ms: _Optional[float] = ..., update_ms: _Optional[float] = ..., step_rtt_ms: _Optional[float] = ..., engine_total_ms: _Optional[float] = ..., engine_forward_ms: _Optional[float] = ..., engine_sample_ms: _Optional[float] = ..., num_engine_resets: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., num_generated_tokens: _Optional[int] = ..., num_prefix_cache_query_tokens: _Optional[int] = ..., ready: _Optional[bool] = ..., num_spec_rows: _Optional[int] = ..., num_spec_draft_tokens: _Optional[int] = ..., num_spec_accepted_tokens: _Optional[int] = ..., num_spec_draft_tokens_per_pos: _Optional[_Iterable[int]] = ..., num_spec_accepted_tokens_per_pos: _Optional[_Iterable[int]] = ..., num_preemptions_by_reason: _Optional[_Mapping[str, int]] = ..., num_preemptions_refused: _Optional[int] = ..., draining: _Optional[bool] = ..., tenants: _Optional[_Iterable[_Union[TenantStats, _Mapping]]] = ..., lora_names: _Optional[_Iterable[str]] = ...) -> None: ...
+    kv_offload_num_blocks: _containers.ScalarMap[str, int]
+    kv_offload_hit_blocks: _containers.ScalarMap[str, int]
+    kv_offload_blocks_in: _containers.ScalarMap[str, int]
+    kv_offload_bytes_in: _containers.ScalarMap[str, int]
+    kv_offload_dropped_blocks: _containers.ScalarMap[str, int]
+    num_swap_ins: int
+    swap_in_wait_s: float
+    def __init__(self, num_steps: _Optional[int] = ..., num_scheduled_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_finished_requests: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_prefix_cache_hit_tokens: _Optional[int] = ..., schedule_ms: _Optional[float] = ..., update_ms: _Optional[float] = ..., step_rtt_ms: _Optional[float] = ..., engine_total_ms: _Optional[float] = ..., engine_forward_ms: _Optional[float] = ..., engine_sample_ms: _Optional[float] = ..., num_engine_resets: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., num_generated_tokens: _Optional[int] = ..., num_prefix_cache_query_tokens: _Optional[int] = ..., ready: _Optional[bool] = ..., num_spec_rows: _Optional[int] = ..., num_spec_draft_tokens: _Optional[int] = ..., num_spec_accepted_tokens: _Optional[int] = ..., num_spec_draft_tokens_per_pos: _Optional[_Iterable[int]] = ..., num_spec_accepted_tokens_per_pos: _Optional[_Iterable[int]] = ..., num_preemptions_by_reason: _Optional[_Mapping[str, int]] = ..., num_preemptions_refused: _Optional[int] = ..., draining: _Optional[bool] = ..., tenants: _Optional[_Iterable[_Union[TenantStats, _Mapping]]] = ..., lora_names: _Optional[_Iterable[str]] = ..., kv_offload_num_blocks: _Optional[_Mapping[str, int]] = ..., kv_offload_hit_blocks: _Optional[_Mapping[str, int]] = ..., kv_offload_blocks_in: _Optional[_Mapping[str, int]] = ..., kv_offload_bytes_in: _Optional[_Mapping[str, int]] = ..., kv_offload_dropped_blocks: _Optional[_Mapping[str, int]] = ..., num_swap_ins: _Optional[int] = ..., swap_in_wait_s: _Optional[float] = ...) -> None: ...
 
 class TenantStats(_message.Message):
     __slots__ = ("tenant", "weight", "num_waiting", "num_running", "num_blocks", "num_prompt_tokens", "num_generated_tokens", "virtual_tokens")

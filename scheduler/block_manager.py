@@ -18,6 +18,10 @@ released, as a finished request's would be, while staying listed in its block ta
 
 The query at position p reads keys p - window + 1 .. p, and the next query sits at
 num_computed_tokens or later, so blocks wholly before num_computed_tokens - window + 1 go.
+
+KV offload (scheduler/kv_offload.py): with `offload` set, a cached block evicted for reuse is
+first handed to it (copied down a tier instead of dropped), and blocks brought back from a lower
+tier are pinned for the request waiting for them (`pin_new`) until it is admitted (`unpin`).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from __future__ import annotations
 from collections import OrderedDict
 
 from common.block_hash import extend_block_hashes
+from scheduler.kv_offload import BlockKey, KVOffload
 from scheduler.request import Request
 
 
@@ -40,6 +45,7 @@ class BlockManager:
         block_size: int,
         enable_prefix_caching: bool = True,
         sliding_window: int | None = None,
+        offload: KVOffload | None = None,
     ):
         assert num_blocks > 0 and block_size > 0
         self.num_blocks = num_blocks
@@ -51,7 +57,11 @@ class BlockManager:
         self.free_blocks: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
         self.hash_to_block: dict[int, int] = {}
         # For each cached block: (its hash, its parent's hash, its tokens), to confirm hits.
-        self.block_key: dict[int, tuple[int, int, tuple[int, ...]]] = {}
+        self.block_key: dict[int, BlockKey] = {}
+        self.offload = offload if enable_prefix_caching else None
+        # Blocks held for a waiting request (by seq_id) until it is admitted: its prefix, brought
+        # back from a lower tier, and the device hits before it. Each pin is one reference.
+        self.pins: dict[int, list[int]] = {}
 
     @property
     def num_free_blocks(self) -> int:
@@ -73,7 +83,7 @@ class BlockManager:
             request.block_hash_root,
         )
 
-    def _block_key(self, request: Request, i: int) -> tuple[int, int, tuple[int, ...]]:
+    def _block_key(self, request: Request, i: int) -> BlockKey:
         """request's block i as the prefix cache keys it: (its hash, its parent's hash, its
         tokens). Its hash must be known (_update_block_hashes)."""
         bs = self.block_size
@@ -99,7 +109,7 @@ class BlockManager:
             found.append(block_id)
         return found
 
-    def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
+    def cache_full_blocks(self, request: Request, num_tokens: int) -> None:
         """Register the full blocks among request's first num_tokens in the prefix cache."""
         self._update_block_hashes(request, num_tokens)
         # Released blocks were registered while held (they were full); their ids may be
@@ -113,14 +123,73 @@ class BlockManager:
             self.hash_to_block[key[0]] = block_id
 
     def _evict(self, block_id: int) -> None:
+        """Free block block_id is about to be reused: forget its contents here (a cached block
+        goes down to the offload tier first, when there is one)."""
         key = self.block_key.pop(block_id, None)
         if key is not None and self.hash_to_block.get(key[0]) == block_id:
             del self.hash_to_block[key[0]]
+            if self.offload is not None:
+                self.offload.store(block_id, key)
+
+    def keys_after(self, request: Request, start: int) -> list[BlockKey]:
+        """The keys of request's blocks from block start on, as far as find_cached_blocks looks
+        (its blocks' hashes are known by then). Changes nothing."""
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        return [self._block_key(request, i) for i in range(start, max_blocks)]
+
+    def cached_blocks_of(self, request: Request) -> list[tuple[int, BlockKey]]:
+        """(block id, key) of request's blocks the prefix cache holds under their key (not a
+        duplicate of another block's content), in order. Changes nothing."""
+        found = []
+        for block_id in request.block_table:
+            key = self.block_key.get(block_id)
+            if key is not None and self.hash_to_block.get(key[0]) == block_id:
+                found.append((block_id, key))
+        return found
+
+    # -- pins (KV offload) ----------------------------------------------------------------------
+
+    def pin(self, holder: int, block_ids: list[int]) -> None:
+        """Hold block_ids (cached blocks) for holder, a waiting request's seq_id: a reference
+        each, so they leave the free queue and are not evicted until `unpin`."""
+        for block_id in block_ids:
+            if self.ref_cnt[block_id] == 0:
+                del self.free_blocks[block_id]
+            self.ref_cnt[block_id] += 1
+        self.pins.setdefault(holder, []).extend(block_ids)
+
+    def pin_new(self, holder: int, keys: list[BlockKey]) -> list[int]:
+        """Take a free block per key (evicting what it cached), register it in the prefix cache
+        under the key and pin it for holder; returns the blocks. Their contents arrive by copy
+        (the caller lists it) before the plan after this one runs. Needs len(keys) free blocks."""
+        assert len(keys) <= self.num_free_blocks
+        block_ids = []
+        for key in keys:
+            block_id, _ = self.free_blocks.popitem(last=False)
+            self._evict(block_id)
+            self.ref_cnt[block_id] = 1
+            self.block_key[block_id] = key
+            self.hash_to_block[key[0]] = block_id
+            block_ids.append(block_id)
+        self.pins.setdefault(holder, []).extend(block_ids)
+        return block_ids
+
+    def unpin(self, holder: int) -> None:
+        """Drop holder's pins (it was admitted and holds its blocks itself, or it ended)."""
+        for block_id in reversed(self.pins.pop(holder, [])):
+            self.ref_cnt[block_id] -= 1
+            assert self.ref_cnt[block_id] >= 0, f"block {block_id} unpinned twice"
+            if self.ref_cnt[block_id] == 0:
+                self.free_blocks[block_id] = None
 
     def reset_prefix_cache(self) -> None:
-        """Forget every cached block (after the engine lost its KV pool)."""
+        """Forget every cached block, in every tier (after the engine lost its KV pool)."""
         self.hash_to_block.clear()
         self.block_key.clear()
+        for holder in list(self.pins):
+            self.unpin(holder)
+        if self.offload is not None:
+            self.offload.reset()
 
     # -- allocation ---------------------------------------------------------------------------
 
@@ -181,7 +250,7 @@ class BlockManager:
             self.ref_cnt[block_id] = 1
             request.block_table.append(block_id)
         if self.enable_prefix_caching:
-            self._cache_full_blocks(request, min(num_total, len(request.token_ids)))
+            self.cache_full_blocks(request, min(num_total, len(request.token_ids)))
         self._release_out_of_window(request)
         return True
 
@@ -235,7 +304,11 @@ class BlockManager:
             assert self.block_key[block_id][0] == block_hash, f"hash map wrong for {block_id}"
         if requests is not None:
             held = [0] * self.num_blocks
+            for block_id in (b for pinned in self.pins.values() for b in pinned):
+                held[block_id] += 1
             for request in requests:
                 for block_id in held_blocks(request):
                     held[block_id] += 1
-            assert held == self.ref_cnt, "ref counts disagree with the block tables"
+            assert held == self.ref_cnt, "ref counts disagree with the block tables and pins"
+        if self.offload is not None:
+            self.offload.check_integrity()

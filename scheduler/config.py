@@ -10,6 +10,7 @@ from common.flags import check_ports, setting
 
 # "continuous" is "fcfs" under its older name (continuous batching in arrival order).
 SCHEDULING_POLICIES = ("continuous", "fcfs", "fair", "priority", "static")
+PREEMPTION_MODES = ("recompute", "swap")
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,14 @@ class SchedulerConfig(PeerSecurity):
     static_batch_wait_ms: float = setting(
         100.0, "static policy: wait up to this long for a new batch to fill to --max-num-seqs"
     )
+    preemption_mode: str = setting(
+        "recompute",
+        "what a preempted request's KV becomes: recompute = freed (its full blocks stay in the "
+        "prefix cache, copied down a tier if evicted, like any cached block); swap = its full "
+        "blocks are copied to the host tier at once, and readmission brings them back (needs "
+        "the engine's --kv-offload-gb and --prefix-caching)",
+        choices=PREEMPTION_MODES,
+    )
     overlap_scheduling: bool = setting(
         True, "plan step N+1 while the engine runs step N (two steps in flight)"
     )
@@ -85,6 +94,16 @@ class SchedulerConfig(PeerSecurity):
             raise ValueError(
                 f"scheduling_policy={self.scheduling_policy!r} must be one of "
                 f"{', '.join(SCHEDULING_POLICIES)}"
+            )
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(
+                f"preemption_mode={self.preemption_mode!r} must be one of "
+                f"{', '.join(PREEMPTION_MODES)}"
+            )
+        if self.preemption_mode == "swap" and not self.enable_prefix_caching:
+            raise ValueError(
+                "preemption_mode='swap' needs enable_prefix_caching (blocks are "
+                "indexed by their prefix hashes in every tier)"
             )
         check_ports(self, "port", "metrics_port")
         self.lora_paths()

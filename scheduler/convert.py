@@ -42,6 +42,14 @@ def request_from_proto(msg: scheduler_pb2.SubmitRequest, seq_id: int) -> Request
     )
 
 
+# The KV tiers by name (scheduler/kv_offload.py) as engine.proto's KVTier.
+KV_TIERS = {
+    "device": engine_pb2.KV_TIER_DEVICE,
+    "host": engine_pb2.KV_TIER_HOST,
+    "disk": engine_pb2.KV_TIER_DISK,
+}
+
+
 def plan_to_proto(plan: StepPlan) -> engine_pb2.StepPlan:
     msg = engine_pb2.StepPlan(step_id=plan.step_id, finished_seq_ids=plan.finished_seq_ids)
     for row in plan.new_requests:
@@ -49,6 +57,10 @@ def plan_to_proto(plan: StepPlan) -> engine_pb2.StepPlan:
     running_to_proto(plan.running, msg.running)
     for load in plan.lora_loads:
         msg.lora_loads.add(slot=load.slot, lora_name=load.lora_name, path=load.path)
+    for src, dst, src_ids, dst_ids in plan.kv_copies:
+        msg.kv_copies.add(
+            src_tier=KV_TIERS[src], dst_tier=KV_TIERS[dst], src_ids=src_ids, dst_ids=dst_ids
+        )
     return msg
 
 

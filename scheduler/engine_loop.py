@@ -157,15 +157,21 @@ class EngineLoop:
                     tuple(info.eos_token_ids),
                     pipeline_parallel_size=pipeline_parallel_size,
                     num_speculative_tokens=info.num_speculative_tokens,
+                    num_host_blocks=info.num_host_blocks,
+                    num_disk_blocks=info.num_disk_blocks,
+                    kv_block_bytes=info.kv_block_bytes,
                 )
             else:
                 self.scheduler.config = config
                 self.scheduler.set_pipeline_parallel_size(pipeline_parallel_size)
                 self.scheduler.set_num_speculative_tokens(info.num_speculative_tokens)
-            if self.scheduler.loras.max_loras != info.max_loras:
-                self.scheduler.loras.resize(info.max_loras)
+                self.scheduler.set_offload_tiers(
+                    info.num_host_blocks, info.num_disk_blocks, info.kv_block_bytes
+                )
                 for request in self.scheduler.resize(info.num_blocks, info.block_size):
                     self._deliver(StepOutcome(request, None, None, RequestStatus.FINISHED_ABORTED))
+            if self.scheduler.loras.max_loras != info.max_loras:
+                self.scheduler.loras.resize(info.max_loras)
         except ValueError as err:  # a limit above the engine's, or a policy refusing its stages
             raise EngineMismatch(str(err)) from err
         self.scheduler.set_sliding_window(info.sliding_window or None)
@@ -184,7 +190,14 @@ class EngineLoop:
             pipeline_parallel_size=pipeline_parallel_size,
             speculative_method=info.speculative_method or "none",
             num_speculative_tokens=info.num_speculative_tokens,
+            kv_offload_host_blocks=info.num_host_blocks,
+            kv_offload_disk_blocks=info.num_disk_blocks,
         )
+        if config.preemption_mode == "swap" and not info.num_host_blocks:
+            log.warning(
+                "preemption_mode='swap' without a host tier: preempted requests recompute "
+                "(start the engine with --kv-offload-gb)"
+            )
 
     async def add_lora(self, name: str, path: str) -> engine_pb2.AddLoraResponse:
         """Have the engine check adapter name at path (AioRpcError INVALID_ARGUMENT naming it

@@ -60,6 +60,9 @@ class StepPlan:
     preempted: list[Request] = field(default_factory=list)
     # Adapters the engine places in slots before the rows run.
     lora_loads: list[LoraLoad] = field(default_factory=list)
+    # KV offload: copies between tiers, (src tier, dst tier, src ids, dst ids) batches in the
+    # order the engine runs them (scheduler/kv_offload.py).
+    kv_copies: list[tuple[str, str, list[int], list[int]]] = field(default_factory=list)
 
     @property
     def rows(self) -> list[NewRequestRow | RunningRow]:
@@ -75,7 +78,7 @@ class StepPlan:
 
     @property
     def is_empty(self) -> bool:
-        return not (self.new_requests or self.running or self.finished_seq_ids)
+        return not (self.new_requests or self.running or self.finished_seq_ids or self.kv_copies)
 
 
 @dataclass

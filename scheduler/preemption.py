@@ -1,22 +1,25 @@
 """Preemption: whom a request short of a block or a seat displaces, and what preempting does.
 
 Preemption is recompute: the victim's blocks are freed and it waits again, first in line, to be
-recomputed from its tokens. Whom it picks is the policy's (hooks `_victim_order`,
+recomputed from its tokens. With --preemption-mode swap (and a host tier) its full blocks are
+copied down to the host tier first, and its readmission brings them back
+(scheduler/offloading.py). Whom it picks is the policy's (hooks `_victim_order`,
 `_room_candidates`); bounded preemption (`_is_protected`) holds for every policy.
 """
 
 from __future__ import annotations
 
+from scheduler.offloading import Offloading
 from scheduler.request import Request, RequestStatus
-from scheduler.state import SchedulerState
 
 
-class Preemption(SchedulerState):
+class Preemption(Offloading):
     def _preempt(self, request: Request, reason: str) -> None:
         """Free request's blocks and queue it first in line (its policy may rank it elsewhere);
         it is recomputed from all its tokens (prompt and output so far) when readmitted. Nothing
         it already produced is lost. The caller has taken it out of `running`; reason is
-        counted."""
+        counted. Swap preemption copies its blocks down to the host tier first."""
+        self._swap_out(request)
         self.block_manager.free(request)
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0

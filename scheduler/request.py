@@ -117,6 +117,8 @@ class Request:
     # The LoRA adapter it runs under ("": the base model). Its prefix-cache blocks are keyed by
     # it (common/block_hash.py: the chain starts from the adapter's root).
     lora_name: str = ""
+    # KV offload: when it began waiting for its prefix to come back from a lower tier (0: not).
+    swap_in_since: float = 0.0
     # Each feature's state, in its own record.
     preemption: PreemptionRecord = field(default_factory=PreemptionRecord)
     ledger: LedgerEntry = field(default_factory=LedgerEntry)

@@ -161,10 +161,13 @@ class Scheduler(StepResults, Preemption, PipelineSlots):
             return []
         assert not self.running, "resize with running requests"
         self.block_size = block_size
+        offload = self.block_manager.offload
         self.block_manager = BlockManager(
             num_blocks, block_size, self.config.enable_prefix_caching,
-            self.block_manager.sliding_window,
+            self.block_manager.sliding_window, offload,
         )  # fmt: skip
+        if offload is not None:
+            offload.reset()  # blocks keyed by the old block size
         for request in self.waiting:
             request.block_hashes = []  # hashed per block, so they depend on block_size
         capacity = num_blocks * block_size
@@ -236,6 +239,8 @@ class Scheduler(StepResults, Preemption, PipelineSlots):
             assert num_new > 0, f"running request {request.request_id} has nothing to compute"
             request.spec.num_lookahead_tokens = self._lookahead(request, num_new, budget)
             while not self._allocate_running(request, num_new):
+                if self._release_pins():
+                    continue  # blocks held for swap-ins go before anyone is preempted
                 victim, freed = self._evict(i, scheduled)
                 if victim is request:
                     break
@@ -319,6 +324,8 @@ class Scheduler(StepResults, Preemption, PipelineSlots):
                     return
                 budget += freed
             cached = self.block_manager.find_cached_blocks(request)
+            if self._start_swap_in(request, cached):
+                break  # it waits for its blocks to come back; the next plan admits it
             num_cached = len(cached) * self.block_size
             num_new = min(request.num_tokens - num_cached, budget)
             while not self.block_manager.allocate_slots(request, num_new, cached):
@@ -355,6 +362,7 @@ class Scheduler(StepResults, Preemption, PipelineSlots):
         assert request.num_pending_tokens == 0, f"{request.request_id}: pending while waiting"
         request.status = RequestStatus.RUNNING
         request.num_computed_tokens = num_cached
+        self._end_swap_in(request)
         request.pipeline.slot = self.slot
         request.preemption.admitted_step_id = self.next_step_id
         c = self.counters
@@ -372,6 +380,8 @@ class Scheduler(StepResults, Preemption, PipelineSlots):
         plan.lora_loads = self.loras.take_loads()
         for row in plan.rows:
             row.lora_slot = self.loras.slot_of(row.request.lora_name)
+        if self.block_manager.offload is not None:
+            plan.kv_copies = self.block_manager.offload.take_copies()
         self.next_step_id += 1
         self.finished_seq_ids, self.preempted = [], []
         return plan

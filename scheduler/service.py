@@ -161,6 +161,8 @@ class SchedulerService(EngineLoop, scheduler_pb2_grpc.SchedulerServicer):
                 num_blocks=s.block_manager.num_blocks,
                 lora_names=sorted(n for n in s.loras.paths if s.loras.is_servable(n)),
             )
+            if s.block_manager.offload is not None:
+                snapshot.update(s.block_manager.offload.stats())
         return snapshot
 
     async def GetStats(

@@ -10,6 +10,7 @@ from collections import deque
 from scheduler.admin import SchedulerCounters
 from scheduler.block_manager import BlockManager
 from scheduler.config import SchedulerConfig
+from scheduler.kv_offload import KVOffload
 from scheduler.lora import LoraTable
 from scheduler.request import Request, RequestStatus
 from scheduler.speculation import SpeculationPolicy
@@ -30,10 +31,15 @@ class SchedulerState:
         *,
         pipeline_parallel_size: int = 1,
         num_speculative_tokens: int = 0,
+        num_host_blocks: int = 0,
+        num_disk_blocks: int = 0,
+        kv_block_bytes: int = 0,
     ):
         """num_speculative_tokens: the most tokens the engine proposes per request and step
         (speculative decoding; 0: none). With it, plan one step at a time (no overlap: a step's
-        number of tokens per request is known only from its result)."""
+        number of tokens per request is known only from its result). num_host_blocks,
+        num_disk_blocks: the engine's KV offload tiers (0: none; scheduler/kv_offload.py), of
+        blocks of kv_block_bytes each."""
         assert config.max_num_seqs > 0 and config.max_num_batched_tokens > 0, (
             "a scheduler needs its step limits: SchedulerConfig.adopt the engine's first"
         )
@@ -43,6 +49,7 @@ class SchedulerState:
         self.vocab_size = vocab_size
         self.eos_token_ids = frozenset(eos_token_ids)
         self.block_manager = BlockManager(num_blocks, block_size, config.enable_prefix_caching)
+        self.set_offload_tiers(num_host_blocks, num_disk_blocks, kv_block_bytes)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[int, Request] = {}
@@ -92,10 +99,31 @@ class SchedulerState:
             assert not self.running, "pipeline_parallel_size changed with running requests"
         self.pipeline_parallel_size = pipeline_parallel_size
 
+    def set_offload_tiers(
+        self, num_host_blocks: int, num_disk_blocks: int, block_bytes: int = 0
+    ) -> None:
+        """Index an engine's KV offload tiers of these sizes (0 host blocks: none; block_bytes:
+        one block's size, for the byte counts) from the next plan on. Only while nothing is
+        pinned (at start, or after reset_engine). Offload needs the prefix cache: without it,
+        none. Tiers of the same sizes keep their counters (their contents were forgotten by
+        reset_engine)."""
+        bm = self.block_manager
+        assert not bm.pins, "offload tiers changed with blocks pinned"
+        old = bm.offload
+        sizes = (num_host_blocks, num_disk_blocks)
+        if old is not None and (old.host.num_slots, old.disk.num_slots if old.disk else 0) == sizes:
+            old.block_bytes = block_bytes
+            return
+        offload = None
+        if num_host_blocks > 0 and bm.enable_prefix_caching:
+            offload = KVOffload(num_host_blocks, num_disk_blocks, block_bytes)
+        bm.offload = offload
+
     def _finish(self, request: Request, status: RequestStatus) -> None:
         assert status.is_finished
         request.status = status
         request.num_pending_tokens = 0  # results still in flight for it are ignored
+        self.block_manager.unpin(request.seq_id)  # a swap-in it was waiting for
         self.block_manager.free(request)
         del self.requests[request.seq_id]
         self.tenants.leave(request.tenant)

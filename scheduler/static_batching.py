@@ -161,6 +161,9 @@ def make_scheduler(
     *args: Any,
     pipeline_parallel_size: int = 1,
     num_speculative_tokens: int = 0,
+    num_host_blocks: int = 0,
+    num_disk_blocks: int = 0,
+    kv_block_bytes: int = 0,
 ) -> Scheduler:
     """The scheduler for config.scheduling_policy; args as Scheduler's after the config.
     Raises ValueError when the policy cannot use pipeline_parallel_size or speculation."""
@@ -176,4 +179,7 @@ def make_scheduler(
         *args,
         pipeline_parallel_size=pipeline_parallel_size,
         num_speculative_tokens=num_speculative_tokens,
+        num_host_blocks=num_host_blocks,
+        num_disk_blocks=num_disk_blocks,
+        kv_block_bytes=kv_block_bytes,
     )

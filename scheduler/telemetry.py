@@ -133,6 +133,32 @@ METRICS = {
         "llmserve.prefix_cache.query_tokens", "observed_counter", "{token}",
         "Tokens looked up in the prefix cache at admission (readmissions too)",
     ),
+    "kv_offload_hit_blocks": Metric(
+        "llmserve.kv_offload.hit_blocks", "observed_counter", "{block}",
+        "KV offload: blocks a prefix lookup found in a lower tier and brought back, by tier "
+        "(host, disk; device hits: llmserve.prefix_cache.hit_tokens)",
+    ),
+    "kv_offload_blocks_in": Metric(
+        "llmserve.kv_offload.blocks_copied", "observed_counter", "{block}",
+        "KV offload: blocks copied into each tier (device: brought back; host: evicted from "
+        "the device; disk: evicted from the host)",
+    ),
+    "kv_offload_bytes_in": Metric(
+        "llmserve.kv_offload.bytes_copied", "observed_counter", "By",
+        "KV offload: bytes copied into each tier (blocks_copied x one block's bytes per rank)",
+    ),
+    "kv_offload_dropped_blocks": Metric(
+        "llmserve.kv_offload.dropped_blocks", "observed_counter", "{block}",
+        "KV offload: blocks a tier dropped for room, by tier",
+    ),
+    "num_swap_ins": Metric(
+        "llmserve.kv_offload.swap_ins", "observed_counter", "{request}",
+        "KV offload: requests admitted after waiting for their prefix to come back",
+    ),
+    "swap_in_wait_s": Metric(
+        "llmserve.kv_offload.swap_in_wait", "observed_counter", "s",
+        "KV offload: seconds requests waited for their prefix to come back, in all",
+    ),
     "num_running": Metric(
         "llmserve.scheduler.requests.running", "gauge", "{request}",
         "Requests holding KV blocks and stepping",
@@ -231,6 +257,10 @@ class SchedulerTelemetry:
             return [(n, {"reason": r}) for r, n in by_reason]
         if key.startswith("tenant_"):
             return _tenant_series(stats["tenants"], key)
+        if key.startswith("kv_offload_"):
+            return [(n, {"tier": tier}) for tier, n in stats.get(key, {}).items()]
+        if key in ("num_swap_ins", "swap_in_wait_s"):
+            return [(stats[key], {})] if key in stats else []
         if key == "kv_usage":
             return [(1.0 - stats["num_free_blocks"] / stats["num_blocks"], {})]
         if key == "throughput":

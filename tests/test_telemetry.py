@@ -212,7 +212,14 @@ def metrics_stack(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     ports = {name: free_port() for name in ("gateway", "scheduler", "engine")}
     stack = start_stack(
         model_dir,
-        engine_args=["--num-kv-blocks", "64", "--metrics-port", str(ports["engine"])],
+        engine_args=[
+            "--num-kv-blocks",
+            "64",
+            "--metrics-port",
+            str(ports["engine"]),
+            "--kv-offload-gb",
+            "0.01",
+        ],
         scheduler_args=["--metrics-port", str(ports["scheduler"])],
         gateway_args=["--metrics-port", str(ports["gateway"])],
         log_dir=tmp_path_factory.mktemp("logs"),
@@ -289,6 +296,18 @@ def test_metrics_match_what_clients_saw(metrics_stack: tuple[Stack, dict[str, in
     assert steps >= max(c.completion_tokens for c in done)
     assert forwards == steps == planned.num_steps
     assert tokens == planned.num_scheduled_tokens
+    # KV offload: the host tier's counts, one series per tier, as GetStats has them.
+    assert planned.kv_offload_num_blocks["host"] > 0
+    for tier in ("host", "disk"):
+        assert (
+            _total(sc, "llmserve_kv_offload_hit_blocks_total", tier=tier)
+            == (planned.kv_offload_hit_blocks[tier])
+        )
+    assert (
+        _total(sc, "llmserve_kv_offload_blocks_copied_total", tier="host")
+        == (planned.kv_offload_blocks_in["host"])
+    )
+    assert _total(sc, "llmserve_kv_offload_swap_ins_total") == planned.num_swap_ins
 
 
 # -- configuration -------------------------------------------------------------------------------

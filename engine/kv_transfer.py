@@ -1,0 +1,177 @@
+"""Moving KV blocks from one engine's pool to another's over TCP: the transfer channel that
+prefill / decode disaggregation needs (docs/architecture.md, "Engine roles"; not wired to a
+role yet). Which blocks move, under which transfer id, and by when, is the scheduler's; the
+sending engine pushes the blocks' contents, the receiving one takes them into the blocks its
+plan names, or gives up at the deadline.
+
+One connection per transfer:
+
+    receiver -> sender   32-byte random challenge
+    sender -> receiver   HMAC-SHA256(internal token, challenge)       (refused: connection closed)
+    sender -> receiver   transfer_id (u64), num_blocks (u32), block_bytes (u64)
+    sender -> receiver   num_blocks x block_bytes: each block's every layer, keys and values
+
+Only a whole transfer is delivered: a connection that drops, stalls past its timeout or fails
+the challenge delivers nothing, and the receiver's `take` returns False at its deadline, so the
+caller recomputes instead of waiting.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import socket
+import struct
+import threading
+import time
+
+import torch
+
+from common.log import get_logger
+
+log = get_logger("engine.kv_transfer")
+
+CHALLENGE_BYTES = 32
+HEADER = struct.Struct("!QIQ")
+IO_TIMEOUT_S = 5.0
+
+
+class TransferError(Exception):
+    """A transfer that did not complete (refused, dropped, timed out)."""
+
+
+def _proof(token: str, challenge: bytes) -> bytes:
+    return hmac.new(token.encode(), challenge, hashlib.sha256).digest()
+
+
+def _read_exactly(conn: socket.socket, num_bytes: int, into: memoryview | None = None) -> bytes:
+    """num_bytes from conn (into `into` when given); TransferError when it ends first."""
+    buffer = into if into is not None else memoryview(bytearray(num_bytes))
+    got = 0
+    while got < num_bytes:
+        n = conn.recv_into(buffer[got:], num_bytes - got)
+        if n == 0:
+            raise TransferError(f"connection closed after {got} of {num_bytes} bytes")
+        got += n
+    return bytes(buffer) if into is None else b""
+
+
+def _block_span(kv_cache: torch.Tensor) -> tuple[int, ...]:
+    """One block's shape as it travels: [num_layers, 2, block_size, num_kv_heads, head_dim]."""
+    layers, kv, _, *block = kv_cache.shape
+    return (layers, kv, *block)
+
+
+def send_blocks(
+    address: tuple[str, int],
+    token: str,
+    transfer_id: int,
+    kv_cache: torch.Tensor,
+    block_ids: list[int],
+    timeout_s: float = IO_TIMEOUT_S,
+) -> None:
+    """Push the contents of kv_cache's block_ids to the receiver at address under transfer_id.
+    Raises TransferError if it is refused, drops or takes longer than timeout_s."""
+    blocks = kv_cache[:, :, torch.tensor(block_ids, dtype=torch.long, device=kv_cache.device)]
+    payload = blocks.movedim(2, 0).contiguous().cpu().view(torch.uint8).numpy().tobytes()
+    block_bytes = len(payload) // max(1, len(block_ids))
+    try:
+        with socket.create_connection(address, timeout=timeout_s) as conn:
+            challenge = _read_exactly(conn, CHALLENGE_BYTES)
+            conn.sendall(_proof(token, challenge))
+            conn.sendall(HEADER.pack(transfer_id, len(block_ids), block_bytes))
+            conn.sendall(payload)
+            conn.shutdown(socket.SHUT_WR)
+            if conn.recv(1) != b"\x01":
+                raise TransferError(f"transfer {transfer_id}: the receiver did not accept it")
+    except OSError as err:
+        raise TransferError(f"transfer {transfer_id} to {address}: {err}") from err
+
+
+class KVReceiver:
+    """Accepts transfers for kv_cache's pool on (host, port) (port 0: a free one, see
+    `address`), from senders proving the internal token; `take` puts one into blocks."""
+
+    def __init__(self, kv_cache: torch.Tensor, token: str, host: str = "127.0.0.1", port: int = 0):
+        self.kv_cache = kv_cache
+        self.token = token
+        span = _block_span(kv_cache)
+        self.block_bytes = kv_cache.element_size() * int(torch.Size(span).numel())
+        self.arrived: dict[int, torch.Tensor] = {}
+        # Transfers given up (deadline passed, or cancelled) before they arrived: dropped if
+        # they arrive after all, so nothing is held for nobody.
+        self.given_up: set[int] = set()
+        self.cond = threading.Condition()
+        self.server = socket.create_server((host, port))
+        self.address: tuple[str, int] = self.server.getsockname()[:2]
+        self.closed = False
+        threading.Thread(target=self._serve, name="kv-receiver", daemon=True).start()
+
+    def _serve(self) -> None:
+        while not self.closed:
+            try:
+                conn, _ = self.server.accept()
+            except OSError:
+                return  # closed
+            threading.Thread(target=self._receive, args=(conn,), daemon=True).start()
+
+    def _receive(self, conn: socket.socket) -> None:
+        """One transfer: challenge, header, payload; delivered only whole."""
+        with conn:
+            conn.settimeout(IO_TIMEOUT_S)
+            try:
+                challenge = os.urandom(CHALLENGE_BYTES)
+                conn.sendall(challenge)
+                proof = _read_exactly(conn, len(_proof("", challenge)))
+                if not hmac.compare_digest(proof, _proof(self.token, challenge)):
+                    log.warning("kv transfer refused: bad internal token")
+                    return
+                transfer_id, num_blocks, block_bytes = HEADER.unpack(
+                    _read_exactly(conn, HEADER.size)
+                )
+                if block_bytes != self.block_bytes:
+                    raise TransferError(
+                        f"transfer {transfer_id}: blocks of {block_bytes} bytes, this pool's "
+                        f"are {self.block_bytes}"
+                    )
+                data = torch.empty(num_blocks * block_bytes, dtype=torch.uint8)
+                _read_exactly(conn, data.numel(), memoryview(data.numpy()))
+                conn.sendall(b"\x01")
+            except (OSError, TransferError) as err:
+                log.warning("kv transfer dropped", error=str(err))
+                return
+        span = _block_span(self.kv_cache)
+        with self.cond:
+            if transfer_id in self.given_up:
+                self.given_up.discard(transfer_id)
+                return
+            self.arrived[transfer_id] = data.view(self.kv_cache.dtype).view(num_blocks, *span)
+            self.cond.notify_all()
+
+    def take(self, transfer_id: int, block_ids: list[int], deadline: float) -> bool:
+        """Wait until transfer_id has arrived whole (True: its blocks are now block_ids of the
+        pool, in order) or time.monotonic() passes deadline (False: nothing written)."""
+        with self.cond:
+            while transfer_id not in self.arrived:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    self.given_up.add(transfer_id)
+                    return False
+                self.cond.wait(left)
+            blocks = self.arrived.pop(transfer_id)
+        if blocks.shape[0] != len(block_ids):
+            return False
+        index = torch.tensor(block_ids, dtype=torch.long, device=self.kv_cache.device)
+        self.kv_cache[:, :, index] = blocks.to(self.kv_cache.device).movedim(0, 2)
+        return True
+
+    def discard(self, transfer_id: int) -> None:
+        """Forget transfer_id, arrived or not (cancelled: its blocks were freed)."""
+        with self.cond:
+            if self.arrived.pop(transfer_id, None) is None:
+                self.given_up.add(transfer_id)
+
+    def close(self) -> None:
+        self.closed = True
+        self.server.close()

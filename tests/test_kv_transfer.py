@@ -1,0 +1,79 @@
+"""The KV transfer channel between two engines' pools (engine/kv_transfer.py), in one process
+over loopback TCP: whole blocks arrive into the blocks the receiver names; a wrong token, a
+connection dropped mid-payload and a sender that never comes each deliver nothing, and the
+receiver's wait ends at its deadline."""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from engine.kv_transfer import HEADER, KVReceiver, TransferError, send_blocks
+
+SHAPE = (2, 2, 8, 4, 2, 16)  # [layers, 2, blocks, block_size, kv heads, head_dim]
+TOKEN = "internal-token"
+
+
+@pytest.fixture
+def receiver() -> Iterator[KVReceiver]:
+    r = KVReceiver(torch.zeros(SHAPE), TOKEN)
+    yield r
+    r.close()
+
+
+def test_blocks_arrive_whole_into_the_blocks_named(receiver: KVReceiver) -> None:
+    source = torch.randn(SHAPE)
+    send_blocks(receiver.address, TOKEN, 7, source, [3, 1, 6])
+    assert receiver.take(7, [0, 5, 2], time.monotonic() + 5)
+    pool = receiver.kv_cache
+    for src, dst in ((3, 0), (1, 5), (6, 2)):
+        assert torch.equal(pool[:, :, dst], source[:, :, src])
+    assert not pool[:, :, [1, 3, 4, 6, 7]].any()
+    assert receiver.arrived == {}
+
+
+def test_a_wrong_token_is_refused_and_the_wait_ends_at_the_deadline(
+    receiver: KVReceiver,
+) -> None:
+    with pytest.raises(TransferError, match="transfer 8"):
+        send_blocks(receiver.address, "not-the-token", 8, torch.randn(SHAPE), [0])
+    t0 = time.monotonic()
+    assert not receiver.take(8, [0], t0 + 0.3)
+    assert 0.3 <= time.monotonic() - t0 < 2.0
+    assert not receiver.kv_cache.any()
+
+
+def test_a_connection_dropped_mid_payload_delivers_nothing(receiver: KVReceiver) -> None:
+    import hashlib
+    import hmac
+
+    with socket.create_connection(receiver.address, timeout=5) as conn:
+        challenge = conn.recv(32)
+        conn.sendall(hmac.new(TOKEN.encode(), challenge, hashlib.sha256).digest())
+        conn.sendall(HEADER.pack(9, 2, receiver.block_bytes))
+        conn.sendall(b"\x01" * (receiver.block_bytes + 10))  # one block and a bit, then gone
+    assert not receiver.take(9, [0, 1], time.monotonic() + 0.5)
+    assert not receiver.kv_cache.any() and 9 in receiver.given_up
+
+
+def test_a_transfer_arriving_after_it_was_given_up_is_dropped(receiver: KVReceiver) -> None:
+    receiver.discard(10)  # cancelled before it arrived
+    send_blocks(receiver.address, TOKEN, 10, torch.randn(SHAPE), [2])
+    deadline = time.monotonic() + 2
+    while 10 in receiver.given_up and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert receiver.arrived == {} and receiver.given_up == set()
+
+
+def test_a_receiver_that_is_gone_fails_the_send_fast() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        address = s.getsockname()[:2]
+    t0 = time.monotonic()
+    with pytest.raises(TransferError, match="transfer 11"):
+        send_blocks(address, TOKEN, 11, torch.randn(SHAPE), [0], timeout_s=1.0)
+    assert time.monotonic() - t0 < 2.0
