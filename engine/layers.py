@@ -278,6 +278,8 @@ class DecoderLayer(nn.Module):
         self.self_attn = attention or Attention(config, layer_idx, rotary, ops, tp)
         self.post_attention_layernorm = norm(config.hidden_size, eps, ops)
         self.mlp = mlp or MLP(config, ops, tp, layer_idx)
+        if isinstance(self.mlp, MLP):  # a family's own MLP: LoRA finds its weights by this index
+            self.mlp.layer_idx = layer_idx
 
     def forward(
         self,
