@@ -64,6 +64,11 @@ class LazyWeights(Mapping[str, torch.Tensor]):
             raise KeyError(name)
         return self.read(name)
 
+    def __contains__(self, name: object) -> bool:
+        # Mapping's own asks __getitem__: every tensor was read (a GGUF's dequantized) once more
+        # by load_weights' check for missing ones, doubling the load
+        return name in self.names
+
     def __iter__(self) -> Iterator[str]:
         return iter(self.names)
 
