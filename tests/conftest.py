@@ -16,6 +16,11 @@ for _name in [n for n in os.environ if n.startswith("OTEL_")]:
     del os.environ[_name]
 # Nor an API key: test stacks and clients get theirs from the test.
 os.environ.pop("LLMSERVE_API_KEY", None)
+# Under ./test.sh's two workers, each worker and the stacks it starts run one torch (OpenMP)
+# thread: with two threads each, the two workers' engines share two cores four ways and spin
+# in OpenMP barriers while descheduled. A test that wants threads sets them itself.
+if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0")) > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 HF_REFERENCE_HOW = (
