@@ -30,7 +30,6 @@ from engine.config import EngineConfig
 from engine.contract import EngineInfo, StepOutput, StepPlanData, with_refused_rows
 from engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from engine.device import resolve_device, resolve_dtype, resolve_kv_dtype
-from engine.families import check_features
 from engine.graph_capture import capture_graphs, uses_graphs
 from engine.kv_cache import allocate_kv_cache, layer_views
 from engine.memory import (
@@ -120,7 +119,8 @@ class Engine:
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, self.dtype)
         self.quantization = checked_quantization(config.quantization, path, self.device)
-        check_features(self.model_config, self.quantization)
+        if family_refusal(self.model_config.family, ["quantization"]):
+            self.quantization = "none"  # what auto chose (one asked for was refused above)
         max_len = self.model_config.max_position_embeddings
         self.max_model_len = min(max_len, config.max_model_len or max_len)
 
