@@ -9,7 +9,7 @@ soft-caps, Phi-3's partial rotary (0.75); Qwen3-MoE and Qwen2-MoE with every MLP
 experts of width 192, top-2 (Qwen2-MoE with a shared expert of 384). Llama runs first and again
 last: the gap between its two runs is the machine's drift over the run.
 
-    python -m bench.family_steps [--out bench/results/family_steps.json]
+    python -m bench.family_steps [--out bench/results/family_steps.json] [--families a,b]
 """
 
 from __future__ import annotations
@@ -92,12 +92,14 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--batches", default="1,16")
     p.add_argument("--steps", type=int, default=15)
+    p.add_argument("--families", default=",".join(FAMILIES), help="a subset, comma-separated")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "family_steps.json")
     args = p.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     results = []
     with tempfile.TemporaryDirectory() as tmp:
-        for family in [*FAMILIES, "llama"]:
+        chosen = [f for f in FAMILIES if f in args.families.split(",")]
+        for family in ["llama", *(f for f in chosen if f != "llama"), "llama"]:
             rows = run(_fresh(Path(tmp), family, len(results)), batches, args.steps)
             results.append({"family": family, "config": FAMILIES[family], "rows": rows})
             times = " ".join(f"b{r['batch']}={r['step_ms_median']}ms" for r in rows)
