@@ -5,10 +5,11 @@ Every family takes SmolLM2-135M's shape (configs/smollm2-135m: hidden 576, 30 la
 3 KV heads, MLP 1536, vocab 49152) in its own layout, with --load-format dummy: Qwen2 with its
 q/k/v biases, Qwen3 with q/k norms, Mistral, Gemma 2 and 3 and Phi-3 with a 64-token sliding
 window (shorter than the 128-token prompts, so the windowed decode path runs), Gemma 2's
-soft-caps, Phi-3's partial rotary (0.75). Llama runs first and again last: the gap between its
-two runs is the machine's drift over the run.
+soft-caps, Phi-3's partial rotary (0.75); Qwen3-MoE and Qwen2-MoE with every MLP made 8
+experts of width 192, top-2 (Qwen2-MoE with a shared expert of 384). Llama runs first and again
+last: the gap between its two runs is the machine's drift over the run.
 
-    python -m bench.family_steps [--out bench/results/family_steps.json]
+    python -m bench.family_steps [--out bench/results/family_steps.json] [--families a,b]
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ GEMMA = {
     "sliding_window": WINDOW,
     "hidden_activation": "gelu_pytorch_tanh",
 }
+MOE = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 192}
 FAMILIES: dict[str, dict[str, Any]] = {
     "llama": {},
     "qwen2": {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"},
@@ -56,7 +58,17 @@ FAMILIES: dict[str, dict[str, Any]] = {
         "sliding_window": WINDOW,
         "tie_word_embeddings": False,
     },
-}
+    # Mixture of experts: every MLP a sparse block of the same total width (8 experts of 192,
+    # top-2: the MLP's parameters, a quarter of them active); Qwen2-MoE adds a shared expert.
+    "qwen3_moe": {
+        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "head_dim": 64,
+        "norm_topk_prob": True, **MOE,
+    },
+    "qwen2_moe": {
+        "architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe",
+        "shared_expert_intermediate_size": 384, **MOE,
+    },
+}  # fmt: skip
 
 
 def family_dir(base: Path, family: str) -> Path:
@@ -80,12 +92,14 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--batches", default="1,16")
     p.add_argument("--steps", type=int, default=15)
+    p.add_argument("--families", default=",".join(FAMILIES), help="a subset, comma-separated")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "family_steps.json")
     args = p.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     results = []
     with tempfile.TemporaryDirectory() as tmp:
-        for family in [*FAMILIES, "llama"]:
+        chosen = [f for f in FAMILIES if f in args.families.split(",")]
+        for family in ["llama", *(f for f in chosen if f != "llama"), "llama"]:
             rows = run(_fresh(Path(tmp), family, len(results)), batches, args.steps)
             results.append({"family": family, "config": FAMILIES[family], "rows": rows})
             times = " ".join(f"b{r['batch']}={r['step_ms_median']}ms" for r in rows)

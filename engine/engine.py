@@ -31,7 +31,6 @@ from engine.config import EngineConfig
 from engine.contract import EngineInfo, StepOutput, StepPlanData, with_refused_rows
 from engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from engine.device import resolve_device, resolve_dtype, resolve_kv_dtype
-from engine.families import check_features
 from engine.grammar import Grammars
 from engine.graph_capture import capture_graphs, uses_graphs
 from engine.kv_cache import allocate_kv_cache, bytes_per_block, layer_views
@@ -138,9 +137,8 @@ class Engine:
             config.quantization, path, self.device, whole=self.shard.tp.size == 1,
             dummy=config.load_format == "dummy",
         )  # fmt: skip
-        self.quantization = check_features(
-            self.model_config, self.quantization, config.quantization
-        )
+        if family_refusal(self.model_config.family, ["quantization"]):
+            self.quantization = "none"  # what auto chose (one asked for was refused above)
         max_len = self.model_config.max_position_embeddings
         self.max_model_len = min(max_len, config.max_model_len or max_len)
 

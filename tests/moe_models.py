@@ -59,12 +59,13 @@ _STACKED = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj":
 _STACKED.update(w1="ffn_gate_exps", w3="ffn_up_exps", w2="ffn_down_exps")
 
 
-def write_moe_gguf(hf_dir: Path, path: Path, family: str) -> Path:
+def write_moe_gguf(hf_dir: Path, path: Path, family: str, q8_attention: bool = False) -> Path:
     """hf_dir (a tiny Qwen3-MoE, Qwen2-MoE or Mixtral) as a float32 GGUF laid out as llama.cpp's
     converter does: each projection's experts stacked in one tensor ([E, I, H] / [E, H, I]), the
     router `ffn_gate_inp`, the shared expert `ffn_*_shexp` and its gate a vector
     `ffn_gate_inp_shexp`; the expert keys (count, used count, widths, weights_norm). Mixtral is
-    the Llama architecture with an expert count, its q / k rows permuted as Llama's."""
+    the Llama architecture with an expert count, its q / k rows permuted as Llama's.
+    q8_attention: the attention projections stored as Q8_0 (what --quantization auto reads)."""
     import re
 
     import gguf
@@ -104,7 +105,12 @@ def write_moe_gguf(hf_dir: Path, path: Path, family: str) -> Path:
             data = permute_qk(data, cfg["num_attention_heads"])
         elif arch == "llama" and ".attn_k." in name:
             data = permute_qk(data, cfg["num_key_value_heads"])
-        w.add_tensor(name, np.ascontiguousarray(data, dtype=np.float32))
+        data = np.ascontiguousarray(data, dtype=np.float32)
+        if q8_attention and ".attn_" in name and "norm" not in name:
+            q8 = gguf.GGMLQuantizationType.Q8_0
+            w.add_tensor(name, gguf.quants.quantize(data, q8), raw_dtype=q8)
+            continue
+        w.add_tensor(name, data)
     for name, experts in stacks.items():
         stacked = np.stack([experts[e] for e in sorted(experts)])
         w.add_tensor(name, np.ascontiguousarray(stacked, dtype=np.float32))

@@ -100,7 +100,7 @@ def test_scheduled_script_matches_hf(load: Any, family: str) -> None:
 
 def test_quantization_is_refused_by_name(load: Any) -> None:
     path = load("mixtral").path
-    with pytest.raises(ValueError, match="--quantization int8 is not served for the mixtral"):
+    with pytest.raises(ValueError, match=r"family mixtral \(MixtralForCausalLM\) does not supp"):
         Engine(EngineConfig(model=str(path), device="cpu", num_kv_blocks=8, quantization="int8"))
 
 
@@ -209,3 +209,17 @@ def test_gguf_logits_match_hf(load: Any, family: str, tmp_path: Path) -> None:
     tokens = prompt(45, seed=1)
     (ours,) = forward_direct(engine, [(tokens, 0, len(tokens), shuffled_blocks(11)[:6])])
     assert rel_err(ours, m.hf_logits(tokens)) < TOLERANCE
+
+
+def test_quantization_auto_stays_off_for_experts(load: Any, tmp_path: Path) -> None:
+    """--quantization auto picks int8 on a CPU for a GGUF of Q8_0 projections; for an MoE family,
+    which refuses quantization, it picks none and serves."""
+    from tests.moe_models import write_moe_gguf
+
+    path = write_moe_gguf(load("qwen3_moe").path, tmp_path / "q8.gguf", "qwen3_moe", True)
+    config = EngineConfig(model=str(path), device="cpu", num_kv_blocks=96, block_size=BLOCK_SIZE)
+    engine = Engine(config)
+    assert engine.config.quantization == "auto" and engine.quantization == "none"
+    tokens = prompt(9, seed=2)
+    (logits,) = forward_direct(engine, [(tokens, 0, len(tokens), shuffled_blocks(3)[:2])])
+    assert bool(torch.isfinite(logits).all())

@@ -16,19 +16,3 @@ def model_class(config: ModelConfig) -> type[LlamaForCausalLM]:
     cls = getattr(importlib.import_module(module), name)
     assert issubclass(cls, LlamaForCausalLM), f"{config.family}: {cls} is not a model class"
     return cls
-
-
-def check_features(config: ModelConfig, quantization: str, requested: str = "") -> str:
-    """The quantization to run: `quantization` (what `requested` resolved to), or none where
-    --quantization auto met a family that refuses quantization. ValueError, naming the family
-    and why, when the engine is asked for a feature the family's record refuses
-    (common/families/registry.Family.refuses)."""
-    refuses = FAMILIES[config.family].refuses
-    if requested == "auto" and "quantization" in refuses:
-        return "none"
-    if quantization != "none" and "quantization" in refuses:
-        raise ValueError(
-            f"--quantization {quantization} is not served for the {config.family} family "
-            f"({config.name}): {refuses['quantization']}"
-        )
-    return quantization
