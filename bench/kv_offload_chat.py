@@ -4,6 +4,9 @@ outgrow the KV pool: prefix hit rate and time to first token per turn.
 
     python -m bench.kv_offload_chat --output bench/results/kv_offload_chat.json
 
+(bench/results/kv_offload_chat.json: --num-chats 6 --num-turns 3 --user-len 40 --output-len 8
+--num-kv-blocks 16 --kv-offload-gb 0.1, on a heavily shared 2-core VM.)
+
 Each of --num-chats conversations has --num-turns turns; turn t sends the whole conversation so
 far (the replies included) plus a new user message of about --user-len tokens, greedy, and
 --output-len tokens back. Turns go round-robin over the conversations (turn 1 of every chat,
