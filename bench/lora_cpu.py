@@ -111,6 +111,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--output-len", type=int, default=128, help="tokens per request (<= 128)")
     parser.add_argument(
+        "--adapter-counts", type=int, nargs="+", default=[1, 4, 16], help="k adapters per batch"
+    )
+    parser.add_argument(
         "--num-threads", type=int, default=0, help="torch threads (0: torch's default)"
     )
     parser.add_argument("--out", type=Path, default=ROOT / "bench/results/lora_cpu.json")
@@ -128,7 +131,9 @@ def main() -> None:
             for i in range(16):
                 name = f"{shape}-{i}"
                 engine.add_lora(name, str(write_adapter(Path(tmp) / name, targets, seed=i)))
-            configs += [(f"{shape} x{k}", [f"{shape}-{i}" for i in range(k)]) for k in (1, 4, 16)]
+            configs += [
+                (f"{shape} x{k}", [f"{shape}-{i}" for i in range(k)]) for k in args.adapter_counts
+            ]
         step_id = 1
         rows: dict[str, list[float]] = {name: [] for name, _ in configs}
         firsts: dict[str, list[int]] = {}
