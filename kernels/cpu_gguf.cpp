@@ -10,7 +10,11 @@
 //
 // gguf_dequantize widens W to float32 [N, K] (the prefill path's GEMM runs on it; the tests
 // compare it with the gguf package's dequantizer).
-#include <torch/extension.h>
+// Registered as torch operators (torch.ops.llmserve_cpu_gguf.*) with only the ATen headers they
+// need (kernels/cpu_build.py: torch/extension.h and pybind11 take 4x as long to compile).
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
@@ -111,9 +115,9 @@ void quantize_rows(const float* x, int64_t M, int64_t K, ACT* q, float* d, float
   });
 }
 
-void check_weight(const torch::Tensor& w, int64_t fmt, int64_t K) {
+void check_weight(const at::Tensor& w, int64_t fmt, int64_t K) {
   const Format f = format_of(fmt);
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kUInt8 && w.is_contiguous(),
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous(),
               "gguf: w must be contiguous uint8 [N, row_bytes]");
   TORCH_CHECK(K % f.elems == 0 && w.size(1) == K / f.elems * f.bytes, "gguf: a row of K=", K,
               " takes ", K / f.elems * f.bytes, " bytes in ggml type ", fmt, ", w has ", w.size(1));
@@ -128,17 +132,17 @@ bool has_vnni() {
 
 // x [M, K] float32 contiguous; w uint8 [N, row_bytes] (GGUF blocks of ggml type fmt); y [M, N].
 // act_bits: x quantized to int8 (8) or int16 (16) per block of 32.
-torch::Tensor gguf_linear(torch::Tensor x, torch::Tensor w, int64_t fmt, bool vnni,
+at::Tensor gguf_linear(at::Tensor x, at::Tensor w, int64_t fmt, bool vnni,
                           int64_t act_bits) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(),
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "gguf_linear: x must be a contiguous float32 [M, K] matrix");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   check_weight(w, fmt, K);
   TORCH_CHECK(!vnni || has_vnni(), "gguf_linear: this CPU has no AVX-512 VNNI");
   TORCH_CHECK(act_bits == 8 || act_bits == 16, "gguf_linear: act_bits must be 8 or 16");
-  auto xq = torch::empty({M, K}, x.options().dtype(act_bits == 8 ? torch::kInt8 : torch::kInt16));
-  auto xd = torch::empty({M, K / 32}, x.options());
-  auto xs = torch::empty({M, K / 32}, x.options());
+  auto xq = at::empty({M, K}, x.options().dtype(act_bits == 8 ? at::kChar : at::kShort));
+  auto xd = at::empty({M, K / 32}, x.options());
+  auto xs = at::empty({M, K / 32}, x.options());
   if (act_bits == 8) {
     quantize_rows(x.data_ptr<float>(), M, K, xq.data_ptr<int8_t>(), xd.data_ptr<float>(),
                   xs.data_ptr<float>());
@@ -146,7 +150,7 @@ torch::Tensor gguf_linear(torch::Tensor x, torch::Tensor w, int64_t fmt, bool vn
     quantize_rows(x.data_ptr<float>(), M, K, xq.data_ptr<int16_t>(), xd.data_ptr<float>(),
                   xs.data_ptr<float>());
   }
-  auto y = torch::empty({M, N}, x.options());
+  auto y = at::empty({M, N}, x.options());
   const Problem pr{w.data_ptr<uint8_t>(), w.size(1), fmt, M, N, K, act_bits, xq.data_ptr(),
                    xd.data_ptr<float>(), xs.data_ptr<float>(), y.data_ptr<float>()};
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
@@ -189,8 +193,8 @@ void dequantize_block(const uint8_t* p, int64_t fmt, float* out) {
 }
 
 // w uint8 [N, row_bytes] of ggml type fmt -> out float32 [N, K].
-void gguf_dequantize(torch::Tensor w, int64_t fmt, torch::Tensor out) {
-  TORCH_CHECK(out.dim() == 2 && out.scalar_type() == torch::kFloat32 && out.is_contiguous() &&
+void gguf_dequantize(at::Tensor w, int64_t fmt, at::Tensor out) {
+  TORCH_CHECK(out.dim() == 2 && out.scalar_type() == at::kFloat && out.is_contiguous() &&
                   out.size(0) == w.size(0),
               "gguf_dequantize: out must be contiguous float32 [N, K]");
   const int64_t K = out.size(1);
@@ -208,8 +212,8 @@ void gguf_dequantize(torch::Tensor w, int64_t fmt, torch::Tensor out) {
   });
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("gguf_linear", &gguf_linear, "x times GGUF-quantized W^T, x quantized per block");
-  m.def("gguf_dequantize", &gguf_dequantize, "GGUF blocks widened to float32 [N, K]");
-  m.def("has_vnni", &has_vnni, "whether this CPU has AVX-512 VNNI (and VL, BW)");
+TORCH_LIBRARY(llmserve_cpu_gguf, m) {
+  m.def("gguf_linear", &gguf_linear);          // x times GGUF-quantized W^T, x quantized per block
+  m.def("gguf_dequantize", &gguf_dequantize);  // GGUF blocks widened to float32 [N, K]
+  m.def("has_vnni", &has_vnni);                // whether this CPU has AVX-512 VNNI (and VL, BW)
 }
