@@ -37,9 +37,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups (--dist loadgroup)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    group_by_shared_fixture(items)
+    if getattr(config.option, "loadgroup", False):  # an xdist worker under --dist loadgroup
+        group_by_shared_fixture(items)
     if not config.getoption("--hf-reference"):
         skip_hf = pytest.mark.skip(reason=HF_REFERENCE_HOW)
         for item in items:
@@ -62,21 +62,35 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 def group_by_shared_fixture(items: list[pytest.Item]) -> None:
     """./test.sh runs two workers with `--dist loadgroup`: a test that uses a module- or
-    class-scoped fixture of its own module (a stack, a loaded engine, a baseline) joins its
-    module's group, which one worker runs, so the fixture is made once; every other test is
-    free to go to whichever worker is idle, which keeps the two busy to the end."""
+    class-scoped fixture of its own module (a stack, a loaded engine, a baseline), or is marked
+    `xdist_group`, joins its module's group, which one worker runs, so the fixture is made once;
+    every other test goes to whichever worker is idle, which keeps the two busy to the end. The
+    group is written into the node id as xdist's own marker handling does (its hook may run
+    before this one, and would not see a marker added here; under pytest 9 it writes where
+    pytest no longer reads, see set_node_id)."""
     for item in items:
         info = getattr(item, "_fixtureinfo", None)
         module = item.nodeid.split("::", 1)[0]
-        if info is None:
+        if info is None or "@" in item.nodeid:
             continue
-        shared = any(
+        shared = item.get_closest_marker("xdist_group") is not None or any(
             d.scope in ("module", "class") and d.baseid == module
             for defs in info.name2fixturedefs.values()
             for d in defs
         )
         if shared:
-            item.add_marker(pytest.mark.xdist_group(module))
+            set_node_id(item, f"{item.nodeid}@{module}")
+
+
+def set_node_id(item: pytest.Item, nodeid: str) -> None:
+    """pytest 9 keeps a node's id as a NodeId in `_id` (xdist 3.8 still writes `_nodeid`, which
+    pytest 9 no longer reads: its own xdist_group marks group nothing there)."""
+    if hasattr(item, "_id"):
+        from _pytest.nodeid import NodeId
+
+        item._id = NodeId.parse(nodeid)
+    else:
+        item._nodeid = nodeid
 
 
 @pytest.fixture(scope="session")

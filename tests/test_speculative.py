@@ -325,8 +325,12 @@ def test_temperature_seeded_and_penalties_same_tokens_in_process(
         engine.reset()
     assert spec_rows["none"] == 0 and spec_rows["ngram"] > 0
     assert runs["ngram"].outputs == runs["none"].outputs
+    # The built-in model's CPU default (GGUF blocks, engine/gguf_linear.py) rounds activations
+    # to int16 per block of 32, which turns the ~1e-6 float differences between a verification's
+    # multi-row attention and a one-row decode into a rounding step here and there: logprobs
+    # agree to 1e-3 (float32 or int8 weights: to 1e-5), the tokens exactly
     for a, b in zip(runs["ngram"].logprobs[1], runs["none"].logprobs[1], strict=True):
-        assert a == pytest.approx(b, abs=1e-4)
+        assert a == pytest.approx(b, abs=1e-3)
 
 
 # -- the whole stack, the built-in model ----------------------------------------------------------
