@@ -33,13 +33,7 @@ def _module() -> Any:
 
 def unavailable() -> str | None:
     """Why the CPU int8 kernel cannot run here (None: it can; it is built on the first call)."""
-    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
-        return f"the CPU has no AVX2 (torch reports {torch.backends.cpu.get_cpu_capability()})"
-    try:
-        _module()
-    except Exception as err:  # no compiler, no ninja, a build error
-        return f"the int8 kernel did not build: {type(err).__name__}: {str(err)[:300]}"
-    return None
+    return cpu_build.why_unavailable("int8 kernel", _module)
 
 
 TILE_N = 16  # output channels per packed tile (cpu_int8.cpp)

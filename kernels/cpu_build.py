@@ -11,6 +11,7 @@ import os
 import platform
 import shutil
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -64,3 +65,15 @@ def load_extension(name: str, sources: list[Path], cflags: tuple[str, ...]) -> A
             verbose=False,
         )
     return getattr(torch.ops, name)
+
+
+def why_unavailable(what: str, load: Callable[[], Any]) -> str | None:
+    """Why a CPU kernel (`what`, built by `load`) cannot run here, None when it can: no AVX2,
+    or the build failed (no compiler, no ninja, a compile error)."""
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        return f"the CPU has no AVX2 (torch reports {torch.backends.cpu.get_cpu_capability()})"
+    try:
+        load()
+    except Exception as err:
+        return f"the {what} did not build: {type(err).__name__}: {str(err)[:300]}"
+    return None

@@ -40,13 +40,7 @@ def _module() -> Any:
 @functools.cache
 def unavailable() -> str | None:
     """Why the kernel cannot run here (None: it can; built on the first call)."""
-    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
-        return f"the CPU has no AVX2 (torch reports {torch.backends.cpu.get_cpu_capability()})"
-    try:
-        _module()
-    except Exception as err:  # no compiler, no ninja, a build error
-        return f"the GGUF kernel did not build: {type(err).__name__}: {str(err)[:300]}"
-    return None
+    return cpu_build.why_unavailable("GGUF kernel", _module)
 
 
 @functools.cache
