@@ -16,8 +16,8 @@ for _name in [n for n in os.environ if n.startswith("OTEL_")]:
     del os.environ[_name]
 # Nor an API key: test stacks and clients get theirs from the test.
 os.environ.pop("LLMSERVE_API_KEY", None)
-# Under ./test.sh's two workers, each worker and the stacks it starts run one torch (OpenMP)
-# thread: with two threads each, the two workers' engines share two cores four ways and spin
+# Under ./test.sh's workers (two or more), each worker and the stacks it starts run one torch
+# (OpenMP) thread: with two threads each, two workers' engines share two cores four ways and spin
 # in OpenMP barriers while descheduled. A test that wants threads sets them itself.
 if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0")) > 1:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -61,7 +61,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def group_by_shared_fixture(items: list[pytest.Item]) -> None:
-    """./test.sh runs two workers with `--dist loadgroup`: a test that uses a module- or
+    """./test.sh runs three workers with `--dist loadgroup`: a test that uses a module- or
     class-scoped fixture of its own module (a stack, a loaded engine, a baseline), or is marked
     `xdist_group`, joins its module's group, which one worker runs, so the fixture is made once;
     every other test goes to whichever worker is idle, which keeps the two busy to the end. The
