@@ -230,12 +230,10 @@ class MLP(OpsModule):
     """A gated MLP: down(act(gate(x)) * up(x)), gate and up as one fused projection; act is
     config.hidden_act, SiLU (SwiGLU) or tanh-approximated GELU (Gemma)."""
 
-    def __init__(
-        self, config: ModelConfig, ops: LayerOps, tp: TPGroup | None = None, layer_idx: int = 0
-    ):
+    def __init__(self, config: ModelConfig, ops: LayerOps, tp: TPGroup | None = None):
         super().__init__(ops)
         self.tp = tp = tp or TPGroup()
-        self.layer_idx = layer_idx
+        self.layer_idx = 0  # its layer's index in the KV pool, set by DecoderLayer (LoRA's key)
         inter, bias = config.intermediate_size // tp.size, config.mlp_bias
         self.gate_up_proj = Linear(config.hidden_size, [inter, inter], bias, tp, "output")
         self.down_proj = Linear(inter, [config.hidden_size], bias, tp, "input")
@@ -277,8 +275,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = norm(config.hidden_size, eps, ops)
         self.self_attn = attention or Attention(config, layer_idx, rotary, ops, tp)
         self.post_attention_layernorm = norm(config.hidden_size, eps, ops)
-        self.mlp = mlp or MLP(config, ops, tp, layer_idx)
-        if isinstance(self.mlp, MLP):  # a family's own MLP: LoRA finds its weights by this index
+        self.mlp = mlp or MLP(config, ops, tp)
+        if isinstance(self.mlp, MLP):  # LoRA finds the layer's adapter weights by this index
             self.mlp.layer_idx = layer_idx
 
     def forward(

@@ -218,8 +218,9 @@ def unquantized_tokens(builtin_model_path: Path) -> list[list[int]]:
     return generate(Engine(EngineConfig(**MODE_ENGINE, quantization="none")), MODE_PROMPTS, 8)
 
 
-# unquantized_tokens is asked for inside the test: the group keeps these on the worker that made it
-@pytest.mark.xdist_group("tests/test_quantization.py")  # noqa: the group is the module (conftest)
+# unquantized_tokens is asked for inside the test: the group (the module's, as tests/conftest.py
+# names groups) keeps these on the worker that made it
+@pytest.mark.xdist_group("tests/test_quantization.py")
 @pytest.mark.parametrize(
     ("quantization", "kv_cache_dtype"), [("int8", "bf16"), ("int8", "fp8"), ("fp8", "auto")]
 )
