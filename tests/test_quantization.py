@@ -154,15 +154,31 @@ MODES = {
 }
 
 
+@pytest.fixture(scope="module")
+def quantized_builtin(builtin: tuple) -> Callable[[str], torch.nn.Module]:
+    """The built-in model built with a --quantization mode, once per mode (int8 serves two of
+    MODES; a model holds no state between forwards, its KV pools are passed in)."""
+    config, weights, reference = builtin[:3]
+    models: dict[str, torch.nn.Module] = {"none": reference}
+
+    def get(quantization: str) -> torch.nn.Module:
+        if quantization not in models:
+            models[quantization] = build_model(
+                config, weights, 1024, torch.float32, torch.device("cpu"),
+                quantization=quantization,
+            )  # fmt: skip
+        return models[quantization]
+
+    return get
+
+
 @pytest.mark.parametrize("mode", list(MODES))
-def test_quality_on_the_builtin_model(builtin: tuple, mode: str) -> None:
+def test_quality_on_the_builtin_model(
+    builtin: tuple, quantized_builtin: Callable[[str], torch.nn.Module], mode: str
+) -> None:
     config, weights, reference, prompts, ref_logits = builtin
     quantization, kv_dtype, min_top1, max_kl = MODES[mode]
-    model = reference
-    if quantization != "none":
-        model = build_model(
-            config, weights, 1024, torch.float32, torch.device("cpu"), quantization=quantization
-        )
+    model = quantized_builtin(quantization)
     got = [prompt_logits(model, config, p, kv_dtype) for p in prompts]
     result = agreement(ref_logits, got)
     assert result.positions > 300
