@@ -176,7 +176,7 @@ def quantized_builtin(builtin: tuple) -> Callable[[str], torch.nn.Module]:
 def test_quality_on_the_builtin_model(
     builtin: tuple, quantized_builtin: Callable[[str], torch.nn.Module], mode: str
 ) -> None:
-    config, weights, reference, prompts, ref_logits = builtin
+    config, _, _, prompts, ref_logits = builtin
     quantization, kv_dtype, min_top1, max_kl = MODES[mode]
     model = quantized_builtin(quantization)
     got = [prompt_logits(model, config, p, kv_dtype) for p in prompts]
