@@ -106,6 +106,7 @@ def run(engine: Engine, fraction: float, tag: str) -> dict[str, Any]:
                 continue
         plan, step = in_flight.popleft()
         out = engine.finish(step)
+        s.grammars_compiled(out.compiled_seq_ids)
         num_tokens += len(s.update(plan, out.sampled_token_ids, out.logprobs))
         steps += 1
     wall = time.perf_counter() - t0
