@@ -110,6 +110,12 @@ def parse_call(body: str, names: set[str]) -> dict[str, Any] | None:
         value = json.loads(body)
     except json.JSONDecodeError:
         return None
+    return call_object(value, names)
+
+
+def call_object(value: Any, names: set[str]) -> dict[str, Any] | None:
+    """OpenAI's tool call for a decoded call object ({"name", "arguments" or "parameters"}), or
+    None when it does not name one of the tools with object arguments."""
     if not isinstance(value, dict) or value.get("name") not in names:
         return None
     arguments = value.get("arguments", value.get("parameters", {}))
@@ -180,10 +186,10 @@ class CallStream:
             text_out = ""
         return text_out, calls
 
-    def finish(self) -> str:
-        """What is still held at the end: text (a call never closed)."""
+    def finish(self) -> tuple[str, list[dict[str, Any]]]:
+        """What is still held at the end: text (a call never closed), and no more calls."""
         rest, self.held = self.held, ""
-        return "" if self.num_calls and not rest.strip() else rest
+        return ("" if self.num_calls and not rest.strip() else rest), []
 
 
 def _partial_prefix(text: str, tag: str) -> int:
