@@ -172,7 +172,10 @@ class Grammars:
     def _compile(self, key: tuple[str, str]) -> LLMatcher:
         if self._tokenizer is None:  # only this thread builds it
             self._tokenizer = self._load_tokenizer(self.model_path)
-        return LLMatcher(self._tokenizer, grammar_text(*key), log_level=0)
+        matcher = LLMatcher(self._tokenizer, grammar_text(*key), log_level=0)
+        if matcher.is_error():  # the library refused the grammar
+            raise ValueError(matcher.get_error().strip()[:400])
+        return matcher
 
     # -- masking ----------------------------------------------------------------------------------
 

@@ -22,6 +22,7 @@ import pytest
 from engine.config import EngineConfig
 from engine.convert import plan_from_proto
 from engine.engine import Engine
+from engine.contract import GrammarCompileData
 from engine.grammar import Grammars
 from engine.mirror import ScheduledSeq, SeqState
 from llmserve.bench.byte_tokenizer import EOS_TOKEN_ID
@@ -288,3 +289,28 @@ def test_a_slow_compile_holds_only_its_request(
     held_steps = [num_running for is_held, num_running in seen if is_held]
     assert sum(n > 0 for n in held_steps) >= 7, seen  # the free request stepped meanwhile
     assert re.fullmatch(r"[x-z]{3}!", text_of(outputs[held.seq_id]))
+
+
+def test_compiles_ahead_report_compiled_and_refused(model: Path) -> None:
+    """The plan's grammar_compiles: each is reported once, compiled or (a constraint the
+    library refuses: a peer that skipped the gateway's check) refused with its reason; a step
+    with nothing else waits a little for the first to end."""
+    grammars = Grammars(model, 259, (EOS_TOKEN_ID,))
+    grammars.start_compiles(
+        [
+            GrammarCompileData(7, StructuredOutput(regex="[0-9]{2}")),
+            GrammarCompileData(8, StructuredOutput(regex="a(b")),
+        ]
+    )
+    done: list[int] = []
+    refused: list[tuple[int, str]] = []
+    for _ in range(200):
+        compiled, failed = grammars.take_compiled(wait_s=0.05)
+        done += compiled
+        refused += failed
+        if not grammars.has_pending:
+            break
+    assert done == [7] and [seq_id for seq_id, _ in refused] == [8]
+    assert "does not compile" in refused[0][1] and "group" in refused[0][1]
+    assert grammars.take_compiled() == ([], [])  # each reported once
+    grammars.close()
