@@ -139,7 +139,7 @@ class Tokenizer:
         uses_tools = bool(tools) or any(m.tool_calls or m.role == "tool" for m in messages)
         extra: dict[str, Any] = {}
         if uses_tools and template_takes_tools(self.chat_template):
-            rendered = template_messages(messages)
+            rendered = template_messages(messages, self.tool_format.call_id)
             extra["tools"] = tools or None
         else:
             if uses_tools:

@@ -20,7 +20,9 @@ not a call after all), so streamed calls equal the ones read from the whole answ
 
 from __future__ import annotations
 
+import hashlib
 import json
+import string
 from collections.abc import Callable
 from typing import Any
 
@@ -36,6 +38,7 @@ from gateway.tool_prompt import (
 PYTHON_TAG = "<|python_tag|>"
 MISTRAL_CALLS = "[TOOL_CALLS]"
 _DECODER = json.JSONDecoder()
+_ALNUM = string.ascii_letters + string.digits
 
 
 def _call_schema(function: dict[str, Any], arguments_key: str) -> dict[str, Any]:
@@ -82,6 +85,10 @@ class ToolFormat:
 
     def stream(self, names: set[str]) -> CallStream | HeldCallStream:
         return CallStream(names)
+
+    def call_id(self, call_id: str) -> str:
+        """A call's id as the template is given it (OpenAI's ids as they came)."""
+        return call_id
 
 
 class Llama3JsonFormat(ToolFormat):
@@ -157,6 +164,14 @@ class MistralFormat(ToolFormat):
 
     def stream(self, names: set[str]) -> HeldCallStream:
         return HeldCallStream(self, names, _opens_mistral_calls)
+
+    def call_id(self, call_id: str) -> str:
+        """Mistral's templates refuse ids that are not 9 letters or digits: any other id is
+        given as 9 characters derived from it (the same for a call and its result)."""
+        if len(call_id) == 9 and call_id.isascii() and call_id.isalnum():
+            return call_id
+        digest = int.from_bytes(hashlib.sha256(call_id.encode()).digest()[:8], "big")
+        return "".join(_ALNUM[(digest >> (6 * i)) % 62] for i in range(9))
 
 
 def _opens_llama3_call(text: str) -> int | None:

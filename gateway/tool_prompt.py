@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,19 +36,26 @@ def template_takes_tools(template: str | None) -> bool:
     return template is not None and "tools" in template and "tool_calls" in template
 
 
-def template_messages(turns: list[ChatTurn]) -> list[dict[str, Any]]:
+def template_messages(
+    turns: list[ChatTurn], call_id: Callable[[str], str] = str
+) -> list[dict[str, Any]]:
     """turns as a template that takes tools reads them (arguments as objects, as HF's
-    templates expect)."""
+    templates expect); call_id: a call's id as the template wants it (the same for the call
+    and the tool message answering it)."""
     out: list[dict[str, Any]] = []
     for t in turns:
         message: dict[str, Any] = {"role": t.role, "content": t.content}
         if t.tool_calls:
             message["tool_calls"] = [
-                {**c, "function": {**c["function"], "arguments": _arguments(c)}}
+                {
+                    **c,
+                    "id": call_id(str(c.get("id", ""))),
+                    "function": {**c["function"], "arguments": _arguments(c)},
+                }
                 for c in t.tool_calls
             ]
         if t.tool_call_id:
-            message["tool_call_id"] = t.tool_call_id
+            message["tool_call_id"] = call_id(t.tool_call_id)
         out.append(message)
     return out
 

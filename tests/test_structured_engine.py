@@ -20,9 +20,9 @@ import numpy as np
 import pytest
 
 from engine.config import EngineConfig
+from engine.contract import GrammarCompileData
 from engine.convert import plan_from_proto
 from engine.engine import Engine
-from engine.contract import GrammarCompileData
 from engine.grammar import Grammars
 from engine.mirror import ScheduledSeq, SeqState
 from llmserve.bench.byte_tokenizer import EOS_TOKEN_ID

@@ -5,6 +5,7 @@ formats of other templates (Llama 3 JSON, Mistral [TOOL_CALLS]): their grammars 
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import pytest
@@ -140,8 +141,10 @@ MISTRAL_TEMPLATE = (
     "{% if tools %}[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]{% endif %}"
     "{% for m in messages %}{% if m.role == 'user' %}[INST]{{ m.content }}[/INST]"
     "{% elif m.tool_calls %}[TOOL_CALLS][{% for c in m.tool_calls %}"
-    '{"name": "{{ c.function.name }}", "arguments": {{ c.function.arguments | tojson }}}'
-    "{% endfor %}]</s>{% elif m.role == 'tool' %}[TOOL_RESULTS]{{ m.content }}[/TOOL_RESULTS]"
+    "{% if c.id | length != 9 %}{{ raise_exception('tool call ids must be 9 long') }}{% endif %}"
+    '{"name": "{{ c.function.name }}", "arguments": {{ c.function.arguments | tojson }}, '
+    '"id": "{{ c.id }}"}{% endfor %}]</s>{% elif m.role == "tool" %}[TOOL_RESULTS]'
+    '{"call_id": "{{ m.tool_call_id }}", "content": {{ m.content }}}[/TOOL_RESULTS]'
     "{% else %}{{ m.content }}</s>{% endif %}{% endfor %}"
 )
 QWEN_TEMPLATE = (
@@ -201,6 +204,11 @@ def test_the_call_format_follows_the_template() -> None:
     assert '{"name": "get_weather", "parameters": {"city": "Oslo"}}' in text
     assert '<|start_header_id|>ipython<|end_header_id|>\n\n{"temp": 3}' in text
     assert '"name": "get_weather"' in text.split("<|eot_id|>")[0]  # the tools, in the prompt
+    # Mistral's templates take only 9-character call ids: OpenAI's are mapped, call and result
+    mistral = Tokenizer(files.tokenizer, MISTRAL_TEMPLATE, None, None, False)
+    text = mistral.render_chat(turns, tools=[WEATHER])
+    [short] = re.findall(r'"id": "(\w+)"', text)
+    assert len(short) == 9 and f'{{"call_id": "{short}"' in text
 
 
 @pytest.mark.parametrize("name", ["hermes", "llama3_json", "mistral"])
