@@ -177,10 +177,11 @@ class Scheduler(StepResults, Preemption, PipelineSlots):
         )  # fmt: skip
         if offload is not None:
             offload.reset()  # blocks keyed by the old block size
-        for request in self.waiting:
+        waiting = [*self.waiting, *self.grammar_wait.held.values()]
+        for request in waiting:
             request.block_hashes = []  # hashed per block, so they depend on block_size
         capacity = num_blocks * block_size
-        too_big = [r for r in self.waiting if r.num_prompt_tokens + r.max_tokens > capacity]
+        too_big = [r for r in waiting if r.num_prompt_tokens + r.max_tokens > capacity]
         for request in too_big:
             self.abort(request.seq_id)
         return too_big

@@ -1487,7 +1487,7 @@ def test_constrained_request_waits_for_its_grammar(make: Callable[..., Harness])
     """A constrained request is held out of the line until a result reports its grammar
     compiled: its constraint goes in one plan, plans keep asking while nothing else runs, an
     abort while held ends it, the same constraint later skips the wait, and an engine reset
-    holds and lists it again."""
+    holds and lists it again (a resize rehashes it like any waiting request)."""
     from protos.common_pb2 import StructuredOutput
 
     h = make(num_blocks=16)
@@ -1515,4 +1515,6 @@ def test_constrained_request_waits_for_its_grammar(make: Callable[..., Harness])
     assert list(s.waiting) == [c]
     s.reset_engine()  # a new engine compiled nothing: both wait for it again
     assert not s.waiting and set(s.grammar_wait.held) == {1, 3}
+    assert a.block_hashes  # hashed when admitted: a new block size rehashes held ones too
+    assert s.resize(16, 2) == [] and a.block_hashes == []
     assert {r.seq_id for r in s.schedule().grammar_compiles} == {1, 3}
