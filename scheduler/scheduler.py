@@ -140,7 +140,8 @@ class Scheduler(StepResults, Preemption, PipelineSlots):
 
     def tenant_rows(self) -> list[TenantRow]:
         """Every tenant seen since start, with its queue, seats, blocks and service."""
-        return tenant_rows(self.tenants, self.waiting, self.running)
+        waiting = [*self.waiting, *self.grammar_wait.held.values()]
+        return tenant_rows(self.tenants, waiting, self.running)
 
     def reset_engine(self) -> list[Request]:
         """The engine lost its mirror and KV pool (it restarted, or failed a step): preempt every
