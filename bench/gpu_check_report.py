@@ -154,7 +154,26 @@ def stage_figures(name: str, out: Path, raw: Path) -> dict[str, Any]:
         return engine_figures(load(out / "gpu_engine_smollm2-135m.json"))
     if name == "quant":
         return quant_figures(load(out / "gpu_engine_llama-3-8b_quant.json"))
+    if name == "structured":
+        return structured_figures(load(raw / "structured.json"))
     return {}
+
+
+def structured_figures(doc: Any) -> dict[str, Any]:
+    """bench/structured_cpu.py's run: output tok/s with none and all requests constrained,
+    the mask time per row and step, the compile times."""
+    if not doc:
+        return {}
+    summary = doc.get("summary", {})
+    compiled = doc.get("compile", {})
+    return {
+        "tok_s_none": summary.get("0.0", {}).get("output_tok_s_median"),
+        "tok_s_all": summary.get("1.0", {}).get("output_tok_s_median"),
+        "all_vs_none": summary.get("1.0", {}).get("vs_none"),
+        "mask_ms_per_row_step": doc.get("mask_ms_per_row_step_median"),
+        "compile_cold_ms": compiled.get("cold_ms_median"),
+        "compile_cached_ms": compiled.get("cached_ms_median"),
+    }
 
 
 def cells(name: str, figures: dict[str, Any]) -> str:
@@ -165,6 +184,14 @@ def cells(name: str, figures: dict[str, Any]) -> str:
         return f"{figures.get('total_s', '?')} s, ops {figures.get('ops', '?')}" if figures else ""
     if name == "kbench":
         return ", ".join(f"{s} {v['gbps']} GB/s = {v['pct_of_copy']}%" for s, v in figures.items())
+    if name == "structured":
+        if not figures:
+            return ""
+        return (
+            f"all constrained {figures['all_vs_none']}x none ({figures['tok_s_all']} vs "
+            f"{figures['tok_s_none']} tok/s), mask {figures['mask_ms_per_row_step']} ms/row/step, "
+            f"compile {figures['compile_cold_ms']} ms cold, {figures['compile_cached_ms']} cached"
+        )
     if name == "quant":
         return " | ".join(
             f"{label} error: {str(row['error'])[:50]}"
@@ -188,7 +215,10 @@ def cells(name: str, figures: dict[str, Any]) -> str:
 
 def report(out: Path, raw: Path, budget_s: int, elapsed_s: int | None) -> tuple[dict, str, int]:
     stages = read_stages(raw)
-    order = ["preflight", "kernels", "kbench", "8b", "tests", "smollm2", "quant", "parallel"]
+    order = [
+        "preflight", "kernels", "kbench", "8b", "tests", "smollm2", "quant", "structured",
+        "parallel",
+    ]  # fmt: skip
     doc: dict[str, Any] = {
         "benchmark": "gpu_check",
         "budget_s": budget_s,

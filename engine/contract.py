@@ -14,7 +14,14 @@ contract: a matcher follows the one token rule (it consumes the request's genera
 the newest before each mask), so a recompute after preemption rebuilds it from the token ids the
 new request carries, a rejected speculative token is rolled back as the mirror drops it, and
 n choices, being n requests, have one each. A grammar that allows no token lets only EOS through:
-the request ends as a stop, seen by the scheduler's usual EOS rule."""
+the request ends as a stop, seen by the scheduler's usual EOS rule.
+
+Compiling a grammar is kept off the step path: a waiting constrained request's constraint is
+listed once in a plan's grammar_compiles (GrammarCompileData) before the request is admitted; the
+engine compiles it on its compile thread (the first one also builds the vocabulary, seconds) and
+reports it in a later StepOutput's compiled_seq_ids (refused_seq_ids when it does not compile).
+The scheduler admits the request only then. Why: a compile in a step would hold every row of that
+step at sampling, while this way a request waits for its own grammar and the others step on."""
 
 from __future__ import annotations
 
@@ -150,6 +157,15 @@ class BlockCopiesData:
     dst_ids: list[int]
 
 
+@dataclass(frozen=True)
+class GrammarCompileData:
+    """engine.proto's GrammarCompile: compile waiting request seq_id's constraint
+    (common.proto's StructuredOutput) and report it compiled (StepOutput.compiled_seq_ids)."""
+
+    seq_id: int
+    structured_output: Any
+
+
 @dataclass
 class StepPlanData:
     step_id: int
@@ -161,6 +177,8 @@ class StepPlanData:
     lora_loads: list[LoraLoadData] = field(default_factory=list)
     # KV offload: copies between tiers, run in order before the forward (engine/kv_offload.py).
     kv_copies: list[BlockCopiesData] = field(default_factory=list)
+    # Structured output: waiting requests' grammars to compile (engine/grammar.py).
+    grammar_compiles: list[GrammarCompileData] = field(default_factory=list)
 
 
 @dataclass
@@ -188,6 +206,8 @@ class StepOutput:
     # engine proposed, and tokens the row returns (accepted proposals + 1).
     num_draft_tokens: list[int] = field(default_factory=list)
     num_sampled_tokens: list[int] = field(default_factory=list)
+    # Waiting requests whose grammar (an earlier plan's grammar_compiles) is compiled now.
+    compiled_seq_ids: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ from operator import attrgetter
 from engine.contract import (
     BlockCopiesData,
     EngineInfo,
+    GrammarCompileData,
     LoraLoadData,
     NewRequestData,
     RunningData,
@@ -42,8 +43,9 @@ def plan_from_proto(msg: engine_pb2.StepPlan) -> StepPlanData:
         BlockCopiesData(c.src_tier, c.dst_tier, list(c.src_ids), list(c.dst_ids))
         for c in msg.kv_copies
     ]
+    compiles = [GrammarCompileData(g.seq_id, g.structured_output) for g in msg.grammar_compiles]
     return StepPlanData(
-        msg.step_id, list(msg.finished_seq_ids), new, running, lora_loads=loads, kv_copies=copies
+        msg.step_id, list(msg.finished_seq_ids), new, running, loads, copies, compiles
     )
 
 

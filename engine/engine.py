@@ -56,6 +56,10 @@ log = get_logger("engine")
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 
+# How long a step with no rows (the scheduler asking whether grammars are compiled) may wait
+# for a compile to end before answering: it bounds the asking to a few per 100 ms.
+IDLE_COMPILE_WAIT_S = 0.02
+
 
 class Engine:
     def __init__(self, config: EngineConfig, parallel: Parallel | None = None):
@@ -338,6 +342,7 @@ class Engine:
             self._released_window(),
         )  # fmt: skip
         self.unresolved.clear()
+        self.grammars.forget_pending()
 
     def step(self, plan: StepPlanData) -> StepOutput:
         """Apply plan to the mirror, run it, commit the sampled tokens.
@@ -355,6 +360,8 @@ class Engine:
             self.tiers.execute(plan.kv_copies)
         elif plan.kv_copies:
             raise MirrorMismatch("the plan lists KV copies, but this engine has no offload tier")
+        if plan.grammar_compiles and self.runner.grammars is not None:  # the sampling rank
+            self.runner.grammars.start_compiles(plan.grammar_compiles)
         failed = self._place_loras(plan)
         batch = self.mirror.apply(plan, failed)
         if batch.has_lookahead:
@@ -407,7 +414,21 @@ class Engine:
         """step's output, waiting for it (and for the steps launched before it)."""
         while step.output is None:
             self._resolve_oldest()
+        self._report_compiles(step.output, idle=not step.batch.rows)
         return step.output
+
+    def _report_compiles(self, output: StepOutput, idle: bool) -> None:
+        """Add the waiting requests' grammars compiled since the last step (and those that
+        failed, as refusals) to output. idle: the step ran nothing, so its result may wait a
+        little for a compile (the scheduler sends such steps only to ask)."""
+        grammars = self.runner.grammars
+        if grammars is None or not grammars.has_pending:
+            return
+        compiled, refused = grammars.take_compiled(IDLE_COMPILE_WAIT_S if idle else 0.0)
+        output.compiled_seq_ids += compiled
+        for seq_id, why in refused:
+            output.refused_seq_ids.append(seq_id)
+            output.refusal_reasons.append(why)
 
     def _resolve_oldest(self) -> None:
         step = self.unresolved.popleft()

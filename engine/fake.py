@@ -171,7 +171,9 @@ class FakeEngine:
                 output.num_top_logprobs.append(k)
                 output.top_token_ids += [(t + j) % vocab for j in range(k)]
                 output.top_logprobs += [float(-j) for j in range(k)]
-        return with_refused_rows(output, batch.refusals)
+        output = with_refused_rows(output, batch.refusals)
+        output.compiled_seq_ids = [g.seq_id for g in plan.grammar_compiles]  # masks nothing
+        return output
 
 
 def _echo_tokens(row: ScheduledSeq, vocab_size: int) -> list[int]:

@@ -17,18 +17,21 @@ computed after consuming the proposals before it, which are then rolled back; th
 are consumed at the next step like any token. A matcher with no allowed token (an error state, a
 grammar that cannot continue) allows only EOS: the choice ends with finish reason "stop".
 
-Compiled grammars are cached by (kind, text) (common/structured_output.py's key); a compile
-starts on the compile thread when the request first appears in a plan, so it runs beside its
-prefill; its first mask waits for it. The vocabulary is built once from the model's tokenizer
-files (common/tokenizer_files.py), on the compile thread, when the first constrained request
-comes.
+Compiled grammars are cached by (kind, text) (common/structured_output.py's key) and compiled on
+the compile thread, off the step path: the scheduler lists a waiting request's constraint in a
+plan's grammar_compiles (`start_compiles`), the engine reports it in a later result once compiled
+(`take_compiled`), and only then is the request admitted, so it waits for its grammar while the
+others step. A request admitted without that (its grammar reported once and evicted from the
+cache since, or an engine reset) compiles from the step that first schedules it, beside its
+prefill, and its first mask waits for it. The vocabulary is built once from the model's
+tokenizer files (common/tokenizer_files.py), on the compile thread, for the first constraint.
 """
 
 from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,11 +42,16 @@ from llguidance import LLMatcher, LLTokenizer
 from common.log import get_logger
 from common.structured_output import constraint_of, grammar_text
 from common.tokenizer_files import load_tokenizer_files
+from engine.contract import GrammarCompileData
 from engine.mirror import PLACEHOLDER, ScheduledSeq, SeqState
 
 log = get_logger("engine")
 
 MAX_CACHED_GRAMMARS = 256
+
+# The compile of a constraint that sets nothing: done, nothing to mask.
+_NOTHING: Future[None] = Future()
+_NOTHING.set_result(None)
 
 
 @dataclass
@@ -84,6 +92,8 @@ class Grammars:
         # The library's EOS when the model's is not in the tokenizer (see _load_tokenizer).
         self._stand_in_eos: int | None = None
         self._cache: OrderedDict[tuple[str, str], Future[LLMatcher]] = OrderedDict()
+        # Waiting requests' compiles (a plan's grammar_compiles) not reported yet, by seq id.
+        self._pending: dict[int, Future[Any]] = {}
         # For bench/structured_cpu.py: the masks filled (per row and step) and their time.
         self.num_masks = 0
         self.mask_s = 0.0
@@ -114,6 +124,38 @@ class Grammars:
                 if key is not None:
                     seq.grammar = RowGrammar(self.compiled(key))
 
+    def start_compiles(self, compiles: list[GrammarCompileData]) -> None:
+        """Start compiling waiting requests' grammars on the compile thread (or find them in
+        the cache), to be reported by take_compiled. Returns at once."""
+        for item in compiles:
+            key = constraint_of(item.structured_output)
+            self._pending[item.seq_id] = _NOTHING if key is None else self.compiled(key)
+
+    @property
+    def has_pending(self) -> bool:
+        return bool(self._pending)
+
+    def take_compiled(self, wait_s: float = 0.0) -> tuple[list[int], list[tuple[int, str]]]:
+        """The started compiles that ended since the last call, forgotten here: (seq ids
+        compiled, [(seq id, why)] for those that failed). wait_s: when none has ended yet, wait
+        up to this long for the first (a step with nothing else to do)."""
+        if wait_s and self._pending and not any(f.done() for f in self._pending.values()):
+            wait(self._pending.values(), timeout=wait_s, return_when=FIRST_COMPLETED)
+        compiled: list[int] = []
+        refused: list[tuple[int, str]] = []
+        for seq_id in [i for i, f in self._pending.items() if f.done()]:
+            error = self._pending.pop(seq_id).exception()
+            if error is None:
+                compiled.append(seq_id)
+            else:
+                refused.append((seq_id, f"structured_output does not compile: {error}"[:500]))
+        return compiled, refused
+
+    def forget_pending(self) -> None:
+        """Drop the unreported compiles (a new Step stream: its scheduler lists them again);
+        the cache keeps what they compile."""
+        self._pending.clear()
+
     def compiled(self, key: tuple[str, str]) -> Future[LLMatcher]:
         """The compiled grammar of key (a matcher in its start state, to copy), from the cache
         or compiling on the compile thread."""
@@ -130,7 +172,10 @@ class Grammars:
     def _compile(self, key: tuple[str, str]) -> LLMatcher:
         if self._tokenizer is None:  # only this thread builds it
             self._tokenizer = self._load_tokenizer(self.model_path)
-        return LLMatcher(self._tokenizer, grammar_text(*key), log_level=0)
+        matcher = LLMatcher(self._tokenizer, grammar_text(*key), log_level=0)
+        if matcher.is_error():  # the library refused the grammar
+            raise ValueError(matcher.get_error().strip()[:400])
+        return matcher
 
     # -- masking ----------------------------------------------------------------------------------
 

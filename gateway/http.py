@@ -212,7 +212,7 @@ async def generate_response(
 
     def requests() -> list[api_pb2.GenerateRequest]:
         if isinstance(body, ChatCompletionRequest):
-            made = [chat_request(body)]
+            made = [chat_request(body, core.tokenizer.tool_format)]
         else:
             made = completion_requests(body)
         lora_name = core.lora_for_model(body.model)

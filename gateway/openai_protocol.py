@@ -18,6 +18,7 @@ from pydantic import BaseModel, Field
 from common.sampling import SamplingError, seed_value
 from gateway.openai_structured import structured_output, text_field
 from gateway.openai_tools import tool_plan
+from gateway.tool_formats import ToolFormat
 from gateway.validation import ValidationError
 from protos import api_pb2
 
@@ -375,10 +376,13 @@ def _message_text(i: int, message: ChatMessageParam) -> str:
     return "".join(texts)
 
 
-def chat_request(body: ChatCompletionRequest) -> api_pb2.GenerateRequest:
-    """The GenerateRequest for a chat completion. Raises ValidationError (HTTP 400)."""
+def chat_request(
+    body: ChatCompletionRequest, tool_format: ToolFormat | None = None
+) -> api_pb2.GenerateRequest:
+    """The GenerateRequest for a chat completion; tool_format: the model's way of writing
+    calls (Hermes when None). Raises ValidationError (HTTP 400)."""
     _check_common(body, 1)
-    plan = tool_plan(body.tools, body.tool_choice, body.parallel_tool_calls)
+    plan = tool_plan(body.tools, body.tool_choice, body.parallel_tool_calls, tool_format)
     max_tokens = body.max_completion_tokens
     req = _sampling_fields(body, max_tokens if max_tokens is not None else body.max_tokens)
     if plan.constraint is not None:

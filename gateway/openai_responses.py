@@ -36,7 +36,6 @@ from gateway.openai_protocol import (
 from gateway.openai_tools import tool_plan
 from gateway.telemetry import FINISH_REASONS
 from gateway.tokenizer import Tokenizer
-from gateway.tool_prompt import CallStream, parse_tool_calls
 from protos import api_pb2
 
 # OpenAI's stand-in for a logprob too small to print.
@@ -201,9 +200,9 @@ class CompletionFormat(ResponseFormat):
 
 
 class ChatFormat(ResponseFormat):
-    """Chat completions; with tools (not tool_choice "none") the text is read for calls
-    (gateway/tool_prompt.py): streamed, a call goes out whole once its closing tag arrives, and
-    text that may begin one is held back until it does or cannot."""
+    """Chat completions; with tools (not tool_choice "none") the text is read for calls in the
+    model's format (gateway/tool_formats.py): streamed, a call goes out only once it is whole,
+    and text that may begin one is held back until it does or cannot."""
 
     body: ChatCompletionRequest
 
@@ -215,9 +214,12 @@ class ChatFormat(ResponseFormat):
         body: ChatCompletionRequest,
     ):
         super().__init__(core, choices, response_id, body)
-        plan = tool_plan(body.tools, body.tool_choice, body.parallel_tool_calls)
+        self.tool_format = core.tokenizer.tool_format
+        plan = tool_plan(body.tools, body.tool_choice, body.parallel_tool_calls, self.tool_format)
         self.tool_names = set(plan.names)
-        self.calls = {c.index: CallStream(self.tool_names) for c in choices if self.tool_names}
+        self.calls = {
+            c.index: self.tool_format.stream(self.tool_names) for c in choices if self.tool_names
+        }
 
     def _chunk(self, choices: list[ChatChunkChoice], usage: Usage | None = None) -> str:
         return self._json(ChatCompletionChunk, choices, usage, exclude_none=True)
@@ -248,7 +250,9 @@ class ChatFormat(ResponseFormat):
         first = stream.num_calls
         text, calls = stream.add(msg.text)
         if msg.finish_reason:
-            text += stream.finish()
+            rest, last_calls = stream.finish()
+            text += rest
+            calls += last_calls
             fields["finish_reason"] = _with_calls(fields["finish_reason"], stream.num_calls)
         delta = ChatDelta(
             content=text or None,
@@ -269,7 +273,7 @@ class ChatFormat(ResponseFormat):
             if not self.tool_names:
                 choices.append(ChatChoice(message=ChatMessage(content=msg.text), **fields))
                 continue
-            content, calls = parse_tool_calls(msg.text, self.tool_names)
+            content, calls = self.tool_format.parse(msg.text, self.tool_names)
             fields["finish_reason"] = _with_calls(fields["finish_reason"], len(calls))
             message = ChatMessage(
                 content=content or None, tool_calls=[ToolCall(**call) for call in calls] or None

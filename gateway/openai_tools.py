@@ -1,8 +1,9 @@
 """Tool calling in the OpenAI chat API: `tools`, `tool_choice` and `parallel_tool_calls`
 checked and turned into what the request carries (the tools for the template, and for
-`required` or a named function a grammar that admits only calls: Hermes `<tool_call>` tags
-around a JSON object whose arguments validate against the function's parameters); the answer
-read back into `message.tool_calls` (gateway/tool_prompt.py parses the text).
+`required` or a named function a grammar that admits only calls, in the model's format:
+gateway/tool_formats.py, e.g. Hermes `<tool_call>` tags around a JSON object, with arguments
+that validate against the function's parameters); the answer read back into
+`message.tool_calls` (the format parses the text).
 
     tool_choice    the prompt lists    the output is              read back
     none           no tools            free text                  never
@@ -18,7 +19,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.tool_prompt import CALL_CLOSE, CALL_OPEN
+from gateway.tool_formats import ToolFormat
 from gateway.validation import ValidationError
 from protos.common_pb2 import StructuredOutput
 
@@ -39,9 +40,14 @@ class ToolPlan:
 
 
 def tool_plan(
-    tools: list[dict[str, Any]] | None, tool_choice: str | dict[str, Any] | None, parallel: bool
+    tools: list[dict[str, Any]] | None,
+    tool_choice: str | dict[str, Any] | None,
+    parallel: bool,
+    fmt: ToolFormat | None = None,
 ) -> ToolPlan:
-    """Raises ValidationError naming the field (an unknown tool_choice function included)."""
+    """fmt: the model's call format (Hermes when None). Raises ValidationError naming the
+    field (an unknown tool_choice function included)."""
+    fmt = fmt or ToolFormat()
     functions = _functions(tools or [])
     choice = tool_choice if tool_choice is not None else ("auto" if functions else "none")
     if choice == "none":
@@ -53,7 +59,7 @@ def tool_plan(
     if choice == "auto":
         return ToolPlan(rendered, None, names)
     if choice == "required":
-        return ToolPlan(rendered, _calls_grammar(functions, parallel), names)
+        return ToolPlan(rendered, _calls_grammar(fmt, functions, parallel), names)
     name = _named(choice)
     if name not in names:
         listed = ", ".join(sorted(names))
@@ -61,7 +67,7 @@ def tool_plan(
             f"tool_choice.function.name={name!r} is not one of the tools ({listed})"
         )
     chosen = [f for f in functions if f["name"] == name]
-    return ToolPlan(rendered, _calls_grammar(chosen, parallel), names)
+    return ToolPlan(rendered, _calls_grammar(fmt, chosen, parallel), names)
 
 
 def _named(choice: Any) -> str:
@@ -104,22 +110,10 @@ def _functions(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def _calls_grammar(functions: list[dict[str, Any]], parallel: bool) -> StructuredOutput:
+def _calls_grammar(
+    fmt: ToolFormat, functions: list[dict[str, Any]], parallel: bool
+) -> StructuredOutput:
     """A Lark grammar (llguidance's, with %json for the call objects): one call, or with
-    parallel_tool_calls one or more, each of one of functions with arguments that validate."""
-    one_of = [
-        {
-            "type": "object",
-            "properties": {"name": {"const": f["name"]}, "arguments": f["parameters"]},
-            "required": ["name", "arguments"],
-            "additionalProperties": False,
-        }
-        for f in functions
-    ]
-    schema = {"anyOf": one_of, "x-guidance": {"whitespace_flexible": False, "lenient": True}}
-    repeat = '("\\n" call)*' if parallel else ""
-    lark = (
-        f"start: call {repeat}\n"
-        f'call: "{CALL_OPEN}\\n" %json {json.dumps(schema)} "\\n{CALL_CLOSE}"\n'
-    )
-    return StructuredOutput(grammar=lark)
+    parallel_tool_calls one or more, each of one of functions with arguments that validate,
+    written in the model's format."""
+    return StructuredOutput(grammar=fmt.calls_grammar(functions, parallel))

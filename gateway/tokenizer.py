@@ -11,6 +11,7 @@ so a prompt of n bytes is n tokens; generated ids of 256 and above have no text 
 
 from __future__ import annotations
 
+import functools
 import json
 from datetime import datetime
 from pathlib import Path
@@ -28,6 +29,7 @@ from common.tokenizer_files import (
     load_tokenizer_files,
     unicode_to_bytes,
 )
+from gateway.tool_formats import ToolFormat, tool_format_of
 from gateway.tool_prompt import ChatTurn as ChatMessage
 from gateway.tool_prompt import fallback_turns, template_messages, template_takes_tools
 
@@ -112,6 +114,11 @@ class Tokenizer:
                 return bytes(byte_values[c] for c in piece)
         return self.tokenizer.decode([token_id], skip_special_tokens=False).encode()
 
+    @functools.cached_property
+    def tool_format(self) -> ToolFormat:
+        """How the model writes tool calls, from its chat template (gateway/tool_formats.py)."""
+        return tool_format_of(self.chat_template, self.tokenizer.token_to_id)
+
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         ids = [t for t in token_ids if 0 <= t < self.vocab_size]
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
@@ -132,7 +139,7 @@ class Tokenizer:
         uses_tools = bool(tools) or any(m.tool_calls or m.role == "tool" for m in messages)
         extra: dict[str, Any] = {}
         if uses_tools and template_takes_tools(self.chat_template):
-            rendered = template_messages(messages)
+            rendered = template_messages(messages, self.tool_format.call_id)
             extra["tools"] = tools or None
         else:
             if uses_tools:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,19 +36,26 @@ def template_takes_tools(template: str | None) -> bool:
     return template is not None and "tools" in template and "tool_calls" in template
 
 
-def template_messages(turns: list[ChatTurn]) -> list[dict[str, Any]]:
+def template_messages(
+    turns: list[ChatTurn], call_id: Callable[[str], str] = str
+) -> list[dict[str, Any]]:
     """turns as a template that takes tools reads them (arguments as objects, as HF's
-    templates expect)."""
+    templates expect); call_id: a call's id as the template wants it (the same for the call
+    and the tool message answering it)."""
     out: list[dict[str, Any]] = []
     for t in turns:
         message: dict[str, Any] = {"role": t.role, "content": t.content}
         if t.tool_calls:
             message["tool_calls"] = [
-                {**c, "function": {**c["function"], "arguments": _arguments(c)}}
+                {
+                    **c,
+                    "id": call_id(str(c.get("id", ""))),
+                    "function": {**c["function"], "arguments": _arguments(c)},
+                }
                 for c in t.tool_calls
             ]
         if t.tool_call_id:
-            message["tool_call_id"] = t.tool_call_id
+            message["tool_call_id"] = call_id(t.tool_call_id)
         out.append(message)
     return out
 
@@ -110,6 +118,12 @@ def parse_call(body: str, names: set[str]) -> dict[str, Any] | None:
         value = json.loads(body)
     except json.JSONDecodeError:
         return None
+    return call_object(value, names)
+
+
+def call_object(value: Any, names: set[str]) -> dict[str, Any] | None:
+    """OpenAI's tool call for a decoded call object ({"name", "arguments" or "parameters"}), or
+    None when it does not name one of the tools with object arguments."""
     if not isinstance(value, dict) or value.get("name") not in names:
         return None
     arguments = value.get("arguments", value.get("parameters", {}))
@@ -180,10 +194,10 @@ class CallStream:
             text_out = ""
         return text_out, calls
 
-    def finish(self) -> str:
-        """What is still held at the end: text (a call never closed)."""
+    def finish(self) -> tuple[str, list[dict[str, Any]]]:
+        """What is still held at the end: text (a call never closed), and no more calls."""
         rest, self.held = self.held, ""
-        return "" if self.num_calls and not rest.strip() else rest
+        return ("" if self.num_calls and not rest.strip() else rest), []
 
 
 def _partial_prefix(text: str, tag: str) -> int:

@@ -78,7 +78,7 @@ class BlockCopies(_message.Message):
     def __init__(self, src_tier: _Optional[_Union[KVTier, str]] = ..., dst_tier: _Optional[_Union[KVTier, str]] = ..., src_ids: _Optional[_Iterable[int]] = ..., dst_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepPlan(_message.Message):
-    __slots__ = ("step_id", "finished_seq_ids", "new_requests", "running", "trace_context", "lora_loads", "kv_copies")
+    __slots__ = ("step_id", "finished_seq_ids", "new_requests", "running", "trace_context", "lora_loads", "kv_copies", "grammar_compiles")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -93,6 +93,7 @@ class StepPlan(_message.Message):
     TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     LORA_LOADS_FIELD_NUMBER: _ClassVar[int]
     KV_COPIES_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_COMPILES_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     finished_seq_ids: _containers.RepeatedScalarFieldContainer[int]
     new_requests: _containers.RepeatedCompositeFieldContainer[NewRequest]
@@ -100,10 +101,19 @@ class StepPlan(_message.Message):
     trace_context: _containers.ScalarMap[str, str]
     lora_loads: _containers.RepeatedCompositeFieldContainer[LoraLoad]
     kv_copies: _containers.RepeatedCompositeFieldContainer[BlockCopies]
-    def __init__(self, step_id: _Optional[int] = ..., finished_seq_ids: _Optional[_Iterable[int]] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., running: _Optional[_Union[RunningColumns, _Mapping]] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., lora_loads: _Optional[_Iterable[_Union[LoraLoad, _Mapping]]] = ..., kv_copies: _Optional[_Iterable[_Union[BlockCopies, _Mapping]]] = ...) -> None: ...
+    grammar_compiles: _containers.RepeatedCompositeFieldContainer[GrammarCompile]
+    def __init__(self, step_id: _Optional[int] = ..., finished_seq_ids: _Optional[_Iterable[int]] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., running: _Optional[_Union[RunningColumns, _Mapping]] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., lora_loads: _Optional[_Iterable[_Union[LoraLoad, _Mapping]]] = ..., kv_copies: _Optional[_Iterable[_Union[BlockCopies, _Mapping]]] = ..., grammar_compiles: _Optional[_Iterable[_Union[GrammarCompile, _Mapping]]] = ...) -> None: ...
+
+class GrammarCompile(_message.Message):
+    __slots__ = ("seq_id", "structured_output")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    STRUCTURED_OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    seq_id: int
+    structured_output: _common_pb2.StructuredOutput
+    def __init__(self, seq_id: _Optional[int] = ..., structured_output: _Optional[_Union[_common_pb2.StructuredOutput, _Mapping]] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("step_id", "sampled_token_ids", "logprobs", "forward_ms", "sample_ms", "total_ms", "num_top_logprobs", "top_token_ids", "top_logprobs", "refused_seq_ids", "refusal_reasons", "num_draft_tokens", "num_sampled_tokens")
+    __slots__ = ("step_id", "sampled_token_ids", "logprobs", "forward_ms", "sample_ms", "total_ms", "num_top_logprobs", "top_token_ids", "top_logprobs", "refused_seq_ids", "refusal_reasons", "num_draft_tokens", "num_sampled_tokens", "compiled_seq_ids")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -117,6 +127,7 @@ class StepResult(_message.Message):
     REFUSAL_REASONS_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_SAMPLED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COMPILED_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     sampled_token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedScalarFieldContainer[float]
@@ -130,7 +141,8 @@ class StepResult(_message.Message):
     refusal_reasons: _containers.RepeatedScalarFieldContainer[str]
     num_draft_tokens: _containers.RepeatedScalarFieldContainer[int]
     num_sampled_tokens: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, step_id: _Optional[int] = ..., sampled_token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., forward_ms: _Optional[float] = ..., sample_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., num_top_logprobs: _Optional[_Iterable[int]] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., refused_seq_ids: _Optional[_Iterable[int]] = ..., refusal_reasons: _Optional[_Iterable[str]] = ..., num_draft_tokens: _Optional[_Iterable[int]] = ..., num_sampled_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+    compiled_seq_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, step_id: _Optional[int] = ..., sampled_token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., forward_ms: _Optional[float] = ..., sample_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., num_top_logprobs: _Optional[_Iterable[int]] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., refused_seq_ids: _Optional[_Iterable[int]] = ..., refusal_reasons: _Optional[_Iterable[str]] = ..., num_draft_tokens: _Optional[_Iterable[int]] = ..., num_sampled_tokens: _Optional[_Iterable[int]] = ..., compiled_seq_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DescribeRequest(_message.Message):
     __slots__ = ()

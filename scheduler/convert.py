@@ -61,6 +61,10 @@ def plan_to_proto(plan: StepPlan) -> engine_pb2.StepPlan:
         msg.kv_copies.add(
             src_tier=KV_TIERS[src], dst_tier=KV_TIERS[dst], src_ids=src_ids, dst_ids=dst_ids
         )
+    for request in plan.grammar_compiles:
+        msg.grammar_compiles.add(
+            seq_id=request.seq_id, structured_output=request.sampling.structured_output
+        )
     return msg
 
 
@@ -110,7 +114,9 @@ def apply_result(
     scheduler: Scheduler, plan: StepPlan, result: engine_pb2.StepResult
 ) -> list[StepOutcome]:
     """Scheduler.update with the engine's StepResult for plan (its columns unpacked: empty
-    optional ones as None)."""
+    optional ones as None), after releasing the held requests whose grammar it reports
+    compiled."""
+    scheduler.grammars_compiled(list(result.compiled_seq_ids))
     return scheduler.update(
         plan,
         list(result.sampled_token_ids),

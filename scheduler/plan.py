@@ -63,6 +63,11 @@ class StepPlan:
     # KV offload: copies between tiers, (src tier, dst tier, src ids, dst ids) batches in the
     # order the engine runs them (scheduler/kv_offload.py).
     kv_copies: list[tuple[str, str, list[int], list[int]]] = field(default_factory=list)
+    # Structured output: held requests whose grammar the engine is to compile (their
+    # constraints travel in the plan), and whether some sent earlier are not reported yet (the
+    # plan then goes even with nothing else in it, to ask; scheduler/grammar_wait.py).
+    grammar_compiles: list[Request] = field(default_factory=list)
+    asks_grammars: bool = False
 
     @property
     def rows(self) -> list[NewRequestRow | RunningRow]:
@@ -78,7 +83,14 @@ class StepPlan:
 
     @property
     def is_empty(self) -> bool:
-        return not (self.new_requests or self.running or self.finished_seq_ids or self.kv_copies)
+        return not (
+            self.new_requests
+            or self.running
+            or self.finished_seq_ids
+            or self.kv_copies
+            or self.grammar_compiles
+            or self.asks_grammars
+        )
 
 
 @dataclass

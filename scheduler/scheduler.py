@@ -86,10 +86,10 @@ class Scheduler(StepResults, Preemption, PipelineSlots):
                 f"({self.block_manager.num_blocks} blocks x {self.block_size})",
             )
         self._check_lora(request)
-        if len(self.waiting) >= self.config.max_waiting:
+        if self.num_waiting >= self.config.max_waiting:
             raise AdmissionError(
                 "RESOURCE_EXHAUSTED",
-                f"queue full: {len(self.waiting)} requests waiting (max_waiting="
+                f"queue full: {self.num_waiting} requests waiting (max_waiting="
                 f"{self.config.max_waiting}); retry after a short delay",
             )
 
@@ -110,7 +110,10 @@ class Scheduler(StepResults, Preemption, PipelineSlots):
         request.arrival_time = request.arrival_time or time.monotonic()
         self.requests[request.seq_id] = request
         self.tenants.arrive(request.tenant, request.tenant_weight)
-        self.waiting.append(request)
+        if self.grammar_wait.must_hold(request):
+            self.grammar_wait.hold(request)  # the line once the engine has its grammar
+        else:
+            self.waiting.append(request)
 
     def abort(self, seq_id: int) -> Request | None:
         """End a request wherever it is; its blocks are free on return. Unknown ids are ignored."""
@@ -118,7 +121,8 @@ class Scheduler(StepResults, Preemption, PipelineSlots):
         if request is None:
             return None
         if request.status == RequestStatus.WAITING:
-            self.waiting.remove(request)
+            if not self.grammar_wait.remove(request):
+                self.waiting.remove(request)
         elif request.status == RequestStatus.RUNNING:
             self.running.remove(request)
         self._finish(request, RequestStatus.FINISHED_ABORTED)
@@ -131,11 +135,13 @@ class Scheduler(StepResults, Preemption, PipelineSlots):
 
     def list_requests(self, tenant: str = "") -> list[RequestRow]:
         """Every request held (running, then waiting in line order), or only tenant's."""
-        return request_rows([*self.running, *self.waiting], tenant)
+        held = self.grammar_wait.held.values()
+        return request_rows([*self.running, *self.waiting, *held], tenant)
 
     def tenant_rows(self) -> list[TenantRow]:
         """Every tenant seen since start, with its queue, seats, blocks and service."""
-        return tenant_rows(self.tenants, self.waiting, self.running)
+        waiting = [*self.waiting, *self.grammar_wait.held.values()]
+        return tenant_rows(self.tenants, waiting, self.running)
 
     def reset_engine(self) -> list[Request]:
         """The engine lost its mirror and KV pool (it restarted, or failed a step): preempt every
@@ -148,6 +154,10 @@ class Scheduler(StepResults, Preemption, PipelineSlots):
         self.last_result_step_id = self.next_step_id - 1
         for request in self.waiting:
             request.mirror.in_engine = False
+        self.grammar_wait.reset()  # the engine may be a new process, its grammar cache empty
+        for request in [r for r in self.waiting if self.grammar_wait.must_hold(r)]:
+            self.waiting.remove(request)
+            self.grammar_wait.hold(request)
         self.block_manager.reset_prefix_cache()
         self.loras.resize(self.loras.max_loras)  # an engine that lost its mirror reloads them
         self.block_manager.check_integrity(list(self.requests.values()))
@@ -168,10 +178,11 @@ class Scheduler(StepResults, Preemption, PipelineSlots):
         )  # fmt: skip
         if offload is not None:
             offload.reset()  # blocks keyed by the old block size
-        for request in self.waiting:
+        waiting = [*self.waiting, *self.grammar_wait.held.values()]
+        for request in waiting:
             request.block_hashes = []  # hashed per block, so they depend on block_size
         capacity = num_blocks * block_size
-        too_big = [r for r in self.waiting if r.num_prompt_tokens + r.max_tokens > capacity]
+        too_big = [r for r in waiting if r.num_prompt_tokens + r.max_tokens > capacity]
         for request in too_big:
             self.abort(request.seq_id)
         return too_big
@@ -382,6 +393,8 @@ class Scheduler(StepResults, Preemption, PipelineSlots):
             row.lora_slot = self.loras.slot_of(row.request.lora_name)
         if self.block_manager.offload is not None:
             plan.kv_copies = self.block_manager.offload.take_copies()
+        plan.grammar_compiles = self.grammar_wait.take_unsent()
+        plan.asks_grammars = self.grammar_wait.awaiting_engine
         self.next_step_id += 1
         self.finished_seq_ids, self.preempted = [], []
         return plan

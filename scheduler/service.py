@@ -156,7 +156,7 @@ class SchedulerService(EngineLoop, scheduler_pb2_grpc.SchedulerServicer):
                 tenants=s.tenant_rows(),
                 draining=self.draining,
                 num_running=len(s.running),
-                num_waiting=len(s.waiting),
+                num_waiting=s.num_waiting,
                 num_free_blocks=s.block_manager.num_free_blocks,
                 num_blocks=s.block_manager.num_blocks,
                 lora_names=sorted(n for n in s.loras.paths if s.loras.is_servable(n)),
@@ -259,7 +259,7 @@ class SchedulerService(EngineLoop, scheduler_pb2_grpc.SchedulerServicer):
             log.info(
                 "draining" if draining else "admitting again",
                 num_running=len(s.running) if s else 0,
-                num_waiting=len(s.waiting) if s else 0,
+                num_waiting=s.num_waiting if s else 0,
             )
             self._update_health()
         return scheduler_pb2.DrainResponse(draining=self.draining)

@@ -10,6 +10,7 @@ from collections import deque
 from scheduler.admin import SchedulerCounters
 from scheduler.block_manager import BlockManager
 from scheduler.config import SchedulerConfig
+from scheduler.grammar_wait import GrammarWait
 from scheduler.kv_offload import KVOffload
 from scheduler.lora import LoraTable
 from scheduler.request import Request, RequestStatus
@@ -51,6 +52,9 @@ class SchedulerState:
         self.block_manager = BlockManager(num_blocks, block_size, config.enable_prefix_caching)
         self.set_offload_tiers(num_host_blocks, num_disk_blocks, kv_block_bytes)
         self.waiting: deque[Request] = deque()
+        # Constrained requests whose grammar the engine has not compiled yet (they join
+        # `waiting` once it has; scheduler/grammar_wait.py).
+        self.grammar_wait = GrammarWait()
         self.running: list[Request] = []
         self.requests: dict[int, Request] = {}
         # Requests the engine mirrors that it must drop before the next plan.
@@ -140,7 +144,19 @@ class SchedulerState:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.finished_seq_ids)
+        """Whether to plan a step: requests to run or drop, or grammars to compile or to ask
+        the engine about."""
+        return bool(self.waiting or self.running or self.finished_seq_ids or self.grammar_wait)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests not running: in the waiting line, or held for their grammar."""
+        return len(self.waiting) + len(self.grammar_wait)
+
+    def grammars_compiled(self, seq_ids: list[int]) -> None:
+        """The engine compiled the grammars of these held requests (a result's
+        compiled_seq_ids): they join the waiting line. Unknown ids are ignored."""
+        self.waiting.extend(self.grammar_wait.release(seq_ids))
 
     def _is_padding(self, request: Request) -> bool:
         """Whether request runs on without streaming (hook; static batching's padding rows)."""

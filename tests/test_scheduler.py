@@ -1481,3 +1481,40 @@ def test_pipeline_gives_the_same_outputs_as_one_step_at_a_time(num_slots: int, s
         h.check()
         runs.append((h.outputs, h.finished))
     assert runs[0] == runs[1]
+
+
+def test_constrained_request_waits_for_its_grammar(make: Callable[..., Harness]) -> None:
+    """A constrained request is held out of the line until a result reports its grammar
+    compiled: its constraint goes in one plan, plans keep asking while nothing else runs, an
+    abort while held ends it, the same constraint later skips the wait, and an engine reset
+    holds and lists it again (a resize rehashes it like any waiting request)."""
+    from protos.common_pb2 import StructuredOutput
+
+    h = make(num_blocks=16)
+    s = h.s
+
+    def constrained(seq_id: int) -> Request:
+        r = make_request(seq_id, 5, 3)
+        r.sampling.structured_output.CopyFrom(StructuredOutput(regex="[a-z]+"))
+        return r
+
+    a, b = constrained(1), constrained(2)
+    s.add(a)
+    s.add(b)
+    assert s.num_waiting == 2 and not s.waiting
+    plan = s.schedule()
+    assert plan.grammar_compiles == [a, b] and not plan.rows and not plan.is_empty
+    asking = s.schedule()  # nothing to run: the plan only asks
+    assert asking.grammar_compiles == [] and asking.asks_grammars and not asking.is_empty
+    s.abort(b.seq_id)
+    s.grammars_compiled([a.seq_id, b.seq_id])  # b ended meanwhile: ignored
+    assert list(s.waiting) == [a] and not s.grammar_wait.held
+    assert [r.request for r in s.schedule().rows] == [a]
+    c = constrained(3)
+    s.add(c)  # the same constraint, compiled already: straight into the line
+    assert list(s.waiting) == [c]
+    s.reset_engine()  # a new engine compiled nothing: both wait for it again
+    assert not s.waiting and set(s.grammar_wait.held) == {1, 3}
+    assert a.block_hashes  # hashed when admitted: a new block size rehashes held ones too
+    assert s.resize(16, 2) == [] and a.block_hashes == []
+    assert {r.seq_id for r in s.schedule().grammar_compiles} == {1, 3}

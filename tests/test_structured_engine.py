@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
@@ -19,6 +20,7 @@ import numpy as np
 import pytest
 
 from engine.config import EngineConfig
+from engine.contract import GrammarCompileData
 from engine.convert import plan_from_proto
 from engine.engine import Engine
 from engine.grammar import Grammars
@@ -114,10 +116,15 @@ def requests(
 
 
 def serve(
-    engine: Engine, reqs: list[Request], depth: int = 1, num_blocks: int = 0
+    engine: Engine,
+    reqs: list[Request],
+    depth: int = 1,
+    num_blocks: int = 0,
+    on_step: Callable[[Scheduler], None] | None = None,
 ) -> dict[int, list[int]]:
     """Run reqs through a Scheduler and engine, up to depth steps in flight; num_blocks: give
-    the scheduler fewer blocks than the engine holds (a tight pool: preemptions)."""
+    the scheduler fewer blocks than the engine holds (a tight pool: preemptions); on_step: called
+    after each result is applied."""
     engine.reset()
     info = engine.info
     s = Scheduler(
@@ -144,6 +151,7 @@ def serve(
         assert in_flight, "nothing in flight and nothing to plan"
         plan, step = in_flight.popleft()
         out = engine.finish(step)
+        s.grammars_compiled(out.compiled_seq_ids)
         drafts = out.num_draft_tokens or None
         update = s.update(
             plan, out.sampled_token_ids, out.logprobs, None, out.num_sampled_tokens or None, drafts
@@ -151,6 +159,8 @@ def serve(
         for o in update:
             outputs[o.request.seq_id].append(o.token_id)
         s.block_manager.check_integrity(list(s.requests.values()))
+        if on_step is not None:
+            on_step(s)
     raise AssertionError("did not finish")
 
 
@@ -246,4 +256,61 @@ def test_grammar_with_no_allowed_token_ends_with_eos(model: Path) -> None:
     _, bitmask = grammars.start_masks([ScheduledSeq(seq, 2, 1, True)]).result()  # type: ignore[union-attr]
     allowed = np.flatnonzero(np.unpackbits(bitmask.view(np.uint8), bitorder="little")[:259])
     assert set(allowed.tolist()) == {*range(ord("0"), ord("9") + 1), EOS_TOKEN_ID}
+    grammars.close()
+
+
+def test_a_slow_compile_holds_only_its_request(
+    engines: dict[str, Engine], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A grammar whose compile takes long (held here until the free request is done) keeps only
+    its own request waiting, off the step path: the unconstrained request beside it runs to its
+    end meanwhile (were the compile in a step, that step would wait for it, and the release
+    below would never come), then the constrained one is admitted and gives valid output."""
+    engine = engines["plain"]
+    release = threading.Event()
+    compile_ = engine.grammars._compile
+
+    def slow_compile(key: tuple[str, str]) -> Any:
+        assert release.wait(30), "the free request did not finish while the compile waited"
+        return compile_(key)
+
+    monkeypatch.setattr(engine.grammars, "_compile", slow_compile)
+    so = StructuredOutput(regex="[x-z]{3}!")  # compiled nowhere before: not cached
+    free, held = requests([(None, {"temperature": 0.0}), (so, {"temperature": 0.0})], 8)
+    seen: list[tuple[bool, int]] = []
+
+    def on_step(s: Scheduler) -> None:
+        seen.append((held.seq_id in s.grammar_wait.held, len(s.running)))
+        if free.status.is_finished:
+            release.set()
+
+    outputs = serve(engine, [free, held], depth=2, on_step=on_step)
+    assert len(outputs[free.seq_id]) == 8
+    held_steps = [num_running for is_held, num_running in seen if is_held]
+    assert sum(n > 0 for n in held_steps) >= 7, seen  # the free request stepped meanwhile
+    assert re.fullmatch(r"[x-z]{3}!", text_of(outputs[held.seq_id]))
+
+
+def test_compiles_ahead_report_compiled_and_refused(model: Path) -> None:
+    """The plan's grammar_compiles: each is reported once, compiled or (a constraint the
+    library refuses: a peer that skipped the gateway's check) refused with its reason; a step
+    with nothing else waits a little for the first to end."""
+    grammars = Grammars(model, 259, (EOS_TOKEN_ID,))
+    grammars.start_compiles(
+        [
+            GrammarCompileData(7, StructuredOutput(regex="[0-9]{2}")),
+            GrammarCompileData(8, StructuredOutput(regex="a(b")),
+        ]
+    )
+    done: list[int] = []
+    refused: list[tuple[int, str]] = []
+    for _ in range(200):
+        compiled, failed = grammars.take_compiled(wait_s=0.05)
+        done += compiled
+        refused += failed
+        if not grammars.has_pending:
+            break
+    assert done == [7] and [seq_id for seq_id, _ in refused] == [8]
+    assert "does not compile" in refused[0][1] and "group" in refused[0][1]
+    assert grammars.take_compiled() == ([], [])  # each reported once
     grammars.close()

@@ -18,7 +18,7 @@ import jsonschema
 import openai
 import pytest
 
-from common.structured_output import MAX_SCHEMA_DEPTH, MAX_SCHEMA_PROPERTIES
+from common.structured_output import MAX_CONSTRAINT_BYTES, MAX_SCHEMA_DEPTH, MAX_SCHEMA_PROPERTIES
 from llmserve.client import make_request
 from protos.common_pb2 import ChoiceList, StructuredOutput
 from tests.stack import Stack, start_stack
@@ -261,6 +261,11 @@ def _deep(depth: int) -> dict[str, Any]:
             },
             "structured_outputs",
             f"the limit is {MAX_SCHEMA_PROPERTIES}",
+        ),
+        (
+            {"structured_outputs": {"regex": "a" * (MAX_CONSTRAINT_BYTES + 1)}},
+            "structured_outputs",
+            f"has {MAX_CONSTRAINT_BYTES + 1} bytes; the limit is {MAX_CONSTRAINT_BYTES}",
         ),
         ({"response_format": {"type": "yaml"}}, "response_format", "must be 'text'"),
         ({"prompt": [1, 2, 10**6]}, "prompt", "prompt[2]=1000000 is outside the vocabulary"),

@@ -1,15 +1,22 @@
 """Tool calling's text side, without a model: the Hermes fallback's prompt, reading calls back
-from whole answers and from streamed pieces split anywhere, and tool_choice's checks."""
+from whole answers and from streamed pieces split anywhere, tool_choice's checks, and the call
+formats of other templates (Llama 3 JSON, Mistral [TOOL_CALLS]): their grammars and parsing."""
 
 from __future__ import annotations
 
 import json
+import re
+from typing import Any
 
 import pytest
+from llguidance import LLMatcher, LLTokenizer
 
 from common.structured_output import check_structured_output
+from common.tokenizer_files import byte_level_files
 from gateway.openai_protocol import ChatCompletionRequest, chat_request
 from gateway.openai_tools import tool_plan
+from gateway.tokenizer import Tokenizer
+from gateway.tool_formats import MISTRAL_CALLS, PYTHON_TAG, ToolFormat, tool_format_of
 from gateway.tool_prompt import CallStream, ChatTurn, fallback_turns, parse_tool_calls
 from gateway.validation import ValidationError
 
@@ -54,7 +61,7 @@ def test_streamed_pieces_give_the_same_calls(size: int) -> None:
         assert "<tool" not in piece and "{" not in piece  # nothing of a call streams as text
         text += piece
         calls += done
-    text += stream.finish()
+    text += stream.finish()[0]
     whole_content, whole_calls = parse_tool_calls(ANSWER, NAMES)
     assert text.strip() == whole_content
     assert [c["function"] for c in calls] == [c["function"] for c in whole_calls]
@@ -65,7 +72,7 @@ def test_stream_releases_text_that_is_not_a_call() -> None:
     assert stream.add("a <tool") == ("a ", [])
     assert stream.add("box> b") == ("<toolbox> b", [])
     assert stream.add("<tool_call>never closed") == ("", [])
-    assert stream.finish() == "<tool_call>never closed"
+    assert stream.finish() == ("<tool_call>never closed", [])
 
 
 def test_fallback_prompt_carries_tools_calls_and_results() -> None:
@@ -114,3 +121,152 @@ def test_bad_tools_refused(tools: list, choice: object, message: str) -> None:
     )
     with pytest.raises(ValidationError, match=message.replace("[", r"\[").replace("(", r"\(")):
         chat_request(body)
+
+
+# -- the call format each template asks for ------------------------------------------------------
+# Minimal templates written for these tests, each in the shape its family's template takes: the
+# tools listed in the prompt, an assistant turn's calls in the family's format, tool results.
+
+LLAMA3_TEMPLATE = (
+    "{{ bos_token }}{% if tools %}<|start_header_id|>system<|end_header_id|>\n\nAnswer a call as "
+    '{"name": function name, "parameters": its arguments}. Tools: {{ tools | tojson }}<|eot_id|>'
+    "{% endif %}{% for m in messages %}<|start_header_id|>"
+    "{{ 'ipython' if m.role == 'tool' else m.role }}<|end_header_id|>\n\n"
+    "{% if m.tool_calls %}{% for c in m.tool_calls %}"
+    '{"name": "{{ c.function.name }}", "parameters": {{ c.function.arguments | tojson }}}'
+    "{% endfor %}{% else %}{{ m.content }}{% endif %}<|eot_id|>{% endfor %}"
+    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+)
+MISTRAL_TEMPLATE = (
+    "{% if tools %}[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]{% endif %}"
+    "{% for m in messages %}{% if m.role == 'user' %}[INST]{{ m.content }}[/INST]"
+    "{% elif m.tool_calls %}[TOOL_CALLS][{% for c in m.tool_calls %}"
+    "{% if c.id | length != 9 %}{{ raise_exception('tool call ids must be 9 long') }}{% endif %}"
+    '{"name": "{{ c.function.name }}", "arguments": {{ c.function.arguments | tojson }}, '
+    '"id": "{{ c.id }}"}{% endfor %}]</s>{% elif m.role == "tool" %}[TOOL_RESULTS]'
+    '{"call_id": "{{ m.tool_call_id }}", "content": {{ m.content }}}[/TOOL_RESULTS]'
+    "{% else %}{{ m.content }}</s>{% endif %}{% endfor %}"
+)
+QWEN_TEMPLATE = (
+    "{% if tools %}<tools>{{ tools | tojson }}</tools> Answer calls in <tool_call></tool_call>."
+    "{% endif %}{% for m in messages %}{{ m.role }}: {% for c in m.tool_calls or [] %}"
+    "<tool_call>{{ c.function | tojson }}</tool_call>{% endfor %}{{ m.content }}\n{% endfor %}"
+)
+ANSWERS = {  # an answer with two calls (and content where the format allows it), per format
+    "hermes": ANSWER,
+    "llama3_json": '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Oslo"}}; '
+    '{"name": "get_time", "parameters": {}}',
+    "mistral": 'Let me check.[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Oslo"}},'
+    ' {"name": "get_time", "arguments": {}}]',
+}
+
+
+SINGLE = {  # one call of get_time, per format
+    "hermes": '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>',
+    "llama3_json": '{"name": "get_time", "parameters": {}}',
+    "mistral": '[TOOL_CALLS][{"name": "get_time", "arguments": {}}]',
+}
+
+
+def special_tokenizer() -> Any:
+    """The byte-level tokenizer with Mistral's [TOOL_CALLS] added as one special token."""
+    tokenizer = byte_level_files().tokenizer
+    tokenizer.add_special_tokens([MISTRAL_CALLS])
+    return tokenizer
+
+
+def formats() -> dict[str, ToolFormat]:
+    token_id = special_tokenizer().token_to_id
+    return {
+        name: tool_format_of(template, token_id)
+        for name, template in (
+            ("hermes", QWEN_TEMPLATE),
+            ("llama3_json", LLAMA3_TEMPLATE),
+            ("mistral", MISTRAL_TEMPLATE),
+        )
+    }
+
+
+def test_the_call_format_follows_the_template() -> None:
+    assert {name: f.name for name, f in formats().items()} == {
+        "hermes": "hermes", "llama3_json": "llama3_json", "mistral": "mistral",
+    }  # fmt: skip
+    assert tool_format_of(None).name == tool_format_of("{{ messages }}").name == "hermes"
+    # the model's own template renders the tools, the calls (in its format) and the results
+    files = byte_level_files()
+    tokenizer = Tokenizer(files.tokenizer, LLAMA3_TEMPLATE, "<s>", None, False)
+    assert tokenizer.tool_format.name == "llama3_json"
+    call = {"id": "c1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}  # fmt: skip
+    turns = [ChatTurn("user", "Oslo?"), ChatTurn("assistant", "", [call]),
+             ChatTurn("tool", '{"temp": 3}', tool_call_id="c1")]  # fmt: skip
+    text = tokenizer.render_chat(turns, tools=[WEATHER])
+    assert '{"name": "get_weather", "parameters": {"city": "Oslo"}}' in text
+    assert '<|start_header_id|>ipython<|end_header_id|>\n\n{"temp": 3}' in text
+    assert '"name": "get_weather"' in text.split("<|eot_id|>")[0]  # the tools, in the prompt
+    # Mistral's templates take only 9-character call ids: OpenAI's are mapped, call and result
+    mistral = Tokenizer(files.tokenizer, MISTRAL_TEMPLATE, None, None, False)
+    text = mistral.render_chat(turns, tools=[WEATHER])
+    [short] = re.findall(r'"id": "(\w+)"', text)
+    assert len(short) == 9 and f'{{"call_id": "{short}"' in text
+
+
+@pytest.mark.parametrize("name", ["hermes", "llama3_json", "mistral"])
+def test_required_and_named_grammars_admit_only_calls(name: str) -> None:
+    """The grammar of tool_choice required (parallel) admits the format's calls whose arguments
+    validate, and nothing else; named admits only that function; what it admits parses back to
+    the same calls."""
+    fmt = formats()[name]
+    tokenizer = special_tokenizer()
+    vocab = LLTokenizer(tokenizer.to_str(), n_vocab=tokenizer.get_vocab_size(), eos_token=0)
+
+    def admits(constraint: Any, text: str) -> bool:
+        check_structured_output(constraint, "")
+        grammar = LLMatcher.grammar_from_lark(constraint.grammar)
+        matcher = LLMatcher(vocab, grammar, log_level=0)
+        ids = tokenizer.encode(text).ids
+        return (
+            matcher.validate_tokens(ids) == len(ids)
+            and matcher.consume_tokens(ids)
+            and (matcher.is_accepting())
+        )
+
+    calls_only = ANSWERS[name].replace("Let me check.", "").removeprefix(PYTHON_TAG)
+    required = tool_plan([WEATHER, TIME], "required", True, fmt).constraint
+    assert admits(required, calls_only)
+    assert not admits(required, calls_only.replace('"Oslo"', "3"))  # arguments must validate
+    assert not admits(required, "Let me check." + calls_only)  # calls only
+    named = {"type": "function", "function": {"name": "get_time"}}
+    one = tool_plan([WEATHER, TIME], named, False, fmt).constraint
+    assert not admits(one, calls_only)  # get_weather is not the named one, and one call only
+    assert admits(one, SINGLE[name])
+    content, calls = fmt.parse(calls_only, NAMES)
+    assert content == "" and [c["function"]["name"] for c in calls] == ["get_weather", "get_time"]
+    assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Oslo"}
+
+
+@pytest.mark.parametrize("size", [1, 3, 7, 1000])
+@pytest.mark.parametrize("name", ["hermes", "llama3_json", "mistral"])
+def test_auto_calls_stream_whole_and_equal_the_answer(name: str, size: int) -> None:
+    """tool_choice auto: the calls read from streamed pieces equal those of the whole answer,
+    no piece of a call streams as text, and an answer that is not a call streams as text."""
+    fmt = formats()[name]
+    answer = ANSWERS[name]
+    whole_content, whole_calls = fmt.parse(answer, NAMES)
+    assert len(whole_calls) == 2
+
+    def streamed(text: str) -> tuple[str, list[dict[str, Any]]]:
+        stream = fmt.stream(NAMES)
+        out, calls = "", []
+        for i in range(0, len(text), size):
+            piece, done = stream.add(text[i : i + size])
+            out += piece
+            calls += done
+        rest, last = stream.finish()
+        return out + rest, calls + last
+
+    text, calls = streamed(answer)
+    assert "{" not in text and text.strip() == whole_content
+    assert [c["function"] for c in calls] == [c["function"] for c in whole_calls]
+    for plain in ("Sunny, 3 degrees.", "{not a call}", "[TOOL_CALLS] nothing"):
+        assert streamed(plain) == (plain, []) and fmt.parse(plain, NAMES) == (plain, [])
