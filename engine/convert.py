@@ -9,6 +9,8 @@ from operator import attrgetter
 from engine.contract import (
     BlockCopiesData,
     EngineInfo,
+    KVReceiveData,
+    KVSendData,
     LoraLoadData,
     NewRequestData,
     RunningData,
@@ -43,8 +45,11 @@ def plan_from_proto(msg: engine_pb2.StepPlan) -> StepPlanData:
         for c in msg.kv_copies
     ]
     return StepPlanData(
-        msg.step_id, list(msg.finished_seq_ids), new, running, lora_loads=loads, kv_copies=copies
-    )
+        msg.step_id, list(msg.finished_seq_ids), new, running, lora_loads=loads, kv_copies=copies,
+        kv_sends=[KVSendData(m.transfer_id, list(m.block_ids), m.address) for m in msg.kv_sends],
+        kv_receives=[KVReceiveData(m.transfer_id, list(m.block_ids)) for m in msg.kv_receives],
+        kv_receive_cancels=list(msg.kv_receive_cancels),
+    )  # fmt: skip
 
 
 def result_to_proto(step_id: int, output: StepOutput, total_ms: float) -> engine_pb2.StepResult:

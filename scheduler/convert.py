@@ -61,6 +61,11 @@ def plan_to_proto(plan: StepPlan) -> engine_pb2.StepPlan:
         msg.kv_copies.add(
             src_tier=KV_TIERS[src], dst_tier=KV_TIERS[dst], src_ids=src_ids, dst_ids=dst_ids
         )
+    for transfer_id, block_ids, address in plan.kv_sends:
+        msg.kv_sends.add(transfer_id=transfer_id, block_ids=block_ids, address=address)
+    for transfer_id, block_ids in plan.kv_receives:
+        msg.kv_receives.add(transfer_id=transfer_id, block_ids=block_ids)
+    msg.kv_receive_cancels.extend(plan.kv_receive_cancels)
     return msg
 
 
@@ -110,8 +115,8 @@ def apply_result(
     scheduler: Scheduler, plan: StepPlan, result: engine_pb2.StepResult
 ) -> list[StepOutcome]:
     """Scheduler.update with the engine's StepResult for plan (its columns unpacked: empty
-    optional ones as None)."""
-    return scheduler.update(
+    optional ones as None), then the KV transfers it reports received."""
+    outcomes = scheduler.update(
         plan,
         list(result.sampled_token_ids),
         list(result.logprobs) or None,
@@ -119,6 +124,9 @@ def apply_result(
         list(result.num_sampled_tokens) or None,
         list(result.num_draft_tokens) or None,
     )
+    if result.received_transfer_ids:
+        scheduler.on_received(list(result.received_transfer_ids))
+    return outcomes
 
 
 def response_to_proto(

@@ -50,12 +50,10 @@ class Offloading(SchedulerState):
         """Give back every block pinned for a swap-in (a running request needs blocks: they go
         before anyone is preempted). They stay cached on the device until reused; a request
         that waited for them finds them there, or swaps in again. False if none was pinned."""
-        pins = self.block_manager.pins
-        if not pins:
-            return False
-        for holder in list(pins):
+        holders = [h for h in self.block_manager.pins if self.transfers.of(h) is None]
+        for holder in holders:  # blocks a KV transfer is filling stay pinned
             self.block_manager.unpin(holder)
-        return True
+        return bool(holders)
 
     def _end_swap_in(self, request: Request) -> None:
         """request was admitted (it holds its blocks) or ended: drop its pins, count its wait."""

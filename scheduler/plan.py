@@ -63,6 +63,13 @@ class StepPlan:
     # KV offload: copies between tiers, (src tier, dst tier, src ids, dst ids) batches in the
     # order the engine runs them (scheduler/kv_offload.py).
     kv_copies: list[tuple[str, str, list[int], list[int]]] = field(default_factory=list)
+    # Disaggregation (scheduler/disaggregation.py): (transfer id, block ids, address) to send,
+    # (transfer id, block ids) to await, transfer ids given up; whether transfers are awaited
+    # (a plan then goes out even with nothing else in it: the engine is polled).
+    kv_sends: list[tuple[int, list[int], str]] = field(default_factory=list)
+    kv_receives: list[tuple[int, list[int]]] = field(default_factory=list)
+    kv_receive_cancels: list[int] = field(default_factory=list)
+    awaits_transfers: bool = False
 
     @property
     def rows(self) -> list[NewRequestRow | RunningRow]:
@@ -78,7 +85,11 @@ class StepPlan:
 
     @property
     def is_empty(self) -> bool:
-        return not (self.new_requests or self.running or self.finished_seq_ids or self.kv_copies)
+        return not (
+            self.new_requests or self.running or self.finished_seq_ids or self.kv_copies
+            or self.kv_sends or self.kv_receives or self.kv_receive_cancels
+            or self.awaits_transfers
+        )  # fmt: skip
 
 
 @dataclass

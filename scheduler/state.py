@@ -15,6 +15,7 @@ from scheduler.lora import LoraTable
 from scheduler.request import Request, RequestStatus
 from scheduler.speculation import SpeculationPolicy
 from scheduler.tenants import TenantLedger
+from scheduler.transfers import TransferTable
 
 
 class SchedulerState:
@@ -69,6 +70,9 @@ class SchedulerState:
         # LoRA adapters: the registry and the engine's slot table (scheduler/lora.py); no slots
         # until an engine reports max_loras.
         self.loras = LoraTable()
+        # Prefill / decode disaggregation: this scheduler's role and its transfers
+        # (scheduler/disaggregation.py); role "both" (colocated) uses none of it.
+        self.transfers = TransferTable("both", config.kv_transfer_timeout_s)
 
     def set_sliding_window(self, sliding_window: int | None) -> None:
         """Release running requests' blocks that fall out of this window (the engine's, when
@@ -140,7 +144,9 @@ class SchedulerState:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.finished_seq_ids)
+        return bool(
+            self.waiting or self.running or self.finished_seq_ids or self.transfers.has_work
+        )
 
     def _is_padding(self, request: Request) -> bool:
         """Whether request runs on without streaming (hook; static batching's padding rows)."""
