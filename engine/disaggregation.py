@@ -14,7 +14,8 @@ scheduler's; this only executes, in this order, before the plan's mirror update 
    is only logged: the receiving side's deadline turns it into a recompute there.
 
 A test hook, LLMSERVE_KV_TRANSFER_FAULT: `drop` sends the header and half the payload of every
-transfer, then closes the connection; `stall` holds every transfer for 30 s; `@PATH` reads one of
+transfer, then closes the connection; `stall` holds every transfer (for 30 s, or while the file
+says so) and never sends it; `@PATH` reads one of
 those from the file PATH before each send (no file, or an empty one: no fault), so a test can
 turn faults on and off in a running engine.
 """
@@ -123,9 +124,11 @@ class KVSender:
         num_blocks: int,
     ) -> None:
         """The test hook: a transfer that drops half-way, or one that stalls."""
-        if fault == "stall":
-            time.sleep(STALL_S)
-            raise TransferError(f"transfer {transfer_id}: stalled by {FAULT_ENV}=stall")
+        if fault == "stall":  # until the fault is lifted (a file's), at most STALL_S
+            deadline = time.monotonic() + STALL_S
+            while read_fault(self.fault) == "stall" and time.monotonic() < deadline:
+                time.sleep(0.05)
+            raise TransferError(f"transfer {transfer_id}: stalled by {FAULT_ENV}")
         try:
             with socket.create_connection(address, timeout=5) as conn:
                 challenge = _read_exactly(conn, CHALLENGE_BYTES)

@@ -1,0 +1,145 @@
+"""Prefill / decode disaggregation through the whole stack, as `llmserve serve --prefill-engines 1
+--decode-engines 1` starts it, on the built-in model: greedy tokens identical to one engine's
+(the prompt in chunks on the prefill engine, a prefix hit on both sides), and the failure paths:
+a transfer connection dropped half-way, a cancel mid-transfer and kill -9 of the prefill engine
+mid-transfer each lose no request and leave no block held on either side (the scheduler's stats).
+One stack for the module; faults are switched on in the running prefill engine through
+LLMSERVE_KV_TRANSFER_FAULT=@file (engine/disaggregation.py)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from engine.disaggregation import FAULT_ENV
+from llmserve.client import make_request
+from tests.stack import Stack, start_stack
+
+MAX_TOKENS = 5
+SYSTEM = (
+    "The history of the city of Rome spans more than two and a half thousand years, from a "
+    "small settlement on the Tiber to the capital of an empire that ruled the Mediterranean."
+)
+TAILS = [" The first emperor was", " Its aqueducts carried"]
+# The failure tests' prompts share no block with any other: each has a transfer to fail.
+OPENINGS = [
+    "The Senate was an assembly of elders.",
+    "The Colosseum was built of stone.",
+    "Latin, its language, spread far.",
+    "The river Tiber floods in spring.",
+]
+PROMPTS = [SYSTEM + t for t in TAILS] + [o + " " + SYSTEM for o in OPENINGS]
+ENGINE_ARGS = [
+    "--device", "cpu", "--num-kv-blocks", "64", "--max-num-batched-tokens", "32",
+    "--max-num-seqs", "4",
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def fault_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("kv-fault") / "fault"
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory, fault_file: Path) -> Iterator[Stack]:
+    s = start_stack(
+        engine_args=ENGINE_ARGS,
+        scheduler_args=["--kv-transfer-timeout-s", "1"],
+        env={FAULT_ENV: f"@{fault_file}", "OMP_NUM_THREADS": "1"},
+        log_dir=tmp_path_factory.mktemp("pd-logs"),
+        prefill_engines=1,
+        timeout=180,
+    )
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="module")
+def reference(builtin_model_path: Path) -> list[list[int]]:
+    """Each prompt's greedy tokens from one engine in this process (the whole prompt in one
+    step, one request at a time)."""
+    import torch
+
+    from engine.config import EngineConfig
+    from engine.engine import Engine
+    from gateway.tokenizer import Tokenizer
+    from llmserve.bench.engine_driver import generate
+
+    torch.set_num_threads(1)
+    engine = Engine(EngineConfig(device="cpu", num_kv_blocks=16, max_num_seqs=1))
+    tokenizer = Tokenizer.from_model_path(builtin_model_path)
+    prompts = [tokenizer.encode(p) for p in PROMPTS]
+    assert all(len(p) > 32 for p in prompts)  # chunked at 32 tokens, and over two blocks
+    return [generate(engine, [p], MAX_TOKENS)[0] for p in prompts]
+
+
+def ask(stack: Stack, i: int) -> list[int]:
+    request = make_request(PROMPTS[i], max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    return list(stack.client().generate(request, timeout=60).token_ids)
+
+
+def first_token_then(stack: Stack, i: int):  # type: ignore[no-untyped-def]
+    """Start request i; return its call once its first token (the prefill engine's) arrived."""
+    request = make_request(PROMPTS[i], max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    call = stack.client().start(request, timeout=60)
+    first = next(iter(call))
+    assert len(first.token_ids) >= 1
+    return call, list(first.token_ids)
+
+
+def test_greedy_tokens_match_one_engine(stack: Stack, reference: list[list[int]]) -> None:
+    before = stack.stats()
+    assert ask(stack, 0) == reference[0]
+    assert ask(stack, 1) == reference[1]  # the system prompt: a prefix hit on both sides
+    s = stack.assert_idle()
+    # The first moved its prompt's full blocks; the second's were in the decode pool already.
+    assert s.num_kv_transfers_done - before.num_kv_transfers_done == 1
+    assert s.num_prefix_cache_hit_tokens > before.num_prefix_cache_hit_tokens
+    assert s.kv_transfer_bytes > 0 and sum(s.num_kv_transfers_failed.values()) == 0
+
+
+def test_a_dropped_transfer_recomputes_on_the_decode_side(
+    stack: Stack, reference: list[list[int]], fault_file: Path
+) -> None:
+    fault_file.write_text("drop")
+    try:
+        t0 = time.monotonic()
+        assert ask(stack, 2) == reference[2]
+        assert time.monotonic() - t0 < 5 + 5  # 1 s deadline, then the recompute
+    finally:
+        fault_file.unlink()
+    s = stack.assert_idle()
+    assert s.num_kv_transfers_failed["deadline"] == 1
+
+
+def test_a_cancel_mid_transfer_frees_both_sides(stack: Stack, fault_file: Path) -> None:
+    fault_file.write_text("stall")
+    try:
+        call, _ = first_token_then(stack, 3)
+        stack.wait_for_stats(lambda s: s.num_transferring == 1)
+        call.cancel()
+        s = stack.wait_for_stats(lambda s: s.num_kv_transfers_failed["cancelled"] == 1)
+    finally:
+        fault_file.unlink()
+    assert s.num_transferring == 0
+    stack.assert_idle()
+
+
+def test_kill_9_of_the_prefill_engine_mid_transfer_loses_nothing(
+    stack: Stack, reference: list[list[int]], fault_file: Path
+) -> None:
+    fault_file.write_text("stall")
+    call, first = first_token_then(stack, 4)
+    stack.wait_for_stats(lambda s: s.num_transferring == 1)
+    t0 = time.monotonic()
+    stack.kill("engine-prefill")
+    rest = [t for msg in call for t in msg.token_ids]
+    assert time.monotonic() - t0 < 5
+    assert first + rest == reference[4]  # the first token once, the rest recomputed
+    fault_file.unlink()
+    assert ask(stack, 5) == reference[5]  # while it is gone: the decode engine does both
+    s = stack.assert_idle()
+    assert s.num_kv_transfers_failed["prefill_lost"] == 1
