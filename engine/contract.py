@@ -221,6 +221,8 @@ class StepOutput:
     num_sampled_tokens: list[int] = field(default_factory=list)
     # Disaggregation: awaited KV transfers written into the pool before this step's forward.
     received_transfer_ids: list[int] = field(default_factory=list)
+    # Awaited KV transfers whose connection failed (the scheduler gives them up at once).
+    failed_transfer_ids: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

@@ -6,9 +6,10 @@ scheduler's; this only executes, in this order, before the plan's mirror update 
 1. cancels: transfers the scheduler gave up are forgotten (never written afterwards, even if
    they arrive: their blocks may belong to someone else from this plan on);
 2. receives: the transfers this plan adds are awaited; every awaited transfer that has arrived
-   whole is written into its blocks now and reported in this step's result. A plan with no
-   rows waits up to POLL_S for one to arrive, so a scheduler polling an idle decode engine
-   does not spin;
+   whole is written into its blocks now and reported in this step's result, and one whose
+   connection failed is reported failed (the scheduler need not wait for its deadline). A
+   plan with no rows waits up to POLL_S for one to arrive, so a scheduler polling an idle
+   decode engine does not spin;
 3. sends: the blocks are read out of the pool now (the scheduler freed them on this side, and
    this plan's forward may reuse them), then pushed by a background thread; a send that fails
    is only logged: the receiving side's deadline turns it into a recompute there.
@@ -171,21 +172,22 @@ class KVTransfers:
         host, port = self.receiver.address
         return f"{advertised_host(host)}:{port}"
 
-    def execute(self, plan: StepPlanData) -> list[int]:
+    def execute(self, plan: StepPlanData) -> tuple[list[int], list[int]]:
         """Run plan's cancels, receives and sends; returns the transfers written into the pool
-        now. Raises MirrorMismatch for a part this engine's role does not take."""
+        now, and the awaited ones whose connection failed (forgotten here). Raises
+        MirrorMismatch for a part this engine's role does not take."""
         if (plan.kv_receives or plan.kv_receive_cancels) and self.receiver is None:
             raise MirrorMismatch(f"the plan lists KV receives; this engine's role is {self.role}")
         if plan.kv_sends and self.sender is None:
             raise MirrorMismatch(f"the plan lists KV sends; this engine's role is {self.role}")
-        received = self._receive(plan) if self.receiver is not None else []
+        received, failed = self._receive(plan) if self.receiver is not None else ([], [])
         for send in plan.kv_sends:
             assert self.sender is not None
             payload = gather_blocks(self.kv_cache, send.block_ids)
             self.sender.submit(send.address, send.transfer_id, payload, len(send.block_ids))
-        return received
+        return received, failed
 
-    def _receive(self, plan: StepPlanData) -> list[int]:
+    def _receive(self, plan: StepPlanData) -> tuple[list[int], list[int]]:
         receiver = self.receiver
         assert receiver is not None
         for transfer_id in plan.kv_receive_cancels:
@@ -196,9 +198,10 @@ class KVTransfers:
         if self.expected and not (plan.new_requests or plan.running.seq_ids):
             receiver.wait_any(set(self.expected), POLL_S)
         received = [t for t, ids in self.expected.items() if receiver.poll(t, ids)]
-        for transfer_id in received:
+        failed = [t for t in self.expected if t not in received and receiver.poll_failed(t)]
+        for transfer_id in received + failed:
             del self.expected[transfer_id]
-        return received
+        return received, failed
 
     def reset(self) -> None:
         """A new Step stream: forget every transfer awaited (arriving later: dropped)."""

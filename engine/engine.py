@@ -360,9 +360,9 @@ class Engine:
             self.tiers.execute(plan.kv_copies)
         elif plan.kv_copies:
             raise MirrorMismatch("the plan lists KV copies, but this engine has no offload tier")
-        received = self.transfers.execute(plan)
+        received, failed = self.transfers.execute(plan)
         step = self._launch_rows(plan)
-        step.received_transfer_ids = received
+        step.received_transfer_ids, step.failed_transfer_ids = received, failed
         return step
 
     def _launch_rows(self, plan: StepPlanData) -> LaunchedStep:
@@ -419,6 +419,7 @@ class Engine:
         while step.output is None:
             self._resolve_oldest()
         step.output.received_transfer_ids = step.received_transfer_ids
+        step.output.failed_transfer_ids = step.failed_transfer_ids
         return step.output
 
     def _resolve_oldest(self) -> None:

@@ -125,6 +125,9 @@ class KVReceiver:
         # Transfers given up (deadline passed, or cancelled) before they arrived: dropped if
         # they arrive after all, so nothing is held for nobody.
         self.given_up: set[int] = set()
+        # Transfers whose connection failed after naming them (dropped, timed out, refused
+        # block size): reported by `poll_failed`, so the caller need not wait for a deadline.
+        self.failed: set[int] = set()
         self.cond = threading.Condition()
         self.server = socket.create_server((host, port))
         self.address: tuple[str, int] = self.server.getsockname()[:2]
@@ -141,6 +144,7 @@ class KVReceiver:
 
     def _receive(self, conn: socket.socket) -> None:
         """One transfer: challenge, header, payload; delivered only whole."""
+        transfer_id: int | None = None
         with conn:
             conn.settimeout(IO_TIMEOUT_S)
             try:
@@ -162,7 +166,8 @@ class KVReceiver:
                 _read_exactly(conn, data.numel(), memoryview(data.numpy()))
                 conn.sendall(b"\x01")
             except (OSError, TransferError) as err:
-                log.warning("kv transfer dropped", error=str(err))
+                log.warning("kv transfer dropped", transfer_id=transfer_id, error=str(err))
+                self._fail(transfer_id)
                 return
         span = _block_span(self.kv_cache)
         with self.cond:
@@ -189,6 +194,22 @@ class KVReceiver:
         self.kv_cache[:, :, index] = blocks.to(self.kv_cache.device).movedim(0, 2)
         return True
 
+    def _fail(self, transfer_id: int | None) -> None:
+        if transfer_id is None:
+            return  # it never said which transfer it was: its deadline will tell
+        with self.cond:
+            if transfer_id not in self.given_up:
+                self.failed.add(transfer_id)
+                self.cond.notify_all()
+
+    def poll_failed(self, transfer_id: int) -> bool:
+        """Whether transfer_id's connection failed (once: it is forgotten here)."""
+        with self.cond:
+            if transfer_id in self.failed:
+                self.failed.discard(transfer_id)
+                return True
+            return False
+
     def poll(self, transfer_id: int, block_ids: list[int]) -> bool:
         """Without waiting: if transfer_id has arrived whole, put it into block_ids (as `take`)
         and return True; else False, changing nothing."""
@@ -204,7 +225,7 @@ class KVReceiver:
         """Return once one of transfer_ids has arrived, or after timeout_s."""
         deadline = time.monotonic() + timeout_s
         with self.cond:
-            while not transfer_ids & self.arrived.keys():
+            while not transfer_ids & (self.arrived.keys() | self.failed):
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return
@@ -213,8 +234,9 @@ class KVReceiver:
     def discard(self, transfer_id: int) -> None:
         """Forget transfer_id, arrived or not (cancelled: its blocks were freed)."""
         with self.cond:
-            if self.arrived.pop(transfer_id, None) is None:
+            if self.arrived.pop(transfer_id, None) is None and transfer_id not in self.failed:
                 self.given_up.add(transfer_id)
+            self.failed.discard(transfer_id)
 
     def close(self) -> None:
         self.closed = True

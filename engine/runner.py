@@ -74,6 +74,7 @@ class LaunchedStep:
     shared: Any = None
     # Disaggregation: KV transfers written into the pool when the step was launched.
     received_transfer_ids: list[int] = field(default_factory=list)
+    failed_transfer_ids: list[int] = field(default_factory=list)
 
     @property
     def is_ready(self) -> bool:

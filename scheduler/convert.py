@@ -126,6 +126,8 @@ def apply_result(
     )
     if result.received_transfer_ids:
         scheduler.on_received(list(result.received_transfer_ids))
+    if result.failed_transfer_ids:
+        scheduler.fail_transfers("dropped", transfer_ids=list(result.failed_transfer_ids))
     return outcomes
 
 

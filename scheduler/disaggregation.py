@@ -124,14 +124,18 @@ class Disaggregation(SchedulerState):
             self.transfers.end(transfer, None, now)
             self.waiting.append(transfer.request)
 
-    def fail_transfers(self, reason: str, *, deadline_only: bool = False) -> list[Request]:
+    def fail_transfers(
+        self, reason: str, *, deadline_only: bool = False, transfer_ids: list[int] | None = None
+    ) -> list[Request]:
         """Give up the transfers in flight (only those past their deadline, with
-        deadline_only): their blocks are freed and their requests wait to be admitted as
-        misses (recompute here). Returns those requests."""
+        deadline_only; only transfer_ids, when given): their blocks are freed and their
+        requests wait to be admitted as misses (recompute here). Returns those requests."""
         now = time.monotonic()
         failed = []
         for transfer in list(self.transfers.in_flight.values()):
             if deadline_only and now < transfer.deadline:
+                continue
+            if transfer_ids is not None and transfer.transfer_id not in transfer_ids:
                 continue
             self.transfers.end(transfer, reason, now)
             self.block_manager.unpin(transfer.request.seq_id)

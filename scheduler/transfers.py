@@ -22,7 +22,7 @@ from scheduler.kv_offload import BlockKey
 from scheduler.request import Request
 
 ROLES = ("both", "prefill", "decode")
-FAILURES = ("deadline", "prefill_lost", "decode_lost", "cancelled")
+FAILURES = ("deadline", "dropped", "prefill_lost", "decode_lost", "cancelled")
 
 
 @dataclass

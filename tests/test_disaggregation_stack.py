@@ -127,11 +127,11 @@ def test_a_dropped_transfer_recomputes_on_the_decode_side(
     try:
         t0 = time.monotonic()
         assert ask(stack, 2) == reference[2]
-        assert time.monotonic() - t0 < 5 + 5  # 1 s deadline, then the recompute
+        assert time.monotonic() - t0 < 5
     finally:
         fault_file.unlink()
     s = stack.assert_idle()
-    assert s.num_kv_transfers_failed["deadline"] == 1
+    assert s.num_kv_transfers_failed["dropped"] == 1  # reported at once, not at the deadline
 
 
 def test_a_cancel_mid_transfer_frees_both_sides(stack: Stack, fault_file: Path) -> None:

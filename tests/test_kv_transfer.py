@@ -56,6 +56,10 @@ def test_a_connection_dropped_mid_payload_delivers_nothing(receiver: KVReceiver)
         conn.sendall(hmac.new(TOKEN.encode(), challenge, hashlib.sha256).digest())
         conn.sendall(HEADER.pack(9, 2, receiver.block_bytes))
         conn.sendall(b"\x01" * (receiver.block_bytes + 10))  # one block and a bit, then gone
+    deadline = time.monotonic() + 2
+    while not receiver.poll_failed(9) and time.monotonic() < deadline:  # reported, not awaited
+        time.sleep(0.01)
+    assert time.monotonic() < deadline
     assert not receiver.take(9, [0, 1], time.monotonic() + 0.5)
     assert not receiver.kv_cache.any() and 9 in receiver.given_up
 
