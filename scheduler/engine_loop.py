@@ -220,6 +220,11 @@ class EngineLoop:
         """The role of the engine this link drives: decode when a prefill engine is set."""
         return "decode" if self.config.prefill_engine_address else "both"
 
+    def _report_kv_moves(self, scheduler: Scheduler) -> None:
+        if scheduler.transfers.moves:
+            moves, scheduler.transfers.moves = scheduler.transfers.moves, []
+            self.telemetry.on_kv_moves(moves)
+
     def _after_result(self) -> None:
         """After a step's result is applied (hook: the prefill link hands requests off)."""
 
@@ -356,6 +361,7 @@ class EngineLoop:
         t0 = time.perf_counter()
         plan = scheduler.schedule()
         t1 = time.perf_counter()
+        self._report_kv_moves(scheduler)
         if plan.is_empty:
             return None
         for request in plan.preempted:
@@ -390,6 +396,7 @@ class EngineLoop:
         for outcome in outcomes:
             self._deliver(outcome)
         self._after_result()
+        self._report_kv_moves(scheduler)
         t3 = time.perf_counter()
         t0, t1 = sent.t_plan, sent.t_planned
         timings = {

@@ -31,6 +31,7 @@ from common import telemetry
 from common.telemetry import Metric
 from scheduler.plan import NewRequestRow, RunningRow, StepOutcome, StepPlan
 from scheduler.request import Request, RequestStatus
+from scheduler.transfers import KVMove
 
 
 @dataclass
@@ -73,6 +74,7 @@ def is_decode_row(row: NewRequestRow | RunningRow) -> bool:
 
 
 _LAT = telemetry.LATENCY_BUCKETS_S
+BANDWIDTH_BUCKETS = tuple(10.0**e for e in range(5, 12))  # 100 kB/s .. 100 GB/s
 _COUNTS = telemetry.COUNT_BUCKETS
 METRICS = {
     "queue_time": Metric(
@@ -158,6 +160,33 @@ METRICS = {
     "swap_in_wait_s": Metric(
         "llmserve.kv_offload.swap_in_wait", "observed_counter", "s",
         "KV offload: seconds requests waited for their prefix to come back, in all",
+    ),
+    "kv_transfer_duration": Metric(
+        "llmserve.kv_transfer.duration", "histogram", "s",
+        "Disaggregation: a request's KV transfer, handoff to arrival in the decode pool (done "
+        "ones)", _LAT,
+    ),
+    "kv_transfer_bandwidth": Metric(
+        "llmserve.kv_transfer.bandwidth", "histogram", "By/s",
+        "Disaggregation: bytes moved / seconds, per KV transfer done (handoff to arrival)",
+        BANDWIDTH_BUCKETS,
+    ),
+    "swap_in_duration": Metric(
+        "llmserve.kv_offload.swap_in.duration", "histogram", "s",
+        "KV offload: one request's wait for its prefix to come back from a lower tier", _LAT,
+    ),
+    "num_kv_transfers_by_outcome": Metric(
+        "llmserve.kv_transfer.transfers", "observed_counter", "{transfer}",
+        "Disaggregation: KV transfers ended, by outcome (done, deadline, dropped, "
+        "prefill_lost, decode_lost, cancelled)",
+    ),
+    "kv_transfer_blocks": Metric(
+        "llmserve.kv_transfer.blocks", "observed_counter", "{block}",
+        "Disaggregation: KV blocks moved from the prefill to the decode engine",
+    ),
+    "kv_transfer_bytes": Metric(
+        "llmserve.kv_transfer.bytes", "observed_counter", "By",
+        "Disaggregation: bytes moved from the prefill to the decode engine",
     ),
     "num_running": Metric(
         "llmserve.scheduler.requests.running", "gauge", "{request}",
@@ -259,7 +288,14 @@ class SchedulerTelemetry:
             return _tenant_series(stats["tenants"], key)
         if key.startswith("kv_offload_"):
             return [(n, {"tier": tier}) for tier, n in stats.get(key, {}).items()]
-        if key in ("num_swap_ins", "swap_in_wait_s"):
+        if key == "num_kv_transfers_by_outcome":
+            if "num_kv_transfers_done" not in stats:
+                return []
+            failed = stats["num_kv_transfers_failed"].items()
+            return [(stats["num_kv_transfers_done"], {"outcome": "done"})] + [
+                (n, {"outcome": reason}) for reason, n in failed
+            ]
+        if key in ("num_swap_ins", "swap_in_wait_s", "kv_transfer_blocks", "kv_transfer_bytes"):
             return [(stats[key], {})] if key in stats else []
         if key == "kv_usage":
             return [(1.0 - stats["num_free_blocks"] / stats["num_blocks"], {})]
@@ -420,6 +456,32 @@ class SchedulerTelemetry:
             chunk.end(end_time=end_ns)
         step.span.set_attributes({f"llmserve.{k}": v for k, v in timings.items()})
         step.span.end(end_time=end_ns)
+
+    def on_kv_moves(self, moves: list[KVMove]) -> None:
+        """Requests' KV that moved (a transfer to the decode engine, a swap-in), done or
+        failed: the histograms, and a span each under its request (tracing)."""
+        end_ns = time.time_ns()
+        for move in moves:
+            if move.kind == "swap_in":
+                self.m.swap_in_duration.record(move.seconds)
+            elif move.outcome == "done":
+                self.m.kv_transfer_duration.record(move.seconds)
+                if move.seconds > 0 and move.num_bytes:
+                    self.m.kv_transfer_bandwidth.record(move.num_bytes / move.seconds)
+            rt = self.requests.get(move.request.seq_id)
+            if rt is None or rt.root is None:
+                continue
+            span = self.tracer.start_span(
+                f"scheduler.{move.kind}",
+                context=telemetry.context_with(rt.root),
+                start_time=end_ns - int(move.seconds * 1e9),
+                attributes={
+                    "llmserve.num_blocks": move.num_blocks,
+                    "llmserve.num_bytes": move.num_bytes,
+                    "llmserve.outcome": move.outcome,
+                },
+            )
+            span.end(end_time=end_ns)
 
     def on_engine_reset(self, preempted: list[Request]) -> None:
         """The engine was lost with steps in flight: their results never come. End their spans

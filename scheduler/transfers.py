@@ -16,7 +16,7 @@ A transfer's life, on the decode side:
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from scheduler.kv_offload import BlockKey
 from scheduler.request import Request
@@ -33,6 +33,20 @@ class Transfer:
     keys: list[BlockKey]  # those blocks' prefix-cache keys
     started: float  # time.monotonic()
     deadline: float
+
+
+@dataclass(frozen=True)
+class KVMove:
+    """A request's KV that finished moving (or failed to), for the metrics and its span:
+    kind "transfer" (prefill -> decode engine) or "swap_in" (a lower tier -> the device);
+    seconds from start to end; outcome "done" or a failure reason."""
+
+    kind: str
+    request: Request
+    seconds: float
+    num_blocks: int
+    num_bytes: int
+    outcome: str = "done"
 
 
 @dataclass
@@ -67,6 +81,8 @@ class TransferTable:
         self.handoffs: list[tuple[Request, list[int]]] = []
         self.counters = TransferCounters()
         self.ids = itertools.count(1)
+        # Moves ended since the telemetry last took them (transfers here, swap-ins too).
+        self.moves: list[KVMove] = []
 
     @property
     def has_work(self) -> bool:
@@ -91,6 +107,10 @@ class TransferTable:
         goes out: the engine then drops the blocks if they arrive)."""
         del self.in_flight[transfer.transfer_id]
         del self.by_seq_id[transfer.request.seq_id]
+        num_blocks = len(transfer.block_ids)
+        seconds, num_bytes = now - transfer.started, num_blocks * self.block_bytes
+        move = KVMove("transfer", transfer.request, seconds, num_blocks, num_bytes)
+        self.moves.append(move if failure is None else replace(move, outcome=failure))
         c = self.counters
         if failure is None:
             c.num_done += 1

@@ -16,8 +16,10 @@ from pathlib import Path
 import pytest
 
 from engine.disaggregation import FAULT_ENV
+from llmserve.bench.otlp import OtlpReceiver
 from llmserve.client import make_request
-from tests.stack import Stack, start_stack
+from tests.stack import Stack, free_port, start_stack
+from tests.test_telemetry import _scrape, _total
 
 MAX_TOKENS = 5
 SYSTEM = (
@@ -47,33 +49,42 @@ def fault_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def pd(
     tmp_path_factory: pytest.TempPathFactory, fault_file: Path, builtin_model_path: Path
-) -> Iterator[tuple[Stack, list[list[int]]]]:
-    """The stack, started on a thread while this process makes the reference: each prompt's
-    greedy tokens from one engine here (the whole prompt in one step, one request at a time)."""
+) -> Iterator[tuple[Stack, list[list[int]], OtlpReceiver]]:
+    """The stack (exporting spans to a receiver), started on a thread while this process makes
+    the reference: each prompt's greedy tokens from one engine here (the whole prompt in one
+    step, one request at a time)."""
+    receiver = OtlpReceiver().start()
+    otlp = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint, "OTEL_BSP_SCHEDULE_DELAY": "100"}
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         starting = pool.submit(
             start_stack,
             engine_args=ENGINE_ARGS,
-            scheduler_args=["--kv-transfer-timeout-s", "1"],
-            env={FAULT_ENV: f"@{fault_file}", "OMP_NUM_THREADS": "1"},
+            scheduler_args=["--kv-transfer-timeout-s", "1", "--metrics-port", str(free_port())],
+            env={FAULT_ENV: f"@{fault_file}", "OMP_NUM_THREADS": "1", **otlp},
             log_dir=tmp_path_factory.mktemp("pd-logs"),
             prefill_engines=1,
             timeout=180,
         )
         reference = one_engine_tokens(builtin_model_path)
         s = starting.result()
-    yield s, reference
+    yield s, reference, receiver
     s.close()
+    receiver.stop()
 
 
 @pytest.fixture
-def stack(pd: tuple[Stack, list[list[int]]]) -> Stack:
+def stack(pd: tuple[Stack, list[list[int]], OtlpReceiver]) -> Stack:
     return pd[0]
 
 
 @pytest.fixture
-def reference(pd: tuple[Stack, list[list[int]]]) -> list[list[int]]:
+def reference(pd: tuple[Stack, list[list[int]], OtlpReceiver]) -> list[list[int]]:
     return pd[1]
+
+
+@pytest.fixture
+def spans(pd: tuple[Stack, list[list[int]], OtlpReceiver]) -> OtlpReceiver:
+    return pd[2]
 
 
 def one_engine_tokens(model_path: Path) -> list[list[int]]:
@@ -109,7 +120,9 @@ def first_token_then(stack: Stack, i: int):  # type: ignore[no-untyped-def]
     return call, list(first.token_ids)
 
 
-def test_greedy_tokens_match_one_engine(stack: Stack, reference: list[list[int]]) -> None:
+def test_greedy_tokens_match_one_engine(
+    stack: Stack, reference: list[list[int]], spans: OtlpReceiver
+) -> None:
     before = stack.stats()
     assert ask(stack, 0) == reference[0]
     assert ask(stack, 1) == reference[1]  # the system prompt: a prefix hit on both sides
@@ -118,6 +131,18 @@ def test_greedy_tokens_match_one_engine(stack: Stack, reference: list[list[int]]
     assert s.num_kv_transfers_done - before.num_kv_transfers_done == 1
     assert s.num_prefix_cache_hit_tokens > before.num_prefix_cache_hit_tokens
     assert s.kv_transfer_bytes > 0 and sum(s.num_kv_transfers_failed.values()) == 0
+    # /metrics: the transfer done, its time and bandwidth, the bytes moved (as GetStats counts)
+    sc = _scrape(stack.scheduler.metrics_port)
+    assert _total(sc, "llmserve_kv_transfer_transfers_total", outcome="done") == 1
+    assert _total(sc, "llmserve_kv_transfer_duration_seconds_count") == 1
+    assert _total(sc, "llmserve_kv_transfer_bandwidth_bytes_per_second_count") == 1
+    assert _total(sc, "llmserve_kv_transfer_bytes_total") == s.kv_transfer_bytes
+    # OTLP: the transfer's span, under its request's
+    assert spans.wait_for(lambda got: any(x.name == "scheduler.transfer" for x in got))
+    (span,) = [x for x in spans.spans if x.name == "scheduler.transfer"]
+    assert span.attributes["llmserve.outcome"] == "done"
+    assert span.attributes["llmserve.num_bytes"] == s.kv_transfer_bytes
+    assert span.end_ns > span.start_ns
 
 
 def test_a_dropped_transfer_recomputes_on_the_decode_side(
