@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 from scheduler.config import SchedulerConfig
 from scheduler.plan import StepOutcome, StepPlan
 from scheduler.request import Request, RequestStatus
@@ -170,3 +172,19 @@ def test_the_prefill_side_never_plans_past_the_first_token() -> None:
     prefill.update(ahead, [])
     assert not prefill.running and len(prefill.take_handoffs()) == 1
     prefill.check_integrity()
+
+
+def test_serve_flags_make_a_prefill_and_a_decode_engine() -> None:
+    from llmserve.serve_flags import parse_serve_flags, stack_from_flags
+
+    args = ["--device", "cpu", "--port", "1", "--scheduler-port", "2", "--engine-port", "3"]
+    stack = stack_from_flags(
+        parse_serve_flags([*args, "--prefill-engines", "1", "--decode-engines", "1"])
+    )
+    assert stack.prefill_engine is not None and stack.prefill_engine.engine_role == "prefill"
+    assert stack.engine.engine_role == "decode" and stack.prefill_engine.max_loras == 0
+    assert stack.scheduler.prefill_engine_address == f"127.0.0.1:{stack.prefill_engine.port}"
+    assert "engine-prefill" in stack.service_names()
+    for roles in (["--prefill-engines", "2", "--decode-engines", "1"], ["--prefill-engines", "1"]):
+        with pytest.raises(ValueError, match="built for 1 and 1"):
+            stack_from_flags(parse_serve_flags([*args, *roles]))
