@@ -7,8 +7,9 @@ and time to first token, the long prompts' time to first token, and tokens gener
     python -m bench.pd_mixed --output bench/results/pd_mixed.json
 
 --num-chats clients each send short prompts (about 30 tokens) back to back, --chat-tokens
-tokens each; one more client sends a long prompt (about --long-len tokens, its words random so
-no two share a cached block) every --long-interval seconds, --long-tokens tokens each. Every
+tokens each; one more client, from --long-delay seconds on, sends a long prompt (about
+--long-len tokens, its words random so no two share a cached block) every --long-interval
+seconds (or as soon as the previous one is done), --long-tokens tokens each. Every
 request is greedy with ignore_eos. A run lasts --duration seconds of load (requests still open
 then are waited for and counted). The configurations alternate, run after run (--repeats), in
 one process, so the machine's load falls on both alike.
@@ -50,10 +51,13 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--num-chats", type=int, default=3)
     p.add_argument("--chat-tokens", type=int, default=24)
-    p.add_argument("--long-len", type=int, default=2000, help="words in a long prompt")
+    p.add_argument("--long-len", type=int, default=600, help="words in a long prompt")
     p.add_argument("--long-tokens", type=int, default=4)
-    p.add_argument("--long-interval", type=float, default=6.0)
-    p.add_argument("--duration", type=float, default=40.0)
+    p.add_argument("--long-interval", type=float, default=8.0)
+    p.add_argument(
+        "--long-delay", type=float, default=5.0, help="seconds before the first long prompt"
+    )
+    p.add_argument("--duration", type=float, default=60.0)
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     p.add_argument("--output", type=Path, default=Path("bench/results/pd_mixed.json"))
@@ -99,6 +103,7 @@ def run_load(address: str, args: argparse.Namespace, seed: int) -> list[dict[str
 
     def long_prompts() -> None:
         rng = random.Random(seed)
+        time.sleep(args.long_delay)  # the chats decode by then: the long prompts interrupt them
         with Client(address) as client:
             while time.perf_counter() < end:
                 t0 = time.perf_counter()

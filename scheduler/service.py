@@ -202,7 +202,8 @@ class SchedulerService(EngineLoop, scheduler_pb2_grpc.SchedulerServicer):
     def _prefill_stats(self, snapshot: dict[str, Any]) -> None:
         """Disaggregated: the prefill side's pool and queues into snapshot (its running and
         waiting requests, and those waiting for a transfer, counted in num_running and
-        num_waiting too)."""
+        num_waiting too), its counters added to the decode side's (the prefix cache's: the
+        prefill side's alone)."""
         snapshot["num_waiting"] += snapshot["num_transferring"]
         assert self.prefill is not None
         p = self.prefill.scheduler
@@ -216,6 +217,17 @@ class SchedulerService(EngineLoop, scheduler_pb2_grpc.SchedulerServicer):
         )
         snapshot["num_running"] += len(p.running)
         snapshot["num_waiting"] += len(p.waiting)
+        for name, value in vars(p.counters).items():
+            if name in ("num_prefix_cache_query_tokens", "num_prefix_cache_hit_tokens"):
+                snapshot[name] = value  # prompts are computed there; the decode side's "hits"
+                # are mostly the blocks transferred (kv_transfer_blocks)
+            elif isinstance(value, int):
+                snapshot[name] += value
+            elif isinstance(value, dict):
+                merged = dict(snapshot[name])
+                for key, n in value.items():
+                    merged[key] = merged.get(key, 0) + n
+                snapshot[name] = merged
 
     async def GetStats(
         self, request: scheduler_pb2.GetStatsRequest, context: grpc.aio.ServicerContext
@@ -277,7 +289,7 @@ class SchedulerService(EngineLoop, scheduler_pb2_grpc.SchedulerServicer):
     async def ListRequests(
         self, request: scheduler_pb2.ListRequestsRequest, context: grpc.aio.ServicerContext
     ) -> scheduler_pb2.ListRequestsResponse:
-        rows = self.scheduler.list_requests(request.tenant) if self.scheduler else []
+        rows = [row for s in self.schedulers() for row in s.list_requests(request.tenant)]
         return scheduler_pb2.ListRequestsResponse(requests=map(request_state_to_proto, rows))
 
     async def AbortRequest(
