@@ -8,8 +8,10 @@ awaits, with no agreement to reach between two owners.
 If the prefill engine is lost, its requests (waiting, and running ones reset_engine preempted)
 move to the decode scheduler, which recomputes their prompts, and new requests go there too
 until the prefill engine is back; transfers in flight are given up at once (their requests
-recompute on the decode side). Nothing already streamed is streamed again: a request leaves
-the prefill side only with its first token streamed, or without any.
+recompute on the decode side). If the decode engine is lost, its requests move to the prefill
+scheduler, which runs them whole (prompt and decode: role "both") until the decode engine is
+back, and new requests too; those it runs then finish there. Nothing already streamed is
+streamed again: a request leaves either side with every token it streamed in its tokens.
 """
 
 from __future__ import annotations
@@ -89,6 +91,29 @@ class PrefillLink(EngineLoop):
                 self.scheduler.queue_send(transfer_id, to_send, address)
         self.wakeup.set()
         service.wakeup.set()
+
+    def take_over(self) -> None:
+        """The decode engine was lost (its Scheduler reset: every request of it waits): run its
+        requests, and new ones, whole here until it is back (`decode_back`)."""
+        decode = self.service.scheduler
+        if self.scheduler is None or decode is None or not self.takes_requests:
+            return  # nobody can take them: they wait for the decode engine
+        self.scheduler.transfers.role = "both"
+        moved = list(decode.waiting)
+        for request in moved:
+            decode.release(request)
+            self.scheduler.receive(request, [])
+        log.warning(
+            "decode engine lost: the prefill engine runs requests whole until it is back",
+            num_requests_moved=len(moved),
+        )
+        self.wakeup.set()
+
+    def decode_back(self) -> None:
+        """The decode engine is (back) up: prompts hand off again (a request this side took
+        whole and has sampled for already finishes here)."""
+        if self.scheduler is not None:
+            self.scheduler.transfers.role = "prefill"
 
     def _after_reset(self) -> None:
         """The prefill engine was lost: its requests and transfers go to the decode side."""

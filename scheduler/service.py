@@ -87,10 +87,22 @@ class SchedulerService(EngineLoop, scheduler_pb2_grpc.SchedulerServicer):
 
     @property
     def serving(self) -> bool:
-        """EngineLoop.serving; disaggregated, the prefill engine must have connected once too
-        (while it is lost, the decode engine takes new requests whole)."""
-        prefill_seen = self.prefill is None or self.prefill.scheduler is not None
-        return super().serving and prefill_seen
+        """EngineLoop.serving. Disaggregated: both engines connected once, and either is up
+        (while one is lost, the other takes requests whole: scheduler/prefill_link.py)."""
+        if self.prefill is None:
+            return super().serving
+        if self.draining or self.scheduler is None or self.prefill.scheduler is None:
+            return False
+        return (self.ready and self.engine_responding) or self.prefill.takes_requests
+
+    def _after_reset(self) -> None:
+        if self.prefill is not None:
+            self.prefill.take_over()
+
+    def _adopt_role(self, info: engine_pb2.EngineInfo) -> None:
+        super()._adopt_role(info)
+        if self.prefill is not None:
+            self.prefill.decode_back()
 
     # -- gateway-facing RPCs ------------------------------------------------------------------
 
@@ -102,10 +114,10 @@ class SchedulerService(EngineLoop, scheduler_pb2_grpc.SchedulerServicer):
                 grpc.StatusCode.UNAVAILABLE,
                 "scheduler is draining: it admits no new requests; send to another replica",
             )
-        if not self.ready or self.scheduler is None:
+        target = self.prefill.scheduler if self.prefill and self.prefill.takes_requests else None
+        if not (self.ready or target) or self.scheduler is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "engine not ready; retry shortly")
         assert self.scheduler is not None
-        target = self.prefill.scheduler if self.prefill and self.prefill.takes_requests else None
         try:
             req = request_from_proto(request, next(self.seq_ids))
             (target or self.scheduler).add(req)
@@ -206,6 +218,8 @@ class SchedulerService(EngineLoop, scheduler_pb2_grpc.SchedulerServicer):
         prefill side's alone)."""
         snapshot["num_waiting"] += snapshot["num_transferring"]
         assert self.prefill is not None
+        snapshot["decode_ready"] = self.ready and self.engine_responding
+        snapshot["prefill_ready"] = self.prefill.takes_requests
         p = self.prefill.scheduler
         if p is None:
             return

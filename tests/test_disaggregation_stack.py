@@ -33,7 +33,11 @@ OPENINGS = [
     "The Colosseum was built of stone.",
     "Latin, its language, spread far.",
     "The river Tiber floods in spring.",
+    "Roads ran from the city to every province.",
+    "Bread and games kept the crowds quiet.",
 ]
+# The kill -9 of the decode engine needs a request still decoding: more tokens for it.
+DECODE_KILLED, LONGER = 6, 16
 PROMPTS = [SYSTEM + t for t in TAILS] + [o + " " + SYSTEM for o in OPENINGS]
 ENGINE_ARGS = [
     "--device", "cpu", "--num-kv-blocks", "64", "--max-num-batched-tokens", "32",
@@ -101,7 +105,8 @@ def one_engine_tokens(model_path: Path) -> list[list[int]]:
         engine = Engine(EngineConfig(device="cpu", num_kv_blocks=16, max_num_seqs=1))
         prompts = [Tokenizer.from_model_path(model_path).encode(p) for p in PROMPTS]
         assert all(len(p) > 32 for p in prompts)  # chunked at 32 tokens, and over two blocks
-        return [generate(engine, [p], MAX_TOKENS)[0] for p in prompts]
+        counts = [LONGER if i == DECODE_KILLED else MAX_TOKENS for i in range(len(prompts))]
+        return [generate(engine, [p], n)[0] for p, n in zip(prompts, counts, strict=True)]
     finally:
         torch.set_num_threads(threads)
 
@@ -111,9 +116,9 @@ def ask(stack: Stack, i: int) -> list[int]:
     return list(stack.client().generate(request, timeout=60).token_ids)
 
 
-def first_token_then(stack: Stack, i: int):  # type: ignore[no-untyped-def]
+def first_token_then(stack: Stack, i: int, max_tokens: int = MAX_TOKENS):  # type: ignore[no-untyped-def]
     """Start request i; return its call once its first token (the prefill engine's) arrived."""
-    request = make_request(PROMPTS[i], max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    request = make_request(PROMPTS[i], max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     call = stack.client().start(request, timeout=60)
     first = next(iter(call))
     assert len(first.token_ids) >= 1
@@ -169,6 +174,26 @@ def test_a_cancel_mid_transfer_frees_both_sides(stack: Stack, fault_file: Path) 
     finally:
         fault_file.unlink()
     assert s.num_transferring == 0
+    stack.assert_idle()
+
+
+def test_kill_9_of_the_decode_engine_mid_decode_loses_nothing(
+    stack: Stack, reference: list[list[int]]
+) -> None:
+    call, tokens = first_token_then(stack, DECODE_KILLED, LONGER)
+    stream = iter(call)
+    while len(tokens) < 3:  # the first from the prefill engine, then the decode engine's
+        tokens += next(stream).token_ids
+    stack.kill("engine")
+    t0 = time.monotonic()
+    tokens += next(stream).token_ids  # the prefill engine took it over
+    assert time.monotonic() - t0 < 5
+    tokens += [t for msg in stream for t in msg.token_ids]
+    assert tokens == reference[DECODE_KILLED]
+    assert not stack.stats().decode_ready
+    assert ask(stack, 7) == reference[7]  # while it is gone: the prefill engine does both
+    stack.start(("engine",))  # back for the next test
+    stack.wait_for_stats(lambda s: s.decode_ready, timeout=120)
     stack.assert_idle()
 
 
