@@ -99,6 +99,7 @@ class PrefillLink(EngineLoop):
         if self.scheduler is None or decode is None or not self.takes_requests:
             return  # nobody can take them: they wait for the decode engine
         self.scheduler.transfers.role = "both"
+        self.scheduler.transfers.forget_plan_parts()  # sends to the lost engine: nobody awaits
         moved = list(decode.waiting)
         for request in moved:
             decode.release(request)

@@ -391,9 +391,8 @@ class Scheduler(StepResults, Preemption, PipelineSlots):
             row.lora_slot = self.loras.slot_of(row.request.lora_name)
         if self.block_manager.offload is not None:
             plan.kv_copies = self.block_manager.offload.take_copies()
-        if self.transfers.role != "both":
-            for name, value in self._take_plan_transfers().items():
-                setattr(plan, name, value)
+        for name, value in self._take_plan_transfers().items():  # none colocated
+            setattr(plan, name, value)
         self.next_step_id += 1
         self.finished_seq_ids, self.preempted = [], []
         return plan
