@@ -15,6 +15,7 @@ ATTENTION_BACKENDS = ("auto", "torch", "cuda")
 QUANTIZATIONS = ("auto", "none", "gguf", "int8", "fp8")
 KV_CACHE_DTYPES = ("auto", "bf16", "fp16", "fp8")
 SPECULATIVE_METHODS = ("none", "ngram", "draft")
+ENGINE_ROLES = ("both", "prefill", "decode")
 MAX_SPECULATIVE_TOKENS = 16
 
 
@@ -47,6 +48,16 @@ class EngineConfig(PeerSecurity):
     )
     kv_offload_disk_gb: float = setting(
         0.0, "--kv-offload-dir: the disk tier's size in GiB (0: 4 x --kv-offload-gb)"
+    )
+    engine_role: str = setting(
+        "both",
+        "prefill / decode disaggregation (docs/disaggregation.md): prefill = runs prompts and "
+        "sends their KV blocks to a decode engine; decode = takes KV transfers on "
+        "--kv-transfer-port and decodes; both = colocated",
+        choices=ENGINE_ROLES,
+    )
+    kv_transfer_port: int = setting(
+        0, "--engine-role decode: the port KV transfers arrive on, on --host (0: a free one)"
     )
     quantization: str = setting(
         "auto",
@@ -178,7 +189,7 @@ class EngineConfig(PeerSecurity):
         for name in ("max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
-        check_ports(self, "port", "metrics_port", "master_port")
+        check_ports(self, "port", "metrics_port", "master_port", "kv_transfer_port")
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "nnodes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
@@ -187,6 +198,7 @@ class EngineConfig(PeerSecurity):
         self._check_speculation()
         self._check_loras()
         self._check_offload()
+        self._check_role()
         if self.world_size % self.nnodes:
             raise ValueError(
                 f"tensor_parallel_size x pipeline_parallel_size = {self.world_size} ranks do not "
@@ -207,6 +219,21 @@ class EngineConfig(PeerSecurity):
                 "kv_offload_gb needs a single KV pool; the draft model of "
                 f"speculative_model={self.speculative_model!r} has a second one"
             )
+
+    def _check_role(self) -> None:
+        if self.engine_role == "both":
+            return
+        refused = {
+            "world_size": self.world_size > 1,
+            "speculative_method": self.speculative_method != "none",
+            "kv_offload_gb": self.kv_offload_gb > 0,
+        }
+        for name, used in refused.items():
+            if used:
+                raise ValueError(
+                    f"engine_role={self.engine_role!r} is built for one rank without "
+                    f"speculation or offload tiers; {name}={getattr(self, name)!r}"
+                )
 
     @property
     def num_kv_offload_disk_bytes(self) -> int:

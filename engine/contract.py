@@ -1,6 +1,9 @@
 """The engine's side of the step contract as plain data (protos/engine.proto), torch-free: what a
 plan brings (StepPlanData, with its KV copies between tiers: BlockCopiesData), what a step
-returns (StepOutput) and what the engine reports of itself (EngineInfo, with its tiers' sizes).
+returns (StepOutput) and what the engine reports of itself (EngineInfo, with its tiers' sizes
+and its role). Disaggregation adds KV transfers to the plan (KVSendData on a prefill engine,
+KVReceiveData and cancels on a decode engine) and the transfers received to the result: the
+scheduler owns both pools and decides every move, as with the tiers (docs/disaggregation.md).
 engine/convert.py turns them into protobuf and back; the real engine, the fake one
 and the service all speak these.
 
@@ -65,6 +68,10 @@ class EngineInfo:
     num_host_blocks: int = 0
     num_disk_blocks: int = 0
     kv_block_bytes: int = 0
+    # Disaggregation (--engine-role): prefill, decode or both; where a decode engine takes KV
+    # transfers (host:port; "" otherwise).
+    engine_role: str = "both"
+    kv_transfer_address: str = ""
 
 
 _NEW_REQUEST_DOC = """A new request: engine.proto's NewRequest, field for field (seq_id, token_ids,
@@ -166,6 +173,25 @@ class GrammarCompileData:
     structured_output: Any
 
 
+@dataclass(frozen=True)
+class KVSendData:
+    """engine.proto's KVSend: read block_ids out of the pool before the forward, push them to
+    the decode engine at address under transfer_id (engine/disaggregation.py)."""
+
+    transfer_id: int
+    block_ids: list[int]
+    address: str
+
+
+@dataclass(frozen=True)
+class KVReceiveData:
+    """engine.proto's KVReceive: when transfer_id arrives whole, write it into block_ids and
+    report it (StepOutput.received_transfer_ids)."""
+
+    transfer_id: int
+    block_ids: list[int]
+
+
 @dataclass
 class StepPlanData:
     step_id: int
@@ -179,6 +205,11 @@ class StepPlanData:
     kv_copies: list[BlockCopiesData] = field(default_factory=list)
     # Structured output: waiting requests' grammars to compile (engine/grammar.py).
     grammar_compiles: list[GrammarCompileData] = field(default_factory=list)
+    # Disaggregation: KV transfers to send, to await, and awaited ones given up (cancels run
+    # first, sends read the pool before the forward: engine/disaggregation.py).
+    kv_sends: list[KVSendData] = field(default_factory=list)
+    kv_receives: list[KVReceiveData] = field(default_factory=list)
+    kv_receive_cancels: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -208,6 +239,10 @@ class StepOutput:
     num_sampled_tokens: list[int] = field(default_factory=list)
     # Waiting requests whose grammar (an earlier plan's grammar_compiles) is compiled now.
     compiled_seq_ids: list[int] = field(default_factory=list)
+    # Disaggregation: awaited KV transfers written into the pool before this step's forward.
+    received_transfer_ids: list[int] = field(default_factory=list)
+    # Awaited KV transfers whose connection failed (the scheduler gives them up at once).
+    failed_transfer_ids: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,8 @@ from engine.contract import (
     BlockCopiesData,
     EngineInfo,
     GrammarCompileData,
+    KVReceiveData,
+    KVSendData,
     LoraLoadData,
     NewRequestData,
     RunningData,
@@ -45,8 +47,12 @@ def plan_from_proto(msg: engine_pb2.StepPlan) -> StepPlanData:
     ]
     compiles = [GrammarCompileData(g.seq_id, g.structured_output) for g in msg.grammar_compiles]
     return StepPlanData(
-        msg.step_id, list(msg.finished_seq_ids), new, running, loads, copies, compiles
-    )
+        msg.step_id, list(msg.finished_seq_ids), new, running, lora_loads=loads, kv_copies=copies,
+        grammar_compiles=compiles,
+        kv_sends=[KVSendData(m.transfer_id, list(m.block_ids), m.address) for m in msg.kv_sends],
+        kv_receives=[KVReceiveData(m.transfer_id, list(m.block_ids)) for m in msg.kv_receives],
+        kv_receive_cancels=list(msg.kv_receive_cancels),
+    )  # fmt: skip
 
 
 def result_to_proto(step_id: int, output: StepOutput, total_ms: float) -> engine_pb2.StepResult:

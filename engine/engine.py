@@ -31,6 +31,7 @@ from engine.config import EngineConfig
 from engine.contract import EngineInfo, StepOutput, StepPlanData, with_refused_rows
 from engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from engine.device import resolve_device, resolve_dtype, resolve_kv_dtype
+from engine.disaggregation import KVTransfers
 from engine.grammar import Grammars
 from engine.graph_capture import capture_graphs, uses_graphs
 from engine.kv_cache import allocate_kv_cache, bytes_per_block, layer_views
@@ -97,6 +98,7 @@ class Engine:
         load_s = time.perf_counter() - t0
         memory = self._allocate_pools()
         self.tiers = self._allocate_tiers()
+        self.transfers = KVTransfers.for_engine(self.kv_cache, config)
         kv_caches = layer_views(self.kv_cache)
         graphs, graph_info = capture_graphs(
             config, self.device, self.model, parallel, self.max_model_len, kv_caches
@@ -170,6 +172,8 @@ class Engine:
             num_host_blocks=self.tiers.num_host_blocks if self.tiers else 0,
             num_disk_blocks=self.tiers.num_disk_blocks if self.tiers else 0,
             kv_block_bytes=bytes_per_block(self.local_config, config.block_size, self.kv_dtype),
+            engine_role=config.engine_role,
+            kv_transfer_address=self.transfers.address,
         )
 
     def _released_window(self) -> int:
@@ -343,6 +347,7 @@ class Engine:
         )  # fmt: skip
         self.unresolved.clear()
         self.grammars.forget_pending()
+        self.transfers.reset()
 
     def step(self, plan: StepPlanData) -> StepOutput:
         """Apply plan to the mirror, run it, commit the sampled tokens.
@@ -362,6 +367,12 @@ class Engine:
             raise MirrorMismatch("the plan lists KV copies, but this engine has no offload tier")
         if plan.grammar_compiles and self.runner.grammars is not None:  # the sampling rank
             self.runner.grammars.start_compiles(plan.grammar_compiles)
+        received, failed = self.transfers.execute(plan)
+        step = self._launch_rows(plan)
+        step.received_transfer_ids, step.failed_transfer_ids = received, failed
+        return step
+
+    def _launch_rows(self, plan: StepPlanData) -> LaunchedStep:
         failed = self._place_loras(plan)
         batch = self.mirror.apply(plan, failed)
         if batch.has_lookahead:
@@ -415,6 +426,8 @@ class Engine:
         while step.output is None:
             self._resolve_oldest()
         self._report_compiles(step.output, idle=not step.batch.rows)
+        step.output.received_transfer_ids = step.received_transfer_ids
+        step.output.failed_transfer_ids = step.failed_transfer_ids
         return step.output
 
     def _report_compiles(self, output: StepOutput, idle: bool) -> None:

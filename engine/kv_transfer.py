@@ -1,8 +1,12 @@
-"""Moving KV blocks from one engine's pool to another's over TCP: the transfer channel that
-prefill / decode disaggregation needs (docs/architecture.md, "Engine roles"; not wired to a
-role yet). Which blocks move, under which transfer id, and by when, is the scheduler's; the
-sending engine pushes the blocks' contents, the receiving one takes them into the blocks its
-plan names, or gives up at the deadline.
+"""Moving KV blocks from one engine's pool to another's over TCP: the transfer channel of
+prefill / decode disaggregation (docs/disaggregation.md; engine/disaggregation.py runs a plan's
+sends and receives through it). Which blocks move, under which transfer id, and by when, is the
+scheduler's; the sending engine pushes the blocks' contents, the receiving one takes them into
+the blocks its plan names, or gives up when the scheduler says so.
+
+On GPUs the payload would go device to device instead (NCCL send / recv between the two
+engines' processes, or CUDA IPC on one node), with the same framing of ids and the same
+all-or-nothing delivery; this TCP stream is the path that works everywhere, the CPU included.
 
 One connection per transfer:
 
@@ -63,6 +67,13 @@ def _block_span(kv_cache: torch.Tensor) -> tuple[int, ...]:
     return (layers, kv, *block)
 
 
+def gather_blocks(kv_cache: torch.Tensor, block_ids: list[int]) -> bytes:
+    """The contents of kv_cache's block_ids as they travel: block after block, each its every
+    layer's keys and values (a copy: the pool may reuse the blocks once this returns)."""
+    blocks = kv_cache[:, :, torch.tensor(block_ids, dtype=torch.long, device=kv_cache.device)]
+    return bytes(blocks.movedim(2, 0).contiguous().cpu().view(torch.uint8).numpy().tobytes())
+
+
 def send_blocks(
     address: tuple[str, int],
     token: str,
@@ -73,14 +84,26 @@ def send_blocks(
 ) -> None:
     """Push the contents of kv_cache's block_ids to the receiver at address under transfer_id.
     Raises TransferError if it is refused, drops or takes longer than timeout_s."""
-    blocks = kv_cache[:, :, torch.tensor(block_ids, dtype=torch.long, device=kv_cache.device)]
-    payload = blocks.movedim(2, 0).contiguous().cpu().view(torch.uint8).numpy().tobytes()
-    block_bytes = len(payload) // max(1, len(block_ids))
+    payload = gather_blocks(kv_cache, block_ids)
+    send_payload(address, token, transfer_id, payload, len(block_ids), timeout_s)
+
+
+def send_payload(
+    address: tuple[str, int],
+    token: str,
+    transfer_id: int,
+    payload: bytes,
+    num_blocks: int,
+    timeout_s: float = IO_TIMEOUT_S,
+) -> None:
+    """Push payload (gather_blocks' num_blocks blocks) to the receiver at address; as
+    send_blocks."""
+    block_bytes = len(payload) // max(1, num_blocks)
     try:
         with socket.create_connection(address, timeout=timeout_s) as conn:
             challenge = _read_exactly(conn, CHALLENGE_BYTES)
             conn.sendall(_proof(token, challenge))
-            conn.sendall(HEADER.pack(transfer_id, len(block_ids), block_bytes))
+            conn.sendall(HEADER.pack(transfer_id, num_blocks, block_bytes))
             conn.sendall(payload)
             conn.shutdown(socket.SHUT_WR)
             if conn.recv(1) != b"\x01":
@@ -102,6 +125,9 @@ class KVReceiver:
         # Transfers given up (deadline passed, or cancelled) before they arrived: dropped if
         # they arrive after all, so nothing is held for nobody.
         self.given_up: set[int] = set()
+        # Transfers whose connection failed after naming them (dropped, timed out, refused
+        # block size): reported by `poll_failed`, so the caller need not wait for a deadline.
+        self.failed: set[int] = set()
         self.cond = threading.Condition()
         self.server = socket.create_server((host, port))
         self.address: tuple[str, int] = self.server.getsockname()[:2]
@@ -118,6 +144,7 @@ class KVReceiver:
 
     def _receive(self, conn: socket.socket) -> None:
         """One transfer: challenge, header, payload; delivered only whole."""
+        transfer_id: int | None = None
         with conn:
             conn.settimeout(IO_TIMEOUT_S)
             try:
@@ -139,7 +166,8 @@ class KVReceiver:
                 _read_exactly(conn, data.numel(), memoryview(data.numpy()))
                 conn.sendall(b"\x01")
             except (OSError, TransferError) as err:
-                log.warning("kv transfer dropped", error=str(err))
+                log.warning("kv transfer dropped", transfer_id=transfer_id, error=str(err))
+                self._fail(transfer_id)
                 return
         span = _block_span(self.kv_cache)
         with self.cond:
@@ -166,11 +194,49 @@ class KVReceiver:
         self.kv_cache[:, :, index] = blocks.to(self.kv_cache.device).movedim(0, 2)
         return True
 
+    def _fail(self, transfer_id: int | None) -> None:
+        if transfer_id is None:
+            return  # it never said which transfer it was: its deadline will tell
+        with self.cond:
+            if transfer_id not in self.given_up:
+                self.failed.add(transfer_id)
+                self.cond.notify_all()
+
+    def poll_failed(self, transfer_id: int) -> bool:
+        """Whether transfer_id's connection failed (once: it is forgotten here)."""
+        with self.cond:
+            if transfer_id in self.failed:
+                self.failed.discard(transfer_id)
+                return True
+            return False
+
+    def poll(self, transfer_id: int, block_ids: list[int]) -> bool:
+        """Without waiting: if transfer_id has arrived whole, put it into block_ids (as `take`)
+        and return True; else False, changing nothing."""
+        with self.cond:
+            blocks = self.arrived.pop(transfer_id, None)
+        if blocks is None or blocks.shape[0] != len(block_ids):
+            return False
+        index = torch.tensor(block_ids, dtype=torch.long, device=self.kv_cache.device)
+        self.kv_cache[:, :, index] = blocks.to(self.kv_cache.device).movedim(0, 2)
+        return True
+
+    def wait_any(self, transfer_ids: set[int], timeout_s: float) -> None:
+        """Return once one of transfer_ids has arrived, or after timeout_s."""
+        deadline = time.monotonic() + timeout_s
+        with self.cond:
+            while not transfer_ids & (self.arrived.keys() | self.failed):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return
+                self.cond.wait(left)
+
     def discard(self, transfer_id: int) -> None:
         """Forget transfer_id, arrived or not (cancelled: its blocks were freed)."""
         with self.cond:
-            if self.arrived.pop(transfer_id, None) is None:
+            if self.arrived.pop(transfer_id, None) is None and transfer_id not in self.failed:
                 self.given_up.add(transfer_id)
+            self.failed.discard(transfer_id)
 
     def close(self) -> None:
         self.closed = True

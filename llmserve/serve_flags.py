@@ -18,6 +18,8 @@ from gateway.config import GatewayConfig
 from llmserve.stack import CONFIG_TYPES, SERVICES, Stack, local_stack
 from llmserve.topology import (
     check_data_parallel_size,
+    check_roles,
+    disaggregate,
     free_ports,
     network_settings,
     replica_groups,
@@ -25,7 +27,10 @@ from llmserve.topology import (
     split_cpu,
 )
 
-_NETWORK = ("host", "port", "metrics_port", "engine_address", "scheduler_address")
+_NETWORK = (
+    "host", "port", "metrics_port", "engine_address", "scheduler_address",
+    "prefill_engine_address", "engine_role", "kv_transfer_port",
+)  # fmt: skip
 _LAUNCHER = ("instance_id",)  # set by Stack itself
 DEFAULT_METRICS_PORT = 9101  # gateway; scheduler +1, engine +2
 
@@ -57,6 +62,22 @@ def add_serve_flags(p: Any) -> None:
         "threads each), behind the one gateway, which routes between them (--routing). The "
         "first replica's ports are --scheduler-port and --engine-port, the others' free ones; "
         "metrics: replica i's scheduler at PORT+1+2i, its engine at PORT+2+2i",
+    )
+    p.add_argument(
+        "--prefill-engines",
+        type=int,
+        default=0,
+        help="prefill / decode disaggregation (docs/disaggregation.md): engines that run "
+        "prompts and send their KV to a decode engine (built: 1, with --decode-engines 1; 0: "
+        "one engine does both). The prefill engine listens on a free port; its metrics, when "
+        "on, at PORT+3",
+    )
+    p.add_argument(
+        "--decode-engines",
+        type=int,
+        default=0,
+        help="engines that take the prompts' KV and decode (built: 1, with --prefill-engines 1); "
+        "the decode engine is the one on --engine-port",
     )
     taken: set[str] = set()
     for cls, title in zip(CONFIG_TYPES, SERVICES, strict=True):
@@ -110,7 +131,13 @@ def stack_from_flags(args: Any, **kwargs: Any) -> Stack:
     from gateway.tenants import load_tenants
 
     load_tenants(gateway)  # a wrong --api-keys file fails here, before anything starts
-    return Stack(engine, scheduler, gateway, groups=groups, **kwargs)
+    roles = (getattr(args, "prefill_engines", 0), getattr(args, "decode_engines", 0))
+    check_roles(*roles, size)
+    prefill = None
+    if roles[0]:
+        metrics_port = args.metrics_port + 3 if args.metrics_port else 0
+        prefill, engine, scheduler = disaggregate(engine, scheduler, free_ports(1)[0], metrics_port)
+    return Stack(engine, scheduler, gateway, groups=groups, prefill_engine=prefill, **kwargs)
 
 
 @contextlib.contextmanager
@@ -135,6 +162,7 @@ def serve_locally(
             configured.scheduler,
             configured.gateway,
             data_parallel_size=args.data_parallel_size,
+            prefill_engines=args.prefill_engines,
             metrics=metrics,
             fake=fake,
             log_dir=Path(logs),

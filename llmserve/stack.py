@@ -15,7 +15,9 @@ through `Stack`.
 With data parallelism (`--data-parallel-size D`) the Stack runs D replicas, each a scheduler and
 its engine on ports of their own (`groups` beyond the first: llmserve/topology.py), behind the
 one gateway, which routes between them (gateway/router.py). The first replica's services keep
-their names and ports; replica i's are `scheduler-i` and `engine-i`.
+their names and ports; replica i's are `scheduler-i` and `engine-i`. With a prefill engine
+(`--prefill-engines 1 --decode-engines 1`, docs/disaggregation.md) the scheduler drives it too:
+it is `engine-prefill`, and `engine` is the decode engine.
 """
 
 from __future__ import annotations
@@ -43,7 +45,9 @@ from llmserve.stats import summed_stats
 from llmserve.topology import (
     Group,
     check_data_parallel_size,
+    check_roles,
     chosen_port,
+    disaggregate,
     free_ports,
     local_address,
     network_settings,
@@ -57,6 +61,7 @@ from scheduler.config import SchedulerConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 SERVICES = ("engine", "scheduler", "gateway")  # start order; stopped front first
+PREFILL_ENGINE = "engine-prefill"  # the prefill engine's service name, when there is one
 CONFIG_TYPES: tuple[type[Any], ...] = (EngineConfig, SchedulerConfig, GatewayConfig)  # as SERVICES
 
 
@@ -74,6 +79,7 @@ class Stack:
     env: dict[str, str] = field(default_factory=dict)
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     groups: list[Group] = field(default_factory=list)  # replicas 1..D-1 (data parallel)
+    prefill_engine: EngineConfig | None = None  # disaggregated: `engine` is the decode engine
 
     def __post_init__(self) -> None:
         """The internal links always carry a token: the one given, else a fresh one."""
@@ -83,6 +89,8 @@ class Stack:
             config = getattr(self, name)
             if not config.internal_token:
                 setattr(self, name, replace(config, internal_token=token))
+        if self.prefill_engine is not None and not self.prefill_engine.internal_token:
+            self.prefill_engine = replace(self.prefill_engine, internal_token=token)
         for group in self.groups:
             for name in ("engine", "scheduler"):
                 config = getattr(group, name)
@@ -117,6 +125,7 @@ class Stack:
         return (
             "engine",
             *(f"engine-{i}" for i in replicas),
+            *((PREFILL_ENGINE,) if self.prefill_engine is not None else ()),
             "scheduler",
             *(f"scheduler-{i}" for i in replicas),
             "gateway",
@@ -124,6 +133,8 @@ class Stack:
 
     def config_of(self, name: str) -> Any:
         """The config of service name (see service_names)."""
+        if name == PREFILL_ENGINE:
+            return self.prefill_engine
         kind, _, replica = name.partition("-")
         return getattr(self.groups[int(replica) - 1], kind) if replica else getattr(self, kind)
 
@@ -155,7 +166,7 @@ class Stack:
 
     def _spawn(self, name: str) -> subprocess.Popen[bytes]:
         kind, _, replica = name.partition("-")
-        group_env = self.groups[int(replica) - 1].env if replica else {}
+        group_env = self.groups[int(replica) - 1].env if replica.isdigit() else {}
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env, **group_env}
         out: IO[bytes] | None = None
         if self.log_dir is not None:
@@ -305,13 +316,16 @@ def local_stack(
     http: bool = False,
     metrics: bool = False,
     data_parallel_size: int = 1,
+    prefill_engines: int = 0,
     **kwargs: Any,
 ) -> Stack:
-    """A Stack on free loopback ports (not started), with data_parallel_size replicas. The
+    """A Stack on free loopback ports (not started), with data_parallel_size replicas (or,
+    with prefill_engines=1, a prefill and a decode engine under the one scheduler). The
     metrics and HTTP ports stay off unless a config chose one (or http=True / metrics=True:
     free ones; replicas beyond the first: free ones or off); the configs keep their other
     settings."""
     check_data_parallel_size(data_parallel_size)
+    check_roles(prefill_engines, prefill_engines, data_parallel_size)
     given = (engine, scheduler, gateway)
     configs: list[Any] = [c or cls() for c, cls in zip(given, CONFIG_TYPES, strict=True)]
     configs[0] = split_cpu(configs[0], data_parallel_size)
@@ -327,5 +341,13 @@ def local_stack(
         more = [p if i % 4 < 2 else 0 for i, p in enumerate(more)]
     groups = replica_groups(configs[0], configs[1], data_parallel_size, more)
     network[2]["scheduler_address"] = scheduler_addresses(network[2]["scheduler_address"], groups)
-    stack_configs = (replace(c, **n) for c, n in zip(configs, network, strict=True))
-    return Stack(*stack_configs, **{**kwargs, "groups": groups})
+    engine, scheduler, gateway = (replace(c, **n) for c, n in zip(configs, network, strict=True))
+    prefill = None
+    if prefill_engines:
+        port, metrics_port = free_ports(2)
+        prefill, engine, scheduler = disaggregate(
+            engine, scheduler, port, metrics_port if metrics else 0
+        )
+    return Stack(
+        engine, scheduler, gateway, **{**kwargs, "groups": groups, "prefill_engine": prefill}
+    )

@@ -119,6 +119,39 @@ def split_cpu(engine: EngineConfig, data_parallel_size: int) -> EngineConfig:
     return replace(engine, num_threads=max(1, (os.cpu_count() or 1) // ranks))
 
 
+def check_roles(prefill_engines: int, decode_engines: int, data_parallel_size: int = 1) -> None:
+    """ValueError unless (prefill, decode) engines are (0, 0), colocated, or (1, 1), the
+    disaggregated stack built so far (one replica)."""
+    if (prefill_engines, decode_engines) == (0, 0):
+        return
+    if (prefill_engines, decode_engines) != (1, 1):
+        raise ValueError(
+            f"prefill_engines={prefill_engines}, decode_engines={decode_engines}: built for 1 "
+            "and 1 (or 0 and 0: one engine does both); more of either is not built yet"
+        )
+    if data_parallel_size != 1:
+        raise ValueError(
+            f"prefill and decode engines with data_parallel_size={data_parallel_size}: not "
+            "built yet (one replica)"
+        )
+
+
+def disaggregate(
+    engine: EngineConfig, scheduler: SchedulerConfig, port: int, metrics_port: int
+) -> tuple[EngineConfig, EngineConfig, SchedulerConfig]:
+    """(prefill engine, decode engine, scheduler) from a colocated engine and its scheduler:
+    the prefill engine on loopback port (metrics_port; 0: off), the decode engine where the
+    engine was, taking KV transfers on a free port; on a CPU, unless --num-threads chose, each
+    gets half the cores; no LoRA slots. The scheduler drives both."""
+    engine = replace(split_cpu(engine, 2), max_loras=0)  # LoRA: not built disaggregated
+    prefill = replace(
+        engine, engine_role="prefill", host=INTERNAL_HOST, port=port, metrics_port=metrics_port
+    )
+    decode = replace(engine, engine_role="decode")
+    scheduler = replace(scheduler, prefill_engine_address=f"{INTERNAL_HOST}:{port}")
+    return prefill, decode, scheduler
+
+
 def check_data_parallel_size(data_parallel_size: int) -> None:
     if data_parallel_size < 1:
         raise ValueError(f"data_parallel_size={data_parallel_size} must be >= 1")

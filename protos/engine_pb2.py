@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from protos import common_pb2 as protos_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13protos/engine.proto\x12\x12llmserve.engine.v1\x1a\x13protos/common.proto\"\xe3\x01\n\nNewRequest\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\x05\x12\x34\n\x08sampling\x18\x04 \x01(\x0b\x32\".llmserve.common.v1.SamplingParams\x12\x13\n\x0b\x62lock_table\x18\x05 \x03(\x05\x12\x1b\n\x13num_computed_tokens\x18\x06 \x01(\x05\x12\x1c\n\x14num_scheduled_tokens\x18\x07 \x01(\x05\x12\x11\n\tlora_slot\x18\x08 \x01(\x05\"\xbc\x01\n\x0eRunningColumns\x12\x0f\n\x07seq_ids\x18\x01 \x03(\x04\x12\x1c\n\x14num_scheduled_tokens\x18\x02 \x03(\x05\x12\x1b\n\x13num_computed_tokens\x18\x03 \x03(\x05\x12\x16\n\x0enum_new_blocks\x18\x04 \x03(\x05\x12\x15\n\rnew_block_ids\x18\x05 \x03(\x05\x12\x1c\n\x14num_lookahead_tokens\x18\x06 \x03(\x05\x12\x11\n\tlora_slot\x18\x07 \x03(\x05\"9\n\x08LoraLoad\x12\x0c\n\x04slot\x18\x01 \x01(\x05\x12\x11\n\tlora_name\x18\x02 \x01(\t\x12\x0c\n\x04path\x18\x03 \x01(\t\"\x8b\x01\n\x0b\x42lockCopies\x12,\n\x08src_tier\x18\x01 \x01(\x0e\x32\x1a.llmserve.engine.v1.KVTier\x12,\n\x08\x64st_tier\x18\x02 \x01(\x0e\x32\x1a.llmserve.engine.v1.KVTier\x12\x0f\n\x07src_ids\x18\x03 \x03(\x05\x12\x0f\n\x07\x64st_ids\x18\x04 \x03(\x05\"\xc0\x03\n\x08StepPlan\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x18\n\x10\x66inished_seq_ids\x18\x02 \x03(\x04\x12\x34\n\x0cnew_requests\x18\x03 \x03(\x0b\x32\x1e.llmserve.engine.v1.NewRequest\x12\x33\n\x07running\x18\x04 \x01(\x0b\x32\".llmserve.engine.v1.RunningColumns\x12\x45\n\rtrace_context\x18\x05 \x03(\x0b\x32..llmserve.engine.v1.StepPlan.TraceContextEntry\x12\x30\n\nlora_loads\x18\x06 \x03(\x0b\x32\x1c.llmserve.engine.v1.LoraLoad\x12\x32\n\tkv_copies\x18\x07 \x03(\x0b\x32\x1f.llmserve.engine.v1.BlockCopies\x12<\n\x10grammar_compiles\x18\x08 \x03(\x0b\x32\".llmserve.engine.v1.GrammarCompile\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"a\n\x0eGrammarCompile\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12?\n\x11structured_output\x18\x02 \x01(\x0b\x32$.llmserve.common.v1.StructuredOutput\"\xcc\x02\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x19\n\x11sampled_token_ids\x18\x02 \x03(\x05\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12\x12\n\nforward_ms\x18\x04 \x01(\x02\x12\x11\n\tsample_ms\x18\x05 \x01(\x02\x12\x10\n\x08total_ms\x18\x06 \x01(\x02\x12\x18\n\x10num_top_logprobs\x18\x07 \x03(\x05\x12\x15\n\rtop_token_ids\x18\x08 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\t \x03(\x02\x12\x17\n\x0frefused_seq_ids\x18\n \x03(\x04\x12\x17\n\x0frefusal_reasons\x18\x0b \x03(\t\x12\x18\n\x10num_draft_tokens\x18\x0c \x03(\x05\x12\x1a\n\x12num_sampled_tokens\x18\r \x03(\x05\x12\x18\n\x10\x63ompiled_seq_ids\x18\x0e \x03(\x04\"\x11\n\x0f\x44\x65scribeRequest\"1\n\x0e\x41\x64\x64LoraRequest\x12\x11\n\tlora_name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\"7\n\x0f\x41\x64\x64LoraResponse\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x16\n\x0etarget_modules\x18\x02 \x03(\t\"&\n\x11RemoveLoraRequest\x12\x11\n\tlora_name\x18\x01 \x01(\t\"\x14\n\x12RemoveLoraResponse\"\xe0\x03\n\nEngineInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x15\n\rmax_model_len\x18\x03 \x01(\x05\x12\x15\n\reos_token_ids\x18\x04 \x03(\x05\x12\x12\n\nblock_size\x18\x05 \x01(\x05\x12\x12\n\nnum_blocks\x18\x06 \x01(\x05\x12\x0e\n\x06\x64\x65vice\x18\x07 \x01(\t\x12\r\n\x05\x64type\x18\x08 \x01(\t\x12\x14\n\x0cmax_num_seqs\x18\t \x01(\x05\x12\x1e\n\x16max_num_batched_tokens\x18\n \x01(\x05\x12\x1c\n\x14tensor_parallel_size\x18\x0b \x01(\x05\x12\x1e\n\x16pipeline_parallel_size\x18\x0c \x01(\x05\x12\x1a\n\x12speculative_method\x18\r \x01(\t\x12\x1e\n\x16num_speculative_tokens\x18\x0e \x01(\x05\x12\x16\n\x0esliding_window\x18\x0f \x01(\x05\x12\x11\n\tmax_loras\x18\x10 \x01(\x05\x12\x15\n\rmax_lora_rank\x18\x11 \x01(\x05\x12\x17\n\x0fnum_host_blocks\x18\x12 \x01(\x05\x12\x17\n\x0fnum_disk_blocks\x18\x13 \x01(\x05\x12\x16\n\x0ekv_block_bytes\x18\x14 \x01(\x03*@\n\x06KVTier\x12\x12\n\x0eKV_TIER_DEVICE\x10\x00\x12\x10\n\x0cKV_TIER_HOST\x10\x01\x12\x10\n\x0cKV_TIER_DISK\x10\x02\x32\xd4\x02\n\x06\x45ngine\x12H\n\x04Step\x12\x1c.llmserve.engine.v1.StepPlan\x1a\x1e.llmserve.engine.v1.StepResult(\x01\x30\x01\x12O\n\x08\x44\x65scribe\x12#.llmserve.engine.v1.DescribeRequest\x1a\x1e.llmserve.engine.v1.EngineInfo\x12R\n\x07\x41\x64\x64Lora\x12\".llmserve.engine.v1.AddLoraRequest\x1a#.llmserve.engine.v1.AddLoraResponse\x12[\n\nRemoveLora\x12%.llmserve.engine.v1.RemoveLoraRequest\x1a&.llmserve.engine.v1.RemoveLoraResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13protos/engine.proto\x12\x12llmserve.engine.v1\x1a\x13protos/common.proto\"\xe3\x01\n\nNewRequest\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\x05\x12\x34\n\x08sampling\x18\x04 \x01(\x0b\x32\".llmserve.common.v1.SamplingParams\x12\x13\n\x0b\x62lock_table\x18\x05 \x03(\x05\x12\x1b\n\x13num_computed_tokens\x18\x06 \x01(\x05\x12\x1c\n\x14num_scheduled_tokens\x18\x07 \x01(\x05\x12\x11\n\tlora_slot\x18\x08 \x01(\x05\"\xbc\x01\n\x0eRunningColumns\x12\x0f\n\x07seq_ids\x18\x01 \x03(\x04\x12\x1c\n\x14num_scheduled_tokens\x18\x02 \x03(\x05\x12\x1b\n\x13num_computed_tokens\x18\x03 \x03(\x05\x12\x16\n\x0enum_new_blocks\x18\x04 \x03(\x05\x12\x15\n\rnew_block_ids\x18\x05 \x03(\x05\x12\x1c\n\x14num_lookahead_tokens\x18\x06 \x03(\x05\x12\x11\n\tlora_slot\x18\x07 \x03(\x05\"9\n\x08LoraLoad\x12\x0c\n\x04slot\x18\x01 \x01(\x05\x12\x11\n\tlora_name\x18\x02 \x01(\t\x12\x0c\n\x04path\x18\x03 \x01(\t\"\x8b\x01\n\x0b\x42lockCopies\x12,\n\x08src_tier\x18\x01 \x01(\x0e\x32\x1a.llmserve.engine.v1.KVTier\x12,\n\x08\x64st_tier\x18\x02 \x01(\x0e\x32\x1a.llmserve.engine.v1.KVTier\x12\x0f\n\x07src_ids\x18\x03 \x03(\x05\x12\x0f\n\x07\x64st_ids\x18\x04 \x03(\x05\"A\n\x06KVSend\x12\x13\n\x0btransfer_id\x18\x01 \x01(\x04\x12\x11\n\tblock_ids\x18\x02 \x03(\x05\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\"3\n\tKVReceive\x12\x13\n\x0btransfer_id\x18\x01 \x01(\x04\x12\x11\n\tblock_ids\x18\x02 \x03(\x05\"\xbe\x04\n\x08StepPlan\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x18\n\x10\x66inished_seq_ids\x18\x02 \x03(\x04\x12\x34\n\x0cnew_requests\x18\x03 \x03(\x0b\x32\x1e.llmserve.engine.v1.NewRequest\x12\x33\n\x07running\x18\x04 \x01(\x0b\x32\".llmserve.engine.v1.RunningColumns\x12\x45\n\rtrace_context\x18\x05 \x03(\x0b\x32..llmserve.engine.v1.StepPlan.TraceContextEntry\x12\x30\n\nlora_loads\x18\x06 \x03(\x0b\x32\x1c.llmserve.engine.v1.LoraLoad\x12\x32\n\tkv_copies\x18\x07 \x03(\x0b\x32\x1f.llmserve.engine.v1.BlockCopies\x12<\n\x10grammar_compiles\x18\x08 \x03(\x0b\x32\".llmserve.engine.v1.GrammarCompile\x12,\n\x08kv_sends\x18\t \x03(\x0b\x32\x1a.llmserve.engine.v1.KVSend\x12\x32\n\x0bkv_receives\x18\n \x03(\x0b\x32\x1d.llmserve.engine.v1.KVReceive\x12\x1a\n\x12kv_receive_cancels\x18\x0b \x03(\x04\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"a\n\x0eGrammarCompile\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12?\n\x11structured_output\x18\x02 \x01(\x0b\x32$.llmserve.common.v1.StructuredOutput\"\x88\x03\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x19\n\x11sampled_token_ids\x18\x02 \x03(\x05\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12\x12\n\nforward_ms\x18\x04 \x01(\x02\x12\x11\n\tsample_ms\x18\x05 \x01(\x02\x12\x10\n\x08total_ms\x18\x06 \x01(\x02\x12\x18\n\x10num_top_logprobs\x18\x07 \x03(\x05\x12\x15\n\rtop_token_ids\x18\x08 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\t \x03(\x02\x12\x17\n\x0frefused_seq_ids\x18\n \x03(\x04\x12\x17\n\x0frefusal_reasons\x18\x0b \x03(\t\x12\x18\n\x10num_draft_tokens\x18\x0c \x03(\x05\x12\x1a\n\x12num_sampled_tokens\x18\r \x03(\x05\x12\x18\n\x10\x63ompiled_seq_ids\x18\x0e \x03(\x04\x12\x1d\n\x15received_transfer_ids\x18\x0f \x03(\x04\x12\x1b\n\x13\x66\x61iled_transfer_ids\x18\x10 \x03(\x04\"\x11\n\x0f\x44\x65scribeRequest\"1\n\x0e\x41\x64\x64LoraRequest\x12\x11\n\tlora_name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\"7\n\x0f\x41\x64\x64LoraResponse\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x16\n\x0etarget_modules\x18\x02 \x03(\t\"&\n\x11RemoveLoraRequest\x12\x11\n\tlora_name\x18\x01 \x01(\t\"\x14\n\x12RemoveLoraResponse\"\x92\x04\n\nEngineInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x15\n\rmax_model_len\x18\x03 \x01(\x05\x12\x15\n\reos_token_ids\x18\x04 \x03(\x05\x12\x12\n\nblock_size\x18\x05 \x01(\x05\x12\x12\n\nnum_blocks\x18\x06 \x01(\x05\x12\x0e\n\x06\x64\x65vice\x18\x07 \x01(\t\x12\r\n\x05\x64type\x18\x08 \x01(\t\x12\x14\n\x0cmax_num_seqs\x18\t \x01(\x05\x12\x1e\n\x16max_num_batched_tokens\x18\n \x01(\x05\x12\x1c\n\x14tensor_parallel_size\x18\x0b \x01(\x05\x12\x1e\n\x16pipeline_parallel_size\x18\x0c \x01(\x05\x12\x1a\n\x12speculative_method\x18\r \x01(\t\x12\x1e\n\x16num_speculative_tokens\x18\x0e \x01(\x05\x12\x16\n\x0esliding_window\x18\x0f \x01(\x05\x12\x11\n\tmax_loras\x18\x10 \x01(\x05\x12\x15\n\rmax_lora_rank\x18\x11 \x01(\x05\x12\x17\n\x0fnum_host_blocks\x18\x12 \x01(\x05\x12\x17\n\x0fnum_disk_blocks\x18\x13 \x01(\x05\x12\x16\n\x0ekv_block_bytes\x18\x14 \x01(\x03\x12\x13\n\x0b\x65ngine_role\x18\x15 \x01(\t\x12\x1b\n\x13kv_transfer_address\x18\x16 \x01(\t*@\n\x06KVTier\x12\x12\n\x0eKV_TIER_DEVICE\x10\x00\x12\x10\n\x0cKV_TIER_HOST\x10\x01\x12\x10\n\x0cKV_TIER_DISK\x10\x02\x32\xd4\x02\n\x06\x45ngine\x12H\n\x04Step\x12\x1c.llmserve.engine.v1.StepPlan\x1a\x1e.llmserve.engine.v1.StepResult(\x01\x30\x01\x12O\n\x08\x44\x65scribe\x12#.llmserve.engine.v1.DescribeRequest\x1a\x1e.llmserve.engine.v1.EngineInfo\x12R\n\x07\x41\x64\x64Lora\x12\".llmserve.engine.v1.AddLoraRequest\x1a#.llmserve.engine.v1.AddLoraResponse\x12[\n\nRemoveLora\x12%.llmserve.engine.v1.RemoveLoraRequest\x1a&.llmserve.engine.v1.RemoveLoraResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,8 +34,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_STEPPLAN_TRACECONTEXTENTRY']._loaded_options = None
   _globals['_STEPPLAN_TRACECONTEXTENTRY']._serialized_options = b'8\001'
-  _globals['_KVTIER']._serialized_start=2243
-  _globals['_KVTIER']._serialized_end=2307
+  _globals['_KVTIER']._serialized_start=2599
+  _globals['_KVTIER']._serialized_end=2663
   _globals['_NEWREQUEST']._serialized_start=65
   _globals['_NEWREQUEST']._serialized_end=292
   _globals['_RUNNINGCOLUMNS']._serialized_start=295
@@ -44,26 +44,30 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LORALOAD']._serialized_end=542
   _globals['_BLOCKCOPIES']._serialized_start=545
   _globals['_BLOCKCOPIES']._serialized_end=684
-  _globals['_STEPPLAN']._serialized_start=687
-  _globals['_STEPPLAN']._serialized_end=1135
-  _globals['_STEPPLAN_TRACECONTEXTENTRY']._serialized_start=1084
-  _globals['_STEPPLAN_TRACECONTEXTENTRY']._serialized_end=1135
-  _globals['_GRAMMARCOMPILE']._serialized_start=1137
-  _globals['_GRAMMARCOMPILE']._serialized_end=1234
-  _globals['_STEPRESULT']._serialized_start=1237
-  _globals['_STEPRESULT']._serialized_end=1569
-  _globals['_DESCRIBEREQUEST']._serialized_start=1571
-  _globals['_DESCRIBEREQUEST']._serialized_end=1588
-  _globals['_ADDLORAREQUEST']._serialized_start=1590
-  _globals['_ADDLORAREQUEST']._serialized_end=1639
-  _globals['_ADDLORARESPONSE']._serialized_start=1641
-  _globals['_ADDLORARESPONSE']._serialized_end=1696
-  _globals['_REMOVELORAREQUEST']._serialized_start=1698
-  _globals['_REMOVELORAREQUEST']._serialized_end=1736
-  _globals['_REMOVELORARESPONSE']._serialized_start=1738
-  _globals['_REMOVELORARESPONSE']._serialized_end=1758
-  _globals['_ENGINEINFO']._serialized_start=1761
-  _globals['_ENGINEINFO']._serialized_end=2241
-  _globals['_ENGINE']._serialized_start=2310
-  _globals['_ENGINE']._serialized_end=2650
+  _globals['_KVSEND']._serialized_start=686
+  _globals['_KVSEND']._serialized_end=751
+  _globals['_KVRECEIVE']._serialized_start=753
+  _globals['_KVRECEIVE']._serialized_end=804
+  _globals['_STEPPLAN']._serialized_start=807
+  _globals['_STEPPLAN']._serialized_end=1381
+  _globals['_STEPPLAN_TRACECONTEXTENTRY']._serialized_start=1330
+  _globals['_STEPPLAN_TRACECONTEXTENTRY']._serialized_end=1381
+  _globals['_GRAMMARCOMPILE']._serialized_start=1383
+  _globals['_GRAMMARCOMPILE']._serialized_end=1480
+  _globals['_STEPRESULT']._serialized_start=1483
+  _globals['_STEPRESULT']._serialized_end=1875
+  _globals['_DESCRIBEREQUEST']._serialized_start=1877
+  _globals['_DESCRIBEREQUEST']._serialized_end=1894
+  _globals['_ADDLORAREQUEST']._serialized_start=1896
+  _globals['_ADDLORAREQUEST']._serialized_end=1945
+  _globals['_ADDLORARESPONSE']._serialized_start=1947
+  _globals['_ADDLORARESPONSE']._serialized_end=2002
+  _globals['_REMOVELORAREQUEST']._serialized_start=2004
+  _globals['_REMOVELORAREQUEST']._serialized_end=2042
+  _globals['_REMOVELORARESPONSE']._serialized_start=2044
+  _globals['_REMOVELORARESPONSE']._serialized_end=2064
+  _globals['_ENGINEINFO']._serialized_start=2067
+  _globals['_ENGINEINFO']._serialized_end=2597
+  _globals['_ENGINE']._serialized_start=2666
+  _globals['_ENGINE']._serialized_end=3006
 # @@protoc_insertion_point(module_scope)

@@ -116,7 +116,7 @@ class WatchStatsRequest(_message.Message):
     def __init__(self, interval_ms: _Optional[int] = ...) -> None: ...
 
 class SchedulerStats(_message.Message):
-    __slots__ = ("num_steps", "num_scheduled_tokens", "num_preemptions", "num_finished_requests", "num_running", "num_waiting", "num_free_blocks", "num_blocks", "num_prefix_cache_hit_tokens", "schedule_ms", "update_ms", "step_rtt_ms", "engine_total_ms", "engine_forward_ms", "engine_sample_ms", "num_engine_resets", "num_prompt_tokens", "num_generated_tokens", "num_prefix_cache_query_tokens", "ready", "num_spec_rows", "num_spec_draft_tokens", "num_spec_accepted_tokens", "num_spec_draft_tokens_per_pos", "num_spec_accepted_tokens_per_pos", "num_preemptions_by_reason", "num_preemptions_refused", "draining", "tenants", "lora_names", "kv_offload_num_blocks", "kv_offload_hit_blocks", "kv_offload_blocks_in", "kv_offload_bytes_in", "kv_offload_dropped_blocks", "num_swap_ins", "swap_in_wait_s")
+    __slots__ = ("num_steps", "num_scheduled_tokens", "num_preemptions", "num_finished_requests", "num_running", "num_waiting", "num_free_blocks", "num_blocks", "num_prefix_cache_hit_tokens", "schedule_ms", "update_ms", "step_rtt_ms", "engine_total_ms", "engine_forward_ms", "engine_sample_ms", "num_engine_resets", "num_prompt_tokens", "num_generated_tokens", "num_prefix_cache_query_tokens", "ready", "num_spec_rows", "num_spec_draft_tokens", "num_spec_accepted_tokens", "num_spec_draft_tokens_per_pos", "num_spec_accepted_tokens_per_pos", "num_preemptions_by_reason", "num_preemptions_refused", "draining", "tenants", "lora_names", "kv_offload_num_blocks", "kv_offload_hit_blocks", "kv_offload_blocks_in", "kv_offload_bytes_in", "kv_offload_dropped_blocks", "num_swap_ins", "swap_in_wait_s", "prefill_num_free_blocks", "prefill_num_blocks", "prefill_num_running", "prefill_num_waiting", "num_kv_transfers", "num_kv_transfers_done", "num_kv_transfers_failed", "kv_transfer_blocks", "kv_transfer_bytes", "kv_transfer_s", "num_transferring", "prefill_ready", "decode_ready")
     class NumPreemptionsByReasonEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -153,6 +153,13 @@ class SchedulerStats(_message.Message):
         value: int
         def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     class KvOffloadDroppedBlocksEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class NumKvTransfersFailedEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
@@ -196,6 +203,19 @@ class SchedulerStats(_message.Message):
     KV_OFFLOAD_DROPPED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_SWAP_INS_FIELD_NUMBER: _ClassVar[int]
     SWAP_IN_WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_TRANSFERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_TRANSFERS_DONE_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_TRANSFERS_FAILED_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFER_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFER_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFER_S_FIELD_NUMBER: _ClassVar[int]
+    NUM_TRANSFERRING_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_READY_FIELD_NUMBER: _ClassVar[int]
+    DECODE_READY_FIELD_NUMBER: _ClassVar[int]
     num_steps: int
     num_scheduled_tokens: int
     num_preemptions: int
@@ -233,7 +253,20 @@ class SchedulerStats(_message.Message):
     kv_offload_dropped_blocks: _containers.ScalarMap[str, int]
     num_swap_ins: int
     swap_in_wait_s: float
-    def __init__(self, num_steps: _Optional[int] = ..., num_scheduled_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_finished_requests: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_prefix_cache_hit_tokens: _Optional[int] = ..., schedule_ms: _Optional[float] = ..., update_ms: _Optional[float] = ..., step_rtt_ms: _Optional[float] = ..., engine_total_ms: _Optional[float] = ..., engine_forward_ms: _Optional[float] = ..., engine_sample_ms: _Optional[float] = ..., num_engine_resets: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., num_generated_tokens: _Optional[int] = ..., num_prefix_cache_query_tokens: _Optional[int] = ..., ready: _Optional[bool] = ..., num_spec_rows: _Optional[int] = ..., num_spec_draft_tokens: _Optional[int] = ..., num_spec_accepted_tokens: _Optional[int] = ..., num_spec_draft_tokens_per_pos: _Optional[_Iterable[int]] = ..., num_spec_accepted_tokens_per_pos: _Optional[_Iterable[int]] = ..., num_preemptions_by_reason: _Optional[_Mapping[str, int]] = ..., num_preemptions_refused: _Optional[int] = ..., draining: _Optional[bool] = ..., tenants: _Optional[_Iterable[_Union[TenantStats, _Mapping]]] = ..., lora_names: _Optional[_Iterable[str]] = ..., kv_offload_num_blocks: _Optional[_Mapping[str, int]] = ..., kv_offload_hit_blocks: _Optional[_Mapping[str, int]] = ..., kv_offload_blocks_in: _Optional[_Mapping[str, int]] = ..., kv_offload_bytes_in: _Optional[_Mapping[str, int]] = ..., kv_offload_dropped_blocks: _Optional[_Mapping[str, int]] = ..., num_swap_ins: _Optional[int] = ..., swap_in_wait_s: _Optional[float] = ...) -> None: ...
+    prefill_num_free_blocks: int
+    prefill_num_blocks: int
+    prefill_num_running: int
+    prefill_num_waiting: int
+    num_kv_transfers: int
+    num_kv_transfers_done: int
+    num_kv_transfers_failed: _containers.ScalarMap[str, int]
+    kv_transfer_blocks: int
+    kv_transfer_bytes: int
+    kv_transfer_s: float
+    num_transferring: int
+    prefill_ready: bool
+    decode_ready: bool
+    def __init__(self, num_steps: _Optional[int] = ..., num_scheduled_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_finished_requests: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_prefix_cache_hit_tokens: _Optional[int] = ..., schedule_ms: _Optional[float] = ..., update_ms: _Optional[float] = ..., step_rtt_ms: _Optional[float] = ..., engine_total_ms: _Optional[float] = ..., engine_forward_ms: _Optional[float] = ..., engine_sample_ms: _Optional[float] = ..., num_engine_resets: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., num_generated_tokens: _Optional[int] = ..., num_prefix_cache_query_tokens: _Optional[int] = ..., ready: _Optional[bool] = ..., num_spec_rows: _Optional[int] = ..., num_spec_draft_tokens: _Optional[int] = ..., num_spec_accepted_tokens: _Optional[int] = ..., num_spec_draft_tokens_per_pos: _Optional[_Iterable[int]] = ..., num_spec_accepted_tokens_per_pos: _Optional[_Iterable[int]] = ..., num_preemptions_by_reason: _Optional[_Mapping[str, int]] = ..., num_preemptions_refused: _Optional[int] = ..., draining: _Optional[bool] = ..., tenants: _Optional[_Iterable[_Union[TenantStats, _Mapping]]] = ..., lora_names: _Optional[_Iterable[str]] = ..., kv_offload_num_blocks: _Optional[_Mapping[str, int]] = ..., kv_offload_hit_blocks: _Optional[_Mapping[str, int]] = ..., kv_offload_blocks_in: _Optional[_Mapping[str, int]] = ..., kv_offload_bytes_in: _Optional[_Mapping[str, int]] = ..., kv_offload_dropped_blocks: _Optional[_Mapping[str, int]] = ..., num_swap_ins: _Optional[int] = ..., swap_in_wait_s: _Optional[float] = ..., prefill_num_free_blocks: _Optional[int] = ..., prefill_num_blocks: _Optional[int] = ..., prefill_num_running: _Optional[int] = ..., prefill_num_waiting: _Optional[int] = ..., num_kv_transfers: _Optional[int] = ..., num_kv_transfers_done: _Optional[int] = ..., num_kv_transfers_failed: _Optional[_Mapping[str, int]] = ..., kv_transfer_blocks: _Optional[int] = ..., kv_transfer_bytes: _Optional[int] = ..., kv_transfer_s: _Optional[float] = ..., num_transferring: _Optional[int] = ..., prefill_ready: _Optional[bool] = ..., decode_ready: _Optional[bool] = ...) -> None: ...
 
 class TenantStats(_message.Message):
     __slots__ = ("tenant", "weight", "num_waiting", "num_running", "num_blocks", "num_prompt_tokens", "num_generated_tokens", "virtual_tokens")

@@ -174,6 +174,28 @@ class BlockManager:
         self.pins.setdefault(holder, []).extend(block_ids)
         return block_ids
 
+    def pin_fresh(self, holder: int, num_blocks: int) -> list[int]:
+        """Take num_blocks free blocks (evicting what they cached) and pin them for holder,
+        uncached: their contents arrive by a KV transfer (scheduler/disaggregation.py) and enter
+        the prefix cache only once it is done (`cache_block`). Needs num_blocks free blocks."""
+        assert num_blocks <= self.num_free_blocks
+        block_ids = []
+        for _ in range(num_blocks):
+            block_id, _ = self.free_blocks.popitem(last=False)
+            self._evict(block_id)
+            self.ref_cnt[block_id] = 1
+            block_ids.append(block_id)
+        self.pins.setdefault(holder, []).extend(block_ids)
+        return block_ids
+
+    def cache_block(self, block_id: int, key: BlockKey) -> None:
+        """Held block block_id now holds key's content: register it in the prefix cache (unless
+        that content is cached in another block already)."""
+        assert self.ref_cnt[block_id] > 0 and block_id not in self.block_key
+        if self.enable_prefix_caching and key[0] not in self.hash_to_block:
+            self.block_key[block_id] = key
+            self.hash_to_block[key[0]] = block_id
+
     def unpin(self, holder: int) -> None:
         """Drop holder's pins (it was admitted and holds its blocks itself, or it ended)."""
         for block_id in reversed(self.pins.pop(holder, [])):

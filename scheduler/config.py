@@ -16,6 +16,17 @@ PREEMPTION_MODES = ("recompute", "swap")
 @dataclass(frozen=True)
 class SchedulerConfig(PeerSecurity):
     engine_address: str = setting("localhost:50053", "the engine's gRPC address")
+    prefill_engine_address: str = setting(
+        "",
+        "prefill / decode disaggregation (docs/disaggregation.md): a prefill engine's gRPC "
+        "address (--engine-role prefill); --engine-address is then the decode engine's. Prompts "
+        "run there, their KV moves to the decode engine (empty: one engine does both)",
+    )
+    kv_transfer_timeout_s: float = setting(
+        2.0,
+        "disaggregation: a KV transfer not arrived by then is given up and the request "
+        "recomputes its prompt on the decode engine",
+    )
     host: str = setting("127.0.0.1", "bind address (0.0.0.0 exposes it)")
     port: int = setting(50052, "gRPC port for the gateway")
     metrics_port: int = setting(
@@ -107,6 +118,15 @@ class SchedulerConfig(PeerSecurity):
             )
         check_ports(self, "port", "metrics_port")
         self.lora_paths()
+        if not self.kv_transfer_timeout_s > 0:
+            raise ValueError(f"kv_transfer_timeout_s={self.kv_transfer_timeout_s} must be > 0")
+        if self.prefill_engine_address and self.lora_modules:
+            raise ValueError("lora_modules with prefill_engine_address: not built")
+        if self.prefill_engine_address and not self.enable_prefix_caching:
+            raise ValueError(
+                "prefill_engine_address needs enable_prefix_caching: transferred blocks join "
+                "the decode engine's pool as prefix-cache hits"
+            )
 
     def lora_paths(self) -> dict[str, str]:
         """lora_modules as {name: path}; ValueError naming a malformed entry."""

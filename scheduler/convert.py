@@ -65,6 +65,11 @@ def plan_to_proto(plan: StepPlan) -> engine_pb2.StepPlan:
         msg.grammar_compiles.add(
             seq_id=request.seq_id, structured_output=request.sampling.structured_output
         )
+    for transfer_id, block_ids, address in plan.kv_sends:
+        msg.kv_sends.add(transfer_id=transfer_id, block_ids=block_ids, address=address)
+    for transfer_id, block_ids in plan.kv_receives:
+        msg.kv_receives.add(transfer_id=transfer_id, block_ids=block_ids)
+    msg.kv_receive_cancels.extend(plan.kv_receive_cancels)
     return msg
 
 
@@ -115,9 +120,9 @@ def apply_result(
 ) -> list[StepOutcome]:
     """Scheduler.update with the engine's StepResult for plan (its columns unpacked: empty
     optional ones as None), after releasing the held requests whose grammar it reports
-    compiled."""
+    compiled, then the KV transfers it reports received."""
     scheduler.grammars_compiled(list(result.compiled_seq_ids))
-    return scheduler.update(
+    outcomes = scheduler.update(
         plan,
         list(result.sampled_token_ids),
         list(result.logprobs) or None,
@@ -125,6 +130,11 @@ def apply_result(
         list(result.num_sampled_tokens) or None,
         list(result.num_draft_tokens) or None,
     )
+    if result.received_transfer_ids:
+        scheduler.on_received(list(result.received_transfer_ids))
+    if result.failed_transfer_ids:
+        scheduler.fail_transfers("dropped", transfer_ids=list(result.failed_transfer_ids))
+    return outcomes
 
 
 def response_to_proto(

@@ -136,6 +136,7 @@ class EngineLoop:
                     # and so are the results of steps in flight.
                     self.telemetry.on_engine_reset(self.scheduler.reset_engine())
                     self.num_engine_resets += was_ready
+                    self._after_reset()
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 2.0)
 
@@ -175,6 +176,7 @@ class EngineLoop:
         except ValueError as err:  # a limit above the engine's, or a policy refusing its stages
             raise EngineMismatch(str(err)) from err
         self.scheduler.set_sliding_window(info.sliding_window or None)
+        self._adopt_role(info)
         self.engine_info = info
         log.info(
             "engine connected",
@@ -198,6 +200,37 @@ class EngineLoop:
                 "preemption_mode='swap' without a host tier: preempted requests recompute "
                 "(start the engine with --kv-offload-gb)"
             )
+
+    def _adopt_role(self, info: engine_pb2.EngineInfo) -> None:
+        """Check the engine's role against the one this link drives (EngineMismatch); the
+        scheduler plans for it (scheduler/disaggregation.py)."""
+        assert self.scheduler is not None
+        role = info.engine_role or "both"
+        if role != self.engine_role:
+            raise EngineMismatch(
+                f"the engine at {self.config.engine_address} has engine_role={role!r}; this "
+                f"link drives a {self.engine_role!r} engine (prefill_engine_address="
+                f"{self.config.prefill_engine_address!r})"
+            )
+        self.scheduler.transfers.role = role
+        self.scheduler.transfers.block_bytes = info.kv_block_bytes
+
+    @property
+    def engine_role(self) -> str:
+        """The role of the engine this link drives: decode when a prefill engine is set."""
+        return "decode" if self.config.prefill_engine_address else "both"
+
+    def _report_kv_moves(self, scheduler: Scheduler) -> None:
+        if scheduler.transfers.moves:
+            moves, scheduler.transfers.moves = scheduler.transfers.moves, []
+            self.telemetry.on_kv_moves(moves)
+
+    def _after_result(self) -> None:
+        """After a step's result is applied (hook: the prefill link hands requests off)."""
+
+    def _after_reset(self) -> None:
+        """After the engine was lost and the scheduler reset (hook: the prefill link fails its
+        requests over to the decode side)."""
 
     async def add_lora(self, name: str, path: str) -> engine_pb2.AddLoraResponse:
         """Have the engine check adapter name at path (AioRpcError INVALID_ARGUMENT naming it
@@ -328,6 +361,7 @@ class EngineLoop:
         t0 = time.perf_counter()
         plan = scheduler.schedule()
         t1 = time.perf_counter()
+        self._report_kv_moves(scheduler)
         if plan.is_empty:
             return None
         for request in plan.preempted:
@@ -361,6 +395,8 @@ class EngineLoop:
         outcomes = apply_result(scheduler, plan, result)
         for outcome in outcomes:
             self._deliver(outcome)
+        self._after_result()
+        self._report_kv_moves(scheduler)
         t3 = time.perf_counter()
         t0, t1 = sent.t_plan, sent.t_planned
         timings = {

@@ -19,6 +19,7 @@ import time
 
 from scheduler.request import Request
 from scheduler.state import SchedulerState
+from scheduler.transfers import KVMove
 
 
 class Offloading(SchedulerState):
@@ -50,20 +51,23 @@ class Offloading(SchedulerState):
         """Give back every block pinned for a swap-in (a running request needs blocks: they go
         before anyone is preempted). They stay cached on the device until reused; a request
         that waited for them finds them there, or swaps in again. False if none was pinned."""
-        pins = self.block_manager.pins
-        if not pins:
-            return False
-        for holder in list(pins):
+        holders = [h for h in self.block_manager.pins if self.transfers.of(h) is None]
+        for holder in holders:  # blocks a KV transfer is filling stay pinned
             self.block_manager.unpin(holder)
-        return True
+        return bool(holders)
 
     def _end_swap_in(self, request: Request) -> None:
         """request was admitted (it holds its blocks) or ended: drop its pins, count its wait."""
+        blocks = len(self.block_manager.pins.get(request.seq_id, []))  # its prefix, held
         self.block_manager.unpin(request.seq_id)
         offload = self.block_manager.offload
         if request.swap_in_since and offload is not None:
+            waited = time.monotonic() - request.swap_in_since
             offload.counters.num_swap_ins += 1
-            offload.counters.swap_in_wait_s += time.monotonic() - request.swap_in_since
+            offload.counters.swap_in_wait_s += waited
+            self.transfers.moves.append(
+                KVMove("swap_in", request, waited, blocks, blocks * offload.block_bytes)
+            )
         request.swap_in_since = 0.0
 
     def _swap_out(self, request: Request) -> None:

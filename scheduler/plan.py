@@ -68,6 +68,13 @@ class StepPlan:
     # plan then goes even with nothing else in it, to ask; scheduler/grammar_wait.py).
     grammar_compiles: list[Request] = field(default_factory=list)
     asks_grammars: bool = False
+    # Disaggregation (scheduler/disaggregation.py): (transfer id, block ids, address) to send,
+    # (transfer id, block ids) to await, transfer ids given up; whether transfers are awaited
+    # (a plan then goes out even with nothing else in it: the engine is polled).
+    kv_sends: list[tuple[int, list[int], str]] = field(default_factory=list)
+    kv_receives: list[tuple[int, list[int]]] = field(default_factory=list)
+    kv_receive_cancels: list[int] = field(default_factory=list)
+    awaits_transfers: bool = False
 
     @property
     def rows(self) -> list[NewRequestRow | RunningRow]:
@@ -84,13 +91,11 @@ class StepPlan:
     @property
     def is_empty(self) -> bool:
         return not (
-            self.new_requests
-            or self.running
-            or self.finished_seq_ids
-            or self.kv_copies
-            or self.grammar_compiles
-            or self.asks_grammars
-        )
+            self.new_requests or self.running or self.finished_seq_ids or self.kv_copies
+            or self.grammar_compiles or self.asks_grammars
+            or self.kv_sends or self.kv_receives or self.kv_receive_cancels
+            or self.awaits_transfers
+        )  # fmt: skip
 
 
 @dataclass

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import math
 
+from scheduler.disaggregation import Disaggregation
 from scheduler.plan import NewRequestRow, RunningRow, StepOutcome, StepPlan, TopLogprobColumns
 from scheduler.request import Request, RequestStatus
-from scheduler.state import SchedulerState
 
 
-class StepResults(SchedulerState):
+class StepResults(Disaggregation):
     def update(
         self,
         plan: StepPlan,
@@ -76,7 +76,10 @@ class StepResults(SchedulerState):
         """Append token_id, request's oldest pending token now known, to its tokens: its
         outcome, or None when nothing is to be streamed (`_on_token`)."""
         request.token_ids.append(token_id)
-        return self._on_token(request, token_id)
+        outcome = self._on_token(request, token_id)
+        if outcome is not None and outcome.finished is None and self._hands_off(request):
+            self._hand_off(request)  # its first token is streamed from here, once
+        return outcome
 
     def _count_generated(self, outcomes: list[StepOutcome]) -> None:
         """Count outcomes' tokens as generated, in total and for their tenants."""

@@ -120,7 +120,9 @@ class Scheduler(StepResults, Preemption, PipelineSlots):
         request = self.requests.get(seq_id)
         if request is None:
             return None
-        if request.status == RequestStatus.WAITING:
+        if self._cancel_transfer(request):
+            pass  # it waited for its KV blocks, not in the queue
+        elif request.status == RequestStatus.WAITING:
             if not self.grammar_wait.remove(request):
                 self.waiting.remove(request)
         elif request.status == RequestStatus.RUNNING:
@@ -146,7 +148,10 @@ class Scheduler(StepResults, Preemption, PipelineSlots):
     def reset_engine(self) -> list[Request]:
         """The engine lost its mirror and KV pool (it restarted, or failed a step): preempt every
         running request and forget the prefix cache, so all work is redone from tokens. Steps in
-        flight are lost with their results. Returns the requests preempted."""
+        flight are lost with their results, and KV transfers into the pool with the pool (their
+        requests recompute). Returns the requests preempted."""
+        self.fail_transfers("decode_lost")
+        self.transfers.forget_plan_parts()
         for request in reversed(self.running):
             self._preempt(request, "engine_reset")
         self.running = []
@@ -211,6 +216,8 @@ class Scheduler(StepResults, Preemption, PipelineSlots):
         a pending token; any number of plans may be outstanding. A slot with nothing to run
         whose step admits nobody is passed over: the step id moves on to the next slot's, at
         most P - 1 times, so an empty plan means that no slot has anything to run now."""
+        if self.transfers.in_flight:
+            self.fail_transfers("deadline", deadline_only=True)
         scheduled = self._schedule_step()
         for _ in range(self.pipeline_parallel_size - 1):
             if scheduled:
@@ -298,6 +305,8 @@ class Scheduler(StepResults, Preemption, PipelineSlots):
         num_pending = request.num_pending_tokens
         if num_pending == 0:
             return True
+        if self._stops_at_first_token(request):
+            return False
         if len(request.token_ids) + num_pending >= self.max_model_len:
             return False
         return (
@@ -395,6 +404,8 @@ class Scheduler(StepResults, Preemption, PipelineSlots):
             plan.kv_copies = self.block_manager.offload.take_copies()
         plan.grammar_compiles = self.grammar_wait.take_unsent()
         plan.asks_grammars = self.grammar_wait.awaiting_engine
+        for name, value in self._take_plan_transfers().items():  # none colocated
+            setattr(plan, name, value)
         self.next_step_id += 1
         self.finished_seq_ids, self.preempted = [], []
         return plan

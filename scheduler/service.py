@@ -33,6 +33,7 @@ from scheduler.convert import (
 )
 from scheduler.engine_loop import EngineLoop, StepTimes
 from scheduler.plan import StepOutcome
+from scheduler.prefill_link import PrefillLink
 from scheduler.request import Request, RequestStatus
 from scheduler.scheduler import AdmissionError, Scheduler
 from scheduler.telemetry import SchedulerTelemetry
@@ -63,6 +64,45 @@ class SchedulerService(EngineLoop, scheduler_pb2_grpc.SchedulerServicer):
         self.health = health.aio.HealthServicer()
         self._health_update: asyncio.Future[None] | None = None
         self.engine_stub: Any = None
+        # Disaggregation: the prefill engine's link, with its own Scheduler; this service's
+        # own engine (engine_address) is then the decode engine.
+        self.prefill = PrefillLink(self) if config.prefill_engine_address else None
+
+    def schedulers(self) -> list[Scheduler]:
+        """The Schedulers holding requests: the decode (or only) engine's, the prefill one's."""
+        found = [self.scheduler, self.prefill.scheduler if self.prefill else None]
+        return [s for s in found if s is not None]
+
+    def _wake(self) -> None:
+        self.wakeup.set()
+        if self.prefill is not None:
+            self.prefill.wakeup.set()
+
+    async def run_engine_loop(self) -> None:
+        """Drive the engine (and, disaggregated, the prefill engine alongside)."""
+        if self.prefill is None:
+            await super().run_engine_loop()
+            return
+        await asyncio.gather(super().run_engine_loop(), self.prefill.run_engine_loop())
+
+    @property
+    def serving(self) -> bool:
+        """EngineLoop.serving. Disaggregated: both engines connected once, and either is up
+        (while one is lost, the other takes requests whole: scheduler/prefill_link.py)."""
+        if self.prefill is None:
+            return super().serving
+        if self.draining or self.scheduler is None or self.prefill.scheduler is None:
+            return False
+        return (self.ready and self.engine_responding) or self.prefill.takes_requests
+
+    def _after_reset(self) -> None:
+        if self.prefill is not None:
+            self.prefill.take_over()
+
+    def _adopt_role(self, info: engine_pb2.EngineInfo) -> None:
+        super()._adopt_role(info)
+        if self.prefill is not None:
+            self.prefill.decode_back()
 
     # -- gateway-facing RPCs ------------------------------------------------------------------
 
@@ -74,12 +114,13 @@ class SchedulerService(EngineLoop, scheduler_pb2_grpc.SchedulerServicer):
                 grpc.StatusCode.UNAVAILABLE,
                 "scheduler is draining: it admits no new requests; send to another replica",
             )
-        if not self.ready or self.scheduler is None:
+        target = self.prefill.scheduler if self.prefill and self.prefill.takes_requests else None
+        if not (self.ready or target) or self.scheduler is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "engine not ready; retry shortly")
         assert self.scheduler is not None
         try:
             req = request_from_proto(request, next(self.seq_ids))
-            self.scheduler.add(req)
+            (target or self.scheduler).add(req)
         except SamplingError as err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         except AdmissionError as err:
@@ -88,7 +129,7 @@ class SchedulerService(EngineLoop, scheduler_pb2_grpc.SchedulerServicer):
         bind(request_id=req.request_id, trace_id=trace_id)
         queue: asyncio.Queue[StepOutcome] = asyncio.Queue()
         self.streams[req.seq_id] = queue
-        self.wakeup.set()
+        self._wake()
         finished: RequestStatus | None = None
         first = True
         try:
@@ -108,9 +149,11 @@ class SchedulerService(EngineLoop, scheduler_pb2_grpc.SchedulerServicer):
     def _end_stream(self, req: Request, finished: RequestStatus | None) -> None:
         self.streams.pop(req.seq_id, None)
         if finished is None and self.scheduler is not None:
-            # Cancelled by the client (or its connection died): free the blocks now.
-            self.scheduler.abort(req.seq_id)
-            self.wakeup.set()
+            # Cancelled by the client (or its connection died): free the blocks now (on both
+            # sides, disaggregated: a transfer it waits for is given up).
+            for scheduler in self.schedulers():
+                scheduler.abort(req.seq_id)
+            self._wake()
             log.info("request cancelled", request_id=req.request_id)
         status = req.status if req.status.is_finished else RequestStatus.FINISHED_ABORTED
         self.telemetry.on_finish(req, status)
@@ -163,7 +206,42 @@ class SchedulerService(EngineLoop, scheduler_pb2_grpc.SchedulerServicer):
             )
             if s.block_manager.offload is not None:
                 snapshot.update(s.block_manager.offload.stats())
+            if self.prefill is not None:
+                snapshot.update(s.transfers.stats())
+                self._prefill_stats(snapshot)
         return snapshot
+
+    def _prefill_stats(self, snapshot: dict[str, Any]) -> None:
+        """Disaggregated: the prefill side's pool and queues into snapshot (its running and
+        waiting requests, and those waiting for a transfer, counted in num_running and
+        num_waiting too), its counters added to the decode side's (the prefix cache's: the
+        prefill side's alone)."""
+        snapshot["num_waiting"] += snapshot["num_transferring"]
+        assert self.prefill is not None
+        snapshot["decode_ready"] = self.ready and self.engine_responding
+        snapshot["prefill_ready"] = self.prefill.takes_requests
+        p = self.prefill.scheduler
+        if p is None:
+            return
+        snapshot.update(
+            prefill_num_free_blocks=p.block_manager.num_free_blocks,
+            prefill_num_blocks=p.block_manager.num_blocks,
+            prefill_num_running=len(p.running),
+            prefill_num_waiting=len(p.waiting),
+        )
+        snapshot["num_running"] += len(p.running)
+        snapshot["num_waiting"] += len(p.waiting)
+        for name, value in vars(p.counters).items():
+            if name in ("num_prefix_cache_query_tokens", "num_prefix_cache_hit_tokens"):
+                snapshot[name] = value  # prompts are computed there; the decode side's "hits"
+                # are mostly the blocks transferred (kv_transfer_blocks)
+            elif isinstance(value, int):
+                snapshot[name] += value
+            elif isinstance(value, dict):
+                merged = dict(snapshot[name])
+                for key, n in value.items():
+                    merged[key] = merged.get(key, 0) + n
+                snapshot[name] = merged
 
     async def GetStats(
         self, request: scheduler_pb2.GetStatsRequest, context: grpc.aio.ServicerContext
@@ -225,7 +303,7 @@ class SchedulerService(EngineLoop, scheduler_pb2_grpc.SchedulerServicer):
     async def ListRequests(
         self, request: scheduler_pb2.ListRequestsRequest, context: grpc.aio.ServicerContext
     ) -> scheduler_pb2.ListRequestsResponse:
-        rows = self.scheduler.list_requests(request.tenant) if self.scheduler else []
+        rows = [row for s in self.schedulers() for row in s.list_requests(request.tenant)]
         return scheduler_pb2.ListRequestsResponse(requests=map(request_state_to_proto, rows))
 
     async def AbortRequest(
@@ -235,17 +313,16 @@ class SchedulerService(EngineLoop, scheduler_pb2_grpc.SchedulerServicer):
         blocks are free before the next step."""
         if not request.request_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is empty")
-        found = self.scheduler.find(request.request_id) if self.scheduler else []
-        for req in found:
-            assert self.scheduler is not None
-            self.scheduler.abort(req.seq_id)
+        found = [(s, r) for s in self.schedulers() for r in s.find(request.request_id)]
+        for scheduler, req in found:
+            scheduler.abort(req.seq_id)
             self._deliver(StepOutcome(req, None, None, RequestStatus.FINISHED_ABORTED))
             log.info(
                 "request aborted by an operator",
                 request_id=req.request_id,
                 trace_id=self.telemetry.trace_id(req),
             )
-        self.wakeup.set()
+        self._wake()
         return scheduler_pb2.AbortRequestResponse(num_aborted=len(found))
 
     async def Drain(
@@ -267,10 +344,12 @@ class SchedulerService(EngineLoop, scheduler_pb2_grpc.SchedulerServicer):
     async def shutdown(self) -> None:
         """Stop stepping; end every open stream with finish reason ABORT."""
         self.stopping = True
-        self.wakeup.set()
-        if self.scheduler is not None:
-            for seq_id in list(self.scheduler.requests):
-                request = self.scheduler.abort(seq_id)
+        if self.prefill is not None:
+            self.prefill.stopping = True
+        self._wake()
+        for scheduler in self.schedulers():
+            for seq_id in list(scheduler.requests):
+                request = scheduler.abort(seq_id)
                 if request is not None:
                     self._deliver(StepOutcome(request, None, None, RequestStatus.FINISHED_ABORTED))
 

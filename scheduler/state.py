@@ -16,6 +16,7 @@ from scheduler.lora import LoraTable
 from scheduler.request import Request, RequestStatus
 from scheduler.speculation import SpeculationPolicy
 from scheduler.tenants import TenantLedger
+from scheduler.transfers import TransferTable
 
 
 class SchedulerState:
@@ -73,6 +74,9 @@ class SchedulerState:
         # LoRA adapters: the registry and the engine's slot table (scheduler/lora.py); no slots
         # until an engine reports max_loras.
         self.loras = LoraTable()
+        # Prefill / decode disaggregation: this scheduler's role and its transfers
+        # (scheduler/disaggregation.py); role "both" (colocated) uses none of it.
+        self.transfers = TransferTable("both", config.kv_transfer_timeout_s)
 
     def set_sliding_window(self, sliding_window: int | None) -> None:
         """Release running requests' blocks that fall out of this window (the engine's, when
@@ -145,8 +149,11 @@ class SchedulerState:
     @property
     def has_work(self) -> bool:
         """Whether to plan a step: requests to run or drop, or grammars to compile or to ask
-        the engine about."""
-        return bool(self.waiting or self.running or self.finished_seq_ids or self.grammar_wait)
+        the engine about, or KV transfers under way."""
+        return bool(
+            self.waiting or self.running or self.finished_seq_ids or self.grammar_wait
+            or self.transfers.has_work
+        )  # fmt: skip
 
     @property
     def num_waiting(self) -> int:

@@ -100,12 +100,18 @@ class Stack(LaunchedStack):
         deadline = time.monotonic() + timeout
         while True:
             s = self.stats()
-            if s.num_running == 0 and s.num_waiting == 0 and s.num_free_blocks == s.num_blocks:
+            prefill_free = s.prefill_num_free_blocks == s.prefill_num_blocks  # 0 == 0 without
+            if (
+                s.num_running == 0 and s.num_waiting == 0 and s.num_free_blocks == s.num_blocks
+                and prefill_free and s.num_transferring == 0
+            ):  # fmt: skip
                 return s
             if time.monotonic() > deadline:
                 raise AssertionError(
                     f"not idle after {timeout}s: running={s.num_running} waiting={s.num_waiting} "
-                    f"free_blocks={s.num_free_blocks}/{s.num_blocks}"
+                    f"free_blocks={s.num_free_blocks}/{s.num_blocks} prefill free blocks="
+                    f"{s.prefill_num_free_blocks}/{s.prefill_num_blocks} transferring="
+                    f"{s.num_transferring}"
                 )
             time.sleep(0.05)
 
@@ -200,6 +206,7 @@ def start_stack(
     log_dir: Path | None = None,
     timeout: float = 120.0,
     data_parallel_size: int = 1,
+    prefill_engines: int = 0,
 ) -> Stack:
     """Start engine, scheduler and gateway; return once the gateway reports SERVING.
 
@@ -207,7 +214,8 @@ def start_stack(
     gateway_model for its tokenizer. *_args are each service's own command-line flags. env adds
     environment variables to all three. http=True turns the gateway's HTTP API on
     (stack.http_url); api_key makes the gateway require it; data_parallel_size > 1 starts that
-    many replicas (scheduler + engine) behind the gateway."""
+    many replicas (scheduler + engine) behind the gateway; prefill_engines=1 a prefill and a
+    decode engine under the one scheduler (engine_args go to both)."""
     model_args = ["--model", str(model)] if model else []
     engine, *fake_config = service_configs(
         "engine", [*(["--fake"] if fake else model_args), *(engine_args or [])]
@@ -218,12 +226,16 @@ def start_stack(
     if api_key:
         gateway = replace(gateway, api_key=api_key)
     (scheduler,) = service_configs("scheduler", list(scheduler_args or []))
-    base = local_stack(engine, scheduler, gateway, http=http, data_parallel_size=data_parallel_size)
+    base = local_stack(
+        engine, scheduler, gateway, http=http, data_parallel_size=data_parallel_size,
+        prefill_engines=prefill_engines,
+    )  # fmt: skip
     stack = Stack(
         engine=base.engine,
         scheduler=base.scheduler,
         gateway=base.gateway,
         groups=base.groups,
+        prefill_engine=base.prefill_engine,
         fake=fake_config[0] if fake_config else None,
         log_dir=log_dir,
         env={"LLMSERVE_LOG_LEVEL": "INFO", **(env or {})},

@@ -56,6 +56,10 @@ def test_a_connection_dropped_mid_payload_delivers_nothing(receiver: KVReceiver)
         conn.sendall(hmac.new(TOKEN.encode(), challenge, hashlib.sha256).digest())
         conn.sendall(HEADER.pack(9, 2, receiver.block_bytes))
         conn.sendall(b"\x01" * (receiver.block_bytes + 10))  # one block and a bit, then gone
+    deadline = time.monotonic() + 2
+    while not receiver.poll_failed(9) and time.monotonic() < deadline:  # reported, not awaited
+        time.sleep(0.01)
+    assert time.monotonic() < deadline
     assert not receiver.take(9, [0, 1], time.monotonic() + 0.5)
     assert not receiver.kv_cache.any() and 9 in receiver.given_up
 
@@ -77,3 +81,35 @@ def test_a_receiver_that_is_gone_fails_the_send_fast() -> None:
     with pytest.raises(TransferError, match="transfer 11"):
         send_blocks(address, TOKEN, 11, torch.randn(SHAPE), [0], timeout_s=1.0)
     assert time.monotonic() - t0 < 2.0
+
+
+def test_an_engines_plan_parts_move_blocks_between_two_pools() -> None:
+    """engine/disaggregation.py between a prefill pool and a decode pool: the send reads its
+    blocks when the plan runs (a later write does not travel), the receive writes them when they
+    have arrived and reports them once, and a transfer cancelled is never written."""
+    from engine.contract import KVReceiveData, KVSendData, StepPlanData
+    from engine.disaggregation import KVTransfers
+
+    prefill = KVTransfers(torch.randn(SHAPE), "prefill", TOKEN, "127.0.0.1", 0)
+    decode = KVTransfers(torch.zeros(SHAPE), "decode", TOKEN, "127.0.0.1", 0)
+    sent = prefill.kv_cache[:, :, [4, 2]].clone()
+    receive = StepPlanData(1, [], [], kv_receives=[KVReceiveData(1, [6, 7])])
+    assert decode.execute(receive) == ([], [])  # nothing arrived yet (an empty plan polls)
+    prefill.execute(StepPlanData(1, [], [], kv_sends=[KVSendData(1, [4, 2], decode.address)]))
+    prefill.kv_cache[:, :, [4, 2]] = 0.0  # the pool reused them after the plan: not sent
+    deadline = time.monotonic() + 5
+    received: list[int] = []
+    while not received and time.monotonic() < deadline:
+        received, _ = decode.execute(StepPlanData(2, [], []))
+    assert received == [1] and torch.equal(decode.kv_cache[:, :, [6, 7]], sent)
+    assert decode.execute(StepPlanData(3, [], [])) == ([], [])  # reported once
+    # A transfer cancelled before it arrives is dropped when it does.
+    decode.execute(StepPlanData(4, [], [], kv_receives=[KVReceiveData(2, [0])]))
+    decode.execute(StepPlanData(5, [], [], kv_receive_cancels=[2]))
+    prefill.execute(StepPlanData(2, [], [], kv_sends=[KVSendData(2, [1], decode.address)]))
+    time.sleep(0.3)
+    assert (
+        decode.execute(StepPlanData(6, [], [])) == ([], []) and not decode.kv_cache[:, :, 0].any()
+    )
+    for side in (prefill, decode):
+        side.close()

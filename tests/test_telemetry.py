@@ -308,6 +308,8 @@ def test_metrics_match_what_clients_saw(metrics_stack: tuple[Stack, dict[str, in
         == (planned.kv_offload_blocks_in["host"])
     )
     assert _total(sc, "llmserve_kv_offload_swap_ins_total") == planned.num_swap_ins
+    swap_in_waits = _total(sc, "llmserve_kv_offload_swap_in_duration_seconds_count")
+    assert swap_in_waits == planned.num_swap_ins
 
 
 # -- configuration -------------------------------------------------------------------------------

@@ -1,0 +1,190 @@
+"""Prefill / decode disaggregation as the scheduler plans it (torch-free): a prefill Scheduler and
+a decode Scheduler, the handoff between them as the service makes it, and a fake engine on each
+side. Exact block ids in the sends and receives, the first token streamed once, the decode side's
+prefix hit on the blocks moved, and every failure path (deadline, an engine lost, a cancel)
+leaving no block held on either side."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from scheduler.config import SchedulerConfig
+from scheduler.plan import StepOutcome, StepPlan
+from scheduler.request import Request, RequestStatus
+from scheduler.scheduler import Scheduler
+from scheduler.static_batching import make_scheduler
+from tests.factories import sampling
+
+BS = 4
+ADDRESS = "127.0.0.1:9"
+
+
+def make(role: str, num_blocks: int = 16, budget: int = 8) -> Scheduler:
+    config = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=4, kv_transfer_timeout_s=1)
+    s = make_scheduler(config, num_blocks, BS, 256, 1000, (999,))
+    s.transfers.role = role
+    return s
+
+
+def request(seq_id: int, prompt: list[int], max_tokens: int = 4) -> Request:
+    return Request(f"r{seq_id}", seq_id, prompt, sampling(), max_tokens, ignore_eos=True)
+
+
+def step(s: Scheduler, token: int = 7, received: list[int] | None = None) -> tuple[StepPlan, list]:
+    """Plan a step and apply the fake engine's result (token for every sampling row, the
+    transfers it reports received)."""
+    plan = s.schedule()
+    outcomes = s.update(plan, [token if row.samples else -1 for row in plan.rows])
+    if received:
+        s.on_received(received)
+    s.check_integrity()
+    return plan, outcomes
+
+
+def hand_off(prefill: Scheduler, decode: Scheduler) -> list[int]:
+    """What the service does after a prefill result: each handoff to the decode side, its send
+    queued on the prefill side. Returns the transfer ids started."""
+    ids = []
+    for req, blocks in prefill.take_handoffs():
+        to_send = decode.receive(req, blocks)
+        if to_send:
+            ids.append(decode.transfers.by_seq_id[req.seq_id])
+            prefill.queue_send(ids[-1], to_send, ADDRESS)
+    return ids
+
+
+def prefill_one(prefill: Scheduler, decode: Scheduler, req: Request) -> tuple[list, list[int]]:
+    """Run req's prompt on the prefill side to its first token; hand it off."""
+    prefill.add(req)
+    outcomes: list[StepOutcome] = []
+    while prefill.running or prefill.waiting:
+        outcomes += step(prefill, token=50)[1]
+    return outcomes, hand_off(prefill, decode)
+
+
+def assert_no_block_held(*schedulers: Scheduler) -> None:
+    for s in schedulers:
+        s.check_integrity()
+        assert s.block_manager.num_free_blocks == s.block_manager.num_blocks
+        assert not s.block_manager.pins and not s.requests
+
+
+def test_a_prompt_moves_its_full_blocks_and_decodes_on_a_prefix_hit() -> None:
+    prefill, decode = make("prefill"), make("decode")
+    req = request(1, list(range(10, 20)))  # 10 tokens: 2 full blocks + 2 tokens
+    outcomes, (tid,) = prefill_one(prefill, decode, req)
+    assert [o.token_id for o in outcomes] == [50]  # streamed once, by the prefill side
+    p_table = prefill.block_manager  # freed, but kept in the prefill pool's prefix cache
+    assert p_table.num_free_blocks == 16 and len(p_table.hash_to_block) == 2
+    send_plan, _ = step(prefill)
+    assert send_plan.kv_sends == [(tid, [0, 1], ADDRESS)] and not send_plan.rows
+    receive_plan, _ = step(decode)
+    transfer_blocks = decode.transfers.in_flight[tid].block_ids
+    assert receive_plan.kv_receives == [(tid, transfer_blocks)] and receive_plan.awaits_transfers
+    assert not receive_plan.rows and decode.has_work  # polled until the transfer is in
+    step(decode, received=[tid])
+    plan, outcomes = step(decode, token=60)
+    (row,) = plan.new_requests
+    # A prefix hit on the moved blocks: computes the partial block and the first token.
+    assert row.block_table[:2] == transfer_blocks and row.num_computed_tokens == 8
+    assert row.token_ids == [*range(10, 20), 50] and row.num_scheduled_tokens == 3
+    assert [o.token_id for o in outcomes] == [60]  # the second token, the first not again
+    while decode.has_work:
+        step(decode)
+    assert req.token_ids[10:] == [50, 60, 7, 7] and req.status == RequestStatus.FINISHED_LENGTH
+    assert decode.transfers.counters.num_done == 1 and decode.transfers.counters.num_blocks == 2
+    assert_no_block_held(decode)
+
+
+def test_only_what_the_decode_prefix_cache_lacks_moves() -> None:
+    prefill, decode = make("prefill"), make("decode")
+    for seq_id, prompt in ((1, [*range(10, 18), 1, 2, 3, 4, 5]), (2, [*range(10, 18), 6, 7, 8, 9])):
+        _, tids = prefill_one(prefill, decode, request(seq_id, prompt))
+        plan, _ = step(prefill)
+        sent = plan.kv_sends[0][1]
+        step(decode)
+        step(decode, received=tids)
+        while decode.has_work:
+            step(decode)
+    # The second prompt's first two blocks were on the decode side already: only its third moved.
+    assert len(sent) == 1 and decode.transfers.counters.num_blocks == 3 + 1
+    assert_no_block_held(decode)
+
+
+def test_a_transfer_past_its_deadline_recomputes_on_the_decode_side() -> None:
+    prefill, decode = make("prefill"), make("decode")
+    req = request(1, list(range(10, 22)))
+    _, (tid,) = prefill_one(prefill, decode, req)
+    step(decode)
+    decode.transfers.in_flight[tid].deadline = time.monotonic() - 1
+    plan, outcomes = step(decode, token=60)
+    assert plan.kv_receive_cancels == [tid] and not plan.awaits_transfers
+    (row,) = plan.new_requests  # recomputed whole: no block of the transfer was cached
+    assert row.num_computed_tokens == 0 and row.num_scheduled_tokens == 8
+    outcomes += step(decode, token=60, received=[tid])[1]  # arriving after all: ignored
+    while decode.has_work:
+        outcomes += step(decode, token=60)[1]
+    assert [o.token_id for o in outcomes] == [60, 60, 60] and req.num_output_tokens == 4
+    assert decode.transfers.counters.num_failed["deadline"] == 1
+    assert_no_block_held(decode)
+
+
+def test_a_cancel_mid_transfer_frees_both_sides() -> None:
+    prefill, decode = make("prefill"), make("decode")
+    req = request(1, list(range(10, 22)))
+    _, (tid,) = prefill_one(prefill, decode, req)
+    step(decode)
+    for s in (prefill, decode):  # what the service does when the client goes away
+        s.abort(req.seq_id)
+    plan, _ = step(decode)
+    assert plan.kv_receive_cancels == [tid] and not decode.has_work
+    assert decode.transfers.counters.num_failed["cancelled"] == 1
+    step(prefill)  # the send goes out all the same; the receiver drops it
+    assert_no_block_held(prefill, decode)
+
+
+def test_losing_the_decode_engine_fails_its_transfers_into_recompute() -> None:
+    prefill, decode = make("prefill"), make("decode")
+    req = request(1, list(range(10, 22)))
+    assert len(prefill_one(prefill, decode, req)[1]) == 1
+    step(decode)
+    decode.reset_engine()
+    assert decode.transfers.counters.num_failed["decode_lost"] == 1 and decode.waiting[0] is req
+    plan, _ = step(decode)
+    assert not plan.kv_receive_cancels  # a new engine stream never heard of it
+    assert plan.new_requests[0].num_computed_tokens == 0
+    while decode.has_work:
+        step(decode)
+    assert req.num_output_tokens == 4
+    assert_no_block_held(decode)
+
+
+def test_the_prefill_side_never_plans_past_the_first_token() -> None:
+    prefill = make("prefill", budget=64)
+    req = request(1, list(range(10, 22)))
+    prefill.add(req)
+    first = prefill.schedule()  # the whole prompt: it samples the first token
+    ahead = prefill.schedule()  # planned before the result (overlap): nothing for it
+    assert first.rows[0].samples and not ahead.rows
+    prefill.update(first, [50])
+    prefill.update(ahead, [])
+    assert not prefill.running and len(prefill.take_handoffs()) == 1
+    prefill.check_integrity()
+
+
+def test_serve_flags_make_a_prefill_and_a_decode_engine() -> None:
+    from llmserve.serve_flags import parse_serve_flags, stack_from_flags
+
+    args = ["--device", "cpu", "--port", "1", "--scheduler-port", "2", "--engine-port", "3"]
+    stack = stack_from_flags(
+        parse_serve_flags([*args, "--prefill-engines", "1", "--decode-engines", "1"])
+    )
+    assert stack.prefill_engine is not None and stack.prefill_engine.engine_role == "prefill"
+    assert stack.engine.engine_role == "decode" and stack.prefill_engine.max_loras == 0
+    assert stack.scheduler.prefill_engine_address == f"127.0.0.1:{stack.prefill_engine.port}"
+    assert "engine-prefill" in stack.service_names()
+    for roles in (["--prefill-engines", "2", "--decode-engines", "1"], ["--prefill-engines", "1"]):
+        with pytest.raises(ValueError, match="built for 1 and 1"):
+            stack_from_flags(parse_serve_flags([*args, *roles]))
