@@ -96,7 +96,8 @@ def _from_gguf(path: Path) -> TokenizerFiles:
             "'gpt2'); serve the model from an HF directory instead"
         )
     tokens: list[str] = fields["tokenizer.ggml.tokens"]
-    merges = [tuple(m.split(" ", 1)) for m in fields["tokenizer.ggml.merges"]]
+    # A vocabulary of bytes alone has no merges (the gguf writer then leaves the key out).
+    merges = [tuple(m.split(" ", 1)) for m in fields.get("tokenizer.ggml.merges", [])]
     bpe = models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False)
     tokenizer = HFTokenizer(bpe)
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
