@@ -21,7 +21,7 @@ from engine.ranks import run_group_locally
 from scheduler.request import Request
 from tests.factories import sampling
 from tests.moe_models import MOE_CONFIGS, make_tiny_moe
-from tests.test_families import Loaded, run_script
+from tests.test_families import Loaded, check_script_matches_hf
 from tests.test_model import BLOCK_SIZE, forward_direct, prompt, rel_err, shuffled_blocks
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -71,31 +71,18 @@ def test_whole_prompt_and_chunks_all_positions(load: Any, family: str) -> None:
     assert rel_err(torch.cat(chunks), want) < TOLERANCE
 
 
+# 4 requests, 8 tokens out, in 14 blocks. Windowed Mixtral keeps its blocks out of the window
+# here (their release is the dense families' test's): released, 14 blocks would hold all four
+# and nothing would be preempted.
+SCRIPT: dict[str, Any] = dict(num_requests=4, num_out=8, num_blocks=14, release_window=False)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_scheduled_script_matches_hf(load: Any, family: str) -> None:
-    """4 requests sharing a 16-token prefix, 8 tokens out, in 14 blocks of 8 with 40-token
-    steps: chunked prefills, prefix-cache hits and preemptions; every sampled row within 1e-4
-    of HF's logits at its position."""
+    """tests/test_families.check_script_matches_hf: chunked prefills, prefix-cache hits and
+    preemptions; every sampled row within 1e-4 of HF's logits at its position."""
     m = load(family)
-    shared = prompt(16, seed=3)
-    greedy = sampling(temperature=0.0)
-    requests = [
-        Request(f"r{i}", i + 1, shared + prompt(14 + 4 * i, seed=10 + i), greedy, 8,
-                ignore_eos=True)  # type: ignore[arg-type]
-        for i in range(4)
-    ]  # fmt: skip
-    # Windowed Mixtral keeps its blocks out of the window here (their release is the dense
-    # families' test's): released, 14 blocks would hold all four and nothing would be preempted.
-    script = run_script(m.engine, requests, 14, False, max_num_batched_tokens=40)
-    sched, rows = script.sched, script.rows
-    assert sched.counters.num_preemptions > 0
-    assert sched.counters.num_prefix_cache_hit_tokens > 0
-    for request in requests:
-        got = torch.stack(rows[request.seq_id])
-        start = len(request.prompt_token_ids) - 1
-        want = m.hf_logits(request.token_ids[:-1])[start:]
-        assert rel_err(got, want) < TOLERANCE, request.request_id
-        assert got.argmax(-1).tolist() == request.token_ids[start + 1 :]
+    check_script_matches_hf(m.engine, m.hf_logits, **SCRIPT)
 
 
 def test_quantization_is_refused_by_name(load: Any) -> None:
@@ -192,7 +179,8 @@ def test_qwen3_30b_a3b_shape_has_its_published_size() -> None:
 def test_gguf_logits_match_hf(load: Any, family: str, tmp_path: Path) -> None:
     """The checkpoint written as llama.cpp lays out qwen3moe / qwen2moe / Mixtral (the llama
     architecture with experts; stacked experts, tests/moe_models.write_moe_gguf): the same MoE
-    shape as config.json's and logits within 1e-4 of HF's at every position."""
+    shape as config.json's, logits within 1e-4 of HF's at every position of a whole prompt and
+    of the scheduled script (chunked prefills, prefix-cache hits, preemptions)."""
     from tests.moe_models import write_moe_gguf
 
     m = load(family)
@@ -209,6 +197,8 @@ def test_gguf_logits_match_hf(load: Any, family: str, tmp_path: Path) -> None:
     tokens = prompt(45, seed=1)
     (ours,) = forward_direct(engine, [(tokens, 0, len(tokens), shuffled_blocks(11)[:6])])
     assert rel_err(ours, m.hf_logits(tokens)) < TOLERANCE
+    engine.reset()
+    check_script_matches_hf(engine, m.hf_logits, **SCRIPT)
 
 
 def test_quantization_auto_stays_off_for_experts(load: Any, tmp_path: Path) -> None:
