@@ -448,6 +448,22 @@ def test_gpu_engine_decode_floor_counts_quantized_bytes() -> None:
     assert decode_floor_bytes("llama-3-8b", 8, 512, 2, 2, 1)["kv"] == bf16["kv"] // 2
 
 
+def test_gpu_engine_decode_floor_reads_the_experts_a_step_hits() -> None:
+    """Qwen3-30B-A3B (128 experts, top-8): batch 1 reads 8 experts a layer, the model card's
+    3.3 B active parameters (which count the whole embedding table, where a step reads its
+    rows); a large batch reads nearly all 30.5 B."""
+    from bench.gpu_engine import decode_floor_bytes
+
+    table = 151936 * 2048
+
+    def params(batch: int) -> float:
+        return decode_floor_bytes("qwen3-30b-a3b", batch, 0)["weights"] / 2 + table
+
+    assert abs(params(1) / 3.3e9 - 1) < 0.03
+    assert abs(params(512) / 30.5e9 - 1) < 0.01
+    assert params(1) < params(8) < 8 * params(1)
+
+
 def test_gpu_engine_teacher_forced_logits_are_one_prefills(tmp_path: Path) -> None:
     """The agreement's forwards through an engine's own pool (a prefill step for all prompts,
     then decode steps) give each prompt's logits as one whole prefill does; an engine agrees

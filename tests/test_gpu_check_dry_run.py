@@ -33,8 +33,10 @@ def test_dry_run_passes() -> None:
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     out = done.stdout
     assert "sum of caps" in out and "dry run ok" in out
-    for stage in ("preflight", "kernels", "kbench", "8b", "tests", "smollm2", "quant", "parallel"):
+    stages = ("preflight", "kernels", "kbench", "8b", "tests", "smollm2", "quant", "parallel")
+    for stage in (*stages, "families"):
         assert f"dry run: {stage}:" in out, stage
+    assert "second call (preflight families) 120 s of SECOND_CALL_S=135 s" in out
 
 
 def test_wheel_checks_catch_what_the_machine_would_refuse(tmp_path: Path) -> None:
@@ -71,6 +73,7 @@ def test_report_keeps_each_stage_and_points_at_a_failure(tmp_path: Path) -> None
         ("tests", "1", "124", "80", "python3 -m pytest"),
         ("quant", "1", "0", "25", "python3 -m bench.gpu_engine --quantization int8"),
         ("quant", "2", "skipped", "0", "python3 -m bench.gpu_engine --quantization fp8"),
+        ("families", "2", "0", "30", "python3 -m bench.gpu_engine --shape qwen3-30b-a3b"),
     ]
     (raw / "stages.tsv").write_text("".join("\t".join(r) + "\n" for r in rows))
     (raw / "preflight.json").write_text(json.dumps({"total_s": 12.5, "ops": "cuda"}))
@@ -88,6 +91,10 @@ def test_report_keeps_each_stage_and_points_at_a_failure(tmp_path: Path) -> None
     (out / "gpu_engine_llama-3-8b_quant.json").write_text(
         json.dumps({"modes": {"int8": {"decode": {"batch_1": {"tok_s_vs_bf16": 1.7}}}}})
     )
+    (raw / "families").mkdir()
+    (raw / "families" / "gpu_engine_qwen3-30b-a3b.json").write_text(
+        json.dumps({"decode": {"batch_8": {"step_ms_median": 9.0, "floor_ms": 4.5}}})
+    )
     doc, table, code = report(out, raw, 500, 300)
     assert code == 1
     stages = doc["stages"]
@@ -104,4 +111,6 @@ def test_report_keeps_each_stage_and_points_at_a_failure(tmp_path: Path) -> None
     assert "ValueError: boom [gpu_check.json stages.8b.error]" in table
     assert "int8 3300 GB/s = 77.1%" in table and "b1 5.0 ms MBU 80.0%" in table
     assert "int8 b1 1.7x" in table
+    assert stages["families"]["figures"]["qwen3-30b-a3b"]["batch_8"]["mbu_pct"] == 50.0
+    assert "qwen3-8b: no figures | qwen3-30b-a3b: b8 9.0 ms MBU 50.0%" in table
     assert len(table) < 3000
