@@ -126,10 +126,10 @@ def _metadata(
 
 
 def write_family_gguf(
-    hf_dir: Path, path: Path, family: str, eot_token_id: int | None = None
+    hf_dir: Path, path: Path, family: str, eot_token_id: int | None = None, q8: bool = False
 ) -> Path:
     """hf_dir (a tiny `family` model) converted to a float32 GGUF at path, with the byte
-    tokenizer (add_byte_tokenizer)."""
+    tokenizer (add_byte_tokenizer); q8: the layers' projections stored as Q8_0 blocks."""
     from safetensors.numpy import load_file
 
     cfg = json.loads((hf_dir / "config.json").read_text())
@@ -146,7 +146,12 @@ def write_family_gguf(
             data = permute_qk(data, cfg["num_key_value_heads"])
         elif family.startswith("gemma") and hf_name.endswith("norm.weight"):
             data = data + 1.0
-        w.add_tensor(name, np.ascontiguousarray(data, dtype=np.float32))
+        data = np.ascontiguousarray(data, dtype=np.float32)
+        if q8 and name.startswith("blk.") and data.ndim == 2:
+            q8_0 = gguf.GGMLQuantizationType.Q8_0
+            w.add_tensor(name, gguf.quants.quantize(data, q8_0), raw_dtype=q8_0)
+            continue
+        w.add_tensor(name, data)
     rope = cfg["rope_parameters"]
     if rope.get("rope_type") == "longrope":
         for which in ("short", "long"):
