@@ -349,28 +349,6 @@ def test_blocks_out_of_the_window_are_released(load: Any) -> None:
     assert rel_err(got, m.hf_logits(tokens_all[:-1])[119:]) < TOLERANCE
 
 
-def test_phi3_tensor_parallel_matches_one_engine(load: Any) -> None:
-    """Phi-3 (fused qkv / gate_up split at load, each rank taking its rows of each part;
-    partial rotary, longrope, a sliding window) at T = 2 in two gloo processes: the scenario of
-    tests/test_parallel.py (prefill chunks, decodes, a prefix-cache hit, a preemption and its
-    recompute) gives one engine's tokens and logits within 1e-4."""
-    from engine.ranks import run_group_locally
-    from tests.test_parallel import _capturing, _engine_config, _scenario_on_rank, run_scenario
-
-    path = load("phi3").path
-    settings = ENGINE_SETTINGS["phi3"]
-    one = Engine(_engine_config(path, 1, 1, **settings))
-    want_logits = _capturing(one)
-    want = run_scenario(one, want_logits)
-    got = run_group_locally(_engine_config(path, 2, 1, **settings), _scenario_on_rank, timeout=180)
-    for outputs, _, _ in got:
-        assert outputs == want
-    logits = got[0][1]
-    assert len(logits) == len(want_logits)
-    for ours, theirs in zip(logits, want_logits, strict=True):
-        assert (torch.tensor(ours) - theirs).abs().max().item() < TOLERANCE
-
-
 def test_a_refused_feature_stops_the_engine_at_start(
     load: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:

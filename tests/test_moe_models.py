@@ -1,8 +1,9 @@
 """The mixture-of-experts families end to end in-process: tiny random Mixtral, Qwen3-MoE and
 Qwen2-MoE checkpoints (tests/moe_models.py) through the engine, logits within 1e-4 of
 transformers (float32) at every position of a whole and a chunked prompt and at every sampled
-row of a scheduler-driven script with prefix-cache hits and preemptions; expert parallelism at
-T = 2 against one engine; what the families refuse."""
+row of a scheduler-driven script with prefix-cache hits and preemptions, from the HF directory
+and from a GGUF; speculative decoding; what the families refuse. Expert parallelism at T = 2:
+tests/test_family_features.py."""
 
 from __future__ import annotations
 
@@ -17,7 +18,6 @@ from common.model_config import check_parallel_sizes, load_model_config, valid_t
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.moe import SparseMoeBlock
-from engine.ranks import run_group_locally
 from scheduler.request import Request
 from tests.factories import sampling
 from tests.moe_models import MOE_CONFIGS, make_tiny_moe
@@ -100,37 +100,6 @@ def test_tp_sizes_keep_at_least_one_expert_a_rank(load: Any) -> None:
     assert valid_tp_sizes(replace(wide, moe=moe)) == [1, 2, 4, 8]  # not 16: 8 experts
     why = check_parallel_sizes(replace(wide, moe=replace(moe, shared_intermediate_size=20)), 8, 1)
     assert why is not None and "8 experts" in why and "shared expert width 20" in why
-
-
-# ---- expert parallelism: T = 2 ranks (gloo, child processes) against one engine --------------
-
-
-def _scenario(engine: Any, parallel: Any) -> tuple[list[Any], list[Any], Any]:
-    from tests.test_parallel import _capturing, run_scenario
-
-    captured = _capturing(engine)
-    outputs = run_scenario(engine, captured)
-    held = [list(layer.mlp.experts.experts) for layer in engine.model.layers]
-    logits = [t.tolist() for t in captured] if parallel.topology.is_driver else []
-    return outputs, logits, held
-
-
-def test_expert_parallel_t2_matches_one_engine(load: Any) -> None:
-    """Qwen2-MoE (routed experts split 4 + 4 whole, the shared expert by columns) at T = 2:
-    the same tokens as one engine and logits within 1e-4 over test_parallel's scenario
-    (chunked prefills, decodes, a prefix-cache hit, a preemption and its recompute)."""
-    from tests.test_parallel import _capturing, _engine_config, run_scenario
-
-    path = load("qwen2_moe").path
-    one = Engine(_engine_config(path, 1, 1))
-    want_logits: list[torch.Tensor] = _capturing(one)
-    want = run_scenario(one, want_logits)
-    got = run_group_locally(_engine_config(path, 2, 1), _scenario, timeout=180)
-    assert [g[2] for g in got] == [[list(range(0, 4))] * 2, [list(range(4, 8))] * 2]
-    assert got[0][0] == got[1][0] == want
-    assert len(got[0][1]) == len(want_logits)
-    for i, (ours, ref) in enumerate(zip(got[0][1], want_logits, strict=True)):
-        assert rel_err(torch.tensor(ours), ref) < TOLERANCE, f"step {i + 1}"
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft"])
