@@ -874,3 +874,15 @@ def test_bench_ab_refuses_bad_settings_before_starting_anything(
     assert "--rounds 0 must be >= 1" in capsys.readouterr().err
     with pytest.raises(SystemExit):  # serve's own usage error, for side B's options
         main(["bench", "ab", "--a", "", "--b", "--no-such-flag"])
+
+
+def test_family_steps_table_reads_a_saved_run() -> None:
+    """bench/family_steps.py --table: docs/models.md's rows from the saved JSON's figures."""
+    from bench.family_steps import markdown_table
+
+    rows = [
+        {"batch": b, "step_ms_median": ms, "llama_step_ms_median": base, "vs_llama": ms / base}
+        for b, ms, base in ((1, 90.0, 80.0), (16, 150.0, 120.0))
+    ]
+    table = markdown_table({"results": [{"family": "gemma2", "rows": rows}]})
+    assert table.splitlines()[-1] == "| gemma2 | 90 (80) | 1.12 | 150 (120) | 1.25 |"
