@@ -87,14 +87,21 @@ def _from_hf_dir(path: Path) -> TokenizerFiles:
     )
 
 
-def _from_gguf(path: Path) -> TokenizerFiles:
-    fields = read_gguf_fields(path)
-    kind = fields.get("tokenizer.ggml.model")
+def check_gguf_tokenizer(path: Path, fields: dict[str, Any] | None = None) -> None:
+    """ModelSourceError unless the GGUF's tokenizer is one we build: byte-level BPE ("gpt2":
+    Llama 3, Qwen, SmolLM2). llama.cpp's conversions of Gemma, Phi-3, Mistral up to v0.3 and
+    Mixtral store a SentencePiece one ("llama"); `llmserve serve` refuses those at start."""
+    kind = (read_gguf_fields(path) if fields is None else fields).get("tokenizer.ggml.model")
     if kind != "gpt2":
         raise ModelSourceError(
             f"{path}: GGUF tokenizer model {kind!r} is not supported (only byte-level BPE, "
             "'gpt2'); serve the model from an HF directory instead"
         )
+
+
+def _from_gguf(path: Path) -> TokenizerFiles:
+    fields = read_gguf_fields(path)
+    check_gguf_tokenizer(path, fields)
     tokens: list[str] = fields["tokenizer.ggml.tokens"]
     # A vocabulary of bytes alone has no merges (the gguf writer then leaves the key out).
     merges = [tuple(m.split(" ", 1)) for m in fields.get("tokenizer.ggml.merges", [])]
