@@ -172,21 +172,22 @@ def test_unserved_architecture_refused_at_serve(tmp_path: Path, family: str) -> 
     assert "Gemma2ForCausalLM" in out.stderr and "Qwen3ForCausalLM" in out.stderr
 
 
-def test_gguf_of_a_sentencepiece_tokenizer_refused_at_serve(
+def test_gguf_of_an_unbuilt_tokenizer_refused_at_serve(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """A GGUF whose tokenizer is SentencePiece (llama.cpp's "llama": its Gemma, Phi-3, Mistral
-    and Mixtral conversions) is refused by `llmserve serve` before anything starts, naming the
-    tokenizer model and the way out (the model's HF directory)."""
+    """A GGUF whose tokenizer we do not build (here WordPiece, llama.cpp's "bert") is refused by
+    `llmserve serve` before anything starts, naming the tokenizer model, those we build, and
+    the way out (the model's HF directory)."""
     import tests.family_gguf
     from llmserve.cli import main
 
-    def sentencepiece(w: Any, eot_token_id: int | None = None) -> None:
-        w.add_tokenizer_model("llama")
+    def wordpiece(w: Any, eot_token_id: int | None = None) -> None:
+        w.add_tokenizer_model("bert")
 
-    monkeypatch.setattr(tests.family_gguf, "add_byte_tokenizer", sentencepiece)
+    monkeypatch.setattr(tests.family_gguf, "add_byte_tokenizer", wordpiece)
     model_dir = make_tiny_family(tmp_path / "gemma2", "gemma2")
     path = write_family_gguf(model_dir, tmp_path / "gemma2.gguf", "gemma2")
     assert main(["serve", "--model", str(path), "--port", str(free_port())]) == 2
     err = capsys.readouterr().err
-    assert "GGUF tokenizer model 'llama' is not supported" in err and "HF directory" in err
+    assert "GGUF tokenizer model 'bert' is not supported" in err
+    assert "SentencePiece, 'llama'" in err and "HF directory" in err
