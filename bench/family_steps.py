@@ -1,28 +1,35 @@
 """Issue 26's CPU figure: one decode step of a ~135M-parameter random model of each served
-family beside the Llama one, in-process (no gRPC), at batch 1 and 16.
+family beside the Llama one, in-process (no gRPC), at batch 1 and 16, one torch thread.
 
 Every family takes SmolLM2-135M's shape (configs/smollm2-135m: hidden 576, 30 layers, 9 heads /
 3 KV heads, MLP 1536, vocab 49152) in its own layout, with --load-format dummy: Qwen2 with its
 q/k/v biases, Qwen3 with q/k norms, Mistral, Gemma 2 and 3 and Phi-3 with a 64-token sliding
 window (shorter than the 128-token prompts, so the windowed decode path runs), Gemma 2's
-soft-caps, Phi-3's partial rotary (0.75); Qwen3-MoE and Qwen2-MoE with every MLP made 8
-experts of width 192, top-2 (Qwen2-MoE with a shared expert of 384). Llama runs first and again
-last: the gap between its two runs is the machine's drift over the run.
+soft-caps, Phi-3's partial rotary (0.75); Mixtral, Qwen3-MoE and Qwen2-MoE with every MLP made
+8 experts of width 192, top-2 (Qwen2-MoE with a shared expert of 384).
+
+Each family is timed beside the Llama model in the same run: both engines prefill the same
+prompts, then their decode steps alternate (Llama, family, family, Llama, ...), so a machine
+whose load drifts slows both alike; the figure is the ratio of the medians.
 
     python -m bench.family_steps [--out bench/results/family_steps.json] [--families a,b]
+    python -m bench.family_steps --table bench/results/family_steps.json   (docs/models.md's)
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import statistics
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
 from engine.config import EngineConfig
 from engine.engine import Engine
-from llmserve.bench.engine_driver import time_decode_steps
+from llmserve.bench.engine_driver import Driver, blocks_needed
 from llmserve.bench.report import hardware, save
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -60,6 +67,10 @@ FAMILIES: dict[str, dict[str, Any]] = {
     },
     # Mixture of experts: every MLP a sparse block of the same total width (8 experts of 192,
     # top-2: the MLP's parameters, a quarter of them active); Qwen2-MoE adds a shared expert.
+    "mixtral": {
+        "architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
+        "num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 192,
+    },
     "qwen3_moe": {
         "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "head_dim": 64,
         "norm_topk_prob": True, **MOE,
@@ -80,50 +91,115 @@ def family_dir(base: Path, family: str) -> Path:
     return directory
 
 
-def run(path: Path, batches: list[int], steps: int) -> list[dict[str, Any]]:
+def load(path: Path, threads: int, num_blocks: int) -> Engine:
     config = EngineConfig(
-        model=str(path), device="cpu", load_format="dummy", num_kv_blocks=1200, seed=0
-    )
-    engine = Engine(config)
-    return [time_decode_steps(engine, b, steps) for b in batches]
+        model=str(path), device="cpu", load_format="dummy", num_kv_blocks=num_blocks, seed=0,
+        num_threads=threads,
+    )  # fmt: skip
+    return Engine(config)
+
+
+def paired_steps(
+    engines: list[Engine], batch: int, steps: int, prompt_len: int = 128
+) -> list[list[float]]:
+    """Each engine's decode step times (ms) at `batch`: every engine prefills the same prompts,
+    3 decode steps warm each up, then `steps` rounds each time one step of every engine, in
+    turn, the order reversed every other round (ABBA)."""
+    prompts = [[100 + i] * (prompt_len - 1) + [5] for i in range(batch)]
+    drivers = [Driver(engine) for engine in engines]
+    for driver in drivers:
+        driver.start(prompts)
+        for _ in range(3):
+            driver.decode()
+    times: list[list[float]] = [[] for _ in engines]
+    for step in range(steps):
+        order = list(range(len(drivers)))
+        for i in order if step % 2 == 0 else order[::-1]:
+            t0 = time.perf_counter()
+            drivers[i].decode()
+            times[i].append((time.perf_counter() - t0) * 1e3)
+    return times
+
+
+def row(batch: int, times: list[float], base: list[float]) -> dict[str, Any]:
+    median, llama = statistics.median(times), statistics.median(base)
+    return {
+        "batch": batch,
+        "step_ms_median": round(median, 2),
+        "llama_step_ms_median": round(llama, 2),
+        "vs_llama": round(median / llama, 3),
+        "step_ms": [round(t, 2) for t in times],
+        "llama_step_ms": [round(t, 2) for t in base],
+    }
+
+
+def markdown_table(doc: dict[str, Any]) -> str:
+    """docs/models.md's table of a saved run: per family and batch, its step and Llama's beside
+    it (ms), and their ratio."""
+    results = doc["results"]
+    batches = [r["batch"] for r in results[0]["rows"]]
+    head = "| family |" + "".join(f" batch {b}: ms (Llama's) | x Llama |" for b in batches)
+    lines = [head, "|---|" + "---:|---:|" * len(batches)]
+    for result in results:
+        cells = "".join(
+            f" {r['step_ms_median']:.0f} ({r['llama_step_ms_median']:.0f}) | {r['vs_llama']:.2f} |"
+            for r in result["rows"]
+        )
+        lines.append(f"| {result['family']} |{cells}")
+    return "\n".join(lines)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--table", type=Path, help="print a saved run's markdown table and exit")
     p.add_argument("--batches", default="1,16")
     p.add_argument("--steps", type=int, default=15)
+    p.add_argument("--threads", type=int, default=1)
     p.add_argument("--families", default=",".join(FAMILIES), help="a subset, comma-separated")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "family_steps.json")
     args = p.parse_args()
+    if args.table:
+        print(markdown_table(json.loads(args.table.read_text())))
+        return
     batches = [int(b) for b in args.batches.split(",")]
+    num_blocks = blocks_needed([128] * max(batches), args.steps + 8, 16)
     results = []
+    load_averages = [os.getloadavg()[0]]
     with tempfile.TemporaryDirectory() as tmp:
-        chosen = [f for f in FAMILIES if f in args.families.split(",")]
-        for family in ["llama", *(f for f in chosen if f != "llama"), "llama"]:
-            rows = run(_fresh(Path(tmp), family, len(results)), batches, args.steps)
+        llama = load(family_dir(Path(tmp), "llama"), args.threads, num_blocks)
+        chosen = [f for f in FAMILIES if f in args.families.split(",") and f != "llama"]
+        for family in chosen:
+            engine = load(family_dir(Path(tmp), family), args.threads, num_blocks)
+            rows = []
+            for b in batches:
+                base, times = paired_steps([llama, engine], b, args.steps)
+                rows.append(row(b, times, base))
+            del engine
+            load_averages.append(os.getloadavg()[0])
             results.append({"family": family, "config": FAMILIES[family], "rows": rows})
-            times = " ".join(f"b{r['batch']}={r['step_ms_median']}ms" for r in rows)
-            print(family, times, flush=True)
-    base = {r["batch"]: r["step_ms_median"] for r in results[0]["rows"]}
+            cells = " ".join(
+                f"b{r['batch']}={r['step_ms_median']}ms ({r['vs_llama']}x llama "
+                f"{r['llama_step_ms_median']}ms)"
+                for r in rows
+            )
+            print(family, cells, f"load {load_averages[-1]:.1f}", flush=True)
     print(f"\n{'family':10s}" + "".join(f"{f'batch {b} ms (x llama)':>26s}" for b in batches))
     for result in results:
-        cells = "".join(
-            f"{r['step_ms_median']:>16.1f} ({r['step_ms_median'] / base[r['batch']]:4.2f}x)"
-            for r in result["rows"]
+        text = "".join(
+            f"{r['step_ms_median']:>16.1f} ({r['vs_llama']:4.2f}x)" for r in result["rows"]
         )
-        print(f"{result['family']:10s}{cells}")
+        print(f"{result['family']:10s}{text}")
     save(
-        {"hardware": hardware(torch_threads=True), "steps": args.steps, "results": results},
+        {
+            "hardware": hardware(torch_threads=True),
+            "threads": args.threads,
+            "steps": args.steps,
+            "load_average_1min": [round(a, 2) for a in load_averages],
+            "results": results,
+        },
         args.out,
     )
     print(f"\nraw JSON: {args.out}")
-
-
-def _fresh(base: Path, family: str, index: int) -> Path:
-    """family's directory under base, named apart from an earlier run of the same family."""
-    sub = base / str(index)
-    sub.mkdir()
-    return family_dir(sub, family)
 
 
 if __name__ == "__main__":

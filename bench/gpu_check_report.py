@@ -20,6 +20,7 @@ from typing import Any
 COPY_GBPS = 4280.0  # ../shared/gpu.md: device-to-device copy, bytes read + written
 ERROR_LINES = 12
 _ERROR = re.compile(r"error|fail|traceback|assert|exception|timed out|killed", re.IGNORECASE)
+FAMILY_SHAPES = ("qwen3-8b", "qwen3-30b-a3b")  # gpu_engine_check.sh's families stage
 
 
 def load(path: Path) -> Any:
@@ -156,6 +157,11 @@ def stage_figures(name: str, out: Path, raw: Path) -> dict[str, Any]:
         return quant_figures(load(out / "gpu_engine_llama-3-8b_quant.json"))
     if name == "structured":
         return structured_figures(load(raw / "structured.json"))
+    if name == "families":
+        return {
+            shape: engine_figures(load(raw / "families" / f"gpu_engine_{shape}.json"))
+            for shape in FAMILY_SHAPES
+        }
     return {}
 
 
@@ -200,6 +206,10 @@ def cells(name: str, figures: dict[str, Any]) -> str:
             + ", ".join(f"b{k.removeprefix('batch_')} {v}x" for k, v in row.items())
             for label, row in figures.items()
         ) + (" (tok/s vs bf16)" if figures else "")
+    if name == "families":
+        return " | ".join(
+            f"{shape}: {cells('8b', row) or 'no figures'}" for shape, row in figures.items()
+        )
     parts = []
     if "output_tok_s" in figures:
         parts.append(f"{figures['output_tok_s']:,} out tok/s")
@@ -217,7 +227,7 @@ def report(out: Path, raw: Path, budget_s: int, elapsed_s: int | None) -> tuple[
     stages = read_stages(raw)
     order = [
         "preflight", "kernels", "kbench", "8b", "tests", "smollm2", "quant", "structured",
-        "parallel",
+        "parallel", "families",
     ]  # fmt: skip
     doc: dict[str, Any] = {
         "benchmark": "gpu_check",

@@ -207,7 +207,11 @@ def decode_floor_bytes(
     kv_bytes: int | None = None,
 ) -> dict[str, int]:
     """Bytes one decode step of `batch` requests at `context` tokens each must read: every
-    weight, except that an untied embedding table is read only at the batch's rows.
+    weight, except that an untied embedding table is read only at the batch's rows and a
+    mixture-of-experts layer's routed experts only where a token goes: with k of E experts per
+    token, the expected number of distinct experts hit, E (1 - (1 - k / E) ** batch), if the
+    router spread the tokens uniformly (the dummy weights' random routers come close; k at
+    batch 1).
 
     dtype_bytes: per element of the model's dtype (bf16: 2); linear_bytes: per weight of the
     linear layers, the LM head included (--quantization int8 / fp8: 1; a tied head then reads a
@@ -223,9 +227,13 @@ def decode_floor_bytes(
     embed_name = "model.embed_tokens.weight"
     embed = math.prod(shapes[embed_name])
     norms = sum(math.prod(s) for n, s in shapes.items() if n.endswith("norm.weight"))
+    experts = sum(math.prod(s) for n, s in shapes.items() if ".experts." in n)
     linear = sum(
         math.prod(s) for n, s in shapes.items() if n != embed_name and not n.endswith("norm.weight")
     )
+    if config.moe is not None:  # the experts' share that a step reads
+        num, k = config.moe.num_experts, config.moe.top_k
+        linear -= round(experts * (1 - (1 - (1 - k / num) ** batch)))
     weights = linear * linear_bytes + norms * dtype_bytes
     lookup = batch * config.hidden_size * dtype_bytes
     if not config.tie_word_embeddings:

@@ -4,7 +4,8 @@ ids, the template) on it; the engine builds the grammar matchers' vocabulary on 
 
 HF directories: tokenizer.json (+ tokenizer_config.json or chat_template.jinja for the template).
 GGUF files: the byte-level BPE ("gpt2") vocabulary, merges and special tokens stored in the file,
-assembled with the `tokenizers` library. A directory holding a config.json and no tokenizer.json
+or its SentencePiece ("llama") pieces and scores (common/gguf_spm.py), assembled with the
+`tokenizers` library. A directory holding a config.json and no tokenizer.json
 nor weights is a shape served with random weights: it gets the byte-level tokenizer.
 """
 
@@ -19,6 +20,7 @@ from typing import Any
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
+from common.gguf_spm import spm_tokenizer
 from common.model_config import ModelSourceError, read_gguf_fields
 
 # GGUF token types (llama.cpp): 3 = control, 4 = user-defined.
@@ -87,16 +89,43 @@ def _from_hf_dir(path: Path) -> TokenizerFiles:
     )
 
 
-def _from_gguf(path: Path) -> TokenizerFiles:
-    fields = read_gguf_fields(path)
-    kind = fields.get("tokenizer.ggml.model")
-    if kind != "gpt2":
+def check_gguf_tokenizer(path: Path, fields: dict[str, Any] | None = None) -> str:
+    """The GGUF's tokenizer model when it is one we build: byte-level BPE ("gpt2": Llama 3,
+    Qwen, SmolLM2) or SentencePiece ("llama": llama.cpp's Llama 2, Mistral, Mixtral, Gemma and
+    Phi-3 conversions); ModelSourceError otherwise (`llmserve serve` refuses it at start)."""
+    kind = (read_gguf_fields(path) if fields is None else fields).get("tokenizer.ggml.model")
+    if kind not in ("gpt2", "llama"):
         raise ModelSourceError(
             f"{path}: GGUF tokenizer model {kind!r} is not supported (only byte-level BPE, "
-            "'gpt2'); serve the model from an HF directory instead"
+            "'gpt2', and SentencePiece, 'llama'); serve the model from an HF directory instead"
         )
+    return str(kind)
+
+
+def _from_gguf(path: Path) -> TokenizerFiles:
+    fields = read_gguf_fields(path)
+    kind = check_gguf_tokenizer(path, fields)
     tokens: list[str] = fields["tokenizer.ggml.tokens"]
-    merges = [tuple(m.split(" ", 1)) for m in fields["tokenizer.ggml.merges"]]
+    tokenizer = spm_tokenizer(fields) if kind == "llama" else _byte_level_bpe(fields)
+
+    def token_at(key: str) -> str | None:
+        idx = fields.get(key)
+        return tokens[idx] if idx is not None and 0 <= idx < len(tokens) else None
+
+    return TokenizerFiles(
+        tokenizer,
+        fields.get("tokenizer.chat_template"),
+        token_at("tokenizer.ggml.bos_token_id"),
+        token_at("tokenizer.ggml.eos_token_id"),
+        # llama.cpp's default: SentencePiece vocabularies add BOS, byte-level BPE ones do not
+        add_bos_token=bool(fields.get("tokenizer.ggml.add_bos_token", kind == "llama")),
+    )
+
+
+def _byte_level_bpe(fields: dict[str, Any]) -> HFTokenizer:
+    tokens: list[str] = fields["tokenizer.ggml.tokens"]
+    # A vocabulary of bytes alone has no merges (the gguf writer then leaves the key out).
+    merges = [tuple(m.split(" ", 1)) for m in fields.get("tokenizer.ggml.merges", [])]
     bpe = models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False)
     tokenizer = HFTokenizer(bpe)
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
@@ -123,18 +152,7 @@ def _from_gguf(path: Path) -> TokenizerFiles:
             if t in (_GGUF_CONTROL, _GGUF_USER_DEFINED)
         ]
     )
-
-    def token_at(key: str) -> str | None:
-        idx = fields.get(key)
-        return tokens[idx] if idx is not None and 0 <= idx < len(tokens) else None
-
-    return TokenizerFiles(
-        tokenizer,
-        fields.get("tokenizer.chat_template"),
-        token_at("tokenizer.ggml.bos_token_id"),
-        token_at("tokenizer.ggml.eos_token_id"),
-        add_bos_token=bool(fields.get("tokenizer.ggml.add_bos_token", False)),
-    )
+    return tokenizer
 
 
 def is_config_only(path: Path) -> bool:

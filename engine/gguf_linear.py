@@ -82,6 +82,10 @@ class GGUFBlocks:
     [rows, row_bytes]) in the model's row order, or None where it is stored unquantized or in a
     block type the kernel lacks (engine/weights.py's GGUF loader is one)."""
 
+    def holds(self, name: str) -> bool:
+        """Whether the file holds this HF tensor (Phi-3's holds qkv_proj, not q_proj)."""
+        raise NotImplementedError
+
     def blocks(self, name: str) -> tuple[int, torch.Tensor] | None:
         raise NotImplementedError
 
@@ -110,7 +114,10 @@ def replace_gguf_linears(model: LlamaForCausalLM, source: GGUFBlocks) -> None:
     for name, module in list(model.named_modules()):
         if isinstance(module, Linear):
             parent, _, leaf = name.rpartition(".")
-            layer = _make(source, names[id(module)], module.weight, module.bias)
+            parts = names[id(module)]
+            if not all(source.holds(part) for part in parts):  # stored fused (Phi-3's qkv)
+                parts = [f"model.{name}.weight"]
+            layer = _make(source, parts, module.weight, module.bias)
             setattr(model.get_submodule(parent), leaf, layer)
     embed = None if model.embed_tokens is None else source.blocks("model.embed_tokens.weight")
     if model.lm_head is None and model.norm is not None:  # tied: the embeddings' blocks

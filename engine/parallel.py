@@ -128,14 +128,18 @@ def whole_model(num_layers: int) -> ModelShard:
 
 
 def shard_config(config: ModelConfig, shard: ModelShard) -> ModelConfig:
-    """The shape one rank's attention, MLP and KV pool see: its heads, MLP width and layers."""
+    """The shape one rank's attention, MLP and KV pool see: its heads, MLP width and layers
+    (their layer_types too, numbered from the stage's first: the model itself reads the whole
+    config by the whole model's layer numbers)."""
     t = shard.tp.size
+    layers = shard.layers
     return replace(
         config,
         num_heads=config.num_heads // t,
         num_kv_heads=config.num_kv_heads // t,
         intermediate_size=config.intermediate_size // t,
-        num_layers=len(shard.layers),
+        num_layers=len(layers),
+        layer_types=config.layer_types[layers.start : layers.stop],
     )
 
 

@@ -163,8 +163,15 @@ class GGUFWeights(LazyWeights, GGUFBlocks):
             data = data - 1.0
         return self._hf_rows(name, data)
 
+    def holds(self, name: str) -> bool:
+        return name in self.infos
+
     def blocks(self, name: str) -> tuple[int, torch.Tensor] | None:
-        info = self.infos[name]
+        """(ggml type, the HF tensor's rows of blocks as stored); None where the file does not
+        hold it in blocks the CPU kernel reads."""
+        info = self.infos.get(name)
+        if info is None:
+            return None
         if info.ggml_type not in cpu_gguf.FORMATS or len(info.shape) != 2:
             return None
         _, elems, nbytes = cpu_gguf.FORMATS[info.ggml_type]
@@ -194,7 +201,9 @@ def resolve_quantization(
         return name
     if path.is_dir() or device.type != "cpu":
         return "none"
-    types = {t.ggml_type for t in open_gguf(path).tensors if t.name.endswith("attn_q.weight")}
+    # The query projection's type (Phi-3's is fused with k and v: attn_qkv).
+    query = ("attn_q.weight", "attn_qkv.weight")
+    types = {t.ggml_type for t in open_gguf(path).tensors if t.name.endswith(query)}
     if not types:
         return "none"
     if whole and not dummy and types <= cpu_gguf.FORMATS.keys() and not gguf_kernel_missing():

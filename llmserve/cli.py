@@ -39,6 +39,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         load_model_config,
         resolve_model_path,
     )
+    from common.tokenizer_files import check_gguf_tokenizer
     from llmserve.serve_flags import stack_from_flags
     from llmserve.stack import StackError
 
@@ -46,6 +47,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         path = resolve_model_path(args.model)
         stack = stack_from_flags(args)
         model_config = load_model_config(path)
+        if path.suffix == ".gguf":  # the gateway's tokenizer, before the engine loads weights
+            check_gguf_tokenizer(path)
         why = check_parallel_sizes(
             model_config, args.tensor_parallel_size, args.pipeline_parallel_size
         ) or family_refusal(model_config.family, stack.engine.features())

@@ -29,22 +29,37 @@ HF_REFERENCE_HOW = (
 )
 
 
+FAMILY_STACKS_HOW = (
+    "serves every family from an HF directory and a GGUF, a stack each (minutes): run with "
+    "`pytest --family-stacks -m family_stacks tests/test_families_stack.py`"
+)
+
+
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
         "--hf-reference",
         action="store_true",
         help="run the tests marked hf_reference (transformers re-run against tests/data)",
     )
+    parser.addoption(
+        "--family-stacks",
+        action="store_true",
+        help="run the tests marked family_stacks (every family through `llmserve serve`)",
+    )
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if getattr(config.option, "loadgroup", False):  # an xdist worker under --dist loadgroup
         group_by_shared_fixture(items)
-    if not config.getoption("--hf-reference"):
-        skip_hf = pytest.mark.skip(reason=HF_REFERENCE_HOW)
-        for item in items:
-            if item.get_closest_marker("hf_reference") is not None:
-                item.add_marker(skip_hf)
+    for marker, option, how in (
+        ("hf_reference", "--hf-reference", HF_REFERENCE_HOW),
+        ("family_stacks", "--family-stacks", FAMILY_STACKS_HOW),
+    ):
+        if not config.getoption(option):
+            skip = pytest.mark.skip(reason=how)
+            for item in items:
+                if item.get_closest_marker(marker) is not None:
+                    item.add_marker(skip)
     try:
         import torch
 

@@ -69,7 +69,27 @@ def _gguf_name(family: str, hf_name: str) -> str | None:
     return gguf.TENSOR_NAMES[table[stem]].format(bid=i) + "." + kind
 
 
-def _metadata(w: gguf.GGUFWriter, family: str, cfg: dict[str, Any]) -> None:
+def add_byte_tokenizer(w: gguf.GGUFWriter, eot_token_id: int | None = None) -> None:
+    """The tests' byte tokenizer (llmserve/bench/byte_tokenizer.py) as GGUF tokenizer metadata:
+    byte-level BPE ("gpt2") of the 256 byte tokens and no merges, the three specials as control
+    tokens, its chat template; eot_token_id: a second end token (llama.cpp's eot), which stops
+    generation as the EOS does."""
+    from common.tokenizer_files import unicode_to_bytes
+    from llmserve.bench.byte_tokenizer import CHAT_TEMPLATE, SPECIAL_TOKENS
+
+    byte_chars = {b: c for c, b in unicode_to_bytes().items()}
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list([byte_chars[b] for b in range(256)] + SPECIAL_TOKENS)
+    w.add_token_types([gguf.TokenType.NORMAL] * 256 + [gguf.TokenType.CONTROL] * 3)
+    w.add_chat_template(CHAT_TEMPLATE)
+    if eot_token_id is not None:
+        w.add_eot_token_id(eot_token_id)
+
+
+def _metadata(
+    w: gguf.GGUFWriter, family: str, cfg: dict[str, Any], eot_token_id: int | None = None
+) -> None:
+    add_byte_tokenizer(w, eot_token_id)
     heads, hidden = cfg["num_attention_heads"], cfg["hidden_size"]
     head_dim = cfg.get("head_dim") or hidden // heads
     rope = cfg["rope_parameters"]
@@ -105,14 +125,17 @@ def _metadata(w: gguf.GGUFWriter, family: str, cfg: dict[str, Any]) -> None:
         w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
 
 
-def write_family_gguf(hf_dir: Path, path: Path, family: str) -> Path:
-    """hf_dir (a tiny `family` model) converted to a float32 GGUF at path."""
+def write_family_gguf(
+    hf_dir: Path, path: Path, family: str, eot_token_id: int | None = None, q8: bool = False
+) -> Path:
+    """hf_dir (a tiny `family` model) converted to a float32 GGUF at path, with the byte
+    tokenizer (add_byte_tokenizer); q8: the layers' projections stored as Q8_0 blocks."""
     from safetensors.numpy import load_file
 
     cfg = json.loads((hf_dir / "config.json").read_text())
     hf = load_file(str(hf_dir / "model.safetensors"))
     w = gguf.GGUFWriter(str(path), ARCH[family])
-    _metadata(w, family, cfg)
+    _metadata(w, family, cfg, eot_token_id)
     for hf_name, data in hf.items():
         name = _gguf_name(family, hf_name)
         if name is None:
@@ -123,7 +146,12 @@ def write_family_gguf(hf_dir: Path, path: Path, family: str) -> Path:
             data = permute_qk(data, cfg["num_key_value_heads"])
         elif family.startswith("gemma") and hf_name.endswith("norm.weight"):
             data = data + 1.0
-        w.add_tensor(name, np.ascontiguousarray(data, dtype=np.float32))
+        data = np.ascontiguousarray(data, dtype=np.float32)
+        if q8 and name.startswith("blk.") and data.ndim == 2:
+            q8_0 = gguf.GGMLQuantizationType.Q8_0
+            w.add_tensor(name, gguf.quants.quantize(data, q8_0), raw_dtype=q8_0)
+            continue
+        w.add_tensor(name, data)
     rope = cfg["rope_parameters"]
     if rope.get("rope_type") == "longrope":
         for which in ("short", "long"):

@@ -59,13 +59,20 @@ _STACKED = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj":
 _STACKED.update(w1="ffn_gate_exps", w3="ffn_up_exps", w2="ffn_down_exps")
 
 
-def write_moe_gguf(hf_dir: Path, path: Path, family: str, q8_attention: bool = False) -> Path:
+def write_moe_gguf(
+    hf_dir: Path,
+    path: Path,
+    family: str,
+    q8_attention: bool = False,
+    eot_token_id: int | None = None,
+) -> Path:
     """hf_dir (a tiny Qwen3-MoE, Qwen2-MoE or Mixtral) as a float32 GGUF laid out as llama.cpp's
     converter does: each projection's experts stacked in one tensor ([E, I, H] / [E, H, I]), the
     router `ffn_gate_inp`, the shared expert `ffn_*_shexp` and its gate a vector
     `ffn_gate_inp_shexp`; the expert keys (count, used count, widths, weights_norm). Mixtral is
     the Llama architecture with an expert count, its q / k rows permuted as Llama's.
-    q8_attention: the attention projections stored as Q8_0 (what --quantization auto reads)."""
+    q8_attention: the attention projections stored as Q8_0 (what --quantization auto reads);
+    the byte tokenizer with eot_token_id (tests/family_gguf.add_byte_tokenizer)."""
     import re
 
     import gguf
@@ -78,7 +85,8 @@ def write_moe_gguf(hf_dir: Path, path: Path, family: str, q8_attention: bool = F
     hf = load_file(str(hf_dir / "model.safetensors"))
     arch = GGUF_ARCH[family]
     w = gguf.GGUFWriter(str(path), arch)
-    _metadata(w, {"qwen3_moe": "qwen3", "qwen2_moe": "qwen2"}.get(family, "mistral"), cfg)
+    dense = {"qwen3_moe": "qwen3", "qwen2_moe": "qwen2"}.get(family, "mistral")
+    _metadata(w, dense, cfg, eot_token_id)
     w.add_expert_count(cfg.get("num_experts") or cfg["num_local_experts"])
     w.add_expert_used_count(cfg["num_experts_per_tok"])
     if family != "mixtral":  # Mixtral's experts are feed_forward_length wide

@@ -448,6 +448,22 @@ def test_gpu_engine_decode_floor_counts_quantized_bytes() -> None:
     assert decode_floor_bytes("llama-3-8b", 8, 512, 2, 2, 1)["kv"] == bf16["kv"] // 2
 
 
+def test_gpu_engine_decode_floor_reads_the_experts_a_step_hits() -> None:
+    """Qwen3-30B-A3B (128 experts, top-8): batch 1 reads 8 experts a layer, the model card's
+    3.3 B active parameters (which count the whole embedding table, where a step reads its
+    rows); a large batch reads nearly all 30.5 B."""
+    from bench.gpu_engine import decode_floor_bytes
+
+    table = 151936 * 2048
+
+    def params(batch: int) -> float:
+        return decode_floor_bytes("qwen3-30b-a3b", batch, 0)["weights"] / 2 + table
+
+    assert abs(params(1) / 3.3e9 - 1) < 0.03
+    assert abs(params(512) / 30.5e9 - 1) < 0.01
+    assert params(1) < params(8) < 8 * params(1)
+
+
 def test_gpu_engine_teacher_forced_logits_are_one_prefills(tmp_path: Path) -> None:
     """The agreement's forwards through an engine's own pool (a prefill step for all prompts,
     then decode steps) give each prompt's logits as one whole prefill does; an engine agrees
@@ -858,3 +874,15 @@ def test_bench_ab_refuses_bad_settings_before_starting_anything(
     assert "--rounds 0 must be >= 1" in capsys.readouterr().err
     with pytest.raises(SystemExit):  # serve's own usage error, for side B's options
         main(["bench", "ab", "--a", "", "--b", "--no-such-flag"])
+
+
+def test_family_steps_table_reads_a_saved_run() -> None:
+    """bench/family_steps.py --table: docs/models.md's rows from the saved JSON's figures."""
+    from bench.family_steps import markdown_table
+
+    rows = [
+        {"batch": b, "step_ms_median": ms, "llama_step_ms_median": base, "vs_llama": ms / base}
+        for b, ms, base in ((1, 90.0, 80.0), (16, 150.0, 120.0))
+    ]
+    table = markdown_table({"results": [{"family": "gemma2", "rows": rows}]})
+    assert table.splitlines()[-1] == "| gemma2 | 90 (80) | 1.12 | 150 (120) | 1.25 |"

@@ -1,7 +1,8 @@
 """Every served non-Llama family against HF transformers on a tiny random checkpoint of its own
-config class (tests/family_models.py): logits within 1e-4 (float32) at every position of a
-whole prompt and of a chunked prefill, and at every sampled position of a scheduler-driven
-script with chunked prefill, prefix-cache hits and preemptions; the registry's refusals."""
+config class (tests/family_models.py), from its HF directory and from a GGUF: logits within 1e-4
+(float32) at every position of a whole prompt and of a chunked prefill, and at every sampled
+position of a scheduler-driven script with chunked prefill, prefix-cache hits and preemptions;
+the registry's refusals."""
 
 from __future__ import annotations
 
@@ -101,6 +102,7 @@ class Script:
         self.sched = sched
         self.rows: dict[int, list[torch.Tensor]] = {}
         self.held: list[int] = []
+        self.num_partial_prefills = 0  # prefill chunks that sampled nothing (more followed)
 
 
 def run_script(
@@ -143,6 +145,8 @@ def run_script(
             for seq_id, token in zip(order, output.sampled_token_ids, strict=True):
                 if token >= 0:
                     rows.setdefault(seq_id, []).append(next(logits))
+                else:
+                    script.num_partial_prefills += 1
             apply_result(sched, plan, result_to_proto(plan.step_id, output, 0.0))
             sched.check_integrity()
             check_mirror(sched, engine)
@@ -151,34 +155,51 @@ def run_script(
     return script
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_scheduled_script_matches_hf(load: Any, family: str) -> None:
-    """6 requests of 30-50 tokens sharing a 16-token prefix, 16 tokens out, in 20 blocks of 8
-    with 40-token steps: chunked prefills, prefix-cache hits, preemptions and recomputes; each
-    sampled row within 1e-4 of HF's logits at that position of the request's final tokens."""
-    m = load(family)
+def check_script_matches_hf(
+    engine: Engine,
+    hf_logits: Callable[[list[int]], torch.Tensor],
+    num_requests: int,
+    num_out: int,
+    num_blocks: int,
+    release_window: bool = True,
+) -> None:
+    """num_requests requests of 30-50 tokens sharing a 16-token prefix, num_out tokens out, in
+    num_blocks blocks of 8 (of the engine's 96) with 40-token steps: chunked prefills,
+    prefix-cache hits, preemptions and recomputes, each asserted to have happened; each sampled
+    row within 1e-4 of HF's logits at that position of the request's final tokens."""
     shared = prompt(16, seed=3)
-    prompts = [shared + prompt(14 + 4 * i, seed=10 + i) for i in range(6)]
     greedy = sampling(temperature=0.0)
     requests = [
-        Request(f"r{i}", i + 1, p, greedy, NUM_OUT, ignore_eos=True)  # type: ignore[arg-type]
-        for i, p in enumerate(prompts)
-    ]
-    # The scheduler sees 20 of the engine's 96 blocks: too few for all six at once (fewer
-    # where every layer is windowed: the scheduler then releases blocks out of the window).
-    num_blocks = 10 if m.engine.info.sliding_window else 20
-    script = run_script(m.engine, requests, num_blocks, max_num_batched_tokens=40)
+        Request(f"r{i}", i + 1, shared + prompt(14 + 4 * i, seed=10 + i), greedy, num_out,
+                ignore_eos=True)  # type: ignore[arg-type]
+        for i in range(num_requests)
+    ]  # fmt: skip
+    script = run_script(engine, requests, num_blocks, release_window, max_num_batched_tokens=40)
     sched, rows = script.sched, script.rows
+    assert script.num_partial_prefills > 0
     assert sched.counters.num_preemptions > 0
     assert sched.counters.num_prefix_cache_hit_tokens > 0
     for request in requests:
         got = torch.stack(rows[request.seq_id])
         tokens = request.token_ids
-        assert len(got) == NUM_OUT == len(tokens) - len(request.prompt_token_ids)
+        assert len(got) == num_out == len(tokens) - len(request.prompt_token_ids)
         start = len(request.prompt_token_ids) - 1
-        want = m.hf_logits(tokens[:-1])[start:]
+        want = hf_logits(tokens[:-1])[start:]
         assert rel_err(got, want) < TOLERANCE, request.request_id
         assert got.argmax(-1).tolist() == tokens[start + 1 :]
+
+
+def script_blocks(engine: Engine) -> int:
+    """The scheduler's blocks for the dense families' script: too few for all six requests at
+    once (fewer where every layer is windowed: the scheduler then releases blocks out of the
+    window)."""
+    return 10 if engine.info.sliding_window else 20
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_scheduled_script_matches_hf(load: Any, family: str) -> None:
+    m = load(family)
+    check_script_matches_hf(m.engine, m.hf_logits, 6, NUM_OUT, script_blocks(m.engine))
 
 
 def test_unserved_architecture_is_refused_naming_the_served(tmp_path: Path) -> None:
@@ -255,8 +276,9 @@ GGUF_OVERRIDES = {"gemma2": {"query_pre_attn_scalar": 32}, "gemma3": {"query_pre
 @pytest.mark.parametrize("family", FAMILIES)
 def test_gguf_logits_match_hf(load: Any, family: str, tmp_path: Path) -> None:
     """The same checkpoint written as llama.cpp lays out that architecture (tests/family_gguf.py),
-    loaded through our GGUF path: the same config and logits within 1e-4 of HF's at every
-    position, whole and chunked."""
+    loaded through our GGUF path: the same config, logits within 1e-4 of HF's at every position
+    of a whole prompt, and the scheduled script (chunked prefills, prefix-cache hits,
+    preemptions)."""
     from tests.family_gguf import write_family_gguf
 
     m = load(family, **GGUF_OVERRIDES.get(family, {}))
@@ -282,12 +304,8 @@ def test_gguf_logits_match_hf(load: Any, family: str, tmp_path: Path) -> None:
     want = m.hf_logits(tokens)
     (whole,) = forward_direct(engine, [(tokens, 0, len(tokens), shuffled_blocks(11)[:6])])
     assert rel_err(whole, want) < TOLERANCE
-    table = shuffled_blocks(12)[:6]
-    chunks = [
-        forward_direct(engine, [(tokens, s, min(s + 9, len(tokens)), table)])[0]
-        for s in range(0, len(tokens), 9)
-    ]
-    assert rel_err(torch.cat(chunks), want) < TOLERANCE
+    engine.reset()
+    check_script_matches_hf(engine, m.hf_logits, 6, NUM_OUT, script_blocks(engine))
 
 
 def test_generation_defaults_fill_only_unset_fields(tmp_path: Path) -> None:
@@ -331,28 +349,6 @@ def test_blocks_out_of_the_window_are_released(load: Any) -> None:
     assert rel_err(got, m.hf_logits(tokens_all[:-1])[119:]) < TOLERANCE
 
 
-def test_phi3_tensor_parallel_matches_one_engine(load: Any) -> None:
-    """Phi-3 (fused qkv / gate_up split at load, each rank taking its rows of each part;
-    partial rotary, longrope, a sliding window) at T = 2 in two gloo processes: the scenario of
-    tests/test_parallel.py (prefill chunks, decodes, a prefix-cache hit, a preemption and its
-    recompute) gives one engine's tokens and logits within 1e-4."""
-    from engine.ranks import run_group_locally
-    from tests.test_parallel import _capturing, _engine_config, _scenario_on_rank, run_scenario
-
-    path = load("phi3").path
-    settings = ENGINE_SETTINGS["phi3"]
-    one = Engine(_engine_config(path, 1, 1, **settings))
-    want_logits = _capturing(one)
-    want = run_scenario(one, want_logits)
-    got = run_group_locally(_engine_config(path, 2, 1, **settings), _scenario_on_rank, timeout=180)
-    for outputs, _, _ in got:
-        assert outputs == want
-    logits = got[0][1]
-    assert len(logits) == len(want_logits)
-    for ours, theirs in zip(logits, want_logits, strict=True):
-        assert (torch.tensor(ours) - theirs).abs().max().item() < TOLERANCE
-
-
 def test_a_refused_feature_stops_the_engine_at_start(
     load: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -367,3 +363,18 @@ def test_a_refused_feature_stops_the_engine_at_start(
     assert config.features() == ["tensor_parallel"]
     with pytest.raises(ModelSourceError, match=r"qwen2 \(Qwen2ForCausalLM\) does not support "):
         Engine(config)
+
+
+def test_qwen3_8b_shape_has_its_published_size() -> None:
+    """configs/qwen3-8b (for --load-format dummy, the GPU check's families stage): the model
+    card's 8.2 B parameters, 6.95 B of them outside the embedding table and LM head."""
+    import math
+
+    from engine.dummy import hf_tensor_shapes
+
+    config = load_model_config(Path(__file__).parents[1] / "configs" / "qwen3-8b")
+    assert config.family == "qwen3" and not config.tie_word_embeddings
+    sizes = {n: math.prod(s) for n, s in hf_tensor_shapes(config).items()}
+    total = sum(sizes.values())
+    tables = sizes["model.embed_tokens.weight"] + sizes["lm_head.weight"]
+    assert abs(total / 8.19e9 - 1) < 0.01 and abs((total - tables) / 6.95e9 - 1) < 0.01

@@ -1,8 +1,9 @@
 """The mixture-of-experts families end to end in-process: tiny random Mixtral, Qwen3-MoE and
 Qwen2-MoE checkpoints (tests/moe_models.py) through the engine, logits within 1e-4 of
 transformers (float32) at every position of a whole and a chunked prompt and at every sampled
-row of a scheduler-driven script with prefix-cache hits and preemptions; expert parallelism at
-T = 2 against one engine; what the families refuse."""
+row of a scheduler-driven script with prefix-cache hits and preemptions, from the HF directory
+and from a GGUF; speculative decoding; what the families refuse. Expert parallelism at T = 2:
+tests/test_family_features.py."""
 
 from __future__ import annotations
 
@@ -17,11 +18,10 @@ from common.model_config import check_parallel_sizes, load_model_config, valid_t
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.moe import SparseMoeBlock
-from engine.ranks import run_group_locally
 from scheduler.request import Request
 from tests.factories import sampling
 from tests.moe_models import MOE_CONFIGS, make_tiny_moe
-from tests.test_families import Loaded, run_script
+from tests.test_families import Loaded, check_script_matches_hf
 from tests.test_model import BLOCK_SIZE, forward_direct, prompt, rel_err, shuffled_blocks
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -71,31 +71,18 @@ def test_whole_prompt_and_chunks_all_positions(load: Any, family: str) -> None:
     assert rel_err(torch.cat(chunks), want) < TOLERANCE
 
 
+# 4 requests, 8 tokens out, in 14 blocks. Windowed Mixtral keeps its blocks out of the window
+# here (their release is the dense families' test's): released, 14 blocks would hold all four
+# and nothing would be preempted.
+SCRIPT: dict[str, Any] = dict(num_requests=4, num_out=8, num_blocks=14, release_window=False)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_scheduled_script_matches_hf(load: Any, family: str) -> None:
-    """4 requests sharing a 16-token prefix, 8 tokens out, in 14 blocks of 8 with 40-token
-    steps: chunked prefills, prefix-cache hits and preemptions; every sampled row within 1e-4
-    of HF's logits at its position."""
+    """tests/test_families.check_script_matches_hf: chunked prefills, prefix-cache hits and
+    preemptions; every sampled row within 1e-4 of HF's logits at its position."""
     m = load(family)
-    shared = prompt(16, seed=3)
-    greedy = sampling(temperature=0.0)
-    requests = [
-        Request(f"r{i}", i + 1, shared + prompt(14 + 4 * i, seed=10 + i), greedy, 8,
-                ignore_eos=True)  # type: ignore[arg-type]
-        for i in range(4)
-    ]  # fmt: skip
-    # Windowed Mixtral keeps its blocks out of the window here (their release is the dense
-    # families' test's): released, 14 blocks would hold all four and nothing would be preempted.
-    script = run_script(m.engine, requests, 14, False, max_num_batched_tokens=40)
-    sched, rows = script.sched, script.rows
-    assert sched.counters.num_preemptions > 0
-    assert sched.counters.num_prefix_cache_hit_tokens > 0
-    for request in requests:
-        got = torch.stack(rows[request.seq_id])
-        start = len(request.prompt_token_ids) - 1
-        want = m.hf_logits(request.token_ids[:-1])[start:]
-        assert rel_err(got, want) < TOLERANCE, request.request_id
-        assert got.argmax(-1).tolist() == request.token_ids[start + 1 :]
+    check_script_matches_hf(m.engine, m.hf_logits, **SCRIPT)
 
 
 def test_quantization_is_refused_by_name(load: Any) -> None:
@@ -113,37 +100,6 @@ def test_tp_sizes_keep_at_least_one_expert_a_rank(load: Any) -> None:
     assert valid_tp_sizes(replace(wide, moe=moe)) == [1, 2, 4, 8]  # not 16: 8 experts
     why = check_parallel_sizes(replace(wide, moe=replace(moe, shared_intermediate_size=20)), 8, 1)
     assert why is not None and "8 experts" in why and "shared expert width 20" in why
-
-
-# ---- expert parallelism: T = 2 ranks (gloo, child processes) against one engine --------------
-
-
-def _scenario(engine: Any, parallel: Any) -> tuple[list[Any], list[Any], Any]:
-    from tests.test_parallel import _capturing, run_scenario
-
-    captured = _capturing(engine)
-    outputs = run_scenario(engine, captured)
-    held = [list(layer.mlp.experts.experts) for layer in engine.model.layers]
-    logits = [t.tolist() for t in captured] if parallel.topology.is_driver else []
-    return outputs, logits, held
-
-
-def test_expert_parallel_t2_matches_one_engine(load: Any) -> None:
-    """Qwen2-MoE (routed experts split 4 + 4 whole, the shared expert by columns) at T = 2:
-    the same tokens as one engine and logits within 1e-4 over test_parallel's scenario
-    (chunked prefills, decodes, a prefix-cache hit, a preemption and its recompute)."""
-    from tests.test_parallel import _capturing, _engine_config, run_scenario
-
-    path = load("qwen2_moe").path
-    one = Engine(_engine_config(path, 1, 1))
-    want_logits: list[torch.Tensor] = _capturing(one)
-    want = run_scenario(one, want_logits)
-    got = run_group_locally(_engine_config(path, 2, 1), _scenario, timeout=180)
-    assert [g[2] for g in got] == [[list(range(0, 4))] * 2, [list(range(4, 8))] * 2]
-    assert got[0][0] == got[1][0] == want
-    assert len(got[0][1]) == len(want_logits)
-    for i, (ours, ref) in enumerate(zip(got[0][1], want_logits, strict=True)):
-        assert rel_err(torch.tensor(ours), ref) < TOLERANCE, f"step {i + 1}"
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft"])
@@ -192,7 +148,8 @@ def test_qwen3_30b_a3b_shape_has_its_published_size() -> None:
 def test_gguf_logits_match_hf(load: Any, family: str, tmp_path: Path) -> None:
     """The checkpoint written as llama.cpp lays out qwen3moe / qwen2moe / Mixtral (the llama
     architecture with experts; stacked experts, tests/moe_models.write_moe_gguf): the same MoE
-    shape as config.json's and logits within 1e-4 of HF's at every position."""
+    shape as config.json's, logits within 1e-4 of HF's at every position of a whole prompt and
+    of the scheduled script (chunked prefills, prefix-cache hits, preemptions)."""
     from tests.moe_models import write_moe_gguf
 
     m = load(family)
@@ -209,6 +166,8 @@ def test_gguf_logits_match_hf(load: Any, family: str, tmp_path: Path) -> None:
     tokens = prompt(45, seed=1)
     (ours,) = forward_direct(engine, [(tokens, 0, len(tokens), shuffled_blocks(11)[:6])])
     assert rel_err(ours, m.hf_logits(tokens)) < TOLERANCE
+    engine.reset()
+    check_script_matches_hf(engine, m.hf_logits, **SCRIPT)
 
 
 def test_quantization_auto_stays_off_for_experts(load: Any, tmp_path: Path) -> None:
