@@ -15,15 +15,20 @@ partial products are summed by the layer's all-reduce, with the base output's).
 
 A step's rows are grouped by slot (LoraBatch): each group's tokens are a segment, and a
 projection's update is, per segment, shrink (x A^T: [tokens, r]) then expand (B: [tokens, out])
-added to the base output. Two layouts of the same product (kernels/reference.py's
-lora_shrink_expand and its segment loop): padded (segments as one [segments, longest, in]
-batch, one batched matmul each way: decode steps, whose segments are short) or one matmul pair
-per segment (steps with a long prefill segment, which padding would multiply). Never a loop
-over rows, never the adapter merged into the base weight.
+added to the base output. Two layouts of the same product (kernels/lora_reference.py):
+padded (segments as one [segments, longest, in] batch, one batched matmul each way: decode
+steps, whose segments are short) or one matmul pair per segment (steps with a long prefill
+segment, which padding would multiply). On a GPU with the CUDA kernels (engine.ops.KernelOps),
+a padded step runs kernels/lora.cu instead: shrink and expand gathered per row by its slot
+(`slot_ids`), two launches per projection, no host synchronization; a step with a long prefill
+segment keeps the per-segment matmuls (cuBLAS GEMMs, where lora.cu's per-row GEMV would read
+the adapter's weights once per row). Never a loop over rows, never the adapter merged into the
+base weight.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -31,6 +36,13 @@ import torch
 from common.model_config import ModelConfig
 from engine.lora_files import LoraAdapter, module_shapes
 from engine.parallel import ModelShard
+from kernels.lora_reference import lora_add as lora_add_reference
+from kernels.lora_reference import lora_padded, lora_segments
+
+# kernels.lora_add's signature: (x, out, slot_ids, a, b, rank) -> out, updated in place.
+LoraKernel = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor], int], torch.Tensor
+]
 
 GROUPS: dict[str, tuple[str, ...]] = {
     "qkv_proj": ("q_proj", "k_proj", "v_proj"),
@@ -155,7 +167,8 @@ class LoraSlots:
         rank = max(self.ranks[s - 1] for s in slots)
         if not groups or rank == 0:
             return None
-        return LoraBatch.build(self, [by_slot[s] for s in slots], [s - 1 for s in slots], rank)
+        segments, indices = [by_slot[s] for s in slots], [s - 1 for s in slots]
+        return LoraBatch.build(self, segments, indices, rank, offset)
 
 
 @dataclass
@@ -164,7 +177,7 @@ class LoraBatch:
     segment after segment; segment i is tokens[starts[i]:starts[i+1]], of stack index
     indices[i]. Padded layout (padded=True): segment i's token j sits at row i * longest + j of
     a [segments * longest] batch; `gather` names each row's token (0 for padding) and
-    `positions` each token's row."""
+    `positions` each token's row. `num_rows`: the forward's rows, adapted or not."""
 
     slots: LoraSlots
     groups: frozenset[str]
@@ -178,10 +191,18 @@ class LoraBatch:
     gather: torch.Tensor | None = None
     positions: torch.Tensor | None = None
     segment_list: list[tuple[int, int, int]] = field(default_factory=list)
+    num_rows: int = 0
+    token_list: list[int] = field(default_factory=list)
+    _slot_ids: torch.Tensor | None = None
 
     @classmethod
     def build(
-        cls, slots: LoraSlots, segments: list[list[int]], indices: list[int], rank: int
+        cls,
+        slots: LoraSlots,
+        segments: list[list[int]],
+        indices: list[int],
+        rank: int,
+        num_rows: int,
     ) -> LoraBatch:
         device = slots.device
         starts = [0]
@@ -196,6 +217,7 @@ class LoraBatch:
             slots, frozenset().union(*(slots.groups[i] for i in indices)), rank,
             _tensor(flat, device), starts, indices, _tensor(indices, device), longest, padded,
         )  # fmt: skip
+        batch.num_rows, batch.token_list = num_rows, flat
         if padded:
             gather = [0] * (len(segments) * longest)
             positions = []
@@ -211,13 +233,38 @@ class LoraBatch:
             ]
         return batch
 
-    def add(self, layer: int, group: str, x: torch.Tensor, out: torch.Tensor) -> None:
+    def slot_ids(self) -> torch.Tensor:
+        """Each of the forward's rows' stack index (-1: no adapter), int32 on the device: the
+        CUDA kernels' per-row gather index. Made on first use, once per step."""
+        if self._slot_ids is None:
+            ids = [-1] * self.num_rows
+            for i, index in enumerate(self.indices):
+                for token in self.token_list[self.starts[i] : self.starts[i + 1]]:
+                    ids[token] = index
+            self._slot_ids = torch.tensor(ids, dtype=torch.int32).to(
+                self.slots.device, non_blocking=True
+            )
+        return self._slot_ids
+
+    def add(
+        self,
+        layer: int,
+        group: str,
+        x: torch.Tensor,
+        out: torch.Tensor,
+        kernel: LoraKernel | None = None,
+    ) -> None:
         """out[t] += B_s (A_s x[t]) for every adapted token t (s its slot), in place, for each
-        part of projection `group` of this rank's layer `layer` (its column slice of out)."""
+        part of projection `group` of this rank's layer `layer` (its column slice of out).
+        kernel: kernels.cuda.lora_add (engine.ops.KernelOps), run on padded (decode-like)
+        steps; None: the torch products."""
         if group not in self.groups:
             return
         a = self.slots.a[group][layer]
         b = [part[layer] for part in self.slots.b[group]]
+        if kernel is not None and self.padded:
+            kernel(x, out, self.slot_ids(), a, b, self.rank)
+            return
         if self.padded:
             assert self.gather is not None and self.positions is not None
             # Every slot in order: the tables as they are, without gathering a copy.
@@ -229,49 +276,34 @@ class LoraBatch:
         out.index_add_(0, self.tokens, update)
 
 
-def lora_padded(
-    x: torch.Tensor,
-    a: torch.Tensor,
-    b: list[torch.Tensor],
-    indices: torch.Tensor | None,
-    gather: torch.Tensor,
-    positions: torch.Tensor,
-    rank: int,
-) -> torch.Tensor:
-    """The update of the adapted tokens [n, sum of parts' out], padded layout (LoraBatch):
-    x [tokens, in]; a [slots, parts, max_rank, in]; b[p] [slots, max_rank, out_p]; the first
-    `rank` ranks of the stack indices' slots (None: every slot, in order)."""
-    num_segments = a.shape[0] if indices is None else indices.shape[0]
-    xs = x[gather].view(num_segments, -1, x.shape[1])
-    shrink_w = (a[:, :, :rank] if indices is None else a[indices, :, :rank]).flatten(1, 2)
-    shrunk = torch.bmm(xs, shrink_w.transpose(1, 2))  # [segments, longest, parts * rank]
-    parts = [
-        torch.bmm(
-            shrunk[:, :, p * rank : (p + 1) * rank],
-            bp[:, :rank] if indices is None else bp[indices, :rank],
-        )
-        for p, bp in enumerate(b)
-    ]
-    expanded = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
-    return expanded.flatten(0, 1)[positions]
-
-
-def lora_segments(
-    xs: torch.Tensor,
-    a: torch.Tensor,
-    b: list[torch.Tensor],
-    segments: list[tuple[int, int, int]],
-    rank: int,
-) -> torch.Tensor:
-    """The same update from xs, the adapted tokens' rows grouped by slot, one shrink and one
-    expand matmul per segment (stack index, start, end) and part."""
-    outputs = []
-    for index, start, end in segments:
-        shrunk = xs[start:end] @ a[index, :, :rank].flatten(0, 1).t()
-        parts = [shrunk[:, p * rank : (p + 1) * rank] @ bp[index, :rank] for p, bp in enumerate(b)]
-        outputs.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=1))
-    return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
-
-
 def _tensor(values: list[int], device: torch.device) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.long).to(device, non_blocking=True)
+
+
+def kernel_self_check(kernel: LoraKernel, dtype: torch.dtype, device: torch.device) -> str | None:
+    """Why `kernel` (kernels.cuda.lora_add) disagrees with kernels/lora_reference.py or fails on
+    this device (None: it agrees), on a seeded step of 7 rows over three slots of ranks 4, 8
+    and 16 and base rows, a three-part projection: run once when an engine with adapters
+    starts on the CUDA kernels, before any request does."""
+    gen = torch.Generator().manual_seed(28)
+    ranks, widths, in_features = [4, 8, 16], [64, 16, 16], 64
+    a = torch.randn(3, 3, 16, in_features, generator=gen) * in_features**-0.5
+    b = [torch.randn(3, 16, w, generator=gen) for w in widths]
+    for slot, rank in enumerate(ranks):
+        a[slot, :, rank:] = 0
+        for bp in b:
+            bp[slot, rank:] = 0
+    x = torch.randn(7, in_features, generator=gen)
+    base = torch.randn(7, sum(widths), generator=gen) * 0.1
+    ids = torch.tensor([2, -1, 0, 1, 1, -1, 2], dtype=torch.int32)
+    args = [t.to(device=device, dtype=dtype) for t in (x, base, a)]
+    tables = [bp.to(device=device, dtype=dtype) for bp in b]
+    try:
+        got = kernel(args[0], args[1].clone(), ids.to(device), args[2], tables, 16)
+    except Exception as err:  # a kernel that fails to compile or launch on this card
+        return f"lora self-check: {type(err).__name__}: {err}"
+    want = lora_add_reference(args[0], args[1].clone(), ids.to(device), args[2], tables, 16)
+    error = (got.float() - want.float()).abs().max().item()
+    if not error <= 2e-2 * max(1.0, want.float().abs().max().item()):
+        return f"lora self-check: kernels.cuda.lora_add differs from the reference by {error:.3g}"
+    return None

@@ -22,8 +22,9 @@ from engine.config import EngineConfig
 from engine.contract import LoraLoadData, NewRequestData, RunningData, StepPlanData
 from engine.convert import plan_from_proto
 from engine.engine import Engine
-from engine.lora import LoraBatch, lora_padded, lora_segments
+from engine.lora import LoraBatch
 from engine.lora_files import LoraError
+from kernels.lora_reference import lora_padded, lora_segments
 from scheduler.config import SchedulerConfig
 from scheduler.convert import plan_to_proto
 from scheduler.request import Request
