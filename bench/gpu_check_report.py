@@ -134,6 +134,17 @@ def quant_figures(doc: Any) -> dict[str, Any]:
     return figures
 
 
+def lora_figures(doc: Any) -> dict[str, Any]:
+    """Per batch of bench/gpu_lora.py's JSON: the adapters' decode tok/s over the base's (with
+    graphs, and eager), prefill likewise, or the batch's error."""
+    figures: dict[str, Any] = {}
+    for key, row in (doc or {}).items():
+        if key.startswith("batch_") and isinstance(row, dict):
+            keep = ("lora_vs_base", "lora_vs_base_eager", "lora_prefill_vs_base", "error")
+            figures[key] = {k: row[k] for k in keep if k in row}
+    return figures
+
+
 def stage_figures(name: str, out: Path, raw: Path) -> dict[str, Any]:
     log = raw / f"{name}.log"
     if name == "preflight":
@@ -154,6 +165,8 @@ def stage_figures(name: str, out: Path, raw: Path) -> dict[str, Any]:
         return engine_figures(load(out / "gpu_engine_smollm2-135m.json"))
     if name == "quant":
         return quant_figures(load(out / "gpu_engine_llama-3-8b_quant.json"))
+    if name == "lora":
+        return lora_figures(load(out / "gpu_lora_llama-3-8b.json"))
     return {}
 
 
@@ -165,6 +178,14 @@ def cells(name: str, figures: dict[str, Any]) -> str:
         return f"{figures.get('total_s', '?')} s, ops {figures.get('ops', '?')}" if figures else ""
     if name == "kbench":
         return ", ".join(f"{s} {v['gbps']} GB/s = {v['pct_of_copy']}%" for s, v in figures.items())
+    if name == "lora":
+        return ", ".join(
+            f"b{key.removeprefix('batch_')} error: {str(row['error'])[:50]}"
+            if "error" in row
+            else f"b{key.removeprefix('batch_')} {row.get('lora_vs_base')}x base"
+            f" ({row.get('lora_vs_base_eager')}x eager), prefill {row.get('lora_prefill_vs_base')}x"
+            for key, row in figures.items()
+        ) + (" (8 adapters' tok/s vs base)" if figures else "")
     if name == "quant":
         return " | ".join(
             f"{label} error: {str(row['error'])[:50]}"
@@ -188,7 +209,8 @@ def cells(name: str, figures: dict[str, Any]) -> str:
 
 def report(out: Path, raw: Path, budget_s: int, elapsed_s: int | None) -> tuple[dict, str, int]:
     stages = read_stages(raw)
-    order = ["preflight", "kernels", "kbench", "8b", "tests", "smollm2", "quant", "parallel"]
+    order = ["preflight", "kernels", "kbench", "8b", "tests", "smollm2", "quant", "lora"]
+    order.append("parallel")
     doc: dict[str, Any] = {
         "benchmark": "gpu_check",
         "budget_s": budget_s,

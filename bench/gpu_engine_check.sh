@@ -2,7 +2,7 @@
 # The whole GPU check in one device-tool call (issues 4, 14, 15, 17, 24): a preflight that
 # stops in seconds when something is missing, then kernel correctness, kernel bandwidth, the
 # Llama-3-8B offline run and decode step times, the engine GPU tests, the SmolLM2-135M shape,
-# the quantized 8B runs and the one-GPU parallel tests. Every engine runs with
+# the quantized 8B runs, the 8B with 8 LoRA adapters (issue 28) and the one-GPU parallel tests. Every engine runs with
 # --attention-backend cuda: a kernel that fails to compile or its self-check stops the engine
 # instead of falling back to torch.
 #
@@ -20,7 +20,7 @@
 # tests/test_gpu_check_dry_run.py runs it in the suite.
 #
 # Budget: the device gives 15 minutes per session, machine start (~1-2 min) included, and
-# starts no machine with under 4 minutes left. The stages' caps sum to 440 s, 88% of
+# starts no machine with under 4 minutes left. The stages' caps sum to 450 s, 90% of
 # BUDGET_S=500 (each cap is also cut to what is left of the budget; a stage with under 10 s
 # left is skipped), so one full call (timeout_s=560) takes at most ~11 of the 15 minutes with
 # its start, which leaves one short call for a stage or two (timeout_s <= 150). The preflight
@@ -29,7 +29,7 @@
 # $OUT (bench/results/ when unset) gets at most 8 files, all the device tool returns:
 # gpu_check.json (every stage: status, seconds, figures, a failing stage's last error lines),
 # env.txt, kernels_h200.json, gpu_engine_llama-3-8b.json, gpu_engine_smollm2-135m.json,
-# gpu_engine_llama-3-8b_quant.json and raw.tgz (every stage's log, JUnit XML, the offline runs'
+# gpu_engine_llama-3-8b_quant.json, gpu_lora_llama-3-8b.json and raw.tgz (every stage's log, JUnit XML, the offline runs'
 # bench documents and step timelines, each quantized run's JSON). The last lines printed are one
 # compact table (bench/gpu_check_report.py), short enough for the tool's 12,000-char tail.
 set -uo pipefail
@@ -39,11 +39,13 @@ RAW=/tmp/llmserve-gpu-check
 BUDGET_S="${BUDGET_S:-500}"
 PY="${PYTHON:-python3}"
 
-STAGES=(preflight kernels kbench 8b tests smollm2 quant parallel)
+STAGES=(preflight kernels kbench 8b tests smollm2 quant lora parallel)
 # The preflight's own work is ~30 s; its cap also covers NVRTC compiling the SmolLM2-shape
 # kernels on a fresh machine (CuPy keeps them on disk for the later stages).
-declare -A CAP=([preflight]=60 [kernels]=35 [kbench]=45 [8b]=100 [tests]=90 [smollm2]=20
-    [quant]=75 [parallel]=15)
+# kbench's cap holds its --budget-s 30 and 10 s of start; lora's 30 s: one 8B engine (as a quant
+# mode's 25 s) plus its adapters and 2 x 3 short runs.
+declare -A CAP=([preflight]=60 [kernels]=35 [kbench]=40 [8b]=95 [tests]=80 [smollm2]=20
+    [quant]=75 [lora]=30 [parallel]=15)
 declare -A WHAT=(
     [preflight]="imports, one kernel + the attention self-check, graphs of batch 1 and 2"
     [kernels]="kernel correctness (tests/test_kernels_cuda.py -m gpu)"
@@ -52,6 +54,7 @@ declare -A WHAT=(
     [tests]="engine GPU tests (tests/test_engine_gpu.py)"
     [smollm2]="SmolLM2-135M shape: offline only"
     [quant]="8B int8, fp8, kv-fp8: decode b1/b8 vs bf16 (25 s each)"
+    [lora]="8B bf16 with 8 distinct rank-16 adapters (dummy, all projections): b8/b64 vs base"
     [parallel]="tests/test_parallel.py -m gpu (one-rank NCCL group)"
 )
 GE="python3 -m bench.gpu_engine --attention-backend cuda"
@@ -69,6 +72,7 @@ declare -A CMDS=(
 $GE --shape llama-3-8b --out $RAW/quant --skip-offline --skip-hf --decode-steps 20 --quantization int8
 $GE --shape llama-3-8b --out $RAW/quant --skip-offline --skip-hf --decode-steps 20 --quantization fp8
 $GE --shape llama-3-8b --out $RAW/quant --skip-offline --skip-hf --decode-steps 20 --kv-cache-dtype fp8"
+    [lora]="python3 -m bench.gpu_lora --shape llama-3-8b --out $OUT --adapters 8 --decode-batches 8,64"
     [parallel]="$PT -m gpu tests/test_parallel.py --junitxml=$RAW/parallel.xml"
 )
 QUANT_MODE_CAP=25
@@ -122,7 +126,7 @@ fi
 rm -rf "$RAW"
 mkdir -p "$OUT" "$RAW/quant"
 export PYTHONUNBUFFERED=1 LLMSERVE_LOG_LEVEL="${LLMSERVE_LOG_LEVEL:-WARNING}"
-parts=" preflight ${*:-kernels kbench 8b tests smollm2 quant parallel} "
+parts=" preflight ${*:-kernels kbench 8b tests smollm2 quant lora parallel} "
 start=$(date +%s)
 elapsed() { echo $(($(date +%s) - start)); }
 cap() { local left=$((BUDGET_S - $(elapsed))); echo $(($1 < left ? $1 : left)); }

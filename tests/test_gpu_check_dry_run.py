@@ -33,7 +33,8 @@ def test_dry_run_passes() -> None:
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     out = done.stdout
     assert "sum of caps" in out and "dry run ok" in out
-    for stage in ("preflight", "kernels", "kbench", "8b", "tests", "smollm2", "quant", "parallel"):
+    stages = ("preflight", "kernels", "kbench", "8b", "tests", "smollm2", "quant", "lora")
+    for stage in (*stages, "parallel"):
         assert f"dry run: {stage}:" in out, stage
 
 
@@ -71,6 +72,7 @@ def test_report_keeps_each_stage_and_points_at_a_failure(tmp_path: Path) -> None
         ("tests", "1", "124", "80", "python3 -m pytest"),
         ("quant", "1", "0", "25", "python3 -m bench.gpu_engine --quantization int8"),
         ("quant", "2", "skipped", "0", "python3 -m bench.gpu_engine --quantization fp8"),
+        ("lora", "1", "0", "28", "python3 -m bench.gpu_lora --shape llama-3-8b"),
     ]
     (raw / "stages.tsv").write_text("".join("\t".join(r) + "\n" for r in rows))
     (raw / "preflight.json").write_text(json.dumps({"total_s": 12.5, "ops": "cuda"}))
@@ -88,6 +90,10 @@ def test_report_keeps_each_stage_and_points_at_a_failure(tmp_path: Path) -> None
     (out / "gpu_engine_llama-3-8b_quant.json").write_text(
         json.dumps({"modes": {"int8": {"decode": {"batch_1": {"tok_s_vs_bf16": 1.7}}}}})
     )
+    (out / "gpu_lora_llama-3-8b.json").write_text(
+        json.dumps({"batch_8": {"lora_vs_base": 0.8, "lora_vs_base_eager": 0.95,
+                                "lora_prefill_vs_base": 0.9}, "batch_64": {"error": "OOM"}})
+    )  # fmt: skip
     doc, table, code = report(out, raw, 500, 300)
     assert code == 1
     stages = doc["stages"]
@@ -104,4 +110,6 @@ def test_report_keeps_each_stage_and_points_at_a_failure(tmp_path: Path) -> None
     assert "ValueError: boom [gpu_check.json stages.8b.error]" in table
     assert "int8 3300 GB/s = 77.1%" in table and "b1 5.0 ms MBU 80.0%" in table
     assert "int8 b1 1.7x" in table
+    assert stages["lora"]["figures"]["batch_8"]["lora_vs_base"] == 0.8
+    assert "b8 0.8x base (0.95x eager), prefill 0.9x" in table and "b64 error: OOM" in table
     assert len(table) < 3000
