@@ -3,10 +3,13 @@ products over the rows that use them.
 
 Slots are numbered 1 .. max_loras as the plan names them (0: the base model, no adapter). For
 each of our projections (GROUPS: qkv_proj adapts q, k and v, gate_up_proj gate and up) the
-table holds, per layer of this rank, every slot's A stacked by part and B per part:
+table holds, per layer of this rank, every slot's A of every part and B per part:
 
-    a[group]     [num_layers, max_loras, num_parts, max_rank, in_features]
+    a[group]     [num_layers, max_loras, max_rank, num_parts, in_features]
     b[group][p]  [num_layers, max_loras, max_rank, out_features of part p]
+
+(rank before part: a slot's first r ranks of every part are one contiguous [r * parts, in]
+matrix, the shrink of every part in one product; kernels/lora_reference.py.)
 
 zero where a slot's adapter has a lower rank or does not adapt that module, so a zero slice adds
 nothing. Tensor-parallel, A and B are split as their base layer is: column-parallel modules (q,
@@ -36,8 +39,8 @@ import torch
 from common.model_config import ModelConfig
 from engine.lora_files import LoraAdapter, module_shapes
 from engine.parallel import ModelShard
+from kernels.lora_reference import Select, lora_padded, lora_segments
 from kernels.lora_reference import lora_add as lora_add_reference
-from kernels.lora_reference import lora_padded, lora_segments
 
 # kernels.lora_add's signature: (x, out, slot_ids, a, b, rank) -> out, updated in place.
 LoraKernel = Callable[
@@ -94,7 +97,7 @@ class LoraSlots:
         costs no MLP table)."""
         layers, parts = len(self.shard.layers), GROUPS[group]
         in_features = self.shapes[parts[0]][1]
-        shape = (layers, self.max_loras, len(parts), self.max_rank, in_features)
+        shape = (layers, self.max_loras, self.max_rank, len(parts), in_features)
         self.a[group] = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.b[group] = [
             torch.zeros(
@@ -125,7 +128,7 @@ class LoraSlots:
             else:
                 b = b.narrow(0, tp.rank * out_features, out_features)
             rank = a.shape[0]
-            self.a[group][layer - start, index, part, :rank].copy_(a)
+            self.a[group][layer - start, index, :rank, part].copy_(a)
             self.b[group][part][layer - start, index, :rank].copy_(b.t())
         self.names[index], self.ranks[index], self.groups[index] = (
             adapter.name,
@@ -177,7 +180,8 @@ class LoraBatch:
     segment after segment; segment i is tokens[starts[i]:starts[i+1]], of stack index
     indices[i]. Padded layout (padded=True): segment i's token j sits at row i * longest + j of
     a [segments * longest] batch; `gather` names each row's token (0 for padding) and
-    `positions` each token's row. `num_rows`: the forward's rows, adapted or not."""
+    `positions` each token's row (each None where it is the identity: nothing to copy).
+    `num_rows`: the forward's rows, adapted or not."""
 
     slots: LoraSlots
     groups: frozenset[str]
@@ -185,7 +189,6 @@ class LoraBatch:
     tokens: torch.Tensor
     starts: list[int]
     indices: list[int]
-    index_t: torch.Tensor
     longest: int
     padded: bool
     gather: torch.Tensor | None = None
@@ -193,6 +196,8 @@ class LoraBatch:
     segment_list: list[tuple[int, int, int]] = field(default_factory=list)
     num_rows: int = 0
     token_list: list[int] = field(default_factory=list)
+    select: Select = None  # the padded layout's slots (kernels/lora_reference.py)
+    every_row: bool = False  # tokens is every row of the forward, in order
     _slot_ids: torch.Tensor | None = None
 
     @classmethod
@@ -215,10 +220,12 @@ class LoraBatch:
         flat = [t for tokens in segments for t in tokens]
         batch = cls(
             slots, frozenset().union(*(slots.groups[i] for i in indices)), rank,
-            _tensor(flat, device), starts, indices, _tensor(indices, device), longest, padded,
+            _tensor(flat, device), starts, indices, longest, padded,
         )  # fmt: skip
         batch.num_rows, batch.token_list = num_rows, flat
+        batch.every_row = flat == list(range(num_rows))
         if padded:
+            batch.select = _select(indices, slots.max_loras, device)
             gather = [0] * (len(segments) * longest)
             positions = []
             for i, tokens in enumerate(segments):
@@ -226,7 +233,10 @@ class LoraBatch:
                 positions.extend(rows)
                 for row, token in zip(rows, tokens, strict=True):
                     gather[row] = token
-            batch.gather, batch.positions = _tensor(gather, device), _tensor(positions, device)
+            if gather != list(range(num_rows)):
+                batch.gather = _tensor(gather, device)
+            if positions != list(range(len(gather))):
+                batch.positions = _tensor(positions, device)
         else:
             batch.segment_list = [
                 (indices[i], starts[i], starts[i + 1]) for i in range(len(segments))
@@ -266,14 +276,23 @@ class LoraBatch:
             kernel(x, out, self.slot_ids(), a, b, self.rank)
             return
         if self.padded:
-            assert self.gather is not None and self.positions is not None
-            # Every slot in order: the tables as they are, without gathering a copy.
-            every = len(self.indices) == self.slots.max_loras
-            indices = None if every else self.index_t
-            update = lora_padded(x, a, b, indices, self.gather, self.positions, self.rank)
+            update = lora_padded(x, a, b, self.select, self.gather, self.positions, self.rank)
         else:
             update = lora_segments(x[self.tokens], a, b, self.segment_list, self.rank)
-        out.index_add_(0, self.tokens, update)
+        if self.every_row:
+            out.add_(update)
+        else:
+            out.index_add_(0, self.tokens, update)
+
+
+def _select(indices: list[int], max_loras: int, device: torch.device) -> Select:
+    """The padded layout's slots (sorted stack indices): None for every slot, a slice for a run
+    of consecutive ones (the tables read in place), else an index tensor (a gathered copy)."""
+    if indices == list(range(max_loras)):
+        return None
+    if indices == list(range(indices[0], indices[0] + len(indices))):
+        return slice(indices[0], indices[0] + len(indices))
+    return _tensor(indices, device)
 
 
 def _tensor(values: list[int], device: torch.device) -> torch.Tensor:
@@ -287,10 +306,10 @@ def kernel_self_check(kernel: LoraKernel, dtype: torch.dtype, device: torch.devi
     starts on the CUDA kernels, before any request does."""
     gen = torch.Generator().manual_seed(28)
     ranks, widths, in_features = [4, 8, 16], [64, 16, 16], 64
-    a = torch.randn(3, 3, 16, in_features, generator=gen) * in_features**-0.5
+    a = torch.randn(3, 16, 3, in_features, generator=gen) * in_features**-0.5
     b = [torch.randn(3, 16, w, generator=gen) for w in widths]
     for slot, rank in enumerate(ranks):
-        a[slot, :, rank:] = 0
+        a[slot, rank:] = 0
         for bp in b:
             bp[slot, rank:] = 0
     x = torch.randn(7, in_features, generator=gen)

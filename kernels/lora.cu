@@ -10,21 +10,23 @@
 //   x [num_rows, in] T, any row stride (a multiple of 8 elements), contiguous rows;
 //   slot_ids [num_rows] IdxT: the row's slot in the tables, 0 .. num_slots - 1; -1 (or any value
 //     outside that range) for a row without an adapter: nothing of it is read or written;
-//   a [num_slots, num_parts, max_rank, in] T, contiguous: slot s's A of part p, row j;
+//   a [num_slots, max_rank, num_parts, in] T, contiguous: slot s's row j of part p's A (rank
+//     before part, so that the first r ranks of every part are one contiguous block);
 //   b_p [num_slots, max_rank, out_p] T, contiguous, one tensor per part (up to 3): B^T, with
 //     the adapter's scaling folded in (engine/lora_files.py), zero past an adapter's rank;
 //   only the first `rank` (<= max_rank) rows of each A and B are used;
-//   h [num_rows, num_parts * rank] T: the workspace between the kernels (part p's r values at
-//     columns p * rank ..; rows without an adapter are left unwritten and never read);
+//   h [num_rows, rank * num_parts] T: the workspace between the kernels (column j * num_parts
+//     + p: part p's rank j; rows without an adapter are left unwritten and never read);
 //   out [num_rows, out_0 + out_1 + out_2] T, row stride a multiple of 8, updated in place.
 //   in % 8 == 0 and every out_p % 8 == 0 (16-byte vector loads and stores).
 //
 // lora_shrink_kernel<T, IdxT>: one warp per (row, column c of h); its lanes stride over in in
 //   16-byte chunks of x's row and A's row, in fp32, summed by shuffles; h[t, c] = T(sum) (the
-//   reference's product rounds to T there too). Launch: grid (num_rows, ceil(num_parts * rank /
-//   4)), block 128 (4 warps, 4 columns of h), no shared memory.
+//   reference's product rounds to T there too); column c reads A's row c of slot s (row j * parts
+//   + p). Launch: grid (num_rows, ceil(num_parts * rank / 4)), block 128 (4 warps, 4 columns of
+//   h), no shared memory.
 // lora_expand_kernel<T, IdxT>: one thread per 8 consecutive columns of one part: acc[i] =
-//   sum over j < rank of h[t, p * rank + j] * b_p[s, j, n + i] in fp32 (each j's 8 values one
+//   sum over j < rank of h[t, j * num_parts + p] * b_p[s, j, n + i] in fp32 (each j's 8 values one
 //   16-byte load, a warp's loads 512 contiguous bytes), then out = T(out + T(acc)) (the
 //   reference's T product, then its T add). Launch: grid (num_rows, ceil(max_p out_p / 1024),
 //   num_parts), block 128, no shared memory.
@@ -59,9 +61,7 @@ __global__ void __launch_bounds__(128)
   const long long s = lora_slot(slot_ids, row, num_slots);
   // Both conditions are the same for the 32 lanes of a warp: whole warps leave together.
   if (s < 0 || c >= width) return;
-  const int p = c / rank;
-  const int j = c % rank;
-  const T* a_row = a + ((s * num_parts + p) * max_rank + j) * static_cast<long long>(in_features);
+  const T* a_row = a + (s * max_rank * num_parts + c) * static_cast<long long>(in_features);
   const T* x_row = x + row * x_stride;
   float acc = 0.f;
   for (int k = lane; k < in_features / 8; k += 32) {
@@ -89,13 +89,13 @@ __global__ void __launch_bounds__(LORA_EXPAND_THREADS)
   if (s < 0 || n >= width) return;
   const T* b = p == 0 ? b0 : (p == 1 ? b1 : b2);
   const int first_column = p == 0 ? 0 : (p == 1 ? out0 : out0 + out1);
-  const T* h_row = h + row * (num_parts * rank) + p * rank;
+  const T* h_row = h + row * (num_parts * rank) + p;
   const T* b_col = b + s * max_rank * static_cast<long long>(width) + n;
   float acc[8];
 #pragma unroll
   for (int i = 0; i < 8; ++i) acc[i] = 0.f;
   for (int j = 0; j < rank; ++j) {
-    const float hj = DType<T>::to_float(h_row[j].bits);
+    const float hj = DType<T>::to_float(h_row[j * num_parts].bits);
     const vec16_t bv = *reinterpret_cast<const vec16_t*>(b_col + j * static_cast<long long>(width));
 #pragma unroll
     for (int i = 0; i < 8; ++i) acc[i] += hj * vec_get<T>(bv, i);

@@ -51,9 +51,9 @@ def _check_lora_args(
            shape=(num_rows,))  # fmt: skip
     _check_contiguous(op, "slot_ids", slot_ids)
     _check(op, "a", a, ndim=4, dtypes=(x.dtype,), device=x.device,
-           shape=(None, len(b), None, in_features))  # fmt: skip
+           shape=(None, None, len(b), in_features))  # fmt: skip
     _check_contiguous(op, "a", a)
-    num_slots, _, max_rank, _ = a.shape
+    num_slots, max_rank, _, _ = a.shape
     if not 1 <= len(b) <= MAX_PARTS:
         _fail(op, f"len(b)={len(b)}: a projection has 1 to {MAX_PARTS} parts")
     for p, bp in enumerate(b):
@@ -88,7 +88,7 @@ def lora_add(
     num_rows = x.shape[0]
     if num_rows == 0:
         return out
-    num_slots, num_parts, max_rank, in_features = a.shape
+    num_slots, max_rank, num_parts, in_features = a.shape
     h = torch.empty(num_rows, num_parts * rank, dtype=x.dtype, device=x.device)
     ctype, itype = _CTYPES[x.dtype], _INDEX_CTYPES[slot_ids.dtype]
     spec = lora_spec(ctype)

@@ -581,9 +581,9 @@ def test_lora_add_8b_qkv_shape(kc: ModuleType, dtype: torch.dtype, tokens: int) 
     from kernels import lora_reference as lora_ref
 
     widths, slots, in_features = [4096, 1024, 1024], 8, 4096
-    a = torch.randn(slots, 3, 16, in_features, device=DEVICE) * in_features**-0.5
+    a = torch.randn(slots, 16, 3, in_features, device=DEVICE) * in_features**-0.5
     b = [torch.randn(slots, 16, w, device=DEVICE) for w in widths]
-    a[::2, :, 8:] = 0  # even slots: rank 8
+    a[::2, 8:] = 0  # even slots: rank 8
     for bp in b:
         bp[::2, 8:] = 0
     a, b = a.to(dtype), [bp.to(dtype) for bp in b]

@@ -52,10 +52,10 @@ def tables(
     ranks: list[int], max_rank: int, in_features: int, widths: list[int], dtype: torch.dtype
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """Slot tables as engine/lora.py holds them: slot i of rank ranks[i], zero past it."""
-    a = torch.randn(len(ranks), len(widths), max_rank, in_features) * in_features**-0.5
+    a = torch.randn(len(ranks), max_rank, len(widths), in_features) * in_features**-0.5
     b = [torch.randn(len(ranks), max_rank, w) for w in widths]
     for slot, rank in enumerate(ranks):
-        a[slot, :, rank:] = 0
+        a[slot, rank:] = 0
         for bp in b:
             bp[slot, rank:] = 0
     return a.to(dtype), [bp.to(dtype) for bp in b]
@@ -69,7 +69,7 @@ def float64_update(
     for t, s in enumerate(slot_ids):
         if 0 <= s < a.shape[0]:
             parts = [
-                bp[s].double().t() @ (a[s, p].double() @ x[t].double()) for p, bp in enumerate(b)
+                bp[s].double().t() @ (a[s, :, p].double() @ x[t].double()) for p, bp in enumerate(b)
             ]
             out[t] = torch.cat(parts)
     return out
@@ -135,7 +135,7 @@ def test_lora_add_checks(kc: ModuleType) -> None:
         kc.lora_add(x, out, ids, a, b, 5)
     with pytest.raises(ValueError, match=r"slot_ids.dtype=torch.float32"):
         kc.lora_add(x, out, ids.float(), a, b, 4)
-    with pytest.raises(ValueError, match=r"a.shape\[1\]=2 must be 1"):
+    with pytest.raises(ValueError, match=r"a.shape\[2\]=2 must be 1"):
         kc.lora_add(x, out[:, :8], ids, a, b[:1], 4)
     with pytest.raises(ValueError, match=r"b\[1\].dtype=torch.bfloat16"):
         kc.lora_add(x, out, ids, a, [b[0], b[1].bfloat16()], 4)
@@ -167,7 +167,8 @@ def test_model_with_adapters_through_the_kernels(emulator: emu.Emulator) -> None
     against ReferenceOps (the torch products): a chunked prefill step, then a decode step of
     the four requests, hidden states within 2% (bf16) and the adapters' effect well above it."""
     model = build_model(TINY, None, 256, torch.bfloat16, CPU, dummy_seed=3)
-    slots = LoraSlots(TINY, whole_model(TINY.num_layers), 3, 16, torch.bfloat16, CPU)
+    shard = whole_model(TINY.num_layers)
+    slots = LoraSlots(TINY, shard, 3, 16, torch.bfloat16, CPU)
     slots.place(1, random_adapter("r4", 4, ALL, 1))
     slots.place(2, random_adapter("r8-qv", 8, ("q_proj", "v_proj"), 2))
     slots.place(3, random_adapter("r16", 16, ALL, 3))
