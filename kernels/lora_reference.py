@@ -66,11 +66,10 @@ def lora_padded(
     row's token, `positions` each token's row; None: the identity, nothing copied): x
     [tokens, in]; the first `rank` ranks of the slots `select` names (None: every slot; a
     slice: a run of them, read in place; else an index tensor). One batched matmul for the
-    shrink of every part, one per part for the expand. (Forms measured on the CPU, one thread,
-    built-in model's shapes, 16 adapters: with one token per segment, A times x as batched
-    matrix-vector products and the parts joined by a cat ran 1.7x faster than x times A^T;
-    with 128, x times A^T and each part written into its columns 3x faster than the parts
-    joined and gathered.)"""
+    shrink of every part, one per part for the expand. With one token per segment (decode),
+    A times x as batched matrix-vector products and the parts joined by a cat; with more, x
+    times A^T and each part written into its columns: the faster form of each on the CPU
+    (one thread, the built-in model's shapes; bench/lora_cpu.py measures the whole)."""
     a_sel = (a if select is None else a[select])[:, :rank].flatten(1, 2)  # [segs, r * parts, in]
     num_segments, num_parts = a_sel.shape[0], len(b)
     xs = (x if gather is None else x[gather]).view(num_segments, -1, x.shape[1])
