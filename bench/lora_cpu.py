@@ -184,7 +184,7 @@ def main() -> None:
     document: dict[str, Any] = {
         "study": "lora_cpu",
         "workload": {
-            "model": "built-in SmolLM2-135M-Instruct (GGUF Q4_1, int8 weights on the CPU)",
+            "model": "built-in SmolLM2-135M-Instruct (GGUF Q4_1, served as GGUF blocks)",
             "num_requests": NUM_REQUESTS, "prompt_len": PROMPT_LEN, "output_len": output_len,
             "rank": RANK, "rounds": args.rounds, "greedy": True,
             "torch_threads": args.num_threads or "torch's default",
