@@ -135,6 +135,17 @@ def quant_figures(doc: Any) -> dict[str, Any]:
     return figures
 
 
+def lora_figures(doc: Any) -> dict[str, Any]:
+    """Per batch of bench/gpu_lora.py's JSON: the adapters' decode tok/s over the base's (with
+    graphs, and eager), prefill likewise, or the batch's error."""
+    figures: dict[str, Any] = {}
+    for key, row in (doc or {}).items():
+        if key.startswith("batch_") and isinstance(row, dict):
+            keep = ("lora_vs_base", "lora_vs_base_eager", "lora_prefill_vs_base", "error")
+            figures[key] = {k: row[k] for k in keep if k in row}
+    return figures
+
+
 def stage_figures(name: str, out: Path, raw: Path) -> dict[str, Any]:
     log = raw / f"{name}.log"
     if name == "preflight":
@@ -162,6 +173,8 @@ def stage_figures(name: str, out: Path, raw: Path) -> dict[str, Any]:
             shape: engine_figures(load(raw / "families" / f"gpu_engine_{shape}.json"))
             for shape in FAMILY_SHAPES
         }
+    if name == "lora":
+        return lora_figures(load(out / "gpu_lora_llama-3-8b.json"))
     return {}
 
 
@@ -198,6 +211,14 @@ def cells(name: str, figures: dict[str, Any]) -> str:
             f"{figures['tok_s_none']} tok/s), mask {figures['mask_ms_per_row_step']} ms/row/step, "
             f"compile {figures['compile_cold_ms']} ms cold, {figures['compile_cached_ms']} cached"
         )
+    if name == "lora":
+        return ", ".join(
+            f"b{key.removeprefix('batch_')} error: {str(row['error'])[:50]}"
+            if "error" in row
+            else f"b{key.removeprefix('batch_')} {row.get('lora_vs_base')}x base"
+            f" ({row.get('lora_vs_base_eager')}x eager), prefill {row.get('lora_prefill_vs_base')}x"
+            for key, row in figures.items()
+        ) + (" (8 adapters' tok/s vs base)" if figures else "")
     if name == "quant":
         return " | ".join(
             f"{label} error: {str(row['error'])[:50]}"
@@ -226,7 +247,7 @@ def cells(name: str, figures: dict[str, Any]) -> str:
 def report(out: Path, raw: Path, budget_s: int, elapsed_s: int | None) -> tuple[dict, str, int]:
     stages = read_stages(raw)
     order = [
-        "preflight", "kernels", "kbench", "8b", "tests", "smollm2", "quant", "structured",
+        "preflight", "kernels", "kbench", "8b", "tests", "smollm2", "quant", "structured", "lora",
         "parallel", "families",
     ]  # fmt: skip
     doc: dict[str, Any] = {

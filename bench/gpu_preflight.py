@@ -113,7 +113,7 @@ MODULES = [
     "common.net", "engine.config", "engine.engine", "engine.ops", "engine.cuda_graphs",
     "engine.service", "scheduler.service", "gateway.service", "kernels.cuda", "kernels.reference",
     "llmserve.cli", "llmserve.bench.engine_driver", "llmserve.bench.hf",
-    "bench.gpu_engine", "bench.kernels_bench", "tests.quality",
+    "bench.gpu_engine", "bench.gpu_lora", "bench.kernels_bench", "tests.quality",
     "tests.test_engine_gpu", "tests.test_kernels_cuda", "tests.test_parallel",
 ]  # fmt: skip
 CUDA_MODULES = ["cupy"]

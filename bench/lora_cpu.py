@@ -3,7 +3,10 @@ step loop, no gRPC), 16 requests at once, 128-token prompts, 128 output tokens e
 output tokens per second with 0 (the base alone), 1, 4 and 16 distinct rank-16 adapters in the
 batch (request i under adapter i mod k). Configurations alternate within each round, so a
 change in the machine's load hits all of them alike; the figure per configuration is the
-median over rounds, and each ratio is to the base in the same round.
+median over rounds, and each ratio is to the base in the same round. Each batch's wall time
+and this process's CPU time are both recorded: with one torch thread (--num-threads 1) on a
+machine others share, tokens per CPU second is the steadier figure (the wall clock also counts
+the time the scheduler gave the core to other processes).
 
 Two adapter shapes: q_proj + v_proj (PEFT's default target modules for Llama) and all seven
 projections (q, k, v, o, gate, up, down), which adds about as many weights per adapter as
@@ -67,9 +70,10 @@ def write_adapter(directory: Path, targets: list[str], seed: int) -> Path:
 
 def run_batch(
     engine: Engine, names: list[str], step_id: int, output_len: int
-) -> tuple[float, int, list[int]]:
+) -> tuple[float, float, int, list[int]]:
     """One batch of NUM_REQUESTS requests, request i under names[i % len(names)] (none: the
-    base); (seconds, the next free step id, request 0's first tokens)."""
+    base); (wall seconds, this process's CPU seconds, the next free step id, request 0's first
+    tokens)."""
     engine.reset()
     slots = {name: k + 1 for k, name in enumerate(names)}
     loads = [LoraLoadData(slot, name) for name, slot in slots.items()]
@@ -84,7 +88,7 @@ def run_batch(
         for i in range(NUM_REQUESTS)
     ]  # fmt: skip
     first: list[int] = []
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     out = engine.step(StepPlanData(step_id, [], new, lora_loads=loads))
     first.append(out.sampled_token_ids[0])
     for k in range(1, output_len):
@@ -98,7 +102,8 @@ def run_batch(
         )
         out = engine.step(StepPlanData(step_id + k, [], [], running))
         first.append(out.sampled_token_ids[0])
-    return time.perf_counter() - t0, step_id + output_len, first[:8]
+    wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+    return wall, cpu, step_id + output_len, first[:8]
 
 
 def ratios(values: list[float], base: list[float]) -> list[float]:
@@ -116,6 +121,12 @@ def main() -> None:
     parser.add_argument(
         "--num-threads", type=int, default=0, help="torch threads (0: torch's default)"
     )
+    parser.add_argument(
+        "--shapes", nargs="+", default=list(TARGETS), choices=list(TARGETS), help="adapter shapes"
+    )
+    parser.add_argument(
+        "--qv-counts", type=int, nargs="+", default=None, help="k for qv (default: as all)"
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "bench/results/lora_cpu.json")
     args = parser.parse_args()
     config = EngineConfig(
@@ -127,27 +138,31 @@ def main() -> None:
     engine = Engine(config)
     configs: list[tuple[str, list[str]]] = [("base", [])]
     with tempfile.TemporaryDirectory() as tmp:
-        for shape, targets in TARGETS.items():
+        for shape in args.shapes:
             for i in range(16):
                 name = f"{shape}-{i}"
-                engine.add_lora(name, str(write_adapter(Path(tmp) / name, targets, seed=i)))
-            configs += [
-                (f"{shape} x{k}", [f"{shape}-{i}" for i in range(k)]) for k in args.adapter_counts
-            ]
+                path = write_adapter(Path(tmp) / name, TARGETS[shape], seed=i)
+                engine.add_lora(name, str(path))
+            counts = args.qv_counts if shape == "qv" and args.qv_counts else args.adapter_counts
+            configs += [(f"{shape} x{k}", [f"{shape}-{i}" for i in range(k)]) for k in counts]
         step_id = 1
         rows: dict[str, list[float]] = {name: [] for name, _ in configs}
+        cpu_rows: dict[str, list[float]] = {name: [] for name, _ in configs}
         firsts: dict[str, list[int]] = {}
         run_batch(engine, [], step_id, output_len)  # warm-up (kernel build, allocator)
         step_id += output_len
         for round_index in range(args.rounds):
             for name, names in configs:
-                seconds, step_id, first = run_batch(engine, names, step_id, output_len)
+                seconds, cpu, step_id, first = run_batch(engine, names, step_id, output_len)
                 rows[name].append(NUM_REQUESTS * output_len / seconds)
+                cpu_rows[name].append(NUM_REQUESTS * output_len / cpu)
                 firsts[name] = first
                 print(
-                    f"round {round_index} {name:>8}: {rows[name][-1]:7.1f} output tok/s", flush=True
+                    f"round {round_index} {name:>8}: {rows[name][-1]:7.1f} output tok/s, "
+                    f"{cpu_rows[name][-1]:7.1f} per CPU second",
+                    flush=True,
                 )
-    base = rows["base"]
+    base, cpu_base = rows["base"], cpu_rows["base"]
     results = [
         {
             "config": name,
@@ -157,6 +172,11 @@ def main() -> None:
             "output_tok_s_median": round(statistics.median(rows[name]), 1),
             "ratio_to_base_per_round": [round(r, 3) for r in ratios(rows[name], base)],
             "ratio_to_base_median": round(statistics.median(ratios(rows[name], base)), 3),
+            "output_tok_per_cpu_s": [round(v, 1) for v in cpu_rows[name]],
+            "cpu_ratio_to_base_per_round": [round(r, 3) for r in ratios(cpu_rows[name], cpu_base)],
+            "cpu_ratio_to_base_median": round(
+                statistics.median(ratios(cpu_rows[name], cpu_base)), 3
+            ),
             "first_tokens_request_0": firsts[name],
         }
         for name, names in configs
@@ -164,7 +184,7 @@ def main() -> None:
     document: dict[str, Any] = {
         "study": "lora_cpu",
         "workload": {
-            "model": "built-in SmolLM2-135M-Instruct (GGUF Q4_1, int8 weights on the CPU)",
+            "model": "built-in SmolLM2-135M-Instruct (GGUF Q4_1, served as GGUF blocks)",
             "num_requests": NUM_REQUESTS, "prompt_len": PROMPT_LEN, "output_len": output_len,
             "rank": RANK, "rounds": args.rounds, "greedy": True,
             "torch_threads": args.num_threads or "torch's default",

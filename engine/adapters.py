@@ -17,8 +17,9 @@ from common.log import get_logger
 from common.model_config import ModelConfig
 from engine.config import EngineConfig
 from engine.contract import LoraLoadData
-from engine.lora import LoraSlots
+from engine.lora import LoraSlots, kernel_self_check
 from engine.lora_files import LoraAdapter, LoraError, read_adapter
+from engine.ops import LayerOps
 from engine.parallel import ModelShard
 
 log = get_logger("engine")
@@ -32,7 +33,15 @@ class Adapters:
         shard: ModelShard,
         dtype: torch.dtype,
         device: torch.device,
+        ops: LayerOps | None = None,
     ):
+        """ops: the model's backend; with the CUDA kernels (KernelOps), kernels/lora.cu is
+        checked against its reference here, and a kernel that fails or disagrees stops the
+        engine with the reason (as the int8 kernel does), before any request runs."""
+        if ops is not None and ops.name == "cuda":
+            why = kernel_self_check(ops.lib.lora_add, dtype, device)
+            if why is not None:
+                raise RuntimeError(f"--max-loras {config.max_loras} on the CUDA kernels: {why}")
         self.model_config = model_config
         self.max_rank = config.max_lora_rank
         self.capacity = config.max_cpu_loras

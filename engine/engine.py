@@ -87,7 +87,7 @@ class Engine:
         ):
             log.warning("attention backend: plain torch, not the CUDA kernels", why=self.ops_reason)
         self.adapters = (
-            Adapters(config, self.model_config, self.shard, self.dtype, self.device)
+            Adapters(config, self.model_config, self.shard, self.dtype, self.device, self.model.ops)
             if config.max_loras
             else None
         )

@@ -207,7 +207,7 @@ class Attention(OpsModule):
         num_tokens, dim = hidden.shape[0], self.head_dim
         qkv = self.qkv_proj(hidden)
         if ctx.lora is not None:
-            ctx.lora.add(self.layer_idx, "qkv_proj", hidden, qkv)
+            self.ops.lora_add(ctx.lora, self.layer_idx, "qkv_proj", hidden, qkv)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k = q.reshape(num_tokens, self.num_heads, dim), k.reshape(num_tokens, -1, dim)
         if self.qk_norm:
@@ -222,7 +222,7 @@ class Attention(OpsModule):
         attn = attn.reshape(num_tokens, self.q_size)
         out = self.o_proj(attn)
         if ctx.lora is not None:  # before the all-reduce: a row-parallel update is partial too
-            ctx.lora.add(self.layer_idx, "o_proj", attn, out)
+            self.ops.lora_add(ctx.lora, self.layer_idx, "o_proj", attn, out)
         return self.tp.all_reduce(out)
 
 
@@ -245,11 +245,11 @@ class MLP(OpsModule):
         """lora: the step's adapters (engine.lora), whose updates the two projections add."""
         gate_up = self.gate_up_proj(x)
         if lora is not None:
-            lora.add(self.layer_idx, "gate_up_proj", x, gate_up)
+            self.ops.lora_add(lora, self.layer_idx, "gate_up_proj", x, gate_up)
         act = self.ops.gelu_tanh_and_mul(gate_up) if self.gelu else self.ops.silu_and_mul(gate_up)
         out = self.down_proj(act)
         if lora is not None:
-            lora.add(self.layer_idx, "down_proj", act, out)
+            self.ops.lora_add(lora, self.layer_idx, "down_proj", act, out)
         return self.tp.all_reduce(out)
 
 

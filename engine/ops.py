@@ -30,6 +30,7 @@ from kernels import reference as ref
 
 if TYPE_CHECKING:
     from common.model_config import ModelConfig
+    from engine.lora import LoraBatch
 
 
 class LayerOps:
@@ -87,6 +88,11 @@ class LayerOps:
     def gelu_tanh_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """kernels/reference.py's on every backend (no CUDA kernel of its own yet)."""
         return ref.gelu_tanh_and_mul(x)
+
+    def lora_add(self, lora: LoraBatch, layer: int, group: str, x: Tensor, out: Tensor) -> None:
+        """The step's adapter updates of projection `group` added into out (engine/lora.py),
+        through torch's products (kernels/lora_reference.py)."""
+        lora.add(layer, group, x, out)
 
 
 class OpsModule(torch.nn.Module):
@@ -282,6 +288,11 @@ class KernelOps(LayerOps):
     ) -> Tensor:
         """kernels/moe.cu: no sort and no host synchronization (graph-safe)."""
         return self.lib.moe_experts(x, weights, ids, w13, w2, first_expert)
+
+    def lora_add(self, lora: LoraBatch, layer: int, group: str, x: Tensor, out: Tensor) -> None:
+        """kernels/lora.cu on decode-like steps (gathered per row, graph-safe); a step with a
+        long prefill segment through torch's per-segment matmuls (engine/lora.py)."""
+        lora.add(layer, group, x, out, kernel=self.lib.lora_add)
 
     def prepare(self, ctx: AttentionContext) -> AttentionContext:
         """The step's int32 device metadata from its host lists, once per step; a context that

@@ -7,7 +7,8 @@ kc.paged_attention(...)`. This module re-exports the wrappers, which live by con
   attention;
 - kernels/layer_ops.py: rms_norm, rotary_embedding, silu_and_mul;
 - kernels/int8.py: the weight-only int8 linear (GEMV and tensor-core GEMM);
-- kernels/moe.py: the routed experts of a mixture-of-experts layer.
+- kernels/moe.py: the routed experts of a mixture-of-experts layer;
+- kernels/lora.py: batched LoRA, each row's adapter update (shrink, then expand).
 
 Each public function mirrors one in kernels/reference.py (the ground truth and the CPU path),
 checks shapes, strides, dtypes and devices before launching, and raises ValueError naming the
@@ -56,6 +57,7 @@ from kernels.launch import (
     load_source,
 )
 from kernels.layer_ops import layer_ops_spec, rms_norm, rotary_embedding, silu_and_mul
+from kernels.lora import lora_add, lora_spec
 from kernels.moe import moe_experts, moe_spec
 
 __all__ = [
@@ -87,6 +89,8 @@ __all__ = [
     "is_available",
     "layer_ops_spec",
     "load_source",
+    "lora_add",
+    "lora_spec",
     "moe_experts",
     "moe_spec",
     "paged_attention",
@@ -112,6 +116,7 @@ def all_module_specs() -> list[ModuleSpec]:
         specs += [prefill_spec(ctype, d) for d in HEAD_DIMS]
         specs.append(layer_ops_spec(ctype))
         specs.append(moe_spec(ctype))
+        specs.append(lora_spec(ctype))
     for ctype in _CTYPES.values():
         specs.append(store_kv_spec(ctype))
         specs += [decode_spec(ctype, d, FP8_CTYPE) for d in HEAD_DIMS]

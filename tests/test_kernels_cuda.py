@@ -569,3 +569,44 @@ def test_moe_experts_qwen3_30b_shape(kc: ModuleType, dtype: torch.dtype, tokens:
     want = moe_ref.moe_experts(x.float(), weights, ids, w13.float(), w2.float(), first)
     mine = ((ids >= first) & (ids < first + local)).any(-1)
     assert_close(out[mine], want[mine], dtype, "moe_experts replayed vs float32 reference")
+
+
+@pytest.mark.parametrize("tokens", [1, 16, 64, 300])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_lora_add_8b_qkv_shape(kc: ModuleType, dtype: torch.dtype, tokens: int) -> None:
+    """The 8B shape's qkv_proj (in 4096; q 4096, k 1024, v 1024 out) with 8 slots of ranks 8
+    and 16 (max rank 16) and a quarter of the rows on the base: the update against
+    kernels/lora_reference.py in float32 over the same rounded inputs, base rows untouched;
+    then captured in a CUDA graph and replayed with the rows' slots changed."""
+    from kernels import lora_reference as lora_ref
+
+    widths, slots, in_features = [4096, 1024, 1024], 8, 4096
+    a = torch.randn(slots, 16, 3, in_features, device=DEVICE) * in_features**-0.5
+    b = [torch.randn(slots, 16, w, device=DEVICE) for w in widths]
+    a[::2, 8:] = 0  # even slots: rank 8
+    for bp in b:
+        bp[::2, 8:] = 0
+    a, b = a.to(dtype), [bp.to(dtype) for bp in b]
+    x = torch.randn(tokens, in_features, device=DEVICE).to(dtype)
+    base = torch.randn(tokens, sum(widths), device=DEVICE).to(dtype) * 0.1
+    ids = torch.randint(-2, slots, (tokens,), device=DEVICE, dtype=torch.int32)
+    ids[0] = 1  # at least one adapted row
+    out = base.clone()
+    kc.lora_add(x, out, ids, a, b, 16)
+
+    def expect() -> torch.Tensor:
+        want = base.float().clone()
+        return lora_ref.lora_add(x.float(), want, ids, a.float(), [bp.float() for bp in b], 16)
+
+    adapted = ids >= 0
+    assert torch.equal(out[~adapted], base[~adapted]), "base rows must not move"
+    assert_close(out[adapted], expect()[adapted], dtype, "lora_add vs float32 reference")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out.copy_(base)
+        kc.lora_add(x, out, ids, a, b, 16)
+    ids.copy_(torch.randint(-2, slots, (tokens,), device=DEVICE, dtype=torch.int32))
+    ids[0] = 2
+    graph.replay()
+    adapted = ids >= 0
+    assert_close(out[adapted], expect()[adapted], dtype, "lora_add replayed vs float32 reference")

@@ -22,8 +22,9 @@ from engine.config import EngineConfig
 from engine.contract import LoraLoadData, NewRequestData, RunningData, StepPlanData
 from engine.convert import plan_from_proto
 from engine.engine import Engine
-from engine.lora import LoraBatch, lora_padded, lora_segments
+from engine.lora import LoraBatch
 from engine.lora_files import LoraError
+from kernels.lora_reference import lora_padded, lora_segments
 from scheduler.config import SchedulerConfig
 from scheduler.convert import plan_to_proto
 from scheduler.request import Request
@@ -216,39 +217,42 @@ def test_base_and_three_adapters_in_one_batch(
 
 def test_padded_and_segment_layouts_match_per_token_reference() -> None:
     """lora_padded and lora_segments against out[t] = B_s (A_s x[t]) token by token, for a
-    three-part projection with slots of different ranks and a base row between them."""
+    three-part projection with slots of different ranks and a base row between them; the
+    padded layout with its slots as an index tensor, a slice and every slot."""
     torch.manual_seed(0)
     num_slots, max_rank, dim, outs = 3, 8, 16, [12, 6, 6]
-    a = torch.randn(num_slots, 3, max_rank, dim)
+    a = torch.randn(num_slots, max_rank, 3, dim)
     b = [torch.randn(num_slots, max_rank, o) for o in outs]
-    a[1, :, 4:] = 0  # slot 2 has rank 4
+    a[1, 4:] = 0  # slot 2 has rank 4
     token_slots = [2, 2, 0, 1, 1, 1, 1, 1, 3, 0]  # 0: base
     x = torch.randn(len(token_slots), dim)
     reference = torch.zeros(len(token_slots), sum(outs))
     for t, slot in enumerate(token_slots):
         if slot:
-            parts = [b[p][slot - 1].t() @ (a[slot - 1, p] @ x[t]) for p in range(3)]
+            parts = [b[p][slot - 1].t() @ (a[slot - 1, :, p] @ x[t]) for p in range(3)]
             reference[t] = torch.cat(parts)
     segments = [[0, 1], [3, 4, 5, 6, 7], [8]]
-    indices = [1, 0, 2]
     flat = [t for s in segments for t in s]
-    got_segments = torch.zeros_like(reference)
+
+    def added(update: torch.Tensor, tokens: list[int] = flat) -> torch.Tensor:
+        return torch.zeros_like(reference).index_add_(0, torch.tensor(tokens), update)
+
     update = lora_segments(x[flat], a, b, [(1, 0, 2), (0, 2, 7), (2, 7, 8)], max_rank)
-    got_segments.index_add_(0, torch.tensor(flat), update)
+    torch.testing.assert_close(added(update), reference, rtol=1e-5, atol=1e-4)
     gather = torch.tensor([0, 1, 0, 0, 0, 3, 4, 5, 6, 7, 8, 0, 0, 0, 0])
     positions = torch.tensor([0, 1, 5, 6, 7, 8, 9, 10])
-    update = lora_padded(x, a, b, torch.tensor(indices), gather, positions, max_rank)
-    got_padded = torch.zeros_like(reference)
-    got_padded.index_add_(0, torch.tensor(flat), update)
-    torch.testing.assert_close(got_segments, reference, rtol=1e-5, atol=1e-4)
-    torch.testing.assert_close(got_padded, reference, rtol=1e-5, atol=1e-4)
-    # Every slot in order (indices None): the tables are used as they are.
+    update = lora_padded(x, a, b, torch.tensor([1, 0, 2]), gather, positions, max_rank)
+    torch.testing.assert_close(added(update), reference, rtol=1e-5, atol=1e-4)
+    # Every slot in order (select None), and a run of slots (a slice): the tables in place.
     gather = torch.tensor([3, 4, 5, 6, 7, 0, 1, 0, 0, 0, 8, 0, 0, 0, 0])
     positions = torch.tensor([5, 6, 0, 1, 2, 3, 4, 10])
     update = lora_padded(x, a, b, None, gather, positions, max_rank)
-    got_whole = torch.zeros_like(reference)
-    got_whole.index_add_(0, torch.tensor([0, 1, 3, 4, 5, 6, 7, 8]), update)
-    torch.testing.assert_close(got_whole, reference, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(added(update, [0, 1, 3, 4, 5, 6, 7, 8]), reference)
+    gather = torch.tensor([3, 4, 5, 6, 7, 0, 1, 0, 0, 0])  # slots 1 and 2 only
+    update = lora_padded(x, a, b, slice(0, 2), gather, positions[:7], max_rank)
+    without_slot_3 = reference.clone()
+    without_slot_3[8] = 0
+    torch.testing.assert_close(added(update, [0, 1, 3, 4, 5, 6, 7]), without_slot_3)
 
 
 def test_layout_choice_and_batch_rows(engine: Engine, adapters: dict[str, Path]) -> None:
@@ -269,6 +273,14 @@ def test_layout_choice_and_batch_rows(engine: Engine, adapters: dict[str, Path])
     small = slots.batch([1, 2, 0], [3, 2, 1])
     assert small is not None and small.rank == 8 and small.padded
     assert slots.batch([0, 0], [5, 1]) is None
+    # The padded layout's slots: an index tensor, a run of them (read in place), or all; the
+    # copies skipped where they would be the identity.
+    assert isinstance(decode.select, torch.Tensor) and decode.select.tolist() == [0, 2]
+    assert small.select == slice(0, 2) and not small.every_row
+    whole = slots.batch([1, 2, 3], [1, 1, 1])
+    assert whole is not None and whole.select is None and whole.every_row
+    assert whole.gather is None and whole.positions is None
+    assert decode.gather is not None and decode.gather.tolist() == [0, 3, 2, 0]
 
 
 def test_refused_adapters_name_the_adapter_and_reason(

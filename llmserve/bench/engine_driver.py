@@ -10,7 +10,13 @@ from collections.abc import Callable
 from typing import Any
 
 from common.sampling import normalized
-from engine.contract import NewRequestData, RunningData, StepOutput, StepPlanData
+from engine.contract import (
+    LoraLoadData,
+    NewRequestData,
+    RunningData,
+    StepOutput,
+    StepPlanData,
+)
 from engine.engine import Engine
 from protos.common_pb2 import SamplingParams
 
@@ -35,6 +41,7 @@ class Driver:
         self.tables: list[list[int]] = []
         self.computed: list[int] = []
         self.generated: list[list[int]] = []
+        self.lora_slots: list[int] = []
 
     def _grow(self, seq_id: int, length: int) -> list[int]:
         need = -(-length // self.block_size) - len(self.tables[seq_id])
@@ -43,25 +50,38 @@ class Driver:
         self.tables[seq_id] += new
         return new
 
-    def _step(self, new: list[NewRequestData], running: RunningData) -> StepOutput:
+    def _step(
+        self,
+        new: list[NewRequestData],
+        running: RunningData,
+        lora_loads: list[LoraLoadData] | None = None,
+    ) -> StepOutput:
         self.step_id += 1
-        out = self.engine.step(StepPlanData(self.step_id, [], new, running))
+        out = self.engine.step(StepPlanData(self.step_id, [], new, running, lora_loads or []))
         for i, token in enumerate(out.sampled_token_ids):
             self.generated[i].append(token)
         return out
 
-    def start(self, prompts: list[list[int]]) -> StepOutput:
+    def start(
+        self,
+        prompts: list[list[int]],
+        lora_slots: list[int] | None = None,
+        lora_loads: list[LoraLoadData] | None = None,
+    ) -> StepOutput:
+        """lora_slots: each request's adapter slot (0: the base; None: no adapters), loaded
+        by lora_loads in this first step."""
         self.engine.reset()
+        self.lora_slots = list(lora_slots or [])
         new = []
         for seq_id, prompt in enumerate(prompts):
             self.tables.append([])
             self.generated.append([])
             table = self._grow(seq_id, len(prompt))  # a copy of the whole (new) table
-            new.append(
-                NewRequestData(seq_id, prompt, len(prompt), self.sampling, table, 0, len(prompt))
-            )
+            slot = self.lora_slots[seq_id] if self.lora_slots else 0
+            n = len(prompt)
+            new.append(NewRequestData(seq_id, prompt, n, self.sampling, table, 0, n, slot))
         self.computed = [len(p) for p in prompts]
-        return self._step(new, RunningData([], [], [], [], []))
+        return self._step(new, RunningData([], [], [], [], []), lora_loads or [])
 
     def decode(self) -> StepOutput:
         num_seqs = len(self.computed)
@@ -72,6 +92,7 @@ class Driver:
             num_computed_tokens=list(self.computed),
             num_new_blocks=[len(b) for b in new_blocks],
             new_block_ids=[b for blocks in new_blocks for b in blocks],
+            lora_slot=self.lora_slots,
         )
         out = self._step([], running)
         self.computed = [n + 1 for n in self.computed]
