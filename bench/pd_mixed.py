@@ -61,6 +61,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     p.add_argument("--output", type=Path, default=Path("bench/results/pd_mixed.json"))
+    p.add_argument(
+        "--plot",
+        type=Path,
+        nargs="+",
+        metavar="JSON",
+        help="run nothing: plot these result files (a round each) into bench/results/pd_mixed.png",
+    )
     return p.parse_args()
 
 
@@ -175,8 +182,48 @@ def run_config(name: str, args: argparse.Namespace, seed: int) -> dict[str, Any]
             "requests": rows}  # fmt: skip
 
 
+def plot(paths: list[Path], out: Path) -> None:
+    """Chat ITL and TTFT (p50, p99) and throughput per configuration, one group per round."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rounds = [json.loads(p.read_text())["runs"] for p in paths]
+    panels = [
+        ("chat ITL (ms, log)", "chat_itl_ms", True),
+        ("chat TTFT (ms, log)", "chat_ttft_ms", True),
+    ]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    for ax, (title, key, log) in zip(axes, panels, strict=False):
+        labels, width = [], 0.38
+        for i, (r, run) in enumerate((r, run) for r, runs in enumerate(rounds) for run in runs):
+            labels.append(f"{run['config']}\nround {r + 1}")
+            for j, q in enumerate(("p50", "p99")):
+                v = run[f"{key}_{q}"]
+                ax.bar(i + (j - 0.5) * width, v, width, color=f"C{j}", label=q if i == 0 else None)
+                ax.annotate(f"{v:.0f}", (i + (j - 0.5) * width, v), ha="center", va="bottom",
+                            fontsize=7)  # fmt: skip
+        ax.set_xticks(range(len(labels)), labels, fontsize=8)
+        ax.set_yscale("log" if log else "linear")
+        ax.set_title(title)
+        ax.legend()
+    runs = [(r, run) for r, runs in enumerate(rounds) for run in runs]
+    axes[2].bar(range(len(runs)), [run["tokens_per_s"] for _, run in runs], color="C2")
+    axes[2].set_xticks(range(len(runs)), [f"{run['config']}\nround {r + 1}" for r, run in runs],
+                       fontsize=8)  # fmt: skip
+    axes[2].set_title("output tok/s (both roles share 2 cores)")
+    fig.suptitle("short chats under a stream of long prompts: 1 prefill + 1 decode vs colocated")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    print(f"plot: {out}")
+
+
 def main() -> int:
     args = parse_args()
+    if args.plot:
+        plot(args.plot, Path("bench/results/pd_mixed.png"))
+        return 0
     runs = []
     for repeat in range(args.repeats):
         for name in args.configs:
