@@ -16,7 +16,13 @@ import torch
 from common.model_config import load_model_config
 from engine.gguf_linear import GGUFEmbedding, GGUFLinear
 from engine.quant import Int8Linear
-from engine.weights import build_model, checked_quantization, load_weights, resolve_quantization
+from engine.weights import (
+    LazyWeights,
+    build_model,
+    checked_quantization,
+    load_weights,
+    resolve_quantization,
+)
 from kernels import cpu_gguf
 from tests.quality import prompt_logits
 
@@ -142,6 +148,21 @@ def test_model_on_gguf_blocks_equals_the_dequantized_one(q4_1_gguf: Path) -> Non
         )
         <= 1e-4
     )
+
+
+def test_gguf_load_widens_only_tensors_stored_otherwise(q4_1_gguf: Path) -> None:
+    """The blocks are swapped in before the load: the loader reads as float32 only the tensors
+    the file does not store in blocks (the norms, this file's float32 head), never a
+    projection or the embeddings (the load used to build the whole model in float32 first)."""
+    config = load_model_config(q4_1_gguf)
+    weights = load_weights(q4_1_gguf, config)
+    assert isinstance(weights, LazyWeights)
+    read: list[str] = []
+    original = weights.read
+    weights.read = lambda name: (read.append(name), original(name))[1]
+    build_model(config, weights, 256, torch.float32, torch.device("cpu"), quantization="gguf")
+    assert "lm_head.weight" in read
+    assert all(name.endswith("norm.weight") or name == "lm_head.weight" for name in read), read
 
 
 def test_auto_picks_gguf_for_a_4_bit_gguf_on_a_cpu(
