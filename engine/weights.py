@@ -20,6 +20,7 @@ from common.families import FAMILIES
 from common.gguf_file import TensorInfo, open_gguf
 from common.model_config import ModelConfig, ModelSourceError
 from engine.config import EngineConfig
+from engine.cpu_fused import install_fused_decode
 from engine.cuda_graphs import graph_batch_sizes
 from engine.dummy import DummyWeights, init_dummy_weights
 from engine.families import model_class
@@ -260,6 +261,7 @@ def build_model(
     model = model.eval().requires_grad_(False)
     if quantization == "gguf":
         quantize_rest(model)
+        install_fused_decode(model)
     elif quantization != "none":
         model.replace_linears(QUANTIZED_LINEARS[quantization])
     elif device.type == "cpu" and dtype == torch.float32 and can_pack_cpu_linears():

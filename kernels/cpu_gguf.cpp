@@ -14,6 +14,7 @@
 // need (kernels/cpu_build.py: torch/extension.h and pybind11 take 4x as long to compile).
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <torch/library.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -22,6 +23,9 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <optional>
+#include <tuple>
+#include <vector>
 
 namespace {
 
@@ -212,7 +216,10 @@ void gguf_dequantize(at::Tensor w, int64_t fmt, at::Tensor out) {
   });
 }
 
+#include "cpu_decode_layer.h"
+
 TORCH_LIBRARY(llmserve_cpu_gguf, m) {
+  m.def("decode_layer", &decode_layer);        // a decoder layer over decode rows, one call
   m.def("gguf_linear", &gguf_linear);          // x times GGUF-quantized W^T, x quantized per block
   m.def("gguf_dequantize", &gguf_dequantize);  // GGUF blocks widened to float32 [N, K]
   m.def("has_vnni", &has_vnni);                // whether this CPU has AVX-512 VNNI (and VL, BW)
