@@ -3,8 +3,9 @@
 //
 // gguf_linear quantizes x per block of 32 along K to int16 (a scale per block: amax / 32767) or
 // int8 (amax / 127, as GGUF's Q8_0), then each output is a sum over blocks of integer dot
-// products, the weights unpacked from their nibbles in registers (kernels/cpu_gguf_dot.h). Threads split the N outputs; each output
-// row of W is read once per 4 rows of x. Two builds of the inner loops, chosen at run time:
+// products, the weights unpacked from their nibbles in registers (kernels/cpu_gguf_dot.h).
+// Threads split the N outputs; up to 4 rows of x, each row of W is unpacked in registers; for
+// more, once per output into int16 levels that 8 rows of x at a time then read. Two builds of the inner loops, chosen at run time:
 // AVX2 (maddubs / madd) and, where the CPU has AVX-512 VNNI and VL, vpdpbusd / vpdpwssd on
 // 256-bit lanes.
 //
@@ -155,8 +156,12 @@ at::Tensor gguf_linear(at::Tensor x, at::Tensor w, int64_t fmt, bool vnni,
                   xs.data_ptr<float>());
   }
   auto y = at::empty({M, N}, x.options());
+  // more than 4 int16 rows: the outputs are written as y^T [N, M] (cpu_gguf_dot.h:
+  // unpacked_range), then transposed here
+  const bool transposed = act_bits == 16 && M > 4;
+  auto yt = transposed ? at::empty({N, M}, x.options()) : y;
   const Problem pr{w.data_ptr<uint8_t>(), w.size(1), fmt, M, N, K, act_bits, xq.data_ptr(),
-                   xd.data_ptr<float>(), xs.data_ptr<float>(), y.data_ptr<float>()};
+                   xd.data_ptr<float>(), xs.data_ptr<float>(), yt.data_ptr<float>()};
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
     if (vnni) {
       vnni::outputs(pr, n0, n1);
@@ -164,6 +169,15 @@ at::Tensor gguf_linear(at::Tensor x, at::Tensor w, int64_t fmt, bool vnni,
       avx2::outputs(pr, n0, n1);
     }
   });
+  if (transposed) {
+    const float* src = yt.data_ptr<float>();
+    float* dst = y.data_ptr<float>();
+    at::parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) {
+      for (int64_t m = m0; m < m1; ++m) {
+        for (int64_t n = 0; n < N; ++n) dst[m * N + n] = src[n * M + m];
+      }
+    });
+  }
   return y;
 }
 
