@@ -7,8 +7,11 @@ gRPC), at batch 1 / 16 / 64, for each change that went into the CPU engine:
     cpu ops                        engine.ops.CpuOps (the engine's CPU default)
     cpu ops + int8                 --quantization int8 (kernels/cpu_int8.cpp)
     cpu ops + int8 + bf16 KV       --kv-cache-dtype bf16
-    cpu ops + gguf                 --quantization gguf (issue 30: the GGUF's 4-bit blocks as
-                                   stored, kernels/cpu_gguf.cpp, activations int16 per block)
+    cpu ops + gguf unfused         --quantization gguf (issue 30: the GGUF's 4-bit blocks as
+                                   stored, kernels/cpu_gguf.cpp, activations int16 per block),
+                                   each layer through its torch ops
+    cpu ops + gguf                 the same with each decode layer one C++ call
+                                   (engine/cpu_fused.py, the default)
     cpu ops + gguf + int8 act      the same with activations rounded to int8 (as llama.cpp)
 
     python -m bench.cpu_engine_steps [--out bench/results/cpu_engine_steps.json]
@@ -21,7 +24,12 @@ once), so a machine whose load drifts slows them alike; a mode's figure is the m
 rounds, and the ratios are to the first mode listed.
 """
 
+# ruff: noqa: E402 (libgomp's wait policy is set before torch loads it)
 from __future__ import annotations
+
+from engine.cpu_threads import configure_openmp
+
+configure_openmp()  # as the engine service does, before torch loads libgomp
 
 import argparse
 import statistics
@@ -46,14 +54,17 @@ MODES: list[tuple[str, dict[str, Any], bool, bool]] = [
     ("cpu ops", {"quantization": "none"}, False, False),
     ("cpu ops + int8", {"quantization": "int8"}, False, False),
     ("cpu ops + int8 + bf16 KV", {"quantization": "int8", "kv_cache_dtype": "bf16"}, False, False),
+    ("cpu ops + gguf unfused", {"quantization": "gguf"}, False, False),
     ("cpu ops + gguf", {"quantization": "gguf"}, False, False),
     ("cpu ops + gguf + int8 act", {"quantization": "gguf"}, False, False),
 ]
 ACT_BITS = {"cpu ops + gguf + int8 act": 8}  # kernels.cpu_gguf.ACT_BITS while the mode runs
+UNFUSED = {"cpu ops + gguf unfused"}  # engine.cpu_fused.ENABLED off while the mode runs
 
 
-def make_engine(fields: dict[str, Any], reference: bool) -> Engine:
-    engine = Engine(EngineConfig(device="cpu", num_kv_blocks=1200, seed=0, **fields))
+def make_engine(fields: dict[str, Any], reference: bool, threads: int = 0) -> Engine:
+    config = EngineConfig(device="cpu", num_kv_blocks=1200, seed=0, num_threads=threads, **fields)
+    engine = Engine(config)
     if reference:
         engine.model.set_ops(ReferenceOps())
     return engine
@@ -67,10 +78,12 @@ def run_mode(
     steps: int,
     prompt_len: int,
 ) -> list[dict[str, Any]]:
+    from engine import cpu_fused
     from kernels import cpu_gguf
 
     default_bits = cpu_gguf.ACT_BITS
     cpu_gguf.ACT_BITS = ACT_BITS.get(name, default_bits)
+    cpu_fused.ENABLED = name not in UNFUSED
     try:
         if not other_thread:
             return [time_decode_steps(engine, b, steps, prompt_len) for b in batches]
@@ -85,6 +98,7 @@ def run_mode(
         return rows
     finally:
         cpu_gguf.ACT_BITS = default_bits
+        cpu_fused.ENABLED = True
 
 
 def run_rounds(
@@ -93,10 +107,13 @@ def run_rounds(
     steps: int,
     rounds: int,
     prompt_len: int = 128,
+    threads: int = 0,
 ) -> list[dict[str, Any]]:
     """Each mode's rows, the modes taking turns `rounds` times; a batch's figure is the median
     of its rounds' medians, every round's rows kept."""
-    engines = {name: make_engine(fields, reference) for name, fields, reference, _ in modes}
+    engines = {
+        name: make_engine(fields, reference, threads) for name, fields, reference, _ in modes
+    }
     per_round: dict[str, list[list[dict[str, Any]]]] = {name: [] for name, *_ in modes}
     for r in range(rounds):
         for name, _, _, other_thread in modes:
@@ -133,8 +150,8 @@ def main() -> None:
         "--threads",
         type=int,
         default=0,
-        help="torch threads (0: torch's default); 1 keeps a "
-        "shared machine's descheduled OpenMP threads out of every parallel region's wait",
+        help="torch threads (0: the engine's default, every usable core); 1 keeps a shared "
+        "machine's descheduled OpenMP threads out of every parallel region's wait",
     )
     p.add_argument("--rounds", type=int, default=1, help="turns each mode takes (A B A B ...)")
     args = p.parse_args()
@@ -147,7 +164,9 @@ def main() -> None:
     if unknown:
         p.error(f"--modes: unknown {unknown}; known: {known}")
     modes = sorted((m for m in MODES if m[0] in wanted), key=lambda m: wanted.index(m[0]))
-    results = run_rounds(modes or MODES, batches, args.steps, args.rounds, args.prompt_len)
+    results = run_rounds(
+        modes or MODES, batches, args.steps, args.rounds, args.prompt_len, args.threads
+    )
     base = {r["batch"]: r["step_ms_median"] for r in results[0]["rows"]}
     print(f"\n{'mode':32s}" + "".join(f"{f'batch {b} ms (x)':>22s}" for b in batches))
     for result in results:

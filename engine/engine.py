@@ -29,6 +29,7 @@ from common.sampling import has_penalties
 from engine.adapters import Adapters
 from engine.config import EngineConfig
 from engine.contract import EngineInfo, StepOutput, StepPlanData, with_refused_rows
+from engine.cpu_threads import set_torch_threads
 from engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from engine.device import resolve_device, resolve_dtype, resolve_kv_dtype
 from engine.disaggregation import KVTransfers
@@ -70,8 +71,7 @@ class Engine:
         self.parallel = parallel
         # Unseeded requests draw from this; a fresh one each start unless --seed fixes it.
         self.sampling_seed = secrets.randbits(63) if config.seed is None else config.seed
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
+        set_torch_threads(config.num_threads, config.device)
         t0 = time.perf_counter()
         path = resolve_model_path(config.model)
         self._resolve_target(path)

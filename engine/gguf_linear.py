@@ -2,16 +2,17 @@
 (Q4_0, Q4_1, Q8_0, Q4_K), multiplied by kernels/cpu_gguf.cpp on the CPU. A Q4_1 projection
 reads 0.625 bytes per weight where the int8 form (engine/quant.py) reads 1.25.
 
-`replace_gguf_linears` swaps them into a loaded model: each Linear takes the file's blocks of the
-HF tensors it stacks (q, k and v; gate and up), the LM head those of the output tensor or, tied,
-of the embeddings, which stay in their blocks too (GGUFEmbedding). A layer whose tensors are
-stored otherwise (float, another block type, or parts of different types) becomes an Int8Linear
-instead.
+`keep_gguf_blocks` swaps them into a model before its load (so no float32 copy of them is ever
+made): each Linear takes the file's blocks of the HF tensors it stacks (q, k and v; gate and up),
+the LM head those of the output tensor or, tied, of the embeddings, which stay in their blocks
+too (GGUFEmbedding). A layer whose tensors are stored otherwise (float, another block type, or
+parts of different types) loads as float and becomes an Int8Linear after (`quantize_rest`).
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 
 import torch
 from torch import nn
@@ -78,7 +79,7 @@ class GGUFEmbedding(nn.Module):
 
 
 class GGUFBlocks:
-    """What replace_gguf_linears reads: a GGUF tensor's blocks by HF name, (ggml type, uint8
+    """What keep_gguf_blocks reads: a GGUF tensor's blocks by HF name, (ggml type, uint8
     [rows, row_bytes]) in the model's row order, or None where it is stored unquantized or in a
     block type the kernel lacks (engine/weights.py's GGUF loader is one)."""
 
@@ -90,41 +91,57 @@ class GGUFBlocks:
         raise NotImplementedError
 
 
-def _make(
-    source: GGUFBlocks, names: list[str], weight: torch.Tensor, bias: torch.Tensor | None
-) -> nn.Module:
-    parts = [source.blocks(name) for name in names]
+def _gguf_linear(
+    source: GGUFBlocks, weights: Mapping[str, torch.Tensor], names: dict[str, list[str]]
+) -> GGUFLinear | None:
+    """A GGUFLinear on the file's blocks of the HF tensors `names["weight"]` stacks (with the
+    float biases `names["bias"]`), or None where they are not all blocks of one type."""
+    parts = [source.blocks(name) for name in names["weight"]]
     types = {part[0] for part in parts if part is not None}
-    if None in parts or len(types) != 1:
-        return Int8Linear(weight, bias)
+    if None in parts or len(types) != 1 or not all(n in weights for n in names["bias"]):
+        return None
     blocks = torch.cat([part[1] for part in parts if part is not None])
+    bias = torch.cat([weights[n] for n in names["bias"]]) if names["bias"] else None
     return GGUFLinear(blocks, types.pop(), bias)
 
 
-def replace_gguf_linears(model: LlamaForCausalLM, source: GGUFBlocks) -> None:
-    """Swap every Linear of the loaded model, the LM head included, for a GGUFLinear (an
-    Int8Linear where the file's blocks cannot serve it), and the embeddings, where the file
-    stores them in blocks, for a GGUFEmbedding. A whole model only: a tensor-parallel
-    rank's slice of K would cut blocks."""
+def keep_gguf_blocks(
+    model: LlamaForCausalLM, source: GGUFBlocks, weights: Mapping[str, torch.Tensor]
+) -> None:
+    """Before the load: swap every Linear whose tensors the file stores in the kernel's blocks
+    for a GGUFLinear on them, and embeddings so stored for a GGUFEmbedding (a tied LM head: a
+    GGUFLinear on the same blocks), so that the load never widens them to float32 (the model
+    would hold 4 bytes per weight at its peak). The Linears left load as float; then
+    `quantize_rest`. A whole model only: a tensor-parallel rank's slice of K would cut
+    blocks."""
     assert model.shard.tp.size == 1, "GGUF blocks are not split across tensor-parallel ranks"
-    names: dict[int, list[str]] = {}  # id(Linear) -> the HF tensors its weight stacks, in order
+    names: dict[int, dict[str, list[str]]] = {}  # id(Linear) -> its weight's, its bias's tensors
     for name, module, param, _ in model.hf_tensors():
-        if isinstance(module, Linear) and param is module.weight:
-            names.setdefault(id(module), []).append(name)
+        if isinstance(module, Linear):
+            kind = "weight" if param is module.weight else "bias"
+            names.setdefault(id(module), {"weight": [], "bias": []})[kind].append(name)
+    for name, module in list(model.named_modules()):
+        if isinstance(module, Linear) and id(module) in names:
+            parts = names[id(module)]
+            if not all(source.holds(part) for part in parts["weight"]):  # stored fused (Phi-3)
+                parts = {**parts, "weight": [f"model.{name}.weight"]}
+            layer = _gguf_linear(source, weights, parts)
+            if layer is not None:
+                parent, _, leaf = name.rpartition(".")
+                setattr(model.get_submodule(parent), leaf, layer)
+    embed = None if model.embed_tokens is None else source.blocks("model.embed_tokens.weight")
+    if embed is not None:
+        if model.lm_head is None and model.norm is not None:  # tied: the embeddings' blocks
+            model.lm_head = GGUFLinear(embed[1], embed[0], None)
+        model.embed_tokens = GGUFEmbedding(embed[1], embed[0])  # type: ignore[assignment]
+
+
+def quantize_rest(model: LlamaForCausalLM) -> None:
+    """After the load: every Linear keep_gguf_blocks left (stored as float or in another block
+    type) becomes an Int8Linear, and a tied LM head over float embeddings one too."""
     for name, module in list(model.named_modules()):
         if isinstance(module, Linear):
             parent, _, leaf = name.rpartition(".")
-            parts = names[id(module)]
-            if not all(source.holds(part) for part in parts):  # stored fused (Phi-3's qkv)
-                parts = [f"model.{name}.weight"]
-            layer = _make(source, parts, module.weight, module.bias)
-            setattr(model.get_submodule(parent), leaf, layer)
-    embed = None if model.embed_tokens is None else source.blocks("model.embed_tokens.weight")
-    if model.lm_head is None and model.norm is not None:  # tied: the embeddings' blocks
-        model.lm_head = (
-            Int8Linear(model.embed_tokens.weight, None)
-            if embed is None
-            else GGUFLinear(embed[1], embed[0], None)
-        )
-    if embed is not None:
-        model.embed_tokens = GGUFEmbedding(embed[1], embed[0])  # type: ignore[assignment]
+            setattr(model.get_submodule(parent), leaf, Int8Linear(module.weight, module.bias))
+    if model.lm_head is None and model.norm is not None:
+        model.lm_head = Int8Linear(model.embed_tokens.weight, None)

@@ -10,6 +10,8 @@ replaces Linear once the weights are loaded.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -278,6 +280,7 @@ class DecoderLayer(nn.Module):
         self.mlp = mlp or MLP(config, ops, tp)
         if isinstance(self.mlp, MLP):  # LoRA finds the layer's adapter weights by this index
             self.mlp.layer_idx = layer_idx
+        self.fused_decode: Any = None  # engine.cpu_fused.FusedDecode, where it runs this layer
 
     def forward(
         self,

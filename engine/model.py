@@ -14,6 +14,7 @@ config's data (biases, windows, soft-caps, scales) does the rest. See engine/fam
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
 import torch
 from torch import nn
@@ -53,6 +54,8 @@ class LlamaForCausalLM(nn.Module):
         the layers this rank holds, split across its tensor-parallel group (default: all,
         whole); layers of other stages are empty modules, so parameter names stay HF's."""
         super().__init__()
+        # engine.cpu_fused.decode_rows where layers run fused on decode-only steps
+        self.fused_rows: Callable[[AttentionContext, int], Any] | None = None
         ops = ReferenceOps() if ops is None else ops
         self.shard = shard = shard or whole_model(config.num_layers)
         tp = shard.tp
@@ -151,6 +154,8 @@ class LlamaForCausalLM(nn.Module):
         input_ids' embeddings or `carried` (see forward). A draft runs the first layers only.
         The ops backend prepares ctx once for all layers."""
         ctx = self.ops.prepare(ctx)
+        # a decode-only step the fused layers take (engine/cpu_fused.py), or None
+        rows = None if self.fused_rows is None else self.fused_rows(ctx, positions.shape[0])
         residual: torch.Tensor | None = None
         if carried is None:
             hidden = self.embed_tokens(input_ids)
@@ -159,7 +164,11 @@ class LlamaForCausalLM(nn.Module):
         else:
             hidden, residual = carried[0], carried[1]
         for i in self.shard.layers if layers is None else layers:
-            hidden, residual = self.layers[i](positions, hidden, residual, ctx)
+            fused = None if rows is None else getattr(self.layers[i], "fused_decode", None)
+            if fused is not None:
+                hidden, residual = fused(positions, hidden, residual, ctx, rows)
+            else:
+                hidden, residual = self.layers[i](positions, hidden, residual, ctx)
         assert residual is not None, "a stage without layers"
         return hidden, residual
 

@@ -20,10 +20,11 @@ from common.families import FAMILIES
 from common.gguf_file import TensorInfo, open_gguf
 from common.model_config import ModelConfig, ModelSourceError
 from engine.config import EngineConfig
+from engine.cpu_fused import install_fused_decode
 from engine.cuda_graphs import graph_batch_sizes
 from engine.dummy import DummyWeights, init_dummy_weights
 from engine.families import model_class
-from engine.gguf_linear import GGUFBlocks, gguf_kernel_missing, replace_gguf_linears
+from engine.gguf_linear import GGUFBlocks, gguf_kernel_missing, keep_gguf_blocks, quantize_rest
 from engine.layers import PackedLinear, can_pack_cpu_linears
 from engine.model import LlamaForCausalLM
 from engine.ops import LayerOps, select_ops
@@ -170,14 +171,16 @@ class GGUFWeights(LazyWeights, GGUFBlocks):
         """(ggml type, the HF tensor's rows of blocks as stored); None where the file does not
         hold it in blocks the CPU kernel reads."""
         info = self.infos.get(name)
-        if info is None:
-            return None
-        if info.ggml_type not in cpu_gguf.FORMATS or len(info.shape) != 2:
+        if info is None or info.ggml_type not in cpu_gguf.FORMATS or len(info.shape) != 2:
             return None
         _, elems, nbytes = cpu_gguf.FORMATS[info.ggml_type]
         rows, row_bytes = info.shape[1], info.shape[0] // elems * nbytes
         raw = self.file.tensor_bytes(info, rows * row_bytes).reshape(rows, row_bytes)
-        return info.ggml_type, self._hf_rows(name, raw.copy())
+        blocks = self._hf_rows(name, raw.copy())
+        # the file's pages read so far, out of this process's resident memory (the load would
+        # otherwise peak at the blocks twice: the mapping's and the copies')
+        self.file.drop_resident_pages()
+        return info.ggml_type, blocks
 
 
 def _load_gguf(path: Path, config: ModelConfig) -> LazyWeights:
@@ -239,7 +242,8 @@ def build_model(
     None, fill in engine.dummy's seeded values.
     `ops`: the layer ops backend (default: kernels/reference.py). `quantization` (int8, fp8)
     replaces every linear layer, the LM head included, by engine/quant.py's (gguf: by
-    engine/gguf_linear.py's, from `weights`' blocks). `shard`: the part
+    engine/gguf_linear.py's on `weights`' blocks, swapped in before the load, which then never
+    widens them to float32). `shard`: the part
     this rank holds (default: the whole model); a sharded model takes its slice of each tensor,
     the dummy ones included (the same values as the whole model's)."""
     cls = model_class(config)
@@ -252,6 +256,9 @@ def build_model(
             model = cls(config, max_positions, ops, shard)
         model = model.to(dtype).to_empty(device=device)
     model.reset_rotary()
+    if quantization == "gguf":
+        assert isinstance(weights, GGUFBlocks), "--quantization gguf needs a GGUF file's weights"
+        keep_gguf_blocks(model, weights, weights)
     if weights is None and model.shard.is_whole:
         init_dummy_weights(model, dummy_seed)
     elif weights is None:
@@ -260,8 +267,8 @@ def build_model(
         model.load_weights(weights)
     model = model.eval().requires_grad_(False)
     if quantization == "gguf":
-        assert isinstance(weights, GGUFBlocks), "--quantization gguf needs a GGUF file's weights"
-        replace_gguf_linears(model, weights)
+        quantize_rest(model)
+        install_fused_decode(model)
     elif quantization != "none":
         model.replace_linears(QUANTIZED_LINEARS[quantization])
     elif device.type == "cpu" and dtype == torch.float32 and can_pack_cpu_linears():

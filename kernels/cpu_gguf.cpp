@@ -3,8 +3,9 @@
 //
 // gguf_linear quantizes x per block of 32 along K to int16 (a scale per block: amax / 32767) or
 // int8 (amax / 127, as GGUF's Q8_0), then each output is a sum over blocks of integer dot
-// products, the weights unpacked from their nibbles in registers (kernels/cpu_gguf_dot.h). Threads split the N outputs; each output
-// row of W is read once per 4 rows of x. Two builds of the inner loops, chosen at run time:
+// products, the weights unpacked from their nibbles in registers (kernels/cpu_gguf_dot.h).
+// Threads split the N outputs; up to 4 rows of x, each row of W is unpacked in registers; for
+// more, once per output into int16 levels that 8 rows of x at a time then read. Two builds of the inner loops, chosen at run time:
 // AVX2 (maddubs / madd) and, where the CPU has AVX-512 VNNI and VL, vpdpbusd / vpdpwssd on
 // 256-bit lanes.
 //
@@ -14,6 +15,7 @@
 // need (kernels/cpu_build.py: torch/extension.h and pybind11 take 4x as long to compile).
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <torch/library.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -22,6 +24,9 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <optional>
+#include <tuple>
+#include <vector>
 
 namespace {
 
@@ -151,8 +156,12 @@ at::Tensor gguf_linear(at::Tensor x, at::Tensor w, int64_t fmt, bool vnni,
                   xs.data_ptr<float>());
   }
   auto y = at::empty({M, N}, x.options());
+  // more than 4 int16 rows: the outputs are written as y^T [N, M] (cpu_gguf_dot.h:
+  // unpacked_range), then transposed here
+  const bool transposed = act_bits == 16 && M > 4;
+  auto yt = transposed ? at::empty({N, M}, x.options()) : y;
   const Problem pr{w.data_ptr<uint8_t>(), w.size(1), fmt, M, N, K, act_bits, xq.data_ptr(),
-                   xd.data_ptr<float>(), xs.data_ptr<float>(), y.data_ptr<float>()};
+                   xd.data_ptr<float>(), xs.data_ptr<float>(), yt.data_ptr<float>()};
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
     if (vnni) {
       vnni::outputs(pr, n0, n1);
@@ -160,6 +169,15 @@ at::Tensor gguf_linear(at::Tensor x, at::Tensor w, int64_t fmt, bool vnni,
       avx2::outputs(pr, n0, n1);
     }
   });
+  if (transposed) {
+    const float* src = yt.data_ptr<float>();
+    float* dst = y.data_ptr<float>();
+    at::parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) {
+      for (int64_t m = m0; m < m1; ++m) {
+        for (int64_t n = 0; n < N; ++n) dst[m * N + n] = src[n * M + m];
+      }
+    });
+  }
   return y;
 }
 
@@ -212,7 +230,10 @@ void gguf_dequantize(at::Tensor w, int64_t fmt, at::Tensor out) {
   });
 }
 
+#include "cpu_decode_layer.h"
+
 TORCH_LIBRARY(llmserve_cpu_gguf, m) {
+  m.def("decode_layer", &decode_layer);        // a decoder layer over decode rows, one call
   m.def("gguf_linear", &gguf_linear);          // x times GGUF-quantized W^T, x quantized per block
   m.def("gguf_dequantize", &gguf_dequantize);  // GGUF blocks widened to float32 [N, K]
   m.def("has_vnni", &has_vnni);                // whether this CPU has AVX-512 VNNI (and VL, BW)

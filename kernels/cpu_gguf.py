@@ -20,7 +20,9 @@ import torch
 
 from kernels import cpu_build
 
-SOURCES = [Path(__file__).with_name(n) for n in ("cpu_gguf.cpp", "cpu_gguf_dot.h")]
+SOURCES = [
+    Path(__file__).with_name(n) for n in ("cpu_gguf.cpp", "cpu_gguf_dot.h", "cpu_decode_layer.h")
+]
 CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp")
 
 # ggml type id -> (name, values per block, bytes per block)
@@ -117,3 +119,31 @@ def gguf_linear_reference(
 ) -> torch.Tensor:
     """The same product in plain torch: the gguf package's dequantizer, then float32 matmul."""
     return torch.nn.functional.linear(x.float(), dequantize_reference(blocks, ggml_type), bias)
+
+
+def decode_layer(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_w: torch.Tensor,
+    post_norm_w: torch.Tensor,
+    eps: float,
+    blocks: list[torch.Tensor],
+    fmts: list[int],
+    cos_sin: torch.Tensor,
+    positions: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    num_heads: int,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One Llama decoder layer over B decode rows (kernels/cpu_decode_layer.h): (hidden,
+    residual) for the next layer, the row's K and V stored at `slots`. The products are
+    gguf_linear's dot products (VNNI where the CPU has it, ACT_BITS activations)."""
+    out, new_residual = _module().decode_layer(
+        x.contiguous(), residual, norm_w, post_norm_w, eps, blocks, fmts, cos_sin, positions,
+        k_cache, v_cache, slots, block_tables, seq_lens, num_heads, scale, has_vnni(), ACT_BITS,
+    )  # fmt: skip
+    return out, new_residual

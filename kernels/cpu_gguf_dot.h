@@ -67,14 +67,18 @@ struct Rows {
     } else {
       const __m256i v = SIGNED ? w : u;
       const __m128i v0 = _mm256_castsi256_si128(v), v1 = _mm256_extracti128_si256(v, 1);
-      const __m256i a0 = SIGNED ? _mm256_cvtepi8_epi16(v0) : _mm256_cvtepu8_epi16(v0);
-      const __m256i a1 = SIGNED ? _mm256_cvtepi8_epi16(v1) : _mm256_cvtepu8_epi16(v1);
-      for (int r = 0; r < ROWS; ++r) {
-        const ACT* x = xq + r * K + b * 32;
-        const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
-        const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 16));
-        add(r, dot_s16(a0, x0, a1, x1), b, dw, mw);
-      }
+      block16(SIGNED ? _mm256_cvtepi8_epi16(v0) : _mm256_cvtepu8_epi16(v0),
+              SIGNED ? _mm256_cvtepi8_epi16(v1) : _mm256_cvtepu8_epi16(v1), b, dw, mw);
+    }
+  }
+
+  // One block b as int16 levels (a0: its values 0-15, a1: 16-31), int16 x: s16 * s16 products.
+  inline void block16(__m256i a0, __m256i a1, int64_t b, float dw, float mw) {
+    for (int r = 0; r < ROWS; ++r) {
+      const ACT* x = xq + r * K + b * 32;
+      const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+      const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 16));
+      add(r, dot_s16(a0, x0, a1, x1), b, dw, mw);
     }
   }
 
@@ -122,8 +126,104 @@ void dot_rows(const uint8_t* w, Rows<ROWS, ACT>& rows) {
   }
 }
 
+// Row w's levels widened to int16 [K] once, with each block of 32's dw and mw (as dot_rows
+// computes them), for products of more than 4 rows: every group of rows then reads them from L1
+// instead of unpacking the nibbles again.
+inline void put16(__m256i v, bool is_signed, int16_t* lv, float* dw, float* mw, int64_t b,
+                  float d, float m) {
+  const __m128i v0 = _mm256_castsi256_si128(v), v1 = _mm256_extracti128_si256(v, 1);
+  __m256i* out = reinterpret_cast<__m256i*>(lv + 32 * b);
+  _mm256_storeu_si256(out, is_signed ? _mm256_cvtepi8_epi16(v0) : _mm256_cvtepu8_epi16(v0));
+  _mm256_storeu_si256(out + 1, is_signed ? _mm256_cvtepi8_epi16(v1) : _mm256_cvtepu8_epi16(v1));
+  dw[b] = d;
+  mw[b] = m;
+}
+
+template <int64_t FMT>
+void unpack_row(const uint8_t* w, int64_t K, int16_t* lv, float* dw, float* mw) {
+  if constexpr (FMT == Q4_K) {
+    const __m256i nib = _mm256_set1_epi8(15);
+    uint8_t sc[8], mn[8];
+    for (int64_t sb = 0; sb < K / 256; ++sb) {
+      const uint8_t* p = w + sb * 144;
+      const float d = f16(p), dmin = f16(p + 2);
+      q4k_scales(p + 4, sc, mn);
+      for (int c = 0; c < 4; ++c) {
+        const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16 + 32 * c));
+        const int j = 2 * c;
+        put16(_mm256_and_si256(q, nib), false, lv, dw, mw, sb * 8 + j, d * sc[j], -dmin * mn[j]);
+        put16(_mm256_and_si256(_mm256_srli_epi16(q, 4), nib), false, lv, dw, mw, sb * 8 + j + 1,
+              d * sc[j + 1], -dmin * mn[j + 1]);
+      }
+    }
+  } else {
+    for (int64_t b = 0; b < K / 32; ++b) {
+      if constexpr (FMT == Q4_0) {
+        const uint8_t* p = w + b * 18;
+        put16(nibbles16(p + 2), false, lv, dw, mw, b, f16(p), -8.0f * f16(p));
+      } else if constexpr (FMT == Q4_1) {
+        const uint8_t* p = w + b * 20;
+        put16(nibbles16(p + 4), false, lv, dw, mw, b, f16(p), f16(p + 2));
+      } else {  // Q8_0
+        const uint8_t* p = w + b * 34;
+        const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 2));
+        put16(q, true, lv, dw, mw, b, f16(p), 0.0f);
+      }
+    }
+  }
+}
+
+// ROWS rows of int16 x times one unpacked row of W, into y[r * ldy].
+template <int ROWS>
+inline void unpacked_rows(const int16_t* lv, const float* dw, const float* mw, const int16_t* q,
+                          const float* d, const float* s, int64_t K, float* y, int64_t ldy) {
+  Rows<ROWS, int16_t> rows(q, d, s, K);
+  for (int64_t b = 0; b < K / 32; ++b) {
+    const __m256i* a = reinterpret_cast<const __m256i*>(lv + 32 * b);
+    rows.block16(_mm256_loadu_si256(a), _mm256_loadu_si256(a + 1), b, dw[b], mw[b]);
+  }
+  rows.store(y, ldy);
+}
+
+// Outputs [n0, n1) of a product of more than 4 int16 rows: each row of W unpacked once, then
+// 8 rows of x per pass (12 of the 16 ymm registers: 8 accumulators, 2 levels, 2 x), into y^T
+// [N, M]: each output's M values land side by side. Written into y [M, N] directly, the M
+// stores of an output sit N * 4 bytes apart, which for N = 3072 (or SmolLM2's 49152-row head)
+// is a multiple of 4 KiB: every one maps to the same L1 set, and past 8 rows each evicts the
+// last (a [3072, 576] product took 14 ms at 32 rows against 0.9 at 16).
+template <int64_t FMT>
+void unpacked_range(const Problem& pr, int64_t n0, int64_t n1) {
+  const int16_t* xq = static_cast<const int16_t*>(pr.xq);
+  const int64_t blocks = pr.K / 32;
+  std::vector<int16_t> lv(pr.K);
+  std::vector<float> dw(blocks), mw(blocks);
+  for (int64_t n = n0; n < n1; ++n) {
+    unpack_row<FMT>(pr.w + n * pr.row_bytes, pr.K, lv.data(), dw.data(), mw.data());
+    for (int64_t m0 = 0; m0 < pr.M; m0 += 8) {
+      const int16_t* q = xq + m0 * pr.K;
+      const float *d = pr.xd + m0 * blocks, *s = pr.xs + m0 * blocks;
+      float* y = pr.y + n * pr.M + m0;  // y^T [N, M] (gguf_linear transposes it back)
+      const int16_t* l = lv.data();
+      const float *pw = dw.data(), *pm = mw.data();
+      switch (std::min<int64_t>(8, pr.M - m0)) {
+        case 8: unpacked_rows<8>(l, pw, pm, q, d, s, pr.K, y, 1); break;
+        case 7: unpacked_rows<7>(l, pw, pm, q, d, s, pr.K, y, 1); break;
+        case 6: unpacked_rows<6>(l, pw, pm, q, d, s, pr.K, y, 1); break;
+        case 5: unpacked_rows<5>(l, pw, pm, q, d, s, pr.K, y, 1); break;
+        case 4: unpacked_rows<4>(l, pw, pm, q, d, s, pr.K, y, 1); break;
+        case 3: unpacked_rows<3>(l, pw, pm, q, d, s, pr.K, y, 1); break;
+        case 2: unpacked_rows<2>(l, pw, pm, q, d, s, pr.K, y, 1); break;
+        default: unpacked_rows<1>(l, pw, pm, q, d, s, pr.K, y, 1); break;
+      }
+    }
+  }
+}
+
 template <int64_t FMT, typename ACT>
 void output_range(const Problem& pr, int64_t n0, int64_t n1) {
+  if constexpr (sizeof(ACT) == 2) {
+    if (pr.M > 4) return unpacked_range<FMT>(pr, n0, n1);
+  }
   const ACT* xq = static_cast<const ACT*>(pr.xq);
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* w = pr.w + n * pr.row_bytes;

@@ -62,6 +62,10 @@ def run_service(name: str, configs: list[Any]) -> None:
     from common.log import configure
 
     config, tenants = configs[0], None
+    if name == "engine":  # before torch loads libgomp, which reads them once
+        from engine.cpu_threads import configure_openmp
+
+        configure_openmp()
     # Before anything slow (loading a model): an internal service refuses an exposed port
     # without protection; the gateway's port is the public one, it only reads its token (a bad
     # @PATH fails here).

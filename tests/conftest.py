@@ -9,6 +9,8 @@ from typing import Any
 
 import pytest
 
+from engine.cpu_threads import configure_openmp
+
 # Services started by tests serve no /metrics unless a test asks (fixed default ports would
 # collide with a stack the developer is running); OTEL_* from the developer's shell is ignored.
 os.environ["LLMSERVE_METRICS_PORT"] = "0"
@@ -21,6 +23,10 @@ os.environ.pop("LLMSERVE_API_KEY", None)
 # in OpenMP barriers while descheduled. A test that wants threads sets them itself.
 if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0")) > 1:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+# OpenMP threads that sleep when idle, as the engine service sets them (engine/cpu_threads.py):
+# libgomp's default spin turned a 20 ms decode step into 1.5-3 s on the shared 2-core VM
+# (bench/results/omp_wait.json). Before torch loads: libgomp reads it once.
+configure_openmp()
 
 
 HF_REFERENCE_HOW = (

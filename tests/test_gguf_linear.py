@@ -14,10 +14,20 @@ import pytest
 import torch
 
 from common.model_config import load_model_config
+from engine import cpu_fused
+from engine.config import EngineConfig
+from engine.engine import Engine
 from engine.gguf_linear import GGUFEmbedding, GGUFLinear
 from engine.quant import Int8Linear
-from engine.weights import build_model, checked_quantization, load_weights, resolve_quantization
+from engine.weights import (
+    LazyWeights,
+    build_model,
+    checked_quantization,
+    load_weights,
+    resolve_quantization,
+)
 from kernels import cpu_gguf
+from llmserve.bench.engine_driver import generate
 from tests.quality import prompt_logits
 
 HAS_AVX2 = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
@@ -144,6 +154,21 @@ def test_model_on_gguf_blocks_equals_the_dequantized_one(q4_1_gguf: Path) -> Non
     )
 
 
+def test_gguf_load_widens_only_tensors_stored_otherwise(q4_1_gguf: Path) -> None:
+    """The blocks are swapped in before the load: the loader reads as float32 only the tensors
+    the file does not store in blocks (the norms, this file's float32 head), never a
+    projection or the embeddings (the load used to build the whole model in float32 first)."""
+    config = load_model_config(q4_1_gguf)
+    weights = load_weights(q4_1_gguf, config)
+    assert isinstance(weights, LazyWeights)
+    read: list[str] = []
+    original = weights.read
+    weights.read = lambda name: (read.append(name), original(name))[1]
+    build_model(config, weights, 256, torch.float32, torch.device("cpu"), quantization="gguf")
+    assert "lm_head.weight" in read
+    assert all(name.endswith("norm.weight") or name == "lm_head.weight" for name in read), read
+
+
 def test_auto_picks_gguf_for_a_4_bit_gguf_on_a_cpu(
     q4_1_gguf: Path, tiny_model: Callable[..., Path], builtin_model_path: Path
 ) -> None:
@@ -164,3 +189,36 @@ def test_auto_picks_gguf_for_a_4_bit_gguf_on_a_cpu(
         checked_quantization("gguf", q4_1_gguf, cpu, whole=False)
     with pytest.raises(ValueError, match="runs on a CPU"):
         checked_quantization("gguf", q4_1_gguf, gpu)
+
+
+def fused_against_unfused(
+    engine: Engine, prompts: list[list[int]], monkeypatch: pytest.MonkeyPatch
+) -> tuple[list[list[int]], list[list[int]], int]:
+    """(greedy tokens with the fused decode layers, without them, decode_layer calls made)."""
+    calls = []
+    kernel = cpu_gguf.decode_layer
+    monkeypatch.setattr(cpu_gguf, "decode_layer", lambda *a: calls.append(1) or kernel(*a))
+    fused = generate(engine, prompts, 6)
+    monkeypatch.setattr(cpu_fused, "ENABLED", False)
+    unfused = generate(engine, prompts, 6)
+    return fused, unfused, len(calls)
+
+
+def test_fused_decode_layers_give_the_unfused_tokens(
+    q4_1_gguf: Path, builtin_model_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Decode-only steps on GGUF blocks run each layer as one C++ call (engine/cpu_fused.py),
+    with the greedy tokens of the layers' torch path: a tiny Llama (GQA) and the built-in
+    model, prompts of several lengths decoded together (rows over different block counts)."""
+    prompts = [[1, 5, 9, 2, 7], [3] * 19 + [8], [4, 6]]
+    for path in (q4_1_gguf, builtin_model_path):
+        engine = Engine(
+            EngineConfig(model=str(path), device="cpu", num_kv_blocks=32, max_model_len=128, seed=0)
+        )
+        assert engine.quantization == "gguf"
+        layers = [layer.fused_decode for layer in engine.model.layers]
+        assert all(layers), "every layer fused"
+        fused, unfused, calls = fused_against_unfused(engine, prompts, monkeypatch)
+        assert calls == 5 * len(layers)  # the 5 decode steps after the prefill, every layer
+        assert fused == unfused, path
+        monkeypatch.undo()
