@@ -171,7 +171,7 @@ def test_gguf_blocks_served_as_stored(models: dict[str, Path], family: str, tmp_
     """A GGUF of the family's layout with its projections in Q8_0 blocks: --quantization auto
     keeps the blocks (the CPU's GGUF kernel, Phi-3's fused ones split by rows) and gives the
     logits of the same file dequantized to float32 within GGUF_BOUND."""
-    from engine.gguf_linear import gguf_kernel_missing
+    from engine.gguf_linear import GGUFLinear, gguf_kernel_missing
     from tests.family_gguf import write_family_gguf
 
     if gguf_kernel_missing():
@@ -186,5 +186,9 @@ def test_gguf_blocks_served_as_stored(models: dict[str, Path], family: str, tmp_
         )  # fmt: skip
         engine = Engine(config)
         assert engine.quantization == {"none": "none", "auto": "gguf"}[method]
+        if method == "auto":  # every projection on its blocks (Phi-3's fused ones whole), none
+            layers = engine.model.layers  # widened to int8 on the way
+            kept = [m for m in engine.model.modules() if isinstance(m, GGUFLinear)]
+            assert len(kept) >= 4 * len(layers), (family, len(kept))
         (got[method],) = forward_direct(engine, [(tokens, 0, 20, [2, 0, 3])])
     assert rel_err(got["auto"], got["none"]) < GGUF_BOUND
