@@ -474,6 +474,10 @@ def _chat(stack: Stack) -> tuple[subprocess.Popen[str], Output, Output]:
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        # Ctrl-C as at a terminal: a pytest started in the background by a non-interactive shell
+        # (`./test.sh &`) ignores SIGINT, and a child inherits that, so the chat would rightly
+        # ignore Ctrl-C at its prompt and the test would wait for it to leave
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     assert proc.stdin and proc.stdout and proc.stderr
     return proc, Output(proc.stdout), Output(proc.stderr)
