@@ -44,7 +44,7 @@ def profile_batch(engine: Engine, batch: int, prompt_len: int, steps: int) -> di
             walls.append(time.perf_counter() - t0)
     step_ms = statistics.median(walls) * 1e3
     rows = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
-    total_ms = sum(w for w in walls) * 1e3
+    total_ms = sum(walls) * 1e3
     top = [
         {
             "op": e.key,

@@ -45,9 +45,10 @@ RAW=/tmp/llmserve-gpu-check
 BUDGET_S="${BUDGET_S:-500}"
 PY="${PYTHON:-python3}"
 
-STAGES=(preflight kernels kbench 8b tests smollm2 quant structured lora parallel families)
 DEFAULT_STAGES="kernels kbench 8b tests smollm2 quant structured lora"
 SECOND_STAGES="parallel families"  # the second call's: only when named
+# shellcheck disable=SC2206  # split on purpose: the stage names
+STAGES=(preflight $DEFAULT_STAGES $SECOND_STAGES)
 SECOND_CALL_S=135
 # The preflight's own work is ~30 s; its cap also covers NVRTC compiling the SmolLM2-shape
 # kernels on a fresh machine (CuPy keeps them on disk for the later stages).

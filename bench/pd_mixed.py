@@ -189,30 +189,28 @@ def plot(paths: list[Path], out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rounds = [json.loads(p.read_text())["runs"] for p in paths]
-    panels = [
-        ("chat ITL (ms, log)", "chat_itl_ms", True),
-        ("chat TTFT (ms, log)", "chat_ttft_ms", True),
-    ]
+    runs = [
+        (r, run)
+        for r, path in enumerate(paths)
+        for run in json.loads(path.read_text())["runs"]
+    ]  # fmt: skip
+    labels = [f"{run['config']}\nround {r + 1}" for r, run in runs]
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
-    for ax, (title, key, log) in zip(axes, panels, strict=False):
-        labels, width = [], 0.38
-        for i, (r, run) in enumerate((r, run) for r, runs in enumerate(rounds) for run in runs):
-            labels.append(f"{run['config']}\nround {r + 1}")
+    width = 0.38
+    panels = [("chat ITL (ms, log)", "chat_itl_ms"), ("chat TTFT (ms, log)", "chat_ttft_ms")]
+    for ax, (title, key) in zip(axes[:2], panels, strict=True):
+        for i, (_, run) in enumerate(runs):
             for j, q in enumerate(("p50", "p99")):
-                v = run[f"{key}_{q}"]
-                ax.bar(i + (j - 0.5) * width, v, width, color=f"C{j}", label=q if i == 0 else None)
-                ax.annotate(f"{v:.0f}", (i + (j - 0.5) * width, v), ha="center", va="bottom",
-                            fontsize=7)  # fmt: skip
-        ax.set_xticks(range(len(labels)), labels, fontsize=8)
-        ax.set_yscale("log" if log else "linear")
+                x, v = i + (j - 0.5) * width, run[f"{key}_{q}"]
+                ax.bar(x, v, width, color=f"C{j}", label=q if i == 0 else None)
+                ax.annotate(f"{v:.0f}", (x, v), ha="center", va="bottom", fontsize=7)
+        ax.set_yscale("log")
         ax.set_title(title)
         ax.legend()
-    runs = [(r, run) for r, runs in enumerate(rounds) for run in runs]
     axes[2].bar(range(len(runs)), [run["tokens_per_s"] for _, run in runs], color="C2")
-    axes[2].set_xticks(range(len(runs)), [f"{run['config']}\nround {r + 1}" for r, run in runs],
-                       fontsize=8)  # fmt: skip
     axes[2].set_title("output tok/s (both roles share 2 cores)")
+    for ax in axes:
+        ax.set_xticks(range(len(labels)), labels, fontsize=8)
     fig.suptitle("short chats under a stream of long prompts: 1 prefill + 1 decode vs colocated")
     fig.tight_layout()
     fig.savefig(out, dpi=110)

