@@ -230,7 +230,8 @@ class AdminService(admin_pb2_grpc.AdminServicer):
     ) -> admin_pb2.Health:
         """This gateway (healthy: admitting, and some replica ready), then each scheduler
         (healthy: its stats stream is alive) and its engine (healthy: the scheduler reports
-        itself ready, which it is while its engine answers)."""
+        itself ready, which it is while its engine answers); under disaggregation, each of the
+        scheduler's engines too (from its stats' `engines` rows)."""
         _logged(context, "GetHealth", request)
         core = self.core
         num_ready, num = core.router.num_healthy, len(core.router.replicas)
@@ -262,6 +263,16 @@ class AdminService(admin_pb2_grpc.AdminServicer):
                 if replica.reachable
                 else "unknown: its scheduler is unreachable",
             )
+            # Disaggregated: each prefill and decode engine the scheduler drives, as it last
+            # reported them.
+            for row in link.stats.engines if link is not None and link.stats is not None else []:
+                out.components.add(
+                    component=f"{row.role} engine {row.address} of {address}",
+                    healthy=row.ready,
+                    detail=f"ready, {row.num_running} running, {row.num_waiting} waiting"
+                    if row.ready
+                    else "down: its requests moved to the other engines",
+                )
         return out
 
     # -- tenants ----------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from common.net import DEFAULT_GATEWAY_PORT
+from engine.config import EngineConfig
 from engine.fake import FakeEngineConfig
 from gateway.config import GatewayConfig
 from llmserve.stack import CONFIG_TYPES, SERVICES, Stack, local_stack
@@ -68,16 +69,17 @@ def add_serve_flags(p: Any) -> None:
         type=int,
         default=0,
         help="prefill / decode disaggregation (docs/disaggregation.md): engines that run "
-        "prompts and send their KV to a decode engine (built: 1, with --decode-engines 1; 0: "
-        "one engine does both). The prefill engine listens on a free port; its metrics, when "
-        "on, at PORT+3",
+        "prompts and send their KV to a decode engine (with --decode-engines; 0 and 0: one "
+        "engine does both). They listen on free loopback ports; metrics, when on, at PORT+3, "
+        "PORT+4, ...",
     )
     p.add_argument(
         "--decode-engines",
         type=int,
         default=0,
-        help="engines that take the prompts' KV and decode (built: 1, with --prefill-engines 1); "
-        "the decode engine is the one on --engine-port",
+        help="engines that take the prompts' KV and decode (with --prefill-engines); the first "
+        "is the one on --engine-port, the others on free ports (metrics after the prefill "
+        "engines')",
     )
     taken: set[str] = set()
     for cls, title in zip(CONFIG_TYPES, SERVICES, strict=True):
@@ -133,11 +135,22 @@ def stack_from_flags(args: Any, **kwargs: Any) -> Stack:
     load_tenants(gateway)  # a wrong --api-keys file fails here, before anything starts
     roles = (getattr(args, "prefill_engines", 0), getattr(args, "decode_engines", 0))
     check_roles(*roles, size)
-    prefill = None
+    prefills: list[EngineConfig] = []
+    decodes = [engine]
     if roles[0]:
-        metrics_port = args.metrics_port + 3 if args.metrics_port else 0
-        prefill, engine, scheduler = disaggregate(engine, scheduler, free_ports(1)[0], metrics_port)
-    return Stack(engine, scheduler, gateway, groups=groups, prefill_engine=prefill, **kwargs)
+        num = sum(roles) - 1
+        base = args.metrics_port
+        metrics_ports = [base + 3 + i for i in range(num)] if base else None
+        prefills, decodes, scheduler = disaggregate(engine, scheduler, *roles, metrics_ports)
+    return Stack(
+        decodes[0],
+        scheduler,
+        gateway,
+        groups=groups,
+        prefill_engines=prefills,
+        decode_engines=decodes[1:],
+        **kwargs,
+    )
 
 
 @contextlib.contextmanager
@@ -163,6 +176,7 @@ def serve_locally(
             configured.gateway,
             data_parallel_size=args.data_parallel_size,
             prefill_engines=args.prefill_engines,
+            decode_engines=args.decode_engines,
             metrics=metrics,
             fake=fake,
             log_dir=Path(logs),

@@ -15,9 +15,10 @@ through `Stack`.
 With data parallelism (`--data-parallel-size D`) the Stack runs D replicas, each a scheduler and
 its engine on ports of their own (`groups` beyond the first: llmserve/topology.py), behind the
 one gateway, which routes between them (gateway/router.py). The first replica's services keep
-their names and ports; replica i's are `scheduler-i` and `engine-i`. With a prefill engine
-(`--prefill-engines 1 --decode-engines 1`, docs/disaggregation.md) the scheduler drives it too:
-it is `engine-prefill`, and `engine` is the decode engine.
+their names and ports; replica i's are `scheduler-i` and `engine-i`. With prefill engines
+(`--prefill-engines N --decode-engines M`, docs/disaggregation.md) the scheduler drives them
+all: `engine` is the first decode engine, `engine-decode-2` ... the others, and
+`engine-prefill`, `engine-prefill-2` ... the prefill engines.
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ from scheduler.config import SchedulerConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 SERVICES = ("engine", "scheduler", "gateway")  # start order; stopped front first
-PREFILL_ENGINE = "engine-prefill"  # the prefill engine's service name, when there is one
+PREFILL_ENGINE = "engine-prefill"  # the first prefill engine's service name, when there is one
 CONFIG_TYPES: tuple[type[Any], ...] = (EngineConfig, SchedulerConfig, GatewayConfig)  # as SERVICES
 
 
@@ -79,7 +80,9 @@ class Stack:
     env: dict[str, str] = field(default_factory=dict)
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     groups: list[Group] = field(default_factory=list)  # replicas 1..D-1 (data parallel)
-    prefill_engine: EngineConfig | None = None  # disaggregated: `engine` is the decode engine
+    # Disaggregated: the prefill engines, and the decode engines beyond `engine` (the first).
+    prefill_engines: list[EngineConfig] = field(default_factory=list)
+    decode_engines: list[EngineConfig] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         """The internal links always carry a token: the one given, else a fresh one."""
@@ -89,8 +92,8 @@ class Stack:
             config = getattr(self, name)
             if not config.internal_token:
                 setattr(self, name, replace(config, internal_token=token))
-        if self.prefill_engine is not None and not self.prefill_engine.internal_token:
-            self.prefill_engine = replace(self.prefill_engine, internal_token=token)
+        for engines in (self.prefill_engines, self.decode_engines):
+            engines[:] = [replace(e, internal_token=e.internal_token or token) for e in engines]
         for group in self.groups:
             for name in ("engine", "scheduler"):
                 config = getattr(group, name)
@@ -125,16 +128,31 @@ class Stack:
         return (
             "engine",
             *(f"engine-{i}" for i in replicas),
-            *((PREFILL_ENGINE,) if self.prefill_engine is not None else ()),
+            *self._role_engines(),
             "scheduler",
             *(f"scheduler-{i}" for i in replicas),
             "gateway",
         )
 
+    def _role_engines(self) -> dict[str, EngineConfig]:
+        """Disaggregated: the prefill engines and the decode engines beyond the first, by
+        service name."""
+        named = {}
+        for role, engines in (("prefill", self.prefill_engines), ("decode", self.decode_engines)):
+            first = 1 if role == "prefill" else 2
+            for i, engine in enumerate(engines, first):
+                named[f"engine-{role}" + (f"-{i}" if i > 1 else "")] = engine
+        return named
+
+    @property
+    def prefill_engine(self) -> EngineConfig | None:
+        """The first prefill engine, if any."""
+        return self.prefill_engines[0] if self.prefill_engines else None
+
     def config_of(self, name: str) -> Any:
         """The config of service name (see service_names)."""
-        if name == PREFILL_ENGINE:
-            return self.prefill_engine
+        if name.startswith(("engine-prefill", "engine-decode")):
+            return self._role_engines()[name]
         kind, _, replica = name.partition("-")
         return getattr(self.groups[int(replica) - 1], kind) if replica else getattr(self, kind)
 
@@ -317,15 +335,19 @@ def local_stack(
     metrics: bool = False,
     data_parallel_size: int = 1,
     prefill_engines: int = 0,
+    decode_engines: int | None = None,
     **kwargs: Any,
 ) -> Stack:
     """A Stack on free loopback ports (not started), with data_parallel_size replicas (or,
-    with prefill_engines=1, a prefill and a decode engine under the one scheduler). The
+    with prefill_engines=N, N prefill engines and decode_engines (default: N) decode engines
+    under the one scheduler). The
     metrics and HTTP ports stay off unless a config chose one (or http=True / metrics=True:
     free ones; replicas beyond the first: free ones or off); the configs keep their other
     settings."""
     check_data_parallel_size(data_parallel_size)
-    check_roles(prefill_engines, prefill_engines, data_parallel_size)
+    if decode_engines is None:
+        decode_engines = prefill_engines
+    check_roles(prefill_engines, decode_engines, data_parallel_size)
     given = (engine, scheduler, gateway)
     configs: list[Any] = [c or cls() for c, cls in zip(given, CONFIG_TYPES, strict=True)]
     configs[0] = split_cpu(configs[0], data_parallel_size)
@@ -342,12 +364,18 @@ def local_stack(
     groups = replica_groups(configs[0], configs[1], data_parallel_size, more)
     network[2]["scheduler_address"] = scheduler_addresses(network[2]["scheduler_address"], groups)
     engine, scheduler, gateway = (replace(c, **n) for c, n in zip(configs, network, strict=True))
-    prefill = None
+    prefills: list[EngineConfig] = []
+    decodes = [engine]
     if prefill_engines:
-        port, metrics_port = free_ports(2)
-        prefill, engine, scheduler = disaggregate(
-            engine, scheduler, port, metrics_port if metrics else 0
+        num = prefill_engines + decode_engines - 1
+        prefills, decodes, scheduler = disaggregate(
+            engine, scheduler, prefill_engines, decode_engines, free_ports(num) if metrics else None
         )
     return Stack(
-        engine, scheduler, gateway, **{**kwargs, "groups": groups, "prefill_engine": prefill}
+        decodes[0],
+        scheduler,
+        gateway,
+        **{**kwargs, "groups": groups},
+        prefill_engines=prefills,
+        decode_engines=decodes[1:],
     )

@@ -48,6 +48,8 @@ def stats_delta(
         a, b = getattr(after, k), getattr(before, k)
         if k == "tenants":  # per tenant, by name: its counters' deltas, its gauges
             delta[k] = _tenant_rows(b, a)
+        elif k == "engines":  # disaggregated: each engine as it stands after
+            delta[k] = [{f.name: v for f, v in row.ListFields()} for row in a]
         elif isinstance(a, int | float):
             delta[k] = _counter(k, a, b)
         elif hasattr(a, "keys"):  # a map of counters (preemptions by reason)

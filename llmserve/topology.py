@@ -72,7 +72,7 @@ def network_settings(host: str, ports: list[int], metrics_ports: list[int]) -> l
     )
     return [
         {**engine, "host": internal},
-        {**scheduler, "host": internal, "engine_address": f"{internal}:{ports[0]}"},
+        {**scheduler, "host": internal, "engine_address": (f"{internal}:{ports[0]}",)},
         {**gateway, "host": host, "scheduler_address": f"{internal}:{ports[1]}"},
     ]
 
@@ -99,7 +99,7 @@ def replica_groups(
             )
         group_engine = replace(engine, host=internal, port=e, metrics_port=me)
         group_scheduler = replace(
-            scheduler, host=internal, port=s, metrics_port=ms, engine_address=f"{internal}:{e}"
+            scheduler, host=internal, port=s, metrics_port=ms, engine_address=(f"{internal}:{e}",)
         )
         groups.append(Group(group_engine, group_scheduler, env))
     return groups
@@ -120,36 +120,50 @@ def split_cpu(engine: EngineConfig, data_parallel_size: int) -> EngineConfig:
 
 
 def check_roles(prefill_engines: int, decode_engines: int, data_parallel_size: int = 1) -> None:
-    """ValueError unless (prefill, decode) engines are (0, 0), colocated, or (1, 1), the
-    disaggregated stack built so far (one replica)."""
+    """ValueError unless (prefill, decode) engines are (0, 0), colocated, or both at least 1,
+    with one replica (disaggregation with data parallelism is not built)."""
     if (prefill_engines, decode_engines) == (0, 0):
         return
-    if (prefill_engines, decode_engines) != (1, 1):
+    if prefill_engines < 1 or decode_engines < 1:
         raise ValueError(
-            f"prefill_engines={prefill_engines}, decode_engines={decode_engines}: built for 1 "
-            "and 1 (or 0 and 0: one engine does both); more of either is not built yet"
+            f"prefill_engines={prefill_engines}, decode_engines={decode_engines}: both at least "
+            "1 (or both 0: one engine does both)"
         )
     if data_parallel_size != 1:
         raise ValueError(
             f"prefill and decode engines with data_parallel_size={data_parallel_size}: not "
-            "built yet (one replica)"
+            "built yet (one replica; more engines per role scale it instead)"
         )
 
 
 def disaggregate(
-    engine: EngineConfig, scheduler: SchedulerConfig, port: int, metrics_port: int
-) -> tuple[EngineConfig, EngineConfig, SchedulerConfig]:
-    """(prefill engine, decode engine, scheduler) from a colocated engine and its scheduler:
-    the prefill engine on loopback port (metrics_port; 0: off), the decode engine where the
-    engine was, taking KV transfers on a free port; on a CPU, unless --num-threads chose, each
-    gets half the cores; no LoRA slots. The scheduler drives both."""
-    engine = replace(split_cpu(engine, 2), max_loras=0)  # LoRA: not built disaggregated
-    prefill = replace(
-        engine, engine_role="prefill", host=INTERNAL_HOST, port=port, metrics_port=metrics_port
+    engine: EngineConfig,
+    scheduler: SchedulerConfig,
+    num_prefill: int,
+    num_decode: int,
+    metrics_ports: list[int] | None = None,
+) -> tuple[list[EngineConfig], list[EngineConfig], SchedulerConfig]:
+    """(prefill engines, decode engines, scheduler) from a colocated engine and its scheduler:
+    the first decode engine where the engine was, the others on free loopback ports, each
+    decode engine taking KV transfers on a free port; metrics_ports (None: off): the prefill
+    engines' metrics ports, then the other decode engines'. On a CPU,
+    unless --num-threads chose, the cores are shared among them; no LoRA slots. The scheduler
+    drives them all."""
+    engine = replace(split_cpu(engine, num_prefill + num_decode), max_loras=0)  # not built
+    ports = free_ports(num_prefill + num_decode - 1)
+    metrics = metrics_ports or [0] * len(ports)
+    placed = [
+        replace(engine, host=INTERNAL_HOST, port=port, metrics_port=m)
+        for port, m in zip(ports, metrics, strict=True)
+    ]
+    prefills = [replace(e, engine_role="prefill") for e in placed[:num_prefill]]
+    decodes = [replace(e, engine_role="decode") for e in [engine, *placed[num_prefill:]]]
+    scheduler = replace(
+        scheduler,
+        engine_address=tuple(f"{e.host}:{e.port}" for e in decodes),
+        prefill_engine_address=tuple(f"{e.host}:{e.port}" for e in prefills),
     )
-    decode = replace(engine, engine_role="decode")
-    scheduler = replace(scheduler, prefill_engine_address=f"{INTERNAL_HOST}:{port}")
-    return prefill, decode, scheduler
+    return prefills, decodes, scheduler
 
 
 def check_data_parallel_size(data_parallel_size: int) -> None:

@@ -116,7 +116,7 @@ class WatchStatsRequest(_message.Message):
     def __init__(self, interval_ms: _Optional[int] = ...) -> None: ...
 
 class SchedulerStats(_message.Message):
-    __slots__ = ("num_steps", "num_scheduled_tokens", "num_preemptions", "num_finished_requests", "num_running", "num_waiting", "num_free_blocks", "num_blocks", "num_prefix_cache_hit_tokens", "schedule_ms", "update_ms", "step_rtt_ms", "engine_total_ms", "engine_forward_ms", "engine_sample_ms", "num_engine_resets", "num_prompt_tokens", "num_generated_tokens", "num_prefix_cache_query_tokens", "ready", "num_spec_rows", "num_spec_draft_tokens", "num_spec_accepted_tokens", "num_spec_draft_tokens_per_pos", "num_spec_accepted_tokens_per_pos", "num_preemptions_by_reason", "num_preemptions_refused", "draining", "tenants", "lora_names", "kv_offload_num_blocks", "kv_offload_hit_blocks", "kv_offload_blocks_in", "kv_offload_bytes_in", "kv_offload_dropped_blocks", "num_swap_ins", "swap_in_wait_s", "prefill_num_free_blocks", "prefill_num_blocks", "prefill_num_running", "prefill_num_waiting", "num_kv_transfers", "num_kv_transfers_done", "num_kv_transfers_failed", "kv_transfer_blocks", "kv_transfer_bytes", "kv_transfer_s", "num_transferring", "prefill_ready", "decode_ready")
+    __slots__ = ("num_steps", "num_scheduled_tokens", "num_preemptions", "num_finished_requests", "num_running", "num_waiting", "num_free_blocks", "num_blocks", "num_prefix_cache_hit_tokens", "schedule_ms", "update_ms", "step_rtt_ms", "engine_total_ms", "engine_forward_ms", "engine_sample_ms", "num_engine_resets", "num_prompt_tokens", "num_generated_tokens", "num_prefix_cache_query_tokens", "ready", "num_spec_rows", "num_spec_draft_tokens", "num_spec_accepted_tokens", "num_spec_draft_tokens_per_pos", "num_spec_accepted_tokens_per_pos", "num_preemptions_by_reason", "num_preemptions_refused", "draining", "tenants", "lora_names", "kv_offload_num_blocks", "kv_offload_hit_blocks", "kv_offload_blocks_in", "kv_offload_bytes_in", "kv_offload_dropped_blocks", "num_swap_ins", "swap_in_wait_s", "prefill_num_free_blocks", "prefill_num_blocks", "prefill_num_running", "prefill_num_waiting", "num_kv_transfers", "num_kv_transfers_done", "num_kv_transfers_failed", "kv_transfer_blocks", "kv_transfer_bytes", "kv_transfer_s", "num_transferring", "prefill_ready", "decode_ready", "engines")
     class NumPreemptionsByReasonEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -216,6 +216,7 @@ class SchedulerStats(_message.Message):
     NUM_TRANSFERRING_FIELD_NUMBER: _ClassVar[int]
     PREFILL_READY_FIELD_NUMBER: _ClassVar[int]
     DECODE_READY_FIELD_NUMBER: _ClassVar[int]
+    ENGINES_FIELD_NUMBER: _ClassVar[int]
     num_steps: int
     num_scheduled_tokens: int
     num_preemptions: int
@@ -266,7 +267,30 @@ class SchedulerStats(_message.Message):
     num_transferring: int
     prefill_ready: bool
     decode_ready: bool
-    def __init__(self, num_steps: _Optional[int] = ..., num_scheduled_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_finished_requests: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_prefix_cache_hit_tokens: _Optional[int] = ..., schedule_ms: _Optional[float] = ..., update_ms: _Optional[float] = ..., step_rtt_ms: _Optional[float] = ..., engine_total_ms: _Optional[float] = ..., engine_forward_ms: _Optional[float] = ..., engine_sample_ms: _Optional[float] = ..., num_engine_resets: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., num_generated_tokens: _Optional[int] = ..., num_prefix_cache_query_tokens: _Optional[int] = ..., ready: _Optional[bool] = ..., num_spec_rows: _Optional[int] = ..., num_spec_draft_tokens: _Optional[int] = ..., num_spec_accepted_tokens: _Optional[int] = ..., num_spec_draft_tokens_per_pos: _Optional[_Iterable[int]] = ..., num_spec_accepted_tokens_per_pos: _Optional[_Iterable[int]] = ..., num_preemptions_by_reason: _Optional[_Mapping[str, int]] = ..., num_preemptions_refused: _Optional[int] = ..., draining: _Optional[bool] = ..., tenants: _Optional[_Iterable[_Union[TenantStats, _Mapping]]] = ..., lora_names: _Optional[_Iterable[str]] = ..., kv_offload_num_blocks: _Optional[_Mapping[str, int]] = ..., kv_offload_hit_blocks: _Optional[_Mapping[str, int]] = ..., kv_offload_blocks_in: _Optional[_Mapping[str, int]] = ..., kv_offload_bytes_in: _Optional[_Mapping[str, int]] = ..., kv_offload_dropped_blocks: _Optional[_Mapping[str, int]] = ..., num_swap_ins: _Optional[int] = ..., swap_in_wait_s: _Optional[float] = ..., prefill_num_free_blocks: _Optional[int] = ..., prefill_num_blocks: _Optional[int] = ..., prefill_num_running: _Optional[int] = ..., prefill_num_waiting: _Optional[int] = ..., num_kv_transfers: _Optional[int] = ..., num_kv_transfers_done: _Optional[int] = ..., num_kv_transfers_failed: _Optional[_Mapping[str, int]] = ..., kv_transfer_blocks: _Optional[int] = ..., kv_transfer_bytes: _Optional[int] = ..., kv_transfer_s: _Optional[float] = ..., num_transferring: _Optional[int] = ..., prefill_ready: _Optional[bool] = ..., decode_ready: _Optional[bool] = ...) -> None: ...
+    engines: _containers.RepeatedCompositeFieldContainer[EngineRow]
+    def __init__(self, num_steps: _Optional[int] = ..., num_scheduled_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_finished_requests: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_prefix_cache_hit_tokens: _Optional[int] = ..., schedule_ms: _Optional[float] = ..., update_ms: _Optional[float] = ..., step_rtt_ms: _Optional[float] = ..., engine_total_ms: _Optional[float] = ..., engine_forward_ms: _Optional[float] = ..., engine_sample_ms: _Optional[float] = ..., num_engine_resets: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., num_generated_tokens: _Optional[int] = ..., num_prefix_cache_query_tokens: _Optional[int] = ..., ready: _Optional[bool] = ..., num_spec_rows: _Optional[int] = ..., num_spec_draft_tokens: _Optional[int] = ..., num_spec_accepted_tokens: _Optional[int] = ..., num_spec_draft_tokens_per_pos: _Optional[_Iterable[int]] = ..., num_spec_accepted_tokens_per_pos: _Optional[_Iterable[int]] = ..., num_preemptions_by_reason: _Optional[_Mapping[str, int]] = ..., num_preemptions_refused: _Optional[int] = ..., draining: _Optional[bool] = ..., tenants: _Optional[_Iterable[_Union[TenantStats, _Mapping]]] = ..., lora_names: _Optional[_Iterable[str]] = ..., kv_offload_num_blocks: _Optional[_Mapping[str, int]] = ..., kv_offload_hit_blocks: _Optional[_Mapping[str, int]] = ..., kv_offload_blocks_in: _Optional[_Mapping[str, int]] = ..., kv_offload_bytes_in: _Optional[_Mapping[str, int]] = ..., kv_offload_dropped_blocks: _Optional[_Mapping[str, int]] = ..., num_swap_ins: _Optional[int] = ..., swap_in_wait_s: _Optional[float] = ..., prefill_num_free_blocks: _Optional[int] = ..., prefill_num_blocks: _Optional[int] = ..., prefill_num_running: _Optional[int] = ..., prefill_num_waiting: _Optional[int] = ..., num_kv_transfers: _Optional[int] = ..., num_kv_transfers_done: _Optional[int] = ..., num_kv_transfers_failed: _Optional[_Mapping[str, int]] = ..., kv_transfer_blocks: _Optional[int] = ..., kv_transfer_bytes: _Optional[int] = ..., kv_transfer_s: _Optional[float] = ..., num_transferring: _Optional[int] = ..., prefill_ready: _Optional[bool] = ..., decode_ready: _Optional[bool] = ..., engines: _Optional[_Iterable[_Union[EngineRow, _Mapping]]] = ...) -> None: ...
+
+class EngineRow(_message.Message):
+    __slots__ = ("address", "role", "ready", "num_running", "num_waiting", "num_transferring", "num_free_blocks", "num_blocks", "num_engine_resets")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    READY_FIELD_NUMBER: _ClassVar[int]
+    NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
+    NUM_TRANSFERRING_FIELD_NUMBER: _ClassVar[int]
+    NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_ENGINE_RESETS_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    role: str
+    ready: bool
+    num_running: int
+    num_waiting: int
+    num_transferring: int
+    num_free_blocks: int
+    num_blocks: int
+    num_engine_resets: int
+    def __init__(self, address: _Optional[str] = ..., role: _Optional[str] = ..., ready: _Optional[bool] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_transferring: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_engine_resets: _Optional[int] = ...) -> None: ...
 
 class TenantStats(_message.Message):
     __slots__ = ("tenant", "weight", "num_waiting", "num_running", "num_blocks", "num_prompt_tokens", "num_generated_tokens", "virtual_tokens")

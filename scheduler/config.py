@@ -15,12 +15,18 @@ PREEMPTION_MODES = ("recompute", "swap")
 
 @dataclass(frozen=True)
 class SchedulerConfig(PeerSecurity):
-    engine_address: str = setting("localhost:50053", "the engine's gRPC address")
-    prefill_engine_address: str = setting(
-        "",
+    engine_address: tuple[str, ...] = setting(
+        ("localhost:50053",),
+        "the engine's gRPC address; with --prefill-engine-address, once per decode engine",
+        repeat=True,
+    )
+    prefill_engine_address: tuple[str, ...] = setting(
+        (),
         "prefill / decode disaggregation (docs/disaggregation.md): a prefill engine's gRPC "
-        "address (--engine-role prefill); --engine-address is then the decode engine's. Prompts "
-        "run there, their KV moves to the decode engine (empty: one engine does both)",
+        "address (--engine-role prefill), once per prefill engine; --engine-address then names "
+        "the decode engines. Prompts run on a prefill engine, their KV moves to a decode engine "
+        "(none: one engine does both)",
+        repeat=True,
     )
     kv_transfer_timeout_s: float = setting(
         2.0,
@@ -120,6 +126,20 @@ class SchedulerConfig(PeerSecurity):
         self.lora_paths()
         if not self.kv_transfer_timeout_s > 0:
             raise ValueError(f"kv_transfer_timeout_s={self.kv_transfer_timeout_s} must be > 0")
+        if not self.engine_address:
+            raise ValueError("engine_address: at least one is needed")
+        if len(self.engine_address) > 1 and not self.prefill_engine_address:
+            raise ValueError(
+                f"{len(self.engine_address)} engine_address values without "
+                "prefill_engine_address: more than one engine per scheduler is built for decode "
+                "engines (with prefill engines); for more engines that each do both, run "
+                "replicas (--data-parallel-size)"
+            )
+        for addresses in (self.engine_address, self.prefill_engine_address):
+            if len(set(addresses)) != len(addresses):
+                raise ValueError(f"engine address listed twice: {', '.join(addresses)}")
+        if set(self.engine_address) & set(self.prefill_engine_address):
+            raise ValueError("an address is both a prefill and a decode engine's")
         if self.prefill_engine_address and self.lora_modules:
             raise ValueError("lora_modules with prefill_engine_address: not built")
         if self.prefill_engine_address and not self.enable_prefix_caching:

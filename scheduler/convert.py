@@ -163,6 +163,8 @@ def stats_to_proto(stats: dict[str, Any]) -> scheduler_pb2.SchedulerStats:
     for name, value in stats.items():
         if name == "tenants":
             msg.tenants.extend(map(tenant_to_proto, value))
+        elif name == "engines":
+            msg.engines.extend(scheduler_pb2.EngineRow(**row) for row in value)
         elif name in names and isinstance(value, dict):
             getattr(msg, name).update(value)
         elif name in names and isinstance(value, list):

@@ -82,10 +82,12 @@ class Disaggregation(SchedulerState):
 
     # -- the decode side ----------------------------------------------------------------------
 
-    def receive(self, request: Request, source_blocks: list[int]) -> list[int]:
-        """Take request, handed off by the prefill side with its prompt's full blocks there
-        (source_blocks), into this decode scheduler. The blocks this pool's prefix cache lacks
-        get fresh blocks pinned for them and a transfer (its receive goes in the next plan);
+    def receive(self, request: Request, source_blocks: list[int], source: str = "") -> list[int]:
+        """Take request, handed off by the prefill engine at source with its prompt's full
+        blocks there (source_blocks), into this scheduler (a decode one; or any, with no
+        blocks: a request moved from an engine that was lost). The blocks this pool's prefix
+        cache lacks get fresh blocks pinned for them and a transfer (its receive goes in the
+        next plan);
         returns the prefill blocks to send, in order ([]: nothing to move; it waits to be
         admitted at once, recomputing what it lacks)."""
         assert request.seq_id not in self.requests, f"seq_id {request.seq_id} taken twice"
@@ -104,7 +106,7 @@ class Disaggregation(SchedulerState):
         now = time.monotonic()
         transfer = Transfer(
             next(self.transfers.ids), request, bm.pin_fresh(request.seq_id, len(keys)), keys,
-            now, now + self.transfers.timeout_s,
+            now, now + self.transfers.timeout_s, source,
         )  # fmt: skip
         self.transfers.start(transfer)
         return source_blocks[len(cached) : len(cached) + len(keys)]
@@ -125,17 +127,25 @@ class Disaggregation(SchedulerState):
             self.waiting.append(transfer.request)
 
     def fail_transfers(
-        self, reason: str, *, deadline_only: bool = False, transfer_ids: list[int] | None = None
+        self,
+        reason: str,
+        *,
+        deadline_only: bool = False,
+        transfer_ids: list[int] | None = None,
+        source: str | None = None,
     ) -> list[Request]:
         """Give up the transfers in flight (only those past their deadline, with
-        deadline_only; only transfer_ids, when given): their blocks are freed and their
-        requests wait to be admitted as misses (recompute here). Returns those requests."""
+        deadline_only; only transfer_ids, when given; only those from the prefill engine at
+        source, when given): their blocks are freed and their requests wait to be admitted as
+        misses (recompute here). Returns those requests."""
         now = time.monotonic()
         failed = []
         for transfer in list(self.transfers.in_flight.values()):
             if deadline_only and now < transfer.deadline:
                 continue
             if transfer_ids is not None and transfer.transfer_id not in transfer_ids:
+                continue
+            if source is not None and transfer.source != source:
                 continue
             self.transfers.end(transfer, reason, now)
             self.block_manager.unpin(transfer.request.seq_id)

@@ -82,6 +82,7 @@ class EngineLoop:
     """The engine half of SchedulerService (scheduler/service.py), which holds this state."""
 
     config: SchedulerConfig
+    address: str  # the engine's gRPC address
     scheduler: Scheduler | None
     engine_info: engine_pb2.EngineInfo | None
     engine_stub: Any  # the connected engine's (None before the first connection)
@@ -103,7 +104,7 @@ class EngineLoop:
         backoff = 0.2
         metadata = self.config.peer_metadata()
         async with (
-            self.config.channel(self.config.engine_address) as channel,
+            self.config.channel(self.address) as channel,
             self._heartbeat(channel, metadata),
         ):
             stub = engine_pb2_grpc.EngineStub(channel)
@@ -149,19 +150,7 @@ class EngineLoop:
             config = self.config.adopt(info.max_num_seqs, info.max_num_batched_tokens)
             max_len = min(info.max_model_len, config.max_model_len or info.max_model_len)
             if self.scheduler is None:
-                self.scheduler = make_scheduler(
-                    config,
-                    info.num_blocks,
-                    info.block_size,
-                    max_len,
-                    info.vocab_size,
-                    tuple(info.eos_token_ids),
-                    pipeline_parallel_size=pipeline_parallel_size,
-                    num_speculative_tokens=info.num_speculative_tokens,
-                    num_host_blocks=info.num_host_blocks,
-                    num_disk_blocks=info.num_disk_blocks,
-                    kv_block_bytes=info.kv_block_bytes,
-                )
+                self.scheduler = self._new_scheduler(config, info, max_len)
             else:
                 self.scheduler.config = config
                 self.scheduler.set_pipeline_parallel_size(pipeline_parallel_size)
@@ -201,19 +190,42 @@ class EngineLoop:
                 "(start the engine with --kv-offload-gb)"
             )
 
+    def _new_scheduler(
+        self, config: SchedulerConfig, info: engine_pb2.EngineInfo, max_len: int
+    ) -> Scheduler:
+        """The Scheduler for the engine that connected first (info)."""
+        scheduler = make_scheduler(
+            config,
+            info.num_blocks,
+            info.block_size,
+            max_len,
+            info.vocab_size,
+            tuple(info.eos_token_ids),
+            pipeline_parallel_size=info.pipeline_parallel_size or 1,
+            num_speculative_tokens=info.num_speculative_tokens,
+            num_host_blocks=info.num_host_blocks,
+            num_disk_blocks=info.num_disk_blocks,
+            kv_block_bytes=info.kv_block_bytes,
+        )
+        self._first_ids(scheduler)
+        return scheduler
+
     def _adopt_role(self, info: engine_pb2.EngineInfo) -> None:
         """Check the engine's role against the one this link drives (EngineMismatch); the
         scheduler plans for it (scheduler/disaggregation.py)."""
         assert self.scheduler is not None
         role = info.engine_role or "both"
         if role != self.engine_role:
+            listed = "--engine-address"
+            if self.engine_role == "prefill":
+                listed = "--prefill-engine-address"
             raise EngineMismatch(
-                f"the engine at {self.config.engine_address} has engine_role={role!r}; this "
-                f"link drives a {self.engine_role!r} engine (prefill_engine_address="
-                f"{self.config.prefill_engine_address!r})"
+                f"the engine at {self.address} has engine_role={role!r}; it is listed as a "
+                f"{self.engine_role!r} engine ({listed})"
             )
         self.scheduler.transfers.role = role
         self.scheduler.transfers.block_bytes = info.kv_block_bytes
+        self._engine_back()
 
     @property
     def engine_role(self) -> str:
@@ -225,12 +237,19 @@ class EngineLoop:
             moves, scheduler.transfers.moves = scheduler.transfers.moves, []
             self.telemetry.on_kv_moves(moves)
 
+    def _first_ids(self, scheduler: Scheduler) -> None:
+        """A new Scheduler for this engine (hook: under disaggregation each engine's steps and
+        transfers are numbered apart: scheduler/links.py)."""
+
+    def _engine_back(self) -> None:
+        """The engine connected, its role checked (hook: scheduler/links.py Roles.back)."""
+
     def _after_result(self) -> None:
-        """After a step's result is applied (hook: the prefill link hands requests off)."""
+        """After a step's result is applied (hook: a prefill engine hands requests off)."""
 
     def _after_reset(self) -> None:
-        """After the engine was lost and the scheduler reset (hook: the prefill link fails its
-        requests over to the decode side)."""
+        """After the engine was lost and the scheduler reset (hook: its requests move to
+        other engines, scheduler/links.py Roles.lost)."""
 
     async def add_lora(self, name: str, path: str) -> engine_pb2.AddLoraResponse:
         """Have the engine check adapter name at path (AioRpcError INVALID_ARGUMENT naming it

@@ -32,8 +32,8 @@ from scheduler.convert import (
     stats_to_proto,
 )
 from scheduler.engine_loop import EngineLoop, StepTimes
+from scheduler.links import Roles, is_up
 from scheduler.plan import StepOutcome
-from scheduler.prefill_link import PrefillLink
 from scheduler.request import Request, RequestStatus
 from scheduler.scheduler import AdmissionError, Scheduler
 from scheduler.telemetry import SchedulerTelemetry
@@ -64,45 +64,50 @@ class SchedulerService(EngineLoop, scheduler_pb2_grpc.SchedulerServicer):
         self.health = health.aio.HealthServicer()
         self._health_update: asyncio.Future[None] | None = None
         self.engine_stub: Any = None
-        # Disaggregation: the prefill engine's link, with its own Scheduler; this service's
-        # own engine (engine_address) is then the decode engine.
-        self.prefill = PrefillLink(self) if config.prefill_engine_address else None
+        self.address = config.engine_address[0]
+        # Disaggregation: the prefill engines and the decode engines beyond the first (this
+        # service's own loop drives the first decode engine), each link with its Scheduler.
+        self.roles = Roles(self) if config.prefill_engine_address else None
 
     def schedulers(self) -> list[Scheduler]:
-        """The Schedulers holding requests: the decode (or only) engine's, the prefill one's."""
-        found = [self.scheduler, self.prefill.scheduler if self.prefill else None]
-        return [s for s in found if s is not None]
+        """The Schedulers holding requests: every engine's (the first decode or only engine's
+        first)."""
+        links = self.roles.links if self.roles is not None else [self]
+        return [link.scheduler for link in links if link.scheduler is not None]
 
     def _wake(self) -> None:
         self.wakeup.set()
-        if self.prefill is not None:
-            self.prefill.wakeup.set()
+        if self.roles is not None:
+            self.roles.wake()
 
     async def run_engine_loop(self) -> None:
-        """Drive the engine (and, disaggregated, the prefill engine alongside)."""
-        if self.prefill is None:
+        """Drive the engine (and, disaggregated, every other engine alongside)."""
+        if self.roles is None:
             await super().run_engine_loop()
             return
-        await asyncio.gather(super().run_engine_loop(), self.prefill.run_engine_loop())
+        others = [link.run_engine_loop() for link in self.roles.links if link is not self]
+        await asyncio.gather(super().run_engine_loop(), *others)
 
     @property
     def serving(self) -> bool:
-        """EngineLoop.serving. Disaggregated: both engines connected once, and either is up
-        (while one is lost, the other takes requests whole: scheduler/prefill_link.py)."""
-        if self.prefill is None:
+        """EngineLoop.serving. Disaggregated: every engine connected once, and one is up
+        (while some are lost, the others take their requests: scheduler/links.py)."""
+        if self.roles is None:
             return super().serving
-        if self.draining or self.scheduler is None or self.prefill.scheduler is None:
-            return False
-        return (self.ready and self.engine_responding) or self.prefill.takes_requests
+        return not self.draining and self.roles.connected() and self.roles.any_up()
+
+    # Disaggregated, the service's own loop is the first decode engine's (scheduler/links.py).
+    def _first_ids(self, scheduler: Scheduler) -> None:
+        if self.roles is not None:
+            self.roles.first_ids(self, scheduler)
+
+    def _engine_back(self) -> None:
+        if self.roles is not None:
+            self.roles.back(self)
 
     def _after_reset(self) -> None:
-        if self.prefill is not None:
-            self.prefill.take_over()
-
-    def _adopt_role(self, info: engine_pb2.EngineInfo) -> None:
-        super()._adopt_role(info)
-        if self.prefill is not None:
-            self.prefill.decode_back()
+        if self.roles is not None:
+            self.roles.lost(self)
 
     # -- gateway-facing RPCs ------------------------------------------------------------------
 
@@ -114,13 +119,13 @@ class SchedulerService(EngineLoop, scheduler_pb2_grpc.SchedulerServicer):
                 grpc.StatusCode.UNAVAILABLE,
                 "scheduler is draining: it admits no new requests; send to another replica",
             )
-        target = self.prefill.scheduler if self.prefill and self.prefill.takes_requests else None
-        if not (self.ready or target) or self.scheduler is None:
+        target = self._submit_target()
+        if target is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "engine not ready; retry shortly")
-        assert self.scheduler is not None
+        assert target is not None
         try:
             req = request_from_proto(request, next(self.seq_ids))
-            (target or self.scheduler).add(req)
+            target.add(req)
         except SamplingError as err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         except AdmissionError as err:
@@ -145,6 +150,12 @@ class SchedulerService(EngineLoop, scheduler_pb2_grpc.SchedulerServicer):
                 first = False
         finally:
             self._end_stream(req, finished)
+
+    def _submit_target(self) -> Scheduler | None:
+        """The Scheduler a new request starts on (None: no engine takes requests now)."""
+        if self.roles is not None:
+            return self.roles.submit_target()
+        return self.scheduler if self.ready else None
 
     def _end_stream(self, req: Request, finished: RequestStatus | None) -> None:
         self.streams.pop(req.seq_id, None)
@@ -206,42 +217,65 @@ class SchedulerService(EngineLoop, scheduler_pb2_grpc.SchedulerServicer):
             )
             if s.block_manager.offload is not None:
                 snapshot.update(s.block_manager.offload.stats())
-            if self.prefill is not None:
-                snapshot.update(s.transfers.stats())
-                self._prefill_stats(snapshot)
+            if self.roles is not None:
+                self._roles_stats(snapshot)
         return snapshot
 
-    def _prefill_stats(self, snapshot: dict[str, Any]) -> None:
-        """Disaggregated: the prefill side's pool and queues into snapshot (its running and
-        waiting requests, and those waiting for a transfer, counted in num_running and
-        num_waiting too), its counters added to the decode side's (the prefix cache's: the
-        prefill side's alone)."""
+    def _roles_stats(self, snapshot: dict[str, Any]) -> None:
+        """Disaggregated: snapshot (the first decode engine's) with every other engine's
+        added: the decode engines' pools, queues, counters and transfers summed into the
+        plain fields; the prefill engines' pools and queues into prefill_*, their requests
+        (and those waiting for a transfer) counted in num_running and num_waiting too, their
+        counters added (the prefix cache's: theirs alone, where prompts are computed; a decode
+        engine's "hits" are mostly the blocks moved); a row per engine in `engines`."""
+        assert self.roles is not None
+        decodes = [d.scheduler for d in self.roles.decodes if d.scheduler is not None]
+        prefills = [p.scheduler for p in self.roles.prefills if p.scheduler is not None]
+        transfers = [d.transfers.stats() for d in decodes]
+        for name in transfers[0]:
+            snapshot[name] = _summed([t[name] for t in transfers])
+        for d in decodes[1:]:
+            snapshot["num_running"] += len(d.running)
+            snapshot["num_waiting"] += d.num_waiting
+            snapshot["num_free_blocks"] += d.block_manager.num_free_blocks
+            snapshot["num_blocks"] += d.block_manager.num_blocks
+            _add_counters(snapshot, vars(d.counters))
         snapshot["num_waiting"] += snapshot["num_transferring"]
-        assert self.prefill is not None
-        snapshot["decode_ready"] = self.ready and self.engine_responding
-        snapshot["prefill_ready"] = self.prefill.takes_requests
-        p = self.prefill.scheduler
-        if p is None:
+        snapshot["decode_ready"] = any(is_up(d) for d in self.roles.decodes)
+        snapshot["prefill_ready"] = any(is_up(p) for p in self.roles.prefills)
+        snapshot["num_engine_resets"] = sum(link.num_engine_resets for link in self.roles.links)
+        snapshot["engines"] = [self._engine_row(link) for link in self.roles.links]
+        if not prefills:
             return
         snapshot.update(
-            prefill_num_free_blocks=p.block_manager.num_free_blocks,
-            prefill_num_blocks=p.block_manager.num_blocks,
-            prefill_num_running=len(p.running),
-            prefill_num_waiting=len(p.waiting),
+            prefill_num_free_blocks=sum(p.block_manager.num_free_blocks for p in prefills),
+            prefill_num_blocks=sum(p.block_manager.num_blocks for p in prefills),
+            prefill_num_running=sum(len(p.running) for p in prefills),
+            prefill_num_waiting=sum(len(p.waiting) for p in prefills),
         )
-        snapshot["num_running"] += len(p.running)
-        snapshot["num_waiting"] += len(p.waiting)
-        for name, value in vars(p.counters).items():
-            if name in ("num_prefix_cache_query_tokens", "num_prefix_cache_hit_tokens"):
-                snapshot[name] = value  # prompts are computed there; the decode side's "hits"
-                # are mostly the blocks transferred (kv_transfer_blocks)
-            elif isinstance(value, int):
-                snapshot[name] += value
-            elif isinstance(value, dict):
-                merged = dict(snapshot[name])
-                for key, n in value.items():
-                    merged[key] = merged.get(key, 0) + n
-                snapshot[name] = merged
+        snapshot["num_running"] += snapshot["prefill_num_running"]
+        snapshot["num_waiting"] += snapshot["prefill_num_waiting"]
+        prefix_cache = ("num_prefix_cache_query_tokens", "num_prefix_cache_hit_tokens")
+        for name in prefix_cache:
+            snapshot[name] = 0
+        for p in prefills:
+            _add_counters(snapshot, vars(p.counters))
+
+    @staticmethod
+    def _engine_row(link: EngineLoop) -> dict[str, Any]:
+        s = link.scheduler
+        row: dict[str, Any] = {"address": link.address, "role": link.engine_role}
+        row["ready"] = is_up(link)
+        if s is not None:
+            row.update(
+                num_running=len(s.running),
+                num_waiting=s.num_waiting,
+                num_transferring=len(s.transfers.in_flight),
+                num_free_blocks=s.block_manager.num_free_blocks,
+                num_blocks=s.block_manager.num_blocks,
+                num_engine_resets=link.num_engine_resets,
+            )
+        return row
 
     async def GetStats(
         self, request: scheduler_pb2.GetStatsRequest, context: grpc.aio.ServicerContext
@@ -344,14 +378,34 @@ class SchedulerService(EngineLoop, scheduler_pb2_grpc.SchedulerServicer):
     async def shutdown(self) -> None:
         """Stop stepping; end every open stream with finish reason ABORT."""
         self.stopping = True
-        if self.prefill is not None:
-            self.prefill.stopping = True
+        for link in self.roles.links if self.roles is not None else []:
+            link.stopping = True
         self._wake()
         for scheduler in self.schedulers():
             for seq_id in list(scheduler.requests):
                 request = scheduler.abort(seq_id)
                 if request is not None:
                     self._deliver(StepOutcome(request, None, None, RequestStatus.FINISHED_ABORTED))
+
+
+def _summed(values: list[Any]) -> Any:
+    """Numbers summed; dicts of numbers summed by key."""
+    if isinstance(values[0], dict):
+        total: dict[str, Any] = {}
+        for value in values:
+            for key, n in value.items():
+                total[key] = total.get(key, 0) + n
+        return total
+    return sum(values)
+
+
+def _add_counters(snapshot: dict[str, Any], counters: dict[str, Any]) -> None:
+    """A Scheduler's counters (ints, dicts of ints) added into snapshot's."""
+    for name, value in counters.items():
+        if isinstance(value, int):
+            snapshot[name] += value
+        elif isinstance(value, dict):
+            snapshot[name] = _summed([snapshot[name], value])
 
 
 async def serve(config: SchedulerConfig) -> None:

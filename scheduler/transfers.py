@@ -33,6 +33,7 @@ class Transfer:
     keys: list[BlockKey]  # those blocks' prefix-cache keys
     started: float  # time.monotonic()
     deadline: float
+    source: str = ""  # the sending prefill engine's gRPC address
 
 
 @dataclass(frozen=True)

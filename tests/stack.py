@@ -207,6 +207,7 @@ def start_stack(
     timeout: float = 120.0,
     data_parallel_size: int = 1,
     prefill_engines: int = 0,
+    decode_engines: int | None = None,
 ) -> Stack:
     """Start engine, scheduler and gateway; return once the gateway reports SERVING.
 
@@ -214,8 +215,9 @@ def start_stack(
     gateway_model for its tokenizer. *_args are each service's own command-line flags. env adds
     environment variables to all three. http=True turns the gateway's HTTP API on
     (stack.http_url); api_key makes the gateway require it; data_parallel_size > 1 starts that
-    many replicas (scheduler + engine) behind the gateway; prefill_engines=1 a prefill and a
-    decode engine under the one scheduler (engine_args go to both)."""
+    many replicas (scheduler + engine) behind the gateway; prefill_engines=N that many prefill
+    engines and decode_engines (default N) decode engines under the one scheduler (engine_args
+    go to all)."""
     model_args = ["--model", str(model)] if model else []
     engine, *fake_config = service_configs(
         "engine", [*(["--fake"] if fake else model_args), *(engine_args or [])]
@@ -228,14 +230,15 @@ def start_stack(
     (scheduler,) = service_configs("scheduler", list(scheduler_args or []))
     base = local_stack(
         engine, scheduler, gateway, http=http, data_parallel_size=data_parallel_size,
-        prefill_engines=prefill_engines,
+        prefill_engines=prefill_engines, decode_engines=decode_engines,
     )  # fmt: skip
     stack = Stack(
         engine=base.engine,
         scheduler=base.scheduler,
         gateway=base.gateway,
         groups=base.groups,
-        prefill_engine=base.prefill_engine,
+        prefill_engines=base.prefill_engines,
+        decode_engines=base.decode_engines,
         fake=fake_config[0] if fake_config else None,
         log_dir=log_dir,
         env={"LLMSERVE_LOG_LEVEL": "INFO", **(env or {})},

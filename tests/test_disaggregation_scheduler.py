@@ -6,6 +6,7 @@ leaving no block held on either side."""
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -183,8 +184,36 @@ def test_serve_flags_make_a_prefill_and_a_decode_engine() -> None:
     )
     assert stack.prefill_engine is not None and stack.prefill_engine.engine_role == "prefill"
     assert stack.engine.engine_role == "decode" and stack.prefill_engine.max_loras == 0
-    assert stack.scheduler.prefill_engine_address == f"127.0.0.1:{stack.prefill_engine.port}"
+    assert stack.scheduler.prefill_engine_address == (f"127.0.0.1:{stack.prefill_engine.port}",)
+    assert stack.scheduler.engine_address == ("127.0.0.1:3",)
     assert "engine-prefill" in stack.service_names()
-    for roles in (["--prefill-engines", "2", "--decode-engines", "1"], ["--prefill-engines", "1"]):
-        with pytest.raises(ValueError, match="built for 1 and 1"):
+    for roles in (["--prefill-engines", "1"], ["--decode-engines", "2"]):
+        with pytest.raises(ValueError, match="both at least 1"):
             stack_from_flags(parse_serve_flags([*args, *roles]))
+
+
+def test_serve_flags_make_n_prefill_and_m_decode_engines() -> None:
+    from llmserve.serve_flags import parse_serve_flags, stack_from_flags
+
+    args = ["--device", "cpu", "--port", "1", "--scheduler-port", "2", "--engine-port", "3"]
+    flags = [*args, "--metrics-port", "9000", "--prefill-engines", "2", "--decode-engines", "3"]
+    stack = stack_from_flags(parse_serve_flags(flags))
+    names = stack.service_names()
+    engines = [n for n in names if n.startswith("engine")]
+    assert engines == [
+        "engine", "engine-prefill", "engine-prefill-2", "engine-decode-2", "engine-decode-3"
+    ]  # fmt: skip
+    configs = [stack.config_of(n) for n in engines]
+    roles = [c.engine_role for c in configs]
+    assert roles == ["decode", "prefill", "prefill", "decode", "decode"]
+    s = stack.scheduler
+    assert s.engine_address == tuple(
+        f"127.0.0.1:{c.port}" for c in configs if c.engine_role == "decode"
+    )
+    assert s.prefill_engine_address == tuple(f"127.0.0.1:{c.port}" for c in configs[1:3])
+    assert s.engine_address[0] == "127.0.0.1:3"
+    # Every engine its own port and metrics port (after the gateway, scheduler, first engine's).
+    assert len({c.port for c in configs}) == 5
+    assert sorted(c.metrics_port for c in configs) == [9002, 9003, 9004, 9005, 9006]
+    # On a CPU the cores are shared among the five (at least one thread each).
+    assert all(c.num_threads == max(1, (os.cpu_count() or 1) // 5) for c in configs)

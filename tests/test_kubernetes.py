@@ -203,7 +203,7 @@ def test_the_gateway_reaches_every_scheduler_and_each_its_engine(
             engines = [
                 _parse(c) for c in template["spec"]["containers"] if c["args"][0] == "engine"
             ]
-            assert [f"127.0.0.1:{e.port}" for e in engines] == [args.engine_address]
+            assert [f"127.0.0.1:{e.port}" for e in engines] == list(args.engine_address)
     # A LeaderWorkerSet's workers serve no gRPC: the Service must not pick them.
     for obj in [o for o in objects if o["kind"] == "LeaderWorkerSet"]:
         worker = _pod_templates(obj)[1]

@@ -1,0 +1,251 @@
+"""N prefill and M decode engines under one scheduler service (scheduler/links.py), torch-free:
+a real SchedulerService whose engine links are connected by hand (their EngineInfo adopted,
+their results applied as a fake engine's) instead of over gRPC. Which prefill engine a prompt
+goes to, which decode engine its KV moves to (prefix affinity, then load), the transfer ids
+apart per decode engine, and each engine lost: its transfers given up, its requests moved to
+an engine of the same role (else the other role), no block held anywhere after."""
+
+from __future__ import annotations
+
+import pytest
+
+from protos import engine_pb2
+from scheduler.config import SchedulerConfig
+from scheduler.engine_loop import EngineLoop
+from scheduler.links import AFFINITY_SLACK, TRANSFER_ID_SHIFT
+from scheduler.request import Request
+from scheduler.scheduler import Scheduler
+from scheduler.service import SchedulerService
+from tests.factories import sampling
+
+BS = 4
+DECODES = ("127.0.0.1:1001", "127.0.0.1:1002")
+PREFILLS = ("127.0.0.1:2001", "127.0.0.1:2002")
+
+
+def connect(link: EngineLoop, role: str, num_blocks: int = 32) -> Scheduler:
+    """What the engine loop does on connecting: adopt the engine's info; the stream is open."""
+    transfer_address = f"kv-{link.address}" if role == "decode" else ""
+    info = engine_pb2.EngineInfo(
+        model="m", num_blocks=num_blocks, block_size=BS, max_model_len=256, vocab_size=1000,
+        eos_token_ids=[999], max_num_seqs=8, max_num_batched_tokens=64, engine_role=role,
+        kv_transfer_address=transfer_address, kv_block_bytes=100,
+    )  # fmt: skip
+    link._on_engine_info(info)
+    link.ready = True
+    assert link.scheduler is not None
+    return link.scheduler
+
+
+@pytest.fixture
+def service() -> SchedulerService:
+    config = SchedulerConfig(engine_address=DECODES, prefill_engine_address=PREFILLS)
+    s = SchedulerService(config)
+    assert s.roles is not None
+    for link in s.roles.decodes:
+        connect(link, "decode")
+    for link in s.roles.prefills:
+        connect(link, "prefill")
+    return s
+
+
+def links(service: SchedulerService) -> tuple[list[EngineLoop], list[EngineLoop]]:
+    assert service.roles is not None
+    return service.roles.prefills, service.roles.decodes
+
+
+def sched(link: EngineLoop) -> Scheduler:
+    assert link.scheduler is not None
+    return link.scheduler
+
+
+def request(seq_id: int, prompt: list[int], max_tokens: int = 3) -> Request:
+    return Request(f"r{seq_id}", seq_id, prompt, sampling(), max_tokens, ignore_eos=True)
+
+
+def submit(service: SchedulerService, req: Request) -> Scheduler:
+    target = service._submit_target()
+    assert target is not None
+    target.add(req)
+    return target
+
+
+def step(link: EngineLoop, token: int = 7, received: list[int] | None = None) -> None:
+    """One step of link's engine: plan, a fake result, and what the engine loop does after."""
+    s = sched(link)
+    plan = s.schedule()
+    s.update(plan, [token if row.samples else -1 for row in plan.rows])
+    if received:
+        s.on_received(received)
+    link._after_result()
+    s.check_integrity()
+
+
+def run_prompts(prefill: EngineLoop) -> None:
+    while sched(prefill).running or sched(prefill).waiting:
+        step(prefill)
+
+
+def finish_all(service: SchedulerService) -> None:
+    """Deliver every transfer and run every engine until nothing is left."""
+    prefills, decodes = links(service)
+    for _ in range(200):
+        busy = False
+        for link in [*prefills, *decodes]:
+            s = sched(link)
+            if s.has_work:
+                busy = True
+                step(link, received=list(s.transfers.in_flight))
+        if not busy:
+            return
+    raise AssertionError("did not finish")
+
+
+def assert_no_block_held(service: SchedulerService) -> None:
+    for s in service.schedulers():
+        s.check_integrity()
+        assert s.block_manager.num_free_blocks == s.block_manager.num_blocks
+        assert not s.block_manager.pins and not s.requests
+
+
+def test_prompts_spread_over_the_prefill_engines_by_queued_tokens(
+    service: SchedulerService,
+) -> None:
+    prefills, _ = links(service)
+    long_one = submit(service, request(1, list(range(100, 140))))  # 40 tokens queued
+    short = [submit(service, request(i, list(range(10 * i, 10 * i + 8)))) for i in (2, 3, 4)]
+    assert long_one is sched(prefills[0])
+    # 8, 16, 24 tokens queued on the second: all of them below the first's 40.
+    assert all(s is sched(prefills[1]) for s in short)
+    assert submit(service, request(5, [1] * 8)) is sched(prefills[1])  # 24 < 40
+    assert submit(service, request(6, [2] * 8)) is sched(prefills[1])  # 32 < 40
+    # 40 and 40: the fewer requests (1 against 5).
+    assert submit(service, request(7, [3] * 8)) is sched(prefills[0])
+
+
+def test_kv_moves_to_the_decode_engine_holding_the_prefix_unless_it_is_busier(
+    service: SchedulerService,
+) -> None:
+    prefills, decodes = links(service)
+    d0, d1 = sched(decodes[0]), sched(decodes[1])
+    # Transfer ids apart per decode engine.
+    assert next(d1.transfers.ids) >> TRANSFER_ID_SHIFT == service.roles.links.index(decodes[1])  # type: ignore[union-attr]
+    system = list(range(500, 512))  # 3 full blocks shared
+    d1.add(request(1, [*system, 1, 2, 3]))
+    finish_all(service)
+    assert d1.block_manager.find_cached_blocks(request(99, [*system, 9]))  # d1 holds it
+    submit(service, request(2, [*system, 4, 5, 6, 7]))
+    run_prompts(prefills[0])
+    # Both idle: the prefix decides (not the order); only the block d1 lacks moves.
+    ((tid, blocks, address),) = sched(prefills[0]).transfers.sends
+    assert address == f"kv-{DECODES[1]}" and len(blocks) == 1 and tid in d1.transfers.in_flight
+    finish_all(service)
+    # d1 busier than d0 by more than the slack: load wins over the prefix.
+    for i in range(AFFINITY_SLACK + 1):
+        d1.add(request(10 + i, [7, 7, 7, i]))
+    submit(service, request(3, [*system, 8, 8, 8, 8]))
+    run_prompts(prefills[0])
+    ((tid, blocks, address),) = sched(prefills[0]).transfers.sends
+    assert address == f"kv-{DECODES[0]}" and len(blocks) == 4 and tid in d0.transfers.in_flight
+    finish_all(service)
+    assert_no_block_held(service)
+
+
+def test_a_prefill_engine_lost_gives_up_its_transfers_and_moves_its_queue(
+    service: SchedulerService,
+) -> None:
+    prefills, decodes = links(service)
+    p0, p1 = prefills
+    a, b = request(1, list(range(10, 22))), request(2, list(range(30, 42)))
+    sched(p0).add(a)
+    sched(p1).add(b)
+    run_prompts(p0)
+    run_prompts(p1)
+    waiting = request(3, list(range(50, 58)))
+    sched(p0).add(waiting)
+    in_flight = {
+        t.request.seq_id: t for d in decodes for t in sched(d).transfers.in_flight.values()
+    }
+    assert in_flight[1].source == PREFILLS[0] and in_flight[2].source == PREFILLS[1]
+    # p0's engine is lost: what the engine loop does.
+    p0.ready = False
+    sched(p0).reset_engine()
+    p0._after_reset()
+    failed = sum(sched(d).transfers.counters.num_failed["prefill_lost"] for d in decodes)
+    assert failed == 1  # a's only: b's comes from p1
+    assert waiting in sched(p1).requests.values() and not sched(p0).requests
+    finish_all(service)
+    assert [r.num_output_tokens for r in (a, b, waiting)] == [3, 3, 3]
+    assert_no_block_held(service)
+
+
+def test_a_decode_engine_lost_moves_its_requests_to_the_other(service: SchedulerService) -> None:
+    prefills, decodes = links(service)
+    reqs = [request(i, list(range(10 * i, 10 * i + 9))) for i in (1, 2, 3, 4)]
+    for r in reqs:
+        submit(service, r)
+    for p in prefills:
+        run_prompts(p)
+    for p in prefills:
+        step(p)  # the sends go out
+    lost = max(decodes, key=lambda d: len(sched(d).transfers.in_flight))
+    other = decodes[1 - decodes.index(lost)]
+    held = [t.request for t in sched(lost).transfers.in_flight.values()]
+    assert held
+    lost.ready = False
+    sched(lost).reset_engine()
+    lost._after_reset()
+    assert not sched(lost).requests and all(r in sched(other).requests.values() for r in held)
+    # New handoffs skip it while it is down.
+    late = request(9, list(range(200, 209)))
+    submit(service, late)
+    for p in prefills:
+        run_prompts(p)
+    assert late.seq_id in sched(other).requests
+    finish_all(service)
+    assert all(r.num_output_tokens == 3 for r in [*reqs, late])
+    assert_no_block_held(service)
+
+
+def test_every_decode_engine_lost_the_prefill_engines_run_requests_whole(
+    service: SchedulerService,
+) -> None:
+    prefills, decodes = links(service)
+    for d in decodes:
+        d.ready = False
+        sched(d).reset_engine()
+        d._after_reset()
+    assert all(sched(p).transfers.role == "both" for p in prefills)
+    req = request(1, list(range(10, 19)))
+    submit(service, req)
+    finish_all(service)
+    assert req.num_output_tokens == 3 and service.stats()["decode_ready"] is False
+    # A decode engine back: prompts hand off again.
+    connect(decodes[1], "decode")
+    assert all(sched(p).transfers.role == "prefill" for p in prefills)
+    assert_no_block_held(service)
+
+
+def test_stats_sum_the_engines_and_list_each(service: SchedulerService) -> None:
+    prefills, decodes = links(service)
+    submit(service, request(1, list(range(10, 19))))
+    sched(decodes[1]).add(request(2, [1, 2, 3]))
+    stats = service.stats()
+    assert stats["num_blocks"] == 64 and stats["prefill_num_blocks"] == 64
+    assert stats["num_waiting"] == 2 and stats["prefill_num_waiting"] == 1
+    rows = {row["address"]: row for row in stats["engines"]}
+    assert [rows[a]["role"] for a in (*DECODES, *PREFILLS)] == ["decode"] * 2 + ["prefill"] * 2
+    assert rows[DECODES[1]]["num_waiting"] == 1 and all(r["ready"] for r in rows.values())
+    from scheduler.convert import stats_to_proto
+
+    msg = stats_to_proto(stats)
+    assert [e.address for e in msg.engines] == [*DECODES, *PREFILLS]
+
+
+def test_config_refuses_more_engines_without_prefill_engines() -> None:
+    with pytest.raises(ValueError, match="replicas"):
+        SchedulerConfig(engine_address=DECODES)
+    with pytest.raises(ValueError, match="both a prefill and a decode"):
+        SchedulerConfig(engine_address=DECODES, prefill_engine_address=DECODES[:1])
+    with pytest.raises(ValueError, match="listed twice"):
+        SchedulerConfig(engine_address=DECODES[:1], prefill_engine_address=PREFILLS[:1] * 2)
