@@ -225,15 +225,25 @@ class EngineConfig(PeerSecurity):
             return
         refused = {
             "world_size": self.world_size > 1,
-            "speculative_method": self.speculative_method != "none",
             "kv_offload_gb": self.kv_offload_gb > 0,
         }
         for name, used in refused.items():
             if used:
                 raise ValueError(
-                    f"engine_role={self.engine_role!r} is built for one rank without "
-                    f"speculation or offload tiers; {name}={getattr(self, name)!r}"
+                    f"engine_role={self.engine_role!r} is built for one rank without offload "
+                    f"tiers; {name}={getattr(self, name)!r}"
                 )
+        # A decode engine may speculate by n-grams (proposals from the request's own tokens);
+        # a draft model's KV would not move with the target's, and a prefill engine samples
+        # one token per request.
+        allowed = ("none", "ngram") if self.engine_role == "decode" else ("none",)
+        if self.speculative_method not in allowed:
+            raise ValueError(
+                f"speculative_method={self.speculative_method!r} with "
+                f"engine_role={self.engine_role!r}: built for "
+                + ("'ngram' (a draft model's KV does not move with the target's)"
+                   if self.engine_role == "decode" else "none (it samples one token a request)")
+            )  # fmt: skip
 
     @property
     def num_kv_offload_disk_bytes(self) -> int:

@@ -156,7 +156,9 @@ def disaggregate(
         replace(engine, host=INTERNAL_HOST, port=port, metrics_port=m)
         for port, m in zip(ports, metrics, strict=True)
     ]
-    prefills = [replace(e, engine_role="prefill") for e in placed[:num_prefill]]
+    # Speculation (n-grams) is the decode engines' only: a prefill engine samples one token.
+    no_spec = {"speculative_method": "none", "speculative_model": None}
+    prefills = [replace(e, engine_role="prefill", **no_spec) for e in placed[:num_prefill]]
     decodes = [replace(e, engine_role="decode") for e in [engine, *placed[num_prefill:]]]
     scheduler = replace(
         scheduler,

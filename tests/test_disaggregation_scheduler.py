@@ -217,3 +217,19 @@ def test_serve_flags_make_n_prefill_and_m_decode_engines() -> None:
     assert sorted(c.metrics_port for c in configs) == [9002, 9003, 9004, 9005, 9006]
     # On a CPU the cores are shared among the five (at least one thread each).
     assert all(c.num_threads == max(1, (os.cpu_count() or 1) // 5) for c in configs)
+
+
+def test_decode_engines_speculate_by_ngrams_only() -> None:
+    from engine.config import EngineConfig
+    from llmserve.serve_flags import parse_serve_flags, stack_from_flags
+
+    spec = ["--speculative-method", "ngram", "--num-speculative-tokens", "3"]
+    args = ["--device", "cpu", "--prefill-engines", "1", "--decode-engines", "2", *spec]
+    stack = stack_from_flags(parse_serve_flags(args))
+    assert [e.speculative_method for e in stack.prefill_engines] == ["none"]
+    decodes = [stack.engine, *stack.decode_engines]
+    assert [(e.speculative_method, e.num_speculative_tokens) for e in decodes] == [("ngram", 3)] * 2
+    with pytest.raises(ValueError, match="draft model's KV does not move"):
+        EngineConfig(engine_role="decode", speculative_method="draft", num_speculative_tokens=2)
+    with pytest.raises(ValueError, match="samples one token"):
+        EngineConfig(engine_role="prefill", speculative_method="ngram", num_speculative_tokens=2)
