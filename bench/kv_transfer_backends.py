@@ -162,6 +162,10 @@ def summarize(rows: list[dict[str, Any]], block_bytes: int) -> list[dict[str, An
             "bytes_per_s_send": num_bytes / send,
             "bytes_per_s_gather_and_send": num_bytes / total,
             "first_send_s": [r["send_s"] for r in first],
+            "bytes_per_s_send_by_round": [
+                num_bytes / statistics.median(r["send_s"] for r in steady if r.get("round") == k)
+                for k in sorted({r.get("round") for r in steady})
+            ],
         })  # fmt: skip
     return out
 
