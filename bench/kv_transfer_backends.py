@@ -12,6 +12,14 @@ Per backend and size: the first transfer (torch: it builds the pair's group) apa
 --repeats transfers; bytes / s over the send (connect, challenge, payload, ack) and over gather
 + send. The backends alternate round by round (--rounds), so the machine's load falls on both.
 
+End to end (a manual check, not in the suite: two stacks of the built-in model cost minutes):
+
+    python -m bench.kv_transfer_backends --stack --output bench/results/kv_transfer_stack.json
+
+`llmserve serve --device cpu --prefill-engines 1 --decode-engines 1 --num-threads 1` once per
+backend, the same greedy requests (prompts of about 1, 9 and 37 full blocks, 8 tokens each)
+one after the other: their tokens must match across the backends, every transfer done.
+
 GPU check (the NCCL path; for bench/gpu_engine_check.sh, a stage of its own when wanted):
 
     python -m bench.kv_transfer_backends --gpu-check [--output PATH]
@@ -208,6 +216,57 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+STACK_PROMPTS = [
+    "Tell me one short, true fact about rivers.",
+    "Summarize: " + " ".join(f"word{i % 37} river stone" for i in range(30)),
+    "Summarize: "
+    + " ".join(f"line {i}: the lantern, the harbor and the copper bell" for i in range(45)),
+]  # fmt: skip
+
+
+def stack_check(args: argparse.Namespace) -> int:
+    """Both backends through a real 1 prefill + 1 decode stack (module docstring); the exit
+    status (1: tokens differ or a transfer did not complete)."""
+    from llmserve.bench.report import git_commit, hardware
+    from llmserve.client import Client, make_request
+    from llmserve.serve_flags import serve_locally
+
+    runs = []
+    for backend in ("tcp", "torch"):
+        serve_args = ["--device", "cpu", "--prefill-engines", "1", "--decode-engines", "1",
+                      "--num-threads", "1", "--kv-transfer-backend", backend]  # fmt: skip
+        with serve_locally(serve_args) as stack, Client(stack.gateway_address) as client:
+            outputs = []
+            for text in STACK_PROMPTS:
+                request = make_request(text, max_tokens=8, temperature=0.0, ignore_eos=True)
+                t0 = time.perf_counter()
+                tokens = [t for m in client.stream(request, timeout=300) for t in m.token_ids]
+                outputs.append({"tokens": tokens, "seconds": time.perf_counter() - t0})
+            stats = stack.scheduler_stats()
+        runs.append({
+            "backend": backend,
+            "serve_args": serve_args,
+            "requests": outputs,
+            "num_kv_transfers": stats.num_kv_transfers,
+            "num_kv_transfers_done": stats.num_kv_transfers_done,
+            "num_kv_transfers_failed": dict(stats.num_kv_transfers_failed),
+            "kv_transfer_blocks": stats.kv_transfer_blocks,
+            "kv_transfer_bytes": stats.kv_transfer_bytes,
+            "kv_transfer_s": stats.kv_transfer_s,
+        })  # fmt: skip
+        print(json.dumps({k: v for k, v in runs[-1].items() if k != "requests"}), file=sys.stderr)
+    same = [r["tokens"] for r in runs[0]["requests"]] == [r["tokens"] for r in runs[1]["requests"]]
+    done = all(r["num_kv_transfers_done"] == len(STACK_PROMPTS) for r in runs)
+    result = {"status": "ok" if same and done else "failed", "same_tokens": same,
+              "all_transfers_done": done, "runs": runs, "hardware": hardware(),
+              "load_average": os.getloadavg(), "commit": git_commit(),
+              "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}  # fmt: skip
+    if args.output:
+        Path(args.output).write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps({k: result[k] for k in ("status", "same_tokens", "all_transfers_done")}))
+    return 0 if same and done else 1
+
+
 def gpu_check(args: argparse.Namespace) -> int:
     """The torch backend on GPUs (module docstring); the exit status."""
     count = torch.cuda.device_count()
@@ -254,6 +313,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--sizes", type=int, nargs="+", default=list(SIZES))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--gpu-check", action="store_true", help="the GPU check (module docstring)")
+    p.add_argument("--stack", action="store_true", help="end to end (module docstring)")
     # the sender process's own
     p.add_argument("--send", help=argparse.SUPPRESS)
     p.add_argument("--backend", default="tcp", help=argparse.SUPPRESS)
@@ -270,6 +330,8 @@ def main() -> int:
         return 0
     if args.gpu_check:
         return gpu_check(args)
+    if args.stack:
+        return stack_check(args)
     result = measure(args)
     text = json.dumps(result, indent=1)
     if args.output:
