@@ -217,7 +217,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
 
 STACK_PROMPTS = [
-    "Tell me one short, true fact about rivers.",
+    "Tell me three short, true facts about rivers, the stones that lie in them and the fish "
+    "that swim there, please.",
     "Summarize: " + " ".join(f"word{i % 37} river stone" for i in range(30)),
     "Summarize: "
     + " ".join(f"line {i}: the lantern, the harbor and the copper bell" for i in range(45)),
@@ -256,7 +257,7 @@ def stack_check(args: argparse.Namespace) -> int:
         })  # fmt: skip
         print(json.dumps({k: v for k, v in runs[-1].items() if k != "requests"}), file=sys.stderr)
     same = [r["tokens"] for r in runs[0]["requests"]] == [r["tokens"] for r in runs[1]["requests"]]
-    done = all(r["num_kv_transfers_done"] == len(STACK_PROMPTS) for r in runs)
+    done = all(r["num_kv_transfers_done"] == r["num_kv_transfers"] == 3 for r in runs)
     result = {"status": "ok" if same and done else "failed", "same_tokens": same,
               "all_transfers_done": done, "runs": runs, "hardware": hardware(),
               "load_average": os.getloadavg(), "commit": git_commit(),
