@@ -171,8 +171,8 @@ def summarize(rows: list[dict[str, Any]], block_bytes: int) -> list[dict[str, An
             "bytes_per_s_gather_and_send": num_bytes / total,
             "first_send_s": [r["send_s"] for r in first],
             "bytes_per_s_send_by_round": [
-                num_bytes / statistics.median(r["send_s"] for r in steady if r.get("round") == k)
-                for k in sorted({r.get("round") for r in steady})
+                num_bytes / statistics.median(r["send_s"] for r in steady if r.get("round", 0) == k)
+                for k in sorted({r.get("round", 0) for r in steady})
             ],
         })  # fmt: skip
     return out
@@ -232,7 +232,7 @@ def stack_check(args: argparse.Namespace) -> int:
     from llmserve.client import Client, make_request
     from llmserve.serve_flags import serve_locally
 
-    runs = []
+    runs: list[dict[str, Any]] = []
     for backend in ("tcp", "torch"):
         serve_args = ["--device", "cpu", "--prefill-engines", "1", "--decode-engines", "1",
                       "--num-threads", "1", "--kv-transfer-backend", backend]  # fmt: skip
@@ -258,7 +258,7 @@ def stack_check(args: argparse.Namespace) -> int:
         print(json.dumps({k: v for k, v in runs[-1].items() if k != "requests"}), file=sys.stderr)
     same = [r["tokens"] for r in runs[0]["requests"]] == [r["tokens"] for r in runs[1]["requests"]]
     done = all(r["num_kv_transfers_done"] == r["num_kv_transfers"] == 3 for r in runs)
-    result = {"status": "ok" if same and done else "failed", "same_tokens": same,
+    result: dict[str, Any] = {"status": "ok" if same and done else "failed", "same_tokens": same,
               "all_transfers_done": done, "runs": runs, "hardware": hardware(),
               "load_average": os.getloadavg(), "commit": git_commit(),
               "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}  # fmt: skip

@@ -26,48 +26,32 @@ caller recomputes instead of waiting.
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import os
 import socket
-import struct
 import threading
 import time
-from typing import TYPE_CHECKING
 
 import torch
 
 from common.log import get_logger
+from engine.kv_transfer_torch import TorchReceiver
+from engine.kv_transfer_wire import (
+    BACKENDS,
+    CHALLENGE_BYTES,
+    HEADER,
+    IO_TIMEOUT_S,
+    TransferError,
+    _proof,
+    _read_exactly,
+    connect,
+)
 
-if TYPE_CHECKING:
-    from engine.kv_transfer_torch import TorchReceiver
-
+__all__ = [
+    "BACKENDS", "CHALLENGE_BYTES", "HEADER", "IO_TIMEOUT_S", "KVReceiver", "TransferError",
+    "connect", "gather_blocks", "send_blocks", "send_payload",
+]  # fmt: skip
 log = get_logger("engine.kv_transfer")
-
-CHALLENGE_BYTES = 32
-HEADER = struct.Struct("!QIQB")
-IO_TIMEOUT_S = 5.0
-BACKENDS = ("tcp", "torch")  # the header's backend byte: the index here
-
-
-class TransferError(Exception):
-    """A transfer that did not complete (refused, dropped, timed out)."""
-
-
-def _proof(token: str, challenge: bytes) -> bytes:
-    return hmac.new(token.encode(), challenge, hashlib.sha256).digest()
-
-
-def _read_exactly(conn: socket.socket, num_bytes: int, into: memoryview | None = None) -> bytes:
-    """num_bytes from conn (into `into` when given); TransferError when it ends first."""
-    buffer = into if into is not None else memoryview(bytearray(num_bytes))
-    got = 0
-    while got < num_bytes:
-        n = conn.recv_into(buffer[got:], num_bytes - got)
-        if n == 0:
-            raise TransferError(f"connection closed after {got} of {num_bytes} bytes")
-        got += n
-    return bytes(buffer) if into is None else b""
 
 
 def _block_span(kv_cache: torch.Tensor) -> tuple[int, ...]:
@@ -95,28 +79,6 @@ def send_blocks(
     Raises TransferError if it is refused, drops or takes longer than timeout_s."""
     payload = gather_blocks(kv_cache, block_ids)
     send_payload(address, token, transfer_id, payload, len(block_ids), timeout_s)
-
-
-def connect(
-    address: tuple[str, int],
-    token: str,
-    transfer_id: int,
-    num_blocks: int,
-    block_bytes: int,
-    backend: str,
-    timeout_s: float,
-) -> socket.socket:
-    """A connection to the receiver at address that has answered its challenge and sent the
-    header (OSError or TransferError when that fails)."""
-    conn = socket.create_connection(address, timeout=timeout_s)
-    try:
-        challenge = _read_exactly(conn, CHALLENGE_BYTES)
-        conn.sendall(_proof(token, challenge))
-        conn.sendall(HEADER.pack(transfer_id, num_blocks, block_bytes, BACKENDS.index(backend)))
-    except BaseException:
-        conn.close()
-        raise
-    return conn
 
 
 def send_payload(
@@ -160,8 +122,6 @@ class KVReceiver:
         self.backend = backend
         self.torch: TorchReceiver | None = None
         if backend == "torch":
-            from engine.kv_transfer_torch import TorchReceiver
-
             self.torch = TorchReceiver(kv_cache.device)
         span = _block_span(kv_cache)
         self.block_bytes = kv_cache.element_size() * int(torch.Size(span).numel())
@@ -237,7 +197,7 @@ class KVReceiver:
         if self.torch is not None:
             return self.torch.receive(conn, transfer_id, num_bytes, time.monotonic() + IO_TIMEOUT_S)
         data = torch.empty(num_bytes, dtype=torch.uint8)
-        _read_exactly(conn, num_bytes, memoryview(data.numpy()))
+        _read_exactly(conn, num_bytes, data.numpy().data)
         return data
 
     def take(self, transfer_id: int, block_ids: list[int], deadline: float) -> bool:

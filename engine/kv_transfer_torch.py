@@ -52,12 +52,16 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import TYPE_CHECKING, TypeAlias
 
 import torch
 import torch.distributed as dist
 
 from common.log import get_logger
-from engine.kv_transfer import IO_TIMEOUT_S, TransferError, _read_exactly, connect
+from engine.kv_transfer_wire import IO_TIMEOUT_S, TransferError, _read_exactly, connect
+
+if TYPE_CHECKING:
+    Group: TypeAlias = dist.ProcessGroupGloo | dist.ProcessGroupNCCL
 
 log = get_logger("engine.kv_transfer")
 
@@ -104,19 +108,19 @@ class RelayStore(dist.Store):
         self.reader = threading.Thread(target=self._read, name="kv-relay", daemon=True)
         self.reader.start()
 
-    def set(self, key: str, value: str | bytes) -> None:  # type: ignore[override]
+    def set(self, key: str, value: str | bytes) -> None:
         data = value.encode() if isinstance(value, str) else bytes(value)
         with self.cond:
             self.values[key] = data
             self.cond.notify_all()
         self._send(SET, key.encode(), data)
 
-    def get(self, key: str) -> bytes:  # type: ignore[override]
+    def get(self, key: str) -> bytes:
         self.wait([key])
         with self.cond:
             return self.values[key]
 
-    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:  # type: ignore[override]
+    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
         with self.cond:
             while not all(key in self.values for key in keys):
                 left = self.deadline - time.monotonic()
@@ -126,7 +130,7 @@ class RelayStore(dist.Store):
                     )
                 self.cond.wait(left)
 
-    def check(self, keys: list[str]) -> bool:  # type: ignore[override]
+    def check(self, keys: list[str]) -> bool:
         with self.cond:
             return all(key in self.values for key in keys)
 
@@ -164,7 +168,7 @@ class RelayStore(dist.Store):
 
 def make_group(
     store: dist.Store, rank: int, device: torch.device, host: str, timeout_s: float
-) -> dist.ProcessGroup:
+) -> Group:
     """The pair's 2-rank group on store (rank 0 sends, rank 1 receives): NCCL for a GPU pool,
     gloo bound to host otherwise. No default group is made or touched."""
     timeout = timedelta(seconds=timeout_s)
@@ -172,13 +176,13 @@ def make_group(
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
         return dist.ProcessGroupNCCL(store, rank, 2, options)
-    options = dist.ProcessGroupGloo._Options()
+    options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
     options._timeout = timeout
     options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
     return dist.ProcessGroupGloo(store, rank, 2, options)
 
 
-def discard_group(group: dist.ProcessGroup) -> None:
+def discard_group(group: Group) -> None:
     """Abort group (its peer is gone or stalled: nothing of it is reused)."""
     try:
         group.abort()
@@ -190,12 +194,12 @@ def _left(deadline: float) -> float:
     return max(0.1, deadline - time.monotonic())
 
 
-def _send_tensor(group: dist.ProcessGroup, tensor: torch.Tensor) -> dist.Work:
-    return group.send([tensor], 1, 0)
+def _send_tensor(group: Group, tensor: torch.Tensor) -> dist.Work:
+    return group.send([tensor], 1, 0)  # type: ignore[union-attr]  # (not in torch's stubs)
 
 
-def _recv_tensor(group: dist.ProcessGroup, tensor: torch.Tensor) -> dist.Work:
-    return group.recv([tensor], 0, 0)
+def _recv_tensor(group: Group, tensor: torch.Tensor) -> dist.Work:
+    return group.recv([tensor], 0, 0)  # type: ignore[union-attr]
 
 
 def wait_work(work: dist.Work, deadline: float, what: str, nccl: bool) -> None:
@@ -240,7 +244,7 @@ def gather_payload(kv_cache: torch.Tensor, block_ids: list[int]) -> DevicePayloa
 @dataclass
 class _Pair:
     pair_id: bytes
-    group: dist.ProcessGroup
+    group: Group
 
 
 class TorchSender:
@@ -315,7 +319,7 @@ class TorchSender:
         self.pairs[address] = pair
 
     def _send_on(
-        self, group: dist.ProcessGroup, payload: DevicePayload, deadline: float, transfer_id: int
+        self, group: Group, payload: DevicePayload, deadline: float, transfer_id: int
     ) -> None:
         if payload.ready is not None:
             torch.cuda.current_stream(payload.data.device).wait_event(payload.ready)
@@ -332,7 +336,7 @@ class TorchSender:
                 "on one GPU, or a CPU pool and a GPU pool); its payloads go over TCP",
                 peer=f"{address[0]}:{address[1]}",
             )
-        conn.sendall(memoryview(payload.data.cpu().numpy()))
+        conn.sendall(payload.data.cpu().numpy().data)
 
     def close(self) -> None:
         for pair in self.pairs.values():
@@ -347,7 +351,7 @@ class TorchReceiver:
     def __init__(self, device: torch.device):
         self.device = device
         self.identity = device_identity(device)
-        self.groups: OrderedDict[bytes, dist.ProcessGroup] = OrderedDict()
+        self.groups: OrderedDict[bytes, Group] = OrderedDict()
         self.lock = threading.Lock()
         self.over_tcp: set[str] = set()
 
@@ -384,7 +388,7 @@ class TorchReceiver:
         self._keep(pair_id, group)
         return data
 
-    def _keep(self, pair_id: bytes, group: dist.ProcessGroup) -> None:
+    def _keep(self, pair_id: bytes, group: Group) -> None:
         with self.lock:
             self.groups[pair_id] = group
             while len(self.groups) > MAX_GROUPS:
@@ -402,7 +406,7 @@ class TorchReceiver:
             )
         conn.sendall(OVER_TCP)
         data = torch.empty(num_bytes, dtype=torch.uint8)
-        _read_exactly(conn, num_bytes, memoryview(data.numpy()))
+        _read_exactly(conn, num_bytes, data.numpy().data)
         return data
 
     def close(self) -> None:
