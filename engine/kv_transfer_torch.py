@@ -94,7 +94,9 @@ class RelayStore(dist.Store):
     """A 2-rank group's rendezvous store over the pair's authenticated connection: `set` keeps
     the value and sends it to the peer; `get` / `wait` block until the key is known (set here or
     by the peer), the connection fails or the deadline passes (then raise). `finish` ends it:
-    sends DONE and waits for the peer's, so the connection is free for the ack after."""
+    sends DONE and waits for the peer's, so the connection is free for the ack after; a `set`
+    after that (a backend's late bookkeeping) is kept here only. Nothing here raises into the
+    backend's own threads but `get` / `wait`."""
 
     def __init__(self, conn: socket.socket, deadline: float):
         super().__init__()
@@ -104,6 +106,7 @@ class RelayStore(dist.Store):
         self.cond = threading.Condition()
         self.send_lock = threading.Lock()
         self.peer_done = False
+        self.finished = False
         self.error = ""
         self.reader = threading.Thread(target=self._read, name="kv-relay", daemon=True)
         self.reader.start()
@@ -137,16 +140,21 @@ class RelayStore(dist.Store):
     def finish(self) -> None:
         """Send DONE and wait for the peer's (TransferError if it does not come in time)."""
         self._send(DONE, b"", b"")
+        self.finished = True
         self.reader.join(max(0.0, self.deadline - time.monotonic()))
         if not self.peer_done:
             raise TransferError(f"rendezvous: the peer did not finish: {self.error or 'timeout'}")
 
     def _send(self, kind: bytes, key: bytes, value: bytes) -> None:
+        """Send a frame (after `finish`: nothing); a failure is recorded for the waits."""
         try:
             with self.send_lock:
-                self.conn.sendall(FRAME.pack(kind, len(key), len(value)) + key + value)
+                if not self.finished:
+                    self.conn.sendall(FRAME.pack(kind, len(key), len(value)) + key + value)
         except OSError as err:
-            raise TransferError(f"rendezvous: {err}") from err
+            with self.cond:
+                self.error = self.error or f"send: {err}"
+                self.cond.notify_all()
 
     def _read(self) -> None:
         try:
@@ -336,6 +344,8 @@ class TorchSender:
                 "on one GPU, or a CPU pool and a GPU pool); its payloads go over TCP",
                 peer=f"{address[0]}:{address[1]}",
             )
+        if payload.ready is not None:
+            payload.ready.synchronize()
         conn.sendall(payload.data.cpu().numpy().data)
 
     def close(self) -> None:
