@@ -16,6 +16,7 @@ QUANTIZATIONS = ("auto", "none", "gguf", "int8", "fp8")
 KV_CACHE_DTYPES = ("auto", "bf16", "fp16", "fp8")
 SPECULATIVE_METHODS = ("none", "ngram", "draft")
 ENGINE_ROLES = ("both", "prefill", "decode")
+KV_TRANSFER_BACKENDS = ("tcp", "torch")
 MAX_SPECULATIVE_TOKENS = 16
 
 
@@ -58,6 +59,15 @@ class EngineConfig(PeerSecurity):
     )
     kv_transfer_port: int = setting(
         0, "--engine-role decode: the port KV transfers arrive on, on --host (0: a free one)"
+    )
+    kv_transfer_backend: str = setting(
+        "tcp",
+        "prefill / decode: how a KV transfer's payload moves (the control is the authenticated "
+        "--kv-transfer-port connection either way; both engines of a pair need the same): tcp = "
+        "on that connection, through host memory; torch = torch.distributed send / recv over a "
+        "2-rank group per engine pair, NCCL between two GPUs (no host copy), gloo on CPUs (two "
+        "engines on one GPU: over TCP, with a warning)",
+        choices=KV_TRANSFER_BACKENDS,
     )
     quantization: str = setting(
         "auto",

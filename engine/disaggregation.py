@@ -14,9 +14,13 @@ scheduler's; this only executes, in this order, before the plan's mirror update 
    this plan's forward may reuse them), then pushed by a background thread; a send that fails
    is only logged: the receiving side's deadline turns it into a recompute there.
 
+The payload goes by --kv-transfer-backend: `tcp` (gathered to host bytes, engine/kv_transfer.py)
+or `torch` (gathered into a buffer on the pool's device and sent over the pair's process group,
+engine/kv_transfer_torch.py); the control is the same authenticated connection either way.
+
 A test hook, LLMSERVE_KV_TRANSFER_FAULT: `drop` sends the header and half the payload of every
-transfer, then closes the connection; `stall` holds every transfer (for 30 s, or while the file
-says so) and never sends it; `@PATH` reads one of
+transfer (with the torch backend: the header only), then closes the connection; `stall` holds
+every transfer (for 30 s, or while the file says so) and never sends it; `@PATH` reads one of
 those from the file PATH before each send (no file, or an empty one: no fault), so a test can
 turn faults on and off in a running engine.
 """
@@ -25,7 +29,6 @@ from __future__ import annotations
 
 import os
 import queue
-import socket
 import threading
 import time
 from typing import Any
@@ -36,15 +39,13 @@ from common.log import get_logger
 from engine.config import EngineConfig
 from engine.contract import StepPlanData
 from engine.kv_transfer import (
-    CHALLENGE_BYTES,
-    HEADER,
     KVReceiver,
     TransferError,
-    _proof,
-    _read_exactly,
+    connect,
     gather_blocks,
     send_payload,
 )
+from engine.kv_transfer_torch import DevicePayload, TorchSender, gather_payload
 from engine.mirror import MirrorMismatch
 
 log = get_logger("engine.disaggregation")
@@ -75,21 +76,40 @@ def read_fault(setting: str) -> str:
         return ""
 
 
-class KVSender:
-    """Sends payloads in the background, one at a time, in the order given."""
+Payload = bytes | DevicePayload  # tcp's host bytes | torch's device buffer
 
-    def __init__(self, token: str, fault: str = ""):
+
+class KVSender:
+    """Sends payloads in the background, one at a time, in the order given, by backend
+    ("torch": over a process group per receiver, on device's pools)."""
+
+    def __init__(
+        self,
+        token: str,
+        fault: str = "",
+        backend: str = "tcp",
+        device: torch.device | None = None,
+    ):
         self.token = token
         self.fault = fault
-        self.outbox: queue.SimpleQueue[tuple[str, int, bytes, int] | None] = queue.SimpleQueue()
+        self.backend = backend
+        self.torch = TorchSender(device or torch.device("cpu")) if backend == "torch" else None
+        self.outbox: queue.SimpleQueue[tuple[str, int, Payload, int] | None] = queue.SimpleQueue()
         self.num_failed = 0
         threading.Thread(target=self._run, name="kv-sender", daemon=True).start()
 
-    def submit(self, address: str, transfer_id: int, payload: bytes, num_blocks: int) -> None:
+    def submit(self, address: str, transfer_id: int, payload: Payload, num_blocks: int) -> None:
         self.outbox.put((address, transfer_id, payload, num_blocks))
 
     def close(self) -> None:
         self.outbox.put(None)
+
+    def _send(self, address: tuple[str, int], transfer_id: int, payload: Payload, n: int) -> None:
+        if isinstance(payload, DevicePayload):
+            assert self.torch is not None
+            self.torch.send(address, self.token, transfer_id, payload, n)
+        else:
+            send_payload(address, self.token, transfer_id, payload, n)
 
     def _run(self) -> None:
         while (item := self.outbox.get()) is not None:
@@ -102,8 +122,7 @@ class KVSender:
                         fault, _split_address(address), transfer_id, payload, num_blocks
                     )
                 else:
-                    send_payload(_split_address(address), self.token, transfer_id, payload,
-                                 num_blocks)  # fmt: skip
+                    self._send(_split_address(address), transfer_id, payload, num_blocks)
             except TransferError as err:
                 self.num_failed += 1
                 log.warning("kv transfer not sent", transfer_id=transfer_id, error=str(err))
@@ -112,7 +131,7 @@ class KVSender:
                 "kv transfer sent",
                 transfer_id=transfer_id,
                 num_blocks=num_blocks,
-                num_bytes=len(payload),
+                num_bytes=_num_bytes(payload),
                 ms=round((time.monotonic() - t0) * 1e3, 2),
             )
 
@@ -121,7 +140,7 @@ class KVSender:
         fault: str,
         address: tuple[str, int],
         transfer_id: int,
-        payload: bytes,
+        payload: Payload,
         num_blocks: int,
     ) -> None:
         """The test hook: a transfer that drops half-way, or one that stalls."""
@@ -130,38 +149,57 @@ class KVSender:
             while read_fault(self.fault) == "stall" and time.monotonic() < deadline:
                 time.sleep(0.05)
             raise TransferError(f"transfer {transfer_id}: stalled by {FAULT_ENV}")
+        num_bytes = _num_bytes(payload)
         try:
-            with socket.create_connection(address, timeout=5) as conn:
-                challenge = _read_exactly(conn, CHALLENGE_BYTES)
-                conn.sendall(_proof(self.token, challenge))
-                conn.sendall(HEADER.pack(transfer_id, num_blocks, len(payload) // num_blocks))
-                conn.sendall(payload[: len(payload) // 2])
+            with connect(
+                address, self.token, transfer_id, num_blocks, num_bytes // num_blocks,
+                self.backend, timeout_s=5,
+            ) as conn:  # fmt: skip
+                if isinstance(payload, bytes):
+                    conn.sendall(payload[: num_bytes // 2])
         except OSError as err:
             raise TransferError(f"transfer {transfer_id}: {err}") from err
         raise TransferError(f"transfer {transfer_id}: dropped half-way by {FAULT_ENV}=drop")
 
 
+def _num_bytes(payload: Payload) -> int:
+    return payload.data.numel() if isinstance(payload, DevicePayload) else len(payload)
+
+
 class KVTransfers:
     """An engine's transfers by role: a decode engine receives (a KVReceiver on host:port), a
-    prefill engine sends; `execute` runs a plan's part (see the module docstring)."""
+    prefill engine sends; `execute` runs a plan's part (see the module docstring). backend:
+    --kv-transfer-backend (the same on both engines of a pair)."""
 
-    def __init__(self, kv_cache: torch.Tensor, role: str, token: str, host: str, port: int):
+    def __init__(
+        self,
+        kv_cache: torch.Tensor,
+        role: str,
+        token: str,
+        host: str,
+        port: int,
+        backend: str = "tcp",
+    ):
         self.role = role
         self.kv_cache = kv_cache
+        self.backend = backend
         fault = os.environ.get(FAULT_ENV, "")
         self.receiver = (
-            KVReceiver(kv_cache, token, host, port) if role == "decode" else None
+            KVReceiver(kv_cache, token, host, port, backend) if role == "decode" else None
         )  # fmt: skip
-        self.sender = KVSender(token, fault) if role == "prefill" else None
+        self.sender = (
+            KVSender(token, fault, backend, kv_cache.device) if role == "prefill" else None
+        )  # fmt: skip
         # Transfers awaited: id -> the blocks they go into.
         self.expected: dict[int, list[int]] = {}
 
     @classmethod
     def for_engine(cls, kv_cache: torch.Tensor, config: EngineConfig) -> KVTransfers:
-        """An engine's, by its --engine-role (receiving on --host:--kv-transfer-port)."""
+        """An engine's, by its --engine-role (receiving on --host:--kv-transfer-port) and
+        --kv-transfer-backend."""
         return cls(
             kv_cache, config.engine_role, config.internal_token, config.host,
-            config.kv_transfer_port,
+            config.kv_transfer_port, config.kv_transfer_backend,
         )  # fmt: skip
 
     @property
@@ -183,7 +221,11 @@ class KVTransfers:
         received, failed = self._receive(plan) if self.receiver is not None else ([], [])
         for send in plan.kv_sends:
             assert self.sender is not None
-            payload = gather_blocks(self.kv_cache, send.block_ids)
+            payload: Payload = (
+                gather_payload(self.kv_cache, send.block_ids)
+                if self.backend == "torch"
+                else gather_blocks(self.kv_cache, send.block_ids)
+            )
             self.sender.submit(send.address, send.transfer_id, payload, len(send.block_ids))
         return received, failed
 
@@ -215,3 +257,5 @@ class KVTransfers:
             self.receiver.close()
         if self.sender is not None:
             self.sender.close()
+            if self.sender.torch is not None:
+                self.sender.torch.close()

@@ -4,16 +4,20 @@ sends and receives through it). Which blocks move, under which transfer id, and 
 scheduler's; the sending engine pushes the blocks' contents, the receiving one takes them into
 the blocks its plan names, or gives up when the scheduler says so.
 
-On GPUs the payload would go device to device instead (NCCL send / recv between the two
-engines' processes, or CUDA IPC on one node), with the same framing of ids and the same
-all-or-nothing delivery; this TCP stream is the path that works everywhere, the CPU included.
-
-One connection per transfer:
+Two backends (--kv-transfer-backend; both engines of a pair need the same one): `tcp`, this
+module's stream, the path that works everywhere; `torch`, the payload over a torch.distributed
+process group (NCCL between two GPUs, gloo on CPUs), engine/kv_transfer_torch.py. Both use the
+same authenticated connection for the control, one connection per transfer:
 
     receiver -> sender   32-byte random challenge
     sender -> receiver   HMAC-SHA256(internal token, challenge)       (refused: connection closed)
-    sender -> receiver   transfer_id (u64), num_blocks (u32), block_bytes (u64)
-    sender -> receiver   num_blocks x block_bytes: each block's every layer, keys and values
+    sender -> receiver   transfer_id (u64), num_blocks (u32), block_bytes (u64), backend (u8)
+    tcp:   sender -> receiver   num_blocks x block_bytes: each block's every layer, keys and values
+    torch: the pair's exchange and the payload (engine/kv_transfer_torch.py)
+    receiver -> sender   one byte: accepted
+
+A header naming the other backend is refused (logged; reported failed, so the scheduler
+recomputes at once).
 
 Only a whole transfer is delivered: a connection that drops, stalls past its timeout or fails
 the challenge delivers nothing, and the receiver's `take` returns False at its deadline, so the
@@ -22,43 +26,32 @@ caller recomputes instead of waiting.
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import os
 import socket
-import struct
 import threading
 import time
 
 import torch
 
 from common.log import get_logger
+from engine.kv_transfer_torch import TorchReceiver
+from engine.kv_transfer_wire import (
+    BACKENDS,
+    CHALLENGE_BYTES,
+    HEADER,
+    IO_TIMEOUT_S,
+    TransferError,
+    _proof,
+    _read_exactly,
+    connect,
+)
 
+__all__ = [
+    "BACKENDS", "CHALLENGE_BYTES", "HEADER", "IO_TIMEOUT_S", "KVReceiver", "TransferError",
+    "connect", "gather_blocks", "send_blocks", "send_payload",
+]  # fmt: skip
 log = get_logger("engine.kv_transfer")
-
-CHALLENGE_BYTES = 32
-HEADER = struct.Struct("!QIQ")
-IO_TIMEOUT_S = 5.0
-
-
-class TransferError(Exception):
-    """A transfer that did not complete (refused, dropped, timed out)."""
-
-
-def _proof(token: str, challenge: bytes) -> bytes:
-    return hmac.new(token.encode(), challenge, hashlib.sha256).digest()
-
-
-def _read_exactly(conn: socket.socket, num_bytes: int, into: memoryview | None = None) -> bytes:
-    """num_bytes from conn (into `into` when given); TransferError when it ends first."""
-    buffer = into if into is not None else memoryview(bytearray(num_bytes))
-    got = 0
-    while got < num_bytes:
-        n = conn.recv_into(buffer[got:], num_bytes - got)
-        if n == 0:
-            raise TransferError(f"connection closed after {got} of {num_bytes} bytes")
-        got += n
-    return bytes(buffer) if into is None else b""
 
 
 def _block_span(kv_cache: torch.Tensor) -> tuple[int, ...]:
@@ -100,10 +93,9 @@ def send_payload(
     send_blocks."""
     block_bytes = len(payload) // max(1, num_blocks)
     try:
-        with socket.create_connection(address, timeout=timeout_s) as conn:
-            challenge = _read_exactly(conn, CHALLENGE_BYTES)
-            conn.sendall(_proof(token, challenge))
-            conn.sendall(HEADER.pack(transfer_id, num_blocks, block_bytes))
+        with connect(
+            address, token, transfer_id, num_blocks, block_bytes, "tcp", timeout_s
+        ) as conn:
             conn.sendall(payload)
             conn.shutdown(socket.SHUT_WR)
             if conn.recv(1) != b"\x01":
@@ -114,11 +106,23 @@ def send_payload(
 
 class KVReceiver:
     """Accepts transfers for kv_cache's pool on (host, port) (port 0: a free one, see
-    `address`), from senders proving the internal token; `take` puts one into blocks."""
+    `address`), from senders proving the internal token and using backend; `take` puts one
+    into blocks."""
 
-    def __init__(self, kv_cache: torch.Tensor, token: str, host: str = "127.0.0.1", port: int = 0):
+    def __init__(
+        self,
+        kv_cache: torch.Tensor,
+        token: str,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        backend: str = "tcp",
+    ):
         self.kv_cache = kv_cache
         self.token = token
+        self.backend = backend
+        self.torch: TorchReceiver | None = None
+        if backend == "torch":
+            self.torch = TorchReceiver(kv_cache.device)
         span = _block_span(kv_cache)
         self.block_bytes = kv_cache.element_size() * int(torch.Size(span).numel())
         self.arrived: dict[int, torch.Tensor] = {}
@@ -154,16 +158,11 @@ class KVReceiver:
                 if not hmac.compare_digest(proof, _proof(self.token, challenge)):
                     log.warning("kv transfer refused: bad internal token")
                     return
-                transfer_id, num_blocks, block_bytes = HEADER.unpack(
+                transfer_id, num_blocks, block_bytes, backend = HEADER.unpack(
                     _read_exactly(conn, HEADER.size)
                 )
-                if block_bytes != self.block_bytes:
-                    raise TransferError(
-                        f"transfer {transfer_id}: blocks of {block_bytes} bytes, this pool's "
-                        f"are {self.block_bytes}"
-                    )
-                data = torch.empty(num_blocks * block_bytes, dtype=torch.uint8)
-                _read_exactly(conn, data.numel(), memoryview(data.numpy()))
+                self._check_header(transfer_id, block_bytes, backend)
+                data = self._receive_payload(conn, transfer_id, num_blocks * block_bytes)
                 conn.sendall(b"\x01")
             except (OSError, TransferError) as err:
                 log.warning("kv transfer dropped", transfer_id=transfer_id, error=str(err))
@@ -176,6 +175,30 @@ class KVReceiver:
                 return
             self.arrived[transfer_id] = data.view(self.kv_cache.dtype).view(num_blocks, *span)
             self.cond.notify_all()
+
+    def _check_header(self, transfer_id: int, block_bytes: int, backend: int) -> None:
+        if block_bytes != self.block_bytes:
+            raise TransferError(
+                f"transfer {transfer_id}: blocks of {block_bytes} bytes, this pool's "
+                f"are {self.block_bytes}"
+            )
+        if backend != BACKENDS.index(self.backend):
+            name = BACKENDS[backend] if backend < len(BACKENDS) else f"#{backend}"
+            raise TransferError(
+                f"transfer {transfer_id} refused: the sender's --kv-transfer-backend is {name}, "
+                f"this engine's {self.backend}; both engines of a pair need the same one"
+            )
+
+    def _receive_payload(
+        self, conn: socket.socket, transfer_id: int, num_bytes: int
+    ) -> torch.Tensor:
+        """The payload after the header: num_bytes into a new uint8 buffer (on the pool's device
+        with the torch backend)."""
+        if self.torch is not None:
+            return self.torch.receive(conn, transfer_id, num_bytes, time.monotonic() + IO_TIMEOUT_S)
+        data = torch.empty(num_bytes, dtype=torch.uint8)
+        _read_exactly(conn, num_bytes, data.numpy().data)
+        return data
 
     def take(self, transfer_id: int, block_ids: list[int], deadline: float) -> bool:
         """Wait until transfer_id has arrived whole (True: its blocks are now block_ids of the
@@ -241,3 +264,5 @@ class KVReceiver:
     def close(self) -> None:
         self.closed = True
         self.server.close()
+        if self.torch is not None:
+            self.torch.close()

@@ -54,7 +54,7 @@ def test_a_connection_dropped_mid_payload_delivers_nothing(receiver: KVReceiver)
     with socket.create_connection(receiver.address, timeout=5) as conn:
         challenge = conn.recv(32)
         conn.sendall(hmac.new(TOKEN.encode(), challenge, hashlib.sha256).digest())
-        conn.sendall(HEADER.pack(9, 2, receiver.block_bytes))
+        conn.sendall(HEADER.pack(9, 2, receiver.block_bytes, 0))
         conn.sendall(b"\x01" * (receiver.block_bytes + 10))  # one block and a bit, then gone
     deadline = time.monotonic() + 2
     while not receiver.poll_failed(9) and time.monotonic() < deadline:  # reported, not awaited
