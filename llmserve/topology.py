@@ -157,8 +157,10 @@ def disaggregate(
         for port, m in zip(ports, metrics, strict=True)
     ]
     # Speculation (n-grams) is the decode engines' only: a prefill engine samples one token.
-    no_spec = {"speculative_method": "none", "speculative_model": None}
-    prefills = [replace(e, engine_role="prefill", **no_spec) for e in placed[:num_prefill]]
+    prefills = [
+        replace(e, engine_role="prefill", speculative_method="none", speculative_model=None)
+        for e in placed[:num_prefill]
+    ]
     decodes = [replace(e, engine_role="decode") for e in [engine, *placed[num_prefill:]]]
     scheduler = replace(
         scheduler,

@@ -227,7 +227,7 @@ def test_every_decode_engine_lost_the_prefill_engines_run_requests_whole(
 
 
 def test_stats_sum_the_engines_and_list_each(service: SchedulerService) -> None:
-    prefills, decodes = links(service)
+    _, decodes = links(service)
     submit(service, request(1, list(range(10, 19))))
     sched(decodes[1]).add(request(2, [1, 2, 3]))
     stats = service.stats()
