@@ -233,16 +233,11 @@ class EngineConfig(PeerSecurity):
     def _check_role(self) -> None:
         if self.engine_role == "both":
             return
-        refused = {
-            "world_size": self.world_size > 1,
-            "kv_offload_gb": self.kv_offload_gb > 0,
-        }
-        for name, used in refused.items():
-            if used:
-                raise ValueError(
-                    f"engine_role={self.engine_role!r} is built for one rank without offload "
-                    f"tiers; {name}={getattr(self, name)!r}"
-                )
+        if self.world_size > 1:
+            raise ValueError(
+                f"engine_role={self.engine_role!r} is built for one rank; tensor_parallel_size "
+                f"x pipeline_parallel_size = {self.world_size}"
+            )
         # A decode engine may speculate by n-grams (proposals from the request's own tokens);
         # a draft model's KV would not move with the target's, and a prefill engine samples
         # one token per request.

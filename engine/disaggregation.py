@@ -1,18 +1,21 @@
 """The engine's side of prefill / decode disaggregation (docs/disaggregation.md): the KV
 transfers a plan lists (engine.proto's KVSend, KVReceive, kv_receive_cancels), executed over
 engine/kv_transfer.py's channel. Which blocks move, under which id and until when, is the
-scheduler's; this only executes, in this order, before the plan's mirror update and forward:
+scheduler's; this only executes, in this order, before the plan's mirror update and forward
+(an engine has one role: it sends or it receives):
 
-1. cancels: transfers the scheduler gave up are forgotten (never written afterwards, even if
+1. sends: the blocks are read out of the pool now (the scheduler freed them on this side, and
+   this plan's copies or forward may reuse them), then pushed by a background thread; a send
+   that fails is only logged: the receiving side's deadline turns it into a recompute there;
+   (then the plan's KV copies, with an offload tier: engine/kv_offload.py)
+2. cancels: transfers the scheduler gave up are forgotten (never written afterwards, even if
    they arrive: their blocks may belong to someone else from this plan on);
-2. receives: the transfers this plan adds are awaited; every awaited transfer that has arrived
-   whole is written into its blocks now and reported in this step's result, and one whose
-   connection failed is reported failed (the scheduler need not wait for its deadline). A
-   plan with no rows waits up to POLL_S for one to arrive, so a scheduler polling an idle
-   decode engine does not spin;
-3. sends: the blocks are read out of the pool now (the scheduler freed them on this side, and
-   this plan's forward may reuse them), then pushed by a background thread; a send that fails
-   is only logged: the receiving side's deadline turns it into a recompute there.
+3. receives: the transfers this plan adds are awaited; every awaited transfer that has arrived
+   whole is written into its blocks now (after the copies: a block pinned for it may have
+   been evicted by this plan, its old contents copied down first) and reported in this step's
+   result, and one whose connection failed is reported failed (the scheduler need not wait
+   for its deadline). A plan with no rows waits up to POLL_S for one to arrive, so a
+   scheduler polling an idle decode engine does not spin.
 
 The payload goes by --kv-transfer-backend: `tcp` (gathered to host bytes, engine/kv_transfer.py)
 or `torch` (gathered into a buffer on the pool's device and sent over the pair's process group,
@@ -211,14 +214,18 @@ class KVTransfers:
         return f"{advertised_host(host)}:{port}"
 
     def execute(self, plan: StepPlanData) -> tuple[list[int], list[int]]:
-        """Run plan's cancels, receives and sends; returns the transfers written into the pool
-        now, and the awaited ones whose connection failed (forgotten here). Raises
-        MirrorMismatch for a part this engine's role does not take."""
-        if (plan.kv_receives or plan.kv_receive_cancels) and self.receiver is None:
-            raise MirrorMismatch(f"the plan lists KV receives; this engine's role is {self.role}")
+        """Run plan's sends, then its cancels and receives (an engine with no offload tier;
+        Engine.launch runs its copies between the two). Returns the transfers written into
+        the pool now, and the awaited ones whose connection failed (forgotten here)."""
+        self.send(plan)
+        return self.receive(plan)
+
+    def send(self, plan: StepPlanData) -> None:
+        """Read plan's sends out of the pool and push them in the background. Before the
+        plan's KV copies: a block freed at its request's handoff may be a swap-in's target in
+        this same plan. MirrorMismatch on an engine that does not send."""
         if plan.kv_sends and self.sender is None:
             raise MirrorMismatch(f"the plan lists KV sends; this engine's role is {self.role}")
-        received, failed = self._receive(plan) if self.receiver is not None else ([], [])
         for send in plan.kv_sends:
             assert self.sender is not None
             payload: Payload = (
@@ -227,7 +234,15 @@ class KVTransfers:
                 else gather_blocks(self.kv_cache, send.block_ids)
             )
             self.sender.submit(send.address, send.transfer_id, payload, len(send.block_ids))
-        return received, failed
+
+    def receive(self, plan: StepPlanData) -> tuple[list[int], list[int]]:
+        """Run plan's cancels and receives; returns the transfers written into the pool now,
+        and the awaited ones whose connection failed. After the plan's KV copies: a block
+        pinned for a transfer may have been evicted to a lower tier by this same plan, its
+        old contents copied out first. MirrorMismatch on an engine that does not receive."""
+        if (plan.kv_receives or plan.kv_receive_cancels) and self.receiver is None:
+            raise MirrorMismatch(f"the plan lists KV receives; this engine's role is {self.role}")
+        return self._receive(plan) if self.receiver is not None else ([], [])
 
     def _receive(self, plan: StepPlanData) -> tuple[list[int], list[int]]:
         receiver = self.receiver

@@ -361,13 +361,16 @@ class Engine:
         possibly half-updated) when the plan disagrees."""
         while len(self.unresolved) > 1:
             self._resolve_oldest()
+        # Disaggregated: sends read before the copies write the pool, receives written after
+        # the copies have read it (engine/disaggregation.py).
+        self.transfers.send(plan)
         if self.tiers is not None:
             self.tiers.execute(plan.kv_copies)
         elif plan.kv_copies:
             raise MirrorMismatch("the plan lists KV copies, but this engine has no offload tier")
         if plan.grammar_compiles and self.runner.grammars is not None:  # the sampling rank
             self.runner.grammars.start_compiles(plan.grammar_compiles)
-        received, failed = self.transfers.execute(plan)
+        received, failed = self.transfers.receive(plan)
         step = self._launch_rows(plan)
         step.received_transfer_ids, step.failed_transfer_ids = received, failed
         return step

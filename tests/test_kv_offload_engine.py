@@ -227,3 +227,42 @@ def test_gpu_copies_on_the_copy_stream_match_the_cpus(tmp_path: Path) -> None:
         if name == "cuda":
             torch.cuda.synchronize()
     assert torch.equal(pools["cuda"].cpu(), pools["cpu"])
+
+
+def test_a_send_reads_its_blocks_before_the_plans_copies_write_them(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Disaggregated with a host tier: a block freed at its request's handoff may be a
+    swap-in's target in the plan that sends it; the send must carry what it held before."""
+    import numpy as np
+
+    from engine.contract import KVSendData, StepPlanData
+    from engine.disaggregation import KVTransfers
+
+    pool, tiers = engine.kv_cache, engine.tiers
+    assert isinstance(tiers, KVTiers)
+    transfers = KVTransfers(pool, "prefill", "token", "127.0.0.1", 0)
+    sent: list[Any] = []
+    assert transfers.sender is not None
+    monkeypatch.setattr(transfers.sender, "submit", lambda *args: sent.append(args[2]))
+    monkeypatch.setattr(engine, "transfers", transfers)
+    saved = pool.clone()
+    try:
+        engine.reset()
+        host, device = engine_pb2.KV_TIER_HOST, engine_pb2.KV_TIER_DEVICE
+        pool[:, :, 3].fill_(1.5)
+        tiers.execute([BlockCopiesData(device, host, [3], [9])])  # host slot 9: 1.5
+        pool[:, :, 3].fill_(7.0)  # the block the handoff freed: 7.0
+        swap_in = BlockCopiesData(host, device, [9], [3])
+        plan = StepPlanData(
+            1, [], [], kv_sends=[KVSendData(1, [3], "127.0.0.1:9")], kv_copies=[swap_in]
+        )
+        engine.finish(engine.launch(plan))
+        (payload,) = sent
+        values = np.frombuffer(bytes(payload), dtype=np.float32)
+        assert values.size == pool[:, :, 3].numel() and bool((values == 7.0).all())
+        assert bool((pool[:, :, 3] == 1.5).all())  # and then the swap-in wrote the block
+    finally:
+        pool.copy_(saved)
+        transfers.close()
+        engine.reset()
