@@ -227,13 +227,21 @@ class SchedulerService(EngineLoop, scheduler_pb2_grpc.SchedulerServicer):
         plain fields; the prefill engines' pools and queues into prefill_*, their requests
         (and those waiting for a transfer) counted in num_running and num_waiting too, their
         counters added (the prefix cache's: theirs alone, where prompts are computed; a decode
-        engine's "hits" are mostly the blocks moved); a row per engine in `engines`."""
+        engine's "hits" are mostly the blocks moved); every engine's offload tiers summed; a
+        row per engine in `engines`."""
         assert self.roles is not None
         decodes = [d.scheduler for d in self.roles.decodes if d.scheduler is not None]
         prefills = [p.scheduler for p in self.roles.prefills if p.scheduler is not None]
         transfers = [d.transfers.stats() for d in decodes]
         for name in transfers[0]:
             snapshot[name] = _summed([t[name] for t in transfers])
+        tiers = [
+            x.block_manager.offload.stats()
+            for x in [*decodes, *prefills]
+            if x.block_manager.offload
+        ]
+        for name in tiers[0] if tiers else ():
+            snapshot[name] = _summed([t[name] for t in tiers])
         for d in decodes[1:]:
             snapshot["num_running"] += len(d.running)
             snapshot["num_waiting"] += d.num_waiting
@@ -389,7 +397,7 @@ class SchedulerService(EngineLoop, scheduler_pb2_grpc.SchedulerServicer):
 
 
 def _summed(values: list[Any]) -> Any:
-    """Numbers summed; dicts of numbers summed by key."""
+    """Numbers summed; dicts of numbers summed by key (values: all numbers, or all dicts)."""
     if isinstance(values[0], dict):
         total: dict[str, Any] = {}
         for value in values:

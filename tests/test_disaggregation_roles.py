@@ -23,13 +23,16 @@ DECODES = ("127.0.0.1:1001", "127.0.0.1:1002")
 PREFILLS = ("127.0.0.1:2001", "127.0.0.1:2002")
 
 
-def connect(link: EngineLoop, role: str, num_blocks: int = 32) -> Scheduler:
+def connect(
+    link: EngineLoop, role: str, num_blocks: int = 32, num_host_blocks: int = 0
+) -> Scheduler:
     """What the engine loop does on connecting: adopt the engine's info; the stream is open."""
     transfer_address = f"kv-{link.address}" if role == "decode" else ""
     info = engine_pb2.EngineInfo(
         model="m", num_blocks=num_blocks, block_size=BS, max_model_len=256, vocab_size=1000,
         eos_token_ids=[999], max_num_seqs=8, max_num_batched_tokens=64, engine_role=role,
         kv_transfer_address=transfer_address, kv_block_bytes=100,
+        num_host_blocks=num_host_blocks,
     )  # fmt: skip
     link._on_engine_info(info)
     link.ready = True
@@ -240,6 +243,29 @@ def test_stats_sum_the_engines_and_list_each(service: SchedulerService) -> None:
 
     msg = stats_to_proto(stats)
     assert [e.address for e in msg.engines] == [*DECODES, *PREFILLS]
+
+
+def test_host_tiers_under_both_roles_bring_prompts_back_and_hold_nothing() -> None:
+    """A host tier under each pool: the prefill pool (12 blocks) cannot hold 6 prompts of 3
+    full blocks, so the second round's prefixes come back from its host tier (swap-ins)
+    instead of being recomputed, and still move to the decode engines; nothing is held after."""
+    config = SchedulerConfig(engine_address=DECODES[:1], prefill_engine_address=PREFILLS[:1])
+    service = SchedulerService(config)
+    prefills, decodes = links(service)
+    connect(decodes[0], "decode", num_blocks=32, num_host_blocks=64)
+    connect(prefills[0], "prefill", num_blocks=12, num_host_blocks=64)
+    p = sched(prefills[0])
+    prompts = [[100 * i + j for j in range(13)] for i in range(6)]
+    for round_ in range(2):
+        for i, prompt in enumerate(prompts):
+            submit(service, request(10 * round_ + i, prompt))
+            finish_all(service)
+    offload = p.block_manager.offload
+    assert offload is not None and offload.counters.num_swap_ins == 6
+    assert service.stats()["kv_offload_hit_blocks"]["host"] >= 6 * 3
+    assert p.counters.num_prefix_cache_hit_tokens == 6 * 12  # the second round's
+    assert sched(decodes[0]).transfers.counters.num_done == 12 - 6  # round 2: decode had them
+    assert_no_block_held(service)
 
 
 def test_config_refuses_more_engines_without_prefill_engines() -> None:
