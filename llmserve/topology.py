@@ -147,9 +147,9 @@ def disaggregate(
     the first decode engine where the engine was, the others on free loopback ports, each
     decode engine taking KV transfers on a free port; metrics_ports (None: off): the prefill
     engines' metrics ports, then the other decode engines'. On a CPU,
-    unless --num-threads chose, the cores are shared among them; no LoRA slots. The scheduler
-    drives them all."""
-    engine = replace(split_cpu(engine, num_prefill + num_decode), max_loras=0)  # not built
+    unless --num-threads chose, the cores are shared among them. The scheduler drives them
+    all."""
+    engine = split_cpu(engine, num_prefill + num_decode)
     ports = free_ports(num_prefill + num_decode - 1)
     metrics = metrics_ports or [0] * len(ports)
     placed = [

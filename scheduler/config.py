@@ -140,8 +140,6 @@ class SchedulerConfig(PeerSecurity):
                 raise ValueError(f"engine address listed twice: {', '.join(addresses)}")
         if set(self.engine_address) & set(self.prefill_engine_address):
             raise ValueError("an address is both a prefill and a decode engine's")
-        if self.prefill_engine_address and self.lora_modules:
-            raise ValueError("lora_modules with prefill_engine_address: not built")
         if self.prefill_engine_address and not self.enable_prefix_caching:
             raise ValueError(
                 "prefill_engine_address needs enable_prefix_caching: transferred blocks join "

@@ -314,7 +314,9 @@ class SchedulerService(EngineLoop, scheduler_pb2_grpc.SchedulerServicer):
     async def LoadLora(
         self, request: scheduler_pb2.LoadLoraRequest, context: grpc.aio.ServicerContext
     ) -> scheduler_pb2.LoadLoraResponse:
-        """Have the engine check the adapter, then serve it (scheduler/lora.py)."""
+        """Have the engine check the adapter, then serve it (scheduler/lora.py). Disaggregated:
+        every engine connected checks it, and every engine's Scheduler serves it (one down
+        loads it from its path when a step places it)."""
         if self.scheduler is None or self.engine_stub is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "engine not connected yet")
         assert self.scheduler is not None
@@ -323,22 +325,31 @@ class SchedulerService(EngineLoop, scheduler_pb2_grpc.SchedulerServicer):
                 grpc.StatusCode.FAILED_PRECONDITION,
                 "the engine serves no LoRA adapters (started with --max-loras 0)",
             )
+        links = self.roles.links if self.roles is not None else [self]
+        up = [link for link in links if link.engine_stub is not None and is_up(link)]
+        if not up:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "no engine up to check it; retry")
         try:
-            added = await self.add_lora(request.lora_name, request.path)
+            added = [await link.add_lora(request.lora_name, request.path) for link in up]
         except grpc.aio.AioRpcError as err:
             await context.abort(err.code(), err.details() or err.code().name)
-        return scheduler_pb2.LoadLoraResponse(rank=added.rank, target_modules=added.target_modules)
+        for link in links:
+            if link not in up and link.scheduler is not None:
+                link.scheduler.loras.register(request.lora_name, request.path)
+        first = added[0]
+        return scheduler_pb2.LoadLoraResponse(rank=first.rank, target_modules=first.target_modules)
 
     async def UnloadLora(
         self, request: scheduler_pb2.UnloadLoraRequest, context: grpc.aio.ServicerContext
     ) -> scheduler_pb2.UnloadLoraResponse:
-        s = self.scheduler
         name = request.lora_name
-        if s is None or not s.loras.is_servable(name):
+        serving = [s for s in self.schedulers() if s.loras.is_servable(name)]
+        if not serving:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"adapter {name!r} is not loaded")
-        assert s is not None
-        s.loras.unregister(name)
-        using = sum(1 for r in s.requests.values() if r.lora_name == name)
+        using = 0
+        for s in serving:
+            s.loras.unregister(name)
+            using += sum(1 for r in s.requests.values() if r.lora_name == name)
         log.info("lora unloaded", lora_name=name, num_requests_using=using)
         return scheduler_pb2.UnloadLoraResponse(num_requests_using=using)
 

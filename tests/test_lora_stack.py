@@ -200,3 +200,32 @@ def test_load_and_unload_at_run_time(
         generate(stack, "hi", "ad16")
     assert err.value.code() == grpc.StatusCode.NOT_FOUND
     stack.assert_idle()
+
+
+def test_adapters_under_prefill_and_decode_engines(
+    model_dir: Path,
+    adapters: dict[str, Path],
+    expected: dict[tuple[str, int], list[int]],
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """Disaggregated (1 prefill + 1 decode engine): an adapter from --lora-modules and one
+    loaded at run time serve on both engines, with peft's greedy tokens; the prompts' KV,
+    computed under its adapter on the prefill engine, moves and decodes under it."""
+    s = start_stack(
+        model_dir,
+        engine_args=["--num-kv-blocks", "64", "--block-size", "8", "--max-loras", "2"],
+        scheduler_args=["--lora-modules", f"ad4={adapters['ad4']}"],
+        gateway_args=["--admin-key", ADMIN_KEY],
+        log_dir=tmp_path_factory.mktemp("pd-lora-logs"),
+        prefill_engines=1,
+    )
+    try:
+        stub, metadata = admin(s)
+        request = scheduler_pb2.LoadLoraRequest(lora_name="ad16", path=str(adapters["ad16"]))
+        assert stub.LoadLora(request, metadata=metadata).rank == 16
+        jobs = [("ad4", 2), ("ad16", 2), ("", 2), ("ad4", 0)]
+        assert [generate(s, PROMPTS[i], name) for name, i in jobs] == [expected[j] for j in jobs]
+        stats = s.scheduler_stats()
+        assert stats.num_kv_transfers_done >= 3 and set(stats.lora_names) == {"ad4", "ad16"}
+    finally:
+        s.close()
