@@ -17,6 +17,7 @@ KV_CACHE_DTYPES = ("auto", "bf16", "fp16", "fp8")
 SPECULATIVE_METHODS = ("none", "ngram", "draft")
 ENGINE_ROLES = ("both", "prefill", "decode")
 KV_TRANSFER_BACKENDS = ("tcp", "torch")
+WILDCARD_HOSTS = ("0.0.0.0", "::")  # a bind on every interface
 MAX_SPECULATIVE_TOKENS = 16
 
 
@@ -68,6 +69,12 @@ class EngineConfig(PeerSecurity):
         "2-rank group per engine pair, NCCL between two GPUs (no host copy), gloo on CPUs (two "
         "engines on one GPU: over TCP, with a warning)",
         choices=KV_TRANSFER_BACKENDS,
+    )
+    kv_transfer_host: str = setting(
+        "",
+        "--engine-role decode: the address prefill engines reach --kv-transfer-port at, as this "
+        "engine reports it (across machines: this machine's address or DNS name; empty: --host, "
+        "or for a wildcard --host, this machine's hostname resolved)",
     )
     quantization: str = setting(
         "auto",
@@ -231,6 +238,16 @@ class EngineConfig(PeerSecurity):
             )
 
     def _check_role(self) -> None:
+        if self.kv_transfer_host and self.engine_role != "decode":
+            raise ValueError(
+                f"kv_transfer_host={self.kv_transfer_host!r} is where a decode engine takes KV "
+                f"transfers; engine_role={self.engine_role!r} takes none"
+            )
+        if self.kv_transfer_host in WILDCARD_HOSTS:
+            raise ValueError(
+                f"kv_transfer_host={self.kv_transfer_host!r} is a bind address, not one a prefill "
+                "engine can reach: give this machine's address or name"
+            )
         if self.engine_role == "both":
             return
         if self.world_size > 1:

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import os
 import queue
+import socket
 import threading
 import time
 from typing import Any
@@ -39,7 +40,7 @@ from typing import Any
 import torch
 
 from common.log import get_logger
-from engine.config import EngineConfig
+from engine.config import WILDCARD_HOSTS, EngineConfig
 from engine.contract import StepPlanData
 from engine.kv_transfer import (
     KVReceiver,
@@ -64,8 +65,14 @@ def _split_address(address: str) -> tuple[str, int]:
 
 
 def advertised_host(host: str) -> str:
-    """The address peers reach a listener bound to host at (a wildcard bind: loopback)."""
-    return "127.0.0.1" if host in ("", "0.0.0.0") else host
+    """The address peers reach a listener bound to host at: host, or for a wildcard bind this
+    machine's hostname resolved (loopback when it does not resolve)."""
+    if host not in ("", *WILDCARD_HOSTS):
+        return host
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
 
 
 def read_fault(setting: str) -> str:
@@ -182,6 +189,7 @@ class KVTransfers:
         host: str,
         port: int,
         backend: str = "tcp",
+        advertise: str = "",
     ):
         self.role = role
         self.kv_cache = kv_cache
@@ -193,16 +201,22 @@ class KVTransfers:
         self.sender = (
             KVSender(token, fault, backend, kv_cache.device) if role == "prefill" else None
         )  # fmt: skip
+        # Where peers send to: --kv-transfer-host, else where the bound address is reachable.
+        self.advertised = ""
+        if self.receiver is not None:
+            bound, bound_port = self.receiver.address
+            self.advertised = advertise or advertised_host(bound)
+            log.info("kv transfers taken", bound=f"{bound}:{bound_port}", address=self.address)
         # Transfers awaited: id -> the blocks they go into.
         self.expected: dict[int, list[int]] = {}
 
     @classmethod
     def for_engine(cls, kv_cache: torch.Tensor, config: EngineConfig) -> KVTransfers:
-        """An engine's, by its --engine-role (receiving on --host:--kv-transfer-port) and
-        --kv-transfer-backend."""
+        """An engine's, by its --engine-role (receiving on --host:--kv-transfer-port, reached
+        at --kv-transfer-host) and --kv-transfer-backend."""
         return cls(
             kv_cache, config.engine_role, config.internal_token, config.host,
-            config.kv_transfer_port, config.kv_transfer_backend,
+            config.kv_transfer_port, config.kv_transfer_backend, config.kv_transfer_host,
         )  # fmt: skip
 
     @property
@@ -210,8 +224,7 @@ class KVTransfers:
         """Where transfers to this engine go (host:port; "" unless it receives)."""
         if self.receiver is None:
             return ""
-        host, port = self.receiver.address
-        return f"{advertised_host(host)}:{port}"
+        return f"{self.advertised}:{self.receiver.address[1]}"
 
     def execute(self, plan: StepPlanData) -> tuple[list[int], list[int]]:
         """Run plan's sends, then its cancels and receives (an engine with no offload tier;

@@ -30,7 +30,7 @@ from llmserve.topology import (
 
 _NETWORK = (
     "host", "port", "metrics_port", "engine_address", "scheduler_address",
-    "prefill_engine_address", "engine_role", "kv_transfer_port",
+    "prefill_engine_address", "engine_role", "kv_transfer_port", "kv_transfer_host",
 )  # fmt: skip
 _LAUNCHER = ("instance_id",)  # set by Stack itself
 DEFAULT_METRICS_PORT = 9101  # gateway; scheduler +1, engine +2
