@@ -59,6 +59,16 @@ def free_port(host: str) -> int:
         return int(s.getsockname()[1])
 
 
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return platform.machine()
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--prefill-engines", type=int, default=1)
@@ -108,7 +118,8 @@ def main() -> int:
     procs: dict[str, subprocess.Popen[bytes]] = {}
     outcome: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
-        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
+        "machine": f"{cpu_model()}, {os.cpu_count()} cores",
+        "load_average_at_start": os.getloadavg(),
         "control": args.control,
         "commands": {name: ["llmserve", *argv] for name, argv in commands.items()},
     }
@@ -138,7 +149,8 @@ def main() -> int:
                     text=prompt, max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True
                 )  # each decodes past its first token: each hands off
                 done = client.generate(request)
-                answers.append({"prompt": prompt, "text": done.text,
+                answers.append({"prompt": prompt, "prompt_tokens": done.prompt_tokens,
+                                "text": done.text, "token_ids": done.token_ids,
                                 "completion_tokens": done.completion_tokens})  # fmt: skip
                 print(f"{prompt!r} -> {done.text!r}", flush=True)
         outcome["answers"] = answers
