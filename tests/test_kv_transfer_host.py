@@ -95,3 +95,13 @@ def test_blocks_reach_a_decode_engine_bound_to_another_loopback_address() -> Non
     assert received == [1] and torch.equal(decode.kv_cache[:, :, [6, 7]], sent)
     for side in (prefill, decode):
         side.close()
+
+
+def test_serve_takes_no_kv_transfer_host(capsys: pytest.CaptureFixture[str]) -> None:
+    """`serve` runs its engines on one machine's loopback: the setting is one it sets, not a
+    flag of its own (like --kv-transfer-port)."""
+    from llmserve.serve_flags import parse_serve_flags
+
+    with pytest.raises(SystemExit):
+        parse_serve_flags(["--kv-transfer-host", "10.0.0.7"])
+    assert "unrecognized arguments: --kv-transfer-host" in capsys.readouterr().err
