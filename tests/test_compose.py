@@ -49,16 +49,6 @@ REPLICAS = ROOT / "compose.replicas.yaml"  # `-f compose.yaml -f compose.replica
 PD = ROOT / "compose.pd.yaml"  # `-f compose.yaml -f compose.pd.yaml`: prefill / decode engines
 
 
-def _repeatable(flag: str) -> bool:
-    """Whether `llmserve scheduler` keeps every value of flag given twice (the contract of N
-    engines per role, issue 29; single-valued, argparse keeps the last one only)."""
-    values = getattr(
-        build_parser().parse_args(["scheduler", flag, "a:1", flag, "b:2"]),
-        flag.removeprefix("--").replace("-", "_"),
-    )
-    return not isinstance(values, str) and list(values) == ["a:1", "b:2"]
-
-
 @pytest.fixture(scope="module")
 def compose() -> dict[str, Any]:
     return yaml.safe_load((ROOT / "compose.yaml").read_text())
@@ -261,12 +251,9 @@ def test_every_address_reaches_one_listening_service(
         assert (len(reached["scheduler"]), len(reached["engine"])) == (num_replicas, num_replicas)
         assert reached["engine"] == engines
         return
-    # One scheduler given every engine: 2 prefill, 2 decode. Last: it needs the scheduler's
-    # repeatable flags (issue 29), and what runs before it does not.
+    # One scheduler given every engine (each flag once per engine): 2 prefill, 2 decode.
     assert len(reached["scheduler"]) == 1
     assert sorted(llmserve[n].engine_role for n in engines) == ["decode"] * 2 + ["prefill"] * 2
-    if not all(_repeatable(flag) for flag in ROLE_FLAGS):
-        pytest.xfail("the scheduler's --engine-address is single-valued: the last one wins")
     assert reached["engine"] == engines
 
 

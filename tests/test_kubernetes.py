@@ -13,9 +13,9 @@ for as many GPUs as its node runs ranks (T x P / nnodes).
 The pd overlay (prefill / decode disaggregation): a scheduler whose engines are in other pods
 names each by its StatefulSet pod's DNS name, <statefulset>-<ordinal>.<headless service>, an
 engine of the role its flag says, on the port it listens on, and is the only scheduler; every
-engine pod is named once (this needs the scheduler's repeatable address flags); a decode
-engine's KV transfer port is a container port and the host it reports, $(POD_IP), comes from the
-downward API, as any $(VAR) in args must come from the container's env."""
+engine pod is named once; a decode engine's KV transfer port is a container port and the host it
+reports, $(POD_IP), comes from the downward API, as any $(VAR) in args must come from the
+container's env."""
 
 from __future__ import annotations
 
@@ -199,13 +199,6 @@ def _addresses(value: str | list[str] | tuple[str, ...] | None) -> list[str]:
     return [value] if isinstance(value, str) else list(value or [])
 
 
-def _repeatable(flag: str) -> bool:
-    """Whether `llmserve scheduler` keeps every value of flag given twice (the contract of N
-    engines per role, issue 29; single-valued, argparse keeps the last one only)."""
-    args = build_parser().parse_args(["scheduler", f"{flag}=a:1", f"{flag}=b:2"])
-    return _addresses(getattr(args, flag.removeprefix("--").replace("-", "_"))) == ["a:1", "b:2"]
-
-
 def _stable_pod(objects: list[dict[str, Any]], address: str) -> tuple[str, int, argparse.Namespace]:
     """(StatefulSet, ordinal, its engine's args) of the pod address names by its stable DNS
     name, <statefulset>-<ordinal>.<service>[.<namespace>...]:<port>: a pod the StatefulSet has,
@@ -266,7 +259,7 @@ def test_the_gateway_reaches_every_scheduler_and_each_its_engine(
         assert not _labels_match(services["llmserve-replica"]["spec"]["selector"], worker, obj)
     if not remote:
         return
-    # Every engine pod named: needs the repeatable flags (single-valued, the last one wins).
+    # Every engine pod named (each flag once per engine).
     every = {
         (o["metadata"]["name"], i)
         for o in objects
@@ -275,8 +268,6 @@ def test_the_gateway_reaches_every_scheduler_and_each_its_engine(
         for i in range(o["spec"]["replicas"])
     }  # fmt: skip
     assert len(every) == 4  # 2 prefill, 2 decode
-    if not all(_repeatable(f) for f in ("--engine-address", "--prefill-engine-address")):
-        pytest.xfail("the scheduler's --engine-address is single-valued: the last one wins")
     assert remote == every
 
 
