@@ -8,14 +8,16 @@ alone, so a link works only if the address it is given, or the one an engine rep
 
 Starts `llmserve engine --engine-role prefill --host 127.0.0.2`, `llmserve engine --engine-role
 decode --host 127.0.0.3 --kv-transfer-host 127.0.0.3`, ..., a scheduler on 127.0.0.10 given
-`--engine-address` once per decode engine and `--prefill-engine-address` once per prefill engine
-(more than one of either needs the scheduler's repeatable flags), and a gateway on 127.0.0.11,
-all on one internal token written by `llmserve internal-token`; sends requests through the
-gateway and reads the scheduler's GetStats. Passes (exit 0) when every request is answered and
-num_kv_transfers_done is one per request, none failed. With --control the decode engine reports
---kv-transfer-host 127.0.0.9, where nothing listens: every transfer must fail (the requests are
-still answered, recomputed on the decode engine), proving the address travels from the flag to
-the prefill engine's connect. Writes what it saw as JSON (--out). Built-in model, CPU."""
+`--engine-address` once per decode engine and `--prefill-engine-address` once per prefill engine,
+and a gateway on 127.0.0.11, all on one internal token written by `llmserve internal-token`;
+sends 4 greedy requests at once through the gateway (prompts of 1-2 full KV blocks; ignore_eos, so
+each decodes past its first token and hands off) while polling the scheduler's GetStats. Passes
+(exit 0) when every request is answered, num_kv_transfers_done is one per request, none failed,
+every engine is up and every decode engine took requests (so took KV at the address it
+reports). With --control the decode engines report --kv-transfer-host 127.0.0.9, where nothing
+listens: every transfer must fail instead (the requests are still answered, recomputed on the
+decode engines), proving the address travels from the flag to the prefill engine's connect.
+Writes what it saw as JSON (--out). Built-in model, CPU."""
 
 from __future__ import annotations
 
@@ -27,7 +29,9 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +54,49 @@ PROMPTS = [
     "sentence, why does it matter?",
     "A prime number is a natural number greater than one that has no divisors other than one "
     "and itself. The first five prime numbers are",
+    "The heart is a muscular organ that pumps blood through the blood vessels of the body, "
+    "carrying oxygen and nutrients to the tissues. Its four chambers are called",
 ]
+
+
+def ask(gateway: str, prompt: str, max_tokens: int) -> dict[str, Any]:
+    """One greedy request through the gateway; it decodes past its first token (ignore_eos),
+    so it hands off."""
+    request = make_request(text=prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    with Client(gateway) as client:
+        done = client.generate(request)
+    return {"prompt": prompt, "prompt_tokens": done.prompt_tokens, "text": done.text,
+            "token_ids": done.token_ids, "completion_tokens": done.completion_tokens}  # fmt: skip
+
+
+class Watch:
+    """Polls the scheduler's GetStats in the background: each engine's most requests at once
+    (running, waiting, or with KV on its way), by its address; then the last reading."""
+
+    def __init__(self, scheduler: str, config: SchedulerConfig):
+        self.scheduler, self.config = scheduler, config
+        self.busiest: dict[str, int] = {}
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def read(self) -> Any:
+        with self.config.channel(self.scheduler, aio=False) as channel:
+            return SchedulerStub(channel).GetStats(
+                GetStatsRequest(), timeout=10, metadata=self.config.peer_metadata()
+            )
+
+    def _run(self) -> None:
+        while not self.stop.wait(0.05):
+            for row in self.read().engines:
+                busy = row.num_running + row.num_waiting + row.num_transferring
+                key = f"{row.role} {row.address}"
+                self.busiest[key] = max(self.busiest.get(key, 0), busy)
+
+    def last(self) -> Any:
+        self.stop.set()
+        self.thread.join()
+        return self.read()
 
 
 def free_port(host: str) -> int:
@@ -142,23 +188,19 @@ def main() -> int:
             print(f"the gateway did not serve in {args.timeout:.0f} s\n{logs()}", file=sys.stderr)
             return 1
         outcome["ready_s"] = round(time.monotonic() - t0, 1)
-        answers = []
-        with Client(gateway) as client:
-            for prompt in PROMPTS:
-                request = make_request(
-                    text=prompt, max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True
-                )  # each decodes past its first token: each hands off
-                done = client.generate(request)
-                answers.append({"prompt": prompt, "prompt_tokens": done.prompt_tokens,
-                                "text": done.text, "token_ids": done.token_ids,
-                                "completion_tokens": done.completion_tokens})  # fmt: skip
-                print(f"{prompt!r} -> {done.text!r}", flush=True)
+        watch = Watch(scheduler, SchedulerConfig(internal_token=f"@{token}"))
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:  # all at once: they spread over engines
+            answers = list(pool.map(lambda p: ask(gateway, p, args.max_tokens), PROMPTS))
+        for answer in answers:
+            print(f"{answer['prompt']!r} -> {answer['text']!r}", flush=True)
         outcome["answers"] = answers
-        config = SchedulerConfig(internal_token=f"@{token}")
-        with config.channel(scheduler, aio=False) as channel:
-            stats = SchedulerStub(channel).GetStats(
-                GetStatsRequest(), timeout=10, metadata=config.peer_metadata()
-            )
+        stats = watch.last()
+        outcome["engines"] = [
+            {"role": r.role, "address": r.address, "ready": r.ready,
+             "most_requests": watch.busiest.get(f"{r.role} {r.address}", 0)}
+            for r in stats.engines
+        ]  # fmt: skip
+        print(json.dumps(outcome["engines"]), flush=True)
         keys = ["num_kv_transfers", "num_kv_transfers_done", "num_kv_transfers_failed",
                 "kv_transfer_blocks", "kv_transfer_bytes", "kv_transfer_s"]  # fmt: skip
         outcome["stats"] = {k: getattr(stats, k) for k in keys if hasattr(stats, k)}
@@ -169,7 +211,11 @@ def main() -> int:
         done_count = stats.num_kv_transfers_done
         num_failed = sum(dict(failed).values())
         want = (0, len(PROMPTS)) if args.control else (len(PROMPTS), 0)
-        ok = answered and (done_count, num_failed) == want
+        # Every decode engine took requests (so a transfer to the address it reports, when
+        # none failed), every engine is up.
+        used = all(e["most_requests"] > 0 for e in outcome["engines"] if e["role"] == "decode")
+        up = len(outcome["engines"]) == len(hosts) and all(e["ready"] for e in outcome["engines"])
+        ok = answered and (done_count, num_failed) == want and used and up
         outcome["passed"] = ok
         print("PASS" if ok else f"FAIL\n{logs()}", flush=True)
     finally:
