@@ -120,6 +120,7 @@ def main() -> int:
     p.add_argument("--prefill-engines", type=int, default=1)
     p.add_argument("--decode-engines", type=int, default=1)
     p.add_argument("--control", action="store_true", help="the decode engines report 127.0.0.9")
+    p.add_argument("--kv-transfer-backend", default="tcp", help="every engine's (tcp, torch)")
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--timeout", type=float, default=300.0, help="seconds to start")
     p.add_argument("--out", type=Path, default=None, help="write the outcome here (JSON)")
@@ -130,7 +131,8 @@ def main() -> int:
     llmserve = [sys.executable, "-m", "llmserve.cli"]
     subprocess.run([*llmserve, "internal-token", str(token)], cwd=ROOT, check=True)
     common = ["--internal-token", f"@{token}", "--metrics-port", "0"]
-    engine = ["engine", "--device", "cpu", "--num-threads", "1", "--max-loras", "0", *common]
+    engine = ["engine", "--device", "cpu", "--num-threads", "1", "--max-loras", "0",
+              "--kv-transfer-backend", args.kv_transfer_backend, *common]  # fmt: skip
     hosts = [f"127.0.0.{2 + i}" for i in range(args.prefill_engines + args.decode_engines)]
     prefill_hosts, decode_hosts = hosts[: args.prefill_engines], hosts[args.prefill_engines :]
     assert NOWHERE not in hosts and len(hosts) <= 7, "engines: 127.0.0.2 .. 127.0.0.8"
