@@ -28,6 +28,7 @@ import queue
 import socket
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -81,19 +82,27 @@ class KVSender:
     def __init__(self, token: str, fault: str = ""):
         self.token = token
         self.fault = fault
-        self.outbox: queue.SimpleQueue[tuple[str, int, bytes, int] | None] = queue.SimpleQueue()
+        self.outbox: queue.SimpleQueue[tuple[str, int, bytes, int, float] | None] = (
+            queue.SimpleQueue()
+        )
         self.num_failed = 0
         threading.Thread(target=self._run, name="kv-sender", daemon=True).start()
 
-    def submit(self, address: str, transfer_id: int, payload: bytes, num_blocks: int) -> None:
-        self.outbox.put((address, transfer_id, payload, num_blocks))
+    def submit(
+        self, address: str, transfer_id: int, payload: bytes, num_blocks: int,
+        not_before: float = 0.0,
+    ) -> None:  # fmt: skip
+        """Queue a send; it starts no earlier than not_before (time.monotonic(): a modelled
+        link's arrival time, engine/fake.py)."""
+        self.outbox.put((address, transfer_id, payload, num_blocks, not_before))
 
     def close(self) -> None:
         self.outbox.put(None)
 
     def _run(self) -> None:
         while (item := self.outbox.get()) is not None:
-            address, transfer_id, payload, num_blocks = item
+            address, transfer_id, payload, num_blocks, not_before = item
+            time.sleep(max(0.0, not_before - time.monotonic()))
             t0 = time.monotonic()
             try:
                 fault = read_fault(self.fault)
@@ -155,6 +164,9 @@ class KVTransfers:
         self.sender = KVSender(token, fault) if role == "prefill" else None
         # Transfers awaited: id -> the blocks they go into.
         self.expected: dict[int, list[int]] = {}
+        # A modelled link (the echo engine's): a send's number of blocks -> the time
+        # (time.monotonic()) before which it may not leave. None: at once.
+        self.link: Callable[[int], float] | None = None
 
     @classmethod
     def for_engine(cls, kv_cache: torch.Tensor, config: EngineConfig) -> KVTransfers:
@@ -184,7 +196,9 @@ class KVTransfers:
         for send in plan.kv_sends:
             assert self.sender is not None
             payload = gather_blocks(self.kv_cache, send.block_ids)
-            self.sender.submit(send.address, send.transfer_id, payload, len(send.block_ids))
+            num_blocks = len(send.block_ids)
+            not_before = self.link(num_blocks) if self.link is not None else 0.0
+            self.sender.submit(send.address, send.transfer_id, payload, num_blocks, not_before)
         return received, failed
 
     def _receive(self, plan: StepPlanData) -> tuple[list[int], list[int]]:
