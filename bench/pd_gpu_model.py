@@ -97,6 +97,7 @@ def run_config(name: str, args: argparse.Namespace, tokenizer: Path, seed: int) 
     longs = [r["prompt_tokens"] for r in run["requests"] if r["kind"] == "long"]
     run["long_prompt_tokens_mean"] = sum(longs) / len(longs) if longs else None
     run["link_gb_per_s"] = link
+    run["repeat"] = seed
     run.update(handoff_gaps(run["requests"]))
     return run
 
@@ -115,11 +116,22 @@ def handoff_gaps(rows: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def ordered(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """runs by config (CONFIGS' order), then by repeat."""
+    order = list(CONFIGS)
+    return sorted(runs, key=lambda r: (order.index(r["config"]), r.get("repeat", 0)))
+
+
+def label(run: dict[str, Any], repeats: int) -> str:
+    name = LABELS.get(run["config"], run["config"])
+    return f"{name}\nrun {run['repeat'] + 1}" if repeats > 1 else name
+
+
 def plot(path: Path, out: Path) -> None:
     document = json.loads(path.read_text())
     load = document["config"]
     plot_runs(
-        [(LABELS.get(run["config"], run["config"]), run) for run in document["runs"]], out,
+        [(label(run, load["repeats"]), run) for run in ordered(document["runs"])], out,
         "output tok/s (modelled GPUs)",
         "Modelled GPUs (echo engines, an 8B model's step times and KV): "
         f"{load['num_chats']} chats of {load['chat_tokens']} tokens, a {load['long_len']}-word "

@@ -248,7 +248,8 @@ def plot_runs(
     import matplotlib.pyplot as plt
 
     labels = [label for label, _ in runs]
-    fig, axes = plt.subplots(1, len(panels) + 1, figsize=(5 * len(panels) + 5, 4.2))
+    panel_width = max(5.0, 0.6 * len(runs))
+    fig, axes = plt.subplots(1, len(panels) + 1, figsize=(panel_width * (len(panels) + 1), 4.2))
     width = 0.38
     for ax, (panel, key) in zip(axes[:-1], panels, strict=True):
         for i, (_, run) in enumerate(runs):
