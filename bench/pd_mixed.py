@@ -248,8 +248,15 @@ def plot_runs(
     import matplotlib.pyplot as plt
 
     labels = [label for label, _ in runs]
+    num_cols = min(3, len(panels) + 1)
+    num_rows = -(-(len(panels) + 1) // num_cols)
     panel_width = max(5.0, 0.6 * len(runs))
-    fig, axes = plt.subplots(1, len(panels) + 1, figsize=(panel_width * (len(panels) + 1), 4.2))
+    fig, grid = plt.subplots(
+        num_rows, num_cols, figsize=(panel_width * num_cols, 4.2 * num_rows), squeeze=False
+    )
+    axes = list(grid.flatten()[: len(panels) + 1])
+    for unused in grid.flatten()[len(panels) + 1 :]:
+        unused.set_visible(False)
     width = 0.38
     for ax, (panel, key) in zip(axes[:-1], panels, strict=True):
         for i, (_, run) in enumerate(runs):
