@@ -4,8 +4,10 @@ decoding while long prompts arrive) on echo engines (engine/fake.py) whose steps
 its KV would on the link. The scheduler, gateway, client and transfer channel are the real ones;
 only the engine's arithmetic is modelled. Not a GPU measurement.
 
-    python -m bench.pd_gpu_model                      # every config, then the plot
-    python -m bench.pd_gpu_model --plot-only
+    python -m bench.pd_gpu_model --repeats 2          # every config twice, then the plot
+    python -m bench.pd_gpu_model --num-chats 12 --long-interval 0.5 \
+        --output bench/results/pd_gpu_model_heavy.json --plot bench/results/pd_gpu_model_heavy.png
+    python -m bench.pd_gpu_model --plot-only          # the plot of --output
 
 The model (docs/disaggregation.md, "A model of the GPU case", says why these numbers):
 
