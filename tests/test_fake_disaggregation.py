@@ -111,3 +111,41 @@ def test_prefill_and_decode_echo_stack_gives_one_engines_tokens(
         assert stats.prefill_num_blocks == 128
     finally:
         stack.close()
+
+
+def test_echo_engines_report_a_dropped_transfer_failed_and_never_write_a_cancelled_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """As the real engine: a transfer whose connection drops half-way is reported in
+    failed_transfer_ids (once), and one cancelled before it arrives is never written, so a
+    request claiming its blocks is refused."""
+    from engine.disaggregation import FAULT_ENV
+
+    monkeypatch.setenv(FAULT_ENV, "drop")
+    dropping, decode = _pair(block_bytes=0, gb_per_s=0.0)
+    monkeypatch.delenv(FAULT_ENV)
+    prefill, _ = _pair(block_bytes=0, gb_per_s=0.0)
+    address = decode.info.kv_transfer_address
+    for engine in (dropping, prefill):
+        engine.step(StepPlanData(1, [], [new_request(1, PROMPT, [3, 4, 5, 6, 7])]))
+    decode.step(StepPlanData(1, [], [], kv_receives=[KVReceiveData(1, [20, 21, 22, 23])]))
+    dropping.step(StepPlanData(2, [1], [], kv_sends=[KVSendData(1, [3, 4, 5, 6], address)]))
+    deadline, failed, step_id = time.monotonic() + 5, [], 2
+    while not failed and time.monotonic() < deadline:
+        failed = decode.step(StepPlanData(step_id, [], [])).failed_transfer_ids
+        step_id += 1
+    assert failed == [1]
+    assert decode.step(StepPlanData(step_id, [], [])).failed_transfer_ids == []  # once
+    decode.step(StepPlanData(step_id + 1, [], [], kv_receives=[KVReceiveData(2, [30, 31])]))
+    decode.step(StepPlanData(step_id + 2, [], [], kv_receive_cancels=[2]))
+    prefill.step(StepPlanData(2, [1], [], kv_sends=[KVSendData(2, [3, 4], address)]))
+    time.sleep(0.3)
+    output = decode.step(StepPlanData(step_id + 3, [], []))
+    assert output.received_transfer_ids == [] and output.failed_transfer_ids == []
+    tokens = [*PROMPT, PROMPT[0]]
+    claim = new_request(3, tokens, [30, 31, 40, 41, 42], computed=2 * BLOCK, prompt=len(PROMPT))
+    with pytest.raises(MirrorMismatch, match="holds other KV"):
+        decode.step(StepPlanData(step_id + 4, [], [claim]))
+    for engine in (dropping, decode, prefill):
+        assert engine.kv is not None
+        engine.kv.close()
