@@ -130,7 +130,8 @@ def test_echo_engines_report_a_dropped_transfer_failed_and_never_write_a_cancell
         engine.step(StepPlanData(1, [], [new_request(1, PROMPT, [3, 4, 5, 6, 7])]))
     decode.step(StepPlanData(1, [], [], kv_receives=[KVReceiveData(1, [20, 21, 22, 23])]))
     dropping.step(StepPlanData(2, [1], [], kv_sends=[KVSendData(1, [3, 4, 5, 6], address)]))
-    deadline, failed, step_id = time.monotonic() + 5, [], 2
+    deadline, step_id = time.monotonic() + 5, 2
+    failed: list[int] = []
     while not failed and time.monotonic() < deadline:
         failed = decode.step(StepPlanData(step_id, [], [])).failed_transfer_ids
         step_id += 1
