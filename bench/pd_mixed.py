@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from engine.fake import FakeEngineConfig
 from llmserve.bench.report import git_commit, hardware
 from llmserve.client import Client, make_request
 from llmserve.serve_flags import serve_locally
@@ -47,8 +48,8 @@ CONFIGS = {
 }
 
 
-def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_load_args(p: argparse.ArgumentParser) -> None:
+    """The load's flags (and --repeats, --output), shared with bench/pd_gpu_model.py."""
     p.add_argument("--num-chats", type=int, default=3)
     p.add_argument("--chat-tokens", type=int, default=24)
     p.add_argument("--long-len", type=int, default=600, help="words in a long prompt")
@@ -59,6 +60,11 @@ def parse_args() -> argparse.Namespace:
     )
     p.add_argument("--duration", type=float, default=60.0)
     p.add_argument("--repeats", type=int, default=1)
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_load_args(p)
     p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     p.add_argument("--output", type=Path, default=Path("bench/results/pd_mixed.json"))
     p.add_argument(
@@ -77,9 +83,11 @@ def timed_request(client: Client, text: str, max_tokens: int, kind: str) -> dict
     request = make_request(text, max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     t0 = time.perf_counter()
     arrivals: list[tuple[float, int]] = []
+    prompt_tokens = 0
     for msg in client.stream(request, timeout=600):
         if msg.token_ids:
             arrivals.append((time.perf_counter(), len(msg.token_ids)))
+        prompt_tokens = msg.usage.prompt_tokens or prompt_tokens
     gaps = []
     for (t_prev, _), (t, n) in itertools.pairwise(arrivals):
         gaps += [(t - t_prev) / n * 1e3] * n
@@ -89,6 +97,7 @@ def timed_request(client: Client, text: str, max_tokens: int, kind: str) -> dict
         "ttft_ms": (arrivals[0][0] - t0) * 1e3 if arrivals else None,
         "itl_ms": gaps,
         "num_tokens": sum(n for _, n in arrivals),
+        "prompt_tokens": prompt_tokens,
     }
 
 
@@ -166,7 +175,19 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 def run_config(name: str, args: argparse.Namespace, seed: int) -> dict[str, Any]:
     serve_args = ["--device", "cpu", "--max-model-len", "4096", *CONFIGS[name]]
-    with serve_locally(serve_args) as stack:
+    return run_stack(name, serve_args, args, seed)
+
+
+def run_stack(
+    name: str,
+    serve_args: list[str],
+    args: argparse.Namespace,
+    seed: int,
+    fake: FakeEngineConfig | None = None,
+) -> dict[str, Any]:
+    """The load on `llmserve serve serve_args` (fake: over echo engines): its summary, the
+    transfers' counters and every request."""
+    with serve_locally(serve_args, fake=fake) as stack:
         rows = run_load(stack.gateway_address, args, seed)
         stats = stack.scheduler_stats()
     transfers = {
@@ -182,36 +203,75 @@ def run_config(name: str, args: argparse.Namespace, seed: int) -> dict[str, Any]
             "requests": rows}  # fmt: skip
 
 
+def write_results(kind: str, args: argparse.Namespace, runs: list[dict[str, Any]]) -> None:
+    """runs, with the commit, the machine and the flags, to args.output (JSON)."""
+    document = {
+        "kind": kind,
+        "git_commit": git_commit(),
+        "hardware": hardware(),
+        "config": {k: v for k, v in vars(args).items() if k != "output"},
+        "runs": runs,
+    }
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(document, indent=2, default=str) + "\n")
+    print(f"results: {args.output}")
+
+
 def plot(paths: list[Path], out: Path) -> None:
     """Chat ITL and TTFT (p50, p99) and throughput per configuration, one group per round."""
+    runs = [
+        (f"{run['config']}\nround {r + 1}", run)
+        for r, path in enumerate(paths)
+        for run in json.loads(path.read_text())["runs"]
+    ]  # fmt: skip
+    plot_runs(
+        runs, out, "output tok/s (both roles share 2 cores)",
+        "short chats under a stream of long prompts: 1 prefill + 1 decode vs colocated",
+    )  # fmt: skip
+
+
+PANELS = [("chat ITL (ms, log)", "chat_itl_ms"), ("chat TTFT (ms, log)", "chat_ttft_ms")]
+
+
+def plot_runs(
+    runs: list[tuple[str, dict[str, Any]]],
+    out: Path,
+    throughput_title: str,
+    title: str,
+    panels: list[tuple[str, str]] = PANELS,
+) -> None:
+    """(label, run) side by side: a panel per (title, key) of panels (the run's key_p50 and
+    key_p99, log scale), then throughput."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    runs = [
-        (r, run)
-        for r, path in enumerate(paths)
-        for run in json.loads(path.read_text())["runs"]
-    ]  # fmt: skip
-    labels = [f"{run['config']}\nround {r + 1}" for r, run in runs]
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    labels = [label for label, _ in runs]
+    num_cols = min(3, len(panels) + 1)
+    num_rows = -(-(len(panels) + 1) // num_cols)
+    panel_width = max(5.0, 0.6 * len(runs))
+    fig, grid = plt.subplots(
+        num_rows, num_cols, figsize=(panel_width * num_cols, 4.2 * num_rows), squeeze=False
+    )
+    axes = list(grid.flatten()[: len(panels) + 1])
+    for unused in grid.flatten()[len(panels) + 1 :]:
+        unused.set_visible(False)
     width = 0.38
-    panels = [("chat ITL (ms, log)", "chat_itl_ms"), ("chat TTFT (ms, log)", "chat_ttft_ms")]
-    for ax, (title, key) in zip(axes[:2], panels, strict=True):
+    for ax, (panel, key) in zip(axes[:-1], panels, strict=True):
         for i, (_, run) in enumerate(runs):
             for j, q in enumerate(("p50", "p99")):
                 x, v = i + (j - 0.5) * width, run[f"{key}_{q}"]
                 ax.bar(x, v, width, color=f"C{j}", label=q if i == 0 else None)
                 ax.annotate(f"{v:.0f}", (x, v), ha="center", va="bottom", fontsize=7)
         ax.set_yscale("log")
-        ax.set_title(title)
+        ax.set_title(panel)
         ax.legend()
-    axes[2].bar(range(len(runs)), [run["tokens_per_s"] for _, run in runs], color="C2")
-    axes[2].set_title("output tok/s (both roles share 2 cores)")
+    axes[-1].bar(range(len(runs)), [run["tokens_per_s"] for _, run in runs], color="C2")
+    axes[-1].set_title(throughput_title)
     for ax in axes:
         ax.set_xticks(range(len(labels)), labels, fontsize=8)
-    fig.suptitle("short chats under a stream of long prompts: 1 prefill + 1 decode vs colocated")
+    fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     print(f"plot: {out}")
@@ -226,16 +286,7 @@ def main() -> int:
     for repeat in range(args.repeats):
         for name in args.configs:
             runs.append(run_config(name, args, seed=repeat))
-    document = {
-        "kind": "pd_mixed",
-        "git_commit": git_commit(),
-        "hardware": hardware(),
-        "config": {k: v for k, v in vars(args).items() if k != "output"},
-        "runs": runs,
-    }
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(document, indent=2, default=str) + "\n")
-    print(f"results: {args.output}")
+    write_results("pd_mixed", args, runs)
     return 0
 
 

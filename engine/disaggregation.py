@@ -35,6 +35,7 @@ import queue
 import socket
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -104,12 +105,19 @@ class KVSender:
         self.fault = fault
         self.backend = backend
         self.torch = TorchSender(device or torch.device("cpu")) if backend == "torch" else None
-        self.outbox: queue.SimpleQueue[tuple[str, int, Payload, int] | None] = queue.SimpleQueue()
+        self.outbox: queue.SimpleQueue[tuple[str, int, Payload, int, float] | None] = (
+            queue.SimpleQueue()
+        )
         self.num_failed = 0
         threading.Thread(target=self._run, name="kv-sender", daemon=True).start()
 
-    def submit(self, address: str, transfer_id: int, payload: Payload, num_blocks: int) -> None:
-        self.outbox.put((address, transfer_id, payload, num_blocks))
+    def submit(
+        self, address: str, transfer_id: int, payload: Payload, num_blocks: int,
+        not_before: float = 0.0,
+    ) -> None:  # fmt: skip
+        """Queue a send; it starts no earlier than not_before (time.monotonic(): a modelled
+        link's arrival time, engine/fake.py)."""
+        self.outbox.put((address, transfer_id, payload, num_blocks, not_before))
 
     def close(self) -> None:
         self.outbox.put(None)
@@ -123,7 +131,8 @@ class KVSender:
 
     def _run(self) -> None:
         while (item := self.outbox.get()) is not None:
-            address, transfer_id, payload, num_blocks = item
+            address, transfer_id, payload, num_blocks, not_before = item
+            time.sleep(max(0.0, not_before - time.monotonic()))
             t0 = time.monotonic()
             try:
                 fault = read_fault(self.fault)
@@ -209,13 +218,16 @@ class KVTransfers:
             log.info("kv transfers taken", bound=f"{bound}:{bound_port}", address=self.address)
         # Transfers awaited: id -> the blocks they go into.
         self.expected: dict[int, list[int]] = {}
+        # A modelled link (the echo engine's): a send's number of blocks -> the time
+        # (time.monotonic()) before which it may not leave. None: at once.
+        self.link: Callable[[int], float] | None = None
 
     @classmethod
     def for_engine(cls, kv_cache: torch.Tensor, config: EngineConfig) -> KVTransfers:
         """An engine's, by its --engine-role (receiving on --host:--kv-transfer-port, reached
         at --kv-transfer-host) and --kv-transfer-backend."""
         return cls(
-            kv_cache, config.engine_role, config.internal_token, config.host,
+            kv_cache, config.engine_role, config.token() or "", config.host,
             config.kv_transfer_port, config.kv_transfer_backend, config.kv_transfer_host,
         )  # fmt: skip
 
@@ -246,7 +258,9 @@ class KVTransfers:
                 if self.backend == "torch"
                 else gather_blocks(self.kv_cache, send.block_ids)
             )
-            self.sender.submit(send.address, send.transfer_id, payload, len(send.block_ids))
+            num_blocks = len(send.block_ids)
+            not_before = self.link(num_blocks) if self.link is not None else 0.0
+            self.sender.submit(send.address, send.transfer_id, payload, num_blocks, not_before)
 
     def receive(self, plan: StepPlanData) -> tuple[list[int], list[int]]:
         """Run plan's cancels and receives; returns the transfers written into the pool now,

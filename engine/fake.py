@@ -16,6 +16,15 @@ passes through the stages in order, each for step_delay_ms / P, and a stage take
 as soon as it is done with the last, so P steps can be in flight at once and a step's result is
 still step_delay_ms after it started. As a real pipeline needs, a plan holding a request that a
 step still in flight holds is refused (MirrorMismatch: FAILED_PRECONDITION).
+
+--engine-role prefill | decode (EngineConfig's) makes it one side of prefill / decode
+disaggregation (docs/disaggregation.md), speaking the transfer contract as the real engine does:
+a pool of tiny blocks (engine/fake_kv.py; torch is imported only then) whose transfers run
+through engine/disaggregation.py's KVTransfers in the same order (cancels, arrived receives,
+sends, then the step), reported in received_transfer_ids / failed_transfer_ids. kv_block_bytes
+and kv_link_gb_per_s model the KV the blocks stand for and the link it crosses: a send leaves
+no earlier than its modelled crossing time. The echo depends only on the prompt and the
+position, so the outputs are those of one colocated engine.
 """
 
 from __future__ import annotations
@@ -23,11 +32,15 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from common.flags import setting
 from engine.config import EngineConfig
 from engine.contract import EngineInfo, StepOutput, StepPlanData, with_refused_rows
 from engine.mirror import Mirror, MirrorMismatch, ScheduledSeq
+
+if TYPE_CHECKING:
+    from engine.fake_kv import FakeKV
 
 
 @dataclass
@@ -64,12 +77,28 @@ class FakeEngineConfig:
     num_speculative_tokens: int = setting(
         0,
         "speculative decoding it pretends to do: proposals per request and step (the echo, "
-        "wrong at every output index i with i % 3 == 2, so some are rejected)",
+        "wrong at every output index i where i mod 3 is 2, so some are rejected)",
+    )
+    kv_block_bytes: int = setting(
+        0,
+        "--engine-role prefill|decode: one block's KV bytes it pretends to move (its "
+        "EngineInfo.kv_block_bytes, and the modelled link's load; 0: the 8 it really moves)",
+    )
+    kv_link_gb_per_s: float = setting(
+        0.0,
+        "--engine-role prefill: the modelled link's bandwidth in GB/s (1e9 bytes): a KV send "
+        "leaves one at a time, no earlier than the link is free + its blocks x kv_block_bytes / "
+        "bandwidth (0: at once)",
     )
 
     def __post_init__(self) -> None:
         if self.pipeline_parallel_size < 1:
             raise ValueError(f"pipeline_parallel_size={self.pipeline_parallel_size} must be >= 1")
+        if self.kv_block_bytes < 0 or self.kv_link_gb_per_s < 0:
+            raise ValueError(
+                f"kv_block_bytes={self.kv_block_bytes}, kv_link_gb_per_s="
+                f"{self.kv_link_gb_per_s}: must be >= 0"
+            )
 
 
 class FakeEngine:
@@ -77,6 +106,7 @@ class FakeEngine:
         config = config or EngineConfig()
         fake = fake or FakeEngineConfig()
         num_blocks = config.num_kv_blocks or 256
+        self.kv = _fake_kv(config, fake, num_blocks)
         self.info = EngineInfo(
             model="fake-echo",
             vocab_size=fake.vocab_size,
@@ -91,6 +121,9 @@ class FakeEngine:
             pipeline_parallel_size=fake.pipeline_parallel_size,
             speculative_method="echo" if fake.num_speculative_tokens else "",
             num_speculative_tokens=fake.num_speculative_tokens,
+            kv_block_bytes=self.kv.block_bytes if self.kv is not None else 0,
+            engine_role=config.engine_role,
+            kv_transfer_address=self.kv.address if self.kv is not None else "",
         )
         self.step_delay_ms = fake.step_delay_ms
         self.step_token_delay_ms = fake.step_token_delay_ms
@@ -103,6 +136,8 @@ class FakeEngine:
     def reset(self) -> None:
         self.mirror = Mirror(self.info.block_size, self.info.num_blocks, self.info.vocab_size)
         self.in_flight.clear()
+        if self.kv is not None:
+            self.kv.reset()
 
     def launch(self, plan: StepPlanData) -> FakeStep:
         """Run plan on the host at once; its result is ready when it has passed every stage:
@@ -114,7 +149,9 @@ class FakeEngine:
         step in flight holds."""
         seq_ids = frozenset(plan.running.seq_ids) | {r.seq_id for r in plan.new_requests}
         self._check_disjoint(plan.step_id, seq_ids)
+        received, failed = self._transfer(plan)
         step = FakeStep(self._run(plan), seq_ids=seq_ids)
+        step.output.received_transfer_ids, step.output.failed_transfer_ids = received, failed
         num_tokens = sum(plan.running.num_scheduled_tokens)
         num_tokens += sum(r.num_scheduled_tokens for r in plan.new_requests)
         delay_ms = self.step_delay_ms + self.step_token_delay_ms * num_tokens
@@ -138,6 +175,15 @@ class FakeEngine:
                     f"(pipeline_parallel_size={len(self.busy_until)} needs disjoint steps)"
                 )
 
+    def _transfer(self, plan: StepPlanData) -> tuple[list[int], list[int]]:
+        """plan's KV transfer parts, before its step (engine/disaggregation.py); MirrorMismatch
+        for any on a colocated engine, as the real one."""
+        if self.kv is not None:
+            return self.kv.execute(plan)
+        if plan.kv_sends or plan.kv_receives or plan.kv_receive_cancels:
+            raise MirrorMismatch("the plan lists KV transfers; this engine's role is both")
+        return [], []
+
     def finish(self, step: FakeStep) -> StepOutput:
         """step's output once ready; steps finish in launch order."""
         assert self.in_flight and self.in_flight[0] is step, "fake steps finish in launch order"
@@ -150,6 +196,12 @@ class FakeEngine:
 
     def _run(self, plan: StepPlanData) -> StepOutput:
         batch = self.mirror.apply(plan)
+        if self.kv is not None:
+            new_ids = {r.seq_id for r in plan.new_requests}
+            for row in batch.rows:
+                if row.seq.seq_id in new_ids:
+                    self.kv.check(row)
+                self.kv.write(row)
         tokens = [_echo_tokens(r, self.info.vocab_size) for r in batch.rows]
         if batch.has_lookahead:
             self.mirror.commit_tokens(batch, tokens)
@@ -174,6 +226,21 @@ class FakeEngine:
         output = with_refused_rows(output, batch.refusals)
         output.compiled_seq_ids = [g.seq_id for g in plan.grammar_compiles]  # masks nothing
         return output
+
+
+def _fake_kv(config: EngineConfig, fake: FakeEngineConfig, num_blocks: int) -> FakeKV | None:
+    """The pool and transfers of a prefill or decode echo engine (None: colocated)."""
+    if config.engine_role == "both":
+        return None
+    if fake.num_speculative_tokens or fake.pipeline_parallel_size > 1:
+        raise ValueError(
+            f"engine_role={config.engine_role!r} is built for one stage without speculation; "
+            f"num_speculative_tokens={fake.num_speculative_tokens}, pipeline_parallel_size="
+            f"{fake.pipeline_parallel_size}"
+        )
+    from engine.fake_kv import FakeKV  # torch: only for a role
+
+    return FakeKV(config, num_blocks, fake.kv_block_bytes, fake.kv_link_gb_per_s)
 
 
 def _echo_tokens(row: ScheduledSeq, vocab_size: int) -> list[int]:

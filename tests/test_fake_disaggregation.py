@@ -1,0 +1,152 @@
+"""The echo engine (engine/fake.py) as a prefill and a decode engine: the transfer contract in
+process (its modelled link's delay, a decode engine's check of the blocks a transfer filled),
+and a whole stack as `serve --prefill-engines 1 --decode-engines 1` starts it over echo engines,
+giving the same tokens as a colocated echo stack with the transfers in GetStats."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+from pathlib import Path
+
+import pytest
+
+from engine.config import EngineConfig
+from engine.contract import KVReceiveData, KVSendData, StepPlanData
+from engine.fake import FakeEngine, FakeEngineConfig
+from engine.mirror import MirrorMismatch
+from llmserve.client import make_request
+from tests.stack import start_echo_stack
+from tests.test_mirror import new as new_request
+from tests.test_stack_fake import echo
+
+BLOCK = 16
+TOKEN = "fake-disaggregation-test"
+PROMPT = [(7 * i) % 200 + 1 for i in range(4 * BLOCK + 6)]  # 4 full blocks and 6 tokens
+
+
+def test_modelled_link_sends_one_at_a_time_at_its_bandwidth() -> None:
+    from engine.fake_kv import ModelledLink
+
+    link = ModelledLink(block_bytes=2 * 2**20, gb_per_s=20.0)  # 2 MiB blocks over 20 GB/s
+    assert link.seconds(125) == pytest.approx(125 * 2 * 2**20 / 20e9)  # 13.1 ms
+    t0 = time.monotonic()
+    first, second = link.arrival(125), link.arrival(125)
+    assert first >= t0 + link.seconds(125)
+    assert second == pytest.approx(first + link.seconds(125))  # queued behind the first
+
+
+def _pair(block_bytes: int, gb_per_s: float) -> tuple[FakeEngine, FakeEngine]:
+    fake = FakeEngineConfig(kv_block_bytes=block_bytes, kv_link_gb_per_s=gb_per_s)
+    prefill = FakeEngine(
+        EngineConfig(engine_role="prefill", block_size=BLOCK, internal_token=TOKEN), fake
+    )
+    decode = FakeEngine(
+        EngineConfig(engine_role="decode", block_size=BLOCK, internal_token=TOKEN), fake
+    )
+    return prefill, decode
+
+
+def _await(decode: FakeEngine, step_id: int, timeout: float = 5.0) -> tuple[list[int], int]:
+    """Poll decode with empty plans until a transfer arrives: (its ids, the next step id)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        received = decode.step(StepPlanData(step_id, [], [])).received_transfer_ids
+        step_id += 1
+        if received:
+            return received, step_id
+    raise AssertionError(f"no transfer arrived in {timeout}s")
+
+
+def test_echo_engines_move_blocks_no_sooner_than_the_modelled_link() -> None:
+    """A prefill echo engine computes a prompt and sends its 4 full blocks; the decode echo
+    engine reports them no sooner than 4 x 50 MB / 1 GB/s = 0.2 s after the handoff, then
+    admits the request as a prefix hit on them (its blocks checked) and samples the second
+    token as one engine would; a request claiming blocks that nothing wrote is refused."""
+    prefill, decode = _pair(block_bytes=50_000_000, gb_per_s=1.0)
+    assert (prefill.info.engine_role, decode.info.engine_role) == ("prefill", "decode")
+    assert decode.info.kv_transfer_address and decode.info.kv_block_bytes == 50_000_000
+    first = prefill.step(StepPlanData(1, [], [new_request(1, PROMPT, [3, 4, 5, 6, 7])]))
+    assert first.sampled_token_ids == [PROMPT[0]]
+    decode.step(StepPlanData(1, [], [], kv_receives=[KVReceiveData(9, [20, 21, 22, 23])]))
+    send = KVSendData(9, [3, 4, 5, 6], decode.info.kv_transfer_address)
+    t0 = time.monotonic()
+    prefill.step(StepPlanData(2, [1], [], kv_sends=[send]))
+    received, step_id = _await(decode, 2)
+    assert received == [9] and time.monotonic() - t0 >= 0.2
+    tokens = [*PROMPT, first.sampled_token_ids[0]]
+    hit = new_request(2, tokens, [20, 21, 22, 23, 24], computed=4 * BLOCK, prompt=len(PROMPT))
+    assert decode.step(StepPlanData(step_id, [], [hit])).sampled_token_ids == [PROMPT[1]]
+    unwritten = new_request(3, tokens, [30, 31, 32, 33, 34], computed=4 * BLOCK, prompt=len(PROMPT))
+    with pytest.raises(MirrorMismatch, match="holds other KV"):
+        decode.step(StepPlanData(step_id + 1, [], [unwritten]))
+    colocated = FakeEngine(EngineConfig(block_size=BLOCK))
+    with pytest.raises(MirrorMismatch, match="role is both"):
+        colocated.step(StepPlanData(1, [], [], kv_sends=[send]))
+    for engine in (prefill, decode):
+        assert engine.kv is not None
+        engine.kv.close()
+
+
+def test_prefill_and_decode_echo_stack_gives_one_engines_tokens(
+    tokenizer_dir: Path, tmp_path: Path
+) -> None:
+    """gateway + scheduler + a prefill and a decode echo engine give a colocated echo stack's
+    tokens (the echo of the prompt: tests/test_stack_fake.py) for prompts sharing a prefix, one
+    shorter than a block, one of whole blocks; the transfers show in GetStats, the modelled
+    bytes with them, and no block stays held on either side."""
+    args = ["--fake-step-delay-ms", "2", "--num-kv-blocks", "128", "--max-model-len", "512"]
+    link = ["--fake-kv-block-bytes", "2097152", "--fake-kv-link-gb-per-s", "20"]
+    stack = start_echo_stack(tokenizer_dir, tmp_path, *args, *link, prefill_engines=1)
+    try:
+        shared = "The river runs past the old mill and under the stone bridge; "
+        prompts = [shared + "then to sea.", shared + "owls nest there.", "short", "x" * 96]
+        with stack.client() as client, concurrent.futures.ThreadPoolExecutor(4) as pool:
+            requests = [make_request(p, max_tokens=40, temperature=0.0) for p in prompts]
+            texts = [c.text for c in pool.map(client.generate, requests)]
+        assert texts == [echo(p, 40) for p in prompts]
+        stats = stack.assert_idle()
+        assert stats.num_kv_transfers_done >= 3 and not any(stats.num_kv_transfers_failed.values())
+        assert stats.kv_transfer_bytes == stats.kv_transfer_blocks * 2097152 > 0
+        assert stats.prefill_num_blocks == 128
+    finally:
+        stack.close()
+
+
+def test_echo_engines_report_a_dropped_transfer_failed_and_never_write_a_cancelled_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """As the real engine: a transfer whose connection drops half-way is reported in
+    failed_transfer_ids (once), and one cancelled before it arrives is never written, so a
+    request claiming its blocks is refused."""
+    from engine.disaggregation import FAULT_ENV
+
+    monkeypatch.setenv(FAULT_ENV, "drop")
+    dropping, decode = _pair(block_bytes=0, gb_per_s=0.0)
+    monkeypatch.delenv(FAULT_ENV)
+    prefill, _ = _pair(block_bytes=0, gb_per_s=0.0)
+    address = decode.info.kv_transfer_address
+    for engine in (dropping, prefill):
+        engine.step(StepPlanData(1, [], [new_request(1, PROMPT, [3, 4, 5, 6, 7])]))
+    decode.step(StepPlanData(1, [], [], kv_receives=[KVReceiveData(1, [20, 21, 22, 23])]))
+    dropping.step(StepPlanData(2, [1], [], kv_sends=[KVSendData(1, [3, 4, 5, 6], address)]))
+    deadline, step_id = time.monotonic() + 5, 2
+    failed: list[int] = []
+    while not failed and time.monotonic() < deadline:
+        failed = decode.step(StepPlanData(step_id, [], [])).failed_transfer_ids
+        step_id += 1
+    assert failed == [1]
+    assert decode.step(StepPlanData(step_id, [], [])).failed_transfer_ids == []  # once
+    decode.step(StepPlanData(step_id + 1, [], [], kv_receives=[KVReceiveData(2, [30, 31])]))
+    decode.step(StepPlanData(step_id + 2, [], [], kv_receive_cancels=[2]))
+    prefill.step(StepPlanData(2, [1], [], kv_sends=[KVSendData(2, [3, 4], address)]))
+    time.sleep(0.3)
+    output = decode.step(StepPlanData(step_id + 3, [], []))
+    assert output.received_transfer_ids == [] and output.failed_transfer_ids == []
+    tokens = [*PROMPT, PROMPT[0]]
+    claim = new_request(3, tokens, [30, 31, 40, 41, 42], computed=2 * BLOCK, prompt=len(PROMPT))
+    with pytest.raises(MirrorMismatch, match="holds other KV"):
+        decode.step(StepPlanData(step_id + 4, [], [claim]))
+    for engine in (dropping, decode, prefill):
+        assert engine.kv is not None
+        engine.kv.close()
