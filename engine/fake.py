@@ -20,11 +20,11 @@ step still in flight holds is refused (MirrorMismatch: FAILED_PRECONDITION).
 --engine-role prefill | decode (EngineConfig's) makes it one side of prefill / decode
 disaggregation (docs/disaggregation.md), speaking the transfer contract as the real engine does:
 a pool of tiny blocks (engine/fake_kv.py; torch is imported only then) whose transfers run
-through engine/disaggregation.py's KVTransfers in the same order (cancels, arrived receives,
-sends, then the step), reported in received_transfer_ids / failed_transfer_ids. kv_block_bytes
-and kv_link_gb_per_s model the KV the blocks stand for and the link it crosses: a send leaves
-no earlier than its modelled crossing time. The echo depends only on the prompt and the
-position, so the outputs are those of one colocated engine.
+through engine/disaggregation.py's KVTransfers in the same order (sends, then cancels and
+arrived receives, then the step), reported in received_transfer_ids / failed_transfer_ids.
+kv_block_bytes and kv_link_gb_per_s model the KV the blocks stand for and the link it crosses:
+a send leaves no earlier than its modelled crossing time. The echo depends only on the prompt
+and the position, so the outputs are those of one colocated engine.
 """
 
 from __future__ import annotations

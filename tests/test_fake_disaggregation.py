@@ -1,7 +1,8 @@
 """The echo engine (engine/fake.py) as a prefill and a decode engine: the transfer contract in
 process (its modelled link's delay, a decode engine's check of the blocks a transfer filled),
-and a whole stack as `serve --prefill-engines 1 --decode-engines 1` starts it over echo engines,
-giving the same tokens as a colocated echo stack with the transfers in GetStats."""
+and a whole stack as `serve --prefill-engines 2 --decode-engines 2` starts it over echo engines,
+giving the same tokens as a colocated echo stack with the transfers in GetStats, and losing
+no request when one engine of each role is killed."""
 
 from __future__ import annotations
 
@@ -16,10 +17,11 @@ from engine.contract import KVReceiveData, KVSendData, StepPlanData
 from engine.fake import FakeEngine, FakeEngineConfig
 from engine.mirror import MirrorMismatch
 from llmserve.client import make_request
-from tests.stack import start_echo_stack
+from tests.stack import Stack, start_echo_stack
 from tests.test_mirror import new as new_request
 from tests.test_stack_fake import echo
 
+ADMIN_KEY = "fake-disaggregation-admin"
 BLOCK = 16
 TOKEN = "fake-disaggregation-test"
 PROMPT = [(7 * i) % 200 + 1 for i in range(4 * BLOCK + 6)]  # 4 full blocks and 6 tokens
@@ -88,29 +90,79 @@ def test_echo_engines_move_blocks_no_sooner_than_the_modelled_link() -> None:
         engine.kv.close()
 
 
-def test_prefill_and_decode_echo_stack_gives_one_engines_tokens(
+def test_two_prefill_and_two_decode_echo_engines_survive_losing_one_of_each(
     tokenizer_dir: Path, tmp_path: Path
 ) -> None:
-    """gateway + scheduler + a prefill and a decode echo engine give a colocated echo stack's
-    tokens (the echo of the prompt: tests/test_stack_fake.py) for prompts sharing a prefix, one
-    shorter than a block, one of whole blocks; the transfers show in GetStats, the modelled
-    bytes with them, and no block stays held on either side."""
+    """gateway + scheduler + 2 prefill and 2 decode echo engines (`serve --prefill-engines 2
+    --decode-engines 2`) give a colocated echo stack's tokens (the echo of the prompt:
+    tests/test_stack_fake.py) for prompts sharing a prefix, one shorter than a block, one of
+    whole blocks, the transfers in GetStats with their modelled bytes. Then kill -9 of a
+    prefill and a decode engine while 8 requests stream (transfers in flight over a slow
+    modelled link): every request still gets exactly its echo (no token lost or twice), the
+    Admin health shows the two engines down and the two others up, and no block stays held."""
     args = ["--fake-step-delay-ms", "2", "--num-kv-blocks", "128", "--max-model-len", "512"]
-    link = ["--fake-kv-block-bytes", "2097152", "--fake-kv-link-gb-per-s", "20"]
-    stack = start_echo_stack(tokenizer_dir, tmp_path, *args, *link, prefill_engines=1)
+    link = ["--fake-kv-block-bytes", "2097152", "--fake-kv-link-gb-per-s", "0.2"]  # 10 ms/block
+    stack = start_echo_stack(
+        tokenizer_dir, tmp_path, *args, *link, prefill_engines=2, decode_engines=2,
+        gateway_args=["--admin-key", ADMIN_KEY],
+    )  # fmt: skip
     try:
         shared = "The river runs past the old mill and under the stone bridge; "
         prompts = [shared + "then to sea.", shared + "owls nest there.", "short", "x" * 96]
-        with stack.client() as client, concurrent.futures.ThreadPoolExecutor(4) as pool:
+        with stack.client() as client, concurrent.futures.ThreadPoolExecutor(8) as pool:
             requests = [make_request(p, max_tokens=40, temperature=0.0) for p in prompts]
             texts = [c.text for c in pool.map(client.generate, requests)]
-        assert texts == [echo(p, 40) for p in prompts]
+            assert texts == [echo(p, 40) for p in prompts]
+            stats = stack.assert_idle()
+            assert stats.num_kv_transfers_done >= 3
+            assert not any(stats.num_kv_transfers_failed.values())
+            assert stats.kv_transfer_bytes == stats.kv_transfer_blocks * 2097152 > 0
+            assert stats.prefill_num_blocks == 2 * 128 and stats.num_blocks == 2 * 128
+            assert [(e.role, e.ready) for e in stats.engines] == [
+                ("decode", True), ("decode", True), ("prefill", True), ("prefill", True)
+            ]  # fmt: skip
+            # Losing one engine of each role with 8 requests streaming.
+            many = [f"{i} {shared * 2}" for i in range(8)]
+            calls = [client.start(make_request(p, max_tokens=300, temperature=0.0)) for p in many]
+            firsts = [next(call) for call in calls]
+            stack.kill("engine-prefill")
+            stack.kill("engine-decode-2")
+            streams = zip(firsts, calls, strict=True)
+            texts = ["".join(m.text for m in [first, *call]) for first, call in streams]
+        assert texts == [echo(p, 300) for p in many]
         stats = stack.assert_idle()
-        assert stats.num_kv_transfers_done >= 3 and not any(stats.num_kv_transfers_failed.values())
-        assert stats.kv_transfer_bytes == stats.kv_transfer_blocks * 2097152 > 0
-        assert stats.prefill_num_blocks == 128
+        # Killed with transfers in flight (each prefill engine's sends queue on the slow link):
+        # given up, and their requests recomputed on a decode engine.
+        lost = stats.num_kv_transfers_failed
+        assert lost["prefill_lost"] + lost["decode_lost"] + lost["deadline"] > 0
+        assert [(e.address, e.ready) for e in stats.engines if not e.ready] == [
+            (stack.scheduler.engine_address[1], False),
+            (stack.scheduler.prefill_engine_address[0], False),
+        ]
+        lost = {
+            f"decode engine {stack.scheduler.engine_address[1]}",
+            f"prefill engine {stack.scheduler.prefill_engine_address[0]}",
+        }
+        deadline = time.monotonic() + 5  # the gateway's view: its replica's last stats
+        while (down := admin_down(stack)) != lost and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert down == lost
     finally:
         stack.close()
+
+
+def admin_down(stack: Stack) -> set[str]:
+    """The components the gateway's Admin health reports unhealthy (" of SCHEDULER" cut)."""
+    import grpc
+
+    from protos import admin_pb2, admin_pb2_grpc
+
+    with grpc.insecure_channel(stack.gateway_address) as channel:
+        metadata = [("authorization", f"Bearer {ADMIN_KEY}")]
+        health = admin_pb2_grpc.AdminStub(channel).GetHealth(
+            admin_pb2.GetHealthRequest(), metadata=metadata, timeout=10
+        )
+    return {c.component.split(" of ")[0] for c in health.components if not c.healthy}
 
 
 def test_echo_engines_report_a_dropped_transfer_failed_and_never_write_a_cancelled_one(
