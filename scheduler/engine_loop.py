@@ -89,6 +89,7 @@ class EngineLoop:
     streams: dict[int, asyncio.Queue[StepOutcome]]
     wakeup: asyncio.Event
     ready: bool
+    been_ready: bool  # the Step stream has been open once
     engine_responding: bool
     last_result_at: float
     stopping: bool
@@ -284,6 +285,7 @@ class EngineLoop:
 
     def _set_ready(self, ready: bool) -> None:
         self.ready = ready
+        self.been_ready = self.been_ready or ready
         self._update_health()
 
     @property

@@ -109,6 +109,7 @@ class EngineLink(EngineLoop):
         self.streams = service.streams  # one stream per request, whichever engine runs it
         self.wakeup = asyncio.Event()
         self.ready = False
+        self.been_ready = False
         self.engine_responding = True
         self.last_result_at = 0.0
         self.draining = False
@@ -172,8 +173,9 @@ class Roles:
         scheduler.transfers.ids = itertools.count((index << TRANSFER_ID_SHIFT) + 1)
 
     def connected(self) -> bool:
-        """Every engine connected once (each link has its Scheduler)."""
-        return all(link.scheduler is not None for link in self.links)
+        """Every engine has been up once (its Step stream open: connected, its configured
+        adapters loaded), so the first requests find every engine."""
+        return all(link.been_ready for link in self.links)
 
     def any_up(self) -> bool:
         return any(is_up(link) for link in self.links)

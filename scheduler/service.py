@@ -53,6 +53,7 @@ class SchedulerService(EngineLoop, scheduler_pb2_grpc.SchedulerServicer):
         self.seq_ids = itertools.count(1)
         self.wakeup = asyncio.Event()
         self.ready = False  # the Step stream to the engine is open
+        self.been_ready = False
         self.engine_responding = True  # the engine's heartbeat (see HEARTBEAT_S)
         self.last_result_at = 0.0  # time.monotonic() of the last step result
         self.stopping = False
@@ -90,7 +91,7 @@ class SchedulerService(EngineLoop, scheduler_pb2_grpc.SchedulerServicer):
 
     @property
     def serving(self) -> bool:
-        """EngineLoop.serving. Disaggregated: every engine connected once, and one is up
+        """EngineLoop.serving. Disaggregated: every engine has been up once, and one is up
         (while some are lost, the others take their requests: scheduler/links.py)."""
         if self.roles is None:
             return super().serving

@@ -35,7 +35,7 @@ def connect(
         num_host_blocks=num_host_blocks,
     )  # fmt: skip
     link._on_engine_info(info)
-    link.ready = True
+    link._set_ready(True)
     assert link.scheduler is not None
     return link.scheduler
 
@@ -275,3 +275,21 @@ def test_config_refuses_more_engines_without_prefill_engines() -> None:
         SchedulerConfig(engine_address=DECODES, prefill_engine_address=DECODES[:1])
     with pytest.raises(ValueError, match="listed twice"):
         SchedulerConfig(engine_address=DECODES[:1], prefill_engine_address=PREFILLS[:1] * 2)
+
+
+def test_serving_once_every_engine_has_been_up() -> None:
+    """The scheduler reports SERVING only when every engine it was given has been up once (so
+    the first requests find every engine), and then while any one is."""
+    config = SchedulerConfig(engine_address=DECODES, prefill_engine_address=PREFILLS)
+    service = SchedulerService(config)
+    prefills, decodes = links(service)
+    for link in [*decodes, prefills[0]]:
+        connect(link, link.engine_role)
+    assert not service.serving
+    connect(prefills[1], "prefill")
+    assert service.serving
+    for link in [*decodes, prefills[0]]:
+        link.ready = False
+    assert service.serving  # the one left takes requests whole
+    prefills[1].ready = False
+    assert not service.serving
