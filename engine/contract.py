@@ -3,7 +3,11 @@ plan brings (StepPlanData, with its KV copies between tiers: BlockCopiesData), w
 returns (StepOutput) and what the engine reports of itself (EngineInfo, with its tiers' sizes
 and its role). Disaggregation adds KV transfers to the plan (KVSendData on a prefill engine,
 KVReceiveData and cancels on a decode engine) and the transfers received to the result: the
-scheduler owns both pools and decides every move, as with the tiers (docs/disaggregation.md).
+scheduler owns every engine's pool (N prefill and M decode engines) and decides every move, as
+with the tiers; an engine knows only the addresses its plans name (docs/disaggregation.md).
+Order within a plan: sends are read out of the pool before the plan's KV copies, receives are
+written after them (a block freed at a handoff may be a swap-in's target in the same plan; a
+block pinned for a transfer may have been evicted by it, its old contents copied down first).
 engine/convert.py turns them into protobuf and back; the real engine, the fake one
 and the service all speak these.
 
