@@ -189,8 +189,9 @@ class KVSendData:
 
 @dataclass(frozen=True)
 class KVReceiveData:
-    """engine.proto's KVReceive: when transfer_id arrives whole, write it into block_ids and
-    report it (StepOutput.received_transfer_ids)."""
+    """engine.proto's KVReceive: when transfer_id arrives whole, write it into block_ids (at a
+    plan's launch or as a step's result is produced) and report it in the first result after
+    (StepOutput.received_transfer_ids)."""
 
     transfer_id: int
     block_ids: list[int]
@@ -243,9 +244,11 @@ class StepOutput:
     num_sampled_tokens: list[int] = field(default_factory=list)
     # Waiting requests whose grammar (an earlier plan's grammar_compiles) is compiled now.
     compiled_seq_ids: list[int] = field(default_factory=list)
-    # Disaggregation: awaited KV transfers written into the pool before this step's forward.
+    # Disaggregation: awaited KV transfers written into the pool since the last result (at a
+    # plan's launch, or as this result was produced: engine/disaggregation.py), each once.
     received_transfer_ids: list[int] = field(default_factory=list)
-    # Awaited KV transfers whose connection failed (the scheduler gives them up at once).
+    # Awaited KV transfers whose connection failed since the last result (the scheduler gives
+    # them up at once).
     failed_transfer_ids: list[int] = field(default_factory=list)
 
 

@@ -12,10 +12,23 @@ scheduler's; this only executes, in this order, before the plan's mirror update 
    they arrive: their blocks may belong to someone else from this plan on);
 3. receives: the transfers this plan adds are awaited; every awaited transfer that has arrived
    whole is written into its blocks now (after the copies: a block pinned for it may have
-   been evicted by this plan, its old contents copied down first) and reported in this step's
-   result, and one whose connection failed is reported failed (the scheduler need not wait
-   for its deadline). A plan with no rows waits up to POLL_S for one to arrive, so a
-   scheduler polling an idle decode engine does not spin.
+   been evicted by this plan, its old contents copied down first), and one whose connection
+   failed is given up (the scheduler need not wait for its deadline). A plan with no rows
+   waits up to POLL_S for one to arrive, so a scheduler polling an idle decode engine does
+   not spin.
+
+And when a step's result is produced (`report`, from the engine's `finish`), every awaited
+transfer that has arrived whole since is written into its blocks too, and the result reports
+every transfer written (there or at a launch) and every one failed since the last result, each
+exactly once. So a transfer that arrives while a step runs is reported in that step's result,
+not in the result of the first step launched after it. Writing then is safe: the scheduler
+keeps a transfer's blocks pinned, in no block table, so no row of any plan (in flight or not)
+reads or writes them until it has seen the report; a transfer cancelled by a plan already
+launched was forgotten at that launch, so only transfers still awaited are written; and a
+cancel in a plan not launched yet frees the blocks from that plan on, whose copies and forward
+come after this write (the scheduler ignores the report of a transfer it gave up). On a GPU the
+write is enqueued on the current stream, after the steps launched on it, without waiting for
+them (KVReceiver._write); on a CPU it is done at once.
 
 The payload goes by --kv-transfer-backend: `tcp` (gathered to host bytes, engine/kv_transfer.py)
 or `torch` (gathered into a buffer on the pool's device and sent over the pair's process group,
@@ -218,6 +231,9 @@ class KVTransfers:
             log.info("kv transfers taken", bound=f"{bound}:{bound_port}", address=self.address)
         # Transfers awaited: id -> the blocks they go into.
         self.expected: dict[int, list[int]] = {}
+        # Transfers written into the pool, and awaited ones that failed, not reported yet.
+        self.written: list[int] = []
+        self.failed: list[int] = []
         # A modelled link (the echo engine's): a send's number of blocks -> the time
         # (time.monotonic()) before which it may not leave. None: at once.
         self.link: Callable[[int], float] | None = None
@@ -240,10 +256,10 @@ class KVTransfers:
 
     def execute(self, plan: StepPlanData) -> tuple[list[int], list[int]]:
         """Run plan's sends, then its cancels and receives (an engine with no offload tier;
-        Engine.launch runs its copies between the two). Returns the transfers written into
-        the pool now, and the awaited ones whose connection failed (forgotten here)."""
+        Engine.launch runs its copies between the two), and `report` as its result would."""
         self.send(plan)
-        return self.receive(plan)
+        self.receive(plan)
+        return self.report()
 
     def send(self, plan: StepPlanData) -> None:
         """Read plan's sends out of the pool and push them in the background. Before the
@@ -262,30 +278,50 @@ class KVTransfers:
             not_before = self.link(num_blocks) if self.link is not None else 0.0
             self.sender.submit(send.address, send.transfer_id, payload, num_blocks, not_before)
 
-    def receive(self, plan: StepPlanData) -> tuple[list[int], list[int]]:
-        """Run plan's cancels and receives; returns the transfers written into the pool now,
-        and the awaited ones whose connection failed. After the plan's KV copies: a block
+    def receive(self, plan: StepPlanData) -> None:
+        """Run plan's cancels and receives at its launch, and write the awaited transfers
+        arrived whole (the next `report` lists them). After the plan's KV copies: a block
         pinned for a transfer may have been evicted to a lower tier by this same plan, its
         old contents copied out first. MirrorMismatch on an engine that does not receive."""
         if (plan.kv_receives or plan.kv_receive_cancels) and self.receiver is None:
             raise MirrorMismatch(f"the plan lists KV receives; this engine's role is {self.role}")
-        return self._receive(plan) if self.receiver is not None else ([], [])
-
-    def _receive(self, plan: StepPlanData) -> tuple[list[int], list[int]]:
         receiver = self.receiver
-        assert receiver is not None
+        if receiver is None:
+            return
         for transfer_id in plan.kv_receive_cancels:
             self.expected.pop(transfer_id, None)
             receiver.discard(transfer_id)
+            for unreported in (self.written, self.failed):  # given up: not reported either
+                if transfer_id in unreported:
+                    unreported.remove(transfer_id)
         for receive in plan.kv_receives:
             self.expected[receive.transfer_id] = receive.block_ids
         if self.expected and not (plan.new_requests or plan.running.seq_ids):
             receiver.wait_any(set(self.expected), POLL_S)
+        self._take_arrived()
+
+    def report(self) -> tuple[list[int], list[int]]:
+        """At a step's result: write the awaited transfers arrived whole since the last check
+        (see the module docstring for why that is safe with steps in flight), then return the
+        transfers written and those failed since the last report, and forget them (each is
+        reported once)."""
+        self._take_arrived()
+        reported = self.written, self.failed
+        self.written, self.failed = [], []
+        return reported
+
+    def _take_arrived(self) -> None:
+        """Write every awaited transfer that has arrived whole; give up those whose
+        connection failed. Both are then no longer awaited, and wait for `report`."""
+        receiver = self.receiver
+        if receiver is None or not self.expected:
+            return
         received = [t for t, ids in self.expected.items() if receiver.poll(t, ids)]
         failed = [t for t in self.expected if t not in received and receiver.poll_failed(t)]
         for transfer_id in received + failed:
             del self.expected[transfer_id]
-        return received, failed
+        self.written += received
+        self.failed += failed
 
     def reset(self) -> None:
         """A new Step stream: forget every transfer awaited (arriving later: dropped)."""
@@ -293,6 +329,8 @@ class KVTransfers:
             for transfer_id in self.expected:
                 self.receiver.discard(transfer_id)
         self.expected.clear()
+        self.written.clear()
+        self.failed.clear()
 
     def close(self) -> Any:
         if self.receiver is not None:

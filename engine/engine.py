@@ -370,10 +370,8 @@ class Engine:
             raise MirrorMismatch("the plan lists KV copies, but this engine has no offload tier")
         if plan.grammar_compiles and self.runner.grammars is not None:  # the sampling rank
             self.runner.grammars.start_compiles(plan.grammar_compiles)
-        received, failed = self.transfers.receive(plan)
-        step = self._launch_rows(plan)
-        step.received_transfer_ids, step.failed_transfer_ids = received, failed
-        return step
+        self.transfers.receive(plan)
+        return self._launch_rows(plan)
 
     def _launch_rows(self, plan: StepPlanData) -> LaunchedStep:
         failed = self._place_loras(plan)
@@ -425,12 +423,15 @@ class Engine:
         return step
 
     def finish(self, step: LaunchedStep) -> StepOutput:
-        """step's output, waiting for it (and for the steps launched before it)."""
+        """step's output, waiting for it (and for the steps launched before it). Disaggregated:
+        the KV transfers arrived whole by now are written (enqueued after the steps launched)
+        and reported here, with those written at launches since the last result
+        (engine/disaggregation.py KVTransfers.report: why it is safe with steps in flight)."""
         while step.output is None:
             self._resolve_oldest()
         self._report_compiles(step.output, idle=not step.batch.rows)
-        step.output.received_transfer_ids = step.received_transfer_ids
-        step.output.failed_transfer_ids = step.failed_transfer_ids
+        received, failed = self.transfers.report()
+        step.output.received_transfer_ids, step.output.failed_transfer_ids = received, failed
         return step.output
 
     def _report_compiles(self, output: StepOutput, idle: bool) -> None:

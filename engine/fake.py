@@ -21,7 +21,9 @@ step still in flight holds is refused (MirrorMismatch: FAILED_PRECONDITION).
 disaggregation (docs/disaggregation.md), speaking the transfer contract as the real engine does:
 a pool of tiny blocks (engine/fake_kv.py; torch is imported only then) whose transfers run
 through engine/disaggregation.py's KVTransfers in the same order (sends, then cancels and
-arrived receives, then the step), reported in received_transfer_ids / failed_transfer_ids.
+arrived receives, then the step), and, when a step's result is ready (`finish`), the transfers
+arrived meanwhile written too: all reported in that result's received_transfer_ids /
+failed_transfer_ids.
 kv_block_bytes and kv_link_gb_per_s model the KV the blocks stand for and the link it crosses:
 a send leaves no earlier than its modelled crossing time. The echo depends only on the prompt
 and the position, so the outputs are those of one colocated engine.
@@ -149,9 +151,8 @@ class FakeEngine:
         step in flight holds."""
         seq_ids = frozenset(plan.running.seq_ids) | {r.seq_id for r in plan.new_requests}
         self._check_disjoint(plan.step_id, seq_ids)
-        received, failed = self._transfer(plan)
+        self._transfer(plan)
         step = FakeStep(self._run(plan), seq_ids=seq_ids)
-        step.output.received_transfer_ids, step.output.failed_transfer_ids = received, failed
         num_tokens = sum(plan.running.num_scheduled_tokens)
         num_tokens += sum(r.num_scheduled_tokens for r in plan.new_requests)
         delay_ms = self.step_delay_ms + self.step_token_delay_ms * num_tokens
@@ -175,20 +176,23 @@ class FakeEngine:
                     f"(pipeline_parallel_size={len(self.busy_until)} needs disjoint steps)"
                 )
 
-    def _transfer(self, plan: StepPlanData) -> tuple[list[int], list[int]]:
+    def _transfer(self, plan: StepPlanData) -> None:
         """plan's KV transfer parts, before its step (engine/disaggregation.py); MirrorMismatch
         for any on a colocated engine, as the real one."""
         if self.kv is not None:
-            return self.kv.execute(plan)
-        if plan.kv_sends or plan.kv_receives or plan.kv_receive_cancels:
+            self.kv.launch(plan)
+        elif plan.kv_sends or plan.kv_receives or plan.kv_receive_cancels:
             raise MirrorMismatch("the plan lists KV transfers; this engine's role is both")
-        return [], []
 
     def finish(self, step: FakeStep) -> StepOutput:
-        """step's output once ready; steps finish in launch order."""
+        """step's output once ready; steps finish in launch order. Disaggregated: with the
+        transfers written since the last result, those arrived by now (as Engine.finish)."""
         assert self.in_flight and self.in_flight[0] is step, "fake steps finish in launch order"
         self.in_flight.popleft()
         step.wait()
+        if self.kv is not None:
+            output = step.output
+            output.received_transfer_ids, output.failed_transfer_ids = self.kv.report()
         return step.output
 
     def step(self, plan: StepPlanData) -> StepOutput:

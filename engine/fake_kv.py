@@ -70,9 +70,16 @@ class FakeKV:
     def address(self) -> str:
         return self.transfers.address
 
-    def execute(self, plan: StepPlanData) -> tuple[list[int], list[int]]:
-        """plan's cancels, receives and sends (KVTransfers.execute: before the mirror update)."""
-        return self.transfers.execute(plan)
+    def launch(self, plan: StepPlanData) -> None:
+        """plan's sends, cancels and receives (KVTransfers' send and receive: before the mirror
+        update)."""
+        self.transfers.send(plan)
+        self.transfers.receive(plan)
+
+    def report(self) -> tuple[list[int], list[int]]:
+        """At a step's result: the transfers written (arrived ones now) and failed since the
+        last result (KVTransfers.report)."""
+        return self.transfers.report()
 
     def check(self, row: ScheduledSeq) -> None:
         """A new request's computed blocks hold its own tokens' digests; MirrorMismatch if not."""

@@ -196,7 +196,8 @@ class KVReceiver:
         with the torch backend)."""
         if self.torch is not None:
             return self.torch.receive(conn, transfer_id, num_bytes, time.monotonic() + IO_TIMEOUT_S)
-        data = torch.empty(num_bytes, dtype=torch.uint8)
+        # Pinned for a pool on a GPU: its copy into the pool need not wait for the device.
+        data = torch.empty(num_bytes, dtype=torch.uint8, pin_memory=self.kv_cache.is_cuda)
         _read_exactly(conn, num_bytes, data.numpy().data)
         return data
 
@@ -213,9 +214,20 @@ class KVReceiver:
             blocks = self.arrived.pop(transfer_id)
         if blocks.shape[0] != len(block_ids):
             return False
-        index = torch.tensor(block_ids, dtype=torch.long, device=self.kv_cache.device)
-        self.kv_cache[:, :, index] = blocks.to(self.kv_cache.device).movedim(0, 2)
+        self._write(blocks, block_ids)
         return True
+
+    def _write(self, blocks: torch.Tensor, block_ids: list[int]) -> None:
+        """Write an arrived transfer's blocks into block_ids of the pool. On a GPU the copy is
+        enqueued on the current stream, after whatever was launched on it, and nothing here
+        waits for the device (the payload is pinned host memory or already on the device, the
+        block ids go through pinned memory): a step in flight keeps running. On a CPU: now."""
+        device = self.kv_cache.device
+        index = torch.tensor(block_ids, dtype=torch.long)
+        if self.kv_cache.is_cuda:
+            index = index.pin_memory()
+        index = index.to(device, non_blocking=True)
+        self.kv_cache[:, :, index] = blocks.to(device, non_blocking=True).movedim(0, 2)
 
     def _fail(self, transfer_id: int | None) -> None:
         if transfer_id is None:
@@ -240,8 +252,7 @@ class KVReceiver:
             blocks = self.arrived.pop(transfer_id, None)
         if blocks is None or blocks.shape[0] != len(block_ids):
             return False
-        index = torch.tensor(block_ids, dtype=torch.long, device=self.kv_cache.device)
-        self.kv_cache[:, :, index] = blocks.to(self.kv_cache.device).movedim(0, 2)
+        self._write(blocks, block_ids)
         return True
 
     def wait_any(self, transfer_ids: set[int], timeout_s: float) -> None:

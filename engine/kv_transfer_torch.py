@@ -415,7 +415,8 @@ class TorchReceiver:
                 device=self.identity,
             )
         conn.sendall(OVER_TCP)
-        data = torch.empty(num_bytes, dtype=torch.uint8)
+        # Pinned for a pool on a GPU, as the tcp backend's (KVReceiver._write).
+        data = torch.empty(num_bytes, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
         _read_exactly(conn, num_bytes, data.numpy().data)
         return data
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -72,9 +72,6 @@ class LaunchedStep:
     # A rank other than the driver: the broadcast bringing the driver's tokens into `sampled`
     # (host[0] is None: collect copies them once it is done).
     shared: Any = None
-    # Disaggregation: KV transfers written into the pool when the step was launched.
-    received_transfer_ids: list[int] = field(default_factory=list)
-    failed_transfer_ids: list[int] = field(default_factory=list)
 
     @property
     def is_ready(self) -> bool:

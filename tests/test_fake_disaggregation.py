@@ -19,6 +19,7 @@ from engine.mirror import MirrorMismatch
 from llmserve.client import make_request
 from tests.stack import Stack, start_echo_stack
 from tests.test_mirror import new as new_request
+from tests.test_mirror import running
 from tests.test_stack_fake import echo
 
 ADMIN_KEY = "fake-disaggregation-admin"
@@ -200,5 +201,50 @@ def test_echo_engines_report_a_dropped_transfer_failed_and_never_write_a_cancell
     with pytest.raises(MirrorMismatch, match="holds other KV"):
         decode.step(StepPlanData(step_id + 4, [], [claim]))
     for engine in (dropping, decode, prefill):
+        assert engine.kv is not None
+        engine.kv.close()
+
+
+def test_a_transfer_arriving_while_steps_run_is_reported_in_the_first_result_after() -> None:
+    """With two decode steps in flight (as the scheduler overlaps them), a transfer arriving
+    after both were launched is written and reported in the result of the first (not of the
+    first step launched after it), once; one written at a launch is reported in the result of
+    the step in flight before it; the request is then admitted as a prefix hit on its blocks."""
+    fake = FakeEngineConfig(step_delay_ms=100.0)
+    prefill = FakeEngine(
+        EngineConfig(engine_role="prefill", block_size=BLOCK, internal_token=TOKEN), fake
+    )
+    decode = FakeEngine(
+        EngineConfig(engine_role="decode", block_size=BLOCK, internal_token=TOKEN), fake
+    )
+    assert decode.kv is not None and prefill.kv is not None
+    receiver = decode.kv.transfers.receiver
+    assert receiver is not None
+    address = decode.info.kv_transfer_address
+
+    def send(step_id: int, transfer_id: int) -> None:
+        sends = [KVSendData(transfer_id, [3, 4, 5, 6], address)]
+        prefill.step(StepPlanData(step_id, [], [], kv_sends=sends))
+        receiver.wait_any({transfer_id}, 5.0)
+        assert transfer_id in receiver.arrived
+
+    first = prefill.step(StepPlanData(1, [], [new_request(1, PROMPT, [3, 4, 5, 6, 7])]))
+    busy = [9] * 20  # a request the decode engine is stepping meanwhile
+    receives = [KVReceiveData(9, [20, 21, 22, 23]), KVReceiveData(10, [24, 25, 26, 27])]
+    step_1 = decode.launch(
+        StepPlanData(1, [], [new_request(5, busy, [40, 41])], kv_receives=receives)
+    )
+    step_2 = decode.launch(StepPlanData(2, [], [], running([5], [1], [20])))
+    send(2, 9)  # arrives while steps 1 and 2 are in flight
+    assert decode.finish(step_1).received_transfer_ids == [9]
+    send(3, 10)
+    step_3 = decode.launch(StepPlanData(3, [], [], running([5], [1], [21])))  # writes 10
+    assert decode.finish(step_2).received_transfer_ids == [10]
+    assert decode.finish(step_3).received_transfer_ids == []  # each once
+    tokens = [*PROMPT, first.sampled_token_ids[0]]
+    for seq_id, blocks in ((2, [20, 21, 22, 23, 50]), (3, [24, 25, 26, 27, 51])):
+        hit = new_request(seq_id, tokens, blocks, computed=4 * BLOCK, prompt=len(PROMPT))
+        assert decode.step(StepPlanData(3 + seq_id, [], [hit])).sampled_token_ids == [PROMPT[1]]
+    for engine in (prefill, decode):
         assert engine.kv is not None
         engine.kv.close()

@@ -113,3 +113,66 @@ def test_an_engines_plan_parts_move_blocks_between_two_pools() -> None:
     )
     for side in (prefill, decode):
         side.close()
+
+
+def test_a_transfer_arriving_after_a_launch_is_written_and_reported_at_the_next_result() -> None:
+    """KVTransfers.report (a step's result): a transfer that arrived after the last launch is
+    written and reported there, once; one written at a launch is reported at the next result;
+    one written but cancelled by a later launch before any result is never reported."""
+    from engine.contract import KVReceiveData, KVSendData, StepPlanData
+    from engine.disaggregation import KVTransfers
+
+    prefill = KVTransfers(torch.randn(SHAPE), "prefill", TOKEN, "127.0.0.1", 0)
+    decode = KVTransfers(torch.zeros(SHAPE), "decode", TOKEN, "127.0.0.1", 0)
+    receiver = decode.receiver
+    assert receiver is not None
+
+    def arrive(transfer_id: int, blocks: list[int]) -> None:
+        send = KVSendData(transfer_id, blocks, decode.address)
+        prefill.execute(StepPlanData(transfer_id, [], [], kv_sends=[send]))
+        receiver.wait_any({transfer_id}, 5.0)
+        assert transfer_id in receiver.arrived
+
+    decode.receive(StepPlanData(1, [], [], kv_receives=[KVReceiveData(1, [6, 7])]))
+    arrive(1, [4, 2])  # after the launch: only the result can take it
+    assert not decode.kv_cache.any()
+    assert decode.report() == ([1], [])
+    assert torch.equal(decode.kv_cache[:, :, [6, 7]], prefill.kv_cache[:, :, [4, 2]])
+    assert decode.report() == ([], [])  # once
+    decode.receive(StepPlanData(2, [], [], kv_receives=[KVReceiveData(2, [0])]))
+    arrive(2, [1])
+    decode.receive(StepPlanData(3, [], []))  # written at this launch ...
+    assert torch.equal(decode.kv_cache[:, :, 0], prefill.kv_cache[:, :, 1])
+    assert decode.report() == ([2], [])  # ... reported at the next result, whichever step's
+    assert decode.report() == ([], [])
+    decode.receive(StepPlanData(4, [], [], kv_receives=[KVReceiveData(3, [5])]))
+    arrive(3, [3])
+    decode.receive(StepPlanData(5, [], []))  # written, then given up before any result
+    decode.receive(StepPlanData(6, [], [], kv_receive_cancels=[3]))
+    assert decode.report() == ([], [])
+    for side in (prefill, decode):
+        side.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_on_a_gpu_an_arrived_transfer_is_written_without_waiting_for_the_device() -> None:
+    """On a GPU the write of an arrived transfer (tcp: a pinned host payload) is enqueued on
+    the current stream behind the work launched there, and the host does not wait for that
+    work (a step in flight keeps running while its result reports the transfer)."""
+    pool = torch.zeros(SHAPE, device="cuda")
+    receiver = KVReceiver(pool, TOKEN)
+    try:
+        source = torch.randn(SHAPE)
+        send_blocks(receiver.address, TOKEN, 7, source, [3, 1])
+        receiver.wait_any({7}, 5.0)
+        assert receiver.arrived[7].is_pinned()
+        torch.cuda.synchronize()
+        torch.cuda._sleep(2_000_000_000)  # a kernel spinning about a second: the step in flight
+        t0 = time.monotonic()
+        assert receiver.poll(7, [0, 5])
+        enqueued_s = time.monotonic() - t0
+        torch.cuda.synchronize()
+        assert enqueued_s < 0.3
+        assert torch.equal(pool[:, :, [0, 5]].cpu(), source[:, :, [3, 1]])
+    finally:
+        receiver.close()
