@@ -20,7 +20,12 @@ The model (docs/disaggregation.md, "A model of the GPU case", says why these num
   of one node, effective), or 1.25 GB/s (10 Gb Ethernet), one transfer at a time.
 
 Configs: one engine (one GPU); two data-parallel replicas (two GPUs, the gateway routing
-between them); 1 prefill + 1 decode engine (two GPUs) over each link.
+between them); 1 prefill + 1 decode engine (two GPUs) over each link; on four GPUs, four
+replicas, 2 prefill + 2 decode and 1 prefill + 3 decode engines under one scheduler:
+
+    python -m bench.pd_gpu_model --configs colocated-dp4 2p2d-20GBps 1p3d-20GBps \
+        --num-chats 24 --long-interval 0.25 \
+        --output bench/results/pd_gpu_model_4gpu.json --plot bench/results/pd_gpu_model_4gpu.png
 """
 
 from __future__ import annotations
@@ -48,6 +53,10 @@ CONFIGS: dict[str, tuple[list[str], float]] = {  # serve flags, link GB/s
     "1p1d-20GBps": (PD, 20.0),
     "1p1d-150GBps": (PD, 150.0),
     "1p1d-1.25GBps": (PD, 1.25),
+    # Four GPUs: four replicas, or one scheduler over more engines per role.
+    "colocated-dp4": (["--data-parallel-size", "4"], 0.0),
+    "2p2d-20GBps": (["--prefill-engines", "2", "--decode-engines", "2"], 20.0),
+    "1p3d-20GBps": (["--prefill-engines", "1", "--decode-engines", "3"], 20.0),
 }
 LABELS = {
     "colocated": "colocated\n1 GPU",
@@ -55,6 +64,9 @@ LABELS = {
     "1p1d-20GBps": "1p+1d\n20 GB/s",
     "1p1d-150GBps": "1p+1d\n150 GB/s",
     "1p1d-1.25GBps": "1p+1d\n1.25 GB/s",
+    "colocated-dp4": "4 replicas\n4 GPUs",
+    "2p2d-20GBps": "2p+2d\n20 GB/s",
+    "1p3d-20GBps": "1p+3d\n20 GB/s",
 }
 PLOTTED = [
     ("chat ITL (ms, log)", "chat_itl_ms"),
