@@ -266,8 +266,7 @@ class Roles:
         moved = list(scheduler.waiting)
         for request in moved:
             scheduler.release(request)
-            target = self.submit_target() or self._any_decode()
-            target.receive(request, [])
+            self._new_home(request).receive(request, [])
         if failed or moved:
             log.warning(
                 "prefill engine lost: its requests move to other engines",
@@ -277,7 +276,16 @@ class Roles:
             )
         self.wake()
 
-    def _any_decode(self) -> Scheduler:
+    def _new_home(self, request: Request) -> Scheduler:
+        """Where a request of a lost prefill engine goes: one with no token yet, where a new
+        request would; one with tokens (it ran whole there), a decode engine that is up, else
+        where a new request would. Failing those, the least busy decode engine (it waits)."""
+        decodes = self._schedulers(self.up(self.decodes))
+        if request.num_output_tokens and decodes:
+            return min(decodes, key=load)
+        target = self.submit_target()
+        if target is not None:
+            return target
         known = self._schedulers(self.decodes)
         assert known, "no decode engine connected"
         return min(known, key=load)

@@ -229,6 +229,32 @@ def test_every_decode_engine_lost_the_prefill_engines_run_requests_whole(
     assert_no_block_held(service)
 
 
+def test_a_request_with_tokens_from_a_lost_prefill_engine_moves_to_a_decode_engine(
+    service: SchedulerService,
+) -> None:
+    """A prefill engine that ran a request whole (no decode engine was up) and is lost after a
+    decode engine came back: that request (its tokens streamed) goes to the decode engine, not
+    to the other prefill engine, whose role is to stop at a first token."""
+    prefills, decodes = links(service)
+    for d in decodes:
+        d.ready = False
+        sched(d).reset_engine()
+        d._after_reset()
+    req = request(1, list(range(10, 19)), max_tokens=6)
+    home = next(p for p in prefills if sched(p) is submit(service, req))
+    while req.num_output_tokens < 2:
+        step(home)
+    connect(decodes[0], "decode")  # back: prompts hand off again
+    home.ready = False
+    sched(home).reset_engine()
+    home._after_reset()
+    assert req.seq_id in sched(decodes[0]).requests
+    assert all(req.seq_id not in sched(p).requests for p in prefills)
+    finish_all(service)
+    assert req.num_output_tokens == 6
+    assert_no_block_held(service)
+
+
 def test_stats_sum_the_engines_and_list_each(service: SchedulerService) -> None:
     _, decodes = links(service)
     submit(service, request(1, list(range(10, 19))))
