@@ -54,6 +54,7 @@ from llmserve.topology import (
     network_settings,
     port_in_use,
     replica_groups,
+    role_engine_gpu,
     scheduler_addresses,
     split_cpu,
 )
@@ -182,10 +183,19 @@ class Stack:
         for name in names or self.service_names():
             self.procs[name] = self._spawn(name)
 
+    def env_of(self, name: str) -> dict[str, str]:
+        """What service name's environment adds to this process's: the stack's, and its
+        replica's or, disaggregated, its engine's (its GPU; the first decode engine: GPU 0)."""
+        _, _, replica = name.partition("-")
+        own = self.groups[int(replica) - 1].env if replica.isdigit() else {}
+        roles = list(self._role_engines())
+        if name in roles:
+            own = role_engine_gpu(self.engine, 1 + roles.index(name))
+        return {"PYTHONUNBUFFERED": "1", **self.env, **own}
+
     def _spawn(self, name: str) -> subprocess.Popen[bytes]:
-        kind, _, replica = name.partition("-")
-        group_env = self.groups[int(replica) - 1].env if replica.isdigit() else {}
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env, **group_env}
+        kind = name.partition("-")[0]
+        env = {**os.environ, **self.env_of(name)}
         out: IO[bytes] | None = None
         if self.log_dir is not None:
             self.log_dir.mkdir(parents=True, exist_ok=True)

@@ -170,6 +170,18 @@ def disaggregate(
     return prefills, decodes, scheduler
 
 
+def role_engine_gpu(engine: EngineConfig, index: int) -> dict[str, str]:
+    """Disaggregated, the environment of the engine at index among them all (0: the first
+    decode engine, which sees every GPU and takes the first, as replica 0 does): on a GPU
+    device, one GPU of its own, the index-th of CUDA_VISIBLE_DEVICES (else GPU id index); on a
+    CPU, nothing (split_cpu shares the cores)."""
+    if engine.device == "cpu" or index == 0:
+        return {}
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")
+    gpu = visible[index] if len(visible) > index and visible[index] else str(index)
+    return {"CUDA_VISIBLE_DEVICES": gpu}
+
+
 def check_data_parallel_size(data_parallel_size: int) -> None:
     if data_parallel_size < 1:
         raise ValueError(f"data_parallel_size={data_parallel_size} must be >= 1")

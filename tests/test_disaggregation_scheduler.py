@@ -234,3 +234,24 @@ def test_decode_engines_speculate_by_ngrams_only() -> None:
         EngineConfig(engine_role="decode", speculative_method="draft", num_speculative_tokens=2)
     with pytest.raises(ValueError, match="samples one token"):
         EngineConfig(engine_role="prefill", speculative_method="ngram", num_speculative_tokens=2)
+
+
+def test_each_prefill_and_decode_engine_gets_its_own_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On GPUs, `serve --prefill-engines 2 --decode-engines 2` puts each engine on a GPU of its
+    own: the first decode engine on the first (it sees them all, as replica 0 does), the
+    others on the next ones of CUDA_VISIBLE_DEVICES, in service order."""
+    from llmserve.serve_flags import parse_serve_flags, stack_from_flags
+    from llmserve.topology import role_engine_gpu
+
+    args = ["--device", "cuda", "--prefill-engines", "2", "--decode-engines", "2"]
+    stack = stack_from_flags(parse_serve_flags(args))
+    names = ["engine-prefill", "engine-prefill-2", "engine-decode-2"]
+    assert list(stack._role_engines()) == names
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
+    gpus = [stack.env_of(name).get("CUDA_VISIBLE_DEVICES") for name in ["engine", *names]]
+    assert gpus == [None, "5", "6", "7"]
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert role_engine_gpu(stack.engine, 2) == {"CUDA_VISIBLE_DEVICES": "2"}
+    assert role_engine_gpu(stack.engine, 0) == {}
+    cpu = stack_from_flags(parse_serve_flags(["--device", "cpu", *args[2:]]))
+    assert role_engine_gpu(cpu.engine, 1) == {}
