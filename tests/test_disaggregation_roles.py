@@ -35,7 +35,7 @@ def connect(
         num_host_blocks=num_host_blocks,
     )  # fmt: skip
     link._on_engine_info(info)
-    link._set_ready(True)
+    link.ready = link.been_ready = True  # what _set_ready does (its health update needs a loop)
     assert link.scheduler is not None
     return link.scheduler
 
