@@ -63,7 +63,7 @@ declare -A WHAT=(
     [kernels]="kernel correctness (tests/test_kernels_cuda.py -m gpu)"
     [kbench]="kernel bandwidth (bench/kernels_bench.py, every section incl. int8)"
     [8b]="Llama-3-8B bf16: offline 1000 x 512/256 + decode b1/b8 (graph and eager), no HF"
-    [tests]="engine GPU tests (tests/test_engine_gpu.py)"
+    [tests]="engine GPU tests (tests/test_engine_gpu.py; the KV transfer write and the offload copy stream)"
     [smollm2]="SmolLM2-135M shape: offline only"
     [quant]="8B int8, fp8, kv-fp8: decode b1/b8 vs bf16 (25 s each)"
     [structured]="8B shape, 16 x 128/128: none vs all held to a JSON schema (bench/structured_cpu.py)"
@@ -78,7 +78,7 @@ declare -A CMDS=(
     [kernels]="$PT -m gpu tests/test_kernels_cuda.py --junitxml=$RAW/kernels.xml"
     [kbench]="python3 -m bench.kernels_bench --out $OUT/kernels_h200.json --budget-s 30"
     [8b]="$GE --shape llama-3-8b --out $OUT --raw $RAW --skip-hf --offline-timeout-s 65 --eager-decode"
-    [tests]="python3 -m pytest -v -p no:cacheprovider -m gpu tests/test_engine_gpu.py --durations=8 --junitxml=$RAW/tests.xml"
+    [tests]="python3 -m pytest -v -p no:cacheprovider -m gpu tests/test_engine_gpu.py tests/test_kv_transfer.py tests/test_kv_offload_engine.py --durations=8 --junitxml=$RAW/tests.xml"
     [smollm2]="$GE --shape smollm2-135m --out $OUT --raw $RAW --skip-decode --skip-hf --offline-timeout-s 14"
     # one process per mode (a crash or hang costs that mode alone); the bf16 line runs only when
     # this call's 8b stage left no decode baseline

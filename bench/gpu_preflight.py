@@ -115,6 +115,7 @@ MODULES = [
     "llmserve.cli", "llmserve.bench.engine_driver", "llmserve.bench.hf",
     "bench.gpu_engine", "bench.gpu_lora", "bench.kernels_bench", "tests.quality",
     "tests.test_engine_gpu", "tests.test_kernels_cuda", "tests.test_parallel",
+    "tests.test_kv_transfer", "tests.test_kv_offload_engine",
 ]  # fmt: skip
 CUDA_MODULES = ["cupy"]
 

@@ -154,7 +154,7 @@ def test_a_transfer_arriving_after_a_launch_is_written_and_reported_at_the_next_
         side.close()
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.gpu
 def test_on_a_gpu_an_arrived_transfer_is_written_without_waiting_for_the_device() -> None:
     """On a GPU the write of an arrived transfer (tcp: a pinned host payload) is enqueued on
     the current stream behind the work launched there, and the host does not wait for that
