@@ -293,10 +293,18 @@ def cancels(stack: Stack, args: argparse.Namespace, fault_file: Path) -> dict:
     return out
 
 
-def restart(stack: Stack, names: tuple[str, ...]) -> float | None:
-    """Start names again; seconds until every engine is up (None: not within READY_S)."""
+def restart(stack: Stack, names: tuple[str, ...]) -> dict[str, Any]:
+    """Start names (killed) again, once the scheduler has seen an engine down; then one request
+    (whether it moved its KV: the first after a restart may run whole). Seconds until seen
+    down (None: not within 10 s) and from the start until every engine is up."""
+    down = wait_stats(stack, lambda s: not all(e.ready for e in s.engines), 10)
     stack.start(names)
-    return wait_stats(stack, lambda s: all(e.ready for e in s.engines), READY_S)
+    up = wait_stats(stack, lambda s: all(e.ready for e in s.engines), READY_S)
+    done = stack.scheduler_stats().num_kv_transfers_done
+    request = make_request("[warm-up] " + "word " * 40, max_tokens=4, temperature=0.0)
+    Client(stack.gateway_address).generate(request, timeout=60)
+    moved = stack.scheduler_stats().num_kv_transfers_done - done
+    return {"seen_down_s": down, "up_s": up, "next_request_moved_kv": moved > 0}
 
 
 def kill_prefill(stack: Stack, args: argparse.Namespace) -> dict:
@@ -313,7 +321,7 @@ def kill_prefill(stack: Stack, args: argparse.Namespace) -> dict:
     back = restart(stack, ("engine-prefill",))
     return summary(
         "kill-prefill", args, rows, moved, in_flight_at_kill=transferring if in_flight else 0,
-        restarted_s=back, idle_after_s=wait_stats(stack, idle, 30),
+        restart=back, idle_after_s=wait_stats(stack, idle, 30),
     )  # fmt: skip
 
 
@@ -340,7 +348,7 @@ def kill_decode(stack: Stack, args: argparse.Namespace) -> dict:
     back = restart(stack, ("engine",))
     return summary(
         "kill-decode", args, rows, moved, in_flight_at_kill=transferring if in_flight else 0,
-        restarted_s=back, idle_after_s=wait_stats(stack, idle, 30),
+        restart=back, idle_after_s=wait_stats(stack, idle, 30),
     )  # fmt: skip
 
 
@@ -391,7 +399,7 @@ def kill_all(stack: Stack, args: argparse.Namespace, tries: int = 8) -> dict:
             if unavailable else None
         ),
         unavailable_answer_ms_p50=pct(answered, 0.5),
-        unavailable_answer_ms_max=max(answered, default=None), restarted_s=back,
+        unavailable_answer_ms_max=max(answered, default=None), restart=back,
         times_from="the engines' restart", idle_after_s=wait_stats(stack, idle, 30),
     )  # fmt: skip
 
@@ -413,7 +421,7 @@ def kill_one_of_each(stack: Stack, args: argparse.Namespace) -> dict:
     settled = wait_stats(stack, idle, 30)
     return summary(
         "kill-one-of-each", args, rows, moved, in_flight_at_kill=transferring, idle_after_s=settled,
-        restarted_s=restart(stack, ("engine-prefill", "engine-decode-2")),
+        restart=restart(stack, ("engine-prefill", "engine-decode-2")),
     )  # fmt: skip
 
 
