@@ -886,3 +886,21 @@ def test_family_steps_table_reads_a_saved_run() -> None:
     ]
     table = markdown_table({"results": [{"family": "gemma2", "rows": rows}]})
     assert table.splitlines()[-1] == "| gemma2 | 90 (80) | 1.12 | 150 (120) | 1.25 |"
+
+
+def test_pd_failures_times_a_request_from_the_fault_or_its_first_token() -> None:
+    """bench/pd_failures.py's per-request times: from the fault (or, without one, from the
+    request's own first token) to the next token and the end; a request that ended before the
+    fault is not counted as hit."""
+    from bench.pd_failures import echo, fault_times
+
+    arrivals = [(10.0, 1), (10.5, 2), (12.0, 1)]
+    assert fault_times(arrivals, 12.5, 11.0) == {
+        "tokens_before_fault": 3, "affected": True, "next_token_ms": 1000.0, "end_ms": 1500.0
+    }  # fmt: skip
+    assert fault_times(arrivals, 12.5, None) == {
+        "tokens_before_fault": 1, "affected": True, "next_token_ms": 500.0, "end_ms": 2500.0
+    }  # fmt: skip
+    assert fault_times(arrivals, 12.5, 13.0)["affected"] is False
+    assert fault_times([], None, None)["next_token_ms"] is None
+    assert echo("abc", 7) == "abcabca"
