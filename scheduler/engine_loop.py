@@ -10,7 +10,9 @@ channel (a step result counts as a reply too). After MAX_MISSED_HEARTBEATS silen
 (a frozen or hung engine) the scheduler reports NOT_SERVING, and the gateway's readiness with it;
 the next reply turns it back. The Step stream is left alone meanwhile: an engine that resumes
 carries on where it stopped (one silent for longer than the channel's keepalive allows, 10-15 s,
-loses the stream and is reset as above).
+loses the stream and is reset as above). An engine that dies ends the stream at once, which an
+idle loop notices too (it waits on the stream's end beside its wakeup): the engine is reset then,
+not when the next plan is written to a dead stream.
 
 With overlap_scheduling (the default) two steps are in flight: the loop plans and sends step N+1,
 then reads step N's result, so the engine finds N+1 waiting when it finishes N. Without it, one:
@@ -358,6 +360,10 @@ class EngineLoop:
         depth = max(2 if overlap else 1, scheduler.pipeline_parallel_size)
         in_flight: deque[SentStep] = deque()
         call = stub.Step(metadata=metadata)
+        # Completes when the stream ends (the engine died, or closed it): an idle loop notices
+        # at once, not at its next write, so a restarted engine at the same address is not
+        # sent a plan on the dead stream (nor taken for up by the heartbeat meanwhile).
+        ended = asyncio.ensure_future(call.code())
         self._set_ready(True)
         try:
             while not self.stopping:
@@ -371,10 +377,18 @@ class EngineLoop:
                     continue
                 # No await since the scheduler last had nothing to do: no wakeup is missed.
                 self.wakeup.clear()
-                # Sleep until woken, or until a static batch forming is due (timeout None: never).
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self.wakeup.wait(), scheduler.idle_timeout_s())
+                # Sleep until woken, until a static batch forming is due (timeout None: never),
+                # or until the stream ends.
+                woken = asyncio.ensure_future(self.wakeup.wait())
+                await asyncio.wait(
+                    {woken, ended}, timeout=scheduler.idle_timeout_s(),
+                    return_when=asyncio.FIRST_COMPLETED,
+                )  # fmt: skip
+                woken.cancel()
+                if ended.done() and not self.stopping:
+                    raise EngineLost(f"the Step stream ended while idle ({ended.result()})")
         finally:
+            ended.cancel()
             call.cancel()
 
     async def _send_step(self, scheduler: Scheduler, call: Any) -> SentStep | None:

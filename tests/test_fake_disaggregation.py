@@ -148,6 +148,17 @@ def test_two_prefill_and_two_decode_echo_engines_survive_losing_one_of_each(
         while (down := admin_down(stack)) != lost and time.monotonic() < deadline:
             time.sleep(0.1)
         assert down == lost
+        # The last prefill engine killed while idle: seen down at once (its Step stream
+        # ended), well before its heartbeat would say (3 missed beats, 3 s); a new request
+        # then runs whole on a decode engine.
+        t0 = time.monotonic()
+        stack.kill("engine-prefill-2")
+        stack.wait_for_stats(lambda s: not s.prefill_ready, timeout=1.5)
+        assert time.monotonic() - t0 < 1.5
+        with stack.client() as client:
+            request = make_request("after " + shared, max_tokens=20, temperature=0.0)
+            assert client.generate(request).text == echo("after " + shared, 20)
+        stack.assert_idle()
     finally:
         stack.close()
 
