@@ -33,6 +33,7 @@ import sys
 import tempfile
 import threading
 import time
+import uuid
 import zlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -304,7 +305,10 @@ def restart(stack: Stack, names: tuple[str, ...]) -> dict[str, Any]:
     stack.start(names)
     up = wait_stats(stack, lambda s: all(e.ready for e in s.engines), READY_S)
     done = stack.scheduler_stats().num_kv_transfers_done
-    request = make_request("[warm-up] " + "word " * 40, max_tokens=4, temperature=0.0)
+    # A prompt no engine has seen (the same one each time would be a prefix hit on a decode
+    # engine that was not restarted, with nothing to move).
+    request = make_request(f"[warm-up {uuid.uuid4().hex}] " + "word " * 40, max_tokens=4,
+                           temperature=0.0)  # fmt: skip
     Client(stack.gateway_address).generate(request, timeout=60)
     moved = stack.scheduler_stats().num_kv_transfers_done - done
     return {"seen_down_s": down, "up_s": up, "next_request_moved_kv": moved > 0}
