@@ -247,10 +247,21 @@ class KVReceiver:
 
     def poll(self, transfer_id: int, block_ids: list[int]) -> bool:
         """Without waiting: if transfer_id has arrived whole, put it into block_ids (as `take`)
-        and return True; else False, changing nothing."""
+        and return True; else False, changing nothing. One that arrived with another number of
+        blocks than block_ids is refused: failed (`poll_failed`), so its request recomputes at
+        once rather than at its deadline."""
         with self.cond:
             blocks = self.arrived.pop(transfer_id, None)
-        if blocks is None or blocks.shape[0] != len(block_ids):
+            if blocks is not None and blocks.shape[0] != len(block_ids):
+                log.warning(
+                    "kv transfer refused: another number of blocks than awaited",
+                    transfer_id=transfer_id,
+                    num_blocks=blocks.shape[0],
+                    num_awaited=len(block_ids),
+                )
+                self.failed.add(transfer_id)
+                return False
+        if blocks is None:
             return False
         self._write(blocks, block_ids)
         return True

@@ -36,6 +36,16 @@ def test_blocks_arrive_whole_into_the_blocks_named(receiver: KVReceiver) -> None
     assert receiver.arrived == {}
 
 
+def test_a_transfer_of_another_size_is_reported_failed_not_written(receiver: KVReceiver) -> None:
+    """Two blocks arriving where three are awaited: refused at once (failed), nothing written,
+    so the request recomputes now rather than at its deadline."""
+    send_blocks(receiver.address, TOKEN, 8, torch.randn(SHAPE), [3, 1])
+    receiver.wait_any({8}, 5)
+    assert not receiver.poll(8, [0, 5, 2])
+    assert receiver.poll_failed(8) and not receiver.poll_failed(8)  # reported once
+    assert not receiver.kv_cache.any()
+
+
 def test_a_wrong_token_is_refused_and_the_wait_ends_at_the_deadline(
     receiver: KVReceiver,
 ) -> None:
