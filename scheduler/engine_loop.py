@@ -102,6 +102,35 @@ class EngineLoop:
     health: health.aio.HealthServicer
     _health_update: asyncio.Future[None] | None
 
+    def _init_loop(
+        self,
+        config: SchedulerConfig,
+        address: str,
+        streams: dict[int, asyncio.Queue[StepOutcome]],
+        telemetry: SchedulerTelemetry,
+    ) -> None:
+        """The state a loop starts with, before its engine connects (the service's own loop,
+        and under disaggregation each other engine's, scheduler/links.py)."""
+        self.config = config
+        self.address = address
+        self.scheduler = None
+        self.engine_info = None
+        self.engine_stub = None
+        self.streams = streams  # one stream per request, whichever engine runs it
+        self.wakeup = asyncio.Event()
+        self.ready = False  # the Step stream to the engine is open
+        self.been_ready = False
+        self.engine_responding = True  # the engine's heartbeat (see HEARTBEAT_S)
+        self.last_result_at = 0.0  # time.monotonic() of the last step result
+        self.stopping = False
+        # Drain: admit nothing new (Submit: UNAVAILABLE, readiness NOT_SERVING); the rest goes on.
+        self.draining = False
+        self.times = StepTimes()
+        self.telemetry = telemetry
+        self.num_engine_resets = 0
+        self.health = health.aio.HealthServicer()
+        self._health_update = None
+
     async def run_engine_loop(self) -> None:
         """Connect to the engine, run steps; on any stream failure reset and reconnect."""
         backoff = 0.2

@@ -22,16 +22,12 @@ streamed in its tokens (the Submit stream is the service's, whichever engine run
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 from collections.abc import Sequence
 from typing import Any
 
-from grpc_health.v1 import health
-
 from common.log import get_logger
-from protos import engine_pb2
-from scheduler.engine_loop import EngineLoop, StepTimes
+from scheduler.engine_loop import EngineLoop
 from scheduler.request import Request
 from scheduler.scheduler import Scheduler
 
@@ -82,8 +78,10 @@ def pick_decode(schedulers: Sequence[Scheduler], request: Request, num_blocks: i
     loads = [load(s) for s in schedulers]
     least = min(loads)
     keys = []
+    # Hashed by the pools' block size (the candidates' is the prefill engine's: Roles.hand_off),
+    # once for all of them.
+    request.block_hashes = []
     for i, s in enumerate(schedulers):
-        request.block_hashes = []  # hashed by this pool's block size
         cached = len(s.block_manager.find_cached_blocks(request)) if num_blocks else 0
         room = s.block_manager.num_free_blocks >= num_blocks - cached
         keys.append((not room, loads[i] > least + AFFINITY_SLACK, -cached, loads[i], i))
@@ -95,30 +93,12 @@ class EngineLink(EngineLoop):
     """The loop driving one engine beside the service's own: a prefill engine, or a decode
     engine beyond the first. Shares the service's streams, telemetry and health."""
 
-    def __init__(self, service: Any, role: str, address: str, index: int):
-        """service: the SchedulerService; index: this link's place among the service's links
-        (from 1: the service's own loop is 0)."""
+    def __init__(self, service: Any, role: str, address: str):
+        """service: the SchedulerService. Its own health servicer goes unused: the service's
+        reflects every link; `stopping` is set with the service's (shutdown)."""
         self.service = service
         self.role = role
-        self.address = address
-        self.index = index
-        self.config = service.config
-        self.scheduler: Scheduler | None = None
-        self.engine_info: engine_pb2.EngineInfo | None = None
-        self.engine_stub: Any = None
-        self.streams = service.streams  # one stream per request, whichever engine runs it
-        self.wakeup = asyncio.Event()
-        self.ready = False
-        self.been_ready = False
-        self.engine_responding = True
-        self.last_result_at = 0.0
-        self.draining = False
-        self.stopping = False  # set with the service's (SchedulerService.shutdown)
-        self.times = StepTimes()
-        self.telemetry = service.telemetry
-        self.num_engine_resets = 0
-        self.health = health.aio.HealthServicer()  # its own; the service's reflects every link
-        self._health_update = None
+        self._init_loop(service.config, address, service.streams, service.telemetry)
 
     @property
     def engine_role(self) -> str:
@@ -153,14 +133,10 @@ class Roles:
     def __init__(self, service: Any):
         config = service.config
         self.decodes: list[EngineLoop] = [service]
-        self.prefills: list[EngineLoop] = []
-        index = 1
-        for address in config.engine_address[1:]:
-            self.decodes.append(EngineLink(service, "decode", address, index))
-            index += 1
-        for address in config.prefill_engine_address:
-            self.prefills.append(EngineLink(service, "prefill", address, index))
-            index += 1
+        self.decodes += [EngineLink(service, "decode", a) for a in config.engine_address[1:]]
+        self.prefills: list[EngineLoop] = [
+            EngineLink(service, "prefill", a) for a in config.prefill_engine_address
+        ]
 
     @property
     def links(self) -> list[EngineLoop]:

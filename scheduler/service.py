@@ -17,13 +17,13 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.auth import peer_interceptors
 from common.log import bind, get_logger
 from common.net import LIVENESS_SERVICE, SERVER_OPTIONS, add_servicer, serve_aio
 from common.sampling import SamplingError
-from protos import engine_pb2, scheduler_pb2, scheduler_pb2_grpc
+from protos import scheduler_pb2, scheduler_pb2_grpc
 from scheduler.config import SchedulerConfig
 from scheduler.convert import (
     request_from_proto,
@@ -31,7 +31,7 @@ from scheduler.convert import (
     response_to_proto,
     stats_to_proto,
 )
-from scheduler.engine_loop import EngineLoop, StepTimes
+from scheduler.engine_loop import EngineLoop
 from scheduler.links import Roles, is_up
 from scheduler.plan import StepOutcome
 from scheduler.request import Request, RequestStatus
@@ -46,35 +46,21 @@ MIN_STATS_INTERVAL_MS = 10
 
 class SchedulerService(EngineLoop, scheduler_pb2_grpc.SchedulerServicer):
     def __init__(self, config: SchedulerConfig):
-        self.config = config
-        self.scheduler: Scheduler | None = None
-        self.engine_info: engine_pb2.EngineInfo | None = None
-        self.streams: dict[int, asyncio.Queue[StepOutcome]] = {}
+        self._init_loop(config, config.engine_address[0], {}, SchedulerTelemetry(self.stats))
         self.seq_ids = itertools.count(1)
-        self.wakeup = asyncio.Event()
-        self.ready = False  # the Step stream to the engine is open
-        self.been_ready = False
-        self.engine_responding = True  # the engine's heartbeat (see HEARTBEAT_S)
-        self.last_result_at = 0.0  # time.monotonic() of the last step result
-        self.stopping = False
-        # Drain: admit nothing new (Submit: UNAVAILABLE, readiness NOT_SERVING); the rest goes on.
-        self.draining = False
-        self.times = StepTimes()
-        self.telemetry = SchedulerTelemetry(self.stats)
-        self.num_engine_resets = 0
-        self.health = health.aio.HealthServicer()
-        self._health_update: asyncio.Future[None] | None = None
-        self.engine_stub: Any = None
-        self.address = config.engine_address[0]
         # Disaggregation: the prefill engines and the decode engines beyond the first (this
         # service's own loop drives the first decode engine), each link with its Scheduler.
         self.roles = Roles(self) if config.prefill_engine_address else None
 
+    def links(self) -> list[EngineLoop]:
+        """Every engine's loop: this service's own first (disaggregated, the first decode
+        engine's), then the others (scheduler/links.py)."""
+        return self.roles.links if self.roles is not None else [self]
+
     def schedulers(self) -> list[Scheduler]:
         """The Schedulers holding requests: every engine's (the first decode or only engine's
         first)."""
-        links = self.roles.links if self.roles is not None else [self]
-        return [link.scheduler for link in links if link.scheduler is not None]
+        return [link.scheduler for link in self.links() if link.scheduler is not None]
 
     def _wake(self) -> None:
         self.wakeup.set()
@@ -326,7 +312,7 @@ class SchedulerService(EngineLoop, scheduler_pb2_grpc.SchedulerServicer):
                 grpc.StatusCode.FAILED_PRECONDITION,
                 "the engine serves no LoRA adapters (started with --max-loras 0)",
             )
-        links = self.roles.links if self.roles is not None else [self]
+        links = self.links()
         up = [link for link in links if link.engine_stub is not None and is_up(link)]
         if not up:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "no engine up to check it; retry")
@@ -397,8 +383,7 @@ class SchedulerService(EngineLoop, scheduler_pb2_grpc.SchedulerServicer):
 
     async def shutdown(self) -> None:
         """Stop stepping; end every open stream with finish reason ABORT."""
-        self.stopping = True
-        for link in self.roles.links if self.roles is not None else []:
+        for link in self.links():  # this service's own loop among them
             link.stopping = True
         self._wake()
         for scheduler in self.schedulers():
