@@ -63,7 +63,6 @@ from scheduler.config import SchedulerConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 SERVICES = ("engine", "scheduler", "gateway")  # start order; stopped front first
-PREFILL_ENGINE = "engine-prefill"  # the first prefill engine's service name, when there is one
 CONFIG_TYPES: tuple[type[Any], ...] = (EngineConfig, SchedulerConfig, GatewayConfig)  # as SERVICES
 
 
