@@ -214,7 +214,14 @@ def test_adapters_under_prefill_and_decode_engines(
     s = start_stack(
         model_dir,
         engine_args=["--num-kv-blocks", "64", "--block-size", "8", "--max-loras", "2"],
-        scheduler_args=["--lora-modules", f"ad4={adapters['ad4']}"],
+        # A deadline a loaded CI machine cannot reach: the KV must move, not time out into a
+        # recompute (which gives the same tokens, and is tested in test_disaggregation_stack).
+        scheduler_args=[
+            "--lora-modules",
+            f"ad4={adapters['ad4']}",
+            "--kv-transfer-timeout-s",
+            "10",
+        ],
         gateway_args=["--admin-key", ADMIN_KEY],
         log_dir=tmp_path_factory.mktemp("pd-lora-logs"),
         prefill_engines=1,
