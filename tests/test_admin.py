@@ -369,7 +369,13 @@ def test_list_abort_capacity_and_health(tmp_path: Path, tokenizer_dir: Path) -> 
         for scheduler in s.schedulers:
             scheduler.gate.set()
         assert "".join(m.text for m in calls[1]) == echo("hello", 5)
+        # The gateway's view is each replica's last streamed stats: the one after the request
+        # ended may still be on its way.
+        deadline = time.monotonic() + 5
         capacity = s.call("GetCapacity", admin_pb2.GetCapacityRequest())
+        while capacity.num_free_blocks != 128 and time.monotonic() < deadline:
+            time.sleep(0.05)
+            capacity = s.call("GetCapacity", admin_pb2.GetCapacityRequest())
         assert len(capacity.replicas) == 2
         assert capacity.num_blocks == 128 and capacity.num_free_blocks == 128
         assert all(r.ready and not r.draining for r in capacity.replicas)
