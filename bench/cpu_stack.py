@@ -19,7 +19,6 @@ import statistics
 import time
 from pathlib import Path
 
-from common.model_config import builtin_model_path
 from llmserve.bench.arrivals import ArrivalConfig
 from llmserve.bench.backends import GrpcBackend, SamplingConfig
 from llmserve.bench.hf import load_model, timed_generate
@@ -27,6 +26,7 @@ from llmserve.bench.metrics import summarize
 from llmserve.bench.report import hardware, save
 from llmserve.bench.runner import measure_stack
 from llmserve.bench.workload import BenchRequest, exact_length_prompt_ids
+from llmserve.common.model_config import builtin_model_path
 from llmserve.serve_flags import serve_locally
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -51,14 +51,12 @@ from typing import Any
 
 import grpc
 
-from engine.config import EngineConfig
-from engine.fake import FakeEngineConfig
-from gateway.config import GatewayConfig
 from llmserve.bench.byte_tokenizer import EOS_TOKEN_ID, TINY_VOCAB, write_byte_tokenizer
 from llmserve.bench.report import git_commit, hardware, save
-from llmserve.stack import Stack, local_stack
-from llmserve.stats import stats_delta
-from protos import (
+from llmserve.engine.config import EngineConfig
+from llmserve.engine.fake import FakeEngineConfig
+from llmserve.gateway.config import GatewayConfig
+from llmserve.protos import (
     admin_pb2,
     admin_pb2_grpc,
     api_pb2,
@@ -66,7 +64,9 @@ from protos import (
     common_pb2,
     scheduler_pb2,
 )
-from scheduler.config import SchedulerConfig
+from llmserve.scheduler.config import SchedulerConfig
+from llmserve.stack import Stack, local_stack
+from llmserve.stats import stats_delta
 
 ROOT = Path(__file__).resolve().parent.parent
 

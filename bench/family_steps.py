@@ -27,10 +27,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from engine.config import EngineConfig
-from engine.engine import Engine
 from llmserve.bench.engine_driver import Driver, blocks_needed
 from llmserve.bench.report import hardware, save
+from llmserve.engine.config import EngineConfig
+from llmserve.engine.engine import Engine
 
 ROOT = Path(__file__).resolve().parent.parent
 WINDOW = 64

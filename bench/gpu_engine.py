@@ -128,7 +128,7 @@ def serve_args(shape: str, args: argparse.Namespace) -> list[str]:
 
 
 def run_offline(shape: str, args: argparse.Namespace) -> dict[str, Any]:
-    from engine.timeline import read_timeline, steady_decode_busy
+    from llmserve.engine.timeline import read_timeline, steady_decode_busy
 
     document_path = args.raw / f"gpu_engine_{shape}_offline.json"
     timeline_path = args.raw / f"gpu_engine_{shape}_steps.jsonl"
@@ -217,8 +217,8 @@ def decode_floor_bytes(
     linear layers, the LM head included (--quantization int8 / fp8: 1; a tied head then reads a
     quantized copy of the table, the lookup the table's rows); kv_bytes: per KV element. Both
     default to dtype_bytes. Quantization scales and biases are counted as weights (< 0.1%)."""
-    from common.model_config import load_model_config
-    from engine.dummy import hf_tensor_shapes
+    from llmserve.common.model_config import load_model_config
+    from llmserve.engine.dummy import hf_tensor_shapes
 
     linear_bytes = dtype_bytes if linear_bytes is None else linear_bytes
     kv_bytes = dtype_bytes if kv_bytes is None else kv_bytes
@@ -257,9 +257,9 @@ def synthetic_prompts(num_prompts: int, num_tokens: int, vocab_size: int) -> lis
 def decode_step_times(shape: str, args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
-    from engine.config import EngineConfig
-    from engine.engine import Engine
     from llmserve.bench.engine_driver import Driver, blocks_needed
+    from llmserve.engine.config import EngineConfig
+    from llmserve.engine.engine import Engine
 
     batches = [int(b) for b in args.decode_batches.split(",")]
     context = args.input_len
@@ -393,7 +393,7 @@ def teacher_forced_logits(engine: Any, prompts: list[list[int]], num_decode: int
     and read back by both attention paths. Needs sum(ceil(len / block_size)) <= num_blocks."""
     import torch
 
-    from engine.ops import AttentionContext
+    from llmserve.engine.ops import AttentionContext
 
     bs = engine.config.block_size
     lengths = [len(p) for p in prompts]
@@ -485,8 +485,8 @@ def compare_logits(reference: list[Any], other: list[Any], num_decode: int) -> d
 def quality_engine(
     shape: str, args: argparse.Namespace, quantization: str, kv_cache_dtype: str, num_blocks: int
 ) -> Any:
-    from engine.config import EngineConfig
-    from engine.engine import Engine
+    from llmserve.engine.config import EngineConfig
+    from llmserve.engine.engine import Engine
 
     return Engine(
         EngineConfig(
@@ -511,8 +511,8 @@ def agreement(shape: str, args: argparse.Namespace) -> dict[str, Any]:
     """The engine of --quantization / --kv-cache-dtype against the unquantized one (bf16 on a
     GPU), teacher-forced on the same seeded random prompts; one engine on the device at a time
     (the quantized one's logits are kept while the reference is built)."""
-    from common.model_config import load_model_config
     from llmserve.bench.engine_driver import blocks_needed
+    from llmserve.common.model_config import load_model_config
 
     vocab = load_model_config(config_dir(shape)).vocab_size
     num, length, num_decode = args.agreement_prompts, args.agreement_len, args.agreement_decode
@@ -745,7 +745,7 @@ def quant_table(summary: dict[str, Any]) -> str:
 
 
 def main() -> int:
-    from engine.config import KV_CACHE_DTYPES, QUANTIZATIONS
+    from llmserve.engine.config import KV_CACHE_DTYPES, QUANTIZATIONS
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", required=True, choices=sorted(TARGETS))

@@ -44,7 +44,7 @@ def make_adapters(engine: Any, num: int, rank: int, seed: int) -> list[str]:
     cache (float32 on the host, as engine/lora_files.py keeps a checked one); their names."""
     import torch
 
-    from engine.lora_files import LoraAdapter, module_shapes
+    from llmserve.engine.lora_files import LoraAdapter, module_shapes
 
     config = engine.model_config
     shapes = module_shapes(config)
@@ -67,7 +67,7 @@ def make_adapters(engine: Any, num: int, rank: int, seed: int) -> list[str]:
 
 def counting_lora_kernel() -> list[int]:
     """Count kernels.cuda.lora_add's calls (KernelOps looks it up at each call): [count]."""
-    import kernels.cuda as kc
+    import llmserve.kernels.cuda as kc
 
     calls = [0]
     original = kc.lora_add
@@ -121,7 +121,7 @@ def run_batch(
     engine: Any, batch: int, names: list[str], args: argparse.Namespace, calls: list[int]
 ) -> dict[str, Any]:
     """base, base_eager and lora for one batch size (see the module docstring)."""
-    from engine.contract import LoraLoadData
+    from llmserve.engine.contract import LoraLoadData
 
     vocab = engine.model_config.vocab_size
     prompts = [
@@ -184,8 +184,8 @@ def main() -> int:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--model-dir", type=Path, default=None, help="instead of configs/SHAPE")
     args = p.parse_args()
-    from engine.config import EngineConfig
-    from engine.engine import Engine
+    from llmserve.engine.config import EngineConfig
+    from llmserve.engine.engine import Engine
 
     batches = [int(b) for b in args.decode_batches.split(",")]
     context = args.input_len + args.decode_steps + 8

@@ -110,8 +110,10 @@ MODULES = [
     "opentelemetry.sdk.metrics", "opentelemetry.exporter.otlp.proto.grpc.trace_exporter",
     "opentelemetry.exporter.prometheus", "gguf", "pytest", "jinja2", "tokenizers",
     "safetensors", "transformers", "uvloop", "numpy", "torch",
-    "common.net", "engine.config", "engine.engine", "engine.ops", "engine.cuda_graphs",
-    "engine.service", "scheduler.service", "gateway.service", "kernels.cuda", "kernels.reference",
+    "llmserve.common.net", "llmserve.engine.config", "llmserve.engine.engine",
+    "llmserve.engine.ops", "llmserve.engine.cuda_graphs", "llmserve.engine.service",
+    "llmserve.scheduler.service", "llmserve.gateway.service", "llmserve.kernels.cuda",
+    "llmserve.kernels.reference",
     "llmserve.cli", "llmserve.bench.engine_driver", "llmserve.bench.hf",
     "bench.gpu_engine", "bench.gpu_lora", "bench.kernels_bench", "tests.quality",
     "tests.test_engine_gpu", "tests.test_kernels_cuda", "tests.test_parallel",
@@ -289,17 +291,7 @@ def import_all(modules: list[str]) -> None:
             raise PreflightError(f"import {name}: {type(err).__name__}: {err} -> {fix}") from err
 
 
-_REPO_PACKAGES = {
-    "common",
-    "engine",
-    "scheduler",
-    "gateway",
-    "kernels",
-    "llmserve",
-    "protos",
-    "bench",
-    "tests",
-}
+_REPO_PACKAGES = {"llmserve", "bench", "tests"}
 # top-level import names of GPU_WHEELS' packages
 _WHEEL_MODULES = {
     "grpc_health",
@@ -330,8 +322,8 @@ def launch_one_kernel() -> None:
     """kernels.cuda.rms_norm on a small bf16 tensor beside kernels/reference.py."""
     import torch
 
-    import kernels.cuda as kc
-    from kernels import reference as ref
+    import llmserve.kernels.cuda as kc
+    from llmserve.kernels import reference as ref
 
     if not torch.cuda.is_available():
         raise PreflightError(
@@ -363,9 +355,9 @@ def launch_one_kernel() -> None:
 def tiny_engine_graphs() -> dict[str, Any]:
     """A SmolLM2-135M-shaped engine (dummy weights) with --attention-backend cuda and graphs
     of batch sizes 1 and 2; a decode of two requests, then of one, replays both graphs."""
-    from engine.config import EngineConfig
-    from engine.engine import Engine
     from llmserve.bench.engine_driver import generate
+    from llmserve.engine.config import EngineConfig
+    from llmserve.engine.engine import Engine
 
     config = EngineConfig(
         model=str(ROOT / "configs" / "smollm2-135m"),

@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
-from kernels import int8 as ki
-from kernels import reference as ref
+from llmserve.kernels import int8 as ki
+from llmserve.kernels import reference as ref
 
 SHAPES: dict[str, tuple[int, int]] = {
     "q/o": (4096, 4096),

@@ -37,11 +37,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-import kernels.cuda as kc
+import llmserve.kernels.cuda as kc
 from bench import int8_bench
 from bench.gpu_timing import attempt, free, time_ms
 from bench.kernels_report import COPY_TBPS, summary
-from kernels import reference as ref
+from llmserve.kernels import reference as ref
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -46,8 +46,8 @@ from typing import Any
 
 import torch
 
-from engine.kv_transfer import KVReceiver, gather_blocks, send_payload
-from engine.kv_transfer_torch import TorchSender, gather_payload
+from llmserve.engine.kv_transfer import KVReceiver, gather_blocks, send_payload
+from llmserve.engine.kv_transfer_torch import TorchSender, gather_payload
 
 BLOCK_SHAPE = (30, 2, 16, 3, 64)  # layers, k/v, block_size, kv heads, head_dim
 SIZES = (1, 8, 37)

@@ -30,13 +30,13 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from common.model_config import builtin_model_path, load_model_config
-from engine.config import EngineConfig
-from engine.contract import LoraLoadData, NewRequestData, RunningData, StepPlanData
-from engine.engine import Engine
-from engine.lora_files import module_shapes
 from llmserve.bench.engine_driver import GREEDY
 from llmserve.bench.report import hardware, save
+from llmserve.common.model_config import builtin_model_path, load_model_config
+from llmserve.engine.config import EngineConfig
+from llmserve.engine.contract import LoraLoadData, NewRequestData, RunningData, StepPlanData
+from llmserve.engine.engine import Engine
+from llmserve.engine.lora_files import module_shapes
 
 ROOT = Path(__file__).resolve().parent.parent
 NUM_REQUESTS, PROMPT_LEN, RANK = 16, 128, 16

@@ -26,9 +26,9 @@ from typing import Any
 
 import torch
 
-from kernels import moe_reference as moe_ref
-from kernels.reference import silu_and_mul
 from llmserve.bench.report import hardware, save
+from llmserve.kernels import moe_reference as moe_ref
+from llmserve.kernels.reference import silu_and_mul
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -52,15 +52,15 @@ def other_process() -> None:
 
 def child(batch: int, steps: int) -> dict[str, Any]:
     """One setting's run in this process (its environment already set)."""
-    from engine.cpu_threads import configure_openmp
+    from llmserve.engine.cpu_threads import configure_openmp
 
     configure_openmp()  # as the engine service does, before torch loads: a no-op here, where
     # each setting names its own
     import torch
 
-    from engine.config import EngineConfig
-    from engine.engine import Engine
     from llmserve.bench.engine_driver import Driver
+    from llmserve.engine.config import EngineConfig
+    from llmserve.engine.engine import Engine
 
     engine = Engine(EngineConfig(device="cpu", num_kv_blocks=64 + 4 * batch, seed=0))
     other = subprocess.Popen(

@@ -26,13 +26,13 @@ import sys
 import time
 from pathlib import Path
 
-from common.net import wait_until_serving
-from engine.config import EngineConfig
-from engine.fake import FakeEngineConfig
 from llmserve.bench.report import cpu_model, save
+from llmserve.common.net import wait_until_serving
+from llmserve.engine.config import EngineConfig
+from llmserve.engine.fake import FakeEngineConfig
+from llmserve.protos import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from llmserve.scheduler.config import SchedulerConfig
 from llmserve.stack import Stack, local_stack
-from protos import common_pb2, scheduler_pb2, scheduler_pb2_grpc
-from scheduler.config import SchedulerConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -43,9 +43,9 @@ from typing import Any
 
 from bench.pd_gpu_model import BLOCK_SIZE, KV_BYTES_PER_TOKEN, STEP_MS, TOKEN_MS, fake_engine
 from bench.pd_mixed import CHAT_TOPICS, WORDS, pct, write_results
-from engine.disaggregation import FAULT_ENV
 from llmserve.bench.byte_tokenizer import write_byte_tokenizer
 from llmserve.client import Client, make_request
+from llmserve.engine.disaggregation import FAULT_ENV
 from llmserve.serve_flags import serve_locally
 from llmserve.stack import Stack
 

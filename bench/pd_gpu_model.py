@@ -38,8 +38,8 @@ from pathlib import Path
 from typing import Any
 
 from bench.pd_mixed import add_load_args, pct, plot_runs, run_stack, write_results
-from engine.fake import FakeEngineConfig
 from llmserve.bench.byte_tokenizer import EOS_TOKEN_ID, TINY_VOCAB, write_byte_tokenizer
+from llmserve.engine.fake import FakeEngineConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 STEP_MS = 25.0  # a step's fixed cost: between the weights-read floor (3.75 ms) and HF's 62 ms

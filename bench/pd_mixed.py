@@ -28,9 +28,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from engine.fake import FakeEngineConfig
 from llmserve.bench.report import git_commit, hardware
 from llmserve.client import Client, make_request
+from llmserve.engine.fake import FakeEngineConfig
 from llmserve.serve_flags import serve_locally
 
 WORDS = [

@@ -13,13 +13,13 @@ import argparse
 import timeit
 from collections.abc import Callable
 
-from engine.convert import plan_from_proto
-from protos import common_pb2, engine_pb2
-from scheduler.config import SchedulerConfig
-from scheduler.convert import plan_to_proto
-from scheduler.plan import StepPlan
-from scheduler.request import Request
-from scheduler.scheduler import Scheduler
+from llmserve.engine.convert import plan_from_proto
+from llmserve.protos import common_pb2, engine_pb2
+from llmserve.scheduler.config import SchedulerConfig
+from llmserve.scheduler.convert import plan_to_proto
+from llmserve.scheduler.plan import StepPlan
+from llmserve.scheduler.request import Request
+from llmserve.scheduler.scheduler import Scheduler
 
 BLOCK_SIZE = 16
 PROMPT = 100

@@ -83,7 +83,7 @@ def serve_args_for(method: str, k: int, drafts: Path) -> list[str]:
         return []
     if not method.startswith("model-"):
         return ["--speculative-method", method, "--num-speculative-tokens", str(k)]
-    from common.model_config import resolve_model_path
+    from llmserve.common.model_config import resolve_model_path
     from scripts.make_draft_model import make_draft
 
     path = drafts / f"{method}.gguf"

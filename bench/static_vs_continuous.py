@@ -37,7 +37,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common.model_config import resolve_model_path
 from llmserve.bench.arrivals import ArrivalConfig
 from llmserve.bench.backends import GrpcBackend, SamplingConfig
 from llmserve.bench.hf import load_model, timed_generate
@@ -45,6 +44,7 @@ from llmserve.bench.metrics import RequestRecord, summarize
 from llmserve.bench.report import git_commit, hardware, record_json, save
 from llmserve.bench.runner import run_benchmark, warm_up
 from llmserve.bench.workload import BenchRequest, LogNormal, exact_length_prompt_ids
+from llmserve.common.model_config import resolve_model_path
 from llmserve.serve_flags import serve_locally
 from llmserve.stats import stats_delta
 

@@ -24,16 +24,16 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
-from common.structured_output import constraint_of
-from engine.config import EngineConfig
-from engine.convert import plan_from_proto
-from engine.engine import Engine
 from llmserve.bench.report import hardware, save
-from protos.common_pb2 import SamplingParams, StructuredOutput
-from scheduler.config import SchedulerConfig
-from scheduler.convert import plan_to_proto
-from scheduler.request import Request
-from scheduler.scheduler import Scheduler
+from llmserve.common.structured_output import constraint_of
+from llmserve.engine.config import EngineConfig
+from llmserve.engine.convert import plan_from_proto
+from llmserve.engine.engine import Engine
+from llmserve.protos.common_pb2 import SamplingParams, StructuredOutput
+from llmserve.scheduler.config import SchedulerConfig
+from llmserve.scheduler.convert import plan_to_proto
+from llmserve.scheduler.request import Request
+from llmserve.scheduler.scheduler import Scheduler
 
 ROOT = Path(__file__).resolve().parent.parent
 NUM_REQUESTS, PROMPT_LEN, OUTPUT_LEN = 16, 128, 128

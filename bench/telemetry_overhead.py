@@ -25,12 +25,12 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from bench.cpu_stack import bench_stack
-from common.model_config import builtin_model_path
-from engine.fake import FakeEngineConfig
 from llmserve.bench.otlp import OtlpReceiver
 from llmserve.bench.report import hardware, save
 from llmserve.bench.workload import exact_length_prompt_ids
 from llmserve.client import Client, make_request
+from llmserve.common.model_config import builtin_model_path
+from llmserve.engine.fake import FakeEngineConfig
 from llmserve.serve_flags import serve_locally
 from llmserve.topology import free_port
 
@@ -70,16 +70,16 @@ def hook_costs(num_requests: int = 16, num_tokens: int = 128) -> dict[str, float
     finish). A real Scheduler is driven with fake tokens; only the hooks are timed."""
     from types import SimpleNamespace
 
-    from common import telemetry
-    from engine.telemetry import EngineTelemetry
-    from gateway.telemetry import GatewayTelemetry
-    from protos import api_pb2
-    from protos.common_pb2 import SamplingParams
-    from scheduler.config import SchedulerConfig
-    from scheduler.convert import plan_to_proto
-    from scheduler.request import Request
-    from scheduler.scheduler import Scheduler
-    from scheduler.telemetry import SchedulerTelemetry
+    from llmserve.common import telemetry
+    from llmserve.engine.telemetry import EngineTelemetry
+    from llmserve.gateway.telemetry import GatewayTelemetry
+    from llmserve.protos import api_pb2
+    from llmserve.protos.common_pb2 import SamplingParams
+    from llmserve.scheduler.config import SchedulerConfig
+    from llmserve.scheduler.convert import plan_to_proto
+    from llmserve.scheduler.request import Request
+    from llmserve.scheduler.scheduler import Scheduler
+    from llmserve.scheduler.telemetry import SchedulerTelemetry
 
     telemetry.setup("bench", metrics_port=free_port(), metrics_host="127.0.0.1")
     scheduler = Scheduler(

@@ -36,11 +36,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from engine.config import EngineConfig
-from engine.parallel import TPGroup
-from engine.ranks import run_group_locally
 from llmserve.bench.engine_driver import time_decode_steps
 from llmserve.bench.report import hardware, save
+from llmserve.engine.config import EngineConfig
+from llmserve.engine.parallel import TPGroup
+from llmserve.engine.ranks import run_group_locally
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -120,7 +120,7 @@ def all_reduce_alone_us(parallel: Any, batch: int, engine: Any, repeats: int = 5
 
 def run(config: EngineConfig, batches: list[int], steps: int) -> list[dict[str, Any]]:
     if config.tensor_parallel_size == 1:  # one engine, as `llmserve serve` runs it
-        from engine.engine import Engine
+        from llmserve.engine.engine import Engine
 
         return time_steps(Engine(config), None, batches, steps)
     work = functools.partial(time_steps, batches=batches, steps=steps)
@@ -137,8 +137,8 @@ STACK_GROUPS = {
 def bench_stacks(max_tokens: int = 64, streams: int = 16) -> list[dict[str, Any]]:
     """Each STACK_GROUPS entry through `llmserve serve`: output tokens/s, TTFT, ITL."""
     from bench.cpu_stack import bench_stack
-    from common.model_config import builtin_model_path
     from llmserve.bench.workload import exact_length_prompt_ids
+    from llmserve.common.model_config import builtin_model_path
 
     prompts, _ = exact_length_prompt_ids(builtin_model_path(), streams, PROMPT_LEN)
     rows = []

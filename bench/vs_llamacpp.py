@@ -44,8 +44,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from common.model_config import builtin_model_path
 from llmserve.bench.report import git_commit, hardware
+from llmserve.common.model_config import builtin_model_path
 from llmserve.topology import free_ports
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -24,8 +24,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from common.net import DEFAULT_GATEWAY_PORT
 from llmserve.client import GatewayChannel
+from llmserve.common.net import DEFAULT_GATEWAY_PORT
 
 
 def _table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
@@ -114,8 +114,8 @@ class _Admin(GatewayChannel):
     """The Admin stub on --address, every call carrying --admin-key."""
 
     def __init__(self, args: argparse.Namespace):
-        from common.auth import read_secret
-        from protos import admin_pb2_grpc
+        from llmserve.common.auth import read_secret
+        from llmserve.protos import admin_pb2_grpc
 
         super().__init__(args.address, read_secret(args.admin_key))
         self.stub = admin_pb2_grpc.AdminStub(self.channel)
@@ -153,7 +153,7 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _drain(admin: _Admin, args: argparse.Namespace) -> int:
-    from protos import admin_pb2
+    from llmserve.protos import admin_pb2
 
     shown: tuple[int, float] | None = None  # (in flight, elapsed) of the last line printed
     for p in admin("Drain", admin_pb2.DrainRequest(timeout_s=args.timeout_s), stream=True):
@@ -170,7 +170,7 @@ def _drain(admin: _Admin, args: argparse.Namespace) -> int:
 
 
 def _resume(admin: _Admin, args: argparse.Namespace) -> int:
-    from protos import admin_pb2
+    from llmserve.protos import admin_pb2
 
     admin("Resume", admin_pb2.ResumeRequest())
     print("{}" if args.json else "resumed: admitting again")
@@ -178,7 +178,7 @@ def _resume(admin: _Admin, args: argparse.Namespace) -> int:
 
 
 def _requests(admin: _Admin, args: argparse.Namespace) -> int:
-    from protos import admin_pb2
+    from llmserve.protos import admin_pb2
 
     response = admin("ListRequests", admin_pb2.ListRequestsRequest(tenant=args.tenant or ""))
     _json(response) if args.json else _print_requests(response)
@@ -186,7 +186,7 @@ def _requests(admin: _Admin, args: argparse.Namespace) -> int:
 
 
 def _abort(admin: _Admin, args: argparse.Namespace) -> int:
-    from protos import admin_pb2
+    from llmserve.protos import admin_pb2
 
     response = admin("AbortRequest", admin_pb2.AbortRequestRequest(request_id=args.request_id))
     if args.json:
@@ -197,7 +197,7 @@ def _abort(admin: _Admin, args: argparse.Namespace) -> int:
 
 
 def _capacity(admin: _Admin, args: argparse.Namespace) -> int:
-    from protos import admin_pb2
+    from llmserve.protos import admin_pb2
 
     response = admin("GetCapacity", admin_pb2.GetCapacityRequest())
     _json(response) if args.json else _print_capacity(response)
@@ -205,7 +205,7 @@ def _capacity(admin: _Admin, args: argparse.Namespace) -> int:
 
 
 def _tenants(admin: _Admin, args: argparse.Namespace) -> int:
-    from protos import admin_pb2
+    from llmserve.protos import admin_pb2
 
     response = admin("ListTenants", admin_pb2.ListTenantsRequest())
     _json(response) if args.json else print(_tenants_table(response.tenants))
@@ -213,7 +213,7 @@ def _tenants(admin: _Admin, args: argparse.Namespace) -> int:
 
 
 def _set_weight(admin: _Admin, args: argparse.Namespace) -> int:
-    from protos import admin_pb2
+    from llmserve.protos import admin_pb2
 
     request = admin_pb2.SetTenantWeightRequest(tenant=args.tenant, weight=args.weight)
     response = admin("SetTenantWeight", request)
@@ -222,7 +222,7 @@ def _set_weight(admin: _Admin, args: argparse.Namespace) -> int:
 
 
 def _set_quota(admin: _Admin, args: argparse.Namespace) -> int:
-    from protos import admin_pb2
+    from llmserve.protos import admin_pb2
 
     if args.tokens_per_minute is None and args.max_concurrent is None:
         print("error: give --tokens-per-minute, --max-concurrent or both", file=sys.stderr)
@@ -238,7 +238,7 @@ def _set_quota(admin: _Admin, args: argparse.Namespace) -> int:
 
 
 def _health(admin: _Admin, args: argparse.Namespace) -> int:
-    from protos import admin_pb2
+    from llmserve.protos import admin_pb2
 
     response = admin("GetHealth", admin_pb2.GetHealthRequest())
     if args.json:
@@ -248,7 +248,7 @@ def _health(admin: _Admin, args: argparse.Namespace) -> int:
 
 
 def _load_lora(admin: _Admin, args: argparse.Namespace) -> int:
-    from protos import scheduler_pb2
+    from llmserve.protos import scheduler_pb2
 
     path = str(Path(args.path).resolve()) if Path(args.path).exists() else args.path
     request = scheduler_pb2.LoadLoraRequest(lora_name=args.name, path=path)
@@ -262,7 +262,7 @@ def _load_lora(admin: _Admin, args: argparse.Namespace) -> int:
 
 
 def _unload_lora(admin: _Admin, args: argparse.Namespace) -> int:
-    from protos import scheduler_pb2
+    from llmserve.protos import scheduler_pb2
 
     response = admin("UnloadLora", scheduler_pb2.UnloadLoraRequest(lora_name=args.name))
     if args.json:

@@ -22,24 +22,24 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from common.flags import add_flags
-from common.net import DEFAULT_GATEWAY_PORT
-from engine.fake import FakeEngineConfig
+from llmserve.common.flags import add_flags
+from llmserve.common.net import DEFAULT_GATEWAY_PORT
+from llmserve.engine.fake import FakeEngineConfig
 from llmserve.services import SERVICE_CONFIGS, cmd_service
 
 # -- serve: the whole stack ------------------------------------------------------------------------
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from common.families import family_refusal
-    from common.model_config import (
+    from llmserve.common.families import family_refusal
+    from llmserve.common.model_config import (
         ModelSourceError,
         check_draft_model,
         check_parallel_sizes,
         load_model_config,
         resolve_model_path,
     )
-    from common.tokenizer_files import check_gguf_tokenizer
+    from llmserve.common.tokenizer_files import check_gguf_tokenizer
     from llmserve.serve_flags import stack_from_flags
     from llmserve.stack import StackError
 
@@ -116,7 +116,7 @@ def _supervise(stack: Any, stop: dict[str, int]) -> int:
 
 def _text_arg(value: str) -> str:
     """A text argument protobuf can carry: bytes that are not UTF-8 reach us as surrogates."""
-    from common.text import invalid_text
+    from llmserve.common.text import invalid_text
 
     why = invalid_text(value, from_bytes=True)
     if why is not None:
@@ -125,7 +125,7 @@ def _text_arg(value: str) -> str:
 
 
 def _seed_arg(value: str) -> int:
-    from common.sampling import SamplingError, seed_value
+    from llmserve.common.sampling import SamplingError, seed_value
 
     try:
         return seed_value(int(value))
@@ -322,7 +322,7 @@ def cmd_internal_token(args: argparse.Namespace) -> int:
 
 def cmd_health(args: argparse.Namespace) -> int:
     """The status word on stdout (scripts read it); why it is not SERVING on stderr."""
-    from common.net import health_status, wait_until_serving, with_default_port
+    from llmserve.common.net import health_status, wait_until_serving, with_default_port
 
     address = with_default_port(args.address, DEFAULT_GATEWAY_PORT)
     if args.wait and wait_until_serving(address, timeout=args.wait):

@@ -10,11 +10,11 @@ import grpc
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 
-from common.auth import bearer_metadata
-from common.net import CHANNEL_OPTIONS, DEFAULT_GATEWAY_PORT, with_default_port
-from common.sampling import SamplingError, seed_value
-from common.text import invalid_text
-from protos import api_pb2, api_pb2_grpc, common_pb2
+from llmserve.common.auth import bearer_metadata
+from llmserve.common.net import CHANNEL_OPTIONS, DEFAULT_GATEWAY_PORT, with_default_port
+from llmserve.common.sampling import SamplingError, seed_value
+from llmserve.common.text import invalid_text
+from llmserve.protos import api_pb2, api_pb2_grpc, common_pb2
 
 
 def finish_reason_name(value: int) -> str:

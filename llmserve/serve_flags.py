@@ -12,10 +12,10 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from common.net import DEFAULT_GATEWAY_PORT
-from engine.config import EngineConfig
-from engine.fake import FakeEngineConfig
-from gateway.config import GatewayConfig
+from llmserve.common.net import DEFAULT_GATEWAY_PORT
+from llmserve.engine.config import EngineConfig
+from llmserve.engine.fake import FakeEngineConfig
+from llmserve.gateway.config import GatewayConfig
 from llmserve.stack import CONFIG_TYPES, SERVICES, Stack, local_stack
 from llmserve.topology import (
     check_data_parallel_size,
@@ -39,7 +39,7 @@ DEFAULT_METRICS_PORT = 9101  # gateway; scheduler +1, engine +2
 def add_serve_flags(p: Any) -> None:
     """`llmserve serve`'s flags: its ports, then every engine, scheduler and gateway setting
     (a setting two services share, such as --model or --max-num-seqs, is one flag)."""
-    from common.flags import add_flags
+    from llmserve.common.flags import add_flags
 
     p.add_argument("--host", default="127.0.0.1", help="gateway bind address (0.0.0.0 exposes it)")
     p.add_argument("--port", type=int, default=DEFAULT_GATEWAY_PORT, help="gateway gRPC port")
@@ -108,7 +108,7 @@ def _absolute_paths(gateway: GatewayConfig) -> dict[str, str]:
 def stack_from_flags(args: Any, **kwargs: Any) -> Stack:
     """The Stack `llmserve serve` starts for its parsed flags: the engine and scheduler on
     loopback, the gateway on --host."""
-    from common.flags import from_flags
+    from llmserve.common.flags import from_flags
 
     size = getattr(args, "data_parallel_size", 1)
     check_data_parallel_size(size)
@@ -130,7 +130,7 @@ def stack_from_flags(args: Any, **kwargs: Any) -> Stack:
     groups = replica_groups(engine, scheduler, size, more)
     addresses = scheduler_addresses(gateway.scheduler_address[0], groups)
     gateway = replace(gateway, scheduler_address=addresses, **_absolute_paths(gateway))
-    from gateway.tenants import load_tenants
+    from llmserve.gateway.tenants import load_tenants
 
     load_tenants(gateway)  # a wrong --api-keys file fails here, before anything starts
     roles = (getattr(args, "prefill_engines", 0), getattr(args, "decode_engines", 0))

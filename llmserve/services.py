@@ -13,11 +13,11 @@ import threading
 import time
 from typing import Any
 
-from common.flags import from_flags, from_json
-from engine.config import EngineConfig
-from engine.fake import FakeEngineConfig
-from gateway.config import GatewayConfig
-from scheduler.config import SchedulerConfig
+from llmserve.common.flags import from_flags, from_json
+from llmserve.engine.config import EngineConfig
+from llmserve.engine.fake import FakeEngineConfig
+from llmserve.gateway.config import GatewayConfig
+from llmserve.scheduler.config import SchedulerConfig
 
 SERVICE_CONFIGS: dict[str, type] = {
     "engine": EngineConfig,
@@ -58,12 +58,12 @@ def _run_async(main: Any) -> None:
 def run_service(name: str, configs: list[Any]) -> None:
     """Run one service with its config (the engine: and the echo engine's, when faked) until
     SIGTERM / SIGINT."""
-    from common import telemetry
-    from common.log import configure
+    from llmserve.common import telemetry
+    from llmserve.common.log import configure
 
     config, tenants = configs[0], None
     if name == "engine":  # before torch loads libgomp, which reads them once
-        from engine.cpu_threads import configure_openmp
+        from llmserve.engine.cpu_threads import configure_openmp
 
         configure_openmp()
     # Before anything slow (loading a model): an internal service refuses an exposed port
@@ -71,7 +71,7 @@ def run_service(name: str, configs: list[Any]) -> None:
     # @PATH fails here).
     if name == "gateway":
         config.token()
-        from gateway.tenants import load_tenants
+        from llmserve.gateway.tenants import load_tenants
 
         tenants = load_tenants(config)  # read once; a wrong file fails before the tokenizer loads
     else:
@@ -83,11 +83,11 @@ def run_service(name: str, configs: list[Any]) -> None:
         if name == "engine":
             exit_code = _run_engine(config, configs[1] if len(configs) > 1 else None)
         elif name == "scheduler":
-            from scheduler.service import serve
+            from llmserve.scheduler.service import serve
 
             _run_async(serve(config))
         else:
-            from gateway.service import serve as serve_gateway
+            from llmserve.gateway.service import serve as serve_gateway
 
             _run_async(serve_gateway(config, tenants))
     finally:
@@ -100,18 +100,18 @@ def run_service(name: str, configs: list[Any]) -> None:
 
 def _run_engine(config: EngineConfig, fake: FakeEngineConfig | None) -> int | None:
     """Serve until stopped; an engine group's node returns the code its process ends with."""
-    from engine.service import serve
+    from llmserve.engine.service import serve
 
     if fake is not None:
-        from engine.fake import FakeEngine
+        from llmserve.engine.fake import FakeEngine
 
         serve(FakeEngine(config, fake), config)
     elif config.world_size > 1:
-        from engine.ranks import run_node
+        from llmserve.engine.ranks import run_node
 
         return run_node(config)
     else:
-        from engine.engine import Engine
+        from llmserve.engine.engine import Engine
 
         serve(Engine(config), config)
     return None

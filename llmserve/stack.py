@@ -37,11 +37,13 @@ from typing import IO, Any
 
 import grpc
 
-from common.flags import to_json
-from common.net import CHANNEL_OPTIONS, check_health
-from engine.config import EngineConfig
-from engine.fake import FakeEngineConfig
-from gateway.config import GatewayConfig
+from llmserve.common.flags import to_json
+from llmserve.common.net import CHANNEL_OPTIONS, check_health
+from llmserve.engine.config import EngineConfig
+from llmserve.engine.fake import FakeEngineConfig
+from llmserve.gateway.config import GatewayConfig
+from llmserve.protos import api_pb2, api_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+from llmserve.scheduler.config import SchedulerConfig
 from llmserve.stats import summed_stats
 from llmserve.topology import (
     Group,
@@ -58,8 +60,6 @@ from llmserve.topology import (
     scheduler_addresses,
     split_cpu,
 )
-from protos import api_pb2, api_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
-from scheduler.config import SchedulerConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 SERVICES = ("engine", "scheduler", "gateway")  # start order; stopped front first

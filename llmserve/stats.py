@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
-from protos import scheduler_pb2
+from llmserve.protos import scheduler_pb2
 
 GAUGES = frozenset(
     {"num_running", "num_waiting", "num_free_blocks", "num_blocks", "weight", "ready", "draining"}

@@ -12,8 +12,8 @@ import socket
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from engine.config import EngineConfig
-from scheduler.config import SchedulerConfig
+from llmserve.engine.config import EngineConfig
+from llmserve.scheduler.config import SchedulerConfig
 
 INTERNAL_HOST = "127.0.0.1"  # the engines and schedulers listen on loopback only
 

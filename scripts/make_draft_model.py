@@ -23,7 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from common.model_config import resolve_model_path  # noqa: E402
+from llmserve.common.model_config import resolve_model_path  # noqa: E402
 
 _LAYER = re.compile(r"blk\.(\d+)\.(.+)")
 

@@ -99,7 +99,7 @@ def main() -> int:
     parser.add_argument("--check", action="store_true", help="compare with the file; write nothing")
     parser.add_argument("--out", type=Path, default=REFERENCE_PATH)
     args = parser.parse_args()
-    from common.model_config import builtin_model_path
+    from llmserve.common.model_config import builtin_model_path
     from tests.test_e2e_smollm2 import CHATS, NEW_TOKENS
 
     document = generate(builtin_model_path(), CHATS, NEW_TOKENS)

@@ -38,11 +38,11 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from common.net import wait_until_serving  # noqa: E402
 from llmserve.client import Client, make_request  # noqa: E402
-from protos.scheduler_pb2 import GetStatsRequest  # noqa: E402
-from protos.scheduler_pb2_grpc import SchedulerStub  # noqa: E402
-from scheduler.config import SchedulerConfig  # noqa: E402
+from llmserve.common.net import wait_until_serving  # noqa: E402
+from llmserve.protos.scheduler_pb2 import GetStatsRequest  # noqa: E402
+from llmserve.protos.scheduler_pb2_grpc import SchedulerStub  # noqa: E402
+from llmserve.scheduler.config import SchedulerConfig  # noqa: E402
 
 SCHEDULER_HOST, GATEWAY_HOST, NOWHERE = "127.0.0.10", "127.0.0.11", "127.0.0.9"
 # Longer than a KV block (16 tokens) each: only full blocks move, so a shorter prompt moves none.

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from engine.cpu_threads import configure_openmp
+from llmserve.engine.cpu_threads import configure_openmp
 
 # Services started by tests serve no /metrics unless a test asks (fixed default ports would
 # collide with a stack the developer is running); OTEL_* from the developer's shell is ignored.
@@ -134,7 +134,7 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
 
 @pytest.fixture(scope="session")
 def builtin_model_path() -> Path:
-    from common.model_config import ModelSourceError, builtin_model_path
+    from llmserve.common.model_config import ModelSourceError, builtin_model_path
 
     try:
         return builtin_model_path()

@@ -6,13 +6,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from common.sampling import normalized
 from llmserve.bench.byte_tokenizer import (  # the tests import them from here
     EOS_TOKEN_ID,
     TINY_VOCAB,
     write_byte_tokenizer,
 )
-from protos.common_pb2 import SamplingParams
+from llmserve.common.sampling import normalized
+from llmserve.protos.common_pb2 import SamplingParams
 
 # llama3 rope scaling with a short original context, so prompts of 33+ tokens exercise it.
 LLAMA3 = {

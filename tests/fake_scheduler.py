@@ -21,9 +21,9 @@ from typing import Any
 
 import grpc
 
-from common.net import CHANNEL_OPTIONS, check_health
-from gateway.config import GatewayConfig
-from protos import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from llmserve.common.net import CHANNEL_OPTIONS, check_health
+from llmserve.gateway.config import GatewayConfig
+from llmserve.protos import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from tests.factories import EOS_TOKEN_ID, TINY_VOCAB
 
 BLOCK_SIZE = 16
@@ -215,11 +215,11 @@ class GatewayThread:
         return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout)
 
     async def _start(self) -> tuple[Any, grpc.aio.Server, Any, int]:
-        from common.model_config import resolve_model_path
-        from common.net import listen
-        from gateway.core import GatewayCore
-        from gateway.service import make_server, set_initial_health
-        from gateway.tokenizer import Tokenizer
+        from llmserve.common.model_config import resolve_model_path
+        from llmserve.common.net import listen
+        from llmserve.gateway.core import GatewayCore
+        from llmserve.gateway.service import make_server, set_initial_health
+        from llmserve.gateway.tokenizer import Tokenizer
 
         tokenizer = Tokenizer.from_model_path(resolve_model_path(self.config.model))
         core = GatewayCore(self.config, tokenizer)
@@ -230,7 +230,7 @@ class GatewayThread:
         self._tasks.append(asyncio.ensure_future(core.watch_scheduler()))
         http = None
         if self.config.http_port:
-            from gateway.http import HttpServer, create_app
+            from llmserve.gateway.http import HttpServer, create_app
 
             http = HttpServer(create_app(core), "127.0.0.1", self.config.http_port)
             self._tasks.append(asyncio.ensure_future(http.serve()))

@@ -74,8 +74,8 @@ def add_byte_tokenizer(w: gguf.GGUFWriter, eot_token_id: int | None = None) -> N
     byte-level BPE ("gpt2") of the 256 byte tokens and no merges, the three specials as control
     tokens, its chat template; eot_token_id: a second end token (llama.cpp's eot), which stops
     generation as the EOS does."""
-    from common.tokenizer_files import unicode_to_bytes
     from llmserve.bench.byte_tokenizer import CHAT_TEMPLATE, SPECIAL_TOKENS
+    from llmserve.common.tokenizer_files import unicode_to_bytes
 
     byte_chars = {b: c for c, b in unicode_to_bytes().items()}
     w.add_tokenizer_model("gpt2")

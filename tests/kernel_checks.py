@@ -15,7 +15,7 @@ from types import ModuleType
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from kernels import reference as ref
+from llmserve.kernels import reference as ref
 
 TOL = {torch.bfloat16: 1e-2, torch.float16: 5e-3}
 FP8 = torch.float8_e4m3fn

@@ -10,14 +10,14 @@ from dataclasses import dataclass
 
 import torch
 
-from common.model_config import ModelConfig
-from common.sampling import normalized
-from engine.contract import StepOutput
-from engine.engine import Engine
-from engine.layers import AttentionContext
-from engine.model import LlamaForCausalLM
 from llmserve.bench.engine_driver import Driver
-from protos.common_pb2 import SamplingParams
+from llmserve.common.model_config import ModelConfig
+from llmserve.common.sampling import normalized
+from llmserve.engine.contract import StepOutput
+from llmserve.engine.engine import Engine
+from llmserve.engine.layers import AttentionContext
+from llmserve.engine.model import LlamaForCausalLM
+from llmserve.protos.common_pb2 import SamplingParams
 
 # Prose, code, facts and dialogue: what a chat model meets. Written for these tests.
 PASSAGES = [
@@ -196,7 +196,7 @@ def seeded_scores(
     """engine/sampler.py's seeded draw (no top-k / top-p / min-p) is the argmax over the
     vocabulary of logits / T - log E, E the noise of (seed, output index): that score from a
     row's T = 1 logprobs [vocab] (which give logits / T up to a constant)."""
-    from engine.sampler import seed_for, seeded_exponential
+    from llmserve.engine.sampler import seed_for, seeded_exponential
 
     noise = seeded_exponential(torch.tensor([seed_for(seed, index)]), logprobs.shape[0])[0]
     return logprobs / temperature - noise.log()

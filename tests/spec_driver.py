@@ -7,11 +7,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.convert import plan_from_proto, result_to_proto
-from scheduler.config import SchedulerConfig
-from scheduler.convert import apply_result, plan_to_proto
-from scheduler.request import Request, RequestStatus
-from scheduler.scheduler import Scheduler
+from llmserve.engine.convert import plan_from_proto, result_to_proto
+from llmserve.scheduler.config import SchedulerConfig
+from llmserve.scheduler.convert import apply_result, plan_to_proto
+from llmserve.scheduler.request import Request, RequestStatus
+from llmserve.scheduler.scheduler import Scheduler
 
 
 @dataclass

@@ -14,14 +14,14 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from common.flags import from_flags
 from llmserve.cli import build_parser
 from llmserve.client import Client, Completion
+from llmserve.common.flags import from_flags
+from llmserve.protos import api_pb2, scheduler_pb2
 from llmserve.services import SERVICE_CONFIGS
 from llmserve.stack import ROOT, local_stack
 from llmserve.stack import Stack as LaunchedStack
 from llmserve.topology import free_port
-from protos import api_pb2, scheduler_pb2
 
 __all__ = [
     "ROOT",
@@ -76,7 +76,7 @@ def child_pid(parent: int, service: str) -> int:
 def service_configs(service: str, flags: list[str]) -> list[Any]:
     """The configs `llmserve <service> FLAGS` would run with (the echo engine's too, with
     --fake)."""
-    from engine.fake import FakeEngineConfig
+    from llmserve.engine.fake import FakeEngineConfig
 
     args = build_parser().parse_args([service, *flags])
     configs = [from_flags(SERVICE_CONFIGS[service], args)]

@@ -18,7 +18,7 @@ import pytest
 
 from llmserve.cli import main as llmserve_main
 from llmserve.client import Client, make_request
-from protos import admin_pb2, admin_pb2_grpc, api_pb2
+from llmserve.protos import admin_pb2, admin_pb2_grpc, api_pb2
 from tests.fake_scheduler import (
     FakeScheduler,
     GatewayThread,
@@ -302,7 +302,7 @@ def test_admin_needs_the_admin_key(setup: Setup, tmp_path: Path, tokenizer_dir: 
 
 
 def test_admin_key_may_not_be_a_client_key(tmp_path: Path, tokenizer_dir: Path) -> None:
-    from gateway.tenants import TenantError, load_tenants
+    from llmserve.gateway.tenants import TenantError, load_tenants
 
     path = tmp_path / "t.json"
     path.write_text(json.dumps({"keys": [{"key": "same"}]}))
@@ -318,9 +318,9 @@ def test_llmserve_admin_dials_like_the_client(
 ) -> None:
     """`llmserve admin` and the client share one channel setup (llmserve.client.GatewayChannel):
     the gateway's default port, the key (@PATH read) as a Bearer value."""
-    from common.net import DEFAULT_GATEWAY_PORT
     from llmserve.admin import _Admin
     from llmserve.cli import build_parser
+    from llmserve.common.net import DEFAULT_GATEWAY_PORT
 
     monkeypatch.delenv("LLMSERVE_ADDRESS", raising=False)
     monkeypatch.delenv("LLMSERVE_ADMIN_KEY", raising=False)

@@ -21,7 +21,6 @@ from typing import Any
 import numpy as np
 import pytest
 
-from gateway.tokenizer import ChatMessage, Tokenizer
 from llmserve.bench.arrivals import ArrivalConfig, arrival_offsets, gamma_gaps
 from llmserve.bench.backends import OpenAIBackend, SamplingConfig, sse_events
 from llmserve.bench.compare import compare
@@ -49,6 +48,7 @@ from llmserve.bench.workload import (
     WorkloadConfig,
     build_workload,
 )
+from llmserve.gateway.tokenizer import ChatMessage, Tokenizer
 from tests.stack import ROOT, Stack, start_echo_stack
 
 # -- statistics on synthetic timings --------------------------------------------------------------
@@ -432,8 +432,8 @@ def test_gpu_engine_decode_floor_counts_quantized_bytes() -> None:
     """bf16: every weight but the untied embedding table's unread rows, as before; int8 / fp8
     weights halve the linear layers' bytes (the LM head's too), an fp8 pool the KV bytes."""
     from bench.gpu_engine import decode_floor_bytes
-    from common.model_config import load_model_config
-    from engine.dummy import hf_tensor_shapes
+    from llmserve.common.model_config import load_model_config
+    from llmserve.engine.dummy import hf_tensor_shapes
 
     config = load_model_config(Path(__file__).parents[1] / "configs" / "llama-3-8b")
     shapes = hf_tensor_shapes(config)
@@ -471,8 +471,8 @@ def test_gpu_engine_teacher_forced_logits_are_one_prefills(tmp_path: Path) -> No
     import torch
 
     from bench.gpu_engine import compare_logits, teacher_forced_logits
-    from engine.config import EngineConfig
-    from engine.engine import Engine
+    from llmserve.engine.config import EngineConfig
+    from llmserve.engine.engine import Engine
     from tests.quality import prompt_logits
 
     config = {
@@ -793,8 +793,8 @@ def test_stats_delta_handles_every_field_kind() -> None:
     """stats_delta over SchedulerStats' scalar counters and gauges, its per-position repeated
     counters, its map of preemptions by reason and its per-tenant rows (a new tenant counts from
     0): every field kind the message has."""
+    from llmserve.protos import scheduler_pb2
     from llmserve.stats import stats_delta
-    from protos import scheduler_pb2
 
     before = scheduler_pb2.SchedulerStats(num_steps=10, num_running=3, ready=True)
     before.num_spec_draft_tokens_per_pos.extend([4, 2])
@@ -818,8 +818,8 @@ def test_summed_stats_adds_the_replicas_field_by_field() -> None:
     """Stack.scheduler_stats over replicas: numbers summed, bools or-ed (ready: and-ed), maps
     summed by key, repeated counters by position, per-tenant rows listed one after another; one
     replica's stats are its own."""
+    from llmserve.protos import scheduler_pb2
     from llmserve.stats import summed_stats
-    from protos import scheduler_pb2
 
     a = scheduler_pb2.SchedulerStats(num_steps=10, num_running=3, ready=True, draining=False)
     a.num_spec_draft_tokens_per_pos.extend([4, 2])

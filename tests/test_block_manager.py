@@ -7,9 +7,9 @@ from collections.abc import Iterator
 
 import pytest
 
-import common.block_hash
-from scheduler.block_manager import BlockManager
-from scheduler.request import Request, SamplingParams
+import llmserve.common.block_hash as block_hash_module
+from llmserve.scheduler.block_manager import BlockManager
+from llmserve.scheduler.request import Request, SamplingParams
 
 BS = 4
 
@@ -280,7 +280,7 @@ def test_hash_collision_is_rejected_by_comparing_tokens(
     t: Tracker, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Every block hashes to 42: any lookup finds a block, only the stored key can tell.
-    monkeypatch.setattr(common.block_hash, "hash", lambda _: 42, raising=False)
+    monkeypatch.setattr(block_hash_module, "hash", lambda _: 42, raising=False)
     bm = t.new(8)
     a = t.request(1, tokens(0, 9))
     compute(bm, a, 9)
@@ -463,7 +463,7 @@ def test_double_free_is_caught() -> None:
 def test_block_hashes_are_the_rule_the_gateway_routes_by(t: Tracker) -> None:
     """The scheduler's cached-block hashes are exactly common.block_hash's chain of the prompt's
     full blocks, which the gateway's prefix routing computes from token ids alone."""
-    from common.block_hash import block_hashes, hash_block
+    from llmserve.common.block_hash import block_hashes, hash_block
 
     bm = t.new(8)
     a = t.request(1, tokens(0, 10))

@@ -1,4 +1,4 @@
-from common.choice_id import names_request
+from llmserve.common.choice_id import names_request
 
 
 def test_a_request_id_names_itself_and_its_numbered_choices() -> None:

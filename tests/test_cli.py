@@ -14,9 +14,9 @@ from pathlib import Path
 import grpc
 import pytest
 
-from common.net import check_health, with_default_port
 from llmserve.client import Client, RequestError, make_request
-from protos import scheduler_pb2, scheduler_pb2_grpc
+from llmserve.common.net import check_health, with_default_port
+from llmserve.protos import scheduler_pb2, scheduler_pb2_grpc
 from tests.stack import ROOT, StreamWatch, child_pid, free_port, serve_command, wait_mid_stream
 
 TOKEN = "test-internal-token"  # serve takes it from LLMSERVE_INTERNAL_TOKEN

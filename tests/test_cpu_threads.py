@@ -6,7 +6,12 @@ import os
 
 import pytest
 
-from engine.cpu_threads import WAIT_SETTINGS, configure_openmp, default_threads, usable_cores
+from llmserve.engine.cpu_threads import (
+    WAIT_SETTINGS,
+    configure_openmp,
+    default_threads,
+    usable_cores,
+)
 
 
 def test_openmp_waits_are_set_unless_the_operator_set_them() -> None:

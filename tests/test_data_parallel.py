@@ -15,9 +15,9 @@ from pathlib import Path
 import grpc
 import pytest
 
-from common.net import LIVENESS_SERVICE, check_health
 from llmserve.client import Client, make_request
-from protos import scheduler_pb2, scheduler_pb2_grpc
+from llmserve.common.net import LIVENESS_SERVICE, check_health
+from llmserve.protos import scheduler_pb2, scheduler_pb2_grpc
 from tests.stack import ROOT, Stack, StreamWatch, free_port, serve_command, start_echo_stack
 
 BLOCK_SIZE = 16  # the engine's default
@@ -316,9 +316,9 @@ def test_each_replica_gets_a_gpu_per_rank_and_a_share_of_the_cores(
 ) -> None:
     """D = 3 replicas of a T = 2 engine group: replica i runs on GPUs 2i and 2i+1 (of
     CUDA_VISIBLE_DEVICES when set); on a CPU, each of the 6 ranks gets cores / 6 threads."""
-    from engine.config import EngineConfig
+    from llmserve.engine.config import EngineConfig
+    from llmserve.scheduler.config import SchedulerConfig
     from llmserve.topology import replica_groups, split_cpu
-    from scheduler.config import SchedulerConfig
 
     engine = EngineConfig(device="cuda", tensor_parallel_size=2)
     ports = list(range(40000, 40008))

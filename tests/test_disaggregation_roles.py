@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import pytest
 
-from protos import engine_pb2
-from scheduler.config import SchedulerConfig
-from scheduler.engine_loop import EngineLoop
-from scheduler.links import AFFINITY_SLACK, TRANSFER_ID_SHIFT
-from scheduler.request import Request
-from scheduler.scheduler import Scheduler
-from scheduler.service import SchedulerService
+from llmserve.protos import engine_pb2
+from llmserve.scheduler.config import SchedulerConfig
+from llmserve.scheduler.engine_loop import EngineLoop
+from llmserve.scheduler.links import AFFINITY_SLACK, TRANSFER_ID_SHIFT
+from llmserve.scheduler.request import Request
+from llmserve.scheduler.scheduler import Scheduler
+from llmserve.scheduler.service import SchedulerService
 from tests.factories import sampling
 
 BS = 4
@@ -265,7 +265,7 @@ def test_stats_sum_the_engines_and_list_each(service: SchedulerService) -> None:
     rows = {row["address"]: row for row in stats["engines"]}
     assert [rows[a]["role"] for a in (*DECODES, *PREFILLS)] == ["decode"] * 2 + ["prefill"] * 2
     assert rows[DECODES[1]]["num_waiting"] == 1 and all(r["ready"] for r in rows.values())
-    from scheduler.convert import stats_to_proto
+    from llmserve.scheduler.convert import stats_to_proto
 
     msg = stats_to_proto(stats)
     assert [e.address for e in msg.engines] == [*DECODES, *PREFILLS]

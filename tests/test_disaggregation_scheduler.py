@@ -11,11 +11,11 @@ import time
 
 import pytest
 
-from scheduler.config import SchedulerConfig
-from scheduler.plan import StepOutcome, StepPlan
-from scheduler.request import Request, RequestStatus
-from scheduler.scheduler import Scheduler
-from scheduler.static_batching import make_scheduler
+from llmserve.scheduler.config import SchedulerConfig
+from llmserve.scheduler.plan import StepOutcome, StepPlan
+from llmserve.scheduler.request import Request, RequestStatus
+from llmserve.scheduler.scheduler import Scheduler
+from llmserve.scheduler.static_batching import make_scheduler
 from tests.factories import sampling
 
 BS = 4
@@ -221,7 +221,7 @@ def test_serve_flags_make_n_prefill_and_m_decode_engines() -> None:
 
 
 def test_decode_engines_speculate_by_ngrams_only() -> None:
-    from engine.config import EngineConfig
+    from llmserve.engine.config import EngineConfig
     from llmserve.serve_flags import parse_serve_flags, stack_from_flags
 
     spec = ["--speculative-method", "ngram", "--num-speculative-tokens", "3"]

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from engine.disaggregation import FAULT_ENV
 from llmserve.bench.otlp import OtlpReceiver
 from llmserve.client import make_request
+from llmserve.engine.disaggregation import FAULT_ENV
 from tests.stack import Stack, free_port, start_stack
 from tests.test_telemetry import _scrape, _total
 
@@ -94,10 +94,10 @@ def spans(pd: tuple[Stack, list[list[int]], OtlpReceiver]) -> OtlpReceiver:
 def one_engine_tokens(model_path: Path) -> list[list[int]]:
     import torch
 
-    from engine.config import EngineConfig
-    from engine.engine import Engine
-    from gateway.tokenizer import Tokenizer
     from llmserve.bench.engine_driver import generate
+    from llmserve.engine.config import EngineConfig
+    from llmserve.engine.engine import Engine
+    from llmserve.gateway.tokenizer import Tokenizer
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -15,13 +15,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.model_config import ModelConfig, load_model_config, resolve_model_path
-from engine import dummy
-from engine.config import EngineConfig
-from engine.engine import Engine
-from engine.model import LlamaForCausalLM
-from engine.ops import AttentionContext
 from llmserve.bench.engine_driver import blocks_needed, generate
+from llmserve.common.model_config import ModelConfig, load_model_config, resolve_model_path
+from llmserve.engine import dummy
+from llmserve.engine.config import EngineConfig
+from llmserve.engine.engine import Engine
+from llmserve.engine.model import LlamaForCausalLM
+from llmserve.engine.ops import AttentionContext
 
 ROOT = Path(__file__).resolve().parent.parent
 SMOLLM2 = ROOT / "configs" / "smollm2-135m"
@@ -201,7 +201,7 @@ def test_dummy_engine_matches_hf_on_the_same_weights(smollm2_2l: Path, engine: E
 
 
 def test_auto_load_format_on_a_config_only_directory_says_what_to_do(smollm2_2l: Path) -> None:
-    from common.model_config import ModelSourceError
+    from llmserve.common.model_config import ModelSourceError
 
     with pytest.raises(ModelSourceError, match="--load-format dummy"):
         Engine(EngineConfig(model=str(smollm2_2l), device="cpu", num_kv_blocks=4))
@@ -238,7 +238,7 @@ def test_llama3_8b_config() -> None:
 
 
 def test_config_only_model_gets_the_byte_level_tokenizer() -> None:
-    from gateway.tokenizer import ChatMessage, ChatTemplateError, Tokenizer
+    from llmserve.gateway.tokenizer import ChatMessage, ChatTemplateError, Tokenizer
 
     path = resolve_model_path(str(LLAMA3_8B / "config.json"))
     assert path == LLAMA3_8B
@@ -254,8 +254,8 @@ def test_config_only_model_gets_the_byte_level_tokenizer() -> None:
 
 
 def test_cli_passes_the_gpu_flags_to_the_engine() -> None:
-    from common.flags import from_json, to_json
     from llmserve.cli import build_parser
+    from llmserve.common.flags import from_json, to_json
     from llmserve.serve_flags import stack_from_flags
     from llmserve.services import CONFIG_CLASSES
 

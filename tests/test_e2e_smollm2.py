@@ -16,8 +16,8 @@ from types import ModuleType
 
 import pytest
 
-from common.net import check_health
 from llmserve.client import Client, Completion, make_request
+from llmserve.common.net import check_health
 from tests.stack import ROOT, Stack, child_pid, free_port, serve_command, start_stack
 from tests.test_stack_parallel import rank_pids
 

@@ -29,14 +29,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.sampling import normalized
-from engine.config import EngineConfig
-from engine.engine import Engine
-from engine.ops import AttentionContext
 from llmserve.bench.engine_driver import blocks_needed, generate
 from llmserve.bench.hf import dummy_model
-from protos.common_pb2 import SamplingParams
-from scheduler.request import Request
+from llmserve.common.sampling import normalized
+from llmserve.engine.config import EngineConfig
+from llmserve.engine.engine import Engine
+from llmserve.engine.ops import AttentionContext
+from llmserve.protos.common_pb2 import SamplingParams
+from llmserve.scheduler.request import Request
 from tests.quality import (
     BF16_HF_TOP2_EPS,
     BF16_TOP2_EPS,
@@ -56,7 +56,7 @@ SEED = 11
 @pytest.fixture(scope="module")
 def kernels() -> None:
     pytest.importorskip("cupy")
-    import kernels.cuda as kc
+    import llmserve.kernels.cuda as kc
 
     if not kc.is_available():
         pytest.skip("kernels.cuda.is_available() is False (needs CuPy and an sm_80+ GPU)")

@@ -12,15 +12,15 @@ from typing import Any
 
 import pytest
 
-from engine.config import EngineConfig
-from engine.convert import plan_from_proto
-from engine.engine import Engine
-from engine.mirror import PLACEHOLDER
-from engine.runner import ModelRunner
-from scheduler.config import SchedulerConfig
-from scheduler.convert import plan_to_proto
-from scheduler.request import Request
-from scheduler.scheduler import Scheduler
+from llmserve.engine.config import EngineConfig
+from llmserve.engine.convert import plan_from_proto
+from llmserve.engine.engine import Engine
+from llmserve.engine.mirror import PLACEHOLDER
+from llmserve.engine.runner import ModelRunner
+from llmserve.scheduler.config import SchedulerConfig
+from llmserve.scheduler.convert import plan_to_proto
+from llmserve.scheduler.request import Request
+from llmserve.scheduler.scheduler import Scheduler
 from tests.factories import sampling
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from engine.config import EngineConfig
-from engine.contract import KVReceiveData, KVSendData, StepPlanData
-from engine.fake import FakeEngine, FakeEngineConfig
-from engine.mirror import MirrorMismatch
 from llmserve.client import make_request
+from llmserve.engine.config import EngineConfig
+from llmserve.engine.contract import KVReceiveData, KVSendData, StepPlanData
+from llmserve.engine.fake import FakeEngine, FakeEngineConfig
+from llmserve.engine.mirror import MirrorMismatch
 from tests.stack import Stack, start_echo_stack
 from tests.test_mirror import new as new_request
 from tests.test_mirror import running
@@ -29,7 +29,7 @@ PROMPT = [(7 * i) % 200 + 1 for i in range(4 * BLOCK + 6)]  # 4 full blocks and 
 
 
 def test_modelled_link_sends_one_at_a_time_at_its_bandwidth() -> None:
-    from engine.fake_kv import ModelledLink
+    from llmserve.engine.fake_kv import ModelledLink
 
     link = ModelledLink(block_bytes=2 * 2**20, gb_per_s=20.0)  # 2 MiB blocks over 20 GB/s
     assert link.seconds(125) == pytest.approx(125 * 2 * 2**20 / 20e9)  # 13.1 ms
@@ -167,7 +167,7 @@ def admin_down(stack: Stack) -> set[str]:
     """The components the gateway's Admin health reports unhealthy (" of SCHEDULER" cut)."""
     import grpc
 
-    from protos import admin_pb2, admin_pb2_grpc
+    from llmserve.protos import admin_pb2, admin_pb2_grpc
 
     with grpc.insecure_channel(stack.gateway_address) as channel:
         metadata = [("authorization", f"Bearer {ADMIN_KEY}")]
@@ -183,7 +183,7 @@ def test_echo_engines_report_a_dropped_transfer_failed_and_never_write_a_cancell
     """As the real engine: a transfer whose connection drops half-way is reported in
     failed_transfer_ids (once), and one cancelled before it arrives is never written, so a
     request claiming its blocks is refused."""
-    from engine.disaggregation import FAULT_ENV
+    from llmserve.engine.disaggregation import FAULT_ENV
 
     monkeypatch.setenv(FAULT_ENV, "drop")
     dropping, decode = _pair(block_bytes=0, gb_per_s=0.0)

@@ -15,14 +15,14 @@ from typing import Any
 import pytest
 import torch
 
-from common.model_config import ModelSourceError, load_model_config
-from engine.config import EngineConfig
-from engine.convert import plan_from_proto, result_to_proto
-from engine.engine import Engine
-from scheduler.config import SchedulerConfig
-from scheduler.convert import apply_result, plan_to_proto
-from scheduler.request import Request
-from scheduler.scheduler import Scheduler
+from llmserve.common.model_config import ModelSourceError, load_model_config
+from llmserve.engine.config import EngineConfig
+from llmserve.engine.convert import plan_from_proto, result_to_proto
+from llmserve.engine.engine import Engine
+from llmserve.scheduler.config import SchedulerConfig
+from llmserve.scheduler.convert import apply_result, plan_to_proto
+from llmserve.scheduler.request import Request
+from llmserve.scheduler.scheduler import Scheduler
 from tests.factories import sampling
 from tests.family_models import ENGINE_SETTINGS, FAMILY_CONFIGS, make_tiny_family
 from tests.spec_driver import check_mirror
@@ -234,7 +234,7 @@ def _set_on_attention(name: str, value: Any) -> Callable[[Any], Callable[[], Non
 
 
 def _unscaled_rope(model: Any) -> Callable[[], None]:
-    from engine.rotary import rope_cos_sin_cache, rope_inv_freq
+    from llmserve.engine.rotary import rope_cos_sin_cache, rope_inv_freq
 
     config = dataclasses.replace(model.config, rope_scaling=None)
     rotary = model.rotary_emb
@@ -309,9 +309,9 @@ def test_gguf_logits_match_hf(load: Any, family: str, tmp_path: Path) -> None:
 
 
 def test_generation_defaults_fill_only_unset_fields(tmp_path: Path) -> None:
-    from common.model_config import generation_defaults
-    from common.sampling import normalized, with_defaults
-    from protos.common_pb2 import SamplingParams
+    from llmserve.common.model_config import generation_defaults
+    from llmserve.common.sampling import normalized, with_defaults
+    from llmserve.protos.common_pb2 import SamplingParams
 
     (tmp_path / "generation_config.json").write_text(
         json.dumps({"temperature": 0.6, "top_p": 0.95, "top_k": 20, "do_sample": True})
@@ -354,7 +354,7 @@ def test_a_refused_feature_stops_the_engine_at_start(
 ) -> None:
     """A family's record may refuse an engine feature; an engine asked for it refuses to start,
     naming the family, the feature and why, before loading any weight."""
-    from common.families import FAMILIES
+    from llmserve.common.families import FAMILIES
 
     path = load("qwen2").path
     refusing = dataclasses.replace(FAMILIES["qwen2"], refuses={"tensor_parallel": "not yet"})
@@ -370,7 +370,7 @@ def test_qwen3_8b_shape_has_its_published_size() -> None:
     card's 8.2 B parameters, 6.95 B of them outside the embedding table and LM head."""
     import math
 
-    from engine.dummy import hf_tensor_shapes
+    from llmserve.engine.dummy import hf_tensor_shapes
 
     config = load_model_config(Path(__file__).parents[1] / "configs" / "qwen3-8b")
     assert config.family == "qwen3" and not config.tie_word_embeddings

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from gateway.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
-from gateway.stop import StopStringMatcher
-from gateway.tokenizer import ChatMessage, ChatTemplateError, Tokenizer
+from llmserve.gateway.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
+from llmserve.gateway.stop import StopStringMatcher
+from llmserve.gateway.tokenizer import ChatMessage, ChatTemplateError, Tokenizer
 from tests.factories import EOS_TOKEN_ID, TINY_VOCAB, write_byte_tokenizer
 
 

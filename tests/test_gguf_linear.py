@@ -13,21 +13,21 @@ import numpy as np
 import pytest
 import torch
 
-from common.model_config import load_model_config
-from engine import cpu_fused
-from engine.config import EngineConfig
-from engine.engine import Engine
-from engine.gguf_linear import GGUFEmbedding, GGUFLinear
-from engine.quant import Int8Linear
-from engine.weights import (
+from llmserve.bench.engine_driver import generate
+from llmserve.common.model_config import load_model_config
+from llmserve.engine import cpu_fused
+from llmserve.engine.config import EngineConfig
+from llmserve.engine.engine import Engine
+from llmserve.engine.gguf_linear import GGUFEmbedding, GGUFLinear
+from llmserve.engine.quant import Int8Linear
+from llmserve.engine.weights import (
     LazyWeights,
     build_model,
     checked_quantization,
     load_weights,
     resolve_quantization,
 )
-from kernels import cpu_gguf
-from llmserve.bench.engine_driver import generate
+from llmserve.kernels import cpu_gguf
 from tests.quality import prompt_logits
 
 HAS_AVX2 = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from common.tokenizer_files import load_tokenizer_files
+from llmserve.common.tokenizer_files import load_tokenizer_files
 
 spm = pytest.importorskip("sentencepiece")
 

@@ -16,10 +16,15 @@ from typing import Any
 import pytest
 import torch
 
-from common.model_config import ModelConfig
-from engine.cuda_graphs import DecodeGraphs, graph_batch_sizes, is_decode_only, padded_batch_size
-from engine.kv_cache import allocate_kv_cache, layer_views
-from engine.memory import (
+from llmserve.common.model_config import ModelConfig
+from llmserve.engine.cuda_graphs import (
+    DecodeGraphs,
+    graph_batch_sizes,
+    is_decode_only,
+    padded_batch_size,
+)
+from llmserve.engine.kv_cache import allocate_kv_cache, layer_views
+from llmserve.engine.memory import (
     GRAPH_MARGIN_BYTES,
     MemoryProfile,
     graph_memory_estimate,
@@ -28,9 +33,9 @@ from engine.memory import (
     profile_lengths,
     profile_plan,
 )
-from engine.mirror import Mirror
-from engine.model import LlamaForCausalLM
-from engine.ops import (
+from llmserve.engine.mirror import Mirror
+from llmserve.engine.model import LlamaForCausalLM
+from llmserve.engine.ops import (
     AttentionContext,
     DecodeSplits,
     KernelOps,
@@ -39,8 +44,8 @@ from engine.ops import (
     select_ops,
     self_check,
 )
-from engine.timeline import NullTimeline, make_timeline, steady_decode_busy
-from engine.weights import build_model
+from llmserve.engine.timeline import NullTimeline, make_timeline, steady_decode_busy
+from llmserve.engine.weights import build_model
 
 GIB = 1 << 30
 CPU = torch.device("cpu")
@@ -119,7 +124,7 @@ def test_graph_and_eager_decode_choose_the_same_split_count() -> None:
     prepare) and the graph of 8 it pads to (DecodeGraphs.context) launch the same count, so they
     sum in the same order. The kernel's own choice from the eager batch's longest context (what
     eager decode did before) differs: 1 split against 16 on these shapes."""
-    import kernels.cuda as kc
+    import llmserve.kernels.cuda as kc
 
     sizes = graph_batch_sizes(8)
     ops = KernelOps()
@@ -238,14 +243,14 @@ def test_self_check_catches_wrong_and_failing_kernels() -> None:
 def test_auto_falls_back_to_torch_when_the_kernels_fail(monkeypatch: pytest.MonkeyPatch) -> None:
     """On a GPU whose kernels fail the start-up self-check, auto serves through plain torch and
     says why; cuda refuses to start. (A torch.device("cuda") object runs nothing here.)"""
-    import engine.ops
-    import kernels.cuda as kc
+    import llmserve.engine.ops as engine_ops
+    import llmserve.kernels.cuda as kc
 
     monkeypatch.setattr(kc, "is_available", lambda: True)
-    monkeypatch.setattr(engine.ops, "KernelOps", CrashingOps)
-    check_on_cpu = engine.ops.self_check  # the check itself, with its tensors on the CPU
+    monkeypatch.setattr(engine_ops, "KernelOps", CrashingOps)
+    check_on_cpu = engine_ops.self_check  # the check itself, with its tensors on the CPU
     monkeypatch.setattr(
-        engine.ops,
+        engine_ops,
         "self_check",
         lambda ops, c, dtype, device, bs: check_on_cpu(ops, c, dtype, CPU, bs),
     )
@@ -404,9 +409,9 @@ def test_seeded_margins_see_the_samplers_draw() -> None:
     """The best seeded score over the vocabulary is the token engine/sampler.py draws for that
     seed and output index; from the top 5 logprobs alone the margin is a lower bound of the
     one from all of them."""
-    from common.sampling import normalized
-    from engine.sampler import Sampler
-    from protos.common_pb2 import SamplingParams
+    from llmserve.common.sampling import normalized
+    from llmserve.engine.sampler import Sampler
+    from llmserve.protos.common_pb2 import SamplingParams
     from tests.quality import seeded_margins, seeded_scores
 
     vocab, seed, temperature, n = 50, 7, 0.9, 8
@@ -429,9 +434,9 @@ def test_seeded_margins_see_the_samplers_draw() -> None:
 
 
 def test_generate_with_gaps_gives_generates_tokens(tiny_model: Any) -> None:
-    from engine.config import EngineConfig
-    from engine.engine import Engine
     from llmserve.bench.engine_driver import blocks_needed, generate
+    from llmserve.engine.config import EngineConfig
+    from llmserve.engine.engine import Engine
     from tests.quality import generate_with_gaps
 
     prompts = [[3, 4, 5], [7, 8, 9, 10, 11]]
@@ -451,7 +456,7 @@ def test_kernels_launch_on_torchs_stream_through_the_cuda_stream_protocol(monkey
     import sys
     import types
 
-    import kernels.launch as kc
+    import llmserve.kernels.launch as kc
 
     seen: list[object] = []
     stream_cls = type("Stream", (), {"from_external": staticmethod(lambda obj: seen.append(obj))})

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import kernels.cuda as kc
+import llmserve.kernels.cuda as kc
 
 ARCHS = ("sm_90", "sm_80")
 CU_FILES = sorted(p.name for p in kc.KERNEL_DIR.glob("*.cu"))

@@ -23,7 +23,7 @@ from types import ModuleType
 import pytest
 import torch
 
-from kernels import reference as ref
+from llmserve.kernels import reference as ref
 from tests.kernel_checks import (
     FP8,
     assert_close,
@@ -45,7 +45,7 @@ FP8_SCALES = (0.5, 0.25)  # k_scale, v_scale of the FP8 pools: K / 0.5, V / 0.25
 @pytest.fixture(scope="module")
 def kc() -> ModuleType:
     pytest.importorskip("cupy")
-    import kernels.cuda as kcuda
+    import llmserve.kernels.cuda as kcuda
 
     if not kcuda.is_available():
         pytest.skip("kernels.cuda.is_available() is False (needs CuPy and an sm_80+ GPU)")
@@ -509,7 +509,7 @@ def test_int8_linear_8b_shapes(kc: ModuleType, shape: str, rows: int) -> None:
     """Every GEMV instance (1-8 rows) and the GEMM (9+, a partial row tile at 333) on the 8B
     linear shapes, bf16, against the float32 product over the same int8 weights (channels of
     different ranges), into a NaN-filled output."""
-    from kernels import int8 as ki
+    from llmserve.kernels import int8 as ki
 
     n, k = INT8_SHAPES[shape]
     weight = torch.randn(n, k, device=DEVICE) * torch.rand(n, 1, device=DEVICE)
@@ -525,7 +525,7 @@ def test_int8_linear_8b_shapes(kc: ModuleType, shape: str, rows: int) -> None:
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_int8_linear_tails(kc: ModuleType, dtype: torch.dtype, path: str) -> None:
     """Odd N, K a multiple of 16 but not of 32 or 512, both dtypes, both paths forced."""
-    from kernels import int8 as ki
+    from llmserve.kernels import int8 as ki
 
     n, k = 1001, 4112
     q, scales = ref.quantize_int8_per_channel(torch.randn(n, k, device=DEVICE))
@@ -546,7 +546,7 @@ def test_moe_experts_qwen3_30b_shape(kc: ModuleType, dtype: torch.dtype, tokens:
     holding experts 32..95 (expert parallelism at T = 4 for rank 1), into a NaN-filled output,
     against kernels/moe_reference.py in float32 over the same rounded inputs; then captured in
     a CUDA graph and replayed on new routing."""
-    from kernels import moe_reference as moe_ref
+    from llmserve.kernels import moe_reference as moe_ref
 
     hidden, inter, experts, top_k, first, local = 2048, 768, 128, 8, 32, 64
     x = torch.randn(tokens, hidden, device=DEVICE).to(dtype)
@@ -578,7 +578,7 @@ def test_lora_add_8b_qkv_shape(kc: ModuleType, dtype: torch.dtype, tokens: int) 
     and 16 (max rank 16) and a quarter of the rows on the base: the update against
     kernels/lora_reference.py in float32 over the same rounded inputs, base rows untouched;
     then captured in a CUDA graph and replayed with the rows' slots changed."""
-    from kernels import lora_reference as lora_ref
+    from llmserve.kernels import lora_reference as lora_ref
 
     widths, slots, in_features = [4096, 1024, 1024], 8, 4096
     a = torch.randn(slots, 16, 3, in_features, device=DEVICE) * in_features**-0.5

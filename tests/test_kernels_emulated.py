@@ -35,7 +35,7 @@ from types import ModuleType
 import pytest
 import torch
 
-from kernels import reference as ref
+from llmserve.kernels import reference as ref
 from tests.kernel_checks import (
     FP8,
     assert_close,
@@ -67,7 +67,7 @@ def emulator() -> Iterator[emu.Emulator]:
 def kc(emulator: emu.Emulator, request: pytest.FixtureRequest) -> Iterator[ModuleType]:
     """kernels.cuda launching on the emulator; seeds from the test's name, clears the launch
     log and restores the default mode afterwards."""
-    import kernels.cuda as kcuda
+    import llmserve.kernels.cuda as kcuda
 
     seed = zlib.crc32(request.node.name.encode())
     torch.manual_seed(seed)
@@ -298,7 +298,7 @@ def test_fp8_software_conversions_are_common_cu_verbatim() -> None:
         start = text.index("// fp8-software-begin")
         return text[start : text.index("// fp8-software-end", start)]
 
-    import kernels.cuda as kcuda
+    import llmserve.kernels.cuda as kcuda
 
     assert block(kcuda.KERNEL_DIR / "common.cu") == block(emu.HEADER)
 
@@ -416,7 +416,7 @@ INT8_CASES = {
 
 
 def run_int8_linear(kc: ModuleType, emulator: emu.Emulator, dtype: torch.dtype, case: str) -> None:
-    from kernels import int8 as ki
+    from llmserve.kernels import int8 as ki
 
     num_rows, n, k, path, expr, grid = INT8_CASES[case]
     weight = torch.randn(n, k) * torch.rand(n, 1)  # channels of different ranges
@@ -454,7 +454,7 @@ def test_int8_gemm_stage_orderings(kc: ModuleType, emulator: emu.Emulator, case:
 
 
 def test_int8_linear_checks(kc: ModuleType) -> None:
-    from kernels import int8 as ki
+    from llmserve.kernels import int8 as ki
 
     x = torch.zeros(2, 32, dtype=torch.bfloat16)
     w, s = torch.zeros(8, 32, dtype=torch.int8), torch.ones(8)

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import reference as ops
+from llmserve.kernels import reference as ops
 
 F64 = torch.float64
 HEAD_DIM = 8
@@ -555,7 +555,7 @@ def test_int8_per_channel_quantization_and_packing() -> None:
     """quantize_int8_per_channel: |q| <= 127, each row's largest weight lands on +-127, and the
     error is at most half a step per weight; kernels/int8.py's packing is a permutation within
     groups of 16 that unpack_weight undoes."""
-    from kernels import int8 as ki
+    from llmserve.kernels import int8 as ki
 
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(37, 64, generator=gen) * torch.rand(37, 1, generator=gen)

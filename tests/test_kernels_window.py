@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from kernels import reference as ref
+from llmserve.kernels import reference as ref
 from tests.kernel_checks import assert_close, make_pool, nan_like
 from tests.kernel_emu import emu
 from tests.test_kernels_emulated import CACHES, launched

@@ -30,9 +30,9 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from common.net import LIVENESS_SERVICE
-from gateway.config import DNS_PREFIX
 from llmserve.cli import build_parser
+from llmserve.common.net import LIVENESS_SERVICE
+from llmserve.gateway.config import DNS_PREFIX
 
 ROOT = Path(__file__).resolve().parent.parent
 KUBE = ROOT / "deploy" / "kubernetes"

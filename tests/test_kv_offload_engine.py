@@ -12,18 +12,18 @@ from typing import Any
 
 import pytest
 
-from engine.config import EngineConfig
-from engine.contract import BlockCopiesData
-from engine.convert import plan_from_proto
-from engine.engine import Engine
-from engine.kv_cache import bytes_per_block
-from engine.kv_offload import KVTiers
-from engine.mirror import MirrorMismatch
-from protos import engine_pb2
-from scheduler.config import SchedulerConfig
-from scheduler.convert import plan_to_proto
-from scheduler.request import Request
-from scheduler.scheduler import Scheduler
+from llmserve.engine.config import EngineConfig
+from llmserve.engine.contract import BlockCopiesData
+from llmserve.engine.convert import plan_from_proto
+from llmserve.engine.engine import Engine
+from llmserve.engine.kv_cache import bytes_per_block
+from llmserve.engine.kv_offload import KVTiers
+from llmserve.engine.mirror import MirrorMismatch
+from llmserve.protos import engine_pb2
+from llmserve.scheduler.config import SchedulerConfig
+from llmserve.scheduler.convert import plan_to_proto
+from llmserve.scheduler.request import Request
+from llmserve.scheduler.scheduler import Scheduler
 from tests.factories import sampling
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -64,7 +64,7 @@ def tier_block_bytes(config: EngineConfig) -> int:
     """One block's bytes for the tiny model (2 layers, 2 KV heads of 16, float32)."""
     import torch
 
-    from common.model_config import load_model_config
+    from llmserve.common.model_config import load_model_config
 
     assert config.model is not None
     model_config = load_model_config(Path(config.model))
@@ -236,8 +236,8 @@ def test_a_send_reads_its_blocks_before_the_plans_copies_write_them(
     swap-in's target in the plan that sends it; the send must carry what it held before."""
     import numpy as np
 
-    from engine.contract import KVSendData, StepPlanData
-    from engine.disaggregation import KVTransfers
+    from llmserve.engine.contract import KVSendData, StepPlanData
+    from llmserve.engine.disaggregation import KVTransfers
 
     pool, tiers = engine.kv_cache, engine.tiers
     assert isinstance(tiers, KVTiers)

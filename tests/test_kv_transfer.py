@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from engine.kv_transfer import HEADER, KVReceiver, TransferError, send_blocks
+from llmserve.engine.kv_transfer import HEADER, KVReceiver, TransferError, send_blocks
 
 SHAPE = (2, 2, 8, 4, 2, 16)  # [layers, 2, blocks, block_size, kv heads, head_dim]
 TOKEN = "internal-token"
@@ -97,8 +97,8 @@ def test_an_engines_plan_parts_move_blocks_between_two_pools() -> None:
     """engine/disaggregation.py between a prefill pool and a decode pool: the send reads its
     blocks when the plan runs (a later write does not travel), the receive writes them when they
     have arrived and reports them once, and a transfer cancelled is never written."""
-    from engine.contract import KVReceiveData, KVSendData, StepPlanData
-    from engine.disaggregation import KVTransfers
+    from llmserve.engine.contract import KVReceiveData, KVSendData, StepPlanData
+    from llmserve.engine.disaggregation import KVTransfers
 
     prefill = KVTransfers(torch.randn(SHAPE), "prefill", TOKEN, "127.0.0.1", 0)
     decode = KVTransfers(torch.zeros(SHAPE), "decode", TOKEN, "127.0.0.1", 0)
@@ -129,8 +129,8 @@ def test_a_transfer_arriving_after_a_launch_is_written_and_reported_at_the_next_
     """KVTransfers.report (a step's result): a transfer that arrived after the last launch is
     written and reported there, once; one written at a launch is reported at the next result;
     one written but cancelled by a later launch before any result is never reported."""
-    from engine.contract import KVReceiveData, KVSendData, StepPlanData
-    from engine.disaggregation import KVTransfers
+    from llmserve.engine.contract import KVReceiveData, KVSendData, StepPlanData
+    from llmserve.engine.disaggregation import KVTransfers
 
     prefill = KVTransfers(torch.randn(SHAPE), "prefill", TOKEN, "127.0.0.1", 0)
     decode = KVTransfers(torch.zeros(SHAPE), "decode", TOKEN, "127.0.0.1", 0)

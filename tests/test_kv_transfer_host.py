@@ -12,11 +12,11 @@ import time
 import pytest
 import torch
 
-from common.flags import from_flags
-from engine.config import EngineConfig
-from engine.contract import KVReceiveData, KVSendData, StepPlanData
-from engine.disaggregation import KVTransfers
 from llmserve.cli import build_parser
+from llmserve.common.flags import from_flags
+from llmserve.engine.config import EngineConfig
+from llmserve.engine.contract import KVReceiveData, KVSendData, StepPlanData
+from llmserve.engine.disaggregation import KVTransfers
 
 SHAPE = (2, 2, 8, 4, 2, 16)  # [layers, 2, blocks, block_size, kv heads, head_dim]
 TOKEN = "internal-token"

@@ -17,10 +17,10 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-import engine.kv_transfer as kv_transfer
-import engine.kv_transfer_torch as kv_transfer_torch
-from engine.kv_transfer import KVReceiver, TransferError, send_blocks
-from engine.kv_transfer_torch import TorchSender, gather_payload
+import llmserve.engine.kv_transfer as kv_transfer
+import llmserve.engine.kv_transfer_torch as kv_transfer_torch
+from llmserve.engine.kv_transfer import KVReceiver, TransferError, send_blocks
+from llmserve.engine.kv_transfer_torch import TorchSender, gather_payload
 
 SHAPE = (2, 2, 8, 4, 2, 16)  # [layers, 2, blocks, block_size, kv heads, head_dim]
 TOKEN = "internal-token"
@@ -86,7 +86,7 @@ def test_a_wrong_token_is_refused_before_any_group(receiver: KVReceiver) -> None
 
 SENDER_SCRIPT = """
 import sys, time, torch
-import engine.kv_transfer_torch as t
+import llmserve.engine.kv_transfer_torch as t
 address = (sys.argv[1], int(sys.argv[2]))
 source = torch.arange({numel}, dtype=torch.float32).view({shape})
 sender = t.TorchSender(torch.device("cpu"))
@@ -156,8 +156,8 @@ def test_a_cancelled_transfer_is_never_written_through_an_engines_plan() -> None
     """engine/disaggregation.py with --kv-transfer-backend torch: the send gathers its blocks
     into a device buffer when the plan runs (a later write does not travel), the receive writes
     them when they have arrived, and a transfer cancelled before it arrives never is."""
-    from engine.contract import KVReceiveData, KVSendData, StepPlanData
-    from engine.disaggregation import KVTransfers
+    from llmserve.engine.contract import KVReceiveData, KVSendData, StepPlanData
+    from llmserve.engine.disaggregation import KVTransfers
 
     prefill = KVTransfers(torch.randn(SHAPE), "prefill", TOKEN, "127.0.0.1", 0, "torch")
     decode = KVTransfers(torch.zeros(SHAPE), "decode", TOKEN, "127.0.0.1", 0, "torch")
@@ -187,8 +187,8 @@ def test_a_cancelled_transfer_is_never_written_through_an_engines_plan() -> None
 
 
 def poll_until_received(decode: object, step_id: int) -> list[int]:
-    from engine.contract import StepPlanData
-    from engine.disaggregation import KVTransfers
+    from llmserve.engine.contract import StepPlanData
+    from llmserve.engine.disaggregation import KVTransfers
 
     assert isinstance(decode, KVTransfers)
     deadline = time.monotonic() + 5
@@ -220,7 +220,7 @@ def test_the_two_backends_refuse_each_other(receiver: KVReceiver, sender: TorchS
 def test_pools_that_cannot_form_a_group_fall_back_to_tcp() -> None:
     """Two engines on one GPU (NCCL cannot join them), or a CPU and a GPU pool: the payload
     goes over the control connection instead."""
-    from engine.kv_transfer_torch import torch_path
+    from llmserve.engine.kv_transfer_torch import torch_path
 
     assert torch_path("cpu", "cpu")
     assert torch_path("cuda:GPU-a", "cuda:GPU-b")
@@ -244,10 +244,10 @@ def test_pools_that_cannot_form_a_group_fall_back_to_tcp() -> None:
 def test_the_engine_flag_reaches_kv_transfers() -> None:
     import argparse
 
-    from common.flags import add_flags
-    from engine.config import EngineConfig
-    from engine.disaggregation import KVTransfers
     from llmserve.cli import build_parser
+    from llmserve.common.flags import add_flags
+    from llmserve.engine.config import EngineConfig
+    from llmserve.engine.disaggregation import KVTransfers
 
     for role, backend in (("decode", "torch"), ("prefill", "torch"), ("decode", "tcp")):
         config = EngineConfig(engine_role=role, kv_transfer_backend=backend)

@@ -1,9 +1,12 @@
-"""The layer rules, checked on the code itself:
+"""The layer rules, checked on the code itself. Every product module lives under llmserve/ (one
+import name); its layers:
 
-    bench/      the studies (run as `python -m bench.x`): llmserve/ and what engine/ may import
-    llmserve/   CLI, client, launcher, bench: may import everything below but bench/
-    gateway/  scheduler/  engine/      the services: never each other; engine/ may use kernels/
-    common/   protos/                  the base: imports no service and nothing above it
+    bench/               the studies (run as `python -m bench.x`): llmserve/ and what engine/ may
+                         import
+    llmserve/*.py, llmserve/bench/   CLI, client, launcher, bench: may import everything below
+    llmserve/{gateway, scheduler, engine}/  the services: never each other; engine/ may use
+                                            kernels/
+    llmserve/{common, protos, kernels}/     the base: imports no service and nothing above it
 
 scheduler/ and gateway/ never load torch, and neither do engine/'s torch-free modules (the step
 contract, the mirror, the fake engine, the service); no two modules import each other in a loop;
@@ -20,8 +23,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("common", "protos", "kernels", "engine", "scheduler", "gateway", "llmserve", "bench")
-# What each package may import (besides itself and third-party code).
+LAYERS = ("common", "protos", "kernels", "engine", "scheduler", "gateway", "llmserve", "bench")
+SERVICES_AND_BASE = ("common", "protos", "kernels", "engine", "scheduler", "gateway")
+# What each layer may import (besides itself and third-party code).
 ALLOWED = {
     "common": {"protos"},
     "protos": set(),
@@ -29,11 +33,11 @@ ALLOWED = {
     "engine": {"common", "protos", "kernels"},
     "scheduler": {"common", "protos"},
     "gateway": {"common", "protos"},
-    "llmserve": set(PACKAGES) - {"bench"},
+    "llmserve": set(LAYERS) - {"bench"},
     "bench": {"llmserve", "common", "protos", "engine", "kernels"},
 }
 # The bench/ scripts that measure a service's own code in-process, or build a stack from the
-# services' config types, and the service packages each of them may import for it.
+# services' config types, and the service layers each of them may import for it.
 BENCH_SERVICE_IMPORTS = {
     "bench.telemetry_overhead": {"scheduler", "gateway"},  # the telemetry hooks, timed alone
     "bench.fairness_study": {"scheduler", "gateway"},  # its stack's configs
@@ -43,9 +47,18 @@ BENCH_SERVICE_IMPORTS = {
 }
 
 
+def layer(module: str) -> str:
+    """The layer a project module belongs to: llmserve.engine.x -> engine, llmserve.cli ->
+    llmserve, bench.x -> bench."""
+    parts = module.split(".")
+    if parts[0] == "llmserve" and len(parts) > 1 and parts[1] in SERVICES_AND_BASE:
+        return parts[1]
+    return parts[0]
+
+
 def modules() -> dict[str, Path]:
     found = {}
-    for package in PACKAGES:
+    for package in ("llmserve", "bench"):
         for path in (ROOT / package).rglob("*.py"):
             if "_pb2" in path.name:
                 continue
@@ -64,7 +77,7 @@ def imports(path: Path, known: dict[str, Path]) -> set[str]:
             names = [a.name for a in node.names]
         else:
             continue
-        out.update(n for n in names if n in known or n.split(".")[0] in PACKAGES)
+        out.update(n for n in names if n in known or n.split(".")[0] in ("llmserve", "bench"))
     return out
 
 
@@ -77,9 +90,9 @@ def test_each_package_imports_only_the_layers_below() -> None:
     known = modules()
     bad = []
     for module, path in known.items():
-        package = module.split(".")[0]
+        package = layer(module)
         for dep in imports(path, known):
-            target = dep.split(".")[0]
+            target = layer(dep)
             allowed = ALLOWED[package] | BENCH_SERVICE_IMPORTS.get(module, set())
             if target != package and target not in allowed:
                 bad.append(f"{module} imports {dep}")
@@ -138,13 +151,13 @@ def test_no_import_cycles() -> None:
 @pytest.mark.parametrize(
     "module",
     [
-        "scheduler.service",
-        "scheduler.static_batching",
-        "gateway.service",
-        "gateway.http",
-        "engine.service",
-        "engine.fake",
-        "engine.convert",
+        "llmserve.scheduler.service",
+        "llmserve.scheduler.static_batching",
+        "llmserve.gateway.service",
+        "llmserve.gateway.http",
+        "llmserve.engine.service",
+        "llmserve.engine.fake",
+        "llmserve.engine.convert",
         "llmserve.cli",
         "llmserve.stack",
         "llmserve.serve_flags",

@@ -35,8 +35,8 @@ import openai
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from common.net import check_health
 from llmserve.client import Client, make_request
+from llmserve.common.net import check_health
 from llmserve.stack import StackError, local_stack
 from llmserve.topology import free_ports
 from tests.stack import (

@@ -18,17 +18,17 @@ from typing import Any
 import pytest
 import torch
 
-from engine.config import EngineConfig
-from engine.contract import LoraLoadData, NewRequestData, RunningData, StepPlanData
-from engine.convert import plan_from_proto
-from engine.engine import Engine
-from engine.lora import LoraBatch
-from engine.lora_files import LoraError
-from kernels.lora_reference import lora_padded, lora_segments
-from scheduler.config import SchedulerConfig
-from scheduler.convert import plan_to_proto
-from scheduler.request import Request
-from scheduler.scheduler import Scheduler
+from llmserve.engine.config import EngineConfig
+from llmserve.engine.contract import LoraLoadData, NewRequestData, RunningData, StepPlanData
+from llmserve.engine.convert import plan_from_proto
+from llmserve.engine.engine import Engine
+from llmserve.engine.lora import LoraBatch
+from llmserve.engine.lora_files import LoraError
+from llmserve.kernels.lora_reference import lora_padded, lora_segments
+from llmserve.scheduler.config import SchedulerConfig
+from llmserve.scheduler.convert import plan_to_proto
+from llmserve.scheduler.request import Request
+from llmserve.scheduler.scheduler import Scheduler
 from tests.factories import TINY_VOCAB, make_lora_adapter, make_tiny_llama, sampling
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -378,7 +378,7 @@ def test_tensor_parallel_group_gives_each_request_its_tokens(
 ) -> None:
     """T = 2 on gloo: A and B split as their base layers (B by rows for q, k, v, gate, up; A by
     columns for o and down), the same tokens as transformers + peft on one process."""
-    from engine.ranks import run_group_locally
+    from llmserve.engine.ranks import run_group_locally
 
     config = EngineConfig(
         model=str(base), device="cpu", num_kv_blocks=64, block_size=BLOCK_SIZE,

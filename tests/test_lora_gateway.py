@@ -7,14 +7,14 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from gateway.config import GatewayConfig
-from gateway.core import GatewayCore
-from gateway.errors import GatewayError
-from gateway.http_errors import ApiError
-from gateway.replicas import ReplicaLink
-from gateway.tenants import Caller, TenantError, from_dict
-from gateway.validation import ValidRequest
-from protos import scheduler_pb2
+from llmserve.gateway.config import GatewayConfig
+from llmserve.gateway.core import GatewayCore
+from llmserve.gateway.errors import GatewayError
+from llmserve.gateway.http_errors import ApiError
+from llmserve.gateway.replicas import ReplicaLink
+from llmserve.gateway.tenants import Caller, TenantError, from_dict
+from llmserve.gateway.validation import ValidRequest
+from llmserve.protos import scheduler_pb2
 
 TABLE = {
     "tenants": {"acme": {"lora_adapters": ["acme-ft"]}, "open": {"weight": 2}},

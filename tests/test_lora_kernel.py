@@ -14,13 +14,13 @@ from types import ModuleType
 import pytest
 import torch
 
-from engine.kv_cache import allocate_kv_cache
-from engine.lora import LoraSlots, kernel_self_check
-from engine.lora_files import LoraAdapter, module_shapes
-from engine.ops import KernelOps, ReferenceOps
-from engine.parallel import whole_model
-from engine.weights import build_model
-from kernels import lora_reference as lora_ref
+from llmserve.engine.kv_cache import allocate_kv_cache
+from llmserve.engine.lora import LoraSlots, kernel_self_check
+from llmserve.engine.lora_files import LoraAdapter, module_shapes
+from llmserve.engine.ops import KernelOps, ReferenceOps
+from llmserve.engine.parallel import whole_model
+from llmserve.engine.weights import build_model
+from llmserve.kernels import lora_reference as lora_ref
 from tests.kernel_checks import assert_close
 from tests.kernel_emu import emu
 from tests.test_gpu_plumbing import CPU, context, rel_err, tiny_config
@@ -41,7 +41,7 @@ def emulator() -> Iterator[emu.Emulator]:
 
 @pytest.fixture
 def kc(emulator: emu.Emulator) -> Iterator[ModuleType]:
-    import kernels.cuda as kcuda
+    import llmserve.kernels.cuda as kcuda
 
     torch.manual_seed(28)
     emulator.launches.clear()
@@ -208,7 +208,7 @@ def test_model_with_adapters_through_the_kernels(emulator: emu.Emulator) -> None
 
 def test_engine_start_up_check(emulator: emu.Emulator) -> None:
     """engine.lora.kernel_self_check: the kernels pass; one that adds nothing is caught."""
-    import kernels.cuda as kcuda
+    import llmserve.kernels.cuda as kcuda
 
     assert kernel_self_check(kcuda.lora_add, torch.bfloat16, CPU) is None
 

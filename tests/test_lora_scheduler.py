@@ -9,8 +9,8 @@ import itertools
 
 import pytest
 
-from scheduler.plan import StepPlan
-from scheduler.scheduler import AdmissionError
+from llmserve.scheduler.plan import StepPlan
+from llmserve.scheduler.scheduler import AdmissionError
 from tests.test_scheduler import BS, Harness, make_request
 
 

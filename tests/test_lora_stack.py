@@ -15,9 +15,9 @@ import grpc
 import httpx2 as httpx
 import pytest
 
-from gateway.tokenizer import Tokenizer
 from llmserve.client import make_request
-from protos import admin_pb2_grpc, scheduler_pb2
+from llmserve.gateway.tokenizer import Tokenizer
+from llmserve.protos import admin_pb2_grpc, scheduler_pb2
 from tests.factories import make_lora_adapter
 from tests.stack import Stack, start_stack
 from tests.test_lora_engine import NUM_TOKENS, PeftReference

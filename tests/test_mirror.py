@@ -13,10 +13,10 @@ from collections.abc import Callable, Sequence
 
 import pytest
 
-from engine.config import EngineConfig
-from engine.contract import NewRequestData, RunningData, StepPlanData
-from engine.fake import FakeEngine, FakeEngineConfig
-from engine.mirror import PLACEHOLDER, Mirror, MirrorMismatch
+from llmserve.engine.config import EngineConfig
+from llmserve.engine.contract import NewRequestData, RunningData, StepPlanData
+from llmserve.engine.fake import FakeEngine, FakeEngineConfig
+from llmserve.engine.mirror import PLACEHOLDER, Mirror, MirrorMismatch
 from tests.factories import sampling
 
 BLOCK_SIZE = 4

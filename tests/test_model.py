@@ -20,12 +20,12 @@ from typing import Any
 import pytest
 import torch
 
-from common.model_config import load_model_config
-from engine.config import EngineConfig
-from engine.contract import NewRequestData, RunningData, StepOutput, StepPlanData
-from engine.engine import Engine
-from engine.layers import rope_cos_sin_cache, rope_inv_freq
-from engine.ops import AttentionContext
+from llmserve.common.model_config import load_model_config
+from llmserve.engine.config import EngineConfig
+from llmserve.engine.contract import NewRequestData, RunningData, StepOutput, StepPlanData
+from llmserve.engine.engine import Engine
+from llmserve.engine.layers import rope_cos_sin_cache, rope_inv_freq
+from llmserve.engine.ops import AttentionContext
 from tests.factories import EOS_TOKEN_ID, LLAMA3, TINY_VOCAB, sampling
 
 TOLERANCE = 1e-4

@@ -10,12 +10,12 @@ from typing import Any
 import pytest
 import torch
 
-from common.moe_config import MoEConfig, moe_from_hf
-from engine.layers import default_weight_loader
-from engine.moe import SparseMoeBlock
-from engine.ops import ReferenceOps
-from engine.parallel import TPGroup
-from kernels import moe_reference as moe_ref
+from llmserve.common.moe_config import MoEConfig, moe_from_hf
+from llmserve.engine.layers import default_weight_loader
+from llmserve.engine.moe import SparseMoeBlock
+from llmserve.engine.ops import ReferenceOps
+from llmserve.engine.parallel import TPGroup
+from llmserve.kernels import moe_reference as moe_ref
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

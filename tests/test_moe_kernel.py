@@ -13,7 +13,7 @@ from types import ModuleType
 import pytest
 import torch
 
-from kernels import moe_reference as moe_ref
+from llmserve.kernels import moe_reference as moe_ref
 from tests.kernel_checks import assert_close, nan_like
 from tests.kernel_emu import emu
 
@@ -33,7 +33,7 @@ def emulator() -> Iterator[emu.Emulator]:
 
 @pytest.fixture
 def kc(emulator: emu.Emulator) -> Iterator[ModuleType]:
-    import kernels.cuda as kcuda
+    import llmserve.kernels.cuda as kcuda
 
     torch.manual_seed(26)
     emulator.launches.clear()
@@ -111,8 +111,8 @@ def test_moe_experts_checks(kc: ModuleType) -> None:
 def test_self_check_covers_the_experts(emulator: emu.Emulator) -> None:
     """The engine's start-up check of the CUDA ops (engine.ops.self_check) runs moe.cu for an
     MoE model, so a kernel that fails or disagrees sends `auto` to torch before a request does."""
-    from common.moe_config import MoEConfig
-    from engine.ops import KernelOps, self_check
+    from llmserve.common.moe_config import MoEConfig
+    from llmserve.engine.ops import KernelOps, self_check
     from tests.test_gpu_plumbing import tiny_config
 
     config = tiny_config(moe=MoEConfig(num_experts=4, top_k=2, intermediate_size=32,

@@ -14,11 +14,11 @@ from typing import Any
 import pytest
 import torch
 
-from common.model_config import check_parallel_sizes, load_model_config, valid_tp_sizes
-from engine.config import EngineConfig
-from engine.engine import Engine
-from engine.moe import SparseMoeBlock
-from scheduler.request import Request
+from llmserve.common.model_config import check_parallel_sizes, load_model_config, valid_tp_sizes
+from llmserve.engine.config import EngineConfig
+from llmserve.engine.engine import Engine
+from llmserve.engine.moe import SparseMoeBlock
+from llmserve.scheduler.request import Request
 from tests.factories import sampling
 from tests.moe_models import MOE_CONFIGS, make_tiny_moe
 from tests.test_families import Loaded, check_script_matches_hf
@@ -131,7 +131,7 @@ def test_qwen3_30b_a3b_shape_has_its_published_size() -> None:
     3.3 B of them active per token, counted off the meta-device model."""
     import math
 
-    from engine.dummy import hf_tensor_shapes
+    from llmserve.engine.dummy import hf_tensor_shapes
 
     config = load_model_config(Path(__file__).parents[1] / "configs" / "qwen3-30b-a3b")
     assert config.family == "qwen3_moe" and config.moe is not None

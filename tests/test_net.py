@@ -14,9 +14,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from common.net import add_servicer
+from llmserve.common.net import add_servicer
+from llmserve.protos import engine_pb2, engine_pb2_grpc
 from llmserve.topology import free_port
-from protos import engine_pb2, engine_pb2_grpc
 
 BAD_UTF8_SERVICE = b"\x0a\x02\xc3\x28"  # HealthCheckRequest.service = b"\xc3(": not UTF-8
 TRUNCATED_PLAN = b"\x08"  # StepPlan.step_id, its varint missing

@@ -22,16 +22,16 @@ import httpx2
 import openai
 import pytest
 
-from gateway.choices import choice_seed
-from gateway.openai_protocol import (
+from llmserve.client import Client, make_request
+from llmserve.gateway.choices import choice_seed
+from llmserve.gateway.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     chat_request,
     completion_requests,
     http_message,
 )
-from gateway.validation import ValidationError
-from llmserve.client import Client, make_request
+from llmserve.gateway.validation import ValidationError
 from tests.stack import Stack, start_echo_stack, start_stack
 
 T = TypeVar("T")
@@ -429,7 +429,7 @@ def test_seed_out_of_range_is_bad_request(stack: Stack, seed: int) -> None:
 
 def err_seed(seed: int) -> str:
     """The one message for a seed out of range (common/sampling.py), as the CLI prints it too."""
-    from common.sampling import SamplingError, seed_value
+    from llmserve.common.sampling import SamplingError, seed_value
 
     with pytest.raises(SamplingError) as err:
         seed_value(seed)
@@ -851,8 +851,8 @@ def test_chat_request_conversion() -> None:
 
 def test_error_event_shape() -> None:
     """An error after a stream's 200 is an event the openai SDK raises as APIError."""
-    from gateway.errors import GatewayError
-    from gateway.http_errors import ApiError
+    from llmserve.gateway.errors import GatewayError
+    from llmserve.gateway.http_errors import ApiError
 
     event = ApiError.from_gateway(GatewayError(grpc.StatusCode.INTERNAL, "boom"), "prompt")
     assert json.loads(event.body.model_dump_json()) == {
@@ -867,7 +867,7 @@ def test_error_event_shape() -> None:
 
 
 def test_default_model_id(tmp_path: Path) -> None:
-    from common.model_config import default_model_id
+    from llmserve.common.model_config import default_model_id
 
     assert default_model_id(None) == default_model_id("builtin") == "SmolLM2-135M-Instruct"
     assert default_model_id("/models/SmolLM2-135M-Instruct.Q4_1.gguf") == (

@@ -13,9 +13,9 @@ from typing import Any
 import grpc
 import pytest
 
-from common.net import check_health
 from llmserve.client import make_request
-from protos import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from llmserve.common.net import check_health
+from llmserve.protos import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from tests.stack import Stack, StreamWatch, start_echo_stack, wait_mid_stream
 
 

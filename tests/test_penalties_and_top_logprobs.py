@@ -8,16 +8,16 @@ import math
 import pytest
 import torch
 
-from engine.config import EngineConfig
-from engine.convert import plan_from_proto
-from engine.fake import FakeEngine, FakeEngineConfig
-from engine.runner import _full_rows
-from engine.sampler import Sampler, apply_penalties
-from scheduler.config import SchedulerConfig
-from scheduler.convert import plan_to_proto
-from scheduler.plan import TopLogprobColumns
-from scheduler.request import Request
-from scheduler.scheduler import Scheduler
+from llmserve.engine.config import EngineConfig
+from llmserve.engine.convert import plan_from_proto
+from llmserve.engine.fake import FakeEngine, FakeEngineConfig
+from llmserve.engine.runner import _full_rows
+from llmserve.engine.sampler import Sampler, apply_penalties
+from llmserve.scheduler.config import SchedulerConfig
+from llmserve.scheduler.convert import plan_to_proto
+from llmserve.scheduler.plan import TopLogprobColumns
+from llmserve.scheduler.request import Request
+from llmserve.scheduler.scheduler import Scheduler
 from tests.factories import sampling
 
 CPU = torch.device("cpu")

@@ -6,15 +6,15 @@ from __future__ import annotations
 
 import dataclasses
 
-from common.plan_columns import COLUMNS, CORE_COLUMNS, VALUE_COLUMNS
-from engine.contract import NewRequestData, RunningData
-from engine.convert import plan_from_proto
-from protos import engine_pb2
-from scheduler.config import SchedulerConfig
-from scheduler.convert import plan_to_proto
-from scheduler.plan import NewRequestRow, RunningRow
-from scheduler.request import Request
-from scheduler.scheduler import Scheduler
+from llmserve.common.plan_columns import COLUMNS, CORE_COLUMNS, VALUE_COLUMNS
+from llmserve.engine.contract import NewRequestData, RunningData
+from llmserve.engine.convert import plan_from_proto
+from llmserve.protos import engine_pb2
+from llmserve.scheduler.config import SchedulerConfig
+from llmserve.scheduler.convert import plan_to_proto
+from llmserve.scheduler.plan import NewRequestRow, RunningRow
+from llmserve.scheduler.request import Request
+from llmserve.scheduler.scheduler import Scheduler
 from tests.factories import sampling
 
 

@@ -26,22 +26,24 @@ def test_committed_stubs_are_fresh(tmp_path: Path) -> None:
         check=True,
         capture_output=True,
     )
-    fresh = {p.name: p.read_bytes() for p in (tmp_path / "protos").glob("*_pb2*")}
-    committed = {p.name: p.read_bytes() for p in (ROOT / "protos").glob("*_pb2*")}
+    fresh = {p.name: p.read_bytes() for p in (tmp_path / "llmserve" / "protos").glob("*_pb2*")}
+    committed = {p.name: p.read_bytes() for p in (ROOT / "llmserve" / "protos").glob("*_pb2*")}
     assert fresh.keys() == committed.keys()
     stale = [name for name in fresh if fresh[name] != committed[name]]
     assert not stale, f"stale stubs {stale}: run scripts/gen_protos.py"
 
 
 @pytest.mark.parametrize(
-    "path", sorted((ROOT / "protos").glob("*_pb2_grpc.py")), ids=lambda p: p.name
+    "path", sorted((ROOT / "llmserve" / "protos").glob("*_pb2_grpc.py")), ids=lambda p: p.name
 )
 def test_grpc_stubs_load_under_grpcio_184(path: Path) -> None:
     match = re.search(r"GRPC_GENERATED_VERSION = '([\d.]+)'", path.read_text())
     assert match and _version(match.group(1)) <= GPU_MACHINE_GRPCIO
 
 
-@pytest.mark.parametrize("path", sorted((ROOT / "protos").glob("*_pb2.py")), ids=lambda p: p.name)
+@pytest.mark.parametrize(
+    "path", sorted((ROOT / "llmserve" / "protos").glob("*_pb2.py")), ids=lambda p: p.name
+)
 def test_message_stubs_load_under_protobuf_736(path: Path) -> None:
     match = re.search(
         r"ValidateProtobufRuntimeVersion\(\s*_runtime_version\.Domain\.PUBLIC,\s*"
@@ -54,7 +56,7 @@ def test_message_stubs_load_under_protobuf_736(path: Path) -> None:
 
 
 def test_services_have_the_contract_methods() -> None:
-    from protos import api_pb2, engine_pb2, scheduler_pb2
+    from llmserve.protos import api_pb2, engine_pb2, scheduler_pb2
 
     def methods(module: object, service: str) -> set[str]:
         return {m.name for m in module.DESCRIPTOR.services_by_name[service].methods}

@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.model_config import load_model_config
-from engine.config import EngineConfig
-from engine.engine import Engine
-from engine.quant import Fp8Linear, Int8Linear, grouped_int8
-from engine.weights import build_model, load_weights, resolve_quantization
-from kernels import cpu as cpu_kernels
 from llmserve.bench.engine_driver import generate
+from llmserve.common.model_config import load_model_config
+from llmserve.engine.config import EngineConfig
+from llmserve.engine.engine import Engine
+from llmserve.engine.quant import Fp8Linear, Int8Linear, grouped_int8
+from llmserve.engine.weights import build_model, load_weights, resolve_quantization
+from llmserve.kernels import cpu as cpu_kernels
 from tests.quality import PASSAGES, agreement, prompt_logits
 
 HAS_AVX2 = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
@@ -125,7 +125,7 @@ def test_auto_quantization_keeps_a_q8_0_gguf_quantized(
 @pytest.fixture(scope="module")
 def builtin(builtin_model_path: Path) -> tuple:
     """The built-in model's config, weights, reference model and reference logits of PASSAGES."""
-    from gateway.tokenizer import Tokenizer
+    from llmserve.gateway.tokenizer import Tokenizer
 
     config = load_model_config(builtin_model_path)
     weights = load_weights(builtin_model_path, config)
@@ -206,7 +206,7 @@ def test_fp8_cpu_path_is_scaled_mm(rows: int, k: int, n: int) -> None:
     """On a CPU, Fp8Linear's float32 GEMM over the widened e4m3 weight gives what
     torch._scaled_mm gives for the same e4m3 values and scales: equal, or a bfloat16 unit in the
     last place apart where the summation order rounds differently."""
-    from engine.quant import FP8_MAX, per_channel_fp8
+    from llmserve.engine.quant import FP8_MAX, per_channel_fp8
 
     gen = torch.Generator().manual_seed(rows)
     weight, x = torch.randn(n, k, generator=gen) * 0.05, torch.randn(rows, k, generator=gen)
@@ -292,8 +292,8 @@ def test_modes_through_the_whole_stack(
 
 
 def test_int8_on_a_gpu_needs_our_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
-    import kernels.cuda as kc
-    from engine.quant import quantization_limits
+    import llmserve.kernels.cuda as kc
+    from llmserve.engine.quant import quantization_limits
 
     gpu = torch.device("cuda")
     monkeypatch.setattr(kc, "is_available", lambda: False)
@@ -310,8 +310,8 @@ def test_gpu_int8_self_check_on_the_emulator(monkeypatch: pytest.MonkeyPatch) ->
     import shutil
     import sys
 
-    import engine.quant as quant
-    from kernels import int8 as gpu_int8
+    import llmserve.engine.quant as quant
+    from llmserve.kernels import int8 as gpu_int8
 
     if not sys.platform.startswith("linux") or shutil.which("g++") is None:
         pytest.skip("the kernel emulator needs Linux and g++")
@@ -344,7 +344,7 @@ def test_gpu_int8_self_check_on_the_emulator(monkeypatch: pytest.MonkeyPatch) ->
 def test_int8_linear_on_the_gpu(rows: int) -> None:
     """Int8Linear on CUDA runs kernels/int8_gemm.cu: within bf16 rounding of the dequantized
     weight's product in float32 (an 8B-shaped down projection, with a bias)."""
-    import kernels.cuda as kc
+    import llmserve.kernels.cuda as kc
 
     if not kc.is_available():
         pytest.skip("kernels.cuda.is_available() is False (needs CuPy and an sm_80+ GPU)")

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from common.block_hash import block_hashes
-from gateway.router import Replica, ReplicaLoad, Router
+from llmserve.common.block_hash import block_hashes
+from llmserve.gateway.router import Replica, ReplicaLoad, Router
 
 A, B, C = "a:1", "b:1", "c:1"
 BS = 4
@@ -163,7 +163,7 @@ def test_bad_settings_name_the_field() -> None:
 def test_dns_address_stands_for_every_address_of_the_name() -> None:
     import asyncio
 
-    from gateway.replicas import resolve_addresses
+    from llmserve.gateway.replicas import resolve_addresses
 
     resolved = asyncio.run(resolve_addresses(("a:1", "dns:///localhost:50052", "b:2")))
     assert resolved[0] == "a:1" and resolved[-1] == "b:2"
@@ -173,9 +173,9 @@ def test_dns_address_stands_for_every_address_of_the_name() -> None:
 
 
 def test_scheduler_addresses_are_checked_and_repeatable() -> None:
-    from common.flags import from_flags
-    from gateway.config import GatewayConfig
     from llmserve.cli import build_parser
+    from llmserve.common.flags import from_flags
+    from llmserve.gateway.config import GatewayConfig
 
     args = build_parser().parse_args(
         ["gateway", "--scheduler-address", "a:1", "--scheduler-address", "dns:///b:2"]
@@ -199,10 +199,10 @@ def test_scheduler_addresses_are_checked_and_repeatable() -> None:
 def test_a_replica_serving_something_else_is_refused() -> None:
     """The first replica's limits are the gateway's (and its block size the router's); a later
     one must agree on model, context, vocabulary and block size."""
-    from gateway.config import GatewayConfig
-    from gateway.core import GatewayCore
-    from gateway.replicas import ReplicaLink, ReplicaMismatch
-    from protos import scheduler_pb2
+    from llmserve.gateway.config import GatewayConfig
+    from llmserve.gateway.core import GatewayCore
+    from llmserve.gateway.replicas import ReplicaLink, ReplicaMismatch
+    from llmserve.protos import scheduler_pb2
 
     core = GatewayCore(GatewayConfig(scheduler_address=(A, B)), tokenizer=None)  # type: ignore[arg-type]
     info = scheduler_pb2.SchedulerInfo(

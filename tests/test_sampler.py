@@ -8,10 +8,10 @@ from collections.abc import Sequence
 import pytest
 import torch
 
-import engine.sampler
-from engine import sampler as engine_sampler
-from engine.sampler import seed_for, seeded_exponential
-from protos.common_pb2 import SamplingParams
+import llmserve.engine.sampler as sampler_module
+from llmserve.engine import sampler as engine_sampler
+from llmserve.engine.sampler import seed_for, seeded_exponential
+from llmserve.protos.common_pb2 import SamplingParams
 from tests.factories import sampling
 
 CPU = torch.device("cpu")
@@ -418,7 +418,7 @@ def test_seeded_rows_create_no_generators(monkeypatch: pytest.MonkeyPatch) -> No
         made.append(args)
         return real(*args, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(engine.sampler.torch, "Generator", counting)
+    monkeypatch.setattr(sampler_module.torch, "Generator", counting)
     sampler = Sampler(CPU, 0)
     assert len(made) == 1
     logits = torch.randn(64, 500)

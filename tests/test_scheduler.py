@@ -13,15 +13,15 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from engine.convert import plan_from_proto
-from engine.mirror import Mirror
-from protos import engine_pb2
-from scheduler.config import SchedulerConfig
-from scheduler.convert import plan_to_proto
-from scheduler.plan import StepOutcome, StepPlan
-from scheduler.request import Request, RequestStatus
-from scheduler.scheduler import AdmissionError
-from scheduler.static_batching import make_scheduler
+from llmserve.engine.convert import plan_from_proto
+from llmserve.engine.mirror import Mirror
+from llmserve.protos import engine_pb2
+from llmserve.scheduler.config import SchedulerConfig
+from llmserve.scheduler.convert import plan_to_proto
+from llmserve.scheduler.plan import StepOutcome, StepPlan
+from llmserve.scheduler.request import Request, RequestStatus
+from llmserve.scheduler.scheduler import AdmissionError
+from llmserve.scheduler.static_batching import make_scheduler
 from tests.factories import sampling
 
 BS = 4
@@ -1417,10 +1417,10 @@ def test_pipeline_size_comes_from_the_engine_info() -> None:
 
 
 async def _adopt_pipeline_sizes() -> None:
-    from engine.contract import EngineInfo
-    from engine.convert import info_to_proto
-    from scheduler.engine_loop import EngineMismatch
-    from scheduler.service import SchedulerService
+    from llmserve.engine.contract import EngineInfo
+    from llmserve.engine.convert import info_to_proto
+    from llmserve.scheduler.engine_loop import EngineMismatch
+    from llmserve.scheduler.service import SchedulerService
 
     def info(**sizes: int) -> engine_pb2.EngineInfo:
         return info_to_proto(
@@ -1488,7 +1488,7 @@ def test_constrained_request_waits_for_its_grammar(make: Callable[..., Harness])
     compiled: its constraint goes in one plan, plans keep asking while nothing else runs, an
     abort while held ends it, the same constraint later skips the wait, and an engine reset
     holds and lists it again (a resize rehashes it like any waiting request)."""
-    from protos.common_pb2 import StructuredOutput
+    from llmserve.protos.common_pb2 import StructuredOutput
 
     h = make(num_blocks=16)
     s = h.s

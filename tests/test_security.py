@@ -17,16 +17,22 @@ from typing import Any
 import grpc
 import pytest
 
-from common.net import CHANNEL_OPTIONS, check_health, wait_until_serving
-from engine.config import EngineConfig
-from engine.contract import StepPlanData
-from engine.fake import FakeEngine, FakeEngineConfig
-from gateway.config import GatewayConfig
 from llmserve.client import make_request
+from llmserve.common.net import CHANNEL_OPTIONS, check_health, wait_until_serving
+from llmserve.engine.config import EngineConfig
+from llmserve.engine.contract import StepPlanData
+from llmserve.engine.fake import FakeEngine, FakeEngineConfig
+from llmserve.gateway.config import GatewayConfig
+from llmserve.protos import (
+    common_pb2,
+    engine_pb2,
+    engine_pb2_grpc,
+    scheduler_pb2,
+    scheduler_pb2_grpc,
+)
+from llmserve.scheduler.config import SchedulerConfig
 from llmserve.stack import local_stack
 from llmserve.topology import free_port
-from protos import common_pb2, engine_pb2, engine_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
-from scheduler.config import SchedulerConfig
 from tests.factories import EOS_TOKEN_ID, TINY_VOCAB, sampling
 from tests.stack import ROOT, Stack, start_echo_stack
 
@@ -135,7 +141,7 @@ def test_the_scheduler_checks_submit_as_strictly_as_the_gateway(
 
 
 def new_request(seq_id: int, tokens: list[int], blocks: list[int], **fields: Any) -> Any:
-    from engine.contract import NewRequestData
+    from llmserve.engine.contract import NewRequestData
 
     params = sampling(**fields) if "raw" not in fields else fields["raw"]
     return NewRequestData(seq_id, tokens, len(tokens), params, blocks, 0, len(tokens))
@@ -145,7 +151,7 @@ def test_one_bad_request_fails_alone_not_the_batch() -> None:
     """A new request the engine cannot run (a sampling value out of range, a token outside the
     vocabulary) is refused with its reason; the rest of the step runs, later rows of it sample
     nothing, and the scheduler's 'finished' for it is taken quietly."""
-    from engine.contract import RunningData
+    from llmserve.engine.contract import RunningData
 
     engine = FakeEngine(EngineConfig(block_size=4, num_kv_blocks=16), FakeEngineConfig(100))
     bad_params = common_pb2.SamplingParams(temperature=1.0, logprobs=True, top_logprobs=-1)
@@ -168,8 +174,8 @@ def test_one_bad_request_fails_alone_not_the_batch() -> None:
 
 
 def test_a_block_twice_in_one_table_is_a_mismatch() -> None:
-    from engine.contract import RunningData
-    from engine.mirror import MirrorMismatch
+    from llmserve.engine.contract import RunningData
+    from llmserve.engine.mirror import MirrorMismatch
 
     engine = FakeEngine(EngineConfig(block_size=4, num_kv_blocks=16))
     with pytest.raises(MirrorMismatch, match="appears twice"):
@@ -190,14 +196,14 @@ def test_the_scheduler_fails_a_refused_request_with_its_reason() -> None:
 async def _refused_request() -> None:
     import asyncio
 
-    from scheduler.engine_loop import SentStep
-    from scheduler.service import SchedulerService
-    from scheduler.static_batching import make_scheduler
+    from llmserve.scheduler.engine_loop import SentStep
+    from llmserve.scheduler.service import SchedulerService
+    from llmserve.scheduler.static_batching import make_scheduler
 
     service = SchedulerService(SchedulerConfig())
     config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64)
     service.scheduler = make_scheduler(config, 16, 4, 64, 100, (99,))
-    from scheduler.request import Request
+    from llmserve.scheduler.request import Request
 
     good = Request("good", 1, [1, 2], sampling(), 3)
     bad = Request("bad", 2, [1, 2], sampling(), 3)

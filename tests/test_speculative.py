@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from engine.config import EngineConfig
-from engine.fake import FakeEngine, FakeEngineConfig
-from engine.proposer import ngram_match
-from scheduler.request import Request, RequestStatus
-from scheduler.speculation import FIRST_BACKOFF_STEPS, MIN_ACCEPTANCE, SpeculationPolicy
+from llmserve.engine.config import EngineConfig
+from llmserve.engine.fake import FakeEngine, FakeEngineConfig
+from llmserve.engine.proposer import ngram_match
+from llmserve.scheduler.request import Request, RequestStatus
+from llmserve.scheduler.speculation import FIRST_BACKOFF_STEPS, MIN_ACCEPTANCE, SpeculationPolicy
 from tests.factories import sampling
 from tests.spec_driver import Driven, drive, make_scheduler_for, plan_from_proto, plan_to_proto
 
@@ -174,8 +174,8 @@ def test_speculation_refused_with_pipeline_stages_and_static_batching() -> None:
     with pytest.raises(ValueError, match="pipeline_parallel_size=1, not 2"):
         scheduler.set_pipeline_parallel_size(2)
         scheduler.set_num_speculative_tokens(4)
-    from scheduler.config import SchedulerConfig
-    from scheduler.static_batching import make_scheduler
+    from llmserve.scheduler.config import SchedulerConfig
+    from llmserve.scheduler.static_batching import make_scheduler
 
     with pytest.raises(ValueError, match="static' does not support speculative decoding"):
         make_scheduler(
@@ -226,7 +226,7 @@ def test_ngram_match(tokens: list[int], k: int, expected: list[int]) -> None:
 
 
 def _engine(model: Path, method: str = "none", **fields: object) -> object:
-    from engine.engine import Engine
+    from llmserve.engine.engine import Engine
 
     config = EngineConfig(
         model=str(model), device="cpu", num_kv_blocks=512, seed=7, max_num_seqs=256,
@@ -306,7 +306,7 @@ def test_temperature_seeded_and_penalties_same_tokens_in_process(
 ) -> None:
     """Seeded sampling (top-k, top-p, penalties, logprobs) gives the same tokens and logprobs
     with proposals as without: each position draws with its (seed, output index) key."""
-    from gateway.tokenizer import Tokenizer
+    from llmserve.gateway.tokenizer import Tokenizer
 
     # A list to copy: the sampled tokens repeat the prompt's n-grams, so proposals are made
     # and verified (a prompt of repeated special tokens drew none at this temperature)

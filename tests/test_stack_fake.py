@@ -301,12 +301,12 @@ def test_scheduler_adopts_the_engine_limits_and_refuses_larger_ones(tmp_path: Pa
     CUDA graphs); one asking for more than the engine's refuses to run, saying which."""
     import grpc
 
-    from common.net import CHANNEL_OPTIONS, wait_until_serving
-    from engine.config import EngineConfig
-    from engine.fake import FakeEngineConfig
+    from llmserve.common.net import CHANNEL_OPTIONS, wait_until_serving
+    from llmserve.engine.config import EngineConfig
+    from llmserve.engine.fake import FakeEngineConfig
+    from llmserve.protos import scheduler_pb2, scheduler_pb2_grpc
+    from llmserve.scheduler.config import SchedulerConfig
     from llmserve.stack import local_stack
-    from protos import scheduler_pb2, scheduler_pb2_grpc
-    from scheduler.config import SchedulerConfig
 
     engine = EngineConfig(max_num_seqs=4, max_num_batched_tokens=64)
     for own, expected in ((SchedulerConfig(), (4, 64)), (SchedulerConfig(max_num_seqs=2), (2, 64))):

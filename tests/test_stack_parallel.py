@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from llmserve.client import Client, Completion, make_request
-from protos import api_pb2
+from llmserve.protos import api_pb2
 from tests.stack import (
     ROOT,
     StreamWatch,
@@ -41,7 +41,9 @@ def _generate_all(client: Client, requests: list[api_pb2.GenerateRequest]) -> li
 
 def rank_pids(engine_pid: int) -> list[int]:
     """The rank processes an engine started (`python -m engine.ranks`), by pid."""
-    return sorted(pid for pid, cmdline in children(engine_pid) if b"engine.ranks" in cmdline)
+    return sorted(
+        pid for pid, cmdline in children(engine_pid) if b"llmserve.engine.ranks" in cmdline
+    )
 
 
 # ---- tiny random models ----------------------------------------------------------------------

@@ -19,18 +19,18 @@ import jsonschema
 import numpy as np
 import pytest
 
-from engine.config import EngineConfig
-from engine.contract import GrammarCompileData
-from engine.convert import plan_from_proto
-from engine.engine import Engine
-from engine.grammar import Grammars
-from engine.mirror import ScheduledSeq, SeqState
 from llmserve.bench.byte_tokenizer import EOS_TOKEN_ID
-from protos.common_pb2 import ChoiceList, StructuredOutput
-from scheduler.config import SchedulerConfig
-from scheduler.convert import plan_to_proto
-from scheduler.request import Request
-from scheduler.scheduler import Scheduler
+from llmserve.engine.config import EngineConfig
+from llmserve.engine.contract import GrammarCompileData
+from llmserve.engine.convert import plan_from_proto
+from llmserve.engine.engine import Engine
+from llmserve.engine.grammar import Grammars
+from llmserve.engine.mirror import ScheduledSeq, SeqState
+from llmserve.protos.common_pb2 import ChoiceList, StructuredOutput
+from llmserve.scheduler.config import SchedulerConfig
+from llmserve.scheduler.convert import plan_to_proto
+from llmserve.scheduler.request import Request
+from llmserve.scheduler.scheduler import Scheduler
 from tests.factories import sampling
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -18,9 +18,13 @@ import jsonschema
 import openai
 import pytest
 
-from common.structured_output import MAX_CONSTRAINT_BYTES, MAX_SCHEMA_DEPTH, MAX_SCHEMA_PROPERTIES
 from llmserve.client import make_request
-from protos.common_pb2 import ChoiceList, StructuredOutput
+from llmserve.common.structured_output import (
+    MAX_CONSTRAINT_BYTES,
+    MAX_SCHEMA_DEPTH,
+    MAX_SCHEMA_PROPERTIES,
+)
+from llmserve.protos.common_pb2 import ChoiceList, StructuredOutput
 from tests.stack import Stack, start_stack
 from tests.structured_schemas import SCHEMAS
 

@@ -16,9 +16,9 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from common import telemetry
 from llmserve.bench.otlp import OtlpReceiver, Span
 from llmserve.client import Client, Completion, make_request
+from llmserve.common import telemetry
 from tests.stack import Stack, free_port, start_stack
 
 CALLER_TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -66,7 +66,7 @@ def traced(
         assert receiver.wait_for(
             lambda spans: (
                 sum(s.name == "llmserve.generate" for s in spans) == len(PROMPTS)
-                and sum(s.name == "scheduler.request" for s in spans) == len(PROMPTS)
+                and sum(s.name == "llmserve.scheduler.request" for s in spans) == len(PROMPTS)
             )
         ), stack.logs()
     finally:
@@ -92,7 +92,7 @@ def test_one_trace_per_request_across_services(traced: tuple) -> None:
         spans = _request_spans(receiver.spans, f"r{i}")
         by_name = {s.name: s for s in spans}
         assert {s.service for s in spans} == {"llmserve-gateway", "llmserve-scheduler"}
-        gateway, scheduler = by_name["llmserve.generate"], by_name["scheduler.request"]
+        gateway, scheduler = by_name["llmserve.generate"], by_name["llmserve.scheduler.request"]
         # gateway -> scheduler parentage crosses the process boundary in gRPC metadata
         assert scheduler.parent_span_id == gateway.span_id
         assert by_name["gateway.validate"].parent_span_id == gateway.span_id
@@ -139,7 +139,7 @@ def test_phases_in_order_and_preemptions_visible(traced: tuple) -> None:
                 assert names[j + 1] == "scheduler.prefill"
                 assert phases[j + 1].attributes["llmserve.recompute"] is True
         assert names[-1] == "scheduler.decode"
-        root = next(s for s in spans if s.name == "scheduler.request")
+        root = next(s for s in spans if s.name == "llmserve.scheduler.request")
         assert ("finish", {"llmserve.finish_reason": "length"}) in root.events
         assert root.attributes["llmserve.num_preemptions"] == names.count("scheduler.preempted")
         assert root.attributes["llmserve.num_steps"] >= 24
@@ -158,7 +158,7 @@ PHASES = (
 def test_step_spans_link_to_requests_and_hold_engine_spans(traced: tuple) -> None:
     receiver, _, _ = traced
     spans = receiver.spans
-    roots = {s.span_id for s in spans if s.name == "scheduler.request"}
+    roots = {s.span_id for s in spans if s.name == "llmserve.scheduler.request"}
     steps = [s for s in spans if s.name == "scheduler.step"]
     assert steps
     for step in steps:

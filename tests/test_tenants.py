@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from gateway.quotas import Admission, QuotaExceeded, Quotas, TooLarge
-from gateway.tenants import (
+from llmserve.gateway.quotas import Admission, QuotaExceeded, Quotas, TooLarge
+from llmserve.gateway.tenants import (
     DEFAULT_TENANT,
     Caller,
     TenantError,
@@ -259,7 +259,7 @@ def test_a_new_limit_starts_full_and_a_lower_one_clamps() -> None:
 
 
 def test_idle_tenants_with_full_buckets_are_swept() -> None:
-    from gateway.quotas import SWEEP_EVERY
+    from llmserve.gateway.quotas import SWEEP_EVERY
 
     clock = Clock()
     q = Quotas(TenantTable(default=TenantLimits(1.0, 60, 0)), clock)
@@ -281,7 +281,7 @@ def test_idle_tenants_with_full_buckets_are_swept() -> None:
 def test_bearer_values_and_secrets_read_from_files(tmp_path: Path) -> None:
     """One parse of `Authorization: Bearer TOKEN` (common.auth) serves the internal token, the
     admin key and the client keys; a secret written @PATH is read relative to a base."""
-    from common.auth import bearer_metadata, bearer_token, is_authorized, read_secret
+    from llmserve.common.auth import bearer_metadata, bearer_token, is_authorized, read_secret
 
     assert bearer_token("Bearer sk-1") == bearer_token("  bearer   sk-1 ") == "sk-1"
     for wrong in (None, "", "Bearer", "Bearer  ", "Basic sk-1", "sk-1"):

@@ -11,14 +11,14 @@ from typing import Any
 import pytest
 from llguidance import LLMatcher, LLTokenizer
 
-from common.structured_output import check_structured_output
-from common.tokenizer_files import byte_level_files
-from gateway.openai_protocol import ChatCompletionRequest, chat_request
-from gateway.openai_tools import tool_plan
-from gateway.tokenizer import Tokenizer
-from gateway.tool_formats import MISTRAL_CALLS, PYTHON_TAG, ToolFormat, tool_format_of
-from gateway.tool_prompt import CallStream, ChatTurn, fallback_turns, parse_tool_calls
-from gateway.validation import ValidationError
+from llmserve.common.structured_output import check_structured_output
+from llmserve.common.tokenizer_files import byte_level_files
+from llmserve.gateway.openai_protocol import ChatCompletionRequest, chat_request
+from llmserve.gateway.openai_tools import tool_plan
+from llmserve.gateway.tokenizer import Tokenizer
+from llmserve.gateway.tool_formats import MISTRAL_CALLS, PYTHON_TAG, ToolFormat, tool_format_of
+from llmserve.gateway.tool_prompt import CallStream, ChatTurn, fallback_turns, parse_tool_calls
+from llmserve.gateway.validation import ValidationError
 
 WEATHER = {
     "type": "function",

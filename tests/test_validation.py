@@ -8,10 +8,10 @@ from typing import Any
 
 import pytest
 
-from gateway.tokenizer import Tokenizer
-from gateway.validation import Limits, ValidationError, ValidRequest, validate
-from protos import api_pb2, scheduler_pb2
-from protos.common_pb2 import SamplingParams
+from llmserve.gateway.tokenizer import Tokenizer
+from llmserve.gateway.validation import Limits, ValidationError, ValidRequest, validate
+from llmserve.protos import api_pb2, scheduler_pb2
+from llmserve.protos.common_pb2 import SamplingParams
 from tests.factories import write_byte_tokenizer
 
 LIMITS = Limits(max_model_len=64, vocab_size=259, kv_capacity_tokens=1024)

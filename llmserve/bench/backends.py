@@ -25,11 +25,11 @@ from urllib.parse import urlsplit
 
 import grpc
 
-from common.net import CHANNEL_OPTIONS
 from llmserve.bench.metrics import RequestRecord
 from llmserve.bench.workload import BenchRequest
 from llmserve.client import finish_reason_name, make_request
-from protos import api_pb2, api_pb2_grpc
+from llmserve.common.net import CHANNEL_OPTIONS
+from llmserve.protos import api_pb2, api_pb2_grpc
 
 BACKENDS = ("grpc", "openai")
 

@@ -21,7 +21,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from common.net import DEFAULT_GATEWAY_PORT
 from llmserve.bench.arrivals import ArrivalConfig, rate_to_json
 from llmserve.bench.backends import BACKENDS, BackendError, GrpcBackend
 from llmserve.bench.metrics import parse_goodput
@@ -35,6 +34,7 @@ from llmserve.bench.options import (
     workload_config,
 )
 from llmserve.bench.workload import DATASETS
+from llmserve.common.net import DEFAULT_GATEWAY_PORT
 
 DEFAULT_ADDRESS = f"localhost:{DEFAULT_GATEWAY_PORT}"
 DEFAULT_BASE_URL = "http://localhost:8000"

@@ -9,16 +9,16 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from common.sampling import normalized
-from engine.contract import (
+from llmserve.common.sampling import normalized
+from llmserve.engine.contract import (
     LoraLoadData,
     NewRequestData,
     RunningData,
     StepOutput,
     StepPlanData,
 )
-from engine.engine import Engine
-from protos.common_pb2 import SamplingParams
+from llmserve.engine.engine import Engine
+from llmserve.protos.common_pb2 import SamplingParams
 
 GREEDY = normalized(SamplingParams(temperature=0.0))
 

@@ -28,7 +28,7 @@ def dummy_model(config_dir: Path, seed: int, dtype: Any, device: str) -> Any:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from engine.dummy import fill_hf_tensor_
+    from llmserve.engine.dummy import fill_hf_tensor_
 
     config = LlamaConfig.from_pretrained(config_dir)
     default = torch.get_default_dtype()

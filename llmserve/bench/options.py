@@ -65,9 +65,9 @@ RequestsFor = Callable[[int], list[BenchRequest]]
 def requests_maker(config: WorkloadConfig, tokenizer_path: str | None) -> RequestsFor:
     """variant -> that variant of the workload (see build_workload), each built once. Builds
     variant 0 now, so a bad tokenizer or data set fails here (ValueError or OSError)."""
-    from common.model_config import resolve_model_path
-    from gateway.tokenizer import Tokenizer
     from llmserve.bench.workload import build_workload
+    from llmserve.common.model_config import resolve_model_path
+    from llmserve.gateway.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_model_path(resolve_model_path(tokenizer_path))
     requests_for = functools.cache(lambda variant: build_workload(config, tokenizer, variant))

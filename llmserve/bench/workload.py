@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from gateway.tokenizer import ChatMessage, Tokenizer
+from llmserve.gateway.tokenizer import ChatMessage, Tokenizer
 
 DATASETS = ("fixed", "random", "sharegpt", "prefix", "jsonl")
 

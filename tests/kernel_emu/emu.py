@@ -35,8 +35,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from kernels import cuda as kc
-from kernels import launch as kl
+from llmserve.kernels import cuda as kc
+from llmserve.kernels import launch as kl
 
 HEADER = Path(__file__).resolve().parent / "emu_common.h"
 CXX_FLAGS = ("-O1", "-std=c++17", "-ffp-contract=off", "-shared", "-fPIC")

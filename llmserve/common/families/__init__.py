@@ -1,0 +1,39 @@
+"""The served model families (common/families/registry.py explains a family's record). Each
+module below registers its families when imported; a new family adds its module here."""
+
+from llmserve.common.families import gemma, llama, moe, phi3, qwen
+from llmserve.common.families.registry import (
+    FAMILIES,
+    FEATURES,
+    Family,
+    ModelSourceError,
+    UnservedModelError,
+    family_for_gguf,
+    family_for_hf,
+    family_refusal,
+    register,
+    served_architectures,
+    served_gguf_architectures,
+)
+from llmserve.common.families.rope import ROPE_TYPES, rope_from_hf
+
+__all__ = [
+    "FAMILIES",
+    "FEATURES",
+    "ROPE_TYPES",
+    "Family",
+    "ModelSourceError",
+    "UnservedModelError",
+    "family_for_gguf",
+    "family_for_hf",
+    "family_refusal",
+    "gemma",
+    "llama",
+    "moe",
+    "phi3",
+    "qwen",
+    "register",
+    "rope_from_hf",
+    "served_architectures",
+    "served_gguf_architectures",
+]

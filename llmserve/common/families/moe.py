@@ -1,0 +1,129 @@
+"""The mixture-of-experts families: Mixtral (Mistral's layers, every MLP a sparse block),
+Qwen3-MoE (Qwen3's layers) and Qwen2-MoE (Qwen2's, with a shared expert beside the routed
+ones). Their MoE shape is common/moe_config.py's `MoEConfig`, in ModelConfig.moe; the engine's
+block is engine/moe.py."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from llmserve.common.families.qwen import QWEN3, qwen_window
+from llmserve.common.families.registry import Family, register
+from llmserve.common.moe_config import MoEConfig, moe_from_hf
+
+MOE_REFUSES = {
+    "quantization": (
+        "the routed experts are not quantized yet (only Linear layers are), so --quantization "
+        "would leave most of the weights as they are"
+    ),
+}
+
+
+# llama.cpp's tensors of a sparse layer -> the names our blocks read. The routed experts are
+# stacked ([E, I, H] for gate and up, [E, H, I] for down): engine/families/moe.StackedExperts
+# hands out one expert's rows under its per-expert name.
+MOE_GGUF_NAMES = {
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+}
+
+
+def _moe_gguf(fields: Mapping[str, Any], arch: str) -> MoEConfig:
+    """The MoE shape from llama.cpp's keys: a layer without a router tensor is dense; without
+    `expert_weights_norm`, Qwen3-MoE renormalizes and Qwen2-MoE does not (llama.cpp's rule for
+    those architectures)."""
+    names = fields["tensor_names"]
+    num_layers = int(fields[f"{arch}.block_count"])
+    norm = fields.get(f"{arch}.expert_weights_norm")
+    return MoEConfig(
+        num_experts=int(fields[f"{arch}.expert_count"]),
+        top_k=int(fields[f"{arch}.expert_used_count"]),
+        intermediate_size=int(fields[f"{arch}.expert_feed_forward_length"]),
+        renormalize=bool(norm) if norm is not None else arch == "qwen3moe",
+        shared_intermediate_size=int(fields.get(f"{arch}.expert_shared_feed_forward_length") or 0),
+        dense_layers=tuple(
+            i for i in range(num_layers) if f"blk.{i}.ffn_gate_inp.weight" not in names
+        ),
+    )
+
+
+# Mixtral's sparse layers in a GGUF of the Llama architecture.
+MIXTRAL_GGUF_NAMES = {
+    "ffn_gate_inp": "block_sparse_moe.gate",
+    "ffn_gate_exps": "block_sparse_moe.experts.w1",
+    "ffn_up_exps": "block_sparse_moe.experts.w3",
+    "ffn_down_exps": "block_sparse_moe.experts.w2",
+}
+
+
+def mixtral_gguf(fields: Mapping[str, Any], arch: str) -> dict[str, Any]:
+    """What a Llama-architecture GGUF with `expert_count` is: Mixtral (llama.cpp converts it so),
+    every layer sparse, the experts feed_forward_length wide, top-k always renormalized."""
+    moe = moe_from_hf(
+        {
+            "architectures": ["MixtralForCausalLM"],
+            "num_hidden_layers": fields[f"{arch}.block_count"],
+            "num_local_experts": fields[f"{arch}.expert_count"],
+            "num_experts_per_tok": fields[f"{arch}.expert_used_count"],
+            "intermediate_size": fields[f"{arch}.feed_forward_length"],
+        }
+    )
+    return {"family": "mixtral", "moe": moe}
+
+
+def _window(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """Mixtral and Qwen3-MoE: every layer windowed when sliding_window is set."""
+    window = cfg.get("sliding_window")
+    return {"sliding_window": int(window) if window else None}
+
+
+MIXTRAL = register(
+    Family(
+        name="mixtral",
+        hf_architectures=("MixtralForCausalLM",),
+        hf_model_types=("mixtral",),
+        model="llmserve.engine.families.moe:MixtralForCausalLM",
+        read_hf=lambda cfg: {"moe": moe_from_hf(dict(cfg)), **_window(cfg)},
+        gguf_layer_names=MIXTRAL_GGUF_NAMES,  # its GGUFs are Llama's (mixtral_gguf)
+        refuses=MOE_REFUSES,
+    )
+)
+
+QWEN3_MOE = register(
+    Family(
+        name="qwen3_moe",
+        hf_architectures=("Qwen3MoeForCausalLM",),
+        hf_model_types=("qwen3_moe",),
+        model="llmserve.engine.families.moe:Qwen3MoeForCausalLM",
+        read_hf=lambda cfg: {"moe": moe_from_hf(dict(cfg)), **_window(cfg)},
+        gguf_architecture="qwen3moe",
+        read_gguf=lambda fields, arch: {"moe": _moe_gguf(fields, arch)},
+        gguf_layer_names={**QWEN3.gguf_layer_names, **MOE_GGUF_NAMES},
+        refuses=MOE_REFUSES,
+    )
+)
+
+QWEN2_MOE = register(
+    Family(
+        name="qwen2_moe",
+        hf_architectures=("Qwen2MoeForCausalLM",),
+        hf_model_types=("qwen2_moe",),
+        model="llmserve.engine.families.moe:Qwen2MoeForCausalLM",
+        read_hf=lambda cfg: {
+            "moe": moe_from_hf(dict(cfg)),
+            "qkv_bias": bool(cfg.get("qkv_bias", True)),
+            **qwen_window(cfg),
+        },
+        gguf_architecture="qwen2moe",
+        read_gguf=lambda fields, arch: {"moe": _moe_gguf(fields, arch), "qkv_bias": True},
+        gguf_layer_names=MOE_GGUF_NAMES,
+        refuses=MOE_REFUSES,
+    )
+)

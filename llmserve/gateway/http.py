@@ -1,0 +1,390 @@
+"""The OpenAI-compatible HTTP API: FastAPI, served by uvicorn on the gateway's event loop beside
+grpc.aio, over the same request path (gateway/core.py) and the same scheduler connection.
+
+    POST /v1/completions, /v1/chat/completions   streamed (server-sent events) or not
+    GET  /v1/models, /v1/models/{id}             the served model
+    GET  /health   liveness: 200 while the process runs
+    GET  /ready    readiness: 200 once the scheduler is connected and serving, 503 before
+    GET  /openapi.json, /docs
+
+Each choice (n of them per prompt) is its own scheduler request; the prefix cache shares their
+prompt blocks. A client that disconnects, mid-stream or while waiting, cancels all of them
+upstream, and their KV blocks are free before the scheduler's next step. A stream's 200 goes out
+with the first message of every choice, so refusals still get their status: errors use OpenAI's
+body ({"error": {"message", "type", "param", "code"}}: gateway/http_errors.py) with 400 for
+an invalid value (a request larger than its tenant's quota allows at all included), 401 for a
+missing or wrong API key, 413 for a body over --max-request-bytes, 429 (Retry-After) for a full
+queue or a tenant over its quota (Retry-After then computed from the quota: gateway/quotas.py),
+503 (Retry-After) when not ready or draining.
+
+With --api-keys, the key names the request's tenant; without keys, the body's `user` does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+from collections.abc import AsyncIterator, Awaitable, Iterator
+from contextlib import contextmanager
+from typing import TypeVar
+
+import grpc
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import Response, StreamingResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from llmserve.common import __version__
+from llmserve.common.auth import UNAUTHENTICATED_MESSAGE
+from llmserve.common.log import bind, get_logger
+from llmserve.gateway.choices import (
+    Choice,
+    Messages,
+    all_messages,
+    first_messages,
+    make_choices,
+    run_choices,
+)
+from llmserve.gateway.core import GatewayCore, new_request_id
+from llmserve.gateway.errors import GatewayError
+from llmserve.gateway.http_errors import ERRORS, ApiError, add_error_handlers, as_api_errors
+from llmserve.gateway.openai_protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    ModelCard,
+    ModelList,
+    chat_request,
+    check_queue,
+    completion_requests,
+)
+from llmserve.gateway.openai_responses import ChatFormat, CompletionFormat, ResponseFormat
+from llmserve.gateway.quotas import Admission
+from llmserve.gateway.tenants import ApiKey, TenantTable, display_name
+from llmserve.gateway.validation import ValidationError, ValidRequest
+from llmserve.protos import api_pb2
+
+log = get_logger("gateway")
+
+T = TypeVar("T")
+
+
+class ClientDisconnected(Exception):
+    """The HTTP client went away before its response was ready."""
+
+
+class ApiKeyMiddleware:
+    """Refuses /v1/ requests without `Authorization: Bearer <key>`, key being one of the
+    tenant table's (401), before anything else reads them; the key found is the request's
+    `state.api_key` (presented_key). Plain ASGI, so streamed responses pass through untouched.
+    """
+
+    def __init__(self, app: ASGIApp, tenants: TenantTable):
+        self.app = app
+        self.tenants = tenants
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            authorization = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+            key = self.tenants.find_key(authorization)
+            if key is None:
+                error = ApiError(
+                    401,
+                    UNAUTHENTICATED_MESSAGE,
+                    code="invalid_api_key",
+                    headers={"WWW-Authenticate": "Bearer"},
+                )
+                await error.response()(scope, receive, send)
+                return
+            scope.setdefault("state", {})["api_key"] = key
+        await self.app(scope, receive, send)
+
+
+def presented_key(request: Request) -> ApiKey | None:
+    """The client key ApiKeyMiddleware found for request (None without keys configured)."""
+    return getattr(request.state, "api_key", None)
+
+
+class BodyLimitMiddleware:
+    """Refuses a request body over max_bytes with 413 before anything parses it: at once when
+    Content-Length says so (the body is never read), otherwise as soon as the bytes received
+    pass the limit (a chunked upload). It reads the body itself and hands it on whole."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int):
+        self.app = app
+        self.max_bytes = max_bytes
+
+    def _too_large(self, size: str) -> Response:
+        message = f"the request body has {size} bytes; the limit is {self.max_bytes} "
+        return ApiError(413, message + "(max_request_bytes)").response()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope["headers"]).get(b"content-length", b"")
+        if length.isdigit() and int(length) > self.max_bytes:
+            await self._too_large(str(int(length)))(scope, receive, send)
+            return
+        received = bytearray()
+        more = True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # the client went away mid-upload
+            received += message.get("body", b"")
+            if len(received) > self.max_bytes:
+                await self._too_large(f"more than {self.max_bytes}")(scope, receive, send)
+                return
+            more = message.get("more_body", False)
+        body = [bytes(received)]
+
+        async def replay() -> Message:
+            if body:
+                return {"type": "http.request", "body": body.pop(), "more_body": False}
+            return await receive()  # after the body: the disconnect
+
+        await self.app(scope, replay, send)
+
+
+async def _disconnected(request: Request) -> None:
+    """Return when the client disconnects (the body has been read already)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """work's result; if the client disconnects first, cancel work (and with it every scheduler
+    request it holds) and raise ClientDisconnected."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        task.cancel()  # no-op when done
+    if task in done:
+        return task.result()
+    raise ClientDisconnected
+
+
+def _sse(payload: str) -> str:
+    return f"data: {payload}\n\n"
+
+
+async def sse_events(
+    fmt: ResponseFormat,
+    first: list[tuple[Choice, api_pb2.GenerateResponse]],
+    stream: Messages,
+) -> AsyncIterator[str]:
+    """The event stream of a streamed response. An error after the 200 arrives as an error
+    event, which the openai SDK raises as APIError."""
+    try:
+        for payload in fmt.opening():
+            yield _sse(payload)
+        for choice, msg in first:
+            yield _sse(fmt.chunk(choice, msg))
+        async for choice, msg in stream:
+            yield _sse(fmt.chunk(choice, msg))
+        if fmt.body.stream_options is not None and fmt.body.stream_options.include_usage:
+            yield _sse(fmt.usage_chunk())
+    except GatewayError as err:
+        yield _sse(ApiError.from_gateway(err, "prompt").body.model_dump_json())
+    finally:
+        await stream.aclose()
+    yield "data: [DONE]\n\n"
+
+
+# -- the app -------------------------------------------------------------------------------------
+
+
+async def generate_response(
+    core: GatewayCore, request: Request, body: CompletionRequest | ChatCompletionRequest
+) -> Response:
+    """Validate, fan out, and answer with one response or an event stream: a chat completion or
+    a completion, by body's type."""
+    chat = isinstance(body, ChatCompletionRequest)
+    prompt_field = "messages" if chat else "prompt"
+    response_id = new_request_id("chatcmpl" if chat else "cmpl")
+    arrival = time.monotonic()
+
+    def requests() -> list[api_pb2.GenerateRequest]:
+        if isinstance(body, ChatCompletionRequest):
+            made = [chat_request(body, core.tokenizer.tool_format)]
+        else:
+            made = completion_requests(body)
+        lora_name = core.lora_for_model(body.model)
+        for r in made:
+            r.lora_name = lora_name
+        return made
+
+    with as_api_errors(prompt_field):
+        try:
+            # On a worker thread: a long prompt or chat takes a while to render and tokenize.
+            valids = await asyncio.to_thread(lambda: [core.validate(r) for r in requests()])
+            check_queue(body.n, len(valids), core.limits.max_waiting if core.limits else 0)
+            caller = core.caller(presented_key(request), body.user or "")
+            bind(tenant=display_name(caller.tenant), key=caller.key_name)
+            admission = core.admit(caller, valids, body.n)
+        except (ValidationError, GatewayError) as err:
+            code = err.code.name if isinstance(err, GatewayError) else "INVALID_ARGUMENT"
+            core.telemetry.rejected(code, "http", arrival)
+            raise
+        try:
+            return await _respond(core, request, body, response_id, valids, admission, arrival)
+        finally:
+            if not admission.handed_over:  # run_choices never started: it cannot release it
+                admission.release()
+
+
+async def _respond(
+    core: GatewayCore,
+    request: Request,
+    body: CompletionRequest | ChatCompletionRequest,
+    response_id: str,
+    valids: list[ValidRequest],
+    admission: Admission,
+    arrival: float,
+) -> Response:
+    """The response, or the event stream, of admitted requests."""
+    chat = isinstance(body, ChatCompletionRequest)
+    choices = make_choices(valids, body.n, response_id)
+    format_type: type[ResponseFormat] = ChatFormat if chat else CompletionFormat
+    fmt = format_type(core, choices, response_id, body)
+    operation = "chat" if chat else "text_completion"
+    stream = run_choices(core, choices, dict(request.headers), arrival, operation, admission)
+    headers = {"X-Request-Id": response_id}
+    try:
+        if not body.stream:
+            messages = await until_disconnected(request, all_messages(stream))
+            return Response(fmt.response(messages), headers=headers, media_type="application/json")
+        first = await until_disconnected(request, first_messages(stream, len(choices)))
+    except ClientDisconnected:
+        log.info("client disconnected", request_id=response_id)
+        return Response(status_code=499)
+    events = sse_events(fmt, first, stream)
+    return StreamingResponse(events, headers=headers, media_type="text/event-stream")
+
+
+def create_app(core: GatewayCore) -> FastAPI:
+    """The HTTP API's app: the routes over core, errors in OpenAI's shape, the body limit and
+    (with keys configured) the key check."""
+    app = FastAPI(
+        title="llmserve",
+        version=__version__,
+        description="OpenAI-compatible completions and chat completions.",
+    )
+    add_error_handlers(app)
+
+    @app.post("/v1/completions", response_model=CompletionResponse, responses=ERRORS)
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await generate_response(core, request, body)
+
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=ERRORS)
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await generate_response(core, request, body)
+
+    _add_model_routes(app, core)
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready() -> Response:
+        if core.serving:
+            return Response('{"status":"ready"}', media_type="application/json")
+        error = GatewayError(
+            grpc.StatusCode.UNAVAILABLE, "not ready: the scheduler is not serving yet"
+        )
+        return ApiError.from_gateway(error, "model").response()
+
+    app.add_middleware(BodyLimitMiddleware, max_bytes=core.config.max_request_bytes)
+    if core.tenants.requires_key:  # added last, so it runs first: no key, no body read
+        app.add_middleware(ApiKeyMiddleware, tenants=core.tenants)
+    return app
+
+
+def _add_model_routes(app: FastAPI, core: GatewayCore) -> None:
+    """/v1/models and /v1/models/{id}: the one model core serves."""
+    started = int(time.time())
+
+    def model_cards() -> list[ModelCard]:
+        """The base model, then each LoRA adapter served on it (its parent)."""
+        with as_api_errors("model"):
+            info = core.model_info()
+        base = ModelCard(id=info.model, created=started, max_model_len=info.max_model_len)
+        adapters = [
+            ModelCard(id=name, created=started, max_model_len=info.max_model_len, parent=base.id)
+            for name in info.lora_names
+        ]
+        return [base, *adapters]
+
+    @app.get("/v1/models", response_model=ModelList, responses=ERRORS)
+    async def models() -> ModelList:
+        return ModelList(data=model_cards())
+
+    @app.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=ERRORS)
+    async def model(model_id: str) -> ModelCard:
+        cards = model_cards()
+        for card in cards:
+            if card.id == model_id:
+                return card
+        served = ", ".join(c.id for c in cards)
+        raise ApiError(
+            404,
+            f"model {model_id!r} is not served here; models: {served}",
+            param="model",
+            code="model_not_found",
+        )
+
+
+# -- the server ------------------------------------------------------------------------------------
+
+
+class _EmbeddedServer(uvicorn.Server):
+    """uvicorn without its signal handlers: the gateway's loop owns SIGTERM / SIGINT."""
+
+    @contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+class HttpServer:
+    """The HTTP API on an already bound socket (so a taken port fails the gateway at start)."""
+
+    def __init__(self, app: FastAPI, host: str, port: int):
+        self.address = f"{host}:{port}"
+        self.socket = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+        self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            self.socket.bind((host, port))
+        except OSError as err:
+            self.socket.close()
+            raise RuntimeError(f"gateway: cannot listen on {host}:{port} for HTTP ({err})") from err
+        config = uvicorn.Config(
+            app,
+            log_config=None,
+            access_log=False,
+            lifespan="off",
+            timeout_graceful_shutdown=2,
+        )
+        self.server = _EmbeddedServer(config)
+        self.stopped = asyncio.Event()
+
+    async def serve(self) -> None:
+        log.info("gateway HTTP listening", address=self.address)
+        try:
+            await self.server.serve(sockets=[self.socket])
+        finally:
+            self.stopped.set()
+
+    async def shutdown(self) -> None:
+        """Stop accepting, let open responses finish (2 s at most), return when stopped."""
+        self.server.should_exit = True
+        try:
+            await asyncio.wait_for(self.stopped.wait(), timeout=5)
+        except TimeoutError:
+            log.warning("HTTP server did not stop in time")

@@ -1,0 +1,447 @@
+"""The OpenAI API's request and response shapes (pydantic), and the conversion of requests to ours.
+
+Requests become `api_pb2.GenerateRequest`s, so they meet the same validation (gateway/validation.py)
+as gRPC ones; only what the gRPC API lacks (n, prompt lists, the legacy logprobs integer, fields we
+refuse) is checked here, with messages in the same style. Unknown fields are ignored, as OpenAI
+does. Fields OpenAI lacks but vLLM users send (top_k, min_p, ignore_eos, stop_token_ids) work too.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Sequence
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, Field
+
+from llmserve.common.sampling import SamplingError, seed_value
+from llmserve.gateway.openai_structured import structured_output, text_field
+from llmserve.gateway.openai_tools import tool_plan
+from llmserve.gateway.tool_formats import ToolFormat
+from llmserve.gateway.validation import ValidationError
+from llmserve.protos import api_pb2
+
+MAX_CHOICES = 128  # n times the number of prompts
+MAX_LOGPROBS = 20
+_INT32 = Annotated[int, Field(ge=-(2**31), le=2**31 - 1)]
+
+
+# -- requests ------------------------------------------------------------------------------------
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class SamplingRequest(BaseModel):
+    """The fields both endpoints share."""
+
+    # The base model or a LoRA adapter (GET /v1/models); without adapters, any name is the base.
+    model: str | None = None
+    max_tokens: _INT32 | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None  # OpenAI's are int64, ours uint64: common.sampling.seed_value
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = Field(
+        None,
+        description="the tenant this request is for, when the server has no API keys naming "
+        "tenants (--api-keys); with keys, the key decides and this is ignored",
+    )
+    # Beyond OpenAI's API, as vLLM accepts them.
+    top_k: _INT32 | None = None
+    min_p: float | None = None
+    ignore_eos: bool = False
+    stop_token_ids: list[_INT32] | None = None
+    priority: _INT32 = Field(
+        0,
+        description="under the scheduler's priority policy, lower runs first (vLLM's "
+        "convention); ties go by arrival",
+    )
+    # Ours: decode this request without speculative decoding (protos/api.proto).
+    disable_speculation: bool = False
+    # Structured output: OpenAI's response_format ({"type": "json_object"} or {"type":
+    # "json_schema", "json_schema": {"name", "schema", "strict"}}), on both endpoints as vLLM
+    # takes it, or vLLM's structured_outputs (exactly one of json, regex, choice, grammar).
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: _INT32 | None = 16  # OpenAI's default for this endpoint
+    logprobs: int | None = None  # legacy: the number of most likely tokens per position
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class TextPart(BaseModel):
+    type: str
+    text: str | None = None
+
+
+class ChatMessageParam(BaseModel):
+    role: str
+    content: str | list[TextPart] | None = None
+    # An assistant turn's calls, and a tool turn's answer to one (gateway/openai_tools.py).
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: list[ChatMessageParam]
+    max_completion_tokens: _INT32 | None = None  # wins over max_tokens
+    logprobs: bool = False
+    top_logprobs: _INT32 | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
+
+
+# -- responses -----------------------------------------------------------------------------------
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class CompletionResponse(BaseModel):
+    """Also each streamed chunk (object "text_completion" both ways, as OpenAI does)."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChoiceLogprobs(BaseModel):
+    content: list[TokenLogprob]
+
+
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # a JSON object's text
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ToolCallDelta(ToolCall):
+    """A streamed call: sent whole, once it is (OpenAI's deltas may split the arguments)."""
+
+    index: int
+
+
+class ChatMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatMessage
+    logprobs: ChoiceLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    logprobs: ChoiceLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "llmserve"
+    max_model_len: int
+    parent: str | None = None  # a LoRA adapter's base model
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+# -- request conversion --------------------------------------------------------------------------
+
+
+# The endpoints spell these differently (completions: logprobs=k); each sets them itself.
+_LOGPROB_FIELDS = ("logprobs", "top_logprobs")
+_NOT_COPIED = (*_LOGPROB_FIELDS, "structured_output")
+
+
+def _check_common(body: SamplingRequest, num_prompts: int) -> None:
+    if not 1 <= body.n <= MAX_CHOICES:
+        raise ValidationError(f"n={body.n} must be in [1, {MAX_CHOICES}]")
+    if body.n * num_prompts > MAX_CHOICES:
+        raise ValidationError(
+            f"n={body.n} times {num_prompts} prompts is {body.n * num_prompts} choices; "
+            f"the limit is {MAX_CHOICES}"
+        )
+    if body.logit_bias:
+        raise ValidationError("logit_bias is not supported by this server")
+    if body.stream_options is not None and not body.stream:
+        raise ValidationError("stream_options is only allowed with stream=true")
+
+
+def check_queue(n: int, num_prompts: int, max_waiting: int) -> None:
+    """Refuse more choices than the scheduler can ever queue at once (max_waiting; 0: unknown):
+    they are submitted together, and a 429 would invite a retry that cannot succeed."""
+    total = n * num_prompts
+    if not max_waiting or total <= max_waiting:
+        return
+    if num_prompts == 1:
+        raise ValidationError(
+            f"n={n} is more than the scheduler queues at once (max_waiting={max_waiting})"
+        )
+    raise ValidationError(
+        f"n={n} times {num_prompts} prompts is {total} choices; the scheduler queues at most "
+        f"{max_waiting} (max_waiting={max_waiting})"
+    )
+
+
+def _sampling_fields(body: SamplingRequest, max_tokens: int | None) -> api_pb2.GenerateRequest:
+    """The GenerateRequest fields the two endpoints share. The body's fields named as in
+    common.SamplingParams go there as they are (unset ones keep the server's defaults)."""
+    req = api_pb2.GenerateRequest(
+        ignore_eos=body.ignore_eos,
+        disable_speculation=body.disable_speculation,
+        priority=body.priority,
+        user=text_field("user", body.user or ""),
+    )
+    if max_tokens is not None:
+        req.max_tokens = max_tokens
+    structured = structured_output(body.response_format, body.structured_outputs)
+    if structured is not None:
+        req.sampling.structured_output.CopyFrom(structured)
+    for field in req.sampling.DESCRIPTOR.fields:
+        value = getattr(body, field.name, None)
+        if value is not None and field.name not in _NOT_COPIED:
+            setattr(req.sampling, field.name, _seed(value) if field.name == "seed" else value)
+    if isinstance(body.stop, str):
+        req.stop.append(text_field("stop", body.stop))
+    elif body.stop is not None:
+        req.stop.extend(text_field(f"stop[{i}]", s) for i, s in enumerate(body.stop))
+    req.stop_token_ids.extend(body.stop_token_ids or [])
+    return req
+
+
+def _seed(seed: int) -> int:
+    try:
+        return seed_value(seed)
+    except SamplingError as err:
+        raise ValidationError(str(err)) from err
+
+
+def _prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
+    """The prompts of a completion: text, a list of texts, one list of token ids, or a list of
+    them."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise ValidationError("prompt is empty")
+    if all(isinstance(p, int) for p in prompt):
+        return [list(prompt)]  # type: ignore[arg-type]
+    if all(isinstance(p, str) for p in prompt) or all(isinstance(p, list) for p in prompt):
+        return list(prompt)  # type: ignore[arg-type]
+    raise ValidationError("prompt mixes texts and token ids; send one kind")
+
+
+def completion_requests(body: CompletionRequest) -> list[api_pb2.GenerateRequest]:
+    """One GenerateRequest per prompt. Raises ValidationError (HTTP 400)."""
+    prompts = _prompts(body.prompt)
+    _check_common(body, len(prompts))
+    if body.echo:
+        raise ValidationError("echo is not supported by this server")
+    if body.suffix:
+        raise ValidationError("suffix is not supported by this server")
+    if body.best_of is not None and body.best_of != body.n:
+        raise ValidationError(f"best_of={body.best_of} is not supported (only best_of=n)")
+    if body.logprobs is not None and not 0 <= body.logprobs <= MAX_LOGPROBS:
+        raise ValidationError(f"logprobs={body.logprobs} must be in [0, {MAX_LOGPROBS}]")
+    requests = []
+    for i, prompt in enumerate(prompts):
+        req = _sampling_fields(body, body.max_tokens)
+        if isinstance(prompt, list):
+            req.token_ids.ids.extend(prompt)
+        else:
+            req.text = text_field(
+                "prompt" if isinstance(body.prompt, str) else f"prompt[{i}]", prompt
+            )
+        if body.logprobs is not None:
+            req.sampling.logprobs = True
+            req.sampling.top_logprobs = body.logprobs
+        requests.append(req)
+    return requests
+
+
+def _message_text(i: int, message: ChatMessageParam) -> str:
+    if message.content is None and message.tool_calls:
+        return ""
+    if message.content is None:
+        raise ValidationError(f"messages[{i}].content is missing")
+    if isinstance(message.content, str):
+        return text_field(f"messages[{i}].content", message.content)
+    texts = []
+    for j, part in enumerate(message.content):
+        if part.type != "text" or part.text is None:
+            raise ValidationError(
+                f"messages[{i}].content[{j}].type={part.type!r} is not supported (only 'text')"
+            )
+        texts.append(text_field(f"messages[{i}].content[{j}].text", part.text))
+    return "".join(texts)
+
+
+def chat_request(
+    body: ChatCompletionRequest, tool_format: ToolFormat | None = None
+) -> api_pb2.GenerateRequest:
+    """The GenerateRequest for a chat completion; tool_format: the model's way of writing
+    calls (Hermes when None). Raises ValidationError (HTTP 400)."""
+    _check_common(body, 1)
+    plan = tool_plan(body.tools, body.tool_choice, body.parallel_tool_calls, tool_format)
+    max_tokens = body.max_completion_tokens
+    req = _sampling_fields(body, max_tokens if max_tokens is not None else body.max_tokens)
+    if plan.constraint is not None:
+        if req.sampling.HasField("structured_output"):
+            raise ValidationError(
+                "tool_choice requires a call, which response_format / structured_outputs "
+                "would constrain too; send one"
+            )
+        req.sampling.structured_output.CopyFrom(plan.constraint)
+    if plan.tools:
+        req.chat.tools_json = json.dumps(plan.tools, ensure_ascii=False)
+    for i, m in enumerate(body.messages):
+        role = "system" if m.role == "developer" else text_field(f"messages[{i}].role", m.role)
+        message = req.chat.messages.add(role=role, content=_message_text(i, m))
+        if m.tool_calls:
+            message.tool_calls_json = json.dumps(m.tool_calls, ensure_ascii=False)
+        if m.tool_call_id:
+            message.tool_call_id = text_field(f"messages[{i}].tool_call_id", m.tool_call_id)
+    if not body.messages:
+        req.chat.SetInParent()  # validation then names the empty list
+    req.sampling.logprobs = body.logprobs
+    req.sampling.top_logprobs = body.top_logprobs or 0
+    return req
+
+
+def field_path(loc: Sequence[int | str]) -> str:
+    """A pydantic error location as the request spells it ("messages[1].content"), without the
+    union member tags pydantic adds ("str", "list[TextPart]")."""
+    path = ""
+    for part in loc:
+        if isinstance(part, int) or (isinstance(part, str) and part.isdigit()):
+            path += f"[{part}]"
+        elif not path:
+            path = str(part)
+        elif part in _REQUEST_FIELDS:
+            path += f".{part}"
+    return path
+
+
+_REQUEST_FIELDS = frozenset(
+    name
+    for model in (ChatCompletionRequest, CompletionRequest, ChatMessageParam, TextPart)
+    for name in model.model_fields
+) | frozenset(StreamOptions.model_fields)
+_LEADING_FIELD = re.compile(r"^[a-z_]+(?:\.[a-z_]+)*")
+_HTTP_NAMES = {
+    "text": "prompt",
+    "token_ids": "prompt",
+    "chat.messages": "messages",
+    "chat": "messages",
+}
+
+
+def http_message(message: str, prompt_field: str) -> tuple[str, str | None]:
+    """A validation message in the HTTP API's field names, and the field it names (`param`)."""
+    message = message.replace("sampling.", "")
+    match = _LEADING_FIELD.match(message)
+    if match is None:
+        return message, None
+    name = match.group(0)
+    http_name = _HTTP_NAMES.get(name, prompt_field if name == "prompt" else name)
+    return http_name + message[len(name) :], http_name.split(".")[0]

@@ -1,0 +1,297 @@
+"""OpenAI response bodies from the gateway's messages: one response, or one streamed chunk per
+message; usage over all choices; logprobs in the chat and the legacy completions formats."""
+
+from __future__ import annotations
+
+import math
+import time
+from abc import ABC, abstractmethod
+from typing import Any
+
+from pydantic import BaseModel
+
+from llmserve.gateway.choices import Choice
+from llmserve.gateway.core import GatewayCore
+from llmserve.gateway.detokenizer import IncrementalDetokenizer
+from llmserve.gateway.openai_protocol import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatDelta,
+    ChatMessage,
+    ChoiceLogprobs,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    PromptTokensDetails,
+    TokenLogprob,
+    ToolCall,
+    ToolCallDelta,
+    TopLogprob,
+    Usage,
+)
+from llmserve.gateway.openai_tools import tool_plan
+from llmserve.gateway.telemetry import FINISH_REASONS
+from llmserve.gateway.tokenizer import Tokenizer
+from llmserve.protos import api_pb2
+
+# OpenAI's stand-in for a logprob too small to print.
+_MIN_LOGPROB = -9999.0
+
+
+def _finite(logprob: float) -> float:
+    return logprob if math.isfinite(logprob) and logprob > _MIN_LOGPROB else _MIN_LOGPROB
+
+
+def token_text(data: bytes) -> str:
+    """A token's text, or OpenAI's "bytes:\\xe4\\xb8" for a token that is part of a character."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in data)
+
+
+def _token_logprob(tokenizer: Tokenizer, token_id: int, logprob: float) -> TopLogprob:
+    data = tokenizer.token_bytes(token_id)
+    return TopLogprob(token=token_text(data), logprob=_finite(logprob), bytes=list(data))
+
+
+def chat_logprobs(tokenizer: Tokenizer, msg: api_pb2.GenerateResponse) -> ChoiceLogprobs:
+    """The chat format's logprobs for the tokens of one message."""
+    content = []
+    for i, (token_id, logprob) in enumerate(zip(msg.token_ids, msg.logprobs, strict=True)):
+        top = []
+        if i < len(msg.top_logprobs):
+            ranked = msg.top_logprobs[i]
+            top = [
+                _token_logprob(tokenizer, t, lp)
+                for t, lp in zip(ranked.token_ids, ranked.logprobs, strict=True)
+            ]
+        chosen = _token_logprob(tokenizer, token_id, logprob)
+        content.append(TokenLogprob(**chosen.model_dump(), top_logprobs=top))
+    return ChoiceLogprobs(content=content)
+
+
+class CompletionLogprobsBuilder:
+    """The legacy completions format for one choice, message by message. text_offset counts the
+    characters of completion text before each token (a token inside a character gets the
+    character's offset)."""
+
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int]):
+        self.tokenizer = tokenizer
+        self.detok = IncrementalDetokenizer(tokenizer, prompt_token_ids)
+        self.num_chars = 0
+
+    def add(self, msg: api_pb2.GenerateResponse) -> CompletionLogprobs:
+        out = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
+        for i, (token_id, logprob) in enumerate(zip(msg.token_ids, msg.logprobs, strict=True)):
+            token = token_text(self.tokenizer.token_bytes(token_id))
+            out.tokens.append(token)
+            out.token_logprobs.append(_finite(logprob))
+            out.text_offset.append(self.num_chars)
+            self.num_chars += len(self.detok.add([token_id]))
+            top: dict[str, float] = {}
+            if i < len(msg.top_logprobs):
+                ranked = msg.top_logprobs[i]
+                for top_id, top_lp in zip(ranked.token_ids, ranked.logprobs, strict=True):
+                    top.setdefault(token_text(self.tokenizer.token_bytes(top_id)), _finite(top_lp))
+            top.setdefault(token, _finite(logprob))  # OpenAI always lists the chosen token too
+            out.top_logprobs.append(top)
+        return out
+
+
+class ResponseFormat(ABC):
+    """How one endpoint renders messages: as streamed chunks or as one response. Its usage is
+    over all choices: each prompt counted once, each choice's completion tokens."""
+
+    def __init__(
+        self,
+        core: GatewayCore,
+        choices: list[Choice],
+        response_id: str,
+        body: CompletionRequest | ChatCompletionRequest,
+    ):
+        self.core = core
+        self.choices = choices
+        self.body = body
+        self.id = response_id
+        self.created = int(time.time())
+        # The adapter the request ran under, else the base model (the name the client gave
+        # for it may be any: one model served).
+        self.model = choices[0].valid.submit.lora_name if choices else ""
+        self.model = self.model or core.model_id
+        prompts = {c.prompt_index: len(c.valid.prompt_token_ids) for c in choices}
+        self.prompt_tokens = sum(prompts.values())
+        self.completion_tokens = 0
+        self.cached_tokens = 0
+
+    def _count(self, choice: Choice, msg: api_pb2.GenerateResponse) -> None:
+        if msg.finish_reason:
+            self.completion_tokens += msg.usage.completion_tokens
+            if choice.sample_index == 0:
+                self.cached_tokens += msg.usage.cached_prompt_tokens
+
+    def _usage(self) -> Usage:
+        return Usage(
+            prompt_tokens=self.prompt_tokens,
+            completion_tokens=self.completion_tokens,
+            total_tokens=self.prompt_tokens + self.completion_tokens,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=self.cached_tokens),
+        )
+
+    def _json(
+        self, body: type[BaseModel], choices: list[Any], usage: Usage | None, **dump: Any
+    ) -> str:
+        """body (a response or chunk class) with this response's id, time and model, as JSON."""
+        return body(
+            id=self.id, created=self.created, model=self.model, choices=choices, usage=usage
+        ).model_dump_json(**dump)
+
+    def opening(self) -> list[str]:
+        """Chunks before any choice's first message."""
+        return []
+
+    @abstractmethod
+    def chunk(self, choice: Choice, msg: api_pb2.GenerateResponse) -> str:
+        """One streamed chunk (JSON) for one message of one choice."""
+
+    @abstractmethod
+    def usage_chunk(self) -> str:
+        """The last streamed chunk (JSON) when usage was asked for: no choices, the usage."""
+
+    @abstractmethod
+    def response(self, messages: dict[int, list[api_pb2.GenerateResponse]]) -> str:
+        """The whole response (JSON) from every choice's messages, by choice index."""
+
+
+class CompletionFormat(ResponseFormat):
+    def __init__(
+        self, core: GatewayCore, choices: list[Choice], response_id: str, body: CompletionRequest
+    ):
+        super().__init__(core, choices, response_id, body)
+        self.logprobs = {
+            c.index: CompletionLogprobsBuilder(core.tokenizer, c.valid.prompt_token_ids)
+            for c in choices
+            if body.logprobs is not None
+        }
+
+    def _choice(self, choice: Choice, msg: api_pb2.GenerateResponse) -> CompletionChoice:
+        self._count(choice, msg)
+        builder = self.logprobs.get(choice.index)
+        return CompletionChoice(
+            index=choice.index,
+            text=msg.text,
+            logprobs=builder.add(msg) if builder else None,
+            finish_reason=FINISH_REASONS.get(msg.finish_reason),
+        )
+
+    def chunk(self, choice: Choice, msg: api_pb2.GenerateResponse) -> str:
+        return self._json(CompletionResponse, [self._choice(choice, msg)], None)
+
+    def usage_chunk(self) -> str:
+        return self._json(CompletionResponse, [], self._usage())
+
+    def response(self, messages: dict[int, list[api_pb2.GenerateResponse]]) -> str:
+        choices = [self._choice(c, _merged(messages[c.index])) for c in self.choices]
+        return self._json(CompletionResponse, choices, self._usage())
+
+
+class ChatFormat(ResponseFormat):
+    """Chat completions; with tools (not tool_choice "none") the text is read for calls in the
+    model's format (gateway/tool_formats.py): streamed, a call goes out only once it is whole,
+    and text that may begin one is held back until it does or cannot."""
+
+    body: ChatCompletionRequest
+
+    def __init__(
+        self,
+        core: GatewayCore,
+        choices: list[Choice],
+        response_id: str,
+        body: ChatCompletionRequest,
+    ):
+        super().__init__(core, choices, response_id, body)
+        self.tool_format = core.tokenizer.tool_format
+        plan = tool_plan(body.tools, body.tool_choice, body.parallel_tool_calls, self.tool_format)
+        self.tool_names = set(plan.names)
+        self.calls = {
+            c.index: self.tool_format.stream(self.tool_names) for c in choices if self.tool_names
+        }
+
+    def _chunk(self, choices: list[ChatChunkChoice], usage: Usage | None = None) -> str:
+        return self._json(ChatCompletionChunk, choices, usage, exclude_none=True)
+
+    def opening(self) -> list[str]:
+        return [
+            self._chunk(
+                [ChatChunkChoice(index=c.index, delta=ChatDelta(role="assistant", content=""))]
+            )
+            for c in self.choices
+        ]
+
+    def _choice(self, choice: Choice, msg: api_pb2.GenerateResponse) -> dict[str, Any]:
+        """The fields a choice and a streamed choice share, for msg (whose usage is counted)."""
+        self._count(choice, msg)
+        return {
+            "index": choice.index,
+            "logprobs": chat_logprobs(self.core.tokenizer, msg) if self.body.logprobs else None,
+            "finish_reason": FINISH_REASONS.get(msg.finish_reason),
+        }
+
+    def chunk(self, choice: Choice, msg: api_pb2.GenerateResponse) -> str:
+        fields = self._choice(choice, msg)
+        stream = self.calls.get(choice.index)
+        if stream is None:
+            delta = ChatDelta(content=msg.text) if msg.text else ChatDelta()
+            return self._chunk([ChatChunkChoice(delta=delta, **fields)])
+        first = stream.num_calls
+        text, calls = stream.add(msg.text)
+        if msg.finish_reason:
+            rest, last_calls = stream.finish()
+            text += rest
+            calls += last_calls
+            fields["finish_reason"] = _with_calls(fields["finish_reason"], stream.num_calls)
+        delta = ChatDelta(
+            content=text or None,
+            tool_calls=[
+                ToolCallDelta(index=first + k, **call) for k, call in enumerate(calls)
+            ] or None,
+        )  # fmt: skip
+        return self._chunk([ChatChunkChoice(delta=delta, **fields)])
+
+    def usage_chunk(self) -> str:
+        return self._chunk([], self._usage())
+
+    def response(self, messages: dict[int, list[api_pb2.GenerateResponse]]) -> str:
+        choices = []
+        for c in self.choices:
+            msg = _merged(messages[c.index])
+            fields = self._choice(c, msg)
+            if not self.tool_names:
+                choices.append(ChatChoice(message=ChatMessage(content=msg.text), **fields))
+                continue
+            content, calls = self.tool_format.parse(msg.text, self.tool_names)
+            fields["finish_reason"] = _with_calls(fields["finish_reason"], len(calls))
+            message = ChatMessage(
+                content=content or None, tool_calls=[ToolCall(**call) for call in calls] or None
+            )
+            choices.append(ChatChoice(message=message, **fields))
+        return self._json(ChatCompletionResponse, choices, self._usage())
+
+
+def _with_calls(finish_reason: str | None, num_calls: int) -> str | None:
+    """OpenAI's finish reason for an answer that made calls: "tool_calls" where it stopped."""
+    return "tool_calls" if num_calls and finish_reason == "stop" else finish_reason
+
+
+def _merged(msgs: list[api_pb2.GenerateResponse]) -> api_pb2.GenerateResponse:
+    """One message as if msgs had come as one: their tokens and text, the last one's finish
+    reason and usage."""
+    out = api_pb2.GenerateResponse()
+    for msg in msgs:
+        out.MergeFrom(msg)  # token fields add up; finish reason and usage come with the last
+    out.text = "".join(m.text for m in msgs)
+    return out

@@ -1,0 +1,119 @@
+"""Tool calling in the OpenAI chat API: `tools`, `tool_choice` and `parallel_tool_calls`
+checked and turned into what the request carries (the tools for the template, and for
+`required` or a named function a grammar that admits only calls, in the model's format:
+gateway/tool_formats.py, e.g. Hermes `<tool_call>` tags around a JSON object, with arguments
+that validate against the function's parameters); the answer read back into
+`message.tool_calls` (the format parses the text).
+
+    tool_choice    the prompt lists    the output is              read back
+    none           no tools            free text                  never
+    auto (default) the tools           free text                  calls found in the text
+    required       the tools           1+ calls (1 if parallel_tool_calls is false), by grammar
+    {function}     the tools           calls of that function, by grammar
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from llmserve.gateway.tool_formats import ToolFormat
+from llmserve.gateway.validation import ValidationError
+from llmserve.protos.common_pb2 import StructuredOutput
+
+MAX_TOOLS = 128
+_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+_EMPTY_PARAMETERS = {"type": "object", "properties": {}}
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    """What a chat request's tools come to: the tools to render (none for tool_choice none),
+    the grammar that enforces calls (None: free text), and the names calls are read back for
+    (empty: no reading back)."""
+
+    tools: list[dict[str, Any]]
+    constraint: StructuredOutput | None
+    names: frozenset[str]
+
+
+def tool_plan(
+    tools: list[dict[str, Any]] | None,
+    tool_choice: str | dict[str, Any] | None,
+    parallel: bool,
+    fmt: ToolFormat | None = None,
+) -> ToolPlan:
+    """fmt: the model's call format (Hermes when None). Raises ValidationError naming the
+    field (an unknown tool_choice function included)."""
+    fmt = fmt or ToolFormat()
+    functions = _functions(tools or [])
+    choice = tool_choice if tool_choice is not None else ("auto" if functions else "none")
+    if choice == "none":
+        return ToolPlan([], None, frozenset())
+    if not functions:
+        raise ValidationError(f"tool_choice={json.dumps(choice)} needs tools")
+    rendered = [{"type": "function", "function": f} for f in functions]
+    names = frozenset(f["name"] for f in functions)
+    if choice == "auto":
+        return ToolPlan(rendered, None, names)
+    if choice == "required":
+        return ToolPlan(rendered, _calls_grammar(fmt, functions, parallel), names)
+    name = _named(choice)
+    if name not in names:
+        listed = ", ".join(sorted(names))
+        raise ValidationError(
+            f"tool_choice.function.name={name!r} is not one of the tools ({listed})"
+        )
+    chosen = [f for f in functions if f["name"] == name]
+    return ToolPlan(rendered, _calls_grammar(fmt, chosen, parallel), names)
+
+
+def _named(choice: Any) -> str:
+    if isinstance(choice, dict) and choice.get("type") == "function":
+        function = choice.get("function")
+        if isinstance(function, dict) and isinstance(function.get("name"), str):
+            return str(function["name"])
+    raise ValidationError(
+        f"tool_choice={json.dumps(choice)[:80]} must be 'none', 'auto', 'required' or "
+        '{"type": "function", "function": {"name": ...}}'
+    )
+
+
+def _functions(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    if len(tools) > MAX_TOOLS:
+        raise ValidationError(f"tools has {len(tools)} entries; at most {MAX_TOOLS} are allowed")
+    out: list[dict[str, Any]] = []
+    for i, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if (
+            not isinstance(tool, dict)
+            or tool.get("type") != "function"
+            or not isinstance(function, dict)
+        ):
+            raise ValidationError(f'tools[{i}] must be {{"type": "function", "function": {{...}}}}')
+        name = function.get("name")
+        if not isinstance(name, str) or not _NAME.fullmatch(name):
+            raise ValidationError(
+                f"tools[{i}].function.name={str(name)[:70]!r} must be 1-64 letters, digits, _ or -"
+            )
+        if any(f["name"] == name for f in out):
+            raise ValidationError(f"tools[{i}].function.name={name!r} is listed twice")
+        parameters = function.get("parameters", _EMPTY_PARAMETERS)
+        if not isinstance(parameters, dict):
+            raise ValidationError(f"tools[{i}].function.parameters must be a JSON schema object")
+        kept = {"name": name, "parameters": parameters}
+        if isinstance(function.get("description"), str):
+            kept = {"name": name, "description": function["description"], "parameters": parameters}
+        out.append(kept)
+    return out
+
+
+def _calls_grammar(
+    fmt: ToolFormat, functions: list[dict[str, Any]], parallel: bool
+) -> StructuredOutput:
+    """A Lark grammar (llguidance's, with %json for the call objects): one call, or with
+    parallel_tool_calls one or more, each of one of functions with arguments that validate,
+    written in the model's format."""
+    return StructuredOutput(grammar=fmt.calls_grammar(functions, parallel))

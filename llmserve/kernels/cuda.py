@@ -1,0 +1,124 @@
+"""The CUDA kernels of kernels/*.cu, one import away: `import kernels.cuda as kc;
+kc.paged_attention(...)`. This module re-exports the wrappers, which live by concern:
+
+- kernels/launch.py: NVRTC compilation through CuPy, caching, launching on torch's current
+  stream, and the argument checks every wrapper shares;
+- kernels/attention.py: store_kv, paged decode (split-K, `decode_num_splits`) and paged prefill
+  attention;
+- kernels/layer_ops.py: rms_norm, rotary_embedding, silu_and_mul;
+- kernels/int8.py: the weight-only int8 linear (GEMV and tensor-core GEMM);
+- kernels/moe.py: the routed experts of a mixture-of-experts layer;
+- kernels/lora.py: batched LoRA, each row's adapter update (shrink, then expand).
+
+Each public function mirrors one in kernels/reference.py (the ground truth and the CPU path),
+checks shapes, strides, dtypes and devices before launching, and raises ValueError naming the
+argument, its value and the limit. Importing this module needs neither CuPy nor a GPU;
+`is_available()` says whether the kernels can run.
+"""
+
+from __future__ import annotations
+
+from llmserve.kernels import int8
+from llmserve.kernels.attention import (
+    DECODE_THREADS,
+    DECODE_TILE,
+    HEAD_DIMS,
+    LOG2E,
+    PREFILL_CONFIGS,
+    PREFILL_DEFAULT_BLOCK_M,
+    decode_ctas_per_seq,
+    decode_num_splits,
+    decode_slots,
+    decode_smem_bytes,
+    decode_spec,
+    paged_attention,
+    paged_decode_attention,
+    paged_prefill_attention,
+    prefill_expr,
+    prefill_smem_bytes,
+    prefill_spec,
+    store_kv,
+    store_kv_spec,
+)
+from llmserve.kernels.int8 import int8_gemm_spec, int8_linear
+from llmserve.kernels.launch import (
+    _CTYPES,
+    _INDEX_CTYPES,
+    DEFAULT_SMEM_LIMIT,
+    FP8_CTYPE,
+    KERNEL_DIR,
+    NVRTC_OPTIONS,
+    ModuleSpec,
+    _external_stream,
+    _fail,
+    _kernel,
+    _module,
+    is_available,
+    load_source,
+)
+from llmserve.kernels.layer_ops import layer_ops_spec, rms_norm, rotary_embedding, silu_and_mul
+from llmserve.kernels.lora import lora_add, lora_spec
+from llmserve.kernels.moe import moe_experts, moe_spec
+
+__all__ = [
+    "DECODE_THREADS",
+    "DECODE_TILE",
+    "DEFAULT_SMEM_LIMIT",
+    "FP8_CTYPE",
+    "HEAD_DIMS",
+    "KERNEL_DIR",
+    "LOG2E",
+    "NVRTC_OPTIONS",
+    "PREFILL_CONFIGS",
+    "PREFILL_DEFAULT_BLOCK_M",
+    "_CTYPES",
+    "_INDEX_CTYPES",
+    "ModuleSpec",
+    "_external_stream",
+    "_fail",
+    "_kernel",
+    "_module",
+    "all_module_specs",
+    "decode_ctas_per_seq",
+    "decode_num_splits",
+    "decode_slots",
+    "decode_smem_bytes",
+    "decode_spec",
+    "int8_gemm_spec",
+    "int8_linear",
+    "is_available",
+    "layer_ops_spec",
+    "load_source",
+    "lora_add",
+    "lora_spec",
+    "moe_experts",
+    "moe_spec",
+    "paged_attention",
+    "paged_decode_attention",
+    "paged_prefill_attention",
+    "prefill_expr",
+    "prefill_smem_bytes",
+    "prefill_spec",
+    "rms_norm",
+    "rotary_embedding",
+    "silu_and_mul",
+    "store_kv",
+    "store_kv_spec",
+]
+
+
+def all_module_specs() -> list[ModuleSpec]:
+    """Every configuration the wrappers can launch (the compile test and the emulator build
+    each)."""
+    specs = [store_kv_spec()]
+    for ctype in _CTYPES.values():
+        specs += [decode_spec(ctype, d) for d in HEAD_DIMS]
+        specs += [prefill_spec(ctype, d) for d in HEAD_DIMS]
+        specs.append(layer_ops_spec(ctype))
+        specs.append(moe_spec(ctype))
+        specs.append(lora_spec(ctype))
+    for ctype in _CTYPES.values():
+        specs.append(store_kv_spec(ctype))
+        specs += [decode_spec(ctype, d, FP8_CTYPE) for d in HEAD_DIMS]
+        specs += [prefill_spec(ctype, d, FP8_CTYPE) for d in HEAD_DIMS]
+    return specs + int8.module_specs()

@@ -1,0 +1,107 @@
+"""Which LoRA adapters run in each step, and in which of the engine's device slots they sit.
+
+The engine has max_loras slots (EngineInfo.max_loras); a step may hold requests of at most that
+many distinct adapters (the base model is free). The scheduler mirrors the slot table: which
+adapter each slot holds, and it alone changes it, by listing loads in the plan (the engine
+places them before the step's rows run, so an adapter not resident is loaded before its
+requests run, in the same step; the others step meanwhile).
+
+Choosing the step's adapters (`begin_step`): when the running requests want more distinct
+adapters than there are slots, the adapters served least recently go first (ties: one already
+resident, then the one whose request has waited longest), so each adapter's requests run at
+least once every ceil(adapters / max_loras) steps: none starves. Waiting requests join with
+what room is left. A slot is given to a new adapter from those no request of this step uses:
+an empty one first, else the one whose adapter was served least recently.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from llmserve.scheduler.plan import LoraLoad
+
+
+@dataclass
+class LoraTable:
+    max_loras: int = 0
+    # Registered adapters: name -> PEFT directory. `removed`: unloaded by the operator; new
+    # requests are refused, those admitted before keep running (their path is kept).
+    paths: dict[str, str] = field(default_factory=dict)
+    removed: set[str] = field(default_factory=set)
+    # slots[k]: the adapter in slot k + 1 ("" empty), as the engine will hold it once the loads
+    # planned so far have run.
+    slots: list[str] = field(default_factory=list)
+    last_served: dict[str, int] = field(default_factory=dict)
+    # The step being planned: its adapters, the adapters running requests may use (None: any),
+    # and the loads not yet put in a plan.
+    step: set[str] = field(default_factory=set)
+    allowed: set[str] | None = None
+    loads: list[LoraLoad] = field(default_factory=list)
+    step_id: int = 0
+
+    def resize(self, max_loras: int) -> None:
+        """Adopt an engine with max_loras slots, all empty (a new engine holds none)."""
+        self.max_loras = max_loras
+        self.slots = [""] * max_loras
+        self.loads.clear()
+
+    def register(self, name: str, path: str) -> None:
+        """Serve adapter name from path (again, if it was removed). A new path for a name takes
+        effect at its next load: a slot holding the old one is emptied in the table."""
+        if self.paths.get(name, path) != path:
+            self.slots = ["" if held == name else held for held in self.slots]
+        self.paths[name] = path
+        self.removed.discard(name)
+
+    def unregister(self, name: str) -> None:
+        """Refuse new requests for name; those already admitted keep it (the slot is reused
+        only once no step needs it)."""
+        self.removed.add(name)
+
+    def is_servable(self, name: str) -> bool:
+        return name in self.paths and name not in self.removed
+
+    def begin_step(self, step_id: int, demand: list[str]) -> None:
+        """Start planning step step_id. demand: the adapters of the running requests that may
+        run, oldest request first ("" for the base)."""
+        self.step = set()
+        order = list(dict.fromkeys(name for name in demand if name))
+        self.allowed = None
+        if len(order) > self.max_loras:
+            chosen = sorted(
+                order,
+                key=lambda n: (self.last_served.get(n, 0), n not in self.slots, order.index(n)),
+            )
+            self.allowed = set(chosen[: self.max_loras])
+        self.step_id = step_id
+
+    def admit(self, name: str, running: bool) -> bool:
+        """Whether a request of adapter name ("": the base) may be in this step; if so its
+        adapter is in the step from now on, loaded into a slot if it is not resident."""
+        if not name or name in self.step:
+            return True
+        if running and self.allowed is not None and name not in self.allowed:
+            return False
+        if len(self.step) >= self.max_loras:
+            return False
+        if name not in self.slots:
+            free = [k for k, held in enumerate(self.slots) if held not in self.step]
+            if not free:
+                return False
+            k = min(
+                free, key=lambda k: (self.slots[k] != "", self.last_served.get(self.slots[k], 0))
+            )
+            self.slots[k] = name
+            self.loads.append(LoraLoad(k + 1, name, self.paths[name]))
+        self.step.add(name)
+        self.last_served[name] = self.step_id
+        return True
+
+    def slot_of(self, name: str) -> int:
+        """The slot a request of adapter name runs under (0: the base)."""
+        return self.slots.index(name) + 1 if name else 0
+
+    def take_loads(self) -> list[LoraLoad]:
+        """The loads planned since the last plan, for the plan being made."""
+        loads, self.loads = self.loads, []
+        return loads
