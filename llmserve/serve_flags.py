@@ -96,7 +96,8 @@ def parse_serve_flags(argv: list[str]) -> Any:
 
 
 def _absolute_paths(gateway: GatewayConfig) -> dict[str, str]:
-    """The gateway's file settings made absolute: its process runs in ROOT, not here."""
+    """The gateway's file settings made absolute, so that its config means the same whatever
+    directory reads it."""
     paths = {}
     if gateway.api_keys:
         paths["api_keys"] = str(Path(gateway.api_keys).resolve())
@@ -119,7 +120,7 @@ def stack_from_flags(args: Any, **kwargs: Any) -> Stack:
         from_flags(cls, args, **n) for cls, n in zip(CONFIG_TYPES, network, strict=True)
     )
     engine = split_cpu(engine, size)
-    # The scheduler's process runs in ROOT, not here: adapter directories made absolute.
+    # Adapter directories made absolute: they are listed to clients and to the engine.
     modules = [f"{name}={Path(path).resolve()}" for name, path in scheduler.lora_paths().items()]
     scheduler = replace(scheduler, lora_modules=tuple(modules))
     more: list[int] = []

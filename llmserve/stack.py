@@ -61,7 +61,6 @@ from llmserve.topology import (
     split_cpu,
 )
 
-ROOT = Path(__file__).resolve().parent.parent
 SERVICES = ("engine", "scheduler", "gateway")  # start order; stopped front first
 CONFIG_TYPES: tuple[type[Any], ...] = (EngineConfig, SchedulerConfig, GatewayConfig)  # as SERVICES
 
@@ -200,8 +199,9 @@ class Stack:
             self.log_dir.mkdir(parents=True, exist_ok=True)
             out = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115
         proc = subprocess.Popen(
+            # In the launcher's own directory, as the user started it: relative paths mean
+            # the same in every service, and an installed llmserve needs no checkout.
             [sys.executable, "-m", "llmserve.cli", kind, "--config-stdin"],
-            cwd=ROOT,
             env=env,
             stdin=subprocess.PIPE,
             stdout=out,

@@ -19,9 +19,11 @@ from llmserve.client import Client, Completion
 from llmserve.common.flags import from_flags
 from llmserve.protos import api_pb2, scheduler_pb2
 from llmserve.services import SERVICE_CONFIGS
-from llmserve.stack import ROOT, local_stack
 from llmserve.stack import Stack as LaunchedStack
+from llmserve.stack import local_stack
 from llmserve.topology import free_port
+
+ROOT = Path(__file__).resolve().parent.parent  # the checkout
 
 __all__ = [
     "ROOT",

@@ -618,7 +618,7 @@ def test_serve_takes_the_tenant_flags_and_checks_the_file(
     args = parse_serve_flags(["--api-keys", str(path), "--admin-key", ADMIN_KEY])
     stack = stack_from_flags(args)
     assert (stack.gateway.api_keys, stack.gateway.admin_key) == (str(path), ADMIN_KEY)
-    # Relative paths are the caller's: the gateway runs elsewhere (llmserve.stack.ROOT).
+    # Relative paths are the caller's, made absolute for the gateway's config.
     monkeypatch.chdir(tmp_path)
     args = parse_serve_flags(["--api-keys", "tenants.json", "--admin-key", "@admin.key"])
     with pytest.raises(ValueError, match=r"admin_key='@.*admin\.key' cannot be read: No such file"):

@@ -180,7 +180,7 @@ def test_nvrtc_compiles_every_module() -> None:
 def test_import_without_cupy() -> None:
     code = (
         "import sys; sys.modules['cupy'] = None\n"
-        "import kernels.cuda as k\n"
+        "import llmserve.kernels.cuda as k\n"
         "assert not k.is_available()\n"
         "assert len(k.all_module_specs()) == 27\n"
     )

@@ -54,7 +54,7 @@ def test_a_stale_build_lock_does_not_stop_the_kernel_loading() -> None:
 
     assert cpu_kernels.unavailable() is None  # built (and cached) in this process first
     (cpu_kernels.build_dir() / "lock").write_text("")
-    code = "from kernels import cpu; assert cpu.unavailable() is None, cpu.unavailable()"
+    code = "from llmserve.kernels import cpu; assert cpu.unavailable() is None, cpu.unavailable()"
     done = subprocess.run([sys.executable, "-c", code], timeout=120, capture_output=True)
     assert done.returncode == 0, done.stderr.decode()[-2000:]
     assert not (cpu_kernels.build_dir() / "lock").exists()

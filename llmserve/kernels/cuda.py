@@ -1,4 +1,4 @@
-"""The CUDA kernels of kernels/*.cu, one import away: `import kernels.cuda as kc;
+"""The CUDA kernels of kernels/*.cu, one import away: `import llmserve.kernels.cuda as kc;
 kc.paged_attention(...)`. This module re-exports the wrappers, which live by concern:
 
 - kernels/launch.py: NVRTC compilation through CuPy, caching, launching on torch's current
