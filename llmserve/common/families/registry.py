@@ -40,7 +40,7 @@ class Family:
     name: str
     hf_architectures: tuple[str, ...]
     hf_model_types: tuple[str, ...]
-    model: str  # "engine.families.<module>:<Class>"
+    model: str  # "llmserve.engine.families.<module>:<Class>"
     read_hf: HFReader
     gguf_architecture: str | None = None
     read_gguf: GGUFReader | None = None
