@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 
-from llmserve.engine.kv_transfer import KVReceiver, gather_blocks, send_payload
+from llmserve.engine.kv_transfer import KVReceiver, block_layout, gather_blocks, send_payload
 from llmserve.engine.kv_transfer_torch import TorchSender, gather_payload
 
 BLOCK_SHAPE = (30, 2, 16, 3, 64)  # layers, k/v, block_size, kv heads, head_dim
@@ -84,11 +84,13 @@ def run_sender(args: argparse.Namespace) -> None:
                 if payload.ready is not None:
                     payload.ready.synchronize()
                 t1 = time.perf_counter()
-                sender.send(address, TOKEN, transfer_id, payload, num_blocks)
+                sender.send(
+                    address, TOKEN, transfer_id, payload, num_blocks, block_layout(kv_cache)
+                )
             else:
                 data = gather_blocks(kv_cache, ids)
                 t1 = time.perf_counter()
-                send_payload(address, TOKEN, transfer_id, data, num_blocks)
+                send_payload(address, TOKEN, transfer_id, data, num_blocks, block_layout(kv_cache))
             t2 = time.perf_counter()
             results.append(
                 {"transfer_id": transfer_id, "num_blocks": num_blocks, "first": i == 0,

@@ -12,7 +12,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from llmserve.engine.kv_transfer import HEADER, KVReceiver, TransferError, send_blocks
+from llmserve.engine.kv_transfer import KVReceiver, TransferError, send_blocks
+from llmserve.engine.kv_transfer_wire import pack_header
 
 SHAPE = (2, 2, 8, 4, 2, 16)  # [layers, 2, blocks, block_size, kv heads, head_dim]
 TOKEN = "internal-token"
@@ -64,7 +65,8 @@ def test_a_connection_dropped_mid_payload_delivers_nothing(receiver: KVReceiver)
     with socket.create_connection(receiver.address, timeout=5) as conn:
         challenge = conn.recv(32)
         conn.sendall(hmac.new(TOKEN.encode(), challenge, hashlib.sha256).digest())
-        conn.sendall(HEADER.pack(9, 2, receiver.block_bytes, 0))
+        conn.sendall(pack_header(9, 2, receiver.layout, "tcp"))
+        assert conn.recv(1) == b"\x01"  # the header is accepted
         conn.sendall(b"\x01" * (receiver.block_bytes + 10))  # one block and a bit, then gone
     deadline = time.monotonic() + 2
     while not receiver.poll_failed(9) and time.monotonic() < deadline:  # reported, not awaited
@@ -184,5 +186,65 @@ def test_on_a_gpu_an_arrived_transfer_is_written_without_waiting_for_the_device(
         torch.cuda.synchronize()
         assert enqueued_s < 0.3
         assert torch.equal(pool[:, :, [0, 5]].cpu(), source[:, :, [3, 1]])
+    finally:
+        receiver.close()
+
+
+def _send_header(receiver: KVReceiver, header: bytes) -> bytes:
+    """Prove the token, send header; the receiver's whole answer (until it closes)."""
+    import hashlib
+    import hmac
+
+    with socket.create_connection(receiver.address, timeout=5) as conn:
+        challenge = conn.recv(32)
+        conn.sendall(hmac.new(TOKEN.encode(), challenge, hashlib.sha256).digest())
+        conn.sendall(header)
+        answer = b""
+        while chunk := conn.recv(4096):
+            answer += chunk
+    return answer
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        ({"num_blocks": 2**32 - 1}, "num_blocks=4294967295 is outside 1..8"),
+        ({"num_blocks": 0}, "num_blocks=0 is outside 1..8"),
+        ({"num_layers": 3}, "num_layers=3, this pool's is 2"),
+        ({"block_size": 16}, "block_size=16, this pool's is 4"),
+        ({"dtype": "bfloat16"}, "dtype=bfloat16, this pool's is float32"),
+        ({"block_bytes": 2**63}, f"block_bytes={2**63}, this pool's is"),
+    ],
+)
+def test_a_header_not_matching_the_pool_is_refused_before_anything_is_allocated(
+    receiver: KVReceiver, change: dict, named: str
+) -> None:
+    """A peer holding the internal token can still send a bad header (a bug, another version,
+    a hostile peer): each field is checked against this pool first, the refusal names it, the
+    transfer is reported failed at once, and the receiver goes on taking transfers."""
+    from dataclasses import replace
+
+    fields = {"num_layers", "block_size", "dtype", "block_bytes"}
+    layout = replace(receiver.layout, **{k: v for k, v in change.items() if k in fields})
+    answer = _send_header(receiver, pack_header(12, change.get("num_blocks", 2), layout, "tcp"))
+    assert answer[:1] == b"\x00" and named in answer[3:].decode(), answer
+    deadline = time.monotonic() + 2
+    while not receiver.poll_failed(12) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert time.monotonic() < deadline, "the refused transfer was not reported failed"
+    send_blocks(receiver.address, TOKEN, 13, sent := torch.randn(SHAPE), [5])  # still serving
+    assert receiver.take(13, [1], time.monotonic() + 5)
+    assert torch.equal(receiver.kv_cache[:, :, 1], sent[:, :, 5])
+
+
+def test_the_sender_reports_the_receivers_refusal() -> None:
+    """A pool of another layout (here: bfloat16 blocks of the same byte size would not do, so
+    another number of layers) is refused before its payload moves, and send_blocks says why."""
+    receiver = KVReceiver(torch.zeros(SHAPE), TOKEN)
+    try:
+        other = (3, *SHAPE[1:])
+        with pytest.raises(TransferError, match=r"refused by the receiver: .*num_layers=3"):
+            send_blocks(receiver.address, TOKEN, 14, torch.randn(other), [0])
+        assert receiver.arrived == {} and not receiver.kv_cache.any()
     finally:
         receiver.close()

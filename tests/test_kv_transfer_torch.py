@@ -19,7 +19,7 @@ import torch
 
 import llmserve.engine.kv_transfer as kv_transfer
 import llmserve.engine.kv_transfer_torch as kv_transfer_torch
-from llmserve.engine.kv_transfer import KVReceiver, TransferError, send_blocks
+from llmserve.engine.kv_transfer import KVReceiver, TransferError, block_layout, send_blocks
 from llmserve.engine.kv_transfer_torch import TorchSender, gather_payload
 
 SHAPE = (2, 2, 8, 4, 2, 16)  # [layers, 2, blocks, block_size, kv heads, head_dim]
@@ -43,7 +43,10 @@ def sender() -> Iterator[TorchSender]:
 def send(sender: TorchSender, receiver: KVReceiver, transfer_id: int, source: torch.Tensor,
          block_ids: list[int]) -> None:  # fmt: skip
     payload = gather_payload(source, block_ids)
-    sender.send(receiver.address, TOKEN, transfer_id, payload, len(block_ids), timeout_s=5.0)
+    layout = block_layout(source)
+    sender.send(
+        receiver.address, TOKEN, transfer_id, payload, len(block_ids), layout, timeout_s=5.0
+    )
 
 
 def wait_failed(receiver: KVReceiver, transfer_id: int, within_s: float) -> float:
@@ -78,7 +81,7 @@ def test_a_wrong_token_is_refused_before_any_group(receiver: KVReceiver) -> None
     stranger = TorchSender(torch.device("cpu"))
     with pytest.raises(TransferError, match="transfer 8"):
         stranger.send(receiver.address, "not-the-token", 8, gather_payload(torch.randn(SHAPE),
-                      [0]), 1, timeout_s=2.0)  # fmt: skip
+                      [0]), 1, receiver.layout, timeout_s=2.0)  # fmt: skip
     assert not receiver.take(8, [0], time.monotonic() + 0.2)
     assert receiver.torch is not None and not receiver.torch.groups and not stranger.pairs
     assert not receiver.kv_cache.any()
@@ -90,12 +93,14 @@ import llmserve.engine.kv_transfer_torch as t
 address = (sys.argv[1], int(sys.argv[2]))
 source = torch.arange({numel}, dtype=torch.float32).view({shape})
 sender = t.TorchSender(torch.device("cpu"))
-sender.send(address, "{token}", 1, t.gather_payload(source, [2]), 1)
+from llmserve.engine.kv_transfer import block_layout
+sender.send(address, "{token}", 1, t.gather_payload(source, [2]), 1, block_layout(source))
 def stall(group, tensor):
     print("stalling", flush=True)
     time.sleep(60)
 t._send_tensor = stall
-sender.send(address, "{token}", 2, t.gather_payload(source, [2]), 1, timeout_s=60)
+sender.send(address, "{token}", 2, t.gather_payload(source, [2]), 1, block_layout(source),
+            timeout_s=60)
 """
 
 

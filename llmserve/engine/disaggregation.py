@@ -57,8 +57,10 @@ from llmserve.common.log import get_logger
 from llmserve.engine.config import WILDCARD_HOSTS, EngineConfig
 from llmserve.engine.contract import StepPlanData
 from llmserve.engine.kv_transfer import (
+    BlockLayout,
     KVReceiver,
     TransferError,
+    block_layout,
     connect,
     gather_blocks,
     send_payload,
@@ -113,8 +115,11 @@ class KVSender:
         fault: str = "",
         backend: str = "tcp",
         device: torch.device | None = None,
+        layout: BlockLayout | None = None,
     ):
+        """layout: the sending pool's blocks, as each transfer's header states them."""
         self.token = token
+        self.layout = layout or BlockLayout(0, 0, "float32", 0)
         self.fault = fault
         self.backend = backend
         self.torch = TorchSender(device or torch.device("cpu")) if backend == "torch" else None
@@ -138,9 +143,9 @@ class KVSender:
     def _send(self, address: tuple[str, int], transfer_id: int, payload: Payload, n: int) -> None:
         if isinstance(payload, DevicePayload):
             assert self.torch is not None
-            self.torch.send(address, self.token, transfer_id, payload, n)
+            self.torch.send(address, self.token, transfer_id, payload, n, self.layout)
         else:
-            send_payload(address, self.token, transfer_id, payload, n)
+            send_payload(address, self.token, transfer_id, payload, n, self.layout)
 
     def _run(self) -> None:
         while (item := self.outbox.get()) is not None:
@@ -184,8 +189,8 @@ class KVSender:
         num_bytes = _num_bytes(payload)
         try:
             with connect(
-                address, self.token, transfer_id, num_blocks, num_bytes // num_blocks,
-                self.backend, timeout_s=5,
+                address, self.token, transfer_id, num_blocks, self.layout, self.backend,
+                timeout_s=5,
             ) as conn:  # fmt: skip
                 if isinstance(payload, bytes):
                     conn.sendall(payload[: num_bytes // 2])
@@ -221,7 +226,9 @@ class KVTransfers:
             KVReceiver(kv_cache, token, host, port, backend) if role == "decode" else None
         )  # fmt: skip
         self.sender = (
-            KVSender(token, fault, backend, kv_cache.device) if role == "prefill" else None
+            KVSender(token, fault, backend, kv_cache.device, block_layout(kv_cache))
+            if role == "prefill"
+            else None
         )  # fmt: skip
         # Where peers send to: --kv-transfer-host, else where the bound address is reachable.
         self.advertised = ""

@@ -11,13 +11,16 @@ same authenticated connection for the control, one connection per transfer:
 
     receiver -> sender   32-byte random challenge
     sender -> receiver   HMAC-SHA256(internal token, challenge)       (refused: connection closed)
-    sender -> receiver   transfer_id (u64), num_blocks (u32), block_bytes (u64), backend (u8)
+    sender -> receiver   transfer_id (u64), num_blocks (u32), block_bytes (u64), backend (u8),
+                         num_layers (u16), block_size (u32), dtype (u8)
+    receiver -> sender   accepted (1), or refused (0) with the reason: a header not matching
+                         this pool (its layout, a block count over the pool's) or backend
     tcp:   sender -> receiver   num_blocks x block_bytes: each block's every layer, keys and values
     torch: the pair's exchange and the payload (engine/kv_transfer_torch.py)
     receiver -> sender   one byte: accepted
 
-A header naming the other backend is refused (logged; reported failed, so the scheduler
-recomputes at once).
+A refused header is logged on both sides and reported failed, so the scheduler recomputes at
+once; nothing is allocated for a transfer before its header is checked.
 
 Only a whole transfer is delivered: a connection that drops, stalls past its timeout or fails
 the challenge delivers nothing, and the receiver's `take` returns False at its deadline, so the
@@ -37,19 +40,23 @@ import torch
 from llmserve.common.log import get_logger
 from llmserve.engine.kv_transfer_torch import TorchReceiver
 from llmserve.engine.kv_transfer_wire import (
+    ACCEPTED,
     BACKENDS,
     CHALLENGE_BYTES,
+    DTYPES,
     HEADER,
     IO_TIMEOUT_S,
+    BlockLayout,
     TransferError,
     _proof,
     _read_exactly,
     connect,
+    refuse,
 )
 
 __all__ = [
-    "BACKENDS", "CHALLENGE_BYTES", "HEADER", "IO_TIMEOUT_S", "KVReceiver", "TransferError",
-    "connect", "gather_blocks", "send_blocks", "send_payload",
+    "BACKENDS", "CHALLENGE_BYTES", "HEADER", "IO_TIMEOUT_S", "BlockLayout", "KVReceiver",
+    "TransferError", "block_layout", "connect", "gather_blocks", "send_blocks", "send_payload",
 ]  # fmt: skip
 log = get_logger("llmserve.engine.kv_transfer")
 
@@ -58,6 +65,17 @@ def _block_span(kv_cache: torch.Tensor) -> tuple[int, ...]:
     """One block's shape as it travels: [num_layers, 2, block_size, num_kv_heads, head_dim]."""
     layers, kv, _, *block = kv_cache.shape
     return (layers, kv, *block)
+
+
+def block_layout(kv_cache: torch.Tensor) -> BlockLayout:
+    """The layout of one of kv_cache's blocks, as a transfer's header states it."""
+    span = _block_span(kv_cache)
+    return BlockLayout(
+        num_layers=span[0],
+        block_size=kv_cache.shape[3],
+        dtype=str(kv_cache.dtype).removeprefix("torch."),
+        block_bytes=kv_cache.element_size() * int(torch.Size(span).numel()),
+    )
 
 
 def gather_blocks(kv_cache: torch.Tensor, block_ids: list[int]) -> bytes:
@@ -78,7 +96,8 @@ def send_blocks(
     """Push the contents of kv_cache's block_ids to the receiver at address under transfer_id.
     Raises TransferError if it is refused, drops or takes longer than timeout_s."""
     payload = gather_blocks(kv_cache, block_ids)
-    send_payload(address, token, transfer_id, payload, len(block_ids), timeout_s)
+    layout = block_layout(kv_cache)
+    send_payload(address, token, transfer_id, payload, len(block_ids), layout, timeout_s)
 
 
 def send_payload(
@@ -87,15 +106,13 @@ def send_payload(
     transfer_id: int,
     payload: bytes,
     num_blocks: int,
+    layout: BlockLayout,
     timeout_s: float = IO_TIMEOUT_S,
 ) -> None:
-    """Push payload (gather_blocks' num_blocks blocks) to the receiver at address; as
+    """Push payload (gather_blocks' num_blocks blocks of layout) to the receiver at address; as
     send_blocks."""
-    block_bytes = len(payload) // max(1, num_blocks)
     try:
-        with connect(
-            address, token, transfer_id, num_blocks, block_bytes, "tcp", timeout_s
-        ) as conn:
+        with connect(address, token, transfer_id, num_blocks, layout, "tcp", timeout_s) as conn:
             conn.sendall(payload)
             conn.shutdown(socket.SHUT_WR)
             if conn.recv(1) != b"\x01":
@@ -123,8 +140,9 @@ class KVReceiver:
         self.torch: TorchReceiver | None = None
         if backend == "torch":
             self.torch = TorchReceiver(kv_cache.device)
-        span = _block_span(kv_cache)
-        self.block_bytes = kv_cache.element_size() * int(torch.Size(span).numel())
+        self.layout = block_layout(kv_cache)
+        self.block_bytes = self.layout.block_bytes
+        self.num_blocks = kv_cache.shape[2]
         self.arrived: dict[int, torch.Tensor] = {}
         # Transfers given up (deadline passed, or cancelled) before they arrived: dropped if
         # they arrive after all, so nothing is held for nobody.
@@ -147,7 +165,9 @@ class KVReceiver:
             threading.Thread(target=self._receive, args=(conn,), daemon=True).start()
 
     def _receive(self, conn: socket.socket) -> None:
-        """One transfer: challenge, header, payload; delivered only whole."""
+        """One transfer: challenge, header (checked against this pool before anything is
+        allocated: refused with the reason otherwise), payload; delivered only whole. Whatever
+        goes wrong ends this connection alone, never the receiver."""
         transfer_id: int | None = None
         with conn:
             conn.settimeout(IO_TIMEOUT_S)
@@ -158,14 +178,23 @@ class KVReceiver:
                 if not hmac.compare_digest(proof, _proof(self.token, challenge)):
                     log.warning("kv transfer refused: bad internal token")
                     return
-                transfer_id, num_blocks, block_bytes, backend = HEADER.unpack(
-                    _read_exactly(conn, HEADER.size)
-                )
-                self._check_header(transfer_id, block_bytes, backend)
-                data = self._receive_payload(conn, transfer_id, num_blocks * block_bytes)
+                header = HEADER.unpack(_read_exactly(conn, HEADER.size))
+                transfer_id, num_blocks = header[0], header[1]
+                reason = self._check_header(*header)
+                if reason is not None:
+                    log.warning("kv transfer refused", transfer_id=transfer_id, reason=reason)
+                    refuse(conn, reason)
+                    self._fail(transfer_id)
+                    return
+                conn.sendall(ACCEPTED)
+                data = self._receive_payload(conn, transfer_id, num_blocks * self.block_bytes)
                 conn.sendall(b"\x01")
             except (OSError, TransferError) as err:
                 log.warning("kv transfer dropped", transfer_id=transfer_id, error=str(err))
+                self._fail(transfer_id)
+                return
+            except Exception as err:  # a bug must not end the receiver: this transfer fails
+                log.exception("kv transfer failed", transfer_id=transfer_id, error=repr(err))
                 self._fail(transfer_id)
                 return
         span = _block_span(self.kv_cache)
@@ -176,18 +205,33 @@ class KVReceiver:
             self.arrived[transfer_id] = data.view(self.kv_cache.dtype).view(num_blocks, *span)
             self.cond.notify_all()
 
-    def _check_header(self, transfer_id: int, block_bytes: int, backend: int) -> None:
-        if block_bytes != self.block_bytes:
-            raise TransferError(
-                f"transfer {transfer_id}: blocks of {block_bytes} bytes, this pool's "
-                f"are {self.block_bytes}"
-            )
+    def _check_header(
+        self, transfer_id: int, num_blocks: int, block_bytes: int, backend: int,
+        num_layers: int, block_size: int, dtype: int,
+    ) -> str | None:  # fmt: skip
+        """Why this pool refuses the header's transfer (None: it does not)."""
+        mine = self.layout
+        dtype_name = DTYPES[dtype] if dtype < len(DTYPES) else f"#{dtype}"
         if backend != BACKENDS.index(self.backend):
             name = BACKENDS[backend] if backend < len(BACKENDS) else f"#{backend}"
-            raise TransferError(
-                f"transfer {transfer_id} refused: the sender's --kv-transfer-backend is {name}, "
+            return (
+                f"transfer {transfer_id}: the sender's --kv-transfer-backend is {name}, "
                 f"this engine's {self.backend}; both engines of a pair need the same one"
             )
+        for field, theirs, ours in (
+            ("num_layers", num_layers, mine.num_layers),
+            ("block_size", block_size, mine.block_size),
+            ("dtype", dtype_name, mine.dtype),
+            ("block_bytes", block_bytes, mine.block_bytes),
+        ):
+            if theirs != ours:
+                return f"transfer {transfer_id}: {field}={theirs}, this pool's is {ours}"
+        if not 1 <= num_blocks <= self.num_blocks:
+            return (
+                f"transfer {transfer_id}: num_blocks={num_blocks} is outside 1..{self.num_blocks}"
+                " (this pool's size)"
+            )
+        return None
 
     def _receive_payload(
         self, conn: socket.socket, transfer_id: int, num_bytes: int

@@ -58,7 +58,13 @@ import torch
 import torch.distributed as dist
 
 from llmserve.common.log import get_logger
-from llmserve.engine.kv_transfer_wire import IO_TIMEOUT_S, TransferError, _read_exactly, connect
+from llmserve.engine.kv_transfer_wire import (
+    IO_TIMEOUT_S,
+    BlockLayout,
+    TransferError,
+    _read_exactly,
+    connect,
+)
 
 if TYPE_CHECKING:
     Group: TypeAlias = dist.ProcessGroupGloo | dist.ProcessGroupNCCL
@@ -272,15 +278,16 @@ class TorchSender:
         transfer_id: int,
         payload: DevicePayload,
         num_blocks: int,
+        layout: BlockLayout,
         timeout_s: float = IO_TIMEOUT_S,
     ) -> None:
-        """Push payload (gather_payload's num_blocks blocks) to the receiver at address under
-        transfer_id; TransferError if it is refused, fails or takes longer than timeout_s."""
+        """Push payload (gather_payload's num_blocks blocks of layout) to the receiver at
+        address under transfer_id; TransferError if it is refused, fails or takes longer than
+        timeout_s."""
         deadline = time.monotonic() + timeout_s
-        block_bytes = payload.data.numel() // max(1, num_blocks)
         try:
             with connect(
-                address, token, transfer_id, num_blocks, block_bytes, "torch", timeout_s
+                address, token, transfer_id, num_blocks, layout, "torch", timeout_s
             ) as conn:
                 self._exchange(conn, address, transfer_id, payload, deadline)
                 if conn.recv(1) != b"\x01":

@@ -1,6 +1,7 @@
 """The KV transfer connection's framing, shared by both backends (engine/kv_transfer.py's
 `tcp` and engine/kv_transfer_torch.py's `torch`): the challenge, its HMAC under the internal
-token, and the header that names the transfer; see engine/kv_transfer.py for the whole exchange.
+token, the header that names the transfer and the receiver's answer to it (accepted, or refused
+with its reason, before any payload moves); see engine/kv_transfer.py for the whole exchange.
 """
 
 from __future__ import annotations
@@ -9,11 +10,28 @@ import hashlib
 import hmac
 import socket
 import struct
+from dataclasses import dataclass
 
 CHALLENGE_BYTES = 32
-HEADER = struct.Struct("!QIQB")
+# transfer_id, num_blocks, block_bytes, backend, num_layers, block_size, dtype
+HEADER = struct.Struct("!QIQBHIB")
 IO_TIMEOUT_S = 5.0
 BACKENDS = ("tcp", "torch")  # the header's backend byte: the index here
+DTYPES = ("float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2", "int8", "uint8")
+ACCEPTED = b"\x01"
+REFUSED = b"\x00"  # then the reason: its length (REASON) and its UTF-8 bytes
+REASON = struct.Struct("!H")
+
+
+@dataclass(frozen=True)
+class BlockLayout:
+    """One block of a KV pool as a transfer's header states it; the receiver refuses a header
+    whose layout is not its pool's."""
+
+    num_layers: int
+    block_size: int
+    dtype: str  # one of DTYPES
+    block_bytes: int
 
 
 class TransferError(Exception):
@@ -36,22 +54,45 @@ def _read_exactly(conn: socket.socket, num_bytes: int, into: memoryview | None =
     return bytes(buffer) if into is None else b""
 
 
+def pack_header(
+    transfer_id: int, num_blocks: int, layout: BlockLayout, backend: str | int
+) -> bytes:
+    backend_index = backend if isinstance(backend, int) else BACKENDS.index(backend)
+    dtype = DTYPES.index(layout.dtype) if layout.dtype in DTYPES else 255
+    return HEADER.pack(
+        transfer_id, num_blocks, layout.block_bytes, backend_index, layout.num_layers,
+        layout.block_size, dtype,
+    )  # fmt: skip
+
+
+def refuse(conn: socket.socket, reason: str) -> None:
+    """Answer a header with REFUSED and the reason (cut to what REASON can say)."""
+    text = reason.encode()[: 2**16 - 1]
+    conn.sendall(REFUSED + REASON.pack(len(text)) + text)
+
+
 def connect(
     address: tuple[str, int],
     token: str,
     transfer_id: int,
     num_blocks: int,
-    block_bytes: int,
+    layout: BlockLayout,
     backend: str,
     timeout_s: float,
 ) -> socket.socket:
-    """A connection to the receiver at address that has answered its challenge and sent the
-    header (OSError or TransferError when that fails)."""
+    """A connection to the receiver at address that has answered its challenge, sent the
+    header and had it accepted (OSError, or TransferError with the receiver's reason when it
+    refused it)."""
     conn = socket.create_connection(address, timeout=timeout_s)
     try:
         challenge = _read_exactly(conn, CHALLENGE_BYTES)
         conn.sendall(_proof(token, challenge))
-        conn.sendall(HEADER.pack(transfer_id, num_blocks, block_bytes, BACKENDS.index(backend)))
+        conn.sendall(pack_header(transfer_id, num_blocks, layout, backend))
+        answer = _read_exactly(conn, 1)
+        if answer != ACCEPTED:
+            (length,) = REASON.unpack(_read_exactly(conn, REASON.size))
+            reason = _read_exactly(conn, length).decode(errors="replace")
+            raise TransferError(f"transfer {transfer_id} refused by the receiver: {reason}")
     except BaseException:
         conn.close()
         raise
