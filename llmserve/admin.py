@@ -251,7 +251,7 @@ def _load_lora(admin: _Admin, args: argparse.Namespace) -> int:
     from llmserve.protos import scheduler_pb2
 
     path = str(Path(args.path).resolve()) if Path(args.path).exists() else args.path
-    request = scheduler_pb2.LoadLoraRequest(lora_name=args.name, path=path)
+    request = scheduler_pb2.LoadLoraRequest(lora_name=args.name, path=path, replace=args.replace)
     response = admin("LoadLora", request)
     if args.json:
         _json(response)
@@ -332,5 +332,11 @@ def add_admin_parser(sub: Any) -> None:
     c = command("load-lora", _load_lora, "serve a LoRA adapter (a PEFT directory) under NAME")
     c.add_argument("name")
     c.add_argument("path")
+    c.add_argument(
+        "--replace",
+        action="store_true",
+        help="NAME is served already: serve PATH as its new version (requests running on the "
+        "old one finish on it; without this flag, a served name is refused)",
+    )
     c = command("unload-lora", _unload_lora, "stop admitting requests for a LoRA adapter")
     c.add_argument("name")

@@ -42,7 +42,7 @@ class EngineSlots:
             self.slots[load.slot - 1] = load.lora_name
             self.num_loads += 1
         for row in plan.rows:
-            name = row.request.lora_name
+            name = row.request.lora_key  # the version it was admitted under
             if name:
                 assert self.slots[row.lora_slot - 1] == name, (row.request.request_id, self.slots)
             else:
@@ -166,3 +166,67 @@ def test_engine_reset_empties_the_slot_table() -> None:
     engine = EngineSlots(1)  # a new engine holds nothing: x is loaded again
     run(h, engine)
     assert engine.num_loads == 1 and len(h.outputs[1]) == 6
+
+
+def test_a_replaced_adapter_serves_new_requests_and_running_ones_keep_theirs() -> None:
+    """register(..., replace) is a new version: requests admitted before run on the old one to
+    the end (its slot kept), later ones on the new one, and the prefix cache never mixes them."""
+    prompt = list(range(1, 3 * BS + 2))
+    h = harness(2, ["x"], num_blocks=32)
+    old = lora_request(1, "x", prompt=prompt, max_tokens=8)
+    h.add(old)
+    engine = EngineSlots(2)
+    engine.apply(h.step()[0])
+    assert h.s.loras.next_key("x", "/adapters/x") == "x"  # the same directory: no new version
+    assert h.s.loras.register("x", "/adapters/x@2", replace=True) == "x@2"
+    new = lora_request(2, "x", prompt=prompt, max_tokens=8)
+    h.add(new)
+    assert (old.lora_key, new.lora_key) == ("x", "x@2")
+    assert h.s.block_manager.find_cached_blocks(new) == []  # x's blocks are not x@2's
+    run(h, engine)
+    assert sorted(engine.slots) == ["x", "x@2"] and len(h.outputs[1]) == len(h.outputs[2]) == 8
+    again = lora_request(3, "x", prompt=prompt, max_tokens=1)
+    h.add(again)
+    run(h, engine)
+    assert again.lora_key == "x@2" and again.num_cached_tokens == 3 * BS
+
+
+def test_adapter_names_and_the_registry_bound_are_checked() -> None:
+    from llmserve.scheduler.config import SchedulerConfig
+    from llmserve.scheduler.lora import check_lora_name
+
+    assert check_lora_name("org/adapter-1.v2") is None
+    for bad in ("../../etc/passwd", "/abs", "a b", "a//b", "x" * 65, "", "a/../b"):
+        assert check_lora_name(bad) is not None, bad
+    with pytest.raises(ValueError, match=r"lora_modules entry '\.\./x=/p': lora_name="):
+        SchedulerConfig(lora_modules=("../x=/p",)).lora_paths()
+    with pytest.raises(ValueError, match="names 3 adapters; max_registered_loras=2"):
+        SchedulerConfig(lora_modules=("a=/a", "b=/b", "c=/c"), max_registered_loras=2).lora_paths()
+
+
+def test_load_lora_refusals_come_before_any_engine_reads_the_adapter() -> None:
+    import grpc
+
+    from llmserve.protos.scheduler_pb2 import LoadLoraRequest as Load
+    from llmserve.scheduler.config import SchedulerConfig
+    from llmserve.scheduler.service import SchedulerService
+
+    service = object.__new__(SchedulerService)  # its LoadLora checks alone, no server
+    service.scheduler = harness(2, ["x"]).s
+    service.config = SchedulerConfig(max_registered_loras=1)
+    assert service._refuse_lora(Load(lora_name="x", path="/adapters/x")) is None  # again: fine
+    code, message = service._refuse_lora(Load(lora_name="x", path="/other"))
+    assert code == grpc.StatusCode.ALREADY_EXISTS and "from /adapters/x; set replace" in message
+    assert service._refuse_lora(Load(lora_name="x", path="/other", replace=True)) is None
+    code, message = service._refuse_lora(Load(lora_name="y", path="/y"))
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_registered_loras=1" in message
+    code, message = service._refuse_lora(Load(lora_name="../y", path="/y"))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "lora_name='../y'" in message
+
+
+def test_not_found_lists_at_most_ten_adapters() -> None:
+    h = harness(2, [f"a{i:02d}" for i in range(30)])
+    with pytest.raises(AdmissionError) as err:
+        h.s.add(lora_request(1, "nope"))
+    assert "a00, a01," in err.value.message and "a10" not in err.value.message
+    assert "and 20 more" in err.value.message

@@ -19,7 +19,7 @@ from llmserve.client import make_request
 from llmserve.gateway.tokenizer import Tokenizer
 from llmserve.protos import admin_pb2_grpc, scheduler_pb2
 from tests.factories import make_lora_adapter
-from tests.stack import Stack, start_stack
+from tests.stack import Stack, StreamWatch, start_stack, wait_mid_stream
 from tests.test_lora_engine import NUM_TOKENS, PeftReference
 
 ADMIN_KEY = "lora-admin-key"
@@ -236,3 +236,63 @@ def test_adapters_under_prefill_and_decode_engines(
         assert stats.num_kv_transfers_done >= 3 and set(stats.lora_names) == {"ad4", "ad16"}
     finally:
         s.close()
+
+
+def test_a_replacement_never_changes_running_requests_nor_serves_old_kv(
+    stack: Stack, adapters: dict[str, Path]
+) -> None:
+    """The promises of a replaced adapter (docs/lora.md#replacing-an-adapter): a served name is
+    refused unless `replace` is asked; a request running when the replacement lands finishes on
+    the weights it started with (its tokens equal a run with no replacement); a request after it
+    runs on the new weights, equal to the same adapter under a name never replaced (ad8), even
+    for a prompt whose blocks the old version left in the prefix cache."""
+    stub, metadata = admin(stack)
+
+    def load(name: str, path: Path, replace: bool = False) -> None:
+        request = scheduler_pb2.LoadLoraRequest(lora_name=name, path=str(path), replace=replace)
+        stub.LoadLora(request, metadata=metadata)
+
+    load("swap", adapters["ad4"])
+    load("swap", adapters["ad4"])  # the same directory again: accepted, nothing changes
+    long = make_request(
+        text=PROMPTS[2], max_tokens=200, temperature=0.0, ignore_eos=True, lora_name="swap"
+    )
+    with stack.client() as client:
+        alone = client.generate(long).token_ids  # leaves PROMPTS[2]'s blocks cached under ad4
+    with pytest.raises(grpc.RpcError) as err:
+        load("swap", adapters["ad8"])
+    assert err.value.code() == grpc.StatusCode.ALREADY_EXISTS
+    assert "already served" in (err.value.details() or "") and "replace" in err.value.details()
+    with stack.client() as client:
+        watch = StreamWatch(client, long, at_least=2)
+        wait_mid_stream([watch])
+        load("swap", adapters["ad8"], replace=True)
+        assert not watch.ended, "the request ended before the replacement: nothing was shown"
+        assert watch.result().token_ids == alone
+    after = generate(stack, PROMPTS[2], "swap")
+    assert after == generate(stack, PROMPTS[2], "ad8") != alone[:NUM_TOKENS]
+    stub.UnloadLora(scheduler_pb2.UnloadLoraRequest(lora_name="swap"), metadata=metadata)
+    stack.assert_idle()
+
+
+@pytest.mark.parametrize(
+    ("name", "named"),
+    [
+        ("../../etc/passwd", "an adapter name is 1-64 letters"),
+        ("a b", "an adapter name is 1-64 letters"),
+        ("x" * 65, "an adapter name is 1-64 letters"),
+        ("base-model-id", "is the base model's id"),
+    ],
+)
+def test_adapter_names_are_checked(
+    stack: Stack, adapters: dict[str, Path], name: str, named: str
+) -> None:
+    stub, metadata = admin(stack)
+    if name == "base-model-id":
+        with stack.client() as client:
+            name = client.model_info().model
+    request = scheduler_pb2.LoadLoraRequest(lora_name=name, path=str(adapters["ad16"]))
+    with pytest.raises(grpc.RpcError) as err:
+        stub.LoadLora(request, metadata=metadata)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert named in (err.value.details() or "")

@@ -11,8 +11,9 @@ Python's hash of a tuple of ints is the same in every process (no hash randomiza
 so the gateway and the scheduler agree without sharing state.
 
 A request under a LoRA adapter computes other K/V for the same tokens, so its chain starts from
-the adapter's root (`lora_hash_root`, a digest of its name, the same in every process) instead
-of 0: a block computed under one adapter is never a hit for another adapter or for the base.
+the adapter's root (`lora_hash_root`, a digest of the key of the adapter version it runs on:
+scheduler/lora.py; the same in every process) instead of 0: a block computed under one adapter,
+or under another version of it, is never a hit for another adapter or for the base.
 """
 
 from __future__ import annotations

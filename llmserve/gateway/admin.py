@@ -152,6 +152,12 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         _logged(context, "LoadLora", request)
         if not request.lora_name or not request.path:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "lora_name and path are needed")
+        if request.lora_name == self.core.model_id:  # it would shadow the base for every client
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"lora_name={request.lora_name!r} is the base model's id: name the adapter "
+                "otherwise",
+            )
         answers = await self._ask_replicas("LoadLora", request)
         loaded = await self._first_answer(answers, context)
         await self._until_served(request.lora_name, True)

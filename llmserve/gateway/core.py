@@ -102,8 +102,9 @@ class GatewayCore(ReplicaLinks):
         raise GatewayError(grpc.StatusCode.NOT_FOUND, self._not_served(model, adapters))
 
     def _not_served(self, model: str, adapters: set[str]) -> str:
-        served = ", ".join([self.model_id, *sorted(adapters)])
-        return f"model {model!r} is not served here; models: {served}"
+        names = [self.model_id, *sorted(adapters)]
+        served = ", ".join(names[:10]) + (f", and {len(names) - 10} more" * (len(names) > 10))
+        return f"model {model[:100]!r} is not served here; models: {served}"
 
     def validate(self, request: api_pb2.GenerateRequest) -> ValidRequest:
         """The request tokenized, with defaults filled; GatewayError INVALID_ARGUMENT (naming the

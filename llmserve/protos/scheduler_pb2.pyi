@@ -8,12 +8,14 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class LoadLoraRequest(_message.Message):
-    __slots__ = ("lora_name", "path")
+    __slots__ = ("lora_name", "path", "replace")
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
+    REPLACE_FIELD_NUMBER: _ClassVar[int]
     lora_name: str
     path: str
-    def __init__(self, lora_name: _Optional[str] = ..., path: _Optional[str] = ...) -> None: ...
+    replace: bool
+    def __init__(self, lora_name: _Optional[str] = ..., path: _Optional[str] = ..., replace: _Optional[bool] = ...) -> None: ...
 
 class LoadLoraResponse(_message.Message):
     __slots__ = ("rank", "target_modules")

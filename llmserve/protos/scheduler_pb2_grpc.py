@@ -143,7 +143,9 @@ class SchedulerServicer:
     def LoadLora(self, request, context):
         """LoRA adapters at run time: LoadLora has the engine read and check the adapter (a refusal is
         INVALID_ARGUMENT naming it and the reason), then serves it under lora_name; UnloadLora
-        refuses new requests for it (NOT_FOUND) while those admitted before keep running.
+        refuses new requests for it (NOT_FOUND) while those admitted before keep running. A name
+        already served from another directory is ALREADY_EXISTS unless `replace` is set; a
+        replacement is a new version: running requests finish on the one they started with.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -7,6 +7,7 @@ from dataclasses import dataclass, replace
 
 from llmserve.common.auth import PeerSecurity
 from llmserve.common.flags import check_ports, setting
+from llmserve.scheduler.lora import check_lora_name
 
 # "continuous" is "fcfs" under its older name (continuous batching in arrival order).
 SCHEDULING_POLICIES = ("continuous", "fcfs", "fair", "priority", "static")
@@ -83,6 +84,11 @@ class SchedulerConfig(PeerSecurity):
     overlap_scheduling: bool = setting(
         True, "plan step N+1 while the engine runs step N (two steps in flight)"
     )
+    max_registered_loras: int = setting(
+        64,
+        "LoRA adapters served at once, by name (--lora-modules and load-lora together); a load "
+        "past it is RESOURCE_EXHAUSTED until one is unloaded",
+    )
     lora_modules: tuple[str, ...] = setting(
         (),
         "LoRA adapters to serve, NAME=PATH each (PEFT directories: adapter_config.json + "
@@ -97,6 +103,8 @@ class SchedulerConfig(PeerSecurity):
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
         if self.max_waiting < 1:
             raise ValueError(f"max_waiting={self.max_waiting} must be >= 1")
+        if self.max_registered_loras < 1:
+            raise ValueError(f"max_registered_loras={self.max_registered_loras} must be >= 1")
         for name in ("max_preemptions", "preemption_grace_steps"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
@@ -153,7 +161,14 @@ class SchedulerConfig(PeerSecurity):
             name, _, path = entry.partition("=")
             if not name or not path or name in paths:
                 raise ValueError(f"lora_modules entry {entry!r} must be NAME=PATH, each NAME once")
+            if (why := check_lora_name(name)) is not None:
+                raise ValueError(f"lora_modules entry {entry!r}: {why}")
             paths[name] = path
+        if len(paths) > self.max_registered_loras:
+            raise ValueError(
+                f"lora_modules names {len(paths)} adapters; max_registered_loras="
+                f"{self.max_registered_loras}"
+            )
         return paths
 
     @property

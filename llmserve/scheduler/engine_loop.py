@@ -283,17 +283,21 @@ class EngineLoop:
         """After the engine was lost and the scheduler reset (hook: its requests move to
         other engines, scheduler/links.py Roles.lost)."""
 
-    async def add_lora(self, name: str, path: str) -> engine_pb2.AddLoraResponse:
+    async def add_lora(
+        self, name: str, path: str, replace: bool = False
+    ) -> engine_pb2.AddLoraResponse:
         """Have the engine check adapter name at path (AioRpcError INVALID_ARGUMENT naming it
-        and the reason when it refuses it), then serve it."""
+        and the reason when it refuses it), then serve it: under a new version when replacing
+        (scheduler/lora.py), which the engine checks and caches under its key."""
         assert self.scheduler is not None and self.engine_stub is not None
+        key = self.scheduler.loras.next_key(name, path, replace)
         added = await self.engine_stub.AddLora(
-            engine_pb2.AddLoraRequest(lora_name=name, path=path),
+            engine_pb2.AddLoraRequest(lora_name=key, path=path),
             timeout=60,
             metadata=self.config.peer_metadata(),
         )
-        self.scheduler.loras.register(name, path)
-        log.info("lora loaded", lora_name=name, path=path, rank=added.rank)
+        self.scheduler.loras.register(name, path, replace)
+        log.info("lora loaded", lora_name=name, key=key, path=path, rank=added.rank)
         return added
 
     async def _add_configured_loras(self) -> None:

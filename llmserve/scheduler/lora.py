@@ -12,22 +12,48 @@ resident, then the one whose request has waited longest), so each adapter's requ
 least once every ceil(adapters / max_loras) steps: none starves. Waiting requests join with
 what room is left. A slot is given to a new adapter from those no request of this step uses:
 an empty one first, else the one whose adapter was served least recently.
+
+Versions: a request runs on the adapter *version* it was admitted under, whatever is loaded under
+its name later. Each name's current version has a key (the name itself for the first, `name@2`,
+`name@3`, ... after each replacement): slots, loads, the engine's host cache and the prefix cache
+(common/block_hash.py) are keyed by it, so a replacement never changes a running request's
+weights nor serves KV computed under the old weights to a new request.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 from llmserve.scheduler.plan import LoraLoad
+
+# Adapter names: letters, digits, '.', '_', '-', optionally one '/' (as "org/name"); no path
+# climbing, no spaces or control characters (names are listed to every client and logged).
+LORA_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?")
+MAX_LORA_NAME_CHARS = 64
+
+
+def check_lora_name(name: str) -> str | None:
+    """Why name cannot name an adapter (None: it can)."""
+    if not LORA_NAME.fullmatch(name) or len(name) > MAX_LORA_NAME_CHARS or ".." in name:
+        return (
+            f"lora_name={name[:80]!r}: an adapter name is 1-{MAX_LORA_NAME_CHARS} letters, "
+            "digits, '.', '_' or '-' (one '/' allowed, as in org/name; no '..')"
+        )
+    return None
 
 
 @dataclass
 class LoraTable:
     max_loras: int = 0
-    # Registered adapters: name -> PEFT directory. `removed`: unloaded by the operator; new
-    # requests are refused, those admitted before keep running (their path is kept).
+    # Registered adapters: name -> PEFT directory of its current version. `removed`: unloaded
+    # by the operator; new requests are refused, those admitted before keep running.
     paths: dict[str, str] = field(default_factory=dict)
     removed: set[str] = field(default_factory=set)
+    # name -> its current version (1 at the first load); every version's key -> its directory
+    # (kept: a request admitted under an old version runs on it to the end).
+    versions: dict[str, int] = field(default_factory=dict)
+    key_paths: dict[str, str] = field(default_factory=dict)
     # slots[k]: the adapter in slot k + 1 ("" empty), as the engine will hold it once the loads
     # planned so far have run.
     slots: list[str] = field(default_factory=list)
@@ -45,13 +71,31 @@ class LoraTable:
         self.slots = [""] * max_loras
         self.loads.clear()
 
-    def register(self, name: str, path: str) -> None:
-        """Serve adapter name from path (again, if it was removed). A new path for a name takes
-        effect at its next load: a slot holding the old one is emptied in the table."""
-        if self.paths.get(name, path) != path:
-            self.slots = ["" if held == name else held for held in self.slots]
+    def next_key(self, name: str, path: str, replace: bool = False) -> str:
+        """The key `register(name, path, replace)` will serve name under: its current one when
+        the same directory is loaded again, a new version's when replacing."""
+        if name not in self.versions:
+            return name
+        if replace or self.paths[name] != path:
+            return version_key(name, self.versions[name] + 1)
+        return self.key_of(name)
+
+    def register(self, name: str, path: str, replace: bool = False) -> str:
+        """Serve adapter name from path (again, if it was removed); its key. A name served from
+        another directory, or with replace, gets a new version: requests admitted from now on run
+        on it, those admitted before keep theirs (the caller refuses a replacement not asked
+        for: scheduler/service.py's LoadLora)."""
+        key = self.next_key(name, path, replace)
+        if name not in self.versions or key != self.key_of(name):
+            self.versions[name] = self.versions.get(name, 0) + 1
+        self.key_paths[key] = path
         self.paths[name] = path
         self.removed.discard(name)
+        return key
+
+    def key_of(self, name: str) -> str:
+        """The key requests of adapter name ("": the base) admitted now run under."""
+        return version_key(name, self.versions[name]) if name else ""
 
     def unregister(self, name: str) -> None:
         """Refuse new requests for name; those already admitted keep it (the slot is reused
@@ -62,8 +106,8 @@ class LoraTable:
         return name in self.paths and name not in self.removed
 
     def begin_step(self, step_id: int, demand: list[str]) -> None:
-        """Start planning step step_id. demand: the adapters of the running requests that may
-        run, oldest request first ("" for the base)."""
+        """Start planning step step_id. demand: the adapter keys of the running requests that
+        may run, oldest request first ("" for the base)."""
         self.step = set()
         order = list(dict.fromkeys(name for name in demand if name))
         self.allowed = None
@@ -76,7 +120,7 @@ class LoraTable:
         self.step_id = step_id
 
     def admit(self, name: str, running: bool) -> bool:
-        """Whether a request of adapter name ("": the base) may be in this step; if so its
+        """Whether a request of adapter key name ("": the base) may be in this step; if so its
         adapter is in the step from now on, loaded into a slot if it is not resident."""
         if not name or name in self.step:
             return True
@@ -92,16 +136,21 @@ class LoraTable:
                 free, key=lambda k: (self.slots[k] != "", self.last_served.get(self.slots[k], 0))
             )
             self.slots[k] = name
-            self.loads.append(LoraLoad(k + 1, name, self.paths[name]))
+            self.loads.append(LoraLoad(k + 1, name, self.key_paths[name]))
         self.step.add(name)
         self.last_served[name] = self.step_id
         return True
 
     def slot_of(self, name: str) -> int:
-        """The slot a request of adapter name runs under (0: the base)."""
+        """The slot a request of adapter key name runs under (0: the base)."""
         return self.slots.index(name) + 1 if name else 0
 
     def take_loads(self) -> list[LoraLoad]:
         """The loads planned since the last plan, for the plan being made."""
         loads, self.loads = self.loads, []
         return loads
+
+
+def version_key(name: str, version: int) -> str:
+    """Adapter name's key at version: the name for the first, name@N after."""
+    return name if version == 1 else f"{name}@{version}"

@@ -114,9 +114,11 @@ class Request:
     num_pending_tokens: int = 0
     # The client turned speculative decoding off for it.
     disable_speculation: bool = False
-    # The LoRA adapter it runs under ("": the base model). Its prefix-cache blocks are keyed by
-    # it (common/block_hash.py: the chain starts from the adapter's root).
+    # The LoRA adapter it runs under ("": the base model), and the key of the version it was
+    # admitted under (scheduler/lora.py), which it keeps to the end. Its prefix-cache blocks are
+    # keyed by that version (common/block_hash.py: the chain starts from the key's root).
     lora_name: str = ""
+    lora_key: str = ""
     # KV offload: when it began waiting for its prefix to come back from a lower tier (0: not).
     swap_in_since: float = 0.0
     # Each feature's state, in its own record.
@@ -132,8 +134,9 @@ class Request:
 
     @property
     def block_hash_root(self) -> int:
-        """The parent hash of its first block: 0 for the base, the adapter's root else."""
-        return lora_hash_root(self.lora_name)
+        """The parent hash of its first block: 0 for the base, its adapter version's root else
+        (the name's until admission sets the version)."""
+        return lora_hash_root(self.lora_key or self.lora_name)
 
     @property
     def num_tokens(self) -> int:

@@ -97,14 +97,17 @@ class Scheduler(StepResults, Preemption, PipelineSlots):
         """NOT_FOUND for an adapter that is not registered (or was unloaded)."""
         name = request.lora_name
         if name and not self.loras.is_servable(name):
-            known = ", ".join(sorted(n for n in self.loras.paths if self.loras.is_servable(n)))
+            known = sorted(n for n in self.loras.paths if self.loras.is_servable(n))
+            listed = ", ".join(known[:10]) + (f", and {len(known) - 10} more" * (len(known) > 10))
             raise AdmissionError(
-                "NOT_FOUND",
-                f"adapter {name!r} is not loaded (adapters: {known or 'none'})",
+                "NOT_FOUND", f"adapter {name!r} is not loaded (adapters: {listed or 'none'})"
             )
 
     def add(self, request: Request) -> None:
         """Queue request (after check_admissible). It runs from a later `schedule`."""
+        name = request.lora_name
+        if name and not request.lora_key and self.loras.is_servable(name):
+            request.lora_key = self.loras.key_of(name)  # the version it runs on to the end
         self.check_admissible(request)
         assert request.seq_id not in self.requests, f"seq_id {request.seq_id} reused"
         request.arrival_time = request.arrival_time or time.monotonic()
@@ -234,7 +237,7 @@ class Scheduler(StepResults, Preemption, PipelineSlots):
         """(request, tokens now) for the step with id next_step_id: running requests first, then
         waiting ones, unless someone was preempted for this plan (it would be readmitted)."""
         scheduled: list[tuple[Request, int]] = []
-        demand = [r.lora_name for r in self.running if self._runs_now(r)]
+        demand = [r.lora_key for r in self.running if self._runs_now(r)]
         self.loras.begin_step(self.next_step_id, demand)
         budget = self._schedule_running(self.config.max_num_batched_tokens, scheduled)
         if not self.preempted:
@@ -249,7 +252,7 @@ class Scheduler(StepResults, Preemption, PipelineSlots):
             if not (
                 self._may_need_a_step(request)
                 and self._runs_now(request)
-                and self.loras.admit(request.lora_name, running=True)
+                and self.loras.admit(request.lora_key, running=True)
             ):
                 i += 1
                 continue
@@ -336,7 +339,7 @@ class Scheduler(StepResults, Preemption, PipelineSlots):
                 break
             if any(r is request for r in self.preempted):
                 break
-            if not self.loras.admit(request.lora_name, running=False):
+            if not self.loras.admit(request.lora_key, running=False):
                 break  # its adapter has no slot this step: it leads the line next step
             while len(self.running) >= self.config.max_num_seqs:
                 freed = self._make_room(request, scheduled)
@@ -399,7 +402,7 @@ class Scheduler(StepResults, Preemption, PipelineSlots):
         plan = make_plan(self.next_step_id, self.finished_seq_ids, self.preempted, scheduled)
         plan.lora_loads = self.loras.take_loads()
         for row in plan.rows:
-            row.lora_slot = self.loras.slot_of(row.request.lora_name)
+            row.lora_slot = self.loras.slot_of(row.request.lora_key)
         if self.block_manager.offload is not None:
             plan.kv_copies = self.block_manager.offload.take_copies()
         plan.grammar_compiles = self.grammar_wait.take_unsent()

@@ -33,6 +33,7 @@ from llmserve.scheduler.convert import (
 )
 from llmserve.scheduler.engine_loop import EngineLoop
 from llmserve.scheduler.links import Roles, is_up
+from llmserve.scheduler.lora import check_lora_name
 from llmserve.scheduler.plan import StepOutcome
 from llmserve.scheduler.request import Request, RequestStatus
 from llmserve.scheduler.scheduler import AdmissionError, Scheduler
@@ -312,19 +313,47 @@ class SchedulerService(EngineLoop, scheduler_pb2_grpc.SchedulerServicer):
                 grpc.StatusCode.FAILED_PRECONDITION,
                 "the engine serves no LoRA adapters (started with --max-loras 0)",
             )
+        why = self._refuse_lora(request)
+        if why is not None:
+            await context.abort(*why)
         links = self.links()
         up = [link for link in links if link.engine_stub is not None and is_up(link)]
         if not up:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "no engine up to check it; retry")
+        name, path, replace = request.lora_name, request.path, request.replace
         try:
-            added = [await link.add_lora(request.lora_name, request.path) for link in up]
+            added = [await link.add_lora(name, path, replace) for link in up]
         except grpc.aio.AioRpcError as err:
             await context.abort(err.code(), err.details() or err.code().name)
         for link in links:
             if link not in up and link.scheduler is not None:
-                link.scheduler.loras.register(request.lora_name, request.path)
+                link.scheduler.loras.register(name, path, replace)
         first = added[0]
         return scheduler_pb2.LoadLoraResponse(rank=first.rank, target_modules=first.target_modules)
+
+    def _refuse_lora(self, request: scheduler_pb2.LoadLoraRequest) -> tuple[Any, str] | None:
+        """(code, message) when LoadLora must refuse request before any engine reads it: a name
+        outside the safe set, one served from another directory without `replace` (running
+        requests would change weights under a silent replacement), or a registry at its
+        bound."""
+        assert self.scheduler is not None
+        name, loras = request.lora_name, self.scheduler.loras
+        if (why := check_lora_name(name)) is not None:
+            return grpc.StatusCode.INVALID_ARGUMENT, why
+        served = loras.is_servable(name)
+        if served and loras.paths[name] != request.path and not request.replace:
+            return grpc.StatusCode.ALREADY_EXISTS, (
+                f"adapter {name!r} is already served from {loras.paths[name]}; set replace "
+                "(llmserve admin load-lora --replace) to serve a new version: requests running "
+                "on the old one finish on it"
+            )
+        num_served = sum(1 for n in loras.paths if loras.is_servable(n))
+        limit = self.config.max_registered_loras
+        if not served and num_served >= limit:
+            return grpc.StatusCode.RESOURCE_EXHAUSTED, (
+                f"{num_served} adapters served (max_registered_loras={limit}); unload one first"
+            )
+        return None
 
     async def UnloadLora(
         self, request: scheduler_pb2.UnloadLoraRequest, context: grpc.aio.ServicerContext
