@@ -29,7 +29,7 @@ from llmserve.engine.mirror import ScheduledSeq, SeqState
 from llmserve.protos.common_pb2 import ChoiceList, StructuredOutput
 from llmserve.scheduler.config import SchedulerConfig
 from llmserve.scheduler.convert import plan_to_proto
-from llmserve.scheduler.request import Request
+from llmserve.scheduler.request import Request, RequestStatus
 from llmserve.scheduler.scheduler import Scheduler
 from tests.factories import sampling
 
@@ -152,6 +152,7 @@ def serve(
         plan, step = in_flight.popleft()
         out = engine.finish(step)
         s.grammars_compiled(out.compiled_seq_ids)
+        s.grammar_dead_ends(out.dead_end_seq_ids)
         drafts = out.num_draft_tokens or None
         update = s.update(
             plan, out.sampled_token_ids, out.logprobs, None, out.num_sampled_tokens or None, drafts
@@ -314,3 +315,19 @@ def test_compiles_ahead_report_compiled_and_refused(model: Path) -> None:
     assert "does not compile" in refused[0][1] and "group" in refused[0][1]
     assert grammars.take_compiled() == ([], [])  # each reported once
     grammars.close()
+
+
+def test_a_dead_end_while_decoding_ends_with_its_own_finish_reason(
+    engines: dict[str, Engine],
+) -> None:
+    """A grammar whose start compiles but that leads nowhere after "ab" (its `x` derives no text:
+    the gateway's check cannot see it from the start state): the engine forces EOS and reports
+    the dead end, and the scheduler ends the request with FINISHED_GRAMMAR_DEAD_END, not "stop",
+    keeping the valid text; its free neighbour is untouched, with or without speculation."""
+    so = StructuredOutput(grammar='root ::= "ab" x\nx ::= x "c"')
+    for name, engine in engines.items():
+        reqs = requests([(so, {}), (None, {})], max_tokens=12)
+        outputs = serve(engine, reqs, depth=2)
+        assert reqs[0].status == RequestStatus.FINISHED_GRAMMAR_DEAD_END, name
+        assert bytes(outputs[1][:2]) == b"ab" and len(outputs[1]) <= 3, (name, outputs[1])
+        assert reqs[1].status != RequestStatus.FINISHED_GRAMMAR_DEAD_END and len(outputs[2]) >= 1

@@ -271,6 +271,17 @@ def _deep(depth: int) -> dict[str, Any]:
             "structured_outputs",
             f"has {MAX_CONSTRAINT_BYTES + 1} bytes; the limit is {MAX_CONSTRAINT_BYTES}",
         ),
+        (
+            {"structured_outputs": {"grammar": 'root ::= root "a"'}},
+            "structured_outputs",
+            "its language is empty: no text satisfies it",
+        ),
+        (
+            {"structured_outputs": {"grammar": 'start: start "a"'}},
+            "structured_outputs",
+            "its language is empty",
+        ),
+        ({"structured_outputs": {"json": {"$ref": "#"}}}, "structured_outputs", "is empty"),
         ({"response_format": {"type": "yaml"}}, "response_format", "must be 'text'"),
         ({"prompt": [1, 2, 10**6]}, "prompt", "prompt[2]=1000000 is outside the vocabulary"),
         ({"prompt": ["a", [1]]}, "prompt", "Input should be a valid string"),

@@ -105,6 +105,20 @@ def test_tool_choice_plans() -> None:
     check_structured_output(required.constraint, "")
 
 
+UNSATISFIABLE = {
+    "type": "object",
+    "properties": {"a": {"type": "integer", "minimum": 5, "maximum": 3}},
+    "required": ["a"],
+}
+
+
+UNSATISFIABLE = {
+    "type": "object",
+    "properties": {"a": {"type": "integer", "minimum": 5, "maximum": 3}},
+    "required": ["a"],
+}
+
+
 @pytest.mark.parametrize(
     ("tools", "choice", "message"),
     [
@@ -113,13 +127,23 @@ def test_tool_choice_plans() -> None:
         ([], "required", "needs tools"),
         ([{"type": "function", "function": {"name": "a b"}}], "auto", "tools[0].function.name"),
         ([WEATHER, WEATHER], "auto", "listed twice"),
+        (  # parameters no value satisfies: a 400 naming the tool, not an empty success
+            [{"type": "function", "function": {"name": "f", "parameters": UNSATISFIABLE}}],
+            "required",
+            "tools[0].function.parameters (f): Unsatisfiable schema",
+        ),
+        (
+            [{"type": "function", "function": {"name": "g", "parameters": {"$ref": "#"}}}],
+            "auto",
+            "tools[0].function.parameters (g): its language is empty",
+        ),
     ],
 )
 def test_bad_tools_refused(tools: list, choice: object, message: str) -> None:
     body = ChatCompletionRequest(
         messages=[{"role": "user", "content": "hi"}], tools=tools, tool_choice=choice
     )
-    with pytest.raises(ValidationError, match=message.replace("[", r"\[").replace("(", r"\(")):
+    with pytest.raises(ValidationError, match=re.escape(message)):
         chat_request(body)
 
 

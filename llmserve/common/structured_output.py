@@ -10,6 +10,10 @@ Limits, each refused with INVALID_ARGUMENT / HTTP 400 naming the field and the l
     a JSON schema's properties            <= MAX_SCHEMA_PROPERTIES, counted over all "properties"
     choices                               1 to MAX_CHOICES strings, none empty, in all
                                           <= MAX_CONSTRAINT_BYTES
+
+A constraint whose language is empty (no text satisfies it: `root ::= root "a"`, the schema
+`{"$ref": "#"}`, a required property no value satisfies) is refused the same way: the library
+tells it when a matcher is built, over a byte-level vocabulary, before any token is allowed.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import functools
 import json
 from typing import TYPE_CHECKING, Any
 
-from llguidance import LLMatcher, grammar_from
+from llguidance import LLMatcher, LLTokenizer, grammar_from
 
 from llmserve.protos import common_pb2
 
@@ -102,7 +106,29 @@ def compile_error(kind: str, text: str) -> str:
         grammar = grammar_text(kind, text)
     except ValueError as err:
         return str(err)
-    return LLMatcher.validate_grammar(grammar).strip()
+    error = LLMatcher.validate_grammar(grammar).strip()
+    if error:
+        return error
+    matcher = LLMatcher(_byte_tokenizer(), grammar)
+    matcher.compute_bitmask()  # the first mask finds a start state that leads nowhere
+    if not matcher.is_error():
+        return ""
+    reason = matcher.get_error().strip().splitlines()[0]
+    if reason.startswith("NoExtensionBias"):  # the start state takes no byte and is not final
+        return "its language is empty: no text satisfies it"
+    return reason
+
+
+@functools.cache
+def _byte_tokenizer() -> LLTokenizer:
+    """A vocabulary of the 256 bytes and an EOS: what a constraint admits, whatever the model's
+    tokens (built with the tokenizers library, which the gateway has anyway)."""
+    from tokenizers import Tokenizer, decoders, models
+
+    vocab = {f"<0x{b:02X}>": b for b in range(256)} | {"</s>": 256}
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[], byte_fallback=True))
+    tokenizer.decoder = decoders.ByteFallback()
+    return LLTokenizer(tokenizer.to_str(), n_vocab=257, eos_token=256)
 
 
 def _check_choices(choices: list[str], field: str) -> None:

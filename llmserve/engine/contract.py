@@ -244,6 +244,8 @@ class StepOutput:
     num_sampled_tokens: list[int] = field(default_factory=list)
     # Waiting requests whose grammar (an earlier plan's grammar_compiles) is compiled now.
     compiled_seq_ids: list[int] = field(default_factory=list)
+    # Requests whose grammar allowed no token since the last result (EOS forced): each once.
+    dead_end_seq_ids: list[int] = field(default_factory=list)
     # Disaggregation: awaited KV transfers written into the pool since the last result (at a
     # plan's launch, or as this result was produced: engine/disaggregation.py), each once.
     received_transfer_ids: list[int] = field(default_factory=list)

@@ -430,6 +430,8 @@ class Engine:
         while step.output is None:
             self._resolve_oldest()
         self._report_compiles(step.output, idle=not step.batch.rows)
+        if self.runner.grammars is not None:
+            step.output.dead_end_seq_ids = self.runner.grammars.take_dead_ends()
         received, failed = self.transfers.report()
         step.output.received_transfer_ids, step.output.failed_transfer_ids = received, failed
         return step.output

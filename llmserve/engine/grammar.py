@@ -15,7 +15,8 @@ back as a new one, whose fresh matcher consumes everything it had generated; n c
 requests, each its own matcher. Speculative decoding: a row's mask at each proposed position is
 computed after consuming the proposals before it, which are then rolled back; the accepted ones
 are consumed at the next step like any token. A matcher with no allowed token (an error state, a
-grammar that cannot continue) allows only EOS: the choice ends with finish reason "stop".
+grammar that cannot continue) allows only EOS, and its request is reported in the step's result
+(`take_dead_ends`): the scheduler ends it with finish reason GRAMMAR_DEAD_END, never "stop".
 
 Compiled grammars are cached by (kind, text) (common/structured_output.py's key) and compiled on
 the compile thread, off the step path: the scheduler lists a waiting request's constraint in a
@@ -29,6 +30,7 @@ tokenizer files (common/tokenizer_files.py), on the compile thread, for the firs
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
@@ -94,6 +96,10 @@ class Grammars:
         self._cache: OrderedDict[tuple[str, str], Future[LLMatcher]] = OrderedDict()
         # Waiting requests' compiles (a plan's grammar_compiles) not reported yet, by seq id.
         self._pending: dict[int, Future[Any]] = {}
+        # Requests whose grammar allowed no token since the last take_dead_ends (the mask thread
+        # adds, the step loop takes).
+        self._dead_ends: list[int] = []
+        self._dead_lock = threading.Lock()
         # For bench/structured_cpu.py: the masks filled (per row and step) and their time.
         self.num_masks = 0
         self.mask_s = 0.0
@@ -227,8 +233,7 @@ class Grammars:
             try:
                 state.matcher = state.compiled.result().deep_copy()
             except Exception as err:  # compiles were checked at the gateway; a peer may skip it
-                log.warning("grammar does not compile", seq_id=seq.seq_id, error=str(err))
-                state.dead = True
+                self._dead(seq, "grammar does not compile", str(err))
                 return None
         output = seq.token_ids[seq.num_prompt_tokens :]
         if output and output[-1] == PLACEHOLDER:
@@ -242,9 +247,7 @@ class Grammars:
             if state.matcher.is_stopped():
                 break
             if not state.matcher.consume_token(token):
-                error = state.matcher.get_error()[:300]
-                log.warning("grammar refused a token", seq_id=seq.seq_id, error=error)
-                state.dead = True
+                self._dead(seq, "grammar refused a token", state.matcher.get_error()[:300])
                 return None
         return state.matcher
 
@@ -288,9 +291,21 @@ class Grammars:
             self._allow_eos(words)
         if matcher.is_error() or not out.any():
             if not seq.grammar.dead:
-                log.warning("grammar allows no token; ending with EOS", seq_id=seq.seq_id)
-            seq.grammar.dead = True
+                self._dead(seq, "grammar allows no token; ending with EOS", matcher.get_error())
             self._only_eos(out)
+
+    def _dead(self, seq: SeqState, event: str, error: str) -> None:
+        """seq's grammar can take no token from now on: EOS only, and reported once."""
+        seq.grammar.dead = True
+        log.warning(event, seq_id=seq.seq_id, error=error.strip().splitlines()[0] if error else "")
+        with self._dead_lock:
+            self._dead_ends.append(seq.seq_id)
+
+    def take_dead_ends(self) -> list[int]:
+        """The requests whose grammar reached a dead end since the last call, each once."""
+        with self._dead_lock:
+            taken, self._dead_ends = self._dead_ends, []
+        return taken
 
     def _only_eos(self, out: np.ndarray) -> None:
         out[:] = 0

@@ -19,6 +19,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from llmserve.common.structured_output import compile_error
 from llmserve.gateway.tool_formats import ToolFormat
 from llmserve.gateway.validation import ValidationError
 from llmserve.protos.common_pb2 import StructuredOutput
@@ -103,6 +104,9 @@ def _functions(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
         parameters = function.get("parameters", _EMPTY_PARAMETERS)
         if not isinstance(parameters, dict):
             raise ValidationError(f"tools[{i}].function.parameters must be a JSON schema object")
+        error = compile_error("json_schema", json.dumps(parameters))
+        if error:  # named here: the calls' grammar built from it would name no tool
+            raise ValidationError(f"tools[{i}].function.parameters ({name}): {error}")
         kept = {"name": name, "parameters": parameters}
         if isinstance(function.get("description"), str):
             kept = {"name": name, "description": function["description"], "parameters": parameters}

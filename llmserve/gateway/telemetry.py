@@ -27,6 +27,7 @@ FINISH_REASONS: dict[int, str] = {
     common_pb2.FINISH_REASON_STOP: "stop",
     common_pb2.FINISH_REASON_LENGTH: "length",
     common_pb2.FINISH_REASON_ABORT: "abort",
+    common_pb2.FINISH_REASON_GRAMMAR_DEAD_END: "grammar_dead_end",
 }
 
 

@@ -137,7 +137,7 @@ class GrammarCompile(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., structured_output: _Optional[_Union[_common_pb2.StructuredOutput, _Mapping]] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("step_id", "sampled_token_ids", "logprobs", "forward_ms", "sample_ms", "total_ms", "num_top_logprobs", "top_token_ids", "top_logprobs", "refused_seq_ids", "refusal_reasons", "num_draft_tokens", "num_sampled_tokens", "compiled_seq_ids", "received_transfer_ids", "failed_transfer_ids")
+    __slots__ = ("step_id", "sampled_token_ids", "logprobs", "forward_ms", "sample_ms", "total_ms", "num_top_logprobs", "top_token_ids", "top_logprobs", "refused_seq_ids", "refusal_reasons", "num_draft_tokens", "num_sampled_tokens", "compiled_seq_ids", "received_transfer_ids", "failed_transfer_ids", "dead_end_seq_ids")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -154,6 +154,7 @@ class StepResult(_message.Message):
     COMPILED_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     RECEIVED_TRANSFER_IDS_FIELD_NUMBER: _ClassVar[int]
     FAILED_TRANSFER_IDS_FIELD_NUMBER: _ClassVar[int]
+    DEAD_END_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     sampled_token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedScalarFieldContainer[float]
@@ -170,7 +171,8 @@ class StepResult(_message.Message):
     compiled_seq_ids: _containers.RepeatedScalarFieldContainer[int]
     received_transfer_ids: _containers.RepeatedScalarFieldContainer[int]
     failed_transfer_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, step_id: _Optional[int] = ..., sampled_token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., forward_ms: _Optional[float] = ..., sample_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., num_top_logprobs: _Optional[_Iterable[int]] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., refused_seq_ids: _Optional[_Iterable[int]] = ..., refusal_reasons: _Optional[_Iterable[str]] = ..., num_draft_tokens: _Optional[_Iterable[int]] = ..., num_sampled_tokens: _Optional[_Iterable[int]] = ..., compiled_seq_ids: _Optional[_Iterable[int]] = ..., received_transfer_ids: _Optional[_Iterable[int]] = ..., failed_transfer_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    dead_end_seq_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, step_id: _Optional[int] = ..., sampled_token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., forward_ms: _Optional[float] = ..., sample_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., num_top_logprobs: _Optional[_Iterable[int]] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., refused_seq_ids: _Optional[_Iterable[int]] = ..., refusal_reasons: _Optional[_Iterable[str]] = ..., num_draft_tokens: _Optional[_Iterable[int]] = ..., num_sampled_tokens: _Optional[_Iterable[int]] = ..., compiled_seq_ids: _Optional[_Iterable[int]] = ..., received_transfer_ids: _Optional[_Iterable[int]] = ..., failed_transfer_ids: _Optional[_Iterable[int]] = ..., dead_end_seq_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DescribeRequest(_message.Message):
     __slots__ = ()

@@ -27,6 +27,7 @@ FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: common_pb2.FINISH_REASON_STOP,
     RequestStatus.FINISHED_LENGTH: common_pb2.FINISH_REASON_LENGTH,
     RequestStatus.FINISHED_ABORTED: common_pb2.FINISH_REASON_ABORT,
+    RequestStatus.FINISHED_GRAMMAR_DEAD_END: common_pb2.FINISH_REASON_GRAMMAR_DEAD_END,
 }
 
 
@@ -128,6 +129,7 @@ def apply_result(
     optional ones as None), after releasing the held requests whose grammar it reports
     compiled, then the KV transfers it reports received."""
     scheduler.grammars_compiled(list(result.compiled_seq_ids))
+    scheduler.grammar_dead_ends(list(result.dead_end_seq_ids))
     outcomes = scheduler.update(
         plan,
         list(result.sampled_token_ids),

@@ -15,6 +15,7 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    FINISHED_GRAMMAR_DEAD_END = "grammar_dead_end"  # its constraint allowed no further token
 
     @property
     def is_finished(self) -> bool:
@@ -119,6 +120,9 @@ class Request:
     # keyed by that version (common/block_hash.py: the chain starts from the key's root).
     lora_name: str = ""
     lora_key: str = ""
+    # The engine reported its output constraint at a dead end (it forced EOS): it ends with
+    # FINISHED_GRAMMAR_DEAD_END at its next token.
+    grammar_dead_end: bool = False
     # KV offload: when it began waiting for its prefix to come back from a lower tier (0: not).
     swap_in_since: float = 0.0
     # Each feature's state, in its own record.

@@ -146,6 +146,8 @@ class StepResults(Disaggregation):
         self._finish(request, status)
 
     def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
+        if request.grammar_dead_end:  # ignore_eos or not: the constraint allows nothing more
+            return RequestStatus.FINISHED_GRAMMAR_DEAD_END
         if token_id in self.eos_token_ids and not request.ignore_eos:
             return RequestStatus.FINISHED_STOPPED
         if token_id in request.stop_token_ids:

@@ -165,6 +165,14 @@ class SchedulerState:
         compiled_seq_ids): they join the waiting line. Unknown ids are ignored."""
         self.waiting.extend(self.grammar_wait.release(seq_ids))
 
+    def grammar_dead_ends(self, seq_ids: list[int]) -> None:
+        """The engine found these requests' constraints at a dead end (a result's
+        dead_end_seq_ids): each ends at its next token, with that finish reason. Unknown ids (a
+        request ended since) are ignored."""
+        for seq_id in seq_ids:
+            if (request := self.requests.get(seq_id)) is not None:
+                request.grammar_dead_end = True
+
     def _is_padding(self, request: Request) -> bool:
         """Whether request runs on without streaming (hook; static batching's padding rows)."""
         return False
