@@ -398,12 +398,15 @@ def serve(
     depth: int,
     max_loras: int,
     num_blocks: int,
+    only: list[int] | None = None,
+    num_tokens: int = NUM_TOKENS,
     **config: Any,
 ) -> tuple[dict[int, list[int]], Scheduler, int]:
     """The base and each adapter's request (PROMPTS) through the real Scheduler and the engine,
     up to `depth` steps in flight, the scheduler holding max_loras slots and num_blocks blocks
-    (fewer than the engine has: preemption), through the protobuf contract. Returns the
-    outputs by seq id, the scheduler, and how many tokens the engine proposed."""
+    (fewer than the engine has: preemption), through the protobuf contract; only: the indices
+    of PROMPTS to run (default all). Returns the outputs by seq id, the scheduler, and how many
+    tokens the engine proposed."""
     engine.reset()
     info = engine.info
     s = Scheduler(
@@ -416,7 +419,9 @@ def serve(
         s.loras.register(name, str(path))
     names = ["", *adapters]
     for i, prompt in enumerate(PROMPTS):
-        request = Request(f"r{i}", i + 1, prompt, GREEDY, NUM_TOKENS, ignore_eos=True)
+        if only is not None and i not in only:
+            continue
+        request = Request(f"r{i}", i + 1, prompt, GREEDY, num_tokens, ignore_eos=True)
         request.lora_name = names[i]
         s.add(request)
     outputs: dict[int, list[int]] = {}
@@ -471,3 +476,55 @@ def test_speculative_decoding_keeps_each_adapters_tokens(
     got, _, num_draft_tokens = serve(engine, adapters, 1, max_loras=3, num_blocks=64)
     assert num_draft_tokens > 0, "nothing was proposed: the test shows nothing"
     assert [got[i + 1] for i in range(4)] == [expected[None], *(expected[n] for n in adapters)]
+
+
+def test_adapted_requests_are_batch_invariant(engine: Engine, adapters: dict[str, Path]) -> None:
+    """float32, 40 tokens each: every request (the base and each adapter) alone, then all four
+    together over two slots with prefill in chunks of 8, a pool too small for them (preemption,
+    recompute) and two steps in flight: token-identical. A row's adapter update is computed alone
+    in a fixed order (kernels/cpu_lora.cpp): its neighbours cannot change its rounding."""
+    alone: dict[int, list[int]] = {}
+    for i in range(4):
+        got, _, _ = serve(engine, adapters, 1, max_loras=3, num_blocks=64, only=[i], num_tokens=40)
+        alone[i + 1] = got[i + 1]
+    together, scheduler, _ = serve(
+        engine, adapters, 2, max_loras=2, num_blocks=12, num_tokens=40, max_num_batched_tokens=8
+    )
+    assert scheduler.counters.num_preemptions > 0
+    assert together == alone
+
+
+def test_a_rows_adapter_update_does_not_depend_on_its_neighbours(
+    engine: Engine, adapters: dict[str, Path]
+) -> None:
+    """LoraBatch.add, row by row: the update of one token under adapter slot 1 is bit-identical
+    alone, beside another token of the same adapter (BLAS rounds a 2-row product differently
+    from a 1-row one), beside other adapters' and base rows, in a prefill segment, and with a
+    higher-rank adapter in the step."""
+    assert engine.adapters is not None
+    slots = engine.adapters.slots
+    for load in loads_for(adapters):
+        engine.adapters.place(load)
+    hidden = slots.a["qkv_proj"].shape[-1]
+    width = sum(part.shape[-1] for part in slots.b["qkv_proj"])
+    gen = torch.Generator().manual_seed(0)
+    target = torch.randn(1, hidden, generator=gen)
+
+    def update(row_slots: list[int], row_tokens: list[int], at: int) -> torch.Tensor:
+        x = torch.randn(sum(row_tokens), hidden, generator=gen)
+        x[at] = target[0]
+        out = torch.zeros(x.shape[0], width)
+        batch = slots.batch(row_slots, row_tokens)
+        assert batch is not None
+        batch.add(0, "qkv_proj", x, out)
+        return out[at]
+
+    alone = update([1], [1], 0)
+    assert alone.abs().sum() > 0
+    for row_slots, row_tokens, at in [
+        ([1, 1], [1, 1], 0),  # the same adapter's decode row beside it
+        ([2, 1, 0, 1], [1, 1, 1, 1], 1),  # other adapters and the base
+        ([1, 3], [12, 1], 5),  # inside a prefill segment, with the rank-16 adapter
+        ([0, 1, 2], [3, 7, 40], 9),  # a long segment: the per-segment layout
+    ]:
+        assert torch.equal(update(row_slots, row_tokens, at), alone), (row_slots, row_tokens)

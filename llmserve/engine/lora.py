@@ -25,12 +25,17 @@ segment, which padding would multiply). On a GPU with the CUDA kernels (engine.o
 a padded step runs kernels/lora.cu instead: shrink and expand gathered per row by its slot
 (`slot_ids`), two launches per projection, no host synchronization; a step with a long prefill
 segment keeps the per-segment matmuls (cuBLAS GEMMs, where lora.cu's per-row GEMV would read
-the adapter's weights once per row). Never a loop over rows, never the adapter merged into the
-base weight.
+the adapter's weights once per row). Never the adapter merged into the base weight.
+
+On the CPU in float32 every step runs kernels/cpu_lora.cpp instead: each row's update computed
+alone in a fixed order, so a request's tokens do not depend on which rows share its step (BLAS
+picks its kernel by the number of rows, and rounds a row differently in a step of 1 and of 4).
 """
 
 from __future__ import annotations
 
+import functools
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -39,6 +44,8 @@ import torch
 from llmserve.common.model_config import ModelConfig
 from llmserve.engine.lora_files import LoraAdapter, module_shapes
 from llmserve.engine.parallel import ModelShard
+from llmserve.kernels.cpu_lora import lora_rows
+from llmserve.kernels.cpu_lora import unavailable as cpu_lora_unavailable
 from llmserve.kernels.lora_reference import Select, lora_padded, lora_segments
 from llmserve.kernels.lora_reference import lora_add as lora_add_reference
 
@@ -275,6 +282,11 @@ class LoraBatch:
         if kernel is not None and self.padded:
             kernel(x, out, self.slot_ids(), a, b, self.rank)
             return
+        if x.device.type == "cpu" and x.dtype == torch.float32 and cpu_lora_ready():
+            # batch-invariant: each row's update alone, in a fixed order (kernels/cpu_lora.cpp)
+            columns = list(itertools.accumulate((bp.shape[2] for bp in b[:-1]), initial=0))
+            lora_rows(x, out, self.slot_ids(), a, b, columns, self.rank)
+            return
         if self.padded:
             update = lora_padded(x, a, b, self.select, self.gather, self.positions, self.rank)
         else:
@@ -283,6 +295,14 @@ class LoraBatch:
             out.add_(update)
         else:
             out.index_add_(0, self.tokens, update)
+
+
+@functools.cache
+def cpu_lora_ready() -> bool:
+    """Whether the batch-invariant CPU kernel runs here (built at the first adapted step); where
+    it does not (no AVX2, no compiler), the torch products run, whose rows may round
+    differently with the step's other rows (docs/lora.md)."""
+    return cpu_lora_unavailable() is None
 
 
 def _select(indices: list[int], max_loras: int, device: torch.device) -> Select:
