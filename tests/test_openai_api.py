@@ -320,6 +320,38 @@ def test_invalid_chat_is_bad_request(
     assert message in err.value.message
 
 
+def test_what_sdks_and_proxies_send(stack: Stack) -> None:
+    """Explicit nulls are the fields' defaults (OpenAI's schema marks them nullable); a prompt
+    past the context is context_length_exceeded in OpenAI's words, which litellm maps to its
+    ContextWindowExceededError; ids past int32 and malformed assistant calls are 400s naming
+    the field (they were 500s)."""
+    nulls = {"n": None, "stream": None, "logprobs": None, "parallel_tool_calls": None,
+             "temperature": None, "stop": None, "tool_choice": None}  # fmt: skip
+    reply = sdk(stack).chat.completions.create(
+        model="fake-echo", messages=USER, max_tokens=3, extra_body=nulls
+    )
+    assert len(reply.choices) == 1 and reply.choices[0].finish_reason == "length"
+    with pytest.raises(openai.BadRequestError) as err:
+        sdk(stack).completions.create(model="fake-echo", prompt="x" * 600, max_tokens=3)
+    assert err.value.code == "context_length_exceeded" and err.value.param == "prompt"
+    assert "This model's maximum context length is 512 tokens" in err.value.message
+    with pytest.raises(openai.BadRequestError) as err:
+        sdk(stack).completions.create(model="fake-echo", prompt="x" * 100, max_tokens=500)
+    assert err.value.code == "context_length_exceeded"
+    for big in (2**31, 2**63):
+        with pytest.raises(openai.BadRequestError) as err:
+            sdk(stack).completions.create(model="fake-echo", prompt=[5, big], max_tokens=2)
+        assert f"prompt[1]={big} is not a token id" in err.value.message
+    turn = {"role": "assistant", "content": None, "tool_calls": [{"id": "c", "function": "f"}]}
+    with pytest.raises(openai.BadRequestError) as err:
+        sdk(stack).chat.completions.create(
+            model="fake-echo",
+            messages=[USER[0], turn],
+            max_tokens=2,  # type: ignore[list-item]
+        )
+    assert "messages[1].tool_calls[0].function must be an object" in err.value.message
+
+
 def test_invalid_body_is_400_not_422(stack: Stack) -> None:
     headers = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
     url = f"{stack.http_url}/completions"

@@ -261,9 +261,13 @@ def test_required_and_named_grammars_admit_only_calls(name: str) -> None:
     assert not admits(required, calls_only.replace('"Oslo"', "3"))  # arguments must validate
     assert not admits(required, "Let me check." + calls_only)  # calls only
     named = {"type": "function", "function": {"name": "get_time"}}
-    one = tool_plan([WEATHER, TIME], named, False, fmt).constraint
-    assert not admits(one, calls_only)  # get_weather is not the named one, and one call only
-    assert admits(one, SINGLE[name])
+    for parallel in (False, True):  # a named function is exactly one call, whatever parallel
+        one = tool_plan([WEATHER, TIME], named, parallel, fmt).constraint
+        assert not admits(one, calls_only)  # get_weather is not the named one, and one call
+        assert admits(one, SINGLE[name])
+        twice = {"hermes": "\n", "llama3_json": "; ", "mistral": None}[name]
+        if twice is not None:
+            assert not admits(one, SINGLE[name] + twice + SINGLE[name]), parallel
     content, calls = fmt.parse(calls_only, NAMES)
     assert content == "" and [c["function"]["name"] for c in calls] == ["get_weather", "get_time"]
     assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Oslo"}
@@ -294,3 +298,56 @@ def test_auto_calls_stream_whole_and_equal_the_answer(name: str, size: int) -> N
     assert [c["function"] for c in calls] == [c["function"] for c in whole_calls]
     for plain in ("Sunny, 3 degrees.", "{not a call}", "[TOOL_CALLS] nothing"):
         assert streamed(plain) == (plain, []) and fmt.parse(plain, NAMES) == (plain, [])
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_no_mode_puts_call_markup_into_content(stream: bool) -> None:
+    """A forced call cut by max_tokens leaves no markup in content (it is calls only), nor does
+    an auto answer cut inside a call; parallel_tool_calls false keeps one call."""
+    from llmserve.gateway.openai_responses import _read_calls_of
+
+    fmt = formats()["hermes"]
+    cut_call = '<tool_call>\n{"name": "get_weather",'
+    two = SINGLE["hermes"] + "\n" + SINGLE["hermes"]
+
+    def read(text: str, cut: bool, max_calls: int | None, forced: bool) -> tuple[str, int]:
+        if not stream:
+            content, calls = _read_calls_of(fmt, NAMES, text, cut, max_calls, forced)
+            return content, len(calls)
+        s = fmt.stream(NAMES)
+        content, calls = s.add(text)
+        rest, more = s.finish(cut=cut)
+        calls = (calls + more)[:max_calls]
+        return ("" if forced else content + rest), len(calls)
+
+    assert read(cut_call, True, 1, True) == ("", 0)  # forced, cut: no content, no call
+    assert read("Let me check. " + cut_call, True, None, False) == ("Let me check. ", 0)
+    assert read(two, False, 1, False)[1] == 1  # parallel_tool_calls false: one call
+    assert read(two, False, None, False)[1] == 2
+    assert read("<tool_call> is a tag", False, None, False) == ("<tool_call> is a tag", 0)
+
+
+def test_assistant_tool_calls_are_checked_by_field() -> None:
+    """Malformed calls in an assistant turn are a 400 naming the field (they were a 500)."""
+    bad = [
+        ({"id": "c1", "type": "function"}, "tool_calls[0].function must be an object"),
+        ({"function": "get_weather"}, "tool_calls[0].function must be an object"),
+        ({"function": {"arguments": "{}"}}, "tool_calls[0].function.name must be"),
+        ({"function": {"name": "f", "arguments": 3}}, "tool_calls[0].function.arguments must be"),
+    ]
+    for call, message in bad:
+        body = ChatCompletionRequest(
+            messages=[
+                {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": None, "tool_calls": [call]},
+            ]
+        )
+        with pytest.raises(ValidationError, match=re.escape("messages[1]." + message)):
+            chat_request(body)
+    ok = {"id": "c1", "function": {"name": "f", "arguments": {"city": "Oslo"}}}
+    body = ChatCompletionRequest(
+        messages=[{"role": "assistant", "content": None, "tool_calls": [ok]}]
+    )
+    sent = json.loads(chat_request(body).chat.messages[0].tool_calls_json)
+    assert sent == [{"type": "function", "id": "c1",
+                     "function": {"name": "f", "arguments": '{"city": "Oslo"}'}}]  # fmt: skip

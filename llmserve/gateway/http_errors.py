@@ -60,6 +60,7 @@ class ApiError(Exception):
         message, param = err.message, None
         if err.code == grpc.StatusCode.INVALID_ARGUMENT:
             message, param = http_message(err.message, prompt_field)
+            code = _invalid_code(message)
         elif err.code == grpc.StatusCode.NOT_FOUND and err.message.startswith("model "):
             param, code = "model", "model_not_found"  # an adapter not served (GatewayCore)
         retry = None
@@ -74,6 +75,12 @@ class ApiError(Exception):
             headers=self.headers,
             media_type="application/json",
         )
+
+
+def _invalid_code(message: str) -> str | None:
+    """OpenAI's code for a 400 clients act on: a prompt or completion beyond the context window
+    (gateway/validation.py's messages end in OpenAI's sentence for it)."""
+    return "context_length_exceeded" if "maximum context length is" in message else None
 
 
 def validation_error(err: RequestValidationError) -> ApiError:
@@ -97,7 +104,7 @@ def as_api_errors(prompt_field: str) -> Iterator[None]:
         yield
     except ValidationError as err:
         message, param = http_message(str(err), prompt_field)
-        raise ApiError(400, message, param=param) from err
+        raise ApiError(400, message, param=param, code=_invalid_code(message)) from err
     except GatewayError as err:
         raise ApiError.from_gateway(err, prompt_field) from err
 

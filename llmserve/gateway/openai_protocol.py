@@ -13,7 +13,7 @@ import re
 from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
 
 from llmserve.common.sampling import SamplingError, seed_value
 from llmserve.gateway.openai_structured import structured_output, text_field
@@ -30,11 +30,23 @@ _INT32 = Annotated[int, Field(ge=-(2**31), le=2**31 - 1)]
 # -- requests ------------------------------------------------------------------------------------
 
 
-class StreamOptions(BaseModel):
+class NullMeansDefault(BaseModel):
+    """A request model where an explicit null is the field's default, as OpenAI's schema marks
+    its fields nullable (SDKs and proxies send `"n": null`, `"stream": null`, ...)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_nulls(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None}
+        return data
+
+
+class StreamOptions(NullMeansDefault):
     include_usage: bool = False
 
 
-class SamplingRequest(BaseModel):
+class SamplingRequest(NullMeansDefault):
     """The fields both endpoints share."""
 
     # The base model or a LoRA adapter (GET /v1/models); without adapters, any name is the base.
@@ -83,12 +95,12 @@ class CompletionRequest(SamplingRequest):
     best_of: int | None = None
 
 
-class TextPart(BaseModel):
+class TextPart(NullMeansDefault):
     type: str
     text: str | None = None
 
 
-class ChatMessageParam(BaseModel):
+class ChatMessageParam(NullMeansDefault):
     role: str
     content: str | list[TextPart] | None = None
     # An assistant turn's calls, and a tool turn's answer to one (gateway/openai_tools.py).
@@ -325,10 +337,22 @@ def _prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str 
     if not prompt:
         raise ValidationError("prompt is empty")
     if all(isinstance(p, int) for p in prompt):
+        _check_token_ids("prompt", prompt)  # type: ignore[arg-type]
         return [list(prompt)]  # type: ignore[arg-type]
-    if all(isinstance(p, str) for p in prompt) or all(isinstance(p, list) for p in prompt):
+    if all(isinstance(p, str) for p in prompt):
+        return list(prompt)  # type: ignore[arg-type]
+    if all(isinstance(p, list) for p in prompt):
+        for i, ids in enumerate(prompt):
+            _check_token_ids(f"prompt[{i}]", ids)  # type: ignore[arg-type]
         return list(prompt)  # type: ignore[arg-type]
     raise ValidationError("prompt mixes texts and token ids; send one kind")
+
+
+def _check_token_ids(field: str, ids: list[int]) -> None:
+    """Token ids must fit the wire's int32 before the vocabulary is checked (the scheduler's)."""
+    for j, token in enumerate(ids):
+        if not 0 <= token < 2**31:
+            raise ValidationError(f"{field}[{j}]={token} is not a token id (0 to 2**31 - 1)")
 
 
 def completion_requests(body: CompletionRequest) -> list[api_pb2.GenerateRequest]:
@@ -376,6 +400,28 @@ def _message_text(i: int, message: ChatMessageParam) -> str:
     return "".join(texts)
 
 
+def _tool_call(field: str, call: Any) -> dict[str, Any]:
+    """An assistant turn's call as the template takes it: {"id"?, "type": "function",
+    "function": {"name": str, "arguments": str}} (arguments given as an object are written as
+    JSON text, as some clients send them). ValidationError naming the field otherwise."""
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict):
+        raise ValidationError(f"{field}.function must be an object with name and arguments")
+    name, arguments = function.get("name"), function.get("arguments", "{}")
+    if not isinstance(name, str) or not name:
+        raise ValidationError(f"{field}.function.name must be a non-empty string")
+    if isinstance(arguments, dict):
+        arguments = json.dumps(arguments, ensure_ascii=False)
+    if not isinstance(arguments, str):
+        raise ValidationError(
+            f"{field}.function.arguments must be a string of JSON, not {type(arguments).__name__}"
+        )
+    out: dict[str, Any] = {"type": "function", "function": {"name": name, "arguments": arguments}}
+    if isinstance(call.get("id"), str):
+        out["id"] = call["id"]
+    return out
+
+
 def chat_request(
     body: ChatCompletionRequest, tool_format: ToolFormat | None = None
 ) -> api_pb2.GenerateRequest:
@@ -398,7 +444,10 @@ def chat_request(
         role = "system" if m.role == "developer" else text_field(f"messages[{i}].role", m.role)
         message = req.chat.messages.add(role=role, content=_message_text(i, m))
         if m.tool_calls:
-            message.tool_calls_json = json.dumps(m.tool_calls, ensure_ascii=False)
+            calls = [
+                _tool_call(f"messages[{i}].tool_calls[{j}]", c) for j, c in enumerate(m.tool_calls)
+            ]
+            message.tool_calls_json = json.dumps(calls, ensure_ascii=False)
         if m.tool_call_id:
             message.tool_call_id = text_field(f"messages[{i}].tool_call_id", m.tool_call_id)
     if not body.messages:

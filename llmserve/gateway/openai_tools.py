@@ -9,7 +9,11 @@ that validate against the function's parameters); the answer read back into
     none           no tools            free text                  never
     auto (default) the tools           free text                  calls found in the text
     required       the tools           1+ calls (1 if parallel_tool_calls is false), by grammar
-    {function}     the tools           calls of that function, by grammar
+    {function}     the tools           exactly one call of that function, by grammar
+
+With parallel_tool_calls false an answer makes at most one call in every mode (later ones are
+dropped), and no mode puts a call's markup into `content`: a forced call's answer is calls
+only, and a call cut short by max_tokens is dropped, not returned as text.
 """
 
 from __future__ import annotations
@@ -38,6 +42,9 @@ class ToolPlan:
     tools: list[dict[str, Any]]
     constraint: StructuredOutput | None
     names: frozenset[str]
+    # The most calls an answer may make (None: any): 1 for a named function, as OpenAI's
+    # contract says, and for parallel_tool_calls false in every mode.
+    max_calls: int | None = None
 
 
 def tool_plan(
@@ -57,10 +64,11 @@ def tool_plan(
         raise ValidationError(f"tool_choice={json.dumps(choice)} needs tools")
     rendered = [{"type": "function", "function": f} for f in functions]
     names = frozenset(f["name"] for f in functions)
+    most = None if parallel else 1
     if choice == "auto":
-        return ToolPlan(rendered, None, names)
+        return ToolPlan(rendered, None, names, most)
     if choice == "required":
-        return ToolPlan(rendered, _calls_grammar(fmt, functions, parallel), names)
+        return ToolPlan(rendered, _calls_grammar(fmt, functions, parallel), names, most)
     name = _named(choice)
     if name not in names:
         listed = ", ".join(sorted(names))
@@ -68,7 +76,8 @@ def tool_plan(
             f"tool_choice.function.name={name!r} is not one of the tools ({listed})"
         )
     chosen = [f for f in functions if f["name"] == name]
-    return ToolPlan(rendered, _calls_grammar(fmt, chosen, parallel), names)
+    # Exactly one call of it (a grammar that repeated it made agents run the tool twice).
+    return ToolPlan(rendered, _calls_grammar(fmt, chosen, False), names, 1)
 
 
 def _named(choice: Any) -> str:

@@ -218,15 +218,19 @@ class HeldCallStream:
         self.num_sent = max(limit, self.num_sent)
         return out, []
 
-    def finish(self) -> tuple[str, list[dict[str, Any]]]:
+    def finish(self, cut: bool = False) -> tuple[str, list[dict[str, Any]]]:
         """(the content not streamed yet, the calls) once the answer is whole: with calls, the
-        content before them; without, all that was held, as text."""
+        content before them; without, all that was held, as text, unless the answer was cut
+        short (cut: max_tokens) while a call had begun: a call's unfinished markup is never
+        content."""
         _, calls = self.fmt.parse(self.text, self.names)
         self.num_calls = len(calls)
         held_from = self.opens(self.text)
-        if not calls or held_from is None:
+        if held_from is None:
             return self.text[self.num_sent :], []
-        return self.text[self.num_sent : held_from], calls
+        if not calls and not cut:
+            return self.text[self.num_sent :], []
+        return self.text[self.num_sent : max(held_from, self.num_sent)], calls
 
 
 def tool_format_of(

@@ -194,9 +194,12 @@ class CallStream:
             text_out = ""
         return text_out, calls
 
-    def finish(self) -> tuple[str, list[dict[str, Any]]]:
-        """What is still held at the end: text (a call never closed), and no more calls."""
+    def finish(self, cut: bool = False) -> tuple[str, list[dict[str, Any]]]:
+        """What is still held at the end, and no more calls: text that never became a call, but
+        not a call's unfinished markup when the answer was cut short (cut: max_tokens)."""
         rest, self.held = self.held, ""
+        if cut and CALL_OPEN in rest:
+            rest = rest[: rest.index(CALL_OPEN)]
         return ("" if self.num_calls and not rest.strip() else rest), []
 
 

@@ -196,17 +196,22 @@ def validate(
         if limits.max_model_len <= limits.kv_capacity_tokens
         else f"the KV cache holds {limits.kv_capacity_tokens} tokens"
     )
+    # Each ends in OpenAI's own sentence, which clients (litellm, LangChain) recognise as a
+    # context-window error (HTTP adds code context_length_exceeded: gateway/http_errors.py).
+    openai = f"This model's maximum context length is {context} tokens."
     if len(prompt) >= context:
         raise ValidationError(
             f"prompt has {len(prompt)} tokens; the limit is {context - 1} "
-            f"({bound}, one token left to generate)"
+            f"({bound}, one token left to generate). {openai}"
         )
     remaining = context - len(prompt)
     max_tokens = req.max_tokens if req.HasField("max_tokens") else remaining
     if max_tokens > remaining:
         raise ValidationError(
             f"max_tokens={max_tokens} exceeds the model's remaining context of {remaining} "
-            f"tokens ({bound}, prompt {len(prompt)} tokens)"
+            f"tokens ({bound}, prompt {len(prompt)} tokens). {openai} However, you requested "
+            f"{len(prompt) + max_tokens} tokens ({len(prompt)} in the prompt, {max_tokens} in "
+            "the completion)."
         )
     submit = scheduler_pb2.SubmitRequest(
         prompt_token_ids=prompt,
