@@ -119,7 +119,7 @@ def start_stack(
         overlap_scheduling=overlap,
     )
     gateway = GatewayConfig(
-        model=str(tokenizer), served_model_name="fake-echo", admin_key=ADMIN_KEY
+        model=str(tokenizer), served_model_name=("fake-echo",), admin_key=ADMIN_KEY
     )
     fake = FakeEngineConfig(
         vocab_size=TINY_VOCAB, eos_token_ids=(EOS_TOKEN_ID,), step_delay_ms=step_ms[0],

@@ -247,6 +247,12 @@ def _health(admin: _Admin, args: argparse.Namespace) -> int:
     return _print_health(response)
 
 
+REPLACE_HELP = (
+    "NAME is served already: serve PATH as its new version (requests running on the old one "
+    "finish on it; without this flag, a served name is refused)"
+)
+
+
 def _load_lora(admin: _Admin, args: argparse.Namespace) -> int:
     from llmserve.protos import scheduler_pb2
 
@@ -332,11 +338,6 @@ def add_admin_parser(sub: Any) -> None:
     c = command("load-lora", _load_lora, "serve a LoRA adapter (a PEFT directory) under NAME")
     c.add_argument("name")
     c.add_argument("path")
-    c.add_argument(
-        "--replace",
-        action="store_true",
-        help="NAME is served already: serve PATH as its new version (requests running on the "
-        "old one finish on it; without this flag, a served name is refused)",
-    )
+    c.add_argument("--replace", action="store_true", help=REPLACE_HELP)
     c = command("unload-lora", _unload_lora, "stop admitting requests for a LoRA adapter")
     c.add_argument("name")

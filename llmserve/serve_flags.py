@@ -12,11 +12,10 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from llmserve.common.model_config import default_model_id
 from llmserve.common.net import DEFAULT_GATEWAY_PORT
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.fake import FakeEngineConfig
-from llmserve.gateway.config import GatewayConfig
+from llmserve.gateway.config import GatewayConfig, model_names
 from llmserve.stack import CONFIG_TYPES, SERVICES, Stack, local_stack
 from llmserve.topology import (
     check_data_parallel_size,
@@ -123,9 +122,9 @@ def stack_from_flags(args: Any, **kwargs: Any) -> Stack:
     engine = split_cpu(engine, size)
     # Adapter directories made absolute: they are listed to clients and to the engine.
     modules = [f"{name}={Path(path).resolve()}" for name, path in scheduler.lora_paths().items()]
-    model_id = gateway.served_model_name or default_model_id(gateway.model)
-    if model_id in scheduler.lora_paths():
-        raise ValueError(f"--lora-modules: {model_id!r} is the base model's id: name it otherwise")
+    for name in model_names(gateway):
+        if name in scheduler.lora_paths():
+            raise ValueError(f"--lora-modules: {name!r} names the base model: name it otherwise")
     scheduler = replace(scheduler, lora_modules=tuple(modules))
     more: list[int] = []
     free = free_ports(2 * (size - 1))

@@ -77,7 +77,9 @@ def run_service(name: str, configs: list[Any]) -> None:
     else:
         config.check_exposure(config.host)
     configure(name)
-    telemetry.setup(name, config.metrics_port, config.host)
+    # The gateway's HTTP API serves /metrics too (clients such as aiperf look for it there).
+    registry = name == "gateway" and bool(getattr(config, "http_port", 0))
+    telemetry.setup(name, config.metrics_port, config.host, registry)
     exit_code = None
     try:
         if name == "engine":

@@ -64,8 +64,9 @@ client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", m
 deadline = time.monotonic() + 300
 while True:
     try:
+        model = client.models.list().data[0].id
         reply = client.chat.completions.create(
-            model="any", messages=[{"role": "user", "content": "What is the capital of France?"}],
+            model=model, messages=[{"role": "user", "content": "What is the capital of France?"}],
             max_tokens=16, temperature=0,
         )
         break

@@ -210,8 +210,12 @@ def start_stack(
     data_parallel_size: int = 1,
     prefill_engines: int = 0,
     decode_engines: int | None = None,
+    accept_any_model: bool = True,
 ) -> Stack:
     """Start engine, scheduler and gateway; return once the gateway reports SERVING.
+
+    accept_any_model: the gateway serves any OpenAI `model` name with the base model (the
+    tests' own names, "m" or "x"); tests of the strict default (404 model_not_found) say False.
 
     fake=True runs the echo engine (engine/fake.py) instead of a model; the gateway then needs
     gateway_model for its tokenizer. *_args are each service's own command-line flags. env adds
@@ -226,7 +230,8 @@ def start_stack(
     )
     gateway_model = gateway_model or model
     gateway_flags = ["--model", str(gateway_model)] if gateway_model else []
-    (gateway,) = service_configs("gateway", [*gateway_flags, *(gateway_args or [])])
+    lenient = ["--accept-any-model"] if accept_any_model else []
+    (gateway,) = service_configs("gateway", [*gateway_flags, *lenient, *(gateway_args or [])])
     if api_key:
         gateway = replace(gateway, api_key=api_key)
     (scheduler,) = service_configs("scheduler", list(scheduler_args or []))
@@ -267,7 +272,9 @@ def start_echo_stack(
     gateway_args may say otherwise); kwargs go to start_stack."""
     from tests.factories import EOS_TOKEN_ID, TINY_VOCAB
 
-    gateway_args = ["--served-model-name", "fake-echo", *kwargs.pop("gateway_args", [])]
+    gateway_args = list(kwargs.pop("gateway_args", []))
+    if "--served-model-name" not in gateway_args:
+        gateway_args = ["--served-model-name", "fake-echo", *gateway_args]
     return start_stack(
         fake=True,
         gateway_model=tokenizer_dir,

@@ -66,6 +66,7 @@ def stack(
         gateway_args=["--admin-key", ADMIN_KEY],
         http=True,
         log_dir=tmp_path_factory.mktemp("lora-logs"),
+        accept_any_model=False,
     )
     yield s
     s.close()
@@ -227,6 +228,9 @@ def test_adapters_under_prefill_and_decode_engines(
         prefill_engines=1,
     )
     try:
+        # The gateway is ready once the prefill engine is; on a loaded machine the decode engine
+        # (checking its adapters) may come seconds later, and until then requests run whole.
+        s.wait_for_stats(lambda st: len(st.engines) == 2 and all(e.ready for e in st.engines), 60)
         stub, metadata = admin(s)
         request = scheduler_pb2.LoadLoraRequest(lora_name="ad16", path=str(adapters["ad16"]))
         assert stub.LoadLora(request, metadata=metadata).rank == 16

@@ -44,6 +44,7 @@ def echo(prompt: str, n: int) -> str:
     return bytes(data[i % len(data)] for i in range(n)).decode()
 
 
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
 # The gateway's --served-model-name (the echo engine calls itself "fake-echo").
 SERVED_NAME = "tiny-echo"
 
@@ -54,9 +55,11 @@ def _echo_stack(tokenizer_dir: Path, log_dir: Path, *engine: str, scheduler: tup
         log_dir,
         *engine,
         scheduler=scheduler,
-        gateway_args=["--served-model-name", SERVED_NAME],
+        # fake-echo, the name the requests use, is an alias; any other name is 404 (the default)
+        gateway_args=["--served-model-name", SERVED_NAME, "fake-echo"],
         http=True,
         api_key=API_KEY,
+        accept_any_model=False,
     )
 
 
@@ -400,6 +403,15 @@ def test_models_and_openapi(stack: Stack) -> None:
         assert grpc_client.model_info().model == SERVED_NAME
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("gpt-4")
+    card = httpx2.get(f"{stack.http_url}/models", headers=AUTH).json()["data"][0]
+    assert (card["root"], card["parent"], card["max_model_len"]) == (SERVED_NAME, None, 512)
+    # A name that is neither the id nor an alias (fake-echo) is 404 model_not_found, as vLLM.
+    with pytest.raises(openai.NotFoundError) as err:
+        client.completions.create(model="gpt-4", prompt="hi", max_tokens=2)
+    assert err.value.code == "model_not_found" and err.value.param == "model"
+    assert client.completions.create(model="fake-echo", prompt="hi", max_tokens=2).choices
+    metrics = httpx2.get(root_url(stack, "/metrics")).text  # aiperf looks for it here
+    assert "llmserve_gateway" in metrics or "gen_ai" in metrics, metrics[:500]
     document = httpx2.get(root_url(stack, "/openapi.json")).json()
     assert {"/v1/completions", "/v1/chat/completions", "/v1/models"} <= set(document["paths"])
     assert "CompletionRequest" in document["components"]["schemas"]
@@ -660,13 +672,13 @@ def test_full_queue_is_429_with_retry_after(tokenizer_dir: Path, tmp_path: Path)
                 list(r)  # finish the streams that were admitted
         # More choices than the queue can ever hold: retrying cannot help, so 400, not 429.
         with pytest.raises(openai.BadRequestError) as bad:
-            client.completions.create(model="any", prompt=["a", "b"], n=1, max_tokens=2)
+            client.completions.create(model="fake-echo", prompt=["a", "b"], n=1, max_tokens=2)
         assert bad.value.param == "n"
         assert "n=1 times 2 prompts is 2 choices; the scheduler queues at most 1" in str(
             bad.value.message
         )
         with pytest.raises(openai.BadRequestError, match=r"n=2 .*max_waiting=1"):
-            client.chat.completions.create(model="any", messages=USER, n=2)
+            client.chat.completions.create(model="fake-echo", messages=USER, n=2)
         s.assert_idle()
     finally:
         s.close()
@@ -694,7 +706,7 @@ def test_not_ready_is_503(tokenizer_dir: Path, tmp_path: Path) -> None:
         assert ready.status_code == 503 and ready.headers["retry-after"] == "1"
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0)
         with pytest.raises(openai.InternalServerError) as err:
-            client.completions.create(model="any", prompt="hi")
+            client.completions.create(model="fake-echo", prompt="hi")
         assert err.value.status_code == 503
         assert "scheduler not connected" in err.value.message
     finally:
@@ -721,7 +733,7 @@ def model_stack(
 def test_streamed_text_equals_non_streamed_for_a_seed(model_stack: Stack) -> None:
     client = sdk(model_stack)
     fields: dict[str, Any] = {
-        "model": "any",
+        "model": "fake-echo",
         "max_tokens": 16,
         "temperature": 1.0,
         "seed": 1234,
@@ -740,7 +752,7 @@ def test_streamed_text_equals_non_streamed_for_a_seed(model_stack: Stack) -> Non
 def test_seeded_choices_differ_and_reproduce(model_stack: Stack) -> None:
     client = sdk(model_stack)
     fields: dict[str, Any] = {
-        "model": "any",
+        "model": "fake-echo",
         "prompt": "once upon a time",
         "max_tokens": 12,
         "temperature": 1.5,
@@ -761,7 +773,7 @@ def test_tiny_temperature_is_greedy_on_a_model(model_stack: Stack) -> None:
     not a softmax of logits / 1e-38 that overflows to NaN (and then token 0 every time)."""
     client = sdk(model_stack)
     fields: dict[str, Any] = {
-        "model": "any",
+        "model": "fake-echo",
         "prompt": "the quick brown fox",
         "max_tokens": 12,
         "logprobs": 1,
@@ -779,7 +791,7 @@ def test_tiny_temperature_is_greedy_on_a_model(model_stack: Stack) -> None:
 def test_penalties_and_top_logprobs_on_a_model(model_stack: Stack) -> None:
     client = sdk(model_stack)
     fields: dict[str, Any] = {
-        "model": "any",
+        "model": "fake-echo",
         "messages": USER,
         "max_tokens": 24,
         "temperature": 0.0,

@@ -69,9 +69,13 @@ def _exporters(kind: str) -> set[str]:
     return set() if "none" in names else names
 
 
-def setup(service: str, metrics_port: int = 0, metrics_host: str = "0.0.0.0") -> None:
+def setup(
+    service: str, metrics_port: int = 0, metrics_host: str = "0.0.0.0", registry: bool = False
+) -> None:
     """Install this process's tracer and meter providers (once). metrics_port > 0 serves
-    Prometheus text at /metrics on that port; a port that is taken is logged, not fatal."""
+    Prometheus text at /metrics on that port; a port that is taken is logged, not fatal.
+    registry: fill prometheus_client's registry even without that port (the gateway serves it
+    at /metrics on its HTTP port too)."""
     if _state["configured"] or not HAVE_OTEL or _env_flag("OTEL_SDK_DISABLED"):
         return
     _state["configured"] = True
@@ -81,7 +85,7 @@ def setup(service: str, metrics_port: int = 0, metrics_host: str = "0.0.0.0") ->
         OTELResourceDetector().detect()
     )
     _setup_tracing(resource, _exporters("traces"))
-    _setup_metrics(resource, _exporters("metrics"), metrics_port, metrics_host)
+    _setup_metrics(resource, _exporters("metrics"), metrics_port, metrics_host, registry)
 
 
 def _setup_tracing(resource: Any, exporters: set[str]) -> None:
@@ -106,12 +110,18 @@ def _setup_tracing(resource: Any, exporters: set[str]) -> None:
     log.info("tracing on", exporters=sorted(exporters))
 
 
-def _setup_metrics(resource: Any, exporters: set[str], port: int, host: str) -> None:
+def _setup_metrics(
+    resource: Any, exporters: set[str], port: int, host: str, registry: bool = False
+) -> None:
     from opentelemetry.sdk.metrics import MeterProvider
 
     readers: list[Any] = []
     if port > 0:
         readers.append(_prometheus_reader(port, host))
+    if registry and (port <= 0 or readers[-1] is None):
+        from opentelemetry.exporter.prometheus import PrometheusMetricReader
+
+        readers.append(PrometheusMetricReader())
     for name in exporters:
         if name == "otlp":
             from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter

@@ -88,7 +88,10 @@ def connect(
         challenge = _read_exactly(conn, CHALLENGE_BYTES)
         conn.sendall(_proof(token, challenge))
         conn.sendall(pack_header(transfer_id, num_blocks, layout, backend))
-        answer = _read_exactly(conn, 1)
+        try:
+            answer = _read_exactly(conn, 1)
+        except TransferError as err:  # a refused token closes the connection unanswered
+            raise TransferError(f"transfer {transfer_id}: no answer to its header ({err})") from err
         if answer != ACCEPTED:
             (length,) = REASON.unpack(_read_exactly(conn, REASON.size))
             reason = _read_exactly(conn, length).decode(errors="replace")

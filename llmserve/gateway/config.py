@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from llmserve.common.auth import PeerSecurity, read_secret
 from llmserve.common.flags import check_ports, setting
+from llmserve.common.model_config import default_model_id
 from llmserve.common.net import DEFAULT_GATEWAY_PORT
 from llmserve.gateway.router import ROUTING_POLICIES
 
@@ -48,10 +49,16 @@ class GatewayConfig(PeerSecurity):
     metrics_port: int = setting(
         9101, "Prometheus /metrics port (0: off)", env="LLMSERVE_METRICS_PORT"
     )
-    served_model_name: str | None = setting(
-        None,
-        "the model id both APIs report (/v1/models, GetModelInfo) (default: the name of --model: "
-        "a GGUF file's stem, an HF directory's name, SmolLM2-135M-Instruct for the built-in one)",
+    served_model_name: tuple[str, ...] = setting(
+        (),
+        "the model id both APIs report (/v1/models, GetModelInfo), then other names a request's "
+        "`model` may use for it (default: the name of --model: a GGUF file's stem, an HF "
+        "directory's name, SmolLM2-135M-Instruct for the built-in one)",
+    )
+    accept_any_model: bool = setting(
+        False,
+        "serve an OpenAI request whose `model` names no served model with the base model, "
+        "instead of 404 model_not_found (the lenient behaviour of servers of one model)",
     )
     max_request_bytes: int = setting(
         8 << 20,
@@ -100,8 +107,8 @@ class GatewayConfig(PeerSecurity):
             raise ValueError(f"routing_spill_threshold={self.routing_spill_threshold} must be >= 0")
         if self.max_request_bytes < 1024:
             raise ValueError(f"max_request_bytes={self.max_request_bytes} must be >= 1024")
-        if self.served_model_name is not None and not self.served_model_name.strip():
-            raise ValueError("served_model_name is empty; leave it unset for the model's name")
+        if any(not name.strip() for name in self.served_model_name):
+            raise ValueError("served_model_name has an empty name; leave it unset for the model's")
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("api_key is empty; leave it unset to serve without a key")
         if self.admin_key is not None and not self.admin_key.strip():
@@ -124,3 +131,8 @@ class GatewayConfig(PeerSecurity):
                 )
         if len(set(self.scheduler_address)) != len(self.scheduler_address):
             raise ValueError(f"scheduler_address={list(self.scheduler_address)} repeats one")
+
+
+def model_names(config: GatewayConfig) -> tuple[str, ...]:
+    """The names of the base model: the id both APIs report first, then its aliases."""
+    return config.served_model_name or (default_model_id(config.model),)

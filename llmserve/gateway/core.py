@@ -22,8 +22,7 @@ from collections.abc import AsyncIterator, Mapping
 import grpc
 
 from llmserve.common.choice_id import names_request
-from llmserve.common.model_config import default_model_id
-from llmserve.gateway.config import GatewayConfig
+from llmserve.gateway.config import GatewayConfig, model_names
 from llmserve.gateway.errors import GatewayError
 from llmserve.gateway.quotas import Admission, QuotaExceeded, Quotas, TooLarge
 from llmserve.gateway.replicas import ReplicaLinks
@@ -61,7 +60,8 @@ class GatewayCore(ReplicaLinks):
         sampling_defaults: Mapping[str, float] | None = None,
     ):
         # What both APIs call the model (the engine's own name for it is only logged).
-        super().__init__(config, config.served_model_name or default_model_id(config.model))
+        super().__init__(config, model_names(config)[0])
+        self.model_aliases = frozenset(model_names(config))
         self.tokenizer = tokenizer
         # The model's generation_config.json sampling defaults (vLLM applies them too).
         self.sampling_defaults = sampling_defaults or {}
@@ -91,13 +91,14 @@ class GatewayCore(ReplicaLinks):
         return {name for link in self.links.values() for name in link.lora_names}
 
     def lora_for_model(self, model: str | None) -> str:
-        """The adapter an OpenAI `model` names ("": the base model). With adapters served, a
-        name that is neither the base model's nor an adapter's is NOT_FOUND; without any, the
-        field is not checked (one model: any name means it)."""
+        """The adapter an OpenAI `model` names ("": the base model, by its id or an alias, or
+        when the field is left out). Any other name is NOT_FOUND, unless --accept-any-model."""
         adapters = self.lora_names
         if model and model in adapters:
             return model
-        if not model or model == self.model_id or not adapters:
+        if not model or model in self.model_aliases or self.config.accept_any_model:
+            return ""
+        if self.limits is None:  # no scheduler yet: what it serves is unknown, and 503 comes
             return ""
         raise GatewayError(grpc.StatusCode.NOT_FOUND, self._not_served(model, adapters))
 

@@ -2,7 +2,9 @@
 grpc.aio, over the same request path (gateway/core.py) and the same scheduler connection.
 
     POST /v1/completions, /v1/chat/completions   streamed (server-sent events) or not
-    GET  /v1/models, /v1/models/{id}             the served model
+    GET  /v1/models, /v1/models/{id}             the served model (vLLM's fields: root, parent,
+                                                 max_model_len)
+    GET  /metrics  the gateway's Prometheus metrics (as on --metrics-port)
     GET  /health   liveness: 200 while the process runs
     GET  /ready    readiness: 200 once the scheduler is connected and serving, 503 before
     GET  /openapi.json, /docs
@@ -292,6 +294,13 @@ def create_app(core: GatewayCore) -> FastAPI:
     async def health() -> dict[str, str]:
         return {"status": "ok"}
 
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        """The gateway's Prometheus metrics, as on its --metrics-port (common/telemetry.py)."""
+        from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
+
+        return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
+
     @app.get("/ready")
     async def ready() -> Response:
         if core.serving:
@@ -315,9 +324,10 @@ def _add_model_routes(app: FastAPI, core: GatewayCore) -> None:
         """The base model, then each LoRA adapter served on it (its parent)."""
         with as_api_errors("model"):
             info = core.model_info()
-        base = ModelCard(id=info.model, created=started, max_model_len=info.max_model_len)
+        length = info.max_model_len
+        base = ModelCard(id=info.model, created=started, max_model_len=length, root=info.model)
         adapters = [
-            ModelCard(id=name, created=started, max_model_len=info.max_model_len, parent=base.id)
+            ModelCard(id=name, created=started, max_model_len=length, root=name, parent=base.id)
             for name in info.lora_names
         ]
         return [base, *adapters]

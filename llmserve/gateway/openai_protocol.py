@@ -250,7 +250,10 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "llmserve"
     max_model_len: int
-    parent: str | None = None  # a LoRA adapter's base model
+    # vLLM's fields, which clients read (`vllm bench serve` stops on a card without root): what
+    # the model was loaded as (the adapter's name for an adapter), and an adapter's base model.
+    root: str
+    parent: str | None = None
 
 
 class ModelList(BaseModel):
