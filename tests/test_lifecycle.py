@@ -300,7 +300,9 @@ def _long_request() -> dict[str, Any]:
 
 
 def test_crashed_scheduler_and_gateway_are_restarted(tiny: Path, tmp_path: Path) -> None:
-    serve = Serve(tmp_path, "--model", str(tiny), "--num-kv-blocks", "128", http=True)
+    serve = Serve(
+        tmp_path, "--model", str(tiny), "--num-kv-blocks", "128", "--accept-any-model", http=True
+    )
     try:
         with Client(serve.address) as client:
             expected = client.generate(make_request(text="after", max_tokens=8, temperature=0.0))

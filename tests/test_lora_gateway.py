@@ -4,6 +4,8 @@ adapter, and the adapters the gateway serves learned from its replicas' stats.""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import grpc
 import pytest
 
@@ -71,5 +73,13 @@ def test_model_field_names_the_base_or_an_adapter() -> None:
     assert err.value.code == grpc.StatusCode.NOT_FOUND
     api = ApiError.from_gateway(err.value, "prompt")
     assert api.status == 404 and api.body.error.code == "model_not_found"
-    # Without adapters, the field is not checked: one model, any name means it.
-    assert core_with([]).lora_for_model("anything") == ""
+    # Without adapters too, another name is 404 (as vLLM); --accept-any-model serves it with the
+    # base, and a name is never refused before any scheduler said what it serves (503 first).
+    with pytest.raises(GatewayError):
+        core_with([]).lora_for_model("anything")
+    lenient = core_with([])
+    lenient.config = replace(lenient.config, accept_any_model=True)
+    assert lenient.lora_for_model("anything") == ""
+    unknown = core_with([])
+    unknown.links["a:1"].stats = None
+    assert unknown.lora_for_model("anything") == ""

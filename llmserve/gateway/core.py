@@ -98,8 +98,8 @@ class GatewayCore(ReplicaLinks):
             return model
         if not model or model in self.model_aliases or self.config.accept_any_model:
             return ""
-        if self.limits is None:  # no scheduler yet: what it serves is unknown, and 503 comes
-            return ""
+        if all(link.stats is None for link in self.links.values()):
+            return ""  # no scheduler has said what it serves yet: validation answers 503
         raise GatewayError(grpc.StatusCode.NOT_FOUND, self._not_served(model, adapters))
 
     def _not_served(self, model: str, adapters: set[str]) -> str:
