@@ -1,0 +1,116 @@
+"""yarn and dynamic NTK rope scaling against transformers: the frequencies and the cos/sin scale
+of each parameter set against transformers' own rope functions, and tiny Llama / Qwen3 models
+with yarn or dynamic scaling at every prompt position, whole and chunked, and through a
+scheduler-driven script (chunked prefill, prefix-cache hits, preemptions)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from llmserve.common.model_config import load_model_config
+from llmserve.engine.rotary import rope_attention_factor, rope_inv_freq
+from tests.family_models import ROPE_CONFIGS
+from tests.test_families import (  # noqa: F401 (load: the module-scoped fixture)
+    NUM_OUT,
+    TOLERANCE,
+    _unscaled_rope,
+    check_script_matches_hf,
+    load,
+    script_blocks,
+)
+from tests.test_model import forward_direct, prompt, rel_err, shuffled_blocks
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+YARN = {"rope_type": "yarn", "factor": 8.0, "rope_theta": 10000.0}
+# Each: (config fields, what it exercises).
+PARAMETER_SETS: dict[str, dict[str, Any]] = {
+    "yarn": {"rope_parameters": {**YARN, "original_max_position_embeddings": 256}},
+    "yarn-untruncated-betas": {
+        "rope_parameters": {
+            **YARN,
+            "original_max_position_embeddings": 512,
+            "beta_fast": 24,
+            "beta_slow": 2,
+            "truncate": False,
+        }
+    },
+    "yarn-deepseek-mscale": {  # DeepSeek-V3: no factor, mscale / mscale_all_dim
+        "max_position_embeddings": 4096,
+        "rope_parameters": {
+            **YARN,
+            "factor": None,
+            "original_max_position_embeddings": 1024,
+            "mscale": 0.707,
+            "mscale_all_dim": 1.0,
+        },
+    },
+    "yarn-attention-factor": {
+        "rope_parameters": {
+            **YARN,
+            "original_max_position_embeddings": 256,
+            "attention_factor": 0.9,
+        }
+    },
+    "yarn-top-level-original": {  # the top-level field wins, as transformers reads it
+        "original_max_position_embeddings": 128,
+        "rope_parameters": {**YARN, "original_max_position_embeddings": 512},
+    },
+    "dynamic": {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e5}},
+}
+
+
+@pytest.mark.parametrize("name", PARAMETER_SETS)
+def test_frequencies_and_scale_match_transformers(name: str, tmp_path: Path) -> None:
+    import transformers
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    fields = {"hidden_size": 256, "num_attention_heads": 4, "max_position_embeddings": 2048}
+    config = transformers.LlamaConfig(**{**fields, **PARAMETER_SETS[name]})
+    config.save_pretrained(tmp_path)
+    ours = load_model_config(tmp_path)
+    rope_type = config.rope_parameters["rope_type"]
+    want, want_scale = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
+    got = rope_inv_freq(ours, max_positions=ours.max_position_embeddings)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+    assert rope_attention_factor(ours) == pytest.approx(want_scale, rel=1e-9)
+    if rope_type == "yarn":  # the scaling did something these sets can see
+        unscaled = 1.0 / (10000.0 ** (torch.arange(0, 64, 2).float() / 64))
+        assert not torch.allclose(got, unscaled)
+
+
+@pytest.mark.parametrize("family", ROPE_CONFIGS)
+def test_whole_prompt_and_chunks_all_positions(load: Any, family: str) -> None:  # noqa: F811
+    m = load(family)
+    tokens = prompt(45, seed=1)
+    want = m.hf_logits(tokens)
+    (whole,) = forward_direct(m.engine, [(tokens, 0, len(tokens), shuffled_blocks(11)[:6])])
+    assert rel_err(whole, want) < TOLERANCE
+    table = shuffled_blocks(12)[:6]
+    chunks = [
+        forward_direct(m.engine, [(tokens, s, min(s + 7, len(tokens)), table)])[0]
+        for s in range(0, len(tokens), 7)
+    ]
+    assert rel_err(torch.cat(chunks), want) < TOLERANCE
+
+
+@pytest.mark.parametrize("family", ["llama-yarn", "qwen3-yarn"])
+def test_scheduled_script_matches_hf(load: Any, family: str) -> None:  # noqa: F811
+    m = load(family)
+    check_script_matches_hf(m.engine, m.hf_logits, 6, NUM_OUT, script_blocks(m.engine))
+
+
+@pytest.mark.parametrize("family", ["llama-yarn", "qwen3-yarn"])
+def test_yarn_matters_for_these_prompts(load: Any, family: str) -> None:  # noqa: F811
+    m = load(family)
+    tokens = prompt(45, seed=1)
+    undo = _unscaled_rope(m.engine.model)
+    try:
+        (ours,) = forward_direct(m.engine, [(tokens, 0, len(tokens), shuffled_blocks(11)[:6])])
+    finally:
+        undo()
+    assert rel_err(ours, m.hf_logits(tokens)) > 1e-2
