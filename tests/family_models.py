@@ -59,8 +59,9 @@ FAMILY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
         },
     ),
 }
-# Rope scalings on a served layout (tests/test_rope_scaling.py): an original context shorter
-# than the test prompts, so yarn's interpolated pairs and its attention factor bite.
+# Rope variants (tests/test_rope_scaling.py): scalings on a served layout, with an original
+# context shorter than the test prompts, so yarn's interpolated pairs and its attention factor
+# bite; SmolLM3's layers without rotary.
 ROPE_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "llama-yarn": (
         "LlamaConfig",
@@ -91,6 +92,8 @@ ROPE_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
         "LlamaConfig",
         {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}},
     ),
+    # SmolLM3's NoPE layers: every second one here (the released models: every fourth).
+    "smollm3": ("SmolLM3Config", {"no_rope_layer_interval": 2}),
 }
 COMMON: dict[str, Any] = {
     "vocab_size": TINY_VOCAB,

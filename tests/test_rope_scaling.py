@@ -1,7 +1,8 @@
-"""yarn and dynamic NTK rope scaling against transformers: the frequencies and the cos/sin scale
-of each parameter set against transformers' own rope functions, and tiny Llama / Qwen3 models
-with yarn or dynamic scaling at every prompt position, whole and chunked, and through a
-scheduler-driven script (chunked prefill, prefix-cache hits, preemptions)."""
+"""yarn and dynamic NTK rope scaling, and SmolLM3's layers without rotary, against transformers:
+the frequencies and the cos/sin scale of each parameter set against transformers' own rope
+functions, and tiny Llama / Qwen3 models with yarn or dynamic scaling and a tiny SmolLM3 at every
+prompt position, whole and chunked, and through a scheduler-driven script (chunked prefill,
+prefix-cache hits, preemptions)."""
 
 from __future__ import annotations
 
@@ -98,7 +99,7 @@ def test_whole_prompt_and_chunks_all_positions(load: Any, family: str) -> None: 
     assert rel_err(torch.cat(chunks), want) < TOLERANCE
 
 
-@pytest.mark.parametrize("family", ["llama-yarn", "qwen3-yarn"])
+@pytest.mark.parametrize("family", ["llama-yarn", "qwen3-yarn", "smollm3"])
 def test_scheduled_script_matches_hf(load: Any, family: str) -> None:  # noqa: F811
     m = load(family)
     check_script_matches_hf(m.engine, m.hf_logits, 6, NUM_OUT, script_blocks(m.engine))
@@ -113,4 +114,25 @@ def test_yarn_matters_for_these_prompts(load: Any, family: str) -> None:  # noqa
         (ours,) = forward_direct(m.engine, [(tokens, 0, len(tokens), shuffled_blocks(11)[:6])])
     finally:
         undo()
+    assert rel_err(ours, m.hf_logits(tokens)) > 1e-2
+
+
+def test_smollm3_reads_its_nope_layers(load: Any) -> None:  # noqa: F811
+    from llmserve.common.families.smollm3 import nope_layers
+
+    assert load_model_config(load("smollm3").path).nope_layers == (1,)
+    assert nope_layers(8, None, 4) == (3, 7)  # the released models' default interval
+
+
+def test_smollm3_nope_matters_for_these_prompts(load: Any) -> None:  # noqa: F811
+    """Rotating the NoPE layer too moves the logits away from transformers'."""
+    m = load("smollm3")
+    attention = m.engine.model.layers[1].self_attn
+    saved = attention.rotary_emb
+    attention.rotary_emb = m.engine.model.rotary_emb
+    tokens = prompt(45, seed=1)
+    try:
+        (ours,) = forward_direct(m.engine, [(tokens, 0, len(tokens), shuffled_blocks(11)[:6])])
+    finally:
+        attention.rotary_emb = saved
     assert rel_err(ours, m.hf_logits(tokens)) > 1e-2

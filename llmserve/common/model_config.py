@@ -111,6 +111,7 @@ class ModelConfig:
     sliding_window: int | None = None
     layer_types: tuple[str, ...] = ()
     rope_local_theta: float | None = None  # sliding layers' unscaled rope base (Gemma 3)
+    nope_layers: tuple[int, ...] = ()  # layers that attend without rotary (SmolLM3)
     attention_scale: float | None = None  # None: head_dim ** -0.5
     attn_logit_softcap: float | None = None  # scores = cap * tanh(scores / cap) (Gemma 2)
     final_logit_softcap: float | None = None
