@@ -20,6 +20,7 @@ ARCH = {
     "gemma2": "gemma2",
     "gemma3": "gemma3",
     "phi3": "phi3",
+    "llama-yarn": "llama",
 }
 T = gguf.MODEL_TENSOR
 # our HF layer-tensor stem -> llama.cpp's tensor, per architecture
@@ -122,6 +123,10 @@ def _metadata(
         w.add_rope_scaling_factor(rope["factor"])
     w.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
     if rope.get("rope_type") == "longrope":
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    if rope.get("rope_type") == "yarn":  # as llama.cpp's converter writes it
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rope["factor"])
         w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
 
 

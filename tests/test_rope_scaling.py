@@ -136,3 +136,40 @@ def test_smollm3_nope_matters_for_these_prompts(load: Any) -> None:  # noqa: F81
     finally:
         attention.rotary_emb = saved
     assert rel_err(ours, m.hf_logits(tokens)) > 1e-2
+
+
+def test_yarn_gguf_logits_match_hf(load: Any, tmp_path: Path) -> None:  # noqa: F811
+    """llama-yarn written as llama.cpp's converter writes yarn (type, factor, original context):
+    the same rope settings as from the HF directory, logits within 1e-4 of transformers'."""
+    from llmserve.engine.config import EngineConfig
+    from llmserve.engine.engine import Engine
+    from tests.family_gguf import write_family_gguf
+
+    m = load("llama-yarn")
+    path = write_family_gguf(m.path, tmp_path / "yarn.gguf", "llama-yarn")
+    scaling = load_model_config(path).rope_scaling
+    assert scaling == {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}
+    engine = Engine(EngineConfig(model=str(path), device="cpu", num_kv_blocks=96, block_size=8))
+    tokens = prompt(45, seed=1)
+    (whole,) = forward_direct(engine, [(tokens, 0, len(tokens), shuffled_blocks(11)[:6])])
+    assert rel_err(whole, m.hf_logits(tokens)) < TOLERANCE
+
+
+@pytest.mark.parametrize(
+    ("extra", "field"),
+    [
+        ({"llama.rope.scaling.type": "dynamic"}, "llama.rope.scaling.type 'dynamic'"),
+        ({"llama.rope.scaling.yarn_log_multiplier": 0.1}, "llama.rope.scaling.yarn_log_multiplier"),
+    ],
+)
+def test_gguf_rope_scaling_we_do_not_map_is_refused(extra: dict[str, Any], field: str) -> None:
+    from llmserve.common.model_config import ModelSourceError, _gguf_rope_scaling
+
+    fields = {
+        "llama.rope.scaling.type": "yarn",
+        "llama.rope.scaling.factor": 4.0,
+        "llama.rope.scaling.original_context_length": 16,
+        **extra,
+    }
+    with pytest.raises(ModelSourceError, match=field):
+        _gguf_rope_scaling(fields, "llama", lambda key: fields[key.replace("{arch}", "llama")])
