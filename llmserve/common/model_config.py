@@ -113,6 +113,9 @@ class ModelConfig:
     layer_types: tuple[str, ...] = ()
     rope_local_theta: float | None = None  # sliding layers' unscaled rope base (Gemma 3)
     nope_layers: tuple[int, ...] = ()  # layers that attend without rotary (SmolLM3)
+    qk_norm: bool = (
+        False  # RMSNorm over each head's q and k where the family makes it optional (GLM-4.5)
+    )
     attention_scale: float | None = None  # None: head_dim ** -0.5
     attn_logit_softcap: float | None = None  # scores = cap * tanh(scores / cap) (Gemma 2)
     final_logit_softcap: float | None = None
