@@ -99,7 +99,7 @@ def test_every_family_in_a_group_matches_one_engine(
     )
 
 
-@pytest.mark.parametrize("family", DENSE)
+@pytest.mark.parametrize("family", [*DENSE, "smollm3", "glm4_moe"])
 def test_draft_speculation_gives_the_same_tokens(models: dict[str, Path], family: str) -> None:
     """Greedy tokens with the model's first layer as its draft (3 tokens a step; the verify
     step sees several tokens of a request at once, windows and soft-caps included) equal
