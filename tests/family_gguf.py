@@ -21,6 +21,7 @@ ARCH = {
     "gemma3": "gemma3",
     "phi3": "phi3",
     "llama-yarn": "llama",
+    "smollm3": "smollm3",
 }
 T = gguf.MODEL_TENSOR
 # our HF layer-tensor stem -> llama.cpp's tensor, per architecture
@@ -145,9 +146,10 @@ def write_family_gguf(
         name = _gguf_name(family, hf_name)
         if name is None:
             raise AssertionError(f"no GGUF name for {hf_name}")
-        if ARCH[family] == "llama" and ".attn_q." in name:
+        permuted = ARCH[family] in ("llama", "smollm3")  # llama.cpp's Llama converter
+        if permuted and ".attn_q." in name:
             data = permute_qk(data, cfg["num_attention_heads"])
-        elif ARCH[family] == "llama" and ".attn_k." in name:
+        elif permuted and ".attn_k." in name:
             data = permute_qk(data, cfg["num_key_value_heads"])
         elif family.startswith("gemma") and hf_name.endswith("norm.weight"):
             data = data + 1.0

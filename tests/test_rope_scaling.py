@@ -173,3 +173,20 @@ def test_gguf_rope_scaling_we_do_not_map_is_refused(extra: dict[str, Any], field
     }
     with pytest.raises(ModelSourceError, match=field):
         _gguf_rope_scaling(fields, "llama", lambda key: fields[key.replace("{arch}", "llama")])
+
+
+def test_smollm3_gguf_logits_match_hf(load: Any, tmp_path: Path) -> None:  # noqa: F811
+    """A 4-layer SmolLM3 (NoPE on the 4th, llama.cpp's fixed interval) written as llama.cpp's
+    converter writes it (Llama's layout, q / k rows permuted): its NoPE layers read, logits
+    within 1e-4 of transformers'."""
+    from llmserve.engine.config import EngineConfig
+    from llmserve.engine.engine import Engine
+    from tests.family_gguf import write_family_gguf
+
+    m = load("smollm3", num_hidden_layers=4, no_rope_layer_interval=4)
+    path = write_family_gguf(m.path, tmp_path / "smollm3.gguf", "smollm3")
+    assert load_model_config(path).nope_layers == load_model_config(m.path).nope_layers == (3,)
+    engine = Engine(EngineConfig(model=str(path), device="cpu", num_kv_blocks=96, block_size=8))
+    tokens = prompt(45, seed=1)
+    (whole,) = forward_direct(engine, [(tokens, 0, len(tokens), shuffled_blocks(11)[:6])])
+    assert rel_err(whole, m.hf_logits(tokens)) < TOLERANCE

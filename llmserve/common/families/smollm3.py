@@ -40,5 +40,11 @@ SMOLLM3 = register(
         hf_model_types=("smollm3",),
         model="llmserve.engine.families.smollm3:SmolLM3ForCausalLM",
         read_hf=read_smollm3,
+        # llama.cpp writes no NoPE key: its smollm3 graph skips rotary on every 4th layer.
+        gguf_architecture="smollm3",
+        read_gguf=lambda fields, arch: {
+            "nope_layers": nope_layers(int(fields[f"{arch}.block_count"]), None, 4),
+            "attention_bias": "blk.0.attn_q.bias" in fields["tensor_names"],
+        },
     )
 )
