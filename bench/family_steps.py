@@ -79,6 +79,15 @@ FAMILIES: dict[str, dict[str, Any]] = {
         "architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe",
         "shared_expert_intermediate_size": 384, **MOE,
     },
+    # SmolLM3: every 4th layer without rotary. GLM-4.5: DeepSeek-V3's MoE (8 experts of 192 in 4
+    # groups, the best 2 kept, top-2, one shared expert of 192; layer 0 dense), partial rotary.
+    "smollm3": {"architectures": ["SmolLM3ForCausalLM"], "model_type": "smollm3"},
+    "glm4_moe": {
+        "architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe", "head_dim": 64,
+        "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 192,
+        "n_group": 4, "topk_group": 2, "n_shared_experts": 1, "first_k_dense_replace": 1,
+        "norm_topk_prob": True, "routed_scaling_factor": 2.5, "partial_rotary_factor": 0.5,
+    },
 }  # fmt: skip
 
 

@@ -20,6 +20,8 @@ ARCH = {
     "gemma2": "gemma2",
     "gemma3": "gemma3",
     "phi3": "phi3",
+    "llama-yarn": "llama",
+    "smollm3": "smollm3",
 }
 T = gguf.MODEL_TENSOR
 # our HF layer-tensor stem -> llama.cpp's tensor, per architecture
@@ -123,6 +125,10 @@ def _metadata(
     w.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
     if rope.get("rope_type") == "longrope":
         w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    if rope.get("rope_type") == "yarn":  # as llama.cpp's converter writes it
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rope["factor"])
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
 
 
 def write_family_gguf(
@@ -140,9 +146,10 @@ def write_family_gguf(
         name = _gguf_name(family, hf_name)
         if name is None:
             raise AssertionError(f"no GGUF name for {hf_name}")
-        if ARCH[family] == "llama" and ".attn_q." in name:
+        permuted = ARCH[family] in ("llama", "smollm3")  # llama.cpp's Llama converter
+        if permuted and ".attn_q." in name:
             data = permute_qk(data, cfg["num_attention_heads"])
-        elif ARCH[family] == "llama" and ".attn_k." in name:
+        elif permuted and ".attn_k." in name:
             data = permute_qk(data, cfg["num_key_value_heads"])
         elif family.startswith("gemma") and hf_name.endswith("norm.weight"):
             data = data + 1.0

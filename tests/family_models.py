@@ -59,6 +59,42 @@ FAMILY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
         },
     ),
 }
+# Rope variants (tests/test_rope_scaling.py): scalings on a served layout, with an original
+# context shorter than the test prompts, so yarn's interpolated pairs and its attention factor
+# bite; SmolLM3's layers without rotary.
+ROPE_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama-yarn": (
+        "LlamaConfig",
+        {
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "original_max_position_embeddings": 16,
+                "rope_theta": 10000.0,
+            }
+        },
+    ),
+    "qwen3-yarn": (
+        "Qwen3Config",
+        {
+            "head_dim": 32,
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "original_max_position_embeddings": 64,
+                "rope_theta": 1e6,
+                "beta_fast": 16,
+                "truncate": False,
+            },
+        },
+    ),
+    "llama-dynamic": (
+        "LlamaConfig",
+        {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}},
+    ),
+    # SmolLM3's NoPE layers: every second one here (the released models: every fourth).
+    "smollm3": ("SmolLM3Config", {"no_rope_layer_interval": 2}),
+}
 COMMON: dict[str, Any] = {
     "vocab_size": TINY_VOCAB,
     "hidden_size": 64,
@@ -81,7 +117,7 @@ def make_tiny_family(directory: Path, family: str, seed: int = 0, **overrides: A
     import torch
     import transformers
 
-    class_name, fields = FAMILY_CONFIGS[family]
+    class_name, fields = {**FAMILY_CONFIGS, **ROPE_CONFIGS}[family]
     config = getattr(transformers, class_name)(**{**COMMON, **fields, **overrides})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config).float()

@@ -23,6 +23,31 @@ MOE_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3_moe": ("Qwen3MoeConfig", QWEN3_MOE),
     "qwen2_moe": ("Qwen2MoeConfig", QWEN2_MOE),
 }
+# DeepSeek-V3's MoE as GLM-4.5 has it (tests/test_glm4_moe.py; no GGUF writer yet): 8 experts in 4
+# groups, the best 2 groups kept, top-2 renormalized and scaled; one shared expert; layer 0
+# dense; partial rotary, q/k norms and q/k/v biases.
+GLM4_MOE = {
+    "n_routed_experts": 8,
+    "num_experts_per_tok": 2,
+    "n_group": 4,
+    "topk_group": 2,
+    "routed_scaling_factor": 2.5,
+    "norm_topk_prob": True,
+    "n_shared_experts": 1,
+    "first_k_dense_replace": 1,
+    "moe_intermediate_size": 32,
+    "intermediate_size": 96,
+    "use_qk_norm": True,
+    "attention_bias": True,
+    "rope_parameters": {
+        "rope_type": "default",
+        "rope_theta": 10000.0,
+        "partial_rotary_factor": 0.5,
+    },
+}
+DEEPSEEK_MOE_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
+    "glm4_moe": ("Glm4MoeConfig", GLM4_MOE),
+}
 
 
 def make_tiny_moe(directory: Path, family: str, seed: int = 0, **overrides: Any) -> Path:
@@ -31,7 +56,7 @@ def make_tiny_moe(directory: Path, family: str, seed: int = 0, **overrides: Any)
     import torch
     import transformers
 
-    class_name, fields = MOE_CONFIGS[family]
+    class_name, fields = {**MOE_CONFIGS, **DEEPSEEK_MOE_CONFIGS}[family]
     config = getattr(transformers, class_name)(**{**COMMON, **fields, **overrides})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config).float()
@@ -41,6 +66,9 @@ def make_tiny_moe(directory: Path, family: str, seed: int = 0, **overrides: Any)
                 param.copy_(torch.randn_like(param) * 0.5)
             elif "norm" in name:
                 param.add_(torch.randn_like(param) * 0.1)
+        for name, buffer in model.named_buffers():  # DeepSeek's correction bias: a buffer
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(torch.randn_like(buffer) * 0.5)
     model.save_pretrained(directory)
     write_byte_tokenizer(directory)
     return directory

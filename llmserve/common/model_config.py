@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -111,6 +112,10 @@ class ModelConfig:
     sliding_window: int | None = None
     layer_types: tuple[str, ...] = ()
     rope_local_theta: float | None = None  # sliding layers' unscaled rope base (Gemma 3)
+    nope_layers: tuple[int, ...] = ()  # layers that attend without rotary (SmolLM3)
+    qk_norm: bool = (
+        False  # RMSNorm over each head's q and k where the family makes it optional (GLM-4.5)
+    )
     attention_scale: float | None = None  # None: head_dim ** -0.5
     attn_logit_softcap: float | None = None  # scores = cap * tanh(scores / cap) (Gemma 2)
     final_logit_softcap: float | None = None
@@ -251,6 +256,30 @@ def read_gguf_fields(path: Path) -> dict[str, Any]:
     return open_gguf(path).fields
 
 
+def _gguf_rope_scaling(
+    fields: Mapping[str, Any], arch: str, get: Callable[[str], Any]
+) -> dict[str, Any] | None:
+    """The rope scaling llama.cpp's converter writes (`{arch}.rope.scaling.*`): linear or yarn;
+    longrope (Phi-3) is its family's to read. A yarn key we do not map is refused by name rather
+    than served with other frequencies."""
+    kind = fields.get(f"{arch}.rope.scaling.type")
+    if kind in (None, "none", "longrope"):
+        return None
+    if kind not in ("linear", "yarn"):
+        raise ModelSourceError(f"GGUF {arch}.rope.scaling.type {kind!r} is not supported")
+    scaling = {"rope_type": kind, "factor": float(get("{arch}.rope.scaling.factor"))}
+    if kind == "yarn":
+        original = get("{arch}.rope.scaling.original_context_length")
+        scaling["original_max_position_embeddings"] = int(original)
+        for ours, key in (("beta_fast", "yarn_beta_fast"), ("beta_slow", "yarn_beta_slow")):
+            if fields.get(f"{arch}.rope.scaling.{key}") is not None:
+                scaling[ours] = float(fields[f"{arch}.rope.scaling.{key}"])
+        for key in ("attn_factor", "yarn_log_multiplier", "yarn_ext_factor", "yarn_attn_factor"):
+            if fields.get(f"{arch}.rope.scaling.{key}") is not None:
+                raise ModelSourceError(f"GGUF {arch}.rope.scaling.{key} is not supported (yarn)")
+    return scaling
+
+
 def _config_from_gguf(path: Path) -> ModelConfig:
     gguf_file = open_gguf(path)
     fields = gguf_file.fields
@@ -268,10 +297,7 @@ def _config_from_gguf(path: Path) -> ModelConfig:
     embd = next(t for t in gguf_file.tensors if t.name == "token_embd.weight")
     hidden = int(get("{arch}.embedding_length"))
     num_heads = int(get("{arch}.attention.head_count"))
-    scaling: dict[str, Any] | None = None
-    scaling_type = fields.get(f"{arch}.rope.scaling.type")
-    if scaling_type == "linear":
-        scaling = {"rope_type": "linear", "factor": float(get("{arch}.rope.scaling.factor"))}
+    scaling = _gguf_rope_scaling(fields, arch, get)
     # llama3-scaled GGUFs carry the per-frequency divisors as a `rope_freqs.weight` tensor; the
     # engine reads it with the weights.
     eos = fields.get("tokenizer.ggml.eos_token_id")

@@ -6,6 +6,10 @@ shared expert, which layers are sparse, and the checkpoint's names for the block
     Mixtral      softmax, top-k, always renormalized           none
     Qwen3-MoE    softmax, top-k, renormalized if norm_topk_prob none
     Qwen2-MoE    softmax, top-k, renormalized if norm_topk_prob sigmoid-gated, beside the routed
+    GLM-4.5      sigmoid; top-k of (score + correction bias)    ungated (n_shared_experts of
+                 within the topk_group best of n_group groups;  them, one wide MLP); the first
+                 the unbiased scores, renormalized if            first_k_dense_replace layers
+                 norm_topk_prob, times routed_scaling_factor     dense (DeepSeek-V3's router)
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ HF_MOE_NAMES: dict[str, tuple[str, tuple[str, str, str]]] = {
     "MixtralForCausalLM": ("block_sparse_moe", ("w1", "w3", "w2")),
     "Qwen3MoeForCausalLM": ("mlp", ("gate_proj", "up_proj", "down_proj")),
     "Qwen2MoeForCausalLM": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+    "Glm4MoeForCausalLM": ("mlp", ("gate_proj", "up_proj", "down_proj")),
 }
 
 
@@ -41,6 +46,13 @@ class MoEConfig:
     dense_layers: tuple[int, ...] = ()
     hf_block: str = "mlp"
     hf_experts: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+    # DeepSeek-V3's router (noaux_tc, GLM-4.5): sigmoid scores, a correction bias for the
+    # choice only, grouped top-k, the weights times routed_scaling_factor; the shared expert
+    # ungated and named `shared_experts`.
+    grouped: bool = False
+    num_groups: int = 1
+    topk_groups: int = 1
+    routed_scaling_factor: float = 1.0
 
     def __post_init__(self) -> None:
         if not 0 < self.top_k <= self.num_experts:
@@ -76,6 +88,8 @@ def moe_from_hf(cfg: dict[str, Any]) -> MoEConfig | None:
             hf_block=block,
             hf_experts=experts,
         )
+    if arch == "Glm4MoeForCausalLM":
+        return _deepseek_moe(cfg, block, experts)
     step = int(cfg.get("decoder_sparse_step", 1) or 1)
     only_mlp = {int(i) for i in cfg.get("mlp_only_layers") or []}
     dense = tuple(i for i in range(num_layers) if i in only_mlp or (i + 1) % step)
@@ -89,4 +103,30 @@ def moe_from_hf(cfg: dict[str, Any]) -> MoEConfig | None:
         dense_layers=dense,
         hf_block=block,
         hf_experts=experts,
+    )
+
+
+def _deepseek_moe(cfg: dict[str, Any], block: str, experts: tuple[str, str, str]) -> MoEConfig:
+    """DeepSeek-V3's MoE as GLM-4.5 configures it (its router is always noaux_tc)."""
+    num_experts = int(cfg.get("n_routed_experts") or cfg["num_local_experts"])
+    width = int(cfg["moe_intermediate_size"])
+    num_groups, topk_groups = int(cfg.get("n_group") or 1), int(cfg.get("topk_group") or 1)
+    if num_experts % num_groups or not 0 < topk_groups <= num_groups:
+        raise ValueError(
+            f"n_group={num_groups} must divide n_routed_experts={num_experts} and "
+            f"topk_group={topk_groups} be between 1 and n_group"
+        )
+    return MoEConfig(
+        num_experts=num_experts,
+        top_k=int(cfg["num_experts_per_tok"]),
+        intermediate_size=width,
+        renormalize=bool(cfg.get("norm_topk_prob", True)),
+        shared_intermediate_size=width * int(cfg.get("n_shared_experts") or 0),
+        dense_layers=tuple(range(int(cfg.get("first_k_dense_replace") or 0))),
+        hf_block=block,
+        hf_experts=experts,
+        grouped=True,
+        num_groups=num_groups,
+        topk_groups=topk_groups,
+        routed_scaling_factor=float(cfg.get("routed_scaling_factor") or 1.0),
     )

@@ -5,7 +5,9 @@
       -> the T*k (token, expert) pairs sorted by expert; each expert's rows gathered once
       -> per expert segment: down(silu(gate(x)) * up(x))   (one grouped product per weight)
       -> scaled by the pair's weight, added back into its token's row
-      (+ sigmoid(shared_expert_gate(x)) * shared_expert(x), Qwen2-MoE)
+      (+ sigmoid(shared_expert_gate(x)) * shared_expert(x), Qwen2-MoE; ungated, GLM-4.5)
+    GLM-4.5 (DeepSeek-V3's noaux_tc): the router's sigmoid scores, grouped top-k over them plus a
+    correction bias (route_grouped)
 
 Expert parallelism: on a tensor-parallel group of T ranks, rank r holds experts
 E r / T .. E (r + 1) / T whole (not a slice of every expert), routes every token (the hidden
@@ -40,14 +42,39 @@ HFTensor = tuple[str, nn.Module, nn.Parameter, int]
 
 class Router(nn.Module):
     """The router's [E, H] weight, replicated on every rank. Not a `Linear`, so that packing and
-    quantization (which replace every Linear) leave routing exactly as the checkpoint has it."""
+    quantization (which replace every Linear) leave routing exactly as the checkpoint has it.
+    corrected: DeepSeek's per-expert score-correction bias beside it (float32, as HF keeps it)."""
 
-    def __init__(self, hidden_size: int, num_experts: int):
+    def __init__(self, hidden_size: int, num_experts: int, corrected: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
+        self.e_score_correction_bias: nn.Parameter | None = None
+        if corrected:
+            self.e_score_correction_bias = nn.Parameter(torch.empty(num_experts))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return nn.functional.linear(x, self.weight)
+
+
+def route_grouped(
+    router_logits: torch.Tensor, bias: torch.Tensor, moe: MoEConfig
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3's noaux_tc routing, as HF computes it (float32): sigmoid scores; the experts
+    chosen by score + bias among the topk_groups groups whose two best biased scores sum
+    highest; their unbiased scores as weights, renormalized if asked, times
+    routed_scaling_factor. (weights float32 [T, k], expert ids int64 [T, k])."""
+    scores = router_logits.float().sigmoid()
+    choice = scores + bias.float()
+    groups = choice.view(-1, moe.num_groups, moe.num_experts // moe.num_groups)
+    group_scores = groups.topk(min(2, groups.shape[-1]), dim=-1)[0].sum(dim=-1)
+    best = torch.topk(group_scores, moe.topk_groups, dim=-1, sorted=False)[1]
+    keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
+    choice = choice.masked_fill(~keep.repeat_interleave(groups.shape[-1], dim=1), float("-inf"))
+    ids = torch.topk(choice, moe.top_k, dim=-1, sorted=False)[1]
+    weights = scores.gather(1, ids)
+    if moe.renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * moe.routed_scaling_factor, ids
 
 
 class Experts(nn.Module):
@@ -107,22 +134,29 @@ class SparseMoeBlock(OpsModule):
         super().__init__(ops)
         self.tp = tp = tp or TPGroup()
         self.moe = moe
-        self.gate = Router(hidden_size, moe.num_experts)
+        self.gate = Router(hidden_size, moe.num_experts, corrected=moe.grouped)
         local = moe.expert_range(tp.rank, tp.size)
         self.experts = Experts(hidden_size, moe.intermediate_size, local)
         self.shared_expert: SharedExpert | None = None
         self.shared_expert_gate: Router | None = None
         if moe.shared_intermediate_size:
             self.shared_expert = SharedExpert(hidden_size, moe.shared_intermediate_size, ops, tp)
-            self.shared_expert_gate = Router(hidden_size, 1)
+            if not moe.grouped:  # DeepSeek's shared experts are ungated
+                self.shared_expert_gate = Router(hidden_size, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = route(self.gate(x), self.moe.top_k, self.moe.renormalize)
+        bias = self.gate.e_score_correction_bias
+        if bias is not None:
+            weights, ids = route_grouped(self.gate(x), bias, self.moe)
+        else:
+            weights, ids = route(self.gate(x), self.moe.top_k, self.moe.renormalize)
         experts = self.experts
         out = self.ops.moe_experts(x, weights, ids, experts.w13, experts.w2, experts.experts.start)
-        if self.shared_expert is not None and self.shared_expert_gate is not None:
-            scale = torch.sigmoid(self.shared_expert_gate(x))
-            out = out + scale * self.shared_expert(x)
+        if self.shared_expert is not None:
+            shared = self.shared_expert(x)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+            out = out + shared
         return self.tp.all_reduce(out)
 
     def hf_tensors(self, stem: str) -> Iterator[HFTensor]:
@@ -131,12 +165,17 @@ class SparseMoeBlock(OpsModule):
         is named `block_sparse_moe` there instead."""
         stem = stem.removesuffix("mlp.") + f"{self.moe.hf_block}."
         yield f"{stem}gate.weight", self.gate, self.gate.weight, 0
+        bias = self.gate.e_score_correction_bias
+        if bias is not None:
+            yield f"{stem}gate.e_score_correction_bias", self.gate, bias, 0
         yield from self.experts.hf_tensors(stem, self.moe.hf_experts)
-        if self.shared_expert is not None and self.shared_expert_gate is not None:
+        if self.shared_expert is not None:
+            shared = "shared_experts" if self.moe.grouped else "shared_expert"
             for shard, part in enumerate(("gate_proj", "up_proj")):
                 proj = self.shared_expert.gate_up_proj
-                yield f"{stem}shared_expert.{part}.weight", proj, proj.weight, shard
+                yield f"{stem}{shared}.{part}.weight", proj, proj.weight, shard
             down = self.shared_expert.down_proj
-            yield f"{stem}shared_expert.down_proj.weight", down, down.weight, 0
+            yield f"{stem}{shared}.down_proj.weight", down, down.weight, 0
+        if self.shared_expert_gate is not None:
             gate = self.shared_expert_gate
             yield f"{stem}shared_expert_gate.weight", gate, gate.weight, 0

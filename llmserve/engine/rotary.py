@@ -1,6 +1,7 @@
-"""Rotary position embeddings: the frequencies as HF computes them (default, linear, llama3 and
-Phi-3's longrope scaling; a sliding layer's own base for Gemma 3) and the module that rotates q
-and k, over all of head_dim or its first `rotary_dim` dimensions (partial rotary, Phi-3)."""
+"""Rotary position embeddings: the frequencies as HF computes them (default, linear, llama3,
+yarn, dynamic NTK and Phi-3's longrope scaling; a sliding layer's own base for Gemma 3) and the
+module that rotates q and k, over all of head_dim or its first `rotary_dim` dimensions (partial
+rotary, Phi-3)."""
 
 from __future__ import annotations
 
@@ -28,17 +29,22 @@ def rope_inv_freq(
     local: bool = False,
     max_positions: int = 0,
 ) -> torch.Tensor:
-    """Per-pair rotary frequencies, computed as HF does (float32), with llama3 / linear / longrope
-    scaling. longrope takes its long factors when the engine's max_positions exceeds the
-    original context (HF switches per forward on the batch's longest position instead)."""
+    """Per-pair rotary frequencies, computed as HF does (float32), with llama3 / linear / yarn /
+    longrope scaling (dynamic: unscaled). longrope takes its long factors when the engine's
+    max_positions exceeds the original context (HF switches per forward on the batch's longest
+    position instead)."""
     dim = config.rotary_dim
     theta, scaling = rope_settings(config, local)
     exponent = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
     inv_freq = 1.0 / (theta**exponent)
+    # dynamic NTK grows the base only past max_position_embeddings, which the engine's
+    # max_model_len never exceeds: its frequencies are the default ones at every served position.
     if rope_freqs is not None:  # llama3 GGUF: the divisors are stored as a tensor
         return inv_freq / rope_freqs.float()
     if scaling.get("rope_type") == "linear":
         return inv_freq / float(scaling["factor"])
+    if scaling.get("rope_type") == "yarn":
+        return _yarn_inv_freq(inv_freq, scaling, _yarn_factor(config, scaling), theta, dim)
     if scaling.get("rope_type") == "longrope":
         long = max_positions > int(scaling["original_max_position_embeddings"])
         factors = torch.tensor(scaling["long_factor" if long else "short_factor"])
@@ -57,9 +63,49 @@ def rope_inv_freq(
     return inv_freq
 
 
+def _yarn_factor(config: ModelConfig, scaling: dict[str, Any]) -> float:
+    """yarn's factor; DeepSeek-V3's configs leave it out: the ratio of the two contexts."""
+    if scaling.get("factor") is not None:
+        return float(scaling["factor"])
+    return config.max_position_embeddings / int(scaling["original_max_position_embeddings"])
+
+
+def _yarn_inv_freq(
+    inv_freq: torch.Tensor, scaling: dict[str, Any], factor: float, theta: float, dim: int
+) -> torch.Tensor:
+    """YaRN: the fast-rotating pairs kept (extrapolated), the slow ones divided by the factor
+    (interpolated), a linear ramp between the pairs that turn beta_fast and beta_slow times
+    over the original context."""
+    original = int(scaling["original_max_position_embeddings"])
+
+    def pair(rotations: float) -> float:
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = pair(scaling.get("beta_fast") or 32), pair(scaling.get("beta_slow") or 1)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    high = high + 0.001 if low == high else high
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    return inv_freq / factor * ramp + inv_freq * (1 - ramp)
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
 def rope_attention_factor(config: ModelConfig, local: bool = False) -> float:
-    """longrope's scale of cos and sin (1.0 for the other rope types), as HF defaults it."""
+    """longrope's and yarn's scale of cos and sin (1.0 for the other rope types), as HF
+    defaults it."""
     _, scaling = rope_settings(config, local)
+    if scaling.get("rope_type") == "yarn":
+        if scaling.get("attention_factor") is not None:
+            return float(scaling["attention_factor"])
+        factor = _yarn_factor(config, scaling)
+        mscale, all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        if mscale and all_dim:
+            return _yarn_mscale(factor, mscale) / _yarn_mscale(factor, all_dim)
+        return _yarn_mscale(factor)
     if scaling.get("rope_type") != "longrope":
         return 1.0
     if scaling.get("attention_factor") is not None:

@@ -139,16 +139,17 @@ def unpermute_qk(weight: np.ndarray, num_heads: int) -> np.ndarray:
 class GGUFWeights(LazyWeights, GGUFBlocks):
     """A GGUF file's tensors by HF name, dequantized to float32 when looked up; `blocks` gives a
     quantized one's blocks as stored (for --quantization gguf), q and k rows unpermuted alike.
-    llama.cpp permutes q and k rows for the Llama architecture only (Mixtral's too; the others
-    use NeoX-style rotary, as HF does); a family whose converter stores norms as 1 + w (Gemma)
-    gets w back."""
+    llama.cpp permutes q and k rows for the Llama architecture (Mixtral's too) and SmolLM3 (the
+    others use NeoX-style rotary, as HF does); a family whose converter stores norms as 1 + w
+    (Gemma) gets w back."""
 
     def __init__(self, path: Path, config: ModelConfig):
         family = FAMILIES[config.family]
         self.file = open_gguf(path)
         self.config = config
         self.norms_plus_one = family.gguf_norms_plus_one
-        self.permuted = self.file.fields.get("general.architecture") == "llama"
+        # SmolLM3's converter is Llama's, permutation included.
+        self.permuted = self.file.fields.get("general.architecture") in ("llama", "smollm3")
         self.infos: dict[str, TensorInfo] = {}
         for tensor in self.file.tensors:
             name = gguf_name_to_hf(tensor.name, family.gguf_layer_names)

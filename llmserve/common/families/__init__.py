@@ -1,7 +1,7 @@
 """The served model families (common/families/registry.py explains a family's record). Each
 module below registers its families when imported; a new family adds its module here."""
 
-from llmserve.common.families import gemma, llama, moe, phi3, qwen
+from llmserve.common.families import gemma, llama, moe, phi3, qwen, smollm3
 from llmserve.common.families.registry import (
     FAMILIES,
     FEATURES,
@@ -36,4 +36,5 @@ __all__ = [
     "rope_from_hf",
     "served_architectures",
     "served_gguf_architectures",
+    "smollm3",
 ]

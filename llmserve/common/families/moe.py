@@ -1,7 +1,8 @@
 """The mixture-of-experts families: Mixtral (Mistral's layers, every MLP a sparse block),
-Qwen3-MoE (Qwen3's layers) and Qwen2-MoE (Qwen2's, with a shared expert beside the routed
-ones). Their MoE shape is common/moe_config.py's `MoEConfig`, in ModelConfig.moe; the engine's
-block is engine/moe.py."""
+Qwen3-MoE (Qwen3's layers), Qwen2-MoE (Qwen2's, with a shared expert beside the routed
+ones) and GLM-4.5 (GQA with partial rotary, optional q/k norms, DeepSeek-V3's MoE). Their MoE
+shape is common/moe_config.py's `MoEConfig`, in ModelConfig.moe; the engine's block is
+engine/moe.py."""
 
 from __future__ import annotations
 
@@ -124,6 +125,32 @@ QWEN2_MOE = register(
         gguf_architecture="qwen2moe",
         read_gguf=lambda fields, arch: {"moe": _moe_gguf(fields, arch), "qkv_bias": True},
         gguf_layer_names=MOE_GGUF_NAMES,
+        refuses=MOE_REFUSES,
+    )
+)
+
+
+def read_glm4_moe(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """GLM-4.5 / 4.6: biases on q, k and v where attention_bias; partial rotary (0.5 unless the
+    config or its rope parameters say otherwise); q/k RMSNorm with use_qk_norm."""
+    params = cfg.get("rope_parameters") or {}
+    factor = cfg.get("partial_rotary_factor") or params.get("partial_rotary_factor") or 0.5
+    return {
+        "moe": moe_from_hf(dict(cfg)),
+        "qkv_bias": bool(cfg.get("attention_bias", False)),
+        "attention_bias": False,  # o_proj never has one
+        "partial_rotary_factor": float(factor),
+        "qk_norm": bool(cfg.get("use_qk_norm", False)),
+    }
+
+
+GLM4_MOE = register(
+    Family(
+        name="glm4_moe",
+        hf_architectures=("Glm4MoeForCausalLM",),
+        hf_model_types=("glm4_moe",),
+        model="llmserve.engine.families.moe:Glm4MoeForCausalLM",
+        read_hf=read_glm4_moe,
         refuses=MOE_REFUSES,
     )
 )

@@ -8,7 +8,7 @@ from typing import Any
 
 from llmserve.common.families.registry import ModelSourceError
 
-ROPE_TYPES = ("llama3", "linear", "longrope")
+ROPE_TYPES = ("llama3", "linear", "longrope", "yarn", "dynamic")
 
 
 def rope_from_hf(params: Any, cfg: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None]:
@@ -33,4 +33,13 @@ def rope_from_hf(params: Any, cfg: Mapping[str, Any]) -> tuple[float, dict[str, 
     scaling["rope_type"] = rope_type
     if rope_type == "longrope" and "original_max_position_embeddings" not in scaling:
         scaling["original_max_position_embeddings"] = cfg["original_max_position_embeddings"]
+    if rope_type == "yarn":
+        # transformers: a top-level original_max_position_embeddings wins, else the dict's, else
+        # max_position_embeddings (the context the scaling starts from).
+        original = cfg.get("original_max_position_embeddings") or scaling.get(
+            "original_max_position_embeddings", cfg.get("max_position_embeddings", 2048)
+        )
+        scaling["original_max_position_embeddings"] = int(original)
+    if rope_type == "dynamic" and scaling.get("factor") is None:
+        raise ModelSourceError("rope_scaling type 'dynamic' needs its 'factor'")
     return theta, scaling

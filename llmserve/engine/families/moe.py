@@ -12,7 +12,7 @@ from torch import nn
 
 from llmserve.common.model_config import ModelConfig
 from llmserve.engine.families.qwen3 import Qwen3ForCausalLM
-from llmserve.engine.layers import MLP
+from llmserve.engine.layers import MLP, Attention, RMSNorm
 from llmserve.engine.model import LlamaForCausalLM
 from llmserve.engine.moe import HFTensor, SparseMoeBlock
 from llmserve.engine.ops import LayerOps
@@ -99,3 +99,15 @@ class Qwen2MoeForCausalLM(SparseLayers):
 
 class Qwen3MoeForCausalLM(SparseLayers, Qwen3ForCausalLM):
     pass
+
+
+class Glm4MoeForCausalLM(SparseLayers):
+    """GLM-4.5: GQA with partial rotary and, with use_qk_norm, Qwen3's q/k norms."""
+
+    def make_attention(
+        self, config: ModelConfig, layer: int, local: int, ops: LayerOps, tp: TPGroup
+    ) -> nn.Module:
+        return Attention(
+            config, local, self.rotary_for(layer), ops, tp,
+            window=config.layer_window(layer), qk_norm=RMSNorm if config.qk_norm else None,
+        )  # fmt: skip
