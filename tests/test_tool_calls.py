@@ -14,7 +14,7 @@ from llguidance import LLMatcher, LLTokenizer
 from llmserve.common.structured_output import check_structured_output
 from llmserve.common.tokenizer_files import byte_level_files
 from llmserve.gateway.openai_protocol import ChatCompletionRequest, chat_request
-from llmserve.gateway.openai_tools import tool_plan
+from llmserve.gateway.openai_tools import AnswerStream, ToolPlan, read_answer, tool_plan
 from llmserve.gateway.tokenizer import Tokenizer
 from llmserve.gateway.tool_formats import MISTRAL_CALLS, PYTHON_TAG, ToolFormat, tool_format_of
 from llmserve.gateway.tool_prompt import CallStream, ChatTurn, fallback_turns, parse_tool_calls
@@ -211,26 +211,27 @@ def test_the_call_format_follows_the_template() -> None:
     assert len(short) == 9 and f'{{"call_id": "{short}"' in text
 
 
+def admits(constraint: Any, text: str) -> bool:
+    """Whether llguidance's matcher for constraint accepts text whole."""
+    tokenizer = special_tokenizer()
+    vocab = LLTokenizer(tokenizer.to_str(), n_vocab=tokenizer.get_vocab_size(), eos_token=0)
+    check_structured_output(constraint, "")
+    grammar = LLMatcher.grammar_from_lark(constraint.grammar)
+    matcher = LLMatcher(vocab, grammar, log_level=0)
+    ids = tokenizer.encode(text).ids
+    return (
+        matcher.validate_tokens(ids) == len(ids)
+        and matcher.consume_tokens(ids)
+        and (matcher.is_accepting())
+    )
+
+
 @pytest.mark.parametrize("name", ["hermes", "llama3_json", "mistral"])
 def test_required_and_named_grammars_admit_only_calls(name: str) -> None:
     """The grammar of tool_choice required (parallel) admits the format's calls whose arguments
     validate, and nothing else; named admits only that function; what it admits parses back to
     the same calls."""
     fmt = formats()[name]
-    tokenizer = special_tokenizer()
-    vocab = LLTokenizer(tokenizer.to_str(), n_vocab=tokenizer.get_vocab_size(), eos_token=0)
-
-    def admits(constraint: Any, text: str) -> bool:
-        check_structured_output(constraint, "")
-        grammar = LLMatcher.grammar_from_lark(constraint.grammar)
-        matcher = LLMatcher(vocab, grammar, log_level=0)
-        ids = tokenizer.encode(text).ids
-        return (
-            matcher.validate_tokens(ids) == len(ids)
-            and matcher.consume_tokens(ids)
-            and (matcher.is_accepting())
-        )
-
     calls_only = ANSWERS[name].replace("Let me check.", "").removeprefix(PYTHON_TAG)
     required = tool_plan([WEATHER, TIME], "required", True, fmt).constraint
     assert admits(required, calls_only)
@@ -270,3 +271,72 @@ def test_auto_calls_stream_whole_and_equal_the_answer(name: str, size: int) -> N
     assert [c["function"] for c in calls] == [c["function"] for c in whole_calls]
     for plain in ("Sunny, 3 degrees.", "{not a call}", "[TOOL_CALLS] nothing"):
         assert streamed(plain) == (plain, []) and fmt.parse(plain, NAMES) == (plain, [])
+
+
+TWICE = {  # get_time called twice, per format
+    "hermes": SINGLE["hermes"] + "\n" + SINGLE["hermes"],
+    "llama3_json": SINGLE["llama3_json"] + "; " + SINGLE["llama3_json"],
+    "mistral": '[TOOL_CALLS][{"name": "get_time", "arguments": {}}, '
+    '{"name": "get_time", "arguments": {}}]',
+}
+NAMED = {"type": "function", "function": {"name": "get_time"}}
+
+
+@pytest.mark.parametrize("name", ["hermes", "llama3_json", "mistral"])
+def test_named_choice_is_exactly_one_call(name: str) -> None:
+    """A named tool_choice admits one call, also with parallel_tool_calls true (its default);
+    required with parallel admits the two the named one refuses."""
+    fmt = formats()[name]
+    plan = tool_plan([WEATHER, TIME], NAMED, True, fmt)
+    assert admits(plan.constraint, SINGLE[name])
+    assert not admits(plan.constraint, TWICE[name])
+    assert admits(tool_plan([WEATHER, TIME], "required", True, fmt).constraint, TWICE[name])
+
+
+def _streamed(plan: ToolPlan, fmt: ToolFormat, text: str, size: int) -> tuple[str, list]:
+    stream = AnswerStream(plan, fmt)
+    out, calls = "", []
+    pieces = [text[i : i + size] for i in range(0, len(text), size)]
+    for k, piece in enumerate(pieces):
+        content, done = stream.add(piece, last=k == len(pieces) - 1)
+        out, calls = out + content, calls + done
+    return out, calls
+
+
+@pytest.mark.parametrize("size", [1, 5, 1000])
+@pytest.mark.parametrize("name", ["hermes", "llama3_json", "mistral"])
+def test_parallel_false_keeps_one_call_in_every_mode(name: str, size: int) -> None:
+    """parallel_tool_calls false (or a named function) reads at most one call back, whole and
+    streamed, even when the text holds two (auto has no grammar to stop the model)."""
+    fmt = formats()[name]
+    for choice in ("auto", "required", NAMED):
+        plan = tool_plan([WEATHER, TIME], choice, choice == NAMED, fmt)
+        _, calls = read_answer(plan, fmt, TWICE[name])
+        assert [c["function"]["name"] for c in calls] == ["get_time"]
+        _, streamed = _streamed(plan, fmt, TWICE[name], size)
+        assert [c["function"]["name"] for c in streamed] == ["get_time"]
+    _, calls = read_answer(tool_plan([WEATHER, TIME], "auto", True, fmt), fmt, TWICE[name])
+    assert len(calls) == 2
+
+
+@pytest.mark.parametrize("size", [1, 5, 1000])
+@pytest.mark.parametrize("name", ["hermes", "llama3_json", "mistral"])
+def test_no_call_markup_in_content(name: str, size: int) -> None:
+    """A call cut by max_tokens never reaches content, whole or streamed: a forced answer's
+    content is empty, an auto answer keeps only the text before the markup."""
+    fmt = formats()[name]
+    cut = ANSWERS[name][: ANSWERS[name].index("Oslo")]
+    forced = tool_plan([WEATHER, TIME], NAMED, True, fmt)
+    assert read_answer(forced, fmt, cut) == ("", [])
+    assert _streamed(forced, fmt, cut, size) == ("", [])
+    auto = tool_plan([WEATHER, TIME], "auto", True, fmt)
+    for content, calls in (read_answer(auto, fmt, cut), _streamed(auto, fmt, cut, size)):
+        assert calls == [] and "{" not in content and "<" not in content.replace("Let", "")
+        assert content.strip() in ("", "Let me check.")
+
+
+def test_bad_parameters_are_named_as_the_client_wrote_them() -> None:
+    bad = {"type": "function", "function": {"name": "g", "parameters": {"type": "frob"}}}
+    with pytest.raises(ValidationError, match=r"^tools\[1\]\.function\.parameters ") as err:
+        tool_plan([TIME, bad], "required", True)
+    assert "%json" not in str(err.value) and "start:" not in str(err.value)

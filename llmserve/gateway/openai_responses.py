@@ -33,7 +33,7 @@ from llmserve.gateway.openai_protocol import (
     TopLogprob,
     Usage,
 )
-from llmserve.gateway.openai_tools import tool_plan
+from llmserve.gateway.openai_tools import AnswerStream, read_answer, tool_plan
 from llmserve.gateway.telemetry import FINISH_REASONS
 from llmserve.gateway.tokenizer import Tokenizer
 from llmserve.protos import api_pb2
@@ -215,10 +215,11 @@ class ChatFormat(ResponseFormat):
     ):
         super().__init__(core, choices, response_id, body)
         self.tool_format = core.tokenizer.tool_format
-        plan = tool_plan(body.tools, body.tool_choice, body.parallel_tool_calls, self.tool_format)
-        self.tool_names = set(plan.names)
+        self.plan = tool_plan(
+            body.tools, body.tool_choice, body.parallel_tool_calls, self.tool_format
+        )
         self.calls = {
-            c.index: self.tool_format.stream(self.tool_names) for c in choices if self.tool_names
+            c.index: AnswerStream(self.plan, self.tool_format) for c in choices if self.plan.names
         }
 
     def _chunk(self, choices: list[ChatChunkChoice], usage: Usage | None = None) -> str:
@@ -248,11 +249,8 @@ class ChatFormat(ResponseFormat):
             delta = ChatDelta(content=msg.text) if msg.text else ChatDelta()
             return self._chunk([ChatChunkChoice(delta=delta, **fields)])
         first = stream.num_calls
-        text, calls = stream.add(msg.text)
+        text, calls = stream.add(msg.text, last=bool(msg.finish_reason))
         if msg.finish_reason:
-            rest, last_calls = stream.finish()
-            text += rest
-            calls += last_calls
             fields["finish_reason"] = _with_calls(fields["finish_reason"], stream.num_calls)
         delta = ChatDelta(
             content=text or None,
@@ -270,10 +268,10 @@ class ChatFormat(ResponseFormat):
         for c in self.choices:
             msg = _merged(messages[c.index])
             fields = self._choice(c, msg)
-            if not self.tool_names:
+            if not self.plan.names:
                 choices.append(ChatChoice(message=ChatMessage(content=msg.text), **fields))
                 continue
-            content, calls = self.tool_format.parse(msg.text, self.tool_names)
+            content, calls = read_answer(self.plan, self.tool_format, msg.text)
             fields["finish_reason"] = _with_calls(fields["finish_reason"], len(calls))
             message = ChatMessage(
                 content=content or None, tool_calls=[ToolCall(**call) for call in calls] or None
