@@ -876,3 +876,77 @@ def test_default_model_id(tmp_path: Path) -> None:
     assert default_model_id("/models/Llama-3-8B/") == "Llama-3-8B"
     assert default_model_id("/models/Llama-3-8B/config.json") == "Llama-3-8B"
     assert default_model_id(str(tmp_path / "a" / "..")) == tmp_path.name
+
+
+# -- what real clients send (issue 37) ----------------------------------------------------------
+
+TOOL = {"type": "function", "function": {"name": "f"}}
+
+
+def _assistant_calls(calls: list[Any]) -> list[dict[str, Any]]:
+    return [*USER, {"role": "assistant", "content": None, "tool_calls": calls}]
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "message"),
+    [
+        ("/chat/completions", {"messages": _assistant_calls([{"id": "c"}])},
+         "messages[1].tool_calls[0].function must be an object"),
+        ("/chat/completions", {"messages": _assistant_calls([{"function": "f"}])},
+         "messages[1].tool_calls[0].function must be an object"),
+        ("/chat/completions", {"messages": _assistant_calls([{"function": {"arguments": "{}"}}])},
+         "messages[1].tool_calls[0].function.name must be"),
+        ("/chat/completions",
+         {"messages": _assistant_calls([{"function": {"name": "f", "arguments": 5}}])},
+         "messages[1].tool_calls[0].function.arguments must be a string"),
+        ("/completions", {"prompt": [1, 2**31]}, "prompt[1]=2147483648 is not a token id"),
+        ("/completions", {"prompt": [[1], [2**63]]}, "prompt[1][0]=9223372036854775808 is not"),
+        ("/chat/completions",
+         {"messages": USER, "tool_choice": "required", "tools": [
+             TOOL, {"type": "function", "function": {"name": "g", "parameters": {"type": 7}}}]},
+         "tools[1].function.parameters does not compile"),
+    ],
+)  # fmt: skip
+def test_hostile_input_is_a_400_naming_the_field(
+    stack: Stack, path: str, body: dict[str, Any], message: str
+) -> None:
+    """Each of these was a 500 (KeyError, TypeError, 'Value out of range') or named our grammar;
+    the gateway serves on after each."""
+    reply = post_json(stack, path, {"max_tokens": 2, **body})
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert error["message"].startswith(message) and error["type"] == "invalid_request_error"
+    assert error["param"] == message.split("[")[0].split(".")[0]
+    assert "%json" not in error["message"]
+    assert sdk(stack).completions.create(model="m", prompt="ok", max_tokens=2).choices[0].text
+
+
+def test_grpc_bad_tool_call_is_invalid_argument(stack: Stack) -> None:
+    req = make_request(messages=[("user", "hi"), ("assistant", "")], max_tokens=2)
+    req.chat.messages[1].tool_calls_json = json.dumps([{"function": "f"}])
+    with stack.client() as client, pytest.raises(grpc.RpcError) as err:
+        client.generate(req)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "chat.messages[1].tool_calls[0].function" in (err.value.details() or "")
+
+
+def test_explicit_nulls_mean_the_defaults(stack: Stack) -> None:
+    nulls = {"n": None, "stream": None, "logprobs": None, "stream_options": None}
+    reply = post_json(stack, "/completions", {"prompt": "hey", "max_tokens": 3, "echo": None,
+                                              **nulls})  # fmt: skip
+    assert reply.status_code == 200 and reply.json()["choices"][0]["text"] == "hey"
+    chat = {"messages": USER, "max_tokens": 2, "parallel_tool_calls": None, "tools": None,
+            "tool_choice": None, "top_logprobs": None, **nulls}  # fmt: skip
+    reply = post_json(stack, "/chat/completions", chat)
+    assert reply.status_code == 200 and len(reply.json()["choices"]) == 1
+
+
+def test_context_overflow_has_openais_code(stack: Stack) -> None:
+    """litellm and others read code context_length_exceeded or OpenAI's wording as a context
+    overflow (their fallbacks hang on it): for a long prompt and for max_tokens past it."""
+    for body in ({"prompt": "x" * 600}, {"prompt": "x" * 10, "max_tokens": 600}):
+        with pytest.raises(openai.BadRequestError) as err:
+            sdk(stack).completions.create(model="m", **body)
+        assert err.value.code == "context_length_exceeded"
+        assert err.value.type == "invalid_request_error"
+        assert "This model's maximum context length is 512 tokens" in err.value.message

@@ -147,7 +147,8 @@ def test_text_over_the_character_limit(tokenizer: Tokenizer) -> None:
 def test_prompt_over_the_context(tokenizer: Tokenizer) -> None:
     message = error(request(text="x" * 64), tokenizer)
     assert message == (
-        "prompt has 64 tokens; the limit is 63 (max_model_len=64, one token left to generate)"
+        "prompt has 64 tokens; the limit is 63 (max_model_len=64, one token left to generate). "
+        "This model's maximum context length is 64 tokens."
     )
     # 63 tokens leave exactly one to generate.
     assert validate(request(text="x" * 63), tokenizer, LIMITS).submit.max_tokens == 1
@@ -167,7 +168,7 @@ def test_max_tokens_over_the_remaining_context(tokenizer: Tokenizer) -> None:
     message = error(request(text="x" * 10, max_tokens=55), tokenizer)
     assert message == (
         "max_tokens=55 exceeds the model's remaining context of 54 tokens "
-        "(max_model_len=64, prompt 10 tokens)"
+        "(max_model_len=64, prompt 10 tokens). This model's maximum context length is 64 tokens."
     )
     assert (
         validate(request(text="x" * 10, max_tokens=54), tokenizer, LIMITS).submit.max_tokens == 54

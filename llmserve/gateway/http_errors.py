@@ -18,7 +18,7 @@ from starlette.exceptions import HTTPException
 from llmserve.common.log import get_logger
 from llmserve.gateway.errors import GatewayError
 from llmserve.gateway.openai_protocol import ErrorInfo, ErrorResponse, field_path, http_message
-from llmserve.gateway.validation import ValidationError
+from llmserve.gateway.validation import CONTEXT_LENGTH, ValidationError
 
 log = get_logger("gateway")
 
@@ -60,6 +60,7 @@ class ApiError(Exception):
         message, param = err.message, None
         if err.code == grpc.StatusCode.INVALID_ARGUMENT:
             message, param = http_message(err.message, prompt_field)
+            code = "context_length_exceeded" if CONTEXT_LENGTH in message else None
         elif err.code == grpc.StatusCode.NOT_FOUND and err.message.startswith("model "):
             param, code = "model", "model_not_found"  # an adapter not served (GatewayCore)
         retry = None

@@ -13,7 +13,7 @@ import re
 from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
 
 from llmserve.common.sampling import SamplingError, seed_value
 from llmserve.gateway.openai_structured import structured_output, text_field
@@ -35,7 +35,25 @@ class StreamOptions(BaseModel):
 
 
 class SamplingRequest(BaseModel):
-    """The fields both endpoints share."""
+    """The fields both endpoints share. An explicit null means the field's default, as OpenAI's
+    schema allows for its nullable fields (n, stream, logprobs, parallel_tool_calls, ...): SDKs
+    and proxies send them."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_are_defaults(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        defaulted = {
+            key
+            for key, value in data.items()
+            if value is None
+            and key in fields
+            and not fields[key].is_required()
+            and fields[key].default is not None
+        }
+        return {key: value for key, value in data.items() if key not in defaulted}
 
     # The base model or a LoRA adapter (GET /v1/models); without adapters, any name is the base.
     model: str | None = None
@@ -325,10 +343,20 @@ def _prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str 
     if not prompt:
         raise ValidationError("prompt is empty")
     if all(isinstance(p, int) for p in prompt):
-        return [list(prompt)]  # type: ignore[arg-type]
-    if all(isinstance(p, str) for p in prompt) or all(isinstance(p, list) for p in prompt):
+        return [_in_range("prompt", prompt)]  # type: ignore[arg-type]
+    if all(isinstance(p, str) for p in prompt):
         return list(prompt)  # type: ignore[arg-type]
+    if all(isinstance(p, list) for p in prompt):
+        return [_in_range(f"prompt[{i}]", p) for i, p in enumerate(prompt)]  # type: ignore[arg-type]
     raise ValidationError("prompt mixes texts and token ids; send one kind")
+
+
+def _in_range(field: str, ids: list[int]) -> list[int]:
+    """ids, if each fits the API's int32 token ids (the vocabulary is checked later)."""
+    for i, t in enumerate(ids):
+        if not 0 <= t < 2**31:
+            raise ValidationError(f"{field}[{i}]={t} is not a token id (must be in [0, 2**31))")
+    return list(ids)
 
 
 def completion_requests(body: CompletionRequest) -> list[api_pb2.GenerateRequest]:
