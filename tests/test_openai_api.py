@@ -950,3 +950,39 @@ def test_context_overflow_has_openais_code(stack: Stack) -> None:
         assert err.value.code == "context_length_exceeded"
         assert err.value.type == "invalid_request_error"
         assert "This model's maximum context length is 512 tokens" in err.value.message
+
+
+def test_models_carry_vllms_fields(stack: Stack) -> None:
+    """`vllm bench serve` reads data[0]["root"] (its tokenizer) and max_model_len."""
+    [model] = httpx2.get(f"{stack.http_url}/models", headers=AUTH).json()["data"]
+    assert model["root"] and model["parent"] is None
+    assert model["max_model_len"] == 512  # the stack's --max-model-len
+
+
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+
+
+def test_tokenize_counts_what_a_request_uses(stack: Stack) -> None:
+    """/tokenize's count is the prompt_tokens a completion / chat completion of the same prompt
+    reports; /detokenize gives the text back; bad input is a 400 naming the field."""
+    text = "tokens, please"
+    ids = post_json(stack, "/../tokenize", {"prompt": text}).json()
+    done = sdk(stack).completions.create(model="m", prompt=text, max_tokens=1)
+    assert done.usage is not None and ids["count"] == done.usage.prompt_tokens == len(ids["tokens"])
+    assert ids["max_model_len"] == 512
+    back = post_json(stack, "/../detokenize", {"tokens": ids["tokens"]}).json()
+    assert back == {"prompt": text}
+    chat_ids = post_json(stack, "/../tokenize", {"messages": USER}).json()
+    chat = sdk(stack).chat.completions.create(
+        model="m",
+        messages=USER,  # type: ignore[arg-type]
+        max_tokens=1,
+    )
+    assert chat.usage is not None and chat_ids["count"] == chat.usage.prompt_tokens
+    for path, body, param in (
+        ("/../tokenize", {}, "prompt"),
+        ("/../tokenize", {"messages": [{"role": "wizard", "content": "x"}]}, "messages"),
+        ("/../detokenize", {"tokens": [1, 10**6]}, "tokens"),
+    ):
+        reply = post_json(stack, path, body)
+        assert reply.status_code == 400 and reply.json()["error"]["param"] == param, reply.text

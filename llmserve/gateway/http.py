@@ -3,6 +3,7 @@ grpc.aio, over the same request path (gateway/core.py) and the same scheduler co
 
     POST /v1/completions, /v1/chat/completions   streamed (server-sent events) or not
     GET  /v1/models, /v1/models/{id}             the served model
+    POST /tokenize, /detokenize; GET /metrics     vLLM's shapes (gateway/utility_routes.py)
     GET  /health   liveness: 200 while the process runs
     GET  /ready    readiness: 200 once the scheduler is connected and serving, 503 before
     GET  /openapi.json, /docs
@@ -63,6 +64,7 @@ from llmserve.gateway.openai_protocol import (
 from llmserve.gateway.openai_responses import ChatFormat, CompletionFormat, ResponseFormat
 from llmserve.gateway.quotas import Admission
 from llmserve.gateway.tenants import ApiKey, TenantTable, display_name
+from llmserve.gateway.utility_routes import add_utility_routes
 from llmserve.gateway.validation import ValidationError, ValidRequest
 from llmserve.protos import api_pb2
 
@@ -287,6 +289,7 @@ def create_app(core: GatewayCore) -> FastAPI:
         return await generate_response(core, request, body)
 
     _add_model_routes(app, core)
+    add_utility_routes(app, core)
 
     @app.get("/health")
     async def health() -> dict[str, str]:
@@ -315,9 +318,11 @@ def _add_model_routes(app: FastAPI, core: GatewayCore) -> None:
         """The base model, then each LoRA adapter served on it (its parent)."""
         with as_api_errors("model"):
             info = core.model_info()
-        base = ModelCard(id=info.model, created=started, max_model_len=info.max_model_len)
+        limit = info.max_model_len
+        root = core.config.model or info.model  # the built-in model: its id
+        base = ModelCard(id=info.model, created=started, max_model_len=limit, root=root)
         adapters = [
-            ModelCard(id=name, created=started, max_model_len=info.max_model_len, parent=base.id)
+            ModelCard(id=name, created=started, max_model_len=limit, root=name, parent=base.id)
             for name in info.lora_names
         ]
         return [base, *adapters]

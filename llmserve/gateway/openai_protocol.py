@@ -256,6 +256,8 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "llmserve"
     max_model_len: int
+    # vLLM's: what the model was loaded from (`vllm bench serve` reads it for its tokenizer)
+    root: str
     parent: str | None = None  # a LoRA adapter's base model
 
 

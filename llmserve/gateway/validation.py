@@ -117,6 +117,14 @@ def _check_stops(req: api_pb2.GenerateRequest, limits: Limits) -> None:
             )
 
 
+def prompt_token_ids(
+    req: api_pb2.GenerateRequest, tokenizer: Tokenizer, limits: Limits
+) -> list[int]:
+    """req's prompt as token ids, with the prompt's own checks (roles, characters, template,
+    vocabulary) but not the context's (POST /tokenize). Raises ValidationError."""
+    return _prompt_ids(req, tokenizer, limits)
+
+
 def _prompt_ids(req: api_pb2.GenerateRequest, tokenizer: Tokenizer, limits: Limits) -> list[int]:
     kind = req.WhichOneof("prompt")
     if kind is None:
