@@ -939,6 +939,10 @@ def test_explicit_nulls_mean_the_defaults(stack: Stack) -> None:
             "tool_choice": None, "top_logprobs": None, **nulls}  # fmt: skip
     reply = post_json(stack, "/chat/completions", chat)
     assert reply.status_code == 200 and len(reply.json()["choices"]) == 1
+    streamed = {"prompt": "hey", "max_tokens": 2, "stream": True,
+                "stream_options": {"include_usage": None}}  # fmt: skip
+    reply = post_json(stack, "/completions", streamed)
+    assert reply.status_code == 200 and reply.text.rstrip().endswith("data: [DONE]")
 
 
 def test_context_overflow_has_openais_code(stack: Stack) -> None:

@@ -30,13 +30,9 @@ _INT32 = Annotated[int, Field(ge=-(2**31), le=2**31 - 1)]
 # -- requests ------------------------------------------------------------------------------------
 
 
-class StreamOptions(BaseModel):
-    include_usage: bool = False
-
-
-class SamplingRequest(BaseModel):
-    """The fields both endpoints share. An explicit null means the field's default, as OpenAI's
-    schema allows for its nullable fields (n, stream, logprobs, parallel_tool_calls, ...): SDKs
+class _NullIsDefault(BaseModel):
+    """An explicit null means the field's default, as OpenAI's schema allows for its nullable
+    fields (n, stream, logprobs, parallel_tool_calls, stream_options.include_usage, ...): SDKs
     and proxies send them."""
 
     @model_validator(mode="before")
@@ -54,6 +50,14 @@ class SamplingRequest(BaseModel):
             and fields[key].default is not None
         }
         return {key: value for key, value in data.items() if key not in defaulted}
+
+
+class StreamOptions(_NullIsDefault):
+    include_usage: bool = False
+
+
+class SamplingRequest(_NullIsDefault):
+    """The fields both endpoints share (a null is the default: _NullIsDefault)."""
 
     # The base model or a LoRA adapter (GET /v1/models); without adapters, any name is the base.
     model: str | None = None
