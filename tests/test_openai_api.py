@@ -266,7 +266,9 @@ def test_chat_logprobs(stack: Stack) -> None:
         ({"echo": True}, "echo", "echo is not supported"),
         ({"temperature": "hot"}, "temperature", "temperature='hot': Input should be a valid"),
         ({"stop": [f"s{i}" for i in range(17)]}, "stop", "at most 16 are allowed"),
-        ({"logit_bias": {"5": 1.0}}, "logit_bias", "logit_bias is not supported"),
+        ({"logit_bias": {"x": 1.0}}, "logit_bias", "logit_bias key 'x' is not a token id"),
+        ({"logit_bias": {"5": 101}}, "logit_bias", "logit_bias[5]=101.0 must be in [-100, 100]"),
+        ({"logit_bias": {"99999": 1}}, "logit_bias", "logit_bias key 99999 is outside the vocab"),
     ],
 )
 def test_invalid_completion_is_bad_request(
@@ -775,6 +777,26 @@ def test_penalties_and_top_logprobs_on_a_model(model_stack: Stack) -> None:
         map(plain_tokens.count, plain_tokens)
     )
     model_stack.assert_idle()
+
+
+def test_logit_bias_on_a_model(model_stack: Stack) -> None:
+    """Greedy with +100 on one token writes only it, on both endpoints; -100 on the token greedy
+    picks first makes it pick another."""
+    client = sdk(model_stack)
+    [z] = post_json(model_stack, "/../tokenize", {"prompt": "z"}).json()["tokens"]
+    fields: dict[str, Any] = {"model": "any", "max_tokens": 4, "temperature": 0.0,
+                              "extra_body": {"ignore_eos": True}}  # fmt: skip
+    forced = client.completions.create(prompt="hello", logit_bias={str(z): 100}, **fields)
+    assert forced.choices[0].text == "zzzz"
+    chat = client.chat.completions.create(messages=USER, logit_bias={str(z): 100}, **fields)  # type: ignore[arg-type]
+    assert chat.choices[0].message.content == "zzzz"
+    plain = client.completions.create(prompt="hello", logprobs=0, **fields).choices[0]
+    assert plain.logprobs is not None and plain.logprobs.tokens
+    [first] = post_json(model_stack, "/../tokenize", {"prompt": plain.logprobs.tokens[0]}).json()[
+        "tokens"
+    ]
+    banned = client.completions.create(prompt="hello", logit_bias={str(first): -100}, **fields)
+    assert not banned.choices[0].text.startswith(plain.logprobs.tokens[0])
 
 
 def test_model_id_defaults_to_the_model_directory_name(

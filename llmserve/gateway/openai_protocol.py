@@ -275,7 +275,7 @@ class ModelList(BaseModel):
 
 # The endpoints spell these differently (completions: logprobs=k); each sets them itself.
 _LOGPROB_FIELDS = ("logprobs", "top_logprobs")
-_NOT_COPIED = (*_LOGPROB_FIELDS, "structured_output")
+_NOT_COPIED = (*_LOGPROB_FIELDS, "structured_output", "logit_bias")
 
 
 def _check_common(body: SamplingRequest, num_prompts: int) -> None:
@@ -286,8 +286,6 @@ def _check_common(body: SamplingRequest, num_prompts: int) -> None:
             f"n={body.n} times {num_prompts} prompts is {body.n * num_prompts} choices; "
             f"the limit is {MAX_CHOICES}"
         )
-    if body.logit_bias:
-        raise ValidationError("logit_bias is not supported by this server")
     if body.stream_options is not None and not body.stream:
         raise ValidationError("stream_options is only allowed with stream=true")
 
@@ -326,12 +324,21 @@ def _sampling_fields(body: SamplingRequest, max_tokens: int | None) -> api_pb2.G
         value = getattr(body, field.name, None)
         if value is not None and field.name not in _NOT_COPIED:
             setattr(req.sampling, field.name, _seed(value) if field.name == "seed" else value)
+    for key, bias in (body.logit_bias or {}).items():
+        req.sampling.logit_bias[_token_key(key)] = bias
     if isinstance(body.stop, str):
         req.stop.append(text_field("stop", body.stop))
     elif body.stop is not None:
         req.stop.extend(text_field(f"stop[{i}]", s) for i, s in enumerate(body.stop))
     req.stop_token_ids.extend(body.stop_token_ids or [])
     return req
+
+
+def _token_key(key: str) -> int:
+    """A logit_bias key: OpenAI's JSON object keys are token ids written as text."""
+    if not (key.isascii() and key.isdigit() and int(key) < 2**31):
+        raise ValidationError(f"logit_bias key {key[:40]!r} is not a token id")
+    return int(key)
 
 
 def _seed(seed: int) -> int:

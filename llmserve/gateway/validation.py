@@ -98,6 +98,14 @@ def _check_request(
     return sampling
 
 
+def _check_logit_bias(req: api_pb2.GenerateRequest, limits: Limits) -> None:
+    for t in sorted(req.sampling.logit_bias):
+        if not 0 <= t < limits.vocab_size:
+            raise ValidationError(
+                f"sampling.logit_bias key {t} is outside the vocabulary [0, {limits.vocab_size})"
+            )
+
+
 def _check_stops(req: api_pb2.GenerateRequest, limits: Limits) -> None:
     if len(req.stop) > limits.max_stop_strings:
         raise ValidationError(
@@ -214,6 +222,7 @@ def validate(
     _check_unknown_fields(req)
     sampling = _check_request(req, sampling_defaults or {})
     _check_stops(req, limits)
+    _check_logit_bias(req, limits)
     prompt = _prompt_ids(req, tokenizer, limits)
     if not prompt:
         raise ValidationError("prompt tokenizes to nothing")
