@@ -266,7 +266,7 @@ def gateway_config(tokenizer_dir: Path, scheduler_addresses: list[str], **fields
     return GatewayConfig(
         model=str(tokenizer_dir),
         scheduler_address=tuple(scheduler_addresses),
-        served_model_name="fake-echo",
+        served_model_name=("fake-echo",),
         port=0,
         http_port=0,
         metrics_port=0,

@@ -1012,3 +1012,29 @@ def test_tokenize_counts_what_a_request_uses(stack: Stack) -> None:
     ):
         reply = post_json(stack, path, body)
         assert reply.status_code == 400 and reply.json()["error"]["param"] == param, reply.text
+
+
+@pytest.fixture(scope="module")
+def strict_stack(tokenizer_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    s = start_echo_stack(
+        tokenizer_dir,
+        tmp_path_factory.mktemp("logs"),
+        gateway_args=["--served-model-name", "main", "other-name", "--strict-model-names"],
+        http=True,
+    )
+    yield s
+    s.close()
+
+
+def test_strict_model_names_and_aliases(strict_stack: Stack) -> None:
+    """--served-model-name's names all reach the base model (the first is its id, and each is
+    listed); with --strict-model-names any other is 404 model_not_found naming them."""
+    client = openai.OpenAI(base_url=strict_stack.http_url, api_key="none", max_retries=0)
+    assert [m.id for m in client.models.list().data] == ["main", "other-name"]
+    for name in ("main", "other-name"):
+        done = client.completions.create(model=name, prompt="ok", max_tokens=2)
+        assert done.choices[0].text == "ok" and done.model == "main"
+    with pytest.raises(openai.NotFoundError) as err:
+        client.chat.completions.create(model="gpt-4o", messages=USER, max_tokens=2)  # type: ignore[arg-type]
+    assert err.value.code == "model_not_found" and err.value.param == "model"
+    assert "'gpt-4o' is not served here; models: main, other-name" in err.value.message

@@ -48,10 +48,17 @@ class GatewayConfig(PeerSecurity):
     metrics_port: int = setting(
         9101, "Prometheus /metrics port (0: off)", env="LLMSERVE_METRICS_PORT"
     )
-    served_model_name: str | None = setting(
-        None,
-        "the model id both APIs report (/v1/models, GetModelInfo) (default: the name of --model: "
+    served_model_name: tuple[str, ...] = setting(
+        (),
+        "the model id both APIs report (/v1/models, GetModelInfo), then aliases a request's "
+        "`model` may also name it by, as vLLM takes them (default: the name of --model: "
         "a GGUF file's stem, an HF directory's name, SmolLM2-135M-Instruct for the built-in one)",
+    )
+    strict_model_names: bool = setting(
+        False,
+        "refuse an OpenAI request whose `model` is none of the served names (404 "
+        "model_not_found); off, such a request is served by the base model while no LoRA "
+        "adapters are loaded",
     )
     max_request_bytes: int = setting(
         8 << 20,
@@ -100,8 +107,11 @@ class GatewayConfig(PeerSecurity):
             raise ValueError(f"routing_spill_threshold={self.routing_spill_threshold} must be >= 0")
         if self.max_request_bytes < 1024:
             raise ValueError(f"max_request_bytes={self.max_request_bytes} must be >= 1024")
-        if self.served_model_name is not None and not self.served_model_name.strip():
-            raise ValueError("served_model_name is empty; leave it unset for the model's name")
+        if isinstance(self.served_model_name, str | None):  # one name given as a string
+            names = (self.served_model_name,) if self.served_model_name is not None else ()
+            object.__setattr__(self, "served_model_name", names)
+        if any(not name.strip() for name in self.served_model_name):
+            raise ValueError("served_model_name has an empty name; leave it unset for the model's")
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("api_key is empty; leave it unset to serve without a key")
         if self.admin_key is not None and not self.admin_key.strip():

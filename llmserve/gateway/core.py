@@ -61,7 +61,9 @@ class GatewayCore(ReplicaLinks):
         sampling_defaults: Mapping[str, float] | None = None,
     ):
         # What both APIs call the model (the engine's own name for it is only logged).
-        super().__init__(config, config.served_model_name or default_model_id(config.model))
+        names = config.served_model_name or (default_model_id(config.model),)
+        super().__init__(config, names[0])
+        self.model_names = frozenset(names)  # the id and its aliases
         self.tokenizer = tokenizer
         # The model's generation_config.json sampling defaults (vLLM applies them too).
         self.sampling_defaults = sampling_defaults or {}
@@ -91,18 +93,22 @@ class GatewayCore(ReplicaLinks):
         return {name for link in self.links.values() for name in link.lora_names}
 
     def lora_for_model(self, model: str | None) -> str:
-        """The adapter an OpenAI `model` names ("": the base model). With adapters served, a
-        name that is neither the base model's nor an adapter's is NOT_FOUND; without any, the
-        field is not checked (one model: any name means it)."""
+        """The adapter an OpenAI `model` names ("": the base model, by its id or an alias).
+        With adapters served, or --strict-model-names, a name that is neither the base model's
+        nor an adapter's is NOT_FOUND; otherwise the field is not checked (one model: any name
+        means it)."""
         adapters = self.lora_names
         if model and model in adapters:
             return model
-        if not model or model == self.model_id or not adapters:
+        if not model or model in self.model_names:
+            return ""
+        if not adapters and not self.config.strict_model_names:
             return ""
         raise GatewayError(grpc.StatusCode.NOT_FOUND, self._not_served(model, adapters))
 
     def _not_served(self, model: str, adapters: set[str]) -> str:
-        served = ", ".join([self.model_id, *sorted(adapters)])
+        aliases = sorted(self.model_names - {self.model_id})
+        served = ", ".join([self.model_id, *aliases, *sorted(adapters)])
         return f"model {model!r} is not served here; models: {served}"
 
     def validate(self, request: api_pb2.GenerateRequest) -> ValidRequest:

@@ -315,17 +315,22 @@ def _add_model_routes(app: FastAPI, core: GatewayCore) -> None:
     started = int(time.time())
 
     def model_cards() -> list[ModelCard]:
-        """The base model, then each LoRA adapter served on it (its parent)."""
+        """The base model, its aliases (--served-model-name's other names), then each LoRA
+        adapter served on it (its parent)."""
         with as_api_errors("model"):
             info = core.model_info()
         limit = info.max_model_len
         root = core.config.model or info.model  # the built-in model: its id
         base = ModelCard(id=info.model, created=started, max_model_len=limit, root=root)
+        aliases = [
+            ModelCard(id=name, created=started, max_model_len=limit, root=root)
+            for name in core.config.served_model_name[1:]
+        ]
         adapters = [
             ModelCard(id=name, created=started, max_model_len=limit, root=name, parent=base.id)
             for name in info.lora_names
         ]
-        return [base, *adapters]
+        return [base, *aliases, *adapters]
 
     @app.get("/v1/models", response_model=ModelList, responses=ERRORS)
     async def models() -> ModelList:
