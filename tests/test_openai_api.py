@@ -269,7 +269,9 @@ def test_chat_logprobs(stack: Stack) -> None:
         ({"echo": True}, "echo", "echo is not supported"),
         ({"temperature": "hot"}, "temperature", "temperature='hot': Input should be a valid"),
         ({"stop": [f"s{i}" for i in range(17)]}, "stop", "at most 16 are allowed"),
-        ({"logit_bias": {"5": 1.0}}, "logit_bias", "logit_bias is not supported"),
+        ({"logit_bias": {"x": 1.0}}, "logit_bias", "logit_bias key 'x' is not a token id"),
+        ({"logit_bias": {"5": 101}}, "logit_bias", "logit_bias[5]=101.0 must be in [-100, 100]"),
+        ({"logit_bias": {"99999": 1}}, "logit_bias", "logit_bias key 99999 is outside the vocab"),
     ],
 )
 def test_invalid_completion_is_bad_request(
@@ -396,15 +398,15 @@ def test_api_key_required_on_both_apis(stack: Stack) -> None:
 
 def test_models_and_openapi(stack: Stack) -> None:
     client = sdk(stack)
-    [model] = client.models.list().data
-    assert model.id == SERVED_NAME and model.object == "model"
+    model, alias = client.models.list().data  # the id, then its alias
+    assert (model.id, alias.id) == (SERVED_NAME, "fake-echo") and model.object == "model"
     assert client.models.retrieve(SERVED_NAME).id == SERVED_NAME
     with stack.client() as grpc_client:
         assert grpc_client.model_info().model == SERVED_NAME
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("gpt-4")
     card = httpx2.get(f"{stack.http_url}/models", headers=AUTH).json()["data"][0]
-    assert (card["root"], card["parent"], card["max_model_len"]) == (SERVED_NAME, None, 512)
+    assert card["root"] and (card["parent"], card["max_model_len"]) == (None, 512)
     # A name that is neither the id nor an alias (fake-echo) is 404 model_not_found, as vLLM.
     with pytest.raises(openai.NotFoundError) as err:
         client.completions.create(model="gpt-4", prompt="hi", max_tokens=2)
@@ -821,6 +823,26 @@ def test_penalties_and_top_logprobs_on_a_model(model_stack: Stack) -> None:
     model_stack.assert_idle()
 
 
+def test_logit_bias_on_a_model(model_stack: Stack) -> None:
+    """Greedy with +100 on one token writes only it, on both endpoints; -100 on the token greedy
+    picks first makes it pick another."""
+    client = sdk(model_stack)
+    [z] = post_json(model_stack, "/../tokenize", {"prompt": "z"}).json()["tokens"]
+    fields: dict[str, Any] = {"model": "fake-echo", "max_tokens": 4, "temperature": 0.0,
+                              "extra_body": {"ignore_eos": True}}  # fmt: skip
+    forced = client.completions.create(prompt="hello", logit_bias={str(z): 100}, **fields)
+    assert forced.choices[0].text == "zzzz"
+    chat = client.chat.completions.create(messages=USER, logit_bias={str(z): 100}, **fields)  # type: ignore[arg-type]
+    assert chat.choices[0].message.content == "zzzz"
+    plain = client.completions.create(prompt="hello", logprobs=0, **fields).choices[0]
+    assert plain.logprobs is not None and plain.logprobs.tokens
+    [first] = post_json(model_stack, "/../tokenize", {"prompt": plain.logprobs.tokens[0]}).json()[
+        "tokens"
+    ]
+    banned = client.completions.create(prompt="hello", logit_bias={str(first): -100}, **fields)
+    assert not banned.choices[0].text.startswith(plain.logprobs.tokens[0])
+
+
 def test_model_id_defaults_to_the_model_directory_name(
     model_stack: Stack, tiny_model: Callable[..., Path]
 ) -> None:
@@ -920,3 +942,146 @@ def test_default_model_id(tmp_path: Path) -> None:
     assert default_model_id("/models/Llama-3-8B/") == "Llama-3-8B"
     assert default_model_id("/models/Llama-3-8B/config.json") == "Llama-3-8B"
     assert default_model_id(str(tmp_path / "a" / "..")) == tmp_path.name
+
+
+# -- what real clients send (issue 37) ----------------------------------------------------------
+
+TOOL = {"type": "function", "function": {"name": "f"}}
+
+
+def _assistant_calls(calls: list[Any]) -> list[dict[str, Any]]:
+    return [*USER, {"role": "assistant", "content": None, "tool_calls": calls}]
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "message"),
+    [
+        ("/chat/completions", {"messages": _assistant_calls([{"id": "c"}])},
+         "messages[1].tool_calls[0].function must be an object"),
+        ("/chat/completions", {"messages": _assistant_calls([{"function": "f"}])},
+         "messages[1].tool_calls[0].function must be an object"),
+        ("/chat/completions", {"messages": _assistant_calls([{"function": {"arguments": "{}"}}])},
+         "messages[1].tool_calls[0].function.name must be"),
+        ("/chat/completions",
+         {"messages": _assistant_calls([{"function": {"name": "f", "arguments": 5}}])},
+         "messages[1].tool_calls[0].function.arguments must be a string"),
+        ("/completions", {"prompt": [1, 2**31]}, "prompt[1]=2147483648 is not a token id"),
+        ("/completions", {"prompt": [[1], [2**63]]}, "prompt[1][0]=9223372036854775808 is not"),
+        ("/chat/completions",
+         {"messages": USER, "tool_choice": "required", "tools": [
+             TOOL, {"type": "function", "function": {"name": "g", "parameters": {"type": 7}}}]},
+         "tools[1].function.parameters does not compile"),
+        ("/chat/completions",  # parameters no value satisfies: a 400, not an empty success
+         {"messages": USER, "tool_choice": "required", "tools": [
+             TOOL, {"type": "function", "function": {"name": "g", "parameters": {"$ref": "#"}}}]},
+         "tools[1].function.parameters does not compile: its language is empty"),
+    ],
+)  # fmt: skip
+def test_hostile_input_is_a_400_naming_the_field(
+    stack: Stack, path: str, body: dict[str, Any], message: str
+) -> None:
+    """Each of these was a 500 (KeyError, TypeError, 'Value out of range') or named our grammar;
+    the gateway serves on after each."""
+    reply = post_json(stack, path, {"max_tokens": 2, **body})
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert error["message"].startswith(message) and error["type"] == "invalid_request_error"
+    assert error["param"] == message.split("[")[0].split(".")[0]
+    assert "%json" not in error["message"]
+    after = sdk(stack).completions.create(model="fake-echo", prompt="ok", max_tokens=2)
+    assert after.choices[0].text
+
+
+def test_grpc_bad_tool_call_is_invalid_argument(stack: Stack) -> None:
+    req = make_request(messages=[("user", "hi"), ("assistant", "")], max_tokens=2)
+    req.chat.messages[1].tool_calls_json = json.dumps([{"function": "f"}])
+    with stack.client() as client, pytest.raises(grpc.RpcError) as err:
+        client.generate(req)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "chat.messages[1].tool_calls[0].function" in (err.value.details() or "")
+
+
+def test_explicit_nulls_mean_the_defaults(stack: Stack) -> None:
+    nulls = {"n": None, "stream": None, "logprobs": None, "stream_options": None}
+    reply = post_json(stack, "/completions", {"prompt": "hey", "max_tokens": 3, "echo": None,
+                                              **nulls})  # fmt: skip
+    assert reply.status_code == 200 and reply.json()["choices"][0]["text"] == "hey"
+    chat = {"messages": USER, "max_tokens": 2, "parallel_tool_calls": None, "tools": None,
+            "tool_choice": None, "top_logprobs": None, **nulls}  # fmt: skip
+    reply = post_json(stack, "/chat/completions", chat)
+    assert reply.status_code == 200 and len(reply.json()["choices"]) == 1
+    streamed = {"prompt": "hey", "max_tokens": 2, "stream": True,
+                "stream_options": {"include_usage": None}}  # fmt: skip
+    reply = post_json(stack, "/completions", streamed)
+    assert reply.status_code == 200 and reply.text.rstrip().endswith("data: [DONE]")
+
+
+def test_context_overflow_has_openais_code(stack: Stack) -> None:
+    """litellm and others read code context_length_exceeded or OpenAI's wording as a context
+    overflow (their fallbacks hang on it): for a long prompt and for max_tokens past it."""
+    for body in ({"prompt": "x" * 600}, {"prompt": "x" * 10, "max_tokens": 600}):
+        with pytest.raises(openai.BadRequestError) as err:
+            sdk(stack).completions.create(model="fake-echo", **body)
+        assert err.value.code == "context_length_exceeded"
+        assert err.value.type == "invalid_request_error"
+        assert "This model's maximum context length is 512 tokens" in err.value.message
+
+
+def test_models_carry_vllms_fields(stack: Stack) -> None:
+    """`vllm bench serve` reads data[0]["root"] (its tokenizer) and max_model_len."""
+    model, _alias = httpx2.get(f"{stack.http_url}/models", headers=AUTH).json()["data"]
+    assert model["root"] and model["parent"] is None
+    assert model["max_model_len"] == 512  # the stack's --max-model-len
+
+
+def test_tokenize_counts_what_a_request_uses(stack: Stack) -> None:
+    """/tokenize's count is the prompt_tokens a completion / chat completion of the same prompt
+    reports; /detokenize gives the text back; bad input is a 400 naming the field."""
+    text = "tokens, please"
+    ids = post_json(stack, "/../tokenize", {"prompt": text}).json()
+    done = sdk(stack).completions.create(model="fake-echo", prompt=text, max_tokens=1)
+    assert done.usage is not None and ids["count"] == done.usage.prompt_tokens == len(ids["tokens"])
+    assert ids["max_model_len"] == 512
+    back = post_json(stack, "/../detokenize", {"tokens": ids["tokens"]}).json()
+    assert back == {"prompt": text}
+    chat_ids = post_json(stack, "/../tokenize", {"messages": USER}).json()
+    chat = sdk(stack).chat.completions.create(
+        model="fake-echo",
+        messages=USER,  # type: ignore[arg-type]
+        max_tokens=1,
+    )
+    assert chat.usage is not None and chat_ids["count"] == chat.usage.prompt_tokens
+    for path, body, param in (
+        ("/../tokenize", {}, "prompt"),
+        ("/../tokenize", {"messages": [{"role": "wizard", "content": "x"}]}, "messages"),
+        ("/../detokenize", {"tokens": [1, 10**6]}, "tokens"),
+    ):
+        reply = post_json(stack, path, body)
+        assert reply.status_code == 400 and reply.json()["error"]["param"] == param, reply.text
+
+
+@pytest.fixture(scope="module")
+def strict_stack(tokenizer_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    s = start_echo_stack(
+        tokenizer_dir,
+        tmp_path_factory.mktemp("logs"),
+        gateway_args=["--served-model-name", "main", "other-name"],
+        http=True,
+        accept_any_model=False,  # the default: strict
+    )
+    yield s
+    s.close()
+
+
+def test_strict_model_names_and_aliases(strict_stack: Stack) -> None:
+    """--served-model-name's names all reach the base model (the first is its id, and each is
+    listed); any other is 404 model_not_found naming them (without --accept-any-model)."""
+    client = openai.OpenAI(base_url=strict_stack.http_url, api_key="none", max_retries=0)
+    assert [m.id for m in client.models.list().data] == ["main", "other-name"]
+    for name in ("main", "other-name"):
+        done = client.completions.create(model=name, prompt="ok", max_tokens=2)
+        assert done.choices[0].text == "ok" and done.model == "main"
+    with pytest.raises(openai.NotFoundError) as err:
+        client.chat.completions.create(model="gpt-4o", messages=USER, max_tokens=2)  # type: ignore[arg-type]
+    assert err.value.code == "model_not_found" and err.value.param == "model"
+    assert "'gpt-4o' is not served here; models: main, other-name" in err.value.message

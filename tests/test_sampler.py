@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import llmserve.engine.sampler as sampler_module
+from llmserve.common.sampling import SamplingError
 from llmserve.engine import sampler as engine_sampler
 from llmserve.engine.sampler import seed_for, seeded_exponential
 from llmserve.protos.common_pb2 import SamplingParams
@@ -526,3 +527,50 @@ def test_single_allowed_token_with_logprobs() -> None:
     assert chosen is not None
     assert chosen.tolist() == [0.0] * 8
     assert not any(math.isnan(v) for v in chosen.tolist())
+
+
+# ---- logit_bias ------------------------------------------------------------------------------
+
+
+def test_logit_bias_moves_greedy_rows_and_leaves_logprobs() -> None:
+    """+100 makes a token the argmax, -100 takes the argmax away; logprobs stay those of the
+    unmodified distribution; rows without a bias are untouched."""
+    torch.manual_seed(3)
+    logits = torch.randn(3, 50)
+    top = logits.argmax(dim=-1)
+    params = [
+        sampling(temperature=0.0, logprobs=True, logit_bias={7: 100.0}),
+        sampling(temperature=0.0, logprobs=True, logit_bias={int(top[1]): -100.0}),
+        sampling(temperature=0.0, logprobs=True),
+    ]
+    tokens, logprobs = Sampler(CPU)(logits, params, [0] * 3)
+    second = logits[1].clone()
+    second[top[1]] -= 100.0
+    assert tokens.tolist() == [7, int(second.argmax()), int(top[2])]
+    assert logprobs is not None
+    reference = torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None]).squeeze(1)
+    assert torch.allclose(logprobs, reference)
+
+
+def test_logit_bias_shifts_sampled_frequencies() -> None:
+    """Sampled: a bias of log(b) multiplies a token's odds by b (softmax of the biased logits)."""
+    bias = {2: math.log(6.0), 3: -100.0}
+    counts = draw_counts(LOGITS, sampling(logit_bias=bias))
+    biased = LOGITS.clone()
+    for token_id, value in bias.items():
+        biased[token_id] += value
+    assert_frequencies(counts, torch.softmax(biased.double(), dim=-1))
+
+
+@pytest.mark.parametrize(
+    ("bias", "message"),
+    [
+        ({5: 101.0}, "sampling.logit_bias[5]=101.0 must be in [-100, 100]"),
+        ({5: float("nan")}, "sampling.logit_bias[5]=nan must be in [-100, 100]"),
+        ({i: 1.0 for i in range(1025)}, "sampling.logit_bias has 1025 entries; at most 1024"),
+    ],
+)
+def test_logit_bias_limits(bias: dict[int, float], message: str) -> None:
+    with pytest.raises(SamplingError) as err:
+        sampling(logit_bias=bias)
+    assert str(err.value) == message

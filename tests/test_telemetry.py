@@ -182,7 +182,11 @@ def test_step_spans_link_to_requests_and_hold_engine_spans(traced: tuple) -> Non
 
 def _scrape(port: int) -> dict[str, float]:
     """name{label=value,...} -> value for every sample at /metrics."""
-    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    return _scrape_url(f"http://127.0.0.1:{port}/metrics")
+
+
+def _scrape_url(url: str) -> dict[str, float]:
+    body = urllib.request.urlopen(url, timeout=5).read().decode()
     out = {}
     for family in text_string_to_metric_families(body):
         for sample in family.samples:
@@ -223,6 +227,7 @@ def metrics_stack(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
         scheduler_args=["--metrics-port", str(ports["scheduler"])],
         gateway_args=["--metrics-port", str(ports["gateway"])],
         log_dir=tmp_path_factory.mktemp("logs"),
+        http=True,
     )
     yield stack, ports
     stack.close()
@@ -250,6 +255,11 @@ def test_metrics_match_what_clients_saw(metrics_stack: tuple[Stack, dict[str, in
     num_prompt = sum(c.prompt_tokens for c in done)
     num_generated = sum(c.completion_tokens for c in done)
     gw = _scrape(ports["gateway"])
+    assert stack.http_url is not None  # the same metrics on the HTTP API's port (aiperf's)
+    on_http = _scrape_url(stack.http_url.removesuffix("/v1") + "/metrics")
+    assert {k: v for k, v in on_http.items() if k.startswith("gen_ai")} == {
+        k: v for k, v in gw.items() if k.startswith("gen_ai")
+    }
     n = len(done)
     assert _total(gw, "gen_ai_server_time_to_first_token_seconds_count") == n
     # (the request stopped after one token has no time per output token)

@@ -16,6 +16,7 @@ from llmserve.protos import common_pb2
 SamplingParams = common_pb2.SamplingParams
 
 MAX_TOP_LOGPROBS = 20
+MAX_LOGIT_BIAS = 1024  # entries per request: a bound on the work per row, OpenAI sets none
 # OpenAI's seeds are int64, ours uint64: both ranges are accepted, a negative seed counting modulo
 # 2**64 (-1 is 2**64 - 1).
 MIN_SEED, MAX_SEED = -(2**63), 2**64 - 1
@@ -90,6 +91,21 @@ def _check(p: SamplingParams, prefix: str) -> None:
         raise bad("top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}]")
     if p.top_logprobs and not p.logprobs:
         raise bad("top_logprobs", f"needs {prefix}logprobs=true")
+    _check_logit_bias(p, prefix)
+
+
+def _check_logit_bias(p: SamplingParams, prefix: str) -> None:
+    """OpenAI's limits: values in [-100, 100]; the count is ours (the token ids against the
+    vocabulary are the gateway's check: it knows the vocabulary)."""
+    if len(p.logit_bias) > MAX_LOGIT_BIAS:
+        raise SamplingError(
+            f"{prefix}logit_bias has {len(p.logit_bias)} entries; at most {MAX_LOGIT_BIAS}"
+        )
+    for token_id, bias in sorted(p.logit_bias.items()):
+        if not (math.isfinite(bias) and -100 <= bias <= 100):
+            raise SamplingError(
+                f"{prefix}logit_bias[{token_id}]={show(bias)} must be in [-100, 100]"
+            )
 
 
 def seed_value(seed: int) -> int:
@@ -105,6 +121,10 @@ def seed_value(seed: int) -> int:
 
 def is_greedy(p: SamplingParams) -> bool:
     return p.temperature < MIN_TEMPERATURE or p.top_k == 1
+
+
+def has_logit_bias(p: SamplingParams) -> bool:
+    return bool(p.logit_bias)
 
 
 def has_penalties(p: SamplingParams) -> bool:

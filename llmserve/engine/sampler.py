@@ -18,6 +18,7 @@ from the counts of the tokens each request has generated so far:
 
     logit[t] -= frequency_penalty * count[t] + presence_penalty * (count[t] > 0)
 
+and with them OpenAI's logit_bias: logit[t] += bias[t] for the tokens a row lists.
 Logprobs (the chosen token's, and the top-k) are taken from the unmodified distribution.
 """
 
@@ -29,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from llmserve.common.sampling import has_penalties, is_greedy, seed_of
+from llmserve.common.sampling import has_logit_bias, has_penalties, is_greedy, seed_of
 from llmserve.protos.common_pb2 import SamplingParams
 
 _MASK64 = (1 << 64) - 1
@@ -108,6 +109,23 @@ def apply_penalties(
     return logits.index_put((rows_t,), logits[rows_t] - penalty)
 
 
+def apply_logit_bias(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """logits [n, vocab] with each row's logit_bias added (a new tensor; logits is unchanged).
+    Ids outside the vocabulary (the gateway refuses them) are skipped. Rows without a bias cost
+    nothing."""
+    rows = [i for i, p in enumerate(params) if has_logit_bias(p)]
+    if not rows:
+        return logits
+    vocab = logits.shape[1]
+    entries = [(r, t, b) for r in rows for t, b in params[r].logit_bias.items() if 0 <= t < vocab]
+    if not entries:
+        return logits
+    device = logits.device
+    row_ids, token_ids, biases = zip(*entries, strict=True)
+    index = (to_device(row_ids, torch.long, device), to_device(token_ids, torch.long, device))
+    return logits.index_put(index, to_device(biases, logits.dtype, device), accumulate=True)
+
+
 class Sampler:
     def __init__(self, device: torch.device, seed: int = 0):
         self.device = device
@@ -128,7 +146,7 @@ class Sampler:
         want_top = max((p.top_logprobs for p in params), default=0)
         want_logprobs = any(p.logprobs for p in params)
         logprobs = torch.log_softmax(logits, dim=-1) if want_top or want_logprobs else None
-        logits = apply_penalties(logits, params, output_token_ids)
+        logits = apply_logit_bias(apply_penalties(logits, params, output_token_ids), params)
         if all(is_greedy(p) for p in params):
             tokens = logits.argmax(dim=-1)
         else:

@@ -152,7 +152,7 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         _logged(context, "LoadLora", request)
         if not request.lora_name or not request.path:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "lora_name and path are needed")
-        if request.lora_name in self.core.model_aliases:  # it would shadow the base model
+        if request.lora_name in self.core.model_names:  # it would shadow the base model
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"lora_name={request.lora_name!r} is the base model's id: name the adapter "

@@ -51,9 +51,9 @@ class GatewayConfig(PeerSecurity):
     )
     served_model_name: tuple[str, ...] = setting(
         (),
-        "the model id both APIs report (/v1/models, GetModelInfo), then other names a request's "
-        "`model` may use for it (default: the name of --model: a GGUF file's stem, an HF "
-        "directory's name, SmolLM2-135M-Instruct for the built-in one)",
+        "the model id both APIs report (/v1/models, GetModelInfo), then aliases a request's "
+        "`model` may also name it by, as vLLM takes them (default: the name of --model: "
+        "a GGUF file's stem, an HF directory's name, SmolLM2-135M-Instruct for the built-in one)",
     )
     accept_any_model: bool = setting(
         False,
@@ -107,6 +107,9 @@ class GatewayConfig(PeerSecurity):
             raise ValueError(f"routing_spill_threshold={self.routing_spill_threshold} must be >= 0")
         if self.max_request_bytes < 1024:
             raise ValueError(f"max_request_bytes={self.max_request_bytes} must be >= 1024")
+        if isinstance(self.served_model_name, str | None):  # one name given as a string
+            names = (self.served_model_name,) if self.served_model_name is not None else ()
+            object.__setattr__(self, "served_model_name", names)
         if any(not name.strip() for name in self.served_model_name):
             raise ValueError("served_model_name has an empty name; leave it unset for the model's")
         if self.api_key is not None and not self.api_key.strip():

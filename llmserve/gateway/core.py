@@ -60,8 +60,9 @@ class GatewayCore(ReplicaLinks):
         sampling_defaults: Mapping[str, float] | None = None,
     ):
         # What both APIs call the model (the engine's own name for it is only logged).
-        super().__init__(config, model_names(config)[0])
-        self.model_aliases = frozenset(model_names(config))
+        names = model_names(config)
+        super().__init__(config, names[0])
+        self.model_names = frozenset(names)  # the id and its aliases
         self.tokenizer = tokenizer
         # The model's generation_config.json sampling defaults (vLLM applies them too).
         self.sampling_defaults = sampling_defaults or {}
@@ -92,18 +93,20 @@ class GatewayCore(ReplicaLinks):
 
     def lora_for_model(self, model: str | None) -> str:
         """The adapter an OpenAI `model` names ("": the base model, by its id or an alias, or
-        when the field is left out). Any other name is NOT_FOUND, unless --accept-any-model."""
+        when the field is left out). Any other name is NOT_FOUND, as vLLM answers it, unless
+        --accept-any-model."""
         adapters = self.lora_names
         if model and model in adapters:
             return model
-        if not model or model in self.model_aliases or self.config.accept_any_model:
+        if not model or model in self.model_names or self.config.accept_any_model:
             return ""
         if all(link.stats is None for link in self.links.values()):
             return ""  # no scheduler has said what it serves yet: validation answers 503
         raise GatewayError(grpc.StatusCode.NOT_FOUND, self._not_served(model, adapters))
 
     def _not_served(self, model: str, adapters: set[str]) -> str:
-        names = [self.model_id, *sorted(adapters)]
+        aliases = sorted(self.model_names - {self.model_id})
+        names = [self.model_id, *aliases, *sorted(adapters)]
         served = ", ".join(names[:10]) + (f", and {len(names) - 10} more" * (len(names) > 10))
         return f"model {model[:100]!r} is not served here; models: {served}"
 

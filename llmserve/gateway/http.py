@@ -2,9 +2,8 @@
 grpc.aio, over the same request path (gateway/core.py) and the same scheduler connection.
 
     POST /v1/completions, /v1/chat/completions   streamed (server-sent events) or not
-    GET  /v1/models, /v1/models/{id}             the served model (vLLM's fields: root, parent,
-                                                 max_model_len)
-    GET  /metrics  the gateway's Prometheus metrics (as on --metrics-port)
+    GET  /v1/models, /v1/models/{id}             the served model
+    POST /tokenize, /detokenize; GET /metrics     vLLM's shapes (gateway/utility_routes.py)
     GET  /health   liveness: 200 while the process runs
     GET  /ready    readiness: 200 once the scheduler is connected and serving, 503 before
     GET  /openapi.json, /docs
@@ -65,6 +64,7 @@ from llmserve.gateway.openai_protocol import (
 from llmserve.gateway.openai_responses import ChatFormat, CompletionFormat, ResponseFormat
 from llmserve.gateway.quotas import Admission
 from llmserve.gateway.tenants import ApiKey, TenantTable, display_name
+from llmserve.gateway.utility_routes import add_utility_routes
 from llmserve.gateway.validation import ValidationError, ValidRequest
 from llmserve.protos import api_pb2
 
@@ -289,17 +289,11 @@ def create_app(core: GatewayCore) -> FastAPI:
         return await generate_response(core, request, body)
 
     _add_model_routes(app, core)
+    add_utility_routes(app, core)
 
     @app.get("/health")
     async def health() -> dict[str, str]:
         return {"status": "ok"}
-
-    @app.get("/metrics")
-    async def prometheus_metrics() -> Response:
-        """The gateway's Prometheus metrics, as on its --metrics-port (common/telemetry.py)."""
-        from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
-
-        return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/ready")
     async def ready() -> Response:
@@ -321,16 +315,22 @@ def _add_model_routes(app: FastAPI, core: GatewayCore) -> None:
     started = int(time.time())
 
     def model_cards() -> list[ModelCard]:
-        """The base model, then each LoRA adapter served on it (its parent)."""
+        """The base model, its aliases (--served-model-name's other names), then each LoRA
+        adapter served on it (its parent)."""
         with as_api_errors("model"):
             info = core.model_info()
-        length = info.max_model_len
-        base = ModelCard(id=info.model, created=started, max_model_len=length, root=info.model)
+        limit = info.max_model_len
+        root = core.config.model or info.model  # the built-in model: its id
+        base = ModelCard(id=info.model, created=started, max_model_len=limit, root=root)
+        aliases = [
+            ModelCard(id=name, created=started, max_model_len=limit, root=root)
+            for name in core.config.served_model_name[1:]
+        ]
         adapters = [
-            ModelCard(id=name, created=started, max_model_len=length, root=name, parent=base.id)
+            ModelCard(id=name, created=started, max_model_len=limit, root=name, parent=base.id)
             for name in info.lora_names
         ]
-        return [base, *adapters]
+        return [base, *aliases, *adapters]
 
     @app.get("/v1/models", response_model=ModelList, responses=ERRORS)
     async def models() -> ModelList:

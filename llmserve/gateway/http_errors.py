@@ -18,7 +18,7 @@ from starlette.exceptions import HTTPException
 from llmserve.common.log import get_logger
 from llmserve.gateway.errors import GatewayError
 from llmserve.gateway.openai_protocol import ErrorInfo, ErrorResponse, field_path, http_message
-from llmserve.gateway.validation import ValidationError
+from llmserve.gateway.validation import CONTEXT_LENGTH, ValidationError
 
 log = get_logger("gateway")
 
@@ -60,7 +60,7 @@ class ApiError(Exception):
         message, param = err.message, None
         if err.code == grpc.StatusCode.INVALID_ARGUMENT:
             message, param = http_message(err.message, prompt_field)
-            code = _invalid_code(message)
+            code = "context_length_exceeded" if CONTEXT_LENGTH in message else None
         elif err.code == grpc.StatusCode.NOT_FOUND and err.message.startswith("model "):
             param, code = "model", "model_not_found"  # an adapter not served (GatewayCore)
         retry = None
@@ -75,12 +75,6 @@ class ApiError(Exception):
             headers=self.headers,
             media_type="application/json",
         )
-
-
-def _invalid_code(message: str) -> str | None:
-    """OpenAI's code for a 400 clients act on: a prompt or completion beyond the context window
-    (gateway/validation.py's messages end in OpenAI's sentence for it)."""
-    return "context_length_exceeded" if "maximum context length is" in message else None
 
 
 def validation_error(err: RequestValidationError) -> ApiError:
@@ -104,7 +98,7 @@ def as_api_errors(prompt_field: str) -> Iterator[None]:
         yield
     except ValidationError as err:
         message, param = http_message(str(err), prompt_field)
-        raise ApiError(400, message, param=param, code=_invalid_code(message)) from err
+        raise ApiError(400, message, param=param) from err
     except GatewayError as err:
         raise ApiError.from_gateway(err, prompt_field) from err
 

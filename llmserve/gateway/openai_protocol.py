@@ -30,24 +30,34 @@ _INT32 = Annotated[int, Field(ge=-(2**31), le=2**31 - 1)]
 # -- requests ------------------------------------------------------------------------------------
 
 
-class NullMeansDefault(BaseModel):
-    """A request model where an explicit null is the field's default, as OpenAI's schema marks
-    its fields nullable (SDKs and proxies send `"n": null`, `"stream": null`, ...)."""
+class _NullIsDefault(BaseModel):
+    """An explicit null means the field's default, as OpenAI's schema allows for its nullable
+    fields (n, stream, logprobs, parallel_tool_calls, stream_options.include_usage, ...): SDKs
+    and proxies send them."""
 
     @model_validator(mode="before")
     @classmethod
-    def _drop_nulls(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            return {k: v for k, v in data.items() if v is not None}
-        return data
+    def _nulls_are_defaults(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        defaulted = {
+            key
+            for key, value in data.items()
+            if value is None
+            and key in fields
+            and not fields[key].is_required()
+            and fields[key].default is not None
+        }
+        return {key: value for key, value in data.items() if key not in defaulted}
 
 
-class StreamOptions(NullMeansDefault):
+class StreamOptions(_NullIsDefault):
     include_usage: bool = False
 
 
-class SamplingRequest(NullMeansDefault):
-    """The fields both endpoints share."""
+class SamplingRequest(_NullIsDefault):
+    """The fields both endpoints share (a null is the default: _NullIsDefault)."""
 
     # The base model or a LoRA adapter (GET /v1/models); without adapters, any name is the base.
     model: str | None = None
@@ -95,12 +105,12 @@ class CompletionRequest(SamplingRequest):
     best_of: int | None = None
 
 
-class TextPart(NullMeansDefault):
+class TextPart(BaseModel):
     type: str
     text: str | None = None
 
 
-class ChatMessageParam(NullMeansDefault):
+class ChatMessageParam(BaseModel):
     role: str
     content: str | list[TextPart] | None = None
     # An assistant turn's calls, and a tool turn's answer to one (gateway/openai_tools.py).
@@ -250,10 +260,9 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "llmserve"
     max_model_len: int
-    # vLLM's fields, which clients read (`vllm bench serve` stops on a card without root): what
-    # the model was loaded as (the adapter's name for an adapter), and an adapter's base model.
+    # vLLM's: what the model was loaded from (`vllm bench serve` reads it for its tokenizer)
     root: str
-    parent: str | None = None
+    parent: str | None = None  # a LoRA adapter's base model
 
 
 class ModelList(BaseModel):
@@ -266,7 +275,7 @@ class ModelList(BaseModel):
 
 # The endpoints spell these differently (completions: logprobs=k); each sets them itself.
 _LOGPROB_FIELDS = ("logprobs", "top_logprobs")
-_NOT_COPIED = (*_LOGPROB_FIELDS, "structured_output")
+_NOT_COPIED = (*_LOGPROB_FIELDS, "structured_output", "logit_bias")
 
 
 def _check_common(body: SamplingRequest, num_prompts: int) -> None:
@@ -277,8 +286,6 @@ def _check_common(body: SamplingRequest, num_prompts: int) -> None:
             f"n={body.n} times {num_prompts} prompts is {body.n * num_prompts} choices; "
             f"the limit is {MAX_CHOICES}"
         )
-    if body.logit_bias:
-        raise ValidationError("logit_bias is not supported by this server")
     if body.stream_options is not None and not body.stream:
         raise ValidationError("stream_options is only allowed with stream=true")
 
@@ -317,12 +324,21 @@ def _sampling_fields(body: SamplingRequest, max_tokens: int | None) -> api_pb2.G
         value = getattr(body, field.name, None)
         if value is not None and field.name not in _NOT_COPIED:
             setattr(req.sampling, field.name, _seed(value) if field.name == "seed" else value)
+    for key, bias in (body.logit_bias or {}).items():
+        req.sampling.logit_bias[_token_key(key)] = bias
     if isinstance(body.stop, str):
         req.stop.append(text_field("stop", body.stop))
     elif body.stop is not None:
         req.stop.extend(text_field(f"stop[{i}]", s) for i, s in enumerate(body.stop))
     req.stop_token_ids.extend(body.stop_token_ids or [])
     return req
+
+
+def _token_key(key: str) -> int:
+    """A logit_bias key: OpenAI's JSON object keys are token ids written as text."""
+    if not (key.isascii() and key.isdigit() and int(key) < 2**31):
+        raise ValidationError(f"logit_bias key {key[:40]!r} is not a token id")
+    return int(key)
 
 
 def _seed(seed: int) -> int:
@@ -340,22 +356,20 @@ def _prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str 
     if not prompt:
         raise ValidationError("prompt is empty")
     if all(isinstance(p, int) for p in prompt):
-        _check_token_ids("prompt", prompt)  # type: ignore[arg-type]
-        return [list(prompt)]  # type: ignore[arg-type]
+        return [_in_range("prompt", prompt)]  # type: ignore[arg-type]
     if all(isinstance(p, str) for p in prompt):
         return list(prompt)  # type: ignore[arg-type]
     if all(isinstance(p, list) for p in prompt):
-        for i, ids in enumerate(prompt):
-            _check_token_ids(f"prompt[{i}]", ids)  # type: ignore[arg-type]
-        return list(prompt)  # type: ignore[arg-type]
+        return [_in_range(f"prompt[{i}]", p) for i, p in enumerate(prompt)]  # type: ignore[arg-type]
     raise ValidationError("prompt mixes texts and token ids; send one kind")
 
 
-def _check_token_ids(field: str, ids: list[int]) -> None:
-    """Token ids must fit the wire's int32 before the vocabulary is checked (the scheduler's)."""
-    for j, token in enumerate(ids):
-        if not 0 <= token < 2**31:
-            raise ValidationError(f"{field}[{j}]={token} is not a token id (0 to 2**31 - 1)")
+def _in_range(field: str, ids: list[int]) -> list[int]:
+    """ids, if each fits the API's int32 token ids (the vocabulary is checked later)."""
+    for i, t in enumerate(ids):
+        if not 0 <= t < 2**31:
+            raise ValidationError(f"{field}[{i}]={t} is not a token id (must be in [0, 2**31))")
+    return list(ids)
 
 
 def completion_requests(body: CompletionRequest) -> list[api_pb2.GenerateRequest]:
@@ -403,28 +417,6 @@ def _message_text(i: int, message: ChatMessageParam) -> str:
     return "".join(texts)
 
 
-def _tool_call(field: str, call: Any) -> dict[str, Any]:
-    """An assistant turn's call as the template takes it: {"id"?, "type": "function",
-    "function": {"name": str, "arguments": str}} (arguments given as an object are written as
-    JSON text, as some clients send them). ValidationError naming the field otherwise."""
-    function = call.get("function") if isinstance(call, dict) else None
-    if not isinstance(function, dict):
-        raise ValidationError(f"{field}.function must be an object with name and arguments")
-    name, arguments = function.get("name"), function.get("arguments", "{}")
-    if not isinstance(name, str) or not name:
-        raise ValidationError(f"{field}.function.name must be a non-empty string")
-    if isinstance(arguments, dict):
-        arguments = json.dumps(arguments, ensure_ascii=False)
-    if not isinstance(arguments, str):
-        raise ValidationError(
-            f"{field}.function.arguments must be a string of JSON, not {type(arguments).__name__}"
-        )
-    out: dict[str, Any] = {"type": "function", "function": {"name": name, "arguments": arguments}}
-    if isinstance(call.get("id"), str):
-        out["id"] = call["id"]
-    return out
-
-
 def chat_request(
     body: ChatCompletionRequest, tool_format: ToolFormat | None = None
 ) -> api_pb2.GenerateRequest:
@@ -447,10 +439,7 @@ def chat_request(
         role = "system" if m.role == "developer" else text_field(f"messages[{i}].role", m.role)
         message = req.chat.messages.add(role=role, content=_message_text(i, m))
         if m.tool_calls:
-            calls = [
-                _tool_call(f"messages[{i}].tool_calls[{j}]", c) for j, c in enumerate(m.tool_calls)
-            ]
-            message.tool_calls_json = json.dumps(calls, ensure_ascii=False)
+            message.tool_calls_json = json.dumps(m.tool_calls, ensure_ascii=False)
         if m.tool_call_id:
             message.tool_call_id = text_field(f"messages[{i}].tool_call_id", m.tool_call_id)
     if not body.messages:

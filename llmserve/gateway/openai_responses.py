@@ -33,7 +33,7 @@ from llmserve.gateway.openai_protocol import (
     TopLogprob,
     Usage,
 )
-from llmserve.gateway.openai_tools import tool_plan
+from llmserve.gateway.openai_tools import AnswerStream, read_answer, tool_plan
 from llmserve.gateway.telemetry import FINISH_REASONS
 from llmserve.gateway.tokenizer import Tokenizer
 from llmserve.protos import api_pb2
@@ -215,12 +215,11 @@ class ChatFormat(ResponseFormat):
     ):
         super().__init__(core, choices, response_id, body)
         self.tool_format = core.tokenizer.tool_format
-        plan = tool_plan(body.tools, body.tool_choice, body.parallel_tool_calls, self.tool_format)
-        self.tool_names = set(plan.names)
-        self.max_calls = plan.max_calls
-        self.forced = plan.constraint is not None  # the answer is calls only (a grammar's)
+        self.plan = tool_plan(
+            body.tools, body.tool_choice, body.parallel_tool_calls, self.tool_format
+        )
         self.calls = {
-            c.index: self.tool_format.stream(self.tool_names) for c in choices if self.tool_names
+            c.index: AnswerStream(self.plan, self.tool_format) for c in choices if self.plan.names
         }
 
     def _chunk(self, choices: list[ChatChunkChoice], usage: Usage | None = None) -> str:
@@ -250,16 +249,9 @@ class ChatFormat(ResponseFormat):
             delta = ChatDelta(content=msg.text) if msg.text else ChatDelta()
             return self._chunk([ChatChunkChoice(delta=delta, **fields)])
         first = stream.num_calls
-        text, calls = stream.add(msg.text)
+        text, calls = stream.add(msg.text, last=bool(msg.finish_reason))
         if msg.finish_reason:
-            rest, last_calls = stream.finish(cut=fields["finish_reason"] == "length")
-            text += rest
-            calls += last_calls
             fields["finish_reason"] = _with_calls(fields["finish_reason"], stream.num_calls)
-        if self.max_calls is not None:
-            calls = calls[: max(0, self.max_calls - first)]
-        if self.forced:
-            text = ""  # whitespace between calls, or a cut call's markup: never content
         delta = ChatDelta(
             content=text or None,
             tool_calls=[
@@ -271,42 +263,21 @@ class ChatFormat(ResponseFormat):
     def usage_chunk(self) -> str:
         return self._chunk([], self._usage())
 
-    def _read_calls(self, text: str, cut: bool) -> tuple[str, list[dict[str, Any]]]:
-        names, fmt = self.tool_names, self.tool_format
-        return _read_calls_of(fmt, names, text, cut, self.max_calls, self.forced)
-
     def response(self, messages: dict[int, list[api_pb2.GenerateResponse]]) -> str:
         choices = []
         for c in self.choices:
             msg = _merged(messages[c.index])
             fields = self._choice(c, msg)
-            if not self.tool_names:
+            if not self.plan.names:
                 choices.append(ChatChoice(message=ChatMessage(content=msg.text), **fields))
                 continue
-            content, calls = self._read_calls(msg.text, fields["finish_reason"] == "length")
+            content, calls = read_answer(self.plan, self.tool_format, msg.text)
             fields["finish_reason"] = _with_calls(fields["finish_reason"], len(calls))
             message = ChatMessage(
                 content=content or None, tool_calls=[ToolCall(**call) for call in calls] or None
             )
             choices.append(ChatChoice(message=message, **fields))
         return self._json(ChatCompletionResponse, choices, self._usage())
-
-
-def _read_calls_of(
-    fmt: Any, names: set[str], text: str, cut: bool, max_calls: int | None, forced: bool
-) -> tuple[str, list[dict[str, Any]]]:
-    """(content, calls) of a whole answer: as its stream reads it when cut short (a call's
-    unfinished markup dropped), at most max_calls calls, no content when calls were forced."""
-    if cut:
-        stream = fmt.stream(names)
-        content, calls = stream.add(text)
-        rest, more = stream.finish(cut=True)
-        content, calls = content + rest, calls + more
-    else:
-        content, calls = fmt.parse(text, names)
-    if max_calls is not None:
-        calls = calls[:max_calls]
-    return ("" if forced else content), calls
 
 
 def _with_calls(finish_reason: str | None, num_calls: int) -> str | None:

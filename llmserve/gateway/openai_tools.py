@@ -11,19 +11,19 @@ that validate against the function's parameters); the answer read back into
     required       the tools           1+ calls (1 if parallel_tool_calls is false), by grammar
     {function}     the tools           exactly one call of that function, by grammar
 
-With parallel_tool_calls false an answer makes at most one call in every mode (later ones are
-dropped), and no mode puts a call's markup into `content`: a forced call's answer is calls
-only, and a call cut short by max_tokens is dropped, not returned as text.
+parallel_tool_calls false keeps at most one call in every mode (the first). No mode puts call
+markup into `content`: a forced answer's content is empty (what the grammar admits is calls, and
+a call cut by max_tokens is not one), and an auto answer's unparsed markup is dropped.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from llmserve.common.structured_output import compile_error
+from llmserve.common.structured_output import ConstraintError, check_structured_output
 from llmserve.gateway.tool_formats import ToolFormat
 from llmserve.gateway.validation import ValidationError
 from llmserve.protos.common_pb2 import StructuredOutput
@@ -42,9 +42,7 @@ class ToolPlan:
     tools: list[dict[str, Any]]
     constraint: StructuredOutput | None
     names: frozenset[str]
-    # The most calls an answer may make (None: any): 1 for a named function, as OpenAI's
-    # contract says, and for parallel_tool_calls false in every mode.
-    max_calls: int | None = None
+    max_calls: int | None = None  # 1: a named function, or parallel_tool_calls false
 
 
 def tool_plan(
@@ -60,15 +58,16 @@ def tool_plan(
     choice = tool_choice if tool_choice is not None else ("auto" if functions else "none")
     if choice == "none":
         return ToolPlan([], None, frozenset())
+    one = None if parallel else 1
     if not functions:
         raise ValidationError(f"tool_choice={json.dumps(choice)} needs tools")
     rendered = [{"type": "function", "function": f} for f in functions]
     names = frozenset(f["name"] for f in functions)
-    most = None if parallel else 1
     if choice == "auto":
-        return ToolPlan(rendered, None, names, most)
+        return ToolPlan(rendered, None, names, one)
+    _check_parameters(functions)
     if choice == "required":
-        return ToolPlan(rendered, _calls_grammar(fmt, functions, parallel), names, most)
+        return ToolPlan(rendered, _calls_grammar(fmt, functions, parallel), names, one)
     name = _named(choice)
     if name not in names:
         listed = ", ".join(sorted(names))
@@ -76,7 +75,7 @@ def tool_plan(
             f"tool_choice.function.name={name!r} is not one of the tools ({listed})"
         )
     chosen = [f for f in functions if f["name"] == name]
-    # Exactly one call of it (a grammar that repeated it made agents run the tool twice).
+    # OpenAI's forced function is exactly one call of it, whatever parallel_tool_calls says
     return ToolPlan(rendered, _calls_grammar(fmt, chosen, False), names, 1)
 
 
@@ -113,14 +112,22 @@ def _functions(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
         parameters = function.get("parameters", _EMPTY_PARAMETERS)
         if not isinstance(parameters, dict):
             raise ValidationError(f"tools[{i}].function.parameters must be a JSON schema object")
-        error = compile_error("json_schema", json.dumps(parameters))
-        if error:  # named here: the calls' grammar built from it would name no tool
-            raise ValidationError(f"tools[{i}].function.parameters ({name}): {error}")
         kept = {"name": name, "parameters": parameters}
         if isinstance(function.get("description"), str):
             kept = {"name": name, "description": function["description"], "parameters": parameters}
         out.append(kept)
     return out
+
+
+def _check_parameters(functions: list[dict[str, Any]]) -> None:
+    """Each function's parameters compiled as a schema of their own before the calls grammar
+    holds them, so that a bad one is named as the client wrote it (functions[i] is tools[i])."""
+    for i, function in enumerate(functions):
+        schema = StructuredOutput(json_schema=json.dumps(function["parameters"]))
+        try:
+            check_structured_output(schema, "", f"tools[{i}].function.parameters")
+        except ConstraintError as err:
+            raise ValidationError(str(err)) from err
 
 
 def _calls_grammar(
@@ -130,3 +137,39 @@ def _calls_grammar(
     parallel_tool_calls one or more, each of one of functions with arguments that validate,
     written in the model's format."""
     return StructuredOutput(grammar=fmt.calls_grammar(functions, parallel))
+
+
+def read_answer(plan: ToolPlan, fmt: ToolFormat, text: str) -> tuple[str, list[dict[str, Any]]]:
+    """(content, calls) of a whole answer under plan: at most plan.max_calls calls, and no call
+    markup in the content."""
+    content, calls = fmt.parse(text, set(plan.names))
+    return _content(plan, fmt, content), calls[: plan.max_calls]
+
+
+def _content(plan: ToolPlan, fmt: ToolFormat, text: str) -> str:
+    return "" if plan.constraint is not None else fmt.strip_markup(text)
+
+
+@dataclass
+class AnswerStream:
+    """One streamed choice read under plan: the same content and calls as read_answer gives for
+    the whole text, sent as they are known (fmt.stream holds back what may be a call)."""
+
+    plan: ToolPlan
+    fmt: ToolFormat
+    num_calls: int = 0  # calls sent
+    _stream: Any = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._stream = self.fmt.stream(set(self.plan.names))
+
+    def add(self, text: str, last: bool) -> tuple[str, list[dict[str, Any]]]:
+        """(content to send, calls to send) after text; last: the answer ends with it."""
+        out, calls = self._stream.add(text)
+        if last:
+            rest, more = self._stream.finish()
+            out, calls = out + rest, calls + more
+        if self.plan.max_calls is not None:
+            calls = calls[: max(self.plan.max_calls - self.num_calls, 0)]
+        self.num_calls += len(calls)
+        return _content(self.plan, self.fmt, out), calls

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import string
 from collections.abc import Callable
 from typing import Any
@@ -39,6 +40,8 @@ PYTHON_TAG = "<|python_tag|>"
 MISTRAL_CALLS = "[TOOL_CALLS]"
 _DECODER = json.JSONDecoder()
 _ALNUM = string.ascii_letters + string.digits
+# a call in tags, or one cut off (by max_tokens) before its closing tag
+_TAGGED = re.compile(re.escape(CALL_OPEN) + ".*?(?:" + re.escape(CALL_CLOSE) + "|$)", re.DOTALL)
 
 
 def _call_schema(function: dict[str, Any], arguments_key: str) -> dict[str, Any]:
@@ -86,6 +89,11 @@ class ToolFormat:
     def stream(self, names: set[str]) -> CallStream | HeldCallStream:
         return CallStream(names)
 
+    def strip_markup(self, text: str) -> str:
+        """text (content left after parsing) without call markup: a call that did not parse
+        (cut by max_tokens, an unknown name) is dropped, not shown as content."""
+        return _TAGGED.sub("", text) if CALL_OPEN in text else text
+
     def call_id(self, call_id: str) -> str:
         """A call's id as the template is given it (OpenAI's ids as they came)."""
         return call_id
@@ -124,6 +132,9 @@ class Llama3JsonFormat(ToolFormat):
 
     def stream(self, names: set[str]) -> HeldCallStream:
         return HeldCallStream(self, names, _opens_llama3_call)
+
+    def strip_markup(self, text: str) -> str:
+        return text.split(PYTHON_TAG, 1)[0]
 
 
 class MistralFormat(ToolFormat):
@@ -164,6 +175,9 @@ class MistralFormat(ToolFormat):
 
     def stream(self, names: set[str]) -> HeldCallStream:
         return HeldCallStream(self, names, _opens_mistral_calls)
+
+    def strip_markup(self, text: str) -> str:
+        return text.split(MISTRAL_CALLS, 1)[0]
 
     def call_id(self, call_id: str) -> str:
         """Mistral's templates refuse ids that are not 9 letters or digits: any other id is

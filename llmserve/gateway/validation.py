@@ -20,6 +20,9 @@ from llmserve.gateway.tokenizer import ChatMessage, ChatTemplateError, Tokenizer
 from llmserve.protos import api_pb2, common_pb2, scheduler_pb2
 
 ROLES = ("system", "user", "assistant", "tool")
+# OpenAI's wording, which clients (litellm, langchain) match to tell a context overflow from
+# other bad requests; the HTTP API adds code "context_length_exceeded" to a message holding it
+CONTEXT_LENGTH = "This model's maximum context length is"
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 
 
@@ -95,6 +98,14 @@ def _check_request(
     return sampling
 
 
+def _check_logit_bias(req: api_pb2.GenerateRequest, limits: Limits) -> None:
+    for t in sorted(req.sampling.logit_bias):
+        if not 0 <= t < limits.vocab_size:
+            raise ValidationError(
+                f"sampling.logit_bias key {t} is outside the vocabulary [0, {limits.vocab_size})"
+            )
+
+
 def _check_stops(req: api_pb2.GenerateRequest, limits: Limits) -> None:
     if len(req.stop) > limits.max_stop_strings:
         raise ValidationError(
@@ -112,6 +123,14 @@ def _check_stops(req: api_pb2.GenerateRequest, limits: Limits) -> None:
             raise ValidationError(
                 f"stop_token_ids[{i}]={t} is outside the vocabulary [0, {limits.vocab_size})"
             )
+
+
+def prompt_token_ids(
+    req: api_pb2.GenerateRequest, tokenizer: Tokenizer, limits: Limits
+) -> list[int]:
+    """req's prompt as token ids, with the prompt's own checks (roles, characters, template,
+    vocabulary) but not the context's (POST /tokenize). Raises ValidationError."""
+    return _prompt_ids(req, tokenizer, limits)
 
 
 def _prompt_ids(req: api_pb2.GenerateRequest, tokenizer: Tokenizer, limits: Limits) -> list[int]:
@@ -141,8 +160,8 @@ def _prompt_ids(req: api_pb2.GenerateRequest, tokenizer: Tokenizer, limits: Limi
             f"chat.messages have {total} characters; the limit is {limits.max_prompt_chars}"
         )
     turns = [
-        ChatMessage(m.role, m.content, _json_list(f"chat.messages[{i}].tool_calls_json",
-                    m.tool_calls_json), m.tool_call_id)
+        ChatMessage(m.role, m.content, _tool_calls(f"chat.messages[{i}]", m.tool_calls_json),
+                    m.tool_call_id)
         for i, m in enumerate(messages)
     ]  # fmt: skip
     tools = _json_list("chat.tools_json", req.chat.tools_json)
@@ -162,6 +181,22 @@ def _json_list(field: str, text: str) -> list[Any]:
     if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
         raise ValidationError(f"{field} must be a JSON list of objects")
     return value
+
+
+def _tool_calls(field: str, text: str) -> list[Any]:
+    """An assistant turn's calls: OpenAI's {"function": {"name": str, "arguments": JSON text
+    (or an object)}} each, the field of a bad one named."""
+    calls = _json_list(f"{field}.tool_calls_json", text)
+    for j, call in enumerate(calls):
+        where = f"{field}.tool_calls[{j}].function"
+        function = call.get("function")
+        if not isinstance(function, dict):
+            raise ValidationError(f'{where} must be an object {{"name": .., "arguments": ..}}')
+        if not isinstance(function.get("name"), str) or not function["name"]:
+            raise ValidationError(f"{where}.name must be a non-empty string")
+        if not isinstance(function.get("arguments", ""), str | dict):
+            raise ValidationError(f"{where}.arguments must be a string (a JSON object's text)")
+    return calls
 
 
 def _token_ids(ids: list[int], limits: Limits) -> list[int]:
@@ -187,6 +222,7 @@ def validate(
     _check_unknown_fields(req)
     sampling = _check_request(req, sampling_defaults or {})
     _check_stops(req, limits)
+    _check_logit_bias(req, limits)
     prompt = _prompt_ids(req, tokenizer, limits)
     if not prompt:
         raise ValidationError("prompt tokenizes to nothing")
@@ -196,22 +232,17 @@ def validate(
         if limits.max_model_len <= limits.kv_capacity_tokens
         else f"the KV cache holds {limits.kv_capacity_tokens} tokens"
     )
-    # Each ends in OpenAI's own sentence, which clients (litellm, LangChain) recognise as a
-    # context-window error (HTTP adds code context_length_exceeded: gateway/http_errors.py).
-    openai = f"This model's maximum context length is {context} tokens."
     if len(prompt) >= context:
         raise ValidationError(
             f"prompt has {len(prompt)} tokens; the limit is {context - 1} "
-            f"({bound}, one token left to generate). {openai}"
+            f"({bound}, one token left to generate). {CONTEXT_LENGTH} {context} tokens."
         )
     remaining = context - len(prompt)
     max_tokens = req.max_tokens if req.HasField("max_tokens") else remaining
     if max_tokens > remaining:
         raise ValidationError(
             f"max_tokens={max_tokens} exceeds the model's remaining context of {remaining} "
-            f"tokens ({bound}, prompt {len(prompt)} tokens). {openai} However, you requested "
-            f"{len(prompt) + max_tokens} tokens ({len(prompt)} in the prompt, {max_tokens} in "
-            "the completion)."
+            f"tokens ({bound}, prompt {len(prompt)} tokens). {CONTEXT_LENGTH} {context} tokens."
         )
     submit = scheduler_pb2.SubmitRequest(
         prompt_token_ids=prompt,

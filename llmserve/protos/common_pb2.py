@@ -24,21 +24,25 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cllmserve/protos/common.proto\x12\x12llmserve.common.v1\"\xb0\x02\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x02\x88\x01\x01\x12\x10\n\x08logprobs\x18\x06 \x01(\x08\x12\x18\n\x10presence_penalty\x18\x07 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x08 \x01(\x02\x12\x14\n\x0ctop_logprobs\x18\t \x01(\x05\x12?\n\x11structured_output\x18\n \x01(\x0b\x32$.llmserve.common.v1.StructuredOutputB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seed\"\xa4\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\x30\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x1e.llmserve.common.v1.ChoiceListH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x0c\n\nconstraint\"\x1d\n\nChoiceList\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02*\x9c\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\"\n\x1e\x46INISH_REASON_GRAMMAR_DEAD_END\x10\x04\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cllmserve/protos/common.proto\x12\x12llmserve.common.v1\"\xa9\x03\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x02\x88\x01\x01\x12\x10\n\x08logprobs\x18\x06 \x01(\x08\x12\x18\n\x10presence_penalty\x18\x07 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x08 \x01(\x02\x12\x14\n\x0ctop_logprobs\x18\t \x01(\x05\x12?\n\x11structured_output\x18\n \x01(\x0b\x32$.llmserve.common.v1.StructuredOutput\x12\x45\n\nlogit_bias\x18\x0b \x03(\x0b\x32\x31.llmserve.common.v1.SamplingParams.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seed\"\xa4\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\x30\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x1e.llmserve.common.v1.ChoiceListH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x0c\n\nconstraint\"\x1d\n\nChoiceList\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02*\x9c\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\"\n\x1e\x46INISH_REASON_GRAMMAR_DEAD_END\x10\x04\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'llmserve.protos.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=610
-  _globals['_FINISHREASON']._serialized_end=766
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
+  _globals['_FINISHREASON']._serialized_start=731
+  _globals['_FINISHREASON']._serialized_end=887
   _globals['_SAMPLINGPARAMS']._serialized_start=53
-  _globals['_SAMPLINGPARAMS']._serialized_end=357
-  _globals['_STRUCTUREDOUTPUT']._serialized_start=360
-  _globals['_STRUCTUREDOUTPUT']._serialized_end=524
-  _globals['_CHOICELIST']._serialized_start=526
-  _globals['_CHOICELIST']._serialized_end=555
-  _globals['_TOPLOGPROBS']._serialized_start=557
-  _globals['_TOPLOGPROBS']._serialized_end=607
+  _globals['_SAMPLINGPARAMS']._serialized_end=478
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=395
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=443
+  _globals['_STRUCTUREDOUTPUT']._serialized_start=481
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=645
+  _globals['_CHOICELIST']._serialized_start=647
+  _globals['_CHOICELIST']._serialized_end=676
+  _globals['_TOPLOGPROBS']._serialized_start=678
+  _globals['_TOPLOGPROBS']._serialized_end=728
 # @@protoc_insertion_point(module_scope)
