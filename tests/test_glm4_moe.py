@@ -103,3 +103,24 @@ def test_router_matches_transformers(groups: int, kept: int) -> None:
     order, want_order = ids.argsort(-1), want_ids.argsort(-1)
     assert torch.equal(ids.gather(1, order), want_ids.gather(1, want_order))
     torch.testing.assert_close(weights.gather(1, order), want_weights.gather(1, want_order))
+
+
+def test_router_stays_float32_in_a_bfloat16_engine(load: Any) -> None:  # noqa: F811
+    """As transformers keeps them: the router's weight and correction bias in float32, loaded
+    unrounded, while the rest of the model is bfloat16; the engine still serves a step."""
+    from llmserve.engine.config import EngineConfig
+    from llmserve.engine.engine import Engine
+
+    m = load("glm4_moe")
+    config = EngineConfig(model=str(m.path), device="cpu", dtype="bfloat16", num_kv_blocks=96)
+    engine = Engine(config)
+    block = engine.model.layers[1].mlp
+    bias = block.gate.e_score_correction_bias
+    assert block.gate.weight.dtype == bias.dtype == torch.float32
+    assert block.experts.w13.dtype == torch.bfloat16
+    want = m.engine.model.layers[1].mlp.gate.e_score_correction_bias
+    assert torch.equal(bias, want)  # not rounded through bfloat16 on the way
+    assert not torch.equal(bias.bfloat16().float(), want)
+    tokens = prompt(20, seed=2)
+    (logits,) = forward_direct(engine, [(tokens, 0, len(tokens), shuffled_blocks(11)[:3])])
+    assert torch.isfinite(logits).all()
