@@ -73,3 +73,54 @@ def test_each_routing_rule_matters_for_these_prompts(load: Any, rule: str) -> No
         block.moe = saved_moe
         bias.data.copy_(saved_bias)
     assert rel_err(ours, m.hf_logits(tokens)) > 1e-2
+
+
+@pytest.mark.parametrize(("groups", "kept"), [(1, 1), (4, 2), (8, 3)])
+def test_router_matches_transformers(groups: int, kept: int) -> None:
+    """route_grouped against transformers' own GLM-4.5 router module on random tokens: the same
+    experts and weights (in expert order: both take top-k unsorted). GLM-4.5's released configs
+    have one group."""
+    import transformers
+    from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeTopkRouter
+
+    from llmserve.common.moe_config import moe_from_hf
+    from llmserve.engine.moe import route_grouped
+
+    fields = {"n_routed_experts": 16, "num_experts_per_tok": 4, "n_group": groups}
+    fields.update(topk_group=kept, routed_scaling_factor=1.8, hidden_size=32)
+    hf_config = transformers.Glm4MoeConfig(**fields)
+    torch.manual_seed(groups)
+    router = Glm4MoeTopkRouter(hf_config)
+    with torch.no_grad():
+        router.weight.normal_()
+        router.e_score_correction_bias.normal_(std=0.5)
+    x = torch.randn(64, 32)
+    _, want_weights, want_ids = router(x)
+    cfg = {"architectures": ["Glm4MoeForCausalLM"], "num_hidden_layers": 2, **fields}
+    moe = moe_from_hf({**cfg, "moe_intermediate_size": 8})
+    assert moe is not None
+    weights, ids = route_grouped(x @ router.weight.T, router.e_score_correction_bias, moe)
+    order, want_order = ids.argsort(-1), want_ids.argsort(-1)
+    assert torch.equal(ids.gather(1, order), want_ids.gather(1, want_order))
+    torch.testing.assert_close(weights.gather(1, order), want_weights.gather(1, want_order))
+
+
+def test_router_stays_float32_in_a_bfloat16_engine(load: Any) -> None:  # noqa: F811
+    """As transformers keeps them: the router's weight and correction bias in float32, loaded
+    unrounded, while the rest of the model is bfloat16; the engine still serves a step."""
+    from llmserve.engine.config import EngineConfig
+    from llmserve.engine.engine import Engine
+
+    m = load("glm4_moe")
+    config = EngineConfig(model=str(m.path), device="cpu", dtype="bfloat16", num_kv_blocks=96)
+    engine = Engine(config)
+    block = engine.model.layers[1].mlp
+    bias = block.gate.e_score_correction_bias
+    assert block.gate.weight.dtype == bias.dtype == torch.float32
+    assert block.experts.w13.dtype == torch.bfloat16
+    want = m.engine.model.layers[1].mlp.gate.e_score_correction_bias
+    assert torch.equal(bias, want)  # not rounded through bfloat16 on the way
+    assert not torch.equal(bias.bfloat16().float(), want)
+    tokens = prompt(20, seed=2)
+    (logits,) = forward_direct(engine, [(tokens, 0, len(tokens), shuffled_blocks(11)[:3])])
+    assert torch.isfinite(logits).all()

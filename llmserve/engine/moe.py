@@ -27,6 +27,7 @@ their slices (`hf_tensors`).
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -43,7 +44,9 @@ HFTensor = tuple[str, nn.Module, nn.Parameter, int]
 class Router(nn.Module):
     """The router's [E, H] weight, replicated on every rank. Not a `Linear`, so that packing and
     quantization (which replace every Linear) leave routing exactly as the checkpoint has it.
-    corrected: DeepSeek's per-expert score-correction bias beside it (float32, as HF keeps it)."""
+    corrected: DeepSeek's per-expert score-correction bias beside it; such a router stays in
+    float32 whatever the model's dtype, as transformers keeps it (the biased scores of two
+    experts can be closer than a bfloat16 step)."""
 
     def __init__(self, hidden_size: int, num_experts: int, corrected: bool = False):
         super().__init__()
@@ -52,7 +55,16 @@ class Router(nn.Module):
         if corrected:
             self.e_score_correction_bias = nn.Parameter(torch.empty(num_experts))
 
+    def _apply(self, fn: Any, recurse: bool = True) -> Router:
+        if self.e_score_correction_bias is None:
+            return super()._apply(fn, recurse)
+        # model.to(dtype) and to_empty run before the checkpoint loads: a float32 param then
+        # takes the checkpoint's values unrounded.
+        return super()._apply(lambda t: fn(t).float() if t.is_floating_point() else fn(t), recurse)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.e_score_correction_bias is not None:
+            return nn.functional.linear(x.float(), self.weight)
         return nn.functional.linear(x, self.weight)
 
 
