@@ -799,6 +799,30 @@ def test_logit_bias_on_a_model(model_stack: Stack) -> None:
     assert not banned.choices[0].text.startswith(plain.logprobs.tokens[0])
 
 
+def test_forced_call_is_one_call_and_never_content(model_stack: Stack) -> None:
+    """A named tool_choice (parallel_tool_calls left at its default, true) gives at most one
+    call, and no tool markup reaches content: answered whole or cut by max_tokens, streamed or
+    not (random weights: what the grammar admits is all that is sure)."""
+    client = sdk(model_stack)
+    tool = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+        "additionalProperties": False}}}  # fmt: skip
+    named = {"type": "function", "function": {"name": "f"}}
+    fields: dict[str, Any] = {"model": "any", "messages": USER, "tools": [tool], "seed": 3,
+                              "tool_choice": named}  # fmt: skip
+    reasons = set()
+    for max_tokens in (6, 60):
+        [choice] = client.chat.completions.create(max_tokens=max_tokens, **fields).choices
+        assert not choice.message.content, choice.message.content
+        assert len(choice.message.tool_calls or []) <= 1
+        reasons.add(choice.finish_reason)
+        chunks = list(client.chat.completions.create(max_tokens=max_tokens, stream=True, **fields))
+        assert not "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert sum(len(c.choices[0].delta.tool_calls or []) for c in chunks if c.choices) <= 1
+    assert "length" in reasons  # the cut case was met
+    model_stack.assert_idle()
+
+
 def test_model_id_defaults_to_the_model_directory_name(
     model_stack: Stack, tiny_model: Callable[..., Path]
 ) -> None:
