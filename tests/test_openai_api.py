@@ -1062,3 +1062,14 @@ def test_strict_model_names_and_aliases(strict_stack: Stack) -> None:
         client.chat.completions.create(model="gpt-4o", messages=USER, max_tokens=2)  # type: ignore[arg-type]
     assert err.value.code == "model_not_found" and err.value.param == "model"
     assert "'gpt-4o' is not served here; models: main, other-name" in err.value.message
+
+
+def test_earlier_calls_with_object_or_text_arguments_are_served(stack: Stack) -> None:
+    """An assistant turn's call arguments as OpenAI's JSON text or as an object (some clients
+    send one; it was a 500) both render; the tool's answer follows."""
+    for arguments in ('{"a": 1}', {"a": 1}):
+        call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": arguments}}
+        messages = [*_assistant_calls([call]), {"role": "tool", "tool_call_id": "c1",
+                                                "content": "2"}]  # fmt: skip
+        reply = post_json(stack, "/chat/completions", {"messages": messages, "max_tokens": 2})
+        assert reply.status_code == 200, reply.text
