@@ -843,6 +843,30 @@ def test_logit_bias_on_a_model(model_stack: Stack) -> None:
     assert not banned.choices[0].text.startswith(plain.logprobs.tokens[0])
 
 
+def test_forced_call_is_one_call_and_never_content(model_stack: Stack) -> None:
+    """A named tool_choice (parallel_tool_calls left at its default, true) gives at most one
+    call, and no tool markup reaches content: answered whole or cut by max_tokens, streamed or
+    not (random weights: what the grammar admits is all that is sure)."""
+    client = sdk(model_stack)
+    tool = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+        "additionalProperties": False}}}  # fmt: skip
+    named = {"type": "function", "function": {"name": "f"}}
+    fields: dict[str, Any] = {"model": "any", "messages": USER, "tools": [tool], "seed": 3,
+                              "tool_choice": named}  # fmt: skip
+    reasons = set()
+    for max_tokens in (6, 60):
+        [choice] = client.chat.completions.create(max_tokens=max_tokens, **fields).choices
+        assert not choice.message.content, choice.message.content
+        assert len(choice.message.tool_calls or []) <= 1
+        reasons.add(choice.finish_reason)
+        chunks = list(client.chat.completions.create(max_tokens=max_tokens, stream=True, **fields))
+        assert not "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert sum(len(c.choices[0].delta.tool_calls or []) for c in chunks if c.choices) <= 1
+    assert "length" in reasons  # the cut case was met
+    model_stack.assert_idle()
+
+
 def test_model_id_defaults_to_the_model_directory_name(
     model_stack: Stack, tiny_model: Callable[..., Path]
 ) -> None:
@@ -1085,3 +1109,14 @@ def test_strict_model_names_and_aliases(strict_stack: Stack) -> None:
         client.chat.completions.create(model="gpt-4o", messages=USER, max_tokens=2)  # type: ignore[arg-type]
     assert err.value.code == "model_not_found" and err.value.param == "model"
     assert "'gpt-4o' is not served here; models: main, other-name" in err.value.message
+
+
+def test_earlier_calls_with_object_or_text_arguments_are_served(stack: Stack) -> None:
+    """An assistant turn's call arguments as OpenAI's JSON text or as an object (some clients
+    send one; it was a 500) both render; the tool's answer follows."""
+    for arguments in ('{"a": 1}', {"a": 1}):
+        call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": arguments}}
+        messages = [*_assistant_calls([call]), {"role": "tool", "tool_call_id": "c1",
+                                                "content": "2"}]  # fmt: skip
+        reply = post_json(stack, "/chat/completions", {"messages": messages, "max_tokens": 2})
+        assert reply.status_code == 200, reply.text

@@ -61,10 +61,15 @@ def template_messages(
 
 
 def _arguments(call: dict[str, Any]) -> Any:
+    """A call's arguments as an object: OpenAI's JSON text decoded, an object as it came (some
+    clients send one), text that is not JSON as it is."""
+    arguments = call["function"].get("arguments") or "{}"
+    if not isinstance(arguments, str):
+        return arguments
     try:
-        return json.loads(call["function"].get("arguments") or "{}")
+        return json.loads(arguments)
     except json.JSONDecodeError:
-        return call["function"].get("arguments")
+        return arguments
 
 
 def call_text(name: str, arguments: Any) -> str:
