@@ -228,12 +228,17 @@ def test_adapters_under_prefill_and_decode_engines(
         prefill_engines=1,
     )
     try:
-        # The gateway is ready once the prefill engine is; on a loaded machine the decode engine
-        # (checking its adapters) may come seconds later, and until then requests run whole.
-        s.wait_for_stats(lambda st: len(st.engines) == 2 and all(e.ready for e in st.engines), 60)
+        # A request handed off while its decode engine is not up (not yet connected, or its
+        # heartbeat late while it reads an adapter: LoadLora holds the engine) waits there and
+        # recomputes instead of moving its KV, which is what this test must see move.
+        def both_up() -> None:
+            s.wait_for_stats(lambda st: len(st.engines) == 2 and all(e.ready for e in st.engines))
+
+        both_up()
         stub, metadata = admin(s)
         request = scheduler_pb2.LoadLoraRequest(lora_name="ad16", path=str(adapters["ad16"]))
         assert stub.LoadLora(request, metadata=metadata).rank == 16
+        both_up()
         jobs = [("ad4", 2), ("ad16", 2), ("", 2), ("ad4", 0)]
         assert [generate(s, PROMPTS[i], name) for name, i in jobs] == [expected[j] for j in jobs]
         stats = s.scheduler_stats()
