@@ -17,7 +17,7 @@ from llmserve.common.log import get_logger
 from llmserve.common.model_config import ModelConfig
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.contract import LoraLoadData
-from llmserve.engine.lora import LoraSlots, kernel_self_check
+from llmserve.engine.lora import LoraSlots, cpu_lora_ready, kernel_self_check
 from llmserve.engine.lora_files import LoraAdapter, LoraError, read_adapter
 from llmserve.engine.ops import LayerOps
 from llmserve.engine.parallel import ModelShard
@@ -42,6 +42,11 @@ class Adapters:
             why = kernel_self_check(ops.lib.lora_add, dtype, device)
             if why is not None:
                 raise RuntimeError(f"--max-loras {config.max_loras} on the CUDA kernels: {why}")
+        if device.type == "cpu" and dtype == torch.float32:
+            # Built here, before the engine serves: a first build (about 20 s of g++) inside a
+            # step would stall it long enough for the scheduler to count the engine down.
+            ready = cpu_lora_ready()
+            log.info("cpu lora kernel", batch_invariant=ready)
         self.model_config = model_config
         self.max_rank = config.max_lora_rank
         self.capacity = config.max_cpu_loras
