@@ -19,6 +19,7 @@ import torch
 from llmserve.common.families import FAMILIES
 from llmserve.common.gguf_file import TensorInfo, open_gguf
 from llmserve.common.model_config import ModelConfig, ModelSourceError
+from llmserve.engine.checkpoint_formats import CheckpointView, checkpoint_weights
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.cpu_fused import install_fused_decode
 from llmserve.engine.cuda_graphs import graph_batch_sizes
@@ -91,7 +92,9 @@ def load_weights(path: Path, config: ModelConfig) -> Mapping[str, torch.Tensor]:
     return _load_gguf(path, config)
 
 
-def _load_safetensors_dir(path: Path) -> LazyWeights:
+def _load_safetensors_dir(path: Path) -> CheckpointView:
+    """The directory's tensors through the format its config.json declares
+    (engine/checkpoint_formats.py: refused at start where a tensor would go unread)."""
     from safetensors import safe_open
 
     files = sorted(path.glob("*.safetensors"))
@@ -101,15 +104,17 @@ def _load_safetensors_dir(path: Path) -> LazyWeights:
             "--load-format dummy gives seeded random weights for its config.json)"
         )
     where: dict[str, Path] = {}
+    dtypes: dict[str, str] = {}
     for file in files:
         with safe_open(str(file), framework="pt") as f:
             where.update(dict.fromkeys(f.keys(), file))
+            dtypes.update((name, f.get_slice(name).get_dtype()) for name in f.keys())  # noqa: SIM118 (not a dict)
 
     def read(name: str) -> torch.Tensor:
         with safe_open(str(where[name]), framework="pt") as f:
             return f.get_tensor(name)
 
-    return LazyWeights(list(where), read)
+    return checkpoint_weights(path, LazyWeights(list(where), read), dtypes)
 
 
 def gguf_name_to_hf(name: str, layer_names: Mapping[str, str] | None = None) -> str | None:
@@ -329,4 +334,8 @@ def load_model(
     )  # fmt: skip
     if isinstance(weights, GGUFWeights):  # every tensor is copied out of the mapping by now
         weights.file.drop_resident_pages()
+    if isinstance(weights, CheckpointView) and (shard is None or (shard.first and shard.last)):
+        # a pipeline stage leaves the other stages' layers unread, on purpose (a tensor-parallel
+        # rank reads every tensor whole, then slices it)
+        weights.check_all_read(path, model_config.tie_word_embeddings)
     return model, ops_reason
