@@ -96,6 +96,11 @@ def _positive(value: object) -> bool:
     return isinstance(value, int) and value > 0
 
 
+# Leaf-name parts of quantization formats' companion tensors (FP8's weight_scale_inv, GPTQ's
+# qweight / qzeros / scales / g_idx, AWQ's, compressed-tensors' weight_packed / zero_point).
+QUANT_LEAVES = ("scale", "qweight", "qzeros", "zero_point", "g_idx", "packed", "blocks")
+
+
 def check_tensors(path: Path, fmt: CheckpointFormat, dtypes: Mapping[str, str]) -> None:
     """Raise ModelSourceError, naming them, for tensors `fmt` does not explain: a leaf other
     than weight / bias / fmt's companions, a companion with no weight, a weight whose dtype
@@ -111,7 +116,10 @@ def check_tensors(path: Path, fmt: CheckpointFormat, dtypes: Mapping[str, str]) 
         elif leaf == "weight":
             ok = dtype in FLOAT_DTYPES or _scaled_weight(fmt, stem, dtype, dtypes)
         else:
-            ok = False
+            # Another float parameter (a router's e_score_correction_bias) is the model's own:
+            # whether a layer reads it is checked after the load (check_all_read). A name a
+            # quantization format gives its companions is not, with no format declared.
+            ok = dtype in FLOAT_DTYPES and not any(part in leaf for part in QUANT_LEAVES)
         if not ok:
             unread.append(f"{name} ({dtype})")
     if unread:

@@ -334,8 +334,10 @@ def load_model(
     )  # fmt: skip
     if isinstance(weights, GGUFWeights):  # every tensor is copied out of the mapping by now
         weights.file.drop_resident_pages()
-    if isinstance(weights, CheckpointView) and (shard is None or (shard.first and shard.last)):
-        # a pipeline stage leaves the other stages' layers unread, on purpose (a tensor-parallel
-        # rank reads every tensor whole, then slices it)
+    whole = shard is None or (shard.first and shard.last and shard.tp.size == 1)
+    if isinstance(weights, CheckpointView) and whole:
+        # A pipeline stage leaves the other stages' layers unread, on purpose, and a tensor-
+        # parallel rank of a mixture of experts the other ranks' experts: the one-rank load
+        # checks every tensor.
         weights.check_all_read(path, model_config.tie_word_embeddings)
     return model, ops_reason
