@@ -79,7 +79,7 @@ def step(link: EngineLoop, token: int = 7, received: list[int] | None = None) ->
     plan = s.schedule()
     s.update(plan, [token if row.samples else -1 for row in plan.rows])
     if received:
-        s.on_received(received)
+        s.handoffs.on_received(received)
     link._after_result()
     s.check_integrity()
 

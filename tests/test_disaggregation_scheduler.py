@@ -15,7 +15,6 @@ from llmserve.scheduler.config import SchedulerConfig
 from llmserve.scheduler.plan import StepOutcome, StepPlan
 from llmserve.scheduler.request import Request, RequestStatus
 from llmserve.scheduler.scheduler import Scheduler
-from llmserve.scheduler.static_batching import make_scheduler
 from tests.factories import sampling
 
 BS = 4
@@ -24,7 +23,7 @@ ADDRESS = "127.0.0.1:9"
 
 def make(role: str, num_blocks: int = 16, budget: int = 8) -> Scheduler:
     config = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=4, kv_transfer_timeout_s=1)
-    s = make_scheduler(config, num_blocks, BS, 256, 1000, (999,))
+    s = Scheduler(config, num_blocks, BS, 256, 1000, (999,))
     s.transfers.role = role
     return s
 
@@ -39,7 +38,7 @@ def step(s: Scheduler, token: int = 7, received: list[int] | None = None) -> tup
     plan = s.schedule()
     outcomes = s.update(plan, [token if row.samples else -1 for row in plan.rows])
     if received:
-        s.on_received(received)
+        s.handoffs.on_received(received)
     s.check_integrity()
     return plan, outcomes
 
@@ -48,11 +47,11 @@ def hand_off(prefill: Scheduler, decode: Scheduler) -> list[int]:
     """What the service does after a prefill result: each handoff to the decode side, its send
     queued on the prefill side. Returns the transfer ids started."""
     ids = []
-    for req, blocks in prefill.take_handoffs():
-        to_send = decode.receive(req, blocks)
+    for req, blocks in prefill.handoffs.take():
+        to_send = decode.handoffs.receive(req, blocks)
         if to_send:
             ids.append(decode.transfers.by_seq_id[req.seq_id])
-            prefill.queue_send(ids[-1], to_send, ADDRESS)
+            prefill.handoffs.queue_send(ids[-1], to_send, ADDRESS)
     return ids
 
 
@@ -171,7 +170,7 @@ def test_the_prefill_side_never_plans_past_the_first_token() -> None:
     assert first.rows[0].samples and not ahead.rows
     prefill.update(first, [50])
     prefill.update(ahead, [])
-    assert not prefill.running and len(prefill.take_handoffs()) == 1
+    assert not prefill.running and len(prefill.handoffs.take()) == 1
     prefill.check_integrity()
 
 

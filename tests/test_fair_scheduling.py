@@ -15,11 +15,9 @@ from typing import Any
 import pytest
 
 from llmserve.scheduler.config import SchedulerConfig
-from llmserve.scheduler.fair import FairScheduler
-from llmserve.scheduler.priority import PriorityScheduler
+from llmserve.scheduler.policies import FairPolicy, FcfsPolicy, PriorityPolicy, StaticBatching
 from llmserve.scheduler.request import Request, RequestStatus
 from llmserve.scheduler.scheduler import Scheduler
-from llmserve.scheduler.static_batching import make_scheduler
 from tests.test_scheduler import BS, EOS, VOCAB, Harness, make_request, running_rows
 
 
@@ -53,7 +51,7 @@ def make() -> Iterator[Callable[..., Harness]]:
     ) -> Harness:
         h = Harness(num_blocks=num_blocks, max_model_len=max_model_len)
         fields = {"max_num_batched_tokens": 64, "max_num_seqs": 8, "max_waiting": 128, **config}
-        h.s = make_scheduler(
+        h.s = Scheduler(
             SchedulerConfig(scheduling_policy=policy, **fields),
             num_blocks,
             BS,
@@ -89,10 +87,12 @@ def outputs_ok(h: Harness, *requests: Request) -> None:
 
 
 def test_policies_and_their_classes(make: Callable[..., Harness]) -> None:
-    classes = {"continuous": Scheduler, "fcfs": Scheduler, "fair": FairScheduler}
-    classes["priority"] = PriorityScheduler
+    classes = {"continuous": FcfsPolicy, "fcfs": FcfsPolicy, "fair": FairPolicy}
+    classes |= {"priority": PriorityPolicy, "static": StaticBatching}
     for policy, cls in classes.items():
-        assert type(make(policy).s) is cls
+        scheduler = make(policy).s
+        assert type(scheduler) is Scheduler and type(scheduler.policy) is cls
+        assert scheduler.policy.s is scheduler
     assert SchedulerConfig(scheduling_policy="continuous").policy == "fcfs"
     with pytest.raises(ValueError, match="max_preemptions=-1 must be >= 0"):
         SchedulerConfig(max_preemptions=-1)

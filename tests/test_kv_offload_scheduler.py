@@ -14,7 +14,6 @@ from llmserve.scheduler.kv_offload import DEVICE, DISK, HOST, KVOffload
 from llmserve.scheduler.plan import StepPlan
 from llmserve.scheduler.request import Request
 from llmserve.scheduler.scheduler import Scheduler
-from llmserve.scheduler.static_batching import make_scheduler
 from tests.factories import sampling
 
 BS = 4
@@ -24,7 +23,7 @@ NUM_PREFIXES = 16
 
 def make(num_blocks: int, num_host: int = 0, num_disk: int = 0, **config: object) -> Scheduler:
     cfg = SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=4, **config)  # type: ignore[arg-type]
-    return make_scheduler(
+    return Scheduler(
         cfg, num_blocks, BS, 256, 1000, (999,), num_host_blocks=num_host, num_disk_blocks=num_disk
     )
 

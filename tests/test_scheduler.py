@@ -20,8 +20,7 @@ from llmserve.scheduler.config import SchedulerConfig
 from llmserve.scheduler.convert import plan_to_proto
 from llmserve.scheduler.plan import StepOutcome, StepPlan
 from llmserve.scheduler.request import Request, RequestStatus
-from llmserve.scheduler.scheduler import AdmissionError
-from llmserve.scheduler.static_batching import make_scheduler
+from llmserve.scheduler.scheduler import AdmissionError, Scheduler
 from tests.factories import sampling
 
 BS = 4
@@ -91,7 +90,7 @@ class Harness:
             scheduling_policy=scheduling_policy,
             static_batch_wait_ms=static_batch_wait_ms,
         )
-        self.s = make_scheduler(
+        self.s = Scheduler(
             config,
             num_blocks,
             BS,
@@ -851,7 +850,7 @@ def test_static_batch_pads_and_admits_nobody_until_it_drains(make: Callable[...,
     ]
     # a is finished for its client at once, but stays in the batch as padding.
     assert outcome_rows(outcomes) == [(1, 10, length), (2, 10, None)]
-    assert h.s.padding == {1: length} and h.s.running == [a, b]
+    assert h.s.policy.padding == {1: length} and h.s.running == [a, b]
 
     # a keeps computing (its throwaway token 11 is never streamed); c is not admitted although
     # a slot would be free under continuous batching.
@@ -866,7 +865,7 @@ def test_static_batch_pads_and_admits_nobody_until_it_drains(make: Callable[...,
     plan, outcomes = h.step()
     assert running_rows(plan) == [(1, 1, 4, [2]), (2, 1, 4, [3])]
     assert outcome_rows(outcomes) == [(2, 12, length)]
-    assert h.s.running == [] and h.s.padding == {}
+    assert h.s.running == [] and h.s.policy.padding == {}
     assert h.s.block_manager.num_free_blocks == 16
 
     # Only now the next batch: c, with both drained members listed for the engine.
@@ -924,7 +923,7 @@ def test_static_batch_fits_every_member_padded(make: Callable[..., Harness]) -> 
     h.add(a, b)
     plan, _ = h.step()
     assert new_rows(plan) == [(1, a.prompt_token_ids, [0], 0, 4)]
-    assert h.s.batch_pending == set() and list(h.s.waiting) == [b]
+    assert h.s.policy.batch_pending == set() and list(h.s.waiting) == [b]
     for _ in range(3):
         plan, _ = h.step()
         assert [r.seq_id for r in plan.requests] == [1]
@@ -950,7 +949,7 @@ def test_static_padding_stops_at_max_model_len(make: Callable[..., Harness]) -> 
     assert running_rows(plan) == [(1, 1, 6, []), (2, 1, 5, [])]
     assert outcome_rows(outcomes) == [(2, 12, None)]
     assert a.num_tokens == 8 and a.status == RequestStatus.FINISHED_LENGTH
-    assert h.s.running == [b] and h.s.padding == {}
+    assert h.s.running == [b] and h.s.policy.padding == {}
     plan, outcomes = h.step()
     assert plan.finished_seq_ids == [1]
     assert running_rows(plan) == [(2, 1, 6, [])]
@@ -993,7 +992,7 @@ def test_static_abort_and_engine_reset_end_the_padding(make: Callable[..., Harne
     h.add(a, b)
     h.step()
     h.step()
-    assert h.s.padding == {1: RequestStatus.FINISHED_LENGTH}
+    assert h.s.policy.padding == {1: RequestStatus.FINISHED_LENGTH}
     h.s.abort(2)  # the last real member: the batch is over
     assert h.s.running == [] and h.s.requests == {}
     assert a.status == RequestStatus.FINISHED_LENGTH

@@ -197,12 +197,12 @@ async def _refused_request() -> None:
     import asyncio
 
     from llmserve.scheduler.engine_loop import SentStep
+    from llmserve.scheduler.scheduler import Scheduler
     from llmserve.scheduler.service import SchedulerService
-    from llmserve.scheduler.static_batching import make_scheduler
 
     service = SchedulerService(SchedulerConfig())
     config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64)
-    service.scheduler = make_scheduler(config, 16, 4, 64, 100, (99,))
+    service.scheduler = Scheduler(config, 16, 4, 64, 100, (99,))
     from llmserve.scheduler.request import Request
 
     good = Request("good", 1, [1, 2], sampling(), 3)

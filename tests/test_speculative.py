@@ -175,10 +175,10 @@ def test_speculation_refused_with_pipeline_stages_and_static_batching() -> None:
         scheduler.set_pipeline_parallel_size(2)
         scheduler.set_num_speculative_tokens(4)
     from llmserve.scheduler.config import SchedulerConfig
-    from llmserve.scheduler.static_batching import make_scheduler
+    from llmserve.scheduler.scheduler import Scheduler
 
     with pytest.raises(ValueError, match="static' does not support speculative decoding"):
-        make_scheduler(
+        Scheduler(
             SchedulerConfig(scheduling_policy="static", max_num_seqs=4, max_num_batched_tokens=8),
             16, 4, 64, VOCAB, (EOS,), num_speculative_tokens=2,
         )  # fmt: skip

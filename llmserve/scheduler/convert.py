@@ -139,9 +139,9 @@ def apply_result(
         list(result.num_draft_tokens) or None,
     )
     if result.received_transfer_ids:
-        scheduler.on_received(list(result.received_transfer_ids))
+        scheduler.handoffs.on_received(list(result.received_transfer_ids))
     if result.failed_transfer_ids:
-        scheduler.fail_transfers("dropped", transfer_ids=list(result.failed_transfer_ids))
+        scheduler.handoffs.fail("dropped", transfer_ids=list(result.failed_transfer_ids))
     return outcomes
 
 

@@ -40,7 +40,6 @@ from llmserve.scheduler.convert import apply_result, plan_to_proto
 from llmserve.scheduler.plan import StepOutcome, StepPlan
 from llmserve.scheduler.request import RequestStatus
 from llmserve.scheduler.scheduler import Scheduler
-from llmserve.scheduler.static_batching import make_scheduler
 from llmserve.scheduler.telemetry import SchedulerTelemetry
 
 log = get_logger("scheduler")
@@ -226,7 +225,7 @@ class EngineLoop:
         self, config: SchedulerConfig, info: engine_pb2.EngineInfo, max_len: int
     ) -> Scheduler:
         """The Scheduler for the engine that connected first (info)."""
-        scheduler = make_scheduler(
+        scheduler = Scheduler(
             config,
             info.num_blocks,
             info.block_size,
@@ -244,7 +243,7 @@ class EngineLoop:
 
     def _adopt_role(self, info: engine_pb2.EngineInfo) -> None:
         """Check the engine's role against the one this link drives (EngineMismatch); the
-        scheduler plans for it (scheduler/disaggregation.py)."""
+        scheduler plans for it (scheduler/handoffs.py)."""
         assert self.scheduler is not None
         role = info.engine_role or "both"
         if role != self.engine_role:

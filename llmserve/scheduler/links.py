@@ -184,7 +184,7 @@ class Roles:
         next plan."""
         prefill = link.scheduler
         assert prefill is not None
-        handoffs = prefill.take_handoffs()
+        handoffs = prefill.handoffs.take()
         if not handoffs:
             return
         up = [d for d in self.up(self.decodes) if self._same_blocks(d, prefill)]
@@ -193,10 +193,12 @@ class Roles:
             decode = chosen.scheduler
             assert decode is not None and chosen.engine_info is not None
             address = chosen.engine_info.kv_transfer_address if chosen in up else ""
-            to_send = decode.receive(request, blocks if address else [], source=link.address)
+            to_send = decode.handoffs.receive(
+                request, blocks if address else [], source=link.address
+            )
             if to_send:
                 transfer_id = decode.transfers.by_seq_id[request.seq_id]
-                prefill.queue_send(transfer_id, to_send, address)
+                prefill.handoffs.queue_send(transfer_id, to_send, address)
             chosen.wakeup.set()
         link.wakeup.set()
 
@@ -237,12 +239,12 @@ class Roles:
         failed = [
             request
             for decode in self._schedulers(self.decodes)
-            for request in decode.fail_transfers("prefill_lost", source=link.address)
+            for request in decode.handoffs.fail("prefill_lost", source=link.address)
         ]
         moved = list(scheduler.waiting)
         for request in moved:
-            scheduler.release(request)
-            self._new_home(request).receive(request, [])
+            scheduler.handoffs.release(request)
+            self._new_home(request).handoffs.receive(request, [])
         if failed or moved:
             log.warning(
                 "prefill engine lost: its requests move to other engines",
@@ -285,8 +287,8 @@ class Roles:
             return  # nobody can take them: they wait for an engine
         moved = list(scheduler.waiting)
         for request in moved:
-            scheduler.release(request)
-            min(targets, key=load).receive(request, [])
+            scheduler.handoffs.release(request)
+            min(targets, key=load).handoffs.receive(request, [])
         log.warning(
             "decode engine lost: its requests move to "
             + ("other decode engines" if others else "the prefill engines, run whole"),

@@ -68,7 +68,7 @@ class StepPlan:
     # plan then goes even with nothing else in it, to ask; scheduler/grammar_wait.py).
     grammar_compiles: list[Request] = field(default_factory=list)
     asks_grammars: bool = False
-    # Disaggregation (scheduler/disaggregation.py): (transfer id, block ids, address) to send,
+    # Disaggregation (scheduler/handoffs.py): (transfer id, block ids, address) to send,
     # (transfer id, block ids) to await, transfer ids given up; whether transfers are awaited
     # (a plan then goes out even with nothing else in it: the engine is polled).
     kv_sends: list[tuple[int, list[int], str]] = field(default_factory=list)

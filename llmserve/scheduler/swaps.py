@@ -1,7 +1,7 @@
-"""KV offload in planning: a waiting request whose cached prefix continues in a lower tier waits
-one plan while its blocks come back (`_start_swap_in`), and swap preemption copies a victim's
-blocks down before anyone reuses them (`_swap_out`). The tiers' index and the copies are
-scheduler/kv_offload.py's; the block manager hands it evicted blocks.
+"""KV offload in planning (`scheduler.swaps`): a waiting request whose cached prefix continues in
+a lower tier waits one plan while its blocks come back (`start_swap_in`), and swap preemption
+copies a victim's blocks down before anyone reuses them (`swap_out`). The tiers' index and the
+copies are scheduler/kv_offload.py's; the block manager hands it evicted blocks.
 
 A swap-in, for the request first in line:
 
@@ -16,19 +16,27 @@ A swap-in, for the request first in line:
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 from llmserve.scheduler.request import Request
-from llmserve.scheduler.state import SchedulerState
 from llmserve.scheduler.transfers import KVMove
 
+if TYPE_CHECKING:
+    from llmserve.scheduler.scheduler import Scheduler
 
-class Offloading(SchedulerState):
-    def _start_swap_in(self, request: Request, cached: list[int]) -> bool:
+
+class Swaps:
+    """Swap-ins and swap-outs of one Scheduler's requests (its block manager's tiers)."""
+
+    def __init__(self, scheduler: Scheduler):
+        self.s = scheduler
+
+    def start_swap_in(self, request: Request, cached: list[int]) -> bool:
         """If request's prefix goes on past its device hits (cached) in a lower tier, bring
         those blocks back (as many as free blocks allow; a block already on the device ends the
         run) and return True: request waits for the next plan. False, changing nothing, when
         there is nothing to bring back."""
-        bm, offload = self.block_manager, self.block_manager.offload
+        bm, offload = self.s.block_manager, self.s.block_manager.offload
         if offload is None:
             return False
         keys = bm.keys_after(request, len(cached))
@@ -47,38 +55,38 @@ class Offloading(SchedulerState):
         request.swap_in_since = request.swap_in_since or time.monotonic()
         return True
 
-    def _release_pins(self) -> bool:
+    def release_pins(self) -> bool:
         """Give back every block pinned for a swap-in (a running request needs blocks: they go
         before anyone is preempted). They stay cached on the device until reused; a request
         that waited for them finds them there, or swaps in again. False if none was pinned."""
-        holders = [h for h in self.block_manager.pins if self.transfers.of(h) is None]
+        holders = [h for h in self.s.block_manager.pins if self.s.transfers.of(h) is None]
         for holder in holders:  # blocks a KV transfer is filling stay pinned
-            self.block_manager.unpin(holder)
+            self.s.block_manager.unpin(holder)
         return bool(holders)
 
-    def _end_swap_in(self, request: Request) -> None:
+    def end_swap_in(self, request: Request) -> None:
         """request was admitted (it holds its blocks) or ended: drop its pins, count its wait."""
-        blocks = len(self.block_manager.pins.get(request.seq_id, []))  # its prefix, held
-        self.block_manager.unpin(request.seq_id)
-        offload = self.block_manager.offload
+        blocks = len(self.s.block_manager.pins.get(request.seq_id, []))  # its prefix, held
+        self.s.block_manager.unpin(request.seq_id)
+        offload = self.s.block_manager.offload
         if request.swap_in_since and offload is not None:
             waited = time.monotonic() - request.swap_in_since
             offload.counters.num_swap_ins += 1
             offload.counters.swap_in_wait_s += waited
-            self.transfers.moves.append(
+            self.s.transfers.moves.append(
                 KVMove("swap_in", request, waited, blocks, blocks * offload.block_bytes)
             )
         request.swap_in_since = 0.0
 
-    def _swap_out(self, request: Request) -> None:
+    def swap_out(self, request: Request) -> None:
         """Swap preemption: copy running request's full blocks of computed tokens down to the
         host tier now (those it holds already cost nothing), before its blocks are freed. The
         KV of tokens planned in steps still in flight is written by those steps, which the
         engine runs before this plan's copies."""
-        offload = self.block_manager.offload
-        if offload is None or self.config.preemption_mode != "swap":
+        offload = self.s.block_manager.offload
+        if offload is None or self.s.config.preemption_mode != "swap":
             return
         num_known = min(request.num_computed_tokens, len(request.token_ids))
-        self.block_manager.cache_full_blocks(request, num_known)
-        for block_id, key in self.block_manager.cached_blocks_of(request):
+        self.s.block_manager.cache_full_blocks(request, num_known)
+        for block_id, key in self.s.block_manager.cached_blocks_of(request):
             offload.store(block_id, key)

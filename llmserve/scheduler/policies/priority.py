@@ -5,7 +5,7 @@ first, vLLM's convention) orders the queue, ties by arrival.
   request keeps its arrival, so it goes before later ones of its priority.
 - Preemption for priority (reason "priority"): a waiting request that finds no seat or no blocks
   preempts running requests of a strictly higher priority value, the highest value first, and of
-  those the latest admitted, until it fits (protected ones are skipped: scheduler.py); and none
+  those the latest admitted, until it fits (protected ones are skipped: policies/base.py); and none
   at all when short of blocks that all of them together do not hold: that would only waste
   their work.
 - Memory preemption (reason "memory"): the running request of the highest priority value, the
@@ -14,22 +14,22 @@ first, vLLM's convention) orders the queue, ties by arrival.
 
 from __future__ import annotations
 
+from llmserve.scheduler.policies.base import Policy
 from llmserve.scheduler.request import Request
-from llmserve.scheduler.scheduler import Scheduler
 
 
-class PriorityScheduler(Scheduler):
+class PriorityPolicy(Policy):
     room_reason = "priority"
 
-    def _next_waiting(self) -> Request:
-        return min(self.waiting, key=lambda r: (r.priority, r.arrival_time, r.seq_id))
+    def next_waiting(self) -> Request:
+        return min(self.s.waiting, key=lambda r: (r.priority, r.arrival_time, r.seq_id))
 
-    def _victim_order(self) -> list[Request]:
+    def victim_order(self) -> list[Request]:
         """Running requests by priority value, highest first; within one, the latest admitted
         first (running is in admission order)."""
-        order = list(enumerate(self.running))
+        order = list(enumerate(self.s.running))
         order.sort(key=lambda ir: (ir[1].priority, ir[0]), reverse=True)
         return [r for _, r in order]
 
-    def _room_candidates(self, request: Request) -> list[Request]:
-        return [r for r in self._victim_order() if r.priority > request.priority]
+    def room_candidates(self, request: Request) -> list[Request]:
+        return [r for r in self.victim_order() if r.priority > request.priority]

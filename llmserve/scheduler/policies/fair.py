@@ -29,34 +29,34 @@ from __future__ import annotations
 
 from collections import Counter
 
+from llmserve.scheduler.policies.base import Policy
 from llmserve.scheduler.request import Request
-from llmserve.scheduler.scheduler import Scheduler
 
 
-class FairScheduler(Scheduler):
+class FairPolicy(Policy):
     room_reason = "fair"
 
-    def _next_waiting(self) -> Request:
+    def next_waiting(self) -> Request:
         """The first waiting request of the waiting tenant with the smallest counter (ties: the
         tenant whose first request is earliest in line)."""
         firsts: dict[str, Request] = {}
-        for request in self.waiting:
+        for request in self.s.waiting:
             firsts.setdefault(request.tenant, request)
-        tenant = min(firsts, key=self.tenants.counter)  # dicts keep line order: ties go first
+        tenant = min(firsts, key=self.s.tenants.counter)  # dicts keep line order: ties go first
         return firsts[tenant]
 
-    def _victim_order(self) -> list[Request]:
+    def victim_order(self) -> list[Request]:
         """Running requests by their tenant's counter, largest first; within it, the latest
         admitted first (running is in admission order)."""
-        order = list(enumerate(self.running))
-        order.sort(key=lambda ir: (self.tenants.counter(ir[1].tenant), ir[0]), reverse=True)
+        order = list(enumerate(self.s.running))
+        order.sort(key=lambda ir: (self.s.tenants.counter(ir[1].tenant), ir[0]), reverse=True)
         return [r for _, r in order]
 
-    def _room_candidates(self, request: Request) -> list[Request]:
-        ledger = self.tenants
+    def room_candidates(self, request: Request) -> list[Request]:
+        ledger = self.s.tenants
         own = ledger[request.tenant]
         cost = max(ledger.prefill_weight * request.num_tokens, ledger.decode_weight) / own.weight
-        seats = Counter(r.tenant for r in self.running)
+        seats = Counter(r.tenant for r in self.s.running)
         own_share = (seats[request.tenant] + 1) / own.weight
 
         def may_lose_a_seat(tenant: str) -> bool:
@@ -65,6 +65,6 @@ class FairScheduler(Scheduler):
 
         return [
             r
-            for r in self._victim_order()
+            for r in self.victim_order()
             if r.tenant != request.tenant and may_lose_a_seat(r.tenant)
         ]
