@@ -110,20 +110,20 @@ def _print_health(h: Any) -> int:
     return 0 if all(c.healthy for c in h.components) else 1
 
 
-class _Admin(GatewayChannel):
+class _Admin:
     """The Admin stub on --address, every call carrying --admin-key."""
 
     def __init__(self, args: argparse.Namespace):
         from llmserve.common.auth import read_secret
         from llmserve.protos import admin_pb2_grpc
 
-        super().__init__(args.address, read_secret(args.admin_key))
-        self.stub = admin_pb2_grpc.AdminStub(self.channel)
+        self.gateway = GatewayChannel(args.address, read_secret(args.admin_key))
+        self.stub = admin_pb2_grpc.AdminStub(self.gateway.channel)
         self.timeout = getattr(args, "timeout", None)
 
     def __call__(self, method: str, request: Any, stream: bool = False) -> Any:
         timeout = None if stream else self.timeout
-        return getattr(self.stub, method)(request, metadata=self.metadata, timeout=timeout)
+        return getattr(self.stub, method)(request, metadata=self.gateway.metadata, timeout=timeout)
 
 
 def _json(message: Any) -> None:
@@ -149,7 +149,7 @@ def _run(args: argparse.Namespace) -> int:
         print(f"error: {err.code().name}: {err.details()}", file=sys.stderr)
         return 1
     finally:
-        admin.channel.close()
+        admin.gateway.close()
 
 
 def _drain(admin: _Admin, args: argparse.Namespace) -> int:

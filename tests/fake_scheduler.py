@@ -227,7 +227,7 @@ class GatewayThread:
         await set_initial_health(core)
         port = listen(server, "gateway", "127.0.0.1", 0, None)
         await server.start()
-        self._tasks.append(asyncio.ensure_future(core.watch_scheduler()))
+        self._tasks.append(asyncio.ensure_future(core.replicas.watch_scheduler()))
         http = None
         if self.config.http_port:
             from llmserve.gateway.http import HttpServer, create_app
@@ -252,7 +252,7 @@ class GatewayThread:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        await self.core.close()
+        await self.core.replicas.close()
 
     def close(self) -> None:
         try:

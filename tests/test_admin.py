@@ -326,12 +326,13 @@ def test_llmserve_admin_dials_like_the_client(
     monkeypatch.delenv("LLMSERVE_ADMIN_KEY", raising=False)
     (tmp_path / "admin.key").write_text("the admin key\n")
     args = build_parser().parse_args(["admin", "health", "--admin-key", f"@{tmp_path}/admin.key"])
-    with _Admin(args) as admin:
-        assert admin.address == f"localhost:{DEFAULT_GATEWAY_PORT}"
-        assert admin.metadata == (("authorization", "Bearer the admin key"),)
+    admin = _Admin(args)
+    with admin.gateway as gateway:
+        assert gateway.address == f"localhost:{DEFAULT_GATEWAY_PORT}"
+        assert gateway.metadata == (("authorization", "Bearer the admin key"),)
         assert admin.timeout == 30.0
     with Client("localhost") as client:
-        assert (client.address, client.metadata) == (admin.address, ())
+        assert (client.address, client.metadata) == (gateway.address, ())
 
 
 # -- the Admin RPCs -------------------------------------------------------------------------------

@@ -30,7 +30,7 @@ def core_with(lora_names: list[str]) -> GatewayCore:
     core.quotas.tenants = core.tenants
     link = ReplicaLink("a:1", None, None)  # type: ignore[arg-type]
     link.stats = scheduler_pb2.SchedulerStats(lora_names=lora_names)
-    core.links = {"a:1": link}
+    core.replicas.links = {"a:1": link}
     return core
 
 
@@ -81,5 +81,5 @@ def test_model_field_names_the_base_or_an_adapter() -> None:
     lenient.config = replace(lenient.config, accept_any_model=True)
     assert lenient.lora_for_model("anything") == ""
     unknown = core_with([])
-    unknown.links["a:1"].stats = None
+    unknown.replicas.links["a:1"].stats = None
     assert unknown.lora_for_model("anything") == ""

@@ -208,16 +208,16 @@ def test_a_replica_serving_something_else_is_refused() -> None:
     info = scheduler_pb2.SchedulerInfo(
         model="m", max_model_len=512, vocab_size=100, block_size=16, num_blocks=8
     )
-    core._adopt_info(ReplicaLink(A, None, None), info)  # type: ignore[arg-type]
-    assert core.router.block_size == 16 and core.limits is not None
-    assert core.limits.kv_capacity_tokens == 128
+    core.replicas._adopt_info(ReplicaLink(A, None, None), info)  # type: ignore[arg-type]
+    assert core.replicas.router.block_size == 16 and core.replicas.limits is not None
+    assert core.replicas.limits.kv_capacity_tokens == 128
     other = scheduler_pb2.SchedulerInfo()
     other.CopyFrom(info)
     other.block_size = 32
     with pytest.raises(ReplicaMismatch, match="block_size=32 at b:1, but 16 at the first replica"):
-        core._adopt_info(ReplicaLink(B, None, None), other)  # type: ignore[arg-type]
+        core.replicas._adopt_info(ReplicaLink(B, None, None), other)  # type: ignore[arg-type]
     other.block_size, other.num_blocks = 16, 4  # a smaller pool is fine
-    core._adopt_info(ReplicaLink(B, None, None), other)  # type: ignore[arg-type]
+    core.replicas._adopt_info(ReplicaLink(B, None, None), other)  # type: ignore[arg-type]
 
 
 def test_ties_go_to_the_replica_holding_fewer_blocks_then_fewer_requests() -> None:

@@ -11,6 +11,7 @@ parts of different types) loads as float and becomes an Int8Linear after (`quant
 
 from __future__ import annotations
 
+import abc
 import functools
 from collections.abc import Mapping
 
@@ -78,15 +79,16 @@ class GGUFEmbedding(nn.Module):
         return out.view(*input_ids.shape, -1)
 
 
-class GGUFBlocks:
+class GGUFBlocks(abc.ABC):
     """What keep_gguf_blocks reads: a GGUF tensor's blocks by HF name, (ggml type, uint8
     [rows, row_bytes]) in the model's row order, or None where it is stored unquantized or in a
     block type the kernel lacks (engine/weights.py's GGUF loader is one)."""
 
+    @abc.abstractmethod
     def holds(self, name: str) -> bool:
         """Whether the file holds this HF tensor (Phi-3's holds qkv_proj, not q_proj)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def blocks(self, name: str) -> tuple[int, torch.Tensor] | None:
         raise NotImplementedError
 

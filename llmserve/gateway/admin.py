@@ -54,7 +54,7 @@ class AdminService(admin_pb2_grpc.AdminServicer):
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT, f"timeout_s={timeout} must be >= 0 (0: none)"
             )
-        self.core.set_draining(True)
+        self.core.replicas.set_draining(True)
         await self._drain_replicas(resume=False)
         start = time.monotonic()
         num_aborted = 0
@@ -74,7 +74,7 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         self, request: admin_pb2.ResumeRequest, context: grpc.aio.ServicerContext
     ) -> admin_pb2.ResumeResponse:
         _logged(context, "Resume", request)
-        self.core.set_draining(False)
+        self.core.replicas.set_draining(False)
         await self._drain_replicas(resume=True)
         return admin_pb2.ResumeResponse()
 
@@ -208,14 +208,14 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         from), and their sums. steps_per_s: over the last STATS_WINDOW_S of its stats."""
         _logged(context, "GetCapacity", request)
         out = admin_pb2.Capacity()
-        for address, link in list(self.core.links.items()):
+        for address, link in list(self.core.replicas.links.items()):
             out.replicas.append(self._replica_capacity(address, link))
         for name in ("num_blocks", "num_free_blocks", "num_running", "num_waiting", "steps_per_s"):
             setattr(out, name, sum(getattr(r, name) for r in out.replicas))
         return out
 
     def _replica_capacity(self, address: str, link: ReplicaLink) -> admin_pb2.ReplicaCapacity:
-        replica = self.core.router.replicas.get(address)
+        replica = self.core.replicas.router.replicas.get(address)
         out = admin_pb2.ReplicaCapacity(
             replica=address, ready=replica is not None and replica.healthy
         )
@@ -240,18 +240,18 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         scheduler's engines too (from its stats' `engines` rows)."""
         _logged(context, "GetHealth", request)
         core = self.core
-        num_ready, num = core.router.num_healthy, len(core.router.replicas)
+        num_ready, num = core.replicas.router.num_healthy, len(core.replicas.router.replicas)
         gateway_detail = f"{num_ready} of {num} replicas ready"
-        if core.draining:
+        if core.replicas.draining:
             gateway_detail = f"draining, {core.num_admitted} in flight; {gateway_detail}"
         out = admin_pb2.Health()
         out.components.add(
             component="gateway",
-            healthy=not core.draining and num_ready > 0,
+            healthy=not core.replicas.draining and num_ready > 0,
             detail=gateway_detail,
         )
-        for address, replica in core.router.replicas.items():
-            link = core.links.get(address)
+        for address, replica in core.replicas.router.replicas.items():
+            link = core.replicas.links.get(address)
             draining = link is not None and link.stats is not None and link.stats.draining
             out.components.add(
                 component=f"scheduler {address}",
@@ -320,7 +320,12 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         _logged(context, "ListTenants", request)
         core = self.core
         names = ["", *sorted(core.tenants.tenants)]
-        seen = {t.tenant for link in core.links.values() if link.stats for t in link.stats.tenants}
+        seen = {
+            t.tenant
+            for link in core.replicas.links.values()
+            if link.stats
+            for t in link.stats.tenants
+        }
         names += sorted((seen | set(core.quotas.usage)) - set(names))
         return admin_pb2.ListTenantsResponse(tenants=[self._config(name) for name in names])
 
@@ -345,11 +350,13 @@ class AdminService(admin_pb2_grpc.AdminServicer):
 
     async def _ask_replicas(self, method: str, request: Message) -> dict[str, Any]:
         """Every replica's answer to method(request), or the exception it raised, by address."""
-        links = list(self.core.links.values())
+        links = list(self.core.replicas.links.values())
 
         async def ask(link: ReplicaLink) -> Any:
             call = getattr(link.stub, method)
-            return await call(request, timeout=REPLICA_TIMEOUT_S, metadata=self.core.peer_metadata)
+            return await call(
+                request, timeout=REPLICA_TIMEOUT_S, metadata=self.core.replicas.peer_metadata
+            )
 
         answers = await asyncio.gather(*(ask(link) for link in links), return_exceptions=True)
         return {link.address: answer for link, answer in zip(links, answers, strict=True)}

@@ -48,9 +48,9 @@ def new_request_id(prefix: str = "req") -> str:
     return f"{prefix}-{uuid.uuid4().hex[:16]}"
 
 
-class GatewayCore(ReplicaLinks):
-    """The replica links (the base class: routing, limits, readiness) and the request path on
-    top of them: validation, admission by tenant, and generation."""
+class GatewayCore:
+    """The request path: validation, admission by tenant, and generation over `replicas` (the
+    links to the scheduler replicas: routing, limits, readiness; gateway/replicas.py)."""
 
     def __init__(
         self,
@@ -61,7 +61,9 @@ class GatewayCore(ReplicaLinks):
     ):
         # What both APIs call the model (the engine's own name for it is only logged).
         names = model_names(config)
-        super().__init__(config, names[0])
+        self.config = config
+        self.model_id = names[0]
+        self.replicas = ReplicaLinks(config, self.model_id)
         self.model_names = frozenset(names)  # the id and its aliases
         self.tokenizer = tokenizer
         # The model's generation_config.json sampling defaults (vLLM applies them too).
@@ -73,23 +75,23 @@ class GatewayCore(ReplicaLinks):
         self.in_flight: set[InFlight] = set()
 
     def model_info(self) -> api_pb2.ModelInfo:
-        if self.info is None:
+        if self.replicas.info is None:
             raise GatewayError(grpc.StatusCode.UNAVAILABLE, "scheduler not connected yet")
         return api_pb2.ModelInfo(
             model=self.model_id,
-            max_model_len=self.info.max_model_len,
-            vocab_size=self.info.vocab_size,
-            eos_token_ids=self.info.eos_token_ids,
+            max_model_len=self.replicas.info.max_model_len,
+            vocab_size=self.replicas.info.vocab_size,
+            eos_token_ids=self.replicas.info.eos_token_ids,
             instance_id=self.config.instance_id,
-            num_replicas=len(self.router.replicas),
-            num_replicas_ready=self.router.num_healthy,
+            num_replicas=len(self.replicas.router.replicas),
+            num_replicas_ready=self.replicas.router.num_healthy,
             lora_names=sorted(self.lora_names),
         )
 
     @property
     def lora_names(self) -> set[str]:
         """The LoRA adapters served: those any replica's scheduler serves (its stats say)."""
-        return {name for link in self.links.values() for name in link.lora_names}
+        return {name for link in self.replicas.links.values() for name in link.lora_names}
 
     def lora_for_model(self, model: str | None) -> str:
         """The adapter an OpenAI `model` names ("": the base model, by its id or an alias, or
@@ -100,7 +102,7 @@ class GatewayCore(ReplicaLinks):
             return model
         if not model or model in self.model_names or self.config.accept_any_model:
             return ""
-        if all(link.stats is None for link in self.links.values()):
+        if all(link.stats is None for link in self.replicas.links.values()):
             return ""  # no scheduler has said what it serves yet: validation answers 503
         raise GatewayError(grpc.StatusCode.NOT_FOUND, self._not_served(model, adapters))
 
@@ -113,13 +115,13 @@ class GatewayCore(ReplicaLinks):
     def validate(self, request: api_pb2.GenerateRequest) -> ValidRequest:
         """The request tokenized, with defaults filled; GatewayError INVALID_ARGUMENT (naming the
         field, value and limit) or UNAVAILABLE (no scheduler yet) otherwise."""
-        if self.limits is None:
+        if self.replicas.limits is None:
             raise GatewayError(grpc.StatusCode.UNAVAILABLE, "scheduler not connected yet")
         name = request.lora_name
         if name and name not in (adapters := self.lora_names):
             raise GatewayError(grpc.StatusCode.NOT_FOUND, self._not_served(name, adapters))
         try:
-            return validate(request, self.tokenizer, self.limits, self.sampling_defaults)
+            return validate(request, self.tokenizer, self.replicas.limits, self.sampling_defaults)
         except ValidationError as err:
             raise GatewayError(grpc.StatusCode.INVALID_ARGUMENT, str(err)) from err
 
@@ -139,7 +141,7 @@ class GatewayCore(ReplicaLinks):
         admission when they end). GatewayError: UNAVAILABLE while draining; RESOURCE_EXHAUSTED
         with retry_after_s over a quota now; INVALID_ARGUMENT for what no quota could ever
         admit. Each refusal is counted by tenant and reason."""
-        if self.draining:
+        if self.replicas.draining:
             self.telemetry.refused(caller.tenant, "draining")
             raise GatewayError(grpc.StatusCode.UNAVAILABLE, DRAINING_MESSAGE)
         limits = self.tenants.limits(caller.tenant)
@@ -197,8 +199,10 @@ class GatewayCore(ReplicaLinks):
         submit.tenant_weight = self.tenants.limits(submit.tenant).weight
         entry = InFlight(request_id, submit.tenant, len(submit.prompt_token_ids), time.monotonic())
         self.in_flight.add(entry)
-        metadata = (*self.peer_metadata, *trace.metadata())
-        messages = routed_messages(self.router, self.links, submit, metadata, entry)
+        metadata = (*self.replicas.peer_metadata, *trace.metadata())
+        messages = routed_messages(
+            self.replicas.router, self.replicas.links, submit, metadata, entry
+        )
         try:
             async for msg in stream_text(self.tokenizer, request_id, valid, messages, entry):
                 trace.on_response(msg)

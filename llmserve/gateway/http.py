@@ -226,7 +226,9 @@ async def generate_response(
         try:
             # On a worker thread: a long prompt or chat takes a while to render and tokenize.
             valids = await asyncio.to_thread(lambda: [core.validate(r) for r in requests()])
-            check_queue(body.n, len(valids), core.limits.max_waiting if core.limits else 0)
+            check_queue(
+                body.n, len(valids), core.replicas.limits.max_waiting if core.replicas.limits else 0
+            )
             caller = core.caller(presented_key(request), body.user or "")
             bind(tenant=display_name(caller.tenant), key=caller.key_name)
             admission = core.admit(caller, valids, body.n)
@@ -297,7 +299,7 @@ def create_app(core: GatewayCore) -> FastAPI:
 
     @app.get("/ready")
     async def ready() -> Response:
-        if core.serving:
+        if core.replicas.serving:
             return Response('{"status":"ready"}', media_type="application/json")
         error = GatewayError(
             grpc.StatusCode.UNAVAILABLE, "not ready: the scheduler is not serving yet"

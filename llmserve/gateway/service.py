@@ -143,15 +143,15 @@ def make_server(core: GatewayCore) -> grpc.aio.Server:
     options = [o for o in SERVER_OPTIONS if o[0] != limit] + [(limit, config.max_request_bytes)]
     server = grpc.aio.server(options=options, interceptors=interceptors)
     add_servicer(api_pb2_grpc.add_GenerationServicer_to_server, GatewayService(core), server)
-    add_servicer(health_pb2_grpc.add_HealthServicer_to_server, core.health, server)
+    add_servicer(health_pb2_grpc.add_HealthServicer_to_server, core.replicas.health, server)
     add_servicer(admin_pb2_grpc.add_AdminServicer_to_server, AdminService(core), server)
     return server
 
 
 async def set_initial_health(core: GatewayCore) -> None:
     """Alive, not ready: readiness waits for a replica (gateway/replicas.py)."""
-    await core.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
-    await core.health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
+    await core.replicas.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+    await core.replicas.health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
 
 
 async def serve(config: GatewayConfig, tenants: TenantTable | None = None) -> None:
@@ -169,12 +169,12 @@ async def serve(config: GatewayConfig, tenants: TenantTable | None = None) -> No
         http = HttpServer(create_app(core), config.host, config.http_port)
 
     async def start() -> None:
-        await asyncio.gather(core.watch_scheduler(), *([http.serve()] if http else []))
+        await asyncio.gather(core.replicas.watch_scheduler(), *([http.serve()] if http else []))
 
     async def stop() -> None:
-        await core.health.enter_graceful_shutdown()
+        await core.replicas.health.enter_graceful_shutdown()
         if http is not None:
             await http.shutdown()
 
     await serve_aio(server, "gateway", config.host, config.port, start, stop)
-    await core.close()
+    await core.replicas.close()

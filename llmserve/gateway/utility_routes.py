@@ -69,12 +69,16 @@ def add_utility_routes(app: FastAPI, core: GatewayCore) -> None:
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
         field = "messages" if body.messages is not None and body.prompt is None else "prompt"
         with as_api_errors(field):
-            if core.limits is None or core.info is None:
+            if core.replicas.limits is None or core.replicas.info is None:
                 raise GatewayError(grpc.StatusCode.UNAVAILABLE, "scheduler not connected yet")
             req = _request(body)
             # a long prompt takes a while to tokenize: off the event loop
-            ids = await asyncio.to_thread(prompt_token_ids, req, core.tokenizer, core.limits)
-        return TokenizeResponse(count=len(ids), max_model_len=core.info.max_model_len, tokens=ids)
+            ids = await asyncio.to_thread(
+                prompt_token_ids, req, core.tokenizer, core.replicas.limits
+            )
+        return TokenizeResponse(
+            count=len(ids), max_model_len=core.replicas.info.max_model_len, tokens=ids
+        )
 
     @app.post("/detokenize", response_model=DetokenizeResponse, responses=ERRORS)
     async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:

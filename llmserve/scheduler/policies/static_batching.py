@@ -20,13 +20,19 @@ from __future__ import annotations
 import itertools
 import time
 
-from llmserve.scheduler.policies.base import FcfsPolicy
+from llmserve.scheduler.policies.base import Policy
 from llmserve.scheduler.request import Request, RequestStatus
 
 
-class StaticBatching(FcfsPolicy):
+class StaticBatching(Policy):
     """Batches formed when nothing runs; finished members run on as padding (module docstring).
     Arrival order and preemption as fcfs."""
+
+    def next_waiting(self) -> Request:
+        return self.s.waiting[0]
+
+    def victim_order(self) -> list[Request]:
+        return self.s.running[::-1]
 
     def __init__(self) -> None:
         # Members of the current batch not yet admitted, and members that finished but still
