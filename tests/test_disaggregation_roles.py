@@ -1,4 +1,4 @@
-"""N prefill and M decode engines under one scheduler service (scheduler/links.py), torch-free:
+"""N prefill and M decode engines under one scheduler service (scheduler/roles.py), torch-free:
 a real SchedulerService whose engine links are connected by hand (their EngineInfo adopted,
 their results applied as a fake engine's) instead of over gRPC. Which prefill engine a prompt
 goes to, which decode engine its KV moves to (prefix affinity, then load), the transfer ids
@@ -11,9 +11,9 @@ import pytest
 
 from llmserve.protos import engine_pb2
 from llmserve.scheduler.config import SchedulerConfig
-from llmserve.scheduler.engine_loop import EngineLoop
-from llmserve.scheduler.links import AFFINITY_SLACK, TRANSFER_ID_SHIFT
+from llmserve.scheduler.engine_link import EngineLink
 from llmserve.scheduler.request import Request
+from llmserve.scheduler.roles import AFFINITY_SLACK, TRANSFER_ID_SHIFT
 from llmserve.scheduler.scheduler import Scheduler
 from llmserve.scheduler.service import SchedulerService
 from tests.factories import sampling
@@ -24,7 +24,7 @@ PREFILLS = ("127.0.0.1:2001", "127.0.0.1:2002")
 
 
 def connect(
-    link: EngineLoop, role: str, num_blocks: int = 32, num_host_blocks: int = 0
+    link: EngineLink, role: str, num_blocks: int = 32, num_host_blocks: int = 0
 ) -> Scheduler:
     """What the engine loop does on connecting: adopt the engine's info; the stream is open."""
     transfer_address = f"kv-{link.address}" if role == "decode" else ""
@@ -52,12 +52,12 @@ def service() -> SchedulerService:
     return s
 
 
-def links(service: SchedulerService) -> tuple[list[EngineLoop], list[EngineLoop]]:
+def links(service: SchedulerService) -> tuple[list[EngineLink], list[EngineLink]]:
     assert service.roles is not None
     return service.roles.prefills, service.roles.decodes
 
 
-def sched(link: EngineLoop) -> Scheduler:
+def sched(link: EngineLink) -> Scheduler:
     assert link.scheduler is not None
     return link.scheduler
 
@@ -73,18 +73,18 @@ def submit(service: SchedulerService, req: Request) -> Scheduler:
     return target
 
 
-def step(link: EngineLoop, token: int = 7, received: list[int] | None = None) -> None:
+def step(link: EngineLink, token: int = 7, received: list[int] | None = None) -> None:
     """One step of link's engine: plan, a fake result, and what the engine loop does after."""
     s = sched(link)
     plan = s.schedule()
     s.update(plan, [token if row.samples else -1 for row in plan.rows])
     if received:
         s.handoffs.on_received(received)
-    link._after_result()
+    link.events.result_applied(link)
     s.check_integrity()
 
 
-def run_prompts(prefill: EngineLoop) -> None:
+def run_prompts(prefill: EngineLink) -> None:
     while sched(prefill).running or sched(prefill).waiting:
         step(prefill)
 
@@ -173,7 +173,7 @@ def test_a_prefill_engine_lost_gives_up_its_transfers_and_moves_its_queue(
     # p0's engine is lost: what the engine loop does.
     p0.ready = False
     sched(p0).reset_engine()
-    p0._after_reset()
+    p0.events.engine_lost(p0)
     failed = sum(sched(d).transfers.counters.num_failed["prefill_lost"] for d in decodes)
     assert failed == 1  # a's only: b's comes from p1
     assert waiting in sched(p1).requests.values() and not sched(p0).requests
@@ -197,7 +197,7 @@ def test_a_decode_engine_lost_moves_its_requests_to_the_other(service: Scheduler
     assert held
     lost.ready = False
     sched(lost).reset_engine()
-    lost._after_reset()
+    lost.events.engine_lost(lost)
     assert not sched(lost).requests and all(r in sched(other).requests.values() for r in held)
     # New handoffs skip it while it is down.
     late = request(9, list(range(200, 209)))
@@ -217,7 +217,7 @@ def test_every_decode_engine_lost_the_prefill_engines_run_requests_whole(
     for d in decodes:
         d.ready = False
         sched(d).reset_engine()
-        d._after_reset()
+        d.events.engine_lost(d)
     assert all(sched(p).transfers.role == "both" for p in prefills)
     req = request(1, list(range(10, 19)))
     submit(service, req)
@@ -239,7 +239,7 @@ def test_a_request_with_tokens_from_a_lost_prefill_engine_moves_to_a_decode_engi
     for d in decodes:
         d.ready = False
         sched(d).reset_engine()
-        d._after_reset()
+        d.events.engine_lost(d)
     req = request(1, list(range(10, 19)), max_tokens=6)
     home = next(p for p in prefills if sched(p) is submit(service, req))
     while req.num_output_tokens < 2:
@@ -247,7 +247,7 @@ def test_a_request_with_tokens_from_a_lost_prefill_engine_moves_to_a_decode_engi
     connect(decodes[0], "decode")  # back: prompts hand off again
     home.ready = False
     sched(home).reset_engine()
-    home._after_reset()
+    home.events.engine_lost(home)
     assert req.seq_id in sched(decodes[0]).requests
     assert all(req.seq_id not in sched(p).requests for p in prefills)
     finish_all(service)
@@ -310,7 +310,7 @@ def test_serving_once_every_engine_has_been_up() -> None:
     service = SchedulerService(config)
     prefills, decodes = links(service)
     for link in [*decodes, prefills[0]]:
-        connect(link, link.engine_role)
+        connect(link, link.role)
     assert not service.serving
     connect(prefills[1], "prefill")
     assert service.serving

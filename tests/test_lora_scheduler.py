@@ -9,8 +9,8 @@ import itertools
 
 import pytest
 
+from llmserve.scheduler.admission import AdmissionError
 from llmserve.scheduler.plan import StepPlan
-from llmserve.scheduler.scheduler import AdmissionError
 from tests.test_scheduler import BS, Harness, make_request
 
 
@@ -211,9 +211,8 @@ def test_load_lora_refusals_come_before_any_engine_reads_the_adapter() -> None:
     from llmserve.scheduler.config import SchedulerConfig
     from llmserve.scheduler.service import SchedulerService
 
-    service = object.__new__(SchedulerService)  # its LoadLora checks alone, no server
+    service = SchedulerService(SchedulerConfig(max_registered_loras=1))  # no server, no engine
     service.scheduler = harness(2, ["x"]).s
-    service.config = SchedulerConfig(max_registered_loras=1)
     assert service._refuse_lora(Load(lora_name="x", path="/adapters/x")) is None  # again: fine
     code, message = service._refuse_lora(Load(lora_name="x", path="/other"))
     assert code == grpc.StatusCode.ALREADY_EXISTS and "from /adapters/x; set replace" in message

@@ -16,11 +16,12 @@ import pytest
 from llmserve.engine.convert import plan_from_proto
 from llmserve.engine.mirror import Mirror
 from llmserve.protos import engine_pb2
+from llmserve.scheduler.admission import AdmissionError
 from llmserve.scheduler.config import SchedulerConfig
 from llmserve.scheduler.convert import plan_to_proto
 from llmserve.scheduler.plan import StepOutcome, StepPlan
 from llmserve.scheduler.request import Request, RequestStatus
-from llmserve.scheduler.scheduler import AdmissionError, Scheduler
+from llmserve.scheduler.scheduler import Scheduler
 from tests.factories import sampling
 
 BS = 4
@@ -1418,7 +1419,7 @@ def test_pipeline_size_comes_from_the_engine_info() -> None:
 async def _adopt_pipeline_sizes() -> None:
     from llmserve.engine.contract import EngineInfo
     from llmserve.engine.convert import info_to_proto
-    from llmserve.scheduler.engine_loop import EngineMismatch
+    from llmserve.scheduler.engine_link import EngineMismatch
     from llmserve.scheduler.service import SchedulerService
 
     def info(**sizes: int) -> engine_pb2.EngineInfo:
@@ -1429,16 +1430,16 @@ async def _adopt_pipeline_sizes() -> None:
     old = info()
     old.pipeline_parallel_size = 0
     service = SchedulerService(SchedulerConfig())
-    service._on_engine_info(old)
+    service.link._on_engine_info(old)
     assert service.scheduler is not None and service.scheduler.pipeline_parallel_size == 1
     service.scheduler.reset_engine()
     new = info(tensor_parallel_size=2, pipeline_parallel_size=3)
     assert (new.tensor_parallel_size, new.pipeline_parallel_size) == (2, 3)
-    service._on_engine_info(new)
+    service.link._on_engine_info(new)
     assert service.scheduler.pipeline_parallel_size == 3
     static = SchedulerService(SchedulerConfig(scheduling_policy="static"))
     with pytest.raises(EngineMismatch, match="engine's pipeline_parallel_size=2"):
-        static._on_engine_info(info(pipeline_parallel_size=2))
+        static.link._on_engine_info(info(pipeline_parallel_size=2))
 
 
 @pytest.mark.parametrize("seed", range(20))

@@ -196,7 +196,7 @@ def test_the_scheduler_fails_a_refused_request_with_its_reason() -> None:
 async def _refused_request() -> None:
     import asyncio
 
-    from llmserve.scheduler.engine_loop import SentStep
+    from llmserve.scheduler.engine_link import SentStep
     from llmserve.scheduler.scheduler import Scheduler
     from llmserve.scheduler.service import SchedulerService
 
@@ -219,7 +219,7 @@ async def _refused_request() -> None:
                 refusal_reasons=["token id 500 is outside the vocabulary [0, 100)"],
             )  # fmt: skip
 
-    await service._read_result(service.scheduler, Call(), SentStep(plan, 0.0, 0.0))
+    await service.link._read_result(service.scheduler, Call(), SentStep(plan, 0.0, 0.0))
     outcome = service.streams[2].get_nowait()
     assert outcome.error == "token id 500 is outside the vocabulary [0, 100)"
     assert service.streams[1].get_nowait().token_id == 7

@@ -27,6 +27,7 @@ from llmserve.scheduler.admin import (
     request_rows,
     tenant_rows,
 )
+from llmserve.scheduler.admission import check_admissible
 from llmserve.scheduler.block_manager import BlockManager
 from llmserve.scheduler.config import SchedulerConfig
 from llmserve.scheduler.grammar_wait import GrammarWait
@@ -48,15 +49,6 @@ from llmserve.scheduler.speculation import SpeculationPolicy
 from llmserve.scheduler.swaps import Swaps
 from llmserve.scheduler.tenants import TenantLedger
 from llmserve.scheduler.transfers import TransferTable
-
-
-class AdmissionError(Exception):
-    """A request refused at admission. `code` is a gRPC status name."""
-
-    def __init__(self, code: str, message: str):
-        super().__init__(message)
-        self.code = code
-        self.message = message
 
 
 class Scheduler:
@@ -83,12 +75,10 @@ class Scheduler:
         kv_block_bytes: int = 0,
         policy: Policy | None = None,
     ):
-        """policy: the scheduling policy (default: config.policy's). num_speculative_tokens:
-        the most tokens the engine proposes per request and step (speculative decoding; 0:
-        none). With it, plan one step at a time (no overlap: a step's
-        number of tokens per request is known only from its result). num_host_blocks,
-        num_disk_blocks: the engine's KV offload tiers (0: none; scheduler/kv_offload.py), of
-        blocks of kv_block_bytes each."""
+        """policy: default config.policy's. num_speculative_tokens: the most tokens the engine
+        proposes per request and step (0: none; with it, one step at a time: a step's tokens
+        per request are known only from its result). num_host_blocks, num_disk_blocks: the
+        engine's KV offload tiers (0: none; kv_offload.py), of kv_block_bytes each."""
         assert config.max_num_seqs > 0 and config.max_num_batched_tokens > 0, (
             "a scheduler needs its step limits: SchedulerConfig.adopt the engine's first"
         )
@@ -233,54 +223,9 @@ class Scheduler:
     # -- admission ------------------------------------------------------------------------------
 
     def check_admissible(self, request: Request) -> None:
-        """Raise AdmissionError if request can never run or the queue is full. Changes nothing."""
-        num_prompt = request.num_prompt_tokens
-        if num_prompt == 0:
-            raise AdmissionError("INVALID_ARGUMENT", "prompt_token_ids is empty")
-        for name, ids in (
-            ("prompt_token_ids", request.prompt_token_ids),
-            ("stop_token_ids", sorted(request.stop_token_ids)),
-        ):
-            bad = [t for t in ids if not 0 <= t < self.vocab_size]
-            if bad:
-                raise AdmissionError(
-                    "INVALID_ARGUMENT",
-                    f"{name} contains {bad[0]}, outside the vocabulary [0, {self.vocab_size})",
-                )
-        if request.max_tokens < 1:
-            raise AdmissionError(
-                "INVALID_ARGUMENT", f"max_tokens={request.max_tokens} must be >= 1"
-            )
-        total = num_prompt + request.max_tokens
-        what = f"prompt ({num_prompt} tokens) + max_tokens ({request.max_tokens}) = {total}"
-        if total > self.max_model_len:
-            raise AdmissionError(
-                "INVALID_ARGUMENT", f"{what} exceeds max_model_len={self.max_model_len}"
-            )
-        capacity = self.block_manager.num_blocks * self.block_size
-        if total > capacity:
-            raise AdmissionError(
-                "INVALID_ARGUMENT",
-                f"{what} exceeds the KV cache's capacity of {capacity} tokens "
-                f"({self.block_manager.num_blocks} blocks x {self.block_size})",
-            )
-        self._check_lora(request)
-        if self.num_waiting >= self.config.max_waiting:
-            raise AdmissionError(
-                "RESOURCE_EXHAUSTED",
-                f"queue full: {self.num_waiting} requests waiting (max_waiting="
-                f"{self.config.max_waiting}); retry after a short delay",
-            )
-
-    def _check_lora(self, request: Request) -> None:
-        """NOT_FOUND for an adapter that is not registered (or was unloaded)."""
-        name = request.lora_name
-        if name and not self.loras.is_servable(name):
-            known = sorted(n for n in self.loras.paths if self.loras.is_servable(n))
-            listed = ", ".join(known[:10]) + (f", and {len(known) - 10} more" * (len(known) > 10))
-            raise AdmissionError(
-                "NOT_FOUND", f"adapter {name!r} is not loaded (adapters: {listed or 'none'})"
-            )
+        """Raise AdmissionError if request can never run or the queue is full (admission.py).
+        Changes nothing."""
+        check_admissible(self, request)
 
     def add(self, request: Request) -> None:
         """Queue request (after check_admissible). It runs from a later `schedule`."""

@@ -1,5 +1,6 @@
-"""The scheduler's gRPC service: Submit streams and the admin RPCs for the gateway; the engine
-connection and the step loop that drives the engine are its other half (scheduler/engine_loop.py).
+"""The scheduler's gRPC service: Submit streams and the admin RPCs for the gateway, over its
+engine links (`links`: one EngineLink per engine, scheduler/engine_link.py; under prefill /
+decode disaggregation `roles` holds them by role, scheduler/roles.py).
 
 Everything runs on one asyncio loop, so the Scheduler is only touched between awaits: a Submit or a
 cancellation can land while a step is in flight, and `update` copes (it skips requests that ended
@@ -17,13 +18,14 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from llmserve.common.auth import peer_interceptors
 from llmserve.common.log import bind, get_logger
 from llmserve.common.net import LIVENESS_SERVICE, SERVER_OPTIONS, add_servicer, serve_aio
 from llmserve.common.sampling import SamplingError
 from llmserve.protos import scheduler_pb2, scheduler_pb2_grpc
+from llmserve.scheduler.admission import AdmissionError
 from llmserve.scheduler.config import SchedulerConfig
 from llmserve.scheduler.convert import (
     request_from_proto,
@@ -31,12 +33,12 @@ from llmserve.scheduler.convert import (
     response_to_proto,
     stats_to_proto,
 )
-from llmserve.scheduler.engine_loop import EngineLoop
-from llmserve.scheduler.links import Roles, is_up
+from llmserve.scheduler.engine_link import EngineLink, deliver
 from llmserve.scheduler.lora import check_lora_name
 from llmserve.scheduler.plan import StepOutcome
 from llmserve.scheduler.request import Request, RequestStatus
-from llmserve.scheduler.scheduler import AdmissionError, Scheduler
+from llmserve.scheduler.roles import Roles
+from llmserve.scheduler.scheduler import Scheduler
 from llmserve.scheduler.telemetry import SchedulerTelemetry
 
 log = get_logger("scheduler")
@@ -45,57 +47,84 @@ DEFAULT_STATS_INTERVAL_MS = 250  # WatchStats' period when the caller asks for n
 MIN_STATS_INTERVAL_MS = 10
 
 
-class SchedulerService(EngineLoop, scheduler_pb2_grpc.SchedulerServicer):
+class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     def __init__(self, config: SchedulerConfig):
-        self._init_loop(config, config.engine_address[0], {}, SchedulerTelemetry(self.stats))
+        self.config = config
+        self.streams: dict[int, asyncio.Queue[StepOutcome]] = {}  # one per request
+        self.telemetry = SchedulerTelemetry(self.stats)
         self.seq_ids = itertools.count(1)
-        # Disaggregation: the prefill engines and the decode engines beyond the first (this
-        # service's own loop drives the first decode engine), each link with its Scheduler.
-        self.roles = Roles(self) if config.prefill_engine_address else None
+        # Drain: admit nothing new (Submit: UNAVAILABLE, readiness NOT_SERVING); the rest goes on.
+        self.draining = False
+        self.stopping = False
+        self.health = health.aio.HealthServicer()
+        self._health_update: asyncio.Future[None] | None = None
+        role = "decode" if config.prefill_engine_address else "both"
+        first = EngineLink(
+            config, role, config.engine_address[0], self.streams, self.telemetry, self
+        )
+        # Disaggregated: the prefill engines and the decode engines, by role (the first decode
+        # engine's link is `link`, whose Scheduler GetInfo describes).
+        self.roles = Roles(first, self) if config.prefill_engine_address else None
+        self.links: list[EngineLink] = self.roles.links if self.roles is not None else [first]
+        self.link = first
 
-    def links(self) -> list[EngineLoop]:
-        """Every engine's loop: this service's own first (disaggregated, the first decode
-        engine's), then the others (scheduler/links.py)."""
-        return self.roles.links if self.roles is not None else [self]
+    @property
+    def scheduler(self) -> Scheduler | None:
+        """The first (or only) engine's Scheduler."""
+        return self.link.scheduler
+
+    @scheduler.setter
+    def scheduler(self, scheduler: Scheduler | None) -> None:
+        self.link.scheduler = scheduler
 
     def schedulers(self) -> list[Scheduler]:
         """The Schedulers holding requests: every engine's (the first decode or only engine's
         first)."""
-        return [link.scheduler for link in self.links() if link.scheduler is not None]
+        return [link.scheduler for link in self.links if link.scheduler is not None]
 
     def _wake(self) -> None:
-        self.wakeup.set()
-        if self.roles is not None:
-            self.roles.wake()
+        for link in self.links:
+            link.wakeup.set()
 
     async def run_engine_loop(self) -> None:
-        """Drive the engine (and, disaggregated, every other engine alongside)."""
-        if self.roles is None:
-            await super().run_engine_loop()
-            return
-        others = [link.run_engine_loop() for link in self.roles.links if link is not self]
-        await asyncio.gather(super().run_engine_loop(), *others)
+        """Drive every engine."""
+        await asyncio.gather(*(link.run() for link in self.links))
 
     @property
     def serving(self) -> bool:
-        """EngineLoop.serving. Disaggregated: every engine has been up once, and one is up
-        (while some are lost, the others take their requests: scheduler/links.py)."""
+        """Whether to take new requests (stats' `ready`, readiness): not draining, and the
+        engine up (its Step stream open, answering its heartbeat). Disaggregated: every engine
+        has been up once, and one is up (while some are lost, the others take their requests:
+        scheduler/roles.py)."""
+        if self.draining:
+            return False
         if self.roles is None:
-            return super().serving
-        return not self.draining and self.roles.connected() and self.roles.any_up()
+            return self.link.ready and self.link.engine_responding
+        return self.roles.connected() and self.roles.any_up()
 
-    # Disaggregated, the service's own loop is the first decode engine's (scheduler/links.py).
-    def _first_ids(self, scheduler: Scheduler) -> None:
-        if self.roles is not None:
-            self.roles.first_ids(self, scheduler)
+    # -- what the links report (LinkEvents) -----------------------------------------------------
 
-    def _engine_back(self) -> None:
-        if self.roles is not None:
-            self.roles.back(self)
+    def scheduler_made(self, link: EngineLink, scheduler: Scheduler) -> None:
+        if self.roles is not None:  # each engine's steps and transfers numbered apart
+            self.roles.first_ids(link, scheduler)
 
-    def _after_reset(self) -> None:
+    def engine_up(self, link: EngineLink) -> None:
         if self.roles is not None:
-            self.roles.lost(self)
+            self.roles.back(link)
+
+    def result_applied(self, link: EngineLink) -> None:
+        if self.roles is not None and link.role == "prefill":
+            self.roles.hand_off(link)
+
+    def engine_lost(self, link: EngineLink) -> None:
+        if self.roles is not None:  # its requests move to other engines
+            self.roles.lost(link)
+
+    def health_changed(self) -> None:
+        """SERVING while `serving`."""
+        response = health_pb2.HealthCheckResponse
+        status = response.SERVING if self.serving else response.NOT_SERVING
+        self._health_update = asyncio.ensure_future(self.health.set("", status))
 
     # -- gateway-facing RPCs ------------------------------------------------------------------
 
@@ -143,7 +172,7 @@ class SchedulerService(EngineLoop, scheduler_pb2_grpc.SchedulerServicer):
         """The Scheduler a new request starts on (None: no engine takes requests now)."""
         if self.roles is not None:
             return self.roles.submit_target()
-        return self.scheduler if self.ready else None
+        return self.scheduler if self.link.ready else None
 
     def _end_stream(self, req: Request, finished: RequestStatus | None) -> None:
         self.streams.pop(req.seq_id, None)
@@ -167,12 +196,13 @@ class SchedulerService(EngineLoop, scheduler_pb2_grpc.SchedulerServicer):
     async def GetInfo(
         self, request: scheduler_pb2.GetInfoRequest, context: grpc.aio.ServicerContext
     ) -> scheduler_pb2.SchedulerInfo:
-        if self.scheduler is None or self.engine_info is None:
+        info = self.link.engine_info
+        if self.scheduler is None or info is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "engine not connected yet")
-        assert self.scheduler is not None and self.engine_info is not None
+        assert self.scheduler is not None and info is not None
         s = self.scheduler
         return scheduler_pb2.SchedulerInfo(
-            model=self.engine_info.model,
+            model=info.model,
             max_model_len=s.max_model_len,
             vocab_size=s.vocab_size,
             eos_token_ids=sorted(s.eos_token_ids),
@@ -186,7 +216,8 @@ class SchedulerService(EngineLoop, scheduler_pb2_grpc.SchedulerServicer):
 
     def stats(self) -> dict[str, Any]:
         """One snapshot of every count and gauge: GetStats and the metrics both read it."""
-        snapshot: dict[str, Any] = {"num_engine_resets": self.num_engine_resets, **vars(self.times)}
+        link = self.link
+        snapshot: dict[str, Any] = {"num_engine_resets": link.num_engine_resets, **vars(link.times)}
         s = self.scheduler
         if s is not None:
             snapshot.update(vars(s.counters))
@@ -237,8 +268,8 @@ class SchedulerService(EngineLoop, scheduler_pb2_grpc.SchedulerServicer):
             snapshot["num_blocks"] += d.block_manager.num_blocks
             _add_counters(snapshot, vars(d.counters))
         snapshot["num_waiting"] += snapshot["num_transferring"]
-        snapshot["decode_ready"] = any(is_up(d) for d in self.roles.decodes)
-        snapshot["prefill_ready"] = any(is_up(p) for p in self.roles.prefills)
+        snapshot["decode_ready"] = any(d.up for d in self.roles.decodes)
+        snapshot["prefill_ready"] = any(p.up for p in self.roles.prefills)
         snapshot["num_engine_resets"] = sum(link.num_engine_resets for link in self.roles.links)
         snapshot["engines"] = [self._engine_row(link) for link in self.roles.links]
         if not prefills:
@@ -258,10 +289,10 @@ class SchedulerService(EngineLoop, scheduler_pb2_grpc.SchedulerServicer):
             _add_counters(snapshot, vars(p.counters))
 
     @staticmethod
-    def _engine_row(link: EngineLoop) -> dict[str, Any]:
+    def _engine_row(link: EngineLink) -> dict[str, Any]:
         s = link.scheduler
-        row: dict[str, Any] = {"address": link.address, "role": link.engine_role}
-        row["ready"] = is_up(link)
+        row: dict[str, Any] = {"address": link.address, "role": link.role}
+        row["ready"] = link.up
         if s is not None:
             row.update(
                 num_running=len(s.running),
@@ -305,7 +336,7 @@ class SchedulerService(EngineLoop, scheduler_pb2_grpc.SchedulerServicer):
         """Have the engine check the adapter, then serve it (scheduler/lora.py). Disaggregated:
         every engine connected checks it, and every engine's Scheduler serves it (one down
         loads it from its path when a step places it)."""
-        if self.scheduler is None or self.engine_stub is None:
+        if self.scheduler is None or self.link.engine_stub is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "engine not connected yet")
         assert self.scheduler is not None
         if not self.scheduler.loras.max_loras:
@@ -316,8 +347,8 @@ class SchedulerService(EngineLoop, scheduler_pb2_grpc.SchedulerServicer):
         why = self._refuse_lora(request)
         if why is not None:
             await context.abort(*why)
-        links = self.links()
-        up = [link for link in links if link.engine_stub is not None and is_up(link)]
+        links = self.links
+        up = [link for link in links if link.engine_stub is not None and link.up]
         if not up:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "no engine up to check it; retry")
         name, path, replace = request.lora_name, request.path, request.replace
@@ -385,7 +416,7 @@ class SchedulerService(EngineLoop, scheduler_pb2_grpc.SchedulerServicer):
         found = [(s, r) for s in self.schedulers() for r in s.find(request.request_id)]
         for scheduler, req in found:
             scheduler.abort(req.seq_id)
-            self._deliver(StepOutcome(req, None, None, RequestStatus.FINISHED_ABORTED))
+            deliver(self.streams, StepOutcome(req, None, None, RequestStatus.FINISHED_ABORTED))
             log.info(
                 "request aborted by an operator",
                 request_id=req.request_id,
@@ -407,19 +438,21 @@ class SchedulerService(EngineLoop, scheduler_pb2_grpc.SchedulerServicer):
                 num_running=len(s.running) if s else 0,
                 num_waiting=s.num_waiting if s else 0,
             )
-            self._update_health()
+            self.health_changed()
         return scheduler_pb2.DrainResponse(draining=self.draining)
 
     async def shutdown(self) -> None:
         """Stop stepping; end every open stream with finish reason ABORT."""
-        for link in self.links():  # this service's own loop among them
+        self.stopping = True
+        for link in self.links:
             link.stopping = True
         self._wake()
         for scheduler in self.schedulers():
             for seq_id in list(scheduler.requests):
                 request = scheduler.abort(seq_id)
                 if request is not None:
-                    self._deliver(StepOutcome(request, None, None, RequestStatus.FINISHED_ABORTED))
+                    outcome = StepOutcome(request, None, None, RequestStatus.FINISHED_ABORTED)
+                    deliver(self.streams, outcome)
 
 
 def _summed(values: list[Any]) -> Any:

@@ -1,8 +1,8 @@
 """The scheduler service's engines under prefill / decode disaggregation (docs/disaggregation.md):
-N prefill engines and M decode engines, each driven by its own engine loop with its own Scheduler
-over that engine's pool, all on the service's one asyncio loop. The service's own loop drives
-the first decode engine; an EngineLink drives each other engine. `Roles` makes the decisions
-that span engines, each between two awaits, with no agreement to reach between owners:
+N prefill engines and M decode engines, each driven by its own EngineLink with its own Scheduler
+over that engine's pool, all on the service's one asyncio loop. `Roles` holds the links by role
+and makes the decisions that span engines, each between two awaits, with no agreement to reach
+between owners:
 
 - a new request's prompt goes to the prefill engine with the fewest prompt tokens queued;
 - a request whose first token came leaves its prefill engine for a decode engine: the one
@@ -24,10 +24,9 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from typing import Any
 
 from llmserve.common.log import get_logger
-from llmserve.scheduler.engine_loop import EngineLoop
+from llmserve.scheduler.engine_link import EngineLink, LinkEvents
 from llmserve.scheduler.request import Request
 from llmserve.scheduler.scheduler import Scheduler
 
@@ -41,11 +40,6 @@ TRANSFER_ID_SHIFT = 32
 # A request's prefix affinity yields to load when its decode engine holds more than this many
 # requests beyond the least busy one.
 AFFINITY_SLACK = 4
-
-
-def is_up(link: EngineLoop) -> bool:
-    """Whether link's engine takes work now: connected, its Step stream open, answering."""
-    return link.scheduler is not None and link.ready and link.engine_responding
 
 
 def load(scheduler: Scheduler) -> int:
@@ -89,60 +83,25 @@ def pick_decode(schedulers: Sequence[Scheduler], request: Request, num_blocks: i
     return min(keys)[-1]
 
 
-class EngineLink(EngineLoop):
-    """The loop driving one engine beside the service's own: a prefill engine, or a decode
-    engine beyond the first. Shares the service's streams, telemetry and health."""
-
-    def __init__(self, service: Any, role: str, address: str):
-        """service: the SchedulerService. Its own health servicer goes unused: the service's
-        reflects every link; `stopping` is set with the service's (shutdown)."""
-        self.service = service
-        self.role = role
-        self._init_loop(service.config, address, service.streams, service.telemetry)
-
-    @property
-    def engine_role(self) -> str:
-        return self.role
-
-    @property
-    def roles(self) -> Roles:
-        roles: Roles = self.service.roles
-        return roles
-
-    def _update_health(self) -> None:
-        self.service._update_health()
-
-    def _first_ids(self, scheduler: Scheduler) -> None:
-        self.roles.first_ids(self, scheduler)
-
-    def _engine_back(self) -> None:
-        self.roles.back(self)
-
-    def _after_result(self) -> None:
-        if self.role == "prefill":
-            self.roles.hand_off(self)
-
-    def _after_reset(self) -> None:
-        self.roles.lost(self)
-
-
 class Roles:
-    """The service's engines by role, and the decisions that span them (module docstring).
-    decodes[0] is the service's own loop."""
+    """The service's engines by role, and the decisions that span them (module docstring)."""
 
-    def __init__(self, service: Any):
-        config = service.config
-        self.decodes: list[EngineLoop] = [service]
-        self.decodes += [EngineLink(service, "decode", a) for a in config.engine_address[1:]]
-        self.prefills: list[EngineLoop] = [
-            EngineLink(service, "prefill", a) for a in config.prefill_engine_address
-        ]
+    def __init__(self, first: EngineLink, events: LinkEvents):
+        """first: the first decode engine's link; the others are made here, sharing its
+        config, streams and telemetry, reporting to events (the service)."""
+        config = first.config
+
+        def link(role: str, address: str) -> EngineLink:
+            return EngineLink(config, role, address, first.streams, first.telemetry, events)
+
+        self.decodes = [first, *(link("decode", a) for a in config.engine_address[1:])]
+        self.prefills = [link("prefill", a) for a in config.prefill_engine_address]
 
     @property
-    def links(self) -> list[EngineLoop]:
+    def links(self) -> list[EngineLink]:
         return [*self.decodes, *self.prefills]
 
-    def first_ids(self, link: EngineLoop, scheduler: Scheduler) -> None:
+    def first_ids(self, link: EngineLink, scheduler: Scheduler) -> None:
         """A new Scheduler of link: its step and transfer ids start at link's index."""
         index = self.links.index(link)
         scheduler.next_step_id = max(scheduler.next_step_id, index << STEP_ID_SHIFT)
@@ -154,10 +113,10 @@ class Roles:
         return all(link.been_ready for link in self.links)
 
     def any_up(self) -> bool:
-        return any(is_up(link) for link in self.links)
+        return any(link.up for link in self.links)
 
-    def up(self, links: list[EngineLoop]) -> list[EngineLoop]:
-        return [link for link in links if is_up(link)]
+    def up(self, links: list[EngineLink]) -> list[EngineLink]:
+        return [link for link in links if link.up]
 
     def submit_target(self) -> Scheduler | None:
         """Where a new request starts: a prefill engine that takes requests, else a decode
@@ -169,7 +128,7 @@ class Roles:
         return min(decodes, key=load) if decodes else None
 
     @staticmethod
-    def _schedulers(links: list[EngineLoop]) -> list[Scheduler]:
+    def _schedulers(links: list[EngineLink]) -> list[Scheduler]:
         return [link.scheduler for link in links if link.scheduler is not None]
 
     def wake(self) -> None:
@@ -178,7 +137,7 @@ class Roles:
 
     # -- a prefill engine's result: its requests with a first token move to decode engines ----
 
-    def hand_off(self, link: EngineLoop) -> None:
+    def hand_off(self, link: EngineLink) -> None:
         """The requests of prefill link whose first token came go to decode engines: each
         chosen one pins blocks for what its prefix cache lacks, and the send goes in link's
         next plan."""
@@ -202,7 +161,7 @@ class Roles:
             chosen.wakeup.set()
         link.wakeup.set()
 
-    def _decode_for(self, request: Request, blocks: list[int], up: list[EngineLoop]) -> EngineLoop:
+    def _decode_for(self, request: Request, blocks: list[int], up: list[EngineLink]) -> EngineLink:
         """The decode engine request moves to: pick_decode among those up (with the
         prefill's block size); with none, the least busy connected one (it waits there)."""
         if up:
@@ -213,7 +172,7 @@ class Roles:
         return min(known, key=lambda d: load(d.scheduler))  # type: ignore[arg-type]
 
     @staticmethod
-    def _same_blocks(decode: EngineLoop, prefill: Scheduler) -> bool:
+    def _same_blocks(decode: EngineLink, prefill: Scheduler) -> bool:
         info = decode.engine_info
         return (
             info is not None
@@ -223,14 +182,14 @@ class Roles:
 
     # -- an engine lost, or back ----------------------------------------------------------------
 
-    def lost(self, link: EngineLoop) -> None:
+    def lost(self, link: EngineLink) -> None:
         """link's engine was lost (its Scheduler reset: every request of it waits)."""
         if link in self.prefills:
             self._prefill_lost(link)
         else:
             self._decode_lost(link)
 
-    def _prefill_lost(self, link: EngineLoop) -> None:
+    def _prefill_lost(self, link: EngineLink) -> None:
         """Its transfers in flight are given up (their requests recompute on their decode
         engines); its requests go to another prefill engine, else a decode engine."""
         scheduler = link.scheduler
@@ -268,7 +227,7 @@ class Roles:
         assert known, "no decode engine connected"
         return min(known, key=load)
 
-    def _decode_lost(self, link: EngineLoop) -> None:
+    def _decode_lost(self, link: EngineLink) -> None:
         """Its requests go to another decode engine up (recomputed there); with none, a
         prefill engine runs them, and new ones, whole until one is back. Sends queued for it
         are dropped (their transfers ended with its pool)."""
@@ -297,7 +256,7 @@ class Roles:
         )
         self.wake()
 
-    def back(self, link: EngineLoop) -> None:
+    def back(self, link: EngineLink) -> None:
         """link's engine is (back) up. A decode engine: prefill engines that ran requests
         whole hand prompts off again (what they already sampled for finishes there). A
         prefill engine while no decode engine is up: it runs requests whole."""

@@ -1,5 +1,7 @@
-"""The scheduler's side of the engine: the connection, the engine's heartbeat and the step loop
-that drives the engine over one bidirectional Step stream (SchedulerService's engine half).
+"""EngineLink: the scheduler's side of one engine: the connection, the engine's heartbeat, and the
+step loop that drives the engine over one bidirectional Step stream with that engine's Scheduler.
+The SchedulerService holds one link per engine (`service.links`) and hears from each through
+LinkEvents (engine up, result applied, engine lost, health changed).
 
 If the engine stream breaks, every running request is preempted (to be recomputed) and the loop
 reconnects; requests keep waiting, their streams open, nothing already sent is resent (results of
@@ -28,10 +30,10 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from llmserve.common.log import get_logger
 from llmserve.protos import engine_pb2, engine_pb2_grpc
@@ -79,58 +81,71 @@ class StepTimes:
     engine_sample_ms: float = 0.0
 
 
-class EngineLoop:
-    """The engine half of SchedulerService (scheduler/service.py), which holds this state."""
+class LinkEvents(Protocol):
+    """What an EngineLink tells its owner (the SchedulerService), each between two awaits."""
 
-    config: SchedulerConfig
-    address: str  # the engine's gRPC address
-    scheduler: Scheduler | None
-    engine_info: engine_pb2.EngineInfo | None
-    engine_stub: Any  # the connected engine's (None before the first connection)
-    streams: dict[int, asyncio.Queue[StepOutcome]]
-    wakeup: asyncio.Event
-    ready: bool
-    been_ready: bool  # the Step stream has been open once
-    engine_responding: bool
-    last_result_at: float
-    stopping: bool
-    draining: bool
-    times: StepTimes
-    telemetry: SchedulerTelemetry
-    num_engine_resets: int
-    health: health.aio.HealthServicer
-    _health_update: asyncio.Future[None] | None
+    def scheduler_made(self, link: EngineLink, scheduler: Scheduler) -> None:
+        """link made its Scheduler (its engine connected for the first time)."""
 
-    def _init_loop(
+    def engine_up(self, link: EngineLink) -> None:
+        """link's engine connected (again), its role checked."""
+
+    def result_applied(self, link: EngineLink) -> None:
+        """A step result of link's engine was applied to its Scheduler."""
+
+    def engine_lost(self, link: EngineLink) -> None:
+        """link's engine was lost; its Scheduler was reset (every request of it waits)."""
+
+    def health_changed(self) -> None:
+        """link's readiness or heartbeat changed."""
+
+
+def deliver(streams: dict[int, asyncio.Queue[StepOutcome]], outcome: StepOutcome) -> None:
+    """Hand outcome to its request's Submit stream, if it still has one."""
+    queue = streams.get(outcome.request.seq_id)
+    if queue is not None:
+        queue.put_nowait(outcome)
+
+
+class EngineLink:
+    """One engine, its connection and its Scheduler (None until the engine first connects)."""
+
+    def __init__(
         self,
         config: SchedulerConfig,
+        role: str,
         address: str,
         streams: dict[int, asyncio.Queue[StepOutcome]],
         telemetry: SchedulerTelemetry,
-    ) -> None:
-        """The state a loop starts with, before its engine connects (the service's own loop,
-        and under disaggregation each other engine's, scheduler/links.py)."""
+        events: LinkEvents,
+    ):
+        """role: the engine's ("both", "prefill" or "decode"; checked when it connects).
+        streams, telemetry: the service's, shared by every link (one stream per request,
+        whichever engine runs it)."""
         self.config = config
-        self.address = address
-        self.scheduler = None
-        self.engine_info = None
-        self.engine_stub = None
-        self.streams = streams  # one stream per request, whichever engine runs it
+        self.role = role
+        self.address = address  # the engine's gRPC address
+        self.streams = streams
+        self.telemetry = telemetry
+        self.events = events
+        self.scheduler: Scheduler | None = None
+        self.engine_info: engine_pb2.EngineInfo | None = None
+        self.engine_stub: Any = None  # the connected engine's
         self.wakeup = asyncio.Event()
         self.ready = False  # the Step stream to the engine is open
-        self.been_ready = False
+        self.been_ready = False  # it has been open once
         self.engine_responding = True  # the engine's heartbeat (see HEARTBEAT_S)
         self.last_result_at = 0.0  # time.monotonic() of the last step result
         self.stopping = False
-        # Drain: admit nothing new (Submit: UNAVAILABLE, readiness NOT_SERVING); the rest goes on.
-        self.draining = False
         self.times = StepTimes()
-        self.telemetry = telemetry
         self.num_engine_resets = 0
-        self.health = health.aio.HealthServicer()
-        self._health_update = None
 
-    async def run_engine_loop(self) -> None:
+    @property
+    def up(self) -> bool:
+        """Whether the engine takes work now: connected, its Step stream open, answering."""
+        return self.scheduler is not None and self.ready and self.engine_responding
+
+    async def run(self) -> None:
         """Connect to the engine, run steps; on any stream failure reset and reconnect."""
         backoff = 0.2
         metadata = self.config.peer_metadata()
@@ -168,7 +183,7 @@ class EngineLoop:
                     # and so are the results of steps in flight.
                     self.telemetry.on_engine_reset(self.scheduler.reset_engine())
                     self.num_engine_resets += was_ready
-                    self._after_reset()
+                    self.events.engine_lost(self)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 2.0)
 
@@ -190,7 +205,8 @@ class EngineLoop:
                     info.num_host_blocks, info.num_disk_blocks, info.kv_block_bytes
                 )
                 for request in self.scheduler.resize(info.num_blocks, info.block_size):
-                    self._deliver(StepOutcome(request, None, None, RequestStatus.FINISHED_ABORTED))
+                    outcome = StepOutcome(request, None, None, RequestStatus.FINISHED_ABORTED)
+                    deliver(self.streams, outcome)
             if self.scheduler.loras.max_loras != info.max_loras:
                 self.scheduler.loras.resize(info.max_loras)
         except ValueError as err:  # a limit above the engine's, or a policy refusing its stages
@@ -238,7 +254,7 @@ class EngineLoop:
             num_disk_blocks=info.num_disk_blocks,
             kv_block_bytes=info.kv_block_bytes,
         )
-        self._first_ids(scheduler)
+        self.events.scheduler_made(self, scheduler)
         return scheduler
 
     def _adopt_role(self, info: engine_pb2.EngineInfo) -> None:
@@ -246,41 +262,20 @@ class EngineLoop:
         scheduler plans for it (scheduler/handoffs.py)."""
         assert self.scheduler is not None
         role = info.engine_role or "both"
-        if role != self.engine_role:
-            listed = "--engine-address"
-            if self.engine_role == "prefill":
-                listed = "--prefill-engine-address"
+        if role != self.role:
+            listed = "--prefill-engine-address" if self.role == "prefill" else "--engine-address"
             raise EngineMismatch(
                 f"the engine at {self.address} has engine_role={role!r}; it is listed as a "
-                f"{self.engine_role!r} engine ({listed})"
+                f"{self.role!r} engine ({listed})"
             )
         self.scheduler.transfers.role = role
         self.scheduler.transfers.block_bytes = info.kv_block_bytes
-        self._engine_back()
-
-    @property
-    def engine_role(self) -> str:
-        """The role of the engine this link drives: decode when a prefill engine is set."""
-        return "decode" if self.config.prefill_engine_address else "both"
+        self.events.engine_up(self)
 
     def _report_kv_moves(self, scheduler: Scheduler) -> None:
         if scheduler.transfers.moves:
             moves, scheduler.transfers.moves = scheduler.transfers.moves, []
             self.telemetry.on_kv_moves(moves)
-
-    def _first_ids(self, scheduler: Scheduler) -> None:
-        """A new Scheduler for this engine (hook: under disaggregation each engine's steps and
-        transfers are numbered apart: scheduler/links.py)."""
-
-    def _engine_back(self) -> None:
-        """The engine connected, its role checked (hook: scheduler/links.py Roles.back)."""
-
-    def _after_result(self) -> None:
-        """After a step's result is applied (hook: a prefill engine hands requests off)."""
-
-    def _after_reset(self) -> None:
-        """After the engine was lost and the scheduler reset (hook: its requests move to
-        other engines, scheduler/links.py Roles.lost)."""
 
     async def add_lora(
         self, name: str, path: str, replace: bool = False
@@ -320,19 +315,7 @@ class EngineLoop:
     def _set_ready(self, ready: bool) -> None:
         self.ready = ready
         self.been_ready = self.been_ready or ready
-        self._update_health()
-
-    @property
-    def serving(self) -> bool:
-        """Whether to take new requests: the Step stream is open, the engine answers its
-        heartbeat, and this scheduler is not draining (stats' `ready`, readiness)."""
-        return self.ready and self.engine_responding and not self.draining
-
-    def _update_health(self) -> None:
-        """SERVING while `serving`."""
-        response = health_pb2.HealthCheckResponse
-        status = response.SERVING if self.serving else response.NOT_SERVING
-        self._health_update = asyncio.ensure_future(self.health.set("", status))
+        self.events.health_changed()
 
     @contextlib.asynccontextmanager
     async def _heartbeat(
@@ -375,7 +358,7 @@ class EngineLoop:
             log.warning("engine not answering; not ready until it does", missed_beats=missed)
         elif self.ready:
             log.info("engine answering again; ready")
-        self._update_health()
+        self.events.health_changed()
 
     async def _step_loop(
         self, stub: engine_pb2_grpc.EngineStub, metadata: tuple[tuple[str, str], ...]
@@ -458,11 +441,13 @@ class EngineLoop:
             request = scheduler.abort(seq_id)  # its rows' tokens are then ignored by update
             if request is not None:
                 log.warning("engine refused a request", request_id=request.request_id, why=reason)
-                self._deliver(StepOutcome(request, None, None, request.status, error=reason))
+                deliver(
+                    self.streams, StepOutcome(request, None, None, request.status, error=reason)
+                )
         outcomes = apply_result(scheduler, plan, result)
         for outcome in outcomes:
-            self._deliver(outcome)
-        self._after_result()
+            deliver(self.streams, outcome)
+        self.events.result_applied(self)
         self._report_kv_moves(scheduler)
         t3 = time.perf_counter()
         t0, t1 = sent.t_plan, sent.t_planned
@@ -476,9 +461,3 @@ class EngineLoop:
         self.telemetry.on_result(plan, outcomes, {"step_s": t3 - t0, **timings})
         for name, ms in {**timings, "engine_total_ms": result.total_ms}.items():
             setattr(self.times, name, getattr(self.times, name) + ms)
-
-    def _deliver(self, outcome: StepOutcome) -> None:
-        """Hand outcome to its request's Submit stream, if it still has one."""
-        queue = self.streams.get(outcome.request.seq_id)
-        if queue is not None:
-            queue.put_nowait(outcome)
