@@ -26,6 +26,8 @@ from tests.fake_scheduler import (
     start_fake_scheduler,
 )
 
+pytestmark = pytest.mark.stack  # starts service processes (tests/conftest.py)
+
 ADMIN_KEY = "admin-secret"
 ACME_KEY, BETA_KEY, PLAIN_KEY = "sk-acme", "sk-beta", "sk-plain"
 TENANTS = {

@@ -51,6 +51,8 @@ from llmserve.bench.workload import (
 from llmserve.gateway.tokenizer import ChatMessage, Tokenizer
 from tests.stack import ROOT, Stack, start_echo_stack
 
+pytestmark = pytest.mark.stack  # starts service processes (tests/conftest.py)
+
 # -- statistics on synthetic timings --------------------------------------------------------------
 
 

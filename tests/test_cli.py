@@ -19,6 +19,8 @@ from llmserve.common.net import check_health, with_default_port
 from llmserve.protos import scheduler_pb2, scheduler_pb2_grpc
 from tests.stack import ROOT, StreamWatch, child_pid, free_port, serve_command, wait_mid_stream
 
+pytestmark = pytest.mark.stack  # starts service processes (tests/conftest.py)
+
 TOKEN = "test-internal-token"  # serve takes it from LLMSERVE_INTERNAL_TOKEN
 
 

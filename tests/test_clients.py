@@ -26,7 +26,7 @@ from langchain_openai import ChatOpenAI
 from tests.stack import Stack, start_echo_stack
 
 # litellm's TypedDicts make pydantic warn at import-time schema building: not ours to fix
-pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+pytestmark = [pytest.mark.stack, pytest.mark.filterwarnings("ignore::UserWarning")]
 ANSWER = "user\nhi"  # the echo of USER's rendered prompt
 MODEL = "fake-echo"
 

@@ -34,6 +34,8 @@ from llmserve.protos.scheduler_pb2 import GetInfoRequest
 from llmserve.protos.scheduler_pb2_grpc import SchedulerStub
 from tests.stack import free_port
 
+pytestmark = pytest.mark.stack  # starts service processes (tests/conftest.py)
+
 ROOT = Path(__file__).resolve().parent.parent
 SCHEMA = ROOT / "tests" / "data" / "compose-spec.schema.json"
 ADDRESS_FLAGS = {

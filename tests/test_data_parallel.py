@@ -20,6 +20,8 @@ from llmserve.common.net import LIVENESS_SERVICE, check_health
 from llmserve.protos import scheduler_pb2, scheduler_pb2_grpc
 from tests.stack import ROOT, Stack, StreamWatch, free_port, serve_command, start_echo_stack
 
+pytestmark = pytest.mark.stack  # starts service processes (tests/conftest.py)
+
 BLOCK_SIZE = 16  # the engine's default
 
 

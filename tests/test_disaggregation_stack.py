@@ -21,6 +21,8 @@ from llmserve.engine.disaggregation import FAULT_ENV
 from tests.stack import Stack, free_port, start_stack
 from tests.test_telemetry import _scrape, _total
 
+pytestmark = pytest.mark.stack  # starts service processes (tests/conftest.py)
+
 MAX_TOKENS = 5
 SYSTEM = (
     "The history of the city of Rome spans more than two and a half thousand years, from a "

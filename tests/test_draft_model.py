@@ -20,7 +20,7 @@ from llmserve.scheduler.request import Request
 from tests.factories import sampling
 from tests.spec_driver import Driven, drive, make_scheduler_for
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+pytestmark = [pytest.mark.stack, pytest.mark.usefixtures("one_torch_thread")]
 
 BS = 4
 TARGET = {"num_layers": 2, "hidden_size": 64, "num_heads": 4, "num_kv_heads": 2}

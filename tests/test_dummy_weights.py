@@ -28,7 +28,7 @@ SMOLLM2 = ROOT / "configs" / "smollm2-135m"
 LLAMA3_8B = ROOT / "configs" / "llama-3-8b"
 SEED = 7
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+pytestmark = [pytest.mark.stack, pytest.mark.usefixtures("one_torch_thread")]
 
 
 def hash32(x: torch.Tensor) -> torch.Tensor:

@@ -21,6 +21,8 @@ from llmserve.common.net import check_health
 from tests.stack import ROOT, Stack, child_pid, free_port, serve_command, start_stack
 from tests.test_stack_parallel import rank_pids
 
+pytestmark = pytest.mark.stack  # starts service processes (tests/conftest.py)
+
 NEW_TOKENS = 32
 HF_SCRIPT = ROOT / "scripts" / "make_hf_reference.py"
 CHATS = [

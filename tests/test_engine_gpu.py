@@ -46,7 +46,7 @@ from tests.quality import (
     seeded_margins,
 )
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.stack, pytest.mark.gpu]
 
 ROOT = Path(__file__).resolve().parent.parent
 SMOLLM2 = ROOT / "configs" / "smollm2-135m"

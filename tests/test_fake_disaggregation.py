@@ -22,6 +22,8 @@ from tests.test_mirror import new as new_request
 from tests.test_mirror import running
 from tests.test_stack_fake import echo
 
+pytestmark = pytest.mark.stack  # starts service processes (tests/conftest.py)
+
 ADMIN_KEY = "fake-disaggregation-admin"
 BLOCK = 16
 TOKEN = "fake-disaggregation-test"

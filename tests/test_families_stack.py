@@ -30,6 +30,8 @@ from tests.moe_models import MOE_CONFIGS, make_tiny_moe, write_moe_gguf
 from tests.stack import ROOT, free_port, serve_command
 from tests.test_families import GGUF_OVERRIDES
 
+pytestmark = pytest.mark.stack  # starts service processes (tests/conftest.py)
+
 NUM_OUT = 12
 PROMPT = "the quick brown fox jumps over the lazy dog"
 IDS = list(PROMPT.encode())  # the byte tokenizer: one token per byte, no BOS

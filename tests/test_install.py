@@ -26,6 +26,8 @@ import pytest
 
 from tests.stack import ROOT, free_port
 
+pytestmark = pytest.mark.stack  # starts service processes (tests/conftest.py)
+
 RUNTIME_FILES = (".proto", ".cu", ".cpp", ".h")
 TINY_CONFIG = {
     "architectures": ["LlamaForCausalLM"],

@@ -22,6 +22,8 @@ import llmserve.engine.kv_transfer_torch as kv_transfer_torch
 from llmserve.engine.kv_transfer import KVReceiver, TransferError, block_layout, send_blocks
 from llmserve.engine.kv_transfer_torch import TorchSender, gather_payload
 
+pytestmark = pytest.mark.stack  # starts service processes (tests/conftest.py)
+
 SHAPE = (2, 2, 8, 4, 2, 16)  # [layers, 2, blocks, block_size, kv heads, head_dim]
 TOKEN = "internal-token"
 

@@ -16,6 +16,7 @@ no product module or bench/ script imports tests/.
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -185,3 +186,22 @@ def test_torch_free_modules_never_load_torch(module: str) -> None:
         [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
     )
     assert out.stdout.strip() == "False", f"importing {module} loads torch"
+
+
+STARTS_PROCESSES = re.compile(
+    r'start_stack|start_echo_stack|serve_command|Popen|multiprocessing|\.spawn\(|"serve"'
+)
+
+
+def test_test_modules_that_start_processes_are_marked_stack() -> None:
+    """`pytest -m "not stack"` (the fast loop the README gives) leaves out exactly the test
+    modules that start service processes: each carries the `stack` marker, and no other."""
+    wrong = []
+    for path in sorted((ROOT / "tests").glob("test_*.py")):
+        if path.name == Path(__file__).name:
+            continue  # the pattern itself is written here
+        text = path.read_text()
+        marked = re.search(r"^pytestmark = .*pytest\.mark\.stack", text, re.M) is not None
+        if marked != bool(STARTS_PROCESSES.search(text)):
+            wrong.append(f"{path.name}: marked {marked}")
+    assert not wrong, wrong

@@ -49,6 +49,8 @@ from tests.stack import (
     wait_mid_stream,
 )
 
+pytestmark = pytest.mark.stack  # starts service processes (tests/conftest.py)
+
 
 def wait_for(predicate: Callable[[], bool], timeout: float, what: str) -> float:
     """Seconds until predicate() held (polled every 50 ms); fail after timeout."""

@@ -22,6 +22,8 @@ from tests.factories import make_lora_adapter
 from tests.stack import Stack, StreamWatch, start_stack, wait_mid_stream
 from tests.test_lora_engine import NUM_TOKENS, PeftReference
 
+pytestmark = pytest.mark.stack  # starts service processes (tests/conftest.py)
+
 ADMIN_KEY = "lora-admin-key"
 PROMPTS = ["the quick brown fox", "jumps over the lazy dog and", "a b c d e f g h i j k l m n"]
 

@@ -34,6 +34,8 @@ from llmserve.gateway.openai_protocol import (
 from llmserve.gateway.validation import ValidationError
 from tests.stack import Stack, start_echo_stack, start_stack
 
+pytestmark = pytest.mark.stack  # starts service processes (tests/conftest.py)
+
 T = TypeVar("T")
 API_KEY = "test-key-123"
 USER = [{"role": "user", "content": "hi"}]

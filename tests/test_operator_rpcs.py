@@ -18,6 +18,8 @@ from llmserve.common.net import check_health
 from llmserve.protos import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from tests.stack import Stack, StreamWatch, start_echo_stack, wait_mid_stream
 
+pytestmark = pytest.mark.stack  # starts service processes (tests/conftest.py)
+
 
 @pytest.fixture(scope="module")
 def stack(tokenizer_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:

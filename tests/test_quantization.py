@@ -19,6 +19,8 @@ from llmserve.engine.weights import build_model, load_weights, resolve_quantizat
 from llmserve.kernels import cpu as cpu_kernels
 from tests.quality import PASSAGES, agreement, prompt_logits
 
+pytestmark = pytest.mark.stack  # starts service processes (tests/conftest.py)
+
 HAS_AVX2 = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
 
 

@@ -36,6 +36,8 @@ from llmserve.topology import free_port
 from tests.factories import EOS_TOKEN_ID, TINY_VOCAB, sampling
 from tests.stack import ROOT, Stack, start_echo_stack
 
+pytestmark = pytest.mark.stack  # starts service processes (tests/conftest.py)
+
 STRANGER = (("authorization", "Bearer not-the-token"),)
 
 

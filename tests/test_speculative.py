@@ -21,6 +21,8 @@ from llmserve.scheduler.speculation import FIRST_BACKOFF_STEPS, MIN_ACCEPTANCE, 
 from tests.factories import sampling
 from tests.spec_driver import Driven, drive, make_scheduler_for, plan_from_proto, plan_to_proto
 
+pytestmark = pytest.mark.stack  # starts service processes (tests/conftest.py)
+
 BS = 4
 VOCAB = 100
 EOS = 99

@@ -19,6 +19,8 @@ from llmserve.client import make_request
 from tests.factories import EOS_TOKEN_ID
 from tests.stack import Stack, StreamWatch, start_echo_stack, wait_mid_stream
 
+pytestmark = pytest.mark.stack  # starts service processes (tests/conftest.py)
+
 
 @pytest.fixture(scope="module")
 def stack(tokenizer_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:

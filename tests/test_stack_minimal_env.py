@@ -17,6 +17,8 @@ HIDDEN = ("structlog", "opentelemetry", "gguf", "fastapi", "uvicorn", "llm_smoll
 BLOCKER = f"""
 import sys
 
+pytestmark = pytest.mark.stack  # starts service processes (tests/conftest.py)
+
 HIDDEN = {HIDDEN!r}
 
 

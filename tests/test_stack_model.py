@@ -13,6 +13,8 @@ import pytest
 from llmserve.client import Completion, make_request
 from tests.stack import Stack, start_stack
 
+pytestmark = pytest.mark.stack  # starts service processes (tests/conftest.py)
+
 NUM_REQUESTS = 16
 MAX_TOKENS = 24
 PROMPTS = [

@@ -26,6 +26,8 @@ from tests.stack import (
     wait_mid_stream,
 )
 
+pytestmark = pytest.mark.stack  # starts service processes (tests/conftest.py)
+
 PROMPTS = [f"prompt {i}: " + "the quick brown fox " * (1 + i % 3) for i in range(8)]
 MAX_TOKENS = 24
 

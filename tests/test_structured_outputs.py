@@ -28,6 +28,8 @@ from llmserve.protos.common_pb2 import ChoiceList, StructuredOutput
 from tests.stack import Stack, start_stack
 from tests.structured_schemas import SCHEMAS
 
+pytestmark = pytest.mark.stack  # starts service processes (tests/conftest.py)
+
 REGEX = r"[A-Z][a-z]{2,8} [0-9]{1,3}"
 CHOICES = ["positive", "negative", "neutral"]
 GRAMMAR = 'root ::= answer " because " reason\nanswer ::= "yes" | "no"\nreason ::= [a-z ]{1,30} "."'

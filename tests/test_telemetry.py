@@ -21,6 +21,8 @@ from llmserve.client import Client, Completion, make_request
 from llmserve.common import telemetry
 from tests.stack import Stack, free_port, start_stack
 
+pytestmark = pytest.mark.stack  # starts service processes (tests/conftest.py)
+
 CALLER_TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 CALLER_SPAN_ID = "00f067aa0ba902b7"
 PROMPTS = [f"request {i}: " + "abcdefgh" * (2 + i % 3) for i in range(6)]

@@ -13,6 +13,8 @@ from typing import Any
 
 import pytest
 
+pytestmark = pytest.mark.stack  # starts service processes (tests/conftest.py)
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
