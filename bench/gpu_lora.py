@@ -121,7 +121,7 @@ def run_batch(
     engine: Any, batch: int, names: list[str], args: argparse.Namespace, calls: list[int]
 ) -> dict[str, Any]:
     """base, base_eager and lora for one batch size (see the module docstring)."""
-    from llmserve.engine.contract import LoraLoadData
+    from llmserve.common.step_plan import LoraLoad
 
     vocab = engine.model_config.vocab_size
     prompts = [
@@ -129,7 +129,7 @@ def run_batch(
         for i in range(batch)
     ]
     slots = [i % len(names) + 1 for i in range(batch)]
-    loads = [LoraLoadData(k + 1, name) for k, name in enumerate(names)]
+    loads = [LoraLoad(k + 1, name) for k, name in enumerate(names)]
     row: dict[str, Any] = {"base": measure(engine, prompts, None, [], args.decode_steps)}
     graphs, engine.runner.graphs = engine.runner.graphs, None
     try:

@@ -33,8 +33,8 @@ from safetensors.torch import save_file
 from llmserve.bench.engine_driver import GREEDY
 from llmserve.bench.report import hardware, save
 from llmserve.common.model_config import builtin_model_path, load_model_config
+from llmserve.common.step_plan import LoraLoad, NewRequest, RunningColumns, StepPlanData
 from llmserve.engine.config import EngineConfig
-from llmserve.engine.contract import LoraLoadData, NewRequestData, RunningData, StepPlanData
 from llmserve.engine.engine import Engine
 from llmserve.engine.lora_files import module_shapes
 
@@ -76,12 +76,12 @@ def run_batch(
     tokens)."""
     engine.reset()
     slots = {name: k + 1 for k, name in enumerate(names)}
-    loads = [LoraLoadData(slot, name) for name, slot in slots.items()]
+    loads = [LoraLoad(slot, name) for name, slot in slots.items()]
     row_slots = [slots[names[i % len(names)]] if names else 0 for i in range(NUM_REQUESTS)]
     rng = random.Random(0)
     per_seq = -(-(PROMPT_LEN + 128) // BLOCK_SIZE)
     new = [
-        NewRequestData(
+        NewRequest(
             i + 1, [rng.randrange(100, 40000) for _ in range(PROMPT_LEN)], PROMPT_LEN, GREEDY,
             list(range(i * per_seq, (i + 1) * per_seq)), 0, PROMPT_LEN, row_slots[i],
         )
@@ -92,7 +92,7 @@ def run_batch(
     out = engine.step(StepPlanData(step_id, [], new, lora_loads=loads))
     first.append(out.sampled_token_ids[0])
     for k in range(1, output_len):
-        running = RunningData(
+        running = RunningColumns(
             seq_ids=list(range(1, NUM_REQUESTS + 1)),
             num_scheduled_tokens=[1] * NUM_REQUESTS,
             num_computed_tokens=[PROMPT_LEN + k - 1] * NUM_REQUESTS,

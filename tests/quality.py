@@ -13,7 +13,7 @@ import torch
 from llmserve.bench.engine_driver import Driver
 from llmserve.common.model_config import ModelConfig
 from llmserve.common.sampling import normalized
-from llmserve.engine.contract import StepOutput
+from llmserve.common.step_plan import StepOutput
 from llmserve.engine.engine import Engine
 from llmserve.engine.layers import AttentionContext
 from llmserve.engine.model import LlamaForCausalLM

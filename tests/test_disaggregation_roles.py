@@ -7,6 +7,8 @@ an engine of the same role (else the other role), no block held anywhere after."
 
 from __future__ import annotations
 
+from dataclasses import astuple
+
 import pytest
 
 from llmserve.protos import engine_pb2
@@ -140,7 +142,7 @@ def test_kv_moves_to_the_decode_engine_holding_the_prefix_unless_it_is_busier(
     submit(service, request(2, [*system, 4, 5, 6, 7]))
     run_prompts(prefills[0])
     # Both idle: the prefix decides (not the order); only the block d1 lacks moves.
-    ((tid, blocks, address),) = sched(prefills[0]).transfers.sends
+    ((tid, blocks, address),) = [astuple(s) for s in sched(prefills[0]).transfers.sends]
     assert address == f"kv-{DECODES[1]}" and len(blocks) == 1 and tid in d1.transfers.in_flight
     finish_all(service)
     # d1 busier than d0 by more than the slack: load wins over the prefix.
@@ -148,7 +150,7 @@ def test_kv_moves_to_the_decode_engine_holding_the_prefix_unless_it_is_busier(
         d1.add(request(10 + i, [7, 7, 7, i]))
     submit(service, request(3, [*system, 8, 8, 8, 8]))
     run_prompts(prefills[0])
-    ((tid, blocks, address),) = sched(prefills[0]).transfers.sends
+    ((tid, blocks, address),) = [astuple(s) for s in sched(prefills[0]).transfers.sends]
     assert address == f"kv-{DECODES[0]}" and len(blocks) == 4 and tid in d0.transfers.in_flight
     finish_all(service)
     assert_no_block_held(service)

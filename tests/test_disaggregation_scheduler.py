@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from llmserve.common.step_plan import KVReceive, KVSend
 from llmserve.scheduler.config import SchedulerConfig
 from llmserve.scheduler.plan import StepOutcome, StepPlan
 from llmserve.scheduler.request import Request, RequestStatus
@@ -79,10 +80,11 @@ def test_a_prompt_moves_its_full_blocks_and_decodes_on_a_prefix_hit() -> None:
     p_table = prefill.block_manager  # freed, but kept in the prefill pool's prefix cache
     assert p_table.num_free_blocks == 16 and len(p_table.hash_to_block) == 2
     send_plan, _ = step(prefill)
-    assert send_plan.kv_sends == [(tid, [0, 1], ADDRESS)] and not send_plan.rows
+    assert send_plan.kv_sends == [KVSend(tid, [0, 1], ADDRESS)] and not send_plan.rows
     receive_plan, _ = step(decode)
     transfer_blocks = decode.transfers.in_flight[tid].block_ids
-    assert receive_plan.kv_receives == [(tid, transfer_blocks)] and receive_plan.awaits_transfers
+    assert receive_plan.kv_receives == [KVReceive(tid, transfer_blocks)]
+    assert receive_plan.awaits_transfers
     assert not receive_plan.rows and decode.has_work  # polled until the transfer is in
     step(decode, received=[tid])
     plan, outcomes = step(decode, token=60)
@@ -103,7 +105,7 @@ def test_only_what_the_decode_prefix_cache_lacks_moves() -> None:
     for seq_id, prompt in ((1, [*range(10, 18), 1, 2, 3, 4, 5]), (2, [*range(10, 18), 6, 7, 8, 9])):
         _, tids = prefill_one(prefill, decode, request(seq_id, prompt))
         plan, _ = step(prefill)
-        sent = plan.kv_sends[0][1]
+        sent = plan.kv_sends[0].block_ids
         step(decode)
         step(decode, received=tids)
         while decode.has_work:

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from llmserve.client import make_request
+from llmserve.common.step_plan import KVReceive, KVSend, StepPlanData
 from llmserve.engine.config import EngineConfig
-from llmserve.engine.contract import KVReceiveData, KVSendData, StepPlanData
 from llmserve.engine.fake import FakeEngine, FakeEngineConfig
 from llmserve.engine.mirror import MirrorMismatch
 from tests.stack import Stack, start_echo_stack
@@ -73,8 +73,8 @@ def test_echo_engines_move_blocks_no_sooner_than_the_modelled_link() -> None:
     assert decode.info.kv_transfer_address and decode.info.kv_block_bytes == 50_000_000
     first = prefill.step(StepPlanData(1, [], [new_request(1, PROMPT, [3, 4, 5, 6, 7])]))
     assert first.sampled_token_ids == [PROMPT[0]]
-    decode.step(StepPlanData(1, [], [], kv_receives=[KVReceiveData(9, [20, 21, 22, 23])]))
-    send = KVSendData(9, [3, 4, 5, 6], decode.info.kv_transfer_address)
+    decode.step(StepPlanData(1, [], [], kv_receives=[KVReceive(9, [20, 21, 22, 23])]))
+    send = KVSend(9, [3, 4, 5, 6], decode.info.kv_transfer_address)
     t0 = time.monotonic()
     prefill.step(StepPlanData(2, [1], [], kv_sends=[send]))
     received, step_id = _await(decode, 2)
@@ -197,8 +197,8 @@ def test_echo_engines_report_a_dropped_transfer_failed_and_never_write_a_cancell
     address = decode.info.kv_transfer_address
     for engine in (dropping, prefill):
         engine.step(StepPlanData(1, [], [new_request(1, PROMPT, [3, 4, 5, 6, 7])]))
-    decode.step(StepPlanData(1, [], [], kv_receives=[KVReceiveData(1, [20, 21, 22, 23])]))
-    dropping.step(StepPlanData(2, [1], [], kv_sends=[KVSendData(1, [3, 4, 5, 6], address)]))
+    decode.step(StepPlanData(1, [], [], kv_receives=[KVReceive(1, [20, 21, 22, 23])]))
+    dropping.step(StepPlanData(2, [1], [], kv_sends=[KVSend(1, [3, 4, 5, 6], address)]))
     deadline, step_id = time.monotonic() + 5, 2
     failed: list[int] = []
     while not failed and time.monotonic() < deadline:
@@ -206,9 +206,9 @@ def test_echo_engines_report_a_dropped_transfer_failed_and_never_write_a_cancell
         step_id += 1
     assert failed == [1]
     assert decode.step(StepPlanData(step_id, [], [])).failed_transfer_ids == []  # once
-    decode.step(StepPlanData(step_id + 1, [], [], kv_receives=[KVReceiveData(2, [30, 31])]))
+    decode.step(StepPlanData(step_id + 1, [], [], kv_receives=[KVReceive(2, [30, 31])]))
     decode.step(StepPlanData(step_id + 2, [], [], kv_receive_cancels=[2]))
-    prefill.step(StepPlanData(2, [1], [], kv_sends=[KVSendData(2, [3, 4], address)]))
+    prefill.step(StepPlanData(2, [1], [], kv_sends=[KVSend(2, [3, 4], address)]))
     time.sleep(0.3)
     output = decode.step(StepPlanData(step_id + 3, [], []))
     assert output.received_transfer_ids == [] and output.failed_transfer_ids == []
@@ -239,14 +239,14 @@ def test_a_transfer_arriving_while_steps_run_is_reported_in_the_first_result_aft
     address = decode.info.kv_transfer_address
 
     def send(step_id: int, transfer_id: int) -> None:
-        sends = [KVSendData(transfer_id, [3, 4, 5, 6], address)]
+        sends = [KVSend(transfer_id, [3, 4, 5, 6], address)]
         prefill.step(StepPlanData(step_id, [], [], kv_sends=sends))
         receiver.wait_any({transfer_id}, 5.0)
         assert transfer_id in receiver.arrived
 
     first = prefill.step(StepPlanData(1, [], [new_request(1, PROMPT, [3, 4, 5, 6, 7])]))
     busy = [9] * 20  # a request the decode engine is stepping meanwhile
-    receives = [KVReceiveData(9, [20, 21, 22, 23]), KVReceiveData(10, [24, 25, 26, 27])]
+    receives = [KVReceive(9, [20, 21, 22, 23]), KVReceive(10, [24, 25, 26, 27])]
     step_1 = decode.launch(
         StepPlanData(1, [], [new_request(5, busy, [40, 41])], kv_receives=receives)
     )

@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
+from llmserve.common.step_plan import BlockCopies
 from llmserve.engine.config import EngineConfig
-from llmserve.engine.contract import BlockCopiesData
 from llmserve.engine.convert import plan_from_proto
 from llmserve.engine.engine import Engine
 from llmserve.engine.kv_cache import bytes_per_block
@@ -186,18 +186,16 @@ def test_copies_move_whole_blocks_between_tiers(engine: Engine) -> None:
         device, host, disk = (
             engine_pb2.KV_TIER_DEVICE, engine_pb2.KV_TIER_HOST, engine_pb2.KV_TIER_DISK
         )  # fmt: skip
-        tiers.execute([BlockCopiesData(device, host, [3, 4], [9, 2])])
-        tiers.execute([BlockCopiesData(host, disk, [9], [5])])
+        tiers.execute([BlockCopies(device, host, [3, 4], [9, 2])])
+        tiers.execute([BlockCopies(host, disk, [9], [5])])
         pool[:, :, 3:5].zero_()
-        tiers.execute(
-            [BlockCopiesData(host, device, [2], [3]), BlockCopiesData(disk, device, [5], [4])]
-        )
+        tiers.execute([BlockCopies(host, device, [2], [3]), BlockCopies(disk, device, [5], [4])])
         assert bool((pool[:, :, 3] == -2.0).all()) and bool((pool[:, :, 4] == 1.5).all())
         assert bool((pool[:, :, 5] == saved[:, :, 5]).all())
         with pytest.raises(MirrorMismatch, match="no such KV copy"):
-            tiers.execute([BlockCopiesData(disk, host, [0], [0])])
+            tiers.execute([BlockCopies(disk, host, [0], [0])])
         with pytest.raises(MirrorMismatch, match="block 64 outside tier 1's 64 blocks"):
-            tiers.execute([BlockCopiesData(device, host, [0], [64])])
+            tiers.execute([BlockCopies(device, host, [0], [64])])
     finally:
         pool.copy_(saved)
 
@@ -214,9 +212,9 @@ def test_gpu_copies_on_the_copy_stream_match_the_cpus(tmp_path: Path) -> None:
     pools = {"cpu": start.clone(), "cuda": start.cuda()}
     device, host, disk = engine_pb2.KV_TIER_DEVICE, engine_pb2.KV_TIER_HOST, engine_pb2.KV_TIER_DISK
     plans = [
-        [BlockCopiesData(device, host, [1, 2, 3], [0, 1, 2])],
-        [BlockCopiesData(host, disk, [0], [3]), BlockCopiesData(device, host, [5], [0])],
-        [BlockCopiesData(host, device, [1, 2], [1, 2]), BlockCopiesData(disk, device, [3], [3])],
+        [BlockCopies(device, host, [1, 2, 3], [0, 1, 2])],
+        [BlockCopies(host, disk, [0], [3]), BlockCopies(device, host, [5], [0])],
+        [BlockCopies(host, device, [1, 2], [1, 2]), BlockCopies(disk, device, [3], [3])],
     ]
     for name, pool in pools.items():
         tiers = KVTiers(pool, 4, 4, str(tmp_path / name))
@@ -236,7 +234,7 @@ def test_a_send_reads_its_blocks_before_the_plans_copies_write_them(
     swap-in's target in the plan that sends it; the send must carry what it held before."""
     import numpy as np
 
-    from llmserve.engine.contract import KVSendData, StepPlanData
+    from llmserve.common.step_plan import KVSend, StepPlanData
     from llmserve.engine.disaggregation import KVTransfers
 
     pool, tiers = engine.kv_cache, engine.tiers
@@ -251,11 +249,11 @@ def test_a_send_reads_its_blocks_before_the_plans_copies_write_them(
         engine.reset()
         host, device = engine_pb2.KV_TIER_HOST, engine_pb2.KV_TIER_DEVICE
         pool[:, :, 3].fill_(1.5)
-        tiers.execute([BlockCopiesData(device, host, [3], [9])])  # host slot 9: 1.5
+        tiers.execute([BlockCopies(device, host, [3], [9])])  # host slot 9: 1.5
         pool[:, :, 3].fill_(7.0)  # the block the handoff freed: 7.0
-        swap_in = BlockCopiesData(host, device, [9], [3])
+        swap_in = BlockCopies(host, device, [9], [3])
         plan = StepPlanData(
-            1, [], [], kv_sends=[KVSendData(1, [3], "127.0.0.1:9")], kv_copies=[swap_in]
+            1, [], [], kv_sends=[KVSend(1, [3], "127.0.0.1:9")], kv_copies=[swap_in]
         )
         engine.finish(engine.launch(plan))
         (payload,) = sent

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 
+from llmserve.common.step_plan import KV_TIERS, BlockCopies
 from llmserve.protos import engine_pb2
 from llmserve.scheduler.config import SchedulerConfig
 from llmserve.scheduler.convert import plan_to_proto
@@ -57,8 +58,16 @@ def run(s: Scheduler, *requests: Request, max_steps: int = 500) -> list[StepPlan
     raise AssertionError("did not go idle")
 
 
+TIER_NAMES = {value: name for name, value in KV_TIERS.items()}
+
+
+def named(c: BlockCopies) -> tuple[str, str, list[int], list[int]]:
+    """A batch of copies with its tiers by the scheduler's names."""
+    return (TIER_NAMES[c.src_tier], TIER_NAMES[c.dst_tier], c.src_ids, c.dst_ids)
+
+
 def copies(plans: list[StepPlan]) -> list[tuple[str, str, list[int], list[int]]]:
-    return [c for p in plans for c in p.kv_copies]
+    return [named(c) for p in plans for c in p.kv_copies]
 
 
 def test_evicted_block_goes_to_the_host_tier_and_comes_back() -> None:
@@ -79,7 +88,7 @@ def test_evicted_block_goes_to_the_host_tier_and_comes_back() -> None:
     plans = run(s, request(3, [*a[:8], 50, 51], max_tokens=1))
     swap_plan, admit_plan = plans[0], plans[1]
     assert not swap_plan.new_requests
-    assert swap_plan.kv_copies == [(DEVICE, HOST, [1], [2]), (HOST, DEVICE, [1, 0], [0, 1])]
+    assert copies([swap_plan]) == [(DEVICE, HOST, [1], [2]), (HOST, DEVICE, [1, 0], [0, 1])]
     (row,) = admit_plan.new_requests
     assert row.num_computed_tokens == 8 and row.block_table[:2] == [0, 1]
     offload = s.block_manager.offload
@@ -96,7 +105,9 @@ def test_copies_travel_in_the_engines_order_with_tiers_on_the_wire() -> None:
     offload.store(6, keys[1])  # host full: key 0 to disk, key 1 into its slot
     offload.bring_back(offload.find([keys[1]])[0], 9)
     batches = offload.take_copies()
-    assert batches == [(HOST, DISK, [0], [0]), (DEVICE, HOST, [6], [0]), (HOST, DEVICE, [0], [9])]
+    assert list(map(named, batches)) == [
+        (HOST, DISK, [0], [0]), (DEVICE, HOST, [6], [0]), (HOST, DEVICE, [0], [9])
+    ]  # fmt: skip
     plan = StepPlan(1, [], kv_copies=batches)
     msg = plan_to_proto(plan)
     assert [(c.src_tier, c.dst_tier) for c in msg.kv_copies] == [
@@ -178,7 +189,7 @@ def test_abort_while_waiting_for_a_swap_in_frees_its_pins() -> None:
     run(s, request(1, a, max_tokens=1), request(2, list(range(20, 43)), max_tokens=1))
     s.add(request(3, a, max_tokens=1))
     plan = step(s)
-    assert plan.kv_copies[-1] == (HOST, DEVICE, [1, 0], [0, 1])
+    assert named(plan.kv_copies[-1]) == (HOST, DEVICE, [1, 0], [0, 1])
     assert s.block_manager.pins == {3: [0, 1]}
     s.abort(3)
     assert s.block_manager.pins == {} and s.block_manager.num_free_blocks == 6
@@ -261,7 +272,7 @@ def test_a_running_request_short_of_blocks_takes_pinned_ones_before_preempting()
     step(s)
     s.add(request(4, a, max_tokens=1))
     plan = step(s)  # 3 decodes its 16th token; 4 swaps in: the last 2 free blocks pinned
-    assert s.block_manager.pins == {4: plan.kv_copies[-1][3]}
+    assert s.block_manager.pins == {4: plan.kv_copies[-1].dst_ids}
     assert s.block_manager.num_free_blocks == 0
     step(s)  # 3 needs a 5th block: the pins go
     assert s.block_manager.pins == {} and len(s.requests[3].block_table) == 5

@@ -99,15 +99,15 @@ def test_an_engines_plan_parts_move_blocks_between_two_pools() -> None:
     """engine/disaggregation.py between a prefill pool and a decode pool: the send reads its
     blocks when the plan runs (a later write does not travel), the receive writes them when they
     have arrived and reports them once, and a transfer cancelled is never written."""
-    from llmserve.engine.contract import KVReceiveData, KVSendData, StepPlanData
+    from llmserve.common.step_plan import KVReceive, KVSend, StepPlanData
     from llmserve.engine.disaggregation import KVTransfers
 
     prefill = KVTransfers(torch.randn(SHAPE), "prefill", TOKEN, "127.0.0.1", 0)
     decode = KVTransfers(torch.zeros(SHAPE), "decode", TOKEN, "127.0.0.1", 0)
     sent = prefill.kv_cache[:, :, [4, 2]].clone()
-    receive = StepPlanData(1, [], [], kv_receives=[KVReceiveData(1, [6, 7])])
+    receive = StepPlanData(1, [], [], kv_receives=[KVReceive(1, [6, 7])])
     assert decode.execute(receive) == ([], [])  # nothing arrived yet (an empty plan polls)
-    prefill.execute(StepPlanData(1, [], [], kv_sends=[KVSendData(1, [4, 2], decode.address)]))
+    prefill.execute(StepPlanData(1, [], [], kv_sends=[KVSend(1, [4, 2], decode.address)]))
     prefill.kv_cache[:, :, [4, 2]] = 0.0  # the pool reused them after the plan: not sent
     deadline = time.monotonic() + 5
     received: list[int] = []
@@ -116,9 +116,9 @@ def test_an_engines_plan_parts_move_blocks_between_two_pools() -> None:
     assert received == [1] and torch.equal(decode.kv_cache[:, :, [6, 7]], sent)
     assert decode.execute(StepPlanData(3, [], [])) == ([], [])  # reported once
     # A transfer cancelled before it arrives is dropped when it does.
-    decode.execute(StepPlanData(4, [], [], kv_receives=[KVReceiveData(2, [0])]))
+    decode.execute(StepPlanData(4, [], [], kv_receives=[KVReceive(2, [0])]))
     decode.execute(StepPlanData(5, [], [], kv_receive_cancels=[2]))
-    prefill.execute(StepPlanData(2, [], [], kv_sends=[KVSendData(2, [1], decode.address)]))
+    prefill.execute(StepPlanData(2, [], [], kv_sends=[KVSend(2, [1], decode.address)]))
     time.sleep(0.3)
     assert (
         decode.execute(StepPlanData(6, [], [])) == ([], []) and not decode.kv_cache[:, :, 0].any()
@@ -131,7 +131,7 @@ def test_a_transfer_arriving_after_a_launch_is_written_and_reported_at_the_next_
     """KVTransfers.report (a step's result): a transfer that arrived after the last launch is
     written and reported there, once; one written at a launch is reported at the next result;
     one written but cancelled by a later launch before any result is never reported."""
-    from llmserve.engine.contract import KVReceiveData, KVSendData, StepPlanData
+    from llmserve.common.step_plan import KVReceive, KVSend, StepPlanData
     from llmserve.engine.disaggregation import KVTransfers
 
     prefill = KVTransfers(torch.randn(SHAPE), "prefill", TOKEN, "127.0.0.1", 0)
@@ -140,24 +140,24 @@ def test_a_transfer_arriving_after_a_launch_is_written_and_reported_at_the_next_
     assert receiver is not None
 
     def arrive(transfer_id: int, blocks: list[int]) -> None:
-        send = KVSendData(transfer_id, blocks, decode.address)
+        send = KVSend(transfer_id, blocks, decode.address)
         prefill.execute(StepPlanData(transfer_id, [], [], kv_sends=[send]))
         receiver.wait_any({transfer_id}, 5.0)
         assert transfer_id in receiver.arrived
 
-    decode.receive(StepPlanData(1, [], [], kv_receives=[KVReceiveData(1, [6, 7])]))
+    decode.receive(StepPlanData(1, [], [], kv_receives=[KVReceive(1, [6, 7])]))
     arrive(1, [4, 2])  # after the launch: only the result can take it
     assert not decode.kv_cache.any()
     assert decode.report() == ([1], [])
     assert torch.equal(decode.kv_cache[:, :, [6, 7]], prefill.kv_cache[:, :, [4, 2]])
     assert decode.report() == ([], [])  # once
-    decode.receive(StepPlanData(2, [], [], kv_receives=[KVReceiveData(2, [0])]))
+    decode.receive(StepPlanData(2, [], [], kv_receives=[KVReceive(2, [0])]))
     arrive(2, [1])
     decode.receive(StepPlanData(3, [], []))  # written at this launch ...
     assert torch.equal(decode.kv_cache[:, :, 0], prefill.kv_cache[:, :, 1])
     assert decode.report() == ([2], [])  # ... reported at the next result, whichever step's
     assert decode.report() == ([], [])
-    decode.receive(StepPlanData(4, [], [], kv_receives=[KVReceiveData(3, [5])]))
+    decode.receive(StepPlanData(4, [], [], kv_receives=[KVReceive(3, [5])]))
     arrive(3, [3])
     decode.receive(StepPlanData(5, [], []))  # written, then given up before any result
     decode.receive(StepPlanData(6, [], [], kv_receive_cancels=[3]))

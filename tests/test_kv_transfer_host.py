@@ -14,8 +14,8 @@ import torch
 
 from llmserve.cli import build_parser
 from llmserve.common.flags import from_flags
+from llmserve.common.step_plan import KVReceive, KVSend, StepPlanData
 from llmserve.engine.config import EngineConfig
-from llmserve.engine.contract import KVReceiveData, KVSendData, StepPlanData
 from llmserve.engine.disaggregation import KVTransfers
 
 SHAPE = (2, 2, 8, 4, 2, 16)  # [layers, 2, blocks, block_size, kv heads, head_dim]
@@ -86,8 +86,8 @@ def test_blocks_reach_a_decode_engine_bound_to_another_loopback_address() -> Non
     assert decode.address.startswith("127.0.0.3:")
     prefill = KVTransfers(torch.randn(SHAPE), "prefill", TOKEN, "127.0.0.2", 0)
     sent = prefill.kv_cache[:, :, [4, 2]].clone()
-    decode.execute(StepPlanData(1, [], [], kv_receives=[KVReceiveData(1, [6, 7])]))
-    prefill.execute(StepPlanData(1, [], [], kv_sends=[KVSendData(1, [4, 2], decode.address)]))
+    decode.execute(StepPlanData(1, [], [], kv_receives=[KVReceive(1, [6, 7])]))
+    prefill.execute(StepPlanData(1, [], [], kv_sends=[KVSend(1, [4, 2], decode.address)]))
     deadline = time.monotonic() + 5
     received: list[int] = []
     while not received and time.monotonic() < deadline:

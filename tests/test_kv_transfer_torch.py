@@ -163,22 +163,22 @@ def test_a_cancelled_transfer_is_never_written_through_an_engines_plan() -> None
     """engine/disaggregation.py with --kv-transfer-backend torch: the send gathers its blocks
     into a device buffer when the plan runs (a later write does not travel), the receive writes
     them when they have arrived, and a transfer cancelled before it arrives never is."""
-    from llmserve.engine.contract import KVReceiveData, KVSendData, StepPlanData
+    from llmserve.common.step_plan import KVReceive, KVSend, StepPlanData
     from llmserve.engine.disaggregation import KVTransfers
 
     prefill = KVTransfers(torch.randn(SHAPE), "prefill", TOKEN, "127.0.0.1", 0, "torch")
     decode = KVTransfers(torch.zeros(SHAPE), "decode", TOKEN, "127.0.0.1", 0, "torch")
     try:
         sent = prefill.kv_cache[:, :, [4, 2]].clone()
-        decode.execute(StepPlanData(1, [], [], kv_receives=[KVReceiveData(1, [6, 7])]))
-        send_1 = KVSendData(1, [4, 2], decode.address)
+        decode.execute(StepPlanData(1, [], [], kv_receives=[KVReceive(1, [6, 7])]))
+        send_1 = KVSend(1, [4, 2], decode.address)
         prefill.execute(StepPlanData(1, [], [], kv_sends=[send_1]))
         prefill.kv_cache[:, :, [4, 2]] = 0.0  # reused after the plan: not sent
         received = poll_until_received(decode, 2)
         assert received == [1] and torch.equal(decode.kv_cache[:, :, [6, 7]], sent)
-        decode.execute(StepPlanData(4, [], [], kv_receives=[KVReceiveData(2, [0])]))
+        decode.execute(StepPlanData(4, [], [], kv_receives=[KVReceive(2, [0])]))
         decode.execute(StepPlanData(5, [], [], kv_receive_cancels=[2]))
-        prefill.execute(StepPlanData(2, [], [], kv_sends=[KVSendData(2, [1], decode.address)]))
+        prefill.execute(StepPlanData(2, [], [], kv_sends=[KVSend(2, [1], decode.address)]))
         receiver = decode.receiver
         assert receiver is not None
         deadline = time.monotonic() + 5
@@ -194,7 +194,7 @@ def test_a_cancelled_transfer_is_never_written_through_an_engines_plan() -> None
 
 
 def poll_until_received(decode: object, step_id: int) -> list[int]:
-    from llmserve.engine.contract import StepPlanData
+    from llmserve.common.step_plan import StepPlanData
     from llmserve.engine.disaggregation import KVTransfers
 
     assert isinstance(decode, KVTransfers)

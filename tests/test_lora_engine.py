@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 import torch
 
+from llmserve.common.step_plan import LoraLoad, NewRequest, RunningColumns, StepPlanData
 from llmserve.engine.config import EngineConfig
-from llmserve.engine.contract import LoraLoadData, NewRequestData, RunningData, StepPlanData
 from llmserve.engine.convert import plan_from_proto
 from llmserve.engine.engine import Engine
 from llmserve.engine.lora import LoraBatch
@@ -114,7 +114,7 @@ class GreedyDriver:
     def run(
         self,
         requests: list[tuple[list[int], int]],
-        loads: list[LoraLoadData] | None = None,
+        loads: list[LoraLoad] | None = None,
         chunk: int = 1000,
     ) -> tuple[list[list[int]], list[str]]:
         """Each request's first NUM_TOKENS generated tokens (all run until the last has its),
@@ -147,18 +147,18 @@ class GreedyDriver:
         tables: list[list[int]],
         computed: list[int],
         scheduled: list[int],
-        loads: list[LoraLoadData],
+        loads: list[LoraLoad],
     ) -> StepPlanData:
         self.step_id += 1
         slots = [slot for _, slot in requests]
         if self.step_id == 1:
             new = [
-                NewRequestData(i + 1, tokens[i], len(tokens[i]), GREEDY, tables[i], 0, s, slot)
+                NewRequest(i + 1, tokens[i], len(tokens[i]), GREEDY, tables[i], 0, s, slot)
                 for i, (s, slot) in enumerate(zip(scheduled, slots, strict=True))
             ]
             return StepPlanData(1, [], new, lora_loads=loads)
         n = len(requests)
-        running = RunningData(
+        running = RunningColumns(
             seq_ids=list(range(1, n + 1)),
             num_scheduled_tokens=scheduled,
             num_computed_tokens=list(computed),
@@ -179,8 +179,8 @@ def expected(base: Path, adapters: dict[str, Path]) -> dict[str | None, list[int
     return result
 
 
-def loads_for(adapters: dict[str, Path]) -> list[LoraLoadData]:
-    return [LoraLoadData(k + 1, name, str(path)) for k, (name, path) in enumerate(adapters.items())]
+def loads_for(adapters: dict[str, Path]) -> list[LoraLoad]:
+    return [LoraLoad(k + 1, name, str(path)) for k, (name, path) in enumerate(adapters.items())]
 
 
 def test_each_adapter_alone_matches_peft(
@@ -209,7 +209,7 @@ def test_base_and_three_adapters_in_one_batch(
     assert not reasons
     assert outputs == [expected[None], *(expected[name] for name in adapters)]
     # Rows reordered, slots swapped: the tokens follow the adapter, not the row or slot.
-    swapped = [LoraLoadData(3 - k, name, str(p)) for k, (name, p) in enumerate(adapters.items())]
+    swapped = [LoraLoad(3 - k, name, str(p)) for k, (name, p) in enumerate(adapters.items())]
     reordered = [(PROMPTS[3], 1), (PROMPTS[0], 0), (PROMPTS[1], 3)]
     outputs, _ = driver.run(reordered, swapped)
     assert outputs == [expected["r16-kogud"], expected[None], expected["r4-qv"]]
@@ -337,7 +337,7 @@ def test_a_failed_plan_load_refuses_its_rows_alone(
     assert engine.adapters is not None
     engine.adapters.remove("gone")
     shutil.rmtree(gone)
-    loads = [LoraLoadData(1, "gone", str(gone)), LoraLoadData(2, "r4-qv", str(adapters["r4-qv"]))]
+    loads = [LoraLoad(1, "gone", str(gone)), LoraLoad(2, "r4-qv", str(adapters["r4-qv"]))]
     outputs, reasons = GreedyDriver(engine).run([(PROMPTS[0], 1), (PROMPTS[1], 2)], loads)
     assert len(reasons) == 1 and reasons[0].startswith("adapter gone: ")
     assert outputs[1][:1] == expected["r4-qv"][:1]
@@ -352,19 +352,19 @@ def test_host_cache_drops_least_recently_used(
     cache = engine.adapters.cache
     for name, path in adapters.items():
         engine.add_lora(name, str(path))
-    engine.adapters.place(LoraLoadData(1, "r4-qv", str(adapters["r4-qv"])))  # now most recent
+    engine.adapters.place(LoraLoad(1, "r4-qv", str(adapters["r4-qv"])))  # now most recent
     engine.add_lora("extra", str(adapters["r16-kogud"]))
     assert list(cache) == ["r16-kogud", "r4-qv", "extra"]
     assert "r8-all-rslora" not in cache
     (tokens,), _ = GreedyDriver(engine).run(
-        [(PROMPTS[2], 2)], [LoraLoadData(2, "r8-all-rslora", str(adapters["r8-all-rslora"]))]
+        [(PROMPTS[2], 2)], [LoraLoad(2, "r8-all-rslora", str(adapters["r8-all-rslora"]))]
     )
     assert tokens == expected["r8-all-rslora"]
     assert list(cache)[-1] == "r8-all-rslora" and len(cache) == 3
 
 
 def _adapters_on_rank(
-    loads: list[LoraLoadData], requests: list[tuple[list[int], int]], engine: Engine, parallel: Any
+    loads: list[LoraLoad], requests: list[tuple[list[int], int]], engine: Engine, parallel: Any
 ) -> list[list[int]]:
     """On each rank of a group: the base and adapters in one batch (each rank reads the adapters
     from their paths: the plan's loads reach every rank)."""

@@ -13,8 +13,8 @@ from collections.abc import Callable, Sequence
 
 import pytest
 
+from llmserve.common.step_plan import NewRequest, RunningColumns, StepPlanData
 from llmserve.engine.config import EngineConfig
-from llmserve.engine.contract import NewRequestData, RunningData, StepPlanData
 from llmserve.engine.fake import FakeEngine, FakeEngineConfig
 from llmserve.engine.mirror import PLACEHOLDER, Mirror, MirrorMismatch
 from tests.factories import sampling
@@ -32,10 +32,10 @@ def new(
     scheduled: int | None = None,
     prompt: int | None = None,
     logprobs: bool = False,
-) -> NewRequestData:
+) -> NewRequest:
     """A new request; scheduled defaults to every token not computed yet, prompt (the number of
     prompt tokens) to all of them; greedy sampling."""
-    return NewRequestData(
+    return NewRequest(
         seq_id=seq_id,
         token_ids=list(tokens),
         num_prompt_tokens=len(tokens) if prompt is None else prompt,
@@ -52,10 +52,10 @@ def running(
     computed: Sequence[int] = (),
     num_new_blocks: Sequence[int] | None = None,
     new_block_ids: Sequence[int] = (),
-) -> RunningData:
+) -> RunningColumns:
     """The running rows, column by column as the plan carries them (columns of different
     lengths are allowed: they are a mismatch case); num_new_blocks defaults to 0 per row."""
-    return RunningData(
+    return RunningColumns(
         seq_ids=list(seq_ids),
         num_scheduled_tokens=list(scheduled),
         num_computed_tokens=list(computed),
@@ -67,8 +67,8 @@ def running(
 def plan(
     step_id: int,
     finished: Sequence[int] = (),
-    new: Sequence[NewRequestData] = (),
-    run: RunningData | None = None,
+    new: Sequence[NewRequest] = (),
+    run: RunningColumns | None = None,
 ) -> StepPlanData:
     return StepPlanData(
         step_id=step_id,

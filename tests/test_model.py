@@ -21,8 +21,8 @@ import pytest
 import torch
 
 from llmserve.common.model_config import load_model_config
+from llmserve.common.step_plan import NewRequest, RunningColumns, StepOutput, StepPlanData
 from llmserve.engine.config import EngineConfig
-from llmserve.engine.contract import NewRequestData, RunningData, StepOutput, StepPlanData
 from llmserve.engine.engine import Engine
 from llmserve.engine.layers import rope_cos_sin_cache, rope_inv_freq
 from llmserve.engine.ops import AttentionContext
@@ -300,12 +300,10 @@ class Driver:
             self._grow(seq_id, num_cached + num_sched)
             table = list(self.tables[seq_id])
             new_reqs.append(
-                NewRequestData(
-                    seq_id, token_ids, len(token_ids), GREEDY, table, num_cached, num_sched
-                )
+                NewRequest(seq_id, token_ids, len(token_ids), GREEDY, table, num_cached, num_sched)
             )
             order.append(seq_id)
-        run = RunningData([], [], [], [], [])
+        run = RunningColumns([], [], [], [], [])
         for seq_id, num_sched in running:
             blocks = self._grow(seq_id, self.computed[seq_id] + num_sched)
             run.seq_ids.append(seq_id)
@@ -450,11 +448,11 @@ def test_engine_logprobs_and_mid_prefill_rows(load: Callable[[str], Loaded]) -> 
         1,
         [],
         [
-            NewRequestData(1, a, 20, greedy_lp, [9, 4, 30], 0, 10),  # mid-prefill
-            NewRequestData(2, b, 12, greedy_lp, [17, 2], 0, 12),
-            NewRequestData(3, c, 9, seeded, [60, 8], 0, 9),
+            NewRequest(1, a, 20, greedy_lp, [9, 4, 30], 0, 10),  # mid-prefill
+            NewRequest(2, b, 12, greedy_lp, [17, 2], 0, 12),
+            NewRequest(3, c, 9, seeded, [60, 8], 0, 9),
         ],
-        RunningData([], [], [], [], []),
+        RunningColumns([], [], [], [], []),
     )
     out = m.engine.step(plan)
     assert out.logprobs is not None

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from llmserve.common.model_config import check_parallel_sizes, load_model_config, valid_tp_sizes
+from llmserve.common.step_plan import NewRequest, RunningColumns, StepPlanData
 from llmserve.engine.config import EngineConfig
-from llmserve.engine.contract import NewRequestData, RunningData, StepPlanData
 from llmserve.engine.parallel import (
     ModelShard,
     Topology,
@@ -85,7 +85,7 @@ def test_engine_config_checks_the_group_shape() -> None:
 
 
 def _new(seq_id: int, tokens: list[int], table: list[int], cached: int, now: int) -> Any:
-    return NewRequestData(seq_id, tokens, len(tokens), GREEDY, table, cached, now)
+    return NewRequest(seq_id, tokens, len(tokens), GREEDY, table, cached, now)
 
 
 def run_scenario(engine: Any, capture: list[torch.Tensor]) -> list[list[int]]:
@@ -98,19 +98,23 @@ def run_scenario(engine: Any, capture: list[torch.Tensor]) -> list[list[int]]:
     tables = {1: [5, 2], 2: [7, 1, 9], 3: [5, 12]}  # c shares a's first block
     outputs = []
 
-    def step(step_id: int, finished: list[int], new: list[Any], run: RunningData) -> None:
+    def step(step_id: int, finished: list[int], new: list[Any], run: RunningColumns) -> None:
         out = engine.step(StepPlanData(step_id, finished, new, run))
         outputs.append(list(out.sampled_token_ids))
 
-    step(1, [], [_new(1, a, tables[1], 0, 18), _new(2, b, tables[2], 0, 20)], RunningData())
-    step(2, [], [], RunningData([1, 2], [1, 17], [18, 20], [0, 0], []))
-    step(3, [], [_new(3, c, tables[3], 16, 3)], RunningData([1, 2], [1, 1], [19, 37], [0, 0], []))
-    step(4, [], [], RunningData([1, 2, 3], [1, 1, 1], [20, 38, 19], [0, 0, 0], []))
+    step(1, [], [_new(1, a, tables[1], 0, 18), _new(2, b, tables[2], 0, 20)], RunningColumns())
+    step(2, [], [], RunningColumns([1, 2], [1, 17], [18, 20], [0, 0], []))
+    step(
+        3, [], [_new(3, c, tables[3], 16, 3)], RunningColumns([1, 2], [1, 1], [19, 37], [0, 0], [])
+    )
+    step(4, [], [], RunningColumns([1, 2, 3], [1, 1, 1], [20, 38, 19], [0, 0, 0], []))
     # Preempt 2: dropped, then back as a new request with all its tokens, recomputed.
     b_now = list(engine.mirror.seqs[2].token_ids)
-    step(5, [2], [], RunningData([1, 3], [1, 1], [21, 20], [0, 0], []))
-    step(6, [], [_new(4, b_now, [11, 4, 6], 0, len(b_now))], RunningData([1], [1], [22], [0], []))
-    step(7, [], [], RunningData([1, 3, 4], [1, 1, 1], [23, 21, len(b_now)], [0, 0, 0], []))
+    step(5, [2], [], RunningColumns([1, 3], [1, 1], [21, 20], [0, 0], []))
+    step(
+        6, [], [_new(4, b_now, [11, 4, 6], 0, len(b_now))], RunningColumns([1], [1], [22], [0], [])
+    )
+    step(7, [], [], RunningColumns([1, 3, 4], [1, 1, 1], [23, 21, len(b_now)], [0, 0, 0], []))
     return outputs
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 from llmserve.common.plan_columns import COLUMNS, CORE_COLUMNS, VALUE_COLUMNS
-from llmserve.engine.contract import NewRequestData, RunningData
+from llmserve.common.step_plan import MESSAGES, RunningColumns
 from llmserve.engine.convert import plan_from_proto
 from llmserve.protos import engine_pb2
 from llmserve.scheduler.config import SchedulerConfig
@@ -25,21 +25,33 @@ def test_every_field_has_a_source_row_attribute_and_an_engine_field() -> None:
     new_fields = {f.name for f in dataclasses.fields(NewRequestRow)}
     for name in engine_pb2.NewRequest.DESCRIPTOR.fields_by_name:
         assert name in new_fields or hasattr(request, name), name
-    assert tuple(engine_pb2.NewRequest.DESCRIPTOR.fields_by_name) == NewRequestData.FIELDS
-    assert (
-        RunningData.FIELDS == COLUMNS == tuple(engine_pb2.RunningColumns.DESCRIPTOR.fields_by_name)
-    )
+    names = [f.name for f in dataclasses.fields(RunningColumns)]
+    assert tuple(names) == COLUMNS == tuple(engine_pb2.RunningColumns.DESCRIPTOR.fields_by_name)
+
+
+def test_the_typed_plan_is_the_proto_field_for_field() -> None:
+    """common/step_plan.py's types carry their messages' fields, in order, under the same names
+    (a field added to the .proto and not here fails), and the repeated ones as lists."""
+    for cls, (message, left) in MESSAGES.items():
+        descriptor = message.DESCRIPTOR
+        expected = [f.name for f in descriptor.fields if f.name not in left]
+        assert [f.name for f in dataclasses.fields(cls)] == expected, cls.__name__
+        for f in dataclasses.fields(cls):
+            repeated = descriptor.fields_by_name[f.name].is_repeated
+            assert repeated == str(f.type).startswith("list["), (cls.__name__, f.name)
 
 
 def test_running_data_reads_an_empty_optional_column_as_zeros() -> None:
-    run = RunningData([4, 5], [1, 1], [7, 9], [0, 1], [3])
+    run = RunningColumns([4, 5], [1, 1], [7, 9], [0, 1], [3])
     assert [getattr(run, name) for name in COLUMNS[:5]] == [[4, 5], [1, 1], [7, 9], [0, 1], [3]]
     for name in COLUMNS[5:]:
         assert name not in CORE_COLUMNS and getattr(run, name) == []
         assert run.column(name) == [0, 0]
     run.seq_ids.append(6)  # rows may be added column by column
     assert run.column("num_lookahead_tokens") == [0, 0, 0]
-    assert RunningData(seq_ids=[1], num_lookahead_tokens=[2]).column("num_scheduled_tokens") == []
+    assert (
+        RunningColumns(seq_ids=[1], num_lookahead_tokens=[2]).column("num_scheduled_tokens") == []
+    )
 
 
 def test_a_plan_crosses_column_for_column() -> None:

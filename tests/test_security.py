@@ -19,8 +19,8 @@ import pytest
 
 from llmserve.client import make_request
 from llmserve.common.net import CHANNEL_OPTIONS, check_health, wait_until_serving
+from llmserve.common.step_plan import StepPlanData
 from llmserve.engine.config import EngineConfig
-from llmserve.engine.contract import StepPlanData
 from llmserve.engine.fake import FakeEngine, FakeEngineConfig
 from llmserve.gateway.config import GatewayConfig
 from llmserve.protos import (
@@ -143,17 +143,17 @@ def test_the_scheduler_checks_submit_as_strictly_as_the_gateway(
 
 
 def new_request(seq_id: int, tokens: list[int], blocks: list[int], **fields: Any) -> Any:
-    from llmserve.engine.contract import NewRequestData
+    from llmserve.common.step_plan import NewRequest
 
     params = sampling(**fields) if "raw" not in fields else fields["raw"]
-    return NewRequestData(seq_id, tokens, len(tokens), params, blocks, 0, len(tokens))
+    return NewRequest(seq_id, tokens, len(tokens), params, blocks, 0, len(tokens))
 
 
 def test_one_bad_request_fails_alone_not_the_batch() -> None:
     """A new request the engine cannot run (a sampling value out of range, a token outside the
     vocabulary) is refused with its reason; the rest of the step runs, later rows of it sample
     nothing, and the scheduler's 'finished' for it is taken quietly."""
-    from llmserve.engine.contract import RunningData
+    from llmserve.common.step_plan import RunningColumns
 
     engine = FakeEngine(EngineConfig(block_size=4, num_kv_blocks=16), FakeEngineConfig(100))
     bad_params = common_pb2.SamplingParams(temperature=1.0, logprobs=True, top_logprobs=-1)
@@ -168,15 +168,15 @@ def test_one_bad_request_fails_alone_not_the_batch() -> None:
     assert "sampling.top_logprobs=-1" in out.refusal_reasons[0]
     assert "token id 500 is outside the vocabulary [0, 100)" in out.refusal_reasons[1]
     # Planned before the scheduler heard: 2 and 3 run on (overlap) and sample nothing.
-    out = engine.step(StepPlanData(2, [], [], RunningData([1, 2, 3], [1, 1, 1], [2, 2, 2],
+    out = engine.step(StepPlanData(2, [], [], RunningColumns([1, 2, 3], [1, 1, 1], [2, 2, 2],
                                                            [0, 0, 0], [])))  # fmt: skip
     assert out.sampled_token_ids == [6, -1, -1] and out.refused_seq_ids == []
-    out = engine.step(StepPlanData(3, [2, 3], [], RunningData([1], [1], [3], [1], [3])))
+    out = engine.step(StepPlanData(3, [2, 3], [], RunningColumns([1], [1], [3], [1], [3])))
     assert out.sampled_token_ids == [5] and engine.mirror.refused == set()
 
 
 def test_a_block_twice_in_one_table_is_a_mismatch() -> None:
-    from llmserve.engine.contract import RunningData
+    from llmserve.common.step_plan import RunningColumns
     from llmserve.engine.mirror import MirrorMismatch
 
     engine = FakeEngine(EngineConfig(block_size=4, num_kv_blocks=16))
@@ -185,7 +185,7 @@ def test_a_block_twice_in_one_table_is_a_mismatch() -> None:
     engine.reset()
     engine.step(StepPlanData(1, [], [new_request(1, [1, 2, 3, 4], [3])]))
     with pytest.raises(MirrorMismatch, match="appears twice"):
-        engine.step(StepPlanData(2, [], [], RunningData([1], [1], [4], [1], [3])))
+        engine.step(StepPlanData(2, [], [], RunningColumns([1], [1], [4], [1], [3])))
 
 
 def test_the_scheduler_fails_a_refused_request_with_its_reason() -> None:

@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 
 from llmserve.bench.byte_tokenizer import EOS_TOKEN_ID
+from llmserve.common.step_plan import GrammarCompile
 from llmserve.engine.config import EngineConfig
-from llmserve.engine.contract import GrammarCompileData
 from llmserve.engine.convert import plan_from_proto
 from llmserve.engine.engine import Engine
 from llmserve.engine.grammar import Grammars
@@ -299,8 +299,8 @@ def test_compiles_ahead_report_compiled_and_refused(model: Path) -> None:
     grammars = Grammars(model, 259, (EOS_TOKEN_ID,))
     grammars.start_compiles(
         [
-            GrammarCompileData(7, StructuredOutput(regex="[0-9]{2}")),
-            GrammarCompileData(8, StructuredOutput(regex="a(b")),
+            GrammarCompile(7, StructuredOutput(regex="[0-9]{2}")),
+            GrammarCompile(8, StructuredOutput(regex="a(b")),
         ]
     )
     done: list[int] = []

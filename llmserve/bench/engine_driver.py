@@ -10,13 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 from llmserve.common.sampling import normalized
-from llmserve.engine.contract import (
-    LoraLoadData,
-    NewRequestData,
-    RunningData,
-    StepOutput,
-    StepPlanData,
-)
+from llmserve.common.step_plan import LoraLoad, NewRequest, RunningColumns, StepOutput, StepPlanData
 from llmserve.engine.engine import Engine
 from llmserve.protos.common_pb2 import SamplingParams
 
@@ -52,9 +46,9 @@ class Driver:
 
     def _step(
         self,
-        new: list[NewRequestData],
-        running: RunningData,
-        lora_loads: list[LoraLoadData] | None = None,
+        new: list[NewRequest],
+        running: RunningColumns,
+        lora_loads: list[LoraLoad] | None = None,
     ) -> StepOutput:
         self.step_id += 1
         out = self.engine.step(StepPlanData(self.step_id, [], new, running, lora_loads or []))
@@ -66,7 +60,7 @@ class Driver:
         self,
         prompts: list[list[int]],
         lora_slots: list[int] | None = None,
-        lora_loads: list[LoraLoadData] | None = None,
+        lora_loads: list[LoraLoad] | None = None,
     ) -> StepOutput:
         """lora_slots: each request's adapter slot (0: the base; None: no adapters), loaded
         by lora_loads in this first step."""
@@ -79,14 +73,14 @@ class Driver:
             table = self._grow(seq_id, len(prompt))  # a copy of the whole (new) table
             slot = self.lora_slots[seq_id] if self.lora_slots else 0
             n = len(prompt)
-            new.append(NewRequestData(seq_id, prompt, n, self.sampling, table, 0, n, slot))
+            new.append(NewRequest(seq_id, prompt, n, self.sampling, table, 0, n, slot))
         self.computed = [len(p) for p in prompts]
-        return self._step(new, RunningData([], [], [], [], []), lora_loads or [])
+        return self._step(new, RunningColumns([], [], [], [], []), lora_loads or [])
 
     def decode(self) -> StepOutput:
         num_seqs = len(self.computed)
         new_blocks = [self._grow(i, self.computed[i] + 1) for i in range(num_seqs)]
-        running = RunningData(
+        running = RunningColumns(
             seq_ids=list(range(num_seqs)),
             num_scheduled_tokens=[1] * num_seqs,
             num_computed_tokens=list(self.computed),

@@ -2,7 +2,7 @@
 converters read them: from the message's descriptor, so that a per-row field added to the .proto
 needs no code in scheduler/convert.py, engine/convert.py or engine/contract.py. A new column is
 filled from the scheduler's RunningRow attribute of its name (scheduler/plan.py) and read by the
-engine as RunningData's attribute of its name (engine/contract.py).
+engine as RunningColumns's attribute of its name (engine/contract.py).
 
     seq_ids          the rows' ids (the scheduler's row holds its request: row.request.seq_id)
     new_block_ids    ragged: row i's blocks are new_block_ids[sum(num_new_blocks[:i]) :
@@ -10,14 +10,14 @@ engine as RunningData's attribute of its name (engine/contract.py).
     any other        one value per row (VALUE_COLUMNS)
 
 The core columns (CORE_COLUMNS) always hold one value per row. Any other is sent only when some
-row's value is not 0: an empty one reads as 0 per row (the engine's RunningData.column).
+row's value is not 0: an empty one reads as 0 per row (the engine's RunningColumns.column).
 """
 
 from __future__ import annotations
 
 from llmserve.protos import engine_pb2
 
-# Every column, in the .proto's order (RunningData's positional order too).
+# Every column, in the .proto's order (RunningColumns's positional order too).
 COLUMNS: tuple[str, ...] = tuple(f.name for f in engine_pb2.RunningColumns.DESCRIPTOR.fields)
 ID_COLUMN = "seq_ids"
 BLOCKS_COLUMN = "new_block_ids"

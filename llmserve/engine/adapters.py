@@ -15,8 +15,8 @@ import torch
 
 from llmserve.common.log import get_logger
 from llmserve.common.model_config import ModelConfig
+from llmserve.common.step_plan import LoraLoad
 from llmserve.engine.config import EngineConfig
-from llmserve.engine.contract import LoraLoadData
 from llmserve.engine.lora import LoraSlots, cpu_lora_ready, kernel_self_check
 from llmserve.engine.lora_files import LoraAdapter, LoraError, read_adapter
 from llmserve.engine.ops import LayerOps
@@ -74,7 +74,7 @@ class Adapters:
         until the scheduler places another adapter there)."""
         self.cache.pop(name, None)
 
-    def place(self, load: LoraLoadData) -> None:
+    def place(self, load: LoraLoad) -> None:
         """Put load.lora_name in slot load.slot: from the host cache when it holds that adapter
         for that path, else read from load.path (and cached). Raises LoraError."""
         adapter = self.cache.get(load.lora_name)
@@ -84,7 +84,7 @@ class Adapters:
             self.cache.move_to_end(load.lora_name)
         self.slots.place(load.slot, adapter)
 
-    def place_all(self, loads: list[LoraLoadData]) -> dict[int, str]:
+    def place_all(self, loads: list[LoraLoad]) -> dict[int, str]:
         """Place each of a plan's loads; {slot: why} for those that failed (the slot is emptied:
         the requests planned under it are refused with the reason)."""
         failed: dict[int, str] = {}

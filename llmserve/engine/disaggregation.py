@@ -54,8 +54,8 @@ from typing import Any
 import torch
 
 from llmserve.common.log import get_logger
+from llmserve.common.step_plan import StepPlanData
 from llmserve.engine.config import WILDCARD_HOSTS, EngineConfig
-from llmserve.engine.contract import StepPlanData
 from llmserve.engine.kv_transfer import (
     BlockLayout,
     KVReceiver,

@@ -26,9 +26,10 @@ from llmserve.common.model_config import (
     resolve_model_path,
 )
 from llmserve.common.sampling import has_penalties
+from llmserve.common.step_plan import StepOutput, StepPlanData
 from llmserve.engine.adapters import Adapters
 from llmserve.engine.config import EngineConfig
-from llmserve.engine.contract import EngineInfo, StepOutput, StepPlanData, with_refused_rows
+from llmserve.engine.contract import EngineInfo, with_refused_rows
 from llmserve.engine.cpu_threads import set_torch_threads
 from llmserve.engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from llmserve.engine.device import resolve_device, resolve_dtype, resolve_kv_dtype

@@ -37,8 +37,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from llmserve.common.flags import setting
+from llmserve.common.step_plan import StepOutput, StepPlanData
 from llmserve.engine.config import EngineConfig
-from llmserve.engine.contract import EngineInfo, StepOutput, StepPlanData, with_refused_rows
+from llmserve.engine.contract import EngineInfo, with_refused_rows
 from llmserve.engine.mirror import Mirror, MirrorMismatch, ScheduledSeq
 
 if TYPE_CHECKING:

@@ -24,8 +24,8 @@ from collections.abc import Iterator
 
 import torch
 
+from llmserve.common.step_plan import StepPlanData
 from llmserve.engine.config import EngineConfig
-from llmserve.engine.contract import StepPlanData
 from llmserve.engine.disaggregation import KVTransfers
 from llmserve.engine.mirror import MirrorMismatch, ScheduledSeq
 

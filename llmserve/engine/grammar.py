@@ -42,9 +42,9 @@ import numpy as np
 from llguidance import LLMatcher, LLTokenizer
 
 from llmserve.common.log import get_logger
+from llmserve.common.step_plan import GrammarCompile
 from llmserve.common.structured_output import constraint_of, grammar_text
 from llmserve.common.tokenizer_files import load_tokenizer_files
-from llmserve.engine.contract import GrammarCompileData
 from llmserve.engine.mirror import PLACEHOLDER, ScheduledSeq, SeqState
 
 log = get_logger("engine")
@@ -130,7 +130,7 @@ class Grammars:
                 if key is not None:
                     seq.grammar = RowGrammar(self.compiled(key))
 
-    def start_compiles(self, compiles: list[GrammarCompileData]) -> None:
+    def start_compiles(self, compiles: list[GrammarCompile]) -> None:
         """Start compiling waiting requests' grammars on the compile thread (or find them in
         the cache), to be reported by take_compiled. Returns at once."""
         for item in compiles:

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from llmserve.engine.contract import BlockCopiesData
+from llmserve.common.step_plan import BlockCopies
 from llmserve.engine.mirror import MirrorMismatch
 from llmserve.protos import engine_pb2
 
@@ -84,7 +84,7 @@ class KVTiers:
     def num_disk_blocks(self) -> int:
         return 0 if self.disk is None else self.disk.shape[0]
 
-    def check(self, copies: list[BlockCopiesData]) -> None:
+    def check(self, copies: list[BlockCopies]) -> None:
         """Raise MirrorMismatch (the plan is refused whole) for a copy between tiers this
         engine lacks, of a kind it does not run, or naming a block outside its tier."""
         sizes = {DEVICE: self.kv_cache.shape[2], HOST: self.num_host_blocks}
@@ -107,7 +107,7 @@ class KVTiers:
                         f"{sizes.get(tier, 0)} blocks"
                     )
 
-    def execute(self, copies: list[BlockCopiesData]) -> None:
+    def execute(self, copies: list[BlockCopies]) -> None:
         """Run a plan's copies, in order, before its forward is launched (call it for every
         plan, with or without copies: on a GPU the forward waits here for what it must).
         Checks them all first (`check`)."""
@@ -136,7 +136,7 @@ class KVTiers:
             self.inbound_done = self.stream.record_event()
         current.wait_event(outbound_done or self.inbound_done)
 
-    def _copy(self, batch: BlockCopiesData) -> None:
+    def _copy(self, batch: BlockCopies) -> None:
         """One batch: every block's layers, keys and values, source to destination."""
         src = torch.tensor(batch.src_ids, dtype=torch.long)
         dst = torch.tensor(batch.dst_ids, dtype=torch.long)

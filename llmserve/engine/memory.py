@@ -24,8 +24,8 @@ from typing import Any
 import torch
 
 from llmserve.common.model_config import ModelConfig
+from llmserve.common.step_plan import NewRequest, RunningColumns, StepPlanData
 from llmserve.engine.config import EngineConfig
-from llmserve.engine.contract import NewRequestData, RunningData, StepPlanData
 from llmserve.engine.kv_cache import allocate_kv_cache, bytes_per_block, layer_views
 from llmserve.engine.mirror import Mirror
 from llmserve.protos.common_pb2 import SamplingParams
@@ -109,15 +109,15 @@ def describe(profile: MemoryProfile) -> dict[str, float]:
 
 def profile_plan(lengths: list[int], block_size: int, vocab_size: int) -> StepPlanData:
     """One step admitting len(lengths) whole prompts, blocks handed out in order."""
-    new: list[NewRequestData] = []
+    new: list[NewRequest] = []
     next_block = 0
     for seq_id, length in enumerate(lengths):
         num_blocks = -(-length // block_size)
         table = list(range(next_block, next_block + num_blocks))
         next_block += num_blocks
         tokens = [(seq_id * 7919 + i * 104729) % vocab_size for i in range(length)]
-        new.append(NewRequestData(seq_id, tokens, length, PROFILE_SAMPLING, table, 0, length))
-    return StepPlanData(1, [], new, RunningData([], [], [], [], []))
+        new.append(NewRequest(seq_id, tokens, length, PROFILE_SAMPLING, table, 0, length))
+    return StepPlanData(1, [], new, RunningColumns([], [], [], [], []))
 
 
 @torch.inference_mode()

@@ -23,7 +23,8 @@ from typing import Any
 
 from llmserve.common.plan_columns import BLOCK_COUNT_COLUMN, VALUE_COLUMNS
 from llmserve.common.sampling import normalized
-from llmserve.engine.contract import NewRequestData, Refusal, StepPlanData
+from llmserve.common.step_plan import NewRequest, StepPlanData
+from llmserve.engine.contract import Refusal
 from llmserve.protos.common_pb2 import SamplingParams
 
 # The running columns of one value per row (common/plan_columns.py).
@@ -187,7 +188,7 @@ class Mirror:
         if offset != len(run.new_block_ids):
             raise MirrorMismatch("new_block_ids longer than num_new_blocks says")
 
-    def _add(self, new: NewRequestData, sampling: SamplingParams) -> ScheduledSeq:
+    def _add(self, new: NewRequest, sampling: SamplingParams) -> ScheduledSeq:
         """new (its sampling params normalized) into the mirror; its share of the step."""
         if new.seq_id in self.seqs:
             raise MirrorMismatch(f"new seq {new.seq_id} is already in the mirror")
@@ -213,7 +214,7 @@ class Mirror:
         self.seqs[new.seq_id] = seq
         return self._schedule(seq, new.num_scheduled_tokens)
 
-    def _check_vocabulary(self, new: NewRequestData) -> None:
+    def _check_vocabulary(self, new: NewRequest) -> None:
         """Raise ValueError when new carries a token id outside the vocabulary."""
         if self.vocab_size:
             bad = [t for t in new.token_ids if not 0 <= t < self.vocab_size]

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from llmserve.common.sampling import has_penalties
-from llmserve.engine.contract import StepOutput
+from llmserve.common.step_plan import StepOutput
 from llmserve.engine.cuda_graphs import DecodeGraphs, is_decode_only
 from llmserve.engine.grammar import Grammars, MaskJob
 from llmserve.engine.lora import LoraSlots

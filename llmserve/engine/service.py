@@ -43,8 +43,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from llmserve.common.auth import peer_interceptors
 from llmserve.common.log import get_logger
 from llmserve.common.net import SERVER_OPTIONS, add_servicer, listen
+from llmserve.common.step_plan import StepOutput, StepPlanData
 from llmserve.engine.config import EngineConfig
-from llmserve.engine.contract import EngineInfo, StepOutput, StepPlanData
+from llmserve.engine.contract import EngineInfo
 from llmserve.engine.convert import info_to_proto, plan_from_proto, result_to_proto
 from llmserve.engine.mirror import MirrorMismatch
 from llmserve.engine.telemetry import EngineTelemetry, now_ns

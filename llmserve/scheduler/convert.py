@@ -4,12 +4,21 @@ them from Submit to the engine as they came (checked and normalized by common.sa
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from operator import attrgetter
 from typing import Any
 
 from llmserve.common.plan_columns import CORE_COLUMNS, VALUE_COLUMNS
 from llmserve.common.sampling import normalized
+from llmserve.common.step_plan import (
+    GrammarCompile,
+    NewRequest,
+    RunningColumns,
+    StepPlanData,
+    output_from_proto,
+    to_proto,
+)
 from llmserve.protos import common_pb2, engine_pb2, scheduler_pb2
 from llmserve.scheduler.admin import RequestRow, TenantRow
 from llmserve.scheduler.plan import (
@@ -49,99 +58,81 @@ def request_from_proto(msg: scheduler_pb2.SubmitRequest, seq_id: int) -> Request
     )
 
 
-# The KV tiers by name (scheduler/kv_offload.py) as engine.proto's KVTier.
-KV_TIERS = {
-    "device": engine_pb2.KV_TIER_DEVICE,
-    "host": engine_pb2.KV_TIER_HOST,
-    "disk": engine_pb2.KV_TIER_DISK,
-}
+def plan_data(plan: StepPlan) -> StepPlanData:
+    """The engine's view of plan (common/step_plan.py): each row field from the row's attribute
+    of its name, or else its request's; the running rows as columns."""
+    compiles = [
+        GrammarCompile(r.seq_id, r.sampling.structured_output) for r in plan.grammar_compiles
+    ]
+    return StepPlanData(
+        plan.step_id, plan.finished_seq_ids, [new_request(row) for row in plan.new_requests],
+        running_columns(plan.running), plan.lora_loads, plan.kv_copies, compiles,
+        plan.kv_sends, plan.kv_receives, plan.kv_receive_cancels,
+    )  # fmt: skip
 
 
 def plan_to_proto(plan: StepPlan) -> engine_pb2.StepPlan:
-    msg = engine_pb2.StepPlan(step_id=plan.step_id, finished_seq_ids=plan.finished_seq_ids)
-    for row in plan.new_requests:
-        msg.new_requests.add(**new_request_fields(row))
-    running_to_proto(plan.running, msg.running)
-    for load in plan.lora_loads:
-        msg.lora_loads.add(slot=load.slot, lora_name=load.lora_name, path=load.path)
-    for src, dst, src_ids, dst_ids in plan.kv_copies:
-        msg.kv_copies.add(
-            src_tier=KV_TIERS[src], dst_tier=KV_TIERS[dst], src_ids=src_ids, dst_ids=dst_ids
-        )
-    for request in plan.grammar_compiles:
-        msg.grammar_compiles.add(
-            seq_id=request.seq_id, structured_output=request.sampling.structured_output
-        )
-    for transfer_id, block_ids, address in plan.kv_sends:
-        msg.kv_sends.add(transfer_id=transfer_id, block_ids=block_ids, address=address)
-    for transfer_id, block_ids in plan.kv_receives:
-        msg.kv_receives.add(transfer_id=transfer_id, block_ids=block_ids)
-    msg.kv_receive_cancels.extend(plan.kv_receive_cancels)
+    msg: engine_pb2.StepPlan = to_proto(plan_data(plan))
     return msg
 
 
 # NewRequest's fields, each read from the row's attribute of its name (the plan's snapshot), or
 # else from its request's.
+_ROW_FIELDS = {f.name for f in dataclasses.fields(NewRequestRow)}
 _NEW_REQUEST_FIELDS = [
-    (name, attrgetter(name if name in NewRequestRow.__dataclass_fields__ else f"request.{name}"))
-    for name in engine_pb2.NewRequest.DESCRIPTOR.fields_by_name
+    (f.name, attrgetter(f.name if f.name in _ROW_FIELDS else f"request.{f.name}"))
+    for f in dataclasses.fields(NewRequest)
 ]
 
 
-def new_request_fields(row: NewRequestRow) -> dict[str, Any]:
-    """row's NewRequest fields: each from the row's attribute of its name, or else from its
-    request's (a field added to the .proto needs no code here)."""
-    return {name: value(row) for name, value in _NEW_REQUEST_FIELDS}
+def new_request(row: NewRequestRow) -> NewRequest:
+    """row's NewRequest: each field from the row's attribute of its name, or else from its
+    request's (a field added to the .proto and to NewRequest needs no code here)."""
+    return NewRequest(**{name: value(row) for name, value in _NEW_REQUEST_FIELDS})
 
 
 # (column, whether always sent, the row's value) for each column of one value per row.
 _VALUE_COLUMNS = [(name, name in CORE_COLUMNS, attrgetter(name)) for name in VALUE_COLUMNS]
 
 
-def running_to_proto(rows: list[RunningRow], msg: engine_pb2.RunningColumns) -> None:
-    """Fill msg's columns from rows, by common/plan_columns.py's rules: each column of one value
-    per row from the rows' attribute of its name (a column other than the core ones only when
-    some row's value is not 0), the ids from the rows' requests, the new blocks ragged."""
+def running_columns(rows: list[RunningRow]) -> RunningColumns:
+    """rows as columns, by common/plan_columns.py's rules: each column of one value per row
+    from the rows' attribute of its name (a column other than the core ones only when some
+    row's value is not 0), the ids from the rows' requests, the new blocks ragged."""
+    columns = RunningColumns()
     if not rows:
-        return  # an empty plan part is left unset
-    msg.seq_ids.extend([row.request.seq_id for row in rows])
+        return columns  # an empty plan part is left unset
+    columns.seq_ids = [row.request.seq_id for row in rows]
     for name, always, value in _VALUE_COLUMNS:
         values = list(map(value, rows))
         if always or any(values):
-            getattr(msg, name).extend(values)
+            setattr(columns, name, values)
     blocks = [row.new_block_ids for row in rows]
-    msg.num_new_blocks.extend(list(map(len, blocks)))
-    msg.new_block_ids.extend([b for ids in blocks for b in ids])
-
-
-def top_logprobs_from_proto(msg: engine_pb2.StepResult) -> TopLogprobColumns | None:
-    if not msg.num_top_logprobs:
-        return None
-    return TopLogprobColumns(
-        list(msg.num_top_logprobs), list(msg.top_token_ids), list(msg.top_logprobs)
-    )
+    columns.num_new_blocks = list(map(len, blocks))
+    columns.new_block_ids = [b for ids in blocks for b in ids]
+    return columns
 
 
 def apply_result(
     scheduler: Scheduler, plan: StepPlan, result: engine_pb2.StepResult
 ) -> list[StepOutcome]:
-    """Scheduler.update with the engine's StepResult for plan (its columns unpacked: empty
-    optional ones as None), after releasing the held requests whose grammar it reports
-    compiled, then the KV transfers it reports received."""
-    scheduler.grammars_compiled(list(result.compiled_seq_ids))
-    scheduler.grammar_dead_ends(list(result.dead_end_seq_ids))
+    """Scheduler.update with the engine's StepResult for plan (read as common/step_plan.py's
+    StepOutput: empty optional columns as None), after releasing the held requests whose
+    grammar it reports compiled, then the KV transfers it reports received."""
+    out = output_from_proto(result)
+    scheduler.grammars_compiled(out.compiled_seq_ids)
+    scheduler.grammar_dead_ends(out.dead_end_seq_ids)
+    top = None
+    if out.num_top_logprobs:
+        top = TopLogprobColumns(out.num_top_logprobs, out.top_token_ids, out.top_logprobs)
     outcomes = scheduler.update(
-        plan,
-        list(result.sampled_token_ids),
-        list(result.logprobs) or None,
-        top_logprobs_from_proto(result),
-        list(result.num_sampled_tokens) or None,
-        list(result.num_draft_tokens) or None,
-    )
-    if result.received_transfer_ids:
-        scheduler.handoffs.on_received(list(result.received_transfer_ids))
-    if result.failed_transfer_ids:
-        scheduler.handoffs.fail("dropped", transfer_ids=list(result.failed_transfer_ids))
+        plan, out.sampled_token_ids, out.logprobs, top,
+        out.num_sampled_tokens or None, out.num_draft_tokens or None,
+    )  # fmt: skip
+    if out.received_transfer_ids:
+        scheduler.handoffs.on_received(out.received_transfer_ids)
+    if out.failed_transfer_ids:
+        scheduler.handoffs.fail("dropped", transfer_ids=out.failed_transfer_ids)
     return outcomes
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
+from llmserve.common.step_plan import KVSend
 from llmserve.scheduler.request import Request, RequestStatus
 from llmserve.scheduler.transfers import Transfer
 
@@ -77,7 +78,7 @@ class Handoffs:
 
     def queue_send(self, transfer_id: int, block_ids: list[int], address: str) -> None:
         """The next plan sends block_ids of this pool to the decode engine at address."""
-        self.s.transfers.sends.append((transfer_id, block_ids, address))
+        self.s.transfers.sends.append(KVSend(transfer_id, block_ids, address))
 
     def release(self, request: Request) -> None:
         """Take waiting request out of this scheduler (it runs elsewhere now: the prefill

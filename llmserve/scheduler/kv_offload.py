@@ -24,6 +24,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from llmserve.common.step_plan import KV_TIERS, BlockCopies
+
 # A cached block's identity: (its hash, its parent's hash, its tokens), as BlockManager keys it.
 BlockKey = tuple[int, int, tuple[int, ...]]
 
@@ -183,13 +185,14 @@ class KVOffload:
         self._copy(tier, slot, DEVICE, block_id)
         self.counters.hit_blocks[tier] += 1
 
-    def take_copies(self) -> list[tuple[str, str, list[int], list[int]]]:
-        """The copies decided since the last call, as (src tier, dst tier, src ids, dst ids)
-        batches in COPY_ORDER (empty batches left out); the slots' locks are released."""
+    def take_copies(self) -> list[BlockCopies]:
+        """The copies decided since the last call, as batches in COPY_ORDER (empty batches left
+        out); the slots' locks are released."""
         batches = []
         for (src, dst), pairs in self.pending.items():
             if pairs:
-                batches.append((src, dst, [p[0] for p in pairs], [p[1] for p in pairs]))
+                src_ids, dst_ids = [p[0] for p in pairs], [p[1] for p in pairs]
+                batches.append(BlockCopies(KV_TIERS[src], KV_TIERS[dst], src_ids, dst_ids))
                 pairs.clear()
         self._locked.clear()
         return batches

@@ -25,7 +25,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from llmserve.scheduler.plan import LoraLoad
+from llmserve.common.step_plan import LoraLoad
 
 # Adapter names: letters, digits, '.', '_', '-', optionally one '/' (as "org/name"); no path
 # climbing, no spaces or control characters (names are listed to every client and logged).

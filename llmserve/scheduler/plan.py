@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from itertools import islice
 
+from llmserve.common.step_plan import BlockCopies, KVReceive, KVSend, LoraLoad
 from llmserve.scheduler.request import Request, RequestStatus
 
 
@@ -39,15 +40,6 @@ class RunningRow:
     lora_slot: int = 0  # as in NewRequestRow; named every step
 
 
-@dataclass(frozen=True)
-class LoraLoad:
-    """engine.proto's LoraLoad: adapter lora_name (at path) into device slot `slot`."""
-
-    slot: int
-    lora_name: str
-    path: str
-
-
 @dataclass
 class StepPlan:
     """One step for the engine. Batch order: new_requests, then running."""
@@ -60,19 +52,18 @@ class StepPlan:
     preempted: list[Request] = field(default_factory=list)
     # Adapters the engine places in slots before the rows run.
     lora_loads: list[LoraLoad] = field(default_factory=list)
-    # KV offload: copies between tiers, (src tier, dst tier, src ids, dst ids) batches in the
-    # order the engine runs them (scheduler/kv_offload.py).
-    kv_copies: list[tuple[str, str, list[int], list[int]]] = field(default_factory=list)
+    # KV offload: copies between tiers, in the order the engine runs them (kv_offload.py).
+    kv_copies: list[BlockCopies] = field(default_factory=list)
     # Structured output: held requests whose grammar the engine is to compile (their
     # constraints travel in the plan), and whether some sent earlier are not reported yet (the
     # plan then goes even with nothing else in it, to ask; scheduler/grammar_wait.py).
     grammar_compiles: list[Request] = field(default_factory=list)
     asks_grammars: bool = False
-    # Disaggregation (scheduler/handoffs.py): (transfer id, block ids, address) to send,
-    # (transfer id, block ids) to await, transfer ids given up; whether transfers are awaited
-    # (a plan then goes out even with nothing else in it: the engine is polled).
-    kv_sends: list[tuple[int, list[int], str]] = field(default_factory=list)
-    kv_receives: list[tuple[int, list[int]]] = field(default_factory=list)
+    # Disaggregation (scheduler/handoffs.py): transfers to send, to await, and ids given up;
+    # whether transfers are awaited (a plan then goes out even with nothing else in it: the
+    # engine is polled).
+    kv_sends: list[KVSend] = field(default_factory=list)
+    kv_receives: list[KVReceive] = field(default_factory=list)
     kv_receive_cancels: list[int] = field(default_factory=list)
     awaits_transfers: bool = False
 

@@ -235,7 +235,8 @@ class Roles:
         assert scheduler is not None
         address = link.engine_info.kv_transfer_address if link.engine_info else ""
         for prefill in self._schedulers(self.prefills):
-            prefill.transfers.sends = [s for s in prefill.transfers.sends if s[2] != address]
+            sends = prefill.transfers.sends
+            prefill.transfers.sends = [s for s in sends if s.address != address]
         others = self._schedulers([d for d in self.up(self.decodes) if d is not link])
         takers = self._schedulers(self.up(self.prefills))
         if not others:

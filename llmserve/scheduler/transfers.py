@@ -18,6 +18,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field, replace
 
+from llmserve.common.step_plan import KVReceive, KVSend
 from llmserve.scheduler.kv_offload import BlockKey
 from llmserve.scheduler.request import Request
 
@@ -73,10 +74,9 @@ class TransferTable:
         self.block_bytes = 0  # one block's bytes (the engine's kv_block_bytes)
         self.in_flight: dict[int, Transfer] = {}
         self.by_seq_id: dict[int, int] = {}
-        # Plan parts not sent yet: (transfer id, block ids, address), (transfer id, block ids),
-        # transfer ids.
-        self.sends: list[tuple[int, list[int], str]] = []
-        self.receives: list[tuple[int, list[int]]] = []
+        # Plan parts not sent yet.
+        self.sends: list[KVSend] = []
+        self.receives: list[KVReceive] = []
         self.cancels: list[int] = []
         # Prefill side: requests whose first token came, with their prompt's full blocks here.
         self.handoffs: list[tuple[Request, list[int]]] = []
@@ -94,7 +94,7 @@ class TransferTable:
     def start(self, transfer: Transfer) -> None:
         self.in_flight[transfer.transfer_id] = transfer
         self.by_seq_id[transfer.request.seq_id] = transfer.transfer_id
-        self.receives.append((transfer.transfer_id, transfer.block_ids))
+        self.receives.append(KVReceive(transfer.transfer_id, transfer.block_ids))
         self.counters.num_started += 1
 
     def of(self, seq_id: int) -> Transfer | None:
@@ -119,12 +119,12 @@ class TransferTable:
             c.seconds += now - transfer.started
             return
         c.num_failed[failure] += 1
-        self.receives = [r for r in self.receives if r[0] != transfer.transfer_id]
+        self.receives = [r for r in self.receives if r.transfer_id != transfer.transfer_id]
         self.cancels.append(transfer.transfer_id)
 
     def take_plan_parts(
         self,
-    ) -> tuple[list[tuple[int, list[int], str]], list[tuple[int, list[int]]], list[int]]:
+    ) -> tuple[list[KVSend], list[KVReceive], list[int]]:
         """The sends, receives and cancels decided since the last plan (and forget them)."""
         parts = (self.sends, self.receives, self.cancels)
         self.sends, self.receives, self.cancels = [], [], []
