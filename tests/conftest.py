@@ -11,6 +11,9 @@ import pytest
 
 from llmserve.engine.cpu_threads import configure_openmp
 
+# The scheduler tests' `make` fixture (a Scheduler driven by a fake engine step).
+pytest_plugins = ["tests.scheduler_harness"]
+
 # Services started by tests serve no /metrics unless a test asks (fixed default ports would
 # collide with a stack the developer is running); OTEL_* from the developer's shell is ignored.
 os.environ["LLMSERVE_METRICS_PORT"] = "0"

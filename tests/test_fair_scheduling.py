@@ -18,7 +18,7 @@ from llmserve.scheduler.config import SchedulerConfig
 from llmserve.scheduler.policies import FairPolicy, FcfsPolicy, PriorityPolicy, StaticBatching
 from llmserve.scheduler.request import Request, RequestStatus
 from llmserve.scheduler.scheduler import Scheduler
-from tests.test_scheduler import BS, EOS, VOCAB, Harness, make_request, running_rows
+from tests.scheduler_harness import BS, EOS, VOCAB, Harness, make_request, running_rows
 
 
 def request(

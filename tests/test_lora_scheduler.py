@@ -11,7 +11,7 @@ import pytest
 
 from llmserve.scheduler.admission import AdmissionError
 from llmserve.scheduler.plan import StepPlan
-from tests.test_scheduler import BS, Harness, make_request
+from tests.scheduler_harness import BS, Harness, make_request
 
 
 def lora_request(seq_id: int, lora_name: str, num_prompt: int = 6, max_tokens: int = 4, **kw):
