@@ -16,10 +16,10 @@ import pytest
 from llmserve.engine.convert import plan_from_proto
 from llmserve.engine.mirror import Mirror
 from llmserve.scheduler.config import SchedulerConfig
-from llmserve.scheduler.convert import plan_to_proto
 from llmserve.scheduler.plan import StepOutcome, StepPlan
 from llmserve.scheduler.request import Request, RequestStatus
 from llmserve.scheduler.scheduler import Scheduler
+from llmserve.scheduler.service.convert import plan_to_proto
 from tests.factories import sampling
 
 BS = 4

@@ -1,7 +1,7 @@
-"""N prefill and M decode engines under one scheduler service (scheduler/roles.py), torch-free:
-a real SchedulerService whose engine links are connected by hand (their EngineInfo adopted,
-their results applied as a fake engine's) instead of over gRPC. Which prefill engine a prompt
-goes to, which decode engine its KV moves to (prefix affinity, then load), the transfer ids
+"""N prefill and M decode engines under one scheduler service (scheduler/disagg/roles.py),
+torch-free: a real SchedulerService whose engine links are connected by hand (their EngineInfo
+adopted, their results applied as a fake engine's) instead of over gRPC. Which prefill engine a
+prompt goes to, which decode engine its KV moves to (prefix affinity, then load), the transfer ids
 apart per decode engine, and each engine lost: its transfers given up, its requests moved to
 an engine of the same role (else the other role), no block held anywhere after."""
 
@@ -13,11 +13,11 @@ import pytest
 
 from llmserve.protos import engine_pb2
 from llmserve.scheduler.config import SchedulerConfig
-from llmserve.scheduler.engine_link import EngineLink
+from llmserve.scheduler.disagg.roles import AFFINITY_SLACK, TRANSFER_ID_SHIFT
 from llmserve.scheduler.request import Request
-from llmserve.scheduler.roles import AFFINITY_SLACK, TRANSFER_ID_SHIFT
 from llmserve.scheduler.scheduler import Scheduler
-from llmserve.scheduler.service import SchedulerService
+from llmserve.scheduler.service.engine_link import EngineLink
+from llmserve.scheduler.service.service import SchedulerService
 from tests.factories import sampling
 
 BS = 4
@@ -267,7 +267,7 @@ def test_stats_sum_the_engines_and_list_each(service: SchedulerService) -> None:
     rows = {row["address"]: row for row in stats["engines"]}
     assert [rows[a]["role"] for a in (*DECODES, *PREFILLS)] == ["decode"] * 2 + ["prefill"] * 2
     assert rows[DECODES[1]]["num_waiting"] == 1 and all(r["ready"] for r in rows.values())
-    from llmserve.scheduler.convert import stats_to_proto
+    from llmserve.scheduler.service.convert import stats_to_proto
 
     msg = stats_to_proto(stats)
     assert [e.address for e in msg.engines] == [*DECODES, *PREFILLS]

@@ -20,9 +20,9 @@ from llmserve.engine.config import EngineConfig
 from llmserve.engine.convert import plan_from_proto, result_to_proto
 from llmserve.engine.engine import Engine
 from llmserve.scheduler.config import SchedulerConfig
-from llmserve.scheduler.convert import apply_result, plan_to_proto
 from llmserve.scheduler.request import Request
 from llmserve.scheduler.scheduler import Scheduler
+from llmserve.scheduler.service.convert import apply_result, plan_to_proto
 from tests.factories import sampling
 from tests.family_models import ENGINE_SETTINGS, FAMILY_CONFIGS, make_tiny_family
 from tests.spec_driver import check_mirror

@@ -167,7 +167,7 @@ def test_no_import_cycles() -> None:
 @pytest.mark.parametrize(
     "module",
     [
-        "llmserve.scheduler.service",
+        "llmserve.scheduler.service.service",
         "llmserve.scheduler.policies.static_batching",
         "llmserve.gateway.service",
         "llmserve.gateway.http",

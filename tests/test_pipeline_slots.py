@@ -202,8 +202,8 @@ def test_pipeline_size_comes_from_the_engine_info() -> None:
 async def _adopt_pipeline_sizes() -> None:
     from llmserve.engine.contract import EngineInfo
     from llmserve.engine.convert import info_to_proto
-    from llmserve.scheduler.engine_link import EngineMismatch
-    from llmserve.scheduler.service import SchedulerService
+    from llmserve.scheduler.service.engine_link import EngineMismatch
+    from llmserve.scheduler.service.service import SchedulerService
 
     def info(**sizes: int) -> engine_pb2.EngineInfo:
         return info_to_proto(

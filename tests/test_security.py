@@ -198,9 +198,9 @@ def test_the_scheduler_fails_a_refused_request_with_its_reason() -> None:
 async def _refused_request() -> None:
     import asyncio
 
-    from llmserve.scheduler.engine_link import SentStep
     from llmserve.scheduler.scheduler import Scheduler
-    from llmserve.scheduler.service import SchedulerService
+    from llmserve.scheduler.service.engine_link import SentStep
+    from llmserve.scheduler.service.service import SchedulerService
 
     service = SchedulerService(SchedulerConfig())
     config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64)

@@ -28,9 +28,9 @@ from llmserve.engine.grammar import Grammars
 from llmserve.engine.mirror import ScheduledSeq, SeqState
 from llmserve.protos.common_pb2 import ChoiceList, StructuredOutput
 from llmserve.scheduler.config import SchedulerConfig
-from llmserve.scheduler.convert import plan_to_proto
 from llmserve.scheduler.request import Request, RequestStatus
 from llmserve.scheduler.scheduler import Scheduler
+from llmserve.scheduler.service.convert import plan_to_proto
 from tests.factories import sampling
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -1,6 +1,6 @@
 """The step contract's messages as typed data both sides use (protos/engine.proto): what a plan
 brings (StepPlanData, its rows and parts), what a step returns (StepOutput). The scheduler builds
-a StepPlanData from its plan (scheduler/convert.py), the engine reads one (engine/), and
+a StepPlanData from its plan (scheduler/service/convert.py), the engine reads one (engine/), and
 `to_proto` / `from_proto` convert field by field under the .proto's names, so a field added to
 the .proto is a field added here (tests/test_step_plan.py holds the two equal) and nothing in
 either converter. Order and rules within a plan: docs/architecture.md#the-step-contract.

@@ -9,8 +9,9 @@ preempted: its blocks are freed and it waits again, to be recomputed from its to
 
 The Scheduler holds its parts and calls them by name: `policy` (admission order and victims:
 scheduler/policies/), `slots` (pipeline stages: scheduler/pipeline.py), `swaps` (KV offload tiers:
-scheduler/swaps.py), `handoffs` (prefill / decode engines: scheduler/handoffs.py), `block_manager`,
-`loras`, `tenants`, `grammar_wait`, `speculation`. The plan it returns: scheduler/plan.py.
+scheduler/swaps.py), `handoffs` (prefill / decode engines: scheduler/disagg/handoffs.py),
+`block_manager`, `loras`, `tenants`, `grammar_wait`, `speculation`. The plan it returns:
+scheduler/plan.py.
 """
 
 from __future__ import annotations
@@ -30,8 +31,9 @@ from llmserve.scheduler.admin import (
 from llmserve.scheduler.admission import check_admissible
 from llmserve.scheduler.block_manager import BlockManager
 from llmserve.scheduler.config import SchedulerConfig
+from llmserve.scheduler.disagg.handoffs import Handoffs
+from llmserve.scheduler.disagg.transfers import TransferTable
 from llmserve.scheduler.grammar_wait import GrammarWait
-from llmserve.scheduler.handoffs import Handoffs
 from llmserve.scheduler.kv_offload import KVOffload
 from llmserve.scheduler.lora import LoraTable
 from llmserve.scheduler.pipeline import PipelineSlots
@@ -48,7 +50,6 @@ from llmserve.scheduler.request import Request, RequestStatus
 from llmserve.scheduler.speculation import SpeculationPolicy
 from llmserve.scheduler.swaps import Swaps
 from llmserve.scheduler.tenants import TenantLedger
-from llmserve.scheduler.transfers import TransferTable
 
 
 class Scheduler:
@@ -116,7 +117,7 @@ class Scheduler:
         # until an engine reports max_loras.
         self.loras = LoraTable()
         # Prefill / decode disaggregation: this scheduler's role and its transfers
-        # (scheduler/handoffs.py); role "both" (colocated) uses none of it.
+        # (scheduler/disagg/handoffs.py); role "both" (colocated) uses none of it.
         self.transfers = TransferTable("both", config.kv_transfer_timeout_s)
 
     def set_sliding_window(self, sliding_window: int | None) -> None:

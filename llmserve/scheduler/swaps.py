@@ -18,8 +18,8 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
+from llmserve.scheduler.disagg.transfers import KVMove
 from llmserve.scheduler.request import Request
-from llmserve.scheduler.transfers import KVMove
 
 if TYPE_CHECKING:
     from llmserve.scheduler.scheduler import Scheduler

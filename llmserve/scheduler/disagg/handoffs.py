@@ -17,7 +17,7 @@ Only full blocks move: the partial last block (fewer than block_size tokens) is 
 the first decode step, as after any prefix hit, so every block that moves is a cached block
 under its key. A transfer that fails (deadline, an engine lost) drops its pins and the request
 is admitted as a miss: the decode engine recomputes its prompt. Either way its first token is
-in its tokens, never sampled (nor streamed) again. Bookkeeping: scheduler/transfers.py.
+in its tokens, never sampled (nor streamed) again. Bookkeeping: scheduler/disagg/transfers.py.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ import time
 from typing import TYPE_CHECKING
 
 from llmserve.common.step_plan import KVSend
+from llmserve.scheduler.disagg.transfers import Transfer
 from llmserve.scheduler.request import Request, RequestStatus
-from llmserve.scheduler.transfers import Transfer
 
 if TYPE_CHECKING:
     from llmserve.scheduler.scheduler import Scheduler

@@ -26,9 +26,9 @@ import itertools
 from collections.abc import Sequence
 
 from llmserve.common.log import get_logger
-from llmserve.scheduler.engine_link import EngineLink, LinkEvents
 from llmserve.scheduler.request import Request
 from llmserve.scheduler.scheduler import Scheduler
+from llmserve.scheduler.service.engine_link import EngineLink, LinkEvents
 
 log = get_logger("scheduler")
 

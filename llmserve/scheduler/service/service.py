@@ -1,6 +1,6 @@
 """The scheduler's gRPC service: Submit streams and the admin RPCs for the gateway, over its
-engine links (`links`: one EngineLink per engine, scheduler/engine_link.py; under prefill /
-decode disaggregation `roles` holds them by role, scheduler/roles.py).
+engine links (`links`: one EngineLink per engine, scheduler/service/engine_link.py; under prefill /
+decode disaggregation `roles` holds them by role, scheduler/disagg/roles.py).
 
 Everything runs on one asyncio loop, so the Scheduler is only touched between awaits: a Submit or a
 cancellation can land while a step is in flight, and `update` copes (it skips requests that ended
@@ -27,19 +27,19 @@ from llmserve.common.sampling import SamplingError
 from llmserve.protos import scheduler_pb2, scheduler_pb2_grpc
 from llmserve.scheduler.admission import AdmissionError
 from llmserve.scheduler.config import SchedulerConfig
-from llmserve.scheduler.convert import (
+from llmserve.scheduler.disagg.roles import Roles
+from llmserve.scheduler.lora import check_lora_name
+from llmserve.scheduler.plan import StepOutcome
+from llmserve.scheduler.request import Request, RequestStatus
+from llmserve.scheduler.scheduler import Scheduler
+from llmserve.scheduler.service.convert import (
     request_from_proto,
     request_state_to_proto,
     response_to_proto,
     stats_to_proto,
 )
-from llmserve.scheduler.engine_link import EngineLink, deliver
-from llmserve.scheduler.lora import check_lora_name
-from llmserve.scheduler.plan import StepOutcome
-from llmserve.scheduler.request import Request, RequestStatus
-from llmserve.scheduler.roles import Roles
-from llmserve.scheduler.scheduler import Scheduler
-from llmserve.scheduler.telemetry import SchedulerTelemetry
+from llmserve.scheduler.service.engine_link import EngineLink, deliver
+from llmserve.scheduler.service.telemetry import SchedulerTelemetry
 
 log = get_logger("scheduler")
 
@@ -95,7 +95,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         """Whether to take new requests (stats' `ready`, readiness): not draining, and the
         engine up (its Step stream open, answering its heartbeat). Disaggregated: every engine
         has been up once, and one is up (while some are lost, the others take their requests:
-        scheduler/roles.py)."""
+        scheduler/disagg/roles.py)."""
         if self.draining:
             return False
         if self.roles is None:

@@ -38,11 +38,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from llmserve.common.log import get_logger
 from llmserve.protos import engine_pb2, engine_pb2_grpc
 from llmserve.scheduler.config import SchedulerConfig
-from llmserve.scheduler.convert import apply_result, plan_to_proto
 from llmserve.scheduler.plan import StepOutcome, StepPlan
 from llmserve.scheduler.request import RequestStatus
 from llmserve.scheduler.scheduler import Scheduler
-from llmserve.scheduler.telemetry import SchedulerTelemetry
+from llmserve.scheduler.service.convert import apply_result, plan_to_proto
+from llmserve.scheduler.service.telemetry import SchedulerTelemetry
 
 log = get_logger("scheduler")
 
@@ -259,7 +259,7 @@ class EngineLink:
 
     def _adopt_role(self, info: engine_pb2.EngineInfo) -> None:
         """Check the engine's role against the one this link drives (EngineMismatch); the
-        scheduler plans for it (scheduler/handoffs.py)."""
+        scheduler plans for it (scheduler/disagg/handoffs.py)."""
         assert self.scheduler is not None
         role = info.engine_role or "both"
         if role != self.role:

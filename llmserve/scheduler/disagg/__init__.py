@@ -1,0 +1,1 @@
+"""scheduler/disagg/: see docs/architecture.md#layout."""

@@ -1,0 +1,1 @@
+"""scheduler/service/: see docs/architecture.md#layout."""

@@ -1,0 +1,108 @@
+"""Move product modules and rewrite every reference to them: imports (`llmserve.a.b`), string
+paths in code and docs (`a/b.py`, `llmserve/a/b.py`). Used for the folder layout of issue 39, and
+re-run on a branch made before a move to bring it onto the new layout.
+
+    python scripts/move_modules.py engine/fake.py=engine/contract/echo.py [...]
+    python scripts/move_modules.py --plan scripts/layout_moves.txt    # one OLD=NEW per line
+
+Paths are relative to llmserve/. A NEW folder gets an `__init__.py` if it has none. `git mv` is
+used when OLD is tracked, so history follows the file. Rewrites run over *.py, *.md, *.toml,
+*.sh, *.yaml, *.yml, *.txt and Dockerfile under the repository (not .venv, .git).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PKG = ROOT / "llmserve"
+SUFFIXES = {".py", ".md", ".toml", ".sh", ".yaml", ".yml", ".txt", ".cfg", ".ini", ".json"}
+SKIP_DIRS = {".venv", ".git", "node_modules", "__pycache__", ".mypy_cache", ".ruff_cache"}
+
+
+def module_name(rel: str) -> str:
+    return "llmserve." + rel.removesuffix(".py").replace("/", ".")
+
+
+def files_to_rewrite() -> list[Path]:
+    out = []
+    for path in ROOT.rglob("*"):
+        if any(part in SKIP_DIRS for part in path.relative_to(ROOT).parts):
+            continue
+        wanted = path.suffix in SUFFIXES or path.name == "Dockerfile"
+        if path.is_file() and wanted and "_pb2" not in path.name and "results" not in path.parts:
+            out.append(path)
+    return out
+
+
+def move(pairs: list[tuple[str, str]]) -> None:
+    tracked = set(subprocess.run(
+        ["git", "ls-files", "llmserve"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.split())  # fmt: skip
+    for old, new in pairs:
+        src, dst = PKG / old, PKG / new
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        init = dst.parent / "__init__.py"
+        if not init.exists():
+            init.write_text(
+                f'"""{dst.parent.relative_to(PKG)}/: see docs/architecture.md#layout."""\n'
+            )
+            subprocess.run(["git", "add", str(init)], cwd=ROOT, check=True)
+        if f"llmserve/{old}" in tracked:
+            subprocess.run(["git", "mv", str(src), str(dst)], cwd=ROOT, check=True)
+        else:
+            src.rename(dst)
+    rewrite(pairs)
+
+
+def rewrite(pairs: list[tuple[str, str]]) -> None:
+    """Every reference to an old module, as an import or a path, made to name the new one: one
+    pass over each file (a reference rewritten is never matched again), longest names first."""
+    table: dict[str, str] = {}
+    for old, new in pairs:
+        old_mod, new_mod = module_name(old), module_name(new)
+        table[old_mod] = new_mod
+        old_pkg, _, old_leaf = old_mod.rpartition(".")
+        new_pkg, _, new_leaf = new_mod.rpartition(".")
+        table[f"from {old_pkg} import {old_leaf}"] = f"from {new_pkg} import {new_leaf}"
+        table[f"llmserve/{old}"] = f"llmserve/{new}"
+        table[old] = new
+    keys = sorted(table, key=len, reverse=True)
+
+    # A bare path (engine/x.py) must not be the tail of a longer one; llmserve/... may follow
+    # a "/" (a docs link: ../llmserve/engine/x.py).
+    def guarded(key: str) -> str:
+        before = r"(?<![\w.])" if key.startswith(("llmserve", "from ")) else r"(?<![\w/.])"
+        return rf"{before}{re.escape(key)}(?![\w/])"
+
+    pattern = re.compile("|".join(map(guarded, keys)))
+    for path in files_to_rewrite():
+        text = path.read_text(errors="surrogateescape")
+        new_text = pattern.sub(lambda m: table[m.group(0)], text)
+        if new_text != text:
+            path.write_text(new_text, errors="surrogateescape")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("moves", nargs="*", help="OLD=NEW, paths relative to llmserve/")
+    parser.add_argument("--plan", type=Path, help="a file of OLD=NEW lines (# comments)")
+    parser.add_argument(
+        "--rewrite-only", action="store_true", help="rewrite references; move no file"
+    )
+    args = parser.parse_args()
+    lines = list(args.moves)
+    if args.plan:
+        lines += [ln.split("#")[0].strip() for ln in args.plan.read_text().splitlines()]
+    pairs = [tuple(ln.split("=", 1)) for ln in lines if ln]
+    if args.rewrite_only:
+        rewrite(pairs)  # type: ignore[arg-type]
+    else:
+        move(pairs)  # type: ignore[arg-type]
+
+
+if __name__ == "__main__":
+    main()
