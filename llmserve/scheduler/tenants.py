@@ -1,33 +1,7 @@
-"""Per-tenant accounting: the service each tenant received, as token counts and as a virtual token
-counter (VTC, Sheng et al., "Fairness in Serving Large Language Models", OSDI'24).
-
-A tenant's counter grows as its tokens are scheduled:
-
-    virtual_tokens += (prefill_weight * prefill tokens + decode_weight * decode tokens) / weight
-
-The fair policy (policies/fair.py) admits from the tenant with the smallest counter and preempts
-from the one with the largest, so over any busy stretch tenants receive service in proportion to
-their weights. Every policy keeps the ledger (a few additions per scheduled row): GetStats shows
-every tenant's service under fcfs and priority too.
-
-The weights, 1 per prefill token and 2 per decode token by default, are the ones the VTC paper
-evaluates (OpenAI's prices then: an output token cost twice an input token). They match where the
-time goes: a prefill token rides in a compute-bound matrix product with many others, while a
-decode token costs a step's pass over the weights and a read of its whole KV history, so a
-long-output tenant is charged more per token than a long-prompt one.
-
-A position is charged once (`Request.ledger.num_charged_tokens`): a recompute after a preemption
-is the scheduler's doing, not the tenant's, and is free; prefix-cache hits are not computed and are
-free.
-
-The lift (VTC's rule): a tenant that had no work queued or running and sends a request has its
-counter raised to the smallest counter among tenants that do have work, so credit is not banked
-while idle: a tenant returning after an hour does not lock the others out until it catches up.
-
-Tenants are named by clients (the gateway's `user` field when it has no API keys), so the ledger
-forgets idle ones beyond `max_idle` (the longest idle first): memory stays bounded whatever
-names arrive. A forgotten tenant that returns starts again from the lift, and its token totals
-in GetStats start again from 0.
+"""Per-tenant accounting: each tenant's service as token counts and as a virtual token counter
+(VTC), kept by every policy and read by the fair one (policies/fair.py) and GetStats. The
+counter's rule, the weights' reason, the lift and why recomputes are free:
+docs/scheduling.md#tenant-accounting.
 """
 
 from __future__ import annotations
