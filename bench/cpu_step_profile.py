@@ -11,7 +11,7 @@ operator accounts for is Python around the step (plan to tensors, mirror, sampli
 # ruff: noqa: E402 (libgomp's wait policy is set before torch loads it)
 from __future__ import annotations
 
-from llmserve.engine.cpu_threads import configure_openmp
+from llmserve.engine.step.cpu_threads import configure_openmp
 
 configure_openmp()  # as the engine service does, before torch loads libgomp
 
@@ -26,7 +26,7 @@ import torch
 from llmserve.bench.engine_driver import Driver
 from llmserve.bench.report import hardware, save
 from llmserve.engine.config import EngineConfig
-from llmserve.engine.engine import Engine
+from llmserve.engine.step.engine import Engine
 
 ROOT = Path(__file__).resolve().parent.parent
 

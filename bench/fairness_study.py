@@ -5,13 +5,13 @@
     python -m bench.fairness_study --scenarios alone fcfs   # some; merged into --output
     python -m bench.fairness_study --plot-only
 
-The engine is the echo engine (engine/fake.py) with a step time modelled on the built-in model's
-on this machine's CPU (bench/results/cpu_engine_steps.json, "cpu ops": 40 ms for a 1-token step,
-77.5 ms for 16, 248 ms for 64): 40 ms + 2.5 ms per token computed. Why not the model itself:
-on 2 shared cores one scenario at the rates below would take many minutes and its step times
-would move with whatever else runs; the policies only see step times and token counts, which
-the echo engine reproduces exactly, and the same run is repeatable. The scheduler, gateway and
-client are the real ones.
+The engine is the echo engine (engine/contract/echo.py) with a step time modelled on the built-in
+model's on this machine's CPU (bench/results/cpu_engine_steps.json, "cpu ops": 40 ms for a 1-token
+step, 77.5 ms for 16, 248 ms for 64): 40 ms + 2.5 ms per token computed. Why not the model itself:
+on 2 shared cores one scenario at the rates below would take many minutes and its step times would
+move with whatever else runs; the policies only see step times and token counts, which the echo
+engine reproduces exactly, and the same run is repeatable. The scheduler, gateway and client are the
+real ones.
 
 Scenarios (seeded Poisson arrivals; every request ignores EOS and runs to its max_tokens):
 
@@ -54,7 +54,7 @@ import grpc
 from llmserve.bench.byte_tokenizer import EOS_TOKEN_ID, TINY_VOCAB, write_byte_tokenizer
 from llmserve.bench.report import git_commit, hardware, save
 from llmserve.engine.config import EngineConfig
-from llmserve.engine.fake import FakeEngineConfig
+from llmserve.engine.contract.echo import EchoEngineConfig
 from llmserve.gateway.config import GatewayConfig
 from llmserve.protos import (
     admin_pb2,
@@ -121,7 +121,7 @@ def start_stack(
     gateway = GatewayConfig(
         model=str(tokenizer), served_model_name=("fake-echo",), admin_key=ADMIN_KEY
     )
-    fake = FakeEngineConfig(
+    fake = EchoEngineConfig(
         vocab_size=TINY_VOCAB, eos_token_ids=(EOS_TOKEN_ID,), step_delay_ms=step_ms[0],
         step_token_delay_ms=step_ms[1],
     )  # fmt: skip
@@ -553,7 +553,7 @@ def main() -> int:
             commit=git_commit(),
             hardware=hardware(),
             engine={
-                "kind": "echo engine (engine/fake.py)",
+                "kind": "echo engine (engine/contract/echo.py)",
                 "step_ms": f"{STEP_MS} + {TOKEN_MS} per token computed",
                 "max_num_seqs": MAX_NUM_SEQS,
                 "max_num_batched_tokens": 512,

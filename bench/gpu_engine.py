@@ -10,12 +10,12 @@ For configs/<shape>/config.json with `--load-format dummy` (seeded random weight
 4; recorded in the JSON, whose name then says the mode: gpu_engine_<shape>_int8.json):
 
 1. offline (the issue's workload): `llmserve bench offline` starts the whole stack (gateway,
-   scheduler, engine; real gRPC) with `--device cuda`, sends --num-prompts requests of exactly
-   512 prompt tokens (the byte-level tokenizer of a config-only model: 512 bytes) at once, each
+   scheduler, engine; real gRPC) with `--device cuda`, sends --num-prompts requests of exactly 512
+   prompt tokens (the byte-level tokenizer of a config-only model: 512 bytes) at once, each
    generating exactly 256 tokens (greedy, EOS ignored), and reports output tokens/s over the run.
-   The engine records every step's span on the GPU (LLMSERVE_STEP_TIMELINE, engine/timeline.py);
-   the GPU busy fraction is busy / wall over stretches of decode-only steps with >= 64 requests
-   (idle = the gaps between steps, measured with CUDA events).
+   The engine records every step's span on the GPU (LLMSERVE_STEP_TIMELINE,
+   engine/step/timeline.py); the GPU busy fraction is busy / wall over stretches of decode-only
+   steps with >= 64 requests (idle = the gaps between steps, measured with CUDA events).
 2. decode step time at batch 1 and 8 (an Engine in this process, CUDA graphs on, contexts of
    512 tokens): the median wall time of Engine.step over --decode-steps steps, against the floor
    of the bytes a decode step must read (every weight except an untied embedding table, of which
@@ -128,7 +128,7 @@ def serve_args(shape: str, args: argparse.Namespace) -> list[str]:
 
 
 def run_offline(shape: str, args: argparse.Namespace) -> dict[str, Any]:
-    from llmserve.engine.timeline import read_timeline, steady_decode_busy
+    from llmserve.engine.step.timeline import read_timeline, steady_decode_busy
 
     document_path = args.raw / f"gpu_engine_{shape}_offline.json"
     timeline_path = args.raw / f"gpu_engine_{shape}_steps.jsonl"
@@ -218,7 +218,7 @@ def decode_floor_bytes(
     quantized copy of the table, the lookup the table's rows); kv_bytes: per KV element. Both
     default to dtype_bytes. Quantization scales and biases are counted as weights (< 0.1%)."""
     from llmserve.common.model_config import load_model_config
-    from llmserve.engine.dummy import hf_tensor_shapes
+    from llmserve.engine.model.dummy import hf_tensor_shapes
 
     linear_bytes = dtype_bytes if linear_bytes is None else linear_bytes
     kv_bytes = dtype_bytes if kv_bytes is None else kv_bytes
@@ -259,7 +259,7 @@ def decode_step_times(shape: str, args: argparse.Namespace) -> dict[str, Any]:
 
     from llmserve.bench.engine_driver import Driver, blocks_needed
     from llmserve.engine.config import EngineConfig
-    from llmserve.engine.engine import Engine
+    from llmserve.engine.step.engine import Engine
 
     batches = [int(b) for b in args.decode_batches.split(",")]
     context = args.input_len
@@ -393,7 +393,7 @@ def teacher_forced_logits(engine: Any, prompts: list[list[int]], num_decode: int
     and read back by both attention paths. Needs sum(ceil(len / block_size)) <= num_blocks."""
     import torch
 
-    from llmserve.engine.ops import AttentionContext
+    from llmserve.engine.model.ops import AttentionContext
 
     bs = engine.config.block_size
     lengths = [len(p) for p in prompts]
@@ -486,7 +486,7 @@ def quality_engine(
     shape: str, args: argparse.Namespace, quantization: str, kv_cache_dtype: str, num_blocks: int
 ) -> Any:
     from llmserve.engine.config import EngineConfig
-    from llmserve.engine.engine import Engine
+    from llmserve.engine.step.engine import Engine
 
     return Engine(
         EngineConfig(

@@ -3,10 +3,10 @@
     python3 -m bench.gpu_lora --shape llama-3-8b [--out DIR] [--adapters 8] [--rank 16]
         [--decode-batches 8,64] [--decode-steps 15]
 
-An Engine in this process: configs/<shape> with `--load-format dummy` (seeded random weights),
-bf16, `--attention-backend cuda`, `--max-loras N`, whose start runs kernels/lora.cu's self-check
-(engine/adapters.py). N rank-R adapters of all seven projections (q, k, v, o, gate, up, down)
-with random A and B are made here, in memory (no file, nothing downloaded), and put in the
+An Engine in this process: configs/<shape> with `--load-format dummy` (seeded random weights), bf16,
+`--attention-backend cuda`, `--max-loras N`, whose start runs kernels/lora.cu's self-check
+(engine/features/adapters.py). N rank-R adapters of all seven projections (q, k, v, o, gate, up,
+down) with random A and B are made here, in memory (no file, nothing downloaded), and put in the
 engine's host cache as checked adapters; the first step places them in the device slots.
 
 For each batch size, on the same engine and prompts (--input-len tokens each), one after the
@@ -41,10 +41,11 @@ TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 
 def make_adapters(engine: Any, num: int, rank: int, seed: int) -> list[str]:
     """num random rank-`rank` adapters of every layer's seven projections in the engine's host
-    cache (float32 on the host, as engine/lora_files.py keeps a checked one); their names."""
+    cache (float32 on the host, as engine/features/lora_files.py keeps a checked one); their
+    names."""
     import torch
 
-    from llmserve.engine.lora_files import LoraAdapter, module_shapes
+    from llmserve.engine.features.lora_files import LoraAdapter, module_shapes
 
     config = engine.model_config
     shapes = module_shapes(config)
@@ -185,7 +186,7 @@ def main() -> int:
     p.add_argument("--model-dir", type=Path, default=None, help="instead of configs/SHAPE")
     args = p.parse_args()
     from llmserve.engine.config import EngineConfig
-    from llmserve.engine.engine import Engine
+    from llmserve.engine.step.engine import Engine
 
     batches = [int(b) for b in args.decode_batches.split(",")]
     context = args.input_len + args.decode_steps + 8

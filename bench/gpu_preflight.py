@@ -97,8 +97,8 @@ GPU_WHEELS: dict[str, str] = {
     "iniconfig": "2.3.1",
     "packaging": "26.4",
     "pygments": "2.21.0",
-    # Structured output's grammar matchers (engine/grammar.py): a binary abi3 wheel; 1.6.1 is the
-    # last with a manylinux_2_28 build (1.7 on need glibc 2.31); the API we use is the same.
+    # Structured output's grammar matchers (engine/features/grammar.py): a binary abi3 wheel; 1.6.1
+    # is the last with a manylinux_2_28 build (1.7 on need glibc 2.31); the API we use is the same.
     "llguidance": "1.6.1",
 }
 WHEEL_FIX = "run `bash scripts/fetch_gpu_wheels.sh` and call the device tool with carry=['.whl']"
@@ -110,8 +110,9 @@ MODULES = [
     "opentelemetry.sdk.metrics", "opentelemetry.exporter.otlp.proto.grpc.trace_exporter",
     "opentelemetry.exporter.prometheus", "gguf", "pytest", "jinja2", "tokenizers",
     "safetensors", "transformers", "uvloop", "numpy", "torch",
-    "llmserve.common.net", "llmserve.engine.config", "llmserve.engine.engine",
-    "llmserve.engine.ops", "llmserve.engine.cuda_graphs", "llmserve.engine.service",
+    "llmserve.common.net", "llmserve.engine.config", "llmserve.engine.step.engine",
+    "llmserve.engine.model.ops", "llmserve.engine.step.cuda_graphs",
+    "llmserve.engine.contract.service",
     "llmserve.scheduler.service.service", "llmserve.gateway.service", "llmserve.kernels.cuda",
     "llmserve.kernels.reference",
     "llmserve.cli", "llmserve.bench.engine_driver", "llmserve.bench.hf",
@@ -357,7 +358,7 @@ def tiny_engine_graphs() -> dict[str, Any]:
     of batch sizes 1 and 2; a decode of two requests, then of one, replays both graphs."""
     from llmserve.bench.engine_driver import generate
     from llmserve.engine.config import EngineConfig
-    from llmserve.engine.engine import Engine
+    from llmserve.engine.step.engine import Engine
 
     config = EngineConfig(
         model=str(ROOT / "configs" / "smollm2-135m"),

@@ -3,7 +3,7 @@ backends): tcp against torch (gloo on a CPU), for transfers of 1, 8 and 37 block
 built-in model's pool (SmolLM2-135M: 30 layers, keys and values, block_size 16, 3 KV heads,
 head_dim 64, float32: 737,280 bytes a block). As between a prefill and a decode engine: the
 receiver (a KVReceiver, as a decode engine runs it) in this process, the sender in a second
-process, each transfer gathered out of the sender's pool (engine/disaggregation.py's way for
+process, each transfer gathered out of the sender's pool (engine/kv/disaggregation.py's way for
 that backend) and pushed to its ack; the receiver takes every arrival into its pool.
 
     python -m bench.kv_transfer_backends --output bench/results/kv_transfer_backends.json
@@ -46,8 +46,8 @@ from typing import Any
 
 import torch
 
-from llmserve.engine.kv_transfer import KVReceiver, block_layout, gather_blocks, send_payload
-from llmserve.engine.kv_transfer_torch import TorchSender, gather_payload
+from llmserve.engine.kv.transfer import KVReceiver, block_layout, gather_blocks, send_payload
+from llmserve.engine.kv.transfer_torch import TorchSender, gather_payload
 
 BLOCK_SHAPE = (30, 2, 16, 3, 64)  # layers, k/v, block_size, kv heads, head_dim
 SIZES = (1, 8, 37)

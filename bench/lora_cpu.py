@@ -35,8 +35,8 @@ from llmserve.bench.report import hardware, save
 from llmserve.common.model_config import builtin_model_path, load_model_config
 from llmserve.common.step_plan import LoraLoad, NewRequest, RunningColumns, StepPlanData
 from llmserve.engine.config import EngineConfig
-from llmserve.engine.engine import Engine
-from llmserve.engine.lora_files import module_shapes
+from llmserve.engine.features.lora_files import module_shapes
+from llmserve.engine.step.engine import Engine
 
 ROOT = Path(__file__).resolve().parent.parent
 NUM_REQUESTS, PROMPT_LEN, RANK = 16, 128, 16

@@ -52,7 +52,7 @@ def other_process() -> None:
 
 def child(batch: int, steps: int) -> dict[str, Any]:
     """One setting's run in this process (its environment already set)."""
-    from llmserve.engine.cpu_threads import configure_openmp
+    from llmserve.engine.step.cpu_threads import configure_openmp
 
     configure_openmp()  # as the engine service does, before torch loads: a no-op here, where
     # each setting names its own
@@ -60,7 +60,7 @@ def child(batch: int, steps: int) -> dict[str, Any]:
 
     from llmserve.bench.engine_driver import Driver
     from llmserve.engine.config import EngineConfig
-    from llmserve.engine.engine import Engine
+    from llmserve.engine.step.engine import Engine
 
     engine = Engine(EngineConfig(device="cpu", num_kv_blocks=64 + 4 * batch, seed=0))
     other = subprocess.Popen(

@@ -1,5 +1,5 @@
-"""Overlap scheduling on the CPU, measured with the echo engine (engine/fake.py): no model, so
-what is measured is the serving machinery between steps (planning, the gRPC hop, the engine
+"""Overlap scheduling on the CPU, measured with the echo engine (engine/contract/echo.py): no model,
+so what is measured is the serving machinery between steps (planning, the gRPC hop, the engine
 service's pipeline), with and without `--overlap-scheduling`.
 
     python -m bench.overlap_echo [--num-requests 8 64] [--output-len 256] [--step-delay-ms 0 5]
@@ -29,7 +29,7 @@ from pathlib import Path
 from llmserve.bench.report import cpu_model, save
 from llmserve.common.net import wait_until_serving
 from llmserve.engine.config import EngineConfig
-from llmserve.engine.fake import FakeEngineConfig
+from llmserve.engine.contract.echo import EchoEngineConfig
 from llmserve.protos import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from llmserve.scheduler.config import SchedulerConfig
 from llmserve.stack import Stack, local_stack
@@ -42,7 +42,7 @@ def start(step_delay_ms: float, overlap: bool, num_requests: int) -> Stack:
     stack = local_stack(
         EngineConfig(num_kv_blocks=4096, max_model_len=4096, max_num_seqs=num_requests),
         SchedulerConfig(overlap_scheduling=overlap),
-        fake=FakeEngineConfig(step_delay_ms=step_delay_ms),
+        fake=EchoEngineConfig(step_delay_ms=step_delay_ms),
         env={"LLMSERVE_LOG_LEVEL": "WARNING", "OTEL_SDK_DISABLED": "true"},
     )
     stack.start(("engine", "scheduler"))
@@ -148,7 +148,8 @@ def main() -> None:
             flush=True,
         )
     doc = {
-        "what": "echo engine (engine/fake.py) + scheduler on the CPU, no gateway, no model",
+        "what": "echo engine (engine/contract/echo.py) + scheduler on the CPU, no gateway, "
+        "no model",
         "command": " ".join(sys.argv),
         "config": vars(args),
         "machine": {

@@ -1,15 +1,15 @@
 """Prefill / decode disaggregation's failure handling, timed: faults injected into stacks of echo
-engines (engine/fake.py) with bench/pd_gpu_model.py's modelled 8B step times and KV, through the
-real gateway, scheduler and transfer channel. Not a GPU measurement.
+engines (engine/contract/echo.py) with bench/pd_gpu_model.py's modelled 8B step times and KV,
+through the real gateway, scheduler and transfer channel. Not a GPU measurement.
 
     python -m bench.pd_failures      # every scenario twice: bench/results/pd_failures.json
 
 Three stacks, each started once (`serve --prefill-engines N --decode-engines M`, fake engines):
 
 - A: 1 prefill + 1 decode, the 20 GB/s link, faults through the engines' test hook
-  LLMSERVE_KV_TRANSFER_FAULT=@file (engine/disaggregation.py): `baseline` (no fault), `drop` (every
-  transfer's connection dropped half-way), `stall` (every transfer held; the scheduler gives it
-  up at the default --kv-transfer-timeout-s 2), `cancel` (the client cancels a request whose
+  LLMSERVE_KV_TRANSFER_FAULT=@file (engine/kv/disaggregation.py): `baseline` (no fault), `drop`
+  (every transfer's connection dropped half-way), `stall` (every transfer held; the scheduler gives
+  it up at the default --kv-transfer-timeout-s 2), `cancel` (the client cancels a request whose
   transfer is held).
 - B: 1 prefill + 1 decode over the modelled 1.25 GB/s link (a 2,000-token prompt's KV holds it
   208 ms, so transfers queue): `kill-prefill` (kill -9 with transfers in flight), `kill-decode`
@@ -45,7 +45,7 @@ from bench.pd_gpu_model import BLOCK_SIZE, KV_BYTES_PER_TOKEN, STEP_MS, TOKEN_MS
 from bench.pd_mixed import CHAT_TOPICS, WORDS, pct, write_results
 from llmserve.bench.byte_tokenizer import write_byte_tokenizer
 from llmserve.client import Client, make_request
-from llmserve.engine.disaggregation import FAULT_ENV
+from llmserve.engine.kv.disaggregation import FAULT_ENV
 from llmserve.serve_flags import serve_locally
 from llmserve.stack import Stack
 

@@ -1,8 +1,8 @@
 """A model of prefill / decode disaggregation on GPUs: bench/pd_mixed.py's mixed load (short chats
-decoding while long prompts arrive) on echo engines (engine/fake.py) whose steps take the time an
-8B model's would on one H100 / H200-class GPU per engine, and whose KV transfers take the time
-its KV would on the link. The scheduler, gateway, client and transfer channel are the real ones;
-only the engine's arithmetic is modelled. Not a GPU measurement.
+decoding while long prompts arrive) on echo engines (engine/contract/echo.py) whose steps take the
+time an 8B model's would on one H100 / H200-class GPU per engine, and whose KV transfers take the
+time its KV would on the link. The scheduler, gateway, client and transfer channel are the real
+ones; only the engine's arithmetic is modelled. Not a GPU measurement.
 
     python -m bench.pd_gpu_model --repeats 2          # every config twice, then the plot
     python -m bench.pd_gpu_model --num-chats 12 --long-interval 0.5 \
@@ -39,7 +39,7 @@ from typing import Any
 
 from bench.pd_mixed import add_load_args, pct, plot_runs, run_stack, write_results
 from llmserve.bench.byte_tokenizer import EOS_TOKEN_ID, TINY_VOCAB, write_byte_tokenizer
-from llmserve.engine.fake import FakeEngineConfig
+from llmserve.engine.contract.echo import EchoEngineConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 STEP_MS = 25.0  # a step's fixed cost: between the weights-read floor (3.75 ms) and HF's 62 ms
@@ -89,9 +89,9 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
-def fake_engine(link_gb_per_s: float) -> FakeEngineConfig:
+def fake_engine(link_gb_per_s: float) -> EchoEngineConfig:
     """The echo engine with the modelled step time and KV (the link: prefill engines only)."""
-    return FakeEngineConfig(
+    return EchoEngineConfig(
         vocab_size=TINY_VOCAB, eos_token_ids=(EOS_TOKEN_ID,), step_delay_ms=STEP_MS,
         step_token_delay_ms=TOKEN_MS, kv_block_bytes=KV_BYTES_PER_TOKEN * BLOCK_SIZE,
         kv_link_gb_per_s=link_gb_per_s,

@@ -30,7 +30,7 @@ from typing import Any
 
 from llmserve.bench.report import git_commit, hardware
 from llmserve.client import Client, make_request
-from llmserve.engine.fake import FakeEngineConfig
+from llmserve.engine.contract.echo import EchoEngineConfig
 from llmserve.serve_flags import serve_locally
 
 WORDS = [
@@ -183,7 +183,7 @@ def run_stack(
     serve_args: list[str],
     args: argparse.Namespace,
     seed: int,
-    fake: FakeEngineConfig | None = None,
+    fake: EchoEngineConfig | None = None,
 ) -> dict[str, Any]:
     """The load on `llmserve serve serve_args` (fake: over echo engines): its summary, the
     transfers' counters and every request."""

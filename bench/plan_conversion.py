@@ -1,6 +1,7 @@
 """Per-step cost of the step contract's conversions: the scheduler's plan to engine.proto's
 StepPlan (scheduler/service/convert.py) and the message to the engine's plan data
-(engine/convert.py), on plans made by the real Scheduler. CPU only; run from the repository root:
+(engine/contract/convert.py), on plans made by the real Scheduler. CPU only; run from the repository
+root:
 
     python -m bench.plan_conversion [--rows 256] [--repeat 2000]
 
@@ -13,7 +14,7 @@ import argparse
 import timeit
 from collections.abc import Callable
 
-from llmserve.engine.convert import plan_from_proto
+from llmserve.engine.contract.convert import plan_from_proto
 from llmserve.protos import common_pb2, engine_pb2
 from llmserve.scheduler.config import SchedulerConfig
 from llmserve.scheduler.plan import StepPlan

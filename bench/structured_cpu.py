@@ -27,8 +27,8 @@ from typing import Any
 from llmserve.bench.report import hardware, save
 from llmserve.common.structured_output import constraint_of
 from llmserve.engine.config import EngineConfig
-from llmserve.engine.convert import plan_from_proto
-from llmserve.engine.engine import Engine
+from llmserve.engine.contract.convert import plan_from_proto
+from llmserve.engine.step.engine import Engine
 from llmserve.protos.common_pb2 import SamplingParams, StructuredOutput
 from llmserve.scheduler.config import SchedulerConfig
 from llmserve.scheduler.request import Request

@@ -30,7 +30,7 @@ from llmserve.bench.report import hardware, save
 from llmserve.bench.workload import exact_length_prompt_ids
 from llmserve.client import Client, make_request
 from llmserve.common.model_config import builtin_model_path
-from llmserve.engine.fake import FakeEngineConfig
+from llmserve.engine.contract.echo import EchoEngineConfig
 from llmserve.serve_flags import serve_locally
 from llmserve.topology import free_port
 
@@ -49,7 +49,7 @@ def settings_env(setting: str, receiver: OtlpReceiver) -> dict[str, str]:
 
 def bench_echo(env: dict[str, str], num_streams: int, num_tokens: int) -> float:
     """Output tokens/s of num_streams concurrent echo requests through the three processes."""
-    fake = FakeEngineConfig(vocab_size=49152)  # SmolLM2's vocabulary
+    fake = EchoEngineConfig(vocab_size=49152)  # SmolLM2's vocabulary
     metrics = env.get("LLMSERVE_METRICS_PORT") != "0"  # metrics on, as by default
     with serve_locally([], 120, env=env, metrics=metrics, fake=fake) as stack:
         prompt = "the quick brown fox jumps over the lazy dog " * 8
@@ -71,7 +71,7 @@ def hook_costs(num_requests: int = 16, num_tokens: int = 128) -> dict[str, float
     from types import SimpleNamespace
 
     from llmserve.common import telemetry
-    from llmserve.engine.telemetry import EngineTelemetry
+    from llmserve.engine.contract.telemetry import EngineTelemetry
     from llmserve.gateway.telemetry import GatewayTelemetry
     from llmserve.protos import api_pb2
     from llmserve.protos.common_pb2 import SamplingParams

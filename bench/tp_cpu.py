@@ -39,8 +39,8 @@ import torch.distributed as dist
 from llmserve.bench.engine_driver import time_decode_steps
 from llmserve.bench.report import hardware, save
 from llmserve.engine.config import EngineConfig
-from llmserve.engine.parallel import TPGroup
-from llmserve.engine.ranks import run_group_locally
+from llmserve.engine.parallel.groups import TPGroup
+from llmserve.engine.parallel.ranks import run_group_locally
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -120,7 +120,7 @@ def all_reduce_alone_us(parallel: Any, batch: int, engine: Any, repeats: int = 5
 
 def run(config: EngineConfig, batches: list[int], steps: int) -> list[dict[str, Any]]:
     if config.tensor_parallel_size == 1:  # one engine, as `llmserve serve` runs it
-        from llmserve.engine.engine import Engine
+        from llmserve.engine.step.engine import Engine
 
         return time_steps(Engine(config), None, batches, steps)
     work = functools.partial(time_steps, batches=batches, steps=steps)

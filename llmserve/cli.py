@@ -24,7 +24,7 @@ from typing import Any
 
 from llmserve.common.flags import add_flags
 from llmserve.common.net import DEFAULT_GATEWAY_PORT
-from llmserve.engine.fake import FakeEngineConfig
+from llmserve.engine.contract.echo import EchoEngineConfig
 from llmserve.services import SERVICE_CONFIGS, cmd_service
 
 # -- serve: the whole stack ------------------------------------------------------------------------
@@ -356,8 +356,13 @@ def _add_service_parser(sub: Any, name: str, help_text: str) -> None:
     add_flags(p, SERVICE_CONFIGS[name])
     p.add_argument("--config-stdin", action="store_true", help=argparse.SUPPRESS)
     if name == "engine":
-        p.add_argument("--fake", action="store_true", help=argparse.SUPPRESS)
-        add_flags(p.add_argument_group("echo engine (tests)"), FakeEngineConfig, prefix="fake-")
+        # The echo engine (tests): --echo and --echo-*, with --fake / --fake-* as their older
+        # names (compose files and scripts written before the rename keep working).
+        p.add_argument("--echo", "--fake", dest="fake", action="store_true", help=argparse.SUPPRESS)
+        group = p.add_argument_group("echo engine (tests)")
+        add_flags(
+            group, EchoEngineConfig, prefix="fake-", flag_prefix="echo-", alias_prefix="fake-"
+        )
     p.set_defaults(func=cmd_service)
 
 

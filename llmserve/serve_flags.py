@@ -14,7 +14,7 @@ from typing import Any
 
 from llmserve.common.net import DEFAULT_GATEWAY_PORT
 from llmserve.engine.config import EngineConfig
-from llmserve.engine.fake import FakeEngineConfig
+from llmserve.engine.contract.echo import EchoEngineConfig
 from llmserve.gateway.config import GatewayConfig, model_names
 from llmserve.stack import CONFIG_TYPES, SERVICES, Stack, local_stack
 from llmserve.topology import (
@@ -164,7 +164,7 @@ def serve_locally(
     *,
     env: dict[str, str] | None = None,
     metrics: bool = False,
-    fake: FakeEngineConfig | None = None,
+    fake: EchoEngineConfig | None = None,
 ) -> Iterator[Stack]:
     """`llmserve serve serve_args` on free loopback ports, for `bench offline` and the scripts:
     serving inside the with block, stopped (and its logs deleted) after. env: extra variables

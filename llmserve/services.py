@@ -15,7 +15,7 @@ from typing import Any
 
 from llmserve.common.flags import from_flags, from_json
 from llmserve.engine.config import EngineConfig
-from llmserve.engine.fake import FakeEngineConfig
+from llmserve.engine.contract.echo import EchoEngineConfig
 from llmserve.gateway.config import GatewayConfig
 from llmserve.scheduler.config import SchedulerConfig
 
@@ -24,7 +24,7 @@ SERVICE_CONFIGS: dict[str, type] = {
     "scheduler": SchedulerConfig,
     "gateway": GatewayConfig,
 }
-CONFIG_CLASSES = {c.__name__: c for c in (*SERVICE_CONFIGS.values(), FakeEngineConfig)}
+CONFIG_CLASSES = {c.__name__: c for c in (*SERVICE_CONFIGS.values(), EchoEngineConfig)}
 
 
 def _read_parent_configs() -> list[Any]:
@@ -63,7 +63,7 @@ def run_service(name: str, configs: list[Any]) -> None:
 
     config, tenants = configs[0], None
     if name == "engine":  # before torch loads libgomp, which reads them once
-        from llmserve.engine.cpu_threads import configure_openmp
+        from llmserve.engine.step.cpu_threads import configure_openmp
 
         configure_openmp()
     # Before anything slow (loading a model): an internal service refuses an exposed port
@@ -100,20 +100,20 @@ def run_service(name: str, configs: list[Any]) -> None:
         os._exit(exit_code)
 
 
-def _run_engine(config: EngineConfig, fake: FakeEngineConfig | None) -> int | None:
+def _run_engine(config: EngineConfig, fake: EchoEngineConfig | None) -> int | None:
     """Serve until stopped; an engine group's node returns the code its process ends with."""
-    from llmserve.engine.service import serve
+    from llmserve.engine.contract.service import serve
 
     if fake is not None:
-        from llmserve.engine.fake import FakeEngine
+        from llmserve.engine.contract.echo import EchoEngine
 
-        serve(FakeEngine(config, fake), config)
+        serve(EchoEngine(config, fake), config)
     elif config.world_size > 1:
-        from llmserve.engine.ranks import run_node
+        from llmserve.engine.parallel.ranks import run_node
 
         return run_node(config)
     else:
-        from llmserve.engine.engine import Engine
+        from llmserve.engine.step.engine import Engine
 
         serve(Engine(config), config)
     return None
@@ -126,7 +126,7 @@ def cmd_service(args: argparse.Namespace) -> int:
         else:
             configs = [from_flags(SERVICE_CONFIGS[args.command], args)]
             if getattr(args, "fake", False):
-                configs.append(from_flags(FakeEngineConfig, args, prefix="fake-"))
+                configs.append(from_flags(EchoEngineConfig, args, prefix="fake-"))
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

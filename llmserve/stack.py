@@ -40,7 +40,7 @@ import grpc
 from llmserve.common.flags import to_json
 from llmserve.common.net import CHANNEL_OPTIONS, check_health
 from llmserve.engine.config import EngineConfig
-from llmserve.engine.fake import FakeEngineConfig
+from llmserve.engine.contract.echo import EchoEngineConfig
 from llmserve.gateway.config import GatewayConfig
 from llmserve.protos import api_pb2, api_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from llmserve.scheduler.config import SchedulerConfig
@@ -74,7 +74,7 @@ class Stack:
     engine: EngineConfig
     scheduler: SchedulerConfig
     gateway: GatewayConfig
-    fake: FakeEngineConfig | None = None  # the echo engine instead of a model (tests)
+    fake: EchoEngineConfig | None = None  # the echo engine instead of a model (tests)
     log_dir: Path | None = None  # each service's output in <name>.log; None: inherited
     env: dict[str, str] = field(default_factory=dict)
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)

@@ -2,7 +2,7 @@
 paths in code and docs (`a/b.py`, `llmserve/a/b.py`). Used for the folder layout of issue 39, and
 re-run on a branch made before a move to bring it onto the new layout.
 
-    python scripts/move_modules.py engine/fake.py=engine/contract/echo.py [...]
+    python scripts/move_modules.py engine/contract/echo.py=engine/contract/echo.py [...]
     python scripts/move_modules.py --plan scripts/layout_moves.txt    # one OLD=NEW per line
 
 Paths are relative to llmserve/. A NEW folder gets an `__init__.py` if it has none. `git mv` is
@@ -24,7 +24,7 @@ SKIP_DIRS = {".venv", ".git", "node_modules", "__pycache__", ".mypy_cache", ".ru
 
 
 def module_name(rel: str) -> str:
-    return "llmserve." + rel.removesuffix(".py").replace("/", ".")
+    return "llmserve." + rel.removesuffix(".py").removesuffix("/__init__").replace("/", ".")
 
 
 def files_to_rewrite() -> list[Path]:
@@ -45,16 +45,15 @@ def move(pairs: list[tuple[str, str]]) -> None:
     for old, new in pairs:
         src, dst = PKG / old, PKG / new
         dst.parent.mkdir(parents=True, exist_ok=True)
-        init = dst.parent / "__init__.py"
-        if not init.exists():
-            init.write_text(
-                f'"""{dst.parent.relative_to(PKG)}/: see docs/architecture.md#layout."""\n'
-            )
-            subprocess.run(["git", "add", str(init)], cwd=ROOT, check=True)
         if f"llmserve/{old}" in tracked:
             subprocess.run(["git", "mv", str(src), str(dst)], cwd=ROOT, check=True)
         else:
             src.rename(dst)
+    for folder in sorted({(PKG / new).parent for _, new in pairs}):
+        init = folder / "__init__.py"
+        if not init.exists():  # a new package, after the moves (one may bring its own)
+            init.write_text(f'"""{folder.relative_to(PKG)}/: see docs/architecture.md#layout."""\n')
+            subprocess.run(["git", "add", str(init)], cwd=ROOT, check=True)
     rewrite(pairs)
 
 

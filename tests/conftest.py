@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from llmserve.engine.cpu_threads import configure_openmp
+from llmserve.engine.step.cpu_threads import configure_openmp
 
 # The scheduler tests' `make` fixture (a Scheduler driven by a fake engine step).
 pytest_plugins = ["tests.scheduler_harness"]
@@ -26,7 +26,7 @@ os.environ.pop("LLMSERVE_API_KEY", None)
 # in OpenMP barriers while descheduled. A test that wants threads sets them itself.
 if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0")) > 1:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-# OpenMP threads that sleep when idle, as the engine service sets them (engine/cpu_threads.py):
+# OpenMP threads that sleep when idle, as the engine service sets them (engine/step/cpu_threads.py):
 # libgomp's default spin turned a 20 ms decode step into 1.5-3 s on the shared 2-core VM
 # (bench/results/omp_wait.json). Before torch loads: libgomp reads it once.
 configure_openmp()

@@ -14,9 +14,9 @@ from llmserve.bench.engine_driver import Driver
 from llmserve.common.model_config import ModelConfig
 from llmserve.common.sampling import normalized
 from llmserve.common.step_plan import StepOutput
-from llmserve.engine.engine import Engine
-from llmserve.engine.layers import AttentionContext
-from llmserve.engine.model import LlamaForCausalLM
+from llmserve.engine.model.layers import AttentionContext
+from llmserve.engine.model.model import LlamaForCausalLM
+from llmserve.engine.step.engine import Engine
 from llmserve.protos.common_pb2 import SamplingParams
 
 # Prose, code, facts and dialogue: what a chat model meets. Written for these tests.
@@ -193,10 +193,10 @@ def generate_with_gaps(
 def seeded_scores(
     logprobs: torch.Tensor, temperature: float, seed: int, index: int
 ) -> torch.Tensor:
-    """engine/sampler.py's seeded draw (no top-k / top-p / min-p) is the argmax over the
+    """engine/step/sampler.py's seeded draw (no top-k / top-p / min-p) is the argmax over the
     vocabulary of logits / T - log E, E the noise of (seed, output index): that score from a
     row's T = 1 logprobs [vocab] (which give logits / T up to a constant)."""
-    from llmserve.engine.sampler import seed_for, seeded_exponential
+    from llmserve.engine.step.sampler import seed_for, seeded_exponential
 
     noise = seeded_exponential(torch.tensor([seed_for(seed, index)]), logprobs.shape[0])[0]
     return logprobs / temperature - noise.log()

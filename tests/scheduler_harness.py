@@ -13,8 +13,8 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from llmserve.engine.convert import plan_from_proto
-from llmserve.engine.mirror import Mirror
+from llmserve.engine.contract.convert import plan_from_proto
+from llmserve.engine.contract.mirror import Mirror
 from llmserve.scheduler.config import SchedulerConfig
 from llmserve.scheduler.plan import StepOutcome, StepPlan
 from llmserve.scheduler.request import Request, RequestStatus

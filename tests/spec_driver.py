@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from llmserve.engine.convert import plan_from_proto, result_to_proto
+from llmserve.engine.contract.convert import plan_from_proto, result_to_proto
 from llmserve.scheduler.config import SchedulerConfig
 from llmserve.scheduler.request import Request, RequestStatus
 from llmserve.scheduler.scheduler import Scheduler

@@ -78,12 +78,12 @@ def child_pid(parent: int, service: str) -> int:
 def service_configs(service: str, flags: list[str]) -> list[Any]:
     """The configs `llmserve <service> FLAGS` would run with (the echo engine's too, with
     --fake)."""
-    from llmserve.engine.fake import FakeEngineConfig
+    from llmserve.engine.contract.echo import EchoEngineConfig
 
     args = build_parser().parse_args([service, *flags])
     configs = [from_flags(SERVICE_CONFIGS[service], args)]
     if getattr(args, "fake", False):
-        configs.append(from_flags(FakeEngineConfig, args, prefix="fake-"))
+        configs.append(from_flags(EchoEngineConfig, args, prefix="fake-"))
     return configs
 
 
@@ -217,12 +217,12 @@ def start_stack(
     accept_any_model: the gateway serves any OpenAI `model` name with the base model (the
     tests' own names, "m" or "x"); tests of the strict default (404 model_not_found) say False.
 
-    fake=True runs the echo engine (engine/fake.py) instead of a model; the gateway then needs
-    gateway_model for its tokenizer. *_args are each service's own command-line flags. env adds
-    environment variables to all three. http=True turns the gateway's HTTP API on
-    (stack.http_url); api_key makes the gateway require it; data_parallel_size > 1 starts that
-    many replicas (scheduler + engine) behind the gateway; prefill_engines=N that many prefill
-    engines and decode_engines (default N) decode engines under the one scheduler (engine_args
+    fake=True runs the echo engine (engine/contract/echo.py) instead of a model; the gateway then
+    needs gateway_model for its tokenizer. *_args are each service's own command-line flags. env
+    adds environment variables to all three. http=True turns the gateway's HTTP API on
+    (stack.http_url); api_key makes the gateway require it; data_parallel_size > 1 starts that many
+    replicas (scheduler + engine) behind the gateway; prefill_engines=N that many prefill engines
+    and decode_engines (default N) decode engines under the one scheduler (engine_args
     go to all)."""
     model_args = ["--model", str(model)] if model else []
     engine, *fake_config = service_configs(
@@ -267,8 +267,9 @@ def start_echo_stack(
     scheduler: tuple[str, ...] = (),
     **kwargs: Any,
 ) -> Stack:
-    """The echo engine (engine/fake.py) over the tiny byte vocabulary of tests/factories.py, with
-    its EOS, behind a real scheduler and gateway serving it as "fake-echo" (the engine's name;
+    """The echo engine (engine/contract/echo.py) over the tiny byte vocabulary of
+    tests/factories.py, with its EOS, behind a real scheduler and gateway serving it as "fake-echo"
+    (the engine's name;
     gateway_args may say otherwise); kwargs go to start_stack."""
     from tests.factories import EOS_TOKEN_ID, TINY_VOCAB
 

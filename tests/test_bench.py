@@ -435,7 +435,7 @@ def test_gpu_engine_decode_floor_counts_quantized_bytes() -> None:
     weights halve the linear layers' bytes (the LM head's too), an fp8 pool the KV bytes."""
     from bench.gpu_engine import decode_floor_bytes
     from llmserve.common.model_config import load_model_config
-    from llmserve.engine.dummy import hf_tensor_shapes
+    from llmserve.engine.model.dummy import hf_tensor_shapes
 
     config = load_model_config(Path(__file__).parents[1] / "configs" / "llama-3-8b")
     shapes = hf_tensor_shapes(config)
@@ -474,7 +474,7 @@ def test_gpu_engine_teacher_forced_logits_are_one_prefills(tmp_path: Path) -> No
 
     from bench.gpu_engine import compare_logits, teacher_forced_logits
     from llmserve.engine.config import EngineConfig
-    from llmserve.engine.engine import Engine
+    from llmserve.engine.step.engine import Engine
     from tests.quality import prompt_logits
 
     config = {

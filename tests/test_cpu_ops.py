@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llmserve.engine.ops import AttentionContext, CpuOps, ReferenceOps
+from llmserve.engine.model.ops import AttentionContext, CpuOps, ReferenceOps
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -1,4 +1,4 @@
-"""engine/cpu_threads.py: the engine's OpenMP wait settings and thread count (no torch)."""
+"""engine/step/cpu_threads.py: the engine's OpenMP wait settings and thread count (no torch)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from llmserve.engine.cpu_threads import (
+from llmserve.engine.step.cpu_threads import (
     WAIT_SETTINGS,
     configure_openmp,
     default_threads,

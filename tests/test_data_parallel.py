@@ -1,6 +1,7 @@
 """Two replicas (scheduler + echo engine each) behind one gateway, over real gRPC: prefix
 affinity, a replica killed (-9) or frozen mid-load, and its rejoining. The echo engine
-(engine/fake.py) and the one-token-per-byte test tokenizer make every stream's text exact."""
+(engine/contract/echo.py) and the one-token-per-byte test tokenizer make every stream's text exact.
+"""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@
 a transfer connection dropped half-way, a cancel mid-transfer and kill -9 of the prefill engine
 mid-transfer each lose no request and leave no block held on either side (the scheduler's stats).
 One stack for the module; faults are switched on in the running prefill engine through
-LLMSERVE_KV_TRANSFER_FAULT=@file (engine/disaggregation.py)."""
+LLMSERVE_KV_TRANSFER_FAULT=@file (engine/kv/disaggregation.py)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import pytest
 
 from llmserve.bench.otlp import OtlpReceiver
 from llmserve.client import make_request
-from llmserve.engine.disaggregation import FAULT_ENV
+from llmserve.engine.kv.disaggregation import FAULT_ENV
 from tests.stack import Stack, free_port, start_stack
 from tests.test_telemetry import _scrape, _total
 
@@ -98,7 +98,7 @@ def one_engine_tokens(model_path: Path) -> list[list[int]]:
 
     from llmserve.bench.engine_driver import generate
     from llmserve.engine.config import EngineConfig
-    from llmserve.engine.engine import Engine
+    from llmserve.engine.step.engine import Engine
     from llmserve.gateway.tokenizer import Tokenizer
 
     threads = torch.get_num_threads()

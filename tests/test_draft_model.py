@@ -36,7 +36,7 @@ SMALL_DRAFT = {
 
 
 def _engine(model: Path, draft: Path | None = None, num_kv_blocks: int = 256, **fields: object):
-    from llmserve.engine.engine import Engine
+    from llmserve.engine.step.engine import Engine
 
     method = "draft" if draft is not None else "none"
     config = EngineConfig(
@@ -122,8 +122,8 @@ def test_seeded_temperature_same_tokens_with_a_draft(
 
 def test_draft_pool_counts_in_the_cpu_pool_size(target: Path, tiny_model: Callable[..., Path]):
     """--kv-cache-gb holds both pools: as many blocks in each, fewer than the target alone."""
-    from llmserve.engine.kv_cache import bytes_per_block
-    from llmserve.engine.memory import choose_num_blocks
+    from llmserve.engine.kv.cache import bytes_per_block
+    from llmserve.engine.step.memory import choose_num_blocks
 
     torch = pytest.importorskip("torch")
     config = EngineConfig(kv_cache_gb=0.001, block_size=BS)
@@ -269,7 +269,7 @@ def test_builtin_model_with_a_draft_cut_by_the_script(
     Q4_1 bytes as stored) passes the token check against the built-in model, loads as int8 as
     the target does, and greedy decoding with it gives the tokens of a request that does not
     speculate, in the same batch."""
-    from llmserve.engine.engine import Engine
+    from llmserve.engine.step.engine import Engine
     from scripts.make_draft_model import make_draft
 
     draft = tmp_path / "draft.gguf"

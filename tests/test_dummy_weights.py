@@ -17,11 +17,11 @@ import torch
 
 from llmserve.bench.engine_driver import blocks_needed, generate
 from llmserve.common.model_config import ModelConfig, load_model_config, resolve_model_path
-from llmserve.engine import dummy
 from llmserve.engine.config import EngineConfig
-from llmserve.engine.engine import Engine
-from llmserve.engine.model import LlamaForCausalLM
-from llmserve.engine.ops import AttentionContext
+from llmserve.engine.model import dummy
+from llmserve.engine.model.model import LlamaForCausalLM
+from llmserve.engine.model.ops import AttentionContext
+from llmserve.engine.step.engine import Engine
 
 ROOT = Path(__file__).resolve().parent.parent
 SMOLLM2 = ROOT / "configs" / "smollm2-135m"

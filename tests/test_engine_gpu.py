@@ -33,8 +33,8 @@ from llmserve.bench.engine_driver import blocks_needed, generate
 from llmserve.bench.hf import dummy_model
 from llmserve.common.sampling import normalized
 from llmserve.engine.config import EngineConfig
-from llmserve.engine.engine import Engine
-from llmserve.engine.ops import AttentionContext
+from llmserve.engine.model.ops import AttentionContext
+from llmserve.engine.step.engine import Engine
 from llmserve.protos.common_pb2 import SamplingParams
 from llmserve.scheduler.request import Request
 from tests.quality import (

@@ -13,10 +13,10 @@ from typing import Any
 import pytest
 
 from llmserve.engine.config import EngineConfig
-from llmserve.engine.convert import plan_from_proto
-from llmserve.engine.engine import Engine
-from llmserve.engine.mirror import PLACEHOLDER
-from llmserve.engine.runner import ModelRunner
+from llmserve.engine.contract.convert import plan_from_proto
+from llmserve.engine.contract.mirror import PLACEHOLDER
+from llmserve.engine.step.engine import Engine
+from llmserve.engine.step.runner import ModelRunner
 from llmserve.scheduler.config import SchedulerConfig
 from llmserve.scheduler.request import Request
 from llmserve.scheduler.scheduler import Scheduler

@@ -1,7 +1,7 @@
-"""The echo engine (engine/fake.py) as a prefill and a decode engine: the transfer contract in
-process (its modelled link's delay, a decode engine's check of the blocks a transfer filled),
-and a whole stack as `serve --prefill-engines 2 --decode-engines 2` starts it over echo engines,
-giving the same tokens as a colocated echo stack with the transfers in GetStats, and losing
+"""The echo engine (engine/contract/echo.py) as a prefill and a decode engine: the transfer contract
+in process (its modelled link's delay, a decode engine's check of the blocks a transfer filled), and
+a whole stack as `serve --prefill-engines 2 --decode-engines 2` starts it over echo engines, giving
+the same tokens as a colocated echo stack with the transfers in GetStats, and losing
 no request when one engine of each role is killed."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import pytest
 from llmserve.client import make_request
 from llmserve.common.step_plan import KVReceive, KVSend, StepPlanData
 from llmserve.engine.config import EngineConfig
-from llmserve.engine.fake import FakeEngine, FakeEngineConfig
-from llmserve.engine.mirror import MirrorMismatch
+from llmserve.engine.contract.echo import EchoEngine, EchoEngineConfig
+from llmserve.engine.contract.mirror import MirrorMismatch
 from tests.stack import Stack, start_echo_stack
 from tests.test_mirror import new as new_request
 from tests.test_mirror import running
@@ -31,7 +31,7 @@ PROMPT = [(7 * i) % 200 + 1 for i in range(4 * BLOCK + 6)]  # 4 full blocks and 
 
 
 def test_modelled_link_sends_one_at_a_time_at_its_bandwidth() -> None:
-    from llmserve.engine.fake_kv import ModelledLink
+    from llmserve.engine.kv.echo_kv import ModelledLink
 
     link = ModelledLink(block_bytes=2 * 2**20, gb_per_s=20.0)  # 2 MiB blocks over 20 GB/s
     assert link.seconds(125) == pytest.approx(125 * 2 * 2**20 / 20e9)  # 13.1 ms
@@ -41,18 +41,18 @@ def test_modelled_link_sends_one_at_a_time_at_its_bandwidth() -> None:
     assert second == pytest.approx(first + link.seconds(125))  # queued behind the first
 
 
-def _pair(block_bytes: int, gb_per_s: float) -> tuple[FakeEngine, FakeEngine]:
-    fake = FakeEngineConfig(kv_block_bytes=block_bytes, kv_link_gb_per_s=gb_per_s)
-    prefill = FakeEngine(
+def _pair(block_bytes: int, gb_per_s: float) -> tuple[EchoEngine, EchoEngine]:
+    fake = EchoEngineConfig(kv_block_bytes=block_bytes, kv_link_gb_per_s=gb_per_s)
+    prefill = EchoEngine(
         EngineConfig(engine_role="prefill", block_size=BLOCK, internal_token=TOKEN), fake
     )
-    decode = FakeEngine(
+    decode = EchoEngine(
         EngineConfig(engine_role="decode", block_size=BLOCK, internal_token=TOKEN), fake
     )
     return prefill, decode
 
 
-def _await(decode: FakeEngine, step_id: int, timeout: float = 5.0) -> tuple[list[int], int]:
+def _await(decode: EchoEngine, step_id: int, timeout: float = 5.0) -> tuple[list[int], int]:
     """Poll decode with empty plans until a transfer arrives: (its ids, the next step id)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -85,7 +85,7 @@ def test_echo_engines_move_blocks_no_sooner_than_the_modelled_link() -> None:
     unwritten = new_request(3, tokens, [30, 31, 32, 33, 34], computed=4 * BLOCK, prompt=len(PROMPT))
     with pytest.raises(MirrorMismatch, match="holds other KV"):
         decode.step(StepPlanData(step_id + 1, [], [unwritten]))
-    colocated = FakeEngine(EngineConfig(block_size=BLOCK))
+    colocated = EchoEngine(EngineConfig(block_size=BLOCK))
     with pytest.raises(MirrorMismatch, match="role is both"):
         colocated.step(StepPlanData(1, [], [], kv_sends=[send]))
     for engine in (prefill, decode):
@@ -188,7 +188,7 @@ def test_echo_engines_report_a_dropped_transfer_failed_and_never_write_a_cancell
     """As the real engine: a transfer whose connection drops half-way is reported in
     failed_transfer_ids (once), and one cancelled before it arrives is never written, so a
     request claiming its blocks is refused."""
-    from llmserve.engine.disaggregation import FAULT_ENV
+    from llmserve.engine.kv.disaggregation import FAULT_ENV
 
     monkeypatch.setenv(FAULT_ENV, "drop")
     dropping, decode = _pair(block_bytes=0, gb_per_s=0.0)
@@ -226,11 +226,11 @@ def test_a_transfer_arriving_while_steps_run_is_reported_in_the_first_result_aft
     after both were launched is written and reported in the result of the first (not of the
     first step launched after it), once; one written at a launch is reported in the result of
     the step in flight before it; the request is then admitted as a prefix hit on its blocks."""
-    fake = FakeEngineConfig(step_delay_ms=100.0)
-    prefill = FakeEngine(
+    fake = EchoEngineConfig(step_delay_ms=100.0)
+    prefill = EchoEngine(
         EngineConfig(engine_role="prefill", block_size=BLOCK, internal_token=TOKEN), fake
     )
-    decode = FakeEngine(
+    decode = EchoEngine(
         EngineConfig(engine_role="decode", block_size=BLOCK, internal_token=TOKEN), fake
     )
     assert decode.kv is not None and prefill.kv is not None

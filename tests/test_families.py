@@ -17,8 +17,8 @@ import torch
 
 from llmserve.common.model_config import ModelSourceError, load_model_config
 from llmserve.engine.config import EngineConfig
-from llmserve.engine.convert import plan_from_proto, result_to_proto
-from llmserve.engine.engine import Engine
+from llmserve.engine.contract.convert import plan_from_proto, result_to_proto
+from llmserve.engine.step.engine import Engine
 from llmserve.scheduler.config import SchedulerConfig
 from llmserve.scheduler.request import Request
 from llmserve.scheduler.scheduler import Scheduler
@@ -234,7 +234,7 @@ def _set_on_attention(name: str, value: Any) -> Callable[[Any], Callable[[], Non
 
 
 def _unscaled_rope(model: Any) -> Callable[[], None]:
-    from llmserve.engine.rotary import rope_cos_sin_cache, rope_inv_freq
+    from llmserve.engine.model.rotary import rope_cos_sin_cache, rope_inv_freq
 
     config = dataclasses.replace(model.config, rope_scaling=None)
     rotary = model.rotary_emb
@@ -370,7 +370,7 @@ def test_qwen3_8b_shape_has_its_published_size() -> None:
     card's 8.2 B parameters, 6.95 B of them outside the embedding table and LM head."""
     import math
 
-    from llmserve.engine.dummy import hf_tensor_shapes
+    from llmserve.engine.model.dummy import hf_tensor_shapes
 
     config = load_model_config(Path(__file__).parents[1] / "configs" / "qwen3-8b")
     assert config.family == "qwen3" and not config.tie_word_embeddings

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from llmserve.common.model_config import load_model_config
-from llmserve.engine.moe import SparseMoeBlock
+from llmserve.engine.model.moe import SparseMoeBlock
 from tests.test_families import TOLERANCE, check_script_matches_hf
 from tests.test_model import forward_direct, prompt, rel_err, shuffled_blocks
 from tests.test_moe_models import SCRIPT, load  # noqa: F401 (load: the module's fixture)
@@ -84,7 +84,7 @@ def test_router_matches_transformers(groups: int, kept: int) -> None:
     from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeTopkRouter
 
     from llmserve.common.moe_config import moe_from_hf
-    from llmserve.engine.moe import route_grouped
+    from llmserve.engine.model.moe import route_grouped
 
     fields = {"n_routed_experts": 16, "num_experts_per_tok": 4, "n_group": groups}
     fields.update(topk_group=kept, routed_scaling_factor=1.8, hidden_size=32)
@@ -109,7 +109,7 @@ def test_router_stays_float32_in_a_bfloat16_engine(load: Any) -> None:  # noqa: 
     """As transformers keeps them: the router's weight and correction bias in float32, loaded
     unrounded, while the rest of the model is bfloat16; the engine still serves a step."""
     from llmserve.engine.config import EngineConfig
-    from llmserve.engine.engine import Engine
+    from llmserve.engine.step.engine import Engine
 
     m = load("glm4_moe")
     config = EngineConfig(model=str(m.path), device="cpu", dtype="bfloat16", num_kv_blocks=96)

@@ -14,11 +14,11 @@ import pytest
 
 from llmserve.common.step_plan import BlockCopies
 from llmserve.engine.config import EngineConfig
-from llmserve.engine.convert import plan_from_proto
-from llmserve.engine.engine import Engine
-from llmserve.engine.kv_cache import bytes_per_block
-from llmserve.engine.kv_offload import KVTiers
-from llmserve.engine.mirror import MirrorMismatch
+from llmserve.engine.contract.convert import plan_from_proto
+from llmserve.engine.contract.mirror import MirrorMismatch
+from llmserve.engine.kv.cache import bytes_per_block
+from llmserve.engine.kv.offload import KVTiers
+from llmserve.engine.step.engine import Engine
 from llmserve.protos import engine_pb2
 from llmserve.scheduler.config import SchedulerConfig
 from llmserve.scheduler.request import Request
@@ -235,7 +235,7 @@ def test_a_send_reads_its_blocks_before_the_plans_copies_write_them(
     import numpy as np
 
     from llmserve.common.step_plan import KVSend, StepPlanData
-    from llmserve.engine.disaggregation import KVTransfers
+    from llmserve.engine.kv.disaggregation import KVTransfers
 
     pool, tiers = engine.kv_cache, engine.tiers
     assert isinstance(tiers, KVTiers)

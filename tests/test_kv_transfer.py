@@ -1,4 +1,4 @@
-"""The KV transfer channel between two engines' pools (engine/kv_transfer.py), in one process
+"""The KV transfer channel between two engines' pools (engine/kv/transfer.py), in one process
 over loopback TCP: whole blocks arrive into the blocks the receiver names; a wrong token, a
 connection dropped mid-payload and a sender that never comes each deliver nothing, and the
 receiver's wait ends at its deadline."""
@@ -12,8 +12,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from llmserve.engine.kv_transfer import KVReceiver, TransferError, send_blocks
-from llmserve.engine.kv_transfer_wire import pack_header
+from llmserve.engine.kv.transfer import KVReceiver, TransferError, send_blocks
+from llmserve.engine.kv.transfer_wire import pack_header
 
 SHAPE = (2, 2, 8, 4, 2, 16)  # [layers, 2, blocks, block_size, kv heads, head_dim]
 TOKEN = "internal-token"
@@ -96,11 +96,11 @@ def test_a_receiver_that_is_gone_fails_the_send_fast() -> None:
 
 
 def test_an_engines_plan_parts_move_blocks_between_two_pools() -> None:
-    """engine/disaggregation.py between a prefill pool and a decode pool: the send reads its
+    """engine/kv/disaggregation.py between a prefill pool and a decode pool: the send reads its
     blocks when the plan runs (a later write does not travel), the receive writes them when they
     have arrived and reports them once, and a transfer cancelled is never written."""
     from llmserve.common.step_plan import KVReceive, KVSend, StepPlanData
-    from llmserve.engine.disaggregation import KVTransfers
+    from llmserve.engine.kv.disaggregation import KVTransfers
 
     prefill = KVTransfers(torch.randn(SHAPE), "prefill", TOKEN, "127.0.0.1", 0)
     decode = KVTransfers(torch.zeros(SHAPE), "decode", TOKEN, "127.0.0.1", 0)
@@ -132,7 +132,7 @@ def test_a_transfer_arriving_after_a_launch_is_written_and_reported_at_the_next_
     written and reported there, once; one written at a launch is reported at the next result;
     one written but cancelled by a later launch before any result is never reported."""
     from llmserve.common.step_plan import KVReceive, KVSend, StepPlanData
-    from llmserve.engine.disaggregation import KVTransfers
+    from llmserve.engine.kv.disaggregation import KVTransfers
 
     prefill = KVTransfers(torch.randn(SHAPE), "prefill", TOKEN, "127.0.0.1", 0)
     decode = KVTransfers(torch.zeros(SHAPE), "decode", TOKEN, "127.0.0.1", 0)

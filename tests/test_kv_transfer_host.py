@@ -16,7 +16,7 @@ from llmserve.cli import build_parser
 from llmserve.common.flags import from_flags
 from llmserve.common.step_plan import KVReceive, KVSend, StepPlanData
 from llmserve.engine.config import EngineConfig
-from llmserve.engine.disaggregation import KVTransfers
+from llmserve.engine.kv.disaggregation import KVTransfers
 
 SHAPE = (2, 2, 8, 4, 2, 16)  # [layers, 2, blocks, block_size, kv heads, head_dim]
 TOKEN = "internal-token"

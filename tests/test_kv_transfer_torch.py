@@ -1,4 +1,4 @@
-"""The `torch` KV transfer backend (engine/kv_transfer_torch.py) on gloo, as it runs between two
+"""The `torch` KV transfer backend (engine/kv/transfer_torch.py) on gloo, as it runs between two
 CPU engines: the payload over a 2-rank process group made on the pair's first transfer, the
 control on the authenticated connection. Whole blocks arrive into the blocks named (the group
 reused after); a wrong token is refused before any group exists; a sender killed or stalled
@@ -17,10 +17,10 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-import llmserve.engine.kv_transfer as kv_transfer
-import llmserve.engine.kv_transfer_torch as kv_transfer_torch
-from llmserve.engine.kv_transfer import KVReceiver, TransferError, block_layout, send_blocks
-from llmserve.engine.kv_transfer_torch import TorchSender, gather_payload
+import llmserve.engine.kv.transfer as kv_transfer
+import llmserve.engine.kv.transfer_torch as kv_transfer_torch
+from llmserve.engine.kv.transfer import KVReceiver, TransferError, block_layout, send_blocks
+from llmserve.engine.kv.transfer_torch import TorchSender, gather_payload
 
 pytestmark = pytest.mark.stack  # starts service processes (tests/conftest.py)
 
@@ -91,11 +91,11 @@ def test_a_wrong_token_is_refused_before_any_group(receiver: KVReceiver) -> None
 
 SENDER_SCRIPT = """
 import sys, time, torch
-import llmserve.engine.kv_transfer_torch as t
+import llmserve.engine.kv.transfer_torch as t
 address = (sys.argv[1], int(sys.argv[2]))
 source = torch.arange({numel}, dtype=torch.float32).view({shape})
 sender = t.TorchSender(torch.device("cpu"))
-from llmserve.engine.kv_transfer import block_layout
+from llmserve.engine.kv.transfer import block_layout
 sender.send(address, "{token}", 1, t.gather_payload(source, [2]), 1, block_layout(source))
 def stall(group, tensor):
     print("stalling", flush=True)
@@ -160,11 +160,11 @@ def test_a_stalled_sender_is_given_up_at_the_timeout_and_the_pair_rebuilt(
 
 
 def test_a_cancelled_transfer_is_never_written_through_an_engines_plan() -> None:
-    """engine/disaggregation.py with --kv-transfer-backend torch: the send gathers its blocks
+    """engine/kv/disaggregation.py with --kv-transfer-backend torch: the send gathers its blocks
     into a device buffer when the plan runs (a later write does not travel), the receive writes
     them when they have arrived, and a transfer cancelled before it arrives never is."""
     from llmserve.common.step_plan import KVReceive, KVSend, StepPlanData
-    from llmserve.engine.disaggregation import KVTransfers
+    from llmserve.engine.kv.disaggregation import KVTransfers
 
     prefill = KVTransfers(torch.randn(SHAPE), "prefill", TOKEN, "127.0.0.1", 0, "torch")
     decode = KVTransfers(torch.zeros(SHAPE), "decode", TOKEN, "127.0.0.1", 0, "torch")
@@ -195,7 +195,7 @@ def test_a_cancelled_transfer_is_never_written_through_an_engines_plan() -> None
 
 def poll_until_received(decode: object, step_id: int) -> list[int]:
     from llmserve.common.step_plan import StepPlanData
-    from llmserve.engine.disaggregation import KVTransfers
+    from llmserve.engine.kv.disaggregation import KVTransfers
 
     assert isinstance(decode, KVTransfers)
     deadline = time.monotonic() + 5
@@ -227,7 +227,7 @@ def test_the_two_backends_refuse_each_other(receiver: KVReceiver, sender: TorchS
 def test_pools_that_cannot_form_a_group_fall_back_to_tcp() -> None:
     """Two engines on one GPU (NCCL cannot join them), or a CPU and a GPU pool: the payload
     goes over the control connection instead."""
-    from llmserve.engine.kv_transfer_torch import torch_path
+    from llmserve.engine.kv.transfer_torch import torch_path
 
     assert torch_path("cpu", "cpu")
     assert torch_path("cuda:GPU-a", "cuda:GPU-b")
@@ -254,7 +254,7 @@ def test_the_engine_flag_reaches_kv_transfers() -> None:
     from llmserve.cli import build_parser
     from llmserve.common.flags import add_flags
     from llmserve.engine.config import EngineConfig
-    from llmserve.engine.disaggregation import KVTransfers
+    from llmserve.engine.kv.disaggregation import KVTransfers
 
     for role, backend in (("decode", "torch"), ("prefill", "torch"), ("decode", "tcp")):
         config = EngineConfig(engine_role=role, kv_transfer_backend=backend)
@@ -272,7 +272,8 @@ def test_the_engine_flag_reaches_kv_transfers() -> None:
         EngineConfig(kv_transfer_backend="nccl")
     args = build_parser().parse_args(["engine", "--kv-transfer-backend", "torch"])
     assert args.kv_transfer_backend == "torch"
-    # `llmserve engine --help`'s engine part (the whole of it also lists engine/fake.py's flags)
+    # `llmserve engine --help`'s engine part (the whole of it also lists engine/contract/echo.py's
+    # flags)
     engine_help = argparse.ArgumentParser(prog="llmserve engine")
     add_flags(engine_help, EngineConfig)
     assert "--kv-transfer-backend {tcp,torch}" in engine_help.format_help()

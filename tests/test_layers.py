@@ -171,9 +171,6 @@ def test_no_import_cycles() -> None:
         "llmserve.scheduler.policies.static_batching",
         "llmserve.gateway.service",
         "llmserve.gateway.http",
-        "llmserve.engine.service",
-        "llmserve.engine.fake",
-        "llmserve.engine.convert",
         "llmserve.cli",
         "llmserve.stack",
         "llmserve.serve_flags",
@@ -186,6 +183,25 @@ def test_torch_free_modules_never_load_torch(module: str) -> None:
         [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
     )
     assert out.stdout.strip() == "False", f"importing {module} loads torch"
+
+
+TORCH_FREE_FOLDERS = ("llmserve/engine/contract",)
+
+
+def test_torch_free_folders_never_load_torch() -> None:
+    """engine/contract/ (what the engine speaks: the contract, the mirror, the service, the echo
+    engine) is torch-free as a folder: every module in it, imported together, loads no torch."""
+    names = sorted(
+        ".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+        for folder in TORCH_FREE_FOLDERS
+        for p in (ROOT / folder).rglob("*.py")
+    )
+    assert len(names) > 5, names
+    code = f"import sys, {', '.join(names)}; print('torch' in sys.modules)"
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip() == "False", f"importing {names} loads torch"
 
 
 STARTS_PROCESSES = re.compile(
@@ -201,7 +217,12 @@ def test_test_modules_that_start_processes_are_marked_stack() -> None:
         if path.name == Path(__file__).name:
             continue  # the pattern itself is written here
         text = path.read_text()
-        marked = re.search(r"^pytestmark = .*pytest\.mark\.stack", text, re.M) is not None
+        marked = any(
+            isinstance(node, ast.Assign)
+            and any(getattr(t, "id", "") == "pytestmark" for t in node.targets)
+            and "pytest.mark.stack" in ast.unparse(node.value)
+            for node in ast.parse(text).body
+        )
         if marked != bool(STARTS_PROCESSES.search(text)):
             wrong.append(f"{path.name}: marked {marked}")
     assert not wrong, wrong

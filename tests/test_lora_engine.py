@@ -20,10 +20,10 @@ import torch
 
 from llmserve.common.step_plan import LoraLoad, NewRequest, RunningColumns, StepPlanData
 from llmserve.engine.config import EngineConfig
-from llmserve.engine.convert import plan_from_proto
-from llmserve.engine.engine import Engine
-from llmserve.engine.lora import LoraBatch
-from llmserve.engine.lora_files import LoraError
+from llmserve.engine.contract.convert import plan_from_proto
+from llmserve.engine.features.lora import LoraBatch
+from llmserve.engine.features.lora_files import LoraError
+from llmserve.engine.step.engine import Engine
 from llmserve.kernels.lora_reference import lora_padded, lora_segments
 from llmserve.scheduler.config import SchedulerConfig
 from llmserve.scheduler.request import Request
@@ -378,7 +378,7 @@ def test_tensor_parallel_group_gives_each_request_its_tokens(
 ) -> None:
     """T = 2 on gloo: A and B split as their base layers (B by rows for q, k, v, gate, up; A by
     columns for o and down), the same tokens as transformers + peft on one process."""
-    from llmserve.engine.ranks import run_group_locally
+    from llmserve.engine.parallel.ranks import run_group_locally
 
     config = EngineConfig(
         model=str(base), device="cpu", num_kv_blocks=64, block_size=BLOCK_SIZE,

@@ -14,12 +14,12 @@ from types import ModuleType
 import pytest
 import torch
 
-from llmserve.engine.kv_cache import allocate_kv_cache
-from llmserve.engine.lora import LoraSlots, kernel_self_check
-from llmserve.engine.lora_files import LoraAdapter, module_shapes
-from llmserve.engine.ops import KernelOps, ReferenceOps
-from llmserve.engine.parallel import whole_model
-from llmserve.engine.weights import build_model
+from llmserve.engine.features.lora import LoraSlots, kernel_self_check
+from llmserve.engine.features.lora_files import LoraAdapter, module_shapes
+from llmserve.engine.kv.cache import allocate_kv_cache
+from llmserve.engine.model.ops import KernelOps, ReferenceOps
+from llmserve.engine.model.weights import build_model
+from llmserve.engine.parallel.groups import whole_model
 from llmserve.kernels import lora_reference as lora_ref
 from tests.kernel_checks import assert_close
 from tests.kernel_emu import emu
@@ -51,7 +51,7 @@ def kc(emulator: emu.Emulator) -> Iterator[ModuleType]:
 def tables(
     ranks: list[int], max_rank: int, in_features: int, widths: list[int], dtype: torch.dtype
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """Slot tables as engine/lora.py holds them: slot i of rank ranks[i], zero past it."""
+    """Slot tables as engine/features/lora.py holds them: slot i of rank ranks[i], zero past it."""
     a = torch.randn(len(ranks), max_rank, len(widths), in_features) * in_features**-0.5
     b = [torch.randn(len(ranks), max_rank, w) for w in widths]
     for slot, rank in enumerate(ranks):
@@ -145,7 +145,7 @@ def test_lora_add_checks(kc: ModuleType) -> None:
 
 
 def random_adapter(name: str, rank: int, modules: tuple[str, ...], seed: int) -> LoraAdapter:
-    """A checked adapter as engine/lora_files.py makes one, random A and B, every layer."""
+    """A checked adapter as engine/features/lora_files.py makes one, random A and B, every layer."""
     gen = torch.Generator().manual_seed(seed)
     weights = {}
     for layer in range(TINY.num_layers):

@@ -1,5 +1,5 @@
 """engine.mirror.Mirror: the one-token rule and every way a plan can disagree with the mirror;
-engine.fake.FakeEngine's echo.
+engine.fake.EchoEngine's echo.
 
 Plans are built only by the factories below (new, running, plan), so a change to the plan
 dataclasses is absorbed here and nowhere else."""
@@ -15,8 +15,8 @@ import pytest
 
 from llmserve.common.step_plan import NewRequest, RunningColumns, StepPlanData
 from llmserve.engine.config import EngineConfig
-from llmserve.engine.fake import FakeEngine, FakeEngineConfig
-from llmserve.engine.mirror import PLACEHOLDER, Mirror, MirrorMismatch
+from llmserve.engine.contract.echo import EchoEngine, EchoEngineConfig
+from llmserve.engine.contract.mirror import PLACEHOLDER, Mirror, MirrorMismatch
 from tests.factories import sampling
 
 BLOCK_SIZE = 4
@@ -443,11 +443,11 @@ def test_mismatch(plans: Plans, fragment: str) -> None:
         m.apply(bad)
 
 
-# ---- FakeEngine ------------------------------------------------------------------------------
+# ---- EchoEngine ------------------------------------------------------------------------------
 
 
 def test_fake_engine_echoes_prompt_cyclically() -> None:
-    engine = FakeEngine(EngineConfig(block_size=4, num_kv_blocks=32))
+    engine = EchoEngine(EngineConfig(block_size=4, num_kv_blocks=32))
     prompt = [11, 12, 13]
     out = engine.step(plan(1, new=[new(1, prompt, [7])]))
     tokens = list(out.sampled_token_ids)
@@ -468,8 +468,8 @@ def test_fake_engine_echoes_prompt_cyclically() -> None:
 
 def test_fake_engine_step_time_grows_with_its_tokens() -> None:
     """step_delay_ms + step_token_delay_ms per token computed: 10 + 0.5 x (5 + 3) = 14 ms."""
-    fake = FakeEngineConfig(step_delay_ms=10.0, step_token_delay_ms=0.5)
-    engine = FakeEngine(EngineConfig(block_size=4, num_kv_blocks=32), fake)
+    fake = EchoEngineConfig(step_delay_ms=10.0, step_token_delay_ms=0.5)
+    engine = EchoEngine(EngineConfig(block_size=4, num_kv_blocks=32), fake)
     start = time.monotonic()
     step = engine.launch(plan(1, new=[new(1, [5, 6, 7, 8, 9], [0, 1]), new(2, [3, 4, 5], [2])]))
     assert step.output.forward_ms == 14.0
@@ -478,7 +478,7 @@ def test_fake_engine_step_time_grows_with_its_tokens() -> None:
 
 
 def test_fake_engine_mid_prefill_and_batch() -> None:
-    engine = FakeEngine(EngineConfig(block_size=4, num_kv_blocks=32))
+    engine = EchoEngine(EngineConfig(block_size=4, num_kv_blocks=32))
     out = engine.step(plan(1, new=[new(1, [5, 6, 7, 8, 9], [0, 1], scheduled=2), new(2, [3], [2])]))
     assert out.sampled_token_ids == [-1, 3]
     assert out.logprobs is None
@@ -490,13 +490,13 @@ def test_fake_engine_mid_prefill_and_batch() -> None:
 
 def test_fake_engine_resumes_after_preemption() -> None:
     """Token i is prompt[i % len(prompt)] even when generated tokens come back in token_ids."""
-    engine = FakeEngine(EngineConfig(block_size=4, num_kv_blocks=32))
+    engine = EchoEngine(EngineConfig(block_size=4, num_kv_blocks=32))
     out = engine.step(plan(1, new=[new(1, [1, 2, 3, 9, 9], [0, 1], prompt=3)]))
     assert out.sampled_token_ids == [3]
 
 
 def test_fake_engine_logprobs_and_mismatch() -> None:
-    engine = FakeEngine(EngineConfig(block_size=4, num_kv_blocks=8))
+    engine = EchoEngine(EngineConfig(block_size=4, num_kv_blocks=8))
     req = new(1, [4, 4, 4], [0], scheduled=2, logprobs=True)
     out = engine.step(plan(1, new=[req, new(2, [1], [1])]))
     assert out.sampled_token_ids == [-1, 1]

@@ -23,9 +23,9 @@ import torch
 from llmserve.common.model_config import load_model_config
 from llmserve.common.step_plan import NewRequest, RunningColumns, StepOutput, StepPlanData
 from llmserve.engine.config import EngineConfig
-from llmserve.engine.engine import Engine
-from llmserve.engine.layers import rope_cos_sin_cache, rope_inv_freq
-from llmserve.engine.ops import AttentionContext
+from llmserve.engine.model.layers import rope_cos_sin_cache, rope_inv_freq
+from llmserve.engine.model.ops import AttentionContext
+from llmserve.engine.step.engine import Engine
 from tests.factories import EOS_TOKEN_ID, LLAMA3, TINY_VOCAB, sampling
 
 TOLERANCE = 1e-4

@@ -1,6 +1,6 @@
-"""The mixture-of-experts block (engine/moe.py, kernels/moe_reference.py) against transformers'
-own sparse blocks, built from their config classes with random weights: 8 experts, top-2, a
-shared expert for Qwen2-MoE; each rank's share of the experts under expert parallelism (the
+"""The mixture-of-experts block (engine/model/moe.py, kernels/moe_reference.py) against
+transformers' own sparse blocks, built from their config classes with random weights: 8 experts,
+top-2, a shared expert for Qwen2-MoE; each rank's share of the experts under expert parallelism (the
 whole model at T = 2 on gloo: tests/test_moe_models.py)."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from llmserve.common.moe_config import MoEConfig, moe_from_hf
-from llmserve.engine.layers import default_weight_loader
-from llmserve.engine.moe import SparseMoeBlock
-from llmserve.engine.ops import ReferenceOps
-from llmserve.engine.parallel import TPGroup
+from llmserve.engine.model.layers import default_weight_loader
+from llmserve.engine.model.moe import SparseMoeBlock
+from llmserve.engine.model.ops import ReferenceOps
+from llmserve.engine.parallel.groups import TPGroup
 from llmserve.kernels import moe_reference as moe_ref
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -112,7 +112,7 @@ def test_self_check_covers_the_experts(emulator: emu.Emulator) -> None:
     """The engine's start-up check of the CUDA ops (engine.ops.self_check) runs moe.cu for an
     MoE model, so a kernel that fails or disagrees sends `auto` to torch before a request does."""
     from llmserve.common.moe_config import MoEConfig
-    from llmserve.engine.ops import KernelOps, self_check
+    from llmserve.engine.model.ops import KernelOps, self_check
     from tests.test_gpu_plumbing import tiny_config
 
     config = tiny_config(moe=MoEConfig(num_experts=4, top_k=2, intermediate_size=32,

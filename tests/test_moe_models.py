@@ -16,8 +16,8 @@ import torch
 
 from llmserve.common.model_config import check_parallel_sizes, load_model_config, valid_tp_sizes
 from llmserve.engine.config import EngineConfig
-from llmserve.engine.engine import Engine
-from llmserve.engine.moe import SparseMoeBlock
+from llmserve.engine.model.moe import SparseMoeBlock
+from llmserve.engine.step.engine import Engine
 from llmserve.scheduler.request import Request
 from tests.factories import sampling
 from tests.moe_models import MOE_CONFIGS, make_tiny_moe
@@ -131,7 +131,7 @@ def test_qwen3_30b_a3b_shape_has_its_published_size() -> None:
     3.3 B of them active per token, counted off the meta-device model."""
     import math
 
-    from llmserve.engine.dummy import hf_tensor_shapes
+    from llmserve.engine.model.dummy import hf_tensor_shapes
 
     config = load_model_config(Path(__file__).parents[1] / "configs" / "qwen3-30b-a3b")
     assert config.family == "qwen3_moe" and config.moe is not None

@@ -18,14 +18,14 @@ import torch
 from llmserve.common.model_config import check_parallel_sizes, load_model_config, valid_tp_sizes
 from llmserve.common.step_plan import NewRequest, RunningColumns, StepPlanData
 from llmserve.engine.config import EngineConfig
-from llmserve.engine.parallel import (
+from llmserve.engine.parallel.groups import (
     ModelShard,
     Topology,
     TPGroup,
     shard_config,
     split_layers,
 )
-from llmserve.engine.ranks import run_group_locally
+from llmserve.engine.parallel.ranks import run_group_locally
 from llmserve.protos.common_pb2 import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -158,7 +158,7 @@ def _scenario_on_rank(engine: Any, parallel: Any) -> tuple[list[list[int]], list
 def reference(tiny_model: Any) -> tuple[Path, list[list[int]], list[torch.Tensor]]:
     """One engine's outputs and logits over the scenario (the tiny model: 4 heads, 4 KV heads
     so T = 2 and 4 both divide them; 4 layers)."""
-    from llmserve.engine.engine import Engine
+    from llmserve.engine.step.engine import Engine
 
     model = tiny_model(num_heads=4, num_kv_heads=4, num_layers=4)
     engine = Engine(_engine_config(model, 1, 1))
@@ -185,7 +185,7 @@ def test_group_matches_one_engine(reference: Any, tp: int, pp: int) -> None:
 def test_group_of_one_on_cuda_matches_one_engine(tiny_model: Any) -> None:
     """What one GPU allows: a group of one rank over NCCL (the driver's token broadcast and the
     parallel runner path on CUDA) against a plain engine, bf16."""
-    from llmserve.engine.engine import Engine
+    from llmserve.engine.step.engine import Engine
 
     model = tiny_model(num_heads=4, num_kv_heads=4, num_layers=4)
     config = replace(_engine_config(model, 1, 1), device="cuda", num_threads=0)
@@ -214,8 +214,8 @@ def test_rank_skips_plans_after_a_refused_one_until_reset(tiny_model: Any) -> No
     """The driver ends a Step stream at a plan the mirror refuses; a rank must not run the plans
     forwarded after it (their collectives would wait forever for the driver), until the reset
     that opens the next stream."""
-    from llmserve.engine.engine import Engine
-    from llmserve.engine.ranks import run_rank
+    from llmserve.engine.parallel.ranks import run_rank
+    from llmserve.engine.step.engine import Engine
     from llmserve.protos import engine_pb2
 
     engine = Engine(_engine_config(tiny_model(num_heads=4, num_kv_heads=4, num_layers=4), 1, 1))

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from llmserve.engine.config import EngineConfig
-from llmserve.engine.convert import plan_from_proto
-from llmserve.engine.fake import FakeEngine, FakeEngineConfig
-from llmserve.engine.runner import _full_rows
-from llmserve.engine.sampler import Sampler, apply_penalties
+from llmserve.engine.contract.convert import plan_from_proto
+from llmserve.engine.contract.echo import EchoEngine, EchoEngineConfig
+from llmserve.engine.step.runner import _full_rows
+from llmserve.engine.step.sampler import Sampler, apply_penalties
 from llmserve.scheduler.config import SchedulerConfig
 from llmserve.scheduler.plan import TopLogprobColumns
 from llmserve.scheduler.request import Request
@@ -138,7 +138,7 @@ def test_each_request_gets_its_own_k_through_the_contract() -> None:
     hands every request exactly its rows, without reading anyone's sampling params."""
     scheduler = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64), 16, 4, 64,
                           100, (99,))  # fmt: skip
-    engine = FakeEngine(EngineConfig(block_size=4, num_kv_blocks=16), FakeEngineConfig(100))
+    engine = EchoEngine(EngineConfig(block_size=4, num_kv_blocks=16), EchoEngineConfig(100))
     wants = [3, 0, 1]
     for seq_id, k in enumerate(wants, start=1):
         params = sampling(logprobs=bool(k), top_logprobs=k)

@@ -200,8 +200,8 @@ def test_pipeline_size_comes_from_the_engine_info() -> None:
 
 
 async def _adopt_pipeline_sizes() -> None:
-    from llmserve.engine.contract import EngineInfo
-    from llmserve.engine.convert import info_to_proto
+    from llmserve.engine.contract.contract import EngineInfo
+    from llmserve.engine.contract.convert import info_to_proto
     from llmserve.scheduler.service.engine_link import EngineMismatch
     from llmserve.scheduler.service.service import SchedulerService
 

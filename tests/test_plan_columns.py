@@ -8,7 +8,7 @@ import dataclasses
 
 from llmserve.common.plan_columns import COLUMNS, CORE_COLUMNS, VALUE_COLUMNS
 from llmserve.common.step_plan import MESSAGES, RunningColumns
-from llmserve.engine.convert import plan_from_proto
+from llmserve.engine.contract.convert import plan_from_proto
 from llmserve.protos import engine_pb2
 from llmserve.scheduler.config import SchedulerConfig
 from llmserve.scheduler.plan import NewRequestRow, RunningRow

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from llmserve.common.model_config import load_model_config
-from llmserve.engine.rotary import rope_attention_factor, rope_inv_freq
+from llmserve.engine.model.rotary import rope_attention_factor, rope_inv_freq
 from tests.family_models import ROPE_CONFIGS
 from tests.test_families import (  # noqa: F401 (load: the module-scoped fixture)
     NUM_OUT,
@@ -142,7 +142,7 @@ def test_yarn_gguf_logits_match_hf(load: Any, tmp_path: Path) -> None:  # noqa: 
     """llama-yarn written as llama.cpp's converter writes yarn (type, factor, original context):
     the same rope settings as from the HF directory, logits within 1e-4 of transformers'."""
     from llmserve.engine.config import EngineConfig
-    from llmserve.engine.engine import Engine
+    from llmserve.engine.step.engine import Engine
     from tests.family_gguf import write_family_gguf
 
     m = load("llama-yarn")
@@ -180,7 +180,7 @@ def test_smollm3_gguf_logits_match_hf(load: Any, tmp_path: Path) -> None:  # noq
     converter writes it (Llama's layout, q / k rows permuted): its NoPE layers read, logits
     within 1e-4 of transformers'."""
     from llmserve.engine.config import EngineConfig
-    from llmserve.engine.engine import Engine
+    from llmserve.engine.step.engine import Engine
     from tests.family_gguf import write_family_gguf
 
     m = load("smollm3", num_hidden_layers=4, no_rope_layer_interval=4)

@@ -8,10 +8,10 @@ from collections.abc import Sequence
 import pytest
 import torch
 
-import llmserve.engine.sampler as sampler_module
+import llmserve.engine.step.sampler as sampler_module
 from llmserve.common.sampling import SamplingError
-from llmserve.engine import sampler as engine_sampler
-from llmserve.engine.sampler import seed_for, seeded_exponential
+from llmserve.engine.step import sampler as engine_sampler
+from llmserve.engine.step.sampler import seed_for, seeded_exponential
 from llmserve.protos.common_pb2 import SamplingParams
 from tests.factories import sampling
 

@@ -21,7 +21,7 @@ from llmserve.client import make_request
 from llmserve.common.net import CHANNEL_OPTIONS, check_health, wait_until_serving
 from llmserve.common.step_plan import StepPlanData
 from llmserve.engine.config import EngineConfig
-from llmserve.engine.fake import FakeEngine, FakeEngineConfig
+from llmserve.engine.contract.echo import EchoEngine, EchoEngineConfig
 from llmserve.gateway.config import GatewayConfig
 from llmserve.protos import (
     common_pb2,
@@ -155,7 +155,7 @@ def test_one_bad_request_fails_alone_not_the_batch() -> None:
     nothing, and the scheduler's 'finished' for it is taken quietly."""
     from llmserve.common.step_plan import RunningColumns
 
-    engine = FakeEngine(EngineConfig(block_size=4, num_kv_blocks=16), FakeEngineConfig(100))
+    engine = EchoEngine(EngineConfig(block_size=4, num_kv_blocks=16), EchoEngineConfig(100))
     bad_params = common_pb2.SamplingParams(temperature=1.0, logprobs=True, top_logprobs=-1)
     plan = StepPlanData(1, [], [
         new_request(1, [5, 6], [0]),
@@ -177,9 +177,9 @@ def test_one_bad_request_fails_alone_not_the_batch() -> None:
 
 def test_a_block_twice_in_one_table_is_a_mismatch() -> None:
     from llmserve.common.step_plan import RunningColumns
-    from llmserve.engine.mirror import MirrorMismatch
+    from llmserve.engine.contract.mirror import MirrorMismatch
 
-    engine = FakeEngine(EngineConfig(block_size=4, num_kv_blocks=16))
+    engine = EchoEngine(EngineConfig(block_size=4, num_kv_blocks=16))
     with pytest.raises(MirrorMismatch, match="appears twice"):
         engine.step(StepPlanData(1, [], [new_request(1, [1] * 6, [3, 3])]))
     engine.reset()
@@ -324,7 +324,7 @@ def make_certificates(directory: Path) -> dict[str, str]:
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
 def test_mutual_tls_on_the_internal_links(tokenizer_dir: Path, tmp_path: Path) -> None:
     tls = make_certificates(tmp_path)
-    fake = FakeEngineConfig(vocab_size=TINY_VOCAB, eos_token_ids=(EOS_TOKEN_ID,))
+    fake = EchoEngineConfig(vocab_size=TINY_VOCAB, eos_token_ids=(EOS_TOKEN_ID,))
     s = local_stack(
         replace(EngineConfig(), **tls),
         replace(SchedulerConfig(), **tls),

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from llmserve.engine.config import EngineConfig
-from llmserve.engine.fake import FakeEngine, FakeEngineConfig
-from llmserve.engine.proposer import ngram_match
+from llmserve.engine.contract.echo import EchoEngine, EchoEngineConfig
+from llmserve.engine.features.proposer import ngram_match
 from llmserve.scheduler.request import Request, RequestStatus
 from llmserve.scheduler.speculation import FIRST_BACKOFF_STEPS, MIN_ACCEPTANCE, SpeculationPolicy
 from tests.factories import sampling
@@ -28,10 +28,10 @@ VOCAB = 100
 EOS = 99
 
 
-def echo_engine(k: int, num_blocks: int = 64, max_model_len: int = 256) -> FakeEngine:
+def echo_engine(k: int, num_blocks: int = 64, max_model_len: int = 256) -> EchoEngine:
     config = EngineConfig(block_size=BS, num_kv_blocks=num_blocks, max_model_len=max_model_len)
-    fake = FakeEngineConfig(vocab_size=VOCAB, eos_token_ids=(EOS,), num_speculative_tokens=k)
-    return FakeEngine(config, fake)
+    fake = EchoEngineConfig(vocab_size=VOCAB, eos_token_ids=(EOS,), num_speculative_tokens=k)
+    return EchoEngine(config, fake)
 
 
 def request(seq_id: int, prompt: list[int], max_tokens: int, **fields: object) -> Request:
@@ -147,7 +147,7 @@ def test_eos_mid_bundle_drops_the_tokens_after_it() -> None:
     assert spec.finished == {1: RequestStatus.FINISHED_STOPPED}
 
 
-def _echo_pair(k: int, num_blocks: int = 64) -> tuple[object, FakeEngine]:
+def _echo_pair(k: int, num_blocks: int = 64) -> tuple[object, EchoEngine]:
     engine = echo_engine(k, num_blocks)
     return make_scheduler_for(engine), engine
 
@@ -228,7 +228,7 @@ def test_ngram_match(tokens: list[int], k: int, expected: list[int]) -> None:
 
 
 def _engine(model: Path, method: str = "none", **fields: object) -> object:
-    from llmserve.engine.engine import Engine
+    from llmserve.engine.step.engine import Engine
 
     config = EngineConfig(
         model=str(model), device="cpu", num_kv_blocks=512, seed=7, max_num_seqs=256,
@@ -327,7 +327,7 @@ def test_temperature_seeded_and_penalties_same_tokens_in_process(
         engine.reset()
     assert spec_rows["none"] == 0 and spec_rows["ngram"] > 0
     assert runs["ngram"].outputs == runs["none"].outputs
-    # The built-in model's CPU default (GGUF blocks, engine/gguf_linear.py) rounds activations
+    # The built-in model's CPU default (GGUF blocks, engine/model/gguf_linear.py) rounds activations
     # to int16 per block of 32, which turns the ~1e-6 float differences between a verification's
     # multi-row attention and a one-row decode into a rounding step here and there: logprobs
     # agree to 1e-3 (float32 or int8 weights: to 1e-5), the tokens exactly

@@ -1,4 +1,4 @@
-"""Gateway + scheduler over real gRPC, with the model-free echo engine (engine/fake.py).
+"""Gateway + scheduler over real gRPC, with the model-free echo engine (engine/contract/echo.py).
 
 The echo engine returns the prompt's tokens cyclically, and the test tokenizer has one token per
 byte, so a test controls the streamed text exactly by choosing the prompt.
@@ -305,14 +305,14 @@ def test_scheduler_adopts_the_engine_limits_and_refuses_larger_ones(tmp_path: Pa
 
     from llmserve.common.net import CHANNEL_OPTIONS, wait_until_serving
     from llmserve.engine.config import EngineConfig
-    from llmserve.engine.fake import FakeEngineConfig
+    from llmserve.engine.contract.echo import EchoEngineConfig
     from llmserve.protos import scheduler_pb2, scheduler_pb2_grpc
     from llmserve.scheduler.config import SchedulerConfig
     from llmserve.stack import local_stack
 
     engine = EngineConfig(max_num_seqs=4, max_num_batched_tokens=64)
     for own, expected in ((SchedulerConfig(), (4, 64)), (SchedulerConfig(max_num_seqs=2), (2, 64))):
-        stack = local_stack(engine, own, fake=FakeEngineConfig(), log_dir=tmp_path / "ok")
+        stack = local_stack(engine, own, fake=EchoEngineConfig(), log_dir=tmp_path / "ok")
         stack.start(("engine", "scheduler"))
         try:
             assert wait_until_serving(stack.scheduler_address, timeout=60), stack.logs()
@@ -324,7 +324,7 @@ def test_scheduler_adopts_the_engine_limits_and_refuses_larger_ones(tmp_path: Pa
         finally:
             stack.stop()
     bad = SchedulerConfig(max_num_seqs=8)
-    stack = local_stack(engine, bad, fake=FakeEngineConfig(), log_dir=tmp_path / "bad")
+    stack = local_stack(engine, bad, fake=EchoEngineConfig(), log_dir=tmp_path / "bad")
     stack.start(("engine", "scheduler"))
     try:
         assert stack.procs["scheduler"].wait(timeout=60) == 1

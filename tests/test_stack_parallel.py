@@ -44,7 +44,7 @@ def _generate_all(client: Client, requests: list[api_pb2.GenerateRequest]) -> li
 def rank_pids(engine_pid: int) -> list[int]:
     """The rank processes an engine started (`python -m engine.ranks`), by pid."""
     return sorted(
-        pid for pid, cmdline in children(engine_pid) if b"llmserve.engine.ranks" in cmdline
+        pid for pid, cmdline in children(engine_pid) if b"llmserve.engine.parallel.ranks" in cmdline
     )
 
 

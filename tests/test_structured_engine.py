@@ -22,10 +22,10 @@ import pytest
 from llmserve.bench.byte_tokenizer import EOS_TOKEN_ID
 from llmserve.common.step_plan import GrammarCompile
 from llmserve.engine.config import EngineConfig
-from llmserve.engine.convert import plan_from_proto
-from llmserve.engine.engine import Engine
-from llmserve.engine.grammar import Grammars
-from llmserve.engine.mirror import ScheduledSeq, SeqState
+from llmserve.engine.contract.convert import plan_from_proto
+from llmserve.engine.contract.mirror import ScheduledSeq, SeqState
+from llmserve.engine.features.grammar import Grammars
+from llmserve.engine.step.engine import Engine
 from llmserve.protos.common_pb2 import ChoiceList, StructuredOutput
 from llmserve.scheduler.config import SchedulerConfig
 from llmserve.scheduler.request import Request, RequestStatus

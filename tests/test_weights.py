@@ -17,10 +17,10 @@ import torch
 
 from llmserve.common.gguf_file import GGUFFile
 from llmserve.common.model_config import ModelConfig, load_model_config, read_gguf_fields
-from llmserve.engine.kv_cache import allocate_kv_cache, layer_views
-from llmserve.engine.model import LlamaForCausalLM
-from llmserve.engine.ops import AttentionContext
-from llmserve.engine.weights import build_model, gguf_name_to_hf, load_weights, unpermute_qk
+from llmserve.engine.kv.cache import allocate_kv_cache, layer_views
+from llmserve.engine.model.model import LlamaForCausalLM
+from llmserve.engine.model.ops import AttentionContext
+from llmserve.engine.model.weights import build_model, gguf_name_to_hf, load_weights, unpermute_qk
 from tests.factories import EOS_TOKEN_ID, LLAMA3, TINY_VOCAB
 
 TOLERANCE = 1e-4

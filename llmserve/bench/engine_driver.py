@@ -11,7 +11,7 @@ from typing import Any
 
 from llmserve.common.sampling import normalized
 from llmserve.common.step_plan import LoraLoad, NewRequest, RunningColumns, StepOutput, StepPlanData
-from llmserve.engine.engine import Engine
+from llmserve.engine.step.engine import Engine
 from llmserve.protos.common_pb2 import SamplingParams
 
 GREEDY = normalized(SamplingParams(temperature=0.0))

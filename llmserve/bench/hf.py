@@ -23,12 +23,12 @@ def load_model(model_path: Path, device: str = "cpu") -> Any:
 
 def dummy_model(config_dir: Path, seed: int, dtype: Any, device: str) -> Any:
     """HF transformers' LlamaForCausalLM for config_dir/config.json holding the engine's dummy
-    weights (engine/dummy.py, `--load-format dummy --seed seed`), made on `device` in `dtype`
+    weights (engine/model/dummy.py, `--load-format dummy --seed seed`), made on `device` in `dtype`
     (an 8B model in bf16 never exists in float32)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from llmserve.engine.dummy import fill_hf_tensor_
+    from llmserve.engine.model.dummy import fill_hf_tensor_
 
     config = LlamaConfig.from_pretrained(config_dir)
     default = torch.get_default_dtype()

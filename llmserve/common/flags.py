@@ -66,11 +66,16 @@ def add_flags(
     prefix: str = "",
     exclude: tuple[str, ...] = (),
     taken: set[str] | None = None,
+    flag_prefix: str | None = None,
+    alias_prefix: str | None = None,
 ) -> None:
     """Add a flag for each field of cls not in exclude. taken: flags already added by another
-    config (a field two services share, e.g. --model) are skipped, and the new ones recorded."""
+    config (a field two services share, e.g. --model) are skipped, and the new ones recorded.
+    prefix names the parsed values (from_flags reads them under it); flag_prefix, when given,
+    the flags instead, with alias_prefix's names accepted too (a renamed group's old flags)."""
     for f, hint in _fields(cls):
-        name = flag_name(f, prefix)
+        name = flag_name(f, prefix if flag_prefix is None else flag_prefix)
+        aliases = [flag_name(f, alias_prefix)] if alias_prefix is not None else []
         if f.name in exclude or (taken is not None and name in taken):
             continue
         if taken is not None:
@@ -92,7 +97,7 @@ def add_flags(
             )
             if kind is not str or options["default"] is not None:
                 help_text += " (default: %(default)s)"
-        parser.add_argument(name, help=help_text or None, **options)
+        parser.add_argument(name, *aliases, help=help_text or None, **options)
 
 
 def _with_tuples(cls: type, values: dict[str, Any]) -> dict[str, Any]:

@@ -1,8 +1,9 @@
 """The running rows' columns of a step plan (engine.proto's RunningColumns), as both sides'
 converters read them: from the message's descriptor, so that a per-row field added to the .proto
-needs no code in scheduler/service/convert.py, engine/convert.py or engine/contract.py. A new column
-is filled from the scheduler's RunningRow attribute of its name (scheduler/plan.py) and read by the
-engine as RunningColumns's attribute of its name (engine/contract.py).
+needs no code in scheduler/service/convert.py, engine/contract/convert.py or
+engine/contract/contract.py. A new column is filled from the scheduler's RunningRow attribute of its
+name (scheduler/plan.py) and read by the engine as RunningColumns's attribute of its name
+(engine/contract/contract.py).
 
     seq_ids          the rows' ids (the scheduler's row holds its request: row.request.seq_id)
     new_block_ids    ragged: row i's blocks are new_block_ids[sum(num_new_blocks[:i]) :

@@ -66,7 +66,7 @@ class LoraLoad:
 @dataclass
 class BlockCopies:
     """Block src_ids[i] of src_tier to slot dst_ids[i] of dst_tier (engine_pb2.KVTier values),
-    before the plan's forward, in list order (engine/kv_offload.py)."""
+    before the plan's forward, in list order (engine/kv/offload.py)."""
 
     src_tier: int
     dst_tier: int
@@ -86,7 +86,7 @@ class GrammarCompile:
 @dataclass(frozen=True)
 class KVSend:
     """Read block_ids out of the pool before the forward; push them to the decode engine at
-    address under transfer_id (engine/disaggregation.py)."""
+    address under transfer_id (engine/kv/disaggregation.py)."""
 
     transfer_id: int
     block_ids: list[int]

@@ -1,7 +1,7 @@
 """Structured output (protos/common.proto's StructuredOutput): its limits, its grammar in
 llguidance's terms, and whether the library compiles it. Torch-free: the gateway checks a
 request here before it is admitted (off the event loop, on the validation thread); the engine
-builds its matchers from the same grammar text (engine/grammar.py).
+builds its matchers from the same grammar text (engine/features/grammar.py).
 
 Limits, each refused with INVALID_ARGUMENT / HTTP 400 naming the field and the limit:
 

@@ -1,6 +1,6 @@
 """Weight-only int8 linear on the GPU (int8_gemm.cu): y = x @ W^T with W held as int8 plus one
 float32 scale per output channel, x and y fp16 / bf16, float32 sums. kernels/reference.py's
-`int8_linear` is the ground truth; engine/quant.py's Int8Linear serves `--quantization int8`
+`int8_linear` is the ground truth; engine/model/quant.py's Int8Linear serves `--quantization int8`
 through it on CUDA.
 
 The weight is packed once, at load (`pack_weight`): the plain int8 [N, K] with K's order permuted

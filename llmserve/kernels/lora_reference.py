@@ -1,7 +1,7 @@
 """Batched LoRA in plain torch: the ground truth for kernels/lora.cu and what the CPU engine runs
-(engine/lora.py lays a step's rows out and calls lora_padded or lora_segments).
+(engine/features/lora.py lays a step's rows out and calls lora_padded or lora_segments).
 
-For one projection of one layer, the adapters' tables as engine/lora.py holds them:
+For one projection of one layer, the adapters' tables as engine/features/lora.py holds them:
 
     a     [slots, max_rank, parts, in]: each slot's row j of each part's A (q, k, v of qkv_proj
           ...), rank before part, so that the first r ranks of every part, a[s, :r], are one
@@ -61,14 +61,14 @@ def lora_padded(
     positions: torch.Tensor | None,
     rank: int,
 ) -> torch.Tensor:
-    """The update of the adapted tokens [n, sum of parts' out], padded layout (engine/lora.py's
-    LoraBatch: segment i's token j at row i * longest + j of one batch; `gather` names each
-    row's token, `positions` each token's row; None: the identity, nothing copied): x
-    [tokens, in]; the first `rank` ranks of the slots `select` names (None: every slot; a
-    slice: a run of them, read in place; else an index tensor). One batched matmul for the
-    shrink of every part, one per part for the expand. With one token per segment (decode),
-    A times x as batched matrix-vector products and the parts joined by a cat; with more, x
-    times A^T and each part written into its columns: the faster form of each on the CPU
+    """The update of the adapted tokens [n, sum of parts' out], padded layout
+    (engine/features/lora.py's LoraBatch: segment i's token j at row i * longest + j of one batch;
+    `gather` names each row's token, `positions` each token's row; None: the identity, nothing
+    copied): x [tokens, in]; the first `rank` ranks of the slots `select` names (None: every slot; a
+    slice: a run of them, read in place; else an index tensor). One batched matmul for the shrink of
+    every part, one per part for the expand. With one token per segment (decode), A times x as
+    batched matrix-vector products and the parts joined by a cat; with more, x times A^T and each
+    part written into its columns: the faster form of each on the CPU
     (one thread, the built-in model's shapes; bench/lora_cpu.py measures the whole)."""
     a_sel = (a if select is None else a[select])[:, :rank].flatten(1, 2)  # [segs, r * parts, in]
     num_segments, num_parts = a_sel.shape[0], len(b)

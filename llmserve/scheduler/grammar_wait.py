@@ -19,7 +19,8 @@ from collections import OrderedDict
 
 from llmserve.scheduler.request import Request
 
-# As many constraints as the engine caches compiled (engine/grammar.py's MAX_CACHED_GRAMMARS).
+# As many constraints as the engine caches compiled (engine/features/grammar.py's
+# MAX_CACHED_GRAMMARS).
 MAX_COMPILED_KEYS = 256
 
 

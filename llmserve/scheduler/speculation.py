@@ -1,13 +1,13 @@
 """How many tokens the engine may propose for a request (its lookahead slots), and the counts
 of what it proposed and what was accepted.
 
-The engine proposes and verifies (engine/proposer.py, engine/runner.py); the scheduler decides
-how far each request may look ahead. Verifying d proposals costs a step d more tokens of work,
-which pays only while enough of them are accepted. So the policy backs off per request: it keeps
-an exponential moving average of the request's acceptance rate over the steps that proposed
+The engine proposes and verifies (engine/features/proposer.py, engine/step/runner.py); the scheduler
+decides how far each request may look ahead. Verifying d proposals costs a step d more tokens of
+work, which pays only while enough of them are accepted. So the policy backs off per request: it
+keeps an exponential moving average of the request's acceptance rate over the steps that proposed
 something, and when it falls below MIN_ACCEPTANCE, the request decodes without lookahead for
-FIRST_BACKOFF_STEPS steps, then tries again (a probe); each probe that fails doubles the wait, up
-to MAX_BACKOFF_STEPS. A step whose proposer found nothing (no n-gram match) costs nothing extra and
+FIRST_BACKOFF_STEPS steps, then tries again (a probe); each probe that fails doubles the wait, up to
+MAX_BACKOFF_STEPS. A step whose proposer found nothing (no n-gram match) costs nothing extra and
 leaves the average alone.
 """
 

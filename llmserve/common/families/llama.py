@@ -1,4 +1,4 @@
-"""Llama and Mistral: the Llama layout (engine/model.py), Mistral with its sliding window."""
+"""Llama and Mistral: the Llama layout (engine/model/model.py), Mistral with its sliding window."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Any
 
 from llmserve.common.families.registry import Family, register
 
-LLAMA_MODEL = "llmserve.engine.model:LlamaForCausalLM"
+LLAMA_MODEL = "llmserve.engine.model.model:LlamaForCausalLM"
 
 
 def _llama_gguf(fields: Mapping[str, Any], arch: str) -> dict[str, Any]:

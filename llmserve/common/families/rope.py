@@ -1,4 +1,4 @@
-"""Rope settings as config.json spells them, read without torch (engine/layers.py computes the
+"""Rope settings as config.json spells them, read without torch (engine/model/layers.py computes the
 frequencies)."""
 
 from __future__ import annotations

@@ -38,7 +38,7 @@ SMOLLM3 = register(
         name="smollm3",
         hf_architectures=("SmolLM3ForCausalLM",),
         hf_model_types=("smollm3",),
-        model="llmserve.engine.families.smollm3:SmolLM3ForCausalLM",
+        model="llmserve.engine.model.families.smollm3:SmolLM3ForCausalLM",
         read_hf=read_smollm3,
         # llama.cpp writes no NoPE key: its smollm3 graph skips rotary on every 4th layer.
         gguf_architecture="smollm3",

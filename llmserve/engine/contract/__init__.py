@@ -1,0 +1,1 @@
+"""engine/contract/: see docs/architecture.md#layout."""

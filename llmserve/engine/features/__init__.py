@@ -1,0 +1,1 @@
+"""engine/features/: see docs/architecture.md#layout."""

@@ -1,0 +1,1 @@
+"""engine/kv/: see docs/architecture.md#layout."""

@@ -1,0 +1,484 @@
+"""How a decoder layer's hot ops run, chosen once per model by `select_ops`:
+
+- `ReferenceOps`: kernels/reference.py in plain torch. The CPU engine's path, and float32 on a
+  GPU (the CUDA kernels are fp16 / bf16 only). Reads the step's metadata as Python lists, so it
+  synchronizes and cannot be captured in a CUDA graph.
+- `KernelOps`: kernels/cuda.py (store_kv, paged decode / varlen prefill attention, fused RMSNorm,
+  rotary, SiLU-and-mul). Reads the step's metadata as int32 device tensors, made once per step by
+  `prepare` (or given by a CUDA graph's static buffers), and never synchronizes.
+
+The layers call `ops.<op>(...)` and never ask which backend they have.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from llmserve.engine.config import ATTENTION_BACKENDS
+from llmserve.engine.model.attention_context import AttentionContext
+from llmserve.engine.model.decode_splits import DecodeSplits, padded_batch_size  # noqa: F401 (re-exported)
+from llmserve.engine.step.sampler import to_device
+from llmserve.kernels import moe_reference as moe_ref
+from llmserve.kernels import reference as ref
+
+if TYPE_CHECKING:
+    from llmserve.common.model_config import ModelConfig
+    from llmserve.engine.features.lora import LoraBatch
+
+
+class LayerOps:
+    """A backend of the layers' hot ops: the functions of `lib` (kernels/reference.py or
+    kernels/cuda.py, which share their signatures), less what a subclass overrides."""
+
+    name: str
+    graph_safe: bool  # whether a forward through these ops can be captured in a CUDA graph
+    lib: Any
+
+    def prepare(self, ctx: AttentionContext) -> AttentionContext:
+        """ctx as `attention` reads it (once per step)."""
+        return ctx
+
+    def fix_decode_splits(
+        self, config: ModelConfig, max_model_len: int, batch_sizes: list[int]
+    ) -> None:
+        """Fix how decode steps split their contexts (see DecodeSplits); a no-op for ops
+        without split-K."""
+
+    def rms_norm(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.lib.rms_norm(x, weight, eps, residual)
+
+    def rotary(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        ctx: AttentionContext,
+        scale: float,
+        *,
+        window: int | None = None,
+        softcap: float | None = None,
+    ) -> torch.Tensor:
+        raise NotImplementedError
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lib.silu_and_mul(x)
+
+    def moe_experts(
+        self, x: Tensor, weights: Tensor, ids: Tensor, w13: Tensor, w2: Tensor, first_expert: int
+    ) -> Tensor:
+        """The routed experts' weighted sum per token (kernels/moe_reference.py)."""
+        return moe_ref.moe_experts(x, weights, ids, w13, w2, first_expert)
+
+    def gelu_tanh_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """kernels/reference.py's on every backend (no CUDA kernel of its own yet)."""
+        return ref.gelu_tanh_and_mul(x)
+
+    def lora_add(self, lora: LoraBatch, layer: int, group: str, x: Tensor, out: Tensor) -> None:
+        """The step's adapter updates of projection `group` added into out
+        (engine/features/lora.py),
+        through torch's products (kernels/lora_reference.py)."""
+        lora.add(layer, group, x, out)
+
+
+class OpsModule(torch.nn.Module):
+    """A module whose forward runs through `self.ops` (LlamaForCausalLM.set_ops swaps it)."""
+
+    def __init__(self, ops: LayerOps):
+        super().__init__()
+        self.ops = ops
+
+
+class ReferenceOps(LayerOps):
+    """kernels/reference.py: exactly what the CPU engine has always run."""
+
+    name = "torch"
+    graph_safe = False
+    lib = ref
+
+    def rotary(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        q = ref.rotary_embedding(positions, q, cos_sin)
+        return q, ref.rotary_embedding(positions, k, cos_sin)
+
+    def attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        ctx: AttentionContext,
+        scale: float,
+        *,
+        window: int | None = None,
+        softcap: float | None = None,
+    ) -> torch.Tensor:
+        """Store this step's K/V, then attend (reference.paged_attention)."""
+        ref.store_kv(k, v, k_cache, v_cache, ctx.slot_mapping)
+        return ref.paged_attention(
+            q, k_cache, v_cache, ctx.block_tables, ctx.seq_lens, ctx.cu_seqlens_q, scale,
+            window=window, softcap=softcap,
+        )  # fmt: skip
+
+
+@dataclass
+class _CpuStep:
+    """What CpuOps.prepare works out once per step for every layer's attention."""
+
+    slots: torch.Tensor  # the KV slots written this step (padding rows left out)
+    keep: torch.Tensor | None  # the rows of k / v that go to `slots` (None: all of them)
+    decode_rows: list[int]  # requests with one query this step
+    decode_tokens: torch.Tensor | None  # their query rows (None: every row, in order)
+    decode_blocks: torch.Tensor  # their block tables, flattened, to the longest context
+    decode_len: int  # the longest context, in whole blocks
+    decode_mask: torch.Tensor  # [rows, 1, 1, decode_len]: True where a key is in context
+    decode_lens: torch.Tensor  # [rows]: their context lengths
+
+    def window_mask(self, window: int) -> torch.Tensor:
+        """decode_mask less the keys before each row's last `window` positions."""
+        k_pos = torch.arange(self.decode_len)[None, :]
+        seen = k_pos > (self.decode_lens - 1 - window)[:, None]
+        return self.decode_mask & seen[:, None, None, :]
+
+
+class CpuOps(ReferenceOps):
+    """The CPU engine's ops: kernels/reference.py's math, with the step's attention metadata
+    made once per step (`prepare`) instead of in each layer, q and k rotated in one op, and a
+    decode-only step attended to in one scaled_dot_product_attention call over all heads (GQA
+    without copies) instead of two products per KV head. A step with prefill chunks goes to
+    the reference as it is."""
+
+    name = "torch-cpu"
+
+    def prepare(self, ctx: AttentionContext) -> AttentionContext:
+        slots = ctx.slot_mapping
+        valid = slots >= 0
+        keep = None if bool(valid.all()) else valid.nonzero().flatten()
+        if keep is not None:
+            slots = slots[keep]
+        rows = [
+            b
+            for b in range(len(ctx.seq_lens))
+            if ctx.cu_seqlens_q[b + 1] - ctx.cu_seqlens_q[b] == 1
+        ]
+        tokens = [ctx.cu_seqlens_q[b] for b in rows]
+        block_size = ctx.kv_caches[0][0].shape[1] if ctx.kv_caches else 1
+        lens = [ctx.seq_lens[b] for b in rows]
+        blocks = -(-max(lens, default=0) // block_size)
+        lens_t = torch.tensor(lens, dtype=torch.int64)
+        mask = torch.arange(blocks * block_size)[None, :] < lens_t[:, None]
+        step = _CpuStep(
+            slots,
+            keep,
+            rows,
+            None if tokens == list(range(len(ctx.seq_lens))) else torch.tensor(tokens),
+            ctx.block_tables[rows, :blocks].flatten(),
+            blocks * block_size,
+            mask[:, None, None, :],
+            lens_t,
+        )
+        return dataclasses.replace(ctx, cpu_step=step)
+
+    def rotary(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        both = ref.rotary_embedding(positions, torch.cat((q, k), dim=1), cos_sin)
+        return both[:, : q.shape[1]], both[:, q.shape[1] :]
+
+    def attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        ctx: AttentionContext,
+        scale: float,
+        *,
+        window: int | None = None,
+        softcap: float | None = None,
+    ) -> torch.Tensor:
+        step = ctx.cpu_step
+        assert isinstance(step, _CpuStep), "prepare() first"
+        if step.keep is not None:
+            k, v = k[step.keep], v[step.keep]
+        for cache, new in ((k_cache, k), (v_cache, v)):
+            flat = cache.view(-1, *cache.shape[2:])
+            ref._as_bytes(flat)[step.slots] = ref._as_bytes(ref.quantize_kv(new, flat.dtype))
+        if len(step.decode_rows) == len(ctx.seq_lens) and softcap is None:
+            return self._decode(q, k_cache, v_cache, step, scale, window)
+        return ref.paged_attention(  # a step with prefill chunks, or soft-capped scores
+            q, k_cache, v_cache, ctx.block_tables, ctx.seq_lens, ctx.cu_seqlens_q, scale,
+            window=window, softcap=softcap,
+        )  # fmt: skip
+
+    @staticmethod
+    def _decode(
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        step: _CpuStep,
+        scale: float,
+        window: int | None,
+    ) -> torch.Tensor:
+        """[rows, heads, head_dim]: each decode row's one query over its context (its last
+        `window` positions with a sliding window)."""
+        rows, heads, dim = len(step.decode_rows), q.shape[1], q.shape[2]
+        kv = []
+        for cache in (k_cache, v_cache):
+            gathered = ref._as_bytes(cache).flatten(1).index_select(0, step.decode_blocks)
+            shape = (rows, step.decode_len, *cache.shape[2:])  # [rows, L, kv_heads, dim]
+            kv.append(gathered.view(cache.dtype).view(shape).to(q.dtype).transpose(1, 2))
+        queries = q if step.decode_tokens is None else q[step.decode_tokens]
+        attn = torch.nn.functional.scaled_dot_product_attention(
+            queries.view(rows, heads, 1, dim),
+            kv[0],
+            kv[1],
+            attn_mask=step.decode_mask if window is None else step.window_mask(window),
+            scale=scale,
+            enable_gqa=heads != k_cache.shape[2],
+        )
+        return attn.view(rows, heads, dim)
+
+
+class KernelOps(LayerOps):
+    """kernels/cuda.py. q and k are rotated in place (they are fresh views of the qkv product).
+    With `splits` set (fix_decode_splits, by the engine), decode-only steps use its count."""
+
+    name = "cuda"
+    graph_safe = True
+
+    def __init__(self) -> None:
+        import llmserve.kernels.cuda as kc
+
+        self.lib = kc
+        self.splits: DecodeSplits | None = None
+
+    def fix_decode_splits(
+        self, config: ModelConfig, max_model_len: int, batch_sizes: list[int]
+    ) -> None:
+        """Decode steps split as DecodeSplits says for this (per-rank) model shape, capacity
+        and graph batch sizes, on the current GPU."""
+        if not torch.cuda.is_available():  # the CPU emulator's tests: no graphs to agree with
+            return
+        device = torch.device("cuda", torch.cuda.current_device())
+        slots = self.lib.decode_slots(device, config.head_dim)
+        self.splits = DecodeSplits(
+            max_model_len, tuple(sorted(batch_sizes)), config.num_heads, config.num_kv_heads, slots
+        )
+
+    def moe_experts(
+        self, x: Tensor, weights: Tensor, ids: Tensor, w13: Tensor, w2: Tensor, first_expert: int
+    ) -> Tensor:
+        """kernels/moe.cu: no sort and no host synchronization (graph-safe)."""
+        return self.lib.moe_experts(x, weights, ids, w13, w2, first_expert)
+
+    def lora_add(self, lora: LoraBatch, layer: int, group: str, x: Tensor, out: Tensor) -> None:
+        """kernels/lora.cu on decode-like steps (gathered per row, graph-safe); a step with a
+        long prefill segment through torch's per-segment matmuls (engine/features/lora.py)."""
+        lora.add(layer, group, x, out, kernel=self.lib.lora_add)
+
+    def prepare(self, ctx: AttentionContext) -> AttentionContext:
+        """The step's int32 device metadata from its host lists, once per step; a context that
+        already has it (a CUDA graph's static buffers) is returned as it is.
+
+        seq_lens and cu_seqlens_q travel in one copy through pinned memory (it does not wait for
+        the kernels already queued)."""
+        if ctx.seq_lens_t is not None:
+            return ctx
+        num_seqs = len(ctx.seq_lens)
+        meta = to_device([*ctx.seq_lens, *ctx.cu_seqlens_q], torch.int32, ctx.slot_mapping.device)
+        max_seqlen_q = max(b - a for a, b in itertools.pairwise(ctx.cu_seqlens_q))
+        return dataclasses.replace(
+            ctx,
+            block_tables=ctx.block_tables.to(torch.int32),
+            seq_lens_t=meta[:num_seqs],
+            cu_seqlens_q_t=meta[num_seqs:],
+            max_seqlen_q=max_seqlen_q,
+            max_seq_len=max(ctx.seq_lens),
+            num_splits=self.decode_splits(num_seqs) if max_seqlen_q == 1 else None,
+        )
+
+    def decode_splits(self, num_seqs: int) -> int | None:
+        """The split count of a decode-only step of num_seqs requests (None: without `splits`,
+        the kernel's own choice from the batch's longest context)."""
+        return None if self.splits is None else self.splits.count(num_seqs)
+
+    def rotary(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self.lib.rotary_embedding(positions, q, cos_sin, out=q)
+        self.lib.rotary_embedding(positions, k, cos_sin, out=k)
+        return q, k
+
+    def attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        ctx: AttentionContext,
+        scale: float,
+        *,
+        window: int | None = None,
+        softcap: float | None = None,
+    ) -> torch.Tensor:
+        """store_kv, then the decode kernel (every request one query) or the varlen prefill
+        kernel (anything else), as kernels.cuda.paged_attention dispatches."""
+        assert ctx.seq_lens_t is not None and ctx.cu_seqlens_q_t is not None, "prepare() first"
+        self.lib.store_kv(k, v, k_cache, v_cache, ctx.slot_mapping)
+        if ctx.num_splits is not None and ctx.max_seqlen_q == 1:
+            return self.lib.paged_decode_attention(
+                q, k_cache, v_cache, ctx.block_tables, ctx.seq_lens_t, scale,
+                num_splits=ctx.num_splits, window=window, softcap=softcap,
+            )  # fmt: skip
+        return self.lib.paged_attention(
+            q,
+            k_cache,
+            v_cache,
+            ctx.block_tables,
+            ctx.seq_lens_t,
+            ctx.cu_seqlens_q_t,
+            scale,
+            max_seqlen_q=ctx.max_seqlen_q,
+            max_seq_len=ctx.max_seq_len,
+            window=window,
+            softcap=softcap,
+        )
+
+
+def kernel_limits(config: ModelConfig, dtype: torch.dtype, block_size: int) -> str | None:
+    """Why the CUDA kernels cannot run this model (None when they can), checked without a GPU."""
+    from llmserve.kernels.cuda import HEAD_DIMS
+
+    if dtype not in (torch.float16, torch.bfloat16):
+        return f"dtype {str(dtype).removeprefix('torch.')}: the CUDA kernels are fp16 / bf16 only"
+    if config.head_dim not in HEAD_DIMS:
+        return f"head_dim={config.head_dim}: the CUDA kernels support {HEAD_DIMS}"
+    if config.rotary_dim % 16:
+        return f"rotary dimension {config.rotary_dim}: the rotary kernel needs a multiple of 16"
+    if block_size % 16:
+        return f"block_size={block_size}: the decode kernel needs a multiple of 16"
+    if config.hidden_size % 8 or config.hidden_size > 24576:
+        return f"hidden_size={config.hidden_size}: rms_norm needs a multiple of 8, <= 24576"
+    if config.intermediate_size % 8:
+        return f"intermediate_size={config.intermediate_size}: silu_and_mul needs a multiple of 8"
+    if config.moe is not None and config.moe.intermediate_size % 8:
+        return f"moe_intermediate_size={config.moe.intermediate_size}: moe.cu needs a multiple of 8"
+    return None
+
+
+def select_ops(
+    backend: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    config: ModelConfig,
+    block_size: int,
+) -> tuple[LayerOps, str]:
+    """(ops, why). backend: "torch" = ReferenceOps (CpuOps on a CPU); "cuda" = KernelOps or a
+    ValueError saying why not; "auto" = KernelOps on a GPU whenever they can run and pass
+    `self_check`, else ReferenceOps (CpuOps on a CPU); why: the reason the kernels were not
+    used."""
+    if backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention backend {backend!r} must be one of {ATTENTION_BACKENDS}")
+    if backend == "torch":
+        ops = CpuOps() if device.type == "cpu" else ReferenceOps()
+        return ops, "asked for (--attention-backend torch)"
+    if device.type != "cuda":
+        if backend == "cuda":
+            raise ValueError(f"--attention-backend cuda needs --device cuda, not {device.type}")
+        return CpuOps(), f"device {device.type}"
+    why_not = kernel_limits(config, dtype, block_size)
+    if why_not is None:
+        import llmserve.kernels.cuda as kc
+
+        if not kc.is_available():
+            why_not = "kernels.cuda.is_available() is False (needs CuPy and an sm_80+ GPU)"
+    if why_not is None:
+        ops = KernelOps()
+        why_not = self_check(ops, config, dtype, device, block_size)
+        if why_not is None:
+            return ops, "CUDA kernels (kernels/cuda.py), self-check passed"
+    if backend == "cuda":
+        raise ValueError(f"--attention-backend cuda: {why_not}")
+    return ReferenceOps(), f"fell back to torch: {why_not}"
+
+
+def self_check(
+    ops: LayerOps,
+    config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    block_size: int,
+) -> str | None:
+    """Run ops on a small step of this model's shapes (a prefill chunk and a decode, paged)
+    beside kernels/reference.py; why they disagree or fail (None: they agree). Catches a kernel
+    that does not compile or misbehaves on this card, before any request does."""
+    tolerance = 2e-2 if dtype in (torch.float16, torch.bfloat16) else 1e-4
+    try:
+        for name, got, want in _check_cases(ops, config, dtype, device, block_size):
+            error = (got.float() - want.float()).abs().max().item()
+            if not error <= tolerance * max(1.0, want.float().abs().max().item()):
+                return f"self-check: {name} differs from kernels/reference.py by {error:.3g}"
+    except Exception as err:  # a kernel that fails to compile or launch on this card
+        return f"self-check: {type(err).__name__}: {err}"
+    return None
+
+
+def _check_cases(
+    ops: LayerOps, config: ModelConfig, dtype: torch.dtype, device: torch.device, block_size: int
+) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
+    """(op, ops' result, the reference's) on seeded inputs: two requests, 5 prompt tokens and
+    1 decode token after 2 * block_size cached ones, over a shuffled pool."""
+    gen = torch.Generator(device="cpu").manual_seed(0)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
+
+    ref_ops = ReferenceOps()
+    heads, kv_heads, dim = config.num_heads, config.num_kv_heads, config.head_dim
+    x, w = rand(6, config.hidden_size), rand(config.hidden_size)
+    yield "rms_norm", ops.rms_norm(x, w, 1e-6, None)[0], ref_ops.rms_norm(x, w, 1e-6, None)[0]
+    gate_up = rand(6, 2 * config.intermediate_size)
+    yield "silu_and_mul", ops.silu_and_mul(gate_up), ref_ops.silu_and_mul(gate_up)
+    if config.moe is not None:  # experts 1 and 2 of 4 at the model's widths, top-2
+        w13 = rand(2, 2 * config.moe.intermediate_size, config.hidden_size) * 0.05
+        w2 = rand(2, config.hidden_size, config.moe.intermediate_size) * 0.05
+        route = moe_ref.route(torch.randn(6, 4, generator=gen).to(device), 2, True)
+        got, want = (o.moe_experts(x, *route, w13, w2, 1) for o in (ops, ref_ops))
+        yield "moe_experts", got, want
+    seq_lens, cu_seqlens_q = [5, 2 * block_size + 1], [0, 5, 6]
+    num_blocks = 8
+    order = torch.randperm(num_blocks, generator=gen)
+    tables = torch.stack([order[:4], order[4:]]).to(device)
+    slots = [int(tables[0, p // block_size]) * block_size + p % block_size for p in range(5)]
+    slots.append(int(tables[1, 2]) * block_size)  # the decode token: position 2 * block_size
+    cache = rand(2, num_blocks, block_size, kv_heads, dim)
+    q, k, v = rand(6, heads, dim), rand(6, kv_heads, dim), rand(6, kv_heads, dim)
+    outputs = []
+    for backend in (ops, ref_ops):
+        k_cache, v_cache = cache[0].clone(), cache[1].clone()
+        ctx = AttentionContext(
+            torch.tensor(slots, device=device), tables, seq_lens, cu_seqlens_q, []
+        )
+        ctx = backend.prepare(ctx)
+        outputs.append(backend.attention(q, k, v, k_cache, v_cache, ctx, dim**-0.5))
+    yield "attention", outputs[0], outputs[1]

@@ -1,0 +1,1 @@
+"""engine/parallel/: see docs/architecture.md#layout."""

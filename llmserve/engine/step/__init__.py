@@ -1,0 +1,1 @@
+"""engine/step/: see docs/architecture.md#layout."""
