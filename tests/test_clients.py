@@ -1,13 +1,17 @@
 """The OpenAI surface driven by the clients people point at an OpenAI-compatible server
-(langchain-openai, litellm), on one shared echo stack: what each client needs the server to send
-is read from the client's own parsed objects, not from our JSON.
+(openai's Responses API, openai-agents, langchain-openai, litellm), on one shared echo stack:
+what each client needs the server to send is read from the client's own parsed objects, not
+from our JSON.
 
 The echo engine answers a chat with the rendered prompt's bytes: for USER the content is
 "user\\nhi", then its EOS (finish reason "stop"); tests/test_openai_api.py explains the echo.
+So the answer is the first message's text: a system message (instructions) holding a call in the
+Hermes format makes "the model" call a tool.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,8 +24,10 @@ import pytest
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 
 import litellm
+import openai
 from langchain_core.messages import AIMessageChunk, HumanMessage
 from langchain_openai import ChatOpenAI
+from openai.types.responses import Response
 
 from tests.stack import Stack, start_echo_stack
 
@@ -37,9 +43,9 @@ def stack(tokenizer_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
         tokenizer_dir,
         tmp_path_factory.mktemp("logs"),
         "--max-model-len",
-        "256",
+        "2048",
         "--num-kv-blocks",
-        "64",
+        "256",
         http=True,
     )
     yield s
@@ -55,6 +61,149 @@ def prompt_tokens(stack: Stack) -> int:
     """USER's prompt length, from the server's /tokenize."""
     body = {"messages": [{"role": "user", "content": "hi"}]}
     return int(httpx2.post(url(stack).removesuffix("/v1") + "/tokenize", json=body).json()["count"])
+
+
+# -- openai: the Responses API ------------------------------------------------------------------
+
+WEATHER_TOOL = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "The weather in a city.",
+    "parameters": {
+        "type": "object",
+        "properties": {"city": {"type": "string"}},
+        "required": ["city"],
+    },
+}
+CALL_WEATHER = '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>'
+
+
+def sdk(stack: Stack) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url(stack), api_key="none", max_retries=0)
+
+
+def test_responses_create_and_stream(stack: Stack) -> None:
+    """A response whole and streamed: the same text, usage from the same prompt, the body valid
+    under the SDK's own Response model, and the stream's events in the Responses API's order."""
+    client = sdk(stack)
+    whole = client.responses.create(model=MODEL, input="hi", store=False)
+    assert whole.output_text == ANSWER and whole.status == "completed"
+    assert whole.usage is not None and whole.usage.input_tokens == prompt_tokens(stack)
+    assert whole.usage.total_tokens == whole.usage.input_tokens + whole.usage.output_tokens
+    raw = httpx2.post(url(stack) + "/responses", json={"model": MODEL, "input": "hi"})
+    Response.model_validate(raw.json(), strict=False)  # every required field, typed as OpenAI's
+    assert raw.json()["id"].startswith("resp_")
+    events = list(client.responses.create(model=MODEL, input="hi", stream=True, store=False))
+    kinds = [e.type for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"]
+    assert kinds[-1] == "response.completed"
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == ANSWER
+    text_done = [e for e in events if e.type == "response.output_text.done"]
+    assert [e.text for e in text_done] == [ANSWER]
+    assert kinds.count("response.output_item.added") == kinds.count("response.output_item.done")
+    final = events[-1].response  # type: ignore[union-attr]
+    assert final.output_text == ANSWER and final.usage.input_tokens == whole.usage.input_tokens
+
+
+def test_responses_function_call_streamed_and_not(stack: Stack) -> None:
+    """A call in the model's text comes back as a function_call item (never in the text);
+    streamed, as function_call_arguments events; a later turn may send it back with its output."""
+    client = sdk(stack)
+    fields: dict[str, Any] = {"model": MODEL, "instructions": CALL_WEATHER, "tools": [WEATHER_TOOL]}
+    whole = client.responses.create(input="weather?", **fields)
+    calls = [item for item in whole.output if item.type == "function_call"]
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Oslo"})]
+    assert "<tool_call>" not in whole.output_text
+    events = list(client.responses.create(input="weather?", stream=True, **fields))
+    done = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert [(e.name, json.loads(e.arguments)) for e in done] == [("get_weather", {"city": "Oslo"})]
+    assert "<tool_call>" not in "".join(
+        e.delta for e in events if e.type == "response.output_text.delta"
+    )
+    turn = [
+        {"role": "user", "content": "weather?"},
+        {"type": "function_call", "call_id": calls[0].call_id, "name": "get_weather",
+         "arguments": calls[0].arguments},
+        {"type": "function_call_output", "call_id": calls[0].call_id, "output": "sunny"},
+    ]  # fmt: skip
+    after = client.responses.create(model=MODEL, input=turn, tools=[WEATHER_TOOL])  # type: ignore[arg-type]
+    assert after.status == "completed"
+
+
+def test_responses_store_and_previous_response_id(stack: Stack) -> None:
+    """A stored response is read back, continued (its conversation comes first: the echo answers
+    the first message, "hi"), deleted, and then a clear 400 / 404."""
+    client = sdk(stack)
+    first = client.responses.create(model=MODEL, input="hi")
+    assert client.responses.retrieve(first.id).output_text == ANSWER
+    later = client.responses.create(model=MODEL, input="again", previous_response_id=first.id)
+    assert later.output_text == ANSWER and later.previous_response_id == first.id
+    alone = client.responses.create(model=MODEL, input="again", store=False)
+    assert alone.output_text == "user\nagain"
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(alone.id)  # store: false
+    client.responses.delete(first.id)
+    with pytest.raises(openai.BadRequestError) as err:
+        client.responses.create(model=MODEL, input="again", previous_response_id=first.id)
+    assert err.value.code == "previous_response_not_found"
+    assert err.value.body["param"] == "previous_response_id"  # type: ignore[index]
+
+
+@pytest.mark.parametrize(
+    ("fields", "param", "names"),
+    [
+        ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, "input",
+         "input[0].content[0].type"),
+        ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x", "schema": 3}}},
+         "text", "text.format.schema"),
+        ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools", "tools[0].type"),
+        ({"input": "hi", "tools": [WEATHER_TOOL], "tool_choice": {"type": "function",
+          "name": "nope"}}, "tool_choice", "tool_choice.name"),
+        ({"input": "hi", "max_output_tokens": 5000}, "max_output_tokens", "max_output_tokens"),
+    ],
+)  # fmt: skip
+def test_responses_refusals_name_the_field(
+    stack: Stack, fields: dict[str, Any], param: str, names: str
+) -> None:
+    reply = httpx2.post(url(stack) + "/responses", json={"model": MODEL, **fields})
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert error["param"] == param and error["message"].startswith(names), error
+
+
+# -- openai-agents ---------------------------------------------------------------------------------
+
+
+def test_openai_agents_runs_a_tool_once(stack: Stack) -> None:
+    """An Agent on its default model (the Responses API): turn 1 calls get_weather (the
+    instructions hold the call), the Agent runs it once and sends its output back as items;
+    turn 2 answers in text, which is the final output."""
+    agents = pytest.importorskip("agents")
+    ran: list[str] = []
+
+    @agents.function_tool
+    def get_weather(city: str) -> str:
+        """The weather in a city."""
+        ran.append(city)
+        return "sunny"
+
+    def instructions(context: Any, agent: Any) -> str:
+        return "Answer: sunny" if ran else CALL_WEATHER
+
+    client = openai.AsyncOpenAI(base_url=url(stack), api_key="none", max_retries=0)
+    agent = agents.Agent(
+        name="weather",
+        instructions=instructions,
+        tools=[get_weather],
+        model=agents.OpenAIResponsesModel(model=MODEL, openai_client=client),
+    )
+    config = agents.RunConfig(tracing_disabled=True)
+    result = agents.Runner.run_sync(agent, "weather in Oslo?", run_config=config, max_turns=3)
+    assert ran == ["Oslo"]
+    assert str(result.final_output).startswith("system\nAnswer: sunny")
+    outputs = [i for i in result.new_items if i.type == "tool_call_output_item"]
+    assert [o.output for o in outputs] == ["sunny"]
 
 
 # -- langchain-openai ------------------------------------------------------------------------------
@@ -115,8 +264,8 @@ def test_litellm_reads_a_context_overflow_as_one(stack: Stack) -> None:
     """litellm maps our 400 to ContextWindowExceededError (its fallbacks hang on it), for a long
     prompt and for max_tokens past what the prompt leaves; another 400 stays a BadRequestError."""
     for messages, max_tokens in (
-        ([{"role": "user", "content": "x" * 400}], 8),
-        ([{"role": "user", "content": "hi"}], 400),
+        ([{"role": "user", "content": "x" * 2100}], 8),
+        ([{"role": "user", "content": "hi"}], 2100),
     ):
         with pytest.raises(litellm.ContextWindowExceededError):
             litellm.completion(messages=messages, max_tokens=max_tokens, **litellm_fields(stack))

@@ -60,6 +60,12 @@ class GatewayConfig(PeerSecurity):
         "serve an OpenAI request whose `model` names no served model with the base model, "
         "instead of 404 model_not_found (the lenient behaviour of servers of one model)",
     )
+    responses_store_size: int = setting(
+        1024,
+        "how many Responses API responses (store: true) this gateway keeps in memory for GET "
+        "/v1/responses/{id} and previous_response_id, least recently used dropped first "
+        "(256 MiB at most in all); 0 keeps none",
+    )
     max_request_bytes: int = setting(
         8 << 20,
         "largest request accepted, in bytes: a larger HTTP body is refused with 413 before it is "
@@ -105,6 +111,8 @@ class GatewayConfig(PeerSecurity):
             )
         if self.routing_spill_threshold < 0:
             raise ValueError(f"routing_spill_threshold={self.routing_spill_threshold} must be >= 0")
+        if self.responses_store_size < 0:
+            raise ValueError(f"responses_store_size={self.responses_store_size} must be >= 0")
         if self.max_request_bytes < 1024:
             raise ValueError(f"max_request_bytes={self.max_request_bytes} must be >= 1024")
         if isinstance(self.served_model_name, str | None):  # one name given as a string

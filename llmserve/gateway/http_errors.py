@@ -5,7 +5,8 @@ and the error responses the OpenAPI document lists.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import re
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -93,14 +94,27 @@ def validation_error(err: RequestValidationError) -> ApiError:
 
 
 @contextmanager
-def as_api_errors(prompt_field: str) -> Iterator[None]:
+def as_api_errors(prompt_field: str, renames: Sequence[tuple[str, str]] = ()) -> Iterator[None]:
+    """ValidationError and GatewayError raised inside as ApiError; renames: (the chat API's
+    field, the endpoint's) for an endpoint that reuses the chat path under other names."""
     try:
         yield
     except ValidationError as err:
         message, param = http_message(str(err), prompt_field)
-        raise ApiError(400, message, param=param) from err
+        raise _renamed(ApiError(400, message, param=param), renames) from err
     except GatewayError as err:
-        raise ApiError.from_gateway(err, prompt_field) from err
+        raise _renamed(ApiError.from_gateway(err, prompt_field), renames) from err
+
+
+def _renamed(error: ApiError, renames: Sequence[tuple[str, str]]) -> ApiError:
+    """error with its message's leading field (and its param) in the endpoint's names."""
+    info = error.body.error
+    for old, new in renames:
+        if info.message.startswith(old):
+            info.message = new + info.message[len(old) :]
+            info.param = re.split(r"[.\[]", new, maxsplit=1)[0]
+            break
+    return error
 
 
 RETRY_AFTER_HEADER = {

@@ -30,7 +30,7 @@ _INT32 = Annotated[int, Field(ge=-(2**31), le=2**31 - 1)]
 # -- requests ------------------------------------------------------------------------------------
 
 
-class _NullIsDefault(BaseModel):
+class NullIsDefault(BaseModel):
     """An explicit null means the field's default, as OpenAI's schema allows for its nullable
     fields (n, stream, logprobs, parallel_tool_calls, stream_options.include_usage, ...): SDKs
     and proxies send them."""
@@ -52,12 +52,12 @@ class _NullIsDefault(BaseModel):
         return {key: value for key, value in data.items() if key not in defaulted}
 
 
-class StreamOptions(_NullIsDefault):
+class StreamOptions(NullIsDefault):
     include_usage: bool = False
 
 
-class SamplingRequest(_NullIsDefault):
-    """The fields both endpoints share (a null is the default: _NullIsDefault)."""
+class SamplingRequest(NullIsDefault):
+    """The fields both endpoints share (a null is the default: NullIsDefault)."""
 
     # The base model or a LoRA adapter (GET /v1/models); without adapters, any name is the base.
     model: str | None = None

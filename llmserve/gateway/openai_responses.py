@@ -26,6 +26,7 @@ from llmserve.gateway.openai_protocol import (
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
+    ErrorResponse,
     PromptTokensDetails,
     TokenLogprob,
     ToolCall,
@@ -150,9 +151,29 @@ class ResponseFormat(ABC):
             id=self.id, created=self.created, model=self.model, choices=choices, usage=usage
         ).model_dump_json(**dump)
 
+    # A stream's framing: one `data:` line per chunk, [DONE] last (the Responses API differs).
+    done = "data: [DONE]\n\n"
+
+    def sse(self, payload: str) -> str:
+        """One server-sent event of payload (JSON)."""
+        return f"data: {payload}\n\n"
+
     def opening(self) -> list[str]:
         """Chunks before any choice's first message."""
         return []
+
+    def events(self, choice: Choice, msg: api_pb2.GenerateResponse) -> list[str]:
+        """The streamed payloads (JSON) for one message of one choice."""
+        return [self.chunk(choice, msg)]
+
+    def closing(self) -> list[str]:
+        """Payloads after every choice finished: the usage chunk when stream_options asks."""
+        options = self.body.stream_options
+        return [self.usage_chunk()] if options is not None and options.include_usage else []
+
+    def error_event(self, error: ErrorResponse) -> str:
+        """The payload that reports an error after the 200."""
+        return error.model_dump_json()
 
     @abstractmethod
     def chunk(self, choice: Choice, msg: api_pb2.GenerateResponse) -> str:
@@ -195,7 +216,7 @@ class CompletionFormat(ResponseFormat):
         return self._json(CompletionResponse, [], self._usage())
 
     def response(self, messages: dict[int, list[api_pb2.GenerateResponse]]) -> str:
-        choices = [self._choice(c, _merged(messages[c.index])) for c in self.choices]
+        choices = [self._choice(c, merged_message(messages[c.index])) for c in self.choices]
         return self._json(CompletionResponse, choices, self._usage())
 
 
@@ -266,7 +287,7 @@ class ChatFormat(ResponseFormat):
     def response(self, messages: dict[int, list[api_pb2.GenerateResponse]]) -> str:
         choices = []
         for c in self.choices:
-            msg = _merged(messages[c.index])
+            msg = merged_message(messages[c.index])
             fields = self._choice(c, msg)
             if not self.plan.names:
                 choices.append(ChatChoice(message=ChatMessage(content=msg.text), **fields))
@@ -285,7 +306,7 @@ def _with_calls(finish_reason: str | None, num_calls: int) -> str | None:
     return "tool_calls" if num_calls and finish_reason == "stop" else finish_reason
 
 
-def _merged(msgs: list[api_pb2.GenerateResponse]) -> api_pb2.GenerateResponse:
+def merged_message(msgs: list[api_pb2.GenerateResponse]) -> api_pb2.GenerateResponse:
     """One message as if msgs had come as one: their tokens and text, the last one's finish
     reason and usage."""
     out = api_pb2.GenerateResponse()
