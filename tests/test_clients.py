@@ -206,6 +206,56 @@ def test_openai_agents_runs_a_tool_once(stack: Stack) -> None:
     assert [o.output for o in outputs] == ["sunny"]
 
 
+# -- pydantic-ai -----------------------------------------------------------------------------------
+
+
+def pydantic_ai_model(stack: Stack) -> Any:
+    models = pytest.importorskip("pydantic_ai.models.openai")
+    providers = pytest.importorskip("pydantic_ai.providers.openai")
+    provider = providers.OpenAIProvider(base_url=url(stack), api_key="none")
+    return models.OpenAIChatModel(MODEL, provider=provider)
+
+
+def test_pydantic_ai_runs_a_tool_once(stack: Stack) -> None:
+    """pydantic-ai's Agent over chat completions: turn 1 calls the tool (its instructions hold
+    the call), the tool runs once, turn 2's text is the output."""
+    pydantic_ai = pytest.importorskip("pydantic_ai")
+    ran: list[str] = []
+    agent = pydantic_ai.Agent(pydantic_ai_model(stack))
+
+    @agent.instructions
+    def instructions() -> str:
+        return "Answer: sunny" if ran else CALL_WEATHER
+
+    @agent.tool_plain
+    def get_weather(city: str) -> str:
+        """The weather in a city."""
+        ran.append(city)
+        return "sunny"
+
+    result = agent.run_sync("weather in Oslo?")
+    assert ran == ["Oslo"]
+    assert result.output.startswith("system\nAnswer: sunny")
+
+
+def test_pydantic_ai_structured_output(stack: Stack) -> None:
+    """An output type read through pydantic-ai's output tool (its default way): "the model"
+    calls final_result with the object's fields, which the Agent validates into the type."""
+    pydantic_ai = pytest.importorskip("pydantic_ai")
+    from pydantic import BaseModel
+
+    class Weather(BaseModel):
+        city: str
+        celsius: int
+
+    call = '<tool_call>{"name": "final_result", "arguments": {"city": "Oslo", "celsius": 7}}'
+    agent = pydantic_ai.Agent(
+        pydantic_ai_model(stack), output_type=Weather, instructions=call + "</tool_call>"
+    )
+    result = agent.run_sync("weather in Oslo?")
+    assert result.output == Weather(city="Oslo", celsius=7)
+
+
 # -- langchain-openai ------------------------------------------------------------------------------
 
 

@@ -127,6 +127,8 @@ class ChatCompletionRequest(SamplingRequest):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
+    # vLLM's: more variables for the chat template (e.g. {"enable_thinking": false})
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 # -- responses -----------------------------------------------------------------------------------
@@ -213,6 +215,8 @@ class ToolCallDelta(ToolCall):
 class ChatMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
+    # vLLM's: the thinking of a reasoning model (gateway/reasoning.py); null for others
+    reasoning_content: str | None = None
     tool_calls: list[ToolCall] | None = None
 
 
@@ -235,6 +239,7 @@ class ChatCompletionResponse(BaseModel):
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[ToolCallDelta] | None = None
 
 
@@ -435,6 +440,8 @@ def chat_request(
         req.sampling.structured_output.CopyFrom(plan.constraint)
     if plan.tools:
         req.chat.tools_json = json.dumps(plan.tools, ensure_ascii=False)
+    if body.chat_template_kwargs:
+        req.chat.template_kwargs_json = json.dumps(body.chat_template_kwargs, ensure_ascii=False)
     for i, m in enumerate(body.messages):
         role = "system" if m.role == "developer" else text_field(f"messages[{i}].role", m.role)
         message = req.chat.messages.add(role=role, content=_message_text(i, m))
@@ -473,6 +480,7 @@ _HTTP_NAMES = {
     "text": "prompt",
     "token_ids": "prompt",
     "chat.messages": "messages",
+    "chat.template_kwargs_json": "chat_template_kwargs",
     "chat": "messages",
 }
 

@@ -35,6 +35,7 @@ from llmserve.gateway.openai_protocol import (
     Usage,
 )
 from llmserve.gateway.openai_tools import AnswerStream, read_answer, tool_plan
+from llmserve.gateway.reasoning import reasoning_stream
 from llmserve.gateway.telemetry import FINISH_REASONS
 from llmserve.gateway.tokenizer import Tokenizer
 from llmserve.protos import api_pb2
@@ -242,6 +243,12 @@ class ChatFormat(ResponseFormat):
         self.calls = {
             c.index: AnswerStream(self.plan, self.tool_format) for c in choices if self.plan.names
         }
+        parser = core.config.reasoning_parser
+        self.thinking = {
+            c.index: stream
+            for c in choices
+            if (stream := reasoning_stream(core.tokenizer, parser, c.valid)) is not None
+        }
 
     def _chunk(self, choices: list[ChatChunkChoice], usage: Usage | None = None) -> str:
         return self._json(ChatCompletionChunk, choices, usage, exclude_none=True)
@@ -263,18 +270,31 @@ class ChatFormat(ResponseFormat):
             "finish_reason": FINISH_REASONS.get(msg.finish_reason),
         }
 
+    def _split(self, choice: Choice, text: str, last: bool) -> tuple[str | None, str]:
+        """(reasoning, content) of a streamed piece of choice's answer."""
+        thinking = self.thinking.get(choice.index)
+        if thinking is None:
+            return None, text
+        reasoning, content = thinking.add(text)
+        if last:
+            more_reasoning, more_content = thinking.finish()
+            reasoning, content = reasoning + more_reasoning, content + more_content
+        return reasoning or None, content
+
     def chunk(self, choice: Choice, msg: api_pb2.GenerateResponse) -> str:
         fields = self._choice(choice, msg)
+        reasoning, text = self._split(choice, msg.text, last=bool(msg.finish_reason))
         stream = self.calls.get(choice.index)
         if stream is None:
-            delta = ChatDelta(content=msg.text) if msg.text else ChatDelta()
+            delta = ChatDelta(content=text or None, reasoning_content=reasoning)
             return self._chunk([ChatChunkChoice(delta=delta, **fields)])
         first = stream.num_calls
-        text, calls = stream.add(msg.text, last=bool(msg.finish_reason))
+        text, calls = stream.add(text, last=bool(msg.finish_reason))
         if msg.finish_reason:
             fields["finish_reason"] = _with_calls(fields["finish_reason"], stream.num_calls)
         delta = ChatDelta(
             content=text or None,
+            reasoning_content=reasoning,
             tool_calls=[
                 ToolCallDelta(index=first + k, **call) for k, call in enumerate(calls)
             ] or None,
@@ -289,13 +309,18 @@ class ChatFormat(ResponseFormat):
         for c in self.choices:
             msg = merged_message(messages[c.index])
             fields = self._choice(c, msg)
+            thinking = self.thinking.get(c.index)
+            reasoning, text = thinking.split(msg.text) if thinking else (None, msg.text)
             if not self.plan.names:
-                choices.append(ChatChoice(message=ChatMessage(content=msg.text), **fields))
+                message = ChatMessage(content=text, reasoning_content=reasoning or None)
+                choices.append(ChatChoice(message=message, **fields))
                 continue
-            content, calls = read_answer(self.plan, self.tool_format, msg.text)
+            content, calls = read_answer(self.plan, self.tool_format, text)
             fields["finish_reason"] = _with_calls(fields["finish_reason"], len(calls))
             message = ChatMessage(
-                content=content or None, tool_calls=[ToolCall(**call) for call in calls] or None
+                content=content or None,
+                reasoning_content=reasoning or None,
+                tool_calls=[ToolCall(**call) for call in calls] or None,
             )
             choices.append(ChatChoice(message=message, **fields))
         return self._json(ChatCompletionResponse, choices, self._usage())

@@ -6,6 +6,8 @@
                           response.output_text.done, response.content_part.done
         a function call:  response.function_call_arguments.delta (whole), ...arguments.done
     response.output_item.done
+    a reasoning item (a thinking model: gateway/reasoning.py) comes first, with
+    response.reasoning_text.delta... and response.reasoning_text.done
     response.completed (or response.incomplete, cut by max_output_tokens)
 
 each with a sequence_number; an error after the 200 is an `error` event. Calls are read from
@@ -27,6 +29,7 @@ from llmserve.gateway.core import GatewayCore
 from llmserve.gateway.openai_protocol import ChatCompletionRequest, ChatMessageParam, ErrorResponse
 from llmserve.gateway.openai_responses import ResponseFormat, merged_message
 from llmserve.gateway.openai_tools import AnswerStream, read_answer, tool_plan
+from llmserve.gateway.reasoning import reasoning_stream
 from llmserve.gateway.responses_request import ResponsesRequest
 from llmserve.gateway.responses_store import StoredResponse
 from llmserve.gateway.telemetry import FINISH_REASONS
@@ -47,6 +50,17 @@ def message_item(text: str, status: str = "completed") -> dict[str, Any]:
         "status": status,
         "role": "assistant",
         "content": content if status == "completed" else [],
+    }
+
+
+def reasoning_item(text: str, status: str = "completed") -> dict[str, Any]:
+    content = [{"type": "reasoning_text", "text": text}] if status == "completed" else []
+    return {
+        "type": "reasoning",
+        "id": _item_id("rs"),
+        "summary": [],
+        "content": content,
+        "status": status,
     }
 
 
@@ -105,10 +119,14 @@ class ResponsesFormat(ResponseFormat):
             body.tools, body.tool_choice, body.parallel_tool_calls, self.tool_format
         )
         self.answer = AnswerStream(self.plan, self.tool_format) if self.plan.names else None
+        parser = core.config.reasoning_parser
+        self.thinking = reasoning_stream(core.tokenizer, parser, choices[0].valid)
+        self.reasoning_item: dict[str, Any] | None = None  # the reasoning item being streamed
         self.sequence_number = 0
         self.output: list[dict[str, Any]] = []  # items done
         self.text_item: dict[str, Any] | None = None  # the message item being streamed
         self.text = ""
+        self.reasoning = ""
         self.finish_reason: str | None = None
 
     # -- the response object -----------------------------------------------------------------
@@ -118,9 +136,15 @@ class ResponsesFormat(ResponseFormat):
             "input_tokens": self.prompt_tokens,
             "input_tokens_details": {"cached_tokens": self.cached_tokens, "cache_write_tokens": 0},
             "output_tokens": self.completion_tokens,
-            "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens_details": {"reasoning_tokens": self._reasoning_tokens()},
             "total_tokens": self.prompt_tokens + self.completion_tokens,
         }
+
+    def _reasoning_tokens(self) -> int:
+        """The thinking's length in tokens (its text re-encoded: the tags not counted)."""
+        if self.thinking is None or not self.thinking.reasoning_text:
+            return 0
+        return len(self.core.tokenizer.encode(self.thinking.reasoning_text, False))
 
     def _object(self, status: str, output: list[dict[str, Any]]) -> dict[str, Any]:
         r = self.request
@@ -165,11 +189,12 @@ class ResponsesFormat(ResponseFormat):
         msg = merged_message(messages[choice.index])
         self._count(choice, msg)
         self.finish_reason = FINISH_REASONS.get(msg.finish_reason)
-        content = msg.text
+        reasoning, content = self.thinking.split(msg.text) if self.thinking else ("", msg.text)
         calls: list[dict[str, Any]] = []
         if self.plan.names:
-            content, calls = read_answer(self.plan, self.tool_format, msg.text)
-        output = [message_item(content)] if content or not calls else []
+            content, calls = read_answer(self.plan, self.tool_format, content)
+        output = [reasoning_item(reasoning)] if reasoning else []
+        output += [message_item(content)] if content or not calls else []
         output += [call_item(c) for c in calls]
         return json.dumps(self._finished(output), ensure_ascii=False)
 
@@ -194,19 +219,64 @@ class ResponsesFormat(ResponseFormat):
     def events(self, choice: Choice, msg: api_pb2.GenerateResponse) -> list[str]:
         self._count(choice, msg)
         last = bool(msg.finish_reason)
-        text = msg.text
+        reasoning, text = self._split(msg.text, last)
+        payloads = self._reasoning_delta(reasoning) if reasoning else []
         calls: list[dict[str, Any]] = []
         if self.answer is not None:
-            text, calls = self.answer.add(msg.text, last)
-        payloads = self._text_delta(text) if text else []
+            text, calls = self.answer.add(text, last)
+        if text or calls:
+            payloads += self._close_reasoning()
+        payloads += self._text_delta(text) if text else []
         for call in calls:
             payloads += self._close_text()
             payloads += self._call_events(call_item(call))
         if last:
             self.finish_reason = FINISH_REASONS.get(msg.finish_reason)
-            if not self.output and self.text_item is None:
+            payloads += self._close_reasoning()
+            if not any(i["type"] != "reasoning" for i in self.output) and self.text_item is None:
                 payloads += self._text_delta("")  # an answer of nothing: one empty message
             payloads += self._close_text()
+        return payloads
+
+    def _split(self, text: str, last: bool) -> tuple[str, str]:
+        """(reasoning, content) of a streamed piece of the answer."""
+        if self.thinking is None:
+            return "", text
+        reasoning, content = self.thinking.add(text)
+        if last:
+            more_reasoning, more_content = self.thinking.finish()
+            reasoning, content = reasoning + more_reasoning, content + more_content
+        return reasoning, content
+
+    def _reasoning_delta(self, text: str) -> list[str]:
+        payloads = []
+        if self.reasoning_item is None:
+            self.reasoning_item, self.reasoning = reasoning_item("", "in_progress"), ""
+            payloads.append(
+                self._event(
+                    "response.output_item.added",
+                    output_index=len(self.output),
+                    item=self.reasoning_item,
+                )
+            )
+        self.reasoning += text
+        where = self._where(self.reasoning_item)
+        delta = self._event("response.reasoning_text.delta", content_index=0, delta=text, **where)
+        return [*payloads, delta]
+
+    def _close_reasoning(self) -> list[str]:
+        if self.reasoning_item is None:
+            return []
+        item = {**reasoning_item(self.reasoning), "id": self.reasoning_item["id"]}
+        where = self._where(item)
+        payloads = [
+            self._event(
+                "response.reasoning_text.done", content_index=0, text=self.reasoning, **where
+            ),
+            self._event("response.output_item.done", output_index=len(self.output), item=item),
+        ]
+        self.output.append(item)
+        self.reasoning_item = None
         return payloads
 
     def chunk(self, choice: Choice, msg: api_pb2.GenerateResponse) -> str:
