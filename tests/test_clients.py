@@ -256,6 +256,95 @@ def test_pydantic_ai_structured_output(stack: Stack) -> None:
     assert result.output == Weather(city="Oslo", celsius=7)
 
 
+# -- anthropic: the Messages API -------------------------------------------------------------------
+
+
+def claude(stack: Stack) -> Any:
+    anthropic = pytest.importorskip("anthropic")
+    return anthropic.Anthropic(
+        base_url=url(stack).removesuffix("/v1"), api_key="none", max_retries=0
+    )
+
+
+ANTHROPIC_TOOL = {
+    "name": "get_weather",
+    "description": "The weather in a city.",
+    "input_schema": WEATHER_TOOL["parameters"],
+}
+
+
+def test_anthropic_messages_and_stream(stack: Stack) -> None:
+    """The anthropic SDK's create and stream: the text, stop reason and usage as it parses
+    them; the stream's events in Anthropic's order; count_tokens agrees with the usage."""
+    client = claude(stack)
+    user = [{"role": "user", "content": "hi"}]
+    message = client.messages.create(model=MODEL, max_tokens=64, messages=user)
+    assert [b.type for b in message.content] == ["text"] and message.content[0].text == ANSWER
+    assert message.stop_reason == "end_turn" and message.id.startswith("msg_")
+    assert message.usage.input_tokens == prompt_tokens(stack)
+    counted = client.messages.count_tokens(model=MODEL, messages=user)
+    assert counted.input_tokens == message.usage.input_tokens
+    with client.messages.stream(model=MODEL, max_tokens=64, messages=user) as stream:
+        kinds = [event.type for event in stream]
+        final = stream.get_final_message()
+    assert final.content[0].text == ANSWER and final.stop_reason == "end_turn"
+    assert final.usage.output_tokens == message.usage.output_tokens
+    assert kinds[0] == "message_start" and kinds[-1] == "message_stop"
+    assert kinds.index("content_block_start") < kinds.index("content_block_stop")
+    assert "message_delta" in kinds
+
+
+def test_anthropic_tool_use_and_result(stack: Stack) -> None:
+    """A call in the model's text is a tool_use block (stop_reason tool_use), whole and
+    streamed (input_json_delta, accumulated by the SDK); the next turn's tool_use and
+    tool_result blocks are accepted."""
+    client = claude(stack)
+    fields: dict[str, Any] = {
+        "model": MODEL, "max_tokens": 900, "system": CALL_WEATHER, "tools": [ANTHROPIC_TOOL],
+    }  # fmt: skip
+    user = [{"role": "user", "content": "weather?"}]
+    message = client.messages.create(messages=user, **fields)
+    uses = [b for b in message.content if b.type == "tool_use"]
+    assert [(u.name, u.input) for u in uses] == [("get_weather", {"city": "Oslo"})]
+    assert message.stop_reason == "tool_use"
+    assert all("<tool_call>" not in b.text for b in message.content if b.type == "text")
+    with client.messages.stream(messages=user, **fields) as stream:
+        final = stream.get_final_message()
+    streamed = [(b.name, b.input) for b in final.content if b.type == "tool_use"]
+    assert streamed == [("get_weather", {"city": "Oslo"})] and final.stop_reason == "tool_use"
+    turn = [
+        *user,
+        {"role": "assistant", "content": [b.model_dump() for b in message.content]},
+        {"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": uses[0].id, "content": "sunny"},
+        ]},
+    ]  # fmt: skip
+    after = client.messages.create(
+        model=MODEL, max_tokens=900, messages=turn, tools=[ANTHROPIC_TOOL]
+    )
+    assert after.stop_reason == "end_turn"  # the system message's echo: the tools, no call
+
+
+def test_anthropic_errors_in_its_shape(stack: Stack) -> None:
+    anthropic = pytest.importorskip("anthropic")
+    client = claude(stack)
+    image = [{"role": "user", "content": [{"type": "image", "source": {}}]}]
+    with pytest.raises(anthropic.BadRequestError) as err:
+        client.messages.create(model=MODEL, max_tokens=8, messages=image)
+    assert err.value.body["type"] == "error"
+    assert err.value.body["error"]["type"] == "invalid_request_error"
+    assert err.value.body["error"]["message"].startswith("messages[0].content[0].type='image'")
+    with pytest.raises(anthropic.BadRequestError) as err:
+        client.messages.create(
+            model=MODEL,
+            max_tokens=8,
+            messages=[{"role": "user", "content": "hi"}],
+            tools=[ANTHROPIC_TOOL],
+            tool_choice={"type": "tool", "name": "nope"},
+        )
+    assert err.value.body["error"]["message"].startswith("tool_choice.name='nope'")
+
+
 # -- langchain-openai ------------------------------------------------------------------------------
 
 

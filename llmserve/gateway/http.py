@@ -4,6 +4,8 @@ grpc.aio, over the same request path (gateway/core.py) and the same scheduler co
     POST /v1/completions, /v1/chat/completions   streamed (server-sent events) or not
     POST /v1/responses; GET, DELETE /v1/responses/{id}   the Responses API
                                                  (gateway/responses_routes.py)
+    POST /v1/messages, /v1/messages/count_tokens Anthropic's Messages API
+                                                 (gateway/anthropic_routes.py)
     GET  /v1/models, /v1/models/{id}             the served model
     POST /tokenize, /detokenize; GET /metrics     vLLM's shapes (gateway/utility_routes.py)
     GET  /health   liveness: 200 while the process runs
@@ -40,6 +42,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from llmserve.common import __version__
 from llmserve.common.auth import UNAUTHENTICATED_MESSAGE
 from llmserve.common.log import get_logger
+from llmserve.gateway.anthropic_routes import add_anthropic_routes
 from llmserve.gateway.core import GatewayCore
 from llmserve.gateway.errors import GatewayError
 from llmserve.gateway.http_errors import ERRORS, ApiError, add_error_handlers, as_api_errors
@@ -71,7 +74,10 @@ class ApiKeyMiddleware:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"].startswith("/v1/"):
-            authorization = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+            headers = dict(scope["headers"])
+            authorization = headers.get(b"authorization", b"").decode("latin-1")
+            if not authorization and b"x-api-key" in headers:  # Anthropic's clients' header
+                authorization = "Bearer " + headers[b"x-api-key"].decode("latin-1")
             key = self.tenants.find_key(authorization)
             if key is None:
                 error = ApiError(
@@ -80,7 +86,7 @@ class ApiKeyMiddleware:
                     code="invalid_api_key",
                     headers={"WWW-Authenticate": "Bearer"},
                 )
-                await error.response()(scope, receive, send)
+                await error.response(scope["path"])(scope, receive, send)
                 return
             scope.setdefault("state", {})["api_key"] = key
         await self.app(scope, receive, send)
@@ -95,9 +101,9 @@ class BodyLimitMiddleware:
         self.app = app
         self.max_bytes = max_bytes
 
-    def _too_large(self, size: str) -> Response:
+    def _too_large(self, size: str, path: str) -> Response:
         message = f"the request body has {size} bytes; the limit is {self.max_bytes} "
-        return ApiError(413, message + "(max_request_bytes)").response()
+        return ApiError(413, message + "(max_request_bytes)").response(path)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -105,7 +111,7 @@ class BodyLimitMiddleware:
             return
         length = dict(scope["headers"]).get(b"content-length", b"")
         if length.isdigit() and int(length) > self.max_bytes:
-            await self._too_large(str(int(length)))(scope, receive, send)
+            await self._too_large(str(int(length)), scope["path"])(scope, receive, send)
             return
         received = bytearray()
         more = True
@@ -115,7 +121,8 @@ class BodyLimitMiddleware:
                 return  # the client went away mid-upload
             received += message.get("body", b"")
             if len(received) > self.max_bytes:
-                await self._too_large(f"more than {self.max_bytes}")(scope, receive, send)
+                too_large = self._too_large(f"more than {self.max_bytes}", scope["path"])
+                await too_large(scope, receive, send)
                 return
             more = message.get("more_body", False)
         body = [bytes(received)]
@@ -147,6 +154,7 @@ def create_app(core: GatewayCore) -> FastAPI:
         return await generate_response(core, request, body)
 
     add_responses_routes(app, core)
+    add_anthropic_routes(app, core)
     _add_model_routes(app, core)
     add_utility_routes(app, core)
 

@@ -5,6 +5,7 @@ and the error responses the OpenAPI document lists.
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -17,6 +18,7 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException
 
 from llmserve.common.log import get_logger
+from llmserve.gateway.anthropic_request import error_body
 from llmserve.gateway.errors import GatewayError
 from llmserve.gateway.openai_protocol import ErrorInfo, ErrorResponse, field_path, http_message
 from llmserve.gateway.validation import CONTEXT_LENGTH, ValidationError
@@ -24,6 +26,7 @@ from llmserve.gateway.validation import CONTEXT_LENGTH, ValidationError
 log = get_logger("gateway")
 
 RETRY_AFTER_S = 1
+ANTHROPIC_PATH = "/v1/messages"  # its errors take Anthropic's shape
 # gRPC status -> (HTTP status, OpenAI error type, OpenAI error code)
 _HTTP_STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error", None),
@@ -69,12 +72,14 @@ class ApiError(Exception):
             retry = {"Retry-After": str(err.retry_after_s or RETRY_AFTER_S)}
         return cls(status, message, kind, param, code, retry)
 
-    def response(self) -> Response:
+    def response(self, path: str = "") -> Response:
+        """The error response; under /v1/messages in Anthropic's shape ({"type": "error",
+        "error": {"type", "message"}}), as its clients read it."""
+        body = self.body.model_dump_json()
+        if path.startswith(ANTHROPIC_PATH):
+            body = json.dumps(error_body(self.status, self.body.error.message))
         return Response(
-            self.body.model_dump_json(),
-            status_code=self.status,
-            headers=self.headers,
-            media_type="application/json",
+            body, status_code=self.status, headers=self.headers, media_type="application/json"
         )
 
 
@@ -148,19 +153,21 @@ def add_error_handlers(app: FastAPI) -> None:
     """Every error as OpenAI's error body: ours, FastAPI's 422 (as 400), Starlette's, bugs."""
 
     @app.exception_handler(ApiError)
-    async def on_api_error(_: Request, err: ApiError) -> Response:
-        return err.response()
+    async def on_api_error(request: Request, err: ApiError) -> Response:
+        return err.response(request.url.path)
 
     @app.exception_handler(RequestValidationError)
-    async def on_invalid_body(_: Request, err: RequestValidationError) -> Response:
-        return validation_error(err).response()
+    async def on_invalid_body(request: Request, err: RequestValidationError) -> Response:
+        return validation_error(err).response(request.url.path)
 
     @app.exception_handler(HTTPException)
-    async def on_http_error(_: Request, err: HTTPException) -> Response:
+    async def on_http_error(request: Request, err: HTTPException) -> Response:
         headers = dict(err.headers) if err.headers else None
-        return ApiError(err.status_code, str(err.detail), headers=headers).response()
+        error = ApiError(err.status_code, str(err.detail), headers=headers)
+        return error.response(request.url.path)
 
     @app.exception_handler(Exception)
     async def on_bug(request: Request, err: Exception) -> Response:
         log.exception("HTTP request failed", path=request.url.path)
-        return ApiError(500, f"internal error: {type(err).__name__}", "server_error").response()
+        error = ApiError(500, f"internal error: {type(err).__name__}", "server_error")
+        return error.response(request.url.path)
