@@ -100,3 +100,17 @@ def test_store_bounded_by_bytes_and_off_at_zero() -> None:
     off = ResponseStore(max_responses=0)
     off.put("a", one)
     assert off.get("a") is None
+
+
+@pytest.mark.parametrize(
+    ("fields", "names"),
+    [
+        ({"background": True}, "background=true"),
+        ({"conversation": "conv_1"}, "conversation"),
+        ({"prompt": {"id": "pmpt_1"}}, "prompt"),
+    ],
+)
+def test_server_state_it_does_not_keep_is_refused(fields: dict[str, object], names: str) -> None:
+    with pytest.raises(ValidationError) as err:
+        chat_body(ResponsesRequest(input="x", **fields), [])  # type: ignore[arg-type]
+    assert str(err.value).startswith(names)

@@ -68,11 +68,22 @@ class ResponsesRequest(NullIsDefault):
     top_k: int | None = None
     min_p: float | None = None
     stop: str | list[str] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    # OpenAI's, refused: state this server does not keep (a 400 names them)
+    background: bool = False
+    conversation: Any = None
+    prompt: Any = None
 
 
 def chat_body(body: ResponsesRequest, history: list[ChatMessageParam]) -> ChatCompletionRequest:
     """The chat completion request body stands for; history: the conversation of its
     previous_response_id (none without). Raises ValidationError naming body's fields."""
+    if body.background:
+        raise ValidationError("background=true is not supported: send the request and wait")
+    if body.conversation is not None:
+        raise ValidationError("conversation is not supported; continue with previous_response_id")
+    if body.prompt is not None:
+        raise ValidationError("prompt (a stored prompt template) is not supported; send input")
     messages = list(history)
     if body.instructions:
         messages.insert(0, ChatMessageParam(role="system", content=body.instructions))
@@ -93,6 +104,7 @@ def chat_body(body: ResponsesRequest, history: list[ChatMessageParam]) -> ChatCo
         top_k=body.top_k,
         min_p=body.min_p,
         stop=body.stop,
+        chat_template_kwargs=body.chat_template_kwargs,
     )
 
 
