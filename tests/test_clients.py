@@ -172,6 +172,34 @@ def test_responses_refusals_name_the_field(
     assert error["param"] == param and error["message"].startswith(names), error
 
 
+def test_responses_incomplete_and_a_streamed_one_stored(stack: Stack) -> None:
+    client = sdk(stack)
+    cut = client.responses.create(model=MODEL, input="hi", max_output_tokens=3)
+    # three tokens: the echo's <|im_start|> (no text), "u", "s"
+    assert cut.status == "incomplete" and cut.output_text == ANSWER[:2]
+    assert cut.incomplete_details is not None
+    assert cut.incomplete_details.reason == "max_output_tokens"
+    events = list(client.responses.create(model=MODEL, input="hi", stream=True))
+    final = events[-1].response  # type: ignore[union-attr]
+    assert client.responses.retrieve(final.id).output_text == ANSWER
+
+
+def test_completions_echo(stack: Stack) -> None:
+    """echo puts the prompt before the completion, streamed (the first chunk) and not; with
+    logprobs it is refused (prompt logprobs are not computed)."""
+    client = sdk(stack)
+    whole = client.completions.create(model=MODEL, prompt="abc", max_tokens=4, echo=True)
+    assert whole.choices[0].text == "abc" + "abca"
+    chunks = list(
+        client.completions.create(model=MODEL, prompt="abc", max_tokens=4, echo=True, stream=True)
+    )
+    assert chunks[0].choices[0].text == "abc"
+    assert "".join(c.choices[0].text for c in chunks) == "abcabca"
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=MODEL, prompt="abc", max_tokens=1, echo=True, logprobs=1)
+    assert err.value.body["param"] == "echo"  # type: ignore[index]
+
+
 # -- openai-agents ---------------------------------------------------------------------------------
 
 

@@ -353,7 +353,7 @@ def _seed(seed: int) -> int:
         raise ValidationError(str(err)) from err
 
 
-def _prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
+def prompt_list(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
     """The prompts of a completion: text, a list of texts, one list of token ids, or a list of
     them."""
     if isinstance(prompt, str):
@@ -379,10 +379,13 @@ def _in_range(field: str, ids: list[int]) -> list[int]:
 
 def completion_requests(body: CompletionRequest) -> list[api_pb2.GenerateRequest]:
     """One GenerateRequest per prompt. Raises ValidationError (HTTP 400)."""
-    prompts = _prompts(body.prompt)
+    prompts = prompt_list(body.prompt)
     _check_common(body, len(prompts))
-    if body.echo:
-        raise ValidationError("echo is not supported by this server")
+    if body.echo and body.logprobs is not None:
+        raise ValidationError(
+            "echo with logprobs is not supported: this server does not compute the prompt's "
+            "logprobs (echo alone is)"
+        )
     if body.suffix:
         raise ValidationError("suffix is not supported by this server")
     if body.best_of is not None and body.best_of != body.n:

@@ -33,6 +33,7 @@ from llmserve.gateway.openai_protocol import (
     ToolCallDelta,
     TopLogprob,
     Usage,
+    prompt_list,
 )
 from llmserve.gateway.openai_tools import AnswerStream, read_answer, tool_plan
 from llmserve.gateway.reasoning import reasoning_stream
@@ -199,6 +200,23 @@ class CompletionFormat(ResponseFormat):
             for c in choices
             if body.logprobs is not None
         }
+        # echo: each prompt's text before its choices' (token-id prompts decoded)
+        self.echoes = [
+            p if isinstance(p, str) else core.tokenizer.decode(p)
+            for p in (prompt_list(body.prompt) if body.echo else [])
+        ]
+
+    def opening(self) -> list[str]:
+        if not self.echoes:
+            return []
+        return [
+            self._json(
+                CompletionResponse,
+                [CompletionChoice(index=c.index, text=self.echoes[c.prompt_index])],
+                None,
+            )
+            for c in self.choices
+        ]
 
     def _choice(self, choice: Choice, msg: api_pb2.GenerateResponse) -> CompletionChoice:
         self._count(choice, msg)
@@ -218,6 +236,9 @@ class CompletionFormat(ResponseFormat):
 
     def response(self, messages: dict[int, list[api_pb2.GenerateResponse]]) -> str:
         choices = [self._choice(c, merged_message(messages[c.index])) for c in self.choices]
+        if self.echoes:
+            for choice, c in zip(choices, self.choices, strict=True):
+                choice.text = self.echoes[c.prompt_index] + choice.text
         return self._json(CompletionResponse, choices, self._usage())
 
 
