@@ -266,7 +266,7 @@ def test_chat_logprobs(stack: Stack) -> None:
         ({"max_tokens": 600}, "max_tokens", "max_tokens=600 exceeds the model's remaining"),
         ({"prompt": ""}, "prompt", "prompt is empty"),
         ({"prompt": [1, 2, 9999]}, "prompt", "prompt[2]=9999 is outside the vocabulary"),
-        ({"echo": True}, "echo", "echo is not supported"),
+        ({"echo": True, "logprobs": 1}, "echo", "echo with logprobs is not supported"),
         ({"temperature": "hot"}, "temperature", "temperature='hot': Input should be a valid"),
         ({"stop": [f"s{i}" for i in range(17)]}, "stop", "at most 16 are allowed"),
         ({"logit_bias": {"x": 1.0}}, "logit_bias", "logit_bias key 'x' is not a token id"),
