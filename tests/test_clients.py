@@ -399,6 +399,18 @@ def test_langchain_invoke_and_stream(stack: Stack) -> None:
     assert streamed_usage and streamed_usage[-1]["input_tokens"] == usage["input_tokens"]
 
 
+def test_langchain_responses_mode(stack: Stack) -> None:
+    """langchain's Responses mode (use_responses_api) reads the same answer, whole and streamed,
+    with usage."""
+    llm = chat_model(stack, use_responses_api=True)
+    message = llm.invoke([HumanMessage("hi")])
+    assert message.text == ANSWER
+    assert message.usage_metadata is not None
+    assert message.usage_metadata["input_tokens"] == prompt_tokens(stack)
+    chunks = list(llm.stream([HumanMessage("hi")]))
+    assert "".join(c.text for c in chunks) == ANSWER
+
+
 # -- litellm ---------------------------------------------------------------------------------------
 
 
