@@ -161,6 +161,8 @@ def test_responses_store_and_previous_response_id(stack: Stack) -> None:
         ({"input": "hi", "tools": [WEATHER_TOOL], "tool_choice": {"type": "function",
           "name": "nope"}}, "tool_choice", "tool_choice.name"),
         ({"input": "hi", "max_output_tokens": 5000}, "max_output_tokens", "max_output_tokens"),
+        ({"input": "hi", "top_k": 2**40}, "top_k", "top_k="),  # was a 500
+        ({"input": "hi", "tools": [{"type": "function"}]}, "tools", "tools[0].name="),
     ],
 )  # fmt: skip
 def test_responses_refusals_name_the_field(

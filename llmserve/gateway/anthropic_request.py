@@ -26,8 +26,11 @@ from llmserve.gateway.validation import ValidationError
 
 # The chat API's field names in errors, as the Messages API names them.
 RENAMES = (
-    ("stop", "stop_sequences"),
-    ("tool_choice.function.name", "tool_choice.name"),
+    (r"stop\b", "stop_sequences"),
+    (r"tool_choice\.function\.name", "tool_choice.name"),
+    (r"tool_choice=\"required\"", 'tool_choice={"type": "any"}'),
+    (r"tools\[(\d+)\]\.function\.parameters", r"tools[\1].input_schema"),
+    (r"tools\[(\d+)\]\.function\.", r"tools[\1]."),
 )
 # HTTP status -> Anthropic's error type
 ERROR_TYPES = {

@@ -100,8 +100,9 @@ def validation_error(err: RequestValidationError) -> ApiError:
 
 @contextmanager
 def as_api_errors(prompt_field: str, renames: Sequence[tuple[str, str]] = ()) -> Iterator[None]:
-    """ValidationError and GatewayError raised inside as ApiError; renames: (the chat API's
-    field, the endpoint's) for an endpoint that reuses the chat path under other names."""
+    """ValidationError and GatewayError raised inside as ApiError; renames: (a pattern of the
+    chat API's field, the endpoint's) for an endpoint that reuses the chat path under other
+    names."""
     try:
         yield
     except ValidationError as err:
@@ -112,12 +113,14 @@ def as_api_errors(prompt_field: str, renames: Sequence[tuple[str, str]] = ()) ->
 
 
 def _renamed(error: ApiError, renames: Sequence[tuple[str, str]]) -> ApiError:
-    """error with its message's leading field (and its param) in the endpoint's names."""
+    """error with its message's leading field (and its param) in the endpoint's names; renames:
+    (a regular expression matched at the message's start, its replacement)."""
     info = error.body.error
-    for old, new in renames:
-        if info.message.startswith(old):
-            info.message = new + info.message[len(old) :]
-            info.param = re.split(r"[.\[]", new, maxsplit=1)[0]
+    for pattern, new in renames:
+        message, found = re.subn("^" + pattern, new, info.message, count=1)
+        if found:
+            info.message = message
+            info.param = re.split(r"[.\[ =]", message, maxsplit=1)[0]
             break
     return error
 

@@ -32,13 +32,12 @@ from llmserve.gateway.validation import ValidationError
 
 # The chat API's field names in errors, as the Responses API names them (http_errors.py).
 RENAMES = (
-    ("response_format.json_schema.schema", "text.format.schema"),
-    ("response_format.json_schema.name", "text.format.name"),
-    ("response_format", "text.format"),
-    ("max_tokens", "max_output_tokens"),
-    ("max_completion_tokens", "max_output_tokens"),
-    ("tool_choice.function.name", "tool_choice.name"),
-    ("messages", "input"),
+    (r"response_format\.json_schema\.", "text.format."),
+    (r"response_format", "text.format"),
+    (r"max_tokens", "max_output_tokens"),
+    (r"tool_choice\.function\.name", "tool_choice.name"),
+    (r"tools\[(\d+)\]\.function\.", r"tools[\1]."),
+    (r"messages", "input"),
 )
 _TEXT_PARTS = ("input_text", "output_text", "text")
 _ROLES = ("user", "assistant", "system", "developer")
@@ -65,7 +64,7 @@ class ResponsesRequest(NullIsDefault):
     metadata: dict[str, str] | None = None
     # Beyond OpenAI's, as the chat API takes them (vLLM accepts them here too).
     seed: int | None = None
-    top_k: int | None = None
+    top_k: int | None = Field(None, ge=-(2**31), le=2**31 - 1)
     min_p: float | None = None
     stop: str | list[str] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
