@@ -141,3 +141,28 @@ def test_responses_reasoning_item(stack: Stack) -> None:
     assert (reasoning, text) == ("user\nplan", "answer")
     kinds = [e.type for e in events]
     assert kinds.index("response.reasoning_text.done") < kinds.index("response.output_text.delta")
+
+
+def test_anthropic_thinking_blocks(stack: Stack) -> None:
+    """The Messages API's thinking block comes first, whole and streamed (thinking_delta)."""
+    anthropic = pytest.importorskip("anthropic")
+    assert stack.http_url is not None
+    client = anthropic.Anthropic(
+        base_url=stack.http_url.removesuffix("/v1"), api_key="none", max_retries=0
+    )
+    fields = {"model": "fake-echo", "max_tokens": 64, "messages": USER_THINKS}
+    message = client.messages.create(**fields)
+    blocks = [(b.type, b.thinking if b.type == "thinking" else b.text) for b in message.content]
+    assert blocks == [("thinking", "user\nplan"), ("text", "answer")]
+    with client.messages.stream(**fields) as stream:
+        final = stream.get_final_message()
+    assert [b.type for b in final.content] == ["thinking", "text"]
+    assert final.content[0].thinking == "user\nplan" and final.content[1].text == "answer"
+
+
+def test_reasoning_parser_flag_is_checked() -> None:
+    from llmserve.gateway.config import GatewayConfig
+
+    assert GatewayConfig(reasoning_parser="deepseek_r1").reasoning_parser == "deepseek_r1"
+    with pytest.raises(ValueError, match="reasoning_parser='r2'"):
+        GatewayConfig(reasoning_parser="r2")
