@@ -19,7 +19,7 @@ from typing import Any
 from llmserve.gateway.choices import Choice
 from llmserve.gateway.core import GatewayCore
 from llmserve.gateway.openai_protocol import ChatCompletionRequest, ErrorResponse
-from llmserve.gateway.openai_responses import ResponseFormat, merged_message
+from llmserve.gateway.openai_responses import ResponseFormat, merged_message, named_event
 from llmserve.gateway.openai_tools import AnswerStream, read_answer, tool_plan
 from llmserve.gateway.reasoning import reasoning_stream
 from llmserve.gateway.telemetry import FINISH_REASONS
@@ -104,7 +104,7 @@ class AnthropicFormat(ResponseFormat):
     # -- the event stream ----------------------------------------------------------------------
 
     def sse(self, payload: str) -> str:
-        return f"event: {json.loads(payload)['type']}\ndata: {payload}\n\n"
+        return named_event(payload)
 
     @staticmethod
     def _event(kind: str, **fields: Any) -> str:

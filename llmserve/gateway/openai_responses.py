@@ -106,6 +106,17 @@ class CompletionLogprobsBuilder:
         return out
 
 
+_TYPE_KEY = '{"type": "'
+
+
+def named_event(payload: str) -> str:
+    """A server-sent event named by its payload's type, for a payload that json.dumps wrote
+    from a dict whose first key is "type" (the Responses and Messages APIs' events)."""
+    assert payload.startswith(_TYPE_KEY), payload[:40]
+    kind = payload[len(_TYPE_KEY) : payload.index('"', len(_TYPE_KEY))]
+    return f"event: {kind}\ndata: {payload}\n\n"
+
+
 class ResponseFormat(ABC):
     """How one endpoint renders messages: as streamed chunks or as one response. Its usage is
     over all choices: each prompt counted once, each choice's completion tokens."""

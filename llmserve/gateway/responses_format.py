@@ -27,7 +27,7 @@ from typing import Any
 from llmserve.gateway.choices import Choice
 from llmserve.gateway.core import GatewayCore
 from llmserve.gateway.openai_protocol import ChatCompletionRequest, ChatMessageParam, ErrorResponse
-from llmserve.gateway.openai_responses import ResponseFormat, merged_message
+from llmserve.gateway.openai_responses import ResponseFormat, merged_message, named_event
 from llmserve.gateway.openai_tools import AnswerStream, read_answer, tool_plan
 from llmserve.gateway.reasoning import reasoning_stream
 from llmserve.gateway.responses_request import ResponsesRequest
@@ -201,8 +201,7 @@ class ResponsesFormat(ResponseFormat):
     # -- the event stream ----------------------------------------------------------------------
 
     def sse(self, payload: str) -> str:
-        kind = json.loads(payload)["type"]
-        return f"event: {kind}\ndata: {payload}\n\n"
+        return named_event(payload)
 
     def _event(self, kind: str, **fields: Any) -> str:
         event = {"type": kind, "sequence_number": self.sequence_number, **fields}
