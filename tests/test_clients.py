@@ -202,6 +202,18 @@ def test_completions_echo(stack: Stack) -> None:
     assert err.value.body["param"] == "echo"  # type: ignore[index]
 
 
+def test_stop_reason_names_what_stopped(stack: Stack) -> None:
+    """vLLM's stop_reason: the stop string, the stop token id, or null (length, EOS)."""
+    client = sdk(stack)
+    fields: dict[str, Any] = {"model": MODEL, "prompt": "abcdef", "max_tokens": 6}
+    by_string = client.completions.create(stop=["cd"], **fields).choices[0]
+    assert (by_string.text, by_string.model_extra) == ("ab", {"stop_reason": "cd"})
+    by_token = client.completions.create(extra_body={"stop_token_ids": [ord("c")]}, **fields)
+    assert by_token.choices[0].model_extra == {"stop_reason": ord("c")}
+    by_length = client.completions.create(**fields).choices[0]
+    assert by_length.finish_reason == "length" and by_length.model_extra == {"stop_reason": None}
+
+
 # -- openai-agents ---------------------------------------------------------------------------------
 
 
@@ -312,6 +324,11 @@ def test_anthropic_messages_and_stream(stack: Stack) -> None:
     assert [b.type for b in message.content] == ["text"] and message.content[0].text == ANSWER
     assert message.stop_reason == "end_turn" and message.id.startswith("msg_")
     assert message.usage.input_tokens == prompt_tokens(stack)
+    stopped = client.messages.create(
+        model=MODEL, max_tokens=64, messages=user, stop_sequences=["\nh"]
+    )
+    assert (stopped.content[0].text, stopped.stop_reason) == ("user", "stop_sequence")
+    assert stopped.stop_sequence == "\nh"
     counted = client.messages.count_tokens(model=MODEL, messages=user)
     assert counted.input_tokens == message.usage.input_tokens
     with client.messages.stream(model=MODEL, max_tokens=64, messages=user) as stream:

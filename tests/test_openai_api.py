@@ -24,12 +24,12 @@ import pytest
 
 from llmserve.client import Client, make_request
 from llmserve.gateway.choices import choice_seed
+from llmserve.gateway.http_errors import http_message
 from llmserve.gateway.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     chat_request,
     completion_requests,
-    http_message,
 )
 from llmserve.gateway.validation import ValidationError
 from tests.stack import Stack, start_echo_stack, start_stack

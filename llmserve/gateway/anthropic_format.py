@@ -6,8 +6,8 @@
         input at once), content_block_stop
     message_delta (stop_reason, output usage), message_stop
 
-stop_reason: end_turn, max_tokens, or tool_use when the answer made calls (a stop sequence's
-hit reads as end_turn: the gateway does not say which string stopped it). Calls and thinking are
+stop_reason: end_turn, max_tokens, stop_sequence (stop_sequence names it), or tool_use when the
+answer made calls. Calls and thinking are
 read from the text as the chat API reads them (gateway/openai_tools.py, gateway/reasoning.py).
 """
 
@@ -63,19 +63,24 @@ class AnthropicFormat(ResponseFormat):
         self.num_blocks = 0  # blocks started
         self.num_calls = 0
 
-    def _stop_reason(self, msg: api_pb2.GenerateResponse, num_calls: int) -> str:
+    def _stop_fields(self, msg: api_pb2.GenerateResponse, num_calls: int) -> dict[str, Any]:
+        """stop_reason and stop_sequence of the answer msg ends."""
+        if msg.stop_string:
+            return {"stop_reason": "stop_sequence", "stop_sequence": msg.stop_string}
         reason = _STOP_REASONS.get(FINISH_REASONS.get(msg.finish_reason, ""), "end_turn")
-        return "tool_use" if num_calls and reason == "end_turn" else reason
+        reason = "tool_use" if num_calls and reason == "end_turn" else reason
+        return {"stop_reason": reason, "stop_sequence": None}
 
-    def _message(self, content: list[dict[str, Any]], stop_reason: str | None) -> dict[str, Any]:
+    def _message(
+        self, content: list[dict[str, Any]], stop: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
         return {
             "id": self.id,
             "type": "message",
             "role": "assistant",
             "model": self.model,
             "content": content,
-            "stop_reason": stop_reason,
-            "stop_sequence": None,
+            **(stop or {"stop_reason": None, "stop_sequence": None}),
             "usage": {
                 "input_tokens": self.prompt_tokens,
                 "output_tokens": self.completion_tokens,
@@ -98,7 +103,7 @@ class AnthropicFormat(ResponseFormat):
         if text or not calls:
             content.append({"type": "text", "text": text})
         content += [tool_use_block(c) for c in calls]
-        message = self._message(content, self._stop_reason(msg, len(calls)))
+        message = self._message(content, self._stop_fields(msg, len(calls)))
         return json.dumps(message, ensure_ascii=False)
 
     # -- the event stream ----------------------------------------------------------------------
@@ -111,7 +116,7 @@ class AnthropicFormat(ResponseFormat):
         return json.dumps({"type": kind, **fields}, ensure_ascii=False)
 
     def opening(self) -> list[str]:
-        return [self._event("message_start", message=self._message([], None))]
+        return [self._event("message_start", message=self._message([]))]
 
     def events(self, choice: Choice, msg: api_pb2.GenerateResponse) -> list[str]:
         self._count(choice, msg)
@@ -140,7 +145,7 @@ class AnthropicFormat(ResponseFormat):
             if not self.num_blocks:
                 payloads += self._delta("text", {"text": ""})
             payloads += self._stop()
-            delta = {"stop_reason": self._stop_reason(msg, self.num_calls), "stop_sequence": None}
+            delta = self._stop_fields(msg, self.num_calls)
             usage = {"output_tokens": self.completion_tokens}
             payloads += [self._event("message_delta", delta=delta, usage=usage)]
         return payloads
@@ -155,6 +160,7 @@ class AnthropicFormat(ResponseFormat):
         ]
 
     def _stop(self) -> list[str]:
+        """content_block_stop for the block open now (none when none is)."""
         if self.block is None:
             return []
         self.block = None

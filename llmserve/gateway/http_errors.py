@@ -1,6 +1,7 @@
-"""The HTTP API's errors in OpenAI's shape ({"error": {"message", "type", "param", "code"}}):
-ApiError, GatewayError's gRPC status mapped to an HTTP status, FastAPI's own errors rewritten,
-and the error responses the OpenAPI document lists.
+"""The HTTP API's errors in OpenAI's shape ({"error": {"message", "type", "param", "code"}}, and
+Anthropic's under /v1/messages): validation messages in the HTTP API's field names, ApiError,
+GatewayError's gRPC status mapped to an HTTP status, FastAPI's own errors rewritten, and the
+error responses the OpenAPI document lists.
 """
 
 from __future__ import annotations
@@ -20,7 +21,15 @@ from starlette.exceptions import HTTPException
 from llmserve.common.log import get_logger
 from llmserve.gateway.anthropic_request import error_body
 from llmserve.gateway.errors import GatewayError
-from llmserve.gateway.openai_protocol import ErrorInfo, ErrorResponse, field_path, http_message
+from llmserve.gateway.openai_protocol import (
+    ChatCompletionRequest,
+    ChatMessageParam,
+    CompletionRequest,
+    ErrorInfo,
+    ErrorResponse,
+    StreamOptions,
+    TextPart,
+)
 from llmserve.gateway.validation import CONTEXT_LENGTH, ValidationError
 
 log = get_logger("gateway")
@@ -37,6 +46,52 @@ _HTTP_STATUS = {
     grpc.StatusCode.UNAVAILABLE: (503, "server_error", "service_unavailable"),
     grpc.StatusCode.DEADLINE_EXCEEDED: (504, "server_error", "timeout"),
 }
+
+
+# -- field names ---------------------------------------------------------------------------------
+
+
+def field_path(loc: Sequence[int | str]) -> str:
+    """A pydantic error location as the request spells it ("messages[1].content"), without the
+    union member tags pydantic adds ("str", "list[TextPart]")."""
+    path = ""
+    for part in loc:
+        if isinstance(part, int) or (isinstance(part, str) and part.isdigit()):
+            path += f"[{part}]"
+        elif not path:
+            path = str(part)
+        elif part in _REQUEST_FIELDS:
+            path += f".{part}"
+    return path
+
+
+_REQUEST_FIELDS = frozenset(
+    name
+    for model in (ChatCompletionRequest, CompletionRequest, ChatMessageParam, TextPart)
+    for name in model.model_fields
+) | frozenset(StreamOptions.model_fields)
+_LEADING_FIELD = re.compile(r"^[a-z_]+(?:\.[a-z_]+)*")
+_HTTP_NAMES = {
+    "text": "prompt",
+    "token_ids": "prompt",
+    "chat.messages": "messages",
+    "chat.template_kwargs_json": "chat_template_kwargs",
+    "chat": "messages",
+}
+
+
+def http_message(message: str, prompt_field: str) -> tuple[str, str | None]:
+    """A validation message in the HTTP API's field names, and the field it names (`param`)."""
+    message = message.replace("sampling.", "")
+    match = _LEADING_FIELD.match(message)
+    if match is None:
+        return message, None
+    name = match.group(0)
+    http_name = _HTTP_NAMES.get(name, prompt_field if name == "prompt" else name)
+    return http_name + message[len(name) :], http_name.split(".")[0]
+
+
+# -- errors ----------------------------------------------------------------------------------------
 
 
 class ApiError(Exception):

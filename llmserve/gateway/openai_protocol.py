@@ -9,8 +9,6 @@ does. Fields OpenAI lacks but vLLM users send (top_k, min_p, ignore_eos, stop_to
 from __future__ import annotations
 
 import json
-import re
-from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field, model_validator
@@ -168,6 +166,8 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    # vLLM's: the stop string, or the stop token id (not EOS), that ended the choice
+    stop_reason: int | str | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -225,6 +225,8 @@ class ChatChoice(BaseModel):
     message: ChatMessage
     logprobs: ChoiceLogprobs | None = None
     finish_reason: str | None = None
+    # vLLM's: the stop string, or the stop token id (not EOS), that ended the choice
+    stop_reason: int | str | None = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -248,6 +250,8 @@ class ChatChunkChoice(BaseModel):
     delta: ChatDelta
     logprobs: ChoiceLogprobs | None = None
     finish_reason: str | None = None
+    # vLLM's: the stop string, or the stop token id (not EOS), that ended the choice
+    stop_reason: int | str | None = None
 
 
 class ChatCompletionChunk(BaseModel):
@@ -457,43 +461,3 @@ def chat_request(
     req.sampling.logprobs = body.logprobs
     req.sampling.top_logprobs = body.top_logprobs or 0
     return req
-
-
-def field_path(loc: Sequence[int | str]) -> str:
-    """A pydantic error location as the request spells it ("messages[1].content"), without the
-    union member tags pydantic adds ("str", "list[TextPart]")."""
-    path = ""
-    for part in loc:
-        if isinstance(part, int) or (isinstance(part, str) and part.isdigit()):
-            path += f"[{part}]"
-        elif not path:
-            path = str(part)
-        elif part in _REQUEST_FIELDS:
-            path += f".{part}"
-    return path
-
-
-_REQUEST_FIELDS = frozenset(
-    name
-    for model in (ChatCompletionRequest, CompletionRequest, ChatMessageParam, TextPart)
-    for name in model.model_fields
-) | frozenset(StreamOptions.model_fields)
-_LEADING_FIELD = re.compile(r"^[a-z_]+(?:\.[a-z_]+)*")
-_HTTP_NAMES = {
-    "text": "prompt",
-    "token_ids": "prompt",
-    "chat.messages": "messages",
-    "chat.template_kwargs_json": "chat_template_kwargs",
-    "chat": "messages",
-}
-
-
-def http_message(message: str, prompt_field: str) -> tuple[str, str | None]:
-    """A validation message in the HTTP API's field names, and the field it names (`param`)."""
-    message = message.replace("sampling.", "")
-    match = _LEADING_FIELD.match(message)
-    if match is None:
-        return message, None
-    name = match.group(0)
-    http_name = _HTTP_NAMES.get(name, prompt_field if name == "prompt" else name)
-    return http_name + message[len(name) :], http_name.split(".")[0]

@@ -39,7 +39,7 @@ from llmserve.gateway.openai_tools import AnswerStream, read_answer, tool_plan
 from llmserve.gateway.reasoning import reasoning_stream
 from llmserve.gateway.telemetry import FINISH_REASONS
 from llmserve.gateway.tokenizer import Tokenizer
-from llmserve.protos import api_pb2
+from llmserve.protos import api_pb2, common_pb2
 
 # OpenAI's stand-in for a logprob too small to print.
 _MIN_LOGPROB = -9999.0
@@ -76,6 +76,17 @@ def chat_logprobs(tokenizer: Tokenizer, msg: api_pb2.GenerateResponse) -> Choice
         chosen = _token_logprob(tokenizer, token_id, logprob)
         content.append(TokenLogprob(**chosen.model_dump(), top_logprobs=top))
     return ChoiceLogprobs(content=content)
+
+
+def stop_reason(choice: Choice, msg: api_pb2.GenerateResponse) -> int | str | None:
+    """vLLM's stop_reason of a choice's last message: the stop string that ended it, or the stop
+    token id (one of the request's stop_token_ids); None otherwise (EOS, length, mid-answer)."""
+    if msg.finish_reason != common_pb2.FINISH_REASON_STOP:
+        return None
+    if msg.stop_string:
+        return msg.stop_string
+    last = msg.token_ids[-1] if msg.token_ids else None
+    return last if last in choice.valid.submit.stop_token_ids else None
 
 
 class CompletionLogprobsBuilder:
@@ -237,6 +248,7 @@ class CompletionFormat(ResponseFormat):
             text=msg.text,
             logprobs=builder.add(msg) if builder else None,
             finish_reason=FINISH_REASONS.get(msg.finish_reason),
+            stop_reason=stop_reason(choice, msg),
         )
 
     def chunk(self, choice: Choice, msg: api_pb2.GenerateResponse) -> str:
@@ -300,6 +312,7 @@ class ChatFormat(ResponseFormat):
             "index": choice.index,
             "logprobs": chat_logprobs(self.core.tokenizer, msg) if self.body.logprobs else None,
             "finish_reason": FINISH_REASONS.get(msg.finish_reason),
+            "stop_reason": stop_reason(choice, msg),
         }
 
     def _split(self, choice: Choice, text: str, last: bool) -> tuple[str | None, str]:
