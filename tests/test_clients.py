@@ -251,19 +251,20 @@ def test_openai_agents_runs_a_tool_once(stack: Stack) -> None:
 # -- pydantic-ai -----------------------------------------------------------------------------------
 
 
-def pydantic_ai_model(stack: Stack) -> Any:
+def pydantic_ai_model(stack: Stack, kind: str = "OpenAIChatModel") -> Any:
     models = pytest.importorskip("pydantic_ai.models.openai")
     providers = pytest.importorskip("pydantic_ai.providers.openai")
     provider = providers.OpenAIProvider(base_url=url(stack), api_key="none")
-    return models.OpenAIChatModel(MODEL, provider=provider)
+    return getattr(models, kind)(MODEL, provider=provider)
 
 
-def test_pydantic_ai_runs_a_tool_once(stack: Stack) -> None:
-    """pydantic-ai's Agent over chat completions: turn 1 calls the tool (its instructions hold
-    the call), the tool runs once, turn 2's text is the output."""
+@pytest.mark.parametrize("kind", ["OpenAIChatModel", "OpenAIResponsesModel"])
+def test_pydantic_ai_runs_a_tool_once(stack: Stack, kind: str) -> None:
+    """pydantic-ai's Agent over chat completions and over the Responses API: turn 1 calls the
+    tool (its instructions hold the call), the tool runs once, turn 2's text is the output."""
     pydantic_ai = pytest.importorskip("pydantic_ai")
     ran: list[str] = []
-    agent = pydantic_ai.Agent(pydantic_ai_model(stack))
+    agent = pydantic_ai.Agent(pydantic_ai_model(stack, kind))
 
     @agent.instructions
     def instructions() -> str:
