@@ -112,7 +112,7 @@ MODULES = [
     "safetensors", "transformers", "uvloop", "numpy", "torch",
     "llmserve.common.net", "llmserve.engine.config", "llmserve.engine.engine",
     "llmserve.engine.ops", "llmserve.engine.cuda_graphs", "llmserve.engine.service",
-    "llmserve.scheduler.service", "llmserve.gateway.service", "llmserve.kernels.cuda",
+    "llmserve.scheduler.service.service", "llmserve.gateway.service", "llmserve.kernels.cuda",
     "llmserve.kernels.reference",
     "llmserve.cli", "llmserve.bench.engine_driver", "llmserve.bench.hf",
     "bench.gpu_engine", "bench.gpu_lora", "bench.kernels_bench", "tests.quality",

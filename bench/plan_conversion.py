@@ -1,5 +1,5 @@
 """Per-step cost of the step contract's conversions: the scheduler's plan to engine.proto's
-StepPlan (scheduler/convert.py) and the message to the engine's plan data (engine/convert.py),
+StepPlan (scheduler/service/convert.py) and the message to the engine's plan data (engine/convert.py),
 on plans made by the real Scheduler. CPU only; run from the repository root:
 
     python -m bench.plan_conversion [--rows 256] [--repeat 2000]
@@ -16,7 +16,7 @@ from collections.abc import Callable
 from llmserve.engine.convert import plan_from_proto
 from llmserve.protos import common_pb2, engine_pb2
 from llmserve.scheduler.config import SchedulerConfig
-from llmserve.scheduler.convert import plan_to_proto
+from llmserve.scheduler.service.convert import plan_to_proto
 from llmserve.scheduler.plan import StepPlan
 from llmserve.scheduler.request import Request
 from llmserve.scheduler.scheduler import Scheduler

@@ -31,7 +31,7 @@ from llmserve.engine.convert import plan_from_proto
 from llmserve.engine.engine import Engine
 from llmserve.protos.common_pb2 import SamplingParams, StructuredOutput
 from llmserve.scheduler.config import SchedulerConfig
-from llmserve.scheduler.convert import plan_to_proto
+from llmserve.scheduler.service.convert import plan_to_proto
 from llmserve.scheduler.request import Request
 from llmserve.scheduler.scheduler import Scheduler
 

@@ -76,10 +76,10 @@ def hook_costs(num_requests: int = 16, num_tokens: int = 128) -> dict[str, float
     from llmserve.protos import api_pb2
     from llmserve.protos.common_pb2 import SamplingParams
     from llmserve.scheduler.config import SchedulerConfig
-    from llmserve.scheduler.convert import plan_to_proto
+    from llmserve.scheduler.service.convert import plan_to_proto
     from llmserve.scheduler.request import Request
     from llmserve.scheduler.scheduler import Scheduler
-    from llmserve.scheduler.telemetry import SchedulerTelemetry
+    from llmserve.scheduler.service.telemetry import SchedulerTelemetry
 
     telemetry.setup("bench", metrics_port=free_port(), metrics_host="127.0.0.1")
     scheduler = Scheduler(

@@ -85,7 +85,7 @@ def run_service(name: str, configs: list[Any]) -> None:
         if name == "engine":
             exit_code = _run_engine(config, configs[1] if len(configs) > 1 else None)
         elif name == "scheduler":
-            from llmserve.scheduler.service import serve
+            from llmserve.scheduler.service.service import serve
 
             _run_async(serve(config))
         else:

@@ -9,7 +9,7 @@ from typing import Any
 
 from llmserve.engine.convert import plan_from_proto, result_to_proto
 from llmserve.scheduler.config import SchedulerConfig
-from llmserve.scheduler.convert import apply_result, plan_to_proto
+from llmserve.scheduler.service.convert import apply_result, plan_to_proto
 from llmserve.scheduler.request import Request, RequestStatus
 from llmserve.scheduler.scheduler import Scheduler
 

@@ -1,4 +1,4 @@
-"""N prefill and M decode engines under one scheduler service (scheduler/links.py), torch-free:
+"""N prefill and M decode engines under one scheduler service (scheduler/disagg/roles.py), torch-free:
 a real SchedulerService whose engine links are connected by hand (their EngineInfo adopted,
 their results applied as a fake engine's) instead of over gRPC. Which prefill engine a prompt
 goes to, which decode engine its KV moves to (prefix affinity, then load), the transfer ids
@@ -11,11 +11,11 @@ import pytest
 
 from llmserve.protos import engine_pb2
 from llmserve.scheduler.config import SchedulerConfig
-from llmserve.scheduler.engine_loop import EngineLoop
-from llmserve.scheduler.links import AFFINITY_SLACK, TRANSFER_ID_SHIFT
+from llmserve.scheduler.service.engine_link import EngineLoop
+from llmserve.scheduler.disagg.roles import AFFINITY_SLACK, TRANSFER_ID_SHIFT
 from llmserve.scheduler.request import Request
 from llmserve.scheduler.scheduler import Scheduler
-from llmserve.scheduler.service import SchedulerService
+from llmserve.scheduler.service.service import SchedulerService
 from tests.factories import sampling
 
 BS = 4
@@ -265,7 +265,7 @@ def test_stats_sum_the_engines_and_list_each(service: SchedulerService) -> None:
     rows = {row["address"]: row for row in stats["engines"]}
     assert [rows[a]["role"] for a in (*DECODES, *PREFILLS)] == ["decode"] * 2 + ["prefill"] * 2
     assert rows[DECODES[1]]["num_waiting"] == 1 and all(r["ready"] for r in rows.values())
-    from llmserve.scheduler.convert import stats_to_proto
+    from llmserve.scheduler.service.convert import stats_to_proto
 
     msg = stats_to_proto(stats)
     assert [e.address for e in msg.engines] == [*DECODES, *PREFILLS]

@@ -15,7 +15,7 @@ from llmserve.scheduler.config import SchedulerConfig
 from llmserve.scheduler.plan import StepOutcome, StepPlan
 from llmserve.scheduler.request import Request, RequestStatus
 from llmserve.scheduler.scheduler import Scheduler
-from llmserve.scheduler.static_batching import make_scheduler
+from llmserve.scheduler.policies.static_batching import make_scheduler
 from tests.factories import sampling
 
 BS = 4

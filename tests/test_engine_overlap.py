@@ -18,7 +18,7 @@ from llmserve.engine.engine import Engine
 from llmserve.engine.mirror import PLACEHOLDER
 from llmserve.engine.runner import ModelRunner
 from llmserve.scheduler.config import SchedulerConfig
-from llmserve.scheduler.convert import plan_to_proto
+from llmserve.scheduler.service.convert import plan_to_proto
 from llmserve.scheduler.request import Request
 from llmserve.scheduler.scheduler import Scheduler
 from tests.factories import sampling

@@ -15,11 +15,11 @@ from typing import Any
 import pytest
 
 from llmserve.scheduler.config import SchedulerConfig
-from llmserve.scheduler.fair import FairScheduler
-from llmserve.scheduler.priority import PriorityScheduler
+from llmserve.scheduler.policies.fair import FairScheduler
+from llmserve.scheduler.policies.priority import PriorityScheduler
 from llmserve.scheduler.request import Request, RequestStatus
 from llmserve.scheduler.scheduler import Scheduler
-from llmserve.scheduler.static_batching import make_scheduler
+from llmserve.scheduler.policies.static_batching import make_scheduler
 from tests.test_scheduler import BS, EOS, VOCAB, Harness, make_request, running_rows
 
 
@@ -498,7 +498,7 @@ def test_fair_seats_do_not_swing_between_backlogged_tenants(
 def test_preemption_and_tenant_metrics_are_labeled(make: Callable[..., Harness]) -> None:
     """The preemptions metric carries the reason, the tenant metrics the tenant (read from the
     same snapshot GetStats returns)."""
-    from llmserve.scheduler.telemetry import SchedulerTelemetry
+    from llmserve.scheduler.service.telemetry import SchedulerTelemetry
 
     h = make("fair", max_num_seqs=2)
     h.add(*(request(i, 4, 12, "a") for i in (1, 2, 3)))

@@ -20,7 +20,7 @@ from llmserve.engine.config import EngineConfig
 from llmserve.engine.convert import plan_from_proto, result_to_proto
 from llmserve.engine.engine import Engine
 from llmserve.scheduler.config import SchedulerConfig
-from llmserve.scheduler.convert import apply_result, plan_to_proto
+from llmserve.scheduler.service.convert import apply_result, plan_to_proto
 from llmserve.scheduler.request import Request
 from llmserve.scheduler.scheduler import Scheduler
 from tests.factories import sampling

@@ -105,7 +105,7 @@ def test_transformers_and_llmserve_import_side_by_side(user_venv: Path, tmp_path
     code = (
         "import json, kernels, transformers.modeling_utils, llmserve.kernels.reference\n"
         "from kernels import CUDAProperties\n"
-        "import llmserve.engine.engine, llmserve.gateway.service, llmserve.scheduler.service\n"
+        "import llmserve.engine.engine, llmserve.gateway.service, llmserve.scheduler.service.service\n"
         "print(json.dumps({'hf_kernels': kernels.__file__, 'ours': llmserve.__file__}))"
     )
     done = subprocess.run(

@@ -21,7 +21,7 @@ from llmserve.engine.kv_offload import KVTiers
 from llmserve.engine.mirror import MirrorMismatch
 from llmserve.protos import engine_pb2
 from llmserve.scheduler.config import SchedulerConfig
-from llmserve.scheduler.convert import plan_to_proto
+from llmserve.scheduler.service.convert import plan_to_proto
 from llmserve.scheduler.request import Request
 from llmserve.scheduler.scheduler import Scheduler
 from tests.factories import sampling

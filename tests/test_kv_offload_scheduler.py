@@ -9,12 +9,12 @@ import pytest
 
 from llmserve.protos import engine_pb2
 from llmserve.scheduler.config import SchedulerConfig
-from llmserve.scheduler.convert import plan_to_proto
+from llmserve.scheduler.service.convert import plan_to_proto
 from llmserve.scheduler.kv_offload import DEVICE, DISK, HOST, KVOffload
 from llmserve.scheduler.plan import StepPlan
 from llmserve.scheduler.request import Request
 from llmserve.scheduler.scheduler import Scheduler
-from llmserve.scheduler.static_batching import make_scheduler
+from llmserve.scheduler.policies.static_batching import make_scheduler
 from tests.factories import sampling
 
 BS = 4
@@ -226,8 +226,8 @@ def test_swap_needs_the_prefix_cache() -> None:
 def test_offload_counts_reach_get_stats_and_the_metrics() -> None:
     """The tiers' counts as GetStats carries them (by tier) and as the scheduler's observed
     instruments read them (a `tier` label each), from one scenario: one swap-in of 2 blocks."""
-    from llmserve.scheduler.convert import stats_to_proto
-    from llmserve.scheduler.telemetry import SchedulerTelemetry
+    from llmserve.scheduler.service.convert import stats_to_proto
+    from llmserve.scheduler.service.telemetry import SchedulerTelemetry
 
     s = make(num_blocks=6, num_host=4, num_disk=8)
     s.set_offload_tiers(4, 8, block_bytes=1000)

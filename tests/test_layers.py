@@ -151,8 +151,8 @@ def test_no_import_cycles() -> None:
 @pytest.mark.parametrize(
     "module",
     [
-        "llmserve.scheduler.service",
-        "llmserve.scheduler.static_batching",
+        "llmserve.scheduler.service.service",
+        "llmserve.scheduler.policies.static_batching",
         "llmserve.gateway.service",
         "llmserve.gateway.http",
         "llmserve.engine.service",

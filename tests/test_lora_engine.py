@@ -26,7 +26,7 @@ from llmserve.engine.lora import LoraBatch
 from llmserve.engine.lora_files import LoraError
 from llmserve.kernels.lora_reference import lora_padded, lora_segments
 from llmserve.scheduler.config import SchedulerConfig
-from llmserve.scheduler.convert import plan_to_proto
+from llmserve.scheduler.service.convert import plan_to_proto
 from llmserve.scheduler.request import Request
 from llmserve.scheduler.scheduler import Scheduler
 from tests.factories import TINY_VOCAB, make_lora_adapter, make_tiny_llama, sampling

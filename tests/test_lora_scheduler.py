@@ -209,7 +209,7 @@ def test_load_lora_refusals_come_before_any_engine_reads_the_adapter() -> None:
 
     from llmserve.protos.scheduler_pb2 import LoadLoraRequest as Load
     from llmserve.scheduler.config import SchedulerConfig
-    from llmserve.scheduler.service import SchedulerService
+    from llmserve.scheduler.service.service import SchedulerService
 
     service = object.__new__(SchedulerService)  # its LoadLora checks alone, no server
     service.scheduler = harness(2, ["x"]).s

@@ -14,7 +14,7 @@ from llmserve.engine.fake import FakeEngine, FakeEngineConfig
 from llmserve.engine.runner import _full_rows
 from llmserve.engine.sampler import Sampler, apply_penalties
 from llmserve.scheduler.config import SchedulerConfig
-from llmserve.scheduler.convert import plan_to_proto
+from llmserve.scheduler.service.convert import plan_to_proto
 from llmserve.scheduler.plan import TopLogprobColumns
 from llmserve.scheduler.request import Request
 from llmserve.scheduler.scheduler import Scheduler

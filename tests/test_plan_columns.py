@@ -11,7 +11,7 @@ from llmserve.engine.contract import NewRequestData, RunningData
 from llmserve.engine.convert import plan_from_proto
 from llmserve.protos import engine_pb2
 from llmserve.scheduler.config import SchedulerConfig
-from llmserve.scheduler.convert import plan_to_proto
+from llmserve.scheduler.service.convert import plan_to_proto
 from llmserve.scheduler.plan import NewRequestRow, RunningRow
 from llmserve.scheduler.request import Request
 from llmserve.scheduler.scheduler import Scheduler

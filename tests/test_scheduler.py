@@ -17,11 +17,11 @@ from llmserve.engine.convert import plan_from_proto
 from llmserve.engine.mirror import Mirror
 from llmserve.protos import engine_pb2
 from llmserve.scheduler.config import SchedulerConfig
-from llmserve.scheduler.convert import plan_to_proto
+from llmserve.scheduler.service.convert import plan_to_proto
 from llmserve.scheduler.plan import StepOutcome, StepPlan
 from llmserve.scheduler.request import Request, RequestStatus
 from llmserve.scheduler.scheduler import AdmissionError
-from llmserve.scheduler.static_batching import make_scheduler
+from llmserve.scheduler.policies.static_batching import make_scheduler
 from tests.factories import sampling
 
 BS = 4
@@ -1419,8 +1419,8 @@ def test_pipeline_size_comes_from_the_engine_info() -> None:
 async def _adopt_pipeline_sizes() -> None:
     from llmserve.engine.contract import EngineInfo
     from llmserve.engine.convert import info_to_proto
-    from llmserve.scheduler.engine_loop import EngineMismatch
-    from llmserve.scheduler.service import SchedulerService
+    from llmserve.scheduler.service.engine_link import EngineMismatch
+    from llmserve.scheduler.service.service import SchedulerService
 
     def info(**sizes: int) -> engine_pb2.EngineInfo:
         return info_to_proto(

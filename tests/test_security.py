@@ -196,9 +196,9 @@ def test_the_scheduler_fails_a_refused_request_with_its_reason() -> None:
 async def _refused_request() -> None:
     import asyncio
 
-    from llmserve.scheduler.engine_loop import SentStep
-    from llmserve.scheduler.service import SchedulerService
-    from llmserve.scheduler.static_batching import make_scheduler
+    from llmserve.scheduler.service.engine_link import SentStep
+    from llmserve.scheduler.service.service import SchedulerService
+    from llmserve.scheduler.policies.static_batching import make_scheduler
 
     service = SchedulerService(SchedulerConfig())
     config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64)

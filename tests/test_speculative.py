@@ -175,7 +175,7 @@ def test_speculation_refused_with_pipeline_stages_and_static_batching() -> None:
         scheduler.set_pipeline_parallel_size(2)
         scheduler.set_num_speculative_tokens(4)
     from llmserve.scheduler.config import SchedulerConfig
-    from llmserve.scheduler.static_batching import make_scheduler
+    from llmserve.scheduler.policies.static_batching import make_scheduler
 
     with pytest.raises(ValueError, match="static' does not support speculative decoding"):
         make_scheduler(

@@ -28,7 +28,7 @@ from llmserve.engine.grammar import Grammars
 from llmserve.engine.mirror import ScheduledSeq, SeqState
 from llmserve.protos.common_pb2 import ChoiceList, StructuredOutput
 from llmserve.scheduler.config import SchedulerConfig
-from llmserve.scheduler.convert import plan_to_proto
+from llmserve.scheduler.service.convert import plan_to_proto
 from llmserve.scheduler.request import Request, RequestStatus
 from llmserve.scheduler.scheduler import Scheduler
 from tests.factories import sampling

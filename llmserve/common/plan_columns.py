@@ -1,6 +1,6 @@
 """The running rows' columns of a step plan (engine.proto's RunningColumns), as both sides'
 converters read them: from the message's descriptor, so that a per-row field added to the .proto
-needs no code in scheduler/convert.py, engine/convert.py or engine/contract.py. A new column is
+needs no code in scheduler/service/convert.py, engine/convert.py or engine/contract.py. A new column is
 filled from the scheduler's RunningRow attribute of its name (scheduler/plan.py) and read by the
 engine as RunningData's attribute of its name (engine/contract.py).
 

@@ -176,7 +176,7 @@ class BlockManager:
 
     def pin_fresh(self, holder: int, num_blocks: int) -> list[int]:
         """Take num_blocks free blocks (evicting what they cached) and pin them for holder,
-        uncached: their contents arrive by a KV transfer (scheduler/disaggregation.py) and enter
+        uncached: their contents arrive by a KV transfer (scheduler/disagg/handoffs.py) and enter
         the prefix cache only once it is done (`cache_block`). Needs num_blocks free blocks."""
         assert num_blocks <= self.num_free_blocks
         block_ids = []

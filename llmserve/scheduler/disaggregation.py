@@ -16,7 +16,7 @@ Only full blocks move: the partial last block (fewer than block_size tokens) is 
 the first decode step, as after any prefix hit, so every block that moves is a cached block
 under its key. A transfer that fails (deadline, an engine lost) drops its pins and the request
 is admitted as a miss: the decode engine recomputes its prompt. Either way its first token is
-in its tokens, never sampled (nor streamed) again. Bookkeeping: scheduler/transfers.py.
+in its tokens, never sampled (nor streamed) again. Bookkeeping: scheduler/disagg/transfers.py.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import time
 
 from llmserve.scheduler.request import Request, RequestStatus
 from llmserve.scheduler.state import SchedulerState
-from llmserve.scheduler.transfers import Transfer
+from llmserve.scheduler.disagg.transfers import Transfer
 
 
 class Disaggregation(SchedulerState):

@@ -36,12 +36,12 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from llmserve.common.log import get_logger
 from llmserve.protos import engine_pb2, engine_pb2_grpc
 from llmserve.scheduler.config import SchedulerConfig
-from llmserve.scheduler.convert import apply_result, plan_to_proto
+from llmserve.scheduler.service.convert import apply_result, plan_to_proto
 from llmserve.scheduler.plan import StepOutcome, StepPlan
 from llmserve.scheduler.request import RequestStatus
 from llmserve.scheduler.scheduler import Scheduler
-from llmserve.scheduler.static_batching import make_scheduler
-from llmserve.scheduler.telemetry import SchedulerTelemetry
+from llmserve.scheduler.policies.static_batching import make_scheduler
+from llmserve.scheduler.service.telemetry import SchedulerTelemetry
 
 log = get_logger("scheduler")
 
@@ -81,7 +81,7 @@ class StepTimes:
 
 
 class EngineLoop:
-    """The engine half of SchedulerService (scheduler/service.py), which holds this state."""
+    """The engine half of SchedulerService (scheduler/service/service.py), which holds this state."""
 
     config: SchedulerConfig
     address: str  # the engine's gRPC address
@@ -110,7 +110,7 @@ class EngineLoop:
         telemetry: SchedulerTelemetry,
     ) -> None:
         """The state a loop starts with, before its engine connects (the service's own loop,
-        and under disaggregation each other engine's, scheduler/links.py)."""
+        and under disaggregation each other engine's, scheduler/disagg/roles.py)."""
         self.config = config
         self.address = address
         self.scheduler = None
@@ -244,7 +244,7 @@ class EngineLoop:
 
     def _adopt_role(self, info: engine_pb2.EngineInfo) -> None:
         """Check the engine's role against the one this link drives (EngineMismatch); the
-        scheduler plans for it (scheduler/disaggregation.py)."""
+        scheduler plans for it (scheduler/disagg/handoffs.py)."""
         assert self.scheduler is not None
         role = info.engine_role or "both"
         if role != self.engine_role:
@@ -271,17 +271,17 @@ class EngineLoop:
 
     def _first_ids(self, scheduler: Scheduler) -> None:
         """A new Scheduler for this engine (hook: under disaggregation each engine's steps and
-        transfers are numbered apart: scheduler/links.py)."""
+        transfers are numbered apart: scheduler/disagg/roles.py)."""
 
     def _engine_back(self) -> None:
-        """The engine connected, its role checked (hook: scheduler/links.py Roles.back)."""
+        """The engine connected, its role checked (hook: scheduler/disagg/roles.py Roles.back)."""
 
     def _after_result(self) -> None:
         """After a step's result is applied (hook: a prefill engine hands requests off)."""
 
     def _after_reset(self) -> None:
         """After the engine was lost and the scheduler reset (hook: its requests move to
-        other engines, scheduler/links.py Roles.lost)."""
+        other engines, scheduler/disagg/roles.py Roles.lost)."""
 
     async def add_lora(
         self, name: str, path: str, replace: bool = False

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from llmserve.common.log import get_logger
-from llmserve.scheduler.engine_loop import EngineLoop
+from llmserve.scheduler.service.engine_link import EngineLoop
 from llmserve.scheduler.request import Request
 from llmserve.scheduler.scheduler import Scheduler
 

@@ -84,7 +84,7 @@ class LoraTable:
         """Serve adapter name from path (again, if it was removed); its key. A name served from
         another directory, or with replace, gets a new version: requests admitted from now on run
         on it, those admitted before keep theirs (the caller refuses a replacement not asked
-        for: scheduler/service.py's LoadLora)."""
+        for: scheduler/service/service.py's LoadLora)."""
         key = self.next_key(name, path, replace)
         if name not in self.versions or key != self.key_of(name):
             self.versions[name] = self.versions.get(name, 0) + 1

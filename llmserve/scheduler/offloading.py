@@ -19,7 +19,7 @@ import time
 
 from llmserve.scheduler.request import Request
 from llmserve.scheduler.state import SchedulerState
-from llmserve.scheduler.transfers import KVMove
+from llmserve.scheduler.disagg.transfers import KVMove
 
 
 class Offloading(SchedulerState):

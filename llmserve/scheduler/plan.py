@@ -1,6 +1,6 @@
 """A step as the scheduler plans it (StepPlan: rows of new and running requests, made by
 `make_plan` from the requests scheduled) and what it produced (StepOutcome per request,
-TopLogprobColumns). scheduler/convert.py turns a plan into the engine's message, each row field
+TopLogprobColumns). scheduler/service/convert.py turns a plan into the engine's message, each row field
 into the engine.proto field of its name, and the engine's result into these."""
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ class StepPlan:
     # plan then goes even with nothing else in it, to ask; scheduler/grammar_wait.py).
     grammar_compiles: list[Request] = field(default_factory=list)
     asks_grammars: bool = False
-    # Disaggregation (scheduler/disaggregation.py): (transfer id, block ids, address) to send,
+    # Disaggregation (scheduler/disagg/handoffs.py): (transfer id, block ids, address) to send,
     # (transfer id, block ids) to await, transfer ids given up; whether transfers are awaited
     # (a plan then goes out even with nothing else in it: the engine is polled).
     kv_sends: list[tuple[int, list[int], str]] = field(default_factory=list)
@@ -135,7 +135,7 @@ def make_plan(
     scheduled: list[tuple[Request, int]],
 ) -> StepPlan:
     """Step step_id's plan for `scheduled` (request, tokens now): a row per request, new to the
-    engine or running (scheduler/convert.py sends each row field as the .proto field of its
+    engine or running (scheduler/service/convert.py sends each row field as the .proto field of its
     name). Advances each request as the engine will:
 
         before: |<- num_computed_tokens ->|<- num_new ->|<- rest ->|

@@ -3,13 +3,13 @@
 Preemption is recompute: the victim's blocks are freed and it waits again, first in line, to be
 recomputed from its tokens. With --preemption-mode swap (and a host tier) its full blocks are
 copied down to the host tier first, and its readmission brings them back
-(scheduler/offloading.py). Whom it picks is the policy's (hooks `_victim_order`,
+(scheduler/swaps.py). Whom it picks is the policy's (hooks `_victim_order`,
 `_room_candidates`); bounded preemption (`_is_protected`) holds for every policy.
 """
 
 from __future__ import annotations
 
-from llmserve.scheduler.offloading import Offloading
+from llmserve.scheduler.swaps import Offloading
 from llmserve.scheduler.request import Request, RequestStatus
 
 

@@ -24,7 +24,7 @@ class RequestStatus(enum.Enum):
 
 @dataclass
 class PreemptionRecord:
-    """Bounded preemption (scheduler/preemption.py): the id of the step that last admitted the
+    """Bounded preemption (scheduler/policies/base.py): the id of the step that last admitted the
     request (0: never admitted), which spares it for preemption_grace_steps steps after, and why
     it was last preempted."""
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from llmserve.scheduler.disaggregation import Disaggregation
+from llmserve.scheduler.disagg.handoffs import Disaggregation
 from llmserve.scheduler.plan import (
     NewRequestRow,
     RunningRow,

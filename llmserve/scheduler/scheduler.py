@@ -8,10 +8,10 @@ preempted: its blocks are freed and it waits again, to be recomputed from its to
 fair and priority policies change the admission order and whom preemption picks, through hooks.)
 
 Pipeline slots (P > 1 engine stages): scheduler/pipeline.py. Preemption's victims:
-scheduler/preemption.py. Step results: scheduler/results.py. The plan: scheduler/plan.py.
+scheduler/policies/base.py. Step results: scheduler/results.py. The plan: scheduler/plan.py.
 
 Static batching, the baseline continuous batching is measured against, is a subclass with its own
-hooks (scheduler/static_batching.py).
+hooks (scheduler/policies/static_batching.py).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from llmserve.scheduler.admin import RequestRow, TenantRow, request_rows, tenant
 from llmserve.scheduler.block_manager import BlockManager
 from llmserve.scheduler.pipeline import PipelineSlots
 from llmserve.scheduler.plan import StepPlan, make_plan
-from llmserve.scheduler.preemption import Preemption
+from llmserve.scheduler.policies.base import Preemption
 from llmserve.scheduler.request import Request, RequestStatus
 from llmserve.scheduler.results import StepResults
 
@@ -43,8 +43,8 @@ class Scheduler(StepResults, Preemption, PipelineSlots):
     `_victim_order` (who is preempted first), `_room_candidates` (whom a waiting request may
     displace), `_on_stopped` (what a finished request becomes), `_evict` (who gives up blocks),
     `_is_padding` and `_on_token` (rows that run on without streaming). The fair and priority
-    policies are scheduler/fair.py and scheduler/priority.py; static batching is
-    scheduler/static_batching.py.
+    policies are scheduler/policies/fair.py and scheduler/policies/priority.py; static batching is
+    scheduler/policies/static_batching.py.
 
     Bounded preemption, every policy: a running request preempted max_preemptions times, or
     admitted fewer than preemption_grace_steps steps ago, is protected: no one chooses it as a

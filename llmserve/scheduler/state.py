@@ -1,7 +1,7 @@
 """The state every part of the scheduler reads and writes: its limits, queues, block manager,
 counters and tenant ledger, and how a request ends (`_finish`). Scheduler (scheduler/scheduler.py)
 is this state with its parts: planning, pipeline slots (scheduler/pipeline.py), preemption
-(scheduler/preemption.py) and step results (scheduler/results.py)."""
+(scheduler/policies/base.py) and step results (scheduler/results.py)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from llmserve.scheduler.lora import LoraTable
 from llmserve.scheduler.request import Request, RequestStatus
 from llmserve.scheduler.speculation import SpeculationPolicy
 from llmserve.scheduler.tenants import TenantLedger
-from llmserve.scheduler.transfers import TransferTable
+from llmserve.scheduler.disagg.transfers import TransferTable
 
 
 class SchedulerState:
@@ -75,7 +75,7 @@ class SchedulerState:
         # until an engine reports max_loras.
         self.loras = LoraTable()
         # Prefill / decode disaggregation: this scheduler's role and its transfers
-        # (scheduler/disaggregation.py); role "both" (colocated) uses none of it.
+        # (scheduler/disagg/handoffs.py); role "both" (colocated) uses none of it.
         self.transfers = TransferTable("both", config.kv_transfer_timeout_s)
 
     def set_sliding_window(self, sliding_window: int | None) -> None:

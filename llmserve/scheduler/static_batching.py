@@ -22,9 +22,9 @@ import time
 from typing import Any
 
 from llmserve.scheduler.config import SchedulerConfig
-from llmserve.scheduler.fair import FairScheduler
+from llmserve.scheduler.policies.fair import FairScheduler
 from llmserve.scheduler.plan import StepOutcome
-from llmserve.scheduler.priority import PriorityScheduler
+from llmserve.scheduler.policies.priority import PriorityScheduler
 from llmserve.scheduler.request import Request, RequestStatus
 from llmserve.scheduler.scheduler import Scheduler
 

@@ -28,10 +28,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from llmserve.common import telemetry
-from llmserve.scheduler.metrics import METRICS
+from llmserve.scheduler.service.metrics import METRICS
 from llmserve.scheduler.plan import NewRequestRow, RunningRow, StepOutcome, StepPlan
 from llmserve.scheduler.request import Request, RequestStatus
-from llmserve.scheduler.transfers import KVMove
+from llmserve.scheduler.disagg.transfers import KVMove
 
 
 @dataclass

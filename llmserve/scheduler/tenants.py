@@ -5,7 +5,7 @@ A tenant's counter grows as its tokens are scheduled:
 
     virtual_tokens += (prefill_weight * prefill tokens + decode_weight * decode tokens) / weight
 
-The fair policy (scheduler/fair.py) admits from the tenant with the smallest counter and preempts
+The fair policy (scheduler/policies/fair.py) admits from the tenant with the smallest counter and preempts
 from the one with the largest, so over any busy stretch tenants receive service in proportion to
 their weights. Every policy keeps the ledger (a few additions per scheduled row): GetStats shows
 every tenant's service under fcfs and priority too.

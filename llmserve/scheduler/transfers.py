@@ -1,6 +1,6 @@
 """Prefill / decode disaggregation's bookkeeping (docs/disaggregation.md): the KV transfers in
 flight into a decode engine's pool, the parts of the next plans that carry them, and their
-counters. scheduler/disaggregation.py holds the decisions; this holds what they leave.
+counters. scheduler/disagg/handoffs.py holds the decisions; this holds what they leave.
 
 A transfer's life, on the decode side:
 
