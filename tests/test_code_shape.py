@@ -28,6 +28,8 @@ EXTENSION_POINTS = {
     "Qwen3ForCausalLM": "Qwen3-MoE is Qwen3 with sparse blocks (the same pattern)",
     "RotaryEmbedding": "a family's rotary variant (SmolLM3's layers without rope)",
     "PeerSecurity": "dataclass fields for the internal links, shared by three service configs",
+    "NullIsDefault": "the pydantic base of the HTTP APIs' request bodies (an explicit null is the "
+    "default, as OpenAI's schema allows)",
 }
 
 

@@ -134,7 +134,14 @@ def test_stop_string_split_across_deltas() -> None:
 
 def test_stop_string_inside_one_delta_drops_the_rest() -> None:
     m = StopStringMatcher(["STOP"])
+    assert m.matched is None
     assert m.feed("before STOP after STOP") == ("before ", True)
+    assert m.matched == "STOP"
+
+
+def test_the_earliest_stop_string_is_the_one_matched() -> None:
+    m = StopStringMatcher(["after", "fore"])
+    assert m.feed("before after") == ("be", True) and m.matched == "fore"
 
 
 def test_held_prefix_released_when_not_a_stop() -> None:

@@ -24,12 +24,12 @@ import pytest
 
 from llmserve.client import Client, make_request
 from llmserve.gateway.choices import choice_seed
+from llmserve.gateway.http_errors import http_message
 from llmserve.gateway.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     chat_request,
     completion_requests,
-    http_message,
 )
 from llmserve.gateway.validation import ValidationError
 from tests.stack import Stack, start_echo_stack, start_stack
@@ -268,7 +268,7 @@ def test_chat_logprobs(stack: Stack) -> None:
         ({"max_tokens": 600}, "max_tokens", "max_tokens=600 exceeds the model's remaining"),
         ({"prompt": ""}, "prompt", "prompt is empty"),
         ({"prompt": [1, 2, 9999]}, "prompt", "prompt[2]=9999 is outside the vocabulary"),
-        ({"echo": True}, "echo", "echo is not supported"),
+        ({"echo": True, "logprobs": 1}, "echo", "echo with logprobs is not supported"),
         ({"temperature": "hot"}, "temperature", "temperature='hot': Input should be a valid"),
         ({"stop": [f"s{i}" for i in range(17)]}, "stop", "at most 16 are allowed"),
         ({"logit_bias": {"x": 1.0}}, "logit_bias", "logit_bias key 'x' is not a token id"),

@@ -11,6 +11,9 @@ from llmserve.common.model_config import default_model_id
 from llmserve.common.net import DEFAULT_GATEWAY_PORT
 from llmserve.gateway.router import ROUTING_POLICIES
 
+# gateway/reasoning.py's parsers (named here: the config imports no gateway service code)
+REASONING_PARSERS = ("auto", "none", "think", "deepseek_r1", "qwen3")
+
 DNS_PREFIX = "dns:///"  # a scheduler address that stands for every address a name resolves to
 
 
@@ -60,6 +63,19 @@ class GatewayConfig(PeerSecurity):
         "serve an OpenAI request whose `model` names no served model with the base model, "
         "instead of 404 model_not_found (the lenient behaviour of servers of one model)",
     )
+    reasoning_parser: str = setting(
+        "auto",
+        "split a chat answer's <think>...</think> into reasoning_content (chat) and reasoning "
+        "items (Responses): auto (when the chat template writes <think>: Qwen3, DeepSeek-R1 "
+        "distills, SmolLM3), none, or think (deepseek_r1 and qwen3 are its other names)",
+        choices=REASONING_PARSERS,
+    )
+    responses_store_size: int = setting(
+        1024,
+        "how many Responses API responses (store: true) this gateway keeps in memory for GET "
+        "/v1/responses/{id} and previous_response_id, least recently used dropped first "
+        "(256 MiB at most in all); 0 keeps none",
+    )
     max_request_bytes: int = setting(
         8 << 20,
         "largest request accepted, in bytes: a larger HTTP body is refused with 413 before it is "
@@ -105,6 +121,13 @@ class GatewayConfig(PeerSecurity):
             )
         if self.routing_spill_threshold < 0:
             raise ValueError(f"routing_spill_threshold={self.routing_spill_threshold} must be >= 0")
+        if self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(
+                f"reasoning_parser={self.reasoning_parser!r} is not one of "
+                f"{', '.join(REASONING_PARSERS)}"
+            )
+        if self.responses_store_size < 0:
+            raise ValueError(f"responses_store_size={self.responses_store_size} must be >= 0")
         if self.max_request_bytes < 1024:
             raise ValueError(f"max_request_bytes={self.max_request_bytes} must be >= 1024")
         if isinstance(self.served_model_name, str | None):  # one name given as a string

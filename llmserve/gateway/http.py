@@ -2,6 +2,10 @@
 grpc.aio, over the same request path (gateway/core.py) and the same scheduler connection.
 
     POST /v1/completions, /v1/chat/completions   streamed (server-sent events) or not
+    POST /v1/responses; GET, DELETE /v1/responses/{id}   the Responses API
+                                                 (gateway/responses_routes.py)
+    POST /v1/messages, /v1/messages/count_tokens Anthropic's Messages API
+                                                 (gateway/anthropic_routes.py)
     GET  /v1/models, /v1/models/{id}             the served model
     POST /tokenize, /detokenize; GET /metrics     vLLM's shapes (gateway/utility_routes.py)
     GET  /health   liveness: 200 while the process runs
@@ -26,30 +30,23 @@ from __future__ import annotations
 import asyncio
 import socket
 import time
-from collections.abc import AsyncIterator, Awaitable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TypeVar
 
 import grpc
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from llmserve.common import __version__
 from llmserve.common.auth import UNAUTHENTICATED_MESSAGE
-from llmserve.common.log import bind, get_logger
-from llmserve.gateway.choices import (
-    Choice,
-    Messages,
-    all_messages,
-    first_messages,
-    make_choices,
-    run_choices,
-)
-from llmserve.gateway.core import GatewayCore, new_request_id
+from llmserve.common.log import get_logger
+from llmserve.gateway.anthropic_routes import add_anthropic_routes
+from llmserve.gateway.core import GatewayCore
 from llmserve.gateway.errors import GatewayError
 from llmserve.gateway.http_errors import ERRORS, ApiError, add_error_handlers, as_api_errors
+from llmserve.gateway.http_generate import generate_response
 from llmserve.gateway.openai_protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -57,24 +54,12 @@ from llmserve.gateway.openai_protocol import (
     CompletionResponse,
     ModelCard,
     ModelList,
-    chat_request,
-    check_queue,
-    completion_requests,
 )
-from llmserve.gateway.openai_responses import ChatFormat, CompletionFormat, ResponseFormat
-from llmserve.gateway.quotas import Admission
-from llmserve.gateway.tenants import ApiKey, TenantTable, display_name
+from llmserve.gateway.responses_routes import add_responses_routes
+from llmserve.gateway.tenants import TenantTable
 from llmserve.gateway.utility_routes import add_utility_routes
-from llmserve.gateway.validation import ValidationError, ValidRequest
-from llmserve.protos import api_pb2
 
 log = get_logger("gateway")
-
-T = TypeVar("T")
-
-
-class ClientDisconnected(Exception):
-    """The HTTP client went away before its response was ready."""
 
 
 class ApiKeyMiddleware:
@@ -89,7 +74,10 @@ class ApiKeyMiddleware:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"].startswith("/v1/"):
-            authorization = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+            headers = dict(scope["headers"])
+            authorization = headers.get(b"authorization", b"").decode("latin-1")
+            if not authorization and b"x-api-key" in headers:  # Anthropic's clients' header
+                authorization = "Bearer " + headers[b"x-api-key"].decode("latin-1")
             key = self.tenants.find_key(authorization)
             if key is None:
                 error = ApiError(
@@ -98,15 +86,10 @@ class ApiKeyMiddleware:
                     code="invalid_api_key",
                     headers={"WWW-Authenticate": "Bearer"},
                 )
-                await error.response()(scope, receive, send)
+                await error.response(scope["path"])(scope, receive, send)
                 return
             scope.setdefault("state", {})["api_key"] = key
         await self.app(scope, receive, send)
-
-
-def presented_key(request: Request) -> ApiKey | None:
-    """The client key ApiKeyMiddleware found for request (None without keys configured)."""
-    return getattr(request.state, "api_key", None)
 
 
 class BodyLimitMiddleware:
@@ -118,9 +101,9 @@ class BodyLimitMiddleware:
         self.app = app
         self.max_bytes = max_bytes
 
-    def _too_large(self, size: str) -> Response:
+    def _too_large(self, size: str, path: str) -> Response:
         message = f"the request body has {size} bytes; the limit is {self.max_bytes} "
-        return ApiError(413, message + "(max_request_bytes)").response()
+        return ApiError(413, message + "(max_request_bytes)").response(path)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -128,7 +111,7 @@ class BodyLimitMiddleware:
             return
         length = dict(scope["headers"]).get(b"content-length", b"")
         if length.isdigit() and int(length) > self.max_bytes:
-            await self._too_large(str(int(length)))(scope, receive, send)
+            await self._too_large(str(int(length)), scope["path"])(scope, receive, send)
             return
         received = bytearray()
         more = True
@@ -138,7 +121,8 @@ class BodyLimitMiddleware:
                 return  # the client went away mid-upload
             received += message.get("body", b"")
             if len(received) > self.max_bytes:
-                await self._too_large(f"more than {self.max_bytes}")(scope, receive, send)
+                too_large = self._too_large(f"more than {self.max_bytes}", scope["path"])
+                await too_large(scope, receive, send)
                 return
             more = message.get("more_body", False)
         body = [bytes(received)]
@@ -149,127 +133,6 @@ class BodyLimitMiddleware:
             return await receive()  # after the body: the disconnect
 
         await self.app(scope, replay, send)
-
-
-async def _disconnected(request: Request) -> None:
-    """Return when the client disconnects (the body has been read already)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
-    """work's result; if the client disconnects first, cancel work (and with it every scheduler
-    request it holds) and raise ClientDisconnected."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_disconnected(request))
-    try:
-        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        task.cancel()  # no-op when done
-    if task in done:
-        return task.result()
-    raise ClientDisconnected
-
-
-def _sse(payload: str) -> str:
-    return f"data: {payload}\n\n"
-
-
-async def sse_events(
-    fmt: ResponseFormat,
-    first: list[tuple[Choice, api_pb2.GenerateResponse]],
-    stream: Messages,
-) -> AsyncIterator[str]:
-    """The event stream of a streamed response. An error after the 200 arrives as an error
-    event, which the openai SDK raises as APIError."""
-    try:
-        for payload in fmt.opening():
-            yield _sse(payload)
-        for choice, msg in first:
-            yield _sse(fmt.chunk(choice, msg))
-        async for choice, msg in stream:
-            yield _sse(fmt.chunk(choice, msg))
-        if fmt.body.stream_options is not None and fmt.body.stream_options.include_usage:
-            yield _sse(fmt.usage_chunk())
-    except GatewayError as err:
-        yield _sse(ApiError.from_gateway(err, "prompt").body.model_dump_json())
-    finally:
-        await stream.aclose()
-    yield "data: [DONE]\n\n"
-
-
-# -- the app -------------------------------------------------------------------------------------
-
-
-async def generate_response(
-    core: GatewayCore, request: Request, body: CompletionRequest | ChatCompletionRequest
-) -> Response:
-    """Validate, fan out, and answer with one response or an event stream: a chat completion or
-    a completion, by body's type."""
-    chat = isinstance(body, ChatCompletionRequest)
-    prompt_field = "messages" if chat else "prompt"
-    response_id = new_request_id("chatcmpl" if chat else "cmpl")
-    arrival = time.monotonic()
-
-    def requests() -> list[api_pb2.GenerateRequest]:
-        if isinstance(body, ChatCompletionRequest):
-            made = [chat_request(body, core.tokenizer.tool_format)]
-        else:
-            made = completion_requests(body)
-        lora_name = core.lora_for_model(body.model)
-        for r in made:
-            r.lora_name = lora_name
-        return made
-
-    with as_api_errors(prompt_field):
-        try:
-            # On a worker thread: a long prompt or chat takes a while to render and tokenize.
-            valids = await asyncio.to_thread(lambda: [core.validate(r) for r in requests()])
-            check_queue(
-                body.n, len(valids), core.replicas.limits.max_waiting if core.replicas.limits else 0
-            )
-            caller = core.caller(presented_key(request), body.user or "")
-            bind(tenant=display_name(caller.tenant), key=caller.key_name)
-            admission = core.admit(caller, valids, body.n)
-        except (ValidationError, GatewayError) as err:
-            code = err.code.name if isinstance(err, GatewayError) else "INVALID_ARGUMENT"
-            core.telemetry.rejected(code, "http", arrival)
-            raise
-        try:
-            return await _respond(core, request, body, response_id, valids, admission, arrival)
-        finally:
-            if not admission.handed_over:  # run_choices never started: it cannot release it
-                admission.release()
-
-
-async def _respond(
-    core: GatewayCore,
-    request: Request,
-    body: CompletionRequest | ChatCompletionRequest,
-    response_id: str,
-    valids: list[ValidRequest],
-    admission: Admission,
-    arrival: float,
-) -> Response:
-    """The response, or the event stream, of admitted requests."""
-    chat = isinstance(body, ChatCompletionRequest)
-    choices = make_choices(valids, body.n, response_id)
-    format_type: type[ResponseFormat] = ChatFormat if chat else CompletionFormat
-    fmt = format_type(core, choices, response_id, body)
-    operation = "chat" if chat else "text_completion"
-    stream = run_choices(core, choices, dict(request.headers), arrival, operation, admission)
-    headers = {"X-Request-Id": response_id}
-    try:
-        if not body.stream:
-            messages = await until_disconnected(request, all_messages(stream))
-            return Response(fmt.response(messages), headers=headers, media_type="application/json")
-        first = await until_disconnected(request, first_messages(stream, len(choices)))
-    except ClientDisconnected:
-        log.info("client disconnected", request_id=response_id)
-        return Response(status_code=499)
-    events = sse_events(fmt, first, stream)
-    return StreamingResponse(events, headers=headers, media_type="text/event-stream")
 
 
 def create_app(core: GatewayCore) -> FastAPI:
@@ -290,6 +153,8 @@ def create_app(core: GatewayCore) -> FastAPI:
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await generate_response(core, request, body)
 
+    add_responses_routes(app, core)
+    add_anthropic_routes(app, core)
     _add_model_routes(app, core)
     add_utility_routes(app, core)
 

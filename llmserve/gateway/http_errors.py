@@ -1,11 +1,14 @@
-"""The HTTP API's errors in OpenAI's shape ({"error": {"message", "type", "param", "code"}}):
-ApiError, GatewayError's gRPC status mapped to an HTTP status, FastAPI's own errors rewritten,
-and the error responses the OpenAPI document lists.
+"""The HTTP API's errors in OpenAI's shape ({"error": {"message", "type", "param", "code"}}, and
+Anthropic's under /v1/messages): validation messages in the HTTP API's field names, ApiError,
+GatewayError's gRPC status mapped to an HTTP status, FastAPI's own errors rewritten, and the
+error responses the OpenAPI document lists.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import json
+import re
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -16,13 +19,23 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException
 
 from llmserve.common.log import get_logger
+from llmserve.gateway.anthropic_request import error_body
 from llmserve.gateway.errors import GatewayError
-from llmserve.gateway.openai_protocol import ErrorInfo, ErrorResponse, field_path, http_message
+from llmserve.gateway.openai_protocol import (
+    ChatCompletionRequest,
+    ChatMessageParam,
+    CompletionRequest,
+    ErrorInfo,
+    ErrorResponse,
+    StreamOptions,
+    TextPart,
+)
 from llmserve.gateway.validation import CONTEXT_LENGTH, ValidationError
 
 log = get_logger("gateway")
 
 RETRY_AFTER_S = 1
+ANTHROPIC_PATH = "/v1/messages"  # its errors take Anthropic's shape
 # gRPC status -> (HTTP status, OpenAI error type, OpenAI error code)
 _HTTP_STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error", None),
@@ -33,6 +46,52 @@ _HTTP_STATUS = {
     grpc.StatusCode.UNAVAILABLE: (503, "server_error", "service_unavailable"),
     grpc.StatusCode.DEADLINE_EXCEEDED: (504, "server_error", "timeout"),
 }
+
+
+# -- field names ---------------------------------------------------------------------------------
+
+
+def field_path(loc: Sequence[int | str]) -> str:
+    """A pydantic error location as the request spells it ("messages[1].content"), without the
+    union member tags pydantic adds ("str", "list[TextPart]")."""
+    path = ""
+    for part in loc:
+        if isinstance(part, int) or (isinstance(part, str) and part.isdigit()):
+            path += f"[{part}]"
+        elif not path:
+            path = str(part)
+        elif part in _REQUEST_FIELDS:
+            path += f".{part}"
+    return path
+
+
+_REQUEST_FIELDS = frozenset(
+    name
+    for model in (ChatCompletionRequest, CompletionRequest, ChatMessageParam, TextPart)
+    for name in model.model_fields
+) | frozenset(StreamOptions.model_fields)
+_LEADING_FIELD = re.compile(r"^[a-z_]+(?:\.[a-z_]+)*")
+_HTTP_NAMES = {
+    "text": "prompt",
+    "token_ids": "prompt",
+    "chat.messages": "messages",
+    "chat.template_kwargs_json": "chat_template_kwargs",
+    "chat": "messages",
+}
+
+
+def http_message(message: str, prompt_field: str) -> tuple[str, str | None]:
+    """A validation message in the HTTP API's field names, and the field it names (`param`)."""
+    message = message.replace("sampling.", "")
+    match = _LEADING_FIELD.match(message)
+    if match is None:
+        return message, None
+    name = match.group(0)
+    http_name = _HTTP_NAMES.get(name, prompt_field if name == "prompt" else name)
+    return http_name + message[len(name) :], http_name.split(".")[0]
+
+
+# -- errors ----------------------------------------------------------------------------------------
 
 
 class ApiError(Exception):
@@ -68,12 +127,14 @@ class ApiError(Exception):
             retry = {"Retry-After": str(err.retry_after_s or RETRY_AFTER_S)}
         return cls(status, message, kind, param, code, retry)
 
-    def response(self) -> Response:
+    def response(self, path: str = "") -> Response:
+        """The error response; under /v1/messages in Anthropic's shape ({"type": "error",
+        "error": {"type", "message"}}), as its clients read it."""
+        body = self.body.model_dump_json()
+        if path.startswith(ANTHROPIC_PATH):
+            body = json.dumps(error_body(self.status, self.body.error.message))
         return Response(
-            self.body.model_dump_json(),
-            status_code=self.status,
-            headers=self.headers,
-            media_type="application/json",
+            body, status_code=self.status, headers=self.headers, media_type="application/json"
         )
 
 
@@ -93,14 +154,30 @@ def validation_error(err: RequestValidationError) -> ApiError:
 
 
 @contextmanager
-def as_api_errors(prompt_field: str) -> Iterator[None]:
+def as_api_errors(prompt_field: str, renames: Sequence[tuple[str, str]] = ()) -> Iterator[None]:
+    """ValidationError and GatewayError raised inside as ApiError; renames: (a pattern of the
+    chat API's field, the endpoint's) for an endpoint that reuses the chat path under other
+    names."""
     try:
         yield
     except ValidationError as err:
         message, param = http_message(str(err), prompt_field)
-        raise ApiError(400, message, param=param) from err
+        raise _renamed(ApiError(400, message, param=param), renames) from err
     except GatewayError as err:
-        raise ApiError.from_gateway(err, prompt_field) from err
+        raise _renamed(ApiError.from_gateway(err, prompt_field), renames) from err
+
+
+def _renamed(error: ApiError, renames: Sequence[tuple[str, str]]) -> ApiError:
+    """error with its message's leading field (and its param) in the endpoint's names; renames:
+    (a regular expression matched at the message's start, its replacement)."""
+    info = error.body.error
+    for pattern, new in renames:
+        message, found = re.subn("^" + pattern, new, info.message, count=1)
+        if found:
+            info.message = message
+            info.param = re.split(r"[.\[ =]", message, maxsplit=1)[0]
+            break
+    return error
 
 
 RETRY_AFTER_HEADER = {
@@ -134,19 +211,21 @@ def add_error_handlers(app: FastAPI) -> None:
     """Every error as OpenAI's error body: ours, FastAPI's 422 (as 400), Starlette's, bugs."""
 
     @app.exception_handler(ApiError)
-    async def on_api_error(_: Request, err: ApiError) -> Response:
-        return err.response()
+    async def on_api_error(request: Request, err: ApiError) -> Response:
+        return err.response(request.url.path)
 
     @app.exception_handler(RequestValidationError)
-    async def on_invalid_body(_: Request, err: RequestValidationError) -> Response:
-        return validation_error(err).response()
+    async def on_invalid_body(request: Request, err: RequestValidationError) -> Response:
+        return validation_error(err).response(request.url.path)
 
     @app.exception_handler(HTTPException)
-    async def on_http_error(_: Request, err: HTTPException) -> Response:
+    async def on_http_error(request: Request, err: HTTPException) -> Response:
         headers = dict(err.headers) if err.headers else None
-        return ApiError(err.status_code, str(err.detail), headers=headers).response()
+        error = ApiError(err.status_code, str(err.detail), headers=headers)
+        return error.response(request.url.path)
 
     @app.exception_handler(Exception)
     async def on_bug(request: Request, err: Exception) -> Response:
         log.exception("HTTP request failed", path=request.url.path)
-        return ApiError(500, f"internal error: {type(err).__name__}", "server_error").response()
+        error = ApiError(500, f"internal error: {type(err).__name__}", "server_error")
+        return error.response(request.url.path)

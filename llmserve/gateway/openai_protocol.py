@@ -9,8 +9,6 @@ does. Fields OpenAI lacks but vLLM users send (top_k, min_p, ignore_eos, stop_to
 from __future__ import annotations
 
 import json
-import re
-from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field, model_validator
@@ -30,7 +28,7 @@ _INT32 = Annotated[int, Field(ge=-(2**31), le=2**31 - 1)]
 # -- requests ------------------------------------------------------------------------------------
 
 
-class _NullIsDefault(BaseModel):
+class NullIsDefault(BaseModel):
     """An explicit null means the field's default, as OpenAI's schema allows for its nullable
     fields (n, stream, logprobs, parallel_tool_calls, stream_options.include_usage, ...): SDKs
     and proxies send them."""
@@ -52,12 +50,12 @@ class _NullIsDefault(BaseModel):
         return {key: value for key, value in data.items() if key not in defaulted}
 
 
-class StreamOptions(_NullIsDefault):
+class StreamOptions(NullIsDefault):
     include_usage: bool = False
 
 
-class SamplingRequest(_NullIsDefault):
-    """The fields both endpoints share (a null is the default: _NullIsDefault)."""
+class SamplingRequest(NullIsDefault):
+    """The fields both endpoints share (a null is the default: NullIsDefault)."""
 
     # The base model or a LoRA adapter (GET /v1/models); without adapters, any name is the base.
     model: str | None = None
@@ -127,6 +125,8 @@ class ChatCompletionRequest(SamplingRequest):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
+    # vLLM's: more variables for the chat template (e.g. {"enable_thinking": false})
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 # -- responses -----------------------------------------------------------------------------------
@@ -166,6 +166,8 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    # vLLM's: the stop string, or the stop token id (not EOS), that ended the choice
+    stop_reason: int | str | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -213,6 +215,8 @@ class ToolCallDelta(ToolCall):
 class ChatMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
+    # vLLM's: the thinking of a reasoning model (gateway/reasoning.py); null for others
+    reasoning_content: str | None = None
     tool_calls: list[ToolCall] | None = None
 
 
@@ -221,6 +225,8 @@ class ChatChoice(BaseModel):
     message: ChatMessage
     logprobs: ChoiceLogprobs | None = None
     finish_reason: str | None = None
+    # vLLM's: the stop string, or the stop token id (not EOS), that ended the choice
+    stop_reason: int | str | None = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -235,6 +241,7 @@ class ChatCompletionResponse(BaseModel):
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[ToolCallDelta] | None = None
 
 
@@ -243,6 +250,8 @@ class ChatChunkChoice(BaseModel):
     delta: ChatDelta
     logprobs: ChoiceLogprobs | None = None
     finish_reason: str | None = None
+    # vLLM's: the stop string, or the stop token id (not EOS), that ended the choice
+    stop_reason: int | str | None = None
 
 
 class ChatCompletionChunk(BaseModel):
@@ -348,7 +357,7 @@ def _seed(seed: int) -> int:
         raise ValidationError(str(err)) from err
 
 
-def _prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
+def prompt_list(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
     """The prompts of a completion: text, a list of texts, one list of token ids, or a list of
     them."""
     if isinstance(prompt, str):
@@ -374,10 +383,13 @@ def _in_range(field: str, ids: list[int]) -> list[int]:
 
 def completion_requests(body: CompletionRequest) -> list[api_pb2.GenerateRequest]:
     """One GenerateRequest per prompt. Raises ValidationError (HTTP 400)."""
-    prompts = _prompts(body.prompt)
+    prompts = prompt_list(body.prompt)
     _check_common(body, len(prompts))
-    if body.echo:
-        raise ValidationError("echo is not supported by this server")
+    if body.echo and body.logprobs is not None:
+        raise ValidationError(
+            "echo with logprobs is not supported: this server does not compute the prompt's "
+            "logprobs (echo alone is)"
+        )
     if body.suffix:
         raise ValidationError("suffix is not supported by this server")
     if body.best_of is not None and body.best_of != body.n:
@@ -435,6 +447,8 @@ def chat_request(
         req.sampling.structured_output.CopyFrom(plan.constraint)
     if plan.tools:
         req.chat.tools_json = json.dumps(plan.tools, ensure_ascii=False)
+    if body.chat_template_kwargs:
+        req.chat.template_kwargs_json = json.dumps(body.chat_template_kwargs, ensure_ascii=False)
     for i, m in enumerate(body.messages):
         role = "system" if m.role == "developer" else text_field(f"messages[{i}].role", m.role)
         message = req.chat.messages.add(role=role, content=_message_text(i, m))
@@ -447,42 +461,3 @@ def chat_request(
     req.sampling.logprobs = body.logprobs
     req.sampling.top_logprobs = body.top_logprobs or 0
     return req
-
-
-def field_path(loc: Sequence[int | str]) -> str:
-    """A pydantic error location as the request spells it ("messages[1].content"), without the
-    union member tags pydantic adds ("str", "list[TextPart]")."""
-    path = ""
-    for part in loc:
-        if isinstance(part, int) or (isinstance(part, str) and part.isdigit()):
-            path += f"[{part}]"
-        elif not path:
-            path = str(part)
-        elif part in _REQUEST_FIELDS:
-            path += f".{part}"
-    return path
-
-
-_REQUEST_FIELDS = frozenset(
-    name
-    for model in (ChatCompletionRequest, CompletionRequest, ChatMessageParam, TextPart)
-    for name in model.model_fields
-) | frozenset(StreamOptions.model_fields)
-_LEADING_FIELD = re.compile(r"^[a-z_]+(?:\.[a-z_]+)*")
-_HTTP_NAMES = {
-    "text": "prompt",
-    "token_ids": "prompt",
-    "chat.messages": "messages",
-    "chat": "messages",
-}
-
-
-def http_message(message: str, prompt_field: str) -> tuple[str, str | None]:
-    """A validation message in the HTTP API's field names, and the field it names (`param`)."""
-    message = message.replace("sampling.", "")
-    match = _LEADING_FIELD.match(message)
-    if match is None:
-        return message, None
-    name = match.group(0)
-    http_name = _HTTP_NAMES.get(name, prompt_field if name == "prompt" else name)
-    return http_name + message[len(name) :], http_name.split(".")[0]

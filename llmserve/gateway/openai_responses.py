@@ -26,17 +26,20 @@ from llmserve.gateway.openai_protocol import (
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
+    ErrorResponse,
     PromptTokensDetails,
     TokenLogprob,
     ToolCall,
     ToolCallDelta,
     TopLogprob,
     Usage,
+    prompt_list,
 )
 from llmserve.gateway.openai_tools import AnswerStream, read_answer, tool_plan
+from llmserve.gateway.reasoning import reasoning_stream
 from llmserve.gateway.telemetry import FINISH_REASONS
 from llmserve.gateway.tokenizer import Tokenizer
-from llmserve.protos import api_pb2
+from llmserve.protos import api_pb2, common_pb2
 
 # OpenAI's stand-in for a logprob too small to print.
 _MIN_LOGPROB = -9999.0
@@ -75,6 +78,17 @@ def chat_logprobs(tokenizer: Tokenizer, msg: api_pb2.GenerateResponse) -> Choice
     return ChoiceLogprobs(content=content)
 
 
+def stop_reason(choice: Choice, msg: api_pb2.GenerateResponse) -> int | str | None:
+    """vLLM's stop_reason of a choice's last message: the stop string that ended it, or the stop
+    token id (one of the request's stop_token_ids); None otherwise (EOS, length, mid-answer)."""
+    if msg.finish_reason != common_pb2.FINISH_REASON_STOP:
+        return None
+    if msg.stop_string:
+        return msg.stop_string
+    last = msg.token_ids[-1] if msg.token_ids else None
+    return last if last in choice.valid.submit.stop_token_ids else None
+
+
 class CompletionLogprobsBuilder:
     """The legacy completions format for one choice, message by message. text_offset counts the
     characters of completion text before each token (a token inside a character gets the
@@ -101,6 +115,17 @@ class CompletionLogprobsBuilder:
             top.setdefault(token, _finite(logprob))  # OpenAI always lists the chosen token too
             out.top_logprobs.append(top)
         return out
+
+
+_TYPE_KEY = '{"type": "'
+
+
+def named_event(payload: str) -> str:
+    """A server-sent event named by its payload's type, for a payload that json.dumps wrote
+    from a dict whose first key is "type" (the Responses and Messages APIs' events)."""
+    assert payload.startswith(_TYPE_KEY), payload[:40]
+    kind = payload[len(_TYPE_KEY) : payload.index('"', len(_TYPE_KEY))]
+    return f"event: {kind}\ndata: {payload}\n\n"
 
 
 class ResponseFormat(ABC):
@@ -150,9 +175,29 @@ class ResponseFormat(ABC):
             id=self.id, created=self.created, model=self.model, choices=choices, usage=usage
         ).model_dump_json(**dump)
 
+    # A stream's framing: one `data:` line per chunk, [DONE] last (the Responses API differs).
+    done = "data: [DONE]\n\n"
+
+    def sse(self, payload: str) -> str:
+        """One server-sent event of payload (JSON)."""
+        return f"data: {payload}\n\n"
+
     def opening(self) -> list[str]:
         """Chunks before any choice's first message."""
         return []
+
+    def events(self, choice: Choice, msg: api_pb2.GenerateResponse) -> list[str]:
+        """The streamed payloads (JSON) for one message of one choice."""
+        return [self.chunk(choice, msg)]
+
+    def closing(self) -> list[str]:
+        """Payloads after every choice finished: the usage chunk when stream_options asks."""
+        options = self.body.stream_options
+        return [self.usage_chunk()] if options is not None and options.include_usage else []
+
+    def error_event(self, error: ErrorResponse) -> str:
+        """The payload that reports an error after the 200."""
+        return error.model_dump_json()
 
     @abstractmethod
     def chunk(self, choice: Choice, msg: api_pb2.GenerateResponse) -> str:
@@ -177,6 +222,23 @@ class CompletionFormat(ResponseFormat):
             for c in choices
             if body.logprobs is not None
         }
+        # echo: each prompt's text before its choices' (token-id prompts decoded)
+        self.echoes = [
+            p if isinstance(p, str) else core.tokenizer.decode(p)
+            for p in (prompt_list(body.prompt) if body.echo else [])
+        ]
+
+    def opening(self) -> list[str]:
+        if not self.echoes:
+            return []
+        return [
+            self._json(
+                CompletionResponse,
+                [CompletionChoice(index=c.index, text=self.echoes[c.prompt_index])],
+                None,
+            )
+            for c in self.choices
+        ]
 
     def _choice(self, choice: Choice, msg: api_pb2.GenerateResponse) -> CompletionChoice:
         self._count(choice, msg)
@@ -186,6 +248,7 @@ class CompletionFormat(ResponseFormat):
             text=msg.text,
             logprobs=builder.add(msg) if builder else None,
             finish_reason=FINISH_REASONS.get(msg.finish_reason),
+            stop_reason=stop_reason(choice, msg),
         )
 
     def chunk(self, choice: Choice, msg: api_pb2.GenerateResponse) -> str:
@@ -195,7 +258,10 @@ class CompletionFormat(ResponseFormat):
         return self._json(CompletionResponse, [], self._usage())
 
     def response(self, messages: dict[int, list[api_pb2.GenerateResponse]]) -> str:
-        choices = [self._choice(c, _merged(messages[c.index])) for c in self.choices]
+        choices = [self._choice(c, merged_message(messages[c.index])) for c in self.choices]
+        if self.echoes:
+            for choice, c in zip(choices, self.choices, strict=True):
+                choice.text = self.echoes[c.prompt_index] + choice.text
         return self._json(CompletionResponse, choices, self._usage())
 
 
@@ -221,6 +287,12 @@ class ChatFormat(ResponseFormat):
         self.calls = {
             c.index: AnswerStream(self.plan, self.tool_format) for c in choices if self.plan.names
         }
+        parser = core.config.reasoning_parser
+        self.thinking = {
+            c.index: stream
+            for c in choices
+            if (stream := reasoning_stream(core.tokenizer, parser, c.valid)) is not None
+        }
 
     def _chunk(self, choices: list[ChatChunkChoice], usage: Usage | None = None) -> str:
         return self._json(ChatCompletionChunk, choices, usage, exclude_none=True)
@@ -240,20 +312,34 @@ class ChatFormat(ResponseFormat):
             "index": choice.index,
             "logprobs": chat_logprobs(self.core.tokenizer, msg) if self.body.logprobs else None,
             "finish_reason": FINISH_REASONS.get(msg.finish_reason),
+            "stop_reason": stop_reason(choice, msg),
         }
+
+    def _split(self, choice: Choice, text: str, last: bool) -> tuple[str | None, str]:
+        """(reasoning, content) of a streamed piece of choice's answer."""
+        thinking = self.thinking.get(choice.index)
+        if thinking is None:
+            return None, text
+        reasoning, content = thinking.add(text)
+        if last:
+            more_reasoning, more_content = thinking.finish()
+            reasoning, content = reasoning + more_reasoning, content + more_content
+        return reasoning or None, content
 
     def chunk(self, choice: Choice, msg: api_pb2.GenerateResponse) -> str:
         fields = self._choice(choice, msg)
+        reasoning, text = self._split(choice, msg.text, last=bool(msg.finish_reason))
         stream = self.calls.get(choice.index)
         if stream is None:
-            delta = ChatDelta(content=msg.text) if msg.text else ChatDelta()
+            delta = ChatDelta(content=text or None, reasoning_content=reasoning)
             return self._chunk([ChatChunkChoice(delta=delta, **fields)])
         first = stream.num_calls
-        text, calls = stream.add(msg.text, last=bool(msg.finish_reason))
+        text, calls = stream.add(text, last=bool(msg.finish_reason))
         if msg.finish_reason:
             fields["finish_reason"] = _with_calls(fields["finish_reason"], stream.num_calls)
         delta = ChatDelta(
             content=text or None,
+            reasoning_content=reasoning,
             tool_calls=[
                 ToolCallDelta(index=first + k, **call) for k, call in enumerate(calls)
             ] or None,
@@ -266,15 +352,20 @@ class ChatFormat(ResponseFormat):
     def response(self, messages: dict[int, list[api_pb2.GenerateResponse]]) -> str:
         choices = []
         for c in self.choices:
-            msg = _merged(messages[c.index])
+            msg = merged_message(messages[c.index])
             fields = self._choice(c, msg)
+            thinking = self.thinking.get(c.index)
+            reasoning, text = thinking.split(msg.text) if thinking else (None, msg.text)
             if not self.plan.names:
-                choices.append(ChatChoice(message=ChatMessage(content=msg.text), **fields))
+                message = ChatMessage(content=text, reasoning_content=reasoning or None)
+                choices.append(ChatChoice(message=message, **fields))
                 continue
-            content, calls = read_answer(self.plan, self.tool_format, msg.text)
+            content, calls = read_answer(self.plan, self.tool_format, text)
             fields["finish_reason"] = _with_calls(fields["finish_reason"], len(calls))
             message = ChatMessage(
-                content=content or None, tool_calls=[ToolCall(**call) for call in calls] or None
+                content=content or None,
+                reasoning_content=reasoning or None,
+                tool_calls=[ToolCall(**call) for call in calls] or None,
             )
             choices.append(ChatChoice(message=message, **fields))
         return self._json(ChatCompletionResponse, choices, self._usage())
@@ -285,7 +376,7 @@ def _with_calls(finish_reason: str | None, num_calls: int) -> str | None:
     return "tool_calls" if num_calls and finish_reason == "stop" else finish_reason
 
 
-def _merged(msgs: list[api_pb2.GenerateResponse]) -> api_pb2.GenerateResponse:
+def merged_message(msgs: list[api_pb2.GenerateResponse]) -> api_pb2.GenerateResponse:
     """One message as if msgs had come as one: their tokens and text, the last one's finish
     reason and usage."""
     out = api_pb2.GenerateResponse()

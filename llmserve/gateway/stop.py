@@ -12,6 +12,7 @@ class StopStringMatcher:
     def __init__(self, stop: list[str]):
         self.stop = [s for s in stop if s]
         self.held = ""
+        self.matched: str | None = None  # the stop string hit (the earliest in the text)
 
     def feed(self, text: str) -> tuple[str, bool]:
         """Add a delta; return (text safe to stream, whether a stop string was hit). After a hit
@@ -19,10 +20,11 @@ class StopStringMatcher:
         if not self.stop:
             return text, False
         pending = self.held + text
-        hits = [i for i in (pending.find(s) for s in self.stop) if i >= 0]
+        hits = [(i, s) for s in self.stop if (i := pending.find(s)) >= 0]
         if hits:
             self.held = ""
-            return pending[: min(hits)], True
+            at, self.matched = min(hits, key=lambda hit: hit[0])
+            return pending[:at], True
         keep = self._partial_suffix_len(pending)
         self.held = pending[len(pending) - keep :] if keep else ""
         return pending[: len(pending) - keep], False

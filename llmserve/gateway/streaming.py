@@ -155,6 +155,7 @@ async def stream_text(
         out.text = text
         if finish:
             out.finish_reason = finish
+            out.stop_string = stops.matched or ""
             out.usage.CopyFrom(usage)
             yield out
             return

@@ -128,10 +128,12 @@ class Tokenizer:
         messages: list[ChatMessage],
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> str:
         """The chat template's text for messages, as HF's apply_chat_template renders it. With
         tools, or messages carrying tool calls or results: through the template when it takes
-        tools, else in the Hermes format (gateway/tool_prompt.py)."""
+        tools, else in the Hermes format (gateway/tool_prompt.py). template_kwargs: more
+        variables for the template (e.g. enable_thinking), never the ones set here."""
         if self.chat_template is None:
             raise ChatTemplateError("this model has no chat template; send a text prompt")
         if self._template is None:
@@ -151,16 +153,20 @@ class Tokenizer:
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token or "",
                 eos_token=self.eos_token or "",
-                **extra,
+                **{**(template_kwargs or {}), **extra},
             )
         except jinja2.TemplateError as err:
             raise ChatTemplateError(f"chat template: {err}") from err
 
     def encode_chat(
-        self, messages: list[ChatMessage], tools: list[dict[str, Any]] | None = None
+        self,
+        messages: list[ChatMessage],
+        tools: list[dict[str, Any]] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
         """Token ids of the rendered template; special tokens come from the template text."""
-        return self.encode(self.render_chat(messages, tools=tools), add_special_tokens=False)
+        text = self.render_chat(messages, tools=tools, template_kwargs=template_kwargs)
+        return self.encode(text, add_special_tokens=False)
 
 
 def _compile_template(source: str) -> jinja2.Template:

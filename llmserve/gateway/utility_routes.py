@@ -36,6 +36,7 @@ class TokenizeRequest(BaseModel):
     prompt: str | None = None
     messages: list[ChatMessageParam] | None = None
     tools: list[dict[str, Any]] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class TokenizeResponse(BaseModel):
@@ -60,7 +61,11 @@ def _request(body: TokenizeRequest) -> api_pb2.GenerateRequest:
         raise ValidationError("prompt (text) or messages: send exactly one")
     if body.prompt is not None:
         return api_pb2.GenerateRequest(text=text_field("prompt", body.prompt))
-    chat = ChatCompletionRequest(messages=body.messages or [], tools=body.tools)
+    chat = ChatCompletionRequest(
+        messages=body.messages or [],
+        tools=body.tools,
+        chat_template_kwargs=body.chat_template_kwargs,
+    )
     return chat_request(chat)
 
 

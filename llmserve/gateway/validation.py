@@ -165,10 +165,31 @@ def _prompt_ids(req: api_pb2.GenerateRequest, tokenizer: Tokenizer, limits: Limi
         for i, m in enumerate(messages)
     ]  # fmt: skip
     tools = _json_list("chat.tools_json", req.chat.tools_json)
+    kwargs = _template_kwargs(req.chat.template_kwargs_json)
     try:
-        return tokenizer.encode_chat(turns, tools)
+        return tokenizer.encode_chat(turns, tools, kwargs)
     except ChatTemplateError as err:
         raise ValidationError(f"chat.messages: {err}") from err
+
+
+# What the gateway itself gives the template: chat_template_kwargs may not set these.
+_TEMPLATE_VARIABLES = ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token")
+
+
+def _template_kwargs(text: str) -> dict[str, Any]:
+    field = "chat.template_kwargs_json"
+    if not text:
+        return {}
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ValidationError(f"{field} is not JSON: {err}") from err
+    if not isinstance(value, dict):
+        raise ValidationError(f"{field} must be a JSON object")
+    for name in _TEMPLATE_VARIABLES:
+        if name in value:
+            raise ValidationError(f"{field} sets {name!r}, which the server sets; leave it out")
+    return value
 
 
 def _json_list(field: str, text: str) -> list[Any]:
