@@ -27,14 +27,18 @@ def module_name(rel: str) -> str:
     return "llmserve." + rel.removesuffix(".py").removesuffix("/__init__").replace("/", ".")
 
 
-def files_to_rewrite() -> list[Path]:
+def files_to_rewrite(skip: tuple[Path, ...] = ()) -> list[Path]:
+    """The files whose references are rewritten: not skip (the plan itself), nor layout_*.txt
+    (the plans of earlier moves, whose left sides must keep the old names)."""
     out = []
     for path in ROOT.rglob("*"):
         if any(part in SKIP_DIRS for part in path.relative_to(ROOT).parts):
             continue
         wanted = path.suffix in SUFFIXES or path.name == "Dockerfile"
-        if path.is_file() and wanted and "_pb2" not in path.name and "results" not in path.parts:
-            out.append(path)
+        plan = path.name.startswith("layout_") or path.resolve() in skip
+        if path.is_file() and wanted and not plan and "_pb2" not in path.name:
+            if "results" not in path.parts:
+                out.append(path)
     return out
 
 
