@@ -45,8 +45,38 @@ GLM4_MOE = {
         "partial_rotary_factor": 0.5,
     },
 }
+# DeepSeek-V3 (tests/test_deepseek_v3.py): GLM-4.5's MoE with multi-head latent attention, the
+# q latent (q_lora_rank), DeepSeek's interleaved rotary pairs, yarn with both mscales; every head
+# its own K/V in transformers (num_key_value_heads = heads). deepseek_v3_plain: q_proj without a
+# q latent, rotate-half rotary, no rope scaling.
+DEEPSEEK_V3 = {
+    **{k: v for k, v in GLM4_MOE.items() if k not in ("use_qk_norm", "attention_bias")},
+    "num_key_value_heads": 4,
+    "kv_lora_rank": 32,
+    "q_lora_rank": 48,
+    "qk_nope_head_dim": 16,
+    "qk_rope_head_dim": 8,
+    "v_head_dim": 12,
+    "rope_interleave": True,
+    "rope_parameters": {
+        "rope_type": "yarn",
+        "rope_theta": 10000.0,
+        "factor": 8.0,
+        "original_max_position_embeddings": 128,
+        "mscale": 1.0,
+        "mscale_all_dim": 0.8,
+    },
+}
+DEEPSEEK_V3_PLAIN = {
+    **DEEPSEEK_V3,
+    "q_lora_rank": None,
+    "rope_interleave": False,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+}
 DEEPSEEK_MOE_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "glm4_moe": ("Glm4MoeConfig", GLM4_MOE),
+    "deepseek_v3": ("DeepseekV3Config", DEEPSEEK_V3),
+    "deepseek_v3_plain": ("DeepseekV3Config", DEEPSEEK_V3_PLAIN),
 }
 
 

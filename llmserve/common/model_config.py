@@ -22,6 +22,7 @@ from llmserve.common.families import (
     rope_from_hf,
 )
 from llmserve.common.gguf_file import open_gguf
+from llmserve.common.mla_config import MLAConfig
 from llmserve.common.moe_config import MoEConfig
 from llmserve.common.sampling import GENERATION_DEFAULTS
 
@@ -121,6 +122,8 @@ class ModelConfig:
     final_logit_softcap: float | None = None
     embed_scale: float | None = None  # embeddings times this (Gemma: sqrt(hidden_size))
     moe: MoEConfig | None = None  # mixture of experts: the sparse layers' shape (Mixtral, Qwen-MoE)
+    # multi-head latent attention (DeepSeek-V3): the pool holds one latent per token per layer
+    mla: MLAConfig | None = None
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:

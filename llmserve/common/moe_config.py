@@ -23,6 +23,7 @@ HF_MOE_NAMES: dict[str, tuple[str, tuple[str, str, str]]] = {
     "Qwen3MoeForCausalLM": ("mlp", ("gate_proj", "up_proj", "down_proj")),
     "Qwen2MoeForCausalLM": ("mlp", ("gate_proj", "up_proj", "down_proj")),
     "Glm4MoeForCausalLM": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+    "DeepseekV3ForCausalLM": ("mlp", ("gate_proj", "up_proj", "down_proj")),
 }
 
 
@@ -88,7 +89,7 @@ def moe_from_hf(cfg: dict[str, Any]) -> MoEConfig | None:
             hf_block=block,
             hf_experts=experts,
         )
-    if arch == "Glm4MoeForCausalLM":
+    if arch in ("Glm4MoeForCausalLM", "DeepseekV3ForCausalLM"):
         return _deepseek_moe(cfg, block, experts)
     step = int(cfg.get("decoder_sparse_step", 1) or 1)
     only_mlp = {int(i) for i in cfg.get("mlp_only_layers") or []}
@@ -107,7 +108,7 @@ def moe_from_hf(cfg: dict[str, Any]) -> MoEConfig | None:
 
 
 def _deepseek_moe(cfg: dict[str, Any], block: str, experts: tuple[str, str, str]) -> MoEConfig:
-    """DeepSeek-V3's MoE as GLM-4.5 configures it (its router is always noaux_tc)."""
+    """DeepSeek-V3's MoE (and GLM-4.5's, the same): the router is always noaux_tc."""
     num_experts = int(cfg.get("n_routed_experts") or cfg["num_local_experts"])
     width = int(cfg["moe_intermediate_size"])
     num_groups, topk_groups = int(cfg.get("n_group") or 1), int(cfg.get("topk_group") or 1)

@@ -370,6 +370,11 @@ def kernel_limits(config: ModelConfig, dtype: torch.dtype, block_size: int) -> s
 
     if dtype not in (torch.float16, torch.bfloat16):
         return f"dtype {str(dtype).removeprefix('torch.')}: the CUDA kernels are fp16 / bf16 only"
+    if config.mla is not None:
+        return (
+            f"multi-head latent attention: the CUDA kernels do not read the latent KV pool "
+            f"({config.mla.latent_dim} values per token, one head) yet"
+        )
     if config.head_dim not in HEAD_DIMS:
         return f"head_dim={config.head_dim}: the CUDA kernels support {HEAD_DIMS}"
     if config.rotary_dim % 16:
