@@ -73,7 +73,28 @@ DEEPSEEK_V3_PLAIN = {
     "rope_interleave": False,
     "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
 }
+# gpt-oss (tests/test_gpt_oss.py): 8 biased experts, top-2, the clamped SwiGLU with a limit the
+# tiny model's activations reach; attention sinks; sliding (a 12-token window, shorter than the
+# prompts) and full layers alternating; yarn without truncation.
+GPT_OSS = {
+    "num_local_experts": 8,
+    "num_experts_per_tok": 2,
+    "intermediate_size": 32,
+    "head_dim": 16,
+    "sliding_window": WINDOW,
+    "swiglu_limit": 1.5,
+    "rope_parameters": {
+        "rope_type": "yarn",
+        "rope_theta": 10000.0,
+        "factor": 4.0,
+        "original_max_position_embeddings": 256,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "truncate": False,
+    },
+}
 DEEPSEEK_MOE_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
+    "gpt_oss": ("GptOssConfig", GPT_OSS),
     "glm4_moe": ("Glm4MoeConfig", GLM4_MOE),
     "deepseek_v3": ("DeepseekV3Config", DEEPSEEK_V3),
     "deepseek_v3_plain": ("DeepseekV3Config", DEEPSEEK_V3_PLAIN),
@@ -92,7 +113,7 @@ def make_tiny_moe(directory: Path, family: str, seed: int = 0, **overrides: Any)
     model = transformers.AutoModelForCausalLM.from_config(config).float()
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if name.endswith("bias") or name.endswith(("gate.weight", "shared_expert_gate.weight")):
+            if name.endswith(("bias", "sinks", "gate.weight", "shared_expert_gate.weight")):
                 param.copy_(torch.randn_like(param) * 0.5)
             elif "norm" in name:
                 param.add_(torch.randn_like(param) * 0.1)

@@ -124,6 +124,7 @@ class ModelConfig:
     moe: MoEConfig | None = None  # mixture of experts: the sparse layers' shape (Mixtral, Qwen-MoE)
     # multi-head latent attention (DeepSeek-V3): the pool holds one latent per token per layer
     mla: MLAConfig | None = None
+    attention_sinks: bool = False  # a learned per-head logit in each softmax's denominator
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
