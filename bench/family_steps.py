@@ -98,6 +98,13 @@ FAMILIES: dict[str, dict[str, Any]] = {
         "moe_intermediate_size": 192, "n_group": 4, "topk_group": 2, "n_shared_experts": 1,
         "first_k_dense_replace": 1, "norm_topk_prob": True, "routed_scaling_factor": 2.5,
     },
+    # gpt-oss: attention sinks, a 64-token window on every other layer, q/k/v/o biases, 8 biased
+    # experts of 192 under the clamped SwiGLU, top-2 (the sinks take the reference attention).
+    "gpt_oss": {
+        "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "head_dim": 64,
+        "sliding_window": WINDOW, "num_local_experts": 8, "num_experts_per_tok": 2,
+        "intermediate_size": 192, "swiglu_limit": 7.0, "attention_bias": True,
+    },
 }  # fmt: skip
 
 

@@ -7,6 +7,8 @@ to matter, what the family refuses."""
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -114,3 +116,25 @@ def test_sinks_in_the_reference_decode_equal_the_chunk_path() -> None:
     torch.testing.assert_close(decode[0], chunk[2])
     plain = paged_attention(q[2:], k_cache, v_cache, table, [11], [0, 1], scale=0.3, window=5)
     assert not torch.allclose(decode, plain)
+
+
+def test_a_sparse_config_reads_gptossconfigs_defaults(tmp_path: Path) -> None:
+    """A config.json without head_dim, layer_types, sliding_window, rope or the SwiGLU limit
+    reads as GptOssConfig fills them in."""
+    import transformers
+
+    cfg = {
+        "vocab_size": 300, "hidden_size": 96, "intermediate_size": 32, "num_hidden_layers": 3,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "num_local_experts": 4,
+        "num_experts_per_tok": 2, "max_position_embeddings": 131072,
+    }  # fmt: skip
+    (tmp_path / "config.json").write_text(
+        json.dumps({"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", **cfg})
+    )
+    ours, theirs = load_model_config(tmp_path), transformers.GptOssConfig(**cfg)
+    assert ours.head_dim == theirs.head_dim == 64  # not hidden / heads
+    assert list(ours.layer_types) == theirs.layer_types
+    assert ours.sliding_window == theirs.sliding_window == 128
+    rope = dict(theirs.rope_parameters)
+    assert ours.rope_theta == rope.pop("rope_theta") and ours.rope_scaling == rope
+    assert ours.moe is not None and ours.moe.clamped_swiglu == (1.702, theirs.swiglu_limit)

@@ -104,7 +104,10 @@ def moe_from_hf(cfg: dict[str, Any]) -> MoEConfig | None:
             renormalize=True,
             hf_block=block,
             hf_experts=experts,
-            clamped_swiglu=(float(cfg.get("swiglu_alpha", 1.702)), float(cfg["swiglu_limit"])),
+            clamped_swiglu=(
+                float(cfg.get("swiglu_alpha", 1.702)),
+                float(cfg.get("swiglu_limit", 7.0)),
+            ),
         )
     if arch in ("Glm4MoeForCausalLM", "DeepseekV3ForCausalLM"):
         return _deepseek_moe(cfg, block, experts)
