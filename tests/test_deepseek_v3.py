@@ -3,7 +3,7 @@ transformers on tiny random checkpoints of DeepseekV3Config (tests/moe_models.py
 latent, interleaved rotary pairs and yarn with both mscales, and without any of them; every
 position of a whole and a chunked prompt, the scheduled script (chunked prefill, prefix-cache
 hits, preemptions, paged decode over several blocks), greedy tokens; the pool's bytes per token
-are the latent's; what the family refuses."""
+are the latent's; what the family refuses. At T = 2 and P = 2: tests/test_family_features.py."""
 
 from __future__ import annotations
 
@@ -128,11 +128,12 @@ def test_yarn_mscale_in_the_softmax_scale_matters(load: Any) -> None:
 
 
 def test_what_the_family_refuses(load: Any) -> None:
-    """Tensor parallelism is refused by name; the CUDA kernels say why they cannot read the
-    latent pool (the engine then runs the torch path, or --attention-backend cuda refuses)."""
+    """Quantization is refused by name (the experts' rule); the CUDA kernels say why they
+    cannot read the latent pool (the engine then runs the torch path, or --attention-backend
+    cuda refuses). Tensor and pipeline parallelism: tests/test_family_features.py."""
     config = load_model_config(load("deepseek_v3_plain").path)
-    why = family_refusal("deepseek_v3", ["tensor_parallel"])
-    assert why is not None and "DeepseekV3ForCausalLM" in why and "latent" in why
+    why = family_refusal("deepseek_v3", ["tensor_parallel", "pipeline_parallel", "quantization"])
+    assert why is not None and "DeepseekV3ForCausalLM" in why and "quantization" in why
     why = kernel_limits(config, torch.bfloat16, 16)
     assert why is not None and "multi-head latent attention" in why
     plain = dataclasses.replace(config, mla=None, moe=None, head_dim=64, intermediate_size=128)

@@ -87,10 +87,11 @@ def test_each_quirk_matters_for_these_prompts(
 
 
 def test_what_the_family_refuses(model: Loaded) -> None:
-    """Tensor parallelism by name; the CUDA kernels say they lack the sinks (the engine then
-    runs the torch path on a GPU, or --attention-backend cuda refuses)."""
-    why = family_refusal("gpt_oss", ["tensor_parallel"])
-    assert why is not None and "GptOssForCausalLM" in why
+    """Quantization by name (the experts' rule); the CUDA kernels say they lack the sinks (the
+    engine then runs the torch path on a GPU, or --attention-backend cuda refuses). Tensor and
+    pipeline parallelism: tests/test_family_features.py."""
+    why = family_refusal("gpt_oss", ["tensor_parallel", "pipeline_parallel", "quantization"])
+    assert why is not None and "GptOssForCausalLM" in why and "quantization" in why
     config = load_model_config(model.path)
     why = kernel_limits(config, torch.bfloat16, 16)
     assert why is not None and "attention sinks" in why

@@ -208,6 +208,11 @@ class Attention(OpsModule):
         if config.attention_sinks:
             self.sinks = nn.Parameter(torch.empty(self.num_heads))
 
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: int = 0) -> None:
+        """The sinks (the one parameter of its own): this rank's heads'."""
+        n = self.num_heads
+        default_weight_loader(param, loaded.narrow(0, self.tp.rank * n, n), shard)
+
     def forward(
         self, positions: torch.Tensor, hidden: torch.Tensor, ctx: AttentionContext
     ) -> torch.Tensor:

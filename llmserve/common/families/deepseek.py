@@ -33,14 +33,6 @@ def read_deepseek_v3(cfg: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
-MLA_REFUSES = {
-    **MOE_REFUSES,
-    "tensor_parallel": (
-        "multi-head latent attention is not split by heads yet (the latent is every head's)"
-    ),
-    "pipeline_parallel": "not tested with multi-head latent attention yet",
-}
-
 DEEPSEEK_V3 = register(
     Family(
         name="deepseek_v3",
@@ -48,6 +40,6 @@ DEEPSEEK_V3 = register(
         hf_model_types=("deepseek_v3", "kimi_k2"),
         model="llmserve.engine.families.deepseek:DeepseekV3ForCausalLM",
         read_hf=read_deepseek_v3,
-        refuses=MLA_REFUSES,
+        refuses=MOE_REFUSES,
     )
 )

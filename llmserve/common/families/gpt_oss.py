@@ -49,10 +49,6 @@ GPT_OSS = register(
         hf_model_types=("gpt_oss",),
         model="llmserve.engine.families.gpt_oss:GptOssForCausalLM",
         read_hf=read_gpt_oss,
-        refuses={
-            **MOE_REFUSES,
-            "tensor_parallel": "the sinks and the fused biased experts are not split yet",
-            "pipeline_parallel": "not tested with gpt-oss yet",
-        },
+        refuses=MOE_REFUSES,
     )
 )

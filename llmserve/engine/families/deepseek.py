@@ -42,10 +42,18 @@ def deinterleave_rows(rope_dim: int, head_dim: int, num_heads: int) -> torch.Ten
 
 
 class RopeRowsLinear(Linear):
-    """A Linear whose checkpoint rows are permuted at load (`rows`: the new row order)."""
+    """A Linear whose checkpoint rows are permuted at load (`rows`: the new row order of the
+    whole tensor), before a column-parallel rank takes its rows (output_size: this rank's)."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool, rows: torch.Tensor | None):
-        super().__init__(input_size, [output_size], bias)
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool,
+        rows: torch.Tensor | None,
+        tp: TPGroup | None = None,
+    ):
+        super().__init__(input_size, [output_size], bias, tp, "output")
         self.rows = rows
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: int = 0) -> None:
@@ -55,16 +63,18 @@ class RopeRowsLinear(Linear):
 
 
 class LatentProjection(nn.Module):
-    """kv_b_proj's weight [heads * (nope + v), kv_lora_rank], held whole (not a Linear: the
-    layer reads it per head, and no pass may swap it for a packed or quantized linear)."""
+    """kv_b_proj's weight [heads * (nope + v), kv_lora_rank] of this rank's heads (not a Linear:
+    the layer reads it per head, and no pass may swap it for a packed or quantized linear)."""
 
-    def __init__(self, num_heads: int, nope: int, v: int, rank: int):
+    def __init__(self, num_heads: int, nope: int, v: int, rank: int, tp: TPGroup):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_heads * (nope + v), rank))
         self.split = (num_heads, nope, v)
+        self.tp = tp
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: int = 0) -> None:
-        default_weight_loader(param, loaded, shard)
+        rows = param.shape[0]  # rank r's heads are rows r * rows .. (r + 1) * rows
+        default_weight_loader(param, loaded.narrow(0, self.tp.rank * rows, rows), shard)
 
     def absorbed(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(W_UK [heads, nope, rank], W_UV [heads, v, rank]), views of the weight."""
@@ -84,29 +94,34 @@ class MLAttention(OpsModule):
         layer_idx: int,
         rotary: RotaryEmbedding,
         ops: LayerOps,
+        tp: TPGroup,
     ):
+        """tp: the heads split T ways (q's and kv_b's rows, o_proj's columns); the latent, its
+        projection and norm are every rank's whole."""
         super().__init__(ops)
         mla = config.mla
         assert mla is not None
-        self.mla, self.layer_idx, self.rotary_emb = mla, layer_idx, rotary
-        self.num_heads = heads = config.num_heads
+        self.mla, self.layer_idx, self.rotary_emb, self.tp = mla, layer_idx, rotary, tp
+        self.num_heads = heads = config.num_heads // tp.size
         self.scale = config.attention_scale or mla.qk_head_dim**-0.5
         hidden, bias, rope = config.hidden_size, config.attention_bias, mla.qk_rope_head_dim
-        q_rows = deinterleave_rows(rope, mla.qk_head_dim, heads) if mla.rope_interleave else None
+        q_rows = None
+        if mla.rope_interleave:
+            q_rows = deinterleave_rows(rope, mla.qk_head_dim, config.num_heads)
         kv_rows = deinterleave_rows(rope, mla.latent_dim, 1) if mla.rope_interleave else None
         q_out = heads * mla.qk_head_dim
         if mla.q_lora_rank is None:
-            self.q_proj = RopeRowsLinear(hidden, q_out, False, q_rows)
+            self.q_proj = RopeRowsLinear(hidden, q_out, False, q_rows, tp)
         else:
             self.q_a_proj = Linear(hidden, [mla.q_lora_rank], bias)
             self.q_a_layernorm = RMSNorm(mla.q_lora_rank, LATENT_NORM_EPS, ops)
-            self.q_b_proj = RopeRowsLinear(mla.q_lora_rank, q_out, False, q_rows)
+            self.q_b_proj = RopeRowsLinear(mla.q_lora_rank, q_out, False, q_rows, tp)
         self.kv_a_proj_with_mqa = RopeRowsLinear(hidden, mla.latent_dim, bias, kv_rows)
         self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank, LATENT_NORM_EPS, ops)
         self.kv_b_proj = LatentProjection(
-            heads, mla.qk_nope_head_dim, mla.v_head_dim, mla.kv_lora_rank
+            heads, mla.qk_nope_head_dim, mla.v_head_dim, mla.kv_lora_rank, tp
         )
-        self.o_proj = Linear(heads * mla.v_head_dim, [hidden], bias)
+        self.o_proj = Linear(heads * mla.v_head_dim, [hidden], bias, tp, "input")
 
     def queries(self, hidden: torch.Tensor) -> torch.Tensor:
         """[tokens, heads, nope + rope]: each head's query, its rope part not yet rotated."""
@@ -134,7 +149,7 @@ class MLAttention(OpsModule):
         cache = ctx.kv_caches[self.layer_idx][0]
         attn = self.ops.attention(query, latent, latent, cache, cache, ctx, self.scale)
         out = torch.bmm(attn[..., :rank].transpose(0, 1), w_uv.transpose(1, 2))  # [H, T, v]
-        return self.o_proj(out.transpose(0, 1).reshape(num_tokens, -1))
+        return self.tp.all_reduce(self.o_proj(out.transpose(0, 1).reshape(num_tokens, -1)))
 
 
 class DeepseekV3ForCausalLM(SparseLayers):
@@ -143,5 +158,4 @@ class DeepseekV3ForCausalLM(SparseLayers):
     def make_attention(
         self, config: ModelConfig, layer: int, local: int, ops: LayerOps, tp: TPGroup
     ) -> nn.Module:
-        assert tp.size == 1, "the family refuses tensor parallelism"
-        return MLAttention(config, local, self.rotary_for(layer), ops)
+        return MLAttention(config, local, self.rotary_for(layer), ops, tp)

@@ -20,6 +20,7 @@ from torch import nn
 
 from llmserve.common.model_config import ModelConfig
 from llmserve.common.moe_config import MoEConfig
+from llmserve.engine.layers import default_weight_loader
 from llmserve.engine.model import LlamaForCausalLM
 from llmserve.engine.ops import LayerOps
 from llmserve.engine.parallel import TPGroup
@@ -40,17 +41,22 @@ class BiasedRouter(nn.Module):
 
 
 class BiasedExperts(nn.Module):
-    """Every expert's weights and biases, in transformers' fused layout (see the module)."""
+    """The experts `experts` (this rank's, under expert parallelism: common/moe_config.py's
+    expert_range) with their biases, in transformers' fused layout (see the module)."""
 
-    def __init__(self, hidden_size: int, moe: MoEConfig):
+    def __init__(self, hidden_size: int, moe: MoEConfig, experts: range):
         super().__init__()
         assert moe.clamped_swiglu is not None
         self.alpha, self.limit = moe.clamped_swiglu
-        num, inter = moe.num_experts, moe.intermediate_size
+        self.experts = experts
+        num, inter = len(experts), moe.intermediate_size
         self.gate_up_proj = nn.Parameter(torch.empty(num, hidden_size, 2 * inter))
         self.gate_up_proj_bias = nn.Parameter(torch.empty(num, 2 * inter))
         self.down_proj = nn.Parameter(torch.empty(num, inter, hidden_size))
         self.down_proj_bias = nn.Parameter(torch.empty(num, hidden_size))
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: int = 0) -> None:
+        default_weight_loader(param, loaded[self.experts.start : self.experts.stop], shard)
 
     def activation(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate = gate_up[..., 0::2].clamp(max=self.limit)
@@ -58,9 +64,10 @@ class BiasedExperts(nn.Module):
         return (up + 1) * gate * torch.sigmoid(gate * self.alpha)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """The weighted sum of each token's experts: pairs sorted by expert, one product per
-        weight and expert segment, the rows added back into their tokens."""
-        pairs, tokens, counts = sort_by_expert(ids, 0, self.gate_up_proj.shape[0])
+        """The weighted sum of each token's local experts: pairs sorted by expert, one product
+        per weight and expert segment, the rows added back into their tokens (the other ranks'
+        experts add theirs in the block's all-reduce)."""
+        pairs, tokens, counts = sort_by_expert(ids, self.experts.start, len(self.experts))
         out = torch.zeros_like(x)
         rows = x[tokens]
         pair_weights = weights.flatten()[pairs].to(x.dtype)
@@ -79,19 +86,22 @@ class BiasedExperts(nn.Module):
 class GptOssMoeBlock(nn.Module):
     """gpt-oss's MLP: router, then the experts (module names as transformers')."""
 
-    def __init__(self, hidden_size: int, moe: MoEConfig):
+    def __init__(self, hidden_size: int, moe: MoEConfig, tp: TPGroup):
         super().__init__()
-        self.moe = moe
+        self.moe, self.tp = moe, tp
         self.router = BiasedRouter(hidden_size, moe.num_experts)
-        self.experts = BiasedExperts(hidden_size, moe)
+        self.experts = BiasedExperts(hidden_size, moe, moe.expert_range(tp.rank, tp.size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # softmax over the top-k logits equals the top-k of the softmax, renormalized
         weights, ids = route(self.router(x), self.moe.top_k, renormalize=True)
-        return self.experts(x, weights, ids)
+        return self.tp.all_reduce(self.experts(x, weights, ids))
 
 
 class GptOssForCausalLM(LlamaForCausalLM):
+    """Tensor-parallel, the attention splits by heads (the sinks too) and the experts whole
+    across the ranks (expert parallelism, as engine/moe.py)."""
+
     def make_mlp(self, config: ModelConfig, layer: int, ops: LayerOps, tp: TPGroup) -> nn.Module:
-        assert config.moe is not None and tp.size == 1, "gpt-oss: experts, one rank"
-        return GptOssMoeBlock(config.hidden_size, config.moe)
+        assert config.moe is not None, "gpt-oss: config.json gave no experts"
+        return GptOssMoeBlock(config.hidden_size, config.moe, tp)
