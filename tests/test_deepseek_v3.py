@@ -128,12 +128,16 @@ def test_yarn_mscale_in_the_softmax_scale_matters(load: Any) -> None:
 
 
 def test_what_the_family_refuses(load: Any) -> None:
-    """Quantization is refused by name (the experts' rule); the CUDA kernels say why they
-    cannot read the latent pool (the engine then runs the torch path, or --attention-backend
-    cuda refuses). Tensor and pipeline parallelism: tests/test_family_features.py."""
+    """Quantization is refused by name at start, a LoRA adapter when loaded; the CUDA kernels
+    say why they cannot read the latent pool (the engine then runs the torch path, or
+    --attention-backend cuda refuses). Tensor and pipeline parallelism:
+    tests/test_family_features.py."""
     config = load_model_config(load("deepseek_v3_plain").path)
     why = family_refusal("deepseek_v3", ["tensor_parallel", "pipeline_parallel", "quantization"])
     assert why is not None and "DeepseekV3ForCausalLM" in why and "quantization" in why
+    adapters = load("deepseek_v3_plain").engine.adapters
+    with pytest.raises(ValueError, match="does not support lora: multi-head latent attention"):
+        adapters.add("a", "/nonexistent")  # refused before the path is read
     why = kernel_limits(config, torch.bfloat16, 16)
     assert why is not None and "multi-head latent attention" in why
     plain = dataclasses.replace(config, mla=None, moe=None, head_dim=64, intermediate_size=128)

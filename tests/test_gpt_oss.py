@@ -87,11 +87,13 @@ def test_each_quirk_matters_for_these_prompts(
 
 
 def test_what_the_family_refuses(model: Loaded) -> None:
-    """Quantization by name (the experts' rule); the CUDA kernels say they lack the sinks (the
-    engine then runs the torch path on a GPU, or --attention-backend cuda refuses). Tensor and
-    pipeline parallelism: tests/test_family_features.py."""
+    """Quantization by name at start, a LoRA adapter when loaded; the CUDA kernels say they
+    lack the sinks (the engine then runs the torch path on a GPU, or --attention-backend cuda
+    refuses). Tensor and pipeline parallelism: tests/test_family_features.py."""
     why = family_refusal("gpt_oss", ["tensor_parallel", "pipeline_parallel", "quantization"])
     assert why is not None and "GptOssForCausalLM" in why and "quantization" in why
+    with pytest.raises(ValueError, match=r"gpt_oss \(GptOssForCausalLM\) does not support lora"):
+        model.engine.adapters.add("a", "/nonexistent")  # refused before the path is read
     config = load_model_config(model.path)
     why = kernel_limits(config, torch.bfloat16, 16)
     assert why is not None and "attention sinks" in why

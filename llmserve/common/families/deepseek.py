@@ -40,6 +40,12 @@ DEEPSEEK_V3 = register(
         hf_model_types=("deepseek_v3", "kimi_k2"),
         model="llmserve.engine.families.deepseek:DeepseekV3ForCausalLM",
         read_hf=read_deepseek_v3,
-        refuses=MOE_REFUSES,
+        refuses={
+            **MOE_REFUSES,
+            "lora": (
+                "multi-head latent attention's projections (q_a / q_b, kv_a / kv_b) take no "
+                "adapters yet, and its experts none: an adapter would be left unapplied"
+            ),
+        },
     )
 )

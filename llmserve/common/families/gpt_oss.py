@@ -49,6 +49,9 @@ GPT_OSS = register(
         hf_model_types=("gpt_oss",),
         model="llmserve.engine.families.gpt_oss:GptOssForCausalLM",
         read_hf=read_gpt_oss,
-        refuses=MOE_REFUSES,
+        refuses={
+            **MOE_REFUSES,
+            "lora": "its experts (every MLP) take no adapters yet: one would be left unapplied",
+        },
     )
 )
