@@ -181,3 +181,27 @@ def test_speculation_gives_the_same_tokens(load: Any) -> None:
     (speculated, counts), (plain, _) = run(Engine(spec)), run(m.engine)
     assert speculated == plain
     assert counts.num_spec_draft_tokens > 0
+
+
+def test_the_mtp_layer_is_left_unread_on_purpose(load: Any, tmp_path: Path) -> None:
+    """A checkpoint that stores the multi-token prediction layer after the model's own
+    (num_nextn_predict_layers = 1: model.layers.2.* here, as DeepSeek-V3's release stores
+    layers.61) loads; a tensor past it is still refused by the after-load check."""
+    from safetensors.torch import load_file, save_file
+
+    from llmserve.common.model_config import ModelSourceError
+
+    source = load("deepseek_v3_plain").path
+    for file in source.iterdir():
+        if file.name != "model.safetensors":
+            (tmp_path / file.name).symlink_to(file)
+    tensors = load_file(source / "model.safetensors")
+    assert load_model_config(source).num_mtp_layers == 1
+    tensors["model.layers.2.eh_proj.weight"] = torch.zeros(64, 128)
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    config = EngineConfig(model=str(tmp_path), device="cpu", num_kv_blocks=8, max_loras=0)
+    Engine(config)
+    tensors["model.layers.3.eh_proj.weight"] = torch.zeros(64, 128)
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ModelSourceError, match=r"\['model.layers.3.eh_proj.weight'\]"):
+        Engine(config)

@@ -125,6 +125,9 @@ class ModelConfig:
     # multi-head latent attention (DeepSeek-V3): the pool holds one latent per token per layer
     mla: MLAConfig | None = None
     attention_sinks: bool = False  # a learned per-head logit in each softmax's denominator
+    # multi-token prediction layers stored after the model's own (DeepSeek-V3, GLM-4.5:
+    # num_nextn_predict_layers), not served: their tensors are knowingly left unread
+    num_mtp_layers: int = 0
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:

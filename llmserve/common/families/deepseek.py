@@ -30,6 +30,7 @@ def read_deepseek_v3(cfg: Mapping[str, Any]) -> dict[str, Any]:
         "moe": moe_from_hf(dict(cfg)),
         "head_dim": mla.qk_rope_head_dim,
         "attention_scale": mla_softmax_scale(mla, scaling),
+        "num_mtp_layers": int(cfg.get("num_nextn_predict_layers") or 0),
     }
 
 
