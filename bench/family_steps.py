@@ -30,7 +30,7 @@ from typing import Any
 from llmserve.bench.engine_driver import Driver, blocks_needed
 from llmserve.bench.report import hardware, save
 from llmserve.engine.config import EngineConfig
-from llmserve.engine.engine import Engine
+from llmserve.engine.step.engine import Engine
 
 ROOT = Path(__file__).resolve().parent.parent
 WINDOW = 64

@@ -18,11 +18,11 @@ import torch
 from llmserve.common.families import family_refusal
 from llmserve.common.model_config import load_model_config
 from llmserve.engine.config import EngineConfig
-from llmserve.engine.engine import Engine
-from llmserve.engine.families.deepseek import MLAttention
-from llmserve.engine.kv_cache import bytes_per_block, bytes_per_token
-from llmserve.engine.moe import SparseMoeBlock
-from llmserve.engine.ops import kernel_limits
+from llmserve.engine.step.engine import Engine
+from llmserve.engine.model.families.deepseek import MLAttention
+from llmserve.engine.kv.cache import bytes_per_block, bytes_per_token
+from llmserve.engine.model.moe import SparseMoeBlock
+from llmserve.engine.model.ops import kernel_limits
 from tests.moe_models import make_tiny_moe
 from tests.test_families import TOLERANCE, Loaded, check_script_matches_hf
 from tests.test_model import BLOCK_SIZE, forward_direct, prompt, rel_err, shuffled_blocks

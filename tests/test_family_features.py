@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from llmserve.engine.config import EngineConfig
-from llmserve.engine.engine import Engine
-from llmserve.engine.ranks import run_group_locally
+from llmserve.engine.step.engine import Engine
+from llmserve.engine.parallel.ranks import run_group_locally
 from llmserve.scheduler.request import Request
 from tests.factories import sampling
 from tests.family_models import ENGINE_SETTINGS, FAMILY_CONFIGS, make_tiny_family
@@ -48,7 +48,7 @@ def _every_family_on_rank(
     """On each rank of a group: test_parallel's scenario on the group's engine (the first
     family's), then on one engine of each further family built on the same group; (outputs,
     the driver's logits, the experts each sparse layer of this rank holds) per family."""
-    from llmserve.engine.moe import SparseMoeBlock
+    from llmserve.engine.model.moe import SparseMoeBlock
     from tests.test_parallel import _scenario_on_rank
 
     got = []
@@ -139,8 +139,8 @@ QUANT_TOP1 = {"int8": 0.9, "fp8": 0.6}
 def test_quantized_weights_stay_near_float32(models: dict[str, Path], family: str) -> None:
     """--quantization int8 and fp8 on every dense family: every linear layer quantized and the
     logits of a 20-token prompt near the float32 engine's."""
-    from llmserve.engine.layers import Linear, PackedLinear
-    from llmserve.engine.quant import QUANTIZED_LINEARS
+    from llmserve.engine.model.layers import Linear, PackedLinear
+    from llmserve.engine.model.quant import QUANTIZED_LINEARS
 
     tokens = prompt(20, seed=6)
     settings = ENGINE_SETTINGS.get(family, {})
@@ -173,7 +173,7 @@ def test_gguf_blocks_served_as_stored(models: dict[str, Path], family: str, tmp_
     """A GGUF of the family's layout with its projections in Q8_0 blocks: --quantization auto
     keeps the blocks (the CPU's GGUF kernel, Phi-3's fused ones split by rows) and gives the
     logits of the same file dequantized to float32 within GGUF_BOUND."""
-    from llmserve.engine.gguf_linear import GGUFLinear, gguf_kernel_missing
+    from llmserve.engine.model.gguf_linear import GGUFLinear, gguf_kernel_missing
     from tests.family_gguf import write_family_gguf
 
     if gguf_kernel_missing():

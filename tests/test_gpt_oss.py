@@ -16,7 +16,7 @@ import torch
 
 from llmserve.common.families import family_refusal
 from llmserve.common.model_config import load_model_config
-from llmserve.engine.ops import kernel_limits
+from llmserve.engine.model.ops import kernel_limits
 from tests.moe_models import make_tiny_moe
 from tests.test_families import TOLERANCE, Loaded, check_script_matches_hf
 from tests.test_model import forward_direct, prompt, rel_err, shuffled_blocks

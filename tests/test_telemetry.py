@@ -21,7 +21,7 @@ from llmserve.bench.otlp import OtlpReceiver, Span
 from llmserve.client import Client, Completion, make_request
 from llmserve.common import telemetry
 from llmserve.common.model_config import load_model_config
-from llmserve.engine.kv_cache import bytes_per_token
+from llmserve.engine.kv.cache import bytes_per_token
 from tests.stack import Stack, free_port, start_stack
 
 CALLER_TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"

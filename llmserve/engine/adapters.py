@@ -1,5 +1,5 @@
 """The engine's LoRA adapters: a host-memory cache of checked adapters (least recently used out,
---max-cpu-loras) in front of the device slot table (engine/lora.py, --max-loras).
+--max-cpu-loras) in front of the device slot table (engine/features/lora.py, --max-loras).
 
 Which adapter sits in which slot is the scheduler's decision, carried by the plan
 (StepPlanData.lora_loads); the cache only saves reading a file again. AddLora checks an adapter
@@ -17,11 +17,11 @@ from llmserve.common.families import family_refusal
 from llmserve.common.log import get_logger
 from llmserve.common.model_config import ModelConfig
 from llmserve.engine.config import EngineConfig
-from llmserve.engine.contract import LoraLoadData
-from llmserve.engine.lora import LoraSlots, cpu_lora_ready, kernel_self_check
-from llmserve.engine.lora_files import LoraAdapter, LoraError, read_adapter
-from llmserve.engine.ops import LayerOps
-from llmserve.engine.parallel import ModelShard
+from llmserve.common.step_plan import LoraLoad
+from llmserve.engine.features.lora import LoraSlots, cpu_lora_ready, kernel_self_check
+from llmserve.engine.features.lora_files import LoraAdapter, LoraError, read_adapter
+from llmserve.engine.model.ops import LayerOps
+from llmserve.engine.parallel.groups import ModelShard
 
 log = get_logger("engine")
 
@@ -78,7 +78,7 @@ class Adapters:
         until the scheduler places another adapter there)."""
         self.cache.pop(name, None)
 
-    def place(self, load: LoraLoadData) -> None:
+    def place(self, load: LoraLoad) -> None:
         """Put load.lora_name in slot load.slot: from the host cache when it holds that adapter
         for that path, else read from load.path (and cached). Raises LoraError."""
         adapter = self.cache.get(load.lora_name)
@@ -88,7 +88,7 @@ class Adapters:
             self.cache.move_to_end(load.lora_name)
         self.slots.place(load.slot, adapter)
 
-    def place_all(self, loads: list[LoraLoadData]) -> dict[int, str]:
+    def place_all(self, loads: list[LoraLoad]) -> dict[int, str]:
         """Place each of a plan's loads; {slot: why} for those that failed (the slot is emptied:
         the requests planned under it are refused with the reason)."""
         failed: dict[int, str] = {}

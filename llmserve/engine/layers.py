@@ -1,5 +1,5 @@
-"""The modules engine/model.py is built from. Each owns its weights; those that run a hot op
-(RMSNorm, rotary, attention, SiLU-and-mul) hold the model's ops backend (engine/ops.py), given at
+"""The modules engine/model/model.py is built from. Each owns its weights; those that run a hot op
+(RMSNorm, rotary, attention, SiLU-and-mul) hold the model's ops backend (engine/model/ops.py), given at
 build time. Only the per-step AttentionContext travels with the forward call.
 
 Linear layers share one interface, so that tensor-parallel or quantized linears can be other
@@ -16,10 +16,10 @@ import torch
 from torch import nn
 
 from llmserve.common.model_config import ModelConfig
-from llmserve.engine.lora import LoraBatch
-from llmserve.engine.ops import AttentionContext, LayerOps, OpsModule
-from llmserve.engine.parallel import TPGroup
-from llmserve.engine.rotary import (  # noqa: F401 (the layers' names, as before)
+from llmserve.engine.features.lora import LoraBatch
+from llmserve.engine.model.ops import AttentionContext, LayerOps, OpsModule
+from llmserve.engine.parallel.groups import TPGroup
+from llmserve.engine.model.rotary import (  # noqa: F401 (the layers' names, as before)
     RotaryEmbedding,
     rope_cos_sin_cache,
     rope_inv_freq,

@@ -1,5 +1,5 @@
 """The scheduler's metrics: each instrument's name, kind, unit and meaning (what
-scheduler/telemetry.py records and observes; the observed ones read the stats snapshot)."""
+scheduler/service/telemetry.py records and observes; the observed ones read the stats snapshot)."""
 
 from __future__ import annotations
 

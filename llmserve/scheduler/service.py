@@ -1,5 +1,5 @@
 """The scheduler's gRPC service: Submit streams and the admin RPCs for the gateway; the engine
-connection and the step loop that drives the engine are its other half (scheduler/engine_loop.py).
+connection and the step loop that drives the engine are its other half (scheduler/service/engine_link.py).
 
 Everything runs on one asyncio loop, so the Scheduler is only touched between awaits: a Submit or a
 cancellation can land while a step is in flight, and `update` copes (it skips requests that ended
@@ -25,19 +25,19 @@ from llmserve.common.net import LIVENESS_SERVICE, SERVER_OPTIONS, add_servicer, 
 from llmserve.common.sampling import SamplingError
 from llmserve.protos import scheduler_pb2, scheduler_pb2_grpc
 from llmserve.scheduler.config import SchedulerConfig
-from llmserve.scheduler.convert import (
+from llmserve.scheduler.service.convert import (
     request_from_proto,
     request_state_to_proto,
     response_to_proto,
     stats_to_proto,
 )
-from llmserve.scheduler.engine_loop import EngineLoop
-from llmserve.scheduler.links import Roles, is_up
+from llmserve.scheduler.service.engine_link import EngineLoop
+from llmserve.scheduler.disagg.roles import Roles, is_up
 from llmserve.scheduler.lora import check_lora_name
 from llmserve.scheduler.plan import StepOutcome
 from llmserve.scheduler.request import Request, RequestStatus
 from llmserve.scheduler.scheduler import AdmissionError, Scheduler
-from llmserve.scheduler.telemetry import SchedulerTelemetry
+from llmserve.scheduler.service.telemetry import SchedulerTelemetry
 
 log = get_logger("scheduler")
 
@@ -55,7 +55,7 @@ class SchedulerService(EngineLoop, scheduler_pb2_grpc.SchedulerServicer):
 
     def links(self) -> list[EngineLoop]:
         """Every engine's loop: this service's own first (disaggregated, the first decode
-        engine's), then the others (scheduler/links.py)."""
+        engine's), then the others (scheduler/disagg/roles.py)."""
         return self.roles.links if self.roles is not None else [self]
 
     def schedulers(self) -> list[Scheduler]:
@@ -79,12 +79,12 @@ class SchedulerService(EngineLoop, scheduler_pb2_grpc.SchedulerServicer):
     @property
     def serving(self) -> bool:
         """EngineLoop.serving. Disaggregated: every engine has been up once, and one is up
-        (while some are lost, the others take their requests: scheduler/links.py)."""
+        (while some are lost, the others take their requests: scheduler/disagg/roles.py)."""
         if self.roles is None:
             return super().serving
         return not self.draining and self.roles.connected() and self.roles.any_up()
 
-    # Disaggregated, the service's own loop is the first decode engine's (scheduler/links.py).
+    # Disaggregated, the service's own loop is the first decode engine's (scheduler/disagg/roles.py).
     def _first_ids(self, scheduler: Scheduler) -> None:
         if self.roles is not None:
             self.roles.first_ids(self, scheduler)

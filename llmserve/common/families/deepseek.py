@@ -39,7 +39,7 @@ DEEPSEEK_V3 = register(
         name="deepseek_v3",
         hf_architectures=("DeepseekV3ForCausalLM",),
         hf_model_types=("deepseek_v3", "kimi_k2"),
-        model="llmserve.engine.families.deepseek:DeepseekV3ForCausalLM",
+        model="llmserve.engine.model.families.deepseek:DeepseekV3ForCausalLM",
         read_hf=read_deepseek_v3,
         refuses={
             **MOE_REFUSES,

@@ -2,7 +2,7 @@
 per head in each softmax's denominator), layers alternating a 128-token sliding window and full
 attention (`layer_types`), yarn rope, and a mixture of experts with a biased router and biased
 experts under the clamped SwiGLU (common/moe_config.py). Float experts only: the released
-MXFP4 checkpoints are the checkpoint-format loader's (engine/checkpoint_formats.py)."""
+MXFP4 checkpoints are the checkpoint-format loader's (engine/model/checkpoint_formats.py)."""
 
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ GPT_OSS = register(
         name="gpt_oss",
         hf_architectures=("GptOssForCausalLM",),
         hf_model_types=("gpt_oss",),
-        model="llmserve.engine.families.gpt_oss:GptOssForCausalLM",
+        model="llmserve.engine.model.families.gpt_oss:GptOssForCausalLM",
         read_hf=read_gpt_oss,
         refuses={
             **MOE_REFUSES,

@@ -2,7 +2,7 @@
 Qwen3-MoE (Qwen3's layers), Qwen2-MoE (Qwen2's, with a shared expert beside the routed
 ones) and GLM-4.5 (GQA with partial rotary, optional q/k norms, DeepSeek-V3's MoE). Their MoE
 shape is common/moe_config.py's `MoEConfig`, in ModelConfig.moe; the engine's block is
-engine/moe.py."""
+engine/model/moe.py."""
 
 from __future__ import annotations
 
@@ -90,7 +90,7 @@ MIXTRAL = register(
         name="mixtral",
         hf_architectures=("MixtralForCausalLM",),
         hf_model_types=("mixtral",),
-        model="llmserve.engine.families.moe:MixtralForCausalLM",
+        model="llmserve.engine.model.families.moe:MixtralForCausalLM",
         read_hf=lambda cfg: {"moe": moe_from_hf(dict(cfg)), **_window(cfg)},
         gguf_layer_names=MIXTRAL_GGUF_NAMES,  # its GGUFs are Llama's (mixtral_gguf)
         refuses=MOE_REFUSES,
@@ -102,7 +102,7 @@ QWEN3_MOE = register(
         name="qwen3_moe",
         hf_architectures=("Qwen3MoeForCausalLM",),
         hf_model_types=("qwen3_moe",),
-        model="llmserve.engine.families.moe:Qwen3MoeForCausalLM",
+        model="llmserve.engine.model.families.moe:Qwen3MoeForCausalLM",
         read_hf=lambda cfg: {"moe": moe_from_hf(dict(cfg)), **_window(cfg)},
         gguf_architecture="qwen3moe",
         read_gguf=lambda fields, arch: {"moe": _moe_gguf(fields, arch)},
@@ -116,7 +116,7 @@ QWEN2_MOE = register(
         name="qwen2_moe",
         hf_architectures=("Qwen2MoeForCausalLM",),
         hf_model_types=("qwen2_moe",),
-        model="llmserve.engine.families.moe:Qwen2MoeForCausalLM",
+        model="llmserve.engine.model.families.moe:Qwen2MoeForCausalLM",
         read_hf=lambda cfg: {
             "moe": moe_from_hf(dict(cfg)),
             "qkv_bias": bool(cfg.get("qkv_bias", True)),
@@ -150,7 +150,7 @@ GLM4_MOE = register(
         name="glm4_moe",
         hf_architectures=("Glm4MoeForCausalLM",),
         hf_model_types=("glm4_moe",),
-        model="llmserve.engine.families.moe:Glm4MoeForCausalLM",
+        model="llmserve.engine.model.families.moe:Glm4MoeForCausalLM",
         read_hf=read_glm4_moe,
         refuses=MOE_REFUSES,
     )

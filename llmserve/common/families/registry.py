@@ -11,7 +11,7 @@ and listed in common/families/__init__.py:
   its tensor names that differ from Llama's.
 - `model`: "module:Class" of its model definition in engine/families/, imported only by the
   engine (this side never loads torch, so the scheduler, gateway and CLI can read a model's shape).
-  That class declares the family's layers from engine/layers.py (see engine/families/README.md).
+  That class declares the family's layers from engine/model/layers.py (see engine/model/families/README.md).
 - `refuses`: engine features the family cannot use, each with the reason; the engine refuses them
   by name at start.
 """
@@ -40,11 +40,11 @@ class Family:
     name: str
     hf_architectures: tuple[str, ...]
     hf_model_types: tuple[str, ...]
-    model: str  # "llmserve.engine.families.<module>:<Class>"
+    model: str  # "llmserve.engine.model.families.<module>:<Class>"
     read_hf: HFReader
     gguf_architecture: str | None = None
     read_gguf: GGUFReader | None = None
-    # GGUF tensor names that differ from Llama's (engine/weights.py): "attn_qkv" -> our
+    # GGUF tensor names that differ from Llama's (engine/model/weights.py): "attn_qkv" -> our
     # "self_attn.qkv_proj", ...; norms llama.cpp stores as 1 + w (Gemma's converter adds it).
     gguf_layer_names: Mapping[str, str] = field(default_factory=dict)
     gguf_norms_plus_one: bool = False
@@ -94,7 +94,7 @@ def family_for_hf(cfg: Mapping[str, Any], where: str) -> Family:
 
 
 # The engine features a family may refuse (Family.refuses' keys), as EngineConfig.features
-# names them; "lora" is refused when an adapter is loaded (engine/adapters.py), not at start
+# names them; "lora" is refused when an adapter is loaded (engine/features/adapters.py), not at start
 # (every engine has adapter slots by default).
 FEATURES = (
     "quantization",

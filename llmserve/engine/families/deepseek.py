@@ -21,10 +21,10 @@ import torch
 from torch import nn
 
 from llmserve.common.model_config import ModelConfig
-from llmserve.engine.families.moe import SparseLayers
-from llmserve.engine.layers import Linear, RMSNorm, RotaryEmbedding, default_weight_loader
-from llmserve.engine.ops import AttentionContext, LayerOps, OpsModule
-from llmserve.engine.parallel import TPGroup
+from llmserve.engine.model.families.moe import SparseLayers
+from llmserve.engine.model.layers import Linear, RMSNorm, RotaryEmbedding, default_weight_loader
+from llmserve.engine.model.ops import AttentionContext, LayerOps, OpsModule
+from llmserve.engine.parallel.groups import TPGroup
 
 # transformers' DeepseekV3RMSNorm default, which the q and kv latents' norms keep (their eps is
 # not config.rms_norm_eps)

@@ -20,10 +20,10 @@ from torch import nn
 
 from llmserve.common.model_config import ModelConfig
 from llmserve.common.moe_config import MoEConfig
-from llmserve.engine.layers import default_weight_loader
-from llmserve.engine.model import LlamaForCausalLM
-from llmserve.engine.ops import LayerOps
-from llmserve.engine.parallel import TPGroup
+from llmserve.engine.model.layers import default_weight_loader
+from llmserve.engine.model.model import LlamaForCausalLM
+from llmserve.engine.model.ops import LayerOps
+from llmserve.engine.parallel.groups import TPGroup
 from llmserve.kernels.moe_reference import route, sort_by_expert
 
 
@@ -100,7 +100,7 @@ class GptOssMoeBlock(nn.Module):
 
 class GptOssForCausalLM(LlamaForCausalLM):
     """Tensor-parallel, the attention splits by heads (the sinks too) and the experts whole
-    across the ranks (expert parallelism, as engine/moe.py)."""
+    across the ranks (expert parallelism, as engine/model/moe.py)."""
 
     def make_mlp(self, config: ModelConfig, layer: int, ops: LayerOps, tp: TPGroup) -> nn.Module:
         assert config.moe is not None, "gpt-oss: config.json gave no experts"
