@@ -88,6 +88,23 @@ FAMILIES: dict[str, dict[str, Any]] = {
         "n_group": 4, "topk_group": 2, "n_shared_experts": 1, "first_k_dense_replace": 1,
         "norm_topk_prob": True, "routed_scaling_factor": 2.5, "partial_rotary_factor": 0.5,
     },
+    # DeepSeek-V3: multi-head latent attention as DeepSeek-V2-Lite lays it out (no q latent;
+    # here a latent of 192 + 32 rotary values, nope 64, v 64: 224 values a token a layer against
+    # Llama's 2 x 3 x 64 = 384), GLM-4.5's MoE as above.
+    "deepseek_v3": {
+        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+        "q_lora_rank": None, "kv_lora_rank": 192, "qk_nope_head_dim": 64, "qk_rope_head_dim": 32,
+        "v_head_dim": 64, "n_routed_experts": 8, "num_experts_per_tok": 2,
+        "moe_intermediate_size": 192, "n_group": 4, "topk_group": 2, "n_shared_experts": 1,
+        "first_k_dense_replace": 1, "norm_topk_prob": True, "routed_scaling_factor": 2.5,
+    },
+    # gpt-oss: attention sinks, a 64-token window on every other layer, q/k/v/o biases, 8 biased
+    # experts of 192 under the clamped SwiGLU, top-2 (the sinks take the reference attention).
+    "gpt_oss": {
+        "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "head_dim": 64,
+        "sliding_window": WINDOW, "num_local_experts": 8, "num_experts_per_tok": 2,
+        "intermediate_size": 192, "swiglu_limit": 7.0, "attention_bias": True,
+    },
 }  # fmt: skip
 
 

@@ -36,9 +36,9 @@ def files_to_rewrite(skip: tuple[Path, ...] = ()) -> list[Path]:
             continue
         wanted = path.suffix in SUFFIXES or path.name == "Dockerfile"
         plan = path.name.startswith("layout_") or path.resolve() in skip
-        if path.is_file() and wanted and not plan and "_pb2" not in path.name:
-            if "results" not in path.parts:
-                out.append(path)
+        generated = "_pb2" in path.name or "results" in path.parts
+        if path.is_file() and wanted and not plan and not generated:
+            out.append(path)
     return out
 
 

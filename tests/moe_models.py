@@ -45,8 +45,59 @@ GLM4_MOE = {
         "partial_rotary_factor": 0.5,
     },
 }
+# DeepSeek-V3 (tests/test_deepseek_v3.py): GLM-4.5's MoE with multi-head latent attention, the
+# q latent (q_lora_rank), DeepSeek's interleaved rotary pairs, yarn with both mscales; every head
+# its own K/V in transformers (num_key_value_heads = heads). deepseek_v3_plain: q_proj without a
+# q latent, rotate-half rotary, no rope scaling.
+DEEPSEEK_V3 = {
+    **{k: v for k, v in GLM4_MOE.items() if k not in ("use_qk_norm", "attention_bias")},
+    "num_key_value_heads": 4,
+    "kv_lora_rank": 32,
+    "q_lora_rank": 48,
+    "qk_nope_head_dim": 16,
+    "qk_rope_head_dim": 8,
+    "v_head_dim": 12,
+    "rope_interleave": True,
+    "rope_parameters": {
+        "rope_type": "yarn",
+        "rope_theta": 10000.0,
+        "factor": 8.0,
+        "original_max_position_embeddings": 128,
+        "mscale": 1.0,
+        "mscale_all_dim": 0.8,
+    },
+}
+DEEPSEEK_V3_PLAIN = {
+    **DEEPSEEK_V3,
+    "q_lora_rank": None,
+    "rope_interleave": False,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+}
+# gpt-oss (tests/test_gpt_oss.py): 8 biased experts, top-2, the clamped SwiGLU with a limit the
+# tiny model's activations reach; attention sinks; sliding (a 12-token window, shorter than the
+# prompts) and full layers alternating; yarn without truncation.
+GPT_OSS = {
+    "num_local_experts": 8,
+    "num_experts_per_tok": 2,
+    "intermediate_size": 32,
+    "head_dim": 16,
+    "sliding_window": WINDOW,
+    "swiglu_limit": 1.5,
+    "rope_parameters": {
+        "rope_type": "yarn",
+        "rope_theta": 10000.0,
+        "factor": 4.0,
+        "original_max_position_embeddings": 256,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "truncate": False,
+    },
+}
 DEEPSEEK_MOE_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
+    "gpt_oss": ("GptOssConfig", GPT_OSS),
     "glm4_moe": ("Glm4MoeConfig", GLM4_MOE),
+    "deepseek_v3": ("DeepseekV3Config", DEEPSEEK_V3),
+    "deepseek_v3_plain": ("DeepseekV3Config", DEEPSEEK_V3_PLAIN),
 }
 
 
@@ -62,7 +113,7 @@ def make_tiny_moe(directory: Path, family: str, seed: int = 0, **overrides: Any)
     model = transformers.AutoModelForCausalLM.from_config(config).float()
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if name.endswith("bias") or name.endswith(("gate.weight", "shared_expert_gate.weight")):
+            if name.endswith(("bias", "sinks", "gate.weight", "shared_expert_gate.weight")):
                 param.copy_(torch.randn_like(param) * 0.5)
             elif "norm" in name:
                 param.add_(torch.randn_like(param) * 0.1)

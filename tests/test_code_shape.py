@@ -26,7 +26,9 @@ EXTENSION_POINTS = {
     "LlamaForCausalLM": "the reference decoder: a family overrides its named parts, as "
     "transformers' modular families do",
     "Qwen3ForCausalLM": "Qwen3-MoE is Qwen3 with sparse blocks (the same pattern)",
+    "SparseLayers": "the MoE decoder a sparse family extends (DeepSeek-V3 over GLM-4.5's router)",
     "RotaryEmbedding": "a family's rotary variant (SmolLM3's layers without rope)",
+    "Linear": "a family's variant of the linear layer (DeepSeek's rotary rows permuted at load)",
     "PeerSecurity": "dataclass fields for the internal links, shared by three service configs",
     "NullIsDefault": "the pydantic base of the HTTP APIs' request bodies (an explicit null is the "
     "default, as OpenAI's schema allows)",

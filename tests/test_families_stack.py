@@ -6,8 +6,8 @@ model declares (generation_config.json's list, a GGUF's eot id) stopping generat
 Each stack costs ~5 s of CPU, so the suite serves two: Gemma 2 from an HF directory (soft-caps,
 sliding window, sandwich norms) and Qwen3-MoE from a GGUF (experts, qk-norm, the tokenizer and
 chat template read from the file). `pytest --family-stacks -m family_stacks` serves every other
-family from both formats, SmolLM3 and GLM-4.5 from an HF directory only (20 stacks in all;
-docs/models.md gives the last run's time)."""
+family from both formats, SmolLM3, GLM-4.5, DeepSeek-V3 and gpt-oss from an HF directory only
+(22 stacks in all; docs/models.md gives the last run's time)."""
 
 from __future__ import annotations
 
@@ -50,8 +50,11 @@ MAKERS: dict[str, Callable[..., Path]] = {
 IN_SUITE = [("gemma2", "hf"), ("qwen3_moe", "gguf")]
 OPT_IN = [(f, fmt) for f in MAKERS for fmt in ("hf", "gguf") if (f, fmt) not in IN_SUITE]
 # Families served from an HF directory only (no GGUF writer in the tests).
-MAKERS.update(smollm3=make_tiny_family, glm4_moe=make_tiny_moe)
-OPT_IN += [("smollm3", "hf"), ("glm4_moe", "hf")]
+MAKERS.update(
+    smollm3=make_tiny_family, glm4_moe=make_tiny_moe, deepseek_v3=make_tiny_moe,
+    gpt_oss=make_tiny_moe,
+)  # fmt: skip
+OPT_IN += [("smollm3", "hf"), ("glm4_moe", "hf"), ("deepseek_v3", "hf"), ("gpt_oss", "hf")]
 
 
 @torch.no_grad()

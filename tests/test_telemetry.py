@@ -14,11 +14,14 @@ from pathlib import Path
 
 import grpc
 import pytest
+import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from llmserve.bench.otlp import OtlpReceiver, Span
 from llmserve.client import Client, Completion, make_request
 from llmserve.common import telemetry
+from llmserve.common.model_config import load_model_config
+from llmserve.engine.kv.cache import bytes_per_token
 from tests.stack import Stack, free_port, start_stack
 
 pytestmark = pytest.mark.stack  # starts service processes (tests/conftest.py)
@@ -235,7 +238,9 @@ def metrics_stack(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     stack.close()
 
 
-def test_metrics_match_what_clients_saw(metrics_stack: tuple[Stack, dict[str, int]]) -> None:
+def test_metrics_match_what_clients_saw(
+    metrics_stack: tuple[Stack, dict[str, int]], model_dir: Path
+) -> None:
     stack, ports = metrics_stack
     requests = [
         make_request(text=p, max_tokens=3 + i, temperature=0.0, ignore_eos=True)
@@ -288,6 +293,10 @@ def test_metrics_match_what_clients_saw(metrics_stack: tuple[Stack, dict[str, in
     assert _total(sc, "llmserve_scheduler_requests_running") == 0
     assert _total(sc, "llmserve_kv_cache_usage") == 0
     assert _total(sc, "llmserve_kv_cache_blocks_free") == 64
+    # The pool's bytes per token, as the engine lays it out (float32 on the CPU)
+    per_token = bytes_per_token(load_model_config(model_dir), torch.float32)
+    assert _total(sc, "llmserve_kv_cache_token_size_bytes") == per_token > 0
+    assert stack.stats().kv_bytes_per_token == per_token
     # Every step the scheduler planned is one the engine ran and the scheduler timed. With
     # overlap a step planned ahead of the last result (for a request that had just finished)
     # may still be in flight when the scheduler turns idle: it is counted as planned at once,

@@ -22,6 +22,7 @@ from llmserve.common.families import (
     rope_from_hf,
 )
 from llmserve.common.gguf_file import open_gguf
+from llmserve.common.mla_config import MLAConfig
 from llmserve.common.moe_config import MoEConfig
 from llmserve.common.sampling import GENERATION_DEFAULTS
 
@@ -121,6 +122,12 @@ class ModelConfig:
     final_logit_softcap: float | None = None
     embed_scale: float | None = None  # embeddings times this (Gemma: sqrt(hidden_size))
     moe: MoEConfig | None = None  # mixture of experts: the sparse layers' shape (Mixtral, Qwen-MoE)
+    # multi-head latent attention (DeepSeek-V3): the pool holds one latent per token per layer
+    mla: MLAConfig | None = None
+    attention_sinks: bool = False  # a learned per-head logit in each softmax's denominator
+    # multi-token prediction layers stored after the model's own (DeepSeek-V3, GLM-4.5:
+    # num_nextn_predict_layers), not served: their tensors are knowingly left unread
+    num_mtp_layers: int = 0
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:

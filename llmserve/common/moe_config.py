@@ -9,7 +9,10 @@ shared expert, which layers are sparse, and the checkpoint's names for the block
     GLM-4.5      sigmoid; top-k of (score + correction bias)    ungated (n_shared_experts of
                  within the topk_group best of n_group groups;  them, one wide MLP); the first
                  the unbiased scores, renormalized if            first_k_dense_replace layers
-                 norm_topk_prob, times routed_scaling_factor     dense (DeepSeek-V3's router)
+                 norm_topk_prob, times routed_scaling_factor     dense (DeepSeek-V3's router;
+                                                                 DeepSeek-V3 itself the same)
+    gpt-oss      softmax over the top-k logits (router bias):   none; biased experts under the
+                 top-k of the softmax, renormalized             clamped SwiGLU
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ HF_MOE_NAMES: dict[str, tuple[str, tuple[str, str, str]]] = {
     "Qwen3MoeForCausalLM": ("mlp", ("gate_proj", "up_proj", "down_proj")),
     "Qwen2MoeForCausalLM": ("mlp", ("gate_proj", "up_proj", "down_proj")),
     "Glm4MoeForCausalLM": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+    "DeepseekV3ForCausalLM": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+    "GptOssForCausalLM": ("mlp", ("gate_up_proj", "gate_up_proj", "down_proj")),
 }
 
 
@@ -53,6 +58,9 @@ class MoEConfig:
     num_groups: int = 1
     topk_groups: int = 1
     routed_scaling_factor: float = 1.0
+    # gpt-oss: experts with biases and the clamped SwiGLU (alpha, limit): gate clamped above at
+    # limit, up to +-limit, out = (up + 1) * gate * sigmoid(alpha * gate); a router with a bias.
+    clamped_swiglu: tuple[float, float] | None = None
 
     def __post_init__(self) -> None:
         if not 0 < self.top_k <= self.num_experts:
@@ -88,7 +96,20 @@ def moe_from_hf(cfg: dict[str, Any]) -> MoEConfig | None:
             hf_block=block,
             hf_experts=experts,
         )
-    if arch == "Glm4MoeForCausalLM":
+    if arch == "GptOssForCausalLM":  # top-k of the logits, softmax over those k
+        return MoEConfig(
+            num_experts=int(cfg["num_local_experts"]),
+            top_k=int(cfg["num_experts_per_tok"]),
+            intermediate_size=int(cfg["intermediate_size"]),
+            renormalize=True,
+            hf_block=block,
+            hf_experts=experts,
+            clamped_swiglu=(
+                float(cfg.get("swiglu_alpha", 1.702)),
+                float(cfg.get("swiglu_limit", 7.0)),
+            ),
+        )
+    if arch in ("Glm4MoeForCausalLM", "DeepseekV3ForCausalLM"):
         return _deepseek_moe(cfg, block, experts)
     step = int(cfg.get("decoder_sparse_step", 1) or 1)
     only_mlp = {int(i) for i in cfg.get("mlp_only_layers") or []}
@@ -107,7 +128,7 @@ def moe_from_hf(cfg: dict[str, Any]) -> MoEConfig | None:
 
 
 def _deepseek_moe(cfg: dict[str, Any], block: str, experts: tuple[str, str, str]) -> MoEConfig:
-    """DeepSeek-V3's MoE as GLM-4.5 configures it (its router is always noaux_tc)."""
+    """DeepSeek-V3's MoE (and GLM-4.5's, the same): the router is always noaux_tc."""
     num_experts = int(cfg.get("n_routed_experts") or cfg["num_local_experts"])
     width = int(cfg["moe_intermediate_size"])
     num_groups, topk_groups = int(cfg.get("n_group") or 1), int(cfg.get("topk_group") or 1)

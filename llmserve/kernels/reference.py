@@ -112,6 +112,7 @@ def paged_attention(
     v_scale: float = 1.0,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of each request's new queries over its whole context in the paged pool.
 
@@ -127,9 +128,8 @@ def paged_attention(
 
     window: a sliding window (Mistral, Gemma): the query at position p sees keys p - window + 1
     .. p only. softcap: scores (q . k * scale) become softcap * tanh(scores / softcap) before
-    the mask and softmax (Gemma 2).
-
-    Decode rows (one query) are batched together; each longer chunk runs on its own.
+    the mask and softmax (Gemma 2). sinks [num_heads]: gpt-oss's (_softmax_with_sinks). Decode
+    rows (one query) are batched together; each longer chunk runs on its own.
     """
     check_kv_scales(k_cache.dtype, k_scale, v_scale)
     out = torch.empty_like(q)
@@ -139,7 +139,7 @@ def paged_attention(
     if decode:
         _decode_attention(
             q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, decode, scale, v_scale, out,
-            window, softcap,
+            window, softcap, sinks,
         )  # fmt: skip
     for b in range(num_seqs):
         start, end = cu_seqlens_q[b], cu_seqlens_q[b + 1]
@@ -155,7 +155,7 @@ def paged_attention(
         mask = k_pos[None, :] <= q_pos[:, None]
         if window is not None:
             mask &= k_pos[None, :] > q_pos[:, None] - window
-        attn = _chunk_attention(qb, k.to(q.dtype), v.to(q.dtype), mask, scale, softcap)
+        attn = _chunk_attention(qb, k.to(q.dtype), v.to(q.dtype), mask, scale, softcap, sinks)
         if v_scale != 1.0:
             attn = attn * v_scale
         out[start:end] = attn[0].transpose(0, 1)
@@ -175,6 +175,7 @@ def _decode_attention(
     out: torch.Tensor,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     """One query per request in `rows`, batched: gather each context padded to the longest
     (one index_select per cache), then per KV head two strided bmm's over its query group, so K
@@ -205,7 +206,11 @@ def _decode_attention(
         if softcap is not None:
             scores = torch.tanh(scores / softcap) * softcap
         scores.masked_fill_(hidden, float("-inf"))
-        probs = torch.softmax(scores.to(accumulate), dim=-1).to(q.dtype)
+        if sinks is None:
+            probs = torch.softmax(scores.to(accumulate), dim=-1).to(q.dtype)
+        else:
+            group = sinks[h * qg.shape[2] : (h + 1) * qg.shape[2]]
+            probs = _softmax_with_sinks(scores.to(accumulate), group[None, :]).to(q.dtype)
         attn[:, h] = torch.bmm(probs, v[:, :, h])
     if v_scale != 1.0:
         attn *= v_scale
@@ -219,21 +224,37 @@ def _chunk_attention(
     mask: torch.Tensor,
     scale: float,
     softcap: float | None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One request's chunk of queries: q [1, H, Tq, D], k and v [1, Hkv, Tk, D], mask [Tq, Tk]
-    True where a key is seen. Soft-capped scores are written out (SDPA has no cap), the softmax
-    in float32."""
-    if softcap is None:
+    True where a key is seen. Soft-capped scores, and sinks, are written out (SDPA has
+    neither), the softmax in float32."""
+    if softcap is None and sinks is None:
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask[None, None], scale=scale, enable_gqa=q.shape[1] != k.shape[1]
         )
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
-    scores = torch.tanh(scores / softcap) * softcap
-    scores = scores.masked_fill(~mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    return torch.matmul(probs, v)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf")).float()
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1)
+    else:
+        probs = _softmax_with_sinks(scores, sinks[None, :, None])
+    return torch.matmul(probs.to(q.dtype), v)
+
+
+def _softmax_with_sinks(scores: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """softmax over the last dimension of scores with one more logit, `sinks` (broadcast to
+    scores' shape less that dimension), in the denominator only: a learned logit per head that
+    attends to nothing, p_t = e^(s_t) / (sum e^(s) + e^sink), as transformers' gpt-oss computes
+    it (the row's max subtracted first)."""
+    sink = sinks.to(scores.dtype).expand(*scores.shape[:-1]).unsqueeze(-1)
+    combined = torch.cat((scores, sink), dim=-1)
+    combined = combined - combined.max(dim=-1, keepdim=True).values
+    return torch.softmax(combined, dim=-1)[..., :-1]
 
 
 def rms_norm(

@@ -1,7 +1,7 @@
 """The served model families (common/families/registry.py explains a family's record). Each
 module below registers its families when imported; a new family adds its module here."""
 
-from llmserve.common.families import gemma, llama, moe, phi3, qwen, smollm3
+from llmserve.common.families import deepseek, gemma, gpt_oss, llama, moe, phi3, qwen, smollm3
 from llmserve.common.families.registry import (
     FAMILIES,
     FEATURES,
@@ -24,10 +24,12 @@ __all__ = [
     "Family",
     "ModelSourceError",
     "UnservedModelError",
+    "deepseek",
     "family_for_gguf",
     "family_for_hf",
     "family_refusal",
     "gemma",
+    "gpt_oss",
     "llama",
     "moe",
     "phi3",

@@ -141,6 +141,7 @@ def read_glm4_moe(cfg: Mapping[str, Any]) -> dict[str, Any]:
         "attention_bias": False,  # o_proj never has one
         "partial_rotary_factor": float(factor),
         "qk_norm": bool(cfg.get("use_qk_norm", False)),
+        "num_mtp_layers": int(cfg.get("num_nextn_predict_layers") or 0),
     }
 
 

@@ -94,14 +94,16 @@ def family_for_hf(cfg: Mapping[str, Any], where: str) -> Family:
     )
 
 
-# The engine features a family may refuse (Family.refuses' keys), as EngineConfig.features
-# names them.
+# The engine features a family may refuse (Family.refuses' keys), as EngineConfig.features names
+# them; "lora" is refused when an adapter is loaded (engine/features/adapters.py), not at start
+# (every engine has adapter slots by default).
 FEATURES = (
     "quantization",
     "tensor_parallel",
     "pipeline_parallel",
     "speculative_decoding",
     "cuda_graphs",
+    "lora",
 )
 
 

@@ -13,6 +13,7 @@ from collections import OrderedDict
 
 import torch
 
+from llmserve.common.families import family_refusal
 from llmserve.common.log import get_logger
 from llmserve.common.model_config import ModelConfig
 from llmserve.common.step_plan import LoraLoad
@@ -61,6 +62,9 @@ class Adapters:
         --max-cpu-loras. An adapter of the same name is replaced."""
         if not name:
             raise LoraError("an adapter needs a name (lora_name)")
+        why = family_refusal(self.model_config.family, ["lora"])
+        if why is not None:
+            raise LoraError(f"adapter {name}: {why}")
         adapter = read_adapter(name, path, self.model_config, self.max_rank)
         self.cache.pop(name, None)
         self.cache[name] = adapter

@@ -169,7 +169,8 @@ class Attention(OpsModule):
     Per family (config): biases on q/k/v and o (attention_bias) or q/k/v alone (qkv_bias), the
     softmax scale (attention_scale), soft-capped scores (attn_logit_softcap); per layer: a
     sliding window (`window`) and an RMSNorm over each head's q and k before the rotary
-    (`qk_norm`: its class, Qwen3 and Gemma 3)."""
+    (`qk_norm`: its class, Qwen3 and Gemma 3); attention sinks (config.attention_sinks,
+    gpt-oss)."""
 
     def __init__(
         self,
@@ -202,6 +203,15 @@ class Attention(OpsModule):
             self.q_norm = qk_norm(config.head_dim, config.rms_norm_eps, ops)
             self.k_norm = qk_norm(config.head_dim, config.rms_norm_eps, ops)
         self.qk_norm = qk_norm is not None
+        # gpt-oss: one logit per head in the softmax's denominator (loaded as `sinks`)
+        self.sinks: nn.Parameter | None = None
+        if config.attention_sinks:
+            self.sinks = nn.Parameter(torch.empty(self.num_heads))
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: int = 0) -> None:
+        """The sinks (the one parameter of its own): this rank's heads'."""
+        n = self.num_heads
+        default_weight_loader(param, loaded.narrow(0, self.tp.rank * n, n), shard)
 
     def forward(
         self, positions: torch.Tensor, hidden: torch.Tensor, ctx: AttentionContext
@@ -219,8 +229,9 @@ class Attention(OpsModule):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = ctx.kv_caches[self.layer_idx]
         attn = self.ops.attention(
-            q, k, v, k_cache, v_cache, ctx, self.scale, window=self.window, softcap=self.softcap
-        )
+            q, k, v, k_cache, v_cache, ctx, self.scale, window=self.window, softcap=self.softcap,
+            sinks=self.sinks,
+        )  # fmt: skip
         attn = attn.reshape(num_tokens, self.q_size)
         out = self.o_proj(attn)
         if ctx.lora is not None:  # before the all-reduce: a row-parallel update is partial too

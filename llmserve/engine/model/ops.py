@@ -73,6 +73,7 @@ class LayerOps:
         *,
         window: int | None = None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         raise NotImplementedError
 
@@ -129,12 +130,13 @@ class ReferenceOps(LayerOps):
         *,
         window: int | None = None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Store this step's K/V, then attend (reference.paged_attention)."""
         ref.store_kv(k, v, k_cache, v_cache, ctx.slot_mapping)
         return ref.paged_attention(
             q, k_cache, v_cache, ctx.block_tables, ctx.seq_lens, ctx.cu_seqlens_q, scale,
-            window=window, softcap=softcap,
+            window=window, softcap=softcap, sinks=sinks,
         )  # fmt: skip
 
 
@@ -214,6 +216,7 @@ class CpuOps(ReferenceOps):
         *,
         window: int | None = None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         step = ctx.cpu_step
         assert isinstance(step, _CpuStep), "prepare() first"
@@ -222,11 +225,11 @@ class CpuOps(ReferenceOps):
         for cache, new in ((k_cache, k), (v_cache, v)):
             flat = cache.view(-1, *cache.shape[2:])
             ref._as_bytes(flat)[step.slots] = ref._as_bytes(ref.quantize_kv(new, flat.dtype))
-        if len(step.decode_rows) == len(ctx.seq_lens) and softcap is None:
+        if len(step.decode_rows) == len(ctx.seq_lens) and softcap is None and sinks is None:
             return self._decode(q, k_cache, v_cache, step, scale, window)
-        return ref.paged_attention(  # a step with prefill chunks, or soft-capped scores
+        return ref.paged_attention(  # prefill chunks, soft-capped scores or sinks
             q, k_cache, v_cache, ctx.block_tables, ctx.seq_lens, ctx.cu_seqlens_q, scale,
-            window=window, softcap=softcap,
+            window=window, softcap=softcap, sinks=sinks,
         )  # fmt: skip
 
     @staticmethod
@@ -340,10 +343,12 @@ class KernelOps(LayerOps):
         *,
         window: int | None = None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """store_kv, then the decode kernel (every request one query) or the varlen prefill
         kernel (anything else), as kernels.cuda.paged_attention dispatches."""
         assert ctx.seq_lens_t is not None and ctx.cu_seqlens_q_t is not None, "prepare() first"
+        assert sinks is None, "kernel_limits keeps models with attention sinks off the kernels"
         self.lib.store_kv(k, v, k_cache, v_cache, ctx.slot_mapping)
         if ctx.num_splits is not None and ctx.max_seqlen_q == 1:
             return self.lib.paged_decode_attention(
@@ -371,6 +376,13 @@ def kernel_limits(config: ModelConfig, dtype: torch.dtype, block_size: int) -> s
 
     if dtype not in (torch.float16, torch.bfloat16):
         return f"dtype {str(dtype).removeprefix('torch.')}: the CUDA kernels are fp16 / bf16 only"
+    if config.attention_sinks:
+        return "attention sinks (gpt-oss): not in the CUDA attention kernels yet"
+    if config.mla is not None:
+        return (
+            f"multi-head latent attention: the CUDA kernels do not read the latent KV pool "
+            f"({config.mla.latent_dim} values per token, one head) yet"
+        )
     if config.head_dim not in HEAD_DIMS:
         return f"head_dim={config.head_dim}: the CUDA kernels support {HEAD_DIMS}"
     if config.rotary_dim % 16:

@@ -339,5 +339,16 @@ def load_model(
         # A pipeline stage leaves the other stages' layers unread, on purpose, and a tensor-
         # parallel rank of a mixture of experts the other ranks' experts: the one-rank load
         # checks every tensor.
+        skip_mtp_layers(weights, model_config)
         weights.check_all_read(path, model_config.tie_word_embeddings)
     return model, ops_reason
+
+
+def skip_mtp_layers(weights: CheckpointView, config: ModelConfig) -> None:
+    """Count the multi-token prediction layers' tensors (`model.layers.{L}.` .. after the
+    model's L layers: DeepSeek-V3's and GLM-4.5's releases store one) as read: not served, on
+    purpose, so the after-load check does not refuse the checkpoint for them."""
+    first = config.num_layers
+    stems = tuple(f"model.layers.{i}." for i in range(first, first + config.num_mtp_layers))
+    if stems:
+        weights.read_names.update(n for n in weights if n.startswith(stems))

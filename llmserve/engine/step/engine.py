@@ -207,6 +207,7 @@ class Engine:
             ops_reason=ops_reason,
             num_blocks=self.num_blocks,
             kv_tokens=self.num_blocks * config.block_size,
+            kv_bytes_per_token=self.info.kv_block_bytes // config.block_size,
             kv_cache_gib=round(self.kv_cache.numel() * self.kv_cache.element_size() / GIB, 2),
             kv_offload_host_blocks=self.info.num_host_blocks,
             kv_offload_disk_blocks=self.info.num_disk_blocks,

@@ -136,6 +136,11 @@ METRICS = {
         "llmserve.kv_cache.blocks.free", "gauge", "{block}",
         "KV-cache blocks not held by any request",
     ),
+    "kv_bytes_per_token": Metric(
+        "llmserve.kv_cache.token_size", "gauge", "By",
+        "KV-cache bytes one token takes over all layers (the engine's pool layout: per-head K "
+        "and V, or multi-head latent attention's one latent)",
+    ),
     "throughput": Metric(
         "llmserve.scheduler.generation_throughput", "gauge", "{token}/s",
         "Tokens generated per second since the previous reading (at most 10 s back)",

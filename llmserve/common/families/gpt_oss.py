@@ -1,0 +1,57 @@
+"""gpt-oss (GptOssForCausalLM): GQA with q/k/v/o biases and attention sinks (a learned logit
+per head in each softmax's denominator), layers alternating a 128-token sliding window and full
+attention (`layer_types`), yarn rope, and a mixture of experts with a biased router and biased
+experts under the clamped SwiGLU (common/moe_config.py). Float experts only: the released
+MXFP4 checkpoints are the checkpoint-format loader's (engine/model/checkpoint_formats.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from llmserve.common.families.moe import MOE_REFUSES
+from llmserve.common.families.registry import Family, register
+from llmserve.common.families.rope import rope_from_hf
+from llmserve.common.moe_config import moe_from_hf
+
+# GptOssConfig's defaults where a config.json leaves a field out
+DEFAULT_ROPE = {
+    "rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+    "original_max_position_embeddings": 4096,
+}  # fmt: skip
+
+
+def read_gpt_oss(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """What differs from Llama's reading, with GptOssConfig's defaults: head_dim 64, a window
+    of 128 on every other layer from the first, yarn (factor 32 over 4096, untruncated)."""
+    num_layers = int(cfg["num_hidden_layers"])
+    alternating = ["sliding_attention", "full_attention"] * num_layers
+    fields: dict[str, Any] = {
+        "moe": moe_from_hf(dict(cfg)),
+        "head_dim": int(cfg.get("head_dim") or 64),
+        "attention_bias": bool(cfg.get("attention_bias", True)),
+        "attention_sinks": True,
+        "sliding_window": int(cfg.get("sliding_window") or 128),
+        "layer_types": tuple(cfg.get("layer_types") or alternating[:num_layers]),
+    }
+    if not cfg.get("rope_parameters") and not cfg.get("rope_scaling"):
+        theta = cfg.get("rope_theta", 150000.0)
+        fields["rope_theta"], fields["rope_scaling"] = rope_from_hf(
+            {**DEFAULT_ROPE, "rope_theta": theta}, cfg
+        )
+    return fields
+
+
+GPT_OSS = register(
+    Family(
+        name="gpt_oss",
+        hf_architectures=("GptOssForCausalLM",),
+        hf_model_types=("gpt_oss",),
+        model="llmserve.engine.model.families.gpt_oss:GptOssForCausalLM",
+        read_hf=read_gpt_oss,
+        refuses={
+            **MOE_REFUSES,
+            "lora": "its experts (every MLP) take no adapters yet: one would be left unapplied",
+        },
+    )
+)

@@ -1,0 +1,161 @@
+"""DeepSeek-V3 / Kimi K2: multi-head latent attention (MLA) over a latent KV pool, and
+DeepSeek-V3's MoE (engine/model/families/moe.SparseLayers, the router GLM-4.5 shares).
+
+MLA with the up-projection absorbed. Per head h, with kv_b_proj's rows split into W_UK[h]
+[nope, rank] and W_UV[h] [v, rank], and the pool's latent of token t being [c_t | k_rot_t]
+(kv_lora_rank + qk_rope_head_dim values, one per token per layer):
+
+    score(t) = q_nope . (W_UK c_t) + q_rot . k_rot_t = [W_UK^T q_nope | q_rot] . [c_t | k_rot_t]
+    out      = sum_t p_t W_UV c_t = W_UV (sum_t p_t c_t)
+
+so attention is multi-query attention of every head's absorbed query over one latent "head",
+its value the latent's first kv_lora_rank entries, and W_UV comes after. The layer hands the
+ops the latent as both key and value (the pool's one view, kv_cache.layer_views) and keeps
+the first kv_lora_rank of each output row. Prefill takes the same absorbed form (exact; it
+spends (rank + rope) / (nope + rope) times the score products of expanding K and V per head).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from llmserve.common.model_config import ModelConfig
+from llmserve.engine.model.families.moe import SparseLayers
+from llmserve.engine.model.layers import Linear, RMSNorm, RotaryEmbedding, default_weight_loader
+from llmserve.engine.model.ops import AttentionContext, LayerOps, OpsModule
+from llmserve.engine.parallel.groups import TPGroup
+
+# transformers' DeepseekV3RMSNorm default, which the q and kv latents' norms keep (their eps is
+# not config.rms_norm_eps)
+LATENT_NORM_EPS = 1e-6
+
+
+def deinterleave_rows(rope_dim: int, head_dim: int, num_heads: int) -> torch.Tensor:
+    """Row order that turns each head's last rope_dim rows from DeepSeek's interleaved pairs
+    (x0, x1), (x2, x3)... into rotate-half's halves (x0, x2, ..., x1, x3, ...): the rotated
+    values then equal transformers' apply_rotary_pos_emb_interleave exactly."""
+    order = torch.arange(num_heads * head_dim).view(num_heads, head_dim)
+    rope = order[:, head_dim - rope_dim :]
+    order[:, head_dim - rope_dim :] = torch.cat((rope[:, 0::2], rope[:, 1::2]), dim=1)
+    return order.flatten()
+
+
+class RopeRowsLinear(Linear):
+    """A Linear whose checkpoint rows are permuted at load (`rows`: the new row order of the
+    whole tensor), before a column-parallel rank takes its rows (output_size: this rank's)."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool,
+        rows: torch.Tensor | None,
+        tp: TPGroup | None = None,
+    ):
+        super().__init__(input_size, [output_size], bias, tp, "output")
+        self.rows = rows
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: int = 0) -> None:
+        if self.rows is not None:
+            loaded = loaded[self.rows]
+        super().weight_loader(param, loaded, shard)
+
+
+class LatentProjection(nn.Module):
+    """kv_b_proj's weight [heads * (nope + v), kv_lora_rank] of this rank's heads (not a Linear:
+    the layer reads it per head, and no pass may swap it for a packed or quantized linear)."""
+
+    def __init__(self, num_heads: int, nope: int, v: int, rank: int, tp: TPGroup):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_heads * (nope + v), rank))
+        self.split = (num_heads, nope, v)
+        self.tp = tp
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: int = 0) -> None:
+        rows = param.shape[0]  # rank r's heads are rows r * rows .. (r + 1) * rows
+        default_weight_loader(param, loaded.narrow(0, self.tp.rank * rows, rows), shard)
+
+    def absorbed(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(W_UK [heads, nope, rank], W_UV [heads, v, rank]), views of the weight."""
+        heads, nope, v = self.split
+        per_head = self.weight.view(heads, nope + v, -1)
+        return per_head[:, :nope], per_head[:, nope:]
+
+
+class MLAttention(OpsModule):
+    """DeepSeek-V3's attention of pool layer `layer_idx`: q through q_a / q_a_layernorm / q_b
+    (or q_proj without q_lora_rank), the latent through kv_a_proj_with_mqa and kv_a_layernorm,
+    its rotary part rotated, stored in the pool's latent layout and attended to absorbed."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_idx: int,
+        rotary: RotaryEmbedding,
+        ops: LayerOps,
+        tp: TPGroup,
+    ):
+        """tp: the heads split T ways (q's and kv_b's rows, o_proj's columns); the latent, its
+        projection and norm are every rank's whole."""
+        super().__init__(ops)
+        mla = config.mla
+        assert mla is not None
+        self.mla, self.layer_idx, self.rotary_emb, self.tp = mla, layer_idx, rotary, tp
+        self.num_heads = heads = config.num_heads // tp.size
+        self.scale = config.attention_scale or mla.qk_head_dim**-0.5
+        hidden, bias, rope = config.hidden_size, config.attention_bias, mla.qk_rope_head_dim
+        q_rows = None
+        if mla.rope_interleave:
+            q_rows = deinterleave_rows(rope, mla.qk_head_dim, config.num_heads)
+        kv_rows = deinterleave_rows(rope, mla.latent_dim, 1) if mla.rope_interleave else None
+        q_out = heads * mla.qk_head_dim
+        if mla.q_lora_rank is None:
+            self.q_proj = RopeRowsLinear(hidden, q_out, False, q_rows, tp)
+        else:
+            self.q_a_proj = Linear(hidden, [mla.q_lora_rank], bias)
+            self.q_a_layernorm = RMSNorm(mla.q_lora_rank, LATENT_NORM_EPS, ops)
+            self.q_b_proj = RopeRowsLinear(mla.q_lora_rank, q_out, False, q_rows, tp)
+        self.kv_a_proj_with_mqa = RopeRowsLinear(hidden, mla.latent_dim, bias, kv_rows)
+        self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank, LATENT_NORM_EPS, ops)
+        self.kv_b_proj = LatentProjection(
+            heads, mla.qk_nope_head_dim, mla.v_head_dim, mla.kv_lora_rank, tp
+        )
+        self.o_proj = Linear(heads * mla.v_head_dim, [hidden], bias, tp, "input")
+
+    def queries(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[tokens, heads, nope + rope]: each head's query, its rope part not yet rotated."""
+        if self.mla.q_lora_rank is None:
+            q = self.q_proj(hidden)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden))[0])
+        return q.view(hidden.shape[0], self.num_heads, self.mla.qk_head_dim)
+
+    def forward(
+        self, positions: torch.Tensor, hidden: torch.Tensor, ctx: AttentionContext
+    ) -> torch.Tensor:
+        mla, num_tokens = self.mla, hidden.shape[0]
+        rank, nope = mla.kv_lora_rank, mla.qk_nope_head_dim
+        q_nope, q_rot = self.queries(hidden).split([nope, mla.qk_rope_head_dim], dim=-1)
+        c, k_rot = self.kv_a_proj_with_mqa(hidden).split([rank, mla.qk_rope_head_dim], dim=-1)
+        c = self.kv_a_layernorm(c.contiguous())[0]
+        q_rot, k_rot = self.rotary_emb(
+            positions, q_rot.contiguous(), k_rot.reshape(num_tokens, 1, -1).contiguous()
+        )
+        w_uk, w_uv = self.kv_b_proj.absorbed()
+        q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, H, rank]
+        query = torch.cat((q_latent, q_rot), dim=-1)
+        latent = torch.cat((c.view(num_tokens, 1, rank), k_rot), dim=-1)
+        cache = ctx.kv_caches[self.layer_idx][0]
+        attn = self.ops.attention(query, latent, latent, cache, cache, ctx, self.scale)
+        out = torch.bmm(attn[..., :rank].transpose(0, 1), w_uv.transpose(1, 2))  # [H, T, v]
+        return self.tp.all_reduce(self.o_proj(out.transpose(0, 1).reshape(num_tokens, -1)))
+
+
+class DeepseekV3ForCausalLM(SparseLayers):
+    """MLA in every layer; MoE after the first first_k_dense_replace layers."""
+
+    def make_attention(
+        self, config: ModelConfig, layer: int, local: int, ops: LayerOps, tp: TPGroup
+    ) -> nn.Module:
+        return MLAttention(config, local, self.rotary_for(layer), ops, tp)

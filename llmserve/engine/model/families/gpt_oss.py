@@ -1,0 +1,107 @@
+"""gpt-oss: Llama's attention with q/k/v/o biases and attention sinks (engine/layers.Attention
+reads config.attention_sinks), sliding and full layers from config.layer_types, and in every
+layer a mixture of experts with a biased router and biased experts under the clamped SwiGLU:
+
+    logits = router(x) (+ bias);  the top-k logits, softmaxed: weights [T, k]
+    per chosen expert e:  gate_up = x W_gu[e] + b_gu[e]      gate, up = gate_up[0::2], [1::2]
+                          h = (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha g),
+                              g = clamp(gate, max=limit)
+                          out += weight * (h W_d[e] + b_d[e])
+
+The experts keep transformers' fused layout and names (gate_up_proj [E, H, 2 I], interleaved
+gate / up columns; down_proj [E, I, H]; their biases). Float experts only; the products run in
+torch on every device (kernels/moe.cu has neither biases nor this activation).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from llmserve.common.model_config import ModelConfig
+from llmserve.common.moe_config import MoEConfig
+from llmserve.engine.model.layers import default_weight_loader
+from llmserve.engine.model.model import LlamaForCausalLM
+from llmserve.engine.model.ops import LayerOps
+from llmserve.engine.parallel.groups import TPGroup
+from llmserve.kernels.moe_reference import route, sort_by_expert
+
+
+class BiasedRouter(nn.Module):
+    """The router's weight [E, H] and bias [E]; not a Linear, so packing and quantization
+    leave routing as the checkpoint has it."""
+
+    def __init__(self, hidden_size: int, num_experts: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
+        self.bias = nn.Parameter(torch.empty(num_experts))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(x, self.weight, self.bias)
+
+
+class BiasedExperts(nn.Module):
+    """The experts `experts` (this rank's, under expert parallelism: common/moe_config.py's
+    expert_range) with their biases, in transformers' fused layout (see the module)."""
+
+    def __init__(self, hidden_size: int, moe: MoEConfig, experts: range):
+        super().__init__()
+        assert moe.clamped_swiglu is not None
+        self.alpha, self.limit = moe.clamped_swiglu
+        self.experts = experts
+        num, inter = len(experts), moe.intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(num, hidden_size, 2 * inter))
+        self.gate_up_proj_bias = nn.Parameter(torch.empty(num, 2 * inter))
+        self.down_proj = nn.Parameter(torch.empty(num, inter, hidden_size))
+        self.down_proj_bias = nn.Parameter(torch.empty(num, hidden_size))
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: int = 0) -> None:
+        default_weight_loader(param, loaded[self.experts.start : self.experts.stop], shard)
+
+    def activation(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate = gate_up[..., 0::2].clamp(max=self.limit)
+        up = gate_up[..., 1::2].clamp(-self.limit, self.limit)
+        return (up + 1) * gate * torch.sigmoid(gate * self.alpha)
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The weighted sum of each token's local experts: pairs sorted by expert, one product
+        per weight and expert segment, the rows added back into their tokens (the other ranks'
+        experts add theirs in the block's all-reduce)."""
+        pairs, tokens, counts = sort_by_expert(ids, self.experts.start, len(self.experts))
+        out = torch.zeros_like(x)
+        rows = x[tokens]
+        pair_weights = weights.flatten()[pairs].to(x.dtype)
+        start = 0
+        for e, count in enumerate(counts):
+            if not count:
+                continue
+            seg = slice(start, start + count)
+            h = self.activation(rows[seg] @ self.gate_up_proj[e] + self.gate_up_proj_bias[e])
+            y = (h @ self.down_proj[e] + self.down_proj_bias[e]) * pair_weights[seg, None]
+            out.index_add_(0, tokens[seg], y)
+            start += count
+        return out
+
+
+class GptOssMoeBlock(nn.Module):
+    """gpt-oss's MLP: router, then the experts (module names as transformers')."""
+
+    def __init__(self, hidden_size: int, moe: MoEConfig, tp: TPGroup):
+        super().__init__()
+        self.moe, self.tp = moe, tp
+        self.router = BiasedRouter(hidden_size, moe.num_experts)
+        self.experts = BiasedExperts(hidden_size, moe, moe.expert_range(tp.rank, tp.size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # softmax over the top-k logits equals the top-k of the softmax, renormalized
+        weights, ids = route(self.router(x), self.moe.top_k, renormalize=True)
+        return self.tp.all_reduce(self.experts(x, weights, ids))
+
+
+class GptOssForCausalLM(LlamaForCausalLM):
+    """Tensor-parallel, the attention splits by heads (the sinks too) and the experts whole
+    across the ranks (expert parallelism, as engine/model/moe.py)."""
+
+    def make_mlp(self, config: ModelConfig, layer: int, ops: LayerOps, tp: TPGroup) -> nn.Module:
+        assert config.moe is not None, "gpt-oss: config.json gave no experts"
+        return GptOssMoeBlock(config.hidden_size, config.moe, tp)
