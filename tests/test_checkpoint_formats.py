@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from llmserve.bench.engine_driver import generate
 from llmserve.common.model_config import ModelSourceError, load_model_config
-from llmserve.engine.checkpoint_formats import dequantize_fp8_block
+from llmserve.engine.checkpoint_dequant import dequantize_fp8_block
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.engine import Engine
 from llmserve.engine.weights import build_model, load_weights
@@ -126,14 +126,16 @@ def test_fp8_tensors_without_a_quantization_config_are_refused(
 @pytest.mark.parametrize(
     ("config", "named"),
     [
-        ({"quant_method": "gptq", "bits": 4}, "quant_method='gptq'"),
+        ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "quant_method='bitsandbytes'"),
+        ({"quant_method": "gptq", "bits": 3}, "bits=3"),
+        ({"quant_method": "awq", "version": "gemv"}, "version='gemv'"),
         ({"quant_method": "fp8", "activation_scheme": "dynamic"}, "weight_block_size=None"),
         (
             {"quant_method": "fp8", "weight_block_size": [32, 32], "activation_scheme": "static"},
             "activation_scheme='static'",
         ),
     ],
-    ids=["gptq", "fp8-per-tensor", "fp8-static"],
+    ids=["bitsandbytes", "gptq-3-bit", "awq-gemv", "fp8-per-tensor", "fp8-static"],
 )
 def test_an_unread_method_or_option_is_refused_by_name(
     fp8_dirs: Callable[[str], tuple[Path, Path]],

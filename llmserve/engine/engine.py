@@ -27,6 +27,7 @@ from llmserve.common.model_config import (
 )
 from llmserve.common.sampling import has_penalties
 from llmserve.engine.adapters import Adapters
+from llmserve.engine.checkpoint_formats import checkpoint_format
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.contract import EngineInfo, StepOutput, StepPlanData, with_refused_rows
 from llmserve.engine.cpu_threads import set_torch_threads
@@ -200,6 +201,7 @@ class Engine:
             device=str(self.device),
             dtype=self.info.dtype,
             quantization=self.quantization,
+            checkpoint_format=checkpoint_format(path),
             speculative_method=self.info.speculative_method or "none",
             kv_cache_dtype=str(self.kv_dtype).removeprefix("torch."),
             ops=self.model.ops.name,
