@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -102,3 +103,77 @@ def edit_config(directory: Path, **fields: object) -> None:
         else:
             config[key] = value
     path.write_text(json.dumps(config, indent=2))
+
+
+# ---- compressed-tensors, written by the compressed-tensors library itself --------------------
+
+
+def _observe(weight: torch.Tensor, args: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (min, max) an observer would hand compressed-tensors' calculate_qparams for `args`'
+    strategy: the whole tensor, each output row, each group of a row, or each block."""
+    if args.strategy == "tensor":
+        return weight.amin().reshape(1), weight.amax().reshape(1)
+    if args.strategy == "channel":
+        return weight.amin(1, keepdim=True), weight.amax(1, keepdim=True)
+    if args.strategy == "group":
+        groups = weight.reshape(weight.shape[0], -1, args.group_size)
+        return groups.amin(-1), groups.amax(-1)
+    bn, bk = args.block_structure
+    blocks = weight.reshape(weight.shape[0] // bn, bn, weight.shape[1] // bk, bk)
+    return blocks.amin(dim=(1, 3)), blocks.amax(dim=(1, 3))
+
+
+def write_compressed_tensors(
+    float_dir: Path,
+    ct_dir: Path,
+    dequantized_dir: Path,
+    weights: dict[str, Any],
+    input_activations: dict[str, Any] | None = None,
+    fmt: str | None = None,
+) -> None:
+    """ct_dir: float_dir's model quantized by compressed-tensors (apply_quantization_config, the
+    qparams of each weight's min and max, ModelCompressor's compress and update_config, as
+    llm-compressor saves); dequantized_dir: the library's own decompression of it, saved as a
+    float32 checkpoint. Linear layers are targeted, lm_head ignored; static input scales get a
+    fixed value (read and recorded by the loader, not emulated)."""
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import (
+        QuantizationArgs,
+        QuantizationConfig,
+        QuantizationScheme,
+        apply_quantization_config,
+    )
+    from compressed_tensors.quantization.utils import calculate_qparams
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(float_dir, dtype=torch.float32)
+    scheme = QuantizationScheme(
+        targets=["Linear"],
+        weights=QuantizationArgs(**weights),
+        input_activations=QuantizationArgs(**input_activations) if input_activations else None,
+    )
+    config = QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"])
+    apply_quantization_config(model, config)
+    for module in model.modules():
+        if hasattr(module, "weight_scale"):
+            args = module.quantization_scheme.weights
+            scale, zero_point = calculate_qparams(*_observe(module.weight.data, args), args)
+            module.weight_scale.data = scale.to(module.weight_scale.dtype)
+            if hasattr(module, "weight_zero_point"):
+                module.weight_zero_point.data = zero_point.to(module.weight_zero_point.dtype)
+            if hasattr(module, "input_scale"):
+                module.input_scale.data = torch.full_like(module.input_scale, 0.05)
+    compressor = ModelCompressor.from_pretrained_model(model, fmt)
+    compressor.compress_model(model)
+    model.save_pretrained(ct_dir)
+    compressor.update_config(str(ct_dir))
+    compressor.decompress_model(model)
+    dequantized = {
+        n: t.float().contiguous()
+        for n, t in model.state_dict().items()
+        if not n.endswith(("_scale", "_zero_point", "_shape", "_packed", "_g_idx"))
+    }
+    _copy_dir(float_dir, dequantized_dir)
+    from safetensors.torch import save_file
+
+    save_file(dequantized, str(dequantized_dir / "model.safetensors"), metadata={"format": "pt"})
