@@ -177,3 +177,142 @@ def write_compressed_tensors(
     from safetensors.torch import save_file
 
     save_file(dequantized, str(dequantized_dir / "model.safetensors"), metadata={"format": "pt"})
+
+
+# ---- GPTQ and AWQ, packed by their documented layouts ------------------------------------------
+
+
+def int_groups(
+    weight_t: torch.Tensor, bits: int, g_idx: torch.Tensor, num_groups: int, symmetric: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(unsigned q [K, N], zeros [G, N], float16 scales [G, N]) of w^T [K, N] with input row k in
+    group g_idx[k], as GPTQ's and AWQ's quantizers make them: q = clamp(round(w / s) + z, 0,
+    2^bits - 1), symmetric z = 2^(bits - 1)."""
+    maxq = (1 << bits) - 1
+    n = weight_t.shape[1]
+    low = torch.zeros(num_groups, n)
+    high = torch.zeros(num_groups, n)
+    for g in range(num_groups):
+        rows = weight_t[g_idx == g]
+        low[g], high[g] = rows.amin(0).clamp(max=0), rows.amax(0).clamp(min=0)
+    if symmetric:
+        scale = torch.maximum(low.abs(), high) * 2 / maxq
+        zeros = torch.full_like(scale, (maxq + 1) // 2)
+    else:
+        scale = (high - low) / maxq
+        zeros = (-low / scale).round().clamp(1, maxq)  # >= 1: GPTQ v1 stores zero - 1
+    scale = scale.clamp(min=1e-8).half()
+    q = (weight_t / scale.float()[g_idx] + zeros[g_idx]).round().clamp(0, maxq)
+    return q.to(torch.int64), zeros.to(torch.int64), scale
+
+
+def pack_rows(values: torch.Tensor, bits: int) -> torch.Tensor:
+    """int32 [R * bits / 32, C]: values [R, C] packed along R, row r in word r // (32 / bits) at
+    bits (r % (32 / bits)) * bits (GPTQ's qweight), written with numpy."""
+    import numpy as np
+
+    per = 32 // bits
+    v = values.numpy().astype(np.uint32)
+    out = np.zeros((v.shape[0] // per, v.shape[1]), dtype=np.uint32)
+    for j in range(per):
+        out |= v[j::per] << np.uint32(bits * j)
+    return torch.from_numpy(out.view(np.int32))
+
+
+def dequantized_int(
+    q: torch.Tensor, zeros: torch.Tensor, scale: torch.Tensor, g_idx: torch.Tensor
+) -> torch.Tensor:
+    """float32 [N, K] = (q - z) * s, from the unpacked values (the test's reference)."""
+    return ((q - zeros[g_idx]).float() * scale.float()[g_idx]).t().contiguous()
+
+
+def write_gptq(
+    float_dir: Path, gptq_dir: Path, dequantized_dir: Path, *, bits: int, group_size: int,
+    desc_act: bool, symmetric: bool = True, version: str = "gptq",
+) -> None:  # fmt: skip
+    """gptq_dir: every quantized linear as GPTQ's qweight [K * bits / 32, N], qzeros [G, N *
+    bits / 32] (zero - 1 for the original `gptq` format), float16 scales [G, N] and g_idx [K]
+    (with desc_act, groups follow a seeded column order, as act-order's Hessian order does)."""
+    generator = torch.Generator().manual_seed(bits * 100 + group_size)
+
+    def convert(name: str, tensor: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        stem = name.removesuffix(".weight")
+        k = tensor.shape[1]
+        size = k if group_size == -1 else group_size
+        order = torch.randperm(k, generator=generator) if desc_act else torch.arange(k)
+        g_idx = torch.empty(k, dtype=torch.int64)
+        g_idx[order] = torch.arange(k) // size
+        q, zeros, scale = int_groups(tensor.t().float(), bits, g_idx, -(-k // size), symmetric)
+        stored_zeros = zeros - (1 if version == "gptq" else 0)
+        tensors = {
+            f"{stem}.qweight": pack_rows(q, bits),
+            f"{stem}.qzeros": pack_rows(stored_zeros.t().contiguous(), bits).t().contiguous(),
+            f"{stem}.scales": scale,
+            f"{stem}.g_idx": g_idx.to(torch.int32),
+        }
+        return tensors, dequantized_int(q, zeros, scale, g_idx)
+
+    config = {"quant_method": "gptq", "bits": bits, "group_size": group_size,
+              "desc_act": desc_act, "sym": symmetric, "checkpoint_format": version}  # fmt: skip
+    _write_converted(float_dir, gptq_dir, dequantized_dir, convert, config)
+
+
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ's pack order: nibble i holds column ORDER[i]
+
+
+def pack_awq(values: torch.Tensor) -> torch.Tensor:
+    """int32 [R, C / 8]: 4-bit values [R, C] packed along C, 8 columns a word, column c * 8 +
+    AWQ_ORDER[i] in nibble i (AutoAWQ's WQLinear_GEMM.from_linear), written with numpy."""
+    import numpy as np
+
+    v = values.numpy().astype(np.uint32)
+    out = np.zeros((v.shape[0], v.shape[1] // 8), dtype=np.uint32)
+    for i, column in enumerate(AWQ_ORDER):
+        out |= v[:, column::8] << np.uint32(4 * i)
+    return torch.from_numpy(out.view(np.int32))
+
+
+def write_awq(float_dir: Path, awq_dir: Path, dequantized_dir: Path, group_size: int) -> None:
+    """awq_dir: every quantized linear as AWQ GEMM's qweight [K, N / 8], qzeros [K / g, N / 8]
+    and float16 scales [K / g, N] (4 bits, zero points)."""
+
+    def convert(name: str, tensor: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        stem = name.removesuffix(".weight")
+        k = tensor.shape[1]
+        g_idx = torch.arange(k) // group_size
+        q, zeros, scale = int_groups(tensor.t().float(), 4, g_idx, k // group_size, False)
+        tensors = {
+            f"{stem}.qweight": pack_awq(q),
+            f"{stem}.qzeros": pack_awq(zeros),
+            f"{stem}.scales": scale,
+        }
+        return tensors, dequantized_int(q, zeros, scale, g_idx)
+
+    config = {"quant_method": "awq", "bits": 4, "group_size": group_size,
+              "zero_point": True, "version": "gemm"}  # fmt: skip
+    _write_converted(float_dir, awq_dir, dequantized_dir, convert, config)
+
+
+def _write_converted(
+    float_dir: Path,
+    quantized_dir: Path,
+    dequantized_dir: Path,
+    convert: Any,
+    quantization_config: dict[str, Any],
+) -> None:
+    from safetensors.torch import load_file, save_file
+
+    quantized: dict[str, torch.Tensor] = {}
+    dequantized: dict[str, torch.Tensor] = {}
+    for name, tensor in load_file(str(float_dir / "model.safetensors")).items():
+        if is_quantized_linear(name, tensor):
+            tensors, dequantized[name] = convert(name, tensor)
+            quantized.update(tensors)
+        else:
+            quantized[name] = tensor
+            dequantized[name] = tensor.float()
+    _copy_dir(float_dir, quantized_dir)
+    _copy_dir(float_dir, dequantized_dir)
+    save_file(quantized, str(quantized_dir / "model.safetensors"), metadata={"format": "pt"})
+    save_file(dequantized, str(dequantized_dir / "model.safetensors"), metadata={"format": "pt"})
+    edit_config(quantized_dir, quantization_config=quantization_config)

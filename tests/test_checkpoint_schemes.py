@@ -7,6 +7,7 @@ forward), and its greedy tokens those of the dequantized model served by the sam
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,8 @@ from safetensors.torch import load_file
 
 from llmserve.bench.engine_driver import generate
 from llmserve.common.model_config import ModelSourceError, load_model_config
+from llmserve.engine.checkpoint_dequant import dequantize_mxfp4
+from llmserve.engine.checkpoint_formats import checkpoint_format
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.engine import Engine
 from llmserve.engine.weights import build_model, load_weights
@@ -128,3 +131,137 @@ def test_compressed_tensors_greedy_equals_the_dequantized_model(
     got = generate(Engine(EngineConfig(model=str(ct_dir), **ENGINE)), PROMPTS, 6)
     want = generate(Engine(EngineConfig(model=str(dequantized_dir), **ENGINE)), PROMPTS, 6)
     assert got == want
+
+
+# name -> write_gptq's keyword arguments
+GPTQ_SCHEMES: dict[str, dict[str, Any]] = {
+    "4bit-g32": dict(bits=4, group_size=32, desc_act=False),
+    "4bit-g64-act-order": dict(bits=4, group_size=64, desc_act=True),
+    "4bit-g128-asym-v2": dict(
+        bits=4, group_size=128, desc_act=False, symmetric=False, version="gptq_v2"
+    ),
+    "8bit-channel": dict(bits=8, group_size=-1, desc_act=False),
+    "8bit-g32-act-order-asym": dict(bits=8, group_size=32, desc_act=True, symmetric=False),
+}
+AWQ_GROUPS = (32, 128)
+
+
+@pytest.fixture(scope="module")
+def packed_dirs(
+    float_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Callable[[str], tuple[Path, Path]]:
+    """ "gptq-<scheme>" or "awq-<group>" -> (the checkpoint, its dequantized float32 twin)."""
+    from tests.quant_checkpoints import write_awq, write_gptq
+
+    made: dict[str, tuple[Path, Path]] = {}
+
+    def get(name: str) -> tuple[Path, Path]:
+        if name not in made:
+            root = tmp_path_factory.mktemp(name)
+            made[name] = (root / "q", root / "dequantized")
+            kind, _, which = name.partition("-")
+            if kind == "gptq":
+                write_gptq(float_dir, *made[name], **GPTQ_SCHEMES[which])
+            else:
+                write_awq(float_dir, *made[name], int(which))
+        return made[name]
+
+    return get
+
+
+@pytest.mark.parametrize(
+    "name", [f"gptq-{s}" for s in GPTQ_SCHEMES] + [f"awq-{g}" for g in AWQ_GROUPS]
+)
+def test_gptq_and_awq_are_read_as_their_layouts_dequantize(
+    packed_dirs: Callable[[str], tuple[Path, Path]], name: str
+) -> None:
+    check_served_as_dequantized(*packed_dirs(name))
+
+
+@pytest.mark.parametrize("name", ["gptq-4bit-g64-act-order", "awq-32"])
+def test_gptq_and_awq_greedy_equal_the_dequantized_model(
+    packed_dirs: Callable[[str], tuple[Path, Path]], name: str
+) -> None:
+    quantized, dequantized = packed_dirs(name)
+    got = generate(Engine(EngineConfig(model=str(quantized), **ENGINE)), PROMPTS, 6)
+    want = generate(Engine(EngineConfig(model=str(dequantized), **ENGINE)), PROMPTS, 6)
+    assert got == want
+    assert checkpoint_format(quantized).startswith(name.split("-")[0])
+
+
+def test_mxfp4_dequantizes_as_transformers_gpt_oss_does() -> None:
+    """gpt-oss's experts: e2m1 pairs (low nibble first) and e8m0 block scales, against
+    transformers' own converter (which returns [E, K, N]: ours keeps the stored [E, N, K])."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    generator = torch.Generator().manual_seed(0)
+    blocks = torch.randint(0, 256, (3, 24, 4, 16), generator=generator, dtype=torch.uint8)
+    scales = torch.randint(118, 132, (3, 24, 4), generator=generator, dtype=torch.uint8)
+    theirs = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+    ours = dequantize_mxfp4(blocks, scales)
+    assert ours.shape == (3, 24, 128)
+    assert torch.equal(ours.transpose(1, 2), theirs)
+
+
+def test_mxfp4_tensors_are_seen_as_their_float_tensor(tmp_path: Path) -> None:
+    """`X_blocks` and `X_scales` are the float tensor `X`; both count as read once it is."""
+    from llmserve.engine.checkpoint_formats import checkpoint_weights
+
+    (tmp_path / "config.json").write_text('{"quantization_config": {"quant_method": "mxfp4"}}')
+    stem = "model.layers.0.mlp.experts.down_proj"
+    blocks = torch.full((2, 8, 1, 16), 0x21, dtype=torch.uint8)  # 0.5 then 1.0
+    stored = {
+        f"{stem}_blocks": blocks,
+        f"{stem}_scales": torch.full((2, 8, 1), 128, dtype=torch.uint8),  # x 2
+        f"{stem}_bias": torch.zeros(2, 8),
+    }
+    dtypes = {f"{stem}_blocks": "U8", f"{stem}_scales": "U8", f"{stem}_bias": "F32"}
+    view = checkpoint_weights(tmp_path, stored, dtypes)
+    assert sorted(view) == [stem, f"{stem}_bias"]
+    assert view[stem][0, 0, :4].tolist() == [1.0, 2.0, 1.0, 2.0]
+    view[f"{stem}_bias"]
+    view.check_all_read(tmp_path, tied_head=False)
+    del stored[f"{stem}_scales"], dtypes[f"{stem}_scales"]
+    with pytest.raises(ModelSourceError, match="_blocks \\(U8\\)"):
+        checkpoint_weights(tmp_path, stored, dtypes)
+
+
+@pytest.mark.parametrize(
+    ("edit", "named"),
+    [
+        ({"format": "nvfp4-pack-quantized"}, "format='nvfp4-pack-quantized'"),
+        ({"kv_cache_scheme": {"num_bits": 8, "type": "float"}}, "kv_cache_scheme="),
+        ({"quantization_status": "frozen"}, "quantization_status='frozen'"),
+        ({"weights": {"num_bits": 3}}, "weights.num_bits=3"),
+        ({"weights": {"dynamic": True}}, "weights.dynamic=True"),
+        ({"weights": {"strategy": "tensor_group"}}, "weights.strategy='tensor_group'"),
+        ({"targets": ["re:.*mlp.*"]}, "no compressed-tensors config group targets it"),
+    ],
+    ids=["nvfp4", "kv-cache", "frozen", "3-bit", "dynamic-weights", "tensor-group", "targets"],
+)
+def test_a_compressed_tensors_option_not_read_is_refused_by_name(
+    ct_dirs: Callable[[str], tuple[Path, Path]],
+    tmp_path: Path,
+    edit: dict[str, Any],
+    named: str,
+) -> None:
+    import json
+    import shutil
+
+    path = tmp_path / "m"
+    shutil.copytree(ct_dirs("w4a16-g32")[0], path)
+    config = json.loads((path / "config.json").read_text())
+    qc = config["quantization_config"]
+    group = qc["config_groups"]["group_0"]
+    for key, value in edit.items():
+        if key == "weights":
+            group["weights"].update(value)
+        elif key == "targets":
+            group["targets"] = value
+        else:
+            qc[key] = value
+            group.pop("format", None) if key == "format" else None
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelSourceError, match=re.escape(named)):
+        build_model(load_model_config(path), load_weights(path, load_model_config(path)),
+                    64, torch.float32, torch.device("cpu"))  # fmt: skip
