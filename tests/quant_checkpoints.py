@@ -316,3 +316,40 @@ def _write_converted(
     save_file(quantized, str(quantized_dir / "model.safetensors"), metadata={"format": "pt"})
     save_file(dequantized, str(dequantized_dir / "model.safetensors"), metadata={"format": "pt"})
     edit_config(quantized_dir, quantization_config=quantization_config)
+
+
+def write_compressed_tensors_per_tensor(
+    float_dir: Path, ct_dir: Path, dequantized_dir: Path, weights: dict[str, Any], fmt: str
+) -> None:
+    """As write_compressed_tensors, tensor by tensor through the library's compressor for
+    `fmt` (its compress and decompress), for checkpoints whose experts transformers holds
+    fused (not as the Linear modules the model-level path targets): every expert's projections
+    are quantized, the routers and lm_head are not."""
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import (
+        QuantizationArgs,
+        QuantizationConfig,
+        QuantizationScheme,
+    )
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    scheme = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(**weights))
+    compressor = BaseCompressor.get_value_from_registry(fmt)
+
+    def convert(name: str, tensor: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        stem = name.removesuffix(".weight")
+        args = scheme.weights
+        scale, zero_point = calculate_qparams(*_observe(tensor.float(), args), args)
+        state = {"weight": tensor.float(), "weight_scale": scale, "weight_zero_point": zero_point}
+        compressed = compressor.compress(state, scheme)
+        dequantized = compressor.decompress(compressed, scheme)["weight"].float()
+        return {f"{stem}.{k}": v.contiguous() for k, v in compressed.items()}, dequantized
+
+    config = QuantizationConfig(
+        config_groups={"group_0": scheme},
+        format=fmt,
+        quantization_status="compressed",
+        ignore=["lm_head", "re:.*\\.gate$"],
+    ).model_dump()
+    _write_converted(float_dir, ct_dir, dequantized_dir, convert,
+                     {**config, "quant_method": "compressed-tensors"})  # fmt: skip

@@ -23,6 +23,7 @@ from llmserve.engine.checkpoint_formats import checkpoint_format
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.engine import Engine
 from llmserve.engine.weights import build_model, load_weights
+from tests.quant_checkpoints import write_awq, write_compressed_tensors_per_tensor, write_gptq
 from tests.test_weights import PROMPT, our_logits, rel_err
 
 pytest.importorskip(
@@ -151,7 +152,6 @@ def packed_dirs(
     float_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Callable[[str], tuple[Path, Path]]:
     """ "gptq-<scheme>" or "awq-<group>" -> (the checkpoint, its dequantized float32 twin)."""
-    from tests.quant_checkpoints import write_awq, write_gptq
 
     made: dict[str, tuple[Path, Path]] = {}
 
@@ -265,3 +265,32 @@ def test_a_compressed_tensors_option_not_read_is_refused_by_name(
     with pytest.raises(ModelSourceError, match=re.escape(named)):
         build_model(load_model_config(path), load_weights(path, load_model_config(path)),
                     64, torch.float32, torch.device("cpu"))  # fmt: skip
+
+
+MOE_FORMATS = {
+    "gptq": lambda src, q, d: write_gptq(src, q, d, bits=4, group_size=32, desc_act=True),
+    "awq": lambda src, q, d: write_awq(src, q, d, 32),
+    "w4a16": lambda src, q, d: write_compressed_tensors_per_tensor(
+        src, q, d, {**INT, "num_bits": 4, "strategy": "group", "group_size": 32}, "pack-quantized"
+    ),
+    "fp8": lambda src, q, d: write_compressed_tensors_per_tensor(
+        src, q, d, {**FP8, "strategy": "channel"}, "float-quantized"
+    ),
+}
+
+
+@pytest.mark.parametrize(
+    ("family", "fmt"),
+    [("mixtral", "gptq"), ("qwen3_moe", "awq"), ("mixtral", "w4a16"), ("qwen3_moe", "fp8")],
+)
+def test_quantized_experts_are_read_as_their_dequantized_model(
+    tmp_path_factory: pytest.TempPathFactory, family: str, fmt: str
+) -> None:
+    """Experts stored one by one (Mixtral's w1/w2/w3, Qwen3-MoE's gate/up/down), each in the
+    format's layout; the routers stay float."""
+    from tests.moe_models import make_tiny_moe
+
+    root = tmp_path_factory.mktemp(f"moe-{family}-{fmt}")
+    float_dir = make_tiny_moe(root / "float", family)
+    MOE_FORMATS[fmt](float_dir, root / "q", root / "dequantized")
+    check_served_as_dequantized(root / "q", root / "dequantized")
