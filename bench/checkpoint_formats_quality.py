@@ -141,6 +141,7 @@ def main() -> None:
         for quantization in ("none", "int8"):
             rows.append({"format": "float32", "checkpoint_bytes": _disk(source),
                          **measure(source, quantization, prompts, reference)})  # fmt: skip
+            print(json.dumps(rows[-1]), flush=True)
         for name in args.formats.split(","):
             quantized, dequantized = root / name, root / f"{name}-dequantized"
             FORMATS[name](source, quantized, dequantized)

@@ -172,6 +172,7 @@ def write_compressed_tensors(
         n: t.float().contiguous()
         for n, t in model.state_dict().items()
         if not n.endswith(("_scale", "_zero_point", "_shape", "_packed", "_g_idx"))
+        and not (n == "lm_head.weight" and model.config.tie_word_embeddings)
     }
     _copy_dir(float_dir, dequantized_dir)
     from safetensors.torch import save_file
