@@ -107,7 +107,7 @@ class Gptq(WeightScheme):
     def describe(self) -> str:
         order = ", act-order" if self.desc_act else ""
         version = "gptq" if self.zero_offset else "gptq_v2"
-        return f"{version} int{self.bits} group {self.group_size}{order}"
+        return f"{version} {self.bits}-bit group {self.group_size}{order}"
 
 
 @dataclass(frozen=True)
