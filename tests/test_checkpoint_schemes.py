@@ -313,3 +313,26 @@ def test_int8_mode_holds_a_quantized_checkpoint_in_the_int8_layers(
         assert isinstance(model.layers[0].mlp.down_proj, Int8Linear)
         logits.append(our_logits(config, model))
     assert torch.equal(logits[0], logits[1])
+
+
+def test_unpacked_int8_zero_points_are_read_too(
+    ct_dirs: Callable[[str], tuple[Path, Path]], tmp_path: Path
+) -> None:
+    """Zero points stored one per int8 (earlier compressed-tensors) rather than packed along
+    the rows: the same model."""
+    import shutil
+
+    from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+    from safetensors.torch import save_file
+
+    ct_dir, dequantized_dir = ct_dirs("w4a16-g64-asym")
+    path = tmp_path / "m"
+    shutil.copytree(ct_dir, path)
+    tensors = load_file(str(path / "model.safetensors"))
+    for name in [n for n in tensors if n.endswith(".weight_zero_point")]:
+        scale = tensors[name.replace("zero_point", "scale")]
+        unpacked = unpack_from_int32(tensors[name], 4, scale.shape, packed_dim=0)
+        tensors[name] = unpacked.contiguous()
+        assert tensors[name].dtype == torch.int8
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    check_served_as_dequantized(path, dequantized_dir)

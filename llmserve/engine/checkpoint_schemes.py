@@ -218,7 +218,10 @@ class CompressedTensors(WeightScheme):
             shape = [int(s) for s in _need(get, stem, ".weight_shape")]
             offset = 1 << (group.bits - 1)  # values stored as unsigned: q + 2^(bits - 1)
             q = unpack_int32(packed, group.bits, shape[-1]) - offset
-            if zero_point is not None and group.strategy in ("group", "channel"):
+            # packed along the rows since compressed-tensors 0.9; earlier files hold them as int8
+            packed_zero = zero_point is not None and zero_point.shape[-2] != shape[-2]
+            if packed_zero and group.strategy in ("group", "channel"):
+                assert zero_point is not None
                 rows = unpack_int32(zero_point.transpose(-1, -2), group.bits, shape[-2])
                 zero_point = (rows - offset).transpose(-1, -2)
         else:
