@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from llmserve.common.model_config import builtin_model_path, load_model_config
-from llmserve.engine.weights import build_model, load_weights
+from llmserve.engine.model.weights import build_model, load_weights
 from llmserve.gateway.tokenizer import Tokenizer
 from tests import quant_checkpoints as qc
 from tests.quality import PASSAGES, agreement, prompt_logits

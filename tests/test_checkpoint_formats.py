@@ -1,4 +1,4 @@
-"""Quantized checkpoints as they ship (engine/checkpoint_formats.py): a tiny Llama written by
+"""Quantized checkpoints as they ship (engine/model/checkpoint_formats.py): a tiny Llama written by
 tests/quant_checkpoints.py in the FP8 block-scaled layout is served as the same model
 dequantized to float32 (greedy tokens identical), its logits match transformers' own FP8
 loader (which dequantizes on a CPU); and a checkpoint whose quantization_config or tensors the
@@ -18,8 +18,8 @@ from llmserve.bench.engine_driver import generate
 from llmserve.common.model_config import ModelSourceError, load_model_config
 from llmserve.engine.checkpoint_dequant import dequantize_fp8_block
 from llmserve.engine.config import EngineConfig
-from llmserve.engine.engine import Engine
-from llmserve.engine.weights import build_model, load_weights
+from llmserve.engine.step.engine import Engine
+from llmserve.engine.model.weights import build_model, load_weights
 from tests.quant_checkpoints import edit_config, fp8_block, write_fp8_block
 from tests.test_weights import PROMPT, our_logits, rel_err
 

@@ -19,10 +19,10 @@ from safetensors.torch import load_file
 from llmserve.bench.engine_driver import generate
 from llmserve.common.model_config import ModelSourceError, load_model_config
 from llmserve.engine.checkpoint_dequant import dequantize_mxfp4
-from llmserve.engine.checkpoint_formats import checkpoint_format
+from llmserve.engine.model.checkpoint_formats import checkpoint_format
 from llmserve.engine.config import EngineConfig
-from llmserve.engine.engine import Engine
-from llmserve.engine.weights import build_model, load_weights
+from llmserve.engine.step.engine import Engine
+from llmserve.engine.model.weights import build_model, load_weights
 from tests.quant_checkpoints import write_awq, write_compressed_tensors_per_tensor, write_gptq
 from tests.test_weights import PROMPT, our_logits, rel_err
 
@@ -205,7 +205,7 @@ def test_mxfp4_dequantizes_as_transformers_gpt_oss_does() -> None:
 
 def test_mxfp4_tensors_are_seen_as_their_float_tensor(tmp_path: Path) -> None:
     """`X_blocks` and `X_scales` are the float tensor `X`; both count as read once it is."""
-    from llmserve.engine.checkpoint_formats import checkpoint_weights
+    from llmserve.engine.model.checkpoint_formats import checkpoint_weights
 
     (tmp_path / "config.json").write_text('{"quantization_config": {"quant_method": "mxfp4"}}')
     stem = "model.layers.0.mlp.experts.down_proj"
@@ -303,7 +303,7 @@ def test_int8_mode_holds_a_quantized_checkpoint_in_the_int8_layers(
     every projection becomes an Int8Linear, the same model --quantization int8 makes of the
     dequantized float checkpoint (re-holding a grid in int8 groups of 32 is close, not exact:
     the logits differ from the dequantized float model's by about 4% of their range here)."""
-    from llmserve.engine.quant import Int8Linear
+    from llmserve.engine.model.quant import Int8Linear
 
     logits = []
     for path in ct_dirs("w8a16-int"):

@@ -3,7 +3,7 @@
 suffix -> safetensors dtypes), which travel with it (`companions`, of which `required` must be
 there), the float name the model asks for (`presented`), and how the weight comes back as float32
 (`dequantize`, through engine/checkpoint_dequant.py). A method, option or value a class does not
-read raises ModelSourceError naming it. engine/checkpoint_formats.py applies the rule that no
+read raises ModelSourceError naming it. engine/model/checkpoint_formats.py applies the rule that no
 tensor goes unread; docs/quantization.md has the table.
 """
 
