@@ -473,9 +473,9 @@ def test_gpu_engine_teacher_forced_logits_are_one_prefills(tmp_path: Path) -> No
     import torch
 
     from bench.gpu_engine import compare_logits, teacher_forced_logits
+    from llmserve.bench.quality import prompt_logits
     from llmserve.engine.config import EngineConfig
     from llmserve.engine.step.engine import Engine
-    from tests.quality import prompt_logits
 
     config = {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,

@@ -1,5 +1,5 @@
 """Quantized checkpoints as they ship (engine/model/checkpoint_formats.py): a tiny Llama written by
-tests/quant_checkpoints.py in the FP8 block-scaled layout is served as the same model
+llmserve/bench/quant_checkpoints.py in the FP8 block-scaled layout is served as the same model
 dequantized to float32 (greedy tokens identical), its logits match transformers' own FP8
 loader (which dequantizes on a CPU); and a checkpoint whose quantization_config or tensors the
 loader does not read is refused at start, naming the method, the option or the tensors."""
@@ -15,12 +15,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from llmserve.bench.engine_driver import generate
+from llmserve.bench.quant_checkpoints import edit_config, fp8_block, write_fp8_block
 from llmserve.common.model_config import ModelSourceError, load_model_config
 from llmserve.engine.config import EngineConfig
-from llmserve.engine.model.checkpoint_formats import dequantize_fp8_block
+from llmserve.engine.model.checkpoint_dequant import dequantize_fp8_block
 from llmserve.engine.model.weights import build_model, load_weights
 from llmserve.engine.step.engine import Engine
-from tests.quant_checkpoints import edit_config, fp8_block, write_fp8_block
 from tests.test_weights import PROMPT, our_logits, rel_err
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -126,14 +126,16 @@ def test_fp8_tensors_without_a_quantization_config_are_refused(
 @pytest.mark.parametrize(
     ("config", "named"),
     [
-        ({"quant_method": "gptq", "bits": 4}, "quant_method='gptq'"),
+        ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "quant_method='bitsandbytes'"),
+        ({"quant_method": "gptq", "bits": 3}, "bits=3"),
+        ({"quant_method": "awq", "version": "gemv"}, "version='gemv'"),
         ({"quant_method": "fp8", "activation_scheme": "dynamic"}, "weight_block_size=None"),
         (
             {"quant_method": "fp8", "weight_block_size": [32, 32], "activation_scheme": "static"},
             "activation_scheme='static'",
         ),
     ],
-    ids=["gptq", "fp8-per-tensor", "fp8-static"],
+    ids=["bitsandbytes", "gptq-3-bit", "awq-gemv", "fp8-per-tensor", "fp8-static"],
 )
 def test_an_unread_method_or_option_is_refused_by_name(
     fp8_dirs: Callable[[str], tuple[Path, Path]],

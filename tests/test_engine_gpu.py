@@ -10,12 +10,12 @@ CUDA; the ones through the CUDA kernels also skip without CuPy.
 - the full stack with --device cuda: batch invariance alone vs together, with chunked prefill and
   with forced preemption (tests/test_stack_model.py's checks, through the kernels and graphs).
 
-Exact where the math is: float32 tokens (the CPU engine's, speculative decoding's). bf16 runs
-that sum in another order (another batch shape, HF's implementation, a prefill chunk beside
-decodes) are compared with tests/quality.py's tolerance (issue 24): a differing token counts
-only where the reference's own top-2 gap is above BF16_TOP2_EPS (BF16_HF_TOP2_EPS against HF),
-none may, and the agreement rates are printed. Every bf16 engine here runs with
---attention-backend cuda: a kernel that fails is an error, never a torch fallback.
+Exact where the math is: float32 tokens (the CPU engine's, speculative decoding's). bf16 runs that
+sum in another order (another batch shape, HF's implementation, a prefill chunk beside decodes) are
+compared with llmserve/bench/quality.py's tolerance (issue 24): a differing token counts only where
+the reference's own top-2 gap is above BF16_TOP2_EPS (BF16_HF_TOP2_EPS against HF), none may, and
+the agreement rates are printed. Every bf16 engine here runs with --attention-backend cuda: a kernel
+that fails is an error, never a torch fallback.
 
 Sized for a few minutes on an H200, NVRTC compilation of the bf16 / head_dim 64 kernels included.
 """
@@ -31,13 +31,7 @@ import torch
 
 from llmserve.bench.engine_driver import blocks_needed, generate
 from llmserve.bench.hf import dummy_model
-from llmserve.common.sampling import normalized
-from llmserve.engine.config import EngineConfig
-from llmserve.engine.model.ops import AttentionContext
-from llmserve.engine.step.engine import Engine
-from llmserve.protos.common_pb2 import SamplingParams
-from llmserve.scheduler.request import Request
-from tests.quality import (
+from llmserve.bench.quality import (
     BF16_HF_TOP2_EPS,
     BF16_TOP2_EPS,
     compare_streams,
@@ -45,6 +39,12 @@ from tests.quality import (
     generate_with_gaps,
     seeded_margins,
 )
+from llmserve.common.sampling import normalized
+from llmserve.engine.config import EngineConfig
+from llmserve.engine.model.ops import AttentionContext
+from llmserve.engine.step.engine import Engine
+from llmserve.protos.common_pb2 import SamplingParams
+from llmserve.scheduler.request import Request
 
 pytestmark = [pytest.mark.stack, pytest.mark.gpu]
 

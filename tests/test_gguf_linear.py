@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from llmserve.bench.engine_driver import generate
+from llmserve.bench.quality import prompt_logits
 from llmserve.common.model_config import load_model_config
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.model import cpu_fused
@@ -28,7 +29,6 @@ from llmserve.engine.model.weights import (
 )
 from llmserve.engine.step.engine import Engine
 from llmserve.kernels import cpu_gguf
-from tests.quality import prompt_logits
 
 HAS_AVX2 = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
 pytestmark = pytest.mark.skipif(not HAS_AVX2, reason="kernels/cpu_gguf.cpp is AVX2 code")

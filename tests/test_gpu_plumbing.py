@@ -379,11 +379,11 @@ def test_decode_graph_buffers_pad_without_touching_the_pool(
         model.set_ops(ReferenceOps())
 
 
-# ---- bf16 comparisons that tolerate near ties (tests/quality.py, issue 24) ---------------------
+# ---- bf16 comparisons that tolerate near ties (llmserve/bench/quality.py, issue 24) ---------
 
 
 def test_top1_comparison_counts_only_differences_above_the_gap() -> None:
-    from tests.quality import compare_top1, top2_gap
+    from llmserve.bench.quality import compare_top1, top2_gap
 
     logits = torch.tensor([[2.0, 1.0, 0.0], [1.0, 1.03, 0.0], [0.0, 0.5, 3.0], [1.0, 0.0, 0.9]])
     assert torch.allclose(top2_gap(logits), torch.tensor([1.0, 0.03, 2.5, 0.1]))
@@ -394,7 +394,7 @@ def test_top1_comparison_counts_only_differences_above_the_gap() -> None:
 
 
 def test_stream_comparison_stops_at_the_first_difference() -> None:
-    from tests.quality import compare_streams
+    from llmserve.bench.quality import compare_streams
 
     expected = [[1, 2, 3, 4], [5, 6, 7, 8], [9, 9, 9, 9]]
     got = [[1, 2, 0, 0], [5, 0, 7, 8], [9, 9, 9, 9]]
@@ -409,10 +409,10 @@ def test_seeded_margins_see_the_samplers_draw() -> None:
     """The best seeded score over the vocabulary is the token engine/step/sampler.py draws for that
     seed and output index; from the top 5 logprobs alone the margin is a lower bound of the
     one from all of them."""
+    from llmserve.bench.quality import seeded_margins, seeded_scores
     from llmserve.common.sampling import normalized
     from llmserve.engine.step.sampler import Sampler
     from llmserve.protos.common_pb2 import SamplingParams
-    from tests.quality import seeded_margins, seeded_scores
 
     vocab, seed, temperature, n = 50, 7, 0.9, 8
     logits = torch.randn(n, vocab, generator=torch.Generator().manual_seed(0))
@@ -435,9 +435,9 @@ def test_seeded_margins_see_the_samplers_draw() -> None:
 
 def test_generate_with_gaps_gives_generates_tokens(tiny_model: Any) -> None:
     from llmserve.bench.engine_driver import blocks_needed, generate
+    from llmserve.bench.quality import generate_with_gaps
     from llmserve.engine.config import EngineConfig
     from llmserve.engine.step.engine import Engine
-    from tests.quality import generate_with_gaps
 
     prompts = [[3, 4, 5], [7, 8, 9, 10, 11]]
     engine = Engine(

@@ -1,6 +1,6 @@
 """--quantization and --kv-cache-dtype: the CPU int8 kernel against its torch twin, the int8
 forms holding GGUF blocks exactly, and the quality of every mode on the built-in model against
-the unquantized one (tests/quality.py), with the thresholds of issue 14."""
+the unquantized one (llmserve/bench/quality.py), with the thresholds of issue 14."""
 
 from __future__ import annotations
 
@@ -11,13 +11,13 @@ import pytest
 import torch
 
 from llmserve.bench.engine_driver import generate
+from llmserve.bench.quality import PASSAGES, agreement, prompt_logits
 from llmserve.common.model_config import load_model_config
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.model.quant import Fp8Linear, Int8Linear, grouped_int8
 from llmserve.engine.model.weights import build_model, load_weights, resolve_quantization
 from llmserve.engine.step.engine import Engine
 from llmserve.kernels import cpu as cpu_kernels
-from tests.quality import PASSAGES, agreement, prompt_logits
 
 pytestmark = pytest.mark.stack  # starts service processes (tests/conftest.py)
 

@@ -61,7 +61,7 @@ def in_features(blocks: torch.Tensor, ggml_type: int) -> int:
 
 # Activations per block of 32 as int16 by default: int8 (as llama.cpp) is faster but moved
 # SmolLM2-135M's greedy tokens away from HF transformers' float32 ones (top-1 97% teacher-forced
-# over tests/quality.py's passages, against 100% for int16; docs/quantization.md).
+# over llmserve/bench/quality.py's passages, against 100% for int16; docs/quantization.md).
 ACT_BITS = 16
 
 # From this many rows on (a prefill chunk), W is widened to float32 once and multiplied by torch's
