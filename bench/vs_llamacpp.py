@@ -197,10 +197,21 @@ def setup_vllm(venv: Path) -> Path:
 CONVERT = """
 import sys, torch
 from pathlib import Path
+from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
-gguf, out = Path(sys.argv[1]), sys.argv[2]
-model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.bfloat16)
-model.save_pretrained(out)
+gguf, out = Path(sys.argv[1]), Path(sys.argv[2])
+model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+# transformers marks a model loaded from a GGUF quantized and refuses save_pretrained; its
+# Linears hold the dequantized weights, saved here in bfloat16 with a config that says so
+config = model.config
+config.__dict__.pop("quantization_config", None)
+config.dtype = "bfloat16"
+tied = config.tie_word_embeddings
+state = {k: v.to(torch.bfloat16).contiguous() for k, v in model.state_dict().items()
+         if not (tied and k == "lm_head.weight")}
+out.mkdir(parents=True, exist_ok=True)
+config.save_pretrained(out)
+save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
 AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(out)
 """
 
