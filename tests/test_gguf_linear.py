@@ -242,7 +242,7 @@ def test_auto_multiplies_a_dense_copy_from_its_crossover(
     engine = Engine(config)
     path = engine.model.weight_path
     assert path.dense_rows == 2 and path.name == f"gguf+dense-{path.dtype}", path
-    assert "--cpu-dense-rows=2" in path.reason and path.dense_mib > 0
+    assert path.reason == "--cpu-dense-rows=2" and path.dense_mib > 0
     layers = dense_layers(engine.model)
     assert len(layers) == 4 * len(engine.model.layers)
     assert all(layer.fast is not None and layer.fast_rows == 2 for layer in layers)

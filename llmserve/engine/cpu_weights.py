@@ -35,6 +35,7 @@ MIB = 1 << 20
 # is the figure least moved by other processes on a shared machine).
 PROBE_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 PROBE_REPEATS = 5
+PROBE_LAYERS = 4  # the layers measured (SmolLM2's gate_up: 4 x 7 MB in float32, past its L3)
 HEAD_PROBE_ROWS = 4096  # the LM head's crossover is measured on this many of its outputs
 
 
@@ -105,25 +106,43 @@ def _fastest_ms(run: Callable[[], object]) -> float:
     return best * 1e3
 
 
-def measure(layer: GGUFLinear, dtypes: list[torch.dtype]) -> tuple[int, torch.dtype, str]:
-    """(crossover rows, dtype, what was measured) on `layer`: the fastest dense dtype at the
-    largest probe, then the fewest rows from which the dense GEMM beats the blocks (0: never)."""
-    packed = {d: pack_dense(layer, d) for d in dtypes}
+def measure(
+    layers: list[GGUFLinear], dtypes: list[torch.dtype], rows_too: bool = True
+) -> tuple[int, torch.dtype, str]:
+    """(crossover rows, dtype, what was measured) on `layers` (weights of one shape, several of
+    them so that the dense copies do not all stay in cache, as a step's 30 layers do not): the
+    fastest dense dtype at the largest probe, then the fewest rows from which the dense GEMM
+    beats the blocks there and at the next probe too (one win can be another process's pause);
+    0: never."""
+    packed = {d: [pack_dense(layer, d) for layer in layers] for d in dtypes}
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(PROBE_ROWS[-1], layer.in_features, generator=gen)
-    timed = {d: _fastest_ms(lambda d=d: cpu_gguf.dense_linear(x, packed[d])) for d in dtypes}
+    x = torch.randn(PROBE_ROWS[-1], layers[0].in_features, generator=gen)
+
+    def dense(xr: torch.Tensor, dtype: torch.dtype) -> None:
+        for weight in packed[dtype]:
+            cpu_gguf.dense_linear(xr, weight)
+
+    def blocks(xr: torch.Tensor) -> None:
+        for layer in layers:
+            cpu_gguf.gguf_linear(xr, layer.blocks, layer.ggml_type)
+
+    timed = {d: _fastest_ms(functools.partial(dense, x, d)) for d in dtypes}
     dtype = min(timed, key=lambda d: timed[d])
+    if not rows_too:
+        return 0, dtype, ""
+    wins = []
     for rows in PROBE_ROWS:
         xr = x[:rows].contiguous()
-        blocks_ms = _fastest_ms(
-            functools.partial(cpu_gguf.gguf_linear, xr, layer.blocks, layer.ggml_type)
+        blocks_ms, dense_ms = (
+            _fastest_ms(functools.partial(blocks, xr)),
+            _fastest_ms(functools.partial(dense, xr, dtype)),
         )
-        dense_ms = _fastest_ms(functools.partial(cpu_gguf.dense_linear, xr, packed[dtype]))
-        if dense_ms < blocks_ms:
+        wins.append((rows, dense_ms < blocks_ms, f"{dense_ms:.2f} ms against {blocks_ms:.2f}"))
+        if len(wins) >= 2 and wins[-2][1] and wins[-1][1]:
+            rows, _, times = wins[-2]
             name = str(dtype).removeprefix("torch.")
-            times = f"{name} {dense_ms:.2f} ms < blocks {blocks_ms:.2f} ms"
-            return rows, dtype, f"measured at start: at {rows} rows {times}"
-    return 0, dtype, f"measured: the blocks were faster up to {PROBE_ROWS[-1]} rows"
+            return rows, dtype, f"measured at start: at {rows} rows {name} {times} ms on blocks"
+    return 0, dtype, f"measured at start: the blocks were as fast up to {PROBE_ROWS[-1]} rows"
 
 
 def plan_weight_path(model: LlamaForCausalLM, budget_mib: int, dense_rows: int) -> WeightPath:
@@ -151,9 +170,13 @@ def _plan(model: LlamaForCausalLM, budget_mib: int, dense_rows: int) -> WeightPa
     if not torch.backends.mkldnn.is_available():
         return WeightPath(0, "", 0.0, budget_mib, "torch was built without oneDNN")
     largest = max(layers, key=lambda m: m.blocks.shape[0] * m.in_features)
-    rows, dtype, reason = measure(largest, dtypes)
-    if dense_rows:
-        rows, reason = dense_rows, f"--cpu-dense-rows={dense_rows} ({reason})"
+    alike = [m for m in layers if m.blocks.shape == largest.blocks.shape]
+    probes = alike[:: max(1, len(alike) // PROBE_LAYERS)][:PROBE_LAYERS]
+    if dense_rows:  # the rows given: only the dtype is measured (none where float32 is alone)
+        dtype = measure(probes[:1], dtypes, rows_too=False)[1] if len(dtypes) > 1 else dtypes[0]
+        rows, reason = dense_rows, f"--cpu-dense-rows={dense_rows}"
+    else:
+        rows, dtype, reason = measure(probes, dtypes)
     size = numel * torch.empty(0, dtype=dtype).element_size() / MIB
     if size > budget_mib:  # bfloat16 measured slower than float32 and float32 does not fit
         rows, reason = 0, f"float32 copy ({size:.0f} MiB) exceeds the budget; {reason}"
@@ -182,7 +205,7 @@ def _dense_head(
     rows = dense_rows
     if not rows:
         probe = GGUFLinear(head.blocks[:HEAD_PROBE_ROWS], head.ggml_type, None)
-        rows = measure(probe, [dtype])[0]
+        rows = measure([probe], [dtype])[0]
     if rows:
         head.fast, head.fast_rows = pack_dense(head, dtype), rows
         path.head_rows, path.dense_mib = rows, path.dense_mib + size / MIB
