@@ -21,6 +21,7 @@ import argparse
 import json
 import os
 import time
+import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -29,6 +30,7 @@ from typing import Any
 from llmserve.bench.report import hardware, save
 from llmserve.engine.fake import FakeEngineConfig
 from llmserve.serve_flags import serve_locally
+from llmserve.topology import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 TICKS = os.sysconf("SC_CLK_TCK")
@@ -67,13 +69,27 @@ def stream_one(url: str, prompt: str, output_len: int) -> int:
     return chunks
 
 
+def warm_up(url: str, prompt: str, timeout_s: float = 60.0) -> None:
+    """One short request, retried while the gateway answers 503 (ready, but its scheduler has
+    not said yet what it serves)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            stream_one(url, prompt, 4)
+            return
+        except urllib.error.HTTPError as err:
+            if err.code != 503 or time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+
+
 def measure(num_streams: int, output_len: int) -> dict[str, Any]:
     fake = FakeEngineConfig(vocab_size=49152)  # SmolLM2's vocabulary
     prompt = "the quick brown fox jumps over the lazy dog " * 14  # ~128 tokens
-    with serve_locally([], 120, fake=fake) as stack:
+    with serve_locally(["--http-port", str(free_port())], 120, fake=fake) as stack:
         url = stack.http_url
         assert url is not None
-        stream_one(url, prompt, 4)  # warm-up
+        warm_up(url, prompt)
         pids = {name: proc.pid for name, proc in stack.procs.items()}
         before = {name: cpu_seconds(pid) for name, pid in pids.items()}
         t0 = time.perf_counter()
