@@ -11,7 +11,7 @@ gRPC), at batch 1 / 16 / 64, for each change that went into the CPU engine:
                                    stored, kernels/cpu_gguf.cpp, activations int16 per block),
                                    each layer through its torch ops
     cpu ops + gguf                 the same with each decode layer one C++ call
-                                   (engine/cpu_fused.py, the default)
+                                   (engine/model/cpu_fused.py, the default)
     cpu ops + gguf + int8 act      the same with activations rounded to int8 (as llama.cpp)
     auto: gguf + dense copy        --quantization auto (issue 42): the blocks below the crossover
                                    measured at start, a oneDNN-packed dense copy from it on
@@ -30,7 +30,7 @@ rounds, and the ratios are to the first mode listed.
 # ruff: noqa: E402 (libgomp's wait policy is set before torch loads it)
 from __future__ import annotations
 
-from llmserve.engine.cpu_threads import configure_openmp
+from llmserve.engine.step.cpu_threads import configure_openmp
 
 configure_openmp()  # as the engine service does, before torch loads libgomp
 
@@ -45,8 +45,8 @@ import torch
 from llmserve.bench.engine_driver import time_decode_steps
 from llmserve.bench.report import hardware, save
 from llmserve.engine.config import EngineConfig
-from llmserve.engine.engine import Engine
-from llmserve.engine.ops import ReferenceOps
+from llmserve.engine.step.engine import Engine
+from llmserve.engine.model.ops import ReferenceOps
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -82,7 +82,7 @@ def run_mode(
     steps: int,
     prompt_len: int,
 ) -> list[dict[str, Any]]:
-    from llmserve.engine import cpu_fused
+    from llmserve.engine.model import cpu_fused
     from llmserve.kernels import cpu_gguf
 
     default_bits = cpu_gguf.ACT_BITS

@@ -14,7 +14,7 @@ WeightPath: crossover rows, dtype, reason) and the CPU features kernels/cpu_feat
 # ruff: noqa: E402 (libgomp's wait policy is set before torch loads it)
 from __future__ import annotations
 
-from llmserve.engine.cpu_threads import configure_openmp
+from llmserve.engine.step.cpu_threads import configure_openmp
 
 configure_openmp()
 
@@ -30,8 +30,8 @@ import torch
 from llmserve.bench.report import hardware, save
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.cpu_weights import dense_head, dense_layers
-from llmserve.engine.engine import Engine
-from llmserve.engine.gguf_linear import GGUFLinear
+from llmserve.engine.step.engine import Engine
+from llmserve.engine.model.gguf_linear import GGUFLinear
 from llmserve.kernels import cpu_features, cpu_gguf
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -1,6 +1,6 @@
 """Issue 42: what the serving machinery outside the forward costs per output token at many
 streams: the gateway (HTTP, detokenizer, SSE), the scheduler and the engine service, measured on
-the echo engine (engine/fake.py: no model, each step's tokens made at once) so that nothing but
+the echo engine (engine/contract/echo.py: no model, each step's tokens made at once) so that nothing but
 the machinery runs.
 
     python -m bench.stack_token_cost [--streams 64 256] [--output-len 128]
@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from llmserve.bench.report import hardware, save
-from llmserve.engine.fake import FakeEngineConfig
+from llmserve.engine.contract.echo import EchoEngineConfig
 from llmserve.serve_flags import serve_locally
 from llmserve.topology import free_port
 
@@ -84,7 +84,7 @@ def warm_up(url: str, prompt: str, timeout_s: float = 60.0) -> None:
 
 
 def measure(num_streams: int, output_len: int) -> dict[str, Any]:
-    fake = FakeEngineConfig(vocab_size=49152)  # SmolLM2's vocabulary
+    fake = EchoEngineConfig(vocab_size=49152)  # SmolLM2's vocabulary
     prompt = "the quick brown fox jumps over the lazy dog " * 14  # ~128 tokens
     with serve_locally(["--http-port", str(free_port())], 120, fake=fake) as stack:
         url = stack.http_url

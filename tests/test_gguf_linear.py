@@ -16,14 +16,14 @@ import torch
 
 from llmserve.bench.engine_driver import generate
 from llmserve.common.model_config import load_model_config
-from llmserve.engine import cpu_fused
+from llmserve.engine.model import cpu_fused
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.cpu_weights import dense_layers
-from llmserve.engine.engine import Engine
-from llmserve.engine.gguf_linear import GGUFEmbedding, GGUFLinear
-from llmserve.engine.quant import Int8Linear
-from llmserve.engine.telemetry import EngineTelemetry
-from llmserve.engine.weights import (
+from llmserve.engine.step.engine import Engine
+from llmserve.engine.model.gguf_linear import GGUFEmbedding, GGUFLinear
+from llmserve.engine.model.quant import Int8Linear
+from llmserve.engine.contract.telemetry import EngineTelemetry
+from llmserve.engine.model.weights import (
     LazyWeights,
     build_model,
     checked_quantization,
@@ -210,7 +210,7 @@ def fused_against_unfused(
 def test_fused_decode_layers_give_the_unfused_tokens(
     q4_1_gguf: Path, builtin_model_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Decode-only steps on GGUF blocks run each layer as one C++ call (engine/cpu_fused.py),
+    """Decode-only steps on GGUF blocks run each layer as one C++ call (engine/model/cpu_fused.py),
     with the greedy tokens of the layers' torch path: a tiny Llama (GQA) and the built-in
     model, prompts of several lengths decoded together (rows over different block counts)."""
     prompts = [[1, 5, 9, 2, 7], [3] * 19 + [8], [4, 6]]

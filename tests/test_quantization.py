@@ -13,9 +13,9 @@ import torch
 from llmserve.bench.engine_driver import generate
 from llmserve.common.model_config import load_model_config
 from llmserve.engine.config import EngineConfig
-from llmserve.engine.engine import Engine
-from llmserve.engine.quant import Fp8Linear, Int8Linear, grouped_int8
-from llmserve.engine.weights import build_model, load_weights, resolve_quantization
+from llmserve.engine.step.engine import Engine
+from llmserve.engine.model.quant import Fp8Linear, Int8Linear, grouped_int8
+from llmserve.engine.model.weights import build_model, load_weights, resolve_quantization
 from llmserve.kernels import cpu as cpu_kernels
 from tests.quality import PASSAGES, agreement, prompt_logits
 
@@ -211,7 +211,7 @@ def test_fp8_cpu_path_is_scaled_mm(rows: int, k: int, n: int) -> None:
     """On a CPU, Fp8Linear's float32 GEMM over the widened e4m3 weight gives what
     torch._scaled_mm gives for the same e4m3 values and scales: equal, or a bfloat16 unit in the
     last place apart where the summation order rounds differently."""
-    from llmserve.engine.quant import FP8_MAX, per_channel_fp8
+    from llmserve.engine.model.quant import FP8_MAX, per_channel_fp8
 
     gen = torch.Generator().manual_seed(rows)
     weight, x = torch.randn(n, k, generator=gen) * 0.05, torch.randn(rows, k, generator=gen)
@@ -298,7 +298,7 @@ def test_modes_through_the_whole_stack(
 
 def test_int8_on_a_gpu_needs_our_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
     import llmserve.kernels.cuda as kc
-    from llmserve.engine.quant import quantization_limits
+    from llmserve.engine.model.quant import quantization_limits
 
     gpu = torch.device("cuda")
     monkeypatch.setattr(kc, "is_available", lambda: False)
@@ -315,7 +315,7 @@ def test_gpu_int8_self_check_on_the_emulator(monkeypatch: pytest.MonkeyPatch) ->
     import shutil
     import sys
 
-    import llmserve.engine.quant as quant
+    import llmserve.engine.model.quant as quant
     from llmserve.kernels import int8 as gpu_int8
 
     if not sys.platform.startswith("linux") or shutil.which("g++") is None:

@@ -15,11 +15,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from llmserve.engine.attention_context import AttentionContext
+from llmserve.engine.model.attention_context import AttentionContext
 from llmserve.engine.cpu_weights import WeightPath
-from llmserve.engine.gguf_linear import GGUFLinear
-from llmserve.engine.layers import MLP, Attention, DecoderLayer, RMSNorm
-from llmserve.engine.model import LlamaForCausalLM
+from llmserve.engine.model.gguf_linear import GGUFLinear
+from llmserve.engine.model.layers import MLP, Attention, DecoderLayer, RMSNorm
+from llmserve.engine.model.model import LlamaForCausalLM
 from llmserve.kernels import cpu_gguf
 
 # Off: every layer takes its torch path (the tests compare the two).

@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from llmserve.engine.gguf_linear import GGUFLinear
-from llmserve.engine.model import LlamaForCausalLM
+from llmserve.engine.model.gguf_linear import GGUFLinear
+from llmserve.engine.model.model import LlamaForCausalLM
 from llmserve.kernels import cpu_features, cpu_gguf
 
 MIB = 1 << 20

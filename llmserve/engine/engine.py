@@ -26,33 +26,34 @@ from llmserve.common.model_config import (
     resolve_model_path,
 )
 from llmserve.common.sampling import has_penalties
-from llmserve.engine.adapters import Adapters
+from llmserve.engine.features.adapters import Adapters
 from llmserve.engine.config import EngineConfig
-from llmserve.engine.contract import EngineInfo, StepOutput, StepPlanData, with_refused_rows
-from llmserve.engine.cpu_threads import set_torch_threads
-from llmserve.engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
-from llmserve.engine.device import resolve_device, resolve_dtype, resolve_kv_dtype
-from llmserve.engine.disaggregation import KVTransfers
-from llmserve.engine.grammar import Grammars
-from llmserve.engine.graph_capture import capture_graphs, uses_graphs
-from llmserve.engine.kv_cache import allocate_kv_cache, bytes_per_block, layer_views
-from llmserve.engine.kv_offload import KVTiers
-from llmserve.engine.lora_files import LoraAdapter, LoraError
-from llmserve.engine.memory import (
+from llmserve.engine.contract.contract import EngineInfo, with_refused_rows
+from llmserve.common.step_plan import StepOutput, StepPlanData
+from llmserve.engine.step.cpu_threads import set_torch_threads
+from llmserve.engine.step.cuda_graphs import DecodeGraphs, graph_batch_sizes
+from llmserve.engine.step.device import resolve_device, resolve_dtype, resolve_kv_dtype
+from llmserve.engine.kv.disaggregation import KVTransfers
+from llmserve.engine.features.grammar import Grammars
+from llmserve.engine.step.graph_capture import capture_graphs, uses_graphs
+from llmserve.engine.kv.cache import allocate_kv_cache, bytes_per_block, layer_views
+from llmserve.engine.kv.offload import KVTiers
+from llmserve.engine.features.lora_files import LoraAdapter, LoraError
+from llmserve.engine.step.memory import (
     GIB,
     PooledModel,
     choose_num_blocks,
     give_back_freed_memory,
     profile_num_blocks,
 )
-from llmserve.engine.mirror import Mirror, MirrorMismatch, StepBatch
-from llmserve.engine.model import LlamaForCausalLM
-from llmserve.engine.parallel import Parallel, shard_config, whole_model
-from llmserve.engine.proposer import make_proposer
-from llmserve.engine.runner import LaunchedStep, ModelRunner, StepTimer
-from llmserve.engine.sampler import Sampler
-from llmserve.engine.timeline import Timeline, make_timeline
-from llmserve.engine.weights import checked_quantization, load_model
+from llmserve.engine.contract.mirror import Mirror, MirrorMismatch, StepBatch
+from llmserve.engine.model.model import LlamaForCausalLM
+from llmserve.engine.parallel.groups import Parallel, shard_config, whole_model
+from llmserve.engine.features.proposer import make_proposer
+from llmserve.engine.step.runner import LaunchedStep, ModelRunner, StepTimer
+from llmserve.engine.step.sampler import Sampler
+from llmserve.engine.step.timeline import Timeline, make_timeline
+from llmserve.engine.model.weights import checked_quantization, load_model
 
 log = get_logger("engine")
 
@@ -363,7 +364,7 @@ class Engine:
         while len(self.unresolved) > 1:
             self._resolve_oldest()
         # Disaggregated: sends read before the copies write the pool, receives written after
-        # the copies have read it (engine/disaggregation.py).
+        # the copies have read it (engine/kv/disaggregation.py).
         self.transfers.send(plan)
         if self.tiers is not None:
             self.tiers.execute(plan.kv_copies)
@@ -427,7 +428,7 @@ class Engine:
         """step's output, waiting for it (and for the steps launched before it). Disaggregated:
         the KV transfers arrived whole by now are written (enqueued after the steps launched)
         and reported here, with those written at launches since the last result
-        (engine/disaggregation.py KVTransfers.report: why it is safe with steps in flight)."""
+        (engine/kv/disaggregation.py KVTransfers.report: why it is safe with steps in flight)."""
         while step.output is None:
             self._resolve_oldest()
         self._report_compiles(step.output, idle=not step.batch.rows)

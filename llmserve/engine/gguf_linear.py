@@ -1,6 +1,6 @@
 """--quantization gguf: linear layers whose weights stay in the blocks the GGUF file stores them in
 (Q4_0, Q4_1, Q8_0, Q4_K), multiplied by kernels/cpu_gguf.cpp on the CPU. A Q4_1 projection
-reads 0.625 bytes per weight where the int8 form (engine/quant.py) reads 1.25.
+reads 0.625 bytes per weight where the int8 form (engine/model/quant.py) reads 1.25.
 
 `keep_gguf_blocks` swaps them into a model before its load (so no float32 copy of them is ever
 made): each Linear takes the file's blocks of the HF tensors it stacks (q, k and v; gate and up),
@@ -18,9 +18,9 @@ import torch
 from torch import nn
 
 from llmserve.common.log import get_logger
-from llmserve.engine.layers import Linear
-from llmserve.engine.model import LlamaForCausalLM
-from llmserve.engine.quant import Int8Linear
+from llmserve.engine.model.layers import Linear
+from llmserve.engine.model.model import LlamaForCausalLM
+from llmserve.engine.model.quant import Int8Linear
 from llmserve.kernels import cpu_gguf
 
 
@@ -87,7 +87,7 @@ class GGUFEmbedding(nn.Module):
 class GGUFBlocks:
     """What keep_gguf_blocks reads: a GGUF tensor's blocks by HF name, (ggml type, uint8
     [rows, row_bytes]) in the model's row order, or None where it is stored unquantized or in a
-    block type the kernel lacks (engine/weights.py's GGUF loader is one)."""
+    block type the kernel lacks (engine/model/weights.py's GGUF loader is one)."""
 
     def holds(self, name: str) -> bool:
         """Whether the file holds this HF tensor (Phi-3's holds qkv_proj, not q_proj)."""

@@ -8,7 +8,7 @@ less the `model.` prefix, except that q/k/v and gate/up are fused into one proje
 
 The other families (common/families/, engine/families/) are this class with their own layers:
 a subclass overrides `make_attention`, `make_mlp` or `make_layer` (and `norm_class`), and the
-config's data (biases, windows, soft-caps, scales) does the rest. See engine/families/README.md.
+config's data (biases, windows, soft-caps, scales) does the rest. See engine/model/families/README.md.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from llmserve.common.model_config import ModelConfig
-from llmserve.engine.layers import (
+from llmserve.engine.model.layers import (
     MLP,
     Attention,
     AttentionContext,
@@ -33,8 +33,8 @@ from llmserve.engine.layers import (
     VocabEmbedding,
     default_weight_loader,
 )
-from llmserve.engine.ops import LayerOps, ReferenceOps
-from llmserve.engine.parallel import ModelShard, TPGroup, whole_model
+from llmserve.engine.model.ops import LayerOps, ReferenceOps
+from llmserve.engine.parallel.groups import ModelShard, TPGroup, whole_model
 
 # Our fused projections and the HF tensors stacked into each, in row order.
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
@@ -155,7 +155,7 @@ class LlamaForCausalLM(nn.Module):
         input_ids' embeddings or `carried` (see forward). A draft runs the first layers only.
         The ops backend prepares ctx once for all layers."""
         ctx = self.ops.prepare(ctx)
-        # a decode-only step the fused layers take (engine/cpu_fused.py), or None
+        # a decode-only step the fused layers take (engine/model/cpu_fused.py), or None
         rows = None if self.fused_rows is None else self.fused_rows(ctx, positions.shape[0])
         residual: torch.Tensor | None = None
         if carried is None:
@@ -188,7 +188,7 @@ class LlamaForCausalLM(nn.Module):
         self, make: Callable[[torch.Tensor, torch.Tensor | None], nn.Module]
     ) -> None:
         """Swap every Linear, the LM head included (a tied one reads the embedding), for
-        make(weight, bias): a PackedLinear or a quantized linear (engine/quant.py). They copy
+        make(weight, bias): a PackedLinear or a quantized linear (engine/model/quant.py). They copy
         the weights, so this comes after loading them."""
         for name, module in list(self.named_modules()):
             if isinstance(module, Linear):

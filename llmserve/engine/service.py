@@ -44,14 +44,15 @@ from llmserve.common.auth import peer_interceptors
 from llmserve.common.log import get_logger
 from llmserve.common.net import SERVER_OPTIONS, add_servicer, listen
 from llmserve.engine.config import EngineConfig
-from llmserve.engine.contract import EngineInfo, StepOutput, StepPlanData
-from llmserve.engine.convert import info_to_proto, plan_from_proto, result_to_proto
-from llmserve.engine.mirror import MirrorMismatch
-from llmserve.engine.telemetry import EngineTelemetry, now_ns
+from llmserve.engine.contract.contract import EngineInfo
+from llmserve.common.step_plan import StepOutput, StepPlanData
+from llmserve.engine.contract.convert import info_to_proto, plan_from_proto, result_to_proto
+from llmserve.engine.contract.mirror import MirrorMismatch
+from llmserve.engine.contract.telemetry import EngineTelemetry, now_ns
 from llmserve.protos import engine_pb2, engine_pb2_grpc
 
 if TYPE_CHECKING:  # this module stays torch-free (the echo engine serves through it)
-    from llmserve.engine.parallel import Parallel
+    from llmserve.engine.parallel.groups import Parallel
 
 log = get_logger("engine")
 
@@ -64,7 +65,7 @@ class LaunchedStepLike(Protocol):
 
 
 class StepExecutor(Protocol):
-    """What the service needs of an engine (the real one, or engine.fake.FakeEngine): `launch`
+    """What the service needs of an engine (the real one, or engine.fake.EchoEngine): `launch`
     enqueues a plan's step (in plan order) and `finish` waits for its output."""
 
     info: EngineInfo
@@ -110,7 +111,7 @@ def _read_plans(
 
 def _to_ranks(group: Parallel, kind: str, payload: bytes = b"") -> None:
     """Send a control message to the group's other ranks; when that fails (a rank is gone),
-    end this process so the group restarts as one (engine/ranks.py)."""
+    end this process so the group restarts as one (engine/parallel/ranks.py)."""
     try:
         group.send_control(kind, payload)
     except Exception:
@@ -178,7 +179,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         group: Parallel | None = None,
     ):
         """run_on(fn, *args): where engine calls run (serve: OwnerThread.call). group: the
-        engine group this driver leads (engine/parallel.py): plans and resets go to every
+        engine group this driver leads (engine/parallel/groups.py): plans and resets go to every
         rank, and a step that fails part-way ends the group (its ranks are out of step)."""
         self.engine = engine
         self.run_on = run_on
@@ -194,7 +195,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         return info_to_proto(self.engine.info)
 
     def AddLora(self, request: engine_pb2.AddLoraRequest, context: Any) -> Any:
-        """Check an adapter into the engine's host cache (engine/adapters.py): INVALID_ARGUMENT
+        """Check an adapter into the engine's host cache (engine/features/adapters.py): INVALID_ARGUMENT
         naming it and the reason when it cannot be served."""
         add = getattr(self.engine, "add_lora", None)
         if add is None:

@@ -1,5 +1,5 @@
 """Weights: the loaders of HF directories (*.safetensors) and GGUF files, both to HF tensor names,
-and `build_model`, which puts them (or engine/dummy.py's seeded values) into a model;
+and `build_model`, which puts them (or engine/model/dummy.py's seeded values) into a model;
 `load_model` does both for the engine's target and draft models alike.
 
 GGUF tensors are dequantized to float32. llama.cpp's converter permutes the rows of attn_q and
@@ -19,24 +19,24 @@ import torch
 from llmserve.common.families import FAMILIES
 from llmserve.common.gguf_file import TensorInfo, open_gguf
 from llmserve.common.model_config import ModelConfig, ModelSourceError
-from llmserve.engine.checkpoint_formats import CheckpointView, checkpoint_weights
+from llmserve.engine.model.checkpoint_formats import CheckpointView, checkpoint_weights
 from llmserve.engine.config import EngineConfig
-from llmserve.engine.cpu_fused import install_fused_decode
+from llmserve.engine.model.cpu_fused import install_fused_decode
 from llmserve.engine.cpu_weights import plan_weight_path
-from llmserve.engine.cuda_graphs import graph_batch_sizes
-from llmserve.engine.dummy import DummyWeights, init_dummy_weights
-from llmserve.engine.families import model_class
-from llmserve.engine.gguf_linear import (
+from llmserve.engine.step.cuda_graphs import graph_batch_sizes
+from llmserve.engine.model.dummy import DummyWeights, init_dummy_weights
+from llmserve.engine.model.families import model_class
+from llmserve.engine.model.gguf_linear import (
     GGUFBlocks,
     gguf_kernel_missing,
     keep_gguf_blocks,
     quantize_rest,
 )
-from llmserve.engine.layers import PackedLinear, can_pack_cpu_linears
-from llmserve.engine.model import LlamaForCausalLM
-from llmserve.engine.ops import LayerOps, select_ops
-from llmserve.engine.parallel import ModelShard, shard_config
-from llmserve.engine.quant import QUANTIZED_LINEARS, quantization_limits
+from llmserve.engine.model.layers import PackedLinear, can_pack_cpu_linears
+from llmserve.engine.model.model import LlamaForCausalLM
+from llmserve.engine.model.ops import LayerOps, select_ops
+from llmserve.engine.parallel.groups import ModelShard, shard_config
+from llmserve.engine.model.quant import QUANTIZED_LINEARS, quantization_limits
 from llmserve.kernels import cpu_gguf
 
 _GGUF_LAYER_NAMES = {
@@ -95,7 +95,7 @@ def load_weights(path: Path, config: ModelConfig) -> Mapping[str, torch.Tensor]:
 
 def _load_safetensors_dir(path: Path) -> CheckpointView:
     """The directory's tensors through the format its config.json declares
-    (engine/checkpoint_formats.py: refused at start where a tensor would go unread)."""
+    (engine/model/checkpoint_formats.py: refused at start where a tensor would go unread)."""
     from safetensors import safe_open
 
     files = sorted(path.glob("*.safetensors"))
@@ -255,8 +255,8 @@ def build_model(
     directly in `dtype`, never a float32 copy first), then load `weights`, or, when it is
     None, fill in engine.dummy's seeded values.
     `ops`: the layer ops backend (default: kernels/reference.py). `quantization` (int8, fp8)
-    replaces every linear layer, the LM head included, by engine/quant.py's (gguf: by
-    engine/gguf_linear.py's on `weights`' blocks, swapped in before the load, which then never
+    replaces every linear layer, the LM head included, by engine/model/quant.py's (gguf: by
+    engine/model/gguf_linear.py's on `weights`' blocks, swapped in before the load, which then never
     widens them to float32). `shard`: the part
     this rank holds (default: the whole model); a sharded model takes its slice of each tensor,
     the dummy ones included (the same values as the whole model's). `dense_budget_mib` (gguf):
