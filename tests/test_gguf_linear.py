@@ -6,6 +6,7 @@ against HF transformers, tests/test_e2e_smollm2.py (auto picks gguf there)."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 
@@ -17,7 +18,9 @@ from llmserve.bench.engine_driver import generate
 from llmserve.bench.quality import prompt_logits
 from llmserve.common.model_config import load_model_config
 from llmserve.engine.config import EngineConfig
+from llmserve.engine.contract.telemetry import EngineTelemetry
 from llmserve.engine.model import cpu_fused
+from llmserve.engine.model.cpu_weights import dense_layers
 from llmserve.engine.model.gguf_linear import GGUFEmbedding, GGUFLinear
 from llmserve.engine.model.quant import Int8Linear
 from llmserve.engine.model.weights import (
@@ -222,3 +225,41 @@ def test_fused_decode_layers_give_the_unfused_tokens(
         assert calls == 5 * len(layers)  # the 5 decode steps after the prefill, every layer
         assert fused == unfused, path
         monkeypatch.undo()
+
+
+def test_auto_multiplies_a_dense_copy_from_its_crossover(
+    q4_1_gguf: Path, builtin_model_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--quantization auto keeps the blocks and, within --cpu-dense-weights-mib, a oneDNN-packed
+    dense copy of the decoder layers that steps of --cpu-dense-rows rows or more multiply, the
+    fused decode layers included (engine/model/cpu_weights.py): their tokens are the unfused layers'
+    and, in float32, the dequantized model's. A copy over the budget is not made, and why is
+    said; the steps each form ran are counted (/metrics)."""
+    config = EngineConfig(
+        model=str(q4_1_gguf), device="cpu", num_kv_blocks=32, max_model_len=128, seed=0,
+        cpu_dense_rows=2,
+    )  # fmt: skip
+    engine = Engine(config)
+    path = engine.model.weight_path
+    assert path.dense_rows == 2 and path.name == f"gguf+dense-{path.dtype}", path
+    assert path.reason == "--cpu-dense-rows=2" and path.dense_mib > 0
+    layers = dense_layers(engine.model)
+    assert len(layers) == 4 * len(engine.model.layers)
+    assert all(layer.fast is not None and layer.fast_rows == 2 for layer in layers)
+    prompts = [[1, 5, 9, 2, 7], [3] * 19 + [8], [4, 6]]
+    fused, unfused, calls = fused_against_unfused(engine, prompts, monkeypatch)
+    assert calls == 5 * len(engine.model.layers) and fused == unfused
+    assert path.steps["dense"] >= 10  # 5 decode steps of 3 rows, fused and unfused
+    telemetry = EngineTelemetry(lambda: path)
+    assert telemetry._observe("cpu_dense_rows")[0][0] == 2.0
+    assert dict((a["path"], v) for v, a in telemetry._observe("cpu_weight_steps")) == {
+        "dense": path.steps["dense"], "packed": path.steps["packed"]
+    }  # fmt: skip
+    if path.dtype == "float32":
+        reference = Engine(dataclasses.replace(config, quantization="none"))
+        assert generate(reference, prompts, 6) == fused
+    blocks_only = Engine(dataclasses.replace(config, quantization="gguf"))
+    assert blocks_only.model.weight_path.name == "gguf"
+    builtin = EngineConfig(model=str(builtin_model_path), device="cpu", num_kv_blocks=8, seed=0)
+    small = Engine(dataclasses.replace(builtin, cpu_dense_weights_mib=100)).model.weight_path
+    assert small.dense_rows == 0 and "exceeds --cpu-dense-weights-mib=100" in small.reason

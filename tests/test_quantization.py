@@ -149,6 +149,9 @@ MODES = {
     # llama.cpp rounds them, kept 97%: kernels/cpu_gguf.py); measured 100%, 6e-8 nats with every
     # product through the dot products
     "gguf": ("gguf", torch.float32, 0.995, 1e-5),
+    # --quantization auto's dense copy (engine/model/cpu_weights.py) on every product: the blocks
+    # widened once, so the dequantized model's own logits but for the GEMM's summation order
+    "gguf+dense": ("gguf+dense", torch.float32, 0.999, 1e-6),
     "kv-bf16": ("none", torch.bfloat16, 0.98, 1e-3),
     "kv-fp16": ("none", torch.float16, 0.98, 1e-3),
     "kv-fp8 (misses 98%)": ("none", torch.float8_e4m3fn, 0.90, 0.02),
@@ -165,9 +168,11 @@ def quantized_builtin(builtin: tuple) -> Callable[[str], torch.nn.Module]:
 
     def get(quantization: str) -> torch.nn.Module:
         if quantization not in models:
+            dense = quantization == "gguf+dense"  # the dense copy from 1 row on
             models[quantization] = build_model(
                 config, weights, 1024, torch.float32, torch.device("cpu"),
-                quantization=quantization,
+                quantization="gguf" if dense else quantization,
+                dense_budget_mib=1024 if dense else 0, dense_rows=1,
             )  # fmt: skip
         return models[quantization]
 

@@ -55,21 +55,37 @@ def test_parse_loads_pairs_counts_with_concurrencies_and_gives_each_a_seed() -> 
         vs.parse_loads("0", "8")
 
 
-def test_rows_hold_both_servers_and_llmserve_over_llamacpp_ratios() -> None:
+def test_rows_hold_every_server_and_llmserve_over_each_peer() -> None:
     servers = {
         "llamacpp": {"loads": [_load(1, 80.0, 100.0, 900), _load(16, 140.0, 400.0, 1000)]},
+        "vllm": {"loads": [_load(16, 420.0, 100.0, 3000)]},
         "llmserve": {"loads": [_load(1, 40.0, 300.0, 3600), _load(16, 210.0, 200.0, 1500)]},
     }
     rows = vs.load_rows(servers)
     assert [row["concurrency"] for row in rows] == [1, 16]
-    assert rows[0]["ratios"] == {"output_tok_s": 0.5, "ttft_p50": 3.0, "rss": 4.0}
-    assert rows[1]["ratios"] == {"output_tok_s": 1.5, "ttft_p50": 0.5, "rss": 1.5}
+    assert rows[0]["ratios"] == {"llamacpp": {"output_tok_s": 0.5, "ttft_p50": 3.0, "rss": 4.0}}
+    assert rows[1]["ratios"]["llamacpp"] == {"output_tok_s": 1.5, "ttft_p50": 0.5, "rss": 1.5}
+    assert rows[1]["ratios"]["vllm"] == {"output_tok_s": 0.5, "ttft_p50": 2.0, "rss": 0.5}
     assert rows[1]["llmserve"]["peak_rss_bytes"] == 1500 * MiB
 
     table = vs.format_table(rows).splitlines()
     assert table[1].split() == ["1", "llamacpp", "80.0", "100.0", "200.0", "10.0", "900.0"]
-    assert table[3].split() == ["ratio", "0.50x", "3.00x", "4.00x"]
-    assert table[6].split() == ["ratio", "1.50x", "0.50x", "1.50x"]
+    assert table[2].split() == ["1", "vllm", *["-"] * 5]
+    assert table[4].split() == ["/llamacpp", "0.50x", "3.00x", "4.00x"]
+    assert table[8].split() == ["/llamacpp", "1.50x", "0.50x", "1.50x"]
+    assert table[9].split() == ["/vllm", "0.50x", "2.00x", "0.50x"]
+
+
+def test_vllm_bench_results_summarize_like_ours() -> None:
+    """`vllm bench serve`'s result document gives the same figures as our client's."""
+    document = {
+        "completed": 4, "failed": 0, "output_throughput": 120.5, "median_ttft_ms": 30.0,
+        "p99_ttft_ms": 90.0, "median_itl_ms": 8.0, "median_tpot_ms": 8.5,
+        "total_input_tokens": 512, "output_lens": [128, 128, 128, 127],
+    }  # fmt: skip
+    summary = vs.summarize(document)
+    assert summary["output_tok_s"] == 120.5 and summary["ttft_p50_ms"] == 30.0
+    assert summary["mean_prompt_tokens"] == 128 and summary["output_lens_min_max"] == [127, 128]
 
 
 def test_a_server_alone_gives_rows_without_ratios() -> None:

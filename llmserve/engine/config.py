@@ -84,6 +84,18 @@ class EngineConfig(PeerSecurity):
         "(int8 for Q4_0 / Q4_1 / Q8_0 when tensor-parallel), else none",
         choices=QUANTIZATIONS,
     )
+    cpu_dense_weights_mib: int = setting(
+        1024,
+        "--quantization auto on a CPU with a GGUF's blocks: memory for a second, dense copy of "
+        "the decoder layers' weights (oneDNN-packed, float32, or bfloat16 where the CPU has "
+        "AVX-512 BF16 / AMX), which steps of --cpu-dense-rows rows or more multiply instead of "
+        "the blocks (SmolLM2-135M's: 406 MiB in float32); 0 or a model that does not fit: the "
+        "blocks only",
+    )
+    cpu_dense_rows: int = setting(
+        0,
+        "from how many rows a step takes the dense copy (0: the crossover measured at start)",
+    )
     kv_cache_dtype: str = setting(
         "auto",
         "KV pool element type: auto = the model's dtype; bf16 / fp16 halve a float32 pool; fp8 "
@@ -194,7 +206,13 @@ class EngineConfig(PeerSecurity):
                 raise ValueError(f"{f.name}={value!r} must be one of {choices}")
         if not (1 <= self.block_size <= 256 and self.block_size & (self.block_size - 1) == 0):
             raise ValueError(f"block_size={self.block_size} must be a power of two <= 256")
-        for name in ("num_kv_blocks", "max_model_len", "num_threads"):
+        for name in (
+            "num_kv_blocks",
+            "max_model_len",
+            "num_threads",
+            "cpu_dense_weights_mib",
+            "cpu_dense_rows",
+        ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
         if self.kv_cache_gb < 0:

@@ -14,6 +14,9 @@
 // Registered as torch operators (torch.ops.llmserve_cpu_gguf.*) with only the ATen headers they
 // need (kernels/cpu_build.py: torch/extension.h and pybind11 take 4x as long to compile).
 #include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
+#include <ATen/ops/to.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <torch/library.h>

@@ -187,7 +187,9 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         self.lock = threading.Lock()
         self.active_stream = 0  # the live Step stream's number; 0 when none
         self.num_streams = 0
-        self.telemetry = EngineTelemetry()
+        self.telemetry = EngineTelemetry(
+            lambda: getattr(getattr(engine, "model", None), "weight_path", None)
+        )
 
     def Describe(self, request: engine_pb2.DescribeRequest, context: Any) -> Any:
         return info_to_proto(self.engine.info)

@@ -4,6 +4,7 @@ context comes in the StepPlan) with forward and sampling as child spans, and ste
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 from llmserve.common import telemetry
@@ -24,13 +25,35 @@ METRICS = {
         "One step in the engine: plan in to result out", _BUCKETS,
     ),
     "tokens": Metric("llmserve.engine.tokens", "counter", "{token}", "Tokens computed"),
+    # --quantization auto on GGUF blocks (engine/model/cpu_weights.py): the path and its reason
+    "cpu_dense_rows": Metric(
+        "llmserve.engine.model.cpu_weights.dense_rows", "gauge", "{row}",
+        "From how many rows a step multiplies the dense weight copy (0: the GGUF blocks only); "
+        "attributes: path, dtype, reason",
+    ),
+    "cpu_weight_steps": Metric(
+        "llmserve.engine.model.cpu_weights.steps", "observed_counter", "{step}",
+        "Steps by the weights their layers multiplied (path: packed = GGUF blocks, dense)",
+    ),
 }  # fmt: skip
 
 
 class EngineTelemetry:
-    def __init__(self) -> None:
+    def __init__(self, weight_path: Callable[[], Any] = lambda: None) -> None:
+        """weight_path(): the engine's engine.cpu_weights.WeightPath, or None (then the
+        cpu_weights metrics report nothing)."""
         self.tracer = telemetry.tracer("llmserve.engine")
-        self.m = telemetry.instruments("llmserve.engine", METRICS)
+        self.weight_path = weight_path
+        self.m = telemetry.instruments("llmserve.engine", METRICS, self._observe)
+
+    def _observe(self, key: str) -> list[tuple[float, dict[str, str]]]:
+        path = self.weight_path()
+        if path is None:
+            return []
+        if key == "cpu_dense_rows":
+            attrs = {"path": path.name, "dtype": path.dtype or "none", "reason": path.reason}
+            return [(float(path.dense_rows), attrs)]
+        return [(float(n), {"path": name}) for name, n in path.steps.items()]
 
     def on_step(
         self,

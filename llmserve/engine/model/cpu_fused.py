@@ -3,9 +3,10 @@ one C++ operator (kernels/cpu_decode_layer.h, in the GGUF kernel's library): nor
 KV store, paged attention over each row's blocks, output projection, residual, norm and MLP,
 where the torch path makes about thirty calls per layer (each a dispatch, many an OpenMP region).
 
-Used on the gguf path (--quantization gguf) for decode-only steps of fewer rows than
-kernels.cpu_gguf.PREFILL_ROWS (the products then run the same dot products as the torch path's
-GGUFLinear); a step with prefill chunks, padding rows or LoRA takes the layers' own path.
+Used on the gguf path for decode-only steps: on the blocks for fewer rows than
+kernels.cpu_gguf.PREFILL_ROWS (the same dot products as the torch path's GGUFLinear), or of any
+number on the dense copies where --quantization auto made them (engine/model/cpu_weights.py) and the
+step has enough rows; a step with prefill chunks, padding rows or LoRA takes the layers' own path.
 `install_fused_decode` gives every layer that qualifies (`why_not_fused`) its FusedDecode.
 """
 
@@ -15,6 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from llmserve.engine.model.attention_context import AttentionContext
+from llmserve.engine.model.cpu_weights import WeightPath
 from llmserve.engine.model.gguf_linear import GGUFLinear
 from llmserve.engine.model.layers import MLP, Attention, DecoderLayer, RMSNorm
 from llmserve.engine.model.model import LlamaForCausalLM
@@ -56,6 +58,9 @@ class FusedDecode:
         projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         self.blocks = [p.blocks for p in projections if isinstance(p, GGUFLinear)]
         self.fmts = [p.ggml_type for p in projections if isinstance(p, GGUFLinear)]
+        # the dense copies (engine/model/cpu_weights.py), where every projection has one
+        fast = [p.fast for p in projections if isinstance(p, GGUFLinear)]
+        self.fast = fast if all(f is not None for f in fast) else None
         self.eps = layer.input_layernorm.eps
 
     def __call__(
@@ -70,7 +75,8 @@ class FusedDecode:
         return cpu_gguf.decode_layer(  # type: ignore[no-any-return]
             hidden, residual,
             self.layer.input_layernorm.weight, self.layer.post_attention_layernorm.weight,
-            self.eps, self.blocks, self.fmts, self.attn.rotary_emb.cos_sin_cache,
+            self.eps, self.fast if rows.dense and self.fast else self.blocks, self.fmts,
+            self.attn.rotary_emb.cos_sin_cache,
             positions.long(),
             k_cache, v_cache, rows.slots, rows.block_tables, rows.seq_lens,
             self.attn.num_heads, self.attn.scale,
@@ -81,17 +87,30 @@ class DecodeRows:
     """A decode-only step's metadata as decode_layer reads it (int64, one entry per row), made
     once per step by `decode_rows`."""
 
-    def __init__(self, slots: Tensor, block_tables: Tensor, seq_lens: Tensor):
+    def __init__(self, slots: Tensor, block_tables: Tensor, seq_lens: Tensor, dense: bool):
+        self.dense = dense  # the layers' dense copies, not their blocks
         self.slots = slots
         self.block_tables = block_tables
         self.seq_lens = seq_lens
 
 
-def decode_rows(ctx: AttentionContext, num_rows: int) -> DecodeRows | None:
+class StepRows:
+    """The model's `fused_rows`: asked once per step, it counts the step on the weight path
+    (engine/model/cpu_weights.py) and gives decode_rows' answer."""
+
+    def __init__(self, path: WeightPath | None):
+        self.path = path
+
+    def __call__(self, ctx: AttentionContext, num_rows: int) -> DecodeRows | None:
+        dense = self.path is not None and self.path.count(num_rows)
+        return decode_rows(ctx, num_rows, dense)
+
+
+def decode_rows(ctx: AttentionContext, num_rows: int, dense: bool = False) -> DecodeRows | None:
     """The step's DecodeRows where the fused layers can run it: every request one query, no
-    padding rows, no adapters, a float32 KV pool, fewer rows than the products widen at; else
-    None."""
-    if not ENABLED or ctx.lora is not None or num_rows >= cpu_gguf.PREFILL_ROWS:
+    padding rows, no adapters, a float32 KV pool, and on the blocks (not `dense`) fewer rows
+    than the products widen at; else None."""
+    if not ENABLED or ctx.lora is not None or (num_rows >= cpu_gguf.PREFILL_ROWS and not dense):
         return None
     if not ctx.kv_caches or ctx.kv_caches[0][0].dtype != torch.float32:
         return None
@@ -104,6 +123,7 @@ def decode_rows(ctx: AttentionContext, num_rows: int) -> DecodeRows | None:
         slots.contiguous(),
         ctx.block_tables[:num_rows].long().contiguous(),
         torch.tensor(ctx.seq_lens, dtype=torch.int64),
+        dense,
     )
 
 
@@ -118,5 +138,5 @@ def install_fused_decode(model: LlamaForCausalLM) -> int:
         if isinstance(layer, DecoderLayer) and why_not_fused(layer) is None:
             layer.fused_decode = FusedDecode(layer)
             fused += 1
-    model.fused_rows = decode_rows if fused else None
+    model.fused_rows = StepRows(getattr(model, "weight_path", None)) if fused else None
     return fused

@@ -47,12 +47,18 @@ class GGUFLinear(nn.Module):
         self.in_features = cpu_gguf.in_features(blocks, ggml_type)
         self.bias = None if bias is None else bias.detach().float().clone()
         self.dense: torch.Tensor | None = None
+        # engine/model/cpu_weights.py: a oneDNN-packed dense copy that steps of fast_rows rows or
+        # more multiply instead of the blocks (--quantization auto, within its memory budget)
+        self.fast: torch.Tensor | None = None
+        self.fast_rows = 0
         if gguf_kernel_missing():
             self.dense = cpu_gguf.dequantize_reference(self.blocks, ggml_type)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).float()
-        if self.dense is None:
+        if self.fast is not None and rows.shape[0] >= self.fast_rows:
+            out = cpu_gguf.dense_linear(rows, self.fast, self.bias)
+        elif self.dense is None:
             out = cpu_gguf.gguf_linear(rows, self.blocks, self.ggml_type, self.bias)
         else:
             out = nn.functional.linear(rows, self.dense, self.bias)

@@ -57,6 +57,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         # engine.cpu_fused.decode_rows where layers run fused on decode-only steps
         self.fused_rows: Callable[[AttentionContext, int], Any] | None = None
+        self.weight_path: Any = None  # engine.cpu_weights.WeightPath on GGUF blocks
         ops = ReferenceOps() if ops is None else ops
         self.shard = shard = shard or whole_model(config.num_layers)
         tp = shard.tp

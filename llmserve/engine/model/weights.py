@@ -22,6 +22,7 @@ from llmserve.common.model_config import ModelConfig, ModelSourceError
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.model.checkpoint_formats import CheckpointView, checkpoint_weights
 from llmserve.engine.model.cpu_fused import install_fused_decode
+from llmserve.engine.model.cpu_weights import plan_weight_path
 from llmserve.engine.model.dummy import DummyWeights, init_dummy_weights
 from llmserve.engine.model.families import model_class
 from llmserve.engine.model.gguf_linear import (
@@ -247,6 +248,8 @@ def build_model(
     ops: LayerOps | None = None,
     quantization: str = "none",
     shard: ModelShard | None = None,
+    dense_budget_mib: int = 0,
+    dense_rows: int = 0,
 ) -> LlamaForCausalLM:
     """Allocate (on a CPU in place; elsewhere on the meta device, materialized on `device`
     directly in `dtype`, never a float32 copy first), then load `weights`, or, when it is
@@ -256,7 +259,9 @@ def build_model(
     engine/model/gguf_linear.py's on `weights`' blocks, swapped in before the load, which then never
     widens them to float32). `shard`: the part
     this rank holds (default: the whole model); a sharded model takes its slice of each tensor,
-    the dummy ones included (the same values as the whole model's)."""
+    the dummy ones included (the same values as the whole model's). `dense_budget_mib` (gguf):
+    memory for a dense copy of the layers that steps of `dense_rows` rows or more (0: measured)
+    multiply instead (engine/model/cpu_weights.py)."""
     cls = model_class(config)
     if device.type == "cpu":  # torch.empty touches no memory; the meta device's first use costs
         # 1.5 s of CPU importing what its decompositions need (sympy), at every start
@@ -279,6 +284,7 @@ def build_model(
     model = model.eval().requires_grad_(False)
     if quantization == "gguf":
         quantize_rest(model)
+        plan_weight_path(model, dense_budget_mib, dense_rows)
         install_fused_decode(model)
     elif quantization != "none":
         model.replace_linears(QUANTIZED_LINEARS[quantization])
@@ -331,6 +337,9 @@ def load_model(
     model = build_model(
         model_config, weights, max_positions, dtype, device,
         dummy_seed=config.seed or 0, ops=ops, quantization=quantization, shard=shard,
+        # the dense copy is --quantization auto's choice; gguf asked for keeps the blocks only
+        dense_budget_mib=config.cpu_dense_weights_mib if config.quantization == "auto" else 0,
+        dense_rows=config.cpu_dense_rows,
     )  # fmt: skip
     if isinstance(weights, GGUFWeights):  # every tensor is copied out of the mapping by now
         weights.file.drop_resident_pages()

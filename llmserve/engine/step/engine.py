@@ -214,6 +214,7 @@ class Engine:
             kv_offload_host_blocks=self.info.num_host_blocks,
             kv_offload_disk_blocks=self.info.num_disk_blocks,
             **self._draft_figures(),
+            **(self.model.weight_path.figures() if self.model.weight_path else {}),
             max_model_len=self.max_model_len,
             load_s=round(load_s, 2),
             total_s=round(time.perf_counter() - t0, 2),
