@@ -45,6 +45,7 @@ BENCH_SERVICE_IMPORTS = {
     "bench.overlap_echo": {"scheduler"},  # its stack's configs
     "bench.plan_conversion": {"scheduler"},  # the scheduler's plan conversion, timed alone
     "bench.structured_cpu": {"scheduler"},  # the real Scheduler driving the engine in-process
+    "bench.token_level_kv": {"scheduler"},  # the real Scheduler's per-step cost, timed alone
 }
 
 

@@ -272,8 +272,7 @@ def paged_decode_attention(
     the window are not read). The pool is q's dtype, or FP8 with k_scale / v_scale.
     q: [num_seqs, num_heads, head_dim]; block_tables: [num_seqs, >= ceil(seq_len / block_size)]
     int32; seq_lens: [num_seqs] int32, the context length including this step's token (already
-    stored). Any block_size (below 16 each row of a 16-token tile reads its own block table
-    entry: token-level KV). Returns [num_seqs, num_heads, head_dim] in q's
+    stored). Any block_size (token-level KV: 1). Returns [num_seqs, num_heads, head_dim] in q's
     dtype (written into `out` when given); a sequence with seq_len 0 gets zeros. num_splits
     (split-K): chosen from max_seq_len and the GPU's size when not given. Without
     max_seq_len it is read from seq_lens, which synchronizes with the device: CUDA-graph callers
