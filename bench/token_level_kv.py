@@ -7,10 +7,13 @@ blocks of 16 and 32, on one workload of varied lengths (seeded):
                 lengths taken in order until the pool's blocks run out; and through the real
                 Scheduler (fake tokens, no engine), the peak and mean running requests and the
                 preemptions while it serves the whole workload from that pool
+    tables      the engine's per-step cost of the step's padded block tables, rebuilt from the
+                mirror's lists (before) and kept between steps (engine/step_inputs.BlockTables)
     scheduler   the scheduler's per-step cost (schedule(), update(), and the plan's conversion to
                 engine.proto) for decode steps of 64 requests holding 1,000-4,000 tokens in all
-    engine      the built-in model's decode step on the CPU engine (batch 16, 512-token
-                contexts): the forward reads token-granular tables with tensor ops
+    engine      the built-in model's decode step on the CPU engine (batch 8, 256-token
+                contexts; the block sizes take turns 3 times): the forward reads
+                token-granular tables with tensor ops
 
     python -m bench.token_level_kv [--out bench/results/token_level_kv.json] [--quick]
 """
@@ -138,19 +141,65 @@ def scheduler_cost(block_size: int, num_tokens: int, num_rows: int, steps: int) 
     return row
 
 
-def engine_steps(block_size: int, batch: int, context: int, steps: int) -> dict[str, Any]:
+def table_build(block_size: int, num_rows: int, context: int, steps: int) -> dict[str, Any]:
+    """Median ms per step to build the step's padded block tables for num_rows decoding rows
+    of `context` tokens: rebuilt from the Python lists (padded_block_tables, the engine's way
+    before) and kept between steps (BlockTables, the runner's now)."""
+    import torch
+
+    from llmserve.engine.step_inputs import BlockTables, padded_block_tables
+
+    cpu = torch.device("cpu")
+    n = -(-context // block_size)
+    tables = [list(range(i * n, (i + 1) * n)) for i in range(num_rows)]
+    kept = BlockTables()
+    times: dict[str, list[float]] = {"rebuilt_ms": [], "kept_ms": []}
+    for step in range(steps):
+        for t in tables:
+            t.append(num_rows * n + step)  # one block per row per step: the worst case
+        width = n + step + 1
+        t0 = time.perf_counter()
+        rebuilt = padded_block_tables(tables, width, cpu)
+        t1 = time.perf_counter()
+        padded = kept.padded(tables, width, cpu)
+        t2 = time.perf_counter()
+        assert torch.equal(padded, rebuilt)
+        times["rebuilt_ms"].append((t1 - t0) * 1e3)
+        times["kept_ms"].append((t2 - t1) * 1e3)
+    row: dict[str, Any] = {"block_size": block_size, "rows": num_rows, "context": context}
+    return row | {k: round(statistics.median(v[1:]), 3) for k, v in times.items()}
+
+
+def engine_steps(batch: int, context: int, steps: int, rounds: int) -> list[dict[str, Any]]:
+    """The decode step of the built-in model at each block size, the block sizes taking turns
+    `rounds` times (each engine built once), so a machine whose load drifts slows them alike;
+    a block size's figure is the median of its rounds' medians."""
     from llmserve.bench.engine_driver import time_decode_steps
     from llmserve.common.model_config import builtin_model_path
     from llmserve.engine.config import EngineConfig
     from llmserve.engine.engine import Engine
 
-    num_blocks = batch * -(-(context + steps + 8) // block_size)
-    config = EngineConfig(
-        model=str(builtin_model_path()), device="cpu", block_size=block_size,
-        num_kv_blocks=num_blocks, max_model_len=context + steps + 8,
-    )  # fmt: skip
-    row = time_decode_steps(Engine(config), batch, steps, prompt_len=context)
-    return {"block_size": block_size, **row}
+    max_len = context + steps + 8
+    engines = {
+        bs: Engine(EngineConfig(
+            model=str(builtin_model_path()), device="cpu", block_size=bs,
+            num_kv_blocks=batch * -(-max_len // bs), max_model_len=max_len,
+        ))
+        for bs in BLOCK_SIZES
+    }  # fmt: skip
+    runs: dict[int, list[dict[str, Any]]] = {bs: [] for bs in BLOCK_SIZES}
+    for _ in range(rounds):
+        for bs, engine in engines.items():
+            runs[bs].append(time_decode_steps(engine, batch, steps, prompt_len=context))
+    return [
+        {
+            "block_size": bs, "batch": batch, "context": context,
+            "step_ms_median": round(statistics.median(r["step_ms_median"] for r in rs), 2),
+            "round_medians_ms": [r["step_ms_median"] for r in rs],
+            "first_tokens": rs[0]["first_tokens"],
+        }
+        for bs, rs in runs.items()
+    ]  # fmt: skip
 
 
 def main() -> None:
@@ -175,10 +224,14 @@ def main() -> None:
     doc["scheduler"] = [
         scheduler_cost(bs, n, 64, steps) for n in (1000, 2000, 4000) for bs in BLOCK_SIZES
     ]
+    doc["block_tables"] = [
+        table_build(bs, 64, context, steps) for context in (256, 2048) for bs in BLOCK_SIZES
+    ]
+    save(doc, args.out)  # the engine's rows take minutes on a loaded CPU: the rest first
     if not args.quick:
-        doc["engine"] = [engine_steps(bs, 16, 512, 20) for bs in BLOCK_SIZES]
-    save(doc, args.out)
-    for section in ("memory", "scheduler", "engine"):
+        doc["engine"] = engine_steps(8, 256, 10, rounds=3)
+        save(doc, args.out)
+    for section in ("memory", "scheduler", "block_tables", "engine"):
         for row in doc.get(section, []):
             print(section, {k: v for k, v in row.items() if k != "step_ms"})
 
