@@ -85,7 +85,7 @@ def fits(requests: list[tuple[int, int]], block_size: int, pool: int) -> int:
     return len(requests)
 
 
-def make_scheduler(block_size: int, num_tokens: int, max_num_seqs: int) -> Scheduler:
+def Scheduler(block_size: int, num_tokens: int, max_num_seqs: int) -> Scheduler:
     config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=8192)
     return Scheduler(config, num_tokens // block_size, block_size, 4096, VOCAB, (2,))
 
@@ -97,7 +97,7 @@ def request(i: int, prompt: int, output: int) -> Request:
 
 def serve(requests: list[tuple[int, int]], block_size: int, pool: int) -> dict[str, Any]:
     """The whole workload through the real Scheduler from the fixed pool, tokens made up."""
-    s = make_scheduler(block_size, pool, max_num_seqs=1024)
+    s = Scheduler(block_size, pool, max_num_seqs=1024)
     for i, (p, o) in enumerate(requests):
         s.add(request(i, p, o))
     running: list[int] = []
@@ -116,7 +116,7 @@ def serve(requests: list[tuple[int, int]], block_size: int, pool: int) -> dict[s
 def scheduler_cost(block_size: int, num_tokens: int, num_rows: int, steps: int) -> dict[str, Any]:
     """Median ms per decode step of schedule(), update() and plan_to_proto with num_rows
     requests holding num_tokens tokens in all (prompts of num_tokens / num_rows)."""
-    s = make_scheduler(block_size, 4 * num_tokens + 64 * num_rows, max_num_seqs=num_rows)
+    s = Scheduler(block_size, 4 * num_tokens + 64 * num_rows, max_num_seqs=num_rows)
     for i in range(num_rows):
         s.add(request(i, num_tokens // num_rows, 10 * steps))
     while s.waiting or any(r.num_computed_tokens < len(r.prompt_token_ids) for r in s.running):
@@ -149,7 +149,7 @@ def table_build(block_size: int, num_rows: int, context: int, steps: int) -> dic
     before) and kept between steps (BlockTables, the runner's now)."""
     import torch
 
-    from llmserve.engine.step_inputs import BlockTables, padded_block_tables
+    from llmserve.engine.step.inputs import BlockTables, padded_block_tables
 
     cpu = torch.device("cpu")
     n = -(-context // block_size)
@@ -179,7 +179,7 @@ def engine_steps(batch: int, context: int, steps: int, rounds: int) -> list[dict
     from llmserve.bench.engine_driver import time_decode_steps
     from llmserve.common.model_config import builtin_model_path
     from llmserve.engine.config import EngineConfig
-    from llmserve.engine.engine import Engine
+    from llmserve.engine.step.engine import Engine
 
     max_len = context + steps + 8
     engines = {

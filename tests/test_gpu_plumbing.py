@@ -17,14 +17,14 @@ import pytest
 import torch
 
 from llmserve.common.model_config import ModelConfig
-from llmserve.engine.cuda_graphs import (
+from llmserve.engine.step.cuda_graphs import (
     DecodeGraphs,
     graph_batch_sizes,
     is_decode_only,
     padded_batch_size,
 )
-from llmserve.engine.kv_cache import allocate_kv_cache, layer_views
-from llmserve.engine.memory import (
+from llmserve.engine.kv.cache import allocate_kv_cache, layer_views
+from llmserve.engine.step.memory import (
     GRAPH_MARGIN_BYTES,
     MemoryProfile,
     graph_memory_estimate,
@@ -33,9 +33,9 @@ from llmserve.engine.memory import (
     profile_lengths,
     profile_plan,
 )
-from llmserve.engine.mirror import Mirror
-from llmserve.engine.model import LlamaForCausalLM
-from llmserve.engine.ops import (
+from llmserve.engine.contract.mirror import Mirror
+from llmserve.engine.model.model import LlamaForCausalLM
+from llmserve.engine.model.ops import (
     AttentionContext,
     DecodeSplits,
     KernelOps,
@@ -44,8 +44,8 @@ from llmserve.engine.ops import (
     select_ops,
     self_check,
 )
-from llmserve.engine.timeline import NullTimeline, make_timeline, steady_decode_busy
-from llmserve.engine.weights import build_model
+from llmserve.engine.step.timeline import NullTimeline, make_timeline, steady_decode_busy
+from llmserve.engine.model.weights import build_model
 
 GIB = 1 << 30
 CPU = torch.device("cpu")
@@ -243,7 +243,7 @@ def test_self_check_catches_wrong_and_failing_kernels() -> None:
 def test_auto_falls_back_to_torch_when_the_kernels_fail(monkeypatch: pytest.MonkeyPatch) -> None:
     """On a GPU whose kernels fail the start-up self-check, auto serves through plain torch and
     says why; cuda refuses to start. (A torch.device("cuda") object runs nothing here.)"""
-    import llmserve.engine.ops as engine_ops
+    import llmserve.engine.model.ops as engine_ops
     import llmserve.kernels.cuda as kc
 
     monkeypatch.setattr(kc, "is_available", lambda: True)
@@ -406,11 +406,11 @@ def test_stream_comparison_stops_at_the_first_difference() -> None:
 
 
 def test_seeded_margins_see_the_samplers_draw() -> None:
-    """The best seeded score over the vocabulary is the token engine/sampler.py draws for that
+    """The best seeded score over the vocabulary is the token engine/step/sampler.py draws for that
     seed and output index; from the top 5 logprobs alone the margin is a lower bound of the
     one from all of them."""
     from llmserve.common.sampling import normalized
-    from llmserve.engine.sampler import Sampler
+    from llmserve.engine.step.sampler import Sampler
     from llmserve.protos.common_pb2 import SamplingParams
     from tests.quality import seeded_margins, seeded_scores
 
@@ -436,7 +436,7 @@ def test_seeded_margins_see_the_samplers_draw() -> None:
 def test_generate_with_gaps_gives_generates_tokens(tiny_model: Any) -> None:
     from llmserve.bench.engine_driver import blocks_needed, generate
     from llmserve.engine.config import EngineConfig
-    from llmserve.engine.engine import Engine
+    from llmserve.engine.step.engine import Engine
     from tests.quality import generate_with_gaps
 
     prompts = [[3, 4, 5], [7, 8, 9, 10, 11]]

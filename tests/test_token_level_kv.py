@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from llmserve.engine.config import EngineConfig
-from llmserve.engine.engine import Engine
-from llmserve.engine.step_inputs import BlockTables, padded_block_tables
+from llmserve.engine.step.engine import Engine
+from llmserve.engine.step.inputs import BlockTables, padded_block_tables
 from llmserve.scheduler.request import Request
 from tests.factories import sampling
 from tests.spec_driver import drive, make_scheduler_for
@@ -84,7 +84,7 @@ def test_block_tables_kept_between_steps_match_a_fresh_build() -> None:
     for step in range(40):
         a.append(100 + step)  # one block per token, as at block size 1
         if step % 7 == 3:
-            a = a[:-2]  # lookahead blocks given back: a new list, as engine/mirror.py does
+            a = a[:-2]  # lookahead blocks given back: a new list, as engine/contract/mirror.py does
         if step == 20:
             b = [7] * 30  # the seq was preempted and readmitted: a new list
         if step % 3 != 1:

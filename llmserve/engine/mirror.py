@@ -24,7 +24,7 @@ from typing import Any
 from llmserve.common.plan_columns import BLOCK_COUNT_COLUMN, VALUE_COLUMNS
 from llmserve.common.sampling import normalized
 from llmserve.common.step_plan import NewRequest, StepPlanData
-from llmserve.engine.contract import Refusal
+from llmserve.engine.contract.contract import Refusal
 from llmserve.protos.common_pb2 import SamplingParams
 
 # The running columns of one value per row (common/plan_columns.py).
@@ -54,7 +54,7 @@ class SeqState:
     # the engine (a prefix cache hit or a recompute included): the draft's pool is not the
     # scheduler's, so nothing there is known to be valid.
     num_draft_computed_tokens: int = 0
-    # Structured output: the request's grammar matcher (engine/grammar.py's RowGrammar), made
+    # Structured output: the request's grammar matcher (engine/features/grammar.py's RowGrammar), made
     # when it is first scheduled; it goes with the request (a recompute starts a new one).
     grammar: Any = None
     # The adapter slot it runs under this step (0: the base model); the plan names it each step.

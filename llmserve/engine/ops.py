@@ -21,16 +21,16 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from llmserve.engine.attention_context import AttentionContext
+from llmserve.engine.model.attention_context import AttentionContext
 from llmserve.engine.config import ATTENTION_BACKENDS
-from llmserve.engine.decode_splits import DecodeSplits, padded_batch_size  # noqa: F401 (re-exported)
-from llmserve.engine.sampler import to_device
+from llmserve.engine.model.decode_splits import DecodeSplits, padded_batch_size  # noqa: F401 (re-exported)
+from llmserve.engine.step.sampler import to_device
 from llmserve.kernels import moe_reference as moe_ref
 from llmserve.kernels import reference as ref
 
 if TYPE_CHECKING:
     from llmserve.common.model_config import ModelConfig
-    from llmserve.engine.lora import LoraBatch
+    from llmserve.engine.features.lora import LoraBatch
 
 
 class LayerOps:
@@ -90,7 +90,7 @@ class LayerOps:
         return ref.gelu_tanh_and_mul(x)
 
     def lora_add(self, lora: LoraBatch, layer: int, group: str, x: Tensor, out: Tensor) -> None:
-        """The step's adapter updates of projection `group` added into out (engine/lora.py),
+        """The step's adapter updates of projection `group` added into out (engine/features/lora.py),
         through torch's products (kernels/lora_reference.py)."""
         lora.add(layer, group, x, out)
 
@@ -291,7 +291,7 @@ class KernelOps(LayerOps):
 
     def lora_add(self, lora: LoraBatch, layer: int, group: str, x: Tensor, out: Tensor) -> None:
         """kernels/lora.cu on decode-like steps (gathered per row, graph-safe); a step with a
-        long prefill segment through torch's per-segment matmuls (engine/lora.py)."""
+        long prefill segment through torch's per-segment matmuls (engine/features/lora.py)."""
         lora.add(layer, group, x, out, kernel=self.lib.lora_add)
 
     def prepare(self, ctx: AttentionContext) -> AttentionContext:

@@ -18,16 +18,16 @@ import torch
 
 from llmserve.common.sampling import has_penalties
 from llmserve.common.step_plan import StepOutput
-from llmserve.engine.cuda_graphs import DecodeGraphs, is_decode_only
-from llmserve.engine.grammar import Grammars, MaskJob
-from llmserve.engine.lora import LoraSlots
-from llmserve.engine.mirror import PLACEHOLDER, ScheduledSeq, StepBatch
-from llmserve.engine.model import LlamaForCausalLM
-from llmserve.engine.ops import AttentionContext
-from llmserve.engine.parallel import Parallel
-from llmserve.engine.sampler import Sampler, SamplerOutput, to_device
-from llmserve.engine.step_inputs import BlockTables, flattened_inputs
-from llmserve.engine.timeline import NullTimeline, Timeline
+from llmserve.engine.step.cuda_graphs import DecodeGraphs, is_decode_only
+from llmserve.engine.features.grammar import Grammars, MaskJob
+from llmserve.engine.features.lora import LoraSlots
+from llmserve.engine.contract.mirror import PLACEHOLDER, ScheduledSeq, StepBatch
+from llmserve.engine.model.model import LlamaForCausalLM
+from llmserve.engine.model.ops import AttentionContext
+from llmserve.engine.parallel.groups import Parallel
+from llmserve.engine.step.sampler import Sampler, SamplerOutput, to_device
+from llmserve.engine.step.inputs import BlockTables, flattened_inputs
+from llmserve.engine.step.timeline import NullTimeline, Timeline
 from llmserve.protos.common_pb2 import SamplingParams
 
 

@@ -1,5 +1,5 @@
 """The flattened inputs of one forward over segments of requests, and its attention metadata:
-the one builder of the step's forward (engine/runner.py) and the draft's (engine/proposer.py).
+the one builder of the step's forward (engine/step/runner.py) and the draft's (engine/features/proposer.py).
 
 A segment is one request's tokens in this forward, `(block_table, input_ids, start)`: input_ids
 at positions start, start + 1, ..., attending to the request's K/V before start (in the pool,
@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from llmserve.engine.ops import AttentionContext
+from llmserve.engine.model.ops import AttentionContext
 
 Segment = tuple[list[int], list[int], int]
 
@@ -39,7 +39,7 @@ class BlockTables:
     lists every step cost 21-81 ms at 64 rows x 2,048 tokens on a loaded 2-core VM, this
     0.7 ms (bench/token_level_kv.py).
 
-    Assumes what engine/mirror.py does to a table: a new request brings a new list, a step
+    Assumes what engine/contract/mirror.py does to a table: a new request brings a new list, a step
     appends to it (new blocks), and giving back speculation's lookahead blocks makes a new,
     shorter list; ids already in a list never change (a cheap check trips if the last one
     known did). A row is remembered while its list is in every step; one left out for a step
@@ -61,7 +61,7 @@ class BlockTables:
         else:
             ids, known = entry[1], entry[2]
             assert n >= known and (known == 0 or ids[known - 1] == table[known - 1]), (
-                "a block table changed in place (engine/mirror.py only appends)"
+                "a block table changed in place (engine/contract/mirror.py only appends)"
             )
             if n > known:
                 if n > ids.shape[0]:
