@@ -116,7 +116,7 @@ MODULES = [
     "llmserve.scheduler.service.service", "llmserve.gateway.service", "llmserve.kernels.cuda",
     "llmserve.kernels.reference",
     "llmserve.cli", "llmserve.bench.engine_driver", "llmserve.bench.hf",
-    "bench.gpu_engine", "bench.gpu_lora", "bench.kernels_bench", "tests.quality",
+    "bench.gpu_engine", "bench.gpu_lora", "bench.kernels_bench", "llmserve.bench.quality",
     "tests.test_engine_gpu", "tests.test_kernels_cuda", "tests.test_parallel",
     "tests.test_kv_transfer", "tests.test_kv_offload_engine",
 ]  # fmt: skip

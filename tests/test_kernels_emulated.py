@@ -180,6 +180,11 @@ DECODE_CASES = {
     # GQA 20: two head tiles per kv head, the second one partial; split count left to the
     # wrappers' heuristic (one split at this size).
     "gqa20-auto-splits": (torch.float16, 64, 16, 20, 1, [70, 40], None),
+    # Token-level KV (block size 1): every row of a tile reads its own table entry; 2 splits,
+    # partial last tiles.
+    "token-level": (torch.bfloat16, 64, 1, 4, 2, [37, 1, 70], 2),
+    # Blocks of 4: four table entries per tile.
+    "blocks-of-4": (torch.float16, 64, 4, 2, 2, [18, 47], 1),
 }
 
 

@@ -63,6 +63,8 @@ DECODE_CASES = {
     "window-softcap-three-splits": (torch.bfloat16, 64, 32, 2, 1, [200, 33, 96], 3, 50, 2.0),
     # soft-capping alone, the whole context.
     "softcap-only": (torch.float16, 128, 16, 8, 1, [70, 5], 2, None, 1.5),
+    # Token-level KV: every slot before the window poisoned, tiles straddling the window's start.
+    "window-token-level": (torch.float16, 64, 1, 4, 2, [130, 40, 7], 2, 37, None),
 }
 
 

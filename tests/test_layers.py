@@ -46,6 +46,7 @@ BENCH_SERVICE_IMPORTS = {
     "bench.plan_conversion": {"scheduler"},  # the scheduler's plan conversion, timed alone
     "bench.structured_cpu": {"scheduler"},  # the real Scheduler driving the engine in-process
     "bench.checkpoint_formats_quality": {"gateway"},  # the model's tokenizer for its passages
+    "bench.token_level_kv": {"scheduler"},  # the real Scheduler's per-step cost, timed alone
 }
 
 

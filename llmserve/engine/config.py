@@ -28,7 +28,7 @@ class EngineConfig(PeerSecurity):
     )
     device: str = setting("auto", "auto = cuda when torch sees a GPU", choices=DEVICES)
     dtype: str = setting("auto", "auto = float32 on CPU, bfloat16 on CUDA", choices=DTYPES)
-    block_size: int = setting(16, "tokens per KV block (a power of two; the CUDA kernels: 16+)")
+    block_size: int = setting(16, "tokens per KV block (a power of two <= 256; 1: token-level KV)")
     num_kv_blocks: int = setting(
         0, "KV pool size in blocks (0: from --kv-cache-gb, or free GPU memory)"
     )

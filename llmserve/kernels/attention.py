@@ -44,7 +44,7 @@ from llmserve.kernels.reference import FP8_DTYPE, check_kv_scales
 
 LOG2E = 1.4426950408889634
 HEAD_DIMS = (64, 128)
-DECODE_TILE = 16  # tokens per warp step in decode_attention.cu; block_size must be a multiple
+DECODE_TILE = 16  # tokens per warp step in decode_attention.cu
 DECODE_THREADS = 128
 # prefill_attention.cu instances by rows per CTA: (warps, 16-row m-tiles per warp, keys per tile)
 PREFILL_CONFIGS: dict[int, tuple[int, int, int]] = {64: (4, 1, 64), 128: (4, 2, 32)}
@@ -272,7 +272,7 @@ def paged_decode_attention(
     the window are not read). The pool is q's dtype, or FP8 with k_scale / v_scale.
     q: [num_seqs, num_heads, head_dim]; block_tables: [num_seqs, >= ceil(seq_len / block_size)]
     int32; seq_lens: [num_seqs] int32, the context length including this step's token (already
-    stored). block_size must be a multiple of 16. Returns [num_seqs, num_heads, head_dim] in q's
+    stored). Any block_size (token-level KV: 1). Returns [num_seqs, num_heads, head_dim] in q's
     dtype (written into `out` when given); a sequence with seq_len 0 gets zeros. num_splits
     (split-K): chosen from max_seq_len and the GPU's size when not given. Without
     max_seq_len it is read from seq_lens, which synchronizes with the device: CUDA-graph callers
@@ -339,8 +339,6 @@ def _check_decode_args(
     )
     if seq_lens.shape[0] != num_seqs:
         _fail(op, f"seq_lens has {seq_lens.shape[0]} entries for {num_seqs} sequences")
-    if block_size % DECODE_TILE:
-        _fail(op, f"block_size={block_size} must be a multiple of {DECODE_TILE}")
     return num_seqs, num_heads, num_kv_heads, head_dim, block_size
 
 

@@ -16,8 +16,11 @@
 //   q           [num_seqs, num_heads, HD], any sequence / head strides (even), last dim contiguous
 //   k/v_cache   [num_blocks, block_size, num_kv_heads, HD] of KV, contiguous (reference.py's
 //               layout); token j of sequence b is row j % block_size of block
-//               block_tables[b, j / block_size]. block_size must be a multiple of 16 so that a
-//               16-token tile never straddles two blocks.
+//               block_tables[b, j / block_size]; any block_size >= 1. When it is a multiple of
+//               16 a 16-token tile lies in one block (one table read per tile); otherwise
+//               (token-level KV, `--block-size 1`, or 2-8) each row of a tile reads its own
+//               table entry, and rows before a sliding window are zero-filled too (their blocks
+//               may be freed and reused).
 //   block_tables[num_seqs, >= ceil(seq_len / block_size)] int32; seq_lens [num_seqs] int32
 //   out         [num_seqs, num_heads, HD], any sequence / head strides, last dim contiguous
 //   part_acc    [num_splits, num_seqs, num_heads, HD] fp32 and part_ml [num_splits, num_seqs,
@@ -144,11 +147,22 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32, 3)
 
   // Issue the cp.async copies of 16-token tile `tile` (K and V) into `stage`; rows past the end
   // of the sequence are zero-filled, never read, so stale or NaN pool slots cannot leak in.
+  // row_off(r): the pool offset of the tile's row r (token tok0 + r) for this kv head.
+  const bool one_block_per_tile = block_size % DECODE_TILE == 0;
+  const long long head_off = static_cast<long long>(kvh) * HD;
   auto load_tile = [&](int tile, int stage) {
     const int tok0 = tile * DECODE_TILE;
-    const long long block = table[tok0 / block_size];
     const long long base =
-        (block * block_size + tok0 % block_size) * kv_row_stride + static_cast<long long>(kvh) * HD;
+        (static_cast<long long>(table[tok0 / block_size]) * block_size + tok0 % block_size) *
+            kv_row_stride + head_off;
+    auto row_off = [&](int r) -> long long {
+      if (one_block_per_tile) return base + r * kv_row_stride;
+      const int tok = tok0 + r;
+      return (static_cast<long long>(table[tok / block_size]) * block_size + tok % block_size) *
+                 kv_row_stride + head_off;
+    };
+    // With blocks smaller than a tile, rows before the window may sit in freed blocks.
+    const int lo = one_block_per_tile ? 0 : max(first_key, 0);
     if constexpr (kFp8) {
       unsigned char* sk = fp8_stages + stage * FP8_STAGE_BYTES;
       unsigned char* sv = sk + DECODE_TILE * HD;
@@ -157,8 +171,8 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32, 3)
         const int c = i * 32 + lane;
         const int r = c / FP8_CHUNKS;
         const int col = (c % FP8_CHUNKS) * 16;
-        const bool valid = tok0 + r < seq_len;
-        const long long off = base + r * kv_row_stride + col;
+        const bool valid = tok0 + r < seq_len && tok0 + r >= lo;
+        const long long off = valid ? row_off(r) + col : 0;
         cp_async_16(smem_addr(sk + r * HD + col), valid ? k_cache + off : k_cache, valid);
         cp_async_16(smem_addr(sv + r * HD + col), valid ? v_cache + off : v_cache, valid);
       }
@@ -170,8 +184,8 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32, 3)
         const int c = i * 32 + lane;
         const int r = c / CHUNKS;
         const int col = (c % CHUNKS) * 8;
-        const bool valid = tok0 + r < seq_len;
-        const long long off = base + r * kv_row_stride + col;
+        const bool valid = tok0 + r < seq_len && tok0 + r >= lo;
+        const long long off = valid ? row_off(r) + col : 0;
         cp_async_16(smem_addr(sk + r * ROW + col), valid ? k_cache + off : k_cache, valid);
         cp_async_16(smem_addr(sv + r * ROW + col), valid ? v_cache + off : v_cache, valid);
       }

@@ -316,8 +316,9 @@ class Mirror:
                 seq.num_draft_computed_tokens, seq.num_computed_tokens
             )
             seq.token_ids.extend(row_tokens)
-            if row.num_lookahead_tokens:
-                del seq.block_table[-(-len(seq.token_ids) // self.block_size) :]
+            if row.num_lookahead_tokens:  # a new list: ids in a table are only ever appended
+                # (engine/step_inputs.BlockTables copies only a table's new ids each step)
+                seq.block_table = seq.block_table[: -(-len(seq.token_ids) // self.block_size)]
 
 
 def _check_lora_slot(slot: int, failed: dict[int, str]) -> None:

@@ -387,8 +387,6 @@ def kernel_limits(config: ModelConfig, dtype: torch.dtype, block_size: int) -> s
         return f"head_dim={config.head_dim}: the CUDA kernels support {HEAD_DIMS}"
     if config.rotary_dim % 16:
         return f"rotary dimension {config.rotary_dim}: the rotary kernel needs a multiple of 16"
-    if block_size % 16:
-        return f"block_size={block_size}: the decode kernel needs a multiple of 16"
     if config.hidden_size % 8 or config.hidden_size > 24576:
         return f"hidden_size={config.hidden_size}: rms_norm needs a multiple of 8, <= 24576"
     if config.intermediate_size % 8:

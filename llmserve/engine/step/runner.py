@@ -25,7 +25,7 @@ from llmserve.engine.model.model import LlamaForCausalLM
 from llmserve.engine.model.ops import AttentionContext
 from llmserve.engine.parallel.groups import Parallel
 from llmserve.engine.step.cuda_graphs import DecodeGraphs, is_decode_only
-from llmserve.engine.step.inputs import flattened_inputs
+from llmserve.engine.step.inputs import BlockTables, flattened_inputs
 from llmserve.engine.step.sampler import Sampler, SamplerOutput, to_device
 from llmserve.engine.step.timeline import NullTimeline, Timeline
 from llmserve.protos.common_pb2 import SamplingParams
@@ -122,6 +122,7 @@ class ModelRunner:
         self.samples_here = parallel is None or parallel.topology.is_driver
         self.grammars = grammars if self.samples_here else None
         self.lora = lora
+        self.block_tables = BlockTables()  # the rows' padded tables, kept between steps
 
     def _prepare(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionContext]:
         """The step's flattened inputs: each row's scheduled tokens, then its proposals."""
@@ -130,7 +131,7 @@ class ModelRunner:
             for r in batch.rows
         ]
         input_ids, positions, ctx = flattened_inputs(
-            segments, self.block_size, self.kv_caches, self.device
+            segments, self.block_size, self.kv_caches, self.device, tables=self.block_tables
         )
         if self.lora is not None:
             ctx.lora = self.lora.batch(
