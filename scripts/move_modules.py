@@ -42,7 +42,7 @@ def files_to_rewrite(skip: tuple[Path, ...] = ()) -> list[Path]:
     return out
 
 
-def move(pairs: list[tuple[str, str]]) -> None:
+def move(pairs: list[tuple[str, str]], skip: tuple[Path, ...] = ()) -> None:
     tracked = set(subprocess.run(
         ["git", "ls-files", "llmserve"], cwd=ROOT, capture_output=True, text=True, check=True
     ).stdout.split())  # fmt: skip
@@ -58,10 +58,10 @@ def move(pairs: list[tuple[str, str]]) -> None:
         if not init.exists():  # a new package, after the moves (one may bring its own)
             init.write_text(f'"""{folder.relative_to(PKG)}/: see docs/architecture.md#layout."""\n')
             subprocess.run(["git", "add", str(init)], cwd=ROOT, check=True)
-    rewrite(pairs)
+    rewrite(pairs, skip)
 
 
-def rewrite(pairs: list[tuple[str, str]]) -> None:
+def rewrite(pairs: list[tuple[str, str]], skip: tuple[Path, ...] = ()) -> None:
     """Every reference to an old module, as an import or a path, made to name the new one: one
     pass over each file (a reference rewritten is never matched again), longest names first."""
     table: dict[str, str] = {}
@@ -82,7 +82,7 @@ def rewrite(pairs: list[tuple[str, str]]) -> None:
         return rf"{before}{re.escape(key)}(?![\w/])"
 
     pattern = re.compile("|".join(map(guarded, keys)))
-    for path in files_to_rewrite():
+    for path in files_to_rewrite(skip):
         text = path.read_text(errors="surrogateescape")
         new_text = pattern.sub(lambda m: table[m.group(0)], text)
         if new_text != text:
@@ -101,10 +101,11 @@ def main() -> None:
     if args.plan:
         lines += [ln.split("#")[0].strip() for ln in args.plan.read_text().splitlines()]
     pairs = [tuple(ln.split("=", 1)) for ln in lines if ln]
+    skip = (args.plan.resolve(),) if args.plan else ()  # the plan keeps its old names
     if args.rewrite_only:
-        rewrite(pairs)  # type: ignore[arg-type]
+        rewrite(pairs, skip)  # type: ignore[arg-type]
     else:
-        move(pairs)  # type: ignore[arg-type]
+        move(pairs, skip)  # type: ignore[arg-type]
 
 
 if __name__ == "__main__":
