@@ -70,7 +70,7 @@ AGREEMENT_NOTE = (
     "trained model keeps; but random weights also give near-flat next-token distributions "
     "(ref_top1_prob, ref_top1_margin_median), where any rounding flips the argmax more easily. "
     "They check the quantized paths end to end on the GPU, not a model's quality "
-    "(tests/test_quantization.py measures that on the built-in model, on the CPU)."
+    "(tests/engine/model/test_quantization.py measures that on the built-in model, on the CPU)."
 )
 
 

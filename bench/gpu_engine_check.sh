@@ -20,7 +20,7 @@
 # reached), then bench/gpu_preflight.py --dry-run: the wheels against what the GPU machine has,
 # the imports, each stage command's options against its script's --help, each pytest stage's
 # selection, and nvcc compile checks when nvcc is there (DRY_RUN_NVCC=0 skips them).
-# tests/test_gpu_check_dry_run.py runs it in the suite.
+# tests/cli/test_gpu_check_dry_run.py runs it in the suite.
 #
 # Budget: the device gives 15 minutes per session, machine start (~1-2 min) included, and
 # starts no machine with under 4 minutes left. The first call's caps sum to 445 s, under 90% of
@@ -60,25 +60,25 @@ declare -A CAP=([preflight]=60 [kernels]=30 [kbench]=40 [8b]=90 [tests]=75 [smol
     [quant]=75 [structured]=25 [lora]=30 [parallel]=15 [families]=60)
 declare -A WHAT=(
     [preflight]="imports, one kernel + the attention self-check, graphs of batch 1 and 2"
-    [kernels]="kernel correctness (tests/test_kernels_cuda.py -m gpu)"
+    [kernels]="kernel correctness (tests/kernels/test_kernels_cuda.py -m gpu)"
     [kbench]="kernel bandwidth (bench/kernels_bench.py, every section incl. int8)"
     [8b]="Llama-3-8B bf16: offline 1000 x 512/256 + decode b1/b8 (graph and eager), no HF"
-    [tests]="engine GPU tests (tests/test_engine_gpu.py; the KV transfer write and the offload copy stream)"
+    [tests]="engine GPU tests (tests/engine/test_engine_gpu.py; the KV transfer write and the offload copy stream)"
     [smollm2]="SmolLM2-135M shape: offline only"
     [quant]="8B int8, fp8, kv-fp8: decode b1/b8 vs bf16 (25 s each)"
     [structured]="8B shape, 16 x 128/128: none vs all held to a JSON schema (bench/structured_cpu.py)"
     [lora]="8B bf16 with 8 distinct rank-16 adapters (dummy, all projections): b8/b64 vs base"
-    [parallel]="tests/test_parallel.py -m gpu (one-rank NCCL group)"
+    [parallel]="tests/engine/parallel/test_parallel.py -m gpu (one-rank NCCL group)"
     [families]="on request: Qwen3-8B and Qwen3-30B-A3B shapes bf16, decode b1/b8 (30 s each)"
 )
 GE="python3 -m bench.gpu_engine --attention-backend cuda"
 PT="python3 -m pytest -q -p no:cacheprovider"
 declare -A CMDS=(
     [preflight]="python3 -m bench.gpu_preflight --json $RAW/preflight.json"
-    [kernels]="$PT -m gpu tests/test_kernels_cuda.py --junitxml=$RAW/kernels.xml"
+    [kernels]="$PT -m gpu tests/kernels/test_kernels_cuda.py --junitxml=$RAW/kernels.xml"
     [kbench]="python3 -m bench.kernels_bench --out $OUT/kernels_h200.json --budget-s 30"
     [8b]="$GE --shape llama-3-8b --out $OUT --raw $RAW --skip-hf --offline-timeout-s 65 --eager-decode"
-    [tests]="python3 -m pytest -v -p no:cacheprovider -m gpu tests/test_engine_gpu.py tests/test_kv_transfer.py tests/test_kv_offload_engine.py --durations=8 --junitxml=$RAW/tests.xml"
+    [tests]="python3 -m pytest -v -p no:cacheprovider -m gpu tests/engine/test_engine_gpu.py tests/engine/kv/test_kv_transfer.py tests/engine/kv/test_kv_offload_engine.py --durations=8 --junitxml=$RAW/tests.xml"
     [smollm2]="$GE --shape smollm2-135m --out $OUT --raw $RAW --skip-decode --skip-hf --offline-timeout-s 14"
     # one process per mode (a crash or hang costs that mode alone); the bf16 line runs only when
     # this call's 8b stage left no decode baseline
@@ -88,7 +88,7 @@ $GE --shape llama-3-8b --out $RAW/quant --skip-offline --skip-hf --decode-steps 
 $GE --shape llama-3-8b --out $RAW/quant --skip-offline --skip-hf --decode-steps 20 --kv-cache-dtype fp8"
     [structured]="python3 -m bench.structured_cpu --device cuda --model configs/llama-3-8b --load-format dummy --fractions 0,1 --rounds 1 --out $RAW/structured.json"
     [lora]="python3 -m bench.gpu_lora --shape llama-3-8b --out $OUT --adapters 8 --decode-batches 8,64"
-    [parallel]="$PT -m gpu tests/test_parallel.py --junitxml=$RAW/parallel.xml"
+    [parallel]="$PT -m gpu tests/engine/parallel/test_parallel.py --junitxml=$RAW/parallel.xml"
     # dummy weights of configs/qwen3-8b and configs/qwen3-30b-a3b (61 GB in bf16), one process
     # each; their JSONs go into raw.tgz ($OUT keeps its 8 files), the table gets the figures
     [families]="$GE --shape qwen3-8b --out $RAW/families --skip-offline --skip-hf --decode-steps 20

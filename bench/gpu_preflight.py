@@ -11,12 +11,12 @@ kernel beside its reference, start a tiny engine (configs/smollm2-135m, dummy we
 `--attention-backend cuda` (so the kernels' start-up self-check runs and a fallback is an error),
 which captures CUDA graphs of batch sizes 1 and 2, and replay both.
 
-The dry run (`dry_run`): the wheels in .whl/ against what the GPU machine has (GPU_MACHINE,
-from ../shared/gpu.md): one wheel per package it lacks, each importable under Python 3.12 on
-manylinux x86_64 (tags, Requires-Python) with every Requires-Dist met by another wheel or by
-the machine (grpcio-health-checking's `grpcio>=` must accept 1.84.0); the same imports as on the
-GPU (CuPy excepted); each stage command's script options against its `--help` and each pytest
-stage's selection (collected, not run); with nvcc, tests/test_kernels_compile.py's nvcc checks.
+The dry run (`dry_run`): the wheels in .whl/ against what the GPU machine has (GPU_MACHINE, from
+../shared/gpu.md): one wheel per package it lacks, each importable under Python 3.12 on manylinux
+x86_64 (tags, Requires-Python) with every Requires-Dist met by another wheel or by the machine
+(grpcio-health-checking's `grpcio>=` must accept 1.84.0); the same imports as on the GPU (CuPy
+excepted); each stage command's script options against its `--help` and each pytest stage's
+selection (collected, not run); with nvcc, tests/kernels/test_kernels_compile.py's nvcc checks.
 
 Nothing here imports torch at module level: `--pins` and `--check-wheels` run under any python3.
 """
@@ -108,17 +108,16 @@ WHEEL_FIX = "run `bash scripts/fetch_gpu_wheels.sh` and call the device tool wit
 MODULES = [
     "grpc", "grpc_health.v1.health", "google.protobuf", "structlog", "opentelemetry.sdk.trace",
     "opentelemetry.sdk.metrics", "opentelemetry.exporter.otlp.proto.grpc.trace_exporter",
-    "opentelemetry.exporter.prometheus", "gguf", "pytest", "jinja2", "tokenizers",
-    "safetensors", "transformers", "uvloop", "numpy", "torch",
-    "llmserve.common.net", "llmserve.engine.config", "llmserve.engine.step.engine",
-    "llmserve.engine.model.ops", "llmserve.engine.step.cuda_graphs",
-    "llmserve.engine.contract.service",
-    "llmserve.scheduler.service.service", "llmserve.gateway.service", "llmserve.kernels.cuda",
-    "llmserve.kernels.reference",
-    "llmserve.cli", "llmserve.bench.engine_driver", "llmserve.bench.hf",
-    "bench.gpu_engine", "bench.gpu_lora", "bench.kernels_bench", "llmserve.bench.quality",
-    "tests.test_engine_gpu", "tests.test_kernels_cuda", "tests.test_parallel",
-    "tests.test_kv_transfer", "tests.test_kv_offload_engine",
+    "opentelemetry.exporter.prometheus", "gguf", "pytest", "jinja2", "tokenizers", "safetensors",
+    "transformers", "uvloop", "numpy", "torch", "llmserve.common.net", "llmserve.engine.config",
+    "llmserve.engine.step.engine", "llmserve.engine.model.ops", "llmserve.engine.step.cuda_graphs",
+    "llmserve.engine.contract.service", "llmserve.scheduler.service.service",
+    "llmserve.gateway.service", "llmserve.kernels.cuda", "llmserve.kernels.reference",
+    "llmserve.cli", "llmserve.bench.engine_driver", "llmserve.bench.hf", "bench.gpu_engine",
+    "bench.gpu_lora", "bench.kernels_bench", "llmserve.bench.quality",
+    "tests.engine.test_engine_gpu", "tests.kernels.test_kernels_cuda",
+    "tests.engine.parallel.test_parallel", "tests.engine.kv.test_kv_transfer",
+    "tests.engine.kv.test_kv_offload_engine",
 ]  # fmt: skip
 CUDA_MODULES = ["cupy"]
 
@@ -485,7 +484,7 @@ def nvcc_check() -> str:
             "no:cacheprovider",
             "-k",
             "nvcc",
-            "tests/test_kernels_compile.py",
+            "tests/kernels/test_kernels_compile.py",
         ],
         cwd=ROOT,
         capture_output=True,
@@ -495,7 +494,7 @@ def nvcc_check() -> str:
     tail = done.stdout.strip().splitlines()[-1:] or [""]
     if done.returncode != 0:
         raise PreflightError(
-            f"nvcc compile checks failed: {tail[0]} (tests/test_kernels_compile.py)"
+            f"nvcc compile checks failed: {tail[0]} (tests/kernels/test_kernels_compile.py)"
         )
     return f"nvcc: {tail[0]}"
 
@@ -522,7 +521,7 @@ def dry_run(plan_path: Path | None, nvcc: bool) -> list[str]:
         lines.append(
             "nvcc: skipped"
             + ("" if nvcc else " (--no-nvcc)")
-            + "; tests/test_kernels_compile.py covers it in the suite"
+            + "; tests/kernels/test_kernels_compile.py covers it in the suite"
         )
     return lines
 

@@ -86,9 +86,9 @@ serve_pid=
 step "2. the tests that import transformers and peft, against the installed wheel"
 cp -r "$ROOT/tests" "$ROOT/configs" "$ROOT/pyproject.toml" "$work/run/"
 "$py" -m pytest -q -p no:cacheprovider -x -n 2 \
-  tests/test_model.py tests/test_weights.py tests/test_families.py tests/test_moe.py \
-  tests/test_moe_models.py tests/test_lora_engine.py tests/test_gateway_text.py \
-  tests/test_dummy_weights.py
+  tests/engine/model/test_model.py tests/engine/model/test_weights.py tests/engine/model/families/test_families.py tests/engine/model/test_moe.py \
+  tests/engine/model/families/test_moe_models.py tests/engine/features/test_lora_engine.py tests/gateway/test_gateway_text.py \
+  tests/engine/model/test_dummy_weights.py
 "$py" -c 'import llmserve, pathlib, sys
 sys.exit(0 if pathlib.Path(llmserve.__file__).is_relative_to(sys.prefix) else "not the wheel")'
 step "passed: the newest releases work (scripts/lock.sh --upgrade moves the locks to them)"

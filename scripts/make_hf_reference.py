@@ -1,6 +1,6 @@
 """Write tests/data/hf_reference_smollm2.json: the greedy tokens HF transformers makes from the
-built-in model (the GGUF loaded in float32) for the chats of tests/test_e2e_smollm2.py, which the
-stack's output must equal token for token.
+built-in model (the GGUF loaded in float32) for the chats of tests/system/test_e2e_smollm2.py, which
+the stack's output must equal token for token.
 
     python scripts/make_hf_reference.py          # regenerate the file (a minute or two)
     python scripts/make_hf_reference.py --check  # compare in memory; exit 1 if it differs
@@ -100,7 +100,7 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=REFERENCE_PATH)
     args = parser.parse_args()
     from llmserve.common.model_config import builtin_model_path
-    from tests.test_e2e_smollm2 import CHATS, NEW_TOKENS
+    from tests.system.test_e2e_smollm2 import CHATS, NEW_TOKENS
 
     document = generate(builtin_model_path(), CHATS, NEW_TOKENS)
     text = dump(document)

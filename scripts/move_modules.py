@@ -5,7 +5,8 @@ re-run on a branch made before a move to bring it onto the new layout.
     python scripts/move_modules.py engine/contract/echo.py=engine/contract/echo.py [...]
     python scripts/move_modules.py --plan scripts/layout_moves.txt    # one OLD=NEW per line
 
-Paths are relative to llmserve/. A NEW folder gets an `__init__.py` if it has none. `git mv` is
+Paths are relative to llmserve/ (or to --base, e.g. `--base tests` for the test modules, whose
+imports read `tests.x.y`). A NEW folder gets an `__init__.py` if it has none. `git mv` is
 used when OLD is tracked, so history follows the file. Rewrites run over *.py, *.md, *.toml,
 *.sh, *.yaml, *.yml, *.txt and Dockerfile under the repository (not .venv, .git).
 """
@@ -18,13 +19,13 @@ import subprocess
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PKG = ROOT / "llmserve"
+PKG = ROOT / "llmserve"  # --base changes it
 SUFFIXES = {".py", ".md", ".toml", ".sh", ".yaml", ".yml", ".txt", ".cfg", ".ini", ".json"}
 SKIP_DIRS = {".venv", ".git", "node_modules", "__pycache__", ".mypy_cache", ".ruff_cache"}
 
 
 def module_name(rel: str) -> str:
-    return "llmserve." + rel.removesuffix(".py").removesuffix("/__init__").replace("/", ".")
+    return f"{PKG.name}." + rel.removesuffix(".py").removesuffix("/__init__").replace("/", ".")
 
 
 def files_to_rewrite(skip: tuple[Path, ...] = ()) -> list[Path]:
@@ -44,12 +45,12 @@ def files_to_rewrite(skip: tuple[Path, ...] = ()) -> list[Path]:
 
 def move(pairs: list[tuple[str, str]], skip: tuple[Path, ...] = ()) -> None:
     tracked = set(subprocess.run(
-        ["git", "ls-files", "llmserve"], cwd=ROOT, capture_output=True, text=True, check=True
+        ["git", "ls-files", PKG.name], cwd=ROOT, capture_output=True, text=True, check=True
     ).stdout.split())  # fmt: skip
     for old, new in pairs:
         src, dst = PKG / old, PKG / new
         dst.parent.mkdir(parents=True, exist_ok=True)
-        if f"llmserve/{old}" in tracked:
+        if f"{PKG.name}/{old}" in tracked:
             subprocess.run(["git", "mv", str(src), str(dst)], cwd=ROOT, check=True)
         else:
             src.rename(dst)
@@ -71,14 +72,17 @@ def rewrite(pairs: list[tuple[str, str]], skip: tuple[Path, ...] = ()) -> None:
         old_pkg, _, old_leaf = old_mod.rpartition(".")
         new_pkg, _, new_leaf = new_mod.rpartition(".")
         table[f"from {old_pkg} import {old_leaf}"] = f"from {new_pkg} import {new_leaf}"
-        table[f"llmserve/{old}"] = f"llmserve/{new}"
-        table[old] = new
+        table[f"{PKG.name}/{old}"] = f"{PKG.name}/{new}"
+        if PKG.name == "llmserve":  # a bare engine/x.py names a product module; a bare
+            table[old] = new  # test_x.py in prose is left as written
+
     keys = sorted(table, key=len, reverse=True)
 
     # A bare path (engine/x.py) must not be the tail of a longer one; llmserve/... may follow
     # a "/" (a docs link: ../llmserve/engine/x.py).
     def guarded(key: str) -> str:
-        before = r"(?<![\w.])" if key.startswith(("llmserve", "from ")) else r"(?<![\w/.])"
+        top = key.startswith((PKG.name, "from "))
+        before = r"(?<![\w.])" if top else r"(?<![\w/.])"
         return rf"{before}{re.escape(key)}(?![\w/])"
 
     pattern = re.compile("|".join(map(guarded, keys)))
@@ -91,12 +95,15 @@ def rewrite(pairs: list[tuple[str, str]], skip: tuple[Path, ...] = ()) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("moves", nargs="*", help="OLD=NEW, paths relative to llmserve/")
+    parser.add_argument("moves", nargs="*", help="OLD=NEW, paths relative to --base")
+    parser.add_argument("--base", default="llmserve", help="the package the paths are under")
     parser.add_argument("--plan", type=Path, help="a file of OLD=NEW lines (# comments)")
     parser.add_argument(
         "--rewrite-only", action="store_true", help="rewrite references; move no file"
     )
     args = parser.parse_args()
+    global PKG
+    PKG = ROOT / args.base
     lines = list(args.moves)
     if args.plan:
         lines += [ln.split("#")[0].strip() for ln in args.plan.read_text().splitlines()]

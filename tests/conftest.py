@@ -40,7 +40,7 @@ HF_REFERENCE_HOW = (
 
 FAMILY_STACKS_HOW = (
     "serves every family from an HF directory and a GGUF, a stack each (minutes): run with "
-    "`pytest --family-stacks -m family_stacks tests/test_families_stack.py`"
+    "`pytest --family-stacks -m family_stacks tests/system/test_families_stack.py`"
 )
 
 

@@ -59,9 +59,9 @@ FAMILY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
         },
     ),
 }
-# Rope variants (tests/test_rope_scaling.py): scalings on a served layout, with an original
-# context shorter than the test prompts, so yarn's interpolated pairs and its attention factor
-# bite; SmolLM3's layers without rotary.
+# Rope variants (tests/engine/model/test_rope_scaling.py): scalings on a served layout, with an
+# original context shorter than the test prompts, so yarn's interpolated pairs and its attention
+# factor bite; SmolLM3's layers without rotary.
 ROPE_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "llama-yarn": (
         "LlamaConfig",

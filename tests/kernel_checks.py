@@ -5,7 +5,7 @@ the reference, the tolerances.
 Tolerances are on the kernel against reference.paged_attention in float64 over the same pool
 (an FP8 pool's values dequantized exactly), so they measure the kernel's own arithmetic (P and
 the output rounded to q's dtype), not FP8's quantization error: the same bounds hold for every
-cache dtype. tests/test_kernels_reference.py bounds the quantization error itself."""
+cache dtype. tests/kernels/test_kernels_reference.py bounds the quantization error itself."""
 
 from __future__ import annotations
 

@@ -23,9 +23,9 @@ MOE_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3_moe": ("Qwen3MoeConfig", QWEN3_MOE),
     "qwen2_moe": ("Qwen2MoeConfig", QWEN2_MOE),
 }
-# DeepSeek-V3's MoE as GLM-4.5 has it (tests/test_glm4_moe.py; no GGUF writer yet): 8 experts in 4
-# groups, the best 2 groups kept, top-2 renormalized and scaled; one shared expert; layer 0
-# dense; partial rotary, q/k norms and q/k/v biases.
+# DeepSeek-V3's MoE as GLM-4.5 has it (tests/engine/model/families/test_glm4_moe.py; no GGUF writer
+# yet): 8 experts in 4 groups, the best 2 groups kept, top-2 renormalized and scaled; one shared
+# expert; layer 0 dense; partial rotary, q/k norms and q/k/v biases.
 GLM4_MOE = {
     "n_routed_experts": 8,
     "num_experts_per_tok": 2,
@@ -45,10 +45,10 @@ GLM4_MOE = {
         "partial_rotary_factor": 0.5,
     },
 }
-# DeepSeek-V3 (tests/test_deepseek_v3.py): GLM-4.5's MoE with multi-head latent attention, the
-# q latent (q_lora_rank), DeepSeek's interleaved rotary pairs, yarn with both mscales; every head
-# its own K/V in transformers (num_key_value_heads = heads). deepseek_v3_plain: q_proj without a
-# q latent, rotate-half rotary, no rope scaling.
+# DeepSeek-V3 (tests/engine/model/families/test_deepseek_v3.py): GLM-4.5's MoE with multi-head
+# latent attention, the q latent (q_lora_rank), DeepSeek's interleaved rotary pairs, yarn with both
+# mscales; every head its own K/V in transformers (num_key_value_heads = heads). deepseek_v3_plain:
+# q_proj without a q latent, rotate-half rotary, no rope scaling.
 DEEPSEEK_V3 = {
     **{k: v for k, v in GLM4_MOE.items() if k not in ("use_qk_norm", "attention_bias")},
     "num_key_value_heads": 4,
@@ -73,9 +73,9 @@ DEEPSEEK_V3_PLAIN = {
     "rope_interleave": False,
     "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
 }
-# gpt-oss (tests/test_gpt_oss.py): 8 biased experts, top-2, the clamped SwiGLU with a limit the
-# tiny model's activations reach; attention sinks; sliding (a 12-token window, shorter than the
-# prompts) and full layers alternating; yarn without truncation.
+# gpt-oss (tests/engine/model/families/test_gpt_oss.py): 8 biased experts, top-2, the clamped SwiGLU
+# with a limit the tiny model's activations reach; attention sinks; sliding (a 12-token window,
+# shorter than the prompts) and full layers alternating; yarn without truncation.
 GPT_OSS = {
     "num_local_experts": 8,
     "num_experts_per_tok": 2,

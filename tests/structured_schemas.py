@@ -1,7 +1,7 @@
-"""JSON schemas written for the structured-output tests (tests/test_structured_outputs.py): each
-bounded (string lengths, item counts, number ranges) so that a small model's output ends within
-a few dozen tokens, and together covering nested objects, arrays with min/max items, enums,
-string patterns and formats, integer and number ranges, required and optional properties,
+"""JSON schemas written for the structured-output tests (tests/gateway/test_structured_outputs.py):
+each bounded (string lengths, item counts, number ranges) so that a small model's output ends within
+a few dozen tokens, and together covering nested objects, arrays with min/max items, enums, string
+patterns and formats, integer and number ranges, required and optional properties,
 $defs / $ref and anyOf."""
 
 from __future__ import annotations

@@ -215,7 +215,7 @@ def test_test_modules_that_start_processes_are_marked_stack() -> None:
     """`pytest -m "not stack"` (the fast loop the README gives) leaves out exactly the test
     modules that start service processes: each carries the `stack` marker, and no other."""
     wrong = []
-    for path in sorted((ROOT / "tests").glob("test_*.py")):
+    for path in sorted((ROOT / "tests").rglob("test_*.py")):
         if path.name == Path(__file__).name:
             continue  # the pattern itself is written here
         text = path.read_text()

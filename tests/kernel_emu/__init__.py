@@ -1,1 +1,1 @@
-"""The CPU emulator of the CUDA kernels (tests only)."""
+"""Tests of llmserve/kernel_emu/ (tests/ mirrors the code: docs/architecture.md#layout)."""

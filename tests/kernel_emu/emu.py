@@ -11,11 +11,11 @@ argument checks, launch shapes and kernel arguments are the ones the GPU gets, o
     with emulator.installed():
         kernels.cuda.paged_decode_attention(q, k_cache, v_cache, ...)  # CPU tensors
 
-What it does not model (see emu_common.h): timing, bank conflicts, register limits, races beyond
-the cp.async / barrier orderings it enforces, out-of-bounds global accesses (they crash the
-process), and kernels/common.cu's inline PTX (replaced, so its bugs are out of reach). Needs g++
-(C++17) and glibc's ucontext (Linux). Slow (every warp collective is a fiber switch per lane):
-the cases of tests/test_kernels_emulated.py, a few CTAs each, take up to about half a second.
+What it does not model (see emu_common.h): timing, bank conflicts, register limits, races beyond the
+cp.async / barrier orderings it enforces, out-of-bounds global accesses (they crash the process),
+and kernels/common.cu's inline PTX (replaced, so its bugs are out of reach). Needs g++ (C++17) and
+glibc's ucontext (Linux). Slow (every warp collective is a fiber switch per lane): the cases of
+tests/kernels/test_kernels_emulated.py, a few CTAs each, take up to about half a second.
 """
 
 from __future__ import annotations

@@ -140,7 +140,7 @@ class Fp8Linear(nn.Module):
     e4m3 weight and activation values, the same scales) through a float32 GEMM over the weight
     widened once: torch's CPU `_scaled_mm` took 57 ms for a 1 x 576 x 1536 product that the
     float32 GEMM does in 0.2 ms (2-core AVX2 VM), and the outputs agree to within the last bit of
-    bfloat16 (tests/test_quantization.py: test_fp8_cpu_path_is_scaled_mm)."""
+    bfloat16 (tests/engine/model/test_quantization.py: test_fp8_cpu_path_is_scaled_mm)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()

@@ -1,0 +1,1 @@
+"""Tests of llmserve/common/ (tests/ mirrors the code)."""

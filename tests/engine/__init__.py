@@ -1,0 +1,1 @@
+"""Tests of llmserve/engine/ (tests/ mirrors the code)."""

@@ -1,0 +1,1 @@
+"""Tests of llmserve/engine/features/ (tests/ mirrors the code)."""

@@ -1,0 +1,1 @@
+"""Tests of llmserve/engine/kv/ (tests/ mirrors the code)."""

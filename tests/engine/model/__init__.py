@@ -1,0 +1,1 @@
+"""Tests of llmserve/engine/model/ (tests/ mirrors the code)."""

@@ -1,0 +1,1 @@
+"""Tests of llmserve/engine/model/families/ (tests/ mirrors the code)."""

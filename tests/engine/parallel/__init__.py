@@ -1,0 +1,1 @@
+"""Tests of llmserve/engine/parallel/ (tests/ mirrors the code)."""

@@ -1,0 +1,1 @@
+"""Tests of llmserve/gateway/ (tests/ mirrors the code)."""

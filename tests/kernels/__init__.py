@@ -1,0 +1,1 @@
+"""Tests of llmserve/kernels/ (tests/ mirrors the code)."""

@@ -1,0 +1,1 @@
+"""Tests of llmserve/scheduler/ (tests/ mirrors the code)."""
