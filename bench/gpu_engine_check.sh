@@ -17,7 +17,7 @@
 #
 # --dry-run (no GPU needed): prints the plan (stages, caps, their sum against BUDGET_S), fetches
 # .whl/ with scripts/fetch_gpu_wheels.sh when it is missing (exit 3 when the index cannot be
-# reached), then bench/gpu_preflight.py --dry-run: the wheels against what the GPU machine has,
+# reached), then bench/gpu/preflight.py --dry-run: the wheels against what the GPU machine has,
 # the imports, each stage command's options against its script's --help, each pytest stage's
 # selection, and nvcc compile checks when nvcc is there (DRY_RUN_NVCC=0 skips them).
 # tests/cli/test_gpu_check_dry_run.py runs it in the suite.
@@ -37,7 +37,7 @@
 # gpu_engine_llama-3-8b_quant.json, gpu_lora_llama-3-8b.json and raw.tgz (every stage's log,
 # JUnit XML, the offline runs' bench documents and step timelines, each quantized run's JSON, the
 # structured-output run's structured.json, the families' decode JSONs). The last lines printed are one
-# compact table (bench/gpu_check_report.py), short enough for the tool's 12,000-char tail.
+# compact table (bench/gpu/check_report.py), short enough for the tool's 12,000-char tail.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-bench/results}"
@@ -61,22 +61,22 @@ declare -A CAP=([preflight]=60 [kernels]=30 [kbench]=40 [8b]=90 [tests]=75 [smol
 declare -A WHAT=(
     [preflight]="imports, one kernel + the attention self-check, graphs of batch 1 and 2"
     [kernels]="kernel correctness (tests/kernels/test_kernels_cuda.py -m gpu)"
-    [kbench]="kernel bandwidth (bench/kernels_bench.py, every section incl. int8)"
+    [kbench]="kernel bandwidth (bench/gpu/kernels_bench.py, every section incl. int8)"
     [8b]="Llama-3-8B bf16: offline 1000 x 512/256 + decode b1/b8 (graph and eager), no HF"
     [tests]="engine GPU tests (tests/engine/test_engine_gpu.py; the KV transfer write and the offload copy stream)"
     [smollm2]="SmolLM2-135M shape: offline only"
     [quant]="8B int8, fp8, kv-fp8: decode b1/b8 vs bf16 (25 s each)"
-    [structured]="8B shape, 16 x 128/128: none vs all held to a JSON schema (bench/structured_cpu.py)"
+    [structured]="8B shape, 16 x 128/128: none vs all held to a JSON schema (bench/studies/structured_cpu.py)"
     [lora]="8B bf16 with 8 distinct rank-16 adapters (dummy, all projections): b8/b64 vs base"
     [parallel]="tests/engine/parallel/test_parallel.py -m gpu (one-rank NCCL group)"
     [families]="on request: Qwen3-8B and Qwen3-30B-A3B shapes bf16, decode b1/b8 (30 s each)"
 )
-GE="python3 -m bench.gpu_engine --attention-backend cuda"
+GE="python3 -m bench.gpu.engine --attention-backend cuda"
 PT="python3 -m pytest -q -p no:cacheprovider"
 declare -A CMDS=(
-    [preflight]="python3 -m bench.gpu_preflight --json $RAW/preflight.json"
+    [preflight]="python3 -m bench.gpu.preflight --json $RAW/preflight.json"
     [kernels]="$PT -m gpu tests/kernels/test_kernels_cuda.py --junitxml=$RAW/kernels.xml"
-    [kbench]="python3 -m bench.kernels_bench --out $OUT/kernels_h200.json --budget-s 30"
+    [kbench]="python3 -m bench.gpu.kernels_bench --out $OUT/kernels_h200.json --budget-s 30"
     [8b]="$GE --shape llama-3-8b --out $OUT --raw $RAW --skip-hf --offline-timeout-s 65 --eager-decode"
     [tests]="python3 -m pytest -v -p no:cacheprovider -m gpu tests/engine/test_engine_gpu.py tests/engine/kv/test_kv_transfer.py tests/engine/kv/test_kv_offload_engine.py --durations=8 --junitxml=$RAW/tests.xml"
     [smollm2]="$GE --shape smollm2-135m --out $OUT --raw $RAW --skip-decode --skip-hf --offline-timeout-s 14"
@@ -86,8 +86,8 @@ declare -A CMDS=(
 $GE --shape llama-3-8b --out $RAW/quant --skip-offline --skip-hf --decode-steps 20 --quantization int8
 $GE --shape llama-3-8b --out $RAW/quant --skip-offline --skip-hf --decode-steps 20 --quantization fp8
 $GE --shape llama-3-8b --out $RAW/quant --skip-offline --skip-hf --decode-steps 20 --kv-cache-dtype fp8"
-    [structured]="python3 -m bench.structured_cpu --device cuda --model configs/llama-3-8b --load-format dummy --fractions 0,1 --rounds 1 --out $RAW/structured.json"
-    [lora]="python3 -m bench.gpu_lora --shape llama-3-8b --out $OUT --adapters 8 --decode-batches 8,64"
+    [structured]="python3 -m bench.studies.structured_cpu --device cuda --model configs/llama-3-8b --load-format dummy --fractions 0,1 --rounds 1 --out $RAW/structured.json"
+    [lora]="python3 -m bench.gpu.lora --shape llama-3-8b --out $OUT --adapters 8 --decode-batches 8,64"
     [parallel]="$PT -m gpu tests/engine/parallel/test_parallel.py --junitxml=$RAW/parallel.xml"
     # dummy weights of configs/qwen3-8b and configs/qwen3-30b-a3b (61 GB in bf16), one process
     # each; their JSONs go into raw.tgz ($OUT keeps its 8 files), the table gets the figures
@@ -140,7 +140,7 @@ for stage in stages.values():
                          for c in stage["commands"]]
 json.dump(list(stages.values()), open(sys.argv[1], "w"))' "$planfile"
     nvcc_flag=$([ "${DRY_RUN_NVCC:-1}" = 0 ] && echo --no-nvcc)
-    "$PY" bench/gpu_preflight.py --dry-run --plan "$planfile" $nvcc_flag
+    "$PY" bench/gpu/preflight.py --dry-run --plan "$planfile" $nvcc_flag
     rc=$?
     rm -f "$planfile"
     [ "$rc" = 0 ] && echo "dry run ok" || echo "dry run FAILED (exit $rc)"
@@ -215,7 +215,7 @@ done
 python3 - "$OUT" "$RAW" <<'EOF'
 import json, pathlib, sys
 sys.path.insert(0, ".")
-from bench.gpu_engine import quant_summary
+from bench.gpu.engine import quant_summary
 out, raw = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
 runs = sorted((raw / "quant").glob("gpu_engine_llama-3-8b*.json"))
 if runs:
@@ -224,7 +224,7 @@ if runs:
 EOF
 tar -czf "$OUT/raw.tgz" -C "$(dirname "$RAW")" "$(basename "$RAW")"
 echo
-python3 -m bench.gpu_check_report --out "$OUT" --raw "$RAW" --budget-s "$BUDGET_S" \
+python3 -m bench.gpu.check_report --out "$OUT" --raw "$RAW" --budget-s "$BUDGET_S" \
     --elapsed-s "$(elapsed)"
 report_rc=$?
 if [ "$preflight_rc" != 0 ]; then

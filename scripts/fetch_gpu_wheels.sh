@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Fetch into .whl/ (ignored by git) the wheels the GPU machine's python3 lacks: the pins of
-# bench/gpu_preflight.py's GPU_WHEELS, for CPython 3.12 manylinux x86_64, --no-deps (their
+# bench/gpu/preflight.py's GPU_WHEELS, for CPython 3.12 manylinux x86_64, --no-deps (their
 # requirements are checked against the pins and the machine instead). Wheels of other versions
 # or packages are removed, so .whl/ holds exactly one wheel per pin; then the set is checked
-# (bench/gpu_preflight.py --check-wheels). About 5 MB. Needs pip and the package index: run it
+# (bench/gpu/preflight.py --check-wheels). About 5 MB. Needs pip and the package index: run it
 # here, then carry=[".whl"] in the device tool's run.
 #
 #   bash scripts/fetch_gpu_wheels.sh           PYTHON=/path/to/python to choose the pip
@@ -14,7 +14,7 @@ cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"
 DEST=.whl
 mkdir -p "$DEST"
-mapfile -t pins < <("$PYTHON" bench/gpu_preflight.py --pins)
+mapfile -t pins < <("$PYTHON" bench/gpu/preflight.py --pins)
 # every file not named by a pin goes (another version, or a package no longer pinned)
 for f in "$DEST"/*.whl; do
     [ -e "$f" ] || continue
@@ -35,4 +35,4 @@ if ! "$PYTHON" -m pip download -q --no-deps --only-binary=:all: --python-version
     exit 3
 fi
 du -sh "$DEST"
-"$PYTHON" bench/gpu_preflight.py --check-wheels "$DEST"
+"$PYTHON" bench/gpu/preflight.py --check-wheels "$DEST"

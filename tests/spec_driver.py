@@ -1,6 +1,6 @@
 """A scheduler and an engine (real or echo) in one process, one step at a time through the real
 contract (protobuf both ways), as the service runs them with speculation: for the speculative
-decoding tests and bench/spec_cpu.py's offline checks."""
+decoding tests and bench/studies/spec_cpu.py's offline checks."""
 
 from __future__ import annotations
 

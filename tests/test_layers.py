@@ -40,13 +40,14 @@ ALLOWED = {
 # The bench/ scripts that measure a service's own code in-process, or build a stack from the
 # services' config types, and the service layers each of them may import for it.
 BENCH_SERVICE_IMPORTS = {
-    "bench.telemetry_overhead": {"scheduler", "gateway"},  # the telemetry hooks, timed alone
-    "bench.fairness_study": {"scheduler", "gateway"},  # its stack's configs
-    "bench.overlap_echo": {"scheduler"},  # its stack's configs
-    "bench.plan_conversion": {"scheduler"},  # the scheduler's plan conversion, timed alone
-    "bench.structured_cpu": {"scheduler"},  # the real Scheduler driving the engine in-process
-    "bench.checkpoint_formats_quality": {"gateway"},  # the model's tokenizer for its passages
-    "bench.token_level_kv": {"scheduler"},  # the real Scheduler's per-step cost, timed alone
+    "bench.studies.telemetry_overhead": {"scheduler", "gateway"},  # the telemetry hooks, timed
+    "bench.studies.fairness_study": {"scheduler", "gateway"},  # its stack's configs
+    "bench.studies.overlap_echo": {"scheduler"},  # its stack's configs
+    "bench.studies.plan_conversion": {"scheduler"},  # the scheduler's plan conversion, timed alone
+    "bench.studies.structured_cpu": {"scheduler"},  # the Scheduler driving the engine in-process
+    "bench.studies.checkpoint_formats_quality": {"gateway"},  # the model's tokenizer
+    "bench.studies.token_level_kv": {"scheduler"},  # the Scheduler's per-step cost, timed alone
+    "bench.studies.pd_by_hand": {"scheduler"},  # its scheduler's config, written by hand
 }
 
 

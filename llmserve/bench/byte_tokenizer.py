@@ -1,6 +1,6 @@
 """A byte-level tokenizer (token id = byte value, then three chat specials) for stacks without a
-model: the echo engine's (engine/contract/echo.py) in the tests and in bench/fairness_study.py, and
-the
+model: the echo engine's (engine/contract/echo.py) in the tests and in
+bench/studies/fairness_study.py, and the
 tests' tiny random Llama checkpoints. Nothing is downloaded."""
 
 from __future__ import annotations

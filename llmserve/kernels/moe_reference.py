@@ -53,7 +53,7 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: list[int]) -> 
     """x's rows sorted by group (counts[e] rows for group e, in order) times weight[e]^T:
     [n, in] x [E, out, in] -> [n, out]. One product per non-empty segment. (F.linear, not
     torch.mm into a slice of one output: on the CPU the latter ran 5x slower for 1-row
-    segments, bench/moe_cpu.py's decode case.)"""
+    segments, bench/studies/moe_cpu.py's decode case.)"""
     parts = []
     start = 0
     for e, count in enumerate(counts):

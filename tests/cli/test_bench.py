@@ -374,7 +374,7 @@ def test_compare_reports_changes_and_setting_differences() -> None:
     assert failed.split()[2:] == ["2", "2", "same"]
 
 
-# -- bench/gpu_engine.py: the quantized runs' plumbing (issue 14), on the CPU ----------------------
+# -- bench/gpu/engine.py: the quantized runs' plumbing (issue 14), on the CPU ----------------------
 
 
 def gpu_engine_result(
@@ -397,7 +397,7 @@ def gpu_engine_result(
 
 
 def test_gpu_engine_quant_summary_sets_each_mode_beside_bf16(tmp_path: Path) -> None:
-    from bench.gpu_engine import mode_label, quant_summary, quant_table, result_path
+    from bench.gpu.engine import mode_label, quant_summary, quant_table, result_path
 
     modes = [("auto", "auto"), ("none", "auto"), ("int8", "auto"), ("auto", "fp8"), ("fp8", "fp8")]
     labels = ["", "", "int8", "kv-fp8", "fp8_kv-fp8"]
@@ -433,7 +433,7 @@ def test_gpu_engine_quant_summary_sets_each_mode_beside_bf16(tmp_path: Path) -> 
 def test_gpu_engine_decode_floor_counts_quantized_bytes() -> None:
     """bf16: every weight but the untied embedding table's unread rows, as before; int8 / fp8
     weights halve the linear layers' bytes (the LM head's too), an fp8 pool the KV bytes."""
-    from bench.gpu_engine import decode_floor_bytes
+    from bench.gpu.engine import decode_floor_bytes
     from llmserve.common.model_config import load_model_config
     from llmserve.engine.model.dummy import hf_tensor_shapes
 
@@ -454,7 +454,7 @@ def test_gpu_engine_decode_floor_reads_the_experts_a_step_hits() -> None:
     """Qwen3-30B-A3B (128 experts, top-8): batch 1 reads 8 experts a layer, the model card's
     3.3 B active parameters (which count the whole embedding table, where a step reads its
     rows); a large batch reads nearly all 30.5 B."""
-    from bench.gpu_engine import decode_floor_bytes
+    from bench.gpu.engine import decode_floor_bytes
 
     table = 151936 * 2048
 
@@ -472,7 +472,7 @@ def test_gpu_engine_teacher_forced_logits_are_one_prefills(tmp_path: Path) -> No
     with itself."""
     import torch
 
-    from bench.gpu_engine import compare_logits, teacher_forced_logits
+    from bench.gpu.engine import compare_logits, teacher_forced_logits
     from llmserve.bench.quality import prompt_logits
     from llmserve.engine.config import EngineConfig
     from llmserve.engine.step.engine import Engine
@@ -779,7 +779,7 @@ def test_bench_offline_static_and_continuous_give_the_same_tokens(
 
 
 def test_tensor_parallel_bytes_per_token_follow_the_ring_formula() -> None:
-    from bench.tp_cpu import comm_bytes
+    from bench.studies.tp_cpu import comm_bytes
 
     # SmolLM2 in float32 at T = 3: two all-reduces of 576 values per layer, 2 (T-1)/T each.
     at3 = comm_bytes(576, 49152, 3, 4)
@@ -879,8 +879,9 @@ def test_bench_ab_refuses_bad_settings_before_starting_anything(
 
 
 def test_family_steps_table_reads_a_saved_run() -> None:
-    """bench/family_steps.py --table: docs/models.md's rows from the saved JSON's figures."""
-    from bench.family_steps import markdown_table
+    """bench/studies/family_steps.py --table: docs/models.md's rows from the saved JSON's
+    figures."""
+    from bench.studies.family_steps import markdown_table
 
     rows = [
         {"batch": b, "step_ms_median": ms, "llama_step_ms_median": base, "vs_llama": ms / base}
@@ -891,10 +892,10 @@ def test_family_steps_table_reads_a_saved_run() -> None:
 
 
 def test_pd_failures_times_a_request_from_the_fault_or_its_first_token() -> None:
-    """bench/pd_failures.py's per-request times: from the fault (or, without one, from the
+    """bench/studies/pd_failures.py's per-request times: from the fault (or, without one, from the
     request's own first token) to the next token and the end; a request that ended before the
     fault is not counted as hit."""
-    from bench.pd_failures import echo, fault_times
+    from bench.studies.pd_failures import echo, fault_times
 
     arrivals = [(10.0, 1), (10.5, 2), (12.0, 1)]
     assert fault_times(arrivals, 12.5, 11.0) == {

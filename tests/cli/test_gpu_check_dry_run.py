@@ -1,6 +1,6 @@
 """bench/gpu_engine_check.sh on the CPU (issue 24): its dry run passes (wheels for the GPU
 machine, imports, stage commands against their scripts, pytest selections), and its report
-(bench/gpu_check_report.py) keeps a failing stage's error in the JSON and a pointer in the
+(bench/gpu/check_report.py) keeps a failing stage's error in the JSON and a pointer in the
 table while the other stages keep their figures."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.gpu_check_report import report
-from bench.gpu_preflight import GPU_MACHINE, GPU_WHEELS, Wheel, check_wheels, tag_problem
+from bench.gpu.check_report import report
+from bench.gpu.preflight import GPU_MACHINE, GPU_WHEELS, Wheel, check_wheels, tag_problem
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -67,15 +67,15 @@ def test_report_keeps_each_stage_and_points_at_a_failure(tmp_path: Path) -> None
     out.mkdir()
     raw.mkdir()
     rows = [
-        ("preflight", "1", "0", "12", "python3 -m bench.gpu_preflight"),
-        ("kbench", "1", "0", "40", "python3 -m bench.kernels_bench"),
-        ("8b", "1", "1", "90", "python3 -m bench.gpu_engine --shape llama-3-8b"),
+        ("preflight", "1", "0", "12", "python3 -m bench.gpu.preflight"),
+        ("kbench", "1", "0", "40", "python3 -m bench.gpu.kernels_bench"),
+        ("8b", "1", "1", "90", "python3 -m bench.gpu.engine --shape llama-3-8b"),
         ("tests", "1", "124", "80", "python3 -m pytest"),
-        ("quant", "1", "0", "25", "python3 -m bench.gpu_engine --quantization int8"),
-        ("quant", "2", "skipped", "0", "python3 -m bench.gpu_engine --quantization fp8"),
-        ("structured", "1", "0", "22", "python3 -m bench.structured_cpu --device cuda"),
-        ("families", "2", "0", "30", "python3 -m bench.gpu_engine --shape qwen3-30b-a3b"),
-        ("lora", "1", "0", "28", "python3 -m bench.gpu_lora --shape llama-3-8b"),
+        ("quant", "1", "0", "25", "python3 -m bench.gpu.engine --quantization int8"),
+        ("quant", "2", "skipped", "0", "python3 -m bench.gpu.engine --quantization fp8"),
+        ("structured", "1", "0", "22", "python3 -m bench.studies.structured_cpu --device cuda"),
+        ("families", "2", "0", "30", "python3 -m bench.gpu.engine --shape qwen3-30b-a3b"),
+        ("lora", "1", "0", "28", "python3 -m bench.gpu.lora --shape llama-3-8b"),
     ]
     (raw / "stages.tsv").write_text("".join("\t".join(r) + "\n" for r in rows))
     (raw / "preflight.json").write_text(json.dumps({"total_s": 12.5, "ops": "cuda"}))

@@ -1,4 +1,5 @@
-"""bench/vs_llamacpp.py without llama.cpp: the loads it parses, the rows and ratios it builds from
+"""bench/studies/vs_llamacpp.py without llama.cpp: the loads it parses, the rows and ratios it
+builds from
 two servers' results, the table it prints, and the process-tree memory it samples."""
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _load_script() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("vs_llamacpp", ROOT / "bench" / "vs_llamacpp.py")
+    spec = importlib.util.spec_from_file_location(
+        "vs_llamacpp", ROOT / "bench" / "studies" / "vs_llamacpp.py"
+    )
     assert spec and spec.loader
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # its dataclass looks its module up there

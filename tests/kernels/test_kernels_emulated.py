@@ -490,10 +490,10 @@ def test_int8_linear_checks(kc: ModuleType) -> None:
 def test_int8_bench_section_runs(
     kc: ModuleType, emulator: emu.Emulator, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """bench/int8_bench.py end to end at toy shapes on the emulator (timing faked: no GPU), so
-    the GPU session's benchmark does not fail on its own code; its rows carry the fields the GPU
+    """bench/studies/int8_bench.py end to end at toy shapes on the emulator (timing faked: no GPU),
+    so the GPU session's benchmark does not fail on its own code; its rows carry the fields the GPU
     check's summary reads."""
-    from bench import int8_bench
+    from bench.studies import int8_bench
 
     monkeypatch.setattr(int8_bench, "SHAPES", {"q/o": (16, 32), "down": (24, 64)})
     monkeypatch.setattr(int8_bench, "WORKING_SET_BYTES", 2000)

@@ -100,7 +100,7 @@ class Grammars:
         # adds, the step loop takes).
         self._dead_ends: list[int] = []
         self._dead_lock = threading.Lock()
-        # For bench/structured_cpu.py: the masks filled (per row and step) and their time.
+        # For bench/studies/structured_cpu.py: the masks filled (per row and step) and their time.
         self.num_masks = 0
         self.mask_s = 0.0
 

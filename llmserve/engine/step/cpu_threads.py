@@ -5,7 +5,7 @@ libgomp reads its wait settings once, when torch loads it, so `configure_openmp`
 engine process before anything imports torch (llmserve/services.py). By default libgomp's idle
 threads spin for 300,000 rounds (milliseconds on this CPU) after each parallel region: between
 two steps, while the engine waits for the scheduler's next plan, they spin on the cores the
-scheduler and gateway need to make it. bench/omp_wait.py measures the settings
+scheduler and gateway need to make it. bench/studies/omp_wait.py measures the settings
 (docs/quantization.md has the figures).
 
 Not a torch import here: this module must load before torch does.

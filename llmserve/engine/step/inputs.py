@@ -38,7 +38,7 @@ class BlockTables:
     steps so that a step copies only the ids appended since the last one: at block size 1
     (token-level KV) a table has one id per token, and rebuilding [rows, blocks] from Python
     lists every step cost 21-81 ms at 64 rows x 2,048 tokens on a loaded 2-core VM, this
-    0.7 ms (bench/token_level_kv.py).
+    0.7 ms (bench/studies/token_level_kv.py).
 
     Assumes what engine/contract/mirror.py does to a table: a new request brings a new list, a step
     appends to it (new blocks), and giving back speculation's lookahead blocks makes a new,

@@ -1,0 +1,1 @@
+"""gpu/: see docs/architecture.md#layout."""

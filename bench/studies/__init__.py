@@ -1,0 +1,1 @@
+"""studies/: see docs/architecture.md#layout."""
