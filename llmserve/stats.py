@@ -1,6 +1,7 @@
 """Arithmetic over the schedulers' SchedulerStats, written once for `llmserve bench`, the
 launcher's Stack and the bench/ studies: the counters accumulated between two readings
-(`stats_delta`) and the sum of several replicas' readings (`summed_stats`).
+(`stats_delta`) and the sum of several replicas' readings (`summed_stats`, by the rule the
+scheduler service also sums its engines with: common/counters.py).
 
 A field is a counter (it only grows: steps, tokens, preemptions) unless GAUGES names it (a
 level read as it is now: running, waiting, free blocks, a tenant's weight).
@@ -8,9 +9,9 @@ level read as it is now: running, waiting, free blocks, a tenant's weight).
 
 from __future__ import annotations
 
-import itertools
 from typing import Any
 
+from llmserve.common.counters import summed
 from llmserve.protos import scheduler_pb2
 
 GAUGES = frozenset(
@@ -63,32 +64,19 @@ def stats_delta(
 def summed_stats(
     replicas: list[scheduler_pb2.SchedulerStats],
 ) -> scheduler_pb2.SchedulerStats:
-    """The replicas' stats summed (one replica: its own); ready only when every one is."""
+    """The replicas' stats summed by common/counters.py's rule (one replica: its own); ready
+    only when every one is."""
     if len(replicas) == 1:
         return replicas[0]
     total = scheduler_pb2.SchedulerStats()
-    for stats in replicas:
-        for f in total.DESCRIPTOR.fields:
-            if f.name != "ready":
-                _add_field(total, stats, f)
-    total.ready = all(stats.ready for stats in replicas)
+    for f in total.DESCRIPTOR.fields:
+        value = summed([getattr(stats, f.name) for stats in replicas])
+        if f.name == "ready":
+            total.ready = all(stats.ready for stats in replicas)
+        elif f.message_type is not None and f.message_type.GetOptions().map_entry:
+            getattr(total, f.name).update(value)
+        elif f.is_repeated:
+            getattr(total, f.name).extend(value)
+        else:
+            setattr(total, f.name, value)
     return total
-
-
-def _add_field(total: Any, stats: Any, f: Any) -> None:
-    """Add stats' field f into total's: numbers summed, bools or-ed, maps summed by key,
-    repeated numbers summed by position, repeated messages (per-tenant rows) listed after."""
-    mine, theirs = getattr(total, f.name), getattr(stats, f.name)
-    if f.message_type is not None and f.message_type.GetOptions().map_entry:
-        for key, value in theirs.items():
-            mine[key] = mine[key] + value
-    elif f.is_repeated and f.message_type is not None:
-        mine.extend(theirs)
-    elif f.is_repeated:
-        summed = [a + b for a, b in itertools.zip_longest(mine, theirs, fillvalue=0)]
-        del mine[:]
-        mine.extend(summed)
-    elif f.type == f.TYPE_BOOL:
-        setattr(total, f.name, mine or theirs)
-    else:
-        setattr(total, f.name, mine + theirs)

@@ -21,6 +21,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from llmserve.common.auth import peer_interceptors
+from llmserve.common.counters import add_into, summed
 from llmserve.common.log import bind, get_logger
 from llmserve.common.net import LIVENESS_SERVICE, SERVER_OPTIONS, add_servicer, serve_aio
 from llmserve.common.sampling import SamplingError
@@ -220,11 +221,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         snapshot: dict[str, Any] = {"num_engine_resets": link.num_engine_resets, **vars(link.times)}
         s = self.scheduler
         if s is not None:
-            snapshot.update(vars(s.counters))
-            del snapshot["spec"]
-            snapshot.update({k: copy.copy(v) for k, v in vars(s.counters.spec).items()})
-            snapshot["finish_reasons"] = dict(s.counters.finish_reasons)
-            snapshot["num_preemptions_by_reason"] = dict(s.counters.num_preemptions_by_reason)
+            snapshot.update(_counts(s))
             snapshot.update(
                 tenants=s.tenant_rows(),
                 draining=self.draining,
@@ -254,20 +251,20 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         prefills = [p.scheduler for p in self.roles.prefills if p.scheduler is not None]
         transfers = [d.transfers.stats() for d in decodes]
         for name in transfers[0]:
-            snapshot[name] = _summed([t[name] for t in transfers])
+            snapshot[name] = summed([t[name] for t in transfers])
         tiers = [
             x.block_manager.offload.stats()
             for x in [*decodes, *prefills]
             if x.block_manager.offload
         ]
         for name in tiers[0] if tiers else ():
-            snapshot[name] = _summed([t[name] for t in tiers])
+            snapshot[name] = summed([t[name] for t in tiers])
         for d in decodes[1:]:
             snapshot["num_running"] += len(d.running)
             snapshot["num_waiting"] += d.num_waiting
             snapshot["num_free_blocks"] += d.block_manager.num_free_blocks
             snapshot["num_blocks"] += d.block_manager.num_blocks
-            _add_counters(snapshot, vars(d.counters))
+            add_into(snapshot, _counts(d))
         snapshot["num_waiting"] += snapshot["num_transferring"]
         snapshot["decode_ready"] = any(d.up for d in self.roles.decodes)
         snapshot["prefill_ready"] = any(p.up for p in self.roles.prefills)
@@ -287,7 +284,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         for name in prefix_cache:
             snapshot[name] = 0
         for p in prefills:
-            _add_counters(snapshot, vars(p.counters))
+            add_into(snapshot, _counts(p))
 
     @staticmethod
     def _engine_row(link: EngineLink) -> dict[str, Any]:
@@ -456,24 +453,11 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                     deliver(self.streams, outcome)
 
 
-def _summed(values: list[Any]) -> Any:
-    """Numbers summed; dicts of numbers summed by key (values: all numbers, or all dicts)."""
-    if isinstance(values[0], dict):
-        total: dict[str, Any] = {}
-        for value in values:
-            for key, n in value.items():
-                total[key] = total.get(key, 0) + n
-        return total
-    return sum(values)
-
-
-def _add_counters(snapshot: dict[str, Any], counters: dict[str, Any]) -> None:
-    """A Scheduler's counters (ints, dicts of ints) added into snapshot's."""
-    for name, value in counters.items():
-        if isinstance(value, int):
-            snapshot[name] += value
-        elif isinstance(value, dict):
-            snapshot[name] = _summed([snapshot[name], value])
+def _counts(s: Scheduler) -> dict[str, Any]:
+    """A Scheduler's counters, flat (the speculation counters beside the rest) and copied."""
+    counts = {k: copy.copy(v) for k, v in vars(s.counters).items() if k != "spec"}
+    counts.update({k: copy.copy(v) for k, v in vars(s.counters.spec).items()})
+    return counts
 
 
 async def serve(config: SchedulerConfig) -> None:
