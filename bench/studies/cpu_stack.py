@@ -41,7 +41,7 @@ def bench_stack(
 ) -> dict:
     """env: extra environment for the services (bench/studies/telemetry_overhead.py sets OTEL_*);
     metrics are on (each service's /metrics), as in a default `llmserve serve`, unless env sets
-    LLMSERVE_METRICS_PORT=0. extra_args: more `llmserve serve` flags (bench/studies/tp_cpu.py's
+    LLMSERVE_METRICS_PORT=0. extra_args: more `llmserve serve` flags (e.g.
     engine groups)."""
     serve_args = ["--kv-cache-gb", "1"] + (["--num-threads", str(threads)] if threads else [])
     serve_args += extra_args or []

@@ -11,7 +11,7 @@ tokenizer) serves that many concurrent streaming /v1/completions requests (a 128
 --output-len tokens, ignore_eos), from threads of this process. Each service's CPU seconds (user +
 system, /proc/PID/stat) over the run, divided by the output tokens, is its cost per token; beside it
 the share of a model step that cost would be, for the CPU decode step times given with --step-ms
-(rows:ms pairs measured by bench/studies/cpu_engine_steps.py: per token a step of B rows costs ms /
+(rows:ms pairs measured by `llmserve bench step`: per token a step of B rows costs ms /
 B).
 """
 

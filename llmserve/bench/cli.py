@@ -189,6 +189,18 @@ def add_bench_parser(sub: Any) -> None:
     add_ab_args(p)
     p.set_defaults(func=cmd_ab)
 
+    from llmserve.bench.step import add_step_args, cmd_step
+
+    p = commands.add_parser(
+        "step",
+        help="the engine's decode step in-process, for several configurations side by side",
+        description="Arms: mode:NAME, family:NAME, lora:base / lora:SHAPExK, tp:MODELxT "
+        "(llmserve/bench/step_arms.py). E.g. `llmserve bench step --arms mode:gguf mode:auto "
+        "--batches 1,16,64`.",
+    )
+    add_step_args(p)
+    p.set_defaults(func=cmd_step)
+
     p = commands.add_parser("compare", help="two result files side by side")
     p.add_argument("a", type=Path)
     p.add_argument("b", type=Path)

@@ -69,7 +69,7 @@ def lora_padded(
     every part, one per part for the expand. With one token per segment (decode), A times x as
     batched matrix-vector products and the parts joined by a cat; with more, x times A^T and each
     part written into its columns: the faster form of each on the CPU
-    (one thread, the built-in model's shapes; bench/studies/lora_cpu.py measures the whole)."""
+    (one thread, the built-in model's shapes; `llmserve bench step` times whole steps)."""
     a_sel = (a if select is None else a[select])[:, :rank].flatten(1, 2)  # [segs, r * parts, in]
     num_segments, num_parts = a_sel.shape[0], len(b)
     xs = (x if gather is None else x[gather]).view(num_segments, -1, x.shape[1])

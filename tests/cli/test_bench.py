@@ -779,7 +779,7 @@ def test_bench_offline_static_and_continuous_give_the_same_tokens(
 
 
 def test_tensor_parallel_bytes_per_token_follow_the_ring_formula() -> None:
-    from bench.studies.tp_cpu import comm_bytes
+    from llmserve.bench.step import comm_bytes
 
     # SmolLM2 in float32 at T = 3: two all-reduces of 576 values per layer, 2 (T-1)/T each.
     at3 = comm_bytes(576, 49152, 3, 4)
@@ -878,17 +878,36 @@ def test_bench_ab_refuses_bad_settings_before_starting_anything(
         main(["bench", "ab", "--a", "", "--b", "--no-such-flag"])
 
 
-def test_family_steps_table_reads_a_saved_run() -> None:
-    """bench/studies/family_steps.py --table: docs/models.md's rows from the saved JSON's
-    figures."""
-    from bench.studies.family_steps import markdown_table
+def test_bench_step_times_arms_side_by_side(tmp_path: Path) -> None:
+    """`llmserve bench step` on two family arms of a tiny shape: a row per arm and batch, every
+    step timed, ratios to the first arm (the first's own 1.0), each arm's greedy tokens kept
+    (llama's and qwen3's differ: other layouts, other weights), the saved document read back as
+    the docs' markdown table; a bad arm spec is refused naming the kinds."""
+    from llmserve.bench.step import markdown_table
+    from llmserve.cli import main
+    from tests.family_models import COMMON
 
-    rows = [
-        {"batch": b, "step_ms_median": ms, "llama_step_ms_median": base, "vs_llama": ms / base}
-        for b, ms, base in ((1, 90.0, 80.0), (16, 150.0, 120.0))
-    ]
-    table = markdown_table({"results": [{"family": "gemma2", "rows": rows}]})
-    assert table.splitlines()[-1] == "| gemma2 | 90 (80) | 1.12 | 150 (120) | 1.25 |"
+    shape = tmp_path / "shape"
+    shape.mkdir()
+    llama = {**COMMON, "architectures": ["LlamaForCausalLM"], "model_type": "llama"}
+    (shape / "config.json").write_text(json.dumps({**llama, "head_dim": 16}))
+    out = tmp_path / "step.json"
+    args = ["bench", "step", "--arms", "family:llama", "family:qwen3", "--batches", "1,3"]
+    args += ["--steps", "3", "--prompt-len", "8", "--threads", "1", "--shape", str(shape)]
+    assert main([*args, "--out", str(out)]) == 0
+    document = json.loads(out.read_text())
+    llama, qwen3 = document["results"]
+    assert [r["batch"] for r in qwen3["rows"]] == [1, 3]
+    assert all(len(r["step_ms"]) == 3 and r["step_ms_median"] > 0 for r in qwen3["rows"])
+    assert [r["vs_first"] for r in llama["rows"]] == [1.0, 1.0]
+    assert len(llama["rows"][0]["first_tokens"]) == 7  # the prefill's, 3 warm-ups, 3 timed
+    assert llama["rows"][0]["first_tokens"] != qwen3["rows"][0]["first_tokens"]
+    table = markdown_table(document).splitlines()
+    ratio = qwen3["rows"][1]["vs_first"]
+    assert table[0].startswith("| arm | batch 1: ms (family:llama) |")
+    assert table[-1].startswith("| family:qwen3 |") and table[-1].endswith(f"| {ratio:.2f} |")
+    with pytest.raises(ValueError, match="the kind is one of"):
+        main(["bench", "step", "--arms", "nonsense", "--steps", "1"])
 
 
 def test_pd_failures_times_a_request_from_the_fault_or_its_first_token() -> None:
