@@ -17,7 +17,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-COPY_GBPS = 4280.0  # ../shared/gpu.md: device-to-device copy, bytes read + written
+COPY_GBPS = 4280.0  # docs/gpu.md#the-gpu-machine: device-to-device copy, bytes read + written
 ERROR_LINES = 12
 _ERROR = re.compile(r"error|fail|traceback|assert|exception|timed out|killed", re.IGNORECASE)
 FAMILY_SHAPES = ("qwen3-8b", "qwen3-30b-a3b")  # gpu_engine_check.sh's families stage

@@ -20,7 +20,7 @@ For configs/<shape>/config.json with `--load-format dummy` (seeded random weight
    512 tokens): the median wall time of Engine.step over --decode-steps steps, against the floor
    of the bytes a decode step must read (every weight except an untied embedding table, of which
    only the batch's rows; plus the batch's KV; int8 / fp8 weights and an fp8 pool at one byte an
-   element) / 4.28 TB/s (../shared/gpu.md).
+   element) / 4.28 TB/s (docs/gpu.md#the-gpu-machine).
 3. HF transformers: static `generate` on the same dummy weights (bf16, SDPA), one batch of
    --hf-batch requests of 512 prompt tokens generating --hf-output-len tokens each (a subset of
    the workload, sized to the time limit; said so in the output), and our offline throughput over
@@ -58,7 +58,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 
-COPY_BYTES_PER_S = 4.28e12  # ../shared/gpu.md: device-to-device copy, bytes read + written
+# docs/gpu.md#the-gpu-machine: device-to-device copy, bytes read + written
+COPY_BYTES_PER_S = 4.28e12
 TARGETS: dict[str, dict[str, float]] = {
     # issue 4: output tok/s (offline), decode step / floor at batch 1 and 8, GPU busy in decode
     "llama-3-8b": {"output_tok_s": 12000.0, "decode_vs_floor": 1.4, "gpu_busy": 0.95},

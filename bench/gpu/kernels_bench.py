@@ -1,5 +1,6 @@
-"""Time kernels/cuda.py on the GPU against the ceilings measured there (../shared/gpu.md: 4.28 TB/s
-device copy, 780 TFLOP/s bf16 matmul) and against torch on the same data laid out contiguously.
+"""Time kernels/cuda.py on the GPU against the ceilings measured there (docs/gpu.md#the-gpu-machine:
+4.28 TB/s device copy, 780 TFLOP/s bf16 matmul) and against torch on the same data laid out
+contiguously.
 
 Measures (Llama-3-8B attention shape: 32 query heads, 8 KV heads, head_dim 128, bf16, blocks of 16):
   - decode attention, batch 64-256 x contexts 1k-8k and batch 1-4 x 32k: KV bytes read / time,
@@ -45,7 +46,7 @@ from llmserve.kernels import reference as ref
 
 ROOT = Path(__file__).resolve().parents[2]
 
-MATMUL_TFLOPS = 780.0  # ../shared/gpu.md, bf16 8192^3 through torch
+MATMUL_TFLOPS = 780.0  # docs/gpu.md#the-gpu-machine, bf16 8192^3 through torch
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 DTYPE = torch.bfloat16
 FP8 = torch.float8_e4m3fn

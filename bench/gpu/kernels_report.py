@@ -1,5 +1,6 @@
 """The short table bench/gpu/kernels_bench.py prints last (and stores as "summary" in its JSON):
-each section's figures beside the ceilings of ../shared/gpu.md and the targets, with verdicts."""
+each section's figures beside the ceilings of docs/gpu.md#the-gpu-machine and the targets, with
+verdicts."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import Any
 
 from bench.studies import int8_bench
 
-COPY_TBPS = 4.28  # ../shared/gpu.md, device-to-device copy, bytes read + written
+COPY_TBPS = 4.28  # docs/gpu.md#the-gpu-machine, device-to-device copy, bytes read + written
 
 
 def fmt(x: Any, spec: str = ".3f") -> str:

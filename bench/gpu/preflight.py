@@ -12,10 +12,10 @@ kernel beside its reference, start a tiny engine (configs/smollm2-135m, dummy we
 which captures CUDA graphs of batch sizes 1 and 2, and replay both.
 
 The dry run (`dry_run`): the wheels in .whl/ against what the GPU machine has (GPU_MACHINE, from
-../shared/gpu.md): one wheel per package it lacks, each importable under Python 3.12 on manylinux
-x86_64 (tags, Requires-Python) with every Requires-Dist met by another wheel or by the machine
-(grpcio-health-checking's `grpcio>=` must accept 1.84.0); the same imports as on the GPU (CuPy
-excepted); each stage command's script options against its `--help` and each pytest stage's
+docs/gpu.md#the-gpu-machine): one wheel per package it lacks, each importable under Python 3.12 on
+manylinux x86_64 (tags, Requires-Python) with every Requires-Dist met by another wheel or by the
+machine (grpcio-health-checking's `grpcio>=` must accept 1.84.0); the same imports as on the GPU
+(CuPy excepted); each stage command's script options against its `--help` and each pytest stage's
 selection (collected, not run); with nvcc, tests/kernels/test_kernels_compile.py's nvcc checks.
 
 Nothing here imports torch at module level: `--pins` and `--check-wheels` run under any python3.
@@ -44,8 +44,8 @@ WHEEL_DIR = ROOT / ".whl"
 
 MACHINE_PYTHON = (3, 12)
 MACHINE_GLIBC = (2, 28)  # manylinux_2_28 and older; a newer tag is not accepted
-# ../shared/gpu.md (read there 2026-11-29), with the packages torch and transformers themselves
-# require (present wherever they import). None: present, version not recorded.
+# docs/gpu.md#the-gpu-machine (read there 2026-11-29), with the packages torch and transformers
+# themselves require (present wherever they import). None: present, version not recorded.
 GPU_MACHINE: dict[str, str | None] = {
     "torch": "2.11",
     "cupy-cuda13x": "14.2",
@@ -283,7 +283,8 @@ def import_all(modules: list[str]) -> None:
                 fix = WHEEL_FIX
             elif top and top not in _REPO_PACKAGES:
                 fix = (
-                    f"{top} is not in .whl/ and ../shared/gpu.md says the machine has it: "
+                    f"{top} is not in .whl/ and docs/gpu.md#the-gpu-machine says the machine has "
+                    "it: "
                     "check `python3 -c 'import " + top + "'` there"
                 )
             else:

@@ -76,8 +76,8 @@ SCENARIOS = (
 )  # fmt: skip
 STEP_MS, TOKEN_MS = 40.0, 2.5  # the echo engine's step time: STEP_MS + TOKEN_MS per token
 # The *_flat scenarios: a step time that hardly grows with the batch, shaped like the H200's
-# measured in ../shared/gpu.md (HF generate, Llama-3-8B shape, bf16: 62 ms a step at batch 1,
-# 75 ms at batch 64, so about 0.2 ms per decode token).
+# measured in docs/gpu.md#the-gpu-machine (HF generate, Llama-3-8B shape, bf16: 62 ms a step at
+# batch 1, 75 ms at batch 64, so about 0.2 ms per decode token).
 FLAT_STEP_MS, FLAT_TOKEN_MS = 62.0, 0.2
 MAX_NUM_SEQS = 16
 ADMIN_KEY = "fairness-study-admin"  # the gateway's Admin service: weights, drain

@@ -6,8 +6,8 @@ For each shape (N x K: q/o 4096 x 4096, qkv 6144 x 4096, gate_up 28672 x 4096, d
 and batch (rows of x: 1, 4, 16, 64): the median time per call (tools of kernels_bench.py: CUDA
 events around replays of a CUDA graph of back-to-back calls, after warm-up), the bytes moved
 (weights + scales + x + y) per second, and that as a percentage of the 4.28 TB/s device copy
-(../shared/gpu.md). Every call reads a different copy of the weights, so that the working set
-(>= 256 MB) is far beyond the 50 MB L2 and the weights come from HBM, as in a forward pass.
+(docs/gpu.md#the-gpu-machine). Every call reads a different copy of the weights, so that the working
+set (>= 256 MB) is far beyond the 50 MB L2 and the weights come from HBM, as in a forward pass.
 Targets (issue 24): >= 75% of copy bandwidth at batch 1 on 4096 x 4096 and 4096 x 14336.
 
 Run through bench/gpu/kernels_bench.py (`--only int8` for this section alone).
