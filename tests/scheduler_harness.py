@@ -267,3 +267,54 @@ def random_workload(rng: random.Random) -> list[Request]:
         prompt = (rng.choice(prefixes)[: rng.randrange(0, 9)] + own)[:14]
         requests.append(make_request(seq_id, 0, rng.randrange(1, 10), prompt=prompt))
     return requests
+
+
+def random_case(
+    rng: random.Random, static_batching: bool = False
+) -> tuple[dict[str, object], list[Request], Callable[[Request], int]]:
+    """A random case for the step-at-a-time comparisons: the scheduler's limits (tight blocks
+    and token budgets: chunked prefill and preemption; prefix caching most of the time; with
+    static_batching, the static policy a quarter of the time), a random_workload, and the
+    engine's tokens (each request's position token, EOS at a random output)."""
+    config: dict[str, object] = {
+        "num_blocks": rng.choice([6, 8, 16]),
+        "max_num_batched_tokens": rng.choice([3, 5, 16, 64]),
+        "max_num_seqs": rng.choice([2, 4, 8]),
+        "enable_prefix_caching": rng.random() < 0.7,
+    }
+    if static_batching:
+        config["scheduling_policy"] = "static" if rng.random() < 0.25 else "continuous"
+    config["max_model_len"] = 24
+    workload = random_workload(rng)
+    eos_index = {r.seq_id: rng.randrange(0, 12) for r in workload}
+
+    def token_for(r: Request) -> int:
+        return EOS if output_index(r) == eos_index[r.seq_id] else position_token(r)
+
+    return config, workload, token_for
+
+
+def run_case(
+    config: dict[str, object],
+    workload: list[Request],
+    token_for: Callable[[Request], int],
+    drive: Callable[[Harness], None] | None = None,
+    **extra: object,
+) -> tuple[dict[int, list[int]], dict[int, RequestStatus]]:
+    """The workload through a Harness (with the engine's Mirror) under config and extra; driven
+    by drive, or (None) one step at a time; checked drained, with every block free and the
+    state consistent; the outputs and finish reasons."""
+    h = Harness(mirror=True, **config, **extra)  # type: ignore[arg-type]
+    h.add(*[make_request(r.seq_id, 0, r.max_tokens, prompt=r.prompt_token_ids) for r in workload])
+    if drive is not None:
+        drive(h)
+    else:
+        for _ in range(1000):
+            if not h.s.has_work:
+                break
+            h.plan(token_for)
+            if h.in_flight:
+                h.result()
+    assert not h.s.has_work and h.s.block_manager.num_free_blocks == h.num_blocks
+    h.check()
+    return h.outputs, h.finished

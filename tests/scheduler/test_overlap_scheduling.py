@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import pytest
 
-from llmserve.scheduler.request import Request, RequestStatus
+from llmserve.scheduler.request import RequestStatus
 from tests.scheduler_harness import (
     EOS,
     Harness,
@@ -16,9 +16,8 @@ from tests.scheduler_harness import (
     make_request,
     new_rows,
     outcome_rows,
-    output_index,
-    position_token,
-    random_workload,
+    random_case,
+    run_case,
     running_rows,
 )
 
@@ -203,37 +202,9 @@ def test_overlap_gives_the_same_outputs_as_one_step_at_a_time(seed: int) -> None
     """Random workloads under random limits (chunked prefill, preemption, prefix caching, static
     batching, EOS at random outputs): planning ahead changes no output and no finish reason, the
     engine's Mirror accepts every plan, and the block manager is consistent after every step."""
-    rng = random.Random(seed)
-    config = {
-        "num_blocks": rng.choice([6, 8, 16]),
-        "max_num_batched_tokens": rng.choice([3, 5, 16, 64]),
-        "max_num_seqs": rng.choice([2, 4, 8]),
-        "enable_prefix_caching": rng.random() < 0.7,
-        "scheduling_policy": "static" if rng.random() < 0.25 else "continuous",
-        "max_model_len": 24,
-    }
-    workload = random_workload(rng)
-    eos_index = {r.seq_id: rng.randrange(0, 12) for r in workload}
-
-    def token_for(r: Request) -> int:
-        return EOS if output_index(r) == eos_index[r.seq_id] else position_token(r)
-
-    runs = []
-    for overlap in (False, True):
-        h = Harness(mirror=True, **config)  # type: ignore[arg-type]
-        h.add(
-            *[make_request(r.seq_id, 0, r.max_tokens, prompt=r.prompt_token_ids) for r in workload]
-        )
-        if overlap:
-            h.run_overlapped(token_for, max_steps=1000)
-        else:
-            for _ in range(1000):
-                if not h.s.has_work:
-                    break
-                h.plan(token_for)
-                if h.in_flight:
-                    h.result()
-        assert not h.s.has_work and h.s.block_manager.num_free_blocks == h.num_blocks
-        h.check()
-        runs.append((h.outputs, h.finished))
-    assert runs[0] == runs[1]
+    config, workload, token_for = random_case(random.Random(seed), static_batching=True)
+    one_at_a_time = run_case(config, workload, token_for)
+    overlapped = run_case(
+        config, workload, token_for, lambda h: h.run_overlapped(token_for, max_steps=1000)
+    )
+    assert one_at_a_time == overlapped

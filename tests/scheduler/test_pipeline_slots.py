@@ -21,9 +21,8 @@ from tests.scheduler_harness import (
     make_request,
     new_rows,
     outcome_rows,
-    output_index,
-    position_token,
-    random_workload,
+    random_case,
+    run_case,
     running_rows,
 )
 
@@ -231,39 +230,16 @@ def test_pipeline_gives_the_same_outputs_as_one_step_at_a_time(num_slots: int, s
     """Random workloads under random limits (continuous batching): P steps in flight change no
     output and no finish reason, no two steps in flight share a request, the Mirror accepts
     every plan and the block manager and slots are consistent after every step."""
-    rng = random.Random(seed)
-    config = {
-        "num_blocks": rng.choice([6, 8, 16]),
-        "max_num_batched_tokens": rng.choice([3, 5, 16, 64]),
-        "max_num_seqs": rng.choice([2, 4, 8]),
-        "enable_prefix_caching": rng.random() < 0.7,
-        "max_model_len": 24,
-    }
-    workload = random_workload(rng)
-    eos_index = {r.seq_id: rng.randrange(0, 12) for r in workload}
-
-    def token_for(r: Request) -> int:
-        return EOS if output_index(r) == eos_index[r.seq_id] else position_token(r)
-
-    runs = []
-    for size in (1, num_slots):
-        h = Harness(mirror=True, pipeline_parallel_size=size, **config)  # type: ignore[arg-type]
-        h.add(
-            *[make_request(r.seq_id, 0, r.max_tokens, prompt=r.prompt_token_ids) for r in workload]
-        )
-        if size == 1:
-            for _ in range(1000):  # one step at a time
-                if not h.s.has_work:
-                    break
-                h.plan(token_for)
-                if h.in_flight:
-                    h.result()
-        else:
-            h.run_pipelined(token_for, max_steps=2000)
-        assert not h.s.has_work and h.s.block_manager.num_free_blocks == h.num_blocks
-        h.check()
-        runs.append((h.outputs, h.finished))
-    assert runs[0] == runs[1]
+    config, workload, token_for = random_case(random.Random(seed))
+    one_at_a_time = run_case(config, workload, token_for)
+    pipelined = run_case(
+        config,
+        workload,
+        token_for,
+        lambda h: h.run_pipelined(token_for, max_steps=2000),
+        pipeline_parallel_size=num_slots,
+    )
+    assert one_at_a_time == pipelined
 
 
 def test_constrained_request_waits_for_its_grammar(make: Callable[..., Harness]) -> None:
