@@ -7,6 +7,7 @@ an engine of the same role (else the other role), no block held anywhere after."
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import astuple
 
 import pytest
@@ -229,6 +230,30 @@ def test_every_decode_engine_lost_the_prefill_engines_run_requests_whole(
     connect(decodes[1], "decode")
     assert all(sched(p).transfers.role == "prefill" for p in prefills)
     assert_no_block_held(service)
+
+
+def test_a_decode_engine_ready_after_the_prefill_engine_came_up_gets_the_prompts_kv() -> None:
+    """The order a loaded machine gives: the decode engine's link adopts its engine (engine_up)
+    but is not ready yet (it loads the configured adapters) when the prefill engine comes up,
+    which then runs requests whole; once the decode engine is ready, prompts hand off again
+    (seen in a fresh-clone CI run: a P/D stack that never moved any KV)."""
+    config = SchedulerConfig(engine_address=DECODES[:1], prefill_engine_address=PREFILLS[:1])
+    service = SchedulerService(config)
+    prefills, decodes = links(service)
+    connect(decodes[0], "decode")
+    decodes[0].ready = False  # connected, its adapters still loading
+    connect(prefills[0], "prefill")
+    assert sched(prefills[0]).transfers.role == "both"
+
+    async def ready() -> None:
+        decodes[0]._set_ready(True)
+
+    asyncio.run(ready())
+    assert sched(prefills[0]).transfers.role == "prefill"
+    req = request(1, list(range(10, 19)))
+    assert submit(service, req) is sched(prefills[0])
+    run_prompts(prefills[0])
+    assert sched(decodes[0]).transfers.in_flight  # the KV moves instead of a whole run
 
 
 def test_a_request_with_tokens_from_a_lost_prefill_engine_moves_to_a_decode_engine(

@@ -266,3 +266,12 @@ class Roles:
                 prefill.transfers.role = "prefill"
         elif not self.up(self.decodes) and link.scheduler is not None:
             link.scheduler.transfers.role = "both"
+
+    def health_changed(self) -> None:
+        """A decode engine counts as up only once it is ready (its configured adapters loaded,
+        after `back`), so readiness, not only `back`, returns prefill engines that ran requests
+        whole to handing prompts off: a prefill engine that connected while the decode engine
+        was connecting but not yet ready would otherwise run every request whole for good."""
+        if self.up(self.decodes):
+            for prefill in self._schedulers(self.prefills):
+                prefill.transfers.role = "prefill"

@@ -122,7 +122,9 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             self.roles.lost(link)
 
     def health_changed(self) -> None:
-        """SERVING while `serving`."""
+        """SERVING while `serving`; disaggregated, the roles follow the decode engines' health."""
+        if self.roles is not None:
+            self.roles.health_changed()
         response = health_pb2.HealthCheckResponse
         status = response.SERVING if self.serving else response.NOT_SERVING
         self._health_update = asyncio.ensure_future(self.health.set("", status))
