@@ -60,6 +60,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if getattr(config.option, "loadgroup", False):  # an xdist worker under --dist loadgroup
         group_by_shared_fixture(items)
+        # xdist hands out work in collection order; the modules that start processes (minutes
+        # of stacks, the bulk of the run) go first so that the many short tests fill the
+        # workers at the end instead of one stack running alone there (with tests/ in folders,
+        # system/ sorts last).
+        items.sort(key=lambda item: item.get_closest_marker("stack") is None)
     for marker, option, how in (
         ("hf_reference", "--hf-reference", HF_REFERENCE_HOW),
         ("family_stacks", "--family-stacks", FAMILY_STACKS_HOW),

@@ -55,13 +55,10 @@ def sdk(stack: Stack) -> openai.OpenAI:
 
 
 def ask(name: str, schema: dict[str, Any]) -> list[dict[str, str]]:
-    return [
-        {
-            "role": "user",
-            "content": f"Give an example {name.replace('_', ' ')} as JSON matching this "
-            f"schema: {json.dumps(schema)}",
-        }
-    ]
+    """The request names what it wants but not the schema: only the grammar makes the output
+    fit it (and the prompts stay short: with the schema written in, prefill took 40% of the
+    workload's time)."""
+    return [{"role": "user", "content": f"Give an example {name.replace('_', ' ')} as JSON."}]
 
 
 Outcome = tuple[str, str | None]  # text, finish reason
