@@ -1,35 +1,12 @@
 """Who a request is for: the tenant table (`--api-keys FILE`), the keys that name tenants, and the
 tenant of a request, from its API key or, with no keys configured, from its `user` field.
 
-The file (JSON; every field but `keys[].key` / `keys[].key_sha256` optional):
-
-    {
-      "default": {"weight": 1, "tokens_per_minute": 0, "max_concurrent_requests": 0},
-      "tenants": {"acme": {"weight": 2, "tokens_per_minute": 60000, "max_concurrent_requests": 8,
-                           "lora_adapters": ["acme-support", "acme-legal"]}},
-      "keys": [
-        {"key": "sk-acme-1", "tenant": "acme", "name": "acme-prod"},
-        {"key": "@/run/secrets/acme2", "tenant": "acme"},
-        {"key_sha256": "9f86d08...", "tenant": "acme", "name": "acme-ci"},
-        {"key": "sk-shared", "name": "everyone-else"}
-      ]
-    }
-
-`default` holds the limits of every tenant not listed (each such tenant has its own quotas with
-those limits); 0 means no limit. `lora_adapters`, when given, are the only LoRA adapters the
-tenant may run under (the base model always; another adapter is PERMISSION_DENIED, HTTP 403);
-without it, any adapter served. A key is given as itself, as `@PATH` (the file's contents), or as
-the hex SHA-256 of the key (`key_sha256`), which keeps the secret out of the file. A key without
-`tenant` is the default tenant's. The default tenant is "" on the wire (SubmitRequest.tenant,
-the Admin API) and is spelled "default" in this file and on the command line.
-
-A presented key is looked up once per request (by the gRPC interceptor or the HTTP middleware,
-which hand the key found to the request path): one SHA-256 of it, then a dict lookup by digest
-(`TenantTable.find_key`, where the reason this is safe without a constant-time compare is given).
-
-`load_tenants` reads and checks a gateway's tenant file once per process: `llmserve serve`
-checks it before anything starts; the gateway process reads it before its tokenizer loads and
-hands the table to its GatewayCore.
+The file's format, the default tenant ("" on the wire, "default" in the file) and per-tenant
+`lora_adapters`: docs/tenants.md#the-tenant-file. A presented key is looked up once per request
+(by the gRPC interceptor or the HTTP middleware): one SHA-256, then a dict lookup by digest
+(`TenantTable.find_key` says why that needs no constant-time compare). `load_tenants` reads
+and checks the file once per process: `llmserve serve` before anything starts, the gateway
+before its tokenizer loads (it hands the table to its GatewayCore).
 """
 
 from __future__ import annotations

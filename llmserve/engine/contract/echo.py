@@ -1,32 +1,13 @@
 """A model-free engine that speaks the real step contract, for tests of the scheduler and gateway.
 
 It mirrors requests exactly as the real engine does (same Mirror, same checks) and "samples" by
-echoing: output token i is prompt token i mod prompt length. Outputs are deterministic, batch
-invariant and survive preemption, and a test controls the text by choosing the prompt.
-Logprobs are 0.0 for the echoed token; top-k logprobs are tokens t, t+1, ... (mod the vocabulary)
-with logprobs 0, -1, -2, ...
-
-step_delay_ms (+ step_token_delay_ms per token computed) models a device: each step occupies it
-that long, steps run back to back in launch order, and `launch` returns at once (as the real
-engine's does on a GPU) with a step whose result is ready when its turn on the "device" ends;
-`step` waits for it.
-
-pipeline_parallel_size P models a pipeline of P stages (and is reported in EngineInfo): a step
-passes through the stages in order, each for step_delay_ms / P, and a stage takes the next step
-as soon as it is done with the last, so P steps can be in flight at once and a step's result is
-still step_delay_ms after it started. As a real pipeline needs, a plan holding a request that a
-step still in flight holds is refused (MirrorMismatch: FAILED_PRECONDITION).
-
---engine-role prefill | decode (EngineConfig's) makes it one side of prefill / decode
-disaggregation (docs/disaggregation.md), speaking the transfer contract as the real engine does:
-a pool of tiny blocks (engine/kv/echo_kv.py; torch is imported only then) whose transfers run
-through engine/kv/disaggregation.py's KVTransfers in the same order (sends, then cancels and
-arrived receives, then the step), and, when a step's result is ready (`finish`), the transfers
-arrived meanwhile written too: all reported in that result's received_transfer_ids /
-failed_transfer_ids.
-kv_block_bytes and kv_link_gb_per_s model the KV the blocks stand for and the link it crosses:
-a send leaves no earlier than its modelled crossing time. The echo depends only on the prompt
-and the position, so the outputs are those of one colocated engine.
+echoing: output token i is prompt token i mod prompt length, so outputs are deterministic,
+batch invariant, survive preemption, and a test picks the text by picking the prompt. Top-k
+logprobs are tokens t, t+1, ... with logprobs 0, -1, -2, .... EchoEngineConfig's settings
+model a device (step delays, P pipeline stages with P steps in flight, speculation) and, with
+--engine-role prefill | decode, one side of disaggregation: a pool of tiny blocks
+(engine/kv/echo_kv.py) whose transfers run through engine/kv/disaggregation.py as the real
+engine's do, over a modelled link (docs/disaggregation.md#a-model-of-the-gpu-case).
 """
 
 from __future__ import annotations

@@ -1,31 +1,12 @@
 """Structured output in the engine: one llguidance matcher per constrained request, kept in the
 mirror beside its tokens, and the allowed-token masks the sampler applies.
 
-Why here, beside the sampler (and not in the scheduler, shipping a bitmask per row in the plan):
-with overlap scheduling the scheduler plans step N+1 before step N's tokens reach it, so a mask
-it computed would be a step late; the engine holds each sampled token first. So the engine masks,
-and the mask of a step is computed on a worker thread while that step's forward runs: the thread
-waits for the previous step's tokens (their host copy), feeds them to the matchers and fills the
-bitmask; the forward's logits wait for it only at sampling. Rows without a constraint add
-nothing to a step: no job is started when no sampling row has one.
-
-A matcher follows its request's tokens as the mirror does (one token rule): before each mask it
-consumes the tokens generated since its last mask. A request preempted and recomputed comes
-back as a new one, whose fresh matcher consumes everything it had generated; n choices are n
-requests, each its own matcher. Speculative decoding: a row's mask at each proposed position is
-computed after consuming the proposals before it, which are then rolled back; the accepted ones
-are consumed at the next step like any token. A matcher with no allowed token (an error state, a
-grammar that cannot continue) allows only EOS, and its request is reported in the step's result
-(`take_dead_ends`): the scheduler ends it with finish reason GRAMMAR_DEAD_END, never "stop".
-
-Compiled grammars are cached by (kind, text) (common/structured_output.py's key) and compiled on
-the compile thread, off the step path: the scheduler lists a waiting request's constraint in a
-plan's grammar_compiles (`start_compiles`), the engine reports it in a later result once compiled
-(`take_compiled`), and only then is the request admitted, so it waits for its grammar while the
-others step. A request admitted without that (its grammar reported once and evicted from the
-cache since, or an engine reset) compiles from the step that first schedules it, beside its
-prefill, and its first mask waits for it. The vocabulary is built once from the model's
-tokenizer files (common/tokenizer_files.py), on the compile thread, for the first constraint.
+The engine masks (not the scheduler) because with overlap scheduling a mask planned by the
+scheduler would be a step late. A step's mask is filled on a worker thread while its forward
+runs; grammars compile on the compile thread, off the step path (`start_compiles`,
+`take_compiled`), cached by common/structured_output.py's key; a matcher with no allowed token
+allows only EOS and is reported (`take_dead_ends`). The scheduler's side is
+scheduler/grammar_wait.py. The design: docs/architecture.md#structured-output.
 """
 
 from __future__ import annotations

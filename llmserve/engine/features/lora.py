@@ -1,35 +1,13 @@
-"""Batched LoRA: the device-resident slot table of adapters and the per-step segmented low-rank
-products over the rows that use them.
+"""Batched LoRA in the engine: the device-resident slot table of adapters (LoraSlots) and the
+per-step segmented low-rank products over the rows that use them (LoraBatch). The scheduler
+picks the slots (scheduler/lora.py); the reference products are kernels/lora_reference.py.
 
-Slots are numbered 1 .. max_loras as the plan names them (0: the base model, no adapter). For
-each of our projections (GROUPS: qkv_proj adapts q, k and v, gate_up_proj gate and up) the
-table holds, per layer of this rank, every slot's A of every part and B per part:
-
-    a[group]     [num_layers, max_loras, max_rank, num_parts, in_features]
-    b[group][p]  [num_layers, max_loras, max_rank, out_features of part p]
-
-(rank before part: a slot's first r ranks of every part are one contiguous [r * parts, in]
-matrix, the shrink of every part in one product; kernels/lora_reference.py.)
-
-zero where a slot's adapter has a lower rank or does not adapt that module, so a zero slice adds
-nothing. Tensor-parallel, A and B are split as their base layer is: column-parallel modules (q,
-k, v, gate, up) keep this rank's rows of B, row-parallel ones (o, down) its columns of A (their
-partial products are summed by the layer's all-reduce, with the base output's).
-
-A step's rows are grouped by slot (LoraBatch): each group's tokens are a segment, and a
-projection's update is, per segment, shrink (x A^T: [tokens, r]) then expand (B: [tokens, out])
-added to the base output. Two layouts of the same product (kernels/lora_reference.py):
-padded (segments as one [segments, longest, in] batch, one batched matmul each way: decode
-steps, whose segments are short) or one matmul pair per segment (steps with a long prefill
-segment, which padding would multiply). On a GPU with the CUDA kernels (engine.ops.KernelOps),
-a padded step runs kernels/lora.cu instead: shrink and expand gathered per row by its slot
-(`slot_ids`), two launches per projection, no host synchronization; a step with a long prefill
-segment keeps the per-segment matmuls (cuBLAS GEMMs, where lora.cu's per-row GEMV would read
-the adapter's weights once per row). Never the adapter merged into the base weight.
-
-On the CPU in float32 every step runs kernels/cpu_lora.cpp instead: each row's update computed
-alone in a fixed order, so a request's tokens do not depend on which rows share its step (BLAS
-picks its kernel by the number of rows, and rounds a row differently in a step of 1 and of 4).
+A step's rows are grouped by slot into segments; each projection adds, per segment, shrink
+(x A^T) then expand (B), padded into one batched matmul for decode-like steps, one matmul pair
+per segment for a long prefill, kernels/lora.cu on a GPU with the CUDA kernels, and
+kernels/cpu_lora.cpp on a CPU in float32 (per row in a fixed order, so a request's tokens do
+not depend on its neighbours). The adapter is never merged into the base weight.
+See docs/lora.md#how-a-step-runs.
 """
 
 from __future__ import annotations
@@ -77,7 +55,21 @@ def local_shapes(config: ModelConfig, tp_size: int) -> dict[str, tuple[int, int]
 
 
 class LoraSlots:
-    """max_loras adapters resident on the device, one per slot, for this rank's layers."""
+    """max_loras adapters resident on the device, one per slot, for this rank's layers.
+
+    Slots are numbered 1 .. max_loras as the plan names them (0: the base model). For each
+    projection group (GROUPS: qkv_proj adapts q, k and v; gate_up_proj gate and up) the table
+    holds every slot's A of every part and B per part:
+
+        a[group]     [num_layers, max_loras, max_rank, num_parts, in_features]
+        b[group][p]  [num_layers, max_loras, max_rank, out_features of part p]
+
+    Rank before part, so a slot's first r ranks of every part are one contiguous
+    [r * parts, in] matrix and one product shrinks every part. Zero where an adapter has a
+    lower rank or does not adapt a module, so a zero slice adds nothing. Under tensor
+    parallelism A and B are split as their base layer is: column-parallel modules (q, k, v,
+    gate, up) keep this rank's rows of B, row-parallel ones (o, down) its columns of A.
+    """
 
     def __init__(
         self,

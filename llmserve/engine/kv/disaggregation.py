@@ -1,44 +1,12 @@
-"""The engine's side of prefill / decode disaggregation (docs/disaggregation.md): the KV
-transfers a plan lists (engine.proto's KVSend, KVReceive, kv_receive_cancels), executed over
-engine/kv/transfer.py's channel. Which blocks move, under which id and until when, is the
-scheduler's; this only executes, in this order, before the plan's mirror update and forward
-(an engine has one role: it sends or it receives):
-
-1. sends: the blocks are read out of the pool now (the scheduler freed them on this side, and
-   this plan's copies or forward may reuse them), then pushed by a background thread; a send
-   that fails is only logged: the receiving side's deadline turns it into a recompute there;
-   (then the plan's KV copies, with an offload tier: engine/kv/offload.py)
-2. cancels: transfers the scheduler gave up are forgotten (never written afterwards, even if
-   they arrive: their blocks may belong to someone else from this plan on);
-3. receives: the transfers this plan adds are awaited; every awaited transfer that has arrived
-   whole is written into its blocks now (after the copies: a block pinned for it may have
-   been evicted by this plan, its old contents copied down first), and one whose connection
-   failed is given up (the scheduler need not wait for its deadline). A plan with no rows
-   waits up to POLL_S for one to arrive, so a scheduler polling an idle decode engine does
-   not spin.
-
-And when a step's result is produced (`report`, from the engine's `finish`), every awaited
-transfer that has arrived whole since is written into its blocks too, and the result reports
-every transfer written (there or at a launch) and every one failed since the last result, each
-exactly once. So a transfer that arrives while a step runs is reported in that step's result,
-not in the result of the first step launched after it. Writing then is safe: the scheduler
-keeps a transfer's blocks pinned, in no block table, so no row of any plan (in flight or not)
-reads or writes them until it has seen the report; a transfer cancelled by a plan already
-launched was forgotten at that launch, so only transfers still awaited are written; and a
-cancel in a plan not launched yet frees the blocks from that plan on, whose copies and forward
-come after this write (the scheduler ignores the report of a transfer it gave up). On a GPU the
-write is enqueued on the current stream, after the steps launched on it, without waiting for
-them (KVReceiver._write); on a CPU it is done at once.
-
-The payload goes by --kv-transfer-backend: `tcp` (gathered to host bytes, engine/kv/transfer.py)
-or `torch` (gathered into a buffer on the pool's device and sent over the pair's process group,
-engine/kv/transfer_torch.py); the control is the same authenticated connection either way.
-
-A test hook, LLMSERVE_KV_TRANSFER_FAULT: `drop` sends the header and half the payload of every
-transfer (with the torch backend: the header only), then closes the connection; `stall` holds
-every transfer (for 30 s, or while the file says so) and never sends it; `@PATH` reads one of
-those from the file PATH before each send (no file, or an empty one: no fault), so a test can
-turn faults on and off in a running engine.
+"""The engine's side of prefill / decode disaggregation (docs/disaggregation.md): executes the
+KV transfers a plan lists (KVSend, KVReceive, kv_receive_cancels) over engine/kv/transfer.py's
+channel, before the plan's mirror update and forward. The scheduler decides; this only runs,
+in order: sends (blocks read out of the pool now, pushed by a background thread), cancels
+(never written afterwards), receives (every arrived transfer written into its blocks; a failed
+one given up). `report` also writes what arrived while a step ran, so an arrival is reported in
+that step's result, each transfer exactly once; this is safe because the scheduler keeps those
+blocks pinned in no block table (docs/disaggregation.md#reporting-an-arrival-at-the-result).
+The LLMSERVE_KV_TRANSFER_FAULT test hook: docs/disaggregation.md#failures.
 """
 
 from __future__ import annotations

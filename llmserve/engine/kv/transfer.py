@@ -1,30 +1,12 @@
-"""Moving KV blocks from one engine's pool to another's over TCP: the transfer channel of
-prefill / decode disaggregation (docs/disaggregation.md; engine/kv/disaggregation.py runs a plan's
-sends and receives through it). Which blocks move, under which transfer id, and by when, is the
-scheduler's; the sending engine pushes the blocks' contents, the receiving one takes them into
-the blocks its plan names, or gives up when the scheduler says so.
+"""Moving KV blocks from one engine's pool to another's: the transfer channel of prefill / decode
+disaggregation. engine/kv/disaggregation.py runs a plan's sends and receives through it; the
+scheduler decides which blocks move, under which transfer id and by when.
 
-Two backends (--kv-transfer-backend; both engines of a pair need the same one): `tcp`, this
-module's stream, the path that works everywhere; `torch`, the payload over a torch.distributed
-process group (NCCL between two GPUs, gloo on CPUs), engine/kv/transfer_torch.py. Both use the
-same authenticated connection for the control, one connection per transfer:
-
-    receiver -> sender   32-byte random challenge
-    sender -> receiver   HMAC-SHA256(internal token, challenge)       (refused: connection closed)
-    sender -> receiver   transfer_id (u64), num_blocks (u32), block_bytes (u64), backend (u8),
-                         num_layers (u16), block_size (u32), dtype (u8)
-    receiver -> sender   accepted (1), or refused (0) with the reason: a header not matching
-                         this pool (its layout, a block count over the pool's) or backend
-    tcp:   sender -> receiver   num_blocks x block_bytes: each block's every layer, keys and values
-    torch: the pair's exchange and the payload (engine/kv/transfer_torch.py)
-    receiver -> sender   one byte: accepted
-
-A refused header is logged on both sides and reported failed, so the scheduler recomputes at
-once; nothing is allocated for a transfer before its header is checked.
-
-Only a whole transfer is delivered: a connection that drops, stalls past its timeout or fails
-the challenge delivers nothing, and the receiver's `take` returns False at its deadline, so the
-caller recomputes instead of waiting.
+One authenticated TCP connection per transfer (challenge, HMAC under the internal token, a
+header checked against the receiving pool before anything is allocated); the payload goes on
+that connection (`tcp`, this module) or over a process group (`torch`,
+engine/kv/transfer_torch.py). Only a whole transfer is delivered. The wire:
+docs/disaggregation.md#the-wire.
 """
 
 from __future__ import annotations

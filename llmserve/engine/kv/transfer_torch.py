@@ -1,45 +1,11 @@
-"""The `torch` KV transfer backend (--kv-transfer-backend torch; docs/disaggregation.md#transfer-
-backends): the payload of a transfer moves by torch.distributed point-to-point send / recv over a
-2-rank process group per (sending engine, receiving engine) pair: NCCL when the pools are on two
-GPUs (device to device, no host copy), gloo when they are on CPUs (the same code, tested here).
-
-The control path is engine/kv/transfer.py's authenticated TCP connection, one per transfer, as
-with the `tcp` backend: the challenge and HMAC under the internal token, then the header (transfer
-id, num blocks, block bytes, backend). Nothing else decides anything: which transfer a payload is,
-into which blocks it goes and whether it is delivered (only whole, after the receiver's ack on the
-connection) are all said there. After the header:
-
-    sender -> receiver   pair id (16 random bytes), the sender's device (u16 length, text)
-    receiver -> sender   K: the pair's group is known | N: build it now | T: this pair cannot
-                         (see below): the payload follows on this connection, as with tcp
-    N only, both ways    the group's rendezvous, relayed over this connection (RelayStore),
-                         until both sides have moved the payload
-    sender -> receiver   the payload: group.send(rank 0 -> rank 1) of one contiguous buffer
-    receiver -> sender   one byte: accepted
-
-Why the rendezvous goes over the authenticated connection: a process group needs a store where
-the ranks swap their addresses (gloo) or the NCCL unique id. A TCPStore would be a second
-listening port that anyone who reaches it can read and write (and its server binds every
-interface), so it would be an unauthenticated door to what the pair sets up. Instead each side
-gets a RelayStore: a `set` is kept and sent to the peer as a frame on the connection that has
-already passed the challenge, a `get` waits for the peer's frame. No init_process_group and no
-default group: the engine may already hold one for tensor parallelism, and a pair's group is made
-lazily, on its first transfer, as ProcessGroupGloo / ProcessGroupNCCL on that store. gloo's device
-is bound to the address the control connection uses on each side. What stays unauthenticated is
-the payload stream itself (gloo's or NCCL's own sockets), as the tcp backend's payload bytes are
-unsigned: an attacker able to write into an established connection on the internal network can
-corrupt KV, not decide what is delivered or where.
-
-Failures: every wait (the rendezvous, the send, the recv) polls against the transfer's deadline
-on the transfer's own thread (never the step loop's); a failure or a deadline passed discards the
-pair's group on the side that saw it (aborted), the transfer is reported failed (the receiver) or
-raised (the sender), and the next transfer of that pair builds a new group (the sender picks a
-new pair id). A sender that dies ends its connections, and gloo's recv fails at once.
-
-`T`: the torch path needs both pools on CPUs (gloo) or on two different GPUs (NCCL: two processes
-on one GPU cannot form a communicator). For any other pair -- two engines on one GPU, as on a
-one-GPU machine, or a CPU pool and a GPU pool -- the receiver answers T, logs a warning once per
-pair, and the payload goes over the control connection as the tcp backend's would.
+"""The `torch` KV transfer backend (--kv-transfer-backend torch): a transfer's payload moves by
+torch.distributed send / recv over a 2-rank process group per (sending engine, receiving engine)
+pair, NCCL between two GPUs, gloo on CPUs. The control (challenge, header, the final ack) stays
+on engine/kv/transfer.py's authenticated connection, which also relays the group's rendezvous
+(RelayStore), so no unauthenticated store port is opened. A pair that cannot form a group (two
+engines on one GPU, a CPU pool and a GPU pool) answers `T` and falls back to the tcp payload.
+Groups are made lazily, without a default group, and aborted on any failure or deadline.
+The wire, the trade-offs and the measurements: docs/disaggregation.md#transfer-backends.
 """
 
 from __future__ import annotations
