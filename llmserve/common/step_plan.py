@@ -3,7 +3,8 @@ brings (StepPlanData, its rows and parts), what a step returns (StepOutput). The
 a StepPlanData from its plan (scheduler/service/convert.py), the engine reads one (engine/), and
 `to_proto` / `from_proto` convert field by field under the .proto's names, so a field added to
 the .proto is a field added here (tests/test_step_plan.py holds the two equal) and nothing in
-either converter. Order and rules within a plan: docs/architecture.md#the-step-contract.
+either converter. Order and rules within a plan:
+docs/architecture.md#the-step-contract-scheduler---engine.
 """
 
 from __future__ import annotations

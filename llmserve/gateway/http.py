@@ -1,28 +1,12 @@
 """The OpenAI-compatible HTTP API: FastAPI, served by uvicorn on the gateway's event loop beside
 grpc.aio, over the same request path (gateway/core.py) and the same scheduler connection.
 
-    POST /v1/completions, /v1/chat/completions   streamed (server-sent events) or not
-    POST /v1/responses; GET, DELETE /v1/responses/{id}   the Responses API
-                                                 (gateway/responses_routes.py)
-    POST /v1/messages, /v1/messages/count_tokens Anthropic's Messages API
-                                                 (gateway/anthropic_routes.py)
-    GET  /v1/models, /v1/models/{id}             the served model
-    POST /tokenize, /detokenize; GET /metrics     vLLM's shapes (gateway/utility_routes.py)
-    GET  /health   liveness: 200 while the process runs
-    GET  /ready    readiness: 200 once the scheduler is connected and serving, 503 before
-    GET  /openapi.json, /docs
-
-Each choice (n of them per prompt) is its own scheduler request; the prefix cache shares their
-prompt blocks. A client that disconnects, mid-stream or while waiting, cancels all of them
-upstream, and their KV blocks are free before the scheduler's next step. A stream's 200 goes out
-with the first message of every choice, so refusals still get their status: errors use OpenAI's
-body ({"error": {"message", "type", "param", "code"}}: gateway/http_errors.py) with 400 for
-an invalid value (a request larger than its tenant's quota allows at all included), 401 for a
-missing or wrong API key, 413 for a body over --max-request-bytes, 429 (Retry-After) for a full
-queue or a tenant over its quota (Retry-After then computed from the quota: gateway/quotas.py),
-503 (Retry-After) when not ready or draining.
-
-With --api-keys, the key names the request's tenant; without keys, the body's `user` does.
+This module holds /v1/completions, /v1/chat/completions, /v1/models, /health and /ready; the
+Responses API is gateway/responses_routes.py, Anthropic's Messages API
+gateway/anthropic_routes.py, /tokenize, /detokenize and /metrics gateway/utility_routes.py,
+error bodies gateway/http_errors.py. Each of a prompt's n choices is its own scheduler request;
+a client that disconnects cancels them all. The endpoints and status codes:
+docs/api.md#openai-compatible-http-api.
 """
 
 from __future__ import annotations

@@ -1,29 +1,13 @@
 """Which scheduler replica serves a request: the gateway's routing policy over D replicas (each a
 scheduler and its engines), from what it knows without asking anyone per request.
 
-Policies (`--routing`):
-
-- round-robin: the next replica in turn.
-- least-load: the replica with the least load (below), then the least KV use, then the fewest
-  requests routed to it so far.
-- prefix: the replica that already holds the longest prefix of the prompt's KV blocks, known by
-  the chained block hashes of the prompt (common/block_hash.py, the scheduler's own rule) and a
-  table of which replica each hash was last sent to; a prompt nobody holds goes to the
-  least-loaded replica (on a tie, the one holding the fewest blocks: new prefixes spread over
-  the replicas' caches). Affinity never overloads a replica: when the holder's load exceeds the
-  least-loaded replica's by more than spill_threshold, the request spills to that one.
-
-A replica's load is the larger of the requests this gateway has in flight on it (exact, and up to
-date within the request) and the running + waiting requests its scheduler last reported (which
-counts other gateways' requests too, but lags by a stats period).
-
-Health: only healthy replicas are routed to (their scheduler's stats stream says it is ready).
-When none is healthy, a reachable one (its stream is alive, its engine not ready) is tried, so
-its scheduler answers as it would alone: UNAVAILABLE, or queueing while its engine restarts. A
-replica that goes down loses its affinity entries (its KV blocks may be gone with it).
-
-The router does no I/O: gateway/replicas.py feeds it stats and health; gateway/streaming.py calls
-`route` / `done` around each attempt of a request.
+`--routing` round-robin, least-load, or prefix (the replica holding the longest prefix of the
+prompt's KV blocks, by common/block_hash.py's chained hashes, spilling to the least-loaded one
+past spill_threshold). A replica's load is the larger of this gateway's requests in flight on
+it and the running + waiting requests its scheduler last reported. Only healthy replicas are
+routed to; a replica that goes down loses its affinity entries. The router does no I/O:
+gateway/replicas.py feeds it stats and health, gateway/streaming.py calls `route` / `done`.
+See docs/parallelism.md#many-replicas-data-parallelism-and-routing.
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
 """The ground truth for every kernel, in plain torch. This is also what the CPU engine runs.
 
-KV pool layout (one layer's half): `k_cache`, `v_cache` are `[num_blocks, block_size, num_kv_heads,
-head_dim]`. Token slot `s` lives at block `s // block_size`, row `s % block_size`. The engine keeps
-all layers in one tensor `[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]` and hands
-each layer its two views.
-
-Batch layout for attention: the step's query tokens are flattened, request after request:
+KV pool (one layer's half): `k_cache`, `v_cache` are `[num_blocks, block_size, num_kv_heads,
+head_dim]`; token slot `s` lives at block `s // block_size`, row `s % block_size`. A step's query
+tokens are flattened, request after request:
 
     cu_seqlens_q:  0        q0          q0+q1              T
                    |<- r0 ->|<-   r1   ->|<- ... ->|
@@ -13,15 +10,8 @@ Batch layout for attention: the step's query tokens are flattened, request after
                    0                                seq_len_b - q_b                 seq_len_b
 
 Query i of request b sits at position `seq_len_b - q_b + i` and sees keys 0..that position.
-
-KV cache dtype: the pool may have a dtype other than q's (the engine's `--kv-cache-dtype`):
-bfloat16, float16, or torch.float8_e4m3fn (FP8 E4M3, "fn": finite, no infinities; 4 exponent bits
-of bias 7, 3 mantissa bits; largest magnitude 448, smallest subnormal 2^-9; one NaN pattern). An
-FP8 pool stores x / scale, rounded to nearest even and saturated to +-448 (never NaN from a finite
-or infinite input), so values beyond +-448 * scale are clipped; attention reads x = stored *
-scale. `k_scale` and `v_scale` are per-layer floats (vLLM's names; default 1.0, which suits K/V
-whose magnitudes stay well inside +-448). A 16- or 32-bit pool stores values as they are and
-takes no scale other than 1.0.
+An FP8 pool stores x / scale, saturated to +-448 (`k_scale`, `v_scale`; 1.0 for 16- and 32-bit
+pools): kernels/README.md#fp8-kv-pool-format-and-scales, where the whole layout is too.
 """
 
 from __future__ import annotations

@@ -1,27 +1,14 @@
 """Paged KV-cache block bookkeeping: block tables, reference counts and the prefix cache.
 
-Blocks hold `block_size` token slots each. A request's block table lists its blocks in token order:
-token t lives in block `block_table[t // block_size]`, row `t % block_size`.
-
-Prefix cache: once a block is full, it gets a chained content hash, hash(parent hash, its tokens),
-so two requests with the same prefix can share blocks (the rule is common/block_hash.py's, which
-the gateway's prefix routing uses too). A block whose last user finished keeps its hash and its
-contents, sitting in the free queue until it is reused for something else (lazy eviction, least
-recently freed first). A hit is confirmed by comparing tokens, not by hash alone.
-
-Sliding window (`sliding_window`, when every layer of the model attends through one): once a
-request has computed far enough that no query of it will read a block again, the block is
-released, as a finished request's would be, while staying listed in its block table:
-
-    block_table: |<- released ->|<- held: the window's keys and what comes next ->|
-                 0     num_released_blocks                                len(block_table)
-
-The query at position p reads keys p - window + 1 .. p, and the next query sits at
-num_computed_tokens or later, so blocks wholly before num_computed_tokens - window + 1 go.
-
-KV offload (scheduler/kv_offload.py): with `offload` set, a cached block evicted for reuse is
-first handed to it (copied down a tier instead of dropped), and blocks brought back from a lower
-tier are pinned for the request waiting for them (`pin_new`) until it is admitted (`unpin`).
+A request's block table lists its blocks in token order: token t lives in block
+`block_table[t // block_size]`, row `t % block_size`. A full block gets a chained content hash
+(common/block_hash.py's rule, which the gateway's prefix routing uses too), so requests with the
+same prefix share blocks; a freed block keeps its hash and contents in the free queue until
+reused (lazy eviction, least recently freed first), and a hit is confirmed by comparing tokens.
+With a sliding window, blocks no query reads again are released early (`_release_out_of_window`);
+with KV offload (scheduler/kv_offload.py), an evicted cached block is copied down a tier and
+blocks brought back are pinned for their request (`pin_new` / `unpin`). See
+docs/architecture.md#memory.
 """
 
 from __future__ import annotations
@@ -277,8 +264,15 @@ class BlockManager:
         return True
 
     def _release_out_of_window(self, request: Request) -> None:
-        """Release request's blocks that no query of it reads again (see the module docstring),
-        as `free` would; they stay listed in its block table."""
+        """Release request's blocks that no query of it reads again, as `free` would; they stay
+        listed in its block table:
+
+            block_table: |<- released ->|<- held: the window's keys and what comes next ->|
+                         0     num_released_blocks                                len(block_table)
+
+        The query at position p reads keys p - window + 1 .. p, and the next query sits at
+        num_computed_tokens or later, so blocks wholly before num_computed_tokens - window + 1
+        go."""
         if self.sliding_window is None:
             return
         first_key = request.num_computed_tokens - self.sliding_window + 1

@@ -1,27 +1,13 @@
 """The mixture-of-experts block that stands where a dense layer's MLP stands (same call:
 [tokens, hidden] in, [tokens, hidden] out, summed over the tensor-parallel ranks).
 
-    x -> router (softmax over E experts, top-k, renormalized or not) -> (weights, ids) [T, k]
-      -> the T*k (token, expert) pairs sorted by expert; each expert's rows gathered once
-      -> per expert segment: down(silu(gate(x)) * up(x))   (one grouped product per weight)
-      -> scaled by the pair's weight, added back into its token's row
-      (+ sigmoid(shared_expert_gate(x)) * shared_expert(x), Qwen2-MoE; ungated, GLM-4.5)
-    GLM-4.5 (DeepSeek-V3's noaux_tc): the router's sigmoid scores, grouped top-k over them plus a
-    correction bias (route_grouped)
-
-Expert parallelism: on a tensor-parallel group of T ranks, rank r holds experts
-E r / T .. E (r + 1) / T whole (not a slice of every expert), routes every token (the hidden
-states are replicated after attention's all-reduce), runs only the pairs whose expert it holds,
-and the ranks' partial outputs are summed by the one all-reduce a dense MLP already makes. The
-shared expert is split by columns like a dense MLP and joins the same all-reduce. Per token and
-sparse layer that is hidden_size values into the all-reduce (a ring moves 2 (T - 1) / T of them
-per rank: 4 KiB at hidden 2048 in bf16 for T = 2), whatever k is; an all-to-all dispatch and
-combine would move about 2 k (T - 1) / T rows instead and pays off only where the activations are
-not already on every rank (docs/parallelism.md#expert-parallelism).
-
-Weights: `Experts` stacks the local experts as w13 [E_local, 2 I, H] (each expert's gate rows
-then its up rows) and w2 [E_local, H, I]; the HF checkpoint's per-expert tensors are loaded into
-their slices (`hf_tensors`).
+The router picks top-k experts per token (softmax, or GLM-4.5 / DeepSeek-V3's grouped sigmoid
+router in `route_grouped`); the (token, expert) pairs are sorted by expert and each expert's
+segment runs as one grouped product per weight (kernels/moe_reference.py, kernels/moe.cu on a
+GPU). `Experts` stacks the local experts as w13 [E_local, 2 I, H] and w2 [E_local, H, I].
+Under tensor parallelism each rank holds E / T experts whole and the partial outputs join the
+all-reduce a dense MLP already makes. See docs/moe.md and
+docs/parallelism.md#expert-parallelism-mixture-of-experts-models.
 """
 
 from __future__ import annotations

@@ -1,28 +1,12 @@
 """The fair policy (`--scheduling-policy fair`): tenants share the server in proportion to their
 weights, measured by the virtual token counter of scheduler/tenants.py (VTC, Sheng et al., OSDI'24).
 
-- Admission: the next request admitted is the first waiting one (arrival order; a preempted one
-  first) of the waiting tenant with the smallest counter. Running requests are charged before
-  admission is decided, so a tenant that is being served falls behind one that waits.
-- Work conservation: only tenants with waiting requests compete; a tenant with nothing queued
-  leaves its share to the others, and the lift (tenants.py) keeps it from banking credit.
-- Preemption for fairness (reason "fair"): a waiting request that finds no seat or no blocks may
-  preempt a running request of another tenant whose counter is ahead of its own tenant's by at
-  least the prefill its admission computes (all its tokens, prefill-weighted, divided by its
-  tenant's weight; at least one decode token's worth). A new request is charged that much when
-  admitted, so its tenant is still not ahead of the victim's and the victim's tenant cannot
-  preempt back at once. A preempted request coming back is charged nothing (a recompute is free),
-  but it must still find its tenant that far behind: without that margin the two tenants' seats
-  would change hands every few steps, each time paying for a recompute.
-  And only while its tenant holds fewer seats than the victim's, weighted: (seats + 1) / weight
-  <= the victim tenant's seats / weight. Counters integrate service over time, so a tenant that
-  has caught up on seats keeps falling behind on counters for a while; preempting on the counter
-  gap alone overshoots, and the seats swing from one tenant to the other and back (measured: 166
-  preemptions in 300 steps of two equal backlogged tenants). Past seat parity, admission order
-  alone (the smallest counter first as seats free up) evens out the service, as in VTC itself,
-  which never preempts.
-- Memory preemption (reason "memory"), and the victim of a fair one: the latest admitted running
-  request of the tenant with the largest counter (ties: the latest admitted overall).
+Admission: the first waiting request of the waiting tenant with the smallest counter (running
+requests are charged first). Preemption for fairness (reason "fair") takes the latest admitted
+request of the tenant with the largest counter, only when that tenant is ahead by at least the
+waiting request's prefill and holds more weighted seats than the waiter's would with one more:
+on the counter gap alone, seats swung between two equal backlogged tenants (166 preemptions in
+300 steps). Memory preemption picks the same victim. Why: docs/scheduling.md#policies.
 """
 
 from __future__ import annotations
