@@ -1,24 +1,11 @@
 """Starts the stack's processes, one child per service (`python -m llmserve.cli <service>
 --config-stdin`), each handed its config whole through its stdin (the internal token with it:
 never on a command line or in the environment). The pipe stays open: a child stops when it
-closes, so the services die with whoever launched them, however it ended (Ctrl-C, SIGTERM,
-SIGHUP, kill -9). `llmserve serve`, `llmserve bench` and the tests all start stacks
-through `Stack`.
-
-    stack = Stack(engine=EngineConfig(...), scheduler=SchedulerConfig(...),
-                  gateway=GatewayConfig(...))
-    stack.start()
-    stack.wait_ready(timeout=600)      # our gateway answers SERVING, or StackError says why
-    ...
-    stack.stop()
-
-With data parallelism (`--data-parallel-size D`) the Stack runs D replicas, each a scheduler and
-its engine on ports of their own (`groups` beyond the first: llmserve/topology.py), behind the
-one gateway, which routes between them (gateway/router.py). The first replica's services keep
-their names and ports; replica i's are `scheduler-i` and `engine-i`. With prefill engines
-(`--prefill-engines N --decode-engines M`, docs/disaggregation.md) the scheduler drives them
-all: `engine` is the first decode engine, `engine-decode-2` ... the others, and
-`engine-prefill`, `engine-prefill-2` ... the prefill engines.
+closes, so the services die with whoever launched them, however it ended (kill -9 included).
+`llmserve serve`, `llmserve bench` and the tests all start stacks through `Stack`
+(`start`, `wait_ready`, `stop`). Ports and replicas come from llmserve/topology.py; with
+`--data-parallel-size D` replica i's services are `scheduler-i` and `engine-i`, and with
+prefill engines they are named as docs/disaggregation.md's flag table says.
 """
 
 from __future__ import annotations

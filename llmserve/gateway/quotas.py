@@ -1,23 +1,11 @@
 """Per-tenant quotas at the gateway: tokens per minute and concurrent requests.
 
-Tokens per minute is a token bucket per tenant: it holds at most `tokens_per_minute` tokens and
-refills at tokens_per_minute / 60 per second. A request reserves, at admission, what it could
-cost at most: for each of its choices, prompt tokens + max_tokens. When it ends, what it did not
-use is refunded (a choice that never reached a scheduler costs nothing; one that did costs its
-prompt and the tokens it was sent). Reserving the worst case is what makes a refusal's
-Retry-After exact: with `level` tokens in the bucket and a request of `cost`, the bucket holds
-`cost` after (cost - level) / rate seconds, whatever the requests in flight do (their refunds
-can only make it sooner). Retry-After is that time rounded up to whole seconds.
-
-A request whose cost exceeds the bucket itself (prompt + max_tokens > tokens_per_minute) could
-never be admitted: it is INVALID_ARGUMENT, naming the limit, not a 429 that invites a retry.
-
-Concurrent requests counts the tenant's sequences in flight at this gateway (a request with n
-choices counts n). Over it, Retry-After estimates when the oldest of them ends: the tenant's
-mean request duration (an exponential average of the last ones) minus that request's age, at
-least 1 s; 1 s before any request has finished.
-
-Everything reads time from `clock` (time.monotonic), so tests can drive it exactly.
+Tokens per minute is a token bucket per tenant; a request reserves its worst case at admission
+(per choice: prompt tokens + max_tokens) and is refunded what it did not use when it ends.
+Reserving the worst case is what makes a refusal's Retry-After exact. A request that could never
+fit the bucket is INVALID_ARGUMENT, not a 429. Concurrent requests count the tenant's sequences
+in flight here. Everything reads time from `clock`, so tests drive it exactly. The rules and
+Retry-After: docs/tenants.md#quotas-and-429.
 """
 
 from __future__ import annotations

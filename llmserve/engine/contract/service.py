@@ -1,21 +1,10 @@
 """The engine's gRPC server: the Step stream and Describe, plus grpc.health.v1.
 
-Steps run in plan order under a lock. One Step stream at a time: it starts from an empty mirror,
-and a second one is refused (ALREADY_EXISTS) while it lasts; a scheduler that reconnects after
-losing its stream gets in once the engine has seen the old one end. With an internal token set,
-only callers carrying it get in at all (common/auth.py).
-
-A stream is a small pipeline, so the device need not idle between steps when the scheduler plans
-ahead (two plans in flight):
-
-    reader thread:  plans off the stream -> inbox
-    stream loop:    launch each plan as it arrives (enqueued, not waited for); send each step's
-                    result, in order, as soon as it is on the host
-    waiter thread:  waits for launched steps in order, waking the loop as each is ready
-
-so step N+1 is launched while step N's result is still being copied back and sent. On the CPU
-the real engine's step is done when launched, and its result goes out before the next plan is
-read.
+Steps run in plan order under a lock, one Step stream at a time (a second is ALREADY_EXISTS
+while the first lasts); with an internal token set, only callers carrying it get in
+(common/auth.py). A stream is a small pipeline (a reader thread, the stream loop that launches
+each plan as it arrives, a waiter thread), so step N+1 is launched while step N's result is
+still being copied back and sent: docs/architecture.md#overlap-scheduling.
 
 Every engine call (reset, launch, finish) runs on the thread that built the engine, the process's
 main thread (`OwnerThread`), not on a gRPC worker: torch's OpenMP team belongs to the thread that

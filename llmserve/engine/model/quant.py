@@ -1,23 +1,13 @@
 """Quantized linear layers, made from a loaded Linear's weights (they replace it, as PackedLinear
-does), and `quantize_linears`, which swaps them into a model.
+does), and `quantize_linears`, which swaps them into a model. Both keep the float bias and
+return the input's dtype; docs/quantization.md has the formats and figures.
 
-- `Int8Linear` (--quantization int8): weight-only int8. On a CPU: a scale and an offset per 32
-  weights along K (symmetric or not, whichever holds the weight closer: GGUF's Q8_0, Q4_0 and
-  Q4_1 blocks exactly) and our AVX2 kernel (kernels/cpu_int8.cpp), which reads 10 bytes per 32
-  weights where float32 reads 128. torch's CPU int8 paths were measured and set aside:
-  `_weight_int8pack_mm` ran 3-8x slower than packed float32 on this AVX2 CPU, and fbgemm's
-  dynamic int8 GEMM (activations quantized per call) kept only 54% of SmolLM2's top-1 tokens.
-  On a GPU: one symmetric scale per output channel and our kernel, kernels/int8_gemm.cu (a
-  bandwidth-bound GEMV up to 8 rows, a tensor-core GEMM above; torch's `_weight_int8pack_mm`
-  reads the weights uncoalesced, one thread per output). It is checked against
-  kernels/reference.py once per device and dtype when the first layer is built
-  (`gpu_int8_self_check`); a kernel that cannot compile or disagrees stops the engine with the
-  reason: there is no silent fallback.
-- `Fp8Linear` (--quantization fp8): W8A8 in float8 e4m3 through `torch._scaled_mm`, one scale per
-  output channel for the weights and one per token for the activations, computed each call. Its
-  home is Hopper (sm_89+); torch also runs it on a CPU, slowly, which the tests use.
-
-Both keep the float bias, and return the input's dtype.
+- `Int8Linear` (--quantization int8), weight-only. On a CPU: a scale and an offset per 32 weights
+  (GGUF's Q8_0 / Q4_0 / Q4_1 exactly) and kernels/cpu_int8.cpp; torch's `_weight_int8pack_mm` ran
+  3-8x slower than packed float32 here, and fbgemm's dynamic int8 kept 54% of SmolLM2's top-1.
+  On a GPU: a scale per output channel and kernels/int8_gemm.cu, checked against
+  kernels/reference.py when the first layer is built (no silent fallback).
+- `Fp8Linear` (--quantization fp8): W8A8 float8 e4m3 through `torch._scaled_mm` (Hopper, sm_89+).
 """
 
 from __future__ import annotations

@@ -1,25 +1,11 @@
 """Per-request sampling over a batch of logits: greedy, temperature, top-k, top-p, min-p, seeds.
 
-Order of filters (as HF applies them): temperature, then top-k, then top-p over what top-k kept,
-then min-p. A draw is argmax(probs / E) with E ~ Exponential(1) noise, which samples from probs.
-Unseeded rows draw E from the engine's generator (one batched exponential_). A seeded row's E is
-a counter-based hash, computed for all seeded rows at once in a few integer tensor ops:
-
-    key = seed_for(seed, output index)                 (64 bits, on the host, one int per row)
-    h[j] = mix32(mix32(j ^ key_lo) ^ key_hi)            (j: vocabulary index; exact int64 ops)
-    E[j] = -log1p(-(h[j] + 0.5) / 2**32)                (float64, then float32)
-
-So a seeded token depends only on (seed, output index, logits): not on its batch-mates or its row,
-not on preemptions (recompute reaches the same output index), not on the engine's generator, and
-not on the device (the integer part is exact on CPU and CUDA alike; the float64 log1p is rounded
-to float32, where the devices' last-ulp differences essentially never survive).
-Presence and frequency penalties (OpenAI's) come first, on the logits of the rows that set them,
-from the counts of the tokens each request has generated so far:
-
-    logit[t] -= frequency_penalty * count[t] + presence_penalty * (count[t] > 0)
-
-and with them OpenAI's logit_bias: logit[t] += bias[t] for the tokens a row lists.
-Logprobs (the chosen token's, and the top-k) are taken from the unmodified distribution.
+Presence and frequency penalties (OpenAI's) and logit_bias come first, on the rows that set
+them; then temperature, top-k, top-p over what top-k kept, and min-p (HF's order). A draw is
+argmax(probs / E) with E ~ Exponential(1) noise: from the engine's generator for unseeded rows,
+from a counter-based hash of (seed, output index) for seeded ones (`seeded_exponential`), so a
+seeded token depends only on the seed, its output index and the logits, not on its batch-mates,
+preemptions or the device. Logprobs come from the unmodified distribution.
 """
 
 from __future__ import annotations
@@ -63,7 +49,13 @@ def seeded_exponential(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Exponential(1) noise [len(keys), vocab_size] float32, a pure function of each row's key
     (int64 [n], values in [0, 2**63), e.g. from seed_for) and the column index: the same key gives
     the same row on any device, in any batch. Within a row the 32-bit hashes are distinct (the
-    mixer is a bijection for a fixed key)."""
+    mixer is a bijection for a fixed key):
+
+        h[j] = mix32(mix32(j ^ key_lo) ^ key_hi)            (j: vocabulary index; exact int64 ops)
+        E[j] = -log1p(-(h[j] + 0.5) / 2**32)                (float64, then float32)
+
+    The integer part is exact on CPU and CUDA alike; the float64 log1p is rounded to float32,
+    where the devices' last-ulp differences essentially never survive."""
     lo = (keys & _MASK32)[:, None]
     hi = (keys >> 32)[:, None]
     x = torch.arange(vocab_size, dtype=torch.int64, device=keys.device)[None, :] ^ lo

@@ -3,23 +3,12 @@ step loop that drives the engine over one bidirectional Step stream with that en
 The SchedulerService holds one link per engine (`service.links`) and hears from each through
 LinkEvents (engine up, result applied, engine lost, health changed).
 
-If the engine stream breaks, every running request is preempted (to be recomputed) and the loop
-reconnects; requests keep waiting, their streams open, nothing already sent is resent (results of
-steps in flight are lost with the engine; their tokens are recomputed).
-
-The engine's heartbeat: the scheduler probes the engine's health every HEARTBEAT_S on the same
-channel (a step result counts as a reply too). After MAX_MISSED_HEARTBEATS silent probes in a row
-(a frozen or hung engine) the scheduler reports NOT_SERVING, and the gateway's readiness with it;
-the next reply turns it back. The Step stream is left alone meanwhile: an engine that resumes
-carries on where it stopped (one silent for longer than the channel's keepalive allows, 10-15 s,
-loses the stream and is reset as above). An engine that dies ends the stream at once, which an
-idle loop notices too (it waits on the stream's end beside its wakeup): the engine is reset then,
-not when the next plan is written to a dead stream.
-
-With overlap_scheduling (the default) two steps are in flight: the loop plans and sends step N+1,
-then reads step N's result, so the engine finds N+1 waiting when it finishes N. Without it, one:
-plan, send, read, repeat. An engine of P > 1 pipeline stages gets up to max(that, P) steps in
-flight, one per stage; the Scheduler keeps them disjoint (pipeline slots, scheduler/pipeline.py).
+A broken stream preempts every running request (recomputed later) and reconnects; nothing sent
+is resent. A heartbeat every HEARTBEAT_S on the same channel turns health NOT_SERVING after
+MAX_MISSED_HEARTBEATS silent probes, without touching the stream. Steps in flight: two with
+overlap scheduling, else one; with P pipeline stages at least P (kept disjoint by
+scheduler/pipeline.py).
+See docs/architecture.md#when-a-process-fails and #overlap-scheduling.
 """
 
 from __future__ import annotations
