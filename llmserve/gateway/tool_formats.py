@@ -2,20 +2,10 @@
 `tool_choice` "required" or a named function produce only calls, and the reading of calls back
 out of the text (whole, or streamed).
 
-    format       the template has      a call in the text
-    hermes       <tool_call>           <tool_call>{"name": .., "arguments": {..}}</tool_call>,
-                                       newlines inside the tags (Qwen, Hermes; and our fallback
-                                       prompt for templates without tools: tool_prompt.py)
-    llama3_json  <|python_tag|>, or    the whole answer is {"name": .., "parameters": {..}}
-                 a Llama 3 header and  (an optional <|python_tag|> first; several calls joined
-                 "parameters"          by "; ")
-    mistral      [TOOL_CALLS]          [TOOL_CALLS][{"name": .., "arguments": {..}}, ..]
-                                       ([TOOL_CALLS] is one special token)
-
-Streaming, nothing of a call goes out before it is whole: Hermes calls go out as each closing
-tag arrives (tool_prompt.CallStream); a Llama 3 answer that opens like a call, or a Mistral
-answer from its [TOOL_CALLS] on, is held back to the end and read whole there (text, if it is
-not a call after all), so streamed calls equal the ones read from the whole answer.
+Three formats: hermes (`<tool_call>...</tool_call>`, also the fallback prompt of
+gateway/tool_prompt.py for templates without tools), llama3_json and mistral (`[TOOL_CALLS]`).
+Streamed, nothing of a call goes out before it is whole, so streamed calls equal the ones read
+from the whole answer (tool_prompt.CallStream). The formats: docs/api.md#tool-calling.
 """
 
 from __future__ import annotations

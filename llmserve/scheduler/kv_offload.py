@@ -4,19 +4,12 @@
           ^                                          |                          |
           +------------- prefix hit: copied back ----+--------------------------+
 
-A block the prefix cache evicts from the device pool (a free block reused for something else) is
-copied down to the host tier instead of being dropped; a block the host tier evicts goes to the
-disk tier; the disk tier drops its least recently used. Each tier is an index from a block's
-chained content hash (common/block_hash.py) to the slot holding it, in least-recently-used order,
-with the block's key (hash, parent hash, tokens) to confirm a hit as the device's prefix cache
-does. The tiers are inclusive: a block brought back to the device stays indexed below, so
-evicting it again costs no copy.
-
-Nothing moves here: each decision appends a copy to `pending`, and the next plan carries them to
-the engine (engine.proto's BlockCopies), in the order `take_copies` gives. Within one plan a slot
-is read or written at most once (`_locked`): an eviction never picks a slot this plan already
-reads or writes, so the engine may run the batches without ordering them further than
-host->disk, device->host, host->device, disk->device.
+Each tier is an index from a block's chained content hash (common/block_hash.py) to its slot,
+least recently used first, inclusive of the tiers above. Nothing moves here: each decision
+appends a copy to `pending`, which the next plan carries to the engine (BlockCopies, in
+`take_copies`' order); an eviction never picks a slot the plan already touches (`_locked`), so
+that order suffices. The engine's side is engine/kv/offload.py; the rules:
+docs/architecture.md#kv-tiers-copies-in-the-plan.
 """
 
 from __future__ import annotations

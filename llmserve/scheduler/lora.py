@@ -1,23 +1,12 @@
 """Which LoRA adapters run in each step, and in which of the engine's device slots they sit.
 
-The engine has max_loras slots (EngineInfo.max_loras); a step may hold requests of at most that
-many distinct adapters (the base model is free). The scheduler mirrors the slot table: which
-adapter each slot holds, and it alone changes it, by listing loads in the plan (the engine
-places them before the step's rows run, so an adapter not resident is loaded before its
-requests run, in the same step; the others step meanwhile).
-
-Choosing the step's adapters (`begin_step`): when the running requests want more distinct
-adapters than there are slots, the adapters served least recently go first (ties: one already
-resident, then the one whose request has waited longest), so each adapter's requests run at
-least once every ceil(adapters / max_loras) steps: none starves. Waiting requests join with
-what room is left. A slot is given to a new adapter from those no request of this step uses:
-an empty one first, else the one whose adapter was served least recently.
-
-Versions: a request runs on the adapter *version* it was admitted under, whatever is loaded under
-its name later. Each name's current version has a key (the name itself for the first, `name@2`,
-`name@3`, ... after each replacement): slots, loads, the engine's host cache and the prefix cache
-(common/block_hash.py) are keyed by it, so a replacement never changes a running request's
-weights nor serves KV computed under the old weights to a new request.
+The engine has max_loras slots (EngineInfo.max_loras); a step holds requests of at most that
+many distinct adapters (the base model is free). The scheduler mirrors the slot table and alone
+changes it, by listing loads in the plan. `begin_step` picks the step's adapters, least recently
+served first, so none starves; a new adapter takes an empty slot, else the least recently
+served one no request of this step uses. A request runs on the adapter version it was admitted
+under: slots, loads and the prefix cache are keyed by the version (`name`, `name@2`, ...).
+See docs/lora.md#how-a-step-runs and #replacing-an-adapter.
 """
 
 from __future__ import annotations

@@ -4,17 +4,10 @@
     host tier  [num_host_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
     disk tier  the host tier's layout, in a file under --kv-offload-dir (memory-mapped)
 
-A lower tier holds each block contiguously (one slot = one block's every layer, keys and
-values), so a block moves as one span to and from the disk. Which slot holds what, and when
-blocks move, is the scheduler's (scheduler/kv_offload.py); the engine runs the copies a plan
-lists, in its order, before the plan's forward:
-
-- on a CPU, plain copies, in order, at once;
-- on a GPU, on a copy stream of their own, the host tier in pinned memory. The copy stream first
-  waits for the work already queued (the pool's last writes). Copies out of the pool are done
-  before the step's forward starts (it may reuse those blocks); copies into the pool fill blocks
-  no row of this step reads, so they overlap its forward, and the next plan's forward waits for
-  them. A copy the host reads or writes itself (host <-> disk) waits for the stream first.
+A lower tier holds a block contiguously, so it moves as one span to and from the disk. The
+scheduler decides (scheduler/kv_offload.py); the engine runs a plan's copies in order before its
+forward: on a CPU at once, on a GPU on a copy stream with the host tier pinned, copies into the
+pool overlapping the forward (docs/architecture.md#kv-tiers-copies-in-the-plan).
 """
 
 from __future__ import annotations

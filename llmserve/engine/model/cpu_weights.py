@@ -1,20 +1,14 @@
 """--quantization auto's CPU weight path for a model on GGUF blocks: which form of its decoder
 layers' weights a step multiplies.
 
-    rows < dense_rows   the GGUF blocks (kernels/cpu_gguf.cpp's dot products): a decode step of
-                        few rows is memory-bound, and a Q4_1 weight reads 0.625 bytes where
-                        float32 reads 4
-    rows >= dense_rows  a dense copy prepacked for oneDNN's blocked GEMM (mkldnn::_linear_pointwise)
-                        in the dtype measured fastest here (float32; bfloat16 is tried only where
-                        kernels/cpu_features.py finds AVX-512 BF16 or AMX usable): many decode rows
-                        and prefill chunks are compute-bound
+    rows < dense_rows   the GGUF blocks (kernels/cpu_gguf.cpp): memory-bound, and a Q4_1
+                        weight reads 0.625 bytes where float32 reads 4
+    rows >= dense_rows  a dense copy prepacked for oneDNN's GEMM: compute-bound
 
-The copy is made only when it fits --cpu-dense-weights-mib; dense_rows is measured at start on one
-layer's largest weight (the fewest rows from which the GEMM beats the dot products), unless
---cpu-dense-rows fixes it. The LM head gets a copy too where what is left of the budget holds it
-(SmolLM2's tied head: 108 MiB in float32), with its own crossover (its blocks are Q8_0).
-`WeightPath` is the choice and its reason (the engine's start line and /metrics), and counts the
-steps each form ran.
+The copy is made only within --cpu-dense-weights-mib; dense_rows is measured at start (or fixed
+by --cpu-dense-rows), the LM head with its own crossover. `WeightPath` is the choice and its
+reason, and counts the steps each form ran. See
+docs/quantization.md#the-dense-copy---quantization-auto-issue-42.
 """
 
 from __future__ import annotations

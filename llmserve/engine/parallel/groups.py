@@ -1,20 +1,15 @@
 """Tensor and pipeline parallelism on torch.distributed (NCCL between GPUs, gloo on CPUs).
 
-An engine group is T x P ranks, one process each. Tensor parallelism splits every layer across
-the T ranks of a stage (attention heads, MLP columns, the vocabulary; two all-reduces per layer);
-pipeline parallelism splits the layers into P stages that hand activations on. Ranks are
-numbered so that rank 0, the driver, is in the last stage: it holds the LM head's first shard,
-samples, and is the only rank that talks gRPC to the scheduler.
+An engine group is T x P ranks, one process each: T ranks split every layer of a stage, P
+stages split the layers. Rank 0, the driver, is in the last stage: it samples, broadcasts the
+tokens, and is the only rank that talks gRPC to the scheduler.
 
     rank:   0 .. T-1        T .. 2T-1      ...   (P-1)T .. PT-1
     stage:  P-1 (last)      P-2                  0 (embeddings, first layers)
 
-Every rank executes every plan (the same mirror, the same batch); the driver forwards each plan
-as it arrives on a gloo control group, so the first stage starts step N+1 while the last one
-still runs step N. Sampling happens once, on the driver, and its tokens are broadcast to all
-ranks (every mirror appends them). Loss of any rank ends the whole group: a rank whose
-collective fails exits, and so does the process that started it, so the group restarts as one
-and the scheduler recomputes its requests.
+The driver forwards each plan to every rank on a gloo control group as it arrives; any rank's
+loss ends the whole group, which restarts as one (engine/parallel/ranks.py starts the ranks).
+See docs/parallelism.md#tensor-and-pipeline-parallelism.
 """
 
 from __future__ import annotations

@@ -1,23 +1,12 @@
 """Prefill / decode disaggregation in planning (`scheduler.handoffs`; docs/disaggregation.md).
-One scheduler service holds a Scheduler per engine: the prefill engine's (role "prefill") and
-the decode engine's (role "decode"). A request runs its prompt on the prefill side; the step
-that samples its first token hands it off; the decode side takes it, its first token already in
-its tokens:
-
-    prefill:  |<- prompt, in chunks ->| first token sampled, streamed -> handoff: blocks freed
-                                                                        (cached here), a send
-                                                                        in the next plan
-    decode:   fresh blocks pinned for the prompt's full blocks its own prefix cache lacks, a
-              receive in the next plan; once the engine reports it, they are cached under the
-              prompt's keys and the request is admitted as a prefix hit: its first step
-              computes the prompt's partial last block and the first token, and samples the
-              second
-
-Only full blocks move: the partial last block (fewer than block_size tokens) is recomputed by
-the first decode step, as after any prefix hit, so every block that moves is a cached block
-under its key. A transfer that fails (deadline, an engine lost) drops its pins and the request
-is admitted as a miss: the decode engine recomputes its prompt. Either way its first token is
-in its tokens, never sampled (nor streamed) again. Bookkeeping: scheduler/disagg/transfers.py.
+One scheduler service holds a Scheduler per engine, each of role "prefill" or "decode". A
+request runs its prompt on the prefill side; the step that samples its first token hands it off
+(its blocks freed and cached there, a send in the next plan); the decode side pins fresh blocks
+for the prompt's full blocks its own prefix cache lacks, puts a receive in its next plan, and
+once the engine reports the arrival admits the request as a prefix hit. Only full blocks move;
+a failed transfer admits the request as a miss (recompute). The first token is never sampled or
+streamed again. Bookkeeping: scheduler/disagg/transfers.py; the steps:
+docs/disaggregation.md#how-a-request-runs.
 """
 
 from __future__ import annotations

@@ -1,23 +1,10 @@
 """The scheduler service's engines under prefill / decode disaggregation (docs/disaggregation.md):
 N prefill engines and M decode engines, each driven by its own EngineLink with its own Scheduler
 over that engine's pool, all on the service's one asyncio loop. `Roles` holds the links by role
-and makes the decisions that span engines, each between two awaits, with no agreement to reach
-between owners:
-
-- a new request's prompt goes to the prefill engine with the fewest prompt tokens queued;
-- a request whose first token came leaves its prefill engine for a decode engine: the one
-  whose prefix cache holds most of its prompt, unless that one is busier than the least busy
-  by more than AFFINITY_SLACK requests (then the least busy); only the blocks that decode pool
-  lacks move;
-- a prefill engine lost: the transfers it was sending are given up (their requests recompute
-  on their decode engines) and its queued requests move to another prefill engine, else to a
-  decode engine, which runs them whole;
-- a decode engine lost: its requests move to another decode engine, which recomputes them; if
-  none is up, a prefill engine runs requests whole (prompt and decode: role "both") until one
-  is back. Sends queued for the lost engine are dropped.
-
-Nothing already streamed is streamed again: a request leaves an engine with every token it
-streamed in its tokens (the Submit stream is the service's, whichever engine runs it).
+and makes the decisions that span engines (each between two awaits, so no locking): which
+prefill engine takes a prompt, which decode engine takes a handoff (prefix affinity within
+AFFINITY_SLACK of the least busy), and where a lost engine's requests go. Nothing already
+streamed is streamed again. The rules: docs/disaggregation.md#how-a-request-runs and #failures.
 """
 
 from __future__ import annotations

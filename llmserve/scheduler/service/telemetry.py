@@ -1,21 +1,12 @@
 """What the scheduler tells OpenTelemetry: a span tree per request, a span per step, and metrics.
 
-A request's spans (children of the gateway's span when its trace context came in the metadata):
-
-    scheduler.request                      arrival -> finish (reason, tokens, steps, batch sizes)
-      scheduler.queue                      arrival -> first scheduled
-      scheduler.prefill                    per prefill chunk: its turn -> result (step id, tokens)
-      scheduler.decode                     first decode step's turn -> finish or preemption
-      scheduler.preempted                  preemption -> rescheduled (then prefill again: recompute)
-
-Each step is a root span `scheduler.step` (planned -> result) linked to the requests it served; the
-engine's `engine.step` span is its child (the context travels in the StepPlan). With overlap two
-steps are in flight, so step spans overlap; a request's phases do not: its spans for a step are
-made when the step's result arrives (results come in step order), starting at the step's turn,
-max(planned, previous step's result), and a preemption decided while planning step M ends the
-request's phase only once every step before M has reported (the engine ran them first).
-Timing spans are only made when tracing is on; the metrics below are always kept (a few dict and
-histogram updates per step).
+A request's spans (scheduler.request with its queue, prefill, decode and preempted phases) are
+children of the gateway's span when its trace context came in the metadata; each step is a root
+span `scheduler.step`, linked to the requests it served, whose child is the engine's
+`engine.step` (the context travels in the StepPlan). Phase spans are made when a step's result
+arrives, so they do not overlap even with two steps in flight. Timing spans are made only when
+tracing is on; the metrics are always kept (a few dict and histogram updates per step).
+The tree and its timing rules: docs/observability.md#traces.
 """
 
 from __future__ import annotations
