@@ -1,20 +1,9 @@
-"""From per-request timings to the reported statistics. Pure functions; the definitions are
-vLLM's (`vllm bench serve`), so numbers compare across tools:
-
-TTFT   time to first token: from sending the request to the first streamed chunk carrying tokens.
-TPOT   time per output token, per request: (E2E - TTFT) / (output tokens - 1), for requests with
-       more than one output token. The first token is excluded: it is TTFT's.
-ITL    inter-token latency: every gap between consecutive token-carrying chunks of a request,
-       pooled over requests. A chunk holding several tokens is one gap (the server sends what
-       piled up at once), so ITL is per chunk, TPOT per token.
-E2E    end-to-end latency: from sending the request to the end of its stream.
-duration  from the benchmark's start (the first request's due time) to the last request's end.
-throughput  completed requests, their prompt tokens and their output tokens, each over duration.
-goodput   completed requests meeting every target given (TTFT, TPOT, E2E, in ms) over duration;
-          a request with one output token has TPOT 0 here, as in vLLM.
-
-Failed requests are counted by status and left out of every latency and throughput figure.
-Percentiles interpolate linearly between order statistics (numpy's default).
+"""From per-request timings to the reported statistics (TTFT, TPOT, ITL, E2E, throughput,
+goodput). Pure functions; the definitions are vLLM's (`vllm bench serve`), so numbers compare
+across tools: docs/benchmarks.md#metrics. ITL is per chunk (a chunk holding several tokens is
+one gap), TPOT per token. Failed requests are counted by status and left out of every latency
+and throughput figure. Percentiles interpolate linearly between order statistics (numpy's
+default).
 """
 
 from __future__ import annotations

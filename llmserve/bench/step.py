@@ -2,19 +2,12 @@
 more arms side by side (the arm specs: llmserve/bench/step_arms.py).
 
     llmserve bench step --arms mode:gguf mode:auto --batches 1,16,64 [--steps 15]
-    llmserve bench step --arms family:llama family:qwen3 family:deepseek_v3 --threads 1
-    llmserve bench step --arms lora:base lora:qvx4 lora:allx16 --batches 16
-    llmserve bench step --arms tp:widex1 tp:widex2 tp:widex3
     llmserve bench step --arms mode:gguf --profile          # where the step's time goes
     llmserve bench step --table RESULT.json                 # a saved run as a markdown table
 
-At each batch size every arm prefills the same prompts (--prompt-len tokens each), warms up with 3
-decode steps, then the arms take --steps decode steps in turn, the order reversed every other
-round (A B B A ...), so a machine whose load drifts slows them alike; an arm's figure is its
-median, and each is given as a ratio to the first arm's. Tensor-parallel arms (their ranks are
-processes) run alone after the others, with the driver's time inside all-reduces. Request 0's
-first tokens are kept, so an arm that computes something else shows. --profile adds, per arm
-and batch, a run of --steps steps under torch.profiler: each operator's self CPU time per step.
+The arms take decode steps in turn, the order reversed every other round (A B B A ...), so load
+drift slows them alike; each figure is a median, given as a ratio to the first arm's. Tensor-
+parallel arms run alone after the others. See docs/benchmarks.md#one-step-timer.
 """
 
 from __future__ import annotations

@@ -2,19 +2,10 @@
 
 A prompt's length is what the gateway will count: raw text through `Tokenizer.encode` (BOS
 included when the model adds one), chat messages through the model's chat template (with --chat,
-lengths count the whole rendered prompt; one shorter than the template itself is raised to the
-template's length + 1). A request's
-output length is its max_tokens; the runner sends ignore_eos so the server produces exactly that
-many tokens. Datasets:
-
-fixed     every prompt input_len tokens, every output output_len tokens
-random    lengths uniform in [len * (1 - range_ratio), len * (1 + range_ratio)] (vLLM's `random`)
-sharegpt  lengths from log-normal fits to the published ShareGPT statistics (SHAREGPT_* below),
-          since the data set itself cannot be downloaded here; random words as text
-prefix    num_prefixes shared prefixes of prefix_len tokens; request i uses prefix i mod
-          num_prefixes, then input_len tokens of its own (a prefix-cache workload)
-jsonl     the user's prompts, one JSON object a line: {"prompt": text} or {"messages": [{"role":
-          ..., "content": ...}, ...]}, with an optional "max_tokens" (or "output_tokens")
+the whole rendered prompt; one shorter than the template is raised to its length + 1). A
+request's output length is its max_tokens; the runner sends ignore_eos so the server produces
+exactly that many. Datasets fixed, random, sharegpt (log-normal fits to published statistics:
+SHAREGPT_* below), prefix and jsonl: docs/benchmarks.md#workloads.
 """
 
 from __future__ import annotations

@@ -1,19 +1,12 @@
-"""The attention kernels' wrappers: store_kv (decode_attention.cu's and prefill_attention.cu's
-pool writer, store_kv.cu), paged decode attention (split-K) and paged varlen prefill attention.
+"""The attention kernels' wrappers: store_kv (the pool writer, store_kv.cu), paged decode
+attention (split-K) and paged varlen prefill attention.
 
-Each public function mirrors one in kernels/reference.py (the ground truth and the CPU path), but
-takes its per-step metadata as device tensors: `seq_lens` and `cu_seqlens_q` int32,
-`block_tables` int32, `slot_mapping` int32 or int64. Every function checks shapes, strides,
-dtypes and devices before launching and raises ValueError naming the argument, its value and the
-limit.
-
-KV pool layout (the one of kernels/reference.py): one layer's k_cache / v_cache are contiguous
-`[num_blocks, block_size, num_kv_heads, head_dim]`; slot s is row s % block_size of block
-s // block_size. The pool's dtype is q's (fp16 / bf16) or torch.float8_e4m3fn: an FP8 pool holds
-K / k_scale and V / v_scale (per-layer floats, vLLM's k_scale / v_scale; see reference.py), which
-store_kv quantizes (round to nearest even, saturating to +-448) and the attention kernels convert
-back to q's dtype on load, applying the scales in fp32. Each cache dtype is its own compiled
-template instance, so the fp16 / bf16 pool's kernels do exactly what they did before FP8.
+Each public function mirrors one in kernels/reference.py (the ground truth and the CPU path;
+the pool layout is the one it describes), but takes its per-step metadata as device tensors:
+`seq_lens`, `cu_seqlens_q` and `block_tables` int32, `slot_mapping` int32 or int64. Every function
+checks shapes, strides, dtypes and devices before launching and raises ValueError naming the
+argument, its value and the limit. An FP8 pool (k_scale / v_scale) is its own compiled template
+instance: kernels/README.md#fp8-kv-pool-format-and-scales.
 """
 
 from __future__ import annotations

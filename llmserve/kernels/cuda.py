@@ -1,19 +1,12 @@
 """The CUDA kernels of kernels/*.cu, one import away: `import llmserve.kernels.cuda as kc;
 kc.paged_attention(...)`. This module re-exports the wrappers, which live by concern:
+kernels/launch.py (NVRTC compilation through CuPy, caching, launching, the shared argument
+checks), attention.py (store_kv, paged decode and prefill attention), layer_ops.py (rms_norm,
+rotary_embedding, silu_and_mul), int8.py, moe.py and lora.py.
 
-- kernels/launch.py: NVRTC compilation through CuPy, caching, launching on torch's current
-  stream, and the argument checks every wrapper shares;
-- kernels/attention.py: store_kv, paged decode (split-K, `decode_num_splits`) and paged prefill
-  attention;
-- kernels/layer_ops.py: rms_norm, rotary_embedding, silu_and_mul;
-- kernels/int8.py: the weight-only int8 linear (GEMV and tensor-core GEMM);
-- kernels/moe.py: the routed experts of a mixture-of-experts layer;
-- kernels/lora.py: batched LoRA, each row's adapter update (shrink, then expand).
-
-Each public function mirrors one in kernels/reference.py (the ground truth and the CPU path),
-checks shapes, strides, dtypes and devices before launching, and raises ValueError naming the
-argument, its value and the limit. Importing this module needs neither CuPy nor a GPU;
-`is_available()` says whether the kernels can run.
+Each public function mirrors one in kernels/reference.py and checks its arguments before
+launching (ValueError naming the argument, its value and the limit). Importing this module needs
+neither CuPy nor a GPU; `is_available()` says whether the kernels can run.
 """
 
 from __future__ import annotations

@@ -1,20 +1,8 @@
 """The model families we serve, keyed by what a checkpoint says it is: an HF config.json's
 `architectures` (or, without them, its `model_type`) and a GGUF's `general.architecture`.
-
-A family is one record here, defined in its own module beside this one (common/families/<name>.py)
-and listed in common/families/__init__.py:
-
-- `read_hf(cfg)`: the family's own ModelConfig fields from config.json, on top of those every
-  decoder has (common/model_config.py reads those); `read_gguf(fields, arch)` likewise from a
-  GGUF's metadata (None: the family has no GGUF form we read; `fields` also holds
-  "tensor_names" and "gguf_file", the common.gguf_file.GGUFFile), with `gguf_layer_names` for
-  its tensor names that differ from Llama's.
-- `model`: "module:Class" of its model definition in engine/model/families/, imported only by the
-  engine (this side never loads torch, so the scheduler, gateway and CLI can read a model's shape).
-  That class declares the family's layers from engine/model/layers.py (see
-  engine/model/families/README.md).
-- `refuses`: engine features the family cannot use, each with the reason; the engine refuses them
-  by name at start.
+A family is one `Family` record, defined in its own module beside this one
+(common/families/<name>.py) and listed in common/families/__init__.py; its model class lives
+in engine/model/families/, imported only by the engine.
 """
 
 from __future__ import annotations
@@ -38,6 +26,19 @@ GGUFReader = Callable[[Mapping[str, Any], str], dict[str, Any]]
 
 @dataclass(frozen=True)
 class Family:
+    """One served family, defined in its own module (common/families/<name>.py).
+
+    - `read_hf(cfg)`: the family's own ModelConfig fields from config.json, on top of those every
+      decoder has (common/model_config.py reads those); `read_gguf(fields, arch)` likewise from a
+      GGUF's metadata (None: the family has no GGUF form we read; `fields` also holds
+      "tensor_names" and "gguf_file", the common.gguf_file.GGUFFile).
+    - `model`: "module:Class" of its model definition in engine/model/families/, imported only
+      by the engine, so the scheduler, gateway and CLI can read a model's shape without torch.
+      That class declares the family's layers (engine/model/families/README.md).
+    - `refuses`: engine features the family cannot use, each with the reason; the engine
+      refuses them by name at start.
+    """
+
     name: str
     hf_architectures: tuple[str, ...]
     hf_model_types: tuple[str, ...]
