@@ -1,19 +1,13 @@
 """The prefix cache's block hash rule, shared by the scheduler (which caches blocks by it) and the
 gateway (which routes a prompt to the replica that already holds its first blocks).
 
-A full block's hash chains its parent's: hash(parent hash, its tokens), the first block's parent
-being 0, so a hash names a block's whole prefix, not only its own tokens:
-
     tokens:  |<- block 0 ->|<- block 1 ->|<- block 2 ->|<- partial: no hash ->|
     hashes:   h0 = H(0, b0)  h1 = H(h0, b1)  h2 = H(h1, b2)
 
-Python's hash of a tuple of ints is the same in every process (no hash randomization for ints),
-so the gateway and the scheduler agree without sharing state.
-
-A request under a LoRA adapter computes other K/V for the same tokens, so its chain starts from
-the adapter's root (`lora_hash_root`, a digest of the key of the adapter version it runs on:
-scheduler/lora.py; the same in every process) instead of 0: a block computed under one adapter,
-or under another version of it, is never a hit for another adapter or for the base.
+A hash names a block's whole prefix. Python's hash of a tuple of ints is the same in every
+process, so the gateway and the scheduler agree without sharing state. Under a LoRA adapter the
+chain starts from the adapter version's root (`lora_hash_root`) instead of 0, so a block is never
+a hit for another adapter, another version of it, or the base.
 """
 
 from __future__ import annotations

@@ -1,19 +1,11 @@
 """Structured output (protos/common.proto's StructuredOutput): its limits, its grammar in
 llguidance's terms, and whether the library compiles it. Torch-free: the gateway checks a
-request here before it is admitted (off the event loop, on the validation thread); the engine
-builds its matchers from the same grammar text (engine/features/grammar.py).
+request here before it is admitted (on the validation thread); the engine builds its matchers
+from the same grammar text (engine/features/grammar.py).
 
-Limits, each refused with INVALID_ARGUMENT / HTTP 400 naming the field and the limit:
-
-    text of a schema, regex or grammar   <= MAX_CONSTRAINT_BYTES (UTF-8)
-    a JSON schema's nesting              <= MAX_SCHEMA_DEPTH objects and arrays deep
-    a JSON schema's properties            <= MAX_SCHEMA_PROPERTIES, counted over all "properties"
-    choices                               1 to MAX_CHOICES strings, none empty, in all
-                                          <= MAX_CONSTRAINT_BYTES
-
-A constraint whose language is empty (no text satisfies it: `root ::= root "a"`, the schema
-`{"$ref": "#"}`, a required property no value satisfies) is refused the same way: the library
-tells it when a matcher is built, over a byte-level vocabulary, before any token is allowed.
+Each limit (MAX_CONSTRAINT_BYTES, MAX_SCHEMA_DEPTH, MAX_SCHEMA_PROPERTIES, MAX_CHOICES) and a
+constraint whose language is empty (`root ::= root "a"`, the schema `{"$ref": "#"}`) is refused
+with INVALID_ARGUMENT / HTTP 400 naming the field and the limit: docs/api.md#structured-output.
 """
 
 from __future__ import annotations

@@ -1,19 +1,12 @@
-"""OpenTelemetry for every service: traces and metrics, configured by the standard OTEL_* variables.
+"""OpenTelemetry for every service: traces and metrics, configured by the standard OTEL_* variables
+(docs/observability.md).
 
-- Traces are exported only when asked for: OTEL_TRACES_EXPORTER=otlp|console, or an OTLP endpoint
-  (OTEL_EXPORTER_OTLP_ENDPOINT / OTEL_EXPORTER_OTLP_TRACES_ENDPOINT) is set. Otherwise the tracer
-  is the API's no-op one and `tracing_enabled()` is False, so hot paths skip span bookkeeping.
-  The sampler comes from OTEL_TRACES_SAMPLER / OTEL_TRACES_SAMPLER_ARG (default: parent-based
-  always-on), the service name from OTEL_SERVICE_NAME (default llmserve-<service>).
-- Metrics always go to an in-process Prometheus registry served at http://<host>:<port>/metrics
-  when a metrics port is given, and over OTLP when OTEL_METRICS_EXPORTER=otlp or an OTLP endpoint
-  is set (OTEL_EXPORTER_OTLP_METRICS_ENDPOINT too; interval OTEL_METRIC_EXPORT_INTERVAL).
-- OTEL_SDK_DISABLED=true turns all of it off.
-
-The W3C trace context crosses process boundaries in gRPC metadata (`traceparent`, `tracestate`),
-and scheduler -> engine in each StepPlan's trace_context map.
-
-Without the opentelemetry packages (the engine on a bare GPU machine) everything here is a no-op.
+Traces are exported only when asked for (OTEL_TRACES_EXPORTER, or an OTLP endpoint); otherwise
+the tracer is the API's no-op one and `tracing_enabled()` is False, so hot paths skip span
+bookkeeping. Metrics always go to an in-process Prometheus registry (served at /metrics when a
+metrics port is given), and over OTLP when OTEL_METRICS_EXPORTER=otlp or an endpoint is set.
+The W3C trace context crosses processes in gRPC metadata, and scheduler -> engine in each
+StepPlan. Without the opentelemetry packages (a bare GPU machine) everything here is a no-op.
 """
 
 from __future__ import annotations

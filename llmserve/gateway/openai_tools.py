@@ -1,19 +1,9 @@
-"""Tool calling in the OpenAI chat API: `tools`, `tool_choice` and `parallel_tool_calls`
-checked and turned into what the request carries (the tools for the template, and for
-`required` or a named function a grammar that admits only calls, in the model's format:
-gateway/tool_formats.py, e.g. Hermes `<tool_call>` tags around a JSON object, with arguments
-that validate against the function's parameters); the answer read back into
-`message.tool_calls` (the format parses the text).
-
-    tool_choice    the prompt lists    the output is              read back
-    none           no tools            free text                  never
-    auto (default) the tools           free text                  calls found in the text
-    required       the tools           1+ calls (1 if parallel_tool_calls is false), by grammar
-    {function}     the tools           exactly one call of that function, by grammar
-
-parallel_tool_calls false keeps at most one call in every mode (the first). No mode puts call
-markup into `content`: a forced answer's content is empty (what the grammar admits is calls, and
-a call cut by max_tokens is not one), and an auto answer's unparsed markup is dropped.
+"""Tool calling in the OpenAI chat API: `tools`, `tool_choice` and `parallel_tool_calls` checked
+and turned into what the request carries (the tools for the template, and for `required` or a
+named function a grammar that admits only calls, in the model's format: gateway/tool_formats.py),
+and the answer read back into `message.tool_calls`. No mode puts call markup into `content`: a
+forced answer's content is empty, and an auto answer's unparsed markup is dropped. What each
+tool_choice does: docs/api.md#tool-calling.
 """
 
 from __future__ import annotations

@@ -1,19 +1,10 @@
 """The Responses API's answer: one `response` object, or its stream of typed events
-
-    response.created, response.in_progress
-    per output item: response.output_item.added, then
-        a message:        response.content_part.added, response.output_text.delta...,
-                          response.output_text.done, response.content_part.done
-        a function call:  response.function_call_arguments.delta (whole), ...arguments.done
-    response.output_item.done
-    a reasoning item (a thinking model: gateway/reasoning.py) comes first, with
-    response.reasoning_text.delta... and response.reasoning_text.done
-    response.completed (or response.incomplete, cut by max_output_tokens)
-
-each with a sequence_number; an error after the 200 is an `error` event. Calls are read from
-the text as the chat API reads them (gateway/openai_tools.py): a call goes out once whole.
-
-Neighbours: gateway/responses_request.py (the request), gateway/responses_store.py.
+(response.created, per output item its added / delta / done events, response.completed or
+response.incomplete), each with a sequence_number; an error after the 200 is an `error` event.
+A thinking model's reasoning item (gateway/reasoning.py) comes first. Calls are read from the
+text as the chat API reads them (gateway/openai_tools.py): a call goes out once whole. The
+events in order: docs/api.md#responses-api. Neighbours: gateway/responses_request.py (the
+request), gateway/responses_store.py.
 """
 
 from __future__ import annotations

@@ -5,15 +5,10 @@ full, and applies the running rows' deltas. Any disagreement (an unknown id, a c
 that differs, a block table too short for the scheduled tokens) raises MirrorMismatch, which the
 service turns into FAILED_PRECONDITION. No torch here.
 
-Steps are committed in order, each before the next plan is applied, so the checks hold whether
-or not the scheduler planned ahead. A step may be committed before its sampled tokens reach the
-host (`commit_pending`): a sampling row appends PLACEHOLDER, noting the step and batch row that
-sampled it (the next step gathers the token from there on the device), and `resolve` writes the
-real token once it is known. Counts never wait for token values.
-
-Speculative decoding: a sampling row may come with lookahead slots, which the engine fills with
-tokens it proposes (`draft_token_ids`) and verifies in the same forward. Such a step is resolved
-before the next one is applied (`commit_tokens`): a row then appends every token it returns.
+Steps are committed in order, each before the next plan is applied. With overlap a step may be
+committed before its tokens reach the host (`commit_pending`: a PLACEHOLDER noting the step and
+row that sampled it; `resolve` writes the real token). A speculative step, whose rows carry
+proposals, is resolved before the next one is applied (`commit_tokens`).
 """
 
 from __future__ import annotations

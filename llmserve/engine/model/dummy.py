@@ -2,18 +2,11 @@
 directly on the target device in the target dtype, so real model shapes run without a download
 and an 8B model in bf16 is never materialized in float32 on the CPU.
 
-Values come from a counter-based generator written in integer torch ops: element i of the HF
-tensor `name` is a function of (seed, name, i) only, so the same seed gives bit-identical weights
-on the CPU and on a GPU, in any chunking. Each value is the sum of four 16-bit uniforms taken from
-two 32-bit hashes of i (Irwin-Hall, n = 4: near-normal, bounded at +-3.46 sigma), centred and
-scaled in float32 with one correctly rounded multiply and one add, then cast to the dtype.
-
-    linear and embedding weights, biases:  mean 0, std 0.02 (HF's initializer_range default)
-    RMSNorm weights:                       mean 1, std 0.02
-
-Fused parameters (qkv_proj, gate_up_proj) are filled slice by slice under their HF names, so
-`dummy_state_dict` (the same values as HF-named tensors) loads into HF's LlamaForCausalLM as
-exactly the model the engine runs.
+Element i of HF tensor `name` is a function of (seed, name, i) only (`standard_values`), so the
+same seed gives bit-identical weights on the CPU and a GPU. Linear and embedding weights and
+biases: mean 0, std 0.02 (HF's initializer_range); RMSNorm weights: mean 1, std 0.02. Fused
+parameters are filled slice by slice under their HF names, so `dummy_state_dict` loads into
+HF's LlamaForCausalLM as exactly the model the engine runs.
 """
 
 from __future__ import annotations
@@ -63,7 +56,11 @@ def _hash32_(x: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
 def standard_values(
     keys: tuple[int, int], start: int, count: int, device: torch.device
 ) -> torch.Tensor:
-    """float32 values of mean 0 and std 1 for elements [start, start + count) of one tensor."""
+    """float32 values of mean 0 and std 1 for elements [start, start + count) of one tensor.
+
+    Each value is the sum of four 16-bit uniforms taken from two 32-bit hashes of the element's
+    index (Irwin-Hall, n = 4: near-normal, bounded at +-3.46 sigma), centred and scaled in
+    float32, so it depends on (keys, index) only: the same on any device, in any chunking."""
     h1 = torch.arange(start, start + count, dtype=torch.int64, device=device)
     h2 = torch.bitwise_xor(h1, keys[1])
     h1.bitwise_xor_(keys[0])
