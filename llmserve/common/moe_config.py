@@ -1,18 +1,8 @@
 """The mixture-of-experts shape of a model, read from its HF config.json or GGUF metadata
-without torch: how many experts, how many each token uses, how their weights are combined, the
-shared expert, which layers are sparse, and the checkpoint's names for the block's tensors.
-
-    family       router rule                                   shared expert
-    Mixtral      softmax, top-k, always renormalized           none
-    Qwen3-MoE    softmax, top-k, renormalized if norm_topk_prob none
-    Qwen2-MoE    softmax, top-k, renormalized if norm_topk_prob sigmoid-gated, beside the routed
-    GLM-4.5      sigmoid; top-k of (score + correction bias)    ungated (n_shared_experts of
-                 within the topk_group best of n_group groups;  them, one wide MLP); the first
-                 the unbiased scores, renormalized if            first_k_dense_replace layers
-                 norm_topk_prob, times routed_scaling_factor     dense (DeepSeek-V3's router;
-                                                                 DeepSeek-V3 itself the same)
-    gpt-oss      softmax over the top-k logits (router bias):   none; biased experts under the
-                 top-k of the softmax, renormalized             clamped SwiGLU
+without torch: how many experts, how many each token uses, how their weights are combined
+(the router rule: softmax top-k for Mixtral and Qwen, DeepSeek-V3's grouped sigmoid router for
+GLM-4.5 and DeepSeek-V3, gpt-oss's biased router), the shared expert, which layers are sparse,
+and the checkpoint's names for the block's tensors. Each family's rule: docs/moe.md.
 """
 
 from __future__ import annotations

@@ -1,18 +1,11 @@
 """The echo engine's (engine/contract/echo.py) KV pool, when it has a role in prefill / decode
-disaggregation (docs/disaggregation.md): DIGEST_BYTES per block, a digest of the request's tokens
-up to the block's end, written by the step that completes the block. The pool moves between
-engines through engine/kv/disaggregation.py's KVTransfers, exactly as the real engine's does (the
-same cancels, receives, sends and reports), so the scheduler's transfers are exercised whole
-while the echo's outputs stay those of one engine.
-
-The echo reads no KV, so a block moved into the wrong place would go unseen; instead, a request
-added with computed tokens (a prefix hit: on a decode engine, the blocks a transfer moved) has
-each of those blocks checked against its own digest, and a block holding anything else is a
-MirrorMismatch (a transfer written into other blocks, or not written at all).
-
-A modelled link (ModelledLink) holds each send until the KV it stands for would have crossed:
-transfers leave one at a time, a send of n blocks handed off at t no earlier than
-max(t, the previous send's time) + n x block_bytes / bandwidth.
+disaggregation: DIGEST_BYTES per block, a digest of the request's tokens up to the block's end,
+written by the step that completes the block, moved through engine/kv/disaggregation.py's
+KVTransfers exactly as the real engine's pool. A request added with computed tokens (on a decode
+engine, the blocks a transfer moved) has each block checked against its digest, so a transfer
+written into the wrong blocks, or not at all, is a MirrorMismatch. ModelledLink holds each send
+until the KV it stands for would have crossed the link. See
+docs/disaggregation.md#a-model-of-the-gpu-case.
 """
 
 from __future__ import annotations

@@ -1,18 +1,10 @@
-"""The processes of an engine group (engine/parallel/groups.py): `llmserve engine` with
---tensor-parallel-size T x --pipeline-parallel-size P > 1 runs `run_node`, which starts this node's
-other ranks as child processes (`python -m engine.ranks`, handed their settings through stdin, as
-the launcher hands services theirs) and then becomes its node's first rank: on node 0 the driver,
-which loads its shard and serves the Step stream (engine/contract/service.py); on other nodes a rank
-that executes the driver's plans.
-
-    node 0:  llmserve engine ... --nnodes N --node-rank 0     ranks 0 .. k-1 (0 = driver, gRPC)
-    node R:  llmserve engine ... --nnodes N --node-rank R     ranks R*k .. (R+1)*k-1
-
-The group lives and dies as one: a node's first process ends (exit 1) when one of its children
-does, the children end when it does (their stdin closes), and a rank whose collective fails
-(a peer on another node died) exits too. Whoever supervises the processes (`llmserve serve`,
-compose, Kubernetes) starts them again; the ranks meet afresh and the scheduler recomputes the
-requests that were running.
+"""The processes of an engine group (engine/parallel/groups.py): `llmserve engine` with T x P > 1
+ranks runs `run_node`, which starts this node's other ranks as child processes (`python -m
+engine.ranks`, their settings through stdin) and becomes its node's first rank: on node 0 the
+driver, which serves the Step stream (engine/contract/service.py); elsewhere a rank that executes
+the driver's plans. Node R of --nnodes N holds ranks R*k .. (R+1)*k-1. The group lives and dies as
+one (a child's exit ends its node, a failed collective ends a rank), and whoever supervises
+the processes starts them again: docs/parallelism.md#across-machines.
 """
 
 from __future__ import annotations

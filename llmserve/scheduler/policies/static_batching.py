@@ -1,18 +1,11 @@
 """Static batching, the baseline continuous batching is measured against (`--scheduling-policy
-static`): a batch is formed only when nothing runs, from the first waiting requests (at most
-max_num_seqs) whose blocks fit at once with each one padded to the batch's longest output (its
-prompt + the largest max_tokens among them). The batch is admitted, prefills, decodes, and no
-other request is admitted until its last member finishes.
-
-Padding is real work, as in HF transformers' `generate`: a member that finishes is reported
-finished to its client at once, but keeps its slot, its blocks and a row in every step, decoding
-throwaway tokens that are never streamed (the engine cannot tell them from real ones), until the
-last member finishes; then all are freed together. A padding row stops early only at
-max_model_len, or when a block it needs is wanted by a real member (padding never causes a
-preemption).
-
-Static batching refuses pipeline parallelism (an engine of pipeline_parallel_size > 1): it is
-a baseline, and one batch split over pipeline slots would be a different baseline.
+static`): a batch is formed only when nothing runs, from the first waiting requests whose blocks
+fit at once with each padded to the batch's longest output; nothing else is admitted until its
+last member finishes. Padding is real work, as in HF transformers' `generate`: a finished
+member keeps its slot, blocks and row, decoding throwaway tokens, until the batch ends (a padding
+row stops early only at max_model_len, or when a real member needs its block: padding never
+preempts). Pipeline parallelism is refused: one batch over pipeline slots would be another
+baseline. See docs/scheduling.md#static-versus-continuous-batching.
 """
 
 from __future__ import annotations

@@ -1,18 +1,14 @@
 """DeepSeek-V3 / Kimi K2: multi-head latent attention (MLA) over a latent KV pool, and
 DeepSeek-V3's MoE (engine/model/families/moe.SparseLayers, the router GLM-4.5 shares).
 
-MLA with the up-projection absorbed. Per head h, with kv_b_proj's rows split into W_UK[h]
-[nope, rank] and W_UV[h] [v, rank], and the pool's latent of token t being [c_t | k_rot_t]
-(kv_lora_rank + qk_rope_head_dim values, one per token per layer):
+MLA with the up-projection absorbed: per head, W_UK (kv_b_proj's k rows) is folded into the
+query and W_UV applied after, so
 
-    score(t) = q_nope . (W_UK c_t) + q_rot . k_rot_t = [W_UK^T q_nope | q_rot] . [c_t | k_rot_t]
-    out      = sum_t p_t W_UV c_t = W_UV (sum_t p_t c_t)
+    score(t) = [W_UK^T q_nope | q_rot] . [c_t | k_rot_t]      out = W_UV (sum_t p_t c_t)
 
-so attention is multi-query attention of every head's absorbed query over one latent "head",
-its value the latent's first kv_lora_rank entries, and W_UV comes after. The layer hands the
-ops the latent as both key and value (the pool's one view, kv_cache.layer_views) and keeps
-the first kv_lora_rank of each output row. Prefill takes the same absorbed form (exact; it
-spends (rank + rope) / (nope + rope) times the score products of expanding K and V per head).
+is multi-query attention over one latent "head" [c_t | k_rot_t]: the layer hands the ops the
+latent as both key and value and keeps the first kv_lora_rank of each output row. Prefill takes
+the same absorbed form. See docs/models.md#multi-head-latent-attention-deepseek-v3-kimi-k2.
 """
 
 from __future__ import annotations
