@@ -49,7 +49,8 @@ from llmserve.topology import (
 )
 
 SERVICES = ("engine", "scheduler", "gateway")  # start order; stopped front first
-CONFIG_TYPES: tuple[type[Any], ...] = (EngineConfig, SchedulerConfig, GatewayConfig)  # as SERVICES
+# Each service's config type, in SERVICES' order.
+CONFIG_TYPES: tuple[type[Any], ...] = (EngineConfig, SchedulerConfig, GatewayConfig)
 
 
 class StackError(RuntimeError):

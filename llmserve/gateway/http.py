@@ -171,7 +171,7 @@ def _add_model_routes(app: FastAPI, core: GatewayCore) -> None:
         with as_api_errors("model"):
             info = core.model_info()
         limit = info.max_model_len
-        root = core.config.model or info.model  # the built-in model: its id
+        root = core.config.model or info.model  # no --model: the built-in model's id
         base = ModelCard(id=info.model, created=started, max_model_len=limit, root=root)
         aliases = [
             ModelCard(id=name, created=started, max_model_len=limit, root=root)

@@ -210,7 +210,8 @@ class EchoEngine:
                 output.top_token_ids += [(t + j) % vocab for j in range(k)]
                 output.top_logprobs += [float(-j) for j in range(k)]
         output = with_refused_rows(output, batch.refusals)
-        output.compiled_seq_ids = [g.seq_id for g in plan.grammar_compiles]  # masks nothing
+        # The echo engine masks nothing: every grammar it is asked to compile is ready at once.
+        output.compiled_seq_ids = [g.seq_id for g in plan.grammar_compiles]
         return output
 
 

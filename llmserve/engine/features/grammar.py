@@ -213,7 +213,7 @@ class Grammars:
         if state.matcher is None:
             try:
                 state.matcher = state.compiled.result().deep_copy()
-            except Exception as err:  # compiles were checked at the gateway; a peer may skip it
+            except Exception as err:  # our gateway checked it compiles; another client may not
                 self._dead(seq, "grammar does not compile", str(err))
                 return None
         output = seq.token_ids[seq.num_prompt_tokens :]

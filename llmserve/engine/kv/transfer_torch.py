@@ -351,7 +351,8 @@ class TorchReceiver:
         if not torch_path(self.identity, peer):
             return self._receive_over_tcp(conn, peer, num_bytes)
         with self.lock:
-            group = self.groups.pop(pair_id, None)  # ours until this transfer ends
+            # Taken out of the table while this transfer uses it, so no other one shares it.
+            group = self.groups.pop(pair_id, None)
         data = torch.empty(num_bytes, dtype=torch.uint8, device=self.device)
         what = f"transfer {transfer_id}: recv"
         try:

@@ -26,7 +26,7 @@ class FairPolicy(Policy):
         firsts: dict[str, Request] = {}
         for request in self.s.waiting:
             firsts.setdefault(request.tenant, request)
-        tenant = min(firsts, key=self.s.tenants.counter)  # dicts keep line order: ties go first
+        tenant = min(firsts, key=self.s.tenants.counter)  # ties: the tenant first in line
         return firsts[tenant]
 
     def victim_order(self) -> list[Request]:

@@ -119,7 +119,7 @@ class EngineLink:
         self.events = events
         self.scheduler: Scheduler | None = None
         self.engine_info: engine_pb2.EngineInfo | None = None
-        self.engine_stub: Any = None  # the connected engine's
+        self.engine_stub: Any = None  # the connected engine's gRPC stub
         self.wakeup = asyncio.Event()
         self.ready = False  # the Step stream to the engine is open
         self.been_ready = False  # it has been open once
