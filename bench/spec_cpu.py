@@ -7,7 +7,9 @@ the whole stack (`llmserve serve`), on a copy-heavy workload and a chat workload
 Methods: none (the baseline, first), ngram, draft (self-speculation: the model's first third of its
 layers), model-N (a separate draft model, --speculative-model, with its own KV pool: the model's
 first N layers, norm and LM head, written by scripts/make_draft_model.py into a temporary
-directory). Each method runs in a fresh stack; the stacks take turns for --rounds rounds (none,
+directory); any of these with `-treeW` (ngram-tree3, draft-tree2): token trees of width W
+(--speculative-tree-width W, SpecInfer: depth --num-speculative-tokens, W x depth nodes at most).
+Each method runs in a fresh stack; the stacks take turns for --rounds rounds (none,
 ngram, draft, none, ...), so a slow spell of the machine hits every method alike. In each, after
 one warm-up request, the workloads' prompts are sent one at a time (batch 1), greedy, through the
 chat template, ending at EOS or --max-tokens: output tokens/s is the output tokens over the sum of
@@ -81,6 +83,9 @@ def serve_args_for(method: str, k: int, drafts: Path) -> list[str]:
     """`llmserve serve`'s flags for method; a model-N's draft is written under drafts once."""
     if method == "none":
         return []
+    if "-tree" in method:
+        base, width = method.rsplit("-tree", 1)
+        return [*serve_args_for(base, k, drafts), "--speculative-tree-width", width]
     if not method.startswith("model-"):
         return ["--speculative-method", method, "--num-speculative-tokens", str(k)]
     from llmserve.common.model_config import resolve_model_path

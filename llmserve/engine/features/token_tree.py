@@ -26,6 +26,7 @@ and the rest of the lookahead slots are released as a chain's rejected ones are.
 from __future__ import annotations
 
 from array import array
+from typing import Any
 
 import torch
 
@@ -170,6 +171,33 @@ def with_siblings(
                 tokens.append(token)
                 parents.append(i - 1)
     return tokens, parents
+
+
+def node_bits(parents: list[int]) -> list[int]:
+    """Per node, its ancestors and itself as bits (bit j: node j), as signed 64-bit values."""
+    bits: list[int] = []
+    for i, p in enumerate(parents):
+        bits.append((bits[p] if p >= 0 else 0) | 1 << i)
+    return [b - (1 << 64) if b >> 63 else b for b in bits]
+
+
+def tree_kernel_args(rows: list[Any], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The CUDA prefill kernel's (tree_bits [tokens] int64, tree_start [rows] int32) for a
+    step's rows (engine/contract/mirror.py ScheduledSeq; prefill_attention.cu's header)."""
+    bits: list[int] = []
+    starts: list[int] = []
+    for row in rows:
+        bits.extend([0] * row.num_scheduled_tokens)
+        if row.draft_parents:
+            bits.extend(node_bits(row.draft_parents))
+            starts.append(row.end)
+        else:
+            bits.extend([0] * len(row.draft_token_ids))
+            starts.append(1 << 30)  # past every key
+    return (
+        torch.tensor(bits, dtype=torch.int64).to(device, non_blocking=True),
+        torch.tensor(starts, dtype=torch.int32).to(device, non_blocking=True),
+    )
 
 
 def compact_kv(

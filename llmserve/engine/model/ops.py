@@ -350,7 +350,12 @@ class KernelOps(LayerOps):
         assert ctx.seq_lens_t is not None and ctx.cu_seqlens_q_t is not None, "prepare() first"
         assert sinks is None, "kernel_limits keeps models with attention sinks off the kernels"
         self.lib.store_kv(k, v, k_cache, v_cache, ctx.slot_mapping)
-        if ctx.tree_masks is not None:  # token trees: no tree mask in the kernels yet
+        if ctx.tree_masks is not None and window is None:  # token trees: the tree mask
+            return self.lib.paged_prefill_attention(
+                q, k_cache, v_cache, ctx.block_tables, ctx.seq_lens_t, ctx.cu_seqlens_q_t, scale,
+                softcap=softcap, tree_bits=ctx.tree_bits, tree_start=ctx.tree_start,
+            )  # fmt: skip
+        if ctx.tree_masks is not None:  # and a sliding window: the kernel's compares storage
             return ref.paged_attention(
                 q, k_cache, v_cache, ctx.block_tables.long(), ctx.seq_lens, ctx.cu_seqlens_q,
                 scale, window=window, softcap=softcap, trees=ctx.tree_masks,

@@ -30,6 +30,7 @@ from llmserve.engine.features.token_tree import (
     path_tokens,
     row_attention,
     tree_depth,
+    tree_kernel_args,
 )
 from llmserve.engine.model.model import LlamaForCausalLM
 from llmserve.engine.model.ops import AttentionContext
@@ -168,6 +169,7 @@ class ModelRunner:
                 positions.extend(range(r.end, r.end + len(r.draft_token_ids)))
                 masks.append(None)
         ctx.tree_masks = masks
+        ctx.tree_bits, ctx.tree_start = tree_kernel_args(batch.rows, self.device)
         return to_device(positions, torch.long, self.device)
 
     def _keep_paths(self, batch: StepBatch, paths: list[list[int]]) -> None:
