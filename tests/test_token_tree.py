@@ -21,7 +21,7 @@ from tests.factories import sampling
 from tests.spec_driver import drive, make_scheduler_for
 from tests.test_speculative import _chi_square_critical, _engine, _homogeneity
 
-pytestmark = [pytest.mark.stack, pytest.mark.usefixtures("one_torch_thread")]
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def test_ngram_tree_one_branch_per_distinct_continuation() -> None:

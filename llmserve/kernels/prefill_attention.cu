@@ -193,14 +193,12 @@ __global__ void __launch_bounds__(NW * 32)
   // This lane's rows: gid and gid + 8 of each of its warp's m-tiles, and their query positions.
   // Rows past the end borrow the last row's position, so their arithmetic stays ordinary.
   int pos[MT][2];
-  unsigned long long tbits[MT][2];  // the tree nodes each row sees (token trees only)
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int row = min(row0 + (warp * MT + mt) * 16 + gid + 8 * h, num_rows - 1);
       pos[mt][h] = ctx + row / group;
-      tbits[mt][h] = t_start < seq_len ? tree_bits[q_start + row / group] : 0ull;
     }
   }
 
@@ -313,8 +311,10 @@ __global__ void __launch_bounds__(NW * 32)
           for (int e = 0; e < 4; ++e) {
             const int key = j * BN + nt * 8 + 2 * tig + (e & 1);
             const int p = pos[mt][e >> 1];
+            // A tree key (at or after t_start, before p + 1) is seen where the row's bit is
+            // set, read here: the tree's keys are a few tiles at most (no registers held)
             if (key > p || (window > 0 && key <= p - window) ||
-                (key >= t_start && !((tbits[mt][e >> 1] >> (key - t_start)) & 1ull)))
+                (key >= t_start && !((tree_bits[q_start + p - ctx] >> (key - t_start)) & 1ull)))
               s[mt][nt][e] = neg_inf();
           }
         }
