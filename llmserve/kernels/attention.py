@@ -418,12 +418,7 @@ def paged_prefill_attention(
     num_heads, num_kv_heads, head_dim, block_size = _check_attention_args(
         op, q, k_cache, v_cache, block_tables, seq_lens, num_seqs, k_scale, v_scale
     )
-    _check(op, "cu_seqlens_q", cu_seqlens_q, ndim=1, dtypes=(torch.int32,), device=q.device)
-    _check_contiguous(op, "cu_seqlens_q", cu_seqlens_q)
-    if cu_seqlens_q.shape[0] != num_seqs + 1:
-        _fail(op, f"cu_seqlens_q has {cu_seqlens_q.shape[0]} entries; expected {num_seqs + 1}")
-    if block_m not in PREFILL_CONFIGS:
-        _fail(op, f"block_m={block_m} must be one of {tuple(PREFILL_CONFIGS)}")
+    _check_prefill_args(op, cu_seqlens_q, num_seqs, block_m, q.device)
     num_tokens = q.shape[0]
     tree = _tree_args(op, tree_bits, tree_start, num_tokens, num_seqs, window, q.device)
     out = _output(op, out, (num_tokens, num_heads, head_dim), q)
@@ -448,6 +443,17 @@ def paged_prefill_attention(
     smem = prefill_smem_bytes(head_dim, block_m, fp8)
     launch._launch(spec, expr, grid, (32 * PREFILL_CONFIGS[block_m][0],), args, smem, q.device)
     return out
+
+
+def _check_prefill_args(
+    op: str, cu_seqlens_q: torch.Tensor, num_seqs: int, block_m: int, device: torch.device
+) -> None:
+    _check(op, "cu_seqlens_q", cu_seqlens_q, ndim=1, dtypes=(torch.int32,), device=device)
+    _check_contiguous(op, "cu_seqlens_q", cu_seqlens_q)
+    if cu_seqlens_q.shape[0] != num_seqs + 1:
+        _fail(op, f"cu_seqlens_q has {cu_seqlens_q.shape[0]} entries; expected {num_seqs + 1}")
+    if block_m not in PREFILL_CONFIGS:
+        _fail(op, f"block_m={block_m} must be one of {tuple(PREFILL_CONFIGS)}")
 
 
 def _tree_args(

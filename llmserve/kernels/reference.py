@@ -154,21 +154,31 @@ def paged_attention(
         k = gather_kv(k_cache, block_tables[b], seq_len).transpose(0, 1).unsqueeze(0)
         v = gather_kv(v_cache, block_tables[b], seq_len).transpose(0, 1).unsqueeze(0)
         qb = q[start:end].transpose(0, 1).unsqueeze(0)
-        tree = trees[b] if trees is not None else None
-        if tree is None:
-            k_pos = torch.arange(seq_len, device=q.device)
-            q_pos = k_pos[seq_len - num_q :]
-            mask = k_pos[None, :] <= q_pos[:, None]
-        else:
-            mask, k_pos = tree[0].clone(), tree[1]
-            q_pos = k_pos[seq_len - num_q :]
-        if window is not None:
-            mask &= k_pos[None, :] > q_pos[:, None] - window
+        mask = _chunk_mask(seq_len, num_q, window, trees[b] if trees else None, q.device)
         attn = _chunk_attention(qb, k.to(q.dtype), v.to(q.dtype), mask, scale, softcap, sinks)
         if v_scale != 1.0:
             attn = attn * v_scale
         out[start:end] = attn[0].transpose(0, 1)
     return out
+
+
+def _chunk_mask(
+    seq_len: int,
+    num_q: int,
+    window: int | None,
+    tree: tuple[torch.Tensor, torch.Tensor] | None,
+    device: torch.device,
+) -> torch.Tensor:
+    """[num_q, seq_len]: the keys each of a request's last num_q queries sees (causal, or its
+    token tree's mask), within the sliding window by position."""
+    if tree is None:
+        k_pos = torch.arange(seq_len, device=device)
+        mask = k_pos[None, :] <= k_pos[seq_len - num_q :, None]
+    else:
+        mask, k_pos = tree[0].clone(), tree[1]
+    if window is not None:
+        mask &= k_pos[None, :] > k_pos[seq_len - num_q :, None] - window
+    return mask
 
 
 def _decode_attention(
