@@ -18,8 +18,9 @@ every run's tokens are compared with the first `none` run's (`same_tokens`). The
 counters give the acceptance rate, the mean accepted length and acceptance per proposal position.
 
 Workloads: `copy` asks to repeat a given passage word for word (what prompt lookup is for);
-`lists` to repeat lines that share their openings (where the latest n-gram match is often the
-wrong line's: what token trees add); `chat` asks open questions whose answers copy nothing.
+`similar` the same with passages whose sentences share their openings (where the latest n-gram
+match is often the wrong sentence's: what token trees add); `chat` asks open questions whose
+answers copy nothing.
 """
 
 from __future__ import annotations
@@ -55,27 +56,22 @@ PASSAGES = [
     "slowly, knead the dough for ten minutes until it is smooth, then leave it covered in a "
     "warm place for an hour before shaping the loaf and baking it.",
 ]
-# Lines that share their openings and differ after them: a copy's latest n-gram match is often
-# another line's, and the right continuation is an earlier match's (what a token tree adds).
-LISTS = [
-    "\n".join(
-        f"Order {i}: ship {item} to {city} by {how} on {day}."
-        for i, (item, city, how, day) in enumerate(rows, 1)
-    )
-    for rows in (
-        [("two boxes", "Paris", "train", "Monday"), ("one crate", "Lyon", "truck", "Friday"),
-         ("two boxes", "Lyon", "air", "Monday"), ("one crate", "Paris", "train", "Tuesday"),
-         ("three bags", "Nice", "truck", "Friday")],
-        [("the red chair", "Berlin", "air", "Sunday"),
-         ("the blue desk", "Munich", "train", "Monday"),
-         ("the red desk", "Berlin", "truck", "Monday"),
-         ("the blue chair", "Hamburg", "air", "Sunday"),
-         ("the red lamp", "Munich", "train", "Friday")],
-    )
-]  # fmt: skip
+# Passages whose sentences share their openings and differ after them: a copy's latest n-gram
+# match is often another sentence's, and the right continuation an earlier match's (what a token
+# tree adds).
+SIMILAR = [
+    "The red train leaves at nine and the red bus leaves at ten. The red train stops at the "
+    "mill, and the red bus stops at the bridge. On Sundays the red train runs late and the red "
+    "bus does not run at all.",
+    "Add the flour to the bowl, then add the sugar to the jug. Stir the flour with a spoon, then "
+    "stir the sugar with a fork. Pour the flour into the tin, then pour the sugar over the top.",
+    "Anna went to the market on Monday and bought apples. Ben went to the market on Tuesday and "
+    "bought bread. Anna went to the park on Friday and saw Ben. Ben went to the park on Sunday "
+    "and saw nobody.",
+]
 WORKLOADS = {
     "copy": [f"Repeat the following text exactly, word for word:\n\n{p}" for p in PASSAGES],
-    "lists": [f"Repeat these lines exactly, one per line:\n\n{t}" for t in LISTS],
+    "similar": [f"Repeat the following text exactly, word for word:\n\n{p}" for p in SIMILAR],
     "chat": [
         "What are three tips for staying productive while working from home?",
         "Write a short story about a robot who learns to paint.",
