@@ -144,13 +144,13 @@ def test_greedy_and_seeded_identity_with_trees(builtin_model_path: Path, moves: 
 def test_temperature_one_distribution_unchanged_with_trees(
     tiny_model: Callable[..., Path], moves: list[int]
 ) -> None:
-    """As test_speculative's chain version: outputs 1-3 of 1200 requests at temperature 1,
-    decoded with the draft's trees (depth 3, its top 2 tokens at each depth) against 1200
+    """As test_speculative's chain version: outputs 1-3 of 800 requests at temperature 1,
+    decoded with the draft's trees (depth 3, its top 2 tokens at each depth) against 800
     without, Pearson's homogeneity test per output index under its 0.999 quantile; side
     branches were accepted, and proposals both accepted and rejected."""
     model = tiny_model(num_heads=4, num_kv_heads=2, initializer_range=1.0)
     prompt = [10, 20, 30, 40, 50]
-    n = 1200
+    n = 800
     counts = {}
     for method in ("none", "draft"):
         engine = _engine(
