@@ -94,14 +94,14 @@ def moves(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
 
 TEXT = (
-    "Repeat: the cat sat on the mat, the cat ran to the door, the cat sat on the rug, the dog "
-    "ran to the door, the cat ran to the mat. Again: the cat"
+    "Repeat: the cat sat on the mat, the cat ran to the door, the cat sat on the rug. Again: "
+    "the cat"
 )
 
 
 def test_greedy_and_seeded_identity_with_trees(builtin_model_path: Path, moves: list[int]) -> None:
     """Two greedy requests and a seeded one (top-k, penalties) on the built-in model, 4-token
-    blocks, 16-token steps (chunked prefill) and 17 blocks (preemptions): n-gram trees of
+    blocks, 16-token steps (chunked prefill) and 13 blocks (preemptions): n-gram trees of
     width 3 and the self-speculating draft's width-2 trees give exactly the tokens decoding
     without speculation does; side branches were accepted (their K/V moved) and no block
     leaked (tests/spec_driver.drive checks every step)."""
@@ -118,7 +118,7 @@ def test_greedy_and_seeded_identity_with_trees(builtin_model_path: Path, moves: 
     outputs = {}
     for name, method, width in [("ngram", "ngram", 3), ("draft", "draft", 2)]:
         config = EngineConfig(
-            model=str(builtin_model_path), device="cpu", num_kv_blocks=17, block_size=4,
+            model=str(builtin_model_path), device="cpu", num_kv_blocks=13, block_size=4,
             seed=7, speculative_method=method, speculative_tree_width=width,
         )  # fmt: skip
         engine = Engine(config)
@@ -136,9 +136,9 @@ def test_greedy_and_seeded_identity_with_trees(builtin_model_path: Path, moves: 
             assert scheduler.counters.num_preemptions > 0, run
             spec = scheduler.counters.spec
             assert (spec.num_spec_rows > 0) == (run != "none"), run
-    assert sum(moves) > 0, "no side branch accepted"
     assert outputs["ngram"] == outputs["none"]
     assert outputs["draft"] == outputs["none"]
+    assert sum(moves) > 0, "no side branch accepted"
 
 
 def test_temperature_one_distribution_unchanged_with_trees(
