@@ -192,3 +192,28 @@ def test_tree_settings_checked() -> None:
         EngineConfig(
             speculative_method="ngram", speculative_tree_width=8, num_speculative_tokens=16
         )
+
+
+def test_separate_draft_model_trees_seeded_identity(
+    tiny_model: Callable[..., Path], moves: list[int]
+) -> None:
+    """A separate draft model (the target's copy, its own pool) proposing width-2 trees, seeded
+    sampling at temperature 0.8 with top-k and a penalty: the tokens decoding without
+    speculation gives; side branches accepted (the draft's computed tokens cut back to the
+    accepted prefix of its chain)."""
+    model = tiny_model(num_heads=4, num_kv_heads=2, initializer_range=1.0)
+    params = sampling(temperature=0.8, top_k=40, seed=11, frequency_penalty=0.3)
+    outputs = {}
+    for name, fields in [
+        ("none", {}),
+        ("tree", {"speculative_model": str(model), "speculative_tree_width": 2}),
+    ]:
+        engine = _engine(model, "draft" if fields else "none", num_speculative_tokens=3, **fields)
+        scheduler = make_scheduler_for(engine)
+        requests = [
+            Request(f"r{i}", i + 1, [10 + i, 20, 30, 40], params, 12, ignore_eos=True)
+            for i in range(8)
+        ]
+        outputs[name] = drive(scheduler, engine, requests).outputs
+    assert outputs["tree"] == outputs["none"]
+    assert sum(moves) > 0, "no side branch accepted"
