@@ -1,7 +1,7 @@
 """Issue 17's measurement: speculative decoding at batch 1 on the CPU, the built-in model through
 the whole stack (`llmserve serve`), on a copy-heavy workload and a chat workload.
 
-    python -m bench.spec_cpu [--out bench/results/spec_cpu.json] [--rounds 2] [--max-tokens 128]
+    python -m bench.studies.spec_cpu [--out bench/results/spec_cpu.json] [--rounds 2] [--max-tokens 128]
                              [--methods none,ngram,draft,model-10] [--num-speculative-tokens 4]
 
 Methods: none (the baseline, first), ngram, draft (self-speculation: the model's first third of its

@@ -15,9 +15,9 @@ from llmserve.engine.features import token_tree as tt
 from llmserve.kernels import reference as ref
 from tests.kernel_checks import assert_close, make_pool, nan_like
 from tests.kernel_emu import emu
-from tests.test_kernels_emulated import CACHES, launched
-from tests.test_kernels_emulated import emulator as emulator
-from tests.test_kernels_emulated import kc as kc
+from tests.kernels.test_kernels_emulated import CACHES, launched
+from tests.kernels.test_kernels_emulated import emulator as emulator
+from tests.kernels.test_kernels_emulated import kc as kc
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -394,7 +394,7 @@ def greedy_baseline(roomy_stack: object) -> list:
     """The 16 prompts' greedy tokens with speculation off (each request's
     disable_speculation: the engine's plain decode path, as a stack without speculation runs
     it), 16 at once: the test below holds speculation's tokens to these both one at a time and
-    16 at once (batch invariance without speculation: tests/test_stack_model.py)."""
+    16 at once (batch invariance without speculation: tests/system/test_stack_model.py)."""
     return _generate(roomy_stack, _stack_requests(disable_speculation=True), concurrent=True)
 
 
