@@ -8,7 +8,9 @@ the whole stack (`llmserve serve`), on a copy-heavy workload and a chat workload
 Methods: none (the baseline, first), ngram, draft (self-speculation: the model's first third of its
 layers), model-N (a separate draft model, --speculative-model, with its own KV pool: the model's
 first N layers, norm and LM head, written by scripts/make_draft_model.py into a temporary
-directory). Each method runs in a fresh stack; the stacks take turns for --rounds rounds (none,
+directory); any of these with `-treeW` (ngram-tree3, draft-tree2): token trees of width W
+(--speculative-tree-width W, SpecInfer: depth --num-speculative-tokens, W x depth nodes at most).
+Each method runs in a fresh stack; the stacks take turns for --rounds rounds (none,
 ngram, draft, none, ...), so a slow spell of the machine hits every method alike. In each, after
 one warm-up request, the workloads' prompts are sent one at a time (batch 1), greedy, through the
 chat template, ending at EOS or --max-tokens: output tokens/s is the output tokens over the sum of
@@ -17,7 +19,9 @@ every run's tokens are compared with the first `none` run's (`same_tokens`). The
 counters give the acceptance rate, the mean accepted length and acceptance per proposal position.
 
 Workloads: `copy` asks to repeat a given passage word for word (what prompt lookup is for);
-`chat` asks open questions whose answers copy nothing.
+`similar` the same with passages whose sentences share their openings (where the latest n-gram
+match is often the wrong sentence's: what token trees add); `chat` asks open questions whose
+answers copy nothing.
 """
 
 from __future__ import annotations
@@ -53,8 +57,22 @@ PASSAGES = [
     "slowly, knead the dough for ten minutes until it is smooth, then leave it covered in a "
     "warm place for an hour before shaping the loaf and baking it.",
 ]
+# Passages whose sentences share their openings and differ after them: a copy's latest n-gram
+# match is often another sentence's, and the right continuation an earlier match's (what a token
+# tree adds).
+SIMILAR = [
+    "The red train leaves at nine and the red bus leaves at ten. The red train stops at the "
+    "mill, and the red bus stops at the bridge. On Sundays the red train runs late and the red "
+    "bus does not run at all.",
+    "Add the flour to the bowl, then add the sugar to the jug. Stir the flour with a spoon, then "
+    "stir the sugar with a fork. Pour the flour into the tin, then pour the sugar over the top.",
+    "Anna went to the market on Monday and bought apples. Ben went to the market on Tuesday and "
+    "bought bread. Anna went to the park on Friday and saw Ben. Ben went to the park on Sunday "
+    "and saw nobody.",
+]
 WORKLOADS = {
     "copy": [f"Repeat the following text exactly, word for word:\n\n{p}" for p in PASSAGES],
+    "similar": [f"Repeat the following text exactly, word for word:\n\n{p}" for p in SIMILAR],
     "chat": [
         "What are three tips for staying productive while working from home?",
         "Write a short story about a robot who learns to paint.",
@@ -82,6 +100,9 @@ def serve_args_for(method: str, k: int, drafts: Path) -> list[str]:
     """`llmserve serve`'s flags for method; a model-N's draft is written under drafts once."""
     if method == "none":
         return []
+    if "-tree" in method:
+        base, width = method.rsplit("-tree", 1)
+        return [*serve_args_for(base, k, drafts), "--speculative-tree-width", width]
     if not method.startswith("model-"):
         return ["--speculative-method", method, "--num-speculative-tokens", str(k)]
     from llmserve.common.model_config import resolve_model_path

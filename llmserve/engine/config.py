@@ -19,6 +19,7 @@ ENGINE_ROLES = ("both", "prefill", "decode")
 KV_TRANSFER_BACKENDS = ("tcp", "torch")
 WILDCARD_HOSTS = ("0.0.0.0", "::")  # a bind on every interface
 MAX_SPECULATIVE_TOKENS = 16
+MAX_SPECULATIVE_NODES = 64  # a token tree's nodes per request and step
 
 
 @dataclass(frozen=True)
@@ -154,6 +155,19 @@ class EngineConfig(PeerSecurity):
     )
     num_speculative_tokens: int = setting(
         4, "with --speculative-method: tokens proposed per request and step, at most"
+    )
+    speculative_tree_width: int = setting(
+        1,
+        "token trees (SpecInfer): propose up to this many branches per request and step, "
+        "verified in one forward with a tree attention mask, keeping the longest path the "
+        "model agrees with. ngram = the continuations after up to this many distinct earlier "
+        "matches; draft = the draft's top tokens at every depth (the best one continues, the "
+        "others are leaves). 1 = a chain",
+    )
+    num_speculative_nodes: int = setting(
+        0,
+        "with --speculative-tree-width > 1: the tree's nodes (tokens verified) per request and "
+        "step, at most; its depth is --num-speculative-tokens (0: width x depth)",
     )
     ngram_max: int = setting(4, "--speculative-method ngram: the longest n-gram matched")
     ngram_min: int = setting(2, "--speculative-method ngram: the shortest n-gram matched")
@@ -292,6 +306,38 @@ class EngineConfig(PeerSecurity):
             return 0
         return int((self.kv_offload_disk_gb or 4 * self.kv_offload_gb) * (1 << 30))
 
+    @property
+    def num_lookahead_slots(self) -> int:
+        """KV slots a speculating request needs per step: a chain's tokens or a tree's nodes."""
+        if self.speculative_tree_width == 1:
+            return self.num_speculative_tokens
+        return (
+            self.num_speculative_nodes or self.speculative_tree_width * self.num_speculative_tokens
+        )
+
+    def _check_tree(self) -> None:
+        if not 1 <= self.speculative_tree_width <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(
+                f"speculative_tree_width={self.speculative_tree_width} must be in "
+                f"[1, {MAX_SPECULATIVE_TOKENS}]"
+            )
+        nodes = self.num_speculative_nodes
+        if nodes and self.speculative_tree_width == 1:
+            raise ValueError(
+                f"num_speculative_nodes={nodes} needs speculative_tree_width > 1 (a chain has "
+                f"num_speculative_tokens={self.num_speculative_tokens} nodes)"
+            )
+        if nodes and not self.num_speculative_tokens <= nodes <= MAX_SPECULATIVE_NODES:
+            raise ValueError(
+                f"num_speculative_nodes={nodes} must be in [num_speculative_tokens="
+                f"{self.num_speculative_tokens}, {MAX_SPECULATIVE_NODES}]"
+            )
+        if self.num_lookahead_slots > MAX_SPECULATIVE_NODES:
+            raise ValueError(
+                f"speculative_tree_width x num_speculative_tokens = {self.num_lookahead_slots} "
+                f"nodes: at most {MAX_SPECULATIVE_NODES} (set num_speculative_nodes)"
+            )
+
     def _check_speculation(self) -> None:
         if self.speculative_model and self.speculative_method != "draft":
             raise ValueError(
@@ -305,6 +351,7 @@ class EngineConfig(PeerSecurity):
                 f"num_speculative_tokens={self.num_speculative_tokens} must be in "
                 f"[1, {MAX_SPECULATIVE_TOKENS}]"
             )
+        self._check_tree()
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError(
                 f"ngram_min={self.ngram_min} and ngram_max={self.ngram_max} need "

@@ -392,6 +392,8 @@ def paged_prefill_attention(
     out: torch.Tensor | None = None,
     window: int | None = None,
     softcap: float | None = None,
+    tree_bits: torch.Tensor | None = None,
+    tree_start: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of each request's new queries over its whole context in the paged pool:
     reference.paged_attention with device metadata. The pool is q's dtype, or FP8 with k_scale /
@@ -402,19 +404,16 @@ def paged_prefill_attention(
     host-side metadata (graph-safe). Returns [T, num_heads, head_dim] in q's dtype (rows past
     cu_seqlens_q[-1] are not written). block_m: (query token, head) rows per CTA, a key of
     PREFILL_CONFIGS. window, softcap: as paged_decode_attention's (key tiles wholly before a row
-    tile's window are not read)."""
+    tile's window are not read). tree_bits [T] int64 and tree_start [num_seqs] int32: token
+    trees (prefill_attention.cu's header), without a window."""
     op = "paged_prefill_attention"
     num_seqs = seq_lens.shape[0] if isinstance(seq_lens, torch.Tensor) else -1
     num_heads, num_kv_heads, head_dim, block_size = _check_attention_args(
         op, q, k_cache, v_cache, block_tables, seq_lens, num_seqs, k_scale, v_scale
     )
-    _check(op, "cu_seqlens_q", cu_seqlens_q, ndim=1, dtypes=(torch.int32,), device=q.device)
-    _check_contiguous(op, "cu_seqlens_q", cu_seqlens_q)
-    if cu_seqlens_q.shape[0] != num_seqs + 1:
-        _fail(op, f"cu_seqlens_q has {cu_seqlens_q.shape[0]} entries; expected {num_seqs + 1}")
-    if block_m not in PREFILL_CONFIGS:
-        _fail(op, f"block_m={block_m} must be one of {tuple(PREFILL_CONFIGS)}")
+    _check_prefill_args(op, cu_seqlens_q, num_seqs, block_m, q.device)
     num_tokens = q.shape[0]
+    tree = _tree_args(op, tree_bits, tree_start, num_tokens, num_seqs, window, q.device)
     out = _output(op, out, (num_tokens, num_heads, head_dim), q)
     if num_seqs == 0 or num_tokens == 0:
         return out
@@ -432,11 +431,48 @@ def paged_prefill_attention(
         _ptr(out), _i64(out.stride(0)), _i64(out.stride(1)),
         _i32(num_seqs), _i32(num_heads), _i32(num_kv_heads), _i32(block_size),
         _f32(scale * LOG2E), _f32(k_scale), _f32(v_scale),
-        *_window_softcap(op, window, softcap),
+        *_window_softcap(op, window, softcap), *tree,
     )  # fmt: skip
     smem = prefill_smem_bytes(head_dim, block_m, fp8)
     launch._launch(spec, expr, grid, (32 * PREFILL_CONFIGS[block_m][0],), args, smem, q.device)
     return out
+
+
+def _check_prefill_args(
+    op: str, cu_seqlens_q: torch.Tensor, num_seqs: int, block_m: int, device: torch.device
+) -> None:
+    _check(op, "cu_seqlens_q", cu_seqlens_q, ndim=1, dtypes=(torch.int32,), device=device)
+    _check_contiguous(op, "cu_seqlens_q", cu_seqlens_q)
+    if cu_seqlens_q.shape[0] != num_seqs + 1:
+        _fail(op, f"cu_seqlens_q has {cu_seqlens_q.shape[0]} entries; expected {num_seqs + 1}")
+    if block_m not in PREFILL_CONFIGS:
+        _fail(op, f"block_m={block_m} must be one of {tuple(PREFILL_CONFIGS)}")
+
+
+def _tree_args(
+    op: str,
+    tree_bits: torch.Tensor | None,
+    tree_start: torch.Tensor | None,
+    num_tokens: int,
+    num_seqs: int,
+    window: int | None,
+    device: torch.device,
+) -> tuple[Any, Any]:
+    """The prefill kernel's tree pointers (null pointers without a tree), checked."""
+    if tree_bits is None and tree_start is None:
+        return np.uint64(0), np.uint64(0)
+    if tree_bits is None or tree_start is None:
+        _fail(op, "tree_bits and tree_start come together")
+    assert tree_bits is not None and tree_start is not None
+    if window is not None:
+        _fail(op, f"window={window} with a token tree: the kernel compares stored positions")
+    _check(op, "tree_bits", tree_bits, ndim=1, dtypes=(torch.int64,), device=device)
+    _check(op, "tree_start", tree_start, ndim=1, dtypes=(torch.int32,), device=device)
+    _check_contiguous(op, "tree_bits", tree_bits)
+    _check_contiguous(op, "tree_start", tree_start)
+    if tree_bits.shape[0] < num_tokens or tree_start.shape[0] != num_seqs:
+        _fail(op, f"tree_bits needs {num_tokens} entries and tree_start {num_seqs}")
+    return _ptr(tree_bits), _ptr(tree_start)
 
 
 def paged_attention(

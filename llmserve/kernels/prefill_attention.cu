@@ -12,6 +12,12 @@
 // tiles wholly before its first row's window. softcap_log2 > 0 (cap * log2 e): each score becomes
 // cap * tanh(score / cap) before the mask (Gemma 2).
 //
+// Token trees (speculation, engine/features/token_tree.py), when tree_bits is not null: sequence
+// b's keys from tree_start[b] on are its tree's nodes (node i at tree_start[b] + i, at most 64);
+// query t sees key tree_start[b] + i only where bit i of tree_bits[t] is set (its ancestors and
+// itself; 0 for the known tokens, which see no node anyway). A sequence without a tree has
+// tree_start[b] >= seq_len. Sliding windows compare stored positions: not with trees.
+//
 // KV cache element type KV: T itself, or fp8e4m3_t (an FP8 pool; per-layer scales): each K/V tile
 // is copied as FP8 and converted to T exactly in shared memory before the MMAs, and the scales
 // are applied in fp32 as softmax(scale * k_scale * q . K) @ V * v_scale. With KV = T they are
@@ -59,7 +65,8 @@ __global__ void __launch_bounds__(NW * 32)
                          T* __restrict__ out, long long o_stride_t, long long o_stride_h,
                          int num_seqs, int num_heads, int num_kv_heads, int block_size,
                          float scale_log2, float k_scale, float v_scale, int window,
-                         float softcap_log2) {
+                         float softcap_log2, const unsigned long long* __restrict__ tree_bits,
+                         const int* __restrict__ tree_start) {
   static_assert(HD % 16 == 0, "head_dim must be a multiple of 16");
   static_assert(BN % 16 == 0, "key tile must be a multiple of 16");
   constexpr bool kFp8 = IsFp8<KV>::value;
@@ -109,6 +116,7 @@ __global__ void __launch_bounds__(NW * 32)
   if (n_q <= 0 || row0 >= num_rows) return;  // uniform over the CTA, before any barrier
   const int seq_len = seq_lens[b];
   const int ctx = seq_len - n_q;  // position of query 0
+  const int t_start = tree_bits != nullptr ? tree_start[b] : seq_len;  // first tree key
 
   // Positions covered by this tile: keys [0, n_kv) are needed; key tiles ending at or before
   // first_pos + 1 are visible to every row and skip the mask.
@@ -294,7 +302,7 @@ __global__ void __launch_bounds__(NW * 32)
         }
       }
     }
-    if ((j + 1) * BN > first_pos + 1 || window > 0) {
+    if ((j + 1) * BN > first_pos + 1 || window > 0 || (j + 1) * BN > t_start) {
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
@@ -303,7 +311,11 @@ __global__ void __launch_bounds__(NW * 32)
           for (int e = 0; e < 4; ++e) {
             const int key = j * BN + nt * 8 + 2 * tig + (e & 1);
             const int p = pos[mt][e >> 1];
-            if (key > p || (window > 0 && key <= p - window)) s[mt][nt][e] = neg_inf();
+            // A tree key (at or after t_start, before p + 1) is seen where the row's bit is
+            // set, read here: the tree's keys are a few tiles at most (no registers held)
+            if (key > p || (window > 0 && key <= p - window) ||
+                (key >= t_start && !((tree_bits[q_start + p - ctx] >> (key - t_start)) & 1ull)))
+              s[mt][nt][e] = neg_inf();
           }
         }
       }

@@ -103,6 +103,7 @@ def paged_attention(
     window: int | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    trees: list[tuple[torch.Tensor, torch.Tensor] | None] | None = None,
 ) -> torch.Tensor:
     """Causal attention of each request's new queries over its whole context in the paged pool.
 
@@ -119,7 +120,10 @@ def paged_attention(
     window: a sliding window (Mistral, Gemma): the query at position p sees keys p - window + 1
     .. p only. softcap: scores (q . k * scale) become softcap * tanh(scores / softcap) before
     the mask and softmax (Gemma 2). sinks [num_heads]: gpt-oss's (_softmax_with_sinks). Decode
-    rows (one query) are batched together; each longer chunk runs on its own.
+    rows (one query) are batched together; each longer chunk runs on its own. trees[b], where
+    not None: request b's (mask [num_q, seq_len], key positions [seq_len]) in place of the
+    causal mask and the positions 0..seq_len-1 (speculation's token trees,
+    engine/features/token_tree.py).
     """
     check_kv_scales(k_cache.dtype, k_scale, v_scale)
     out = torch.empty_like(q)
@@ -140,16 +144,31 @@ def paged_attention(
         k = gather_kv(k_cache, block_tables[b], seq_len).transpose(0, 1).unsqueeze(0)
         v = gather_kv(v_cache, block_tables[b], seq_len).transpose(0, 1).unsqueeze(0)
         qb = q[start:end].transpose(0, 1).unsqueeze(0)
-        q_pos = torch.arange(seq_len - num_q, seq_len, device=q.device)
-        k_pos = torch.arange(seq_len, device=q.device)
-        mask = k_pos[None, :] <= q_pos[:, None]
-        if window is not None:
-            mask &= k_pos[None, :] > q_pos[:, None] - window
+        mask = _chunk_mask(seq_len, num_q, window, trees[b] if trees else None, q.device)
         attn = _chunk_attention(qb, k.to(q.dtype), v.to(q.dtype), mask, scale, softcap, sinks)
         if v_scale != 1.0:
             attn = attn * v_scale
         out[start:end] = attn[0].transpose(0, 1)
     return out
+
+
+def _chunk_mask(
+    seq_len: int,
+    num_q: int,
+    window: int | None,
+    tree: tuple[torch.Tensor, torch.Tensor] | None,
+    device: torch.device,
+) -> torch.Tensor:
+    """[num_q, seq_len]: the keys each of a request's last num_q queries sees (causal, or its
+    token tree's mask), within the sliding window by position."""
+    if tree is None:
+        k_pos = torch.arange(seq_len, device=device)
+        mask = k_pos[None, :] <= k_pos[seq_len - num_q :, None]
+    else:
+        mask, k_pos = tree[0].clone(), tree[1]
+    if window is not None:
+        mask &= k_pos[None, :] > k_pos[seq_len - num_q :, None] - window
+    return mask
 
 
 def _decode_attention(

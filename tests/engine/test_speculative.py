@@ -365,14 +365,16 @@ def _generate(stack: object, requests: list[object], concurrent: bool) -> list[l
             return [list(c.token_ids) for c in pool.map(client.generate, requests)]
 
 
-def _speculating_stack(model: Path, num_kv_blocks: int, log_dir: Path) -> object:
+def _speculating_stack(
+    model: Path, num_kv_blocks: int, log_dir: Path, tree_width: int = 1
+) -> object:
     from tests.stack import start_stack
 
     return start_stack(
         model,
         engine_args=[
             "--num-kv-blocks", str(num_kv_blocks), "--speculative-method", "ngram",
-            "--num-speculative-tokens", "4",
+            "--num-speculative-tokens", "4", "--speculative-tree-width", str(tree_width),
         ],
         log_dir=log_dir,
     )  # fmt: skip
@@ -380,8 +382,9 @@ def _speculating_stack(model: Path, num_kv_blocks: int, log_dir: Path) -> object
 
 @pytest.fixture(scope="module")
 def roomy_stack(builtin_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator:
-    """n-gram speculation with 512 blocks: room for every request at once."""
-    stack = _speculating_stack(builtin_model_path, 512, tmp_path_factory.mktemp("logs"))
+    """n-gram speculation with token trees of width 3 and 512 blocks: room for every request
+    at once."""
+    stack = _speculating_stack(builtin_model_path, 512, tmp_path_factory.mktemp("logs"), 3)
     yield stack
     stack.close()  # type: ignore[attr-defined]
 
@@ -403,8 +406,9 @@ def test_greedy_identity_through_the_stack(
     num_kv_blocks: int,
     tmp_path: Path,
 ) -> None:
-    """Greedy with n-gram speculation, alone and 16 at once (with 24 blocks of 16 tokens for
-    ~50-token requests: preemptions forced): token for token what the stack gives without it;
+    """Greedy with n-gram speculation, alone and 16 at once: with 512 blocks as token trees of
+    width 3 (--speculative-tree-width), with 24 blocks of 16 tokens for ~50-token requests
+    (preemptions forced) as chains: token for token what the stack gives without it;
     proposals accepted; every block free after."""
     roomy = num_kv_blocks == 512
     stack = roomy_stack if roomy else _speculating_stack(builtin_model_path, 24, tmp_path)

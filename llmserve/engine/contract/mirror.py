@@ -73,6 +73,9 @@ class ScheduledSeq:
     # (at most that many; the proposer sets them before the step runs).
     num_lookahead_tokens: int = 0
     draft_token_ids: list[int] = field(default_factory=list)
+    # A token tree's parent index per proposal (engine/features/token_tree.py); [] for a chain.
+    # Verification leaves the accepted path here as a chain.
+    draft_parents: list[int] = field(default_factory=list)
 
     @property
     def end(self) -> int:

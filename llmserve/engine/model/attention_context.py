@@ -39,3 +39,11 @@ class AttentionContext:
     # The step's adapters (engine.lora.LoraBatch): the projections add each row's low-rank
     # update; None when no row uses one.
     lora: Any = None
+    # Speculation's token trees (engine/features/token_tree.py), per request: (mask [num_q,
+    # seq_len] of the keys each query sees, the keys' rotary positions [seq_len]) in place of
+    # the causal mask, or None for a causal request; None when no request has a tree.
+    tree_masks: list[tuple[torch.Tensor, torch.Tensor] | None] | None = None
+    # The same for the CUDA prefill kernel: per query token the tree nodes it sees (bit i: node
+    # i; int64), per request the position of its first node (beyond its keys: none).
+    tree_bits: torch.Tensor | None = None
+    tree_start: torch.Tensor | None = None

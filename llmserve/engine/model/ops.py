@@ -136,7 +136,7 @@ class ReferenceOps(LayerOps):
         ref.store_kv(k, v, k_cache, v_cache, ctx.slot_mapping)
         return ref.paged_attention(
             q, k_cache, v_cache, ctx.block_tables, ctx.seq_lens, ctx.cu_seqlens_q, scale,
-            window=window, softcap=softcap, sinks=sinks,
+            window=window, softcap=softcap, sinks=sinks, trees=ctx.tree_masks,
         )  # fmt: skip
 
 
@@ -227,9 +227,9 @@ class CpuOps(ReferenceOps):
             ref._as_bytes(flat)[step.slots] = ref._as_bytes(ref.quantize_kv(new, flat.dtype))
         if len(step.decode_rows) == len(ctx.seq_lens) and softcap is None and sinks is None:
             return self._decode(q, k_cache, v_cache, step, scale, window)
-        return ref.paged_attention(  # prefill chunks, soft-capped scores or sinks
+        return ref.paged_attention(  # prefill chunks, soft-capped scores, sinks or trees
             q, k_cache, v_cache, ctx.block_tables, ctx.seq_lens, ctx.cu_seqlens_q, scale,
-            window=window, softcap=softcap, sinks=sinks,
+            window=window, softcap=softcap, sinks=sinks, trees=ctx.tree_masks,
         )  # fmt: skip
 
     @staticmethod
@@ -350,6 +350,16 @@ class KernelOps(LayerOps):
         assert ctx.seq_lens_t is not None and ctx.cu_seqlens_q_t is not None, "prepare() first"
         assert sinks is None, "kernel_limits keeps models with attention sinks off the kernels"
         self.lib.store_kv(k, v, k_cache, v_cache, ctx.slot_mapping)
+        if ctx.tree_masks is not None and window is None:  # token trees: the tree mask
+            return self.lib.paged_prefill_attention(
+                q, k_cache, v_cache, ctx.block_tables, ctx.seq_lens_t, ctx.cu_seqlens_q_t, scale,
+                softcap=softcap, tree_bits=ctx.tree_bits, tree_start=ctx.tree_start,
+            )  # fmt: skip
+        if ctx.tree_masks is not None:  # and a sliding window: the kernel's compares storage
+            return ref.paged_attention(
+                q, k_cache, v_cache, ctx.block_tables.long(), ctx.seq_lens, ctx.cu_seqlens_q,
+                scale, window=window, softcap=softcap, trees=ctx.tree_masks,
+            )  # fmt: skip
         if ctx.num_splits is not None and ctx.max_seqlen_q == 1:
             return self.lib.paged_decode_attention(
                 q, k_cache, v_cache, ctx.block_tables, ctx.seq_lens_t, scale,

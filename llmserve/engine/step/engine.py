@@ -167,7 +167,7 @@ class Engine:
             tensor_parallel_size=config.tensor_parallel_size,
             pipeline_parallel_size=config.pipeline_parallel_size,
             speculative_method=self.proposer.name if self.proposer is not None else "",
-            num_speculative_tokens=config.num_speculative_tokens if speculates else 0,
+            num_speculative_tokens=config.num_lookahead_slots if speculates else 0,
             sliding_window=self._released_window(),
             max_loras=config.max_loras,
             max_lora_rank=config.max_lora_rank if config.max_loras else 0,

@@ -21,6 +21,17 @@ from llmserve.common.step_plan import StepOutput
 from llmserve.engine.contract.mirror import PLACEHOLDER, ScheduledSeq, StepBatch
 from llmserve.engine.features.grammar import Grammars, MaskJob
 from llmserve.engine.features.lora import LoraSlots
+from llmserve.engine.features.token_tree import (
+    accept_path,
+    chain_parents,
+    compact_kv,
+    main_chain_prefix,
+    node_depths,
+    path_tokens,
+    row_attention,
+    tree_depth,
+    tree_kernel_args,
+)
 from llmserve.engine.model.model import LlamaForCausalLM
 from llmserve.engine.model.ops import AttentionContext
 from llmserve.engine.parallel.groups import Parallel
@@ -133,12 +144,57 @@ class ModelRunner:
         input_ids, positions, ctx = flattened_inputs(
             segments, self.block_size, self.kv_caches, self.device, tables=self.block_tables
         )
+        if any(r.draft_parents for r in batch.rows):
+            positions = self._tree_inputs(batch, ctx)
         if self.lora is not None:
             ctx.lora = self.lora.batch(
                 [r.seq.lora_slot for r in batch.rows],
                 [r.num_scheduled_tokens + len(r.draft_token_ids) for r in batch.rows],
             )
         return input_ids, positions, ctx
+
+    def _tree_inputs(self, batch: StepBatch, ctx: AttentionContext) -> torch.Tensor:
+        """The rotary positions of a step with token trees (a node's: the row's last known
+        position + its depth), and ctx.tree_masks, each tree row's attention mask
+        (engine/features/token_tree.py)."""
+        positions: list[int] = []
+        masks: list[tuple[torch.Tensor, torch.Tensor] | None] = []
+        for r in batch.rows:
+            positions.extend(range(r.start, r.end))
+            if r.draft_parents:
+                mask, k_pos = row_attention(r.end, r.start, r.draft_parents)
+                positions.extend(k_pos[r.end :].tolist())
+                masks.append((mask.to(self.device), k_pos.to(self.device)))
+            else:
+                positions.extend(range(r.end, r.end + len(r.draft_token_ids)))
+                masks.append(None)
+        ctx.tree_masks = masks
+        ctx.tree_bits, ctx.tree_start = tree_kernel_args(batch.rows, self.device)
+        return to_device(positions, torch.long, self.device)
+
+    def _keep_paths(self, batch: StepBatch, paths: list[list[int]]) -> None:
+        """After a verification with token trees: each tree row's accepted nodes' K/V moved to
+        consecutive positions after its known tokens, a draft model's computed tokens cut back
+        to the main chain's accepted prefix (its pool holds the main chain), and the row's
+        proposals replaced by the accepted path, a chain, as the mirror commits it."""
+        moves: list[tuple[int, int]] = []
+        bs = self.block_size
+        for row, path in zip(batch.rows, paths, strict=True):
+            if not row.draft_parents:
+                continue
+            table = row.seq.block_table
+            for i, node in enumerate(path):
+                if node != i:
+                    src, dst = row.end + node, row.end + i
+                    moves.append(
+                        (table[src // bs] * bs + src % bs, table[dst // bs] * bs + dst % bs)
+                    )
+            seq = row.seq
+            prefix = main_chain_prefix(path, row.draft_parents)
+            seq.num_draft_computed_tokens = min(seq.num_draft_computed_tokens, row.end + prefix)
+            row.draft_token_ids = [row.draft_token_ids[node] for node in path]
+            row.draft_parents = []
+        compact_kv(self.kv_caches, moves)
 
     def execute(self, batch: StepBatch) -> StepOutput:
         """Run a step whose inputs are all known and wait for its output."""
@@ -208,7 +264,9 @@ class ModelRunner:
         else:
             timer.mark()
         timer.mark()
-        return _verified_output(batch, out, timer)
+        output, tokens, paths = _verified_output(batch, out, timer)
+        self._keep_paths(batch, paths)
+        return output, tokens
 
     def collect(self, step: LaunchedStep) -> StepOutput:
         """Wait for a launched step's results to reach the host; its StepOutput."""
@@ -356,10 +414,16 @@ def _sampler_inputs(
         penalized = has_penalties(seq.sampling)
         any_penalized |= penalized
         generated = seq.token_ids[seq.num_prompt_tokens :] if penalized else []
-        for j in range(len(row.draft_token_ids) + 1):
+        drafts, parents = row.draft_token_ids, row.draft_parents
+        depths = node_depths(parents) if parents else range(1, len(drafts) + 1)
+        for j in range(len(drafts) + 1):
             params.append(seq.sampling)
-            output_indices.append(seq.num_output_tokens + j)
-            outputs.append([*generated, *row.draft_token_ids[:j]] if penalized else [])
+            output_indices.append(seq.num_output_tokens + (depths[j - 1] if j else 0))
+            if not penalized:
+                outputs.append([])
+                continue
+            before = path_tokens(drafts, parents, j - 1) if parents else drafts[:j]
+            outputs.append([*generated, *before])
     return params, output_indices, outputs if any_penalized else []
 
 
@@ -388,36 +452,39 @@ def _step_output(
     return output
 
 
-def _accepted(sampled: list[int], proposed: list[int]) -> list[int]:
-    """The tokens a row returns: sampled (one per position) up to and including the first that
-    differs from its proposal (all of them when every proposal holds)."""
-    n = 0
-    while n < len(proposed) and sampled[n] == proposed[n]:
-        n += 1
-    return sampled[: n + 1]
+def _accepted(sampled: list[int], row: ScheduledSeq) -> list[int]:
+    """The accepted nodes of row's proposals (a chain's: while each equals the token sampled
+    before it; a tree's: engine/features/token_tree.py's walk), given its sampled tokens (one
+    per position: its last known token's, then each proposal's)."""
+    parents = row.draft_parents or chain_parents(len(row.draft_token_ids))
+    return accept_path(sampled, row.draft_token_ids, parents)
 
 
 def _verified_output(
     batch: StepBatch, out: SamplerOutput | None, timer: StepTimer
-) -> tuple[StepOutput, list[list[int]]]:
-    """verify's StepOutput (tokens, logprobs and top logprobs per returned token) and each
-    row's tokens ([-1] where it samples nothing)."""
+) -> tuple[StepOutput, list[list[int]], list[list[int]]]:
+    """verify's StepOutput (tokens, logprobs and top logprobs per returned token), each row's
+    tokens ([-1] where it samples nothing) and its accepted proposals' indices."""
     sampled = out.token_ids.tolist() if out is not None else []
     lps = out.logprobs.tolist() if out is not None and out.logprobs is not None else None
     top_ids = top_lps = None
     if out is not None and out.top_token_ids is not None and out.top_logprobs is not None:
         top_ids, top_lps = out.top_token_ids.tolist(), out.top_logprobs.tolist()
     tokens: list[list[int]] = []
+    paths: list[list[int]] = []
     positions: list[int] = []  # per returned token, its sampled position (-1: none)
     position = 0
     for row in batch.rows:
         if not row.samples:
             tokens.append([-1])
+            paths.append([])
             positions.append(-1)
             continue
         num_positions = len(row.draft_token_ids) + 1
-        tokens.append(_accepted(sampled[position : position + num_positions], row.draft_token_ids))
-        positions.extend(range(position, position + len(tokens[-1])))
+        paths.append(_accepted(sampled[position : position + num_positions], row))
+        offsets = [position, *(position + 1 + node for node in paths[-1])]
+        tokens.append([sampled[at] for at in offsets])
+        positions.extend(offsets)
         position += num_positions
     params = [
         row.seq.sampling if row.samples else None
@@ -431,9 +498,14 @@ def _verified_output(
     logprobs = [lps[p] if p >= 0 else math.nan for p in positions] if lps is not None else None
     flat = [t for row_tokens in tokens for t in row_tokens]
     output = _step_output(params, flat, logprobs, top, timer)
-    output.num_draft_tokens = [len(row.draft_token_ids) for row in batch.rows]
+    # A tree's count is its depth (the most it could have accepted), so that the scheduler's
+    # acceptance rates mean for a tree what they mean for a chain
+    output.num_draft_tokens = [
+        tree_depth(row.draft_parents) if row.draft_parents else len(row.draft_token_ids)
+        for row in batch.rows
+    ]
     output.num_sampled_tokens = [len(row_tokens) for row_tokens in tokens]
-    return output, tokens
+    return output, tokens, paths
 
 
 def apply_masks(logits: torch.Tensor, masks: MaskJob | None) -> None:
