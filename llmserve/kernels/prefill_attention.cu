@@ -116,7 +116,14 @@ __global__ void __launch_bounds__(NW * 32)
   if (n_q <= 0 || row0 >= num_rows) return;  // uniform over the CTA, before any barrier
   const int seq_len = seq_lens[b];
   const int ctx = seq_len - n_q;  // position of query 0
-  const int t_start = tree_bits != nullptr ? tree_start[b] : seq_len;  // first tree key
+  // The tree's first key and the row offset of this sequence's bits, kept in shared memory and
+  // read where a tile needs them (held in registers through the key loop, they made ptxas
+  // spill on sm_90). Written before the first barrier of the key loop, read after it.
+  __shared__ int tree_info[2];
+  if (threadIdx.x == 0) {
+    tree_info[0] = tree_bits != nullptr ? tree_start[b] : seq_len;
+    tree_info[1] = q_start - ctx;
+  }
 
   // Positions covered by this tile: keys [0, n_kv) are needed; key tiles ending at or before
   // first_pos + 1 are visible to every row and skip the mask.
@@ -302,6 +309,7 @@ __global__ void __launch_bounds__(NW * 32)
         }
       }
     }
+    const int t_start = tree_info[0];  // first tree key (seq_len: no tree)
     if ((j + 1) * BN > first_pos + 1 || window > 0 || (j + 1) * BN > t_start) {
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
@@ -314,7 +322,7 @@ __global__ void __launch_bounds__(NW * 32)
             // A tree key (at or after t_start, before p + 1) is seen where the row's bit is
             // set, read here: the tree's keys are a few tiles at most (no registers held)
             if (key > p || (window > 0 && key <= p - window) ||
-                (key >= t_start && !((tree_bits[q_start + p - ctx] >> (key - t_start)) & 1ull)))
+                (key >= t_start && !((tree_bits[tree_info[1] + p] >> (key - t_start)) & 1ull)))
               s[mt][nt][e] = neg_inf();
           }
         }

@@ -17,9 +17,9 @@ from llmserve.engine.config import EngineConfig
 from llmserve.engine.features import token_tree as tt
 from llmserve.kernels import reference as ref
 from llmserve.scheduler.request import Request
+from tests.engine.test_speculative import _chi_square_critical, _engine, _homogeneity
 from tests.factories import sampling
 from tests.spec_driver import drive, make_scheduler_for
-from tests.engine.test_speculative import _chi_square_critical, _engine, _homogeneity
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
