@@ -62,12 +62,12 @@ class PackedWQ:
         return sum(t.numel() * t.element_size() for t in (self.q, self.scales, self.offsets))
 
 
-def stored_values(kind: str, q: torch.Tensor, zero: torch.Tensor | None) -> tuple[
-    torch.Tensor, torch.Tensor | None
-]:  # fmt: skip
+def stored_values(
+    kind: str, q: torch.Tensor, zero: torch.Tensor | None, scale: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(q, zero) moved into the kernel's stored range: int4 unsigned [0, 15], int8 signed
-    [-128, 127] (signed 4-bit values shift up by 8, unsigned 8-bit down by 128, the zero
-    point alike, which leaves q - zero unchanged). fp8: as given."""
+    [-128, 127] (signed 4-bit values shift up by 8, unsigned 8-bit down by 128, the zero point
+    alike, made explicit where it was 0, which leaves q - zero unchanged). fp8: as given."""
     if kind == "fp8":
         return q, zero
     low, high = int(q.min()), int(q.max())
@@ -75,7 +75,10 @@ def stored_values(kind: str, q: torch.Tensor, zero: torch.Tensor | None) -> tupl
     span = (0, 15) if kind == "int4" else (-128, 127)
     if not (span[0] <= low + shift and high + shift <= span[1]):
         raise ValueError(f"{kind} values span [{low}, {high}]: not {span[1] - span[0] + 1} levels")
-    return q + shift, None if zero is None else zero + shift
+    if shift == 0:
+        return q, zero
+    zero = torch.zeros(scale.shape) if zero is None else zero.float()
+    return q + shift, zero + shift
 
 
 def pack_wq(
@@ -86,7 +89,7 @@ def pack_wq(
     n, k = q.shape
     if group <= 0 or k % group or tuple(scale.shape) != (n, k // group):
         raise ValueError(f"scale {list(scale.shape)} for q [{n}, {k}] in groups of {group}")
-    q, zero = stored_values(kind, q, zero)
+    q, zero = stored_values(kind, q, zero, scale)
     scale = scale.float()
     offset = torch.zeros_like(scale) if zero is None else -zero.float() * scale
     raw = q.view(torch.uint8) if kind == "fp8" else q.to(torch.int16).to(torch.uint8)
