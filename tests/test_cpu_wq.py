@@ -24,7 +24,7 @@ def _weight(kind: str, n: int, k: int, group: int, signed: bool, seed: int) -> t
     torch.Tensor, torch.Tensor, torch.Tensor | None
 ]:  # fmt: skip
     g = torch.Generator().manual_seed(seed)
-    scale = torch.rand(n, k // group, generator=g) * 0.02 + 0.001
+    scale = torch.rand(n, -(-k // group), generator=g) * 0.02 + 0.001
     if kind == "fp8":
         return (torch.randn(n, k, generator=g) * 60).to(torch.float8_e4m3fn), scale, None
     low, high = {
@@ -32,7 +32,7 @@ def _weight(kind: str, n: int, k: int, group: int, signed: bool, seed: int) -> t
         "int8": (-128, 128) if signed else (0, 256),
     }[kind]
     q = torch.randint(low, high, (n, k), generator=g)
-    zero = None if signed else torch.randint(low, high, (n, k // group), generator=g).float()
+    zero = None if signed else torch.randint(low, high, (n, -(-k // group)), generator=g).float()
     return q, scale, zero
 
 
@@ -40,13 +40,14 @@ def _weight(kind: str, n: int, k: int, group: int, signed: bool, seed: int) -> t
 @pytest.mark.parametrize("kind", ["int4", "int8", "fp8"])
 @pytest.mark.parametrize("signed", [True, False])
 def test_kernel_matches_its_reference_at_every_row_count(kind: str, signed: bool, isa: str) -> None:
-    """N = 40 (padded to 48), groups of 32: 1-4 rows (registers), 5 and 16 (buffered tile), 130
-    (widened weight, torch's GEMM); a signed int4 weight with no zero point is stored shifted."""
-    q, scale, zero = _weight(kind, 40, 128, 32, signed, seed=len(kind) + signed)
+    """N = 40 (padded to 48), K = 120 in groups of 32 (the last one partial): 1-4 rows
+    (registers), 5 and 16 (buffered tile), 130 (widened weight, torch's GEMM); a signed int4
+    weight with no zero point is stored shifted."""
+    q, scale, zero = _weight(kind, 40, 120, 32, signed, seed=len(kind) + signed)
     packed = cpu_wq.pack_wq(kind, q, scale, zero, 32)
     bias = torch.randn(40)
     for rows in (1, 3, 4, 5, 16, 130):
-        x = torch.randn(rows, 128)
+        x = torch.randn(rows, 120)
         want = cpu_wq.wq_linear_reference(x, q, scale, zero, 32, bias)
         got = cpu_wq.wq_linear(x, packed, bias, isa=isa)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4, msg=f"{rows} rows")

@@ -11,7 +11,8 @@
 //
 // Layout (kernels/cpu_wq.py: pack_wq): column tiles of TILE_N = 16 output channels, K-major
 // inside a tile: q [N / 16][K][16] bytes (int4: [N / 16][K][8], byte j = channel j | channel
-// j + 8 << 4), scales and offsets [N / 16][K / group][16] float32. Threads split the tiles.
+// j + 8 << 4), scales and offsets [N / 16][ceil(K / group)][16] float32 (the last group may be
+// partial: SmolLM2's K = 576 in groups of 128). Threads split the tiles.
 // Per tile, up to ROWS_M = 4 rows of x (decode) widen the tile's 16 weights at each k in
 // registers; more rows widen the tile once into a [K][16] buffer and run a 6-row float32
 // micro-kernel over it (kernels/cpu_wq.py sends 128 rows and more to torch's GEMM on the whole
@@ -172,11 +173,12 @@ Args check(const at::Tensor& q, const at::Tensor& scales, const at::Tensor& offs
   a.K = q.size(1);
   a.group = group;
   a.kind = kind;
-  TORCH_CHECK(group > 0 && a.K % group == 0, "wq: group=", group, " must divide K=", a.K);
+  TORCH_CHECK(group > 0, "wq: group=", group, " must be positive");
+  const int64_t groups = (a.K + group - 1) / group;
   for (const auto& t : {scales, offsets}) {
     TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() &&
-                    t.numel() == a.tiles * (a.K / group) * TILE_N,
-                "wq: scales and offsets must be packed float32 [N / 16, K / group, 16]");
+                    t.numel() == a.tiles * groups * TILE_N,
+                "wq: scales and offsets must be packed float32 [N / 16, ceil(K / group), 16]");
   }
   a.q = q.data_ptr<uint8_t>();
   a.scales = scales.data_ptr<float>();

@@ -47,7 +47,7 @@ def has_avx512() -> bool:
 @dataclass(frozen=True)
 class PackedWQ:
     """A weight in the kernel's layout: q uint8 [N' / 16, K, 16] (int4: [N' / 16, K, 8], two
-    channels a byte), scales and offsets float32 [N' / 16, K / group, 16], N' = N rounded up
+    channels a byte), scales and offsets float32 [N' / 16, ceil(K / group), 16], N' = N rounded up
     to 16 (padding channels are zero)."""
 
     kind: str
@@ -84,10 +84,11 @@ def stored_values(
 def pack_wq(
     kind: str, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, group: int
 ) -> PackedWQ:
-    """q [N, K] (integers of `kind`'s range, or float8_e4m3fn) with scale and zero [N, K / group]
+    """q [N, K] (integers of `kind`'s range, or float8_e4m3fn) with scale and zero [N, ceil(K /
+    group)]
     (w = (q - zero) * scale) in the kernel's layout."""
     n, k = q.shape
-    if group <= 0 or k % group or tuple(scale.shape) != (n, k // group):
+    if group <= 0 or tuple(scale.shape) != (n, -(-k // group)):
         raise ValueError(f"scale {list(scale.shape)} for q [{n}, {k}] in groups of {group}")
     q, zero = stored_values(kind, q, zero, scale)
     scale = scale.float()
@@ -135,12 +136,13 @@ def wq_linear(
 def wq_dequantize(
     q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, group: int
 ) -> torch.Tensor:
-    """float32 W [N, K] = (q - zero) * scale, scale and zero per `group` along K."""
-    n, k = q.shape
-    grouped = q.float().view(n, k // group, group)
+    """float32 W [N, K] = (q - zero) * scale, scale and zero per `group` along K (the last
+    group may be partial)."""
+    k = q.shape[1]
+    w = q.float()
     if zero is not None:
-        grouped = grouped - zero.float().view(n, -1, 1)
-    return (grouped * scale.float().view(n, -1, 1)).view(n, k)
+        w = w - zero.float().repeat_interleave(group, dim=1)[:, :k]
+    return w * scale.float().repeat_interleave(group, dim=1)[:, :k]
 
 
 def wq_linear_reference(

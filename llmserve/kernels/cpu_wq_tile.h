@@ -12,7 +12,7 @@ constexpr int64_t step_bytes() {
 // y[m0 .. m0 + ROWS)[n0 .. n0 + 16) for tile t, the weights widened in registers at each k.
 template <int KIND, int ROWS>
 void tile_rows(const Args& a, int64_t t, int64_t m0) {
-  const int64_t groups = a.K / a.group;
+  const int64_t groups = (a.K + a.group - 1) / a.group;  // the last may be partial
   const uint8_t* qt = a.q + t * a.K * step_bytes<KIND>();
   const float* st = a.scales + t * groups * TILE_N;
   const float* ot = a.offsets + t * groups * TILE_N;
@@ -20,7 +20,7 @@ void tile_rows(const Args& a, int64_t t, int64_t m0) {
   for (int m = 0; m < ROWS; ++m) acc[m] = zero16();
   for (int64_t g = 0; g < groups; ++g) {
     const W16 s = load16(st + g * TILE_N), o = load16(ot + g * TILE_N);
-    for (int64_t k = g * a.group; k < (g + 1) * a.group; ++k) {
+    for (int64_t k = g * a.group; k < std::min((g + 1) * a.group, a.K); ++k) {
       const W16 w = widen<KIND>(qt + k * step_bytes<KIND>(), s, o);
       for (int m = 0; m < ROWS; ++m) fma16(a.x[(m0 + m) * a.K + k], w, acc[m]);
     }
@@ -33,13 +33,13 @@ void tile_rows(const Args& a, int64_t t, int64_t m0) {
 // Tile t's weights widened once into buf [K][16].
 template <int KIND>
 void widen_tile(const Args& a, int64_t t, float* buf) {
-  const int64_t groups = a.K / a.group;
+  const int64_t groups = (a.K + a.group - 1) / a.group;  // the last may be partial
   const uint8_t* qt = a.q + t * a.K * step_bytes<KIND>();
   const float* st = a.scales + t * groups * TILE_N;
   const float* ot = a.offsets + t * groups * TILE_N;
   for (int64_t g = 0; g < groups; ++g) {
     const W16 s = load16(st + g * TILE_N), o = load16(ot + g * TILE_N);
-    for (int64_t k = g * a.group; k < (g + 1) * a.group; ++k) {
+    for (int64_t k = g * a.group; k < std::min((g + 1) * a.group, a.K); ++k) {
       store16(buf + k * TILE_N, widen<KIND>(qt + k * step_bytes<KIND>(), s, o));
     }
   }

@@ -2,8 +2,8 @@
 one form every format maps to: `KeptWeight` (q [N, K], a float scale and zero point per `group`
 weights along K, w = (q - zero) * scale, and act-order's column permutation). Each format's
 scheme (engine/model/checkpoint_schemes.py: `kept`) builds it from the stored tensors; where a
-weight does not fit the form (2-bit or 3-D expert weights, a group that does not divide K, an
-act-order whose groups are not all `group` columns) the scheme returns None and the weight is
+weight does not fit the form (2-bit or 3-D expert weights, an
+act-order whose groups are not runs of `group` columns) the scheme returns None and the weight is
 dequantized at load instead. engine/model/checkpoint_linear.py serves it.
 """
 
@@ -20,7 +20,7 @@ from llmserve.kernels.cpu_wq import wq_dequantize
 class KeptWeight:
     """kind: "int4" (values in [0, 15] or [-8, 7]), "int8" ([-128, 127] or [0, 255]) or "fp8"
     (q float8_e4m3fn). q [N, K] with its columns in `perm` order where act-order reordered them
-    (column j of q is input feature perm[j]); scale, zero [N, K / group] float32 (zero None:
+    (column j of q is input feature perm[j]); scale, zero [N, ceil(K / group)] float32 (zero None:
     symmetric)."""
 
     kind: str
@@ -73,7 +73,7 @@ def int_weight(
     does not fit: see the module's docstring)."""
     kind = int_kind(bits)
     n, k = q.shape[-2:]
-    if kind is None or q.dim() != 2 or k % group or tuple(scale.shape) != (n, k // group):
+    if kind is None or q.dim() != 2 or tuple(scale.shape) != (n, -(-k // group)):
         return None
     if zero is not None and zero.shape != scale.shape:
         return None
@@ -90,11 +90,11 @@ def fp8_weight(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> 
     bk)] (a channel's: (1, K); the tensor's: one scale and (N, K)) kept, group bk along K."""
     n, k = q.shape[-2:]
     bn, bk = block
-    if q.dim() != 2 or q.dtype != torch.float8_e4m3fn or k % bk:
+    if q.dim() != 2 or q.dtype != torch.float8_e4m3fn:
         return None
     if scale.numel() == 1:
         scale = scale.reshape(1, 1)
-    if tuple(scale.shape) != (-(-n // bn), k // bk):
+    if tuple(scale.shape) != (-(-n // bn), -(-k // bk)):
         return None
     rows = scale.float().repeat_interleave(bn, dim=0)[:n].contiguous()
     return KeptWeight("fp8", q, rows, None, bk)
