@@ -2,7 +2,7 @@
 (kernels/cpu_wq.cpp through engine/model/checkpoint_linear.py), against float32 of the same
 model: the built-in SmolLM2-135M written in each format by llmserve/bench/quant_checkpoints.py
 (bench/checkpoint_formats_quality.py's writers), each served by its own process (peak RSS is
-the process's ru_maxrss), one torch thread, batch 1 and 16, as bench/results/
+the process's VmHWM), one torch thread, batch 1 and 16, as bench/results/
 cpu_engine_steps_gguf.json measured the GGUF blocks (copied beside them into the output).
 
     python bench/checkpoint_kernels_cpu.py [--steps 5] [--out FILE.json]
@@ -53,8 +53,16 @@ def serve(path: str, steps: int) -> dict[str, Any]:
     torch.set_num_threads(1)
     engine = Engine(EngineConfig(model=path, device="cpu", num_kv_blocks=256, max_model_len=256))
     rows = [time_decode_steps(engine, b, steps, prompt_len=PROMPT_LEN) for b in BATCHES]
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    return {"kept": kept_description(engine.model), "rows": rows, "peak_rss_mib": round(peak, 1)}
+    return {"kept": kept_description(engine.model), "rows": rows, "peak_rss_mib": peak_rss_mib()}
+
+
+def peak_rss_mib() -> float:
+    """This process's peak RSS: VmHWM, per address space. Not ru_maxrss, which Linux carries
+    across exec: a child would report its parent's peak (here, the checkpoint writer's)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return round(int(line.split()[1]) / 1024, 1)
+    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
 
 
 def main() -> None:
