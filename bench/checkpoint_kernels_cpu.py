@@ -3,7 +3,8 @@
 model: the built-in SmolLM2-135M written in each format by llmserve/bench/quant_checkpoints.py
 (bench/checkpoint_formats_quality.py's writers), each served by its own process (peak RSS is
 the process's VmHWM), one torch thread, batch 1 and 16, as bench/results/
-cpu_engine_steps_gguf.json measured the GGUF blocks (copied beside them into the output).
+cpu_engine_steps_gguf.json measured the GGUF blocks; the built-in Q4_1 GGUF itself is served
+with --quantization gguf in the same run, beside them.
 
     python bench/checkpoint_kernels_cpu.py [--steps 5] [--out FILE.json]
 """
@@ -20,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-FORMATS = ("float32", "gptq-w4a16-g128", "ct-w8a16-channel", "fp8-block-128")
+FORMATS = ("float32", "gptq-w4a16-g128", "ct-w8a16-channel", "fp8-block-128", "gguf-builtin")
 BATCHES = (1, 16)
 PROMPT_LEN = 32
 
@@ -30,6 +31,10 @@ def write(fmt: str, float_dir: Path, root: Path) -> Path:
 
     if fmt == "float32":
         return float_dir
+    if fmt == "gguf-builtin":  # the same model's own file, served by --quantization gguf
+        from llmserve.common.model_config import builtin_model_path
+
+        return builtin_model_path()
     out, dequantized = root / fmt, root / f"{fmt}-dequantized"
     if fmt == "gptq-w4a16-g128":
         qc.write_gptq(float_dir, out, dequantized, bits=4, group_size=128, desc_act=False)
@@ -41,7 +46,7 @@ def write(fmt: str, float_dir: Path, root: Path) -> Path:
     return out
 
 
-def serve(path: str, steps: int) -> dict[str, Any]:
+def serve(path: str, steps: int, quantization: str) -> dict[str, Any]:
     """In this process: the engine on `path`, the decode step at each batch, peak RSS."""
     import torch
 
@@ -51,7 +56,10 @@ def serve(path: str, steps: int) -> dict[str, Any]:
     from llmserve.engine.step.engine import Engine
 
     torch.set_num_threads(1)
-    engine = Engine(EngineConfig(model=path, device="cpu", num_kv_blocks=256, max_model_len=256))
+    engine = Engine(
+        EngineConfig(model=path, device="cpu", num_kv_blocks=256, max_model_len=256,
+                     quantization=quantization)
+    )  # fmt: skip
     rows = [time_decode_steps(engine, b, steps, prompt_len=PROMPT_LEN) for b in BATCHES]
     return {"kept": kept_description(engine.model), "rows": rows, "peak_rss_mib": peak_rss_mib()}
 
@@ -70,9 +78,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--out", default=str(ROOT / "bench/results/checkpoint_kernels_cpu.json"))
     parser.add_argument("--serve", help=argparse.SUPPRESS)
+    parser.add_argument("--quantization", default="none", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve:
-        print(json.dumps(serve(args.serve, args.steps)))
+        print(json.dumps(serve(args.serve, args.steps, args.quantization)))
         return
     from bench.checkpoint_formats_quality import float_checkpoint
     from llmserve.bench.report import hardware
@@ -82,17 +91,16 @@ def main() -> None:
         float_dir = float_checkpoint(Path(tmp) / "float")
         for fmt in FORMATS:
             path = write(fmt, float_dir, Path(tmp))
-            cmd = [sys.executable, __file__, "--serve", str(path), "--steps", str(args.steps)]
+            quantization = "gguf" if fmt == "gguf-builtin" else "none"
+            cmd = [sys.executable, __file__, "--serve", str(path), "--steps", str(args.steps),
+                   "--quantization", quantization]  # fmt: skip
             done = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=ROOT)
             results.append({"format": fmt, **json.loads(done.stdout.strip().splitlines()[-1])})
             print(json.dumps(results[-1])[:300], flush=True)
-    gguf = json.loads((ROOT / "bench/results/cpu_engine_steps_gguf.json").read_text())
     report = {
         "hardware": hardware(torch_threads=True), "model": "SmolLM2-135M (built-in), random "
         "formats written from its float32 weights", "threads": 1, "steps": args.steps,
         "prompt_len": PROMPT_LEN, "results": results,
-        "gguf_beside": {"source": "bench/results/cpu_engine_steps_gguf.json",
-                        "results": gguf["results"]},
     }  # fmt: skip
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
 
