@@ -100,7 +100,10 @@ def keep_checkpoint_weights(model: LlamaForCausalLM, weights: CheckpointView) ->
     """Before the load: every Linear whose weight tensors `weights` holds in a kept form becomes
     a CheckpointLinear over them; the number swapped. Nothing where the kernel cannot build
     here or the model is split across tensor-parallel ranks (the kept forms are whole)."""
-    if model.shard.tp.size != 1 or cpu_wq.unavailable() is not None:
+    if not weights.quantized or model.shard.tp.size != 1:  # a float checkpoint: no build
+        return 0
+    if cpu_wq.unavailable() is not None:
+        log.warning("checkpoint weights dequantized at load", why=cpu_wq.unavailable())
         return 0
     names = _linear_tensors(model)
     swapped = 0
