@@ -28,7 +28,7 @@ from llmserve.common.model_config import ModelSourceError, load_model_config
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.model.checkpoint_dequant import dequantize_mxfp4
 from llmserve.engine.model.checkpoint_formats import checkpoint_format
-from llmserve.engine.model.checkpoint_linear import CheckpointLinear
+from llmserve.engine.model.checkpoint_linear import CheckpointLinear, kept_description
 from llmserve.engine.model.layers import Linear, PackedLinear
 from llmserve.engine.model.weights import build_model, load_weights
 from llmserve.engine.step.engine import Engine
@@ -197,10 +197,16 @@ def test_gptq_and_awq_greedy_equal_the_dequantized_model(
     packed_dirs: Callable[[str], tuple[Path, Path]], name: str
 ) -> None:
     quantized, dequantized = packed_dirs(name)
-    got = generate(Engine(EngineConfig(model=str(quantized), **ENGINE)), PROMPTS, 6)
+    engine = Engine(EngineConfig(model=str(quantized), **ENGINE))
+    got = generate(engine, PROMPTS, 6)
     want = generate(Engine(EngineConfig(model=str(dequantized), **ENGINE)), PROMPTS, 6)
     assert got == want
     assert checkpoint_format(quantized).startswith(name.split("-")[0])
+    if cpu_wq.unavailable() is None:  # the start line: 2 layers x (qkv, o, gate_up, down)
+        held = checkpoint_format(quantized, kept_description(engine.model))
+        assert held.endswith(
+            "8 linears kept quantized on the CPU (8 int4), the rest dequantized at load"
+        )
 
 
 def test_mxfp4_dequantizes_as_transformers_gpt_oss_does() -> None:
