@@ -6,7 +6,7 @@ resident weight bytes (every parameter and buffer, the int8 kernel's packed layo
 top-1 agreement / mean KL against the float32 model, teacher-forced over llmserve/bench/quality.py's
 eight passages (363 positions). Writes bench/results/checkpoint_formats_quality.json.
 
-    python -m bench.checkpoint_formats_quality [--formats ct-w4a16-g32,...]
+    python -m bench.studies.checkpoint_formats_quality [--formats ct-w4a16-g32,...]
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Decode-step time and peak memory of quantized checkpoints served as stored on the CPU
 (kernels/cpu_wq.cpp through engine/model/checkpoint_linear.py), against float32 of the same
 model: the built-in SmolLM2-135M written in each format by llmserve/bench/quant_checkpoints.py
-(bench/checkpoint_formats_quality.py's writers), each served by its own process (peak RSS is
+(bench/studies/checkpoint_formats_quality.py's writers), each served by its own process (peak RSS is
 the process's VmHWM), one torch thread, batch 1 and 16, as bench/results/
 cpu_engine_steps_gguf.json measured the GGUF blocks; the built-in Q4_1 GGUF itself is served
 with --quantization gguf in the same run, beside them.
@@ -83,7 +83,7 @@ def main() -> None:
     if args.serve:
         print(json.dumps(serve(args.serve, args.steps, args.quantization)))
         return
-    from bench.checkpoint_formats_quality import float_checkpoint
+    from bench.studies.checkpoint_formats_quality import float_checkpoint
     from llmserve.bench.report import hardware
 
     results = []

@@ -33,7 +33,7 @@ from llmserve.engine.model.layers import Linear, PackedLinear
 from llmserve.engine.model.weights import build_model, load_weights
 from llmserve.engine.step.engine import Engine
 from llmserve.kernels import cpu_wq
-from tests.test_weights import PROMPT, our_logits, rel_err
+from tests.engine.model.test_weights import PROMPT, our_logits, rel_err
 
 pytest.importorskip(
     "compressed_tensors", reason="compressed-tensors (dev extra) writes the tests' checkpoints"
