@@ -21,6 +21,7 @@ from llmserve.common.gguf_file import TensorInfo, open_gguf
 from llmserve.common.model_config import ModelConfig, ModelSourceError
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.model.checkpoint_formats import CheckpointView, checkpoint_weights
+from llmserve.engine.model.checkpoint_linear import keep_checkpoint_weights
 from llmserve.engine.model.cpu_fused import install_fused_decode
 from llmserve.engine.model.cpu_weights import plan_weight_path
 from llmserve.engine.model.dummy import DummyWeights, init_dummy_weights
@@ -275,6 +276,8 @@ def build_model(
     if quantization == "gguf":
         assert isinstance(weights, GGUFBlocks), "--quantization gguf needs a GGUF file's weights"
         keep_gguf_blocks(model, weights, weights)
+    if quantization == "none" and device.type == "cpu" and isinstance(weights, CheckpointView):
+        keep_checkpoint_weights(model, weights)  # W4A16 / W8A16 / FP8 linears kept as stored
     if weights is None and model.shard.is_whole:
         init_dummy_weights(model, dummy_seed)
     elif weights is None:

@@ -3,8 +3,9 @@
 random float model (llmserve/bench/quant_checkpoints.py): compressed-tensors by the
 compressed-tensors library itself, GPTQ and AWQ by packing their documented layouts. The loader's
 weights must equal the format's own dequantization, its logits the dequantized float model's
-(transformers'
-forward), and its greedy tokens those of the dequantized model served by the same engine."""
+(transformers' forward), with every quantized projection served as stored on the CPU
+(engine/model/checkpoint_linear.py), and its greedy tokens those of the dequantized model served
+by the same engine."""
 
 from __future__ import annotations
 
@@ -27,8 +28,11 @@ from llmserve.common.model_config import ModelSourceError, load_model_config
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.model.checkpoint_dequant import dequantize_mxfp4
 from llmserve.engine.model.checkpoint_formats import checkpoint_format
+from llmserve.engine.model.checkpoint_linear import CheckpointLinear, kept_description
+from llmserve.engine.model.layers import Linear, PackedLinear
 from llmserve.engine.model.weights import build_model, load_weights
 from llmserve.engine.step.engine import Engine
+from llmserve.kernels import cpu_wq
 from tests.engine.model.test_weights import PROMPT, our_logits, rel_err
 
 pytest.importorskip(
@@ -42,6 +46,7 @@ ENGINE = dict(device="cpu", num_kv_blocks=32, max_model_len=128, seed=0)
 # 128 wide and 256 deep: group sizes 32, 64 and 128 all divide every projection.
 SHAPE = dict(hidden_size=128, intermediate_size=256)
 
+FLOAT_LINEARS = (Linear, PackedLinear)
 INT = dict(type="int", symmetric=True)
 FP8 = dict(num_bits=8, type="float", symmetric=True)
 # name -> (weights, input_activations, format forced or None for the library's choice)
@@ -120,6 +125,10 @@ def check_served_as_dequantized(quantized: Path, dequantized: Path) -> None:
         config, load_weights(quantized, config), 256, torch.float32, torch.device("cpu")
     )
     assert rel_err(our_logits(config, model), _hf_logits(dequantized)) < 1e-4
+    if cpu_wq.unavailable() is None:  # every quantized projection served as stored
+        float_linears = [n for n, m in model.named_modules() if isinstance(m, FLOAT_LINEARS)]
+        assert float_linears == ["lm_head"], float_linears
+        assert any(isinstance(m, CheckpointLinear) for m in model.modules())
 
 
 @pytest.mark.parametrize("scheme", list(CT_SCHEMES))
@@ -188,10 +197,16 @@ def test_gptq_and_awq_greedy_equal_the_dequantized_model(
     packed_dirs: Callable[[str], tuple[Path, Path]], name: str
 ) -> None:
     quantized, dequantized = packed_dirs(name)
-    got = generate(Engine(EngineConfig(model=str(quantized), **ENGINE)), PROMPTS, 6)
+    engine = Engine(EngineConfig(model=str(quantized), **ENGINE))
+    got = generate(engine, PROMPTS, 6)
     want = generate(Engine(EngineConfig(model=str(dequantized), **ENGINE)), PROMPTS, 6)
     assert got == want
     assert checkpoint_format(quantized).startswith(name.split("-")[0])
+    if cpu_wq.unavailable() is None:  # the start line: 2 layers x (qkv, o, gate_up, down)
+        held = checkpoint_format(quantized, kept_description(engine.model))
+        assert held.endswith(
+            "8 linears kept quantized on the CPU (8 int4), the rest dequantized at load"
+        )
 
 
 def test_mxfp4_dequantizes_as_transformers_gpt_oss_does() -> None:
