@@ -6,7 +6,7 @@ the process's VmHWM), one torch thread, batch 1 and 16, as bench/results/
 cpu_engine_steps_gguf.json measured the GGUF blocks; the built-in Q4_1 GGUF itself is served
 with --quantization gguf in the same run, beside them.
 
-    python bench/checkpoint_kernels_cpu.py [--steps 5] [--out FILE.json]
+    python bench/studies/checkpoint_kernels_cpu.py [--steps 5] [--out FILE.json]
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 FORMATS = ("float32", "gptq-w4a16-g128", "ct-w8a16-channel", "fp8-block-128", "gguf-builtin")
 BATCHES = (1, 16)
 PROMPT_LEN = 32
