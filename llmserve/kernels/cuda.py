@@ -8,7 +8,9 @@ kc.paged_attention(...)`. This module re-exports the wrappers, which live by con
 - kernels/layer_ops.py: rms_norm, rotary_embedding, silu_and_mul;
 - kernels/int8.py: the weight-only int8 linear (GEMV and tensor-core GEMM);
 - kernels/moe.py: the routed experts of a mixture-of-experts layer;
-- kernels/lora.py: batched LoRA, each row's adapter update (shrink, then expand).
+- kernels/lora.py: batched LoRA, each row's adapter update (shrink, then expand);
+- kernels/gated_delta.py: one decode step of the gated delta rule (Qwen3-Next's linear
+  attention) over a slot-indexed fp32 state pool.
 
 Each public function mirrors one in kernels/reference.py (the ground truth and the CPU path),
 checks shapes, strides, dtypes and devices before launching, and raises ValueError naming the
@@ -40,6 +42,7 @@ from llmserve.kernels.attention import (
     store_kv,
     store_kv_spec,
 )
+from llmserve.kernels.gated_delta import gated_delta_spec, gated_delta_step
 from llmserve.kernels.int8 import int8_gemm_spec, int8_linear
 from llmserve.kernels.launch import (
     _CTYPES,
@@ -84,6 +87,8 @@ __all__ = [
     "decode_slots",
     "decode_smem_bytes",
     "decode_spec",
+    "gated_delta_spec",
+    "gated_delta_step",
     "int8_gemm_spec",
     "int8_linear",
     "is_available",
@@ -117,6 +122,7 @@ def all_module_specs() -> list[ModuleSpec]:
         specs.append(layer_ops_spec(ctype))
         specs.append(moe_spec(ctype))
         specs.append(lora_spec(ctype))
+        specs.append(gated_delta_spec(ctype))
     for ctype in _CTYPES.values():
         specs.append(store_kv_spec(ctype))
         specs += [decode_spec(ctype, d, FP8_CTYPE) for d in HEAD_DIMS]
