@@ -1,10 +1,11 @@
-"""CPU checks of kernels/gated_delta.cu (Qwen3-Next's gated delta-rule decode step) on the kernel
-emulator of tests/kernel_emu/, launched through kernels/cuda.py's real wrapper and compared with
-kernels/gated_delta_reference.py in float64 terms (per-row relative L2 error).
+"""CPU checks of kernels/gated_delta.cu (Qwen3-Next's gated delta-rule decode step) and
+kernels/ssd_step.cu (Mamba-2's selective-state decode step) on the kernel emulator of
+tests/kernel_emu/, launched through kernels/cuda.py's real wrappers and compared with their
+references (gated_delta_reference.py, ssd_step_reference.py) by per-row relative L2 error.
 
-The case is the smallest that reaches the kernel's paths: dv over one CTA's 128 channels with a
-partial last CTA, dk not a multiple of 32, a skipped row (slot -1) whose state and output must
-stay untouched, and both index types. Skips without g++ or off Linux (the emulator needs both)."""
+Each case is the smallest that reaches the kernel's paths: a partial last CTA, a skipped row
+(slot out of range) whose output must stay unwritten, both index types. Skips without g++ or
+off Linux (the emulator needs both)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import pytest
 import torch
 
 from llmserve.kernels import gated_delta_reference as ref
+from llmserve.kernels import ssd_step_reference as ssd_ref
 from tests.kernel_emu import emu
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -100,3 +102,48 @@ def test_reference_matches_transformers_qwen3_next() -> None:
                          torch.arange(b), out)  # fmt: skip
     torch.testing.assert_close(out, want_out[:, 0], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(state, want_state, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "index_dtype"), [(torch.bfloat16, torch.int64), (torch.float16, torch.int32)]
+)
+def test_ssd_step_matches_reference(
+    emulator: emu.Emulator, dtype: torch.dtype, index_dtype: torch.dtype
+) -> None:
+    """Mamba-2's step: heads sharing a group's B and C (4 heads, 2 groups), head_dim 6 (a
+    partial CTA of 4 channels), d_state 40 (lanes past 32), a skipped row, dt both sides of
+    softplus's threshold."""
+    import llmserve.kernels.cuda as kc
+
+    torch.manual_seed(1)
+    rows, heads, groups, head_dim, d_state, slots = 3, 4, 2, 6, 40, 3
+    x = torch.randn(rows, heads, head_dim).to(dtype)
+    dt = torch.tensor([[-3.0, 0.5, 21.0, 1.0]] * rows)
+    dt_bias, a, d = torch.randn(heads) * 0.1, -torch.rand(heads) * 0.1, torch.randn(heads)
+    b, c = (torch.randn(rows, groups, d_state).to(dtype) for _ in range(2))
+    state = torch.randn(slots, heads, head_dim, d_state)
+    slot_ids = torch.tensor([1, 5, 0], dtype=index_dtype)
+    want_state = state.clone()
+    want = ssd_ref.ssd_step(x, dt, dt_bias, a, b, c, d, want_state, slot_ids,
+                            torch.zeros_like(x))  # fmt: skip
+    out = torch.full_like(x, float("nan"))
+    emulator.launches.clear()
+    kc.ssd_step(x, dt, dt_bias, a, b, c, d, state, slot_ids, out)
+    assert [(launch.grid, launch.block) for launch in emulator.launches] == [
+        ((rows, heads, 2), (128, 1, 1))
+    ]
+    tol = 1e-2 if dtype == torch.bfloat16 else 5e-3
+    assert _rel_err(out[[0, 2]], want[[0, 2]]) <= tol
+    assert out[1].isnan().all(), "the skipped row's output was written"
+    assert _rel_err(state, want_state) <= 1e-5, "the fp32 state differs from the reference"
+
+
+def test_ssd_step_names_bad_groups(emulator: emu.Emulator) -> None:
+    import llmserve.kernels.cuda as kc
+
+    x = torch.zeros(1, 3, 4, dtype=torch.float16)
+    f2, f1 = torch.zeros(1, 3), torch.zeros(3)
+    bc = torch.zeros(1, 2, 8, dtype=torch.float16)
+    with pytest.raises(ValueError, match=r"b.shape\[1\]=2 \(groups\) must divide"):
+        kc.ssd_step(x, f2, f1, f1, bc, bc, f1, torch.zeros(1, 3, 4, 8),
+                    torch.zeros(1, dtype=torch.int32), x.clone())  # fmt: skip

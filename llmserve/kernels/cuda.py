@@ -10,7 +10,8 @@ kc.paged_attention(...)`. This module re-exports the wrappers, which live by con
 - kernels/moe.py: the routed experts of a mixture-of-experts layer;
 - kernels/lora.py: batched LoRA, each row's adapter update (shrink, then expand);
 - kernels/gated_delta.py: one decode step of the gated delta rule (Qwen3-Next's linear
-  attention) over a slot-indexed fp32 state pool.
+  attention) over a slot-indexed fp32 state pool;
+- kernels/ssd_step.py: one decode step of Mamba-2's selective state space, likewise.
 
 Each public function mirrors one in kernels/reference.py (the ground truth and the CPU path),
 checks shapes, strides, dtypes and devices before launching, and raises ValueError naming the
@@ -62,6 +63,7 @@ from llmserve.kernels.launch import (
 from llmserve.kernels.layer_ops import layer_ops_spec, rms_norm, rotary_embedding, silu_and_mul
 from llmserve.kernels.lora import lora_add, lora_spec
 from llmserve.kernels.moe import moe_experts, moe_spec
+from llmserve.kernels.ssd_step import ssd_step, ssd_step_spec
 
 __all__ = [
     "DECODE_THREADS",
@@ -107,6 +109,8 @@ __all__ = [
     "rms_norm",
     "rotary_embedding",
     "silu_and_mul",
+    "ssd_step",
+    "ssd_step_spec",
     "store_kv",
     "store_kv_spec",
 ]
@@ -123,6 +127,7 @@ def all_module_specs() -> list[ModuleSpec]:
         specs.append(moe_spec(ctype))
         specs.append(lora_spec(ctype))
         specs.append(gated_delta_spec(ctype))
+        specs.append(ssd_step_spec(ctype))
     for ctype in _CTYPES.values():
         specs.append(store_kv_spec(ctype))
         specs += [decode_spec(ctype, d, FP8_CTYPE) for d in HEAD_DIMS]
