@@ -2,7 +2,8 @@
 kc.paged_attention(...)`. This module re-exports the wrappers, which live by concern:
 kernels/launch.py (NVRTC compilation through CuPy, caching, launching, the shared argument
 checks), attention.py (store_kv, paged decode and prefill attention), layer_ops.py (rms_norm,
-rotary_embedding, silu_and_mul), int8.py, moe.py and lora.py.
+rotary_embedding, silu_and_mul), int8.py, moe.py, lora.py, gated_delta.py (Qwen3-Next's
+linear attention, one decode step) and ssd_step.py (Mamba-2's, likewise).
 
 Each public function mirrors one in kernels/reference.py and checks its arguments before
 launching (ValueError naming the argument, its value and the limit). Importing this module needs
@@ -33,6 +34,7 @@ from llmserve.kernels.attention import (
     store_kv,
     store_kv_spec,
 )
+from llmserve.kernels.gated_delta import gated_delta_spec, gated_delta_step
 from llmserve.kernels.int8 import int8_gemm_spec, int8_linear
 from llmserve.kernels.launch import (
     _CTYPES,
@@ -52,6 +54,7 @@ from llmserve.kernels.launch import (
 from llmserve.kernels.layer_ops import layer_ops_spec, rms_norm, rotary_embedding, silu_and_mul
 from llmserve.kernels.lora import lora_add, lora_spec
 from llmserve.kernels.moe import moe_experts, moe_spec
+from llmserve.kernels.ssd_step import ssd_step, ssd_step_spec
 
 __all__ = [
     "DECODE_THREADS",
@@ -77,6 +80,8 @@ __all__ = [
     "decode_slots",
     "decode_smem_bytes",
     "decode_spec",
+    "gated_delta_spec",
+    "gated_delta_step",
     "int8_gemm_spec",
     "int8_linear",
     "is_available",
@@ -95,6 +100,8 @@ __all__ = [
     "rms_norm",
     "rotary_embedding",
     "silu_and_mul",
+    "ssd_step",
+    "ssd_step_spec",
     "store_kv",
     "store_kv_spec",
 ]
@@ -110,6 +117,8 @@ def all_module_specs() -> list[ModuleSpec]:
         specs.append(layer_ops_spec(ctype))
         specs.append(moe_spec(ctype))
         specs.append(lora_spec(ctype))
+        specs.append(gated_delta_spec(ctype))
+        specs.append(ssd_step_spec(ctype))
     for ctype in _CTYPES.values():
         specs.append(store_kv_spec(ctype))
         specs += [decode_spec(ctype, d, FP8_CTYPE) for d in HEAD_DIMS]
