@@ -51,3 +51,19 @@ def test_matches_transformers() -> None:
     )
     torch.testing.assert_close(out, ref[0].float(), atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(s, ref_s[0].float(), atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "arch",
+    [
+        "Qwen3NextForCausalLM",
+        "GraniteMoeHybridForCausalLM",
+        "NemotronHForCausalLM",
+        "FalconH1ForCausalLM",
+    ],
+)
+def test_hybrid_models_refused_by_name(arch: str) -> None:
+    from llmserve.common.families import registry
+
+    with pytest.raises(registry.UnservedModelError, match=f"{arch} is a hybrid linear-attention"):
+        registry.family_for_hf({"architectures": [arch]}, "config.json")
