@@ -77,6 +77,18 @@ def served_gguf_architectures() -> list[str]:
     return sorted(f.gguf_architecture for f in FAMILIES.values() if f.gguf_architecture)
 
 
+# Hybrid linear-attention families known by name and refused with the reason (docs/models.md,
+# "Not served yet: hybrid linear attention"): their layers keep a per-request recurrent state
+# (short-convolution inputs + SSM / delta-rule state) that the scheduler does not own yet.
+_HYBRID_STATE = "a per-request recurrent state (conv + {}) the scheduler does not allocate yet"
+REFUSED_HYBRIDS = {
+    "Qwen3NextForCausalLM": _HYBRID_STATE.format("gated delta-rule state"),
+    "GraniteMoeHybridForCausalLM": _HYBRID_STATE.format("Mamba-2 SSM state"),
+    "NemotronHForCausalLM": _HYBRID_STATE.format("Mamba-2 SSM state"),
+    "FalconH1ForCausalLM": _HYBRID_STATE.format("Mamba-2 SSM state"),
+}
+
+
 def family_for_hf(cfg: Mapping[str, Any], where: str) -> Family:
     """The family of an HF config.json: the first of its `architectures` we serve, or, when it
     lists none, its `model_type` (a config without either is read as Llama's)."""
@@ -90,6 +102,12 @@ def family_for_hf(cfg: Mapping[str, Any], where: str) -> Family:
             if (model_type or "llama") in family.hf_model_types:
                 return family
     what = f"architectures={archs}" if archs else f"model_type={model_type!r}"
+    for arch in archs:
+        if arch in REFUSED_HYBRIDS:
+            raise UnservedModelError(
+                f"{where}: {arch} is a hybrid linear-attention model, not served yet: its layers "
+                f"need {REFUSED_HYBRIDS[arch]} (docs/models.md)"
+            )
     raise UnservedModelError(
         f"{where}: {what} is not served; served architectures: " + ", ".join(served_architectures())
     )
