@@ -180,8 +180,11 @@ def checkpoint_weights(
     return CheckpointView(weights, fmt, dtypes)
 
 
-def checkpoint_format(path: Path) -> str:
+def checkpoint_format(path: Path, kept: bool = False) -> str:
     """What the engine's start line names: the checkpoint's quantization format ("none" for a
-    float checkpoint or a GGUF file, whose blocks --quantization describes)."""
+    float checkpoint or a GGUF file, whose blocks --quantization describes); `kept`: its
+    integer weights held in the CPU kernel's blocks (engine/model/checkpoint_blocks.py)."""
     described = read_format(path).describe()
-    return described if described == "none" else f"{described}, dequantized at load"
+    if described == "none":
+        return described
+    return f"{described}, {'kept in GGUF blocks' if kept else 'dequantized at load'}"

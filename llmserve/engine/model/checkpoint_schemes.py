@@ -24,6 +24,7 @@ from llmserve.engine.model.checkpoint_dequant import (
     dequantize_fp8_block,
     dequantize_gptq,
     dequantize_mxfp4,
+    expand_groups,
     unpack_int32,
 )
 
@@ -57,6 +58,12 @@ class WeightScheme:
 
     def dequantize(self, stem: str, get: Getter) -> torch.Tensor:
         raise AssertionError("an unquantized checkpoint has no quantized weight")
+
+    def scale_form(self, stem: str, get: Getter) -> tuple[torch.Tensor, int] | None:
+        """(each weight's scale float32 [N, K], bits) of an integer weight w = s * (q - z), for
+        engine/model/checkpoint_blocks.py to hold it in the CPU kernel's blocks; None where the
+        scheme is not integer weights (fp8, mxfp4) or is per tensor."""
+        return None
 
     def describe(self) -> str:
         return "none"
@@ -104,6 +111,12 @@ class Gptq(WeightScheme):
             self.bits, group, self.zero_offset,
         )  # fmt: skip
 
+    def scale_form(self, stem: str, get: Getter) -> tuple[torch.Tensor, int] | None:
+        scales = _need(get, stem, ".scales")
+        k = _need(get, stem, ".qweight").shape[0] * (32 // self.bits)
+        group = self.group_size if self.group_size > 0 else k
+        return expand_groups(scales.t().float(), k, group, get(".g_idx")), self.bits
+
     def describe(self) -> str:
         order = ", act-order" if self.desc_act else ""
         version = "gptq" if self.zero_offset else "gptq_v2"
@@ -124,6 +137,11 @@ class Awq(WeightScheme):
             _need(get, stem, ".qweight"), _need(get, stem, ".qzeros"),
             _need(get, stem, ".scales"), self.group_size,
         )  # fmt: skip
+
+    def scale_form(self, stem: str, get: Getter) -> tuple[torch.Tensor, int] | None:
+        k = _need(get, stem, ".qweight").shape[0]
+        scales = _need(get, stem, ".scales").t().float()
+        return expand_groups(scales, k, self.group_size), 4
 
     def describe(self) -> str:
         return f"awq gemm int4 group {self.group_size}"
@@ -234,6 +252,17 @@ class CompressedTensors(WeightScheme):
             q, _need(get, stem, ".weight_scale"), zero_point, group.strategy, group.size,
             get(".weight_g_idx"),
         )  # fmt: skip
+
+    def scale_form(self, stem: str, get: Getter) -> tuple[torch.Tensor, int] | None:
+        group = self.group_for(stem)
+        if group.type != "int" or group.strategy not in ("group", "channel"):
+            return None
+        packed = get(".weight_packed")
+        k = int(_need(get, stem, ".weight_shape")[-1]) if packed is not None else None
+        k = k if k is not None else _need(get, stem, ".weight").shape[-1]
+        scale = _need(get, stem, ".weight_scale").float()
+        size = group.size[1] if group.strategy == "group" else k
+        return expand_groups(scale, k, size, get(".weight_g_idx")), group.bits
 
     def describe(self) -> str:
         return "compressed-tensors " + "; ".join(dict.fromkeys(g.describe() for g in self.groups))

@@ -20,7 +20,12 @@ from llmserve.common.families import FAMILIES
 from llmserve.common.gguf_file import TensorInfo, open_gguf
 from llmserve.common.model_config import ModelConfig, ModelSourceError
 from llmserve.engine.config import EngineConfig
-from llmserve.engine.model.checkpoint_formats import CheckpointView, checkpoint_weights
+from llmserve.engine.model.checkpoint_blocks import CheckpointBlocks, can_keep
+from llmserve.engine.model.checkpoint_formats import (
+    CheckpointView,
+    checkpoint_weights,
+    read_format,
+)
 from llmserve.engine.model.cpu_fused import install_fused_decode
 from llmserve.engine.model.cpu_weights import plan_weight_path
 from llmserve.engine.model.dummy import DummyWeights, init_dummy_weights
@@ -214,8 +219,11 @@ def resolve_quantization(
     else none."""
     if name != "auto":
         return name
-    if path.is_dir() or device.type != "cpu":
+    if device.type != "cpu":
         return "none"
+    if path.is_dir():  # a W4A16 / W8A16 checkpoint: its projections in the kernel's blocks
+        keep = whole and not dummy and can_keep(read_format(path)) and not gguf_kernel_missing()
+        return "gguf" if keep else "none"
     # The query projection's type (Phi-3's is fused with k and v: attn_qkv).
     query = ("attn_q.weight", "attn_qkv.weight")
     types = {t.ggml_type for t in open_gguf(path).tensors if t.name.endswith(query)}
@@ -230,8 +238,11 @@ def gguf_limits(path: Path, device: torch.device, whole: bool, dummy: bool) -> s
     """Why --quantization gguf cannot serve `path` on `device` (None when it can)."""
     if device.type != "cpu":
         return f"--quantization gguf runs on a CPU, not {device}"
-    if path.is_dir() or dummy:
-        return "--quantization gguf keeps a GGUF file's blocks: it needs --model FILE.gguf loaded"
+    if dummy or (path.is_dir() and not can_keep(read_format(path))):
+        return (
+            "--quantization gguf keeps a GGUF file's blocks or a W4A16 / W8A16 checkpoint's "
+            "(GPTQ, AWQ, compressed-tensors int): it needs such a --model loaded"
+        )
     if not whole:
         return "--quantization gguf does not split blocks across tensor-parallel ranks"
     return None
@@ -273,7 +284,9 @@ def build_model(
         model = model.to(dtype).to_empty(device=device)
     model.reset_rotary()
     if quantization == "gguf":
-        assert isinstance(weights, GGUFBlocks), "--quantization gguf needs a GGUF file's weights"
+        if isinstance(weights, CheckpointView):
+            weights = CheckpointBlocks(weights)
+        assert isinstance(weights, GGUFBlocks), "--quantization gguf needs blocks to keep"
         keep_gguf_blocks(model, weights, weights)
     if weights is None and model.shard.is_whole:
         init_dummy_weights(model, dummy_seed)
@@ -283,7 +296,10 @@ def build_model(
         model.load_weights(weights)
     model = model.eval().requires_grad_(False)
     if quantization == "gguf":
-        quantize_rest(model)
+        if not isinstance(weights, CheckpointBlocks):
+            quantize_rest(model)
+        elif dtype == torch.float32 and can_pack_cpu_linears():  # the rest stays float
+            model.replace_linears(PackedLinear)
         plan_weight_path(model, dense_budget_mib, dense_rows)
         install_fused_decode(model)
     elif quantization != "none":

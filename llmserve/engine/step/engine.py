@@ -202,7 +202,9 @@ class Engine:
             device=str(self.device),
             dtype=self.info.dtype,
             quantization=self.quantization,
-            checkpoint_format="none" if config.load_format == "dummy" else checkpoint_format(path),
+            checkpoint_format="none"
+            if config.load_format == "dummy"
+            else checkpoint_format(path, self.quantization == "gguf"),
             speculative_method=self.info.speculative_method or "none",
             kv_cache_dtype=str(self.kv_dtype).removeprefix("torch."),
             ops=self.model.ops.name,
