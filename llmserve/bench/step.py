@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import statistics
 import tempfile
 import time
@@ -92,6 +93,9 @@ def run(specs: list[str], batches: list[int], args: argparse.Namespace) -> dict[
         "hardware": hardware(torch_threads=True),
         "settings": settings,
         "load_average_1min": [round(x, 2) for x in load],
+        # the process's peak resident memory, all arms together: time one arm a run to read
+        # an arm's own (engine build and steps included)
+        "max_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
         "results": [{"arm": a.spec, "config": _config_row(a), "rows": rows[a.spec]} for a in arms],
     }
 
