@@ -91,6 +91,8 @@ def _tensor_bytes(value: object, seen: set[int]) -> int:
         return value.numel() * value.element_size()
     if is_dataclass(value):
         return sum(_tensor_bytes(getattr(value, f.name), seen) for f in fields(value))
+    if isinstance(value, (list, tuple)):  # CheckpointLinear's segments: (PackedWQ, perm)
+        return sum(_tensor_bytes(v, seen) for v in value)
     return 0
 
 

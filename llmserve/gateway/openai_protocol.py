@@ -85,6 +85,13 @@ class SamplingRequest(NullIsDefault):
         description="under the scheduler's priority policy, lower runs first (vLLM's "
         "convention); ties go by arrival",
     )
+    # vLLM's prompt logprobs: declared so that a request naming it gets a 400 (the engine does
+    # not compute prompt logprobs yet) rather than an answer silently without them.
+    prompt_logprobs: int | None = None
+    # vLLM's, with no engine support yet: a value other than the no-op default is a 400
+    # (a silently ignored penalty or floor would change the answer without saying so).
+    repetition_penalty: float | None = None
+    min_tokens: _INT32 | None = None
     # Ours: decode this request without speculative decoding (protos/api.proto).
     disable_speculation: bool = False
     # Structured output: OpenAI's response_format ({"type": "json_object"} or {"type":
@@ -297,6 +304,18 @@ def _check_common(body: SamplingRequest, num_prompts: int) -> None:
         )
     if body.stream_options is not None and not body.stream:
         raise ValidationError("stream_options is only allowed with stream=true")
+    if body.prompt_logprobs is not None:
+        raise ValidationError(
+            f"prompt_logprobs={body.prompt_logprobs} is not supported: this server does not "
+            "compute the prompt's logprobs"
+        )
+    if body.repetition_penalty is not None and body.repetition_penalty != 1.0:
+        raise ValidationError(
+            f"repetition_penalty={body.repetition_penalty} is not supported (only 1.0); "
+            "use presence_penalty / frequency_penalty"
+        )
+    if body.min_tokens:
+        raise ValidationError(f"min_tokens={body.min_tokens} is not supported (only 0)")
 
 
 def check_queue(n: int, num_prompts: int, max_waiting: int) -> None:

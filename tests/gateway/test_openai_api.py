@@ -269,6 +269,17 @@ def test_chat_logprobs(stack: Stack) -> None:
         ({"prompt": ""}, "prompt", "prompt is empty"),
         ({"prompt": [1, 2, 9999]}, "prompt", "prompt[2]=9999 is outside the vocabulary"),
         ({"echo": True, "logprobs": 1}, "echo", "echo with logprobs is not supported"),
+        (
+            {"extra_body": {"prompt_logprobs": 1}},
+            "prompt_logprobs",
+            "prompt_logprobs=1 is not supported",
+        ),
+        (
+            {"extra_body": {"repetition_penalty": 1.2}},
+            "repetition_penalty",
+            "repetition_penalty=1.2 is not supported (only 1.0)",
+        ),
+        ({"extra_body": {"min_tokens": 4}}, "min_tokens", "min_tokens=4 is not supported"),
         ({"temperature": "hot"}, "temperature", "temperature='hot': Input should be a valid"),
         ({"stop": [f"s{i}" for i in range(17)]}, "stop", "at most 16 are allowed"),
         ({"logit_bias": {"x": 1.0}}, "logit_bias", "logit_bias key 'x' is not a token id"),
@@ -298,6 +309,11 @@ def test_invalid_completion_is_bad_request(
             "messages[0].role='wizard'",
         ),
         ({"top_logprobs": 3}, "top_logprobs", "top_logprobs=3 needs logprobs=true"),
+        (
+            {"extra_body": {"prompt_logprobs": 0}},
+            "prompt_logprobs",
+            "prompt_logprobs=0 is not supported",
+        ),
         ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "must be in [0, 20]"),
         (
             {
@@ -333,7 +349,9 @@ def test_what_sdks_and_proxies_send(stack: Stack) -> None:
     ContextWindowExceededError; ids past int32 and malformed assistant calls are 400s naming
     the field (they were 500s)."""
     nulls = {"n": None, "stream": None, "logprobs": None, "parallel_tool_calls": None,
-             "temperature": None, "stop": None, "tool_choice": None}  # fmt: skip
+             "temperature": None, "stop": None, "tool_choice": None,
+             # vLLM's no-op defaults (other values are refused: not supported yet)
+             "repetition_penalty": 1.0, "min_tokens": 0, "prompt_logprobs": None}  # fmt: skip
     reply = sdk(stack).chat.completions.create(
         model="fake-echo", messages=USER, max_tokens=3, extra_body=nulls
     )

@@ -166,15 +166,15 @@ def dequantize_awq(
     n = scales.shape[1]
     _expect("scales", scales.shape, (-(-k // group_size), words * 8))
     _expect("qzeros", qzeros.shape, (scales.shape[0], words))
-    reverse = torch.tensor(AWQ_REVERSE_ORDER)
-
-    def columns(packed: torch.Tensor) -> torch.Tensor:
-        nibbles = unpack_int32(packed, 4, packed.shape[-1] * 8).unflatten(-1, (-1, 8))
-        return nibbles[..., reverse].flatten(-2)[..., :n]
-
     scale = expand_groups(scales.t().float(), k, group_size)  # [N, K]
-    zero = expand_groups(columns(qzeros).t().float(), k, group_size)
-    return (columns(qweight).t().float() - zero) * scale
+    zero = expand_groups(awq_columns(qzeros, n).t().float(), k, group_size)
+    return (awq_columns(qweight, n).t().float() - zero) * scale
+
+
+def awq_columns(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """AWQ's int32 [R, N / 8] words unpacked to the 4-bit values [R, N] in column order."""
+    nibbles = unpack_int32(packed, 4, packed.shape[-1] * 8).unflatten(-1, (-1, 8))
+    return nibbles[..., torch.tensor(AWQ_REVERSE_ORDER)].flatten(-2)[..., :n]
 
 
 def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

@@ -8,10 +8,13 @@ not read, a tensor whose name or dtype the declared scheme does not explain (a s
 declared format, a float8 or integer weight with no scale), or, after a whole model's load, a
 tensor no layer asked for: each stops the start, naming it.
 
-Every format is dequantized at load to float32 and then held as the model's dtype (or, with
---quantization int8, re-held in the int8 layers): the served model is the checkpoint's
-dequantized float model. Activation scales a checkpoint carries (FP8 W8A8's input_scale) are
-read and recorded, not emulated. docs/quantization.md, "Checkpoint formats", has the table.
+On a CPU, W4A16, W8A16 and FP8 linear weights are kept as stored (`CheckpointView.kept`,
+engine/model/checkpoint_linear.py, kernels/cpu_wq.cpp); every other weight, and every weight on
+a GPU, is dequantized at load to float32 and then held as the model's dtype (or, with
+--quantization int8, re-held in the int8 layers). Either way the served model computes the
+checkpoint's dequantized float model. Activation scales a checkpoint carries (FP8 W8A8's
+input_scale) are read and recorded, not emulated. docs/quantization.md, "Checkpoint formats",
+has the table.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from llmserve.engine.model.checkpoint_schemes import (
     WeightScheme,
     read_scheme,
 )
+from llmserve.engine.model.kept_weights import KeptWeight
 
 log = get_logger(__name__)
 
@@ -136,6 +140,14 @@ class CheckpointView(Mapping[str, torch.Tensor]):
             return self.weights[name]
         return self.fmt.dequantize(stem, lambda suffix: self._stored(stem + suffix))
 
+    def kept(self, name: str) -> KeptWeight | None:
+        """The quantized weight presented as `name`, as stored, for the CPU kernels (None: a
+        float tensor, or one its scheme does not keep: read it dequantized)."""
+        stem = self.quantized.get(name)
+        if stem is None:
+            return None
+        return self.fmt.kept(stem, lambda suffix: self._stored(stem + suffix))
+
     def _stored(self, name: str) -> torch.Tensor | None:
         if name not in self.weights:
             return None
@@ -180,11 +192,12 @@ def checkpoint_weights(
     return CheckpointView(weights, fmt, dtypes)
 
 
-def checkpoint_format(path: Path, kept: bool = False) -> str:
+def checkpoint_format(path: Path, kept: str = "") -> str:
     """What the engine's start line names: the checkpoint's quantization format ("none" for a
-    float checkpoint or a GGUF file, whose blocks --quantization describes); `kept`: its
-    integer weights held in the CPU kernel's blocks (engine/model/checkpoint_blocks.py)."""
+    float checkpoint or a GGUF file, whose blocks --quantization describes) and how it is held:
+    `kept` (engine/model/checkpoint_linear.py's kept_description) or dequantized at load."""
     described = read_format(path).describe()
     if described == "none":
         return described
-    return f"{described}, {'kept in GGUF blocks' if kept else 'dequantized at load'}"
+    held = f"{kept}, the rest dequantized at load" if kept else "dequantized at load"
+    return f"{described}, {held}"

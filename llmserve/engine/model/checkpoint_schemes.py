@@ -2,9 +2,11 @@
 `quantization_config` (`read_scheme`): which tensors hold a quantized weight (`primaries`: name
 suffix -> safetensors dtypes), which travel with it (`companions`, of which `required` must be
 there), the float name the model asks for (`presented`), and how the weight comes back as float32
-(`dequantize`, through engine/model/checkpoint_dequant.py). A method, option or value a class does
-not read raises ModelSourceError naming it. engine/model/checkpoint_formats.py applies the rule that
-no tensor goes unread; docs/quantization.md has the table.
+(`dequantize`, through engine/model/checkpoint_dequant.py), or kept as stored for the CPU
+kernels (`kept`: engine/model/kept_weights.py; None where a weight does not fit). A method,
+option or value a class does not read raises ModelSourceError naming it.
+engine/model/checkpoint_formats.py applies the rule that no tensor goes unread;
+docs/quantization.md has the table.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch
 
 from llmserve.common.model_config import ModelSourceError
 from llmserve.engine.model.checkpoint_dequant import (
+    awq_columns,
     dequantize_awq,
     dequantize_ct,
     dequantize_fp8_block,
@@ -27,6 +30,7 @@ from llmserve.engine.model.checkpoint_dequant import (
     expand_groups,
     unpack_int32,
 )
+from llmserve.engine.model.kept_weights import KeptWeight, fp8_weight, int_weight
 
 SUPPORTED = (
     "fp8 (weight_block_size), compressed-tensors (pack-quantized, int-quantized, "
@@ -35,6 +39,8 @@ SUPPORTED = (
 # A module's stored tensor by name suffix (".weight_scale"), or None where it has none; each
 # tensor handed out is recorded as read.
 Getter = Callable[[str], "torch.Tensor | None"]
+# compressed-tensors' stored (q, scale, zero_point, g_idx) of one module
+CtTensors = tuple[torch.Tensor, torch.Tensor, "torch.Tensor | None", "torch.Tensor | None"]
 
 
 def _need(get: Getter, stem: str, suffix: str) -> torch.Tensor:
@@ -59,6 +65,10 @@ class WeightScheme:
     def dequantize(self, stem: str, get: Getter) -> torch.Tensor:
         raise AssertionError("an unquantized checkpoint has no quantized weight")
 
+    def kept(self, stem: str, get: Getter) -> KeptWeight | None:
+        """The weight as stored, for the CPU kernels; None: dequantize it instead."""
+        return None
+
     def scale_form(self, stem: str, get: Getter) -> tuple[torch.Tensor, int] | None:
         """(each weight's scale float32 [N, K], bits) of an integer weight w = s * (q - z), for
         engine/model/checkpoint_blocks.py to hold it in the CPU kernel's blocks; None where the
@@ -82,6 +92,10 @@ class Fp8Block(WeightScheme):
     def dequantize(self, stem: str, get: Getter) -> torch.Tensor:
         weight = _need(get, stem, ".weight")
         return dequantize_fp8_block(weight, _need(get, stem, ".weight_scale_inv"), self.block)
+
+    def kept(self, stem: str, get: Getter) -> KeptWeight | None:
+        return fp8_weight(_need(get, stem, ".weight"), _need(get, stem, ".weight_scale_inv"),
+                          self.block)  # fmt: skip
 
     def describe(self) -> str:
         return f"fp8-block {list(self.block)}"
@@ -111,6 +125,17 @@ class Gptq(WeightScheme):
             self.bits, group, self.zero_offset,
         )  # fmt: skip
 
+    def kept(self, stem: str, get: Getter) -> KeptWeight | None:
+        qweight, scales = _need(get, stem, ".qweight"), _need(get, stem, ".scales")
+        k, n = qweight.shape[0] * (32 // self.bits), scales.shape[1]
+        qzeros = _need(get, stem, ".qzeros")
+        if self.bits not in (4, 8) or qzeros.shape != (scales.shape[0], n * self.bits // 32):
+            return None
+        zeros = unpack_int32(qzeros, self.bits, n) + self.zero_offset  # [G, N]
+        q = unpack_int32(qweight.t(), self.bits, k)
+        group = self.group_size if self.group_size > 0 else k
+        return int_weight(self.bits, q, scales.t(), zeros.t(), group, get(".g_idx"))
+
     def scale_form(self, stem: str, get: Getter) -> tuple[torch.Tensor, int] | None:
         scales = _need(get, stem, ".scales")
         k = _need(get, stem, ".qweight").shape[0] * (32 // self.bits)
@@ -137,6 +162,12 @@ class Awq(WeightScheme):
             _need(get, stem, ".qweight"), _need(get, stem, ".qzeros"),
             _need(get, stem, ".scales"), self.group_size,
         )  # fmt: skip
+
+    def kept(self, stem: str, get: Getter) -> KeptWeight | None:
+        qweight, scales = _need(get, stem, ".qweight"), _need(get, stem, ".scales")
+        n = scales.shape[1]
+        q, zeros = (awq_columns(t, n).t() for t in (qweight, _need(get, stem, ".qzeros")))
+        return int_weight(4, q, scales.t(), zeros, self.group_size)
 
     def scale_form(self, stem: str, get: Getter) -> tuple[torch.Tensor, int] | None:
         k = _need(get, stem, ".qweight").shape[0]
@@ -226,7 +257,8 @@ class CompressedTensors(WeightScheme):
             f"(targets: {targets})"
         )
 
-    def dequantize(self, stem: str, get: Getter) -> torch.Tensor:
+    def stored(self, stem: str, get: Getter) -> tuple[CtGroup, CtTensors]:
+        """The module's group and (q, scale, zero_point, g_idx) as stored, q unpacked."""
         group = self.group_for(stem)
         packed = get(".weight_packed")
         if (packed is not None) != (group.format == "pack-quantized"):
@@ -248,10 +280,24 @@ class CompressedTensors(WeightScheme):
             raise ModelSourceError(f"{stem}.weight_zero_point is missing (asymmetric scheme)")
         for activation in (".input_scale", ".input_zero_point"):
             get(activation)  # static activation parameters: read, recorded, not emulated
-        return dequantize_ct(
-            q, _need(get, stem, ".weight_scale"), zero_point, group.strategy, group.size,
-            get(".weight_g_idx"),
-        )  # fmt: skip
+        scale = _need(get, stem, ".weight_scale")
+        return group, (q, scale, zero_point, get(".weight_g_idx"))
+
+    def dequantize(self, stem: str, get: Getter) -> torch.Tensor:
+        group, (q, scale, zero_point, g_idx) = self.stored(stem, get)
+        return dequantize_ct(q, scale, zero_point, group.strategy, group.size, g_idx)
+
+    def kept(self, stem: str, get: Getter) -> KeptWeight | None:
+        group, (q, scale, zero_point, g_idx) = self.stored(stem, get)
+        n, k = q.shape[-2:]
+        size = {"tensor": (n, k), "channel": (1, k)}.get(group.strategy, group.size)
+        if q.dim() != 2:  # experts: dequantized
+            return None
+        if group.type == "float":
+            return None if zero_point is not None else fp8_weight(q, scale, size)
+        scale = _per_row(scale, n, size[0])
+        zero_point = None if zero_point is None else _per_row(zero_point, n, size[0])
+        return int_weight(group.bits, q, scale, zero_point, size[1], g_idx)
 
     def scale_form(self, stem: str, get: Getter) -> tuple[torch.Tensor, int] | None:
         group = self.group_for(stem)
@@ -266,6 +312,12 @@ class CompressedTensors(WeightScheme):
 
     def describe(self) -> str:
         return "compressed-tensors " + "; ".join(dict.fromkeys(g.describe() for g in self.groups))
+
+
+def _per_row(table: torch.Tensor, n: int, rows: int) -> torch.Tensor:
+    """A scale or zero-point table [N or ceil(N / rows) or 1, G] as one row per output channel."""
+    table = table.reshape(-1, table.shape[-1]) if table.dim() else table.reshape(1, 1)
+    return table if table.shape[0] == n else table.repeat_interleave(rows, dim=0)[:n]
 
 
 def read_scheme(path: Path, qc: Any) -> WeightScheme:

@@ -26,6 +26,7 @@ from llmserve.engine.model.checkpoint_formats import (
     checkpoint_weights,
     read_format,
 )
+from llmserve.engine.model.checkpoint_linear import keep_checkpoint_weights
 from llmserve.engine.model.cpu_fused import install_fused_decode
 from llmserve.engine.model.cpu_weights import plan_weight_path
 from llmserve.engine.model.dummy import DummyWeights, init_dummy_weights
@@ -219,11 +220,8 @@ def resolve_quantization(
     else none."""
     if name != "auto":
         return name
-    if device.type != "cpu":
+    if path.is_dir() or device.type != "cpu":
         return "none"
-    if path.is_dir():  # a W4A16 / W8A16 checkpoint: its projections in the kernel's blocks
-        keep = whole and not dummy and can_keep(read_format(path)) and not gguf_kernel_missing()
-        return "gguf" if keep else "none"
     # The query projection's type (Phi-3's is fused with k and v: attn_qkv).
     query = ("attn_q.weight", "attn_qkv.weight")
     types = {t.ggml_type for t in open_gguf(path).tensors if t.name.endswith(query)}
@@ -284,10 +282,9 @@ def build_model(
         model = model.to(dtype).to_empty(device=device)
     model.reset_rotary()
     if quantization == "gguf":
-        if isinstance(weights, CheckpointView):
-            weights = CheckpointBlocks(weights)
-        assert isinstance(weights, GGUFBlocks), "--quantization gguf needs blocks to keep"
-        keep_gguf_blocks(model, weights, weights)
+        weights = _keep_blocks(model, weights)
+    if quantization == "none" and device.type == "cpu" and isinstance(weights, CheckpointView):
+        keep_checkpoint_weights(model, weights)  # W4A16 / W8A16 / FP8 linears kept as stored
     if weights is None and model.shard.is_whole:
         init_dummy_weights(model, dummy_seed)
     elif weights is None:
@@ -307,6 +304,16 @@ def build_model(
     elif device.type == "cpu" and dtype == torch.float32 and can_pack_cpu_linears():
         model.replace_linears(PackedLinear)
     return model
+
+
+def _keep_blocks(model: LlamaForCausalLM, weights: Mapping[str, torch.Tensor] | None) -> GGUFBlocks:
+    """--quantization gguf, before the load: a GGUF file's blocks or a W4A16 / W8A16 checkpoint's
+    integer weights (engine/model/checkpoint_blocks.py) swapped in as GGUFLinears."""
+    if isinstance(weights, CheckpointView):
+        weights = CheckpointBlocks(weights)
+    assert isinstance(weights, GGUFBlocks), "--quantization gguf needs blocks to keep"
+    keep_gguf_blocks(model, weights, weights)
+    return weights
 
 
 def checked_quantization(

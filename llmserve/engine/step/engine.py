@@ -38,6 +38,7 @@ from llmserve.engine.kv.cache import allocate_kv_cache, bytes_per_block, layer_v
 from llmserve.engine.kv.disaggregation import KVTransfers
 from llmserve.engine.kv.offload import KVTiers
 from llmserve.engine.model.checkpoint_formats import checkpoint_format
+from llmserve.engine.model.checkpoint_linear import kept_description
 from llmserve.engine.model.model import LlamaForCausalLM
 from llmserve.engine.model.weights import checked_quantization, load_model
 from llmserve.engine.parallel.groups import Parallel, shard_config, whole_model
@@ -195,6 +196,8 @@ class Engine:
     ) -> None:
         """The engine's one log line at start: what it loaded, where, and the memory it took."""
         config = self.config
+        blocks = "projections in GGUF blocks" if self.quantization == "gguf" else ""
+        kept = kept_description(self.model) or blocks
         log.info(
             "engine loaded",
             model=str(path),
@@ -202,9 +205,9 @@ class Engine:
             device=str(self.device),
             dtype=self.info.dtype,
             quantization=self.quantization,
-            checkpoint_format="none"
-            if config.load_format == "dummy"
-            else checkpoint_format(path, self.quantization == "gguf"),
+            checkpoint_format=(
+                "none" if config.load_format == "dummy" else checkpoint_format(path, kept)
+            ),
             speculative_method=self.info.speculative_method or "none",
             kv_cache_dtype=str(self.kv_dtype).removeprefix("torch."),
             ops=self.model.ops.name,

@@ -3,8 +3,9 @@
 random float model (llmserve/bench/quant_checkpoints.py): compressed-tensors by the
 compressed-tensors library itself, GPTQ and AWQ by packing their documented layouts. The loader's
 weights must equal the format's own dequantization, its logits the dequantized float model's
-(transformers'
-forward), and its greedy tokens those of the dequantized model served by the same engine."""
+(transformers' forward), with every quantized projection served as stored on the CPU
+(engine/model/checkpoint_linear.py), and its greedy tokens those of the dequantized model served
+by the same engine."""
 
 from __future__ import annotations
 
@@ -27,8 +28,11 @@ from llmserve.common.model_config import ModelSourceError, load_model_config
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.model.checkpoint_dequant import dequantize_mxfp4
 from llmserve.engine.model.checkpoint_formats import checkpoint_format
+from llmserve.engine.model.checkpoint_linear import CheckpointLinear, kept_description
+from llmserve.engine.model.layers import Linear, PackedLinear
 from llmserve.engine.model.weights import build_model, load_weights
 from llmserve.engine.step.engine import Engine
+from llmserve.kernels import cpu_wq
 from tests.engine.model.test_weights import PROMPT, our_logits, rel_err
 
 pytest.importorskip(
@@ -42,6 +46,7 @@ ENGINE = dict(device="cpu", num_kv_blocks=32, max_model_len=128, seed=0)
 # 128 wide and 256 deep: group sizes 32, 64 and 128 all divide every projection.
 SHAPE = dict(hidden_size=128, intermediate_size=256)
 
+FLOAT_LINEARS = (Linear, PackedLinear)
 INT = dict(type="int", symmetric=True)
 FP8 = dict(num_bits=8, type="float", symmetric=True)
 # name -> (weights, input_activations, format forced or None for the library's choice)
@@ -120,6 +125,10 @@ def check_served_as_dequantized(quantized: Path, dequantized: Path) -> None:
         config, load_weights(quantized, config), 256, torch.float32, torch.device("cpu")
     )
     assert rel_err(our_logits(config, model), _hf_logits(dequantized)) < 1e-4
+    if cpu_wq.unavailable() is None:  # every quantized projection served as stored
+        float_linears = [n for n, m in model.named_modules() if isinstance(m, FLOAT_LINEARS)]
+        assert float_linears == ["lm_head"], float_linears
+        assert any(isinstance(m, CheckpointLinear) for m in model.modules())
 
 
 @pytest.mark.parametrize("scheme", list(CT_SCHEMES))
@@ -189,10 +198,16 @@ def test_gptq_and_awq_greedy_equal_the_dequantized_model(
     packed_dirs: Callable[[str], tuple[Path, Path]], name: str
 ) -> None:
     quantized, dequantized = packed_dirs(name)
-    got = generate(Engine(EngineConfig(model=str(quantized), **ENGINE)), PROMPTS, 6)
+    engine = Engine(EngineConfig(model=str(quantized), **ENGINE))
+    got = generate(engine, PROMPTS, 6)
     want = generate(Engine(EngineConfig(model=str(dequantized), **ENGINE)), PROMPTS, 6)
     assert got == want
     assert checkpoint_format(quantized).startswith(name.split("-")[0])
+    if cpu_wq.unavailable() is None:  # the start line: 2 layers x (qkv, o, gate_up, down)
+        held = checkpoint_format(quantized, kept_description(engine.model))
+        assert held.endswith(
+            "8 linears kept quantized on the CPU (8 int4), the rest dequantized at load"
+        )
 
 
 def test_mxfp4_dequantizes_as_transformers_gpt_oss_does() -> None:
@@ -369,11 +384,9 @@ def test_w4a16_and_w8a16_projections_are_kept_in_gguf_blocks(
     from llmserve.kernels import cpu_gguf
 
     quantized, dequantized = _dirs(name, ct_dirs, packed_dirs)
-    mode = resolve_quantization("auto", quantized, torch.device("cpu"))
+    assert resolve_quantization("auto", quantized, torch.device("cpu")) == "none"  # cpu_wq's
     if cpu_gguf.unavailable():
-        assert mode == "none"
         pytest.skip(f"GGUF kernel unavailable: {cpu_gguf.unavailable()}")
-    assert mode == "gguf"
     config = load_model_config(quantized)
     model = build_model(config, load_weights(quantized, config), 256, torch.float32,
                         torch.device("cpu"), quantization="gguf")  # fmt: skip
@@ -387,7 +400,7 @@ def test_w4a16_and_w8a16_projections_are_kept_in_gguf_blocks(
         got = cpu_gguf.dequantize_reference(proj.blocks, proj.ggml_type)
         torch.testing.assert_close(got, ref, rtol=2e-3, atol=1e-3 * float(ref.abs().max()))
     assert not isinstance(model.lm_head, GGUFLinear)
-    assert "kept in GGUF blocks" in checkpoint_format(quantized, True)
+    assert "GGUF blocks" in checkpoint_format(quantized, "projections in GGUF blocks")
 
 
 @pytest.mark.parametrize("name", ["ct-w4a16-g32", "gptq-4bit-g128-asym-v2", "ct-w8a16-int"])
@@ -397,8 +410,9 @@ def test_kept_blocks_greedy_equal_the_dequantized_model(
     name: str,
 ) -> None:
     quantized, dequantized = _dirs(name, ct_dirs, packed_dirs)
-    engine = Engine(EngineConfig(model=str(quantized), **ENGINE))
-    assert engine.quantization == ("none" if cpu_gguf_missing() else "gguf")
+    if cpu_gguf_missing():
+        pytest.skip("GGUF kernel unavailable")
+    engine = Engine(EngineConfig(model=str(quantized), **dict(ENGINE, quantization="gguf")))
     got = generate(engine, PROMPTS, 6)
     want = generate(Engine(EngineConfig(model=str(dequantized), **ENGINE)), PROMPTS, 6)
     assert got == want
