@@ -35,7 +35,8 @@ def float_model(directory: Path) -> Path:
 
 
 def bench(arms: list[str], batches: str, steps: int, out: Path) -> dict:
-    cmd = [sys.executable, "-m", "llmserve", "bench", "step", "--arms", *arms,
+    cli = "from llmserve.cli import main; raise SystemExit(main())"
+    cmd = [sys.executable, "-c", cli, "bench", "step", "--arms", *arms,
            "--batches", batches, "--steps", str(steps), "--out", str(out)]  # fmt: skip
     subprocess.run(cmd, check=True, cwd=ROOT)
     return json.loads(out.read_text())
@@ -54,13 +55,18 @@ def main() -> None:
         dirs = {"w4a16": work / "w4", "w8a16": work / "w8"}
         write_gptq(base, dirs["w4a16"], work / "w4-deq", bits=4, group_size=128, desc_act=False)
         write_gptq(base, dirs["w8a16"], work / "w8-deq", bits=8, group_size=128, desc_act=False)
-        arms = [f"model:{d}@{q}" for d in dirs.values() for q in ("none", "gguf")]
+        # the dequantized float32 twin, the checkpoint kept by cpu_wq (none: main's default on
+        # a CPU) and kept in GGUF blocks (gguf: engine/model/checkpoint_blocks.py)
+        names = {f"model:{work / 'w4-deq'}@none": "float32 (dequantized w4a16)"}
+        for kind, d in dirs.items():
+            names[f"model:{d}@none"] = f"{kind} cpu_wq (--quantization none)"
+            names[f"model:{d}@gguf"] = f"{kind} GGUF blocks (--quantization gguf)"
+        arms = list(names)
         timing = bench(arms, "1,16", args.steps, work / "timing.json")
         rss = {arm: bench([arm], "1", 3, work / "rss.json")["max_rss_mib"] for arm in arms}
-    names = {f"model:{d}@{q}": f"{k}@{q}" for k, d in dirs.items() for q in ("none", "gguf")}
     for result in timing["results"]:
-        result["arm"] = names[result["arm"]]
-        result["max_rss_mib_alone"] = rss[next(a for a, n in names.items() if n == result["arm"])]
+        spec = result["arm"]
+        result["arm"], result["max_rss_mib_alone"] = names[spec], rss[spec]
     args.out.write_text(json.dumps(timing, indent=1))
     for result in timing["results"]:
         steps = {row["batch"]: row["step_ms_median"] for row in result["rows"]}
