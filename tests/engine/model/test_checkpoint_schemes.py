@@ -422,3 +422,10 @@ def cpu_gguf_missing() -> bool:
     from llmserve.kernels import cpu_gguf
 
     return cpu_gguf.unavailable() is not None
+
+
+def test_gguf_blocks_refuse_a_checkpoint_without_integer_weights(float_dir: Path) -> None:
+    from llmserve.engine.model.weights import checked_quantization
+
+    with pytest.raises(ValueError, match="W4A16 / W8A16 checkpoint"):
+        checked_quantization("gguf", float_dir, torch.device("cpu"))
