@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import statistics
 import tempfile
 import time
@@ -92,8 +93,23 @@ def run(specs: list[str], batches: list[int], args: argparse.Namespace) -> dict[
         "hardware": hardware(torch_threads=True),
         "settings": settings,
         "load_average_1min": [round(x, 2) for x in load],
+        # the process's peak resident memory, all arms together: time one arm a run to read
+        # an arm's own (engine build and steps included)
+        "max_rss_mib": peak_rss_mib(),
         "results": [{"arm": a.spec, "config": _config_row(a), "rows": rows[a.spec]} for a in arms],
     }
+
+
+def peak_rss_mib() -> float:
+    """This process's peak resident memory (VmHWM: since its exec, where ru_maxrss keeps the
+    parent's peak across it), MiB."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return round(int(line.split()[1]) / 1024, 1)
+    except OSError:
+        pass
+    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
 
 
 def paired_steps(arms: list[Any], batch: int, args: argparse.Namespace) -> list[dict[str, Any]]:

@@ -5,6 +5,8 @@
                     --shape DIR: another config.json's)
     lora:SHAPExK    the built-in model with K rank-16 adapters over SHAPE's projections (qv or
                     all), request i under adapter i mod K; lora:base is the model without any
+    model:DIR@Q     the checkpoint directory DIR with --quantization Q (default auto): e.g. a
+                    W4A16 one kept in GGUF blocks (@gguf) against dequantized to float (@none)
     tp:MODELxT      an engine group of T ranks on this machine (gloo), MODEL builtin or wide
                     (a 12-head Llama that T = 1, 2 and 3 split evenly); timed alone, with the
                     driver's time inside all-reduces (T = 1: one engine, timed with the rest)
@@ -132,7 +134,10 @@ def make_arm(spec: str, base: EngineConfig, workdir: Path) -> Arm:
     (device, threads, KV blocks, seed; base.model: the family arms' shape, a config.json's
     directory, or None for SmolLM2-135M's)."""
     kind, _, name = spec.partition(":")
-    makers = {"mode": _mode_arm, "family": _family_arm, "lora": _lora_arm, "tp": _tp_arm}
+    makers = {
+        "mode": _mode_arm, "family": _family_arm, "lora": _lora_arm, "tp": _tp_arm,
+        "model": _model_arm,
+    }  # fmt: skip
     if kind not in makers:
         raise ValueError(f"arm {spec!r}: the kind is one of {sorted(makers)} (kind:name)")
     return makers[kind](spec, name, base, workdir)
@@ -171,6 +176,14 @@ def _family_arm(spec: str, name: str, base: EngineConfig, workdir: Path) -> Arm:
     cfg = json.loads((Path(base.model or CONFIGS / "smollm2-135m") / "config.json").read_text())
     directory = _config_dir(workdir / f"family-{name}", {**cfg, **FAMILIES[name]})
     config = _replace(base, model=str(directory), load_format="dummy", quantization="none")
+    return Arm(spec, config, Engine(config))
+
+
+def _model_arm(spec: str, name: str, base: EngineConfig, workdir: Path) -> Arm:
+    directory, _, quantization = name.partition("@")
+    if not (Path(directory) / "config.json").is_file():
+        raise ValueError(f"arm {spec!r}: {directory} holds no config.json")
+    config = _replace(base, model=directory, quantization=quantization or "auto")
     return Arm(spec, config, Engine(config))
 
 

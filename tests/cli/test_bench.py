@@ -908,6 +908,9 @@ def test_bench_step_times_arms_side_by_side(tmp_path: Path) -> None:
     assert table[-1].startswith("| family:qwen3 |") and table[-1].endswith(f"| {ratio:.2f} |")
     with pytest.raises(ValueError, match="the kind is one of"):
         main(["bench", "step", "--arms", "nonsense", "--steps", "1"])
+    assert 0 < document["max_rss_mib"] < 1e6  # VmHWM of this process, MiB
+    with pytest.raises(ValueError, match=r"holds no config\.json"):  # a model:DIR@QUANT arm
+        main(["bench", "step", "--arms", f"model:{tmp_path / 'none'}@gguf", "--steps", "1"])
 
 
 def test_pd_failures_times_a_request_from_the_fault_or_its_first_token() -> None:

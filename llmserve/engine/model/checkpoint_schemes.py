@@ -27,6 +27,7 @@ from llmserve.engine.model.checkpoint_dequant import (
     dequantize_fp8_block,
     dequantize_gptq,
     dequantize_mxfp4,
+    expand_groups,
     unpack_int32,
 )
 from llmserve.engine.model.kept_weights import KeptWeight, fp8_weight, int_weight
@@ -66,6 +67,12 @@ class WeightScheme:
 
     def kept(self, stem: str, get: Getter) -> KeptWeight | None:
         """The weight as stored, for the CPU kernels; None: dequantize it instead."""
+        return None
+
+    def scale_form(self, stem: str, get: Getter) -> tuple[torch.Tensor, int] | None:
+        """(each weight's scale float32 [N, K], bits) of an integer weight w = s * (q - z), for
+        engine/model/checkpoint_blocks.py to hold it in the CPU kernel's blocks; None where the
+        scheme is not integer weights (fp8, mxfp4) or is per tensor."""
         return None
 
     def describe(self) -> str:
@@ -129,6 +136,12 @@ class Gptq(WeightScheme):
         group = self.group_size if self.group_size > 0 else k
         return int_weight(self.bits, q, scales.t(), zeros.t(), group, get(".g_idx"))
 
+    def scale_form(self, stem: str, get: Getter) -> tuple[torch.Tensor, int] | None:
+        scales = _need(get, stem, ".scales")
+        k = _need(get, stem, ".qweight").shape[0] * (32 // self.bits)
+        group = self.group_size if self.group_size > 0 else k
+        return expand_groups(scales.t().float(), k, group, get(".g_idx")), self.bits
+
     def describe(self) -> str:
         order = ", act-order" if self.desc_act else ""
         version = "gptq" if self.zero_offset else "gptq_v2"
@@ -155,6 +168,11 @@ class Awq(WeightScheme):
         n = scales.shape[1]
         q, zeros = (awq_columns(t, n).t() for t in (qweight, _need(get, stem, ".qzeros")))
         return int_weight(4, q, scales.t(), zeros, self.group_size)
+
+    def scale_form(self, stem: str, get: Getter) -> tuple[torch.Tensor, int] | None:
+        k = _need(get, stem, ".qweight").shape[0]
+        scales = _need(get, stem, ".scales").t().float()
+        return expand_groups(scales, k, self.group_size), 4
 
     def describe(self) -> str:
         return f"awq gemm int4 group {self.group_size}"
@@ -280,6 +298,17 @@ class CompressedTensors(WeightScheme):
         scale = _per_row(scale, n, size[0])
         zero_point = None if zero_point is None else _per_row(zero_point, n, size[0])
         return int_weight(group.bits, q, scale, zero_point, size[1], g_idx)
+
+    def scale_form(self, stem: str, get: Getter) -> tuple[torch.Tensor, int] | None:
+        group = self.group_for(stem)
+        if group.type != "int" or group.strategy not in ("group", "channel"):
+            return None
+        packed = get(".weight_packed")
+        k = int(_need(get, stem, ".weight_shape")[-1]) if packed is not None else None
+        k = k if k is not None else _need(get, stem, ".weight").shape[-1]
+        scale = _need(get, stem, ".weight_scale").float()
+        size = group.size[1] if group.strategy == "group" else k
+        return expand_groups(scale, k, size, get(".weight_g_idx")), group.bits
 
     def describe(self) -> str:
         return "compressed-tensors " + "; ".join(dict.fromkeys(g.describe() for g in self.groups))

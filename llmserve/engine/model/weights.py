@@ -20,7 +20,12 @@ from llmserve.common.families import FAMILIES
 from llmserve.common.gguf_file import TensorInfo, open_gguf
 from llmserve.common.model_config import ModelConfig, ModelSourceError
 from llmserve.engine.config import EngineConfig
-from llmserve.engine.model.checkpoint_formats import CheckpointView, checkpoint_weights
+from llmserve.engine.model.checkpoint_blocks import CheckpointBlocks, can_keep
+from llmserve.engine.model.checkpoint_formats import (
+    CheckpointView,
+    checkpoint_weights,
+    read_format,
+)
 from llmserve.engine.model.checkpoint_linear import keep_checkpoint_weights
 from llmserve.engine.model.cpu_fused import install_fused_decode
 from llmserve.engine.model.cpu_weights import plan_weight_path
@@ -231,8 +236,11 @@ def gguf_limits(path: Path, device: torch.device, whole: bool, dummy: bool) -> s
     """Why --quantization gguf cannot serve `path` on `device` (None when it can)."""
     if device.type != "cpu":
         return f"--quantization gguf runs on a CPU, not {device}"
-    if path.is_dir() or dummy:
-        return "--quantization gguf keeps a GGUF file's blocks: it needs --model FILE.gguf loaded"
+    if dummy or (path.is_dir() and not can_keep(read_format(path))):
+        return (
+            "--quantization gguf keeps a GGUF file's blocks or a W4A16 / W8A16 checkpoint's "
+            "(GPTQ, AWQ, compressed-tensors int): it needs such a --model loaded"
+        )
     if not whole:
         return "--quantization gguf does not split blocks across tensor-parallel ranks"
     return None
@@ -274,8 +282,7 @@ def build_model(
         model = model.to(dtype).to_empty(device=device)
     model.reset_rotary()
     if quantization == "gguf":
-        assert isinstance(weights, GGUFBlocks), "--quantization gguf needs a GGUF file's weights"
-        keep_gguf_blocks(model, weights, weights)
+        weights = _keep_blocks(model, weights)
     if quantization == "none" and device.type == "cpu" and isinstance(weights, CheckpointView):
         keep_checkpoint_weights(model, weights)  # W4A16 / W8A16 / FP8 linears kept as stored
     if weights is None and model.shard.is_whole:
@@ -286,7 +293,10 @@ def build_model(
         model.load_weights(weights)
     model = model.eval().requires_grad_(False)
     if quantization == "gguf":
-        quantize_rest(model)
+        if not isinstance(weights, CheckpointBlocks):
+            quantize_rest(model)
+        elif dtype == torch.float32 and can_pack_cpu_linears():  # the rest stays float
+            model.replace_linears(PackedLinear)
         plan_weight_path(model, dense_budget_mib, dense_rows)
         install_fused_decode(model)
     elif quantization != "none":
@@ -294,6 +304,16 @@ def build_model(
     elif device.type == "cpu" and dtype == torch.float32 and can_pack_cpu_linears():
         model.replace_linears(PackedLinear)
     return model
+
+
+def _keep_blocks(model: LlamaForCausalLM, weights: Mapping[str, torch.Tensor] | None) -> GGUFBlocks:
+    """--quantization gguf, before the load: a GGUF file's blocks or a W4A16 / W8A16 checkpoint's
+    integer weights (engine/model/checkpoint_blocks.py) swapped in as GGUFLinears."""
+    if isinstance(weights, CheckpointView):
+        weights = CheckpointBlocks(weights)
+    assert isinstance(weights, GGUFBlocks), "--quantization gguf needs blocks to keep"
+    keep_gguf_blocks(model, weights, weights)
+    return weights
 
 
 def checked_quantization(

@@ -196,6 +196,8 @@ class Engine:
     ) -> None:
         """The engine's one log line at start: what it loaded, where, and the memory it took."""
         config = self.config
+        blocks = "projections in GGUF blocks" if self.quantization == "gguf" else ""
+        kept = kept_description(self.model) or blocks
         log.info(
             "engine loaded",
             model=str(path),
@@ -204,9 +206,7 @@ class Engine:
             dtype=self.info.dtype,
             quantization=self.quantization,
             checkpoint_format=(
-                "none"
-                if config.load_format == "dummy"
-                else checkpoint_format(path, kept_description(self.model))
+                "none" if config.load_format == "dummy" else checkpoint_format(path, kept)
             ),
             speculative_method=self.info.speculative_method or "none",
             kv_cache_dtype=str(self.kv_dtype).removeprefix("torch."),

@@ -143,7 +143,8 @@ def test_compressed_tensors_greedy_equals_the_dequantized_model(
     ct_dirs: Callable[[str], tuple[Path, Path]], scheme: str
 ) -> None:
     ct_dir, dequantized_dir = ct_dirs(scheme)
-    got = generate(Engine(EngineConfig(model=str(ct_dir), **ENGINE)), PROMPTS, 6)
+    dequantizing = dict(ENGINE, quantization="none")  # the float path (kept blocks: below)
+    got = generate(Engine(EngineConfig(model=str(ct_dir), **dequantizing)), PROMPTS, 6)
     want = generate(Engine(EngineConfig(model=str(dequantized_dir), **ENGINE)), PROMPTS, 6)
     assert got == want
 
@@ -356,3 +357,75 @@ def test_unpacked_int8_zero_points_are_read_too(
         assert tensors[name].dtype == torch.int8
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
     check_served_as_dequantized(path, dequantized_dir)
+
+
+# checkpoint -> the ggml block type its projections are kept in on the CPU (--quantization auto)
+KEPT = {"ct-w4a16-g32": 2, "ct-w4a16-g64-asym": 3, "ct-w8a16-int": 8, "gptq-4bit-g128-asym-v2": 3,
+        "awq-32": 3, "gptq-8bit-channel": 8}  # fmt: skip
+
+
+def _dirs(
+    name: str, ct_dirs: Callable[..., tuple[Path, Path]], packed_dirs: Callable[..., Any]
+) -> tuple[Path, Path]:
+    return ct_dirs(name[3:]) if name.startswith("ct-") else packed_dirs(name)
+
+
+@pytest.mark.parametrize("name", list(KEPT))
+def test_w4a16_and_w8a16_projections_are_kept_in_gguf_blocks(
+    ct_dirs: Callable[[str], tuple[Path, Path]],
+    packed_dirs: Callable[[str], tuple[Path, Path]],
+    name: str,
+) -> None:
+    """engine/model/checkpoint_blocks.py: every projection is a GGUFLinear of the expected block
+    type whose blocks (read by the gguf package's dequantizer) equal the dequantized checkpoint's
+    weight up to float16 storage of d and m; the LM head stays float."""
+    from llmserve.engine.model.gguf_linear import GGUFLinear
+    from llmserve.engine.model.weights import resolve_quantization
+    from llmserve.kernels import cpu_gguf
+
+    quantized, dequantized = _dirs(name, ct_dirs, packed_dirs)
+    assert resolve_quantization("auto", quantized, torch.device("cpu")) == "none"  # cpu_wq's
+    if cpu_gguf.unavailable():
+        pytest.skip(f"GGUF kernel unavailable: {cpu_gguf.unavailable()}")
+    config = load_model_config(quantized)
+    model = build_model(config, load_weights(quantized, config), 256, torch.float32,
+                        torch.device("cpu"), quantization="gguf")  # fmt: skip
+    want = load_file(str(dequantized / "model.safetensors"))
+    layer = model.layers[0]
+    for proj, stems in [(layer.mlp.down_proj, ["mlp.down_proj"]),
+                        (layer.self_attn.qkv_proj, ["self_attn.q_proj", "self_attn.k_proj",
+                                                    "self_attn.v_proj"])]:  # fmt: skip
+        assert isinstance(proj, GGUFLinear) and proj.ggml_type == KEPT[name]
+        ref = torch.cat([want[f"model.layers.0.{s}.weight"].float() for s in stems])
+        got = cpu_gguf.dequantize_reference(proj.blocks, proj.ggml_type)
+        torch.testing.assert_close(got, ref, rtol=2e-3, atol=1e-3 * float(ref.abs().max()))
+    assert not isinstance(model.lm_head, GGUFLinear)
+    assert "GGUF blocks" in checkpoint_format(quantized, "projections in GGUF blocks")
+
+
+@pytest.mark.parametrize("name", ["ct-w4a16-g32", "gptq-4bit-g128-asym-v2", "ct-w8a16-int"])
+def test_kept_blocks_greedy_equal_the_dequantized_model(
+    ct_dirs: Callable[[str], tuple[Path, Path]],
+    packed_dirs: Callable[[str], tuple[Path, Path]],
+    name: str,
+) -> None:
+    quantized, dequantized = _dirs(name, ct_dirs, packed_dirs)
+    if cpu_gguf_missing():
+        pytest.skip("GGUF kernel unavailable")
+    engine = Engine(EngineConfig(model=str(quantized), **dict(ENGINE, quantization="gguf")))
+    got = generate(engine, PROMPTS, 6)
+    want = generate(Engine(EngineConfig(model=str(dequantized), **ENGINE)), PROMPTS, 6)
+    assert got == want
+
+
+def cpu_gguf_missing() -> bool:
+    from llmserve.kernels import cpu_gguf
+
+    return cpu_gguf.unavailable() is not None
+
+
+def test_gguf_blocks_refuse_a_checkpoint_without_integer_weights(float_dir: Path) -> None:
+    from llmserve.engine.model.weights import checked_quantization
+
+    with pytest.raises(ValueError, match="W4A16 / W8A16 checkpoint"):
+        checked_quantization("gguf", float_dir, torch.device("cpu"))
