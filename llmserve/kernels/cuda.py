@@ -2,7 +2,8 @@
 kc.paged_attention(...)`. This module re-exports the wrappers, which live by concern:
 kernels/launch.py (NVRTC compilation through CuPy, caching, launching, the shared argument
 checks), attention.py (store_kv, paged decode and prefill attention), layer_ops.py (rms_norm,
-rotary_embedding, silu_and_mul), int8.py, moe.py and lora.py.
+rotary_embedding, silu_and_mul), int8.py, moe.py, lora.py and mla.py (MLA decode over the
+latent pool).
 
 Each public function mirrors one in kernels/reference.py and checks its arguments before
 launching (ValueError naming the argument, its value and the limit). Importing this module needs
@@ -51,6 +52,7 @@ from llmserve.kernels.launch import (
 )
 from llmserve.kernels.layer_ops import layer_ops_spec, rms_norm, rotary_embedding, silu_and_mul
 from llmserve.kernels.lora import lora_add, lora_spec
+from llmserve.kernels.mla import mla_decode_attention, mla_spec
 from llmserve.kernels.moe import moe_experts, moe_spec
 
 __all__ = [
@@ -84,6 +86,8 @@ __all__ = [
     "load_source",
     "lora_add",
     "lora_spec",
+    "mla_decode_attention",
+    "mla_spec",
     "moe_experts",
     "moe_spec",
     "paged_attention",
@@ -110,6 +114,7 @@ def all_module_specs() -> list[ModuleSpec]:
         specs.append(layer_ops_spec(ctype))
         specs.append(moe_spec(ctype))
         specs.append(lora_spec(ctype))
+        specs.append(mla_spec(ctype))
     for ctype in _CTYPES.values():
         specs.append(store_kv_spec(ctype))
         specs += [decode_spec(ctype, d, FP8_CTYPE) for d in HEAD_DIMS]

@@ -1,0 +1,109 @@
+"""kernels/mla_decode.cu through kernels/mla.py on the CPU emulator (tests/kernel_emu), against
+kernels/reference.py's mla_decode_attention in float64, which is itself checked against the CPU
+engine's path for MLA (reference.paged_attention with the latent as one kv head for both key and
+value, first kv_lora_rank values kept: engine/model/families/deepseek.py). Pools are NaN-filled
+outside the sequences' slots (tests/kernel_checks.make_pool). Skips without g++ or off Linux, as
+tests/kernels/test_kernels_emulated.py does."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from collections.abc import Iterator
+from types import ModuleType
+
+import pytest
+import torch
+
+from llmserve.kernels import reference as ref
+from tests.kernel_checks import assert_close, make_pool
+from tests.kernel_emu import emu
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture(scope="module")
+def emulator() -> Iterator[emu.Emulator]:
+    if not sys.platform.startswith("linux"):
+        pytest.skip(f"the kernel emulator needs glibc's ucontext (Linux), not {sys.platform}")
+    if shutil.which("g++") is None:
+        pytest.skip("g++ is not on PATH: the kernel emulator compiles kernels/*.cu with it")
+    emulator = emu.Emulator(emu.build())
+    with emulator.installed():
+        yield emulator
+
+
+@pytest.fixture
+def kc(emulator: emu.Emulator) -> Iterator[ModuleType]:
+    import llmserve.kernels.cuda as kcuda
+
+    torch.manual_seed(40)
+    emulator.launches.clear()
+    yield kcuda
+
+
+def latent_case(
+    seq_lens: list[int], block_size: int, heads: int, rank: int, rope: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q [seqs, heads, rank + rope], latent pool [blocks, block_size, 1, rank + rope] NaN
+    outside the sequences' slots, int32 block tables)."""
+    latent, _, tables = make_pool(seq_lens, block_size, 1, rank + rope, dtype)
+    q = torch.randn(len(seq_lens), heads, rank + rope).to(dtype)
+    return q, latent, tables
+
+
+def test_reference_is_the_engine_path() -> None:
+    """mla_decode_attention == paged_attention over the latent as K and V, first rank kept."""
+    torch.manual_seed(41)
+    seq_lens, rank = [3, 11, 1], 16
+    q, latent, tables = latent_case(seq_lens, 4, 5, rank, 8, torch.float32)
+    scale = 0.3
+    got = ref.mla_decode_attention(q, latent, tables, seq_lens, rank, scale)
+    clean = torch.nan_to_num(latent, nan=0.0)
+    engine = ref.paged_attention(q, clean, clean, tables.long(), seq_lens, [0, 1, 2, 3], scale)
+    torch.testing.assert_close(got, engine[..., :rank], rtol=1e-5, atol=1e-5)
+
+
+# (seq_lens, block_size, heads, rank, rope): an empty sequence, one token, partial tiles, a
+# block size that is not a power of two, two head groups of 16 (the second partial), and the
+# three output widths the module is built for (rank <= 128, 256, 512).
+CASES = [
+    ([0, 1, 17, 40], 5, 20, 24, 8),
+    ([33, 2], 16, 3, 136, 16),
+    ([19], 3, 2, 264, 8),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(("seq_lens", "block_size", "heads", "rank", "rope"), CASES)
+def test_mla_decode_matches_reference(
+    kc: ModuleType,
+    dtype: torch.dtype,
+    seq_lens: list[int],
+    block_size: int,
+    heads: int,
+    rank: int,
+    rope: int,
+) -> None:
+    q, latent, tables = latent_case(seq_lens, block_size, heads, rank, rope, dtype)
+    scale = (rank + rope) ** -0.5
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    out = kc.mla_decode_attention(q, latent, tables, lens, rank, scale)
+    expect = ref.mla_decode_attention(q.double(), latent.double(), tables, seq_lens, rank, scale)
+    assert_close(out, expect, dtype, f"mla decode {seq_lens} bs {block_size} rank {rank}")
+    assert (out[[i for i, n in enumerate(seq_lens) if n == 0]] == 0).all()
+
+
+def test_mla_decode_rejects_bad_arguments(kc: ModuleType) -> None:
+    q, latent, tables = latent_case([4], 4, 2, 16, 8, torch.float16)
+    lens = torch.tensor([4], dtype=torch.int32)
+    with pytest.raises(ValueError, match="kv_lora_rank=24"):
+        kc.mla_decode_attention(q, latent, tables, lens, 24, 1.0)
+    with pytest.raises(ValueError, match=r"latent_cache\.shape"):
+        kc.mla_decode_attention(q, latent[:, :, :, :16], tables, lens, 16, 1.0)
+    with pytest.raises(ValueError, match=r"seq_lens\.dtype"):
+        kc.mla_decode_attention(q, latent, tables, lens.long(), 16, 1.0)
+    big = torch.zeros(1, 2, 600, dtype=torch.float16)
+    with pytest.raises(ValueError, match="kv_lora_rank=520 exceeds 512"):
+        kc.mla_decode_attention(big, torch.zeros(2, 4, 1, 600, dtype=torch.float16), tables,
+                                lens, 520, 1.0)  # fmt: skip
