@@ -107,3 +107,40 @@ def test_mla_decode_rejects_bad_arguments(kc: ModuleType) -> None:
     with pytest.raises(ValueError, match="kv_lora_rank=520 exceeds 512"):
         kc.mla_decode_attention(big, torch.zeros(2, 4, 1, 600, dtype=torch.float16), tables,
                                 lens, 520, 1.0)  # fmt: skip
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("mixed", [False, True])
+def test_kernel_ops_latent_attention_matches_the_torch_ops(
+    kc: ModuleType, emulator: emu.Emulator, mixed: bool
+) -> None:
+    """engine KernelOps.latent_attention (store_kv of the latents, then the MLA kernel on a
+    decode-only step; a step with a prefill chunk through the torch reference) against
+    ReferenceOps' (the CPU engine's path): outputs and the written pool alike."""
+    from llmserve.engine.model.attention_context import AttentionContext
+    from llmserve.engine.model.ops import KernelOps, ReferenceOps
+
+    rank, rope, heads, block_size, dtype = 24, 8, 3, 4, torch.bfloat16
+    seq_lens = [9, 6] if not mixed else [9, 3]
+    new = [1, 1] if not mixed else [1, 3]  # the second request's whole 3-token prompt
+    pool, _, tables = make_pool(seq_lens, block_size, 1, rank + rope, dtype)
+    pool = torch.nan_to_num(pool, nan=0.0)  # the reference's padded decode reads unowned slots
+    slots = [
+        int(tables[b, p // block_size]) * block_size + p % block_size
+        for b, n in enumerate(seq_lens)
+        for p in range(n - new[b], n)
+    ]
+    q = torch.randn(sum(new), heads, rank + rope).to(dtype)
+    latent = torch.randn(sum(new), 1, rank + rope).to(dtype)
+    cu = [0, new[0], new[0] + new[1]]
+    out, pools = {}, {}
+    for name, ops in (("torch", ReferenceOps()), ("cuda", KernelOps())):
+        pools[name] = pool.clone()
+        ctx = AttentionContext(torch.tensor(slots), tables, seq_lens, cu, [])
+        ctx = ops.prepare(ctx)
+        out[name] = ops.latent_attention(q, latent, pools[name], ctx, 0.2, rank)
+    assert out["cuda"].shape == (sum(new), heads, rank)
+    mla_launches = [x for x in emulator.launches if x.expr.startswith("mla_decode_kernel")]
+    assert len(mla_launches) == (0 if mixed else 1)
+    assert torch.equal(pools["cuda"], pools["torch"])
+    assert_close(out["cuda"], out["torch"].double(), dtype, f"latent_attention mixed={mixed}")

@@ -77,6 +77,16 @@ class LayerOps:
     ) -> torch.Tensor:
         raise NotImplementedError
 
+    def latent_attention(
+        self, q: Tensor, latent: Tensor, cache: Tensor, ctx: AttentionContext, scale: float,
+        rank: int,
+    ) -> Tensor:  # fmt: skip
+        """Multi-head latent attention (engine/model/families/deepseek.py): store this step's
+        latents [T, 1, rank + rope] in the one-head latent pool, then every query head (absorbed,
+        [T, heads, rank + rope]) attends over them as key (whole) and value (the first `rank`
+        values); [T, heads, rank]."""
+        return self.attention(q, latent, latent, cache, cache, ctx, scale)[..., :rank]
+
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         return self.lib.silu_and_mul(x)
 
@@ -324,6 +334,23 @@ class KernelOps(LayerOps):
         the kernel's own choice from the batch's longest context)."""
         return None if self.splits is None else self.splits.count(num_seqs)
 
+    def latent_attention(
+        self, q: Tensor, latent: Tensor, cache: Tensor, ctx: AttentionContext, scale: float,
+        rank: int,
+    ) -> Tensor:  # fmt: skip
+        """store_kv of the latents, then kernels/mla_decode.cu on a decode-only step (graph-safe);
+        any other step (prefill chunks, token trees) through the torch reference on the pool."""
+        assert ctx.seq_lens_t is not None, "prepare() first"
+        self.lib.store_kv(latent, latent, cache, cache, ctx.slot_mapping)
+        if ctx.max_seqlen_q == 1 and ctx.tree_masks is None:
+            return self.lib.mla_decode_attention(
+                q, cache, ctx.block_tables, ctx.seq_lens_t, rank, scale
+            )
+        return ref.paged_attention(
+            q, cache, cache, ctx.block_tables.long(), ctx.seq_lens, ctx.cu_seqlens_q, scale,
+            trees=ctx.tree_masks,
+        )[..., :rank]  # fmt: skip
+
     def rotary(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -390,8 +417,10 @@ def kernel_limits(config: ModelConfig, dtype: torch.dtype, block_size: int) -> s
         return "attention sinks (gpt-oss): not in the CUDA attention kernels yet"
     if config.mla is not None:
         return (
-            f"multi-head latent attention: the CUDA kernels do not read the latent KV pool "
-            f"({config.mla.latent_dim} values per token, one head) yet"
+            f"multi-head latent attention: KernelOps.latent_attention decodes over the latent "
+            f"pool ({config.mla.latent_dim} values per token, kernels/mla_decode.cu), but the "
+            "model's other ops (rotary over qk_rope_head_dim, the latent norms) are not yet "
+            "checked through the kernels on these shapes"
         )
     if config.head_dim not in HEAD_DIMS:
         return f"head_dim={config.head_dim}: the CUDA kernels support {HEAD_DIMS}"
