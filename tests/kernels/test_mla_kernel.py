@@ -7,6 +7,7 @@ tests/kernels/test_kernels_emulated.py does."""
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import sys
 from collections.abc import Iterator
@@ -154,16 +155,20 @@ def test_a_deepseek_model_through_the_kernels_matches_the_torch_ops(
     """A tiny DeepSeek-V3 (tests/moe_models.py: q latent, interleaved rotary, yarn; rope 16 for
     the rotary kernel) through KernelOps: a ragged prefill (20 and 7 tokens), then a decode step
     of both, hidden states and the latent pool within 2% of ReferenceOps' (bf16 both), the
-    decode through kernels/mla_decode.cu."""
+    decode through kernels/mla_decode.cu. The engine's start-up checks take the model: no
+    kernel_limits reason, and self_check (latent_attention on a mixed and a decode-only step)
+    passes."""
     from llmserve.common.model_config import load_model_config
     from llmserve.engine.kv.cache import allocate_kv_cache
-    from llmserve.engine.model.ops import KernelOps, ReferenceOps
+    from llmserve.engine.model.ops import KernelOps, ReferenceOps, kernel_limits, self_check
     from llmserve.engine.model.weights import build_model
     from tests.engine.test_gpu_plumbing import BLOCK_SIZE, context, rel_err
     from tests.moe_models import make_tiny_moe
 
     path = make_tiny_moe(tmp_path, "deepseek_v3", seed=3, qk_rope_head_dim=16, hidden_size=64)
     config = load_model_config(path)
+    assert kernel_limits(config, torch.bfloat16, BLOCK_SIZE) is None
+    assert self_check(KernelOps(), config, torch.bfloat16, torch.device("cpu"), BLOCK_SIZE) is None
     cpu = torch.device("cpu")
     model = build_model(config, None, 256, torch.bfloat16, cpu, dummy_seed=3)
     pools = {n: allocate_kv_cache(config, 8, BLOCK_SIZE, torch.bfloat16, cpu) for n in "tc"}
@@ -183,3 +188,21 @@ def test_a_deepseek_model_through_the_kernels_matches_the_torch_ops(
         assert rel_err(out["c"], out["t"]) < 2e-2, rows
     assert any(x.expr.startswith("mla_decode_kernel") for x in emulator.launches)
     assert rel_err(pools["c"], pools["t"]) < 2e-2
+
+
+@torch.inference_mode()
+def test_self_check_catches_a_wrong_mla_kernel(
+    kc: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A decode kernel that returns zeros fails the engine's start-up check, naming the case."""
+    from llmserve.common.mla_config import MLAConfig
+    from llmserve.engine.model.ops import KernelOps, self_check
+    from tests.engine.test_gpu_plumbing import tiny_config
+
+    mla = MLAConfig(kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16)
+    config = dataclasses.replace(tiny_config(), family="deepseek_v3", head_dim=16, mla=mla)
+    cpu = torch.device("cpu")
+    assert self_check(KernelOps(), config, torch.bfloat16, cpu, 16) is None
+    monkeypatch.setattr(kc, "mla_decode_attention", lambda q, *a, **k: q[..., :32] * 0)
+    why = self_check(KernelOps(), config, torch.bfloat16, cpu, 16)
+    assert why is not None and "latent_attention (decode)" in why

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -416,13 +416,13 @@ def kernel_limits(config: ModelConfig, dtype: torch.dtype, block_size: int) -> s
     if config.attention_sinks:
         return "attention sinks (gpt-oss): not in the CUDA attention kernels yet"
     if config.mla is not None:
-        return (
-            f"multi-head latent attention: KernelOps.latent_attention decodes over the latent "
-            f"pool ({config.mla.latent_dim} values per token, kernels/mla_decode.cu), but the "
-            "model's other ops (rotary over qk_rope_head_dim, the latent norms) are not yet "
-            "checked through the kernels on these shapes"
-        )
-    if config.head_dim not in HEAD_DIMS:
+        rank, latent = config.mla.kv_lora_rank, config.mla.latent_dim
+        if rank > 512 or rank % 8 or latent % 8:
+            return (
+                f"multi-head latent attention with kv_lora_rank={rank}, latent {latent}: "
+                "kernels/mla_decode.cu needs kv_lora_rank <= 512, both multiples of 8"
+            )
+    elif config.head_dim not in HEAD_DIMS:
         return f"head_dim={config.head_dim}: the CUDA kernels support {HEAD_DIMS}"
     if config.rotary_dim % 16:
         return f"rotary dimension {config.rotary_dim}: the rotary kernel needs a multiple of 16"
@@ -514,6 +514,9 @@ def _check_cases(
         route = moe_ref.route(torch.randn(6, 4, generator=gen).to(device), 2, True)
         got, want = (o.moe_experts(x, *route, w13, w2, 1) for o in (ops, ref_ops))
         yield "moe_experts", got, want
+    if config.mla is not None:
+        yield from _latent_cases(ops, ref_ops, config, rand, device, block_size)
+        return
     seq_lens, cu_seqlens_q = [5, 2 * block_size + 1], [0, 5, 6]
     num_blocks = 8
     order = torch.randperm(num_blocks, generator=gen)
@@ -531,3 +534,37 @@ def _check_cases(
         ctx = backend.prepare(ctx)
         outputs.append(backend.attention(q, k, v, k_cache, v_cache, ctx, dim**-0.5))
     yield "attention", outputs[0], outputs[1]
+
+
+def _latent_cases(
+    ops: LayerOps,
+    ref_ops: LayerOps,
+    config: ModelConfig,
+    rand: Callable[..., Tensor],
+    device: torch.device,
+    block_size: int,
+) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
+    """MLA's latent_attention beside the reference: a step of 5 prompt tokens and 1 decode token
+    after 2 * block_size cached ones, then a decode-only step (the MLA kernel's) of that request,
+    over a shuffled latent pool."""
+    assert config.mla is not None
+    rank, dim, heads = config.mla.kv_lora_rank, config.mla.latent_dim, config.num_heads
+    order = torch.randperm(8)
+    tables = torch.stack([order[:4], order[4:]]).to(device)
+    slots = [int(tables[0, p // block_size]) * block_size + p % block_size for p in range(5)]
+    slots.append(int(tables[1, 2]) * block_size)  # the decode token: position 2 * block_size
+    pool = rand(8, block_size, 1, dim)
+    q, latent = rand(6, heads, dim), rand(6, 1, dim)
+    long = 2 * block_size + 1
+    steps = [
+        ("mixed", slots, tables, [5, long], [0, 5, 6], q, latent),
+        ("decode", slots[5:], tables[1:], [long], [0, 1], q[5:], latent[5:]),
+    ]
+    for name, step_slots, step_tables, seq_lens, cu, step_q, step_latent in steps:
+        outputs = []
+        for backend in (ops, ref_ops):
+            cache = pool.clone()
+            slot_t = torch.tensor(step_slots, device=device)
+            ctx = backend.prepare(AttentionContext(slot_t, step_tables, seq_lens, cu, []))
+            outputs.append(backend.latent_attention(step_q, step_latent, cache, ctx, 0.1, rank))
+        yield f"latent_attention ({name})", outputs[0], outputs[1]
