@@ -407,7 +407,7 @@ def main() -> int:
     results["families"] = mla_bench.run_all(run, args.quick or args.budget_s < 120)
     save()
     if args.only == "mla":
-        print(f"\nwrote {out}")
+        print(f"\nwrote {out}\n\n{mla_bench.summary(results['families'])}")
         return 0
     if args.only == "int8":
         results["int8_linear"] = int8_bench.run_all(time_ms, COPY_TBPS, DEVICE, run, args.quick)
@@ -446,7 +446,7 @@ def main() -> int:
         print(f"decode fp8 B={b} ctx={c}: {row.get('ours', row)}"[:160], flush=True)
         save()
     results["kernels"] = attempt(kernel_attributes)
-    results["summary"] = summary(results)
+    results["summary"] = summary(results) + "\n" + mla_bench.summary(results["families"])
     save()
     print(f"\nwrote {out} ({results['seconds']:.0f} s)\n")
     print(results["summary"])

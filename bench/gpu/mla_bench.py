@@ -78,3 +78,23 @@ def run_all(run: Callable[[Callable[[], dict[str, Any]]], dict[str, Any]], quick
         rows.append(row)
         print(f"mla decode B={b} ctx={c}: {row.get('ours', row)}"[:160], flush=True)
     return {"shape": SHAPE, "mla_decode": rows}
+
+
+def summary(families: dict[str, Any]) -> str:
+    """One line per MLA decode shape: ms, TB/s of latent read, % of the copy ceiling, against
+    torch's absorbed matmuls, the spot check's relative error."""
+
+    def fmt(x: Any, spec: str) -> str:
+        return "-" if x is None else format(x, spec)
+
+    lines = [f"mla decode ({SHAPE['model']}: 16 heads, 512 + 64 latent, bf16)  B  ctx   ms  "
+             "TB/s %copy ours/torch rel_err"]  # fmt: skip
+    for r in families.get("mla_decode", []):
+        o = r.get("ours", {})
+        lines.append(
+            f"  {r['batch']:4d} {r['context']:6d} {fmt(o.get('ms'), '.4f'):>8} "
+            f"{fmt(o.get('tbps'), '.2f'):>5} {fmt(o.get('pct_copy'), '.0f'):>4} "
+            f"{fmt(r.get('ours_over_torch'), '.2f'):>6} {fmt(r.get('check_rel_err'), '.1e'):>8}"
+            + ("" if "ours" in r else f"  {str(r)[:80]}")
+        )
+    return "\n".join(lines)
