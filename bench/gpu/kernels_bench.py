@@ -12,6 +12,7 @@ Measures (Llama-3-8B attention shape: 32 query heads, 8 KV heads, head_dim 128, 
     torch's flash SDPA, in TFLOP/s of causal attention actually needed;
   - store_kv against a plain device copy of the same bytes;
   - rms_norm (+ residual), rotary embedding and silu_and_mul against kernels/reference.py;
+  - families: MLA decode over the latent pool on DeepSeek-V2-Lite's shape (bench/gpu/mla_bench.py);
   - the weight-only int8 linear on the 8B linear shapes at batch 1-64 against bf16 through torch
     (bench/studies/int8_bench.py; `--only int8` runs that section alone).
 Each figure is the median of several replays of a CUDA graph holding back-to-back calls (so
@@ -19,7 +20,7 @@ Python launch overhead is not timed); working sets exceed the 50 MB L2 wherever 
 claimed. Prints a short table last and writes everything to --out as JSON.
 
     python3 -m bench.gpu.kernels_bench [--out bench/results/kernels_h200.json] [--quick]
-        [--only fp8|int8]
+        [--only fp8|int8|mla]
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ import torch
 import torch.nn.functional as F
 
 import llmserve.kernels.cuda as kc
+from bench.gpu import mla_bench
 from bench.gpu.kernels_report import COPY_TBPS, summary
 from bench.gpu.timing import attempt, free, time_ms
 from bench.studies import int8_bench
@@ -353,9 +355,9 @@ def main() -> int:
     )
     parser.add_argument(
         "--only",
-        choices=("fp8", "int8"),
+        choices=("fp8", "int8", "mla"),
         help="fp8: only decode over bf16 and FP8 pools (the FP8 comparison, a few minutes less); "
-        "int8: only the int8 linear against bf16",
+        "int8: only the int8 linear against bf16; mla: only the families section",
     )
     args = parser.parse_args()
     if not kc.is_available():
@@ -401,6 +403,12 @@ def main() -> int:
         return attempt(fn)
 
     results["copy_ceiling"] = run(bench_copy_ceiling)
+    # families (MLA decode, bench/gpu/mla_bench.py) first: a few seconds, inside any budget
+    results["families"] = mla_bench.run_all(run, args.quick or args.budget_s < 120)
+    save()
+    if args.only == "mla":
+        print(f"\nwrote {out}\n\n{mla_bench.summary(results['families'])}")
+        return 0
     if args.only == "int8":
         results["int8_linear"] = int8_bench.run_all(time_ms, COPY_TBPS, DEVICE, run, args.quick)
         results["summary"] = "\n".join(int8_bench.summary(results["int8_linear"]))
@@ -438,7 +446,7 @@ def main() -> int:
         print(f"decode fp8 B={b} ctx={c}: {row.get('ours', row)}"[:160], flush=True)
         save()
     results["kernels"] = attempt(kernel_attributes)
-    results["summary"] = summary(results)
+    results["summary"] = summary(results) + "\n" + mla_bench.summary(results["families"])
     save()
     print(f"\nwrote {out} ({results['seconds']:.0f} s)\n")
     print(results["summary"])

@@ -2,8 +2,9 @@
 kc.paged_attention(...)`. This module re-exports the wrappers, which live by concern:
 kernels/launch.py (NVRTC compilation through CuPy, caching, launching, the shared argument
 checks), attention.py (store_kv, paged decode and prefill attention), layer_ops.py (rms_norm,
-rotary_embedding, silu_and_mul), int8.py, moe.py, lora.py, gated_delta.py (Qwen3-Next's
-linear attention, one decode step) and ssd_step.py (Mamba-2's, likewise).
+rotary_embedding, silu_and_mul), int8.py, moe.py, lora.py, mla.py (MLA decode over the latent
+pool), gated_delta.py (Qwen3-Next's linear attention, one decode step) and ssd_step.py (Mamba-2's,
+likewise).
 
 Each public function mirrors one in kernels/reference.py and checks its arguments before
 launching (ValueError naming the argument, its value and the limit). Importing this module needs
@@ -53,6 +54,7 @@ from llmserve.kernels.launch import (
 )
 from llmserve.kernels.layer_ops import layer_ops_spec, rms_norm, rotary_embedding, silu_and_mul
 from llmserve.kernels.lora import lora_add, lora_spec
+from llmserve.kernels.mla import mla_decode_attention, mla_spec
 from llmserve.kernels.moe import moe_experts, moe_spec
 from llmserve.kernels.ssd_step import ssd_step, ssd_step_spec
 
@@ -89,6 +91,8 @@ __all__ = [
     "load_source",
     "lora_add",
     "lora_spec",
+    "mla_decode_attention",
+    "mla_spec",
     "moe_experts",
     "moe_spec",
     "paged_attention",
@@ -119,6 +123,7 @@ def all_module_specs() -> list[ModuleSpec]:
         specs.append(lora_spec(ctype))
         specs.append(gated_delta_spec(ctype))
         specs.append(ssd_step_spec(ctype))
+        specs.append(mla_spec(ctype))
     for ctype in _CTYPES.values():
         specs.append(store_kv_spec(ctype))
         specs += [decode_spec(ctype, d, FP8_CTYPE) for d in HEAD_DIMS]

@@ -327,3 +327,30 @@ def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) ->
     scales: float32 [N]. Returns [M, N] in x's dtype (float32 products and sums)."""
     out = (x.float() @ qweight.float().t()) * scales.float()[None, :]
     return out.to(x.dtype)
+
+
+def mla_decode_attention(
+    q: torch.Tensor,
+    latent_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: list[int],
+    kv_lora_rank: int,
+    scale: float,
+) -> torch.Tensor:
+    """Absorbed multi-head latent attention for one query token per sequence (kernels/
+    mla_decode.cu's reference; engine/model/families/deepseek.py's decode step).
+
+    q: [num_seqs, num_heads, kv_lora_rank + rope_dim], already absorbed (q_nope W_UK, q_rope);
+    latent_cache: [num_blocks, block_size, 1, kv_lora_rank + rope_dim], one latent per token used
+    as the key whole and as the value through its first kv_lora_rank values. In float32:
+    softmax(scale * q . L) @ L[:, :kv_lora_rank], returned as [num_seqs, num_heads, kv_lora_rank]
+    in q's dtype (zeros for a sequence of length 0)."""
+    num_seqs, num_heads, _ = q.shape
+    out = torch.zeros(num_seqs, num_heads, kv_lora_rank, dtype=q.dtype, device=q.device)
+    for b, seq_len in enumerate(seq_lens):
+        if seq_len <= 0:
+            continue
+        latent = gather_kv(latent_cache, block_tables[b], seq_len)[:, 0].float()  # [S, D]
+        probs = torch.softmax(q[b].float() @ latent.t() * scale, dim=-1)  # [H, S]
+        out[b] = (probs @ latent[:, :kv_lora_rank]).to(q.dtype)
+    return out

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -76,6 +76,16 @@ class LayerOps:
         sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         raise NotImplementedError
+
+    def latent_attention(
+        self, q: Tensor, latent: Tensor, cache: Tensor, ctx: AttentionContext, scale: float,
+        rank: int,
+    ) -> Tensor:  # fmt: skip
+        """Multi-head latent attention (engine/model/families/deepseek.py): store this step's
+        latents [T, 1, rank + rope] in the one-head latent pool, then every query head (absorbed,
+        [T, heads, rank + rope]) attends over them as key (whole) and value (the first `rank`
+        values); [T, heads, rank]."""
+        return self.attention(q, latent, latent, cache, cache, ctx, scale)[..., :rank]
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         return self.lib.silu_and_mul(x)
@@ -324,6 +334,23 @@ class KernelOps(LayerOps):
         the kernel's own choice from the batch's longest context)."""
         return None if self.splits is None else self.splits.count(num_seqs)
 
+    def latent_attention(
+        self, q: Tensor, latent: Tensor, cache: Tensor, ctx: AttentionContext, scale: float,
+        rank: int,
+    ) -> Tensor:  # fmt: skip
+        """store_kv of the latents, then kernels/mla_decode.cu on a decode-only step (graph-safe);
+        any other step (prefill chunks, token trees) through the torch reference on the pool."""
+        assert ctx.seq_lens_t is not None, "prepare() first"
+        self.lib.store_kv(latent, latent, cache, cache, ctx.slot_mapping)
+        if ctx.max_seqlen_q == 1 and ctx.tree_masks is None:
+            return self.lib.mla_decode_attention(
+                q, cache, ctx.block_tables, ctx.seq_lens_t, rank, scale
+            )
+        return ref.paged_attention(
+            q, cache, cache, ctx.block_tables.long(), ctx.seq_lens, ctx.cu_seqlens_q, scale,
+            trees=ctx.tree_masks,
+        )[..., :rank]  # fmt: skip
+
     def rotary(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -389,11 +416,13 @@ def kernel_limits(config: ModelConfig, dtype: torch.dtype, block_size: int) -> s
     if config.attention_sinks:
         return "attention sinks (gpt-oss): not in the CUDA attention kernels yet"
     if config.mla is not None:
-        return (
-            f"multi-head latent attention: the CUDA kernels do not read the latent KV pool "
-            f"({config.mla.latent_dim} values per token, one head) yet"
-        )
-    if config.head_dim not in HEAD_DIMS:
+        rank, latent = config.mla.kv_lora_rank, config.mla.latent_dim
+        if rank > 512 or rank % 8 or latent % 8:
+            return (
+                f"multi-head latent attention with kv_lora_rank={rank}, latent {latent}: "
+                "kernels/mla_decode.cu needs kv_lora_rank <= 512, both multiples of 8"
+            )
+    elif config.head_dim not in HEAD_DIMS:
         return f"head_dim={config.head_dim}: the CUDA kernels support {HEAD_DIMS}"
     if config.rotary_dim % 16:
         return f"rotary dimension {config.rotary_dim}: the rotary kernel needs a multiple of 16"
@@ -485,6 +514,9 @@ def _check_cases(
         route = moe_ref.route(torch.randn(6, 4, generator=gen).to(device), 2, True)
         got, want = (o.moe_experts(x, *route, w13, w2, 1) for o in (ops, ref_ops))
         yield "moe_experts", got, want
+    if config.mla is not None:
+        yield from _latent_cases(ops, ref_ops, config, rand, device, block_size)
+        return
     seq_lens, cu_seqlens_q = [5, 2 * block_size + 1], [0, 5, 6]
     num_blocks = 8
     order = torch.randperm(num_blocks, generator=gen)
@@ -502,3 +534,37 @@ def _check_cases(
         ctx = backend.prepare(ctx)
         outputs.append(backend.attention(q, k, v, k_cache, v_cache, ctx, dim**-0.5))
     yield "attention", outputs[0], outputs[1]
+
+
+def _latent_cases(
+    ops: LayerOps,
+    ref_ops: LayerOps,
+    config: ModelConfig,
+    rand: Callable[..., Tensor],
+    device: torch.device,
+    block_size: int,
+) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
+    """MLA's latent_attention beside the reference: a step of 5 prompt tokens and 1 decode token
+    after 2 * block_size cached ones, then a decode-only step (the MLA kernel's) of that request,
+    over a shuffled latent pool."""
+    assert config.mla is not None
+    rank, dim, heads = config.mla.kv_lora_rank, config.mla.latent_dim, config.num_heads
+    order = torch.randperm(8)
+    tables = torch.stack([order[:4], order[4:]]).to(device)
+    slots = [int(tables[0, p // block_size]) * block_size + p % block_size for p in range(5)]
+    slots.append(int(tables[1, 2]) * block_size)  # the decode token: position 2 * block_size
+    pool = rand(8, block_size, 1, dim)
+    q, latent = rand(6, heads, dim), rand(6, 1, dim)
+    long = 2 * block_size + 1
+    steps = [
+        ("mixed", slots, tables, [5, long], [0, 5, 6], q, latent),
+        ("decode", slots[5:], tables[1:], [long], [0, 1], q[5:], latent[5:]),
+    ]
+    for name, step_slots, step_tables, seq_lens, cu, step_q, step_latent in steps:
+        outputs = []
+        for backend in (ops, ref_ops):
+            cache = pool.clone()
+            slot_t = torch.tensor(step_slots, device=device)
+            ctx = backend.prepare(AttentionContext(slot_t, step_tables, seq_lens, cu, []))
+            outputs.append(backend.latent_attention(step_q, step_latent, cache, ctx, 0.1, rank))
+        yield f"latent_attention ({name})", outputs[0], outputs[1]

@@ -143,8 +143,8 @@ class MLAttention(OpsModule):
         query = torch.cat((q_latent, q_rot), dim=-1)
         latent = torch.cat((c.view(num_tokens, 1, rank), k_rot), dim=-1)
         cache = ctx.kv_caches[self.layer_idx][0]
-        attn = self.ops.attention(query, latent, latent, cache, cache, ctx, self.scale)
-        out = torch.bmm(attn[..., :rank].transpose(0, 1), w_uv.transpose(1, 2))  # [H, T, v]
+        attn = self.ops.latent_attention(query, latent, cache, ctx, self.scale, rank)
+        out = torch.bmm(attn.transpose(0, 1), w_uv.transpose(1, 2))  # [H, T, v]
         return self.tp.all_reduce(self.o_proj(out.transpose(0, 1).reshape(num_tokens, -1)))
 
 

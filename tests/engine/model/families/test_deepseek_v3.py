@@ -136,17 +136,23 @@ def test_yarn_mscale_in_the_softmax_scale_matters(load: Any) -> None:
 
 def test_what_the_family_refuses(load: Any) -> None:
     """Quantization is refused by name at start, a LoRA adapter when loaded; the CUDA kernels
-    say why they cannot read the latent pool (the engine then runs the torch path, or
-    --attention-backend cuda refuses). Tensor and pipeline parallelism:
-    tests/engine/model/families/test_family_features.py."""
+    take MLA (kernels/mla_decode.cu) within their limits and say why not outside them (the
+    engine then runs the torch path, or --attention-backend cuda refuses). Tensor and pipeline
+    parallelism: tests/engine/model/families/test_family_features.py."""
     config = load_model_config(load("deepseek_v3_plain").path)
     why = family_refusal("deepseek_v3", ["tensor_parallel", "pipeline_parallel", "quantization"])
     assert why is not None and "DeepseekV3ForCausalLM" in why and "quantization" in why
     adapters = load("deepseek_v3_plain").engine.adapters
     with pytest.raises(ValueError, match="does not support lora: multi-head latent attention"):
         adapters.add("a", "/nonexistent")  # refused before the path is read
-    why = kernel_limits(config, torch.bfloat16, 16)
-    assert why is not None and "multi-head latent attention" in why
+    why = kernel_limits(config, torch.bfloat16, 16)  # the kernels read the latent pool (rank 32)
+    assert why is not None and "rotary dimension 8" in why  # but rotate multiples of 16 only
+    rope16 = dataclasses.replace(config, head_dim=16)
+    assert kernel_limits(rope16, torch.bfloat16, 16) is None
+    assert config.mla is not None
+    wide = dataclasses.replace(rope16, mla=dataclasses.replace(config.mla, kv_lora_rank=520))
+    why = kernel_limits(wide, torch.bfloat16, 16)
+    assert why is not None and "kv_lora_rank <= 512" in why
     plain = dataclasses.replace(config, mla=None, moe=None, head_dim=64, intermediate_size=128)
     assert kernel_limits(plain, torch.bfloat16, 16) is None
 
