@@ -187,7 +187,7 @@ def test_auto_picks_gguf_for_a_4_bit_gguf_on_a_cpu(
     assert resolve_quantization("auto", q4_1_gguf, gpu) == "none"
     hf_dir = tiny_model(hidden_size=64, intermediate_size=128)
     assert resolve_quantization("auto", hf_dir, cpu) == "none"
-    with pytest.raises(ValueError, match="needs --model FILE"):
+    with pytest.raises(ValueError, match="needs such a --model"):
         checked_quantization("gguf", hf_dir, cpu)
     with pytest.raises(ValueError, match="tensor-parallel"):
         checked_quantization("gguf", q4_1_gguf, cpu, whole=False)
