@@ -265,3 +265,21 @@ class Emulator:
         finally:
             for name, value in saved.items():
                 setattr(kl, name, value)
+
+
+@contextmanager
+def installed_or_skip() -> Iterator[Emulator]:
+    """The emulator of kernels/*.cu installed into kernels.launch for the with-block; the test
+    skips, naming why, where it cannot be built (not Linux, no g++)."""
+    import shutil
+    import sys
+
+    import pytest
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip(f"the kernel emulator needs glibc's ucontext (Linux), not {sys.platform}")
+    if shutil.which("g++") is None:
+        pytest.skip("g++ is not on PATH: the kernel emulator compiles kernels/*.cu with it")
+    emulator = Emulator(build())
+    with emulator.installed():
+        yield emulator

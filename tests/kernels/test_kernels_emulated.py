@@ -25,8 +25,6 @@ Skips without g++ or off Linux. The emulator library (~8 s of g++) is cached by 
 from __future__ import annotations
 
 import random
-import shutil
-import sys
 import zlib
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -54,12 +52,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 @pytest.fixture(scope="module")
 def emulator() -> Iterator[emu.Emulator]:
-    if not sys.platform.startswith("linux"):
-        pytest.skip(f"the kernel emulator needs glibc's ucontext (Linux), not {sys.platform}")
-    if shutil.which("g++") is None:
-        pytest.skip("g++ is not on PATH: the kernel emulator compiles kernels/*.cu with it")
-    emulator = emu.Emulator(emu.build())
-    with emulator.installed():
+    with emu.installed_or_skip() as emulator:
         yield emulator
 
 

@@ -6,8 +6,6 @@ does."""
 
 from __future__ import annotations
 
-import shutil
-import sys
 from collections.abc import Iterator
 from types import ModuleType
 
@@ -30,12 +28,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 @pytest.fixture(scope="module")
 def emulator() -> Iterator[emu.Emulator]:
-    if not sys.platform.startswith("linux"):
-        pytest.skip(f"the kernel emulator needs glibc's ucontext (Linux), not {sys.platform}")
-    if shutil.which("g++") is None:
-        pytest.skip("g++ is not on PATH: the kernel emulator compiles kernels/*.cu with it")
-    emulator = emu.Emulator(emu.build())
-    with emulator.installed():
+    with emu.installed_or_skip() as emulator:
         yield emulator
 
 

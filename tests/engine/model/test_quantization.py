@@ -314,18 +314,13 @@ def test_int8_on_a_gpu_needs_our_kernels(monkeypatch: pytest.MonkeyPatch) -> Non
 def test_gpu_int8_self_check_on_the_emulator(monkeypatch: pytest.MonkeyPatch) -> None:
     """The start-up check of the GPU int8 path, its kernel run on CPU tensors by the emulator:
     it passes as built, and names what went wrong for a kernel that disagrees or fails."""
-    import shutil
-    import sys
 
     import llmserve.engine.model.quant as quant
     from llmserve.kernels import int8 as gpu_int8
-
-    if not sys.platform.startswith("linux") or shutil.which("g++") is None:
-        pytest.skip("the kernel emulator needs Linux and g++")
     from tests.kernel_emu import emu
 
     cpu = torch.device("cpu")
-    with emu.Emulator(emu.build()).installed():
+    with emu.installed_or_skip():
         assert quant._gpu_int8_problem(cpu, torch.bfloat16) is None
         assert quant._gpu_int8_problem(cpu, torch.float16) is None
     why = quant._gpu_int8_problem(cpu, torch.float32)
