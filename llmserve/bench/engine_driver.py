@@ -114,13 +114,13 @@ def time_decode_steps(
     num_steps: int,
     prompt_len: int = 128,
     warmed: Callable[[], None] | None = None,
+    prompts: list[list[int]] | None = None,
 ) -> dict[str, Any]:
-    """The decode step time of batch requests (prompts of prompt_len tokens, admitted whole):
-    3 decode steps to warm up (then warmed(), if given), then num_steps timed ones. Returns the
-    batch, the median and every step's milliseconds, tokens per second at the median and
-    request 0's first 8 tokens."""
+    """The decode step time of batch requests (prompts of prompt_len tokens, admitted whole; or
+    the prompts given): 3 decode steps to warm up (then warmed(), if given), then num_steps
+    timed ones. Returns step_row's figures."""
     driver = Driver(engine)
-    driver.start([[100 + i] * (prompt_len - 1) + [5] for i in range(batch)])
+    driver.start(prompts or [[100 + i] * (prompt_len - 1) + [5] for i in range(batch)])
     for _ in range(3):
         driver.decode()
     if warmed is not None:
@@ -130,11 +130,17 @@ def time_decode_steps(
         t0 = time.perf_counter()
         driver.decode()
         times.append((time.perf_counter() - t0) * 1e3)
-    median = statistics.median(times)
+    return step_row(batch, times, driver.generated[0][:8])
+
+
+def step_row(batch: int, times_ms: list[float], first_tokens: list[int]) -> dict[str, Any]:
+    """A timed batch's figures: the batch, the median and every step's milliseconds, tokens
+    per second at the median and request 0's first tokens."""
+    median = statistics.median(times_ms)
     return {
         "batch": batch,
         "step_ms_median": round(median, 2),
-        "step_ms": [round(t, 2) for t in times],
+        "step_ms": [round(t, 2) for t in times_ms],
         "tokens_per_s": round(batch * 1e3 / median, 1),
-        "first_tokens": driver.generated[0][:8],
+        "first_tokens": first_tokens,
     }

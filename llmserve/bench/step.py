@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import resource
-import statistics
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -115,7 +114,7 @@ def peak_rss_mib() -> float:
 def paired_steps(arms: list[Any], batch: int, args: argparse.Namespace) -> list[dict[str, Any]]:
     """Each arm's row at batch: prefill, 3 warm-up decodes, then --steps rounds of one decode
     step of every arm in turn (ABBA)."""
-    from llmserve.bench.engine_driver import Driver
+    from llmserve.bench.engine_driver import Driver, step_row
     from llmserve.bench.step_arms import prompts
 
     vocab = min(arm.engine.model_config.vocab_size for arm in arms)
@@ -139,7 +138,7 @@ def paired_steps(arms: list[Any], batch: int, args: argparse.Namespace) -> list[
                 t0 = time.perf_counter()
                 call(i, drivers[i].decode)
                 times[i].append((time.perf_counter() - t0) * 1e3)
-    return [_row(batch, t, d.generated[0][:8]) for t, d in zip(times, drivers, strict=True)]
+    return [step_row(batch, t, d.generated[0][:8]) for t, d in zip(times, drivers, strict=True)]
 
 
 def time_group(arm: Any, batches: list[int], args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -151,7 +150,7 @@ def time_group(arm: Any, batches: list[int], args: argparse.Namespace) -> list[d
 
     work = functools.partial(_group_rows, batches=batches, args=args)
     rows: list[dict[str, Any]] = run_group_locally(arm.config, work, timeout=1800)[0]
-    model = load_model_config(arm.config.model or builtin_model_path())
+    model = load_model_config(Path(arm.config.model) if arm.config.model else builtin_model_path())
     size = arm.config.tensor_parallel_size
     for row in rows:
         row["comm_bytes"] = comm_bytes(model.hidden_size, model.vocab_size, size, 4)
@@ -174,24 +173,15 @@ def _group_rows(
 ) -> list[dict[str, Any]]:
     """On every rank of a group: each batch's decode steps (every rank steps; the driver's
     times are the figures), the seconds inside all-reduces and all-gathers counted."""
-    from llmserve.bench.engine_driver import Driver
+    from llmserve.bench.engine_driver import time_decode_steps
     from llmserve.bench.step_arms import prompts
 
     timed = _Collectives(parallel.tp) if parallel is not None else None
     rows = []
     for batch in batches:
-        driver = Driver(engine)
-        driver.start(prompts(batch, args.prompt_len, engine.model_config.vocab_size))
-        for _ in range(3):
-            driver.decode()
-        if timed is not None:
-            timed.reset()
-        times = []
-        for _ in range(args.steps):
-            t0 = time.perf_counter()
-            driver.decode()
-            times.append((time.perf_counter() - t0) * 1e3)
-        row = _row(batch, times, driver.generated[0][:8])
+        batch_prompts = prompts(batch, args.prompt_len, engine.model_config.vocab_size)
+        warmed = timed.reset if timed is not None else None
+        row = time_decode_steps(engine, batch, args.steps, warmed=warmed, prompts=batch_prompts)
         if timed is not None:
             row.update(timed.per_step(args.steps))
         rows.append(row)
@@ -257,17 +247,6 @@ def profile(arm: Any, batch: int, args: argparse.Namespace) -> list[dict[str, An
         }
         for e in events[:TOP_OPS]
     ]
-
-
-def _row(batch: int, times: list[float], first_tokens: list[int]) -> dict[str, Any]:
-    median = statistics.median(times)
-    return {
-        "batch": batch,
-        "step_ms_median": round(median, 2),
-        "step_ms": [round(t, 2) for t in times],
-        "tokens_per_s": round(batch * 1e3 / median, 1),
-        "first_tokens": first_tokens,
-    }
 
 
 def _config_row(arm: Any) -> dict[str, Any]:
