@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import subprocess
 import sys
 import tempfile
@@ -61,16 +60,9 @@ def serve(path: str, steps: int, quantization: str) -> dict[str, Any]:
                      quantization=quantization)
     )  # fmt: skip
     rows = [time_decode_steps(engine, b, steps, prompt_len=PROMPT_LEN) for b in BATCHES]
+    from llmserve.bench.step import peak_rss_mib
+
     return {"kept": kept_description(engine.model), "rows": rows, "peak_rss_mib": peak_rss_mib()}
-
-
-def peak_rss_mib() -> float:
-    """This process's peak RSS: VmHWM, per address space. Not ru_maxrss, which Linux carries
-    across exec: a child would report its parent's peak (here, the checkpoint writer's)."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return round(int(line.split()[1]) / 1024, 1)
-    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
 
 
 def main() -> None:

@@ -4,7 +4,7 @@ written by llmserve/bench/quant_checkpoints.py, each served kept in the CPU kern
 (--quantization gguf, engine/model/checkpoint_blocks.py) against dequantized to float32 (none).
 
 Timing: one `llmserve bench step` run with all arms paired (ratios within the run); peak RSS:
-one run per arm at batch 1 (the process's ru_maxrss: engine build, load and steps).
+one run per arm at batch 1 (the process's VmHWM: engine build, load and steps).
 
     python bench/studies/kept_blocks_step.py --out bench/results/kept_blocks_step.json
 """
