@@ -1,8 +1,9 @@
 """Quantized checkpoints served as stored on the CPU: `keep_checkpoint_weights` swaps, before
 the load, every Linear whose tensors a checkpoint stores in a form engine/model/kept_weights.py
 holds (W4A16, W8A16, FP8) for a `CheckpointLinear` over them (kernels/cpu_wq.cpp), so the load
-never widens them to float32, as engine/model/gguf_linear.py does for GGUF blocks. Linears left
-(the LM head of most checkpoints, 2-bit weights, MoE experts) load dequantized as before.
+never widens them to float32, as engine/model/gguf_linear.py does for GGUF blocks (MoE experts:
+engine/model/kept_experts.py, over the same CheckpointLinear). Linears left (the LM head of most
+checkpoints, 2-bit weights) load dequantized as before.
 """
 
 from __future__ import annotations
@@ -96,14 +97,23 @@ def _linear_tensors(model: LlamaForCausalLM) -> dict[int, dict[str, list[str]]]:
     return names
 
 
+def can_keep(model: LlamaForCausalLM, weights: CheckpointView) -> bool:
+    """Whether a quantized checkpoint's weights can be kept as stored here: not where the
+    checkpoint is float (no build), the model is split across tensor-parallel ranks (the kept
+    forms are whole) or the kernel cannot build (logged once)."""
+    if not weights.quantized or model.shard.tp.size != 1:
+        return False
+    if cpu_wq.unavailable() is not None:
+        log.warning("checkpoint weights dequantized at load", why=cpu_wq.unavailable())
+        return False
+    return True
+
+
 def keep_checkpoint_weights(model: LlamaForCausalLM, weights: CheckpointView) -> int:
     """Before the load: every Linear whose weight tensors `weights` holds in a kept form becomes
     a CheckpointLinear over them; the number swapped. Nothing where the kernel cannot build
     here or the model is split across tensor-parallel ranks (the kept forms are whole)."""
-    if not weights.quantized or model.shard.tp.size != 1:  # a float checkpoint: no build
-        return 0
-    if cpu_wq.unavailable() is not None:
-        log.warning("checkpoint weights dequantized at load", why=cpu_wq.unavailable())
+    if not can_keep(model, weights):
         return 0
     names = _linear_tensors(model)
     swapped = 0
@@ -127,8 +137,11 @@ def keep_checkpoint_weights(model: LlamaForCausalLM, weights: CheckpointView) ->
 
 def kept_description(model: nn.Module) -> str:
     """For the start line: how many linears serve their checkpoint's weights as stored."""
-    kinds = [m.kind for m in model.modules() if isinstance(m, CheckpointLinear)]
-    if not kinds:
+    kept = [(n, m.kind) for n, m in model.named_modules() if isinstance(m, CheckpointLinear)]
+    if not kept:
         return ""
+    kinds = [kind for _, kind in kept]
     counts = ", ".join(f"{kinds.count(k)} {k}" for k in sorted(set(kinds)))
-    return f"{len(kinds)} linears kept quantized on the CPU ({counts})"
+    experts = sum(".experts." in name for name, _ in kept)  # engine/model/kept_experts.py's
+    of_them = f", {experts} of them experts'" if experts else ""
+    return f"{len(kept)} linears kept quantized on the CPU ({counts}){of_them}"

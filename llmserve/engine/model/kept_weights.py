@@ -4,7 +4,15 @@ weights along K, w = (q - zero) * scale, and act-order's column permutation). Ea
 scheme (engine/model/checkpoint_schemes.py: `kept`) builds it from the stored tensors; where a
 weight does not fit the form (2-bit or 3-D expert weights, an
 act-order whose groups are not runs of `group` columns) the scheme returns None and the weight is
-dequantized at load instead. engine/model/checkpoint_linear.py serves it.
+dequantized at load instead. engine/model/checkpoint_linear.py serves it (experts:
+engine/model/kept_experts.py).
+
+MXFP4 (gpt-oss) is held as int8, exactly: an e2m1 value v is one of 0, +-0.5, +-1, +-1.5, +-2,
++-3, +-4, +-6, so 2 v is an integer in [-12, 12], and the block's e8m0 scale 2^(s - 127) halved,
+2^(s - 128), is a float32 for every s in 0..254 (2^-128 a subnormal); (2 v) * 2^(s - 128) is
+then v * 2^(s - 127) with no rounding (a power of two times a small integer). int4 cannot hold
+it: the 15 levels 2 v takes are not evenly spaced. A byte a weight, not MXFP4's half byte: a
+native e2m1 kernel kind would halve it again (not built).
 """
 
 from __future__ import annotations
@@ -38,6 +46,23 @@ class KeptWeight:
         out = torch.empty_like(w)
         out[:, self.perm] = w
         return out
+
+
+# 2 x each e2m1 code's value (checkpoint_dequant.FP4_VALUES), an integer
+FP4_TWICE = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
+
+
+def mxfp4_weights(blocks: torch.Tensor, scales: torch.Tensor) -> list[KeptWeight]:
+    """MXFP4 experts blocks uint8 [E, N, G, 16] (low nibble first) and e8m0 scales uint8
+    [E, N, G] as E int8 weights [N, G * 32] in groups of 32, exactly (see the module), one
+    expert at a time (no [E, N, K] temporary)."""
+    twice = torch.tensor(FP4_TWICE, dtype=torch.int8)
+    kept = []
+    for raw, exponent in zip(blocks.to(torch.uint8), scales.to(torch.int32), strict=True):
+        q = torch.stack((twice[(raw & 0x0F).long()], twice[(raw >> 4).long()]), dim=-1)
+        scale = torch.ldexp(torch.ones(exponent.shape), exponent - 128)
+        kept.append(KeptWeight("int8", q.flatten(-3), scale, None, 32))
+    return kept
 
 
 def int_kind(bits: int) -> str | None:

@@ -37,6 +37,7 @@ from llmserve.engine.model.gguf_linear import (
     keep_gguf_blocks,
     quantize_rest,
 )
+from llmserve.engine.model.kept_experts import keep_expert_weights
 from llmserve.engine.model.layers import PackedLinear, can_pack_cpu_linears
 from llmserve.engine.model.model import LlamaForCausalLM
 from llmserve.engine.model.ops import LayerOps, select_ops
@@ -285,6 +286,7 @@ def build_model(
         weights = _keep_blocks(model, weights)
     if quantization == "none" and device.type == "cpu" and isinstance(weights, CheckpointView):
         keep_checkpoint_weights(model, weights)  # W4A16 / W8A16 / FP8 linears kept as stored
+        keep_expert_weights(model, weights)  # and MoE experts (MXFP4 too)
     if weights is None and model.shard.is_whole:
         init_dummy_weights(model, dummy_seed)
     elif weights is None:

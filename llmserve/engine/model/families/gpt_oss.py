@@ -34,6 +34,13 @@ from llmserve.engine.parallel.groups import TPGroup
 from llmserve.kernels.moe_reference import route, sort_by_expert
 
 
+def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's activation of the interleaved gate / up columns (see the module)."""
+    gate = gate_up[..., 0::2].clamp(max=limit)
+    up = gate_up[..., 1::2].clamp(-limit, limit)
+    return (up + 1) * gate * torch.sigmoid(gate * alpha)
+
+
 class BiasedRouter(nn.Module):
     """The router's weight [E, H] and bias [E]; not a Linear, so packing and quantization
     leave routing as the checkpoint has it."""
@@ -66,9 +73,7 @@ class BiasedExperts(nn.Module):
         default_weight_loader(param, loaded[self.experts.start : self.experts.stop], shard)
 
     def activation(self, gate_up: torch.Tensor) -> torch.Tensor:
-        gate = gate_up[..., 0::2].clamp(max=self.limit)
-        up = gate_up[..., 1::2].clamp(-self.limit, self.limit)
-        return (up + 1) * gate * torch.sigmoid(gate * self.alpha)
+        return clamped_swiglu(gate_up, self.alpha, self.limit)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """The weighted sum of each token's local experts: pairs sorted by expert, one product

@@ -175,11 +175,16 @@ def test_mxfp4_experts_are_read_as_transformers_reads_them(mxfp4_dirs: tuple[Pat
 
 def test_mxfp4_checkpoint_serves_as_its_dequantized_model(mxfp4_dirs: tuple[Path, Path]) -> None:
     """gpt-oss's MXFP4 experts (`*_blocks`, `*_scales`) served: greedy tokens equal to the
-    same model dequantized to float32."""
+    same model dequantized to float32. On the CPU they are kept as stored (MXFP4 held as int8,
+    exactly: engine/model/kept_weights.py), biases and the clamped SwiGLU included, and the
+    start line counts them (2 layers x 8 experts x (gate_up, down))."""
     from llmserve.bench.engine_driver import generate
     from llmserve.engine.config import EngineConfig
     from llmserve.engine.model.checkpoint_formats import checkpoint_format
+    from llmserve.engine.model.checkpoint_linear import kept_description
+    from llmserve.engine.model.kept_experts import KeptExperts
     from llmserve.engine.step.engine import Engine
+    from llmserve.kernels import cpu_wq
 
     prompts = [[5, 77, 190, 33, 12], [200, 3, 3, 41], [9, 120, 64, 250, 18, 7], [100]]
     settings: dict[str, Any] = dict(device="cpu", num_kv_blocks=32, max_model_len=128, seed=0)
@@ -188,3 +193,7 @@ def test_mxfp4_checkpoint_serves_as_its_dequantized_model(mxfp4_dirs: tuple[Path
     want = generate(Engine(EngineConfig(model=str(dequantized), **settings)), prompts, 6)
     assert generate(engine, prompts, 6) == want
     assert checkpoint_format(quantized).startswith("mxfp4")
+    if cpu_wq.unavailable() is None:
+        assert all(isinstance(layer.mlp.experts, KeptExperts) for layer in engine.model.layers)
+        held = kept_description(engine.model)
+        assert held == "32 linears kept quantized on the CPU (32 int8), 32 of them experts'"
