@@ -37,6 +37,8 @@ def _merged(parts: list[KeptWeight]) -> KeptWeight:
     if first.kind == "fp8":
         q = torch.cat([p.q.view(torch.uint8) for p in parts]).view(torch.float8_e4m3fn)
         return KeptWeight("fp8", q, scale, None, first.group, first.perm)
+    if first.kind == "fp4":
+        return KeptWeight("fp4", torch.cat([p.q for p in parts]), scale, None, first.group)
     moved = [cpu_wq.stored_values(first.kind, p.q, p.zero, p.scale) for p in parts]
     q = torch.cat([values for values, _ in moved])
     zeros = [

@@ -1,6 +1,6 @@
 """MoE experts kept quantized on the CPU: `keep_expert_weights` swaps, before the load, each
 experts module whose checkpoint tensors are all in a kept form (engine/model/kept_weights.py:
-W4A16, W8A16, FP8, MXFP4 as int8) for `KeptExperts`, one CheckpointLinear
+W4A16, W8A16, FP8, MXFP4) for `KeptExperts`, one CheckpointLinear
 (engine/model/checkpoint_linear.py, kernels/cpu_wq.cpp) per local expert and projection, so the
 load never widens them to float32. Two experts modules are read:
 

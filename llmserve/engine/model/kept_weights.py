@@ -7,12 +7,10 @@ act-order whose groups are not runs of `group` columns) the scheme returns None 
 dequantized at load instead. engine/model/checkpoint_linear.py serves it (experts:
 engine/model/kept_experts.py).
 
-MXFP4 (gpt-oss) is held as int8, exactly: an e2m1 value v is one of 0, +-0.5, +-1, +-1.5, +-2,
-+-3, +-4, +-6, so 2 v is an integer in [-12, 12], and the block's e8m0 scale 2^(s - 127) halved,
-2^(s - 128), is a float32 for every s in 0..254 (2^-128 a subnormal); (2 v) * 2^(s - 128) is
-then v * 2^(s - 127) with no rounding (a power of two times a small integer). int4 cannot hold
-it: the 15 levels 2 v takes are not evenly spaced. A byte a weight, not MXFP4's half byte: a
-native e2m1 kernel kind would halve it again (not built).
+MXFP4 (gpt-oss) is kept as stored, kind "fp4": its e2m1 codes, two a byte, and its e8m0 block
+scale 2^(s - 127) as the float32 scale per 32 (exact: a power of two, 2^-127 a subnormal, for
+every s in 0..254). (int8 would hold it exactly too, 2 v in [-12, 12] times 2^(s - 128), at
+twice the bytes; int4 cannot: the 15 levels 2 v takes are not evenly spaced.)
 """
 
 from __future__ import annotations
@@ -21,15 +19,15 @@ from dataclasses import dataclass
 
 import torch
 
-from llmserve.kernels.cpu_wq import wq_dequantize
+from llmserve.kernels.cpu_wq import fp4_values, wq_dequantize
 
 
 @dataclass(frozen=True)
 class KeptWeight:
-    """kind: "int4" (values in [0, 15] or [-8, 7]), "int8" ([-128, 127] or [0, 255]) or "fp8"
-    (q float8_e4m3fn). q [N, K] with its columns in `perm` order where act-order reordered them
-    (column j of q is input feature perm[j]); scale, zero [N, ceil(K / group)] float32 (zero None:
-    symmetric)."""
+    """kind: "int4" (values in [0, 15] or [-8, 7]), "int8" ([-128, 127] or [0, 255]), "fp8"
+    (q float8_e4m3fn) or "fp4" (q uint8 e2m1 codes, 0..15). q [N, K] with its columns in
+    `perm` order where act-order reordered them (column j of q is input feature perm[j]);
+    scale, zero [N, ceil(K / group)] float32 (zero None: symmetric)."""
 
     kind: str
     q: torch.Tensor
@@ -40,7 +38,8 @@ class KeptWeight:
 
     def dequantize(self) -> torch.Tensor:
         """float32 W [N, K] in the checkpoint's column order (the tests' cross-check)."""
-        w = wq_dequantize(self.q, self.scale, self.zero, self.group)
+        q = fp4_values(self.q) if self.kind == "fp4" else self.q
+        w = wq_dequantize(q, self.scale, self.zero, self.group)
         if self.perm is None:
             return w
         out = torch.empty_like(w)
@@ -48,20 +47,14 @@ class KeptWeight:
         return out
 
 
-# 2 x each e2m1 code's value (checkpoint_dequant.FP4_VALUES), an integer
-FP4_TWICE = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
-
-
 def mxfp4_weights(blocks: torch.Tensor, scales: torch.Tensor) -> list[KeptWeight]:
     """MXFP4 experts blocks uint8 [E, N, G, 16] (low nibble first) and e8m0 scales uint8
-    [E, N, G] as E int8 weights [N, G * 32] in groups of 32, exactly (see the module), one
-    expert at a time (no [E, N, K] temporary)."""
-    twice = torch.tensor(FP4_TWICE, dtype=torch.int8)
+    [E, N, G] as E fp4 weights [N, G * 32] (codes) in groups of 32, one expert at a time."""
     kept = []
     for raw, exponent in zip(blocks.to(torch.uint8), scales.to(torch.int32), strict=True):
-        q = torch.stack((twice[(raw & 0x0F).long()], twice[(raw >> 4).long()]), dim=-1)
-        scale = torch.ldexp(torch.ones(exponent.shape), exponent - 128)
-        kept.append(KeptWeight("int8", q.flatten(-3), scale, None, 32))
+        codes = torch.stack((raw & 0x0F, raw >> 4), dim=-1).flatten(-3)
+        scale = torch.ldexp(torch.ones(exponent.shape), exponent - 127)
+        kept.append(KeptWeight("fp4", codes, scale, None, 32))
     return kept
 
 

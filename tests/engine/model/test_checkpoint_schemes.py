@@ -225,10 +225,10 @@ def test_mxfp4_dequantizes_as_transformers_gpt_oss_does() -> None:
     assert torch.equal(ours.transpose(1, 2), theirs)
 
 
-def test_mxfp4_is_held_as_int8_exactly() -> None:
-    """kept_weights.mxfp4_weights: 2 x e2m1 as int8 times 2^(s - 128) per 32 is the MXFP4
-    value bit for bit, for every code and the extreme scales (2^-127 and 2^127: s = 0, 254),
-    one KeptWeight per expert, through the kernel's product too."""
+def test_mxfp4_is_kept_as_stored_exactly() -> None:
+    """kept_weights.mxfp4_weights: the e2m1 codes (kind fp4) with 2^(s - 127) per 32 are the
+    MXFP4 values bit for bit, for every code and the extreme scales (2^-127 and 2^127: s = 0,
+    254), one KeptWeight per expert, through the kernel's product too."""
     from llmserve.engine.model.kept_weights import mxfp4_weights
 
     generator = torch.Generator().manual_seed(0)
@@ -238,14 +238,14 @@ def test_mxfp4_is_held_as_int8_exactly() -> None:
     scales[0, 0], scales[1, 0] = torch.tensor([0, 254, 127]), torch.tensor([1, 253, 128])
     want = dequantize_mxfp4(blocks, scales)
     kept = mxfp4_weights(blocks, scales)
-    assert [(w.kind, w.group, tuple(w.q.shape)) for w in kept] == [("int8", 32, (16, 96))] * 2
+    assert [(w.kind, w.group, tuple(w.q.shape)) for w in kept] == [("fp4", 32, (16, 96))] * 2
     for expert, weight in enumerate(kept):
         assert torch.equal(weight.dequantize(), want[expert])
     if cpu_wq.unavailable() is None:
         w = kept[1]
         x = torch.randn(3, 96, generator=generator)
         packed = cpu_wq.pack_wq(w.kind, w.q, w.scale, w.zero, w.group)
-        got = cpu_wq.wq_linear(x, packed, None)  # channel 0's 2^125 overflows: left out
+        got = cpu_wq.wq_linear(x, packed, None)  # channel 0's 2^126 overflows: left out
         torch.testing.assert_close(got[:, 1:], x @ want[1, 1:].t(), rtol=1e-5, atol=1e-5)
 
 

@@ -175,9 +175,9 @@ def test_mxfp4_experts_are_read_as_transformers_reads_them(mxfp4_dirs: tuple[Pat
 
 def test_mxfp4_checkpoint_serves_as_its_dequantized_model(mxfp4_dirs: tuple[Path, Path]) -> None:
     """gpt-oss's MXFP4 experts (`*_blocks`, `*_scales`) served: greedy tokens equal to the
-    same model dequantized to float32. On the CPU they are kept as stored (MXFP4 held as int8,
-    exactly: engine/model/kept_weights.py), biases and the clamped SwiGLU included, and the
-    start line counts them (2 layers x 8 experts x (gate_up, down))."""
+    same model dequantized to float32. On the CPU they are kept as stored (cpu_wq's fp4 kind:
+    e2m1 codes, e8m0 scales), biases and the clamped SwiGLU included, and the start line
+    counts them (2 layers x 8 experts x (gate_up, down))."""
     from llmserve.bench.engine_driver import generate
     from llmserve.engine.config import EngineConfig
     from llmserve.engine.model.checkpoint_formats import checkpoint_format
@@ -196,4 +196,4 @@ def test_mxfp4_checkpoint_serves_as_its_dequantized_model(mxfp4_dirs: tuple[Path
     if cpu_wq.unavailable() is None:
         assert all(isinstance(layer.mlp.experts, KeptExperts) for layer in engine.model.layers)
         held = kept_description(engine.model)
-        assert held == "32 linears kept quantized on the CPU (32 int8), 32 of them experts'"
+        assert held == "32 linears kept quantized on the CPU (32 fp4), 32 of them experts'"
