@@ -5,7 +5,7 @@ same model dequantized to float32:
 - Qwen3-MoE shape (6 layers, hidden 768, 32 experts of 384, top-4, vocab 8192) as a GPTQ W4A16
   checkpoint (4-bit, group 128, symmetric), written by llmserve/bench/quant_checkpoints.py;
 - gpt-oss shape (the same sizes, biased experts, clamped SwiGLU) as gpt-oss's MXFP4
-  checkpoint (quant_checkpoints.write_mxfp4), its experts kept as int8 (exactly).
+  checkpoint (quant_checkpoints.write_mxfp4), its experts kept as stored (cpu_wq's fp4 kind).
 
 Timing: one `llmserve bench step --arms model:DIR@none ...` run with all arms paired (ratios
 within the run), one torch thread; peak RSS: one run per arm at batch 1 (the process's VmHWM:
@@ -78,7 +78,7 @@ def main() -> None:
             f"model:{work / 'w4-deq'}@none": "qwen3_moe float32 (dequantized w4a16)",
             f"model:{work / 'w4'}@none": "qwen3_moe gptq w4a16 g128, experts kept (cpu_wq int4)",
             f"model:{work / 'mxfp4-deq'}@none": "gpt_oss float32 (dequantized mxfp4)",
-            f"model:{work / 'mxfp4'}@none": "gpt_oss mxfp4, experts kept (cpu_wq int8, exact)",
+            f"model:{work / 'mxfp4'}@none": "gpt_oss mxfp4, experts kept (cpu_wq fp4)",
         }
         arms = list(names)
         timing = bench(arms, "1,16", args.steps, work / "timing.json")

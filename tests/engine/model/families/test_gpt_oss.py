@@ -145,13 +145,13 @@ def test_a_sparse_config_reads_gptossconfigs_defaults(tmp_path: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def mxfp4_dirs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    """(gpt-oss's MXFP4 checkpoint of the tiny model, the same model with those experts
-    dequantized to float32), written by llmserve/bench/quant_checkpoints.py's write_mxfp4."""
+def mxfp4_dirs(model: Loaded, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(gpt-oss's MXFP4 checkpoint of the module's tiny model, the same model with those
+    experts dequantized to float32), written by llmserve/bench/quant_checkpoints.py."""
     from llmserve.bench.quant_checkpoints import write_mxfp4
 
     root = tmp_path_factory.mktemp("gpt_oss_mxfp4")
-    write_mxfp4(make_tiny_moe(root / "float", "gpt_oss", seed=1), root / "q", root / "dequantized")
+    write_mxfp4(model.path, root / "q", root / "dequantized")
     return root / "q", root / "dequantized"
 
 
