@@ -23,13 +23,15 @@ FP8_MAX = 448.0
 
 
 def is_quantized_linear(name: str, tensor: torch.Tensor) -> bool:
-    """The decoder layers' projection weights (experts included); routers stay float."""
+    """The decoder layers' projection weights (experts included); routers (Qwen2-MoE's shared
+    expert gate too, a [1, H] router) stay float."""
+    routers = ("mlp.gate.weight", "block_sparse_moe.gate.weight", "shared_expert_gate.weight")
     return (
         name.startswith("model.layers.")
         and name.endswith(".weight")
         and tensor.dim() == 2
         and "norm" not in name
-        and not name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight"))
+        and not name.endswith(routers)
     )
 
 

@@ -174,12 +174,14 @@ class SparseMoeBlock(OpsModule):
         if isinstance(self.experts, Experts):  # kept experts read theirs when they were made
             yield from self.experts.hf_tensors(stem, self.moe.hf_experts)
         if self.shared_expert is not None:
+            # a projection kept quantized (engine/model/checkpoint_linear.py) read its own
             shared = "shared_experts" if self.moe.grouped else "shared_expert"
-            for shard, part in enumerate(("gate_proj", "up_proj")):
-                proj = self.shared_expert.gate_up_proj
-                yield f"{stem}{shared}.{part}.weight", proj, proj.weight, shard
-            down = self.shared_expert.down_proj
-            yield f"{stem}{shared}.down_proj.weight", down, down.weight, 0
+            proj, down = self.shared_expert.gate_up_proj, self.shared_expert.down_proj
+            if isinstance(proj, Linear):
+                for shard, part in enumerate(("gate_proj", "up_proj")):
+                    yield f"{stem}{shared}.{part}.weight", proj, proj.weight, shard
+            if isinstance(down, Linear):
+                yield f"{stem}{shared}.down_proj.weight", down, down.weight, 0
         if self.shared_expert_gate is not None:
             gate = self.shared_expert_gate
             yield f"{stem}shared_expert_gate.weight", gate, gate.weight, 0
