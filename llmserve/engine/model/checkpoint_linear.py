@@ -8,11 +8,14 @@ checkpoints, 2-bit weights) load dequantized as before.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from torch import nn
 
 from llmserve.common.log import get_logger
 from llmserve.engine.model.checkpoint_formats import CheckpointView
+from llmserve.engine.model.families.deepseek import RopeRowsLinear
 from llmserve.engine.model.kept_weights import KeptWeight
 from llmserve.engine.model.layers import Linear
 from llmserve.engine.model.model import LlamaForCausalLM
@@ -46,6 +49,13 @@ def _merged(parts: list[KeptWeight]) -> KeptWeight:
         for p, (_, z) in zip(parts, moved, strict=True)
     ]
     return KeptWeight(first.kind, q, scale, torch.cat(zeros), first.group, first.perm)
+
+
+def _rows(weight: KeptWeight, rows: torch.Tensor) -> KeptWeight:
+    """The weight with its output rows in the order `rows` (DeepSeek's MLA projections: their
+    rotary rows de-interleaved at load, engine/model/families/deepseek.py's RopeRowsLinear)."""
+    zero = None if weight.zero is None else weight.zero[rows]
+    return replace(weight, q=weight.q[rows], scale=weight.scale[rows], zero=zero)
 
 
 class CheckpointLinear(nn.Module):
@@ -126,6 +136,8 @@ def keep_checkpoint_weights(model: LlamaForCausalLM, weights: CheckpointView) ->
         kept = [p for p in parts if p is not None]
         if len(kept) != len(parts) or len({p.kind for p in kept}) != 1:
             continue
+        if isinstance(module, RopeRowsLinear) and module.rows is not None:
+            kept = [_rows(p, module.rows) for p in kept]
         biases = [weights[n].float() for n in names[id(module)]["bias"]]
         parent, _, leaf = name.rpartition(".")
         layer = CheckpointLinear(kept, torch.cat(biases) if biases else None)

@@ -336,7 +336,7 @@ MOE_KINDS = {"gptq": "int4", "awq": "int4", "w4a16": "int4", "fp8": "fp8", "w8a1
     ("family", "fmt"),
     [("mixtral", "gptq"), ("qwen3_moe", "awq"), ("mixtral", "w4a16"), ("qwen3_moe", "fp8"),
      ("mixtral", "w8a16"), ("qwen3_moe", "fp8-block"), ("glm4_moe", "gptq"),
-     ("qwen2_moe", "gptq")],
+     ("qwen2_moe", "gptq"), ("deepseek_v3", "gptq")],
 )  # fmt: skip
 def test_quantized_experts_are_read_as_their_dequantized_model(
     tmp_path_factory: pytest.TempPathFactory, family: str, fmt: str
