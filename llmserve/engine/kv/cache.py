@@ -20,7 +20,8 @@ from llmserve.common.model_config import ModelConfig
 def kv_pool_shape(config: ModelConfig, num_blocks: int, block_size: int) -> tuple[int, ...]:
     if config.mla is not None:
         return (config.num_layers, 1, num_blocks, block_size, 1, config.mla.latent_dim)
-    return (config.num_layers, 2, num_blocks, block_size, config.num_kv_heads, config.head_dim)
+    num_layers = config.num_kv_layers  # a hybrid's state layers keep no KV
+    return (num_layers, 2, num_blocks, block_size, config.num_kv_heads, config.head_dim)
 
 
 def bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
