@@ -62,7 +62,7 @@ def test_matches_transformers() -> None:
     ],
 )
 def test_mamba_hybrids_refused_by_name(arch: str) -> None:
-    """The Mamba-2 hybrids (Qwen3-Next is served: tests/engine/model/families/test_qwen3_next.py)."""
+    """The Mamba-2 hybrids (Qwen3-Next is served: tests/engine/model/families/)."""
     from llmserve.common.families import registry
 
     with pytest.raises(registry.UnservedModelError, match=f"{arch} is a hybrid linear-attention"):
