@@ -47,7 +47,11 @@ def allocate_kv_cache(
     On a CPU the pool is anonymous memory mapped for it, which the OS zeroes page by page as it
     is first touched: the process's resident memory grows with the KV actually used, not with
     the pool's size."""
-    shape = kv_pool_shape(config, num_blocks, block_size)
+    return zeroed(kv_pool_shape(config, num_blocks, block_size), dtype, device)
+
+
+def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed pool tensor; on a CPU, pages the OS zeroes as they are first touched."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     element = torch.empty(0, dtype=dtype).element_size()

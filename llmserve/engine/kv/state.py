@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from llmserve.common.model_config import ModelConfig
+from llmserve.engine.kv.cache import zeroed
 
 
 def state_bytes_per_slot(config: ModelConfig, dtype: torch.dtype) -> int:
@@ -28,7 +29,8 @@ def state_bytes_per_slot(config: ModelConfig, dtype: torch.dtype) -> int:
 
 
 class StatePool:
-    """The pool's two tensors, zeroed (a slot never written reads as a fresh state)."""
+    """The pool's two tensors, zeroed (on a CPU lazily, as the KV pool: resident memory grows
+    with the slots used)."""
 
     def __init__(
         self, config: ModelConfig, num_slots: int, dtype: torch.dtype, device: torch.device
@@ -37,10 +39,8 @@ class StatePool:
         assert layout is not None and num_slots > 0, "a state pool for a model without state"
         n = config.num_state_layers
         self.num_slots = num_slots
-        self.conv = torch.zeros((n, num_slots, *layout.conv_shape), dtype=dtype, device=device)
-        self.recurrent = torch.zeros(
-            (n, num_slots, *layout.recurrent_shape), dtype=dtype, device=device
-        )
+        self.conv = zeroed((n, num_slots, *layout.conv_shape), dtype, device)
+        self.recurrent = zeroed((n, num_slots, *layout.recurrent_shape), dtype, device)
 
     @property
     def nbytes(self) -> int:
@@ -65,6 +65,27 @@ class StateBatch:
         if fresh:
             return torch.zeros_like(conv), torch.zeros_like(rec)
         return conv.clone(), rec.clone()
+
+    def gather(self, layer: int, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(conv [B, ...], recurrent [B, ...]): copies of rows' states in state layer `layer`
+        (rows running on, never fresh: a step's decode rows, taken together)."""
+        pool = self.pool
+        assert pool is not None
+        slots = self._slots(rows, pool.conv.device)
+        return pool.conv[layer, slots], pool.recurrent[layer, slots]
+
+    def scatter(
+        self, layer: int, rows: list[int], conv: torch.Tensor, recurrent: torch.Tensor
+    ) -> None:
+        """rows' new states (as gather returned them, [B, ...]) into their slots."""
+        pool = self.pool
+        assert pool is not None
+        slots = self._slots(rows, pool.conv.device)
+        pool.conv[layer, slots] = conv.to(pool.conv.dtype)
+        pool.recurrent[layer, slots] = recurrent.to(pool.recurrent.dtype)
+
+    def _slots(self, rows: list[int], device: torch.device) -> torch.Tensor:
+        return torch.tensor([self.slots[r] for r in rows], device=device)
 
     def write(self, layer: int, row: int, conv: torch.Tensor, recurrent: torch.Tensor) -> None:
         """Row's state after its chunk, into its slot (nothing without a pool)."""

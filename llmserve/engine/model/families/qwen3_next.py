@@ -117,10 +117,19 @@ class GatedDeltaNet(nn.Module):
         decay = -self.A_log.float().exp() * nn.functional.softplus(a.float() + self.dt_bias)
         out = torch.empty(z.shape, dtype=torch.float32, device=z.device)
         cu = ctx.cu_seqlens_q
+        pooled = ctx.state is not None and ctx.state.pool is not None
+        decodes: list[int] = []  # rows of one token continuing a state: run together
         for row in range(len(cu) - 1):
+            n = cu[row + 1] - cu[row]
+            fresh = ctx.seq_lens[row] == n  # its first chunk
+            if n == 1 and not fresh and pooled:
+                decodes.append(row)
+                continue
             rows = slice(cu[row], cu[row + 1])
-            fresh = ctx.seq_lens[row] == cu[row + 1] - cu[row]  # its first chunk
             out[rows] = self.run_chunk(ctx, row, fresh, qkv[rows], decay[rows], beta[rows])
+        if decodes:
+            at = torch.tensor([cu[r] for r in decodes], device=qkv.device)
+            out[at] = self.run_decodes(ctx, decodes, qkv[at], decay[at], beta[at])
         s = self.shape
         core = self.norm(
             out.to(hidden.dtype).reshape(-1, s.head_v_dim), z.reshape(-1, s.head_v_dim)
@@ -152,6 +161,33 @@ class GatedDeltaNet(nn.Module):
         out, state = rule(q, k, v, decay, beta, state)
         if ctx.state is not None:
             ctx.state.write(self.state_idx, row, conv_state, state)
+        return out
+
+    def run_decodes(
+        self,
+        ctx: AttentionContext,
+        rows: list[int],
+        qkv: torch.Tensor,
+        decay: torch.Tensor,
+        beta: torch.Tensor,
+    ) -> torch.Tensor:
+        """B decode rows' tokens (qkv [B, C]) at once: the conv as a dot product over each
+        row's K - 1 previous inputs and this one, then linear_attention.decode_step; their
+        states gathered from and scattered back into their slots. Returns [B, Hv, dv]."""
+        assert ctx.state is not None
+        s, num = self.shape, len(rows)
+        conv_state, state = ctx.state.gather(self.state_idx, rows)  # [B, C, K - 1], [B, H, ..]
+        full = torch.cat((conv_state, qkv[:, :, None].to(conv_state.dtype)), dim=-1)
+        mixed = nn.functional.silu((full.to(qkv.dtype) * self.conv1d.weight[:, 0]).sum(-1))
+        q, k, v = mixed.split([s.key_dim, s.key_dim, s.value_dim], dim=-1)
+        group = s.num_v_heads // s.num_k_heads
+        q, k = (
+            l2norm(x.reshape(num, s.num_k_heads, s.head_k_dim).float()).repeat_interleave(group, 1)
+            for x in (q, k)
+        )
+        v = v.reshape(num, s.num_v_heads, s.head_v_dim)
+        out, state = linear_attention.decode_step(q, k, v, decay, beta, state)
+        ctx.state.scatter(self.state_idx, rows, full[:, :, 1:], state)
         return out
 
     def read_state(
