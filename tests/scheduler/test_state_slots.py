@@ -5,6 +5,9 @@ without one, turns the prefix cache off, and the engine's mirror checks every sl
 
 from __future__ import annotations
 
+import asyncio
+from typing import Any
+
 import pytest
 
 from llmserve.common.step_plan import NewRequest, StepPlanData
@@ -122,3 +125,38 @@ def test_mirror_refuses_a_bad_state_slot(rows: list[NewRequest], message: str) -
     mirror = Mirror(4, 8, num_state_slots=2)
     with pytest.raises(MirrorMismatch, match=message):
         mirror.apply(StepPlanData(1, [], rows))
+
+
+def test_the_service_adopts_the_engines_slots_and_reports_them() -> None:
+    """From EngineInfo.num_state_slots: the scheduler's slots, GetStats' two counts, the prefix
+    cache off with the reason for the start line; a restarted engine without state layers
+    turns it back on."""
+    asyncio.run(_adopt_state_slots())
+
+
+async def _adopt_state_slots() -> None:
+    from llmserve.engine.contract.contract import EngineInfo
+    from llmserve.engine.contract.convert import info_to_proto
+    from llmserve.scheduler.config import SchedulerConfig
+    from llmserve.scheduler.service.convert import stats_to_proto
+    from llmserve.scheduler.service.service import SchedulerService
+
+    def info(num_state_slots: int) -> Any:
+        return info_to_proto(
+            EngineInfo("m", 100, 64, (99,), 4, 16, "cpu", "none", 4, 64,
+                       num_state_slots=num_state_slots)
+        )  # fmt: skip
+
+    service = SchedulerService(SchedulerConfig(enable_prefix_caching=True))
+    service.link._on_engine_info(info(3))
+    s = service.scheduler
+    assert s is not None and s.state_slots.num_slots == 3 and not s.enable_prefix_caching
+    assert "recurrent state" in service.link._prefix_caching()
+    s.add(make_request(1, 4, 2))
+    s.schedule()
+    stats = stats_to_proto(service.stats())
+    assert (stats.num_state_slots, stats.num_free_state_slots) == (3, 2)
+    s.reset_engine()
+    service.link._on_engine_info(info(0))
+    assert s.state_slots.num_slots == 0 and s.enable_prefix_caching
+    assert service.link._prefix_caching() == "on"
