@@ -311,12 +311,13 @@ class Scheduler:
     def resize(self, num_blocks: int, block_size: int, num_state_slots: int = 0) -> list[Request]:
         """Adopt a restarted engine's pool geometry (and state slots). Only after reset_engine
         (nobody holds blocks). Waiting requests that no longer fit are aborted and returned."""
-        if num_state_slots != self.state_slots.num_slots:
+        same_slots = num_state_slots == self.state_slots.num_slots
+        geometry = (self.block_manager.num_blocks, self.block_size)
+        if same_slots and (num_blocks, block_size) == geometry:
+            return []
+        if not same_slots:  # the prefix cache may turn on or off with them
             assert not self.running, "resize with running requests"
             self.state_slots = StateSlots(num_state_slots)
-            self.block_size = 0  # a new block manager: the prefix cache may be on or off now
-        if (num_blocks, block_size) == (self.block_manager.num_blocks, self.block_size):
-            return []
         assert not self.running, "resize with running requests"
         self.block_size = block_size
         offload = self.block_manager.offload

@@ -31,6 +31,7 @@ from llmserve.common.state_layout import GatedDeltaNetConfig
 from llmserve.engine.model import linear_attention
 from llmserve.engine.model.families.moe import SparseLayers
 from llmserve.engine.model.layers import (
+    MLP,
     DecoderLayer,
     Linear,
     NormClass,
@@ -256,6 +257,13 @@ class Qwen3NextForCausalLM(SparseLayers):
             config, local, rotary, ops, tp,
             attention=mixer, mlp=self.make_mlp(config, layer, ops, tp), norm=self.norm_class,
         )  # fmt: skip
+
+    def make_mlp(self, config: ModelConfig, layer: int, ops: LayerOps, tp: TPGroup) -> nn.Module:
+        """SparseLayers' (a sparse block or the dense MLP), or the dense MLP everywhere for a
+        config without experts (num_experts 0)."""
+        if config.moe is None:
+            return MLP(config, ops, tp)
+        return super().make_mlp(config, layer, ops, tp)
 
     def hf_tensors(self) -> Iterator[HFTensor]:
         """SparseLayers' names, a DeltaNet layer's under `linear_attn.` (HF's) rather than the
