@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 # layer_types entries whose layers keep a recurrent state and no KV: Qwen3-Next's gated
@@ -68,6 +68,16 @@ class GatedDeltaNetConfig:
     def conv_dim(self) -> int:
         """The conv's channels: q, k and v side by side."""
         return 2 * self.key_dim + self.value_dim
+
+    def split(self, size: int) -> GatedDeltaNetConfig:
+        """One of `size` tensor-parallel ranks' share: its key heads and their value heads."""
+        if self.num_k_heads % size:
+            raise ValueError(
+                f"linear_num_key_heads={self.num_k_heads} does not split over {size} ranks"
+            )
+        return replace(
+            self, num_k_heads=self.num_k_heads // size, num_v_heads=self.num_v_heads // size
+        )
 
     def layout(self) -> StateLayout:
         return StateLayout(

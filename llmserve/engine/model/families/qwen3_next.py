@@ -37,6 +37,7 @@ from llmserve.engine.model.layers import (
     NormClass,
     RotaryEmbedding,
     UnitOffsetRMSNorm,
+    default_weight_loader,
 )
 from llmserve.engine.model.moe import HFTensor
 from llmserve.engine.model.ops import AttentionContext, LayerOps, OpsModule
@@ -65,11 +66,22 @@ class GatedRMSNorm(nn.Module):
 
 
 class DepthwiseConv(nn.Module):
-    """The causal depthwise conv's taps, [channels, 1, K] (transformers' nn.Conv1d weight)."""
+    """The causal depthwise conv's taps, [channels, 1, K] (transformers' nn.Conv1d weight).
+    Tensor-parallel, this rank's channels of each part (q, k, v), whose whole sizes are
+    `parts`."""
 
-    def __init__(self, channels: int, kernel: int):
+    def __init__(self, parts: tuple[int, ...], kernel: int, tp: TPGroup):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(channels, 1, kernel))
+        self.parts, self.tp = parts, tp
+        self.weight = nn.Parameter(torch.empty(sum(parts) // tp.size, 1, kernel))
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: int = 0) -> None:
+        rank, size = self.tp.rank, self.tp.size
+        pieces, start = [], 0
+        for part in self.parts:
+            pieces.append(loaded[start + rank * part // size : start + (rank + 1) * part // size])
+            start += part
+        default_weight_loader(param, torch.cat(pieces), shard)
 
     def forward(self, x: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """silu(conv) of x [n, C] after state [C, K - 1] (the previous inputs); returns (out
@@ -80,22 +92,32 @@ class DepthwiseConv(nn.Module):
 
 
 class GatedDeltaNet(nn.Module):
-    """A gated DeltaNet layer (see the module); state layer `state_idx` of the state pool."""
+    """A gated DeltaNet layer (see the module); state layer `state_idx` of the state pool.
+    Tensor-parallel, each rank holds whole key heads and their value heads (the projections'
+    per-key-head groups split by rows, out_proj by columns, summed in an all-reduce)."""
 
-    def __init__(self, config: ModelConfig, state_idx: int):
+    def __init__(self, config: ModelConfig, state_idx: int, tp: TPGroup):
         super().__init__()
-        shape = config.gated_delta_net
-        assert shape is not None, "qwen3_next: config.json gave no linear_* fields"
+        whole = config.gated_delta_net
+        assert whole is not None, "qwen3_next: config.json gave no linear_* fields"
+        shape = whole.split(tp.size)
         self.shape: GatedDeltaNetConfig = shape
-        self.state_idx = state_idx
+        self.state_idx, self.tp = state_idx, tp
         hidden, nv = config.hidden_size, shape.num_v_heads
-        self.in_proj_qkvz = Linear(hidden, [2 * shape.key_dim + 2 * shape.value_dim], False)
-        self.in_proj_ba = Linear(hidden, [2 * nv], False)
-        self.conv1d = DepthwiseConv(shape.conv_dim, shape.conv_kernel)
+        qkvz = [2 * shape.key_dim + 2 * shape.value_dim]
+        self.in_proj_qkvz = Linear(hidden, qkvz, False, tp, "output")
+        self.in_proj_ba = Linear(hidden, [2 * nv], False, tp, "output")
+        parts = (whole.key_dim, whole.key_dim, whole.value_dim)
+        self.conv1d = DepthwiseConv(parts, shape.conv_kernel, tp)
         self.dt_bias = nn.Parameter(torch.empty(nv))
         self.A_log = nn.Parameter(torch.empty(nv))
         self.norm = GatedRMSNorm(shape.head_v_dim, config.rms_norm_eps)
-        self.out_proj = Linear(shape.value_dim, [hidden], False)
+        self.out_proj = Linear(shape.value_dim, [hidden], False, tp, "input")
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: int = 0) -> None:
+        """dt_bias and A_log (its own parameters): this rank's value heads'."""
+        n = self.shape.num_v_heads
+        default_weight_loader(param, loaded.narrow(0, self.tp.rank * n, n), shard)
 
     def split(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """(qkv [T, conv_dim], z [T, Hv, dv], b [T, Hv], a [T, Hv]) of x [T, hidden], out of
@@ -135,7 +157,7 @@ class GatedDeltaNet(nn.Module):
         core = self.norm(
             out.to(hidden.dtype).reshape(-1, s.head_v_dim), z.reshape(-1, s.head_v_dim)
         )
-        return self.out_proj(core.reshape(hidden.shape[0], s.value_dim))
+        return self.tp.all_reduce(self.out_proj(core.reshape(hidden.shape[0], s.value_dim)))
 
     def run_chunk(
         self,
@@ -206,18 +228,26 @@ class GatedDeltaNet(nn.Module):
 class GatedAttention(OpsModule):
     """Full attention with an output gate: q_proj gives each head [q (d), gate (d)]; q and k
     RMSNorm'd per head (1 + w), partial rotary; the output times sigmoid(gate), then o_proj.
-    kv_idx: the layer's slice of the KV pool."""
+    kv_idx: the layer's slice of the KV pool. Tensor-parallel, the heads split as Attention's."""
 
-    def __init__(self, config: ModelConfig, kv_idx: int, rotary: RotaryEmbedding, ops: LayerOps):
+    def __init__(
+        self,
+        config: ModelConfig,
+        kv_idx: int,
+        rotary: RotaryEmbedding,
+        ops: LayerOps,
+        tp: TPGroup,
+    ):
         super().__init__(ops)
-        self.layer_idx = kv_idx
-        self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
+        self.layer_idx, self.tp = kv_idx, tp
+        self.num_heads = config.num_heads // tp.size
+        self.num_kv_heads = config.num_kv_heads // tp.size
         self.head_dim = d = config.head_dim
         self.q_size, self.kv_size = self.num_heads * d, self.num_kv_heads * d
         sizes = [2 * self.q_size, self.kv_size, self.kv_size]
         bias = config.attention_bias
-        self.qkv_proj = Linear(config.hidden_size, sizes, bias)
-        self.o_proj = Linear(self.q_size, [config.hidden_size], bias)
+        self.qkv_proj = Linear(config.hidden_size, sizes, bias, tp, "output")
+        self.o_proj = Linear(self.q_size, [config.hidden_size], bias, tp, "input")
         self.q_norm = UnitOffsetRMSNorm(d, config.rms_norm_eps, ops)
         self.k_norm = UnitOffsetRMSNorm(d, config.rms_norm_eps, ops)
         self.rotary_emb = rotary
@@ -236,11 +266,12 @@ class GatedAttention(OpsModule):
         k_cache, v_cache = ctx.kv_caches[self.layer_idx]
         attn = self.ops.attention(q, k, v, k_cache, v_cache, ctx, self.scale)
         attn = attn.reshape(t, self.q_size) * torch.sigmoid(gate.reshape(t, self.q_size))
-        return self.o_proj(attn)
+        return self.tp.all_reduce(self.o_proj(attn))
 
 
 class Qwen3NextForCausalLM(SparseLayers):
-    """Whole on one rank (tensor and pipeline parallelism are refused by the family)."""
+    """Tensor-parallel over heads (DeltaNet key heads, attention heads) and experts; pipeline
+    parallelism is refused by the family."""
 
     norm_class: NormClass = UnitOffsetRMSNorm
 
@@ -250,9 +281,9 @@ class Qwen3NextForCausalLM(SparseLayers):
         rotary = self.rotary_for(layer)
         mixer: nn.Module
         if config.layer_types[layer] == "linear_attention":
-            mixer = GatedDeltaNet(config, config.state_layer_index(layer))
+            mixer = GatedDeltaNet(config, config.state_layer_index(layer), tp)
         else:
-            mixer = GatedAttention(config, config.kv_layer_index(layer), rotary, ops)
+            mixer = GatedAttention(config, config.kv_layer_index(layer), rotary, ops, tp)
         return DecoderLayer(
             config, local, rotary, ops, tp,
             attention=mixer, mlp=self.make_mlp(config, layer, ops, tp), norm=self.norm_class,

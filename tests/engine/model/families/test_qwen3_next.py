@@ -20,6 +20,7 @@ from llmserve.engine.config import EngineConfig
 from llmserve.engine.contract.mirror import MirrorMismatch
 from llmserve.engine.kv.state import StateBatch
 from llmserve.engine.model.ops import AttentionContext
+from llmserve.engine.parallel.ranks import run_group_locally
 from llmserve.engine.step.engine import Engine
 from llmserve.scheduler.request import Request
 from tests.engine.model.families.test_families import TOLERANCE, Loaded, run_script
@@ -111,21 +112,43 @@ def test_the_state_matters(model: Loaded) -> None:
     assert rel_err(torch.cat(chunks), model.hf_logits(tokens)) > 1e-2
 
 
-def test_scheduled_script_matches_hf(model: Loaded) -> None:
-    """Five requests (two of one prompt, as n = 2 sends them) through the real scheduler and
-    contract with 40-token steps and too few blocks: chunked prefills, preemptions and
-    recomputes, no prefix-cache hit (refused), each request in a slot of its own; every sampled
-    row within 1e-4 of transformers' logits and its greedy token."""
-    engine = model.engine
-    engine.reset()
+def script_requests() -> list[Request]:
+    """Five greedy requests of 30-46 tokens sharing a 16-token prefix, two of one prompt (as
+    n = 2 sends them), 6 tokens out each."""
     shared = prompt(16, seed=3)
     prompts = [shared + prompt(14 + 4 * i, seed=10 + i) for i in range(4)]
     prompts.insert(1, prompts[0])  # n = 2: the same prompt twice
     greedy = sampling(temperature=0.0)
-    requests = [
+    return [
         Request(f"r{i}", i + 1, p, greedy, 6, ignore_eos=True)  # type: ignore[arg-type]
         for i, p in enumerate(prompts)
     ]
+
+
+def run_requests(engine: Engine, requests: list[Request]) -> Any:
+    """The script: 40-token steps (chunked prefills) in 14 blocks of 8 (preemptions), the
+    prefix cache asked for (and off)."""
+    return run_script(engine, requests, 14, max_num_batched_tokens=40, enable_prefix_caching=True)
+
+
+def check_rows(model: Loaded, requests: list[Request], rows: dict[int, Any]) -> None:
+    """Every sampled row within 1e-4 of transformers' logits and its greedy token."""
+    for request in requests:
+        got = torch.stack([torch.as_tensor(r) for r in rows[request.seq_id]])
+        start = len(request.prompt_token_ids) - 1
+        want = model.hf_logits(request.token_ids[:-1])[start:]
+        assert rel_err(got, want) < TOLERANCE, request.request_id
+        assert got.argmax(-1).tolist() == request.token_ids[start + 1 :]
+    assert requests[0].token_ids == requests[1].token_ids
+
+
+def test_scheduled_script_matches_hf(model: Loaded) -> None:
+    """script_requests through the real scheduler and contract (run_requests): chunked
+    prefills, preemptions and recomputes, no prefix-cache hit (refused), each request in a slot
+    of its own; check_rows."""
+    engine = model.engine
+    engine.reset()
+    requests = script_requests()
     slots: dict[int, set[int]] = {}
     original = engine.mirror.apply
 
@@ -135,20 +158,47 @@ def test_scheduled_script_matches_hf(model: Loaded) -> None:
         return original(plan, *args)
 
     engine.mirror.apply = watch  # type: ignore[method-assign]
-    script = run_script(engine, requests, 14, max_num_batched_tokens=40, enable_prefix_caching=True)
+    script = run_requests(engine, requests)
     sched = script.sched
     assert script.num_partial_prefills > 0 and sched.counters.num_preemptions > 0
     assert sched.counters.num_prefix_cache_hit_tokens == 0 and not sched.enable_prefix_caching
     assert sched.state_slots.num_free_slots == sched.state_slots.num_slots
     assert all(slots.values())
     assert set().union(*slots.values()) <= set(range(engine.info.max_num_seqs))
-    for request in requests:
-        got = torch.stack(script.rows[request.seq_id])
-        start = len(request.prompt_token_ids) - 1
-        want = model.hf_logits(request.token_ids[:-1])[start:]
-        assert rel_err(got, want) < TOLERANCE, request.request_id
-        assert got.argmax(-1).tolist() == request.token_ids[start + 1 :]
-    assert requests[0].token_ids == requests[1].token_ids
+    check_rows(model, requests, script.rows)
+
+
+def _script_on_rank(engine: Engine, parallel: Any) -> tuple[Any, ...]:
+    """On each rank of a group: the script; (the requests' tokens, the driver's rows as lists
+    (other ranks: none), the preemptions, the rank's state pool's recurrent shape)."""
+    requests = script_requests()
+    script = run_requests(engine, requests)
+    rows = {k: [r.tolist() for r in v] for k, v in script.rows.items()}
+    return (
+        [r.token_ids for r in requests],
+        rows if parallel.topology.is_driver else {},
+        script.sched.counters.num_preemptions,
+        tuple(engine.state_pool.recurrent.shape),
+    )
+
+
+def test_tensor_parallel_two_ranks_match_hf(model: Loaded) -> None:
+    """T = 2 (each rank 1 of the 2 DeltaNet key heads with its 2 value heads, its conv
+    channels of q, k and v and its state; 2 of the 4 attention heads; 4 of the 8 experts): the
+    script on a group of two gloo ranks gives transformers' logits and greedy tokens on the
+    driver, the same tokens on both ranks."""
+    config = EngineConfig(
+        model=str(model.path), device="cpu", num_kv_blocks=96, block_size=BLOCK_SIZE,
+        tensor_parallel_size=2, num_threads=1, seed=0,
+    )  # fmt: skip
+    ranks = run_group_locally(config, _script_on_rank, timeout=300)
+    (tokens, rows, num_preemptions, shape), (other_tokens, _, _, other_shape) = ranks
+    assert num_preemptions > 0 and tokens == other_tokens
+    assert shape == other_shape == (3, config.max_num_seqs, 2, 16, 8)  # 2 of the 4 value heads
+    requests = script_requests()
+    for request, ids in zip(requests, tokens, strict=True):
+        request.token_ids = ids
+    check_rows(model, requests, rows)
 
 
 def test_a_prefix_cache_hit_is_refused_by_the_mirror(model: Loaded) -> None:
@@ -162,13 +212,12 @@ def test_a_prefix_cache_hit_is_refused_by_the_mirror(model: Loaded) -> None:
 
 
 def test_what_the_family_refuses(model: Loaded) -> None:
-    """Speculative decoding (the state would need rolling back), tensor and pipeline
-    parallelism, CUDA graphs, quantization at start by name; a prefill or decode engine role
+    """Speculative decoding (the state would need rolling back), pipeline parallelism, CUDA
+    graphs, quantization at start by name; a prefill or decode engine role
     (a KV transfer carries no state); a LoRA adapter when loaded."""
     for feature, words in [
         ("speculative_decoding", "rejected proposal"),
-        ("tensor_parallel", "not split across ranks"),
-        ("pipeline_parallel", "not split across ranks"),
+        ("pipeline_parallel", "not split by layers across stages"),
         ("cuda_graphs", "no graph"),
         ("quantization", "routed experts"),
     ]:
