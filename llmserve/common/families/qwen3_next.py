@@ -20,10 +20,6 @@ _NO_STATE_ROLLBACK = (
     "a rejected proposal would leave the linear-attention layers' recurrent state advanced "
     "past it (no snapshot per proposed token yet)"
 )
-_STAGES = (
-    "the state pool is not split by layers across stages yet (tensor parallelism splits it "
-    "by heads)"
-)
 
 
 def read_qwen3_next(cfg: Mapping[str, Any]) -> dict[str, Any]:
@@ -58,7 +54,6 @@ QWEN3_NEXT = register(
         refuses={
             **MOE_REFUSES,
             "speculative_decoding": _NO_STATE_ROLLBACK,
-            "pipeline_parallel": _STAGES,
             "cuda_graphs": "the DeltaNet layers run per request in plain torch (no graph yet)",
             "lora": "its DeltaNet and gated attention projections take no adapters yet",
         },

@@ -52,10 +52,10 @@ def allocate_kv_cache(
 
 def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A zeroed pool tensor; on a CPU, pages the OS zeroes as they are first touched."""
-    if device.type != "cpu":
+    if device.type != "cpu" or not math.prod(shape):  # empty: a stage without such layers
         return torch.zeros(shape, dtype=dtype, device=device)
     element = torch.empty(0, dtype=dtype).element_size()
-    pages = mmap.mmap(-1, max(1, math.prod(shape) * element))
+    pages = mmap.mmap(-1, math.prod(shape) * element)
     return torch.frombuffer(pages, dtype=torch.uint8).view(dtype).view(shape)
 
 

@@ -340,8 +340,8 @@ class Engine:
         if not per_slot:
             return None
         num_slots = c.max_num_seqs
-        if not c.num_kv_blocks:
-            per_block = bytes_per_block(config, c.block_size, self.kv_dtype)
+        per_block = bytes_per_block(config, c.block_size, self.kv_dtype)
+        if not c.num_kv_blocks and per_block:  # 0: a stage of state layers only
             taken = -(-num_slots * per_slot // per_block)
             if taken >= self.num_blocks:
                 raise RuntimeError(

@@ -270,8 +270,8 @@ class GatedAttention(OpsModule):
 
 
 class Qwen3NextForCausalLM(SparseLayers):
-    """Tensor-parallel over heads (DeltaNet key heads, attention heads) and experts; pipeline
-    parallelism is refused by the family."""
+    """Tensor-parallel over heads (DeltaNet key heads, attention heads) and experts;
+    pipeline-parallel by layers (each stage's KV and state pools hold its own)."""
 
     norm_class: NormClass = UnitOffsetRMSNorm
 
@@ -279,11 +279,14 @@ class Qwen3NextForCausalLM(SparseLayers):
         self, config: ModelConfig, layer: int, local: int, ops: LayerOps, tp: TPGroup
     ) -> nn.Module:
         rotary = self.rotary_for(layer)
+        start = self.shard.layers.start  # this stage's pools hold its own layers, from 0
         mixer: nn.Module
         if config.layer_types[layer] == "linear_attention":
-            mixer = GatedDeltaNet(config, config.state_layer_index(layer), tp)
+            state_idx = config.state_layer_index(layer) - config.state_layer_index(start)
+            mixer = GatedDeltaNet(config, state_idx, tp)
         else:
-            mixer = GatedAttention(config, config.kv_layer_index(layer), rotary, ops, tp)
+            kv_idx = config.kv_layer_index(layer) - config.kv_layer_index(start)
+            mixer = GatedAttention(config, kv_idx, rotary, ops, tp)
         return DecoderLayer(
             config, local, rotary, ops, tp,
             attention=mixer, mlp=self.make_mlp(config, layer, ops, tp), norm=self.norm_class,

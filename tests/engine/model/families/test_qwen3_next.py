@@ -182,19 +182,22 @@ def _script_on_rank(engine: Engine, parallel: Any) -> tuple[Any, ...]:
     )
 
 
-def test_tensor_parallel_two_ranks_match_hf(model: Loaded) -> None:
-    """T = 2 (each rank 1 of the 2 DeltaNet key heads with its 2 value heads, its conv
-    channels of q, k and v and its state; 2 of the 4 attention heads; 4 of the 8 experts): the
-    script on a group of two gloo ranks gives transformers' logits and greedy tokens on the
-    driver, the same tokens on both ranks."""
+def test_tensor_and_pipeline_parallel_match_hf(model: Loaded) -> None:
+    """T = 2 x P = 2, four gloo ranks (each rank 1 of the 2 DeltaNet key heads with its 2 value
+    heads, its conv channels of q, k and v and its states; 2 of the 4 attention heads; 4 of the
+    8 experts; stage 0 two DeltaNet layers, stage 1 the third and the attention layer, each with
+    its own pools): the script gives transformers' logits and greedy tokens on the driver, the
+    same tokens on every rank."""
     config = EngineConfig(
         model=str(model.path), device="cpu", num_kv_blocks=96, block_size=BLOCK_SIZE,
-        tensor_parallel_size=2, num_threads=1, seed=0,
+        tensor_parallel_size=2, pipeline_parallel_size=2, num_threads=1, seed=0,
     )  # fmt: skip
     ranks = run_group_locally(config, _script_on_rank, timeout=300)
-    (tokens, rows, num_preemptions, shape), (other_tokens, _, _, other_shape) = ranks
-    assert num_preemptions > 0 and tokens == other_tokens
-    assert shape == other_shape == (3, config.max_num_seqs, 2, 16, 8)  # 2 of the 4 value heads
+    tokens, num_preemptions = ranks[0][0], ranks[0][2]
+    rows = next(rank[1] for rank in ranks if rank[1])  # the driver's
+    assert num_preemptions > 0 and all(rank[0] == tokens for rank in ranks)
+    n = config.max_num_seqs  # 2 of the 4 value heads a rank; 2 state layers a stage, 1 at last
+    assert sorted(rank[3] for rank in ranks) == [(1, n, 2, 16, 8)] * 2 + [(2, n, 2, 16, 8)] * 2
     requests = script_requests()
     for request, ids in zip(requests, tokens, strict=True):
         request.token_ids = ids
@@ -212,12 +215,11 @@ def test_a_prefix_cache_hit_is_refused_by_the_mirror(model: Loaded) -> None:
 
 
 def test_what_the_family_refuses(model: Loaded) -> None:
-    """Speculative decoding (the state would need rolling back), pipeline parallelism, CUDA
-    graphs, quantization at start by name; a prefill or decode engine role
-    (a KV transfer carries no state); a LoRA adapter when loaded."""
+    """Speculative decoding (the state would need rolling back), CUDA graphs, quantization
+    at start by name; a prefill or decode engine role (a KV transfer carries no state); a LoRA
+    adapter when loaded."""
     for feature, words in [
         ("speculative_decoding", "rejected proposal"),
-        ("pipeline_parallel", "not split by layers across stages"),
         ("cuda_graphs", "no graph"),
         ("quantization", "routed experts"),
     ]:
