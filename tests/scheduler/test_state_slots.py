@@ -160,3 +160,19 @@ async def _adopt_state_slots() -> None:
     service.link._on_engine_info(info(0))
     assert s.state_slots.num_slots == 0 and s.enable_prefix_caching
     assert service.link._prefix_caching() == "on"
+
+
+def test_the_echo_engine_reports_slots_and_checks_them() -> None:
+    """--echo-num-state-slots: the echo engine's EngineInfo and its mirror's check, for cheap
+    scheduler tests of a state model's contract."""
+    from llmserve.engine.config import EngineConfig
+    from llmserve.engine.contract.echo import EchoEngine, EchoEngineConfig
+
+    engine = EchoEngine(
+        EngineConfig(block_size=4, num_kv_blocks=16), EchoEngineConfig(100, num_state_slots=2)
+    )
+    assert engine.info.num_state_slots == 2
+    with pytest.raises(MirrorMismatch, match=r"state_slot=2 outside \[0, 2\)"):
+        engine.mirror.apply(StepPlanData(1, [], [_new(1, 2)]))
+    engine.reset()
+    assert engine.mirror.num_state_slots == 2
