@@ -54,7 +54,6 @@ QWEN3_NEXT = register(
         refuses={
             **MOE_REFUSES,
             "speculative_decoding": _NO_STATE_ROLLBACK,
-            "cuda_graphs": "the DeltaNet layers run per request in plain torch (no graph yet)",
             "lora": "its DeltaNet and gated attention projections take no adapters yet",
         },
     )

@@ -8,6 +8,7 @@ what the family refuses."""
 from __future__ import annotations
 
 import itertools
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -215,18 +216,23 @@ def test_a_prefix_cache_hit_is_refused_by_the_mirror(model: Loaded) -> None:
 
 
 def test_what_the_family_refuses(model: Loaded) -> None:
-    """Speculative decoding (the state would need rolling back), CUDA graphs, quantization
-    at start by name; a prefill or decode engine role (a KV transfer carries no state); a LoRA
-    adapter when loaded."""
+    """Speculative decoding (the state would need rolling back) and quantization at start by
+    name; a prefill or decode engine role (a KV transfer carries no state); a LoRA adapter when
+    loaded. CUDA graphs are off, the reason in the start line (graph_capture.uses_graphs)."""
     for feature, words in [
         ("speculative_decoding", "rejected proposal"),
-        ("cuda_graphs", "no graph"),
         ("quantization", "routed experts"),
     ]:
         why = family_refusal("qwen3_next", [feature])
         assert why is not None and "Qwen3NextForCausalLM" in why and words in why, feature
     with pytest.raises(ModelSourceError, match=r"engine_role=prefill: .* recurrent state"):
         Engine(EngineConfig(model=str(model.path), device="cpu", engine_role="prefill"))
+    from llmserve.engine.step.graph_capture import uses_graphs
+
+    kernels = SimpleNamespace(graph_safe=True, name="cuda")
+    gpu_model = SimpleNamespace(ops=kernels, config=model.engine.model.config)
+    using, why = uses_graphs(EngineConfig(), torch.device("cuda"), gpu_model, None)  # type: ignore[arg-type]
+    assert not using and why.startswith("state layers")
     lora = r"qwen3_next \(Qwen3NextForCausalLM\) does not support lora"
     with pytest.raises(ValueError, match=lora):
         model.engine.adapters.add("a", "/nonexistent")
