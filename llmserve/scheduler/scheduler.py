@@ -315,10 +315,9 @@ class Scheduler:
         geometry = (self.block_manager.num_blocks, self.block_size)
         if same_slots and (num_blocks, block_size) == geometry:
             return []
-        if not same_slots:  # the prefix cache may turn on or off with them
-            assert not self.running, "resize with running requests"
-            self.state_slots = StateSlots(num_state_slots)
         assert not self.running, "resize with running requests"
+        if not same_slots:  # the prefix cache may turn on or off with them
+            self.state_slots = StateSlots(num_state_slots)
         self.block_size = block_size
         offload = self.block_manager.offload
         self.block_manager = BlockManager(
@@ -553,8 +552,9 @@ class Scheduler:
         return plan
 
     def check_integrity(self) -> None:
-        """Assert the block manager's invariants and the slots': each running request holds a
-        slot in [0, P), no waiting one does, and with P > 1 none has two tokens pending."""
+        """Assert the block manager's and the state slots' invariants and the pipeline slots':
+        each running request holds a slot in [0, P), no waiting one does, and with P > 1 none
+        has two tokens pending."""
         self.block_manager.check_integrity(list(self.requests.values()))
         self.state_slots.check_integrity(list(self.requests.values()))
         num_slots = self.pipeline_parallel_size
