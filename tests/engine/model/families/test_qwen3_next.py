@@ -7,6 +7,7 @@ what the family refuses."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from types import SimpleNamespace
 from typing import Any
@@ -236,3 +237,22 @@ def test_what_the_family_refuses(model: Loaded) -> None:
     lora = r"qwen3_next \(Qwen3NextForCausalLM\) does not support lora"
     with pytest.raises(ValueError, match=lora):
         model.engine.adapters.add("a", "/nonexistent")
+
+
+def test_the_state_pool_comes_out_of_the_kv_budget(model: Loaded) -> None:
+    """Without --num-kv-blocks, max_num_seqs slots of 3 layers x (96 x 3 + 4 x 16 x 8) float32
+    values (9,600 bytes) take ceil(4 x 9,600 / 2,048) = 19 of the budget's KV blocks (8 tokens x
+    256 bytes); a budget they would empty is refused, naming the slots."""
+    engine = model.engine
+    saved = engine.config, engine.num_blocks
+    try:
+        engine.config = dataclasses.replace(engine.config, num_kv_blocks=0, max_num_seqs=4)
+        engine.num_blocks = 100
+        pool = engine._allocate_state_pool()
+        assert pool is not None and pool.num_slots == 4 and engine.num_blocks == 100 - 19
+        assert pool.nbytes == 4 * 9600
+        engine.num_blocks = 19
+        with pytest.raises(RuntimeError, match=r"state pool \(4 slots x 9600 bytes\) leaves no"):
+            engine._allocate_state_pool()
+    finally:
+        engine.config, engine.num_blocks = saved
