@@ -29,6 +29,8 @@ class NewRequest:
     num_computed_tokens: int
     num_scheduled_tokens: int
     lora_slot: int = 0  # the adapter's device slot (0: the base model)
+    # the state pool's slot of a hybrid linear-attention model's request (engine.proto)
+    state_slot: int = 0
 
 
 @dataclass

@@ -26,6 +26,9 @@ class NewRequestRow:
     num_preemptions: int = 0
     # The adapter slot it runs under (1 .. the engine's max_loras; 0: the base model).
     lora_slot: int = 0
+    # The engine's state slot its recurrent state lives in (scheduler/state_slots.py; 0 for a
+    # model without state layers).
+    state_slot: int = 0
 
 
 @dataclass
@@ -144,6 +147,7 @@ def make_plan(
                 list(request.block_table),
                 request.num_computed_tokens,
                 num_new,
+                state_slot=request.state_slot or 0,
             )
             plan.new_requests.append(row)
             request.mirror.in_engine = True

@@ -123,6 +123,9 @@ class Request:
     # The engine reported its output constraint at a dead end (it forced EOS): it ends with
     # FINISHED_GRAMMAR_DEAD_END at its next token.
     grammar_dead_end: bool = False
+    # Hybrid linear-attention models: the engine's state slot it holds while running
+    # (scheduler/state_slots.py; None: none).
+    state_slot: int | None = None
     # KV offload: when it began waiting for its prefix to come back from a lower tier (0: not).
     swap_in_since: float = 0.0
     # Each feature's state, in its own record.

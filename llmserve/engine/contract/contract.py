@@ -49,6 +49,9 @@ class EngineInfo:
     # transfers (host:port; "" otherwise).
     engine_role: str = "both"
     kv_transfer_address: str = ""
+    # Hybrid linear-attention models: the state pool's slots (0: no state layers); each running
+    # request holds one (NewRequest.state_slot).
+    num_state_slots: int = 0
 
 
 @dataclass(frozen=True)

@@ -75,6 +75,12 @@ class EchoEngineConfig:
         "bandwidth (0: at once)",
     )
 
+    num_state_slots: int = setting(
+        0,
+        "recurrent-state slots it pretends to hold, as a hybrid linear-attention model's engine "
+        "(EngineInfo.num_state_slots; its mirror checks each new request's state_slot; 0: none)",
+    )
+
     def __post_init__(self) -> None:
         if self.pipeline_parallel_size < 1:
             raise ValueError(f"pipeline_parallel_size={self.pipeline_parallel_size} must be >= 1")
@@ -108,20 +114,28 @@ class EchoEngine:
             kv_block_bytes=self.kv.block_bytes if self.kv is not None else 0,
             engine_role=config.engine_role,
             kv_transfer_address=self.kv.address if self.kv is not None else "",
+            num_state_slots=fake.num_state_slots,
         )
         self.step_delay_ms = fake.step_delay_ms
         self.step_token_delay_ms = fake.step_token_delay_ms
-        self.mirror = Mirror(config.block_size, num_blocks, fake.vocab_size)
+        self.mirror = self._new_mirror()
         self.num_steps = 0
         # When each stage of the "device" finishes the last step launched.
         self.busy_until = [0.0] * fake.pipeline_parallel_size
         self.in_flight: deque[EchoStep] = deque()  # launched, not finished, oldest first
 
     def reset(self) -> None:
-        self.mirror = Mirror(self.info.block_size, self.info.num_blocks, self.info.vocab_size)
+        self.mirror = self._new_mirror()
         self.in_flight.clear()
         if self.kv is not None:
             self.kv.reset()
+
+    def _new_mirror(self) -> Mirror:
+        info = self.info
+        return Mirror(
+            info.block_size, info.num_blocks, info.vocab_size,
+            num_state_slots=info.num_state_slots,
+        )  # fmt: skip
 
     def launch(self, plan: StepPlanData) -> EchoStep:
         """Run plan on the host at once; its result is ready when it has passed every stage:

@@ -32,6 +32,7 @@ from llmserve.engine.features.token_tree import (
     tree_depth,
     tree_kernel_args,
 )
+from llmserve.engine.kv.state import StateBatch, StatePool
 from llmserve.engine.model.model import LlamaForCausalLM
 from llmserve.engine.model.ops import AttentionContext
 from llmserve.engine.parallel.groups import Parallel
@@ -133,6 +134,8 @@ class ModelRunner:
         self.samples_here = parallel is None or parallel.topology.is_driver
         self.grammars = grammars if self.samples_here else None
         self.lora = lora
+        # Hybrid linear-attention models: the state pool rows name by seq.state_slot.
+        self.state_pool: StatePool | None = None
         self.block_tables = BlockTables()  # the rows' padded tables, kept between steps
 
     def _prepare(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionContext]:
@@ -151,6 +154,8 @@ class ModelRunner:
                 [r.seq.lora_slot for r in batch.rows],
                 [r.num_scheduled_tokens + len(r.draft_token_ids) for r in batch.rows],
             )
+        if self.state_pool is not None:
+            ctx.state = StateBatch(self.state_pool, [r.seq.state_slot for r in batch.rows])
         return input_ids, positions, ctx
 
     def _tree_inputs(self, batch: StepBatch, ctx: AttentionContext) -> torch.Tensor:
