@@ -54,6 +54,8 @@ class SeqState:
     grammar: Any = None
     # The adapter slot it runs under this step (0: the base model); the plan names it each step.
     lora_slot: int = 0
+    # Prompt logprobs asked (NewRequest.prompt_logprobs): -1 none, else the top-k per position.
+    prompt_logprobs: int = -1
 
     @property
     def num_output_tokens(self) -> int:
@@ -208,6 +210,7 @@ class Mirror:
             self._checked_blocks(new.seq_id, new.block_table),
             new.num_computed_tokens,
             lora_slot=new.lora_slot,
+            prompt_logprobs=new.prompt_top_logprobs if new.prompt_logprobs else -1,
         )
         self.seqs[new.seq_id] = seq
         return self._schedule(seq, new.num_scheduled_tokens)
