@@ -179,12 +179,16 @@ def _hf_tokenizer_dir(model_path: Path, directory: Path) -> Path:
 
 
 def test_lm_eval_scores_a_multiple_choice_task_as_transformers(
-    stack: Stack, builtin_model_path: Path, tmp_path: Path
+    stack: Stack, builtin_model_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """lm-eval's local-completions model (echo + logprobs + max_tokens 1 on /v1/completions,
     token-id prompts) runs a 4-doc multiple-choice task written here with local data: every
     choice's loglikelihood equals transformers' (tests/data/hf_prompt_logprobs_smollm2.json) and
     so does the accuracy."""
+    # datasets reads these at import: no hub, its cache under tmp_path
+    for name in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE"):
+        monkeypatch.setenv(name, "1")
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "datasets"))
     lm_eval = pytest.importorskip("lm_eval")
     from lm_eval.tasks import TaskManager
 
@@ -210,7 +214,8 @@ def test_lm_eval_scores_a_multiple_choice_task_as_transformers(
             "max_retries": 1,
         },
         tasks=["tiny_mc"],
-        task_manager=TaskManager(include_path=str(tasks)),
+        # only this task: indexing lm-eval's own thousands of task files took 47 s here
+        task_manager=TaskManager(include_path=str(tasks), include_defaults=False),
         log_samples=True,
     )
     assert results is not None
