@@ -12,32 +12,52 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
-import subprocess
 from pathlib import Path
 from typing import Any
 
+from llmserve.bench.report import hardware
 from llmserve.common.model_config import builtin_model_path
+from llmserve.common.sampling import normalized
 from llmserve.engine.config import EngineConfig
+from llmserve.engine.contract.convert import plan_from_proto, result_to_proto
 from llmserve.engine.step.engine import Engine
-from tests.engine.test_prompt_logprobs import hf_prompt_logprobs, request
-from tests.spec_driver import drive, make_scheduler_for
+from llmserve.protos.common_pb2 import SamplingParams
+from llmserve.scheduler.config import SchedulerConfig
+from llmserve.scheduler.request import Request
+from llmserve.scheduler.scheduler import Scheduler
+from llmserve.scheduler.service.convert import apply_result, plan_to_proto
 
-OUT = Path(__file__).resolve().parents[1] / "results" / "prompt_logprobs_accuracy_cpu.json"
+ROOT = Path(__file__).resolve().parents[2]
+OUT = ROOT / "bench" / "results" / "prompt_logprobs_accuracy_cpu.json"
+REFERENCE = ROOT / "tests" / "data" / "hf_prompt_logprobs_smollm2.json"
 
 
-def cpu_name() -> str:
-    lines = subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines()
-    names = [line.split(":", 1)[1].strip() for line in lines if line.startswith("Model name")]
-    return names[0] if names else platform.processor()
+def run_requests(engine: Engine, requests: list[Request], budget: int) -> None:
+    """The scheduler and engine in one process, through the real contract, until idle."""
+    info = engine.info
+    scheduler = Scheduler(
+        SchedulerConfig(max_num_seqs=info.max_num_seqs, max_num_batched_tokens=budget),
+        info.num_blocks, info.block_size, info.max_model_len, info.vocab_size,
+        info.eos_token_ids,
+    )  # fmt: skip
+    for request in requests:
+        scheduler.add(request)
+    while scheduler.has_work:
+        plan = scheduler.schedule()
+        if not plan.is_empty:
+            output = engine.step(plan_from_proto(plan_to_proto(plan)))
+            apply_result(scheduler, plan, result_to_proto(plan.step_id, output, 0.0))
 
 
 def one_run(budget: int, reference: dict[str, Any]) -> dict[str, Any]:
     path = builtin_model_path()
     engine = Engine(EngineConfig(model=str(path), device="cpu", num_kv_blocks=64, seed=7))
-    k = reference["top"]
-    requests = [request(i, p["ids"], 1, k=k) for i, p in enumerate(reference["prompts"])]
-    drive(make_scheduler_for(engine, max_num_batched_tokens=budget), engine, requests)
+    k, greedy = reference["top"], normalized(SamplingParams(temperature=0.0))
+    requests = [
+        Request(f"r{i}", i, p["ids"], greedy, 1, prompt_logprobs=True, prompt_top_logprobs=k)
+        for i, p in enumerate(reference["prompts"])
+    ]
+    run_requests(engine, requests, budget)
     token_diff = top_diff = 0.0
     top1_equal = True
     for r, ref in zip(requests, reference["prompts"], strict=True):
@@ -63,9 +83,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=2, help="fresh engines per step size")
     args = parser.parse_args()
-    reference = hf_prompt_logprobs(builtin_model_path())
+    reference = json.loads(REFERENCE.read_text())  # scripts/make_hf_prompt_logprobs.py
     rows = [one_run(budget, reference) for budget in (256, 8) for _ in range(args.runs)]
-    result = {"cpu": cpu_name(), "model": reference["model_file"], "runs": rows}
+    result = {"hardware": hardware(), "model": reference["model_file"], "runs": rows}
     OUT.write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(result, indent=1))
 
