@@ -265,7 +265,9 @@ class CompletionFormat(ResponseFormat):
         return out
 
     def chunk(self, choice: Choice, msg: api_pb2.GenerateResponse) -> str:
-        return self._json(CompletionResponse, [self._choice(choice, msg)], None)
+        # prompt_logprobs is never streamed (refused with stream, as vLLM): chunks leave it out
+        no_prompt = {"choices": {"__all__": {"prompt_logprobs"}}}
+        return self._json(CompletionResponse, [self._choice(choice, msg)], None, exclude=no_prompt)
 
     def usage_chunk(self) -> str:
         return self._json(CompletionResponse, [], self._usage())

@@ -307,15 +307,22 @@ def test_completions_echo_prompt_only_and_prompt_logprobs(stack: Stack) -> None:
 
 
 def test_stop_reason_names_what_stopped(stack: Stack) -> None:
-    """vLLM's stop_reason: the stop string, the stop token id, or null (length, EOS)."""
+    """vLLM's stop_reason: the stop string, the stop token id, or null (length, EOS); and, as
+    vLLM's choices, prompt_logprobs (null unless asked)."""
     client = sdk(stack)
     fields: dict[str, Any] = {"model": MODEL, "prompt": "abcdef", "max_tokens": 6}
     by_string = client.completions.create(stop=["cd"], **fields).choices[0]
-    assert (by_string.text, by_string.model_extra) == ("ab", {"stop_reason": "cd"})
+    assert (by_string.text, by_string.model_extra) == (
+        "ab",
+        {"stop_reason": "cd", "prompt_logprobs": None},
+    )
     by_token = client.completions.create(extra_body={"stop_token_ids": [ord("c")]}, **fields)
-    assert by_token.choices[0].model_extra == {"stop_reason": ord("c")}
+    assert by_token.choices[0].model_extra == {"stop_reason": ord("c"), "prompt_logprobs": None}
     by_length = client.completions.create(**fields).choices[0]
-    assert by_length.finish_reason == "length" and by_length.model_extra == {"stop_reason": None}
+    assert by_length.finish_reason == "length" and by_length.model_extra == {
+        "stop_reason": None,
+        "prompt_logprobs": None,
+    }
 
 
 # -- openai-agents ---------------------------------------------------------------------------------
