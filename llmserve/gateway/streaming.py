@@ -141,6 +141,11 @@ async def stream_text(
         entry.num_output_tokens += len(msg.token_ids)
         if msg.num_prompt_tokens:
             usage.cached_prompt_tokens = msg.num_cached_tokens
+        if valid.submit.prompt_logprobs and not usage.completion_tokens:  # the first message
+            out.prompt_token_ids.extend(valid.prompt_token_ids)
+            out.prompt_logprobs.extend(msg.prompt_logprobs)
+            out.prompt_logprob_ranks.extend(msg.prompt_logprob_ranks)
+            out.prompt_top_logprobs.extend(msg.prompt_top_logprobs)
         out.token_ids.extend(msg.token_ids)
         out.logprobs.extend(msg.logprobs)
         out.top_logprobs.extend(msg.top_logprobs)

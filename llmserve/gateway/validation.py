@@ -14,7 +14,7 @@ from typing import Any
 from google.protobuf import unknown_fields
 from google.protobuf.message import Message
 
-from llmserve.common.sampling import SamplingError, normalized, with_defaults
+from llmserve.common.sampling import MAX_TOP_LOGPROBS, SamplingError, normalized, with_defaults
 from llmserve.common.structured_output import ConstraintError, check_structured_output
 from llmserve.gateway.tokenizer import ChatMessage, ChatTemplateError, Tokenizer
 from llmserve.protos import api_pb2, common_pb2, scheduler_pb2
@@ -90,6 +90,12 @@ def _check_request(
         raise ValidationError(str(err)) from err
     if req.HasField("max_tokens") and req.max_tokens < 1:
         raise ValidationError(f"max_tokens={req.max_tokens} must be >= 1")
+    if not 0 <= req.prompt_top_logprobs <= MAX_TOP_LOGPROBS:
+        raise ValidationError(
+            f"prompt_top_logprobs={req.prompt_top_logprobs} must be in [0, {MAX_TOP_LOGPROBS}]"
+        )
+    if req.prompt_top_logprobs and not req.prompt_logprobs:
+        raise ValidationError("prompt_top_logprobs needs prompt_logprobs=true")
     if req.request_id and not _REQUEST_ID.fullmatch(req.request_id):
         raise ValidationError(
             f"request_id={req.request_id[:40]!r} must be 1-128 characters of letters, digits "
@@ -274,5 +280,7 @@ def validate(
         disable_speculation=req.disable_speculation,
         priority=req.priority,
         lora_name=req.lora_name,
+        prompt_logprobs=req.prompt_logprobs,
+        prompt_top_logprobs=req.prompt_top_logprobs,
     )
     return ValidRequest(submit, list(req.stop))

@@ -3,7 +3,8 @@
 It mirrors requests exactly as the real engine does (same Mirror, same checks) and "samples" by
 echoing: output token i is prompt token i mod prompt length, so outputs are deterministic,
 batch invariant, survive preemption, and a test picks the text by picking the prompt. Top-k
-logprobs are tokens t, t+1, ... with logprobs 0, -1, -2, .... EchoEngineConfig's settings
+logprobs are tokens t, t+1, ... with logprobs 0, -1, -2, .... Prompt token j scores logprob
+-0.5 * (j % 3) at rank 1 + j % 3 (`_echo_prompt_scores`). EchoEngineConfig's settings
 model a device (step delays, P pipeline stages with P steps in flight, speculation) and, with
 --engine-role prefill | decode, one side of disaggregation: a pool of tiny blocks
 (engine/kv/echo_kv.py) whose transfers run through engine/kv/disaggregation.py as the real
@@ -20,7 +21,7 @@ from typing import TYPE_CHECKING
 from llmserve.common.flags import setting
 from llmserve.common.step_plan import StepOutput, StepPlanData
 from llmserve.engine.config import EngineConfig
-from llmserve.engine.contract.contract import EngineInfo, with_refused_rows
+from llmserve.engine.contract.contract import EngineInfo, PromptScores, with_refused_rows
 from llmserve.engine.contract.mirror import Mirror, MirrorMismatch, ScheduledSeq
 
 if TYPE_CHECKING:
@@ -223,6 +224,8 @@ class EchoEngine:
                 output.num_top_logprobs.append(k)
                 output.top_token_ids += [(t + j) % vocab for j in range(k)]
                 output.top_logprobs += [float(-j) for j in range(k)]
+        if any(r.seq.prompt_logprobs >= 0 for r in batch.rows):
+            _echo_prompt_scores(batch.rows, self.info.vocab_size).add_to(output)
         output = with_refused_rows(output, batch.refusals)
         # The echo engine masks nothing: every grammar it is asked to compile is ready at once.
         output.compiled_seq_ids = [g.seq_id for g in plan.grammar_compiles]
@@ -242,6 +245,24 @@ def _echo_kv(config: EngineConfig, fake: EchoEngineConfig, num_blocks: int) -> E
     from llmserve.engine.kv.echo_kv import EchoKV  # torch: only for a role
 
     return EchoKV(config, num_blocks, fake.kv_block_bytes, fake.kv_link_gb_per_s)
+
+
+def _echo_prompt_scores(rows: list[ScheduledSeq], vocab_size: int) -> PromptScores:
+    """The rows' prompt scores as engine/step/prompt_logprobs.py counts positions: prompt token
+    j (j >= 1) has logprob -0.5 * (j % 3) and rank 1 + j % 3; the top-k around it (token
+    t - j % 3 + m at logprob -0.5 * m) holds it at that rank."""
+    scores = PromptScores([])
+    for row in rows:
+        seq, k = row.seq, row.seq.prompt_logprobs
+        positions = range(row.start, min(row.end, seq.num_prompt_tokens - 1)) if k >= 0 else []
+        scores.counts.append(len(positions))
+        for p in positions:
+            j, t = p + 1, seq.token_ids[p + 1]
+            scores.logprobs.append(-0.5 * (j % 3))
+            scores.ranks.append(1 + j % 3)
+            scores.top_token_ids += [(t - j % 3 + m) % vocab_size for m in range(k)]
+            scores.top_logprobs += [-0.5 * m for m in range(k)]
+    return scores
 
 
 def _echo_tokens(row: ScheduledSeq, vocab_size: int) -> list[int]:

@@ -56,6 +56,8 @@ class SeqState:
     lora_slot: int = 0
     # The state pool's slot of its recurrent state (a model with state layers; else 0).
     state_slot: int = 0
+    # Prompt logprobs asked (NewRequest.prompt_logprobs): -1 none, else the top-k per position.
+    prompt_logprobs: int = -1
 
     @property
     def num_output_tokens(self) -> int:
@@ -219,6 +221,7 @@ class Mirror:
             new.num_computed_tokens,
             lora_slot=new.lora_slot,
             state_slot=new.state_slot,
+            prompt_logprobs=new.prompt_top_logprobs if new.prompt_logprobs else -1,
         )
         if self.num_state_slots:
             self._check_state_slot(new)
