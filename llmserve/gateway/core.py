@@ -24,7 +24,9 @@ import grpc
 from llmserve.common.choice_id import names_request
 from llmserve.gateway.config import GatewayConfig, model_names
 from llmserve.gateway.errors import GatewayError
+from llmserve.gateway.harmony import harmony_request
 from llmserve.gateway.quotas import Admission, QuotaExceeded, Quotas, TooLarge
+from llmserve.gateway.reasoning import speaks_harmony
 from llmserve.gateway.replicas import ReplicaLinks
 from llmserve.gateway.streaming import InFlight, routed_messages, stream_text
 from llmserve.gateway.telemetry import GatewayTelemetry, RequestTelemetry
@@ -121,9 +123,13 @@ class GatewayCore:
         if name and name not in (adapters := self.lora_names):
             raise GatewayError(grpc.StatusCode.NOT_FOUND, self._not_served(name, adapters))
         try:
-            return validate(request, self.tokenizer, self.replicas.limits, self.sampling_defaults)
+            valid = validate(request, self.tokenizer, self.replicas.limits, self.sampling_defaults)
         except ValidationError as err:
             raise GatewayError(grpc.StatusCode.INVALID_ARGUMENT, str(err)) from err
+        parser, template = self.config.reasoning_parser, self.tokenizer.chat_template
+        if request.HasField("chat") and speaks_harmony(parser, template):
+            return harmony_request(valid, self.tokenizer.tokenizer.token_to_id)
+        return valid
 
     # -- tenants and admission ---------------------------------------------------------------------
 

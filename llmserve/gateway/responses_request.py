@@ -68,6 +68,7 @@ class ResponsesRequest(NullIsDefault):
     min_p: float | None = None
     stop: str | list[str] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    reasoning: dict[str, Any] | None = None  # its effort is the chat API's reasoning_effort
     # OpenAI's, refused: state this server does not keep (a 400 names them)
     background: bool = False
     conversation: Any = None
@@ -104,6 +105,7 @@ def chat_body(body: ResponsesRequest, history: list[ChatMessageParam]) -> ChatCo
         min_p=body.min_p,
         stop=body.stop,
         chat_template_kwargs=body.chat_template_kwargs,
+        reasoning_effort=(body.reasoning or {}).get("effort"),
     )
 
 

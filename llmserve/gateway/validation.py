@@ -48,6 +48,8 @@ class ValidRequest:
 
     submit: scheduler_pb2.SubmitRequest
     stop: list[str]
+    # False: the answer's text keeps the special tokens (harmony's markup, gateway/harmony.py)
+    skip_special_tokens: bool = True
 
     @property
     def prompt_token_ids(self) -> list[int]:
