@@ -27,10 +27,12 @@ import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from llmserve.gateway.tool_prompt import call_object
-from llmserve.gateway.validation import ValidRequest
+
+if TYPE_CHECKING:  # validation imports the tokenizer, which imports the tool formats (here)
+    from llmserve.gateway.validation import ValidRequest
 
 START, CHANNEL, MESSAGE = "<|start|>", "<|channel|>", "<|message|>"
 CONSTRAIN, END, RETURN, CALL = "<|constrain|>", "<|end|>", "<|return|>", "<|call|>"
