@@ -45,7 +45,8 @@ _ROLES = ("user", "assistant", "system", "developer")
 
 class ResponsesRequest(NullIsDefault):
     """POST /v1/responses. Fields OpenAI has and this server ignores are listed in docs/api.md
-    (metadata, include, truncation, reasoning, prompt_cache_key, service_tier, ...)."""
+    (metadata, include, truncation, prompt_cache_key, service_tier, ...); of `reasoning`, only
+    its effort is read (the template's reasoning_effort)."""
 
     model: str | None = None
     input: str | list[dict[str, Any]]
