@@ -23,6 +23,7 @@ grammar). The format: docs/api.md#reasoning-output.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections.abc import Callable
@@ -33,6 +34,7 @@ from llmserve.gateway.tool_prompt import call_object
 
 if TYPE_CHECKING:  # validation imports the tokenizer, which imports the tool formats (here)
     from llmserve.gateway.validation import ValidRequest
+    from llmserve.protos.common_pb2 import StructuredOutput
 
 START, CHANNEL, MESSAGE = "<|start|>", "<|channel|>", "<|message|>"
 CONSTRAIN, END, RETURN, CALL = "<|constrain|>", "<|end|>", "<|return|>", "<|call|>"
@@ -58,14 +60,70 @@ def is_harmony_template(chat_template: str | None) -> bool:
 
 def harmony_request(valid: ValidRequest, token_id: Callable[[str], int | None]) -> ValidRequest:
     """valid as a harmony chat request: its text decoded with the markup (special tokens)
-    kept, and stopping at <|return|> and <|call|> whether or not the model's
-    generation_config.json lists them (gpt-oss's does, beside <|endoftext|>)."""
+    kept, stopping at <|return|> and <|call|> whether or not the model's
+    generation_config.json lists them (gpt-oss's does, beside <|endoftext|>), and a
+    response_format applied to its final message (final_grammar)."""
     stops = set(valid.submit.stop_token_ids)
     for text in STOP_TOKENS:
         token = token_id(text)
         if token is not None and token not in stops:
             valid.submit.stop_token_ids.append(token)
+    so = valid.submit.sampling.structured_output
+    if valid.submit.sampling.HasField("structured_output"):
+        wrapped = final_grammar(so, token_id)
+        if wrapped is not None:
+            so.grammar = wrapped  # the oneof's other kind is cleared
     return replace(valid, skip_special_tokens=False)
+
+
+def grammar_tag(text: str, token_id: Callable[[str], int | None]) -> str:
+    """A harmony tag in a Lark grammar: its special token by id (`<[200005]>`), or its text
+    where the tokenizer has no such token."""
+    token = token_id(text)
+    return f"<[{token}]>" if token is not None else json.dumps(text)
+
+
+def thinking_rule(token_id: Callable[[str], int | None]) -> str:
+    """A Lark rule `thinking`: one analysis message, free text, and the next message's start."""
+    tag = functools.partial(grammar_tag, token_id=token_id)
+    return (
+        f'thinking: {tag(CHANNEL)} "analysis" {tag(MESSAGE)} /(?s:.*)/ {tag(END)} {tag(START)} '
+        '"assistant"\n'
+    )
+
+
+# JSON as json.dumps spaces it (the whitespace the other formats' grammars ask for)
+JSON_SPACING = {
+    "whitespace_flexible": False,
+    "item_separator": ", ",
+    "key_separator": ": ",
+    "lenient": True,
+}
+
+
+def final_grammar(so: StructuredOutput, token_id: Callable[[str], int | None]) -> str | None:
+    """A Lark grammar for an answer that may think first (one analysis message), then writes
+    what so admits as its final message, which the model ends (<|return|>, an EOS: never in a
+    grammar); None for a grammar of the client's own (applied from the first token)."""
+    kind = so.WhichOneof("constraint")
+    if kind == "json_schema":
+        schema = json.loads(so.json_schema)
+        if not isinstance(schema, dict):
+            return None
+        body = f"%json {json.dumps({**schema, 'x-guidance': JSON_SPACING})}"
+    elif kind == "json_object":
+        body = f"%json {json.dumps({'type': 'object', 'x-guidance': JSON_SPACING})}"
+    elif kind == "regex":
+        body = "/" + so.regex.replace("/", "\\/") + "/"
+    elif kind == "choice":
+        body = "(" + " | ".join(json.dumps(c) for c in so.choice.choices) + ")"
+    else:
+        return None
+    tag = functools.partial(grammar_tag, token_id=token_id)
+    return (
+        f"start: thinking? answer\n{thinking_rule(token_id)}"
+        f'answer: {tag(CHANNEL)} "final" {tag(MESSAGE)} {body}\n'
+    )
 
 
 def _partial_tag(text: str, tags: tuple[str, ...]) -> int:

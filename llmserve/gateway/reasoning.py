@@ -55,10 +55,10 @@ def reasoning_stream(
     """The splitter of one chat answer under --reasoning-parser parser (None: not split)."""
     if not parser_enabled(parser, tokenizer.chat_template):
         return None
+    if speaks_harmony(parser, tokenizer.chat_template):
+        return HarmonyStream()  # a grammar writes harmony too (harmony.final_grammar)
     if valid.sampling.HasField("structured_output"):
         return None  # the grammar admits the answer from its first token: no thinking
-    if speaks_harmony(parser, tokenizer.chat_template):
-        return HarmonyStream()
     return ReasoningStream(inside=opens_thinking(tokenizer, valid.prompt_token_ids))
 
 

@@ -11,6 +11,7 @@ from the whole answer (tool_prompt.CallStream). The formats: docs/api.md#tool-ca
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import re
@@ -192,20 +193,20 @@ class HarmonyFormat(ToolFormat):
         self.token_id = token_id
 
     def calls_grammar(self, functions: list[dict[str, Any]], parallel: bool) -> str:
-        def tag(text: str) -> str:
-            token = self.token_id(text)
-            return f"<[{token}]>" if token is not None else json.dumps(text)
-
+        """One analysis message or none, then one call (<|call|> ends it: an EOS, which the
+        grammar leaves to the model)."""
+        tag = functools.partial(harmony.grammar_tag, token_id=self.token_id)
         rules = []
         for i, f in enumerate(functions):
             header = json.dumps(f"commentary to=functions.{f['name']} ")
             rules.append(
                 f"call{i}: {tag(harmony.CHANNEL)} {header} {tag(harmony.CONSTRAIN)} "
-                f'"json" {tag(harmony.MESSAGE)} {_json_arguments(f["parameters"])} '
-                f"{tag(harmony.CALL)}"
+                f'"json" {tag(harmony.MESSAGE)} {_json_arguments(f["parameters"])}\n'
             )
         choice = " | ".join(f"call{i}" for i in range(len(functions)))
-        return f"start: {choice}\n" + "".join(f"{rule}\n" for rule in rules)
+        return f"start: thinking? ({choice})\n{harmony.thinking_rule(self.token_id)}" + "".join(
+            rules
+        )
 
     def parse(self, text: str, names: set[str]) -> tuple[str, list[dict[str, Any]]]:
         return harmony.read_calls(text, names)
@@ -220,16 +221,7 @@ class HarmonyFormat(ToolFormat):
 def _json_arguments(parameters: dict[str, Any]) -> str:
     """llguidance's %json rule for arguments that validate against parameters, spaced as
     json.dumps writes them."""
-    schema = {
-        **parameters,
-        "x-guidance": {
-            "whitespace_flexible": False,
-            "item_separator": ", ",
-            "key_separator": ": ",
-            "lenient": True,
-        },
-    }
-    return f"%json {json.dumps(schema)}"
+    return f"%json {json.dumps({**parameters, 'x-guidance': harmony.JSON_SPACING})}"
 
 
 def _opens_llama3_call(text: str) -> int | None:

@@ -40,7 +40,7 @@ pytestmark = pytest.mark.stack  # the last tests start service processes (tests/
 # <|return|> third: the echo engine's EOS is id 258, as gpt-oss's config.json names <|return|>
 SPECIALS = ["<|endoftext|>", "<|call|>", "<|return|>", "<|start|>", "<|end|>", "<|message|>",
             "<|channel|>", "<|constrain|>"]  # fmt: skip
-CALL_ID, RETURN_ID = 257, 258
+CALL_ID, RETURN_ID, CHANNEL_ID = 257, 258, 262
 
 # Our transcription of harmony as OpenAI documents it (not gpt-oss's file, which is not ours to
 # copy): the system message with the reasoning effort, the developer message with the
@@ -212,27 +212,63 @@ def harmony_tokenizer(tmp_path: Path) -> Tokenizer:
     return Tokenizer.from_files(load_tokenizer_files(tmp_path))
 
 
+def matches(tokenizer: Tokenizer, grammar: str, text: str) -> bool:
+    """Whether llguidance's matcher for grammar accepts text whole (EOS: <|return|>)."""
+    hf = tokenizer.tokenizer
+    vocab = LLTokenizer(hf.to_str(), n_vocab=hf.get_vocab_size(), eos_token=RETURN_ID)
+    matcher = LLMatcher(vocab, LLMatcher.grammar_from_lark(grammar), log_level=0)
+    ids = hf.encode(text, add_special_tokens=False).ids
+    return (
+        matcher.validate_tokens(ids) == len(ids)
+        and matcher.consume_tokens(ids)
+        and matcher.is_accepting()
+    )
+
+
+THINKS = "<|channel|>analysis<|message|>{x} < y\n<|end|><|start|>assistant"
+
+
 def test_required_grammar_writes_one_call_in_special_tokens(tmp_path: Path) -> None:
+    """tool_choice required: one analysis message or none, then one call, its tags the special
+    tokens (by id); the <|call|> after it is the model's (an EOS, stopped on)."""
     tokenizer = harmony_tokenizer(tmp_path)
     fmt = tokenizer.tool_format
     constraint = tool_plan([WEATHER], "required", True, fmt).constraint
-    assert constraint is not None and f"<[{CALL_ID}]>" in constraint.grammar
+    assert constraint is not None and f"<[{CHANNEL_ID}]>" in constraint.grammar
     check_structured_output(constraint, "")
-    hf = tokenizer.tokenizer
-    vocab = LLTokenizer(hf.to_str(), n_vocab=hf.get_vocab_size(), eos_token=RETURN_ID)
-
-    def admits(text: str) -> bool:
-        matcher = LLMatcher(vocab, LLMatcher.grammar_from_lark(constraint.grammar), log_level=0)
-        ids = hf.encode(text, add_special_tokens=False).ids
-        return matcher.validate_tokens(ids) == len(ids) and matcher.consume_tokens(ids) and (
-            matcher.is_accepting()
-        )  # fmt: skip
-
-    forced = CALL.removeprefix("<|start|>assistant")
-    assert admits(forced)
-    assert not admits(forced.replace('"Oslo"', "3"))  # the arguments validate
-    assert not admits("<|channel|>final<|message|>hi<|return|>")  # a call, nothing else
+    forced = CALL.removeprefix("<|start|>assistant").removesuffix("<|call|>")
+    assert matches(tokenizer, constraint.grammar, forced)
+    assert matches(tokenizer, constraint.grammar, THINKS + forced)
+    assert not matches(tokenizer, constraint.grammar, forced.replace('"Oslo"', "3"))
+    assert not matches(tokenizer, constraint.grammar, "<|channel|>final<|message|>hi")
     assert fmt.parse(forced, {"get_weather"})[1][0]["function"]["name"] == "get_weather"
+
+
+@pytest.mark.parametrize(
+    ("constraint", "answer", "not_answer"),
+    [
+        ({"json_schema": json.dumps({"type": "object", "properties": {"a": {"type": "integer"}},
+          "required": ["a"]})}, '{"a": 1}', '{"a": "1"}'),
+        ({"json_object": True}, '{"b": [1, 2]}', "[1]"),
+        ({"regex": "[0-9]+/[0-9]+"}, "3/4", "3/x"),
+        ({"choice": {"choices": ["yes", "no"]}}, "no", "maybe"),
+    ],
+)  # fmt: skip
+def test_response_format_applies_to_the_final_message(
+    tmp_path: Path, constraint: dict[str, Any], answer: str, not_answer: str
+) -> None:
+    tokenizer = harmony_tokenizer(tmp_path)
+    submit = scheduler_pb2.SubmitRequest(sampling={"structured_output": constraint})
+    valid = harmony_request(ValidRequest(submit, []), tokenizer.tokenizer.token_to_id)
+    so = valid.sampling.structured_output
+    assert so.WhichOneof("constraint") == "grammar"
+    check_structured_output(so, "")
+    final = "<|channel|>final<|message|>"
+    assert matches(tokenizer, so.grammar, final + answer)
+    assert matches(tokenizer, so.grammar, THINKS + final + answer)
+    assert not matches(tokenizer, so.grammar, final + not_answer)
+    assert not matches(tokenizer, so.grammar, answer)  # in the final channel only
+    assert HarmonyStream().split(THINKS + final + answer) == ("{x} < y\n", answer)
 
 
 # -- rendering: the template's text read back ---------------------------------------------------
@@ -376,6 +412,12 @@ def test_chat_tool_call_whole_and_streamed(stack: Stack) -> None:
     assert (call.function.name, json.loads(call.function.arguments)) == (  # type: ignore[union-attr]
         "get_weather", {"city": "Oslo"},
     )  # fmt: skip
+    # required: under the calls grammar (the echo engine masks nothing), read the same way
+    required = client.chat.completions.create(**fields, tool_choice="required").choices[0]
+    assert required.message.reasoning_content == "need it"  # type: ignore[attr-defined]
+    assert [c.function.arguments for c in required.message.tool_calls or []] == [  # type: ignore[union-attr]
+        call.function.arguments  # type: ignore[union-attr]
+    ]
     chunks = list(client.chat.completions.create(**fields, stream=True))
     calls = [tc for c in chunks if c.choices for tc in c.choices[0].delta.tool_calls or []]
     assert [(tc.function.name, tc.function.arguments) for tc in calls] == [  # type: ignore[union-attr]
