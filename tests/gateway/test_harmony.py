@@ -2,9 +2,10 @@
 in random pieces), calls read back and forced by a grammar, a rendered conversation read back
 (our own transcription of the documented format, and gpt-oss's own template when a local copy
 is named by GPT_OSS_CHAT_TEMPLATE), then one echo stack whose template writes harmony, driven
-with the openai and anthropic SDKs. The echo engine answers its prompt from the start, so a
-user message that closes itself and writes the assistant's messages makes "the model" write
-them: the system, developer and user messages it echoes first are other roles', dropped.
+with the openai SDK (and the Messages API as raw JSON). The echo engine answers its prompt
+from the start, so a user message that closes itself and writes the assistant's messages makes
+"the model" write them: the system, developer and user messages it echoes first are other
+roles', dropped.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import openai
 import pytest
 from llguidance import LLMatcher, LLTokenizer
@@ -448,19 +450,26 @@ def test_responses_reasoning_item_and_function_call(stack: Stack) -> None:
     assert (reasoning, text) == ("plan", "answer")
 
 
-def test_anthropic_thinking_and_tool_use(stack: Stack) -> None:
-    anthropic = pytest.importorskip("anthropic")
+def test_messages_api_thinking_and_tool_use(stack: Stack) -> None:
+    """The Messages API, as raw JSON and server-sent events (tests/gateway/test_reasoning.py
+    drives the same blocks with the anthropic SDK, whose import alone takes seconds)."""
     assert stack.http_url is not None
-    client = anthropic.Anthropic(
-        base_url=stack.http_url.removesuffix("/v1"), api_key="none", max_retries=0
-    )
+    url = stack.http_url + "/messages"
     tool = {"name": "get_weather", "input_schema": WEATHER["function"]["parameters"]}
     fields = {"model": "fake-echo", "max_tokens": 512, "messages": _user(SAYS_CALL)}
-    fields["tools"] = [tool]
-    message = client.messages.create(**fields)
-    assert [b.type for b in message.content] == ["thinking", "tool_use"]
-    assert message.content[1].input == {"city": "Oslo"} and message.stop_reason == "tool_use"
-    with client.messages.stream(**{**fields, "messages": _user(SAYS_FINAL)}) as stream:
-        final = stream.get_final_message()
-    blocks = [(b.type, b.thinking if b.type == "thinking" else b.text) for b in final.content]
-    assert blocks == [("thinking", "plan"), ("text", "answer")]
+    message = httpx.post(url, json={**fields, "tools": [tool]}, timeout=30).json()
+    assert [b["type"] for b in message["content"]] == ["thinking", "tool_use"]
+    assert message["content"][0]["thinking"] == "need it"
+    assert message["content"][1]["input"] == {"city": "Oslo"}
+    assert message["stop_reason"] == "tool_use"
+    streamed = {**fields, "messages": _user(SAYS_FINAL), "stream": True}
+    with httpx.stream("POST", url, json=streamed, timeout=30) as response:
+        events = [
+            json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: ")
+        ]
+    kinds = [e["content_block"]["type"] for e in events if e["type"] == "content_block_start"]
+    deltas = [e["delta"] for e in events if e["type"] == "content_block_delta"]
+    thinking = "".join(d.get("thinking", "") for d in deltas)
+    assert (kinds, thinking, "".join(d.get("text", "") for d in deltas)) == (
+        ["thinking", "text"], "plan", "answer",
+    )  # fmt: skip
