@@ -122,6 +122,10 @@ class ChatMessageParam(BaseModel):
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
     name: str | None = None
+    # An assistant turn's thinking, sent back (vLLM's names for it; gpt-oss wants the thinking
+    # of a tool-calling turn to continue it)
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -494,6 +498,8 @@ def chat_request(
             message.tool_calls_json = json.dumps(m.tool_calls, ensure_ascii=False)
         if m.tool_call_id:
             message.tool_call_id = text_field(f"messages[{i}].tool_call_id", m.tool_call_id)
+        if reasoning := m.reasoning_content or m.reasoning:
+            message.reasoning_content = text_field(f"messages[{i}].reasoning_content", reasoning)
     if not body.messages:
         req.chat.SetInParent()  # validation then names the empty list
     req.sampling.logprobs = body.logprobs

@@ -473,3 +473,20 @@ def test_messages_api_thinking_and_tool_use(stack: Stack) -> None:
     assert (kinds, thinking, "".join(d.get("text", "") for d in deltas)) == (
         ["thinking", "text"], "plan", "answer",
     )  # fmt: skip
+
+
+def test_thinking_sent_back_reaches_the_template(stack: Stack) -> None:
+    """An assistant turn's reasoning_content goes back to the template (gpt-oss continues a
+    tool-calling turn from its thinking), through /tokenize's chat path."""
+    assert stack.http_url is not None
+    base = stack.http_url.removesuffix("/v1")
+    call = {"id": "c1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}  # fmt: skip
+    messages = [*_user("Oslo?"), {"role": "assistant", "content": None, "tool_calls": [call],
+                "reasoning_content": "need it"}, {"role": "tool", "tool_call_id": "c1",
+                "content": "3 C"}]  # fmt: skip
+    body = {"model": "fake-echo", "messages": messages, "tools": [WEATHER]}
+    tokens = httpx.post(f"{base}/tokenize", json=body, timeout=30).json()["tokens"]
+    text = httpx.post(f"{base}/detokenize", json={"tokens": tokens}, timeout=30).json()["prompt"]
+    thought = "<|start|>assistant<|channel|>analysis<|message|>need it<|end|>"
+    assert thought + CALL + "<|start|>functions.get_weather to=assistant" in text
