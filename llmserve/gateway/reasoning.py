@@ -9,8 +9,9 @@ distills, SmolLM3) writes its thinking first; the answer's text is split into th
 gpt-oss writes harmony instead (gateway/harmony.py: its analysis channel is the reasoning).
 The parser is picked from the chat template (--reasoning-parser auto: harmony when the
 template writes harmony's <|channel|>, the think parser when it writes <think>), or named by
---reasoning-parser. An answer under a grammar
-(forced tool calls, response_format) is not split: what the grammar admits is the answer.
+--reasoning-parser. A think answer under a grammar (forced tool calls, response_format) is not
+split: what the grammar admits is the answer (a harmony one is: its grammar lets it think first,
+harmony.final_grammar).
 
 Neighbours: gateway/openai_responses.py (chat) and gateway/responses_format.py call it.
 """
