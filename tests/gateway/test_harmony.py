@@ -26,7 +26,7 @@ from llmserve.bench.byte_tokenizer import write_byte_tokenizer
 from llmserve.common.structured_output import check_structured_output
 from llmserve.common.tokenizer_files import load_tokenizer_files
 from llmserve.gateway.detokenizer import IncrementalDetokenizer
-from llmserve.gateway.harmony import HarmonyStream, harmony_request
+from llmserve.gateway.harmony import HarmonyStream, harmony_request, read_calls
 from llmserve.gateway.openai_protocol import ChatCompletionRequest, chat_request
 from llmserve.gateway.openai_tools import AnswerStream, read_answer, tool_plan
 from llmserve.gateway.reasoning import parser_enabled, speaks_harmony
@@ -310,38 +310,42 @@ def test_rendered_assistant_turns_read_back(template: str) -> None:
         assert HarmonyStream().split(whole[len(prompt) :]) == expected
 
 
-def test_effort_tools_and_results_rendered(tmp_path: Path) -> None:
-    tokenizer = harmony_tokenizer(tmp_path)
-    body = ChatCompletionRequest(
-        messages=[{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "?"}],  # type: ignore[list-item]
-        tools=[WEATHER],
-        reasoning_effort="high",
-    )  # type: ignore[call-arg]
-    req = chat_request(body, tokenizer.tool_format)
+def test_reasoning_effort_is_a_template_variable() -> None:
+    messages: list[Any] = [{"role": "user", "content": "?"}]
+    req = chat_request(ChatCompletionRequest(messages=messages, reasoning_effort="high"))  # type: ignore[call-arg]
     assert json.loads(req.chat.template_kwargs_json) == {"reasoning_effort": "high"}
+    with pytest.raises(ValidationError, match="reasoning_effort='minimal' must be one of low"):
+        chat_request(ChatCompletionRequest(messages=messages, reasoning_effort="minimal"))  # type: ignore[call-arg]
+
+
+@pytest.mark.parametrize("template", templates())
+def test_effort_tools_calls_and_results_rendered(tmp_path: Path, template: str) -> None:
+    """What the gateway gives the template (gateway/tool_prompt.py's messages, the tools,
+    reasoning_effort) comes out as harmony: the effort line, the tools' namespace, the
+    instructions, the thinking and call of the earlier turn (read back by our parser) and the
+    tool's result."""
+    write_byte_tokenizer(tmp_path, SPECIALS, template, "<|return|>")
+    tokenizer = Tokenizer.from_files(load_tokenizer_files(tmp_path))
+    assert tokenizer.tool_format.name == "harmony"
     call = {"id": "c1", "type": "function",
             "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}  # fmt: skip
     turns = [
         ChatTurn("system", "Be brief."),
         ChatTurn("user", "?"),
-        ChatTurn("assistant", "", [call]),
+        ChatTurn("assistant", "", [call], reasoning="need it"),
         ChatTurn("tool", "3 C", tool_call_id="c1"),
     ]
     effort = {"reasoning_effort": "high"}
     text = tokenizer.render_chat(turns, tools=[WEATHER], template_kwargs=effort)
     assert "Reasoning: high\n\n# Valid channels" in text
-    assert "<|message|># Instructions\n\nBe brief.\n\n# Tools\n\n" in text
-    assert (
-        "namespace functions {\n\n// The weather in a city.\ntype get_weather = (_: {\n"
-        "city: string,\n}) => any;\n\n} // namespace functions<|end|>"
-    ) in text
-    assert CALL in text
-    assert (
-        "<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>3 C<|end|>"
-        in text
-    )
-    with pytest.raises(ValidationError, match="reasoning_effort='minimal' must be one of low"):
-        chat_request(ChatCompletionRequest(messages=body.messages, reasoning_effort="minimal"))  # type: ignore[call-arg]
+    assert "<|start|>developer<|message|># Instructions\n\nBe brief.\n\n# Tools\n\n" in text
+    assert "namespace functions {\n\n// The weather in a city.\ntype get_weather = (_: {\n" in text
+    turn = text.split("<|start|>user<|message|>?<|end|>")[1].split("<|start|>functions.")[0]
+    reasoning, content = HarmonyStream().split(turn)
+    _, [read] = read_calls(content, {"get_weather"})
+    assert (reasoning, read["function"]["arguments"]) == ("need it", '{"city": "Oslo"}')
+    assert "<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>" in text
+    assert text.endswith("<|start|>assistant")
 
 
 def test_harmony_requests_keep_the_markup_and_stop_at_call(tmp_path: Path) -> None:
