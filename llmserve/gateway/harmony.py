@@ -180,9 +180,10 @@ def call_markup(recipient: str, arguments: str, whole: bool = True) -> str:
 @dataclass
 class HarmonyStream:
     """One answer's harmony text split into (reasoning, content) as it streams; a call
-    message goes into the content whole, as call_markup. Text that may be the start of a tag
-    is held back until it is one or cannot be."""
+    message goes into the content whole, as call_markup (with keep_calls). Text that may be the
+    start of a tag is held back until it is one or cannot be."""
 
+    keep_calls: bool = True  # False: call messages are dropped (the request has no tools)
     header: str = ""  # the open header's text (none yet: the prompt opened one)
     body: Header | None = None  # the open message's header, once its <|message|> came
     held: str = ""
@@ -252,7 +253,7 @@ class HarmonyStream:
 
     def _close(self, whole: bool) -> None:
         assert self.body is not None
-        if self.body.kind == "call":
+        if self.body.kind == "call" and self.keep_calls:
             self._out["content"].append(call_markup(self.body.recipient, self.arguments, whole))
         self.body = None
 

@@ -51,13 +51,14 @@ def opens_thinking(tokenizer: Tokenizer, prompt_token_ids: list[int]) -> bool:
 
 
 def reasoning_stream(
-    tokenizer: Tokenizer, parser: str, valid: ValidRequest
+    tokenizer: Tokenizer, parser: str, valid: ValidRequest, with_tools: bool = False
 ) -> ReasoningStream | HarmonyStream | None:
-    """The splitter of one chat answer under --reasoning-parser parser (None: not split)."""
+    """The splitter of one chat answer under --reasoning-parser parser (None: not split);
+    with_tools: the request's calls are read (else a harmony call is dropped, not content)."""
     if not parser_enabled(parser, tokenizer.chat_template):
         return None
     if speaks_harmony(parser, tokenizer.chat_template):
-        return HarmonyStream()  # a grammar writes harmony too (harmony.final_grammar)
+        return HarmonyStream(keep_calls=with_tools)  # a grammar writes harmony too
     if valid.sampling.HasField("structured_output"):
         return None  # the grammar admits the answer from its first token: no thinking
     return ReasoningStream(inside=opens_thinking(tokenizer, valid.prompt_token_ids))

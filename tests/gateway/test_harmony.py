@@ -193,6 +193,10 @@ def test_calls_streamed_equal_the_whole_answer(name: str, size: int) -> None:
         assert whole_calls[0]["id"].startswith("call_") and whole_content == ""
 
 
+def test_calls_without_tools_are_dropped() -> None:
+    assert HarmonyStream(keep_calls=False).split(TEXTS["call"][0]) == ("need weather", "")
+
+
 def test_calls_that_do_not_parse_are_dropped_not_shown() -> None:
     fmt = HarmonyFormat()
     plan = tool_plan([WEATHER], "auto", True, fmt)
@@ -418,6 +422,9 @@ def test_chat_tool_call_whole_and_streamed(stack: Stack) -> None:
     assert (call.function.name, json.loads(call.function.arguments)) == (  # type: ignore[union-attr]
         "get_weather", {"city": "Oslo"},
     )  # fmt: skip
+    # no tools asked for: a call is dropped, not shown as content
+    bare = client.chat.completions.create(model="fake-echo", messages=_user(SAYS_CALL))
+    assert bare.choices[0].message.content in (None, "") and not bare.choices[0].message.tool_calls
     # required: under the calls grammar (the echo engine masks nothing), read the same way
     required = client.chat.completions.create(**fields, tool_choice="required").choices[0]
     assert required.message.reasoning_content == "need it"  # type: ignore[attr-defined]
