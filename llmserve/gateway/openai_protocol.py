@@ -122,6 +122,10 @@ class ChatMessageParam(BaseModel):
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
     name: str | None = None
+    # An assistant turn's thinking, sent back (vLLM's names for it; gpt-oss wants the thinking
+    # of a tool-calling turn to continue it)
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -134,6 +138,25 @@ class ChatCompletionRequest(SamplingRequest):
     parallel_tool_calls: bool = True
     # vLLM's: more variables for the chat template (e.g. {"enable_thinking": false})
     chat_template_kwargs: dict[str, Any] | None = None
+    # OpenAI's: the template's reasoning_effort (gpt-oss's "Reasoning: low|medium|high")
+    reasoning_effort: str | None = None
+
+
+REASONING_EFFORTS = ("low", "medium", "high")
+
+
+def template_kwargs(body: ChatCompletionRequest) -> dict[str, Any]:
+    """The chat template's variables: chat_template_kwargs, with reasoning_effort (which
+    chat_template_kwargs may also set) checked."""
+    kwargs = dict(body.chat_template_kwargs or {})
+    if body.reasoning_effort is not None:
+        kwargs.setdefault("reasoning_effort", body.reasoning_effort)
+    effort = kwargs.get("reasoning_effort")
+    if effort is not None and effort not in REASONING_EFFORTS:
+        raise ValidationError(
+            f"reasoning_effort={str(effort)[:40]!r} must be one of {', '.join(REASONING_EFFORTS)}"
+        )
+    return kwargs
 
 
 # -- responses -----------------------------------------------------------------------------------
@@ -495,8 +518,8 @@ def chat_request(
         req.sampling.structured_output.CopyFrom(plan.constraint)
     if plan.tools:
         req.chat.tools_json = json.dumps(plan.tools, ensure_ascii=False)
-    if body.chat_template_kwargs:
-        req.chat.template_kwargs_json = json.dumps(body.chat_template_kwargs, ensure_ascii=False)
+    if kwargs := template_kwargs(body):
+        req.chat.template_kwargs_json = json.dumps(kwargs, ensure_ascii=False)
     for i, m in enumerate(body.messages):
         role = "system" if m.role == "developer" else text_field(f"messages[{i}].role", m.role)
         message = req.chat.messages.add(role=role, content=_message_text(i, m))
@@ -504,6 +527,8 @@ def chat_request(
             message.tool_calls_json = json.dumps(m.tool_calls, ensure_ascii=False)
         if m.tool_call_id:
             message.tool_call_id = text_field(f"messages[{i}].tool_call_id", m.tool_call_id)
+        if reasoning := m.reasoning_content or m.reasoning:
+            message.reasoning_content = text_field(f"messages[{i}].reasoning_content", reasoning)
     if not body.messages:
         req.chat.SetInParent()  # validation then names the empty list
     req.sampling.logprobs = body.logprobs

@@ -302,11 +302,11 @@ class ChatFormat(ResponseFormat):
         self.calls = {
             c.index: AnswerStream(self.plan, self.tool_format) for c in choices if self.plan.names
         }
-        parser = core.config.reasoning_parser
+        parser, with_tools = core.config.reasoning_parser, bool(self.plan.names)
         self.thinking = {
             c.index: stream
             for c in choices
-            if (stream := reasoning_stream(core.tokenizer, parser, c.valid)) is not None
+            if (stream := reasoning_stream(core.tokenizer, parser, c.valid, with_tools)) is not None
         }
 
     def _chunk(self, choices: list[ChatChunkChoice], usage: Usage | None = None) -> str:

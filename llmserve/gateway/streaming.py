@@ -129,7 +129,7 @@ async def stream_text(
     string (finish reason STOP), the last carrying the finish reason and usage. Counts the
     tokens entry generated. GatewayError UNAVAILABLE for an ABORT, INTERNAL for a stream that
     ends without a finish reason."""
-    detok = IncrementalDetokenizer(tokenizer, valid.prompt_token_ids)
+    detok = IncrementalDetokenizer(tokenizer, valid.prompt_token_ids, valid.skip_special_tokens)
     stops = StopStringMatcher(valid.stop)
     out = api_pb2.GenerateResponse(request_id=request_id)
     usage = api_pb2.Usage(prompt_tokens=len(valid.prompt_token_ids))

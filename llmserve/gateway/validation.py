@@ -48,6 +48,8 @@ class ValidRequest:
 
     submit: scheduler_pb2.SubmitRequest
     stop: list[str]
+    # False: the answer's text keeps the special tokens (harmony's markup, gateway/harmony.py)
+    skip_special_tokens: bool = True
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -160,14 +162,14 @@ def _prompt_ids(req: api_pb2.GenerateRequest, tokenizer: Tokenizer, limits: Limi
     for i, m in enumerate(messages):
         if m.role not in ROLES:
             raise ValidationError(f"chat.messages[{i}].role={m.role!r} must be one of {ROLES}")
-        total += len(m.content)
+        total += len(m.content) + len(m.reasoning_content)
     if total > limits.max_prompt_chars:
         raise ValidationError(
             f"chat.messages have {total} characters; the limit is {limits.max_prompt_chars}"
         )
     turns = [
         ChatMessage(m.role, m.content, _tool_calls(f"chat.messages[{i}]", m.tool_calls_json),
-                    m.tool_call_id)
+                    m.tool_call_id, m.reasoning_content)
         for i, m in enumerate(messages)
     ]  # fmt: skip
     tools = _json_list("chat.tools_json", req.chat.tools_json)
