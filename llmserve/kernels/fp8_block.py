@@ -109,7 +109,10 @@ def pack_fp8_block(q: torch.Tensor, scale: torch.Tensor, group: int) -> Fp8Block
         rows = scale.reshape(n // b, b, k // b)
         if bool((rows == rows[:, :1]).all()):
             blocks = rows[:, 0].contiguous()
-    return Fp8BlockWeight(q.view(torch.uint8).contiguous(), scale, group, blocks)
+    stored = q.view(torch.uint8).contiguous()
+    if stored.data_ptr() % 16:  # a view into a checkpoint's buffer: the kernel loads 16 bytes
+        stored = stored.clone()
+    return Fp8BlockWeight(stored, scale, group, blocks)
 
 
 def scaled_mm_unsupported(weight: Fp8BlockWeight, device: torch.device) -> str | None:

@@ -39,6 +39,7 @@ from llmserve.engine.kv.disaggregation import KVTransfers
 from llmserve.engine.kv.offload import KVTiers
 from llmserve.engine.model.checkpoint_formats import checkpoint_format
 from llmserve.engine.model.checkpoint_linear import kept_description
+from llmserve.engine.model.checkpoint_linear_cuda import gpu_kept_description
 from llmserve.engine.model.model import LlamaForCausalLM
 from llmserve.engine.model.weights import checked_quantization, load_model
 from llmserve.engine.parallel.groups import Parallel, shard_config, whole_model
@@ -197,7 +198,7 @@ class Engine:
         """The engine's one log line at start: what it loaded, where, and the memory it took."""
         config = self.config
         blocks = "projections in GGUF blocks" if self.quantization == "gguf" else ""
-        kept = kept_description(self.model) or blocks
+        kept = kept_description(self.model) or gpu_kept_description(self.model) or blocks
         log.info(
             "engine loaded",
             model=str(path),
