@@ -68,6 +68,18 @@ class CudaCheckpointLinear(nn.Module):
         self.in_features = parts[0].q.shape[1]
         self.bias = None if bias is None else bias.detach().to(device)
 
+    @classmethod
+    def of(cls, segment: GpuWeight, bias: torch.Tensor | None = None) -> CudaCheckpointLinear:
+        """One weight already in the kernels' layout, on its device (bench/gpu/kept_decode.py
+        builds random ones of a model's shapes)."""
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layer.segments = [segment]
+        layer.kind = "int4" if isinstance(segment, w4a16.W4A16Weight) else "fp8"
+        layer.in_features = segment.shape[1]
+        layer.bias = bias
+        return layer
+
     @property
     def nbytes(self) -> int:
         return sum(segment.nbytes for segment in self.segments)
