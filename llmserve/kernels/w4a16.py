@@ -8,13 +8,15 @@ checkpoint_linear_cuda.py serves checkpoints through it on CUDA.
 the scales and the offsets (-zero * scale) the kernels fold into one fma per weight; act-order's
 column permutation stays in the weight's order and x is gathered into it per call.
 
-Rows of x up to GEMV_MAX_ROWS (decode) run the GEMV, which reads each weight byte once and
-dequantizes in registers. More rows (prefill) dequantize the weight into a transient fp16 / bf16
-[N, K] (w4a16_dequant_kernel) and multiply with cuBLAS (torch.matmul): above 8 rows the product
-is no longer bound by the weight bytes alone, and cuBLAS's tensor-core GEMM is the fastest
-kernel at hand there; the dequantization costs 4.5 bytes per weight against the bf16 matmul's 2,
-once per call, which a prefill of a few hundred rows hides. A fused tiled W4 GEMM (Marlin-style)
-for 9-64 rows is not written (not run on a GPU: no figure says it would pay).
+Rows of x up to GEMV_MAX_ROWS (decode) run the GEMV once: it reads each weight byte once and
+dequantizes in registers. Up to GEMV_SLICED_MAX_ROWS (larger decode batches) it runs once per 8
+rows, reading the weight's half byte per weight again each time: at 64 rows 4 bytes per weight.
+More rows (prefill) dequantize the weight into a transient fp16 / bf16 [N, K]
+(w4a16_dequant_kernel: 0.5 bytes read, 2 written) and multiply with cuBLAS (torch.matmul, 2 more
+read): 4.5 bytes per weight once per call, which a prefill of a few hundred rows hides, and
+cuBLAS's tensor-core GEMM is the fastest kernel at hand where the product is compute-bound. A
+fused tiled W4 GEMM (Marlin-style), which would read 0.5 bytes at any row count, is not written
+(not run on a GPU: no figure says where it would pay).
 """
 
 from __future__ import annotations
@@ -41,6 +43,9 @@ from llmserve.kernels.launch import (
 K_MULTIPLE = 32  # one 16-byte weight chunk
 GROUP_MULTIPLE = 32  # a chunk lies in one group
 GEMV_MAX_ROWS = 8
+# Up to this many rows the GEMV runs once per 8 rows (M / 8 x 0.5 bytes read per weight, against
+# dequantize + cuBLAS's 4.5: the module's docstring); above, dequantize + cuBLAS.
+GEMV_SLICED_MAX_ROWS = 64
 GEMV_CONFIGS: dict[int, int] = {1: 2, 2: 2, 4: 4, 8: 4}  # rows of x (M) -> channels per warp (R)
 GEMV_WARPS = 4
 DEQUANT_THREADS = 256
@@ -162,27 +167,10 @@ def w4a16_dequantize(weight: W4A16Weight, dtype: torch.dtype) -> torch.Tensor:
     return out
 
 
-def w4a16_linear(
-    x: torch.Tensor, weight: W4A16Weight, *, out: torch.Tensor | None = None, path: str = "auto"
-) -> torch.Tensor:
-    """w4a16_linear_reference on the GPU: [M, N] in x's dtype.
-
-    x: [M, K] fp16 / bf16, contiguous rows, 16-byte aligned; weight from pack_w4a16 on x's
-    device. path: "auto" (the GEMV for M <= GEMV_MAX_ROWS, else "dequant"), "gemv"
-    (M <= GEMV_MAX_ROWS) or "dequant" (W dequantized, then torch.matmul)."""
-    op = "w4a16_linear"
-    num_rows, n, k = _check_w4_args(op, x, weight)
-    if path not in PATHS:
-        _fail(op, f"path={path!r} must be one of {PATHS}")
-    if path == "gemv" and num_rows > GEMV_MAX_ROWS:
-        _fail(op, f"path='gemv' serves at most {GEMV_MAX_ROWS} rows of x, got {num_rows}")
-    out = _output(op, out, (num_rows, n), x)
-    if num_rows == 0 or n == 0:
-        return out
-    if weight.perm is not None:
-        x = x.index_select(1, weight.perm)
-    if path == "dequant" or (path == "auto" and num_rows > GEMV_MAX_ROWS):
-        return out.copy_(x @ w4a16_dequantize(weight, x.dtype).t())
+def _launch_gemv(x: torch.Tensor, weight: W4A16Weight, out: torch.Tensor) -> None:
+    """w4a16_gemv_kernel over up to GEMV_MAX_ROWS rows of x."""
+    num_rows, k = x.shape
+    n = out.shape[1]
     args = (
         _ptr(x), _i64(x.stride(0)), _ptr(weight.qweight), _ptr(weight.scales),
         _ptr(weight.offsets), _ptr(out), _i64(out.stride(0)), _i32(num_rows), _i32(n), _i32(k),
@@ -193,4 +181,31 @@ def w4a16_linear(
     expr = f"w4a16_gemv_kernel<{_CTYPES[x.dtype]}, {m}, {GEMV_CONFIGS[m]}>"
     spec = w4a16_spec(_CTYPES[x.dtype])
     launch._launch(spec, expr, (-(-n // per_cta),), (32 * GEMV_WARPS,), args, 0, x.device)
+
+
+def w4a16_linear(
+    x: torch.Tensor, weight: W4A16Weight, *, out: torch.Tensor | None = None, path: str = "auto"
+) -> torch.Tensor:
+    """w4a16_linear_reference on the GPU: [M, N] in x's dtype.
+
+    x: [M, K] fp16 / bf16, contiguous rows, 16-byte aligned; weight from pack_w4a16 on x's
+    device. path: "auto" ("gemv" up to GEMV_SLICED_MAX_ROWS rows, else "dequant"), "gemv" (the
+    GEMV once per GEMV_MAX_ROWS rows: each slice reads the weight again) or "dequant" (W
+    dequantized, then torch.matmul)."""
+    op = "w4a16_linear"
+    num_rows, n, _ = _check_w4_args(op, x, weight)
+    if path not in PATHS:
+        _fail(op, f"path={path!r} must be one of {PATHS}")
+    out = _output(op, out, (num_rows, n), x)
+    if num_rows == 0 or n == 0:
+        return out
+    if weight.perm is not None:
+        x = x.index_select(1, weight.perm)
+    if path == "auto":
+        path = "gemv" if num_rows <= GEMV_SLICED_MAX_ROWS else "dequant"
+    if path == "dequant":
+        return out.copy_(x @ w4a16_dequantize(weight, x.dtype).t())
+    for start in range(0, num_rows, GEMV_MAX_ROWS):
+        end = start + GEMV_MAX_ROWS
+        _launch_gemv(x[start:end], weight, out[start:end])
     return out

@@ -50,17 +50,24 @@ def w4_weight(
     return q.int(), scale, zero, perm
 
 
-# (rows, N, K, group, signed, asym, act_order, path) -> instance, grid
-W4_CASES = {
+# (rows, N, K, group, signed, asym, act_order, path) -> the launches: (GEMV instance's M, R, or
+# None for the dequantize kernel; grid)
+Launches = list[tuple[str | None, tuple[int, int, int]]]
+W4_CASES: dict[str, tuple[tuple[int, int, int, int, bool, bool, bool, str], Launches]] = {
     # 20 channels: 3 CTAs, the last with one warp; K 160: lanes 5-31 idle, a partial group of 32
-    "gemv-1-g128": ((1, 20, 160, 128, False, True, False, "auto"), ("1, 2", (3, 1, 1))),
+    "gemv-1-g128": ((1, 20, 160, 128, False, True, False, "auto"), [("1, 2", (3, 1, 1))]),
     # K 2112 = 66 chunks: every lane runs the 2-chunk loop, lanes 0-1 one more chunk; group 32
-    "gemv-2-g32": ((2, 9, 2112, 32, True, False, False, "auto"), ("2, 2", (2, 1, 1))),
+    "gemv-2-g32": ((2, 9, 2112, 32, True, False, False, "auto"), [("2, 2", (2, 1, 1))]),
     # 3 rows on the M=4 instance; 96 = 64 + a partial group of 32; act-order
-    "gemv-3-g64-actorder": ((3, 17, 96, 64, False, True, True, "auto"), ("4, 4", (2, 1, 1))),
-    "gemv-8-g128-actorder": ((8, 12, 256, 128, True, False, True, "auto"), ("8, 4", (1, 1, 1))),
-    # 9 rows: dequantized (40 * 160 / 8 words: 4 CTAs of 256 threads), then torch.matmul
-    "dequant-9": ((9, 40, 160, 64, False, True, True, "auto"), (None, (4, 1, 1))),
+    "gemv-3-g64-actorder": ((3, 17, 96, 64, False, True, True, "auto"), [("4, 4", (2, 1, 1))]),
+    "gemv-8-g128-actorder": ((8, 12, 256, 128, True, False, True, "auto"), [("8, 4", (1, 1, 1))]),
+    # 12 rows: the GEMV on rows 0-7, then on rows 8-11 (the M=4 instance)
+    "sliced-12": (
+        (12, 40, 160, 64, False, True, True, "auto"),
+        [("8, 4", (3, 1, 1)), ("4, 4", (3, 1, 1))],
+    ),
+    # dequantized (40 * 160 / 8 words: 4 CTAs of 256 threads), then torch.matmul
+    "dequant-9": ((9, 40, 160, 64, False, True, True, "dequant"), [(None, (4, 1, 1))]),
 }
 
 
@@ -69,15 +76,18 @@ W4_CASES = {
 def test_w4a16_linear(
     kc: ModuleType, emulator: emu.Emulator, dtype: torch.dtype, case: str
 ) -> None:
-    (rows, n, k, group, signed, asym, act_order, path), (inst, grid) = W4_CASES[case]
+    (rows, n, k, group, signed, asym, act_order, path), launches = W4_CASES[case]
     q, scale, zero, perm = w4_weight(n, k, group, signed=signed, asym=asym, act_order=act_order)
     weight = w4a16.pack_w4a16(q, scale, zero, group, perm)
     x = torch.randn(rows, k).to(dtype)
     wide = torch.full((rows, -(-n // 8) * 8 + 8), float("nan"), dtype=dtype)
     got = kc.w4a16_linear(x, weight, out=wide[:, :n], path=path)
     ctype = "bf16_t" if dtype == torch.bfloat16 else "f16_t"
-    expr = f"w4a16_gemv_kernel<{ctype}, {inst}>" if inst else f"w4a16_dequant_kernel<{ctype}>"
-    assert [(launch.expr, launch.grid) for launch in emulator.launches] == [(expr, grid)]
+    want = [
+        (f"w4a16_gemv_kernel<{ctype}, {inst}>" if inst else f"w4a16_dequant_kernel<{ctype}>", grid)
+        for inst, grid in launches
+    ]
+    assert [(launch.expr, launch.grid) for launch in emulator.launches] == want
     assert bool(wide[:, n:].isnan().all()), "a store past N"
     assert_close(got, qref.w4a16_linear_reference(x, q, scale, zero, group, perm), dtype, case)
 
@@ -101,8 +111,8 @@ def test_w4a16_checks(kc: ModuleType) -> None:
         ValueError, match=r"x.shape\[1\]=48 \(K\) must be a positive multiple of 32"
     ):
         kc.w4a16_linear(x[:, :48], weight)
-    with pytest.raises(ValueError, match=r"serves at most 8 rows of x, got 9"):
-        kc.w4a16_linear(torch.zeros(9, 64, dtype=torch.bfloat16), weight, path="gemv")
+    with pytest.raises(ValueError, match=r"path='tiled' must be one of"):
+        kc.w4a16_linear(x, weight, path="tiled")
     with pytest.raises(ValueError, match=r"group 48 is not a multiple of 32"):
         w4a16.pack_w4a16(q, torch.ones(8, 2), None, 48)
     with pytest.raises(ValueError, match=r"int4 values span \[0, 16\]"):
@@ -120,13 +130,15 @@ def fp8_weight(n: int, k: int, block: tuple[int, int]) -> tuple[torch.Tensor, to
     return q, rows.contiguous()
 
 
-FP8_CASES = {
-    "gemv-1": ((1, 20, 256, (128, 128), "auto"), ("1, 2", (3, 1, 1))),
+FP8_CASES: dict[str, tuple[tuple[int, int, int, tuple[int, int], str], Launches]] = {
+    "gemv-1": ((1, 20, 256, (128, 128), "auto"), [("1, 2", (3, 1, 1))]),
     # K 2080 = 16 blocks + a partial 32: the 4-chunk loop, then single chunks on some lanes
-    "gemv-2-partial": ((2, 9, 2080, (128, 128), "auto"), ("2, 2", (2, 1, 1))),
-    "gemv-5-channel": ((5, 16, 96, (1, 96), "auto"), ("8, 4", (1, 1, 1))),
-    # 12 rows off Hopper: dequantized (24 * 256 / 16 chunks: 2 CTAs), then torch.matmul
-    "dequant-12": ((12, 24, 256, (128, 128), "auto"), (None, (2, 1, 1))),
+    "gemv-2-partial": ((2, 9, 2080, (128, 128), "auto"), [("2, 2", (2, 1, 1))]),
+    "gemv-5-channel": ((5, 16, 96, (1, 96), "auto"), [("8, 4", (1, 1, 1))]),
+    # 12 rows off Hopper: the GEMV on rows 0-7 and 8-11
+    "sliced-12": ((12, 24, 256, (128, 128), "auto"), [("8, 4", (2, 1, 1)), ("4, 4", (2, 1, 1))]),
+    # 40 rows off Hopper: dequantized (24 * 256 / 16 chunks: 2 CTAs), then torch.matmul
+    "dequant-40": ((40, 24, 256, (128, 128), "auto"), [(None, (2, 1, 1))]),
 }
 
 
@@ -135,17 +147,18 @@ FP8_CASES = {
 def test_fp8_block_linear(
     kc: ModuleType, emulator: emu.Emulator, dtype: torch.dtype, case: str
 ) -> None:
-    (rows, n, k, block, path), (inst, grid) = FP8_CASES[case]
+    (rows, n, k, block, path), launches = FP8_CASES[case]
     q, scale = fp8_weight(n, k, block)
     weight = fp8_block.pack_fp8_block(q, scale, block[1])
     x = torch.randn(rows, k).to(dtype)
     wide = torch.full((rows, -(-n // 8) * 8 + 8), float("nan"), dtype=dtype)
     got = kc.fp8_block_linear(x, weight, out=wide[:, :n], path=path)
     ctype = "bf16_t" if dtype == torch.bfloat16 else "f16_t"
-    expr = (
-        f"fp8_block_gemv_kernel<{ctype}, {inst}>" if inst else f"fp8_block_dequant_kernel<{ctype}>"
-    )
-    assert [(launch.expr, launch.grid) for launch in emulator.launches] == [(expr, grid)]
+    want = [
+        (f"fp8_block_gemv_kernel<{ctype}, {i}>" if i else f"fp8_block_dequant_kernel<{ctype}>", g)
+        for i, g in launches
+    ]
+    assert [(launch.expr, launch.grid) for launch in emulator.launches] == want
     assert bool(wide[:, n:].isnan().all()), "a store past N"
     assert_close(got, qref.fp8_block_linear_reference(x, q, scale, block[1]), dtype, case)
 

@@ -133,10 +133,11 @@ def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def self_check(device: torch.device, dtype: torch.dtype) -> str | None:
-    """Both kernels at 1, 5 and 12 rows (the GEMV; then the dequantized weight through cuBLAS,
-    or torch._scaled_mm for FP8 on sm_90) on seeded data, against the references."""
+    """Both kernels at 1, 5, 12 and 80 rows (the GEMV, once and per 8 rows; the dequantized
+    weight through cuBLAS, or torch._scaled_mm for FP8 on sm_90) on seeded data, against the
+    references."""
     gen = torch.Generator().manual_seed(0)
-    n, k, group = 256, 256, 128
+    n, k, group = 128, 256, 128
     levels = torch.randint(0, 16, (n, k), generator=gen).int()
     scale = torch.rand(n, k // group, generator=gen) * 0.02 + 0.01
     zero = torch.randint(0, 16, (n, k // group), generator=gen).float()
@@ -148,7 +149,7 @@ def self_check(device: torch.device, dtype: torch.dtype) -> str | None:
     q8 = (torch.randn(n, k, generator=gen) * 100).to(torch.float8_e4m3fn)
     f8 = fp8_block.pack_fp8_block(q8, fp8_scale, group).to(device)
     scaled_mm = fp8_block.scaled_mm_unsupported(f8, device) is None
-    for rows in (1, 5, 12):
+    for rows in (1, 5, 12, 80):
         x = torch.randn(rows, k, generator=gen).to(dtype)
         quantize_x = scaled_mm and rows > fp8_block.GEMV_MAX_ROWS
         checks = [
