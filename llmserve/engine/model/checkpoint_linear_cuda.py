@@ -173,6 +173,9 @@ def keep_on_gpu(
     start line (the weights are then dequantized at load, as before)."""
     if not weights.quantized:
         return 0
+    if model.shard.tp.size != 1:
+        setattr(model, NOT_KEPT_ATTR, "a tensor-parallel shard (the kept forms are whole weights)")
+        return 0
     why = gpu_kernels_problem(device, dtype)
     if why is not None:
         setattr(model, NOT_KEPT_ATTR, why)
