@@ -18,6 +18,7 @@ import torch
 from llmserve.common.model_config import load_model_config
 from llmserve.engine.model import checkpoint_linear_cuda as clc
 from llmserve.engine.model import weights as weights_mod
+from llmserve.engine.model.checkpoint_formats import CheckpointView
 from llmserve.engine.model.checkpoint_linear import kept_description
 from llmserve.engine.model.kept_weights import KeptWeight, fp8_weight, int_weight
 from llmserve.engine.model.layers import Linear, PackedLinear
@@ -170,3 +171,20 @@ def test_a_tiny_model_on_the_gpu_kernels_gives_its_dequantized_logits(
         bf16_top1 = float((bf16.argmax(-1) == exact.argmax(-1)).float().mean())
         assert err <= 1.5 * bf16_err, (err, bf16_err)
         assert top1 >= bf16_top1 - 1 / length, (top1, bf16_top1)
+
+
+def test_keep_on_gpu_without_the_kernels_notes_why(
+    checkpoints: dict[str, tuple[Path, Path]],
+) -> None:
+    """build_model's GPU step where the kernels cannot run (no CUDA here): nothing swapped, and
+    the reason kept for the start line."""
+    quantized, _ = checkpoints["gptq"]
+    config = load_model_config(quantized)
+    model = build_model(config, None, 256, torch.bfloat16, CPU)
+    weights = load_weights(quantized, config)
+    assert isinstance(weights, CheckpointView)
+    assert clc.keep_on_gpu(model, weights, torch.device("cuda"), torch.bfloat16) == 0
+    assert not any(isinstance(m, clc.CudaCheckpointLinear) for m in model.modules())
+    assert clc.gpu_kept_description(model).startswith(
+        "0 linears kept quantized on the GPU (kernels.cuda.is_available() is False"
+    )
