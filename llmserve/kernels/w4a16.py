@@ -138,6 +138,7 @@ def _check_w4_args(op: str, x: torch.Tensor, weight: W4A16Weight) -> tuple[int, 
     qw = weight.qweight
     _check(op, "qweight", qw, ndim=2, dtypes=(torch.int32,), device=x.device, shape=(None, k // 8))
     _check_contiguous(op, "qweight", qw)
+    _check_rows16(op, "qweight", qw)
     n, groups = qw.shape[0], -(-k // weight.group)
     if weight.group <= 0 or weight.group % GROUP_MULTIPLE:
         _fail(op, f"group={weight.group} must be a positive multiple of {GROUP_MULTIPLE}")
