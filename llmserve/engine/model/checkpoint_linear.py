@@ -150,7 +150,8 @@ def keep_checkpoint_weights(model: LlamaForCausalLM, weights: CheckpointView) ->
 
 
 def kept_description(model: nn.Module) -> str:
-    """For the start line: how many linears serve their checkpoint's weights as stored."""
+    """For the start line: how many linears serve their checkpoint's weights as stored on the CPU
+    (on a GPU: checkpoint_linear_cuda.py's gpu_kept_description)."""
     kept = [(n, m.kind) for n, m in model.named_modules() if isinstance(m, CheckpointLinear)]
     if not kept:
         return ""

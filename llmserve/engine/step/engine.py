@@ -40,6 +40,7 @@ from llmserve.engine.kv.offload import KVTiers
 from llmserve.engine.kv.state import StatePool, state_bytes_per_slot
 from llmserve.engine.model.checkpoint_formats import checkpoint_format
 from llmserve.engine.model.checkpoint_linear import kept_description
+from llmserve.engine.model.checkpoint_linear_cuda import gpu_kept_description
 from llmserve.engine.model.model import LlamaForCausalLM
 from llmserve.engine.model.weights import checked_quantization, load_model
 from llmserve.engine.parallel.groups import Parallel, shard_config, whole_model
@@ -205,7 +206,7 @@ class Engine:
         """The engine's one log line at start: what it loaded, where, and the memory it took."""
         config = self.config
         blocks = "projections in GGUF blocks" if self.quantization == "gguf" else ""
-        kept = kept_description(self.model) or blocks
+        kept = kept_description(self.model) or gpu_kept_description(self.model) or blocks
         log.info(
             "engine loaded",
             model=str(path),
