@@ -1,39 +1,55 @@
-// W4A16 linear: y = x @ W^T with W held as 4-bit integers plus a float32 scale and zero point per
-// `group` weights along K (GPTQ, AWQ, compressed-tensors pack-quantized), x and y in T = fp16 or
-// bf16, products summed in fp32:
+// W4A16 / W8A16 linear: y = x @ W^T with W held as BITS-bit integers (BITS = 4 or 8) plus a
+// float32 scale and zero point per `group` weights along K (GPTQ 4 / 8-bit, AWQ, compressed-tensors
+// pack-quantized and int-quantized), x and y in T = fp16 or bf16, products summed in fp32:
 //     W[n, k] = (q[n, k] - zero[n, g]) * scale[n, g],  g = k / group
 // The kernels take scale and offset = -zero * scale, so a weight is one fma: q * scale + offset.
+// One source for both widths: BITS is a template parameter (WQ<BITS> below), not a copy.
 //
 // Layout (kernels/w4a16.py's pack_w4a16 builds it once, at load, from the kept form of
 // engine/model/kept_weights.py):
 //   x       [m, k] T, contiguous rows, 16-byte aligned, k % 32 == 0. Act-order checkpoints: x is
 //           gathered into the weight's column order first (w4a16.py), the weight never moves.
 //   y       [m, n] T, any row stride, contiguous rows.
-//   w       [n, k / 8] uint32, contiguous: word j of row n holds k = 8j .. 8j + 7 in its nibbles
-//           0 .. 7 (bits 4i .. 4i + 3), unsigned levels 0 .. 15 (signed checkpoints shift by 8,
-//           the zero point alike).
-//   scales, offsets [n, g_count] float32, g_count = ceil(k / group); group % 32 == 0, so a 32-k
-//           chunk lies in one group; the last group may be partial (k % group != 0).
-// nibble -> float: the nibble is the low mantissa bits of 2^23 (one lop3), minus 2^23: exact.
+//   w       [n, k / P] uint32, P = 32 / BITS levels a word, contiguous: word j of row n holds
+//           k = Pj .. Pj + P - 1 in its fields 0 .. P - 1 (bits BITS i .. BITS i + BITS - 1),
+//           unsigned levels 0 .. 2^BITS - 1 (signed checkpoints shift by 8 / 128, the zero point
+//           alike).
+//   scales, offsets [n, g_count] float32, g_count = ceil(k / group); group % 32 == 0, so a
+//           16-byte chunk (32 or 16 weights) lies in one group; the last group may be partial.
+// level -> float: the field is the low mantissa bits of 2^23 (one lop3), minus 2^23: exact.
 //
-// w4a16_gemv_kernel<T, M, R>: m <= M rows of x (M = 1, 2, 4, 8), decode: bound by reading the
-//   weight bytes (half a byte per weight). Each warp owns R consecutive output channels; each lane
-//   streams 16-byte chunks (32 weights) of its R rows, chunk c = lane + 32 i (k = 32 c: a warp
-//   load is 512 contiguous bytes, every weight byte read once, L1 bypassed), U chunks per row in
-//   flight before any is used, dequantizes each weight once in registers (one fma with its
-//   group's scale and offset) and uses it for the M rows of x (L1 / L2 hits: every warp reads the
-//   same x); the R x M sums are reduced across the warp with shuffles.
-//   Launch: grid ceil(n / (4 * R)), block 128, no shared memory.
-//   Instances: <T, 1, 2>, <T, 2, 2>, <T, 4, 4>, <T, 8, 4>.
+// wqa16_gemv_kernel<T, BITS, M, R>: m <= M rows of x (M = 1, 2, 4, 8), decode: bound by reading
+//   the weight bytes (BITS / 8 bytes per weight). Each warp owns R consecutive output channels;
+//   each lane streams 16-byte chunks (C = 4P weights: 32 at 4 bits, 16 at 8) of its R rows, chunk
+//   c = lane + 32 i (k = C c: a warp load is 512 contiguous bytes, every weight byte read once,
+//   L1 bypassed), U chunks per row in flight before any is used, dequantizes each weight once in
+//   registers (one fma with its group's scale and offset) and uses it for the M rows of x (L1 /
+//   L2 hits: every warp reads the same x); the R x M sums are reduced across the warp with
+//   shuffles. Launch: grid ceil(n / (4 * R)), block 128, no shared memory.
+//   Instances, BITS 4 and 8: <T, BITS, 1, 2>, <T, BITS, 2, 2>, <T, BITS, 4, 4>, <T, BITS, 8, 4>.
 //
-// w4a16_dequant_kernel<T>: W [n, k] T, dense, in the packed (gathered) column order: more rows
-//   than the GEMV serves go to cuBLAS on it (w4a16.py says why). One thread per word (8 weights,
-//   one 16-byte store). Launch: grid ceil(n * k / 8 / 256), block 256.
+// wqa16_dequant_kernel<T, BITS>: W [n, k] T, dense, in the packed (gathered) column order: more
+//   rows than the GEMV serves go to cuBLAS on it (w4a16.py says why). One thread per word (P
+//   weights, one 16- or 8-byte store). Launch: grid ceil(n * k / P / 256), block 256.
 
 #include "common.cu"
 
 #define W4_GEMV_WARPS 4
 #define W4_MAGIC 8388608.0f  // 2^23
+
+// P levels a 32-bit word; XWord: P values of x (or of W dequantized), 16 or 8 bytes.
+template <int BITS>
+struct WQ;
+template <>
+struct WQ<4> {
+  static constexpr int P = 8;
+  typedef vec16_t XWord;
+};
+template <>
+struct WQ<8> {
+  static constexpr int P = 4;
+  typedef vec8_t XWord;
+};
 
 // 16 weight bytes that are read once: skip L1 (the stream would only evict x).
 LLMSERVE_DEVICE vec16_t w4_load_16(const unsigned int* p) {
@@ -48,30 +64,32 @@ LLMSERVE_DEVICE vec16_t w4_load_16(const unsigned int* p) {
 #endif
 }
 
-// Nibble E of `word` as a float, exactly.
-template <int E>
-LLMSERVE_DEVICE float w4_level(unsigned int word) {
-  return __uint_as_float(((word >> (4 * E)) & 0xfu) | 0x4B000000u) - W4_MAGIC;
+// Field E of `word` as a float, exactly.
+template <int BITS, int E>
+LLMSERVE_DEVICE float wq_level(unsigned int word) {
+  return __uint_as_float(((word >> (BITS * E)) & ((1u << BITS) - 1u)) | 0x4B000000u) - W4_MAGIC;
 }
 
-// One 32-k chunk: acc[r][i] += sum over the chunk of x[i, k] * W[r, k]; wv[r] holds the chunk's
-// 32 levels of row r, s / o[r] its group's scale and offset.
-template <typename T, int M, int R>
-LLMSERVE_DEVICE void w4_gemv_chunk(float (&acc)[R][M], const vec16_t (&wv)[R],
+// One 16-byte chunk (4 words): acc[r][i] += sum over the chunk of x[i, k] * W[r, k]; wv[r] holds
+// the chunk's levels of row r, s / o[r] its group's scale and offset.
+template <typename T, int BITS, int M, int R>
+LLMSERVE_DEVICE void wq_gemv_chunk(float (&acc)[R][M], const vec16_t (&wv)[R],
                                    const float (&s)[R], const float (&o)[R], const T* const* xs,
                                    int kk) {
+  constexpr int P = WQ<BITS>::P;
+  typedef typename WQ<BITS>::XWord XWord;
 #pragma unroll
-  for (int j = 0; j < 4; ++j) {  // word j: k = kk + 8j .. kk + 8j + 7
-    vec16_t xv[M];
+  for (int j = 0; j < 4; ++j) {  // word j: k = kk + Pj .. kk + Pj + P - 1
+    XWord xv[M];
 #pragma unroll
-    for (int i = 0; i < M; ++i) xv[i] = *reinterpret_cast<const vec16_t*>(xs[i] + kk + 8 * j);
+    for (int i = 0; i < M; ++i) xv[i] = *reinterpret_cast<const XWord*>(xs[i] + kk + P * j);
 #pragma unroll
-    for (int e = 0; e < 8; e += 2) {
+    for (int e = 0; e < P; e += 2) {
       float w[R][2];
 #pragma unroll
       for (int r = 0; r < R; ++r) {
-        w[r][0] = fmaf(w4_level<0>(wv[r].w[j] >> (4 * e)), s[r], o[r]);
-        w[r][1] = fmaf(w4_level<1>(wv[r].w[j] >> (4 * e)), s[r], o[r]);
+        w[r][0] = fmaf(wq_level<BITS, 0>(wv[r].w[j] >> (BITS * e)), s[r], o[r]);
+        w[r][1] = fmaf(wq_level<BITS, 1>(wv[r].w[j] >> (BITS * e)), s[r], o[r]);
       }
 #pragma unroll
       for (int i = 0; i < M; ++i) {
@@ -86,25 +104,27 @@ LLMSERVE_DEVICE void w4_gemv_chunk(float (&acc)[R][M], const vec16_t (&wv)[R],
 }
 
 // Loads chunk kk's words of the R rows and their group's scale and offset.
-template <int R>
-LLMSERVE_DEVICE void w4_load_chunk(vec16_t (&wv)[R], float (&s)[R], float (&o)[R],
+template <int BITS, int R>
+LLMSERVE_DEVICE void wq_load_chunk(vec16_t (&wv)[R], float (&s)[R], float (&o)[R],
                                    const unsigned int* const* rows, const float* const* srow,
                                    const float* const* orow, int kk, int group) {
   const int g = kk / group;
 #pragma unroll
   for (int r = 0; r < R; ++r) {
-    wv[r] = w4_load_16(rows[r] + kk / 8);
+    wv[r] = w4_load_16(rows[r] + kk / WQ<BITS>::P);
     s[r] = srow[r][g];
     o[r] = orow[r][g];
   }
 }
 
-template <typename T, int M, int R>
+template <typename T, int BITS, int M, int R>
 __global__ void __launch_bounds__(W4_GEMV_WARPS * 32)
-    w4a16_gemv_kernel(const T* __restrict__ x, long long x_stride,
+    wqa16_gemv_kernel(const T* __restrict__ x, long long x_stride,
                       const unsigned int* __restrict__ w, const float* __restrict__ scales,
                       const float* __restrict__ offsets, T* __restrict__ y, long long y_stride,
                       int m, int n, int k, int group) {
+  constexpr int C = 4 * WQ<BITS>::P;  // weights a 16-byte chunk
+  constexpr int STRIDE = 32 * C;      // k between a lane's chunks
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int n0 = (blockIdx.x * W4_GEMV_WARPS + warp) * R;
   if (n0 >= n) return;  // a whole warp; no CTA barrier follows
@@ -115,7 +135,7 @@ __global__ void __launch_bounds__(W4_GEMV_WARPS * 32)
 #pragma unroll
   for (int r = 0; r < R; ++r) {
     const long long row = min(n0 + r, n - 1);
-    rows[r] = w + row * (k / 8);
+    rows[r] = w + row * (k / WQ<BITS>::P);
     srow[r] = scales + row * g_count;
     orow[r] = offsets + row * g_count;
   }
@@ -131,21 +151,22 @@ __global__ void __launch_bounds__(W4_GEMV_WARPS * 32)
 
   // U chunks of R rows in flight per lane (2 x 4 x 16 bytes at most), loaded before any is used.
   constexpr int U = 2;
-  int kk = lane * 32;
-  for (; kk + (U - 1) * 1024 < k; kk += U * 1024) {
+  int kk = lane * C;
+  for (; kk + (U - 1) * STRIDE < k; kk += U * STRIDE) {
     vec16_t wv[U][R];
     float s[U][R], o[U][R];
 #pragma unroll
     for (int u = 0; u < U; ++u)
-      w4_load_chunk<R>(wv[u], s[u], o[u], rows, srow, orow, kk + u * 1024, group);
+      wq_load_chunk<BITS, R>(wv[u], s[u], o[u], rows, srow, orow, kk + u * STRIDE, group);
 #pragma unroll
-    for (int u = 0; u < U; ++u) w4_gemv_chunk<T, M, R>(acc, wv[u], s[u], o[u], xs, kk + u * 1024);
+    for (int u = 0; u < U; ++u)
+      wq_gemv_chunk<T, BITS, M, R>(acc, wv[u], s[u], o[u], xs, kk + u * STRIDE);
   }
-  for (; kk < k; kk += 1024) {  // the lane's last chunk, if any
+  for (; kk < k; kk += STRIDE) {  // the lane's last chunk, if any
     vec16_t wv[R];
     float s[R], o[R];
-    w4_load_chunk<R>(wv, s, o, rows, srow, orow, kk, group);
-    w4_gemv_chunk<T, M, R>(acc, wv, s, o, xs, kk);
+    wq_load_chunk<BITS, R>(wv, s, o, rows, srow, orow, kk, group);
+    wq_gemv_chunk<T, BITS, M, R>(acc, wv, s, o, xs, kk);
   }
 
 #pragma unroll
@@ -161,25 +182,26 @@ __global__ void __launch_bounds__(W4_GEMV_WARPS * 32)
   }
 }
 
-template <typename T>
+template <typename T, int BITS>
 __global__ void __launch_bounds__(256)
-    w4a16_dequant_kernel(const unsigned int* __restrict__ w, const float* __restrict__ scales,
+    wqa16_dequant_kernel(const unsigned int* __restrict__ w, const float* __restrict__ scales,
                          const float* __restrict__ offsets, T* __restrict__ out, int n, int k,
                          int group) {
-  const long long words = static_cast<long long>(n) * (k / 8);
+  constexpr int P = WQ<BITS>::P;
+  const long long words = static_cast<long long>(n) * (k / P);
   const long long idx = static_cast<long long>(blockIdx.x) * 256 + threadIdx.x;
   if (idx >= words) return;
-  const long long row = idx / (k / 8);
-  const int k0 = static_cast<int>(idx % (k / 8)) * 8;
+  const long long row = idx / (k / P);
+  const int k0 = static_cast<int>(idx % (k / P)) * P;
   const int g_count = (k + group - 1) / group;
   const float s = scales[row * g_count + k0 / group], o = offsets[row * g_count + k0 / group];
   const unsigned int word = w[idx];
-  vec16_t v;
+  typename WQ<BITS>::XWord v;
 #pragma unroll
-  for (int e = 0; e < 8; e += 2) {
-    const float lo = fmaf(w4_level<0>(word >> (4 * e)), s, o);
-    const float hi = fmaf(w4_level<1>(word >> (4 * e)), s, o);
+  for (int e = 0; e < P; e += 2) {
+    const float lo = fmaf(wq_level<BITS, 0>(word >> (BITS * e)), s, o);
+    const float hi = fmaf(wq_level<BITS, 1>(word >> (BITS * e)), s, o);
     v.w[e / 2] = DType<T>::pack2(lo, hi);
   }
-  *reinterpret_cast<vec16_t*>(out + row * k + k0) = v;
+  *reinterpret_cast<typename WQ<BITS>::XWord*>(out + row * k + k0) = v;
 }

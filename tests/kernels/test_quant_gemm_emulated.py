@@ -38,14 +38,14 @@ def kc(emulator: emu.Emulator) -> Iterator[ModuleType]:
 
 
 def w4_weight(
-    n: int, k: int, group: int, *, signed: bool, asym: bool, act_order: bool
+    n: int, k: int, group: int, *, signed: bool, asym: bool, act_order: bool, bits: int = 4
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """(q in the kept column order, scale, zero, perm) as engine/model/kept_weights.py holds a
-    GPTQ / AWQ / compressed-tensors int4 weight."""
-    groups = -(-k // group)
-    q = torch.randint(-8, 8, (n, k)) if signed else torch.randint(0, 16, (n, k))
-    scale = torch.rand(n, groups) * 0.02 + 0.005
-    zero = torch.randint(0, 16, (n, groups)).float() if asym else None
+    GPTQ / AWQ / compressed-tensors int4 (bits 4) or int8 (bits 8) weight."""
+    groups, span = -(-k // group), 1 << bits
+    q = torch.randint(-span // 2, span // 2, (n, k)) if signed else torch.randint(0, span, (n, k))
+    scale = (torch.rand(n, groups) * 0.02 + 0.005) * 16 / span
+    zero = torch.randint(0, span, (n, groups)).float() if asym else None
     perm = torch.randperm(k) if act_order else None
     return q.int(), scale, zero, perm
 
@@ -71,20 +71,45 @@ W4_CASES: dict[str, tuple[tuple[int, int, int, int, bool, bool, bool, str], Laun
 }
 
 
-@pytest.mark.parametrize("case", list(W4_CASES))
+# W8A16 (GPTQ 8-bit, compressed-tensors int-quantized): the same kernels at BITS 8, a 16-byte
+# chunk 16 weights, a lane's stride 512
+W8_CASES: dict[str, tuple[tuple[int, int, int, int, bool, bool, bool, str], Launches]] = {
+    # K 160 = 10 chunks: lanes 10-31 idle; a partial group of 32; unsigned with zero points
+    "w8-gemv-1-g128": ((1, 20, 160, 128, False, True, False, "auto"), [("1, 2", (3, 1, 1))]),
+    # K 1088 = 68 chunks: the 2-chunk loop on every lane, lanes 0-3 one more; signed, symmetric
+    "w8-gemv-2-g32": ((2, 9, 1088, 32, True, False, False, "auto"), [("2, 2", (2, 1, 1))]),
+    "w8-gemv-3-g64-actorder": ((3, 17, 96, 64, True, True, True, "auto"), [("4, 4", (2, 1, 1))]),
+    "w8-sliced-12": (
+        (12, 40, 160, 64, False, True, True, "auto"),
+        [("8, 4", (3, 1, 1)), ("4, 4", (3, 1, 1))],
+    ),
+    # 33 rows: past the 8-bit GEMV's 32 (dequantized: 40 * 160 / 4 words, 7 CTAs of 256)
+    "w8-dequant-33": ((33, 40, 160, 64, True, True, False, "auto"), [(None, (7, 1, 1))]),
+}
+
+
+@pytest.mark.parametrize("case", [*W4_CASES, *W8_CASES])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_w4a16_linear(
     kc: ModuleType, emulator: emu.Emulator, dtype: torch.dtype, case: str
 ) -> None:
-    (rows, n, k, group, signed, asym, act_order, path), launches = W4_CASES[case]
-    q, scale, zero, perm = w4_weight(n, k, group, signed=signed, asym=asym, act_order=act_order)
-    weight = w4a16.pack_w4a16(q, scale, zero, group, perm)
+    bits = 8 if case in W8_CASES else 4
+    (rows, n, k, group, signed, asym, act_order, path), launches = {**W4_CASES, **W8_CASES}[case]
+    q, scale, zero, perm = w4_weight(
+        n, k, group, signed=signed, asym=asym, act_order=act_order, bits=bits
+    )
+    weight = w4a16.pack_w4a16(q, scale, zero, group, perm, bits=bits)
     x = torch.randn(rows, k).to(dtype)
     wide = torch.full((rows, -(-n // 8) * 8 + 8), float("nan"), dtype=dtype)
     got = kc.w4a16_linear(x, weight, out=wide[:, :n], path=path)
     ctype = "bf16_t" if dtype == torch.bfloat16 else "f16_t"
     want = [
-        (f"w4a16_gemv_kernel<{ctype}, {inst}>" if inst else f"w4a16_dequant_kernel<{ctype}>", grid)
+        (
+            f"wqa16_gemv_kernel<{ctype}, {bits}, {inst}>"
+            if inst
+            else f"wqa16_dequant_kernel<{ctype}, {bits}>",
+            grid,
+        )
         for inst, grid in launches
     ]
     assert [(launch.expr, launch.grid) for launch in emulator.launches] == want
@@ -101,6 +126,13 @@ def test_w4a16_pack_round_trips_and_dequantizes(kc: ModuleType) -> None:
     want = qref.dequantize_groups(q, scale, zero, 32)
     got = w4a16.w4a16_dequantize(weight, torch.float16).float()
     torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-5)
+    q8, scale8, zero8, _ = w4_weight(24, 96, 32, signed=True, asym=True, act_order=False, bits=8)
+    weight8 = w4a16.pack_w4a16(q8, scale8, zero8, 32, bits=8)
+    assert weight8.qweight.shape == (24, 24) and weight8.shape == (24, 96)
+    assert torch.equal(w4a16.unpack_levels(weight8), q8 + 128)
+    got8 = w4a16.w4a16_dequantize(weight8, torch.float16).float()
+    want8 = qref.dequantize_groups(q8, scale8, zero8, 32)
+    torch.testing.assert_close(got8, want8, rtol=1e-3, atol=1e-5)
 
 
 def test_w4a16_checks(kc: ModuleType) -> None:

@@ -1,14 +1,15 @@
 """Quantized checkpoints served as stored on a GPU: `keep_checkpoint_weights_cuda` swaps, before
 the load, every Linear whose checkpoint tensors engine/model/kept_weights.py holds as int4
-(W4A16: GPTQ, AWQ, compressed-tensors pack-quantized) or float8 e4m3 (FP8: DeepSeek-V3 / Qwen3
-block-scaled, compressed-tensors float-quantized) for a `CudaCheckpointLinear` over kernels/
-w4a16_gemm.cu or kernels/fp8_block_gemm.cu, so the load never widens them to fp16 / bf16.
+(W4A16: GPTQ, AWQ, compressed-tensors pack-quantized), int8 (W8A16: GPTQ 8-bit,
+compressed-tensors int-quantized) or float8 e4m3 (FP8: DeepSeek-V3 / Qwen3 block-scaled,
+compressed-tensors float-quantized) for a `CudaCheckpointLinear` over kernels/w4a16_gemm.cu
+(BITS 4 or 8) or kernels/fp8_block_gemm.cu, so the load never widens them to fp16 / bf16. MoE
+experts: engine/model/kept_experts.py builds its per-expert linears from CudaCheckpointLinear.
 
-Left dequantized at load, as before: int8 (W8A16) weights, weights whose K or group the kernels
-do not take (kernels/w4a16.py, fp8_block.py: `unsupported`), MoE experts, tensor-parallel
-shards; and every linear where the kernels cannot run here (no CuPy, an sm < 80 GPU, a float32
-model, a failed self-check): `gpu_kernels_problem` says why, and the engine's start line
-(`kept_description`) repeats it.
+Left dequantized at load, as before: weights whose K or group the kernels do not take
+(kernels/w4a16.py, fp8_block.py: `unsupported`), tensor-parallel shards; and every linear where
+the kernels cannot run here (no CuPy, an sm < 80 GPU, a float32 model, a failed self-check):
+`gpu_kernels_problem` says why, and the engine's start line (`kept_description`) repeats it.
 """
 
 from __future__ import annotations
@@ -29,7 +30,12 @@ from llmserve.kernels import quant_reference as qref
 
 log = get_logger(__name__)
 
-KINDS = {"int4": "kernels/w4a16_gemm.cu", "fp8": "kernels/fp8_block_gemm.cu"}
+KINDS = {
+    "int4": "kernels/w4a16_gemm.cu",
+    "int8": "kernels/w4a16_gemm.cu",
+    "fp8": "kernels/fp8_block_gemm.cu",
+}
+INT_BITS = {"int4": 4, "int8": 8}
 # set on a model by keep_checkpoint_weights_cuda where its kept weights were dequantized instead
 NOT_KEPT_ATTR = "gpu_checkpoint_kernels_why"
 
@@ -37,8 +43,11 @@ GpuWeight = w4a16.W4A16Weight | fp8_block.Fp8BlockWeight
 
 
 def _pack(weight: KeptWeight) -> GpuWeight:
-    if weight.kind == "int4":
-        return w4a16.pack_w4a16(weight.q, weight.scale, weight.zero, weight.group, weight.perm)
+    if weight.kind in INT_BITS:
+        bits = INT_BITS[weight.kind]
+        return w4a16.pack_w4a16(
+            weight.q, weight.scale, weight.zero, weight.group, weight.perm, bits
+        )
     return fp8_block.pack_fp8_block(weight.q, weight.scale, weight.group)
 
 
@@ -46,14 +55,14 @@ def fits(weight: KeptWeight) -> str | None:
     """Why the GPU kernels cannot hold `weight` (None: they can)."""
     if weight.kind not in KINDS:
         return f"{weight.kind} weights have no GPU kernel here"
-    module = w4a16 if weight.kind == "int4" else fp8_block
+    module = w4a16 if weight.kind in INT_BITS else fp8_block
     return module.unsupported(weight.q.shape[1], weight.group)
 
 
 class CudaCheckpointLinear(nn.Module):
-    """y = x W^T + b over a checkpoint's int4 or FP8 weight as stored, W stacking `parts` in rows
-    (fused q/k/v, gate/up). Parts that read x in one column order share one kernel call; GPTQ
-    act-order parts with their own orders run one call each (x gathered into each order)."""
+    """y = x W^T + b over a checkpoint's int4, int8 or FP8 weight as stored, W stacking `parts`
+    in rows (fused q/k/v, gate/up). Parts that read x in one column order share one kernel call;
+    GPTQ act-order parts with their own orders run one call each (x gathered into each order)."""
 
     def __init__(self, parts: list[KeptWeight], bias: torch.Tensor | None, device: torch.device):
         super().__init__()
@@ -75,7 +84,10 @@ class CudaCheckpointLinear(nn.Module):
         layer = cls.__new__(cls)
         nn.Module.__init__(layer)
         layer.segments = [segment]
-        layer.kind = "int4" if isinstance(segment, w4a16.W4A16Weight) else "fp8"
+        if isinstance(segment, w4a16.W4A16Weight):
+            layer.kind = f"int{segment.bits}"
+        else:
+            layer.kind = "fp8"
         layer.in_features = segment.shape[1]
         layer.bias = bias
         return layer
@@ -133,9 +145,9 @@ def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def self_check(device: torch.device, dtype: torch.dtype) -> str | None:
-    """Both kernels at 1, 5, 12 and 80 rows (the GEMV, once and per 8 rows; the dequantized
-    weight through cuBLAS, or torch._scaled_mm for FP8 on sm_90) on seeded data, against the
-    references."""
+    """The kernels (int4, int8, FP8) at 1, 5, 12 and 80 rows (the GEMV, once and per 8 rows;
+    the dequantized weight through cuBLAS, or torch._scaled_mm for FP8 on sm_90) on seeded data,
+    against the references."""
     gen = torch.Generator().manual_seed(0)
     n, k, group = 128, 256, 128
     levels = torch.randint(0, 16, (n, k), generator=gen).int()
@@ -143,6 +155,8 @@ def self_check(device: torch.device, dtype: torch.dtype) -> str | None:
     zero = torch.randint(0, 16, (n, k // group), generator=gen).float()
     perm = torch.randperm(k, generator=gen)
     w4 = w4a16.pack_w4a16(levels, scale, zero, group, perm).to(device)
+    levels8 = torch.randint(-128, 128, (n, k), generator=gen).int()
+    w8 = w4a16.pack_w4a16(levels8, scale / 16, None, group, None, bits=8).to(device)
     fp8_scale = (torch.rand(n // 128, k // 128, generator=gen) * 1e-3 + 1e-4).repeat_interleave(
         128, dim=0
     )
@@ -155,6 +169,8 @@ def self_check(device: torch.device, dtype: torch.dtype) -> str | None:
         checks = [
             ("w4a16_linear", w4a16.w4a16_linear(x.to(device), w4),
              qref.w4a16_linear_reference(x, levels, scale, zero, group, perm)),
+            ("w8a16_linear", w4a16.w4a16_linear(x.to(device), w8),
+             qref.w4a16_linear_reference(x, levels8, scale / 16, None, group)),
             ("fp8_block_linear", fp8_block.fp8_block_linear(x.to(device), f8),
              qref.fp8_block_linear_reference(x, q8, fp8_scale, group, quantize_x=quantize_x)),
         ]  # fmt: skip
@@ -168,7 +184,7 @@ def self_check(device: torch.device, dtype: torch.dtype) -> str | None:
 def keep_on_gpu(
     model: LlamaForCausalLM, weights: CheckpointView, device: torch.device, dtype: torch.dtype
 ) -> int:
-    """build_model's step for a quantized checkpoint on a GPU: its int4 / FP8 linears kept as
+    """build_model's step for a quantized checkpoint on a GPU: its int4 / int8 / FP8 linears kept as
     stored where the kernels pass their self-check, else the reason noted on the model for the
     start line (the weights are then dequantized at load, as before)."""
     if not weights.quantized:

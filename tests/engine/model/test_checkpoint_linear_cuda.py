@@ -1,11 +1,11 @@
 """The GPU wiring of quantized checkpoints (engine/model/checkpoint_linear_cuda.py) on the kernel
-emulator of tests/kernel_emu/: int4 (W4A16) and FP8 linears kept as stored call kernels/
-w4a16_gemm.cu and fp8_block_gemm.cu through CudaCheckpointLinear (fused parts, act-order parts
-with their own column orders, a bias); a tiny GPTQ act-order Llama and a tiny FP8-block Llama
-with every projection on those kernels give the logits of their dequantized twins; the start-up
-self-check passes and names a kernel that disagrees; the start line says why the weights are
-dequantized where the kernels cannot run. No GPU: CPU tensors, the real wrappers and launch
-shapes. Skips without g++ or off Linux."""
+emulator of tests/kernel_emu/: int4 (W4A16), int8 (W8A16) and FP8 linears kept as stored call
+kernels/w4a16_gemm.cu and fp8_block_gemm.cu through CudaCheckpointLinear (fused parts, act-order
+parts with their own column orders, a bias); tiny GPTQ 4-bit act-order, GPTQ 8-bit and FP8-block
+Llamas with every projection on those kernels give the logits of their dequantized twins; the
+start-up self-check passes and names a kernel that disagrees; the start line says why the weights are
+dequantized where the kernels cannot run. No GPU: CPU tensors, the real wrappers and launch shapes.
+Skips without g++ or off Linux."""
 
 from __future__ import annotations
 
@@ -116,19 +116,21 @@ def _max_rel(got: torch.Tensor, want: torch.Tensor) -> float:
 def checkpoints(
     tiny_model: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory
 ) -> dict[str, tuple[Path, Path]]:
-    """GPTQ 4-bit, group 64, act-order; DeepSeek-V3's FP8 layout with 128 x 128 blocks; each
-    with its dequantized float32 twin."""
+    """GPTQ 4-bit, group 64, act-order; GPTQ 8-bit, group 32; DeepSeek-V3's FP8 layout with
+    128 x 128 blocks; each with its dequantized float32 twin."""
     from llmserve.bench.quant_checkpoints import write_fp8_block, write_gptq
 
     float_dir = tiny_model(hidden_size=128, intermediate_size=256)
     root = tmp_path_factory.mktemp("gpu-kept")
-    made = {name: (root / name, root / f"{name}-dq") for name in ("gptq", "fp8-block")}
+    names = ("gptq", "gptq8", "fp8-block")
+    made = {name: (root / name, root / f"{name}-dq") for name in names}
     write_gptq(float_dir, *made["gptq"], bits=4, group_size=64, desc_act=True)
+    write_gptq(float_dir, *made["gptq8"], bits=8, group_size=32, desc_act=False)
     write_fp8_block(float_dir, *made["fp8-block"], (128, 128))
     return made
 
 
-@pytest.mark.parametrize("name", ["gptq", "fp8-block"])
+@pytest.mark.parametrize("name", ["gptq", "gptq8", "fp8-block"])
 def test_a_tiny_model_on_the_gpu_kernels_gives_its_dequantized_logits(
     emulator: emu.Emulator,
     checkpoints: dict[str, tuple[Path, Path]],
@@ -148,13 +150,14 @@ def test_a_tiny_model_on_the_gpu_kernels_gives_its_dequantized_logits(
     model = build_model(config, load_weights(quantized, config), 256, torch.bfloat16, CPU)
     kept = [m for m in model.modules() if isinstance(m, clc.CudaCheckpointLinear)]
     assert len(kept) == 8, kept_description(model)
+    assert {m.kind for m in kept} == {"gptq": {"int4"}, "gptq8": {"int8"}}.get(name, {"fp8"})
     assert [n for n, m in model.named_modules() if isinstance(m, (Linear, PackedLinear))] == [
         "lm_head"
     ]
     plain = load_model_config(dequantized)
     ref_model = build_model(plain, load_weights(dequantized, plain), 256, torch.bfloat16, CPU)
     ref32 = build_model(plain, load_weights(dequantized, plain), 256, torch.float32, CPU)
-    stem = "w4a16" if name == "gptq" else "fp8_block"
+    stem = "fp8_block" if name == "fp8-block" else "wqa16"
     # 2 tokens: the GEMV (2-row instance). Its other instances and paths are the kernel tests';
     # through this model on the emulator they would cost 5-30 s
     for length, kernel in ((2, f"{stem}_gemv_kernel"),):
