@@ -14,13 +14,12 @@ column permutation stays in the weight's order and x is gathered into it per cal
 Rows of x up to GEMV_MAX_ROWS (decode) run the GEMV once: it reads each weight byte once and
 dequantizes in registers. Up to GEMV_SLICED_MAX_ROWS (larger decode batches) it runs once per 8
 rows, reading the weight's half byte per weight again each time: at 64 rows 4 bytes per weight
-(8-bit: a byte each time, so up to 32 rows: 4 bytes).
-More rows (prefill) dequantize the weight into a transient fp16 / bf16 [N, K] (wqa16_dequant_kernel:
-0.5 bytes read (8-bit: 1), 2 written) and multiply with cuBLAS (torch.matmul, 2 more read): 4.5
-bytes per weight once per call, which a prefill of a few hundred rows hides, and cuBLAS's
-tensor-core GEMM is the fastest kernel at hand where the product is compute-bound. A fused tiled W4 GEMM
-(Marlin-style), which would read 0.5 bytes at any row count, is not written (not run on a GPU: no
-figure says where it would pay).
+(8-bit: a byte each time, so up to 32 rows: 4 bytes). More rows (prefill) dequantize the weight into
+a transient fp16 / bf16 [N, K] (wqa16_dequant_kernel: 0.5 bytes read (8-bit: 1), 2 written) and
+multiply with cuBLAS (torch.matmul, 2 more read): 4.5 bytes per weight once per call, which a
+prefill of a few hundred rows hides, and cuBLAS's tensor-core GEMM is the fastest kernel at hand
+where the product is compute-bound. A fused tiled W4 GEMM (Marlin-style), which would read 0.5 bytes
+at any row count, is not written (not run on a GPU: no figure says where it would pay).
 """
 
 from __future__ import annotations

@@ -3,9 +3,9 @@ emulator of tests/kernel_emu/: int4 (W4A16), int8 (W8A16) and FP8 linears kept a
 kernels/w4a16_gemm.cu and fp8_block_gemm.cu through CudaCheckpointLinear (fused parts, act-order
 parts with their own column orders, a bias); tiny GPTQ 4-bit act-order, GPTQ 8-bit and FP8-block
 Llamas with every projection on those kernels give the logits of their dequantized twins; the
-start-up self-check passes and names a kernel that disagrees; the start line says why the weights are
-dequantized where the kernels cannot run. No GPU: CPU tensors, the real wrappers and launch shapes.
-Skips without g++ or off Linux."""
+start-up self-check passes and names a kernel that disagrees; the start line says why the weights
+are dequantized where the kernels cannot run. No GPU: CPU tensors, the real wrappers and launch
+shapes. Skips without g++ or off Linux."""
 
 from __future__ import annotations
 
