@@ -22,11 +22,13 @@ from torch import nn
 from llmserve.common.log import get_logger
 from llmserve.engine.model.checkpoint_formats import CheckpointView
 from llmserve.engine.model.checkpoint_linear import _linear_tensors, _merged, _same_columns
+from llmserve.engine.model.kept_experts import KeptExperts, keep_expert_weights
 from llmserve.engine.model.kept_weights import KeptWeight
 from llmserve.engine.model.layers import Linear
 from llmserve.engine.model.model import LlamaForCausalLM
 from llmserve.kernels import fp8_block, w4a16
 from llmserve.kernels import quant_reference as qref
+from llmserve.kernels.cpu_wq import fp4_values
 
 log = get_logger(__name__)
 
@@ -49,6 +51,17 @@ def _pack(weight: KeptWeight) -> GpuWeight:
             weight.q, weight.scale, weight.zero, weight.group, weight.perm, bits
         )
     return fp8_block.pack_fp8_block(weight.q, weight.scale, weight.group)
+
+
+def gpu_form(weight: KeptWeight) -> KeptWeight:
+    """The kept form the GPU kernels take: MXFP4 (gpt-oss: e2m1 codes, an e8m0 scale per 32)
+    becomes int8, exactly: twice an e2m1 value is an integer in [-12, 12] and half a power of two
+    is a float32, so (2 v) * (s / 2) is the same weight. A byte a weight against MXFP4's 17 / 32
+    (no e2m1 kernel: the W8A16 GEMV reads it, still half of bf16's bytes). Others: as given."""
+    if weight.kind != "fp4":
+        return weight
+    levels = (fp4_values(weight.q) * 2).round().to(torch.int8)
+    return KeptWeight("int8", levels, weight.scale.float() / 2, None, weight.group, weight.perm)
 
 
 def fits(weight: KeptWeight) -> str | None:
@@ -196,7 +209,32 @@ def keep_on_gpu(
     if why is not None:
         setattr(model, NOT_KEPT_ATTR, why)
         return 0
-    return keep_checkpoint_weights_cuda(model, weights, device)
+    swapped = keep_checkpoint_weights_cuda(model, weights, device)
+    return swapped + keep_experts_cuda(model, weights, device)
+
+
+def cuda_expert_linear(
+    parts: list[KeptWeight], bias: torch.Tensor | None, device: torch.device
+) -> CudaCheckpointLinear | None:
+    """kept_experts.py's linear on a GPU: the parts in the GPU kernels' forms (gpu_form), or
+    None where a part's shape does not fit them (the experts then load dequantized)."""
+    held = [gpu_form(part) for part in parts]
+    if any(fits(part) is not None for part in held) or len({p.kind for p in held}) != 1:
+        return None
+    return CudaCheckpointLinear(held, bias, device)
+
+
+def keep_experts_cuda(
+    model: LlamaForCausalLM, weights: CheckpointView, device: torch.device
+) -> int:
+    """Before the load: each MoE experts module whose tensors are all kept forms becomes a
+    KeptExperts of CudaCheckpointLinears on `device`; the number of expert linears. The caller
+    has checked gpu_kernels_problem."""
+    make = functools.partial(cuda_expert_linear, device=device)
+    swapped = keep_expert_weights(model, weights, make)
+    if swapped:
+        log.info("MoE experts kept quantized", linears=swapped, device=str(device))
+    return swapped
 
 
 def keep_checkpoint_weights_cuda(
@@ -231,6 +269,8 @@ def gpu_kept_description(model: nn.Module) -> str:
     kinds = [m.kind for m in model.modules() if isinstance(m, CudaCheckpointLinear)]
     if kinds:
         counts = ", ".join(f"{kinds.count(k)} {k} ({KINDS[k]})" for k in sorted(set(kinds)))
-        return f"{len(kinds)} linears kept quantized on the GPU: {counts}"
+        experts = sum(m.num_linears for m in model.modules() if isinstance(m, KeptExperts))
+        of_them = f", {experts} of them experts'" if experts else ""
+        return f"{len(kinds)} linears kept quantized on the GPU: {counts}{of_them}"
     why = getattr(model, NOT_KEPT_ATTR, None)
     return f"0 linears kept quantized on the GPU ({why})" if why else ""

@@ -1,8 +1,14 @@
-"""MoE experts kept quantized on the CPU: `keep_expert_weights` swaps, before the load, each
-experts module whose checkpoint tensors are all in a kept form (engine/model/kept_weights.py:
-W4A16, W8A16, FP8, MXFP4) for `KeptExperts`, one CheckpointLinear
-(engine/model/checkpoint_linear.py, kernels/cpu_wq.cpp) per local expert and projection, so the
-load never widens them to float32. Two experts modules are read:
+"""MoE experts kept quantized: `keep_expert_weights` swaps, before the load, each experts module
+whose checkpoint tensors are all in a kept form (engine/model/kept_weights.py: W4A16, W8A16, FP8,
+MXFP4) for `KeptExperts`, one linear over the stored weight per local expert and projection, so
+the load never widens them to float32 / bf16: on the CPU a CheckpointLinear
+(engine/model/checkpoint_linear.py, kernels/cpu_wq.cpp), on a GPU a CudaCheckpointLinear
+(engine/model/checkpoint_linear_cuda.py's `cuda_expert_linear`: kernels/w4a16_gemm.cu for int4,
+int8 and MXFP4 converted exactly to int8, fp8_block_gemm.cu for FP8). KeptExperts groups a
+batch's (token, expert) pairs by expert and runs each expert's rows through its linears: the
+GEMV for a decode batch's few rows per expert. The grouping reads the per-expert counts on the
+host, so a GPU model with kept experts decodes without CUDA graphs
+(engine/step/graph_capture.py says so on the start line). Two experts modules are read:
 
 - engine/model/moe.py's `Experts` (Mixtral, Qwen2/3-MoE, GLM-4.5, DeepSeek-V3): each expert's
   gate and up rows one linear (SiLU-and-mul after it), its down projection another;
@@ -10,8 +16,8 @@ load never widens them to float32. Two experts modules are read:
   gate_up rows with their bias, the clamped SwiGLU, then down with its bias; from stacked
   [E, N, K] tensors (gpt-oss's MXFP4 `*_blocks` / `*_scales`, via CheckpointView.kept_stack).
 
-An experts module with any tensor not kept (2-bit, a fused 3-D compressed-tensors tensor) loads
-dequantized as before.
+An experts module with any tensor not kept (2-bit, a fused 3-D compressed-tensors tensor, a
+shape the GPU kernels do not take) loads dequantized as before.
 """
 
 from __future__ import annotations
@@ -32,18 +38,21 @@ from llmserve.kernels.moe_reference import sort_by_expert
 from llmserve.kernels.reference import silu_and_mul
 
 Activation = Callable[[torch.Tensor], torch.Tensor]
+# (the parts stacked in rows, a bias) -> the linear over them as stored, or None where it cannot
+LinearMaker = Callable[[list[KeptWeight], torch.Tensor | None], nn.Module | None]
 
 
 class KeptExperts(nn.Module):
     """The local experts `experts` as stored: expert e's rows go through gate_up[e], the
-    activation, then down[e] (each a CheckpointLinear, biases inside). Called as the module it
-    replaces: forward(x, weights, ids) -> the weighted sum of each token's local experts."""
+    activation, then down[e] (each a CheckpointLinear or CudaCheckpointLinear, biases inside).
+    Called as the module it replaces: forward(x, weights, ids) -> the weighted sum of each
+    token's local experts."""
 
     def __init__(
         self,
         experts: range,
-        gate_up: list[CheckpointLinear],
-        down: list[CheckpointLinear],
+        gate_up: list[nn.Module],
+        down: list[nn.Module],
         activation: Activation,
     ):
         super().__init__()
@@ -74,8 +83,12 @@ class KeptExperts(nn.Module):
         return len(self.gate_up) + len(self.down)
 
 
+def cpu_linear(parts: list[KeptWeight], bias: torch.Tensor | None) -> nn.Module | None:
+    return CheckpointLinear(parts, bias)
+
+
 def _stacked_experts(
-    experts: Experts, items: list[HFTensor], weights: CheckpointView
+    experts: Experts, items: list[HFTensor], weights: CheckpointView, make: LinearMaker
 ) -> KeptExperts | None:
     """moe.Experts' kept form: items are its (name, module, param, shard) from hf_tensors."""
     names = {(param is experts.w2, shard): name for name, _, param, shard in items}
@@ -86,13 +99,16 @@ def _stacked_experts(
         kept = [w for w in (*parts, down_part) if w is not None]
         if len(kept) != 3:
             return None
-        gate_up.append(CheckpointLinear(kept[:2], None))
-        down.append(CheckpointLinear(kept[2:], None))
+        linears = make(kept[:2], None), make(kept[2:], None)
+        if linears[0] is None or linears[1] is None:
+            return None
+        gate_up.append(linears[0])
+        down.append(linears[1])
     return KeptExperts(experts.experts, gate_up, down, silu_and_mul)
 
 
 def _biased_experts(
-    experts: BiasedExperts, items: list[HFTensor], weights: CheckpointView
+    experts: BiasedExperts, items: list[HFTensor], weights: CheckpointView, make: LinearMaker
 ) -> KeptExperts | None:
     """gpt-oss's BiasedExperts' kept form, from its stacked tensors and their biases."""
     names = {param: name for name, _, param, _ in items}
@@ -105,17 +121,27 @@ def _biased_experts(
         stacks.append(stack[local])
     gate_up_bias = weights[names[experts.gate_up_proj_bias]][local].float()
     down_bias = weights[names[experts.down_proj_bias]][local].float()
-    gate_up = [CheckpointLinear([w], b) for w, b in zip(stacks[0], gate_up_bias, strict=True)]
-    down = [CheckpointLinear([w], b) for w, b in zip(stacks[1], down_bias, strict=True)]
+    gate_up = [make([w], b) for w, b in zip(stacks[0], gate_up_bias, strict=True)]
+    down = [make([w], b) for w, b in zip(stacks[1], down_bias, strict=True)]
+    held = [linear for linear in (*gate_up, *down) if linear is not None]
+    if len(held) != len(gate_up) + len(down):
+        return None
     swiglu = functools.partial(clamped_swiglu, alpha=experts.alpha, limit=experts.limit)
-    return KeptExperts(experts.experts, gate_up, down, swiglu)
+    return KeptExperts(experts.experts, held[: len(gate_up)], held[len(gate_up) :], swiglu)
 
 
-def keep_expert_weights(model: LlamaForCausalLM, weights: CheckpointView) -> int:
+def keep_expert_weights(
+    model: LlamaForCausalLM, weights: CheckpointView, make: LinearMaker | None = None
+) -> int:
     """Before the load: each experts module whose tensors `weights` holds in a kept form
-    becomes a KeptExperts over them; the number of expert linears swapped in (0 where
-    checkpoint_linear.can_keep says no: a float checkpoint, no kernel, tensor parallelism)."""
-    if not can_keep(model, weights):
+    becomes a KeptExperts over them; the number of expert linears swapped in. make: the linear
+    over stored parts (None: the CPU's CheckpointLinear, nothing where checkpoint_linear.can_keep
+    says no: no kernel); 0 for a float checkpoint or under tensor parallelism either way."""
+    if make is None:
+        if not can_keep(model, weights):
+            return 0
+        make = cpu_linear
+    if not weights.quantized or model.shard.tp.size != 1:
         return 0
     items: dict[int, list[HFTensor]] = {}
     for item in model.hf_tensors():
@@ -126,10 +152,10 @@ def keep_expert_weights(model: LlamaForCausalLM, weights: CheckpointView) -> int
         if id(module) not in items:
             continue
         if isinstance(module, Experts):
-            kept = _stacked_experts(module, items[id(module)], weights)
+            kept = _stacked_experts(module, items[id(module)], weights, make)
         else:
             assert isinstance(module, BiasedExperts)
-            kept = _biased_experts(module, items[id(module)], weights)
+            kept = _biased_experts(module, items[id(module)], weights, make)
         if kept is not None:
             parent, _, leaf = name.rpartition(".")
             setattr(model.get_submodule(parent), leaf, kept)

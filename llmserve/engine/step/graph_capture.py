@@ -8,6 +8,7 @@ import time
 import torch
 
 from llmserve.engine.config import EngineConfig
+from llmserve.engine.model.kept_experts import KeptExperts
 from llmserve.engine.model.model import LlamaForCausalLM
 from llmserve.engine.parallel.groups import Parallel
 from llmserve.engine.step.cuda_graphs import DecodeGraphs, graph_batch_sizes
@@ -28,6 +29,8 @@ def uses_graphs(
         return False, f"ops backend {model.ops.name} (the CUDA kernels are needed)"
     if model.config.state_layout is not None:
         return False, "state layers (their rows run per request in torch: not captured yet)"
+    if any(isinstance(m, KeptExperts) for m in model.modules()):
+        return False, "MoE experts kept quantized (grouped per expert on the host: not captured)"
     return True, ""
 
 
