@@ -1,11 +1,11 @@
 """MoE experts kept quantized on a GPU (engine/model/kept_experts.py with
 checkpoint_linear_cuda.py's CudaCheckpointLinear per expert and projection) on the kernel emulator
 of tests/kernel_emu/: tiny Mixtral / Qwen3-MoE / gpt-oss checkpoints in GPTQ (act-order),
-compressed-tensors W4A16 and W8A16 and MXFP4, built by build_model's GPU step on CPU tensors, every
-expert on kernels/w4a16_gemm.cu (BITS 4, or 8 for W8A16 and MXFP4 converted exactly to int8), logits
-within bf16's noise of the dequantized model's; MXFP4's int8 form is exact; a model with kept
-experts decodes without CUDA graphs and says why. No GPU: the real wrappers and launch shapes. Skips
-without g++ or off Linux."""
+compressed-tensors W4A16 and W8A16, FP8 block-scaled and MXFP4, built by build_model's GPU step on
+CPU tensors, every expert on kernels/w4a16_gemm.cu (BITS 4, or 8 for W8A16 and MXFP4 converted
+exactly to int8) or fp8_block_gemm.cu, logits within bf16's noise of the dequantized model's;
+MXFP4's int8 form is exact; a model with kept experts decodes without CUDA graphs and says why. No
+GPU: the real wrappers and launch shapes. Skips without g++ or off Linux."""
 
 from __future__ import annotations
 
@@ -56,12 +56,14 @@ def _max_rel(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got - want).abs().max() / want.abs().max())
 
 
-# (family, format) -> (the experts' kind on the GPU, the GEMV's BITS)
+W4, W8, FP8 = "wqa16_gemv_kernel<bf16_t, 4, ", "wqa16_gemv_kernel<bf16_t, 8, ", "fp8_block_gemv"
+# (family, format) -> (the experts' kind on the GPU, the GEMV they launch)
 CASES = {
-    ("mixtral", "gptq"): ("int4", 4),  # act-order, group 32: a permutation per projection
-    ("qwen3_moe", "w4a16"): ("int4", 4),  # compressed-tensors pack-quantized
-    ("mixtral", "w8a16"): ("int8", 8),  # compressed-tensors int-quantized, per channel
-    ("gpt_oss", "mxfp4"): ("int8", 8),  # e2m1 + e8m0 per 32, converted exactly to int8
+    ("mixtral", "gptq"): ("int4", W4),  # act-order, group 32: a permutation per projection
+    ("qwen3_moe", "w4a16"): ("int4", W4),  # compressed-tensors pack-quantized
+    ("mixtral", "w8a16"): ("int8", W8),  # compressed-tensors int-quantized, per channel
+    ("gpt_oss", "mxfp4"): ("int8", W8),  # e2m1 + e8m0 per 32, converted exactly to int8
+    ("qwen3_moe", "fp8-block"): ("fp8", FP8),  # 16 x 32 blocks
 }
 
 
@@ -73,7 +75,7 @@ def test_tiny_moe_experts_on_the_gpu_kernels_give_the_dequantized_logits(
     family: str,
     fmt: str,
 ) -> None:
-    kind, bits = CASES[(family, fmt)]
+    kind, kernel = CASES[(family, fmt)]
     quantized, dequantized = _write(family, fmt, tmp_path_factory.mktemp(f"{family}-{fmt}"))
 
     def keep_dense(model: Any, weights: Any) -> int:
@@ -105,11 +107,13 @@ def test_tiny_moe_experts_on_the_gpu_kernels_give_the_dequantized_logits(
         launched = {launch.expr for launch in emulator.launches}
         bf16 = our_logits(plain, ref16).float()
         exact = our_logits(plain, ref32)
-    expert_gemvs = {e for e in launched if e.startswith(f"wqa16_gemv_kernel<bf16_t, {bits}, ")}
+    expert_gemvs = {e for e in launched if e.startswith(kernel)}
     assert expert_gemvs, launched
-    # within bf16's own error (the dequantized model in bf16 against float32), same argmax
+    # within bf16's own error (the dequantized model in bf16 against float32), same argmax. The
+    # ratio of the two is noise: 0.5x-1.9x over these cases at 3 and 8 tokens; a 5% error in one
+    # scale (MXFP4's conversion, tried) gave 4.5x
     err, bf16_err = _max_rel(got, exact), _max_rel(bf16, exact)
-    assert err <= 1.5 * bf16_err, (err, bf16_err)
+    assert err <= 2 * bf16_err, (err, bf16_err)
     top1 = float((got.argmax(-1) == exact.argmax(-1)).float().mean())
     bf16_top1 = float((bf16.argmax(-1) == exact.argmax(-1)).float().mean())
     assert top1 >= bf16_top1 - 1 / PROMPT_TOKENS, (top1, bf16_top1)
