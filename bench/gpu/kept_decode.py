@@ -1,5 +1,5 @@
-"""Issue 41's decode figure: an 8B-shaped model with its projections held as a quantized
-checkpoint ships them (W4A16: int4, group 128, zero points; FP8-block: e4m3, 128 x 128 block
+"""Issue 41's decode figure: an 8B-shaped model with its projections held as a quantized checkpoint
+ships them (W4A16: int4, group 128, zero points; W8A16: int8 alike; FP8-block: e4m3, 128 x 128 block
 scales), served by kernels/w4a16_gemm.cu and fp8_block_gemm.cu through engine/model/
 checkpoint_linear_cuda.py, against the same engine in bf16.
 
@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-FORMATS = ("w4a16", "fp8-block")
+FORMATS = ("w4a16", "w8a16", "fp8-block")
 
 
 def swap_projections(engine: Any, fmt: str) -> dict[str, Any]:
@@ -34,7 +34,7 @@ def swap_projections(engine: Any, fmt: str) -> dict[str, Any]:
     random weights of its shape; the decode graphs captured again over the new layers."""
     import torch
 
-    from bench.gpu.quant_gemm_bench import random_fp8_block, random_w4a16
+    from bench.gpu.quant_gemm_bench import random_fp8_block, random_w4a16, random_w8a16
     from llmserve.engine.kv.cache import layer_views
     from llmserve.engine.model.checkpoint_linear_cuda import CudaCheckpointLinear
     from llmserve.engine.model.layers import Linear
@@ -47,7 +47,7 @@ def swap_projections(engine: Any, fmt: str) -> dict[str, Any]:
         if not isinstance(module, Linear) or name == "lm_head":
             continue
         n, k = module.weight.shape
-        make = random_w4a16 if fmt == "w4a16" else random_fp8_block
+        make = {"w4a16": random_w4a16, "w8a16": random_w8a16}.get(fmt, random_fp8_block)
         layer = CudaCheckpointLinear.of(make(n, k, device))
         parent, _, leaf = name.rpartition(".")
         setattr(model.get_submodule(parent), leaf, layer)

@@ -1,5 +1,5 @@
-"""The quantized checkpoints' GPU linears (issue 41): kernels/w4a16_gemm.cu (W4A16, group 128)
-and kernels/fp8_block_gemm.cu (FP8, 128 x 128 block scales) on the Llama-3-8B projections
+"""The quantized checkpoints' GPU linears (issue 41): kernels/w4a16_gemm.cu (W4A16 and W8A16,
+group 128) and kernels/fp8_block_gemm.cu (FP8, 128 x 128 block scales) on the Llama-3-8B projections
 against the same product in bf16 through torch (cuBLAS).
 
 For each shape (N x K: q/o 4096 x 4096, gate/up 14336 x 4096, down 4096 x 14336) and batch (rows
@@ -7,7 +7,8 @@ of x: 1 and 8, decode): the median time per call (bench/gpu/timing.py: CUDA even
 replays of a CUDA graph of back-to-back calls), the bytes read (weights + scales + x + y) per
 second and that as a percentage of the 4.28 TB/s device copy; each call reads another copy of the
 weights (working set >= 256 MB, beyond the 50 MB L2: the weights come from HBM, as in a forward
-pass). Arms: bf16 torch.matmul; W4A16 through the GEMV (auto) and through dequantize + cuBLAS;
+pass). Arms: bf16 torch.matmul; W4A16 and W8A16 through the GEMV (auto) and through dequantize +
+cuBLAS;
 FP8 through the GEMV, through dequantize + cuBLAS and, on sm_90, torch._scaled_mm's blockwise
 path. Each arm's relative L2 error against the float32 product is recorded.
 
@@ -37,11 +38,19 @@ WORKING_SET_BYTES = 256 * 2**20
 TimeFn = Callable[[Callable[[], Any]], dict[str, Any]]
 
 
-def random_w4a16(n: int, k: int, device: torch.device) -> w4a16.W4A16Weight:
-    """Random levels in every nibble, scales of a 0.02-wide weight, zero point 8."""
-    words = torch.randint(-(2**31), 2**31 - 1, (n, k // 8), dtype=torch.int32, device=device)
-    scales = torch.rand(n, k // GROUP, device=device) * 2e-3 + 1e-3
-    return w4a16.W4A16Weight(words, scales, -8 * scales, GROUP)
+def random_w4a16(n: int, k: int, device: torch.device, bits: int = 4) -> w4a16.W4A16Weight:
+    """Random levels in every field (nibble, or byte for bits 8), scales of a 0.02-wide weight,
+    zero point 2^(bits - 1)."""
+    words = torch.randint(
+        -(2**31), 2**31 - 1, (n, k * bits // 32), dtype=torch.int32, device=device
+    )
+    scales = (torch.rand(n, k // GROUP, device=device) * 2e-3 + 1e-3) * 16 / 2**bits
+    zero = 2 ** (bits - 1)
+    return w4a16.W4A16Weight(words, scales, -zero * scales, GROUP, None, bits)
+
+
+def random_w8a16(n: int, k: int, device: torch.device) -> w4a16.W4A16Weight:
+    return random_w4a16(n, k, device, bits=8)
 
 
 def random_fp8_block(n: int, k: int, device: torch.device) -> fp8_block.Fp8BlockWeight:
@@ -64,11 +73,12 @@ def _error(got: torch.Tensor, want: torch.Tensor) -> float:
 def _reference(
     weight: w4a16.W4A16Weight | fp8_block.Fp8BlockWeight, x: torch.Tensor
 ) -> torch.Tensor:
-    """The float64 product on the CPU (random_w4a16's zero point is 8: offsets = -8 * scales)."""
+    """The float64 product on the CPU (random_w4a16's zero point: 2^(bits - 1))."""
     if isinstance(weight, w4a16.W4A16Weight):
         scales = weight.scales.cpu()
         levels = w4a16.unpack_levels(weight).cpu()
-        return qref.w4a16_linear_reference(x, levels, scales, torch.full_like(scales, 8.0), GROUP)
+        zero = torch.full_like(scales, 2.0 ** (weight.bits - 1))
+        return qref.w4a16_linear_reference(x, levels, scales, zero, GROUP)
     q = weight.q.view(torch.float8_e4m3fn).cpu()
     return qref.fp8_block_linear_reference(x, q, weight.scales.cpu(), GROUP)
 
@@ -96,6 +106,7 @@ def bench_shape(
     dense.clear()
     for fmt, make, linear in (
         ("w4a16", random_w4a16, w4a16.w4a16_linear),
+        ("w8a16", random_w8a16, w4a16.w4a16_linear),
         ("fp8_block", random_fp8_block, fp8_block.fp8_block_linear),
     ):
         first = make(n, k, device)
@@ -134,10 +145,10 @@ def run_all(
 
 def summary(rows: list[dict[str, Any]]) -> list[str]:
     """Per shape and batch: us of bf16 and each arm, and the GEMVs' % of copy."""
-    arms = ("w4a16_gemv", "w4a16_dequant", "fp8_block_gemv", "fp8_block_dequant",
-            "fp8_block_scaled_mm")  # fmt: skip
+    arms = ("w4a16_gemv", "w4a16_dequant", "w8a16_gemv", "w8a16_dequant", "fp8_block_gemv",
+            "fp8_block_dequant", "fp8_block_scaled_mm")  # fmt: skip
     lines = [
-        "W4A16 / FP8-block linears vs bf16 torch, 8B shapes (us; GEMV % of copy)",
+        "W4A16 / W8A16 / FP8-block linears vs bf16 torch, 8B shapes (us; GEMV % of copy)",
         f"{'shape':>8} {'B':>2} | {'bf16':>7} | " + " ".join(f"{a:>19}" for a in arms),
     ]
     for r in rows:
