@@ -22,6 +22,7 @@ from llmserve.common.families import (
     rope_from_hf,
 )
 from llmserve.common.gguf_file import open_gguf
+from llmserve.common.mamba2_config import Mamba2Config
 from llmserve.common.mla_config import MLAConfig
 from llmserve.common.moe_config import MoEConfig
 from llmserve.common.sampling import GENERATION_DEFAULTS
@@ -121,6 +122,11 @@ class ModelConfig:
     attn_logit_softcap: float | None = None  # scores = cap * tanh(scores / cap) (Gemma 2)
     final_logit_softcap: float | None = None
     embed_scale: float | None = None  # embeddings times this (Gemma: sqrt(hidden_size))
+    # Granite 4.0-H: each layer's mixer and MLP outputs times residual_multiplier before the
+    # residual add; the logits divided by logits_scaling; its Mamba-2 layers' shape.
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
+    mamba2: Mamba2Config | None = None
     moe: MoEConfig | None = None  # mixture of experts: the sparse layers' shape (Mixtral, Qwen-MoE)
     # multi-head latent attention (DeepSeek-V3): the pool holds one latent per token per layer
     mla: MLAConfig | None = None

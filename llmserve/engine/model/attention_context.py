@@ -39,6 +39,9 @@ class AttentionContext:
     # The step's adapters (engine.lora.LoraBatch): the projections add each row's low-rank
     # update; None when no row uses one.
     lora: Any = None
+    # Hybrid linear-attention models: the rows' state slots (engine/kv/state.py's StateBatch);
+    # None for a model without state layers, or a step with no pool (the memory profile).
+    state: Any = None
     # Speculation's token trees (engine/features/token_tree.py), per request: (mask [num_q,
     # seq_len] of the keys each query sees, the keys' rotary positions [seq_len]) in place of
     # the causal mask, or None for a causal request; None when no request has a tree.
