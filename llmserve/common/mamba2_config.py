@@ -64,7 +64,7 @@ class Mamba2Config:
         return math.prod(self.conv_shape) + math.prod(self.ssm_shape)
 
 
-def _json_float(value: Any) -> float:
+def json_float(value: Any) -> float:
     """A float of config.json; transformers 5 writes infinity as {"__float__": "Infinity"}."""
     if isinstance(value, Mapping):
         value = value.get("__float__")
@@ -93,5 +93,5 @@ def mamba2_from_granite(cfg: Mapping[str, Any]) -> Mamba2Config:
         chunk_size=int(cfg.get("mamba_chunk_size") or 256),
         conv_bias=bool(cfg.get("mamba_conv_bias", True)),
         proj_bias=bool(cfg.get("mamba_proj_bias", False)),
-        time_step_limit=(_json_float(limit[0]), _json_float(limit[1])),
+        time_step_limit=(json_float(limit[0]), json_float(limit[1])),
     )

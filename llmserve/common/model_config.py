@@ -237,7 +237,10 @@ def _config_from_hf_dir(path: Path) -> ModelConfig:
         "vocab_size": int(cfg["vocab_size"]),
         "hidden_size": hidden,
         "intermediate_size": int(cfg["intermediate_size"]),
-        "num_layers": int(cfg["num_hidden_layers"]),
+        "num_layers": int(
+            # Nemotron-H in transformers 5 writes its blocks' list instead
+            cfg.get("num_hidden_layers") or len(cfg.get("layers_block_type") or ())
+        ),
         "num_heads": num_heads,
         "num_kv_heads": int(cfg.get("num_key_value_heads") or num_heads),
         "head_dim": int(cfg.get("head_dim") or hidden // num_heads),

@@ -87,11 +87,13 @@ class Slots:
 
 
 class Loaded:
-    def __init__(self, path: Path):
+    """One checkpoint loaded by transformers' `hf_class` and by our engine, with 4 state slots."""
+
+    def __init__(self, path: Path, hf_class: str = "GraniteMoeHybridForCausalLM"):
         import transformers
 
         self.path = path
-        self.hf = transformers.GraniteMoeHybridForCausalLM.from_pretrained(path).float().eval()
+        self.hf = getattr(transformers, hf_class).from_pretrained(path).float().eval()
         config = EngineConfig(
             model=str(path), device="cpu", num_kv_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE
         )
