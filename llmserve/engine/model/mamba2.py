@@ -109,6 +109,7 @@ def chunked(
         |<- chunk 0 ->|<- chunk 1 ->| ... |<- last (zero-padded) ->|
     """
     n, heads, _ = x.shape
+    chunk = min(chunk, n)  # any chunk size gives the same result; padding to it costs
     pad = (-n) % chunk
     xdt = x.float() * dt.float()[..., None]
     adt = dt.float() * a.float()  # [n, H]
