@@ -15,8 +15,9 @@ from llmserve.common.counters import summed
 from llmserve.protos import scheduler_pb2
 
 GAUGES = frozenset(
-    {"num_running", "num_waiting", "num_free_blocks", "num_blocks", "weight", "ready", "draining"}
-)
+    {"num_running", "num_waiting", "num_free_blocks", "num_blocks", "weight", "ready", "draining",
+     "num_state_slots", "num_free_state_slots"}
+)  # fmt: skip
 
 
 def _counter(name: str, after: float, before: float) -> float:

@@ -93,11 +93,28 @@ GPT_OSS = {
         "truncate": False,
     },
 }
+# Qwen3-Next (tests/engine/model/families/test_qwen3_next.py): three gated DeltaNet layers and a
+# gated full-attention layer; 2 key heads serving 4 value heads; layer 1's MLP dense; partial
+# rotary; a shared expert beside 8 routed ones.
+QWEN3_NEXT = {
+    **QWEN,
+    "num_hidden_layers": 4,
+    "head_dim": 16,
+    "shared_expert_intermediate_size": 48,
+    "norm_topk_prob": True,
+    "mlp_only_layers": [1],
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 8,
+    "linear_conv_kernel_dim": 4,
+}
 DEEPSEEK_MOE_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "gpt_oss": ("GptOssConfig", GPT_OSS),
     "glm4_moe": ("Glm4MoeConfig", GLM4_MOE),
     "deepseek_v3": ("DeepseekV3Config", DEEPSEEK_V3),
     "deepseek_v3_plain": ("DeepseekV3Config", DEEPSEEK_V3_PLAIN),
+    "qwen3_next": ("Qwen3NextConfig", QWEN3_NEXT),
 }
 
 

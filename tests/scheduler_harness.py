@@ -80,6 +80,7 @@ class Harness:
         static_batch_wait_ms: float = 0.0,
         mirror: bool = False,
         pipeline_parallel_size: int = 1,
+        num_state_slots: int = 0,
     ) -> None:
         config = SchedulerConfig(
             max_num_batched_tokens=max_num_batched_tokens,
@@ -97,13 +98,15 @@ class Harness:
             VOCAB,
             (EOS,),
             pipeline_parallel_size=pipeline_parallel_size,
+            num_state_slots=num_state_slots,
         )
         self.outputs: dict[int, list[int]] = {}
         self.finished: dict[int, RequestStatus] = {}
         self.plans: list[StepPlan] = []
         self.last_tokens: list[int] = []
         self.num_blocks = num_blocks
-        self.mirror = Mirror(BS, num_blocks) if mirror else None
+        self.num_state_slots = num_state_slots
+        self.mirror = self._new_mirror() if mirror else None
         # Overlap: planned steps whose results are not applied yet, oldest first.
         self.in_flight: deque[tuple[StepPlan, list[int]]] = deque()
 
@@ -182,7 +185,10 @@ class Harness:
         self.in_flight.clear()
         self.s.reset_engine()
         if self.mirror is not None:
-            self.mirror = Mirror(BS, self.num_blocks)
+            self.mirror = self._new_mirror()
+
+    def _new_mirror(self) -> Mirror:
+        return Mirror(BS, self.num_blocks, num_state_slots=self.num_state_slots)
 
     def run_overlapped(
         self, token_for: Callable[[Request], int] = position_token, max_steps: int = 300

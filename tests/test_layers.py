@@ -48,6 +48,7 @@ BENCH_SERVICE_IMPORTS = {
     "bench.studies.checkpoint_formats_quality": {"gateway"},  # the model's tokenizer
     "bench.studies.token_level_kv": {"scheduler"},  # the Scheduler's per-step cost, timed alone
     "bench.studies.pd_by_hand": {"scheduler"},  # its scheduler's config, written by hand
+    "bench.studies.prompt_logprobs_accuracy": {"scheduler"},  # the Scheduler driving the engine
 }
 
 

@@ -135,6 +135,26 @@ def quant_figures(doc: Any) -> dict[str, Any]:
     return figures
 
 
+def kept_figures(doc: Any) -> dict[str, Any]:
+    """bench/gpu/kept_decode.py's formats (W4A16, FP8-block checkpoint kernels): per batch,
+    decode tok/s over the same process's bf16 engine, or the format's error."""
+    figures: dict[str, Any] = {}
+    base = (doc or {}).get("bf16") or {}
+    for fmt in ("w4a16", "fp8-block"):
+        part = (doc or {}).get(fmt)
+        if not part:
+            continue
+        if "error" in part or "error" in base:
+            figures[fmt] = {"error": part.get("error") or base.get("error")}
+            continue
+        figures[fmt] = {
+            key: round(base[key]["step_ms_median"] / row["step_ms_median"], 2)
+            for key, row in part.items()
+            if key.startswith("batch_") and key in base
+        }
+    return figures
+
+
 def lora_figures(doc: Any) -> dict[str, Any]:
     """Per batch of bench/gpu/lora.py's JSON: the adapters' decode tok/s over the base's (with
     graphs, and eager), prefill likewise, or the batch's error."""
@@ -165,7 +185,8 @@ def stage_figures(name: str, out: Path, raw: Path) -> dict[str, Any]:
     if name == "smollm2":
         return engine_figures(load(out / "gpu_engine_smollm2-135m.json"))
     if name == "quant":
-        return quant_figures(load(out / "gpu_engine_llama-3-8b_quant.json"))
+        figures = kept_figures(load(raw / "quant" / "kept_decode_llama-3-8b.json"))
+        return {**figures, **quant_figures(load(out / "gpu_engine_llama-3-8b_quant.json"))}
     if name == "structured":
         return structured_figures(load(raw / "structured.json"))
     if name == "families":

@@ -14,13 +14,16 @@ Measures (Llama-3-8B attention shape: 32 query heads, 8 KV heads, head_dim 128, 
   - rms_norm (+ residual), rotary embedding and silu_and_mul against kernels/reference.py;
   - families: MLA decode over the latent pool on DeepSeek-V2-Lite's shape (bench/gpu/mla_bench.py);
   - the weight-only int8 linear on the 8B linear shapes at batch 1-64 against bf16 through torch
-    (bench/studies/int8_bench.py; `--only int8` runs that section alone).
+    (bench/studies/int8_bench.py; `--only int8` runs that section alone);
+  - the W4A16 and FP8-block linears (quantized checkpoints, issue 41) on the 8B projections at
+    batch 1 and 8 against bf16 (bench/gpu/quant_gemm_bench.py: q/o only in the full run, every
+    shape with `--only quant`).
 Each figure is the median of several replays of a CUDA graph holding back-to-back calls (so
 Python launch overhead is not timed); working sets exceed the 50 MB L2 wherever bandwidth is
 claimed. Prints a short table last and writes everything to --out as JSON.
 
     python3 -m bench.gpu.kernels_bench [--out bench/results/kernels_h200.json] [--quick]
-        [--only fp8|int8|mla]
+        [--only fp8|int8|mla|quant]
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ import torch
 import torch.nn.functional as F
 
 import llmserve.kernels.cuda as kc
-from bench.gpu import mla_bench
+from bench.gpu import mla_bench, quant_gemm_bench
 from bench.gpu.kernels_report import COPY_TBPS, summary
 from bench.gpu.timing import attempt, free, time_ms
 from bench.studies import int8_bench
@@ -355,9 +358,10 @@ def main() -> int:
     )
     parser.add_argument(
         "--only",
-        choices=("fp8", "int8", "mla"),
+        choices=("fp8", "int8", "mla", "quant"),
         help="fp8: only decode over bf16 and FP8 pools (the FP8 comparison, a few minutes less); "
-        "int8: only the int8 linear against bf16; mla: only the families section",
+        "int8: only the int8 linear against bf16; mla: only the families section; quant: only "
+        "the W4A16 and FP8-block linears against bf16",
     )
     args = parser.parse_args()
     if not kc.is_available():
@@ -415,6 +419,14 @@ def main() -> int:
         save()
         print(f"\nwrote {out}\n\n{results['summary']}")
         return 0
+    if args.only == "quant":
+        results["quant_linear"] = quant_gemm_bench.run_all(
+            time_ms, COPY_TBPS, DEVICE, run, args.quick
+        )
+        results["summary"] = "\n".join(quant_gemm_bench.summary(results["quant_linear"]))
+        save()
+        print(f"\nwrote {out}\n\n{results['summary']}")
+        return 0
     large = [(b, c) for b in (64, 128, 256) for c in (1024, 2048, 4096, 8192)]
     small = [(b, 32768) for b in (1, 2, 4)]
     if args.quick:
@@ -438,6 +450,7 @@ def main() -> int:
             results["store_kv"].append(run(partial(bench_store_kv, n)))
         results["layer_ops"] = run(bench_layer_ops)
         results["int8_linear"] = int8_bench.run_all(time_ms, COPY_TBPS, DEVICE, run, args.quick)
+        results["quant_linear"] = quant_gemm_bench.run_all(time_ms, COPY_TBPS, DEVICE, run, True)
         save()
     for b, c in small + large:
         row = run(partial(bench_decode_fp8, b, c))
@@ -447,6 +460,8 @@ def main() -> int:
         save()
     results["kernels"] = attempt(kernel_attributes)
     results["summary"] = summary(results) + "\n" + mla_bench.summary(results["families"])
+    if results.get("quant_linear"):
+        results["summary"] += "\n" + "\n".join(quant_gemm_bench.summary(results["quant_linear"]))
     save()
     print(f"\nwrote {out} ({results['seconds']:.0f} s)\n")
     print(results["summary"])

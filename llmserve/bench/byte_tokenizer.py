@@ -36,27 +36,33 @@ def _bytes_to_unicode() -> dict[int, str]:
     return dict(zip(printable, (chr(c) for c in chars), strict=True))
 
 
-def write_byte_tokenizer(directory: Path) -> None:
-    """tokenizer.json (byte-level, no merges: token id = byte value) + tokenizer_config.json."""
+def write_byte_tokenizer(
+    directory: Path,
+    special_tokens: list[str] = SPECIAL_TOKENS,
+    chat_template: str = CHAT_TEMPLATE,
+    eos_token: str = "<|im_end|>",
+) -> None:
+    """tokenizer.json (byte-level, no merges: token id = byte value, then special_tokens) +
+    tokenizer_config.json."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
     byte_chars = _bytes_to_unicode()
     vocab = {byte_chars[b]: b for b in range(256)}
-    for i, tok in enumerate(SPECIAL_TOKENS):
+    for i, tok in enumerate(special_tokens):
         vocab[tok] = 256 + i
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.add_special_tokens(
-        [AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS]
+        [AddedToken(t, special=True, normalized=False) for t in special_tokens]
     )
     directory.mkdir(parents=True, exist_ok=True)
     tokenizer.save(str(directory / "tokenizer.json"))
     (directory / "tokenizer_config.json").write_text(
         json.dumps(
             {
-                "chat_template": CHAT_TEMPLATE,
-                "eos_token": "<|im_end|>",
+                "chat_template": chat_template,
+                "eos_token": eos_token,
                 "bos_token": None,
             }
         )

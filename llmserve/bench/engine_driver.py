@@ -73,7 +73,9 @@ class Driver:
             table = self._grow(seq_id, len(prompt))  # a copy of the whole (new) table
             slot = self.lora_slots[seq_id] if self.lora_slots else 0
             n = len(prompt)
-            new.append(NewRequest(seq_id, prompt, n, self.sampling, table, 0, n, slot))
+            new.append(  # state slot seq_id: a hybrid model's (ignored by others)
+                NewRequest(seq_id, prompt, n, self.sampling, table, 0, n, slot, seq_id)
+            )
         self.computed = [len(p) for p in prompts]
         return self._step(new, RunningColumns([], [], [], [], []), lora_loads or [])
 

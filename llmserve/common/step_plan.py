@@ -29,6 +29,12 @@ class NewRequest:
     num_computed_tokens: int
     num_scheduled_tokens: int
     lora_slot: int = 0  # the adapter's device slot (0: the base model)
+    # the state pool's slot of a hybrid linear-attention model's request (engine.proto)
+    state_slot: int = 0
+    # Score the prompt's scheduled positions (StepOutput.num_prompt_logprobs), with this many
+    # most likely tokens each (0 .. 20).
+    prompt_logprobs: bool = False
+    prompt_top_logprobs: int = 0
 
 
 @dataclass
@@ -156,6 +162,14 @@ class StepOutput:
     failed_transfer_ids: list[int] = field(default_factory=list)
     # Requests whose grammar allowed no token since the last result (EOS forced): each once.
     dead_end_seq_ids: list[int] = field(default_factory=list)
+    # Prompt logprobs, per row when any row asked (else empty): how many prompt positions row i
+    # scored; per position, the next prompt token's logprob and rank, and its row's
+    # prompt_top_logprobs most likely tokens (engine.proto's StepResult).
+    num_prompt_logprobs: list[int] = field(default_factory=list)
+    prompt_logprobs: list[float] = field(default_factory=list)
+    prompt_logprob_ranks: list[int] = field(default_factory=list)
+    prompt_top_token_ids: list[int] = field(default_factory=list)
+    prompt_top_logprobs: list[float] = field(default_factory=list)
 
 
 # The KV tiers by the names the scheduler gives them (scheduler/kv_offload.py), as KVTier values.

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from typing import TYPE_CHECKING, Any
 
 from llguidance import LLMatcher, LLTokenizer, grammar_from
@@ -29,6 +30,7 @@ MAX_SCHEMA_PROPERTIES = 1024
 MAX_CHOICES = 1024
 # The kinds a constraint names (the oneof's field names), as the engine's cache keys them.
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+_TOKEN_REF = re.compile(r"<\[(\d+)\]>")  # a grammar's special token, by id
 # llguidance's JSON compiler: whitespace as in compact JSON (no runs of newlines to wander into)
 # and unknown keywords ignored rather than refused (a schema's "title" or "description" is fine).
 _JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False, "lenient": True}
@@ -101,7 +103,7 @@ def compile_error(kind: str, text: str) -> str:
     error = LLMatcher.validate_grammar(grammar).strip()
     if error:
         return error
-    matcher = LLMatcher(_byte_tokenizer(), grammar)
+    matcher = LLMatcher(_byte_tokenizer(_num_tokens(grammar)), grammar)
     matcher.compute_bitmask()  # the first mask finds a start state that leads nowhere
     if not matcher.is_error():
         return ""
@@ -111,16 +113,24 @@ def compile_error(kind: str, text: str) -> str:
     return reason
 
 
+def _num_tokens(grammar: str) -> int:
+    """The vocabulary a grammar is checked in: the bytes and an EOS, or as many ids as the
+    special tokens it names (`<[200005]>`: gpt-oss's <|channel|>) need, as a power of two."""
+    largest = max((int(n) for n in _TOKEN_REF.findall(grammar)), default=0)
+    return 257 if largest < 257 else 1 << largest.bit_length()
+
+
 @functools.cache
-def _byte_tokenizer() -> LLTokenizer:
-    """A vocabulary of the 256 bytes and an EOS: what a constraint admits, whatever the model's
-    tokens (built with the tokenizers library, which the gateway has anyway)."""
+def _byte_tokenizer(n_vocab: int = 257) -> LLTokenizer:
+    """A vocabulary of the 256 bytes and an EOS (id 256; n_vocab > 257: ids beyond stand for a
+    model's special tokens, which no text spells): what a constraint admits, whatever the
+    model's tokens (built with the tokenizers library, which the gateway has anyway)."""
     from tokenizers import Tokenizer, decoders, models
 
     vocab = {f"<0x{b:02X}>": b for b in range(256)} | {"</s>": 256}
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[], byte_fallback=True))
     tokenizer.decoder = decoders.ByteFallback()
-    return LLTokenizer(tokenizer.to_str(), n_vocab=257, eos_token=256)
+    return LLTokenizer(tokenizer.to_str(), n_vocab=n_vocab, eos_token=256)
 
 
 def _check_choices(choices: list[str], field: str) -> None:

@@ -57,7 +57,7 @@ class AnthropicFormat(ResponseFormat):
         )
         self.answer = AnswerStream(self.plan, self.tool_format) if self.plan.names else None
         self.thinking = reasoning_stream(
-            core.tokenizer, core.config.reasoning_parser, choices[0].valid
+            core.tokenizer, core.config.reasoning_parser, choices[0].valid, bool(self.plan.names)
         )
         self.block: str | None = None  # the kind of the content block open now
         self.num_blocks = 0  # blocks started

@@ -12,7 +12,7 @@ from llmserve.common.net import DEFAULT_GATEWAY_PORT
 from llmserve.gateway.router import ROUTING_POLICIES
 
 # gateway/reasoning.py's parsers (named here: the config imports no gateway service code)
-REASONING_PARSERS = ("auto", "none", "think", "deepseek_r1", "qwen3")
+REASONING_PARSERS = ("auto", "none", "think", "deepseek_r1", "qwen3", "harmony")
 
 DNS_PREFIX = "dns:///"  # a scheduler address that stands for every address a name resolves to
 
@@ -66,8 +66,9 @@ class GatewayConfig(PeerSecurity):
     reasoning_parser: str = setting(
         "auto",
         "split a chat answer's <think>...</think> into reasoning_content (chat) and reasoning "
-        "items (Responses): auto (when the chat template writes <think>: Qwen3, DeepSeek-R1 "
-        "distills, SmolLM3), none, or think (deepseek_r1 and qwen3 are its other names)",
+        "items (Responses): auto (harmony when the chat template writes harmony's channels: "
+        "gpt-oss; think when it writes <think>: Qwen3, DeepSeek-R1 distills, SmolLM3), none, "
+        "think (deepseek_r1 and qwen3 are its other names), or harmony",
         choices=REASONING_PARSERS,
     )
     responses_store_size: int = setting(

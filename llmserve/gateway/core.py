@@ -22,9 +22,12 @@ from collections.abc import AsyncIterator, Mapping
 import grpc
 
 from llmserve.common.choice_id import names_request
+from llmserve.common.structured_output import ConstraintError, check_structured_output
 from llmserve.gateway.config import GatewayConfig, model_names
 from llmserve.gateway.errors import GatewayError
+from llmserve.gateway.harmony import harmony_request
 from llmserve.gateway.quotas import Admission, QuotaExceeded, Quotas, TooLarge
+from llmserve.gateway.reasoning import speaks_harmony
 from llmserve.gateway.replicas import ReplicaLinks
 from llmserve.gateway.streaming import InFlight, routed_messages, stream_text
 from llmserve.gateway.telemetry import GatewayTelemetry, RequestTelemetry
@@ -120,10 +123,15 @@ class GatewayCore:
         name = request.lora_name
         if name and name not in (adapters := self.lora_names):
             raise GatewayError(grpc.StatusCode.NOT_FOUND, self._not_served(name, adapters))
+        parser, template = self.config.reasoning_parser, self.tokenizer.chat_template
         try:
-            return validate(request, self.tokenizer, self.replicas.limits, self.sampling_defaults)
-        except ValidationError as err:
+            valid = validate(request, self.tokenizer, self.replicas.limits, self.sampling_defaults)
+            if request.HasField("chat") and speaks_harmony(parser, template):
+                valid = harmony_request(valid, self.tokenizer.tokenizer.token_to_id)
+                check_structured_output(valid.sampling.structured_output, "", "response_format")
+        except (ValidationError, ConstraintError) as err:
             raise GatewayError(grpc.StatusCode.INVALID_ARGUMENT, str(err)) from err
+        return valid
 
     # -- tenants and admission ---------------------------------------------------------------------
 

@@ -85,8 +85,8 @@ class SamplingRequest(NullIsDefault):
         description="under the scheduler's priority policy, lower runs first (vLLM's "
         "convention); ties go by arrival",
     )
-    # vLLM's prompt logprobs: declared so that a request naming it gets a 400 (the engine does
-    # not compute prompt logprobs yet) rather than an answer silently without them.
+    # vLLM's prompt logprobs: the prompt tokens' logprobs, each with this many (0 .. 20) most
+    # likely tokens, as `prompt_logprobs` in the response (not streamed, as vLLM).
     prompt_logprobs: int | None = None
     # vLLM's, with no engine support yet: a value other than the no-op default is a 400
     # (a silently ignored penalty or floor would change the answer without saying so).
@@ -122,6 +122,10 @@ class ChatMessageParam(BaseModel):
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
     name: str | None = None
+    # An assistant turn's thinking, sent back (vLLM's names for it; gpt-oss wants the thinking
+    # of a tool-calling turn to continue it)
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -134,6 +138,25 @@ class ChatCompletionRequest(SamplingRequest):
     parallel_tool_calls: bool = True
     # vLLM's: more variables for the chat template (e.g. {"enable_thinking": false})
     chat_template_kwargs: dict[str, Any] | None = None
+    # OpenAI's: the template's reasoning_effort (gpt-oss's "Reasoning: low|medium|high")
+    reasoning_effort: str | None = None
+
+
+REASONING_EFFORTS = ("low", "medium", "high")
+
+
+def template_kwargs(body: ChatCompletionRequest) -> dict[str, Any]:
+    """The chat template's variables: chat_template_kwargs, with reasoning_effort (which
+    chat_template_kwargs may also set) checked."""
+    kwargs = dict(body.chat_template_kwargs or {})
+    if body.reasoning_effort is not None:
+        kwargs.setdefault("reasoning_effort", body.reasoning_effort)
+    effort = kwargs.get("reasoning_effort")
+    if effort is not None and effort not in REASONING_EFFORTS:
+        raise ValidationError(
+            f"reasoning_effort={str(effort)[:40]!r} must be one of {', '.join(REASONING_EFFORTS)}"
+        )
+    return kwargs
 
 
 # -- responses -----------------------------------------------------------------------------------
@@ -162,16 +185,33 @@ class Usage(BaseModel):
 
 
 class CompletionLogprobs(BaseModel):
+    """With echo, the prompt's tokens come first; its first token's logprob and top_logprobs
+    are null (nothing predicts it)."""
+
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
+
+
+class PromptLogprob(BaseModel):
+    """vLLM's entry of prompt_logprobs: one token's logprob, rank and text."""
+
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
+# vLLM's prompt_logprobs: per prompt position, token id -> entry (the prompt's token and the
+# most likely ones); null for the first position, which nothing predicts.
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
 
 
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
+    prompt_logprobs: PromptLogprobs | None = None
     finish_reason: str | None = None
     # vLLM's: the stop string, or the stop token id (not EOS), that ended the choice
     stop_reason: int | str | None = None
@@ -243,6 +283,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's, of the templated prompt
 
 
 class ChatDelta(BaseModel):
@@ -305,10 +346,12 @@ def _check_common(body: SamplingRequest, num_prompts: int) -> None:
     if body.stream_options is not None and not body.stream:
         raise ValidationError("stream_options is only allowed with stream=true")
     if body.prompt_logprobs is not None:
-        raise ValidationError(
-            f"prompt_logprobs={body.prompt_logprobs} is not supported: this server does not "
-            "compute the prompt's logprobs"
-        )
+        if not 0 <= body.prompt_logprobs <= MAX_LOGPROBS:
+            raise ValidationError(
+                f"prompt_logprobs={body.prompt_logprobs} must be in [0, {MAX_LOGPROBS}]"
+            )
+        if body.stream:
+            raise ValidationError("prompt_logprobs is not available with stream=true (as vLLM)")
     if body.repetition_penalty is not None and body.repetition_penalty != 1.0:
         raise ValidationError(
             f"repetition_penalty={body.repetition_penalty} is not supported (only 1.0); "
@@ -404,11 +447,8 @@ def completion_requests(body: CompletionRequest) -> list[api_pb2.GenerateRequest
     """One GenerateRequest per prompt. Raises ValidationError (HTTP 400)."""
     prompts = prompt_list(body.prompt)
     _check_common(body, len(prompts))
-    if body.echo and body.logprobs is not None:
-        raise ValidationError(
-            "echo with logprobs is not supported: this server does not compute the prompt's "
-            "logprobs (echo alone is)"
-        )
+    if body.max_tokens == 0 and not body.echo:
+        raise ValidationError("max_tokens=0 must be >= 1 (0 is allowed only with echo=true)")
     if body.suffix:
         raise ValidationError("suffix is not supported by this server")
     if body.best_of is not None and body.best_of != body.n:
@@ -417,7 +457,9 @@ def completion_requests(body: CompletionRequest) -> list[api_pb2.GenerateRequest
         raise ValidationError(f"logprobs={body.logprobs} must be in [0, {MAX_LOGPROBS}]")
     requests = []
     for i, prompt in enumerate(prompts):
-        req = _sampling_fields(body, body.max_tokens)
+        # max_tokens 0 with echo: the prompt alone; one token is generated and dropped
+        # (gateway/openai_responses.py, CompletionFormat).
+        req = _sampling_fields(body, 1 if body.echo and body.max_tokens == 0 else body.max_tokens)
         if isinstance(prompt, list):
             req.token_ids.ids.extend(prompt)
         else:
@@ -427,8 +469,18 @@ def completion_requests(body: CompletionRequest) -> list[api_pb2.GenerateRequest
         if body.logprobs is not None:
             req.sampling.logprobs = True
             req.sampling.top_logprobs = body.logprobs
+        _ask_prompt_logprobs(req, body.logprobs if body.echo else None, body.prompt_logprobs)
         requests.append(req)
     return requests
+
+
+def _ask_prompt_logprobs(req: api_pb2.GenerateRequest, *top_ks: int | None) -> None:
+    """Ask for the prompt's logprobs when any of top_ks (echo's logprobs, prompt_logprobs) is
+    set, with the most alternatives any asks."""
+    asked = [k for k in top_ks if k is not None]
+    if asked:
+        req.prompt_logprobs = True
+        req.prompt_top_logprobs = max(asked)
 
 
 def _message_text(i: int, message: ChatMessageParam) -> str:
@@ -466,8 +518,8 @@ def chat_request(
         req.sampling.structured_output.CopyFrom(plan.constraint)
     if plan.tools:
         req.chat.tools_json = json.dumps(plan.tools, ensure_ascii=False)
-    if body.chat_template_kwargs:
-        req.chat.template_kwargs_json = json.dumps(body.chat_template_kwargs, ensure_ascii=False)
+    if kwargs := template_kwargs(body):
+        req.chat.template_kwargs_json = json.dumps(kwargs, ensure_ascii=False)
     for i, m in enumerate(body.messages):
         role = "system" if m.role == "developer" else text_field(f"messages[{i}].role", m.role)
         message = req.chat.messages.add(role=role, content=_message_text(i, m))
@@ -475,8 +527,11 @@ def chat_request(
             message.tool_calls_json = json.dumps(m.tool_calls, ensure_ascii=False)
         if m.tool_call_id:
             message.tool_call_id = text_field(f"messages[{i}].tool_call_id", m.tool_call_id)
+        if reasoning := m.reasoning_content or m.reasoning:
+            message.reasoning_content = text_field(f"messages[{i}].reasoning_content", reasoning)
     if not body.messages:
         req.chat.SetInParent()  # validation then names the empty list
     req.sampling.logprobs = body.logprobs
     req.sampling.top_logprobs = body.top_logprobs or 0
+    _ask_prompt_logprobs(req, body.prompt_logprobs)
     return req

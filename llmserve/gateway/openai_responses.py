@@ -3,7 +3,6 @@ message; usage over all choices; logprobs in the chat and the legacy completions
 
 from __future__ import annotations
 
-import math
 import time
 from abc import ABC, abstractmethod
 from typing import Any
@@ -36,30 +35,22 @@ from llmserve.gateway.openai_protocol import (
     prompt_list,
 )
 from llmserve.gateway.openai_tools import AnswerStream, read_answer, tool_plan
+from llmserve.gateway.prompt_logprobs import (
+    echo_logprobs,
+    finite,
+    prompt_only,
+    token_text,
+    vllm_prompt_logprobs,
+)
 from llmserve.gateway.reasoning import reasoning_stream
 from llmserve.gateway.telemetry import FINISH_REASONS
 from llmserve.gateway.tokenizer import Tokenizer
 from llmserve.protos import api_pb2, common_pb2
 
-# OpenAI's stand-in for a logprob too small to print.
-_MIN_LOGPROB = -9999.0
-
-
-def _finite(logprob: float) -> float:
-    return logprob if math.isfinite(logprob) and logprob > _MIN_LOGPROB else _MIN_LOGPROB
-
-
-def token_text(data: bytes) -> str:
-    """A token's text, or OpenAI's "bytes:\\xe4\\xb8" for a token that is part of a character."""
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError:
-        return "bytes:" + "".join(f"\\x{b:02x}" for b in data)
-
 
 def _token_logprob(tokenizer: Tokenizer, token_id: int, logprob: float) -> TopLogprob:
     data = tokenizer.token_bytes(token_id)
-    return TopLogprob(token=token_text(data), logprob=_finite(logprob), bytes=list(data))
+    return TopLogprob(token=token_text(data), logprob=finite(logprob), bytes=list(data))
 
 
 def chat_logprobs(tokenizer: Tokenizer, msg: api_pb2.GenerateResponse) -> ChoiceLogprobs:
@@ -94,25 +85,26 @@ class CompletionLogprobsBuilder:
     characters of completion text before each token (a token inside a character gets the
     character's offset)."""
 
-    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int]):
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], num_chars: int = 0):
+        """num_chars: the characters before the completion (the echoed prompt's)."""
         self.tokenizer = tokenizer
         self.detok = IncrementalDetokenizer(tokenizer, prompt_token_ids)
-        self.num_chars = 0
+        self.num_chars = num_chars
 
     def add(self, msg: api_pb2.GenerateResponse) -> CompletionLogprobs:
         out = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
         for i, (token_id, logprob) in enumerate(zip(msg.token_ids, msg.logprobs, strict=True)):
             token = token_text(self.tokenizer.token_bytes(token_id))
             out.tokens.append(token)
-            out.token_logprobs.append(_finite(logprob))
+            out.token_logprobs.append(finite(logprob))
             out.text_offset.append(self.num_chars)
             self.num_chars += len(self.detok.add([token_id]))
             top: dict[str, float] = {}
             if i < len(msg.top_logprobs):
                 ranked = msg.top_logprobs[i]
                 for top_id, top_lp in zip(ranked.token_ids, ranked.logprobs, strict=True):
-                    top.setdefault(token_text(self.tokenizer.token_bytes(top_id)), _finite(top_lp))
-            top.setdefault(token, _finite(logprob))  # OpenAI always lists the chosen token too
+                    top.setdefault(token_text(self.tokenizer.token_bytes(top_id)), finite(top_lp))
+            top.setdefault(token, finite(logprob))  # OpenAI always lists the chosen token too
             out.top_logprobs.append(top)
         return out
 
@@ -217,19 +209,27 @@ class CompletionFormat(ResponseFormat):
         self, core: GatewayCore, choices: list[Choice], response_id: str, body: CompletionRequest
     ):
         super().__init__(core, choices, response_id, body)
-        self.logprobs = {
-            c.index: CompletionLogprobsBuilder(core.tokenizer, c.valid.prompt_token_ids)
-            for c in choices
-            if body.logprobs is not None
-        }
-        # echo: each prompt's text before its choices' (token-id prompts decoded)
+        # echo: each prompt's text before its choices' (token-id prompts decoded). With
+        # logprobs, the prompt's logprobs come first too, with a choice's first message (the
+        # one carrying them: docs/api.md#prompt-logprobs); max_tokens 0: nothing else.
         self.echoes = [
             p if isinstance(p, str) else core.tokenizer.decode(p)
             for p in (prompt_list(body.prompt) if body.echo else [])
         ]
+        self.echo_logprobs = body.echo and body.logprobs is not None
+        self.prompt_only = body.echo and body.max_tokens == 0
+        self.logprobs = {
+            c.index: CompletionLogprobsBuilder(
+                core.tokenizer,
+                c.valid.prompt_token_ids,
+                len(self.echoes[c.prompt_index]) if self.echo_logprobs else 0,
+            )
+            for c in choices
+            if body.logprobs is not None
+        }
 
     def opening(self) -> list[str]:
-        if not self.echoes:
+        if not self.echoes or self.echo_logprobs:
             return []
         return [
             self._json(
@@ -241,25 +241,40 @@ class CompletionFormat(ResponseFormat):
         ]
 
     def _choice(self, choice: Choice, msg: api_pb2.GenerateResponse) -> CompletionChoice:
+        if self.prompt_only:
+            msg = prompt_only(msg)
         self._count(choice, msg)
         builder = self.logprobs.get(choice.index)
-        return CompletionChoice(
+        out = CompletionChoice(
             index=choice.index,
             text=msg.text,
             logprobs=builder.add(msg) if builder else None,
             finish_reason=FINISH_REASONS.get(msg.finish_reason),
             stop_reason=stop_reason(choice, msg),
         )
+        body = self.body
+        assert isinstance(body, CompletionRequest)
+        if msg.prompt_token_ids and body.prompt_logprobs is not None:
+            tokenizer = self.core.tokenizer
+            out.prompt_logprobs = vllm_prompt_logprobs(tokenizer, msg, body.prompt_logprobs)
+        if msg.prompt_token_ids and self.echo_logprobs and out.logprobs is not None:
+            echo = echo_logprobs(self.core.tokenizer, msg, body.logprobs or 0)
+            out.text = self.echoes[choice.prompt_index] + out.text
+            for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+                setattr(out.logprobs, name, getattr(echo, name) + getattr(out.logprobs, name))
+        return out
 
     def chunk(self, choice: Choice, msg: api_pb2.GenerateResponse) -> str:
-        return self._json(CompletionResponse, [self._choice(choice, msg)], None)
+        # prompt_logprobs is never streamed (refused with stream, as vLLM): chunks leave it out
+        no_prompt = {"choices": {"__all__": {"prompt_logprobs"}}}
+        return self._json(CompletionResponse, [self._choice(choice, msg)], None, exclude=no_prompt)
 
     def usage_chunk(self) -> str:
         return self._json(CompletionResponse, [], self._usage())
 
     def response(self, messages: dict[int, list[api_pb2.GenerateResponse]]) -> str:
         choices = [self._choice(c, merged_message(messages[c.index])) for c in self.choices]
-        if self.echoes:
+        if self.echoes and not self.echo_logprobs:
             for choice, c in zip(choices, self.choices, strict=True):
                 choice.text = self.echoes[c.prompt_index] + choice.text
         return self._json(CompletionResponse, choices, self._usage())
@@ -287,11 +302,11 @@ class ChatFormat(ResponseFormat):
         self.calls = {
             c.index: AnswerStream(self.plan, self.tool_format) for c in choices if self.plan.names
         }
-        parser = core.config.reasoning_parser
+        parser, with_tools = core.config.reasoning_parser, bool(self.plan.names)
         self.thinking = {
             c.index: stream
             for c in choices
-            if (stream := reasoning_stream(core.tokenizer, parser, c.valid)) is not None
+            if (stream := reasoning_stream(core.tokenizer, parser, c.valid, with_tools)) is not None
         }
 
     def _chunk(self, choices: list[ChatChunkChoice], usage: Usage | None = None) -> str:
@@ -368,7 +383,18 @@ class ChatFormat(ResponseFormat):
                 tool_calls=[ToolCall(**call) for call in calls] or None,
             )
             choices.append(ChatChoice(message=message, **fields))
-        return self._json(ChatCompletionResponse, choices, self._usage())
+        response = self._json(ChatCompletionResponse, choices, self._usage())
+        body = self.body
+        assert isinstance(body, ChatCompletionRequest)
+        if body.prompt_logprobs is None or not self.choices:
+            return response
+        first = merged_message(messages[self.choices[0].index])  # every choice's prompt is one
+        scores = vllm_prompt_logprobs(self.core.tokenizer, first, body.prompt_logprobs)
+        return (
+            ChatCompletionResponse.model_validate_json(response)
+            .model_copy(update={"prompt_logprobs": scores})
+            .model_dump_json()
+        )
 
 
 def _with_calls(finish_reason: str | None, num_calls: int) -> str | None:

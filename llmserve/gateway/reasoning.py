@@ -6,9 +6,12 @@ distills, SmolLM3) writes its thinking first; the answer's text is split into th
     template closed it (enable_thinking false) or none:         it starts outside
     outside, <think> opens the one thinking block; inside, </think> ends it
 
-The parser is picked from the chat template (--reasoning-parser auto: the think parser when
-the template writes <think>), or named by --reasoning-parser. An answer under a grammar
-(forced tool calls, response_format) is not split: what the grammar admits is the answer.
+gpt-oss writes harmony instead (gateway/harmony.py: its analysis channel is the reasoning).
+The parser is picked from the chat template (--reasoning-parser auto: harmony when the
+template writes harmony's <|channel|>, the think parser when it writes <think>), or named by
+--reasoning-parser. A think answer under a grammar (forced tool calls, response_format) is not
+split: what the grammar admits is the answer (a harmony one is: its grammar lets it think first,
+harmony.final_grammar).
 
 Neighbours: gateway/openai_responses.py (chat) and gateway/responses_format.py call it.
 """
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from llmserve.gateway.harmony import HarmonyStream, is_harmony_template
 from llmserve.gateway.tokenizer import Tokenizer
 from llmserve.gateway.validation import ValidRequest
 
@@ -27,8 +31,16 @@ _PROMPT_TAIL_TOKENS = 16  # enough for "<think>\n" however the vocabulary splits
 def parser_enabled(choice: str, chat_template: str | None) -> bool:
     """Whether answers are split, under --reasoning-parser choice."""
     if choice == "auto":
-        return chat_template is not None and START in chat_template
+        return chat_template is not None and (
+            START in chat_template or is_harmony_template(chat_template)
+        )
     return choice != "none"
+
+
+def speaks_harmony(choice: str, chat_template: str | None) -> bool:
+    """Whether chat answers are read as harmony under --reasoning-parser choice (then they
+    are decoded with their special tokens, and stop at harmony's <|return|> and <|call|>)."""
+    return choice == "harmony" or (choice == "auto" and is_harmony_template(chat_template))
 
 
 def opens_thinking(tokenizer: Tokenizer, prompt_token_ids: list[int]) -> bool:
@@ -39,11 +51,14 @@ def opens_thinking(tokenizer: Tokenizer, prompt_token_ids: list[int]) -> bool:
 
 
 def reasoning_stream(
-    tokenizer: Tokenizer, parser: str, valid: ValidRequest
-) -> ReasoningStream | None:
-    """The splitter of one chat answer under --reasoning-parser parser (None: not split)."""
+    tokenizer: Tokenizer, parser: str, valid: ValidRequest, with_tools: bool = False
+) -> ReasoningStream | HarmonyStream | None:
+    """The splitter of one chat answer under --reasoning-parser parser (None: not split);
+    with_tools: the request's calls are read (else a harmony call is dropped, not content)."""
     if not parser_enabled(parser, tokenizer.chat_template):
         return None
+    if speaks_harmony(parser, tokenizer.chat_template):
+        return HarmonyStream(keep_calls=with_tools)  # a grammar writes harmony too
     if valid.sampling.HasField("structured_output"):
         return None  # the grammar admits the answer from its first token: no thinking
     return ReasoningStream(inside=opens_thinking(tokenizer, valid.prompt_token_ids))

@@ -111,7 +111,9 @@ class ResponsesFormat(ResponseFormat):
         )
         self.answer = AnswerStream(self.plan, self.tool_format) if self.plan.names else None
         parser = core.config.reasoning_parser
-        self.thinking = reasoning_stream(core.tokenizer, parser, choices[0].valid)
+        self.thinking = reasoning_stream(
+            core.tokenizer, parser, choices[0].valid, bool(self.plan.names)
+        )
         self.reasoning_item: dict[str, Any] | None = None  # the reasoning item being streamed
         self.sequence_number = 0
         self.output: list[dict[str, Any]] = []  # items done

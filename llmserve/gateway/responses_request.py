@@ -45,7 +45,8 @@ _ROLES = ("user", "assistant", "system", "developer")
 
 class ResponsesRequest(NullIsDefault):
     """POST /v1/responses. Fields OpenAI has and this server ignores are listed in docs/api.md
-    (metadata, include, truncation, reasoning, prompt_cache_key, service_tier, ...)."""
+    (metadata, include, truncation, prompt_cache_key, service_tier, ...); of `reasoning`, only
+    its effort is read (the template's reasoning_effort)."""
 
     model: str | None = None
     input: str | list[dict[str, Any]]
@@ -68,6 +69,7 @@ class ResponsesRequest(NullIsDefault):
     min_p: float | None = None
     stop: str | list[str] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    reasoning: dict[str, Any] | None = None  # its effort is the chat API's reasoning_effort
     # OpenAI's, refused: state this server does not keep (a 400 names them)
     background: bool = False
     conversation: Any = None
@@ -104,6 +106,7 @@ def chat_body(body: ResponsesRequest, history: list[ChatMessageParam]) -> ChatCo
         min_p=body.min_p,
         stop=body.stop,
         chat_template_kwargs=body.chat_template_kwargs,
+        reasoning_effort=(body.reasoning or {}).get("effort"),
     )
 
 

@@ -129,7 +129,7 @@ async def stream_text(
     string (finish reason STOP), the last carrying the finish reason and usage. Counts the
     tokens entry generated. GatewayError UNAVAILABLE for an ABORT, INTERNAL for a stream that
     ends without a finish reason."""
-    detok = IncrementalDetokenizer(tokenizer, valid.prompt_token_ids)
+    detok = IncrementalDetokenizer(tokenizer, valid.prompt_token_ids, valid.skip_special_tokens)
     stops = StopStringMatcher(valid.stop)
     out = api_pb2.GenerateResponse(request_id=request_id)
     usage = api_pb2.Usage(prompt_tokens=len(valid.prompt_token_ids))
@@ -141,6 +141,11 @@ async def stream_text(
         entry.num_output_tokens += len(msg.token_ids)
         if msg.num_prompt_tokens:
             usage.cached_prompt_tokens = msg.num_cached_tokens
+        if valid.submit.prompt_logprobs and not usage.completion_tokens:  # the first message
+            out.prompt_token_ids.extend(valid.prompt_token_ids)
+            out.prompt_logprobs.extend(msg.prompt_logprobs)
+            out.prompt_logprob_ranks.extend(msg.prompt_logprob_ranks)
+            out.prompt_top_logprobs.extend(msg.prompt_top_logprobs)
         out.token_ids.extend(msg.token_ids)
         out.logprobs.extend(msg.logprobs)
         out.top_logprobs.extend(msg.top_logprobs)

@@ -146,7 +146,7 @@ class Tokenizer:
         else:
             if uses_tools:
                 messages = fallback_turns(messages, tools or [])
-            rendered = [{"role": m.role, "content": m.content} for m in messages]
+            rendered = [m.as_template_message() for m in messages]
         try:
             return self._template.render(
                 messages=rendered,

@@ -2,14 +2,16 @@
 `tool_choice` "required" or a named function produce only calls, and the reading of calls back
 out of the text (whole, or streamed).
 
-Three formats: hermes (`<tool_call>...</tool_call>`, also the fallback prompt of
-gateway/tool_prompt.py for templates without tools), llama3_json and mistral (`[TOOL_CALLS]`).
+Four formats: hermes (`<tool_call>...</tool_call>`, also the fallback prompt of
+gateway/tool_prompt.py for templates without tools), llama3_json, mistral (`[TOOL_CALLS]`) and
+harmony (gpt-oss: a commentary message to `functions.NAME`, gateway/harmony.py).
 Streamed, nothing of a call goes out before it is whole, so streamed calls equal the ones read
 from the whole answer (tool_prompt.CallStream). The formats: docs/api.md#tool-calling.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import re
@@ -17,6 +19,7 @@ import string
 from collections.abc import Callable
 from typing import Any
 
+from llmserve.gateway import harmony
 from llmserve.gateway.tool_prompt import (
     CALL_CLOSE,
     CALL_OPEN,
@@ -178,6 +181,49 @@ class MistralFormat(ToolFormat):
         return "".join(_ALNUM[(digest >> (6 * i)) % 62] for i in range(9))
 
 
+class HarmonyFormat(ToolFormat):
+    """gpt-oss: a call is a message to functions.NAME whose body is the arguments object, and
+    it ends the turn (<|call|>): one call per answer."""
+
+    name = "harmony"
+
+    def __init__(self, token_id: Callable[[str], int | None] = lambda _: None):
+        """token_id: the tokenizer's id of a special token's text (the grammar asks for the
+        tokens, not for their spelling in plain text)."""
+        self.token_id = token_id
+
+    def calls_grammar(self, functions: list[dict[str, Any]], parallel: bool) -> str:
+        """One analysis message or none, then one call (<|call|> ends it: an EOS, which the
+        grammar leaves to the model)."""
+        tag = functools.partial(harmony.grammar_tag, token_id=self.token_id)
+        rules = []
+        for i, f in enumerate(functions):
+            header = json.dumps(f"commentary to=functions.{f['name']} ")
+            rules.append(
+                f"call{i}: {tag(harmony.CHANNEL)} {header} {tag(harmony.CONSTRAIN)} "
+                f'"json" {tag(harmony.MESSAGE)} {_json_arguments(f["parameters"])}\n'
+            )
+        choice = " | ".join(f"call{i}" for i in range(len(functions)))
+        return f"start: thinking? ({choice})\n{harmony.thinking_rule(self.token_id)}" + "".join(
+            rules
+        )
+
+    def parse(self, text: str, names: set[str]) -> tuple[str, list[dict[str, Any]]]:
+        return harmony.read_calls(text, names)
+
+    def stream(self, names: set[str]) -> HeldCallStream:
+        return HeldCallStream(self, names, harmony.opens_message)
+
+    def strip_markup(self, text: str) -> str:
+        return harmony.strip_calls(text)
+
+
+def _json_arguments(parameters: dict[str, Any]) -> str:
+    """llguidance's %json rule for arguments that validate against parameters, spaced as
+    json.dumps writes them."""
+    return f"%json {json.dumps({**parameters, 'x-guidance': harmony.JSON_SPACING})}"
+
+
 def _opens_llama3_call(text: str) -> int | None:
     """Where the held part of a Llama 3 answer starts: 0 when it opens like a call (or may
     still: an empty start, a prefix of <|python_tag|>), None when it cannot be one."""
@@ -244,6 +290,8 @@ def tool_format_of(
     fallback prompt of a template without tools). token_id: the tokenizer's id of a special
     token's text (None when it has none)."""
     template = chat_template or ""
+    if harmony.is_harmony_template(template):
+        return HarmonyFormat(token_id)
     if CALL_OPEN in template or not template_takes_tools(template):
         return ToolFormat()
     if MISTRAL_CALLS in template:

@@ -30,6 +30,15 @@ class ChatTurn:
     content: str
     tool_calls: list[dict[str, Any]] = field(default_factory=list)
     tool_call_id: str = ""
+    reasoning: str = ""  # an assistant turn's thinking, sent back
+
+    def as_template_message(self) -> dict[str, Any]:
+        """role and content, and the thinking under both names templates read it by
+        (gpt-oss's `thinking`, Qwen3's `reasoning_content`)."""
+        message: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.reasoning:
+            message |= {"thinking": self.reasoning, "reasoning_content": self.reasoning}
+        return message
 
 
 def template_takes_tools(template: str | None) -> bool:
@@ -44,7 +53,7 @@ def template_messages(
     and the tool message answering it)."""
     out: list[dict[str, Any]] = []
     for t in turns:
-        message: dict[str, Any] = {"role": t.role, "content": t.content}
+        message = t.as_template_message()
         if t.tool_calls:
             message["tool_calls"] = [
                 {

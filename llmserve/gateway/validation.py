@@ -14,7 +14,7 @@ from typing import Any
 from google.protobuf import unknown_fields
 from google.protobuf.message import Message
 
-from llmserve.common.sampling import SamplingError, normalized, with_defaults
+from llmserve.common.sampling import MAX_TOP_LOGPROBS, SamplingError, normalized, with_defaults
 from llmserve.common.structured_output import ConstraintError, check_structured_output
 from llmserve.gateway.tokenizer import ChatMessage, ChatTemplateError, Tokenizer
 from llmserve.protos import api_pb2, common_pb2, scheduler_pb2
@@ -48,6 +48,8 @@ class ValidRequest:
 
     submit: scheduler_pb2.SubmitRequest
     stop: list[str]
+    # False: the answer's text keeps the special tokens (harmony's markup, gateway/harmony.py)
+    skip_special_tokens: bool = True
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -90,6 +92,12 @@ def _check_request(
         raise ValidationError(str(err)) from err
     if req.HasField("max_tokens") and req.max_tokens < 1:
         raise ValidationError(f"max_tokens={req.max_tokens} must be >= 1")
+    if not 0 <= req.prompt_top_logprobs <= MAX_TOP_LOGPROBS:
+        raise ValidationError(
+            f"prompt_top_logprobs={req.prompt_top_logprobs} must be in [0, {MAX_TOP_LOGPROBS}]"
+        )
+    if req.prompt_top_logprobs and not req.prompt_logprobs:
+        raise ValidationError("prompt_top_logprobs needs prompt_logprobs=true")
     if req.request_id and not _REQUEST_ID.fullmatch(req.request_id):
         raise ValidationError(
             f"request_id={req.request_id[:40]!r} must be 1-128 characters of letters, digits "
@@ -154,14 +162,14 @@ def _prompt_ids(req: api_pb2.GenerateRequest, tokenizer: Tokenizer, limits: Limi
     for i, m in enumerate(messages):
         if m.role not in ROLES:
             raise ValidationError(f"chat.messages[{i}].role={m.role!r} must be one of {ROLES}")
-        total += len(m.content)
+        total += len(m.content) + len(m.reasoning_content)
     if total > limits.max_prompt_chars:
         raise ValidationError(
             f"chat.messages have {total} characters; the limit is {limits.max_prompt_chars}"
         )
     turns = [
         ChatMessage(m.role, m.content, _tool_calls(f"chat.messages[{i}]", m.tool_calls_json),
-                    m.tool_call_id)
+                    m.tool_call_id, m.reasoning_content)
         for i, m in enumerate(messages)
     ]  # fmt: skip
     tools = _json_list("chat.tools_json", req.chat.tools_json)
@@ -274,5 +282,7 @@ def validate(
         disable_speculation=req.disable_speculation,
         priority=req.priority,
         lora_name=req.lora_name,
+        prompt_logprobs=req.prompt_logprobs,
+        prompt_top_logprobs=req.prompt_top_logprobs,
     )
     return ValidRequest(submit, list(req.stop))

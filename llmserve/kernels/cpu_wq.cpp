@@ -1,17 +1,20 @@
 // Weight-only quantized linear for x86 CPUs: y = x W^T + b, the weights kept as a checkpoint
 // ships them and dequantized in registers inside the product, w = q * scale + offset with one
 // float scale and offset per `group` weights along K (offset = -zero * scale; 0 where the
-// format is symmetric or float). Three stored kinds:
+// format is symmetric or float). Four stored kinds:
 //   KIND_INT8 (0): int8 q (W8A16: compressed-tensors int-quantized, GPTQ 8-bit);
 //   KIND_INT4 (1): unsigned 4-bit q (W4A16: compressed-tensors pack-quantized, GPTQ, AWQ);
 //   KIND_FP8  (2): float8 e4m3fn bytes (FP8 block-scaled, compressed-tensors float-quantized),
 //     widened by bit arithmetic: ((b & 0x7f) << 20 | (b & 0x80) << 24) read as float32 is the
 //     e4m3 value times 2^-120, subnormals included (as float32 subnormals), so one multiply
 //     by 2^120 finishes it. NaN (0x7f) is not kept: no checkpoint stores one.
+//   KIND_FP4  (3): e2m1 codes (MXFP4, gpt-oss's experts), nibbles packed as int4's, widened
+//     through the 16-value table (0, 0.5, 1, 1.5, 2, 3, 4, 6, then their negatives) in
+//     registers: exact; the block's e8m0 scale is the float32 scale (a power of two).
 //
 // Layout (kernels/cpu_wq.py: pack_wq): column tiles of TILE_N = 16 output channels, K-major
-// inside a tile: q [N / 16][K][16] bytes (int4: [N / 16][K][8], byte j = channel j | channel
-// j + 8 << 4), scales and offsets [N / 16][ceil(K / group)][16] float32 (the last group may be
+// inside a tile: q [N / 16][K][16] bytes (int4, fp4: [N / 16][K][8], byte j = channel j |
+// channel j + 8 << 4), scales and offsets [N / 16][ceil(K / group)][16] float32 (the last group may be
 // partial: SmolLM2's K = 576 in groups of 128). Threads split the tiles.
 // Per tile, up to ROWS_M = 4 rows of x (decode) widen the tile's 16 weights at each k in
 // registers; more rows widen the tile once into a [K][16] buffer and run a 6-row float32
@@ -36,7 +39,7 @@ namespace {
 constexpr int64_t TILE_N = 16;
 constexpr int64_t ROWS_M = 4;
 constexpr int64_t BUFFERED_ROWS = 6;
-constexpr int KIND_INT8 = 0, KIND_INT4 = 1, KIND_FP8 = 2;
+constexpr int KIND_INT8 = 0, KIND_INT4 = 1, KIND_FP8 = 2, KIND_FP4 = 3;
 
 struct Args {
   const float* x;
@@ -83,10 +86,21 @@ inline __m256 fp8_lanes(__m256i v) {
       _mm256_slli_epi32(_mm256_and_si256(v, _mm256_set1_epi32(0x80)), 24));
   return _mm256_mul_ps(_mm256_castsi256_ps(bits), _mm256_set1_ps(0x1p120f));
 }
+// e2m1 codes (0..15, in 32-bit lanes) -> their values: the magnitude by a permute of the 8
+// magnitudes (the low 3 bits pick), the sign bit 3 moved to bit 31
+inline __m256 fp4_lanes(__m256i codes) {
+  const __m256 magnitudes = _mm256_setr_ps(0.f, 0.5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f);
+  const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(codes, _mm256_set1_epi32(8)), 28);
+  return _mm256_xor_ps(_mm256_permutevar8x32_ps(magnitudes, codes), _mm256_castsi256_ps(sign));
+}
 template <int KIND>
 inline W16 widen(const uint8_t* q, W16 s, W16 o) {
   __m256 lo, hi;
-  if constexpr (KIND == KIND_INT4) {
+  if constexpr (KIND == KIND_FP4) {
+    const __m256i v = bytes8(q);
+    lo = fp4_lanes(_mm256_and_si256(v, _mm256_set1_epi32(0xf)));
+    hi = fp4_lanes(_mm256_srli_epi32(v, 4));
+  } else if constexpr (KIND == KIND_INT4) {
     const __m256i v = bytes8(q);
     lo = _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(0xf)));
     hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
@@ -123,12 +137,19 @@ inline void add_store(W16 acc, const float* bias, float* out) {
 template <int KIND>
 inline W16 widen(const uint8_t* q, W16 s, W16 o) {
   __m512 f;
-  if constexpr (KIND == KIND_INT4) {
+  if constexpr (KIND == KIND_INT4 || KIND == KIND_FP4) {
     const __m256i v =
         _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q)));
     const __m256i lo = _mm256_and_si256(v, _mm256_set1_epi32(0xf));
     const __m256i hi = _mm256_srli_epi32(v, 4);
-    f = _mm512_cvtepi32_ps(_mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1));
+    const __m512i nibbles = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+    if constexpr (KIND == KIND_FP4) {  // the 16 e2m1 values, one permute
+      const __m512 values = _mm512_setr_ps(0.f, 0.5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f, -0.f,
+                                           -0.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f);
+      f = _mm512_permutexvar_ps(nibbles, values);
+    } else {
+      f = _mm512_cvtepi32_ps(nibbles);
+    }
   } else {
     const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
     if constexpr (KIND == KIND_INT8) {
@@ -162,8 +183,9 @@ bool use_avx512(int64_t isa) {
 
 Args check(const at::Tensor& q, const at::Tensor& scales, const at::Tensor& offsets,
            int64_t kind, int64_t group) {
-  TORCH_CHECK(kind >= KIND_INT8 && kind <= KIND_FP8, "wq: kind must be 0 (int8), 1 (int4), 2 (fp8)");
-  const int64_t width = kind == KIND_INT4 ? 8 : 16;
+  TORCH_CHECK(kind >= KIND_INT8 && kind <= KIND_FP4,
+              "wq: kind must be 0 (int8), 1 (int4), 2 (fp8), 3 (fp4)");
+  const int64_t width = kind == KIND_INT4 || kind == KIND_FP4 ? 8 : 16;
   TORCH_CHECK(q.dim() == 3 && q.size(2) == width && q.scalar_type() == at::kByte &&
                   q.is_contiguous(),
               "wq: q must be packed uint8 [N / 16, K, ", width, "] for kind ", kind);
@@ -223,7 +245,7 @@ void wq_widen(at::Tensor q, at::Tensor scales, at::Tensor offsets, int64_t kind,
 bool wq_has_avx512() { return cpu_has_avx512(); }
 
 TORCH_LIBRARY(llmserve_cpu_wq, m) {
-  m.def("wq_linear", &wq_linear);  // weight-only int8 / int4 / fp8 linear on packed tiles
+  m.def("wq_linear", &wq_linear);  // weight-only int8 / int4 / fp8 / fp4 linear on packed tiles
   m.def("wq_widen", &wq_widen);    // a packed weight widened to float32 [N, K]
   m.def("wq_has_avx512", &wq_has_avx512);
 }

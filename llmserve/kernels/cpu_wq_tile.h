@@ -3,10 +3,10 @@
 // load16 / store16, widen<KIND> (16 stored weights -> float32 in registers, w = q * s + o),
 // fma16 (acc += x * w) and add_store (acc + bias -> y). Nothing here names an intrinsic.
 
-// bytes of one k of one tile: 16 int8 or fp8 weights, or 16 int4 nibbles in 8 bytes
+// bytes of one k of one tile: 16 int8 or fp8 weights, or 16 int4 / fp4 nibbles in 8 bytes
 template <int KIND>
 constexpr int64_t step_bytes() {
-  return KIND == KIND_INT4 ? 8 : 16;
+  return KIND == KIND_INT4 || KIND == KIND_FP4 ? 8 : 16;
 }
 
 // y[m0 .. m0 + ROWS)[n0 .. n0 + 16) for tile t, the weights widened in registers at each k.
@@ -95,6 +95,7 @@ inline void run(const Args& a) {
   switch (a.kind) {
     case KIND_INT8: run_kind<KIND_INT8>(a); break;
     case KIND_INT4: run_kind<KIND_INT4>(a); break;
+    case KIND_FP4: run_kind<KIND_FP4>(a); break;
     default: run_kind<KIND_FP8>(a); break;
   }
 }
@@ -117,6 +118,7 @@ inline void widen_all(const Args& a, float* out) {
   switch (a.kind) {
     case KIND_INT8: widen_all_kind<KIND_INT8>(a, out); break;
     case KIND_INT4: widen_all_kind<KIND_INT4>(a, out); break;
+    case KIND_FP4: widen_all_kind<KIND_FP4>(a, out); break;
     default: widen_all_kind<KIND_FP8>(a, out); break;
   }
 }

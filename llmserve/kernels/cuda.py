@@ -2,9 +2,9 @@
 kc.paged_attention(...)`. This module re-exports the wrappers, which live by concern:
 kernels/launch.py (NVRTC compilation through CuPy, caching, launching, the shared argument
 checks), attention.py (store_kv, paged decode and prefill attention), layer_ops.py (rms_norm,
-rotary_embedding, silu_and_mul), int8.py, moe.py, lora.py, mla.py (MLA decode over the latent
-pool), gated_delta.py (Qwen3-Next's linear attention, one decode step) and ssd_step.py (Mamba-2's,
-likewise).
+rotary_embedding, silu_and_mul), int8.py, w4a16.py and fp8_block.py (quantized checkpoints'
+linears), moe.py, lora.py, mla.py (MLA decode over the latent pool), gated_delta.py (Qwen3-Next's
+linear attention, one decode step) and ssd_step.py (Mamba-2's, likewise).
 
 Each public function mirrors one in kernels/reference.py and checks its arguments before
 launching (ValueError naming the argument, its value and the limit). Importing this module needs
@@ -13,7 +13,7 @@ neither CuPy nor a GPU; `is_available()` says whether the kernels can run.
 
 from __future__ import annotations
 
-from llmserve.kernels import int8
+from llmserve.kernels import fp8_block, int8, w4a16
 from llmserve.kernels.attention import (
     DECODE_THREADS,
     DECODE_TILE,
@@ -35,6 +35,7 @@ from llmserve.kernels.attention import (
     store_kv,
     store_kv_spec,
 )
+from llmserve.kernels.fp8_block import fp8_block_linear
 from llmserve.kernels.gated_delta import gated_delta_spec, gated_delta_step
 from llmserve.kernels.int8 import int8_gemm_spec, int8_linear
 from llmserve.kernels.launch import (
@@ -57,6 +58,7 @@ from llmserve.kernels.lora import lora_add, lora_spec
 from llmserve.kernels.mla import mla_decode_attention, mla_spec
 from llmserve.kernels.moe import moe_experts, moe_spec
 from llmserve.kernels.ssd_step import ssd_step, ssd_step_spec
+from llmserve.kernels.w4a16 import w4a16_linear
 
 __all__ = [
     "DECODE_THREADS",
@@ -82,6 +84,7 @@ __all__ = [
     "decode_slots",
     "decode_smem_bytes",
     "decode_spec",
+    "fp8_block_linear",
     "gated_delta_spec",
     "gated_delta_step",
     "int8_gemm_spec",
@@ -108,6 +111,7 @@ __all__ = [
     "ssd_step_spec",
     "store_kv",
     "store_kv_spec",
+    "w4a16_linear",
 ]
 
 
@@ -128,4 +132,4 @@ def all_module_specs() -> list[ModuleSpec]:
         specs.append(store_kv_spec(ctype))
         specs += [decode_spec(ctype, d, FP8_CTYPE) for d in HEAD_DIMS]
         specs += [prefill_spec(ctype, d, FP8_CTYPE) for d in HEAD_DIMS]
-    return specs + int8.module_specs()
+    return specs + int8.module_specs() + w4a16.module_specs() + fp8_block.module_specs()

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from llmserve.protos import common_pb2 as llmserve_dot_protos_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19llmserve/protos/api.proto\x12\x0fllmserve.api.v1\x1a\x1cllmserve/protos/common.proto\"[\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x17\n\x0ftool_calls_json\x18\x03 \x01(\t\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\"n\n\nChatPrompt\x12.\n\x08messages\x18\x01 \x03(\x0b\x32\x1c.llmserve.api.v1.ChatMessage\x12\x12\n\ntools_json\x18\x02 \x01(\t\x12\x1c\n\x14template_kwargs_json\x18\x03 \x01(\t\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xba\x03\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12+\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x1b.llmserve.api.v1.ChatPromptH\x00\x12.\n\ttoken_ids\x18\x15 \x01(\x0b\x32\x19.llmserve.api.v1.TokenIdsH\x00\x12\x17\n\nmax_tokens\x18\x03 \x01(\x05H\x01\x88\x01\x01\x12\x34\n\x08sampling\x18\x11 \x01(\x0b\x32\".llmserve.common.v1.SamplingParams\x12\x0c\n\x04stop\x18\t \x03(\t\x12\x16\n\x0estop_token_ids\x18\n \x03(\x05\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x12\x12\n\nrequest_id\x18\r \x01(\t\x12\x1b\n\x13\x64isable_speculation\x18\x12 \x01(\x08\x12\x0c\n\x04user\x18\x13 \x01(\t\x12\x10\n\x08priority\x18\x14 \x01(\x05\x12\x11\n\tlora_name\x18\x16 \x01(\tB\x08\n\x06promptB\r\n\x0b_max_tokensJ\x04\x08\x04\x10\x05J\x04\x08\x05\x10\x06J\x04\x08\x06\x10\x07J\x04\x08\x07\x10\x08J\x04\x08\x08\x10\tJ\x04\x08\x0c\x10\rJ\x04\x08\x0e\x10\x0fJ\x04\x08\x0f\x10\x10J\x04\x08\x10\x10\x11\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\x05\"\x85\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12\x37\n\rfinish_reason\x18\x05 \x01(\x0e\x32 .llmserve.common.v1.FinishReason\x12%\n\x05usage\x18\x06 \x01(\x0b\x32\x16.llmserve.api.v1.Usage\x12\x35\n\x0ctop_logprobs\x18\x07 \x03(\x0b\x32\x1f.llmserve.common.v1.TopLogprobs\x12\x13\n\x0bstop_string\x18\x08 \x01(\t\"\x15\n\x13GetModelInfoRequest\"\xb7\x01\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x15\n\reos_token_ids\x18\x04 \x03(\x05\x12\x13\n\x0binstance_id\x18\x05 \x01(\t\x12\x14\n\x0cnum_replicas\x18\x06 \x01(\x05\x12\x1a\n\x12num_replicas_ready\x18\x07 \x01(\x05\x12\x12\n\nlora_names\x18\x08 \x03(\t2\xb1\x01\n\nGeneration\x12Q\n\x08Generate\x12 .llmserve.api.v1.GenerateRequest\x1a!.llmserve.api.v1.GenerateResponse0\x01\x12P\n\x0cGetModelInfo\x12$.llmserve.api.v1.GetModelInfoRequest\x1a\x1a.llmserve.api.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19llmserve/protos/api.proto\x12\x0fllmserve.api.v1\x1a\x1cllmserve/protos/common.proto\"v\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x17\n\x0ftool_calls_json\x18\x03 \x01(\t\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\x12\x19\n\x11reasoning_content\x18\x05 \x01(\t\"n\n\nChatPrompt\x12.\n\x08messages\x18\x01 \x03(\x0b\x32\x1c.llmserve.api.v1.ChatMessage\x12\x12\n\ntools_json\x18\x02 \x01(\t\x12\x1c\n\x14template_kwargs_json\x18\x03 \x01(\t\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xf0\x03\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12+\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x1b.llmserve.api.v1.ChatPromptH\x00\x12.\n\ttoken_ids\x18\x15 \x01(\x0b\x32\x19.llmserve.api.v1.TokenIdsH\x00\x12\x17\n\nmax_tokens\x18\x03 \x01(\x05H\x01\x88\x01\x01\x12\x34\n\x08sampling\x18\x11 \x01(\x0b\x32\".llmserve.common.v1.SamplingParams\x12\x0c\n\x04stop\x18\t \x03(\t\x12\x16\n\x0estop_token_ids\x18\n \x03(\x05\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x12\x12\n\nrequest_id\x18\r \x01(\t\x12\x1b\n\x13\x64isable_speculation\x18\x12 \x01(\x08\x12\x0c\n\x04user\x18\x13 \x01(\t\x12\x10\n\x08priority\x18\x14 \x01(\x05\x12\x11\n\tlora_name\x18\x16 \x01(\t\x12\x17\n\x0fprompt_logprobs\x18\x17 \x01(\x08\x12\x1b\n\x13prompt_top_logprobs\x18\x18 \x01(\x05\x42\x08\n\x06promptB\r\n\x0b_max_tokensJ\x04\x08\x04\x10\x05J\x04\x08\x05\x10\x06J\x04\x08\x06\x10\x07J\x04\x08\x07\x10\x08J\x04\x08\x08\x10\tJ\x04\x08\x0c\x10\rJ\x04\x08\x0e\x10\x0fJ\x04\x08\x0f\x10\x10J\x04\x08\x10\x10\x11\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\x05\"\x94\x03\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12\x37\n\rfinish_reason\x18\x05 \x01(\x0e\x32 .llmserve.common.v1.FinishReason\x12%\n\x05usage\x18\x06 \x01(\x0b\x32\x16.llmserve.api.v1.Usage\x12\x35\n\x0ctop_logprobs\x18\x07 \x03(\x0b\x32\x1f.llmserve.common.v1.TopLogprobs\x12\x13\n\x0bstop_string\x18\x08 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\t \x03(\x05\x12\x17\n\x0fprompt_logprobs\x18\n \x03(\x02\x12\x1c\n\x14prompt_logprob_ranks\x18\x0b \x03(\x05\x12<\n\x13prompt_top_logprobs\x18\x0c \x03(\x0b\x32\x1f.llmserve.common.v1.TopLogprobs\"\x15\n\x13GetModelInfoRequest\"\xb7\x01\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x15\n\reos_token_ids\x18\x04 \x03(\x05\x12\x13\n\x0binstance_id\x18\x05 \x01(\t\x12\x14\n\x0cnum_replicas\x18\x06 \x01(\x05\x12\x1a\n\x12num_replicas_ready\x18\x07 \x01(\x05\x12\x12\n\nlora_names\x18\x08 \x03(\t2\xb1\x01\n\nGeneration\x12Q\n\x08Generate\x12 .llmserve.api.v1.GenerateRequest\x1a!.llmserve.api.v1.GenerateResponse0\x01\x12P\n\x0cGetModelInfo\x12$.llmserve.api.v1.GetModelInfoRequest\x1a\x1a.llmserve.api.v1.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,21 +33,21 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'llmserve.protos.api_pb2', _
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_CHATMESSAGE']._serialized_start=76
-  _globals['_CHATMESSAGE']._serialized_end=167
-  _globals['_CHATPROMPT']._serialized_start=169
-  _globals['_CHATPROMPT']._serialized_end=279
-  _globals['_TOKENIDS']._serialized_start=281
-  _globals['_TOKENIDS']._serialized_end=304
-  _globals['_GENERATEREQUEST']._serialized_start=307
-  _globals['_GENERATEREQUEST']._serialized_end=749
-  _globals['_USAGE']._serialized_start=751
-  _globals['_USAGE']._serialized_end=838
-  _globals['_GENERATERESPONSE']._serialized_start=841
-  _globals['_GENERATERESPONSE']._serialized_end=1102
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1104
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1125
-  _globals['_MODELINFO']._serialized_start=1128
-  _globals['_MODELINFO']._serialized_end=1311
-  _globals['_GENERATION']._serialized_start=1314
-  _globals['_GENERATION']._serialized_end=1491
+  _globals['_CHATMESSAGE']._serialized_end=194
+  _globals['_CHATPROMPT']._serialized_start=196
+  _globals['_CHATPROMPT']._serialized_end=306
+  _globals['_TOKENIDS']._serialized_start=308
+  _globals['_TOKENIDS']._serialized_end=331
+  _globals['_GENERATEREQUEST']._serialized_start=334
+  _globals['_GENERATEREQUEST']._serialized_end=830
+  _globals['_USAGE']._serialized_start=832
+  _globals['_USAGE']._serialized_end=919
+  _globals['_GENERATERESPONSE']._serialized_start=922
+  _globals['_GENERATERESPONSE']._serialized_end=1326
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1328
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1349
+  _globals['_MODELINFO']._serialized_start=1352
+  _globals['_MODELINFO']._serialized_end=1535
+  _globals['_GENERATION']._serialized_start=1538
+  _globals['_GENERATION']._serialized_end=1715
 # @@protoc_insertion_point(module_scope)

@@ -38,7 +38,7 @@ class UnloadLoraResponse(_message.Message):
     def __init__(self, num_requests_using: _Optional[int] = ...) -> None: ...
 
 class SubmitRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "max_tokens", "stop_token_ids", "ignore_eos", "disable_speculation", "tenant", "tenant_weight", "priority", "lora_name")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "max_tokens", "stop_token_ids", "ignore_eos", "disable_speculation", "tenant", "tenant_weight", "priority", "lora_name", "prompt_logprobs", "prompt_top_logprobs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -50,6 +50,8 @@ class SubmitRequest(_message.Message):
     TENANT_WEIGHT_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
@@ -61,23 +63,31 @@ class SubmitRequest(_message.Message):
     tenant_weight: float
     priority: int
     lora_name: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., disable_speculation: _Optional[bool] = ..., tenant: _Optional[str] = ..., tenant_weight: _Optional[float] = ..., priority: _Optional[int] = ..., lora_name: _Optional[str] = ...) -> None: ...
+    prompt_logprobs: bool
+    prompt_top_logprobs: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., disable_speculation: _Optional[bool] = ..., tenant: _Optional[str] = ..., tenant_weight: _Optional[float] = ..., priority: _Optional[int] = ..., lora_name: _Optional[str] = ..., prompt_logprobs: _Optional[bool] = ..., prompt_top_logprobs: _Optional[int] = ...) -> None: ...
 
 class SubmitResponse(_message.Message):
-    __slots__ = ("token_ids", "logprobs", "finish_reason", "num_prompt_tokens", "num_cached_tokens", "top_logprobs")
+    __slots__ = ("token_ids", "logprobs", "finish_reason", "num_prompt_tokens", "num_cached_tokens", "top_logprobs", "prompt_logprobs", "prompt_logprob_ranks", "prompt_top_logprobs")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROB_RANKS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedScalarFieldContainer[float]
     finish_reason: _common_pb2.FinishReason
     num_prompt_tokens: int
     num_cached_tokens: int
     top_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TopLogprobs]
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., top_logprobs: _Optional[_Iterable[_Union[_common_pb2.TopLogprobs, _Mapping]]] = ...) -> None: ...
+    prompt_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    prompt_logprob_ranks: _containers.RepeatedScalarFieldContainer[int]
+    prompt_top_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TopLogprobs]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., top_logprobs: _Optional[_Iterable[_Union[_common_pb2.TopLogprobs, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[float]] = ..., prompt_logprob_ranks: _Optional[_Iterable[int]] = ..., prompt_top_logprobs: _Optional[_Iterable[_Union[_common_pb2.TopLogprobs, _Mapping]]] = ...) -> None: ...
 
 class GetInfoRequest(_message.Message):
     __slots__ = ()
@@ -118,7 +128,7 @@ class WatchStatsRequest(_message.Message):
     def __init__(self, interval_ms: _Optional[int] = ...) -> None: ...
 
 class SchedulerStats(_message.Message):
-    __slots__ = ("num_steps", "num_scheduled_tokens", "num_preemptions", "num_finished_requests", "num_running", "num_waiting", "num_free_blocks", "num_blocks", "num_prefix_cache_hit_tokens", "schedule_ms", "update_ms", "step_rtt_ms", "engine_total_ms", "engine_forward_ms", "engine_sample_ms", "num_engine_resets", "num_prompt_tokens", "num_generated_tokens", "num_prefix_cache_query_tokens", "ready", "num_spec_rows", "num_spec_draft_tokens", "num_spec_accepted_tokens", "num_spec_draft_tokens_per_pos", "num_spec_accepted_tokens_per_pos", "num_preemptions_by_reason", "num_preemptions_refused", "draining", "tenants", "lora_names", "kv_offload_num_blocks", "kv_offload_hit_blocks", "kv_offload_blocks_in", "kv_offload_bytes_in", "kv_offload_dropped_blocks", "num_swap_ins", "swap_in_wait_s", "prefill_num_free_blocks", "prefill_num_blocks", "prefill_num_running", "prefill_num_waiting", "num_kv_transfers", "num_kv_transfers_done", "num_kv_transfers_failed", "kv_transfer_blocks", "kv_transfer_bytes", "kv_transfer_s", "num_transferring", "prefill_ready", "decode_ready", "engines", "kv_bytes_per_token")
+    __slots__ = ("num_steps", "num_scheduled_tokens", "num_preemptions", "num_finished_requests", "num_running", "num_waiting", "num_free_blocks", "num_blocks", "num_prefix_cache_hit_tokens", "schedule_ms", "update_ms", "step_rtt_ms", "engine_total_ms", "engine_forward_ms", "engine_sample_ms", "num_engine_resets", "num_prompt_tokens", "num_generated_tokens", "num_prefix_cache_query_tokens", "ready", "num_spec_rows", "num_spec_draft_tokens", "num_spec_accepted_tokens", "num_spec_draft_tokens_per_pos", "num_spec_accepted_tokens_per_pos", "num_preemptions_by_reason", "num_preemptions_refused", "draining", "tenants", "lora_names", "kv_offload_num_blocks", "kv_offload_hit_blocks", "kv_offload_blocks_in", "kv_offload_bytes_in", "kv_offload_dropped_blocks", "num_swap_ins", "swap_in_wait_s", "prefill_num_free_blocks", "prefill_num_blocks", "prefill_num_running", "prefill_num_waiting", "num_kv_transfers", "num_kv_transfers_done", "num_kv_transfers_failed", "kv_transfer_blocks", "kv_transfer_bytes", "kv_transfer_s", "num_transferring", "prefill_ready", "decode_ready", "engines", "kv_bytes_per_token", "num_state_slots", "num_free_state_slots")
     class NumPreemptionsByReasonEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -220,6 +230,8 @@ class SchedulerStats(_message.Message):
     DECODE_READY_FIELD_NUMBER: _ClassVar[int]
     ENGINES_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    NUM_STATE_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_FREE_STATE_SLOTS_FIELD_NUMBER: _ClassVar[int]
     num_steps: int
     num_scheduled_tokens: int
     num_preemptions: int
@@ -272,7 +284,9 @@ class SchedulerStats(_message.Message):
     decode_ready: bool
     engines: _containers.RepeatedCompositeFieldContainer[EngineRow]
     kv_bytes_per_token: int
-    def __init__(self, num_steps: _Optional[int] = ..., num_scheduled_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_finished_requests: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_prefix_cache_hit_tokens: _Optional[int] = ..., schedule_ms: _Optional[float] = ..., update_ms: _Optional[float] = ..., step_rtt_ms: _Optional[float] = ..., engine_total_ms: _Optional[float] = ..., engine_forward_ms: _Optional[float] = ..., engine_sample_ms: _Optional[float] = ..., num_engine_resets: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., num_generated_tokens: _Optional[int] = ..., num_prefix_cache_query_tokens: _Optional[int] = ..., ready: _Optional[bool] = ..., num_spec_rows: _Optional[int] = ..., num_spec_draft_tokens: _Optional[int] = ..., num_spec_accepted_tokens: _Optional[int] = ..., num_spec_draft_tokens_per_pos: _Optional[_Iterable[int]] = ..., num_spec_accepted_tokens_per_pos: _Optional[_Iterable[int]] = ..., num_preemptions_by_reason: _Optional[_Mapping[str, int]] = ..., num_preemptions_refused: _Optional[int] = ..., draining: _Optional[bool] = ..., tenants: _Optional[_Iterable[_Union[TenantStats, _Mapping]]] = ..., lora_names: _Optional[_Iterable[str]] = ..., kv_offload_num_blocks: _Optional[_Mapping[str, int]] = ..., kv_offload_hit_blocks: _Optional[_Mapping[str, int]] = ..., kv_offload_blocks_in: _Optional[_Mapping[str, int]] = ..., kv_offload_bytes_in: _Optional[_Mapping[str, int]] = ..., kv_offload_dropped_blocks: _Optional[_Mapping[str, int]] = ..., num_swap_ins: _Optional[int] = ..., swap_in_wait_s: _Optional[float] = ..., prefill_num_free_blocks: _Optional[int] = ..., prefill_num_blocks: _Optional[int] = ..., prefill_num_running: _Optional[int] = ..., prefill_num_waiting: _Optional[int] = ..., num_kv_transfers: _Optional[int] = ..., num_kv_transfers_done: _Optional[int] = ..., num_kv_transfers_failed: _Optional[_Mapping[str, int]] = ..., kv_transfer_blocks: _Optional[int] = ..., kv_transfer_bytes: _Optional[int] = ..., kv_transfer_s: _Optional[float] = ..., num_transferring: _Optional[int] = ..., prefill_ready: _Optional[bool] = ..., decode_ready: _Optional[bool] = ..., engines: _Optional[_Iterable[_Union[EngineRow, _Mapping]]] = ..., kv_bytes_per_token: _Optional[int] = ...) -> None: ...
+    num_state_slots: int
+    num_free_state_slots: int
+    def __init__(self, num_steps: _Optional[int] = ..., num_scheduled_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_finished_requests: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_prefix_cache_hit_tokens: _Optional[int] = ..., schedule_ms: _Optional[float] = ..., update_ms: _Optional[float] = ..., step_rtt_ms: _Optional[float] = ..., engine_total_ms: _Optional[float] = ..., engine_forward_ms: _Optional[float] = ..., engine_sample_ms: _Optional[float] = ..., num_engine_resets: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., num_generated_tokens: _Optional[int] = ..., num_prefix_cache_query_tokens: _Optional[int] = ..., ready: _Optional[bool] = ..., num_spec_rows: _Optional[int] = ..., num_spec_draft_tokens: _Optional[int] = ..., num_spec_accepted_tokens: _Optional[int] = ..., num_spec_draft_tokens_per_pos: _Optional[_Iterable[int]] = ..., num_spec_accepted_tokens_per_pos: _Optional[_Iterable[int]] = ..., num_preemptions_by_reason: _Optional[_Mapping[str, int]] = ..., num_preemptions_refused: _Optional[int] = ..., draining: _Optional[bool] = ..., tenants: _Optional[_Iterable[_Union[TenantStats, _Mapping]]] = ..., lora_names: _Optional[_Iterable[str]] = ..., kv_offload_num_blocks: _Optional[_Mapping[str, int]] = ..., kv_offload_hit_blocks: _Optional[_Mapping[str, int]] = ..., kv_offload_blocks_in: _Optional[_Mapping[str, int]] = ..., kv_offload_bytes_in: _Optional[_Mapping[str, int]] = ..., kv_offload_dropped_blocks: _Optional[_Mapping[str, int]] = ..., num_swap_ins: _Optional[int] = ..., swap_in_wait_s: _Optional[float] = ..., prefill_num_free_blocks: _Optional[int] = ..., prefill_num_blocks: _Optional[int] = ..., prefill_num_running: _Optional[int] = ..., prefill_num_waiting: _Optional[int] = ..., num_kv_transfers: _Optional[int] = ..., num_kv_transfers_done: _Optional[int] = ..., num_kv_transfers_failed: _Optional[_Mapping[str, int]] = ..., kv_transfer_blocks: _Optional[int] = ..., kv_transfer_bytes: _Optional[int] = ..., kv_transfer_s: _Optional[float] = ..., num_transferring: _Optional[int] = ..., prefill_ready: _Optional[bool] = ..., decode_ready: _Optional[bool] = ..., engines: _Optional[_Iterable[_Union[EngineRow, _Mapping]]] = ..., kv_bytes_per_token: _Optional[int] = ..., num_state_slots: _Optional[int] = ..., num_free_state_slots: _Optional[int] = ...) -> None: ...
 
 class EngineRow(_message.Message):
     __slots__ = ("address", "role", "ready", "num_running", "num_waiting", "num_transferring", "num_free_blocks", "num_blocks", "num_engine_resets")

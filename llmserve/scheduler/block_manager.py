@@ -83,8 +83,8 @@ class BlockManager:
         At least one token is always left to compute (the step must produce logits), so at most
         (num_tokens - 1) // block_size blocks are returned.
         """
-        if not self.enable_prefix_caching:
-            return []
+        if not self.enable_prefix_caching or request.needs_prompt_logprobs:
+            return []  # prompt logprobs: every prompt position is computed, to be scored
         max_blocks = (request.num_tokens - 1) // self.block_size
         self._update_block_hashes(request, max_blocks * self.block_size)
         found: list[int] = []

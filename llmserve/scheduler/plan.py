@@ -1,8 +1,8 @@
 """A step as the scheduler plans it (StepPlan: rows of new and running requests, made by
 `make_plan` from the requests scheduled) and what it produced (StepOutcome per request,
-TopLogprobColumns). scheduler/service/convert.py turns a plan into the engine's message, each row
-field
-into the engine.proto field of its name, and the engine's result into these."""
+TopLogprobColumns, PromptScoreColumns). scheduler/service/convert.py turns a plan into the
+engine's message, each row field into the engine.proto field of its name, and the engine's
+result into these."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from itertools import islice
 
 from llmserve.common.step_plan import BlockCopies, KVReceive, KVSend, LoraLoad
-from llmserve.scheduler.request import Request, RequestStatus
+from llmserve.scheduler.request import PromptScore, Request, RequestStatus
 
 
 @dataclass
@@ -26,6 +26,11 @@ class NewRequestRow:
     num_preemptions: int = 0
     # The adapter slot it runs under (1 .. the engine's max_loras; 0: the base model).
     lora_slot: int = 0
+    # The engine's state slot its recurrent state lives in (scheduler/state_slots.py; 0 for a
+    # model without state layers).
+    state_slot: int = 0
+    # Whether the engine scores its prompt positions (its prompt logprobs are not all in).
+    prompt_logprobs: bool = False
 
 
 @dataclass
@@ -120,6 +125,30 @@ class TopLogprobColumns:
         return [(list(islice(token_ids, n)), list(islice(logprobs, n))) for n in self.counts]
 
 
+@dataclass
+class PromptScoreColumns:
+    """A step's prompt scores (engine.proto's StepResult): counts[i] positions for plan row i;
+    per position a logprob, a rank and its row's top-k entries, row after row."""
+
+    counts: list[int]
+    logprobs: list[float]
+    ranks: list[int]
+    top_token_ids: list[int]
+    top_logprobs: list[float]
+
+    def rows(self, top_ks: list[int]) -> list[list[PromptScore]]:
+        """Each row's scores, given each row's number of top entries per position."""
+        lps, ranks = iter(self.logprobs), iter(self.ranks)
+        top_ids, top_lps = iter(self.top_token_ids), iter(self.top_logprobs)
+        rows: list[list[PromptScore]] = []
+        for n, k in zip(self.counts, top_ks, strict=True):
+            rows.append([])
+            for _ in range(n):
+                top = list(islice(top_ids, k)), list(islice(top_lps, k))
+                rows[-1].append(PromptScore(next(lps), next(ranks), *top))
+        return rows
+
+
 def make_plan(
     step_id: int,
     finished_seq_ids: list[int],
@@ -144,6 +173,8 @@ def make_plan(
                 list(request.block_table),
                 request.num_computed_tokens,
                 num_new,
+                state_slot=request.state_slot or 0,
+                prompt_logprobs=request.needs_prompt_logprobs,
             )
             plan.new_requests.append(row)
             request.mirror.in_engine = True

@@ -70,6 +70,17 @@ class SpecState:
     steps_to_skip: int = 0
 
 
+@dataclass
+class PromptScore:
+    """One prompt token's score (prompt logprobs): its logprob, its rank (1: the most likely) and
+    the most likely tokens at its position when the request asked for some."""
+
+    logprob: float
+    rank: int
+    top_token_ids: list[int] = field(default_factory=list)
+    top_logprobs: list[float] = field(default_factory=list)
+
+
 @dataclass(eq=False)
 class Request:
     """One generation. `token_ids` is the prompt followed by every token generated so far.
@@ -123,6 +134,15 @@ class Request:
     # The engine reported its output constraint at a dead end (it forced EOS): it ends with
     # FINISHED_GRAMMAR_DEAD_END at its next token.
     grammar_dead_end: bool = False
+    # Hybrid linear-attention models: the engine's state slot it holds while running
+    # (scheduler/state_slots.py; None: none).
+    state_slot: int | None = None
+    # Prompt logprobs asked (with prompt_top_logprobs alternatives each), and the scores the
+    # engine returned so far: prompt_scores[j] is prompt token j + 1's. Until all are in, the
+    # prompt is computed whole (no prefix-cache hit) and without lookahead slots.
+    prompt_logprobs: bool = False
+    prompt_top_logprobs: int = 0
+    prompt_scores: list[PromptScore] = field(default_factory=list)
     # KV offload: when it began waiting for its prefix to come back from a lower tier (0: not).
     swap_in_since: float = 0.0
     # Each feature's state, in its own record.
@@ -150,6 +170,11 @@ class Request:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """It asked for prompt logprobs and some have not come back yet."""
+        return self.prompt_logprobs and len(self.prompt_scores) < self.num_prompt_tokens - 1
 
     @property
     def num_output_tokens(self) -> int:

@@ -39,6 +39,7 @@ from llmserve.scheduler.lora import LoraTable
 from llmserve.scheduler.pipeline import PipelineSlots
 from llmserve.scheduler.plan import (
     NewRequestRow,
+    PromptScoreColumns,
     RunningRow,
     StepOutcome,
     StepPlan,
@@ -48,6 +49,7 @@ from llmserve.scheduler.plan import (
 from llmserve.scheduler.policies import Policy, make_policy
 from llmserve.scheduler.request import Request, RequestStatus
 from llmserve.scheduler.speculation import SpeculationPolicy
+from llmserve.scheduler.state_slots import StateSlots
 from llmserve.scheduler.swaps import Swaps
 from llmserve.scheduler.tenants import TenantLedger
 
@@ -74,26 +76,26 @@ class Scheduler:
         num_host_blocks: int = 0,
         num_disk_blocks: int = 0,
         kv_block_bytes: int = 0,
+        num_state_slots: int = 0,
         policy: Policy | None = None,
     ):
         """policy: default config.policy's. num_speculative_tokens: the most tokens the engine
         proposes per request and step (0: none; with it, one step at a time: a step's tokens
         per request are known only from its result). num_host_blocks, num_disk_blocks: the
-        engine's KV offload tiers (0: none; kv_offload.py), of kv_block_bytes each."""
+        engine's KV offload tiers (0: none; kv_offload.py), of kv_block_bytes each.
+        num_state_slots: the engine's recurrent-state slots (0: none; state_slots.py)."""
         assert config.max_num_seqs > 0 and config.max_num_batched_tokens > 0, (
             "a scheduler needs its step limits: SchedulerConfig.adopt the engine's first"
         )
-        self.config = config
-        self.policy = policy or make_policy(config.policy)
+        self.config, self.policy = config, policy or make_policy(config.policy)
         self.policy.bind(self)
-        self.slots = PipelineSlots(self)
-        self.swaps = Swaps(self)
-        self.handoffs = Handoffs(self)
+        self.slots, self.swaps, self.handoffs = PipelineSlots(self), Swaps(self), Handoffs(self)
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.block_manager = BlockManager(num_blocks, block_size, config.enable_prefix_caching)
+        self.state_slots = StateSlots(num_state_slots)
+        self.block_manager = BlockManager(num_blocks, block_size, self.enable_prefix_caching)
         self.set_offload_tiers(num_host_blocks, num_disk_blocks, kv_block_bytes)
         self.waiting: deque[Request] = deque()
         # Constrained requests whose grammar the engine has not compiled yet (they join
@@ -119,6 +121,12 @@ class Scheduler:
         # Prefill / decode disaggregation: this scheduler's role and its transfers
         # (scheduler/disagg/handoffs.py); role "both" (colocated) uses none of it.
         self.transfers = TransferTable("both", config.kv_transfer_timeout_s)
+
+    @property
+    def enable_prefix_caching(self) -> bool:
+        """The config's choice, except for a model with state layers: a cached block's KV is of
+        no use without its linear layers' state at that boundary (docs/models.md)."""
+        return self.config.enable_prefix_caching and not self.state_slots.enabled
 
     def set_sliding_window(self, sliding_window: int | None) -> None:
         """Release running requests' blocks that fall out of this window (the engine's, when
@@ -181,6 +189,7 @@ class Scheduler:
         request.num_pending_tokens = 0  # results still in flight for it are ignored
         self.block_manager.unpin(request.seq_id)  # a swap-in it was waiting for
         self.block_manager.free(request)
+        self.state_slots.free(request)
         del self.requests[request.seq_id]
         self.tenants.leave(request.tenant)
         self.drop_from_engine(request)
@@ -300,16 +309,20 @@ class Scheduler:
         preempted, self.preempted = self.preempted, []
         return preempted
 
-    def resize(self, num_blocks: int, block_size: int) -> list[Request]:
-        """Adopt a restarted engine's pool geometry. Only after reset_engine (nobody holds blocks).
-        Waiting requests that no longer fit are aborted and returned."""
-        if (num_blocks, block_size) == (self.block_manager.num_blocks, self.block_size):
+    def resize(self, num_blocks: int, block_size: int, num_state_slots: int = 0) -> list[Request]:
+        """Adopt a restarted engine's pool geometry (and state slots). Only after reset_engine
+        (nobody holds blocks). Waiting requests that no longer fit are aborted and returned."""
+        same_slots = num_state_slots == self.state_slots.num_slots
+        geometry = (self.block_manager.num_blocks, self.block_size)
+        if same_slots and (num_blocks, block_size) == geometry:
             return []
         assert not self.running, "resize with running requests"
+        if not same_slots:  # the prefix cache may turn on or off with them
+            self.state_slots = StateSlots(num_state_slots)
         self.block_size = block_size
         offload = self.block_manager.offload
         self.block_manager = BlockManager(
-            num_blocks, block_size, self.config.enable_prefix_caching,
+            num_blocks, block_size, self.enable_prefix_caching,
             self.block_manager.sliding_window, offload,
         )  # fmt: skip
         if offload is not None:
@@ -463,7 +476,9 @@ class Scheduler:
                 break
             if not self.loras.admit(request.lora_key, running=False):
                 break  # its adapter has no slot this step: it leads the line next step
-            while len(self.running) >= self.config.max_num_seqs:
+            while (
+                len(self.running) >= self.config.max_num_seqs or not self.state_slots.can_allocate()
+            ):
                 freed = self._make_room(request, scheduled)
                 if freed is None:
                     return
@@ -507,6 +522,7 @@ class Scheduler:
         assert request.num_pending_tokens == 0, f"{request.request_id}: pending while waiting"
         request.status = RequestStatus.RUNNING
         request.num_computed_tokens = num_cached
+        self.state_slots.allocate(request)
         self.swaps.end_swap_in(request)
         request.pipeline.slot = self.slots.slot
         request.preemption.admitted_step_id = self.next_step_id
@@ -537,9 +553,11 @@ class Scheduler:
         return plan
 
     def check_integrity(self) -> None:
-        """Assert the block manager's invariants and the slots': each running request holds a
-        slot in [0, P), no waiting one does, and with P > 1 none has two tokens pending."""
+        """Assert the block manager's and the state slots' invariants and the pipeline slots':
+        each running request holds a slot in [0, P), no waiting one does, and with P > 1 none
+        has two tokens pending."""
         self.block_manager.check_integrity(list(self.requests.values()))
+        self.state_slots.check_integrity(list(self.requests.values()))
         num_slots = self.pipeline_parallel_size
         for r in self.running:
             assert r.pipeline.slot is not None and 0 <= r.pipeline.slot < num_slots, (
@@ -612,6 +630,27 @@ class Scheduler:
         self._after_update()
         return outcomes
 
+    @staticmethod
+    def take_prompt_scores(plan: StepPlan, columns: PromptScoreColumns) -> None:
+        """Append each row's prompt scores (plan's result, taken before `update` takes its
+        tokens) to its request's (prompt_scores[j]: prompt token j + 1's), skipping those it
+        has (a recompute after a preemption scores its prompt again) and rows of an earlier
+        life. A row's scores start at its first scheduled position:
+
+            prompt_scores: |<- have ------------------>|
+            row's scores:          |<- num_computed_tokens ... ->|  (kept: from `have` on)
+        """
+        top_ks = [r.request.prompt_top_logprobs for r in plan.rows]
+        for row, scores in zip(plan.rows, columns.rows(top_ks), strict=True):
+            request = row.request
+            if not scores or request.num_preemptions != row.num_preemptions:
+                continue
+            have = len(request.prompt_scores)
+            assert row.num_computed_tokens <= have, (
+                f"{request.request_id}: prompt scores from {row.num_computed_tokens}, {have} in"
+            )
+            request.prompt_scores += scores[have - row.num_computed_tokens :]
+
     def _take_token(self, request: Request, token_id: int) -> StepOutcome | None:
         """Append token_id, request's oldest pending token now known, to its tokens: its
         outcome, or None when nothing is to be streamed (`_on_token`)."""
@@ -664,6 +703,7 @@ class Scheduler:
         self.policy.after_update()
         if not self.requests:
             self.block_manager.check_integrity([])
+            self.state_slots.check_integrity([])
 
     @staticmethod
     def _awaits(row: NewRequestRow | RunningRow) -> bool:
@@ -707,6 +747,7 @@ class Scheduler:
         counted. Swap preemption copies its blocks down to the host tier first."""
         self.swaps.swap_out(request)
         self.block_manager.free(request)
+        self.state_slots.free(request)  # recomputed from its tokens: the state is rebuilt
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
         request.num_pending_tokens = 0  # a token in flight is dropped, sampled again on recompute

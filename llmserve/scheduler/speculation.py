@@ -70,6 +70,8 @@ class SpeculationPolicy:
         the context and the step's token budget leave). A backed-off request counts the step."""
         if self.num_speculative_tokens == 0 or request.disable_speculation or limit <= 0:
             return 0
+        if request.needs_prompt_logprobs:  # its last prefill chunk: scored, not speculated
+            return 0
         if request.spec.steps_to_skip > 0:
             request.spec.steps_to_skip -= 1
             return 0

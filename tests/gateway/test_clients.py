@@ -57,6 +57,30 @@ def url(stack: Stack) -> str:
     return stack.http_url
 
 
+def post(stack: Stack, path: str, body: dict[str, Any]) -> httpx2.Response:
+    return httpx2.post(url(stack) + path, json=body)
+
+
+def tokenize(stack: Stack, text: str) -> list[int]:
+    """text's prompt token ids, from the server's /tokenize."""
+    body = {"prompt": text}
+    return list(
+        httpx2.post(url(stack).removesuffix("/v1") + "/tokenize", json=body).json()["tokens"]
+    )
+
+
+def decode(stack: Stack, ids: list[int]) -> str:
+    """ids' text, from the server's /detokenize."""
+    body = {"tokens": ids}
+    return str(
+        httpx2.post(url(stack).removesuffix("/v1") + "/detokenize", json=body).json()["prompt"]
+    )
+
+
+def stack_idle(stack: Stack) -> None:
+    stack.assert_idle()
+
+
 def prompt_tokens(stack: Stack) -> int:
     """USER's prompt length, from the server's /tokenize."""
     body = {"messages": [{"role": "user", "content": "hi"}]}
@@ -187,8 +211,7 @@ def test_responses_incomplete_and_a_streamed_one_stored(stack: Stack) -> None:
 
 
 def test_completions_echo(stack: Stack) -> None:
-    """echo puts the prompt before the completion, streamed (the first chunk) and not; with
-    logprobs it is refused (prompt logprobs are not computed)."""
+    """echo puts the prompt before the completion, streamed (the first chunk) and not."""
     client = sdk(stack)
     whole = client.completions.create(model=MODEL, prompt="abc", max_tokens=4, echo=True)
     assert whole.choices[0].text == "abc" + "abca"
@@ -197,21 +220,109 @@ def test_completions_echo(stack: Stack) -> None:
     )
     assert chunks[0].choices[0].text == "abc"
     assert "".join(c.choices[0].text for c in chunks) == "abcabca"
-    with pytest.raises(openai.BadRequestError) as err:
-        client.completions.create(model=MODEL, prompt="abc", max_tokens=1, echo=True, logprobs=1)
-    assert err.value.body["param"] == "echo"  # type: ignore[index]
+
+
+def echo_scores(token_ids: list[int], k: int) -> list[dict[int, tuple[float, int]] | None]:
+    """The echo engine's prompt scores (engine/contract/echo.py): prompt token j (j >= 1) has
+    logprob -0.5 * (j % 3) at rank 1 + j % 3, its top-k token t - j % 3 + m at -0.5 * m;
+    {token id: (logprob, rank)} per position, the prompt's token first, None first."""
+    out: list[dict[int, tuple[float, int]] | None] = [None]
+    for j, t in enumerate(token_ids[1:], start=1):
+        entry = {t: (-0.5 * (j % 3), 1 + j % 3)}
+        for m in range(k):
+            entry.setdefault(t - j % 3 + m, (-0.5 * m, m + 1))
+        out.append(entry)
+    return out
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_completions_echo_with_logprobs(stack: Stack, stream: bool) -> None:
+    """echo with logprobs (OpenAI's legacy API, what lm-eval's local-completions sends): the
+    prompt's tokens come first in the choice's logprobs, the first with null logprob and
+    top_logprobs; streamed, with the first chunk. A token-id prompt works the same."""
+    client = sdk(stack)
+    ids = tokenize(stack, "abcd")
+    for prompt in ("abcd", ids):
+        result = client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=2, echo=True, logprobs=2, stream=stream
+        )
+        choices = [c.choices[0] for c in result] if stream else result.choices  # type: ignore[union-attr]
+        first = choices[0]
+        assert first.logprobs is not None
+        assert "".join(c.text for c in choices) == "abcd" + "ab"
+        tokens = [t for c in choices for t in (c.logprobs.tokens or [])]  # type: ignore[union-attr]
+        lps = [t for c in choices for t in (c.logprobs.token_logprobs or [])]  # type: ignore[union-attr]
+        tops = [t for c in choices for t in (c.logprobs.top_logprobs or [])]  # type: ignore[union-attr]
+        offsets = [t for c in choices for t in (c.logprobs.text_offset or [])]  # type: ignore[union-attr]
+        n = len(ids)
+        assert tokens == [*(decode(stack, [t]) for t in ids), "a", "b"]
+        expected = echo_scores(ids, 2)
+        assert lps[0] is None and tops[0] is None
+        assert lps[1:n] == [e[t][0] for e, t in zip(expected[1:], ids[1:], strict=True)]  # type: ignore[index]
+        assert lps[n:] == [0.0, 0.0]  # the echo engine's sampled tokens
+        # top_logprobs: the two most likely, and the prompt's token (OpenAI lists the chosen one)
+        for j in range(1, n):
+            top = {decode(stack, [t]): lp for t, (lp, r) in expected[j].items() if r <= 2}  # type: ignore[union-attr]
+            top.setdefault(decode(stack, [ids[j]]), expected[j][ids[j]][0])  # type: ignore[index]
+            assert tops[j] == top
+        assert offsets == list(range(n + 2))  # one character per token here
+    stack_idle(stack)
+
+
+def test_completions_echo_prompt_only_and_prompt_logprobs(stack: Stack) -> None:
+    """max_tokens 0 with echo returns the prompt alone (lm-eval's scoring calls, vLLM allows
+    it); vLLM's prompt_logprobs gives {token id: {logprob, rank, decoded_token}} per prompt
+    position, null first, on completions and chat; asked with stream, a 400 naming it."""
+    ids = tokenize(stack, "abcd")
+    body = {"model": MODEL, "prompt": "abcd", "max_tokens": 0, "echo": True, "logprobs": 0}
+    [choice] = post(stack, "/completions", body).json()["choices"]
+    assert choice["text"] == "abcd" and choice["finish_reason"] == "length"
+    assert len(choice["logprobs"]["tokens"]) == len(ids)
+    body = {"model": MODEL, "prompt": ids, "max_tokens": 1, "prompt_logprobs": 1}
+    response = post(stack, "/completions", body).json()
+    [choice] = response["choices"]
+    assert response["usage"]["completion_tokens"] == 1
+    got = choice["prompt_logprobs"]
+    assert got[0] is None and len(got) == len(ids)
+    for j, entry in enumerate(echo_scores(ids, 1)[1:], start=1):
+        assert entry is not None
+        want = {str(t): {"logprob": lp, "rank": r, "decoded_token": decode(stack, [t])}
+                for t, (lp, r) in entry.items()}  # fmt: skip
+        assert got[j] == want
+    user = [{"role": "user", "content": "hi"}]
+    chat = {"model": MODEL, "messages": user, "max_tokens": 1, "prompt_logprobs": 0}
+    response = post(stack, "/chat/completions", chat).json()
+    assert response["prompt_logprobs"][0] is None
+    assert len(response["prompt_logprobs"]) == prompt_tokens(stack)
+    # Out of range: tests/gateway/test_openai_api.py's refusals; streamed (as vLLM: not with
+    # stream) and max_tokens 0 without echo:
+    for bad, field in [
+        ({**body, "stream": True}, "prompt_logprobs"),
+        ({**body, "max_tokens": 0}, "max_tokens"),
+    ]:
+        reply = post(stack, "/completions", bad)
+        assert reply.status_code == 400, reply.text
+        assert reply.json()["error"]["param"] == field, reply.text
+    stack_idle(stack)
 
 
 def test_stop_reason_names_what_stopped(stack: Stack) -> None:
-    """vLLM's stop_reason: the stop string, the stop token id, or null (length, EOS)."""
+    """vLLM's stop_reason: the stop string, the stop token id, or null (length, EOS); and, as
+    vLLM's choices, prompt_logprobs (null unless asked)."""
     client = sdk(stack)
     fields: dict[str, Any] = {"model": MODEL, "prompt": "abcdef", "max_tokens": 6}
     by_string = client.completions.create(stop=["cd"], **fields).choices[0]
-    assert (by_string.text, by_string.model_extra) == ("ab", {"stop_reason": "cd"})
+    assert (by_string.text, by_string.model_extra) == (
+        "ab",
+        {"stop_reason": "cd", "prompt_logprobs": None},
+    )
     by_token = client.completions.create(extra_body={"stop_token_ids": [ord("c")]}, **fields)
-    assert by_token.choices[0].model_extra == {"stop_reason": ord("c")}
+    assert by_token.choices[0].model_extra == {"stop_reason": ord("c"), "prompt_logprobs": None}
     by_length = client.completions.create(**fields).choices[0]
-    assert by_length.finish_reason == "length" and by_length.model_extra == {"stop_reason": None}
+    assert by_length.finish_reason == "length" and by_length.model_extra == {
+        "stop_reason": None,
+        "prompt_logprobs": None,
+    }
 
 
 # -- openai-agents ---------------------------------------------------------------------------------

@@ -268,11 +268,10 @@ def test_chat_logprobs(stack: Stack) -> None:
         ({"max_tokens": 600}, "max_tokens", "max_tokens=600 exceeds the model's remaining"),
         ({"prompt": ""}, "prompt", "prompt is empty"),
         ({"prompt": [1, 2, 9999]}, "prompt", "prompt[2]=9999 is outside the vocabulary"),
-        ({"echo": True, "logprobs": 1}, "echo", "echo with logprobs is not supported"),
         (
-            {"extra_body": {"prompt_logprobs": 1}},
+            {"extra_body": {"prompt_logprobs": 21}},
             "prompt_logprobs",
-            "prompt_logprobs=1 is not supported",
+            "prompt_logprobs=21 must be in [0, 20]",
         ),
         (
             {"extra_body": {"repetition_penalty": 1.2}},
@@ -310,9 +309,9 @@ def test_invalid_completion_is_bad_request(
         ),
         ({"top_logprobs": 3}, "top_logprobs", "top_logprobs=3 needs logprobs=true"),
         (
-            {"extra_body": {"prompt_logprobs": 0}},
+            {"extra_body": {"prompt_logprobs": -1}},
             "prompt_logprobs",
-            "prompt_logprobs=0 is not supported",
+            "prompt_logprobs=-1 must be in [0, 20]",
         ),
         ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "must be in [0, 20]"),
         (

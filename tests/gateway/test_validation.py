@@ -175,6 +175,16 @@ def test_max_tokens_over_the_remaining_context(tokenizer: Tokenizer) -> None:
     )
 
 
+def test_prompt_logprobs_fields(tokenizer: Tokenizer) -> None:
+    """gRPC's prompt_logprobs reach the scheduler; the top-k is 0..20 and needs the flag."""
+    ok = validate(request(prompt_logprobs=True, prompt_top_logprobs=20), tokenizer, LIMITS)
+    assert ok.submit.prompt_logprobs and ok.submit.prompt_top_logprobs == 20
+    message = error(request(prompt_logprobs=True, prompt_top_logprobs=21), tokenizer)
+    assert message == "prompt_top_logprobs=21 must be in [0, 20]"
+    message = error(request(prompt_top_logprobs=2), tokenizer)
+    assert message == "prompt_top_logprobs needs prompt_logprobs=true"
+
+
 def test_chat_prompt_over_the_context(tokenizer: Tokenizer) -> None:
     # The template adds 19 tokens around the content: 3 specials, "\n", "user\n", "assistant\n".
     ok = validate(request(chat=chat(("user", "x" * 44))), tokenizer, LIMITS)

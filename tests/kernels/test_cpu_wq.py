@@ -1,4 +1,4 @@
-"""kernels/cpu_wq.cpp (weights kept as checkpoints store them: int8, int4, fp8, dequantized in
+"""kernels/cpu_wq.cpp (weights kept as checkpoints store them: int8, int4, fp8, fp4, dequantized in
 registers) against its plain-torch twin, on every path (decode rows, buffered rows, the widened
 GEMM) and ISA this CPU has; and engine/model/checkpoint_linear.py's fused and act-order layers
 against the float weight they stand for."""
@@ -27,6 +27,8 @@ def _weight(kind: str, n: int, k: int, group: int, signed: bool, seed: int) -> t
     scale = torch.rand(n, -(-k // group), generator=g) * 0.02 + 0.001
     if kind == "fp8":
         return (torch.randn(n, k, generator=g) * 60).to(torch.float8_e4m3fn), scale, None
+    if kind == "fp4":  # e2m1 codes; MXFP4's scales are powers of two, any float is read alike
+        return torch.randint(0, 16, (n, k), generator=g).to(torch.uint8), scale, None
     low, high = {
         "int4": (-8, 8) if signed else (0, 16),
         "int8": (-128, 128) if signed else (0, 256),
@@ -37,7 +39,7 @@ def _weight(kind: str, n: int, k: int, group: int, signed: bool, seed: int) -> t
 
 
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("kind", ["int4", "int8", "fp8"])
+@pytest.mark.parametrize("kind", ["int4", "int8", "fp8", "fp4"])
 @pytest.mark.parametrize("signed", [True, False])
 def test_kernel_matches_its_reference_at_every_row_count(kind: str, signed: bool, isa: str) -> None:
     """N = 40 (padded to 48), K = 120 in groups of 32 (the last one partial): 1-4 rows
@@ -48,7 +50,8 @@ def test_kernel_matches_its_reference_at_every_row_count(kind: str, signed: bool
     bias = torch.randn(40)
     for rows in (1, 3, 4, 5, 16, 130):
         x = torch.randn(rows, 120)
-        want = cpu_wq.wq_linear_reference(x, q, scale, zero, 32, bias)
+        values = cpu_wq.fp4_values(q) if kind == "fp4" else q
+        want = cpu_wq.wq_linear_reference(x, values, scale, zero, 32, bias)
         got = cpu_wq.wq_linear(x, packed, bias, isa=isa)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4, msg=f"{rows} rows")
 
@@ -65,6 +68,21 @@ def test_every_fp8_value_widens_exactly(isa: str) -> None:
         packed.q, packed.scales, packed.offsets, 2, 256, out, cpu_wq.ISAS[isa]
     )
     assert torch.equal(out, q.float())
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_every_fp4_code_widens_exactly(isa: str) -> None:
+    """All 16 e2m1 codes in both nibbles of a byte (channels j and j + 8), times power-of-two
+    scales from 2^-127 (a subnormal) to 2^127, as MXFP4's e8m0 gives them."""
+    codes = torch.arange(16, dtype=torch.uint8).repeat(16, 2)  # [16, 32]
+    codes[8:] = codes[8:].flip(1)
+    exponents = torch.arange(16) * 16 - 127
+    exponents[-1] = 127
+    scale = torch.ldexp(torch.ones(16, 1), exponents.view(16, 1))
+    packed = cpu_wq.pack_wq("fp4", codes, scale, None, 32)
+    out = torch.empty(16, 32)
+    cpu_wq._module().wq_widen(packed.q, packed.scales, packed.offsets, 3, 32, out, cpu_wq.ISAS[isa])
+    assert torch.equal(out, cpu_wq.fp4_values(codes) * scale)
 
 
 def test_values_outside_the_kind_are_refused() -> None:

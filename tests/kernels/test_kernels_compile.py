@@ -182,7 +182,7 @@ def test_import_without_cupy() -> None:
         "import sys; sys.modules['cupy'] = None\n"
         "import llmserve.kernels.cuda as k\n"
         "assert not k.is_available()\n"
-        "assert len(k.all_module_specs()) == 33\n"
+        "assert len(k.all_module_specs()) == 37\n"
     )
     root = Path(__file__).resolve().parents[2]
     proc = subprocess.run(

@@ -537,6 +537,54 @@ def test_int8_linear_tails(kc: ModuleType, dtype: torch.dtype, path: str) -> Non
 
 
 # ---------------------------------------------------------------------------------------------
+# Quantized checkpoints' linears (w4a16_gemm.cu, fp8_block_gemm.cu)
+
+QUANT_SHAPES = {"q/o": (4096, 4096), "gate/up": (14336, 4096), "down": (4096, 14336)}
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 333])
+@pytest.mark.parametrize("shape", list(QUANT_SHAPES))
+def test_w4a16_linear_8b_shapes(kc: ModuleType, shape: str, rows: int) -> None:
+    """The GEMV instances (1-8 rows) and dequantize + cuBLAS (9+) on the 8B projections, group
+    128, asymmetric zeros, act-order, bf16, against the float64 product."""
+    from llmserve.kernels import quant_reference as qref
+    from llmserve.kernels import w4a16
+
+    n, k = QUANT_SHAPES[shape]
+    q = torch.randint(0, 16, (n, k), device=DEVICE, dtype=torch.int32)
+    scale = torch.rand(n, k // 128, device=DEVICE) * 2e-3 + 1e-3
+    zero = torch.randint(0, 16, (n, k // 128), device=DEVICE).float()
+    perm = torch.randperm(k, device=DEVICE)
+    weight = w4a16.pack_w4a16(q, scale, zero, 128, perm)
+    x = torch.randn(rows, k, device=DEVICE).to(torch.bfloat16)
+    out = torch.full((rows, n), float("nan"), device=DEVICE, dtype=torch.bfloat16)
+    kc.w4a16_linear(x, weight, out=out)
+    expect = qref.w4a16_linear_reference(x, q, scale, zero, 128, perm)
+    assert_close(out, expect, torch.bfloat16, f"w4a16_linear {shape} x {rows}")
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 333])
+@pytest.mark.parametrize("shape", list(QUANT_SHAPES))
+def test_fp8_block_linear_8b_shapes(kc: ModuleType, shape: str, rows: int) -> None:
+    """The GEMV instances and, above 8 rows, torch._scaled_mm (sm_90, x quantized per
+    token-group of 128) or dequantize + cuBLAS, 128 x 128 blocks, bf16, against float64."""
+    from llmserve.kernels import fp8_block
+    from llmserve.kernels import quant_reference as qref
+
+    n, k = QUANT_SHAPES[shape]
+    q = (torch.randn(n, k, device=DEVICE) * 100).to(torch.float8_e4m3fn)
+    blocks = torch.rand(n // 128, k // 128, device=DEVICE) * 1e-4 + 5e-5
+    scale = blocks.repeat_interleave(128, dim=0)
+    weight = fp8_block.pack_fp8_block(q, scale, 128)
+    x = torch.randn(rows, k, device=DEVICE).to(torch.bfloat16)
+    out = torch.full((rows, n), float("nan"), device=DEVICE, dtype=torch.bfloat16)
+    kc.fp8_block_linear(x, weight, out=out)
+    scaled_mm = rows > 8 and fp8_block.scaled_mm_unsupported(weight, x.device) is None
+    expect = qref.fp8_block_linear_reference(x, q, scale, 128, quantize_x=scaled_mm)
+    assert_close(out, expect, torch.bfloat16, f"fp8_block_linear {shape} x {rows}")
+
+
+# ---------------------------------------------------------------------------------------------
 # Mixture-of-experts experts (moe.cu)
 
 

@@ -13,7 +13,7 @@ import pytest
 
 from llmserve.common.step_plan import KVReceive, KVSend
 from llmserve.scheduler.config import SchedulerConfig
-from llmserve.scheduler.plan import StepOutcome, StepPlan
+from llmserve.scheduler.plan import PromptScoreColumns, StepOutcome, StepPlan
 from llmserve.scheduler.request import Request, RequestStatus
 from llmserve.scheduler.scheduler import Scheduler
 from tests.factories import sampling
@@ -98,6 +98,36 @@ def test_a_prompt_moves_its_full_blocks_and_decodes_on_a_prefix_hit() -> None:
     assert req.token_ids[10:] == [50, 60, 7, 7] and req.status == RequestStatus.FINISHED_LENGTH
     assert decode.transfers.counters.num_done == 1 and decode.transfers.counters.num_blocks == 2
     assert_no_block_held(decode)
+
+
+def test_prompt_logprobs_are_scored_on_the_prefill_side_only() -> None:
+    """A request asking prompt logprobs runs its whole prompt on the prefill side (in chunks),
+    where its scores come back with its first token; the decode side, with every score in,
+    neither asks the engine again nor skips its prefix hit on the blocks moved."""
+    prefill, decode = make("prefill"), make("decode")
+    req = request(1, list(range(10, 20)))
+    req.prompt_logprobs = True
+    prefill.add(req)
+    while prefill.running or prefill.waiting:
+        plan = prefill.schedule()
+        (row,) = plan.rows
+        assert getattr(row, "prompt_logprobs", True)  # a new row asks; the mirror keeps it
+        start, end = row.num_computed_tokens, row.num_computed_tokens + row.num_scheduled_tokens
+        n = min(end, 9) - start  # positions predicting prompt tokens 1 .. 9
+        scores = [-float(p + 1) for p in range(start, start + n)]
+        prefill.take_prompt_scores(plan, PromptScoreColumns([n], scores, [1] * n, [], []))
+        prefill.update(plan, [50 if row.samples else -1])
+    assert [s.logprob for s in req.prompt_scores] == [-float(j) for j in range(1, 10)]
+    (tid,) = hand_off(prefill, decode)
+    step(prefill)
+    step(decode)
+    step(decode, received=[tid])
+    plan, _ = step(decode, token=60)
+    (row,) = plan.new_requests
+    assert not row.prompt_logprobs and row.num_computed_tokens == 8
+    while decode.has_work:
+        step(decode)
+    assert_no_block_held(prefill, decode)
 
 
 def test_only_what_the_decode_prefix_cache_lacks_moves() -> None:

@@ -1,6 +1,8 @@
 """The built-in model through the whole stack (three processes, real gRPC) against HF transformers
-loading the same GGUF in float32: greedy output equal token for token; and split across three
-engine ranks (`llmserve serve --tensor-parallel-size 3 --device cpu`), the same tokens again."""
+loading the same GGUF in float32: greedy output equal token for token; split across three
+engine ranks (`llmserve serve --tensor-parallel-size 3 --device cpu`), the same tokens again; and
+lm-eval's `local-completions` model scoring a multiple-choice task over HTTP (echo with
+logprobs) with transformers' loglikelihoods."""
 
 from __future__ import annotations
 
@@ -42,6 +44,7 @@ def stack(builtin_model_path: Path, tmp_path_factory: pytest.TempPathFactory) ->
     s = start_stack(
         None,
         engine_args=["--kv-cache-gb", "0.5"],
+        http=True,  # lm-eval's local-completions
         log_dir=tmp_path_factory.mktemp("logs"),
         timeout=300,
     )
@@ -142,3 +145,94 @@ def test_tensor_parallel_3_gives_the_same_tokens(
     finally:
         serve.send_signal(signal.SIGTERM)
         assert serve.wait(timeout=60) == 0
+
+
+# -- lm-eval ----------------------------------------------------------------------------------
+
+TASK_YAML = """task: tiny_mc
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{question}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: "{{{{answer}}}}"
+target_delimiter: "{delimiter}"
+metric_list:
+  - metric: acc
+"""
+
+
+def _hf_tokenizer_dir(model_path: Path, directory: Path) -> Path:
+    """The served tokenizer (common/tokenizer_files.py, read from the GGUF) as an HF tokenizer
+    directory, for lm-eval's tokenizer_backend=huggingface: the same ids as the server's."""
+    from llmserve.common.tokenizer_files import load_tokenizer_files
+
+    files = load_tokenizer_files(model_path)
+    files.tokenizer.save(str(directory / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": files.bos_token,
+              "eos_token": files.eos_token, "add_bos_token": False}  # fmt: skip
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    return directory
+
+
+def test_lm_eval_scores_a_multiple_choice_task_as_transformers(
+    stack: Stack, builtin_model_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """lm-eval's local-completions model (echo + logprobs + max_tokens 1 on /v1/completions,
+    token-id prompts) runs a 4-doc multiple-choice task written here with local data: every
+    choice's loglikelihood equals transformers' (tests/data/hf_prompt_logprobs_smollm2.json) and
+    so does the accuracy."""
+    # datasets reads these at import: no hub, its cache under tmp_path
+    for name in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE"):
+        monkeypatch.setenv(name, "1")
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "datasets"))
+    lm_eval = pytest.importorskip("lm_eval")
+    from lm_eval.tasks import TaskManager
+
+    from tests.engine.test_prompt_logprobs import TOLERANCE, hf_prompt_logprobs
+
+    reference = hf_prompt_logprobs(builtin_model_path)
+    data = tmp_path / "docs.jsonl"
+    data.write_text("".join(json.dumps(doc) + "\n" for doc in reference["docs"]))
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    yaml = TASK_YAML.format(data=data, delimiter=reference["target_delimiter"])
+    (tasks / "tiny_mc.yaml").write_text(yaml)
+    tokenizer = _hf_tokenizer_dir(builtin_model_path, tmp_path)
+    assert stack.http_url is not None
+    results = lm_eval.simple_evaluate(
+        model="local-completions",
+        model_args={
+            "model": "smollm2",
+            "base_url": f"{stack.http_url}/completions",
+            "tokenizer_backend": "huggingface",
+            "tokenizer": str(tokenizer),
+            "num_concurrent": 1,
+            "max_retries": 1,
+        },
+        tasks=["tiny_mc"],
+        # only this task: indexing lm-eval's own thousands of task files took 47 s here
+        task_manager=TaskManager(include_path=str(tasks), include_defaults=False),
+        log_samples=True,
+    )
+    assert results is not None
+    samples = sorted(results["samples"]["tiny_mc"], key=lambda s: s["doc_id"])
+    served = [resp[0] for sample in samples for resp in sample["resps"]]
+    expected = reference["loglikelihoods"]
+    assert len(served) == len(expected) == 12
+    for (logprob, is_greedy), want in zip(served, expected, strict=True):
+        num_tokens = len(want["continuation_ids"])
+        assert float(logprob) == pytest.approx(want["logprob"], abs=TOLERANCE * num_tokens)
+        assert is_greedy == want["is_greedy"]
+    choices = [len(doc["choices"]) for doc in reference["docs"]]
+    starts = [sum(choices[:i]) for i in range(len(choices))]
+    picks = [
+        max(range(n), key=lambda c, s=s: expected[s + c]["logprob"])
+        for n, s in zip(choices, starts, strict=True)
+    ]
+    want_acc = sum(p == doc["answer"] for p, doc in zip(picks, reference["docs"], strict=True))
+    assert results["results"]["tiny_mc"]["acc,none"] == want_acc / len(picks)
+    stack.assert_idle()

@@ -52,9 +52,10 @@ OPT_IN = [(f, fmt) for f in MAKERS for fmt in ("hf", "gguf") if (f, fmt) not in 
 # Families served from an HF directory only (no GGUF writer in the tests).
 MAKERS.update(
     smollm3=make_tiny_family, glm4_moe=make_tiny_moe, deepseek_v3=make_tiny_moe,
-    gpt_oss=make_tiny_moe,
+    gpt_oss=make_tiny_moe, qwen3_next=make_tiny_moe,
 )  # fmt: skip
 OPT_IN += [("smollm3", "hf"), ("glm4_moe", "hf"), ("deepseek_v3", "hf"), ("gpt_oss", "hf")]
+OPT_IN += [("qwen3_next", "hf")]  # served with its state slots, the prefix cache off
 
 
 @torch.no_grad()

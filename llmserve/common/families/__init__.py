@@ -1,7 +1,17 @@
 """The served model families (common/families/registry.py explains a family's record). Each
 module below registers its families when imported; a new family adds its module here."""
 
-from llmserve.common.families import deepseek, gemma, gpt_oss, llama, moe, phi3, qwen, smollm3
+from llmserve.common.families import (
+    deepseek,
+    gemma,
+    gpt_oss,
+    llama,
+    moe,
+    phi3,
+    qwen,
+    qwen3_next,
+    smollm3,
+)
 from llmserve.common.families.registry import (
     FAMILIES,
     FEATURES,
@@ -34,6 +44,7 @@ __all__ = [
     "moe",
     "phi3",
     "qwen",
+    "qwen3_next",
     "register",
     "rope_from_hf",
     "served_architectures",

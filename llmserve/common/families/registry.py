@@ -78,11 +78,10 @@ def served_gguf_architectures() -> list[str]:
 
 
 # Hybrid linear-attention families known by name and refused with the reason (docs/models.md,
-# "Not served yet: hybrid linear attention"): their layers keep a per-request recurrent state
-# (short-convolution inputs + SSM / delta-rule state) that the scheduler does not own yet.
-_HYBRID_STATE = "a per-request recurrent state (conv + {}) the scheduler does not allocate yet"
+# "Hybrid linear attention"): their Mamba-2 mixers are not written yet (Qwen3-Next, whose
+# gated DeltaNet layers keep their state in the scheduler's slots, is served).
+_HYBRID_STATE = "a Mamba-2 mixer (conv + {}) the engine does not compute yet"
 REFUSED_HYBRIDS = {
-    "Qwen3NextForCausalLM": _HYBRID_STATE.format("gated delta-rule state"),
     "GraniteMoeHybridForCausalLM": _HYBRID_STATE.format("Mamba-2 SSM state"),
     "NemotronHForCausalLM": _HYBRID_STATE.format("Mamba-2 SSM state"),
     "FalconH1ForCausalLM": _HYBRID_STATE.format("Mamba-2 SSM state"),

@@ -1,5 +1,6 @@
 """The engine's side of the step contract beyond the plan: what the engine reports of itself
-(EngineInfo) and the rows it refuses (Refusal, with_refused_rows). The plan and the result are
+(EngineInfo), the rows it refuses (Refusal, with_refused_rows) and the prompt scores it returns
+(PromptScores, engine/step/prompt_logprobs.py). The plan and the result are
 common/step_plan.py's (both sides use them); engine/contract/convert.py turns these into protobuf.
 Why structured output and grammar compiles travel as they do:
 docs/architecture.md#structured-output.
@@ -8,7 +9,7 @@ docs/architecture.md#structured-output.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from llmserve.common.step_plan import StepOutput
 
@@ -49,6 +50,9 @@ class EngineInfo:
     # transfers (host:port; "" otherwise).
     engine_role: str = "both"
     kv_transfer_address: str = ""
+    # Hybrid linear-attention models: the state pool's slots (0: no state layers); each running
+    # request holds one (NewRequest.state_slot).
+    num_state_slots: int = 0
 
 
 @dataclass(frozen=True)
@@ -61,6 +65,26 @@ class Refusal:
     reason: str | None
 
 
+@dataclass
+class PromptScores:
+    """One step's prompt scores, as StepResult carries them: per batch row, how many positions
+    it scored; per position, the next token's logprob and rank, and its row's top-k."""
+
+    counts: list[int]
+    logprobs: list[float] = field(default_factory=list)
+    ranks: list[int] = field(default_factory=list)
+    top_token_ids: list[int] = field(default_factory=list)
+    top_logprobs: list[float] = field(default_factory=list)
+
+    def add_to(self, output: StepOutput) -> None:
+        """Set output's prompt logprob columns (output has one row per batch row)."""
+        output.num_prompt_logprobs = self.counts
+        output.prompt_logprobs = self.logprobs
+        output.prompt_logprob_ranks = self.ranks
+        output.prompt_top_token_ids = self.top_token_ids
+        output.prompt_top_logprobs = self.top_logprobs
+
+
 def with_refused_rows(output: StepOutput, refusals: list[Refusal]) -> StepOutput:
     """output (one row per batch row) with the refused rows put back at their plan rows: no
     token, NaN logprob, no top logprobs; the refusals with a reason listed."""
@@ -68,6 +92,7 @@ def with_refused_rows(output: StepOutput, refusals: list[Refusal]) -> StepOutput
         return output
     tokens, logprobs = list(output.sampled_token_ids), output.logprobs
     counts = list(output.num_top_logprobs)
+    num_prompt = list(output.num_prompt_logprobs)
     drafts, num_sampled = list(output.num_draft_tokens), list(output.num_sampled_tokens)
     for refusal in sorted(refusals, key=lambda r: r.row):
         at = refusal.row if not num_sampled else sum(num_sampled[: refusal.row])
@@ -76,12 +101,22 @@ def with_refused_rows(output: StepOutput, refusals: list[Refusal]) -> StepOutput
             logprobs = [*logprobs[:at], math.nan, *logprobs[at:]]
         if counts:
             counts.insert(at, 0)
+        if num_prompt:
+            num_prompt.insert(refusal.row, 0)
         if num_sampled:
             num_sampled.insert(refusal.row, 1)
             drafts.insert(refusal.row, 0)
     refused = [r for r in refusals if r.reason is not None]
-    return StepOutput(
+    result = StepOutput(
         tokens, logprobs, output.forward_ms, output.sample_ms, counts,
         output.top_token_ids, output.top_logprobs,
         [r.seq_id for r in refused], [r.reason or "" for r in refused], drafts, num_sampled,
     )  # fmt: skip
+    result.num_prompt_logprobs = num_prompt
+    result.prompt_logprobs, result.prompt_logprob_ranks = (
+        output.prompt_logprobs,
+        output.prompt_logprob_ranks,
+    )
+    result.prompt_top_token_ids = output.prompt_top_token_ids
+    result.prompt_top_logprobs = output.prompt_top_logprobs
+    return result

@@ -3,7 +3,8 @@
 It mirrors requests exactly as the real engine does (same Mirror, same checks) and "samples" by
 echoing: output token i is prompt token i mod prompt length, so outputs are deterministic,
 batch invariant, survive preemption, and a test picks the text by picking the prompt. Top-k
-logprobs are tokens t, t+1, ... with logprobs 0, -1, -2, .... EchoEngineConfig's settings
+logprobs are tokens t, t+1, ... with logprobs 0, -1, -2, .... Prompt token j scores logprob
+-0.5 * (j % 3) at rank 1 + j % 3 (`_echo_prompt_scores`). EchoEngineConfig's settings
 model a device (step delays, P pipeline stages with P steps in flight, speculation) and, with
 --engine-role prefill | decode, one side of disaggregation: a pool of tiny blocks
 (engine/kv/echo_kv.py) whose transfers run through engine/kv/disaggregation.py as the real
@@ -20,7 +21,7 @@ from typing import TYPE_CHECKING
 from llmserve.common.flags import setting
 from llmserve.common.step_plan import StepOutput, StepPlanData
 from llmserve.engine.config import EngineConfig
-from llmserve.engine.contract.contract import EngineInfo, with_refused_rows
+from llmserve.engine.contract.contract import EngineInfo, PromptScores, with_refused_rows
 from llmserve.engine.contract.mirror import Mirror, MirrorMismatch, ScheduledSeq
 
 if TYPE_CHECKING:
@@ -75,6 +76,12 @@ class EchoEngineConfig:
         "bandwidth (0: at once)",
     )
 
+    num_state_slots: int = setting(
+        0,
+        "recurrent-state slots it pretends to hold, as a hybrid linear-attention model's engine "
+        "(EngineInfo.num_state_slots; its mirror checks each new request's state_slot; 0: none)",
+    )
+
     def __post_init__(self) -> None:
         if self.pipeline_parallel_size < 1:
             raise ValueError(f"pipeline_parallel_size={self.pipeline_parallel_size} must be >= 1")
@@ -108,20 +115,28 @@ class EchoEngine:
             kv_block_bytes=self.kv.block_bytes if self.kv is not None else 0,
             engine_role=config.engine_role,
             kv_transfer_address=self.kv.address if self.kv is not None else "",
+            num_state_slots=fake.num_state_slots,
         )
         self.step_delay_ms = fake.step_delay_ms
         self.step_token_delay_ms = fake.step_token_delay_ms
-        self.mirror = Mirror(config.block_size, num_blocks, fake.vocab_size)
+        self.mirror = self._new_mirror()
         self.num_steps = 0
         # When each stage of the "device" finishes the last step launched.
         self.busy_until = [0.0] * fake.pipeline_parallel_size
         self.in_flight: deque[EchoStep] = deque()  # launched, not finished, oldest first
 
     def reset(self) -> None:
-        self.mirror = Mirror(self.info.block_size, self.info.num_blocks, self.info.vocab_size)
+        self.mirror = self._new_mirror()
         self.in_flight.clear()
         if self.kv is not None:
             self.kv.reset()
+
+    def _new_mirror(self) -> Mirror:
+        info = self.info
+        return Mirror(
+            info.block_size, info.num_blocks, info.vocab_size,
+            num_state_slots=info.num_state_slots,
+        )  # fmt: skip
 
     def launch(self, plan: StepPlanData) -> EchoStep:
         """Run plan on the host at once; its result is ready when it has passed every stage:
@@ -209,6 +224,8 @@ class EchoEngine:
                 output.num_top_logprobs.append(k)
                 output.top_token_ids += [(t + j) % vocab for j in range(k)]
                 output.top_logprobs += [float(-j) for j in range(k)]
+        if any(r.seq.prompt_logprobs >= 0 for r in batch.rows):
+            _echo_prompt_scores(batch.rows, self.info.vocab_size).add_to(output)
         output = with_refused_rows(output, batch.refusals)
         # The echo engine masks nothing: every grammar it is asked to compile is ready at once.
         output.compiled_seq_ids = [g.seq_id for g in plan.grammar_compiles]
@@ -228,6 +245,24 @@ def _echo_kv(config: EngineConfig, fake: EchoEngineConfig, num_blocks: int) -> E
     from llmserve.engine.kv.echo_kv import EchoKV  # torch: only for a role
 
     return EchoKV(config, num_blocks, fake.kv_block_bytes, fake.kv_link_gb_per_s)
+
+
+def _echo_prompt_scores(rows: list[ScheduledSeq], vocab_size: int) -> PromptScores:
+    """The rows' prompt scores as engine/step/prompt_logprobs.py counts positions: prompt token
+    j (j >= 1) has logprob -0.5 * (j % 3) and rank 1 + j % 3; the top-k around it (token
+    t - j % 3 + m at logprob -0.5 * m) holds it at that rank."""
+    scores = PromptScores([])
+    for row in rows:
+        seq, k = row.seq, row.seq.prompt_logprobs
+        positions = range(row.start, min(row.end, seq.num_prompt_tokens - 1)) if k >= 0 else []
+        scores.counts.append(len(positions))
+        for p in positions:
+            j, t = p + 1, seq.token_ids[p + 1]
+            scores.logprobs.append(-0.5 * (j % 3))
+            scores.ranks.append(1 + j % 3)
+            scores.top_token_ids += [(t - j % 3 + m) % vocab_size for m in range(k)]
+            scores.top_logprobs += [-0.5 * m for m in range(k)]
+    return scores
 
 
 def _echo_tokens(row: ScheduledSeq, vocab_size: int) -> list[int]:

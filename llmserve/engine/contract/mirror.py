@@ -54,6 +54,10 @@ class SeqState:
     grammar: Any = None
     # The adapter slot it runs under this step (0: the base model); the plan names it each step.
     lora_slot: int = 0
+    # The state pool's slot of its recurrent state (a model with state layers; else 0).
+    state_slot: int = 0
+    # Prompt logprobs asked (NewRequest.prompt_logprobs): -1 none, else the top-k per position.
+    prompt_logprobs: int = -1
 
     @property
     def num_output_tokens(self) -> int:
@@ -100,15 +104,23 @@ class StepBatch:
 
 class Mirror:
     def __init__(
-        self, block_size: int, num_blocks: int, vocab_size: int = 0, sliding_window: int = 0
+        self,
+        block_size: int,
+        num_blocks: int,
+        vocab_size: int = 0,
+        sliding_window: int = 0,
+        num_state_slots: int = 0,
     ):
         """vocab_size: token ids of new requests must be below it (0: unchecked).
+        num_state_slots: the state pool's slots (a model with state layers; 0: none): a new
+        request names a free one and starts from no computed token.
         sliding_window: the window the scheduler releases blocks out of (EngineInfo's; 0: none):
         a released block may come back to the same request later."""
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.vocab_size = vocab_size
         self.sliding_window = sliding_window
+        self.num_state_slots = num_state_slots
         self.seqs: dict[int, SeqState] = {}
         # New requests refused for what they carry (bad sampling params, token ids outside the
         # vocabulary), by seq id, until the scheduler lists them as finished: the step runs
@@ -208,9 +220,30 @@ class Mirror:
             self._checked_blocks(new.seq_id, new.block_table),
             new.num_computed_tokens,
             lora_slot=new.lora_slot,
+            state_slot=new.state_slot,
+            prompt_logprobs=new.prompt_top_logprobs if new.prompt_logprobs else -1,
         )
+        if self.num_state_slots:
+            self._check_state_slot(new)
         self.seqs[new.seq_id] = seq
         return self._schedule(seq, new.num_scheduled_tokens)
+
+    def _check_state_slot(self, new: NewRequest) -> None:
+        """new's state slot is in the pool and held by no other request, and new computes
+        from its first token (its state is rebuilt: no prefix-cache hit can restore one)."""
+        slot = new.state_slot
+        if not 0 <= slot < self.num_state_slots:
+            raise MirrorMismatch(
+                f"seq {new.seq_id}: state_slot={slot} outside [0, {self.num_state_slots})"
+            )
+        holder = next((s.seq_id for s in self.seqs.values() if s.state_slot == slot), None)
+        if holder is not None:
+            raise MirrorMismatch(f"seq {new.seq_id}: state_slot={slot} is held by seq {holder}")
+        if new.num_computed_tokens:
+            raise MirrorMismatch(
+                f"seq {new.seq_id}: num_computed_tokens={new.num_computed_tokens}, but a "
+                "request with a recurrent state computes from its first token"
+            )
 
     def _check_vocabulary(self, new: NewRequest) -> None:
         """Raise ValueError when new carries a token id outside the vocabulary."""

@@ -20,7 +20,8 @@ from llmserve.common.model_config import ModelConfig
 def kv_pool_shape(config: ModelConfig, num_blocks: int, block_size: int) -> tuple[int, ...]:
     if config.mla is not None:
         return (config.num_layers, 1, num_blocks, block_size, 1, config.mla.latent_dim)
-    return (config.num_layers, 2, num_blocks, block_size, config.num_kv_heads, config.head_dim)
+    num_layers = config.num_kv_layers  # a hybrid's state layers keep no KV
+    return (num_layers, 2, num_blocks, block_size, config.num_kv_heads, config.head_dim)
 
 
 def bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
@@ -46,11 +47,15 @@ def allocate_kv_cache(
     On a CPU the pool is anonymous memory mapped for it, which the OS zeroes page by page as it
     is first touched: the process's resident memory grows with the KV actually used, not with
     the pool's size."""
-    shape = kv_pool_shape(config, num_blocks, block_size)
-    if device.type != "cpu":
+    return zeroed(kv_pool_shape(config, num_blocks, block_size), dtype, device)
+
+
+def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed pool tensor; on a CPU, pages the OS zeroes as they are first touched."""
+    if device.type != "cpu" or not math.prod(shape):  # empty: a stage without such layers
         return torch.zeros(shape, dtype=dtype, device=device)
     element = torch.empty(0, dtype=dtype).element_size()
-    pages = mmap.mmap(-1, max(1, math.prod(shape) * element))
+    pages = mmap.mmap(-1, math.prod(shape) * element)
     return torch.frombuffer(pages, dtype=torch.uint8).view(dtype).view(shape)
 
 

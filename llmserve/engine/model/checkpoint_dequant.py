@@ -10,29 +10,11 @@ from __future__ import annotations
 import torch
 
 from llmserve.common.model_config import ModelSourceError
+from llmserve.kernels.cpu_wq import FP4_VALUES  # e2m1 (OCP MX FP4): code -> value
 
 # AutoAWQ's GEMM packing puts output column ORDER[i] of each 8 in nibble i of an int32 word;
 # column c is therefore nibble REVERSE[c].
 AWQ_REVERSE_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)
-# e2m1 (OCP MX FP4): sign, two exponent bits, one mantissa bit.
-FP4_VALUES = (
-    0.0,
-    0.5,
-    1.0,
-    1.5,
-    2.0,
-    3.0,
-    4.0,
-    6.0,
-    -0.0,
-    -0.5,
-    -1.0,
-    -1.5,
-    -2.0,
-    -3.0,
-    -4.0,
-    -6.0,
-)
 
 
 def _expect(what: str, got: torch.Size, want: tuple[int, ...]) -> None:

@@ -148,6 +148,14 @@ class CheckpointView(Mapping[str, torch.Tensor]):
             return None
         return self.fmt.kept(stem, lambda suffix: self._stored(stem + suffix))
 
+    def kept_stack(self, name: str) -> list[KeptWeight] | None:
+        """The stacked (fused experts') quantized weight presented as `name`, one KeptWeight
+        per expert, as stored (None: a float tensor, or one its scheme does not keep)."""
+        stem = self.quantized.get(name)
+        if stem is None:
+            return None
+        return self.fmt.kept_stack(stem, lambda suffix: self._stored(stem + suffix))
+
     def _stored(self, name: str) -> torch.Tensor | None:
         if name not in self.weights:
             return None

@@ -1,17 +1,21 @@
 """Quantized checkpoints served as stored on the CPU: `keep_checkpoint_weights` swaps, before
 the load, every Linear whose tensors a checkpoint stores in a form engine/model/kept_weights.py
 holds (W4A16, W8A16, FP8) for a `CheckpointLinear` over them (kernels/cpu_wq.cpp), so the load
-never widens them to float32, as engine/model/gguf_linear.py does for GGUF blocks. Linears left
-(the LM head of most checkpoints, 2-bit weights, MoE experts) load dequantized as before.
+never widens them to float32, as engine/model/gguf_linear.py does for GGUF blocks (MoE experts:
+engine/model/kept_experts.py, over the same CheckpointLinear). Linears left (the LM head of most
+checkpoints, 2-bit weights) load dequantized as before.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 from torch import nn
 
 from llmserve.common.log import get_logger
 from llmserve.engine.model.checkpoint_formats import CheckpointView
+from llmserve.engine.model.families.deepseek import RopeRowsLinear
 from llmserve.engine.model.kept_weights import KeptWeight
 from llmserve.engine.model.layers import Linear
 from llmserve.engine.model.model import LlamaForCausalLM
@@ -36,6 +40,8 @@ def _merged(parts: list[KeptWeight]) -> KeptWeight:
     if first.kind == "fp8":
         q = torch.cat([p.q.view(torch.uint8) for p in parts]).view(torch.float8_e4m3fn)
         return KeptWeight("fp8", q, scale, None, first.group, first.perm)
+    if first.kind == "fp4":
+        return KeptWeight("fp4", torch.cat([p.q for p in parts]), scale, None, first.group)
     moved = [cpu_wq.stored_values(first.kind, p.q, p.zero, p.scale) for p in parts]
     q = torch.cat([values for values, _ in moved])
     zeros = [
@@ -43,6 +49,13 @@ def _merged(parts: list[KeptWeight]) -> KeptWeight:
         for p, (_, z) in zip(parts, moved, strict=True)
     ]
     return KeptWeight(first.kind, q, scale, torch.cat(zeros), first.group, first.perm)
+
+
+def _rows(weight: KeptWeight, rows: torch.Tensor) -> KeptWeight:
+    """The weight with its output rows in the order `rows` (DeepSeek's MLA projections: their
+    rotary rows de-interleaved at load, engine/model/families/deepseek.py's RopeRowsLinear)."""
+    zero = None if weight.zero is None else weight.zero[rows]
+    return replace(weight, q=weight.q[rows], scale=weight.scale[rows], zero=zero)
 
 
 class CheckpointLinear(nn.Module):
@@ -96,14 +109,23 @@ def _linear_tensors(model: LlamaForCausalLM) -> dict[int, dict[str, list[str]]]:
     return names
 
 
+def can_keep(model: LlamaForCausalLM, weights: CheckpointView) -> bool:
+    """Whether a quantized checkpoint's weights can be kept as stored here: not where the
+    checkpoint is float (no build), the model is split across tensor-parallel ranks (the kept
+    forms are whole) or the kernel cannot build (logged once)."""
+    if not weights.quantized or model.shard.tp.size != 1:
+        return False
+    if cpu_wq.unavailable() is not None:
+        log.warning("checkpoint weights dequantized at load", why=cpu_wq.unavailable())
+        return False
+    return True
+
+
 def keep_checkpoint_weights(model: LlamaForCausalLM, weights: CheckpointView) -> int:
     """Before the load: every Linear whose weight tensors `weights` holds in a kept form becomes
     a CheckpointLinear over them; the number swapped. Nothing where the kernel cannot build
     here or the model is split across tensor-parallel ranks (the kept forms are whole)."""
-    if not weights.quantized or model.shard.tp.size != 1:  # a float checkpoint: no build
-        return 0
-    if cpu_wq.unavailable() is not None:
-        log.warning("checkpoint weights dequantized at load", why=cpu_wq.unavailable())
+    if not can_keep(model, weights):
         return 0
     names = _linear_tensors(model)
     swapped = 0
@@ -114,6 +136,8 @@ def keep_checkpoint_weights(model: LlamaForCausalLM, weights: CheckpointView) ->
         kept = [p for p in parts if p is not None]
         if len(kept) != len(parts) or len({p.kind for p in kept}) != 1:
             continue
+        if isinstance(module, RopeRowsLinear) and module.rows is not None:
+            kept = [_rows(p, module.rows) for p in kept]
         biases = [weights[n].float() for n in names[id(module)]["bias"]]
         parent, _, leaf = name.rpartition(".")
         layer = CheckpointLinear(kept, torch.cat(biases) if biases else None)
@@ -126,9 +150,13 @@ def keep_checkpoint_weights(model: LlamaForCausalLM, weights: CheckpointView) ->
 
 
 def kept_description(model: nn.Module) -> str:
-    """For the start line: how many linears serve their checkpoint's weights as stored."""
-    kinds = [m.kind for m in model.modules() if isinstance(m, CheckpointLinear)]
-    if not kinds:
+    """For the start line: how many linears serve their checkpoint's weights as stored on the CPU
+    (on a GPU: checkpoint_linear_cuda.py's gpu_kept_description)."""
+    kept = [(n, m.kind) for n, m in model.named_modules() if isinstance(m, CheckpointLinear)]
+    if not kept:
         return ""
+    kinds = [kind for _, kind in kept]
     counts = ", ".join(f"{kinds.count(k)} {k}" for k in sorted(set(kinds)))
-    return f"{len(kinds)} linears kept quantized on the CPU ({counts})"
+    experts = sum(".experts." in name for name, _ in kept)  # engine/model/kept_experts.py's
+    of_them = f", {experts} of them experts'" if experts else ""
+    return f"{len(kept)} linears kept quantized on the CPU ({counts}){of_them}"

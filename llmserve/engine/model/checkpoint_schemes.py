@@ -30,7 +30,7 @@ from llmserve.engine.model.checkpoint_dequant import (
     expand_groups,
     unpack_int32,
 )
-from llmserve.engine.model.kept_weights import KeptWeight, fp8_weight, int_weight
+from llmserve.engine.model.kept_weights import KeptWeight, fp8_weight, int_weight, mxfp4_weights
 
 SUPPORTED = (
     "fp8 (weight_block_size), compressed-tensors (pack-quantized, int-quantized, "
@@ -67,6 +67,11 @@ class WeightScheme:
 
     def kept(self, stem: str, get: Getter) -> KeptWeight | None:
         """The weight as stored, for the CPU kernels; None: dequantize it instead."""
+        return None
+
+    def kept_stack(self, stem: str, get: Getter) -> list[KeptWeight] | None:
+        """A stacked [E, N, K] weight (fused experts) as stored, one KeptWeight per row of
+        the first dimension; None: dequantize it instead."""
         return None
 
     def scale_form(self, stem: str, get: Getter) -> tuple[torch.Tensor, int] | None:
@@ -192,6 +197,12 @@ class Mxfp4(WeightScheme):
 
     def dequantize(self, stem: str, get: Getter) -> torch.Tensor:
         return dequantize_mxfp4(_need(get, stem, "_blocks"), _need(get, stem, "_scales"))
+
+    def kept_stack(self, stem: str, get: Getter) -> list[KeptWeight] | None:
+        blocks, scales = _need(get, stem, "_blocks"), _need(get, stem, "_scales")
+        if blocks.dim() != 4 or tuple(scales.shape) != tuple(blocks.shape[:-1]):
+            return None
+        return mxfp4_weights(blocks, scales)
 
     def describe(self) -> str:
         return "mxfp4"

@@ -4,7 +4,13 @@ weights along K, w = (q - zero) * scale, and act-order's column permutation). Ea
 scheme (engine/model/checkpoint_schemes.py: `kept`) builds it from the stored tensors; where a
 weight does not fit the form (2-bit or 3-D expert weights, an
 act-order whose groups are not runs of `group` columns) the scheme returns None and the weight is
-dequantized at load instead. engine/model/checkpoint_linear.py serves it.
+dequantized at load instead. engine/model/checkpoint_linear.py serves it (experts:
+engine/model/kept_experts.py).
+
+MXFP4 (gpt-oss) is kept as stored, kind "fp4": its e2m1 codes, two a byte, and its e8m0 block
+scale 2^(s - 127) as the float32 scale per 32 (exact: a power of two, 2^-127 a subnormal, for
+every s in 0..254). (int8 would hold it exactly too, 2 v in [-12, 12] times 2^(s - 128), at
+twice the bytes; int4 cannot: the 15 levels 2 v takes are not evenly spaced.)
 """
 
 from __future__ import annotations
@@ -13,15 +19,15 @@ from dataclasses import dataclass
 
 import torch
 
-from llmserve.kernels.cpu_wq import wq_dequantize
+from llmserve.kernels.cpu_wq import fp4_values, wq_dequantize
 
 
 @dataclass(frozen=True)
 class KeptWeight:
-    """kind: "int4" (values in [0, 15] or [-8, 7]), "int8" ([-128, 127] or [0, 255]) or "fp8"
-    (q float8_e4m3fn). q [N, K] with its columns in `perm` order where act-order reordered them
-    (column j of q is input feature perm[j]); scale, zero [N, ceil(K / group)] float32 (zero None:
-    symmetric)."""
+    """kind: "int4" (values in [0, 15] or [-8, 7]), "int8" ([-128, 127] or [0, 255]), "fp8"
+    (q float8_e4m3fn) or "fp4" (q uint8 e2m1 codes, 0..15). q [N, K] with its columns in
+    `perm` order where act-order reordered them (column j of q is input feature perm[j]);
+    scale, zero [N, ceil(K / group)] float32 (zero None: symmetric)."""
 
     kind: str
     q: torch.Tensor
@@ -32,12 +38,24 @@ class KeptWeight:
 
     def dequantize(self) -> torch.Tensor:
         """float32 W [N, K] in the checkpoint's column order (the tests' cross-check)."""
-        w = wq_dequantize(self.q, self.scale, self.zero, self.group)
+        q = fp4_values(self.q) if self.kind == "fp4" else self.q
+        w = wq_dequantize(q, self.scale, self.zero, self.group)
         if self.perm is None:
             return w
         out = torch.empty_like(w)
         out[:, self.perm] = w
         return out
+
+
+def mxfp4_weights(blocks: torch.Tensor, scales: torch.Tensor) -> list[KeptWeight]:
+    """MXFP4 experts blocks uint8 [E, N, G, 16] (low nibble first) and e8m0 scales uint8
+    [E, N, G] as E fp4 weights [N, G * 32] (codes) in groups of 32, one expert at a time."""
+    kept = []
+    for raw, exponent in zip(blocks.to(torch.uint8), scales.to(torch.int32), strict=True):
+        codes = torch.stack((raw & 0x0F, raw >> 4), dim=-1).flatten(-3)
+        scale = torch.ldexp(torch.ones(exponent.shape), exponent - 127)
+        kept.append(KeptWeight("fp4", codes, scale, None, 32))
+    return kept
 
 
 def int_kind(bits: int) -> str | None:

@@ -82,3 +82,23 @@ def chunked(
         )
     out = out.reshape(out.shape[0], -1, out.shape[-1])[:, :t_len]
     return out.transpose(0, 1), s
+
+
+def decode_step(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token of each of B sequences at once (a step's decode rows): q, k [B, H, Dk];
+    v [B, H, Dv]; g, beta [B, H]; state [B, H, Dk, Dv]. `recurrent` of one token per row;
+    returns (out [B, H, Dv], new states)."""
+    q = q.float() * q.shape[-1] ** -0.5
+    k, v = k.float(), v.float()
+    s = state.float() * g.float().exp()[..., None, None]
+    mem = torch.einsum("bhk,bhkv->bhv", k, s)
+    delta = (v - mem) * beta.float()[..., None]
+    s = s + torch.einsum("bhk,bhv->bhkv", k, delta)
+    return torch.einsum("bhk,bhkv->bhv", q, s), s

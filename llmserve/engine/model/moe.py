@@ -134,7 +134,8 @@ class SparseMoeBlock(OpsModule):
         self.moe = moe
         self.gate = Router(hidden_size, moe.num_experts, corrected=moe.grouped)
         local = moe.expert_range(tp.rank, tp.size)
-        self.experts = Experts(hidden_size, moe.intermediate_size, local)
+        # or, a quantized checkpoint's on a CPU, engine/model/kept_experts.py's KeptExperts
+        self.experts: nn.Module = Experts(hidden_size, moe.intermediate_size, local)
         self.shared_expert: SharedExpert | None = None
         self.shared_expert_gate: Router | None = None
         if moe.shared_intermediate_size:
@@ -149,7 +150,11 @@ class SparseMoeBlock(OpsModule):
         else:
             weights, ids = route(self.gate(x), self.moe.top_k, self.moe.renormalize)
         experts = self.experts
-        out = self.ops.moe_experts(x, weights, ids, experts.w13, experts.w2, experts.experts.start)
+        if isinstance(experts, Experts):
+            first = experts.experts.start
+            out = self.ops.moe_experts(x, weights, ids, experts.w13, experts.w2, first)
+        else:  # kept quantized on the CPU (engine/model/kept_experts.py)
+            out = experts(x, weights, ids)
         if self.shared_expert is not None:
             shared = self.shared_expert(x)
             if self.shared_expert_gate is not None:
@@ -166,14 +171,17 @@ class SparseMoeBlock(OpsModule):
         bias = self.gate.e_score_correction_bias
         if bias is not None:
             yield f"{stem}gate.e_score_correction_bias", self.gate, bias, 0
-        yield from self.experts.hf_tensors(stem, self.moe.hf_experts)
+        if isinstance(self.experts, Experts):  # kept experts read theirs when they were made
+            yield from self.experts.hf_tensors(stem, self.moe.hf_experts)
         if self.shared_expert is not None:
+            # a projection kept quantized (engine/model/checkpoint_linear.py) read its own
             shared = "shared_experts" if self.moe.grouped else "shared_expert"
-            for shard, part in enumerate(("gate_proj", "up_proj")):
-                proj = self.shared_expert.gate_up_proj
-                yield f"{stem}{shared}.{part}.weight", proj, proj.weight, shard
-            down = self.shared_expert.down_proj
-            yield f"{stem}{shared}.down_proj.weight", down, down.weight, 0
+            proj, down = self.shared_expert.gate_up_proj, self.shared_expert.down_proj
+            if isinstance(proj, Linear):
+                for shard, part in enumerate(("gate_proj", "up_proj")):
+                    yield f"{stem}{shared}.{part}.weight", proj, proj.weight, shard
+            if isinstance(down, Linear):
+                yield f"{stem}{shared}.down_proj.weight", down, down.weight, 0
         if self.shared_expert_gate is not None:
             gate = self.shared_expert_gate
             yield f"{stem}shared_expert_gate.weight", gate, gate.weight, 0

@@ -27,6 +27,7 @@ from llmserve.engine.model.checkpoint_formats import (
     read_format,
 )
 from llmserve.engine.model.checkpoint_linear import keep_checkpoint_weights
+from llmserve.engine.model.checkpoint_linear_cuda import keep_on_gpu
 from llmserve.engine.model.cpu_fused import install_fused_decode
 from llmserve.engine.model.cpu_weights import plan_weight_path
 from llmserve.engine.model.dummy import DummyWeights, init_dummy_weights
@@ -37,6 +38,7 @@ from llmserve.engine.model.gguf_linear import (
     keep_gguf_blocks,
     quantize_rest,
 )
+from llmserve.engine.model.kept_experts import keep_expert_weights
 from llmserve.engine.model.layers import PackedLinear, can_pack_cpu_linears
 from llmserve.engine.model.model import LlamaForCausalLM
 from llmserve.engine.model.ops import LayerOps, select_ops
@@ -246,6 +248,18 @@ def gguf_limits(path: Path, device: torch.device, whole: bool, dummy: bool) -> s
     return None
 
 
+def _keep_quantized(
+    model: LlamaForCausalLM, weights: CheckpointView, device: torch.device, dtype: torch.dtype
+) -> None:
+    """Before the load: a quantized checkpoint's linears kept as stored, on the CPU
+    (engine/model/checkpoint_linear.py; MoE experts: kept_experts.py) or a GPU (checkpoint_linear_cuda.py)."""
+    if device.type == "cpu":
+        keep_checkpoint_weights(model, weights)
+        keep_expert_weights(model, weights)  # and MoE experts (MXFP4 too)
+    else:
+        keep_on_gpu(model, weights, device, dtype)
+
+
 def build_model(
     config: ModelConfig,
     weights: Mapping[str, torch.Tensor] | None,
@@ -283,8 +297,8 @@ def build_model(
     model.reset_rotary()
     if quantization == "gguf":
         weights = _keep_blocks(model, weights)
-    if quantization == "none" and device.type == "cpu" and isinstance(weights, CheckpointView):
-        keep_checkpoint_weights(model, weights)  # W4A16 / W8A16 / FP8 linears kept as stored
+    if quantization == "none" and isinstance(weights, CheckpointView):
+        _keep_quantized(model, weights, device, dtype)  # W4A16 / W8A16 / FP8 kept as stored
     if weights is None and model.shard.is_whole:
         init_dummy_weights(model, dummy_seed)
     elif weights is None:

@@ -128,6 +128,7 @@ def shard_config(config: ModelConfig, shard: ModelShard) -> ModelConfig:
     config by the whole model's layer numbers)."""
     t = shard.tp.size
     layers = shard.layers
+    delta_net = config.gated_delta_net.split(t) if config.gated_delta_net is not None else None
     return replace(
         config,
         num_heads=config.num_heads // t,
@@ -135,6 +136,8 @@ def shard_config(config: ModelConfig, shard: ModelShard) -> ModelConfig:
         intermediate_size=config.intermediate_size // t,
         num_layers=len(layers),
         layer_types=config.layer_types[layers.start : layers.stop],
+        gated_delta_net=delta_net,  # a hybrid's state: this rank's heads
+        state_layout=delta_net.layout() if delta_net is not None else config.state_layout,
     )
 
 

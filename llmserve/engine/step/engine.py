@@ -37,8 +37,10 @@ from llmserve.engine.features.proposer import make_proposer
 from llmserve.engine.kv.cache import allocate_kv_cache, bytes_per_block, layer_views
 from llmserve.engine.kv.disaggregation import KVTransfers
 from llmserve.engine.kv.offload import KVTiers
+from llmserve.engine.kv.state import StatePool, state_bytes_per_slot
 from llmserve.engine.model.checkpoint_formats import checkpoint_format
 from llmserve.engine.model.checkpoint_linear import kept_description
+from llmserve.engine.model.checkpoint_linear_cuda import gpu_kept_description
 from llmserve.engine.model.model import LlamaForCausalLM
 from llmserve.engine.model.weights import checked_quantization, load_model
 from llmserve.engine.parallel.groups import Parallel, shard_config, whole_model
@@ -115,6 +117,7 @@ class Engine:
             grammars=self.grammars,
         )  # fmt: skip
         self.runner.lora = self.adapters.slots if self.adapters is not None else None
+        self.runner.state_pool = self.state_pool
         draft_kv_caches = None
         if self.draft_kv_cache is not None:
             draft_kv_caches = layer_views(self.draft_kv_cache)
@@ -135,6 +138,11 @@ class Engine:
         why_not = family_refusal(self.model_config.family, config.features())
         if why_not:
             raise ModelSourceError(why_not)
+        if self.model_config.state_layout is not None and config.engine_role != "both":
+            raise ModelSourceError(
+                f"engine_role={config.engine_role}: model family {self.model_config.family} "
+                "keeps a recurrent state per request, which a KV transfer does not carry"
+            )
         num_layers = self.model_config.num_layers
         self.shard = parallel.shard if parallel is not None else whole_model(num_layers)
         # The shape of this rank's part: its heads and layers (the whole model's without parallel).
@@ -177,6 +185,7 @@ class Engine:
             kv_block_bytes=bytes_per_block(self.local_config, config.block_size, self.kv_dtype),
             engine_role=config.engine_role,
             kv_transfer_address=self.transfers.address,
+            num_state_slots=self.state_pool.num_slots if self.state_pool is not None else 0,
         )
 
     def _released_window(self) -> int:
@@ -197,7 +206,7 @@ class Engine:
         """The engine's one log line at start: what it loaded, where, and the memory it took."""
         config = self.config
         blocks = "projections in GGUF blocks" if self.quantization == "gguf" else ""
-        kept = kept_description(self.model) or blocks
+        kept = kept_description(self.model) or gpu_kept_description(self.model) or blocks
         log.info(
             "engine loaded",
             model=str(path),
@@ -218,6 +227,7 @@ class Engine:
             kv_cache_gib=round(self.kv_cache.numel() * self.kv_cache.element_size() / GIB, 2),
             kv_offload_host_blocks=self.info.num_host_blocks,
             kv_offload_disk_blocks=self.info.num_disk_blocks,
+            **self._state_figures(),
             **self._draft_figures(),
             **(self.model.weight_path.figures() if self.model.weight_path else {}),
             max_model_len=self.max_model_len,
@@ -257,6 +267,16 @@ class Engine:
             self.device,
         )  # fmt: skip
         return model
+
+    def _state_figures(self) -> dict[str, object]:
+        """The state pool's entries of the engine's log line (none without one)."""
+        if self.state_pool is None:
+            return {}
+        return {
+            "num_state_slots": self.state_pool.num_slots,
+            "state_cache_gib": round(self.state_pool.nbytes / GIB, 3),
+            "prefix_caching": "refused: recurrent state (the scheduler turns it off)",
+        }
 
     def _draft_figures(self) -> dict[str, object]:
         """The draft model's entries of the engine's log line (none without one)."""
@@ -298,6 +318,7 @@ class Engine:
         model's beside it (its own layers and heads, the target's blocks); the memory figures
         for the log."""
         self.num_blocks, memory = self._size_kv_pool()
+        self.state_pool = self._allocate_state_pool()
         if self.parallel is not None:  # one block space: every rank's pool holds the same blocks
             self.num_blocks = self.parallel.min_over_ranks(self.num_blocks)
         c = self.config
@@ -310,6 +331,26 @@ class Engine:
                 self.draft_config, self.num_blocks, c.block_size, self.kv_dtype, self.device
             )
         return memory
+
+    def _allocate_state_pool(self) -> StatePool | None:
+        """A hybrid model's state pool: one slot per sequence a step may hold (max_num_seqs),
+        its bytes taken out of the KV pool's budget (unless --num-kv-blocks fixed the pool);
+        None for a model without state layers."""
+        c, config = self.config, self.local_config
+        per_slot = state_bytes_per_slot(config, self.dtype)
+        if not per_slot:
+            return None
+        num_slots = c.max_num_seqs
+        per_block = bytes_per_block(config, c.block_size, self.kv_dtype)
+        if not c.num_kv_blocks and per_block:  # 0: a stage of state layers only
+            taken = -(-num_slots * per_slot // per_block)
+            if taken >= self.num_blocks:
+                raise RuntimeError(
+                    f"the state pool ({num_slots} slots x {per_slot} bytes) leaves no KV block "
+                    f"of the {self.num_blocks} the budget holds: lower --max-num-seqs"
+                )
+            self.num_blocks -= taken
+        return StatePool(config, num_slots, self.dtype, self.device)
 
     def _allocate_tiers(self) -> KVTiers | None:
         """The KV offload tiers under the pool (--kv-offload-gb, --kv-offload-dir), as many
@@ -354,6 +395,7 @@ class Engine:
         self.mirror = Mirror(
             self.config.block_size, self.num_blocks, self.model_config.vocab_size,
             self._released_window(),
+            self.state_pool.num_slots if self.state_pool is not None else 0,
         )  # fmt: skip
         self.unresolved.clear()
         self.grammars.forget_pending()

@@ -26,6 +26,8 @@ def uses_graphs(
         return False, "--enforce-eager"
     if not model.ops.graph_safe:
         return False, f"ops backend {model.ops.name} (the CUDA kernels are needed)"
+    if model.config.state_layout is not None:
+        return False, "state layers (their rows run per request in torch: not captured yet)"
     return True, ""
 
 

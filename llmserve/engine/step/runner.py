@@ -32,11 +32,13 @@ from llmserve.engine.features.token_tree import (
     tree_depth,
     tree_kernel_args,
 )
+from llmserve.engine.kv.state import StateBatch, StatePool
 from llmserve.engine.model.model import LlamaForCausalLM
 from llmserve.engine.model.ops import AttentionContext
 from llmserve.engine.parallel.groups import Parallel
 from llmserve.engine.step.cuda_graphs import DecodeGraphs, is_decode_only
 from llmserve.engine.step.inputs import BlockTables, flattened_inputs
+from llmserve.engine.step.prompt_logprobs import PromptScores, score_prompts
 from llmserve.engine.step.sampler import Sampler, SamplerOutput, to_device
 from llmserve.engine.step.timeline import NullTimeline, Timeline
 from llmserve.protos.common_pb2 import SamplingParams
@@ -83,6 +85,8 @@ class LaunchedStep:
     # A rank other than the driver: the broadcast bringing the driver's tokens into `sampled`
     # (host[0] is None: collect copies them once it is done).
     shared: Any = None
+    # Rows that asked for prompt logprobs: their scored positions (engine/step/prompt_logprobs.py).
+    prompt: PromptScores | None = None
 
     @property
     def is_ready(self) -> bool:
@@ -133,6 +137,8 @@ class ModelRunner:
         self.samples_here = parallel is None or parallel.topology.is_driver
         self.grammars = grammars if self.samples_here else None
         self.lora = lora
+        # Hybrid linear-attention models: the state pool rows name by seq.state_slot.
+        self.state_pool: StatePool | None = None
         self.block_tables = BlockTables()  # the rows' padded tables, kept between steps
 
     def _prepare(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionContext]:
@@ -151,6 +157,8 @@ class ModelRunner:
                 [r.seq.lora_slot for r in batch.rows],
                 [r.num_scheduled_tokens + len(r.draft_token_ids) for r in batch.rows],
             )
+        if self.state_pool is not None:
+            ctx.state = StateBatch(self.state_pool, [r.seq.state_slot for r in batch.rows])
         return input_ids, positions, ctx
 
     def _tree_inputs(self, batch: StepBatch, ctx: AttentionContext) -> torch.Tensor:
@@ -211,6 +219,9 @@ class ModelRunner:
         masks = self._start_masks(batch, prev)  # filled while the forward runs
         self.timeline.begin()
         hidden = self._run_stage(input_ids, positions, ctx)
+        prompt = None
+        if self.model.shard.last:
+            prompt = score_prompts(self.model, hidden, batch, ctx.cu_seqlens_q)
         sampling_rows = [i for i, row in enumerate(batch.rows) if row.samples]
         out = None
         if sampling_rows and self.model.shard.last:
@@ -227,7 +238,9 @@ class ModelRunner:
         timer.mark()  # before _spread records `ready`: collect reads the timer once that is done
         decode_only = is_decode_only(ctx.seq_lens, ctx.cu_seqlens_q)
         self.timeline.end(batch.step_id, len(ctx.seq_lens), ctx.cu_seqlens_q[-1], decode_only)
-        return self._spread(batch, timer, sampling_rows, out)
+        step = self._spread(batch, timer, sampling_rows, out)
+        step.prompt = prompt
+        return step
 
     @torch.inference_mode()
     def verify(self, batch: StepBatch) -> tuple[StepOutput, list[list[int]]]:
@@ -250,6 +263,7 @@ class ModelRunner:
         timer = StepTimer(self.device, t0)
         masks = self._start_masks(batch, None)
         hidden = self._forward(input_ids, positions, ctx)
+        prompt = score_prompts(self.model, hidden, batch, ctx.cu_seqlens_q)
         index: list[int] = []
         for i, row in enumerate(batch.rows):
             if row.samples:
@@ -265,6 +279,8 @@ class ModelRunner:
             timer.mark()
         timer.mark()
         output, tokens, paths = _verified_output(batch, out, timer)
+        if prompt is not None:
+            prompt.add_to(output)
         self._keep_paths(batch, paths)
         return output, tokens
 
@@ -279,7 +295,10 @@ class ModelRunner:
         if top_ids is not None and top_lps is not None:
             top = (top_ids.tolist(), top_lps.tolist())
         logprobs_list = logprobs.tolist() if logprobs is not None else None
-        return _step_output(params, tokens.tolist(), logprobs_list, top, step.timer)
+        output = _step_output(params, tokens.tolist(), logprobs_list, top, step.timer)
+        if step.prompt is not None:
+            step.prompt.add_to(output)
+        return output
 
     def _start_masks(self, batch: StepBatch, prev: LaunchedStep | None) -> MaskJob | None:
         """The structured-output masks of batch's constrained sampling positions, started on

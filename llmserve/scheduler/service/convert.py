@@ -10,7 +10,7 @@ from operator import attrgetter
 from typing import Any
 
 from llmserve.common.plan_columns import CORE_COLUMNS, VALUE_COLUMNS
-from llmserve.common.sampling import normalized
+from llmserve.common.sampling import MAX_TOP_LOGPROBS, SamplingError, normalized
 from llmserve.common.step_plan import (
     GrammarCompile,
     NewRequest,
@@ -23,6 +23,7 @@ from llmserve.protos import common_pb2, engine_pb2, scheduler_pb2
 from llmserve.scheduler.admin import RequestRow, TenantRow
 from llmserve.scheduler.plan import (
     NewRequestRow,
+    PromptScoreColumns,
     RunningRow,
     StepOutcome,
     StepPlan,
@@ -42,6 +43,10 @@ FINISH_REASONS = {
 
 def request_from_proto(msg: scheduler_pb2.SubmitRequest, seq_id: int) -> Request:
     """Raises common.sampling.SamplingError (a ValueError naming the field) on bad params."""
+    if not 0 <= msg.prompt_top_logprobs <= MAX_TOP_LOGPROBS:
+        raise SamplingError(
+            f"prompt_top_logprobs={msg.prompt_top_logprobs} is outside [0, {MAX_TOP_LOGPROBS}]"
+        )
     return Request(
         request_id=msg.request_id or f"seq-{seq_id}",
         seq_id=seq_id,
@@ -55,6 +60,8 @@ def request_from_proto(msg: scheduler_pb2.SubmitRequest, seq_id: int) -> Request
         tenant_weight=msg.tenant_weight if msg.tenant_weight > 0 else 1.0,
         priority=msg.priority,
         lora_name=msg.lora_name,
+        prompt_logprobs=msg.prompt_logprobs,
+        prompt_top_logprobs=msg.prompt_top_logprobs,
     )
 
 
@@ -118,10 +125,16 @@ def apply_result(
 ) -> list[StepOutcome]:
     """Scheduler.update with the engine's StepResult for plan (read as common/step_plan.py's
     StepOutput: empty optional columns as None), after releasing the held requests whose
-    grammar it reports compiled, then the KV transfers it reports received."""
+    grammar it reports compiled and taking the prompt scores it returns, then the KV transfers
+    it reports received."""
     out = output_from_proto(result)
     scheduler.grammars_compiled(out.compiled_seq_ids)
     scheduler.grammar_dead_ends(out.dead_end_seq_ids)
+    if out.num_prompt_logprobs:
+        scheduler.take_prompt_scores(plan, PromptScoreColumns(
+            out.num_prompt_logprobs, out.prompt_logprobs, out.prompt_logprob_ranks,
+            out.prompt_top_token_ids, out.prompt_top_logprobs,
+        ))  # fmt: skip
     top = None
     if out.num_top_logprobs:
         top = TopLogprobColumns(out.num_top_logprobs, out.top_token_ids, out.top_logprobs)
@@ -149,6 +162,13 @@ def response_to_proto(
     for o in tokens:
         if o.top_token_ids:
             msg.top_logprobs.add(token_ids=o.top_token_ids, logprobs=o.top_logprobs)
+    if first and request.prompt_logprobs:  # all in by the first token (the last chunk's step)
+        scores = request.prompt_scores
+        msg.prompt_logprobs.extend(s.logprob for s in scores)
+        msg.prompt_logprob_ranks.extend(s.rank for s in scores)
+        if request.prompt_top_logprobs:
+            for s in scores:
+                msg.prompt_top_logprobs.add(token_ids=s.top_token_ids, logprobs=s.top_logprobs)
     if first or outcomes[-1].finished is not None:
         msg.num_prompt_tokens = request.num_prompt_tokens
         msg.num_cached_tokens = request.num_cached_tokens or 0

@@ -193,7 +193,10 @@ class EngineLink:
                 self.scheduler.set_offload_tiers(
                     info.num_host_blocks, info.num_disk_blocks, info.kv_block_bytes
                 )
-                for request in self.scheduler.resize(info.num_blocks, info.block_size):
+                resized = self.scheduler.resize(
+                    info.num_blocks, info.block_size, info.num_state_slots
+                )
+                for request in resized:
                     outcome = StepOutcome(request, None, None, RequestStatus.FINISHED_ABORTED)
                     deliver(self.streams, outcome)
             if self.scheduler.loras.max_loras != info.max_loras:
@@ -219,12 +222,27 @@ class EngineLink:
             num_speculative_tokens=info.num_speculative_tokens,
             kv_offload_host_blocks=info.num_host_blocks,
             kv_offload_disk_blocks=info.num_disk_blocks,
+            num_state_slots=info.num_state_slots,
+            prefix_caching=self._prefix_caching(),
         )
         if config.preemption_mode == "swap" and not info.num_host_blocks:
             log.warning(
                 "preemption_mode='swap' without a host tier: preempted requests recompute "
                 "(start the engine with --kv-offload-gb)"
             )
+
+    def _prefix_caching(self) -> str:
+        """The start line's word on the prefix cache: on, off (the config's), or off with the
+        reason (a model with state layers)."""
+        assert self.scheduler is not None
+        if self.scheduler.enable_prefix_caching:
+            return "on"
+        if self.config.enable_prefix_caching:
+            return (
+                "off: the model's linear-attention layers keep a recurrent state per request, "
+                "which a cached block's KV does not restore (docs/models.md)"
+            )
+        return "off"
 
     def _new_scheduler(
         self, config: SchedulerConfig, info: engine_pb2.EngineInfo, max_len: int
@@ -242,6 +260,7 @@ class EngineLink:
             num_host_blocks=info.num_host_blocks,
             num_disk_blocks=info.num_disk_blocks,
             kv_block_bytes=info.kv_block_bytes,
+            num_state_slots=info.num_state_slots,
         )
         self.events.scheduler_made(self, scheduler)
         return scheduler

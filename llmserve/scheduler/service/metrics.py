@@ -136,6 +136,15 @@ METRICS = {
         "llmserve.kv_cache.blocks.free", "gauge", "{block}",
         "KV-cache blocks not held by any request",
     ),
+    "num_state_slots": Metric(
+        "llmserve.state_cache.slots", "gauge", "{slot}",
+        "Hybrid linear-attention models: the engine's recurrent-state slots (one per running "
+        "request; 0 for a model without state layers)",
+    ),
+    "num_free_state_slots": Metric(
+        "llmserve.state_cache.slots.free", "gauge", "{slot}",
+        "Hybrid linear-attention models: recurrent-state slots no running request holds",
+    ),
     "kv_bytes_per_token": Metric(
         "llmserve.kv_cache.token_size", "gauge", "By",
         "KV-cache bytes one token takes over all layers (the engine's pool layout: per-head K "

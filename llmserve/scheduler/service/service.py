@@ -231,6 +231,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 num_waiting=s.num_waiting,
                 num_free_blocks=s.block_manager.num_free_blocks,
                 num_blocks=s.block_manager.num_blocks,
+                num_state_slots=s.state_slots.num_slots,
+                num_free_state_slots=s.state_slots.num_free_slots,
                 kv_bytes_per_token=s.transfers.block_bytes // s.block_manager.block_size,
                 lora_names=sorted(n for n in s.loras.paths if s.loras.is_servable(n)),
             )

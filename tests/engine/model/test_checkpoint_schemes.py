@@ -22,6 +22,7 @@ from llmserve.bench.engine_driver import generate
 from llmserve.bench.quant_checkpoints import (
     write_awq,
     write_compressed_tensors_per_tensor,
+    write_fp8_block,
     write_gptq,
 )
 from llmserve.common.model_config import ModelSourceError, load_model_config
@@ -224,6 +225,30 @@ def test_mxfp4_dequantizes_as_transformers_gpt_oss_does() -> None:
     assert torch.equal(ours.transpose(1, 2), theirs)
 
 
+def test_mxfp4_is_kept_as_stored_exactly() -> None:
+    """kept_weights.mxfp4_weights: the e2m1 codes (kind fp4) with 2^(s - 127) per 32 are the
+    MXFP4 values bit for bit, for every code and the extreme scales (2^-127 and 2^127: s = 0,
+    254), one KeptWeight per expert, through the kernel's product too."""
+    from llmserve.engine.model.kept_weights import mxfp4_weights
+
+    generator = torch.Generator().manual_seed(0)
+    blocks = torch.randint(0, 256, (2, 16, 3, 16), generator=generator, dtype=torch.uint8)
+    blocks[0, 0, 0] = torch.arange(16, dtype=torch.uint8) * 17  # each code, both nibbles
+    scales = torch.randint(100, 140, (2, 16, 3), generator=generator, dtype=torch.uint8)
+    scales[0, 0], scales[1, 0] = torch.tensor([0, 254, 127]), torch.tensor([1, 253, 128])
+    want = dequantize_mxfp4(blocks, scales)
+    kept = mxfp4_weights(blocks, scales)
+    assert [(w.kind, w.group, tuple(w.q.shape)) for w in kept] == [("fp4", 32, (16, 96))] * 2
+    for expert, weight in enumerate(kept):
+        assert torch.equal(weight.dequantize(), want[expert])
+    if cpu_wq.unavailable() is None:
+        w = kept[1]
+        x = torch.randn(3, 96, generator=generator)
+        packed = cpu_wq.pack_wq(w.kind, w.q, w.scale, w.zero, w.group)
+        got = cpu_wq.wq_linear(x, packed, None)  # channel 0's 2^126 overflows: left out
+        torch.testing.assert_close(got[:, 1:], x @ want[1, 1:].t(), rtol=1e-5, atol=1e-5)
+
+
 def test_mxfp4_tensors_are_seen_as_their_float_tensor(tmp_path: Path) -> None:
     """`X_blocks` and `X_scales` are the float tensor `X`; both count as read once it is."""
     from llmserve.engine.model.checkpoint_formats import checkpoint_weights
@@ -297,24 +322,48 @@ MOE_FORMATS = {
     "fp8": lambda src, q, d: write_compressed_tensors_per_tensor(
         src, q, d, {**FP8, "strategy": "channel"}, "float-quantized"
     ),
+    "w8a16": lambda src, q, d: write_compressed_tensors_per_tensor(
+        src, q, d, {**INT, "num_bits": 8, "strategy": "channel"}, "int-quantized"
+    ),
+    "fp8-block": lambda src, q, d: write_fp8_block(src, q, d, (16, 32)),
 }
+# Each format's kind as the kernel holds it (what the start line counts).
+MOE_KINDS = {"gptq": "int4", "awq": "int4", "w4a16": "int4", "fp8": "fp8", "w8a16": "int8",
+             "fp8-block": "fp8"}  # fmt: skip
 
 
 @pytest.mark.parametrize(
     ("family", "fmt"),
-    [("mixtral", "gptq"), ("qwen3_moe", "awq"), ("mixtral", "w4a16"), ("qwen3_moe", "fp8")],
-)
+    [("mixtral", "gptq"), ("qwen3_moe", "awq"), ("mixtral", "w4a16"), ("qwen3_moe", "fp8"),
+     ("mixtral", "w8a16"), ("qwen3_moe", "fp8-block"), ("glm4_moe", "gptq"),
+     ("qwen2_moe", "gptq"), ("deepseek_v3", "gptq")],
+)  # fmt: skip
 def test_quantized_experts_are_read_as_their_dequantized_model(
     tmp_path_factory: pytest.TempPathFactory, family: str, fmt: str
 ) -> None:
     """Experts stored one by one (Mixtral's w1/w2/w3, Qwen3-MoE's gate/up/down), each in the
-    format's layout; the routers stay float."""
+    format's layout; the routers stay float. On the CPU every expert is served as stored
+    (engine/model/kept_experts.py: a gate/up and a down linear per expert, Mixtral's act-order
+    GPTQ with a permutation per projection), the start line counts them, and the engine's
+    greedy tokens are the dequantized model's."""
+    from llmserve.engine.model.kept_experts import KeptExperts
     from tests.moe_models import make_tiny_moe
 
     root = tmp_path_factory.mktemp(f"moe-{family}-{fmt}")
     float_dir = make_tiny_moe(root / "float", family)
     MOE_FORMATS[fmt](float_dir, root / "q", root / "dequantized")
     check_served_as_dequantized(root / "q", root / "dequantized")
+    if cpu_wq.unavailable() is not None:
+        return
+    engine = Engine(EngineConfig(model=str(root / "q"), **ENGINE))
+    blocks = [layer.mlp for layer in engine.model.layers if hasattr(layer.mlp, "experts")]
+    assert blocks and all(isinstance(b.experts, KeptExperts) for b in blocks)
+    want = generate(Engine(EngineConfig(model=str(root / "dequantized"), **ENGINE)), PROMPTS, 6)
+    assert generate(engine, PROMPTS, 6) == want
+    # 8 experts x (gate/up, down) per sparse layer: Mixtral 2 of them, Qwen3-MoE 1
+    experts = 16 * len(blocks)
+    held = kept_description(engine.model)
+    assert f", {experts} of them experts'" in held and f" {MOE_KINDS[fmt]}" in held, held
 
 
 def test_int8_mode_holds_a_quantized_checkpoint_in_the_int8_layers(

@@ -36,6 +36,17 @@ def test_state_carries_across_a_split() -> None:
     torch.testing.assert_close(s_b, s_whole, atol=1e-5, rtol=1e-4)
 
 
+def test_batched_decode_step_matches_recurrent_per_row() -> None:
+    """decode_step over three sequences (their own states) = `recurrent` of one token each."""
+    rows = [_inputs(1, seed=s) for s in (4, 5, 6)]
+    out, states = la.decode_step(*(torch.cat([r[i] for r in rows]) for i in range(5)),
+                                 torch.stack([r[5] for r in rows]))  # fmt: skip
+    for b, r in enumerate(rows):
+        want, want_s = la.recurrent(*r)
+        torch.testing.assert_close(out[b], want[0], atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(states[b], want_s, atol=1e-6, rtol=1e-5)
+
+
 def test_matches_transformers() -> None:
     mod = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
     q, k, v, g, beta, s0 = _inputs(19, seed=7)
@@ -56,13 +67,13 @@ def test_matches_transformers() -> None:
 @pytest.mark.parametrize(
     "arch",
     [
-        "Qwen3NextForCausalLM",
         "GraniteMoeHybridForCausalLM",
         "NemotronHForCausalLM",
         "FalconH1ForCausalLM",
     ],
 )
-def test_hybrid_models_refused_by_name(arch: str) -> None:
+def test_mamba_hybrids_refused_by_name(arch: str) -> None:
+    """The Mamba-2 hybrids (Qwen3-Next is served: tests/engine/model/families/)."""
     from llmserve.common.families import registry
 
     with pytest.raises(registry.UnservedModelError, match=f"{arch} is a hybrid linear-attention"):

@@ -9,22 +9,36 @@ layer a mixture of experts with a biased router and biased experts under the cla
                           out += weight * (h W_d[e] + b_d[e])
 
 The experts keep transformers' fused layout and names (gate_up_proj [E, H, 2 I], interleaved
-gate / up columns; down_proj [E, I, H]; their biases). Float experts only; the products run in
-torch on every device (kernels/moe.cu has neither biases nor this activation).
+gate / up columns; down_proj [E, I, H]; their biases). gpt-oss's own MXFP4 checkpoint stores
+each transposed ([E, 2 I, H], [E, H, I]) as `X_blocks` / `X_scales` along the input dimension:
+read through `Mxfp4Experts`, dequantized at load, or on a CPU kept as stored
+(engine/model/kept_experts.py). The float products run in torch on every device
+(kernels/moe.cu has neither biases nor this activation).
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
 
 import torch
 from torch import nn
 
 from llmserve.common.model_config import ModelConfig
 from llmserve.common.moe_config import MoEConfig
+from llmserve.engine.model.checkpoint_formats import CheckpointView
+from llmserve.engine.model.checkpoint_schemes import Mxfp4
 from llmserve.engine.model.layers import default_weight_loader
 from llmserve.engine.model.model import LlamaForCausalLM
 from llmserve.engine.model.ops import LayerOps
 from llmserve.engine.parallel.groups import TPGroup
 from llmserve.kernels.moe_reference import route, sort_by_expert
+
+
+def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's activation of the interleaved gate / up columns (see the module)."""
+    gate = gate_up[..., 0::2].clamp(max=limit)
+    up = gate_up[..., 1::2].clamp(-limit, limit)
+    return (up + 1) * gate * torch.sigmoid(gate * alpha)
 
 
 class BiasedRouter(nn.Module):
@@ -59,9 +73,7 @@ class BiasedExperts(nn.Module):
         default_weight_loader(param, loaded[self.experts.start : self.experts.stop], shard)
 
     def activation(self, gate_up: torch.Tensor) -> torch.Tensor:
-        gate = gate_up[..., 0::2].clamp(max=self.limit)
-        up = gate_up[..., 1::2].clamp(-self.limit, self.limit)
-        return (up + 1) * gate * torch.sigmoid(gate * self.alpha)
+        return clamped_swiglu(gate_up, self.alpha, self.limit)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """The weighted sum of each token's local experts: pairs sorted by expert, one product
@@ -105,3 +117,29 @@ class GptOssForCausalLM(LlamaForCausalLM):
     def make_mlp(self, config: ModelConfig, layer: int, ops: LayerOps, tp: TPGroup) -> nn.Module:
         assert config.moe is not None, "gpt-oss: config.json gave no experts"
         return GptOssMoeBlock(config.hidden_size, config.moe, tp)
+
+    def checkpoint_view(self, weights: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+        if isinstance(weights, CheckpointView) and isinstance(weights.fmt, Mxfp4):
+            return Mxfp4Experts(weights)
+        return weights
+
+
+class Mxfp4Experts(Mapping[str, torch.Tensor]):
+    """An MXFP4 checkpoint's experts in transformers' float orientation: each quantized
+    tensor (`experts.gate_up_proj`, stored [E, 2 I, H]) comes back transposed, [E, H, 2 I]."""
+
+    def __init__(self, weights: CheckpointView):
+        self.weights = weights
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        tensor = self.weights[name]
+        return tensor.transpose(-1, -2) if name in self.weights.quantized else tensor
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.weights
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.weights)
+
+    def __len__(self) -> int:
+        return len(self.weights)

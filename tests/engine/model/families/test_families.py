@@ -125,6 +125,7 @@ def run_script(
     sched = Scheduler(
         SchedulerConfig(**{"max_num_seqs": info.max_num_seqs, **config}),
         num_blocks, info.block_size, info.max_model_len, info.vocab_size, info.eos_token_ids,
+        num_state_slots=info.num_state_slots,
     )  # fmt: skip
     if release_window:
         sched.set_sliding_window(info.sliding_window)
@@ -147,10 +148,11 @@ def run_script(
             data = plan_from_proto(plan_to_proto(plan))
             output = engine.step(data)
             order = [r.seq_id for r in data.new_requests] + list(data.running.seq_ids)
-            logits = iter(torch.cat(captured) if captured else [])
+            logits = iter(torch.cat(captured)) if captured else None  # None: an earlier stage
             for seq_id, token in zip(order, output.sampled_token_ids, strict=True):
                 if token >= 0:
-                    rows.setdefault(seq_id, []).append(next(logits))
+                    if logits is not None:
+                        rows.setdefault(seq_id, []).append(next(logits))
                 else:
                     script.num_partial_prefills += 1
             apply_result(sched, plan, result_to_proto(plan.step_id, output, 0.0))

@@ -142,3 +142,58 @@ def test_a_sparse_config_reads_gptossconfigs_defaults(tmp_path: Path) -> None:
     rope = dict(theirs.rope_parameters)
     assert ours.rope_theta == rope.pop("rope_theta") and ours.rope_scaling == rope
     assert ours.moe is not None and ours.moe.clamped_swiglu == (1.702, theirs.swiglu_limit)
+
+
+@pytest.fixture(scope="module")
+def mxfp4_dirs(model: Loaded, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(gpt-oss's MXFP4 checkpoint of the module's tiny model, the same model with those
+    experts dequantized to float32), written by llmserve/bench/quant_checkpoints.py."""
+    from llmserve.bench.quant_checkpoints import write_mxfp4
+
+    root = tmp_path_factory.mktemp("gpt_oss_mxfp4")
+    write_mxfp4(model.path, root / "q", root / "dequantized")
+    return root / "q", root / "dequantized"
+
+
+def test_mxfp4_experts_are_read_as_transformers_reads_them(mxfp4_dirs: tuple[Path, Path]) -> None:
+    """transformers' own MXFP4 loader (dequantize=True) on the written checkpoint holds the
+    experts the dequantized directory holds: the writer follows gpt-oss's layout."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, Mxfp4Config
+
+    quantized, dequantized = mxfp4_dirs
+    hf = AutoModelForCausalLM.from_pretrained(
+        quantized, quantization_config=Mxfp4Config(dequantize=True), dtype=torch.float32
+    )
+    theirs = hf.state_dict()
+    experts = {n: t for n, t in load_file(str(dequantized / "model.safetensors")).items()
+               if n.endswith(("experts.gate_up_proj", "experts.down_proj"))}  # fmt: skip
+    assert len(experts) == 4
+    for name, tensor in experts.items():
+        assert torch.equal(theirs[name].float(), tensor), name
+
+
+def test_mxfp4_checkpoint_serves_as_its_dequantized_model(mxfp4_dirs: tuple[Path, Path]) -> None:
+    """gpt-oss's MXFP4 experts (`*_blocks`, `*_scales`) served: greedy tokens equal to the
+    same model dequantized to float32. On the CPU they are kept as stored (cpu_wq's fp4 kind:
+    e2m1 codes, e8m0 scales), biases and the clamped SwiGLU included, and the start line
+    counts them (2 layers x 8 experts x (gate_up, down))."""
+    from llmserve.bench.engine_driver import generate
+    from llmserve.engine.config import EngineConfig
+    from llmserve.engine.model.checkpoint_formats import checkpoint_format
+    from llmserve.engine.model.checkpoint_linear import kept_description
+    from llmserve.engine.model.kept_experts import KeptExperts
+    from llmserve.engine.step.engine import Engine
+    from llmserve.kernels import cpu_wq
+
+    prompts = [[5, 77, 190, 33, 12], [200, 3, 3, 41], [9, 120, 64, 250, 18, 7], [100]]
+    settings: dict[str, Any] = dict(device="cpu", num_kv_blocks=32, max_model_len=128, seed=0)
+    quantized, dequantized = mxfp4_dirs
+    engine = Engine(EngineConfig(model=str(quantized), **settings))
+    want = generate(Engine(EngineConfig(model=str(dequantized), **settings)), prompts, 6)
+    assert generate(engine, prompts, 6) == want
+    assert checkpoint_format(quantized).startswith("mxfp4")
+    if cpu_wq.unavailable() is None:
+        assert all(isinstance(layer.mlp.experts, KeptExperts) for layer in engine.model.layers)
+        held = kept_description(engine.model)
+        assert held == "32 linears kept quantized on the CPU (32 fp4), 32 of them experts'"

@@ -1,0 +1,95 @@
+"""The recurrent-state pool of a hybrid linear-attention model, beside the KV pool: for every
+state layer (ModelConfig.state_layout, common/state_layout.py) and every slot,
+
+    conv       [num_state_layers, num_state_slots, *conv_shape]       e.g. [C, conv_kernel - 1]
+    recurrent  [num_state_layers, num_state_slots, *recurrent_shape]  e.g. [H, Dk, Dv]
+
+Slot ids are the scheduler's (NewRequest.state_slot, scheduler/state_slots.py); a layer reads
+its request's slot at the start of a step's chunk and writes it back at the chunk's end. A
+request's first chunk (num_computed_tokens 0) starts from zeros whatever the slot held.
+`StateBatch` is one step's view: the pool and each row's slot.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from llmserve.common.model_config import ModelConfig
+from llmserve.engine.kv.cache import zeroed
+
+
+def state_bytes_per_slot(config: ModelConfig, dtype: torch.dtype) -> int:
+    """One slot's bytes over all state layers (0 for a model without them)."""
+    if config.state_layout is None:
+        return 0
+    element = torch.empty(0, dtype=dtype).element_size()
+    return config.state_layout.elements_per_slot(config.num_state_layers) * element
+
+
+class StatePool:
+    """The pool's two tensors, zeroed (on a CPU lazily, as the KV pool: resident memory grows
+    with the slots used)."""
+
+    def __init__(
+        self, config: ModelConfig, num_slots: int, dtype: torch.dtype, device: torch.device
+    ):
+        layout = config.state_layout
+        assert layout is not None and num_slots > 0, "a state pool for a model without state"
+        n = config.num_state_layers
+        self.num_slots = num_slots
+        self.conv = zeroed((n, num_slots, *layout.conv_shape), dtype, device)
+        self.recurrent = zeroed((n, num_slots, *layout.recurrent_shape), dtype, device)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.conv, self.recurrent))
+
+
+@dataclass
+class StateBatch:
+    """One step's rows' slots in the pool (pool None: a step with no pool behind it, the
+    memory profile's, whose rows start from zeros and keep nothing)."""
+
+    pool: StatePool | None
+    slots: list[int]
+
+    def read(self, layer: int, row: int, fresh: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """(conv, recurrent) state of row's request in state layer `layer`: zeros for a fresh
+        request (its first chunk), else a copy of its slot's."""
+        pool = self.pool
+        assert pool is not None
+        slot = self.slots[row]
+        conv, rec = pool.conv[layer, slot], pool.recurrent[layer, slot]
+        if fresh:
+            return torch.zeros_like(conv), torch.zeros_like(rec)
+        return conv.clone(), rec.clone()
+
+    def gather(self, layer: int, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(conv [B, ...], recurrent [B, ...]): copies of rows' states in state layer `layer`
+        (rows running on, never fresh: a step's decode rows, taken together)."""
+        pool = self.pool
+        assert pool is not None
+        slots = self._slots(rows, pool.conv.device)
+        return pool.conv[layer, slots], pool.recurrent[layer, slots]
+
+    def scatter(
+        self, layer: int, rows: list[int], conv: torch.Tensor, recurrent: torch.Tensor
+    ) -> None:
+        """rows' new states (as gather returned them, [B, ...]) into their slots."""
+        pool = self.pool
+        assert pool is not None
+        slots = self._slots(rows, pool.conv.device)
+        pool.conv[layer, slots] = conv.to(pool.conv.dtype)
+        pool.recurrent[layer, slots] = recurrent.to(pool.recurrent.dtype)
+
+    def _slots(self, rows: list[int], device: torch.device) -> torch.Tensor:
+        return torch.tensor([self.slots[r] for r in rows], device=device)
+
+    def write(self, layer: int, row: int, conv: torch.Tensor, recurrent: torch.Tensor) -> None:
+        """Row's state after its chunk, into its slot (nothing without a pool)."""
+        if self.pool is not None:
+            slot = self.slots[row]
+            self.pool.conv[layer, slot].copy_(conv)
+            self.pool.recurrent[layer, slot].copy_(recurrent)
