@@ -10,6 +10,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from llmserve.common.state_layout import StateLayout
+
 
 @dataclass(frozen=True)
 class Mamba2Config:
@@ -58,6 +60,10 @@ class Mamba2Config:
     @property
     def ssm_shape(self) -> tuple[int, int, int]:
         return (self.num_heads, self.head_dim, self.state_size)
+
+    def layout(self) -> StateLayout:
+        """What the state pool keeps per slot and Mamba layer (common/state_layout.py)."""
+        return StateLayout(conv_shape=self.conv_shape, recurrent_shape=self.ssm_shape)
 
     def elements_per_request(self) -> int:
         """One request's state in one Mamba layer, in elements (conv + SSM)."""

@@ -2,13 +2,8 @@
 `layer_types` ("mamba" / "attention"; transformers 5 also writes "linear_attention" /
 "full_attention"), rotary only where position_embedding_type is "rope", an MoE with an
 ungated shared MLP in every layer (or the shared MLP alone: num_local_experts 0), and
-Granite's multipliers.
-
-Not registered yet: each request needs a recurrent state per Mamba layer (conv
-[conv_dim, d_conv - 1] and SSM [heads, head_dim, d_state], common/mamba2_config.py) kept in
-a scheduler-owned state slot, which this branch does not have; the architecture stays in
-registry.REFUSED_HYBRIDS and is refused at start by name. Serving it is `register(GRANITE_HYBRID)`
-here and its removal from REFUSED_HYBRIDS once the state slots are in (docs/models.md).
+Granite's multipliers. Each Mamba layer keeps, per request, conv [conv_dim, d_conv - 1] and
+SSM [heads, head_dim, d_state] (common/mamba2_config.py) in the request's state slot.
 """
 
 from __future__ import annotations
@@ -16,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from llmserve.common.families.registry import Family, ModelSourceError
+from llmserve.common.families.registry import Family, ModelSourceError, register
 from llmserve.common.mamba2_config import mamba2_from_granite
 from llmserve.common.moe_config import MoEConfig
 
@@ -54,6 +49,7 @@ def read_granite_hybrid(cfg: Mapping[str, Any]) -> dict[str, Any]:
             hf_experts=("input_linear", "input_linear", "output_linear"),
         )
     rope = cfg.get("position_embedding_type") == "rope"
+    mamba2 = mamba2_from_granite(cfg)
     num_layers = int(cfg["num_hidden_layers"])
     return {
         # the shared MLP: the dense MLP every layer has beside its experts
@@ -65,23 +61,26 @@ def read_granite_hybrid(cfg: Mapping[str, Any]) -> dict[str, Any]:
         "residual_multiplier": float(cfg.get("residual_multiplier") or 1.0),
         "logits_scaling": float(cfg.get("logits_scaling") or 1.0),
         "moe": moe,
-        "mamba2": mamba2_from_granite(cfg),
+        "mamba2": mamba2,
+        "state_layout": mamba2.layout(),
     }
 
 
 _WHOLE = "Mamba-2 layers are computed whole on one rank (no split of heads or layers yet)"
-GRANITE_HYBRID = Family(
-    name="granite_hybrid",
-    hf_architectures=("GraniteMoeHybridForCausalLM",),
-    hf_model_types=("granitemoehybrid",),
-    model="llmserve.engine.model.families.granite_hybrid:GraniteMoeHybridForCausalLM",
-    read_hf=read_granite_hybrid,
-    refuses={
-        "tensor_parallel": _WHOLE,
-        "pipeline_parallel": _WHOLE,
-        "speculative_decoding": "a rejected draft token would need the recurrent state rolled back",
-        "cuda_graphs": "the Mamba-2 mixer runs the CPU reference forms only",
-        "quantization": "the Mamba-2 projections are not wired to the quantized linears",
-        "lora": "adapters for the Mamba-2 and expert projections are not loaded",
-    },
+GRANITE_HYBRID = register(
+    Family(
+        name="granite_hybrid",
+        hf_architectures=("GraniteMoeHybridForCausalLM",),
+        hf_model_types=("granitemoehybrid",),
+        model="llmserve.engine.model.families.granite_hybrid:GraniteMoeHybridForCausalLM",
+        read_hf=read_granite_hybrid,
+        refuses={
+            "tensor_parallel": _WHOLE,
+            "pipeline_parallel": _WHOLE,
+            "speculative_decoding": "a rejected draft token would need the recurrent state "
+            "rolled back",
+            "quantization": "the Mamba-2 projections are not wired to the quantized linears",
+            "lora": "adapters for the Mamba-2 and expert projections are not loaded",
+        },
+    )
 )

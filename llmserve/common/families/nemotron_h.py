@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from llmserve.common.families.granite_hybrid import GRANITE_HYBRID
-from llmserve.common.families.registry import Family, ModelSourceError
+from llmserve.common.families.registry import Family, ModelSourceError, register
 from llmserve.common.mamba2_config import Mamba2Config, json_float
 
 PATTERN = {"M": "mamba", "*": "full_attention", "-": "mlp", "E": "moe"}
@@ -67,14 +67,17 @@ def read_nemotron_h(cfg: Mapping[str, Any]) -> dict[str, Any]:
         "rms_norm_eps": float(cfg.get("layer_norm_epsilon") or 1e-5),
         "hidden_act": str(cfg.get("mlp_hidden_act") or "relu2"),
         "mamba2": mamba2,
+        "state_layout": mamba2.layout(),
     }
 
 
-NEMOTRON_H = Family(
-    name="nemotron_h",
-    hf_architectures=("NemotronHForCausalLM",),
-    hf_model_types=("nemotron_h",),
-    model="llmserve.engine.model.families.nemotron_h:NemotronHForCausalLM",
-    read_hf=read_nemotron_h,
-    refuses=GRANITE_HYBRID.refuses,
+NEMOTRON_H = register(
+    Family(
+        name="nemotron_h",
+        hf_architectures=("NemotronHForCausalLM",),
+        hf_model_types=("nemotron_h",),
+        model="llmserve.engine.model.families.nemotron_h:NemotronHForCausalLM",
+        read_hf=read_nemotron_h,
+        refuses=GRANITE_HYBRID.refuses,
+    )
 )

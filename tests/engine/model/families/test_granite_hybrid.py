@@ -1,27 +1,24 @@
 """Granite 4.0-H (GraniteMoeHybridForCausalLM) against transformers on tiny random checkpoints
 of GraniteMoeHybridConfig (Mamba, attention, Mamba layers; Granite's multipliers): the whole
-prompt's logits at every position; the prompt in two chunks with the Mamba states carried in a
-state slot, beside another request in another slot; token-by-token greedy decode against
-transformers' generate. The state slots are this file's stand-in for the scheduler's
-(engine/kv/state.py's StateBatch on the state-slot branch: pool, read, write); until they land
-the family is not registered and the architecture is refused at start by name."""
+prompt's logits at every position; the prompt in two chunks with the Mamba states carried in
+the engine's state pool, beside another request in another slot; token-by-token greedy decode;
+the scheduled script (chunked prefill, preemption and recompute, n = 2, the prefix cache off)
+through the real scheduler; what the family refuses."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from llmserve.common.families import FAMILIES
-from llmserve.common.families.granite_hybrid import GRANITE_HYBRID
-from llmserve.common.families.registry import UnservedModelError
-from llmserve.common.model_config import ModelConfig, load_model_config
+from llmserve.common.families import family_refusal
 from llmserve.engine.config import EngineConfig
+from llmserve.engine.kv.state import StateBatch
 from llmserve.engine.model.attention_context import AttentionContext
 from llmserve.engine.step.engine import Engine
+from tests.engine.model.families.test_qwen3_next import check_rows, run_requests, script_requests
 from tests.engine.model.test_model import BLOCK_SIZE, NUM_BLOCKS, prompt, rel_err
 from tests.factories import write_byte_tokenizer
 
@@ -63,29 +60,6 @@ def make_granite(directory: Path, variant: str, seed: int) -> Path:
     return directory
 
 
-class Slots:
-    """A state pool of `num_slots` slots and one step's rows' slots, as StateBatch reads it."""
-
-    def __init__(self, config: ModelConfig, num_slots: int):
-        shape = config.mamba2
-        assert shape is not None
-        n = config.layer_types.count("mamba")
-        self.pool = self
-        self.conv = torch.full((n, num_slots, *shape.conv_shape), float("nan"))
-        self.recurrent = torch.full((n, num_slots, *shape.ssm_shape), float("nan"))
-        self.slots: list[int] = []
-
-    def read(self, layer: int, row: int, fresh: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        conv, rec = self.conv[layer, self.slots[row]], self.recurrent[layer, self.slots[row]]
-        if fresh:
-            return torch.zeros_like(conv), torch.zeros_like(rec)
-        return conv.clone(), rec.clone()
-
-    def write(self, layer: int, row: int, conv: torch.Tensor, recurrent: torch.Tensor) -> None:
-        self.conv[layer, self.slots[row]].copy_(conv)
-        self.recurrent[layer, self.slots[row]].copy_(recurrent)
-
-
 class Loaded:
     """One checkpoint loaded by transformers' `hf_class` and by our engine, with 4 state slots."""
 
@@ -98,7 +72,6 @@ class Loaded:
             model=str(path), device="cpu", num_kv_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE
         )
         self.engine = Engine(config)
-        self.slots = Slots(self.engine.model.config, num_slots=4)
 
     @torch.no_grad()
     def forward(self, rows: list[tuple[list[int], int, int, int]]) -> list[torch.Tensor]:
@@ -115,11 +88,10 @@ class Loaded:
             cu.append(cu[-1] + end - start)
             seq_lens.append(end)
             tables.append(table)
-        self.slots.slots = [slot for *_, slot in rows]
         ctx = AttentionContext(
             slot_mapping=torch.tensor(kv_slots), block_tables=torch.tensor(tables),
             seq_lens=seq_lens, cu_seqlens_q=cu, kv_caches=self.engine.runner.kv_caches,
-            state=self.slots,
+            state=StateBatch(self.engine.state_pool, [slot for *_, slot in rows]),
         )  # fmt: skip
         model = self.engine.model
         logits = model.compute_logits(model(torch.tensor(input_ids), torch.tensor(positions), ctx))
@@ -131,15 +103,7 @@ class Loaded:
 
 
 @pytest.fixture(scope="module")
-def registered() -> Iterator[None]:
-    """The family registered for this module's engines (served once the state slots land)."""
-    FAMILIES[GRANITE_HYBRID.name] = GRANITE_HYBRID
-    yield
-    del FAMILIES[GRANITE_HYBRID.name]
-
-
-@pytest.fixture(scope="module")
-def load(tmp_path_factory: pytest.TempPathFactory, registered: None) -> Any:
+def load(tmp_path_factory: pytest.TempPathFactory) -> Any:
     cache: dict[str, Loaded] = {}
 
     def get(variant: str) -> Loaded:
@@ -151,12 +115,31 @@ def load(tmp_path_factory: pytest.TempPathFactory, registered: None) -> Any:
     return get
 
 
-def test_refused_at_start_by_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """As shipped (the family unregistered), the architecture is refused with the reason."""
-    path = make_granite(tmp_path, "dense_rope", seed=1)
-    monkeypatch.delitem(FAMILIES, GRANITE_HYBRID.name, raising=False)
-    with pytest.raises(UnservedModelError, match="GraniteMoeHybridForCausalLM is a hybrid"):
-        load_model_config(path)
+def test_what_the_family_refuses(load: Any) -> None:
+    """Tensor / pipeline parallelism, speculative decoding, quantization and LoRA at start by
+    name; the state pool is [Mamba layers, slots, ...] of the declared shapes."""
+    for feature in ("tensor_parallel", "speculative_decoding", "quantization"):
+        why = family_refusal("granite_hybrid", [feature])
+        assert why is not None and "GraniteMoeHybridForCausalLM" in why, feature
+    engine = load("moe_nope").engine
+    assert engine.state_pool.conv.shape[:2] == (2, engine.info.num_state_slots)
+    assert engine.state_pool.recurrent.shape[2:] == (4, 8, 8)
+
+
+def test_scheduled_script_matches_hf(load: Any) -> None:
+    """test_qwen3_next's script through the real scheduler: chunked prefills, preemptions and
+    recomputes, two requests of one prompt (n = 2), the prefix cache asked for and off; every
+    sampled row as transformers' logits and greedy token."""
+    m = load("moe_nope")
+    m.engine.reset()
+    requests = script_requests()
+    script = run_requests(m.engine, requests)
+    sched = script.sched
+    assert script.num_partial_prefills > 0 and sched.counters.num_preemptions > 0
+    assert sched.counters.num_prefix_cache_hit_tokens == 0 and not sched.enable_prefix_caching
+    assert sched.state_slots.num_free_slots == sched.state_slots.num_slots
+    check_rows(m, requests, script.rows)
+    assert requests[0].token_ids == requests[1].token_ids
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))

@@ -1,22 +1,18 @@
 """Nemotron-H (NemotronHForCausalLM) against transformers on a tiny random NemotronHConfig
 checkpoint (Mamba, MLP, attention, MLP, Mamba blocks): every position of a whole prompt; two
-chunks with the state carried beside another request, then a decode row; greedy decode. Not
-registered yet (refused at start by name); its MoE blocks are refused by name. The slots and
-the step: tests/engine/model/families/test_granite_hybrid.py."""
+chunks with the state carried beside another request, then a decode row; greedy decode; its
+MoE blocks refused by name. The step: tests/engine/model/families/test_granite_hybrid.py."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from llmserve.common.families import FAMILIES
-from llmserve.common.families.nemotron_h import NEMOTRON_H, read_nemotron_h
-from llmserve.common.families.registry import ModelSourceError, UnservedModelError
-from llmserve.common.model_config import load_model_config
+from llmserve.common.families.nemotron_h import read_nemotron_h
+from llmserve.common.families.registry import ModelSourceError
 from tests.engine.model.families.test_granite_hybrid import TOLERANCE, Loaded
 from tests.engine.model.test_model import prompt, rel_err
 from tests.factories import write_byte_tokenizer
@@ -48,13 +44,9 @@ def make_nemotron(directory: Path, seed: int) -> Path:
 
 
 @pytest.fixture(scope="module")
-def loaded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Loaded]:
+def loaded(tmp_path_factory: pytest.TempPathFactory) -> Loaded:
     path = make_nemotron(tmp_path_factory.mktemp("nemotron_h"), seed=11)
-    FAMILIES[NEMOTRON_H.name] = NEMOTRON_H
-    try:
-        yield Loaded(path, "NemotronHForCausalLM")
-    finally:
-        del FAMILIES[NEMOTRON_H.name]
+    return Loaded(path, "NemotronHForCausalLM")
 
 
 def test_config_and_refusals(loaded: Loaded, tmp_path: Path) -> None:
@@ -66,12 +58,6 @@ def test_config_and_refusals(loaded: Loaded, tmp_path: Path) -> None:
     )
     with pytest.raises(ModelSourceError, match="hybrid_override_pattern 'E'"):
         read_nemotron_h({"hybrid_override_pattern": "ME*"})
-
-
-def test_refused_at_start_by_name(loaded: Loaded, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delitem(FAMILIES, NEMOTRON_H.name)
-    with pytest.raises(UnservedModelError, match="NemotronHForCausalLM is a hybrid"):
-        load_model_config(loaded.path)
 
 
 def test_whole_prompt_and_carried_chunks(loaded: Loaded) -> None:
