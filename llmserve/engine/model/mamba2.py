@@ -20,8 +20,8 @@ The clamp to time_step_limit is applied in both forms; transformers applies it i
 form only (its decode path skips it), the same for the default (0, inf) every released
 Granite 4.0-H config uses.
 
-State per request and Mamba layer (the scheduler's state slot, engine/kv/state.py on the
-state-slot branch): conv [conv_dim, K - 1] (conv_dim = I + 2 G N), ssm [H, P, N].
+State per request and Mamba layer (the scheduler's state slot in the pool of
+engine/kv/state.py): conv [conv_dim, K - 1] (conv_dim = I + 2 G N), ssm [H, P, N].
 `Mamba2Mixer.forward` reads each row's pair from `ctx.state` (read(state_idx, row, fresh) /
 write(state_idx, row, conv, ssm); zeros for a request's first chunk) and writes it back;
 `Mamba2Mixer.run_chunk` is the same with the state passed explicitly.
