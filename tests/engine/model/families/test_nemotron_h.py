@@ -1,7 +1,8 @@
 """Nemotron-H (NemotronHForCausalLM) against transformers on a tiny random NemotronHConfig
 checkpoint (Mamba, MLP, attention, MLP, Mamba blocks): every position of a whole prompt; two
-chunks with the state carried beside another request, then a decode row; greedy decode; its
-MoE blocks refused by name. The step: tests/engine/model/families/test_granite_hybrid.py."""
+chunks with the state carried beside another request, then a decode row; greedy decode; the
+scheduled script; its MoE blocks refused by name. The step:
+tests/engine/model/families/test_granite_hybrid.py."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch
 from llmserve.common.families.nemotron_h import read_nemotron_h
 from llmserve.common.families.registry import ModelSourceError
 from tests.engine.model.families.test_granite_hybrid import TOLERANCE, Loaded
+from tests.engine.model.families.test_qwen3_next import check_rows, run_requests, script_requests
 from tests.engine.model.test_model import prompt, rel_err
 from tests.factories import write_byte_tokenizer
 
@@ -83,3 +85,13 @@ def test_greedy_decode_matches_transformers(loaded: Loaded) -> None:
         tokens.append(int(logits[-1].argmax()))
         (logits,) = m.forward([(tokens, len(tokens) - 1, len(tokens), 1)])
     assert tokens == want
+
+
+def test_scheduled_script_matches_hf(loaded: Loaded) -> None:
+    """test_qwen3_next's script through the real scheduler (chunked prefills, preemptions and
+    recomputes, n = 2, the prefix cache off): every sampled row as transformers'."""
+    loaded.engine.reset()
+    requests = script_requests()
+    script = run_requests(loaded.engine, requests)
+    assert script.num_partial_prefills > 0 and script.sched.counters.num_preemptions > 0
+    check_rows(loaded, requests, script.rows)
