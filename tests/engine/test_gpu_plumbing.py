@@ -225,6 +225,13 @@ class BrokenOps(ReferenceOps):
         return torch.zeros_like(q)
 
 
+class NoSinkOps(ReferenceOps):
+    """An attention that drops the sinks, as a kernel without them would."""
+
+    def attention(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return super().attention(*args, **{**kwargs, "sinks": None})
+
+
 class CrashingOps(ReferenceOps):
     def rms_norm(self, *args: Any, **kwargs: Any) -> Any:
         raise RuntimeError("CUDA error: no kernel image is available for execution")
@@ -310,6 +317,11 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 @torch.inference_mode()
 def test_the_kernels_pass_their_self_check(emulator: object) -> None:
     assert self_check(KernelOps(), tiny_config(), torch.bfloat16, CPU, BLOCK_SIZE) is None
+    # gpt-oss: the kernels take the sinks, and the self-check's attention case carries them
+    sinks = tiny_config(attention_sinks=True)
+    assert kernel_limits(sinks, torch.bfloat16, BLOCK_SIZE) is None
+    assert self_check(KernelOps(), sinks, torch.bfloat16, CPU, BLOCK_SIZE) is None
+    assert "attention differs" in (self_check(NoSinkOps(), sinks, torch.float32, CPU, 16) or "")
 
 
 @torch.inference_mode()

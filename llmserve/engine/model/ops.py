@@ -373,24 +373,25 @@ class KernelOps(LayerOps):
         sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """store_kv, then the decode kernel (every request one query) or the varlen prefill
-        kernel (anything else), as kernels.cuda.paged_attention dispatches."""
+        kernel (anything else), as kernels.cuda.paged_attention dispatches. sinks (gpt-oss) go
+        to the kernels in float32 (a no-op for a float32 parameter)."""
         assert ctx.seq_lens_t is not None and ctx.cu_seqlens_q_t is not None, "prepare() first"
-        assert sinks is None, "kernel_limits keeps models with attention sinks off the kernels"
+        sinks = None if sinks is None else sinks.float()
         self.lib.store_kv(k, v, k_cache, v_cache, ctx.slot_mapping)
         if ctx.tree_masks is not None and window is None:  # token trees: the tree mask
             return self.lib.paged_prefill_attention(
                 q, k_cache, v_cache, ctx.block_tables, ctx.seq_lens_t, ctx.cu_seqlens_q_t, scale,
-                softcap=softcap, tree_bits=ctx.tree_bits, tree_start=ctx.tree_start,
+                softcap=softcap, tree_bits=ctx.tree_bits, tree_start=ctx.tree_start, sinks=sinks,
             )  # fmt: skip
         if ctx.tree_masks is not None:  # and a sliding window: the kernel's compares storage
             return ref.paged_attention(
                 q, k_cache, v_cache, ctx.block_tables.long(), ctx.seq_lens, ctx.cu_seqlens_q,
-                scale, window=window, softcap=softcap, trees=ctx.tree_masks,
+                scale, window=window, softcap=softcap, sinks=sinks, trees=ctx.tree_masks,
             )  # fmt: skip
         if ctx.num_splits is not None and ctx.max_seqlen_q == 1:
             return self.lib.paged_decode_attention(
                 q, k_cache, v_cache, ctx.block_tables, ctx.seq_lens_t, scale,
-                num_splits=ctx.num_splits, window=window, softcap=softcap,
+                num_splits=ctx.num_splits, window=window, softcap=softcap, sinks=sinks,
             )  # fmt: skip
         return self.lib.paged_attention(
             q,
@@ -404,6 +405,7 @@ class KernelOps(LayerOps):
             max_seq_len=ctx.max_seq_len,
             window=window,
             softcap=softcap,
+            sinks=sinks,
         )
 
 
@@ -413,8 +415,6 @@ def kernel_limits(config: ModelConfig, dtype: torch.dtype, block_size: int) -> s
 
     if dtype not in (torch.float16, torch.bfloat16):
         return f"dtype {str(dtype).removeprefix('torch.')}: the CUDA kernels are fp16 / bf16 only"
-    if config.attention_sinks:
-        return "attention sinks (gpt-oss): not in the CUDA attention kernels yet"
     if config.mla is not None:
         rank, latent = config.mla.kv_lora_rank, config.mla.latent_dim
         if rank > 512 or rank % 8 or latent % 8:
@@ -525,6 +525,7 @@ def _check_cases(
     slots.append(int(tables[1, 2]) * block_size)  # the decode token: position 2 * block_size
     cache = rand(2, num_blocks, block_size, kv_heads, dim)
     q, k, v = rand(6, heads, dim), rand(6, kv_heads, dim), rand(6, kv_heads, dim)
+    sinks = rand(heads).float() if config.attention_sinks else None  # gpt-oss
     outputs = []
     for backend in (ops, ref_ops):
         k_cache, v_cache = cache[0].clone(), cache[1].clone()
@@ -532,7 +533,7 @@ def _check_cases(
             torch.tensor(slots, device=device), tables, seq_lens, cu_seqlens_q, []
         )
         ctx = backend.prepare(ctx)
-        outputs.append(backend.attention(q, k, v, k_cache, v_cache, ctx, dim**-0.5))
+        outputs.append(backend.attention(q, k, v, k_cache, v_cache, ctx, dim**-0.5, sinks=sinks))
     yield "attention", outputs[0], outputs[1]
 
 

@@ -102,6 +102,11 @@ class GptOssForCausalLM(LlamaForCausalLM):
     """Tensor-parallel, the attention splits by heads (the sinks too) and the experts whole
     across the ranks (expert parallelism, as engine/model/moe.py)."""
 
+    graph_refusal = (
+        "gpt-oss's experts run in torch, which reads the per-expert row counts on the host "
+        "(kernels/moe.cu has neither expert biases nor the clamped SwiGLU yet)"
+    )
+
     def make_mlp(self, config: ModelConfig, layer: int, ops: LayerOps, tp: TPGroup) -> nn.Module:
         assert config.moe is not None, "gpt-oss: config.json gave no experts"
         return GptOssMoeBlock(config.hidden_size, config.moe, tp)
