@@ -220,7 +220,9 @@ def decode_floor_bytes(
     dtype_bytes: per element of the model's dtype (bf16: 2); linear_bytes: per weight of the
     linear layers, the LM head included (--quantization int8 / fp8: 1; a tied head then reads a
     quantized copy of the table, the lookup the table's rows); kv_bytes: per KV element. Both
-    default to dtype_bytes. Quantization scales and biases are counted as weights (< 0.1%)."""
+    default to dtype_bytes. Quantization scales and biases are counted as weights (< 0.1%).
+    The KV: a sliding layer's window of the context, a full layer's whole context; K and V per
+    KV head, or MLA's one latent row per token."""
     from llmserve.common.model_config import load_model_config
     from llmserve.engine.model.dummy import hf_tensor_shapes
 
@@ -246,8 +248,15 @@ def decode_floor_bytes(
         weights += embed * dtype_bytes
     else:
         weights += embed * linear_bytes + lookup
-    kv_per_token = config.num_layers * 2 * config.num_kv_heads * config.head_dim * kv_bytes
-    return {"weights": weights, "kv": batch * context * kv_per_token}
+    kv = 0
+    for layer in range(config.num_layers):  # a sliding layer reads its window's keys alone
+        window = config.layer_window(layer)
+        seen = context if window is None else min(context, window)
+        if config.mla is not None:  # one latent row per token: K and V are the same slot
+            kv += seen * config.mla.latent_dim * kv_bytes
+        else:
+            kv += seen * 2 * config.num_kv_heads * config.head_dim * kv_bytes
+    return {"weights": weights, "kv": batch * kv}
 
 
 def synthetic_prompts(num_prompts: int, num_tokens: int, vocab_size: int) -> list[list[int]]:
