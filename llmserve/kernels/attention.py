@@ -282,12 +282,7 @@ def paged_decode_attention(
     if num_seqs == 0:
         return out
     num_ctas = decode_ctas_per_seq(num_heads, num_kv_heads) * num_seqs
-    if num_splits is None:
-        if max_seq_len is None:
-            max_seq_len = int(seq_lens.max())
-        num_splits = decode_num_splits(num_ctas, max_seq_len, decode_slots(q.device, head_dim))
-    if not 1 <= num_splits <= 65535:
-        _fail(op, f"num_splits={num_splits} must be in [1, 65535]")
+    num_splits = _choose_splits(op, num_splits, num_ctas, max_seq_len, seq_lens, head_dim)
     fp8 = k_cache.dtype == FP8_DTYPE
     spec = decode_spec(_CTYPES[q.dtype], head_dim, FP8_CTYPE if fp8 else None)
     part_args, _workspace = _split_workspace(num_splits, num_seqs, num_heads, head_dim, q.device)
@@ -307,6 +302,26 @@ def paged_decode_attention(
     if num_splits > 1:
         _launch_decode_merge(spec, part_args, seq_lens, out, num_splits, window or 0, sinks_ptr)
     return out
+
+
+def _choose_splits(
+    op: str,
+    num_splits: int | None,
+    num_ctas: int,
+    max_seq_len: int | None,
+    seq_lens: torch.Tensor,
+    head_dim: int,
+) -> int:
+    """num_splits as given, else decode_num_splits' choice (max_seq_len read from seq_lens when
+    it is not given: a device sync); checked."""
+    if num_splits is None:
+        if max_seq_len is None:
+            max_seq_len = int(seq_lens.max())
+        slots = decode_slots(seq_lens.device, head_dim)
+        num_splits = decode_num_splits(num_ctas, max_seq_len, slots)
+    if not 1 <= num_splits <= 65535:
+        _fail(op, f"num_splits={num_splits} must be in [1, 65535]")
+    return num_splits
 
 
 def _sinks_arg(
@@ -431,7 +446,6 @@ def paged_prefill_attention(
     num_tokens = q.shape[0]
     tree = _tree_args(op, tree_bits, tree_start, num_tokens, num_seqs, window, q.device)
     out = _output(op, out, (num_tokens, num_heads, head_dim), q)
-    sinks_ptr = _sinks_arg(op, sinks, num_heads, q.device)
     if num_seqs == 0 or num_tokens == 0:
         return out
     group = num_heads // num_kv_heads
@@ -448,7 +462,7 @@ def paged_prefill_attention(
         _ptr(out), _i64(out.stride(0)), _i64(out.stride(1)),
         _i32(num_seqs), _i32(num_heads), _i32(num_kv_heads), _i32(block_size),
         _f32(scale * LOG2E), _f32(k_scale), _f32(v_scale),
-        *_window_softcap(op, window, softcap), *tree, sinks_ptr,
+        *_window_softcap(op, window, softcap), *tree, _sinks_arg(op, sinks, num_heads, q.device),
     )  # fmt: skip
     smem = prefill_smem_bytes(head_dim, block_m, fp8)
     launch._launch(spec, expr, grid, (32 * PREFILL_CONFIGS[block_m][0],), args, smem, q.device)
