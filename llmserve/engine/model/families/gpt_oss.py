@@ -15,6 +15,9 @@ torch on every device (kernels/moe.cu has neither biases nor this activation).
 
 from __future__ import annotations
 
+import re
+from collections.abc import Iterator, Mapping
+
 import torch
 from torch import nn
 
@@ -98,6 +101,50 @@ class GptOssMoeBlock(nn.Module):
         return self.tp.all_reduce(self.experts(x, weights, ids))
 
 
+class GGUFExperts(Mapping[str, torch.Tensor]):
+    """A `gpt-oss` GGUF's tensors under transformers' names where llama.cpp's converter split or
+    transposed them: the experts' gate and up ([E, I, H] each, biases [E, I]) interleaved back
+    into gate_up_proj [E, H, 2 I] (and its bias), down [E, H, I] transposed to [E, I, H], the
+    sinks `sinks.weight` as `sinks`. An HF checkpoint passes through unchanged."""
+
+    EXPERTS = re.compile(r"(.*\.mlp\.experts\.)(gate_up_proj|down_proj)(_bias)?")
+
+    def __init__(self, weights: Mapping[str, torch.Tensor]):
+        self.weights = weights
+        stems = {n.rsplit(".", 2)[0] for n in weights if n.endswith("experts.gate_proj.weight")}
+        joined = [f"{s}.{p}{b}" for s in stems for p in ("gate_up_proj", "down_proj")
+                  for b in ("", "_bias")]  # fmt: skip
+        sinks = [n.removesuffix(".weight") for n in weights if n.endswith("sinks.weight")]
+        self.names = [*weights, *joined, *sinks]
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name in self.weights:
+            return self.weights[name]
+        if name.endswith(".sinks"):
+            return self.weights[name + ".weight"]
+        m = self.EXPERTS.fullmatch(name)
+        if m is None:
+            raise KeyError(name)
+        kind = ".bias" if m[3] else ".weight"
+        if m[2] == "down_proj":
+            down = self.weights[f"{m[1]}down_proj{kind}"]
+            return down if m[3] else down.transpose(1, 2)
+        gate, up = (self.weights[f"{m[1]}{p}{kind}"] for p in ("gate_proj", "up_proj"))
+        pairs = torch.stack((gate, up), dim=-2 if m[3] else -1)  # [E, I, H, 2] / [E, 2, I]
+        if m[3]:
+            return pairs.transpose(-1, -2).reshape(gate.shape[0], -1)
+        return pairs.permute(0, 2, 1, 3).reshape(gate.shape[0], gate.shape[2], -1)
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and name in self.names
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+
 class GptOssForCausalLM(LlamaForCausalLM):
     """Tensor-parallel, the attention splits by heads (the sinks too) and the experts whole
     across the ranks (expert parallelism, as engine/model/moe.py)."""
@@ -106,6 +153,9 @@ class GptOssForCausalLM(LlamaForCausalLM):
         "gpt-oss's experts run in torch, which reads the per-expert row counts on the host "
         "(kernels/moe.cu has neither expert biases nor the clamped SwiGLU yet)"
     )
+
+    def checkpoint_view(self, weights: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+        return GGUFExperts(super().checkpoint_view(weights))
 
     def make_mlp(self, config: ModelConfig, layer: int, ops: LayerOps, tp: TPGroup) -> nn.Module:
         assert config.moe is not None, "gpt-oss: config.json gave no experts"

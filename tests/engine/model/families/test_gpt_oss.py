@@ -149,3 +149,32 @@ def test_a_sparse_config_reads_gptossconfigs_defaults(tmp_path: Path) -> None:
     rope = dict(theirs.rope_parameters)
     assert ours.rope_theta == rope.pop("rope_theta") and ours.rope_scaling == rope
     assert ours.moe is not None and ours.moe.clamped_swiglu == (1.702, theirs.swiglu_limit)
+
+
+def test_gguf_logits_match_hf(tmp_path: Path) -> None:
+    """The tiny model (with llama.cpp's fixed SwiGLU limit, 7.0) written as llama.cpp's
+    converter lays out `gpt-oss` with float experts (tests/gpt_oss_gguf.py: gate / up split
+    and transposed, down transposed, sinks, router with its bias): the same config as
+    config.json's (the alternating windows from the sliding_window key, yarn untruncated),
+    logits within TOLERANCE of transformers' over a whole prompt longer than the window and
+    through the scheduled script."""
+    from llmserve.engine.config import EngineConfig
+    from llmserve.engine.step.engine import Engine
+    from tests.engine.model.test_model import BLOCK_SIZE
+    from tests.gpt_oss_gguf import write_gpt_oss_gguf
+
+    hf_dir = make_tiny_moe(tmp_path / "hf", "gpt_oss", seed=1, swiglu_limit=7.0)
+    hf = Loaded(hf_dir)
+    path = write_gpt_oss_gguf(hf_dir, tmp_path / "gpt-oss.gguf")
+    from_hf, from_gguf = load_model_config(hf_dir), load_model_config(path)
+    assert from_gguf.family == "gpt_oss"
+    for field in ("moe", "layer_types", "sliding_window", "attention_sinks", "head_dim"):
+        assert getattr(from_gguf, field) == getattr(from_hf, field), field
+    assert from_gguf.rope_scaling is not None and from_gguf.rope_scaling["truncate"] is False
+    config = EngineConfig(model=str(path), device="cpu", num_kv_blocks=96, block_size=BLOCK_SIZE)
+    engine = Engine(config)
+    tokens = prompt(45, seed=1)
+    (ours,) = forward_direct(engine, [(tokens, 0, len(tokens), shuffled_blocks(11)[:6])])
+    assert rel_err(ours, hf.hf_logits(tokens)) < TOLERANCE
+    engine.reset()
+    check_script_matches_hf(engine, hf.hf_logits, **SCRIPT)
