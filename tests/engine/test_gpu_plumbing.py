@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from llmserve.common.model_config import ModelConfig
+from llmserve.common.moe_config import MoEConfig
 from llmserve.engine.contract.mirror import Mirror
 from llmserve.engine.kv.cache import allocate_kv_cache, layer_views
 from llmserve.engine.model.model import LlamaForCausalLM
@@ -317,8 +318,10 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 @torch.inference_mode()
 def test_the_kernels_pass_their_self_check(emulator: object) -> None:
     assert self_check(KernelOps(), tiny_config(), torch.bfloat16, CPU, BLOCK_SIZE) is None
-    # gpt-oss: the kernels take the sinks, and the self-check's attention case carries them
-    sinks = tiny_config(attention_sinks=True)
+    # gpt-oss: the kernels take the sinks and the experts' biases and clamped SwiGLU, and the
+    # self-check's attention and experts cases carry them
+    experts = MoEConfig(4, 2, 64, True, clamped_swiglu=(1.702, 0.5))
+    sinks = tiny_config(attention_sinks=True, moe=experts)
     assert kernel_limits(sinks, torch.bfloat16, BLOCK_SIZE) is None
     assert self_check(KernelOps(), sinks, torch.bfloat16, CPU, BLOCK_SIZE) is None
     assert "attention differs" in (self_check(NoSinkOps(), sinks, torch.float32, CPU, 16) or "")

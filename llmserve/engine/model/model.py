@@ -43,8 +43,6 @@ FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj
 
 class LlamaForCausalLM(nn.Module):
     norm_class: NormClass = RMSNorm  # every RMSNorm of the model (Gemma: (1 + w))
-    # why a decode step of this family cannot be captured in a CUDA graph (None: it can)
-    graph_refusal: str | None = None
 
     def __init__(
         self,

@@ -91,10 +91,18 @@ class LayerOps:
         return self.lib.silu_and_mul(x)
 
     def moe_experts(
-        self, x: Tensor, weights: Tensor, ids: Tensor, w13: Tensor, w2: Tensor, first_expert: int
+        self,
+        x: Tensor,
+        weights: Tensor,
+        ids: Tensor,
+        w13: Tensor,
+        w2: Tensor,
+        first_expert: int,
+        oss: moe_ref.ClampedSwiGLU | None = None,
     ) -> Tensor:
-        """The routed experts' weighted sum per token (kernels/moe_reference.py)."""
-        return moe_ref.moe_experts(x, weights, ids, w13, w2, first_expert)
+        """The routed experts' weighted sum per token (kernels/moe_reference.py); oss: gpt-oss's
+        biases and clamped SwiGLU."""
+        return moe_ref.moe_experts(x, weights, ids, w13, w2, first_expert, oss)
 
     def gelu_tanh_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """kernels/reference.py's on every backend (no CUDA kernel of its own yet)."""
@@ -298,10 +306,17 @@ class KernelOps(LayerOps):
         )
 
     def moe_experts(
-        self, x: Tensor, weights: Tensor, ids: Tensor, w13: Tensor, w2: Tensor, first_expert: int
+        self,
+        x: Tensor,
+        weights: Tensor,
+        ids: Tensor,
+        w13: Tensor,
+        w2: Tensor,
+        first_expert: int,
+        oss: moe_ref.ClampedSwiGLU | None = None,
     ) -> Tensor:
         """kernels/moe.cu: no sort and no host synchronization (graph-safe)."""
-        return self.lib.moe_experts(x, weights, ids, w13, w2, first_expert)
+        return self.lib.moe_experts(x, weights, ids, w13, w2, first_expert, oss)
 
     def lora_add(self, lora: LoraBatch, layer: int, group: str, x: Tensor, out: Tensor) -> None:
         """kernels/lora.cu on decode-like steps (gathered per row, graph-safe); a step with a
@@ -509,10 +524,13 @@ def _check_cases(
     gate_up = rand(6, 2 * config.intermediate_size)
     yield "silu_and_mul", ops.silu_and_mul(gate_up), ref_ops.silu_and_mul(gate_up)
     if config.moe is not None:  # experts 1 and 2 of 4 at the model's widths, top-2
-        w13 = rand(2, 2 * config.moe.intermediate_size, config.hidden_size) * 0.05
-        w2 = rand(2, config.hidden_size, config.moe.intermediate_size) * 0.05
+        width = config.moe.intermediate_size
+        w13 = rand(2, 2 * width, config.hidden_size) * 0.05
+        w2 = rand(2, config.hidden_size, width) * 0.05
         route = moe_ref.route(torch.randn(6, 4, generator=gen).to(device), 2, True)
-        got, want = (o.moe_experts(x, *route, w13, w2, 1) for o in (ops, ref_ops))
+        swiglu = config.moe.clamped_swiglu  # gpt-oss: with its biases and activation
+        oss = swiglu and moe_ref.ClampedSwiGLU(rand(2, 2 * width), rand(2, w.shape[0]), *swiglu)
+        got, want = (o.moe_experts(x, *route, w13, w2, 1, oss or None) for o in (ops, ref_ops))
         yield "moe_experts", got, want
     if config.mla is not None:
         yield from _latent_cases(ops, ref_ops, config, rand, device, block_size)

@@ -26,8 +26,6 @@ def uses_graphs(
         return False, "--enforce-eager"
     if not model.ops.graph_safe:
         return False, f"ops backend {model.ops.name} (the CUDA kernels are needed)"
-    if model.graph_refusal is not None:
-        return False, model.graph_refusal
     return True, ""
 
 

@@ -8,9 +8,11 @@ layer a mixture of experts with a biased router and biased experts under the cla
                               g = clamp(gate, max=limit)
                           out += weight * (h W_d[e] + b_d[e])
 
-The experts keep transformers' fused layout and names (gate_up_proj [E, H, 2 I], interleaved
-gate / up columns; down_proj [E, I, H]; their biases). Float experts only; the products run in
-torch on every device (kernels/moe.cu has neither biases nor this activation).
+The experts keep transformers' names (gate_up_proj [E, H, 2 I] with interleaved gate / up
+columns, down_proj [E, I, H], their biases), loaded into kernels/moe.cu's layout; float experts
+only. On a GPU with the CUDA kernels the products run in moe.cu (its gpt-oss form: biases and
+this activation; no host synchronization, so decode steps are captured in CUDA graphs); else
+kernels/moe_reference.py's grouped products.
 """
 
 from __future__ import annotations
@@ -25,9 +27,9 @@ from llmserve.common.model_config import ModelConfig
 from llmserve.common.moe_config import MoEConfig
 from llmserve.engine.model.layers import default_weight_loader
 from llmserve.engine.model.model import LlamaForCausalLM
-from llmserve.engine.model.ops import LayerOps
+from llmserve.engine.model.ops import LayerOps, OpsModule
 from llmserve.engine.parallel.groups import TPGroup
-from llmserve.kernels.moe_reference import route, sort_by_expert
+from llmserve.kernels.moe_reference import ClampedSwiGLU, route
 
 
 class BiasedRouter(nn.Module):
@@ -43,57 +45,53 @@ class BiasedRouter(nn.Module):
         return nn.functional.linear(x, self.weight, self.bias)
 
 
-class BiasedExperts(nn.Module):
+class BiasedExperts(OpsModule):
     """The experts `experts` (this rank's, under expert parallelism: common/moe_config.py's
-    expert_range) with their biases, in transformers' fused layout (see the module)."""
+    expert_range) with their biases, stored as kernels/moe.cu reads them: gate_up_proj
+    [E, 2 I, H] (each expert's gate rows, then its up rows), its bias [E, 2 I] alike,
+    down_proj [E, H, I], its bias [E, H]. The weight loader turns transformers' fused layout
+    (see the module) into it."""
 
-    def __init__(self, hidden_size: int, moe: MoEConfig, experts: range):
-        super().__init__()
+    def __init__(self, hidden_size: int, moe: MoEConfig, experts: range, ops: LayerOps):
+        super().__init__(ops)
         assert moe.clamped_swiglu is not None
         self.alpha, self.limit = moe.clamped_swiglu
         self.experts = experts
         num, inter = len(experts), moe.intermediate_size
-        self.gate_up_proj = nn.Parameter(torch.empty(num, hidden_size, 2 * inter))
+        self.gate_up_proj = nn.Parameter(torch.empty(num, 2 * inter, hidden_size))
         self.gate_up_proj_bias = nn.Parameter(torch.empty(num, 2 * inter))
-        self.down_proj = nn.Parameter(torch.empty(num, inter, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num, hidden_size, inter))
         self.down_proj_bias = nn.Parameter(torch.empty(num, hidden_size))
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: int = 0) -> None:
-        default_weight_loader(param, loaded[self.experts.start : self.experts.stop], shard)
-
-    def activation(self, gate_up: torch.Tensor) -> torch.Tensor:
-        gate = gate_up[..., 0::2].clamp(max=self.limit)
-        up = gate_up[..., 1::2].clamp(-self.limit, self.limit)
-        return (up + 1) * gate * torch.sigmoid(gate * self.alpha)
+        """This rank's experts of transformers' tensor, in the kernel's layout: gate and up
+        columns (interleaved) into gate rows then up rows, down transposed."""
+        loaded = loaded[self.experts.start : self.experts.stop]
+        if param is self.gate_up_proj or param is self.gate_up_proj_bias:
+            loaded = torch.cat((loaded[..., 0::2], loaded[..., 1::2]), dim=-1)
+        if param is self.gate_up_proj or param is self.down_proj:
+            loaded = loaded.transpose(1, 2)
+        default_weight_loader(param, loaded, shard)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """The weighted sum of each token's local experts: pairs sorted by expert, one product
-        per weight and expert segment, the rows added back into their tokens (the other ranks'
-        experts add theirs in the block's all-reduce)."""
-        pairs, tokens, counts = sort_by_expert(ids, self.experts.start, len(self.experts))
-        out = torch.zeros_like(x)
-        rows = x[tokens]
-        pair_weights = weights.flatten()[pairs].to(x.dtype)
-        start = 0
-        for e, count in enumerate(counts):
-            if not count:
-                continue
-            seg = slice(start, start + count)
-            h = self.activation(rows[seg] @ self.gate_up_proj[e] + self.gate_up_proj_bias[e])
-            y = (h @ self.down_proj[e] + self.down_proj_bias[e]) * pair_weights[seg, None]
-            out.index_add_(0, tokens[seg], y)
-            start += count
-        return out
+        """The weighted sum of each token's local experts (the other ranks' experts add theirs
+        in the block's all-reduce): kernels/moe.cu through KernelOps (no host synchronization),
+        the grouped torch products of kernels/moe_reference.py otherwise."""
+        oss = ClampedSwiGLU(self.gate_up_proj_bias, self.down_proj_bias, self.alpha, self.limit)
+        return self.ops.moe_experts(
+            x, weights, ids, self.gate_up_proj, self.down_proj, self.experts.start, oss
+        )
 
 
 class GptOssMoeBlock(nn.Module):
     """gpt-oss's MLP: router, then the experts (module names as transformers')."""
 
-    def __init__(self, hidden_size: int, moe: MoEConfig, tp: TPGroup):
+    def __init__(self, hidden_size: int, moe: MoEConfig, ops: LayerOps, tp: TPGroup):
         super().__init__()
         self.moe, self.tp = moe, tp
         self.router = BiasedRouter(hidden_size, moe.num_experts)
-        self.experts = BiasedExperts(hidden_size, moe, moe.expert_range(tp.rank, tp.size))
+        local = moe.expert_range(tp.rank, tp.size)
+        self.experts = BiasedExperts(hidden_size, moe, local, ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # softmax over the top-k logits equals the top-k of the softmax, renormalized
@@ -149,14 +147,9 @@ class GptOssForCausalLM(LlamaForCausalLM):
     """Tensor-parallel, the attention splits by heads (the sinks too) and the experts whole
     across the ranks (expert parallelism, as engine/model/moe.py)."""
 
-    graph_refusal = (
-        "gpt-oss's experts run in torch, which reads the per-expert row counts on the host "
-        "(kernels/moe.cu has neither expert biases nor the clamped SwiGLU yet)"
-    )
-
     def checkpoint_view(self, weights: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
         return GGUFExperts(super().checkpoint_view(weights))
 
     def make_mlp(self, config: ModelConfig, layer: int, ops: LayerOps, tp: TPGroup) -> nn.Module:
         assert config.moe is not None, "gpt-oss: config.json gave no experts"
-        return GptOssMoeBlock(config.hidden_size, config.moe, tp)
+        return GptOssMoeBlock(config.hidden_size, config.moe, ops, tp)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -18,7 +17,6 @@ import torch
 from llmserve.common.families import family_refusal
 from llmserve.common.model_config import load_model_config
 from llmserve.engine.model.ops import kernel_limits
-from llmserve.engine.step.graph_capture import uses_graphs
 from tests.engine.model.families.test_families import TOLERANCE, Loaded, check_script_matches_hf
 from tests.engine.model.families.test_moe_models import SCRIPT
 from tests.engine.model.test_model import forward_direct, prompt, rel_err, shuffled_blocks
@@ -90,9 +88,8 @@ def test_each_quirk_matters_for_these_prompts(
 
 def test_what_the_family_refuses(model: Loaded) -> None:
     """Quantization by name at start, a LoRA adapter when loaded; the CUDA kernels take the
-    sinks and windows (kernel_limits declines only the tiny model's head_dim, not the family),
-    CUDA graphs are refused by name (the experts' host sync). Tensor and pipeline parallelism:
-    tests/engine/model/families/test_family_features.py.
+    sinks, windows and experts (kernel_limits declines only the tiny model's head_dim, not the
+    family). Tensor and pipeline parallelism: tests/engine/model/families/test_family_features.py.
     """
     why = family_refusal("gpt_oss", ["tensor_parallel", "pipeline_parallel", "quantization"])
     assert why is not None and "GptOssForCausalLM" in why and "quantization" in why
@@ -102,11 +99,6 @@ def test_what_the_family_refuses(model: Loaded) -> None:
     why = kernel_limits(config, torch.bfloat16, 16)
     assert why is not None and f"head_dim={config.head_dim}" in why
     assert kernel_limits(dataclasses.replace(config, head_dim=64), torch.bfloat16, 16) is None
-    engine_config = SimpleNamespace(enforce_eager=False)
-    ops = SimpleNamespace(graph_safe=True, name="cuda")
-    fake = SimpleNamespace(ops=ops, graph_refusal=model.engine.model.graph_refusal)
-    using, why = uses_graphs(engine_config, torch.device("cuda"), fake, None)  # type: ignore[arg-type]
-    assert not using and "kernels/moe.cu" in why
 
 
 def test_sinks_in_the_reference_decode_equal_the_chunk_path() -> None:
