@@ -291,6 +291,22 @@ def model() -> LlamaForCausalLM:
     return build_model(tiny_config(), None, 256, torch.bfloat16, CPU, dummy_seed=3)
 
 
+@pytest.fixture(scope="module")
+def oss_model() -> LlamaForCausalLM:
+    """A tiny gpt-oss: sinks (drawn large enough to matter), an 8-token window on layer 0,
+    biased experts under the clamped SwiGLU (a limit of 0.5, which the products reach)."""
+    experts = MoEConfig(4, 2, 64, True, clamped_swiglu=(1.702, 0.5))
+    config = tiny_config(
+        family="gpt_oss", attention_sinks=True, attention_bias=True, moe=experts,
+        layer_types=("sliding_attention", "full_attention"), sliding_window=8,
+    )  # fmt: skip
+    built = build_model(config, None, 256, torch.bfloat16, CPU, dummy_seed=3)
+    with torch.no_grad():
+        for layer in built.layers:
+            layer.self_attn.sinks.copy_(torch.randn(config.num_heads) * 2)
+    return built
+
+
 def context(
     pool: torch.Tensor, rows: list[tuple[int, int]], tables: list[list[int]]
 ) -> AttentionContext:
@@ -328,11 +344,14 @@ def test_the_kernels_pass_their_self_check(emulator: object) -> None:
 
 
 @torch.inference_mode()
+@pytest.mark.parametrize("which", ["model", "oss_model"])
 def test_model_through_the_kernels_matches_the_torch_ops(
-    emulator: object, model: LlamaForCausalLM
+    emulator: object, which: str, request: pytest.FixtureRequest
 ) -> None:
     """A ragged prefill (20 and 7 tokens), then a decode step of both: hidden states and the KV
-    pool the same through KernelOps as through ReferenceOps (bf16 both; <= 2% relative)."""
+    pool the same through KernelOps as through ReferenceOps (bf16 both; <= 2% relative); a
+    Llama, and a gpt-oss (sinks, a window, moe.cu's gpt-oss experts)."""
+    model: LlamaForCausalLM = request.getfixturevalue(which)
     config = model.config
     pools = {
         name: allocate_kv_cache(config, 8, BLOCK_SIZE, torch.bfloat16, CPU)
