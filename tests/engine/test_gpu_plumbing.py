@@ -294,8 +294,8 @@ def model() -> LlamaForCausalLM:
 @pytest.fixture(scope="module")
 def oss_model() -> LlamaForCausalLM:
     """A tiny gpt-oss: sinks (drawn large enough to matter), an 8-token window on layer 0,
-    biased experts under the clamped SwiGLU (a limit of 0.5, which the products reach)."""
-    experts = MoEConfig(4, 2, 16, True, clamped_swiglu=(1.702, 0.5))  # small: emulated per row
+    biased experts under the clamped SwiGLU (a limit of 0.02, which the tiny products pass)."""
+    experts = MoEConfig(4, 2, 16, True, clamped_swiglu=(1.702, 0.02))  # small: emulated per row
     config = tiny_config(
         family="gpt_oss", attention_sinks=True, attention_bias=True, moe=experts, hidden_size=64,
         layer_types=("sliding_attention", "full_attention"), sliding_window=8,
