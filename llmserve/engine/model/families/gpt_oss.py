@@ -63,6 +63,12 @@ class BiasedExperts(OpsModule):
         self.down_proj = nn.Parameter(torch.empty(num, hidden_size, inter))
         self.down_proj_bias = nn.Parameter(torch.empty(num, hidden_size))
 
+    def hf_shape(self, param: nn.Parameter) -> tuple[int, ...]:
+        """The shape transformers gives `param`'s tensor (the weights transposed)."""
+        if param is self.gate_up_proj or param is self.down_proj:
+            return param.shape[0], param.shape[2], param.shape[1]
+        return tuple(param.shape)
+
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: int = 0) -> None:
         """This rank's experts of transformers' tensor, in the kernel's layout: gate and up
         columns (interleaved) into gate rows then up rows, down transposed."""

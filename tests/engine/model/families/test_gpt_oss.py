@@ -170,3 +170,26 @@ def test_gguf_logits_match_hf(tmp_path: Path) -> None:
     assert rel_err(ours, hf.hf_logits(tokens)) < TOLERANCE
     engine.reset()
     check_script_matches_hf(engine, hf.hf_logits, **SCRIPT)
+
+
+def test_dummy_shapes_are_transformers_and_dummy_weights_load(tmp_path: Path) -> None:
+    """The experts are stored in moe.cu's layout, yet the dummy loader's shapes are
+    transformers' (every tensor of its state dict, on a model whose experts are not square:
+    2 I != H), and a dummy engine of it loads and runs."""
+    from safetensors import safe_open
+
+    from llmserve.engine.config import EngineConfig
+    from llmserve.engine.model.dummy import hf_tensor_shapes
+    from llmserve.engine.step.engine import Engine
+    from tests.engine.model.test_model import BLOCK_SIZE
+
+    path = make_tiny_moe(tmp_path, "gpt_oss", seed=2, intermediate_size=16)
+    with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+        hf = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}  # noqa: SIM118
+    assert hf_tensor_shapes(load_model_config(path)) == hf
+    engine = Engine(
+        EngineConfig(model=str(path), device="cpu", num_kv_blocks=96, block_size=BLOCK_SIZE,
+                     load_format="dummy")
+    )  # fmt: skip
+    (out,) = forward_direct(engine, [(prompt(9, seed=2), 0, 9, shuffled_blocks(4)[:2])])
+    assert torch.isfinite(out).all()
