@@ -314,8 +314,13 @@ def _gguf_rope_scaling(
         for ours, key in (("beta_fast", "yarn_beta_fast"), ("beta_slow", "yarn_beta_slow")):
             if fields.get(f"{arch}.rope.scaling.{key}") is not None:
                 scaling[ours] = float(fields[f"{arch}.rope.scaling.{key}"])
+        log_mul = fields.get(f"{arch}.rope.scaling.yarn_log_multiplier")
+        if arch == "deepseek2" and log_mul is not None:
+            # llama.cpp's converter writes 0.1 * mscale_all_dim and its deepseek2 graph scales
+            # cos / sin by 1: DeepSeek's mscale equal to mscale_all_dim (as released)
+            scaling["mscale"] = scaling["mscale_all_dim"] = float(log_mul) / 0.1
         for key in ("attn_factor", "yarn_log_multiplier", "yarn_ext_factor", "yarn_attn_factor"):
-            if fields.get(f"{arch}.rope.scaling.{key}") is not None:
+            if "mscale" not in scaling and fields.get(f"{arch}.rope.scaling.{key}") is not None:
                 raise ModelSourceError(f"GGUF {arch}.rope.scaling.{key} is not supported (yarn)")
     return scaling
 
