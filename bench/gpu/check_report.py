@@ -20,7 +20,11 @@ from typing import Any
 COPY_GBPS = 4280.0  # docs/gpu.md#the-gpu-machine: device-to-device copy, bytes read + written
 ERROR_LINES = 12
 _ERROR = re.compile(r"error|fail|traceback|assert|exception|timed out|killed", re.IGNORECASE)
-FAMILY_SHAPES = ("qwen3-8b", "qwen3-30b-a3b")  # gpu_engine_check.sh's families stage
+# gpu_engine_check.sh's families stages and the shapes (configs/) each runs
+FAMILY_SHAPES = {
+    "families": ("qwen3-8b", "qwen3-30b-a3b"),
+    "families2": ("deepseek-v2-lite", "gpt-oss-20b"),
+}
 
 
 def load(path: Path) -> Any:
@@ -189,10 +193,10 @@ def stage_figures(name: str, out: Path, raw: Path) -> dict[str, Any]:
         return {**figures, **quant_figures(load(out / "gpu_engine_llama-3-8b_quant.json"))}
     if name == "structured":
         return structured_figures(load(raw / "structured.json"))
-    if name == "families":
+    if name in FAMILY_SHAPES:
         return {
             shape: engine_figures(load(raw / "families" / f"gpu_engine_{shape}.json"))
-            for shape in FAMILY_SHAPES
+            for shape in FAMILY_SHAPES[name]
         }
     if name == "lora":
         return lora_figures(load(out / "gpu_lora_llama-3-8b.json"))
@@ -248,7 +252,7 @@ def cells(name: str, figures: dict[str, Any]) -> str:
             + ", ".join(f"b{k.removeprefix('batch_')} {v}x" for k, v in row.items())
             for label, row in figures.items()
         ) + (" (tok/s vs bf16)" if figures else "")
-    if name == "families":
+    if name in FAMILY_SHAPES:
         return " | ".join(
             f"{shape}: {cells('8b', row) or 'no figures'}" for shape, row in figures.items()
         )
@@ -269,7 +273,7 @@ def report(out: Path, raw: Path, budget_s: int, elapsed_s: int | None) -> tuple[
     stages = read_stages(raw)
     order = [
         "preflight", "kernels", "kbench", "8b", "tests", "smollm2", "quant", "structured", "lora",
-        "parallel", "families",
+        "parallel", "families", "families2",
     ]  # fmt: skip
     doc: dict[str, Any] = {
         "benchmark": "gpu_check",

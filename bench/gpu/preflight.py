@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import itertools
 import json
 import os
 import re
@@ -439,6 +440,18 @@ def help_text(script: str) -> str:
     return done.stdout
 
 
+def _check_choices(stage: str, script: str, help_out: str, rest: list[str]) -> None:
+    """Each `--option value` whose option lists its choices in --help (`--shape {a,b}`) names
+    one of them: a stage's shape must be one of configs/."""
+    for option, value in itertools.pairwise(rest):
+        found = re.search(re.escape(option) + r" \{([^}]*)\}", help_out)
+        choices = re.sub(r"\s+", "", found.group(1)).split(",") if found else []
+        if option.startswith("--") and found and value not in choices:
+            raise PreflightError(
+                f"stage {stage}: {script} {option} {value}: not one of {', '.join(choices)}"
+            )
+
+
 def check_stage_commands(plan: list[dict[str, Any]]) -> list[str]:
     """Each python stage command's options against its script's --help; each pytest stage's
     selection collected (at least one test). Returns a line per command checked."""
@@ -470,6 +483,7 @@ def check_stage_commands(plan: list[dict[str, Any]]) -> list[str]:
                     raise PreflightError(
                         f"stage {stage['name']}: {script} has no option {', '.join(unknown)}"
                     )
+                _check_choices(stage["name"], script, helps[script], rest)
                 lines.append(f"{stage['name']}: {script} takes {' '.join(sorted(options))}")
     return lines
 

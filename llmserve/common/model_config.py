@@ -22,6 +22,7 @@ from llmserve.common.families import (
     rope_from_hf,
 )
 from llmserve.common.gguf_file import open_gguf
+from llmserve.common.mamba2_config import Mamba2Config
 from llmserve.common.mla_config import MLAConfig
 from llmserve.common.moe_config import MoEConfig
 from llmserve.common.sampling import GENERATION_DEFAULTS
@@ -122,6 +123,11 @@ class ModelConfig:
     attn_logit_softcap: float | None = None  # scores = cap * tanh(scores / cap) (Gemma 2)
     final_logit_softcap: float | None = None
     embed_scale: float | None = None  # embeddings times this (Gemma: sqrt(hidden_size))
+    # Granite 4.0-H: each layer's mixer and MLP outputs times residual_multiplier before the
+    # residual add; the logits divided by logits_scaling; its Mamba-2 layers' shape.
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
+    mamba2: Mamba2Config | None = None
     moe: MoEConfig | None = None  # mixture of experts: the sparse layers' shape (Mixtral, Qwen-MoE)
     # multi-head latent attention (DeepSeek-V3): the pool holds one latent per token per layer
     mla: MLAConfig | None = None
@@ -255,7 +261,10 @@ def _config_from_hf_dir(path: Path) -> ModelConfig:
         "vocab_size": int(cfg["vocab_size"]),
         "hidden_size": hidden,
         "intermediate_size": int(cfg["intermediate_size"]),
-        "num_layers": int(cfg["num_hidden_layers"]),
+        "num_layers": int(
+            # Nemotron-H in transformers 5 writes its blocks' list instead
+            cfg.get("num_hidden_layers") or len(cfg.get("layers_block_type") or ())
+        ),
         "num_heads": num_heads,
         "num_kv_heads": int(cfg.get("num_key_value_heads") or num_heads),
         "head_dim": int(cfg.get("head_dim") or hidden // num_heads),
@@ -305,8 +314,13 @@ def _gguf_rope_scaling(
         for ours, key in (("beta_fast", "yarn_beta_fast"), ("beta_slow", "yarn_beta_slow")):
             if fields.get(f"{arch}.rope.scaling.{key}") is not None:
                 scaling[ours] = float(fields[f"{arch}.rope.scaling.{key}"])
+        log_mul = fields.get(f"{arch}.rope.scaling.yarn_log_multiplier")
+        if arch == "deepseek2" and log_mul is not None:
+            # llama.cpp's converter writes 0.1 * mscale_all_dim and its deepseek2 graph scales
+            # cos / sin by 1: DeepSeek's mscale equal to mscale_all_dim (as released)
+            scaling["mscale"] = scaling["mscale_all_dim"] = float(log_mul) / 0.1
         for key in ("attn_factor", "yarn_log_multiplier", "yarn_ext_factor", "yarn_attn_factor"):
-            if fields.get(f"{arch}.rope.scaling.{key}") is not None:
+            if "mscale" not in scaling and fields.get(f"{arch}.rope.scaling.{key}") is not None:
                 raise ModelSourceError(f"GGUF {arch}.rope.scaling.{key} is not supported (yarn)")
     return scaling
 

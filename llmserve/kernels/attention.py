@@ -259,6 +259,7 @@ def paged_decode_attention(
     out: torch.Tensor | None = None,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query per sequence over its context in the paged pool (reference.paged_attention with
     cu_seqlens_q = arange(num_seqs + 1), window and softcap included: the blocks wholly before
@@ -269,22 +270,19 @@ def paged_decode_attention(
     dtype (written into `out` when given); a sequence with seq_len 0 gets zeros. num_splits
     (split-K): chosen from max_seq_len and the GPU's size when not given. Without
     max_seq_len it is read from seq_lens, which synchronizes with the device: CUDA-graph callers
-    pass both, fixed per captured batch size.
+    pass both, fixed per captured batch size. sinks: float32 [num_heads], gpt-oss's learned
+    logit per head in each softmax's denominator (reference._softmax_with_sinks).
     """
     op = "paged_decode_attention"
     num_seqs, num_heads, num_kv_heads, head_dim, block_size = _check_decode_args(
         op, q, k_cache, v_cache, block_tables, seq_lens, k_scale, v_scale
     )
     out = _output(op, out, (num_seqs, num_heads, head_dim), q)
+    sinks_ptr = _sinks_arg(op, sinks, num_heads, q.device)
     if num_seqs == 0:
         return out
     num_ctas = decode_ctas_per_seq(num_heads, num_kv_heads) * num_seqs
-    if num_splits is None:
-        if max_seq_len is None:
-            max_seq_len = int(seq_lens.max())
-        num_splits = decode_num_splits(num_ctas, max_seq_len, decode_slots(q.device, head_dim))
-    if not 1 <= num_splits <= 65535:
-        _fail(op, f"num_splits={num_splits} must be in [1, 65535]")
+    num_splits = _choose_splits(op, num_splits, num_ctas, max_seq_len, seq_lens, head_dim)
     fp8 = k_cache.dtype == FP8_DTYPE
     spec = decode_spec(_CTYPES[q.dtype], head_dim, FP8_CTYPE if fp8 else None)
     part_args, _workspace = _split_workspace(num_splits, num_seqs, num_heads, head_dim, q.device)
@@ -297,13 +295,44 @@ def paged_decode_attention(
         *part_args,
         _i32(num_seqs), _i32(num_heads), _i32(num_kv_heads), _i32(block_size),
         _f32(scale * LOG2E), _i32(num_splits), _f32(k_scale), _f32(v_scale),
-        *_window_softcap(op, window, softcap),
+        *_window_softcap(op, window, softcap), sinks_ptr,
     )  # fmt: skip
     grid = (num_ctas // num_seqs, num_seqs, num_splits)
     launch._launch(spec, spec.name_expressions[0], grid, (DECODE_THREADS,), args, smem, q.device)
     if num_splits > 1:
-        _launch_decode_merge(spec, part_args, seq_lens, out, num_splits, window or 0)
+        _launch_decode_merge(spec, part_args, seq_lens, out, num_splits, window or 0, sinks_ptr)
     return out
+
+
+def _choose_splits(
+    op: str,
+    num_splits: int | None,
+    num_ctas: int,
+    max_seq_len: int | None,
+    seq_lens: torch.Tensor,
+    head_dim: int,
+) -> int:
+    """num_splits as given, else decode_num_splits' choice (max_seq_len read from seq_lens when
+    it is not given: a device sync); checked."""
+    if num_splits is None:
+        if max_seq_len is None:
+            max_seq_len = int(seq_lens.max())
+        slots = decode_slots(seq_lens.device, head_dim)
+        num_splits = decode_num_splits(num_ctas, max_seq_len, slots)
+    if not 1 <= num_splits <= 65535:
+        _fail(op, f"num_splits={num_splits} must be in [1, 65535]")
+    return num_splits
+
+
+def _sinks_arg(
+    op: str, sinks: torch.Tensor | None, num_heads: int, device: torch.device
+) -> np.uint64:
+    """The kernels' sinks pointer (null for none), checked: float32 [num_heads], contiguous."""
+    if sinks is None:
+        return np.uint64(0)
+    _check(op, "sinks", sinks, ndim=1, dtypes=(torch.float32,), device=device, shape=(num_heads,))
+    _check_contiguous(op, "sinks", sinks)
+    return _ptr(sinks)
 
 
 def _window_softcap(op: str, window: int | None, softcap: float | None) -> tuple[np.generic, ...]:
@@ -356,13 +385,14 @@ def _launch_decode_merge(
     out: torch.Tensor,
     num_splits: int,
     window: int,
+    sinks_ptr: np.uint64,
 ) -> None:
     """paged_decode_merge_kernel: combine the splits' partials into `out` [num_seqs, heads, D]."""
     num_seqs, num_heads, head_dim = out.shape
     merge_args = (
         *part_args, _ptr(seq_lens),
         _ptr(out), _i64(out.stride(0)), _i64(out.stride(1)),
-        _i32(num_seqs), _i32(num_heads), _i32(num_splits), _i32(window),
+        _i32(num_seqs), _i32(num_heads), _i32(num_splits), _i32(window), sinks_ptr,
     )  # fmt: skip
     expr = spec.name_expressions[1]
     launch._launch(spec, expr, (num_heads, num_seqs), (head_dim,), merge_args, 0, out.device)
@@ -394,6 +424,7 @@ def paged_prefill_attention(
     softcap: float | None = None,
     tree_bits: torch.Tensor | None = None,
     tree_start: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of each request's new queries over its whole context in the paged pool:
     reference.paged_attention with device metadata. The pool is q's dtype, or FP8 with k_scale /
@@ -405,7 +436,7 @@ def paged_prefill_attention(
     cu_seqlens_q[-1] are not written). block_m: (query token, head) rows per CTA, a key of
     PREFILL_CONFIGS. window, softcap: as paged_decode_attention's (key tiles wholly before a row
     tile's window are not read). tree_bits [T] int64 and tree_start [num_seqs] int32: token
-    trees (prefill_attention.cu's header), without a window."""
+    trees (prefill_attention.cu's header), without a window. sinks: as paged_decode_attention's."""
     op = "paged_prefill_attention"
     num_seqs = seq_lens.shape[0] if isinstance(seq_lens, torch.Tensor) else -1
     num_heads, num_kv_heads, head_dim, block_size = _check_attention_args(
@@ -431,7 +462,7 @@ def paged_prefill_attention(
         _ptr(out), _i64(out.stride(0)), _i64(out.stride(1)),
         _i32(num_seqs), _i32(num_heads), _i32(num_kv_heads), _i32(block_size),
         _f32(scale * LOG2E), _f32(k_scale), _f32(v_scale),
-        *_window_softcap(op, window, softcap), *tree,
+        *_window_softcap(op, window, softcap), *tree, _sinks_arg(op, sinks, num_heads, q.device),
     )  # fmt: skip
     smem = prefill_smem_bytes(head_dim, block_m, fp8)
     launch._launch(spec, expr, grid, (32 * PREFILL_CONFIGS[block_m][0],), args, smem, q.device)
@@ -491,19 +522,21 @@ def paged_attention(
     out: torch.Tensor | None = None,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """reference.paged_attention on the GPU. A batch of decodes only (max_seqlen_q == 1, or, when
     it is not given, one query row per request, assuming every request has at least one) runs
     the decode kernel with split-K; anything else runs the prefill kernel. The pool is q's
-    dtype, or FP8 with k_scale / v_scale; window and softcap as the reference's."""
+    dtype, or FP8 with k_scale / v_scale; window, softcap and sinks (float32) as the
+    reference's."""
     num_seqs = seq_lens.shape[0]
     decode_only = max_seqlen_q == 1 if max_seqlen_q is not None else q.shape[0] == num_seqs
     if decode_only:
         return paged_decode_attention(
             q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale,
-            max_seq_len=max_seq_len, out=out, window=window, softcap=softcap,
+            max_seq_len=max_seq_len, out=out, window=window, softcap=softcap, sinks=sinks,
         )  # fmt: skip
     return paged_prefill_attention(
         q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, k_scale, v_scale,
-        out=out, window=window, softcap=softcap,
+        out=out, window=window, softcap=softcap, sinks=sinks,
     )  # fmt: skip

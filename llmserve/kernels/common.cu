@@ -120,6 +120,19 @@ LLMSERVE_DEVICE unsigned int float2_to_e4m3x2(float lo, float hi) {
 
 LLMSERVE_DEVICE float neg_inf() { return __int_as_float(0xff800000); }
 
+#define LLMSERVE_LOG2E 1.4426950408889634f
+
+// An attention sink (gpt-oss; sink_log2 in log2 units) joins a softmax row's denominator: given
+// the row's running max m, sum of exponentials l = sum 2^(s - m) and accumulator a = sum 2^(s -
+// m) v, both are rebased on max(m, sink) and 2^(sink - max) is added to l, so a / l is
+// sum e^(s) v / (sum e^(s) + e^sink). An empty row (m = NEG_BIG) keeps a = 0.
+LLMSERVE_DEVICE void add_sink(float sink_log2, float m, float& l, float& a) {
+  const float top = fmaxf(m, sink_log2);
+  const float c = exp2f(m - top);
+  l = l * c + exp2f(sink_log2 - top);
+  a *= c;
+}
+
 template <typename T>
 struct DType;
 

@@ -7,6 +7,9 @@
 // seq_lens[b] <= 0 gets zeros. With a sliding window (window > 0) only keys j >= seq_lens[b] -
 // window count, and the tiles wholly before them are not read (their blocks may be freed);
 // with softcap_log2 > 0 (cap * log2 e) each score becomes cap * tanh(score / cap) (Gemma 2).
+// With sinks (not null; fp32 [num_heads], gpt-oss) head h's learned logit joins the softmax's
+// denominator only: p_j = e^(s_j) / (sum_i e^(s_i) + e^(sinks[h])), applied where the partials
+// are normalised (the CTA's merge with one split, paged_decode_merge_kernel with several).
 //
 // KV cache element type KV: T itself, or fp8e4m3_t (an FP8 pool; per-layer scales): K and V are
 // then stored / k_scale and / v_scale, converted to T exactly on load, and the scales are applied
@@ -82,7 +85,8 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32, 3)
                         long long o_stride_s, long long o_stride_h, float* __restrict__ part_acc,
                         float* __restrict__ part_ml, int num_seqs, int num_heads,
                         int num_kv_heads, int block_size, float scale_log2, int num_splits,
-                        float k_scale, float v_scale, int window, float softcap_log2) {
+                        float k_scale, float v_scale, int window, float softcap_log2,
+                        const float* __restrict__ sinks) {
   static_assert(HD % 16 == 0, "head_dim must be a multiple of 16");
   constexpr bool kFp8 = IsFp8<KV>::value;
   static_assert(kFp8 || sizeof(KV) == sizeof(T), "the cache holds T or FP8");
@@ -358,6 +362,7 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32, 3)
     }
     if constexpr (kFp8) a *= v_scale;  // P @ V_stored * v_scale is P @ V
     if (num_splits == 1) {
+      if (sinks != nullptr) add_sink(sinks[head] * LLMSERVE_LOG2E, m, l, a);
       const float value = l > 0.f ? a / l : 0.f;
       reinterpret_cast<unsigned short*>(out + seq * o_stride_s + head * o_stride_h)[d] =
           D::from_float(value);
@@ -374,7 +379,8 @@ __global__ void __launch_bounds__(HD)
     paged_decode_merge_kernel(const float* __restrict__ part_acc,
                               const float* __restrict__ part_ml, const int* __restrict__ seq_lens,
                               T* __restrict__ out, long long o_stride_s, long long o_stride_h,
-                              int num_seqs, int num_heads, int num_splits, int window) {
+                              int num_seqs, int num_heads, int num_splits, int window,
+                              const float* __restrict__ sinks) {
   const int head = blockIdx.x;
   const int seq = blockIdx.y;
   const int d = threadIdx.x;
@@ -392,6 +398,7 @@ __global__ void __launch_bounds__(HD)
     l += scale * part_ml[row * 2 + 1];
     a += scale * part_acc[row * HD + d];
   }
+  if (sinks != nullptr) add_sink(sinks[head] * LLMSERVE_LOG2E, m, l, a);
   const float value = l > 0.f ? a / l : 0.f;
   reinterpret_cast<unsigned short*>(out + seq * o_stride_s + head * o_stride_h)[d] =
       DType<T>::from_float(value);

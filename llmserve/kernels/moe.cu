@@ -14,6 +14,10 @@
 //   pairs are left unwritten and never read).
 //   out [num_tokens, hidden], row stride a multiple of 8: every element written (0 for a token
 //   none of whose experts is local).
+//   gpt-oss (b13 not null): b13 [num_local, 2 * inter] (gate, then up) and b2 [num_local, hidden]
+//   biases, and the clamped SwiGLU in place of SiLU-and-mul: with g = min(gate + b, limit) and
+//   u = clamp(up + b, -limit, limit), h = (u + 1) * g * sigmoid(alpha * g), in fp32, rounded to
+//   T once; the down product adds b2[e, n] before the weight.
 //
 // moe_gate_up_kernel<T, IdxT>: one warp per (pair, intermediate row n); its lanes stride over
 //   hidden in 16-byte chunks, computing gate_n . x and up_n . x in fp32, summed by shuffles;
@@ -44,7 +48,8 @@ template <typename T, typename IdxT>
 __global__ void __launch_bounds__(128)
     moe_gate_up_kernel(const T* __restrict__ x, long long x_stride, const IdxT* __restrict__ ids,
                        const T* __restrict__ w13, T* __restrict__ h, int top_k, int first_expert,
-                       int num_local, int hidden, int inter) {
+                       int num_local, int hidden, int inter, const T* __restrict__ b13,
+                       float alpha, float limit) {
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   const long long p = blockIdx.x;
@@ -63,7 +68,13 @@ __global__ void __launch_bounds__(128)
   }
   gate = warp_sum(gate);
   up = warp_sum(up);
-  if (lane == 0) {
+  if (lane == 0 && b13 != nullptr) {  // gpt-oss: biases, clamped SwiGLU
+    const T* bias = b13 + e * 2 * inter;
+    const float g = fminf(round_to<T>(gate) + DType<T>::to_float(bias[n].bits), limit);
+    const float u = fminf(fmaxf(round_to<T>(up) + DType<T>::to_float(bias[inter + n].bits), -limit),
+                          limit);
+    h[p * inter + n].bits = DType<T>::from_float((u + 1.f) * g / (1.f + expf(-alpha * g)));
+  } else if (lane == 0) {
     const float g = round_to<T>(gate);
     const float silu = round_to<T>(g / (1.f + expf(-g)));
     h[p * inter + n].bits = DType<T>::from_float(silu * round_to<T>(up));
@@ -75,7 +86,7 @@ __global__ void __launch_bounds__(128)
     moe_down_kernel(const T* __restrict__ h, const IdxT* __restrict__ ids,
                     const float* __restrict__ weights, const T* __restrict__ w2,
                     T* __restrict__ out, long long out_stride, int top_k, int first_expert,
-                    int num_local, int hidden, int inter) {
+                    int num_local, int hidden, int inter, const T* __restrict__ b2) {
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   const long long t = blockIdx.x;
@@ -94,6 +105,7 @@ __global__ void __launch_bounds__(128)
               *reinterpret_cast<const vec16_t*>(w_row + c * 8), d);
     }
     d = warp_sum(d);
+    if (b2 != nullptr) d = round_to<T>(d) + DType<T>::to_float(b2[e * hidden + n].bits);
     acc += round_to<T>(round_to<T>(d) * round_to<T>(weights[p]));
   }
   if (lane == 0) out[t * out_stride + n].bits = DType<T>::from_float(acc);

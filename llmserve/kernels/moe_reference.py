@@ -8,9 +8,13 @@ CPU engine runs (kernels/reference.py holds the other layer ops).
 
     out[t] = sum over j of weights[t, j] * w2[e] @ (silu(w13[e, :I] @ x[t]) * (w13[e, I:] @ x[t]))
              with e = ids[t, j] - first_expert, in x's dtype
+
+gpt-oss's experts (`ClampedSwiGLU`) add biases to both products and take the clamped SwiGLU.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -63,6 +67,23 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: list[int]) -> 
     return torch.cat(parts) if len(parts) != 1 else parts[0]
 
 
+@dataclass(frozen=True)
+class ClampedSwiGLU:
+    """gpt-oss's experts: biases b13 [E_local, 2 I] (gate, then up) and b2 [E_local, H] in the
+    weights' dtype, and in place of SiLU-and-mul, with g = min(gate, limit) and
+    u = clamp(up, -limit, limit): (u + 1) * g * sigmoid(alpha * g)."""
+
+    b13: torch.Tensor
+    b2: torch.Tensor
+    alpha: float
+    limit: float
+
+    def activation(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
+        return (up + 1) * gate * torch.sigmoid(gate * self.alpha)
+
+
 def moe_experts(
     x: torch.Tensor,
     weights: torch.Tensor,
@@ -70,16 +91,24 @@ def moe_experts(
     w13: torch.Tensor,
     w2: torch.Tensor,
     first_expert: int = 0,
+    oss: ClampedSwiGLU | None = None,
 ) -> torch.Tensor:
     """The routed experts' sum for every token ([T, H], x's dtype; see the module docstring):
     the pairs sorted by expert, each token's row gathered once per pair, each expert's segment
-    one product per weight, the rows scaled and added back into their tokens in expert order."""
+    one product per weight, the rows scaled and added back into their tokens in expert order.
+    oss: gpt-oss's biases and activation."""
     pairs, tokens, counts = sort_by_expert(ids, first_expert, w13.shape[0])
     out = torch.zeros_like(x)
     if not pairs.numel():
         return out
     rows = x.index_select(0, tokens)
-    hidden = silu_and_mul(grouped_linear(rows, w13, counts))
-    rows = grouped_linear(hidden, w2, counts)
+    gate_up = grouped_linear(rows, w13, counts)
+    if oss is None:
+        hidden = silu_and_mul(gate_up)
+        rows = grouped_linear(hidden, w2, counts)
+    else:
+        local = ids.flatten().index_select(0, pairs) - first_expert
+        hidden = oss.activation(gate_up + oss.b13.index_select(0, local))
+        rows = grouped_linear(hidden, w2, counts) + oss.b2.index_select(0, local)
     rows = rows * weights.flatten().index_select(0, pairs).unsqueeze(1).to(rows.dtype)
     return out.index_add_(0, tokens, rows)

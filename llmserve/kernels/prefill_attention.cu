@@ -10,7 +10,8 @@
 // (decode rows) are handled too, just less efficiently than by decode_attention.cu.
 // Sliding window (window > 0): query p sees keys p - window + 1 .. p only, and a CTA skips the key
 // tiles wholly before its first row's window. softcap_log2 > 0 (cap * log2 e): each score becomes
-// cap * tanh(score / cap) before the mask (Gemma 2).
+// cap * tanh(score / cap) before the mask (Gemma 2). With sinks (not null; fp32 [num_heads],
+// gpt-oss) head h's learned logit joins each row's softmax denominator only (common.cu add_sink).
 //
 // Token trees (speculation, engine/features/token_tree.py), when tree_bits is not null: sequence
 // b's keys from tree_start[b] on are its tree's nodes (node i at tree_start[b] + i, at most 64);
@@ -66,7 +67,7 @@ __global__ void __launch_bounds__(NW * 32)
                          int num_seqs, int num_heads, int num_kv_heads, int block_size,
                          float scale_log2, float k_scale, float v_scale, int window,
                          float softcap_log2, const unsigned long long* __restrict__ tree_bits,
-                         const int* __restrict__ tree_start) {
+                         const int* __restrict__ tree_start, const float* __restrict__ sinks) {
   static_assert(HD % 16 == 0, "head_dim must be a multiple of 16");
   static_assert(BN % 16 == 0, "key tile must be a multiple of 16");
   constexpr bool kFp8 = IsFp8<KV>::value;
@@ -392,13 +393,15 @@ __global__ void __launch_bounds__(NW * 32)
   for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const float l = quad_sum(l_run[mt][h]);
-      float inv = l > 0.f ? 1.f / l : 0.f;
-      if constexpr (kFp8) inv *= v_scale;  // P @ V_stored * v_scale is P @ V
+      float l = quad_sum(l_run[mt][h]);
       const int row = row0 + (warp * MT + mt) * 16 + gid + 8 * h;
       if (row >= num_rows) continue;
       const int token = q_start + row / group;
       const int head = kvh * group + row % group;
+      float rebase = 1.f;  // the accumulators' factor when a sink rebases the row
+      if (sinks != nullptr) add_sink(sinks[head] * LLMSERVE_LOG2E, m_run[mt][h], l, rebase);
+      float inv = l > 0.f ? rebase / l : 0.f;
+      if constexpr (kFp8) inv *= v_scale;  // P @ V_stored * v_scale is P @ V
       unsigned int* dst = reinterpret_cast<unsigned int*>(
           out + static_cast<long long>(token) * o_stride_t + head * o_stride_h);
 #pragma unroll

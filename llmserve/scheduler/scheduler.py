@@ -39,7 +39,6 @@ from llmserve.scheduler.lora import LoraTable
 from llmserve.scheduler.pipeline import PipelineSlots
 from llmserve.scheduler.plan import (
     NewRequestRow,
-    PromptScoreColumns,
     RunningRow,
     StepOutcome,
     StepPlan,
@@ -629,27 +628,6 @@ class Scheduler:
         self._count_generated(outcomes)
         self._after_update()
         return outcomes
-
-    @staticmethod
-    def take_prompt_scores(plan: StepPlan, columns: PromptScoreColumns) -> None:
-        """Append each row's prompt scores (plan's result, taken before `update` takes its
-        tokens) to its request's (prompt_scores[j]: prompt token j + 1's), skipping those it
-        has (a recompute after a preemption scores its prompt again) and rows of an earlier
-        life. A row's scores start at its first scheduled position:
-
-            prompt_scores: |<- have ------------------>|
-            row's scores:          |<- num_computed_tokens ... ->|  (kept: from `have` on)
-        """
-        top_ks = [r.request.prompt_top_logprobs for r in plan.rows]
-        for row, scores in zip(plan.rows, columns.rows(top_ks), strict=True):
-            request = row.request
-            if not scores or request.num_preemptions != row.num_preemptions:
-                continue
-            have = len(request.prompt_scores)
-            assert row.num_computed_tokens <= have, (
-                f"{request.request_id}: prompt scores from {row.num_computed_tokens}, {have} in"
-            )
-            request.prompt_scores += scores[have - row.num_computed_tokens :]
 
     def _take_token(self, request: Request, token_id: int) -> StepOutcome | None:
         """Append token_id, request's oldest pending token now known, to its tokens: its

@@ -466,6 +466,25 @@ def test_gpu_engine_decode_floor_reads_the_experts_a_step_hits() -> None:
     assert params(1) < params(8) < 8 * params(1)
 
 
+def test_gpu_engine_decode_floor_kv_of_latents_and_windows() -> None:
+    """DeepSeek-V2-Lite's shape reads one 576-value latent row per token and layer (27 layers);
+    gpt-oss-20b's 12 sliding layers read their 128-token window, its 12 full layers the whole
+    context (8 KV heads of 64, K and V); both shapes come near their published sizes at
+    batch 512 (15.7 B and 20.9 B, the embedding table's unread rows aside)."""
+    from bench.gpu.engine import decode_floor_bytes
+
+    assert decode_floor_bytes("deepseek-v2-lite", 2, 1000)["kv"] == 2 * 1000 * 27 * 576 * 2
+    kv_row = 2 * 8 * 64 * 2
+    assert decode_floor_bytes("gpt-oss-20b", 2, 1000)["kv"] == 2 * 12 * (128 + 1000) * kv_row
+    for shape, params, table in (
+        ("deepseek-v2-lite", 15.7e9, 102400),
+        ("gpt-oss-20b", 20.9e9, 201088),
+    ):
+        weights = decode_floor_bytes(shape, 512, 0)["weights"] / 2
+        hidden = 2048 if shape == "deepseek-v2-lite" else 2880
+        assert abs((weights + table * hidden - 512 * hidden) / params - 1) < 0.01
+
+
 def test_gpu_engine_teacher_forced_logits_are_one_prefills(tmp_path: Path) -> None:
     """The agreement's forwards through an engine's own pool (a prefill step for all prompts,
     then decode steps) give each prompt's logits as one whole prefill does; an engine agrees

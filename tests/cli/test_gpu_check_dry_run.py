@@ -34,9 +34,10 @@ def test_dry_run_passes() -> None:
     out = done.stdout
     assert "sum of caps" in out and "dry run ok" in out
     stages = ("preflight", "kernels", "kbench", "8b", "tests", "smollm2", "quant", "structured")
-    for stage in (*stages, "lora", "parallel", "families"):
+    for stage in (*stages, "lora", "parallel", "families", "families2"):
         assert f"dry run: {stage}:" in out, stage
     assert "second call (preflight parallel families) 135 s of SECOND_CALL_S=135 s" in out
+    assert "second call (preflight families2) 120 s of SECOND_CALL_S=135 s" in out
 
 
 def test_wheel_checks_catch_what_the_machine_would_refuse(tmp_path: Path) -> None:
@@ -75,6 +76,7 @@ def test_report_keeps_each_stage_and_points_at_a_failure(tmp_path: Path) -> None
         ("quant", "2", "skipped", "0", "python3 -m bench.gpu.engine --quantization fp8"),
         ("structured", "1", "0", "22", "python3 -m bench.studies.structured_cpu --device cuda"),
         ("families", "2", "0", "30", "python3 -m bench.gpu.engine --shape qwen3-30b-a3b"),
+        ("families2", "2", "0", "30", "python3 -m bench.gpu.engine --shape gpt-oss-20b"),
         ("lora", "1", "0", "28", "python3 -m bench.gpu.lora --shape llama-3-8b"),
     ]
     (raw / "stages.tsv").write_text("".join("\t".join(r) + "\n" for r in rows))
@@ -106,6 +108,9 @@ def test_report_keeps_each_stage_and_points_at_a_failure(tmp_path: Path) -> None
     (raw / "families" / "gpu_engine_qwen3-30b-a3b.json").write_text(
         json.dumps({"decode": {"batch_8": {"step_ms_median": 9.0, "floor_ms": 4.5}}})
     )
+    (raw / "families" / "gpu_engine_gpt-oss-20b.json").write_text(
+        json.dumps({"decode": {"batch_1": {"step_ms_median": 4.0, "floor_ms": 3.0}}})
+    )
     (out / "gpu_lora_llama-3-8b.json").write_text(
         json.dumps({"batch_8": {"lora_vs_base": 0.8, "lora_vs_base_eager": 0.95,
                                 "lora_prefill_vs_base": 0.9}, "batch_64": {"error": "OOM"}})
@@ -130,6 +135,7 @@ def test_report_keeps_each_stage_and_points_at_a_failure(tmp_path: Path) -> None
     assert "all constrained 0.944x none (850.0 vs 900.0 tok/s), mask 0.05 ms" in table
     assert stages["families"]["figures"]["qwen3-30b-a3b"]["batch_8"]["mbu_pct"] == 50.0
     assert "qwen3-8b: no figures | qwen3-30b-a3b: b8 9.0 ms MBU 50.0%" in table
+    assert "deepseek-v2-lite: no figures | gpt-oss-20b: b1 4.0 ms MBU 75.0%" in table
     assert stages["lora"]["figures"]["batch_8"]["lora_vs_base"] == 0.8
     assert "b8 0.8x base (0.95x eager), prefill 0.9x" in table and "b64 error: OOM" in table
     assert len(table) < 3000

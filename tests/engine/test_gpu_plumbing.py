@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from llmserve.common.model_config import ModelConfig
+from llmserve.common.moe_config import MoEConfig
 from llmserve.engine.contract.mirror import Mirror
 from llmserve.engine.kv.cache import allocate_kv_cache, layer_views
 from llmserve.engine.model.model import LlamaForCausalLM
@@ -225,6 +226,13 @@ class BrokenOps(ReferenceOps):
         return torch.zeros_like(q)
 
 
+class NoSinkOps(ReferenceOps):
+    """An attention that drops the sinks, as a kernel without them would."""
+
+    def attention(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return super().attention(*args, **{**kwargs, "sinks": None})
+
+
 class CrashingOps(ReferenceOps):
     def rms_norm(self, *args: Any, **kwargs: Any) -> Any:
         raise RuntimeError("CUDA error: no kernel image is available for execution")
@@ -283,6 +291,22 @@ def model() -> LlamaForCausalLM:
     return build_model(tiny_config(), None, 256, torch.bfloat16, CPU, dummy_seed=3)
 
 
+@pytest.fixture(scope="module")
+def oss_model() -> LlamaForCausalLM:
+    """A tiny gpt-oss: sinks (drawn large enough to matter), an 8-token window on layer 0,
+    biased experts under the clamped SwiGLU (a limit of 0.02, which the tiny products pass)."""
+    experts = MoEConfig(4, 2, 16, True, clamped_swiglu=(1.702, 0.02))  # small: emulated per row
+    config = tiny_config(
+        family="gpt_oss", attention_sinks=True, attention_bias=True, moe=experts, hidden_size=64,
+        layer_types=("sliding_attention", "full_attention"), sliding_window=8,
+    )  # fmt: skip
+    built = build_model(config, None, 256, torch.bfloat16, CPU, dummy_seed=3)
+    with torch.no_grad():
+        for layer in built.layers:
+            layer.self_attn.sinks.copy_(torch.randn(config.num_heads) * 2)
+    return built
+
+
 def context(
     pool: torch.Tensor, rows: list[tuple[int, int]], tables: list[list[int]]
 ) -> AttentionContext:
@@ -310,14 +334,24 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 @torch.inference_mode()
 def test_the_kernels_pass_their_self_check(emulator: object) -> None:
     assert self_check(KernelOps(), tiny_config(), torch.bfloat16, CPU, BLOCK_SIZE) is None
+    # gpt-oss: the kernels take the sinks and the experts' biases and clamped SwiGLU, and the
+    # self-check's attention and experts cases carry them
+    experts = MoEConfig(4, 2, 64, True, clamped_swiglu=(1.702, 0.5))
+    sinks = tiny_config(attention_sinks=True, moe=experts)
+    assert kernel_limits(sinks, torch.bfloat16, BLOCK_SIZE) is None
+    assert self_check(KernelOps(), sinks, torch.bfloat16, CPU, BLOCK_SIZE) is None
+    assert "attention differs" in (self_check(NoSinkOps(), sinks, torch.float32, CPU, 16) or "")
 
 
 @torch.inference_mode()
+@pytest.mark.parametrize("which", ["model", "oss_model"])
 def test_model_through_the_kernels_matches_the_torch_ops(
-    emulator: object, model: LlamaForCausalLM
+    emulator: object, which: str, request: pytest.FixtureRequest
 ) -> None:
     """A ragged prefill (20 and 7 tokens), then a decode step of both: hidden states and the KV
-    pool the same through KernelOps as through ReferenceOps (bf16 both; <= 2% relative)."""
+    pool the same through KernelOps as through ReferenceOps (bf16 both; <= 2% relative); a
+    Llama, and a gpt-oss (sinks, a window, moe.cu's gpt-oss experts)."""
+    model: LlamaForCausalLM = request.getfixturevalue(which)
     config = model.config
     pools = {
         name: allocate_kv_cache(config, 8, BLOCK_SIZE, torch.bfloat16, CPU)

@@ -366,6 +366,15 @@ struct IsFp8<fp8e4m3_t> {
 
 inline float neg_inf() { return -INFINITY; }
 
+#define LLMSERVE_LOG2E 1.4426950408889634f
+
+inline void add_sink(float sink_log2, float m, float& l, float& a) {
+  const float top = fmaxf(m, sink_log2);
+  const float c = exp2f(m - top);
+  l = l * c + exp2f(sink_log2 - top);
+  a *= c;
+}
+
 // fp8-software-begin
 // FP8 E4M3 conversions in integer arithmetic: the path below sm_89 and, in the same words, the
 // CPU emulator's (tests/test_kernels_emulated.py checks that the two copies stay identical).

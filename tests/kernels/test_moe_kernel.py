@@ -82,6 +82,37 @@ def test_moe_experts(
     assert_close(got[1:], want[1:], dtype, "moe_experts vs float64")
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16])
+def test_moe_experts_with_gpt_oss_biases_and_clamp(
+    kc: ModuleType, emulator: emu.Emulator, dtype: torch.dtype
+) -> None:
+    """gpt-oss's experts (moe_reference.ClampedSwiGLU): biases on both products and the clamped
+    SwiGLU, with a limit the products reach (0.5), against the reference and float64; without
+    the biases or the clamp the result moves away."""
+    x = torch.randn(TOKENS, HIDDEN).to(dtype)
+    w13 = (torch.randn(NUM_LOCAL, 2 * INTER, HIDDEN) * HIDDEN**-0.5).to(dtype)
+    w2 = (torch.randn(NUM_LOCAL, HIDDEN, INTER) * INTER**-0.5).to(dtype)
+    b13, b2 = torch.randn(NUM_LOCAL, 2 * INTER).to(dtype), torch.randn(NUM_LOCAL, HIDDEN).to(dtype)
+    oss = moe_ref.ClampedSwiGLU(b13, b2, 1.702, 0.5)
+    weights, ids = moe_ref.route(torch.randn(TOKENS, NUM_EXPERTS), TOP_K, renormalize=True)
+    ids[0] = torch.tensor([0, 7])
+    expect = moe_ref.moe_experts(x, weights, ids, w13, w2, FIRST, oss)
+    got = kc.moe_experts(x, weights, ids, w13, w2, FIRST, oss, out=nan_like(expect))
+    assert not got[0].any(), "a token with no local expert must come out zero"
+    assert_close(got[1:], expect[1:], dtype, "gpt-oss experts vs reference")
+    want = torch.zeros(x.shape, dtype=torch.float64)
+    for t in range(TOKENS):
+        for j in range(TOP_K):
+            e = int(ids[t, j]) - FIRST
+            if 0 <= e < NUM_LOCAL:
+                gate_up = w13[e].double() @ x[t].double() + b13[e].double()
+                h = oss.activation(gate_up)
+                want[t] += float(weights[t, j]) * (w2[e].double() @ h + b2[e].double())
+    assert_close(got[1:], want[1:], dtype, "gpt-oss experts vs float64")
+    plain = moe_ref.moe_experts(x, weights, ids, w13, w2, FIRST)
+    assert (plain[1:].float() - want[1:].float()).abs().max() > 0.5
+
+
 def test_moe_experts_checks(kc: ModuleType) -> None:
     x = torch.randn(3, 16).half()
     w13, w2 = torch.randn(2, 16, 16).half(), torch.randn(2, 16, 8).half()
@@ -97,6 +128,9 @@ def test_moe_experts_checks(kc: ModuleType) -> None:
         )
     with pytest.raises(ValueError, match="first_expert=-1"):
         kc.moe_experts(x, weights, ids, w13, w2, -1)
+    bad = moe_ref.ClampedSwiGLU(torch.zeros(2, 8).half(), torch.zeros(2, 16).half(), 1.7, 7.0)
+    with pytest.raises(ValueError, match=r"b13.shape\[1\]=8 must be 16"):
+        kc.moe_experts(x, weights, ids, w13, w2, 0, bad)
     assert kc.moe_experts(x[:0], weights[:0], ids[:0], w13, w2).shape == (0, 16)
 
 

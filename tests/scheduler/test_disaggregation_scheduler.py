@@ -13,7 +13,7 @@ import pytest
 
 from llmserve.common.step_plan import KVReceive, KVSend
 from llmserve.scheduler.config import SchedulerConfig
-from llmserve.scheduler.plan import PromptScoreColumns, StepOutcome, StepPlan
+from llmserve.scheduler.plan import PromptScoreColumns, StepOutcome, StepPlan, take_prompt_scores
 from llmserve.scheduler.request import Request, RequestStatus
 from llmserve.scheduler.scheduler import Scheduler
 from tests.factories import sampling
@@ -115,7 +115,7 @@ def test_prompt_logprobs_are_scored_on_the_prefill_side_only() -> None:
         start, end = row.num_computed_tokens, row.num_computed_tokens + row.num_scheduled_tokens
         n = min(end, 9) - start  # positions predicting prompt tokens 1 .. 9
         scores = [-float(p + 1) for p in range(start, start + n)]
-        prefill.take_prompt_scores(plan, PromptScoreColumns([n], scores, [1] * n, [], []))
+        take_prompt_scores(plan, PromptScoreColumns([n], scores, [1] * n, [], []))
         prefill.update(plan, [50 if row.samples else -1])
     assert [s.logprob for s in req.prompt_scores] == [-float(j) for j in range(1, 10)]
     (tid,) = hand_off(prefill, decode)

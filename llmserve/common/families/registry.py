@@ -78,12 +78,14 @@ def served_gguf_architectures() -> list[str]:
 
 
 # Hybrid linear-attention families known by name and refused with the reason (docs/models.md,
-# "Hybrid linear attention"): their Mamba-2 mixers are not written yet (Qwen3-Next, whose
-# gated DeltaNet layers keep their state in the scheduler's slots, is served).
-_HYBRID_STATE = "a Mamba-2 mixer (conv + {}) the engine does not compute yet"
+# "Hybrid linear attention"): Falcon-H1's layers (attention and a Mamba-2 mixer side by side,
+# with its multipliers) are not written yet (Qwen3-Next, Granite 4.0-H and Nemotron-H, whose
+# recurrent layers keep their state in the scheduler's slots, are served).
+_HYBRID_STATE = (
+    "a Falcon-H1 layer (attention beside a Mamba-2 mixer, conv + {}) the engine does not "
+    "compute yet"
+)
 REFUSED_HYBRIDS = {
-    "GraniteMoeHybridForCausalLM": _HYBRID_STATE.format("Mamba-2 SSM state"),
-    "NemotronHForCausalLM": _HYBRID_STATE.format("Mamba-2 SSM state"),
     "FalconH1ForCausalLM": _HYBRID_STATE.format("Mamba-2 SSM state"),
 }
 

@@ -110,9 +110,16 @@ def hf_parameter_slices(model: LlamaForCausalLM) -> list[tuple[str, torch.Tensor
 def init_dummy_weights(model: LlamaForCausalLM, seed: int) -> None:
     """Fill every parameter of `model` in place (on its device, in its dtype) with the dummy
     values of its HF tensors. Must run before `replace_linears` (packing or quantizing copies
-    the weights)."""
+    the weights). A parameter stored in another layout than HF's (a module with `hf_shape`:
+    gpt-oss's experts) is filled as the HF tensor, then loaded through its weight_loader."""
     for name, tensor in hf_parameter_slices(model):
         fill_hf_tensor_(tensor, seed, name)
+    for name, module, param, shard in model.hf_tensors():
+        hf_shape = getattr(module, "hf_shape", None)
+        if hf_shape is not None:
+            whole = torch.empty(hf_shape(param), dtype=param.dtype, device=param.device)
+            fill_hf_tensor_(whole, seed, name)
+            module.weight_loader(param, whole, shard)
 
 
 def hf_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -120,7 +127,11 @@ def hf_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     no lm_head.weight), read off our model on the meta device (nothing is allocated)."""
     with torch.device("meta"):
         model = model_class(config)(config, 1)
-    return {name: tuple(tensor.shape) for name, tensor in hf_parameter_slices(model)}
+    shapes = {name: tuple(tensor.shape) for name, tensor in hf_parameter_slices(model)}
+    for name, module, param, _ in model.hf_tensors():
+        if hasattr(module, "hf_shape"):
+            shapes[name] = tuple(module.hf_shape(param))
+    return shapes
 
 
 class DummyWeights(Mapping[str, torch.Tensor]):

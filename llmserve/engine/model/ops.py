@@ -91,10 +91,18 @@ class LayerOps:
         return self.lib.silu_and_mul(x)
 
     def moe_experts(
-        self, x: Tensor, weights: Tensor, ids: Tensor, w13: Tensor, w2: Tensor, first_expert: int
+        self,
+        x: Tensor,
+        weights: Tensor,
+        ids: Tensor,
+        w13: Tensor,
+        w2: Tensor,
+        first_expert: int,
+        oss: moe_ref.ClampedSwiGLU | None = None,
     ) -> Tensor:
-        """The routed experts' weighted sum per token (kernels/moe_reference.py)."""
-        return moe_ref.moe_experts(x, weights, ids, w13, w2, first_expert)
+        """The routed experts' weighted sum per token (kernels/moe_reference.py); oss: gpt-oss's
+        biases and clamped SwiGLU."""
+        return moe_ref.moe_experts(x, weights, ids, w13, w2, first_expert, oss)
 
     def gelu_tanh_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """kernels/reference.py's on every backend (no CUDA kernel of its own yet)."""
@@ -298,10 +306,17 @@ class KernelOps(LayerOps):
         )
 
     def moe_experts(
-        self, x: Tensor, weights: Tensor, ids: Tensor, w13: Tensor, w2: Tensor, first_expert: int
+        self,
+        x: Tensor,
+        weights: Tensor,
+        ids: Tensor,
+        w13: Tensor,
+        w2: Tensor,
+        first_expert: int,
+        oss: moe_ref.ClampedSwiGLU | None = None,
     ) -> Tensor:
         """kernels/moe.cu: no sort and no host synchronization (graph-safe)."""
-        return self.lib.moe_experts(x, weights, ids, w13, w2, first_expert)
+        return self.lib.moe_experts(x, weights, ids, w13, w2, first_expert, oss)
 
     def lora_add(self, lora: LoraBatch, layer: int, group: str, x: Tensor, out: Tensor) -> None:
         """kernels/lora.cu on decode-like steps (gathered per row, graph-safe); a step with a
@@ -373,24 +388,25 @@ class KernelOps(LayerOps):
         sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """store_kv, then the decode kernel (every request one query) or the varlen prefill
-        kernel (anything else), as kernels.cuda.paged_attention dispatches."""
+        kernel (anything else), as kernels.cuda.paged_attention dispatches. sinks (gpt-oss) go
+        to the kernels in float32 (a no-op for a float32 parameter)."""
         assert ctx.seq_lens_t is not None and ctx.cu_seqlens_q_t is not None, "prepare() first"
-        assert sinks is None, "kernel_limits keeps models with attention sinks off the kernels"
+        sinks = None if sinks is None else sinks.float()
         self.lib.store_kv(k, v, k_cache, v_cache, ctx.slot_mapping)
         if ctx.tree_masks is not None and window is None:  # token trees: the tree mask
             return self.lib.paged_prefill_attention(
                 q, k_cache, v_cache, ctx.block_tables, ctx.seq_lens_t, ctx.cu_seqlens_q_t, scale,
-                softcap=softcap, tree_bits=ctx.tree_bits, tree_start=ctx.tree_start,
+                softcap=softcap, tree_bits=ctx.tree_bits, tree_start=ctx.tree_start, sinks=sinks,
             )  # fmt: skip
         if ctx.tree_masks is not None:  # and a sliding window: the kernel's compares storage
             return ref.paged_attention(
                 q, k_cache, v_cache, ctx.block_tables.long(), ctx.seq_lens, ctx.cu_seqlens_q,
-                scale, window=window, softcap=softcap, trees=ctx.tree_masks,
+                scale, window=window, softcap=softcap, sinks=sinks, trees=ctx.tree_masks,
             )  # fmt: skip
         if ctx.num_splits is not None and ctx.max_seqlen_q == 1:
             return self.lib.paged_decode_attention(
                 q, k_cache, v_cache, ctx.block_tables, ctx.seq_lens_t, scale,
-                num_splits=ctx.num_splits, window=window, softcap=softcap,
+                num_splits=ctx.num_splits, window=window, softcap=softcap, sinks=sinks,
             )  # fmt: skip
         return self.lib.paged_attention(
             q,
@@ -404,6 +420,7 @@ class KernelOps(LayerOps):
             max_seq_len=ctx.max_seq_len,
             window=window,
             softcap=softcap,
+            sinks=sinks,
         )
 
 
@@ -413,8 +430,6 @@ def kernel_limits(config: ModelConfig, dtype: torch.dtype, block_size: int) -> s
 
     if dtype not in (torch.float16, torch.bfloat16):
         return f"dtype {str(dtype).removeprefix('torch.')}: the CUDA kernels are fp16 / bf16 only"
-    if config.attention_sinks:
-        return "attention sinks (gpt-oss): not in the CUDA attention kernels yet"
     if config.mla is not None:
         rank, latent = config.mla.kv_lora_rank, config.mla.latent_dim
         if rank > 512 or rank % 8 or latent % 8:
@@ -509,10 +524,13 @@ def _check_cases(
     gate_up = rand(6, 2 * config.intermediate_size)
     yield "silu_and_mul", ops.silu_and_mul(gate_up), ref_ops.silu_and_mul(gate_up)
     if config.moe is not None:  # experts 1 and 2 of 4 at the model's widths, top-2
-        w13 = rand(2, 2 * config.moe.intermediate_size, config.hidden_size) * 0.05
-        w2 = rand(2, config.hidden_size, config.moe.intermediate_size) * 0.05
+        width = config.moe.intermediate_size
+        w13 = rand(2, 2 * width, config.hidden_size) * 0.05
+        w2 = rand(2, config.hidden_size, width) * 0.05
         route = moe_ref.route(torch.randn(6, 4, generator=gen).to(device), 2, True)
-        got, want = (o.moe_experts(x, *route, w13, w2, 1) for o in (ops, ref_ops))
+        swiglu = config.moe.clamped_swiglu  # gpt-oss: with its biases and activation
+        oss = swiglu and moe_ref.ClampedSwiGLU(rand(2, 2 * width), rand(2, w.shape[0]), *swiglu)
+        got, want = (o.moe_experts(x, *route, w13, w2, 1, oss or None) for o in (ops, ref_ops))
         yield "moe_experts", got, want
     if config.mla is not None:
         yield from _latent_cases(ops, ref_ops, config, rand, device, block_size)
@@ -525,6 +543,7 @@ def _check_cases(
     slots.append(int(tables[1, 2]) * block_size)  # the decode token: position 2 * block_size
     cache = rand(2, num_blocks, block_size, kv_heads, dim)
     q, k, v = rand(6, heads, dim), rand(6, kv_heads, dim), rand(6, kv_heads, dim)
+    sinks = rand(heads).float() if config.attention_sinks else None  # gpt-oss
     outputs = []
     for backend in (ops, ref_ops):
         k_cache, v_cache = cache[0].clone(), cache[1].clone()
@@ -532,7 +551,7 @@ def _check_cases(
             torch.tensor(slots, device=device), tables, seq_lens, cu_seqlens_q, []
         )
         ctx = backend.prepare(ctx)
-        outputs.append(backend.attention(q, k, v, k_cache, v_cache, ctx, dim**-0.5))
+        outputs.append(backend.attention(q, k, v, k_cache, v_cache, ctx, dim**-0.5, sinks=sinks))
     yield "attention", outputs[0], outputs[1]
 
 

@@ -28,6 +28,7 @@ from llmserve.scheduler.plan import (
     StepOutcome,
     StepPlan,
     TopLogprobColumns,
+    take_prompt_scores,
 )
 from llmserve.scheduler.request import Request, RequestStatus
 from llmserve.scheduler.scheduler import Scheduler
@@ -131,7 +132,7 @@ def apply_result(
     scheduler.grammars_compiled(out.compiled_seq_ids)
     scheduler.grammar_dead_ends(out.dead_end_seq_ids)
     if out.num_prompt_logprobs:
-        scheduler.take_prompt_scores(plan, PromptScoreColumns(
+        take_prompt_scores(plan, PromptScoreColumns(
             out.num_prompt_logprobs, out.prompt_logprobs, out.prompt_logprob_ranks,
             out.prompt_top_token_ids, out.prompt_top_logprobs,
         ))  # fmt: skip

@@ -13,6 +13,9 @@ the same absorbed form. See docs/models.md#multi-head-latent-attention-deepseek-
 
 from __future__ import annotations
 
+import re
+from collections.abc import Iterator, Mapping
+
 import torch
 from torch import nn
 
@@ -77,6 +80,61 @@ class LatentProjection(nn.Module):
         heads, nope, v = self.split
         per_head = self.weight.view(heads, nope + v, -1)
         return per_head[:, :nope], per_head[:, nope:]
+
+
+class GGUFLatentHalves(Mapping[str, torch.Tensor]):
+    """A deepseek2 GGUF's tensors under HF's names where llama.cpp's converter renamed or split
+    them (common/families/deepseek.py DEEPSEEK2_GGUF_NAMES): kv_b_proj [heads * (nope + v),
+    rank] joined per head from k_b_proj [heads, rank, nope] (transposed back) and v_b_proj
+    [heads, v, rank]; the router's correction bias from `e_score_correction.bias`. An HF
+    checkpoint passes through unchanged."""
+
+    HALVES = re.compile(r"(.*\.self_attn\.)kv_b_proj\.weight")
+    BIAS = "gate.e_score_correction_bias"
+
+    def __init__(self, weights: Mapping[str, torch.Tensor]):
+        self.weights = weights
+        renamed = (
+            n.replace("k_b_proj.", "kv_b_proj.") if n.endswith(".k_b_proj.weight")
+            else n.replace("e_score_correction.bias", "e_score_correction_bias")
+            for n in weights
+            if n.endswith((".k_b_proj.weight", "e_score_correction.bias"))
+        )  # fmt: skip
+        self.names = [*weights, *renamed]
+
+    def source(self, name: str) -> str | tuple[str, str] | None:
+        """The GGUF name(s) an HF name is read from (None: as it is)."""
+        if name in self.weights:
+            return None
+        m = self.HALVES.fullmatch(name)
+        if m and m[1] + "k_b_proj.weight" in self.weights:
+            return m[1] + "k_b_proj.weight", m[1] + "v_b_proj.weight"
+        if name.endswith(self.BIAS):
+            return name.removesuffix(self.BIAS) + "gate.e_score_correction.bias"
+        return None
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        where = self.source(name)
+        if where is None:
+            return self.weights[name]
+        if isinstance(where, str):
+            return self.weights[where]
+        k_b, v_b = self.weights[where[0]], self.weights[where[1]]
+        return torch.cat((k_b.transpose(1, 2), v_b), dim=1).reshape(-1, k_b.shape[1])
+
+    def __contains__(self, name: object) -> bool:
+        if not isinstance(name, str):
+            return False
+        where = self.source(name)
+        if where is None:
+            return name in self.weights
+        return all(n in self.weights for n in ((where,) if isinstance(where, str) else where))
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
 
 
 class MLAttention(OpsModule):
@@ -150,6 +208,9 @@ class MLAttention(OpsModule):
 
 class DeepseekV3ForCausalLM(SparseLayers):
     """MLA in every layer; MoE after the first first_k_dense_replace layers."""
+
+    def checkpoint_view(self, weights: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+        return super().checkpoint_view(GGUFLatentHalves(weights))
 
     def make_attention(
         self, config: ModelConfig, layer: int, local: int, ops: LayerOps, tp: TPGroup

@@ -33,7 +33,7 @@ from tests.engine.model.test_model import (
     rel_err,
     shuffled_blocks,
 )
-from tests.moe_models import make_tiny_moe
+from tests.moe_models import DEEPSEEK_V3, make_tiny_moe
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -218,3 +218,47 @@ def test_the_mtp_layer_is_left_unread_on_purpose(load: Any, tmp_path: Path) -> N
     save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ModelSourceError, match=r"\['model.layers.3.eh_proj.weight'\]"):
         Engine(config)
+
+
+# rotary of the deepseek2 GGUF tests: none, and yarn with mscale = mscale_all_dim (what DeepSeek
+# releases, and all a GGUF keeps: llama.cpp's converter writes 0.1 * mscale_all_dim alone)
+GGUF_ROPE = {
+    "default": {"rope_type": "default", "rope_theta": 10000.0},
+    "yarn": {**DEEPSEEK_V3["rope_parameters"], "mscale": 0.8, "mscale_all_dim": 0.8},
+}
+
+
+@pytest.mark.parametrize("rope", list(GGUF_ROPE))
+def test_deepseek2_gguf_logits_match_hf(tmp_path: Path, rope: str) -> None:
+    """The tiny model (q latent, interleaved rotary) written as llama.cpp's converter lays out
+    `deepseek2` (tests/deepseek_gguf.py: kv_b split into attn_k_b / attn_v_b, MQA metadata,
+    stacked experts): the same MLA and MoE shape as config.json's, logits within TOLERANCE of
+    transformers' over a whole prompt and, without rope scaling, through the scheduled script
+    (chunked prefills, prefix-cache hits, preemptions)."""
+    from tests.deepseek_gguf import write_deepseek2_gguf
+
+    hf_dir = make_tiny_moe(tmp_path / "hf", "deepseek_v3", seed=3, rope_parameters=GGUF_ROPE[rope])
+    model = Loaded(hf_dir)
+    path = write_deepseek2_gguf(hf_dir, tmp_path / "deepseek2.gguf")
+    from_hf, from_gguf = load_model_config(hf_dir), load_model_config(path)
+    assert from_gguf.family == "deepseek_v3"
+    for field in ("mla", "moe", "head_dim", "num_kv_heads", "num_layers"):
+        assert getattr(from_gguf, field) == getattr(from_hf, field), field
+    assert from_gguf.attention_scale == pytest.approx(from_hf.attention_scale, rel=1e-6)
+    config = EngineConfig(model=str(path), device="cpu", num_kv_blocks=96, block_size=BLOCK_SIZE)
+    engine = Engine(config)
+    tokens = prompt(45, seed=1)
+    (ours,) = forward_direct(engine, [(tokens, 0, len(tokens), shuffled_blocks(11)[:6])])
+    assert rel_err(ours, model.hf_logits(tokens)) < TOLERANCE
+    if rope == "default":
+        engine.reset()
+        check_script_matches_hf(engine, model.hf_logits, **SCRIPT)
+
+
+def test_deepseek2_gguf_with_a_softmax_router_is_refused_by_name() -> None:
+    """DeepSeek-V2's softmax router (llama.cpp's gating function 1) is not served."""
+    from llmserve.common.families import ModelSourceError
+    from llmserve.common.families.deepseek import read_deepseek2_gguf
+
+    with pytest.raises(ModelSourceError, match=r"expert_gating_func=1: only DeepSeek-V3's"):
+        read_deepseek2_gguf({"deepseek2.expert_gating_func": 1}, "deepseek2")

@@ -27,7 +27,8 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 TOLERANCE = 1e-4
 DENSE = list(FAMILY_CONFIGS)
-# SmolLM3, GLM-4.5, DeepSeek-V3 (MLA) and gpt-oss: no GGUF writer, so out of DENSE and MOE_CONFIGS
+# SmolLM3, GLM-4.5, DeepSeek-V3 (MLA) and gpt-oss: out of DENSE and MOE_CONFIGS (GLM-4.5 has no
+# GGUF writer; DeepSeek-V3's and gpt-oss's are their own: tests/deepseek_gguf.py, gpt_oss_gguf.py)
 NO_GGUF_MOE = ["glm4_moe", "deepseek_v3", "gpt_oss"]
 ALL = [*DENSE, "smollm3", *MOE_CONFIGS, *NO_GGUF_MOE]
 

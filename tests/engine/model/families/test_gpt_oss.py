@@ -87,9 +87,9 @@ def test_each_quirk_matters_for_these_prompts(
 
 
 def test_what_the_family_refuses(model: Loaded) -> None:
-    """Quantization by name at start, a LoRA adapter when loaded; the CUDA kernels say they
-    lack the sinks (the engine then runs the torch path on a GPU, or --attention-backend cuda
-    refuses). Tensor and pipeline parallelism: tests/engine/model/families/test_family_features.py.
+    """Quantization by name at start, a LoRA adapter when loaded; the CUDA kernels take the
+    sinks, windows and experts (kernel_limits declines only the tiny model's head_dim, not the
+    family). Tensor and pipeline parallelism: tests/engine/model/families/test_family_features.py.
     """
     why = family_refusal("gpt_oss", ["tensor_parallel", "pipeline_parallel", "quantization"])
     assert why is not None and "GptOssForCausalLM" in why and "quantization" in why
@@ -97,9 +97,8 @@ def test_what_the_family_refuses(model: Loaded) -> None:
         model.engine.adapters.add("a", "/nonexistent")  # refused before the path is read
     config = load_model_config(model.path)
     why = kernel_limits(config, torch.bfloat16, 16)
-    assert why is not None and "attention sinks" in why
-    plain = dataclasses.replace(config, attention_sinks=False, moe=None, head_dim=64)
-    assert kernel_limits(plain, torch.bfloat16, 16) is None
+    assert why is not None and f"head_dim={config.head_dim}" in why
+    assert kernel_limits(dataclasses.replace(config, head_dim=64), torch.bfloat16, 16) is None
 
 
 def test_sinks_in_the_reference_decode_equal_the_chunk_path() -> None:
@@ -197,3 +196,55 @@ def test_mxfp4_checkpoint_serves_as_its_dequantized_model(mxfp4_dirs: tuple[Path
         assert all(isinstance(layer.mlp.experts, KeptExperts) for layer in engine.model.layers)
         held = kept_description(engine.model)
         assert held == "32 linears kept quantized on the CPU (32 fp4), 32 of them experts'"
+
+
+def test_gguf_logits_match_hf(tmp_path: Path) -> None:
+    """The tiny model (with llama.cpp's fixed SwiGLU limit, 7.0) written as llama.cpp's
+    converter lays out `gpt-oss` with float experts (tests/gpt_oss_gguf.py: gate / up split
+    and transposed, down transposed, sinks, router with its bias): the same config as
+    config.json's (the alternating windows from the sliding_window key, yarn untruncated),
+    logits within TOLERANCE of transformers' over a whole prompt longer than the window and
+    through the scheduled script."""
+    from llmserve.engine.config import EngineConfig
+    from llmserve.engine.step.engine import Engine
+    from tests.engine.model.test_model import BLOCK_SIZE
+    from tests.gpt_oss_gguf import write_gpt_oss_gguf
+
+    hf_dir = make_tiny_moe(tmp_path / "hf", "gpt_oss", seed=1, swiglu_limit=7.0)
+    hf = Loaded(hf_dir)
+    path = write_gpt_oss_gguf(hf_dir, tmp_path / "gpt-oss.gguf")
+    from_hf, from_gguf = load_model_config(hf_dir), load_model_config(path)
+    assert from_gguf.family == "gpt_oss"
+    for field in ("moe", "layer_types", "sliding_window", "attention_sinks", "head_dim"):
+        assert getattr(from_gguf, field) == getattr(from_hf, field), field
+    assert from_gguf.rope_scaling is not None and from_gguf.rope_scaling["truncate"] is False
+    config = EngineConfig(model=str(path), device="cpu", num_kv_blocks=96, block_size=BLOCK_SIZE)
+    engine = Engine(config)
+    tokens = prompt(45, seed=1)
+    (ours,) = forward_direct(engine, [(tokens, 0, len(tokens), shuffled_blocks(11)[:6])])
+    assert rel_err(ours, hf.hf_logits(tokens)) < TOLERANCE
+    engine.reset()
+    check_script_matches_hf(engine, hf.hf_logits, **SCRIPT)
+
+
+def test_dummy_shapes_are_transformers_and_dummy_weights_load(tmp_path: Path) -> None:
+    """The experts are stored in moe.cu's layout, yet the dummy loader's shapes are
+    transformers' (every tensor of its state dict, on a model whose experts are not square:
+    2 I != H), and a dummy engine of it loads and runs."""
+    from safetensors import safe_open
+
+    from llmserve.engine.config import EngineConfig
+    from llmserve.engine.model.dummy import hf_tensor_shapes
+    from llmserve.engine.step.engine import Engine
+    from tests.engine.model.test_model import BLOCK_SIZE
+
+    path = make_tiny_moe(tmp_path, "gpt_oss", seed=2, intermediate_size=16)
+    with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+        hf = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}  # noqa: SIM118
+    assert hf_tensor_shapes(load_model_config(path)) == hf
+    engine = Engine(
+        EngineConfig(model=str(path), device="cpu", num_kv_blocks=96, block_size=BLOCK_SIZE,
+                     load_format="dummy")
+    )  # fmt: skip
+    (out,) = forward_direct(engine, [(prompt(9, seed=2), 0, 9, shuffled_blocks(4)[:2])])
+    assert torch.isfinite(out).all()

@@ -1,0 +1,83 @@
+"""Nemotron-H (NemotronHForCausalLM): a stack of single-mixer blocks, each `norm -> mixer ->
+residual add`, the mixer a Mamba-2 layer, GQA attention without rotary, or a squared-ReLU MLP,
+by `hybrid_override_pattern` ("M", "*", "-") or transformers 5's `layers_block_type`
+("linear_attention", "full_attention", "mlp"). Its MoE blocks ("E", Nemotron 3) are refused by
+name. Not registered yet, for the reason common/families/granite_hybrid.py gives: the Mamba
+layers' per-request state needs the scheduler's state slots; the architecture stays in
+registry.REFUSED_HYBRIDS."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from llmserve.common.families.granite_hybrid import GRANITE_HYBRID
+from llmserve.common.families.registry import Family, ModelSourceError, register
+from llmserve.common.mamba2_config import Mamba2Config, json_float
+
+PATTERN = {"M": "mamba", "*": "full_attention", "-": "mlp", "E": "moe"}
+BLOCK_TYPES = {
+    "mamba": "mamba",
+    "linear_attention": "mamba",
+    "attention": "full_attention",
+    "full_attention": "full_attention",
+    "mlp": "mlp",
+    "moe": "moe",
+}
+
+
+def nemotron_layer_types(cfg: Mapping[str, Any]) -> tuple[str, ...]:
+    pattern = cfg.get("hybrid_override_pattern")
+    given = cfg.get("layers_block_type") or cfg.get("layer_types")
+    if given is None and pattern is not None:
+        given = [PATTERN.get(c, c) for c in pattern]
+    if not given:
+        raise ModelSourceError("Nemotron-H config.json gives neither layers_block_type nor "
+                               "hybrid_override_pattern")  # fmt: skip
+    unknown = sorted({t for t in given if t not in BLOCK_TYPES})
+    if unknown:
+        raise ModelSourceError(f"Nemotron-H block types {unknown} are not known")
+    types = tuple(BLOCK_TYPES[t] for t in given)
+    if "moe" in types:
+        raise ModelSourceError(
+            "Nemotron-H with MoE blocks (hybrid_override_pattern 'E') is not served: its "
+            "routed experts are not written"
+        )
+    return types
+
+
+def read_nemotron_h(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    types = nemotron_layer_types(cfg)
+    limit = cfg.get("time_step_limit") or (0.0, float("inf"))
+    mamba2 = Mamba2Config(
+        num_heads=int(cfg.get("mamba_num_heads") or 128),
+        head_dim=int(cfg.get("mamba_head_dim") or 64),
+        num_groups=int(cfg.get("n_groups") or 8),
+        state_size=int(cfg.get("ssm_state_size") or 128),
+        conv_kernel=int(cfg.get("conv_kernel") or 4),
+        chunk_size=int(cfg.get("chunk_size") or 128),
+        conv_bias=bool(cfg.get("use_conv_bias", True)),
+        proj_bias=bool(cfg.get("use_bias", False)),
+        time_step_limit=(json_float(limit[0]), json_float(limit[1])),
+    )
+    return {
+        "num_layers": len(types),
+        "layer_types": types,
+        "nope_layers": tuple(range(len(types))),
+        "rms_norm_eps": float(cfg.get("layer_norm_epsilon") or 1e-5),
+        "hidden_act": str(cfg.get("mlp_hidden_act") or "relu2"),
+        "mamba2": mamba2,
+        "state_layout": mamba2.layout(),
+    }
+
+
+NEMOTRON_H = register(
+    Family(
+        name="nemotron_h",
+        hf_architectures=("NemotronHForCausalLM",),
+        hf_model_types=("nemotron_h",),
+        model="llmserve.engine.model.families.nemotron_h:NemotronHForCausalLM",
+        read_hf=read_nemotron_h,
+        refuses=GRANITE_HYBRID.refuses,
+    )
+)

@@ -1,0 +1,103 @@
+"""The shape of a Mamba-2 mixer layer (Granite 4.0-H, Nemotron-H, Falcon-H1), read from an HF
+config.json without torch, and what one request keeps per Mamba layer: the conv's last
+`conv_kernel - 1` inputs [conv_dim, conv_kernel - 1] and the SSM state [heads, head_dim,
+state_size] (engine/model/mamba2.py computes the layer)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from llmserve.common.state_layout import StateLayout
+
+
+@dataclass(frozen=True)
+class Mamba2Config:
+    """num_heads heads of head_dim channels (intermediate_size = their product); B and C in
+    num_groups groups of state_size; a depthwise conv of conv_kernel taps over x, B and C;
+    the scan in chunks of chunk_size; dt clamped to time_step_limit after its softplus."""
+
+    num_heads: int
+    head_dim: int
+    num_groups: int
+    state_size: int
+    conv_kernel: int
+    chunk_size: int = 256
+    conv_bias: bool = True
+    proj_bias: bool = False
+    time_step_limit: tuple[float, float] = (0.0, float("inf"))
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_groups:
+            raise ValueError(
+                f"mamba_n_groups={self.num_groups} must divide mamba_n_heads={self.num_heads}"
+            )
+        if self.conv_kernel < 2:
+            raise ValueError(f"mamba_d_conv={self.conv_kernel} must be >= 2")
+        if self.chunk_size < 1:
+            raise ValueError(f"mamba_chunk_size={self.chunk_size} must be >= 1")
+
+    @property
+    def intermediate_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def group_size(self) -> int:
+        """B's (and C's) width: num_groups * state_size."""
+        return self.num_groups * self.state_size
+
+    @property
+    def conv_dim(self) -> int:
+        """The conv's channels: x, B and C side by side."""
+        return self.intermediate_size + 2 * self.group_size
+
+    @property
+    def conv_shape(self) -> tuple[int, int]:
+        return (self.conv_dim, self.conv_kernel - 1)
+
+    @property
+    def ssm_shape(self) -> tuple[int, int, int]:
+        return (self.num_heads, self.head_dim, self.state_size)
+
+    def layout(self) -> StateLayout:
+        """What the state pool keeps per slot and Mamba layer (common/state_layout.py)."""
+        return StateLayout(conv_shape=self.conv_shape, recurrent_shape=self.ssm_shape)
+
+    def elements_per_request(self) -> int:
+        """One request's state in one Mamba layer, in elements (conv + SSM)."""
+        return math.prod(self.conv_shape) + math.prod(self.ssm_shape)
+
+
+def json_float(value: Any) -> float:
+    """A float of config.json; transformers 5 writes infinity as {"__float__": "Infinity"}."""
+    if isinstance(value, Mapping):
+        value = value.get("__float__")
+    return float(value)
+
+
+def mamba2_from_granite(cfg: Mapping[str, Any]) -> Mamba2Config:
+    """GraniteMoeHybridConfig's mamba_* fields (its defaults where config.json leaves one out;
+    mamba_d_head "auto": mamba_expand * hidden_size / mamba_n_heads)."""
+    heads = int(cfg.get("mamba_n_heads") or 128)
+    inner = int(cfg.get("mamba_expand") or 2) * int(cfg["hidden_size"])
+    head_dim = cfg.get("mamba_d_head", "auto")
+    head_dim = inner // heads if head_dim in (None, "auto") else int(head_dim)
+    if head_dim * heads != inner:
+        raise ValueError(
+            f"mamba_n_heads={heads} x mamba_d_head={head_dim} must equal mamba_expand x "
+            f"hidden_size={inner}"
+        )
+    limit = cfg.get("time_step_limit") or (0.0, float("inf"))
+    return Mamba2Config(
+        num_heads=heads,
+        head_dim=head_dim,
+        num_groups=int(cfg.get("mamba_n_groups") or 1),
+        state_size=int(cfg.get("mamba_d_state") or 256),
+        conv_kernel=int(cfg.get("mamba_d_conv") or 4),
+        chunk_size=int(cfg.get("mamba_chunk_size") or 256),
+        conv_bias=bool(cfg.get("mamba_conv_bias", True)),
+        proj_bias=bool(cfg.get("mamba_proj_bias", False)),
+        time_step_limit=(json_float(limit[0]), json_float(limit[1])),
+    )

@@ -1,0 +1,97 @@
+"""Nemotron-H (NemotronHForCausalLM) against transformers on a tiny random NemotronHConfig
+checkpoint (Mamba, MLP, attention, MLP, Mamba blocks): every position of a whole prompt; two
+chunks with the state carried beside another request, then a decode row; greedy decode; the
+scheduled script; its MoE blocks refused by name. The step:
+tests/engine/model/families/test_granite_hybrid.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from llmserve.common.families.nemotron_h import read_nemotron_h
+from llmserve.common.families.registry import ModelSourceError
+from tests.engine.model.families.test_granite_hybrid import TOLERANCE, Loaded
+from tests.engine.model.families.test_qwen3_next import check_rows, run_requests, script_requests
+from tests.engine.model.test_model import prompt, rel_err
+from tests.factories import write_byte_tokenizer
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+BLOCKS = ["mamba", "mlp", "attention", "mlp", "mamba"]
+
+
+def make_nemotron(directory: Path, seed: int) -> Path:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.NemotronHConfig(
+        vocab_size=256, hidden_size=32, intermediate_size=48, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, mamba_num_heads=4, mamba_head_dim=8, n_groups=2,
+        ssm_state_size=8, conv_kernel=4, chunk_size=4, layer_types=BLOCKS,
+        initializer_range=0.2, tie_word_embeddings=False, max_position_embeddings=256,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    model = transformers.NemotronHForCausalLM(config).float()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(("dt_bias", "A_log", "mixer.D", "conv1d.bias")):
+                param.copy_(torch.randn_like(param) * 0.5)
+            elif "norm" in name:
+                param.add_(torch.randn_like(param) * 0.1)
+    model.save_pretrained(directory)
+    write_byte_tokenizer(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def loaded(tmp_path_factory: pytest.TempPathFactory) -> Loaded:
+    path = make_nemotron(tmp_path_factory.mktemp("nemotron_h"), seed=11)
+    return Loaded(path, "NemotronHForCausalLM")
+
+
+def test_config_and_refusals(loaded: Loaded, tmp_path: Path) -> None:
+    config = loaded.engine.model.config
+    assert config.layer_types == ("mamba", "mlp", "full_attention", "mlp", "mamba")
+    assert config.nope_layers == (0, 1, 2, 3, 4)
+    assert read_nemotron_h({"hybrid_override_pattern": "M-*-M"})["layer_types"] == (
+        config.layer_types
+    )
+    with pytest.raises(ModelSourceError, match="hybrid_override_pattern 'E'"):
+        read_nemotron_h({"hybrid_override_pattern": "ME*"})
+
+
+def test_whole_prompt_and_carried_chunks(loaded: Loaded) -> None:
+    m = loaded
+    a, b = prompt(12, seed=4), prompt(9, seed=5)
+    (whole,) = m.forward([(a, 0, 12, 3)])
+    assert rel_err(whole, m.hf_logits(a)) < TOLERANCE
+    (a1,) = m.forward([(a, 0, 6, 2)])
+    a2, b1 = m.forward([(a, 6, 11, 2), (b, 0, 9, 0)])
+    a3, b2 = m.forward([(a, 11, 12, 2), ([*b, 7], 9, 10, 0)])
+    assert rel_err(torch.cat((a1, a2, a3)), m.hf_logits(a)) < TOLERANCE
+    assert rel_err(torch.cat((b1, b2)), m.hf_logits([*b, 7])) < TOLERANCE
+
+
+def test_greedy_decode_matches_transformers(loaded: Loaded) -> None:
+    m: Any = loaded
+    want = prompt(7, seed=6)
+    tokens = list(want)
+    for _ in range(8):
+        want.append(int(m.hf_logits(want)[-1].argmax()))
+    (logits,) = m.forward([(tokens, 0, len(tokens), 1)])
+    for _ in range(8):
+        tokens.append(int(logits[-1].argmax()))
+        (logits,) = m.forward([(tokens, len(tokens) - 1, len(tokens), 1)])
+    assert tokens == want
+
+
+def test_scheduled_script_matches_hf(loaded: Loaded) -> None:
+    """test_qwen3_next's script through the real scheduler (chunked prefills, preemptions and
+    recomputes, n = 2, the prefix cache off): every sampled row as transformers'."""
+    loaded.engine.reset()
+    requests = script_requests()
+    script = run_requests(loaded.engine, requests)
+    assert script.num_partial_prefills > 0 and script.sched.counters.num_preemptions > 0
+    check_rows(loaded, requests, script.rows)
