@@ -542,20 +542,23 @@ def test_int8_linear_tails(kc: ModuleType, dtype: torch.dtype, path: str) -> Non
 QUANT_SHAPES = {"q/o": (4096, 4096), "gate/up": (14336, 4096), "down": (4096, 14336)}
 
 
-@pytest.mark.parametrize("rows", [1, 3, 8, 9, 333])
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 40, 333])
 @pytest.mark.parametrize("shape", list(QUANT_SHAPES))
-def test_w4a16_linear_8b_shapes(kc: ModuleType, shape: str, rows: int) -> None:
-    """The GEMV instances (1-8 rows) and dequantize + cuBLAS (9+) on the 8B projections, group
-    128, asymmetric zeros, act-order, bf16, against the float64 product."""
+def test_w4a16_linear_8b_shapes(kc: ModuleType, shape: str, rows: int, bits: int) -> None:
+    """The GEMV instances (1-8 rows, per 8 rows up to 64 / 32 rows for 4 / 8 bits) and
+    dequantize + cuBLAS above on the 8B projections, W4A16 and W8A16, group 128, asymmetric
+    zeros, act-order, bf16, against the float64 product."""
     from llmserve.kernels import quant_reference as qref
     from llmserve.kernels import w4a16
 
     n, k = QUANT_SHAPES[shape]
-    q = torch.randint(0, 16, (n, k), device=DEVICE, dtype=torch.int32)
-    scale = torch.rand(n, k // 128, device=DEVICE) * 2e-3 + 1e-3
-    zero = torch.randint(0, 16, (n, k // 128), device=DEVICE).float()
+    levels = 2**bits
+    q = torch.randint(0, levels, (n, k), device=DEVICE, dtype=torch.int32)
+    scale = (torch.rand(n, k // 128, device=DEVICE) * 2e-3 + 1e-3) * 16 / levels
+    zero = torch.randint(0, levels, (n, k // 128), device=DEVICE).float()
     perm = torch.randperm(k, device=DEVICE)
-    weight = w4a16.pack_w4a16(q, scale, zero, 128, perm)
+    weight = w4a16.pack_w4a16(q, scale, zero, 128, perm, bits=bits)
     x = torch.randn(rows, k, device=DEVICE).to(torch.bfloat16)
     out = torch.full((rows, n), float("nan"), device=DEVICE, dtype=torch.bfloat16)
     kc.w4a16_linear(x, weight, out=out)
