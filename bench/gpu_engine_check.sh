@@ -13,7 +13,7 @@
 #   some stages:   run(command="bash bench/gpu_engine_check.sh 8b quant", carry=[".whl"], ...)
 #                  (the preflight always runs first)
 #   second call:   run(command="bash bench/gpu_engine_check.sh parallel families", carry=[".whl"],
-#                      timeout_s=150)   (the Qwen3-8B and Qwen3-30B-A3B shapes, issue 26)
+#                      timeout_s=180)   (the Qwen3-8B, Qwen3-30B-A3B and Qwen3-Next shapes)
 #
 # --dry-run (no GPU needed): prints the plan (stages, caps, their sum against BUDGET_S), fetches
 # .whl/ with scripts/fetch_gpu_wheels.sh when it is missing (exit 3 when the index cannot be
@@ -26,9 +26,10 @@
 # starts no machine with under 4 minutes left. The first call's caps sum to 445 s, under 90% of
 # BUDGET_S=500 (each cap is also cut to what is left of the budget; a stage with under 10 s
 # left is skipped), so one full call (timeout_s=560) takes at most ~11 of the 15 minutes with
-# its start, which leaves one short call for a stage or two (timeout_s <= 150). The `parallel`
+# its start, which leaves one short call for a stage or two (timeout_s <= 180, on the machine
+# the first call left warm). The `parallel`
 # and `families` stages run only when named, as that second call: their caps and the
-# preflight's sum to 135 s, within SECOND_CALL_S=135 (the dry run checks both sums). The preflight exits 2 with one line
+# preflight's sum to 165 s, within SECOND_CALL_S=165 (the dry run checks both sums). The preflight exits 2 with one line
 # when it fails; nothing after it runs then.
 #
 # $OUT (bench/results/ when unset) gets at most 8 files, all the device tool returns:
@@ -49,7 +50,7 @@ DEFAULT_STAGES="kernels kbench 8b tests smollm2 quant structured lora"
 SECOND_STAGES="parallel families"  # the second call's: only when named
 # shellcheck disable=SC2206  # split on purpose: the stage names
 STAGES=(preflight $DEFAULT_STAGES $SECOND_STAGES)
-SECOND_CALL_S=135
+SECOND_CALL_S=165
 # The preflight's own work is ~30 s; its cap also covers NVRTC compiling the SmolLM2-shape
 # kernels on a fresh machine (CuPy keeps them on disk for the later stages).
 # kbench's cap holds its --budget-s 30 and 10 s of start; lora's 30 s: one 8B engine (as a quant
@@ -57,7 +58,7 @@ SECOND_CALL_S=135
 # kernels, 8b and tests give up 5-10 s each, and parallel moves to the second call, to keep the
 # first call's sum within 90% of BUDGET_S.
 declare -A CAP=([preflight]=60 [kernels]=30 [kbench]=40 [8b]=90 [tests]=75 [smollm2]=20
-    [quant]=75 [structured]=25 [lora]=30 [parallel]=15 [families]=60)
+    [quant]=75 [structured]=25 [lora]=30 [parallel]=15 [families]=90)
 declare -A WHAT=(
     [preflight]="imports, one kernel + the attention self-check, graphs of batch 1 and 2"
     [kernels]="kernel correctness (tests/kernels/test_kernels_cuda.py -m gpu)"
@@ -69,7 +70,7 @@ declare -A WHAT=(
     [structured]="8B shape, 16 x 128/128: none vs all held to a JSON schema (bench/studies/structured_cpu.py)"
     [lora]="8B bf16 with 8 distinct rank-16 adapters (dummy, all projections): b8/b64 vs base"
     [parallel]="tests/engine/parallel/test_parallel.py -m gpu (one-rank NCCL group)"
-    [families]="on request: Qwen3-8B and Qwen3-30B-A3B shapes bf16, decode b1/b8 (30 s each)"
+    [families]="on request: Qwen3-8B, Qwen3-30B-A3B, Qwen3-Next-80B-A3B (12 layers) shapes bf16, decode b1/b8 (30 s each)"
 )
 GE="python3 -m bench.gpu.engine --attention-backend cuda"
 PT="python3 -m pytest -q -p no:cacheprovider"
@@ -93,9 +94,13 @@ $GE --shape llama-3-8b --out $RAW/quant --skip-offline --skip-hf --decode-steps 
     [lora]="python3 -m bench.gpu.lora --shape llama-3-8b --out $OUT --adapters 8 --decode-batches 8,64"
     [parallel]="$PT -m gpu tests/engine/parallel/test_parallel.py --junitxml=$RAW/parallel.xml"
     # dummy weights of configs/qwen3-8b and configs/qwen3-30b-a3b (61 GB in bf16), one process
-    # each; their JSONs go into raw.tgz ($OUT keeps its 8 files), the table gets the figures
+    # each; their JSONs go into raw.tgz ($OUT keeps its 8 files), the table gets the figures.
+    # Qwen3-Next-80B-A3B's shape at 12 of its 48 layers (41 GB: all 48 exceed the card), with
+    # --attention-backend auto: its head_dim 256 is outside the attention kernels, so the engine
+    # picks DeltaKernelOps (torch attention, kernels/gated_delta.cu for the DeltaNet decode rows)
     [families]="$GE --shape qwen3-8b --out $RAW/families --skip-offline --skip-hf --decode-steps 20
-$GE --shape qwen3-30b-a3b --out $RAW/families --skip-offline --skip-hf --decode-steps 20"
+$GE --shape qwen3-30b-a3b --out $RAW/families --skip-offline --skip-hf --decode-steps 20
+$GE --shape qwen3-next-80b-a3b-12l --out $RAW/families --skip-offline --skip-hf --decode-steps 20 --attention-backend auto"
 )
 QUANT_MODE_CAP=25
 FAMILY_CAP=30

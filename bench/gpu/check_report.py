@@ -20,7 +20,11 @@ from typing import Any
 COPY_GBPS = 4280.0  # docs/gpu.md#the-gpu-machine: device-to-device copy, bytes read + written
 ERROR_LINES = 12
 _ERROR = re.compile(r"error|fail|traceback|assert|exception|timed out|killed", re.IGNORECASE)
-FAMILY_SHAPES = ("qwen3-8b", "qwen3-30b-a3b")  # gpu_engine_check.sh's families stage
+FAMILY_SHAPES = (  # gpu_engine_check.sh's families stage
+    "qwen3-8b",
+    "qwen3-30b-a3b",
+    "qwen3-next-80b-a3b-12l",
+)
 
 
 def load(path: Path) -> Any:
