@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -321,3 +322,25 @@ def _context(
         slot_mapping=torch.tensor(kv_slots), block_tables=torch.tensor(tables),
         seq_lens=seq_lens, cu_seqlens_q=cu, kv_caches=kv, state=StateBatch(pool, slots),
     )  # fmt: skip
+
+
+def test_from_a_gguf_as_llama_cpps_converter_writes_it(model: Loaded, tmp_path: Path) -> None:
+    """The tiny model written as llama.cpp's converter writes `qwen3next` (tests/qwen3_next_gguf:
+    in_proj_qkvz split, A_log as -exp, norms as 1 + w, ...): the same shape read back, and
+    every position of a prompt, prefilled whole then one decode row from its slot, within 1e-4
+    of transformers' logits, its greedy token at each."""
+    from tests.qwen3_next_gguf import write_qwen3_next_gguf
+
+    path = write_qwen3_next_gguf(model.path, tmp_path / "qwen3_next.gguf")
+    hf_config, config = load_model_config(model.path), load_model_config(path)
+    for field in ("family", "layer_types", "gated_delta_net", "moe", "partial_rotary_factor"):
+        assert getattr(config, field) == getattr(hf_config, field), field
+    engine = Engine(EngineConfig(model=str(path), device="cpu", num_kv_blocks=96,
+                                 block_size=BLOCK_SIZE))  # fmt: skip
+    tokens, table = prompt(30, seed=7), shuffled_blocks(5)[:4]
+    want = model.hf_logits(tokens)
+    (head,) = forward_rows(engine, [(tokens, 0, 29, table)], [2])
+    (last,) = forward_rows(engine, [(tokens, 29, 30, table)], [2])
+    got = torch.cat((head, last))
+    assert rel_err(got, want) < TOLERANCE
+    assert got.argmax(-1).tolist() == want.argmax(-1).tolist()
