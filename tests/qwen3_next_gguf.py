@@ -76,13 +76,18 @@ def _tensors(hf: dict[str, np.ndarray], cfg: dict) -> dict[str, np.ndarray]:
     return out
 
 
-def write_qwen3_next_gguf(hf_dir: Path, path: Path) -> Path:
-    """hf_dir's tiny Qwen3-Next as a float32 `qwen3next` GGUF at path (see the module)."""
+def write_qwen3_next_gguf(
+    hf_dir: Path, path: Path, family: str = "qwen3_next", eot_token_id: int | None = None
+) -> Path:
+    """hf_dir's tiny Qwen3-Next as a float32 `qwen3next` GGUF at path (see the module), with
+    the byte tokenizer and eot_token_id (tests/family_gguf.add_byte_tokenizer); family: as
+    tests/moe_models.write_moe_gguf takes it (the stack tests call either)."""
+    assert family == "qwen3_next", family
     from safetensors.numpy import load_file
 
     cfg = json.loads((hf_dir / "config.json").read_text())
     w = gguf.GGUFWriter(str(path), "qwen3next")
-    _metadata(w, "qwen3", cfg)
+    _metadata(w, "qwen3", cfg, eot_token_id)
     w.add_expert_count(cfg["num_experts"])
     w.add_expert_used_count(cfg["num_experts_per_tok"])
     w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
