@@ -257,7 +257,8 @@ def _keep_quantized(
     model: LlamaForCausalLM, weights: CheckpointView, device: torch.device, dtype: torch.dtype
 ) -> None:
     """Before the load: a quantized checkpoint's linears kept as stored, on the CPU
-    (engine/model/checkpoint_linear.py; MoE experts: kept_experts.py) or a GPU (checkpoint_linear_cuda.py)."""
+    (engine/model/checkpoint_linear.py; MoE experts: kept_experts.py) or a GPU
+    (checkpoint_linear_cuda.py)."""
     if device.type == "cpu":
         keep_checkpoint_weights(model, weights)
         keep_expert_weights(model, weights)  # and MoE experts (MXFP4 too)
