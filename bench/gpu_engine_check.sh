@@ -15,7 +15,7 @@
 #   second call:   run(command="bash bench/gpu_engine_check.sh parallel families", carry=[".whl"],
 #                      timeout_s=150)   (the Qwen3-8B and Qwen3-30B-A3B shapes, issue 26)
 #              or: run(command="bash bench/gpu_engine_check.sh families2", carry=[".whl"],
-#                      timeout_s=150)   (DeepSeek-V2-Lite-sized MLA and gpt-oss-20b, issue 40)
+#                      timeout_s=165)   (DeepSeek-V2-Lite-sized MLA, gpt-oss-20b, Qwen3-Next, issue 40)
 #
 # --dry-run (no GPU needed): prints the plan (stages, caps, their sum against BUDGET_S), fetches
 # .whl/ with scripts/fetch_gpu_wheels.sh when it is missing (exit 3 when the index cannot be
@@ -28,9 +28,9 @@
 # starts no machine with under 4 minutes left. The first call's caps sum to 445 s, under 90% of
 # BUDGET_S=500 (each cap is also cut to what is left of the budget; a stage with under 10 s
 # left is skipped), so one full call (timeout_s=560) takes at most ~11 of the 15 minutes with
-# its start, which leaves one short call for a stage or two (timeout_s <= 150). The `parallel`,
+# its start, which leaves one short call for a stage or two (timeout_s <= 165). The `parallel`,
 # `families` and `families2` stages run only when named, as that second call, one of
-# SECOND_CALLS: each with the preflight sums to at most SECOND_CALL_S=135 (the dry run checks
+# SECOND_CALLS: each with the preflight sums to at most SECOND_CALL_S=150 (the dry run checks
 # every sum). The preflight exits 2 with one line when it fails; nothing after it runs then.
 #
 # $OUT (bench/results/ when unset) gets at most 8 files, all the device tool returns:
@@ -52,7 +52,7 @@ SECOND_STAGES="parallel families families2"  # the second call's: only when name
 SECOND_CALLS=("parallel families" "families2")  # a session's second call runs one of these
 # shellcheck disable=SC2206  # split on purpose: the stage names
 STAGES=(preflight $DEFAULT_STAGES $SECOND_STAGES)
-SECOND_CALL_S=135
+SECOND_CALL_S=150
 # The preflight's own work is ~30 s; its cap also covers NVRTC compiling the SmolLM2-shape
 # kernels on a fresh machine (CuPy keeps them on disk for the later stages).
 # kbench's cap holds its --budget-s 30 and 10 s of start; lora's 30 s: one 8B engine (as a quant
@@ -60,7 +60,7 @@ SECOND_CALL_S=135
 # kernels, 8b and tests give up 5-10 s each, and parallel moves to the second call, to keep the
 # first call's sum within 90% of BUDGET_S.
 declare -A CAP=([preflight]=60 [kernels]=30 [kbench]=40 [8b]=90 [tests]=75 [smollm2]=20
-    [quant]=75 [structured]=25 [lora]=30 [parallel]=15 [families]=60 [families2]=60)
+    [quant]=75 [structured]=25 [lora]=30 [parallel]=15 [families]=60 [families2]=90)
 declare -A WHAT=(
     [preflight]="imports, one kernel + the attention self-check, graphs of batch 1 and 2"
     [kernels]="kernel correctness (tests/kernels/test_kernels_cuda.py -m gpu)"
@@ -73,7 +73,7 @@ declare -A WHAT=(
     [lora]="8B bf16 with 8 distinct rank-16 adapters (dummy, all projections): b8/b64 vs base"
     [parallel]="tests/engine/parallel/test_parallel.py -m gpu (one-rank NCCL group)"
     [families]="on request: Qwen3-8B and Qwen3-30B-A3B shapes bf16, decode b1/b8 (30 s each)"
-    [families2]="on request: DeepSeek-V2-Lite-sized MLA and gpt-oss-20b shapes bf16, decode b1/b8 (30 s each)"
+    [families2]="on request: DeepSeek-V2-Lite-sized MLA, gpt-oss-20b and Qwen3-Next-80B-A3B (12 of 48 layers) shapes bf16, decode b1/b8 (30 s each)"
 )
 GE="python3 -m bench.gpu.engine --attention-backend cuda"
 PT="python3 -m pytest -q -p no:cacheprovider"
@@ -103,9 +103,12 @@ $GE --shape qwen3-30b-a3b --out $RAW/families --skip-offline --skip-hf --decode-
     # configs/deepseek-v2-lite (MLA over the latent pool, 15.7 B, 31 GB in bf16) and
     # configs/gpt-oss-20b (sinks, 128-token windows, 20.9 B, 42 GB), one process each, into
     # raw.tgz as the families'.
-    # TODO(issue 40): Qwen3-Next-80B-A3B / Granite-4.0-H-Small shapes once those families serve.
+    # Qwen3-Next-80B-A3B's shape at 12 of its 48 layers (41 GB: all 48 exceed the card), with
+    # --attention-backend auto: its head_dim 256 is outside the attention kernels, so the engine
+    # picks DeltaKernelOps (torch attention, kernels/gated_delta.cu for the DeltaNet decode rows).
     [families2]="$GE --shape deepseek-v2-lite --out $RAW/families --skip-offline --skip-hf --decode-steps 20
-$GE --shape gpt-oss-20b --out $RAW/families --skip-offline --skip-hf --decode-steps 20"
+$GE --shape gpt-oss-20b --out $RAW/families --skip-offline --skip-hf --decode-steps 20
+$GE --shape qwen3-next-80b-a3b-12l --out $RAW/families --skip-offline --skip-hf --decode-steps 20 --attention-backend auto"
 )
 QUANT_MODE_CAP=25
 FAMILY_CAP=30

@@ -23,7 +23,7 @@ _ERROR = re.compile(r"error|fail|traceback|assert|exception|timed out|killed", r
 # gpu_engine_check.sh's families stages and the shapes (configs/) each runs
 FAMILY_SHAPES = {
     "families": ("qwen3-8b", "qwen3-30b-a3b"),
-    "families2": ("deepseek-v2-lite", "gpt-oss-20b"),
+    "families2": ("deepseek-v2-lite", "gpt-oss-20b", "qwen3-next-80b-a3b-12l"),
 }
 
 

@@ -28,6 +28,7 @@ from tests.factories import EOS_TOKEN_ID
 from tests.family_gguf import write_family_gguf
 from tests.family_models import ENGINE_SETTINGS, FAMILY_CONFIGS, load_hf, make_tiny_family
 from tests.moe_models import MOE_CONFIGS, make_tiny_moe, write_moe_gguf
+from tests.qwen3_next_gguf import write_qwen3_next_gguf
 from tests.stack import ROOT, free_port, serve_command
 
 pytestmark = pytest.mark.stack  # starts service processes (tests/conftest.py)
@@ -56,6 +57,7 @@ MAKERS.update(
 )  # fmt: skip
 OPT_IN += [("smollm3", "hf"), ("glm4_moe", "hf"), ("deepseek_v3", "hf"), ("gpt_oss", "hf")]
 OPT_IN += [("qwen3_next", "hf")]  # served with its state slots, the prefix cache off
+OPT_IN += [("qwen3_next", "gguf")]  # tests/qwen3_next_gguf writes it
 
 
 @torch.no_grad()
@@ -119,6 +121,7 @@ def check_served(tmp_path: Path, family: str, fmt: str) -> list[Completion]:
         gen_path.write_text(json.dumps({**gen, "eos_token_id": eos, "temperature": 0.0}))
     else:
         write = write_moe_gguf if family in MOE_CONFIGS else write_family_gguf
+        write = write_qwen3_next_gguf if family == "qwen3_next" else write
         path = tmp_path / f"{family}.gguf"
         model = write(model_dir, path, family, eot_token_id=expected[stop_at])
         temperature = 0.0

@@ -36,10 +36,10 @@ MOE_GGUF_NAMES = {
 }
 
 
-def _moe_gguf(fields: Mapping[str, Any], arch: str) -> MoEConfig:
+def moe_gguf(fields: Mapping[str, Any], arch: str) -> MoEConfig:
     """The MoE shape from llama.cpp's keys: a layer without a router tensor is dense; without
-    `expert_weights_norm`, Qwen3-MoE renormalizes and Qwen2-MoE does not (llama.cpp's rule for
-    those architectures)."""
+    `expert_weights_norm`, Qwen3-MoE and Qwen3-Next renormalize and Qwen2-MoE does not
+    (llama.cpp's rule for those architectures)."""
     names = fields["tensor_names"]
     num_layers = int(fields[f"{arch}.block_count"])
     norm = fields.get(f"{arch}.expert_weights_norm")
@@ -47,7 +47,7 @@ def _moe_gguf(fields: Mapping[str, Any], arch: str) -> MoEConfig:
         num_experts=int(fields[f"{arch}.expert_count"]),
         top_k=int(fields[f"{arch}.expert_used_count"]),
         intermediate_size=int(fields[f"{arch}.expert_feed_forward_length"]),
-        renormalize=bool(norm) if norm is not None else arch == "qwen3moe",
+        renormalize=bool(norm) if norm is not None else arch in ("qwen3moe", "qwen3next"),
         shared_intermediate_size=int(fields.get(f"{arch}.expert_shared_feed_forward_length") or 0),
         dense_layers=tuple(
             i for i in range(num_layers) if f"blk.{i}.ffn_gate_inp.weight" not in names
@@ -105,7 +105,7 @@ QWEN3_MOE = register(
         model="llmserve.engine.model.families.moe:Qwen3MoeForCausalLM",
         read_hf=lambda cfg: {"moe": moe_from_hf(dict(cfg)), **_window(cfg)},
         gguf_architecture="qwen3moe",
-        read_gguf=lambda fields, arch: {"moe": _moe_gguf(fields, arch)},
+        read_gguf=lambda fields, arch: {"moe": moe_gguf(fields, arch)},
         gguf_layer_names={**QWEN3.gguf_layer_names, **MOE_GGUF_NAMES},
         refuses=MOE_REFUSES,
     )
@@ -123,7 +123,7 @@ QWEN2_MOE = register(
             **qwen_window(cfg),
         },
         gguf_architecture="qwen2moe",
-        read_gguf=lambda fields, arch: {"moe": _moe_gguf(fields, arch), "qkv_bias": True},
+        read_gguf=lambda fields, arch: {"moe": moe_gguf(fields, arch), "qkv_bias": True},
         gguf_layer_names=MOE_GGUF_NAMES,
         refuses=MOE_REFUSES,
     )

@@ -2,7 +2,7 @@
 state layer (ModelConfig.state_layout, common/state_layout.py) and every slot,
 
     conv       [num_state_layers, num_state_slots, *conv_shape]       e.g. [C, conv_kernel - 1]
-    recurrent  [num_state_layers, num_state_slots, *recurrent_shape]  e.g. [H, Dk, Dv]
+    recurrent  [num_state_layers, num_state_slots, *recurrent_shape]  e.g. [H, Dk, Dv], fp32
 
 Slot ids are the scheduler's (NewRequest.state_slot, scheduler/state_slots.py); a layer reads
 its request's slot at the start of a step's chunk and writes it back at the chunk's end. A
@@ -12,6 +12,7 @@ request's first chunk (num_computed_tokens 0) starts from zeros whatever the slo
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -19,18 +20,24 @@ import torch
 from llmserve.common.model_config import ModelConfig
 from llmserve.engine.kv.cache import zeroed
 
+RECURRENT_DTYPE = torch.float32  # kernels/gated_delta.cu's (and ssd_step.cu's) state
+
 
 def state_bytes_per_slot(config: ModelConfig, dtype: torch.dtype) -> int:
-    """One slot's bytes over all state layers (0 for a model without them)."""
-    if config.state_layout is None:
+    """One slot's bytes over all state layers (0 for a model without them): the conv state in
+    the model's dtype, the recurrent state in float32."""
+    layout = config.state_layout
+    if layout is None:
         return 0
     element = torch.empty(0, dtype=dtype).element_size()
-    return config.state_layout.elements_per_slot(config.num_state_layers) * element
+    per_layer = math.prod(layout.conv_shape) * element + math.prod(layout.recurrent_shape) * 4
+    return config.num_state_layers * per_layer
 
 
 class StatePool:
     """The pool's two tensors, zeroed (on a CPU lazily, as the KV pool: resident memory grows
-    with the slots used)."""
+    with the slots used). The recurrent state is float32 whatever the model's dtype: it is
+    decayed and added to at every token, and the CUDA kernels read and write it so."""
 
     def __init__(
         self, config: ModelConfig, num_slots: int, dtype: torch.dtype, device: torch.device
@@ -40,7 +47,7 @@ class StatePool:
         n = config.num_state_layers
         self.num_slots = num_slots
         self.conv = zeroed((n, num_slots, *layout.conv_shape), dtype, device)
-        self.recurrent = zeroed((n, num_slots, *layout.recurrent_shape), dtype, device)
+        self.recurrent = zeroed((n, num_slots, *layout.recurrent_shape), RECURRENT_DTYPE, device)
 
     @property
     def nbytes(self) -> int:
@@ -66,25 +73,27 @@ class StateBatch:
             return torch.zeros_like(conv), torch.zeros_like(rec)
         return conv.clone(), rec.clone()
 
-    def gather(self, layer: int, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(conv [B, ...], recurrent [B, ...]): copies of rows' states in state layer `layer`
-        (rows running on, never fresh: a step's decode rows, taken together)."""
+    def gather_conv(self, layer: int, rows: list[int]) -> torch.Tensor:
+        """[B, ...]: copies of rows' conv states in state layer `layer` (rows running on, never
+        fresh: a step's decode rows, taken together)."""
         pool = self.pool
         assert pool is not None
-        slots = self._slots(rows, pool.conv.device)
-        return pool.conv[layer, slots], pool.recurrent[layer, slots]
+        return pool.conv[layer, self.slot_ids(rows, pool.conv.device)]
 
-    def scatter(
-        self, layer: int, rows: list[int], conv: torch.Tensor, recurrent: torch.Tensor
-    ) -> None:
-        """rows' new states (as gather returned them, [B, ...]) into their slots."""
+    def scatter_conv(self, layer: int, rows: list[int], conv: torch.Tensor) -> None:
+        """rows' new conv states (as gather_conv returned them, [B, ...]) into their slots."""
         pool = self.pool
         assert pool is not None
-        slots = self._slots(rows, pool.conv.device)
-        pool.conv[layer, slots] = conv.to(pool.conv.dtype)
-        pool.recurrent[layer, slots] = recurrent.to(pool.recurrent.dtype)
+        pool.conv[layer, self.slot_ids(rows, pool.conv.device)] = conv.to(pool.conv.dtype)
 
-    def _slots(self, rows: list[int], device: torch.device) -> torch.Tensor:
+    def recurrent(self, layer: int) -> torch.Tensor:
+        """State layer `layer`'s recurrent states, every slot ([slots, ...], a view: the decode
+        ops update rows' slots in it in place)."""
+        assert self.pool is not None
+        return self.pool.recurrent[layer]
+
+    def slot_ids(self, rows: list[int], device: torch.device) -> torch.Tensor:
+        """rows' slots, int64 on `device`."""
         return torch.tensor([self.slots[r] for r in rows], device=device)
 
     def write(self, layer: int, row: int, conv: torch.Tensor, recurrent: torch.Tensor) -> None:

@@ -4,12 +4,16 @@ One sequence at a time, serving layout: q, k [T, H, Dk]; v [T, H, Dv]; g (log de
 beta [T, H]; state [H, Dk, Dv]. q and k are expected l2-normalised already; q is scaled by
 Dk ** -0.5 here. Two forms that must agree: `recurrent` (token by token, the decode step)
 and `chunked` (the WY form over chunks, the prefill), both carrying the state in and out,
-so a chunked prefill split anywhere continues exactly where the last chunk stopped.
+so a chunked prefill split anywhere continues exactly where the last chunk stopped. The
+one-token update is kernels/gated_delta_reference.delta_step, the CUDA kernel's reference:
+this module uses it rather than keeping a second copy.
 """
 
 from __future__ import annotations
 
 import torch
+
+from llmserve.kernels.gated_delta_reference import delta_step
 
 
 def recurrent(
@@ -22,14 +26,10 @@ def recurrent(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Token-by-token gated delta rule; returns (out [T, H, Dv], new state)."""
     q = q.float() * q.shape[-1] ** -0.5
-    s = state.float().clone()
+    s = state.float()
     out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
     for t in range(q.shape[0]):
-        s = s * g[t].float().exp()[:, None, None]
-        mem = torch.einsum("hk,hkv->hv", k[t].float(), s)
-        delta = (v[t].float() - mem) * beta[t].float()[:, None]
-        s = s + torch.einsum("hk,hv->hkv", k[t].float(), delta)
-        out[t] = torch.einsum("hk,hkv->hv", q[t], s)
+        out[t], s = delta_step(q[t], k[t].float(), v[t], g[t], beta[t], s)
     return out, s
 
 
@@ -96,9 +96,4 @@ def decode_step(
     v [B, H, Dv]; g, beta [B, H]; state [B, H, Dk, Dv]. `recurrent` of one token per row;
     returns (out [B, H, Dv], new states)."""
     q = q.float() * q.shape[-1] ** -0.5
-    k, v = k.float(), v.float()
-    s = state.float() * g.float().exp()[..., None, None]
-    mem = torch.einsum("bhk,bhkv->bhv", k, s)
-    delta = (v - mem) * beta.float()[..., None]
-    s = s + torch.einsum("bhk,bhv->bhkv", k, delta)
-    return torch.einsum("bhk,bhkv->bhv", q, s), s
+    return delta_step(q, k.float(), v, g, beta, state.float())

@@ -6,6 +6,9 @@
 - `KernelOps`: kernels/cuda.py (store_kv, paged decode / varlen prefill attention, fused RMSNorm,
   rotary, SiLU-and-mul). Reads the step's metadata as int32 device tensors, made once per step by
   `prepare` (or given by a CUDA graph's static buffers), and never synchronizes.
+- `DeltaKernelOps`: ReferenceOps, except the gated DeltaNet layers' decode rows through
+  kernels/gated_delta.cu: a GPU model with DeltaNet layers whose attention the kernels cannot run
+  (Qwen3-Next's head_dim 256).
 
 The layers call `ops.<op>(...)` and never ask which backend they have.
 """
@@ -25,6 +28,7 @@ from llmserve.engine.config import ATTENTION_BACKENDS
 from llmserve.engine.model.attention_context import AttentionContext
 from llmserve.engine.model.decode_splits import DecodeSplits, padded_batch_size  # noqa: F401 (re-exported)
 from llmserve.engine.step.sampler import to_device
+from llmserve.kernels import gated_delta_reference as gdr
 from llmserve.kernels import moe_reference as moe_ref
 from llmserve.kernels import reference as ref
 
@@ -103,6 +107,17 @@ class LayerOps:
         """The routed experts' weighted sum per token (kernels/moe_reference.py); oss: gpt-oss's
         biases and clamped SwiGLU."""
         return moe_ref.moe_experts(x, weights, ids, w13, w2, first_expert, oss)
+
+    def gated_delta_decode(
+        self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor,
+        slot_ids: Tensor,
+    ) -> Tensor:  # fmt: skip
+        """One token of B decode rows of a gated DeltaNet layer (engine/model/families/
+        qwen3_next.py): q, k [B, H, dk] (l2-normalised here), v [B, H, dv], g (log decay) and
+        beta [B, H] float32; state: the layer's recurrent pool [slots, H, dk, dv] float32, each
+        row's slot (slot_ids) updated in place. Returns [B, H, dv]."""
+        out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
+        return gdr.gated_delta_step(q, k, v, g.float(), beta.float(), state, slot_ids, out)
 
     def gelu_tanh_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """kernels/reference.py's on every backend (no CUDA kernel of its own yet)."""
@@ -279,6 +294,31 @@ class CpuOps(ReferenceOps):
         return attn.view(rows, heads, dim)
 
 
+def _delta_kernel(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor, slot_ids: Tensor
+) -> Tensor:
+    """LayerOps.gated_delta_decode through kernels/gated_delta.cu (graph-safe, no sync)."""
+    import llmserve.kernels.cuda as kc
+
+    q, k, v = (x.contiguous() for x in (q, k, v))
+    g, beta = (x.float().contiguous() for x in (g, beta))
+    out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    return kc.gated_delta_step(q, k, v, g, beta, state, slot_ids, out)
+
+
+class DeltaKernelOps(ReferenceOps):
+    """ReferenceOps with the gated delta rule's decode step on kernels/gated_delta.cu
+    (select_ops's fallback for a GPU model with DeltaNet layers, see the module)."""
+
+    name = "torch+gated_delta.cu"
+
+    def gated_delta_decode(
+        self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor,
+        slot_ids: Tensor,
+    ) -> Tensor:  # fmt: skip
+        return _delta_kernel(q, k, v, g, beta, state, slot_ids)
+
+
 class KernelOps(LayerOps):
     """kernels/cuda.py. q and k are rotated in place (they are fresh views of the qkv product).
     With `splits` set (fix_decode_splits, by the engine), decode-only steps use its count."""
@@ -366,6 +406,12 @@ class KernelOps(LayerOps):
             trees=ctx.tree_masks,
         )[..., :rank]  # fmt: skip
 
+    def gated_delta_decode(
+        self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor,
+        slot_ids: Tensor,
+    ) -> Tensor:  # fmt: skip
+        return _delta_kernel(q, k, v, g, beta, state, slot_ids)
+
     def rotary(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -447,6 +493,17 @@ def kernel_limits(config: ModelConfig, dtype: torch.dtype, block_size: int) -> s
         return f"intermediate_size={config.intermediate_size}: silu_and_mul needs a multiple of 8"
     if config.moe is not None and config.moe.intermediate_size % 8:
         return f"moe_intermediate_size={config.moe.intermediate_size}: moe.cu needs a multiple of 8"
+    return delta_kernel_limits(config)
+
+
+def delta_kernel_limits(config: ModelConfig) -> str | None:
+    """Why kernels/gated_delta.cu cannot run this model's DeltaNet layers (None: it can, or
+    the model has none)."""
+    from llmserve.kernels.gated_delta import GDN_MAX_DK
+
+    delta = config.gated_delta_net
+    if delta is not None and delta.head_k_dim > GDN_MAX_DK:
+        return f"linear_key_head_dim={delta.head_k_dim}: gated_delta.cu needs <= {GDN_MAX_DK}"
     return None
 
 
@@ -459,12 +516,13 @@ def select_ops(
 ) -> tuple[LayerOps, str]:
     """(ops, why). backend: "torch" = ReferenceOps (CpuOps on a CPU); "cuda" = KernelOps or a
     ValueError saying why not; "auto" = KernelOps on a GPU whenever they can run and pass
-    `self_check`, else ReferenceOps (CpuOps on a CPU); why: the reason the kernels were not
-    used."""
+    `self_check`, else ReferenceOps (CpuOps on a CPU; DeltaKernelOps on a GPU for a model with
+    gated DeltaNet layers whose decode kernel passes its self-check); why: the reason the
+    kernels were not used."""
     if backend not in ATTENTION_BACKENDS:
         raise ValueError(f"attention backend {backend!r} must be one of {ATTENTION_BACKENDS}")
     if backend == "torch":
-        ops = CpuOps() if device.type == "cpu" else ReferenceOps()
+        ops: LayerOps = CpuOps() if device.type == "cpu" else ReferenceOps()
         return ops, "asked for (--attention-backend torch)"
     if device.type != "cuda":
         if backend == "cuda":
@@ -483,7 +541,30 @@ def select_ops(
             return ops, "CUDA kernels (kernels/cuda.py), self-check passed"
     if backend == "cuda":
         raise ValueError(f"--attention-backend cuda: {why_not}")
-    return ReferenceOps(), f"fell back to torch: {why_not}"
+    return _torch_ops(config, dtype, device, block_size, f"fell back to torch: {why_not}")
+
+
+def _torch_ops(
+    config: ModelConfig, dtype: torch.dtype, device: torch.device, block_size: int, why: str
+) -> tuple[LayerOps, str]:
+    """select_ops's GPU fallback: DeltaKernelOps for a model with gated DeltaNet layers whose
+    decode kernel runs here (fp16 / bf16, CuPy, dk <= 256) and passes `self_check`, else
+    ReferenceOps; why, extended with what the DeltaNet layers got."""
+    if config.gated_delta_net is None:
+        return ReferenceOps(), why
+    import llmserve.kernels.cuda as kc
+
+    why_not = delta_kernel_limits(config)
+    if dtype not in (torch.float16, torch.bfloat16):
+        why_not = f"dtype {str(dtype).removeprefix('torch.')}"
+    elif why_not is None and not kc.is_available():
+        why_not = "kernels.cuda.is_available() is False"
+    ops = DeltaKernelOps()
+    if why_not is None:
+        why_not = self_check(ops, config, dtype, device, block_size)
+    if why_not is not None:
+        return ReferenceOps(), f"{why}; the DeltaNet layers through torch too: {why_not}"
+    return ops, f"{why}; the DeltaNet layers' decode rows through kernels/gated_delta.cu"
 
 
 def self_check(
@@ -532,6 +613,8 @@ def _check_cases(
         oss = swiglu and moe_ref.ClampedSwiGLU(rand(2, 2 * width), rand(2, w.shape[0]), *swiglu)
         got, want = (o.moe_experts(x, *route, w13, w2, 1, oss or None) for o in (ops, ref_ops))
         yield "moe_experts", got, want
+    if config.gated_delta_net is not None:
+        yield from _delta_cases(ops, ref_ops, config, rand, gen, device)
     if config.mla is not None:
         yield from _latent_cases(ops, ref_ops, config, rand, device, block_size)
         return
@@ -553,6 +636,31 @@ def _check_cases(
         ctx = backend.prepare(ctx)
         outputs.append(backend.attention(q, k, v, k_cache, v_cache, ctx, dim**-0.5, sinks=sinks))
     yield "attention", outputs[0], outputs[1]
+
+
+def _delta_cases(
+    ops: LayerOps,
+    ref_ops: LayerOps,
+    config: ModelConfig,
+    rand: Callable[..., Tensor],
+    gen: torch.Generator,
+    device: torch.device,
+) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
+    """gated_delta_decode beside the reference at the model's DeltaNet widths: 3 rows in slots
+    2, 0, 3 of 4; the outputs and the updated pool."""
+    assert config.gated_delta_net is not None
+    d = config.gated_delta_net
+    heads, dk, dv = d.num_v_heads, d.head_k_dim, d.head_v_dim
+    q, k, v = rand(3, heads, dk), rand(3, heads, dk), rand(3, heads, dv)
+    g = -torch.rand(3, heads, generator=gen).to(device)
+    beta = torch.rand(3, heads, generator=gen).to(device)
+    pool = (torch.randn(4, heads, dk, dv, generator=gen) * 0.1).to(device)
+    slot_ids = torch.tensor([2, 0, 3], dtype=torch.int32, device=device)
+    states = [pool.clone(), pool.clone()]
+    got = ops.gated_delta_decode(q, k, v, g, beta, states[0], slot_ids)
+    want = ref_ops.gated_delta_decode(q, k, v, g, beta, states[1], slot_ids)
+    yield "gated_delta_decode", got, want
+    yield "gated_delta_decode (state)", states[0], states[1]
 
 
 def _latent_cases(

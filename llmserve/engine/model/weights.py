@@ -204,7 +204,12 @@ class GGUFWeights(LazyWeights, GGUFBlocks):
 
 
 def _load_gguf(path: Path, config: ModelConfig) -> LazyWeights:
-    return GGUFWeights(path, config)
+    weights = GGUFWeights(path, config)
+    if config.family == "qwen3_next":  # its converter split and rewrote tensors: undone there
+        from llmserve.engine.model.families.qwen3_next_gguf import qwen3_next_gguf_tensors
+
+        return LazyWeights(*qwen3_next_gguf_tensors(weights, weights.file, config))
+    return weights
 
 
 # ggml type ids of the GGUF blocks the CPU's int8 form holds exactly (engine.quant.grouped_int8)

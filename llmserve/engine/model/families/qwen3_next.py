@@ -91,13 +91,15 @@ class DepthwiseConv(nn.Module):
         return nn.functional.silu(out[0].t()), full[:, -state.shape[-1] :]
 
 
-class GatedDeltaNet(nn.Module):
+class GatedDeltaNet(OpsModule):
     """A gated DeltaNet layer (see the module); state layer `state_idx` of the state pool.
     Tensor-parallel, each rank holds whole key heads and their value heads (the projections'
-    per-key-head groups split by rows, out_proj by columns, summed in an all-reduce)."""
+    per-key-head groups split by rows, out_proj by columns, summed in an all-reduce). Decode
+    rows go through ops.gated_delta_decode (on a GPU, kernels/gated_delta.cu when select_ops
+    chose it), prefill chunks through linear_attention's torch forms."""
 
-    def __init__(self, config: ModelConfig, state_idx: int, tp: TPGroup):
-        super().__init__()
+    def __init__(self, config: ModelConfig, state_idx: int, ops: LayerOps, tp: TPGroup):
+        super().__init__(ops)
         whole = config.gated_delta_net
         assert whole is not None, "qwen3_next: config.json gave no linear_* fields"
         shape = whole.split(tp.size)
@@ -195,23 +197,25 @@ class GatedDeltaNet(nn.Module):
         beta: torch.Tensor,
     ) -> torch.Tensor:
         """B decode rows' tokens (qkv [B, C]) at once: the conv as a dot product over each
-        row's K - 1 previous inputs and this one, then linear_attention.decode_step; their
-        states gathered from and scattered back into their slots. Returns [B, Hv, dv]."""
+        row's K - 1 previous inputs and this one (torch), then ops.gated_delta_decode on their
+        slots of the layer's recurrent pool, in place; the conv states gathered from and
+        scattered back into their slots. Returns [B, Hv, dv] (float32)."""
         assert ctx.state is not None
         s, num = self.shape, len(rows)
-        conv_state, state = ctx.state.gather(self.state_idx, rows)  # [B, C, K - 1], [B, H, ..]
+        conv_state = ctx.state.gather_conv(self.state_idx, rows)  # [B, C, K - 1]
         full = torch.cat((conv_state, qkv[:, :, None].to(conv_state.dtype)), dim=-1)
         mixed = nn.functional.silu((full.to(qkv.dtype) * self.conv1d.weight[:, 0]).sum(-1))
         q, k, v = mixed.split([s.key_dim, s.key_dim, s.value_dim], dim=-1)
         group = s.num_v_heads // s.num_k_heads
         q, k = (
-            l2norm(x.reshape(num, s.num_k_heads, s.head_k_dim).float()).repeat_interleave(group, 1)
-            for x in (q, k)
+            x.reshape(num, s.num_k_heads, s.head_k_dim).repeat_interleave(group, 1) for x in (q, k)
         )
         v = v.reshape(num, s.num_v_heads, s.head_v_dim)
-        out, state = linear_attention.decode_step(q, k, v, decay, beta, state)
-        ctx.state.scatter(self.state_idx, rows, full[:, :, 1:], state)
-        return out
+        pool = ctx.state.recurrent(self.state_idx)
+        slot_ids = ctx.state.slot_ids(rows, pool.device)
+        out = self.ops.gated_delta_decode(q, k, v, decay, beta, pool, slot_ids)
+        ctx.state.scatter_conv(self.state_idx, rows, full[:, :, 1:])
+        return out.float()  # the kernel's is in the model's dtype
 
     def read_state(
         self, ctx: AttentionContext, row: int, fresh: bool, like: torch.Tensor
@@ -283,7 +287,7 @@ class Qwen3NextForCausalLM(SparseLayers):
         mixer: nn.Module
         if config.layer_types[layer] == "linear_attention":
             state_idx = config.state_layer_index(layer) - config.state_layer_index(start)
-            mixer = GatedDeltaNet(config, state_idx, tp)
+            mixer = GatedDeltaNet(config, state_idx, ops, tp)
         else:
             kv_idx = config.kv_layer_index(layer) - config.kv_layer_index(start)
             mixer = GatedAttention(config, kv_idx, rotary, ops, tp)

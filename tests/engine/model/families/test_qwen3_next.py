@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -256,3 +257,90 @@ def test_the_state_pool_comes_out_of_the_kv_budget(model: Loaded) -> None:
             engine._allocate_state_pool()
     finally:
         engine.config, engine.num_blocks = saved
+
+
+@torch.inference_mode()
+def test_decode_rows_through_the_delta_kernel_on_the_emulator(model: Loaded) -> None:
+    """The GPU path (DeltaKernelOps: kernels/gated_delta.cu for the DeltaNet layers' decode
+    rows, on the kernel emulator) beside the CPU's torch ops, both bf16: a prefill of two
+    requests (20 and 7 tokens, slots 3 and 1), then 3 decode steps of both. Hidden states and
+    the fp32 recurrent pool within 1% (relative L2; 0.0 measured on the emulator); one launch
+    per DeltaNet layer per decode step, none in the prefill (chunks stay on the torch chunked
+    form). And the ops pass select_ops's self-check at this model's widths."""
+    from llmserve.engine.kv.cache import allocate_kv_cache, layer_views
+    from llmserve.engine.kv.state import StatePool
+    from llmserve.engine.model.ops import DeltaKernelOps, ReferenceOps, self_check
+    from llmserve.engine.model.weights import build_model, load_weights
+    from tests.kernel_emu import emu
+
+    config = load_model_config(model.path)
+    cpu, bf16 = torch.device("cpu"), torch.bfloat16
+    net = build_model(config, load_weights(model.path, config), 256, bf16, cpu)
+    prompts, tables, slots = [prompt(20, seed=5), prompt(7, seed=6)], [[4, 1, 6], [2, 7, 0]], [3, 1]
+    results = {}
+    with emu.installed_or_skip() as emulator:
+        for ops in (ReferenceOps(), DeltaKernelOps()):
+            net.set_ops(ops)
+            kv = layer_views(allocate_kv_cache(config, 8, BLOCK_SIZE, bf16, cpu))
+            pool = StatePool(config, 4, bf16, cpu)
+            tokens = [list(p) for p in prompts]
+            hidden, launches = [], []
+            for step in range(4):
+                starts = [0, 0] if step == 0 else [len(t) - 1 for t in tokens]
+                ctx = _context(kv, pool, tokens, starts, tables, slots)
+                emulator.launches.clear()
+                ids = torch.tensor([x for t, s in zip(tokens, starts, strict=True) for x in t[s:]])
+                pos = torch.tensor(
+                    [p for t, s in zip(tokens, starts, strict=True) for p in range(s, len(t))]
+                )
+                hidden.append(net(ids, pos, ctx))
+                launches.append(len(emulator.launches))
+                for t in tokens:
+                    t.append((t[-1] * 7 + step) % config.vocab_size)
+            results[ops.name] = hidden, pool.recurrent.clone(), launches
+        assert self_check(DeltaKernelOps(), config, bf16, cpu, BLOCK_SIZE) is None
+    net.set_ops(ReferenceOps())
+    (want, want_pool, none), (got, got_pool, launched) = results.values()
+    assert none == [0, 0, 0, 0] and launched == [0, 3, 3, 3]  # 3 DeltaNet layers
+    for step, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert rel_err(g.float(), w.float()) < 1e-2, step
+    assert rel_err(got_pool, want_pool) < 1e-2
+
+
+def _context(
+    kv: list, pool: Any, tokens: list[list[int]], starts: list[int], tables: list[list[int]],
+    slots: list[int],
+) -> AttentionContext:  # fmt: skip
+    """A step of each request's tokens from starts[i] on, its KV at tables[i], its state in
+    slot slots[i]."""
+    kv_slots, cu, seq_lens = [], [0], []
+    for t, s, table in zip(tokens, starts, tables, strict=True):
+        kv_slots += [table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(s, len(t))]
+        cu.append(cu[-1] + len(t) - s)
+        seq_lens.append(len(t))
+    return AttentionContext(
+        slot_mapping=torch.tensor(kv_slots), block_tables=torch.tensor(tables),
+        seq_lens=seq_lens, cu_seqlens_q=cu, kv_caches=kv, state=StateBatch(pool, slots),
+    )  # fmt: skip
+
+
+def test_from_a_gguf_as_llama_cpps_converter_writes_it(model: Loaded, tmp_path: Path) -> None:
+    """The tiny model written as llama.cpp's converter writes `qwen3next` (tests/qwen3_next_gguf:
+    in_proj_qkvz split, A_log as -exp, norms as 1 + w, ...): the same shape read back, and
+    every position of a prompt, prefilled whole then one decode row from its slot, within 1e-4
+    of transformers' logits, its greedy token at each."""
+    from tests.qwen3_next_gguf import write_qwen3_next_gguf
+
+    path = write_qwen3_next_gguf(model.path, tmp_path / "qwen3_next.gguf")
+    hf_config, config = load_model_config(model.path), load_model_config(path)
+    for field in ("family", "layer_types", "gated_delta_net", "moe", "partial_rotary_factor"):
+        assert getattr(config, field) == getattr(hf_config, field), field
+    engine = Engine(EngineConfig(model=str(path), device="cpu", num_kv_blocks=96,
+                                 block_size=BLOCK_SIZE))  # fmt: skip
+    tokens, table = prompt(30, seed=7), shuffled_blocks(5)[:4]
+    want = model.hf_logits(tokens)
+    (head,) = forward_rows(engine, [(tokens, 0, 29, table)], [2])
+    (last,) = forward_rows(engine, [(tokens, 29, 30, table)], [2])
+    got = torch.cat((head, last))
+    assert rel_err(got, want) < TOLERANCE
+    assert got.argmax(-1).tolist() == want.argmax(-1).tolist()
