@@ -360,7 +360,15 @@ def vllm_bench_command(
     }
     pairs = [item for pair in flags.items() for item in pair]
     script = args.vllm_venv / "bin" / "vllm"
-    return [str(script), "bench", "serve", *pairs, "--ignore-eos", "--save-result"]
+    return [
+        str(script),
+        "bench",
+        "serve",
+        *pairs,
+        "--ignore-eos",
+        "--save-result",
+        "--save-detailed",
+    ]
 
 
 def run_server(
@@ -444,7 +452,12 @@ def summarize(metrics: dict[str, Any]) -> dict[str, Any]:
             "tpot_p50_ms": metrics["median_tpot_ms"],
             "num_completed": done,
             "num_failed": metrics.get("failed", 0),
-            "output_lens_min_max": [min(metrics["output_lens"]), max(metrics["output_lens"])],
+            # per-request lists are saved with --save-detailed only
+            "output_lens_min_max": (
+                [min(metrics["output_lens"]), max(metrics["output_lens"])]
+                if metrics.get("output_lens")
+                else None
+            ),
             "mean_prompt_tokens": metrics["total_input_tokens"] / done if done else None,
         }
     return {
@@ -488,8 +501,10 @@ def load_rows(servers: dict[str, Any]) -> list[dict[str, Any]]:
             row = by_load.setdefault(load["concurrency"], {"concurrency": load["concurrency"]})
             row[name] = {**load["summary"], "peak_rss_bytes": load["peak_rss_bytes"]}
     for row in by_load.values():
+        if "llmserve" not in row:  # the peers alone: nothing to compare with
+            continue
         ratios = {p: compare(row["llmserve"], row[p]) for p in PEERS if p in row}
-        if "llmserve" in row and ratios:
+        if ratios:
             row["ratios"] = ratios
     return [by_load[c] for c in sorted(by_load)]
 
