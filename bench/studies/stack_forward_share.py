@@ -1,0 +1,122 @@
+"""Issue 42: one stream at a time, where a token's time goes: the model's decode step timed
+in-process (`llmserve bench step`, batch 1) against the same engine's forward inside the serving
+stack, and the token interval a client sees.
+
+    python -m bench.studies.stack_forward_share [--rounds 3] [--requests 3] [--output-len 128]
+        [--out bench/results/stack_forward_share.json]
+
+Per round, in turn (so a machine whose load drifts slows both alike): (A) `llmserve bench step
+--arms mode:auto --batches 1` in a process of its own; (B) a fresh `llmserve serve --device cpu`
+(the built-in model, its defaults) serving --requests streaming completions one after another
+(a 128-token prompt, --output-len tokens, ignore_eos), with the engine's /metrics read before
+and after: its forward and step seconds per step, against the wall time per output token.
+The gap between (A) and (B)'s forward is what serving beside the scheduler and gateway does to
+the forward itself; the gap between (B)'s step and the token interval is the machinery's hop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from bench.studies.stack_token_cost import stream_one, warm_up
+from llmserve.bench.report import hardware, save
+from llmserve.serve_flags import serve_locally
+from llmserve.topology import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+PROMPT = "the quick brown fox jumps over the lazy dog " * 14  # ~128 tokens
+ENGINE_METRICS = ("forward", "step")
+
+
+def in_process_step(steps: int) -> dict[str, Any]:
+    """`llmserve bench step` at batch 1 in its own process: median ms per step."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "step.json"
+        command = [sys.executable, "-m", "llmserve.cli", "bench", "step", "--arms", "mode:auto"]
+        command += ["--batches", "1", "--steps", str(steps), "--out", str(out)]
+        subprocess.run(command, check=True, capture_output=True, cwd=ROOT)
+        row = json.loads(out.read_text())["results"][0]["rows"][0]
+    return {"step_ms": row["step_ms_median"], "loadavg_1m": os.getloadavg()[0]}
+
+
+def engine_seconds(metrics_url: str) -> dict[str, float]:
+    """The engine's llmserve_engine_{forward,step}_duration_seconds sums and counts."""
+    text = urllib.request.urlopen(metrics_url, timeout=30).read().decode()
+    found: dict[str, float] = {}
+    for line in text.splitlines():
+        for name in ENGINE_METRICS:
+            for part in ("sum", "count"):
+                if line.startswith(f"llmserve_engine_{name}_duration_seconds_{part}"):
+                    found[f"{name}_{part}"] = float(line.rsplit(" ", 1)[1])
+    return found
+
+
+def in_stack(requests: int, output_len: int) -> dict[str, Any]:
+    """A fresh stack, --requests streams one after another: wall ms per output token and the
+    engine's forward / step ms per step over them."""
+    metrics_port = free_port()
+    flags = ["--device", "cpu", "--http-port", str(free_port())]
+    with serve_locally([*flags, "--metrics-port", str(metrics_port)], 300) as stack:
+        url = stack.http_url
+        assert url is not None
+        warm_up(url, PROMPT)
+        engine_url = f"http://127.0.0.1:{metrics_port + 2}/metrics"  # the engine's: PORT+2
+        before = engine_seconds(engine_url)
+        t0 = time.perf_counter()
+        chunks = sum(stream_one(url, PROMPT, output_len) for _ in range(requests))
+        wall = time.perf_counter() - t0
+        after = engine_seconds(engine_url)
+    spent = {key: after[key] - before[key] for key in after}
+    row = {"token_ms": wall * 1e3 / (requests * output_len), "chunks_received": chunks}
+    for name in ENGINE_METRICS:
+        row[f"engine_{name}_ms"] = spent[f"{name}_sum"] * 1e3 / spent[f"{name}_count"]
+    row["engine_steps"] = spent["forward_count"]
+    return {**row, "loadavg_1m": os.getloadavg()[0]}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--requests", type=int, default=3)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--steps", type=int, default=40, help="in-process steps timed per round")
+    p.add_argument(
+        "--out", type=Path, default=ROOT / "bench" / "results" / "stack_forward_share.json"
+    )
+    args = p.parse_args()
+    rounds = []
+    for r in range(args.rounds):
+        step = in_process_step(args.steps)
+        stack = in_stack(args.requests, args.output_len)
+        rounds.append({"in_process": step, "in_stack": stack})
+        print(
+            f"round {r}: in-process step {step['step_ms']:.2f} ms; in the stack: forward "
+            f"{stack['engine_forward_ms']:.2f}, step {stack['engine_step_ms']:.2f}, token "
+            f"interval {stack['token_ms']:.2f} ms (load {stack['loadavg_1m']:.1f})",
+            flush=True,
+        )
+    median = {
+        "in_process_step_ms": statistics.median(r["in_process"]["step_ms"] for r in rounds),
+        **{
+            key: statistics.median(r["in_stack"][key] for r in rounds)
+            for key in ("engine_forward_ms", "engine_step_ms", "token_ms")
+        },
+    }
+    print(json.dumps(median))
+    settings = {**vars(args), "out": str(args.out)}
+    document = {"kind": "stack_forward_share", "hardware": hardware(), "settings": settings}
+    save({**document, "median": median, "rounds": rounds}, args.out)
+
+
+if __name__ == "__main__":
+    main()
