@@ -243,9 +243,21 @@ def _as_tuple(value: Any) -> tuple[int, ...]:
     return (int(value),)
 
 
+def _text_model_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """A multimodal checkpoint whose text model we serve (Qwen3.5's ForConditionalGeneration):
+    its `text_config`'s fields, the top level's architectures and tie_word_embeddings kept. A
+    config with its own hidden_size is returned as it is."""
+    text = cfg.get("text_config")
+    if not isinstance(text, dict) or "hidden_size" in cfg:
+        return cfg
+    kept = {k: cfg[k] for k in ("architectures", "tie_word_embeddings") if k in cfg}
+    return {**text, **kept}
+
+
 def _config_from_hf_dir(path: Path) -> ModelConfig:
     cfg = json.loads((path / "config.json").read_text())
     family = family_for_hf(cfg, str(path))
+    cfg = _text_model_config(cfg)
     # Every EOS id the model declares stops generation: config.json's and generation_config's
     # (Qwen's <|im_end|>, Gemma's <end_of_turn> are often only in the latter).
     eos = _as_tuple(cfg.get("eos_token_id"))
@@ -260,7 +272,8 @@ def _config_from_hf_dir(path: Path) -> ModelConfig:
         "name": path.name,
         "vocab_size": int(cfg["vocab_size"]),
         "hidden_size": hidden,
-        "intermediate_size": int(cfg["intermediate_size"]),
+        # Qwen3.5-MoE has none (a sparse block in every layer)
+        "intermediate_size": int(cfg.get("intermediate_size") or 0),
         "num_layers": int(
             # Nemotron-H in transformers 5 writes its blocks' list instead
             cfg.get("num_hidden_layers") or len(cfg.get("layers_block_type") or ())
