@@ -224,6 +224,11 @@ def check_parallel_sizes(config: ModelConfig, tp_size: int, pp_size: int) -> str
             f"{config.num_kv_heads} KV heads ({config.num_heads} query heads, MLP width "
             f"{config.intermediate_size}{experts}) evenly; use one of {sizes}"
         )
+    if config.mamba2 is not None:
+        try:
+            config.mamba2.split(tp_size)
+        except ValueError as e:
+            return f"{config.name}: {e}"
     if pp_size > config.num_layers:
         return (
             f"pipeline_parallel_size={pp_size} exceeds {config.name}'s {config.num_layers} layers"
