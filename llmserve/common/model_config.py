@@ -250,13 +250,15 @@ def _as_tuple(value: Any) -> tuple[int, ...]:
 
 def _text_model_config(cfg: dict[str, Any]) -> dict[str, Any]:
     """A multimodal checkpoint whose text model we serve (Qwen3.5's ForConditionalGeneration):
-    its `text_config`'s fields, the top level's architectures and tie_word_embeddings kept. A
-    config with its own hidden_size is returned as it is."""
+    its `text_config`'s fields, the top level's architectures and tie_word_embeddings kept (and
+    its token ids where the text config has none). A config with its own hidden_size is
+    returned as it is."""
     text = cfg.get("text_config")
     if not isinstance(text, dict) or "hidden_size" in cfg:
         return cfg
+    ids = {k: cfg[k] for k in ("bos_token_id", "eos_token_id") if cfg.get(k) is not None}
     kept = {k: cfg[k] for k in ("architectures", "tie_word_embeddings") if k in cfg}
-    return {**text, **kept}
+    return {**ids, **{k: v for k, v in text.items() if v is not None}, **kept}
 
 
 def _config_from_hf_dir(path: Path) -> ModelConfig:
