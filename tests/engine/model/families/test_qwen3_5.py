@@ -78,7 +78,8 @@ def make_qwen3_5(directory: Path, moe: bool, seed: int) -> Any:
 
 def make_multimodal(directory: Path, text_model: Any) -> None:
     """A Qwen3_5ForConditionalGeneration holding text_model's weights under
-    `model.language_model.` and a one-block vision tower."""
+    `model.language_model.`, a one-block vision tower and an `mtp.` tensor (the released
+    checkpoints carry a multi-token prediction head)."""
     import transformers
 
     vision = {"depth": 1, "hidden_size": 32, "intermediate_size": 32, "num_heads": 2}
@@ -91,6 +92,10 @@ def make_multimodal(directory: Path, text_model: Any) -> None:
     model.lm_head.load_state_dict(text_model.lm_head.state_dict())
     model.save_pretrained(directory)
     write_byte_tokenizer(directory)
+    from safetensors.torch import load_file, save_file
+
+    file = str(directory / "model.safetensors")  # and a multi-token prediction head's tensor
+    save_file({**load_file(file), "mtp.fc.weight": torch.ones(4, 4)}, file, {"format": "pt"})
 
 
 @pytest.fixture(scope="module", params=["dense", "moe"])
@@ -157,12 +162,14 @@ def test_served_from_the_multimodal_checkpoint(
     model: Loaded, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     """A Qwen3_5ForConditionalGeneration directory: config.json's text_config read, the weights
-    under `model.language_model.` loaded (the vision tower's not), transformers' text logits."""
+    under `model.language_model.` loaded (the vision tower's and mtp.'s left unread, on
+    purpose: the after-load check does not refuse them), transformers' text logits."""
     if model.engine.model_config.moe is not None:
         pytest.skip("the dense model runs it (the prefix and config handling are the same)")
     directory = tmp_path_factory.mktemp("qwen3_5_multimodal")
     make_multimodal(directory, model.hf)
-    assert any(k.startswith("model.visual.") for k in _tensor_names(directory))
+    names = _tensor_names(directory)
+    assert any(k.startswith("model.visual.") for k in names) and "mtp.fc.weight" in names
     loaded = Loaded.__new__(Loaded)
     loaded.path, loaded.hf = directory, model.hf
     from llmserve.engine.step.engine import Engine
