@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from llmserve.common.state_layout import StateLayout
@@ -60,6 +60,25 @@ class Mamba2Config:
     @property
     def ssm_shape(self) -> tuple[int, int, int]:
         return (self.num_heads, self.head_dim, self.state_size)
+
+    def split(self, size: int) -> Mamba2Config:
+        """One of `size` tensor-parallel ranks' share: H / T heads, and G / T groups of B and C
+        (each rank's heads read only its groups); with one group every rank keeps it whole (and
+        the gated norm, over all heads then, sums its squares across the ranks). Other group
+        counts that do not divide by T are refused, naming them."""
+        if size == 1:
+            return self
+        if self.num_heads % size:
+            raise ValueError(
+                f"mamba_n_heads={self.num_heads} does not split over tensor_parallel_size={size}"
+            )
+        if self.num_groups % size and self.num_groups != 1:
+            raise ValueError(
+                f"mamba_n_groups={self.num_groups} does not split over tensor_parallel_size="
+                f"{size} (a rank's heads would read groups it does not hold)"
+            )
+        groups = 1 if self.num_groups == 1 else self.num_groups // size
+        return replace(self, num_heads=self.num_heads // size, num_groups=groups)
 
     def layout(self) -> StateLayout:
         """What the state pool keeps per slot and Mamba layer (common/state_layout.py)."""

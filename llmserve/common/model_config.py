@@ -224,6 +224,11 @@ def check_parallel_sizes(config: ModelConfig, tp_size: int, pp_size: int) -> str
             f"{config.num_kv_heads} KV heads ({config.num_heads} query heads, MLP width "
             f"{config.intermediate_size}{experts}) evenly; use one of {sizes}"
         )
+    if config.mamba2 is not None:
+        try:
+            config.mamba2.split(tp_size)
+        except ValueError as e:
+            return f"{config.name}: {e}"
     if pp_size > config.num_layers:
         return (
             f"pipeline_parallel_size={pp_size} exceeds {config.name}'s {config.num_layers} layers"
@@ -243,9 +248,23 @@ def _as_tuple(value: Any) -> tuple[int, ...]:
     return (int(value),)
 
 
+def _text_model_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """A multimodal checkpoint whose text model we serve (Qwen3.5's ForConditionalGeneration):
+    its `text_config`'s fields, the top level's architectures and tie_word_embeddings kept (and
+    its token ids where the text config has none). A config with its own hidden_size is
+    returned as it is."""
+    text = cfg.get("text_config")
+    if not isinstance(text, dict) or "hidden_size" in cfg:
+        return cfg
+    ids = {k: cfg[k] for k in ("bos_token_id", "eos_token_id") if cfg.get(k) is not None}
+    kept = {k: cfg[k] for k in ("architectures", "tie_word_embeddings") if k in cfg}
+    return {**ids, **{k: v for k, v in text.items() if v is not None}, **kept}
+
+
 def _config_from_hf_dir(path: Path) -> ModelConfig:
     cfg = json.loads((path / "config.json").read_text())
     family = family_for_hf(cfg, str(path))
+    cfg = _text_model_config(cfg)
     # Every EOS id the model declares stops generation: config.json's and generation_config's
     # (Qwen's <|im_end|>, Gemma's <end_of_turn> are often only in the latter).
     eos = _as_tuple(cfg.get("eos_token_id"))
@@ -260,7 +279,8 @@ def _config_from_hf_dir(path: Path) -> ModelConfig:
         "name": path.name,
         "vocab_size": int(cfg["vocab_size"]),
         "hidden_size": hidden,
-        "intermediate_size": int(cfg["intermediate_size"]),
+        # Qwen3.5-MoE has none (a sparse block in every layer)
+        "intermediate_size": int(cfg.get("intermediate_size") or 0),
         "num_layers": int(
             # Nemotron-H in transformers 5 writes its blocks' list instead
             cfg.get("num_hidden_layers") or len(cfg.get("layers_block_type") or ())

@@ -1139,3 +1139,18 @@ def test_earlier_calls_with_object_or_text_arguments_are_served(stack: Stack) ->
                                                 "content": "2"}]  # fmt: skip
         reply = post_json(stack, "/chat/completions", {"messages": messages, "max_tokens": 2})
         assert reply.status_code == 200, reply.text
+
+
+def test_an_image_content_part_is_a_bad_request(stack: Stack) -> None:
+    """Image input (a vision-language checkpoint served as its text model, Qwen3.5's): a 400
+    naming the part, not silently dropped."""
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    content = [{"type": "text", "text": "what is this?"}, image]
+    reply = post_json(
+        stack,
+        "/chat/completions",
+        {"max_tokens": 2, "messages": [{"role": "user", "content": content}]},
+    )
+    assert reply.status_code == 400, reply.text
+    message = reply.json()["error"]["message"]
+    assert message.startswith("messages[0].content[1].type='image_url' is not supported"), message

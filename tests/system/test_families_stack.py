@@ -60,6 +60,18 @@ OPT_IN += [("qwen3_next", "hf")]  # served with its state slots, the prefix cach
 OPT_IN += [("qwen3_next", "gguf")]  # tests/qwen3_next_gguf writes it
 
 
+def make_qwen3_5_moe(directory: Path, family: str, **_: Any) -> Path:
+    """Qwen3.5-MoE's tiny model (tests/engine/model/families/test_qwen3_5.py)."""
+    from tests.engine.model.families.test_qwen3_5 import make_qwen3_5
+
+    make_qwen3_5(directory, moe=True, seed=7)
+    return directory
+
+
+MAKERS["qwen3_5"] = make_qwen3_5_moe
+OPT_IN += [("qwen3_5", "hf")]
+
+
 @torch.no_grad()
 def hf_greedy(model_dir: Path, token_ids: list[int]) -> list[int]:
     hf = load_hf(model_dir)

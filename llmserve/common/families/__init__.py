@@ -11,6 +11,7 @@ from llmserve.common.families import (
     nemotron_h,
     phi3,
     qwen,
+    qwen3_5,
     qwen3_next,
     smollm3,
 )
@@ -48,6 +49,7 @@ __all__ = [
     "nemotron_h",
     "phi3",
     "qwen",
+    "qwen3_5",
     "qwen3_next",
     "register",
     "rope_from_hf",

@@ -66,7 +66,6 @@ def read_granite_hybrid(cfg: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
-_WHOLE = "Mamba-2 layers are computed whole on one rank (no split of heads or layers yet)"
 GRANITE_HYBRID = register(
     Family(
         name="granite_hybrid",
@@ -75,8 +74,6 @@ GRANITE_HYBRID = register(
         model="llmserve.engine.model.families.granite_hybrid:GraniteMoeHybridForCausalLM",
         read_hf=read_granite_hybrid,
         refuses={
-            "tensor_parallel": _WHOLE,
-            "pipeline_parallel": _WHOLE,
             "speculative_decoding": "a rejected draft token would need the recurrent state "
             "rolled back",
             "quantization": "the Mamba-2 projections are not wired to the quantized linears",

@@ -34,7 +34,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmserve.common.mamba2_config import Mamba2Config
-from llmserve.engine.model.layers import Linear
+from llmserve.engine.model.layers import Linear, default_weight_loader
+from llmserve.engine.parallel.groups import TPGroup
 from llmserve.kernels.ssd_step_reference import ssd_update
 
 
@@ -141,49 +142,108 @@ def chunked(
 
 
 def gated_rms_norm(
-    y: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, groups: int, eps: float
+    y: torch.Tensor,
+    gate: torch.Tensor,
+    weight: torch.Tensor,
+    groups: int,
+    eps: float,
+    tp: TPGroup | None = None,
 ) -> torch.Tensor:
     """w * rmsnorm(y * silu(gate)) with the norm over each of `groups` equal slices of the
     last dimension (the gate before the norm: mamba_ssm's norm_before_gate=False); float32
-    inside, y's dtype out, then times w."""
+    inside, y's dtype out, then times w. tp: the one group spans the ranks' heads (a
+    tensor-parallel split of a one-group layer): its squares are summed across them."""
     dtype = y.dtype
     h = y.float() * F.silu(gate.float())
     h = h.view(*h.shape[:-1], groups, -1)
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    if tp is not None and tp.size > 1:
+        square_sum = tp.all_reduce(h.pow(2).sum(-1, keepdim=True))
+        h = h * torch.rsqrt(square_sum / (h.shape[-1] * tp.size) + eps)
+    else:
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return weight * h.view(*y.shape).to(dtype)
 
 
 class GatedRMSNorm(nn.Module):
-    """`gated_rms_norm` with its weight [I] (HF's `norm.weight`) over `groups` groups."""
+    """`gated_rms_norm` with its weight [I] (HF's `norm.weight`) over `groups` groups;
+    tensor-parallel, this rank's heads' channels of it (`across`: the one group spans the
+    ranks)."""
 
-    def __init__(self, size: int, groups: int, eps: float):
+    def __init__(self, size: int, groups: int, eps: float, tp: TPGroup, across: bool = False):
         super().__init__()
-        self.groups, self.eps = groups, eps
+        self.groups, self.eps, self.tp, self.across = groups, eps, tp, across
         self.weight = nn.Parameter(torch.empty(size))
 
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: int = 0) -> None:
+        n = param.shape[0]
+        default_weight_loader(param, loaded.narrow(0, self.tp.rank * n, n), shard)
+
     def forward(self, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        return gated_rms_norm(y, gate, self.weight, self.groups, self.eps)
+        tp = self.tp if self.across else None
+        return gated_rms_norm(y, gate, self.weight, self.groups, self.eps, tp)
+
+
+class RowParts(nn.Module):
+    """A weight [rows, *tail] (and bias [rows]) stored as one HF tensor of parts side by side
+    (in_proj: gate, x, B, C, dt; the conv: x, B, C): tensor-parallel, each part's rows split
+    over the ranks (its 1/T: rank r's heads or groups) or, `split` False, kept whole (B and C
+    of a one-group layer). forward: the linear map (in_proj)."""
+
+    def __init__(
+        self, parts: list[tuple[int, bool]], tail: tuple[int, ...], bias: bool, tp: TPGroup
+    ):
+        super().__init__()
+        self.parts, self.tp = parts, tp
+        rows = sum(n // tp.size if split else n for n, split in parts)
+        self.weight = nn.Parameter(torch.empty(rows, *tail))
+        self.bias = nn.Parameter(torch.empty(rows)) if bias else None
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: int = 0) -> None:
+        rank, size = self.tp.rank, self.tp.size
+        pieces, start = [], 0
+        for rows, split in self.parts:
+            part = loaded[start : start + rows]
+            pieces.append(part[rank * rows // size : (rank + 1) * rows // size] if split else part)
+            start += rows
+        default_weight_loader(param, torch.cat(pieces), shard)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
 
 
 class Mamba2Mixer(nn.Module):
     """One Mamba-2 layer (the module docstring); state layer `state_idx` of the state pool.
     Parameters carry HF's names (in_proj, conv1d, dt_bias, A_log, D, norm, out_proj)."""
 
-    def __init__(self, hidden_size: int, shape: Mamba2Config, eps: float, state_idx: int):
+    def __init__(
+        self,
+        hidden_size: int,
+        shape: Mamba2Config,
+        eps: float,
+        state_idx: int,
+        tp: TPGroup | None = None,
+    ):
         super().__init__()
-        self.shape, self.eps, self.state_idx = shape, eps, state_idx
-        s = shape
-        self.in_proj = Linear(
-            hidden_size, [s.intermediate_size + s.conv_dim + s.num_heads], s.proj_bias
-        )
-        self.conv1d = nn.Conv1d(
-            s.conv_dim, s.conv_dim, s.conv_kernel, groups=s.conv_dim, bias=s.conv_bias
-        )
+        self.tp = tp = tp or TPGroup()
+        self.shape = s = shape.split(tp.size)  # this rank's heads (and groups)
+        self.eps, self.state_idx = eps, state_idx
+        whole_groups = shape.num_groups == s.num_groups  # one group, kept whole on every rank
+        groups = (shape.group_size, not whole_groups or tp.size == 1)
+        inner = (shape.intermediate_size, True)
+        parts = [inner, inner, groups, groups, (shape.num_heads, True)]
+        self.in_proj = RowParts(parts, (hidden_size,), s.proj_bias, tp)
+        self.conv1d = RowParts(parts[1:4], (1, s.conv_kernel), s.conv_bias, tp)
         self.dt_bias = nn.Parameter(torch.empty(s.num_heads))
         self.A_log = nn.Parameter(torch.empty(s.num_heads))
         self.D = nn.Parameter(torch.empty(s.num_heads))
-        self.norm = GatedRMSNorm(s.intermediate_size, s.num_groups, eps)
-        self.out_proj = Linear(s.intermediate_size, [hidden_size], s.proj_bias)
+        across = tp.size > 1 and whole_groups
+        self.norm = GatedRMSNorm(s.intermediate_size, s.num_groups, eps, tp, across)
+        self.out_proj = Linear(s.intermediate_size, [hidden_size], s.proj_bias, tp, "input")
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: int = 0) -> None:
+        """dt_bias, A_log and D (its own parameters): this rank's heads'."""
+        n = self.shape.num_heads
+        default_weight_loader(param, loaded.narrow(0, self.tp.rank * n, n), shard)
 
     def new_state(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """A fresh request's (conv [conv_dim, K - 1], ssm [H, P, N]) state: zeros."""
@@ -232,4 +292,4 @@ class Mamba2Mixer(nn.Module):
             if states is not None:
                 states.write(self.state_idx, row, conv, ssm)
         out = self.norm(y, gate)
-        return self.out_proj(out.to(hidden.dtype))
+        return self.tp.all_reduce(self.out_proj(out.to(hidden.dtype)))

@@ -396,11 +396,16 @@ def load_model(
     return model, ops_reason
 
 
+# Stored parts not served, on purpose: Qwen3-Next's and Qwen3.5's multi-token prediction head
+# (`mtp.`), the vision tower of a multimodal checkpoint whose text model is served (Qwen3.5).
+UNSERVED_STEMS = ("mtp.", "model.visual.")
+
+
 def skip_mtp_layers(weights: CheckpointView, config: ModelConfig) -> None:
     """Count the multi-token prediction layers' tensors (`model.layers.{L}.` .. after the
-    model's L layers: DeepSeek-V3's and GLM-4.5's releases store one) as read: not served, on
-    purpose, so the after-load check does not refuse the checkpoint for them."""
+    model's L layers: DeepSeek-V3's and GLM-4.5's releases store one; UNSERVED_STEMS) as read:
+    not served, on purpose, so the after-load check does not refuse the checkpoint for them."""
     first = config.num_layers
     stems = tuple(f"model.layers.{i}." for i in range(first, first + config.num_mtp_layers))
-    if stems:
-        weights.read_names.update(n for n in weights if n.startswith(stems))
+    stems += UNSERVED_STEMS
+    weights.read_names.update(n for n in weights if n.startswith(stems))

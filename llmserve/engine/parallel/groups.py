@@ -129,6 +129,10 @@ def shard_config(config: ModelConfig, shard: ModelShard) -> ModelConfig:
     t = shard.tp.size
     layers = shard.layers
     delta_net = config.gated_delta_net.split(t) if config.gated_delta_net is not None else None
+    mamba2 = config.mamba2.split(t) if config.mamba2 is not None else None
+    layout = config.state_layout
+    if delta_net is not None or mamba2 is not None:  # a hybrid's state: this rank's heads
+        layout = (delta_net or mamba2).layout()  # type: ignore[union-attr]
     return replace(
         config,
         num_heads=config.num_heads // t,
@@ -136,8 +140,9 @@ def shard_config(config: ModelConfig, shard: ModelShard) -> ModelConfig:
         intermediate_size=config.intermediate_size // t,
         num_layers=len(layers),
         layer_types=config.layer_types[layers.start : layers.stop],
-        gated_delta_net=delta_net,  # a hybrid's state: this rank's heads
-        state_layout=delta_net.layout() if delta_net is not None else config.state_layout,
+        gated_delta_net=delta_net,
+        mamba2=mamba2,
+        state_layout=layout,
     )
 
 

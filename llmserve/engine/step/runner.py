@@ -398,7 +398,7 @@ class ModelRunner:
             carried = self.parallel.receive_activations(
                 len(input_ids),
                 self.model.config.hidden_size,
-                first_layer.input_layernorm.weight.dtype,
+                next(first_layer.parameters()).dtype,  # any layer's (Nemotron-H's: `norm`)
             )
         hidden = self.model(input_ids, positions, ctx, carried)
         if not shard.last:

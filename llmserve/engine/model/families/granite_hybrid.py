@@ -23,8 +23,14 @@ from torch import nn
 from llmserve.common.model_config import ModelConfig
 from llmserve.common.moe_config import MoEConfig
 from llmserve.engine.model.families.smollm3 import NoRotary
-from llmserve.engine.model.layers import Attention, Linear, OpsModule, RMSNorm
-from llmserve.engine.model.mamba2 import Mamba2Mixer
+from llmserve.engine.model.layers import (
+    Attention,
+    Linear,
+    OpsModule,
+    RMSNorm,
+    default_weight_loader,
+)
+from llmserve.engine.model.mamba2 import Mamba2Mixer, RowParts
 from llmserve.engine.model.model import LlamaForCausalLM
 from llmserve.engine.model.moe import Router
 from llmserve.engine.model.ops import AttentionContext, LayerOps
@@ -34,20 +40,25 @@ from llmserve.kernels.moe_reference import route
 STATE_LAYER = "mamba"
 
 
-def layer_index(config: ModelConfig, layer: int) -> int:
-    """Layer `layer`'s index among the layers of its kind: the state pool's for a Mamba layer,
-    the KV pool's for an attention layer."""
+def layer_index(config: ModelConfig, layer: int, start: int = 0) -> int:
+    """Layer `layer`'s index among the layers of its kind from layer `start` on (a pipeline
+    stage's first: its pools hold its own layers): the state pool's for a Mamba layer, the KV
+    pool's for any other."""
     kind = config.layer_types[layer] == STATE_LAYER
-    return sum((t == STATE_LAYER) == kind for t in config.layer_types[:layer])
+    return sum((t == STATE_LAYER) == kind for t in config.layer_types[start:layer])
 
 
 class Stacked(nn.Module):
     """One stacked expert tensor (HF's `input_linear.weight` [E, 2 I, H] or `output_linear.weight`
-    [E, H, I])."""
+    [E, H, I]); tensor-parallel, the experts `local` (expert parallelism)."""
 
-    def __init__(self, *shape: int):
+    def __init__(self, local: range, *shape: int):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(*shape))
+        self.local = local
+        self.weight = nn.Parameter(torch.empty(len(local), *shape))
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: int = 0) -> None:
+        default_weight_loader(param, loaded[self.local.start : self.local.stop], shard)
 
 
 class GraniteRouter(nn.Module):
@@ -59,29 +70,34 @@ class GraniteRouter(nn.Module):
 
 
 class GraniteMoE(OpsModule):
-    """The routed experts (gate rows first in each expert's input_linear, as our w13)."""
+    """The routed experts (gate rows first in each expert's input_linear, as our w13);
+    tensor-parallel, this rank's experts (its part of the sum, all-reduced by the layer)."""
 
-    def __init__(self, hidden_size: int, moe: MoEConfig, ops: LayerOps):
+    def __init__(self, hidden_size: int, moe: MoEConfig, ops: LayerOps, tp: TPGroup):
         super().__init__(ops)
         self.moe = moe
         self.router = GraniteRouter(hidden_size, moe.num_experts)
-        e, i = moe.num_experts, moe.intermediate_size
-        self.input_linear = Stacked(e, 2 * i, hidden_size)
-        self.output_linear = Stacked(e, hidden_size, i)
+        local, i = moe.expert_range(tp.rank, tp.size), moe.intermediate_size
+        self.input_linear = Stacked(local, 2 * i, hidden_size)
+        self.output_linear = Stacked(local, hidden_size, i)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(self.router.layer(x), self.moe.top_k, self.moe.renormalize)
         w13, w2 = self.input_linear.weight, self.output_linear.weight
-        return self.ops.moe_experts(x, weights, ids, w13, w2, 0)
+        first = self.input_linear.local.start
+        return self.ops.moe_experts(x, weights, ids, w13, w2, first)
 
 
 class SharedMLP(OpsModule):
-    """output_linear(silu(gate) * up) with [gate | up] = input_linear(x)."""
+    """output_linear(silu(gate) * up) with [gate | up] = input_linear(x); tensor-parallel, this
+    rank's columns of each (its part of the sum, all-reduced by the layer)."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, ops: LayerOps):
+    def __init__(self, hidden_size: int, intermediate_size: int, ops: LayerOps, tp: TPGroup):
         super().__init__(ops)
-        self.input_linear = Linear(hidden_size, [2 * intermediate_size], False)
-        self.output_linear = Linear(intermediate_size, [hidden_size], False)
+        half = (intermediate_size, True)
+        self.input_linear = RowParts([half, half], (hidden_size,), False, tp)
+        width = intermediate_size // tp.size
+        self.output_linear = Linear(width, [hidden_size], False, tp, "input")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.output_linear(self.ops.silu_and_mul(self.input_linear(x)))
@@ -92,8 +108,11 @@ class GraniteDecoderLayer(nn.Module):
     each output times residual_multiplier; the residual adds fused into the norms as in
     DecoderLayer."""
 
-    def __init__(self, config: ModelConfig, mixer: nn.Module, is_mamba: bool, ops: LayerOps):
+    def __init__(
+        self, config: ModelConfig, mixer: nn.Module, is_mamba: bool, ops: LayerOps, tp: TPGroup
+    ):
         super().__init__()
+        self.tp = tp
         eps, hidden = config.rms_norm_eps, config.hidden_size
         self.scale = config.residual_multiplier
         self.input_layernorm = RMSNorm(hidden, eps, ops)
@@ -101,8 +120,8 @@ class GraniteDecoderLayer(nn.Module):
         self.self_attn: nn.Module | None = None if is_mamba else mixer
         self.post_attention_layernorm = RMSNorm(hidden, eps, ops)
         moe = config.moe
-        self.block_sparse_moe = None if moe is None else GraniteMoE(hidden, moe, ops)
-        self.shared_mlp = SharedMLP(hidden, config.intermediate_size, ops)
+        self.block_sparse_moe = None if moe is None else GraniteMoE(hidden, moe, ops, tp)
+        self.shared_mlp = SharedMLP(hidden, config.intermediate_size, ops, tp)
 
     def forward(
         self,
@@ -120,25 +139,28 @@ class GraniteDecoderLayer(nn.Module):
         out = self.shared_mlp(hidden)
         if self.block_sparse_moe is not None:
             out = out + self.block_sparse_moe(hidden)
-        return out * self.scale, residual
+        return self.tp.all_reduce(out) * self.scale, residual
 
 
 class GraniteMoeHybridForCausalLM(LlamaForCausalLM):
-    """Whole on one rank (the family refuses tensor and pipeline parallelism)."""
+    """Tensor-parallel over the Mamba heads (engine/model/mamba2.py), the attention heads, the
+    shared MLP's columns and the experts; pipeline-parallel by layers (each stage's pools hold
+    its own)."""
 
     def make_layer(
         self, config: ModelConfig, layer: int, local: int, ops: LayerOps, tp: TPGroup
     ) -> nn.Module:
-        assert tp.size == 1, "granite_hybrid: tensor parallelism is refused at start"
-        index = layer_index(config, layer)
+        index = layer_index(config, layer, self.shard.layers.start)
         mixer: nn.Module
         if config.layer_types[layer] == STATE_LAYER:
             assert config.mamba2 is not None, "granite_hybrid: config.json gave no mamba_* fields"
-            mixer = Mamba2Mixer(config.hidden_size, config.mamba2, config.rms_norm_eps, index)
+            eps = config.rms_norm_eps
+            mixer = Mamba2Mixer(config.hidden_size, config.mamba2, eps, index, tp)
         else:
             rotary = NoRotary(config, ops) if layer in config.nope_layers else self.rotary_emb
             mixer = Attention(config, index, rotary, ops, tp)
-        return GraniteDecoderLayer(config, mixer, config.layer_types[layer] == STATE_LAYER, ops)
+        is_mamba = config.layer_types[layer] == STATE_LAYER
+        return GraniteDecoderLayer(config, mixer, is_mamba, ops, tp)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return super().compute_logits(hidden) / self.config.logits_scaling

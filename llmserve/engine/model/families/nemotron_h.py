@@ -26,14 +26,15 @@ from llmserve.engine.parallel.groups import TPGroup
 class Relu2MLP(nn.Module):
     """down_proj(relu(up_proj(x)) ** 2), ungated."""
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, tp: TPGroup):
         super().__init__()
-        bias = config.mlp_bias
-        self.up_proj = Linear(config.hidden_size, [config.intermediate_size], bias)
-        self.down_proj = Linear(config.intermediate_size, [config.hidden_size], bias)
+        bias, width = config.mlp_bias, config.intermediate_size // tp.size
+        self.tp = tp
+        self.up_proj = Linear(config.hidden_size, [width], bias, tp, "output")
+        self.down_proj = Linear(width, [config.hidden_size], bias, tp, "input")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(torch.relu(self.up_proj(x)).square())
+        return self.tp.all_reduce(self.down_proj(torch.relu(self.up_proj(x)).square()))
 
 
 class NemotronBlock(nn.Module):
@@ -58,19 +59,21 @@ class NemotronBlock(nn.Module):
 
 
 class NemotronHForCausalLM(LlamaForCausalLM):
-    """Whole on one rank (the family refuses tensor and pipeline parallelism)."""
+    """Tensor-parallel over the Mamba heads, the attention heads and the MLP's columns;
+    pipeline-parallel by layers (each stage's pools hold its own)."""
 
     def make_layer(
         self, config: ModelConfig, layer: int, local: int, ops: LayerOps, tp: TPGroup
     ) -> nn.Module:
-        assert tp.size == 1, "nemotron_h: tensor parallelism is refused at start"
-        kind, index = config.layer_types[layer], layer_index(config, layer)
+        kind = config.layer_types[layer]
+        index = layer_index(config, layer, self.shard.layers.start)
         mixer: nn.Module
         if kind == STATE_LAYER:
             assert config.mamba2 is not None, "nemotron_h: config.json gave no mamba fields"
-            mixer = Mamba2Mixer(config.hidden_size, config.mamba2, config.rms_norm_eps, index)
+            eps = config.rms_norm_eps
+            mixer = Mamba2Mixer(config.hidden_size, config.mamba2, eps, index, tp)
         elif kind == "mlp":
-            mixer = Relu2MLP(config)
+            mixer = Relu2MLP(config, tp)
         else:
             mixer = Attention(config, index, NoRotary(config, ops), ops, tp)
         return NemotronBlock(config, mixer, ops)

@@ -16,12 +16,17 @@ Each request's conv state and S live in its state slot (engine/kv/state.py): rea
 of the chunk (zeros for a request's first chunk), written back at its end, so a chunked prefill
 continues where the last chunk stopped. The full-attention layers keep KV in the paged pool as
 every family's do (only they have a slice of it: ModelConfig.kv_layer_index).
+
+Qwen3.5 (`Qwen3_5ForCausalLM`, common/families/qwen3_5.py) is this model with the DeltaNet's
+projections stored flat (`FlatGatedDeltaNet`) and its checkpoint possibly under
+`model.language_model.` (the multimodal class's).
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -30,6 +35,7 @@ from llmserve.common.model_config import ModelConfig
 from llmserve.common.state_layout import GatedDeltaNetConfig
 from llmserve.engine.model import linear_attention
 from llmserve.engine.model.families.moe import SparseLayers
+from llmserve.engine.model.families.phi3 import SplitFused
 from llmserve.engine.model.layers import (
     MLP,
     DecoderLayer,
@@ -229,6 +235,27 @@ class GatedDeltaNet(OpsModule):
         return conv, like.new_zeros(s.num_v_heads, s.head_k_dim, s.head_v_dim)
 
 
+class FlatGatedDeltaNet(GatedDeltaNet):
+    """Qwen3.5's DeltaNet: the projections stored flat, in_proj_qkvz filled from HF's
+    `in_proj_qkv` (its q, k, v parts) and `in_proj_z`, in_proj_ba from `in_proj_b` and
+    `in_proj_a`. Tensor-parallel, each part splits by rows: a rank's key heads' q and k, its
+    value heads' v, z, b and a (value head j serves key head j // (Hv / Hk), so they stay
+    together)."""
+
+    def __init__(self, config: ModelConfig, state_idx: int, ops: LayerOps, tp: TPGroup):
+        super().__init__(config, state_idx, ops, tp)
+        s, hidden = self.shape, config.hidden_size
+        sizes = [s.key_dim, s.key_dim, s.value_dim, s.value_dim]
+        self.in_proj_qkvz = Linear(hidden, sizes, False, tp, "output")
+        self.in_proj_ba = Linear(hidden, [s.num_v_heads] * 2, False, tp, "output")
+
+    def split(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        s, t = self.shape, x.shape[0]
+        qkv, z = self.in_proj_qkvz(x).split([s.conv_dim, s.value_dim], dim=-1)
+        b, a = self.in_proj_ba(x).chunk(2, dim=-1)
+        return qkv, z.reshape(t, s.num_v_heads, s.head_v_dim), b, a
+
+
 class GatedAttention(OpsModule):
     """Full attention with an output gate: q_proj gives each head [q (d), gate (d)]; q and k
     RMSNorm'd per head (1 + w), partial rotary; the output times sigmoid(gate), then o_proj.
@@ -278,6 +305,7 @@ class Qwen3NextForCausalLM(SparseLayers):
     pipeline-parallel by layers (each stage's KV and state pools hold its own)."""
 
     norm_class: NormClass = UnitOffsetRMSNorm
+    delta_net: type[GatedDeltaNet] = GatedDeltaNet
 
     def make_layer(
         self, config: ModelConfig, layer: int, local: int, ops: LayerOps, tp: TPGroup
@@ -287,7 +315,7 @@ class Qwen3NextForCausalLM(SparseLayers):
         mixer: nn.Module
         if config.layer_types[layer] == "linear_attention":
             state_idx = config.state_layer_index(layer) - config.state_layer_index(start)
-            mixer = GatedDeltaNet(config, state_idx, ops, tp)
+            mixer = self.delta_net(config, state_idx, ops, tp)
         else:
             kv_idx = config.kv_layer_index(layer) - config.kv_layer_index(start)
             mixer = GatedAttention(config, kv_idx, rotary, ops, tp)
@@ -312,3 +340,58 @@ class Qwen3NextForCausalLM(SparseLayers):
             if m and layer_types[int(m[1])] == "linear_attention":
                 name = name.replace(".self_attn.", ".linear_attn.", 1)
             yield (name, *rest)  # type: ignore[misc]
+
+
+class LanguageModelPrefix(Mapping[str, torch.Tensor]):
+    """A multimodal checkpoint's text-model tensors (`model.language_model.X`) seen as
+    `model.X`; the rest (lm_head, the vision tower's, mtp's) as they are."""
+
+    PREFIX = "model.language_model."
+
+    def __init__(self, weights: Mapping[str, torch.Tensor]):
+        self.weights = weights
+        self.names = {
+            "model." + k.removeprefix(self.PREFIX) if k.startswith(self.PREFIX) else k: k
+            for k in weights
+        }
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.weights[self.names[name]]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+
+class Qwen3_5ForCausalLM(Qwen3NextForCausalLM):
+    """Qwen3.5 and Qwen3.5-MoE (dense MLPs, or a sparse block in every layer: config.moe),
+    from a text-model checkpoint or the multimodal class's; tensor- and pipeline-parallel as
+    Qwen3-Next."""
+
+    delta_net = FlatGatedDeltaNet
+    PARTS: ClassVar[dict[str, tuple[str, ...]]] = {
+        "in_proj_qkvz": ("in_proj_q", "in_proj_k", "in_proj_v", "in_proj_z"),
+        "in_proj_ba": ("in_proj_b", "in_proj_a"),
+    }
+
+    def hf_tensors(self) -> Iterator[HFTensor]:
+        """Qwen3-Next's names, a DeltaNet's two projections read from HF's flat parts."""
+        for name, module, param, shard in super().hf_tensors():
+            stem, _, kind = name.rpartition(".")
+            prefix, _, leaf = stem.rpartition(".")
+            if leaf in self.PARTS and prefix.endswith(".linear_attn"):
+                for i, part in enumerate(self.PARTS[leaf]):
+                    yield f"{prefix}.{part}.{kind}", module, param, i
+            else:
+                yield name, module, param, shard
+
+    def checkpoint_view(self, weights: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+        """`model.language_model.` read as `model.`; `in_proj_qkv` as its q, k, v parts."""
+        net = self.config.gated_delta_net
+        assert net is not None
+        parts = {"in_proj_qkv": [("in_proj_q", net.key_dim), ("in_proj_k", net.key_dim)]}
+        parts["in_proj_qkv"].append(("in_proj_v", net.value_dim))
+        split = SplitFused(LanguageModelPrefix(weights), parts)
+        return super().checkpoint_view(split)

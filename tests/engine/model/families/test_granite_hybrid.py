@@ -17,8 +17,14 @@ from llmserve.common.families import family_refusal
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.kv.state import StateBatch
 from llmserve.engine.model.attention_context import AttentionContext
+from llmserve.engine.parallel.ranks import run_group_locally
 from llmserve.engine.step.engine import Engine
-from tests.engine.model.families.test_qwen3_next import check_rows, run_requests, script_requests
+from tests.engine.model.families.test_qwen3_next import (
+    _script_on_rank,
+    check_rows,
+    run_requests,
+    script_requests,
+)
 from tests.engine.model.test_model import BLOCK_SIZE, NUM_BLOCKS, prompt, rel_err
 from tests.factories import write_byte_tokenizer
 
@@ -28,13 +34,14 @@ TOLERANCE = 1e-4
 LAYERS = ["mamba", "attention", "mamba"]
 VARIANTS: dict[str, dict[str, Any]] = {
     # the released models' shape: no rotary, MoE + shared MLP, multipliers != 1
+    # (one group of B and C, as Granite 4.0-H's: split over ranks, the gated norm spans them)
     "moe_nope": dict(
-        num_local_experts=4, num_experts_per_tok=2, position_embedding_type=None,
+        mamba_n_groups=1, num_local_experts=4, num_experts_per_tok=2, position_embedding_type=None,
         embedding_multiplier=3.0, residual_multiplier=0.6, attention_multiplier=0.2,
         logits_scaling=2.5,
     ),
     # Granite-4.0-H-Micro's dense shape (shared MLP only), with rotary
-    "dense_rope": dict(num_local_experts=0, position_embedding_type="rope"),
+    "dense_rope": dict(mamba_n_groups=2, num_local_experts=0, position_embedding_type="rope"),
 }  # fmt: skip
 
 
@@ -43,7 +50,7 @@ def make_granite(directory: Path, variant: str, seed: int) -> Path:
     config = transformers.GraniteMoeHybridConfig(
         vocab_size=256, hidden_size=32, intermediate_size=24, shared_intermediate_size=40,
         num_hidden_layers=len(LAYERS), num_attention_heads=4, num_key_value_heads=2,
-        mamba_n_heads=4, mamba_n_groups=2, mamba_d_state=8, mamba_d_conv=4, mamba_expand=1,
+        mamba_n_heads=4, mamba_d_state=8, mamba_d_conv=4, mamba_expand=1,
         mamba_chunk_size=4, layer_types=LAYERS, max_position_embeddings=256,
         initializer_range=0.2, tie_word_embeddings=False, **VARIANTS[variant],
     )  # fmt: skip
@@ -116,9 +123,9 @@ def load(tmp_path_factory: pytest.TempPathFactory) -> Any:
 
 
 def test_what_the_family_refuses(load: Any) -> None:
-    """Tensor / pipeline parallelism, speculative decoding, quantization and LoRA at start by
-    name; the state pool is [Mamba layers, slots, ...] of the declared shapes."""
-    for feature in ("tensor_parallel", "speculative_decoding", "quantization"):
+    """Speculative decoding, quantization and LoRA at start by name; the state pool is [Mamba
+    layers, slots, ...] of the declared shapes."""
+    for feature in ("speculative_decoding", "quantization"):
         why = family_refusal("granite_hybrid", [feature])
         assert why is not None and "GraniteMoeHybridForCausalLM" in why, feature
     engine = load("moe_nope").engine
@@ -147,7 +154,8 @@ def test_config_reads_the_layers_and_multipliers(load: Any, variant: str) -> Non
     config = load(variant).engine.model.config
     assert config.family == "granite_hybrid"
     assert config.layer_types == ("mamba", "full_attention", "mamba")
-    assert config.mamba2 is not None and config.mamba2.conv_shape == (4 * 8 + 2 * 2 * 8, 3)
+    groups = VARIANTS[variant]["mamba_n_groups"]
+    assert config.mamba2 is not None and config.mamba2.conv_shape == (4 * 8 + 2 * groups * 8, 3)
     assert config.mamba2.ssm_shape == (4, 8, 8)
     nope = variant == "moe_nope"
     assert config.nope_layers == ((0, 1, 2) if nope else ())
@@ -195,3 +203,27 @@ def test_greedy_decode_matches_transformers(load: Any, variant: str) -> None:
         tokens.append(int(logits[-1].argmax()))
         (logits,) = m.forward([(tokens, len(tokens) - 1, len(tokens), 1)])
     assert tokens == want
+
+
+def test_tensor_and_pipeline_parallel_match_hf(load: Any) -> None:
+    """T = 2 x P = 2, four gloo ranks, on the MoE model with one group of B and C: each rank 2
+    of the 4 Mamba heads (their x, z and dt rows of in_proj, conv channels, A_log / D /
+    dt_bias, norm weights, out_proj columns; B and C whole, the gated norm's squares summed
+    across the two ranks), 1 of the 2 KV heads, 2 of the 4 experts, half the shared MLP; stage
+    0 the first Mamba layer and the attention layer, stage 1 the second Mamba layer. The
+    script gives transformers' rows on the driver and the same tokens on every rank; each
+    rank's state pool holds its heads of its stage's Mamba layers."""
+    m = load("moe_nope")
+    config = EngineConfig(
+        model=str(m.path), device="cpu", num_kv_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE,
+        tensor_parallel_size=2, pipeline_parallel_size=2, num_threads=1, seed=0,
+    )  # fmt: skip
+    ranks = run_group_locally(config, _script_on_rank, timeout=300)
+    tokens = ranks[0][0]
+    rows = next(rank[1] for rank in ranks if rank[1])  # the driver's
+    assert ranks[0][2] > 0 and all(rank[0] == tokens for rank in ranks)
+    assert sorted(rank[3] for rank in ranks) == [(1, config.max_num_seqs, 2, 8, 8)] * 4
+    requests = script_requests()
+    for request, ids in zip(requests, tokens, strict=True):
+        request.token_ids = ids
+    check_rows(m, requests, rows)

@@ -1,11 +1,12 @@
 """Nemotron-H (NemotronHForCausalLM) against transformers on a tiny random NemotronHConfig
 checkpoint (Mamba, MLP, attention, MLP, Mamba blocks): every position of a whole prompt; two
 chunks with the state carried beside another request, then a decode row; greedy decode; the
-scheduled script; its MoE blocks refused by name. The step:
+scheduled script, also at T = 2 x P = 2; its MoE blocks refused by name. The step:
 tests/engine/model/families/test_granite_hybrid.py."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -14,9 +15,17 @@ import torch
 
 from llmserve.common.families.nemotron_h import read_nemotron_h
 from llmserve.common.families.registry import ModelSourceError
+from llmserve.common.model_config import check_parallel_sizes
+from llmserve.engine.config import EngineConfig
+from llmserve.engine.parallel.ranks import run_group_locally
 from tests.engine.model.families.test_granite_hybrid import TOLERANCE, Loaded
-from tests.engine.model.families.test_qwen3_next import check_rows, run_requests, script_requests
-from tests.engine.model.test_model import prompt, rel_err
+from tests.engine.model.families.test_qwen3_next import (
+    _script_on_rank,
+    check_rows,
+    run_requests,
+    script_requests,
+)
+from tests.engine.model.test_model import BLOCK_SIZE, NUM_BLOCKS, prompt, rel_err
 from tests.factories import write_byte_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -95,3 +104,33 @@ def test_scheduled_script_matches_hf(loaded: Loaded) -> None:
     script = run_requests(loaded.engine, requests)
     assert script.num_partial_prefills > 0 and script.sched.counters.num_preemptions > 0
     check_rows(loaded, requests, script.rows)
+
+
+def test_tensor_and_pipeline_parallel_match_hf(loaded: Loaded) -> None:
+    """T = 2 x P = 2, four gloo ranks: each rank 2 of the 4 Mamba heads with 1 of the 2 groups
+    of B and C (so the gated norm's groups are the rank's own), half the MLP columns, 1 of
+    the 2 KV heads; stage 0 blocks M - * (its one Mamba layer), stage 1 - M. The script gives
+    transformers' rows on the driver, the same tokens on every rank."""
+    config = EngineConfig(
+        model=str(loaded.path), device="cpu", num_kv_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE,
+        tensor_parallel_size=2, pipeline_parallel_size=2, num_threads=1, seed=0,
+    )  # fmt: skip
+    ranks = run_group_locally(config, _script_on_rank, timeout=300)
+    tokens = ranks[0][0]
+    rows = next(rank[1] for rank in ranks if rank[1])
+    assert ranks[0][2] > 0 and all(rank[0] == tokens for rank in ranks)
+    assert sorted(rank[3] for rank in ranks) == [(1, config.max_num_seqs, 2, 8, 8)] * 4
+    requests = script_requests()
+    for request, ids in zip(requests, tokens, strict=True):
+        request.token_ids = ids
+    check_rows(loaded, requests, rows)
+
+
+def test_a_group_count_that_does_not_split_is_refused(loaded: Loaded) -> None:
+    """Groups of B and C that neither divide by T nor are one: refused at start, naming them."""
+    config = loaded.engine.model_config
+    assert check_parallel_sizes(config, 2, 1) is None
+    assert config.mamba2 is not None
+    heads6 = dataclasses.replace(config.mamba2, num_heads=6, num_groups=3)
+    why = check_parallel_sizes(dataclasses.replace(config, mamba2=heads6), 2, 1)
+    assert why is not None and "mamba_n_groups=3" in why and "tensor_parallel_size=2" in why
