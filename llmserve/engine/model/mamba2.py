@@ -141,33 +141,44 @@ def chunked(
 
 
 def gated_rms_norm(
-    y: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, groups: int, eps: float
+    y: torch.Tensor,
+    gate: torch.Tensor,
+    weight: torch.Tensor,
+    groups: int,
+    eps: float,
+    norm_before_gate: bool = False,
 ) -> torch.Tensor:
     """w * rmsnorm(y * silu(gate)) with the norm over each of `groups` equal slices of the
     last dimension (the gate before the norm: mamba_ssm's norm_before_gate=False); float32
-    inside, y's dtype out, then times w."""
+    inside, y's dtype out, then times w. norm_before_gate (Falcon-H1's default):
+    w * rmsnorm(y) * silu(gate), all in float32."""
     dtype = y.dtype
-    h = y.float() * F.silu(gate.float())
+    h = y.float() if norm_before_gate else y.float() * F.silu(gate.float())
     h = h.view(*h.shape[:-1], groups, -1)
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    if norm_before_gate:
+        h = weight.float() * h.view(*y.shape) * F.silu(gate.float())
+        return h.to(dtype)
     return weight * h.view(*y.shape).to(dtype)
 
 
 class GatedRMSNorm(nn.Module):
     """`gated_rms_norm` with its weight [I] (HF's `norm.weight`) over `groups` groups."""
 
-    def __init__(self, size: int, groups: int, eps: float):
+    def __init__(self, size: int, groups: int, eps: float, norm_before_gate: bool = False):
         super().__init__()
-        self.groups, self.eps = groups, eps
+        self.groups, self.eps, self.norm_before_gate = groups, eps, norm_before_gate
         self.weight = nn.Parameter(torch.empty(size))
 
     def forward(self, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        return gated_rms_norm(y, gate, self.weight, self.groups, self.eps)
+        return gated_rms_norm(y, gate, self.weight, self.groups, self.eps, self.norm_before_gate)
 
 
 class Mamba2Mixer(nn.Module):
     """One Mamba-2 layer (the module docstring); state layer `state_idx` of the state pool.
-    Parameters carry HF's names (in_proj, conv1d, dt_bias, A_log, D, norm, out_proj)."""
+    Parameters carry HF's names (in_proj, conv1d, dt_bias, A_log, D, norm, out_proj). Falcon-H1
+    (Mamba2Config's multipliers and norm fields): the input times in_multiplier, in_proj's
+    parts times proj_multipliers, no norm weight where gated_norm is off."""
 
     def __init__(self, hidden_size: int, shape: Mamba2Config, eps: float, state_idx: int):
         super().__init__()
@@ -182,8 +193,30 @@ class Mamba2Mixer(nn.Module):
         self.dt_bias = nn.Parameter(torch.empty(s.num_heads))
         self.A_log = nn.Parameter(torch.empty(s.num_heads))
         self.D = nn.Parameter(torch.empty(s.num_heads))
-        self.norm = GatedRMSNorm(s.intermediate_size, s.num_groups, eps)
-        self.out_proj = Linear(s.intermediate_size, [hidden_size], s.proj_bias)
+        self.norm: GatedRMSNorm | None = None
+        if s.gated_norm:
+            self.norm = GatedRMSNorm(s.intermediate_size, s.num_groups, eps, s.norm_before_gate)
+        out_bias = s.proj_bias if s.out_bias is None else s.out_bias
+        self.out_proj = Linear(s.intermediate_size, [hidden_size], out_bias)
+        self.mup: torch.Tensor | None = None  # proj_multipliers per in_proj row, made on use
+
+    def project(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(gate [n, I], xBC [n, conv_dim], raw dt [n, H]) from in_proj, with Falcon-H1's
+        multipliers where the config has them."""
+        s = self.shape
+        if s.in_multiplier != 1.0:
+            hidden = hidden * s.in_multiplier
+        projected = self.in_proj(hidden)
+        if any(m != 1.0 for m in s.proj_multipliers):
+            if self.mup is None or self.mup.device != projected.device:
+                i, g = s.intermediate_size, s.group_size
+                sizes = (i, i, g, g, s.num_heads)
+                multipliers = zip(sizes, s.proj_multipliers, strict=True)
+                parts = [torch.full((n,), m) for n, m in multipliers]
+                self.mup = torch.cat(parts).to(projected.device)
+            projected = projected * self.mup.to(projected.dtype)
+        gate, xbc, dt = projected.split([s.intermediate_size, s.conv_dim, s.num_heads], dim=-1)
+        return gate, xbc, dt
 
     def new_state(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """A fresh request's (conv [conv_dim, K - 1], ssm [H, P, N]) state: zeros."""
@@ -212,9 +245,7 @@ class Mamba2Mixer(nn.Module):
         """The flattened batch's rows (ctx.cu_seqlens_q), each from and back into its state
         slot (ctx.state; without one, as in the memory profile, from zeros, kept nowhere)."""
         s = self.shape
-        gate, xbc, dt = self.in_proj(hidden).split(
-            [s.intermediate_size, s.conv_dim, s.num_heads], dim=-1
-        )
+        gate, xbc, dt = self.project(hidden)
         cu: list[int] = ctx.cu_seqlens_q  # type: ignore[attr-defined]
         seq_lens: list[int] = ctx.seq_lens  # type: ignore[attr-defined]
         states = getattr(ctx, "state", None)
@@ -231,5 +262,5 @@ class Mamba2Mixer(nn.Module):
             y[rows], conv, ssm = self.run_chunk(xbc[rows], dt[rows], conv, ssm)
             if states is not None:
                 states.write(self.state_idx, row, conv, ssm)
-        out = self.norm(y, gate)
+        out = y * F.silu(gate.float()) if self.norm is None else self.norm(y, gate)
         return self.out_proj(out.to(hidden.dtype))
