@@ -29,6 +29,7 @@ from llmserve.common.sampling import GENERATION_DEFAULTS
 from llmserve.common.state_layout import (
     BOTH_LAYER_TYPES,
     STATE_LAYER_TYPES,
+    STATELESS_LAYER_TYPES,
     GatedDeltaNetConfig,
     StateLayout,
 )
@@ -173,12 +174,14 @@ class ModelConfig:
 
     @property
     def num_kv_layers(self) -> int:
-        """Layers with a slice of the KV pool: every layer but the state-only layers."""
+        """Layers with a slice of the KV pool: every layer but the state-only layers and
+        Nemotron-H's MLP / MoE blocks."""
         return self.kv_layer_index(self.num_layers)
 
     def kv_layer_index(self, layer: int) -> int:
         """Layer `layer`'s index in the KV pool (its attention layers counted before it)."""
-        return layer - sum(t in STATE_LAYER_TYPES for t in self.layer_types[:layer])
+        no_kv = STATE_LAYER_TYPES + STATELESS_LAYER_TYPES
+        return layer - sum(t in no_kv for t in self.layer_types[:layer])
 
     def state_layer_index(self, layer: int) -> int:
         """Layer `layer`'s index in the state pool (its state layers counted before it)."""

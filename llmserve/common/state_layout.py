@@ -22,6 +22,8 @@ STATE_LAYER_TYPES = ("linear_attention", "mamba")
 # layer_types entries whose layers keep both a recurrent state and KV: Falcon-H1's layers run
 # attention and a Mamba-2 mixer side by side ("hybrid").
 BOTH_LAYER_TYPES = ("hybrid",)
+# layer_types entries whose layers keep neither: Nemotron-H's MLP and MoE blocks.
+STATELESS_LAYER_TYPES = ("mlp", "moe")
 
 
 @dataclass(frozen=True)

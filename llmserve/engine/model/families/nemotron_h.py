@@ -18,7 +18,7 @@ from torch import nn
 
 from llmserve.common.model_config import ModelConfig
 from llmserve.common.moe_config import MoEConfig
-from llmserve.engine.model.families.granite_hybrid import STATE_LAYER, layer_index
+from llmserve.engine.model.families.granite_hybrid import STATE_LAYER
 from llmserve.engine.model.families.smollm3 import NoRotary
 from llmserve.engine.model.layers import Attention, Linear, RMSNorm, default_weight_loader
 from llmserve.engine.model.mamba2 import Mamba2Mixer
@@ -124,10 +124,11 @@ class NemotronHForCausalLM(LlamaForCausalLM):
         self, config: ModelConfig, layer: int, local: int, ops: LayerOps, tp: TPGroup
     ) -> nn.Module:
         assert tp.size == 1, "nemotron_h: tensor parallelism is refused at start"
-        kind, index = config.layer_types[layer], layer_index(config, layer)
+        kind = config.layer_types[layer]
         mixer: nn.Module
         if kind == STATE_LAYER:
             assert config.mamba2 is not None, "nemotron_h: config.json gave no mamba fields"
+            index = config.state_layer_index(layer)
             mixer = Mamba2Mixer(config.hidden_size, config.mamba2, config.rms_norm_eps, index)
         elif kind == "mlp":
             mixer = Relu2MLP(config)
@@ -135,6 +136,7 @@ class NemotronHForCausalLM(LlamaForCausalLM):
             assert config.moe is not None, "nemotron_h: config.json gave no MoE fields"
             mixer = NemotronMoE(config, config.moe)
         else:
+            index = config.kv_layer_index(layer)  # attention blocks only keep KV
             mixer = Attention(config, index, NoRotary(config, ops), ops, tp)
         return NemotronBlock(config, mixer, ops)
 

@@ -84,6 +84,9 @@ def test_config_and_refusals(loaded: Loaded, tmp_path: Path) -> None:
     config = loaded.engine.model.config
     assert config.layer_types == ("mamba", "mlp", "full_attention", "mlp", "mamba")
     assert config.nope_layers == (0, 1, 2, 3, 4)
+    # only the attention block has a slice of the KV pool; the two Mamba blocks a state layer
+    assert (config.num_kv_layers, config.num_state_layers) == (1, 2)
+    assert len(loaded.engine.runner.kv_caches) == 1
     assert read_nemotron_h({"hybrid_override_pattern": "M-*-M"})["layer_types"] == (
         config.layer_types
     )
