@@ -29,6 +29,8 @@ write(state_idx, row, conv, ssm); zeros for a request's first chunk) and writes 
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -241,6 +243,34 @@ class Mamba2Mixer(nn.Module):
             y, new = chunked(x, step, a, b, c, self.D, ssm, s.chunk_size)
         return y.reshape(n, s.intermediate_size), conv, new.to(ssm.dtype)
 
+    def decode_rows(
+        self,
+        rows: list[int],
+        tokens: list[int],
+        xbc: torch.Tensor,
+        dt: torch.Tensor,
+        y: torch.Tensor,
+        states: Any,
+    ) -> None:
+        """Decode rows `rows` (one token each, at `tokens` of the flattened batch) as one
+        batch: their states gathered, the conv's one output per row as a product with the
+        taps, `ssd_update` over all rows at once, the states scattered back; y's rows filled."""
+        s, n = self.shape, len(rows)
+        conv, ssm = states.gather(self.state_idx, rows)  # [R, C, K - 1], [R, H, P, N]
+        index = torch.tensor(tokens, device=xbc.device)
+        full = torch.cat((conv.to(xbc.dtype), xbc[index][..., None]), dim=-1)  # [R, C, K]
+        weight = self.conv1d.weight.reshape(s.conv_dim, -1)
+        mixed = (full * weight).sum(-1)
+        if self.conv1d.bias is not None:
+            mixed = mixed + self.conv1d.bias
+        x, b, c = F.silu(mixed).split([s.intermediate_size, s.group_size, s.group_size], dim=-1)
+        b, c = b.reshape(n, s.num_groups, s.state_size), c.reshape(n, s.num_groups, s.state_size)
+        step = discretize(dt[index], self.dt_bias, s.time_step_limit)
+        a = -torch.exp(self.A_log.float())
+        out, new = ssd_update(x.reshape(n, s.num_heads, s.head_dim), step, a, b, c, self.D, ssm)
+        y[index] = out.reshape(n, s.intermediate_size)
+        states.scatter(self.state_idx, rows, full[..., 1:], new)
+
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, ctx: object) -> torch.Tensor:
         """The flattened batch's rows (ctx.cu_seqlens_q), each from and back into its state
         slot (ctx.state; without one, as in the memory profile, from zeros, kept nowhere)."""
@@ -252,7 +282,17 @@ class Mamba2Mixer(nn.Module):
         if states is not None and states.pool is None:
             states = None
         y = torch.empty(hidden.shape[0], s.intermediate_size, device=hidden.device)
+        # a step's decode rows (one token, running on) together; the other rows one by one
+        batched = [] if states is None else [
+            r for r in range(len(cu) - 1) if cu[r + 1] - cu[r] == 1 and seq_lens[r] > 1
+        ]  # fmt: skip
+        if len(batched) > 1:
+            self.decode_rows(batched, [cu[r] for r in batched], xbc, dt, y, states)
+        else:
+            batched = []
         for row in range(len(cu) - 1):
+            if row in batched:
+                continue
             rows = slice(cu[row], cu[row + 1])
             fresh = seq_lens[row] == cu[row + 1] - cu[row]  # its first chunk
             if states is None:

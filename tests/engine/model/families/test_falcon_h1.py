@@ -83,7 +83,7 @@ def test_config_state_pool_and_refusals(load: Any) -> None:
         assert family_refusal("falcon_h1", [feature]) is not None, feature
     with pytest.raises(ModelSourceError, match="ssm_multipliers has 3 entries"):
         cfg = {"num_attention_heads": 4, "hidden_size": 32, "num_hidden_layers": 1}
-        read_falcon_h1({**cfg, "mamba_d_ssm": 64, "ssm_multipliers": [1, 1, 1]})
+        read_falcon_h1({**cfg, "mamba_d_ssm": 64, "mamba_n_heads": 4, "ssm_multipliers": [1, 1, 1]})
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
