@@ -30,7 +30,10 @@ def ssd_update(
     bh, ch = (t.float().repeat_interleave(heads // t.shape[-2], dim=-2) for t in (b, c))
     xf, dtf = x.float(), dt.float()
     decay = torch.exp(dtf * a.float())[..., None, None]
-    s = state.float() * decay + (dtf[..., None] * xf)[..., None] * bh[..., None, :]
+    s = state.float() * decay  # a new tensor: the outer product is added into it in place
+    p, n = s.shape[-2:]
+    dtx = (dtf[..., None] * xf).reshape(-1, p, 1)
+    s.view(-1, p, n).baddbmm_(dtx, bh.reshape(-1, 1, n))
     y = (s @ ch[..., None])[..., 0] + d.float()[:, None] * xf
     return y, s
 

@@ -201,6 +201,7 @@ class Mamba2Mixer(nn.Module):
         out_bias = s.proj_bias if s.out_bias is None else s.out_bias
         self.out_proj = Linear(s.intermediate_size, [hidden_size], out_bias)
         self.mup: torch.Tensor | None = None  # proj_multipliers per in_proj row, made on use
+        self.batch_decode = True  # decode rows together (decode_rows); False: one by one
 
     def project(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(gate [n, I], xBC [n, conv_dim], raw dt [n, H]) from in_proj, with Falcon-H1's
@@ -286,7 +287,7 @@ class Mamba2Mixer(nn.Module):
         batched = [] if states is None else [
             r for r in range(len(cu) - 1) if cu[r + 1] - cu[r] == 1 and seq_lens[r] > 1
         ]  # fmt: skip
-        if len(batched) > 1:
+        if len(batched) > 1 and self.batch_decode:
             self.decode_rows(batched, [cu[r] for r in batched], xbc, dt, y, states)
         else:
             batched = []
