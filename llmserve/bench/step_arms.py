@@ -59,12 +59,29 @@ DEEPSEEK_MOE = {
     "topk_group": 2, "n_shared_experts": 1, "first_k_dense_replace": 1, "norm_topk_prob": True,
     "routed_scaling_factor": 2.5,
 }  # fmt: skip
+MAMBA2 = {"mamba_n_groups": 1, "mamba_d_state": 128, "mamba_d_conv": 4, "mamba_chunk_size": 256}
+NEMOTRON = {
+    "head_dim": 64,
+    "mamba_num_heads": 18,
+    "mamba_head_dim": 64,
+    "n_groups": 1,
+    "ssm_state_size": 128,
+    "conv_kernel": 4,
+    "chunk_size": 256,
+}
 # Each family in its own layout at SmolLM2-135M's shape (configs/smollm2-135m): windows of 64
 # (shorter than 128-token prompts, so the windowed decode path runs); every MoE MLP 8 experts of
 # 192, top-2 (the dense MLP's parameters, a quarter active); DeepSeek-V3 as DeepSeek-V2-Lite
 # lays out its latent (192 + 32 rotary values a token a layer, against Llama's 2 x 3 x 64);
 # Qwen3-Next as Qwen3-Next-80B-A3B lays out its layers (three gated DeltaNet to one gated
 # attention: 23 + 7 of the 30; 4 key heads serving 8 value heads of 64) with Qwen2-MoE's experts.
+# The Mamba-2 hybrids' mixers 18 heads of 64 (expand 2), one group, state 128, conv 4: Granite
+# 4.0-H dense (Micro-H's layout: Mamba layers with one attention layer in ten, 3 of the 30, the
+# shared MLP of 1536 in every layer); Nemotron-H as Nemotron-H-8B interleaves its blocks (per
+# ten-block unit nine Mamba, one attention, ten squared-ReLU MLPs of 1536: 60 blocks for the 30
+# layers) and nemotron_h_moe with Nemotron 3's MoE blocks in the MLPs' places (8 experts of 192,
+# top-2, grouped router, a shared expert of 384); Falcon-H1: every one of the 30 layers
+# attention and a Mamba-2 mixer side by side, then the SwiGLU MLP.
 FAMILIES: dict[str, dict[str, Any]] = {
     "llama": {},
     "qwen2": {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"},
@@ -94,6 +111,21 @@ FAMILIES: dict[str, dict[str, Any]] = {
                    "shared_expert_intermediate_size": 384, "linear_num_key_heads": 4,
                    "linear_num_value_heads": 8, "linear_key_head_dim": 64,
                    "linear_value_head_dim": 64, "linear_conv_kernel_dim": 4, **MOE},
+    "granite_hybrid": {"architectures": ["GraniteMoeHybridForCausalLM"],
+                       "model_type": "granitemoehybrid", "num_local_experts": 0,
+                       "shared_intermediate_size": 1536, "position_embedding_type": None,
+                       "layer_types": (["mamba"] * 9 + ["attention"]) * 3,
+                       "mamba_n_heads": 18, "mamba_expand": 2, **MAMBA2},
+    "nemotron_h": {"architectures": ["NemotronHForCausalLM"], "model_type": "nemotron_h",
+                   "num_hidden_layers": 60, "hybrid_override_pattern": ("M-" * 9 + "*-") * 3,
+                   **NEMOTRON},
+    "nemotron_h_moe": {"architectures": ["NemotronHForCausalLM"], "model_type": "nemotron_h",
+                       "num_hidden_layers": 60, "hybrid_override_pattern": ("ME" * 9 + "*E") * 3,
+                       "n_routed_experts": 8, "num_experts_per_tok": 2,
+                       "moe_intermediate_size": 192, "moe_shared_expert_intermediate_size": 384,
+                       "n_group": 1, "topk_group": 1, **NEMOTRON},
+    "falcon_h1": {"architectures": ["FalconH1ForCausalLM"], "model_type": "falcon_h1",
+                  "mamba_d_ssm": 1152, "mamba_n_heads": 18, "mamba_rms_norm": False, **MAMBA2},
     "gpt_oss": {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "head_dim": 64,
                 "sliding_window": WINDOW, "num_local_experts": 8, "num_experts_per_tok": 2,
                 "intermediate_size": 192, "swiglu_limit": 7.0, "attention_bias": True},

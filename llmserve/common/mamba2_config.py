@@ -17,7 +17,10 @@ from llmserve.common.state_layout import StateLayout
 class Mamba2Config:
     """num_heads heads of head_dim channels (intermediate_size = their product); B and C in
     num_groups groups of state_size; a depthwise conv of conv_kernel taps over x, B and C;
-    the scan in chunks of chunk_size; dt clamped to time_step_limit after its softplus."""
+    the scan in chunks of chunk_size; dt clamped to time_step_limit after its softplus.
+    Falcon-H1's extras: the input times in_multiplier, in_proj's five parts (gate, x, B, C,
+    dt) times proj_multipliers (its mup vector); the gated RMSNorm optional (gated_norm; without
+    it y * silu(gate)) and normalizing before the gate where norm_before_gate."""
 
     num_heads: int
     head_dim: int
@@ -28,6 +31,11 @@ class Mamba2Config:
     conv_bias: bool = True
     proj_bias: bool = False
     time_step_limit: tuple[float, float] = (0.0, float("inf"))
+    in_multiplier: float = 1.0
+    proj_multipliers: tuple[float, float, float, float, float] = (1.0, 1.0, 1.0, 1.0, 1.0)
+    gated_norm: bool = True
+    norm_before_gate: bool = False
+    out_bias: bool | None = None  # out_proj's bias (None: proj_bias; Falcon-H1: projectors_bias)
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_groups:
@@ -120,3 +128,51 @@ def mamba2_from_granite(cfg: Mapping[str, Any]) -> Mamba2Config:
         proj_bias=bool(cfg.get("mamba_proj_bias", False)),
         time_step_limit=(json_float(limit[0]), json_float(limit[1])),
     )
+
+
+def mamba2_from_falcon_h1(cfg: Mapping[str, Any]) -> Mamba2Config:
+    """FalconH1Config's mamba_* fields (its defaults where config.json leaves one out): the
+    mixer's width mamba_d_ssm (or mamba_expand x hidden_size), its multipliers and norm."""
+    inner = cfg.get("mamba_d_ssm", 1024)
+    inner = int(cfg.get("mamba_expand") or 2) * int(cfg["hidden_size"]) if inner is None else inner
+    heads = int(cfg.get("mamba_n_heads") or 128)
+    head_dim = cfg.get("mamba_d_head", "auto")
+    head_dim = int(inner) // heads if head_dim in (None, "auto") else int(head_dim)
+    if head_dim * heads != int(inner):
+        raise ValueError(
+            f"mamba_n_heads={heads} x mamba_d_head={head_dim} must equal mamba_d_ssm={inner}"
+        )
+    limit = cfg.get("time_step_limit") or (0.0, float("inf"))
+    mup = tuple(float(m) for m in cfg.get("ssm_multipliers") or (1.0,) * 5)
+    if len(mup) != 5:
+        raise ValueError(f"ssm_multipliers has {len(mup)} entries, not 5 (gate, x, B, C, dt)")
+    return Mamba2Config(
+        num_heads=heads,
+        head_dim=head_dim,
+        num_groups=int(cfg.get("mamba_n_groups") or 1),
+        state_size=int(cfg.get("mamba_d_state") or 256),
+        conv_kernel=int(cfg.get("mamba_d_conv") or 4),
+        chunk_size=int(cfg.get("mamba_chunk_size") or 256),
+        conv_bias=bool(cfg.get("mamba_conv_bias", True)),
+        proj_bias=bool(cfg.get("mamba_proj_bias", False)),
+        time_step_limit=(json_float(limit[0]), json_float(limit[1])),
+        in_multiplier=float(cfg.get("ssm_in_multiplier") or 1.0),
+        proj_multipliers=mup,
+        gated_norm=bool(cfg.get("mamba_rms_norm", False)),
+        norm_before_gate=bool(cfg.get("mamba_norm_before_gate", True)),
+        out_bias=bool(cfg.get("projectors_bias", False)),
+    )
+
+
+@dataclass(frozen=True)
+class FalconMultipliers:
+    """Falcon-H1's per-layer muP multipliers (the mixer's own are Mamba2Config's): the attention
+    input and output, the Mamba-2 mixer's output, the MLP's gate (before its activation) and
+    down projection; the LM head's logits."""
+
+    attention_in: float = 1.0
+    attention_out: float = 1.0
+    ssm_out: float = 1.0
+    mlp_gate: float = 1.0
+    mlp_down: float = 1.0
+    lm_head: float = 1.0

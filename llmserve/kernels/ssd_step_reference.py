@@ -21,16 +21,20 @@ def ssd_update(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One token of one sequence, float32: x [H, P]; dt [H] (after bias, softplus and limits);
     a (= -exp(A_log)), d [H]; b, c [G, N] (head h reads group h // (H / G)); state [H, P, N].
+    Any leading dimensions before these (a batch of rows: x [R, H, P], ...) run together.
 
         S <- exp(dt A) S + dt x B^T;   y = S C + D x
 
     Returns (y [H, P], the new state)."""
-    heads = x.shape[0]
-    bh, ch = (t.float().repeat_interleave(heads // t.shape[0], dim=0) for t in (b, c))
+    heads = x.shape[-2]
+    bh, ch = (t.float().repeat_interleave(heads // t.shape[-2], dim=-2) for t in (b, c))
     xf, dtf = x.float(), dt.float()
-    decay = torch.exp(dtf * a.float())[:, None, None]
-    s = state.float() * decay + (dtf[:, None] * xf)[:, :, None] * bh[:, None, :]
-    y = (s @ ch[:, :, None])[..., 0] + d.float()[:, None] * xf
+    decay = torch.exp(dtf * a.float())[..., None, None]
+    s = state.float() * decay  # a new tensor: the outer product is added into it in place
+    p, n = s.shape[-2:]
+    dtx = (dtf[..., None] * xf).reshape(-1, p, 1)
+    s.view(-1, p, n).baddbmm_(dtx, bh.reshape(-1, 1, n))
+    y = (s @ ch[..., None])[..., 0] + d.float()[:, None] * xf
     return y, s
 
 

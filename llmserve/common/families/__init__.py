@@ -3,6 +3,7 @@ module below registers its families when imported; a new family adds its module 
 
 from llmserve.common.families import (
     deepseek,
+    falcon_h1,
     gemma,
     gpt_oss,
     granite_hybrid,
@@ -38,6 +39,7 @@ __all__ = [
     "ModelSourceError",
     "UnservedModelError",
     "deepseek",
+    "falcon_h1",
     "family_for_gguf",
     "family_for_hf",
     "family_refusal",

@@ -1,10 +1,11 @@
 """Nemotron-H (NemotronHForCausalLM): a stack of single-mixer blocks, each `norm -> mixer ->
 residual add`, the mixer a Mamba-2 layer, GQA attention without rotary, or a squared-ReLU MLP,
 by `hybrid_override_pattern` ("M", "*", "-") or transformers 5's `layers_block_type`
-("linear_attention", "full_attention", "mlp"). Its MoE blocks ("E", Nemotron 3) are refused by
-name. Not registered yet, for the reason common/families/granite_hybrid.py gives: the Mamba
-layers' per-request state needs the scheduler's state slots; the architecture stays in
-registry.REFUSED_HYBRIDS."""
+("linear_attention", "full_attention", "mlp", "moe"). Its MoE blocks ("E", Nemotron 3):
+DeepSeek-V3's grouped sigmoid router with the score-correction bias (n_group, topk_group,
+routed_scaling_factor, norm_topk_prob), ungated squared-ReLU experts, optionally in a latent
+space (moe_latent_size), and an ungated shared expert. The Mamba layers keep their state in
+the scheduler's state slots."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from typing import Any
 from llmserve.common.families.granite_hybrid import GRANITE_HYBRID
 from llmserve.common.families.registry import Family, ModelSourceError, register
 from llmserve.common.mamba2_config import Mamba2Config, json_float
+from llmserve.common.moe_config import MoEConfig
 
 PATTERN = {"M": "mamba", "*": "full_attention", "-": "mlp", "E": "moe"}
 BLOCK_TYPES = {
@@ -37,13 +39,32 @@ def nemotron_layer_types(cfg: Mapping[str, Any]) -> tuple[str, ...]:
     unknown = sorted({t for t in given if t not in BLOCK_TYPES})
     if unknown:
         raise ModelSourceError(f"Nemotron-H block types {unknown} are not known")
-    types = tuple(BLOCK_TYPES[t] for t in given)
-    if "moe" in types:
-        raise ModelSourceError(
-            "Nemotron-H with MoE blocks (hybrid_override_pattern 'E') is not served: its "
-            "routed experts are not written"
+    return tuple(BLOCK_TYPES[t] for t in given)
+
+
+def nemotron_moe(cfg: Mapping[str, Any]) -> MoEConfig:
+    """The MoE blocks' shape (NemotronHConfig's defaults where config.json leaves one out)."""
+    act = str(cfg.get("mlp_hidden_act") or "relu2")
+    if act != "relu2":
+        raise ModelSourceError(f"Nemotron-H mlp_hidden_act={act!r} is not served (relu2 only)")
+    latent = cfg.get("moe_latent_size")
+    try:
+        return MoEConfig(
+            num_experts=int(cfg.get("n_routed_experts") or 8),
+            top_k=int(cfg.get("num_experts_per_tok") or 2),
+            intermediate_size=int(cfg.get("moe_intermediate_size") or 7688),
+            renormalize=bool(cfg.get("norm_topk_prob", True)),
+            shared_intermediate_size=int(cfg.get("moe_shared_expert_intermediate_size") or 7688),
+            hf_block="mixer",
+            hf_experts=("up_proj", "up_proj", "down_proj"),
+            grouped=True,
+            num_groups=int(cfg.get("n_group") or 1),
+            topk_groups=int(cfg.get("topk_group") or 1),
+            routed_scaling_factor=float(cfg.get("routed_scaling_factor") or 1.0),
+            latent_size=None if latent is None else int(latent),
         )
-    return types
+    except ValueError as e:
+        raise ModelSourceError(f"Nemotron-H config.json: {e}") from None
 
 
 def read_nemotron_h(cfg: Mapping[str, Any]) -> dict[str, Any]:
@@ -68,6 +89,7 @@ def read_nemotron_h(cfg: Mapping[str, Any]) -> dict[str, Any]:
         "hidden_act": str(cfg.get("mlp_hidden_act") or "relu2"),
         "mamba2": mamba2,
         "state_layout": mamba2.layout(),
+        "moe": nemotron_moe(cfg) if "moe" in types else None,
     }
 
 

@@ -78,16 +78,10 @@ def served_gguf_architectures() -> list[str]:
 
 
 # Hybrid linear-attention families known by name and refused with the reason (docs/models.md,
-# "Hybrid linear attention"): Falcon-H1's layers (attention and a Mamba-2 mixer side by side,
-# with its multipliers) are not written yet (Qwen3-Next, Granite 4.0-H and Nemotron-H, whose
-# recurrent layers keep their state in the scheduler's slots, are served).
-_HYBRID_STATE = (
-    "a Falcon-H1 layer (attention beside a Mamba-2 mixer, conv + {}) the engine does not "
-    "compute yet"
-)
-REFUSED_HYBRIDS = {
-    "FalconH1ForCausalLM": _HYBRID_STATE.format("Mamba-2 SSM state"),
-}
+# "Hybrid linear attention"): none today (Qwen3-Next, Granite 4.0-H, Nemotron-H and Falcon-H1,
+# whose recurrent layers keep their state in the scheduler's slots, are served); an entry is
+# "architecture": "what its layers need".
+REFUSED_HYBRIDS: dict[str, str] = {}
 
 
 def family_for_hf(cfg: Mapping[str, Any], where: str) -> Family:

@@ -29,6 +29,8 @@ write(state_idx, row, conv, ssm); zeros for a request's first chunk) and writes 
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -148,19 +150,24 @@ def gated_rms_norm(
     groups: int,
     eps: float,
     tp: TPGroup | None = None,
+    norm_before_gate: bool = False,
 ) -> torch.Tensor:
     """w * rmsnorm(y * silu(gate)) with the norm over each of `groups` equal slices of the
     last dimension (the gate before the norm: mamba_ssm's norm_before_gate=False); float32
     inside, y's dtype out, then times w. tp: the one group spans the ranks' heads (a
-    tensor-parallel split of a one-group layer): its squares are summed across them."""
+    tensor-parallel split of a one-group layer): its squares are summed across them.
+    norm_before_gate (Falcon-H1's default): w * rmsnorm(y) * silu(gate), all in float32."""
     dtype = y.dtype
-    h = y.float() * F.silu(gate.float())
+    h = y.float() if norm_before_gate else y.float() * F.silu(gate.float())
     h = h.view(*h.shape[:-1], groups, -1)
     if tp is not None and tp.size > 1:
         square_sum = tp.all_reduce(h.pow(2).sum(-1, keepdim=True))
         h = h * torch.rsqrt(square_sum / (h.shape[-1] * tp.size) + eps)
     else:
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    if norm_before_gate:
+        h = weight.float() * h.view(*y.shape) * F.silu(gate.float())
+        return h.to(dtype)
     return weight * h.view(*y.shape).to(dtype)
 
 
@@ -169,9 +176,18 @@ class GatedRMSNorm(nn.Module):
     tensor-parallel, this rank's heads' channels of it (`across`: the one group spans the
     ranks)."""
 
-    def __init__(self, size: int, groups: int, eps: float, tp: TPGroup, across: bool = False):
+    def __init__(
+        self,
+        size: int,
+        groups: int,
+        eps: float,
+        tp: TPGroup,
+        across: bool = False,
+        norm_before_gate: bool = False,
+    ):
         super().__init__()
         self.groups, self.eps, self.tp, self.across = groups, eps, tp, across
+        self.norm_before_gate = norm_before_gate
         self.weight = nn.Parameter(torch.empty(size))
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: int = 0) -> None:
@@ -180,7 +196,9 @@ class GatedRMSNorm(nn.Module):
 
     def forward(self, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         tp = self.tp if self.across else None
-        return gated_rms_norm(y, gate, self.weight, self.groups, self.eps, tp)
+        return gated_rms_norm(
+            y, gate, self.weight, self.groups, self.eps, tp, self.norm_before_gate
+        )
 
 
 class RowParts(nn.Module):
@@ -213,7 +231,9 @@ class RowParts(nn.Module):
 
 class Mamba2Mixer(nn.Module):
     """One Mamba-2 layer (the module docstring); state layer `state_idx` of the state pool.
-    Parameters carry HF's names (in_proj, conv1d, dt_bias, A_log, D, norm, out_proj)."""
+    Parameters carry HF's names (in_proj, conv1d, dt_bias, A_log, D, norm, out_proj). Falcon-H1
+    (Mamba2Config's multipliers and norm fields): the input times in_multiplier, in_proj's
+    parts times proj_multipliers, no norm weight where gated_norm is off."""
 
     def __init__(
         self,
@@ -237,13 +257,38 @@ class Mamba2Mixer(nn.Module):
         self.A_log = nn.Parameter(torch.empty(s.num_heads))
         self.D = nn.Parameter(torch.empty(s.num_heads))
         across = tp.size > 1 and whole_groups
-        self.norm = GatedRMSNorm(s.intermediate_size, s.num_groups, eps, tp, across)
-        self.out_proj = Linear(s.intermediate_size, [hidden_size], s.proj_bias, tp, "input")
+        self.norm: GatedRMSNorm | None = None
+        if s.gated_norm:
+            self.norm = GatedRMSNorm(
+                s.intermediate_size, s.num_groups, eps, tp, across, s.norm_before_gate
+            )
+        out_bias = s.proj_bias if s.out_bias is None else s.out_bias
+        self.out_proj = Linear(s.intermediate_size, [hidden_size], out_bias, tp, "input")
+        self.mup: torch.Tensor | None = None  # proj_multipliers per in_proj row, made on use
+        self.batch_decode = True  # decode rows together (decode_rows); False: one by one
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: int = 0) -> None:
         """dt_bias, A_log and D (its own parameters): this rank's heads'."""
         n = self.shape.num_heads
         default_weight_loader(param, loaded.narrow(0, self.tp.rank * n, n), shard)
+
+    def project(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(gate [n, I], xBC [n, conv_dim], raw dt [n, H]) from in_proj, with Falcon-H1's
+        multipliers where the config has them."""
+        s = self.shape
+        if s.in_multiplier != 1.0:
+            hidden = hidden * s.in_multiplier
+        projected = self.in_proj(hidden)
+        if any(m != 1.0 for m in s.proj_multipliers):
+            if self.mup is None or self.mup.device != projected.device:
+                i, g = s.intermediate_size, s.group_size
+                sizes = (i, i, g, g, s.num_heads)
+                multipliers = zip(sizes, s.proj_multipliers, strict=True)
+                parts = [torch.full((n,), m) for n, m in multipliers]
+                self.mup = torch.cat(parts).to(projected.device)
+            projected = projected * self.mup.to(projected.dtype)
+        gate, xbc, dt = projected.split([s.intermediate_size, s.conv_dim, s.num_heads], dim=-1)
+        return gate, xbc, dt
 
     def new_state(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """A fresh request's (conv [conv_dim, K - 1], ssm [H, P, N]) state: zeros."""
@@ -268,20 +313,56 @@ class Mamba2Mixer(nn.Module):
             y, new = chunked(x, step, a, b, c, self.D, ssm, s.chunk_size)
         return y.reshape(n, s.intermediate_size), conv, new.to(ssm.dtype)
 
+    def decode_rows(
+        self,
+        rows: list[int],
+        tokens: list[int],
+        xbc: torch.Tensor,
+        dt: torch.Tensor,
+        y: torch.Tensor,
+        states: Any,
+    ) -> None:
+        """Decode rows `rows` (one token each, at `tokens` of the flattened batch) as one
+        batch: their states gathered, the conv's one output per row as a product with the
+        taps, `ssd_update` over all rows at once, the states scattered back; y's rows filled."""
+        s, n = self.shape, len(rows)
+        conv, ssm = states.gather(self.state_idx, rows)  # [R, C, K - 1], [R, H, P, N]
+        index = torch.tensor(tokens, device=xbc.device)
+        full = torch.cat((conv.to(xbc.dtype), xbc[index][..., None]), dim=-1)  # [R, C, K]
+        weight = self.conv1d.weight.reshape(s.conv_dim, -1)
+        mixed = (full * weight).sum(-1)
+        if self.conv1d.bias is not None:
+            mixed = mixed + self.conv1d.bias
+        x, b, c = F.silu(mixed).split([s.intermediate_size, s.group_size, s.group_size], dim=-1)
+        b, c = b.reshape(n, s.num_groups, s.state_size), c.reshape(n, s.num_groups, s.state_size)
+        step = discretize(dt[index], self.dt_bias, s.time_step_limit)
+        a = -torch.exp(self.A_log.float())
+        out, new = ssd_update(x.reshape(n, s.num_heads, s.head_dim), step, a, b, c, self.D, ssm)
+        y[index] = out.reshape(n, s.intermediate_size)
+        states.scatter(self.state_idx, rows, full[..., 1:], new)
+
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, ctx: object) -> torch.Tensor:
         """The flattened batch's rows (ctx.cu_seqlens_q), each from and back into its state
         slot (ctx.state; without one, as in the memory profile, from zeros, kept nowhere)."""
         s = self.shape
-        gate, xbc, dt = self.in_proj(hidden).split(
-            [s.intermediate_size, s.conv_dim, s.num_heads], dim=-1
-        )
+        gate, xbc, dt = self.project(hidden)
         cu: list[int] = ctx.cu_seqlens_q  # type: ignore[attr-defined]
         seq_lens: list[int] = ctx.seq_lens  # type: ignore[attr-defined]
         states = getattr(ctx, "state", None)
         if states is not None and states.pool is None:
             states = None
         y = torch.empty(hidden.shape[0], s.intermediate_size, device=hidden.device)
+        # a step's decode rows (one token, running on) together; the other rows one by one
+        batched = [] if states is None else [
+            r for r in range(len(cu) - 1) if cu[r + 1] - cu[r] == 1 and seq_lens[r] > 1
+        ]  # fmt: skip
+        if len(batched) > 1 and self.batch_decode:
+            self.decode_rows(batched, [cu[r] for r in batched], xbc, dt, y, states)
+        else:
+            batched = []
         for row in range(len(cu) - 1):
+            if row in batched:
+                continue
             rows = slice(cu[row], cu[row + 1])
             fresh = seq_lens[row] == cu[row + 1] - cu[row]  # its first chunk
             if states is None:
@@ -291,5 +372,5 @@ class Mamba2Mixer(nn.Module):
             y[rows], conv, ssm = self.run_chunk(xbc[rows], dt[rows], conv, ssm)
             if states is not None:
                 states.write(self.state_idx, row, conv, ssm)
-        out = self.norm(y, gate)
+        out = y * F.silu(gate.float()) if self.norm is None else self.norm(y, gate)
         return self.tp.all_reduce(self.out_proj(out.to(hidden.dtype)))

@@ -62,13 +62,3 @@ def test_matches_transformers() -> None:
     )
     torch.testing.assert_close(out, ref[0].float(), atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(s, ref_s[0].float(), atol=1e-5, rtol=1e-4)
-
-
-def test_falcon_h1_refused_by_name() -> None:
-    """The Mamba-2 hybrid not written yet (Qwen3-Next, Granite 4.0-H and Nemotron-H are
-    served: tests/engine/model/families/)."""
-    from llmserve.common.families import registry
-
-    arch = "FalconH1ForCausalLM"
-    with pytest.raises(registry.UnservedModelError, match=f"{arch} is a hybrid linear-attention"):
-        registry.family_for_hf({"architectures": [arch]}, "config.json")

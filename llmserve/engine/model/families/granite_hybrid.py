@@ -43,9 +43,10 @@ STATE_LAYER = "mamba"
 def layer_index(config: ModelConfig, layer: int, start: int = 0) -> int:
     """Layer `layer`'s index among the layers of its kind from layer `start` on (a pipeline
     stage's first: its pools hold its own layers): the state pool's for a Mamba layer, the KV
-    pool's for any other."""
-    kind = config.layer_types[layer] == STATE_LAYER
-    return sum((t == STATE_LAYER) == kind for t in config.layer_types[start:layer])
+    pool's for any other (Nemotron-H's MLP and MoE blocks have none: ModelConfig counts)."""
+    if config.layer_types[layer] == STATE_LAYER:
+        return config.state_layer_index(layer) - config.state_layer_index(start)
+    return config.kv_layer_index(layer) - config.kv_layer_index(start)
 
 
 class Stacked(nn.Module):

@@ -1,8 +1,12 @@
 """Nemotron-H (NemotronHForCausalLM), after transformers' modeling_nemotron_h.py: single-mixer
 blocks `h + mixer(norm(h))`, the mixer by config.layer_types a Mamba-2 layer
 (engine/model/mamba2.py; its state handed off as engine/model/families/granite_hybrid.py
-describes), GQA attention without rotary, or an MLP down(relu(up(x))^2). Checkpoint names
-under `backbone.` (embeddings, layers.N.norm / mixer, norm_f)."""
+describes), GQA attention without rotary, an MLP down(relu(up(x))^2), or (Nemotron 3) an MoE:
+DeepSeek-V3's grouped sigmoid router (engine/model/moe.py's `route_grouped`, the same math as
+transformers' NemotronHTopkRouter), ungated squared-ReLU experts, in moe_latent_size's space
+between fc1_latent_proj and fc2_latent_proj where the config has one, plus an ungated
+shared expert. Checkpoint names under `backbone.` (embeddings, layers.N.norm / mixer,
+norm_f); the experts' per expert (mixer.experts.E.up_proj / down_proj)."""
 
 from __future__ import annotations
 
@@ -13,28 +17,85 @@ import torch
 from torch import nn
 
 from llmserve.common.model_config import ModelConfig
+from llmserve.common.moe_config import MoEConfig
 from llmserve.engine.model.families.granite_hybrid import STATE_LAYER, layer_index
 from llmserve.engine.model.families.smollm3 import NoRotary
-from llmserve.engine.model.layers import Attention, Linear, RMSNorm
+from llmserve.engine.model.layers import Attention, Linear, RMSNorm, default_weight_loader
 from llmserve.engine.model.mamba2 import Mamba2Mixer
 from llmserve.engine.model.model import LlamaForCausalLM
-from llmserve.engine.model.moe import HFTensor
+from llmserve.engine.model.moe import HFTensor, Router, route_grouped
 from llmserve.engine.model.ops import AttentionContext, LayerOps
 from llmserve.engine.parallel.groups import TPGroup
+from llmserve.kernels.moe_reference import grouped_linear, sort_by_expert
 
 
 class Relu2MLP(nn.Module):
-    """down_proj(relu(up_proj(x)) ** 2), ungated."""
+    """down_proj(relu(up_proj(x)) ** 2), ungated (of intermediate_size, default the config's)."""
 
-    def __init__(self, config: ModelConfig, tp: TPGroup):
+    def __init__(self, config: ModelConfig, tp: TPGroup, intermediate_size: int | None = None):
         super().__init__()
-        bias, width = config.mlp_bias, config.intermediate_size // tp.size
+        bias = config.mlp_bias
+        width = (intermediate_size or config.intermediate_size) // tp.size
         self.tp = tp
         self.up_proj = Linear(config.hidden_size, [width], bias, tp, "output")
         self.down_proj = Linear(width, [config.hidden_size], bias, tp, "input")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.tp.all_reduce(self.down_proj(torch.relu(self.up_proj(x)).square()))
+
+
+class UngatedExperts(nn.Module):
+    """up_proj [E, I, D] and down_proj [E, D, I] (D: hidden_size or moe_latent_size); shard e
+    of either is expert e's tensor."""
+
+    def __init__(self, num_experts: int, width: int, intermediate_size: int):
+        super().__init__()
+        self.num_experts = num_experts
+        self.up_proj = nn.Parameter(torch.empty(num_experts, intermediate_size, width))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, width, intermediate_size))
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: int = 0) -> None:
+        default_weight_loader(param[shard], loaded)
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Each token's routed experts' sum: the (token, expert) pairs sorted by expert, one
+        product per expert segment and weight (kernels/moe_reference.py's grouping)."""
+        pairs, tokens, counts = sort_by_expert(ids, 0, self.num_experts)
+        out = torch.zeros_like(x)
+        if not pairs.numel():
+            return out
+        hidden = torch.relu(grouped_linear(x.index_select(0, tokens), self.up_proj, counts))
+        rows = grouped_linear(hidden.square(), self.down_proj, counts)
+        rows = rows * weights.flatten().index_select(0, pairs).unsqueeze(1).to(rows.dtype)
+        return out.index_add_(0, tokens, rows)
+
+
+class NemotronMoE(nn.Module):
+    """The MoE block (the module docstring); HF's names gate (weight, e_score_correction_bias),
+    experts, shared_experts, fc1_latent_proj / fc2_latent_proj."""
+
+    def __init__(self, config: ModelConfig, moe: MoEConfig):
+        super().__init__()
+        self.moe, hidden = moe, config.hidden_size
+        self.gate = Router(hidden, moe.num_experts, corrected=True)
+        width = moe.latent_size or hidden
+        self.experts = UngatedExperts(moe.num_experts, width, moe.intermediate_size)
+        self.shared_experts = Relu2MLP(config, TPGroup(), moe.shared_intermediate_size)
+        self.fc1_latent_proj: Linear | None = None
+        self.fc2_latent_proj: Linear | None = None
+        if moe.latent_size is not None:
+            self.fc1_latent_proj = Linear(hidden, [width], config.mlp_bias)
+            self.fc2_latent_proj = Linear(width, [hidden], config.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = self.gate.e_score_correction_bias
+        assert bias is not None
+        weights, ids = route_grouped(self.gate(x), bias, self.moe)
+        routed = x if self.fc1_latent_proj is None else self.fc1_latent_proj(x)
+        routed = self.experts(routed, weights, ids)
+        if self.fc2_latent_proj is not None:
+            routed = self.fc2_latent_proj(routed)
+        return routed + self.shared_experts(x)
 
 
 class NemotronBlock(nn.Module):
@@ -53,7 +114,7 @@ class NemotronBlock(nn.Module):
         ctx: AttentionContext,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         hidden, residual = self.norm(hidden, residual)
-        if isinstance(self.mixer, Relu2MLP):
+        if isinstance(self.mixer, (Relu2MLP, NemotronMoE)):
             return self.mixer(hidden), residual
         return self.mixer(positions, hidden, ctx), residual
 
@@ -66,28 +127,39 @@ class NemotronHForCausalLM(LlamaForCausalLM):
         self, config: ModelConfig, layer: int, local: int, ops: LayerOps, tp: TPGroup
     ) -> nn.Module:
         kind = config.layer_types[layer]
-        index = layer_index(config, layer, self.shard.layers.start)
         mixer: nn.Module
         if kind == STATE_LAYER:
             assert config.mamba2 is not None, "nemotron_h: config.json gave no mamba fields"
+            index = layer_index(config, layer, self.shard.layers.start)
             eps = config.rms_norm_eps
             mixer = Mamba2Mixer(config.hidden_size, config.mamba2, eps, index, tp)
         elif kind == "mlp":
             mixer = Relu2MLP(config, tp)
-        else:
+        elif kind == "moe":
+            assert config.moe is not None, "nemotron_h: config.json gave no MoE fields"
+            assert tp.size == 1, "nemotron_h: MoE blocks with T > 1 are refused at start"
+            mixer = NemotronMoE(config, config.moe)
+        else:  # attention blocks only keep KV
+            index = layer_index(config, layer, self.shard.layers.start)
             mixer = Attention(config, index, NoRotary(config, ops), ops, tp)
         return NemotronBlock(config, mixer, ops)
 
     def hf_tensors(self) -> Iterator[HFTensor]:
-        """The Llama layout's names moved under `backbone.` (embeddings, norm_f)."""
+        """The Llama layout's names moved under `backbone.` (embeddings, norm_f); the stacked
+        experts' tensors read per expert."""
         renames = (
             (r"^model\.embed_tokens\.", "backbone.embeddings."),
             (r"^model\.norm\.", "backbone.norm_f."),
             (r"^model\.", "backbone."),
         )
-        for name, *rest in super().hf_tensors():
+        for name, module, param, shard in super().hf_tensors():
             for pattern, new in renames:
                 name, hits = re.subn(pattern, new, name)
                 if hits:
                     break
-            yield (name, *rest)  # type: ignore[misc]
+            if not isinstance(module, UngatedExperts):
+                yield name, module, param, shard
+                continue
+            stem, _, kind = name.rpartition(".")
+            for e in range(module.num_experts):
+                yield f"{stem}.{e}.{kind}.weight", module, param, e

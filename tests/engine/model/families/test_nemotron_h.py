@@ -1,7 +1,9 @@
 """Nemotron-H (NemotronHForCausalLM) against transformers on a tiny random NemotronHConfig
-checkpoint (Mamba, MLP, attention, MLP, Mamba blocks): every position of a whole prompt; two
-chunks with the state carried beside another request, then a decode row; greedy decode; the
-scheduled script, also at T = 2 x P = 2; its MoE blocks refused by name. The step:
+checkpoint (Mamba, MLP, attention, MLP, Mamba blocks) and a Nemotron 3 one with MoE blocks
+(grouped sigmoid router with the correction bias, experts in a latent space, a shared
+expert): every position of a whole prompt; two chunks with the state carried beside another
+request, then a decode row; greedy decode; the scheduled script, the dense one also at
+T = 2 x P = 2 (the MoE one refused there by name). The step:
 tests/engine/model/families/test_granite_hybrid.py."""
 
 from __future__ import annotations
@@ -31,15 +33,22 @@ from tests.factories import write_byte_tokenizer
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 BLOCKS = ["mamba", "mlp", "attention", "mlp", "mamba"]
+# Nemotron 3's blocks: MoE in place of the MLPs; 8 experts in 4 groups, the best 2 groups
+MOE_BLOCKS = ["mamba", "moe", "attention", "moe", "mamba"]
+MOE = dict(
+    n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
+    moe_shared_expert_intermediate_size=24, n_group=4, topk_group=2, routed_scaling_factor=2.5,
+    moe_latent_size=16,
+)  # fmt: skip
 
 
-def make_nemotron(directory: Path, seed: int) -> Path:
+def make_nemotron(directory: Path, seed: int, blocks: list[str] = BLOCKS, **extra: Any) -> Path:
     transformers = pytest.importorskip("transformers")
     config = transformers.NemotronHConfig(
         vocab_size=256, hidden_size=32, intermediate_size=48, num_attention_heads=4,
         num_key_value_heads=2, head_dim=8, mamba_num_heads=4, mamba_head_dim=8, n_groups=2,
-        ssm_state_size=8, conv_kernel=4, chunk_size=4, layer_types=BLOCKS,
-        initializer_range=0.2, tie_word_embeddings=False, max_position_embeddings=256,
+        ssm_state_size=8, conv_kernel=4, chunk_size=4, layer_types=blocks,
+        initializer_range=0.2, tie_word_embeddings=False, max_position_embeddings=256, **extra,
     )  # fmt: skip
     torch.manual_seed(seed)
     model = transformers.NemotronHForCausalLM(config).float()
@@ -49,30 +58,70 @@ def make_nemotron(directory: Path, seed: int) -> Path:
                 param.copy_(torch.randn_like(param) * 0.5)
             elif "norm" in name:
                 param.add_(torch.randn_like(param) * 0.1)
+            elif name.endswith("gate.weight"):  # routing that differs token to token
+                param.copy_(torch.randn_like(param))
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(torch.randn_like(buffer) * 0.1)
     model.save_pretrained(directory)
     write_byte_tokenizer(directory)
     return directory
 
 
 @pytest.fixture(scope="module")
-def loaded(tmp_path_factory: pytest.TempPathFactory) -> Loaded:
-    path = make_nemotron(tmp_path_factory.mktemp("nemotron_h"), seed=11)
-    return Loaded(path, "NemotronHForCausalLM")
+def load(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    cache: dict[str, Loaded] = {}
+
+    def get(variant: str) -> Loaded:
+        if variant not in cache:
+            directory = tmp_path_factory.mktemp(variant)
+            if variant == "moe":
+                path = make_nemotron(directory, 13, MOE_BLOCKS, **MOE)
+            else:
+                path = make_nemotron(directory, seed=11)
+            cache[variant] = Loaded(path, "NemotronHForCausalLM")
+        return cache[variant]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def loaded(load: Any) -> Loaded:
+    return load("dense")  # type: ignore[no-any-return]
 
 
 def test_config_and_refusals(loaded: Loaded, tmp_path: Path) -> None:
     config = loaded.engine.model.config
     assert config.layer_types == ("mamba", "mlp", "full_attention", "mlp", "mamba")
     assert config.nope_layers == (0, 1, 2, 3, 4)
+    # only the attention block has a slice of the KV pool; the two Mamba blocks a state layer
+    assert (config.num_kv_layers, config.num_state_layers) == (1, 2)
+    assert len(loaded.engine.runner.kv_caches) == 1
     assert read_nemotron_h({"hybrid_override_pattern": "M-*-M"})["layer_types"] == (
         config.layer_types
     )
-    with pytest.raises(ModelSourceError, match="hybrid_override_pattern 'E'"):
-        read_nemotron_h({"hybrid_override_pattern": "ME*"})
+    read = read_nemotron_h({"hybrid_override_pattern": "ME*", "n_routed_experts": 4})
+    assert read["layer_types"] == ("mamba", "moe", "full_attention") and read["moe"].grouped
+    with pytest.raises(ModelSourceError, match="num_experts_per_tok=6"):
+        read_nemotron_h({"hybrid_override_pattern": "ME", "n_routed_experts": 4,
+                         "num_experts_per_tok": 6})  # fmt: skip
 
 
-def test_whole_prompt_and_carried_chunks(loaded: Loaded) -> None:
-    m = loaded
+def test_moe_config_and_weights(load: Any) -> None:
+    """The MoE blocks' shape from config.json; the per-expert tensors and the correction bias
+    loaded (the router in float32)."""
+    m = load("moe")
+    moe = m.engine.model.config.moe
+    assert (moe.num_experts, moe.top_k, moe.num_groups, moe.topk_groups) == (8, 2, 4, 2)
+    assert (moe.latent_size, moe.routed_scaling_factor) == (16, 2.5)
+    ours, hf = m.engine.model.layers[3].mixer, m.hf.model.layers[3].mixer
+    torch.testing.assert_close(ours.experts.down_proj[5], hf.experts.down_proj[5])
+    torch.testing.assert_close(ours.gate.e_score_correction_bias, hf.gate.e_score_correction_bias)
+
+
+@pytest.mark.parametrize("variant", ["dense", "moe"])
+def test_whole_prompt_and_carried_chunks(load: Any, variant: str) -> None:
+    m = load(variant)
     a, b = prompt(12, seed=4), prompt(9, seed=5)
     (whole,) = m.forward([(a, 0, 12, 3)])
     assert rel_err(whole, m.hf_logits(a)) < TOLERANCE
@@ -83,8 +132,9 @@ def test_whole_prompt_and_carried_chunks(loaded: Loaded) -> None:
     assert rel_err(torch.cat((b1, b2)), m.hf_logits([*b, 7])) < TOLERANCE
 
 
-def test_greedy_decode_matches_transformers(loaded: Loaded) -> None:
-    m: Any = loaded
+@pytest.mark.parametrize("variant", ["dense", "moe"])
+def test_greedy_decode_matches_transformers(load: Any, variant: str) -> None:
+    m = load(variant)
     want = prompt(7, seed=6)
     tokens = list(want)
     for _ in range(8):
@@ -96,21 +146,24 @@ def test_greedy_decode_matches_transformers(loaded: Loaded) -> None:
     assert tokens == want
 
 
-def test_scheduled_script_matches_hf(loaded: Loaded) -> None:
+@pytest.mark.parametrize("variant", ["dense", "moe"])
+def test_scheduled_script_matches_hf(load: Any, variant: str) -> None:
     """test_qwen3_next's script through the real scheduler (chunked prefills, preemptions and
     recomputes, n = 2, the prefix cache off): every sampled row as transformers'."""
-    loaded.engine.reset()
+    m = load(variant)
+    m.engine.reset()
     requests = script_requests()
-    script = run_requests(loaded.engine, requests)
+    script = run_requests(m.engine, requests)
     assert script.num_partial_prefills > 0 and script.sched.counters.num_preemptions > 0
-    check_rows(loaded, requests, script.rows)
+    check_rows(m, requests, script.rows)
 
 
-def test_tensor_and_pipeline_parallel_match_hf(loaded: Loaded) -> None:
+def test_tensor_and_pipeline_parallel_match_hf(load: Any) -> None:
     """T = 2 x P = 2, four gloo ranks: each rank 2 of the 4 Mamba heads with 1 of the 2 groups
     of B and C (so the gated norm's groups are the rank's own), half the MLP columns, 1 of
     the 2 KV heads; stage 0 blocks M - * (its one Mamba layer), stage 1 - M. The script gives
     transformers' rows on the driver, the same tokens on every rank."""
+    loaded = load("dense")
     config = EngineConfig(
         model=str(loaded.path), device="cpu", num_kv_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE,
         tensor_parallel_size=2, pipeline_parallel_size=2, num_threads=1, seed=0,
@@ -126,11 +179,14 @@ def test_tensor_and_pipeline_parallel_match_hf(loaded: Loaded) -> None:
     check_rows(loaded, requests, rows)
 
 
-def test_a_group_count_that_does_not_split_is_refused(loaded: Loaded) -> None:
-    """Groups of B and C that neither divide by T nor are one: refused at start, naming them."""
-    config = loaded.engine.model_config
+def test_a_group_count_that_does_not_split_is_refused(load: Any) -> None:
+    """Groups of B and C that neither divide by T nor are one: refused at start, naming them;
+    MoE blocks refused with T > 1."""
+    config = load("dense").engine.model_config
     assert check_parallel_sizes(config, 2, 1) is None
     assert config.mamba2 is not None
     heads6 = dataclasses.replace(config.mamba2, num_heads=6, num_groups=3)
     why = check_parallel_sizes(dataclasses.replace(config, mamba2=heads6), 2, 1)
     assert why is not None and "mamba_n_groups=3" in why and "tensor_parallel_size=2" in why
+    why = check_parallel_sizes(load("moe").engine.model_config, 2, 1)
+    assert why is not None and "moe" in why
