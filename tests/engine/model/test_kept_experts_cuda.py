@@ -58,10 +58,11 @@ def _max_rel(got: torch.Tensor, want: torch.Tensor) -> float:
 
 W4, W8, FP8 = "wqa16_gemv_kernel<bf16_t, 4, ", "wqa16_gemv_kernel<bf16_t, 8, ", "fp8_block_gemv"
 # (family, format) -> (the experts' kind on the GPU, the GEMV they launch)
+# One case per kernel kind the experts reach (the suite's budget: each case is a whole tiny
+# model on the emulator; compressed-tensors W4A16 / W8A16 experts reach the same int4 / int8
+# kernels, and their CPU reading is test_checkpoint_schemes's)
 CASES = {
     ("mixtral", "gptq"): ("int4", W4),  # act-order, group 32: a permutation per projection
-    ("qwen3_moe", "w4a16"): ("int4", W4),  # compressed-tensors pack-quantized
-    ("mixtral", "w8a16"): ("int8", W8),  # compressed-tensors int-quantized, per channel
     ("gpt_oss", "mxfp4"): ("int8", W8),  # e2m1 + e8m0 per 32, converted exactly to int8
     ("qwen3_moe", "fp8-block"): ("fp8", FP8),  # 16 x 32 blocks
 }
