@@ -86,11 +86,7 @@ def module_specs() -> list[ModuleSpec]:
 
 def unsupported(k: int, group: int) -> str | None:
     """Why the kernels cannot hold a [N, K] weight in groups of `group` (None: they can)."""
-    if k % K_MULTIPLE:
-        return f"K={k} is not a multiple of {K_MULTIPLE}"
-    if group % GROUP_MULTIPLE:
-        return f"group {group} is not a multiple of {GROUP_MULTIPLE}"
-    return None
+    return launch.grouped_weight_unsupported(k, group, K_MULTIPLE, GROUP_MULTIPLE)
 
 
 def pack_fp8_block(q: torch.Tensor, scale: torch.Tensor, group: int) -> Fp8BlockWeight:

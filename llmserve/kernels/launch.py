@@ -187,6 +187,18 @@ def _check(
                 _fail(op, f"{name}.shape[{dim}]={got} must be {want} (shape {tuple(t.shape)})")
 
 
+def grouped_weight_unsupported(
+    k: int, group: int, k_multiple: int, group_multiple: int
+) -> str | None:
+    """Why a grouped-scale weight kernel (w4a16.py, fp8_block.py) cannot hold a [N, K] weight in
+    groups of `group`, given the multiples its chunks need (None: it can)."""
+    if k % k_multiple:
+        return f"K={k} is not a multiple of {k_multiple}"
+    if group % group_multiple:
+        return f"group {group} is not a multiple of {group_multiple}"
+    return None
+
+
 def _check_rows16(op: str, name: str, t: torch.Tensor) -> None:
     """Last dim contiguous, every row start 16-byte aligned (the kernels move 16-byte vectors)."""
     if t.numel() == 0:

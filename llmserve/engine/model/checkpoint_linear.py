@@ -30,6 +30,18 @@ def _same_columns(a: KeptWeight, b: KeptWeight) -> bool:
     return a.perm is None or b.perm is None or torch.equal(a.perm, b.perm)
 
 
+def column_runs(parts: list[KeptWeight]) -> list[list[KeptWeight]]:
+    """parts in runs of neighbours that read x in one column order (one kernel call a run; GPTQ
+    act-order parts with their own orders each make a run of their own)."""
+    runs: list[list[KeptWeight]] = []
+    for part in parts:
+        if runs and _same_columns(runs[-1][-1], part):
+            runs[-1].append(part)
+        else:
+            runs.append([part])
+    return runs
+
+
 def _merged(parts: list[KeptWeight]) -> KeptWeight:
     """Parts stacked in rows (fused q/k/v, gate/up): one kernel call for all, each part's
     integers first moved into the kernel's range (one part may be stored signed, one not)."""
@@ -66,12 +78,7 @@ class CheckpointLinear(nn.Module):
 
     def __init__(self, parts: list[KeptWeight], bias: torch.Tensor | None):
         super().__init__()
-        runs: list[list[KeptWeight]] = []
-        for part in parts:
-            if runs and _same_columns(runs[-1][-1], part):
-                runs[-1].append(part)
-            else:
-                runs.append([part])
+        runs = column_runs(parts)
         self.segments = [
             (cpu_wq.pack_wq(w.kind, w.q, w.scale, w.zero, w.group), w.perm)
             for w in map(_merged, runs)

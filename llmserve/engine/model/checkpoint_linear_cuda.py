@@ -21,7 +21,7 @@ from torch import nn
 
 from llmserve.common.log import get_logger
 from llmserve.engine.model.checkpoint_formats import CheckpointView
-from llmserve.engine.model.checkpoint_linear import _linear_tensors, _merged, _same_columns
+from llmserve.engine.model.checkpoint_linear import _linear_tensors, _merged, column_runs
 from llmserve.engine.model.kept_experts import KeptExperts, keep_expert_weights
 from llmserve.engine.model.kept_weights import KeptWeight
 from llmserve.engine.model.layers import Linear
@@ -79,13 +79,7 @@ class CudaCheckpointLinear(nn.Module):
 
     def __init__(self, parts: list[KeptWeight], bias: torch.Tensor | None, device: torch.device):
         super().__init__()
-        runs: list[list[KeptWeight]] = []
-        for part in parts:
-            if runs and _same_columns(runs[-1][-1], part):
-                runs[-1].append(part)
-            else:
-                runs.append([part])
-        self.segments = [_pack(_merged(run)).to(device) for run in runs]
+        self.segments = [_pack(_merged(run)).to(device) for run in column_runs(parts)]
         self.kind = parts[0].kind
         self.in_features = parts[0].q.shape[1]
         self.bias = None if bias is None else bias.detach().to(device)
