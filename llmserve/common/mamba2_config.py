@@ -104,6 +104,21 @@ def json_float(value: Any) -> float:
     return float(value)
 
 
+def _shared_fields(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """The Mamba2Config fields every Mamba-2 hybrid's config.json names alike (mamba_n_groups,
+    mamba_d_state, ...), with transformers' defaults where one is left out."""
+    limit = cfg.get("time_step_limit") or (0.0, float("inf"))
+    return dict(
+        num_groups=int(cfg.get("mamba_n_groups") or 1),
+        state_size=int(cfg.get("mamba_d_state") or 256),
+        conv_kernel=int(cfg.get("mamba_d_conv") or 4),
+        chunk_size=int(cfg.get("mamba_chunk_size") or 256),
+        conv_bias=bool(cfg.get("mamba_conv_bias", True)),
+        proj_bias=bool(cfg.get("mamba_proj_bias", False)),
+        time_step_limit=(json_float(limit[0]), json_float(limit[1])),
+    )
+
+
 def mamba2_from_granite(cfg: Mapping[str, Any]) -> Mamba2Config:
     """GraniteMoeHybridConfig's mamba_* fields (its defaults where config.json leaves one out;
     mamba_d_head "auto": mamba_expand * hidden_size / mamba_n_heads)."""
@@ -116,17 +131,10 @@ def mamba2_from_granite(cfg: Mapping[str, Any]) -> Mamba2Config:
             f"mamba_n_heads={heads} x mamba_d_head={head_dim} must equal mamba_expand x "
             f"hidden_size={inner}"
         )
-    limit = cfg.get("time_step_limit") or (0.0, float("inf"))
     return Mamba2Config(
         num_heads=heads,
         head_dim=head_dim,
-        num_groups=int(cfg.get("mamba_n_groups") or 1),
-        state_size=int(cfg.get("mamba_d_state") or 256),
-        conv_kernel=int(cfg.get("mamba_d_conv") or 4),
-        chunk_size=int(cfg.get("mamba_chunk_size") or 256),
-        conv_bias=bool(cfg.get("mamba_conv_bias", True)),
-        proj_bias=bool(cfg.get("mamba_proj_bias", False)),
-        time_step_limit=(json_float(limit[0]), json_float(limit[1])),
+        **_shared_fields(cfg),
     )
 
 
@@ -142,20 +150,13 @@ def mamba2_from_falcon_h1(cfg: Mapping[str, Any]) -> Mamba2Config:
         raise ValueError(
             f"mamba_n_heads={heads} x mamba_d_head={head_dim} must equal mamba_d_ssm={inner}"
         )
-    limit = cfg.get("time_step_limit") or (0.0, float("inf"))
     mup = tuple(float(m) for m in cfg.get("ssm_multipliers") or (1.0,) * 5)
     if len(mup) != 5:
         raise ValueError(f"ssm_multipliers has {len(mup)} entries, not 5 (gate, x, B, C, dt)")
     return Mamba2Config(
         num_heads=heads,
         head_dim=head_dim,
-        num_groups=int(cfg.get("mamba_n_groups") or 1),
-        state_size=int(cfg.get("mamba_d_state") or 256),
-        conv_kernel=int(cfg.get("mamba_d_conv") or 4),
-        chunk_size=int(cfg.get("mamba_chunk_size") or 256),
-        conv_bias=bool(cfg.get("mamba_conv_bias", True)),
-        proj_bias=bool(cfg.get("mamba_proj_bias", False)),
-        time_step_limit=(json_float(limit[0]), json_float(limit[1])),
+        **_shared_fields(cfg),
         in_multiplier=float(cfg.get("ssm_in_multiplier") or 1.0),
         proj_multipliers=mup,
         gated_norm=bool(cfg.get("mamba_rms_norm", False)),
