@@ -30,10 +30,10 @@ _SPARSE = {  # our HF stem in a GLM layer -> llama.cpp's tensor
 }
 
 
-def _metadata(w: gguf.GGUFWriter, cfg: dict, layers: int) -> None:
+def _metadata(w: gguf.GGUFWriter, cfg: dict, layers: int, eot_token_id: int | None) -> None:
     heads, hidden = cfg["num_attention_heads"], cfg["hidden_size"]
     rope = cfg["rope_parameters"]
-    add_byte_tokenizer(w)
+    add_byte_tokenizer(w, eot_token_id)
     w.add_block_count(layers + cfg["num_nextn_predict_layers"])
     w.add_context_length(cfg["max_position_embeddings"])
     w.add_embedding_length(hidden)
@@ -85,17 +85,21 @@ def _tensors(hf: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return out
 
 
-def write_glm4_moe_gguf(hf_dir: Path, path: Path) -> Path:
+def write_glm4_moe_gguf(
+    hf_dir: Path, path: Path, family: str = "glm4_moe", eot_token_id: int | None = None
+) -> Path:
     """hf_dir's tiny GLM-4.5 as a float32 `glm4moe` GGUF at path (see the module), its MTP
     layer (config.json's num_nextn_predict_layers; transformers' model has no tensors for it)
-    written as a released checkpoint's would be (add_mtp_layer)."""
+    written as a released checkpoint's would be (add_mtp_layer); the byte tokenizer with
+    eot_token_id (tests/family_gguf.add_byte_tokenizer); family: as the stack tests pass it."""
+    assert family == "glm4_moe", family
     from safetensors.numpy import load_file
 
     cfg = json.loads((hf_dir / "config.json").read_text())
     layers = cfg["num_hidden_layers"]
     assert cfg["num_nextn_predict_layers"] == 1, cfg["num_nextn_predict_layers"]
     w = gguf.GGUFWriter(str(path), "glm4moe")
-    _metadata(w, cfg, layers)
+    _metadata(w, cfg, layers, eot_token_id)
     tensors = _tensors(load_file(str(hf_dir / "model.safetensors")))
     add_mtp_layer(tensors, layers, cfg["hidden_size"])
     for name, data in tensors.items():
