@@ -156,3 +156,13 @@ def test_from_a_gguf_as_llama_cpps_converter_writes_it(load: Any, tmp_path: Path
     (got,) = forward_direct(engine, [(tokens, 0, len(tokens), shuffled_blocks(11)[:4])])
     assert rel_err(got, want) < TOLERANCE
     assert got.argmax(-1).tolist() == want.argmax(-1).tolist()
+
+
+def test_a_gguf_of_another_router_is_refused_by_name() -> None:
+    """A `glm4moe` file whose expert_gating_func is not sigmoid (2) is refused, naming the key."""
+    from llmserve.common.families.moe import read_glm4_moe_gguf
+    from llmserve.common.families.registry import ModelSourceError
+
+    fields = {"glm4moe.expert_gating_func": 1, "glm4moe.block_count": 2, "tensor_names": set()}
+    with pytest.raises(ModelSourceError, match=r"glm4moe\.expert_gating_func=1: only the sigmoid"):
+        read_glm4_moe_gguf(fields, "glm4moe")
