@@ -23,9 +23,10 @@ MOE_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3_moe": ("Qwen3MoeConfig", QWEN3_MOE),
     "qwen2_moe": ("Qwen2MoeConfig", QWEN2_MOE),
 }
-# DeepSeek-V3's MoE as GLM-4.5 has it (tests/engine/model/families/test_glm4_moe.py; no GGUF writer
-# yet): 8 experts in 4 groups, the best 2 groups kept, top-2 renormalized and scaled; one shared
-# expert; layer 0 dense; partial rotary, q/k norms and q/k/v biases.
+# DeepSeek-V3's MoE as GLM-4.5 has it (tests/engine/model/families/test_glm4_moe.py; its GGUF
+# writer: tests/glm4_moe_gguf.py): 8 experts in 4 groups, the best 2 groups kept, top-2
+# renormalized and scaled; one shared expert; layer 0 dense; partial rotary, q/k norms and q/k/v
+# biases.
 GLM4_MOE = {
     "n_routed_experts": 8,
     "num_experts_per_tok": 2,

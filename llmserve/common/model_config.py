@@ -379,6 +379,7 @@ def _config_from_gguf(path: Path) -> ModelConfig:
     eos = fields.get("tokenizer.ggml.eos_token_id")
     eot = fields.get("tokenizer.ggml.eot_token_id")
     eos_ids = tuple(dict.fromkeys(int(t) for t in (eos, eot) if t is not None))
+    no_dense_width = 0 if f"{arch}.expert_count" in fields else None
     head_dim = int(
         fields.get(f"{arch}.attention.key_length")
         or get("{arch}.rope.dimension_count", hidden // num_heads)
@@ -387,7 +388,9 @@ def _config_from_gguf(path: Path) -> ModelConfig:
         "name": str(get("general.name", path.stem)),
         "vocab_size": int(get("{arch}.vocab_size", embd.shape[-1])),
         "hidden_size": hidden,
-        "intermediate_size": int(get("{arch}.feed_forward_length")),
+        # a model whose every layer is sparse may have no dense width (Qwen3.5-MoE): 0, as its
+        # config.json reads
+        "intermediate_size": int(get("{arch}.feed_forward_length", no_dense_width)),
         "num_layers": int(get("{arch}.block_count")),
         "num_heads": num_heads,
         "num_kv_heads": int(get("{arch}.attention.head_count_kv", num_heads)),

@@ -6,8 +6,8 @@ model declares (generation_config.json's list, a GGUF's eot id) stopping generat
 Each stack costs ~5 s of CPU, so the suite serves two: Gemma 2 from an HF directory (soft-caps,
 sliding window, sandwich norms) and Qwen3-MoE from a GGUF (experts, qk-norm, the tokenizer and
 chat template read from the file). `pytest --family-stacks -m family_stacks` serves every other
-family from both formats, SmolLM3, GLM-4.5, DeepSeek-V3 and gpt-oss from an HF directory only
-(22 stacks in all; docs/models.md gives the last run's time)."""
+family from both formats, SmolLM3, DeepSeek-V3 and gpt-oss from an HF directory only
+(24 stacks in all; docs/models.md gives the last run's time)."""
 
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ from tests.engine.model.families.test_families import GGUF_OVERRIDES
 from tests.factories import EOS_TOKEN_ID
 from tests.family_gguf import write_family_gguf
 from tests.family_models import ENGINE_SETTINGS, FAMILY_CONFIGS, load_hf, make_tiny_family
+from tests.glm4_moe_gguf import write_glm4_moe_gguf
 from tests.moe_models import MOE_CONFIGS, make_tiny_moe, write_moe_gguf
 from tests.qwen3_next_gguf import write_qwen3_next_gguf
 from tests.stack import ROOT, free_port, serve_command
@@ -58,6 +59,7 @@ MAKERS.update(
 OPT_IN += [("smollm3", "hf"), ("glm4_moe", "hf"), ("deepseek_v3", "hf"), ("gpt_oss", "hf")]
 OPT_IN += [("qwen3_next", "hf")]  # served with its state slots, the prefix cache off
 OPT_IN += [("qwen3_next", "gguf")]  # tests/qwen3_next_gguf writes it
+OPT_IN += [("glm4_moe", "gguf")]  # tests/glm4_moe_gguf writes it
 
 
 def make_qwen3_5_moe(directory: Path, family: str, **_: Any) -> Path:
@@ -69,7 +71,7 @@ def make_qwen3_5_moe(directory: Path, family: str, **_: Any) -> Path:
 
 
 MAKERS["qwen3_5"] = make_qwen3_5_moe
-OPT_IN += [("qwen3_5", "hf")]
+OPT_IN += [("qwen3_5", "hf"), ("qwen3_5", "gguf")]  # the GGUF: `qwen35moe`
 
 
 @torch.no_grad()
@@ -133,7 +135,8 @@ def check_served(tmp_path: Path, family: str, fmt: str) -> list[Completion]:
         gen_path.write_text(json.dumps({**gen, "eos_token_id": eos, "temperature": 0.0}))
     else:
         write = write_moe_gguf if family in MOE_CONFIGS else write_family_gguf
-        write = write_qwen3_next_gguf if family == "qwen3_next" else write
+        write = write_qwen3_next_gguf if family in ("qwen3_next", "qwen3_5") else write
+        write = write_glm4_moe_gguf if family == "glm4_moe" else write
         path = tmp_path / f"{family}.gguf"
         model = write(model_dir, path, family, eot_token_id=expected[stop_at])
         temperature = 0.0

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from llmserve.common.families.moe import MOE_GGUF_NAMES, MOE_REFUSES
+from llmserve.common.families.moe import MOE_GGUF_NAMES, MOE_REFUSES, SIGMOID_GATING
 from llmserve.common.families.registry import Family, ModelSourceError, register
 from llmserve.common.families.rope import rope_from_hf
 from llmserve.common.mla_config import mla_from_hf, mla_softmax_scale
@@ -54,7 +54,6 @@ DEEPSEEK2_GGUF_NAMES = {
     "ffn_up_shexp": "mlp.shared_experts.up_proj",
     "ffn_down_shexp": "mlp.shared_experts.down_proj",
 }
-SIGMOID_GATING = 2  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID
 
 
 def read_deepseek2_gguf(fields: Mapping[str, Any], arch: str) -> dict[str, Any]:

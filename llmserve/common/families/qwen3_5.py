@@ -15,7 +15,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from llmserve.common.families.qwen3_next import QWEN3_NEXT, read_qwen3_next
+from llmserve.common.families.qwen3_next import (
+    QWEN3_NEXT,
+    QWEN3_NEXT_GGUF_NAMES,
+    read_qwen3_next,
+    read_qwen3_next_gguf,
+)
 from llmserve.common.families.registry import Family, register
 
 QWEN3_5_DENSE = ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration")
@@ -38,6 +43,15 @@ def read_qwen3_5(cfg: Mapping[str, Any]) -> dict[str, Any]:
     return read_qwen3_next(as_next)
 
 
+# llama.cpp's qwen35 / qwen35moe tensors: Qwen3-Next's names, in_proj_b / in_proj_a stored
+# apart (ssm_beta / ssm_alpha); engine/model/families/qwen3_next_gguf.py undoes the rest.
+QWEN3_5_GGUF_NAMES = {
+    **QWEN3_NEXT_GGUF_NAMES,
+    "ssm_beta": "linear_attn.in_proj_b",
+    "ssm_alpha": "linear_attn.in_proj_a",
+}
+
+
 QWEN3_5 = register(
     Family(
         name="qwen3_5",
@@ -45,6 +59,10 @@ QWEN3_5 = register(
         hf_model_types=("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"),
         model="llmserve.engine.model.families.qwen3_next:Qwen3_5ForCausalLM",
         read_hf=read_qwen3_5,
+        gguf_architecture="qwen35",
+        more_gguf_architectures=("qwen35moe",),
+        read_gguf=read_qwen3_next_gguf,
+        gguf_layer_names=QWEN3_5_GGUF_NAMES,
         refuses={
             **QWEN3_NEXT.refuses,
             "quantization": (

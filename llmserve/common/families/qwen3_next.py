@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from llmserve.common.families.moe import MOE_GGUF_NAMES, MOE_REFUSES, moe_gguf
+from llmserve.common.families.moe import MOE_GGUF_NAMES, MOE_REFUSES, gguf_num_layers, moe_gguf
 from llmserve.common.families.qwen import QWEN3
 from llmserve.common.families.registry import Family, register
 from llmserve.common.moe_config import moe_from_hf
@@ -55,7 +55,8 @@ def read_qwen3_next_gguf(fields: Mapping[str, Any], arch: str) -> dict[str, Any]
     key head dim, inner_size: all value heads' dims, conv_kernel), `full_attention_interval`,
     the rotary dims as `rope.dimension_count` (head_dim x partial_rotary_factor), the MoE as
     Qwen2-MoE's keys (top-k renormalised unless `expert_weights_norm` says otherwise, as
-    llama.cpp's qwen3next graph does)."""
+    llama.cpp's qwen3next graph does). Qwen3.5's `qwen35` / `qwen35moe` write the same keys,
+    their MTP layer counted in block_count (gguf_num_layers)."""
     num_v_heads = int(fields[f"{arch}.ssm.time_step_rank"])
     delta_net = GatedDeltaNetConfig(
         num_k_heads=int(fields[f"{arch}.ssm.group_count"]),
@@ -65,9 +66,10 @@ def read_qwen3_next_gguf(fields: Mapping[str, Any], arch: str) -> dict[str, Any]
         conv_kernel=int(fields[f"{arch}.ssm.conv_kernel"]),
     )
     head_dim = int(fields[f"{arch}.attention.key_length"])
-    num_layers = int(fields[f"{arch}.block_count"])
+    num_layers = gguf_num_layers(fields, arch)
     interval = int(fields.get(f"{arch}.full_attention_interval") or 4)
     return {
+        "num_layers": num_layers,
         "moe": moe_gguf(fields, arch) if f"{arch}.expert_count" in fields else None,
         "head_dim": head_dim,
         "partial_rotary_factor": int(fields[f"{arch}.rope.dimension_count"]) / head_dim,

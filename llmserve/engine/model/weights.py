@@ -205,10 +205,14 @@ class GGUFWeights(LazyWeights, GGUFBlocks):
 
 def _load_gguf(path: Path, config: ModelConfig) -> LazyWeights:
     weights = GGUFWeights(path, config)
-    if config.family == "qwen3_next":  # its converter split and rewrote tensors: undone there
-        from llmserve.engine.model.families.qwen3_next_gguf import qwen3_next_gguf_tensors
+    if config.family in ("qwen3_next", "qwen3_5"):  # the converter rewrote tensors: undone there
+        from llmserve.engine.model.families.qwen3_next_gguf import (
+            qwen3_5_gguf_tensors,
+            qwen3_next_gguf_tensors,
+        )
 
-        return LazyWeights(*qwen3_next_gguf_tensors(weights, weights.file, config))
+        undo = qwen3_5_gguf_tensors if config.family == "qwen3_5" else qwen3_next_gguf_tensors
+        return LazyWeights(*undo(weights, weights.file, config))
     return weights
 
 

@@ -52,7 +52,8 @@ class StackedExperts(Mapping[str, torch.Tensor]):
     maps `ffn_gate_exps` to `mlp.experts.gate_proj`, [E, I, H]), seen under the per-expert names
     the blocks ask for (`mlp.experts.3.gate_proj.weight` is row 3 of it). The last stacked
     tensor read is kept, so each is read (and dequantized) once while its experts load in order.
-    A GGUF's shared-expert gate, a vector [H], comes back as HF's [1, H]."""
+    A GGUF's shared-expert gate, a vector [H], comes back as HF's [1, H]; its router correction
+    bias (`gate.e_score_correction.bias`, GLM-4.5's) as HF's `gate.e_score_correction_bias`."""
 
     EXPERT = re.compile(r"(.*\.experts\.)(\d+)\.(\w+\.weight)")
 
@@ -68,7 +69,16 @@ class StackedExperts(Mapping[str, torch.Tensor]):
             return None
         return m[1] + m[3], int(m[2])
 
+    @staticmethod
+    def bias_source(name: str) -> str:
+        """The GGUF name of the router's correction bias (others: as they are)."""
+        if name.endswith("e_score_correction_bias"):
+            return name.removesuffix("_bias") + ".bias"
+        return name
+
     def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self.names and self.bias_source(name) in self.names:
+            return self.weights[self.bias_source(name)]
         where = self.stacked(name)
         if where is None:
             tensor = self.weights[name]
@@ -80,7 +90,10 @@ class StackedExperts(Mapping[str, torch.Tensor]):
         return self.cached[1][where[1]]
 
     def __contains__(self, name: object) -> bool:
-        return isinstance(name, str) and (name in self.names or self.stacked(name) is not None)
+        if not isinstance(name, str):
+            return False
+        known = name in self.names or self.bias_source(name) in self.names
+        return known or self.stacked(name) is not None
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.weights)

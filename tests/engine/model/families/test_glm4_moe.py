@@ -7,6 +7,7 @@ matter."""
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,7 +17,13 @@ from llmserve.common.model_config import load_model_config
 from llmserve.engine.model.moe import SparseMoeBlock
 from tests.engine.model.families.test_families import TOLERANCE, check_script_matches_hf
 from tests.engine.model.families.test_moe_models import SCRIPT, load  # noqa: F401 (load: the module's fixture)
-from tests.engine.model.test_model import forward_direct, prompt, rel_err, shuffled_blocks
+from tests.engine.model.test_model import (
+    BLOCK_SIZE,
+    forward_direct,
+    prompt,
+    rel_err,
+    shuffled_blocks,
+)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -124,3 +131,38 @@ def test_router_stays_float32_in_a_bfloat16_engine(load: Any) -> None:  # noqa: 
     tokens = prompt(20, seed=2)
     (logits,) = forward_direct(engine, [(tokens, 0, len(tokens), shuffled_blocks(11)[:3])])
     assert torch.isfinite(logits).all()
+
+
+def test_from_a_gguf_as_llama_cpps_converter_writes_it(load: Any, tmp_path: Path) -> None:  # noqa: F811
+    """The tiny model written as llama.cpp's converter writes `glm4moe` (tests/glm4_moe_gguf:
+    experts stacked, `exp_probs_b.bias`, an MTP layer counted in block_count, ...): the same
+    shape read back (the MTP layer not among the model's), and every position of a prompt
+    within 1e-4 of transformers' logits, its greedy token at each."""
+    from llmserve.engine.config import EngineConfig
+    from llmserve.engine.step.engine import Engine
+    from tests.glm4_moe_gguf import write_glm4_moe_gguf
+
+    m = load("glm4_moe")
+    path = write_glm4_moe_gguf(m.path, tmp_path / "glm4_moe.gguf")
+    hf_config, config = load_model_config(m.path), load_model_config(path)
+    fields = ("family", "num_layers", "num_mtp_layers", "moe", "head_dim", "qkv_bias")
+    for field in (*fields, "attention_bias", "rotary_dim", "qk_norm", "intermediate_size"):
+        assert getattr(config, field) == getattr(hf_config, field), field
+    assert config.num_layers == 2 and config.num_mtp_layers == 1
+    engine = Engine(EngineConfig(model=str(path), device="cpu", num_kv_blocks=96,
+                                 block_size=BLOCK_SIZE))  # fmt: skip
+    tokens = prompt(30, seed=3)
+    want = m.hf_logits(tokens)
+    (got,) = forward_direct(engine, [(tokens, 0, len(tokens), shuffled_blocks(11)[:4])])
+    assert rel_err(got, want) < TOLERANCE
+    assert got.argmax(-1).tolist() == want.argmax(-1).tolist()
+
+
+def test_a_gguf_of_another_router_is_refused_by_name() -> None:
+    """A `glm4moe` file whose expert_gating_func is not sigmoid (2) is refused, naming the key."""
+    from llmserve.common.families.moe import read_glm4_moe_gguf
+    from llmserve.common.families.registry import ModelSourceError
+
+    fields = {"glm4moe.expert_gating_func": 1, "glm4moe.block_count": 2, "tensor_names": set()}
+    with pytest.raises(ModelSourceError, match=r"glm4moe\.expert_gating_func=1: only the sigmoid"):
+        read_glm4_moe_gguf(fields, "glm4moe")

@@ -3,8 +3,9 @@ Qwen3.5-MoE, a sparse block with a shared expert in every layer) against transfo
 random checkpoints of Qwen3_5TextConfig / Qwen3_5MoeTextConfig, multimodal rope's
 mrope_section in rope_parameters: every position of a whole prompt and of chunks carrying the
 state (test_qwen3_next.py's checks, run on these models), the scheduled script, T = 2,
-and the text model served from a Qwen3_5ForConditionalGeneration directory (weights under
-`model.language_model.`, a vision tower beside them)."""
+the text model served from a Qwen3_5ForConditionalGeneration directory (weights under
+`model.language_model.`, a vision tower beside them), and each model from a `qwen35` /
+`qwen35moe` GGUF as llama.cpp's converter writes it."""
 
 from __future__ import annotations
 
@@ -182,6 +183,34 @@ def test_served_from_the_multimodal_checkpoint(
     rows = [(tokens, 0, len(tokens), shuffled_blocks(7)[:4])]
     (got,) = next_checks.forward_rows(engine, rows, [0])
     assert rel_err(got, model.hf_logits(tokens)) < TOLERANCE
+
+
+def test_from_a_gguf_as_llama_cpps_converter_writes_it(model: Loaded, tmp_path: Path) -> None:
+    """The tiny model written as llama.cpp's converter writes `qwen35` / `qwen35moe`
+    (tests/qwen3_next_gguf.write_qwen3_5_gguf: value heads tiled, A_log as -exp, norms as
+    1 + w, an MTP layer counted in block_count, ...): the same shape read back, and every
+    position of a prompt, prefilled whole then one decode row from its slot, within 1e-4 of
+    transformers' logits, its greedy token at each."""
+    from llmserve.common.gguf_file import open_gguf
+    from llmserve.engine.step.engine import Engine
+    from tests.qwen3_next_gguf import write_qwen3_5_gguf
+
+    path = write_qwen3_5_gguf(model.path, tmp_path / "qwen3_5.gguf")
+    moe = model.engine.model_config.moe is not None
+    assert open_gguf(path).fields["general.architecture"] == ("qwen35moe" if moe else "qwen35")
+    hf_config, config = load_model_config(model.path), load_model_config(path)
+    fields = ("family", "num_layers", "layer_types", "gated_delta_net", "moe", "head_dim")
+    for field in (*fields, "partial_rotary_factor", "intermediate_size"):
+        assert getattr(config, field) == getattr(hf_config, field), field
+    engine = Engine(EngineConfig(model=str(path), device="cpu", num_kv_blocks=96,
+                                 block_size=BLOCK_SIZE))  # fmt: skip
+    tokens, table = prompt(30, seed=7), shuffled_blocks(5)[:4]
+    want = model.hf_logits(tokens)
+    (head,) = next_checks.forward_rows(engine, [(tokens, 0, 29, table)], [2])
+    (last,) = next_checks.forward_rows(engine, [(tokens, 29, 30, table)], [2])
+    got = torch.cat((head, last))
+    assert rel_err(got, want) < TOLERANCE
+    assert got.argmax(-1).tolist() == want.argmax(-1).tolist()
 
 
 def _tensor_names(directory: Path) -> list[str]:
