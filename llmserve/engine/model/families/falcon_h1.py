@@ -91,7 +91,7 @@ class FalconH1ForCausalLM(LlamaForCausalLM):
         assert tp.size == 1, "falcon_h1: tensor parallelism is refused at start"
         assert config.mamba2 is not None, "falcon_h1: config.json gave no mamba_* fields"
         state = config.state_layer_index(layer)
-        mamba = Mamba2Mixer(config.hidden_size, config.mamba2, config.rms_norm_eps, state)
+        mamba = Mamba2Mixer(config.hidden_size, config.mamba2, config.rms_norm_eps, state, ops=ops)
         attn = Attention(config, config.kv_layer_index(layer), self.rotary_emb, ops, tp)
         return FalconH1DecoderLayer(config, mamba, attn, ops)
 
