@@ -130,7 +130,8 @@ class LayerOps:
         conv: x [B, H, P]; dt [B, H] raw (before dt_bias, softplus and the clamp to `limit`,
         the config's time_step_limit); dt_bias, a (= -exp(A_log)), d [H]; b, c [B, G, N];
         state: the layer's pool [slots, H, P, N] float32, each row's slot (slot_ids) updated
-        in place. Returns y [B, H, P] (D x included, before the gated norm)."""
+        in place. Returns y [B, H, P] (D x included, before the gated norm) in x's dtype, as
+        kernels/ssd_step.cu writes it."""
         return _ssd_torch(x, dt, dt_bias, a, b, c, d, state, slot_ids, limit)
 
     def gelu_tanh_and_mul(self, x: torch.Tensor) -> torch.Tensor:
@@ -325,18 +326,18 @@ def _ssd_torch(
     state: Tensor, slot_ids: Tensor, limit: tuple[float, float],
 ) -> Tensor:  # fmt: skip
     """LayerOps.ssd_decode in torch (kernels/ssd_step_reference.py's ssd_update over all rows
-    at once: their states gathered, updated, scattered back); y float32."""
+    at once: their states gathered, updated, scattered back)."""
     step = torch.nn.functional.softplus(dt.float() + dt_bias.float()).clamp(*limit)
     y, new = ssd_update(x, step, a, b, c, d, state[slot_ids])
     state[slot_ids] = new
-    return y
+    return y.to(x.dtype)
 
 
 def _ssd_kernel(
     x: Tensor, dt: Tensor, dt_bias: Tensor, a: Tensor, b: Tensor, c: Tensor, d: Tensor,
     state: Tensor, slot_ids: Tensor, limit: tuple[float, float],
 ) -> Tensor:  # fmt: skip
-    """LayerOps.ssd_decode through kernels/ssd_step.cu (no sync); y in x's dtype. The kernel
+    """LayerOps.ssd_decode through kernels/ssd_step.cu (no sync). The kernel
     has no clamp: a time_step_limit other than (0, inf) runs `_ssd_torch` (select_ops says so
     at start, _clamp_note)."""
     import llmserve.kernels.cuda as kc
