@@ -235,8 +235,6 @@ def check_parallel_sizes(config: ModelConfig, tp_size: int, pp_size: int) -> str
             f"{config.num_kv_heads} KV heads ({config.num_heads} query heads, MLP width "
             f"{config.intermediate_size}{experts}) evenly; use one of {sizes}"
         )
-    if tp_size > 1 and "moe" in config.layer_types:  # Nemotron-H's MoE blocks
-        return f"{config.name}: its MoE blocks are not split over tensor_parallel_size={tp_size}"
     if config.mamba2 is not None:
         try:
             config.mamba2.split(tp_size)

@@ -45,10 +45,6 @@ def read_falcon_h1(cfg: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
-# Its attention and Mamba-2 mixer side by side are written for one rank (Granite 4.0-H's and
-# Nemotron-H's Mamba layers split by heads; Falcon-H1's are not checked so).
-_WHOLE = "Falcon-H1's layers run whole on one rank (no tensor or pipeline split written)"
-
 FALCON_H1 = register(
     Family(
         name="falcon_h1",
@@ -56,10 +52,8 @@ FALCON_H1 = register(
         hf_model_types=("falcon_h1",),
         model="llmserve.engine.model.families.falcon_h1:FalconH1ForCausalLM",
         read_hf=read_falcon_h1,
-        refuses={
-            **GRANITE_HYBRID.refuses,
-            "tensor_parallel": _WHOLE,
-            "pipeline_parallel": _WHOLE,
-        },
+        # tensor parallelism as Granite 4.0-H's (the Mamba heads, the attention heads, the MLP's
+        # columns: engine/model/families/falcon_h1.py), pipeline parallelism by layers
+        refuses=dict(GRANITE_HYBRID.refuses),
     )
 )

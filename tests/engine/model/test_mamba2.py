@@ -4,6 +4,9 @@ against transformers' GraniteMoeHybrid functions and mixer layer (float32, tiny 
 
 from __future__ import annotations
 
+import threading
+from typing import Any
+
 import pytest
 import torch
 
@@ -144,3 +147,46 @@ def test_config_names_bad_fields() -> None:
         Mamba2Config(4, 2, 3, 8, 4)
     with pytest.raises(ValueError, match="mamba_n_heads=5 x mamba_d_head=2"):
         mamba2_from_granite({"hidden_size": 8, "mamba_n_heads": 5, "mamba_d_head": 2})
+
+
+class ThreadRank:
+    """Rank `rank` of two ranks run as threads: all_reduce sums the two ranks' tensors (the
+    engine's TPGroup over gloo, without processes)."""
+
+    def __init__(self, rank: int, shared: dict[int, torch.Tensor], barrier: threading.Barrier):
+        self.rank, self.size, self.shared, self.barrier = rank, 2, shared, barrier
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        self.shared[self.rank] = x.clone()
+        self.barrier.wait()
+        total = self.shared[0] + self.shared[1]
+        self.barrier.wait()
+        return x.copy_(total)
+
+
+@pytest.mark.parametrize("norm_before_gate", [False, True])
+def test_one_group_norm_split_over_two_ranks(norm_before_gate: bool) -> None:
+    """The gated norm of a one-group layer split by heads over T = 2 (each rank half the
+    channels, its squares summed across the ranks): the whole norm's halves, gate before the
+    norm (Granite 4.0-H, Nemotron-H) or after it (Falcon-H1's mamba_norm_before_gate); a norm
+    over each rank's half alone differs."""
+    g = torch.Generator().manual_seed(3)
+    y, gate, w = torch.randn(5, 12, generator=g), torch.randn(5, 12, generator=g), torch.rand(12)
+    whole = mamba2.gated_rms_norm(y, gate, w, 1, 1e-6, norm_before_gate=norm_before_gate)
+    shared: dict[int, torch.Tensor] = {}
+    barrier, out = threading.Barrier(2, timeout=30), {}
+
+    def run(rank: int) -> None:
+        tp: Any = ThreadRank(rank, shared, barrier)
+        cols = slice(6 * rank, 6 * rank + 6)
+        part = (y[:, cols], gate[:, cols], w[cols], 1, 1e-6)
+        out[rank] = mamba2.gated_rms_norm(*part, tp, norm_before_gate)
+        out[rank + 2] = mamba2.gated_rms_norm(*part, None, norm_before_gate)
+
+    threads = [threading.Thread(target=run, args=(rank,)) for rank in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    torch.testing.assert_close(torch.cat((out[0], out[1]), dim=-1), whole)
+    assert not torch.allclose(torch.cat((out[2], out[3]), dim=-1), whole, atol=1e-3)

@@ -8,7 +8,16 @@ then final_layernorm and logits * lm_head_multiplier; embeddings x embedding_mul
 keys x key_multiplier (as the softmax scale: common/families/falcon_h1.py); the mixer's own
 multipliers and optional gated norm are its Mamba2Config's. Layer i is KV-pool layer i and
 state layer i (its conv + SSM state in the request's state slot, handed off as
-engine/model/families/granite_hybrid.py describes)."""
+engine/model/families/granite_hybrid.py describes; a pipeline stage's pools number its own
+layers from 0).
+
+Tensor-parallel: the attention by heads as Llama's, the mixer by Mamba heads as Granite
+4.0-H's (mamba2.py: groups of B and C split or, one group, kept whole with the gated norm's
+squares summed across the ranks), the MLP by columns. Every multiplier is one number per
+part, so each rank applies it to its slice alone: ssm_in_multiplier to the (replicated)
+input, the mup vector's five factors to its rows of gate, x, B, C and dt (mamba2.py builds
+the vector from the rank's part sizes), mlp_gate to its gate columns, and the output
+multipliers (ssm_out, attention_out, mlp_down) after each all-reduce."""
 
 from __future__ import annotations
 
@@ -36,19 +45,20 @@ class FalconMLP(OpsModule):
     """down_proj(up * silu(gate * mlp_gate)) * mlp_down, gate and up fused (HF's gate_proj,
     up_proj rows)."""
 
-    def __init__(self, config: ModelConfig, ops: LayerOps):
+    def __init__(self, config: ModelConfig, ops: LayerOps, tp: TPGroup):
         super().__init__(ops)
-        m, size, bias = multipliers(config), config.intermediate_size, config.mlp_bias
+        m, size, bias = multipliers(config), config.intermediate_size // tp.size, config.mlp_bias
+        self.tp = tp
         self.gate_scale, self.down_scale = m.mlp_gate, m.mlp_down
-        self.gate_up_proj = Linear(config.hidden_size, [size, size], bias)
-        self.down_proj = Linear(size, [config.hidden_size], bias)
+        self.gate_up_proj = Linear(config.hidden_size, [size, size], bias, tp, "output")
+        self.down_proj = Linear(size, [config.hidden_size], bias, tp, "input")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         if self.gate_scale != 1.0:
             gate, up = gate_up.chunk(2, dim=-1)
             gate_up = torch.cat((gate * self.gate_scale, up), dim=-1)
-        out = self.down_proj(self.ops.silu_and_mul(gate_up))
+        out = self.tp.all_reduce(self.down_proj(self.ops.silu_and_mul(gate_up)))
         return out * self.down_scale if self.down_scale != 1.0 else out
 
 
@@ -56,7 +66,14 @@ class FalconH1DecoderLayer(nn.Module):
     """input_layernorm -> (mamba | self_attn) -> pre_ff_layernorm -> feed_forward; the residual
     adds fused into the norms as in DecoderLayer."""
 
-    def __init__(self, config: ModelConfig, mamba: Mamba2Mixer, attn: Attention, ops: LayerOps):
+    def __init__(
+        self,
+        config: ModelConfig,
+        mamba: Mamba2Mixer,
+        attn: Attention,
+        ops: LayerOps,
+        tp: TPGroup,
+    ):
         super().__init__()
         eps, hidden = config.rms_norm_eps, config.hidden_size
         self.m = multipliers(config)
@@ -64,7 +81,7 @@ class FalconH1DecoderLayer(nn.Module):
         self.mamba = mamba
         self.self_attn = attn
         self.pre_ff_layernorm = RMSNorm(hidden, eps, ops)
-        self.feed_forward = FalconMLP(config, ops)
+        self.feed_forward = FalconMLP(config, ops, tp)
 
     def forward(
         self,
@@ -83,17 +100,20 @@ class FalconH1DecoderLayer(nn.Module):
 
 
 class FalconH1ForCausalLM(LlamaForCausalLM):
-    """Whole on one rank (the family refuses tensor and pipeline parallelism)."""
+    """Tensor-parallel over the attention heads, the Mamba heads and the MLP's columns (the
+    module docstring); pipeline-parallel by layers (each stage's pools hold its own)."""
 
     def make_layer(
         self, config: ModelConfig, layer: int, local: int, ops: LayerOps, tp: TPGroup
     ) -> nn.Module:
-        assert tp.size == 1, "falcon_h1: tensor parallelism is refused at start"
         assert config.mamba2 is not None, "falcon_h1: config.json gave no mamba_* fields"
-        state = config.state_layer_index(layer)
-        mamba = Mamba2Mixer(config.hidden_size, config.mamba2, config.rms_norm_eps, state, ops=ops)
-        attn = Attention(config, config.kv_layer_index(layer), self.rotary_emb, ops, tp)
-        return FalconH1DecoderLayer(config, mamba, attn, ops)
+        start = self.shard.layers.start
+        state = config.state_layer_index(layer) - config.state_layer_index(start)
+        eps = config.rms_norm_eps
+        mamba = Mamba2Mixer(config.hidden_size, config.mamba2, eps, state, tp, ops)
+        kv = config.kv_layer_index(layer) - config.kv_layer_index(start)
+        attn = Attention(config, kv, self.rotary_emb, ops, tp)
+        return FalconH1DecoderLayer(config, mamba, attn, ops, tp)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = super().compute_logits(hidden)

@@ -2,7 +2,8 @@
 checkpoints (every layer attention and a Mamba-2 mixer side by side; every muP multiplier != 1):
 every position of a whole prompt; two chunks with the state carried in a slot beside another
 request, then a decode row; greedy decode; the scheduled script (chunked prefill, preemption
-and recompute, n = 2). The step: tests/engine/model/families/test_granite_hybrid.py."""
+and recompute, n = 2), also at T = 2 x P = 2. The step:
+tests/engine/model/families/test_granite_hybrid.py."""
 
 from __future__ import annotations
 
@@ -15,24 +16,33 @@ import torch
 from llmserve.common.families import family_refusal
 from llmserve.common.families.falcon_h1 import read_falcon_h1
 from llmserve.common.families.registry import ModelSourceError
+from llmserve.engine.config import EngineConfig
+from llmserve.engine.parallel.ranks import run_group_locally
 from tests.engine.model.families.test_granite_hybrid import TOLERANCE, Loaded
-from tests.engine.model.families.test_qwen3_next import check_rows, run_requests, script_requests
-from tests.engine.model.test_model import prompt, rel_err
+from tests.engine.model.families.test_qwen3_next import (
+    _script_on_rank,
+    check_rows,
+    run_requests,
+    script_requests,
+)
+from tests.engine.model.test_model import BLOCK_SIZE, NUM_BLOCKS, prompt, rel_err
 from tests.factories import write_byte_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 VARIANTS: dict[str, dict[str, Any]] = {
-    # the released models' shape: no gated norm in the mixer, mamba_d_ssm given, multipliers
+    # the released models' shape: no gated norm in the mixer, mamba_d_ssm given, multipliers;
+    # one group of B and C (FalconH1Config's default: kept whole on every rank under T)
     "mup": dict(
-        mamba_d_ssm=48, mamba_rms_norm=False, embedding_multiplier=2.0, lm_head_multiplier=0.7,
-        key_multiplier=0.5, attention_in_multiplier=1.5, attention_out_multiplier=0.8,
+        mamba_d_ssm=48, mamba_n_groups=1, mamba_rms_norm=False, embedding_multiplier=2.0,
+        lm_head_multiplier=0.7, key_multiplier=0.5, attention_in_multiplier=1.5,
+        attention_out_multiplier=0.8,
         ssm_in_multiplier=1.3, ssm_out_multiplier=0.6, mlp_multipliers=[1.4, 0.9],
         ssm_multipliers=[0.5, 1.2, 0.8, 1.6, 0.7],
     ),
     # the mixer's gated RMSNorm, normalizing before the gate; its width from mamba_expand
     "gated_norm": dict(mamba_d_ssm=None, mamba_expand=1, mamba_rms_norm=True,
-                       mamba_norm_before_gate=True),
+                       mamba_norm_before_gate=True, mamba_n_groups=2),
 }  # fmt: skip
 
 
@@ -40,7 +50,7 @@ def make_falcon(directory: Path, variant: str, seed: int) -> Path:
     transformers = pytest.importorskip("transformers")
     config = transformers.FalconH1Config(
         vocab_size=256, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, mamba_n_heads=4, mamba_n_groups=2,
+        num_attention_heads=4, num_key_value_heads=2, mamba_n_heads=4,
         mamba_d_state=8, mamba_d_conv=4, mamba_chunk_size=4, max_position_embeddings=256,
         initializer_range=0.2, tie_word_embeddings=False, **VARIANTS[variant],
     )  # fmt: skip
@@ -72,15 +82,17 @@ def load(tmp_path_factory: pytest.TempPathFactory) -> Any:
 
 def test_config_state_pool_and_refusals(load: Any) -> None:
     """Every layer keeps KV and a state; the pool is [layers, slots, ...] of the mixer's shape
-    (mamba_d_ssm = 48: 4 heads of 12); TP / speculation / quantization refused by name."""
+    (mamba_d_ssm = 48: 4 heads of 12, one group); speculation / quantization refused by name,
+    tensor and pipeline parallelism not."""
     engine = load("mup").engine
     config = engine.model.config
     assert config.layer_types == ("hybrid", "hybrid")
     assert (config.num_kv_layers, config.num_state_layers) == (2, 2)
     assert config.mamba2 is not None and config.mamba2.ssm_shape == (4, 12, 8)
-    assert engine.state_pool.conv.shape[:3] == (2, engine.info.num_state_slots, 48 + 2 * 2 * 8)
-    for feature in ("tensor_parallel", "speculative_decoding", "quantization"):
+    assert engine.state_pool.conv.shape[:3] == (2, engine.info.num_state_slots, 48 + 2 * 8)
+    for feature in ("speculative_decoding", "quantization"):
         assert family_refusal("falcon_h1", [feature]) is not None, feature
+    assert family_refusal("falcon_h1", ["tensor_parallel", "pipeline_parallel"]) is None
     with pytest.raises(ModelSourceError, match="ssm_multipliers has 3 entries"):
         cfg = {"num_attention_heads": 4, "hidden_size": 32, "num_hidden_layers": 1}
         read_falcon_h1({**cfg, "mamba_d_ssm": 64, "mamba_n_heads": 4, "ssm_multipliers": [1, 1, 1]})
@@ -124,3 +136,27 @@ def test_scheduled_script_matches_hf(load: Any) -> None:
     assert sched.state_slots.num_free_slots == sched.state_slots.num_slots
     check_rows(m, requests, script.rows)
     assert requests[0].token_ids == requests[1].token_ids
+
+
+def test_tensor_and_pipeline_parallel_match_hf(load: Any) -> None:
+    """T = 2 x P = 2, four gloo ranks, on the released shape (every multiplier != 1, one group
+    of B and C): each rank 2 of the 4 Mamba heads (their gate, x and dt rows of in_proj with
+    their mup factors, conv channels, A_log / D / dt_bias, out_proj columns; B and C whole), 2
+    of the 4 query heads and 1 of the 2 KV heads, half the MLP's columns; stage 0 layer 0,
+    stage 1 layer 1, each with its own KV and state pools. The script gives transformers'
+    logits and greedy tokens on the driver, the same tokens on every rank."""
+    m = load("mup")
+    config = EngineConfig(
+        model=str(m.path), device="cpu", num_kv_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE,
+        tensor_parallel_size=2, pipeline_parallel_size=2, num_threads=1, seed=0,
+    )  # fmt: skip
+    ranks = run_group_locally(config, _script_on_rank, timeout=300)
+    tokens = ranks[0][0]
+    rows = next(rank[1] for rank in ranks if rank[1])  # the driver's
+    assert ranks[0][2] > 0 and all(rank[0] == tokens for rank in ranks)
+    # each rank: its stage's one state layer, 2 heads of 12 channels, state size 8
+    assert sorted(rank[3] for rank in ranks) == [(1, config.max_num_seqs, 2, 12, 8)] * 4
+    requests = script_requests()
+    for request, ids in zip(requests, tokens, strict=True):
+        request.token_ids = ids
+    check_rows(m, requests, rows)

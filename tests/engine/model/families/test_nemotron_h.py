@@ -2,8 +2,8 @@
 checkpoint (Mamba, MLP, attention, MLP, Mamba blocks) and a Nemotron 3 one with MoE blocks
 (grouped sigmoid router with the correction bias, experts in a latent space, a shared
 expert): every position of a whole prompt; two chunks with the state carried beside another
-request, then a decode row; greedy decode; the scheduled script, the dense one also at
-T = 2 x P = 2 (the MoE one refused there by name). The step:
+request, then a decode row; greedy decode; the scheduled script, both also at T = 2 x P = 2.
+The step:
 tests/engine/model/families/test_granite_hybrid.py."""
 
 from __future__ import annotations
@@ -33,12 +33,13 @@ from tests.factories import write_byte_tokenizer
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 BLOCKS = ["mamba", "mlp", "attention", "mlp", "mamba"]
-# Nemotron 3's blocks: MoE in place of the MLPs; 8 experts in 4 groups, the best 2 groups
+# Nemotron 3's blocks: MoE in place of the MLPs; 8 experts in 4 groups, the best 2 groups;
+# biases (random) on the latent projections and the shared expert (mlp_bias)
 MOE_BLOCKS = ["mamba", "moe", "attention", "moe", "mamba"]
 MOE = dict(
     n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
     moe_shared_expert_intermediate_size=24, n_group=4, topk_group=2, routed_scaling_factor=2.5,
-    moe_latent_size=16,
+    moe_latent_size=16, mlp_bias=True,
 )  # fmt: skip
 
 
@@ -60,6 +61,8 @@ def make_nemotron(directory: Path, seed: int, blocks: list[str] = BLOCKS, **extr
                 param.add_(torch.randn_like(param) * 0.1)
             elif name.endswith("gate.weight"):  # routing that differs token to token
                 param.copy_(torch.randn_like(param))
+            elif name.endswith("proj.bias"):
+                param.copy_(torch.randn_like(param) * 0.2)
         for name, buffer in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 buffer.copy_(torch.randn_like(buffer) * 0.1)
@@ -158,12 +161,15 @@ def test_scheduled_script_matches_hf(load: Any, variant: str) -> None:
     check_rows(m, requests, script.rows)
 
 
-def test_tensor_and_pipeline_parallel_match_hf(load: Any) -> None:
+@pytest.mark.parametrize("variant", ["dense", "moe"])
+def test_tensor_and_pipeline_parallel_match_hf(load: Any, variant: str) -> None:
     """T = 2 x P = 2, four gloo ranks: each rank 2 of the 4 Mamba heads with 1 of the 2 groups
     of B and C (so the gated norm's groups are the rank's own), half the MLP columns, 1 of
-    the 2 KV heads; stage 0 blocks M - * (its one Mamba layer), stage 1 - M. The script gives
+    the 2 KV heads; stage 0 blocks M - * (its one Mamba layer), stage 1 - M. The MoE blocks
+    (E in the dense one's - places): 4 of the 8 experts a rank, half the shared expert's
+    columns, the grouped router and the latent projections on both. The script gives
     transformers' rows on the driver, the same tokens on every rank."""
-    loaded = load("dense")
+    loaded = load(variant)
     config = EngineConfig(
         model=str(loaded.path), device="cpu", num_kv_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE,
         tensor_parallel_size=2, pipeline_parallel_size=2, num_threads=1, seed=0,
@@ -181,12 +187,12 @@ def test_tensor_and_pipeline_parallel_match_hf(load: Any) -> None:
 
 def test_a_group_count_that_does_not_split_is_refused(load: Any) -> None:
     """Groups of B and C that neither divide by T nor are one: refused at start, naming them;
-    MoE blocks refused with T > 1."""
+    MoE blocks split at T = 2 (8 experts, a shared expert of 24)."""
     config = load("dense").engine.model_config
     assert check_parallel_sizes(config, 2, 1) is None
     assert config.mamba2 is not None
     heads6 = dataclasses.replace(config.mamba2, num_heads=6, num_groups=3)
     why = check_parallel_sizes(dataclasses.replace(config, mamba2=heads6), 2, 1)
     assert why is not None and "mamba_n_groups=3" in why and "tensor_parallel_size=2" in why
-    why = check_parallel_sizes(load("moe").engine.model_config, 2, 1)
-    assert why is not None and "moe" in why
+    moe_config = load("moe").engine.model_config
+    assert check_parallel_sizes(moe_config, 2, 2) is None
