@@ -11,8 +11,10 @@ One request's chunk of n tokens (x [n, hidden]):
     out = out_proj(rmsnorm_groups(y * silu(gate)) * w)                        (G groups)
 
 Head h reads group h // (H / G) of B and C. `recurrent` runs the recurrence token by token
-(a decode row); `chunked` is the state-space-duality form over chunks (a prefill chunk); both
-carry S in and out, so a prefill split anywhere continues where the last chunk stopped.
+(a one-token prompt); `chunked` is the state-space-duality form over chunks (a prefill chunk);
+both carry S in and out, so a prefill split anywhere continues where the last chunk stopped.
+A step's decode rows run together through `ops.ssd_decode` (`Mamba2Mixer.decode_rows`: on a
+GPU kernels/ssd_step.cu, in place on the fp32 state pool).
 `recurrent` runs kernels/ssd_step_reference.py's `ssd_update` (the CUDA decode step's
 reference) per token: the recurrence is written once.
 
