@@ -16,6 +16,8 @@
 #                      timeout_s=150)   (the Qwen3-8B and Qwen3-30B-A3B shapes, issue 26)
 #              or: run(command="bash bench/gpu_engine_check.sh families2", carry=[".whl"],
 #                      timeout_s=165)   (DeepSeek-V2-Lite-sized MLA, gpt-oss-20b, Qwen3-Next, issue 40)
+#              or: run(command="bash bench/gpu_engine_check.sh families3", carry=[".whl"],
+#                      timeout_s=105)   (Granite-4.0-H-Small's shape: Mamba-2 decode, issue 40)
 #
 # --dry-run (no GPU needed): prints the plan (stages, caps, their sum against BUDGET_S), fetches
 # .whl/ with scripts/fetch_gpu_wheels.sh when it is missing (exit 3 when the index cannot be
@@ -29,9 +31,10 @@
 # BUDGET_S=500 (each cap is also cut to what is left of the budget; a stage with under 10 s
 # left is skipped), so one full call (timeout_s=560) takes at most ~11 of the 15 minutes with
 # its start, which leaves one short call for a stage or two (timeout_s <= 165). The `parallel`,
-# `families` and `families2` stages run only when named, as that second call, one of
-# SECOND_CALLS: each with the preflight sums to at most SECOND_CALL_S=150 (the dry run checks
-# every sum). The preflight exits 2 with one line when it fails; nothing after it runs then.
+# `families`, `families2` and `families3` stages run only when named, as that second call, one
+# of SECOND_CALLS: each with the preflight sums to at most SECOND_CALL_S=150 (the dry run checks
+# every sum). families2 is at that sum (3 shapes of 30 s), so Granite-4.0-H-Small's shape is a
+# stage of its own. The preflight exits 2 with one line when it fails; nothing after it runs then.
 #
 # $OUT (bench/results/ when unset) gets at most 8 files, all the device tool returns:
 # gpu_check.json (every stage: status, seconds, figures, a failing stage's last error lines),
@@ -48,8 +51,8 @@ BUDGET_S="${BUDGET_S:-500}"
 PY="${PYTHON:-python3}"
 
 DEFAULT_STAGES="kernels kbench 8b tests smollm2 quant structured lora"
-SECOND_STAGES="parallel families families2"  # the second call's: only when named
-SECOND_CALLS=("parallel families" "families2")  # a session's second call runs one of these
+SECOND_STAGES="parallel families families2 families3"  # the second call's: only when named
+SECOND_CALLS=("parallel families" "families2" "families3")  # a second call runs one of these
 # shellcheck disable=SC2206  # split on purpose: the stage names
 STAGES=(preflight $DEFAULT_STAGES $SECOND_STAGES)
 SECOND_CALL_S=150
@@ -60,7 +63,8 @@ SECOND_CALL_S=150
 # kernels, 8b and tests give up 5-10 s each, and parallel moves to the second call, to keep the
 # first call's sum within 90% of BUDGET_S.
 declare -A CAP=([preflight]=60 [kernels]=30 [kbench]=40 [8b]=90 [tests]=75 [smollm2]=20
-    [quant]=75 [structured]=25 [lora]=30 [parallel]=15 [families]=60 [families2]=90)
+    [quant]=75 [structured]=25 [lora]=30 [parallel]=15 [families]=60 [families2]=90
+    [families3]=30)
 declare -A WHAT=(
     [preflight]="imports, one kernel + the attention self-check, graphs of batch 1 and 2"
     [kernels]="kernel correctness (tests/kernels/test_kernels_cuda.py -m gpu)"
@@ -74,6 +78,7 @@ declare -A WHAT=(
     [parallel]="tests/engine/parallel/test_parallel.py -m gpu (one-rank NCCL group)"
     [families]="on request: Qwen3-8B and Qwen3-30B-A3B shapes bf16, decode b1/b8 (30 s each)"
     [families2]="on request: DeepSeek-V2-Lite-sized MLA, gpt-oss-20b and Qwen3-Next-80B-A3B (12 of 48 layers) shapes bf16, decode b1/b8 (30 s each)"
+    [families3]="on request: Granite-4.0-H-Small (10 of 40 layers) shape bf16, Mamba-2 decode rows on ssd_step.cu, decode b1/b8"
 )
 GE="python3 -m bench.gpu.engine --attention-backend cuda"
 PT="python3 -m pytest -q -p no:cacheprovider"
@@ -105,10 +110,14 @@ $GE --shape qwen3-30b-a3b --out $RAW/families --skip-offline --skip-hf --decode-
     # raw.tgz as the families'.
     # Qwen3-Next-80B-A3B's shape at 12 of its 48 layers (41 GB: all 48 exceed the card), with
     # --attention-backend auto: its head_dim 256 is outside the attention kernels, so the engine
-    # picks DeltaKernelOps (torch attention, kernels/gated_delta.cu for the DeltaNet decode rows).
+    # picks StateKernelOps (torch attention, kernels/gated_delta.cu for the DeltaNet decode rows).
     [families2]="$GE --shape deepseek-v2-lite --out $RAW/families --skip-offline --skip-hf --decode-steps 20
 $GE --shape gpt-oss-20b --out $RAW/families --skip-offline --skip-hf --decode-steps 20
 $GE --shape qwen3-next-80b-a3b-12l --out $RAW/families --skip-offline --skip-hf --decode-steps 20 --attention-backend auto"
+    # Granite-4.0-H-Small's shape at 10 of its 40 layers (9 Mamba-2 + 1 attention, 72 experts
+    # top-10; 8.4 B, 17 GB in bf16), --attention-backend cuda: the CUDA kernels throughout, the
+    # Mamba-2 decode rows on kernels/ssd_step.cu (in the self-check), the chunks in torch.
+    [families3]="$GE --shape granite-4.0-h-small-10l --out $RAW/families --skip-offline --skip-hf --decode-steps 20"
 )
 QUANT_MODE_CAP=25
 FAMILY_CAP=30

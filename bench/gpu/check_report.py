@@ -24,6 +24,7 @@ _ERROR = re.compile(r"error|fail|traceback|assert|exception|timed out|killed", r
 FAMILY_SHAPES = {
     "families": ("qwen3-8b", "qwen3-30b-a3b"),
     "families2": ("deepseek-v2-lite", "gpt-oss-20b", "qwen3-next-80b-a3b-12l"),
+    "families3": ("granite-4.0-h-small-10l",),
 }
 
 
@@ -273,7 +274,7 @@ def report(out: Path, raw: Path, budget_s: int, elapsed_s: int | None) -> tuple[
     stages = read_stages(raw)
     order = [
         "preflight", "kernels", "kbench", "8b", "tests", "smollm2", "quant", "structured", "lora",
-        "parallel", "families", "families2",
+        "parallel", "families", "families2", "families3",
     ]  # fmt: skip
     doc: dict[str, Any] = {
         "benchmark": "gpu_check",

@@ -222,7 +222,10 @@ def decode_floor_bytes(
     quantized copy of the table, the lookup the table's rows); kv_bytes: per KV element. Both
     default to dtype_bytes. Quantization scales and biases are counted as weights (< 0.1%).
     The KV: a sliding layer's window of the context, a full layer's whole context; K and V per
-    KV head, or MLA's one latent row per token."""
+    KV head, or MLA's one latent row per token; none for a layer without KV (a Mamba-2 or gated
+    DeltaNet layer). state: a hybrid model's recurrent state per request, read and written
+    (each state layer's conv state in the model's dtype and fp32 SSM / delta-rule state).
+    Granite's experts are stacked tensors (block_sparse_moe.input_linear / output_linear)."""
     from llmserve.common.model_config import load_model_config
     from llmserve.engine.model.dummy import hf_tensor_shapes
 
@@ -233,7 +236,10 @@ def decode_floor_bytes(
     embed_name = "model.embed_tokens.weight"
     embed = math.prod(shapes[embed_name])
     norms = sum(math.prod(s) for n, s in shapes.items() if n.endswith("norm.weight"))
-    experts = sum(math.prod(s) for n, s in shapes.items() if ".experts." in n)
+    stacked = (".block_sparse_moe.input_linear.", ".block_sparse_moe.output_linear.")
+    experts = sum(
+        math.prod(s) for n, s in shapes.items() if ".experts." in n or any(k in n for k in stacked)
+    )
     linear = sum(
         math.prod(s) for n, s in shapes.items() if n != embed_name and not n.endswith("norm.weight")
     )
@@ -250,13 +256,21 @@ def decode_floor_bytes(
         weights += embed * linear_bytes + lookup
     kv = 0
     for layer in range(config.num_layers):  # a sliding layer reads its window's keys alone
+        if config.kv_layer_index(layer + 1) == config.kv_layer_index(layer):
+            continue  # no KV: a state layer, Nemotron-H's MLP / MoE block
         window = config.layer_window(layer)
         seen = context if window is None else min(context, window)
         if config.mla is not None:  # one latent row per token: K and V are the same slot
             kv += seen * config.mla.latent_dim * kv_bytes
         else:
             kv += seen * 2 * config.num_kv_heads * config.head_dim * kv_bytes
-    return {"weights": weights, "kv": batch * kv}
+    state, layout = 0, config.state_layout  # engine/kv/state.py's pool: fp32 SSM state
+    if layout is not None:
+        per_layer = (
+            math.prod(layout.conv_shape) * dtype_bytes + math.prod(layout.recurrent_shape) * 4
+        )
+        state = 2 * batch * config.num_state_layers * per_layer  # read and written back
+    return {"weights": weights, "kv": batch * kv, "state": state}
 
 
 def synthetic_prompts(num_prompts: int, num_tokens: int, vocab_size: int) -> list[list[int]]:
@@ -325,7 +339,7 @@ def decode_step_times(shape: str, args: argparse.Namespace) -> dict[str, Any]:
         floor = decode_floor_bytes(
             shape, batch, int(mean_context), dtype_bytes, linear_bytes, kv_bytes
         )
-        floor_ms = (floor["weights"] + floor["kv"]) / COPY_BYTES_PER_S * 1e3
+        floor_ms = sum(floor.values()) / COPY_BYTES_PER_S * 1e3
         median = statistics.median(times)
         results[f"batch_{batch}"] = {
             "step_ms_median": median,

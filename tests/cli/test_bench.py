@@ -485,6 +485,27 @@ def test_gpu_engine_decode_floor_kv_of_latents_and_windows() -> None:
         assert abs((weights + table * hidden - 512 * hidden) / params - 1) < 0.01
 
 
+def test_gpu_engine_decode_floor_of_a_mamba_hybrid() -> None:
+    """Granite-4.0-H-Small's shape at 10 of its 40 layers (9 Mamba-2, 1 attention): the KV of
+    the one attention layer alone (8 KV heads of 128); each request's state read and written,
+    9 layers x (conv [8192 + 2 x 128, 3] bf16 + SSM [128, 64, 128] fp32); its 72 stacked
+    experts read as routed (top-10): at batch 1 about 10/72 of them, at batch 512 all, the
+    whole 10-layer model (8.36 B; 32.2 B at 40 layers, the published 32 B)."""
+    from bench.gpu.engine import decode_floor_bytes
+
+    shape = "granite-4.0-h-small-10l"
+    floor = decode_floor_bytes(shape, 2, 1000)
+    assert floor["kv"] == 2 * 1000 * 2 * 8 * 128 * 2
+    assert floor["state"] == 2 * 2 * 9 * ((8192 + 256) * 3 * 2 + 128 * 64 * 128 * 4)
+    table = 100352 * 4096  # tied: the LM head reads the whole table
+    everything = decode_floor_bytes(shape, 512, 0)["weights"] / 2
+    assert abs(everything / 8.36e9 - 1) < 0.01
+    experts = 10 * 72 * 3 * 768 * 4096
+    one = decode_floor_bytes(shape, 1, 0)["weights"] / 2
+    assert abs((everything - one) / (experts * 62 / 72) - 1) < 0.01
+    assert one > table
+
+
 def test_gpu_engine_teacher_forced_logits_are_one_prefills(tmp_path: Path) -> None:
     """The agreement's forwards through an engine's own pool (a prefill step for all prompts,
     then decode steps) give each prompt's logits as one whole prefill does; an engine agrees

@@ -34,10 +34,11 @@ def test_dry_run_passes() -> None:
     out = done.stdout
     assert "sum of caps" in out and "dry run ok" in out
     stages = ("preflight", "kernels", "kbench", "8b", "tests", "smollm2", "quant", "structured")
-    for stage in (*stages, "lora", "parallel", "families", "families2"):
+    for stage in (*stages, "lora", "parallel", "families", "families2", "families3"):
         assert f"dry run: {stage}:" in out, stage
     assert "second call (preflight parallel families) 135 s of SECOND_CALL_S=150 s" in out
     assert "second call (preflight families2) 150 s of SECOND_CALL_S=150 s" in out
+    assert "second call (preflight families3) 90 s of SECOND_CALL_S=150 s" in out
 
 
 def test_wheel_checks_catch_what_the_machine_would_refuse(tmp_path: Path) -> None:

@@ -86,24 +86,6 @@ class StateBatch:
         assert pool is not None
         pool.conv[layer, self.slot_ids(rows, pool.conv.device)] = conv.to(pool.conv.dtype)
 
-    def gather(self, layer: int, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(conv [B, ...], recurrent [B, ...]): copies of rows' states in state layer `layer`
-        (a step's decode rows, taken together: the Mamba-2 mixer's batched decode)."""
-        pool = self.pool
-        assert pool is not None
-        slots = self.slot_ids(rows, pool.conv.device)
-        return pool.conv[layer, slots], pool.recurrent[layer, slots]
-
-    def scatter(
-        self, layer: int, rows: list[int], conv: torch.Tensor, recurrent: torch.Tensor
-    ) -> None:
-        """rows' new states (as gather returned them, [B, ...]) into their slots."""
-        pool = self.pool
-        assert pool is not None
-        slots = self.slot_ids(rows, pool.conv.device)
-        pool.conv[layer, slots] = conv.to(pool.conv.dtype)
-        pool.recurrent[layer, slots] = recurrent.to(pool.recurrent.dtype)
-
     def recurrent(self, layer: int) -> torch.Tensor:
         """State layer `layer`'s recurrent states, every slot ([slots, ...], a view: the decode
         ops update rows' slots in it in place)."""

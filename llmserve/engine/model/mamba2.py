@@ -11,8 +11,10 @@ One request's chunk of n tokens (x [n, hidden]):
     out = out_proj(rmsnorm_groups(y * silu(gate)) * w)                        (G groups)
 
 Head h reads group h // (H / G) of B and C. `recurrent` runs the recurrence token by token
-(a decode row); `chunked` is the state-space-duality form over chunks (a prefill chunk); both
-carry S in and out, so a prefill split anywhere continues where the last chunk stopped.
+(a one-token prompt); `chunked` is the state-space-duality form over chunks (a prefill chunk);
+both carry S in and out, so a prefill split anywhere continues where the last chunk stopped.
+A step's decode rows run together through `ops.ssd_decode` (`Mamba2Mixer.decode_rows`: on a
+GPU kernels/ssd_step.cu, in place on the fp32 state pool).
 `recurrent` runs kernels/ssd_step_reference.py's `ssd_update` (the CUDA decode step's
 reference) per token: the recurrence is written once.
 
@@ -37,6 +39,7 @@ from torch import nn
 
 from llmserve.common.mamba2_config import Mamba2Config
 from llmserve.engine.model.layers import Linear, default_weight_loader
+from llmserve.engine.model.ops import LayerOps, OpsModule, ReferenceOps
 from llmserve.engine.parallel.groups import TPGroup
 from llmserve.kernels.ssd_step_reference import ssd_update
 
@@ -229,11 +232,13 @@ class RowParts(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
-class Mamba2Mixer(nn.Module):
+class Mamba2Mixer(OpsModule):
     """One Mamba-2 layer (the module docstring); state layer `state_idx` of the state pool.
     Parameters carry HF's names (in_proj, conv1d, dt_bias, A_log, D, norm, out_proj). Falcon-H1
     (Mamba2Config's multipliers and norm fields): the input times in_multiplier, in_proj's
-    parts times proj_multipliers, no norm weight where gated_norm is off."""
+    parts times proj_multipliers, no norm weight where gated_norm is off. A step's decode rows
+    run their recurrence through `ops.ssd_decode` (on a GPU, kernels/ssd_step.cu when
+    select_ops picks it); chunks through `run_chunk` in torch."""
 
     def __init__(
         self,
@@ -242,8 +247,9 @@ class Mamba2Mixer(nn.Module):
         eps: float,
         state_idx: int,
         tp: TPGroup | None = None,
+        ops: LayerOps | None = None,
     ):
-        super().__init__()
+        super().__init__(ops or ReferenceOps())
         self.tp = tp = tp or TPGroup()
         self.shape = s = shape.split(tp.size)  # this rank's heads (and groups)
         self.eps, self.state_idx = eps, state_idx
@@ -323,10 +329,11 @@ class Mamba2Mixer(nn.Module):
         states: Any,
     ) -> None:
         """Decode rows `rows` (one token each, at `tokens` of the flattened batch) as one
-        batch: their states gathered, the conv's one output per row as a product with the
-        taps, `ssd_update` over all rows at once, the states scattered back; y's rows filled."""
+        batch: their conv states gathered, the conv's one output per row as a product with the
+        taps, then `ops.ssd_decode` on their slots of the layer's SSM pool (in place), the conv
+        states scattered back; y's rows filled."""
         s, n = self.shape, len(rows)
-        conv, ssm = states.gather(self.state_idx, rows)  # [R, C, K - 1], [R, H, P, N]
+        conv = states.gather_conv(self.state_idx, rows)  # [R, C, K - 1]
         index = torch.tensor(tokens, device=xbc.device)
         full = torch.cat((conv.to(xbc.dtype), xbc[index][..., None]), dim=-1)  # [R, C, K]
         weight = self.conv1d.weight.reshape(s.conv_dim, -1)
@@ -335,11 +342,14 @@ class Mamba2Mixer(nn.Module):
             mixed = mixed + self.conv1d.bias
         x, b, c = F.silu(mixed).split([s.intermediate_size, s.group_size, s.group_size], dim=-1)
         b, c = b.reshape(n, s.num_groups, s.state_size), c.reshape(n, s.num_groups, s.state_size)
-        step = discretize(dt[index], self.dt_bias, s.time_step_limit)
         a = -torch.exp(self.A_log.float())
-        out, new = ssd_update(x.reshape(n, s.num_heads, s.head_dim), step, a, b, c, self.D, ssm)
-        y[index] = out.reshape(n, s.intermediate_size)
-        states.scatter(self.state_idx, rows, full[..., 1:], new)
+        pool = states.recurrent(self.state_idx)  # [slots, H, P, N] float32
+        out = self.ops.ssd_decode(
+            x.reshape(n, s.num_heads, s.head_dim), dt[index], self.dt_bias, a, b, c, self.D,
+            pool, states.slot_ids(rows, pool.device), s.time_step_limit,
+        )  # fmt: skip
+        y[index] = out.reshape(n, s.intermediate_size).to(y.dtype)
+        states.scatter_conv(self.state_idx, rows, full[..., 1:])
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, ctx: object) -> torch.Tensor:
         """The flattened batch's rows (ctx.cu_seqlens_q), each from and back into its state
@@ -352,11 +362,12 @@ class Mamba2Mixer(nn.Module):
         if states is not None and states.pool is None:
             states = None
         y = torch.empty(hidden.shape[0], s.intermediate_size, device=hidden.device)
-        # a step's decode rows (one token, running on) together; the other rows one by one
+        # a step's decode rows (one token, running on) together (ops.ssd_decode: on a GPU one
+        # kernel launch); the other rows one by one
         batched = [] if states is None else [
             r for r in range(len(cu) - 1) if cu[r + 1] - cu[r] == 1 and seq_lens[r] > 1
         ]  # fmt: skip
-        if len(batched) > 1 and self.batch_decode:
+        if batched and self.batch_decode:
             self.decode_rows(batched, [cu[r] for r in batched], xbc, dt, y, states)
         else:
             batched = []

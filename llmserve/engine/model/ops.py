@@ -6,9 +6,9 @@
 - `KernelOps`: kernels/cuda.py (store_kv, paged decode / varlen prefill attention, fused RMSNorm,
   rotary, SiLU-and-mul). Reads the step's metadata as int32 device tensors, made once per step by
   `prepare` (or given by a CUDA graph's static buffers), and never synchronizes.
-- `DeltaKernelOps`: ReferenceOps, except the gated DeltaNet layers' decode rows through
-  kernels/gated_delta.cu: a GPU model with DeltaNet layers whose attention the kernels cannot run
-  (Qwen3-Next's head_dim 256).
+- `StateKernelOps`: ReferenceOps, except the recurrent layers' decode rows through their CUDA
+  kernel (gated DeltaNet: kernels/gated_delta.cu; Mamba-2: kernels/ssd_step.cu): a GPU model
+  with such layers whose attention the kernels cannot run (Qwen3-Next's head_dim 256).
 
 The layers call `ops.<op>(...)` and never ask which backend they have.
 """
@@ -31,6 +31,9 @@ from llmserve.engine.step.sampler import to_device
 from llmserve.kernels import gated_delta_reference as gdr
 from llmserve.kernels import moe_reference as moe_ref
 from llmserve.kernels import reference as ref
+from llmserve.kernels.ssd_step_reference import ssd_update
+
+NO_LIMIT = (0.0, float("inf"))  # Mamba-2's default time_step_limit: no clamp
 
 if TYPE_CHECKING:
     from llmserve.common.model_config import ModelConfig
@@ -118,6 +121,18 @@ class LayerOps:
         row's slot (slot_ids) updated in place. Returns [B, H, dv]."""
         out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
         return gdr.gated_delta_step(q, k, v, g.float(), beta.float(), state, slot_ids, out)
+
+    def ssd_decode(
+        self, x: Tensor, dt: Tensor, dt_bias: Tensor, a: Tensor, b: Tensor, c: Tensor,
+        d: Tensor, state: Tensor, slot_ids: Tensor, limit: tuple[float, float] = NO_LIMIT,
+    ) -> Tensor:  # fmt: skip
+        """One token of B decode rows of a Mamba-2 layer (engine/model/mamba2.py), after its
+        conv: x [B, H, P]; dt [B, H] raw (before dt_bias, softplus and the clamp to `limit`,
+        the config's time_step_limit); dt_bias, a (= -exp(A_log)), d [H]; b, c [B, G, N];
+        state: the layer's pool [slots, H, P, N] float32, each row's slot (slot_ids) updated
+        in place. Returns y [B, H, P] (D x included, before the gated norm) in x's dtype, as
+        kernels/ssd_step.cu writes it."""
+        return _ssd_torch(x, dt, dt_bias, a, b, c, d, state, slot_ids, limit)
 
     def gelu_tanh_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """kernels/reference.py's on every backend (no CUDA kernel of its own yet)."""
@@ -306,17 +321,54 @@ def _delta_kernel(
     return kc.gated_delta_step(q, k, v, g, beta, state, slot_ids, out)
 
 
-class DeltaKernelOps(ReferenceOps):
-    """ReferenceOps with the gated delta rule's decode step on kernels/gated_delta.cu
-    (select_ops's fallback for a GPU model with DeltaNet layers, see the module)."""
+def _ssd_torch(
+    x: Tensor, dt: Tensor, dt_bias: Tensor, a: Tensor, b: Tensor, c: Tensor, d: Tensor,
+    state: Tensor, slot_ids: Tensor, limit: tuple[float, float],
+) -> Tensor:  # fmt: skip
+    """LayerOps.ssd_decode in torch (kernels/ssd_step_reference.py's ssd_update over all rows
+    at once: their states gathered, updated, scattered back)."""
+    step = torch.nn.functional.softplus(dt.float() + dt_bias.float()).clamp(*limit)
+    y, new = ssd_update(x, step, a, b, c, d, state[slot_ids])
+    state[slot_ids] = new
+    return y.to(x.dtype)
 
-    name = "torch+gated_delta.cu"
+
+def _ssd_kernel(
+    x: Tensor, dt: Tensor, dt_bias: Tensor, a: Tensor, b: Tensor, c: Tensor, d: Tensor,
+    state: Tensor, slot_ids: Tensor, limit: tuple[float, float],
+) -> Tensor:  # fmt: skip
+    """LayerOps.ssd_decode through kernels/ssd_step.cu (no sync). The kernel
+    has no clamp: a time_step_limit other than (0, inf) runs `_ssd_torch` (select_ops says so
+    at start, _clamp_note)."""
+    import llmserve.kernels.cuda as kc
+
+    if limit != NO_LIMIT:
+        return _ssd_torch(x, dt, dt_bias, a, b, c, d, state, slot_ids, limit)
+    x, b, c = (t.contiguous() for t in (x, b, c))
+    dt, dt_bias, a, d = (t.float().contiguous() for t in (dt, dt_bias, a, d))
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    return kc.ssd_step(x, dt, dt_bias, a, b, c, d, state, slot_ids, out)
+
+
+class StateKernelOps(ReferenceOps):
+    """ReferenceOps with the recurrent layers' decode steps on their CUDA kernels (select_ops's
+    fallback for a GPU model with gated DeltaNet or Mamba-2 layers, see the module); `name`
+    says which kernel the model's layers use."""
+
+    def __init__(self, name: str = "torch+gated_delta.cu") -> None:
+        self.name = name
 
     def gated_delta_decode(
         self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor,
         slot_ids: Tensor,
     ) -> Tensor:  # fmt: skip
         return _delta_kernel(q, k, v, g, beta, state, slot_ids)
+
+    def ssd_decode(
+        self, x: Tensor, dt: Tensor, dt_bias: Tensor, a: Tensor, b: Tensor, c: Tensor,
+        d: Tensor, state: Tensor, slot_ids: Tensor, limit: tuple[float, float] = NO_LIMIT,
+    ) -> Tensor:  # fmt: skip
+        return _ssd_kernel(x, dt, dt_bias, a, b, c, d, state, slot_ids, limit)
 
 
 class KernelOps(LayerOps):
@@ -412,6 +464,13 @@ class KernelOps(LayerOps):
     ) -> Tensor:  # fmt: skip
         return _delta_kernel(q, k, v, g, beta, state, slot_ids)
 
+    def ssd_decode(
+        self, x: Tensor, dt: Tensor, dt_bias: Tensor, a: Tensor, b: Tensor, c: Tensor,
+        d: Tensor, state: Tensor, slot_ids: Tensor, limit: tuple[float, float] = NO_LIMIT,
+    ) -> Tensor:  # fmt: skip
+        """kernels/ssd_step.cu (graph-safe, no sync)."""
+        return _ssd_kernel(x, dt, dt_bias, a, b, c, d, state, slot_ids, limit)
+
     def rotary(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -493,18 +552,29 @@ def kernel_limits(config: ModelConfig, dtype: torch.dtype, block_size: int) -> s
         return f"intermediate_size={config.intermediate_size}: silu_and_mul needs a multiple of 8"
     if config.moe is not None and config.moe.intermediate_size % 8:
         return f"moe_intermediate_size={config.moe.intermediate_size}: moe.cu needs a multiple of 8"
-    return delta_kernel_limits(config)
+    return state_kernel_limits(config)
 
 
-def delta_kernel_limits(config: ModelConfig) -> str | None:
-    """Why kernels/gated_delta.cu cannot run this model's DeltaNet layers (None: it can, or
-    the model has none)."""
+def state_kernel_limits(config: ModelConfig) -> str | None:
+    """Why the recurrent layers' decode kernel (kernels/gated_delta.cu for gated DeltaNet,
+    kernels/ssd_step.cu for Mamba-2) cannot run this model's layers (None: it can, or the model
+    has none)."""
     from llmserve.kernels.gated_delta import GDN_MAX_DK
+    from llmserve.kernels.ssd_step import MAX_GRID_Y
 
-    delta = config.gated_delta_net
+    delta, mamba = config.gated_delta_net, config.mamba2
     if delta is not None and delta.head_k_dim > GDN_MAX_DK:
         return f"linear_key_head_dim={delta.head_k_dim}: gated_delta.cu needs <= {GDN_MAX_DK}"
+    if mamba is not None and mamba.num_heads > MAX_GRID_Y:
+        return f"mamba_n_heads={mamba.num_heads}: ssd_step.cu needs <= {MAX_GRID_Y}"
     return None
+
+
+def _clamp_note(config: ModelConfig) -> str:
+    """What the start line adds for Mamba-2 layers whose dt is clamped (ssd_step.cu has no
+    clamp: their decode rows stay on torch, `_ssd_kernel`)."""
+    limit = NO_LIMIT if config.mamba2 is None else config.mamba2.time_step_limit
+    return "" if limit == NO_LIMIT else f"; Mamba-2 decode in torch: time_step_limit={limit}"
 
 
 def select_ops(
@@ -516,9 +586,9 @@ def select_ops(
 ) -> tuple[LayerOps, str]:
     """(ops, why). backend: "torch" = ReferenceOps (CpuOps on a CPU); "cuda" = KernelOps or a
     ValueError saying why not; "auto" = KernelOps on a GPU whenever they can run and pass
-    `self_check`, else ReferenceOps (CpuOps on a CPU; DeltaKernelOps on a GPU for a model with
-    gated DeltaNet layers whose decode kernel passes its self-check); why: the reason the
-    kernels were not used."""
+    `self_check`, else ReferenceOps (CpuOps on a CPU; StateKernelOps on a GPU for a model with
+    gated DeltaNet or Mamba-2 layers whose decode kernel passes its self-check); why: the
+    reason the kernels were not used, or what the recurrent layers got."""
     if backend not in ATTENTION_BACKENDS:
         raise ValueError(f"attention backend {backend!r} must be one of {ATTENTION_BACKENDS}")
     if backend == "torch":
@@ -538,7 +608,7 @@ def select_ops(
         ops = KernelOps()
         why_not = self_check(ops, config, dtype, device, block_size)
         if why_not is None:
-            return ops, "CUDA kernels (kernels/cuda.py), self-check passed"
+            return ops, f"CUDA kernels (kernels/cuda.py), self-check passed{_clamp_note(config)}"
     if backend == "cuda":
         raise ValueError(f"--attention-backend cuda: {why_not}")
     return _torch_ops(config, dtype, device, block_size, f"fell back to torch: {why_not}")
@@ -547,24 +617,27 @@ def select_ops(
 def _torch_ops(
     config: ModelConfig, dtype: torch.dtype, device: torch.device, block_size: int, why: str
 ) -> tuple[LayerOps, str]:
-    """select_ops's GPU fallback: DeltaKernelOps for a model with gated DeltaNet layers whose
-    decode kernel runs here (fp16 / bf16, CuPy, dk <= 256) and passes `self_check`, else
-    ReferenceOps; why, extended with what the DeltaNet layers got."""
-    if config.gated_delta_net is None:
+    """select_ops's GPU fallback: StateKernelOps for a model with gated DeltaNet or Mamba-2
+    layers whose decode kernel runs here (fp16 / bf16, CuPy, state_kernel_limits) and passes
+    `self_check`, else ReferenceOps; why, extended with what those layers got."""
+    if config.gated_delta_net is None and config.mamba2 is None:
         return ReferenceOps(), why
     import llmserve.kernels.cuda as kc
 
-    why_not = delta_kernel_limits(config)
+    delta = config.gated_delta_net is not None
+    what, kernel = ("DeltaNet", "gated_delta.cu") if delta else ("Mamba-2", "ssd_step.cu")
+    why_not = state_kernel_limits(config)
     if dtype not in (torch.float16, torch.bfloat16):
         why_not = f"dtype {str(dtype).removeprefix('torch.')}"
     elif why_not is None and not kc.is_available():
         why_not = "kernels.cuda.is_available() is False"
-    ops = DeltaKernelOps()
+    ops = StateKernelOps(f"torch+{kernel}")
     if why_not is None:
         why_not = self_check(ops, config, dtype, device, block_size)
     if why_not is not None:
-        return ReferenceOps(), f"{why}; the DeltaNet layers through torch too: {why_not}"
-    return ops, f"{why}; the DeltaNet layers' decode rows through kernels/gated_delta.cu"
+        return ReferenceOps(), f"{why}; the {what} layers through torch too: {why_not}"
+    note = _clamp_note(config)
+    return ops, f"{why}; the {what} layers' decode rows through kernels/{kernel}{note}"
 
 
 def self_check(
@@ -615,6 +688,8 @@ def _check_cases(
         yield "moe_experts", got, want
     if config.gated_delta_net is not None:
         yield from _delta_cases(ops, ref_ops, config, rand, gen, device)
+    if config.mamba2 is not None:
+        yield from _ssd_cases(ops, ref_ops, config, rand, gen, device)
     if config.mla is not None:
         yield from _latent_cases(ops, ref_ops, config, rand, device, block_size)
         return
@@ -661,6 +736,33 @@ def _delta_cases(
     want = ref_ops.gated_delta_decode(q, k, v, g, beta, states[1], slot_ids)
     yield "gated_delta_decode", got, want
     yield "gated_delta_decode (state)", states[0], states[1]
+
+
+def _ssd_cases(
+    ops: LayerOps,
+    ref_ops: LayerOps,
+    config: ModelConfig,
+    rand: Callable[..., Tensor],
+    gen: torch.Generator,
+    device: torch.device,
+) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
+    """ssd_decode beside the reference at the model's Mamba-2 widths: 3 rows in slots 2, 0, 3
+    of 4 (dt both sides of softplus's threshold 20); y and the updated pool."""
+    assert config.mamba2 is not None
+    m = config.mamba2
+    heads, dim, n = m.num_heads, m.head_dim, m.state_size
+    x, b, c = rand(3, heads, dim), rand(3, m.num_groups, n), rand(3, m.num_groups, n)
+    dt = torch.randn(3, heads, generator=gen).to(device)
+    dt[0, 0] = 25.0
+    dt_bias, d = (torch.randn(heads, generator=gen).to(device) for _ in range(2))
+    a = -torch.rand(heads, generator=gen).to(device)
+    pool = (torch.randn(4, heads, dim, n, generator=gen) * 0.1).to(device)
+    slot_ids = torch.tensor([2, 0, 3], dtype=torch.int64, device=device)
+    states = [pool.clone(), pool.clone()]
+    got = ops.ssd_decode(x, dt, dt_bias, a, b, c, d, states[0], slot_ids)
+    want = ref_ops.ssd_decode(x, dt, dt_bias, a, b, c, d, states[1], slot_ids)
+    yield "ssd_decode", got, want
+    yield "ssd_decode (state)", states[0], states[1]
 
 
 def _latent_cases(

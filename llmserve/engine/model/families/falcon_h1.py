@@ -110,7 +110,7 @@ class FalconH1ForCausalLM(LlamaForCausalLM):
         start = self.shard.layers.start
         state = config.state_layer_index(layer) - config.state_layer_index(start)
         eps = config.rms_norm_eps
-        mamba = Mamba2Mixer(config.hidden_size, config.mamba2, eps, state, tp)
+        mamba = Mamba2Mixer(config.hidden_size, config.mamba2, eps, state, tp, ops)
         kv = config.kv_layer_index(layer) - config.kv_layer_index(start)
         attn = Attention(config, kv, self.rotary_emb, ops, tp)
         return FalconH1DecoderLayer(config, mamba, attn, ops, tp)

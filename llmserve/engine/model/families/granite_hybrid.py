@@ -156,7 +156,7 @@ class GraniteMoeHybridForCausalLM(LlamaForCausalLM):
         if config.layer_types[layer] == STATE_LAYER:
             assert config.mamba2 is not None, "granite_hybrid: config.json gave no mamba_* fields"
             eps = config.rms_norm_eps
-            mixer = Mamba2Mixer(config.hidden_size, config.mamba2, eps, index, tp)
+            mixer = Mamba2Mixer(config.hidden_size, config.mamba2, eps, index, tp, ops)
         else:
             rotary = NoRotary(config, ops) if layer in config.nope_layers else self.rotary_emb
             mixer = Attention(config, index, rotary, ops, tp)

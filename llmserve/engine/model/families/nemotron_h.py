@@ -152,7 +152,7 @@ class NemotronHForCausalLM(LlamaForCausalLM):
             assert config.mamba2 is not None, "nemotron_h: config.json gave no mamba fields"
             index = layer_index(config, layer, self.shard.layers.start)
             eps = config.rms_norm_eps
-            mixer = Mamba2Mixer(config.hidden_size, config.mamba2, eps, index, tp)
+            mixer = Mamba2Mixer(config.hidden_size, config.mamba2, eps, index, tp, ops)
         elif kind == "mlp":
             mixer = Relu2MLP(config, tp)
         elif kind == "moe":

@@ -227,3 +227,80 @@ def test_tensor_and_pipeline_parallel_match_hf(load: Any) -> None:
     for request, ids in zip(requests, tokens, strict=True):
         request.token_ids = ids
     check_rows(m, requests, rows)
+
+
+@torch.inference_mode()
+def test_decode_rows_through_the_ssd_kernel_on_the_emulator(load: Any) -> None:
+    """The GPU path (StateKernelOps: kernels/ssd_step.cu for the Mamba layers' decode rows, on
+    the kernel emulator) beside the CPU's torch ops, both bf16, on the two-group model (heads
+    0-1 read group 0, 2-3 group 1): a prefill of two requests (20 and 7 tokens, slots 3 and
+    1), then 3 decode steps of both. Hidden states and the conv pool within 1e-3, the fp32 SSM
+    pool within 1e-5 (relative L2; 0.0 and 8e-10 measured: both paths give y in bf16, and
+    ReferenceOps' fp32 y, before it did, moved the hidden states 1-2% apart over 3 steps). One
+    launch per Mamba layer per decode step, none in the prefill (chunks stay on the torch
+    chunked form); KernelOps runs the same kernel. And the ops pass select_ops's self-check at
+    this model's widths."""
+    from llmserve.engine.kv.cache import allocate_kv_cache, layer_views
+    from llmserve.engine.kv.state import StatePool
+    from llmserve.engine.model.ops import KernelOps, ReferenceOps, StateKernelOps, self_check
+    from llmserve.engine.model.weights import build_model, load_weights
+    from tests.engine.model.families.test_qwen3_next import _context
+    from tests.kernel_emu import emu
+
+    path = load("dense_rope").path
+    config = load("dense_rope").engine.model.config
+    cpu, bf16 = torch.device("cpu"), torch.bfloat16
+    net = build_model(config, load_weights(path, config), 256, bf16, cpu)
+    prompts, tables, slots = [prompt(20, seed=5), prompt(7, seed=6)], [[4, 1, 6], [2, 7, 0]], [3, 1]
+    results = {}
+    with emu.installed_or_skip() as emulator:
+        for ops in (ReferenceOps(), StateKernelOps("torch+ssd_step.cu")):
+            net.set_ops(ops)
+            kv = layer_views(allocate_kv_cache(config, 8, BLOCK_SIZE, bf16, cpu))
+            pool = StatePool(config, 4, bf16, cpu)
+            tokens = [list(p) for p in prompts]
+            hidden, launches = [], []
+            for step in range(4):
+                starts = [0, 0] if step == 0 else [len(t) - 1 for t in tokens]
+                ctx = _context(kv, pool, tokens, starts, tables, slots)
+                emulator.launches.clear()
+                pairs = list(zip(tokens, starts, strict=True))
+                ids = torch.tensor([x for t, s in pairs for x in t[s:]])
+                pos = torch.tensor([p for t, s in pairs for p in range(s, len(t))])
+                hidden.append(net(ids, pos, ctx))
+                launches.append(len(emulator.launches))
+                for t in tokens:
+                    t.append((t[-1] * 7 + step) % config.vocab_size)
+            results[ops.name] = hidden, pool.recurrent.clone(), pool.conv.clone(), launches
+        assert self_check(StateKernelOps(), config, bf16, cpu, BLOCK_SIZE) is None
+        kernel_launches = _kernel_ops_launches(emulator, KernelOps())
+    net.set_ops(ReferenceOps())
+    (want, want_pool, want_conv, none), (got, got_pool, got_conv, launched) = results.values()
+    assert none == [0, 0, 0, 0] and launched == [0, 2, 2, 2]  # 2 Mamba layers
+    for step, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert rel_err(g.float(), w.float()) < 1e-3, step
+    assert rel_err(got_pool, want_pool) < 1e-5 and rel_err(got_conv, want_conv) < 1e-3
+    assert kernel_launches == (1, 0)
+
+
+def _kernel_ops_launches(emulator: Any, ops: Any) -> tuple[int, ...]:
+    """KernelOps.ssd_decode on 2 rows beside ReferenceOps' (y within 1%, the pool within 1e-5),
+    without and with a clamp of dt (time_step_limit (0, 0.5): the kernel has none, torch runs
+    it); how many kernels each launched."""
+    from llmserve.engine.model.ops import ReferenceOps
+
+    gen = torch.Generator().manual_seed(3)
+    x, b, c = (
+        torch.randn(2, *shape, generator=gen).bfloat16() for shape in ((4, 8), (2, 8), (2, 8))
+    )
+    dt, bias, d = torch.randn(2, 4, generator=gen), torch.randn(4, generator=gen), torch.ones(4)
+    a, pool, slot_ids = -torch.rand(4, generator=gen), torch.randn(3, 4, 8, 8), torch.tensor([2, 0])
+    launches = []
+    for limit in ((0.0, float("inf")), (0.0, 0.5)):
+        want_pool = pool.clone()
+        want = ReferenceOps().ssd_decode(x, dt, bias, a, b, c, d, want_pool, slot_ids, limit)
+        emulator.launches.clear()
+        got = ops.ssd_decode(x, dt, bias, a, b, c, d, pool, slot_ids, limit)
+        assert rel_err(got.float(), want.float()) < 1e-2 and rel_err(pool, want_pool) < 1e-5
+        launches.append(len(emulator.launches))
+    return tuple(launches)

@@ -261,7 +261,7 @@ def test_the_state_pool_comes_out_of_the_kv_budget(model: Loaded) -> None:
 
 @torch.inference_mode()
 def test_decode_rows_through_the_delta_kernel_on_the_emulator(model: Loaded) -> None:
-    """The GPU path (DeltaKernelOps: kernels/gated_delta.cu for the DeltaNet layers' decode
+    """The GPU path (StateKernelOps: kernels/gated_delta.cu for the DeltaNet layers' decode
     rows, on the kernel emulator) beside the CPU's torch ops, both bf16: a prefill of two
     requests (20 and 7 tokens, slots 3 and 1), then 3 decode steps of both. Hidden states and
     the fp32 recurrent pool within 1% (relative L2; 0.0 measured on the emulator); one launch
@@ -269,7 +269,7 @@ def test_decode_rows_through_the_delta_kernel_on_the_emulator(model: Loaded) -> 
     form). And the ops pass select_ops's self-check at this model's widths."""
     from llmserve.engine.kv.cache import allocate_kv_cache, layer_views
     from llmserve.engine.kv.state import StatePool
-    from llmserve.engine.model.ops import DeltaKernelOps, ReferenceOps, self_check
+    from llmserve.engine.model.ops import ReferenceOps, StateKernelOps, self_check
     from llmserve.engine.model.weights import build_model, load_weights
     from tests.kernel_emu import emu
 
@@ -279,7 +279,7 @@ def test_decode_rows_through_the_delta_kernel_on_the_emulator(model: Loaded) -> 
     prompts, tables, slots = [prompt(20, seed=5), prompt(7, seed=6)], [[4, 1, 6], [2, 7, 0]], [3, 1]
     results = {}
     with emu.installed_or_skip() as emulator:
-        for ops in (ReferenceOps(), DeltaKernelOps()):
+        for ops in (ReferenceOps(), StateKernelOps()):
             net.set_ops(ops)
             kv = layer_views(allocate_kv_cache(config, 8, BLOCK_SIZE, bf16, cpu))
             pool = StatePool(config, 4, bf16, cpu)
@@ -298,7 +298,7 @@ def test_decode_rows_through_the_delta_kernel_on_the_emulator(model: Loaded) -> 
                 for t in tokens:
                     t.append((t[-1] * 7 + step) % config.vocab_size)
             results[ops.name] = hidden, pool.recurrent.clone(), launches
-        assert self_check(DeltaKernelOps(), config, bf16, cpu, BLOCK_SIZE) is None
+        assert self_check(StateKernelOps(), config, bf16, cpu, BLOCK_SIZE) is None
     net.set_ops(ReferenceOps())
     (want, want_pool, none), (got, got_pool, launched) = results.values()
     assert none == [0, 0, 0, 0] and launched == [0, 3, 3, 3]  # 3 DeltaNet layers
