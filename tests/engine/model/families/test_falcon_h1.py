@@ -15,7 +15,12 @@ import torch
 from llmserve.common.families import family_refusal
 from llmserve.common.families.falcon_h1 import read_falcon_h1
 from llmserve.common.families.registry import ModelSourceError
-from tests.engine.model.families.test_granite_hybrid import TOLERANCE, Loaded
+from tests.engine.model.families.test_granite_hybrid import (
+    TOLERANCE,
+    Loaded,
+    check_prompt,
+    gguf_twin,
+)
 from tests.engine.model.families.test_qwen3_next import check_rows, run_requests, script_requests
 from tests.engine.model.test_model import prompt, rel_err
 from tests.factories import write_byte_tokenizer
@@ -124,3 +129,15 @@ def test_scheduled_script_matches_hf(load: Any) -> None:
     assert sched.state_slots.num_free_slots == sched.state_slots.num_slots
     check_rows(m, requests, script.rows)
     assert requests[0].token_ids == requests[1].token_ids
+
+
+def test_from_a_gguf_as_llama_cpps_converter_writes_it(load: Any, tmp_path: Path) -> None:
+    """`falcon-h1`: every muP multiplier multiplied into the weights by the converter (none
+    written as a key, so all read as 1), the mixer's tensors rewritten as Mamba-2's: a prompt
+    as transformers' (which applies the multipliers at run time)."""
+    m = gguf_twin(load("mup"), tmp_path / "falcon.gguf")
+    config = m.engine.model.config
+    assert config.embed_scale == 1.0 and config.falcon_multipliers is not None
+    assert config.falcon_multipliers.lm_head == 1.0
+    assert config.mamba2 is not None and config.mamba2.proj_multipliers == (1.0,) * 5
+    check_prompt(m)

@@ -20,7 +20,12 @@ from llmserve.common.families.registry import ModelSourceError
 from llmserve.common.model_config import check_parallel_sizes
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.parallel.ranks import run_group_locally
-from tests.engine.model.families.test_granite_hybrid import TOLERANCE, Loaded
+from tests.engine.model.families.test_granite_hybrid import (
+    TOLERANCE,
+    Loaded,
+    check_prompt,
+    gguf_twin,
+)
 from tests.engine.model.families.test_qwen3_next import (
     _script_on_rank,
     check_rows,
@@ -77,6 +82,9 @@ def load(tmp_path_factory: pytest.TempPathFactory) -> Any:
             directory = tmp_path_factory.mktemp(variant)
             if variant == "moe":
                 path = make_nemotron(directory, 13, MOE_BLOCKS, **MOE)
+            elif variant == "moe_one_group":  # Nemotron 3 Nano's routing: one group
+                moe = {**MOE, "n_group": 1, "topk_group": 1}
+                path = make_nemotron(directory, 17, MOE_BLOCKS, **moe)
             else:
                 path = make_nemotron(directory, seed=11)
             cache[variant] = Loaded(path, "NemotronHForCausalLM")
@@ -190,3 +198,28 @@ def test_a_group_count_that_does_not_split_is_refused(load: Any) -> None:
     assert why is not None and "mamba_n_groups=3" in why and "tensor_parallel_size=2" in why
     why = check_parallel_sizes(load("moe").engine.model_config, 2, 1)
     assert why is not None and "moe" in why
+
+
+@pytest.mark.parametrize("variant", ["dense", "moe_one_group"])
+def test_from_a_gguf_as_llama_cpps_converter_writes_it(
+    load: Any, variant: str, tmp_path: Path
+) -> None:
+    """`nemotron_h` (dense) and `nemotron_h_moe` (the experts stacked, the correction bias as
+    exp_probs_b, the latent projections): the blocks from the per-layer head_count_kv and
+    feed_forward_length, the MoE from the expert keys, a prompt as transformers'."""
+    m = gguf_twin(load(variant), tmp_path / f"{variant}.gguf")
+    assert m.engine.model.config.moe == load(variant).engine.model.config.moe
+    check_prompt(m)
+
+
+def test_a_gguf_of_grouped_routing_without_the_kept_group_count_is_refused(
+    load: Any, tmp_path: Path
+) -> None:
+    """The converter writes expert_group_count but not how many groups each token keeps: a
+    file of 4 groups is refused naming both keys, not routed over a guessed count."""
+    from llmserve.common.model_config import load_model_config
+    from tests.mamba2_gguf import write_mamba2_gguf
+
+    path = write_mamba2_gguf(load("moe").path, tmp_path / "grouped.gguf")
+    with pytest.raises(ModelSourceError, match=r"expert_group_count=4 without .*group_used_count"):
+        load_model_config(path)
