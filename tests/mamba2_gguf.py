@@ -206,10 +206,18 @@ def _nemotron_metadata(w: gguf.GGUFWriter, cfg: dict[str, Any], kinds: list[str]
             w.add_moe_latent_size(cfg["moe_latent_size"])
 
 
-def write_mamba2_gguf(hf_dir: Path, path: Path) -> Path:
+def _quantized(name: str, data: np.ndarray) -> bool:
+    """What the converter's --outtype q8_0 stores as Q8_0 (norms and the router stay float;
+    here also any weight whose rows are not whole 32-value blocks)."""
+    floats = ("_norm.weight", "ffn_gate_inp.weight", "ssm_conv1d.weight")
+    return not name.endswith(floats) and data.ndim == 2 and data.shape[-1] % 32 == 0
+
+
+def write_mamba2_gguf(hf_dir: Path, path: Path, q8_0: bool = False) -> Path:
     """hf_dir's tiny Mamba-2 hybrid as a float32 GGUF at path (see the module), with the
     tests' byte tokenizer; the architecture (granitehybrid, nemotron_h / nemotron_h_moe,
-    falcon-h1) from config.json, as the converter picks it."""
+    falcon-h1) from config.json, as the converter picks it. q8_0: the 2-D weights whose rows
+    are whole 32-value blocks stored as Q8_0 (the converter's --outtype q8_0)."""
     from safetensors.numpy import load_file
 
     cfg = json.loads((hf_dir / "config.json").read_text())
@@ -220,7 +228,12 @@ def write_mamba2_gguf(hf_dir: Path, path: Path) -> Path:
     _metadata(w, cfg)
     hf = load_file(str(hf_dir / "model.safetensors"))
     for name, data in _tensors(hf, cfg, arch).items():
-        w.add_tensor(name, np.ascontiguousarray(data, dtype=np.float32))
+        data = np.ascontiguousarray(data, dtype=np.float32)
+        if q8_0 and _quantized(name, data):
+            q = gguf.GGMLQuantizationType.Q8_0
+            w.add_tensor(name, gguf.quants.quantize(data, q), raw_dtype=q)
+        else:
+            w.add_tensor(name, data)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

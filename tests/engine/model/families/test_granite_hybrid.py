@@ -253,6 +253,26 @@ def test_from_a_gguf_as_llama_cpps_converter_writes_it(load: Any, tmp_path: Path
     check_rows(m, requests, script.rows)
 
 
+def test_a_q8_0_gguf_is_served_dequantized(load: Any, tmp_path: Path) -> None:
+    """The projections as Q8_0 blocks (the converter's --outtype q8_0): --quantization auto
+    picks none (the family refuses quantization) and the blocks are dequantized at load; the
+    logits within Q8_0's rounding of transformers' (measured 2.5%), the same greedy tokens."""
+    from tests.mamba2_gguf import write_mamba2_gguf
+
+    m = copy.copy(load("moe_nope"))
+    path = write_mamba2_gguf(m.path, tmp_path / "q8.gguf", q8_0=True)
+    config = EngineConfig(
+        model=str(path), device="cpu", num_kv_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE
+    )
+    m.engine = Engine(config)
+    assert m.engine.config.quantization == "auto" and m.engine.quantization == "none"
+    ids = prompt(12, seed=4)
+    (got,) = m.forward([(ids, 0, 12, 0)])
+    want = m.hf_logits(ids)
+    assert 1e-3 < rel_err(got, want) < 5e-2  # rounded, not exact
+    assert got.argmax(-1).tolist() == want.argmax(-1).tolist()
+
+
 def test_tensor_and_pipeline_parallel_match_hf(load: Any) -> None:
     """T = 2 x P = 2, four gloo ranks, on the MoE model with one group of B and C: each rank 2
     of the 4 Mamba heads (their x, z and dt rows of in_proj, conv channels, A_log / D /
