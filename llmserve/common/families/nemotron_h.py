@@ -95,13 +95,16 @@ def read_nemotron_h(cfg: Mapping[str, Any]) -> dict[str, Any]:
 
 def _gguf_block_types(fields: Mapping[str, Any], arch: str) -> list[str]:
     """Each block's kind as llama.cpp tells them apart: KV heads (attention), a feed-forward
-    width (the MLP, or with MoE blocks the MoE), else a Mamba-2 layer."""
+    width (the MLP, or with MoE blocks the MoE), else a Mamba-2 layer; the trailing
+    `nextn_predict_layers` blocks (multi-token prediction) left out, as unread."""
     num_layers = int(fields[f"{arch}.block_count"])
     kv, ff = fields[f"{arch}.attention.head_count_kv"], fields[f"{arch}.feed_forward_length"]
     kv = kv if isinstance(kv, list) else [kv] * num_layers
     ff = ff if isinstance(ff, list) else [ff] * num_layers
     mlp = "moe" if arch == "nemotron_h_moe" else "mlp"
-    return ["attention" if k else mlp if f else "mamba" for k, f in zip(kv, ff, strict=True)]
+    kinds = ["attention" if k else mlp if f else "mamba" for k, f in zip(kv, ff, strict=True)]
+    # the converter appends the multi-token-prediction block(s) after the model's own
+    return kinds[: num_layers - int(fields.get(f"{arch}.nextn_predict_layers") or 0)]
 
 
 def _gguf_moe(fields: Mapping[str, Any], arch: str) -> dict[str, Any]:

@@ -223,3 +223,23 @@ def test_a_gguf_of_grouped_routing_without_the_kept_group_count_is_refused(
     path = write_mamba2_gguf(load("moe").path, tmp_path / "grouped.gguf")
     with pytest.raises(ModelSourceError, match=r"expert_group_count=4 without .*group_used_count"):
         load_model_config(path)
+
+
+def test_a_gguf_with_the_mtp_block_reads_the_model_without_it() -> None:
+    """A Nemotron 3 file converted with its multi-token-prediction block: block_count counts it
+    (attention and MoE at once), nextn_predict_layers says so; the model is the blocks before."""
+    from llmserve.common.families.nemotron_h import read_nemotron_h_gguf
+
+    a = "nemotron_h_moe"
+    fields = {
+        "tensor_names": {"blk.0.ssm_in.weight", "blk.0.ssm_conv1d.bias"},
+        f"{a}.block_count": 4, f"{a}.nextn_predict_layers": 1,
+        f"{a}.attention.head_count_kv": [0, 0, 2, 2], f"{a}.feed_forward_length": [0, 16, 0, 16],
+        f"{a}.ssm.time_step_rank": 4, f"{a}.ssm.inner_size": 32, f"{a}.ssm.group_count": 2,
+        f"{a}.ssm.state_size": 8, f"{a}.ssm.conv_kernel": 4, f"{a}.expert_count": 8,
+        f"{a}.expert_used_count": 2, f"{a}.expert_feed_forward_length": 16,
+        f"{a}.expert_shared_feed_forward_length": 24, f"{a}.expert_group_count": 1,
+    }  # fmt: skip
+    read = read_nemotron_h_gguf(fields, a)
+    assert read["layer_types"] == ("mamba", "moe", "full_attention") and read["num_layers"] == 3
+    assert read["moe"].num_experts == 8 and read["mamba2"].ssm_shape == (4, 8, 8)
