@@ -72,9 +72,9 @@ def read_granite_hybrid_gguf(fields: Mapping[str, Any], arch: str) -> dict[str, 
     the per-layer `attention.head_count_kv`; the mixer's shape from `ssm.*`; Granite's
     multipliers from attention.scale, embedding_scale, residual_scale and logit_scale; the
     MoE from expert_count (0 or absent: the shared MLP alone, stored as ffn_gate / ffn_up /
-    ffn_down) and the shared MLP's width from expert_shared_feed_forward_length. Rotary only
-    where `rope.scaling.finetuned` is true (the converter writes false for every hybrid,
-    as Granite 4.0-H attends without it)."""
+    ffn_down) and the shared MLP's width from expert_shared_feed_forward_length (absent:
+    feed_forward_length). Rotary unless `rope.scaling.finetuned` is false (the converter
+    writes false for every hybrid, as Granite 4.0-H attends without it)."""
     hidden = int(fields[f"{arch}.embedding_length"])
     kv = fields[f"{arch}.attention.head_count_kv"]
     num_layers = int(fields[f"{arch}.block_count"])
@@ -90,7 +90,8 @@ def read_granite_hybrid_gguf(fields: Mapping[str, Any], arch: str) -> dict[str, 
         "num_local_experts": int(fields.get(f"{arch}.expert_count") or 0),
         "num_experts_per_tok": fields.get(f"{arch}.expert_used_count"),
         "intermediate_size": int(fields[f"{arch}.feed_forward_length"]),
-        "shared_intermediate_size": fields.get(f"{arch}.expert_shared_feed_forward_length"),
+        "shared_intermediate_size": fields.get(f"{arch}.expert_shared_feed_forward_length")
+        or fields[f"{arch}.feed_forward_length"],
         "position_embedding_type": (
             "rope" if fields.get(f"{arch}.rope.scaling.finetuned", True) else None
         ),
