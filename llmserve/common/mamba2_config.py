@@ -177,3 +177,29 @@ class FalconMultipliers:
     mlp_gate: float = 1.0
     mlp_down: float = 1.0
     lm_head: float = 1.0
+
+
+def mamba2_gguf_shape(fields: Mapping[str, Any], arch: str) -> dict[str, Any]:
+    """A Mamba-2 hybrid GGUF's mixer shape from llama.cpp's `ssm.*` keys (its converter writes
+    time_step_rank: the heads, inner_size: heads x head_dim, group_count, state_size,
+    conv_kernel) and which biases its first Mamba layer's tensors carry: heads, head_dim,
+    groups, state_size, conv_kernel, conv_bias, proj_bias, out_bias, gated_norm."""
+    heads = int(fields[f"{arch}.ssm.time_step_rank"])
+    inner = int(fields[f"{arch}.ssm.inner_size"])
+    if heads <= 0 or inner % heads:
+        raise ValueError(
+            f"{arch}.ssm.inner_size={inner} is not a multiple of {arch}.ssm.time_step_rank={heads}"
+        )
+    names = fields["tensor_names"]
+    first = min((int(n.split(".")[1]) for n in names if n.endswith(".ssm_in.weight")), default=0)
+    return dict(
+        heads=heads,
+        head_dim=inner // heads,
+        groups=int(fields[f"{arch}.ssm.group_count"]),
+        state_size=int(fields[f"{arch}.ssm.state_size"]),
+        conv_kernel=int(fields[f"{arch}.ssm.conv_kernel"]),
+        conv_bias=f"blk.{first}.ssm_conv1d.bias" in names,
+        proj_bias=f"blk.{first}.ssm_in.bias" in names,
+        out_bias=f"blk.{first}.ssm_out.bias" in names,
+        gated_norm=f"blk.{first}.ssm_norm.weight" in names,
+    )

@@ -356,6 +356,12 @@ def _gguf_rope_scaling(
     return scaling
 
 
+def _widest(value: Any) -> int:
+    """A GGUF size key, or the largest of its per-layer array (llama.cpp's hybrids write
+    head_count_kv and feed_forward_length per layer, 0 where a layer has none)."""
+    return max(int(v) for v in value) if isinstance(value, list) else int(value)
+
+
 def _config_from_gguf(path: Path) -> ModelConfig:
     gguf_file = open_gguf(path)
     fields = gguf_file.fields
@@ -389,11 +395,11 @@ def _config_from_gguf(path: Path) -> ModelConfig:
         "vocab_size": int(get("{arch}.vocab_size", embd.shape[-1])),
         "hidden_size": hidden,
         # a model whose every layer is sparse may have no dense width (Qwen3.5-MoE): 0, as its
-        # config.json reads
-        "intermediate_size": int(get("{arch}.feed_forward_length", no_dense_width)),
+        # config.json reads; llama.cpp's hybrids write it per layer
+        "intermediate_size": _widest(get("{arch}.feed_forward_length", no_dense_width)),
         "num_layers": int(get("{arch}.block_count")),
         "num_heads": num_heads,
-        "num_kv_heads": int(get("{arch}.attention.head_count_kv", num_heads)),
+        "num_kv_heads": _widest(get("{arch}.attention.head_count_kv", num_heads)),
         "head_dim": head_dim,
         "rms_norm_eps": float(get("{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
         "rope_theta": float(get("{arch}.rope.freq_base", 10000.0)),

@@ -14,7 +14,7 @@ from typing import Any
 
 from llmserve.common.families.granite_hybrid import GRANITE_HYBRID
 from llmserve.common.families.registry import Family, ModelSourceError, register
-from llmserve.common.mamba2_config import Mamba2Config, json_float
+from llmserve.common.mamba2_config import Mamba2Config, json_float, mamba2_gguf_shape
 from llmserve.common.moe_config import MoEConfig
 
 PATTERN = {"M": "mamba", "*": "full_attention", "-": "mlp", "E": "moe"}
@@ -93,6 +93,94 @@ def read_nemotron_h(cfg: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
+def _gguf_block_types(fields: Mapping[str, Any], arch: str) -> list[str]:
+    """Each block's kind as llama.cpp tells them apart: KV heads (attention), a feed-forward
+    width (the MLP, or with MoE blocks the MoE), else a Mamba-2 layer; the trailing
+    `nextn_predict_layers` blocks (multi-token prediction) left out, as unread."""
+    num_layers = int(fields[f"{arch}.block_count"])
+    kv, ff = fields[f"{arch}.attention.head_count_kv"], fields[f"{arch}.feed_forward_length"]
+    kv = kv if isinstance(kv, list) else [kv] * num_layers
+    ff = ff if isinstance(ff, list) else [ff] * num_layers
+    mlp = "moe" if arch == "nemotron_h_moe" else "mlp"
+    kinds = ["attention" if k else mlp if f else "mamba" for k, f in zip(kv, ff, strict=True)]
+    # the converter appends the multi-token-prediction block(s) after the model's own
+    return kinds[: num_layers - int(fields.get(f"{arch}.nextn_predict_layers") or 0)]
+
+
+def _gguf_moe(fields: Mapping[str, Any], arch: str) -> dict[str, Any]:
+    """The MoE keys (NemotronHModel's set_gguf_parameters) as config.json's fields; the
+    converter writes expert_group_count but not how many groups are kept, so a file of more
+    than one group without expert_group_used_count is refused."""
+    groups = int(fields.get(f"{arch}.expert_group_count") or 1)
+    used = fields.get(f"{arch}.expert_group_used_count")
+    if groups > 1 and used is None:
+        raise ModelSourceError(
+            f"GGUF {arch}.expert_group_count={groups} without {arch}.expert_group_used_count: "
+            "the number of expert groups each token keeps (topk_group) is not recorded"
+        )
+    return {
+        "n_routed_experts": fields[f"{arch}.expert_count"],
+        "num_experts_per_tok": fields[f"{arch}.expert_used_count"],
+        "moe_intermediate_size": fields[f"{arch}.expert_feed_forward_length"],
+        "moe_shared_expert_intermediate_size": fields[f"{arch}.expert_shared_feed_forward_length"],
+        "norm_topk_prob": bool(fields.get(f"{arch}.expert_weights_norm", True)),
+        "routed_scaling_factor": fields.get(f"{arch}.expert_weights_scale"),
+        "n_group": groups,
+        "topk_group": 1 if used is None else int(used),
+        "moe_latent_size": fields.get(f"{arch}.moe_latent_size"),
+    }
+
+
+def read_nemotron_h_gguf(fields: Mapping[str, Any], arch: str) -> dict[str, Any]:
+    """A `nemotron_h` or `nemotron_h_moe` GGUF (convert_hf_to_gguf.py's NemotronHModel) as
+    read_nemotron_h reads config.json: the blocks from the per-layer head_count_kv and
+    feed_forward_length, the mixer from `ssm.*`, the MoE from the expert keys."""
+    try:
+        shape = mamba2_gguf_shape(fields, arch)
+    except ValueError as e:
+        raise ModelSourceError(f"GGUF: {e}") from None
+    cfg: dict[str, Any] = {
+        "layers_block_type": _gguf_block_types(fields, arch),
+        "layer_norm_epsilon": fields.get(f"{arch}.attention.layer_norm_rms_epsilon"),
+        "mamba_num_heads": shape["heads"],
+        "mamba_head_dim": shape["head_dim"],
+        "n_groups": shape["groups"],
+        "ssm_state_size": shape["state_size"],
+        "conv_kernel": shape["conv_kernel"],
+        "use_conv_bias": shape["conv_bias"],
+        "use_bias": shape["proj_bias"],
+    }
+    if arch == "nemotron_h_moe":
+        cfg.update(_gguf_moe(fields, arch))
+    return read_nemotron_h(cfg)
+
+
+# llama.cpp's names of a Nemotron-H block's tensors (under `model.layers.N.`: the engine's
+# mamba2_gguf moves them under `backbone.`, splits the stacked experts and reads ssm_a, ssm_d
+# and ssm_dt.bias).
+NEMOTRON_H_GGUF_NAMES = {
+    "attn_norm": "norm",
+    "attn_q": "mixer.q_proj",
+    "attn_k": "mixer.k_proj",
+    "attn_v": "mixer.v_proj",
+    "attn_output": "mixer.o_proj",
+    "ssm_in": "mixer.in_proj",
+    "ssm_conv1d": "mixer.conv1d",
+    "ssm_norm": "mixer.norm",
+    "ssm_out": "mixer.out_proj",
+    "ffn_up": "mixer.up_proj",
+    "ffn_down": "mixer.down_proj",
+    "ffn_gate_inp": "mixer.gate",
+    "exp_probs_b": "mixer.gate.e_score_correction",
+    "ffn_up_exps": "mixer.experts.up_proj",
+    "ffn_down_exps": "mixer.experts.down_proj",
+    "ffn_up_shexp": "mixer.shared_experts.up_proj",
+    "ffn_down_shexp": "mixer.shared_experts.down_proj",
+    "ffn_latent_down": "mixer.fc1_latent_proj",
+    "ffn_latent_up": "mixer.fc2_latent_proj",
+}
+
+
 NEMOTRON_H = register(
     Family(
         name="nemotron_h",
@@ -100,6 +188,10 @@ NEMOTRON_H = register(
         hf_model_types=("nemotron_h",),
         model="llmserve.engine.model.families.nemotron_h:NemotronHForCausalLM",
         read_hf=read_nemotron_h,
+        gguf_architecture="nemotron_h",
+        gguf_aliases=("nemotron_h_moe",),
+        read_gguf=read_nemotron_h_gguf,
+        gguf_layer_names=NEMOTRON_H_GGUF_NAMES,
         refuses=GRANITE_HYBRID.refuses,
     )
 )

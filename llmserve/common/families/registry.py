@@ -45,19 +45,21 @@ class Family:
     model: str  # "llmserve.engine.model.families.<module>:<Class>"
     read_hf: HFReader
     gguf_architecture: str | None = None
+    # further GGUF architectures read alike (llama.cpp names Nemotron-H with MoE blocks
+    # `nemotron_h_moe`, Qwen3.5's MoE form `qwen35moe`)
+    gguf_aliases: tuple[str, ...] = ()
     read_gguf: GGUFReader | None = None
-    # further GGUF architectures the same reader takes (Qwen3.5's dense and MoE: qwen35moe)
-    more_gguf_architectures: tuple[str, ...] = ()
     # GGUF tensor names that differ from Llama's (engine/model/weights.py): "attn_qkv" -> our
     # "self_attn.qkv_proj", ...; norms llama.cpp stores as 1 + w (Gemma's converter adds it).
     gguf_layer_names: Mapping[str, str] = field(default_factory=dict)
     gguf_norms_plus_one: bool = False
     refuses: Mapping[str, str] = field(default_factory=dict)  # FEATURES entry -> why
 
+    @property
     def gguf_architectures(self) -> tuple[str, ...]:
-        """Every GGUF `general.architecture` this family reads."""
-        first = (self.gguf_architecture,) if self.gguf_architecture else ()
-        return first + self.more_gguf_architectures
+        """Every `general.architecture` the family reads (none: no GGUF form)."""
+        first = () if self.gguf_architecture is None else (self.gguf_architecture,)
+        return first + self.gguf_aliases
 
 
 FAMILIES: dict[str, Family] = {}
@@ -69,7 +71,7 @@ def register(family: Family) -> Family:
         taken = (
             set(family.hf_architectures) & set(other.hf_architectures)
             or set(family.hf_model_types) & set(other.hf_model_types)
-            or set(family.gguf_architectures()) & set(other.gguf_architectures())
+            or set(family.gguf_architectures) & set(other.gguf_architectures)
         )
         assert not taken and family.name != other.name, f"{family.name} overlaps {other.name}"
     FAMILIES[family.name] = family
@@ -81,7 +83,7 @@ def served_architectures() -> list[str]:
 
 
 def served_gguf_architectures() -> list[str]:
-    return sorted(a for f in FAMILIES.values() for a in f.gguf_architectures())
+    return sorted(a for f in FAMILIES.values() for a in f.gguf_architectures)
 
 
 # Hybrid linear-attention families known by name and refused with the reason (docs/models.md,
@@ -144,7 +146,7 @@ def family_refusal(family_name: str, features: list[str]) -> str | None:
 
 def family_for_gguf(arch: object, where: str) -> Family:
     for family in FAMILIES.values():
-        if arch in family.gguf_architectures():
+        if arch in family.gguf_architectures:
             return family
     raise UnservedModelError(
         f"{where}: GGUF general.architecture={arch!r} is not served; served: "

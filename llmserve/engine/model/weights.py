@@ -150,6 +150,9 @@ def unpermute_qk(weight: np.ndarray, num_heads: int) -> np.ndarray:
     )
 
 
+_PERMUTED = ("llama", "smollm3", "granitehybrid", "nemotron_h", "nemotron_h_moe")
+
+
 class GGUFWeights(LazyWeights, GGUFBlocks):
     """A GGUF file's tensors by HF name, dequantized to float32 when looked up; `blocks` gives a
     quantized one's blocks as stored (for --quantization gguf), q and k rows unpermuted alike.
@@ -162,8 +165,9 @@ class GGUFWeights(LazyWeights, GGUFBlocks):
         self.file = open_gguf(path)
         self.config = config
         self.norms_plus_one = family.gguf_norms_plus_one
-        # SmolLM3's converter is Llama's, permutation included.
-        self.permuted = self.file.fields.get("general.architecture") in ("llama", "smollm3")
+        # SmolLM3's converter is Llama's, permutation included; so are the attention layers'
+        # of Granite 4.0-H and Nemotron-H (GraniteHybridModel's undo_permute).
+        self.permuted = self.file.fields.get("general.architecture") in _PERMUTED
         self.infos: dict[str, TensorInfo] = {}
         for tensor in self.file.tensors:
             name = gguf_name_to_hf(tensor.name, family.gguf_layer_names)
@@ -213,6 +217,10 @@ def _load_gguf(path: Path, config: ModelConfig) -> LazyWeights:
 
         undo = qwen3_5_gguf_tensors if config.family == "qwen3_5" else qwen3_next_gguf_tensors
         return LazyWeights(*undo(weights, weights.file, config))
+    if config.family in ("granite_hybrid", "nemotron_h", "falcon_h1"):  # Mamba-2 rewrites
+        from llmserve.engine.model.families.mamba2_gguf import mamba2_gguf_tensors
+
+        return LazyWeights(*mamba2_gguf_tensors(weights, weights.file, config))
     return weights
 
 

@@ -18,7 +18,12 @@ from llmserve.common.families.falcon_h1 import read_falcon_h1
 from llmserve.common.families.registry import ModelSourceError
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.parallel.ranks import run_group_locally
-from tests.engine.model.families.test_granite_hybrid import TOLERANCE, Loaded
+from tests.engine.model.families.test_granite_hybrid import (
+    TOLERANCE,
+    Loaded,
+    check_prompt,
+    gguf_twin,
+)
 from tests.engine.model.families.test_qwen3_next import (
     _script_on_rank,
     check_rows,
@@ -160,3 +165,15 @@ def test_tensor_and_pipeline_parallel_match_hf(load: Any) -> None:
     for request, ids in zip(requests, tokens, strict=True):
         request.token_ids = ids
     check_rows(m, requests, rows)
+
+
+def test_from_a_gguf_as_llama_cpps_converter_writes_it(load: Any, tmp_path: Path) -> None:
+    """`falcon-h1`: every muP multiplier multiplied into the weights by the converter (none
+    written as a key, so all read as 1), the mixer's tensors rewritten as Mamba-2's: a prompt
+    as transformers' (which applies the multipliers at run time)."""
+    m = gguf_twin(load("mup"), tmp_path / "falcon.gguf")
+    config = m.engine.model.config
+    assert config.embed_scale == 1.0 and config.falcon_multipliers is not None
+    assert config.falcon_multipliers.lm_head == 1.0
+    assert config.mamba2 is not None and config.mamba2.proj_multipliers == (1.0,) * 5
+    check_prompt(m)

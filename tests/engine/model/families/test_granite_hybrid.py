@@ -7,6 +7,7 @@ through the real scheduler; what the family refuses."""
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Any
 
@@ -203,6 +204,73 @@ def test_greedy_decode_matches_transformers(load: Any, variant: str) -> None:
         tokens.append(int(logits[-1].argmax()))
         (logits,) = m.forward([(tokens, len(tokens) - 1, len(tokens), 1)])
     assert tokens == want
+
+
+def gguf_twin(m: Loaded, path: Path) -> Loaded:
+    """m's checkpoint written as llama.cpp's converter writes it (tests/mamba2_gguf) at path,
+    checked for the same Mamba-2 state shapes and layer kinds as config.json's; a copy of m
+    whose engine reads that GGUF (and whose reference is still m's transformers model)."""
+    from tests.mamba2_gguf import write_mamba2_gguf
+
+    write_mamba2_gguf(m.path, path)
+    twin = copy.copy(m)
+    config = EngineConfig(
+        model=str(path), device="cpu", num_kv_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE
+    )
+    twin.engine = Engine(config)
+    ours, want = twin.engine.model.config, m.engine.model.config
+    assert ours.family == want.family and ours.layer_types == want.layer_types
+    assert ours.mamba2 is not None and want.mamba2 is not None
+    assert ours.mamba2.layout() == want.mamba2.layout()
+    return twin
+
+
+def check_prompt(m: Loaded) -> None:
+    """A prompt prefilled whole but its last token, then that token as a decode row from its
+    slot (the recurrent form): every position within TOLERANCE of transformers' logits, its
+    greedy token at each."""
+    ids = prompt(12, seed=4)
+    (head,) = m.forward([(ids, 0, 11, 0)])
+    (last,) = m.forward([(ids, 11, 12, 0)])
+    got, want = torch.cat((head, last)), m.hf_logits(ids)
+    assert rel_err(got, want) < TOLERANCE
+    assert got.argmax(-1).tolist() == want.argmax(-1).tolist()
+
+
+def test_from_a_gguf_as_llama_cpps_converter_writes_it(load: Any, tmp_path: Path) -> None:
+    """`granitehybrid` (input_linear split into gate and up, A_log as -exp, q / k permuted, the
+    multipliers as keys): its config as config.json's, a prompt as transformers', and
+    test_qwen3_next's scheduled script (chunked prefill, preemption, n = 2) on the GGUF."""
+    m = gguf_twin(load("moe_nope"), tmp_path / "granite.gguf")
+    config, want = m.engine.model.config, load("moe_nope").engine.model.config
+    for field in ("moe", "nope_layers", "intermediate_size", "logits_scaling"):
+        assert getattr(config, field) == getattr(want, field), field
+    assert config.attention_scale == pytest.approx(want.attention_scale)
+    check_prompt(m)
+    requests = script_requests()
+    script = run_requests(m.engine, requests)
+    assert script.num_partial_prefills > 0 and script.sched.counters.num_preemptions > 0
+    check_rows(m, requests, script.rows)
+
+
+def test_a_q8_0_gguf_is_served_dequantized(load: Any, tmp_path: Path) -> None:
+    """The projections as Q8_0 blocks (the converter's --outtype q8_0): --quantization auto
+    picks none (the family refuses quantization) and the blocks are dequantized at load; the
+    logits within Q8_0's rounding of transformers' (measured 2.5%), the same greedy tokens."""
+    from tests.mamba2_gguf import write_mamba2_gguf
+
+    m = copy.copy(load("moe_nope"))
+    path = write_mamba2_gguf(m.path, tmp_path / "q8.gguf", q8_0=True)
+    config = EngineConfig(
+        model=str(path), device="cpu", num_kv_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE
+    )
+    m.engine = Engine(config)
+    assert m.engine.config.quantization == "auto" and m.engine.quantization == "none"
+    ids = prompt(12, seed=4)
+    (got,) = m.forward([(ids, 0, 12, 0)])
+    want = m.hf_logits(ids)
+    assert 1e-3 < rel_err(got, want) < 5e-2  # rounded, not exact
+    assert got.argmax(-1).tolist() == want.argmax(-1).tolist()
 
 
 def test_tensor_and_pipeline_parallel_match_hf(load: Any) -> None:

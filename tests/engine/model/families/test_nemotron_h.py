@@ -20,7 +20,12 @@ from llmserve.common.families.registry import ModelSourceError
 from llmserve.common.model_config import check_parallel_sizes
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.parallel.ranks import run_group_locally
-from tests.engine.model.families.test_granite_hybrid import TOLERANCE, Loaded
+from tests.engine.model.families.test_granite_hybrid import (
+    TOLERANCE,
+    Loaded,
+    check_prompt,
+    gguf_twin,
+)
 from tests.engine.model.families.test_qwen3_next import (
     _script_on_rank,
     check_rows,
@@ -80,6 +85,9 @@ def load(tmp_path_factory: pytest.TempPathFactory) -> Any:
             directory = tmp_path_factory.mktemp(variant)
             if variant == "moe":
                 path = make_nemotron(directory, 13, MOE_BLOCKS, **MOE)
+            elif variant == "moe_one_group":  # Nemotron 3 Nano's routing: one group
+                moe = {**MOE, "n_group": 1, "topk_group": 1}
+                path = make_nemotron(directory, 17, MOE_BLOCKS, **moe)
             else:
                 path = make_nemotron(directory, seed=11)
             cache[variant] = Loaded(path, "NemotronHForCausalLM")
@@ -196,3 +204,48 @@ def test_a_group_count_that_does_not_split_is_refused(load: Any) -> None:
     assert why is not None and "mamba_n_groups=3" in why and "tensor_parallel_size=2" in why
     moe_config = load("moe").engine.model_config
     assert check_parallel_sizes(moe_config, 2, 2) is None
+
+
+@pytest.mark.parametrize("variant", ["dense", "moe_one_group"])
+def test_from_a_gguf_as_llama_cpps_converter_writes_it(
+    load: Any, variant: str, tmp_path: Path
+) -> None:
+    """`nemotron_h` (dense) and `nemotron_h_moe` (the experts stacked, the correction bias as
+    exp_probs_b, the latent projections): the blocks from the per-layer head_count_kv and
+    feed_forward_length, the MoE from the expert keys, a prompt as transformers'."""
+    m = gguf_twin(load(variant), tmp_path / f"{variant}.gguf")
+    assert m.engine.model.config.moe == load(variant).engine.model.config.moe
+    check_prompt(m)
+
+
+def test_a_gguf_of_grouped_routing_without_the_kept_group_count_is_refused(
+    load: Any, tmp_path: Path
+) -> None:
+    """The converter writes expert_group_count but not how many groups each token keeps: a
+    file of 4 groups is refused naming both keys, not routed over a guessed count."""
+    from llmserve.common.model_config import load_model_config
+    from tests.mamba2_gguf import write_mamba2_gguf
+
+    path = write_mamba2_gguf(load("moe").path, tmp_path / "grouped.gguf")
+    with pytest.raises(ModelSourceError, match=r"expert_group_count=4 without .*group_used_count"):
+        load_model_config(path)
+
+
+def test_a_gguf_with_the_mtp_block_reads_the_model_without_it() -> None:
+    """A Nemotron 3 file converted with its multi-token-prediction block: block_count counts it
+    (attention and MoE at once), nextn_predict_layers says so; the model is the blocks before."""
+    from llmserve.common.families.nemotron_h import read_nemotron_h_gguf
+
+    a = "nemotron_h_moe"
+    fields = {
+        "tensor_names": {"blk.0.ssm_in.weight", "blk.0.ssm_conv1d.bias"},
+        f"{a}.block_count": 4, f"{a}.nextn_predict_layers": 1,
+        f"{a}.attention.head_count_kv": [0, 0, 2, 2], f"{a}.feed_forward_length": [0, 16, 0, 16],
+        f"{a}.ssm.time_step_rank": 4, f"{a}.ssm.inner_size": 32, f"{a}.ssm.group_count": 2,
+        f"{a}.ssm.state_size": 8, f"{a}.ssm.conv_kernel": 4, f"{a}.expert_count": 8,
+        f"{a}.expert_used_count": 2, f"{a}.expert_feed_forward_length": 16,
+        f"{a}.expert_shared_feed_forward_length": 24, f"{a}.expert_group_count": 1,
+    }  # fmt: skip
+    read = read_nemotron_h_gguf(fields, a)
+    assert read["layer_types"] == ("mamba", "moe", "full_attention") and read["num_layers"] == 3
+    assert read["moe"].num_experts == 8 and read["mamba2"].ssm_shape == (4, 8, 8)
