@@ -85,8 +85,9 @@ def load(tmp_path_factory: pytest.TempPathFactory) -> Any:
             directory = tmp_path_factory.mktemp(variant)
             if variant == "moe":
                 path = make_nemotron(directory, 13, MOE_BLOCKS, **MOE)
-            elif variant == "moe_one_group":  # Nemotron 3 Nano's routing: one group
-                moe = {**MOE, "n_group": 1, "topk_group": 1}
+            elif variant == "moe_one_group":  # Nemotron 3 Nano's routing: one group, no biases
+                # (llama.cpp's converter maps no latent-projection or shared-expert bias)
+                moe = {**MOE, "n_group": 1, "topk_group": 1, "mlp_bias": False}
                 path = make_nemotron(directory, 17, MOE_BLOCKS, **moe)
             else:
                 path = make_nemotron(directory, seed=11)
