@@ -63,7 +63,10 @@ class LlamaForCausalLM(nn.Module):
         tp = shard.tp
         self.config = config
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, tp)
-        self.rotary_emb = RotaryEmbedding(config, max_positions, ops)
+        # a model none of whose layers rotate (Granite 4.0-H, Nemotron-H) keeps no cos/sin table:
+        # llama.cpp's converter writes their context as 2^20, 512 MiB of table at head_dim 128
+        rotates = len(set(config.nope_layers)) < config.num_layers
+        self.rotary_emb = RotaryEmbedding(config, max_positions if rotates else 1, ops)
         # Gemma 3's sliding layers rotate with their own base.
         self.rotary_local: RotaryEmbedding | None = None
         if config.rope_local_theta is not None:

@@ -162,6 +162,9 @@ def test_config_reads_the_layers_and_multipliers(load: Any, variant: str) -> Non
     assert config.nope_layers == ((0, 1, 2) if nope else ())
     assert (config.moe is not None) == nope
     assert config.logits_scaling == (2.5 if nope else 1.0)
+    # no layer rotates: no cos/sin table kept (a GGUF's context is 2^20)
+    rotary_rows = load(variant).engine.model.rotary_emb.cos_sin_cache.shape[0]
+    assert (rotary_rows == 1) == nope
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
