@@ -137,6 +137,8 @@ class Request:
     # Hybrid linear-attention models: the engine's state slot it holds while running
     # (scheduler/state_slots.py; None: none).
     state_slot: int | None = None
+    # The snapshot slot its state is restored from when admitted on a prefix-cache hit (0: none).
+    state_restore_from: int = 0
     # Prompt logprobs asked (with prompt_top_logprobs alternatives each), and the scores the
     # engine returned so far: prompt_scores[j] is prompt token j + 1's. Until all are in, the
     # prompt is computed whole (no prefix-cache hit) and without lookahead slots.
