@@ -22,6 +22,7 @@ from llmserve.engine.step.engine import Engine
 from tests.engine.model.families.test_qwen3_next import (
     _script_on_rank,
     check_rows,
+    check_snapshot_hits,
     run_requests,
     script_requests,
 )
@@ -227,3 +228,10 @@ def test_tensor_and_pipeline_parallel_match_hf(load: Any) -> None:
     for request, ids in zip(requests, tokens, strict=True):
         request.token_ids = ids
     check_rows(m, requests, rows)
+
+
+def test_prefix_cache_hits_restore_a_state_snapshot(load: Any) -> None:
+    """check_snapshot_hits (test_qwen3_next.py) on the Mamba-2 layers: two prefix-cache hits
+    restored from the state snapshot the first request left, logits as transformers'."""
+    model = load("moe_nope")
+    check_snapshot_hits(model.path, model.hf_logits)

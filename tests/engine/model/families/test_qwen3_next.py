@@ -347,13 +347,19 @@ def test_from_a_gguf_as_llama_cpps_converter_writes_it(model: Loaded, tmp_path: 
 
 
 def test_prefix_cache_hits_restore_a_state_snapshot(model: Loaded) -> None:
+    """check_snapshot_hits on Qwen3-Next's DeltaNet layers."""
+    check_snapshot_hits(model.path, model.hf_logits)
+
+
+def check_snapshot_hits(path: Path, hf_logits: Any) -> None:
     """--state-snapshot-slots: a request computes its 45-token prompt in a chunk cut at its
     last full block (40) and the engine snapshots its state there; two later requests (a longer
     prompt sharing 44 tokens, and the same prompt, as a retry sends it) hit 40 tokens each,
-    restored from that snapshot, and their logits and greedy tokens equal transformers'."""
+    restored from that snapshot, and their logits (within 1e-4) and greedy tokens equal
+    transformers' (hf_logits: token ids -> every position's logits)."""
     engine = Engine(
-        EngineConfig(model=str(model.path), device="cpu", num_kv_blocks=96,
-                     block_size=BLOCK_SIZE, max_num_seqs=2, state_snapshot_slots=2)
+        EngineConfig(model=str(path), device="cpu", num_kv_blocks=96, block_size=BLOCK_SIZE,
+                     max_num_seqs=2, state_snapshot_slots=2)
     )  # fmt: skip
     assert engine.info.num_state_snapshot_slots == 2
     assert engine.state_pool is not None and engine.state_pool.conv.shape[1] == 4
@@ -383,6 +389,6 @@ def test_prefix_cache_hits_restore_a_state_snapshot(model: Loaded) -> None:
     for request in requests:
         got = torch.stack([torch.as_tensor(r) for r in script.rows[request.seq_id]])
         start = len(request.prompt_token_ids) - 1
-        want = model.hf_logits(request.token_ids[:-1])[start:]
+        want = hf_logits(request.token_ids[:-1])[start:]
         assert rel_err(got, want) < TOLERANCE, request.request_id
         assert got.argmax(-1).tolist() == request.token_ids[start + 1 :]
