@@ -120,9 +120,10 @@ class StateSnapshots:
         return (request.num_prompt_tokens - 1) // bs * bs
 
     def align(self, request: Request, num_computed: int, num_new: int) -> int:
-        """num_new (> 0) cut so that the chunk ends on a snapshot boundary when it can: at
-        `boundary` when it would cross it, else at the last full block it reaches (unless that
-        leaves nothing). Unchanged without snapshots, and past the boundary (decode).
+        """num_new (> 0) cut so that the chunk ends on a snapshot boundary when it can: at the
+        end of its cached prefix (`cap_hit`'s junction) or at `boundary` when it would cross
+        one, else at the last full block it reaches (unless that leaves nothing). Unchanged
+        without snapshots, and past the boundary (decode).
 
             tokens: |<- num_computed ->|<- num_new ------------>|
                     |                  |<- aligned ->|          |
@@ -132,17 +133,23 @@ class StateSnapshots:
         if not self.enabled or num_computed >= boundary:
             return num_new
         end = num_computed + num_new
-        if end > boundary:
-            return boundary - num_computed
+        for stop in (request.state_junction, boundary):
+            if num_computed < stop < end:
+                return stop - num_computed
         aligned = end // self.block_size * self.block_size
         return aligned - num_computed if aligned > num_computed else num_new
 
     def cap_hit(self, request: Request, cached_blocks: list[int]) -> tuple[list[int], int]:
         """The prefix-cache hit cached_blocks (request's first blocks) cut to the deepest block
         with a settled snapshot, and that snapshot's slot (0 with no snapshot: no hit). The
-        snapshot counts as used now. Unchanged without snapshots."""
+        snapshot counts as used now. When the cached prefix goes deeper than that, its end is
+        request's `state_junction`: its chunk stops there and leaves a snapshot, so the next
+        request sharing the prefix (a system prompt before different questions) hits all of
+        it. Unchanged without snapshots."""
         if not self.enabled:
             return cached_blocks, 0
+        junction = len(cached_blocks) * self.block_size
+        request.state_junction = junction if junction <= self.boundary(request) else 0
         for n in range(len(cached_blocks), 0, -1):
             block_hash = request.block_hashes[n - 1]
             slot = self.cached.get(block_hash)

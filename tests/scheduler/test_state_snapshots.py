@@ -58,7 +58,8 @@ def test_chunks_end_at_block_ends_and_each_takes_a_snapshot() -> None:
 def test_a_hit_is_capped_at_the_deepest_snapshot_and_restores_it() -> None:
     """a (11 tokens, 2 out) leaves blocks 0-2 cached and a snapshot at 8 only; b, a's 12
     tokens and 7 more, finds 3 cached blocks but is capped at 2 (8 tokens), restored from the
-    snapshot; its own chunk is cut at its prompt's last full block (16)."""
+    snapshot; its chunks stop where its cached prefix ends (12) and at its prompt's last full
+    block (16), a snapshot at each."""
     h = harness()
     a = make_request(1, 11, 2, prompt=PROMPT)
     h.add(a)
@@ -70,12 +71,30 @@ def test_a_hit_is_capped_at_the_deepest_snapshot_and_restores_it() -> None:
     assert len(h.s.block_manager.find_cached_blocks(b)) == 3
     plan, _ = h.step()
     (row,) = plan.new_requests
-    assert (row.num_computed_tokens, row.num_scheduled_tokens, row.state_restore_from) == (8, 8, 2)
-    assert snapshots_of(plan) == [(2, 1, 3)]  # at 16
+    assert (row.num_computed_tokens, row.num_scheduled_tokens, row.state_restore_from) == (8, 4, 2)
+    assert snapshots_of(plan) == [(2, 1, 3)]  # at 12
+    plan, _ = h.step()
+    assert plan.num_scheduled_tokens == 4 and snapshots_of(plan) == [(2, 1, 4)]  # at 16
     assert h.s.counters.num_prefix_cache_hit_tokens == 8
     assert h.s.state_slots.snapshots.num_hits == 1
     h.run_until_idle()
     assert h.outputs == {1: [10, 11], 2: [10]}
+
+
+def test_a_shared_prefix_leaves_a_snapshot_where_it_ends() -> None:
+    """A shared 8-token "system prompt" before different 5-token questions: a's snapshot is at
+    its own last block (12), so b finds the 8 shared tokens cached but no snapshot (no hit); b's
+    first chunk stops at 8 and leaves one there, which c then hits."""
+    shared = list(range(60, 68))
+    h = harness()
+    for seq_id in (1, 2, 3):
+        h.add(make_request(seq_id, 13, 1, prompt=shared + [seq_id * 10 + i for i in range(5)]))
+        plan, _ = h.step()
+        (row,) = plan.new_requests
+        firsts = (row.num_computed_tokens, row.num_scheduled_tokens, row.state_restore_from)
+        assert firsts == {1: (0, 12, 0), 2: (0, 8, 0), 3: (8, 4, 3)}[seq_id]
+        h.run_until_idle()
+    assert h.s.counters.num_prefix_cache_hit_tokens == 8
 
 
 def test_no_snapshot_no_hit_and_off_without_snapshot_slots() -> None:
