@@ -202,7 +202,7 @@ def test_mirror_refuses_a_bad_restore_or_snapshot(plan: StepPlanData, message: s
 
 def test_the_service_turns_the_prefix_cache_on_with_snapshot_slots() -> None:
     """EngineInfo.num_state_snapshot_slots: the scheduler keeps snapshots, the prefix cache is
-    on, GetStats counts the slots and those used."""
+    on, GetStats and the /metrics gauges count the slots and those used."""
     asyncio.run(_adopt_snapshot_slots())
 
 
@@ -212,6 +212,7 @@ async def _adopt_snapshot_slots() -> None:
     from llmserve.scheduler.config import SchedulerConfig
     from llmserve.scheduler.service.convert import stats_to_proto
     from llmserve.scheduler.service.service import SchedulerService
+    from llmserve.scheduler.service.telemetry import SchedulerTelemetry
 
     info = info_to_proto(
         EngineInfo("m", 100, 64, (99,), 4, 16, "cpu", "none", 4, 64,
@@ -226,3 +227,6 @@ async def _adopt_snapshot_slots() -> None:
     assert [(x.from_slot, x.to_slot) for x in plan.state_snapshots] == [(0, 2)]
     stats = stats_to_proto(service.stats())
     assert (stats.num_state_snapshot_slots, stats.num_used_state_snapshot_slots) == (3, 1)
+    observe = SchedulerTelemetry(service.stats)._observe  # the /metrics gauges
+    assert observe("num_used_state_snapshot_slots") == [(1, {})]
+    assert observe("num_state_snapshot_slots") == [(3, {})]
