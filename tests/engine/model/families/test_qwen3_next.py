@@ -2,8 +2,8 @@
 slot, gated full attention, MoE with a shared expert) against transformers on a tiny random
 checkpoint of Qwen3NextConfig (tests/moe_models.py): every position of a whole prompt and of a
 prompt fed in chunks carrying the state, the scheduled script (chunked prefill, preemptions and
-recompute, two requests of one prompt as n = 2 makes them, decode), the prefix cache refused,
-what the family refuses."""
+recompute, two requests of one prompt as n = 2 makes them, decode), the prefix cache off without
+state snapshots and its hits restored from them with, what the family refuses."""
 
 from __future__ import annotations
 
