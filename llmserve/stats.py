@@ -16,7 +16,8 @@ from llmserve.protos import scheduler_pb2
 
 GAUGES = frozenset(
     {"num_running", "num_waiting", "num_free_blocks", "num_blocks", "weight", "ready", "draining",
-     "num_state_slots", "num_free_state_slots"}
+     "num_state_slots", "num_free_state_slots", "num_state_snapshot_slots",
+     "num_used_state_snapshot_slots"}
 )  # fmt: skip
 
 

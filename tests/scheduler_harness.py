@@ -81,6 +81,7 @@ class Harness:
         mirror: bool = False,
         pipeline_parallel_size: int = 1,
         num_state_slots: int = 0,
+        num_state_snapshot_slots: int = 0,
     ) -> None:
         config = SchedulerConfig(
             max_num_batched_tokens=max_num_batched_tokens,
@@ -99,6 +100,7 @@ class Harness:
             (EOS,),
             pipeline_parallel_size=pipeline_parallel_size,
             num_state_slots=num_state_slots,
+            num_state_snapshot_slots=num_state_snapshot_slots,
         )
         self.outputs: dict[int, list[int]] = {}
         self.finished: dict[int, RequestStatus] = {}
@@ -106,6 +108,7 @@ class Harness:
         self.last_tokens: list[int] = []
         self.num_blocks = num_blocks
         self.num_state_slots = num_state_slots
+        self.num_state_snapshot_slots = num_state_snapshot_slots
         self.mirror = self._new_mirror() if mirror else None
         # Overlap: planned steps whose results are not applied yet, oldest first.
         self.in_flight: deque[tuple[StepPlan, list[int]]] = deque()
@@ -188,7 +191,10 @@ class Harness:
             self.mirror = self._new_mirror()
 
     def _new_mirror(self) -> Mirror:
-        return Mirror(BS, self.num_blocks, num_state_slots=self.num_state_slots)
+        return Mirror(
+            BS, self.num_blocks, num_state_slots=self.num_state_slots,
+            num_state_snapshot_slots=self.num_state_snapshot_slots,
+        )  # fmt: skip
 
     def run_overlapped(
         self, token_for: Callable[[Request], int] = position_token, max_steps: int = 300

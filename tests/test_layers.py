@@ -49,6 +49,7 @@ BENCH_SERVICE_IMPORTS = {
     "bench.studies.token_level_kv": {"scheduler"},  # the Scheduler's per-step cost, timed alone
     "bench.studies.pd_by_hand": {"scheduler"},  # its scheduler's config, written by hand
     "bench.studies.prompt_logprobs_accuracy": {"scheduler"},  # the Scheduler driving the engine
+    "bench.studies.state_snapshots_cpu": {"scheduler"},  # the Scheduler driving the engine
 }
 
 

@@ -35,6 +35,9 @@ class NewRequest:
     # most likely tokens each (0 .. 20).
     prompt_logprobs: bool = False
     prompt_top_logprobs: int = 0
+    # A hybrid model's prefix-cache hit: the snapshot slot its state is restored from before
+    # the forward (0: none; engine.proto).
+    state_restore_from: int = 0
 
 
 @dataclass
@@ -128,6 +131,10 @@ class StepPlanData:
     kv_sends: list[KVSend] = field(default_factory=list)
     kv_receives: list[KVReceive] = field(default_factory=list)
     kv_receive_cancels: list[int] = field(default_factory=list)
+    # State snapshots: after the forward, slot state_snapshot_from[i] into snapshot slot
+    # state_snapshot_to[i] (a hybrid model's prefix cache; engine.proto).
+    state_snapshot_from: list[int] = field(default_factory=list)
+    state_snapshot_to: list[int] = field(default_factory=list)
 
 
 @dataclass

@@ -135,6 +135,13 @@ class EngineConfig(PeerSecurity):
     max_num_batched_tokens: int = setting(
         2048, "tokens per step at most, prefill chunks + decodes (sizes the memory profile)"
     )
+    state_snapshot_slots: int = setting(
+        0,
+        "hybrid linear-attention models: state snapshot slots beside the --max-num-seqs request "
+        "slots, from the same memory budget; they keep the state at cached block ends, which "
+        "turns the prefix cache on for such a model (0: off, no prefix cache; "
+        "docs/architecture.md#state-snapshots)",
+    )
     enforce_eager: bool = setting(False, "no CUDA graphs: run decode steps eagerly too")
     attention_backend: str = setting(
         "auto",
@@ -221,6 +228,7 @@ class EngineConfig(PeerSecurity):
         if not (1 <= self.block_size <= 256 and self.block_size & (self.block_size - 1) == 0):
             raise ValueError(f"block_size={self.block_size} must be a power of two <= 256")
         for name in (
+            "state_snapshot_slots",
             "num_kv_blocks",
             "max_model_len",
             "num_threads",

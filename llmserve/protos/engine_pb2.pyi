@@ -18,7 +18,7 @@ KV_TIER_HOST: KVTier
 KV_TIER_DISK: KVTier
 
 class NewRequest(_message.Message):
-    __slots__ = ("seq_id", "token_ids", "num_prompt_tokens", "sampling", "block_table", "num_computed_tokens", "num_scheduled_tokens", "lora_slot", "state_slot", "prompt_logprobs", "prompt_top_logprobs")
+    __slots__ = ("seq_id", "token_ids", "num_prompt_tokens", "sampling", "block_table", "num_computed_tokens", "num_scheduled_tokens", "lora_slot", "state_slot", "prompt_logprobs", "prompt_top_logprobs", "state_restore_from")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -30,6 +30,7 @@ class NewRequest(_message.Message):
     STATE_SLOT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    STATE_RESTORE_FROM_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     num_prompt_tokens: int
@@ -41,7 +42,8 @@ class NewRequest(_message.Message):
     state_slot: int
     prompt_logprobs: bool
     prompt_top_logprobs: int
-    def __init__(self, seq_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_prompt_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., block_table: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., num_scheduled_tokens: _Optional[int] = ..., lora_slot: _Optional[int] = ..., state_slot: _Optional[int] = ..., prompt_logprobs: _Optional[bool] = ..., prompt_top_logprobs: _Optional[int] = ...) -> None: ...
+    state_restore_from: int
+    def __init__(self, seq_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_prompt_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., block_table: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., num_scheduled_tokens: _Optional[int] = ..., lora_slot: _Optional[int] = ..., state_slot: _Optional[int] = ..., prompt_logprobs: _Optional[bool] = ..., prompt_top_logprobs: _Optional[int] = ..., state_restore_from: _Optional[int] = ...) -> None: ...
 
 class RunningColumns(_message.Message):
     __slots__ = ("seq_ids", "num_scheduled_tokens", "num_computed_tokens", "num_new_blocks", "new_block_ids", "num_lookahead_tokens", "lora_slot")
@@ -102,7 +104,7 @@ class KVReceive(_message.Message):
     def __init__(self, transfer_id: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepPlan(_message.Message):
-    __slots__ = ("step_id", "finished_seq_ids", "new_requests", "running", "trace_context", "lora_loads", "kv_copies", "grammar_compiles", "kv_sends", "kv_receives", "kv_receive_cancels")
+    __slots__ = ("step_id", "finished_seq_ids", "new_requests", "running", "trace_context", "lora_loads", "kv_copies", "grammar_compiles", "kv_sends", "kv_receives", "kv_receive_cancels", "state_snapshot_from", "state_snapshot_to")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -121,6 +123,8 @@ class StepPlan(_message.Message):
     KV_SENDS_FIELD_NUMBER: _ClassVar[int]
     KV_RECEIVES_FIELD_NUMBER: _ClassVar[int]
     KV_RECEIVE_CANCELS_FIELD_NUMBER: _ClassVar[int]
+    STATE_SNAPSHOT_FROM_FIELD_NUMBER: _ClassVar[int]
+    STATE_SNAPSHOT_TO_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     finished_seq_ids: _containers.RepeatedScalarFieldContainer[int]
     new_requests: _containers.RepeatedCompositeFieldContainer[NewRequest]
@@ -132,7 +136,9 @@ class StepPlan(_message.Message):
     kv_sends: _containers.RepeatedCompositeFieldContainer[KVSend]
     kv_receives: _containers.RepeatedCompositeFieldContainer[KVReceive]
     kv_receive_cancels: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, step_id: _Optional[int] = ..., finished_seq_ids: _Optional[_Iterable[int]] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., running: _Optional[_Union[RunningColumns, _Mapping]] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., lora_loads: _Optional[_Iterable[_Union[LoraLoad, _Mapping]]] = ..., kv_copies: _Optional[_Iterable[_Union[BlockCopies, _Mapping]]] = ..., grammar_compiles: _Optional[_Iterable[_Union[GrammarCompile, _Mapping]]] = ..., kv_sends: _Optional[_Iterable[_Union[KVSend, _Mapping]]] = ..., kv_receives: _Optional[_Iterable[_Union[KVReceive, _Mapping]]] = ..., kv_receive_cancels: _Optional[_Iterable[int]] = ...) -> None: ...
+    state_snapshot_from: _containers.RepeatedScalarFieldContainer[int]
+    state_snapshot_to: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, step_id: _Optional[int] = ..., finished_seq_ids: _Optional[_Iterable[int]] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., running: _Optional[_Union[RunningColumns, _Mapping]] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., lora_loads: _Optional[_Iterable[_Union[LoraLoad, _Mapping]]] = ..., kv_copies: _Optional[_Iterable[_Union[BlockCopies, _Mapping]]] = ..., grammar_compiles: _Optional[_Iterable[_Union[GrammarCompile, _Mapping]]] = ..., kv_sends: _Optional[_Iterable[_Union[KVSend, _Mapping]]] = ..., kv_receives: _Optional[_Iterable[_Union[KVReceive, _Mapping]]] = ..., kv_receive_cancels: _Optional[_Iterable[int]] = ..., state_snapshot_from: _Optional[_Iterable[int]] = ..., state_snapshot_to: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GrammarCompile(_message.Message):
     __slots__ = ("seq_id", "structured_output")
@@ -221,7 +227,7 @@ class RemoveLoraResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class EngineInfo(_message.Message):
-    __slots__ = ("model", "vocab_size", "max_model_len", "eos_token_ids", "block_size", "num_blocks", "device", "dtype", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size", "pipeline_parallel_size", "speculative_method", "num_speculative_tokens", "sliding_window", "max_loras", "max_lora_rank", "num_host_blocks", "num_disk_blocks", "kv_block_bytes", "engine_role", "kv_transfer_address", "num_state_slots")
+    __slots__ = ("model", "vocab_size", "max_model_len", "eos_token_ids", "block_size", "num_blocks", "device", "dtype", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size", "pipeline_parallel_size", "speculative_method", "num_speculative_tokens", "sliding_window", "max_loras", "max_lora_rank", "num_host_blocks", "num_disk_blocks", "kv_block_bytes", "engine_role", "kv_transfer_address", "num_state_slots", "num_state_snapshot_slots")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -245,6 +251,7 @@ class EngineInfo(_message.Message):
     ENGINE_ROLE_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     NUM_STATE_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_STATE_SNAPSHOT_SLOTS_FIELD_NUMBER: _ClassVar[int]
     model: str
     vocab_size: int
     max_model_len: int
@@ -268,4 +275,5 @@ class EngineInfo(_message.Message):
     engine_role: str
     kv_transfer_address: str
     num_state_slots: int
-    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., pipeline_parallel_size: _Optional[int] = ..., speculative_method: _Optional[str] = ..., num_speculative_tokens: _Optional[int] = ..., sliding_window: _Optional[int] = ..., max_loras: _Optional[int] = ..., max_lora_rank: _Optional[int] = ..., num_host_blocks: _Optional[int] = ..., num_disk_blocks: _Optional[int] = ..., kv_block_bytes: _Optional[int] = ..., engine_role: _Optional[str] = ..., kv_transfer_address: _Optional[str] = ..., num_state_slots: _Optional[int] = ...) -> None: ...
+    num_state_snapshot_slots: int
+    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., pipeline_parallel_size: _Optional[int] = ..., speculative_method: _Optional[str] = ..., num_speculative_tokens: _Optional[int] = ..., sliding_window: _Optional[int] = ..., max_loras: _Optional[int] = ..., max_lora_rank: _Optional[int] = ..., num_host_blocks: _Optional[int] = ..., num_disk_blocks: _Optional[int] = ..., kv_block_bytes: _Optional[int] = ..., engine_role: _Optional[str] = ..., kv_transfer_address: _Optional[str] = ..., num_state_slots: _Optional[int] = ..., num_state_snapshot_slots: _Optional[int] = ...) -> None: ...

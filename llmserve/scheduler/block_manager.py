@@ -14,6 +14,7 @@ docs/architecture.md#memory.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 
 from llmserve.common.block_hash import extend_block_hashes
 from llmserve.scheduler.kv_offload import BlockKey, KVOffload
@@ -49,6 +50,9 @@ class BlockManager:
         # Blocks held for a waiting request (by seq_id) until it is admitted: its prefix, brought
         # back from a lower tier, and the device hits before it. Each pin is one reference.
         self.pins: dict[int, list[int]] = {}
+        # Called with a block hash that leaves the prefix cache (a hybrid model's state
+        # snapshot of it goes too: scheduler/state_slots.py).
+        self.on_forget: Callable[[int], None] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -115,6 +119,8 @@ class BlockManager:
         key = self.block_key.pop(block_id, None)
         if key is not None and self.hash_to_block.get(key[0]) == block_id:
             del self.hash_to_block[key[0]]
+            if self.on_forget is not None:
+                self.on_forget(key[0])
             if self.offload is not None:
                 self.offload.store(block_id, key)
 

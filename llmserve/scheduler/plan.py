@@ -31,6 +31,8 @@ class NewRequestRow:
     state_slot: int = 0
     # Whether the engine scores its prompt positions (its prompt logprobs are not all in).
     prompt_logprobs: bool = False
+    # A prefix-cache hit's snapshot slot its state is restored from (0: none; state_slots.py).
+    state_restore_from: int = 0
 
 
 @dataclass
@@ -44,6 +46,19 @@ class RunningRow:
     # Speculative decoding: KV slots after the scheduled tokens for the engine's proposals.
     num_lookahead_tokens: int = 0
     lora_slot: int = 0  # as in NewRequestRow; named every step
+
+
+@dataclass(frozen=True)
+class SnapshotTaken:
+    """A hybrid model's state snapshot a plan takes after its forward: request's state slot
+    from_slot (its row ends at the block of hash block_hash) into snapshot slot to_slot; good
+    once the plan's result is in while the request still runs in the same life."""
+
+    request: Request
+    num_preemptions: int
+    block_hash: int
+    from_slot: int
+    to_slot: int
 
 
 @dataclass
@@ -72,6 +87,8 @@ class StepPlan:
     kv_receives: list[KVReceive] = field(default_factory=list)
     kv_receive_cancels: list[int] = field(default_factory=list)
     awaits_transfers: bool = False
+    # State snapshots taken after this step's forward (scheduler/state_slots.py).
+    state_snapshots: list[SnapshotTaken] = field(default_factory=list)
 
     @property
     def rows(self) -> list[NewRequestRow | RunningRow]:
@@ -174,6 +191,7 @@ def make_plan(
                 request.num_computed_tokens,
                 num_new,
                 state_slot=request.state_slot or 0,
+                state_restore_from=request.state_restore_from,
                 prompt_logprobs=request.needs_prompt_logprobs,
             )
             plan.new_requests.append(row)

@@ -137,6 +137,11 @@ class Request:
     # Hybrid linear-attention models: the engine's state slot it holds while running
     # (scheduler/state_slots.py; None: none).
     state_slot: int | None = None
+    # The snapshot slot its state is restored from when admitted on a prefix-cache hit (0: none).
+    state_restore_from: int = 0
+    # Where its cached prefix ends when no snapshot reaches that far (0: none): a block end its
+    # prefill stops at to leave a snapshot there (StateSnapshots.cap_hit).
+    state_junction: int = 0
     # Prompt logprobs asked (with prompt_top_logprobs alternatives each), and the scores the
     # engine returned so far: prompt_scores[j] is prompt token j + 1's. Until all are in, the
     # prompt is computed whole (no prefix-cache hit) and without lookahead slots.

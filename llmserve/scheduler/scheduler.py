@@ -10,8 +10,11 @@ preempted: its blocks are freed and it waits again, to be recomputed from its to
 The Scheduler holds its parts and calls them by name: `policy` (admission order and victims:
 scheduler/policies/), `slots` (pipeline stages: scheduler/pipeline.py), `swaps` (KV offload tiers:
 scheduler/swaps.py), `handoffs` (prefill / decode engines: scheduler/disagg/handoffs.py),
-`block_manager`, `loras`, `tenants`, `grammar_wait`, `speculation`. The plan it returns:
-scheduler/plan.py.
+`block_manager`, `state_slots`, `loras`, `tenants`, `grammar_wait`, `speculation`. The plan it
+returns: scheduler/plan.py.
+
+Size: over 800 lines: what is left here is the request lifecycle its parts share (admission,
+planning, results, preemption), each a few short methods calling those parts.
 """
 
 from __future__ import annotations
@@ -76,13 +79,14 @@ class Scheduler:
         num_disk_blocks: int = 0,
         kv_block_bytes: int = 0,
         num_state_slots: int = 0,
+        num_state_snapshot_slots: int = 0,
         policy: Policy | None = None,
     ):
         """policy: default config.policy's. num_speculative_tokens: the most tokens the engine
         proposes per request and step (0: none; with it, one step at a time: a step's tokens
         per request are known only from its result). num_host_blocks, num_disk_blocks: the
         engine's KV offload tiers (0: none; kv_offload.py), of kv_block_bytes each.
-        num_state_slots: the engine's recurrent-state slots (0: none; state_slots.py)."""
+        num_state_slots, num_state_snapshot_slots: the engine's state slots (state_slots.py)."""
         assert config.max_num_seqs > 0 and config.max_num_batched_tokens > 0, (
             "a scheduler needs its step limits: SchedulerConfig.adopt the engine's first"
         )
@@ -93,8 +97,8 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.state_slots = StateSlots(num_state_slots)
-        self.block_manager = BlockManager(num_blocks, block_size, self.enable_prefix_caching)
+        self.state_slots = StateSlots(num_state_slots, num_state_snapshot_slots, block_size)
+        self.block_manager = self._new_block_manager(num_blocks, block_size, None, None)
         self.set_offload_tiers(num_host_blocks, num_disk_blocks, kv_block_bytes)
         self.waiting: deque[Request] = deque()
         # Constrained requests whose grammar the engine has not compiled yet (they join
@@ -123,9 +127,11 @@ class Scheduler:
 
     @property
     def enable_prefix_caching(self) -> bool:
-        """The config's choice, except for a model with state layers: a cached block's KV is of
-        no use without its linear layers' state at that boundary (docs/models.md)."""
-        return self.config.enable_prefix_caching and not self.state_slots.enabled
+        """The config's choice, except for a model with state layers without state snapshots:
+        a cached block's KV is of no use without its state layers' state at that boundary
+        (docs/architecture.md#state-snapshots)."""
+        slots = self.state_slots
+        return self.config.enable_prefix_caching and (not slots.enabled or slots.snapshots.enabled)
 
     def set_sliding_window(self, sliding_window: int | None) -> None:
         """Release running requests' blocks that fall out of this window (the engine's, when
@@ -178,7 +184,7 @@ class Scheduler:
             old.block_bytes = block_bytes
             return
         offload = None
-        if num_host_blocks > 0 and bm.enable_prefix_caching:
+        if num_host_blocks > 0 and bm.enable_prefix_caching and not self.state_slots.enabled:
             offload = KVOffload(num_host_blocks, num_disk_blocks, block_bytes)
         bm.offload = offload
 
@@ -303,27 +309,36 @@ class Scheduler:
             self.waiting.remove(request)
             self.grammar_wait.hold(request)
         self.block_manager.reset_prefix_cache()
+        self.state_slots.snapshots.reset()
         self.loras.resize(self.loras.max_loras)  # an engine that lost its mirror reloads them
         self.block_manager.check_integrity(list(self.requests.values()))
         preempted, self.preempted = self.preempted, []
         return preempted
 
-    def resize(self, num_blocks: int, block_size: int, num_state_slots: int = 0) -> list[Request]:
-        """Adopt a restarted engine's pool geometry (and state slots). Only after reset_engine
-        (nobody holds blocks). Waiting requests that no longer fit are aborted and returned."""
-        same_slots = num_state_slots == self.state_slots.num_slots
+    def resize(
+        self,
+        num_blocks: int,
+        block_size: int,
+        num_state_slots: int = 0,
+        num_snapshot_slots: int = 0,
+    ) -> list[Request]:
+        """Adopt a restarted engine's pool geometry (and state and snapshot slots). Only after
+        reset_engine (nobody holds blocks). Waiting requests that no longer fit are aborted and
+        returned."""
+        slots = self.state_slots
+        now = (slots.num_slots, slots.snapshots.num_slots, self.block_size)
+        same_slots = (num_state_slots, num_snapshot_slots, block_size) == now
         geometry = (self.block_manager.num_blocks, self.block_size)
         if same_slots and (num_blocks, block_size) == geometry:
             return []
         assert not self.running, "resize with running requests"
         if not same_slots:  # the prefix cache may turn on or off with them
-            self.state_slots = StateSlots(num_state_slots)
+            self.state_slots = StateSlots(num_state_slots, num_snapshot_slots, block_size)
         self.block_size = block_size
         offload = self.block_manager.offload
-        self.block_manager = BlockManager(
-            num_blocks, block_size, self.enable_prefix_caching,
-            self.block_manager.sliding_window, offload,
-        )  # fmt: skip
+        self.block_manager = self._new_block_manager(
+            num_blocks, block_size, self.block_manager.sliding_window, offload
+        )
         if offload is not None:
             offload.reset()  # blocks keyed by the old block size
         waiting = [*self.waiting, *self.grammar_wait.held.values()]
@@ -334,6 +349,21 @@ class Scheduler:
         for request in too_big:
             self.abort(request.seq_id)
         return too_big
+
+    def _new_block_manager(
+        self,
+        num_blocks: int,
+        block_size: int,
+        sliding_window: int | None,
+        offload: KVOffload | None,
+    ) -> BlockManager:
+        """A block manager with the prefix cache as enable_prefix_caching says; a block
+        leaving its prefix cache takes its state snapshot along (state_slots.py)."""
+        bm = BlockManager(
+            num_blocks, block_size, self.enable_prefix_caching, sliding_window, offload
+        )
+        bm.on_forget = self.state_slots.snapshots.forget
+        return bm
 
     def idle_timeout_s(self) -> float | None:
         """How long the service may sleep with nothing to plan before planning again (None:
@@ -396,7 +426,7 @@ class Scheduler:
             ):
                 i += 1
                 continue
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = self._chunk(request, request.num_computed_tokens, budget)
             assert num_new > 0, f"running request {request.request_id} has nothing to compute"
             request.spec.num_lookahead_tokens = self._lookahead(request, num_new, budget)
             while not self._allocate_running(request, num_new):
@@ -483,23 +513,30 @@ class Scheduler:
                     return
                 budget += freed
             cached = self.block_manager.find_cached_blocks(request)
+            cached, request.state_restore_from = self.state_slots.snapshots.cap_hit(request, cached)
             if self.swaps.start_swap_in(request, cached):
                 break  # it waits for its blocks to come back; the next plan admits it
             num_cached = len(cached) * self.block_size
-            num_new = min(request.num_tokens - num_cached, budget)
+            num_new = self._chunk(request, num_cached, budget)
             while not self.block_manager.allocate_slots(request, num_new, cached):
                 short = self.block_manager.num_blocks_short(request, num_new, cached)
                 freed = self._make_room(request, scheduled, short)
                 if freed is None:
                     return
                 budget += freed
-                num_new = min(request.num_tokens - num_cached, budget)
+                num_new = self._chunk(request, num_cached, budget)
             self._remove_waiting(request)
             self._admit(request, num_cached)
             scheduled.append((request, num_new))
             self._charge(request, num_new)
             budget -= num_new
             room -= 1
+
+    def _chunk(self, request: Request, num_computed: int, budget: int) -> int:
+        """Tokens request computes now, past num_computed: the rest, up to budget, ending at a
+        state snapshot's boundary for a model that keeps them (state_slots.py's `align`)."""
+        num_new = min(request.num_tokens - num_computed, budget)
+        return self.state_slots.snapshots.align(request, num_computed, num_new)
 
     def _remove_waiting(self, request: Request) -> None:
         if self.waiting[0] is request:
@@ -538,6 +575,7 @@ class Scheduler:
         """The plan for `scheduled` (request, tokens now), with the ids to drop and the
         requests preempted since the last plan (see plan.make_plan)."""
         plan = make_plan(self.next_step_id, self.finished_seq_ids, self.preempted, scheduled)
+        self.state_slots.snapshots.take(plan)
         plan.lora_loads = self.loras.take_loads()
         for row in plan.rows:
             row.lora_slot = self.loras.slot_of(row.request.lora_key)
@@ -556,7 +594,9 @@ class Scheduler:
         each running request holds a slot in [0, P), no waiting one does, and with P > 1 none
         has two tokens pending."""
         self.block_manager.check_integrity(list(self.requests.values()))
-        self.state_slots.check_integrity(list(self.requests.values()))
+        self.state_slots.check_integrity(
+            list(self.requests.values()), self.block_manager.hash_to_block
+        )
         num_slots = self.pipeline_parallel_size
         for r in self.running:
             assert r.pipeline.slot is not None and 0 <= r.pipeline.slot < num_slots, (
@@ -626,7 +666,7 @@ class Scheduler:
             if request.status == RequestStatus.RUNNING and isinstance(row, RunningRow):
                 self._give_back_lookahead(row)
         self._count_generated(outcomes)
-        self._after_update()
+        self._after_update(plan)
         return outcomes
 
     def _take_token(self, request: Request, token_id: int) -> StepOutcome | None:
@@ -677,7 +717,9 @@ class Scheduler:
             self._on_stopped(request, finished)
         return StepOutcome(request, token_id, None, finished)
 
-    def _after_update(self) -> None:
+    def _after_update(self, plan: StepPlan) -> None:
+        # plan's snapshots (taken by mid-prefill rows, which finish nothing here) are hits now
+        self.state_slots.snapshots.settle(plan, self.block_manager.hash_to_block.__contains__)
         self.policy.after_update()
         if not self.requests:
             self.block_manager.check_integrity([])

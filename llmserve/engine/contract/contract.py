@@ -53,6 +53,8 @@ class EngineInfo:
     # Hybrid linear-attention models: the state pool's slots (0: no state layers); each running
     # request holds one (NewRequest.state_slot).
     num_state_slots: int = 0
+    # Their snapshot slots after them (--state-snapshot-slots; 0: none, no prefix cache).
+    num_state_snapshot_slots: int = 0
 
 
 @dataclass(frozen=True)

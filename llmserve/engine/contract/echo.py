@@ -81,6 +81,12 @@ class EchoEngineConfig:
         "recurrent-state slots it pretends to hold, as a hybrid linear-attention model's engine "
         "(EngineInfo.num_state_slots; its mirror checks each new request's state_slot; 0: none)",
     )
+    num_state_snapshot_slots: int = setting(
+        0,
+        "state snapshot slots it pretends to hold after those (EngineInfo."
+        "num_state_snapshot_slots: the prefix cache of a hybrid model; its mirror checks the "
+        "plans' restores and snapshots; 0: none)",
+    )
 
     def __post_init__(self) -> None:
         if self.pipeline_parallel_size < 1:
@@ -116,6 +122,7 @@ class EchoEngine:
             engine_role=config.engine_role,
             kv_transfer_address=self.kv.address if self.kv is not None else "",
             num_state_slots=fake.num_state_slots,
+            num_state_snapshot_slots=fake.num_state_snapshot_slots,
         )
         self.step_delay_ms = fake.step_delay_ms
         self.step_token_delay_ms = fake.step_token_delay_ms
@@ -136,6 +143,7 @@ class EchoEngine:
         return Mirror(
             info.block_size, info.num_blocks, info.vocab_size,
             num_state_slots=info.num_state_slots,
+            num_state_snapshot_slots=info.num_state_snapshot_slots,
         )  # fmt: skip
 
     def launch(self, plan: StepPlanData) -> EchoStep:

@@ -110,10 +110,12 @@ class Mirror:
         vocab_size: int = 0,
         sliding_window: int = 0,
         num_state_slots: int = 0,
+        num_state_snapshot_slots: int = 0,
     ):
         """vocab_size: token ids of new requests must be below it (0: unchecked).
         num_state_slots: the state pool's slots (a model with state layers; 0: none): a new
-        request names a free one and starts from no computed token.
+        request names a free one and starts from no computed token, unless it is restored from
+        one of the num_state_snapshot_slots after them (a prefix-cache hit).
         sliding_window: the window the scheduler releases blocks out of (EngineInfo's; 0: none):
         a released block may come back to the same request later."""
         self.block_size = block_size
@@ -121,6 +123,7 @@ class Mirror:
         self.vocab_size = vocab_size
         self.sliding_window = sliding_window
         self.num_state_slots = num_state_slots
+        self.num_state_snapshot_slots = num_state_snapshot_slots
         self.seqs: dict[int, SeqState] = {}
         # New requests refused for what they carry (bad sampling params, token ids outside the
         # vocabulary), by seq id, until the scheduler lists them as finished: the step runs
@@ -140,6 +143,7 @@ class Mirror:
                 self.refused.discard(seq_id)
             elif self.seqs.pop(seq_id, None) is None:
                 raise MirrorMismatch(f"finished seq {seq_id} is not in the mirror")
+        self._check_state_snapshots(plan)
         listed = [n.seq_id for n in plan.new_requests] + plan.running.seq_ids
         if len(set(listed)) != len(listed):
             raise MirrorMismatch("a seq id is listed twice in one plan")
@@ -239,11 +243,37 @@ class Mirror:
         holder = next((s.seq_id for s in self.seqs.values() if s.state_slot == slot), None)
         if holder is not None:
             raise MirrorMismatch(f"seq {new.seq_id}: state_slot={slot} is held by seq {holder}")
-        if new.num_computed_tokens:
+        restore = new.state_restore_from
+        if restore and not self._is_snapshot_slot(restore):
+            raise MirrorMismatch(f"seq {new.seq_id}: state_restore_from={restore} {self._where}")
+        if bool(new.num_computed_tokens) != bool(restore):
             raise MirrorMismatch(
-                f"seq {new.seq_id}: num_computed_tokens={new.num_computed_tokens}, but a "
-                "request with a recurrent state computes from its first token"
+                f"seq {new.seq_id}: num_computed_tokens={new.num_computed_tokens} with "
+                f"state_restore_from={restore}: a request with a recurrent state computes from "
+                "its first token unless its state is restored from a snapshot"
             )
+
+    @property
+    def _where(self) -> str:
+        first = self.num_state_slots
+        return f"is not a state snapshot slot [{first}, {first + self.num_state_snapshot_slots})"
+
+    def _is_snapshot_slot(self, slot: int) -> bool:
+        first = self.num_state_slots
+        return first <= slot < first + self.num_state_snapshot_slots
+
+    def _check_state_snapshots(self, plan: StepPlanData) -> None:
+        """plan's snapshots copy request slots into snapshot slots, one column each."""
+        sources, targets = plan.state_snapshot_from, plan.state_snapshot_to
+        if len(sources) != len(targets):
+            raise MirrorMismatch(f"{len(sources)} state snapshot sources, {len(targets)} targets")
+        for source, target in zip(sources, targets, strict=True):
+            if not 0 <= source < self.num_state_slots:
+                raise MirrorMismatch(
+                    f"state_snapshot_from={source} outside [0, {self.num_state_slots})"
+                )
+            if not self._is_snapshot_slot(target):
+                raise MirrorMismatch(f"state_snapshot_to={target} {self._where}")
 
     def _check_vocabulary(self, new: NewRequest) -> None:
         """Raise ValueError when new carries a token id outside the vocabulary."""

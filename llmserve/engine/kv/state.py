@@ -6,7 +6,9 @@ state layer (ModelConfig.state_layout, common/state_layout.py) and every slot,
 
 Slot ids are the scheduler's (NewRequest.state_slot, scheduler/state_slots.py); a layer reads
 its request's slot at the start of a step's chunk and writes it back at the chunk's end. A
-request's first chunk (num_computed_tokens 0) starts from zeros whatever the slot held.
+request's first chunk (num_computed_tokens 0) starts from zeros whatever the slot held. The
+slots after the request slots hold state snapshots (the prefix cache's: `copy` fills them after
+a forward and restores a request's slot from one before it).
 `StateBatch` is one step's view: the pool and each row's slot.
 """
 
@@ -40,14 +42,28 @@ class StatePool:
     decayed and added to at every token, and the CUDA kernels read and write it so."""
 
     def __init__(
-        self, config: ModelConfig, num_slots: int, dtype: torch.dtype, device: torch.device
+        self,
+        config: ModelConfig,
+        num_slots: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        num_snapshot_slots: int = 0,
     ):
+        """num_slots request slots, then num_snapshot_slots snapshot slots (ids num_slots ..)."""
         layout = config.state_layout
         assert layout is not None and num_slots > 0, "a state pool for a model without state"
-        n = config.num_state_layers
-        self.num_slots = num_slots
-        self.conv = zeroed((n, num_slots, *layout.conv_shape), dtype, device)
-        self.recurrent = zeroed((n, num_slots, *layout.recurrent_shape), RECURRENT_DTYPE, device)
+        n, total = config.num_state_layers, num_slots + num_snapshot_slots
+        self.num_slots, self.num_snapshot_slots = num_slots, num_snapshot_slots
+        self.conv = zeroed((n, total, *layout.conv_shape), dtype, device)
+        self.recurrent = zeroed((n, total, *layout.recurrent_shape), RECURRENT_DTYPE, device)
+
+    @torch.inference_mode()
+    def copy(self, src_slots: list[int], dst_slots: list[int]) -> None:
+        """Every state layer's slot src_slots[i] into slot dst_slots[i], in list order (a
+        snapshot taken, or a request's slot restored from one)."""
+        for src, dst in zip(src_slots, dst_slots, strict=True):
+            self.conv[:, dst].copy_(self.conv[:, src])
+            self.recurrent[:, dst].copy_(self.recurrent[:, src])
 
     @property
     def nbytes(self) -> int:

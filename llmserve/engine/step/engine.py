@@ -186,6 +186,9 @@ class Engine:
             engine_role=config.engine_role,
             kv_transfer_address=self.transfers.address,
             num_state_slots=self.state_pool.num_slots if self.state_pool is not None else 0,
+            num_state_snapshot_slots=(
+                self.state_pool.num_snapshot_slots if self.state_pool is not None else 0
+            ),
         )
 
     def _released_window(self) -> int:
@@ -275,7 +278,10 @@ class Engine:
         return {
             "num_state_slots": self.state_pool.num_slots,
             "state_cache_gib": round(self.state_pool.nbytes / GIB, 3),
-            "prefix_caching": "refused: recurrent state (the scheduler turns it off)",
+            "num_state_snapshot_slots": self.state_pool.num_snapshot_slots,
+            "prefix_caching": "with state snapshots"
+            if self.state_pool.num_snapshot_slots
+            else "off: recurrent state without --state-snapshot-slots",
         }
 
     def _draft_figures(self) -> dict[str, object]:
@@ -333,14 +339,14 @@ class Engine:
         return memory
 
     def _allocate_state_pool(self) -> StatePool | None:
-        """A hybrid model's state pool: one slot per sequence a step may hold (max_num_seqs),
-        its bytes taken out of the KV pool's budget (unless --num-kv-blocks fixed the pool);
-        None for a model without state layers."""
+        """A hybrid model's state pool: one slot per sequence a step may hold (max_num_seqs)
+        and --state-snapshot-slots, their bytes taken out of the KV pool's budget (unless
+        --num-kv-blocks fixed the pool); None for a model without state layers."""
         c, config = self.config, self.local_config
         per_slot = state_bytes_per_slot(config, self.dtype)
         if not per_slot:
             return None
-        num_slots = c.max_num_seqs
+        num_slots = c.max_num_seqs + c.state_snapshot_slots
         per_block = bytes_per_block(config, c.block_size, self.kv_dtype)
         if not c.num_kv_blocks and per_block:  # 0: a stage of state layers only
             taken = -(-num_slots * per_slot // per_block)
@@ -350,7 +356,7 @@ class Engine:
                     f"of the {self.num_blocks} the budget holds: lower --max-num-seqs"
                 )
             self.num_blocks -= taken
-        return StatePool(config, num_slots, self.dtype, self.device)
+        return StatePool(config, c.max_num_seqs, self.dtype, self.device, c.state_snapshot_slots)
 
     def _allocate_tiers(self) -> KVTiers | None:
         """The KV offload tiers under the pool (--kv-offload-gb, --kv-offload-dir), as many
@@ -396,6 +402,7 @@ class Engine:
             self.config.block_size, self.num_blocks, self.model_config.vocab_size,
             self._released_window(),
             self.state_pool.num_slots if self.state_pool is not None else 0,
+            self.state_pool.num_snapshot_slots if self.state_pool is not None else 0,
         )  # fmt: skip
         self.unresolved.clear()
         self.grammars.forget_pending()
@@ -428,6 +435,7 @@ class Engine:
     def _launch_rows(self, plan: StepPlanData) -> LaunchedStep:
         failed = self._place_loras(plan)
         batch = self.mirror.apply(plan, failed)
+        self._restore_states(plan)
         if batch.has_lookahead:
             return self._speculate(batch)
         if self.unresolved and _needs_host_tokens(batch):
@@ -435,9 +443,19 @@ class Engine:
         if not batch.rows:
             return _empty_step(batch)
         step = self.runner.launch(batch, self.unresolved[-1] if self.unresolved else None)
+        if plan.state_snapshot_from and self.state_pool is not None:  # after the forward
+            self.state_pool.copy(plan.state_snapshot_from, plan.state_snapshot_to)
         self.mirror.commit_pending(batch)
         self.unresolved.append(step)
         return step
+
+    def _restore_states(self, plan: StepPlanData) -> None:
+        """New requests' state slots from their snapshots (prefix-cache hits), before the
+        forward (the mirror checked the slots)."""
+        restores = [(n.state_restore_from, n.state_slot) for n in plan.new_requests]
+        restores = [pair for pair in restores if pair[0]]
+        if restores and self.state_pool is not None:
+            self.state_pool.copy([src for src, _ in restores], [dst for _, dst in restores])
 
     def _place_loras(self, plan: StepPlanData) -> dict[int, str]:
         """The plan's adapter loads into their slots; {slot: why} for those that failed."""

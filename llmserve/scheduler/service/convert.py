@@ -76,6 +76,7 @@ def plan_data(plan: StepPlan) -> StepPlanData:
         plan.step_id, plan.finished_seq_ids, [new_request(row) for row in plan.new_requests],
         running_columns(plan.running), plan.lora_loads, plan.kv_copies, compiles,
         plan.kv_sends, plan.kv_receives, plan.kv_receive_cancels,
+        [s.from_slot for s in plan.state_snapshots], [s.to_slot for s in plan.state_snapshots],
     )  # fmt: skip
 
 

@@ -194,8 +194,9 @@ class EngineLink:
                     info.num_host_blocks, info.num_disk_blocks, info.kv_block_bytes
                 )
                 resized = self.scheduler.resize(
-                    info.num_blocks, info.block_size, info.num_state_slots
-                )
+                    info.num_blocks, info.block_size, info.num_state_slots,
+                    info.num_state_snapshot_slots,
+                )  # fmt: skip
                 for request in resized:
                     outcome = StepOutcome(request, None, None, RequestStatus.FINISHED_ABORTED)
                     deliver(self.streams, outcome)
@@ -223,6 +224,7 @@ class EngineLink:
             kv_offload_host_blocks=info.num_host_blocks,
             kv_offload_disk_blocks=info.num_disk_blocks,
             num_state_slots=info.num_state_slots,
+            num_state_snapshot_slots=info.num_state_snapshot_slots,
             prefix_caching=self._prefix_caching(),
         )
         if config.preemption_mode == "swap" and not info.num_host_blocks:
@@ -240,7 +242,8 @@ class EngineLink:
         if self.config.enable_prefix_caching:
             return (
                 "off: the model's linear-attention layers keep a recurrent state per request, "
-                "which a cached block's KV does not restore (docs/models.md)"
+                "which a cached block's KV does not restore; the engine's "
+                "--state-snapshot-slots keeps states at block ends (docs/models.md)"
             )
         return "off"
 
@@ -261,6 +264,7 @@ class EngineLink:
             num_disk_blocks=info.num_disk_blocks,
             kv_block_bytes=info.kv_block_bytes,
             num_state_slots=info.num_state_slots,
+            num_state_snapshot_slots=info.num_state_snapshot_slots,
         )
         self.events.scheduler_made(self, scheduler)
         return scheduler

@@ -145,6 +145,14 @@ METRICS = {
         "llmserve.state_cache.slots.free", "gauge", "{slot}",
         "Hybrid linear-attention models: recurrent-state slots no running request holds",
     ),
+    "num_state_snapshot_slots": Metric(
+        "llmserve.state_cache.snapshot_slots", "gauge", "{slot}",
+        "Hybrid models' prefix cache: the engine's state snapshot slots (--state-snapshot-slots)",
+    ),
+    "num_used_state_snapshot_slots": Metric(
+        "llmserve.state_cache.snapshot_slots.used", "gauge", "{slot}",
+        "Hybrid models' prefix cache: snapshot slots holding a cached block's state",
+    ),
     "kv_bytes_per_token": Metric(
         "llmserve.kv_cache.token_size", "gauge", "By",
         "KV-cache bytes one token takes over all layers (the engine's pool layout: per-head K "

@@ -233,6 +233,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 num_blocks=s.block_manager.num_blocks,
                 num_state_slots=s.state_slots.num_slots,
                 num_free_state_slots=s.state_slots.num_free_slots,
+                num_state_snapshot_slots=s.state_slots.snapshots.num_slots,
+                num_used_state_snapshot_slots=s.state_slots.snapshots.num_used_slots,
                 kv_bytes_per_token=s.transfers.block_bytes // s.block_manager.block_size,
                 lora_names=sorted(n for n in s.loras.paths if s.loras.is_servable(n)),
             )

@@ -126,6 +126,7 @@ def run_script(
         SchedulerConfig(**{"max_num_seqs": info.max_num_seqs, **config}),
         num_blocks, info.block_size, info.max_model_len, info.vocab_size, info.eos_token_ids,
         num_state_slots=info.num_state_slots,
+        num_state_snapshot_slots=info.num_state_snapshot_slots,
     )  # fmt: skip
     if release_window:
         sched.set_sliding_window(info.sliding_window)

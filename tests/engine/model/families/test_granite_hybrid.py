@@ -23,6 +23,7 @@ from llmserve.engine.step.engine import Engine
 from tests.engine.model.families.test_qwen3_next import (
     _script_on_rank,
     check_rows,
+    check_snapshot_hits,
     run_requests,
     script_requests,
 )
@@ -375,3 +376,10 @@ def _kernel_ops_launches(emulator: Any, ops: Any) -> tuple[int, ...]:
         assert rel_err(got.float(), want.float()) < 1e-2 and rel_err(pool, want_pool) < 1e-5
         launches.append(len(emulator.launches))
     return tuple(launches)
+
+
+def test_prefix_cache_hits_restore_a_state_snapshot(load: Any) -> None:
+    """check_snapshot_hits (test_qwen3_next.py) on the Mamba-2 layers: two prefix-cache hits
+    restored from the state snapshot the first request left, logits as transformers'."""
+    model = load("moe_nope")
+    check_snapshot_hits(model.path, model.hf_logits)

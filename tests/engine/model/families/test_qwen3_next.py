@@ -2,8 +2,8 @@
 slot, gated full attention, MoE with a shared expert) against transformers on a tiny random
 checkpoint of Qwen3NextConfig (tests/moe_models.py): every position of a whole prompt and of a
 prompt fed in chunks carrying the state, the scheduled script (chunked prefill, preemptions and
-recompute, two requests of one prompt as n = 2 makes them, decode), the prefix cache refused,
-what the family refuses."""
+recompute, two requests of one prompt as n = 2 makes them, decode), the prefix cache off without
+state snapshots and its hits restored from them with, what the family refuses."""
 
 from __future__ import annotations
 
@@ -344,3 +344,51 @@ def test_from_a_gguf_as_llama_cpps_converter_writes_it(model: Loaded, tmp_path: 
     got = torch.cat((head, last))
     assert rel_err(got, want) < TOLERANCE
     assert got.argmax(-1).tolist() == want.argmax(-1).tolist()
+
+
+def test_prefix_cache_hits_restore_a_state_snapshot(model: Loaded) -> None:
+    """check_snapshot_hits on Qwen3-Next's DeltaNet layers."""
+    check_snapshot_hits(model.path, model.hf_logits)
+
+
+def check_snapshot_hits(path: Path, hf_logits: Any) -> None:
+    """--state-snapshot-slots: a request computes its 45-token prompt in a chunk cut at its
+    last full block (40) and the engine snapshots its state there; two later requests (a longer
+    prompt sharing 44 tokens, and the same prompt, as a retry sends it) hit 40 tokens each,
+    restored from that snapshot, and their logits (within 1e-4) and greedy tokens equal
+    transformers' (hf_logits: token ids -> every position's logits)."""
+    engine = Engine(
+        EngineConfig(model=str(path), device="cpu", num_kv_blocks=96, block_size=BLOCK_SIZE,
+                     max_num_seqs=2, state_snapshot_slots=2)
+    )  # fmt: skip
+    assert engine.info.num_state_snapshot_slots == 2
+    assert engine.state_pool is not None and engine.state_pool.conv.shape[1] == 4
+    first = prompt(45, seed=5)
+    prompts = [first, first[:44] + prompt(10, seed=6), first]
+    greedy = sampling(temperature=0.0)
+    requests = [
+        Request(f"r{i}", i + 1, p, greedy, 4, ignore_eos=True)  # type: ignore[arg-type]
+        for i, p in enumerate(prompts)
+    ]
+    restores: dict[int, tuple[int, int]] = {}
+    original = engine.mirror.apply
+
+    def watch(plan: StepPlanData, *args: Any) -> Any:
+        for new in plan.new_requests:
+            restores[new.seq_id] = (new.num_computed_tokens, new.state_restore_from)
+        return original(plan, *args)
+
+    engine.mirror.apply = watch  # type: ignore[method-assign]
+    # one request at a time, so each later one finds the snapshot its predecessor took
+    script = run_script(engine, requests, 40, max_num_batched_tokens=64, max_num_seqs=1)
+    sched = script.sched
+    assert sched.enable_prefix_caching
+    assert restores == {1: (0, 0), 2: (40, 2), 3: (40, 2)}
+    assert sched.counters.num_prefix_cache_hit_tokens == 80
+    assert sched.state_slots.snapshots.num_hits == 2
+    for request in requests:
+        got = torch.stack([torch.as_tensor(r) for r in script.rows[request.seq_id]])
+        start = len(request.prompt_token_ids) - 1
+        want = hf_logits(request.token_ids[:-1])[start:]
+        assert rel_err(got, want) < TOLERANCE, request.request_id
+        assert got.argmax(-1).tolist() == request.token_ids[start + 1 :]
