@@ -12,6 +12,7 @@ run.
 from __future__ import annotations
 
 import functools
+import os
 from pathlib import Path
 from typing import Any
 
@@ -71,11 +72,12 @@ ACT_BITS = 16
 # machine, so the cut is rough), as kernels/cpu.py's WIDEN_ROWS for int8.
 PREFILL_ROWS = 128
 
-# decode_layer on the blocks as one OpenMP region, its threads meeting at barriers that spin this
-# many microseconds, then sleep (kernels/cpu_decode_team.h); off: a region per phase, five a
-# layer (issue 42's before; `llmserve bench step --arms mode:auto mode:auto-regions`).
-ONE_REGION = True
-SPIN_US = 20
+# decode_layer on the blocks as one OpenMP region, its threads meeting at barriers that spin at
+# most this many microseconds (a budget learned from the waits), then sleep
+# (kernels/cpu_decode_team.h); off (LLMSERVE_CPU_ONE_REGION=0): a region per phase, five a layer,
+# issue 42's before (`llmserve bench step --arms mode:auto mode:auto-regions`).
+ONE_REGION = os.environ.get("LLMSERVE_CPU_ONE_REGION", "1") != "0"
+SPIN_US = int(os.environ.get("LLMSERVE_CPU_SPIN_US", "20"))
 _scratch: dict[tuple[int, int], torch.Tensor] = {}  # one per weight shape, shared by layers
 # Weights larger (an LM head: SmolLM2's is 28M) always take the dot products: their float32
 # scratch would stay resident (113 MB), and their few rows per step (sampled ones) rarely reach
