@@ -77,6 +77,9 @@ def run_service(name: str, configs: list[Any]) -> None:
     else:
         config.check_exposure(config.host)
     configure(name)
+    nice = int(os.environ.get("LLMSERVE_NICE") or 0)
+    if nice:  # before the service starts its threads: they inherit it (llmserve/stack.py)
+        os.nice(nice)
     # The gateway's HTTP API serves /metrics too (clients such as aiperf look for it there).
     registry = name == "gateway" and bool(getattr(config, "http_port", 0))
     telemetry.setup(name, config.metrics_port, config.host, registry)
