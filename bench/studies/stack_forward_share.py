@@ -81,6 +81,40 @@ def stream_gaps(url: str, prompt: str, output_len: int) -> list[float]:
     return [(b - a) * 1e3 for a, b in itertools.pairwise(stamps)]
 
 
+def service_threads(stack: Any) -> dict[str, dict[str, float]]:
+    """Per service (engine, scheduler, gateway): its threads' CPU seconds and voluntary /
+    involuntary context switches so far, summed (Linux /proc; empty elsewhere)."""
+    totals: dict[str, dict[str, float]] = {}
+    for name, proc in stack.procs.items():
+        row = totals.setdefault(name, {"cpu_s": 0.0, "voluntary": 0.0, "involuntary": 0.0})
+        for task in Path(f"/proc/{proc.pid}/task").glob("*"):
+            try:
+                fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+                status = (task / "status").read_text()
+            except OSError:  # the thread ended
+                continue
+            row["cpu_s"] += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+            for line in status.splitlines():
+                key, _, value = line.partition(":")
+                if key in ("voluntary_ctxt_switches", "nonvoluntary_ctxt_switches"):
+                    row["voluntary" if key[0] == "v" else "involuntary"] += int(value)
+    return totals
+
+
+def per_token(before: dict[str, Any], after: dict[str, Any], tokens: int) -> dict[str, Any]:
+    """service_threads' growth per output token (CPU in ms)."""
+    return {
+        name: {
+            ("cpu_ms" if key == "cpu_s" else key): (value - before[name][key])
+            * (1e3 if key == "cpu_s" else 1.0)
+            / tokens
+            for key, value in row.items()
+        }
+        for name, row in after.items()
+        if name in before
+    }
+
+
 def parse_arm(spec: str) -> tuple[str, dict[str, str]]:
     """NAME:VAR=VALUE,VAR=VALUE -> (NAME, its environment)."""
     name, _, assignments = spec.partition(":")
@@ -90,7 +124,8 @@ def parse_arm(spec: str) -> tuple[str, dict[str, str]]:
 
 def in_stack(requests: int, output_len: int, env: dict[str, str]) -> dict[str, Any]:
     """A fresh stack with env, --requests streams one after another: wall ms per output token,
-    the median gap between chunks and the engine's forward / step ms per step over them."""
+    the median gap between chunks, the engine's forward / step ms per step over them, and each
+    service's CPU ms and context switches per output token (`per_token`)."""
     metrics_port = free_port()
     flags = ["--device", "cpu", "--http-port", str(free_port())]
     with serve_locally([*flags, "--metrics-port", str(metrics_port)], 300, env=env) as stack:
@@ -98,13 +133,15 @@ def in_stack(requests: int, output_len: int, env: dict[str, str]) -> dict[str, A
         assert url is not None
         warm_up(url, PROMPT)
         engine_url = f"http://127.0.0.1:{metrics_port + 2}/metrics"  # the engine's: PORT+2
-        before = engine_seconds(engine_url)
+        before, threads = engine_seconds(engine_url), service_threads(stack)
         t0 = time.perf_counter()
         gaps = [gap for _ in range(requests) for gap in stream_gaps(url, PROMPT, output_len)]
         wall = time.perf_counter() - t0
-        after = engine_seconds(engine_url)
+        after, threads_after = engine_seconds(engine_url), service_threads(stack)
     spent = {key: after[key] - before[key] for key in after}
-    row = {"token_ms": wall * 1e3 / (requests * output_len), "chunks_received": len(gaps)}
+    row: dict[str, Any] = {"token_ms": wall * 1e3 / (requests * output_len)}
+    row["chunks_received"] = len(gaps)
+    row["per_token"] = per_token(threads, threads_after, requests * output_len)
     row["itl_p50_ms"] = statistics.median(gaps)
     for name in ENGINE_METRICS:
         row[f"engine_{name}_ms"] = spent[f"{name}_sum"] * 1e3 / spent[f"{name}_count"]
@@ -134,7 +171,9 @@ def main() -> None:
                 f"round {r} {name}: in-process step {step['step_ms']:.2f} ms; in the stack: "
                 f"forward {stack['engine_forward_ms']:.2f}, step {stack['engine_step_ms']:.2f}, "
                 f"token interval {stack['token_ms']:.2f} (p50 {stack['itl_p50_ms']:.2f}) ms "
-                f"(load {stack['loadavg_1m']:.1f})",
+                f"(load {stack['loadavg_1m']:.1f}); engine per token: CPU "
+                f"{stack['per_token']['engine']['cpu_ms']:.1f} ms, "
+                f"{stack['per_token']['engine']['voluntary']:.0f} sleeps",
                 flush=True,
             )
         rounds.append({"in_process": step, "in_stack": stacks})
