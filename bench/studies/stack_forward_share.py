@@ -3,7 +3,7 @@ in-process (`llmserve bench step`, batch 1) against the same engine's forward in
 stack, and the token interval a client sees.
 
     python -m bench.studies.stack_forward_share [--rounds 3] [--requests 3] [--output-len 128]
-        [--arm NAME:VAR=VALUE,...] [--out bench/results/stack_forward_share.json]
+        [--arm NAME:VAR=VALUE,...] [--concurrency 1] [--out bench/results/stack_forward_share.json]
 
 Per round, in turn (so a machine whose load drifts slows both alike): (A) `llmserve bench step
 --arms mode:auto --batches 1` in a process of its own; (B) a fresh `llmserve serve --device cpu`
@@ -29,6 +29,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -122,8 +123,21 @@ def parse_arm(spec: str) -> tuple[str, dict[str, str]]:
     return name, env
 
 
-def in_stack(requests: int, output_len: int, env: dict[str, str]) -> dict[str, Any]:
-    """A fresh stack with env, --requests streams one after another: wall ms per output token,
+def streams(url: str, requests: int, output_len: int, concurrency: int) -> list[float]:
+    """--requests streams, --concurrency at once (over 1: each its own prompt, so no prefix cache
+    serves one from another): every gap between chunks, in ms."""
+    if concurrency == 1:
+        return [gap for _ in range(requests) for gap in stream_gaps(url, PROMPT, output_len)]
+    prompts = [f"{i} {PROMPT}" for i in range(requests)]
+    with ThreadPoolExecutor(concurrency) as pool:
+        runs = pool.map(lambda prompt: stream_gaps(url, prompt, output_len), prompts)
+        return [gap for gaps in runs for gap in gaps]
+
+
+def in_stack(
+    requests: int, output_len: int, env: dict[str, str], concurrency: int = 1
+) -> dict[str, Any]:
+    """A fresh stack with env, --requests streams (--concurrency at once): wall ms per output token,
     the median gap between chunks, the engine's forward / step ms per step over them, and each
     service's CPU ms and context switches per output token (`per_token`)."""
     metrics_port = free_port()
@@ -135,7 +149,7 @@ def in_stack(requests: int, output_len: int, env: dict[str, str]) -> dict[str, A
         engine_url = f"http://127.0.0.1:{metrics_port + 2}/metrics"  # the engine's: PORT+2
         before, threads = engine_seconds(engine_url), service_threads(stack)
         t0 = time.perf_counter()
-        gaps = [gap for _ in range(requests) for gap in stream_gaps(url, PROMPT, output_len)]
+        gaps = streams(url, requests, output_len, concurrency)
         wall = time.perf_counter() - t0
         after, threads_after = engine_seconds(engine_url), service_threads(stack)
     spent = {key: after[key] - before[key] for key in after}
@@ -155,6 +169,7 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=3)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--steps", type=int, default=40, help="in-process steps timed per round")
+    p.add_argument("--concurrency", type=int, default=1, help="streams at once")
     p.add_argument("--arm", action="append", default=[], help="NAME:VAR=VALUE,... (repeatable)")
     p.add_argument(
         "--out", type=Path, default=ROOT / "bench" / "results" / "stack_forward_share.json"
@@ -166,7 +181,7 @@ def main() -> None:
         step = in_process_step(args.steps)
         stacks = {}
         for name, env in arms if r % 2 == 0 else arms[::-1]:
-            stacks[name] = stack = in_stack(args.requests, args.output_len, env)
+            stacks[name] = stack = in_stack(args.requests, args.output_len, env, args.concurrency)
             print(
                 f"round {r} {name}: in-process step {step['step_ms']:.2f} ms; in the stack: "
                 f"forward {stack['engine_forward_ms']:.2f}, step {stack['engine_step_ms']:.2f}, "
