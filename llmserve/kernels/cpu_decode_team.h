@@ -21,14 +21,20 @@
 // on a futex until the last thread arrives: under load a descheduled peer costs at most that
 // much of a core per barrier (the omp_wait study: spinning without a bound made a loaded
 // machine's steps 1.5-7x slower).
-#include <linux/futex.h>
 #include <omp.h>
+#ifdef __linux__
+#include <linux/futex.h>
 #include <sys/syscall.h>
 #include <unistd.h>
+#else  // elsewhere the sleeping wait yields the core in a loop instead of a futex
+#define FUTEX_WAIT_PRIVATE 0
+#define FUTEX_WAKE_PRIVATE 1
+#endif
 
 #include <atomic>
 #include <chrono>
 #include <climits>
+#include <thread>
 
 namespace team {
 
@@ -83,7 +89,11 @@ class Barrier {
   }
 
   void futex(int op, int value) {
+#ifdef __linux__
     syscall(SYS_futex, reinterpret_cast<int*>(&gen_), op, value, nullptr, nullptr, 0);
+#else
+    if (op == FUTEX_WAIT_PRIVATE && gen_.load() == value) std::this_thread::yield();
+#endif
   }
 
   std::atomic<int> arrived_{0}, gen_{0}, sleepers_{0}, threads_{1};
