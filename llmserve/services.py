@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import os
 import signal
 import sys
@@ -77,6 +78,12 @@ def run_service(name: str, configs: list[Any]) -> None:
     else:
         config.check_exposure(config.host)
     configure(name)
+    nice = int(os.environ.get("LLMSERVE_NICE") or 0)
+    if nice:  # before the service starts its threads: they inherit it (llmserve/stack.py)
+        try:
+            os.nice(nice)
+        except PermissionError:  # a negative value without CAP_SYS_NICE: serve at 0
+            logging.getLogger(name).warning("LLMSERVE_NICE=%d not permitted; running at 0", nice)
     # The gateway's HTTP API serves /metrics too (clients such as aiperf look for it there).
     registry = name == "gateway" and bool(getattr(config, "http_port", 0))
     telemetry.setup(name, config.metrics_port, config.host, registry)

@@ -49,6 +49,12 @@ from llmserve.topology import (
 )
 
 SERVICES = ("engine", "scheduler", "gateway")  # start order; stopped front first
+# The scheduler's and gateway's nice value beside an engine on the CPU (LLMSERVE_FRONT_NICE sets
+# another; 0: none): their per-token wake-ups then wait for a gap rather than preempt one of the
+# engine's OpenMP threads, which stalls the other at the next barrier. One stream on the 2-core
+# VM beside other work, ITL p50 24.0-31.7 ms at 0, 20.5-23.0 at 5 (docs/quantization.md, issue
+# 42's third session); vLLM's CPU server leaves its front end a core for the same reason.
+FRONT_NICE = 5
 # Each service's config type, in SERVICES' order.
 CONFIG_TYPES: tuple[type[Any], ...] = (EngineConfig, SchedulerConfig, GatewayConfig)
 
@@ -177,7 +183,17 @@ class Stack:
         roles = list(self._role_engines())
         if name in roles:
             own = role_engine_gpu(self.engine, 1 + roles.index(name))
-        return {"PYTHONUNBUFFERED": "1", **self.env, **own}
+        nice = {}
+        if name.partition("-")[0] in ("scheduler", "gateway") and self.engine_on_cpu():
+            given = {**os.environ, **self.env}.get("LLMSERVE_FRONT_NICE", str(FRONT_NICE))
+            nice["LLMSERVE_NICE"] = given
+        return {"PYTHONUNBUFFERED": "1", **nice, **self.env, **own}
+
+    def engine_on_cpu(self) -> bool:
+        """Whether the engines run on this machine's CPU: --device cpu, or auto without an
+        NVIDIA device node (the launcher does not load torch to ask)."""
+        device = self.engine.device
+        return device == "cpu" or (device == "auto" and not Path("/dev/nvidiactl").exists())
 
     def _spawn(self, name: str) -> subprocess.Popen[bytes]:
         kind = name.partition("-")[0]

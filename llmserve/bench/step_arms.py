@@ -48,6 +48,13 @@ MODES: dict[str, tuple[dict[str, Any], bool, bool, int | None, bool]] = {
     "gguf": ({"quantization": "gguf"}, False, False, None, True),
     "gguf-int8act": ({"quantization": "gguf"}, False, False, 8, True),
     "auto": ({"quantization": "auto"}, False, False, None, True),
+    # the fused layers with a region per phase, not one per layer (cpu_gguf.ONE_REGION off)
+    "auto-regions": ({"quantization": "auto"}, False, False, None, True),
+    "gguf-regions": ({"quantization": "gguf"}, False, False, None, True),
+    # the one-region layer with its barriers' longest spin set to N us (cpu_gguf.SPIN_US)
+    "auto-spin0": ({"quantization": "auto"}, False, False, None, True),
+    "auto-spin50": ({"quantization": "auto"}, False, False, None, True),
+    "auto-spin100": ({"quantization": "auto"}, False, False, None, True),
 }
 
 WINDOW = 64
@@ -198,13 +205,19 @@ def _mode_arm(spec: str, name: str, base: EngineConfig, workdir: Path) -> Arm:
         from llmserve.engine.model import cpu_fused
         from llmserve.kernels import cpu_gguf
 
-        bits = cpu_gguf.ACT_BITS
+        bits, one_region = cpu_gguf.ACT_BITS, cpu_gguf.ONE_REGION
         cpu_gguf.ACT_BITS = act_bits or bits
         cpu_fused.ENABLED = fused
+        cpu_gguf.ONE_REGION = not name.endswith("-regions")
+        spin = cpu_gguf.SPIN_US
+        if "-spin" in name:
+            cpu_gguf.SPIN_US = int(name.split("-spin")[1])
         try:
             yield
         finally:
             cpu_gguf.ACT_BITS, cpu_fused.ENABLED = bits, True
+            cpu_gguf.ONE_REGION = one_region
+            cpu_gguf.SPIN_US = spin
 
     return Arm(spec, config, engine, active, thread)
 

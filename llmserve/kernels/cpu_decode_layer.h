@@ -203,12 +203,16 @@ inline at::Tensor project(const at::Tensor& x, const at::Tensor& w, int64_t fmt,
 
 }  // namespace decode
 
+#include "cpu_decode_team.h"
+
+// one_region: on GGUF blocks, the layer as one OpenMP region (cpu_decode_team.h; its barriers
+// spin spin_us microseconds, then sleep); else, or on dense weights, a region per phase (below).
 std::tuple<at::Tensor, at::Tensor> decode_layer(
     at::Tensor x, std::optional<at::Tensor> residual, at::Tensor norm_w, at::Tensor post_norm_w,
     double eps, std::vector<at::Tensor> weights, std::vector<int64_t> fmts, at::Tensor cos_sin,
     at::Tensor positions, at::Tensor k_cache, at::Tensor v_cache, at::Tensor slots,
     at::Tensor block_tables, at::Tensor seq_lens, int64_t num_heads, double scale, bool vnni,
-    int64_t act_bits) {
+    int64_t act_bits, bool one_region, int64_t spin_us) {
   TORCH_CHECK(weights.size() == 4 && fmts.size() == 4, "decode_layer: qkv, o, gate_up, down");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "decode_layer: x must be contiguous float32 [B, hidden]");
@@ -225,6 +229,18 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
   TORCH_CHECK(cos_sin.scalar_type() == at::kFloat && cos_sin.is_contiguous() &&
                   cos_sin.size(1) == dim && num_heads % kvh == 0,
               "decode_layer: cos_sin float32 [positions, head_dim], heads a multiple of kv_heads");
+  const decode::Attn spec{k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
+                          block_tables.data_ptr<int64_t>(), seq_lens.data_ptr<int64_t>(),
+                          block_tables.size(1), k_cache.size(1), kvh, dim, num_heads,
+                          q_size + 2 * kv_size, static_cast<float>(scale)};
+  if (one_region && team::fits(weights, num_heads, kvh, dim)) {
+    TORCH_CHECK(!residual.has_value() || (residual->is_contiguous() &&
+                                          residual->sizes() == x.sizes() &&
+                                          residual->scalar_type() == at::kFloat),
+                "decode_layer: residual must be like x");
+    return team::layer(x, residual, norm_w, post_norm_w, eps, weights, fmts, cos_sin, positions,
+                       k_cache, v_cache, slots, spec, num_heads, vnni, act_bits, spin_us);
+  }
   at::Tensor h = at::empty_like(x);  // the new residual
   at::Tensor a = at::empty_like(x);
   float* hp = h.data_ptr<float>();
@@ -254,9 +270,6 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
     std::memcpy(kc + sl[b] * kv_size, row + q_size, kv_size * sizeof(float));
     std::memcpy(vc + sl[b] * kv_size, row + q_size + kv_size, kv_size * sizeof(float));
   }
-  const decode::Attn spec{kc, vc, block_tables.data_ptr<int64_t>(), seq_lens.data_ptr<int64_t>(),
-                          block_tables.size(1), k_cache.size(1), kvh, dim, num_heads,
-                          qkv.size(1), static_cast<float>(scale)};
   int64_t longest = 0;
   for (int64_t b = 0; b < B; ++b) longest = std::max(longest, spec.lens[b]);
   at::Tensor attn = at::empty({B, q_size}, x.options());

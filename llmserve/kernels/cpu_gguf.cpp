@@ -99,27 +99,42 @@ inline __m256i dot_s16(__m256i a0, __m256i x0, __m256i a1, __m256i x1) {
 }  // namespace vnni
 #pragma GCC pop_options
 
-// x [M, K] -> q [M, K] (int8 or int16: the block's amax maps to the type's largest value), d and
-// s = d * sum(q) [M, K / 32].
+// Blocks [i0, i1) of 32 values of x (contiguous rows, so block i is row i / (K / 32)) -> q (int8
+// or int16: the block's amax maps to the type's largest value), d[i] and s[i] = d[i] * sum(q).
+template <typename ACT>
+void quantize_blocks(const float* x, int64_t i0, int64_t i1, ACT* q, float* d, float* s) {
+  constexpr float top = sizeof(ACT) == 1 ? 127.0f : 32767.0f;
+  for (int64_t i = i0; i < i1; ++i) {
+    const float* xb = x + i * 32;
+    float amax = 0.0f;
+    for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(xb[j]));
+    const float scale = amax / top, inv = amax > 0.0f ? top / amax : 0.0f;
+    int sum = 0;
+    for (int j = 0; j < 32; ++j) {
+      const int v = static_cast<int>(std::nearbyint(xb[j] * inv));
+      q[i * 32 + j] = static_cast<ACT>(v);
+      sum += v;
+    }
+    d[i] = scale;
+    s[i] = scale * static_cast<float>(sum);
+  }
+}
+
+// quantize_blocks with the activation type chosen by act_bits (8: int8, else int16).
+inline void quantize_span(const float* x, int64_t i0, int64_t i1, int64_t act_bits, void* q,
+                          float* d, float* s) {
+  if (act_bits == 8) {
+    quantize_blocks(x, i0, i1, static_cast<int8_t*>(q), d, s);
+  } else {
+    quantize_blocks(x, i0, i1, static_cast<int16_t*>(q), d, s);
+  }
+}
+
+// x [M, K] -> q [M, K], d and s [M, K / 32], the blocks split over the threads.
 template <typename ACT>
 void quantize_rows(const float* x, int64_t M, int64_t K, ACT* q, float* d, float* s) {
-  constexpr float top = sizeof(ACT) == 1 ? 127.0f : 32767.0f;
-  const int64_t blocks = K / 32;
-  at::parallel_for(0, M * blocks, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const float* xb = x + i * 32;  // row i / blocks, block i % blocks: rows are contiguous
-      float amax = 0.0f;
-      for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(xb[j]));
-      const float scale = amax / top, inv = amax > 0.0f ? top / amax : 0.0f;
-      int sum = 0;
-      for (int j = 0; j < 32; ++j) {
-        const int v = static_cast<int>(std::nearbyint(xb[j] * inv));
-        q[i * 32 + j] = static_cast<ACT>(v);
-        sum += v;
-      }
-      d[i] = scale;
-      s[i] = scale * static_cast<float>(sum);
-    }
+  at::parallel_for(0, M * (K / 32), 64, [&](int64_t begin, int64_t end) {
+    quantize_blocks(x, begin, end, q, d, s);
   });
 }
 

@@ -12,6 +12,7 @@ run.
 from __future__ import annotations
 
 import functools
+import os
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,8 @@ import torch
 from llmserve.kernels import cpu_build
 
 SOURCES = [
-    Path(__file__).with_name(n) for n in ("cpu_gguf.cpp", "cpu_gguf_dot.h", "cpu_decode_layer.h")
+    Path(__file__).with_name(n)
+    for n in ("cpu_gguf.cpp", "cpu_gguf_dot.h", "cpu_decode_layer.h", "cpu_decode_team.h")
 ]
 CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp")
 
@@ -69,6 +71,13 @@ ACT_BITS = 16
 # [3072, 576] Q4_1 layer: 1.2 against 21.6 ms at 16 rows, 21 against 24 at 64; a heavily shared
 # machine, so the cut is rough), as kernels/cpu.py's WIDEN_ROWS for int8.
 PREFILL_ROWS = 128
+
+# decode_layer on the blocks as one OpenMP region, its threads meeting at barriers that spin at
+# most this many microseconds (a budget learned from the waits), then sleep
+# (kernels/cpu_decode_team.h); off (LLMSERVE_CPU_ONE_REGION=0): a region per phase, five a layer,
+# issue 42's before (`llmserve bench step --arms mode:auto mode:auto-regions`).
+ONE_REGION = os.environ.get("LLMSERVE_CPU_ONE_REGION", "1") != "0"
+SPIN_US = int(os.environ.get("LLMSERVE_CPU_SPIN_US", "20"))
 _scratch: dict[tuple[int, int], torch.Tensor] = {}  # one per weight shape, shared by layers
 # Weights larger (an LM head: SmolLM2's is 28M) always take the dot products: their float32
 # scratch would stay resident (113 MB), and their few rows per step (sampled ones) rarely reach
@@ -163,5 +172,6 @@ def decode_layer(
     out, new_residual = _module().decode_layer(
         x.contiguous(), residual, norm_w, post_norm_w, eps, blocks, fmts, cos_sin, positions,
         k_cache, v_cache, slots, block_tables, seq_lens, num_heads, scale, has_vnni(), ACT_BITS,
+        ONE_REGION, SPIN_US,
     )  # fmt: skip
     return out, new_residual

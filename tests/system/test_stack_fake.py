@@ -16,6 +16,7 @@ import grpc
 import pytest
 
 from llmserve.client import make_request
+from llmserve.stack import FRONT_NICE
 from tests.factories import EOS_TOKEN_ID
 from tests.stack import Stack, StreamWatch, start_echo_stack, wait_mid_stream
 
@@ -332,3 +333,15 @@ def test_scheduler_adopts_the_engine_limits_and_refuses_larger_ones(tmp_path: Pa
         assert "max_num_seqs=8 exceeds the engine's max_num_seqs=4" in log
     finally:
         stack.stop()
+
+
+def test_front_services_yield_to_an_engine_on_the_cpu(stack: Stack) -> None:
+    """Beside an engine on the CPU the scheduler and gateway run at FRONT_NICE, so their
+    per-token wake-ups wait for a gap instead of preempting one of the engine's threads; the
+    engine keeps 0 (issue 42, docs/quantization.md)."""
+    want = FRONT_NICE if stack.engine_on_cpu() else 0
+    nice = {
+        name: int(Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()[16])
+        for name, proc in stack.procs.items()
+    }
+    assert nice == {"engine": 0, "scheduler": want, "gateway": want}

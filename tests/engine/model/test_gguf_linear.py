@@ -264,3 +264,52 @@ def test_auto_multiplies_a_dense_copy_from_its_crossover(
     builtin = EngineConfig(model=str(builtin_model_path), device="cpu", num_kv_blocks=8, seed=0)
     small = Engine(dataclasses.replace(builtin, cpu_dense_weights_mib=100)).model.weight_path
     assert small.dense_rows == 0 and "exceeds --cpu-dense-weights-mib=100" in small.reason
+
+
+def one_layer(batch: int, act_bits: int, one_region: bool, seed: int) -> list[torch.Tensor]:
+    """decode_layer over `batch` rows of a small GQA layer (8 heads, 2 KV heads, head_dim 32, Q4_1
+    and Q8_0 projections), rows of different lengths over shuffled blocks: (out, residual, the
+    K and V pools after the call)."""
+    hidden, heads, kv_heads, dim, inter, block = 256, 8, 2, 32, 512, 4
+    gen = torch.Generator().manual_seed(seed)
+    blocks = [
+        random_blocks((heads + 2 * kv_heads) * dim, hidden, 3, seed),
+        random_blocks(hidden, heads * dim, 8, seed + 1),
+        random_blocks(2 * inter, hidden, 3, seed + 2),
+        random_blocks(hidden, inter, 8, seed + 3),
+    ]
+    lens = torch.tensor([1 + (17 * b + 5) % 40 for b in range(batch)])
+    tables = torch.randperm(16 * batch, generator=gen).view(batch, 16)
+    last = lens - 1
+    slots = tables.gather(1, (last // block)[:, None])[:, 0] * block + last % block
+    pools = [torch.randn(16 * batch, block, kv_heads, dim, generator=gen) for _ in range(2)]
+    x, residual = torch.randn(2, batch, hidden, generator=gen)
+    norms = torch.rand(2, hidden, generator=gen) + 0.5
+    bits, region = cpu_gguf.ACT_BITS, cpu_gguf.ONE_REGION
+    cpu_gguf.ACT_BITS, cpu_gguf.ONE_REGION = act_bits, one_region
+    try:
+        out, new_residual = cpu_gguf.decode_layer(
+            x, residual if batch != 3 else None, norms[0], norms[1], 1e-5, blocks, [3, 8, 3, 8],
+            torch.randn(64, dim, generator=gen), last, pools[0], pools[1], slots, tables, lens,
+            heads, dim**-0.5,
+        )  # fmt: skip
+    finally:
+        cpu_gguf.ACT_BITS, cpu_gguf.ONE_REGION = bits, region
+    return [out, new_residual, *pools]
+
+
+@pytest.mark.parametrize("act_bits", [16, 8])
+def test_one_region_layer_is_the_per_phase_layer_bit_for_bit(act_bits: int) -> None:
+    """decode_layer on GGUF blocks as one OpenMP region (kernels/cpu_decode_team.h: the threads
+    meet at barriers) gives exactly the per-phase path's outputs and KV writes, with two threads
+    and one: 1 row, 3 (no residual), 6 (the int16 products' transposed form)."""
+    threads = torch.get_num_threads()
+    try:
+        for num_threads in (2, 1):
+            torch.set_num_threads(num_threads)
+            for batch in (1, 3, 6):
+                one, phases = (one_layer(batch, act_bits, flag, batch) for flag in (True, False))
+                for got, want in zip(one, phases, strict=True):
+                    assert torch.equal(got, want), (num_threads, batch)
+    finally:
+        torch.set_num_threads(threads)
