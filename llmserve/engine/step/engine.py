@@ -11,6 +11,7 @@ from __future__ import annotations
 import secrets
 import time
 from collections import deque
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
@@ -80,6 +81,7 @@ class Engine:
         t0 = time.perf_counter()
         path = resolve_model_path(config.model)
         self._resolve_target(path)
+        config = self.config  # its step budget resolved for the device
         draft_source = self._draft_source(path)
         self.model, self.ops_reason = load_model(
             config, path, self.model_config, self.quantization, self.max_model_len,
@@ -148,6 +150,8 @@ class Engine:
         # The shape of this rank's part: its heads and layers (the whole model's without parallel).
         self.local_config = shard_config(self.model_config, self.shard)
         self.device = resolve_device(config.device) if parallel is None else parallel.device
+        tokens = config.step_tokens(self.device.type)
+        self.config = config = replace(config, max_num_batched_tokens=tokens)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, self.dtype)
         self.quantization = checked_quantization(
