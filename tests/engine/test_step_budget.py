@@ -10,8 +10,6 @@ import pytest
 
 from llmserve.engine.config import CPU_STEP_TOKENS, GPU_STEP_TOKENS, EngineConfig
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
 
 def test_the_budget_is_the_flag_or_the_devices() -> None:
     """0 (the default) takes the device's budget; a given one is kept on every device; a
@@ -26,28 +24,20 @@ def test_the_budget_is_the_flag_or_the_devices() -> None:
         EngineConfig(max_num_batched_tokens=-1)
 
 
-def test_a_cpu_engine_plans_512_token_steps_in_a_full_size_pool(
-    tiny_model: Callable[..., Path],
-) -> None:
-    """A CPU engine left at 0 tells the scheduler 512 tokens a step and holds that in its
-    config (the proposer and the profile read it); the CPU KV pool at that budget is still
+def test_the_cpu_pool_keeps_16_steps_of_2048_tokens(tiny_model: Callable[..., Path]) -> None:
+    """At the CPU's 512-token budget (what the engine resolves 0 to there) the KV pool is still
     sized for 16 steps of 2048 tokens, as before the shorter step (capped by memory, which a
-    tiny model never meets), and a larger budget given by flag still grows it."""
+    tiny model never meets); a larger budget given by flag still grows it. (The engine's
+    resolved budget, as it reports it: tests/engine/test_engine_overlap.py.)"""
     import torch
 
-    from llmserve.engine.step.engine import Engine
+    from llmserve.common.model_config import load_model_config
     from llmserve.engine.step.memory import choose_num_blocks
-    from llmserve.scheduler.config import SchedulerConfig
 
     model = str(tiny_model())
-    engine = Engine(EngineConfig(model=model, device="cpu", seed=0, num_kv_blocks=8))
-    info = engine.info
-    assert info.max_num_batched_tokens == engine.config.max_num_batched_tokens == 512
-    assert SchedulerConfig().adopt(info.max_num_seqs, 512).max_num_batched_tokens == 512
-    shape = engine.local_config
-    blocks = choose_num_blocks(
-        EngineConfig(model=model, max_num_batched_tokens=512), shape, torch.float32
-    )
-    assert blocks * engine.config.block_size >= 16 * 2048
+    shape = load_model_config(Path(model))
+    cpu = EngineConfig(model=model, max_num_batched_tokens=CPU_STEP_TOKENS)
+    blocks = choose_num_blocks(cpu, shape, torch.float32)
+    assert blocks * cpu.block_size == 16 * 2048
     larger = EngineConfig(model=model, max_num_batched_tokens=4096)
     assert choose_num_blocks(larger, shape, torch.float32) == 2 * blocks
