@@ -13,8 +13,10 @@ parallel arms run alone after the others. See docs/benchmarks.md#one-step-timer.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import resource
+import statistics
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -29,6 +31,12 @@ def add_step_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batches", default="1,16", help="comma-separated batch sizes")
     p.add_argument("--steps", type=int, default=15, help="timed decode steps per arm and batch")
     p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument(
+        "--prefill-rounds",
+        type=int,
+        default=1,
+        help="timed prefills per arm and batch (each the batch's prompts in one step)",
+    )
     p.add_argument("--shape", help="the family arms' shape: a directory with a config.json")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: the engine's rule)")
     p.add_argument("--profile", action="store_true", help="also each operator's time per step")
@@ -112,7 +120,8 @@ def peak_rss_mib() -> float:
 
 
 def paired_steps(arms: list[Any], batch: int, args: argparse.Namespace) -> list[dict[str, Any]]:
-    """Each arm's row at batch: prefill, 3 warm-up decodes, then --steps rounds of one decode
+    """Each arm's row at batch: --prefill-rounds prefills of the batch's prompts (one step
+    each, timed, the arms in turn ABBA), 3 warm-up decodes, then --steps rounds of one decode
     step of every arm in turn (ABBA)."""
     from llmserve.bench.engine_driver import Driver, step_row
     from llmserve.bench.step_arms import prompts
@@ -126,9 +135,19 @@ def paired_steps(arms: list[Any], batch: int, args: argparse.Namespace) -> list[
             with arms[i].active():
                 return worker.submit(fn).result() if arms[i].worker_thread else fn()
 
-        for i, (arm, driver) in enumerate(zip(arms, drivers, strict=True)):
-            slots = arm.slots_for(batch)
-            call(i, lambda d=driver, s=slots, a=arm: d.start(batch_prompts, s, a.lora_loads))
+        prefill_ms: list[list[float]] = [[] for _ in arms]
+        for rnd in range(max(1, args.prefill_rounds)):
+            order = list(range(len(arms)))
+            for i in order if rnd % 2 == 0 else order[::-1]:
+                drivers[i] = Driver(arms[i].engine)
+                slots = arms[i].slots_for(batch)
+                start = functools.partial(
+                    drivers[i].start, batch_prompts, slots, arms[i].lora_loads
+                )
+                t0 = time.perf_counter()
+                call(i, start)
+                prefill_ms[i].append((time.perf_counter() - t0) * 1e3)
+        for i, driver in enumerate(drivers):
             for _ in range(3):
                 call(i, driver.decode)
         times: list[list[float]] = [[] for _ in arms]
@@ -138,7 +157,22 @@ def paired_steps(arms: list[Any], batch: int, args: argparse.Namespace) -> list[
                 t0 = time.perf_counter()
                 call(i, drivers[i].decode)
                 times[i].append((time.perf_counter() - t0) * 1e3)
-    return [step_row(batch, t, d.generated[0][:8]) for t, d in zip(times, drivers, strict=True)]
+    rows = [step_row(batch, t, d.generated[0][:8]) for t, d in zip(times, drivers, strict=True)]
+    for row, ms in zip(rows, prefill_ms, strict=True):
+        row |= prefill_row(ms, sum(len(p) for p in batch_prompts))
+    return rows
+
+
+def prefill_row(times_ms: list[float], num_tokens: int) -> dict[str, Any]:
+    """The prefill figures of a row: every timed prefill step (num_tokens prompt tokens in
+    one step), the median and the median's milliseconds per prompt token."""
+    median = statistics.median(times_ms)
+    return {
+        "prefill_tokens": num_tokens,
+        "prefill_ms": [round(t, 1) for t in times_ms],
+        "prefill_ms_median": round(median, 1),
+        "prefill_ms_per_token": round(median / num_tokens, 3),
+    }
 
 
 def time_group(arm: Any, batches: list[int], args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -264,6 +298,13 @@ def text_table(document: dict[str, Any]) -> str:
             f"{r['step_ms_median']:>16.1f} ({r['vs_first']:5.2f}x)" for r in result["rows"]
         )
         lines.append(f"{result['arm']:24s}{cells}")
+        prefill = "".join(
+            f"{r['prefill_ms_median']:>15.1f} ({r['prefill_ms_per_token']:.2f}/tok)"
+            for r in result["rows"]
+            if "prefill_ms_median" in r
+        )
+        if prefill:
+            lines.append(f"{'  prefill: ms (ms/token)':24s}{prefill}")
         for r in result["rows"]:
             for op in r.get("top_ops", [])[:8]:
                 share = op["share_of_step"]

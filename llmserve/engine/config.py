@@ -19,6 +19,11 @@ ENGINE_ROLES = ("both", "prefill", "decode")
 KV_TRANSFER_BACKENDS = ("tcp", "torch")
 WILDCARD_HOSTS = ("0.0.0.0", "::")  # a bind on every interface
 MAX_SPECULATIVE_TOKENS = 16
+# --max-num-batched-tokens 0's budget by device. On a CPU a 512-token prefill step costs what a
+# 2048-token one does per token (2-core AVX2 VM, docs/quantization.md "Issue 42, third session"),
+# so 16 prompts arriving at once get their first tokens in 4 steps, not after one long one.
+GPU_STEP_TOKENS = 2048
+CPU_STEP_TOKENS = 512
 MAX_SPECULATIVE_NODES = 64  # a token tree's nodes per request and step
 
 
@@ -133,7 +138,10 @@ class EngineConfig(PeerSecurity):
         256, "requests per step at most (sizes the memory profile and CUDA graphs)"
     )
     max_num_batched_tokens: int = setting(
-        2048, "tokens per step at most, prefill chunks + decodes (sizes the memory profile)"
+        0,
+        "tokens per step at most, prefill chunks + decodes (sizes the memory profile); 0: "
+        f"{GPU_STEP_TOKENS} on a GPU, {CPU_STEP_TOKENS} on a CPU (a wave of prompts reaches its "
+        "first tokens in several shorter steps at the same cost per token)",
     )
     state_snapshot_slots: int = setting(
         0,
@@ -243,9 +251,11 @@ class EngineConfig(PeerSecurity):
             raise ValueError(
                 f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]"
             )
-        for name in ("max_num_seqs", "max_num_batched_tokens"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs={self.max_num_seqs} must be >= 1")
+        if self.max_num_batched_tokens < 0:
+            tokens = self.max_num_batched_tokens
+            raise ValueError(f"max_num_batched_tokens={tokens} must be >= 0 (0: the device's)")
         check_ports(self, "port", "metrics_port", "master_port", "kv_transfer_port")
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "nnodes"):
             if getattr(self, name) < 1:
@@ -392,6 +402,13 @@ class EngineConfig(PeerSecurity):
     def world_size(self) -> int:
         """Engine ranks in all: tensor_parallel_size x pipeline_parallel_size."""
         return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    def step_tokens(self, device_type: str) -> int:
+        """Tokens per step at most on a device of this type ("cpu", "cuda"):
+        --max-num-batched-tokens, or where it is 0 the device's default."""
+        if self.max_num_batched_tokens:
+            return self.max_num_batched_tokens
+        return CPU_STEP_TOKENS if device_type == "cpu" else GPU_STEP_TOKENS
 
     def features(self) -> list[str]:
         """The engine features these settings use, as common.families.FEATURES names them (a

@@ -920,9 +920,9 @@ def test_bench_ab_refuses_bad_settings_before_starting_anything(
 
 def test_bench_step_times_arms_side_by_side(tmp_path: Path) -> None:
     """`llmserve bench step` on two family arms of a tiny shape: a row per arm and batch, every
-    step timed, ratios to the first arm (the first's own 1.0), each arm's greedy tokens kept
-    (llama's and qwen3's differ: other layouts, other weights), the saved document read back as
-    the docs' markdown table; a bad arm spec is refused naming the kinds."""
+    step and prefill timed, ratios to the first arm (the first's own 1.0), each arm's greedy
+    tokens kept (llama's and qwen3's differ: other layouts, other weights), the saved document
+    read back as the docs' markdown table; a bad arm spec is refused naming the kinds."""
     from llmserve.bench.step import markdown_table
     from llmserve.cli import main
     from tests.family_models import COMMON
@@ -934,10 +934,13 @@ def test_bench_step_times_arms_side_by_side(tmp_path: Path) -> None:
     out = tmp_path / "step.json"
     args = ["bench", "step", "--arms", "family:llama", "family:qwen3", "--batches", "1,3"]
     args += ["--steps", "3", "--prompt-len", "8", "--threads", "1", "--shape", str(shape)]
-    assert main([*args, "--out", str(out)]) == 0
+    assert main([*args, "--prefill-rounds", "2", "--out", str(out)]) == 0
     document = json.loads(out.read_text())
     llama, qwen3 = document["results"]
     assert [r["batch"] for r in qwen3["rows"]] == [1, 3]
+    # each row's prefills: the batch's prompts in one step, timed --prefill-rounds times
+    assert [r["prefill_tokens"] for r in qwen3["rows"]] == [8, 24]
+    assert all(len(r["prefill_ms"]) == 2 and r["prefill_ms_per_token"] > 0 for r in qwen3["rows"])
     assert all(len(r["step_ms"]) == 3 and r["step_ms_median"] > 0 for r in qwen3["rows"])
     assert [r["vs_first"] for r in llama["rows"]] == [1.0, 1.0]
     assert len(llama["rows"][0]["first_tokens"]) == 7  # the prefill's, 3 warm-ups, 3 timed

@@ -99,6 +99,13 @@ def serve(engine: Engine, depth: int, **config: Any) -> dict[int, list[int]]:
     raise AssertionError("did not finish")
 
 
+def test_the_engine_reports_its_devices_step_budget(engine: Engine) -> None:
+    """--max-num-batched-tokens 0 (the default) resolves to the device's budget, which the
+    engine holds in its config and tells the scheduler: 512 tokens on a CPU, 2048 on a GPU."""
+    expected = 512 if engine.device.type == "cpu" else 2048
+    assert engine.info.max_num_batched_tokens == engine.config.max_num_batched_tokens == expected
+
+
 @pytest.mark.parametrize(
     "config",
     [

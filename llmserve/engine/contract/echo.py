@@ -114,7 +114,7 @@ class EchoEngine:
             device="cpu",
             dtype="none",
             max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_num_batched_tokens=config.step_tokens("echo"),
             pipeline_parallel_size=fake.pipeline_parallel_size,
             speculative_method="echo" if fake.num_speculative_tokens else "",
             num_speculative_tokens=fake.num_speculative_tokens,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import secrets
 import time
 from collections import deque
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
@@ -79,7 +80,7 @@ class Engine:
         set_torch_threads(config.num_threads, config.device)
         t0 = time.perf_counter()
         path = resolve_model_path(config.model)
-        self._resolve_target(path)
+        config = self._resolve_target(path)  # its step budget resolved for the device
         draft_source = self._draft_source(path)
         self.model, self.ops_reason = load_model(
             config, path, self.model_config, self.quantization, self.max_model_len,
@@ -130,9 +131,10 @@ class Engine:
         self.info = self._engine_info()
         self._log_loaded(path, self.ops_reason, load_s, t0, memory, graph_info)
 
-    def _resolve_target(self, path: Path) -> None:
+    def _resolve_target(self, path: Path) -> EngineConfig:
         """The target model's shape (the whole and this rank's part), the device, the dtypes
-        and the quantization, checked before any weights load."""
+        and the quantization, checked before any weights load; returns the config with its
+        step budget resolved for the device (also self.config)."""
         config, parallel = self.config, self.parallel
         self.model_config = load_model_config(path)
         why_not = family_refusal(self.model_config.family, config.features())
@@ -148,6 +150,8 @@ class Engine:
         # The shape of this rank's part: its heads and layers (the whole model's without parallel).
         self.local_config = shard_config(self.model_config, self.shard)
         self.device = resolve_device(config.device) if parallel is None else parallel.device
+        tokens = config.step_tokens(self.device.type)
+        self.config = config = replace(config, max_num_batched_tokens=tokens)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, self.dtype)
         self.quantization = checked_quantization(
@@ -158,6 +162,7 @@ class Engine:
             self.quantization = "none"  # what auto chose (one asked for was refused above)
         max_len = self.model_config.max_position_embeddings
         self.max_model_len = min(max_len, config.max_model_len or max_len)
+        return config
 
     def _engine_info(self) -> EngineInfo:
         config = self.config

@@ -32,9 +32,11 @@ from llmserve.protos.common_pb2 import SamplingParams
 
 GIB = 1 << 30
 GRAPH_MARGIN_BYTES = 64 << 20
-# The CPU pool's default: this many steps' worth of tokens (16 x 2048 by default: 64 requests of
-# 512 tokens), at most this share of the memory available at start.
+# The CPU pool's default: this many steps' worth of tokens, counting a step as at least
+# CPU_POOL_STEP_TOKENS (16 x 2048 by default: 64 requests of 512 tokens, whatever the CPU's
+# shorter default step), at most this share of the memory available at start.
 CPU_POOL_STEPS = 16
+CPU_POOL_STEP_TOKENS = 2048
 CPU_POOL_MEMORY_SHARE = 0.25
 # Every sampling feature at once, so the profile sees the sampler's largest temporaries
 # (sort, softmax, noise and penalty counts over [max_num_seqs, vocab]).
@@ -187,8 +189,9 @@ def choose_num_blocks(
     draft_config: ModelConfig | None = None,
 ) -> int:
     """The KV pool's size without profiling: --num-kv-blocks, --kv-cache-gb, or on the CPU by
-    default CPU_POOL_STEPS x max_num_batched_tokens tokens (at least one max_model_len request),
-    capped at CPU_POOL_MEMORY_SHARE of the available memory, shared by this node's ranks (a GPU
+    default CPU_POOL_STEPS steps of max_num_batched_tokens tokens, a step counted as at least
+    CPU_POOL_STEP_TOKENS (and at least one max_model_len request), capped at
+    CPU_POOL_MEMORY_SHARE of the available memory, shared by this node's ranks (a GPU
     engine profiles instead: `profile_num_blocks`). dtype: the pool's; model_config: the shape
     of this rank's part; draft_config: a draft model's, whose pool has as many blocks (the
     memory is for both pools)."""
@@ -200,7 +203,8 @@ def choose_num_blocks(
         budget = int(config.kv_cache_gb * GIB)
     else:
         max_len = min(model_config.max_position_embeddings, config.max_model_len or 1 << 62)
-        tokens = max(CPU_POOL_STEPS * config.max_num_batched_tokens, max_len)
+        step = max(config.max_num_batched_tokens, CPU_POOL_STEP_TOKENS)
+        tokens = max(CPU_POOL_STEPS * step, max_len)
         wanted = -(-tokens // config.block_size) * per_block
         share = CPU_POOL_MEMORY_SHARE / ranks_on_node
         budget = min(wanted, int(share * available_memory_bytes()))
