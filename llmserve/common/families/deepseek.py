@@ -7,7 +7,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from llmserve.common.families.moe import MOE_GGUF_NAMES, MOE_REFUSES, SIGMOID_GATING
+from llmserve.common.families.moe import (
+    MOE_GGUF_NAMES,
+    MOE_REFUSES,
+    SIGMOID_GATING,
+    deepseek_router_gguf,
+)
 from llmserve.common.families.registry import Family, ModelSourceError, register
 from llmserve.common.families.rope import rope_from_hf
 from llmserve.common.mla_config import mla_from_hf, mla_softmax_scale
@@ -80,15 +85,7 @@ def read_deepseek2_gguf(fields: Mapping[str, Any], arch: str) -> dict[str, Any]:
         "qk_rope_head_dim": rope,
         "v_head_dim": fields[f"{arch}.attention.value_length" + ("_mla" if mla_keys else "")],
         "rope_interleave": True,
-        "n_routed_experts": fields[f"{arch}.expert_count"],
-        "num_experts_per_tok": fields[f"{arch}.expert_used_count"],
-        "moe_intermediate_size": fields[f"{arch}.expert_feed_forward_length"],
-        "n_shared_experts": fields.get(f"{arch}.expert_shared_count") or 0,
-        "first_k_dense_replace": fields.get(f"{arch}.leading_dense_block_count") or 0,
-        "norm_topk_prob": bool(fields.get(f"{arch}.expert_weights_norm")),
-        "routed_scaling_factor": fields.get(f"{arch}.expert_weights_scale") or 1.0,
-        "n_group": fields.get(f"{arch}.expert_group_count") or 1,
-        "topk_group": fields.get(f"{arch}.expert_group_used_count") or 1,
+        **deepseek_router_gguf(fields, arch),
     }
     mla = mla_from_hf(cfg)
     log_mul = fields.get(f"{arch}.rope.scaling.yarn_log_multiplier")

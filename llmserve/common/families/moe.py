@@ -160,6 +160,22 @@ def read_glm4_moe(cfg: Mapping[str, Any]) -> dict[str, Any]:
 SIGMOID_GATING = 2  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID
 
 
+def deepseek_router_gguf(fields: Mapping[str, Any], arch: str) -> dict[str, Any]:
+    """DeepSeek-V3's router and experts as config.json names them, from llama.cpp's `expert_*`
+    keys (deepseek2 and glm4moe files write them alike); the group keys are 1 where absent."""
+    return {
+        "n_routed_experts": fields[f"{arch}.expert_count"],
+        "num_experts_per_tok": fields[f"{arch}.expert_used_count"],
+        "moe_intermediate_size": fields[f"{arch}.expert_feed_forward_length"],
+        "n_shared_experts": fields.get(f"{arch}.expert_shared_count") or 0,
+        "first_k_dense_replace": fields.get(f"{arch}.leading_dense_block_count") or 0,
+        "norm_topk_prob": bool(fields.get(f"{arch}.expert_weights_norm")),
+        "routed_scaling_factor": fields.get(f"{arch}.expert_weights_scale") or 1.0,
+        "n_group": fields.get(f"{arch}.expert_group_count") or 1,
+        "topk_group": fields.get(f"{arch}.expert_group_used_count") or 1,
+    }
+
+
 def read_glm4_moe_gguf(fields: Mapping[str, Any], arch: str) -> dict[str, Any]:
     """A `glm4moe` GGUF (convert_hf_to_gguf.py's Glm4MoeModel) as read_glm4_moe reads
     config.json: block_count counts the MTP layers (`nextn_predict_layers`, not served), the
@@ -176,15 +192,7 @@ def read_glm4_moe_gguf(fields: Mapping[str, Any], arch: str) -> dict[str, Any]:
     cfg = {
         "architectures": ["Glm4MoeForCausalLM"],
         "num_hidden_layers": num_layers,
-        "n_routed_experts": fields[f"{arch}.expert_count"],
-        "num_experts_per_tok": fields[f"{arch}.expert_used_count"],
-        "moe_intermediate_size": fields[f"{arch}.expert_feed_forward_length"],
-        "n_shared_experts": fields.get(f"{arch}.expert_shared_count") or 0,
-        "first_k_dense_replace": fields.get(f"{arch}.leading_dense_block_count") or 0,
-        "norm_topk_prob": bool(fields.get(f"{arch}.expert_weights_norm")),
-        "routed_scaling_factor": fields.get(f"{arch}.expert_weights_scale") or 1.0,
-        "n_group": fields.get(f"{arch}.expert_group_count") or 1,
-        "topk_group": fields.get(f"{arch}.expert_group_used_count") or 1,
+        **deepseek_router_gguf(fields, arch),
     }
     heads = int(fields[f"{arch}.attention.head_count"])
     head_dim = int(

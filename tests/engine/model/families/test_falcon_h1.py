@@ -16,8 +16,6 @@ import torch
 from llmserve.common.families import family_refusal
 from llmserve.common.families.falcon_h1 import read_falcon_h1
 from llmserve.common.families.registry import ModelSourceError
-from llmserve.engine.config import EngineConfig
-from llmserve.engine.parallel.ranks import run_group_locally
 from tests.engine.model.families.test_granite_hybrid import (
     TOLERANCE,
     Loaded,
@@ -25,12 +23,12 @@ from tests.engine.model.families.test_granite_hybrid import (
     gguf_twin,
 )
 from tests.engine.model.families.test_qwen3_next import (
-    _script_on_rank,
+    check_group_script,
     check_rows,
     run_requests,
     script_requests,
 )
-from tests.engine.model.test_model import BLOCK_SIZE, NUM_BLOCKS, prompt, rel_err
+from tests.engine.model.test_model import prompt, rel_err
 from tests.factories import write_byte_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -151,20 +149,8 @@ def test_tensor_and_pipeline_parallel_match_hf(load: Any) -> None:
     stage 1 layer 1, each with its own KV and state pools. The script gives transformers'
     logits and greedy tokens on the driver, the same tokens on every rank."""
     m = load("mup")
-    config = EngineConfig(
-        model=str(m.path), device="cpu", num_kv_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE,
-        tensor_parallel_size=2, pipeline_parallel_size=2, num_threads=1, seed=0,
-    )  # fmt: skip
-    ranks = run_group_locally(config, _script_on_rank, timeout=300)
-    tokens = ranks[0][0]
-    rows = next(rank[1] for rank in ranks if rank[1])  # the driver's
-    assert ranks[0][2] > 0 and all(rank[0] == tokens for rank in ranks)
     # each rank: its stage's one state layer, 2 heads of 12 channels, state size 8
-    assert sorted(rank[3] for rank in ranks) == [(1, config.max_num_seqs, 2, 12, 8)] * 4
-    requests = script_requests()
-    for request, ids in zip(requests, tokens, strict=True):
-        request.token_ids = ids
-    check_rows(m, requests, rows)
+    assert check_group_script(m) == [(1, 2, 12, 8)] * 4
 
 
 def test_from_a_gguf_as_llama_cpps_converter_writes_it(load: Any, tmp_path: Path) -> None:

@@ -18,10 +18,9 @@ from llmserve.common.families import family_refusal
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.kv.state import StateBatch
 from llmserve.engine.model.attention_context import AttentionContext
-from llmserve.engine.parallel.ranks import run_group_locally
 from llmserve.engine.step.engine import Engine
 from tests.engine.model.families.test_qwen3_next import (
-    _script_on_rank,
+    check_group_script,
     check_rows,
     check_snapshot_hits,
     run_requests,
@@ -286,19 +285,7 @@ def test_tensor_and_pipeline_parallel_match_hf(load: Any) -> None:
     script gives transformers' rows on the driver and the same tokens on every rank; each
     rank's state pool holds its heads of its stage's Mamba layers."""
     m = load("moe_nope")
-    config = EngineConfig(
-        model=str(m.path), device="cpu", num_kv_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE,
-        tensor_parallel_size=2, pipeline_parallel_size=2, num_threads=1, seed=0,
-    )  # fmt: skip
-    ranks = run_group_locally(config, _script_on_rank, timeout=300)
-    tokens = ranks[0][0]
-    rows = next(rank[1] for rank in ranks if rank[1])  # the driver's
-    assert ranks[0][2] > 0 and all(rank[0] == tokens for rank in ranks)
-    assert sorted(rank[3] for rank in ranks) == [(1, config.max_num_seqs, 2, 8, 8)] * 4
-    requests = script_requests()
-    for request, ids in zip(requests, tokens, strict=True):
-        request.token_ids = ids
-    check_rows(m, requests, rows)
+    assert check_group_script(m) == [(1, 2, 8, 8)] * 4
 
 
 @torch.inference_mode()

@@ -18,8 +18,6 @@ import torch
 from llmserve.common.families.nemotron_h import read_nemotron_h
 from llmserve.common.families.registry import ModelSourceError
 from llmserve.common.model_config import check_parallel_sizes
-from llmserve.engine.config import EngineConfig
-from llmserve.engine.parallel.ranks import run_group_locally
 from tests.engine.model.families.test_granite_hybrid import (
     TOLERANCE,
     Loaded,
@@ -27,12 +25,12 @@ from tests.engine.model.families.test_granite_hybrid import (
     gguf_twin,
 )
 from tests.engine.model.families.test_qwen3_next import (
-    _script_on_rank,
+    check_group_script,
     check_rows,
     run_requests,
     script_requests,
 )
-from tests.engine.model.test_model import BLOCK_SIZE, NUM_BLOCKS, prompt, rel_err
+from tests.engine.model.test_model import prompt, rel_err
 from tests.factories import write_byte_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -179,19 +177,7 @@ def test_tensor_and_pipeline_parallel_match_hf(load: Any, variant: str) -> None:
     columns, the grouped router and the latent projections on both. The script gives
     transformers' rows on the driver, the same tokens on every rank."""
     loaded = load(variant)
-    config = EngineConfig(
-        model=str(loaded.path), device="cpu", num_kv_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE,
-        tensor_parallel_size=2, pipeline_parallel_size=2, num_threads=1, seed=0,
-    )  # fmt: skip
-    ranks = run_group_locally(config, _script_on_rank, timeout=300)
-    tokens = ranks[0][0]
-    rows = next(rank[1] for rank in ranks if rank[1])
-    assert ranks[0][2] > 0 and all(rank[0] == tokens for rank in ranks)
-    assert sorted(rank[3] for rank in ranks) == [(1, config.max_num_seqs, 2, 8, 8)] * 4
-    requests = script_requests()
-    for request, ids in zip(requests, tokens, strict=True):
-        request.token_ids = ids
-    check_rows(loaded, requests, rows)
+    assert check_group_script(loaded) == [(1, 2, 8, 8)] * 4
 
 
 def test_a_group_count_that_does_not_split_is_refused(load: Any) -> None:

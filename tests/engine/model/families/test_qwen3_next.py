@@ -27,7 +27,7 @@ from llmserve.engine.parallel.ranks import run_group_locally
 from llmserve.engine.step.engine import Engine
 from llmserve.scheduler.request import Request
 from tests.engine.model.families.test_families import TOLERANCE, Loaded, run_script
-from tests.engine.model.test_model import BLOCK_SIZE, prompt, rel_err, shuffled_blocks
+from tests.engine.model.test_model import BLOCK_SIZE, NUM_BLOCKS, prompt, rel_err, shuffled_blocks
 from tests.factories import sampling
 from tests.moe_models import make_tiny_moe
 
@@ -185,26 +185,35 @@ def _script_on_rank(engine: Engine, parallel: Any) -> tuple[Any, ...]:
     )
 
 
+def check_group_script(model: Loaded, num_kv_blocks: int = NUM_BLOCKS) -> list[tuple[int, ...]]:
+    """The script on T = 2 x P = 2 (four gloo ranks): transformers' logits and greedy tokens on
+    the driver, the same tokens on every rank, preemptions on; each rank's state pool shape
+    without its slot count (sorted), for the caller to check its split."""
+    config = EngineConfig(
+        model=str(model.path), device="cpu", num_kv_blocks=num_kv_blocks, block_size=BLOCK_SIZE,
+        tensor_parallel_size=2, pipeline_parallel_size=2, num_threads=1, seed=0,
+    )  # fmt: skip
+    ranks = run_group_locally(config, _script_on_rank, timeout=300)
+    tokens = ranks[0][0]
+    rows = next(rank[1] for rank in ranks if rank[1])  # the driver's
+    assert ranks[0][2] > 0 and all(rank[0] == tokens for rank in ranks)
+    assert all(rank[3][1] == config.max_num_seqs for rank in ranks)
+    requests = script_requests()
+    for request, ids in zip(requests, tokens, strict=True):
+        request.token_ids = ids
+    check_rows(model, requests, rows)
+    return sorted((rank[3][0], *rank[3][2:]) for rank in ranks)
+
+
 def test_tensor_and_pipeline_parallel_match_hf(model: Loaded) -> None:
     """T = 2 x P = 2, four gloo ranks (each rank 1 of the 2 DeltaNet key heads with its 2 value
     heads, its conv channels of q, k and v and its states; 2 of the 4 attention heads; 4 of the
     8 experts; stage 0 two DeltaNet layers, stage 1 the third and the attention layer, each with
     its own pools): the script gives transformers' logits and greedy tokens on the driver, the
     same tokens on every rank."""
-    config = EngineConfig(
-        model=str(model.path), device="cpu", num_kv_blocks=96, block_size=BLOCK_SIZE,
-        tensor_parallel_size=2, pipeline_parallel_size=2, num_threads=1, seed=0,
-    )  # fmt: skip
-    ranks = run_group_locally(config, _script_on_rank, timeout=300)
-    tokens, num_preemptions = ranks[0][0], ranks[0][2]
-    rows = next(rank[1] for rank in ranks if rank[1])  # the driver's
-    assert num_preemptions > 0 and all(rank[0] == tokens for rank in ranks)
-    n = config.max_num_seqs  # 2 of the 4 value heads a rank; 2 state layers a stage, 1 at last
-    assert sorted(rank[3] for rank in ranks) == [(1, n, 2, 16, 8)] * 2 + [(2, n, 2, 16, 8)] * 2
-    requests = script_requests()
-    for request, ids in zip(requests, tokens, strict=True):
-        request.token_ids = ids
-    check_rows(model, requests, rows)
+    pools = check_group_script(model, num_kv_blocks=96)
+    # 2 of the 4 value heads a rank; 2 state layers a stage, 1 at the last
+    assert pools == [(1, 2, 16, 8)] * 2 + [(2, 2, 16, 8)] * 2
 
 
 def test_a_prefix_cache_hit_is_refused_by_the_mirror(model: Loaded) -> None:
