@@ -168,8 +168,9 @@ class LlamaForCausalLM(nn.Module):
                 hidden = hidden * torch.tensor(self.config.embed_scale, dtype=hidden.dtype)
         else:
             hidden, residual = carried[0], carried[1]
+        fused_layers = None if rows is None else rows.layers
         for i in self.shard.layers if layers is None else layers:
-            fused = None if rows is None else getattr(self.layers[i], "fused_decode", None)
+            fused = None if fused_layers is None else fused_layers[i]
             if fused is not None:
                 hidden, residual = fused(positions, hidden, residual, ctx, rows)
             else:
