@@ -157,7 +157,8 @@ class LlamaForCausalLM(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(hidden, residual) after `layers` (default: this rank's), before the final norm, from
         input_ids' embeddings or `carried` (see forward). A draft runs the first layers only.
-        The ops backend prepares ctx once for all layers."""
+        The ops backend prepares ctx once for all layers (not when every layer runs fused:
+        those read the step's DecodeRows instead)."""
         # a decode-only step the fused layers take (engine/model/cpu_fused.py), or None
         rows = None if self.fused_rows is None else self.fused_rows(ctx, positions.shape[0])
         fused_layers = None if rows is None else rows.layers
