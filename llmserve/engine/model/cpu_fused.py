@@ -62,6 +62,13 @@ class FusedDecode:
         fast = [p.fast for p in projections if isinstance(p, GGUFLinear)]
         self.fast = fast if all(f is not None for f in fast) else None
         self.eps = layer.input_layernorm.eps
+        # what each call reads, held here: every nn.Module attribute lookup is a __getattr__
+        # call, three or more a layer and thirty layers a step (the loaded weights: this runs
+        # once they are final, as the blocks above)
+        self.norm_w = layer.input_layernorm.weight
+        self.post_norm_w = layer.post_attention_layernorm.weight
+        self.cos_sin = attn.rotary_emb.cos_sin_cache
+        self.layer_idx, self.num_heads, self.scale = attn.layer_idx, attn.num_heads, attn.scale
 
     def __call__(
         self,
@@ -71,15 +78,13 @@ class FusedDecode:
         ctx: AttentionContext,
         rows: DecodeRows,
     ) -> tuple[Tensor, Tensor]:
-        k_cache, v_cache = ctx.kv_caches[self.attn.layer_idx]
+        k_cache, v_cache = ctx.kv_caches[self.layer_idx]
         return cpu_gguf.decode_layer(  # type: ignore[no-any-return]
-            hidden, residual,
-            self.layer.input_layernorm.weight, self.layer.post_attention_layernorm.weight,
+            hidden, residual, self.norm_w, self.post_norm_w,
             self.eps, self.fast if rows.dense and self.fast else self.blocks, self.fmts,
-            self.attn.rotary_emb.cos_sin_cache,
-            positions.long(),
+            self.cos_sin, positions if positions.dtype is torch.int64 else positions.long(),
             k_cache, v_cache, rows.slots, rows.block_tables, rows.seq_lens,
-            self.attn.num_heads, self.attn.scale,
+            self.num_heads, self.scale,
         )  # fmt: skip
 
 
@@ -92,18 +97,24 @@ class DecodeRows:
         self.slots = slots
         self.block_tables = block_tables
         self.seq_lens = seq_lens
+        # each layer's FusedDecode by index, None where it has none (StepRows sets it)
+        self.layers: list[FusedDecode | None] = []
 
 
 class StepRows:
     """The model's `fused_rows`: asked once per step, it counts the step on the weight path
     (engine/model/cpu_weights.py) and gives decode_rows' answer."""
 
-    def __init__(self, path: WeightPath | None):
+    def __init__(self, path: WeightPath | None, layers: list[FusedDecode | None]):
         self.path = path
+        self.layers = layers
 
     def __call__(self, ctx: AttentionContext, num_rows: int) -> DecodeRows | None:
         dense = self.path is not None and self.path.count(num_rows)
-        return decode_rows(ctx, num_rows, dense)
+        rows = decode_rows(ctx, num_rows, dense)
+        if rows is not None:
+            rows.layers = self.layers
+        return rows
 
 
 def decode_rows(ctx: AttentionContext, num_rows: int, dense: bool = False) -> DecodeRows | None:
@@ -138,5 +149,7 @@ def install_fused_decode(model: LlamaForCausalLM) -> int:
         if isinstance(layer, DecoderLayer) and why_not_fused(layer) is None:
             layer.fused_decode = FusedDecode(layer)
             fused += 1
-    model.fused_rows = StepRows(getattr(model, "weight_path", None)) if fused else None
+    by_index = [getattr(layer, "fused_decode", None) for layer in model.layers]
+    path = getattr(model, "weight_path", None)
+    model.fused_rows = StepRows(path, by_index) if fused else None
     return fused

@@ -157,10 +157,14 @@ class LlamaForCausalLM(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(hidden, residual) after `layers` (default: this rank's), before the final norm, from
         input_ids' embeddings or `carried` (see forward). A draft runs the first layers only.
-        The ops backend prepares ctx once for all layers."""
-        ctx = self.ops.prepare(ctx)
+        The ops backend prepares ctx once for all layers (not when every layer runs fused:
+        those read the step's DecodeRows instead)."""
         # a decode-only step the fused layers take (engine/model/cpu_fused.py), or None
         rows = None if self.fused_rows is None else self.fused_rows(ctx, positions.shape[0])
+        fused_layers = None if rows is None else rows.layers
+        indices = self.shard.layers if layers is None else layers
+        if fused_layers is None or any(fused_layers[i] is None for i in indices):
+            ctx = self.ops.prepare(ctx)  # for the layers' own attention: fused ones skip it
         residual: torch.Tensor | None = None
         if carried is None:
             hidden = self.embed_tokens(input_ids)
@@ -168,8 +172,8 @@ class LlamaForCausalLM(nn.Module):
                 hidden = hidden * torch.tensor(self.config.embed_scale, dtype=hidden.dtype)
         else:
             hidden, residual = carried[0], carried[1]
-        for i in self.shard.layers if layers is None else layers:
-            fused = None if rows is None else getattr(self.layers[i], "fused_decode", None)
+        for i in indices:
+            fused = None if fused_layers is None else fused_layers[i]
             if fused is not None:
                 hidden, residual = fused(positions, hidden, residual, ctx, rows)
             else:
