@@ -21,6 +21,7 @@ from tests.engine.model.families.test_granite_hybrid import (
     Loaded,
     check_prompt,
     gguf_twin,
+    save_mamba2_model,
 )
 from tests.engine.model.families.test_qwen3_next import (
     check_group_script,
@@ -29,7 +30,6 @@ from tests.engine.model.families.test_qwen3_next import (
     script_requests,
 )
 from tests.engine.model.test_model import prompt, rel_err
-from tests.factories import write_byte_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -59,15 +59,7 @@ def make_falcon(directory: Path, variant: str, seed: int) -> Path:
     )  # fmt: skip
     torch.manual_seed(seed)
     model = transformers.FalconH1ForCausalLM(config).float()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith(("dt_bias", "A_log", "mamba.D", "conv1d.bias")):
-                param.copy_(torch.randn_like(param) * 0.5)
-            elif "norm" in name:
-                param.add_(torch.randn_like(param) * 0.1)
-    model.save_pretrained(directory)
-    write_byte_tokenizer(directory)
-    return directory
+    return save_mamba2_model(model, directory)
 
 
 @pytest.fixture(scope="module")

@@ -57,6 +57,13 @@ def make_granite(directory: Path, variant: str, seed: int) -> Path:
     )  # fmt: skip
     torch.manual_seed(seed)
     model = transformers.GraniteMoeHybridForCausalLM(config).float()
+    return save_mamba2_model(model, directory)
+
+
+def save_mamba2_model(model: Any, directory: Path) -> Path:
+    """A tiny transformers Mamba-2 hybrid saved to directory with the byte tokenizer, its
+    mixers' dt_bias, A_log, D and conv bias drawn wide and its norms moved off 1 (the
+    initializer leaves them at values that would hide a misread)."""
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith(("dt_bias", "A_log", "mamba.D", "conv1d.bias")):
